@@ -1,0 +1,1007 @@
+"""Link F on the wire: the frame envelope, the streaming decoder and the typed message catalog.
+
+Layered like AMP: :func:`encode_frame` and :class:`FrameDecoder` know only the envelope
+(LINKF section 1); the message classes below know only their msgpack payloads (sections 2 and
+3); nothing here does I/O, keeps connection state beyond a byte buffer, or knows what a message
+means.  Every error this module raises on bad input is a :class:`WireError`, so a caller can
+close one connection on it and carry on.
+
+Payload rules (LINKF section 2): a struct is an array of its fields in declaration order,
+integers are checked against their declared width, ``[u8; 32]`` is a bin of exactly 32 bytes,
+enums are ``[index, ...fields]``, maps and extension types are rejected anywhere, trailing bytes
+after the one object are an error, and extra trailing array elements are ignored.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Generic, TypeVar
+
+import msgpack
+
+PROTO_VERSION = 2
+HEADER_LEN = 21
+"""Bytes of the header that ``len`` counts: version, type, seq, correlation id, class."""
+MAX_FRAME = 16 * 1024 * 1024
+"""The largest ``len`` (header plus payload) a frame may declare."""
+MAX_PAYLOAD = MAX_FRAME - HEADER_LEN
+DROPPABLE_BIT = 0x8000
+
+CLASS_REQUIRED = 0
+CLASS_DROPPABLE = 1
+
+FINISH_NONE = 0
+FINISH_EOS = 1
+FINISH_LENGTH = 2
+FINISH_GRAMMAR = 3
+FINISH_CANCELLED = 4
+FINISH_ERROR = 5
+FINISH_EXPIRED = 0xFFFF_FFFF
+FINISH_REFUSED = 0xFFFF_FFFE
+FINISH_DECLINED = 0xFFFF_FFFD
+
+U32_MAX = 0xFFFF_FFFF
+U64_MAX = 0xFFFF_FFFF_FFFF_FFFF
+
+_ENVELOPE = struct.Struct("<IHHQQB")
+
+
+class MsgType(enum.IntEnum):
+    """The 28 message types of the Link F catalog (LINKF 3.1)."""
+
+    HELLO = 0x0001
+    HELLO_ACK_F = 0x0002
+    RECONCILE = 0x0003
+    RECONCILE_ACK = 0x0004
+    SESSION_ASSIGN = 0x0005
+    SESSION_REVOKE = 0x0006
+    POLICY_UPDATE = 0x0007
+    LEASE_RENEW = 0x0008
+    LEASE_GRANT = 0x0009
+    APPEND_CONTENT = 0x000A
+    GENERATE_REQ = 0x000B
+    PARK_REQ = 0x000C
+    RESUME_REQ = 0x000D
+    TOKEN_EVENTS = 0x000E
+    WATERMARK_ACK = 0x000F
+    XFER_BEGIN = 0x0010
+    XFER_CHUNK = 0x0011
+    XFER_END = 0x0012
+    XFER_ABORT = 0x0013
+    STATE_SHIP = 0x0014
+    STATE_FETCH = 0x0015
+    BLOB_FETCH = 0x0016
+    NODE_STATUS = 0x0017
+    GENERATE_CANCEL = 0x0018
+    STAGE_FORWARD_REQ = 0x0019
+    STAGE_FORWARD_RESP = 0x001A
+    TELEMETRY = 0x8001
+    KEEPALIVE = 0x8002
+
+
+_KNOWN_TYPES = frozenset(int(t) for t in MsgType)
+
+
+def frame_class(msg_type: int) -> int:
+    """The class byte a frame of this type must carry (LINKF 1.2)."""
+    return CLASS_DROPPABLE if msg_type & DROPPABLE_BIT else CLASS_REQUIRED
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+
+
+class WireError(Exception):
+    """Bad bytes from a peer.  Fatal to the connection that sent them, and to nothing else."""
+
+
+class BadLength(WireError):
+    """A frame declares ``len`` < 21."""
+
+
+class FrameTooLarge(WireError):
+    """A frame declares (or an encoder was asked for) ``len`` > MAX_FRAME."""
+
+
+class ClassRangeMismatch(WireError):
+    """A class byte that is not 0 or 1, or does not match the type's range."""
+
+
+class UnknownRequiredType(WireError):
+    """A type number in the Required range that the Link F catalog does not have."""
+
+
+class Truncated(WireError):
+    """The stream ended in the middle of a frame."""
+
+
+class PayloadError(WireError):
+    """A payload that is not the msgpack shape its message type declares."""
+
+
+# --------------------------------------------------------------------------------------------
+# Envelope
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One decoded envelope; the payload is not decoded yet."""
+
+    msg_type: int
+    seq: int
+    payload: bytes
+
+
+def encode_frame(msg_type: int, seq: int, payload: bytes, frame_cls: int | None = None) -> bytes:
+    """The bytes of one frame.  ``frame_cls`` defaults to the class the type implies."""
+    expected = frame_class(msg_type)
+    if frame_cls is not None and frame_cls != expected:
+        raise ClassRangeMismatch(
+            f"type 0x{msg_type:04x} needs class {expected}, not {frame_cls}"
+        )
+    length = HEADER_LEN + len(payload)
+    if length > MAX_FRAME:
+        raise FrameTooLarge(f"frame of {length} bytes exceeds MAX_FRAME {MAX_FRAME}")
+    return _ENVELOPE.pack(length, PROTO_VERSION, msg_type, seq, 0, expected) + payload
+
+
+class FrameDecoder:
+    """A streaming decoder: feed it bytes, get whole frames (LINKF 1.5).
+
+    Unknown Droppable types are skipped here and never delivered.  After an error the decoder
+    is unusable; the caller closes the connection.
+    """
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held that do not yet make a whole frame."""
+        return len(self._buffer)
+
+    def feed(self, data: bytes) -> list[Frame]:
+        """Add bytes; return every frame they complete, in order."""
+        buffer = self._buffer
+        buffer += data
+        frames: list[Frame] = []
+        offset = 0
+        available = len(buffer)
+        try:
+            while available - offset >= 4:
+                (length,) = struct.unpack_from("<I", buffer, offset)
+                if length < HEADER_LEN:
+                    raise BadLength(f"frame length {length} is below the header length 21")
+                if length > MAX_FRAME:
+                    raise FrameTooLarge(f"frame length {length} exceeds MAX_FRAME {MAX_FRAME}")
+                end = offset + 4 + length
+                if end > available:
+                    break
+                _, _, msg_type, seq, _, cls = _ENVELOPE.unpack_from(buffer, offset)
+                payload = bytes(buffer[offset + 4 + HEADER_LEN : end])
+                offset = end
+                if cls != frame_class(msg_type):
+                    raise ClassRangeMismatch(f"type 0x{msg_type:04x} arrived with class {cls}")
+                if msg_type not in _KNOWN_TYPES:
+                    if msg_type & DROPPABLE_BIT:
+                        continue
+                    raise UnknownRequiredType(f"unknown required message type 0x{msg_type:04x}")
+                frames.append(Frame(msg_type, seq, payload))
+        finally:
+            del buffer[:offset]
+        return frames
+
+    def finish(self) -> None:
+        """The stream ended: raise :class:`Truncated` if part of a frame is still buffered."""
+        if self._buffer:
+            raise Truncated(f"stream ended with {len(self._buffer)} bytes of an unfinished frame")
+
+
+# --------------------------------------------------------------------------------------------
+# Payload codecs: one small object per wire type, composed into per-message codecs.
+
+T = TypeVar("T")
+
+
+class Codec(Generic[T]):
+    """Turns a value into a msgpack-ready object and back, validating on the way in."""
+
+    def encode(self, value: T) -> Any:
+        raise NotImplementedError
+
+    def decode(self, obj: Any) -> T:
+        raise NotImplementedError
+
+
+class UInt(Codec[int]):
+    def __init__(self, bits: int) -> None:
+        self.bits = bits
+        self.limit = 1 << bits
+
+    def encode(self, value: int) -> Any:
+        if type(value) is not int or not 0 <= value < self.limit:
+            raise PayloadError(f"{value!r} does not fit u{self.bits}")
+        return value
+
+    def decode(self, obj: Any) -> int:
+        if type(obj) is not int:
+            raise PayloadError(f"expected u{self.bits}, got {type(obj).__name__}")
+        if not 0 <= obj < self.limit:
+            raise PayloadError(f"{obj} is outside u{self.bits}")
+        return obj
+
+
+class Bool(Codec[bool]):
+    def encode(self, value: bool) -> Any:
+        return bool(value)
+
+    def decode(self, obj: Any) -> bool:
+        if type(obj) is not bool:
+            raise PayloadError(f"expected bool, got {type(obj).__name__}")
+        return obj
+
+
+_F32 = struct.Struct("<f")
+
+
+def to_f32(value: float) -> float:
+    """``value`` rounded to the nearest float32, as a Python float."""
+    try:
+        (narrowed,) = _F32.unpack(_F32.pack(value))
+    except OverflowError:
+        narrowed = float("inf") if value > 0 else float("-inf")
+    return float(narrowed)
+
+
+class F32(Codec[float]):
+    def encode(self, value: float) -> Any:
+        return float(value)
+
+    def decode(self, obj: Any) -> float:
+        if type(obj) is float or type(obj) is int:
+            return to_f32(float(obj))
+        raise PayloadError(f"expected f32, got {type(obj).__name__}")
+
+
+class Str(Codec[str]):
+    def encode(self, value: str) -> Any:
+        return value
+
+    def decode(self, obj: Any) -> str:
+        if type(obj) is not str:
+            raise PayloadError(f"expected str, got {type(obj).__name__}")
+        return obj
+
+
+class Bin(Codec[bytes]):
+    def __init__(self, exact: int | None = None) -> None:
+        self.exact = exact
+
+    def encode(self, value: bytes) -> Any:
+        if self.exact is not None and len(value) != self.exact:
+            raise PayloadError(f"expected exactly {self.exact} bytes, got {len(value)}")
+        return bytes(value)
+
+    def decode(self, obj: Any) -> bytes:
+        if type(obj) is not bytes:
+            raise PayloadError(f"expected bin, got {type(obj).__name__}")
+        if self.exact is not None and len(obj) != self.exact:
+            raise PayloadError(f"expected exactly {self.exact} bytes, got {len(obj)}")
+        return obj
+
+
+class ArrayOf(Codec[tuple[T, ...]]):
+    def __init__(self, item: Codec[T]) -> None:
+        self.item = item
+
+    def encode(self, value: tuple[T, ...]) -> Any:
+        return [self.item.encode(v) for v in value]
+
+    def decode(self, obj: Any) -> tuple[T, ...]:
+        if type(obj) is not list:
+            raise PayloadError(f"expected array, got {type(obj).__name__}")
+        return tuple([self.item.decode(v) for v in obj])
+
+
+class U32Array(Codec[tuple[int, ...]]):
+    """``Vec<u32>``: the hot path of token events, checked without a per-item call."""
+
+    def encode(self, value: tuple[int, ...]) -> Any:
+        items = list(value)
+        for v in items:
+            if type(v) is not int or not 0 <= v <= U32_MAX:
+                raise PayloadError(f"{v!r} does not fit u32")
+        return items
+
+    def decode(self, obj: Any) -> tuple[int, ...]:
+        if type(obj) is not list:
+            raise PayloadError(f"expected array, got {type(obj).__name__}")
+        for v in obj:
+            if type(v) is not int or not 0 <= v <= U32_MAX:
+                raise PayloadError(f"{v!r} is not a u32")
+        return tuple(obj)
+
+
+class Optional(Codec["T | None"]):
+    def __init__(self, inner: Codec[T]) -> None:
+        self.inner = inner
+
+    def encode(self, value: T | None) -> Any:
+        return None if value is None else self.inner.encode(value)
+
+    def decode(self, obj: Any) -> T | None:
+        return None if obj is None else self.inner.decode(obj)
+
+
+class Pair(Codec[tuple[int, int]]):
+    """A tuple ``(A, B)`` of two integers of one width."""
+
+    def __init__(self, item: UInt) -> None:
+        self.item = item
+
+    def encode(self, value: tuple[int, int]) -> Any:
+        return [self.item.encode(value[0]), self.item.encode(value[1])]
+
+    def decode(self, obj: Any) -> tuple[int, int]:
+        if type(obj) is not list or len(obj) < 2:
+            raise PayloadError("expected a 2-element array")
+        return (self.item.decode(obj[0]), self.item.decode(obj[1]))
+
+
+E = TypeVar("E", bound=enum.IntEnum)
+
+
+class UnitEnum(Codec[E]):
+    """An enum whose variants carry nothing: ``[index]``."""
+
+    def __init__(self, enum_cls: type[E]) -> None:
+        self.enum_cls = enum_cls
+
+    def encode(self, value: E) -> Any:
+        return [int(value)]
+
+    def decode(self, obj: Any) -> E:
+        if type(obj) is not list or not obj or type(obj[0]) is not int:
+            raise PayloadError(f"expected [{self.enum_cls.__name__} index]")
+        try:
+            return self.enum_cls(obj[0])
+        except ValueError:
+            raise PayloadError(f"{obj[0]} is not a {self.enum_cls.__name__} variant") from None
+
+
+S = TypeVar("S", bound="Struct")
+
+
+class StructCodec(Codec[S]):
+    """A struct: an array of its fields in declaration order."""
+
+    def __init__(self, cls: type[S]) -> None:
+        self.cls = cls
+
+    def encode(self, value: S) -> Any:
+        return value.to_wire()
+
+    def decode(self, obj: Any) -> S:
+        return self.cls.from_wire(obj)
+
+
+class Struct:
+    """Base of every wire struct: dataclass fields plus a parallel tuple of codecs."""
+
+    FIELDS: ClassVar[tuple[Codec[Any], ...]] = ()
+
+    def to_wire(self) -> list[Any]:
+        values = [getattr(self, f.name) for f in fields(self)]  # type: ignore[arg-type]
+        return [codec.encode(v) for codec, v in zip(self.FIELDS, values, strict=True)]
+
+    @classmethod
+    def from_wire(cls: type[S], obj: Any) -> S:
+        codecs = cls.FIELDS
+        if type(obj) is not list:
+            raise PayloadError(f"{cls.__name__}: expected array, got {type(obj).__name__}")
+        if len(obj) < len(codecs):
+            raise PayloadError(
+                f"{cls.__name__}: expected {len(codecs)} fields, got {len(obj)}"
+            )
+        return cls(*[c.decode(v) for c, v in zip(codecs, obj)])
+
+    @classmethod
+    def as_codec(cls: type[S]) -> StructCodec[S]:
+        return StructCodec(cls)
+
+
+U8 = UInt(8)
+U16 = UInt(16)
+U32 = UInt(32)
+U64 = UInt(64)
+BOOL = Bool()
+FLOAT32 = F32()
+STR = Str()
+BIN = Bin()
+HASH32 = Bin(32)
+U32S = U32Array()
+
+
+def _unreadable_map(_pairs: Any) -> Any:
+    raise PayloadError("maps are not used on Link F")
+
+
+def _unreadable_ext(code: int, _data: bytes) -> Any:
+    raise PayloadError(f"msgpack extension type {code} is not used on Link F")
+
+
+def unpack(payload: bytes) -> Any:
+    """One msgpack object, strictly: no maps, no extensions, no trailing bytes."""
+    try:
+        return msgpack.unpackb(
+            payload,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            object_pairs_hook=_unreadable_map,
+            ext_hook=_unreadable_ext,
+        )
+    except PayloadError:
+        raise
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        raise PayloadError(f"not one msgpack object: {e}") from e
+
+
+def pack(obj: Any) -> bytes:
+    """msgpack bytes of ``obj``; floats are float32, the only floats Link F carries."""
+    return msgpack.packb(obj, use_bin_type=True, use_single_float=True)  # type: ignore[no-any-return]
+
+
+# --------------------------------------------------------------------------------------------
+# Shared types (LINKF 3.2)
+
+
+class LinkRole(enum.IntEnum):
+    NODE_AGENT = 0
+    WORKER = 1
+    HEAD_DAEMON = 2
+
+
+class SegmentKind(enum.IntEnum):
+    TEXT_DELTA = 0
+    REASONING_DELTA = 1
+    TOOL_CALL_DELTA = 2
+
+
+@dataclass(frozen=True, slots=True)
+class CapacitySummary(Struct):
+    gpu_memory_bytes: int = 0
+    gpu_memory_free_bytes: int = 0
+    host_memory_bytes: int = 0
+    active_sessions: int = 0
+    max_sessions: int = U32_MAX
+    max_context_tokens: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    lanes_active: int = 0
+    max_lanes: int = 0
+    queue_depth: int = 0
+    decode_tokens_per_s: int = 0
+    prefill_tokens_per_s: int = 0
+    sampled_at_ms: int = 0
+    FIELDS = (U64, U64, U64, U32, U32, U64, U64, U64, U32, U32, U32, U32, U32, U64)
+
+
+@dataclass(frozen=True, slots=True)
+class LinkFLimits(Struct):
+    max_frame: int = MAX_FRAME
+    transfer_window: int = 8
+    max_transfer: int = 1 << 26
+    transfer_budget: int = 1 << 28
+    FIELDS = (U32, U32, U64, U64)
+
+
+@dataclass(frozen=True, slots=True)
+class Lease(Struct):
+    duration_ms: int
+    renew_by_ms: int
+    FIELDS = (U64, U64)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseStateMsg(Struct):
+    lease: Lease
+    elapsed_ms: int
+    FIELDS = (Lease.as_codec(), U64)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationWatermark(Struct):
+    generation_id: int
+    watermark: int | None
+    FIELDS = (U64, Optional(U64))
+
+
+@dataclass(frozen=True, slots=True)
+class SessionReconcileState(Struct):
+    session_id: int
+    epoch: int
+    lease_state: LeaseStateMsg
+    command_watermark: int
+    generation_watermarks: tuple[GenerationWatermark, ...]
+    FIELDS = (U64, U64, LeaseStateMsg.as_codec(), U64, ArrayOf(GenerationWatermark.as_codec()))
+
+
+@dataclass(frozen=True, slots=True)
+class RetryRange(Struct):
+    generation_id: int
+    from_seq: int
+    to_seq: int
+    FIELDS = (U64, U64, U64)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionReconcileAck(Struct):
+    session_id: int
+    held: bool
+    retry_ranges: tuple[RetryRange, ...]
+    lease_view: LeaseStateMsg
+    FIELDS = (U64, BOOL, ArrayOf(RetryRange.as_codec()), LeaseStateMsg.as_codec())
+
+
+@dataclass(frozen=True, slots=True)
+class TokenSpan(Struct):
+    start: int
+    end: int
+    FIELDS = (U64, U64)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationBudgetsMsg(Struct):
+    max_new_tokens: int
+    max_wall_ms: int = 0
+    FIELDS = (U64, U64)
+
+
+@dataclass(frozen=True, slots=True)
+class UsageMsg(Struct):
+    input_tokens: int
+    output_tokens: int
+    FIELDS = (U64, U64)
+
+
+@dataclass(frozen=True, slots=True)
+class MemCountersMsg(Struct):
+    allocated_bytes: int = 0
+    host_retained_bytes: int = 0
+    pool_blocks_total: int = 0
+    pool_blocks_used: int = 0
+    pool_bytes_evictable: int = 0
+    tentative_bytes: int = 0
+    FIELDS = (U64, U64, U64, U64, U64, U64)
+
+
+# TokenEventPayload: a tagged union (M11).
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    kind: SegmentKind
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    usage: UsageMsg
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    reason: int
+
+
+TokenEventPayload = Tokens | Segment | Usage | Finish
+
+_SEGMENT_KIND = UnitEnum(SegmentKind)
+_USAGE = UsageMsg.as_codec()
+
+
+class TokenEventPayloadCodec(Codec[TokenEventPayload]):
+    def encode(self, value: TokenEventPayload) -> Any:
+        if isinstance(value, Tokens):
+            return [0, U32S.encode(value.tokens)]
+        if isinstance(value, Segment):
+            return [1, _SEGMENT_KIND.encode(value.kind), BIN.encode(value.data)]
+        if isinstance(value, Usage):
+            return [2, _USAGE.encode(value.usage)]
+        return [3, U32.encode(value.reason)]
+
+    def decode(self, obj: Any) -> TokenEventPayload:
+        if type(obj) is not list or not obj:
+            raise PayloadError("expected a TokenEventPayload array")
+        tag = obj[0]
+        if tag == 0 and len(obj) >= 2 and type(tag) is int:
+            return Tokens(U32S.decode(obj[1]))
+        if tag == 1 and len(obj) >= 3 and type(tag) is int:
+            return Segment(_SEGMENT_KIND.decode(obj[1]), BIN.decode(obj[2]))
+        if tag == 2 and len(obj) >= 2 and type(tag) is int:
+            return Usage(_USAGE.decode(obj[1]))
+        if tag == 3 and len(obj) >= 2 and type(tag) is int:
+            return Finish(U32.decode(obj[1]))
+        raise PayloadError(f"bad TokenEventPayload {obj[:1]!r} of {len(obj)} elements")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent(Struct):
+    session_id: int
+    epoch: int
+    generation_id: int
+    event_seq: int
+    payload: TokenEventPayload
+    FIELDS = (U64, U64, U64, U64, TokenEventPayloadCodec())
+
+
+# --------------------------------------------------------------------------------------------
+# Messages (LINKF 3.3)
+
+
+class Message(Struct):
+    """A Link F message: a struct with a catalog number."""
+
+    MSG_TYPE: ClassVar[MsgType]
+
+    def payload(self) -> bytes:
+        return pack(self.to_wire())
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(Message):
+    proto_versions: tuple[int, int]
+    link_role: LinkRole
+    auth: bytes
+    MSG_TYPE = MsgType.HELLO
+    FIELDS = (Pair(U16), UnitEnum(LinkRole), BIN)
+
+
+@dataclass(frozen=True, slots=True)
+class HelloAckF(Message):
+    chosen_version: int
+    node_identity: str
+    capacity: CapacitySummary
+    loadable_models: tuple[str, ...]
+    feature_flags: int
+    limits: LinkFLimits
+    MSG_TYPE = MsgType.HELLO_ACK_F
+    FIELDS = (U16, STR, CapacitySummary.as_codec(), ArrayOf(STR), U64, LinkFLimits.as_codec())
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcileMsg(Message):
+    sessions: tuple[SessionReconcileState, ...]
+    MSG_TYPE = MsgType.RECONCILE
+    FIELDS = (ArrayOf(SessionReconcileState.as_codec()),)
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcileAckMsg(Message):
+    sessions: tuple[SessionReconcileAck, ...]
+    MSG_TYPE = MsgType.RECONCILE_ACK
+    FIELDS = (ArrayOf(SessionReconcileAck.as_codec()),)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionAssignMsg(Message):
+    command_id: int
+    session_id: int
+    epoch: int
+    lease: Lease
+    codec: str
+    params: bytes
+    qos_class: int
+    policy_ref: int
+    MSG_TYPE = MsgType.SESSION_ASSIGN
+    FIELDS = (U64, U64, U64, Lease.as_codec(), STR, BIN, U8, U64)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRevokeMsg(Message):
+    command_id: int
+    session_id: int
+    epoch: int
+    MSG_TYPE = MsgType.SESSION_REVOKE
+    FIELDS = (U64, U64, U64)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyUpdateMsg(Message):
+    policy_version: int
+    envelope: bytes
+    MSG_TYPE = MsgType.POLICY_UPDATE
+    FIELDS = (U64, BIN)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRenewMsg(Message):
+    session_id: int
+    epoch: int
+    MSG_TYPE = MsgType.LEASE_RENEW
+    FIELDS = (U64, U64)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseGrantMsg(Message):
+    session_id: int
+    epoch: int
+    duration_ms: int
+    renew_by_ms: int
+    MSG_TYPE = MsgType.LEASE_GRANT
+    FIELDS = (U64, U64, U64, U64)
+
+
+@dataclass(frozen=True, slots=True)
+class AppendContentMsg(Message):
+    command_id: int
+    session_id: int
+    epoch: int
+    blocks: bytes
+    spans: tuple[TokenSpan, ...] = ()
+    media_refs: tuple[bytes, ...] = ()
+    MSG_TYPE = MsgType.APPEND_CONTENT
+    FIELDS = (U64, U64, U64, BIN, ArrayOf(TokenSpan.as_codec()), ArrayOf(HASH32))
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateReqMsg(Message):
+    command_id: int
+    session_id: int
+    epoch: int
+    generation_id: int
+    budgets: GenerationBudgetsMsg
+    policy_ref: int = 0
+    MSG_TYPE = MsgType.GENERATE_REQ
+    FIELDS = (U64, U64, U64, U64, GenerationBudgetsMsg.as_codec(), U64)
+
+
+@dataclass(frozen=True, slots=True)
+class ParkReqMsg(Message):
+    command_id: int
+    session_id: int
+    epoch: int
+    generation_id: int
+    MSG_TYPE = MsgType.PARK_REQ
+    FIELDS = (U64, U64, U64, U64)
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeReqMsg(Message):
+    command_id: int
+    session_id: int
+    epoch: int
+    generation_id: int
+    budgets: GenerationBudgetsMsg
+    policy_ref: int
+    MSG_TYPE = MsgType.RESUME_REQ
+    FIELDS = (U64, U64, U64, U64, GenerationBudgetsMsg.as_codec(), U64)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateCancelMsg(Message):
+    session_id: int
+    generation_id: int
+    MSG_TYPE = MsgType.GENERATE_CANCEL
+    FIELDS = (U64, U64)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEventsMsg(Message):
+    events: tuple[TokenEvent, ...]
+    MSG_TYPE = MsgType.TOKEN_EVENTS
+    FIELDS = (ArrayOf(TokenEvent.as_codec()),)
+
+
+@dataclass(frozen=True, slots=True)
+class WatermarkAckMsg(Message):
+    session_id: int
+    epoch: int
+    generation_id: int
+    watermark: int
+    MSG_TYPE = MsgType.WATERMARK_ACK
+    FIELDS = (U64, U64, U64, U64)
+
+
+@dataclass(frozen=True, slots=True)
+class XferBeginMsg(Message):
+    transfer_id: int
+    total_len: int
+    checksum: int
+    content_type: int
+    content_hash: bytes
+    MSG_TYPE = MsgType.XFER_BEGIN
+    FIELDS = (U64, U64, U64, U32, HASH32)
+
+
+@dataclass(frozen=True, slots=True)
+class XferChunkMsg(Message):
+    transfer_id: int
+    offset: int
+    data: bytes
+    MSG_TYPE = MsgType.XFER_CHUNK
+    FIELDS = (U64, U64, BIN)
+
+
+@dataclass(frozen=True, slots=True)
+class XferEndMsg(Message):
+    transfer_id: int
+    MSG_TYPE = MsgType.XFER_END
+    FIELDS = (U64,)
+
+
+@dataclass(frozen=True, slots=True)
+class XferAbortMsg(Message):
+    transfer_id: int
+    reason: int
+    MSG_TYPE = MsgType.XFER_ABORT
+    FIELDS = (U64, U32)
+
+
+@dataclass(frozen=True, slots=True)
+class StateShipMsg(Message):
+    envelope: bytes
+    transfer_id: int
+    MSG_TYPE = MsgType.STATE_SHIP
+    FIELDS = (BIN, U64)
+
+
+@dataclass(frozen=True, slots=True)
+class StateFetchMsg(Message):
+    envelope: bytes
+    transfer_id: int
+    MSG_TYPE = MsgType.STATE_FETCH
+    FIELDS = (BIN, U64)
+
+
+@dataclass(frozen=True, slots=True)
+class BlobFetchMsg(Message):
+    content_hash: bytes
+    MSG_TYPE = MsgType.BLOB_FETCH
+    FIELDS = (HASH32,)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStatusMsg(Message):
+    capacity: CapacitySummary
+    loadable_models: tuple[str, ...]
+    mem: MemCountersMsg
+    MSG_TYPE = MsgType.NODE_STATUS
+    FIELDS = (CapacitySummary.as_codec(), ArrayOf(STR), MemCountersMsg.as_codec())
+
+
+@dataclass(frozen=True, slots=True)
+class StageForwardReqMsg(Message):
+    request_id: int
+    tokens: tuple[int, ...]
+    start_layer: int
+    end_layer: int
+    hidden_in: bytes | None
+    MSG_TYPE = MsgType.STAGE_FORWARD_REQ
+    FIELDS = (U64, U32S, U32, U32, Optional(BIN))
+
+
+@dataclass(frozen=True, slots=True)
+class StageForwardRespMsg(Message):
+    request_id: int
+    hidden: bytes | None
+    token: int | None
+    MSG_TYPE = MsgType.STAGE_FORWARD_RESP
+    FIELDS = (U64, Optional(BIN), Optional(U32))
+
+
+@dataclass(frozen=True, slots=True)
+class TelemetryMsg(Message):
+    spans: bytes
+    MSG_TYPE = MsgType.TELEMETRY
+    FIELDS = (BIN,)
+
+
+@dataclass(frozen=True, slots=True)
+class Keepalive(Message):
+    """``()``: encoded as msgpack nil; its payload is never decoded (M12)."""
+
+    MSG_TYPE = MsgType.KEEPALIVE
+    FIELDS = ()
+
+    def payload(self) -> bytes:
+        return b"\xc0"
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Keepalive:
+        return cls()
+
+
+MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
+    cls.MSG_TYPE: cls
+    for cls in (
+        Hello, HelloAckF, ReconcileMsg, ReconcileAckMsg, SessionAssignMsg, SessionRevokeMsg,
+        PolicyUpdateMsg, LeaseRenewMsg, LeaseGrantMsg, AppendContentMsg, GenerateReqMsg,
+        ParkReqMsg, ResumeReqMsg, TokenEventsMsg, WatermarkAckMsg, XferBeginMsg, XferChunkMsg,
+        XferEndMsg, XferAbortMsg, StateShipMsg, StateFetchMsg, BlobFetchMsg, NodeStatusMsg,
+        GenerateCancelMsg, StageForwardReqMsg, StageForwardRespMsg, TelemetryMsg, Keepalive,
+    )
+}  # fmt: skip
+
+
+def decode_message(msg_type: int, payload: bytes) -> Message:
+    """The typed message of a frame's payload; :class:`PayloadError` when it is malformed."""
+    try:
+        cls = MESSAGE_CLASSES[MsgType(msg_type)]
+    except ValueError:
+        raise UnknownRequiredType(f"unknown message type 0x{msg_type:04x}") from None
+    if cls is Keepalive:
+        return Keepalive()
+    return cls.from_wire(unpack(payload))
+
+
+def decode_frame(frame: Frame) -> Message:
+    """Shorthand for :func:`decode_message` on a decoded frame."""
+    return decode_message(frame.msg_type, frame.payload)
+
+
+def message_frame(message: Message, seq: int) -> bytes:
+    """The whole frame of one message."""
+    return encode_frame(message.MSG_TYPE, seq, message.payload())
+
+
+# --------------------------------------------------------------------------------------------
+# Nested blobs (LINKF 3.4)
+
+
+@dataclass(frozen=True, slots=True)
+class GenParams(Struct):
+    """Sampling parameters; all zero means greedy (ENGINE.md section 2)."""
+
+    temperature: float = 0.0
+    top_p: float = 0.0
+    min_p: float = 0.0
+    top_k: int = 0
+    seed: int = 0
+    FIELDS = (FLOAT32, FLOAT32, FLOAT32, U32, U64)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def encode_params(params: GenParams) -> bytes:
+    """The ``SessionAssignMsg.params`` blob."""
+    return pack(params.to_wire())
+
+
+def decode_params(blob: bytes) -> GenParams:
+    """Lenient: empty bytes or anything malformed is the all-zero default (LINKF 3.4)."""
+    if not blob:
+        return GenParams()
+    try:
+        return GenParams.from_wire(unpack(blob))
+    except PayloadError:
+        return GenParams()
+
+
+def encode_tokens(tokens: Sequence[int]) -> bytes:
+    """The ``AppendContentMsg.blocks`` blob: the session's complete token context."""
+    return pack(U32S.encode(tuple(tokens)))
+
+
+def decode_tokens(blob: bytes) -> tuple[int, ...]:
+    """Strict: a malformed context is a :class:`PayloadError` (fatal to the connection)."""
+    return U32S.decode(unpack(blob))
+
+
+def negotiate(offered: tuple[int, int], supported: tuple[int, int]) -> int | None:
+    """The highest version both ranges contain, or None (LINKF 4.3)."""
+    lo = max(offered[0], supported[0])
+    hi = min(offered[1], supported[1])
+    return hi if lo <= hi else None
+
