@@ -21,7 +21,7 @@ import enum
 import struct
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import xxhash
@@ -149,3 +149,216 @@ class Engine(Protocol):
 
     def stop(self) -> defer.Deferred[None]:
         """Cancel everything still queued or running and stop the workers."""
+
+
+# --------------------------------------------------------------------------------------------
+# The mock engine
+
+
+MOCK_VOCAB_SIZE = 32000
+MOCK_LAYERS = 24
+_LAYER_STEP = struct.Struct("<QI")
+
+
+def mock_embed(tokens: Sequence[int]) -> int:
+    """The mock's hidden state before layer 0: xxh3_64 of the tokens as LE u32 (LINKF 6.6)."""
+    return int(xxhash.xxh3_64_intdigest(struct.pack(f"<{len(tokens)}I", *tokens)))
+
+
+def mock_layers(hidden: int, start_layer: int, end_layer: int) -> int:
+    """Run pretend layers ``[start_layer, end_layer)`` on a mock hidden state."""
+    for layer in range(start_layer, end_layer):
+        hidden = int(xxhash.xxh3_64_intdigest(_LAYER_STEP.pack(hidden, layer)))
+    return hidden
+
+
+def mock_next_token(context: Sequence[int], vocab_size: int = MOCK_VOCAB_SIZE) -> int:
+    """The mock's next token: the full 24-layer staged forward of the context, mod the vocab.
+
+    A pure function of the context, stable across processes, so any split of the layers into
+    stages gives the same token as a whole forward.
+    """
+    return mock_layers(mock_embed(context), 0, MOCK_LAYERS) % vocab_size
+
+
+class MockEngineFault(Exception):
+    """The failure a mock engine injects for a context that holds its ``poison_token``."""
+
+
+class _MockGeneration:
+    """A generation inside the mock engine."""
+
+    def __init__(
+        self, engine: MockEngine, request: GenerationRequest, on_tokens: TokenSink
+    ) -> None:
+        self._engine = engine
+        self.request = request
+        self.on_tokens = on_tokens
+        self.context = list(request.context)
+        self.produced: list[int] = []
+        self.deadline: float | None = None
+        self.cancelled = False
+        self._result: defer.Deferred[GenerationResult] = defer.Deferred()
+
+    @property
+    def result(self) -> defer.Deferred[GenerationResult]:
+        return self._result
+
+    def cancel(self) -> None:
+        if self._result.called or self.cancelled:
+            return
+        self.cancelled = True
+        self._engine._leave(self)
+        self._engine._reactor.callLater(
+            0, self._result.callback, GenerationResult(tuple(self.produced), EngineStop.CANCELLED)
+        )
+
+
+class MockEngine:
+    """A deterministic engine for protocol tests: no model, no threads, all on the reactor.
+
+    Every step (``token_delay_s`` apart, or each reactor turn when 0) each running lane gets
+    one token, :func:`mock_next_token` of its context.  Lanes, the queue, the context window
+    and KV block accounting behave like a real engine's, so the node's scheduling and its
+    capacity reports can be tested without a model.  Sampling parameters are ignored.
+    """
+
+    def __init__(
+        self,
+        reactor: IReactorTime,
+        *,
+        context_window: int = 4096,
+        max_lanes: int = 8,
+        token_delay_s: float = 0.0,
+        vocab_size: int = MOCK_VOCAB_SIZE,
+        n_layers: int = MOCK_LAYERS,
+        eos_token_id: int | None = None,
+        poison_token: int | None = None,
+    ) -> None:
+        self._reactor = reactor
+        self._context_window = context_window
+        self._max_lanes = max(1, max_lanes)
+        self._token_delay_s = token_delay_s
+        self._vocab_size = vocab_size
+        self._n_layers = n_layers
+        self._eos_token_id = eos_token_id
+        self._poison_token = poison_token
+        self._queue: deque[_MockGeneration] = deque()
+        self._lanes: list[_MockGeneration] = []
+        self._step_call: IDelayedCall | None = None
+        self._decoded = 0
+        self._prefilled = 0
+
+    @property
+    def context_window(self) -> int:
+        return self._context_window
+
+    @property
+    def n_layers(self) -> int:
+        return self._n_layers
+
+    def statistics(self) -> EngineStatistics:
+        return EngineStatistics(
+            decoded_tokens=self._decoded,
+            prefilled_tokens=self._prefilled,
+            queue_depth=len(self._queue),
+            lanes_active=len(self._lanes),
+            kv_blocks_used=sum(-(-len(g.context) // KV_BLOCK_TOKENS) for g in self._lanes),
+            kv_blocks_total=-(-self._context_window // KV_BLOCK_TOKENS) * self._max_lanes,
+        )
+
+    def start(self) -> None:
+        """Nothing to start: the mock runs on the reactor."""
+
+    def stop(self) -> defer.Deferred[None]:
+        for generation in [*self._lanes, *self._queue]:
+            generation.cancel()
+        return defer.succeed(None)
+
+    def submit(self, request: GenerationRequest, on_tokens: TokenSink) -> Generation:
+        generation = _MockGeneration(self, request, on_tokens)
+        if self._context_window and len(request.context) > self._context_window:
+            refusal = StreamTooLong(len(request.context), self._context_window)
+            self._reactor.callLater(0, generation.result.errback, refusal)
+            return generation
+        self._queue.append(generation)
+        self._schedule()
+        return generation
+
+    def stage_forward(
+        self, tokens: Sequence[int], start_layer: int, end_layer: int, hidden_in: bytes | None
+    ) -> defer.Deferred[StageResult]:
+        try:
+            if not 0 <= start_layer <= end_layer <= self._n_layers:
+                raise StageForwardError(
+                    f"layers [{start_layer}, {end_layer}) are outside 0..{self._n_layers}"
+                )
+            if hidden_in is None:
+                hidden = mock_embed(tokens)
+            elif len(hidden_in) != 8:
+                raise StageForwardError(f"mock hidden state is 8 bytes, got {len(hidden_in)}")
+            else:
+                (hidden,) = struct.unpack("<Q", hidden_in)
+            hidden = mock_layers(hidden, start_layer, end_layer)
+        except StageForwardError as e:
+            return defer.fail(e)
+        if end_layer == self._n_layers:
+            return defer.succeed(StageResult(token=hidden % self._vocab_size))
+        return defer.succeed(StageResult(hidden=struct.pack("<Q", hidden)))
+
+    # The step loop.
+
+    def _schedule(self) -> None:
+        if self._step_call is None and (self._queue or self._lanes):
+            self._step_call = self._reactor.callLater(self._token_delay_s, self._step)
+
+    def _leave(self, generation: _MockGeneration) -> None:
+        if generation in self._lanes:
+            self._lanes.remove(generation)
+        elif generation in self._queue:
+            self._queue.remove(generation)
+
+    def _finish(self, generation: _MockGeneration, stop: EngineStop) -> None:
+        self._leave(generation)
+        generation.result.callback(GenerationResult(tuple(generation.produced), stop))
+
+    def _step(self) -> None:
+        self._step_call = None
+        while self._queue and len(self._lanes) < self._max_lanes:
+            generation = self._queue.popleft()
+            self._prefilled += len(generation.context)
+            if generation.request.max_wall_ms:
+                generation.deadline = (
+                    self._reactor.seconds() + generation.request.max_wall_ms / 1000.0
+                )
+            self._lanes.append(generation)
+        now = self._reactor.seconds()
+        for generation in list(self._lanes):
+            self._advance(generation, now)
+        self._schedule()
+
+    def _advance(self, generation: _MockGeneration, now: float) -> None:
+        request = generation.request
+        if generation.deadline is not None and now >= generation.deadline:
+            self._finish(generation, EngineStop.EXPIRED)
+            return
+        if len(generation.produced) >= request.max_new or (
+            self._context_window and len(generation.context) >= self._context_window
+        ):
+            self._finish(generation, EngineStop.LENGTH)
+            return
+        if self._poison_token is not None and self._poison_token in generation.context:
+            self._leave(generation)
+            generation.result.errback(MockEngineFault("the context holds the poison token"))
+            return
+        token = mock_next_token(generation.context, self._vocab_size)
+        generation.context.append(token)
+        generation.produced.append(token)
+        self._decoded += 1
+        generation.on_tokens((token,))
+        if generation.cancelled or generation.result.called:
+            return
+        if token == self._eos_token_id:
+            self._finish(generation, EngineStop.EOS)
+        elif len(generation.produced) >= request.max_new:
+            self._finish(generation, EngineStop.LENGTH)

@@ -1,0 +1,666 @@
+"""The node's state machines: connection handshake, session lease lifecycle, one generation.
+
+Each machine is built with Automat's typed API: inputs are a ``typing.Protocol``, the shared
+state is a small core dataclass, a timer lives only in the data of the state that needs it, and
+timers re-enter a machine only through its private inputs.  Every (state, input) pair a machine
+accepts is listed in its transition table below, including the ones that deliberately do
+nothing.  The machines decide *when*; the owner they are given (the node, ``sfnode.node``)
+decides *what* by consulting the pure session state (``sfnode.agent_session``) and sends.
+
+Nothing here touches a socket or reads a global clock: the clock is in the core.  A machine
+never inspects another machine's state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from automat import TypeMachineBuilder
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+
+from sfnode.generation import EngineStop, GenerationResult
+from sfnode.wire import (
+    FINISH_CANCELLED,
+    FINISH_EOS,
+    FINISH_EXPIRED,
+    FINISH_LENGTH,
+    FINISH_REFUSED,
+    Frame,
+    Hello,
+)
+
+log = Logger()
+
+Tracer = Callable[[str, str, str], None]
+"""Called with (old state, input, new state) on every transition, for debugging."""
+
+
+def _cancel(call: IDelayedCall | None) -> None:
+    if call is not None and call.active():
+        call.cancel()
+
+
+def _seconds(ms: int) -> float:
+    return ms / 1000.0
+
+
+def trace_machine(machine: object, name: str, tracer: Tracer) -> None:
+    """Report every transition of ``machine`` as ``tracer(old, input, new)``."""
+
+    def on_transition(old: Any, input_name: str, new: Any) -> None:
+        tracer(f"{name}[{old.name}]", input_name, f"[{new.name}]")
+
+    machine.__automat_transitioner__.setTrace(on_transition)  # type: ignore[attr-defined]
+
+
+# ============================================================================================
+# Connection: handshake (LINKF 4.3), then serving with the idle timeout (6.2) and NODE_STATUS.
+
+
+class ConnectionInputs(Protocol):
+    def connected(self) -> None:
+        """The transport is up; start waiting for HELLO."""
+
+    def hello(self, hello: Hello) -> None:
+        """A HELLO arrived."""
+
+    def frame(self, frame: Frame) -> None:
+        """Any frame other than HELLO arrived."""
+
+    def lost(self) -> None:
+        """The transport is gone."""
+
+    def _hello_accepted(self, hello: Hello) -> None:
+        """Private: the HELLO passed version, role and token checks."""
+
+    def _hello_refused(self, reason: str) -> None:
+        """Private: the HELLO failed a check."""
+
+    def _handshake_timed_out(self) -> None:
+        """Private: no HELLO within the handshake timeout."""
+
+    def _idle_timed_out(self) -> None:
+        """Private: no frame within the idle timeout."""
+
+
+class ConnectionOwner(Protocol):
+    """What the connection machine asks of the connection it belongs to."""
+
+    def check_hello(self, hello: Hello) -> str | None:
+        """None when the HELLO is acceptable, else why not."""
+
+    def send_hello_ack(self) -> None: ...
+
+    def send_status(self) -> None: ...
+
+    def serve(self, frame: Frame) -> None:
+        """Handle one frame after the handshake (LINKF 6.3)."""
+
+    def close(self, reason: str) -> None:
+        """Log ``reason`` and close the transport."""
+
+    def ended(self) -> None:
+        """The connection is over; release what it holds in shared state."""
+
+
+@dataclass
+class ConnectionCore:
+    clock: IReactorTime
+    owner: ConnectionOwner
+    handshake_timeout_ms: int
+    idle_timeout_ms: int
+    status_interval_ms: int
+
+
+@dataclass
+class AwaitingHello:
+    """Data of ``awaiting_hello``: the handshake deadline, if there is one."""
+
+    deadline: IDelayedCall | None
+
+    def stop(self) -> None:
+        _cancel(self.deadline)
+
+
+@dataclass
+class Serving:
+    """Data of ``serving``: the idle deadline and the NODE_STATUS loop."""
+
+    idle: IDelayedCall | None
+    status: LoopingCall
+
+    def activity(self, core: ConnectionCore) -> None:
+        if self.idle is not None and self.idle.active():
+            self.idle.reset(_seconds(core.idle_timeout_ms))
+
+    def stop(self) -> None:
+        _cancel(self.idle)
+        if self.status.running:
+            self.status.stop()
+
+
+def _awaiting_hello(inputs: ConnectionInputs, core: ConnectionCore) -> AwaitingHello:
+    if core.handshake_timeout_ms == 0:
+        return AwaitingHello(None)
+    return AwaitingHello(
+        core.clock.callLater(_seconds(core.handshake_timeout_ms), inputs._handshake_timed_out)
+    )
+
+
+def _serving(inputs: ConnectionInputs, core: ConnectionCore, hello: Hello) -> Serving:
+    idle = None
+    if core.idle_timeout_ms:
+        idle = core.clock.callLater(_seconds(core.idle_timeout_ms), inputs._idle_timed_out)
+    status = LoopingCall(core.owner.send_status)
+    status.clock = core.clock
+    status.start(_seconds(core.status_interval_ms), now=False).addErrback(
+        lambda failure: log.failure("NODE_STATUS loop failed", failure)
+    )
+    return Serving(idle, status)
+
+
+_connection = TypeMachineBuilder(ConnectionInputs, ConnectionCore)
+_c_new = _connection.state("new")
+_c_awaiting = _connection.state("awaiting_hello", _awaiting_hello)
+_c_serving = _connection.state("serving", _serving)
+_c_closed = _connection.state("closed")
+
+
+@_c_new.upon(ConnectionInputs.connected).to(_c_awaiting)
+def _start_handshake(inputs: ConnectionInputs, core: ConnectionCore) -> None:
+    pass
+
+
+@_c_new.upon(ConnectionInputs.lost).to(_c_closed)
+def _lost_before_start(inputs: ConnectionInputs, core: ConnectionCore) -> None:
+    core.owner.ended()
+
+
+@_c_awaiting.upon(ConnectionInputs.hello).loop()
+def _check_hello(
+    inputs: ConnectionInputs, core: ConnectionCore, data: AwaitingHello, hello: Hello
+) -> None:
+    reason = core.owner.check_hello(hello)
+    if reason is None:
+        inputs._hello_accepted(hello)
+    else:
+        inputs._hello_refused(reason)
+
+
+@_c_awaiting.upon(ConnectionInputs.frame).loop()
+def _discard_before_hello(
+    inputs: ConnectionInputs, core: ConnectionCore, data: AwaitingHello, frame: Frame
+) -> None:
+    """LINKF 4.3: frames before HELLO are discarded."""
+
+
+@_c_awaiting.upon(ConnectionInputs._hello_accepted).to(_c_serving)
+def _answer_hello(
+    inputs: ConnectionInputs, core: ConnectionCore, data: AwaitingHello, hello: Hello
+) -> None:
+    data.stop()
+    core.owner.send_hello_ack()
+
+
+@_c_awaiting.upon(ConnectionInputs._hello_refused).to(_c_closed)
+def _refuse_hello(
+    inputs: ConnectionInputs, core: ConnectionCore, data: AwaitingHello, reason: str
+) -> None:
+    data.stop()
+    core.owner.close(f"refused the handshake: {reason}")
+    core.owner.ended()
+
+
+@_c_awaiting.upon(ConnectionInputs._handshake_timed_out).to(_c_closed)
+def _drop_silent(inputs: ConnectionInputs, core: ConnectionCore, data: AwaitingHello) -> None:
+    core.owner.close("dropped a silent connection (no HELLO within the handshake timeout)")
+    core.owner.ended()
+
+
+@_c_awaiting.upon(ConnectionInputs.lost).to(_c_closed)
+def _lost_in_handshake(
+    inputs: ConnectionInputs, core: ConnectionCore, data: AwaitingHello
+) -> None:
+    data.stop()
+    core.owner.ended()
+
+
+@_c_serving.upon(ConnectionInputs.frame).loop()
+def _serve(inputs: ConnectionInputs, core: ConnectionCore, data: Serving, frame: Frame) -> None:
+    data.activity(core)
+    core.owner.serve(frame)
+
+
+@_c_serving.upon(ConnectionInputs.hello).loop()
+def _hello_again(
+    inputs: ConnectionInputs, core: ConnectionCore, data: Serving, hello: Hello
+) -> None:
+    """A HELLO after the handshake is ignored (LINKF 3.1), but it is activity."""
+    data.activity(core)
+
+
+@_c_serving.upon(ConnectionInputs._idle_timed_out).to(_c_closed)
+def _drop_idle(inputs: ConnectionInputs, core: ConnectionCore, data: Serving) -> None:
+    data.stop()
+    core.owner.close("dropped an idle connection")
+    core.owner.ended()
+
+
+@_c_serving.upon(ConnectionInputs.lost).to(_c_closed)
+def _lost_while_serving(inputs: ConnectionInputs, core: ConnectionCore, data: Serving) -> None:
+    data.stop()
+    core.owner.ended()
+
+
+@_c_closed.upon(ConnectionInputs.hello).loop()
+def _closed_hello(inputs: ConnectionInputs, core: ConnectionCore, hello: Hello) -> None:
+    """Bytes that were already buffered when the connection was closed: ignored."""
+
+
+@_c_closed.upon(ConnectionInputs.frame).loop()
+def _closed_frame(inputs: ConnectionInputs, core: ConnectionCore, frame: Frame) -> None:
+    """Bytes that were already buffered when the connection was closed: ignored."""
+
+
+_c_closed.upon(ConnectionInputs.lost).loop().returns(None)
+_c_closed.upon(ConnectionInputs._idle_timed_out).loop().returns(None)
+_c_closed.upon(ConnectionInputs._handshake_timed_out).loop().returns(None)
+
+ConnectionMachine = _connection.build()
+
+
+# ============================================================================================
+# Session lease lifecycle (LINKF 5.3.1, 5.3.7 to 5.3.9, decision D3).
+
+
+class SessionInputs(Protocol):
+    def lease_started(self, duration_ms: int, renew_by_ms: int) -> None:
+        """An accepted ASSIGN or LEASE_GRANT (re)started the lease (and un-fences)."""
+
+    def superseded(self) -> None:
+        """A RECONCILE named a higher epoch: fenced, with no self-fence action (5.3.10)."""
+
+    def ended(self) -> None:
+        """The session was revoked: stop all timers for good."""
+
+    def _renew_due(self) -> None:
+        """Private: the renew window opened, or another D3 interval passed in it."""
+
+    def _expired(self) -> None:
+        """Private: the lease ran out."""
+
+
+class SessionOwner(Protocol):
+    def send_renew(self, session_id: int) -> None: ...
+
+    def self_fence(self, session_id: int) -> None: ...
+
+
+@dataclass
+class SessionCore:
+    clock: IReactorTime
+    owner: SessionOwner
+    session_id: int
+    renew_interval_ms: int
+    lease_started_at: float = 0.0
+    """Reactor seconds when the current lease was received."""
+    duration_ms: int = 0
+    renew_by_ms: int = 0
+
+    def remaining(self, ms: int) -> float:
+        """Seconds from now until ``ms`` after the lease started (never negative).
+
+        One extra millisecond keeps the timer from firing before the integer-millisecond lease
+        clock of the session state agrees that the moment has come.
+        """
+        due = self.lease_started_at + (ms + 1) / 1000.0
+        return max(0.0, due - self.clock.seconds())
+
+
+@dataclass
+class LeaseTimers:
+    """Data of ``held`` and ``renewing``: the next renew request and the expiry."""
+
+    renew: IDelayedCall
+    expiry: IDelayedCall
+
+    def stop(self) -> None:
+        _cancel(self.renew)
+        _cancel(self.expiry)
+
+
+def _held(
+    inputs: SessionInputs, core: SessionCore, duration_ms: int, renew_by_ms: int
+) -> LeaseTimers:
+    core.lease_started_at = core.clock.seconds()
+    core.duration_ms = duration_ms
+    core.renew_by_ms = renew_by_ms
+    return LeaseTimers(
+        renew=core.clock.callLater(core.remaining(renew_by_ms), inputs._renew_due),
+        expiry=core.clock.callLater(core.remaining(duration_ms), inputs._expired),
+    )
+
+
+def _renewing(inputs: SessionInputs, core: SessionCore) -> LeaseTimers:
+    return LeaseTimers(
+        renew=core.clock.callLater(_seconds(core.renew_interval_ms), inputs._renew_due),
+        expiry=core.clock.callLater(core.remaining(core.duration_ms), inputs._expired),
+    )
+
+
+_session = TypeMachineBuilder(SessionInputs, SessionCore)
+_s_new = _session.state("new")
+_s_held = _session.state("held", _held)
+_s_renewing = _session.state("renewing", _renewing)
+_s_fenced = _session.state("fenced")
+_s_ended = _session.state("ended")
+
+
+@_s_new.upon(SessionInputs.lease_started).to(_s_held)
+def _first_lease(
+    inputs: SessionInputs, core: SessionCore, duration_ms: int, renew_by_ms: int
+) -> None:
+    pass
+
+
+@_s_fenced.upon(SessionInputs.lease_started).to(_s_held)
+def _unfence(
+    inputs: SessionInputs, core: SessionCore, duration_ms: int, renew_by_ms: int
+) -> None:
+    log.info("session {session} un-fenced by a new lease", session=core.session_id)
+
+
+for _state in (_s_held, _s_renewing):
+
+    @_state.upon(SessionInputs.lease_started).to(_s_held)
+    def _new_lease(
+        inputs: SessionInputs,
+        core: SessionCore,
+        data: LeaseTimers,
+        duration_ms: int,
+        renew_by_ms: int,
+    ) -> None:
+        data.stop()
+
+    @_state.upon(SessionInputs._expired).to(_s_fenced)
+    def _lease_expired(inputs: SessionInputs, core: SessionCore, data: LeaseTimers) -> None:
+        data.stop()
+        core.owner.self_fence(core.session_id)
+
+    @_state.upon(SessionInputs.superseded).to(_s_fenced)
+    def _superseded(inputs: SessionInputs, core: SessionCore, data: LeaseTimers) -> None:
+        data.stop()
+
+    @_state.upon(SessionInputs.ended).to(_s_ended)
+    def _end_leased(inputs: SessionInputs, core: SessionCore, data: LeaseTimers) -> None:
+        data.stop()
+
+
+@_s_held.upon(SessionInputs._renew_due).to(_s_renewing)
+def _open_renew_window(inputs: SessionInputs, core: SessionCore, data: LeaseTimers) -> None:
+    data.stop()
+    core.owner.send_renew(core.session_id)
+
+
+@_s_renewing.upon(SessionInputs._renew_due).loop()
+def _renew_again(inputs: SessionInputs, core: SessionCore, data: LeaseTimers) -> None:
+    core.owner.send_renew(core.session_id)
+    data.renew = core.clock.callLater(_seconds(core.renew_interval_ms), inputs._renew_due)
+
+
+_s_new.upon(SessionInputs.superseded).to(_s_fenced).returns(None)
+_s_new.upon(SessionInputs.ended).to(_s_ended).returns(None)
+_s_fenced.upon(SessionInputs.superseded).loop().returns(None)
+_s_fenced.upon(SessionInputs.ended).to(_s_ended).returns(None)
+for _quiet in (SessionInputs.lease_started, SessionInputs.superseded, SessionInputs.ended):
+    _s_ended.upon(_quiet).loop().returns(None)
+
+SessionMachine = _session.build()
+
+
+# ============================================================================================
+# One generation on the node (LINKF 6.4 with decision D2): coalescing, cancel, fence, finish.
+
+
+class GenerationInputs(Protocol):
+    def tokens(self, batch: Sequence[int]) -> None:
+        """The engine handed over new tokens."""
+
+    def cancel(self) -> None:
+        """GENERATE_CANCEL for this generation arrived."""
+
+    def finished(self, result: GenerationResult) -> None:
+        """The engine ended the generation."""
+
+    def refused(self) -> None:
+        """The engine refused the request (a client refusal: StreamTooLong)."""
+
+    def failed(self, reason: str) -> None:
+        """The engine failed the generation."""
+
+    def _flush_due(self) -> None:
+        """Private: the coalescing interval passed with tokens pending."""
+
+    def _fenced(self) -> None:
+        """Private: an emit was refused (the session is fenced or superseded)."""
+
+
+class GenerationOwner(Protocol):
+    def emit_tokens(self, tokens: Sequence[int]) -> bool:
+        """Emit one Tokens event; False when the session refuses (fenced or superseded)."""
+
+    def emit_finish(self, reason: int) -> None: ...
+
+    def stop_engine(self) -> None: ...
+
+    def fail(self, reason: str) -> None:
+        """The engine failed: close the asking connection (LINKF 6.7)."""
+
+    def done(self) -> None:
+        """The generation is over: forget it."""
+
+
+@dataclass
+class GenerationCore:
+    clock: IReactorTime
+    owner: GenerationOwner
+    coalesce_tokens: int
+    coalesce_ms: int
+    pending: list[int] = field(default_factory=list)
+    last_flush: float = 0.0
+
+    def flush(self, inputs: GenerationInputs) -> None:
+        if not self.pending:
+            return
+        batch, self.pending = self.pending, []
+        self.last_flush = self.clock.seconds()
+        if not self.owner.emit_tokens(batch):
+            inputs._fenced()
+
+
+@dataclass
+class Coalescing:
+    """Data of ``running``: the timer that flushes pending tokens 200 ms after the last flush."""
+
+    flush_call: IDelayedCall | None = None
+
+    def stop(self) -> None:
+        _cancel(self.flush_call)
+        self.flush_call = None
+
+
+def _running(
+    inputs: GenerationInputs, core: GenerationCore, batch: Sequence[int]
+) -> Coalescing:
+    core.last_flush = core.clock.seconds()
+    return Coalescing()
+
+
+_FINISH_OF_STOP = {
+    EngineStop.EOS: FINISH_EOS,
+    EngineStop.LENGTH: FINISH_LENGTH,
+    EngineStop.EXPIRED: FINISH_EXPIRED,
+    EngineStop.CANCELLED: FINISH_CANCELLED,
+}
+
+_generation = TypeMachineBuilder(GenerationInputs, GenerationCore)
+_g_new = _generation.state("new")
+_g_running = _generation.state("running", _running)
+_g_cancelling = _generation.state("cancelling")
+_g_fenced = _generation.state("fenced")
+_g_done = _generation.state("done")
+
+
+@_g_new.upon(GenerationInputs.tokens).to(_g_running)
+def _first_tokens(inputs: GenerationInputs, core: GenerationCore, batch: Sequence[int]) -> None:
+    # The coalescing interval counts from the first tokens, which follow the prefill.
+    inputs.tokens(batch)
+
+
+@_g_running.upon(GenerationInputs.tokens).loop()
+def _collect(
+    inputs: GenerationInputs, core: GenerationCore, data: Coalescing, batch: Sequence[int]
+) -> None:
+    core.pending.extend(batch)
+    if len(core.pending) >= core.coalesce_tokens:
+        data.stop()
+        core.flush(inputs)
+    elif data.flush_call is None:
+        delay = max(0.0, core.last_flush + _seconds(core.coalesce_ms) - core.clock.seconds())
+        data.flush_call = core.clock.callLater(delay, inputs._flush_due)
+
+
+@_g_running.upon(GenerationInputs._flush_due).loop()
+def _flush_on_time(inputs: GenerationInputs, core: GenerationCore, data: Coalescing) -> None:
+    data.flush_call = None
+    core.flush(inputs)
+
+
+@_g_running.upon(GenerationInputs.cancel).to(_g_cancelling)
+def _cancel_running(inputs: GenerationInputs, core: GenerationCore, data: Coalescing) -> None:
+    data.stop()
+    core.flush(inputs)
+    core.owner.stop_engine()
+
+
+@_g_running.upon(GenerationInputs._fenced).to(_g_fenced)
+def _fence_running(inputs: GenerationInputs, core: GenerationCore, data: Coalescing) -> None:
+    data.stop()
+    core.pending.clear()
+    core.owner.stop_engine()
+
+
+@_g_running.upon(GenerationInputs.finished).to(_g_done)
+def _finish_running(
+    inputs: GenerationInputs, core: GenerationCore, data: Coalescing, result: GenerationResult
+) -> None:
+    data.stop()
+    core.flush(inputs)
+    core.owner.emit_finish(_FINISH_OF_STOP[result.stop])
+    core.owner.done()
+
+
+@_g_running.upon(GenerationInputs.failed).to(_g_done)
+def _fail_running(
+    inputs: GenerationInputs, core: GenerationCore, data: Coalescing, reason: str
+) -> None:
+    data.stop()
+    core.owner.fail(reason)
+    core.owner.done()
+
+
+@_g_new.upon(GenerationInputs.cancel).to(_g_cancelling)
+def _cancel_new(inputs: GenerationInputs, core: GenerationCore) -> None:
+    core.owner.stop_engine()
+
+
+@_g_new.upon(GenerationInputs.finished).to(_g_done)
+def _finish_new(inputs: GenerationInputs, core: GenerationCore, result: GenerationResult) -> None:
+    core.owner.emit_finish(_FINISH_OF_STOP[result.stop])
+    core.owner.done()
+
+
+@_g_new.upon(GenerationInputs.refused).to(_g_done)
+def _refuse_new(inputs: GenerationInputs, core: GenerationCore) -> None:
+    core.owner.emit_finish(FINISH_REFUSED)
+    core.owner.done()
+
+
+@_g_new.upon(GenerationInputs.failed).to(_g_done)
+def _fail_new(inputs: GenerationInputs, core: GenerationCore, reason: str) -> None:
+    core.owner.fail(reason)
+    core.owner.done()
+
+
+@_g_cancelling.upon(GenerationInputs.finished).to(_g_done)
+def _finish_cancelled(
+    inputs: GenerationInputs, core: GenerationCore, result: GenerationResult
+) -> None:
+    core.owner.emit_finish(FINISH_CANCELLED)
+    core.owner.done()
+
+
+@_g_cancelling.upon(GenerationInputs.refused).to(_g_done)
+def _refused_cancelled(inputs: GenerationInputs, core: GenerationCore) -> None:
+    core.owner.emit_finish(FINISH_CANCELLED)
+    core.owner.done()
+
+
+@_g_cancelling.upon(GenerationInputs.failed).to(_g_done)
+def _failed_cancelled(inputs: GenerationInputs, core: GenerationCore, reason: str) -> None:
+    core.owner.fail(reason)
+    core.owner.done()
+
+
+@_g_fenced.upon(GenerationInputs.finished).to(_g_done)
+def _finish_fenced(
+    inputs: GenerationInputs, core: GenerationCore, result: GenerationResult
+) -> None:
+    """A fenced generation sends no Finish (LINKF 6.4)."""
+    core.owner.done()
+
+
+@_g_fenced.upon(GenerationInputs.refused).to(_g_done)
+def _refused_fenced(inputs: GenerationInputs, core: GenerationCore) -> None:
+    core.owner.done()
+
+
+@_g_fenced.upon(GenerationInputs.failed).to(_g_done)
+def _failed_fenced(inputs: GenerationInputs, core: GenerationCore, reason: str) -> None:
+    core.owner.fail(reason)
+    core.owner.done()
+
+
+# Deliberately quiet pairs: tokens after a stop are never sent; repeated cancels and stale
+# timers do nothing.
+@_g_cancelling.upon(GenerationInputs.tokens).loop()
+def _drop_after_cancel(
+    inputs: GenerationInputs, core: GenerationCore, batch: Sequence[int]
+) -> None:
+    pass
+
+
+@_g_fenced.upon(GenerationInputs.tokens).loop()
+def _drop_after_fence(inputs: GenerationInputs, core: GenerationCore, batch: Sequence[int]) -> None:
+    pass
+
+
+@_g_done.upon(GenerationInputs.tokens).loop()
+def _drop_after_done(inputs: GenerationInputs, core: GenerationCore, batch: Sequence[int]) -> None:
+    pass
+
+
+_g_new.upon(GenerationInputs._fenced).to(_g_fenced).returns(None)
+for _quiet_state in (_g_cancelling, _g_fenced, _g_done):
+    _quiet_state.upon(GenerationInputs.cancel).loop().returns(None)
+    _quiet_state.upon(GenerationInputs._fenced).loop().returns(None)
+    _quiet_state.upon(GenerationInputs._flush_due).loop().returns(None)
+_g_done.upon(GenerationInputs.finished).loop().returns(None)
+_g_done.upon(GenerationInputs.refused).loop().returns(None)
+_g_done.upon(GenerationInputs.failed).loop().returns(None)
+
+GenerationMachine = _generation.build()

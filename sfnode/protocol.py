@@ -1,0 +1,218 @@
+"""The node's Twisted protocol: Link F bytes in, frames to the connection machine; messages out.
+
+:class:`NodeProtocol` only frames: it feeds bytes to a :class:`~sfnode.wire.FrameDecoder`, hands
+HELLO and every other frame to its :class:`NodeConnection`, and writes framed messages with a
+per-connection ``seq``.  A bad frame closes this one connection with a logged reason; it never
+raises out of ``dataReceived`` and never touches another connection or the shared node state.
+
+:class:`NodeConnection` is the per-connection owner of the connection machine
+(``sfnode.machines``); what a frame *means* is decided by the node (:class:`ConnectionHost`,
+implemented by ``sfnode.node.NodeAgent``), which all connections of one node share.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol as TypingProtocol
+
+from twisted.internet.interfaces import IAddress, IReactorTime, ITCPTransport
+from twisted.internet.protocol import Factory, Protocol, connectionDone
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from sfnode.machines import ConnectionCore, ConnectionInputs, ConnectionMachine
+from sfnode.wire import (
+    Frame,
+    FrameDecoder,
+    Hello,
+    Message,
+    MsgType,
+    WireError,
+    decode_frame,
+    message_frame,
+)
+
+log = Logger()
+
+
+class ConnectionHost(TypingProtocol):
+    """What a connection needs from the node it belongs to."""
+
+    @property
+    def clock(self) -> IReactorTime: ...
+
+    @property
+    def handshake_timeout_ms(self) -> int: ...
+
+    @property
+    def idle_timeout_ms(self) -> int: ...
+
+    @property
+    def status_interval_ms(self) -> int: ...
+
+    def check_hello(self, hello: Hello) -> str | None: ...
+
+    def hello_ack(self) -> Message: ...
+
+    def status(self) -> Message: ...
+
+    def serve(self, connection: NodeConnection, frame: Frame) -> None:
+        """Handle one frame; may raise :class:`WireError` for a malformed payload."""
+
+    def connection_ready(self, connection: NodeConnection) -> None: ...
+
+    def connection_ended(self, connection: NodeConnection) -> None: ...
+
+
+class NodeConnection:
+    """One head connection of a node: the owner of its connection machine."""
+
+    def __init__(self, host: ConnectionHost, protocol: NodeProtocol) -> None:
+        self._host = host
+        self._protocol = protocol
+        self.ready = False
+        self.machine: ConnectionInputs = ConnectionMachine(
+            ConnectionCore(
+                clock=host.clock,
+                owner=self,
+                handshake_timeout_ms=host.handshake_timeout_ms,
+                idle_timeout_ms=host.idle_timeout_ms,
+                status_interval_ms=host.status_interval_ms,
+            )
+        )
+
+    @property
+    def peer(self) -> str:
+        return self._protocol.peer_name()
+
+    @property
+    def open(self) -> bool:
+        """True while messages sent here can still reach the head."""
+        return self.ready and self._protocol.is_open
+
+    def send(self, message: Message) -> bool:
+        """Send one message; False when the connection is no longer open."""
+        return self._protocol.send_message(message)
+
+    # ConnectionOwner
+
+    def check_hello(self, hello: Hello) -> str | None:
+        return self._host.check_hello(hello)
+
+    def send_hello_ack(self) -> None:
+        self.ready = True
+        self.send(self._host.hello_ack())
+        log.info("handshake with {peer} done", peer=self.peer)
+        self._host.connection_ready(self)
+
+    def send_status(self) -> None:
+        self.send(self._host.status())
+
+    def serve(self, frame: Frame) -> None:
+        try:
+            self._host.serve(self, frame)
+        except WireError as e:
+            self.close(f"malformed {_type_name(frame.msg_type)} payload: {e}")
+
+    def close(self, reason: str) -> None:
+        self._protocol.close(reason)
+
+    def ended(self) -> None:
+        was_ready, self.ready = self.ready, False
+        if was_ready:
+            self._host.connection_ended(self)
+
+
+def _type_name(msg_type: int) -> str:
+    try:
+        return MsgType(msg_type).name
+    except ValueError:
+        return f"0x{msg_type:04x}"
+
+
+class NodeProtocol(Protocol):
+    """Frames Link F bytes for one connection of a node."""
+
+    def __init__(self, host: ConnectionHost) -> None:
+        self._host = host
+        self._decoder = FrameDecoder()
+        self._send_seq = 0
+        self._closing = False
+        self.connection: NodeConnection | None = None
+
+    @property
+    def is_open(self) -> bool:
+        return bool(self.connected) and not self._closing
+
+    def peer_name(self) -> str:
+        if self.transport is None:
+            return "a closed connection"
+        peer: IAddress = self.transport.getPeer()
+        host = getattr(peer, "host", None)
+        port = getattr(peer, "port", None)
+        return f"{host}:{port}" if host is not None else str(peer)
+
+    def connectionMade(self) -> None:
+        if ITCPTransport.providedBy(self.transport):
+            self.transport.setTcpNoDelay(True)
+        self.connection = NodeConnection(self._host, self)
+        self.connection.machine.connected()
+
+    def dataReceived(self, data: bytes) -> None:
+        if self._closing or self.connection is None:
+            return
+        try:
+            frames = self._decoder.feed(data)
+        except WireError as e:
+            self.close(f"bad frame: {e}")
+            return
+        machine = self.connection.machine
+        for frame in frames:
+            if self._closing:
+                return
+            if frame.msg_type == MsgType.HELLO:
+                try:
+                    hello = decode_frame(frame)
+                except WireError as e:
+                    self.close(f"malformed HELLO: {e}")
+                    return
+                assert isinstance(hello, Hello)
+                machine.hello(hello)
+            else:
+                machine.frame(frame)
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self._closing = True
+        if self.connection is not None:
+            self.connection.machine.lost()
+
+    def send_message(self, message: Message) -> bool:
+        if not self.is_open:
+            return False
+        self._send_seq += 1
+        assert self.transport is not None
+        self.transport.write(message_frame(message, self._send_seq))
+        return True
+
+    def close(self, reason: str) -> None:
+        """Close this connection, once, with a logged reason."""
+        if self._closing:
+            return
+        self._closing = True
+        log.info("closing the connection from {peer}: {reason}", peer=self.peer_name(),
+                 reason=reason)
+        if self.transport is not None:
+            self.transport.loseConnection()
+
+
+class NodeFactory(Factory):
+    """Builds a :class:`NodeProtocol` per connection, all sharing one node."""
+
+    noisy = False
+
+    def __init__(self, host: ConnectionHost) -> None:
+        self.host = host
+
+    def buildProtocol(self, addr: IAddress | None) -> NodeProtocol:
+        protocol = NodeProtocol(self.host)
+        protocol.factory = self
+        return protocol
