@@ -1,0 +1,324 @@
+"""Each machine of ``sfnode.machines`` alone, with a recording owner and a ``Clock``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase
+
+from sfnode.generation import EngineStop, GenerationResult
+from sfnode.machines import (
+    ConnectionCore,
+    ConnectionMachine,
+    GenerationCore,
+    GenerationMachine,
+    SessionCore,
+    SessionMachine,
+    trace_machine,
+)
+from sfnode.wire import (
+    FINISH_CANCELLED,
+    FINISH_EOS,
+    FINISH_EXPIRED,
+    FINISH_LENGTH,
+    FINISH_REFUSED,
+    Frame,
+    Hello,
+    LinkRole,
+    MsgType,
+)
+
+HELLO = Hello((2, 2), LinkRole.HEAD_DAEMON, b"")
+FRAME = Frame(int(MsgType.WATERMARK_ACK), 1, b"")
+
+
+class RecordingConnection:
+    """Records what the connection machine asks of its owner."""
+
+    def __init__(self, refuse: str | None = None) -> None:
+        self.refuse = refuse
+        self.log: list[str] = []
+
+    def check_hello(self, hello: Hello) -> str | None:
+        self.log.append("check_hello")
+        return self.refuse
+
+    def send_hello_ack(self) -> None:
+        self.log.append("send_hello_ack")
+
+    def send_status(self) -> None:
+        self.log.append("send_status")
+
+    def serve(self, frame: Frame) -> None:
+        self.log.append(f"serve {frame.seq}")
+
+    def close(self, reason: str) -> None:
+        self.log.append(f"close {reason}")
+
+    def ended(self) -> None:
+        self.log.append("ended")
+
+
+class ConnectionMachineTests(SynchronousTestCase):
+    def build(
+        self, refuse: str | None = None, handshake_ms: int = 300, idle_ms: int = 400
+    ) -> tuple[Clock, RecordingConnection, object]:
+        clock = Clock()
+        owner = RecordingConnection(refuse)
+        machine = ConnectionMachine(ConnectionCore(clock, owner, handshake_ms, idle_ms, 2000))
+        machine.connected()
+        return clock, owner, machine
+
+    def test_hello_is_answered_and_frames_are_served(self) -> None:
+        """An accepted HELLO gets HELLO_ACK_F; later frames are served in order."""
+        clock, owner, machine = self.build()
+        machine.frame(Frame(int(MsgType.KEEPALIVE), 9, b""))  # type: ignore[attr-defined]
+        machine.hello(HELLO)  # type: ignore[attr-defined]
+        machine.frame(Frame(int(MsgType.WATERMARK_ACK), 2, b""))  # type: ignore[attr-defined]
+        self.assertEqual(owner.log, ["check_hello", "send_hello_ack", "serve 2"])
+
+    def test_refused_hello_closes_with_the_reason(self) -> None:
+        """A HELLO that fails a check closes the connection, naming the check, and sends nothing."""
+        clock, owner, machine = self.build(refuse="peer is not a head daemon")
+        machine.hello(HELLO)  # type: ignore[attr-defined]
+        self.assertEqual(
+            owner.log,
+            ["check_hello", "close refused the handshake: peer is not a head daemon", "ended"],
+        )
+        machine.frame(FRAME)  # type: ignore[attr-defined]
+        self.assertEqual(len(owner.log), 3)
+
+    def test_silent_peer_dropped_after_handshake_timeout(self) -> None:
+        """No HELLO within the handshake timeout: the connection is dropped, not before."""
+        clock, owner, machine = self.build(handshake_ms=300)
+        clock.advance(0.299)
+        self.assertEqual(owner.log, [])
+        clock.advance(0.001)
+        self.assertEqual(owner.log[0][:31], "close dropped a silent connecti")
+
+    def test_zero_handshake_timeout_waits_forever(self) -> None:
+        """A handshake timeout of 0 never drops a silent connection."""
+        clock, owner, machine = self.build(handshake_ms=0)
+        clock.advance(10_000)
+        self.assertEqual(owner.log, [])
+
+    def test_idle_timeout_counts_from_the_last_frame(self) -> None:
+        """Each frame restarts the idle timeout; silence for the whole timeout drops it."""
+        clock, owner, machine = self.build(idle_ms=400)
+        machine.hello(HELLO)  # type: ignore[attr-defined]
+        clock.advance(0.3)
+        machine.frame(FRAME)  # type: ignore[attr-defined]
+        clock.advance(0.3)
+        self.assertNotIn("close dropped an idle connection", owner.log)
+        clock.advance(0.1)
+        self.assertIn("close dropped an idle connection", owner.log)
+        self.assertEqual(owner.log[-1], "ended")
+
+    def test_status_every_interval_until_lost(self) -> None:
+        """NODE_STATUS goes out every 2 s while serving and stops when the connection is lost."""
+        clock, owner, machine = self.build(idle_ms=0)
+        machine.hello(HELLO)  # type: ignore[attr-defined]
+        clock.advance(2.0)
+        clock.advance(2.0)
+        self.assertEqual(owner.log.count("send_status"), 2)
+        machine.lost()  # type: ignore[attr-defined]
+        clock.advance(10.0)
+        self.assertEqual(owner.log.count("send_status"), 2)
+        self.assertEqual(owner.log[-1], "ended")
+        self.assertEqual(clock.getDelayedCalls(), [])
+
+    def test_trace_reports_transitions(self) -> None:
+        """The trace hook names machine[old].input -> [new] for every transition."""
+        clock = Clock()
+        owner = RecordingConnection()
+        machine = ConnectionMachine(ConnectionCore(clock, owner, 300, 400, 2000))
+        seen: list[tuple[str, str, str]] = []
+        trace_machine(machine, "connection", lambda *t: seen.append(t))
+        machine.connected()
+        machine.hello(HELLO)  # type: ignore[attr-defined]
+        self.assertEqual(
+            seen,
+            [
+                ("connection[new]", "connected", "[awaiting_hello]"),
+                ("connection[awaiting_hello]", "hello", "[awaiting_hello]"),
+                ("connection[awaiting_hello]", "_hello_accepted", "[serving]"),
+            ],
+        )
+
+
+class RecordingSession:
+    def __init__(self) -> None:
+        self.log: list[tuple[str, float]] = []
+        self.clock: Clock | None = None
+
+    def send_renew(self, session_id: int) -> None:
+        assert self.clock is not None
+        self.log.append(("renew", round(self.clock.seconds(), 3)))
+
+    def self_fence(self, session_id: int) -> None:
+        assert self.clock is not None
+        self.log.append(("fence", round(self.clock.seconds(), 3)))
+
+
+class SessionMachineTests(SynchronousTestCase):
+    def build(self) -> tuple[Clock, RecordingSession, object]:
+        clock = Clock()
+        owner = RecordingSession()
+        owner.clock = clock
+        return clock, owner, SessionMachine(SessionCore(clock, owner, 7, 1000))
+
+    def test_renewals_are_throttled_then_the_lease_fences(self) -> None:
+        """Lease 10000/8000: renew at 8 s, again once a second (D3), self-fence at 10 s."""
+        clock, owner, machine = self.build()
+        machine.lease_started(10_000, 8_000)  # type: ignore[attr-defined]
+        clock.advance(8.0)
+        self.assertEqual(owner.log, [])
+        clock.advance(0.001)
+        self.assertEqual(owner.log, [("renew", 8.001)])
+        clock.advance(0.999)
+        self.assertEqual(owner.log, [("renew", 8.001)])
+        clock.advance(0.001)
+        clock.advance(1.0)
+        self.assertEqual(owner.log, [("renew", 8.001), ("renew", 9.001), ("fence", 10.001)])
+        self.assertEqual(clock.getDelayedCalls(), [])
+
+    def test_grant_restarts_the_lease(self) -> None:
+        """A grant in the renew window restarts both timers from the grant."""
+        clock, owner, machine = self.build()
+        machine.lease_started(1000, 600)  # type: ignore[attr-defined]
+        clock.advance(0.7)
+        self.assertEqual(owner.log, [("renew", 0.7)])
+        machine.lease_started(1000, 600)  # type: ignore[attr-defined]
+        clock.advance(0.6)
+        self.assertEqual(owner.log, [("renew", 0.7)])
+        clock.advance(0.002)
+        self.assertEqual(owner.log, [("renew", 0.7), ("renew", 1.302)])
+        clock.advance(0.4)
+        self.assertEqual(owner.log[-1], ("fence", 1.702))
+
+    def test_fenced_session_unfenced_by_new_lease(self) -> None:
+        """After a self-fence only a new lease (an ASSIGN) brings timers back."""
+        clock, owner, machine = self.build()
+        machine.lease_started(100, 80)  # type: ignore[attr-defined]
+        clock.advance(1.0)
+        self.assertEqual(owner.log[-1][0], "fence")
+        self.assertEqual(clock.getDelayedCalls(), [])
+        machine.lease_started(100, 80)  # type: ignore[attr-defined]
+        self.assertEqual(len(clock.getDelayedCalls()), 2)
+
+    def test_superseded_fences_without_a_self_fence_action(self) -> None:
+        """A reconcile with a higher epoch fences quietly and stops the timers."""
+        clock, owner, machine = self.build()
+        machine.lease_started(100, 80)  # type: ignore[attr-defined]
+        machine.superseded()  # type: ignore[attr-defined]
+        clock.advance(1.0)
+        self.assertEqual(owner.log, [])
+
+    def test_ended_stops_everything(self) -> None:
+        """A revoked session's machine leaves no timer behind and ignores later inputs."""
+        clock, owner, machine = self.build()
+        machine.lease_started(100, 80)  # type: ignore[attr-defined]
+        machine.ended()  # type: ignore[attr-defined]
+        machine.lease_started(100, 80)  # type: ignore[attr-defined]
+        self.assertEqual(clock.getDelayedCalls(), [])
+
+
+class RecordingGeneration:
+    def __init__(self, accept: int = 1_000_000) -> None:
+        self.accept = accept
+        self.log: list[object] = []
+
+    def emit_tokens(self, tokens: Sequence[int]) -> bool:
+        if self.accept <= 0:
+            self.log.append("refused")
+            return False
+        self.accept -= 1
+        self.log.append(list(tokens))
+        return True
+
+    def emit_finish(self, reason: int) -> None:
+        self.log.append(("finish", reason))
+
+    def stop_engine(self) -> None:
+        self.log.append("stop_engine")
+
+    def fail(self, reason: str) -> None:
+        self.log.append(("fail", reason))
+
+    def done(self) -> None:
+        self.log.append("done")
+
+
+class GenerationMachineTests(SynchronousTestCase):
+    def build(self, accept: int = 1_000_000) -> tuple[Clock, RecordingGeneration, object]:
+        clock = Clock()
+        owner = RecordingGeneration(accept)
+        return clock, owner, GenerationMachine(GenerationCore(clock, owner, 16, 200))
+
+    def test_sixteen_tokens_flush_at_once(self) -> None:
+        """Coalescing: the 16th pending token flushes one event immediately."""
+        clock, owner, machine = self.build()
+        for t in range(16):
+            machine.tokens([t])  # type: ignore[attr-defined]
+        self.assertEqual(owner.log, [list(range(16))])
+
+    def test_slow_tokens_flush_after_200_ms(self) -> None:
+        """Fewer than 16 tokens are flushed 200 ms after the last flush, by a timer."""
+        clock, owner, machine = self.build()
+        machine.tokens([1])  # type: ignore[attr-defined]
+        clock.advance(0.1)
+        machine.tokens([2])  # type: ignore[attr-defined]
+        clock.advance(0.099)
+        self.assertEqual(owner.log, [])
+        clock.advance(0.001)
+        self.assertEqual(owner.log, [[1, 2]])
+
+    def test_finish_flushes_then_reports_the_reason(self) -> None:
+        """Each engine stop maps to its Finish reason after a final flush."""
+        for stop, reason in [
+            (EngineStop.EOS, FINISH_EOS),
+            (EngineStop.LENGTH, FINISH_LENGTH),
+            (EngineStop.EXPIRED, FINISH_EXPIRED),
+            (EngineStop.CANCELLED, FINISH_CANCELLED),
+        ]:
+            clock, owner, machine = self.build()
+            machine.tokens([5, 6])  # type: ignore[attr-defined]
+            machine.finished(GenerationResult((5, 6), stop))  # type: ignore[attr-defined]
+            self.assertEqual(owner.log, [[5, 6], ("finish", reason), "done"])
+            self.assertEqual(clock.getDelayedCalls(), [])
+
+    def test_cancel_flushes_pending_and_drops_later_tokens(self) -> None:
+        """Cancel: pending tokens go out, the engine is stopped, later tokens are never sent,
+        and the Finish says CANCELLED whatever the engine reports."""
+        clock, owner, machine = self.build()
+        machine.tokens([1, 2])  # type: ignore[attr-defined]
+        machine.cancel()  # type: ignore[attr-defined]
+        machine.tokens([3])  # type: ignore[attr-defined]
+        machine.finished(GenerationResult((1, 2, 3), EngineStop.LENGTH))  # type: ignore[attr-defined]
+        self.assertEqual(
+            owner.log, [[1, 2], "stop_engine", ("finish", FINISH_CANCELLED), "done"]
+        )
+
+    def test_fenced_emit_stops_without_finish(self) -> None:
+        """An emit refused by the session state stops the engine and sends no Finish."""
+        clock, owner, machine = self.build(accept=1)
+        machine.tokens(list(range(16)))  # type: ignore[attr-defined]
+        machine.tokens(list(range(16)))  # type: ignore[attr-defined]
+        machine.tokens([1])  # type: ignore[attr-defined]
+        machine.finished(GenerationResult((), EngineStop.LENGTH))  # type: ignore[attr-defined]
+        self.assertEqual(owner.log, [list(range(16)), "refused", "stop_engine", "done"])
+
+    def test_refusal_before_any_token(self) -> None:
+        """An engine refusal gives FINISH_REFUSED."""
+        clock, owner, machine = self.build()
+        machine.refused()  # type: ignore[attr-defined]
+        self.assertEqual(owner.log, [("finish", FINISH_REFUSED), "done"])
+
+    def test_engine_failure_fails_the_connection(self) -> None:
+        """An engine error asks the owner to fail (close the asking connection), no Finish."""
+        clock, owner, machine = self.build()
+        machine.tokens([1])  # type: ignore[attr-defined]
+        machine.failed("boom")  # type: ignore[attr-defined]
+        self.assertEqual(owner.log, [("fail", "boom"), "done"])
+        self.assertEqual(clock.getDelayedCalls(), [])
