@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import enum
 import struct
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
 
 import msgpack
 
@@ -47,6 +48,7 @@ U32_MAX = 0xFFFF_FFFF
 U64_MAX = 0xFFFF_FFFF_FFFF_FFFF
 
 _ENVELOPE = struct.Struct("<IHHQQB")
+_LENGTH = struct.Struct("<I")
 
 
 class MsgType(enum.IntEnum):
@@ -126,8 +128,7 @@ class PayloadError(WireError):
 # Envelope
 
 
-@dataclass(frozen=True, slots=True)
-class Frame:
+class Frame(NamedTuple):
     """One decoded envelope; the payload is not decoded yet."""
 
     msg_type: int
@@ -157,6 +158,8 @@ class FrameDecoder:
 
     def __init__(self) -> None:
         self._buffer = bytearray()
+        self._needed = 4
+        """Bytes the buffer must hold before the next frame can be complete."""
 
     @property
     def buffered(self) -> int:
@@ -165,25 +168,34 @@ class FrameDecoder:
 
     def feed(self, data: bytes) -> list[Frame]:
         """Add bytes; return every frame they complete, in order."""
-        buffer = self._buffer
-        buffer += data
+        if self._buffer:
+            self._buffer += data
+            if len(self._buffer) < self._needed:
+                return []
+            buffer = bytes(self._buffer)
+        else:
+            buffer = bytes(data)
+        self._needed = 4
         frames: list[Frame] = []
         offset = 0
         available = len(buffer)
+        unpack_length = _LENGTH.unpack_from
+        unpack_envelope = _ENVELOPE.unpack_from
         try:
             while available - offset >= 4:
-                (length,) = struct.unpack_from("<I", buffer, offset)
+                (length,) = unpack_length(buffer, offset)
                 if length < HEADER_LEN:
                     raise BadLength(f"frame length {length} is below the header length 21")
                 if length > MAX_FRAME:
                     raise FrameTooLarge(f"frame length {length} exceeds MAX_FRAME {MAX_FRAME}")
                 end = offset + 4 + length
                 if end > available:
+                    self._needed = 4 + length
                     break
-                _, _, msg_type, seq, _, cls = _ENVELOPE.unpack_from(buffer, offset)
-                payload = bytes(buffer[offset + 4 + HEADER_LEN : end])
+                _, _, msg_type, seq, _, cls = unpack_envelope(buffer, offset)
+                payload = buffer[offset + 25 : end]
                 offset = end
-                if cls != frame_class(msg_type):
+                if cls != (1 if msg_type & DROPPABLE_BIT else 0):
                     raise ClassRangeMismatch(f"type 0x{msg_type:04x} arrived with class {cls}")
                 if msg_type not in _KNOWN_TYPES:
                     if msg_type & DROPPABLE_BIT:
@@ -191,7 +203,7 @@ class FrameDecoder:
                     raise UnknownRequiredType(f"unknown required message type 0x{msg_type:04x}")
                 frames.append(Frame(msg_type, seq, payload))
         finally:
-            del buffer[:offset]
+            self._buffer = bytearray(buffer[offset:]) if offset < len(buffer) else bytearray()
         return frames
 
     def finish(self) -> None:
@@ -306,22 +318,38 @@ class ArrayOf(Codec[tuple[T, ...]]):
         return tuple([self.item.decode(v) for v in obj])
 
 
+_INT_ONLY = frozenset({int})
+
+
 class U32Array(Codec[tuple[int, ...]]):
     """``Vec<u32>``: the hot path of token events, checked without a per-item call."""
 
     def encode(self, value: tuple[int, ...]) -> Any:
-        items = list(value)
-        for v in items:
-            if type(v) is not int or not 0 <= v <= U32_MAX:
-                raise PayloadError(f"{v!r} does not fit u32")
-        return items
+        self.check(value)
+        return value
+
+    @staticmethod
+    def check(items: Sequence[Any]) -> None:
+        """Every item an int (not a bool) in u32 range.
+
+        ``array("I")`` checks range and type in C but takes bools for 0 and 1; only a list
+        that holds a value equal to 0 or 1 is walked item by item to rule them out.
+        """
+        try:
+            array("I", items)
+            valid = not (True in items or False in items) or not any(
+                type(v) is bool for v in items
+            )
+        except (OverflowError, TypeError):
+            valid = False
+        if not valid:
+            bad = next(v for v in items if type(v) is not int or not 0 <= v <= U32_MAX)
+            raise PayloadError(f"{bad!r} is not a u32")
 
     def decode(self, obj: Any) -> tuple[int, ...]:
         if type(obj) is not list:
             raise PayloadError(f"expected array, got {type(obj).__name__}")
-        for v in obj:
-            if type(v) is not int or not 0 <= v <= U32_MAX:
-                raise PayloadError(f"{v!r} is not a u32")
+        self.check(obj)
         return tuple(obj)
 
 
@@ -393,9 +421,21 @@ class Struct:
 
     FIELDS: ClassVar[tuple[Codec[Any], ...]] = ()
 
+    @classmethod
+    def _field_names(cls) -> tuple[str, ...]:
+        names: tuple[str, ...] | None = cls.__dict__.get("_NAMES")
+        if names is None:
+            names = tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
+            if len(names) != len(cls.FIELDS):
+                raise TypeError(f"{cls.__name__}: {len(names)} fields, {len(cls.FIELDS)} codecs")
+            type.__setattr__(cls, "_NAMES", names)
+        return names
+
     def to_wire(self) -> list[Any]:
-        values = [getattr(self, f.name) for f in fields(self)]  # type: ignore[arg-type]
-        return [codec.encode(v) for codec, v in zip(self.FIELDS, values, strict=True)]
+        return [
+            codec.encode(getattr(self, name))
+            for codec, name in zip(self.FIELDS, self._field_names())
+        ]
 
     @classmethod
     def from_wire(cls: type[S], obj: Any) -> S:
@@ -433,10 +473,21 @@ def _unreadable_ext(code: int, _data: bytes) -> Any:
     raise PayloadError(f"msgpack extension type {code} is not used on Link F")
 
 
+def _holds_timestamp(obj: Any) -> bool:
+    pending = [obj]
+    while pending:
+        item = pending.pop()
+        if type(item) is list:
+            pending.extend(item)
+        elif type(item) is msgpack.Timestamp:
+            return True
+    return False
+
+
 def unpack(payload: bytes) -> Any:
     """One msgpack object, strictly: no maps, no extensions, no trailing bytes."""
     try:
-        return msgpack.unpackb(
+        obj = msgpack.unpackb(
             payload,
             raw=False,
             use_list=True,
@@ -448,11 +499,22 @@ def unpack(payload: bytes) -> Any:
         raise
     except (ValueError, TypeError, msgpack.UnpackException) as e:
         raise PayloadError(f"not one msgpack object: {e}") from e
+    # msgpack decodes extension type -1 (timestamp) itself, without calling ext_hook; every
+    # encoding of it carries the type byte 0xff, so only payloads holding that byte are walked.
+    if b"\xff" in payload and _holds_timestamp(obj):
+        raise PayloadError("msgpack extension type -1 (timestamp) is not used on Link F")
+    return obj
+
+
+_PACKER = msgpack.Packer(use_bin_type=True, use_single_float=True)
 
 
 def pack(obj: Any) -> bytes:
     """msgpack bytes of ``obj``; floats are float32, the only floats Link F carries."""
-    return msgpack.packb(obj, use_bin_type=True, use_single_float=True)  # type: ignore[no-any-return]
+    try:
+        return _PACKER.pack(obj)  # type: ignore[no-any-return]
+    except (ValueError, TypeError, OverflowError) as e:
+        raise PayloadError(f"cannot encode {type(obj).__name__}: {e}") from e
 
 
 # --------------------------------------------------------------------------------------------
@@ -582,7 +644,12 @@ class MemCountersMsg(Struct):
 # TokenEventPayload: a tagged union (M11).
 
 
-@dataclass(frozen=True, slots=True)
+# The token-event classes below are the hot path of Link F (one per event, both ends).  They
+# are plain (not frozen) slotted dataclasses because a frozen one costs three times as much to
+# build (bench/wire.py); treat them as values all the same.
+
+
+@dataclass(slots=True)
 class Tokens:
     tokens: tuple[int, ...]
 
@@ -598,7 +665,7 @@ class Usage:
     usage: UsageMsg
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Finish:
     reason: int
 
@@ -611,12 +678,19 @@ _USAGE = UsageMsg.as_codec()
 
 class TokenEventPayloadCodec(Codec[TokenEventPayload]):
     def encode(self, value: TokenEventPayload) -> Any:
-        if isinstance(value, Tokens):
-            return [0, U32S.encode(value.tokens)]
+        if type(value) is Tokens:
+            # On the way out, array("I") is check enough: it refuses floats, strings,
+            # negatives and values past u32.  Receivers do the full check.
+            try:
+                array("I", value.tokens)
+            except (OverflowError, TypeError) as e:
+                raise PayloadError(f"Tokens {value.tokens!r} do not fit u32: {e}") from e
+            return [0, value.tokens]
         if isinstance(value, Segment):
             return [1, _SEGMENT_KIND.encode(value.kind), BIN.encode(value.data)]
         if isinstance(value, Usage):
             return [2, _USAGE.encode(value.usage)]
+        assert isinstance(value, Finish)
         return [3, U32.encode(value.reason)]
 
     def decode(self, obj: Any) -> TokenEventPayload:
@@ -624,7 +698,11 @@ class TokenEventPayloadCodec(Codec[TokenEventPayload]):
             raise PayloadError("expected a TokenEventPayload array")
         tag = obj[0]
         if tag == 0 and len(obj) >= 2 and type(tag) is int:
-            return Tokens(U32S.decode(obj[1]))
+            tokens = obj[1]
+            if type(tokens) is not list:
+                raise PayloadError("Tokens: expected an array")
+            U32Array.check(tokens)
+            return Tokens(tuple(tokens))
         if tag == 1 and len(obj) >= 3 and type(tag) is int:
             return Segment(_SEGMENT_KIND.decode(obj[1]), BIN.decode(obj[2]))
         if tag == 2 and len(obj) >= 2 and type(tag) is int:
@@ -634,7 +712,7 @@ class TokenEventPayloadCodec(Codec[TokenEventPayload]):
         raise PayloadError(f"bad TokenEventPayload {obj[:1]!r} of {len(obj)} elements")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TokenEvent(Struct):
     session_id: int
     epoch: int
@@ -795,11 +873,80 @@ class GenerateCancelMsg(Message):
     FIELDS = (U64, U64)
 
 
-@dataclass(frozen=True, slots=True)
+_EVENT_PAYLOAD = TokenEventPayloadCodec()
+
+
+def _all_u64(a: Any, b: Any, c: Any, d: Any) -> bool:
+    """Four ints (not bools) in u64 range, checked inline for the hot path."""
+    return (
+        type(a) is int
+        and type(b) is int
+        and type(c) is int
+        and type(d) is int
+        and a >= 0
+        and b >= 0
+        and c >= 0
+        and d >= 0
+        and (a | b | c | d) <= U64_MAX
+    )
+
+
+@dataclass(slots=True)
 class TokenEventsMsg(Message):
+    """The node's token events.  The hot path of Link F: its codec is written out by hand,
+    with the same checks the generic codec makes."""
+
     events: tuple[TokenEvent, ...]
     MSG_TYPE = MsgType.TOKEN_EVENTS
     FIELDS = (ArrayOf(TokenEvent.as_codec()),)
+
+    def to_wire(self) -> list[Any]:
+        encode_payload = _EVENT_PAYLOAD.encode
+        out = []
+        for e in self.events:
+            s, ep, g, q = e.session_id, e.epoch, e.generation_id, e.event_seq
+            if not _all_u64(s, ep, g, q):
+                raise PayloadError(f"TokenEvent ids {(s, ep, g, q)!r} do not fit u64")
+            out.append([s, ep, g, q, encode_payload(e.payload)])
+        return [out]
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> TokenEventsMsg:
+        if type(obj) is not list or not obj or type(obj[0]) is not list:
+            raise PayloadError("TokenEventsMsg: expected [[event, ...]]")
+        decode_payload = _EVENT_PAYLOAD.decode
+        events = []
+        for e in obj[0]:
+            if type(e) is not list or len(e) < 5:
+                raise PayloadError("TokenEvent: expected an array of 5 fields")
+            s = e[0]
+            ep = e[1]
+            g = e[2]
+            q = e[3]
+            p = e[4]
+            if not (
+                type(s) is int
+                and type(ep) is int
+                and type(g) is int
+                and type(q) is int
+                and s >= 0
+                and ep >= 0
+                and g >= 0
+                and q >= 0
+            ):
+                # msgpack holds no integer above u64, so non-negative ints are all in range.
+                raise PayloadError(f"TokenEvent: ids {(s, ep, g, q)!r} are not all u64")
+            # The common case, Tokens, is decoded inline; the codec does the rest.
+            if type(p) is list and len(p) >= 2 and p[0] == 0 and type(p[0]) is int:
+                tokens = p[1]
+                if type(tokens) is not list:
+                    raise PayloadError("Tokens: expected an array")
+                U32Array.check(tokens)
+                payload: TokenEventPayload = Tokens(tuple(tokens))
+            else:
+                payload = decode_payload(p)
+            events.append(TokenEvent(s, ep, g, q, payload))
+        return cls(tuple(events))
 
 
 @dataclass(frozen=True, slots=True)
@@ -933,20 +1080,22 @@ MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
 }  # fmt: skip
 
 
+_CLASS_BY_NUMBER: dict[int, type[Message]] = {int(t): c for t, c in MESSAGE_CLASSES.items()}
+
+
 def decode_message(msg_type: int, payload: bytes) -> Message:
     """The typed message of a frame's payload; :class:`PayloadError` when it is malformed."""
-    try:
-        cls = MESSAGE_CLASSES[MsgType(msg_type)]
-    except ValueError:
-        raise UnknownRequiredType(f"unknown message type 0x{msg_type:04x}") from None
+    cls = _CLASS_BY_NUMBER.get(msg_type)
+    if cls is None:
+        raise UnknownRequiredType(f"unknown message type 0x{msg_type:04x}")
     if cls is Keepalive:
         return Keepalive()
     return cls.from_wire(unpack(payload))
 
 
 def decode_frame(frame: Frame) -> Message:
-    """Shorthand for :func:`decode_message` on a decoded frame."""
-    return decode_message(frame.msg_type, frame.payload)
+    """The typed message of a decoded frame (:func:`decode_message`)."""
+    return decode_message(frame[0], frame[2])
 
 
 def message_frame(message: Message, seq: int) -> bytes:
