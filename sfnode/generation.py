@@ -271,8 +271,13 @@ class MockEngine:
         """Nothing to start: the mock runs on the reactor."""
 
     def stop(self) -> defer.Deferred[None]:
+        """End every generation at once with CANCELLED and leave no timer behind."""
+        if self._step_call is not None and self._step_call.active():
+            self._step_call.cancel()
+        self._step_call = None
         for generation in [*self._lanes, *self._queue]:
-            generation.cancel()
+            generation.cancelled = True
+            self._finish(generation, EngineStop.CANCELLED)
         return defer.succeed(None)
 
     def submit(self, request: GenerationRequest, on_tokens: TokenSink) -> Generation:

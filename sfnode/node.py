@@ -16,7 +16,7 @@ is given.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,18 +154,25 @@ class NodeAgent:
         self._busy = BusyTimer()
         self._rates = RateTracker()
         self._host_memory_bytes = int(psutil.virtual_memory().total)
+        self._factory = NodeFactory(self)
 
     # ------------------------------------------------------------------ life cycle
 
     def factory(self) -> NodeFactory:
-        """A protocol factory for listening or dialing; every connection shares this node."""
-        return NodeFactory(self)
+        """The protocol factory for listening or dialing; every connection shares this node."""
+        return self._factory
 
     def start(self) -> None:
         self.engine.start()
 
-    def stop(self) -> defer.Deferred[None]:
-        return self.engine.stop()
+    @defer.inlineCallbacks
+    def stop(self) -> Generator[defer.Deferred[Any], Any, None]:
+        """Close every connection, stop every lease timer and the engine."""
+        yield self._factory.close_all("the node is stopping")
+        for node_session in self._sessions.values():
+            node_session.machine.ended()
+        self._sessions.clear()
+        yield self.engine.stop()
 
     def now_ms(self) -> int:
         """Monotonic milliseconds since this node was created (LINKF 5.1)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Protocol as TypingProtocol
 
+from twisted.internet.defer import Deferred, gatherResults
 from twisted.internet.interfaces import IAddress, IReactorTime, ITCPTransport
 from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.logger import Logger
@@ -138,6 +139,8 @@ class NodeProtocol(Protocol):
         self._send_seq = 0
         self._closing = False
         self.connection: NodeConnection | None = None
+        self.lost: Deferred[None] = Deferred()
+        """Fires once the transport is gone."""
 
     @property
     def is_open(self) -> bool:
@@ -182,8 +185,13 @@ class NodeProtocol(Protocol):
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self._closing = True
-        if self.connection is not None:
-            self.connection.machine.lost()
+        try:
+            if self.connection is not None:
+                self.connection.machine.lost()
+        finally:
+            if isinstance(self.factory, NodeFactory):
+                self.factory.protocols.discard(self)
+            self.lost.callback(None)
 
     def send_message(self, message: Message) -> bool:
         if not self.is_open:
@@ -211,8 +219,18 @@ class NodeFactory(Factory):
 
     def __init__(self, host: ConnectionHost) -> None:
         self.host = host
+        self.protocols: set[NodeProtocol] = set()
+        """Every connection not yet lost, handshaken or not."""
 
     def buildProtocol(self, addr: IAddress | None) -> NodeProtocol:
         protocol = NodeProtocol(self.host)
         protocol.factory = self
+        self.protocols.add(protocol)
         return protocol
+
+    def close_all(self, reason: str) -> Deferred[None]:
+        """Close every connection; fires when all of them are gone."""
+        waiting = [p.lost for p in list(self.protocols)]
+        for protocol in list(self.protocols):
+            protocol.close(reason)
+        return gatherResults(waiting).addCallback(lambda _: None)

@@ -1,0 +1,207 @@
+"""A real node on loopback TCP for tests: a NodeAgent with a mock engine, and head links to it.
+
+Used by the node conformance tests (LINKF section 8) and anything else that needs a live node.
+Everything it starts is stopped by the test's cleanups, so the reactor is left clean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from typing import Any
+
+from twisted.internet import defer, reactor
+from twisted.internet.endpoints import TCP4ServerEndpoint
+from twisted.internet.interfaces import IListeningPort
+from twisted.trial.unittest import TestCase
+
+from sfnode.config import NodeConfig
+from sfnode.generation import MockEngine, mock_next_token
+from sfnode.head.link import HeadIds, NodeLink, connect_node
+from sfnode.node import NodeAgent
+
+
+def expected_tokens(context: Sequence[int], count: int) -> list[int]:
+    """What the mock engine generates greedily from ``context``: the local reference run."""
+    context = list(context)
+    out = []
+    for _ in range(count):
+        token = mock_next_token(context)
+        context.append(token)
+        out.append(token)
+    return out
+
+
+class RunningNode:
+    """A node listening on 127.0.0.1 with a free port."""
+
+    def __init__(self, agent: NodeAgent, engine: MockEngine, port: IListeningPort) -> None:
+        self.agent = agent
+        self.engine = engine
+        self.port = port
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp:127.0.0.1:{self.port.getHost().port}"  # type: ignore[attr-defined]
+
+    @property
+    def port_number(self) -> int:
+        return int(self.port.getHost().port)  # type: ignore[attr-defined]
+
+
+class NodeTestCase(TestCase):
+    """A trial TestCase that can start nodes and dial them with head links."""
+
+    def setUp(self) -> None:
+        self.ids = HeadIds()
+
+    @defer.inlineCallbacks
+    def start_node(
+        self,
+        *,
+        identity: str = "node-1",
+        context_window: int = 4096,
+        max_lanes: int = 8,
+        token_delay_s: float = 0.0,
+        poison_token: int | None = None,
+        eos_token_id: int | None = None,
+        **config: Any,
+    ) -> Generator[defer.Deferred[Any], Any, RunningNode]:
+        engine = MockEngine(
+            reactor,
+            context_window=context_window,
+            max_lanes=max_lanes,
+            token_delay_s=token_delay_s,
+            poison_token=poison_token,
+            eos_token_id=eos_token_id,
+        )
+        agent = NodeAgent(
+            reactor,
+            engine,
+            NodeConfig(identity=identity, model_name="mock", max_lanes=max_lanes, **config),
+        )
+        agent.start()
+        port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(
+            agent.factory()
+        )
+        # Cleanups run last-in first-out: links close, then the port, then the node.
+        self.addCleanup(agent.stop)
+        self.addCleanup(port.stopListening)
+        return RunningNode(agent, engine, port)
+
+    @defer.inlineCallbacks
+    def dial(
+        self, node: RunningNode, token: bytes = b"", **kwargs: Any
+    ) -> Generator[defer.Deferred[Any], Any, NodeLink]:
+        link = yield connect_node(reactor, node.endpoint, ids=self.ids, token=token, **kwargs)
+        self.addCleanup(link.close)
+        return link
+
+
+class RawHead:
+    """A scripted head that sends exactly what a test says and records every message.
+
+    Unlike :class:`~sfnode.head.link.NodeLink` it acknowledges nothing and grants nothing on
+    its own, so a test can hold back acks and grants, replay commands and send bad bytes.
+    """
+
+    def __init__(self) -> None:
+        from twisted.internet.protocol import Protocol
+
+        from sfnode.wire import FrameDecoder, decode_frame
+
+        head = self
+        self.received: list[Any] = []
+        self.lost: defer.Deferred[None] = defer.Deferred()
+        self._waiters: list[tuple[Any, defer.Deferred[Any]]] = []
+        self._seq = 0
+
+        class _Protocol(Protocol):
+            def __init__(self) -> None:
+                self.decoder = FrameDecoder()
+
+            def dataReceived(self, data: bytes) -> None:
+                for frame in self.decoder.feed(data):
+                    head._deliver(decode_frame(frame))
+
+            def connectionLost(self, reason: Any = None) -> None:
+                head.lost.callback(None)
+
+        self.protocol = _Protocol()
+
+    @classmethod
+    @defer.inlineCallbacks
+    def connect(
+        cls, test: TestCase, node: RunningNode
+    ) -> Generator[defer.Deferred[Any], Any, RawHead]:
+        from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+
+        head = cls()
+        endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", node.port_number)
+        yield connectProtocol(endpoint, head.protocol)
+
+        def close() -> defer.Deferred[None]:
+            if not head.lost.called:
+                head.protocol.transport.loseConnection()
+            return head.lost
+
+        test.addCleanup(close)
+        return head
+
+    def send(self, message: Any) -> None:
+        from sfnode.wire import message_frame
+
+        self._seq += 1
+        self.protocol.transport.write(message_frame(message, self._seq))
+
+    def send_bytes(self, data: bytes) -> None:
+        self.protocol.transport.write(data)
+
+    def hello(self, token: bytes = b"") -> defer.Deferred[Any]:
+        from sfnode.wire import Hello, HelloAckF, LinkRole
+
+        self.send(Hello((2, 2), LinkRole.HEAD_DAEMON, token))
+        return self.wait_for(lambda m: isinstance(m, HelloAckF))
+
+    def wait_for(self, predicate: Any) -> defer.Deferred[Any]:
+        """Fires with the first message (already received or still to come) that matches."""
+        for message in self.received:
+            if predicate(message):
+                return defer.succeed(message)
+        d: defer.Deferred[Any] = defer.Deferred()
+        self._waiters.append((predicate, d))
+        return d
+
+    def events(self, session_id: int, generation_id: int) -> list[Any]:
+        from sfnode.wire import TokenEventsMsg
+
+        return [
+            e
+            for m in self.received
+            if isinstance(m, TokenEventsMsg)
+            for e in m.events
+            if (e.session_id, e.generation_id) == (session_id, generation_id)
+        ]
+
+    def _deliver(self, message: Any) -> None:
+        self.received.append(message)
+        for waiter in list(self._waiters):
+            predicate, d = waiter
+            if predicate(message):
+                self._waiters.remove(waiter)
+                d.callback(message)
+
+
+def finish_of(session_id: int, generation_id: int, reason: int | None = None) -> Any:
+    """A RawHead predicate: a TOKEN_EVENTS batch holding the Finish of this generation (with
+    this reason, when one is given)."""
+    from sfnode.wire import Finish, TokenEventsMsg
+
+    def predicate(message: Any) -> bool:
+        return isinstance(message, TokenEventsMsg) and any(
+            (e.session_id, e.generation_id) == (session_id, generation_id)
+            and isinstance(e.payload, Finish)
+            and (reason is None or e.payload.reason == reason)
+            for e in message.events
+        )
+
+    return predicate

@@ -1,0 +1,674 @@
+"""Node behaviours of LINKF section 8 over real loopback TCP: the head library against a node.
+
+Each test names the upstream scenario it follows ("item N" of LINKF section 8) or the decision
+of this edition it pins (D2: no blocking, no dropped frames).  The node runs the mock engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import Any
+
+from twisted.internet import defer, reactor, task
+
+from sfnode.generation import MockEngineFault
+from sfnode.head.link import LinkLostError, NodeRefusedError
+from sfnode.wire import (
+    FINISH_CANCELLED,
+    FINISH_DECLINED,
+    FINISH_EOS,
+    FINISH_EXPIRED,
+    FINISH_LENGTH,
+    FINISH_REFUSED,
+    AppendContentMsg,
+    Finish,
+    GenerateReqMsg,
+    GenerationBudgetsMsg,
+    GenerationWatermark,
+    Hello,
+    Lease,
+    LeaseGrantMsg,
+    LeaseRenewMsg,
+    LeaseStateMsg,
+    LinkRole,
+    NodeStatusMsg,
+    ReconcileAckMsg,
+    ReconcileMsg,
+    SessionAssignMsg,
+    SessionReconcileState,
+    Tokens,
+    TokenEventsMsg,
+    WatermarkAckMsg,
+    encode_tokens,
+)
+from tests.nodefixture import NodeTestCase, RawHead, expected_tokens, finish_of
+
+PROMPT = list(range(100, 112))
+LONG_LEASE = Lease(60_000, 45_000)
+Gen = Generator[defer.Deferred[Any], Any, None]
+
+
+def wait(seconds: float) -> defer.Deferred[None]:
+    """Let real time pass on the reactor (only for tests of real timeouts)."""
+    return task.deferLater(reactor, seconds, lambda: None)
+
+
+def assign_raw(head: RawHead, command: int, session: int, epoch: int, lease: Lease = LONG_LEASE) -> None:
+    head.send(SessionAssignMsg(command, session, epoch, lease, "", b"", 0, 0))
+
+
+class GenerationTests(NodeTestCase):
+    @defer.inlineCallbacks
+    def test_generation_matches_local_run(self) -> Gen:
+        """Item 19: 16 tokens equal a local run, one Finish, events <= tokens + 1, and the
+        HELLO_ACK_F names the model "mock"."""
+        node = yield self.start_node()
+        link = yield self.dial(node)
+        self.assertEqual(link.models, ("mock",))
+        link.assign(1)
+        link.append(1, PROMPT)
+        call = link.generate(1, 16)
+        outcome = yield call.result
+        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 16))
+        self.assertEqual(outcome.finish, FINISH_LENGTH)
+        events = link.head_session.committed(1, call.epoch, call.generation_id)
+        self.assertEqual(sum(isinstance(e.payload, Finish) for e in events), 1)
+        self.assertLessEqual(len(events), 16 + 1)
+
+    @defer.inlineCallbacks
+    def test_two_generations_share_one_connection(self) -> Gen:
+        """D2: two generations on one connection run together and both finish correctly."""
+        node = yield self.start_node(token_delay_s=0.001)
+        link = yield self.dial(node)
+        link.assign(1)
+        link.append(1, PROMPT)
+        link.assign(2)
+        link.append(2, [7, 8, 9])
+        first = link.generate(1, 40)
+        second = link.generate(2, 25)
+        a, b = yield defer.gatherResults([first.result, second.result])
+        self.assertEqual(a.tokens, expected_tokens(PROMPT, 40))
+        self.assertEqual(b.tokens, expected_tokens([7, 8, 9], 25))
+        self.assertEqual((a.finish, b.finish), (FINISH_LENGTH, FINISH_LENGTH))
+        self.assertEqual(len(node.agent.connections), 1)
+
+    @defer.inlineCallbacks
+    def test_concurrent_streams_on_two_nodes(self) -> Gen:
+        """Items 28 and 40: eight concurrent streams spread over two nodes are all correct."""
+        links = []
+        for i in range(2):
+            node = yield self.start_node(identity=f"n{i}")
+            links.append((yield self.dial(node)))
+        calls = []
+        for session in range(8):
+            link = links[session % 2]
+            link.assign(session)
+            link.append(session, [session, session + 1])
+            calls.append(link.generate(session, 20))
+        outcomes = yield defer.gatherResults([c.result for c in calls])
+        for session, outcome in enumerate(outcomes):
+            self.assertEqual(outcome.tokens, expected_tokens([session, session + 1], 20))
+
+    @defer.inlineCallbacks
+    def test_cancel_mid_stream(self) -> Gen:
+        """Item 51: a cancel after >= 5 tokens ends the stream with CANCELLED, far short of
+        its budget, and the tokens sent are a prefix of the full run."""
+        node = yield self.start_node(token_delay_s=0.002)
+        link = yield self.dial(node)
+        link.assign(1)
+        link.append(1, PROMPT)
+        seen: list[int] = []
+
+        def on_tokens(tokens: Any) -> None:
+            seen.extend(tokens)
+            if len(seen) >= 5:
+                call.cancel()
+
+        call = link.generate(1, 1_000_000, on_tokens=on_tokens)
+        outcome = yield call.result
+        self.assertEqual(outcome.finish, FINISH_CANCELLED)
+        self.assertGreaterEqual(len(outcome.tokens), 5)
+        self.assertLess(len(outcome.tokens), 1000)
+        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, len(outcome.tokens)))
+        self.assertEqual(node.agent.running_generations, 0)
+
+    @defer.inlineCallbacks
+    def test_refusal_keeps_the_link(self) -> Gen:
+        """Item 22: a prompt longer than the window (64) gets FINISH_REFUSED and no token; the
+        same connection then serves a fitting session."""
+        node = yield self.start_node(context_window=64)
+        link = yield self.dial(node)
+        self.assertEqual(link.hello_ack.capacity.max_context_tokens, 64)
+        link.assign(1)
+        link.append(1, list(range(96)))
+        refused = yield link.generate(1, 4).result
+        self.assertEqual((refused.tokens, refused.finish), ([], FINISH_REFUSED))
+        link.assign(2)
+        link.append(2, PROMPT)
+        served = yield link.generate(2, 4).result
+        self.assertEqual(served.tokens, expected_tokens(PROMPT, 4))
+
+    @defer.inlineCallbacks
+    def test_length_at_the_window(self) -> Gen:
+        """A generation that reaches the context window stops there with LENGTH."""
+        node = yield self.start_node(context_window=20)
+        link = yield self.dial(node)
+        link.assign(1)
+        link.append(1, PROMPT)
+        outcome = yield link.generate(1, 100).result
+        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 8))
+        self.assertEqual(outcome.finish, FINISH_LENGTH)
+
+    @defer.inlineCallbacks
+    def test_wall_budget_expires(self) -> Gen:
+        """A generation past its max_wall_ms ends with FINISH_EXPIRED after the tokens it made."""
+        node = yield self.start_node(token_delay_s=0.005)
+        link = yield self.dial(node)
+        link.assign(1)
+        link.append(1, PROMPT)
+        outcome = yield link.generate(1, 1_000_000, max_wall_ms=60).result
+        self.assertEqual(outcome.finish, FINISH_EXPIRED)
+        self.assertLess(len(outcome.tokens), 1000)
+        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, len(outcome.tokens)))
+
+    @defer.inlineCallbacks
+    def test_eos_is_the_last_token(self) -> Gen:
+        """D6: when the model emits its EOS id, that id is the last token and the finish is EOS."""
+        reference = expected_tokens(PROMPT, 6)
+        node = yield self.start_node(eos_token_id=reference[5])
+        link = yield self.dial(node)
+        link.assign(1)
+        link.append(1, PROMPT)
+        outcome = yield link.generate(1, 50).result
+        self.assertEqual(outcome.tokens, reference)
+        self.assertEqual(outcome.finish, FINISH_EOS)
+
+    @defer.inlineCallbacks
+    def test_engine_failure_closes_only_that_connection(self) -> Gen:
+        """LINKF 6.7: an engine error closes the connection that asked; another connection's
+        session is untouched and the node keeps serving."""
+        node = yield self.start_node(poison_token=666)
+        healthy = yield self.dial(node)
+        doomed = yield self.dial(node)
+        healthy.assign(1)
+        healthy.append(1, PROMPT)
+        doomed.assign(2)
+        doomed.append(2, [1, 666])
+        closed = doomed.when_closed()
+        failed = doomed.generate(2, 5)
+        yield closed
+        yield self.assertFailure(failed.result, LinkLostError)
+        outcome = yield healthy.generate(1, 8).result
+        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 8))
+        self.assertEqual(len(self.flushLoggedErrors(MockEngineFault)), 1)
+
+
+class SessionTests(NodeTestCase):
+    @defer.inlineCallbacks
+    def test_assign_is_idempotent_and_epochs_absolute(self) -> Gen:
+        """Item 8: a replayed ASSIGN and a lower epoch are refused (silently): generating at
+        the refused epoch is declined, at the held epoch it runs."""
+        node = yield self.start_node()
+        head = yield RawHead.connect(self, node)
+        yield head.hello()
+        assign_raw(head, 1, 7, 5)
+        assign_raw(head, 1, 7, 9)  # replayed command id: refused, epoch stays 5
+        assign_raw(head, 2, 7, 4)  # lower epoch: refused
+        head.send(AppendContentMsg(3, 7, 5, encode_tokens(PROMPT)))
+        head.send(GenerateReqMsg(4, 7, 9, 1, GenerationBudgetsMsg(3)))
+        head.send(GenerateReqMsg(5, 7, 4, 2, GenerationBudgetsMsg(3)))
+        head.send(GenerateReqMsg(6, 7, 5, 3, GenerationBudgetsMsg(3)))
+        for generation in (1, 2, 3):
+            yield head.wait_for(finish_of(7, generation))
+        self.assertEqual(
+            [e.payload for e in head.events(7, 1)], [Finish(FINISH_DECLINED)]
+        )
+        self.assertEqual(
+            [e.payload for e in head.events(7, 2)], [Finish(FINISH_DECLINED)]
+        )
+        self.assertEqual(
+            [e.payload for e in head.events(7, 3)],
+            [Tokens(tuple(expected_tokens(PROMPT, 3))), Finish(FINISH_LENGTH)],
+        )
+
+    @defer.inlineCallbacks
+    def test_replayed_generate_does_not_restart(self) -> Gen:
+        """Item 9: a replayed GENERATE (same command id) is declined with event_seq 0 outside
+        the stream, and the running stream goes on from its own next seq."""
+        node = yield self.start_node(token_delay_s=0.002)
+        head = yield RawHead.connect(self, node)
+        yield head.hello()
+        assign_raw(head, 1, 1, 5)
+        head.send(AppendContentMsg(2, 1, 5, encode_tokens(PROMPT)))
+        request = GenerateReqMsg(3, 1, 5, 100, GenerationBudgetsMsg(20))
+        head.send(request)
+        head.send(request)
+        yield head.wait_for(finish_of(1, 100, FINISH_LENGTH))
+        events = head.events(1, 100)
+        declined = [e for e in events if e.payload == Finish(FINISH_DECLINED)]
+        self.assertEqual([e.event_seq for e in declined], [0])
+        stream = [e for e in events if e not in declined]
+        self.assertEqual([e.event_seq for e in stream], list(range(len(stream))))
+        tokens = [t for e in stream if isinstance(e.payload, Tokens) for t in e.payload.tokens]
+        self.assertEqual(tokens, expected_tokens(PROMPT, 20))
+
+    @defer.inlineCallbacks
+    def test_append_is_gated(self) -> Gen:
+        """Item 10: an APPEND with a wrong epoch, an unknown session or a replayed command is
+        ignored; the generation runs on the last accepted context."""
+        node = yield self.start_node()
+        head = yield RawHead.connect(self, node)
+        yield head.hello()
+        assign_raw(head, 1, 1, 5)
+        head.send(AppendContentMsg(2, 1, 5, encode_tokens(PROMPT)))
+        head.send(AppendContentMsg(3, 1, 4, encode_tokens([1, 2])))  # stale epoch
+        head.send(AppendContentMsg(2, 1, 5, encode_tokens([3, 4])))  # replayed command
+        head.send(AppendContentMsg(4, 2, 5, encode_tokens([5, 6])))  # unknown session
+        head.send(GenerateReqMsg(5, 1, 5, 1, GenerationBudgetsMsg(4)))
+        yield head.wait_for(finish_of(1, 1))
+        self.assertEqual(
+            head.events(1, 1)[0].payload, Tokens(tuple(expected_tokens(PROMPT, 4)))
+        )
+
+    @defer.inlineCallbacks
+    def test_lease_expiry_fences_the_session(self) -> Gen:
+        """Item 11: lease 300/150 with no grant: renewals are asked (throttled to 1/s, D3), the
+        session fences itself at expiry, then refuses appends and generations; a new ASSIGN
+        un-fences it."""
+        node = yield self.start_node()
+        head = yield RawHead.connect(self, node)
+        yield head.hello()
+        assign_raw(head, 1, 1, 5, Lease(300, 150))
+        head.send(AppendContentMsg(2, 1, 5, encode_tokens(PROMPT)))
+        renew = yield head.wait_for(lambda m: isinstance(m, LeaseRenewMsg))
+        self.assertEqual(renew, LeaseRenewMsg(1, 5))
+        yield wait(0.4)
+        self.assertTrue(node.agent.session.is_fenced(1))
+        self.assertEqual(sum(isinstance(m, LeaseRenewMsg) for m in head.received), 1)
+        self.assertNotIn(1, node.agent.contexts)
+        head.send(GenerateReqMsg(3, 1, 5, 1, GenerationBudgetsMsg(4)))
+        yield head.wait_for(finish_of(1, 1))
+        self.assertEqual([e.payload for e in head.events(1, 1)], [Finish(FINISH_DECLINED)])
+        assign_raw(head, 4, 1, 5)
+        head.send(AppendContentMsg(5, 1, 5, encode_tokens(PROMPT)))
+        head.send(GenerateReqMsg(6, 1, 5, 2, GenerationBudgetsMsg(2)))
+        yield head.wait_for(finish_of(1, 2))
+        self.assertEqual(head.events(1, 2)[-1].payload, Finish(FINISH_LENGTH))
+
+    @defer.inlineCallbacks
+    def test_grant_extends_the_lease(self) -> Gen:
+        """D4 with item 16: a head that grants every renewal keeps the session unfenced well
+        past its lease duration."""
+        node = yield self.start_node()
+        link = yield self.dial(node)
+        link.assign(1, lease=Lease(200, 50))
+        link.append(1, PROMPT)
+        yield wait(0.5)
+        self.assertFalse(node.agent.session.is_fenced(1))
+        outcome = yield link.generate(1, 3).result
+        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 3))
+
+    @defer.inlineCallbacks
+    def test_stale_grant_does_not_extend_a_new_epoch(self) -> Gen:
+        """Item 17: a grant for epoch 5 arriving after a re-assign to epoch 6 does not extend
+        the epoch-6 lease, which still fences on time."""
+        node = yield self.start_node()
+        head = yield RawHead.connect(self, node)
+        yield head.hello()
+        assign_raw(head, 1, 1, 5, Lease(250, 200))
+        assign_raw(head, 2, 1, 6, Lease(250, 200))
+        yield wait(0.15)
+        head.send(LeaseGrantMsg(1, 5, 10_000, 9_000))
+        yield wait(0.2)
+        self.assertTrue(node.agent.session.is_fenced(1))
+
+    @defer.inlineCallbacks
+    def test_reassignment_and_second_generation_wins(self) -> Gen:
+        """Item 21: re-assigning gives a higher epoch; re-append and generate give the same
+        greedy output."""
+        node = yield self.start_node()
+        link = yield self.dial(node)
+        first_epoch = link.assign(1)
+        link.append(1, PROMPT)
+        first = yield link.generate(1, 10).result
+        second_epoch = link.assign(1)
+        self.assertGreater(second_epoch, first_epoch)
+        link.append(1, PROMPT)
+        second = yield link.generate(1, 10).result
+        self.assertEqual(first.tokens, second.tokens)
+        self.assertEqual(node.agent.session.session_epoch(1), second_epoch)
+
+    @defer.inlineCallbacks
+    def test_second_head_reusing_a_session_id_never_hangs(self) -> Gen:
+        """Item 23: after one head ran generations on session 1, a second head's assign of the
+        same id gets tokens or FINISH_DECLINED, never silence; a fresh session still works."""
+        node = yield self.start_node()
+        first = yield self.dial(node)
+        first.assign(1)
+        first.append(1, PROMPT)
+        for _ in range(3):
+            yield first.generate(1, 3).result
+        second = yield self.dial(node)
+        second.assign(1)
+        second.append(1, [4, 5, 6])
+        outcome = yield second.generate(1, 3).result
+        self.assertIn(outcome.finish, (FINISH_LENGTH, FINISH_DECLINED))
+        second.assign(2)
+        second.append(2, [4, 5, 6])
+        fresh = yield second.generate(2, 3).result
+        self.assertEqual(fresh.tokens, expected_tokens([4, 5, 6], 3))
+
+    @defer.inlineCallbacks
+    def test_revoke_forgets_the_session(self) -> Gen:
+        """A SESSION_REVOKE drops the session: its context is gone and a GENERATE is declined."""
+        node = yield self.start_node()
+        link = yield self.dial(node)
+        epoch = link.assign(1)
+        link.append(1, PROMPT)
+        yield link.generate(1, 2).result
+        link.revoke(1)
+        head = yield RawHead.connect(self, node)
+        yield head.hello()
+        head.send(GenerateReqMsg(1 << 40, 1, epoch, 9, GenerationBudgetsMsg(2)))
+        yield head.wait_for(finish_of(1, 9))
+        self.assertEqual([e.payload for e in head.events(1, 9)], [Finish(FINISH_DECLINED)])
+        self.assertNotIn(1, node.agent.contexts)
+
+
+class ReconcileTests(NodeTestCase):
+    @defer.inlineCallbacks
+    def test_unacked_events_are_retransmitted_on_reconcile(self) -> Gen:
+        """Items 16 and 18: events the head did not acknowledge stay buffered; a RECONCILE
+        with watermark 1 retransmits exactly the later seqs in one batch with their range,
+        and acknowledged ones are gone."""
+        node = yield self.start_node()
+        head = yield RawHead.connect(self, node)
+        yield head.hello()
+        assign_raw(head, 1, 1, 5)
+        head.send(AppendContentMsg(2, 1, 5, encode_tokens(PROMPT)))
+        head.send(GenerateReqMsg(3, 1, 5, 100, GenerationBudgetsMsg(40)))
+        yield head.wait_for(finish_of(1, 100))
+        sent = head.events(1, 100)
+        self.assertEqual([e.event_seq for e in sent], [0, 1, 2, 3])
+        head.send(WatermarkAckMsg(1, 5, 100, 0))
+        head.send(
+            ReconcileMsg(
+                (
+                    SessionReconcileState(
+                        1, 5, LeaseStateMsg(LONG_LEASE, 0), 3, (GenerationWatermark(100, 1),)
+                    ),
+                )
+            )
+        )
+        ack = yield head.wait_for(lambda m: isinstance(m, ReconcileAckMsg))
+        (entry,) = ack.sessions
+        self.assertTrue(entry.held)
+        self.assertEqual(
+            [(r.generation_id, r.from_seq, r.to_seq) for r in entry.retry_ranges], [(100, 2, 3)]
+        )
+        received_before = len(head.received)
+        yield head.wait_for(
+            lambda m: isinstance(m, TokenEventsMsg) and head.received.index(m) >= received_before
+        )
+        retransmission = head.received[head.received.index(ack) + 1]
+        self.assertEqual(retransmission.events, tuple(sent[2:]))
+        self.assertEqual(node.agent.session.unacked_events(1, 100), 3)
+
+    @defer.inlineCallbacks
+    def test_reconcile_during_a_generation_is_answered(self) -> Gen:
+        """D2: a RECONCILE that arrives while a generation streams on the same connection is
+        answered at once, and the stream still completes correctly."""
+        node = yield self.start_node(token_delay_s=0.003)
+        head = yield RawHead.connect(self, node)
+        yield head.hello()
+        assign_raw(head, 1, 1, 5)
+        head.send(AppendContentMsg(2, 1, 5, encode_tokens(PROMPT)))
+        head.send(GenerateReqMsg(3, 1, 5, 100, GenerationBudgetsMsg(60)))
+        yield head.wait_for(lambda m: isinstance(m, TokenEventsMsg))
+        head.send(
+            ReconcileMsg(
+                (
+                    SessionReconcileState(
+                        1, 5, LeaseStateMsg(LONG_LEASE, 0), 3, (GenerationWatermark(100, None),)
+                    ),
+                )
+            )
+        )
+        ack = yield head.wait_for(lambda m: isinstance(m, ReconcileAckMsg))
+        self.assertTrue(ack.sessions[0].held)
+        yield head.wait_for(finish_of(1, 100))
+        after = head.received.index(ack)
+        finish_index = next(
+            i for i, m in enumerate(head.received) if finish_of(1, 100)(m)
+        )
+        self.assertLess(after, finish_index)
+        seqs = sorted({e.event_seq for e in head.events(1, 100)})
+        self.assertEqual(seqs, list(range(len(seqs))))
+        tokens: list[int] = []
+        for seq in seqs:
+            event = next(e for e in head.events(1, 100) if e.event_seq == seq)
+            if isinstance(event.payload, Tokens):
+                tokens.extend(event.payload.tokens)
+        self.assertEqual(tokens, expected_tokens(PROMPT, 60))
+
+    @defer.inlineCallbacks
+    def test_reconnect_holds_session_and_resumes(self) -> Gen:
+        """Items 18 and 24: after a generation, a reconnect reconciles the session as held with
+        no retransmission, commits nothing new, and the next generation equals the first."""
+        node = yield self.start_node()
+        link = yield self.dial(node)
+        link.assign(1)
+        link.append(1, PROMPT)
+        call = link.generate(1, 12)
+        first = yield call.result
+        committed = len(link.head_session.committed(1, call.epoch, call.generation_id))
+        yield link.reconnect()
+        self.assertEqual(
+            len(link.head_session.committed(1, call.epoch, call.generation_id)), committed
+        )
+        second = yield link.generate(1, 12).result
+        self.assertEqual(first.tokens, second.tokens)
+
+    @defer.inlineCallbacks
+    def test_reconnect_mid_stream_completes_the_generation(self) -> Gen:
+        """D2 with 7.3: a link dropped in the middle of a stream reconnects and reconciles; the
+        generation completes with every token exactly once."""
+        node = yield self.start_node(token_delay_s=0.003)
+        link = yield self.dial(node)
+        link.assign(1)
+        link.append(1, PROMPT)
+        reconnected: list[defer.Deferred[None]] = []
+
+        def on_tokens(tokens: Any) -> None:
+            if not reconnected:
+                reconnected.append(link.reconnect())
+
+        call = link.generate(1, 80, on_tokens=on_tokens)
+        outcome = yield call.result
+        yield reconnected[0]
+        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 80))
+        self.assertEqual(outcome.finish, FINISH_LENGTH)
+
+    @defer.inlineCallbacks
+    def test_idle_drop_is_transparent(self) -> Gen:
+        """Item 26: the node drops a link idle for 400 ms; a reconnect and reconcile make the
+        next generation return the same tokens."""
+        node = yield self.start_node(idle_timeout_ms=400)
+        link = yield self.dial(node)
+        link.assign(1)
+        link.append(1, PROMPT)
+        first = yield link.generate(1, 6).result
+        yield link.when_closed()
+        yield link.reconnect()
+        second = yield link.generate(1, 6).result
+        self.assertEqual(first.tokens, second.tokens)
+
+    @defer.inlineCallbacks
+    def test_append_after_idle_drop_rebinds(self) -> Gen:
+        """Item 31: after an idle drop and reconnect, an append of the grown context and a
+        generate give the output of the grown prompt."""
+        node = yield self.start_node(idle_timeout_ms=300)
+        link = yield self.dial(node)
+        link.assign(1)
+        link.append(1, PROMPT)
+        first = yield link.generate(1, 4).result
+        yield link.when_closed()
+        yield link.reconnect()
+        grown = PROMPT + first.tokens + [42]
+        link.append(1, grown)
+        outcome = yield link.generate(1, 5).result
+        self.assertEqual(outcome.tokens, expected_tokens(grown, 5))
+
+
+class HandshakeTests(NodeTestCase):
+    @defer.inlineCallbacks
+    def test_hello_ack_describes_the_node(self) -> Gen:
+        """Items 19 and 32: HELLO_ACK_F carries version 2, the identity, ["mock"], the window,
+        the lanes, the host memory (D8) and the advertised limits."""
+        node = yield self.start_node(identity="proc-node", context_window=512, max_lanes=4)
+        link = yield self.dial(node)
+        ack = link.hello_ack
+        self.assertEqual((ack.chosen_version, ack.node_identity), (2, "proc-node"))
+        self.assertEqual(ack.loadable_models, ("mock",))
+        self.assertEqual(ack.capacity.max_context_tokens, 512)
+        self.assertEqual(ack.capacity.max_lanes, 4)
+        self.assertGreater(ack.capacity.host_memory_bytes, 0)
+        self.assertEqual(ack.capacity.kv_blocks_total, 32 * 4)
+        self.assertEqual(
+            (ack.limits.max_frame, ack.limits.transfer_window), (16 * 1024 * 1024, 8)
+        )
+
+    @defer.inlineCallbacks
+    def test_node_status_reports_capacity(self) -> Gen:
+        """LINKF 6.5: NODE_STATUS arrives every status interval with live capacity, and the
+        busy-time decode rate becomes non-zero after a generation."""
+        node = yield self.start_node(status_interval_ms=100, token_delay_s=0.002)
+        head = yield RawHead.connect(self, node)
+        yield head.hello()
+        assign_raw(head, 1, 1, 5)
+        head.send(AppendContentMsg(2, 1, 5, encode_tokens(PROMPT)))
+        head.send(GenerateReqMsg(3, 1, 5, 1, GenerationBudgetsMsg(150)))
+        yield head.wait_for(finish_of(1, 1))
+        status = yield head.wait_for(
+            lambda m: isinstance(m, NodeStatusMsg) and m.capacity.decode_tokens_per_s > 0
+        )
+        self.assertEqual(status.loadable_models, ("mock",))
+        self.assertEqual(status.capacity.active_sessions, 1)
+        self.assertEqual(status.mem.pool_blocks_total, status.capacity.kv_blocks_total)
+
+    @defer.inlineCallbacks
+    def test_silent_connection_does_not_wedge_the_node(self) -> Gen:
+        """Item 25: a peer that never says HELLO is dropped after the 300 ms handshake timeout
+        while a real head is served meanwhile."""
+        node = yield self.start_node(handshake_timeout_ms=300)
+        silent = yield RawHead.connect(self, node)
+        link = yield self.dial(node)
+        link.assign(1)
+        link.append(1, PROMPT)
+        outcome = yield link.generate(1, 4).result
+        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 4))
+        yield silent.lost
+        self.assertEqual(silent.received, [])
+
+    @defer.inlineCallbacks
+    def test_wrong_token_and_non_head_are_refused(self) -> Gen:
+        """Item 27: a wrong token or none against a keyed node fails the handshake, a peer that
+        is not a head is refused, and the right token works."""
+        node = yield self.start_node(auth_token=b"right-token")
+        yield self.assertFailure(self.dial(node, token=b"wrong-token"), NodeRefusedError)
+        yield self.assertFailure(self.dial(node), NodeRefusedError)
+        impostor = yield RawHead.connect(self, node)
+        impostor.send(Hello((2, 2), LinkRole.NODE_AGENT, b"right-token"))
+        yield impostor.lost
+        old = yield RawHead.connect(self, node)
+        old.send(Hello((1, 1), LinkRole.HEAD_DAEMON, b"right-token"))
+        yield old.lost
+        self.assertEqual(impostor.received + old.received, [])
+        link = yield self.dial(node, token=b"right-token")
+        link.assign(1)
+        link.append(1, PROMPT)
+        outcome = yield link.generate(1, 3).result
+        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 3))
+
+    @defer.inlineCallbacks
+    def test_keepalive_keeps_an_idle_link_open(self) -> Gen:
+        """Item 29: a KEEPALIVE every 50 ms across three idle timeouts keeps the connection."""
+        node = yield self.start_node(idle_timeout_ms=200)
+        link = yield self.dial(node)
+        loop = task.LoopingCall(link.keepalive)
+        loop.start(0.05)
+        yield wait(0.6)
+        loop.stop()
+        self.assertTrue(link.connected)
+        self.assertEqual(len(node.agent.connections), 1)
+        yield link.when_closed()
+
+
+class RobustnessTests(NodeTestCase):
+    @defer.inlineCallbacks
+    def test_bad_frame_closes_only_that_connection(self) -> Gen:
+        """A malformed envelope or payload closes that one connection with a logged reason;
+        a generation on another connection finishes correctly."""
+        node = yield self.start_node(token_delay_s=0.002)
+        link = yield self.dial(node)
+        link.assign(1)
+        link.append(1, PROMPT)
+        call = link.generate(1, 50)
+        bad_envelope = yield RawHead.connect(self, node)
+        yield bad_envelope.hello()
+        bad_envelope.send_bytes(b"\x05\x00\x00\x00" + b"\x00" * 5)
+        bad_payload = yield RawHead.connect(self, node)
+        yield bad_payload.hello()
+        # An APPEND whose context blob is not an array of u32.
+        bad_payload.send(AppendContentMsg(1, 1, 1, b"\xc3"))
+        assign_raw(bad_payload, 1 << 41, 1 << 20, 1)
+        bad_payload.send(AppendContentMsg((1 << 41) + 1, 1 << 20, 1, b"\xa1x"))
+        yield defer.gatherResults([bad_envelope.lost, bad_payload.lost])
+        outcome = yield call.result
+        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 50))
+        self.assertTrue(link.connected)
+        self.flushLoggedErrors()
+
+
+class PipelineTests(NodeTestCase):
+    @defer.inlineCallbacks
+    def run_pipeline(self, boundaries: list[int], steps: int) -> Generator[Any, Any, list[int]]:
+        links = []
+        for i in range(len(boundaries)):
+            node = yield self.start_node(identity=f"stage{i}")
+            links.append((yield self.dial(node)))
+        context = list(PROMPT)
+        out = []
+        for _ in range(steps):
+            hidden: bytes | None = None
+            start = 0
+            token = None
+            for link, end in zip(links, boundaries):
+                tokens = context if hidden is None else []
+                response = yield link.stage_forward(tokens, start, end, hidden)
+                hidden, token, start = response.hidden, response.token, end
+            self.assertIsNotNone(token)
+            context.append(token)
+            out.append(token)
+        return out
+
+    @defer.inlineCallbacks
+    def test_two_stage_pipeline_matches_one_node(self) -> Gen:
+        """Item 64: stages [0,12) and [12,24) give the 8 tokens of a single full node."""
+        tokens = yield self.run_pipeline([12, 24], 8)
+        self.assertEqual(tokens, expected_tokens(PROMPT, 8))
+
+    @defer.inlineCallbacks
+    def test_three_stage_pipeline_matches_one_node(self) -> Gen:
+        """Item 65: stages split at 8 and 16 give the 6 tokens of a single full node."""
+        tokens = yield self.run_pipeline([8, 16, 24], 6)
+        self.assertEqual(tokens, expected_tokens(PROMPT, 6))
+
+    @defer.inlineCallbacks
+    def test_bad_stage_requests_answer_nil(self) -> Gen:
+        """LINKF 6.6: bad layer bounds or a malformed hidden blob answer {nil, nil}."""
+        node = yield self.start_node()
+        link = yield self.dial(node)
+        for args in [(PROMPT, 5, 3, None), (PROMPT, 0, 25, None), ([], 12, 24, b"short")]:
+            response = yield link.stage_forward(*args)
+            self.assertEqual((response.hidden, response.token), (None, None))
