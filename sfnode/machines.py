@@ -374,17 +374,32 @@ def _unfence(
     log.info("session {session} un-fenced by a new lease", session=core.session_id)
 
 
-for _state in (_s_held, _s_renewing):
+@_s_held.upon(SessionInputs.lease_started).loop()
+def _refresh_held_lease(
+    inputs: SessionInputs,
+    core: SessionCore,
+    data: LeaseTimers,
+    duration_ms: int,
+    renew_by_ms: int,
+) -> None:
+    # A loop keeps the state's data (no factory runs), so the timers are re-armed in place.
+    data.stop()
+    fresh = _held(inputs, core, duration_ms, renew_by_ms)
+    data.renew, data.expiry = fresh.renew, fresh.expiry
 
-    @_state.upon(SessionInputs.lease_started).to(_s_held)
-    def _new_lease(
-        inputs: SessionInputs,
-        core: SessionCore,
-        data: LeaseTimers,
-        duration_ms: int,
-        renew_by_ms: int,
-    ) -> None:
-        data.stop()
+
+@_s_renewing.upon(SessionInputs.lease_started).to(_s_held)
+def _lease_granted(
+    inputs: SessionInputs,
+    core: SessionCore,
+    data: LeaseTimers,
+    duration_ms: int,
+    renew_by_ms: int,
+) -> None:
+    data.stop()
+
+
+for _state in (_s_held, _s_renewing):
 
     @_state.upon(SessionInputs._expired).to(_s_fenced)
     def _lease_expired(inputs: SessionInputs, core: SessionCore, data: LeaseTimers) -> None:

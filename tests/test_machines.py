@@ -322,3 +322,22 @@ class GenerationMachineTests(SynchronousTestCase):
         machine.failed("boom")  # type: ignore[attr-defined]
         self.assertEqual(owner.log, [("fail", "boom"), "done"])
         self.assertEqual(clock.getDelayedCalls(), [])
+
+
+class SessionMachineRefreshTests(SynchronousTestCase):
+    def test_second_assign_while_held_rearms_the_timers(self) -> None:
+        """A lease restarted while still held (a re-assign) re-arms both timers from now."""
+        clock = Clock()
+        owner = RecordingSession()
+        owner.clock = clock
+        machine = SessionMachine(SessionCore(clock, owner, 7, 1000))
+        machine.lease_started(250, 200)  # type: ignore[attr-defined]
+        clock.advance(0.1)
+        machine.lease_started(250, 200)  # type: ignore[attr-defined]
+        self.assertEqual(len(clock.getDelayedCalls()), 2)
+        clock.advance(0.2)
+        self.assertEqual(owner.log, [])
+        clock.advance(0.001)
+        self.assertEqual(owner.log, [("renew", 0.301)])
+        clock.advance(0.05)
+        self.assertEqual(owner.log[-1], ("fence", 0.351))
