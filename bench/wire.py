@@ -21,17 +21,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import msgpack  # noqa: E402
-from twisted.internet import defer, reactor  # noqa: E402
-from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint  # noqa: E402
-from twisted.internet.interfaces import IReactorCore  # noqa: E402
-from twisted.python.failure import Failure  # noqa: E402
+import msgpack
+from twisted.internet import defer, reactor
+from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint
+from twisted.internet.interfaces import IReactorCore
+from twisted.python.failure import Failure
 
-from sfnode.config import NodeConfig  # noqa: E402
-from sfnode.generation import MockEngine  # noqa: E402
-from sfnode.head.link import HeadLinkProtocol  # noqa: E402
-from sfnode.node import NodeAgent  # noqa: E402
-from sfnode.wire import (  # noqa: E402
+from sfnode.config import NodeConfig
+from sfnode.generation import MockEngine
+from sfnode.head.link import HeadLinkProtocol
+from sfnode.node import NodeAgent
+from sfnode.wire import (
     Hello,
     HelloAckF,
     LinkRole,
@@ -50,7 +50,11 @@ def make_messages(count: int, tokens_per_event: int) -> list[TokenEventsMsg]:
         TokenEventsMsg(
             (
                 TokenEvent(
-                    1, 5, 100, seq, Tokens(tuple((seq * 7 + i) % 32000 for i in range(tokens_per_event)))
+                    1,
+                    5,
+                    100,
+                    seq,
+                    Tokens(tuple((seq * 7 + i) % 32000 for i in range(tokens_per_event))),
                 ),
             )
         )

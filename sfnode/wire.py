@@ -434,7 +434,7 @@ class Struct:
     def to_wire(self) -> list[Any]:
         return [
             codec.encode(getattr(self, name))
-            for codec, name in zip(self.FIELDS, self._field_names())
+            for codec, name in zip(self.FIELDS, self._field_names(), strict=True)
         ]
 
     @classmethod
@@ -446,7 +446,7 @@ class Struct:
             raise PayloadError(
                 f"{cls.__name__}: expected {len(codecs)} fields, got {len(obj)}"
             )
-        return cls(*[c.decode(v) for c, v in zip(codecs, obj)])
+        return cls(*[c.decode(v) for c, v in zip(codecs, obj, strict=False)])
 
     @classmethod
     def as_codec(cls: type[S]) -> StructCodec[S]:

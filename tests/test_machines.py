@@ -72,7 +72,7 @@ class ConnectionMachineTests(SynchronousTestCase):
 
     def test_hello_is_answered_and_frames_are_served(self) -> None:
         """An accepted HELLO gets HELLO_ACK_F; later frames are served in order."""
-        clock, owner, machine = self.build()
+        _clock, owner, machine = self.build()
         machine.frame(Frame(int(MsgType.KEEPALIVE), 9, b""))  # type: ignore[attr-defined]
         machine.hello(HELLO)  # type: ignore[attr-defined]
         machine.frame(Frame(int(MsgType.WATERMARK_ACK), 2, b""))  # type: ignore[attr-defined]
@@ -80,7 +80,7 @@ class ConnectionMachineTests(SynchronousTestCase):
 
     def test_refused_hello_closes_with_the_reason(self) -> None:
         """A HELLO that fails a check closes the connection, naming the check, and sends nothing."""
-        clock, owner, machine = self.build(refuse="peer is not a head daemon")
+        _clock, owner, machine = self.build(refuse="peer is not a head daemon")
         machine.hello(HELLO)  # type: ignore[attr-defined]
         self.assertEqual(
             owner.log,
@@ -91,7 +91,7 @@ class ConnectionMachineTests(SynchronousTestCase):
 
     def test_silent_peer_dropped_after_handshake_timeout(self) -> None:
         """No HELLO within the handshake timeout: the connection is dropped, not before."""
-        clock, owner, machine = self.build(handshake_ms=300)
+        clock, owner, _machine = self.build(handshake_ms=300)
         clock.advance(0.299)
         self.assertEqual(owner.log, [])
         clock.advance(0.001)
@@ -99,7 +99,7 @@ class ConnectionMachineTests(SynchronousTestCase):
 
     def test_zero_handshake_timeout_waits_forever(self) -> None:
         """A handshake timeout of 0 never drops a silent connection."""
-        clock, owner, machine = self.build(handshake_ms=0)
+        clock, owner, _machine = self.build(handshake_ms=0)
         clock.advance(10_000)
         self.assertEqual(owner.log, [])
 
@@ -217,7 +217,7 @@ class SessionMachineTests(SynchronousTestCase):
 
     def test_ended_stops_everything(self) -> None:
         """A revoked session's machine leaves no timer behind and ignores later inputs."""
-        clock, owner, machine = self.build()
+        clock, _owner, machine = self.build()
         machine.lease_started(100, 80)  # type: ignore[attr-defined]
         machine.ended()  # type: ignore[attr-defined]
         machine.lease_started(100, 80)  # type: ignore[attr-defined]
@@ -258,7 +258,7 @@ class GenerationMachineTests(SynchronousTestCase):
 
     def test_sixteen_tokens_flush_at_once(self) -> None:
         """Coalescing: the 16th pending token flushes one event immediately."""
-        clock, owner, machine = self.build()
+        _clock, owner, machine = self.build()
         for t in range(16):
             machine.tokens([t])  # type: ignore[attr-defined]
         self.assertEqual(owner.log, [list(range(16))])
@@ -291,7 +291,7 @@ class GenerationMachineTests(SynchronousTestCase):
     def test_cancel_flushes_pending_and_drops_later_tokens(self) -> None:
         """Cancel: pending tokens go out, the engine is stopped, later tokens are never sent,
         and the Finish says CANCELLED whatever the engine reports."""
-        clock, owner, machine = self.build()
+        _clock, owner, machine = self.build()
         machine.tokens([1, 2])  # type: ignore[attr-defined]
         machine.cancel()  # type: ignore[attr-defined]
         machine.tokens([3])  # type: ignore[attr-defined]
@@ -302,7 +302,7 @@ class GenerationMachineTests(SynchronousTestCase):
 
     def test_fenced_emit_stops_without_finish(self) -> None:
         """An emit refused by the session state stops the engine and sends no Finish."""
-        clock, owner, machine = self.build(accept=1)
+        _clock, owner, machine = self.build(accept=1)
         machine.tokens(list(range(16)))  # type: ignore[attr-defined]
         machine.tokens(list(range(16)))  # type: ignore[attr-defined]
         machine.tokens([1])  # type: ignore[attr-defined]
@@ -311,7 +311,7 @@ class GenerationMachineTests(SynchronousTestCase):
 
     def test_refusal_before_any_token(self) -> None:
         """An engine refusal gives FINISH_REFUSED."""
-        clock, owner, machine = self.build()
+        _clock, owner, machine = self.build()
         machine.refused()  # type: ignore[attr-defined]
         self.assertEqual(owner.log, [("finish", FINISH_REFUSED), "done"])
 

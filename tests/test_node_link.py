@@ -36,8 +36,8 @@ from sfnode.wire import (
     ReconcileMsg,
     SessionAssignMsg,
     SessionReconcileState,
-    Tokens,
     TokenEventsMsg,
+    Tokens,
     WatermarkAckMsg,
     encode_tokens,
 )
@@ -53,7 +53,9 @@ def wait(seconds: float) -> defer.Deferred[None]:
     return task.deferLater(reactor, seconds, lambda: None)
 
 
-def assign_raw(head: RawHead, command: int, session: int, epoch: int, lease: Lease = LONG_LEASE) -> None:
+def assign_raw(
+    head: RawHead, command: int, session: int, epoch: int, lease: Lease = LONG_LEASE
+) -> None:
     head.send(SessionAssignMsg(command, session, epoch, lease, "", b"", 0, 0))
 
 
@@ -643,7 +645,7 @@ class PipelineTests(NodeTestCase):
             hidden: bytes | None = None
             start = 0
             token = None
-            for link, end in zip(links, boundaries):
+            for link, end in zip(links, boundaries, strict=False):
                 tokens = context if hidden is None else []
                 response = yield link.stage_forward(tokens, start, end, hidden)
                 hidden, token, start = response.hidden, response.token, end
