@@ -499,9 +499,20 @@ def unpack(payload: bytes) -> Any:
         raise
     except (ValueError, TypeError, msgpack.UnpackException) as e:
         raise PayloadError(f"not one msgpack object: {e}") from e
-    # msgpack decodes extension type -1 (timestamp) itself, without calling ext_hook; every
-    # encoding of it carries the type byte 0xff, so only payloads holding that byte are walked.
-    if b"\xff" in payload and _holds_timestamp(obj):
+    # msgpack decodes extension type -1 (timestamp) itself, without calling ext_hook.  A
+    # timestamp is 4, 8 or 12 bytes, so its header ends in d6 ff, d7 ff, or a length byte
+    # 04, 08 or 0c then ff: only payloads holding one of those pairs are walked.
+    if (
+        b"\xff" in payload
+        and (
+            b"\xd6\xff" in payload
+            or b"\xd7\xff" in payload
+            or b"\x04\xff" in payload
+            or b"\x08\xff" in payload
+            or b"\x0c\xff" in payload
+        )
+        and _holds_timestamp(obj)
+    ):
         raise PayloadError("msgpack extension type -1 (timestamp) is not used on Link F")
     return obj
 
@@ -1099,8 +1110,14 @@ def decode_frame(frame: Frame) -> Message:
 
 
 def message_frame(message: Message, seq: int) -> bytes:
-    """The whole frame of one message."""
-    return encode_frame(message.MSG_TYPE, seq, message.payload())
+    """The whole frame of one message (:func:`encode_frame` with the class its type implies)."""
+    payload = message.payload()
+    length = HEADER_LEN + len(payload)
+    if length > MAX_FRAME:
+        raise FrameTooLarge(f"frame of {length} bytes exceeds MAX_FRAME {MAX_FRAME}")
+    msg_type = message.MSG_TYPE.value
+    cls = CLASS_DROPPABLE if msg_type & DROPPABLE_BIT else CLASS_REQUIRED
+    return _ENVELOPE.pack(length, PROTO_VERSION, msg_type, seq, 0, cls) + payload
 
 
 # --------------------------------------------------------------------------------------------

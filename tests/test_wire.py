@@ -389,6 +389,8 @@ class PayloadStrictnessTests(SynchronousTestCase):
             "d7ff0000000000000000",
             "c70cff" + "00" * 12,
             "c8000cff" + "00" * 12,
+            "c80004ff" + "00" * 4,
+            "c9000000" + "08ff" + "00" * 8,
         ):
             self.assert_payload_error(
                 MsgType.WATERMARK_ACK, bytes.fromhex("9501056403" + timestamp)
