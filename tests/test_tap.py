@@ -38,7 +38,9 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 import sfnode
 from sfnode import tap
 from sfnode.config import NodeConfig
+from sfnode.head.link import HeadIds, connect_node
 from sfnode.wire import (
+    FINISH_LENGTH,
     FrameDecoder,
     Hello,
     HelloAckF,
@@ -47,6 +49,7 @@ from sfnode.wire import (
     decode_frame,
     message_frame,
 )
+from tests.nodefixture import expected_tokens
 
 LOOPBACK = "tcp:0:interface=127.0.0.1"
 REPO_ROOT = Path(sfnode.__file__).resolve().parent.parent
@@ -501,6 +504,29 @@ class ProcessTests(TestCase):
         self.assertNotIn("Traceback", output)
         self.assertNotIn("Unhandled", output)
         return output
+
+    async def test_generates_through_a_real_process(self) -> None:
+        """Item 66: a real ``twistd -n sfnode --listen tcp:0:... --engine mock`` process names
+        its identity in HELLO_ACK_F and its 12 tokens equal a local run."""
+        process = TwistdProcess()
+        args = [
+            sys.executable, "-c", TWISTD, "--pidfile=", "-n", "sfnode",
+            "--listen", LOOPBACK, "--engine", "mock", "--identity", "proc-node",
+        ]  # fmt: skip
+        transport = reactor.spawnProcess(
+            process, sys.executable, args, env=child_env(), path=self.mktemp_dir()
+        )
+        self.addCleanup(self._kill, process, transport)
+        port = await process.listening
+        link = await connect_node(reactor, f"tcp:127.0.0.1:{port}", ids=HeadIds())
+        self.assertEqual(link.node_identity, "proc-node")
+        prompt = list(range(100, 112))
+        link.assign(1)
+        link.append(1, prompt)
+        outcome = await link.generate(1, 12).result
+        self.assertEqual(outcome.tokens, expected_tokens(prompt, 12))
+        self.assertEqual(outcome.finish, FINISH_LENGTH)
+        await link.close()
 
     async def test_bad_option_is_a_usage_error(self) -> None:
         """A bad option makes twistd print the usage and the reason, exit non-zero, no traceback."""
