@@ -215,6 +215,18 @@ class AgentSession:
                 actions.append(SelfFence(session_id))
         return actions
 
+    def fence(self, session_id: int) -> bool:
+        """Fence a session the node gives up on (a bound was reached); its events are kept.
+
+        Like a lease expiry (5.3.9) without the clock: False when the session is unknown or
+        already fenced.  A new ASSIGN (or LEASE_GRANT) un-fences it as usual.
+        """
+        session = self._sessions.get(session_id)
+        if session is None or session.fenced:
+            return False
+        session.fenced = True
+        return True
+
     # ---------------------------------------------------------------- reconcile
 
     def on_reconcile(

@@ -16,6 +16,19 @@ COALESCE_TOKENS = 16
 COALESCE_MS = 200
 RENEW_INTERVAL_MS = 1_000
 """Decision D3: at most one LEASE_RENEW per session per second while in its renew window."""
+DEFAULT_MAX_HANDSHAKES = 64
+"""LINKF 4.6: connections of one listener in their handshake at once; more are closed."""
+DEFAULT_MAX_SESSIONS = 1024
+"""Sessions a node holds at once; an ASSIGN of one more is refused (see NodeConfig)."""
+DEFAULT_MAX_UNACKED_EVENTS = 4096
+"""Events of one generation waiting for a WATERMARK_ACK; past it the session is fenced."""
+DEFAULT_MAX_HELD_TOKENS = 65_536
+"""Tokens one generation may hold while its head does not read; past it the generation stops."""
+DEFAULT_MAX_GENERATIONS = 256
+"""Generations running or queued on a node at once; more GENERATE_REQs are declined."""
+DEFAULT_DRAIN_TIMEOUT_MS = 30_000
+DRAIN_ACK_WAIT_MS = 2_000
+"""After a drain: how long the node waits for the heads to acknowledge the final events."""
 
 
 @dataclass(frozen=True)
@@ -32,3 +45,18 @@ class NodeConfig:
     idle_timeout_ms: int = DEFAULT_IDLE_TIMEOUT_MS
     """0 never drops an idle connection."""
     status_interval_ms: int = STATUS_INTERVAL_MS
+    max_handshakes: int = DEFAULT_MAX_HANDSHAKES
+    """Per listener; 0 = no limit."""
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+    """An ASSIGN that would hold one session more is refused (silently, LINKF 6.3); the
+    node then answers that session's GENERATE_REQs with FINISH_REFUSED.  Advertised as
+    ``CapacitySummary.max_sessions``."""
+    max_unacked_events: int = DEFAULT_MAX_UNACKED_EVENTS
+    """Retry-buffer cap per generation; 0 = no cap."""
+    max_held_tokens: int = DEFAULT_MAX_HELD_TOKENS
+    """Tokens a generation may hold for a head that stopped reading; 0 = no cap."""
+    max_generations: int = DEFAULT_MAX_GENERATIONS
+    """Running and queued generations; 0 = no cap."""
+    drain_timeout_ms: int = DEFAULT_DRAIN_TIMEOUT_MS
+    """How long a draining node lets running generations finish before cancelling them."""
+    drain_ack_wait_ms: int = DRAIN_ACK_WAIT_MS

@@ -11,18 +11,27 @@ the rest of the stream to the reconciling connection).
 It never decodes bytes itself beyond calling :mod:`sfnode.wire`, never touches a socket (it
 sends through :class:`~sfnode.protocol.NodeConnection`), and reads time only from the reactor it
 is given.
+
+Bounds (issue 5), each a :class:`~sfnode.config.NodeConfig` field: a generation whose retry
+buffer reaches ``max_unacked_events`` stops and fences its session; a generation whose head
+stopped reading holds at most ``max_held_tokens`` tokens, then stops as if the head were gone
+(its sent events stay for a RECONCILE); an ASSIGN beyond ``max_sessions`` is refused and that
+session's GENERATE_REQs get FINISH_REFUSED; beyond ``max_generations`` running or queued
+generations a GENERATE_REQ is declined.  :meth:`NodeAgent.drain` is the SIGTERM path.
 """
 
 from __future__ import annotations
 
 import hmac
+from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
 from twisted.internet import defer
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IProtocolFactory, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -46,9 +55,11 @@ from sfnode.machines import (
     SessionInputs,
     SessionMachine,
 )
+from sfnode.noise import Role, secure_factory
 from sfnode.protocol import NodeConnection, NodeFactory
 from sfnode.wire import (
     FINISH_DECLINED,
+    FINISH_REFUSED,
     PROTO_VERSION,
     U32_MAX,
     AppendContentMsg,
@@ -87,6 +98,9 @@ log = Logger()
 
 SUPPORTED_VERSIONS = (PROTO_VERSION, PROTO_VERSION)
 
+REFUSED_SESSIONS_KEPT = 4096
+"""How many sessions refused for max_sessions the node remembers (to answer FINISH_REFUSED)."""
+
 GenerationKey = tuple[int, int]
 """(session_id, generation_id): how the node names a generation (LINKF 5.1)."""
 
@@ -101,18 +115,56 @@ class NodeGeneration:
     """Where its events go; moved by a RECONCILE, kept when closed (events then wait)."""
     machine: GenerationInputs = field(init=False)
     engine_generation: Generation | None = None
+    held: list[int] = field(default_factory=list)
+    """Tokens not emitted yet because the head stopped reading (bounded by max_held_tokens)."""
 
     def emit_tokens(self, tokens: Sequence[int]) -> bool:
-        batch = self.agent.session.emit(*self.key, Tokens(tuple(tokens)))
+        connection = self.connection
+        if connection.open and not connection.writable:
+            self.held.extend(tokens)
+            cap = self.agent.config.max_held_tokens
+            if cap and len(self.held) > cap:
+                session_id, generation_id = self.key
+                log.warn(
+                    "stopped generation {generation} of session {session}: its head at {peer} "
+                    "has not read for {count} tokens (max_held_tokens {cap})",
+                    generation=generation_id,
+                    session=session_id,
+                    peer=connection.peer,
+                    count=len(self.held),
+                    cap=cap,
+                )
+                self.held.clear()
+                return False
+            return True
+        held, self.held = self.held, []
+        return self._emit(Tokens((*held, *tokens)))
+
+    def release_held(self) -> None:
+        """The head reads again: send what was held (a refusal stops it at the next flush)."""
+        if self.held:
+            held, self.held = self.held, []
+            self._emit(Tokens(tuple(held)))
+
+    def emit_finish(self, reason: int) -> None:
+        self.release_held()
+        self._emit(Finish(reason))
+
+    def _emit(self, payload: Tokens | Finish) -> bool:
+        agent = self.agent
+        cap = agent.config.max_unacked_events
+        if cap and agent.session.unacked_events(*self.key) >= cap:
+            agent.give_up(
+                self.key[0],
+                f"generation {self.key[1]} has {cap} unacknowledged events "
+                f"(max_unacked_events {cap})",
+            )
+            return False
+        batch = agent.session.emit(*self.key, payload)
         if batch is None:
             return False
         self.connection.send(batch)
         return True
-
-    def emit_finish(self, reason: int) -> None:
-        batch = self.agent.session.emit(*self.key, Finish(reason))
-        if batch is not None:
-            self.connection.send(batch)
 
     def stop_engine(self) -> None:
         if self.engine_generation is not None:
@@ -145,7 +197,8 @@ class NodeAgent:
         self.engine = engine
         self.config = config
         self.session = AgentSession()
-        self.contexts: dict[int, list[int]] = {}
+        self.contexts: dict[int, array[int]] = {}
+        """Each session's token context, 4 bytes a token (at most one 16 MiB APPEND each)."""
         self.params: dict[int, GenParams] = {}
         self._sessions: dict[int, NodeSession] = {}
         self._generations: dict[GenerationKey, NodeGeneration] = {}
@@ -154,20 +207,128 @@ class NodeAgent:
         self._busy = BusyTimer()
         self._rates = RateTracker()
         self._host_memory_bytes = int(psutil.virtual_memory().total)
-        self._factory = NodeFactory(self)
+        self._factory = NodeFactory(self, config.max_handshakes)
+        self._secure_factory = secure_factory(
+            self._factory,
+            config.auth_token,
+            role=Role.RESPONDER,
+            clock=reactor,
+            handshake_timeout_s=config.handshake_timeout_ms / 1000.0,
+            on_refused=self._refused,
+        )
+        self._refusal_observers: list[Callable[[str], None]] = []
+        self._refused_sessions: OrderedDict[int, None] = OrderedDict()
+        """Sessions whose ASSIGN was refused for max_sessions (newest last, bounded)."""
+        self._at_generation_cap = False
+        self.draining = False
+        """True once :meth:`drain` started: every new GENERATE_REQ is declined."""
+        self._drain_phase: str | None = None
+        """None, then "generations" (waiting for them), "acks" (waiting for acks), "done"."""
+        self._drain_waiters: list[defer.Deferred[None]] = []
+        self._drain_timer: IDelayedCall | None = None
+        self._drain_keys: set[GenerationKey] = set()
 
     # ------------------------------------------------------------------ life cycle
 
-    def factory(self) -> NodeFactory:
-        """The protocol factory for listening or dialing; every connection shares this node."""
+    def factory(self) -> IProtocolFactory:
+        """The protocol factory for listening or dialing; every connection shares this node.
+
+        With a fleet token it is the Noise responder around the node's factory (D10), in both
+        dial directions.
+        """
+        return self._secure_factory
+
+    @property
+    def node_factory(self) -> NodeFactory:
+        """The node's own factory inside any Noise wrapper (its connections, its limits)."""
         return self._factory
+
+    def add_refusal_observer(self, observer: Callable[[str], None]) -> None:
+        """Call ``observer(peer)`` whenever a peer is refused for holding another token."""
+        self._refusal_observers.append(observer)
+
+    def _refused(self, peer: str) -> None:
+        for observer in list(self._refusal_observers):
+            observer(peer)
 
     def start(self) -> None:
         self.engine.start()
 
+    def drain(self) -> defer.Deferred[None]:
+        """Stop taking generations, let the running ones finish, then settle (issue 5).
+
+        New GENERATE_REQs are declined at once.  Running generations get ``drain_timeout_ms``
+        to finish; the rest are cancelled (their Finish is CANCELLED).  Then the node waits up
+        to ``drain_ack_wait_ms`` for the heads to acknowledge the final events.  Connections
+        stay open throughout; :meth:`stop` closes them.  Calling it again joins the same drain.
+        """
+        if self._drain_phase == "done":
+            return defer.succeed(None)
+        waiter: defer.Deferred[None] = defer.Deferred()
+        self._drain_waiters.append(waiter)
+        if self._drain_phase is None:
+            self.draining = True
+            self._drain_phase = "generations"
+            self._drain_keys = set(self._generations)
+            log.info(
+                "draining: declining new generations, letting {count} running ones finish "
+                "(up to {timeout} s)",
+                count=len(self._generations),
+                timeout=self.config.drain_timeout_ms / 1000.0,
+            )
+            if self._generations:
+                self._drain_timer = self._reactor.callLater(
+                    self.config.drain_timeout_ms / 1000.0, self._drain_timed_out
+                )
+            else:
+                self._drain_acks()
+        return waiter
+
+    def _drain_timed_out(self) -> None:
+        self._drain_timer = None
+        log.warn(
+            "drain timeout: cancelling {count} generations that are still running",
+            count=len(self._generations),
+        )
+        for generation in list(self._generations.values()):
+            generation.machine.cancel()
+
+    def _drain_acks(self) -> None:
+        """Every generation is over: wait briefly for the acknowledgements of their events."""
+        timer = self._drain_timer
+        self._drain_timer = None
+        if timer is not None and timer.active():
+            timer.cancel()
+        self._drain_phase = "acks"
+        if not self._unacked_drain_events():
+            self._drain_done()
+            return
+        self._drain_timer = self._reactor.callLater(
+            self.config.drain_ack_wait_ms / 1000.0, self._drain_done
+        )
+
+    def _unacked_drain_events(self) -> int:
+        return sum(self.session.unacked_events(*key) for key in self._drain_keys)
+
+    def _drain_done(self) -> None:
+        timer, self._drain_timer = self._drain_timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
+        if self._drain_phase == "done":
+            return
+        log.info("drained: {left} events left unacknowledged", left=self._unacked_drain_events())
+        self._drain_phase = "done"
+        self._drain_keys = set()
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for waiter in waiters:
+            waiter.callback(None)
+
     @defer.inlineCallbacks
     def stop(self) -> Generator[defer.Deferred[Any], Any, None]:
         """Close every connection, stop every lease timer and the engine."""
+        timer, self._drain_timer = self._drain_timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
         yield self._factory.close_all("the node is stopping")
         for node_session in self._sessions.values():
             node_session.machine.ended()
@@ -240,6 +401,13 @@ class NodeAgent:
     def connection_ready(self, connection: NodeConnection) -> None:
         self._connections.append(connection)
 
+    def connection_writable(self, connection: NodeConnection, writable: bool) -> None:
+        if not writable:
+            return
+        for generation in list(self._generations.values()):
+            if generation.connection is connection:
+                generation.release_held()
+
     def connection_ended(self, connection: NodeConnection) -> None:
         self._connections.remove(connection)
         for node_session in self._sessions.values():
@@ -256,7 +424,7 @@ class NodeAgent:
         return CapacitySummary(
             host_memory_bytes=self._host_memory_bytes,
             active_sessions=len(self.contexts),
-            max_sessions=U32_MAX,
+            max_sessions=min(self.config.max_sessions, U32_MAX) or U32_MAX,
             max_context_tokens=self.engine.context_window,
             kv_blocks_used=stats.kv_blocks_used,
             kv_blocks_total=stats.kv_blocks_total,
@@ -309,8 +477,25 @@ class NodeAgent:
                 node_session.machine.superseded()
 
     def _on_assign(self, connection: NodeConnection, msg: SessionAssignMsg) -> None:
+        cap = self.config.max_sessions
+        if cap and not self.session.has_session(msg.session_id):
+            if len(self.session.session_ids()) >= cap:
+                # Silent, as every refused ASSIGN (LINKF 6.3); its GENERATE_REQs are REFUSED.
+                if msg.session_id not in self._refused_sessions:
+                    log.warn(
+                        "refused session {session}: this node holds max_sessions={cap} "
+                        "sessions",
+                        session=msg.session_id,
+                        cap=cap,
+                    )
+                self._refused_sessions[msg.session_id] = None
+                self._refused_sessions.move_to_end(msg.session_id)
+                while len(self._refused_sessions) > REFUSED_SESSIONS_KEPT:
+                    self._refused_sessions.popitem(last=False)
+                return
         if not self.session.on_assign(msg, self.now_ms()):
             return
+        self._refused_sessions.pop(msg.session_id, None)
         self.params[msg.session_id] = decode_params(msg.params)
         node_session = self._sessions.get(msg.session_id)
         if node_session is None:
@@ -340,26 +525,39 @@ class NodeAgent:
         self._note_home(msg.session_id, connection)
         # Strict: a malformed context is fatal to the connection, after the command was
         # recorded (LINKF 6.3).
-        self.contexts[msg.session_id] = list(decode_tokens(msg.blocks))
+        self.contexts[msg.session_id] = array("I", decode_tokens(msg.blocks))
 
     def _on_generate(self, connection: NodeConnection, msg: GenerateReqMsg) -> None:
+        if self.draining:
+            self._answer_at_once(connection, msg, FINISH_DECLINED)
+            return
+        cap = self.config.max_generations
+        if cap and len(self._generations) >= cap:
+            if not self._at_generation_cap:
+                log.warn("declining generations: {cap} are running or queued", cap=cap)
+            self._at_generation_cap = True
+            self._answer_at_once(connection, msg, FINISH_DECLINED)
+            return
+        self._at_generation_cap = False
         if not self.session.on_generate(msg):
-            connection.send(
-                TokenEventsMsg(
-                    (
-                        TokenEvent(
-                            msg.session_id,
-                            msg.epoch,
-                            msg.generation_id,
-                            0,
-                            Finish(FINISH_DECLINED),
-                        ),
-                    )
-                )
+            refused = (
+                msg.session_id in self._refused_sessions
+                and not self.session.has_session(msg.session_id)
             )
+            self._answer_at_once(connection, msg, FINISH_REFUSED if refused else FINISH_DECLINED)
             return
         self._note_home(msg.session_id, connection)
         self._start_generation(connection, msg)
+
+    def _answer_at_once(
+        self, connection: NodeConnection, msg: GenerateReqMsg, reason: int
+    ) -> None:
+        """A Finish sent at once, bypassing the retry buffer and the event seqs (LINKF 6.4)."""
+        connection.send(
+            TokenEventsMsg(
+                (TokenEvent(msg.session_id, msg.epoch, msg.generation_id, 0, Finish(reason)),)
+            )
+        )
 
     def _on_stage_forward(self, connection: NodeConnection, msg: StageForwardReqMsg) -> None:
         def answer(result: StageResult) -> None:
@@ -382,6 +580,8 @@ class NodeAgent:
 
     def _on_watermark_ack(self, connection: NodeConnection, msg: WatermarkAckMsg) -> None:
         self.session.on_watermark_ack(msg)
+        if self._drain_phase == "acks" and not self._unacked_drain_events():
+            self._drain_done()
 
     def _on_lease_grant(self, connection: NodeConnection, msg: LeaseGrantMsg) -> None:
         if self.session.on_lease_grant(msg, self.now_ms()):
@@ -458,6 +658,19 @@ class NodeAgent:
         self._busy.stopped(self.now_ms())
         if self._generations.get(generation.key) is generation:
             del self._generations[generation.key]
+        if self._drain_phase == "generations" and not self._generations:
+            self._drain_acks()
+
+    def give_up(self, session_id: int, reason: str) -> None:
+        """Fence a session because a bound was reached, and forget its context (issue 5)."""
+        if not self.session.fence(session_id):
+            return
+        log.warn("fenced session {session}: {reason}", session=session_id, reason=reason)
+        self.contexts.pop(session_id, None)
+        self.params.pop(session_id, None)
+        node_session = self._sessions.get(session_id)
+        if node_session is not None:
+            node_session.machine.superseded()
 
     def _generations_of(self, session_id: int) -> list[NodeGeneration]:
         return [g for (s, _), g in self._generations.items() if s == session_id]

@@ -5,6 +5,16 @@ HELLO and every other frame to its :class:`NodeConnection`, and writes framed me
 per-connection ``seq``.  A bad frame closes this one connection with a logged reason; it never
 raises out of ``dataReceived`` and never touches another connection or the shared node state.
 
+Back-pressure: each :class:`NodeProtocol` is the streaming producer of its own transport.  When
+the head stops reading and the transport's write buffer passes its limit, the protocol is
+paused: it stops reading from that head (so nothing the head sends can make more output) and
+tells the node, whose generations on that connection then hold their tokens (bounded) instead
+of writing them.  A connection closed while paused is aborted, not drained, so a head that
+never reads cannot keep it open.
+
+Admission: :class:`NodeFactory` refuses (closes at once) a connection when ``max_handshakes``
+connections of its listener are still in their handshake (LINKF 4.6: 64 by default).
+
 :class:`NodeConnection` is the per-connection owner of the connection machine
 (``sfnode.machines``); what a frame *means* is decided by the node (:class:`ConnectionHost`,
 implemented by ``sfnode.node.NodeAgent``), which all connections of one node share.
@@ -20,6 +30,7 @@ from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from sfnode.config import DEFAULT_MAX_HANDSHAKES
 from sfnode.machines import ConnectionCore, ConnectionInputs, ConnectionMachine
 from sfnode.wire import (
     Frame,
@@ -63,6 +74,9 @@ class ConnectionHost(TypingProtocol):
 
     def connection_ended(self, connection: NodeConnection) -> None: ...
 
+    def connection_writable(self, connection: NodeConnection, writable: bool) -> None:
+        """The head stopped (False) or resumed (True) reading what this connection sends."""
+
 
 class NodeConnection:
     """One head connection of a node: the owner of its connection machine."""
@@ -89,6 +103,11 @@ class NodeConnection:
     def open(self) -> bool:
         """True while messages sent here can still reach the head."""
         return self.ready and self._protocol.is_open
+
+    @property
+    def writable(self) -> bool:
+        """False while the head does not read what this connection already sent."""
+        return not self._protocol.paused
 
     def send(self, message: Message) -> bool:
         """Send one message; False when the connection is no longer open."""
@@ -141,6 +160,8 @@ class NodeProtocol(Protocol):
         self.connection: NodeConnection | None = None
         self.lost: Deferred[None] = Deferred()
         """Fires once the transport is gone."""
+        self.paused = False
+        """True while the transport's write buffer is over its limit (the head is not reading)."""
 
     @property
     def is_open(self) -> bool:
@@ -157,8 +178,34 @@ class NodeProtocol(Protocol):
     def connectionMade(self) -> None:
         if ITCPTransport.providedBy(self.transport):
             self.transport.setTcpNoDelay(True)
+        assert self.transport is not None
+        self.transport.registerProducer(self, True)  # type: ignore[attr-defined]
         self.connection = NodeConnection(self._host, self)
         self.connection.machine.connected()
+
+    # IPushProducer: the transport says when the head stops and resumes reading.
+
+    def pauseProducing(self) -> None:
+        if self.paused or self._closing:
+            return
+        self.paused = True
+        log.info("{peer} stopped reading: pausing this connection", peer=self.peer_name())
+        assert self.transport is not None
+        self.transport.pauseProducing()  # type: ignore[attr-defined]
+        if self.connection is not None and self.connection.ready:
+            self._host.connection_writable(self.connection, False)
+
+    def resumeProducing(self) -> None:
+        if not self.paused or self._closing:
+            return
+        self.paused = False
+        assert self.transport is not None
+        self.transport.resumeProducing()  # type: ignore[attr-defined]
+        if self.connection is not None and self.connection.ready:
+            self._host.connection_writable(self.connection, True)
+
+    def stopProducing(self) -> None:
+        """The transport is going away; ``connectionLost`` follows and does the cleanup."""
 
     def dataReceived(self, data: bytes) -> None:
         if self._closing or self.connection is None:
@@ -208,21 +255,45 @@ class NodeProtocol(Protocol):
         self._closing = True
         log.info("closing the connection from {peer}: {reason}", peer=self.peer_name(),
                  reason=reason)
-        if self.transport is not None:
+        if self.transport is None:
+            return
+        if self.paused:
+            # Its head is not reading: waiting for the buffer to drain could take forever.
+            self.transport.abortConnection()  # type: ignore[attr-defined]
+        else:
             self.transport.loseConnection()
 
 
 class NodeFactory(Factory):
-    """Builds a :class:`NodeProtocol` per connection, all sharing one node."""
+    """Builds a :class:`NodeProtocol` per connection, all sharing one node.
+
+    A connection arriving while ``max_handshakes`` others are still in their handshake (Noise
+    and HELLO) gets no protocol: Twisted closes it at once (LINKF 4.6).  0 means no limit.
+    """
 
     noisy = False
 
-    def __init__(self, host: ConnectionHost) -> None:
+    def __init__(self, host: ConnectionHost, max_handshakes: int = DEFAULT_MAX_HANDSHAKES) -> None:
         self.host = host
+        self.max_handshakes = max_handshakes
         self.protocols: set[NodeProtocol] = set()
         """Every connection not yet lost, handshaken or not."""
 
-    def buildProtocol(self, addr: IAddress | None) -> NodeProtocol:
+    def handshaking(self) -> int:
+        """Connections not lost and not past their handshake."""
+        return sum(
+            1 for p in self.protocols if p.connection is None or not p.connection.ready
+        )
+
+    def buildProtocol(self, addr: IAddress | None) -> NodeProtocol | None:
+        if self.max_handshakes and self.handshaking() >= self.max_handshakes:
+            log.warn(
+                "closed a connection from {peer} at once: {count} handshakes already in "
+                "progress",
+                peer=addr,
+                count=self.max_handshakes,
+            )
+            return None
         protocol = NodeProtocol(self.host)
         protocol.factory = self
         self.protocols.add(protocol)

@@ -12,10 +12,11 @@ imports them, and only for ``--engine transformers``.
 
 from __future__ import annotations
 
-import ipaddress
+import os
 import random
 import re
 import socket
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, cast
@@ -33,12 +34,20 @@ from twisted.logger import Logger
 from twisted.python import usage
 from twisted.python.failure import Failure
 
+from sfnode.admission import plaintext_refusal
 from sfnode.config import (
+    DEFAULT_DRAIN_TIMEOUT_MS,
     DEFAULT_HANDSHAKE_TIMEOUT_MS,
     DEFAULT_IDLE_TIMEOUT_MS,
+    DEFAULT_MAX_GENERATIONS,
+    DEFAULT_MAX_HANDSHAKES,
+    DEFAULT_MAX_HELD_TOKENS,
     DEFAULT_MAX_LANES,
+    DEFAULT_MAX_SESSIONS,
+    DEFAULT_MAX_UNACKED_EVENTS,
     NodeConfig,
 )
+from sfnode.tokens import default_token_path, read_token
 
 if TYPE_CHECKING:
     from sfnode.generation import Engine
@@ -57,9 +66,9 @@ RECONNECT_INITIAL_S = 2.0
 RECONNECT_FACTOR = 2.0
 RECONNECT_MAX_S = 30.0
 U32_MAX = 0xFFFF_FFFF
+EXIT_REFUSED = 1
+"""Exit status of a ``--head`` node whose head holds another fleet token (D9)."""
 
-_ASCII_WHITESPACE = b" \t\n\x0c\r"
-"""What LINKF 4.5 trims around a token (Rust's ``trim_ascii``: no vertical tab)."""
 # Twisted's endpoint parsers carry no annotations; these are their documented types.
 server_from_string = cast(Callable[[Any, str], IStreamServerEndpoint], endpoints.serverFromString)
 client_from_string = cast(Callable[[Any, str], IStreamClientEndpoint], endpoints.clientFromString)
@@ -75,82 +84,6 @@ class NodeStartupError(SystemExit):
     A ``SystemExit`` so that ``twistd`` prints the message alone and exits non-zero; an
     embedding program can catch it by this name.
     """
-
-
-def read_token(path: str) -> bytes:
-    """The fleet token in ``path``, trimmed of ASCII whitespace (LINKF 4.5); b"" means none.
-
-    :raises OSError: the file cannot be read.
-    """
-    return Path(path).expanduser().read_bytes().strip(_ASCII_WHITESPACE)
-
-
-def _split_endpoint(description: str) -> tuple[str, list[str], dict[str, str]]:
-    """(type, positional arguments, keyword arguments) of a Twisted endpoint string.
-
-    Follows the endpoint grammar (``:`` separates, ``=`` names, ``\\`` escapes the next character)
-    just far enough to find hosts and interfaces; Twisted itself still parses the string.
-    """
-    segments: list[tuple[str, int]] = []
-    current: list[str] = []
-    equals = -1
-    chars = iter(description)
-    for char in chars:
-        if char == "\\":
-            current.append(next(chars, ""))
-        elif char == ":":
-            segments.append(("".join(current), equals))
-            current, equals = [], -1
-        elif char == "=" and equals < 0:
-            equals = len(current)
-            current.append(char)
-        else:
-            current.append(char)
-    segments.append(("".join(current), equals))
-    kind = segments[0][0].lower()
-    args: list[str] = []
-    kwargs: dict[str, str] = {}
-    for text, at in segments[1:]:
-        if at >= 0:
-            kwargs[text[:at]] = text[at + 1 :]
-        else:
-            args.append(text)
-    return kind, args, kwargs
-
-
-def _is_loopback_host(host: str) -> bool:
-    host = host.strip("[]")
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def is_loopback_listen(description: str) -> bool:
-    """Whether a server endpoint only accepts local peers (loopback interface or Unix socket)."""
-    kind, args, kwargs = _split_endpoint(description)
-    if kind == "unix":
-        return True
-    if kind in ("tcp", "tcp6"):
-        # Positional order: tcp:PORT:INTERFACE:BACKLOG but tcp6:PORT:BACKLOG:INTERFACE.
-        at = 1 if kind == "tcp" else 2
-        interface = kwargs.get("interface", args[at] if len(args) > at else "")
-        return _is_loopback_host(interface)
-    if kind == "ssl":
-        return _is_loopback_host(kwargs.get("interface", ""))
-    return False
-
-
-def is_loopback_head(description: str) -> bool:
-    """Whether a client endpoint dials a head on this machine (loopback host or Unix socket)."""
-    kind, args, kwargs = _split_endpoint(description)
-    if kind == "unix":
-        return True
-    if kind in ("tcp", "tcp6", "tls", "ssl"):
-        return _is_loopback_host(kwargs.get("host", args[0] if args else ""))
-    return False
 
 
 class _PlaceholderReactor:
@@ -272,7 +205,9 @@ class Options(usage.Options):
             "auth-file",
             None,
             None,
-            "File holding the fleet token (trimmed of whitespace; an empty file means no token).",
+            "File holding the fleet token (trimmed of whitespace; an empty file means no token). "
+            "Default: $SFNODE_HOME/token or ~/.config/sfnode/token when that file exists. "
+            "Create one with: python -m sfnode token.",
         ],
         [
             "handshake-timeout-ms",
@@ -285,6 +220,46 @@ class Options(usage.Options):
             None,
             str(DEFAULT_IDLE_TIMEOUT_MS),
             "Close a connection that sends no frame for this long (0: never).",
+        ],
+        [
+            "drain-timeout",
+            None,
+            str(DEFAULT_DRAIN_TIMEOUT_MS // 1000),
+            "On SIGTERM: seconds running generations may take to finish before they are "
+            "cancelled (new ones are declined at once).",
+        ],
+        [
+            "max-handshakes",
+            None,
+            str(DEFAULT_MAX_HANDSHAKES),
+            "Connections in their handshake at once; more are closed at once (0: no limit).",
+        ],
+        [
+            "max-sessions",
+            None,
+            str(DEFAULT_MAX_SESSIONS),
+            "Sessions held at once; an ASSIGN beyond it is refused and that session's "
+            "generations get FINISH_REFUSED (0: no limit).",
+        ],
+        [
+            "max-unacked-events",
+            None,
+            str(DEFAULT_MAX_UNACKED_EVENTS),
+            "Unacknowledged events per generation; past it the generation stops and its "
+            "session is fenced (0: no limit).",
+        ],
+        [
+            "max-held-tokens",
+            None,
+            str(DEFAULT_MAX_HELD_TOKENS),
+            "Tokens a generation holds while its head does not read; past it the generation "
+            "stops (0: no limit).",
+        ],
+        [
+            "max-generations",
+            None,
+            str(DEFAULT_MAX_GENERATIONS),
+            "Generations running or queued at once; more are declined (0: no limit).",
         ],
         ["token-delay-ms", None, None, "mock only: delay between tokens (default 0)."],
         ["dtype", None, None, f"transformers: weight dtype, one of {'|'.join(DTYPES)} (auto)."],
@@ -323,7 +298,17 @@ class Options(usage.Options):
             raise usage.UsageError(f"{', '.join(given)} cannot be used with --engine {engine}")
 
         self["max-lanes"] = _non_negative("max-lanes", self["max-lanes"], 1, U32_MAX)
-        for name in ("max-context", "handshake-timeout-ms", "idle-timeout-ms"):
+        for name in (
+            "max-context",
+            "handshake-timeout-ms",
+            "idle-timeout-ms",
+            "drain-timeout",
+            "max-handshakes",
+            "max-sessions",
+            "max-unacked-events",
+            "max-held-tokens",
+            "max-generations",
+        ):
             self[name] = _non_negative(name, self[name])
         for name, default in (("token-delay-ms", 0), ("threads", 0), ("kv-blocks", 0)):
             self[name] = default if self[name] is None else _non_negative(name, self[name])
@@ -342,25 +327,22 @@ class Options(usage.Options):
             raise usage.UsageError(f"--model {self['model']} does not exist")
 
         self["auth-token"] = b""
-        if self["auth-file"] is not None:
+        auth_file = self["auth-file"]
+        if auth_file is None and default_token_path().is_file():
+            auth_file = str(default_token_path())
+        if auth_file is not None:
             try:
-                self["auth-token"] = read_token(self["auth-file"])
+                self["auth-token"] = read_token(auth_file)
             except OSError as e:
                 raise usage.UsageError(
-                    f"cannot read --auth-file {self['auth-file']}: {e.strerror or e}"
+                    f"cannot read --auth-file {auth_file}: {e.strerror or e}"
                 ) from e
-        if not self["auth-token"] and not self["insecure-no-auth"]:
-            if listen is not None and not is_loopback_listen(listen):
-                raise usage.UsageError(
-                    f"refusing to listen on {listen} without a fleet token: give --auth-file, "
-                    "listen on a loopback interface (interface=127.0.0.1), or pass "
-                    "--insecure-no-auth"
-                )
-            if head is not None and not is_loopback_head(head):
-                raise usage.UsageError(
-                    f"refusing to dial the head {head} without a fleet token: give --auth-file "
-                    "or pass --insecure-no-auth"
-                )
+        # LINKF 4.6: checked here, before makeService loads any model.
+        refusal = plaintext_refusal(
+            token=self["auth-token"], insecure=self["insecure-no-auth"], listen=listen, dial=head
+        )
+        if refusal is not None:
+            raise usage.UsageError(refusal)
 
         if self["identity"] is None:
             self["identity"] = socket.gethostname()
@@ -381,6 +363,12 @@ def node_config(options: Options) -> NodeConfig:
         auth_token=options["auth-token"],
         handshake_timeout_ms=options["handshake-timeout-ms"],
         idle_timeout_ms=options["idle-timeout-ms"],
+        max_handshakes=options["max-handshakes"],
+        max_sessions=options["max-sessions"],
+        max_unacked_events=options["max-unacked-events"],
+        max_held_tokens=options["max-held-tokens"],
+        max_generations=options["max-generations"],
+        drain_timeout_ms=options["drain-timeout"] * 1000,
     )
 
 
@@ -453,7 +441,11 @@ def describe_address(address: object) -> str:
 
 
 class AgentService(service.Service):
-    """Starts the node agent (and its engine) with the service tree and stops it with it."""
+    """Starts the node agent (and its engine) with the service tree and stops it with it.
+
+    Stopping drains first (:meth:`NodeAgent.drain`: decline new generations, finish or cancel
+    the running ones, wait briefly for acks), then closes every connection.
+    """
 
     def __init__(self, agent: NodeAgent) -> None:
         self.agent = agent
@@ -464,9 +456,40 @@ class AgentService(service.Service):
 
     def stopService(self) -> defer.Deferred[None]:
         super().stopService()  # type: ignore[no-untyped-call]
-        stopped = self.agent.stop()
+        stopped = self.agent.drain()
+        stopped.addCallback(lambda _: self.agent.stop())
         stopped.addCallback(lambda _: log.info("sfnode stopped"))
         return stopped
+
+
+class HeadDialService(ClientService):
+    """D9's redialling connection to the head; on stop it keeps the link until the drain ends."""
+
+    def __init__(self, agent: NodeAgent, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.agent = agent
+
+    def stopService(self) -> defer.Deferred[None]:
+        drained = self.agent.drain()
+        drained.addCallback(lambda _: ClientService.stopService(self))
+        return drained
+
+
+def exit_after_refusal(reactor: Any, message: str) -> None:
+    """The default reaction of a ``--head`` node refused by its head: stop, exit status 1.
+
+    ``twistd`` has no exit status of its own for a stopped reactor, so the process ends with
+    ``os._exit(1)`` after the reactor's shutdown (services stopped, logs flushed).
+    """
+
+    def leave() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_REFUSED)
+
+    print(message, file=sys.stderr, flush=True)
+    reactor.addSystemEventTrigger("after", "shutdown", leave)
+    reactor.stop()
 
 
 class ListeningService(service.Service):
@@ -530,11 +553,19 @@ class ListeningService(service.Service):
         return stopped if stopped is not None else defer.succeed(None)
 
 
-def makeService(options: Options, reactor: Any = None) -> service.MultiService:
+def makeService(
+    options: Options,
+    reactor: Any = None,
+    on_head_refused: Callable[[str], None] | None = None,
+) -> service.MultiService:
     """The node as a service tree named ``sfnode``: ``agent``, then ``listen`` or ``head``.
 
     ``options`` must have been parsed (``Options().parseOptions([...])``).  ``reactor`` defaults
     to the global one.  The engine (and any model) is loaded here, before the services start.
+
+    With ``--head``, a head that holds another fleet token stops the redialling and calls
+    ``on_head_refused(message)``; the default (:func:`exit_after_refusal`) stops the reactor
+    and ends the process with exit status 1.  An embedding program passes its own.
 
     :raises NodeStartupError: the engine cannot be built.
     """
@@ -556,13 +587,33 @@ def makeService(options: Options, reactor: Any = None) -> service.MultiService:
         _add_child(node, "listen", ListeningService(endpoint, agent.factory(), description))
     else:
         description = options["head"]
-        dial = ClientService(
+        dial = HeadDialService(
+            agent,
             client_from_string(reactor, description),
             agent.factory(),
             head_retry_policy(),
             clock=reactor,
         )
         _add_child(node, "head", dial)
+        refused_reported = False
+
+        def head_refused(peer: str) -> None:
+            nonlocal refused_reported
+            if refused_reported:
+                return
+            refused_reported = True
+            message = (
+                f"sfnode: the head at {description} ({peer}) refused this node's fleet token "
+                "(its fleet token differs); stopping instead of redialling"
+            )
+            log.critical("{message}", message=message)
+            dial.stopService()
+            if on_head_refused is not None:
+                on_head_refused(message)
+            else:
+                exit_after_refusal(reactor, message)
+
+        agent.add_refusal_observer(head_refused)
         log.info("sfnode dialing the head at {endpoint}", endpoint=description)
     return node
 

@@ -11,8 +11,10 @@ Three pieces, layered like the node side:
   reconcile.
 
 :class:`HeadIds` holds the process-wide id spaces (LINKF 7.2); pass one instance around
-explicitly.  The reactor and the clock are always parameters: this module must never import
-the global reactor, never block, and never let an exception escape ``dataReceived``.
+explicitly.  With a fleet token every connection is Noise (``sfnode.noise``, D10) with the head
+as the initiator, whichever side dialled; ``Hello.auth`` still carries the token inside it.
+The reactor and the clock are always parameters: this module must never import the global
+reactor, never block, and never let an exception escape ``dataReceived``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from sfnode.admission import is_loopback_address
 from sfnode.head.session import HeadSession
+from sfnode.noise import NoiseFactory, NoiseProtocol, Role, secure_factory
 from sfnode.wire import (
     CapacitySummary,
     Finish,
@@ -63,6 +67,8 @@ PROTO_RANGE = (2, 2)
 DEFAULT_LEASE = Lease(duration_ms=60_000, renew_by_ms=45_000)
 DEFAULT_PARAMS = GenParams()
 DEFAULT_HANDSHAKE_TIMEOUT_S = 10.0
+DEFAULT_JOIN_HANDSHAKES = 8
+"""LINKF 4.6: nodes dialing a head that may be in their handshake at once."""
 COMMAND_SPACE = 1 << 32
 """Command ids each connection's HeadSession may use before the next connection's base."""
 MAX_RETRY_RANGE = 1 << 20
@@ -598,7 +604,15 @@ class NodeLink:
         if self._phase is not _Phase.DOWN or self._protocol is not None:
             return defer.fail(LinkError(f"cannot dial a link that is {self._phase.value}"))
         d = self._begin_handshake()
-        connecting = self._endpoint.connect(_DialFactory(self))
+        connecting = self._endpoint.connect(
+            secure_factory(
+                _DialFactory(self),
+                self.token,
+                role=Role.INITIATOR,
+                clock=self._clock,
+                handshake_timeout_s=self.handshake_timeout_s,
+            )
+        )
         if self._handshake is d:
             self._connecting = connecting
 
@@ -980,6 +994,11 @@ class HeadLinkFactory(Factory):
 
     The head still speaks first (HELLO, LINKF 4.1).  A connection whose handshake fails is
     logged and closed; ``on_node`` never sees it.
+
+    Admission (LINKF 4.6): with a token every connection is Noise (the head the initiator).
+    Without one, ``loopback_only=True`` (what ``sfhead`` passes unless --insecure-no-auth)
+    accepts only loopback or Unix-socket peers.  A connection arriving while
+    ``max_handshakes`` others are in their handshake is closed at once (0 = no limit).
     """
 
     def __init__(
@@ -992,16 +1011,56 @@ class HeadLinkFactory(Factory):
         handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
         clock: IReactorTime | None = None,
         keep_wal: bool = True,
+        max_handshakes: int = DEFAULT_JOIN_HANDSHAKES,
+        loopback_only: bool = False,
     ) -> None:
         self._on_node = on_node
+        self.max_handshakes = max_handshakes
+        self.loopback_only = loopback_only
+        self.handshaking = 0
+        """Links built and not yet past (or failed in) their handshake."""
         self._reactor = reactor
         self._ids = ids
         self._token = token
         self._handshake_timeout_s = handshake_timeout_s
         self._clock = clock
         self._keep_wal = keep_wal
+        self._noise = (
+            NoiseFactory(
+                self,
+                token=token,
+                role=Role.INITIATOR,
+                clock=clock if clock is not None else reactor,
+                handshake_timeout_s=handshake_timeout_s,
+            )
+            if token
+            else None
+        )
 
-    def buildProtocol(self, addr: Any) -> HeadLinkProtocol:
+    def buildProtocol(self, addr: Any) -> HeadLinkProtocol | NoiseProtocol | None:
+        """The link's protocol, behind Noise (head = initiator) when there is a token; None
+        (the connection is closed at once) for a refused peer."""
+        if not self._token and self.loopback_only and not is_loopback_address(addr):
+            _log.warn(
+                "refused a node dialing in from {peer}: no fleet token, so only loopback "
+                "peers are accepted (--insecure-no-auth overrides)",
+                peer=addr,
+            )
+            return None
+        if self.max_handshakes and self.handshaking >= self.max_handshakes:
+            _log.warn(
+                "closed a node connection from {peer} at once: {count} handshakes already "
+                "in progress",
+                peer=addr,
+                count=self.max_handshakes,
+            )
+            return None
+        protocol = self._link_protocol(addr)
+        if self._noise is None:
+            return protocol
+        return NoiseProtocol(self._noise, protocol)
+
+    def _link_protocol(self, addr: Any) -> HeadLinkProtocol:
         link = NodeLink(
             self._reactor,
             self._ids,
@@ -1011,11 +1070,14 @@ class HeadLinkFactory(Factory):
             keep_wal=self._keep_wal,
         )
         d = link._begin_handshake()
+        self.handshaking += 1
 
         def adopted(_: None) -> None:
+            self.handshaking -= 1
             self._on_node(link)
 
         def refused(failure: Failure) -> None:
+            self.handshaking -= 1
             _log.info(
                 "a node that dialed in ({peer}) failed the handshake: {reason}",
                 peer=addr,

@@ -1,0 +1,145 @@
+"""Tests of the node's drain on SIGTERM (issue 5, point 6), in process and in a real twistd.
+
+They pin that a draining node declines every new GENERATE_REQ with FINISH_DECLINED at once,
+lets running generations finish until the drain timeout, cancels the rest with a CANCELLED
+Finish that still reaches the head, waits for the head's acknowledgements, and only then closes
+its connections and exits.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Generator
+from typing import Any
+
+from twisted.internet import defer, reactor
+from twisted.internet.error import ProcessDone, ProcessTerminated
+from twisted.trial.unittest import TestCase
+
+from sfnode.head.link import HeadIds, connect_node
+from sfnode.wire import FINISH_CANCELLED, FINISH_DECLINED, FINISH_LENGTH
+from tests.nodefixture import NodeTestCase, expected_tokens
+from tests.test_tap import TWISTD, TwistdProcess, child_env
+
+PROMPT = list(range(100, 112))
+Gen = Generator[defer.Deferred[Any], Any, None]
+
+
+class AgentDrainTests(NodeTestCase):
+    """NodeAgent.drain in process, on the real reactor."""
+
+    @defer.inlineCallbacks
+    def test_drain_declines_finishes_and_cancels(self) -> Gen:
+        """During a drain a new GENERATE is DECLINED, a short generation still ends with
+        LENGTH, and one that outlives the drain timeout ends with CANCELLED; the drain fires
+        once the head acknowledged those final events, with the link still open."""
+        node = yield self.start_node(token_delay_s=0.01, drain_timeout_ms=600)
+        link = yield self.dial(node)
+        for session in (1, 2, 3):
+            link.assign(session)
+            link.append(session, PROMPT)
+        first: defer.Deferred[None] = defer.Deferred()
+        short = link.generate(1, 20)
+        long = link.generate(
+            2, 1_000_000, on_tokens=lambda _: None if first.called else first.callback(None)
+        )
+        yield first
+        drained = node.agent.drain()
+        late = yield link.generate(3, 5).result
+        self.assertEqual((late.tokens, late.finish), ([], FINISH_DECLINED))
+        done = yield short.result
+        self.assertEqual((done.tokens, done.finish), (expected_tokens(PROMPT, 20), FINISH_LENGTH))
+        cancelled = yield long.result
+        self.assertEqual(cancelled.finish, FINISH_CANCELLED)
+        self.assertEqual(cancelled.tokens, expected_tokens(PROMPT, len(cancelled.tokens)))
+        yield drained
+        self.assertTrue(link.connected)
+        self.assertEqual(node.agent.running_generations, 0)
+
+
+class DrainingTwistd(TwistdProcess):
+    """A twistd child whose output can be waited on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._waiting: list[tuple[re.Pattern[bytes], defer.Deferred[None]]] = []
+
+    def wait_output(self, pattern: bytes) -> defer.Deferred[None]:
+        d: defer.Deferred[None] = defer.Deferred()
+        self._waiting.append((re.compile(pattern), d))
+        self._check()
+        return d
+
+    def childDataReceived(self, childFD: int, data: bytes) -> None:  # noqa: N803
+        super().childDataReceived(childFD, data)
+        self._check()
+
+    def _check(self) -> None:
+        for waiting in list(self._waiting):
+            if waiting[0].search(self.output):
+                self._waiting.remove(waiting)
+                waiting[1].callback(None)
+
+
+class ProcessDrainTests(TestCase):
+    """Point 6 with a real ``twistd sfnode`` process and SIGTERM."""
+
+    async def test_sigterm_drains_a_running_generation(self) -> None:
+        """SIGTERM on a node with a running generation (mock engine, 10 ms per token,
+        --drain-timeout 1): a new GENERATE is DECLINED, the running one is cancelled after the
+        drain timeout and its CANCELLED Finish reaches the head, then the process stops
+        cleanly (twistd's own SIGTERM exit) with no traceback."""
+        process = DrainingTwistd()
+        args = [
+            sys.executable, "-c", TWISTD, "--pidfile=", "-n", "sfnode",
+            "--listen", "tcp:0:interface=127.0.0.1", "--engine", "mock",
+            "--token-delay-ms", "10", "--drain-timeout", "1",
+        ]  # fmt: skip
+        transport = reactor.spawnProcess(
+            process, sys.executable, args, env=child_env(), path=self.mktemp_dir()
+        )
+
+        def kill() -> defer.Deferred[Any] | None:
+            if process.ended.called:
+                return None
+            transport.signalProcess("KILL")
+            return process.ended
+
+        self.addCleanup(kill)
+        port = await process.listening
+        link = await connect_node(reactor, f"tcp:127.0.0.1:{port}", ids=HeadIds())
+        self.addCleanup(link.close)
+        for session in (1, 2):
+            link.assign(session)
+            link.append(session, PROMPT)
+        first: defer.Deferred[None] = defer.Deferred()
+        running = link.generate(
+            1, 1_000_000, on_tokens=lambda _: None if first.called else first.callback(None)
+        )
+        await first
+        transport.signalProcess("TERM")
+        await process.wait_output(rb"draining: declining new generations")
+        late = await link.generate(2, 5).result
+        self.assertEqual((late.tokens, late.finish), ([], FINISH_DECLINED))
+        outcome = await running.result
+        self.assertEqual(outcome.finish, FINISH_CANCELLED)
+        self.assertGreater(len(outcome.tokens), 0)
+        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, len(outcome.tokens)))
+        ended = await process.ended
+        output = process.output.decode()
+        if isinstance(ended, ProcessTerminated):
+            self.assertEqual((ended.signal, ended.exitCode), (15, None), output)
+        else:
+            self.assertIsInstance(ended, ProcessDone, output)
+        self.assertIn("drain timeout: cancelling 1 generations", output)
+        self.assertIn("drained: 0 events left unacknowledged", output)
+        self.assertIn("sfnode stopped", output)
+        self.assertNotIn("Traceback", output)
+
+    def mktemp_dir(self) -> str:
+        from pathlib import Path
+
+        path = Path(self.mktemp()).resolve()
+        path.mkdir(parents=True)
+        return str(path)

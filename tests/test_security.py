@@ -1,0 +1,296 @@
+"""Tests of fleet tokens, admission and the refused ``--head`` node (issue 5, points 1 to 3).
+
+They pin ``python -m sfnode token`` as an operator runs it (LINKF 4.5: 64 lowercase hex chars,
+mode 0600, created once and never overwritten, ``$SFNODE_HOME/token`` by default), that
+``--auth-file`` reads that file through the same function, that a real ``twistd sfnode`` refuses
+an open listener without a token before it imports torch or loads a model (item 67), that a
+listener closes the 65th concurrent handshake at once while the first 64 wait for their
+handshake timeout (LINKF 4.6), and that a ``--head`` node whose head holds another token stops
+with a clear message and exit status 1 instead of redialling (D9).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+import time
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+from twisted.internet import defer, reactor
+from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint, connectProtocol
+from twisted.internet.error import ProcessTerminated
+from twisted.internet.protocol import Protocol, connectionDone
+from twisted.internet.utils import getProcessOutputAndValue
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase, TestCase
+
+from sfnode import tap, tokens
+from sfnode.head.link import HeadIds, HeadLinkFactory, NodeLink
+from tests.nodefixture import NodeTestCase, expected_tokens
+from tests.test_tap import REPO_ROOT, TWISTD, TwistdProcess, child_env
+
+TOKEN = b"4f" * 32
+OTHER = b"9a" * 32
+Gen = Generator[defer.Deferred[Any], Any, None]
+
+
+def run(args: list[str], env: dict[str, str]) -> defer.Deferred[tuple[bytes, bytes, int]]:
+    result: defer.Deferred[tuple[bytes, bytes, int]] = getProcessOutputAndValue(
+        sys.executable, args, env=env, path=str(REPO_ROOT), reactor=reactor
+    )
+    return result
+
+
+def isolated_env(home: Path) -> dict[str, str]:
+    """The child environment with its own HOME and no SFNODE_HOME: no stray token is found."""
+    env = child_env()
+    env["HOME"] = str(home)
+    env.pop(tokens.HOME_VARIABLE, None)
+    return env
+
+
+class TokenCommandTests(TestCase):
+    """Item 15: ``python -m sfnode token``."""
+
+    async def test_creates_once_with_mode_0600_and_prints_it(self) -> None:
+        """The first run creates the file (64 lowercase hex chars, mode 0600) and prints the
+        token; a second run prints the same token and leaves the file as it was."""
+        home = Path(self.mktemp()).resolve()
+        path = home / "fleet" / "token"
+        env = isolated_env(home)
+        out, err, code = await run(["-m", "sfnode", "token", "--file", str(path)], env)
+        self.assertEqual(code, 0, err)
+        token = out.decode().strip()
+        self.assertRegex(token, r"\A[0-9a-f]{64}\Z")
+        self.assertEqual(stat.S_IMODE(path.stat().st_mode), 0o600)
+        self.assertEqual(path.read_text().strip(), token)
+        self.assertIn("created", err.decode())
+        before = path.stat().st_mtime_ns
+        out2, err2, code2 = await run(["-m", "sfnode", "token", "--file", str(path)], env)
+        self.assertEqual((code2, out2.decode().strip()), (0, token), err2)
+        self.assertEqual(path.stat().st_mtime_ns, before)
+        self.assertEqual(tokens.read_token(path), token.encode())
+
+    async def test_default_path_is_under_sfnode_home(self) -> None:
+        """Without --file the token goes to $SFNODE_HOME/token; an existing token there
+        (whatever its text) is printed trimmed and never replaced."""
+        home = Path(self.mktemp()).resolve()
+        env = isolated_env(home)
+        env[tokens.HOME_VARIABLE] = str(home / "sf")
+        out, err, code = await run(["-m", "sfnode", "token"], env)
+        self.assertEqual(code, 0, err)
+        self.assertEqual((home / "sf" / "token").read_text().strip(), out.decode().strip())
+        (home / "sf" / "token").write_bytes(b"  operator-chosen\n")
+        out, err, code = await run(["-m", "sfnode", "token"], env)
+        self.assertEqual((code, out.decode().strip()), (0, "operator-chosen"), err)
+        self.assertEqual((home / "sf" / "token").read_bytes(), b"  operator-chosen\n")
+
+
+class TokenFileTests(SynchronousTestCase):
+    """The token file functions themselves."""
+
+    def test_default_path(self) -> None:
+        """$SFNODE_HOME/token when set, else ~/.config/sfnode/token."""
+        self.assertEqual(tokens.default_token_path({"SFNODE_HOME": "/x"}), Path("/x/token"))
+        self.assertEqual(
+            tokens.default_token_path({}), Path("~/.config/sfnode/token").expanduser()
+        )
+
+    def test_auth_file_reads_what_token_wrote(self) -> None:
+        """--auth-file reads a created token file through the same trimmed reader."""
+        path = Path(self.mktemp()) / "token"
+        token, created = tokens.ensure_token(path)
+        self.assertTrue(created)
+        options = tap.Options()
+        options.parseOptions(
+            ["--listen", "tcp:0:interface=0.0.0.0", "--engine", "mock", "--auth-file", str(path)]
+        )
+        self.assertEqual(options["auth-token"], token)
+        self.assertEqual(tokens.ensure_token(path), (token, False))
+
+    def test_empty_existing_file_is_an_error(self) -> None:
+        """An existing file without a token is reported, not overwritten."""
+        path = Path(self.mktemp())
+        path.write_bytes(b"\n")
+        self.assertRaises(tokens.TokenError, tokens.ensure_token, path)
+        self.assertEqual(path.read_bytes(), b"\n")
+
+
+class AdmissionProcessTests(TestCase):
+    """Item 67: no open listener without a token, decided before any model is loaded."""
+
+    async def test_open_listener_without_token_is_refused_before_loading(self) -> None:
+        """``twistd sfnode --listen tcp:0:interface=0.0.0.0`` with the default (transformers)
+        engine and no token exits non-zero within 10 s with "without a fleet token", no
+        traceback, and torch never imported (so no model was loaded)."""
+        home = Path(self.mktemp()).resolve()
+        home.mkdir(parents=True)
+        probe = (
+            "import atexit, sys; "
+            "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules)); "
+            + TWISTD
+        )
+        started = time.monotonic()
+        out, err, code = await run(
+            ["-c", probe, "--pidfile=", "-n", "sfnode", "--listen", "tcp:0:interface=0.0.0.0"],
+            isolated_env(home),
+        )
+        elapsed = time.monotonic() - started
+        text = (out + err).decode()
+        self.assertNotEqual(code, 0, text)
+        self.assertIn("without a fleet token", text)
+        self.assertIn("torch imported: False", text)
+        self.assertNotIn("Traceback", text)
+        self.assertLess(elapsed, 10.0)
+
+
+class Silent(Protocol):
+    """Connects and never says anything."""
+
+    def __init__(self) -> None:
+        self.closed: defer.Deferred[float] = defer.Deferred()
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self.closed.callback(time.monotonic())
+
+
+class HandshakeLimitTests(NodeTestCase):
+    """LINKF 4.6: at most 64 handshakes in progress per listener."""
+
+    @defer.inlineCallbacks
+    def test_the_65th_concurrent_handshake_is_closed_at_once(self) -> Gen:
+        """With 64 silent connections in their handshake (keyed node, Noise), a 65th is
+        closed at once while the 64 stay open until their 3 s handshake timeout; afterwards a
+        real head is served."""
+        node = yield self.start_node(auth_token=TOKEN, handshake_timeout_ms=3000)
+        factory = node.agent.node_factory
+        self.assertEqual(factory.max_handshakes, 64)
+        built: defer.Deferred[None] = defer.Deferred()
+        original = factory.buildProtocol
+
+        def counting(addr: Any) -> Any:
+            protocol = original(addr)
+            if len(factory.protocols) == 64 and not built.called:
+                built.callback(None)
+            return protocol
+
+        factory.buildProtocol = counting  # type: ignore[method-assign]
+        endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", node.port_number)
+        silent = [Silent() for _ in range(64)]
+        yield defer.gatherResults([connectProtocol(endpoint, p) for p in silent])
+        yield built
+        self.assertEqual(factory.handshaking(), 64)
+        extra = Silent()
+        yield connectProtocol(endpoint, extra)
+        yield extra.closed
+        self.assertEqual([p for p in silent if p.closed.called], [])
+        self.assertEqual(len(factory.protocols), 64)
+        yield defer.gatherResults([p.closed for p in silent])
+        link = yield self.dial(node, token=TOKEN)
+        link.assign(1)
+        link.append(1, [1, 2, 3])
+        outcome = yield link.generate(1, 4).result
+        self.assertEqual(outcome.tokens, expected_tokens([1, 2, 3], 4))
+
+
+class RefusedHeadProcessTests(TestCase):
+    """D9: a node that dials a head with another token stops; it does not redial forever."""
+
+    async def test_refused_node_exits_non_zero_with_a_message(self) -> None:
+        """``twistd sfnode --head`` against a head holding another token logs that the head
+        refused its token and exits with status 1 after one attempt; the head adopts
+        nothing."""
+        adopted: list[NodeLink] = []
+        head = HeadLinkFactory(
+            adopted.append, reactor=reactor, ids=HeadIds(), token=OTHER, handshake_timeout_s=5.0
+        )
+        port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(head)
+        self.addCleanup(port.stopListening)
+        folder = Path(self.mktemp()).resolve()
+        folder.mkdir(parents=True)
+        token_file = folder / "token"
+        token_file.write_bytes(TOKEN + b"\n")
+        process = TwistdProcess()
+        args = [
+            sys.executable, "-c", TWISTD, "--pidfile=", "-n", "sfnode",
+            "--head", f"tcp:127.0.0.1:{port.getHost().port}", "--engine", "mock",
+            "--auth-file", str(token_file),
+        ]  # fmt: skip
+        transport = reactor.spawnProcess(
+            process, sys.executable, args, env=isolated_env(folder), path=str(folder)
+        )
+        process.listening.addErrback(lambda _: None)
+
+        def kill() -> defer.Deferred[Any] | None:
+            if process.ended.called:
+                return None
+            transport.signalProcess("KILL")
+            return process.ended
+
+        self.addCleanup(kill)
+        ended = await process.ended
+        output = process.output.decode()
+        self.assertIsInstance(ended, ProcessTerminated, output)
+        assert isinstance(ended, ProcessTerminated)
+        self.assertEqual(ended.exitCode, tap.EXIT_REFUSED, output)
+        self.assertIn("refused this node's fleet token", output)
+        self.assertIn("stopping instead of redialling", output)
+        self.assertNotIn("Traceback", output)
+        self.assertEqual(adopted, [])
+        self.assertFalse(os.path.exists(folder / "twistd.pid"))
+
+
+class HeadAdmissionTests(SynchronousTestCase):
+    """LINKF 4.6 on the head's side: what ``HeadLinkFactory`` admits from dialing nodes."""
+
+    def test_without_a_token_only_loopback_peers_when_asked(self) -> None:
+        """With loopback_only (sfhead without --insecure-no-auth) and no token a remote peer
+        is refused (no protocol: closed at once) while loopback and Unix peers are greeted;
+        with a token any peer gets a Noise protocol."""
+        from twisted.internet.address import IPv4Address, UNIXAddress
+        from twisted.internet.task import Clock
+
+        from sfnode.noise import NoiseProtocol
+
+        clock = Clock()
+        plain = HeadLinkFactory(
+            lambda _: None, reactor=clock, ids=HeadIds(), handshake_timeout_s=1.0,
+            loopback_only=True,
+        )  # fmt: skip
+        self.assertIsNone(plain.buildProtocol(IPv4Address("TCP", "10.1.2.3", 5000)))
+        self.assertIsNotNone(plain.buildProtocol(IPv4Address("TCP", "127.0.0.1", 5000)))
+        self.assertIsNotNone(plain.buildProtocol(UNIXAddress(b"/tmp/s")))
+        keyed = HeadLinkFactory(
+            lambda _: None, reactor=clock, ids=HeadIds(), token=TOKEN, handshake_timeout_s=1.0,
+            loopback_only=True,
+        )  # fmt: skip
+        self.assertIsInstance(
+            keyed.buildProtocol(IPv4Address("TCP", "10.1.2.3", 5000)), NoiseProtocol
+        )
+        clock.advance(2.0)
+
+    def test_at_most_max_handshakes_nodes_in_their_handshake(self) -> None:
+        """max_handshakes=2 (default 8): a third connection during two handshakes is closed
+        at once; once those handshakes timed out a new one is admitted."""
+        from twisted.internet.address import IPv4Address
+        from twisted.internet.task import Clock
+
+        from sfnode.head.link import DEFAULT_JOIN_HANDSHAKES
+
+        self.assertEqual(DEFAULT_JOIN_HANDSHAKES, 8)
+        clock = Clock()
+        factory = HeadLinkFactory(
+            lambda _: None, reactor=clock, ids=HeadIds(), handshake_timeout_s=1.0,
+            max_handshakes=2,
+        )  # fmt: skip
+        peer = IPv4Address("TCP", "127.0.0.1", 5000)
+        self.assertIsNotNone(factory.buildProtocol(peer))
+        self.assertIsNotNone(factory.buildProtocol(peer))
+        self.assertIsNone(factory.buildProtocol(peer))
+        clock.advance(1.0)
+        self.assertEqual(factory.handshaking, 0)
+        self.assertIsNotNone(factory.buildProtocol(peer))
+        clock.advance(1.0)
