@@ -210,11 +210,12 @@ class NodeProtocol(Protocol):
     def dataReceived(self, data: bytes) -> None:
         if self._closing or self.connection is None:
             return
+        error: WireError | None = None
         try:
             frames = self._decoder.feed(data)
         except WireError as e:
-            self.close(f"bad frame: {e}")
-            return
+            # The frames ahead of the bad bytes are whole and handled before the close.
+            frames, error = e.frames_before, e
         machine = self.connection.machine
         for frame in frames:
             if self._closing:
@@ -229,6 +230,8 @@ class NodeProtocol(Protocol):
                 machine.hello(hello)
             else:
                 machine.frame(frame)
+        if error is not None:
+            self.close(f"bad frame: {error}")
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self._closing = True

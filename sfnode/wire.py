@@ -97,7 +97,17 @@ def frame_class(msg_type: int) -> int:
 
 
 class WireError(Exception):
-    """Bad bytes from a peer.  Fatal to the connection that sent them, and to nothing else."""
+    """Bad bytes from a peer.  Fatal to the connection that sent them, and to nothing else.
+
+    When :meth:`FrameDecoder.feed` raises one, ``frames_before`` holds the whole frames that
+    arrived ahead of the bad bytes, in order, so the caller can still handle them.
+    """
+
+    frames_before: list[Frame]
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.frames_before = []
 
 
 class BadLength(WireError):
@@ -167,7 +177,11 @@ class FrameDecoder:
         return len(self._buffer)
 
     def feed(self, data: bytes) -> list[Frame]:
-        """Add bytes; return every frame they complete, in order."""
+        """Add bytes; return every frame they complete, in order.
+
+        Bad bytes raise a :class:`WireError` whose ``frames_before`` are the frames ahead of
+        them (whole, and to be handled before the connection closes).
+        """
         if self._buffer:
             self._buffer += data
             if len(self._buffer) < self._needed:
@@ -202,6 +216,9 @@ class FrameDecoder:
                         continue
                     raise UnknownRequiredType(f"unknown required message type 0x{msg_type:04x}")
                 frames.append(Frame(msg_type, seq, payload))
+        except WireError as e:
+            e.frames_before = frames
+            raise
         finally:
             self._buffer = bytearray(buffer[offset:]) if offset < len(buffer) else bytearray()
         return frames

@@ -40,6 +40,7 @@ from sfnode.wire import (
     Tokens,
     WatermarkAckMsg,
     encode_tokens,
+    message_frame,
 )
 from tests.nodefixture import NodeTestCase, RawHead, expected_tokens, finish_of
 
@@ -674,3 +675,21 @@ class PipelineTests(NodeTestCase):
         for args in [(PROMPT, 5, 3, None), (PROMPT, 0, 25, None), ([], 12, 24, b"short")]:
             response = yield link.stage_forward(*args)
             self.assertEqual((response.hidden, response.token), (None, None))
+
+
+class FramesBeforeBadBytesTests(NodeTestCase):
+    @defer.inlineCallbacks
+    def test_frames_ahead_of_bad_bytes_are_handled(self) -> Gen:
+        """An ASSIGN and an APPEND that arrive in one write with bad bytes behind them are
+        applied before the connection closes: valid input is never lost."""
+        node = yield self.start_node()
+        head = yield RawHead.connect(self, node)
+        yield head.hello()
+        head.send_bytes(
+            message_frame(SessionAssignMsg(1, 3, 5, LONG_LEASE, "", b"", 0, 0), 2)
+            + message_frame(AppendContentMsg(2, 3, 5, encode_tokens(PROMPT)), 3)
+            + b"\x05\x00\x00\x00"
+        )
+        yield head.lost
+        self.assertEqual(node.agent.session.session_epoch(3), 5)
+        self.assertEqual(list(node.agent.contexts[3]), PROMPT)

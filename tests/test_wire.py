@@ -764,3 +764,17 @@ class FuzzTests(SynchronousTestCase):
             decode_message(message.MSG_TYPE, bytes(payload))
         except PayloadError:
             pass
+
+
+class FramesBeforeAnErrorTests(SynchronousTestCase):
+    def test_frames_ahead_of_bad_bytes_are_kept(self) -> None:
+        """Whole frames that arrive in the same chunk ahead of bad bytes are handed back on
+        the error (``frames_before``), in order, so nothing valid is lost."""
+        good = [message_frame(WatermarkAckMsg(1, 5, 100, n), n + 1) for n in range(3)]
+        decoder = FrameDecoder()
+        with self.assertRaises(BadLength) as raised:
+            decoder.feed(b"".join(good) + b"\x05\x00\x00\x00")
+        self.assertEqual(
+            [decode_frame(f) for f in raised.exception.frames_before],
+            [WatermarkAckMsg(1, 5, 100, n) for n in range(3)],
+        )

@@ -187,11 +187,12 @@ class HeadLinkProtocol(Protocol):
     def dataReceived(self, data: bytes) -> None:
         if self._broken:
             return
+        error: WireError | None = None
         try:
             frames = self._decoder.feed(data)
         except WireError as e:
-            self._break(e)
-            return
+            # The frames ahead of the bad bytes are whole: they are handled first.
+            frames, error = e.frames_before, e
         for frame in frames:
             if self._broken:
                 return
@@ -206,6 +207,8 @@ class HeadLinkProtocol(Protocol):
                 _log.failure("the owner of a head link failed on {message!r}", message=message)
                 self._break(e)
                 return
+        if error is not None and not self._broken:
+            self._break(error)
 
     def fail(self, error: Exception) -> None:
         """The owner found the peer's messages unacceptable: report it as broken input."""
