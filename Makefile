@@ -1,5 +1,6 @@
 # Two commands do everything on a fresh clone:
-#   make run    set up .venv and start a node on the bundled default model
+#   make run    set up .venv and start a fleet (a head and one node) on the bundled default
+#               model, serving an OpenAI-compatible API on http://127.0.0.1:8453
 #   make test   run the whole test suite (tox: trial suite and lint)
 # Nothing needs to be installed first except Python 3.11 with venv and make.
 
@@ -8,7 +9,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 LISTEN ?= tcp:8454:interface=127.0.0.1
 
-.PHONY: run test lint clean
+.PHONY: run node test lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +21,9 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
 	touch $@
 
 run: $(VENV)/.installed
+	HF_HUB_OFFLINE=1 $(BIN)/python -m sfnode.fleet
+
+node: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/twistd --pidfile= -n sfnode --listen $(LISTEN)
 
 test: $(VENV)/.installed

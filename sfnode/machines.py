@@ -532,8 +532,10 @@ _g_done = _generation.state("done")
 
 @_g_new.upon(GenerationInputs.tokens).to(_g_running)
 def _first_tokens(inputs: GenerationInputs, core: GenerationCore, batch: Sequence[int]) -> None:
-    # The coalescing interval counts from the first tokens, which follow the prefill.
-    inputs.tokens(batch)
+    # The first tokens go out at once: holding them for the coalescing window would add up to
+    # 200 ms to every time-to-first-token.  Coalescing starts from this flush.
+    core.pending.extend(batch)
+    core.flush(inputs)
 
 
 @_g_running.upon(GenerationInputs.tokens).loop()

@@ -205,3 +205,12 @@ def finish_of(session_id: int, generation_id: int, reason: int | None = None) ->
         )
 
     return predicate
+
+
+def stream_of(events: Sequence[Any]) -> tuple[list[int], list[int]]:
+    """The tokens and the Finish reasons of a generation's events, in event order."""
+    from sfnode.wire import Finish, Tokens
+
+    tokens = [t for e in events if isinstance(e.payload, Tokens) for t in e.payload.tokens]
+    finishes = [e.payload.reason for e in events if isinstance(e.payload, Finish)]
+    return tokens, finishes

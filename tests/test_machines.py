@@ -256,23 +256,33 @@ class GenerationMachineTests(SynchronousTestCase):
         owner = RecordingGeneration(accept)
         return clock, owner, GenerationMachine(GenerationCore(clock, owner, 16, 200))
 
-    def test_sixteen_tokens_flush_at_once(self) -> None:
-        """Coalescing: the 16th pending token flushes one event immediately."""
+    def test_first_tokens_go_out_at_once(self) -> None:
+        """The first batch is flushed as it arrives (no wait for time-to-first-token)."""
         _clock, owner, machine = self.build()
-        for t in range(16):
+        machine.tokens([7])  # type: ignore[attr-defined]
+        self.assertEqual(owner.log, [[7]])
+
+    def test_sixteen_tokens_flush_at_once(self) -> None:
+        """Coalescing: after the first batch, the 16th pending token flushes one event."""
+        _clock, owner, machine = self.build()
+        machine.tokens([99])  # type: ignore[attr-defined]
+        for t in range(15):
             machine.tokens([t])  # type: ignore[attr-defined]
-        self.assertEqual(owner.log, [list(range(16))])
+        self.assertEqual(owner.log, [[99]])
+        machine.tokens([15])  # type: ignore[attr-defined]
+        self.assertEqual(owner.log, [[99], list(range(16))])
 
     def test_slow_tokens_flush_after_200_ms(self) -> None:
         """Fewer than 16 tokens are flushed 200 ms after the last flush, by a timer."""
         clock, owner, machine = self.build()
+        machine.tokens([0])  # type: ignore[attr-defined]
         machine.tokens([1])  # type: ignore[attr-defined]
         clock.advance(0.1)
         machine.tokens([2])  # type: ignore[attr-defined]
         clock.advance(0.099)
-        self.assertEqual(owner.log, [])
+        self.assertEqual(owner.log, [[0]])
         clock.advance(0.001)
-        self.assertEqual(owner.log, [[1, 2]])
+        self.assertEqual(owner.log, [[0], [1, 2]])
 
     def test_finish_flushes_then_reports_the_reason(self) -> None:
         """Each engine stop maps to its Finish reason after a final flush."""
@@ -320,7 +330,7 @@ class GenerationMachineTests(SynchronousTestCase):
         clock, owner, machine = self.build()
         machine.tokens([1])  # type: ignore[attr-defined]
         machine.failed("boom")  # type: ignore[attr-defined]
-        self.assertEqual(owner.log, [("fail", "boom"), "done"])
+        self.assertEqual(owner.log, [[1], ("fail", "boom"), "done"])
         self.assertEqual(clock.getDelayedCalls(), [])
 
 

@@ -42,7 +42,7 @@ from sfnode.wire import (
     encode_tokens,
     message_frame,
 )
-from tests.nodefixture import NodeTestCase, RawHead, expected_tokens, finish_of
+from tests.nodefixture import NodeTestCase, RawHead, expected_tokens, finish_of, stream_of
 
 PROMPT = list(range(100, 112))
 LONG_LEASE = Lease(60_000, 45_000)
@@ -230,8 +230,7 @@ class SessionTests(NodeTestCase):
             [e.payload for e in head.events(7, 2)], [Finish(FINISH_DECLINED)]
         )
         self.assertEqual(
-            [e.payload for e in head.events(7, 3)],
-            [Tokens(tuple(expected_tokens(PROMPT, 3))), Finish(FINISH_LENGTH)],
+            stream_of(head.events(7, 3)), (expected_tokens(PROMPT, 3), [FINISH_LENGTH])
         )
 
     @defer.inlineCallbacks
@@ -270,7 +269,7 @@ class SessionTests(NodeTestCase):
         head.send(GenerateReqMsg(5, 1, 5, 1, GenerationBudgetsMsg(4)))
         yield head.wait_for(finish_of(1, 1))
         self.assertEqual(
-            head.events(1, 1)[0].payload, Tokens(tuple(expected_tokens(PROMPT, 4)))
+            stream_of(head.events(1, 1)), (expected_tokens(PROMPT, 4), [FINISH_LENGTH])
         )
 
     @defer.inlineCallbacks
@@ -392,7 +391,8 @@ class ReconcileTests(NodeTestCase):
         head.send(GenerateReqMsg(3, 1, 5, 100, GenerationBudgetsMsg(40)))
         yield head.wait_for(finish_of(1, 100))
         sent = head.events(1, 100)
-        self.assertEqual([e.event_seq for e in sent], [0, 1, 2, 3])
+        # The first token at once, then 16, 16 and 7 coalesced, then the Finish.
+        self.assertEqual([e.event_seq for e in sent], [0, 1, 2, 3, 4])
         head.send(WatermarkAckMsg(1, 5, 100, 0))
         head.send(
             ReconcileMsg(
@@ -407,7 +407,7 @@ class ReconcileTests(NodeTestCase):
         (entry,) = ack.sessions
         self.assertTrue(entry.held)
         self.assertEqual(
-            [(r.generation_id, r.from_seq, r.to_seq) for r in entry.retry_ranges], [(100, 2, 3)]
+            [(r.generation_id, r.from_seq, r.to_seq) for r in entry.retry_ranges], [(100, 2, 4)]
         )
         received_before = len(head.received)
         yield head.wait_for(
@@ -415,7 +415,7 @@ class ReconcileTests(NodeTestCase):
         )
         retransmission = head.received[head.received.index(ack) + 1]
         self.assertEqual(retransmission.events, tuple(sent[2:]))
-        self.assertEqual(node.agent.session.unacked_events(1, 100), 3)
+        self.assertEqual(node.agent.session.unacked_events(1, 100), 4)
 
     @defer.inlineCallbacks
     def test_reconcile_during_a_generation_is_answered(self) -> Gen:

@@ -1,0 +1,276 @@
+"""``twistd sfhead`` and ``twistd sfnode`` as real processes: a node killed mid-stream.
+
+Two mock-engine node processes (slow tokens, ``--token-delay-ms``) and a head process on the
+bundled tokenizer.  A streamed completion starts on the first node; that process is killed with
+SIGKILL after a few chunks; the stream must still complete, correct and without repeats, from the
+second node.  No sleeps: every wait is on a line a process logs or on the HTTP stream.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from collections.abc import Generator
+from io import BytesIO
+from pathlib import Path
+from typing import Any
+
+from twisted.internet import defer, reactor
+from twisted.internet.error import ProcessExitedAlready
+from twisted.internet.protocol import ProcessProtocol, Protocol
+from twisted.python.failure import Failure
+from twisted.trial.unittest import TestCase
+from twisted.web.client import Agent, FileBodyProducer, readBody
+from twisted.web.http_headers import Headers
+
+LOOPBACK = "tcp:0:interface=127.0.0.1"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TWISTD = "import sys; sys.argv[0] = 'twistd'; from twisted.scripts.twistd import run; run()"
+"""``twistd`` itself, without relying on a console script's path."""
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a child: this checkout first on PYTHONPATH (for the plugins)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return env
+
+
+class Child(ProcessProtocol):
+    """A child process whose output is searched for lines; ``ended`` fires when it exits."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.output = bytearray()
+        self.ended: defer.Deferred[None] = defer.Deferred()
+        self._waits: list[tuple[re.Pattern[bytes], int, defer.Deferred[list[re.Match[bytes]]]]] = []
+        self.transport: Any = None
+
+    def wait_for(self, pattern: bytes, count: int = 1) -> defer.Deferred[list[re.Match[bytes]]]:
+        """Fires with the first ``count`` matches of ``pattern`` in the output."""
+        d: defer.Deferred[list[re.Match[bytes]]] = defer.Deferred()
+        self._waits.append((re.compile(pattern), count, d))
+        self._check()
+        return d
+
+    def childDataReceived(self, childFD: int, data: bytes) -> None:  # noqa: N803
+        self.output += data
+        self._check()
+
+    def _check(self) -> None:
+        for wait in list(self._waits):
+            pattern, count, d = wait
+            found = list(pattern.finditer(self.output))
+            if len(found) >= count:
+                self._waits.remove(wait)
+                d.callback(found[:count])
+
+    def processEnded(self, reason: Failure) -> None:
+        for _, _, d in self._waits:
+            d.errback(RuntimeError(f"{self.name} ended:\n{self.output.decode(errors='replace')}"))
+        self._waits.clear()
+        self.ended.callback(None)
+
+    def kill(self) -> defer.Deferred[None]:
+        try:
+            self.transport.signalProcess("KILL")
+        except ProcessExitedAlready:
+            pass
+        return self.ended
+
+
+class _Stream(Protocol):
+    """Collects an HTTP response body; ``content`` fires once ``count`` content chunks came."""
+
+    def __init__(self, count: int) -> None:
+        self.body = b""
+        self.count = count
+        self.content: defer.Deferred[None] = defer.Deferred()
+        self.done: defer.Deferred[bytes] = defer.Deferred()
+
+    def dataReceived(self, data: bytes) -> None:
+        self.body += data
+        if not self.content.called and self.body.count(b'"text": "') >= self.count:
+            self.content.callback(None)
+
+    def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
+        self.done.callback(self.body)
+
+
+class KillTests(TestCase):
+    timeout = 120
+
+    def spawn(self, name: str, args: list[str]) -> Child:
+        child = Child(name)
+        folder = Path(self.mktemp())
+        folder.mkdir(parents=True)
+        child.transport = reactor.spawnProcess(
+            child,
+            sys.executable,
+            [sys.executable, "-c", TWISTD, "--pidfile=", "-n", *args],
+            env=child_env(),
+            path=str(folder),
+        )
+        self.addCleanup(child.kill)
+        return child
+
+    @defer.inlineCallbacks
+    def test_a_node_killed_mid_stream_is_replaced_by_another(self) -> Generator[Any, Any, None]:
+        """SIGKILL the serving node after 3 streamed chunks: the stream completes from the
+        other node with exactly the text of an uninterrupted run, no chunk repeated, and the
+        head counts one failover."""
+        nodes = [
+            self.spawn(
+                f"node{i}",
+                ["sfnode", "--listen", LOOPBACK, "--engine", "mock", "--identity", f"proc{i}",
+                 "--token-delay-ms", "25"],
+            )
+            for i in range(2)
+        ]  # fmt: skip
+        ports = []
+        for node in nodes:
+            found = yield node.wait_for(rb"sfnode listening on 127\.0\.0\.1:(\d+)\n")
+            ports.append(int(found[0].group(1)))
+        head = self.spawn(
+            "head",
+            ["sfhead", "--http", LOOPBACK, "--fleet-listen", LOOPBACK, "--model-name", "mock",
+             "--policy", "least-loaded",
+             *[a for p in ports for a in ("--node", f"tcp:127.0.0.1:{p}")]],
+        )  # fmt: skip
+        found = yield head.wait_for(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)\n")
+        base = f"http://127.0.0.1:{int(found[0].group(1))}"
+        yield head.wait_for(rb"node proc\d joined", 2)
+        agent = Agent(reactor)
+
+        def post(body: dict[str, Any]) -> defer.Deferred[Any]:
+            return agent.request(
+                b"POST",
+                (base + "/v1/completions").encode(),
+                Headers({b"content-type": [b"application/json"]}),
+                FileBodyProducer(BytesIO(json.dumps(body).encode())),
+            )
+
+        request = {"model": "mock", "prompt": list(range(100, 112)), "max_tokens": 100}
+        response = yield post(request)
+        reference = json.loads((yield readBody(response)))
+        self.assertEqual(reference["usage"]["completion_tokens"], 100)
+
+        # The reference ran on proc0 (least-loaded, registration order), so the stream does too.
+        response = yield post({**request, "stream": True})
+        self.assertEqual(response.code, 200)
+        stream = _Stream(3)
+        response.deliverBody(stream)
+        yield stream.content
+        self.assertNotIn(b"[DONE]", stream.body)  # (nodes batch tokens for up to 200 ms)
+        yield nodes[0].kill()
+        body = yield stream.done
+        events = [
+            json.loads(block[len(b"data: ") :])
+            for block in body.split(b"\n\n")
+            if block.startswith(b"data: {")
+        ]
+        self.assertTrue(body.rstrip().endswith(b"data: [DONE]"))
+        text = "".join(e["choices"][0]["text"] for e in events)
+        self.assertEqual(text, reference["choices"][0]["text"])
+        self.assertEqual(events[-1]["choices"][0]["finish_reason"], "length")
+        response = yield agent.request(b"GET", (base + "/metrics").encode())
+        metrics = (yield readBody(response)).decode()
+        self.assertIn("sfhead_failovers_total 1.0", metrics)
+        self.assertIn(b"node proc0 marked down", bytes(head.output))
+        self.assertNotIn(b"Traceback", bytes(head.output))
+
+
+class OptionsTests(TestCase):
+    """``twistd sfhead`` options and the service tree, without starting anything."""
+
+    def parse(self, *args: str) -> Any:
+        from sfnode.head.tap import Options
+
+        options = Options()
+        options.parseOptions(list(args))
+        return options
+
+    def test_defaults_and_repeatable_nodes(self) -> None:
+        """Defaults follow the issue (fleet 8455, HTTP 8453 on loopback, load-aware, bundled
+        model name); --node repeats; the policy and lease are typed."""
+        from sfnode.head.fleet import Policy
+
+        options = self.parse("--node", "tcp:127.0.0.1:1", "--node", "tcp:127.0.0.1:2")
+        self.assertEqual(options["fleet-listen"], "tcp:8455:interface=127.0.0.1")
+        self.assertEqual(options["http"], "tcp:8453:interface=127.0.0.1")
+        self.assertEqual(options["nodes"], ["tcp:127.0.0.1:1", "tcp:127.0.0.1:2"])
+        self.assertIs(options["policy"], Policy.LOAD_AWARE)
+        self.assertEqual(options["lease-ms"], 60000)
+        self.assertEqual(options["model-name"], "SmolLM2-135M-Instruct")
+
+    def test_bad_values_are_usage_errors(self) -> None:
+        """A bad policy, a bad endpoint, a non-loopback node without a token, --pipeline with
+        --node, and layer boundaries that do not match the stages are refused."""
+        from twisted.python.usage import UsageError
+
+        for args in (
+            ["--policy", "random"],
+            ["--node", "nonsense:1"],
+            ["--node", "tcp:10.1.2.3:8454"],
+            ["--fleet-listen", "tcp:8455"],
+            ["--pipeline", "tcp:127.0.0.1:1", "--node", "tcp:127.0.0.1:2"],
+            ["--pipeline", "tcp:127.0.0.1:1,tcp:127.0.0.1:2", "--pipeline-layers", "4,8,12"],
+            ["--lease-ms", "0"],
+        ):
+            self.assertRaises(UsageError, self.parse, *args)
+        self.assertEqual(
+            self.parse("--node", "tcp:10.1.2.3:8454", "--insecure-no-auth")["nodes"],
+            ["tcp:10.1.2.3:8454"],
+        )
+
+    def test_make_service_builds_a_plain_multiservice(self) -> None:
+        """makeService loads only a tokenizer (any HF tokenizer folder) and returns a plain
+        MultiService named sfhead with fleet, fleet-listen and http children; a pipeline
+        splits its layers as given."""
+        from twisted.application.service import MultiService
+        from twisted.internet.testing import MemoryReactorClock
+
+        from sfnode.head.tap import makeService
+        from tests.tinymodel import tiny_tokenizer
+
+        folder = self.mktemp()
+        tiny_tokenizer().save_pretrained(folder)
+        options = self.parse("--model", folder, "--http", "tcp:0:interface=127.0.0.1")
+        head = makeService(options, MemoryReactorClock())
+        self.assertIs(type(head), MultiService)
+        self.assertEqual(head.name, "sfhead")
+        self.assertEqual([s.name for s in head], ["fleet", "fleet-listen", "http"])
+        self.assertEqual(options["model-name"], Path(folder).name)
+        piped = self.parse(
+            "--model", folder, "--pipeline", "tcp:127.0.0.1:1,tcp:127.0.0.1:2",
+            "--pipeline-layers", "24",
+        )  # fmt: skip
+        service = makeService(piped, MemoryReactorClock())
+        pipeline = service.getServiceNamed("fleet").pipeline
+        self.assertEqual(pipeline.ranges, [(0, 12), (12, 24)])
+
+    @defer.inlineCallbacks
+    def test_the_plugin_is_listed_and_lazy(self) -> Generator[Any, Any, None]:
+        """twistd finds the sfhead plugin and parsing its options imports no torch."""
+        from twisted.internet.utils import getProcessOutputAndValue
+
+        script = (
+            "import sys\n"
+            "from twisted.application.service import IServiceMaker\n"
+            "from twisted.plugin import getPlugins\n"
+            "makers = {p.tapname: p for p in getPlugins(IServiceMaker)}\n"
+            "makers['sfhead'].options().parseOptions([])\n"
+            "print('sfhead' in makers, 'torch' in sys.modules)\n"
+        )
+        out, err, code = yield getProcessOutputAndValue(
+            sys.executable, ["-c", script], env=child_env(), path=self.mktemp_dir()
+        )
+        self.assertEqual((out.split(), code), ([b"True", b"False"], 0), err)
+
+    def mktemp_dir(self) -> str:
+        folder = Path(self.mktemp())
+        folder.mkdir(parents=True)
+        return str(folder)

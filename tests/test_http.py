@@ -1,0 +1,502 @@
+"""The head's OpenAI-compatible HTTP API (sfnode.head.http) over real TCP.
+
+Mock-engine nodes with the tiny test tokenizer's vocabulary (tests/tinymodel.py) stand behind the
+head for the protocol behaviours: response shapes, SSE streaming, errors, health, metrics, stop
+strings, and a client disconnect that must cancel the node's generation.  One test drives the
+API with the official ``openai`` package against a real transformers node on a tiny Llama.
+No sleeps: every wait is a Deferred.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Generator, Sequence
+from typing import Any
+
+from twisted.internet import defer, reactor, threads
+from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint, connectProtocol
+from twisted.internet.protocol import Protocol
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.client import Agent, readBody
+from twisted.web.http_headers import Headers
+
+from sfnode.config import NodeConfig
+from sfnode.generation import EngineStop, MockEngine, mock_next_token
+from sfnode.head.fleet import Fleet
+from sfnode.head.http import Detokenizer, OpenAIApi, Renderer, StopText
+from sfnode.node import NodeAgent
+from tests.nodefixture import NodeTestCase, RunningNode
+from tests.tinymodel import TINY_VOCAB, tiny_tokenizer
+
+MODEL = "mock"
+_TOKENIZER: Any = None
+
+
+def tokenizer() -> Any:
+    """The tiny test tokenizer (built once per test run: it is trained on the spot)."""
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        _TOKENIZER = tiny_tokenizer()
+    return _TOKENIZER
+
+
+class Head:
+    """A fleet and its HTTP API listening on 127.0.0.1."""
+
+    def __init__(self, fleet: Fleet, api: OpenAIApi, port: Any) -> None:
+        self.fleet = fleet
+        self.api = api
+        self.port = port
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port.getHost().port}"
+
+
+class HttpTestCase(NodeTestCase):
+    @defer.inlineCallbacks
+    def start_vocab_node(
+        self,
+        *,
+        identity: str = "node",
+        context_window: int = 4096,
+        token_delay_s: float = 0.0,
+        engine: Any = None,
+        model_name: str = MODEL,
+    ) -> Generator[defer.Deferred[Any], Any, RunningNode]:
+        """A mock node whose tokens are ids of the tiny tokenizer (vocabulary 512)."""
+        if engine is None:
+            engine = MockEngine(
+                reactor,
+                context_window=context_window,
+                token_delay_s=token_delay_s,
+                vocab_size=TINY_VOCAB,
+            )
+        agent = NodeAgent(reactor, engine, NodeConfig(identity=identity, model_name=model_name))
+        agent.start()
+        port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(
+            agent.factory()
+        )
+        self.addCleanup(agent.stop)
+        self.addCleanup(port.stopListening)
+        return RunningNode(agent, engine, port)
+
+    @defer.inlineCallbacks
+    def start_head(
+        self, nodes: Sequence[RunningNode], *, model: str = MODEL, tok: Any = None
+    ) -> Generator[defer.Deferred[Any], Any, Head]:
+        fleet = Fleet(reactor, ids=self.ids)
+        self.addCleanup(fleet.stop)
+        for node in nodes:
+            yield fleet.add_node(node.endpoint)
+        api = OpenAIApi(reactor, fleet, fleet, tok or tokenizer(), model, seed_source=lambda: 7)
+        port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(api.site())
+        self.addCleanup(port.stopListening)
+        return Head(fleet, api, port)
+
+    @defer.inlineCallbacks
+    def call(
+        self, head: Head, method: bytes, path: str, body: Any = None, raw: bytes | None = None
+    ) -> Generator[defer.Deferred[Any], Any, tuple[int, bytes]]:
+        from io import BytesIO
+
+        from twisted.web.client import FileBodyProducer
+
+        agent = Agent(reactor)
+        producer = None
+        if raw is not None or body is not None:
+            data = raw if raw is not None else json.dumps(body).encode()
+            producer = FileBodyProducer(BytesIO(data))
+        response = yield agent.request(
+            method,
+            (head.base + path).encode(),
+            Headers({b"content-type": [b"application/json"]}),
+            producer,
+        )
+        content = yield readBody(response)
+        return response.code, content
+
+    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        return Renderer(tokenizer()).chat(messages)
+
+    def text_of(self, tokens: Sequence[int]) -> str:
+        return str(tokenizer().decode(list(tokens), skip_special_tokens=True))
+
+
+MESSAGES = [{"role": "user", "content": "hello world"}]
+
+
+def expected_tokens(context: Sequence[int], count: int) -> list[int]:
+    """The mock's greedy run over the tiny tokenizer's vocabulary."""
+    context = list(context)
+    for _ in range(count):
+        context.append(mock_next_token(context, TINY_VOCAB))
+    return context[len(context) - count :]
+
+
+def sse_events(content: bytes) -> list[Any]:
+    """The data of every server-sent event; ``[DONE]`` stays a string."""
+    events = []
+    for block in content.decode().split("\n\n"):
+        if block.startswith("data: "):
+            data = block[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+class CompletionTests(HttpTestCase):
+    @defer.inlineCallbacks
+    def test_non_streaming_chat(self) -> Generator[Any, Any, None]:
+        """A chat completion renders the messages, generates on the node and answers the
+        detokenized text, finish_reason length, and usage in OpenAI's shape."""
+        node = yield self.start_vocab_node()
+        head = yield self.start_head([node])
+        code, content = yield self.call(
+            head,
+            b"POST",
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": MESSAGES, "max_tokens": 12, "temperature": 0},
+        )
+        self.assertEqual(code, 200)
+        body = json.loads(content)
+        prompt = self.prompt_ids(MESSAGES)
+        self.assertEqual(body["object"], "chat.completion")
+        self.assertEqual(body["model"], MODEL)
+        choice = body["choices"][0]
+        self.assertEqual(choice["message"]["role"], "assistant")
+        self.assertEqual(choice["message"]["content"], self.text_of(expected_tokens(prompt, 12)))
+        self.assertEqual(choice["finish_reason"], "length")
+        self.assertEqual(
+            body["usage"],
+            {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": 12,
+                "total_tokens": len(prompt) + 12,
+            },
+        )
+
+    @defer.inlineCallbacks
+    def test_streaming_chat_equals_non_streaming(self) -> Generator[Any, Any, None]:
+        """Streaming chat sends a role chunk, content chunks whose text equals the
+        non-streaming answer, a finish chunk, a usage chunk on request, then [DONE]."""
+        node = yield self.start_vocab_node(token_delay_s=0.001)
+        head = yield self.start_head([node])
+        request = {"model": MODEL, "messages": MESSAGES, "max_tokens": 20, "temperature": 0}
+        _, plain = yield self.call(head, b"POST", "/v1/chat/completions", request)
+        code, content = yield self.call(
+            head,
+            b"POST",
+            "/v1/chat/completions",
+            {**request, "stream": True, "stream_options": {"include_usage": True}},
+        )
+        self.assertEqual(code, 200)
+        events = sse_events(content)
+        self.assertEqual(events[-1], "[DONE]")
+        chunks = events[:-1]
+        self.assertTrue(all(c["object"] == "chat.completion.chunk" for c in chunks))
+        self.assertEqual(chunks[0]["choices"][0]["delta"], {"role": "assistant", "content": ""})
+        text = "".join(
+            c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]
+        )
+        self.assertEqual(text, json.loads(plain)["choices"][0]["message"]["content"])
+        finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+        self.assertEqual(finishes[-1], "length")
+        self.assertEqual(set(finishes[:-1]), {None})
+        self.assertEqual(chunks[-1]["choices"], [])
+        self.assertEqual(chunks[-1]["usage"]["completion_tokens"], 20)
+
+    @defer.inlineCallbacks
+    def test_completions_with_a_prompt_string(self) -> Generator[Any, Any, None]:
+        """/v1/completions takes a prompt string; streamed and plain text agree."""
+        node = yield self.start_vocab_node()
+        head = yield self.start_head([node])
+        request = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 10}
+        code, plain = yield self.call(head, b"POST", "/v1/completions", request)
+        self.assertEqual(code, 200)
+        body = json.loads(plain)
+        self.assertEqual(body["object"], "text_completion")
+        prompt = [int(t) for t in tokenizer().encode("the quick brown fox")]
+        self.assertEqual(body["choices"][0]["text"], self.text_of(expected_tokens(prompt, 10)))
+        _, streamed = yield self.call(
+            head, b"POST", "/v1/completions", {**request, "stream": True}
+        )
+        events = sse_events(streamed)
+        self.assertEqual(events[-1], "[DONE]")
+        text = "".join(e["choices"][0]["text"] for e in events[:-1])
+        self.assertEqual(text, body["choices"][0]["text"])
+
+    @defer.inlineCallbacks
+    def test_a_stop_string_ends_the_text_before_it(self) -> Generator[Any, Any, None]:
+        """A stop string cuts the answer just before it, finish_reason stop, and the node's
+        generation is cancelled instead of running to max_tokens."""
+        node = yield self.start_vocab_node(token_delay_s=0.001)
+        head = yield self.start_head([node])
+        prompt = self.prompt_ids(MESSAGES)
+        full = self.text_of(expected_tokens(prompt, 40))
+        cut = len(full) // 2
+        stop = full[cut : cut + 3]
+        expected = full[: full.find(stop)]
+        for stream in (False, True):
+            _, content = yield self.call(
+                head,
+                b"POST",
+                "/v1/chat/completions",
+                {"model": MODEL, "messages": MESSAGES, "max_tokens": 400, "stop": [stop],
+                 "stream": stream},
+            )
+            if stream:
+                chunks = sse_events(content)[:-1]
+                text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+                finish = chunks[-1]["choices"][0]["finish_reason"]
+            else:
+                body = json.loads(content)
+                text = body["choices"][0]["message"]["content"]
+                finish = body["choices"][0]["finish_reason"]
+                self.assertLess(body["usage"]["completion_tokens"], 400)
+            self.assertEqual((text, finish), (expected, "stop"))
+
+    @defer.inlineCallbacks
+    def test_a_client_that_disconnects_mid_stream_cancels_the_node(
+        self,
+    ) -> Generator[Any, Any, None]:
+        """Closing the connection during a stream sends GENERATE_CANCEL: the node's engine
+        ends the generation CANCELLED long before its budget."""
+        engine = MockEngine(reactor, token_delay_s=0.01, vocab_size=TINY_VOCAB)
+        ended: list[defer.Deferred[Any]] = []
+        submit = engine.submit
+
+        def recording_submit(request: Any, on_tokens: Any) -> Any:
+            generation = submit(request, on_tokens)
+            seen: defer.Deferred[Any] = defer.Deferred()
+            ended.append(seen)
+
+            def record(result: Any) -> Any:
+                seen.callback(result)
+                return result
+
+            generation.result.addBoth(record)
+            return generation
+
+        engine.submit = recording_submit  # type: ignore[method-assign]
+        node = yield self.start_vocab_node(engine=engine)
+        head = yield self.start_head([node])
+        client = _StreamingClient()
+        yield connectProtocol(
+            TCP4ClientEndpoint(reactor, "127.0.0.1", head.port.getHost().port), client
+        )
+        body = json.dumps(
+            {"model": MODEL, "messages": MESSAGES, "max_tokens": 100000, "stream": True}
+        ).encode()
+        client.transport.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        yield client.content_seen
+        client.transport.abortConnection()
+        result = yield ended[0]
+        self.assertEqual(result.stop, EngineStop.CANCELLED)
+        self.assertLess(len(result.tokens), 100000)
+
+
+class _StreamingClient(Protocol):
+    """A raw HTTP client that fires ``content_seen`` at the first content chunk."""
+
+    def __init__(self) -> None:
+        self.data = b""
+        self.content_seen: defer.Deferred[None] = defer.Deferred()
+
+    def dataReceived(self, data: bytes) -> None:
+        self.data += data
+        with_text = self.data.replace(b'"content": ""', b"")
+        if b'"content": "' in with_text and not self.content_seen.called:
+            self.content_seen.callback(None)
+
+    def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
+        if not self.content_seen.called:
+            self.content_seen.errback(reason)
+
+
+class ErrorTests(HttpTestCase):
+    @defer.inlineCallbacks
+    def test_errors_have_openai_shape_and_status(self) -> Generator[Any, Any, None]:
+        """Bad JSON, bad fields and image content are 400; an unknown model is 404 with
+        model_not_found; every body is {"error": {message, type, param, code}}."""
+        node = yield self.start_vocab_node()
+        head = yield self.start_head([node])
+        cases: list[tuple[Any, bytes | None, int, str | None]] = [
+            (None, b"{not json", 400, None),
+            ({"model": MODEL}, None, 400, None),
+            ({"model": MODEL, "messages": MESSAGES, "temperature": 5}, None, 400, None),
+            ({"model": MODEL, "messages": MESSAGES, "max_tokens": 0}, None, 400, None),
+            ({"model": MODEL, "messages": MESSAGES, "stop": 3}, None, 400, None),
+            (
+                {"model": MODEL, "messages": [{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": "data:,"}}]}]},
+                None, 400, None,
+            ),
+            ({"model": "nope", "messages": MESSAGES}, None, 404, "model_not_found"),
+        ]
+        for body, raw, status, code in cases:
+            got, content = yield self.call(head, b"POST", "/v1/chat/completions", body, raw)
+            self.assertEqual(got, status, (body, raw))
+            error = json.loads(content)["error"]
+            self.assertEqual(set(error), {"message", "type", "param", "code"})
+            self.assertEqual(error["code"], code)
+
+    @defer.inlineCallbacks
+    def test_a_prompt_too_long_is_context_length_exceeded(self) -> Generator[Any, Any, None]:
+        """A prompt longer than every node's window: 400 with code context_length_exceeded,
+        streaming or not; the model list quotes the window."""
+        node = yield self.start_vocab_node(context_window=16)
+        head = yield self.start_head([node])
+        long_messages = [{"role": "user", "content": "the quick brown fox " * 10}]
+        for stream in (False, True):
+            code, content = yield self.call(
+                head, b"POST", "/v1/chat/completions",
+                {"model": MODEL, "messages": long_messages, "stream": stream},
+            )
+            self.assertEqual(code, 400)
+            self.assertEqual(json.loads(content)["error"]["code"], "context_length_exceeded")
+        _, models = yield self.call(head, b"GET", "/v1/models")
+        self.assertEqual(json.loads(models)["data"][0]["context_length"], 16)
+
+    @defer.inlineCallbacks
+    def test_no_node_is_503_and_unhealthy(self) -> Generator[Any, Any, None]:
+        """Without nodes: completions answer 503 and /healthz says 503 with nodes 0."""
+        head = yield self.start_head([])
+        code, content = yield self.call(
+            head, b"POST", "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES}
+        )
+        self.assertEqual(code, 503)
+        self.assertIn("error", json.loads(content))
+        code, content = yield self.call(head, b"GET", "/healthz")
+        self.assertEqual((code, json.loads(content)), (503, {"status": "unavailable", "nodes": 0}))
+
+
+class ObservabilityTests(HttpTestCase):
+    @defer.inlineCallbacks
+    def test_health_models_and_metrics(self) -> Generator[Any, Any, None]:
+        """/healthz is 200 with the live node count, /v1/models lists the model, and
+        /metrics has per-node capacity, requests by outcome, tokens, TTFT, failovers and
+        reconnects, from the head's own registry."""
+        node = yield self.start_vocab_node(identity="m1")
+        head = yield self.start_head([node])
+        code, content = yield self.call(head, b"GET", "/healthz")
+        self.assertEqual((code, json.loads(content)), (200, {"status": "ok", "nodes": 1}))
+        code, content = yield self.call(head, b"GET", "/v1/models")
+        self.assertEqual([m["id"] for m in json.loads(content)["data"]], [MODEL])
+        yield self.call(
+            head, b"POST", "/v1/chat/completions",
+            {"model": MODEL, "messages": MESSAGES, "max_tokens": 5},
+        )
+        yield self.call(head, b"POST", "/v1/chat/completions", {"model": "x", "messages": []})
+        code, content = yield self.call(head, b"GET", "/metrics")
+        text = content.decode()
+        self.assertEqual(code, 200)
+        for line in (
+            'sfhead_requests_total{outcome="ok"} 1.0',
+            'sfhead_requests_total{outcome="not_found"} 1.0',
+            "sfhead_completion_tokens_total 5.0",
+            "sfhead_time_to_first_token_seconds_count 1.0",
+            'sfhead_node_max_context_tokens{node="m1"} 4096.0',
+            'sfhead_node_up{node="m1"} 1.0',
+            "sfhead_failovers_total 0.0",
+            "sfhead_reconnects_total 0.0",
+        ):
+            self.assertIn(line, text)
+        self.assertIn('sfhead_node_lanes_active{node="m1"}', text)
+        self.assertIn('sfhead_node_decode_tokens_per_s{node="m1"}', text)
+
+
+class TextTests(SynchronousTestCase):
+    def test_streamed_text_never_splits_a_multibyte_character(self) -> None:
+        """Token by token, multi-byte characters split over byte tokens come out whole: no
+        chunk holds U+FFFD and the chunks add up to the full decode."""
+        tok = tokenizer()
+        text = "héllo wörld 🙂 ok ☃"
+        ids = [int(t) for t in tok.encode(text)]
+        self.assertGreater(len(ids), len(text.split()))
+        detok = Renderer(tok).detokenizer()
+        chunks = [detok.push([t]) for t in ids]
+        chunks.append(detok.flush())
+        self.assertFalse(any("\ufffd" in c for c in chunks))
+        self.assertEqual("".join(chunks), text)
+        self.assertIn("", chunks)  # some tokens were held back: they ended mid-character
+
+    def test_the_detokenizer_releases_text_as_soon_as_it_is_whole(self) -> None:
+        """With a decode that only shows whole characters, each push releases its own text."""
+        decode = lambda ids: "".join(chr(96 + i) for i in ids)  # noqa: E731
+        detok = Detokenizer(decode)
+        self.assertEqual([detok.push([1]), detok.push([2, 3]), detok.flush()], ["a", "bc", ""])
+
+    def test_stop_strings_are_held_back_and_cut(self) -> None:
+        """Text that may begin a stop string waits; the stop string and what follows never
+        show; without stops everything passes at once."""
+        stop = StopText(["END"])
+        self.assertEqual(stop.feed("abcE"), "ab")
+        self.assertEqual(stop.feed("N"), "c")
+        self.assertEqual(stop.feed("Dxyz"), "")
+        self.assertTrue(stop.stopped)
+        self.assertEqual(stop.feed("more"), "")
+        free = StopText([])
+        self.assertEqual(free.feed("abc"), "abc")
+        self.assertEqual(free.flush(), "")
+        held = StopText(["xyz"])
+        self.assertEqual(held.feed("axy"), "a")
+        self.assertEqual(held.flush(), "xy")
+
+
+class OpenAIClientTests(HttpTestCase):
+    """The official ``openai`` package against a head over a real transformers node."""
+
+    @defer.inlineCallbacks
+    def test_the_openai_package_chats_streaming_and_not(self) -> Generator[Any, Any, None]:
+        """openai's client gets greedy chat completions, plain and streamed, whose text is the
+        detokenized greedy output of transformers' own generate() on the same prompt."""
+        import openai
+
+        from sfnode.engines.transformers_engine import TransformersEngine
+        from tests.tinymodel import reference_greedy, save_tiny_model
+
+        folder = save_tiny_model(self.mktemp())
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True)
+        model.eval()
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        engine = TransformersEngine(model, reactor, max_lanes=2)
+        node = yield self.start_vocab_node(engine=engine, model_name="tiny")
+        head = yield self.start_head([node], model="tiny", tok=tok)
+        prompt = Renderer(tok).chat(MESSAGES)
+        expected = reference_greedy(model, prompt, 10)
+        expected_text = str(tok.decode(expected, skip_special_tokens=True))
+        client = openai.OpenAI(base_url=head.base + "/v1", api_key="unused", max_retries=0)
+        self.addCleanup(client.close)
+
+        def plain() -> Any:
+            return client.chat.completions.create(
+                model="tiny", messages=MESSAGES, max_tokens=10, temperature=0  # type: ignore[arg-type]
+            )
+
+        def streamed() -> list[Any]:
+            stream = client.chat.completions.create(
+                model="tiny", messages=MESSAGES, max_tokens=10, temperature=0, stream=True  # type: ignore[arg-type]
+            )
+            return list(stream)
+
+        completion = yield threads.deferToThread(plain)
+        self.assertEqual(completion.choices[0].message.content, expected_text)
+        self.assertEqual(completion.usage.completion_tokens, len(expected))
+        self.assertEqual(completion.usage.prompt_tokens, len(prompt))
+        finish = "stop" if len(expected) < 10 else "length"
+        self.assertEqual(completion.choices[0].finish_reason, finish)
+        chunks = yield threads.deferToThread(streamed)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        self.assertEqual(text, expected_text)
+        self.assertEqual(chunks[-1].choices[0].finish_reason, finish)
+        with self.assertRaises(openai.NotFoundError):
+            yield threads.deferToThread(
+                lambda: client.chat.completions.create(model="other", messages=MESSAGES)  # type: ignore[arg-type]
+            )
