@@ -414,6 +414,11 @@ class NodeAgent:
             if node_session.home is connection:
                 node_session.home = None
 
+    @property
+    def rates(self) -> tuple[int, int]:
+        """The latest busy-time (decode, prefill) tokens per second, without a new sample."""
+        return self._rates.decode_tokens_per_s, self._rates.prefill_tokens_per_s
+
     def capacity(self) -> CapacitySummary:
         """A fresh capacity sample (LINKF 6.5 and decision D8)."""
         now = self.now_ms()

@@ -261,6 +261,13 @@ class Options(usage.Options):
             str(DEFAULT_MAX_GENERATIONS),
             "Generations running or queued at once; more are declined (0: no limit).",
         ],
+        [
+            "metrics",
+            None,
+            None,
+            "Serve this node's engine figures in Prometheus format at /metrics on this server "
+            "endpoint (default: none).",
+        ],
         ["token-delay-ms", None, None, "mock only: delay between tokens (default 0)."],
         ["dtype", None, None, f"transformers: weight dtype, one of {'|'.join(DTYPES)} (auto)."],
         ["device", None, None, "transformers: auto|cpu|cuda|cuda:N (default auto)."],
@@ -284,6 +291,8 @@ class Options(usage.Options):
         head, listen = self["head"], self["listen"]
         if (head is None) == (listen is None):
             raise usage.UsageError("give exactly one of --head ENDPOINT or --listen ENDPOINT")
+        if self["metrics"] is not None:
+            _check_server_endpoint(self["metrics"])
         if listen is not None:
             _check_server_endpoint(listen)
         else:
@@ -500,11 +509,16 @@ class ListeningService(service.Service):
     """
 
     def __init__(
-        self, endpoint: IStreamServerEndpoint, factory: IProtocolFactory, description: str
+        self,
+        endpoint: IStreamServerEndpoint,
+        factory: IProtocolFactory,
+        description: str,
+        what: str = "sfnode listening on",
     ) -> None:
         self.endpoint = endpoint
         self.factory = factory
         self.description = description
+        self.what = what
         self.port: IListeningPort | None = None
         self._listening: defer.Deferred[IListeningPort] | None = None
 
@@ -533,7 +547,7 @@ class ListeningService(service.Service):
     def _bound(self, port: IListeningPort) -> None:
         self._listening = None
         self.port = port
-        log.info("sfnode listening on {address}", address=describe_address(port.getHost()))
+        log.info("{what} {address}", what=self.what, address=describe_address(port.getHost()))
 
     def _failed(self, failure: Failure) -> None:
         """A listen that failed later than ``startService`` (or was cancelled by a stop)."""
@@ -581,6 +595,19 @@ def makeService(
     node = service.MultiService()  # type: ignore[no-untyped-call]
     node.setName("sfnode")  # type: ignore[no-untyped-call]
     _add_child(node, "agent", AgentService(agent))
+    if options["metrics"] is not None:
+        from sfnode.metrics import metrics_site
+
+        _add_child(
+            node,
+            "metrics",
+            ListeningService(
+                server_from_string(reactor, options["metrics"]),
+                metrics_site(agent),
+                options["metrics"],
+                what="sfnode metrics on",
+            ),
+        )
     if options["listen"] is not None:
         description = options["listen"]
         endpoint = server_from_string(reactor, description)

@@ -34,6 +34,7 @@ from twisted.plugin import getPlugins
 from twisted.python import usage
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
+from twisted.web.client import Agent, readBody
 
 import sfnode
 from sfnode import tap
@@ -348,6 +349,36 @@ class EmbeddingTests(TestCase):
         self.assertIsNone(listen.port)
         probe = connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", port), HeadProbe())
         await self.assertFailure(probe, ConnectionRefusedError)
+
+    async def test_metrics_endpoint_serves_engine_figures(self) -> None:
+        """--metrics serves the node's engine figures in Prometheus format; after a generation
+        the decoded-token counter shows its tokens, and the bound address is logged."""
+        options = parse(
+            "--listen", LOOPBACK, "--engine", "mock", "--identity", "metered",
+            "--metrics", LOOPBACK,
+        )  # fmt: skip
+        node = tap.makeService(options, reactor)
+        with capturedLogs() as events:
+            node.startService()
+        self.addCleanup(node.stopService)
+        metrics_port = node.getServiceNamed("metrics").port.getHost().port  # type: ignore[attr-defined]
+        node_port = node.getServiceNamed("listen").port.getHost().port  # type: ignore[attr-defined]
+        lines = [formatEvent(event) for event in events]
+        self.assertIn(f"sfnode metrics on 127.0.0.1:{metrics_port}", lines)
+
+        link = await connect_node(reactor, f"tcp:127.0.0.1:{node_port}", ids=HeadIds())
+        link.assign(1)
+        link.append(1, [1, 2, 3])
+        await link.generate(1, 12).result
+        await link.close()
+
+        agent = Agent(reactor)
+        response = await agent.request(b"GET", f"http://127.0.0.1:{metrics_port}/metrics".encode())
+        body = (await readBody(response)).decode()
+        self.assertEqual(response.code, 200)
+        self.assertIn('sfnode_decoded_tokens_total{model="mock",node="metered"} 12.0', body)
+        self.assertIn('sfnode_max_lanes{model="mock",node="metered"} 8.0', body)
+        self.assertIn("sfnode_kv_blocks_total", body)
 
     async def test_transformers_engine_from_options(self) -> None:
         """--engine transformers builds the engine from --model and its options, and serves."""

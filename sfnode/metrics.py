@@ -1,0 +1,98 @@
+"""The node's own Prometheus figures (``twistd sfnode --metrics ENDPOINT``): engine and capacity.
+
+A collector reads the engine's live statistics and the node's latest busy-time rates at scrape
+time, in a registry of its own (never the process-global one, so several nodes can run in one
+process).  A scrape only reads: it never takes a rate sample (that would move the baseline the
+NODE_STATUS rates are measured from).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from twisted.web.resource import Resource
+from twisted.web.server import Request, Site
+
+if TYPE_CHECKING:
+    from sfnode.node import NodeAgent
+
+CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+
+
+class NodeCollector(Collector):
+    """Engine counters and gauges of one node, labelled with its identity and model."""
+
+    def __init__(self, agent: NodeAgent) -> None:
+        self._agent = agent
+
+    def collect(self) -> Iterator[Metric]:
+        agent = self._agent
+        stats = agent.engine.statistics()
+        decode, prefill = agent.rates
+        labels = ["node", "model"]
+        values = [agent.config.identity, agent.config.model_name]
+
+        def counter(name: str, help_text: str, value: int) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, help_text, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        def gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, help_text, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        yield counter(
+            "sfnode_decoded_tokens", "Tokens decoded by the engine.", stats.decoded_tokens
+        )
+        yield counter(
+            "sfnode_prefilled_tokens",
+            "Prompt tokens prefilled by the engine.",
+            stats.prefilled_tokens,
+        )
+        yield gauge("sfnode_queue_depth", "Generations waiting for a lane.", stats.queue_depth)
+        yield gauge("sfnode_lanes_active", "Generations decoding now.", stats.lanes_active)
+        yield gauge("sfnode_max_lanes", "Configured lanes.", agent.config.max_lanes)
+        yield gauge("sfnode_kv_blocks_used", "KV blocks (16 tokens) in use.", stats.kv_blocks_used)
+        yield gauge("sfnode_kv_blocks_total", "KV blocks in the pool.", stats.kv_blocks_total)
+        yield gauge(
+            "sfnode_context_window_tokens", "Most tokens one stream may hold.",
+            agent.engine.context_window,
+        )  # fmt: skip
+        yield gauge("sfnode_decode_tokens_per_second", "Busy-time decode rate (EWMA).", decode)
+        yield gauge("sfnode_prefill_tokens_per_second", "Busy-time prefill rate (EWMA).", prefill)
+        yield gauge("sfnode_sessions", "Sessions holding a context.", len(agent.contexts))
+        yield gauge("sfnode_connections", "Head connections past the handshake.",
+                    len(agent.connections))  # fmt: skip
+        yield gauge(
+            "sfnode_generations", "Generations running or queued.", agent.running_generations
+        )
+
+
+class MetricsResource(Resource):
+    """``GET /metrics``: the registry in Prometheus text format."""
+
+    isLeaf = True
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._registry = registry
+
+    def render_GET(self, request: Request) -> bytes:
+        request.setHeader(b"content-type", CONTENT_TYPE)  # type: ignore[no-untyped-call]
+        return generate_latest(self._registry)
+
+
+def metrics_site(agent: NodeAgent) -> Site:
+    """A web site serving this node's figures at ``/metrics``."""
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(NodeCollector(agent))
+    root = Resource()  # type: ignore[no-untyped-call]
+    root.putChild(b"metrics", MetricsResource(registry))
+    site = Site(root)  # type: ignore[no-untyped-call]
+    site.noisy = False
+    return site
