@@ -904,21 +904,6 @@ class GenerateCancelMsg(Message):
 _EVENT_PAYLOAD = TokenEventPayloadCodec()
 
 
-def _all_u64(a: Any, b: Any, c: Any, d: Any) -> bool:
-    """Four ints (not bools) in u64 range, checked inline for the hot path."""
-    return (
-        type(a) is int
-        and type(b) is int
-        and type(c) is int
-        and type(d) is int
-        and a >= 0
-        and b >= 0
-        and c >= 0
-        and d >= 0
-        and (a | b | c | d) <= U64_MAX
-    )
-
-
 @dataclass(slots=True)
 class TokenEventsMsg(Message):
     """The node's token events.  The hot path of Link F: its codec is written out by hand,
@@ -932,14 +917,43 @@ class TokenEventsMsg(Message):
         encode_payload = _EVENT_PAYLOAD.encode
         out = []
         for e in self.events:
-            s, ep, g, q = e.session_id, e.epoch, e.generation_id, e.event_seq
-            if not _all_u64(s, ep, g, q):
+            s, ep, g, q, p = e.session_id, e.epoch, e.generation_id, e.event_seq, e.payload
+            if not (
+                type(s) is int
+                and type(ep) is int
+                and type(g) is int
+                and type(q) is int
+                and s >= 0
+                and ep >= 0
+                and g >= 0
+                and q >= 0
+                and (s | ep | g | q) <= U64_MAX
+            ):
                 raise PayloadError(f"TokenEvent ids {(s, ep, g, q)!r} do not fit u64")
-            out.append([s, ep, g, q, encode_payload(e.payload)])
+            if type(p) is Tokens:
+                # array("I") refuses floats, strings, negatives and values past u32 in C;
+                # receivers do the full check.
+                try:
+                    array("I", p.tokens)
+                except (OverflowError, TypeError) as error:
+                    raise PayloadError(f"Tokens {p.tokens!r} do not fit u32: {error}") from error
+                out.append([s, ep, g, q, [0, p.tokens]])
+            else:
+                out.append([s, ep, g, q, encode_payload(p)])
         return [out]
 
     @classmethod
     def from_wire(cls, obj: Any) -> TokenEventsMsg:
+        return cls._decode(obj, bools_possible=True)
+
+    @classmethod
+    def from_payload(cls, payload: bytes) -> TokenEventsMsg:
+        """Decode straight from the bytes: a payload with no msgpack true/false byte (c2, c3)
+        holds no bool, so token arrays skip the bool check that :meth:`from_wire` needs."""
+        return cls._decode(unpack(payload), b"\xc2" in payload or b"\xc3" in payload)
+
+    @classmethod
+    def _decode(cls, obj: Any, bools_possible: bool) -> TokenEventsMsg:
         if type(obj) is not list or not obj or type(obj[0]) is not list:
             raise PayloadError("TokenEventsMsg: expected [[event, ...]]")
         decode_payload = _EVENT_PAYLOAD.decode
@@ -969,7 +983,13 @@ class TokenEventsMsg(Message):
                 tokens = p[1]
                 if type(tokens) is not list:
                     raise PayloadError("Tokens: expected an array")
-                U32Array.check(tokens)
+                if bools_possible:
+                    U32Array.check(tokens)
+                else:
+                    try:
+                        array("I", tokens)
+                    except (OverflowError, TypeError):
+                        U32Array.check(tokens)
                 payload: TokenEventPayload = Tokens(tuple(tokens))
             else:
                 payload = decode_payload(p)
@@ -1118,6 +1138,8 @@ def decode_message(msg_type: int, payload: bytes) -> Message:
         raise UnknownRequiredType(f"unknown message type 0x{msg_type:04x}")
     if cls is Keepalive:
         return Keepalive()
+    if cls is TokenEventsMsg:
+        return TokenEventsMsg.from_payload(payload)
     return cls.from_wire(unpack(payload))
 
 

@@ -778,3 +778,21 @@ class FramesBeforeAnErrorTests(SynchronousTestCase):
             [decode_frame(f) for f in raised.exception.frames_before],
             [WatermarkAckMsg(1, 5, 100, n) for n in range(3)],
         )
+
+
+class TokenEventsHotPathTests(SynchronousTestCase):
+    def test_bools_and_bad_ints_in_tokens_are_rejected_from_bytes(self) -> None:
+        """The TOKEN_EVENTS fast path (decode_message) rejects a bool, a negative int, a value
+        past u32 and a float among the tokens, exactly as the generic path does."""
+        for bad in (True, False, -1, 1 << 32, 1.5):
+            obj = [[[1, 5, 100, 0, [0, [7, bad, 8]]]]]
+            payload = msgpack.packb(obj, use_bin_type=True)
+            with self.assertRaises(PayloadError):
+                decode_message(MsgType.TOKEN_EVENTS, payload)
+            with self.assertRaises(PayloadError):
+                TokenEventsMsg.from_wire(msgpack.unpackb(payload))
+
+    def test_token_values_that_look_like_bool_bytes_are_accepted(self) -> None:
+        """Tokens whose encoding holds the bytes c2/c3 (194, 195) decode normally."""
+        message = TokenEventsMsg((TokenEvent(1, 5, 100, 0, Tokens((0, 1, 194, 195, 50000))),))
+        self.assertEqual(decode_message(MsgType.TOKEN_EVENTS, message.payload()), message)
