@@ -244,10 +244,10 @@ class NodeProtocol(Protocol):
             self.lost.callback(None)
 
     def send_message(self, message: Message) -> bool:
-        if not self.is_open:
+        # The hot path of every token event: is_open spelled out, no extra calls.
+        if self._closing or not self.connected or self.transport is None:
             return False
         self._send_seq += 1
-        assert self.transport is not None
         self.transport.write(message_frame(message, self._send_seq))
         return True
 

@@ -3,7 +3,7 @@
 Three pieces, layered like the node side:
 
 - :class:`HeadLinkProtocol` only turns bytes into typed messages (``wire.FrameDecoder`` and
-  ``wire.decode_frame``) and messages into frames (its own send seq, from 1).  It decides
+  ``wire.decode_message``) and messages into frames (its own send seq, from 1).  It decides
   nothing; it forwards everything to its owner.
 - :class:`~sfnode.head.session.HeadSession` (pure) keeps the bookkeeping and builds messages.
 - :class:`NodeLink` is the owner that wires them to the reactor: the handshake, the Deferred
@@ -58,7 +58,7 @@ from sfnode.wire import (
     TokenEventsMsg,
     Tokens,
     WireError,
-    decode_frame,
+    decode_message,
     encode_params,
     message_frame,
 )
@@ -197,7 +197,7 @@ class HeadLinkProtocol(Protocol):
             if self._broken:
                 return
             try:
-                message = decode_frame(frame)
+                message = decode_message(frame.msg_type, frame.payload)
             except WireError as e:
                 self._break(e)
                 return
