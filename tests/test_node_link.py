@@ -284,7 +284,7 @@ class SessionTests(NodeTestCase):
         head.send(AppendContentMsg(2, 1, 5, encode_tokens(PROMPT)))
         renew = yield head.wait_for(lambda m: isinstance(m, LeaseRenewMsg))
         self.assertEqual(renew, LeaseRenewMsg(1, 5))
-        yield wait(0.4)
+        yield wait(0.6)
         self.assertTrue(node.agent.session.is_fenced(1))
         self.assertEqual(sum(isinstance(m, LeaseRenewMsg) for m in head.received), 1)
         self.assertNotIn(1, node.agent.contexts)
@@ -303,9 +303,9 @@ class SessionTests(NodeTestCase):
         past its lease duration."""
         node = yield self.start_node()
         link = yield self.dial(node)
-        link.assign(1, lease=Lease(200, 50))
+        link.assign(1, lease=Lease(1000, 100))
         link.append(1, PROMPT)
-        yield wait(0.5)
+        yield wait(2.5)
         self.assertFalse(node.agent.session.is_fenced(1))
         outcome = yield link.generate(1, 3).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 3))
@@ -321,7 +321,7 @@ class SessionTests(NodeTestCase):
         assign_raw(head, 2, 1, 6, Lease(250, 200))
         yield wait(0.15)
         head.send(LeaseGrantMsg(1, 5, 10_000, 9_000))
-        yield wait(0.2)
+        yield wait(0.4)
         self.assertTrue(node.agent.session.is_fenced(1))
 
     @defer.inlineCallbacks
@@ -596,11 +596,11 @@ class HandshakeTests(NodeTestCase):
     @defer.inlineCallbacks
     def test_keepalive_keeps_an_idle_link_open(self) -> Gen:
         """Item 29: a KEEPALIVE every 50 ms across three idle timeouts keeps the connection."""
-        node = yield self.start_node(idle_timeout_ms=200)
+        node = yield self.start_node(idle_timeout_ms=600)
         link = yield self.dial(node)
         loop = task.LoopingCall(link.keepalive)
         loop.start(0.05)
-        yield wait(0.6)
+        yield wait(1.8)
         loop.stop()
         self.assertTrue(link.connected)
         self.assertEqual(len(node.agent.connections), 1)
