@@ -1129,6 +1129,10 @@ MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
 
 
 _CLASS_BY_NUMBER: dict[int, type[Message]] = {int(t): c for t, c in MESSAGE_CLASSES.items()}
+_ENVELOPE_OF_CLASS: dict[type[Message], tuple[int, int]] = {
+    c: (int(t), frame_class(t)) for t, c in MESSAGE_CLASSES.items()
+}
+"""Each message class's type number and class byte, looked up once per frame sent."""
 
 
 def decode_message(msg_type: int, payload: bytes) -> Message:
@@ -1150,12 +1154,11 @@ def decode_frame(frame: Frame) -> Message:
 
 def message_frame(message: Message, seq: int) -> bytes:
     """The whole frame of one message (:func:`encode_frame` with the class its type implies)."""
+    msg_type, cls = _ENVELOPE_OF_CLASS[type(message)]
     payload = message.payload()
     length = HEADER_LEN + len(payload)
     if length > MAX_FRAME:
         raise FrameTooLarge(f"frame of {length} bytes exceeds MAX_FRAME {MAX_FRAME}")
-    msg_type = message.MSG_TYPE.value
-    cls = CLASS_DROPPABLE if msg_type & DROPPABLE_BIT else CLASS_REQUIRED
     return _ENVELOPE.pack(length, PROTO_VERSION, msg_type, seq, 0, cls) + payload
 
 
