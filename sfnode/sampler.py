@@ -1,0 +1,123 @@
+"""The exact token sampler of ENGINE.md section 2, as pure functions over float32 logits.
+
+Per token the order is: temperature, top-k, min-p, top-p, draw.  The draw uses a counter-based
+random number ``uniform(position)`` with ``position = seed + len(context) + k`` for the k-th new
+token, so a draw depends only on (seed, absolute position in the stream): identical alone, batched,
+or after a failover that appends the delivered tokens to the context.
+
+This module must never keep state, use a random generator (``torch.multinomial``, ``random``),
+touch a model, a thread or the reactor.  It is imported only by the transformers engine (it needs
+torch); the all-Python :func:`uniform` is usable anywhere.
+
+Running sums (top-p walk, the draw) are taken in float64 over the float32 probabilities; the draw
+takes the first kept candidate at which ``target`` is below the running sum, which is the
+"subtract each probability until ``target < p``" walk of ENGINE.md done without a Python loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from sfnode.wire import GenParams
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+_TWO_POW_53 = float(1 << 53)
+
+
+def splitmix64(position: int) -> int:
+    """The splitmix64 finalizer of ``position + golden`` (all mod 2**64)."""
+    z = (position + _GOLDEN) & _MASK64
+    z ^= z >> 30
+    z = (z * _MIX1) & _MASK64
+    z ^= z >> 27
+    z = (z * _MIX2) & _MASK64
+    z ^= z >> 31
+    return z
+
+
+def uniform(position: int) -> float:
+    """A uniform number in [0, 1) that depends only on ``position`` (53 random bits)."""
+    return (splitmix64(position) >> 11) / _TWO_POW_53
+
+
+def draw_position(seed: int, context_len: int, k: int) -> int:
+    """The draw counter of the k-th new token (k from 0) after a context of ``context_len``."""
+    return (seed + context_len + k) & _MASK64
+
+
+def greedy_token(logits: torch.Tensor) -> int:
+    """Argmax of one logits row; ties go to the lowest token id."""
+    return int(torch.argmax(logits).item())
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """Row-wise argmax of a ``[batch, vocab]`` logits tensor; ties go to the lowest id."""
+    return [int(t) for t in torch.argmax(logits, dim=-1).tolist()]
+
+
+def candidates(logits: torch.Tensor, params: GenParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept candidates (ids, full-softmax probabilities), best first, after top-k/min-p/top-p.
+
+    ``params.temperature`` must be > 0.  Candidates are sorted by probability descending, ties by
+    lower id; at least one candidate is always kept.
+    """
+    row = logits.reshape(-1).to(torch.float32)
+    temperature = torch.tensor(params.temperature, dtype=torch.float32)
+    probs = torch.softmax(row / temperature, dim=-1)
+    # Stable descending sort keeps equal probabilities in id order: ties go to the lower id.
+    sorted_probs, sorted_ids = torch.sort(probs, descending=True, stable=True)
+    keep = sorted_probs.shape[0]
+    if params.top_k > 0:
+        keep = min(keep, params.top_k)
+    if params.min_p > 0.0:
+        threshold = float(params.min_p) * float(sorted_probs[0].item())
+        above = int((sorted_probs[:keep] >= threshold).sum().item())
+        keep = max(1, above)
+    if params.top_p <= 0.0:
+        keep = 1
+    elif params.top_p < 1.0:
+        running = torch.cumsum(sorted_probs[:keep].to(torch.float64), dim=0)
+        reached = torch.nonzero(running >= float(params.top_p))
+        if reached.numel() > 0:
+            keep = int(reached[0].item()) + 1
+    return sorted_ids[:keep], sorted_probs[:keep]
+
+
+def draw(ids: torch.Tensor, probs: torch.Tensor, u: float) -> int:
+    """Pick among kept candidates with ``target = u * sum(probs)`` (ENGINE.md's walk)."""
+    running = torch.cumsum(probs.to(torch.float64), dim=0)
+    total = float(running[-1].item())
+    target = u * total
+    hit = torch.nonzero(running > target)
+    if hit.numel() > 0:
+        return int(ids[int(hit[0].item())].item())
+    nonzero = torch.nonzero(probs > 0)
+    if nonzero.numel() == 0:
+        return int(ids[0].item())
+    return int(ids[int(nonzero[-1].item())].item())
+
+
+def sample_token(logits: torch.Tensor, params: GenParams, position: int) -> int:
+    """The token of one logits row under ``params`` at stream counter ``position``."""
+    if params.temperature <= 0.0:
+        return greedy_token(logits)
+    ids, probs = candidates(logits, params)
+    if ids.shape[0] == 1:
+        return int(ids[0].item())
+    return draw(ids, probs, uniform(position))
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: Sequence[GenParams], positions: Sequence[int]
+) -> list[int]:
+    """One token per row of a ``[batch, vocab]`` logits tensor; greedy rows share one argmax."""
+    out = greedy_tokens(logits)
+    for row, (p, position) in enumerate(zip(params, positions, strict=True)):
+        if p.temperature > 0.0:
+            out[row] = sample_token(logits[row], p, position)
+    return out

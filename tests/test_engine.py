@@ -1,0 +1,647 @@
+"""Tests of the exact sampler and of the transformers engine on a tiny random Llama.
+
+The engine tests run the real reactor and the engine's real worker thread, and compare against
+transformers' own ``generate(do_sample=False)`` and against the engine's own solo runs.  They must
+never download anything (the model is built from a config) and never sleep.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import random
+from collections.abc import Sequence
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import msgpack
+import torch
+from twisted.internet import defer, reactor
+from twisted.trial import unittest
+
+from sfnode.engines.transformers_engine import (
+    TransformersEngine,
+    decode_hidden,
+    encode_hidden,
+    eos_ids_of,
+)
+from sfnode.generation import (
+    EngineRefusal,
+    EngineStop,
+    GenerationRequest,
+    GenerationResult,
+    StageForwardError,
+    StreamTooLong,
+)
+from sfnode.sampler import (
+    candidates,
+    draw,
+    draw_position,
+    greedy_token,
+    sample_token,
+    sample_tokens,
+    splitmix64,
+    uniform,
+)
+from sfnode.wire import GenParams
+from tests.tinymodel import TINY_VOCAB, reference_greedy, tiny_llama
+
+torch.set_num_threads(1)
+
+_MODELS: dict[tuple[Any, ...], Any] = {}
+
+
+def model(**kwargs: Any) -> Any:
+    """A cached tiny Llama per set of arguments (built once per test run)."""
+    key = tuple(sorted(kwargs.items()))
+    if key not in _MODELS:
+        _MODELS[key] = tiny_llama(**kwargs)
+    return _MODELS[key]
+
+
+def prompts(n: int, seed: int, low: int = 3, high: int = 60) -> list[list[int]]:
+    """``n`` random prompts (ids 3..vocab-1, so no EOS inside) of lengths in [low, high)."""
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(3, TINY_VOCAB) for _ in range(rng.randrange(low, high))] for _ in range(n)
+    ]
+
+
+SAMPLED = GenParams(temperature=0.9, top_p=0.95, min_p=0.02, top_k=64, seed=77)
+
+
+# -- the sampler ----------------------------------------------------------------------------
+
+
+def reference_sample(logits: Sequence[float], params: GenParams, position: int) -> int:
+    """ENGINE.md section 2 written out literally in Python floats (the test oracle)."""
+    if params.temperature <= 0:
+        best = max(logits)
+        return logits.index(best)
+    t = torch.tensor(logits, dtype=torch.float32)
+    probs = torch.softmax(t / torch.tensor(params.temperature, dtype=torch.float32), -1).tolist()
+    order = sorted(range(len(probs)), key=lambda i: (-probs[i], i))
+    if params.top_k > 0:
+        order = order[: params.top_k]
+    if params.min_p > 0:
+        pmax = probs[order[0]]
+        order = [i for i in order if probs[i] >= params.min_p * pmax] or order[:1]
+    if params.top_p <= 0:
+        order = order[:1]
+    elif params.top_p < 1:
+        running = 0.0
+        for n, i in enumerate(order):
+            running += probs[i]
+            if running >= params.top_p:
+                order = order[: n + 1]
+                break
+    target = uniform(position) * sum(probs[i] for i in order)
+    for i in order:
+        if target < probs[i]:
+            return i
+        target -= probs[i]
+    return [i for i in order if probs[i] > 0][-1]
+
+
+class SamplerTests(unittest.SynchronousTestCase):
+    """The pure sampler: splitmix64 uniform, the filters and the draw of ENGINE.md section 2."""
+
+    def test_uniform_known_vector(self) -> None:
+        """uniform(0) is splitmix64 of state 0 (0xE220A8397B1DCDAF), shifted right 11, over 2^53."""
+        self.assertEqual(splitmix64(0), 0xE220A8397B1DCDAF)
+        self.assertEqual(uniform(0), (0xE220A8397B1DCDAF >> 11) / 2.0**53)
+
+    def test_uniform_is_deterministic_and_in_range(self) -> None:
+        """uniform() is a pure function of position, in [0, 1), wrapping mod 2^64."""
+        values = [uniform(p) for p in range(1000)]
+        self.assertEqual(values, [uniform(p) for p in range(1000)])
+        self.assertTrue(all(0.0 <= v < 1.0 for v in values))
+        self.assertGreater(len(set(values)), 990)
+        self.assertEqual(uniform(2**64 + 5), uniform(5))
+        self.assertEqual(draw_position(2**64 - 1, 3, 2), 4)
+
+    def test_greedy_ties_go_to_lowest_id(self) -> None:
+        """Temperature 0 is argmax, and equal logits pick the lowest id."""
+        logits = torch.tensor([0.0, 3.0, 1.0, 3.0, 3.0])
+        self.assertEqual(greedy_token(logits), 1)
+        self.assertEqual(sample_token(logits, GenParams(), 12345), 1)
+
+    def test_sort_ties_by_lower_id(self) -> None:
+        """Candidates of equal probability are ordered by lower id."""
+        logits = torch.tensor([1.0, 2.0, 2.0, 0.5, 2.0])
+        ids, _ = candidates(logits, GenParams(temperature=1.0, top_p=1.0))
+        self.assertEqual(ids.tolist(), [1, 2, 4, 0, 3])
+
+    def test_top_k(self) -> None:
+        """top_k keeps the k most probable candidates; 0 keeps all."""
+        logits = torch.log(torch.tensor([0.1, 0.4, 0.2, 0.3]))
+        ids, _ = candidates(logits, GenParams(temperature=1.0, top_p=1.0, top_k=2))
+        self.assertEqual(ids.tolist(), [1, 3])
+        ids, _ = candidates(logits, GenParams(temperature=1.0, top_p=1.0, top_k=0))
+        self.assertEqual(ids.tolist(), [1, 3, 2, 0])
+
+    def test_min_p(self) -> None:
+        """min_p keeps candidates with p >= min_p * p_max."""
+        logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+        ids, _ = candidates(logits, GenParams(temperature=1.0, top_p=1.0, min_p=0.5))
+        self.assertEqual(ids.tolist(), [0, 1])
+        ids, _ = candidates(logits, GenParams(temperature=1.0, top_p=1.0, min_p=0.2))
+        self.assertEqual(ids.tolist(), [0, 1, 2])
+
+    def test_top_p(self) -> None:
+        """top_p keeps through the first candidate where the running sum reaches it."""
+        logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+        cases = {0.75: [0, 1], 0.4: [0], 0.9: [0, 1, 2], 0.0: [0], 1.0: [0, 1, 2, 3]}
+        for top_p, expected in cases.items():
+            ids, probs = candidates(logits, GenParams(temperature=1.0, top_p=top_p))
+            self.assertEqual(ids.tolist(), expected, top_p)
+            self.assertEqual(len(probs), len(expected))
+
+    def test_draw_walk(self) -> None:
+        """The draw walks the kept candidates subtracting probabilities until target < p."""
+        ids = torch.tensor([7, 3, 9])
+        probs = torch.tensor([0.5, 0.3, 0.0])
+        # total 0.8: u=0.5 -> target 0.4 < 0.5 -> first; u=0.7 -> 0.56 -> second.
+        self.assertEqual(draw(ids, probs, 0.5), 7)
+        self.assertEqual(draw(ids, probs, 0.7), 3)
+        # Running off the end takes the last candidate with a non-zero probability.
+        self.assertEqual(draw(ids, probs, 1.0), 3)
+
+    def test_matches_literal_reference(self) -> None:
+        """The vectorised sampler equals a literal transcription of ENGINE.md on random rows."""
+        rng = random.Random(3)
+        gen = torch.Generator().manual_seed(3)
+        for n in range(300):
+            logits = (torch.randn(64, generator=gen) * rng.choice([0.5, 2.0, 5.0])).tolist()
+            params = GenParams(
+                temperature=rng.choice([0.0, 0.5, 1.0, 1.5]),
+                top_p=rng.choice([0.0, 0.5, 0.9, 1.0]),
+                min_p=rng.choice([0.0, 0.05, 0.3]),
+                top_k=rng.choice([0, 1, 5, 40]),
+                seed=rng.randrange(2**64),
+            )
+            position = draw_position(params.seed, 10, n)
+            row = torch.tensor(logits, dtype=torch.float32)
+            self.assertEqual(
+                sample_token(row, params, position),
+                reference_sample(logits, params, position),
+                (n, params),
+            )
+
+    def test_batch_rows_are_independent(self) -> None:
+        """sample_tokens on a batch gives each row what sample_token gives it alone."""
+        gen = torch.Generator().manual_seed(5)
+        logits = torch.randn(4, 50, generator=gen) * 3
+        params = [GenParams(), SAMPLED, GenParams(temperature=1.0, top_p=1.0, seed=9), SAMPLED]
+        positions = [1, 2, 3, 4]
+        alone = [sample_token(logits[i], params[i], positions[i]) for i in range(4)]
+        self.assertEqual(sample_tokens(logits, params, positions), alone)
+
+
+# -- the engine ------------------------------------------------------------------------------
+
+
+class Recorder:
+    """Records on_tokens batches; can cancel its generation after ``cancel_after`` tokens."""
+
+    def __init__(self, cancel_after: int | None = None) -> None:
+        self.batches: list[list[int]] = []
+        self.cancel_after = cancel_after
+        self.generation: Any = None
+        self.calls_after_cancel = 0
+        self.cancelled = False
+        self.samples: list[Any] = []
+        self.engine: TransformersEngine | None = None
+
+    def __call__(self, tokens: Sequence[int]) -> None:
+        if self.cancelled:
+            self.calls_after_cancel += 1
+        self.batches.append(list(tokens))
+        if self.engine is not None:
+            self.samples.append(self.engine.statistics())
+        if self.cancel_after is not None and self.count >= self.cancel_after:
+            self.cancelled = True
+            self.generation.cancel()
+
+    @property
+    def count(self) -> int:
+        return sum(len(b) for b in self.batches)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for b in self.batches for t in b]
+
+
+class TaggedRecorder(Recorder):
+    """A recorder that also appends its tag to a shared list, one entry per token."""
+
+    def __init__(self, tag: str, order: list[str]) -> None:
+        super().__init__()
+        self.tag = tag
+        self.order = order
+
+    def __call__(self, tokens: Sequence[int]) -> None:
+        self.order.extend(self.tag for _ in tokens)
+        super().__call__(tokens)
+
+
+class EngineTestCase(unittest.TestCase):
+    """Base: a started engine on a tiny Llama, stopped after each test."""
+
+    model_kwargs: dict[str, Any] = {}
+    engine_kwargs: dict[str, Any] = {"max_lanes": 4}
+
+    def setUp(self) -> None:
+        self.model = model(**self.model_kwargs)
+        self.engine = self.make_engine(**self.engine_kwargs)
+
+    def make_engine(self, **kwargs: Any) -> TransformersEngine:
+        engine = TransformersEngine(self.model, reactor, **kwargs)
+        engine.start()
+        self.addCleanup(engine.stop)
+        return engine
+
+    def run_one(
+        self,
+        context: Sequence[int],
+        max_new: int,
+        params: GenParams | None = None,
+        engine: TransformersEngine | None = None,
+        recorder: Recorder | None = None,
+        max_wall_ms: int = 0,
+    ) -> tuple[defer.Deferred[GenerationResult], Recorder]:
+        engine = engine or self.engine
+        rec = recorder or Recorder()
+        request = GenerationRequest(list(context), params or GenParams(), max_new, max_wall_ms)
+        generation = engine.submit(request, rec)
+        rec.generation = generation
+        return generation.result, rec
+
+
+class GreedyTests(EngineTestCase):
+    """Greedy decoding equals transformers' generate(), alone and in concurrent lanes."""
+
+    @defer.inlineCallbacks
+    def test_greedy_equals_generate(self) -> Any:
+        """Greedy tokens equal model.generate(do_sample=False) for several prompts, one by one."""
+        for prompt in prompts(4, seed=1):
+            expected = reference_greedy(self.model, prompt, 30)
+            d, rec = self.run_one(prompt, 30)
+            result = yield d
+            self.assertEqual(list(result.tokens), expected)
+            self.assertEqual(rec.tokens, expected)
+            stop = EngineStop.EOS if expected[-1] in self.engine.eos_ids else EngineStop.LENGTH
+            self.assertEqual(result.stop, stop)
+
+    @defer.inlineCallbacks
+    def test_eight_concurrent_equal_their_solo_runs(self) -> Any:
+        """Eight concurrent generations (4 lanes, mixed lengths, budgets, greedy and seeded)
+        give each exactly its solo result, and tokens stream in order exactly once."""
+        ps = prompts(8, seed=2, low=3, high=120)
+        budgets = [5, 40, 17, 60, 1, 33, 25, 50]
+        params = [GenParams() if i % 2 == 0 else SAMPLED for i in range(8)]
+        solo = []
+        for p, b, gp in zip(ps, budgets, params, strict=True):
+            d, _ = self.run_one(p, b, gp)
+            solo.append((yield d))
+        runs = [self.run_one(p, b, gp) for p, b, gp in zip(ps, budgets, params, strict=True)]
+        results = yield defer.gatherResults([d for d, _ in runs])
+        for i, (result, (_, rec)) in enumerate(zip(results, runs, strict=True)):
+            self.assertEqual(result, solo[i], i)
+            self.assertEqual(rec.tokens, list(result.tokens), i)
+            if params[i].greedy:
+                self.assertEqual(
+                    list(result.tokens), reference_greedy(self.model, ps[i], budgets[i])
+                )
+
+    @defer.inlineCallbacks
+    def test_chunked_prefill_keeps_lanes_streaming(self) -> Any:
+        """A long prompt is prefilled in chunks between decode steps: a running lane keeps
+        getting tokens meanwhile, and both results still equal generate()."""
+        engine = self.make_engine(max_lanes=2, prefill_chunk=8)
+        short, long_prompt = [5, 6, 7], prompts(1, seed=11, low=100, high=101)[0]
+        order: list[str] = []
+        first = self.run_one(short, 40, engine=engine, recorder=TaggedRecorder("a", order))[0]
+        second = self.run_one(long_prompt, 10, engine=engine, recorder=TaggedRecorder("b", order))[
+            0
+        ]
+        a, b = yield defer.gatherResults([first, second])
+        self.assertEqual(list(a.tokens), reference_greedy(self.model, short, 40))
+        self.assertEqual(list(b.tokens), reference_greedy(self.model, long_prompt, 10))
+        # 100 prompt tokens in chunks of 8 take 13 iterations, each with a decode step for "a".
+        self.assertGreaterEqual(order.index("b"), 10)
+
+    @defer.inlineCallbacks
+    def test_eos_is_last_token(self) -> Any:
+        """When the model emits an EOS id, that id is the last token and the stop is EOS."""
+        prompt = prompts(1, seed=4)[0]
+        expected = reference_greedy(self.model, prompt, 20)
+        eos = expected[5]
+        engine = self.make_engine(eos_ids=[eos])
+        result = yield self.run_one(prompt, 20, engine=engine)[0]
+        self.assertEqual(list(result.tokens), expected[: expected.index(eos) + 1])
+        self.assertEqual(result.stop, EngineStop.EOS)
+
+    def test_eos_ids_from_configs(self) -> None:
+        """EOS ids come from both the generation config and the config."""
+        m = tiny_llama(layers=1)
+        m.generation_config.eos_token_id = [2, 7]
+        self.assertEqual(eos_ids_of(m), frozenset({2, 7}))
+
+
+class SeededSamplingTests(EngineTestCase):
+    """Seeded sampling is a pure function of (seed, absolute position)."""
+
+    @defer.inlineCallbacks
+    def test_alone_batched_and_continued(self) -> Any:
+        """Seeded sampling gives identical tokens alone, batched with others, and when cut after
+        k tokens and continued from context + k tokens."""
+        prompt = prompts(1, seed=5, low=20, high=21)[0]
+        alone = yield self.run_one(prompt, 40, SAMPLED)[0]
+        self.assertEqual(len(alone.tokens), 40)
+        greedy = yield self.run_one(prompt, 40)[0]
+        self.assertNotEqual(alone.tokens, greedy.tokens, "sampling should differ from greedy")
+        others = [
+            self.run_one(p, 30, GenParams(temperature=1.0, top_p=1.0, seed=i))[0]
+            for i, p in enumerate(prompts(3, seed=6))
+        ]
+        batched, *_ = yield defer.gatherResults([self.run_one(prompt, 40, SAMPLED)[0], *others])
+        self.assertEqual(batched.tokens, alone.tokens)
+        for k in (1, 13, 39):
+            rest = yield self.run_one(prompt + list(alone.tokens[:k]), 40 - k, SAMPLED)[0]
+            self.assertEqual(list(rest.tokens), list(alone.tokens[k:]), k)
+
+    @defer.inlineCallbacks
+    def test_seed_changes_the_draws(self) -> Any:
+        """A different seed gives a different sample (the seed reaches the sampler)."""
+        prompt = prompts(1, seed=7)[0]
+        a = yield self.run_one(prompt, 30, SAMPLED)[0]
+        other = GenParams(SAMPLED.temperature, SAMPLED.top_p, SAMPLED.min_p, SAMPLED.top_k, 78)
+        b = yield self.run_one(prompt, 30, other)[0]
+        self.assertNotEqual(a.tokens, b.tokens)
+
+
+class LimitTests(EngineTestCase):
+    """Refusals, LENGTH at the window, expiry, cancel."""
+
+    model_kwargs = {"eos": None, "window": 4096}
+    engine_kwargs = {"max_lanes": 4, "context_window": 64}
+
+    @defer.inlineCallbacks
+    def test_overlong_prompt_is_refused(self) -> Any:
+        """A prompt longer than the window fails with StreamTooLong (both numbers), no token."""
+        d, rec = self.run_one(list(range(3, 3 + 65)), 10)
+        error = yield self.assertFailure(d, StreamTooLong)
+        self.assertEqual((error.prompt_tokens, error.max_tokens), (65, 64))
+        self.assertEqual(rec.batches, [])
+
+    @defer.inlineCallbacks
+    def test_empty_context_is_refused(self) -> Any:
+        """An empty context is a client refusal (there is nothing to extend)."""
+        yield self.assertFailure(self.run_one([], 10)[0], EngineRefusal)
+
+    @defer.inlineCallbacks
+    def test_length_at_window(self) -> Any:
+        """Generation stops with LENGTH when the context reaches the window."""
+        result = yield self.run_one(list(range(3, 63)), 100)[0]
+        self.assertEqual(len(result.tokens), 4)
+        self.assertEqual(result.stop, EngineStop.LENGTH)
+        full = yield self.run_one(list(range(3, 67)), 100)[0]
+        self.assertEqual((full.tokens, full.stop), ((), EngineStop.LENGTH))
+
+    @defer.inlineCallbacks
+    def test_length_at_max_new(self) -> Any:
+        """Generation stops with LENGTH after max_new tokens; max_new 0 gives no token."""
+        result = yield self.run_one([5, 6, 7], 9)[0]
+        self.assertEqual((len(result.tokens), result.stop), (9, EngineStop.LENGTH))
+        none = yield self.run_one([5, 6, 7], 0)[0]
+        self.assertEqual((none.tokens, none.stop), ((), EngineStop.LENGTH))
+
+    @defer.inlineCallbacks
+    def test_expiry(self) -> Any:
+        """A wall budget that runs out ends the generation with EXPIRED."""
+        engine = self.make_engine(max_lanes=2)
+        result = yield self.run_one([5, 6, 7], 10**6, engine=engine, max_wall_ms=30)[0]
+        self.assertEqual(result.stop, EngineStop.EXPIRED)
+        self.assertLess(len(result.tokens), 4000)
+
+    @defer.inlineCallbacks
+    def test_cancel_mid_stream(self) -> Any:
+        """cancel() ends the generation CANCELLED with exactly the delivered tokens, with no
+        on_tokens call after cancel, and the other lanes keep going."""
+        engine = self.make_engine(max_lanes=2)
+        rec = Recorder(cancel_after=3)
+        d, _ = self.run_one([5, 6, 7], 10**6, engine=engine, recorder=rec)
+        other = self.run_one([9, 10], 50, engine=engine)[0]
+        result = yield d
+        self.assertEqual(result.stop, EngineStop.CANCELLED)
+        self.assertEqual(list(result.tokens), rec.tokens)
+        self.assertEqual(rec.count, 3)
+        self.assertEqual(rec.calls_after_cancel, 0)
+        done = yield other
+        self.assertEqual((len(done.tokens), done.stop), (50, EngineStop.LENGTH))
+
+    @defer.inlineCallbacks
+    def test_cancel_while_queued(self) -> Any:
+        """A generation cancelled while it waits for a lane ends CANCELLED without tokens."""
+        engine = self.make_engine(max_lanes=1)
+        first, _ = self.run_one([5, 6, 7], 30, engine=engine)
+        second, rec = self.run_one([8, 9], 30, engine=engine)
+        rec.generation.cancel()
+        result = yield second
+        self.assertEqual((result.tokens, result.stop), ((), EngineStop.CANCELLED))
+        self.assertEqual(rec.batches, [])
+        yield first
+
+    @defer.inlineCallbacks
+    def test_stop_cancels_everything(self) -> Any:
+        """stop() ends running and queued generations CANCELLED and later submits fail."""
+        engine = self.make_engine(max_lanes=1)
+        running, _ = self.run_one([5, 6, 7], 10**6, engine=engine)
+        queued, _ = self.run_one([8, 9], 10**6, engine=engine)
+        yield engine.stop()
+        for d in (running, queued):
+            result = yield d
+            self.assertEqual(result.stop, EngineStop.CANCELLED)
+        yield self.assertFailure(self.run_one([1, 2], 3, engine=engine)[0], RuntimeError)
+
+
+class AccountingTests(EngineTestCase):
+    """Statistics: KV blocks, lanes, queue depth and the cumulative counters."""
+
+    model_kwargs = {"eos": None}
+
+    @defer.inlineCallbacks
+    def test_kv_blocks_rise_and_fall(self) -> Any:
+        """kv_blocks_used follows ceil(tokens/16) per live lane while running and returns to 0."""
+        engine = self.make_engine(max_lanes=2)
+        rec = Recorder()
+        rec.engine = engine
+        d, _ = self.run_one(list(range(3, 40)), 30, engine=engine, recorder=rec)
+        yield d
+        # Samples are taken on the reactor, a step or more behind the worker: bounds, not values.
+        used = [s.kv_blocks_used for s in rec.samples]
+        self.assertGreaterEqual(max(used), math.ceil(38 / 16))
+        self.assertLessEqual(max(used), math.ceil(67 / 16))
+        self.assertEqual(max(s.lanes_active for s in rec.samples), 1)
+        after = engine.statistics()
+        self.assertEqual((after.kv_blocks_used, after.lanes_active, after.queue_depth), (0, 0, 0))
+        self.assertEqual(after.kv_blocks_total, math.ceil(256 / 16) * 2)
+        self.assertEqual(after.decoded_tokens, 30)
+        self.assertEqual(after.prefilled_tokens, 37)
+
+    @defer.inlineCallbacks
+    def test_request_waits_for_kv_blocks(self) -> Any:
+        """A request whose blocks do not fit waits in the queue until a lane frees them."""
+        engine = self.make_engine(max_lanes=4, kv_blocks=6)
+        first_rec = Recorder()
+        first_rec.engine = engine
+        first, _ = self.run_one(list(range(3, 40)), 40, engine=engine, recorder=first_rec)
+        second, _ = self.run_one(list(range(3, 30)), 40, engine=engine)
+        first_result = yield first
+        # The second needs 5 blocks while the first holds 5 of 6: it waited the whole time.
+        self.assertTrue(any(s.queue_depth == 1 for s in first_rec.samples))
+        self.assertTrue(all(s.lanes_active <= 1 for s in first_rec.samples))
+        self.assertTrue(all(s.kv_blocks_used <= 6 for s in first_rec.samples))
+        self.assertEqual(len(first_result.tokens), 40)
+        second_result = yield second
+        self.assertEqual(len(second_result.tokens), 40)
+
+
+class FailureTests(EngineTestCase):
+    """An error inside the worker fails one generation only."""
+
+    @defer.inlineCallbacks
+    def test_worker_exception_fails_one_generation(self) -> Any:
+        """A context the model cannot run (an id outside the vocabulary) fails that generation's
+        Deferred; a generation running beside it and the next one both complete."""
+        good_prompt = prompts(1, seed=8)[0]
+        expected = reference_greedy(self.model, good_prompt, 20)
+        good, _ = self.run_one(good_prompt, 20)
+        bad, rec = self.run_one([5, TINY_VOCAB + 1000, 6], 20)
+        yield self.assertFailure(bad, IndexError)
+        self.assertEqual(rec.batches, [])
+        self.assertEqual(list((yield good).tokens), expected)
+        after = yield self.run_one(good_prompt, 20)[0]
+        self.assertEqual(list(after.tokens), expected)
+        self.flushLoggedErrors(IndexError)
+
+    @defer.inlineCallbacks
+    def test_fault_between_steps_fails_running_lanes_only(self) -> Any:
+        """A fault outside any forward (here: merging a second lane's cache into the batch)
+        fails the lanes that were running, and the engine serves the next request."""
+        engine = self.make_engine(max_lanes=2)
+        original = engine._join
+        calls = []
+
+        def broken_join(lane: Any) -> None:
+            calls.append(lane)
+            if len(calls) == 2:
+                raise RuntimeError("merge failed")
+            original(lane)
+
+        engine._join = broken_join  # type: ignore[method-assign]
+        running, rec = self.run_one([5, 6, 7], 10**6, engine=engine)
+        joining = self.run_one([8, 9], 10, engine=engine)[0]
+        yield self.assertFailure(joining, RuntimeError)
+        yield self.assertFailure(running, RuntimeError)
+        self.assertGreater(rec.count, 0)
+        result = yield self.run_one([5, 6, 7], 10, engine=engine)[0]
+        self.assertEqual(len(result.tokens), 10)
+        self.assertEqual(engine.statistics().kv_blocks_used, 0)
+        self.flushLoggedErrors(RuntimeError)
+
+    @defer.inlineCallbacks
+    def test_on_tokens_error_cancels_only_that_generation(self) -> Any:
+        """An on_tokens callback that raises cancels its own generation, not the engine."""
+
+        def explode(_tokens: Sequence[int]) -> None:
+            raise ValueError("boom")
+
+        request = GenerationRequest([5, 6, 7], GenParams(), 50)
+        result = yield self.engine.submit(request, explode).result
+        self.assertEqual(result.stop, EngineStop.CANCELLED)
+        self.assertEqual(len(self.flushLoggedErrors(ValueError)), 1)
+        ok = yield self.run_one([5, 6, 7], 5)[0]
+        self.assertEqual(len(ok.tokens), 5)
+
+
+class StageForwardTests(EngineTestCase):
+    """Pipeline stages: split forwards equal one full forward (bit-exact in float32)."""
+
+    model_kwargs = {"layers": 4}
+
+    def full_forward_token(self, tokens: list[int]) -> int:
+        with torch.inference_mode():
+            logits = self.model(torch.tensor([tokens])).logits[0, -1]
+        return int(torch.argmax(logits).item())
+
+    @defer.inlineCallbacks
+    def run_stages(self, tokens: list[int], bounds: list[int]) -> Any:
+        hidden: bytes | None = None
+        result = None
+        for start, end in itertools.pairwise(bounds):
+            result = yield self.engine.stage_forward(
+                tokens if hidden is None else [], start, end, hidden
+            )
+            if end < bounds[-1]:
+                self.assertIsNone(result.token)
+                self.assertIsNotNone(result.hidden)
+                hidden = result.hidden
+        return result
+
+    @defer.inlineCallbacks
+    def test_two_and_three_stages_equal_full_forward(self) -> Any:
+        """Splitting at any boundaries gives the full forward's greedy token, and the hidden
+        state between stages is bit-identical whatever the split."""
+        for tokens in prompts(3, seed=9, low=5, high=40):
+            expected = self.full_forward_token(tokens)
+            for bounds in ([0, 4], [0, 2, 4], [0, 1, 4], [0, 1, 3, 4], [0, 0, 2, 4]):
+                result = yield self.run_stages(tokens, bounds)
+                self.assertEqual(result.token, expected, bounds)
+                self.assertIsNone(result.hidden)
+            a = yield self.run_stages(tokens, [0, 1, 3])
+            b = yield self.run_stages(tokens, [0, 2, 3])
+            self.assertEqual(a.hidden, b.hidden)
+            dtype, shape, raw = msgpack.unpackb(a.hidden)
+            self.assertEqual(
+                (dtype, shape, len(raw)), ("f32", [len(tokens), 64], len(tokens) * 256)
+            )
+
+    @defer.inlineCallbacks
+    def test_half_precision_blob_is_accepted(self) -> Any:
+        """A later stage accepts an f16 or bf16 hidden blob (converted to the model dtype)."""
+        tokens = prompts(1, seed=10)[0]
+        mid = yield self.run_stages(tokens, [0, 2])
+        h = decode_hidden(mid.hidden, 64)
+        for dt in (torch.float16, torch.bfloat16):
+            result = yield self.engine.stage_forward([], 2, 4, encode_hidden(h.to(dt)))
+            self.assertIsInstance(result.token, int)
+
+    @defer.inlineCallbacks
+    def test_bad_requests_fail(self) -> Any:
+        """Bad bounds, a malformed blob, a wrong hidden size or a missing input are
+        StageForwardError."""
+        good = encode_hidden(torch.zeros(3, 64))
+        cases: list[tuple[list[int], int, int, bytes | None]] = [
+            ([1, 2], 3, 2, None),
+            ([1, 2], 0, 5, None),
+            ([1, 2], -1, 2, None),
+            ([], 0, 2, None),
+            ([1, 2], 1, 2, None),
+            ([], 1, 2, b"\xc1garbage"),
+            ([], 1, 2, msgpack.packb(["f64", [3, 64], b"\0" * 3 * 64 * 8])),
+            ([], 1, 2, encode_hidden(torch.zeros(3, 32))),
+            ([], 1, 2, good[:-4]),
+            ([], 1, 2, msgpack.packb(["f32", [3], b""])),
+            ([1, TINY_VOCAB + 5], 0, 2, None),
+        ]
+        for tokens, start, end, blob in cases:
+            yield self.assertFailure(
+                self.engine.stage_forward(tokens, start, end, blob), StageForwardError
+            )
+        ok = yield self.engine.stage_forward([], 1, 2, good)
+        self.assertIsNotNone(ok.hidden)
