@@ -129,6 +129,15 @@ NodeRefused = NodeRefusedError
 # Process-wide ids
 
 
+def _handshake_loss(reason: Failure) -> HandshakeError:
+    """Why a connection that ended before HELLO_ACK_F failed, in the operator's words."""
+    if type(reason.value).__module__.startswith("OpenSSL"):
+        return HandshakeError(f"the TLS handshake with the node failed: {reason.value}")
+    return NodeRefusedError(
+        "the node closed the connection at the handshake (likely a fleet token mismatch)"
+    )
+
+
 class HeadIds:
     """The head's process-wide id spaces (LINKF 7.2).
 
@@ -866,10 +875,7 @@ class NodeLink:
             refused = (
                 self._drop_reason
                 if self._phase is _Phase.CLOSED and self._drop_reason is not None
-                else NodeRefusedError(
-                    "the node closed the connection at the handshake "
-                    "(likely a fleet token mismatch)"
-                )
+                else _handshake_loss(reason)
             )
             self._fail_handshake(refused)
         else:
