@@ -6,6 +6,11 @@
 - ``GET /metrics``: Prometheus text from a per-head ``CollectorRegistry``: per-node capacity,
   requests by outcome, tokens in and out, time to first token, failovers, reconnects.
 
+With an API key every ``/v1/*`` request must carry ``Authorization: Bearer KEY`` (compared in
+constant time) or gets 401; ``/healthz`` and ``/metrics`` stay open.  :meth:`OpenAIApi.drain`
+is the head's SIGTERM path: new completions get 503 (code ``draining``), running ones may finish
+until the drain timeout, then they are cancelled (GENERATE_CANCEL) and end with ``stop``.
+
 Text is rendered (the model's chat template) and detokenized here, at the head: nodes only see
 token ids.  Streamed text never splits a multi-byte character (:class:`Detokenizer`) and never
 shows a stop string (:class:`StopText`).  A client that disconnects mid-stream cancels its
@@ -18,6 +23,7 @@ shape but OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
 
 from __future__ import annotations
 
+import hmac
 import json
 import random
 import uuid
@@ -30,7 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
@@ -51,6 +57,9 @@ DEFAULT_MAX_TOKENS = 512
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for the legacy /v1/completions."""
 MAX_STOP_STRINGS = 4
+DRAIN_CANCEL_GRACE_S = 5.0
+"""After the drain timeout cancels what still runs: how long the drain waits for those
+generations to end before it gives up on them (the fleet's links are closed next)."""
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 _log = Logger(namespace="sfnode.head.http")
@@ -479,6 +488,7 @@ class OpenAIApi:
         node_model: str | None = None,
         seed_source: Callable[[], int] | None = None,
         metrics: HeadMetrics | None = None,
+        api_key: bytes | None = None,
     ) -> None:
         self.reactor = reactor
         self.backend = backend
@@ -491,12 +501,84 @@ class OpenAIApi:
         """The seed of a request that gives none (sampling is counter-based: a fixed seed
         would give every such request the same draws)."""
         self.metrics = metrics if metrics is not None else HeadMetrics(fleet)
+        self.api_key = api_key or None
+        """The bearer token every /v1 request must carry; None: the API is open."""
+        self.exchanges: set[_Exchange] = set()
+        """Completion requests in flight (what a drain waits for)."""
+        self.draining = False
+        """True once :meth:`drain` started: new completion requests get 503."""
+        self._drain_waiters: list[Deferred[None]] = []
+        self._drain_timer: IDelayedCall | None = None
+
+    def authorized(self, request: Any) -> bool:
+        """Whether ``request`` carries the API key (always, when there is none)."""
+        if self.api_key is None:
+            return True
+        header = request.getHeader(b"authorization") or b""
+        scheme, _, given = header.partition(b" ")
+        if scheme.lower() != b"bearer":
+            given = b""
+        # compare_digest's time never depends on where the given bytes first differ from the
+        # key (at most on their lengths).
+        return hmac.compare_digest(given.strip(), self.api_key)
+
+    def drain(self, timeout_s: float) -> Deferred[None]:
+        """Stop taking completions (503 from now on), let the ones in flight finish for up to
+        ``timeout_s`` seconds, then cancel the rest; fires once none is left, or
+        :data:`DRAIN_CANCEL_GRACE_S` after the cancels.  Calling it again joins the same drain.
+        """
+        waiter: Deferred[None] = Deferred()
+        self._drain_waiters.append(waiter)
+        if not self.draining:
+            self.draining = True
+            _log.info(
+                "draining HTTP: refusing new requests, letting {count} running ones finish "
+                "for up to {timeout} s",
+                count=len(self.exchanges),
+                timeout=timeout_s,
+            )
+            self._drain_timer = self.reactor.callLater(timeout_s, self._drain_timed_out)
+        self._check_drained()
+        return waiter
+
+    def _drain_timed_out(self) -> None:
+        self._drain_timer = self.reactor.callLater(DRAIN_CANCEL_GRACE_S, self._drain_gave_up)
+        _log.info(
+            "drain timeout: cancelling {count} requests that are still running",
+            count=len(self.exchanges),
+        )
+        for exchange in list(self.exchanges):
+            exchange.drain_cancel()
+
+    def _drain_gave_up(self) -> None:
+        self._drain_timer = None
+        _log.warn(
+            "{count} cancelled requests did not end in time; stopping anyway",
+            count=len(self.exchanges),
+        )
+        self._drain_done()
+
+    def exchange_ended(self, exchange: _Exchange) -> None:
+        self.exchanges.discard(exchange)
+        self._check_drained()
+
+    def _check_drained(self) -> None:
+        if self.draining and not self.exchanges:
+            self._drain_done()
+
+    def _drain_done(self) -> None:
+        if self._drain_timer is not None and self._drain_timer.active():
+            self._drain_timer.cancel()
+        self._drain_timer = None
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for waiter in waiters:
+            waiter.callback(None)
 
     def resource(self) -> Resource:
         root = Resource()  # type: ignore[no-untyped-call]
         v1 = Resource()  # type: ignore[no-untyped-call]
         chat = Resource()  # type: ignore[no-untyped-call]
-        root.putChild(b"v1", v1)
+        root.putChild(b"v1", _Authorized(self, v1))
         v1.putChild(b"chat", chat)
         chat.putChild(b"completions", _Completions(self, chat=True))
         v1.putChild(b"completions", _Completions(self, chat=False))
@@ -521,6 +603,50 @@ def _json(request: Any, status: int, body: Any) -> bytes:
     return json.dumps(body).encode()
 
 
+def _unauthorized(request: Any) -> bytes:
+    missing = not request.getHeader(b"authorization")
+    error = ApiError(
+        401,
+        "You didn't provide an API key: send it as 'Authorization: Bearer KEY'."
+        if missing
+        else "Incorrect API key provided.",
+        code="invalid_api_key",
+        outcome="unauthorized",
+    )
+    request.setHeader(b"www-authenticate", b"Bearer")
+    return _json(request, error.status, error.body())
+
+
+class _Refusal(Resource):
+    """A leaf that answers 401 to every method (what an unauthorized /v1 request reaches)."""
+
+    isLeaf = True
+
+    def render(self, request: Any) -> bytes:
+        return _unauthorized(request)
+
+
+class _Authorized(Resource):
+    """``/v1`` behind the API key: without the right bearer token every path below is 401."""
+
+    def __init__(self, api: OpenAIApi, inner: Resource) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.api = api
+        self.inner = inner
+
+    def getChildWithDefault(self, path: bytes, request: Any) -> Resource:
+        if not self.api.authorized(request):
+            self.api.metrics.requests.labels("unauthorized").inc()
+            return _Refusal()  # type: ignore[no-untyped-call]
+        return self.inner.getChildWithDefault(path, request)  # type: ignore[no-untyped-call,no-any-return]
+
+    def render(self, request: Any) -> bytes:
+        if not self.api.authorized(request):
+            self.api.metrics.requests.labels("unauthorized").inc()
+            return _unauthorized(request)
+        return self.inner.render(request)  # type: ignore[no-untyped-call,no-any-return]
+
+
 class _Health(Resource):
     isLeaf = True
 
@@ -530,6 +656,8 @@ class _Health(Resource):
 
     def render_GET(self, request: Any) -> bytes:
         live = len(self.api.fleet.live_nodes())
+        if self.api.draining:
+            return _json(request, 503, {"status": "draining", "nodes": live})
         status = "ok" if live else "unavailable"
         return _json(request, 200 if live else 503, {"status": status, "nodes": live})
 
@@ -579,6 +707,14 @@ class _Completions(Resource):
         api = self.api
         received = api.reactor.seconds()
         try:
+            if api.draining:
+                raise ApiError(
+                    503,
+                    "the head is shutting down and takes no new requests",
+                    kind="service_unavailable",
+                    code="draining",
+                    outcome="unavailable",
+                )
             assert request.content is not None
             try:
                 body = json.loads(request.content.read() or b"null")
@@ -658,6 +794,8 @@ class _Exchange:
         self.first_token_at: float | None = None
         self.streaming_started = False
         self.gone = False
+        self.drained = False
+        """Cancelled by the head's drain timeout (it ends with finish_reason stop)."""
         self.generation: GenerationHandle | None = None
 
     def start(self) -> None:
@@ -674,17 +812,33 @@ class _Exchange:
         if no_delay is not None:
             no_delay(True)
         self.request.notifyFinish().addErrback(self._client_gone)
-        generation = api.backend.generate(
-            parsed.prompt,
-            max_tokens,
-            model=api.node_model,
-            params=parsed.params,
-            on_tokens=self._tokens,
-        )
+        api.exchanges.add(self)
+        try:
+            generation = api.backend.generate(
+                parsed.prompt,
+                max_tokens,
+                model=api.node_model,
+                params=parsed.params,
+                on_tokens=self._tokens,
+            )
+        except BaseException:
+            api.exchange_ended(self)
+            raise
         self.generation = generation
         if parsed.stream:
             generation.when_placed().addCallbacks(self._begin_stream, lambda _: None)
-        generation.result.addCallbacks(self._done, self._failed)
+        generation.result.addCallbacks(self._done, self._failed).addBoth(self._ended)
+
+    def _ended(self, result: Failure | None) -> None:
+        if isinstance(result, Failure):
+            _log.failure("answering {ident} failed", result, ident=self.ident)
+        self.api.exchange_ended(self)
+
+    def drain_cancel(self) -> None:
+        """The drain timeout: cancel the generation; the client still gets a clean end."""
+        self.drained = True
+        if self.generation is not None:
+            self.generation.cancel()
 
     # The client
 
@@ -765,13 +919,18 @@ class _Exchange:
             self._emit(self.stop.flush())
         if self.stop.stopped or outcome.finish == FINISH_EOS:
             finish = "stop"
+        elif outcome.finish == FINISH_CANCELLED and self.drained and not self.gone:
+            finish = "stop"
         elif outcome.finish == FINISH_CANCELLED and self.gone:
             finish = "cancelled"
         else:
             finish = "length"
         api.metrics.prompt_tokens.inc(len(self.parsed.prompt))
         api.metrics.completion_tokens.inc(len(outcome.tokens))
-        api.metrics.requests.labels("cancelled" if finish == "cancelled" else "ok").inc()
+        outcome_label = "cancelled" if finish == "cancelled" else "ok"
+        if self.drained and outcome.finish == FINISH_CANCELLED:
+            outcome_label = "drained"
+        api.metrics.requests.labels(outcome_label).inc()
         if self.gone:
             return
         usage = self._usage(len(outcome.tokens))

@@ -7,6 +7,13 @@ keepalives and retries, or the ``--pipeline`` stages), ``fleet-listen`` (nodes t
 ``http`` (the OpenAI-compatible API, ``/healthz`` and ``/metrics``).  Both listening children log
 the address they actually bound, so ``tcp:0`` works.
 
+Stopping the tree (SIGTERM under twistd) drains the head: ``http`` stops listening at once and
+answers 503 to requests that still arrive on open connections, completions in flight get up to
+``--drain-timeout`` seconds and are then cancelled, and only then does ``fleet`` close the node
+links; ``http`` also closes its connections gracefully, so the last bytes of every answer reach
+the client before the reactor stops (which would drop unsent data).  Without ``--api-key`` the
+HTTP API must stay on loopback unless ``--insecure-http``.
+
 This module must never import torch or transformers at import time or while parsing options
 (``twistd --help`` stays fast), and never load model weights: the head only renders and
 detokenizes text.
@@ -15,6 +22,7 @@ detokenizes text.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -22,10 +30,11 @@ from twisted.application import service
 from twisted.internet import defer
 from twisted.internet.interfaces import IListeningPort, IProtocolFactory, IStreamServerEndpoint
 from twisted.logger import Logger
+from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
 from twisted.python import usage
 from twisted.python.failure import Failure
 
-from sfnode.admission import plaintext_refusal
+from sfnode.admission import is_loopback_listen, plaintext_refusal
 from sfnode.head.fleet import Fleet, Policy
 from sfnode.head.link import DEFAULT_LEASE
 from sfnode.tap import (
@@ -41,6 +50,7 @@ log = Logger(namespace="sfnode.head.tap")
 
 DEFAULT_FLEET_LISTEN = "tcp:8455:interface=127.0.0.1"
 DEFAULT_HTTP = "tcp:8453:interface=127.0.0.1"
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
 POLICIES = tuple(p.value for p in Policy)
 
 
@@ -80,6 +90,27 @@ def _positive(name: str, value: object) -> int:
     return number
 
 
+def _seconds(name: str, value: object) -> float:
+    try:
+        number = float(str(value))
+    except ValueError as e:
+        raise usage.UsageError(f"--{name} must be a number of seconds, not {value!r}") from e
+    if not 0 <= number < float("inf"):
+        raise usage.UsageError(f"--{name} must be 0 or more seconds, not {value!r}")
+    return number
+
+
+def _api_key(key: bytes, where: str) -> bytes:
+    """``key`` if it can travel in an ``Authorization: Bearer`` header, else a usage error."""
+    if not key:
+        raise usage.UsageError(f"{where} is empty")
+    if not all(0x21 <= byte <= 0x7E for byte in key):
+        raise usage.UsageError(
+            f"{where} must be printable ASCII without spaces (it is sent as a bearer token)"
+        )
+    return key
+
+
 class Options(usage.Options):
     """``twistd sfhead`` options; after ``parseOptions`` every value is checked and typed."""
 
@@ -88,11 +119,21 @@ class Options(usage.Options):
         "Runs a Link F fleet head: accepts nodes on --fleet-listen, dials every --node, places "
         "sessions on them and serves an OpenAI-compatible API on --http. With --pipeline the "
         "head runs each generation across the given stage nodes instead. Without a fleet "
-        "token (--auth-file) node links must stay on loopback unless --insecure-no-auth."
+        "token (--auth-file) node links must stay on loopback unless --insecure-no-auth; "
+        "without an API key (--api-key or --api-key-file) --http must stay on loopback "
+        "unless --insecure-http. On SIGTERM the head stops listening for HTTP, answers 503 to "
+        "requests on connections still open, lets running completions finish for up to "
+        "--drain-timeout seconds, cancels the rest, then exits."
     )
 
     optFlags: ClassVar[list[list[str | None]]] = [
         ["insecure-no-auth", None, "Allow non-loopback node links without a fleet token."],
+        [
+            "insecure-http",
+            None,
+            "Allow --http on a non-loopback address without an API key (anyone who can reach "
+            "it may use the API).",
+        ],
     ]
 
     optParameters: ClassVar[list[list[Any]]] = [
@@ -114,6 +155,21 @@ class Options(usage.Options):
         ["policy", None, Policy.LOAD_AWARE.value, f"Placement: {', '.join(POLICIES)}."],
         ["lease-ms", None, str(DEFAULT_LEASE.duration_ms), "Session lease granted to nodes."],
         ["auth-file", None, None, "File holding the fleet token (trimmed of whitespace)."],
+        [
+            "api-key",
+            None,
+            None,
+            "Require 'Authorization: Bearer KEY' on every /v1 request (/healthz and /metrics "
+            "stay open). --api-key-file keeps the key out of the process list.",
+        ],
+        ["api-key-file", None, None, "File holding the API key (trimmed of whitespace)."],
+        [
+            "drain-timeout",
+            None,
+            str(int(DEFAULT_DRAIN_TIMEOUT_S)),
+            "On SIGTERM: seconds running completions may take to finish before they are "
+            "cancelled (new requests get 503 at once).",
+        ],
         [
             "pipeline",
             None,
@@ -191,6 +247,33 @@ class Options(usage.Options):
             )
             if refusal is not None:
                 raise usage.UsageError(refusal)
+        self["drain-timeout"] = _seconds("drain-timeout", self["drain-timeout"])
+        self._check_api_key()
+
+    def _check_api_key(self) -> None:
+        """Read the API key (bytes, or None) and refuse an open API off loopback."""
+        key, path = self["api-key"], self["api-key-file"]
+        if key is not None and path is not None:
+            raise usage.UsageError("give --api-key or --api-key-file, not both")
+        if key is not None:
+            self["api-key"] = _api_key(str(key).strip().encode(), "--api-key")
+        elif path is not None:
+            try:
+                self["api-key"] = _api_key(read_token(path), f"--api-key-file {path}")
+            except OSError as e:
+                raise usage.UsageError(
+                    f"cannot read --api-key-file {path}: {e.strerror or e}"
+                ) from e
+        if (
+            self["api-key"] is None
+            and not self["insecure-http"]
+            and not is_loopback_listen(self["http"])
+        ):
+            raise usage.UsageError(
+                f"refusing to serve HTTP on {self['http']} without an API key: give --api-key "
+                "or --api-key-file, listen on a loopback interface (interface=127.0.0.1), or "
+                "pass --insecure-http"
+            )
 
 
 def load_head_tokenizer(model: str | None) -> Any:
@@ -270,13 +353,86 @@ class ListeningService(service.Service):
         return stopped if stopped is not None else defer.succeed(None)
 
 
-class FleetService(service.Service):
-    """Starts the fleet (or the pipeline) with the service tree and stops it with it."""
+class HttpConnections(WrappingFactory):
+    """The HTTP site's factory, wrapped to know its open connections, so that a drain can close
+    them gracefully (flushing what was written) before the reactor stops."""
 
-    def __init__(self, fleet: Fleet, nodes: list[str], pipeline: Any = None) -> None:
+    def __init__(self, site: IProtocolFactory, reactor: Any) -> None:
+        super().__init__(site)  # type: ignore[no-untyped-call]
+        self._reactor = reactor
+        self._closed: list[defer.Deferred[None]] = []
+
+    def unregisterProtocol(self, protocol: ProtocolWrapper) -> None:
+        super().unregisterProtocol(protocol)  # type: ignore[no-untyped-call]
+        if not self.protocols:
+            closed, self._closed = self._closed, []
+            for d in closed:
+                d.callback(None)
+
+    def close_all(self, grace_s: float) -> defer.Deferred[None]:
+        """Close every connection after what it has written; fires once all are closed, or
+        after ``grace_s`` seconds (a client that stopped reading is given up on)."""
+        if not self.protocols:
+            return defer.succeed(None)
+        closed: defer.Deferred[None] = defer.Deferred()
+        self._closed.append(closed)
+        timer = self._reactor.callLater(grace_s, self._give_up, closed)
+        closed.addBoth(lambda result: timer.cancel() if timer.active() else None)
+        for protocol in list(self.protocols):
+            protocol.loseConnection()
+        return closed
+
+    def _give_up(self, closed: defer.Deferred[None]) -> None:
+        log.warn("{count} HTTP connections did not close in time", count=len(self.protocols))
+        if closed in self._closed:
+            self._closed.remove(closed)
+            closed.callback(None)
+
+
+class HttpService(ListeningService):
+    """The HTTP API's listener; stopping it stops listening, drains the API, then closes the
+    connections gracefully."""
+
+    def __init__(
+        self,
+        endpoint: IStreamServerEndpoint,
+        api: Any,
+        where: str,
+        drain_timeout_s: float,
+        reactor: Any,
+    ) -> None:
+        self.connections = HttpConnections(api.site(), reactor)
+        super().__init__(endpoint, self.connections, "serving HTTP", where)
+        self.api = api
+        self.drain_timeout_s = drain_timeout_s
+
+    def stopService(self) -> defer.Deferred[None]:
+        from sfnode.head.http import DRAIN_CANCEL_GRACE_S
+
+        stopped = super().stopService()
+        drained = self.api.drain(self.drain_timeout_s)
+        drained.addCallback(lambda _: self.connections.close_all(DRAIN_CANCEL_GRACE_S))
+        return defer.gatherResults([stopped, drained]).addCallback(lambda _: None)
+
+
+class FleetService(service.Service):
+    """Starts the fleet (or the pipeline) with the service tree and stops it with it.
+
+    ``drained``, when given, is waited for before the node links are closed (the HTTP drain:
+    streams in progress still need their nodes).
+    """
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        nodes: list[str],
+        pipeline: Any = None,
+        drained: Callable[[], defer.Deferred[None]] | None = None,
+    ) -> None:
         self.fleet = fleet
         self.nodes = nodes
         self.pipeline = pipeline
+        self.drained = drained
 
     def startService(self) -> None:
         super().startService()  # type: ignore[no-untyped-call]
@@ -292,7 +448,8 @@ class FleetService(service.Service):
 
     def stopService(self) -> defer.Deferred[None]:
         super().stopService()  # type: ignore[no-untyped-call]
-        stopped = self.fleet.stop()
+        drained = self.drained() if self.drained is not None else defer.succeed(None)
+        stopped = drained.addCallback(lambda _: self.fleet.stop())
         return stopped.addCallback(lambda _: log.info("sfhead stopped"))
 
 
@@ -346,11 +503,20 @@ def makeService(options: Options, reactor: Any = None) -> service.MultiService:
     else:
         fleet = Fleet(reactor, token=token, policy=options["policy"], lease=lease)
         backend = fleet
-    api = OpenAIApi(reactor, backend, fleet, tokenizer, options["model-name"])
+    api = OpenAIApi(
+        reactor, backend, fleet, tokenizer, options["model-name"], api_key=options["api-key"]
+    )
+    drain_timeout_s = options["drain-timeout"]
 
     head = service.MultiService()  # type: ignore[no-untyped-call]
     head.setName("sfhead")  # type: ignore[no-untyped-call]
-    _add_child(head, "fleet", FleetService(fleet, options["nodes"], pipeline))
+    _add_child(
+        head,
+        "fleet",
+        FleetService(
+            fleet, options["nodes"], pipeline, drained=lambda: api.drain(drain_timeout_s)
+        ),
+    )
     _add_child(
         head,
         "fleet-listen",
@@ -364,11 +530,16 @@ def makeService(options: Options, reactor: Any = None) -> service.MultiService:
     _add_child(
         head,
         "http",
-        ListeningService(
-            server_from_string(reactor, options["http"]), api.site(), "serving HTTP",
+        HttpService(
+            server_from_string(reactor, options["http"]),
+            api,
             options["http"],
+            drain_timeout_s,
+            reactor,
         ),
     )
+    if options["api-key"] is None:
+        log.info("sfhead HTTP API is open: no API key (--api-key, --api-key-file)")
     log.info(
         "sfhead serving model {model} ({policy}; nodes {nodes})",
         model=options["model-name"],
