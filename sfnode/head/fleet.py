@@ -551,8 +551,12 @@ class Fleet:
         d.addErrback(_node_down_is_known)
         return d.addCallback(lambda _: node)
 
-    def listen_factory(self) -> HeadLinkFactory:
-        """The protocol factory for a port that nodes dial (``--fleet-listen``)."""
+    def listen_factory(self, *, loopback_only: bool = False) -> HeadLinkFactory:
+        """The protocol factory for a port that nodes dial (``--fleet-listen``).
+
+        ``loopback_only`` (what ``twistd sfhead`` asks for without a fleet token, unless
+        --insecure-no-auth) closes connections from anywhere but loopback at once.
+        """
         return HeadLinkFactory(
             self._adopt,
             reactor=self._reactor,
@@ -560,6 +564,7 @@ class Fleet:
             token=self.token,
             handshake_timeout_s=self.handshake_timeout_s,
             keep_wal=False,
+            loopback_only=loopback_only,
         )
 
     def live_nodes(self) -> list[FleetNode]:

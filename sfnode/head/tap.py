@@ -522,7 +522,9 @@ def makeService(options: Options, reactor: Any = None) -> service.MultiService:
         "fleet-listen",
         ListeningService(
             server_from_string(reactor, options["fleet-listen"]),
-            fleet.listen_factory(),
+            fleet.listen_factory(
+                loopback_only=not token and not options["insecure-no-auth"]
+            ),
             "accepting nodes",
             options["fleet-listen"],
         ),
