@@ -197,16 +197,20 @@ class FrameDecoder:
         unpack_envelope = _ENVELOPE.unpack_from
         try:
             while available - offset >= 4:
-                (length,) = unpack_length(buffer, offset)
+                if available - offset >= 25:
+                    # The whole envelope is here: one unpack for the length and the header.
+                    length, _, msg_type, seq, _, cls = unpack_envelope(buffer, offset)
+                else:
+                    (length,) = unpack_length(buffer, offset)
                 if length < HEADER_LEN:
                     raise BadLength(f"frame length {length} is below the header length 21")
                 if length > MAX_FRAME:
                     raise FrameTooLarge(f"frame length {length} exceeds MAX_FRAME {MAX_FRAME}")
                 end = offset + 4 + length
                 if end > available:
+                    # (Always taken when fewer than 25 bytes were there: a frame is >= 25.)
                     self._needed = 4 + length
                     break
-                _, _, msg_type, seq, _, cls = unpack_envelope(buffer, offset)
                 payload = buffer[offset + 25 : end]
                 offset = end
                 if cls != (1 if msg_type & DROPPABLE_BIT else 0):
@@ -760,7 +764,11 @@ class Message(Struct):
     MSG_TYPE: ClassVar[MsgType]
 
     def payload(self) -> bytes:
-        return pack(self.to_wire())
+        obj = self.to_wire()
+        try:
+            return _PACKER.pack(obj)  # type: ignore[no-any-return]
+        except (ValueError, TypeError, OverflowError) as e:
+            raise PayloadError(f"cannot encode {type(self).__name__}: {e}") from e
 
 
 @dataclass(frozen=True, slots=True)
