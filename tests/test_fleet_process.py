@@ -9,8 +9,6 @@ second node.  No sleeps: every wait is on a line a process logs or on the HTTP s
 from __future__ import annotations
 
 import json
-import os
-import re
 import sys
 from collections.abc import Generator
 from io import BytesIO
@@ -18,68 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from twisted.internet import defer, reactor
-from twisted.internet.error import ProcessExitedAlready
-from twisted.internet.protocol import ProcessProtocol, Protocol
+from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent, FileBodyProducer, readBody
 from twisted.web.http_headers import Headers
 
-LOOPBACK = "tcp:0:interface=127.0.0.1"
-REPO_ROOT = Path(__file__).resolve().parent.parent
-TWISTD = "import sys; sys.argv[0] = 'twistd'; from twisted.scripts.twistd import run; run()"
-"""``twistd`` itself, without relying on a console script's path."""
-
-
-def child_env() -> dict[str, str]:
-    """The environment of a child: this checkout first on PYTHONPATH (for the plugins)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    return env
-
-
-class Child(ProcessProtocol):
-    """A child process whose output is searched for lines; ``ended`` fires when it exits."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.output = bytearray()
-        self.ended: defer.Deferred[None] = defer.Deferred()
-        self._waits: list[tuple[re.Pattern[bytes], int, defer.Deferred[list[re.Match[bytes]]]]] = []
-        self.transport: Any = None
-
-    def wait_for(self, pattern: bytes, count: int = 1) -> defer.Deferred[list[re.Match[bytes]]]:
-        """Fires with the first ``count`` matches of ``pattern`` in the output."""
-        d: defer.Deferred[list[re.Match[bytes]]] = defer.Deferred()
-        self._waits.append((re.compile(pattern), count, d))
-        self._check()
-        return d
-
-    def childDataReceived(self, childFD: int, data: bytes) -> None:  # noqa: N803
-        self.output += data
-        self._check()
-
-    def _check(self) -> None:
-        for wait in list(self._waits):
-            pattern, count, d = wait
-            found = list(pattern.finditer(self.output))
-            if len(found) >= count:
-                self._waits.remove(wait)
-                d.callback(found[:count])
-
-    def processEnded(self, reason: Failure) -> None:
-        for _, _, d in self._waits:
-            d.errback(RuntimeError(f"{self.name} ended:\n{self.output.decode(errors='replace')}"))
-        self._waits.clear()
-        self.ended.callback(None)
-
-    def kill(self) -> defer.Deferred[None]:
-        try:
-            self.transport.signalProcess("KILL")
-        except ProcessExitedAlready:
-            pass
-        return self.ended
+from tests.processes import LOOPBACK, Child, child_env, spawn_twistd
 
 
 class _Stream(Protocol):
@@ -104,18 +47,7 @@ class KillTests(TestCase):
     timeout = 120
 
     def spawn(self, name: str, args: list[str]) -> Child:
-        child = Child(name)
-        folder = Path(self.mktemp())
-        folder.mkdir(parents=True)
-        child.transport = reactor.spawnProcess(
-            child,
-            sys.executable,
-            [sys.executable, "-c", TWISTD, "--pidfile=", "-n", *args],
-            env=child_env(),
-            path=str(folder),
-        )
-        self.addCleanup(child.kill)
-        return child
+        return spawn_twistd(self, Child(name), args)
 
     @defer.inlineCallbacks
     def test_a_node_killed_mid_stream_is_replaced_by_another(self) -> Generator[Any, Any, None]:

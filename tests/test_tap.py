@@ -36,7 +36,6 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import Agent, readBody
 
-import sfnode
 from sfnode import tap
 from sfnode.config import NodeConfig
 from sfnode.head.link import HeadIds, connect_node
@@ -51,24 +50,13 @@ from sfnode.wire import (
     message_frame,
 )
 from tests.nodefixture import expected_tokens
-
-LOOPBACK = "tcp:0:interface=127.0.0.1"
-REPO_ROOT = Path(sfnode.__file__).resolve().parent.parent
-TWISTD = "import sys; sys.argv[0] = 'twistd'; from twisted.scripts.twistd import run; run()"
-"""``twistd`` itself, as ``make run`` starts it, without relying on a console script's path."""
+from tests.processes import LOOPBACK, REPO_ROOT, TWISTD, child_env
 
 
 def parse(*argv: str) -> tap.Options:
     options = tap.Options()
     options.parseOptions(list(argv))
     return options
-
-
-def child_env() -> dict[str, str]:
-    """This environment with the repository first on the path (for sfnode and its plugin)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    return env
 
 
 def run_python(*args: str) -> defer.Deferred[tuple[bytes, bytes, int]]:

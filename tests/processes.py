@@ -1,0 +1,90 @@
+"""Real ``twistd`` child processes for tests: spawn one, wait for what it logs, kill it.
+
+Every process test starts ``twistd`` the way an operator does (``twistd --pidfile= -n ...``),
+through this module, so that no child outlives its test and the environment is the same.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from twisted.internet import defer, reactor
+from twisted.internet.error import ProcessExitedAlready
+from twisted.internet.protocol import ProcessProtocol
+from twisted.python.failure import Failure
+from twisted.trial.unittest import TestCase
+
+LOOPBACK = "tcp:0:interface=127.0.0.1"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TWISTD = "import sys; sys.argv[0] = 'twistd'; from twisted.scripts.twistd import run; run()"
+"""``twistd`` itself, without relying on a console script's path."""
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a child: this checkout first on PYTHONPATH (for the plugins)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return env
+
+
+class Child(ProcessProtocol):
+    """A child process whose output is searched for lines; ``ended`` fires when it exits."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.output = bytearray()
+        self.ended: defer.Deferred[None] = defer.Deferred()
+        self._waits: list[tuple[re.Pattern[bytes], int, defer.Deferred[list[re.Match[bytes]]]]] = []
+        self.transport: Any = None
+
+    def wait_for(self, pattern: bytes, count: int = 1) -> defer.Deferred[list[re.Match[bytes]]]:
+        """Fires with the first ``count`` matches of ``pattern`` in the output."""
+        d: defer.Deferred[list[re.Match[bytes]]] = defer.Deferred()
+        self._waits.append((re.compile(pattern), count, d))
+        self._check()
+        return d
+
+    def childDataReceived(self, childFD: int, data: bytes) -> None:  # noqa: N803
+        self.output += data
+        self._check()
+
+    def _check(self) -> None:
+        for wait in list(self._waits):
+            pattern, count, d = wait
+            found = list(pattern.finditer(self.output))
+            if len(found) >= count:
+                self._waits.remove(wait)
+                d.callback(found[:count])
+
+    def processEnded(self, reason: Failure) -> None:
+        for _, _, d in self._waits:
+            d.errback(RuntimeError(f"{self.name} ended:\n{self.output.decode(errors='replace')}"))
+        self._waits.clear()
+        self.ended.callback(None)
+
+    def kill(self) -> defer.Deferred[None]:
+        try:
+            self.transport.signalProcess("KILL")
+        except ProcessExitedAlready:
+            pass
+        return self.ended
+
+
+def spawn_twistd(test: TestCase, child: Child, args: list[str]) -> Child:
+    """Start ``twistd --pidfile= -n ARGS`` in a fresh folder; the test's cleanup kills it."""
+    folder = Path(test.mktemp())
+    folder.mkdir(parents=True)
+    child.transport = reactor.spawnProcess(
+        child,
+        sys.executable,
+        [sys.executable, "-c", TWISTD, "--pidfile=", "-n", *args],
+        env=child_env(),
+        path=str(folder),
+    )
+    test.addCleanup(child.kill)
+    return child
