@@ -567,6 +567,23 @@ class ListeningService(service.Service):
         return stopped if stopped is not None else defer.succeed(None)
 
 
+def exit_zero_after_a_clean_stop(reactor: Any) -> None:
+    """Make a SIGTERM (or Ctrl-C) that ended in a clean, drained stop exit with status 0.
+
+    ``twistd`` re-raises the signal that stopped the reactor once it has shut down, so the
+    process would end *by* SIGTERM however cleanly it drained.  A service that finished its
+    shutdown forgets that signal (the reactor's ``_exitSignal``, which ``twistd`` reads after
+    the reactor returns), so the process exits 0.  Only for ``twistd`` runs: an embedding
+    program that passes its own reactor keeps its own signal handling.
+    """
+
+    def forget_signal() -> None:
+        if getattr(reactor, "_exitSignal", None) is not None:
+            reactor._exitSignal = None
+
+    reactor.addSystemEventTrigger("after", "shutdown", forget_signal)
+
+
 def makeService(
     options: Options,
     reactor: Any = None,
@@ -587,6 +604,7 @@ def makeService(
         from twisted.internet import reactor as global_reactor
 
         reactor = global_reactor
+        exit_zero_after_a_clean_stop(reactor)
     from sfnode.node import NodeAgent
 
     engine = build_engine(reactor, options)

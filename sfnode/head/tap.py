@@ -41,6 +41,7 @@ from sfnode.tap import (
     DEFAULT_MODEL_NAME,
     client_from_string,
     describe_address,
+    exit_zero_after_a_clean_stop,
     server_from_string,
 )
 from sfnode.tokens import read_token
@@ -465,6 +466,7 @@ def makeService(options: Options, reactor: Any = None) -> service.MultiService:
         from twisted.internet import reactor as global_reactor
 
         reactor = global_reactor
+        exit_zero_after_a_clean_stop(reactor)
     from sfnode.head.http import OpenAIApi
     from sfnode.head.pipeline import PipelineFleet
 
