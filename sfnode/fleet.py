@@ -90,9 +90,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 stop(1)
             time.sleep(0.5)
         model = "mock" if options.engine == "mock" else _served_model(base)
+        # temperature 0 (greedy): OpenAI's default of 1 samples freely, and a 135M model
+        # sampled at 1 rambles; greedy answers this one right ("... is Paris.").
+        question = "What is the capital of France?"
         body = json.dumps(
-            {"model": model, "messages": [{"role": "user", "content": "Say hello."}],
-             "max_tokens": 32}
+            {"model": model, "messages": [{"role": "user", "content": question}],
+             "max_tokens": 32, "temperature": 0}
         )  # fmt: skip
         print(f"\nThe fleet is up on {base}. Try:\n")
         print(f"  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\")
