@@ -524,7 +524,7 @@ def unpack(payload: bytes) -> Any:
     # timestamp is 4, 8 or 12 bytes, so its header ends in d6 ff, d7 ff, or a length byte
     # 04, 08 or 0c then ff: only payloads holding one of those pairs are walked.
     if (
-        b"\xff" in payload
+        0xFF in payload  # an int needle is a plain memchr, ten times cheaper than b"\xff"
         and (
             b"\xd6\xff" in payload
             or b"\xd7\xff" in payload
@@ -958,7 +958,7 @@ class TokenEventsMsg(Message):
     def from_payload(cls, payload: bytes) -> TokenEventsMsg:
         """Decode straight from the bytes: a payload with no msgpack true/false byte (c2, c3)
         holds no bool, so token arrays skip the bool check that :meth:`from_wire` needs."""
-        return cls._decode(unpack(payload), b"\xc2" in payload or b"\xc3" in payload)
+        return cls._decode(unpack(payload), 0xC2 in payload or 0xC3 in payload)
 
     @classmethod
     def _decode(cls, obj: Any, bools_possible: bool) -> TokenEventsMsg:
