@@ -14,8 +14,6 @@ DEFAULT_MAX_LANES = 8
 STATUS_INTERVAL_MS = 2_000
 COALESCE_TOKENS = 16
 COALESCE_MS = 200
-RENEW_INTERVAL_MS = 1_000
-"""Decision D3: at most one LEASE_RENEW per session per second while in its renew window."""
 DEFAULT_MAX_HANDSHAKES = 64
 """LINKF 4.6: connections of one listener in their handshake at once; more are closed."""
 DEFAULT_MAX_SESSIONS = 1024
