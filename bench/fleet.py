@@ -131,9 +131,7 @@ class _NoDelayEndpoints:
         self._reactor = reactor
 
     def endpointForURI(self, uri: Any) -> _NoDelayEndpoint:
-        return _NoDelayEndpoint(
-            TCP4ClientEndpoint(self._reactor, uri.host.decode(), uri.port)
-        )
+        return _NoDelayEndpoint(TCP4ClientEndpoint(self._reactor, uri.host.decode(), uri.port))
 
 
 class _Sse(Protocol):
@@ -249,9 +247,7 @@ def main(reactor: Any, options: argparse.Namespace) -> Generator[Any, Any, None]
         reactor, engine, NodeConfig(identity="bench", model_name="bench",
                                     max_lanes=options.concurrency)
     )  # fmt: skip
-    node_port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(
-        agent.factory()
-    )
+    node_port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(agent.factory())
     fleet = Fleet(reactor)
     yield fleet.add_node(f"tcp:127.0.0.1:{node_port.getHost().port}")
     api = OpenAIApi(reactor, fleet, fleet, tokenizer, "bench")
@@ -266,9 +262,7 @@ def main(reactor: Any, options: argparse.Namespace) -> Generator[Any, Any, None]
 
     runs: list[tuple[Run, Run, Run]] = []
     for _ in range(options.rounds):
-        alone = yield run_engine(
-            reactor, engine, prompts, options.max_tokens, options.concurrency
-        )
+        alone = yield run_engine(reactor, engine, prompts, options.max_tokens, options.concurrency)
         linked = yield run_fleet(fleet, prompts, options.max_tokens, options.concurrency)
         through = yield run_http(reactor, url, prompts, options.max_tokens, options.concurrency)
         runs.append((alone, linked, through))

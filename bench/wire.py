@@ -133,8 +133,10 @@ def main(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         rate = yield protocol_rate(messages)
         path.append(rate)
     raw_m, path_m = statistics.median(raw), statistics.median(path)
-    print(f"token events of {args.tokens_per_event} tokens, {args.events} per round, "
-          f"{args.rounds} rounds (medians)")
+    print(
+        f"token events of {args.tokens_per_event} tokens, {args.events} per round, "
+        f"{args.rounds} rounds (medians)"
+    )
     print(f"{'raw msgpack pack+unpack':<44}{raw_m:>12,.0f} events/s")
     print(f"{'sfnode: encode, loopback TCP, decode, dispatch':<44}{path_m:>12,.0f} events/s")
     ratio = path_m / raw_m

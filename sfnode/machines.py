@@ -222,9 +222,7 @@ def _drop_silent(inputs: ConnectionInputs, core: ConnectionCore, data: AwaitingH
 
 
 @_c_awaiting.upon(ConnectionInputs.lost).to(_c_closed)
-def _lost_in_handshake(
-    inputs: ConnectionInputs, core: ConnectionCore, data: AwaitingHello
-) -> None:
+def _lost_in_handshake(inputs: ConnectionInputs, core: ConnectionCore, data: AwaitingHello) -> None:
     data.stop()
     core.owner.ended()
 
@@ -368,9 +366,7 @@ def _first_lease(
 
 
 @_s_fenced.upon(SessionInputs.lease_started).to(_s_held)
-def _unfence(
-    inputs: SessionInputs, core: SessionCore, duration_ms: int, renew_by_ms: int
-) -> None:
+def _unfence(inputs: SessionInputs, core: SessionCore, duration_ms: int, renew_by_ms: int) -> None:
     log.info("session {session} un-fenced by a new lease", session=core.session_id)
 
 
@@ -508,9 +504,7 @@ class Coalescing:
         self.flush_call = None
 
 
-def _running(
-    inputs: GenerationInputs, core: GenerationCore, batch: Sequence[int]
-) -> Coalescing:
+def _running(inputs: GenerationInputs, core: GenerationCore, batch: Sequence[int]) -> Coalescing:
     core.last_flush = core.clock.seconds()
     return Coalescing()
 

@@ -476,9 +476,7 @@ class NodeAgent:
                 node_session.home = connection
                 for generation in self._generations_of(entry.session_id):
                     generation.connection = connection
-            elif entry.session_id not in fenced_before and self.session.is_fenced(
-                entry.session_id
-            ):
+            elif entry.session_id not in fenced_before and self.session.is_fenced(entry.session_id):
                 node_session.machine.superseded()
 
     def _on_assign(self, connection: NodeConnection, msg: SessionAssignMsg) -> None:
@@ -488,8 +486,7 @@ class NodeAgent:
                 # Silent, as every refused ASSIGN (LINKF 6.3); its GENERATE_REQs are REFUSED.
                 if msg.session_id not in self._refused_sessions:
                     log.warn(
-                        "refused session {session}: this node holds max_sessions={cap} "
-                        "sessions",
+                        "refused session {session}: this node holds max_sessions={cap} sessions",
                         session=msg.session_id,
                         cap=cap,
                     )
@@ -545,18 +542,15 @@ class NodeAgent:
             return
         self._at_generation_cap = False
         if not self.session.on_generate(msg):
-            refused = (
-                msg.session_id in self._refused_sessions
-                and not self.session.has_session(msg.session_id)
+            refused = msg.session_id in self._refused_sessions and not self.session.has_session(
+                msg.session_id
             )
             self._answer_at_once(connection, msg, FINISH_REFUSED if refused else FINISH_DECLINED)
             return
         self._note_home(msg.session_id, connection)
         self._start_generation(connection, msg)
 
-    def _answer_at_once(
-        self, connection: NodeConnection, msg: GenerateReqMsg, reason: int
-    ) -> None:
+    def _answer_at_once(self, connection: NodeConnection, msg: GenerateReqMsg, reason: int) -> None:
         """A Finish sent at once, bypassing the retry buffer and the event seqs (LINKF 6.4)."""
         connection.send(
             TokenEventsMsg(

@@ -235,8 +235,9 @@ class NoiseProtocol(ProtocolWrapper):
                 self.factory.on_refused(peer)
             return
         except NoiseError as e:
-            log.info("closing the Noise link with {peer}: {error}", peer=self.peer_name(),
-                     error=str(e))
+            log.info(
+                "closing the Noise link with {peer}: {error}", peer=self.peer_name(), error=str(e)
+            )
             self._fail()
             return
         assert self.transport is not None

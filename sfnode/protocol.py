@@ -256,8 +256,9 @@ class NodeProtocol(Protocol):
         if self._closing:
             return
         self._closing = True
-        log.info("closing the connection from {peer}: {reason}", peer=self.peer_name(),
-                 reason=reason)
+        log.info(
+            "closing the connection from {peer}: {reason}", peer=self.peer_name(), reason=reason
+        )
         if self.transport is None:
             return
         if self.paused:
@@ -284,15 +285,12 @@ class NodeFactory(Factory):
 
     def handshaking(self) -> int:
         """Connections not lost and not past their handshake."""
-        return sum(
-            1 for p in self.protocols if p.connection is None or not p.connection.ready
-        )
+        return sum(1 for p in self.protocols if p.connection is None or not p.connection.ready)
 
     def buildProtocol(self, addr: IAddress | None) -> NodeProtocol | None:
         if self.max_handshakes and self.handshaking() >= self.max_handshakes:
             log.warn(
-                "closed a connection from {peer} at once: {count} handshakes already in "
-                "progress",
+                "closed a connection from {peer} at once: {count} handshakes already in progress",
                 peer=addr,
                 count=self.max_handshakes,
             )

@@ -150,9 +150,7 @@ def encode_frame(msg_type: int, seq: int, payload: bytes, frame_cls: int | None 
     """The bytes of one frame.  ``frame_cls`` defaults to the class the type implies."""
     expected = frame_class(msg_type)
     if frame_cls is not None and frame_cls != expected:
-        raise ClassRangeMismatch(
-            f"type 0x{msg_type:04x} needs class {expected}, not {frame_cls}"
-        )
+        raise ClassRangeMismatch(f"type 0x{msg_type:04x} needs class {expected}, not {frame_cls}")
     length = HEADER_LEN + len(payload)
     if length > MAX_FRAME:
         raise FrameTooLarge(f"frame of {length} bytes exceeds MAX_FRAME {MAX_FRAME}")
@@ -358,9 +356,7 @@ class U32Array(Codec[tuple[int, ...]]):
         """
         try:
             array("I", items)
-            valid = not (True in items or False in items) or not any(
-                type(v) is bool for v in items
-            )
+            valid = not (True in items or False in items) or not any(type(v) is bool for v in items)
         except (OverflowError, TypeError):
             valid = False
         if not valid:
@@ -464,9 +460,7 @@ class Struct:
         if type(obj) is not list:
             raise PayloadError(f"{cls.__name__}: expected array, got {type(obj).__name__}")
         if len(obj) < len(codecs):
-            raise PayloadError(
-                f"{cls.__name__}: expected {len(codecs)} fields, got {len(obj)}"
-            )
+            raise PayloadError(f"{cls.__name__}: expected {len(codecs)} fields, got {len(obj)}")
         return cls(*[c.decode(v) for c, v in zip(codecs, obj, strict=False)])
 
     @classmethod
@@ -1220,4 +1214,3 @@ def negotiate(offered: tuple[int, int], supported: tuple[int, int]) -> int | Non
     lo = max(offered[0], supported[0])
     hi = min(offered[1], supported[1])
     return hi if lo <= hi else None
-

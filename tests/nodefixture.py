@@ -80,9 +80,7 @@ class NodeTestCase(TestCase):
             NodeConfig(identity=identity, model_name="mock", max_lanes=max_lanes, **config),
         )
         agent.start()
-        port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(
-            agent.factory()
-        )
+        port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(agent.factory())
         # Cleanups run last-in first-out: links close, then the port, then the node.
         self.addCleanup(agent.stop)
         self.addCleanup(port.stopListening)

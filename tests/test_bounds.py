@@ -155,9 +155,7 @@ class SlowReaderTests(BoundsTestCase):
         again it gets contiguous events (no Finish for the stopped generations) and the
         connection serves a new generation correctly."""
         self.assertEqual(DEFAULT_MAX_HELD_TOKENS, 65_536)
-        node = yield self.start_node(
-            max_held_tokens=256, max_lanes=4, context_window=1 << 30
-        )
+        node = yield self.start_node(max_held_tokens=256, max_lanes=4, context_window=1 << 30)
         head = yield RawHead.connect(self, node)
         yield head.hello()
         protocol = self.shrink_buffers(head, node)

@@ -22,6 +22,7 @@ import torch
 from twisted.internet import defer, reactor
 from twisted.trial import unittest
 
+from sfnode.engines.kernels import onednn_linear_works
 from sfnode.engines.transformers_engine import (
     TransformersEngine,
     decode_hidden,
@@ -295,6 +296,20 @@ class GreedyTests(EngineTestCase):
             self.assertEqual(rec.tokens, expected)
             stop = EngineStop.EOS if expected[-1] in self.engine.eos_ids else EngineStop.LENGTH
             self.assertEqual(result.stop, stop)
+
+    @defer.inlineCallbacks
+    def test_greedy_equals_generate_on_stock_kernels(self) -> Any:
+        """With onednn=False the worker runs stock PyTorch kernels, and greedy tokens still
+        equal generate(); by default every linear layer of the float32 model runs on oneDNN."""
+        linears = sum(isinstance(m, torch.nn.Linear) for m in self.model.modules())
+        if onednn_linear_works():
+            self.assertEqual(self.engine.onednn_layers, linears)
+        stock = self.make_engine(max_lanes=4, onednn=False)
+        self.assertEqual(stock.onednn_layers, 0)
+        for prompt in prompts(3, seed=5):
+            d, _ = self.run_one(prompt, 20, engine=stock)
+            result = yield d
+            self.assertEqual(list(result.tokens), reference_greedy(self.model, prompt, 20))
 
     @defer.inlineCallbacks
     def test_eight_concurrent_equal_their_solo_runs(self) -> Any:

@@ -73,9 +73,7 @@ class FleetTestCase(NodeTestCase):
         return RunningNode(agent, engine, listening)
 
     @defer.inlineCallbacks
-    def relisten(
-        self, node: RunningNode, port: int
-    ) -> Generator[defer.Deferred[Any], Any, None]:
+    def relisten(self, node: RunningNode, port: int) -> Generator[defer.Deferred[Any], Any, None]:
         """Listen again on a stopped node's old port (the node 'answers' again)."""
         node.port = yield TCP4ServerEndpoint(reactor, port, interface="127.0.0.1").listen(
             node.agent.factory()
@@ -225,9 +223,7 @@ class OneNodeTests(FleetTestCase):
         agent.start()
         self.addCleanup(agent.stop)
         joined = fleet.next_join()
-        yield TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port).connect(
-            agent.factory()
-        )
+        yield TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port).connect(agent.factory())
         node = yield joined
         self.assertEqual(node.name, "dialer")
         outcome = yield fleet.generate(PROMPT, 12).result
@@ -572,7 +568,6 @@ class WindowTests(FleetTestCase):
         yield fleet.generate(PROMPT, 1).result  # a round trip on each link
         yield fleet.generate(PROMPT, 1).result
         self.assertNotIn(session.session_id, narrow.agent.contexts)
-
 
 
 class _FakeLink:

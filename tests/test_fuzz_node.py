@@ -163,8 +163,11 @@ def scripts(draw: st.DrawFn) -> tuple[list[bytes], list[int]]:
     """(frames, slice sizes): an optional good HELLO first, then frames; mostly well-formed."""
     body = draw(
         st.lists(
-            st.one_of(messages.map(lambda m: message_frame(m, 1)), messages.map(
-                lambda m: message_frame(m, 1)), frames),
+            st.one_of(
+                messages.map(lambda m: message_frame(m, 1)),
+                messages.map(lambda m: message_frame(m, 1)),
+                frames,
+            ),
             min_size=5,
             max_size=60,
         )

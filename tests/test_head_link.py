@@ -140,9 +140,7 @@ class FakeNodeFactory(Factory):
         return FakeNode(self)
 
 
-def ev(
-    seq: int, payload: TokenEventPayload, *, s: int = 1, e: int = 1, g: int = 1
-) -> TokenEvent:
+def ev(seq: int, payload: TokenEventPayload, *, s: int = 1, e: int = 1, g: int = 1) -> TokenEvent:
     return TokenEvent(s, e, g, seq, payload)
 
 
@@ -352,9 +350,7 @@ class GenerateTests(LinkTestCase):
         self.flush()
         self.assertEqual(streamed, [[1], [2]])
         self.assertEqual(self.successResultOf(call.result).tokens, [1, 2])
-        self.assertEqual(
-            [a.watermark for a in node.of_type(WatermarkAckMsg)], [0, 1, 2]
-        )
+        self.assertEqual([a.watermark for a in node.of_type(WatermarkAckMsg)], [0, 1, 2])
 
     def test_a_declined_finish_is_seen(self) -> None:
         """FINISH_DECLINED at seq 0 ends the generation with no tokens."""

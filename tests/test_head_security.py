@@ -386,14 +386,10 @@ class DrainTests(HeadServiceTestCase):
         yield stopped
         self.assertFalse(head.service.running)
         with self.assertRaises(ConnectionRefusedError):
-            yield connectProtocol(
-                TCP4ClientEndpoint(reactor, "127.0.0.1", head.port), _RawClient()
-            )
+            yield connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", head.port), _RawClient())
         metrics = head.api.metrics.registry
         self.assertEqual(metrics.get_sample_value("sfhead_requests_total", {"outcome": "ok"}), 1.0)
-        self.assertIsNone(
-            metrics.get_sample_value("sfhead_requests_total", {"outcome": "drained"})
-        )
+        self.assertIsNone(metrics.get_sample_value("sfhead_requests_total", {"outcome": "drained"}))
 
     @defer.inlineCallbacks
     def test_the_drain_timeout_cancels_what_still_runs(self) -> Generator[Any, Any, None]:

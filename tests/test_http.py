@@ -75,9 +75,7 @@ class HttpTestCase(NodeTestCase):
             )
         agent = NodeAgent(reactor, engine, NodeConfig(identity=identity, model_name=model_name))
         agent.start()
-        port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(
-            agent.factory()
-        )
+        port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(agent.factory())
         self.addCleanup(agent.stop)
         self.addCleanup(port.stopListening)
         return RunningNode(agent, engine, port)
@@ -196,9 +194,7 @@ class CompletionTests(HttpTestCase):
         chunks = events[:-1]
         self.assertTrue(all(c["object"] == "chat.completion.chunk" for c in chunks))
         self.assertEqual(chunks[0]["choices"][0]["delta"], {"role": "assistant", "content": ""})
-        text = "".join(
-            c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]
-        )
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
         self.assertEqual(text, json.loads(plain)["choices"][0]["message"]["content"])
         finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
         self.assertEqual(finishes[-1], "length")
@@ -218,9 +214,7 @@ class CompletionTests(HttpTestCase):
         self.assertEqual(body["object"], "text_completion")
         prompt = [int(t) for t in tokenizer().encode("the quick brown fox")]
         self.assertEqual(body["choices"][0]["text"], self.text_of(expected_tokens(prompt, 10)))
-        _, streamed = yield self.call(
-            head, b"POST", "/v1/completions", {**request, "stream": True}
-        )
+        _, streamed = yield self.call(head, b"POST", "/v1/completions", {**request, "stream": True})
         events = sse_events(streamed)
         self.assertEqual(events[-1], "[DONE]")
         text = "".join(e["choices"][0]["text"] for e in events[:-1])
@@ -242,8 +236,13 @@ class CompletionTests(HttpTestCase):
                 head,
                 b"POST",
                 "/v1/chat/completions",
-                {"model": MODEL, "messages": MESSAGES, "max_tokens": 400, "stop": [stop],
-                 "stream": stream},
+                {
+                    "model": MODEL,
+                    "messages": MESSAGES,
+                    "max_tokens": 400,
+                    "stop": [stop],
+                    "stream": stream,
+                },
             )
             if stream:
                 chunks = sse_events(content)[:-1]
@@ -332,9 +331,18 @@ class ErrorTests(HttpTestCase):
             ({"model": MODEL, "messages": MESSAGES, "max_tokens": 0}, None, 400, None),
             ({"model": MODEL, "messages": MESSAGES, "stop": 3}, None, 400, None),
             (
-                {"model": MODEL, "messages": [{"role": "user", "content": [
-                    {"type": "image_url", "image_url": {"url": "data:,"}}]}]},
-                None, 400, None,
+                {
+                    "model": MODEL,
+                    "messages": [
+                        {
+                            "role": "user",
+                            "content": [{"type": "image_url", "image_url": {"url": "data:,"}}],
+                        }
+                    ],
+                },
+                None,
+                400,
+                None,
             ),
             ({"model": "nope", "messages": MESSAGES}, None, 404, "model_not_found"),
         ]
@@ -354,7 +362,9 @@ class ErrorTests(HttpTestCase):
         long_messages = [{"role": "user", "content": "the quick brown fox " * 10}]
         for stream in (False, True):
             code, content = yield self.call(
-                head, b"POST", "/v1/chat/completions",
+                head,
+                b"POST",
+                "/v1/chat/completions",
                 {"model": MODEL, "messages": long_messages, "stream": stream},
             )
             self.assertEqual(code, 400)
@@ -388,7 +398,9 @@ class ObservabilityTests(HttpTestCase):
         code, content = yield self.call(head, b"GET", "/v1/models")
         self.assertEqual([m["id"] for m in json.loads(content)["data"]], [MODEL])
         yield self.call(
-            head, b"POST", "/v1/chat/completions",
+            head,
+            b"POST",
+            "/v1/chat/completions",
             {"model": MODEL, "messages": MESSAGES, "max_tokens": 5},
         )
         yield self.call(head, b"POST", "/v1/chat/completions", {"model": "x", "messages": []})
@@ -477,12 +489,19 @@ class OpenAIClientTests(HttpTestCase):
 
         def plain() -> Any:
             return client.chat.completions.create(
-                model="tiny", messages=MESSAGES, max_tokens=10, temperature=0  # type: ignore[arg-type]
+                model="tiny",
+                messages=MESSAGES,
+                max_tokens=10,
+                temperature=0,  # type: ignore[arg-type]
             )
 
         def streamed() -> list[Any]:
             stream = client.chat.completions.create(
-                model="tiny", messages=MESSAGES, max_tokens=10, temperature=0, stream=True  # type: ignore[arg-type]
+                model="tiny",
+                messages=MESSAGES,
+                max_tokens=10,
+                temperature=0,
+                stream=True,  # type: ignore[arg-type]
             )
             return list(stream)
 

@@ -306,9 +306,7 @@ class GenerationMachineTests(SynchronousTestCase):
         machine.cancel()  # type: ignore[attr-defined]
         machine.tokens([3])  # type: ignore[attr-defined]
         machine.finished(GenerationResult((1, 2, 3), EngineStop.LENGTH))  # type: ignore[attr-defined]
-        self.assertEqual(
-            owner.log, [[1, 2], "stop_engine", ("finish", FINISH_CANCELLED), "done"]
-        )
+        self.assertEqual(owner.log, [[1, 2], "stop_engine", ("finish", FINISH_CANCELLED), "done"])
 
     def test_fenced_emit_stops_without_finish(self) -> None:
         """An emit refused by the session state stops the engine and sends no Finish."""

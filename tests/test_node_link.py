@@ -223,12 +223,8 @@ class SessionTests(NodeTestCase):
         head.send(GenerateReqMsg(6, 7, 5, 3, GenerationBudgetsMsg(3)))
         for generation in (1, 2, 3):
             yield head.wait_for(finish_of(7, generation))
-        self.assertEqual(
-            [e.payload for e in head.events(7, 1)], [Finish(FINISH_DECLINED)]
-        )
-        self.assertEqual(
-            [e.payload for e in head.events(7, 2)], [Finish(FINISH_DECLINED)]
-        )
+        self.assertEqual([e.payload for e in head.events(7, 1)], [Finish(FINISH_DECLINED)])
+        self.assertEqual([e.payload for e in head.events(7, 2)], [Finish(FINISH_DECLINED)])
         self.assertEqual(
             stream_of(head.events(7, 3)), (expected_tokens(PROMPT, 3), [FINISH_LENGTH])
         )
@@ -441,9 +437,7 @@ class ReconcileTests(NodeTestCase):
         self.assertTrue(ack.sessions[0].held)
         yield head.wait_for(finish_of(1, 100))
         after = head.received.index(ack)
-        finish_index = next(
-            i for i, m in enumerate(head.received) if finish_of(1, 100)(m)
-        )
+        finish_index = next(i for i, m in enumerate(head.received) if finish_of(1, 100)(m))
         self.assertLess(after, finish_index)
         seqs = sorted({e.event_seq for e in head.events(1, 100)})
         self.assertEqual(seqs, list(range(len(seqs))))
@@ -537,9 +531,7 @@ class HandshakeTests(NodeTestCase):
         self.assertEqual(ack.capacity.max_lanes, 4)
         self.assertGreater(ack.capacity.host_memory_bytes, 0)
         self.assertEqual(ack.capacity.kv_blocks_total, 32 * 4)
-        self.assertEqual(
-            (ack.limits.max_frame, ack.limits.transfer_window), (16 * 1024 * 1024, 8)
-        )
+        self.assertEqual((ack.limits.max_frame, ack.limits.transfer_window), (16 * 1024 * 1024, 8))
 
     @defer.inlineCallbacks
     def test_node_status_reports_capacity(self) -> Gen:

@@ -321,9 +321,7 @@ class PlaintextMismatchTests(NodeTestCase):
     def test_plaintext_node_refuses_a_keyed_head(self) -> Gen:
         """A keyed head (Noise) against a node without a token fails its handshake."""
         node = yield self.start_node()
-        yield self.assertFailure(
-            self.dial(node, token=TOKEN, handshake_timeout_s=2.0), Exception
-        )
+        yield self.assertFailure(self.dial(node, token=TOKEN, handshake_timeout_s=2.0), Exception)
         self.assertEqual(node.agent.connections, ())
 
 

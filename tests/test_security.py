@@ -95,9 +95,7 @@ class TokenFileTests(SynchronousTestCase):
     def test_default_path(self) -> None:
         """$SFNODE_HOME/token when set, else ~/.config/sfnode/token."""
         self.assertEqual(tokens.default_token_path({"SFNODE_HOME": "/x"}), Path("/x/token"))
-        self.assertEqual(
-            tokens.default_token_path({}), Path("~/.config/sfnode/token").expanduser()
-        )
+        self.assertEqual(tokens.default_token_path({}), Path("~/.config/sfnode/token").expanduser())
 
     def test_auth_file_reads_what_token_wrote(self) -> None:
         """--auth-file reads a created token file through the same trimmed reader."""
@@ -130,8 +128,7 @@ class AdmissionProcessTests(TestCase):
         home.mkdir(parents=True)
         probe = (
             "import atexit, sys; "
-            "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules)); "
-            + TWISTD
+            "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules)); " + TWISTD
         )
         started = time.monotonic()
         out, err, code = await run(

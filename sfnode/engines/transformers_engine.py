@@ -2,12 +2,14 @@
 
 One worker thread owns the model.  Up to ``max_lanes`` generations decode together, one forward pass
 per step over all decoding lanes (ENGINE.md section 3).  The decoding lanes share one padded KV
-cache (a transformers ``DynamicCache`` whose rows are left-padded to a common length, with a 2D
-attention mask and explicit position ids).  A new request is prefilled alone, in chunks of
-``prefill_chunk`` tokens between decode steps, and its cache is then merged into the batch; lanes
-that finish or are cancelled leave between steps, and the common left padding is trimmed away.
-KV memory is accounted in 16-token blocks; a request is admitted only when the blocks it may need
-(``ceil(min(context + max_new, window) / 16)``) fit in the pool, otherwise it waits in the queue.
+cache (a transformers ``DynamicCache`` whose layers grow in place, rows left-padded to a common
+length, with a 2D attention mask and explicit position ids).  A new request is prefilled alone, in
+chunks of ``prefill_chunk`` tokens between decode steps, and its cache is then merged into the
+batch; lanes that finish or are cancelled leave between steps, and the common left padding is
+trimmed away.  On a CPU the worker runs float32 linear layers on oneDNN rather than MKL
+(:mod:`sfnode.engines.kernels` has the measurements).  KV memory is accounted in 16-token blocks;
+a request is admitted only when the blocks it may need (``ceil(min(context + max_new, window) /
+16)``) fit in the pool, otherwise it waits in the queue.
 
 Stage forwards (LINKF 6.6 with decision D5) run on the same worker thread, between steps, for
 Llama-family models.
@@ -39,6 +41,7 @@ from twisted.internet import defer
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.logger import Logger
 
+from sfnode.engines.kernels import lane_cache, onednn_on_this_thread, use_onednn_linear
 from sfnode.generation import (
     KV_BLOCK_TOKENS,
     Engine,
@@ -237,6 +240,7 @@ class TransformersEngine:
         context_window: int | None = None,
         prefill_chunk: int = 128,
         eos_ids: Sequence[int] | None = None,
+        onednn: bool = True,
     ) -> None:
         if max_lanes < 1:
             raise ValueError("max_lanes must be at least 1")
@@ -258,6 +262,13 @@ class TransformersEngine:
         self._window = min(window, self._kv_blocks_total * KV_BLOCK_TOKENS)
         self._eos_ids = frozenset(eos_ids) if eos_ids is not None else eos_ids_of(model)
         self._n_layers = int(getattr(self._config, "num_hidden_layers", 0))
+        # The worker runs float32 CPU linear layers on oneDNN (sfnode.engines.kernels says why).
+        self._onednn_layers = use_onednn_linear(model) if onednn else 0
+        if self._onednn_layers:
+            log.info(
+                "the engine worker runs {layers} linear layers on oneDNN",
+                layers=self._onednn_layers,
+            )
 
         self._cond = threading.Condition()
         # Guarded by _cond:
@@ -302,6 +313,11 @@ class TransformersEngine:
     @property
     def n_layers(self) -> int:
         return self._n_layers
+
+    @property
+    def onednn_layers(self) -> int:
+        """How many of the model's linear layers the worker runs on oneDNN (0: stock PyTorch)."""
+        return self._onednn_layers
 
     @property
     def max_lanes(self) -> int:
@@ -421,6 +437,7 @@ class TransformersEngine:
     # -- the worker ------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        onednn_on_this_thread(self._onednn_layers > 0)
         try:
             with torch.inference_mode():
                 while self._iteration():
@@ -632,10 +649,8 @@ class TransformersEngine:
                     raise
 
     def _prefill_chunk_forward(self, lane: _Lane, end: int) -> torch.Tensor:
-        from transformers import DynamicCache
-
         if lane.cache is None:
-            lane.cache = DynamicCache(config=self._config)
+            lane.cache = lane_cache(self._config)
         start = lane.prefilled
         ids = torch.tensor([lane.job.context[start:end]], dtype=torch.long, device=self._device)
         positions = torch.arange(start, end, dtype=torch.long, device=self._device).unsqueeze(0)

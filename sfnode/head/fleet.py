@@ -391,9 +391,7 @@ class FleetGeneration:
                     )
                 remaining = self.max_new - len(self.tokens)
                 if remaining <= 0:
-                    return FleetOutcome(
-                        list(self.tokens), FINISH_LENGTH, node.name, self.failovers
-                    )
+                    return FleetOutcome(list(self.tokens), FINISH_LENGTH, node.name, self.failovers)
                 try:
                     link = yield fleet._bound_link(session)
                     call = link.generate(
@@ -502,9 +500,7 @@ class Fleet:
         self._keepalive.start(self._keepalive_interval_s, now=False).addErrback(
             self._loop_failed, "keepalive"
         )
-        self._retry.start(self._retry_interval_s, now=False).addErrback(
-            self._loop_failed, "retry"
-        )
+        self._retry.start(self._retry_interval_s, now=False).addErrback(self._loop_failed, "retry")
 
     def _loop_failed(self, failure: Failure, name: str) -> None:
         _log.failure("the fleet's {name} loop failed", failure, name=name)
@@ -802,9 +798,7 @@ class Fleet:
             else:
                 ahead = node.inflight
             decode = (capacity.decode_tokens_per_s if capacity is not None else 0) or mean_decode
-            prefill = (
-                capacity.prefill_tokens_per_s if capacity is not None else 0
-            ) or mean_prefill
+            prefill = (capacity.prefill_tokens_per_s if capacity is not None else 0) or mean_prefill
             return (
                 ahead * expected_out * 1000 / decode
                 + length * 1000 / prefill

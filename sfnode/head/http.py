@@ -332,9 +332,7 @@ def parse_request(
         ):
             prompt = list(raw)
         else:
-            raise ApiError(
-                400, "prompt must be a string or an array of token ids", param="prompt"
-            )
+            raise ApiError(400, "prompt must be a string or an array of token ids", param="prompt")
     n = _integer(body, "n", 1, 1)
     del n
     max_tokens = _integer(body, "max_completion_tokens", 1, 1 << 31)
@@ -769,7 +767,10 @@ def _fleet_error(failure: Failure) -> ApiError:
         return ApiError(502, str(error), kind="server_error", outcome="error")
     if isinstance(error, (FleetError, LinkError)):
         return ApiError(
-            503, str(error), kind="service_unavailable", code="no_node_available",
+            503,
+            str(error),
+            kind="service_unavailable",
+            code="no_node_available",
             outcome="unavailable",
         )
     _log.failure("a completion failed unexpectedly", failure)

@@ -150,7 +150,9 @@ class PipelineFleet:
             self.stages.append(node)
         for node, (start, end) in zip(self.stages, self.ranges, strict=True):
             _log.info(
-                "pipeline stage {node}: layers [{start}, {end})", node=node.name, start=start,
+                "pipeline stage {node}: layers [{start}, {end})",
+                node=node.name,
+                start=start,
                 end=end,
             )
 

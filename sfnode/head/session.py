@@ -355,9 +355,7 @@ class HeadSession:
                     lease_state=LeaseStateMsg(record.lease, 0),
                     command_watermark=record.command_watermark,
                     generation_watermarks=tuple(
-                        GenerationWatermark(
-                            g, self._dedup.watermark((session_id, record.epoch, g))
-                        )
+                        GenerationWatermark(g, self._dedup.watermark((session_id, record.epoch, g)))
                         for g in generations
                     ),
                 )

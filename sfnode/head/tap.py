@@ -340,9 +340,9 @@ class ListeningService(service.Service):
 
     def _bound(self, port: IListeningPort) -> IListeningPort:
         self.port = port
-        log.info("sfhead {what} on {address}", what=self.what, address=describe_address(
-            port.getHost()
-        ))
+        log.info(
+            "sfhead {what} on {address}", what=self.what, address=describe_address(port.getHost())
+        )
         return port
 
     def stopService(self) -> defer.Deferred[None]:
@@ -515,18 +515,14 @@ def makeService(options: Options, reactor: Any = None) -> service.MultiService:
     _add_child(
         head,
         "fleet",
-        FleetService(
-            fleet, options["nodes"], pipeline, drained=lambda: api.drain(drain_timeout_s)
-        ),
+        FleetService(fleet, options["nodes"], pipeline, drained=lambda: api.drain(drain_timeout_s)),
     )
     _add_child(
         head,
         "fleet-listen",
         ListeningService(
             server_from_string(reactor, options["fleet-listen"]),
-            fleet.listen_factory(
-                loopback_only=not token and not options["insecure-no-auth"]
-            ),
+            fleet.listen_factory(loopback_only=not token and not options["insecure-no-auth"]),
             "accepting nodes",
             options["fleet-listen"],
         ),
