@@ -333,6 +333,23 @@ class GreedyTests(EngineTestCase):
                 )
 
     @defer.inlineCallbacks
+    def test_model_forward_gives_the_lean_step_tokens(self) -> Any:
+        """An engine that decodes through the model's own forward (fast_step=False) gives the
+        same tokens, concurrent lanes included, as the default lean Llama step."""
+        self.assertTrue(self.engine.lean_step)
+        plain = self.make_engine(max_lanes=4, fast_step=False)
+        self.assertFalse(plain.lean_step)
+        ps = prompts(5, seed=9, low=3, high=90)
+        params = [GenParams() if i % 2 == 0 else SAMPLED for i in range(5)]
+        results = []
+        for engine in (self.engine, plain):
+            runs = [
+                self.run_one(p, 24, gp, engine=engine) for p, gp in zip(ps, params, strict=True)
+            ]
+            results.append((yield defer.gatherResults([d for d, _ in runs])))
+        self.assertEqual(results[0], results[1])
+
+    @defer.inlineCallbacks
     def test_chunked_prefill_keeps_lanes_streaming(self) -> Any:
         """A long prompt is prefilled in chunks between decode steps: a running lane keeps
         getting tokens meanwhile, and both results still equal generate()."""

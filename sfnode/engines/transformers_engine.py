@@ -7,7 +7,9 @@ length, with a 2D attention mask and explicit position ids).  A new request is p
 chunks of ``prefill_chunk`` tokens between decode steps, and its cache is then merged into the
 batch; lanes that finish or are cancelled leave between steps, and the common left padding is
 trimmed away.  On a CPU the worker runs float32 linear layers on oneDNN rather than MKL
-(:mod:`sfnode.engines.kernels` has the measurements).  KV memory is accounted in 16-token blocks;
+(:mod:`sfnode.engines.kernels` has the measurements), and plain Llama models decode through
+:class:`sfnode.engines.llama_step.LlamaStep`, the same arithmetic without transformers' module
+machinery.  KV memory is accounted in 16-token blocks;
 a request is admitted only when the blocks it may need (``ceil(min(context + max_new, window) /
 16)``) fit in the pool, otherwise it waits in the queue.
 
@@ -42,6 +44,7 @@ from twisted.internet.interfaces import IReactorFromThreads
 from twisted.logger import Logger
 
 from sfnode.engines.kernels import lane_cache, onednn_on_this_thread, use_onednn_linear
+from sfnode.engines.llama_step import LlamaStep
 from sfnode.generation import (
     KV_BLOCK_TOKENS,
     Engine,
@@ -241,6 +244,7 @@ class TransformersEngine:
         prefill_chunk: int = 128,
         eos_ids: Sequence[int] | None = None,
         onednn: bool = True,
+        fast_step: bool = True,
     ) -> None:
         if max_lanes < 1:
             raise ValueError("max_lanes must be at least 1")
@@ -264,6 +268,8 @@ class TransformersEngine:
         self._n_layers = int(getattr(self._config, "num_hidden_layers", 0))
         # The worker runs float32 CPU linear layers on oneDNN (sfnode.engines.kernels says why).
         self._onednn_layers = use_onednn_linear(model) if onednn else 0
+        # Plain Llama models decode through a lean step (sfnode.engines.llama_step says why).
+        self._llama_step = LlamaStep.for_model(model) if fast_step else None
         if self._onednn_layers:
             log.info(
                 "the engine worker runs {layers} linear layers on oneDNN",
@@ -318,6 +324,11 @@ class TransformersEngine:
     def onednn_layers(self) -> int:
         """How many of the model's linear layers the worker runs on oneDNN (0: stock PyTorch)."""
         return self._onednn_layers
+
+    @property
+    def lean_step(self) -> bool:
+        """Whether decode steps run through :class:`LlamaStep` rather than the model's forward."""
+        return self._llama_step is not None
 
     @property
     def max_lanes(self) -> int:
@@ -712,21 +723,16 @@ class TransformersEngine:
     def _decode_step(self) -> None:
         """One forward pass over every decoding lane, then one token for each."""
         lanes = self._batch
-        length = self._cache.get_seq_length()
-        ids = torch.tensor([[lane.next_input] for lane in lanes], dtype=torch.long)
-        positions = torch.tensor([[lane.tokens - 1] for lane in lanes], dtype=torch.long)
-        pad = torch.tensor(self._pad, dtype=torch.long)
-        mask = (torch.arange(length + 1).unsqueeze(0) >= pad.unsqueeze(1)).to(torch.long)
+        device = self._device
+        ids = torch.tensor([[lane.next_input] for lane in lanes], dtype=torch.long, device=device)
+        positions = torch.tensor([[lane.tokens - 1] for lane in lanes], device=device)
+        pad = torch.tensor(self._pad, dtype=torch.long, device=device)
         try:
-            out = self._model(
-                input_ids=ids.to(self._device),
-                attention_mask=mask.to(self._device),
-                position_ids=positions.to(self._device),
-                cache=self._cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            logits = out.logits[:, -1, :].to(torch.float32)
+            if self._llama_step is not None:
+                logits = self._llama_step.logits(ids, positions, pad, self._cache)
+            else:
+                logits = self._model_step(ids, positions, pad)
+            logits = logits.to(torch.float32)
             tokens = self._sample(logits, lanes)
         except Exception as e:
             for lane in lanes:
@@ -741,6 +747,23 @@ class TransformersEngine:
                 self._finish_job(lane.job, stop)
         if leaving:
             self._leave(leaving)
+
+    def _model_step(
+        self, ids: torch.Tensor, positions: torch.Tensor, pad: torch.Tensor
+    ) -> torch.Tensor:
+        """One decode step through the model's own forward (any causal LM)."""
+        length = self._cache.get_seq_length() + 1
+        columns = torch.arange(length, device=self._device).unsqueeze(0)
+        out = self._model(
+            input_ids=ids,
+            attention_mask=(columns >= pad.unsqueeze(1)).to(torch.long),
+            position_ids=positions,
+            cache=self._cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits: torch.Tensor = out.logits[:, -1, :]
+        return logits
 
     # -- stage forward (worker) --------------------------------------------------------------
 
