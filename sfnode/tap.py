@@ -172,6 +172,13 @@ class Options(usage.Options):
             "Allow a non-loopback --listen or --head without a fleet token (plaintext link, "
             "any head accepted).",
         ],
+        [
+            "stock-kernels",
+            None,
+            "transformers: run stock PyTorch kernels and the model's own forward (slower; the "
+            "default routes float32 CPU linear layers to oneDNN and decodes Llama models through "
+            "a lean step).",
+        ],
     ]
 
     optParameters: ClassVar[list[list[Any]]] = [
@@ -303,6 +310,8 @@ class Options(usage.Options):
             raise usage.UsageError(f"--engine must be one of {', '.join(ENGINES)}, not {engine!r}")
         wrong = _TRANSFORMERS_ONLY if engine == "mock" else _MOCK_ONLY
         given = [f"--{name}" for name in wrong if self[name] is not None]
+        if engine == "mock" and self["stock-kernels"]:
+            given.append("--stock-kernels")
         if given:
             raise usage.UsageError(f"{', '.join(given)} cannot be used with --engine {engine}")
 
@@ -417,6 +426,8 @@ def build_engine(reactor: Any, options: Options) -> Engine:
             max_lanes=options["max-lanes"],
             kv_blocks=options["kv-blocks"] or None,
             context_window=options["max-context"] or None,
+            onednn=not options["stock-kernels"],
+            fast_step=not options["stock-kernels"],
         )
     except ValueError as e:
         raise NodeStartupError(f"sfnode: cannot start the transformers engine: {e}") from e

@@ -335,8 +335,17 @@ class GreedyTests(EngineTestCase):
     @defer.inlineCallbacks
     def test_model_forward_gives_the_lean_step_tokens(self) -> Any:
         """An engine that decodes through the model's own forward (fast_step=False) gives the
-        same tokens, concurrent lanes included, as the default lean Llama step."""
+        same tokens, concurrent lanes included, as the default lean Llama step, which prefills
+        joining lanes in the same pass as the running lanes' decode steps."""
         self.assertTrue(self.engine.lean_step)
+        mixed = []
+        original = self.engine._mixed_step
+
+        def counted() -> None:
+            mixed.append(True)
+            original()
+
+        self.engine._mixed_step = counted  # type: ignore[method-assign]
         plain = self.make_engine(max_lanes=4, fast_step=False)
         self.assertFalse(plain.lean_step)
         ps = prompts(5, seed=9, low=3, high=90)
@@ -348,6 +357,8 @@ class GreedyTests(EngineTestCase):
             ]
             results.append((yield defer.gatherResults([d for d, _ in runs])))
         self.assertEqual(results[0], results[1])
+        # Prompts were prefilled in the same pass as other lanes' decode steps.
+        self.assertGreater(len(mixed), 0)
 
     @defer.inlineCallbacks
     def test_chunked_prefill_keeps_lanes_streaming(self) -> Any:

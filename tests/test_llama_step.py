@@ -1,7 +1,8 @@
 """Tests of sfnode.engines.llama_step: the lean decode step equals the model's own forward.
 
 Tiny random Llamas built from a config (nothing is downloaded), left-padded batches as the engine
-keeps them, compared bit for bit with ``model(...)`` over several steps.
+keeps them, compared bit for bit with ``model(...)`` over several steps; a decode step fused with
+a prompt chunk is compared with the two separate forwards.
 """
 
 from __future__ import annotations
@@ -87,6 +88,48 @@ class LlamaStepTests(unittest.SynchronousTestCase):
         config._attn_implementation = "sdpa"
         torch.manual_seed(3)
         self.assert_steps_equal(LlamaForCausalLM(config).eval(), [4, 11])
+
+    def test_chunk_rides_along_with_the_decode_step(self) -> None:
+        """A decode step fused with another lane's prompt chunk (first chunk and a later one)
+        gives the logits of the two separate forwards, to float32 rounding, and leaves both
+        caches as the separate forwards would."""
+        model = tiny_llama()
+        step = LlamaStep.for_model(model)
+        assert step is not None
+        generator = torch.Generator().manual_seed(11)
+        prompt = torch.randint(3, int(model.config.vocab_size), (1, 40), generator=generator)
+        with torch.inference_mode():
+            theirs, ours, pad = prefilled(model, [6, 19, 13], seed=4)
+            lane_theirs, lane_ours = lane_cache(model.config), lane_cache(model.config)
+            tokens = torch.full((3, 1), 9)
+            for i, (start, end) in enumerate([(0, 25), (25, 40)]):
+                positions = (19 - pad + i).view(-1, 1)
+                length = theirs.get_seq_length() + 1
+                mask = (torch.arange(length).unsqueeze(0) >= pad.unsqueeze(1)).to(torch.long)
+                want = model(
+                    input_ids=tokens,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    cache=theirs,
+                    logits_to_keep=1,
+                ).logits[:, -1, :]
+                want_chunk = model(
+                    input_ids=prompt[:, start:end],
+                    position_ids=torch.arange(start, end).unsqueeze(0),
+                    cache=lane_theirs,
+                    logits_to_keep=1,
+                ).logits[:, -1, :]
+                got, got_chunk = step.logits_with_chunk(
+                    tokens, positions, pad, ours, prompt[:, start:end], lane_ours
+                )
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(got_chunk, want_chunk, rtol=1e-5, atol=1e-5)
+                tokens = want.argmax(-1, keepdim=True)
+        for mine, reference in ((ours, theirs), (lane_ours, lane_theirs)):
+            self.assertEqual(mine.get_seq_length(), reference.get_seq_length())
+            for a, b in zip(mine.layers, reference.layers, strict=True):
+                torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
 
     def test_declines_what_it_does_not_reproduce(self) -> None:
         """Eager attention, half precision and other architectures get no lean step."""

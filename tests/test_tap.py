@@ -211,6 +211,9 @@ class OptionsTests(SynchronousTestCase):
             "--threads",
             "mock",
         )
+        self.assert_usage_error(
+            ["--listen", LOOPBACK, "--engine", "mock", "--stock-kernels"], "--stock-kernels", "mock"
+        )
 
     def test_missing_model(self) -> None:
         """A --model path that does not exist is named before anything is loaded."""
@@ -388,6 +391,23 @@ class EmbeddingTests(TestCase):
         self.assertEqual(answer.capacity.max_context_tokens, 128)
         self.assertEqual(answer.capacity.kv_blocks_total, 40)
         self.assertEqual(answer.capacity.max_lanes, 2)
+
+    def test_stock_kernels_option(self) -> None:
+        """--stock-kernels builds an engine on stock kernels and the model's own forward; by
+        default the engine routes linear layers to oneDNN (when this torch has it) and decodes
+        the Llama through the lean step."""
+        from sfnode.engines.kernels import onednn_linear_works
+        from sfnode.engines.transformers_engine import TransformersEngine
+        from tests.tinymodel import save_tiny_model
+
+        folder = save_tiny_model(Path(self.mktemp()).resolve() / "tiny-llama")
+        base = f"--listen {LOOPBACK} --model {folder} --device cpu".split()
+        stock = tap.build_engine(reactor, parse(*base, "--stock-kernels"))
+        default = tap.build_engine(reactor, parse(*base))
+        assert isinstance(stock, TransformersEngine) and isinstance(default, TransformersEngine)
+        self.assertEqual((stock.onednn_layers, stock.lean_step), (0, False))
+        self.assertTrue(default.lean_step)
+        self.assertEqual(default.onednn_layers > 0, onednn_linear_works())
 
     async def test_head_mode_dials_and_answers(self) -> None:
         """With --head the node dials the head, which then says HELLO first and is answered."""

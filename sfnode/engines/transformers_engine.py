@@ -3,15 +3,19 @@
 One worker thread owns the model.  Up to ``max_lanes`` generations decode together, one forward pass
 per step over all decoding lanes (ENGINE.md section 3).  The decoding lanes share one padded KV
 cache (a transformers ``DynamicCache`` whose layers grow in place, rows left-padded to a common
-length, with a 2D attention mask and explicit position ids).  A new request is prefilled alone, in
-chunks of ``prefill_chunk`` tokens between decode steps, and its cache is then merged into the
+length, with a 2D attention mask and explicit position ids).  A new request is prefilled into its
+own cache in chunks of ``prefill_chunk`` tokens, one chunk per step, and is then merged into the
 batch; lanes that finish or are cancelled leave between steps, and the common left padding is
-trimmed away.  On a CPU the worker runs float32 linear layers on oneDNN rather than MKL
-(:mod:`sfnode.engines.kernels` has the measurements), and plain Llama models decode through
-:class:`sfnode.engines.llama_step.LlamaStep`, the same arithmetic without transformers' module
-machinery.  KV memory is accounted in 16-token blocks;
-a request is admitted only when the blocks it may need (``ceil(min(context + max_new, window) /
-16)``) fit in the pool, otherwise it waits in the queue.
+trimmed away.  KV memory is accounted in 16-token blocks; a request is admitted only when the
+blocks it may need (``ceil(min(context + max_new, window) / 16)``) fit in the pool, otherwise it
+waits in the queue.
+
+Three things make a step cheaper on a CPU without changing what it computes: the worker runs
+float32 linear layers on oneDNN rather than MKL (:mod:`sfnode.engines.kernels`); plain Llama
+models decode through :class:`sfnode.engines.llama_step.LlamaStep`, the model's arithmetic
+without transformers' per-layer machinery; and with that step a prompt chunk rides along with the
+running lanes' decode step, so the weights (most of a step's cost) are read once for both.  Any
+other model runs through its own forward, prefill and decode separately.
 
 Stage forwards (LINKF 6.6 with decision D5) run on the same worker thread, between steps, for
 Llama-family models.
@@ -266,6 +270,7 @@ class TransformersEngine:
         self._window = min(window, self._kv_blocks_total * KV_BLOCK_TOKENS)
         self._eos_ids = frozenset(eos_ids) if eos_ids is not None else eos_ids_of(model)
         self._n_layers = int(getattr(self._config, "num_hidden_layers", 0))
+        self._vocab_size = int(getattr(self._config, "vocab_size", 0))
         # The worker runs float32 CPU linear layers on oneDNN (sfnode.engines.kernels says why).
         self._onednn_layers = use_onednn_linear(model) if onednn else 0
         # Plain Llama models decode through a lean step (sfnode.engines.llama_step says why).
@@ -504,11 +509,14 @@ class TransformersEngine:
             self._reap()
             if self._admit():
                 self._publish()
-            if self._prefilling:
-                self._prefill_some()
-                self._flush_tokens()
-            if self._batch:
-                self._decode_step()
+            if self._prefilling and self._batch and self._mixable(self._prefilling[0]):
+                self._mixed_step()
+            else:
+                if self._prefilling:
+                    self._prefill_some()
+                    self._flush_tokens()
+                if self._batch:
+                    self._decode_step()
         except Exception as e:
             # A fault outside any one generation's forward (merging caches, say): the lanes that
             # were running fail, the queue and the engine carry on.
@@ -638,26 +646,35 @@ class TransformersEngine:
                     lane.prefilled = end
                 if lane.prefilled < len(context):
                     break
-                token = self._sample(logits, [lane])[0]
             except Exception as e:
                 self._prefilling.remove(lane)
                 self._release(lane)
                 self._fail_lane(lane, e)
                 continue
-            self._prefilling.remove(lane)
-            stop = self._deliver(lane, token)
-            if stop is not None:
-                self._release(lane)
-                self._finish_job(lane.job, stop)
-            else:
-                try:
-                    self._join(lane)
-                except Exception as e:
-                    # The batch cache may be half merged: this lane fails here, the iteration's
-                    # handler fails the batch.
-                    self._release(lane)
-                    self._fail_lane(lane, e)
-                    raise
+            self._prefill_done(lane, logits)
+
+    def _prefill_done(self, lane: _Lane, logits: torch.Tensor) -> None:
+        """A lane's prompt is in its cache: its first token, then it joins the batch (or ends)."""
+        self._prefilling.remove(lane)
+        try:
+            token = self._sample(logits, [lane])[0]
+        except Exception as e:
+            self._release(lane)
+            self._fail_lane(lane, e)
+            return
+        stop = self._deliver(lane, token)
+        if stop is not None:
+            self._release(lane)
+            self._finish_job(lane.job, stop)
+            return
+        try:
+            self._join(lane)
+        except Exception as e:
+            # The batch cache may be half merged: this lane fails here, the iteration's handler
+            # fails the batch.
+            self._release(lane)
+            self._fail_lane(lane, e)
+            raise
 
     def _prefill_chunk_forward(self, lane: _Lane, end: int) -> torch.Tensor:
         if lane.cache is None:
@@ -720,24 +737,72 @@ class TransformersEngine:
         self._batch = [self._batch[i] for i in keep]
         self._pad = [self._pad[i] - trim for i in keep]
 
-    def _decode_step(self) -> None:
-        """One forward pass over every decoding lane, then one token for each."""
-        lanes = self._batch
-        device = self._device
+    def _decode_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each decoding lane's next input token and position, and the batch's left padding."""
+        lanes, device = self._batch, self._device
         ids = torch.tensor([[lane.next_input] for lane in lanes], dtype=torch.long, device=device)
         positions = torch.tensor([[lane.tokens - 1] for lane in lanes], device=device)
         pad = torch.tensor(self._pad, dtype=torch.long, device=device)
+        return ids, positions, pad
+
+    def _decode_step(self) -> None:
+        """One forward pass over every decoding lane, then one token for each."""
+        ids, positions, pad = self._decode_inputs()
         try:
             if self._llama_step is not None:
                 logits = self._llama_step.logits(ids, positions, pad, self._cache)
             else:
                 logits = self._model_step(ids, positions, pad)
-            logits = logits.to(torch.float32)
-            tokens = self._sample(logits, lanes)
         except Exception as e:
-            for lane in lanes:
-                self._fail_lane(lane, e)
-            self._leave(list(lanes))
+            self._fail_batch(e)
+            return
+        self._advance_batch(logits)
+
+    def _mixable(self, lane: _Lane) -> bool:
+        """Whether the lane's next prompt chunk can ride along with the decode step.
+
+        Only with the lean Llama step, and only for ids inside the vocabulary: a chunk that
+        cannot run must fail its own generation, not the lanes it would have shared a pass with.
+        """
+        if self._llama_step is None:
+            return False
+        chunk = lane.job.context[lane.prefilled : lane.prefilled + self._prefill_chunk]
+        return 0 <= min(chunk) and max(chunk) < self._vocab_size
+
+    def _mixed_step(self) -> None:
+        """One decode step and the first prefilling lane's next chunk, in one forward pass."""
+        assert self._llama_step is not None
+        lane = self._prefilling[0]
+        context = lane.job.context
+        end = min(len(context), lane.prefilled + self._prefill_chunk)
+        if lane.cache is None:
+            lane.cache = lane_cache(self._config)
+        chunk = torch.tensor([context[lane.prefilled : end]], dtype=torch.long, device=self._device)
+        ids, positions, pad = self._decode_inputs()
+        try:
+            logits, chunk_logits = self._llama_step.logits_with_chunk(
+                ids, positions, pad, self._cache, chunk, lane.cache
+            )
+        except Exception as e:
+            # Both caches may be half written: the prefilling lane fails with the batch.
+            self._prefilling.remove(lane)
+            self._release(lane)
+            self._fail_lane(lane, e)
+            self._fail_batch(e)
+            return
+        self._prefilled += end - lane.prefilled
+        lane.prefilled = end
+        self._advance_batch(logits)
+        if lane.prefilled == len(context):
+            self._prefill_done(lane, chunk_logits)
+
+    def _advance_batch(self, logits: torch.Tensor) -> None:
+        """Sample and hand over one token per decoding lane; lanes that stop leave the batch."""
+        lanes = self._batch
+        try:
+            tokens = self._sample(logits.to(torch.float32), lanes)
+        except Exception as e:
+            self._fail_batch(e)
             return
         leaving = []
         for lane, token in zip(lanes, tokens, strict=True):
@@ -747,6 +812,13 @@ class TransformersEngine:
                 self._finish_job(lane.job, stop)
         if leaving:
             self._leave(leaving)
+
+    def _fail_batch(self, error: BaseException) -> None:
+        """Fail every decoding lane (called inside an ``except`` block) and empty the batch."""
+        lanes = list(self._batch)
+        for lane in lanes:
+            self._fail_lane(lane, error)
+        self._leave(lanes)
 
     def _model_step(
         self, ids: torch.Tensor, positions: torch.Tensor, pad: torch.Tensor
