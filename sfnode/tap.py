@@ -175,9 +175,9 @@ class Options(usage.Options):
         [
             "stock-kernels",
             None,
-            "transformers: run stock PyTorch kernels and the model's own forward (slower; the "
-            "default routes float32 CPU linear layers to oneDNN and decodes Llama models through "
-            "a lean step).",
+            "transformers: run stock PyTorch kernels and the model's own forward (slower; by "
+            "default float32 CPU linear layers run on oneDNN, and Llama models decode through a "
+            "lean step that also carries prompt chunks of joining lanes).",
         ],
     ]
 
