@@ -427,7 +427,7 @@ def build_engine(reactor: Any, options: Options) -> Engine:
             kv_blocks=options["kv-blocks"] or None,
             context_window=options["max-context"] or None,
             onednn=not options["stock-kernels"],
-            fast_step=not options["stock-kernels"],
+            lean_step=not options["stock-kernels"],
         )
     except ValueError as e:
         raise NodeStartupError(f"sfnode: cannot start the transformers engine: {e}") from e

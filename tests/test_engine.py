@@ -334,7 +334,7 @@ class GreedyTests(EngineTestCase):
 
     @defer.inlineCallbacks
     def test_model_forward_gives_the_lean_step_tokens(self) -> Any:
-        """An engine that decodes through the model's own forward (fast_step=False) gives the
+        """An engine that decodes through the model's own forward (lean_step=False) gives the
         same tokens, concurrent lanes included, as the default lean Llama step, which prefills
         joining lanes in the same pass as the running lanes' decode steps."""
         self.assertTrue(self.engine.lean_step)
@@ -346,7 +346,7 @@ class GreedyTests(EngineTestCase):
             original()
 
         self.engine._mixed_step = counted  # type: ignore[method-assign]
-        plain = self.make_engine(max_lanes=4, fast_step=False)
+        plain = self.make_engine(max_lanes=4, lean_step=False)
         self.assertFalse(plain.lean_step)
         ps = prompts(5, seed=9, low=3, high=90)
         params = [GenParams() if i % 2 == 0 else SAMPLED for i in range(5)]

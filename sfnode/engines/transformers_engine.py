@@ -248,8 +248,12 @@ class TransformersEngine:
         prefill_chunk: int = 128,
         eos_ids: Sequence[int] | None = None,
         onednn: bool = True,
-        fast_step: bool = True,
+        lean_step: bool = True,
     ) -> None:
+        """``onednn`` routes the model's float32 CPU linear layers to oneDNN on the worker
+        thread; ``lean_step`` decodes plain Llama models through :class:`LlamaStep` (and fuses
+        prompt chunks into decode steps).  Both are on by default; with both off the engine runs
+        stock transformers, which is slower and computes the same tokens."""
         if max_lanes < 1:
             raise ValueError("max_lanes must be at least 1")
         self._model = model
@@ -274,7 +278,7 @@ class TransformersEngine:
         # The worker runs float32 CPU linear layers on oneDNN (sfnode.engines.kernels says why).
         self._onednn_layers = use_onednn_linear(model) if onednn else 0
         # Plain Llama models decode through a lean step (sfnode.engines.llama_step says why).
-        self._llama_step = LlamaStep.for_model(model) if fast_step else None
+        self._llama_step = LlamaStep.for_model(model) if lean_step else None
         if self._onednn_layers:
             log.info(
                 "the engine worker runs {layers} linear layers on oneDNN",
