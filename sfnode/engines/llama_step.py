@@ -172,7 +172,10 @@ class LlamaStep:
             ends.append(
                 slice(offset - part.rows, offset) if part.width == 1 else slice(offset - 1, offset)
             )
-        last = hidden if len(parts) == 1 else torch.cat([hidden[rows] for rows in ends])
+        if len(parts) == 1 and parts[0].width == 1:
+            last = hidden  # a decode step alone: every row, as the model itself computes it
+        else:
+            last = torch.cat([hidden[rows] for rows in ends])
         logits = self._model.lm_head.forward(_rms_norm(last, self._inner.norm))
         out = []
         offset = 0
