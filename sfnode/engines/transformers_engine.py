@@ -216,6 +216,8 @@ class _Lane:
 
     job: _Job
     cache: Any = None
+    # Whether its prompt chunks may share a pass with decode steps (see _admit).
+    mixable: bool = False
     prefilled: int = 0
     generated: list[int] = field(default_factory=list)
     next_input: int = 0
@@ -513,7 +515,7 @@ class TransformersEngine:
             self._reap()
             if self._admit():
                 self._publish()
-            if self._prefilling and self._batch and self._mixable(self._prefilling[0]):
+            if self._prefilling and self._batch and self._prefilling[0].mixable:
                 self._mixed_step()
             else:
                 if self._prefilling:
@@ -606,7 +608,9 @@ class TransformersEngine:
                 break
             self._waiting.popleft()
             self._reserved_blocks += job.reserve_blocks
-            self._prefilling.append(_Lane(job=job))
+            self._prefilling.append(
+                _Lane(job=job, cache=lane_cache(self._config), mixable=self._mixable(job))
+            )
             admitted = True
         return admitted
 
@@ -681,8 +685,6 @@ class TransformersEngine:
             raise
 
     def _prefill_chunk_forward(self, lane: _Lane, end: int) -> torch.Tensor:
-        if lane.cache is None:
-            lane.cache = lane_cache(self._config)
         start = lane.prefilled
         ids = torch.tensor([lane.job.context[start:end]], dtype=torch.long, device=self._device)
         positions = torch.arange(start, end, dtype=torch.long, device=self._device).unsqueeze(0)
@@ -762,16 +764,16 @@ class TransformersEngine:
             return
         self._advance_batch(logits)
 
-    def _mixable(self, lane: _Lane) -> bool:
-        """Whether the lane's next prompt chunk can ride along with the decode step.
+    def _mixable(self, job: _Job) -> bool:
+        """Whether the job's prompt chunks can ride along with decode steps.
 
-        Only with the lean Llama step, and only for ids inside the vocabulary: a chunk that
+        Only with the lean Llama step, and only for ids inside the vocabulary: a prompt that
         cannot run must fail its own generation, not the lanes it would have shared a pass with.
         """
-        if self._llama_step is None:
-            return False
-        chunk = lane.job.context[lane.prefilled : lane.prefilled + self._prefill_chunk]
-        return 0 <= min(chunk) and max(chunk) < self._vocab_size
+        context = job.context
+        return (
+            self._llama_step is not None and 0 <= min(context) and max(context) < self._vocab_size
+        )
 
     def _mixed_step(self) -> None:
         """One decode step and the first prefilling lane's next chunk, in one forward pass."""
@@ -779,8 +781,6 @@ class TransformersEngine:
         lane = self._prefilling[0]
         context = lane.job.context
         end = min(len(context), lane.prefilled + self._prefill_chunk)
-        if lane.cache is None:
-            lane.cache = lane_cache(self._config)
         chunk = torch.tensor([context[lane.prefilled : end]], dtype=torch.long, device=self._device)
         ids, positions, pad = self._decode_inputs()
         try:
