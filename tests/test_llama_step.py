@@ -37,6 +37,22 @@ def prefilled(model: Any, lengths: list[int], seed: int) -> tuple[Any, Any, torc
     return caches[0], caches[1], pad
 
 
+def model_decode(
+    model: Any, tokens: torch.Tensor, positions: torch.Tensor, pad: torch.Tensor, cache: Any
+) -> torch.Tensor:
+    """One decode step through ``model(...)`` itself, with the padding mask the engine gives."""
+    length = cache.get_seq_length() + 1
+    mask = (torch.arange(length).unsqueeze(0) >= pad.unsqueeze(1)).to(torch.long)
+    logits: torch.Tensor = model(
+        input_ids=tokens,
+        attention_mask=mask,
+        position_ids=positions,
+        cache=cache,
+        logits_to_keep=1,
+    ).logits[:, -1, :]
+    return logits
+
+
 class LlamaStepTests(unittest.SynchronousTestCase):
     """LlamaStep's logits are exactly the model's, and it declines models it does not copy."""
 
@@ -48,15 +64,7 @@ class LlamaStepTests(unittest.SynchronousTestCase):
             tokens = torch.full((len(lengths), 1), 7)
             for i in range(steps):
                 positions = (max(lengths) - pad + i).view(-1, 1)
-                length = theirs.get_seq_length() + 1
-                mask = (torch.arange(length).unsqueeze(0) >= pad.unsqueeze(1)).to(torch.long)
-                want = model(
-                    input_ids=tokens,
-                    attention_mask=mask,
-                    position_ids=positions,
-                    cache=theirs,
-                    logits_to_keep=1,
-                ).logits[:, -1, :]
+                want = model_decode(model, tokens, positions, pad, theirs)
                 got = step.logits(tokens, positions, pad, ours)
                 self.assertTrue(torch.equal(got, want), f"step {i}: logits differ")
                 tokens = want.argmax(-1, keepdim=True)
@@ -104,15 +112,7 @@ class LlamaStepTests(unittest.SynchronousTestCase):
             tokens = torch.full((3, 1), 9)
             for i, (start, end) in enumerate([(0, 25), (25, 40)]):
                 positions = (19 - pad + i).view(-1, 1)
-                length = theirs.get_seq_length() + 1
-                mask = (torch.arange(length).unsqueeze(0) >= pad.unsqueeze(1)).to(torch.long)
-                want = model(
-                    input_ids=tokens,
-                    attention_mask=mask,
-                    position_ids=positions,
-                    cache=theirs,
-                    logits_to_keep=1,
-                ).logits[:, -1, :]
+                want = model_decode(model, tokens, positions, pad, theirs)
                 want_chunk = model(
                     input_ids=prompt[:, start:end],
                     position_ids=torch.arange(start, end).unsqueeze(0),
