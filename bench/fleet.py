@@ -23,7 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 from twisted.internet import defer, task
@@ -55,13 +55,15 @@ class Run:
 
 
 @defer.inlineCallbacks
-def run_engine(
-    reactor: Any, engine: Any, prompts: Sequence[list[int]], max_tokens: int, concurrency: int
+def run_streams(
+    label: str,
+    start: Callable[[list[int], Callable[[Sequence[int]], None]], defer.Deferred[Any]],
+    prompts: Sequence[list[int]],
+    concurrency: int,
 ) -> Generator[Any, Any, Run]:
-    from sfnode.generation import GenerationRequest
-    from sfnode.wire import GenParams
-
-    run = Run("engine alone")
+    """``start(prompt, on_tokens)`` for each prompt, ``concurrency`` at a time; its Deferred
+    fires with something that has the generated ``tokens``."""
+    run = Run(label)
     lock = defer.DeferredSemaphore(concurrency)
 
     @defer.inlineCallbacks
@@ -73,35 +75,7 @@ def run_engine(
             if not first and tokens:
                 first.append(time.perf_counter())
 
-        generation = engine.submit(GenerationRequest(prompt, GenParams(), max_tokens), seen)
-        result = yield generation.result
-        run.tokens += len(result.tokens)
-        run.ttft.append(first[0] - started)
-
-    started = time.perf_counter()
-    yield defer.gatherResults([lock.run(one, p) for p in prompts])
-    run.wall = time.perf_counter() - started
-    return run
-
-
-@defer.inlineCallbacks
-def run_fleet(
-    fleet: Any, prompts: Sequence[list[int]], max_tokens: int, concurrency: int
-) -> Generator[Any, Any, Run]:
-    """The same requests through the head's fleet (Link F to the node), without HTTP."""
-    run = Run("head + node")
-    lock = defer.DeferredSemaphore(concurrency)
-
-    @defer.inlineCallbacks
-    def one(prompt: list[int]) -> Generator[Any, Any, None]:
-        started = time.perf_counter()
-        first: list[float] = []
-
-        def seen(tokens: Sequence[int]) -> None:
-            if not first and tokens:
-                first.append(time.perf_counter())
-
-        outcome = yield fleet.generate(prompt, max_tokens, on_tokens=seen).result
+        outcome = yield start(prompt, seen)
         run.tokens += len(outcome.tokens)
         run.ttft.append(first[0] - started)
 
@@ -109,6 +83,34 @@ def run_fleet(
     yield defer.gatherResults([lock.run(one, p) for p in prompts])
     run.wall = time.perf_counter() - started
     return run
+
+
+def run_engine(
+    engine: Any, prompts: Sequence[list[int]], max_tokens: int, concurrency: int
+) -> defer.Deferred[Run]:
+    """The requests straight to the engine, in this process."""
+    from sfnode.generation import GenerationRequest
+    from sfnode.wire import GenParams
+
+    def start(prompt: list[int], seen: Callable[[Sequence[int]], None]) -> defer.Deferred[Any]:
+        result: defer.Deferred[Any] = engine.submit(
+            GenerationRequest(prompt, GenParams(), max_tokens), seen
+        ).result
+        return result
+
+    return run_streams("engine alone", start, prompts, concurrency)
+
+
+def run_fleet(
+    fleet: Any, prompts: Sequence[list[int]], max_tokens: int, concurrency: int
+) -> defer.Deferred[Run]:
+    """The same requests through the head's fleet (Link F to the node), without HTTP."""
+
+    def start(prompt: list[int], seen: Callable[[Sequence[int]], None]) -> defer.Deferred[Any]:
+        result: defer.Deferred[Any] = fleet.generate(prompt, max_tokens, on_tokens=seen).result
+        return result
+
+    return run_streams("head + node", start, prompts, concurrency)
 
 
 class _NoDelayEndpoint:
@@ -257,12 +259,12 @@ def main(reactor: Any, options: argparse.Namespace) -> Generator[Any, Any, None]
     url = f"http://127.0.0.1:{http_port.getHost().port}/v1/completions"
 
     # Warm up both paths (first forward passes, connections, tokenizer caches).
-    yield run_engine(reactor, engine, prompts[:1], 4, 1)
+    yield run_engine(engine, prompts[:1], 4, 1)
     yield run_http(reactor, url, prompts[:1], 4, 1)
 
     runs: list[tuple[Run, Run, Run]] = []
     for _ in range(options.rounds):
-        alone = yield run_engine(reactor, engine, prompts, options.max_tokens, options.concurrency)
+        alone = yield run_engine(engine, prompts, options.max_tokens, options.concurrency)
         linked = yield run_fleet(fleet, prompts, options.max_tokens, options.concurrency)
         through = yield run_http(reactor, url, prompts, options.max_tokens, options.concurrency)
         runs.append((alone, linked, through))
