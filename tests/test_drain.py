@@ -100,13 +100,7 @@ class ProcessDrainTests(TestCase):
             process, sys.executable, args, env=child_env(), path=self.mktemp_dir()
         )
 
-        def kill() -> defer.Deferred[Any] | None:
-            if process.ended.called:
-                return None
-            transport.signalProcess("KILL")
-            return process.ended
-
-        self.addCleanup(kill)
+        self.addCleanup(process.kill)
         port = await process.listening
         link = await connect_node(reactor, f"tcp:127.0.0.1:{port}", ids=HeadIds())
         self.addCleanup(link.close)

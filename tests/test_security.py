@@ -216,18 +216,12 @@ class RefusedHeadProcessTests(TestCase):
             "--head", f"tcp:127.0.0.1:{port.getHost().port}", "--engine", "mock",
             "--auth-file", str(token_file),
         ]  # fmt: skip
-        transport = reactor.spawnProcess(
+        reactor.spawnProcess(
             process, sys.executable, args, env=isolated_env(folder), path=str(folder)
         )
         process.listening.addErrback(lambda _: None)
 
-        def kill() -> defer.Deferred[Any] | None:
-            if process.ended.called:
-                return None
-            transport.signalProcess("KILL")
-            return process.ended
-
-        self.addCleanup(kill)
+        self.addCleanup(process.kill)
         ended = await process.ended
         output = process.output.decode()
         self.assertIsInstance(ended, ProcessTerminated, output)

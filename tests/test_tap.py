@@ -491,6 +491,13 @@ class TwistdProcess(ProcessProtocol):
             )
         self.ended.callback(reason.value)
 
+    def kill(self) -> defer.Deferred[BaseException | None] | None:
+        """Make sure the child does not outlive its test (a cleanup: waits for its end)."""
+        if self.ended.called:
+            return None
+        self.transport.signalProcess("KILL")
+        return self.ended
+
 
 class ProcessTests(TestCase):
     """``twistd sfnode`` as an operator runs it."""
@@ -519,7 +526,7 @@ class ProcessTests(TestCase):
         transport = reactor.spawnProcess(
             process, sys.executable, args, env=child_env(), path=self.mktemp_dir()
         )
-        self.addCleanup(self._kill, process, transport)
+        self.addCleanup(process.kill)
 
         port = await process.listening
         answer = await hello_over_tcp(port)
@@ -545,10 +552,8 @@ class ProcessTests(TestCase):
             sys.executable, "-c", TWISTD, "--pidfile=", "-n", "sfnode",
             "--listen", LOOPBACK, "--engine", "mock", "--identity", "proc-node",
         ]  # fmt: skip
-        transport = reactor.spawnProcess(
-            process, sys.executable, args, env=child_env(), path=self.mktemp_dir()
-        )
-        self.addCleanup(self._kill, process, transport)
+        reactor.spawnProcess(process, sys.executable, args, env=child_env(), path=self.mktemp_dir())
+        self.addCleanup(process.kill)
         port = await process.listening
         link = await connect_node(reactor, f"tcp:127.0.0.1:{port}", ids=HeadIds())
         self.assertEqual(link.node_identity, "proc-node")
@@ -601,10 +606,3 @@ class ProcessTests(TestCase):
         path = Path(self.mktemp()).resolve()
         path.mkdir(parents=True)
         return str(path)
-
-    def _kill(self, process: TwistdProcess, transport: Any) -> defer.Deferred[Any] | None:
-        """Make sure no child outlives its test."""
-        if process.ended.called:
-            return None
-        transport.signalProcess("KILL")
-        return process.ended
