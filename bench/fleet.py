@@ -230,6 +230,7 @@ def main(reactor: Any, options: argparse.Namespace) -> Generator[Any, Any, None]
     from sfnode.head.fleet import Fleet
     from sfnode.head.http import OpenAIApi, Renderer
     from sfnode.node import NodeAgent
+    from sfnode.tap import node_factory
 
     if options.node_coalesce_ms is not None:
         # Diagnostic only: the node holds a generation's first tokens for its coalescing
@@ -249,7 +250,8 @@ def main(reactor: Any, options: argparse.Namespace) -> Generator[Any, Any, None]
         reactor, engine, NodeConfig(identity="bench", model_name="bench",
                                     max_lanes=options.concurrency)
     )  # fmt: skip
-    node_port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(agent.factory())
+    node_endpoint = TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1")
+    node_port = yield node_endpoint.listen(node_factory(agent))
     fleet = Fleet(reactor)
     yield fleet.add_node(f"tcp:127.0.0.1:{node_port.getHost().port}")
     api = OpenAIApi(reactor, fleet, fleet, tokenizer, "bench")

@@ -31,6 +31,7 @@ from sfnode.config import NodeConfig
 from sfnode.generation import MockEngine
 from sfnode.head.link import HeadLinkProtocol
 from sfnode.node import NodeAgent
+from sfnode.tap import node_factory
 from sfnode.wire import (
     Hello,
     HelloAckF,
@@ -101,7 +102,7 @@ class CountingOwner:
 @defer.inlineCallbacks
 def protocol_rate(messages: list[TokenEventsMsg]):  # type: ignore[no-untyped-def]
     agent = NodeAgent(reactor, MockEngine(reactor), NodeConfig(identity="bench"))
-    port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(agent.factory())
+    port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(node_factory(agent))
     owner = CountingOwner(len(messages))
     endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port)
     from twisted.internet.protocol import Factory

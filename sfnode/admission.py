@@ -1,4 +1,7 @@
-"""Admission rules around the handshake (LINKF 4.6, decision D10), shared by node and head.
+"""Admission rules around the handshake (docs/protocol.md sections 5.2 and 5.3, decision D10).
+
+:func:`hello_refusal` is the node's one place that decodes and checks a HELLO: version, then
+role, then the token in constant time.
 
 Without a fleet token a link is plaintext and unauthenticated, so it is only allowed where
 nobody else can reach it: a loopback interface or a Unix socket.  :func:`plaintext_refusal`
@@ -6,12 +9,40 @@ says why a configuration must not start (before any model is loaded); ``--insecu
 (``insecure=True``) is the operator's explicit override.  The per-listener handshake limit
 lives with the factories (``sfnode.protocol.NodeFactory``).
 
-Pure functions over endpoint strings: no network, no files, no reactor.
+Pure functions over frames and endpoint strings: no network, no files, no reactor.
 """
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
+
+from sfnode.wire import PROTO_VERSION, Frame, Hello, LinkRole, WireError, decode_frame, negotiate
+
+SUPPORTED_VERSIONS = (PROTO_VERSION, PROTO_VERSION)
+"""The protocol versions the node speaks: exactly 2."""
+
+
+def hello_refusal(frame: Frame, token: bytes) -> str | None:
+    """Why the node refuses this HELLO frame, or None when it accepts it (section 5.2).
+
+    The checks run in the order of the specification: the payload decodes, a common version
+    exists, the peer is a head daemon, and (when the node has a token) ``auth`` equals it,
+    compared in constant time.  A node without a token accepts any ``auth``.
+    """
+    try:
+        hello = decode_frame(frame)
+    except WireError as e:
+        return f"malformed HELLO: {e}"
+    if not isinstance(hello, Hello):
+        return f"expected HELLO, got {type(hello).__name__}"
+    if negotiate(hello.proto_versions, SUPPORTED_VERSIONS) is None:
+        return f"no common proto version (offered {hello.proto_versions})"
+    if hello.link_role != LinkRole.HEAD_DAEMON:
+        return f"peer is not a head daemon (role {hello.link_role.name})"
+    if token and not hmac.compare_digest(hello.auth, token):
+        return "unauthorized: its fleet token differs"
+    return None
 
 
 def _split_endpoint(description: str) -> tuple[str, list[str], dict[str, str]]:

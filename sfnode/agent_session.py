@@ -1,26 +1,40 @@
-"""The node's session state of Link F (LINKF section 5): epochs, commands, leases, fences, events.
+"""The node's sessions (docs/protocol.md section 6): one record per session, and the rules of Link F
+that decide what the node may do with it.
 
-:class:`AgentSession` decides what a node may do for each session: which ASSIGN, APPEND and
-GENERATE commands apply, which token events it may emit and keep for retransmission, when it asks
-for a lease renewal and when it fences itself because its lease ran out, and what it answers to a
-RECONCILE.  One instance is shared by every connection of a node; the caller passes the time.
+:class:`AgentSession` holds one :class:`NodeSession` per session the node holds: its epoch, its
+command table, its lease clock and lease machine, whether it is fenced, its token context and
+GenParams, the connection that last spoke for it, and its generations' unacknowledged events.
+It decides which ASSIGN, APPEND, GENERATE, REVOKE and LEASE_GRANT apply, which token events a
+generation may emit (and keeps them for retransmission), and what a RECONCILE is answered.  One
+instance is shared by every connection of a node.
 
-This module is pure logic: it must never do I/O, read a clock, touch a reactor, or decode a
-payload.  It takes typed messages of :mod:`sfnode.wire` and returns typed messages; sending them
-is the caller's business.
+Each session's lease machine (``sfnode.machines.SessionMachine``) is the only writer of its
+``fenced`` flag: it un-fences on an accepted ASSIGN, and fences at lease expiry, on a RECONCILE
+that names a higher epoch, or when the node gives up on the session.  Its timers read the
+session's :class:`~sfnode.idempotency.LeaseClock`, on this object's millisecond clock.
+
+This module never does I/O, never decodes a payload and never sends: it takes typed messages
+of :mod:`sfnode.wire` and returns typed messages.  It reads time only from the clock it is
+given, and what the lease machines want done (a LEASE_RENEW, forgetting a fenced session's
+context) goes to the :class:`~sfnode.machines.SessionOwner` it is given.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
-from sfnode.idempotency import CommandTable, LeaseClock, RetryBuffer
+from twisted.internet.interfaces import IReactorTime
+
+from sfnode.idempotency import CommandTable, GenerationKey, LeaseClock, RetryBuffer
+from sfnode.machines import SessionCore, SessionInputs, SessionMachine, SessionOwner
 from sfnode.wire import (
     GenerateReqMsg,
+    GenParams,
     Lease,
     LeaseGrantMsg,
-    LeaseRenewMsg,
     LeaseStateMsg,
     ReconcileAckMsg,
     ReconcileMsg,
@@ -39,111 +53,151 @@ RENEW_INTERVAL_MS = 1000
 
 _NO_LEASE = Lease(duration_ms=0, renew_by_ms=0)
 
-
-@dataclass(frozen=True, slots=True)
-class SelfFence:
-    """The action :meth:`AgentSession.poll` yields when a session's lease expired."""
-
-    session_id: int
+C = TypeVar("C")
+"""The type of a session's home connection (the node's ``NodeConnection``)."""
 
 
 @dataclass(slots=True)
-class _Session:
-    epoch: int
-    clock: LeaseClock
-    commands: CommandTable
-    fenced: bool = False
-    renew_requested_at_ms: int | None = None
-    """When :meth:`AgentSession.needs_renew` last asked for this lease (D3 throttle)."""
+class GenerationEntry:
+    """What the node keeps of one generation: its epoch, next event seq and unacked events."""
 
-
-@dataclass(slots=True)
-class _Generation:
     epoch: int
     next_seq: int = 0
     retry: RetryBuffer[TokenEvent] = field(default_factory=RetryBuffer)
 
 
-def _clock(now_ms: int, duration_ms: int, renew_by_ms: int) -> LeaseClock:
-    return LeaseClock(received_at_ms=now_ms, duration_ms=duration_ms, renew_by_ms=renew_by_ms)
+@dataclass(eq=False)
+class NodeSession(Generic[C]):
+    """Everything the node holds for one session (docs/protocol.md section 6.1)."""
+
+    session_id: int
+    epoch: int
+    commands: CommandTable
+    lease: LeaseClock
+    """The lease as last received (ASSIGN or LEASE_GRANT), on the node's millisecond clock."""
+    machine: SessionInputs = field(init=False)
+    fenced: bool = False
+    """Written only by the lease machine's outputs."""
+    context: array[int] | None = None
+    """The token context of the last accepted APPEND, 4 bytes a token; None before one."""
+    params: GenParams = field(default_factory=GenParams)
+    home: C | None = None
+    """The connection that last spoke for this session; its LEASE_RENEWs go there first."""
+    generations: dict[int, GenerationEntry] = field(default_factory=dict)
+    """By generation id, WITHOUT the epoch: a replayed GENERATE continues its ``next_seq``."""
+
+    def forget_context(self) -> None:
+        """Drop the context and GenParams (a fenced or revoked session needs neither)."""
+        self.context = None
+        self.params = GenParams()
 
 
-class AgentSession:
-    """Every session a node holds, and every generation's unacknowledged events (LINKF 5).
+class AgentSession(Generic[C]):
+    """Every session a node holds, keyed by session id (docs/protocol.md section 6)."""
 
-    ``sessions`` is keyed by session id; ``generations`` by ``(session, generation)`` WITHOUT the
-    epoch, so a generation id continues its ``next_seq`` across a replayed GENERATE.
-    """
-
-    def __init__(self, renew_interval_ms: int = RENEW_INTERVAL_MS) -> None:
+    def __init__(
+        self,
+        clock: IReactorTime,
+        owner: SessionOwner,
+        renew_interval_ms: int = RENEW_INTERVAL_MS,
+    ) -> None:
+        self._clock = clock
+        self._started_at = clock.seconds()
+        self._owner = owner
         self._renew_interval_ms = renew_interval_ms
-        self._sessions: dict[int, _Session] = {}
-        self._generations: dict[tuple[int, int], _Generation] = {}
+        self._sessions: dict[int, NodeSession[C]] = {}
+
+    def now_ms(self) -> int:
+        """Monotonic milliseconds since this object was created: the node's time base."""
+        return int((self._clock.seconds() - self._started_at) * 1000)
+
+    def _lease(self, duration_ms: int, renew_by_ms: int) -> LeaseClock:
+        return LeaseClock(self.now_ms(), duration_ms, renew_by_ms)
 
     # ---------------------------------------------------------------- commands from the head
 
-    def on_assign(self, msg: SessionAssignMsg, now_ms: int) -> bool:
-        """SESSION_ASSIGN (5.3.1): create, re-epoch, or refresh-and-unfence a session."""
+    def on_assign(self, msg: SessionAssignMsg) -> NodeSession[C] | None:
+        """SESSION_ASSIGN (6.2): create, re-epoch, or refresh-and-unfence a session.
+
+        Returns the session when the ASSIGN applied, else None.
+        """
         lease = msg.lease
         session = self._sessions.get(msg.session_id)
         if session is None:
             commands = CommandTable()
             commands.apply(msg.command_id)
-            self._sessions[msg.session_id] = _Session(
-                epoch=msg.epoch,
-                clock=_clock(now_ms, lease.duration_ms, lease.renew_by_ms),
-                commands=commands,
+            session = NodeSession(
+                msg.session_id,
+                msg.epoch,
+                commands,
+                self._lease(lease.duration_ms, lease.renew_by_ms),
             )
-            return True
+            session.machine = SessionMachine(
+                SessionCore(
+                    clock=self._clock,
+                    now_ms=self.now_ms,
+                    owner=self._owner,
+                    session=session,
+                    renew_interval_ms=self._renew_interval_ms,
+                )
+            )
+            self._sessions[msg.session_id] = session
+            session.machine.assigned()
+            return session
         if msg.epoch < session.epoch:
-            return False
+            return None
         if not session.commands.apply(msg.command_id):
-            return False
+            return None
         if msg.epoch > session.epoch:
-            self._drop_generations(msg.session_id, below_epoch=msg.epoch)
+            session.generations = {
+                g: entry for g, entry in session.generations.items() if entry.epoch >= msg.epoch
+            }
         session.epoch = msg.epoch
-        session.fenced = False
-        session.clock = _clock(now_ms, lease.duration_ms, lease.renew_by_ms)
-        session.renew_requested_at_ms = None
-        return True
+        session.lease = self._lease(lease.duration_ms, lease.renew_by_ms)
+        session.machine.assigned()
+        return session
 
-    def on_revoke(self, msg: SessionRevokeMsg) -> bool:
-        """SESSION_REVOKE (5.3.2): forget the session and its generations unless stale.
+    def on_revoke(self, msg: SessionRevokeMsg) -> NodeSession[C] | None:
+        """SESSION_REVOKE (6.2): forget the session and its generations unless stale.
 
-        The command id a REVOKE carries is neither checked nor recorded (5.2).
+        The command id a REVOKE carries is neither checked nor recorded.  Returns the forgotten
+        session (its lease machine stopped), or None when the REVOKE did not apply.
         """
         session = self._sessions.get(msg.session_id)
         if session is None or msg.epoch < session.epoch:
-            return False
+            return None
         del self._sessions[msg.session_id]
-        self._drop_generations(msg.session_id)
-        return True
+        session.machine.stopped()
+        session.forget_context()
+        return session
 
-    def on_append(self, session_id: int, epoch: int, command_id: int) -> bool:
-        """APPEND_CONTENT (5.3.3): same epoch, not fenced, fresh command (recorded last)."""
+    def on_append(self, session_id: int, epoch: int, command_id: int) -> NodeSession[C] | None:
+        """APPEND_CONTENT (6.2): same epoch, not fenced, fresh command (recorded last).
+
+        Returns the session when the APPEND applied (the caller stores the context), else None.
+        """
         session = self._sessions.get(session_id)
         if session is None or epoch != session.epoch or session.fenced:
-            return False
-        return session.commands.apply(command_id)
+            return None
+        return session if session.commands.apply(command_id) else None
 
-    def on_generate(self, msg: GenerateReqMsg) -> bool:
-        """GENERATE_REQ (5.3.4): like an append; an existing generation entry is kept as is."""
+    def on_generate(self, msg: GenerateReqMsg) -> NodeSession[C] | None:
+        """GENERATE_REQ (6.2): like an append; an existing generation entry is kept as is."""
         session = self._sessions.get(msg.session_id)
         if session is None or msg.epoch != session.epoch or session.fenced:
-            return False
+            return None
         if not session.commands.apply(msg.command_id):
-            return False
-        key = (msg.session_id, msg.generation_id)
-        if key not in self._generations:
-            self._generations[key] = _Generation(epoch=msg.epoch)
-        return True
+            return None
+        if msg.generation_id not in session.generations:
+            session.generations[msg.generation_id] = GenerationEntry(epoch=msg.epoch)
+        return session
 
     # ---------------------------------------------------------------- token events
 
     def emit(
         self, session_id: int, generation_id: int, payload: TokenEventPayload
     ) -> TokenEventsMsg | None:
-        """One event of a generation, buffered for retransmission (5.3.5); None when refused.
+        """One event of a generation, buffered for retransmission (6.3); None when refused.
 
         Refused when the session is unknown or fenced, or the generation is unknown or belongs
         to another epoch than the session's.
@@ -151,7 +205,7 @@ class AgentSession:
         session = self._sessions.get(session_id)
         if session is None or session.fenced:
             return None
-        generation = self._generations.get((session_id, generation_id))
+        generation = session.generations.get(generation_id)
         if generation is None or generation.epoch != session.epoch:
             return None
         event = TokenEvent(
@@ -166,77 +220,44 @@ class AgentSession:
         return TokenEventsMsg(events=(event,))
 
     def on_watermark_ack(self, msg: WatermarkAckMsg) -> None:
-        """WATERMARK_ACK (5.3.6): release acknowledged events of a generation of that epoch."""
-        generation = self._generations.get((msg.session_id, msg.generation_id))
+        """WATERMARK_ACK (6.3): release acknowledged events of a generation of that epoch."""
+        generation = self._generation(msg.session_id, msg.generation_id)
         if generation is not None and generation.epoch == msg.epoch:
             generation.retry.ack(msg.watermark)
 
     # ---------------------------------------------------------------- leases
 
-    def needs_renew(self, now_ms: int) -> list[LeaseRenewMsg]:
-        """LEASE_RENEW messages due now (5.3.7), at most one per session per renew interval.
-
-        A session is due when it is not fenced and its lease is inside the renew window but
-        not expired; the throttle of D3 then holds it back until the interval has passed since
-        its last request or a grant arrived.
-        """
-        renewals: list[LeaseRenewMsg] = []
-        for session_id, session in self._iter_sessions():
-            if session.fenced:
-                continue
-            clock = session.clock
-            if not clock.must_renew(now_ms) or clock.expired(now_ms):
-                continue
-            last = session.renew_requested_at_ms
-            if last is not None and now_ms - last < self._renew_interval_ms:
-                continue
-            session.renew_requested_at_ms = now_ms
-            renewals.append(LeaseRenewMsg(session_id=session_id, epoch=session.epoch))
-        return renewals
-
-    def on_lease_grant(self, msg: LeaseGrantMsg, now_ms: int) -> bool:
-        """LEASE_GRANT (5.3.8): restart the lease clock; True when it applied.
+    def on_lease_grant(self, msg: LeaseGrantMsg) -> NodeSession[C] | None:
+        """LEASE_GRANT (6.4): restart the lease clock and its timers; the session when applied.
 
         A grant for another epoch (a superseded one) or for a fenced session changes nothing.
         """
         session = self._sessions.get(msg.session_id)
         if session is None or msg.epoch != session.epoch or session.fenced:
-            return False
-        session.clock = _clock(now_ms, msg.duration_ms, msg.renew_by_ms)
-        session.renew_requested_at_ms = None
-        return True
+            return None
+        session.lease = self._lease(msg.duration_ms, msg.renew_by_ms)
+        session.machine.granted()
+        return session
 
-    def poll(self, now_ms: int) -> list[SelfFence]:
-        """Fence every session whose lease expired (5.3.9); their state and events are kept."""
-        actions: list[SelfFence] = []
-        for session_id, session in self._iter_sessions():
-            if not session.fenced and session.clock.expired(now_ms):
-                session.fenced = True
-                actions.append(SelfFence(session_id))
-        return actions
-
-    def fence(self, session_id: int) -> bool:
+    def give_up(self, session_id: int, reason: str) -> None:
         """Fence a session the node gives up on (a bound was reached); its events are kept.
 
-        Like a lease expiry (5.3.9) without the clock: False when the session is unknown or
-        already fenced.  A new ASSIGN (or LEASE_GRANT) un-fences it as usual.
+        Like a lease expiry without the clock: the lease machine fences it and has the owner
+        forget its context, unless it is already fenced.  A new ASSIGN un-fences it as usual.
         """
         session = self._sessions.get(session_id)
-        if session is None or session.fenced:
-            return False
-        session.fenced = True
-        return True
+        if session is not None:
+            session.machine.give_up(reason)
 
     # ---------------------------------------------------------------- reconcile
 
-    def on_reconcile(
-        self, msg: ReconcileMsg, now_ms: int
-    ) -> tuple[ReconcileAckMsg, list[TokenEventsMsg]]:
-        """RECONCILE (5.3.10): the ack, then one retransmission batch per generation with a tail.
+    def on_reconcile(self, msg: ReconcileMsg) -> tuple[ReconcileAckMsg, list[TokenEventsMsg]]:
+        """RECONCILE (6.5): the ack, then one retransmission batch per generation with a tail.
 
         Never refreshes a lease and never removes buffered events.  ``lease_view.elapsed_ms``
-        of a known session carries ``now_ms`` (the node's uptime), as upstream does.
+        of a known session carries the node's uptime, as upstream does.
         """
+        now_ms = self.now_ms()
         acks: list[SessionReconcileAck] = []
         retransmissions: list[TokenEventsMsg] = []
         for state in msg.sessions:
@@ -252,13 +273,13 @@ class AgentSession:
                 )
                 continue
             if state.epoch > session.epoch:
-                session.fenced = True
+                session.machine.superseded()
             session.commands.trim(max(state.command_watermark - 1, 0))
             held = state.epoch == session.epoch and not session.fenced
             ranges: list[RetryRange] = []
             if held:
                 for mark in state.generation_watermarks:
-                    generation = self._generations.get((state.session_id, mark.generation_id))
+                    generation = session.generations.get(mark.generation_id)
                     if generation is None:
                         continue
                     from_seq = 0 if mark.watermark is None else mark.watermark + 1
@@ -283,7 +304,28 @@ class AgentSession:
             )
         return ReconcileAckMsg(sessions=tuple(acks)), retransmissions
 
+    # ---------------------------------------------------------------- the node stops
+
+    def stop_all(self) -> None:
+        """Stop every lease machine's timers (the node stops); the records stay.
+
+        A session's next accepted ASSIGN starts its lease again.
+        """
+        for session in self._sessions.values():
+            session.machine.stopped()
+
     # ---------------------------------------------------------------- accessors
+
+    def get(self, session_id: int) -> NodeSession[C] | None:
+        """The session's record; None when the node does not hold it."""
+        return self._sessions.get(session_id)
+
+    def __iter__(self) -> Iterator[NodeSession[C]]:
+        """Every session the node holds (fenced ones included), in id order."""
+        return iter([self._sessions[s] for s in sorted(self._sessions)])
+
+    def __len__(self) -> int:
+        return len(self._sessions)
 
     def is_fenced(self, session_id: int) -> bool | None:
         """Whether the session is fenced; None when the node does not hold it."""
@@ -292,7 +334,7 @@ class AgentSession:
 
     def unacked_events(self, session_id: int, generation_id: int) -> int:
         """Events of the generation still waiting for a WATERMARK_ACK (0 when unknown)."""
-        generation = self._generations.get((session_id, generation_id))
+        generation = self._generation(session_id, generation_id)
         return 0 if generation is None else len(generation.retry)
 
     def session_epoch(self, session_id: int) -> int | None:
@@ -309,29 +351,28 @@ class AgentSession:
 
     def generation_ids(self, session_id: int) -> list[int]:
         """The generations kept for a session (any epoch), in id order."""
-        return sorted(g for s, g in self._generations if s == session_id)
+        session = self._sessions.get(session_id)
+        return [] if session is None else sorted(session.generations)
 
     def generation_epoch(self, session_id: int, generation_id: int) -> int | None:
         """The epoch a generation was started under; None when it is not kept."""
-        generation = self._generations.get((session_id, generation_id))
+        generation = self._generation(session_id, generation_id)
         return None if generation is None else generation.epoch
 
     def next_event_seq(self, session_id: int, generation_id: int) -> int | None:
         """The ``event_seq`` the generation's next event will carry; None when not kept."""
-        generation = self._generations.get((session_id, generation_id))
+        generation = self._generation(session_id, generation_id)
         return None if generation is None else generation.next_seq
 
-    # ---------------------------------------------------------------- internals
+    def _generation(self, session_id: int, generation_id: int) -> GenerationEntry | None:
+        session = self._sessions.get(session_id)
+        return None if session is None else session.generations.get(generation_id)
 
-    def _iter_sessions(self) -> Iterator[tuple[int, _Session]]:
-        for session_id in sorted(self._sessions):
-            yield session_id, self._sessions[session_id]
 
-    def _drop_generations(self, session_id: int, below_epoch: int | None = None) -> None:
-        doomed = [
-            key
-            for key, generation in self._generations.items()
-            if key[0] == session_id and (below_epoch is None or generation.epoch < below_epoch)
-        ]
-        for key in doomed:
-            del self._generations[key]
+__all__ = [
+    "RENEW_INTERVAL_MS",
+    "AgentSession",
+    "GenerationEntry",
+    "GenerationKey",
+    "NodeSession",
+]

@@ -1,13 +1,20 @@
-"""Busy-time token rates for NODE_STATUS (LINKF 6.5), as pure logic.
+"""The node's capacity summary and its busy-time token rates (docs/protocol.md section 7.5).
 
 Rates are measured over the time the node had at least one generation running, so an idle
-node is not read as a slow one, and a rate never decays to zero while idle.  Nothing here
-reads a clock: every call is given the time.
+node is not read as a slow one, and a rate never decays to zero while idle.  :class:`NodeLoad`
+turns the engine's statistics and the node's figures into the ``CapacitySummary`` that
+HELLO_ACK_F and every NODE_STATUS carry.
+
+Pure logic: nothing here reads a clock, the engine or the host; every call is given the time
+and the figures.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from sfnode.generation import EngineStatistics
+from sfnode.wire import U32_MAX, CapacitySummary
 
 MIN_SAMPLE_WINDOW_MS = 200
 
@@ -65,3 +72,44 @@ class RateTracker:
                 self.prefill_tokens_per_s = _ewma(self.prefill_tokens_per_s, prefill)
             self._baseline = (busy_ms, decoded, prefilled)
         return self.decode_tokens_per_s, self.prefill_tokens_per_s
+
+
+@dataclass
+class NodeLoad:
+    """What a node's capacity samples are made of: its busy timer and its rate EWMAs."""
+
+    busy: BusyTimer = field(default_factory=BusyTimer)
+    rates: RateTracker = field(default_factory=RateTracker)
+
+    def summary(
+        self,
+        now_ms: int,
+        stats: EngineStatistics,
+        *,
+        host_memory_bytes: int,
+        active_sessions: int,
+        max_sessions: int,
+        max_context_tokens: int,
+        max_lanes: int,
+    ) -> CapacitySummary:
+        """A fresh capacity sample (this takes a rate sample: decision D8 and section 7.5).
+
+        ``max_sessions`` 0 (no limit) is advertised as the largest u32.
+        """
+        decode, prefill = self.rates.sample(
+            self.busy.busy_ms(now_ms), stats.decoded_tokens, stats.prefilled_tokens
+        )
+        return CapacitySummary(
+            host_memory_bytes=host_memory_bytes,
+            active_sessions=active_sessions,
+            max_sessions=min(max_sessions, U32_MAX) or U32_MAX,
+            max_context_tokens=max_context_tokens,
+            kv_blocks_used=stats.kv_blocks_used,
+            kv_blocks_total=stats.kv_blocks_total,
+            lanes_active=stats.lanes_active,
+            max_lanes=max_lanes,
+            queue_depth=stats.queue_depth,
+            decode_tokens_per_s=decode,
+            prefill_tokens_per_s=prefill,
+            sampled_at_ms=now_ms,
+        )

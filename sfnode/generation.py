@@ -52,14 +52,20 @@ class EngineRefusal(Exception):
 
 
 class StreamTooLong(EngineRefusal):
-    """The prompt is longer than the engine's context window; no token was produced."""
+    """A context of ``length`` tokens does not fit a window of at most ``max`` tokens.
 
-    def __init__(self, prompt_tokens: int, max_tokens: int) -> None:
+    The one error for "too long" on both sides: an engine refuses a prompt longer than its
+    context window with it (before any token; the node answers FINISH_REFUSED), and the head
+    fails a request with it when no node serving the model has a window that large (``max`` is
+    then the largest window among them; the HTTP API answers 400 context_length_exceeded).
+    """
+
+    def __init__(self, length: int, max: int) -> None:
         super().__init__(
-            f"prompt of {prompt_tokens} tokens exceeds the context window of {max_tokens} tokens"
+            f"a context of {length} tokens does not fit: the largest window is {max} tokens"
         )
-        self.prompt_tokens = prompt_tokens
-        self.max_tokens = max_tokens
+        self.length = length
+        self.max = max
 
 
 class StageForwardError(Exception):

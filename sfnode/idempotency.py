@@ -140,10 +140,13 @@ class RetryBuffer(Generic[E]):
 
 @dataclass(frozen=True, slots=True)
 class LeaseClock:
-    """A lease as the node received it (LINKF 5.1): when, for how long, when to ask again.
+    """A lease as the node received it (docs/protocol.md section 6.4): when, for how long, when
+    to ask again.
 
     With ``age = now - received_at_ms``: renewal is due once ``age >= renew_by_ms`` and the lease
     is expired once ``age >= duration_ms``.  A ``now`` before receipt is never due nor expired.
+    The node's lease machine arms its timers from :meth:`renew_in` and :meth:`expires_in`, so
+    these boundaries are exactly the ones the node runs.
     """
 
     received_at_ms: int
@@ -154,11 +157,19 @@ class LeaseClock:
         """Milliseconds since receipt, never negative."""
         return max(0, now_ms - self.received_at_ms)
 
+    def renew_in(self, now_ms: int) -> int:
+        """Milliseconds from ``now_ms`` until renewal is due (0: due now or already)."""
+        return max(0, self.received_at_ms + self.renew_by_ms - now_ms)
+
+    def expires_in(self, now_ms: int) -> int:
+        """Milliseconds from ``now_ms`` until the lease expires (0: expired now or already)."""
+        return max(0, self.received_at_ms + self.duration_ms - now_ms)
+
     def must_renew(self, now_ms: int) -> bool:
-        return now_ms >= self.received_at_ms and now_ms - self.received_at_ms >= self.renew_by_ms
+        return now_ms >= self.received_at_ms and self.renew_in(now_ms) == 0
 
     def expired(self, now_ms: int) -> bool:
-        return now_ms >= self.received_at_ms and now_ms - self.received_at_ms >= self.duration_ms
+        return now_ms >= self.received_at_ms and self.expires_in(now_ms) == 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -166,7 +177,16 @@ class LeaseClock:
 
 
 class GenerationKey(NamedTuple):
-    """What the head deduplicates token events by."""
+    """How the node names a generation: WITHOUT its epoch, so that a generation id replayed
+    under a fresh command continues its event seqs (docs/protocol.md section 6.1)."""
+
+    session_id: int
+    generation_id: int
+
+
+class DedupKey(NamedTuple):
+    """What the head deduplicates token events by: the generation *and* its epoch, so that
+    events of a superseded epoch are told apart (docs/protocol.md section 8.1)."""
 
     session_id: int
     epoch: int
@@ -212,8 +232,8 @@ class EventDedup:
     """
 
     def __init__(self) -> None:
-        self._next_seq: dict[GenerationKey, int] = {}
-        self._keys_of: dict[int, set[GenerationKey]] = {}
+        self._next_seq: dict[DedupKey, int] = {}
+        self._keys_of: dict[int, set[DedupKey]] = {}
         self._session_epoch: dict[int, int] = {}
 
     def __len__(self) -> int:
@@ -225,7 +245,7 @@ class EventDedup:
 
     def accept(self, key: tuple[int, int, int], event_seq: int) -> DedupOutcome:
         """Classify one event and, when it is :class:`Accepted`, advance its key."""
-        key = GenerationKey(*key)
+        key = DedupKey(*key)
         current = self._session_epoch.get(key.session_id)
         if current is not None and key.epoch < current:
             return STALE_EPOCH
@@ -240,7 +260,7 @@ class EventDedup:
 
     def watermark(self, key: tuple[int, int, int]) -> int | None:
         """The highest contiguous seq accepted under ``key``, or None when nothing was."""
-        expected = self._next_seq.get(GenerationKey(*key), 0)
+        expected = self._next_seq.get(DedupKey(*key), 0)
         return expected - 1 if expected else None
 
     def set_session_epoch(self, session_id: int, epoch: int) -> None:
@@ -260,7 +280,7 @@ class EventDedup:
 
     def retire_generation(self, key: tuple[int, int, int]) -> None:
         """Forget one key (a generation the head is done with)."""
-        key = GenerationKey(*key)
+        key = DedupKey(*key)
         if self._next_seq.pop(key, None) is None:
             return
         keys = self._keys_of[key.session_id]

@@ -18,11 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from automat import TypeMachineBuilder
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from sfnode.generation import EngineStop, GenerationResult
+from sfnode.idempotency import GenerationKey, LeaseClock
 from sfnode.wire import (
     FINISH_CANCELLED,
     FINISH_EOS,
@@ -30,7 +32,6 @@ from sfnode.wire import (
     FINISH_LENGTH,
     FINISH_REFUSED,
     Frame,
-    Hello,
 )
 
 log = Logger()
@@ -65,8 +66,8 @@ class ConnectionInputs(Protocol):
     def connected(self) -> None:
         """The transport is up; start waiting for HELLO."""
 
-    def hello(self, hello: Hello) -> None:
-        """A HELLO arrived."""
+    def hello(self, frame: Frame) -> None:
+        """A HELLO frame arrived (its payload not decoded yet: the owner's check does that)."""
 
     def frame(self, frame: Frame) -> None:
         """Any frame other than HELLO arrived."""
@@ -74,11 +75,11 @@ class ConnectionInputs(Protocol):
     def lost(self) -> None:
         """The transport is gone."""
 
-    def _hello_accepted(self, hello: Hello) -> None:
-        """Private: the HELLO passed version, role and token checks."""
+    def _hello_accepted(self) -> None:
+        """Private: the HELLO decoded and passed version, role and token checks."""
 
     def _hello_refused(self, reason: str) -> None:
-        """Private: the HELLO failed a check."""
+        """Private: the HELLO was malformed or failed a check."""
 
     def _handshake_timed_out(self) -> None:
         """Private: no HELLO within the handshake timeout."""
@@ -90,8 +91,8 @@ class ConnectionInputs(Protocol):
 class ConnectionOwner(Protocol):
     """What the connection machine asks of the connection it belongs to."""
 
-    def check_hello(self, hello: Hello) -> str | None:
-        """None when the HELLO is acceptable, else why not."""
+    def check_hello(self, frame: Frame) -> str | None:
+        """Decode the HELLO frame and check it: None when acceptable, else why not."""
 
     def send_hello_ack(self) -> None: ...
 
@@ -151,7 +152,7 @@ def _awaiting_hello(inputs: ConnectionInputs, core: ConnectionCore) -> AwaitingH
     )
 
 
-def _serving(inputs: ConnectionInputs, core: ConnectionCore, hello: Hello) -> Serving:
+def _serving(inputs: ConnectionInputs, core: ConnectionCore) -> Serving:
     idle = None
     if core.idle_timeout_ms:
         idle = core.clock.callLater(_seconds(core.idle_timeout_ms), inputs._idle_timed_out)
@@ -182,11 +183,11 @@ def _lost_before_start(inputs: ConnectionInputs, core: ConnectionCore) -> None:
 
 @_c_awaiting.upon(ConnectionInputs.hello).loop()
 def _check_hello(
-    inputs: ConnectionInputs, core: ConnectionCore, data: AwaitingHello, hello: Hello
+    inputs: ConnectionInputs, core: ConnectionCore, data: AwaitingHello, frame: Frame
 ) -> None:
-    reason = core.owner.check_hello(hello)
+    reason = core.owner.check_hello(frame)
     if reason is None:
-        inputs._hello_accepted(hello)
+        inputs._hello_accepted()
     else:
         inputs._hello_refused(reason)
 
@@ -199,9 +200,7 @@ def _discard_before_hello(
 
 
 @_c_awaiting.upon(ConnectionInputs._hello_accepted).to(_c_serving)
-def _answer_hello(
-    inputs: ConnectionInputs, core: ConnectionCore, data: AwaitingHello, hello: Hello
-) -> None:
+def _answer_hello(inputs: ConnectionInputs, core: ConnectionCore, data: AwaitingHello) -> None:
     data.stop()
     core.owner.send_hello_ack()
 
@@ -235,9 +234,10 @@ def _serve(inputs: ConnectionInputs, core: ConnectionCore, data: Serving, frame:
 
 @_c_serving.upon(ConnectionInputs.hello).loop()
 def _hello_again(
-    inputs: ConnectionInputs, core: ConnectionCore, data: Serving, hello: Hello
+    inputs: ConnectionInputs, core: ConnectionCore, data: Serving, frame: Frame
 ) -> None:
-    """A HELLO after the handshake is ignored (LINKF 3.1), but it is activity."""
+    """A HELLO after the handshake is ignored undecoded (docs/protocol.md section 4.1), but it
+    is activity."""
     data.activity(core)
 
 
@@ -255,7 +255,7 @@ def _lost_while_serving(inputs: ConnectionInputs, core: ConnectionCore, data: Se
 
 
 @_c_closed.upon(ConnectionInputs.hello).loop()
-def _closed_hello(inputs: ConnectionInputs, core: ConnectionCore, hello: Hello) -> None:
+def _closed_hello(inputs: ConnectionInputs, core: ConnectionCore, frame: Frame) -> None:
     """Bytes that were already buffered when the connection was closed: ignored."""
 
 
@@ -272,18 +272,39 @@ ConnectionMachine = _connection.build()
 
 
 # ============================================================================================
-# Session lease lifecycle (LINKF 5.3.1, 5.3.7 to 5.3.9, decision D3).
+# Session lease lifecycle (docs/protocol.md section 6.4, decision D3).
+
+
+class LeasedSession(Protocol):
+    """What the lease machine reads and writes of its session's record.
+
+    The machine reads ``lease`` (the clock of the lease as received) to arm its timers, and its
+    outputs are the only code that writes ``fenced``.
+    """
+
+    session_id: int
+    lease: LeaseClock
+    fenced: bool
 
 
 class SessionInputs(Protocol):
-    def lease_started(self, duration_ms: int, renew_by_ms: int) -> None:
-        """An accepted ASSIGN or LEASE_GRANT (re)started the lease (and un-fences)."""
+    def assigned(self) -> None:
+        """An accepted ASSIGN (re)started the lease: un-fence, arm the timers from the lease."""
+
+    def granted(self) -> None:
+        """An accepted LEASE_GRANT restarted the lease: re-arm the timers from the lease."""
 
     def superseded(self) -> None:
-        """A RECONCILE named a higher epoch: fenced, with no self-fence action (5.3.10)."""
+        """A RECONCILE named a higher epoch: fence quietly, keeping the context (6.5)."""
 
-    def ended(self) -> None:
-        """The session was revoked: stop all timers for good."""
+    def give_up(self, reason: str) -> None:
+        """A bound was reached (issue 5): fence, and have the owner forget the context."""
+
+    def stopped(self) -> None:
+        """The session was revoked or the node stops: stop every timer (and un-fence nothing).
+
+        A later ASSIGN starts the lease again (a node restarted on the same agent).
+        """
 
     def _renew_due(self) -> None:
         """Private: the renew window opened, or another D3 interval passed in it."""
@@ -293,35 +314,35 @@ class SessionInputs(Protocol):
 
 
 class SessionOwner(Protocol):
-    def send_renew(self, session_id: int) -> None: ...
+    """What the lease machine asks of the node; each call names the session it is about."""
 
-    def self_fence(self, session_id: int) -> None: ...
+    def send_renew(self, session_id: int) -> None:
+        """Ask the head for a LEASE_GRANT of this session."""
+
+    def self_fenced(self, session_id: int) -> None:
+        """The session's lease expired and it is now fenced: forget its context (6.4)."""
+
+    def gave_up(self, session_id: int, reason: str) -> None:
+        """The node fenced the session because of ``reason``: forget its context."""
 
 
 @dataclass
 class SessionCore:
     clock: IReactorTime
+    now_ms: Callable[[], int]
+    """The node's monotonic milliseconds: the time base of the lease clock."""
     owner: SessionOwner
-    session_id: int
+    session: LeasedSession
     renew_interval_ms: int
-    lease_started_at: float = 0.0
-    """Reactor seconds when the current lease was received."""
-    duration_ms: int = 0
-    renew_by_ms: int = 0
-
-    def remaining(self, ms: int) -> float:
-        """Seconds from now until ``ms`` after the lease started (never negative).
-
-        One extra millisecond keeps the timer from firing before the integer-millisecond lease
-        clock of the session state agrees that the moment has come.
-        """
-        due = self.lease_started_at + (ms + 1) / 1000.0
-        return max(0.0, due - self.clock.seconds())
 
 
 @dataclass
 class LeaseTimers:
-    """Data of ``held`` and ``renewing``: the next renew request and the expiry."""
+    """Data of ``held``: the next renew request and the expiry.
+
+    Both are armed from the lease when it starts; afterwards the renew timer repeats every
+    renew interval (D3) and the expiry stays where the lease put it.
+    """
 
     renew: IDelayedCall
     expiry: IDelayedCall
@@ -331,104 +352,98 @@ class LeaseTimers:
         _cancel(self.expiry)
 
 
-def _held(
-    inputs: SessionInputs, core: SessionCore, duration_ms: int, renew_by_ms: int
-) -> LeaseTimers:
-    core.lease_started_at = core.clock.seconds()
-    core.duration_ms = duration_ms
-    core.renew_by_ms = renew_by_ms
+def _held(inputs: SessionInputs, core: SessionCore) -> LeaseTimers:
+    lease, now = core.session.lease, core.now_ms()
     return LeaseTimers(
-        renew=core.clock.callLater(core.remaining(renew_by_ms), inputs._renew_due),
-        expiry=core.clock.callLater(core.remaining(duration_ms), inputs._expired),
-    )
-
-
-def _renewing(inputs: SessionInputs, core: SessionCore) -> LeaseTimers:
-    return LeaseTimers(
-        renew=core.clock.callLater(_seconds(core.renew_interval_ms), inputs._renew_due),
-        expiry=core.clock.callLater(core.remaining(core.duration_ms), inputs._expired),
+        renew=core.clock.callLater(_seconds(lease.renew_in(now)), inputs._renew_due),
+        expiry=core.clock.callLater(_seconds(lease.expires_in(now)), inputs._expired),
     )
 
 
 _session = TypeMachineBuilder(SessionInputs, SessionCore)
-_s_new = _session.state("new")
+_s_unleased = _session.state("unleased")
 _s_held = _session.state("held", _held)
-_s_renewing = _session.state("renewing", _renewing)
 _s_fenced = _session.state("fenced")
-_s_ended = _session.state("ended")
 
 
-@_s_new.upon(SessionInputs.lease_started).to(_s_held)
-def _first_lease(
-    inputs: SessionInputs, core: SessionCore, duration_ms: int, renew_by_ms: int
-) -> None:
-    pass
+@_s_unleased.upon(SessionInputs.assigned).to(_s_held)
+def _first_lease(inputs: SessionInputs, core: SessionCore) -> None:
+    core.session.fenced = False
 
 
-@_s_fenced.upon(SessionInputs.lease_started).to(_s_held)
-def _unfence(inputs: SessionInputs, core: SessionCore, duration_ms: int, renew_by_ms: int) -> None:
-    log.info("session {session} un-fenced by a new lease", session=core.session_id)
+@_s_fenced.upon(SessionInputs.assigned).to(_s_held)
+def _unfence(inputs: SessionInputs, core: SessionCore) -> None:
+    core.session.fenced = False
+    log.info("session {session} un-fenced by a new lease", session=core.session.session_id)
 
 
-@_s_held.upon(SessionInputs.lease_started).loop()
-def _refresh_held_lease(
-    inputs: SessionInputs,
-    core: SessionCore,
-    data: LeaseTimers,
-    duration_ms: int,
-    renew_by_ms: int,
-) -> None:
+def _rearm(inputs: SessionInputs, core: SessionCore, data: LeaseTimers) -> None:
     # A loop keeps the state's data (no factory runs), so the timers are re-armed in place.
     data.stop()
-    fresh = _held(inputs, core, duration_ms, renew_by_ms)
+    fresh = _held(inputs, core)
     data.renew, data.expiry = fresh.renew, fresh.expiry
 
 
-@_s_renewing.upon(SessionInputs.lease_started).to(_s_held)
-def _lease_granted(
-    inputs: SessionInputs,
-    core: SessionCore,
-    data: LeaseTimers,
-    duration_ms: int,
-    renew_by_ms: int,
-) -> None:
+_s_held.upon(SessionInputs.assigned).loop()(_rearm)
+_s_held.upon(SessionInputs.granted).loop()(_rearm)
+
+
+@_s_held.upon(SessionInputs._expired).to(_s_fenced)
+def _lease_expired(inputs: SessionInputs, core: SessionCore, data: LeaseTimers) -> None:
+    data.stop()
+    core.session.fenced = True
+    core.owner.self_fenced(core.session.session_id)
+
+
+@_s_held.upon(SessionInputs.superseded).to(_s_fenced)
+def _superseded(inputs: SessionInputs, core: SessionCore, data: LeaseTimers) -> None:
+    data.stop()
+    core.session.fenced = True
+
+
+@_s_held.upon(SessionInputs.give_up).to(_s_fenced)
+def _given_up(inputs: SessionInputs, core: SessionCore, data: LeaseTimers, reason: str) -> None:
+    data.stop()
+    core.session.fenced = True
+    core.owner.gave_up(core.session.session_id, reason)
+
+
+@_s_held.upon(SessionInputs.stopped).to(_s_unleased)
+def _stop_leased(inputs: SessionInputs, core: SessionCore, data: LeaseTimers) -> None:
     data.stop()
 
 
-for _state in (_s_held, _s_renewing):
-
-    @_state.upon(SessionInputs._expired).to(_s_fenced)
-    def _lease_expired(inputs: SessionInputs, core: SessionCore, data: LeaseTimers) -> None:
-        data.stop()
-        core.owner.self_fence(core.session_id)
-
-    @_state.upon(SessionInputs.superseded).to(_s_fenced)
-    def _superseded(inputs: SessionInputs, core: SessionCore, data: LeaseTimers) -> None:
-        data.stop()
-
-    @_state.upon(SessionInputs.ended).to(_s_ended)
-    def _end_leased(inputs: SessionInputs, core: SessionCore, data: LeaseTimers) -> None:
-        data.stop()
-
-
-@_s_held.upon(SessionInputs._renew_due).to(_s_renewing)
-def _open_renew_window(inputs: SessionInputs, core: SessionCore, data: LeaseTimers) -> None:
-    data.stop()
-    core.owner.send_renew(core.session_id)
-
-
-@_s_renewing.upon(SessionInputs._renew_due).loop()
-def _renew_again(inputs: SessionInputs, core: SessionCore, data: LeaseTimers) -> None:
-    core.owner.send_renew(core.session_id)
+@_s_held.upon(SessionInputs._renew_due).loop()
+def _ask_for_renewal(inputs: SessionInputs, core: SessionCore, data: LeaseTimers) -> None:
+    core.owner.send_renew(core.session.session_id)
     data.renew = core.clock.callLater(_seconds(core.renew_interval_ms), inputs._renew_due)
 
 
-_s_new.upon(SessionInputs.superseded).to(_s_fenced).returns(None)
-_s_new.upon(SessionInputs.ended).to(_s_ended).returns(None)
+@_s_unleased.upon(SessionInputs.superseded).to(_s_fenced)
+def _superseded_unleased(inputs: SessionInputs, core: SessionCore) -> None:
+    core.session.fenced = True
+
+
+@_s_unleased.upon(SessionInputs.give_up).to(_s_fenced)
+def _given_up_unleased(inputs: SessionInputs, core: SessionCore, reason: str) -> None:
+    core.session.fenced = True
+    core.owner.gave_up(core.session.session_id, reason)
+
+
+# Deliberately quiet pairs: a grant never reaches a session without a lease or a fenced one (the
+# session rules refuse it first); fencing a fenced session changes nothing; stopping a machine
+# without timers changes nothing.
+_s_unleased.upon(SessionInputs.granted).loop().returns(None)
+_s_unleased.upon(SessionInputs.stopped).loop().returns(None)
+_s_fenced.upon(SessionInputs.granted).loop().returns(None)
 _s_fenced.upon(SessionInputs.superseded).loop().returns(None)
-_s_fenced.upon(SessionInputs.ended).to(_s_ended).returns(None)
-for _quiet in (SessionInputs.lease_started, SessionInputs.superseded, SessionInputs.ended):
-    _s_ended.upon(_quiet).loop().returns(None)
+_s_fenced.upon(SessionInputs.stopped).to(_s_unleased).returns(None)
+
+
+@_s_fenced.upon(SessionInputs.give_up).loop()
+def _already_fenced(inputs: SessionInputs, core: SessionCore, reason: str) -> None:
+    pass
+
 
 SessionMachine = _session.build()
 
@@ -675,3 +690,188 @@ _g_done.upon(GenerationInputs.refused).loop().returns(None)
 _g_done.upon(GenerationInputs.failed).loop().returns(None)
 
 GenerationMachine = _generation.build()
+
+
+# ============================================================================================
+# Drain on SIGTERM (issue 5): decline new generations, let the running ones finish or cancel
+# them at the timeout, then wait briefly for the heads' acknowledgements.
+
+
+class DrainInputs(Protocol):
+    def drain(self) -> Deferred[None]:
+        """Start the drain, or join the one under way; fires once the node is drained."""
+
+    def accepting(self) -> bool:
+        """Whether a new generation may start: True until the drain starts."""
+
+    def generation_done(self) -> None:
+        """A generation ended (the node may have none left)."""
+
+    def acked(self) -> None:
+        """A WATERMARK_ACK arrived (the final events may all be acknowledged now)."""
+
+    def stopped(self) -> None:
+        """The node stops: end a drain under way now (its waiters fire, its timer stops)."""
+
+    def _generations_over(self) -> None:
+        """Private: no generation is left running."""
+
+    def _settled(self) -> None:
+        """Private: every event of the drained generations is acknowledged."""
+
+    def _timed_out(self) -> None:
+        """Private: the drain timeout, or the wait for acknowledgements, ran out."""
+
+
+class DrainOwner(Protocol):
+    """What the drain machine asks of the node."""
+
+    def running_generation_keys(self) -> frozenset[GenerationKey]:
+        """The generations running or queued now."""
+
+    def cancel_generations(self) -> None:
+        """Cancel every running generation (each still sends its CANCELLED Finish)."""
+
+    def unacked_events(self, keys: frozenset[GenerationKey]) -> int:
+        """Events of these generations still waiting for a WATERMARK_ACK."""
+
+
+@dataclass
+class DrainCore:
+    clock: IReactorTime
+    owner: DrainOwner
+    drain_timeout_ms: int
+    ack_wait_ms: int
+    keys: frozenset[GenerationKey] = frozenset()
+    """The generations that ran when the drain started: the ones whose acks it waits for."""
+    waiters: list[Deferred[None]] = field(default_factory=list)
+
+    def join(self) -> Deferred[None]:
+        waiter: Deferred[None] = Deferred()
+        self.waiters.append(waiter)
+        return waiter
+
+
+@dataclass
+class DrainTimer:
+    """Data of ``finishing`` and ``settling``: the deadline of that phase."""
+
+    call: IDelayedCall
+
+    def stop(self) -> None:
+        _cancel(self.call)
+
+
+def _finishing(inputs: DrainInputs, core: DrainCore) -> DrainTimer:
+    return DrainTimer(core.clock.callLater(_seconds(core.drain_timeout_ms), inputs._timed_out))
+
+
+def _settling(inputs: DrainInputs, core: DrainCore) -> DrainTimer:
+    return DrainTimer(core.clock.callLater(_seconds(core.ack_wait_ms), inputs._timed_out))
+
+
+_drain = TypeMachineBuilder(DrainInputs, DrainCore)
+_d_serving = _drain.state("serving")
+_d_finishing = _drain.state("finishing", _finishing)
+_d_settling = _drain.state("settling", _settling)
+_d_drained = _drain.state("drained")
+
+
+@_d_serving.upon(DrainInputs.drain).to(_d_finishing)
+def _start_drain(inputs: DrainInputs, core: DrainCore) -> Deferred[None]:
+    core.keys = core.owner.running_generation_keys()
+    log.info(
+        "draining: declining new generations, letting {count} running ones finish "
+        "(up to {timeout} s)",
+        count=len(core.keys),
+        timeout=_seconds(core.drain_timeout_ms),
+    )
+    if not core.keys:
+        inputs._generations_over()
+    return core.join()
+
+
+@_d_finishing.upon(DrainInputs.drain).loop()
+def _join_finishing(inputs: DrainInputs, core: DrainCore, data: DrainTimer) -> Deferred[None]:
+    return core.join()
+
+
+@_d_settling.upon(DrainInputs.drain).loop()
+def _join_settling(inputs: DrainInputs, core: DrainCore, data: DrainTimer) -> Deferred[None]:
+    return core.join()
+
+
+@_d_drained.upon(DrainInputs.drain).loop()
+def _already_drained(inputs: DrainInputs, core: DrainCore) -> Deferred[None]:
+    return succeed(None)
+
+
+_d_serving.upon(DrainInputs.accepting).loop().returns(True)
+for _draining_state in (_d_finishing, _d_settling, _d_drained):
+    _draining_state.upon(DrainInputs.accepting).loop().returns(False)
+
+
+@_d_finishing.upon(DrainInputs.generation_done).loop()
+def _one_finished(inputs: DrainInputs, core: DrainCore, data: DrainTimer) -> None:
+    if not core.owner.running_generation_keys():
+        inputs._generations_over()
+
+
+@_d_finishing.upon(DrainInputs._timed_out).loop()
+def _drain_timed_out(inputs: DrainInputs, core: DrainCore, data: DrainTimer) -> None:
+    log.warn(
+        "drain timeout: cancelling {count} generations that are still running",
+        count=len(core.owner.running_generation_keys()),
+    )
+    core.owner.cancel_generations()
+
+
+@_d_finishing.upon(DrainInputs._generations_over).to(_d_settling)
+def _await_acks(inputs: DrainInputs, core: DrainCore, data: DrainTimer) -> None:
+    data.stop()
+    if not core.owner.unacked_events(core.keys):
+        inputs._settled()
+
+
+@_d_settling.upon(DrainInputs.acked).loop()
+def _an_ack(inputs: DrainInputs, core: DrainCore, data: DrainTimer) -> None:
+    if not core.owner.unacked_events(core.keys):
+        inputs._settled()
+
+
+def _finish_drain(core: DrainCore) -> None:
+    log.info(
+        "drained: {left} events left unacknowledged", left=core.owner.unacked_events(core.keys)
+    )
+    core.keys = frozenset()
+    waiters, core.waiters = core.waiters, []
+    for waiter in waiters:
+        waiter.callback(None)
+
+
+for _settle_input in (DrainInputs._settled, DrainInputs._timed_out):
+
+    @_d_settling.upon(_settle_input).to(_d_drained)
+    def _drained(inputs: DrainInputs, core: DrainCore, data: DrainTimer) -> None:
+        data.stop()
+        _finish_drain(core)
+
+
+for _running_state in (_d_finishing, _d_settling):
+
+    @_running_state.upon(DrainInputs.stopped).to(_d_drained)
+    def _stopped_draining(inputs: DrainInputs, core: DrainCore, data: DrainTimer) -> None:
+        data.stop()
+        _finish_drain(core)
+
+
+# Deliberately quiet pairs: generations and acks matter only in the phase that waits for them.
+_d_serving.upon(DrainInputs.generation_done).loop().returns(None)
+_d_serving.upon(DrainInputs.acked).loop().returns(None)
+_d_serving.upon(DrainInputs.stopped).loop().returns(None)
+_d_finishing.upon(DrainInputs.acked).loop().returns(None)
+_d_settling.upon(DrainInputs.generation_done).loop().returns(None)
+for _quiet_drain in (DrainInputs.generation_done, DrainInputs.acked, DrainInputs.stopped):
+    _d_drained.upon(_quiet_drain).loop().returns(None)
+
+DrainMachine = _drain.build()

@@ -1,16 +1,17 @@
-"""The node agent: the one owner that wires session state, machines, engine and connections.
+"""The node agent: the one owner that dispatches frames and wires sessions, machines and the engine.
 
-:class:`NodeAgent` holds what all connections of one node share (LINKF 6.1): the pure session
-state (:class:`~sfnode.agent_session.AgentSession`), each session's token context and
-sampling parameters, a lease machine per session, the running generations, and the busy-time
-rates.  It dispatches decoded frames (LINKF 6.3) and follows decision D2: nothing blocks the
-reactor, no frame is dropped, one connection may carry many generations, and a generation whose
-connection is gone keeps its events in the retry buffer for the next RECONCILE (which also moves
-the rest of the stream to the reconciling connection).
+:class:`NodeAgent` holds what all connections of one node share (docs/protocol.md section 7.1):
+the session records (:class:`~sfnode.agent_session.AgentSession`, each with its lease machine),
+the running generations (each with its generation machine), the drain machine and the busy-time
+load.  Every decoded frame goes to the handler registered for its message class in
+:data:`HANDLERS` (section 7.2), like AMP pairs a command with its responder.  It follows
+decision D2: nothing blocks the reactor, no frame is dropped, one connection may carry many
+generations, and a generation whose connection is gone keeps its events in the retry buffer for
+the next RECONCILE (which also moves the rest of the stream to the reconciling connection).
 
 It never decodes bytes itself beyond calling :mod:`sfnode.wire`, never touches a socket (it
-sends through :class:`~sfnode.protocol.NodeConnection`), and reads time only from the reactor it
-is given.
+sends through :class:`~sfnode.protocol.NodeConnection`), never builds a protocol factory (the
+tap does: ``sfnode.tap.node_factory``), and reads time only from the reactor it is given.
 
 Bounds (issue 5), each a :class:`~sfnode.config.NodeConfig` field: a generation whose retry
 buffer reaches ``max_unacked_events`` stops and fences its session; a generation whose head
@@ -22,21 +23,21 @@ generations a GENERATE_REQ is declined.  :meth:`NodeAgent.drain` is the SIGTERM 
 
 from __future__ import annotations
 
-import hmac
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import psutil
 from twisted.internet import defer
-from twisted.internet.interfaces import IDelayedCall, IProtocolFactory, IReactorTime
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from sfnode.admission import hello_refusal
 from sfnode.agent_session import RENEW_INTERVAL_MS, AgentSession
-from sfnode.capacity import BusyTimer, RateTracker
+from sfnode.capacity import NodeLoad
 from sfnode.config import COALESCE_MS, COALESCE_TOKENS, NodeConfig
 from sfnode.generation import (
     Engine,
@@ -47,16 +48,16 @@ from sfnode.generation import (
     StageForwardError,
     StageResult,
 )
+from sfnode.idempotency import GenerationKey
 from sfnode.machines import (
+    DrainCore,
+    DrainInputs,
+    DrainMachine,
     GenerationCore,
     GenerationInputs,
     GenerationMachine,
-    SessionCore,
-    SessionInputs,
-    SessionMachine,
 )
-from sfnode.noise import Role, secure_factory
-from sfnode.protocol import NodeConnection, NodeFactory
+from sfnode.protocol import NodeConnection, NodeProtocol
 from sfnode.wire import (
     FINISH_DECLINED,
     FINISH_REFUSED,
@@ -68,15 +69,12 @@ from sfnode.wire import (
     Frame,
     GenerateCancelMsg,
     GenerateReqMsg,
-    GenParams,
-    Hello,
     HelloAckF,
     LeaseGrantMsg,
     LeaseRenewMsg,
     LinkFLimits,
-    LinkRole,
     MemCountersMsg,
-    MsgType,
+    Message,
     NodeStatusMsg,
     ReconcileMsg,
     SessionAssignMsg,
@@ -88,21 +86,74 @@ from sfnode.wire import (
     Tokens,
     WatermarkAckMsg,
     WireError,
-    decode_frame,
+    decode_message,
     decode_params,
     decode_tokens,
-    negotiate,
 )
 
 log = Logger()
 
-SUPPORTED_VERSIONS = (PROTO_VERSION, PROTO_VERSION)
-
 REFUSED_SESSIONS_KEPT = 4096
 """How many sessions refused for max_sessions the node remembers (to answer FINISH_REFUSED)."""
 
-GenerationKey = tuple[int, int]
-"""(session_id, generation_id): how the node names a generation (LINKF 5.1)."""
+M = TypeVar("M", bound=Message)
+
+
+# ============================================================================================
+# The dispatch table
+
+
+@dataclass(frozen=True)
+class Handler(Generic[M]):
+    """One entry of the dispatch table: a message class and what the node does with it."""
+
+    message_class: type[M]
+    respond: Callable[[NodeAgent, NodeConnection, M], None]
+    lenient: bool
+    """True: a malformed payload is logged and ignored instead of closing the connection."""
+
+
+class HandlerTable:
+    """The node's responders, one per message class (section 7.2).
+
+    Types without an entry are ignored without decoding their payload.
+    """
+
+    def __init__(self) -> None:
+        self._by_type: dict[int, Handler[Any]] = {}
+
+    def handles(
+        self, message_class: type[M], *, lenient: bool = False
+    ) -> Callable[
+        [Callable[[NodeAgent, NodeConnection, M], None]],
+        Callable[[NodeAgent, NodeConnection, M], None],
+    ]:
+        """Register the decorated method as the node's responder to ``message_class``."""
+
+        def register(
+            respond: Callable[[NodeAgent, NodeConnection, M], None],
+        ) -> Callable[[NodeAgent, NodeConnection, M], None]:
+            if message_class.MSG_TYPE in self._by_type:
+                raise ValueError(f"{message_class.__name__} already has a handler")
+            self._by_type[message_class.MSG_TYPE] = Handler(message_class, respond, lenient)
+            return respond
+
+        return register
+
+    def get(self, msg_type: int) -> Handler[Any] | None:
+        return self._by_type.get(msg_type)
+
+    def message_classes(self) -> list[type[Message]]:
+        """Every handled message class, in catalog order."""
+        return [self._by_type[t].message_class for t in sorted(self._by_type)]
+
+
+HANDLERS = HandlerTable()
+handles = HANDLERS.handles
+
+
+# ============================================================================================
+# Generations
 
 
 @dataclass(eq=False)
@@ -124,12 +175,11 @@ class NodeGeneration:
             self.held.extend(tokens)
             cap = self.agent.config.max_held_tokens
             if cap and len(self.held) > cap:
-                session_id, generation_id = self.key
                 log.warn(
                     "stopped generation {generation} of session {session}: its head at {peer} "
                     "has not read for {count} tokens (max_held_tokens {cap})",
-                    generation=generation_id,
-                    session=session_id,
+                    generation=self.key.generation_id,
+                    session=self.key.session_id,
                     peer=connection.peer,
                     count=len(self.held),
                     cap=cap,
@@ -151,16 +201,17 @@ class NodeGeneration:
         self._emit(Finish(reason))
 
     def _emit(self, payload: Tokens | Finish) -> bool:
-        agent = self.agent
-        cap = agent.config.max_unacked_events
-        if cap and agent.session.unacked_events(*self.key) >= cap:
-            agent.give_up(
-                self.key[0],
-                f"generation {self.key[1]} has {cap} unacknowledged events "
+        sessions = self.agent.session
+        session_id, generation_id = self.key
+        cap = self.agent.config.max_unacked_events
+        if cap and sessions.unacked_events(session_id, generation_id) >= cap:
+            sessions.give_up(
+                session_id,
+                f"generation {generation_id} has {cap} unacknowledged events "
                 f"(max_unacked_events {cap})",
             )
             return False
-        batch = agent.session.emit(*self.key, payload)
+        batch = sessions.emit(session_id, generation_id, payload)
         if batch is None:
             return False
         self.connection.send(batch)
@@ -171,22 +222,17 @@ class NodeGeneration:
             self.engine_generation.cancel()
 
     def fail(self, reason: str) -> None:
-        session_id, generation_id = self.key
         self.connection.close(
-            f"generation {generation_id} of session {session_id} failed in the engine: {reason}"
+            f"generation {self.key.generation_id} of session {self.key.session_id} failed in "
+            f"the engine: {reason}"
         )
 
     def done(self) -> None:
         self.agent.generation_done(self)
 
 
-@dataclass(eq=False)
-class NodeSession:
-    """The node's side of one session beyond the pure state: its lease machine and home."""
-
-    machine: SessionInputs
-    home: NodeConnection | None = None
-    """The connection that last spoke for this session; renewals go there first."""
+# ============================================================================================
+# The node
 
 
 class NodeAgent:
@@ -196,60 +242,27 @@ class NodeAgent:
         self._reactor = reactor
         self.engine = engine
         self.config = config
-        self.session = AgentSession()
-        self.contexts: dict[int, array[int]] = {}
-        """Each session's token context, 4 bytes a token (at most one 16 MiB APPEND each)."""
-        self.params: dict[int, GenParams] = {}
-        self._sessions: dict[int, NodeSession] = {}
+        self.session: AgentSession[NodeConnection] = AgentSession(
+            reactor, owner=self, renew_interval_ms=RENEW_INTERVAL_MS
+        )
         self._generations: dict[GenerationKey, NodeGeneration] = {}
         self._connections: list[NodeConnection] = []
-        self._started_at = reactor.seconds()
-        self._busy = BusyTimer()
-        self._rates = RateTracker()
+        self._protocols: set[NodeProtocol] = set()
+        self._load = NodeLoad()
         self._host_memory_bytes = int(psutil.virtual_memory().total)
-        self._factory = NodeFactory(self, config.max_handshakes)
-        self._secure_factory = secure_factory(
-            self._factory,
-            config.auth_token,
-            role=Role.RESPONDER,
-            clock=reactor,
-            handshake_timeout_s=config.handshake_timeout_ms / 1000.0,
-            on_refused=self._refused,
-        )
-        self._refusal_observers: list[Callable[[str], None]] = []
         self._refused_sessions: OrderedDict[int, None] = OrderedDict()
         """Sessions whose ASSIGN was refused for max_sessions (newest last, bounded)."""
         self._at_generation_cap = False
-        self.draining = False
-        """True once :meth:`drain` started: every new GENERATE_REQ is declined."""
-        self._drain_phase: str | None = None
-        """None, then "generations" (waiting for them), "acks" (waiting for acks), "done"."""
-        self._drain_waiters: list[defer.Deferred[None]] = []
-        self._drain_timer: IDelayedCall | None = None
-        self._drain_keys: set[GenerationKey] = set()
+        self._drain: DrainInputs = DrainMachine(
+            DrainCore(
+                clock=reactor,
+                owner=self,
+                drain_timeout_ms=config.drain_timeout_ms,
+                ack_wait_ms=config.drain_ack_wait_ms,
+            )
+        )
 
     # ------------------------------------------------------------------ life cycle
-
-    def factory(self) -> IProtocolFactory:
-        """The protocol factory for listening or dialing; every connection shares this node.
-
-        With a fleet token it is the Noise responder around the node's factory (D10), in both
-        dial directions.
-        """
-        return self._secure_factory
-
-    @property
-    def node_factory(self) -> NodeFactory:
-        """The node's own factory inside any Noise wrapper (its connections, its limits)."""
-        return self._factory
-
-    def add_refusal_observer(self, observer: Callable[[str], None]) -> None:
-        """Call ``observer(peer)`` whenever a peer is refused for holding another token."""
-        self._refusal_observers.append(observer)
-
-    def _refused(self, peer: str) -> None:
-        for observer in list(self._refusal_observers):
-            observer(peer)
 
     def start(self) -> None:
         self.engine.start()
@@ -262,82 +275,27 @@ class NodeAgent:
         to ``drain_ack_wait_ms`` for the heads to acknowledge the final events.  Connections
         stay open throughout; :meth:`stop` closes them.  Calling it again joins the same drain.
         """
-        if self._drain_phase == "done":
-            return defer.succeed(None)
-        waiter: defer.Deferred[None] = defer.Deferred()
-        self._drain_waiters.append(waiter)
-        if self._drain_phase is None:
-            self.draining = True
-            self._drain_phase = "generations"
-            self._drain_keys = set(self._generations)
-            log.info(
-                "draining: declining new generations, letting {count} running ones finish "
-                "(up to {timeout} s)",
-                count=len(self._generations),
-                timeout=self.config.drain_timeout_ms / 1000.0,
-            )
-            if self._generations:
-                self._drain_timer = self._reactor.callLater(
-                    self.config.drain_timeout_ms / 1000.0, self._drain_timed_out
-                )
-            else:
-                self._drain_acks()
-        return waiter
-
-    def _drain_timed_out(self) -> None:
-        self._drain_timer = None
-        log.warn(
-            "drain timeout: cancelling {count} generations that are still running",
-            count=len(self._generations),
-        )
-        for generation in list(self._generations.values()):
-            generation.machine.cancel()
-
-    def _drain_acks(self) -> None:
-        """Every generation is over: wait briefly for the acknowledgements of their events."""
-        timer = self._drain_timer
-        self._drain_timer = None
-        if timer is not None and timer.active():
-            timer.cancel()
-        self._drain_phase = "acks"
-        if not self._unacked_drain_events():
-            self._drain_done()
-            return
-        self._drain_timer = self._reactor.callLater(
-            self.config.drain_ack_wait_ms / 1000.0, self._drain_done
-        )
-
-    def _unacked_drain_events(self) -> int:
-        return sum(self.session.unacked_events(*key) for key in self._drain_keys)
-
-    def _drain_done(self) -> None:
-        timer, self._drain_timer = self._drain_timer, None
-        if timer is not None and timer.active():
-            timer.cancel()
-        if self._drain_phase == "done":
-            return
-        log.info("drained: {left} events left unacknowledged", left=self._unacked_drain_events())
-        self._drain_phase = "done"
-        self._drain_keys = set()
-        waiters, self._drain_waiters = self._drain_waiters, []
-        for waiter in waiters:
-            waiter.callback(None)
+        return self._drain.drain()
 
     @defer.inlineCallbacks
     def stop(self) -> Generator[defer.Deferred[Any], Any, None]:
-        """Close every connection, stop every lease timer and the engine."""
-        timer, self._drain_timer = self._drain_timer, None
-        if timer is not None and timer.active():
-            timer.cancel()
-        yield self._factory.close_all("the node is stopping")
-        for node_session in self._sessions.values():
-            node_session.machine.ended()
-        self._sessions.clear()
+        """End any drain, close every connection, stop every lease timer and the engine."""
+        self._drain.stopped()
+        yield self.close_connections("the node is stopping")
+        self.session.stop_all()
         yield self.engine.stop()
 
+    def close_connections(self, reason: str) -> defer.Deferred[None]:
+        """Close every connection (in its handshake or not); fires once all of them are gone."""
+        protocols = list(self._protocols)
+        waiting = [p.lost for p in protocols]
+        for protocol in protocols:
+            protocol.close(reason)
+        return defer.gatherResults(waiting).addCallback(lambda _: None)
+
     def now_ms(self) -> int:
-        """Monotonic milliseconds since this node was created (LINKF 5.1)."""
-        return int((self._reactor.seconds() - self._started_at) * 1000)
+        """Monotonic milliseconds since this node was created (section 6.1)."""
+        return self.session.now_ms()
 
     @property
     def connections(self) -> Sequence[NodeConnection]:
@@ -345,8 +303,18 @@ class NodeAgent:
         return tuple(self._connections)
 
     @property
+    def protocols(self) -> frozenset[NodeProtocol]:
+        """Every transport of this node not yet lost, in its handshake or past it."""
+        return frozenset(self._protocols)
+
+    @property
     def running_generations(self) -> int:
         return len(self._generations)
+
+    @property
+    def contexts(self) -> Mapping[int, array[int]]:
+        """Each session's token context, for the sessions that have one."""
+        return {s.session_id: s.context for s in self.session if s.context is not None}
 
     # ------------------------------------------------------------------ ConnectionHost
 
@@ -366,16 +334,8 @@ class NodeAgent:
     def status_interval_ms(self) -> int:
         return self.config.status_interval_ms
 
-    def check_hello(self, hello: Hello) -> str | None:
-        """LINKF 4.3 step 2: version, then role, then the token in constant time."""
-        if negotiate(hello.proto_versions, SUPPORTED_VERSIONS) is None:
-            return f"no common proto version (offered {hello.proto_versions})"
-        if hello.link_role != LinkRole.HEAD_DAEMON:
-            return f"peer is not a head daemon (role {hello.link_role.name})"
-        token = self.config.auth_token
-        if token and not hmac.compare_digest(hello.auth, token):
-            return "unauthorized: its fleet token differs"
-        return None
+    def check_hello(self, frame: Frame) -> str | None:
+        return hello_refusal(frame, self.config.auth_token)
 
     def hello_ack(self) -> HelloAckF:
         return HelloAckF(
@@ -398,6 +358,12 @@ class NodeAgent:
             ),
         )
 
+    def protocol_opened(self, protocol: NodeProtocol) -> None:
+        self._protocols.add(protocol)
+
+    def protocol_closed(self, protocol: NodeProtocol) -> None:
+        self._protocols.discard(protocol)
+
     def connection_ready(self, connection: NodeConnection) -> None:
         self._connections.append(connection)
 
@@ -410,127 +376,107 @@ class NodeAgent:
 
     def connection_ended(self, connection: NodeConnection) -> None:
         self._connections.remove(connection)
-        for node_session in self._sessions.values():
-            if node_session.home is connection:
-                node_session.home = None
+        for session in self.session:
+            if session.home is connection:
+                session.home = None
 
     @property
     def rates(self) -> tuple[int, int]:
         """The latest busy-time (decode, prefill) tokens per second, without a new sample."""
-        return self._rates.decode_tokens_per_s, self._rates.prefill_tokens_per_s
+        rates = self._load.rates
+        return rates.decode_tokens_per_s, rates.prefill_tokens_per_s
 
     def capacity(self) -> CapacitySummary:
-        """A fresh capacity sample (LINKF 6.5 and decision D8)."""
-        now = self.now_ms()
-        stats = self.engine.statistics()
-        decode, prefill = self._rates.sample(
-            self._busy.busy_ms(now), stats.decoded_tokens, stats.prefilled_tokens
-        )
-        return CapacitySummary(
+        """A fresh capacity sample (section 7.5 and decision D8)."""
+        return self._load.summary(
+            self.now_ms(),
+            self.engine.statistics(),
             host_memory_bytes=self._host_memory_bytes,
-            active_sessions=len(self.contexts),
-            max_sessions=min(self.config.max_sessions, U32_MAX) or U32_MAX,
+            active_sessions=sum(1 for s in self.session if s.context is not None),
+            max_sessions=self.config.max_sessions,
             max_context_tokens=self.engine.context_window,
-            kv_blocks_used=stats.kv_blocks_used,
-            kv_blocks_total=stats.kv_blocks_total,
-            lanes_active=stats.lanes_active,
             max_lanes=self.config.max_lanes,
-            queue_depth=stats.queue_depth,
-            decode_tokens_per_s=decode,
-            prefill_tokens_per_s=prefill,
-            sampled_at_ms=now,
         )
 
-    # ------------------------------------------------------------------ dispatch (LINKF 6.3)
+    # ------------------------------------------------------------------ dispatch (7.2)
 
     def serve(self, connection: NodeConnection, frame: Frame) -> None:
         """Handle one frame of a connection past its handshake.
 
-        Raises :class:`WireError` for a malformed payload of a handled type; the connection
-        then closes itself.  Types the node does not handle are dropped undecoded.
+        Raises :class:`WireError` for a malformed payload of a handled type (unless its
+        handler is lenient); the connection then closes itself.  Types without a handler are
+        dropped undecoded.
         """
-        handler = self._HANDLERS.get(frame.msg_type)
+        handler = HANDLERS.get(frame.msg_type)
         if handler is None:
             return
-        if frame.msg_type == MsgType.GENERATE_CANCEL:
-            try:
-                message = decode_frame(frame)
-            except WireError as e:
-                log.warn("ignored a malformed GENERATE_CANCEL: {error}", error=e)
-                return
-        else:
-            message = decode_frame(frame)
-        handler(self, connection, message)
+        try:
+            message = decode_message(frame.msg_type, frame.payload)
+        except WireError as e:
+            if not handler.lenient:
+                raise
+            log.warn(
+                "ignored a malformed {name}: {error}",
+                name=handler.message_class.MSG_TYPE.name,
+                error=e,
+            )
+            return
+        handler.respond(self, connection, message)
 
+    @handles(ReconcileMsg)
     def _on_reconcile(self, connection: NodeConnection, msg: ReconcileMsg) -> None:
-        fenced_before = {s for s in self.session.session_ids() if self.session.is_fenced(s)}
-        ack, retransmissions = self.session.on_reconcile(msg, self.now_ms())
+        ack, retransmissions = self.session.on_reconcile(msg)
         connection.send(ack)
         for batch in retransmissions:
             connection.send(batch)
         for entry in ack.sessions:
-            node_session = self._sessions.get(entry.session_id)
-            if node_session is None:
-                continue
-            if entry.held:
-                node_session.home = connection
+            session = self.session.get(entry.session_id)
+            if entry.held and session is not None:
+                session.home = connection
                 for generation in self._generations_of(entry.session_id):
                     generation.connection = connection
-            elif entry.session_id not in fenced_before and self.session.is_fenced(entry.session_id):
-                node_session.machine.superseded()
 
+    @handles(SessionAssignMsg)
     def _on_assign(self, connection: NodeConnection, msg: SessionAssignMsg) -> None:
         cap = self.config.max_sessions
-        if cap and not self.session.has_session(msg.session_id):
-            if len(self.session.session_ids()) >= cap:
-                # Silent, as every refused ASSIGN (LINKF 6.3); its GENERATE_REQs are REFUSED.
-                if msg.session_id not in self._refused_sessions:
-                    log.warn(
-                        "refused session {session}: this node holds max_sessions={cap} sessions",
-                        session=msg.session_id,
-                        cap=cap,
-                    )
-                self._refused_sessions[msg.session_id] = None
-                self._refused_sessions.move_to_end(msg.session_id)
-                while len(self._refused_sessions) > REFUSED_SESSIONS_KEPT:
-                    self._refused_sessions.popitem(last=False)
-                return
-        if not self.session.on_assign(msg, self.now_ms()):
+        if cap and not self.session.has_session(msg.session_id) and len(self.session) >= cap:
+            # Silent, as every refused ASSIGN (section 7.2); its GENERATE_REQs are REFUSED.
+            if msg.session_id not in self._refused_sessions:
+                log.warn(
+                    "refused session {session}: this node holds max_sessions={cap} sessions",
+                    session=msg.session_id,
+                    cap=cap,
+                )
+            self._refused_sessions[msg.session_id] = None
+            self._refused_sessions.move_to_end(msg.session_id)
+            while len(self._refused_sessions) > REFUSED_SESSIONS_KEPT:
+                self._refused_sessions.popitem(last=False)
+            return
+        session = self.session.on_assign(msg)
+        if session is None:
             return
         self._refused_sessions.pop(msg.session_id, None)
-        self.params[msg.session_id] = decode_params(msg.params)
-        node_session = self._sessions.get(msg.session_id)
-        if node_session is None:
-            machine = SessionMachine(
-                SessionCore(
-                    clock=self._reactor,
-                    owner=self,
-                    session_id=msg.session_id,
-                    renew_interval_ms=RENEW_INTERVAL_MS,
-                )
-            )
-            node_session = self._sessions[msg.session_id] = NodeSession(machine)
-        node_session.home = connection
-        node_session.machine.lease_started(msg.lease.duration_ms, msg.lease.renew_by_ms)
+        session.params = decode_params(msg.params)
+        session.home = connection
 
+    @handles(SessionRevokeMsg)
     def _on_revoke(self, connection: NodeConnection, msg: SessionRevokeMsg) -> None:
-        if not self.session.on_revoke(msg):
-            return
-        self._forget(msg.session_id)
-        node_session = self._sessions.pop(msg.session_id, None)
-        if node_session is not None:
-            node_session.machine.ended()
+        if self.session.on_revoke(msg) is not None:
+            self._cancel_generations_of(msg.session_id)
 
+    @handles(AppendContentMsg)
     def _on_append(self, connection: NodeConnection, msg: AppendContentMsg) -> None:
-        if not self.session.on_append(msg.session_id, msg.epoch, msg.command_id):
+        session = self.session.on_append(msg.session_id, msg.epoch, msg.command_id)
+        if session is None:
             return
-        self._note_home(msg.session_id, connection)
+        session.home = connection
         # Strict: a malformed context is fatal to the connection, after the command was
-        # recorded (LINKF 6.3).
-        self.contexts[msg.session_id] = array("I", decode_tokens(msg.blocks))
+        # recorded (section 7.2).
+        session.context = array("I", decode_tokens(msg.blocks))
 
+    @handles(GenerateReqMsg)
     def _on_generate(self, connection: NodeConnection, msg: GenerateReqMsg) -> None:
-        if self.draining:
+        if not self._drain.accepting():
             self._answer_at_once(connection, msg, FINISH_DECLINED)
             return
         cap = self.config.max_generations
@@ -541,23 +487,34 @@ class NodeAgent:
             self._answer_at_once(connection, msg, FINISH_DECLINED)
             return
         self._at_generation_cap = False
-        if not self.session.on_generate(msg):
+        session = self.session.on_generate(msg)
+        if session is None:
             refused = msg.session_id in self._refused_sessions and not self.session.has_session(
                 msg.session_id
             )
             self._answer_at_once(connection, msg, FINISH_REFUSED if refused else FINISH_DECLINED)
             return
-        self._note_home(msg.session_id, connection)
-        self._start_generation(connection, msg)
+        session.home = connection
+        self._start_generation(
+            connection,
+            msg,
+            GenerationRequest(
+                context=tuple(session.context or ()),
+                params=session.params,
+                max_new=min(msg.budgets.max_new_tokens, U32_MAX),
+                max_wall_ms=msg.budgets.max_wall_ms,
+            ),
+        )
 
     def _answer_at_once(self, connection: NodeConnection, msg: GenerateReqMsg, reason: int) -> None:
-        """A Finish sent at once, bypassing the retry buffer and the event seqs (LINKF 6.4)."""
+        """A Finish sent at once, bypassing the retry buffer and the event seqs (section 7.3)."""
         connection.send(
             TokenEventsMsg(
                 (TokenEvent(msg.session_id, msg.epoch, msg.generation_id, 0, Finish(reason)),)
             )
         )
 
+    @handles(StageForwardReqMsg)
     def _on_stage_forward(self, connection: NodeConnection, msg: StageForwardReqMsg) -> None:
         def answer(result: StageResult) -> None:
             connection.send(StageForwardRespMsg(msg.request_id, result.hidden, result.token))
@@ -577,45 +534,34 @@ class NodeAgent:
             msg.tokens, msg.start_layer, msg.end_layer, msg.hidden_in
         ).addCallbacks(answer, refuse)
 
+    @handles(WatermarkAckMsg)
     def _on_watermark_ack(self, connection: NodeConnection, msg: WatermarkAckMsg) -> None:
         self.session.on_watermark_ack(msg)
-        if self._drain_phase == "acks" and not self._unacked_drain_events():
-            self._drain_done()
+        self._drain.acked()
 
+    @handles(LeaseGrantMsg)
     def _on_lease_grant(self, connection: NodeConnection, msg: LeaseGrantMsg) -> None:
-        if self.session.on_lease_grant(msg, self.now_ms()):
-            node_session = self._sessions.get(msg.session_id)
-            if node_session is not None:
-                node_session.machine.lease_started(msg.duration_ms, msg.renew_by_ms)
+        self.session.on_lease_grant(msg)
 
+    @handles(GenerateCancelMsg, lenient=True)
     def _on_cancel(self, connection: NodeConnection, msg: GenerateCancelMsg) -> None:
-        generation = self._generations.get((msg.session_id, msg.generation_id))
+        generation = self._generations.get(GenerationKey(msg.session_id, msg.generation_id))
         if generation is not None:
             generation.machine.cancel()
 
-    _HANDLERS: dict[int, Callable[[NodeAgent, NodeConnection, Any], None]] = {
-        MsgType.RECONCILE: _on_reconcile,
-        MsgType.SESSION_ASSIGN: _on_assign,
-        MsgType.SESSION_REVOKE: _on_revoke,
-        MsgType.APPEND_CONTENT: _on_append,
-        MsgType.GENERATE_REQ: _on_generate,
-        MsgType.STAGE_FORWARD_REQ: _on_stage_forward,
-        MsgType.WATERMARK_ACK: _on_watermark_ack,
-        MsgType.LEASE_GRANT: _on_lease_grant,
-        MsgType.GENERATE_CANCEL: _on_cancel,
-    }
+    # ------------------------------------------------------------------ generations (7.3)
 
-    # ------------------------------------------------------------------ generations (6.4)
-
-    def _start_generation(self, connection: NodeConnection, msg: GenerateReqMsg) -> None:
-        key = (msg.session_id, msg.generation_id)
+    def _start_generation(
+        self, connection: NodeConnection, msg: GenerateReqMsg, request: GenerationRequest
+    ) -> None:
+        key = GenerationKey(msg.session_id, msg.generation_id)
         previous = self._generations.get(key)
         if previous is not None:
             # The same generation id again with a fresh command: the entry (and its event
-            # sequence) continues (LINKF 5.3.4); the older run stops sending.
+            # sequence) continues (section 6.2); the older run stops sending.
             previous.machine.cancel()
         generation = NodeGeneration(self, key, connection)
-        generation.machine = GenerationMachine(
+        machine = generation.machine = GenerationMachine(
             GenerationCore(
                 clock=self._reactor,
                 owner=generation,
@@ -624,14 +570,7 @@ class NodeAgent:
             )
         )
         self._generations[key] = generation
-        self._busy.started(self.now_ms())
-        request = GenerationRequest(
-            context=tuple(self.contexts.get(msg.session_id, ())),
-            params=self.params.get(msg.session_id, GenParams()),
-            max_new=min(msg.budgets.max_new_tokens, U32_MAX),
-            max_wall_ms=msg.budgets.max_wall_ms,
-        )
-        machine = generation.machine
+        self._load.busy.started(self.now_ms())
         engine_generation = self.engine.submit(request, machine.tokens)
         generation.engine_generation = engine_generation
 
@@ -645,7 +584,7 @@ class NodeAgent:
                 )
                 machine.refused()
             else:
-                log.failure("generation {key} failed in the engine", failure, key=key)
+                log.failure("generation {key} failed in the engine", failure, key=tuple(key))
                 machine.failed(failure.getErrorMessage())
 
         def finished(result: GenerationResult) -> None:
@@ -654,55 +593,54 @@ class NodeAgent:
         engine_generation.result.addCallbacks(finished, failed)
 
     def generation_done(self, generation: NodeGeneration) -> None:
-        self._busy.stopped(self.now_ms())
+        self._load.busy.stopped(self.now_ms())
         if self._generations.get(generation.key) is generation:
             del self._generations[generation.key]
-        if self._drain_phase == "generations" and not self._generations:
-            self._drain_acks()
-
-    def give_up(self, session_id: int, reason: str) -> None:
-        """Fence a session because a bound was reached, and forget its context (issue 5)."""
-        if not self.session.fence(session_id):
-            return
-        log.warn("fenced session {session}: {reason}", session=session_id, reason=reason)
-        self.contexts.pop(session_id, None)
-        self.params.pop(session_id, None)
-        node_session = self._sessions.get(session_id)
-        if node_session is not None:
-            node_session.machine.superseded()
+        self._drain.generation_done()
 
     def _generations_of(self, session_id: int) -> list[NodeGeneration]:
-        return [g for (s, _), g in self._generations.items() if s == session_id]
+        return [g for key, g in self._generations.items() if key.session_id == session_id]
+
+    def _cancel_generations_of(self, session_id: int) -> None:
+        for generation in self._generations_of(session_id):
+            generation.machine.cancel()
 
     # ------------------------------------------------------------------ SessionOwner
 
     def send_renew(self, session_id: int) -> None:
-        epoch = self.session.session_epoch(session_id)
-        if epoch is None:
+        """A lease machine asks for a grant: to the session's home, else the first connection."""
+        session = self.session.get(session_id)
+        if session is None:
             return
-        node_session = self._sessions.get(session_id)
-        home = node_session.home if node_session is not None else None
+        home = session.home
         targets = [home] if home is not None and home.open else self._connections[:1]
         for connection in targets:
-            connection.send(LeaseRenewMsg(session_id, epoch))
+            connection.send(LeaseRenewMsg(session_id, session.epoch))
 
-    def self_fence(self, session_id: int) -> None:
-        for action in self.session.poll(self.now_ms()):
-            log.warn(
-                "session {session} fenced itself: its lease expired", session=action.session_id
-            )
-            self._forget(action.session_id)
+    def self_fenced(self, session_id: int) -> None:
+        """That session's lease expired (its machine fenced it): forget its context and stop
+        its generations; its record and unacknowledged events stay (section 6.4)."""
+        log.warn("session {session} fenced itself: its lease expired", session=session_id)
+        session = self.session.get(session_id)
+        if session is not None:
+            session.forget_context()
+        self._cancel_generations_of(session_id)
 
-    # ------------------------------------------------------------------ helpers
+    def gave_up(self, session_id: int, reason: str) -> None:
+        """That session's machine fenced it because a bound was reached: forget its context."""
+        log.warn("fenced session {session}: {reason}", session=session_id, reason=reason)
+        session = self.session.get(session_id)
+        if session is not None:
+            session.forget_context()
 
-    def _note_home(self, session_id: int, connection: NodeConnection) -> None:
-        node_session = self._sessions.get(session_id)
-        if node_session is not None:
-            node_session.home = connection
+    # ------------------------------------------------------------------ DrainOwner
 
-    def _forget(self, session_id: int) -> None:
-        """Drop a session's context and parameters and stop its running generations."""
-        self.contexts.pop(session_id, None)
-        self.params.pop(session_id, None)
-        for generation in self._generations_of(session_id):
+    def running_generation_keys(self) -> frozenset[GenerationKey]:
+        return frozenset(self._generations)
+
+    def cancel_generations(self) -> None:
+        for generation in list(self._generations.values()):
             generation.machine.cancel()
+
+    def unacked_events(self, keys: frozenset[GenerationKey]) -> int:
+        return sum(self.session.unacked_events(*key) for key in keys)

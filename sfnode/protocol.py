@@ -1,9 +1,10 @@
 """The node's Twisted protocol: Link F bytes in, frames to the connection machine; messages out.
 
 :class:`NodeProtocol` only frames: it feeds bytes to a :class:`~sfnode.wire.FrameDecoder`, hands
-HELLO and every other frame to its :class:`NodeConnection`, and writes framed messages with a
-per-connection ``seq``.  A bad frame closes this one connection with a logged reason; it never
-raises out of ``dataReceived`` and never touches another connection or the shared node state.
+every frame (HELLO frames marked as such, none of them decoded) to its :class:`NodeConnection`,
+and writes framed messages with a per-connection ``seq``.  A bad frame closes this one
+connection with a logged reason; it never raises out of ``dataReceived`` and never touches
+another connection or the shared node state.
 
 Back-pressure: each :class:`NodeProtocol` is the streaming producer of its own transport.  When
 the head stops reading and the transport's write buffer passes its limit, the protocol is
@@ -13,7 +14,8 @@ of writing them.  A connection closed while paused is aborted, not drained, so a
 never reads cannot keep it open.
 
 Admission: :class:`NodeFactory` refuses (closes at once) a connection when ``max_handshakes``
-connections of its listener are still in their handshake (LINKF 4.6: 64 by default).
+connections of its listener are still in their handshake (docs/protocol.md section 5.3: 64 by
+default).  The tap builds the factories (and their Noise wrapper): ``sfnode.tap.node_factory``.
 
 :class:`NodeConnection` is the per-connection owner of the connection machine
 (``sfnode.machines``); what a frame *means* is decided by the node (:class:`ConnectionHost`,
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 from typing import Protocol as TypingProtocol
 
-from twisted.internet.defer import Deferred, gatherResults
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IAddress, IReactorTime, ITCPTransport
 from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.logger import Logger
@@ -32,16 +34,7 @@ from twisted.python.failure import Failure
 
 from sfnode.config import DEFAULT_MAX_HANDSHAKES
 from sfnode.machines import ConnectionCore, ConnectionInputs, ConnectionMachine
-from sfnode.wire import (
-    Frame,
-    FrameDecoder,
-    Hello,
-    Message,
-    MsgType,
-    WireError,
-    decode_frame,
-    message_frame,
-)
+from sfnode.wire import Frame, FrameDecoder, Message, MsgType, WireError, message_frame
 
 log = Logger()
 
@@ -61,7 +54,8 @@ class ConnectionHost(TypingProtocol):
     @property
     def status_interval_ms(self) -> int: ...
 
-    def check_hello(self, hello: Hello) -> str | None: ...
+    def check_hello(self, frame: Frame) -> str | None:
+        """Decode and check a HELLO frame: None when accepted, else why not."""
 
     def hello_ack(self) -> Message: ...
 
@@ -69,6 +63,12 @@ class ConnectionHost(TypingProtocol):
 
     def serve(self, connection: NodeConnection, frame: Frame) -> None:
         """Handle one frame; may raise :class:`WireError` for a malformed payload."""
+
+    def protocol_opened(self, protocol: NodeProtocol) -> None:
+        """A transport is up (handshake not done yet): the node can close it when it stops."""
+
+    def protocol_closed(self, protocol: NodeProtocol) -> None:
+        """That transport is gone."""
 
     def connection_ready(self, connection: NodeConnection) -> None: ...
 
@@ -115,8 +115,8 @@ class NodeConnection:
 
     # ConnectionOwner
 
-    def check_hello(self, hello: Hello) -> str | None:
-        return self._host.check_hello(hello)
+    def check_hello(self, frame: Frame) -> str | None:
+        return self._host.check_hello(frame)
 
     def send_hello_ack(self) -> None:
         self.ready = True
@@ -181,6 +181,7 @@ class NodeProtocol(Protocol):
         assert self.transport is not None
         self.transport.registerProducer(self, True)  # type: ignore[attr-defined]
         self.connection = NodeConnection(self._host, self)
+        self._host.protocol_opened(self)
         self.connection.machine.connected()
 
     # IPushProducer: the transport says when the head stops and resumes reading.
@@ -221,13 +222,7 @@ class NodeProtocol(Protocol):
             if self._closing:
                 return
             if frame.msg_type == MsgType.HELLO:
-                try:
-                    hello = decode_frame(frame)
-                except WireError as e:
-                    self.close(f"malformed HELLO: {e}")
-                    return
-                assert isinstance(hello, Hello)
-                machine.hello(hello)
+                machine.hello(frame)
             else:
                 machine.frame(frame)
         if error is not None:
@@ -241,6 +236,8 @@ class NodeProtocol(Protocol):
         finally:
             if isinstance(self.factory, NodeFactory):
                 self.factory.protocols.discard(self)
+            if self.connection is not None:
+                self._host.protocol_closed(self)
             self.lost.callback(None)
 
     def send_message(self, message: Message) -> bool:
@@ -271,8 +268,9 @@ class NodeProtocol(Protocol):
 class NodeFactory(Factory):
     """Builds a :class:`NodeProtocol` per connection, all sharing one node.
 
-    A connection arriving while ``max_handshakes`` others are still in their handshake (Noise
-    and HELLO) gets no protocol: Twisted closes it at once (LINKF 4.6).  0 means no limit.
+    A connection arriving while ``max_handshakes`` others of this factory are still in their
+    handshake (Noise and HELLO) gets no protocol: Twisted closes it at once (docs/protocol.md
+    section 5.3).  0 means no limit.
     """
 
     noisy = False
@@ -281,7 +279,7 @@ class NodeFactory(Factory):
         self.host = host
         self.max_handshakes = max_handshakes
         self.protocols: set[NodeProtocol] = set()
-        """Every connection not yet lost, handshaken or not."""
+        """Every connection of this factory not yet lost, handshaken or not."""
 
     def handshaking(self) -> int:
         """Connections not lost and not past their handshake."""
@@ -299,10 +297,3 @@ class NodeFactory(Factory):
         protocol.factory = self
         self.protocols.add(protocol)
         return protocol
-
-    def close_all(self, reason: str) -> Deferred[None]:
-        """Close every connection; fires when all of them are gone."""
-        waiting = [p.lost for p in list(self.protocols)]
-        for protocol in list(self.protocols):
-            protocol.close(reason)
-        return gatherResults(waiting).addCallback(lambda _: None)

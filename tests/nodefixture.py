@@ -11,13 +11,15 @@ from typing import Any
 
 from twisted.internet import defer, reactor
 from twisted.internet.endpoints import TCP4ServerEndpoint
-from twisted.internet.interfaces import IListeningPort
+from twisted.internet.interfaces import IListeningPort, IProtocolFactory
 from twisted.trial.unittest import TestCase
 
 from sfnode.config import NodeConfig
 from sfnode.generation import MockEngine, mock_next_token
 from sfnode.head.link import HeadIds, NodeLink, connect_node
 from sfnode.node import NodeAgent
+from sfnode.protocol import NodeFactory
+from sfnode.tap import node_factory
 
 
 def expected_tokens(context: Sequence[int], count: int) -> list[int]:
@@ -34,10 +36,25 @@ def expected_tokens(context: Sequence[int], count: int) -> list[int]:
 class RunningNode:
     """A node listening on 127.0.0.1 with a free port."""
 
-    def __init__(self, agent: NodeAgent, engine: MockEngine, port: IListeningPort) -> None:
+    def __init__(
+        self,
+        agent: NodeAgent,
+        engine: MockEngine,
+        port: IListeningPort,
+        factory: IProtocolFactory | None = None,
+    ) -> None:
         self.agent = agent
         self.engine = engine
         self.port = port
+        self.factory = factory
+        """The factory it listens with (``sfnode.tap.node_factory``), Noise wrapper included."""
+
+    @property
+    def node_factory(self) -> NodeFactory:
+        """The node's own factory inside any Noise wrapper (its connections, its limits)."""
+        factory = getattr(self.factory, "wrappedFactory", self.factory)
+        assert isinstance(factory, NodeFactory)
+        return factory
 
     @property
     def endpoint(self) -> str:
@@ -80,11 +97,12 @@ class NodeTestCase(TestCase):
             NodeConfig(identity=identity, model_name="mock", max_lanes=max_lanes, **config),
         )
         agent.start()
-        port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(agent.factory())
+        factory = node_factory(agent)
+        port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(factory)
         # Cleanups run last-in first-out: links close, then the port, then the node.
         self.addCleanup(agent.stop)
         self.addCleanup(port.stopListening)
-        return RunningNode(agent, engine, port)
+        return RunningNode(agent, engine, port, factory)
 
     @defer.inlineCallbacks
     def dial(

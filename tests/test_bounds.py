@@ -101,7 +101,7 @@ class BoundsTestCase(NodeTestCase):
 
 
 def node_protocol(node: Any) -> NodeProtocol:
-    (protocol,) = node.agent.node_factory.protocols
+    (protocol,) = node.agent.protocols
     assert isinstance(protocol, NodeProtocol)
     return protocol
 

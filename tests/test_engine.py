@@ -438,7 +438,7 @@ class LimitTests(EngineTestCase):
         """A prompt longer than the window fails with StreamTooLong (both numbers), no token."""
         d, rec = self.run_one(list(range(3, 3 + 65)), 10)
         error = yield self.assertFailure(d, StreamTooLong)
-        self.assertEqual((error.prompt_tokens, error.max_tokens), (65, 64))
+        self.assertEqual((error.length, error.max), (65, 64))
         self.assertEqual(rec.batches, [])
 
     @defer.inlineCallbacks

@@ -30,6 +30,7 @@ from sfnode.head.fleet import (
 )
 from sfnode.head.pipeline import PipelineFleet, check_boundaries, even_boundaries
 from sfnode.node import NodeAgent
+from sfnode.tap import node_factory
 from sfnode.wire import FINISH_CANCELLED, FINISH_LENGTH, CapacitySummary
 from tests.nodefixture import NodeTestCase, RunningNode, expected_tokens
 
@@ -66,7 +67,7 @@ class FleetTestCase(NodeTestCase):
         )
         agent.start()
         listening = yield TCP4ServerEndpoint(reactor, port, interface="127.0.0.1").listen(
-            agent.factory()
+            node_factory(agent)
         )
         self.addCleanup(agent.stop)
         self.addCleanup(listening.stopListening)
@@ -76,7 +77,7 @@ class FleetTestCase(NodeTestCase):
     def relisten(self, node: RunningNode, port: int) -> Generator[defer.Deferred[Any], Any, None]:
         """Listen again on a stopped node's old port (the node 'answers' again)."""
         node.port = yield TCP4ServerEndpoint(reactor, port, interface="127.0.0.1").listen(
-            node.agent.factory()
+            node_factory(node.agent)
         )
         self.addCleanup(node.port.stopListening)
 
@@ -202,7 +203,7 @@ class OneNodeTests(FleetTestCase):
             streamed.extend(tokens)
             if len(streamed) >= 5 and not dropped:
                 dropped.append(True)
-                reactor.callLater(0, node.agent.factory().close_all, "test drop")
+                reactor.callLater(0, node.agent.close_connections, "test drop")
 
         outcome = yield fleet.generate(PROMPT, 30, on_tokens=seen).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 30))
@@ -223,13 +224,14 @@ class OneNodeTests(FleetTestCase):
         agent.start()
         self.addCleanup(agent.stop)
         joined = fleet.next_join()
-        yield TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port).connect(agent.factory())
+        dial = TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port)
+        yield dial.connect(node_factory(agent))
         node = yield joined
         self.assertEqual(node.name, "dialer")
         outcome = yield fleet.generate(PROMPT, 12).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 12))
         self.assertEqual([n.name for n in fleet.live_nodes()], ["dialer"])
-        yield agent.factory().close_all("leaving")
+        yield agent.close_connections("leaving")
         yield node.link.when_closed()
         self.assertEqual(fleet.live_nodes(), [])
 

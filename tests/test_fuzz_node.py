@@ -304,11 +304,7 @@ class FuzzTests(NodeTestCase):
         self.assertGreater(len(good_runs), 0)
         # Every fuzz connection is gone on the node's side too; the good one is left.
         yield defer.gatherResults(
-            [
-                p.lost
-                for p in node.agent.node_factory.protocols
-                if p.connection is not good_connection
-            ]
+            [p.lost for p in node.agent.protocols if p.connection is not good_connection]
         )
         self.assertEqual(node.agent.connections, (good_connection,))
         fresh = yield self.dial(node)

@@ -26,6 +26,7 @@ from sfnode.generation import EngineStop, MockEngine, mock_next_token
 from sfnode.head.fleet import Fleet
 from sfnode.head.http import Detokenizer, OpenAIApi, Renderer, StopText
 from sfnode.node import NodeAgent
+from sfnode.tap import node_factory
 from tests.nodefixture import NodeTestCase, RunningNode
 from tests.tinymodel import TINY_VOCAB, tiny_tokenizer
 
@@ -75,7 +76,8 @@ class HttpTestCase(NodeTestCase):
             )
         agent = NodeAgent(reactor, engine, NodeConfig(identity=identity, model_name=model_name))
         agent.start()
-        port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(agent.factory())
+        endpoint = TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1")
+        port = yield endpoint.listen(node_factory(agent))
         self.addCleanup(agent.stop)
         self.addCleanup(port.stopListening)
         return RunningNode(agent, engine, port)

@@ -13,9 +13,9 @@ from sfnode.idempotency import (
     Accepted,
     AlreadyCommitted,
     CommandTable,
+    DedupKey,
     EventDedup,
     Gap,
-    GenerationKey,
     LeaseClock,
     RetryBuffer,
     StaleEpoch,
@@ -215,7 +215,7 @@ class EventDedupTests(SynchronousTestCase):
     def test_contiguous_accept(self) -> None:
         """Seqs 0, 1, 2 in order are all Accepted and the watermark is 2 (item 5)."""
         dedup = EventDedup()
-        key = GenerationKey(1, 1, 1)
+        key = DedupKey(1, 1, 1)
         for seq in range(3):
             self.assertEqual(dedup.accept(key, seq), Accepted())
         self.assertEqual(dedup.watermark(key), 2)

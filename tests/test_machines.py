@@ -1,16 +1,25 @@
-"""Each machine of ``sfnode.machines`` alone, with a recording owner and a ``Clock``."""
+"""Each machine of ``sfnode.machines`` alone, with a recording owner and a ``Clock``.
+
+The lease machine is also driven through the session rules that build it, exactly as the node
+runs it, in tests/test_agent_session.py.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.generation import EngineStop, GenerationResult
+from sfnode.idempotency import GenerationKey, LeaseClock
 from sfnode.machines import (
     ConnectionCore,
     ConnectionMachine,
+    DrainCore,
+    DrainMachine,
     GenerationCore,
     GenerationMachine,
     SessionCore,
@@ -29,7 +38,7 @@ from sfnode.wire import (
     MsgType,
 )
 
-HELLO = Hello((2, 2), LinkRole.HEAD_DAEMON, b"")
+HELLO = Frame(int(MsgType.HELLO), 1, Hello((2, 2), LinkRole.HEAD_DAEMON, b"").payload())
 FRAME = Frame(int(MsgType.WATERMARK_ACK), 1, b"")
 
 
@@ -40,7 +49,7 @@ class RecordingConnection:
         self.refuse = refuse
         self.log: list[str] = []
 
-    def check_hello(self, hello: Hello) -> str | None:
+    def check_hello(self, frame: Frame) -> str | None:
         self.log.append("check_hello")
         return self.refuse
 
@@ -147,81 +156,149 @@ class ConnectionMachineTests(SynchronousTestCase):
         )
 
 
+@dataclass
+class Lease:
+    """The part of a session record the lease machine reads and writes."""
+
+    session_id: int
+    lease: LeaseClock
+    fenced: bool = False
+
+
 class RecordingSession:
-    def __init__(self) -> None:
+    """Records what a lease machine asks of its owner, with the time it asked."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
         self.log: list[tuple[str, float]] = []
-        self.clock: Clock | None = None
 
     def send_renew(self, session_id: int) -> None:
-        assert self.clock is not None
         self.log.append(("renew", round(self.clock.seconds(), 3)))
 
-    def self_fence(self, session_id: int) -> None:
-        assert self.clock is not None
+    def self_fenced(self, session_id: int) -> None:
         self.log.append(("fence", round(self.clock.seconds(), 3)))
+
+    def gave_up(self, session_id: int, reason: str) -> None:
+        self.log.append((f"gave up: {reason}", round(self.clock.seconds(), 3)))
 
 
 class SessionMachineTests(SynchronousTestCase):
-    def build(self) -> tuple[Clock, RecordingSession, object]:
+    def build(self) -> tuple[Clock, RecordingSession, Lease, object]:
         clock = Clock()
-        owner = RecordingSession()
-        owner.clock = clock
-        return clock, owner, SessionMachine(SessionCore(clock, owner, 7, 1000))
+        owner = RecordingSession(clock)
+        record = Lease(7, LeaseClock(0, 0, 0))
+
+        def now_ms() -> int:
+            return int(clock.seconds() * 1000)
+
+        machine = SessionMachine(SessionCore(clock, now_ms, owner, record, 1000))
+        return clock, owner, record, machine
+
+    def lease(self, clock: Clock, record: Lease, duration_ms: int, renew_by_ms: int) -> None:
+        """What the session rules do before telling the machine: store the lease as received."""
+        record.lease = LeaseClock(int(clock.seconds() * 1000), duration_ms, renew_by_ms)
 
     def test_renewals_are_throttled_then_the_lease_fences(self) -> None:
         """Lease 10000/8000: renew at 8 s, again once a second (D3), self-fence at 10 s."""
-        clock, owner, machine = self.build()
-        machine.lease_started(10_000, 8_000)  # type: ignore[attr-defined]
-        clock.advance(8.0)
+        clock, owner, record, machine = self.build()
+        self.lease(clock, record, 10_000, 8_000)
+        machine.assigned()  # type: ignore[attr-defined]
+        clock.advance(7.999)
         self.assertEqual(owner.log, [])
         clock.advance(0.001)
-        self.assertEqual(owner.log, [("renew", 8.001)])
+        self.assertEqual(owner.log, [("renew", 8.0)])
         clock.advance(0.999)
-        self.assertEqual(owner.log, [("renew", 8.001)])
+        self.assertEqual(owner.log, [("renew", 8.0)])
         clock.advance(0.001)
+        self.assertFalse(record.fenced)
         clock.advance(1.0)
-        self.assertEqual(owner.log, [("renew", 8.001), ("renew", 9.001), ("fence", 10.001)])
+        self.assertEqual(owner.log, [("renew", 8.0), ("renew", 9.0), ("fence", 10.0)])
+        self.assertTrue(record.fenced)
         self.assertEqual(clock.getDelayedCalls(), [])
 
     def test_grant_restarts_the_lease(self) -> None:
         """A grant in the renew window restarts both timers from the grant."""
-        clock, owner, machine = self.build()
-        machine.lease_started(1000, 600)  # type: ignore[attr-defined]
-        clock.advance(0.7)
-        self.assertEqual(owner.log, [("renew", 0.7)])
-        machine.lease_started(1000, 600)  # type: ignore[attr-defined]
+        clock, owner, record, machine = self.build()
+        self.lease(clock, record, 1000, 600)
+        machine.assigned()  # type: ignore[attr-defined]
         clock.advance(0.6)
-        self.assertEqual(owner.log, [("renew", 0.7)])
+        self.assertEqual(owner.log, [("renew", 0.6)])
+        clock.advance(0.1)
+        self.lease(clock, record, 1000, 600)
+        machine.granted()  # type: ignore[attr-defined]
+        clock.advance(0.599)
+        self.assertEqual(owner.log, [("renew", 0.6)])
+        clock.advance(0.001)
+        self.assertEqual(owner.log, [("renew", 0.6), ("renew", 1.3)])
+        clock.advance(0.398)
+        self.assertFalse(record.fenced)
         clock.advance(0.002)
-        self.assertEqual(owner.log, [("renew", 0.7), ("renew", 1.302)])
-        clock.advance(0.4)
-        self.assertEqual(owner.log[-1], ("fence", 1.702))
+        self.assertEqual([entry for entry, _ in owner.log], ["renew", "renew", "fence"])
 
     def test_fenced_session_unfenced_by_new_lease(self) -> None:
-        """After a self-fence only a new lease (an ASSIGN) brings timers back."""
-        clock, owner, machine = self.build()
-        machine.lease_started(100, 80)  # type: ignore[attr-defined]
+        """After a self-fence a grant changes nothing; only a new ASSIGN brings the timers back
+        and clears the fence."""
+        clock, owner, record, machine = self.build()
+        self.lease(clock, record, 100, 80)
+        machine.assigned()  # type: ignore[attr-defined]
         clock.advance(1.0)
         self.assertEqual(owner.log[-1][0], "fence")
         self.assertEqual(clock.getDelayedCalls(), [])
-        machine.lease_started(100, 80)  # type: ignore[attr-defined]
+        machine.granted()  # type: ignore[attr-defined]
+        self.assertEqual((record.fenced, clock.getDelayedCalls()), (True, []))
+        self.lease(clock, record, 100, 80)
+        machine.assigned()  # type: ignore[attr-defined]
+        self.assertFalse(record.fenced)
         self.assertEqual(len(clock.getDelayedCalls()), 2)
 
     def test_superseded_fences_without_a_self_fence_action(self) -> None:
         """A reconcile with a higher epoch fences quietly and stops the timers."""
-        clock, owner, machine = self.build()
-        machine.lease_started(100, 80)  # type: ignore[attr-defined]
+        clock, owner, record, machine = self.build()
+        self.lease(clock, record, 100, 80)
+        machine.assigned()  # type: ignore[attr-defined]
         machine.superseded()  # type: ignore[attr-defined]
+        self.assertTrue(record.fenced)
         clock.advance(1.0)
         self.assertEqual(owner.log, [])
 
-    def test_ended_stops_everything(self) -> None:
-        """A revoked session's machine leaves no timer behind and ignores later inputs."""
-        clock, _owner, machine = self.build()
-        machine.lease_started(100, 80)  # type: ignore[attr-defined]
-        machine.ended()  # type: ignore[attr-defined]
-        machine.lease_started(100, 80)  # type: ignore[attr-defined]
+    def test_give_up_fences_once_and_tells_the_owner(self) -> None:
+        """Giving up fences the session and tells the owner why, once; the timers stop."""
+        clock, owner, record, machine = self.build()
+        self.lease(clock, record, 100, 80)
+        machine.assigned()  # type: ignore[attr-defined]
+        machine.give_up("too many")  # type: ignore[attr-defined]
+        machine.give_up("again")  # type: ignore[attr-defined]
+        self.assertTrue(record.fenced)
+        self.assertEqual(owner.log, [("gave up: too many", 0.0)])
         self.assertEqual(clock.getDelayedCalls(), [])
+
+    def test_stopped_leaves_no_timer_until_a_new_assign(self) -> None:
+        """A stopped machine (revoked session, stopping node) leaves no timer behind and
+        ignores grants; a new ASSIGN starts the lease again."""
+        clock, _owner, record, machine = self.build()
+        self.lease(clock, record, 100, 80)
+        machine.assigned()  # type: ignore[attr-defined]
+        machine.stopped()  # type: ignore[attr-defined]
+        machine.granted()  # type: ignore[attr-defined]
+        self.assertEqual(clock.getDelayedCalls(), [])
+        machine.assigned()  # type: ignore[attr-defined]
+        self.assertEqual(len(clock.getDelayedCalls()), 2)
+
+    def test_second_assign_while_held_rearms_the_timers(self) -> None:
+        """A lease restarted while still held (a re-assign) re-arms both timers from now."""
+        clock, owner, record, machine = self.build()
+        self.lease(clock, record, 250, 200)
+        machine.assigned()  # type: ignore[attr-defined]
+        clock.advance(0.1)
+        self.lease(clock, record, 250, 200)
+        machine.assigned()  # type: ignore[attr-defined]
+        self.assertEqual(len(clock.getDelayedCalls()), 2)
+        clock.advance(0.199)
+        self.assertEqual(owner.log, [])
+        clock.advance(0.001)
+        self.assertEqual(owner.log, [("renew", 0.3)])
+        clock.advance(0.05)
+        self.assertEqual(owner.log[-1], ("fence", 0.35))
 
 
 class RecordingGeneration:
@@ -332,20 +409,83 @@ class GenerationMachineTests(SynchronousTestCase):
         self.assertEqual(clock.getDelayedCalls(), [])
 
 
-class SessionMachineRefreshTests(SynchronousTestCase):
-    def test_second_assign_while_held_rearms_the_timers(self) -> None:
-        """A lease restarted while still held (a re-assign) re-arms both timers from now."""
+class RecordingDrain:
+    """A node for the drain machine: running generations, their unacked events, a log."""
+
+    def __init__(self, running: int = 0, unacked: int = 0) -> None:
+        self.running = {GenerationKey(1, g) for g in range(running)}
+        self.unacked = unacked
+        self.log: list[str] = []
+
+    def running_generation_keys(self) -> frozenset[GenerationKey]:
+        return frozenset(self.running)
+
+    def cancel_generations(self) -> None:
+        self.log.append(f"cancel {len(self.running)}")
+
+    def unacked_events(self, keys: frozenset[GenerationKey]) -> int:
+        return self.unacked
+
+
+class DrainMachineTests(SynchronousTestCase):
+    def build(self, running: int = 0, unacked: int = 0) -> tuple[Clock, RecordingDrain, object]:
         clock = Clock()
-        owner = RecordingSession()
-        owner.clock = clock
-        machine = SessionMachine(SessionCore(clock, owner, 7, 1000))
-        machine.lease_started(250, 200)  # type: ignore[attr-defined]
-        clock.advance(0.1)
-        machine.lease_started(250, 200)  # type: ignore[attr-defined]
-        self.assertEqual(len(clock.getDelayedCalls()), 2)
-        clock.advance(0.2)
+        owner = RecordingDrain(running, unacked)
+        return clock, owner, DrainMachine(DrainCore(clock, owner, 1000, 200))
+
+    def test_an_idle_node_drains_at_once(self) -> None:
+        """No generation and nothing unacknowledged: the drain fires at once, leaves no timer,
+        and new generations are no longer accepted."""
+        clock, _owner, machine = self.build()
+        self.assertTrue(machine.accepting())  # type: ignore[attr-defined]
+        drained: Deferred[None] = machine.drain()  # type: ignore[attr-defined]
+        self.assertIsNone(self.successResultOf(drained))
+        self.assertFalse(machine.accepting())  # type: ignore[attr-defined]
+        self.assertEqual(clock.getDelayedCalls(), [])
+        self.successResultOf(machine.drain())  # type: ignore[attr-defined]
+
+    def test_running_generations_finish_then_acks_settle(self) -> None:
+        """The drain waits for the running generations, then for their acknowledgements; a
+        second drain() joins the first."""
+        clock, owner, machine = self.build(running=2, unacked=3)
+        first = machine.drain()  # type: ignore[attr-defined]
+        second = machine.drain()  # type: ignore[attr-defined]
+        owner.running.pop()
+        machine.generation_done()  # type: ignore[attr-defined]
+        owner.running.clear()
+        machine.generation_done()  # type: ignore[attr-defined]
+        self.assertNoResult(first)
+        owner.unacked = 0
+        machine.acked()  # type: ignore[attr-defined]
+        self.successResultOf(first)
+        self.successResultOf(second)
+        self.assertEqual((owner.log, clock.getDelayedCalls()), ([], []))
+
+    def test_the_timeout_cancels_what_still_runs_and_acks_are_waited_for_briefly(self) -> None:
+        """At the drain timeout the running generations are cancelled; once they ended the
+        node waits at most the ack wait (200 ms here) for acknowledgements."""
+        clock, owner, machine = self.build(running=1, unacked=1)
+        drained = machine.drain()  # type: ignore[attr-defined]
+        clock.advance(0.999)
         self.assertEqual(owner.log, [])
         clock.advance(0.001)
-        self.assertEqual(owner.log, [("renew", 0.301)])
-        clock.advance(0.05)
-        self.assertEqual(owner.log[-1], ("fence", 0.351))
+        self.assertEqual(owner.log, ["cancel 1"])
+        owner.running.clear()
+        machine.generation_done()  # type: ignore[attr-defined]
+        clock.advance(0.199)
+        self.assertNoResult(drained)
+        clock.advance(0.001)
+        self.successResultOf(drained)
+        self.assertEqual(clock.getDelayedCalls(), [])
+
+    def test_stopping_the_node_ends_the_drain(self) -> None:
+        """A node stopped in the middle of a drain fires its waiters and leaves no timer; a
+        node stopped without a drain still accepts (it may be started again)."""
+        clock, _owner, machine = self.build(running=1)
+        drained = machine.drain()  # type: ignore[attr-defined]
+        machine.stopped()  # type: ignore[attr-defined]
+        self.successResultOf(drained)
+        self.assertEqual(clock.getDelayedCalls(), [])
+        _clock, _owner, idle = self.build()
+        idle.stopped()  # type: ignore[attr-defined]
+        self.assertTrue(idle.accepting())  # type: ignore[attr-defined]

@@ -35,6 +35,7 @@ from sfnode.noise import (
     Role,
     psk_of,
 )
+from sfnode.tap import node_factory
 from sfnode.wire import FINISH_LENGTH
 from tests.nodefixture import NodeTestCase, expected_tokens
 
@@ -284,8 +285,9 @@ class LinkTests(NodeTestCase):
         for head_token, should_adopt in ((OTHER, False), (TOKEN, True)):
             adopted: defer.Deferred[NodeLink] = defer.Deferred()
             refused: defer.Deferred[str] = defer.Deferred()
-            node.agent.add_refusal_observer(
-                lambda peer, d=refused: None if d.called else d.callback(peer)
+            factory = node_factory(
+                node.agent,
+                on_refused=lambda peer, d=refused: None if d.called else d.callback(peer),
             )
             head = HeadLinkFactory(
                 lambda link, d=adopted: d.callback(link),
@@ -297,7 +299,7 @@ class LinkTests(NodeTestCase):
             port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(head)
             self.addCleanup(port.stopListening)
             dial = TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port)
-            protocol = yield dial.connect(node.agent.factory())
+            protocol = yield dial.connect(factory)
             if not should_adopt:
                 peer = yield refused
                 self.assertEqual(peer, f"127.0.0.1:{port.getHost().port}")

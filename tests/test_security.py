@@ -163,7 +163,7 @@ class HandshakeLimitTests(NodeTestCase):
         closed at once while the 64 stay open until their 3 s handshake timeout; afterwards a
         real head is served."""
         node = yield self.start_node(auth_token=TOKEN, handshake_timeout_ms=3000)
-        factory = node.agent.node_factory
+        factory = node.node_factory
         self.assertEqual(factory.max_handshakes, 64)
         built: defer.Deferred[None] = defer.Deferred()
         original = factory.buildProtocol

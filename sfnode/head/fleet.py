@@ -42,6 +42,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from sfnode.generation import StreamTooLong
 from sfnode.head.link import (
     DEFAULT_HANDSHAKE_TIMEOUT_S,
     DEFAULT_LEASE,
@@ -90,18 +91,6 @@ class Policy(enum.Enum):
 
 class FleetError(Exception):
     """A request the fleet cannot serve."""
-
-
-class StreamTooLong(FleetError):
-    """No node serving the model can hold a context of ``length`` tokens; ``max`` is the largest
-    window among them."""
-
-    def __init__(self, length: int, max: int) -> None:
-        super().__init__(
-            f"a context of {length} tokens does not fit: the largest node window is {max} tokens"
-        )
-        self.length = length
-        self.max = max
 
 
 class NoNodeAvailable(FleetError):

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 from twisted.application import service
 from twisted.internet import defer
-from twisted.internet.interfaces import IListeningPort, IProtocolFactory, IStreamServerEndpoint
+from twisted.internet.interfaces import IProtocolFactory, IStreamServerEndpoint
 from twisted.logger import Logger
 from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
 from twisted.python import usage
@@ -37,10 +37,12 @@ from twisted.python.failure import Failure
 from sfnode.admission import is_loopback_listen, plaintext_refusal
 from sfnode.head.fleet import Fleet, Policy
 from sfnode.head.link import DEFAULT_LEASE
-from sfnode.tap import (
+from sfnode.service import (
     DEFAULT_MODEL_NAME,
+    ListeningService,
+    StartupError,
     client_from_string,
-    describe_address,
+    default_model_name,
     exit_zero_after_a_clean_stop,
     server_from_string,
 )
@@ -55,17 +57,8 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0
 POLICIES = tuple(p.value for p in Policy)
 
 
-class HeadStartupError(SystemExit):
+class HeadStartupError(StartupError):
     """The head cannot start (tokenizer not loadable, port taken); twistd prints the reason."""
-
-
-def default_model_name(model: str | None) -> str:
-    """The model name served (and asked of nodes): the folder name or file stem, else the
-    bundled default's name, exactly as ``twistd sfnode`` offers it."""
-    if not model:
-        return DEFAULT_MODEL_NAME
-    path = Path(model).expanduser()
-    return path.name if path.is_dir() else path.stem
 
 
 def _check_endpoint(option: str, description: str, *, server: bool) -> None:
@@ -315,45 +308,6 @@ def model_layers(model: str | None) -> int | None:
     return int(layers) if isinstance(layers, int) else None
 
 
-class ListeningService(service.Service):
-    """Listens on an endpoint while running and logs the address it bound."""
-
-    def __init__(
-        self, endpoint: IStreamServerEndpoint, factory: IProtocolFactory, what: str, where: str
-    ) -> None:
-        self.endpoint = endpoint
-        self.factory = factory
-        self.what = what
-        self.where = where
-        self.port: IListeningPort | None = None
-        self.bound: defer.Deferred[IListeningPort] | None = None
-
-    def startService(self) -> None:
-        super().startService()  # type: ignore[no-untyped-call]
-        failures: list[Failure] = []
-        listening = self.endpoint.listen(self.factory)
-        listening.addCallbacks(self._bound, failures.append)
-        if failures:
-            self.running = False
-            raise HeadStartupError(f"sfhead: cannot listen on {self.where}: {failures[0].value}")
-        self.bound = listening
-
-    def _bound(self, port: IListeningPort) -> IListeningPort:
-        self.port = port
-        log.info(
-            "sfhead {what} on {address}", what=self.what, address=describe_address(port.getHost())
-        )
-        return port
-
-    def stopService(self) -> defer.Deferred[None]:
-        super().stopService()  # type: ignore[no-untyped-call]
-        port, self.port = self.port, None
-        if port is None:
-            return defer.succeed(None)
-        stopped = port.stopListening()
-        return stopped if stopped is not None else defer.succeed(None)
-
-
 class HttpConnections(WrappingFactory):
     """The HTTP site's factory, wrapped to know its open connections, so that a drain can close
     them gracefully (flushing what was written) before the reactor stops."""
@@ -403,7 +357,14 @@ class HttpService(ListeningService):
         reactor: Any,
     ) -> None:
         self.connections = HttpConnections(api.site(), reactor)
-        super().__init__(endpoint, self.connections, "serving HTTP", where)
+        super().__init__(
+            endpoint,
+            self.connections,
+            where,
+            what="serving HTTP on",
+            program="sfhead",
+            error=HeadStartupError,
+        )
         self.api = api
         self.drain_timeout_s = drain_timeout_s
 
@@ -523,8 +484,10 @@ def makeService(options: Options, reactor: Any = None) -> service.MultiService:
         ListeningService(
             server_from_string(reactor, options["fleet-listen"]),
             fleet.listen_factory(loopback_only=not token and not options["insecure-no-auth"]),
-            "accepting nodes",
             options["fleet-listen"],
+            what="accepting nodes on",
+            program="sfhead",
+            error=HeadStartupError,
         ),
     )
     _add_child(
