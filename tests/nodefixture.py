@@ -1,18 +1,28 @@
-"""A real node on loopback TCP for tests: a NodeAgent with a mock engine, and head links to it.
+"""Nodes for tests: a NodeAgent with a mock engine, and heads that talk to it.
 
-Used by the node conformance tests (LINKF section 8) and anything else that needs a live node.
-Everything it starts is stopped by the test's cleanups, so the reactor is left clean.
+:class:`NodeTestCase` runs the node on real loopback TCP and the real reactor.
+:class:`MemoryNodeTestCase` runs the same node and the same heads on a ``MemoryReactorClock``
+joined by ``twisted.test.iosim``: no socket, no sleep, time moves only when the test advances
+the clock, so lease, idle and handshake timeouts are tested exactly and at once.
+
+Used by the node conformance tests (the upstream behaviours of docs/protocol.md section 10) and
+anything else that needs a live node.  Everything either starts is stopped by the test's
+cleanups, so the reactor is left clean.
 """
 
 from __future__ import annotations
 
 from collections.abc import Generator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from twisted.internet import defer, reactor
 from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.interfaces import IListeningPort, IProtocolFactory
-from twisted.trial.unittest import TestCase
+from twisted.internet.protocol import ClientFactory
+from twisted.internet.testing import MemoryReactorClock
+from twisted.test.iosim import ConnectionCompleter, IOPump
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from sfnode.config import NodeConfig
 from sfnode.generation import MockEngine, mock_next_token
@@ -113,6 +123,95 @@ class NodeTestCase(TestCase):
         return link
 
 
+MEMORY_PORT = 8454
+"""The port a memory node listens on (nothing is bound: the reactor is a memory reactor)."""
+
+
+@dataclass
+class MemoryNode:
+    """A node on a memory reactor (:class:`MemoryNodeTestCase`)."""
+
+    agent: NodeAgent
+    engine: MockEngine
+
+
+class MemoryNodeTestCase(SynchronousTestCase):
+    """A node and its heads on one ``MemoryReactorClock``, their bytes moved by iosim pumps.
+
+    :meth:`advance` moves time in small steps and moves the bytes after each, as a real reactor
+    would in that time; nothing else moves the clock.
+    """
+
+    def setUp(self) -> None:
+        self.reactor = MemoryReactorClock()
+        self.completer = ConnectionCompleter(self.reactor)
+        self.pumps: list[IOPump] = []
+        self.ids = HeadIds()
+
+    def start_node(
+        self, *, identity: str = "node-1", token_delay_s: float = 0.0, **config: Any
+    ) -> MemoryNode:
+        engine = MockEngine(self.reactor, token_delay_s=token_delay_s)
+        agent = NodeAgent(
+            self.reactor, engine, NodeConfig(identity=identity, model_name="mock", **config)
+        )
+        agent.start()
+        self.reactor.listenTCP(MEMORY_PORT, node_factory(agent), interface="127.0.0.1")
+
+        def stop() -> None:
+            stopped = agent.stop()
+            self.flush()
+            self.successResultOf(stopped)
+
+        self.addCleanup(stop)
+        return MemoryNode(agent, engine)
+
+    def connect(self) -> None:
+        """Join the oldest pending dial to the node's listener."""
+        pump = self.completer.succeedOnce()
+        assert pump is not None, "no connection was being dialled"
+        self.pumps.append(pump)
+        self.flush()
+
+    def dial(self) -> NodeLink:
+        """A head link (the head library) connected and past its handshake."""
+        d = connect_node(self.reactor, f"tcp:127.0.0.1:{MEMORY_PORT}", ids=self.ids)
+        self.connect()
+        link = self.successResultOf(d)
+
+        def close() -> None:
+            closed = link.close()
+            self.flush()
+            self.successResultOf(closed)
+
+        self.addCleanup(close)
+        return link
+
+    def raw_head(self) -> RawHead:
+        """A scripted head (:class:`RawHead`) connected, before its HELLO."""
+        head = RawHead()
+        self.reactor.connectTCP(
+            "127.0.0.1", MEMORY_PORT, ClientFactory.forProtocol(lambda: head.protocol)
+        )
+        self.connect()
+        return head
+
+    def flush(self) -> None:
+        """Move every pending byte both ways until nothing moves (and run what is due now)."""
+        moved = True
+        while moved:
+            moved = False
+            for pump in self.pumps:
+                moved = pump.pump() or moved
+
+    def advance(self, seconds: float, step: float = 0.01) -> None:
+        """Let ``seconds`` pass in steps of ``step``, moving the bytes after each."""
+        steps = round(seconds / step)
+        for _ in range(steps):
+            self.reactor.advance(step)
+            self.flush()
+
+
 class RawHead:
     """A scripted head that sends exactly what a test says and records every message.
 
@@ -186,6 +285,10 @@ class RawHead:
         d: defer.Deferred[Any] = defer.Deferred()
         self._waiters.append((predicate, d))
         return d
+
+    def of_type(self, cls: type[Any]) -> list[Any]:
+        """Every message of class ``cls`` received so far, in order."""
+        return [m for m in self.received if isinstance(m, cls)]
 
     def events(self, session_id: int, generation_id: int) -> list[Any]:
         from sfnode.wire import TokenEventsMsg

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from typing import Any
 
-from twisted.internet import defer, reactor, task
+from twisted.internet import defer, task
 
 from sfnode.generation import MockEngineFault
 from sfnode.head.link import LinkLostError, NodeRefusedError
@@ -42,16 +42,18 @@ from sfnode.wire import (
     encode_tokens,
     message_frame,
 )
-from tests.nodefixture import NodeTestCase, RawHead, expected_tokens, finish_of, stream_of
+from tests.nodefixture import (
+    MemoryNodeTestCase,
+    NodeTestCase,
+    RawHead,
+    expected_tokens,
+    finish_of,
+    stream_of,
+)
 
 PROMPT = list(range(100, 112))
 LONG_LEASE = Lease(60_000, 45_000)
 Gen = Generator[defer.Deferred[Any], Any, None]
-
-
-def wait(seconds: float) -> defer.Deferred[None]:
-    """Let real time pass on the reactor (only for tests of real timeouts)."""
-    return task.deferLater(reactor, seconds, lambda: None)
 
 
 def assign_raw(
@@ -269,58 +271,6 @@ class SessionTests(NodeTestCase):
         )
 
     @defer.inlineCallbacks
-    def test_lease_expiry_fences_the_session(self) -> Gen:
-        """Item 11: lease 300/150 with no grant: renewals are asked (throttled to 1/s, D3), the
-        session fences itself at expiry, then refuses appends and generations; a new ASSIGN
-        un-fences it."""
-        node = yield self.start_node()
-        head = yield RawHead.connect(self, node)
-        yield head.hello()
-        assign_raw(head, 1, 1, 5, Lease(300, 150))
-        head.send(AppendContentMsg(2, 1, 5, encode_tokens(PROMPT)))
-        renew = yield head.wait_for(lambda m: isinstance(m, LeaseRenewMsg))
-        self.assertEqual(renew, LeaseRenewMsg(1, 5))
-        yield wait(0.6)
-        self.assertTrue(node.agent.session.is_fenced(1))
-        self.assertEqual(sum(isinstance(m, LeaseRenewMsg) for m in head.received), 1)
-        self.assertNotIn(1, node.agent.contexts)
-        head.send(GenerateReqMsg(3, 1, 5, 1, GenerationBudgetsMsg(4)))
-        yield head.wait_for(finish_of(1, 1))
-        self.assertEqual([e.payload for e in head.events(1, 1)], [Finish(FINISH_DECLINED)])
-        assign_raw(head, 4, 1, 5)
-        head.send(AppendContentMsg(5, 1, 5, encode_tokens(PROMPT)))
-        head.send(GenerateReqMsg(6, 1, 5, 2, GenerationBudgetsMsg(2)))
-        yield head.wait_for(finish_of(1, 2))
-        self.assertEqual(head.events(1, 2)[-1].payload, Finish(FINISH_LENGTH))
-
-    @defer.inlineCallbacks
-    def test_grant_extends_the_lease(self) -> Gen:
-        """D4 with item 16: a head that grants every renewal keeps the session unfenced well
-        past its lease duration."""
-        node = yield self.start_node()
-        link = yield self.dial(node)
-        link.assign(1, lease=Lease(1000, 100))
-        link.append(1, PROMPT)
-        yield wait(2.5)
-        self.assertFalse(node.agent.session.is_fenced(1))
-        outcome = yield link.generate(1, 3).result
-        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 3))
-
-    @defer.inlineCallbacks
-    def test_stale_grant_does_not_extend_a_new_epoch(self) -> Gen:
-        """Item 17: a grant for epoch 5 arriving after a re-assign to epoch 6 does not extend
-        the epoch-6 lease, which still fences on time."""
-        node = yield self.start_node()
-        head = yield RawHead.connect(self, node)
-        yield head.hello()
-        assign_raw(head, 1, 1, 5, Lease(250, 200))
-        assign_raw(head, 2, 1, 6, Lease(250, 200))
-        yield wait(0.15)
-        head.send(LeaseGrantMsg(1, 5, 10_000, 9_000))
-        yield wait(0.4)
-        self.assertTrue(node.agent.session.is_fenced(1))
-
-    @defer.inlineCallbacks
     def test_reassignment_and_second_generation_wins(self) -> Gen:
         """Item 21: re-assigning gives a higher epoch; re-append and generate give the same
         greedy output."""
@@ -486,36 +436,6 @@ class ReconcileTests(NodeTestCase):
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 80))
         self.assertEqual(outcome.finish, FINISH_LENGTH)
 
-    @defer.inlineCallbacks
-    def test_idle_drop_is_transparent(self) -> Gen:
-        """Item 26: the node drops a link idle for 400 ms; a reconnect and reconcile make the
-        next generation return the same tokens."""
-        node = yield self.start_node(idle_timeout_ms=400)
-        link = yield self.dial(node)
-        link.assign(1)
-        link.append(1, PROMPT)
-        first = yield link.generate(1, 6).result
-        yield link.when_closed()
-        yield link.reconnect()
-        second = yield link.generate(1, 6).result
-        self.assertEqual(first.tokens, second.tokens)
-
-    @defer.inlineCallbacks
-    def test_append_after_idle_drop_rebinds(self) -> Gen:
-        """Item 31: after an idle drop and reconnect, an append of the grown context and a
-        generate give the output of the grown prompt."""
-        node = yield self.start_node(idle_timeout_ms=300)
-        link = yield self.dial(node)
-        link.assign(1)
-        link.append(1, PROMPT)
-        first = yield link.generate(1, 4).result
-        yield link.when_closed()
-        yield link.reconnect()
-        grown = PROMPT + first.tokens + [42]
-        link.append(1, grown)
-        outcome = yield link.generate(1, 5).result
-        self.assertEqual(outcome.tokens, expected_tokens(grown, 5))
-
 
 class HandshakeTests(NodeTestCase):
     @defer.inlineCallbacks
@@ -552,20 +472,6 @@ class HandshakeTests(NodeTestCase):
         self.assertEqual(status.mem.pool_blocks_total, status.capacity.kv_blocks_total)
 
     @defer.inlineCallbacks
-    def test_silent_connection_does_not_wedge_the_node(self) -> Gen:
-        """Item 25: a peer that never says HELLO is dropped after the 300 ms handshake timeout
-        while a real head is served meanwhile."""
-        node = yield self.start_node(handshake_timeout_ms=300)
-        silent = yield RawHead.connect(self, node)
-        link = yield self.dial(node)
-        link.assign(1)
-        link.append(1, PROMPT)
-        outcome = yield link.generate(1, 4).result
-        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 4))
-        yield silent.lost
-        self.assertEqual(silent.received, [])
-
-    @defer.inlineCallbacks
     def test_wrong_token_and_non_head_are_refused(self) -> Gen:
         """Item 27: a wrong token or none against a keyed node fails the handshake, a peer that
         is not a head is refused, and the right token works."""
@@ -584,19 +490,6 @@ class HandshakeTests(NodeTestCase):
         link.append(1, PROMPT)
         outcome = yield link.generate(1, 3).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 3))
-
-    @defer.inlineCallbacks
-    def test_keepalive_keeps_an_idle_link_open(self) -> Gen:
-        """Item 29: a KEEPALIVE every 50 ms across three idle timeouts keeps the connection."""
-        node = yield self.start_node(idle_timeout_ms=600)
-        link = yield self.dial(node)
-        loop = task.LoopingCall(link.keepalive)
-        loop.start(0.05)
-        yield wait(1.8)
-        loop.stop()
-        self.assertTrue(link.connected)
-        self.assertEqual(len(node.agent.connections), 1)
-        yield link.when_closed()
 
 
 class RobustnessTests(NodeTestCase):
@@ -685,3 +578,145 @@ class FramesBeforeBadBytesTests(NodeTestCase):
         yield head.lost
         self.assertEqual(node.agent.session.session_epoch(3), 5)
         self.assertEqual(list(node.agent.contexts[3]), PROMPT)
+
+
+class TimedTests(MemoryNodeTestCase):
+    """Behaviours that take time (leases, idle and handshake timeouts), on a memory reactor:
+    the same node and head library, with exact timing and no waiting."""
+
+    def test_lease_expiry_fences_the_session(self) -> None:
+        """Item 11: lease 300/150 with no grant: a LEASE_RENEW is asked at 150 ms (one only:
+        D3 allows one a second), the session fences itself at 300 ms and drops its context,
+        then refuses generations; a new ASSIGN un-fences it."""
+        node = self.start_node()
+        head = self.raw_head()
+        head.hello()
+        self.flush()
+        assign_raw(head, 1, 1, 5, Lease(300, 150))
+        head.send(AppendContentMsg(2, 1, 5, encode_tokens(PROMPT)))
+        self.advance(0.14)
+        self.assertEqual(head.of_type(LeaseRenewMsg), [])
+        self.advance(0.02)
+        self.assertEqual(head.of_type(LeaseRenewMsg), [LeaseRenewMsg(1, 5)])
+        self.advance(0.13)
+        self.assertFalse(node.agent.session.is_fenced(1))
+        self.advance(0.02)
+        self.assertTrue(node.agent.session.is_fenced(1))
+        self.assertNotIn(1, node.agent.contexts)
+        self.advance(1.0)
+        self.assertEqual(len(head.of_type(LeaseRenewMsg)), 1)
+        head.send(GenerateReqMsg(3, 1, 5, 1, GenerationBudgetsMsg(4)))
+        self.flush()
+        self.assertEqual([e.payload for e in head.events(1, 1)], [Finish(FINISH_DECLINED)])
+        assign_raw(head, 4, 1, 5)
+        head.send(AppendContentMsg(5, 1, 5, encode_tokens(PROMPT)))
+        head.send(GenerateReqMsg(6, 1, 5, 2, GenerationBudgetsMsg(2)))
+        self.advance(0.3)
+        self.assertEqual(head.events(1, 2)[-1].payload, Finish(FINISH_LENGTH))
+
+    def test_grant_extends_the_lease(self) -> None:
+        """D4 with item 16: a head that grants every renewal keeps the session unfenced well
+        past its lease duration (2.5 s of a 1 s lease renewed from 100 ms)."""
+        node = self.start_node()
+        link = self.dial()
+        link.assign(1, lease=Lease(1000, 100))
+        link.append(1, PROMPT)
+        self.advance(2.5)
+        self.assertFalse(node.agent.session.is_fenced(1))
+        call = link.generate(1, 3)
+        self.advance(0.3)
+        self.assertEqual(self.successResultOf(call.result).tokens, expected_tokens(PROMPT, 3))
+
+    def test_stale_grant_does_not_extend_a_new_epoch(self) -> None:
+        """Item 17: a grant for epoch 5 arriving after a re-assign to epoch 6 does not extend
+        the epoch-6 lease, which still fences on time (250 ms after its ASSIGN)."""
+        node = self.start_node()
+        head = self.raw_head()
+        head.hello()
+        assign_raw(head, 1, 1, 5, Lease(250, 200))
+        assign_raw(head, 2, 1, 6, Lease(250, 200))
+        self.flush()
+        self.advance(0.15)
+        head.send(LeaseGrantMsg(1, 5, 10_000, 9_000))
+        self.advance(0.09)
+        self.assertFalse(node.agent.session.is_fenced(1))
+        self.advance(0.02)
+        self.assertTrue(node.agent.session.is_fenced(1))
+
+    def test_keepalive_keeps_an_idle_link_open(self) -> None:
+        """Item 29: a KEEPALIVE every 50 ms across three idle timeouts keeps the connection;
+        without them the node drops it one idle timeout later."""
+        node = self.start_node(idle_timeout_ms=600)
+        link = self.dial()
+        loop = task.LoopingCall(link.keepalive)
+        loop.clock = self.reactor
+        loop.start(0.05)
+        self.advance(1.8)
+        loop.stop()
+        self.assertTrue(link.connected)
+        self.assertEqual(len(node.agent.connections), 1)
+        closed = link.when_closed()
+        self.advance(0.55)
+        self.assertNoResult(closed)
+        self.advance(0.1)
+        self.successResultOf(closed)
+        self.assertEqual(node.agent.connections, ())
+
+    def test_idle_drop_is_transparent(self) -> None:
+        """Item 26: the node drops a link idle for 400 ms; a reconnect and reconcile make the
+        next generation return the same tokens."""
+        self.start_node(idle_timeout_ms=400)
+        link = self.dial()
+        link.assign(1)
+        link.append(1, PROMPT)
+        first = link.generate(1, 6)
+        self.flush()
+        tokens = self.successResultOf(first.result).tokens
+        closed = link.when_closed()
+        self.advance(0.41)
+        self.successResultOf(closed)
+        reconnected = link.reconnect()
+        self.connect()
+        self.successResultOf(reconnected)
+        second = link.generate(1, 6)
+        self.flush()
+        self.assertEqual(self.successResultOf(second.result).tokens, tokens)
+
+    def test_append_after_idle_drop_rebinds(self) -> None:
+        """Item 31: after an idle drop and reconnect, an append of the grown context and a
+        generate give the output of the grown prompt."""
+        self.start_node(idle_timeout_ms=300)
+        link = self.dial()
+        link.assign(1)
+        link.append(1, PROMPT)
+        first = link.generate(1, 4)
+        self.flush()
+        tokens = self.successResultOf(first.result).tokens
+        closed = link.when_closed()
+        self.advance(0.31)
+        self.successResultOf(closed)
+        reconnected = link.reconnect()
+        self.connect()
+        self.successResultOf(reconnected)
+        grown = PROMPT + tokens + [42]
+        link.append(1, grown)
+        outcome = link.generate(1, 5)
+        self.flush()
+        self.assertEqual(self.successResultOf(outcome.result).tokens, expected_tokens(grown, 5))
+
+    def test_silent_connection_does_not_wedge_the_node(self) -> None:
+        """Item 25: a peer that never says HELLO is dropped at the 300 ms handshake timeout
+        (not before) while a real head is served meanwhile."""
+        self.start_node(handshake_timeout_ms=300)
+        silent = self.raw_head()
+        link = self.dial()
+        link.assign(1)
+        link.append(1, PROMPT)
+        call = link.generate(1, 4)
+        self.flush()
+        self.assertEqual(self.successResultOf(call.result).tokens, expected_tokens(PROMPT, 4))
+        self.advance(0.29)
+        self.assertNoResult(silent.lost)
+        self.advance(0.02)
+        self.successResultOf(silent.lost)
+        self.assertEqual(silent.received, [])
