@@ -17,6 +17,8 @@ This module never does I/O, never decodes a payload and never sends: it takes ty
 of :mod:`sfnode.wire` and returns typed messages.  It reads time only from the clock it is
 given, and what the lease machines want done (a LEASE_RENEW, forgetting a fenced session's
 context) goes to the :class:`~sfnode.machines.SessionOwner` it is given.
+
+Section numbers in this module are those of docs/protocol.md.
 """
 
 from __future__ import annotations

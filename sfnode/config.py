@@ -1,6 +1,7 @@
 """The node's configuration: one frozen value built by the command line or by an embedding program.
 
-Defaults are the ones of LINKF 3.5.  Nothing here reads files, the environment or the clock.
+Defaults are the ones of docs/protocol.md section 4.4.  Nothing here reads files, the environment or
+the clock.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ STATUS_INTERVAL_MS = 2_000
 COALESCE_TOKENS = 16
 COALESCE_MS = 200
 DEFAULT_MAX_HANDSHAKES = 64
-"""LINKF 4.6: connections of one listener in their handshake at once; more are closed."""
+"""docs/protocol.md section 5.3: connections of one listener in their handshake at once; more are
+closed."""
 DEFAULT_MAX_SESSIONS = 1024
 """Sessions a node holds at once; an ASSIGN of one more is refused (see NodeConfig)."""
 DEFAULT_MAX_UNACKED_EVENTS = 4096
@@ -37,7 +39,8 @@ class NodeConfig:
     identity: str = field(default_factory=socket.gethostname)
     max_lanes: int = DEFAULT_MAX_LANES
     auth_token: bytes = b""
-    """The fleet token, already trimmed (LINKF 4.5); empty accepts any ``Hello.auth``."""
+    """The fleet token, already trimmed (docs/protocol.md section 5.4); empty accepts any
+    ``Hello.auth``."""
     handshake_timeout_ms: int = DEFAULT_HANDSHAKE_TIMEOUT_MS
     """0 waits for HELLO forever."""
     idle_timeout_ms: int = DEFAULT_IDLE_TIMEOUT_MS
@@ -46,8 +49,8 @@ class NodeConfig:
     max_handshakes: int = DEFAULT_MAX_HANDSHAKES
     """Per listener; 0 = no limit."""
     max_sessions: int = DEFAULT_MAX_SESSIONS
-    """An ASSIGN that would hold one session more is refused (silently, LINKF 6.3); the
-    node then answers that session's GENERATE_REQs with FINISH_REFUSED.  Advertised as
+    """An ASSIGN that would hold one session more is refused (silently, docs/protocol.md section
+    7.2); the node then answers that session's GENERATE_REQs with FINISH_REFUSED.  Advertised as
     ``CapacitySummary.max_sessions``."""
     max_unacked_events: int = DEFAULT_MAX_UNACKED_EVENTS
     """Retry-buffer cap per generation; 0 = no cap."""

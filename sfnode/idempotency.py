@@ -1,6 +1,6 @@
 """Idempotency helpers of Link F: command tables, retry buffers, lease clocks and event dedup.
 
-These are the small machines LINKF sections 5.1 and 7.1 build on: the node's
+These are the small machines docs/protocol.md sections 6.1 and 8.1 build on: the node's
 :class:`~sfnode.agent_session.AgentSession` uses :class:`CommandTable`, :class:`RetryBuffer` and
 :class:`LeaseClock`; the head's ``HeadSession`` uses :class:`EventDedup`.  Times are integer
 milliseconds passed in by the caller.
@@ -30,7 +30,8 @@ E = TypeVar("E")
 
 
 class CommandTable:
-    """The set of command ids already applied to one session (LINKF 5.1, 5.2).
+    """The set of command ids already applied to one session (docs/protocol.md sections 6.1 and
+    6.2).
 
     :meth:`apply` says whether an id is fresh (and records it); :meth:`trim` forgets every id at
     or below a watermark, as RECONCILE asks.
@@ -107,7 +108,8 @@ class CommandTable:
 
 
 class RetryBuffer(Generic[E]):
-    """The events of one generation not yet acknowledged by the head, oldest first (LINKF 5.1).
+    """The events of one generation not yet acknowledged by the head, oldest first (docs/protocol.md
+    section 6.1).
 
     Sequence numbers are pushed in increasing order; :meth:`ack` pops the acknowledged prefix.
     Nothing is ever dropped otherwise: an unacked event waits here for the next RECONCILE.
@@ -173,7 +175,7 @@ class LeaseClock:
 
 
 # --------------------------------------------------------------------------------------------
-# Event dedup (the head side, LINKF 7.1)
+# Event dedup (the head side, docs/protocol.md section 8.1)
 
 
 class GenerationKey(NamedTuple):
@@ -224,7 +226,7 @@ STALE_EPOCH = StaleEpoch()
 
 
 class EventDedup:
-    """The head's exactly-once filter over token events (LINKF 7.1).
+    """The head's exactly-once filter over token events (docs/protocol.md section 8.1).
 
     For each key ``(session, epoch, generation)`` it keeps the next expected ``event_seq``; for
     each session the current epoch.  Memory is bounded by the caller retiring generations and

@@ -1,14 +1,16 @@
-"""The node's state machines: connection handshake, session lease lifecycle, one generation.
+"""The node's state machines: connection handshake, session lease, one generation, the drain.
 
 Each machine is built with Automat's typed API: inputs are a ``typing.Protocol``, the shared
 state is a small core dataclass, a timer lives only in the data of the state that needs it, and
 timers re-enter a machine only through its private inputs.  Every (state, input) pair a machine
 accepts is listed in its transition table below, including the ones that deliberately do
 nothing.  The machines decide *when*; the owner they are given (the node, ``sfnode.node``)
-decides *what* by consulting the pure session state (``sfnode.agent_session``) and sends.
+decides *what* by consulting the session rules (``sfnode.agent_session``) and sends.  A
+machine's outputs are the only writers of the facts it decides (a session's ``fenced`` flag).
 
 Nothing here touches a socket or reads a global clock: the clock is in the core.  A machine
-never inspects another machine's state.
+never inspects another machine's state.  docs/protocol.md section 9 lists these transition
+tables for readers of the protocol; section numbers in this module are those of docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ def trace_machine(machine: object, name: str, tracer: Tracer) -> None:
 
 
 # ============================================================================================
-# Connection: handshake (LINKF 4.3), then serving with the idle timeout (6.2) and NODE_STATUS.
+# Connection: handshake (docs/protocol.md 5.2), then serving with the idle timeout (7.1) and
+# NODE_STATUS.
 
 
 class ConnectionInputs(Protocol):
@@ -99,7 +102,7 @@ class ConnectionOwner(Protocol):
     def send_status(self) -> None: ...
 
     def serve(self, frame: Frame) -> None:
-        """Handle one frame after the handshake (LINKF 6.3)."""
+        """Handle one frame after the handshake (docs/protocol.md section 7.2)."""
 
     def close(self, reason: str) -> None:
         """Log ``reason`` and close the transport."""
@@ -196,7 +199,7 @@ def _check_hello(
 def _discard_before_hello(
     inputs: ConnectionInputs, core: ConnectionCore, data: AwaitingHello, frame: Frame
 ) -> None:
-    """LINKF 4.3: frames before HELLO are discarded."""
+    """docs/protocol.md section 5.2: frames before HELLO are discarded."""
 
 
 @_c_awaiting.upon(ConnectionInputs._hello_accepted).to(_c_serving)
@@ -449,7 +452,8 @@ SessionMachine = _session.build()
 
 
 # ============================================================================================
-# One generation on the node (LINKF 6.4 with decision D2): coalescing, cancel, fence, finish.
+# One generation on the node (docs/protocol.md section 7.3 with decision D2): coalescing, cancel,
+# fence, finish.
 
 
 class GenerationInputs(Protocol):
@@ -484,7 +488,7 @@ class GenerationOwner(Protocol):
     def stop_engine(self) -> None: ...
 
     def fail(self, reason: str) -> None:
-        """The engine failed: close the asking connection (LINKF 6.7)."""
+        """The engine failed: close the asking connection (docs/protocol.md section 7.4)."""
 
     def done(self) -> None:
         """The generation is over: forget it."""
@@ -646,7 +650,7 @@ def _failed_cancelled(inputs: GenerationInputs, core: GenerationCore, reason: st
 def _finish_fenced(
     inputs: GenerationInputs, core: GenerationCore, result: GenerationResult
 ) -> None:
-    """A fenced generation sends no Finish (LINKF 6.4)."""
+    """A fenced generation sends no Finish (docs/protocol.md section 7.3)."""
     core.owner.done()
 
 

@@ -19,6 +19,8 @@ stopped reading holds at most ``max_held_tokens`` tokens, then stops as if the h
 (its sent events stay for a RECONCILE); an ASSIGN beyond ``max_sessions`` is refused and that
 session's GENERATE_REQs get FINISH_REFUSED; beyond ``max_generations`` running or queued
 generations a GENERATE_REQ is declined.  :meth:`NodeAgent.drain` is the SIGTERM path.
+
+Section numbers in this module are those of docs/protocol.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The encrypted transport of keyed Link F connections (LINKF 4.2, decision D10).
+"""The encrypted transport of keyed Link F connections (docs/protocol.md section 5.1, decision D10).
 
 Noise ``NNpsk0_25519_ChaChaPoly_BLAKE2s``, no prologue, empty handshake payloads, PSK =
 SHA-256 of the trimmed token text.  The head is always the initiator and the node always the
@@ -71,7 +71,7 @@ class NoiseUnauthorized(NoiseError):
 
 
 def psk_of(token: bytes) -> bytes:
-    """PSK = SHA-256 of the token text (already trimmed, LINKF 4.5)."""
+    """PSK = SHA-256 of the token text (already trimmed, docs/protocol.md section 5.4)."""
     return hashlib.sha256(token).digest()
 
 

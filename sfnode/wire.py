@@ -1,12 +1,12 @@
 """Link F on the wire: the frame envelope, the streaming decoder and the typed message catalog.
 
 Layered like AMP: :func:`encode_frame` and :class:`FrameDecoder` know only the envelope
-(LINKF section 1); the message classes below know only their msgpack payloads (sections 2 and
-3); nothing here does I/O, keeps connection state beyond a byte buffer, or knows what a message
-means.  Every error this module raises on bad input is a :class:`WireError`, so a caller can
-close one connection on it and carry on.
+(docs/protocol.md section 2); the message classes below know only their msgpack payloads (sections 3
+and 4); nothing here does I/O, keeps connection state beyond a byte buffer, or knows what a message
+means.  Every error this module raises on bad input is a :class:`WireError`, so a caller can close
+one connection on it and carry on.
 
-Payload rules (LINKF section 2): a struct is an array of its fields in declaration order,
+Payload rules (docs/protocol.md section 3): a struct is an array of its fields in declaration order,
 integers are checked against their declared width, ``[u8; 32]`` is a bin of exactly 32 bytes,
 enums are ``[index, ...fields]``, maps and extension types are rejected anywhere, trailing bytes
 after the one object are an error, and extra trailing array elements are ignored.
@@ -52,7 +52,7 @@ _LENGTH = struct.Struct("<I")
 
 
 class MsgType(enum.IntEnum):
-    """The 28 message types of the Link F catalog (LINKF 3.1)."""
+    """The 28 message types of the Link F catalog (docs/protocol.md section 4.1)."""
 
     HELLO = 0x0001
     HELLO_ACK_F = 0x0002
@@ -88,7 +88,7 @@ _KNOWN_TYPES = frozenset(int(t) for t in MsgType)
 
 
 def frame_class(msg_type: int) -> int:
-    """The class byte a frame of this type must carry (LINKF 1.2)."""
+    """The class byte a frame of this type must carry (docs/protocol.md section 2.2)."""
     return CLASS_DROPPABLE if msg_type & DROPPABLE_BIT else CLASS_REQUIRED
 
 
@@ -158,7 +158,7 @@ def encode_frame(msg_type: int, seq: int, payload: bytes, frame_cls: int | None 
 
 
 class FrameDecoder:
-    """A streaming decoder: feed it bytes, get whole frames (LINKF 1.5).
+    """A streaming decoder: feed it bytes, get whole frames (docs/protocol.md section 2.4).
 
     Unknown Droppable types are skipped here and never delivered.  After an error the decoder
     is unusable; the caller closes the connection.
@@ -544,7 +544,7 @@ def pack(obj: Any) -> bytes:
 
 
 # --------------------------------------------------------------------------------------------
-# Shared types (LINKF 3.2)
+# Shared types (docs/protocol.md section 4.2)
 
 
 class LinkRole(enum.IntEnum):
@@ -749,7 +749,7 @@ class TokenEvent(Struct):
 
 
 # --------------------------------------------------------------------------------------------
-# Messages (LINKF 3.3)
+# Messages (docs/protocol.md section 4.3)
 
 
 class Message(Struct):
@@ -1165,12 +1165,12 @@ def message_frame(message: Message, seq: int) -> bytes:
 
 
 # --------------------------------------------------------------------------------------------
-# Nested blobs (LINKF 3.4)
+# Nested blobs (docs/protocol.md section 3.4)
 
 
 @dataclass(frozen=True, slots=True)
 class GenParams(Struct):
-    """Sampling parameters; all zero means greedy (ENGINE.md section 2)."""
+    """Sampling parameters; all zero means greedy (docs/engine.md section 2)."""
 
     temperature: float = 0.0
     top_p: float = 0.0
@@ -1190,7 +1190,8 @@ def encode_params(params: GenParams) -> bytes:
 
 
 def decode_params(blob: bytes) -> GenParams:
-    """Lenient: empty bytes or anything malformed is the all-zero default (LINKF 3.4)."""
+    """Lenient: empty bytes or anything malformed is the all-zero default (docs/protocol.md section
+    3.4)."""
     if not blob:
         return GenParams()
     try:
@@ -1210,7 +1211,7 @@ def decode_tokens(blob: bytes) -> tuple[int, ...]:
 
 
 def negotiate(offered: tuple[int, int], supported: tuple[int, int]) -> int | None:
-    """The highest version both ranges contain, or None (LINKF 4.3)."""
+    """The highest version both ranges contain, or None (docs/protocol.md section 5.2)."""
     lo = max(offered[0], supported[0])
     hi = min(offered[1], supported[1])
     return hi if lo <= hi else None

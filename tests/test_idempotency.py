@@ -1,7 +1,7 @@
 """Tests of sfnode.idempotency: command tables, retry buffers, lease clocks and event dedup.
 
-They pin LINKF section 8 items 3 to 7 (and the memory bounds this edition adds).  Pure logic, so
-every test is synchronous and never touches a reactor or a clock.
+They pin docs/protocol.md section 10 items 3 to 7 (and the memory bounds this edition adds).  Pure
+logic, so every test is synchronous and never touches a reactor or a clock.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
-"""Node behaviours of LINKF section 8 over real loopback TCP: the head library against a node.
+"""Node behaviours of docs/protocol.md section 10 over real loopback TCP: the head library against a
+node.
 
-Each test names the upstream scenario it follows ("item N" of LINKF section 8) or the decision
-of this edition it pins (D2: no blocking, no dropped frames).  The node runs the mock engine.
+Each test names the upstream scenario it follows ("item N" of docs/protocol.md section 10) or the
+decision of this edition it pins (D2: no blocking, no dropped frames).  The node runs the mock
+engine.
 """
 
 from __future__ import annotations
@@ -190,8 +192,8 @@ class GenerationTests(NodeTestCase):
 
     @defer.inlineCallbacks
     def test_engine_failure_closes_only_that_connection(self) -> Gen:
-        """LINKF 6.7: an engine error closes the connection that asked; another connection's
-        session is untouched and the node keeps serving."""
+        """docs/protocol.md section 7.4: an engine error closes the connection that asked; another
+        connection's session is untouched and the node keeps serving."""
         node = yield self.start_node(poison_token=666)
         healthy = yield self.dial(node)
         doomed = yield self.dial(node)
@@ -455,8 +457,8 @@ class HandshakeTests(NodeTestCase):
 
     @defer.inlineCallbacks
     def test_node_status_reports_capacity(self) -> Gen:
-        """LINKF 6.5: NODE_STATUS arrives every status interval with live capacity, and the
-        busy-time decode rate becomes non-zero after a generation."""
+        """docs/protocol.md section 7.5: NODE_STATUS arrives every status interval with live
+        capacity, and the busy-time decode rate becomes non-zero after a generation."""
         node = yield self.start_node(status_interval_ms=100, token_delay_s=0.002)
         head = yield RawHead.connect(self, node)
         yield head.hello()
@@ -554,7 +556,8 @@ class PipelineTests(NodeTestCase):
 
     @defer.inlineCallbacks
     def test_bad_stage_requests_answer_nil(self) -> Gen:
-        """LINKF 6.6: bad layer bounds or a malformed hidden blob answer {nil, nil}."""
+        """docs/protocol.md section 7.6: bad layer bounds or a malformed hidden blob answer {nil,
+        nil}."""
         node = yield self.start_node()
         link = yield self.dial(node)
         for args in [(PROMPT, 5, 3, None), (PROMPT, 0, 25, None), ([], 12, 24, b"short")]:

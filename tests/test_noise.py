@@ -1,11 +1,12 @@
-"""Tests of the encrypted transport (sfnode.noise, LINKF 4.2, D10) alone and under Link F.
+"""Tests of the encrypted transport (sfnode.noise, docs/protocol.md section 5.1, D10) alone and
+under Link F.
 
 They pin the Noise pattern and framing (48-byte handshake messages behind ``00 30``), that a
-responder with another token refuses message 1 and reports the peer, that a plaintext peer is
-told apart from a wrong key, items 13 and 14 of LINKF section 8 over real loopback TCP (5 bytes
-and 200 000 bytes and a reply cross; the ciphertext never holds the plaintext and is longer),
-and items 20 and 27 in both dial directions: a keyed node serves a generation over Noise and
-refuses another key, whether the head dials the node or the node dials the head.
+responder with another token refuses message 1 and reports the peer, that a plaintext peer is told
+apart from a wrong key, items 13 and 14 of docs/protocol.md section 10 over real loopback TCP (5
+bytes and 200 000 bytes and a reply cross; the ciphertext never holds the plaintext and is longer),
+and items 20 and 27 in both dial directions: a keyed node serves a generation over Noise and refuses
+another key, whether the head dials the node or the node dials the head.
 """
 
 from __future__ import annotations

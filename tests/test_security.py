@@ -1,12 +1,12 @@
 """Tests of fleet tokens, admission and the refused ``--head`` node (issue 5, points 1 to 3).
 
-They pin ``python -m sfnode token`` as an operator runs it (LINKF 4.5: 64 lowercase hex chars,
-mode 0600, created once and never overwritten, ``$SFNODE_HOME/token`` by default), that
-``--auth-file`` reads that file through the same function, that a real ``twistd sfnode`` refuses
-an open listener without a token before it imports torch or loads a model (item 67), that a
-listener closes the 65th concurrent handshake at once while the first 64 wait for their
-handshake timeout (LINKF 4.6), and that a ``--head`` node whose head holds another token stops
-with a clear message and exit status 1 instead of redialling (D9).
+They pin ``python -m sfnode token`` as an operator runs it (docs/protocol.md section 5.4: 64
+lowercase hex chars, mode 0600, created once and never overwritten, ``$SFNODE_HOME/token`` by
+default), that ``--auth-file`` reads that file through the same function, that a real ``twistd
+sfnode`` refuses an open listener without a token before it imports torch or loads a model (item
+67), that a listener closes the 65th concurrent handshake at once while the first 64 wait for their
+handshake timeout (docs/protocol.md section 5.3), and that a ``--head`` node whose head holds
+another token stops with a clear message and exit status 1 instead of redialling (D9).
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ class Silent(Protocol):
 
 
 class HandshakeLimitTests(NodeTestCase):
-    """LINKF 4.6: at most 64 handshakes in progress per listener."""
+    """docs/protocol.md section 5.3: at most 64 handshakes in progress per listener."""
 
     @defer.inlineCallbacks
     def test_the_65th_concurrent_handshake_is_closed_at_once(self) -> Gen:
@@ -235,7 +235,8 @@ class RefusedHeadProcessTests(TestCase):
 
 
 class HeadAdmissionTests(SynchronousTestCase):
-    """LINKF 4.6 on the head's side: what ``HeadLinkFactory`` admits from dialing nodes."""
+    """docs/protocol.md section 5.3 on the head's side: what ``HeadLinkFactory`` admits from dialing
+    nodes."""
 
     def test_without_a_token_only_loopback_peers_when_asked(self) -> None:
         """With loopback_only (sfhead without --insecure-no-auth) and no token a remote peer

@@ -1,9 +1,9 @@
 """Tests of sfnode.tap and the ``twistd sfnode`` plugin: options, embedding, and a real process.
 
 They pin the command line (defaults, every refusal as a usage error that names the option,
-LINKF 4.5 token trimming, D9 one direction of exactly one of --head/--listen, D10 no plaintext off
-loopback), that the plugin is found without importing torch, that ``makeService`` is a plain
-``MultiService`` another program can embed and that it answers a head's HELLO in both
+docs/protocol.md section 5.4 token trimming, D9 one direction of exactly one of --head/--listen, D10
+no plaintext off loopback), that the plugin is found without importing torch, that ``makeService``
+is a plain ``MultiService`` another program can embed and that it answers a head's HELLO in both
 directions, that --head redials 2 s, 4 s, ... 30 s apart (D9), and that ``twistd sfnode`` serves,
 shuts down cleanly on SIGTERM and turns a bad option into a usage message, not a traceback.
 
@@ -111,7 +111,8 @@ class OptionsTests(SynchronousTestCase):
         return message
 
     def test_defaults(self) -> None:
-        """Defaults follow LINKF 3.5: 8 lanes, 10 s handshake, 120 s idle timeout, no token."""
+        """Defaults follow docs/protocol.md section 4.4: 8 lanes, 10 s handshake, 120 s idle
+        timeout, no token."""
         options = parse("--listen", LOOPBACK, "--engine", "mock")
         self.assertEqual(options["listen"], LOOPBACK)
         self.assertIsNone(options["head"])
@@ -227,7 +228,8 @@ class OptionsTests(SynchronousTestCase):
         self.assert_usage_error(["--head", "tcp:127.0.0.1"], "--head", "'tcp:127.0.0.1'")
 
     def test_auth_file_trimmed(self) -> None:
-        """The token is the file's bytes without surrounding ASCII whitespace (LINKF 4.5)."""
+        """The token is the file's bytes without surrounding ASCII whitespace (docs/protocol.md
+        section 5.4)."""
         path = Path(self.mktemp())
         path.write_bytes(b" \t\r\n0af3c2 token\r\n\x0c ")
         options = parse("--listen", LOOPBACK, "--auth-file", str(path), "--engine", "mock")
@@ -235,7 +237,8 @@ class OptionsTests(SynchronousTestCase):
         self.assertEqual(tap.node_config(options).auth_token, b"0af3c2 token")
 
     def test_empty_auth_file_means_no_token(self) -> None:
-        """A file of whitespace only is no token, so loopback rules apply (LINKF 4.5)."""
+        """A file of whitespace only is no token, so loopback rules apply (docs/protocol.md section
+        5.4)."""
         path = Path(self.mktemp())
         path.write_bytes(b"\n  \n")
         options = parse("--listen", LOOPBACK, "--auth-file", str(path), "--engine", "mock")

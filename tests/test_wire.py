@@ -1,8 +1,8 @@
 """Tests of sfnode.wire: golden byte vectors, the streaming decoder, payload strictness, catalog.
 
-They pin LINKF sections 1 to 3 (the envelope, the msgpack payload rules and the catalog) and
-section 8 items 1 and 2; property tests check that every one of the 28 message types round-trips
-and that no bytes a peer can send make the decoder raise anything but a ``WireError``.
+They pin docs/protocol.md sections 2 to 4 (the envelope, the msgpack payload rules and the catalog)
+and section 10, items 1 and 2; property tests check that every one of the 28 message types
+round-trips and that no bytes a peer can send make the decoder raise anything but a ``WireError``.
 """
 
 from __future__ import annotations
@@ -114,36 +114,40 @@ def raw_pack(obj: Any) -> bytes:
 
 
 # --------------------------------------------------------------------------------------------
-# Golden vectors (LINKF 1.7, 3.4)
+# Golden vectors (docs/protocol.md sections 2.5 and 3.4)
 
 
 class GoldenVectorTests(SynchronousTestCase):
     def test_watermark_ack_encodes(self) -> None:
-        """WATERMARK_ACK{1, 5, 100, 3} at seq 1 encodes to the bytes of LINKF 1.7."""
+        """WATERMARK_ACK{1, 5, 100, 3} at seq 1 encodes to the bytes of docs/protocol.md section
+        2.5."""
         self.assertEqual(message_frame(WATERMARK_ACK, 1), WATERMARK_ACK_FRAME)
 
     def test_watermark_ack_decodes(self) -> None:
-        """The WATERMARK_ACK bytes of LINKF 1.7 decode to the message."""
+        """The WATERMARK_ACK bytes of docs/protocol.md section 2.5 decode to the message."""
         (frame,) = FrameDecoder().feed(WATERMARK_ACK_FRAME)
         self.assertEqual(frame, Frame(MsgType.WATERMARK_ACK, 1, bytes.fromhex("9401056403")))
         self.assertEqual(decode_frame(frame), WATERMARK_ACK)
 
     def test_hello_encodes(self) -> None:
-        """HELLO{(2,2), HeadDaemon, b""} at seq 1 encodes to the bytes of LINKF 1.7."""
+        """HELLO{(2,2), HeadDaemon, b""} at seq 1 encodes to the bytes of docs/protocol.md section
+        2.5."""
         self.assertEqual(message_frame(HELLO, 1), HELLO_FRAME)
 
     def test_hello_decodes(self) -> None:
-        """The HELLO bytes of LINKF 1.7 decode to the message."""
+        """The HELLO bytes of docs/protocol.md section 2.5 decode to the message."""
         (frame,) = FrameDecoder().feed(HELLO_FRAME)
         self.assertEqual(decode_frame(frame), HELLO)
         self.assertIs(decode_frame(frame).link_role, LinkRole.HEAD_DAEMON)  # type: ignore[attr-defined]
 
     def test_keepalive_encodes(self) -> None:
-        """KEEPALIVE at seq 7 is a droppable frame whose payload is msgpack nil (LINKF 1.7)."""
+        """KEEPALIVE at seq 7 is a droppable frame whose payload is msgpack nil (docs/protocol.md
+        section 2.5)."""
         self.assertEqual(message_frame(Keepalive(), 7), KEEPALIVE_FRAME)
 
     def test_keepalive_decodes(self) -> None:
-        """The KEEPALIVE bytes of LINKF 1.7 are delivered as a frame and decode to Keepalive."""
+        """The KEEPALIVE bytes of docs/protocol.md section 2.5 are delivered as a frame and decode
+        to Keepalive."""
         (frame,) = FrameDecoder().feed(KEEPALIVE_FRAME)
         self.assertEqual(frame, Frame(MsgType.KEEPALIVE, 7, b"\xc0"))
         self.assertEqual(decode_frame(frame), Keepalive())
@@ -154,27 +158,29 @@ class GoldenVectorTests(SynchronousTestCase):
             self.assertEqual(decode_message(MsgType.KEEPALIVE, payload), Keepalive())
 
     def test_token_events_encodes(self) -> None:
-        """TOKEN_EVENTS [Tokens([7,8]) seq 0, Finish{2} seq 1] has the payload of LINKF 1.7."""
+        """TOKEN_EVENTS [Tokens([7,8]) seq 0, Finish{2} seq 1] has the payload of docs/protocol.md
+        section 2.5."""
         self.assertEqual(TOKEN_EVENTS.payload(), TOKEN_EVENTS_PAYLOAD)
 
     def test_token_events_decodes(self) -> None:
-        """The TOKEN_EVENTS payload of LINKF 1.7 decodes to the two events."""
+        """The TOKEN_EVENTS payload of docs/protocol.md section 2.5 decodes to the two events."""
         self.assertEqual(decode_message(MsgType.TOKEN_EVENTS, TOKEN_EVENTS_PAYLOAD), TOKEN_EVENTS)
 
     def test_gen_params_blob(self) -> None:
-        """GenParams [0.0, 1.0, 0.0, 0, 42] is the float32 blob of LINKF 3.4, both ways."""
+        """GenParams [0.0, 1.0, 0.0, 0, 42] is the float32 blob of docs/protocol.md section 3.4,
+        both ways."""
         params = GenParams(temperature=0.0, top_p=1.0, min_p=0.0, top_k=0, seed=42)
         self.assertEqual(encode_params(params), GEN_PARAMS_BLOB)
         self.assertEqual(decode_params(GEN_PARAMS_BLOB), params)
 
     def test_tokens_blob(self) -> None:
-        """The context [300, 301, 302] is the blob of LINKF 3.4, both ways."""
+        """The context [300, 301, 302] is the blob of docs/protocol.md section 3.4, both ways."""
         self.assertEqual(encode_tokens([300, 301, 302]), TOKENS_BLOB)
         self.assertEqual(decode_tokens(TOKENS_BLOB), (300, 301, 302))
 
 
 # --------------------------------------------------------------------------------------------
-# The streaming decoder (LINKF 1.5)
+# The streaming decoder (docs/protocol.md section 2.4)
 
 
 class FrameDecoderTests(SynchronousTestCase):
@@ -297,13 +303,14 @@ class EncoderTests(SynchronousTestCase):
         self.assertEqual(encode_frame(MsgType.KEEPALIVE, 7, b"\xc0", 1), KEEPALIVE_FRAME)
 
     def test_class_derived_from_type(self) -> None:
-        """The class byte is 1 for the droppable range and 0 otherwise (LINKF 1.2)."""
+        """The class byte is 1 for the droppable range and 0 otherwise (docs/protocol.md section
+        2.2)."""
         self.assertEqual(encode_frame(MsgType.TELEMETRY, 1, b"")[24], 1)
         self.assertEqual(encode_frame(MsgType.HELLO, 1, b"")[24], 0)
 
 
 # --------------------------------------------------------------------------------------------
-# Payload strictness (LINKF section 2)
+# Payload strictness (docs/protocol.md section 3)
 
 
 class PayloadStrictnessTests(SynchronousTestCase):
@@ -567,7 +574,7 @@ class BlobTests(SynchronousTestCase):
 
 
 # --------------------------------------------------------------------------------------------
-# Handshake versions and catalog (LINKF 8 items 1, 2)
+# Handshake versions and catalog (docs/protocol.md section 10, items 1 and 2)
 
 
 class NegotiateTests(SynchronousTestCase):
