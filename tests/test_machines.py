@@ -87,6 +87,17 @@ class ConnectionMachineTests(SynchronousTestCase):
         machine.frame(Frame(int(MsgType.WATERMARK_ACK), 2, b""))  # type: ignore[attr-defined]
         self.assertEqual(owner.log, ["check_hello", "send_hello_ack", "serve 2"])
 
+    def test_a_hello_after_the_handshake_is_activity_only(self) -> None:
+        """A second HELLO is neither checked nor served, but it restarts the idle deadline."""
+        clock, owner, machine = self.build(idle_ms=400)
+        machine.hello(HELLO)  # type: ignore[attr-defined]
+        clock.advance(0.3)
+        machine.hello(Frame(int(MsgType.HELLO), 2, b"\xc1"))  # type: ignore[attr-defined]
+        clock.advance(0.3)
+        self.assertEqual(owner.log, ["check_hello", "send_hello_ack"])
+        clock.advance(0.1)
+        self.assertEqual(owner.log[-2:], ["close dropped an idle connection", "ended"])
+
     def test_refused_hello_closes_with_the_reason(self) -> None:
         """A HELLO that fails a check closes the connection, naming the check, and sends nothing."""
         _clock, owner, machine = self.build(refuse="peer is not a head daemon")

@@ -12,9 +12,11 @@ from collections.abc import Generator
 from typing import Any
 
 from twisted.internet import defer, task
+from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.generation import MockEngineFault
 from sfnode.head.link import LinkLostError, NodeRefusedError
+from sfnode.node import HANDLERS, HandlerTable
 from sfnode.wire import (
     FINISH_CANCELLED,
     FINISH_DECLINED,
@@ -33,6 +35,7 @@ from sfnode.wire import (
     LeaseRenewMsg,
     LeaseStateMsg,
     LinkRole,
+    MsgType,
     NodeStatusMsg,
     ReconcileAckMsg,
     ReconcileMsg,
@@ -41,6 +44,7 @@ from sfnode.wire import (
     TokenEventsMsg,
     Tokens,
     WatermarkAckMsg,
+    encode_frame,
     encode_tokens,
     message_frame,
 )
@@ -723,3 +727,63 @@ class TimedTests(MemoryNodeTestCase):
         self.advance(0.02)
         self.successResultOf(silent.lost)
         self.assertEqual(silent.received, [])
+
+
+class HelloTests(MemoryNodeTestCase):
+    """The HELLO is decoded and checked in one place, during the handshake only."""
+
+    def test_a_malformed_hello_refuses_the_handshake(self) -> None:
+        """A HELLO whose payload does not decode closes the connection before any answer."""
+        self.start_node()
+        head = self.raw_head()
+        head.send_bytes(encode_frame(int(MsgType.HELLO), 1, b"\x93\x92\x02"))
+        self.flush()
+        self.successResultOf(head.lost)
+        self.assertEqual(head.received, [])
+
+    def test_a_hello_after_the_handshake_is_ignored_undecoded(self) -> None:
+        """After the handshake a HELLO, even a malformed one, is ignored: the connection stays
+        and keeps serving."""
+        node = self.start_node()
+        head = self.raw_head()
+        head.hello()
+        self.flush()
+        head.send_bytes(encode_frame(int(MsgType.HELLO), 2, b"\xc1"))
+        assign_raw(head, 1, 1, 5)
+        head.send(AppendContentMsg(2, 1, 5, encode_tokens(PROMPT)))
+        head.send(GenerateReqMsg(3, 1, 5, 1, GenerationBudgetsMsg(3)))
+        self.flush()
+        self.assertNoResult(head.lost)
+        self.assertEqual(
+            stream_of(head.events(1, 1)), (expected_tokens(PROMPT, 3), [FINISH_LENGTH])
+        )
+        self.assertEqual(len(node.agent.connections), 1)
+
+
+class DispatchTableTests(SynchronousTestCase):
+    """The node's responders are registered with their message class (docs/protocol.md 7.2)."""
+
+    def test_the_node_handles_exactly_the_types_of_the_specification(self) -> None:
+        """RECONCILE, ASSIGN, REVOKE, LEASE_GRANT, APPEND, GENERATE, WATERMARK_ACK,
+        GENERATE_CANCEL and STAGE_FORWARD_REQ have a responder; every other type has none."""
+        self.assertEqual(
+            [cls.MSG_TYPE for cls in HANDLERS.message_classes()],
+            [
+                MsgType.RECONCILE,
+                MsgType.SESSION_ASSIGN,
+                MsgType.SESSION_REVOKE,
+                MsgType.LEASE_GRANT,
+                MsgType.APPEND_CONTENT,
+                MsgType.GENERATE_REQ,
+                MsgType.WATERMARK_ACK,
+                MsgType.GENERATE_CANCEL,
+                MsgType.STAGE_FORWARD_REQ,
+            ],
+        )
+
+    def test_a_second_responder_for_one_class_is_refused(self) -> None:
+        """Registering two responders for one message class is an error, not a silent swap."""
+        table = HandlerTable()
+        table.handles(WatermarkAckMsg)(lambda agent, connection, msg: None)
+        with self.assertRaises(ValueError):
+            table.handles(WatermarkAckMsg)(lambda agent, connection, msg: None)

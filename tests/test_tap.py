@@ -38,6 +38,14 @@ from twisted.web.client import Agent, readBody
 from sfnode import tap
 from sfnode.config import NodeConfig
 from sfnode.head.link import HeadIds, connect_node
+from sfnode.head.tap import HeadStartupError
+from sfnode.service import (
+    DEFAULT_MODEL_NAME,
+    ListeningService,
+    StartupError,
+    default_model_name,
+    server_from_string,
+)
 from sfnode.wire import (
     FINISH_LENGTH,
     FrameDecoder,
@@ -440,6 +448,67 @@ class EmbeddingTests(TestCase):
         await node.stopService()
         await probe.closed
         self.assertEqual(len(probes), 1)
+
+
+class SharedServiceTests(SynchronousTestCase):
+    """sfnode.service: the pieces both twistd plugins build on."""
+
+    def test_a_listener_logs_where_it_listens_and_fires_bound(self) -> None:
+        """ListeningService logs "{program} {what} {address}" once bound and fires ``bound``
+        with the port; stopping it stops listening."""
+        clock = MemoryReactorClock()
+        listener = ListeningService(
+            server_from_string(clock, "tcp:8454:interface=127.0.0.1"),
+            Factory(),
+            "tcp:8454:interface=127.0.0.1",
+            what="listening on",
+            program="sfnode",
+        )
+        with capturedLogs() as events:
+            listener.startService()
+        assert listener.bound is not None
+        port = self.successResultOf(listener.bound)
+        self.assertIs(port, listener.port)
+        host = port.getHost()
+        self.assertEqual(
+            [formatEvent(e) for e in events], [f"sfnode listening on {host.host}:{host.port}"]
+        )
+        self.successResultOf(listener.stopService())
+        self.assertIsNone(listener.port)
+
+    def test_a_listen_that_fails_at_once_is_a_startup_error(self) -> None:
+        """A port that cannot be bound raises the program's StartupError naming the endpoint."""
+
+        class Taken:
+            def listen(self, factory: Any) -> defer.Deferred[Any]:
+                return defer.fail(OSError("address already in use"))
+
+        for program, error in (("sfnode", tap.NodeStartupError), ("sfhead", HeadStartupError)):
+            listener = ListeningService(
+                Taken(), Factory(), "tcp:8454", what="listening on", program=program, error=error
+            )
+            with self.assertRaises(error) as raised:
+                listener.startService()
+            self.assertIsInstance(raised.exception, StartupError)
+            self.assertEqual(
+                str(raised.exception),
+                f"{program}: cannot listen on tcp:8454: address already in use",
+            )
+            self.assertFalse(listener.running)
+
+    def test_both_programs_name_a_model_alike(self) -> None:
+        """The node offers and the head serves the same name for one model path; the mock
+        engine is offered as "mock"."""
+        folder = Path(self.mktemp()) / "My-Model"
+        folder.mkdir(parents=True)
+        gguf = Path(self.mktemp())
+        gguf.write_bytes(b"")
+        for model, name in ((None, DEFAULT_MODEL_NAME), (str(folder), "My-Model")):
+            self.assertEqual(default_model_name(model), name)
+        self.assertEqual(default_model_name(str(gguf.with_suffix(".gguf"))), gguf.stem)
+        node = parse("--listen", LOOPBACK, "--engine", "transformers", "--model", str(folder))
+        self.assertEqual(node["model-name"], "My-Model")
+        self.assertEqual(parse("--listen", LOOPBACK, "--engine", "mock")["model-name"], "mock")
 
 
 class RedialTests(SynchronousTestCase):
