@@ -2,8 +2,9 @@
 
 These are the small machines docs/protocol.md sections 6.1 and 8.1 build on: the node's
 :class:`~sfnode.agent_session.AgentSession` uses :class:`CommandTable`, :class:`RetryBuffer` and
-:class:`LeaseClock`; the head's ``HeadSession`` uses :class:`EventDedup`.  Times are integer
-milliseconds passed in by the caller.
+:class:`LeaseClock` (whose timing its lease machines arm their timers from); the head's
+``HeadSession`` uses :class:`EventDedup`.  :class:`GenerationKey` and :class:`DedupKey` are how the
+node and the head name a generation.  Times are integer milliseconds passed in by the caller.
 
 This module is pure logic: it must never do I/O, read a clock, touch a reactor or import anything
 from the wire layer.  Everything here is deterministic and can be tested in microseconds.
@@ -175,7 +176,7 @@ class LeaseClock:
 
 
 # --------------------------------------------------------------------------------------------
-# Event dedup (the head side, docs/protocol.md section 8.1)
+# Keys: how the node and the head name a generation
 
 
 class GenerationKey(NamedTuple):
@@ -193,6 +194,10 @@ class DedupKey(NamedTuple):
     session_id: int
     epoch: int
     generation_id: int
+
+
+# --------------------------------------------------------------------------------------------
+# Event dedup (the head side, docs/protocol.md section 8.1)
 
 
 @dataclass(frozen=True, slots=True)

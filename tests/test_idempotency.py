@@ -151,6 +151,20 @@ class LeaseClockTests(SynchronousTestCase):
         self.assertTrue(clock.expired(received + 10_000))
         self.assertTrue(clock.expired(received + 20_000))
 
+    def test_time_until_renewal_and_expiry(self) -> None:
+        """renew_in and expires_in (what the lease machine arms its timers with) count down to
+        the same boundaries as must_renew and expired, and stay 0 afterwards."""
+        received = 100_000
+        clock = LeaseClock(received, 10_000, 8_000)
+        self.assertEqual((clock.renew_in(received), clock.expires_in(received)), (8_000, 10_000))
+        self.assertEqual(
+            (clock.renew_in(received + 7_999), clock.expires_in(received + 9_999)), (1, 1)
+        )
+        for now in (received + 8_000, received + 10_000, received + 50_000):
+            self.assertEqual(clock.renew_in(now), 0)
+            self.assertTrue(clock.must_renew(now))
+        self.assertEqual(clock.expires_in(received + 10_000), 0)
+
     def test_now_before_receipt(self) -> None:
         """A now earlier than receipt is never due nor expired, even for a zero lease."""
         clock = LeaseClock(100_000, 10_000, 8_000)
