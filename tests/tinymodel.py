@@ -113,7 +113,7 @@ def tiny_llama_random_norms(
     generator = torch.Generator().manual_seed(seed + 1)
     low, high = norm_range
     with torch.no_grad():
-        for name, module in model.named_modules():
+        for module in model.modules():
             if type(module).__name__.endswith("RMSNorm"):
                 weight = module.weight
                 weight.copy_(low + (high - low) * torch.rand(weight.shape, generator=generator))
