@@ -18,6 +18,7 @@ lives in its own module, imported only when it is chosen.
 from __future__ import annotations
 
 import enum
+import math
 import struct
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -28,6 +29,7 @@ import xxhash
 from twisted.internet import defer
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
+from sfnode.draws import draw_position, uniform
 from sfnode.wire import GenParams
 
 KV_BLOCK_TOKENS = 16
@@ -187,6 +189,85 @@ def mock_next_token(context: Sequence[int], vocab_size: int = MOCK_VOCAB_SIZE) -
     return mock_layers(mock_embed(context), 0, MOCK_LAYERS) % vocab_size
 
 
+MOCK_CANDIDATES = 8
+"""How many token ids have a finite logit in the mock's logits (all others are -inf)."""
+MOCK_LOGIT_STEP = 0.5
+"""The gap between the logits of consecutive mock candidates: 0, -0.5, -1.0, ..."""
+
+
+def mock_logits(
+    context: Sequence[int], vocab_size: int = MOCK_VOCAB_SIZE
+) -> list[tuple[int, float]]:
+    """The mock's logits after ``context``, as (token id, logit) of its finite entries, best first.
+
+    The best candidate is :func:`mock_next_token` (so greedy decoding is unchanged); the others
+    are further distinct ids drawn from the same hidden state by hashing it with a counter; the
+    logits fall by :data:`MOCK_LOGIT_STEP` per rank; every other id of the vocabulary has logit
+    -inf (probability 0).  A pure function of the context, like the greedy token.
+    """
+    hidden = mock_layers(mock_embed(context), 0, MOCK_LAYERS)
+    ids = [hidden % vocab_size]
+    counter = MOCK_LAYERS
+    while len(ids) < min(MOCK_CANDIDATES, vocab_size):
+        token = mock_layers(hidden, counter, counter + 1) % vocab_size
+        counter += 1
+        if token not in ids:
+            ids.append(token)
+    return [(token, -MOCK_LOGIT_STEP * rank) for rank, token in enumerate(ids)]
+
+
+def sample_sparse(logits: Sequence[tuple[int, float]], params: GenParams, position: int) -> int:
+    """The sampler of docs/engine.md section 2 over sparse logits (ids not listed are -inf).
+
+    Temperature, then top-k, min-p and top-p over candidates sorted by probability (ties to the
+    lower id), then the draw ``target = uniform(position) * kept mass``.  Pure Python, in float64
+    (the torch sampler of :mod:`sfnode.sampler` works in float32 over dense logits).
+    """
+    if params.temperature <= 0.0:
+        return min(logits, key=lambda entry: (-entry[1], entry[0]))[0]
+    best = max(logit for _, logit in logits)
+    weights = [(token, math.exp((logit - best) / params.temperature)) for token, logit in logits]
+    total = sum(weight for _, weight in weights)
+    probabilities = [(token, weight / total) for token, weight in weights]
+    ranked = sorted(probabilities, key=lambda entry: (-entry[1], entry[0]))
+    keep = len(ranked)
+    if params.top_k > 0:
+        keep = min(keep, params.top_k)
+    if params.min_p > 0.0:
+        threshold = params.min_p * ranked[0][1]
+        keep = max(1, sum(1 for _, p in ranked[:keep] if p >= threshold))
+    if params.top_p <= 0.0:
+        keep = 1
+    elif params.top_p < 1.0:
+        running = 0.0
+        for n, (_, p) in enumerate(ranked[:keep]):
+            running += p
+            if running >= params.top_p:
+                keep = n + 1
+                break
+    kept = ranked[:keep]
+    target = uniform(position) * sum(p for _, p in kept)
+    for token, p in kept:
+        if target < p:
+            return token
+        target -= p
+    return [token for token, p in kept if p > 0.0][-1]
+
+
+def mock_token(
+    context: Sequence[int], params: GenParams, position: int, vocab_size: int = MOCK_VOCAB_SIZE
+) -> int:
+    """The mock engine's next token after ``context`` under ``params`` at draw ``position``.
+
+    Greedy parameters give :func:`mock_next_token`; sampled ones draw from :func:`mock_logits`
+    with ``uniform(position)``, where ``position = seed + len(context)`` (docs/engine.md
+    section 2), so a sampled stream depends on the seed and continues exactly after a failover.
+    """
+    if params.temperature <= 0.0:
+        return mock_next_token(context, vocab_size)
+    return sample_sparse(mock_logits(context, vocab_size), params, position)
+
+
 class MockEngineFault(Exception):
     """The failure a mock engine injects for a context that holds its ``poison_token``."""
 
@@ -226,7 +307,8 @@ class MockEngine:
     Every step (``token_delay_s`` apart, or each reactor turn when 0) each running lane gets
     one token, :func:`mock_next_token` of its context.  Lanes, the queue, the context window
     and KV block accounting behave like a real engine's, so the node's scheduling and its
-    capacity reports can be tested without a model.  Sampling parameters are ignored.
+    capacity reports can be tested without a model.  Sampling parameters are honoured
+    (:func:`mock_token`): a sampled lane draws at ``seed + len(context)`` from the mock's logits.
     """
 
     def __init__(
@@ -362,7 +444,12 @@ class MockEngine:
             self._leave(generation)
             generation.result.errback(MockEngineFault("the context holds the poison token"))
             return
-        token = mock_next_token(generation.context, self._vocab_size)
+        token = mock_token(
+            generation.context,
+            request.params,
+            draw_position(request.params.seed, len(request.context), len(generation.produced)),
+            self._vocab_size,
+        )
         generation.context.append(token)
         generation.produced.append(token)
         self._decoded += 1

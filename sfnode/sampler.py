@@ -7,7 +7,8 @@ or after a failover that appends the delivered tokens to the context.
 
 This module must never keep state, use a random generator (``torch.multinomial``, ``random``),
 touch a model, a thread or the reactor.  It is imported only by the transformers engine (it needs
-torch); the all-Python :func:`uniform` is usable anywhere.
+torch); the random numbers themselves live in the all-Python :mod:`sfnode.draws` (re-exported
+here), which the mock engine draws with too.
 
 Running sums (top-p walk, the draw) are taken in float64 over the float32 probabilities; the draw
 takes the first kept candidate at which ``target`` is below the running sum, which is the
@@ -20,34 +21,10 @@ from collections.abc import Sequence
 
 import torch
 
+from sfnode.draws import draw_position as draw_position
+from sfnode.draws import splitmix64 as splitmix64
+from sfnode.draws import uniform
 from sfnode.wire import GenParams
-
-_MASK64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
-_MIX1 = 0xBF58476D1CE4E5B9
-_MIX2 = 0x94D049BB133111EB
-_TWO_POW_53 = float(1 << 53)
-
-
-def splitmix64(position: int) -> int:
-    """The splitmix64 finalizer of ``position + golden`` (all mod 2**64)."""
-    z = (position + _GOLDEN) & _MASK64
-    z ^= z >> 30
-    z = (z * _MIX1) & _MASK64
-    z ^= z >> 27
-    z = (z * _MIX2) & _MASK64
-    z ^= z >> 31
-    return z
-
-
-def uniform(position: int) -> float:
-    """A uniform number in [0, 1) that depends only on ``position`` (53 random bits)."""
-    return (splitmix64(position) >> 11) / _TWO_POW_53
-
-
-def draw_position(seed: int, context_len: int, k: int) -> int:
-    """The draw counter of the k-th new token (k from 0) after a context of ``context_len``."""
-    return (seed + context_len + k) & _MASK64
 
 
 def greedy_token(logits: torch.Tensor) -> int:

@@ -11,6 +11,9 @@ here that reaches it and shows it holding:
   contiguous;
 - a flood of small frames from a head that does not read stops being read, so the node's
   buffered output stays bounded however much the head sends;
+
+every buffered figure is sampled while the misbehaviour goes on (:class:`BufferSampler`) and
+its maximum is asserted;
 - ``max_sessions``: an ASSIGN beyond it is refused and that session's GENERATE gets
   FINISH_REFUSED (an unknown session still gets FINISH_DECLINED);
 - ``max_generations``: beyond it a GENERATE is declined at once;
@@ -26,6 +29,7 @@ from collections.abc import Generator
 from typing import Any
 
 from twisted.internet import defer
+from twisted.internet.task import LoopingCall
 from twisted.logger import ILogObserver, formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface import provider
@@ -100,8 +104,10 @@ class BoundsTestCase(NodeTestCase):
         return d
 
 
-def node_protocol(node: Any) -> NodeProtocol:
-    (protocol,) = node.agent.protocols
+def node_protocol(node: Any, head: RawHead) -> NodeProtocol:
+    """The node's end of ``head``'s connection (found by the head's local port)."""
+    port = head.protocol.transport.getHost().port
+    (protocol,) = [p for p in node.agent.protocols if p.transport.getPeer().port == port]
     assert isinstance(protocol, NodeProtocol)
     return protocol
 
@@ -109,6 +115,54 @@ def node_protocol(node: Any) -> NodeProtocol:
 def buffered(transport: Any) -> int:
     """Bytes a Twisted TCP transport holds but has not written to the socket yet."""
     return len(transport.dataBuffer) - transport.offset + transport._tempDataLen
+
+
+class BufferSampler:
+    """Samples a node connection's unsent bytes while a test runs: every 5 ms (on a loaded
+    machine, less often) and whenever the test calls :meth:`sample`.  The bound is asserted on
+    every sample, so a test fails as soon as it is passed instead of waiting for its end."""
+
+    def __init__(self, transport: Any, limit: int) -> None:
+        self._transport = transport
+        self.limit = limit
+        self.samples: list[int] = []
+        self._loop = LoopingCall(self.sample)
+        self._watching: list[defer.Deferred[Any]] = []
+
+    def sample(self, *_: object) -> None:
+        value = buffered(self._transport)
+        self.samples.append(value)
+        if value >= self.limit:
+            self.stop()
+            watching, self._watching = self._watching, []
+            for d in watching:
+                d.errback(AssertionError(f"{value} bytes unsent, the bound is {self.limit}"))
+
+    def start(self, test: BoundsTestCase) -> BufferSampler:
+        self._loop.start(0.005, now=True)
+        test.addCleanup(self.stop)
+        return self
+
+    def stop(self) -> None:
+        if self._loop.running:
+            self._loop.stop()
+
+    def watch(self, d: defer.Deferred[Any]) -> defer.Deferred[Any]:
+        """``d``'s result, or a failure as soon as a sample reaches the limit."""
+        watched: defer.Deferred[Any] = defer.Deferred()
+        self._watching.append(watched)
+
+        def done(result: Any) -> None:
+            if watched in self._watching:
+                self._watching.remove(watched)
+                watched.callback(result)
+
+        d.addBoth(done)
+        return watched
+
+    @property
+    def maximum(self) -> int:
+        return max(self.samples)
 
 
 class UnackedTests(BoundsTestCase):
@@ -143,7 +197,7 @@ class SlowReaderTests(BoundsTestCase):
     def shrink_buffers(self, head: RawHead, node: Any) -> NodeProtocol:
         """Small socket buffers on both ends, so a few hundred KB fill the path."""
         head.protocol.transport.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        protocol = node_protocol(node)
+        protocol = node_protocol(node, head)
         protocol.transport.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         return protocol
 
@@ -151,7 +205,8 @@ class SlowReaderTests(BoundsTestCase):
     def test_a_head_that_stops_reading_pauses_and_bounds_the_node(self) -> Gen:
         """A head that stops reading pauses its connection (back-pressure from the transport),
         each generation holds at most max_held_tokens=256 tokens (default 65536) and then
-        stops with a log line; the node's unsent output stays bounded; when the head reads
+        stops with a log line; the node's unsent output, sampled all along, never reaches
+        256 KiB; when the head reads
         again it gets contiguous events (no Finish for the stopped generations) and the
         connection serves a new generation correctly."""
         self.assertEqual(DEFAULT_MAX_HELD_TOKENS, 65_536)
@@ -160,13 +215,17 @@ class SlowReaderTests(BoundsTestCase):
         yield head.hello()
         protocol = self.shrink_buffers(head, node)
         stopped = self.log_lines("has not read for", count=4)
+        sampler = BufferSampler(protocol.transport, 256 * 1024).start(self)
         head.protocol.transport.pauseProducing()
         for session in (1, 2, 3, 4):
             self.place(head, session)
             self.generate(head, session, 1, 10_000_000)
-        yield stopped
+        yield sampler.watch(stopped)
+        sampler.stop()
         self.assertTrue(protocol.paused)
-        self.assertLess(buffered(protocol.transport), 256 * 1024)
+        self.assertGreater(len(sampler.samples), 1)
+        self.assertLess(sampler.maximum, 256 * 1024)
+        print(f"\nslow reader: {len(sampler.samples)} samples, at most {sampler.maximum} B unsent")
         resumed: defer.Deferred[None] = defer.Deferred()
         original = node.agent.connection_writable
 
@@ -196,10 +255,13 @@ class SlowReaderTests(BoundsTestCase):
     @defer.inlineCallbacks
     def test_a_flood_from_a_head_that_does_not_read_stays_bounded(self) -> Gen:
         """A head that sends 100 000 GENERATE_REQs for an unknown session (each answered by a
-        DECLINED Finish) and reads nothing: the node pauses, stops reading from it, and its
-        unsent output stays under 1 MiB while 100 000 answers would take about 4 MB; a
-        second head is served meanwhile."""
+        DECLINED Finish) and reads nothing: the node pauses and stops reading from it.  Its
+        unsent output, sampled while a second head runs 40 generations (each exact) beside
+        the flood, never reaches 1 MiB, while 100 000 answers would take about 4 MB: a node
+        that kept reading would have read the whole flood in those hundreds of reactor turns.
+        """
         node = yield self.start_node()
+        other = yield self.dial(node)
         head = yield RawHead.connect(self, node)
         yield head.hello()
         protocol = self.shrink_buffers(head, node)
@@ -212,15 +274,21 @@ class SlowReaderTests(BoundsTestCase):
             message_frame(GenerateReqMsg(i, 77, 1, i, request.budgets), i)
             for i in range(1, 100_001)
         )
+        sampler = BufferSampler(protocol.transport, 1024 * 1024).start(self)
         head.send_bytes(flood)
+        for session in range(1, 41):
+            other.assign(session)
+            other.append(session, [*PROMPT, session])
+            call = other.generate(session, 6, on_tokens=sampler.sample)
+            outcome = yield sampler.watch(call.result)
+            self.assertEqual(outcome.tokens, expected_tokens([*PROMPT, session], 6))
+            other.revoke(session)
         yield paused
-        other = yield self.dial(node)
-        other.assign(1)
-        other.append(1, PROMPT)
-        outcome = yield other.generate(1, 6).result
-        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 6))
+        sampler.stop()
         self.assertTrue(protocol.paused)
-        self.assertLess(buffered(protocol.transport), 1024 * 1024)
+        self.assertGreater(len(sampler.samples), 40)
+        self.assertLess(sampler.maximum, 1024 * 1024)
+        print(f"\nflood: {len(sampler.samples)} samples, at most {sampler.maximum} B unsent")
         answered = sum(1 for m in head.received if not isinstance(m, HelloAckF))
         self.assertEqual(answered, 0)
         # Its 4 MB are still queued on the head's side: abort rather than wait for them.

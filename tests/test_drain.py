@@ -14,46 +14,87 @@ from collections.abc import Generator
 from typing import Any
 
 from twisted.internet import defer, reactor
+from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.error import ProcessDone
+from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
-from sfnode.head.link import HeadIds, connect_node
+from sfnode.config import NodeConfig
+from sfnode.generation import MockEngine
+from sfnode.head.link import HeadIds, NodeLink, connect_node
+from sfnode.node import NodeAgent
+from sfnode.tap import node_factory
 from sfnode.wire import FINISH_CANCELLED, FINISH_DECLINED, FINISH_LENGTH
-from tests.nodefixture import NodeTestCase, expected_tokens
+from tests.nodefixture import NodeTestCase, RunningNode, expected_tokens
 from tests.test_tap import TWISTD, TwistdProcess, child_env
 
 PROMPT = list(range(100, 112))
+STEP_S = 0.01
+"""One clock step: one mock token."""
 Gen = Generator[defer.Deferred[Any], Any, None]
 
 
 class AgentDrainTests(NodeTestCase):
-    """NodeAgent.drain in process, on the real reactor."""
+    """NodeAgent.drain in process: the node's time is a Clock, its sockets are real.
+
+    The node, its machines and its mock engine run on a :class:`Clock`, so the drain window is
+    exact however loaded the machine is; the head link runs on the real reactor.  After each
+    clock step a barrier (a STAGE_FORWARD, which the mock answers at once) makes sure the node
+    handled everything sent before it and that its answers arrived (one connection, in order).
+    """
+
+    @defer.inlineCallbacks
+    def start_clocked_node(self, clock: Clock, **config: Any) -> Generator[Any, Any, RunningNode]:
+        engine = MockEngine(clock, token_delay_s=STEP_S)
+        agent = NodeAgent(clock, engine, NodeConfig(identity="drain", model_name="mock", **config))
+        agent.start()
+        endpoint = TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1")
+        port = yield endpoint.listen(node_factory(agent))
+        self.addCleanup(agent.stop)
+        self.addCleanup(port.stopListening)
+        return RunningNode(agent, engine, port)
+
+    @defer.inlineCallbacks
+    def step(self, clock: Clock, link: NodeLink, seconds: float = STEP_S) -> Gen:
+        clock.advance(seconds)
+        yield link.stage_forward([1], 0, 1)
 
     @defer.inlineCallbacks
     def test_drain_declines_finishes_and_cancels(self) -> Gen:
-        """During a drain a new GENERATE is DECLINED, a short generation still ends with
-        LENGTH, and one that outlives the drain timeout ends with CANCELLED; the drain fires
-        once the head acknowledged those final events, with the link still open."""
-        node = yield self.start_node(token_delay_s=0.01, drain_timeout_ms=600)
+        """During a drain a new GENERATE is DECLINED, a generation that ends inside the 600 ms
+        drain window ends with LENGTH, and one that outlives it ends with CANCELLED exactly when
+        the window closes; the drain fires once the head acknowledged those final events
+        (before the ack wait could end it), with the link still open."""
+        clock = Clock()
+        node = yield self.start_clocked_node(clock, drain_timeout_ms=600)
         link = yield self.dial(node)
         for session in (1, 2, 3):
             link.assign(session)
             link.append(session, PROMPT)
-        first: defer.Deferred[None] = defer.Deferred()
         short = link.generate(1, 20)
-        long = link.generate(
-            2, 1_000_000, on_tokens=lambda _: None if first.called else first.callback(None)
-        )
-        yield first
+        long = link.generate(2, 1_000_000)
+        yield self.step(clock, link)
         drained = node.agent.drain()
+        drain_started = clock.seconds()
         late = yield link.generate(3, 5).result
         self.assertEqual((late.tokens, late.finish), ([], FINISH_DECLINED))
+        while not long.result.called:
+            self.assertLess(clock.seconds(), drain_started + 1.0, "the drain window never closed")
+            yield self.step(clock, link)
         done = yield short.result
         self.assertEqual((done.tokens, done.finish), (expected_tokens(PROMPT, 20), FINISH_LENGTH))
         cancelled = yield long.result
         self.assertEqual(cancelled.finish, FINISH_CANCELLED)
         self.assertEqual(cancelled.tokens, expected_tokens(PROMPT, len(cancelled.tokens)))
-        yield drained
+        # 600 ms of 10 ms tokens: cancelled when the window closed, not before.
+        self.assertGreaterEqual(clock.seconds() - drain_started, 0.6 - 1e-6)
+        self.assertGreaterEqual(len(cancelled.tokens), 55)
+        # The acknowledgements end the drain; the clock stands still, so the ack wait cannot.
+        for _ in range(100):
+            if drained.called:
+                break
+            yield link.stage_forward([1], 0, 1)
+        self.assertTrue(drained.called, "the drain did not end on the head's acknowledgements")
         self.assertTrue(link.connected)
         self.assertEqual(node.agent.running_generations, 0)
 

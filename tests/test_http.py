@@ -209,7 +209,9 @@ class CompletionTests(HttpTestCase):
         """/v1/completions takes a prompt string; streamed and plain text agree."""
         node = yield self.start_vocab_node()
         head = yield self.start_head([node])
-        request = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 10}
+        request = {
+            "model": MODEL, "prompt": "the quick brown fox", "max_tokens": 10, "temperature": 0,
+        }  # fmt: skip
         code, plain = yield self.call(head, b"POST", "/v1/completions", request)
         self.assertEqual(code, 200)
         body = json.loads(plain)
@@ -242,6 +244,7 @@ class CompletionTests(HttpTestCase):
                     "model": MODEL,
                     "messages": MESSAGES,
                     "max_tokens": 400,
+                    "temperature": 0,
                     "stop": [stop],
                     "stream": stream,
                 },

@@ -306,7 +306,9 @@ class SessionTests(NodeTestCase):
         second.assign(1)
         second.append(1, [4, 5, 6])
         outcome = yield second.generate(1, 3).result
-        self.assertIn(outcome.finish, (FINISH_LENGTH, FINISH_DECLINED))
+        self.assertEqual(
+            (outcome.tokens, outcome.finish), (expected_tokens([4, 5, 6], 3), FINISH_LENGTH)
+        )
         second.assign(2)
         second.append(2, [4, 5, 6])
         fresh = yield second.generate(2, 3).result

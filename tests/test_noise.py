@@ -265,9 +265,7 @@ class LinkTests(NodeTestCase):
             any("its fleet token differs" in formatEvent(e) for e in events),
             [formatEvent(e) for e in events],
         )
-        yield self.assertFailure(
-            self.dial(node, handshake_timeout_s=0.5), NodeRefusedError, Exception
-        )
+        yield self.assertFailure(self.dial(node, handshake_timeout_s=30.0), NodeRefusedError)
         link = yield self.dial(node, token=TOKEN)
         self.assertEqual(link.node_identity, "node")
         link.assign(1)
@@ -324,7 +322,9 @@ class PlaintextMismatchTests(NodeTestCase):
     def test_plaintext_node_refuses_a_keyed_head(self) -> Gen:
         """A keyed head (Noise) against a node without a token fails its handshake."""
         node = yield self.start_node()
-        yield self.assertFailure(self.dial(node, token=TOKEN, handshake_timeout_s=2.0), Exception)
+        yield self.assertFailure(
+            self.dial(node, token=TOKEN, handshake_timeout_s=30.0), NodeRefusedError
+        )
         self.assertEqual(node.agent.connections, ())
 
 

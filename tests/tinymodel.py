@@ -66,6 +66,66 @@ def tiny_llama(
     return model
 
 
+def tiny_llama_random_norms(
+    *,
+    hidden: int = 64,
+    layers: int = 4,
+    vocab: int = TINY_VOCAB,
+    window: int = 512,
+    seed: int = 4321,
+    init_range: float = 0.2,
+    norm_range: tuple[float, float] = (0.4, 1.6),
+    bias: bool = True,
+    eos: int | None = TINY_EOS,
+    attn: str = "sdpa",
+) -> Any:
+    """A random ``LlamaForCausalLM`` whose every RMSNorm weight is random and far from 1.0.
+
+    :func:`tiny_llama` leaves every norm weight at 1.0, so code that skips a norm's weight (or a
+    whole final norm: RMSNorm then only rescales, which an argmax ignores) computes the same
+    tokens.  Here each weight of every RMSNorm (both per layer and the final one) is drawn
+    uniformly from ``norm_range``, and with ``bias`` the attention and MLP projections get
+    random biases too (Llama has them as a config option), so such code gives other logits and,
+    within a few tokens, other tokens.  Same arguments, same weights; float32, eval mode.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=window,
+        initializer_range=init_range,
+        attention_bias=bias,
+        mlp_bias=bias,
+        bos_token_id=1,
+        eos_token_id=eos,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    config._attn_implementation = attn
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    generator = torch.Generator().manual_seed(seed + 1)
+    low, high = norm_range
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith("RMSNorm"):
+                weight = module.weight
+                weight.copy_(low + (high - low) * torch.rand(weight.shape, generator=generator))
+            elif isinstance(module, torch.nn.Linear) and module.bias is not None:
+                bias_values = torch.randn(module.bias.shape, generator=generator)
+                module.bias.copy_(init_range * bias_values)
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = 0
+    model.eval()
+    return model
+
+
 def tiny_tokenizer(vocab: int = TINY_VOCAB) -> Any:
     """A byte-level BPE tokenizer trained on a few sentences, as ``PreTrainedTokenizerFast``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -91,6 +151,15 @@ def save_tiny_model(folder: str | os.PathLike[str], **kwargs: Any) -> Path:
     path = Path(folder)
     path.mkdir(parents=True, exist_ok=True)
     tiny_llama(**kwargs).save_pretrained(str(path))
+    tiny_tokenizer().save_pretrained(str(path))
+    return path
+
+
+def save_tiny_random_norms_model(folder: str | os.PathLike[str], **kwargs: Any) -> Path:
+    """Write :func:`tiny_llama_random_norms` and the tiny tokenizer as a transformers folder."""
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    tiny_llama_random_norms(**kwargs).save_pretrained(str(path))
     tiny_tokenizer().save_pretrained(str(path))
     return path
 

@@ -1,0 +1,204 @@
+"""Real pipelines: the tiny model's layers split over stage nodes equal the full model.
+
+A pipeline (docs/protocol.md section 7.6) runs layers ``[start, end)`` on each stage node; the
+hidden state crosses the links as float32 bytes and the last stage applies the final norm and
+the LM head.  These tests use the tiny Llama with random, non-unit RMSNorm weights and random
+biases (``tests.tinymodel.tiny_llama_random_norms``), so that a stage that skips a norm, a bias
+or the final norm computes other numbers (with unit norm weights the final norm only rescales,
+and an argmax cannot tell).  They compare, against the full model in this process:
+
+- every hidden state a stage sends on, to float tolerance, and the logits the last stage
+  computes, to float tolerance (captured in process: the wire carries only the token);
+- the whole greedy sequence of the pipeline, 32 tokens, with ``generate()``.
+
+The fast tests run the stage nodes in this process (each its own NodeAgent and engine, over real
+TCP); :class:`ProcessPipelineTests` runs them as real ``twistd sfnode`` processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from typing import Any
+
+from twisted.internet import defer, reactor
+from twisted.internet.endpoints import TCP4ServerEndpoint
+
+from sfnode.config import NodeConfig
+from sfnode.head.link import NodeLink
+from sfnode.head.pipeline import PipelineFleet
+from sfnode.node import NodeAgent
+from sfnode.tap import node_factory
+from sfnode.wire import FINISH_LENGTH
+from tests.nodefixture import NodeTestCase, RunningNode
+from tests.processes import LOOPBACK, Child, spawn_twistd
+from tests.tinymodel import TINY_EOS, TINY_VOCAB, reference_greedy, tiny_llama_random_norms
+
+LAYERS = 4
+PROMPT = [(i * 53 + 11) % TINY_VOCAB for i in range(23)]
+NEW_TOKENS = 32
+TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}
+Gen = Generator[defer.Deferred[Any], Any, None]
+
+
+def full_forward(model: Any, context: Sequence[int]) -> tuple[Any, list[Any]]:
+    """The full model's last-position logits and its hidden state after every layer.
+
+    ``hidden[i]`` is the output of layer ``i - 1`` for ``i`` from 1 to LAYERS - 1 (before any
+    final norm), ``hidden[0]`` the embeddings: what a stage ending at layer ``i`` sends on.
+    """
+    import torch
+
+    with torch.inference_mode():
+        out = model(torch.tensor([list(context)]), output_hidden_states=True)
+    return out.logits[0, -1, :].to(torch.float32), [h[0] for h in out.hidden_states[:LAYERS]]
+
+
+class PipelineCase(NodeTestCase):
+    timeout = 240
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.model = tiny_llama_random_norms(layers=LAYERS)
+
+    def assert_close(self, actual: Any, expected: Any, what: str) -> None:
+        import torch
+
+        try:
+            torch.testing.assert_close(actual, expected, **TOLERANCE)
+        except AssertionError as e:
+            self.fail(f"{what}: {e}")
+
+    @defer.inlineCallbacks
+    def compare_boundaries(
+        self, links: Sequence[NodeLink], ranges: Sequence[tuple[int, int]]
+    ) -> Gen:
+        """Walk PROMPT through the stages by hand: each hidden state a stage sends on equals
+        the full model's after that layer, and the last stage answers the full model's argmax."""
+        from sfnode.engines.transformers_engine import decode_hidden
+
+        logits, hidden_states = full_forward(self.model, PROMPT)
+        hidden: bytes | None = None
+        for i, (link, (start, end)) in enumerate(zip(links, ranges, strict=True)):
+            response = yield link.stage_forward(PROMPT if i == 0 else (), start, end, hidden)
+            if end < LAYERS:
+                self.assertIsNone(response.token)
+                self.assertIsNotNone(response.hidden)
+                received = decode_hidden(response.hidden, self.model.config.hidden_size)
+                self.assert_close(received, hidden_states[end], f"hidden after layer {end - 1}")
+                hidden = response.hidden
+            else:
+                self.assertIsNone(response.hidden)
+                self.assertEqual(response.token, int(logits.argmax()))
+
+    @defer.inlineCallbacks
+    def run_pipeline(
+        self, endpoints: Sequence[str], boundaries: Sequence[int]
+    ) -> Generator[defer.Deferred[Any], Any, tuple[list[int], int]]:
+        pipeline = PipelineFleet(
+            reactor, endpoints, boundaries=boundaries, eos_ids=[TINY_EOS], ids=self.ids
+        )
+        self.addCleanup(pipeline.stop)
+        yield pipeline.start()
+        streamed: list[int] = []
+        outcome = yield pipeline.generate(PROMPT, NEW_TOKENS, on_tokens=streamed.extend).result
+        self.assertEqual(streamed, outcome.tokens)
+        links = []
+        for node in pipeline.stages:
+            links.append((yield pipeline.fleet._ensure(node)))
+        yield self.compare_boundaries(links, pipeline.ranges)
+        return list(outcome.tokens), outcome.finish
+
+
+class InProcessPipelineTests(PipelineCase):
+    """Stage nodes in this process, each with its own engine and copy of the model, over TCP."""
+
+    @defer.inlineCallbacks
+    def start_stage(
+        self, name: str
+    ) -> Generator[defer.Deferred[Any], Any, tuple[RunningNode, Any]]:
+        from sfnode.engines.transformers_engine import TransformersEngine
+
+        model = tiny_llama_random_norms(layers=LAYERS)
+        engine = TransformersEngine(model, reactor, max_lanes=1)
+        agent = NodeAgent(reactor, engine, NodeConfig(identity=name, model_name="tiny"))
+        agent.start()
+        endpoint = TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1")
+        port = yield endpoint.listen(node_factory(agent))
+        self.addCleanup(agent.stop)
+        self.addCleanup(port.stopListening)
+        return RunningNode(agent, engine, port), model  # type: ignore[arg-type]
+
+    def capture_logits(self, model: Any) -> list[Any]:
+        """Record every output of ``model.lm_head`` (through ``__call__`` or ``forward``)."""
+        captured: list[Any] = []
+        head = model.lm_head
+        forward = head.forward
+
+        def recording(*args: Any, **kwargs: Any) -> Any:
+            out = forward(*args, **kwargs)
+            captured.append(out.detach().reshape(-1, out.shape[-1])[-1].clone())
+            return out
+
+        head.forward = recording
+        return captured
+
+    @defer.inlineCallbacks
+    def check(self, boundaries: Sequence[int]) -> Gen:
+        stages = []
+        for i in range(len(boundaries)):
+            stages.append((yield self.start_stage(f"stage{i}")))
+        last_model = stages[-1][1]
+        captured = self.capture_logits(last_model)
+        tokens, finish = yield self.run_pipeline([s.endpoint for s, _ in stages], boundaries)
+        expected = reference_greedy(self.model, PROMPT, NEW_TOKENS)
+        self.assertEqual(tokens, expected)
+        self.assertEqual(finish, FINISH_LENGTH)
+        # One lm_head call per generated token, then one for compare_boundaries' walk.
+        self.assertEqual(len(captured), len(tokens) + 1)
+        context = list(PROMPT)
+        for step, token in enumerate(tokens):
+            logits, _ = full_forward(self.model, context)
+            self.assert_close(captured[step], logits, f"last stage logits at step {step}")
+            context.append(token)
+
+    def test_two_even_stages_equal_the_full_model(self) -> defer.Deferred[None]:
+        """Layers [0, 2) and [2, 4) on two nodes: the hidden state sent on and the last stage's
+        logits equal the full model's to float tolerance, at every one of 32 steps, and the
+        whole greedy sequence equals generate()."""
+        return self.check([2, 4])
+
+    def test_three_uneven_stages_equal_the_full_model(self) -> defer.Deferred[None]:
+        """Layers [0, 1), [1, 3), [3, 4) on three nodes: the same comparisons."""
+        return self.check([1, 3, 4])
+
+
+class ProcessPipelineTests(PipelineCase):
+    """Three real ``twistd sfnode --engine transformers`` processes as the stages."""
+
+    @defer.inlineCallbacks
+    def test_three_stage_processes_equal_the_full_model(self) -> Gen:
+        """Three ``twistd sfnode`` processes serving the saved tiny model (random norms) as
+        stages [0, 1), [1, 3), [3, 4): every hidden state they send on equals the full model's
+        to float tolerance, and the whole greedy sequence of 32 tokens equals generate()."""
+        from tests.tinymodel import save_tiny_random_norms_model
+
+        folder = save_tiny_random_norms_model(self.mktemp(), layers=LAYERS)
+        children = [
+            spawn_twistd(
+                self,
+                Child(f"stage{i}"),
+                ["sfnode", "--listen", LOOPBACK, "--engine", "transformers",
+                 "--model", str(folder.resolve()), "--identity", f"stage{i}",
+                 "--max-lanes", "1", "--threads", "1"],
+            )
+            for i in range(3)
+        ]  # fmt: skip
+        endpoints = []
+        for child in children:
+            (bound,) = yield child.wait_for(rb"sfnode listening on 127\.0\.0\.1:(\d+)\n")
+            endpoints.append(f"tcp:127.0.0.1:{int(bound.group(1))}")
+        tokens, finish = yield self.run_pipeline(endpoints, [1, 3, 4])
+        self.assertEqual(tokens, reference_greedy(self.model, PROMPT, NEW_TOKENS))
+        self.assertEqual(finish, FINISH_LENGTH)
+        for child in children:
+            self.assertNotIn(b"Traceback", bytes(child.output))
