@@ -155,7 +155,7 @@ class ApiKeyTests(HeadServiceTestCase):
         )
         self.assertEqual((code, json.loads(content)["data"][0]["id"]), (200, MODEL))
         code, _, content = yield self.request(head, b"GET", "/healthz")
-        self.assertEqual((code, json.loads(content)), (200, {"status": "ok", "nodes": 1}))
+        self.assertEqual((code, json.loads(content)["status"]), (200, "ok"))
         code, _, content = yield self.request(head, b"GET", "/metrics")
         self.assertEqual(code, 200)
         self.assertIn(
@@ -321,7 +321,7 @@ class _RawClient(Protocol):
 def raw_post(path: str, body: Any) -> bytes:
     data = json.dumps(body).encode()
     return (
-        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         f"Connection: close\r\nContent-Length: {len(data)}\r\n\r\n"
     ).encode() + data
 
@@ -374,7 +374,9 @@ class DrainTests(HeadServiceTestCase):
         self.assertTrue(head_part.startswith(b"HTTP/1.1 503 "), answer)
         error = json.loads(content)["error"]
         self.assertEqual((error["type"], error["code"]), ("service_unavailable", "draining"))
-        late.transport.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        late.transport.write(
+            b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+        )
         health = yield late.ended
         self.assertTrue(health.startswith(b"HTTP/1.1 503 "), health)
         self.assertEqual(json.loads(health.partition(b"\r\n\r\n")[2])["status"], "draining")

@@ -25,6 +25,7 @@ from sfnode.config import NodeConfig
 from sfnode.generation import EngineStop, MockEngine, mock_next_token
 from sfnode.head.fleet import Fleet
 from sfnode.head.http import Detokenizer, OpenAIApi, Renderer, StopText
+from sfnode.head.schema import ChatMessage
 from sfnode.node import NodeAgent
 from tests.nodefixture import NodeTestCase, RunningNode
 from tests.tinymodel import TINY_VOCAB, tiny_tokenizer
@@ -82,13 +83,15 @@ class HttpTestCase(NodeTestCase):
 
     @defer.inlineCallbacks
     def start_head(
-        self, nodes: Sequence[RunningNode], *, model: str = MODEL, tok: Any = None
+        self, nodes: Sequence[RunningNode], *, model: str = MODEL, tok: Any = None, **api: Any
     ) -> Generator[defer.Deferred[Any], Any, Head]:
+        """A fleet with ``nodes`` and its API on 127.0.0.1 (``api``: more OpenAIApi keywords)."""
         fleet = Fleet(reactor, ids=self.ids)
         self.addCleanup(fleet.stop)
         for node in nodes:
             yield fleet.add_node(node.endpoint)
-        api = OpenAIApi(reactor, fleet, fleet, tok or tokenizer(), model, seed_source=lambda: 7)
+        api = OpenAIApi(reactor, fleet, tok or tokenizer(), model, seed_source=lambda: 7, **api)
+        self.addCleanup(api.stop)
         port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(api.site())
         self.addCleanup(port.stopListening)
         return Head(fleet, api, port)
@@ -116,7 +119,7 @@ class HttpTestCase(NodeTestCase):
         return response.code, content
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        return Renderer(tokenizer()).chat(messages)
+        return Renderer(tokenizer()).chat([ChatMessage(m["role"], m["content"]) for m in messages])
 
     def text_of(self, tokens: Sequence[int]) -> str:
         return str(tokenizer().decode(list(tokens), skip_special_tokens=True))
@@ -288,7 +291,8 @@ class CompletionTests(HttpTestCase):
             {"model": MODEL, "messages": MESSAGES, "max_tokens": 100000, "stream": True}
         ).encode()
         client.transport.write(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\n"
             + f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
@@ -374,7 +378,8 @@ class ErrorTests(HttpTestCase):
 
     @defer.inlineCallbacks
     def test_no_node_is_503_and_unhealthy(self) -> Generator[Any, Any, None]:
-        """Without nodes: completions answer 503 and /healthz says 503 with nodes 0."""
+        """Without nodes: completions answer 503 and /healthz says 503 (unavailable) with no
+        node and no lane."""
         head = yield self.start_head([])
         code, content = yield self.call(
             head, b"POST", "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES}
@@ -382,7 +387,11 @@ class ErrorTests(HttpTestCase):
         self.assertEqual(code, 503)
         self.assertIn("error", json.loads(content))
         code, content = yield self.call(head, b"GET", "/healthz")
-        self.assertEqual((code, json.loads(content)), (503, {"status": "unavailable", "nodes": 0}))
+        self.assertEqual(
+            (code, json.loads(content)),
+            (503, {"status": "unavailable", "nodes": 0, "lanes_active": 0, "lanes_total": 0,
+                   "queued": 0, "requests": 0}),
+        )  # fmt: skip
 
 
 class ObservabilityTests(HttpTestCase):
@@ -394,7 +403,11 @@ class ObservabilityTests(HttpTestCase):
         node = yield self.start_vocab_node(identity="m1")
         head = yield self.start_head([node])
         code, content = yield self.call(head, b"GET", "/healthz")
-        self.assertEqual((code, json.loads(content)), (200, {"status": "ok", "nodes": 1}))
+        self.assertEqual(
+            (code, json.loads(content)),
+            (200, {"status": "ok", "nodes": 1, "lanes_active": 0, "lanes_total": 8, "queued": 0,
+                  "requests": 0}),
+        )  # fmt: skip
         code, content = yield self.call(head, b"GET", "/v1/models")
         self.assertEqual([m["id"] for m in json.loads(content)["data"]], [MODEL])
         yield self.call(
@@ -481,7 +494,7 @@ class OpenAIClientTests(HttpTestCase):
         engine = TransformersEngine(model, reactor, max_lanes=2)
         node = yield self.start_vocab_node(engine=engine, model_name="tiny")
         head = yield self.start_head([node], model="tiny", tok=tok)
-        prompt = Renderer(tok).chat(MESSAGES)
+        prompt = Renderer(tok).chat([ChatMessage("user", "hello world")])
         expected = reference_greedy(model, prompt, 10)
         expected_text = str(tok.decode(expected, skip_special_tokens=True))
         client = openai.OpenAI(base_url=head.base + "/v1", api_key="unused", max_retries=0)
