@@ -148,9 +148,10 @@ def _template_environment() -> Any:
 class HeadTokenizer:
     """A model folder's tokenizer and chat template, without torch or transformers.
 
-    Reads ``tokenizer.json`` (the ``tokenizers`` package), ``tokenizer_config.json`` (special
-    tokens, ``add_bos_token``/``add_eos_token``, ``clean_up_tokenization_spaces``, an inline
-    ``chat_template``) and ``chat_template.jinja``, as transformers' fast tokenizers do.
+    Reads ``tokenizer.json`` (the ``tokenizers`` package; its post-processor decides which
+    special tokens a prompt gets, as it does for transformers' ``TokenizersBackend``),
+    ``tokenizer_config.json`` (special tokens, ``clean_up_tokenization_spaces``, an inline
+    ``chat_template``) and ``chat_template.jinja``.
 
     :raises TokenizerLoadError: a file is missing or unreadable.
     """
@@ -171,7 +172,6 @@ class HeadTokenizer:
             text = _token_text(config.get(name)) or _token_text(legacy_map.get(name))
             if text is not None:
                 self.special_tokens[name] = text
-        self._post_processor(config)
         self._clean_up = bool(config.get("clean_up_tokenization_spaces", False)) and (
             type(self._tokenizer.model).__name__ != "BPE"
         )
@@ -199,28 +199,6 @@ class HeadTokenizer:
         except (OSError, ValueError) as e:
             raise TokenizerLoadError(f"cannot read {path}: {e}") from e
         return data if isinstance(data, dict) else {}
-
-    def _post_processor(self, config: Mapping[str, Any]) -> None:
-        """BOS/EOS as transformers adds them: a config that names ``add_bos_token`` or
-        ``add_eos_token`` (or a tokenizer without a post-processor) gets a template for them."""
-        from tokenizers import processors
-
-        explicit = "add_bos_token" in config or "add_eos_token" in config
-        if not explicit and self._tokenizer.post_processor is not None:
-            return
-        bos, eos = self.special_tokens.get("bos_token"), self.special_tokens.get("eos_token")
-        add_bos = bool(config.get("add_bos_token")) and bos is not None
-        add_eos = bool(config.get("add_eos_token")) and eos is not None
-        single = f"{f'{bos}:0 ' if add_bos else ''}$A:0{f' {eos}:0' if add_eos else ''}"
-        pair = f"{single}{f' {bos}:1' if add_bos else ''} $B:1{f' {eos}:1' if add_eos else ''}"
-        special = [
-            (t, self._tokenizer.token_to_id(t))
-            for t, on in ((bos, add_bos), (eos, add_eos))
-            if on and t is not None
-        ]
-        self._tokenizer.post_processor = processors.TemplateProcessing(
-            single=single, pair=pair, special_tokens=special
-        )
 
     def _chat_template(self, config: Mapping[str, Any]) -> str | None:
         path = self.folder / TEMPLATE_FILE
