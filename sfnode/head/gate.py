@@ -317,6 +317,7 @@ class GuardedChannel(http.HTTPChannel):
         request.method = self._command
         request.uri = self._path
         request.path = self._path.split(b"?", 1)[0]
+        request.site = self.site
         error = self.site.screen(request, self.length)
         if error is not None:
             self.refuse(error)

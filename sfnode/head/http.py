@@ -441,11 +441,13 @@ def _unauthorized(request: Any) -> ApiError:
 def answer(
     request: Any, status: int, body: Any, headers: dict[bytes, bytes] | None = None
 ) -> bytes:
+    data = json.dumps(body).encode()
     request.setResponseCode(status)
     request.setHeader(b"content-type", b"application/json")
+    request.setHeader(b"content-length", b"%d" % len(data))
     for name, value in (headers or {}).items():
         request.setHeader(name, value)
-    return json.dumps(body).encode()
+    return data
 
 
 def answer_error(request: Any, error: ApiError) -> bytes:
