@@ -532,3 +532,146 @@ class OpenAIClientTests(HttpTestCase):
             yield threads.deferToThread(
                 lambda: client.chat.completions.create(model="other", messages=MESSAGES)  # type: ignore[arg-type]
             )
+
+
+class ChoicesAndRoutesTests(HttpTestCase):
+    """Issue 11's API with the official ``openai`` package and raw HTTP, over real TCP, against
+    a head whose node runs a real (tiny) transformers model."""
+
+    @defer.inlineCallbacks
+    def tiny_head(self) -> Generator[defer.Deferred[Any], Any, tuple[Head, Any, Any]]:
+        """A head on ``tiny`` served by a transformers node; (head, model, openai client)."""
+        import openai
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from sfnode.engines.transformers_engine import TransformersEngine
+        from tests.tinymodel import save_tiny_model
+
+        folder = save_tiny_model(self.mktemp())
+        model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True)
+        model.eval()
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        engine = TransformersEngine(model, reactor, max_lanes=4)
+        node = yield self.start_vocab_node(engine=engine, model_name="tiny")
+        head = yield self.start_head([node], model="tiny", tok=tok)
+        client = openai.OpenAI(base_url=head.base + "/v1", api_key="unused", max_retries=0)
+        self.addCleanup(client.close)
+        return head, model, client
+
+    @defer.inlineCallbacks
+    def test_n_gives_that_many_choices_plain_and_streamed(self) -> Generator[Any, Any, None]:
+        """n=3 returns three choices with indexes 0, 1, 2 (greedy: each is the greedy text);
+        usage counts the prompt once and the tokens of all choices; streamed with
+        include_usage, chunks carry their choice's index, each choice's text adds up to the
+        same text and ends with its own finish_reason, and the last chunk holds the usage."""
+        head, model, client = yield self.tiny_head()
+        from tests.tinymodel import reference_greedy
+
+        tok = head.api.renderer.codec
+        prompt = head.api.renderer.chat([ChatMessage("user", "hello world")])
+        expected = tok.decode(reference_greedy(model, prompt, 8))
+
+        def plain() -> Any:
+            return client.chat.completions.create(
+                model="tiny", messages=MESSAGES, max_tokens=8, temperature=0, n=3
+            )
+
+        def streamed() -> list[Any]:
+            return list(
+                client.chat.completions.create(
+                    model="tiny", messages=MESSAGES, max_tokens=8, temperature=0, n=2,
+                    stream=True, stream_options={"include_usage": True},
+                )
+            )  # fmt: skip
+
+        completion = yield threads.deferToThread(plain)
+        self.assertEqual([c.index for c in completion.choices], [0, 1, 2])
+        self.assertEqual([c.message.content for c in completion.choices], [expected] * 3)
+        tokens = completion.usage.completion_tokens
+        self.assertEqual(tokens % 3, 0)
+        self.assertEqual(completion.usage.prompt_tokens, len(prompt))
+        chunks = yield threads.deferToThread(streamed)
+        texts = {0: "", 1: ""}
+        finishes: dict[int, list[Any]] = {0: [], 1: []}
+        for chunk in chunks[:-1]:
+            (choice,) = chunk.choices
+            texts[choice.index] += choice.delta.content or ""
+            finishes[choice.index].append(choice.finish_reason)
+        self.assertEqual(texts, {0: expected, 1: expected})
+        for index in (0, 1):
+            self.assertIn(finishes[index][-1], ("length", "stop"))
+            self.assertEqual(set(finishes[index][:-1]), {None})
+        self.assertEqual(chunks[-1].choices, [])
+        self.assertEqual(chunks[-1].usage.completion_tokens, tokens * 2 // 3)
+
+    @defer.inlineCallbacks
+    def test_each_choice_samples_with_its_own_seed(self) -> Generator[Any, Any, None]:
+        """Sampled at temperature 1 with seed 5, choice i of n=3 is exactly what a request of
+        n=1 gets with seed choice_seed(5, i): choice 0 with the request's own seed."""
+        from sfnode.head.schema import choice_seed
+
+        _, _, client = yield self.tiny_head()
+
+        def chat(n: int, seed: int) -> Any:
+            return client.chat.completions.create(
+                model="tiny", messages=MESSAGES, max_tokens=12, temperature=1, seed=seed, n=n
+            )
+
+        together = yield threads.deferToThread(chat, 3, 5)
+        for i in range(3):
+            alone = yield threads.deferToThread(chat, 1, choice_seed(5, i))
+            self.assertEqual(together.choices[i].message.content, alone.choices[0].message.content)
+
+    @defer.inlineCallbacks
+    def test_models_retrieve_finds_the_model_or_raises_not_found(
+        self,
+    ) -> Generator[Any, Any, None]:
+        """models.retrieve gives the served model (with its context length) and raises
+        NotFoundError (404, model_not_found) for another; models.list lists the one."""
+        import openai
+
+        _, _, client = yield self.tiny_head()
+        model = yield threads.deferToThread(client.models.retrieve, "tiny")
+        self.assertEqual((model.id, model.object), ("tiny", "model"))
+        self.assertEqual(model.model_extra["context_length"], 256)
+        with self.assertRaises(openai.NotFoundError) as raised:
+            yield threads.deferToThread(client.models.retrieve, "no-such-model")
+        self.assertEqual(raised.exception.code, "model_not_found")
+        listed = yield threads.deferToThread(lambda: list(client.models.list()))
+        self.assertEqual([m.id for m in listed], ["tiny"])
+
+    @defer.inlineCallbacks
+    def test_every_route_answers_errors_in_json(self) -> Generator[Any, Any, None]:
+        """An unknown path is 404, a wrong method 405 with Allow, both in OpenAI's JSON shape
+        from raw HTTP; the openai package raises NotFoundError for an unknown path and
+        BadRequestError naming logprobs, which the head does not return yet."""
+        import openai
+
+        head, _, client = yield self.tiny_head()
+        for method, path, status, allow in [
+            (b"GET", "/no/such/path", 404, None),
+            (b"GET", "/", 404, None),
+            (b"GET", "/v1", 404, None),
+            (b"GET", "/v1/chat/completions", 405, [b"POST"]),
+            (b"DELETE", "/v1/models", 405, [b"GET"]),
+            (b"PUT", "/healthz", 405, [b"GET"]),
+            (b"BREW", "/v1/completions", 405, [b"POST"]),
+        ]:
+            response = yield Agent(reactor).request(method, (head.base + path).encode())
+            content = yield readBody(response)
+            self.assertEqual(response.code, status, (method, path, content))
+            self.assertEqual(response.headers.getRawHeaders(b"content-type"), [b"application/json"])
+            self.assertEqual(response.headers.getRawHeaders(b"server"), [b"sfhead"])
+            self.assertEqual(response.headers.getRawHeaders(b"allow"), allow)
+            error = json.loads(content)["error"]
+            self.assertEqual(set(error), {"message", "type", "param", "code"})
+        with self.assertRaises(openai.NotFoundError):
+            yield threads.deferToThread(client.get, "/no/such/path", cast_to=object)
+        with self.assertRaises(openai.BadRequestError) as raised:
+            yield threads.deferToThread(
+                lambda: client.chat.completions.create(
+                    model="tiny", messages=MESSAGES, logprobs=True, top_logprobs=3
+                )
+            )
+        self.assertEqual(raised.exception.body["param"], "logprobs")
+        self.assertEqual(raised.exception.code, "unsupported_parameter")
