@@ -90,7 +90,9 @@ def host_allowed(host: bytes | None, allowed: Iterable[str]) -> bool:
     except UnicodeDecodeError:
         return False
     if text.startswith("["):  # [v6]:port
-        name = text[1 : text.find("]")] if "]" in text else text[1:]
+        if "]" not in text:
+            return False
+        name = text[1 : text.find("]")]
     else:
         name = text.rsplit(":", 1)[0] if text.count(":") == 1 else text
     name = name.rstrip(".")
