@@ -102,6 +102,26 @@ __all__ = [
 # Work off the reactor
 
 
+def trim_heap() -> None:
+    """Give the C heap's free memory back to the system (glibc's ``malloc_trim``; nothing
+    elsewhere).  Tokenizing a prompt of megabytes allocates hundreds of megabytes in the
+    tokenizer's native code; freed, glibc keeps them in the worker thread's arena for good."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None
+
+
 class Workers:
     """A small thread pool of its own for rendering and tokenizing (never the reactor's shared
     one, so a burst of big prompts cannot starve other thread users).  Started on first use;
@@ -113,12 +133,21 @@ class Workers:
         self._pool: ThreadPool | None = None
 
     def run(self, work: Callable[[], _T]) -> Deferred[_T]:
+        """``work()`` on a worker thread; the C heap is trimmed after it (see
+        :func:`trim_heap`)."""
         from twisted.internet.threads import deferToThreadPool
 
         if self._pool is None:
             self._pool = ThreadPool(minthreads=0, maxthreads=self._size, name="sfhead-text")
             self._pool.start()
-        return deferToThreadPool(self._reactor, self._pool, work)
+
+        def run_then_trim() -> _T:
+            try:
+                return work()
+            finally:
+                trim_heap()
+
+        return deferToThreadPool(self._reactor, self._pool, run_then_trim)
 
     def stop(self) -> None:
         pool, self._pool = self._pool, None

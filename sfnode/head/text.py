@@ -226,7 +226,11 @@ class HeadTokenizer:
         return self._eos
 
     def encode(self, text: str, *, special: bool) -> list[int]:
-        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=special).ids
+        # The batch encoders release the GIL while they work (``encode`` holds it throughout,
+        # which would stall the reactor for seconds on a big prompt); the fast one skips the
+        # character offsets the head does not use, twice as fast on long texts.
+        encoder = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)
+        ids: list[int] = encoder([text], add_special_tokens=special)[0].ids
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:
