@@ -65,6 +65,7 @@ class HttpTestCase(NodeTestCase):
         token_delay_s: float = 0.0,
         engine: Any = None,
         model_name: str = MODEL,
+        max_lanes: int = 8,
     ) -> Generator[defer.Deferred[Any], Any, RunningNode]:
         """A mock node whose tokens are ids of the tiny tokenizer (vocabulary 512)."""
         if engine is None:
@@ -73,8 +74,10 @@ class HttpTestCase(NodeTestCase):
                 context_window=context_window,
                 token_delay_s=token_delay_s,
                 vocab_size=TINY_VOCAB,
+                max_lanes=max_lanes,
             )
-        agent = NodeAgent(reactor, engine, NodeConfig(identity=identity, model_name=model_name))
+        config = NodeConfig(identity=identity, model_name=model_name, max_lanes=max_lanes)
+        agent = NodeAgent(reactor, engine, config)
         agent.start()
         port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(agent.factory())
         self.addCleanup(agent.stop)
@@ -304,11 +307,13 @@ class CompletionTests(HttpTestCase):
 
 
 class _StreamingClient(Protocol):
-    """A raw HTTP client that fires ``content_seen`` at the first content chunk."""
+    """A raw HTTP client that fires ``content_seen`` at the first content chunk and
+    ``ended`` with everything received when the connection closes."""
 
     def __init__(self) -> None:
         self.data = b""
         self.content_seen: defer.Deferred[None] = defer.Deferred()
+        self.ended: defer.Deferred[bytes] = defer.Deferred()
 
     def dataReceived(self, data: bytes) -> None:
         self.data += data
@@ -319,6 +324,7 @@ class _StreamingClient(Protocol):
     def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
         if not self.content_seen.called:
             self.content_seen.errback(reason)
+        self.ended.callback(self.data)
 
 
 class ErrorTests(HttpTestCase):
@@ -433,6 +439,46 @@ class ObservabilityTests(HttpTestCase):
             self.assertIn(line, text)
         self.assertIn('sfhead_node_lanes_active{node="m1"}', text)
         self.assertIn('sfhead_node_decode_tokens_per_s{node="m1"}', text)
+
+
+class SaturationTests(HttpTestCase):
+    @defer.inlineCallbacks
+    def test_health_says_busy_while_every_lane_is_taken(self) -> Generator[Any, Any, None]:
+        """A node with 2 lanes running 3 of this head's streams: /healthz answers 200 with
+        status busy, 2 of 2 lanes active, 1 generation queued and 3 requests open, and
+        /metrics shows the same; once the streams end it says ok again."""
+        node = yield self.start_vocab_node(max_lanes=2, token_delay_s=0.01)
+        head = yield self.start_head([node])
+        streams = []
+        for _ in range(3):
+            client = _StreamingClient()
+            yield connectProtocol(
+                TCP4ClientEndpoint(reactor, "127.0.0.1", head.port.getHost().port), client
+            )
+            body = json.dumps(
+                {"model": MODEL, "messages": MESSAGES, "max_tokens": 100, "stream": True}
+            ).encode()
+            client.transport.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Type: application/json\r\nConnection: close\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            streams.append(client)
+        yield streams[0].content_seen
+        code, content = yield self.call(head, b"GET", "/healthz")
+        self.assertEqual(
+            (code, json.loads(content)),
+            (200, {"status": "busy", "nodes": 1, "lanes_active": 2, "lanes_total": 2,
+                   "queued": 1, "requests": 3}),
+        )  # fmt: skip
+        _, metrics = yield self.call(head, b"GET", "/metrics")
+        for line in ("sfhead_queued 1.0", "sfhead_lanes_active 2.0", "sfhead_requests_open 3.0"):
+            self.assertIn(line, metrics.decode())
+        for client in streams:
+            yield client.ended
+        code, content = yield self.call(head, b"GET", "/healthz")
+        self.assertEqual((code, json.loads(content)["status"]), (200, "ok"))
 
 
 class TextTests(SynchronousTestCase):

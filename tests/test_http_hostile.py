@@ -621,6 +621,36 @@ class BadInputTests(HostileTestCase):
         )
 
     @defer.inlineCallbacks
+    def test_malformed_http_and_huge_names_get_short_json_errors(
+        self,
+    ) -> Generator[Any, Any, None]:
+        """A request line of 100 kB, a header line without a colon, and a bad chunk size
+        get a JSON 400 bad_http_request (twisted.web alone would close the connection or send
+        a bare 400); a model name of a megabyte, in the path or in the body, is a 404 whose
+        answer stays under a kilobyte."""
+        watch = self.watch_log()
+        node = yield self.start_vocab_node()
+        head = yield self.start_sfhead([node])
+        huge = "y" * 1_000_000
+        for data in (
+            f"GET /v1/models/{huge[:100_000]} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode(),
+            b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nno colon here\r\n\r\n",
+            request_bytes("/v1/completions", chunked=True) + b"zz\r\nabc\r\n",
+        ):
+            answer = yield self.exchange(head.port, data)
+            self.assert_json_error(answer, 400, "bad_http_request")
+        answer = yield self.exchange(
+            head.port, request_bytes(f"/v1/models/{huge[:8000]}", method="GET")
+        )
+        self.assert_json_error(answer, 404, "model_not_found")
+        self.assertLess(len(answer[2]), 1000)
+        body = json.dumps({"model": huge, "prompt": "hi"}).encode()
+        answer = yield self.exchange(head.port, request_bytes("/v1/completions", body))
+        self.assert_json_error(answer, 404, "model_not_found")
+        self.assertLess(len(answer[2]), 1000)
+        self.assertEqual(watch.failures(), [])
+
+    @defer.inlineCallbacks
     def test_an_unexpected_exception_is_a_json_500_counted_and_logged_once(
         self,
     ) -> Generator[Any, Any, None]:

@@ -336,6 +336,27 @@ class GuardedChannel(http.HTTPChannel):
 
     # Refusals
 
+    def _respondToBadRequestAndDisconnect(self) -> None:
+        # twisted.web's answer to a malformed request line, header or chunk is a bare
+        # "400 Bad Request"; ours is OpenAI's JSON like every other error.
+        self.refuse(
+            ApiError(
+                400,
+                "malformed HTTP request (request line, headers or chunked body)",
+                code="bad_http_request",
+            )
+        )
+
+    def lineLengthExceeded(self, line: bytes) -> None:
+        # LineReceiver would close the connection without a word.
+        self.refuse(
+            ApiError(
+                400,
+                f"a request line or header is longer than {self.MAX_LENGTH} bytes",
+                code="bad_http_request",
+            )
+        )
+
     def refuse(self, error: ApiError) -> None:
         """Answer ``error`` now, read nothing more of this connection, and close it."""
         if self.refused:
