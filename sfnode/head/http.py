@@ -61,6 +61,7 @@ from sfnode.head.metrics import EXPOSITION_CONTENT_TYPE, HeadMetrics
 from sfnode.head.schema import (
     ApiError,
     CompletionRequest,
+    clip,
     parse_body,
     parse_request,
 )
@@ -612,8 +613,6 @@ class _Models(_Leaf):
             return answer(request, 200, {"object": "list", "data": [self._entry()]})
         if wanted == self.api.model_name:
             return answer(request, 200, self._entry())
-        from sfnode.head.schema import clip
-
         error = ApiError(
             404,
             f"The model '{clip(wanted)}' does not exist",

@@ -4,7 +4,8 @@
 anything; :func:`makeService` loads the tokenizer (never model weights) and returns a plain
 ``MultiService`` named ``sfhead`` with three children: ``fleet`` (dials the ``--node`` endpoints,
 keepalives and retries, or the ``--pipeline`` stages), ``fleet-listen`` (nodes that dial in) and
-``http`` (the OpenAI-compatible API, ``/healthz`` and ``/metrics``).  Both listening children log
+``http`` (the OpenAI-compatible API, ``/healthz`` and ``/metrics``, behind the front door of
+``sfnode.head.gate`` whose limits are the HTTP options here).  Both listening children log
 the address they actually bound, so ``tcp:0`` works.
 
 Stopping the tree (SIGTERM under twistd) drains the head: ``http`` stops listening at once and
