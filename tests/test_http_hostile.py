@@ -655,8 +655,9 @@ class BadInputTests(HostileTestCase):
         self,
     ) -> Generator[Any, Any, None]:
         """A backend that raises while starting a generation, and one whose status raises
-        while /healthz renders: each is a JSON 500 server_error (no HTML, no traceback in
-        the answer), counted as error, and logged once."""
+        while /healthz renders and while a completion starts: each is a JSON 500
+        server_error (no HTML, no traceback in the answer), counted as error, logged once,
+        and leaves no request behind for a drain to wait for."""
         node = yield self.start_vocab_node()
         head = yield self.start_sfhead([node])
         api = head.api
@@ -678,10 +679,16 @@ class BadInputTests(HostileTestCase):
 
         api.backend.status = broken_status  # type: ignore[method-assign]
         answer = yield self.exchange(head.port, request_bytes("/healthz", method="GET"))
+        self.assert_json_error(answer, 500, None)
+        self.assertEqual(len(self.flushLoggedErrors(ValueError)), 1)
+        answer = yield self.exchange(
+            head.port, request_bytes("/v1/chat/completions", json.dumps(CHAT).encode())
+        )
         del api.backend.status
         self.assert_json_error(answer, 500, None)
         self.assertEqual(len(self.flushLoggedErrors(ValueError)), 1)
+        self.assertEqual(api.exchanges, set())
         self.assertEqual(
             api.metrics.registry.get_sample_value("sfhead_requests_total", {"outcome": "error"}),
-            2.0,
+            3.0,
         )

@@ -710,8 +710,9 @@ class _Exchange:
                 )
             else:
                 prepared = api.workers.run(lambda: api.prepare(data, self.chat, status))
-        except ApiError as e:
-            prepared = defer.fail(e)
+        except Exception:
+            # An ApiError is answered as such; anything else as an unexpected failure.
+            prepared = defer.fail()
         prepared.addCallback(self._prepared).addErrback(self._refused).addErrback(self._unexpected)
 
     def _prepared(self, prepared: Prepared) -> None:
