@@ -228,7 +228,9 @@ def main(reactor: Any, options: argparse.Namespace) -> Generator[Any, Any, None]
     from sfnode.config import NodeConfig
     from sfnode.engines.transformers_engine import TransformersEngine
     from sfnode.head.fleet import Fleet
+    from sfnode.head.gate import GateLimits
     from sfnode.head.http import OpenAIApi, Renderer
+    from sfnode.head.schema import ChatMessage
     from sfnode.node import NodeAgent
     from sfnode.tap import node_factory
 
@@ -243,7 +245,7 @@ def main(reactor: Any, options: argparse.Namespace) -> Generator[Any, Any, None]
     engine.start()
     renderer = Renderer(tokenizer)
     prompts = [
-        renderer.chat([{"role": "user", "content": f"Request {i}: tell me about the sea."}])
+        renderer.chat([ChatMessage("user", f"Request {i}: tell me about the sea.")])
         for i in range(options.requests)
     ]
     agent = NodeAgent(
@@ -254,7 +256,8 @@ def main(reactor: Any, options: argparse.Namespace) -> Generator[Any, Any, None]
     node_port = yield node_endpoint.listen(node_factory(agent))
     fleet = Fleet(reactor)
     yield fleet.add_node(f"tcp:127.0.0.1:{node_port.getHost().port}")
-    api = OpenAIApi(reactor, fleet, fleet, tokenizer, "bench")
+    # One client sends every request: no per-client limit.
+    api = OpenAIApi(reactor, fleet, tokenizer, "bench", limits=GateLimits(max_client_requests=0))
     site = api.site()
     site.noisy = False
     http_port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(site)

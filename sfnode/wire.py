@@ -47,6 +47,14 @@ FINISH_DECLINED = 0xFFFF_FFFD
 U32_MAX = 0xFFFF_FFFF
 U64_MAX = 0xFFFF_FFFF_FFFF_FFFF
 
+FEATURE_LOGPROBS = 1 << 0
+"""HELLO_ACK_F feature flag: the node returns logprobs when GenParams ask (docs/protocol.md
+section 12.1)."""
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives a TokensLogprobs event lists per token (OpenAI's top_logprobs)."""
+LOGPROBS_MAX = MAX_TOP_LOGPROBS + 1
+"""The largest ``GenParams.logprobs``: the chosen token and 20 alternatives."""
+
 _ENVELOPE = struct.Struct("<IHHQQB")
 _LENGTH = struct.Struct("<I")
 
@@ -696,6 +704,19 @@ class Finish:
     reason: int
 
 
+@dataclass(slots=True)
+class TokensLogprobs(Tokens):
+    """Tokens with their log probabilities: variant 4, sent only to a generation whose
+    GenParams asked for them, on a link whose node set ``FEATURE_LOGPROBS``
+    (docs/protocol.md section 12.1).  A :class:`Tokens` to code that knows only tokens."""
+
+    logprobs: tuple[float, ...]
+    """ln of the probability the sampler drew each token with."""
+    top: tuple[tuple[tuple[int, float], ...], ...]
+    """Per token, up to ``GenParams.logprobs - 1`` (id, logprob) pairs, most likely first;
+    empty (no entry at all) when only the chosen tokens' logprobs were asked for."""
+
+
 TokenEventPayload = Tokens | Segment | Usage | Finish
 
 _SEGMENT_KIND = UnitEnum(SegmentKind)
@@ -712,6 +733,14 @@ class TokenEventPayloadCodec(Codec[TokenEventPayload]):
             except (OverflowError, TypeError) as e:
                 raise PayloadError(f"Tokens {value.tokens!r} do not fit u32: {e}") from e
             return [0, value.tokens]
+        if type(value) is TokensLogprobs:
+            _check_logprobs(value)
+            return [
+                4,
+                list(value.tokens),
+                [float(v) for v in value.logprobs],
+                [[[i, float(v)] for i, v in alternatives] for alternatives in value.top],
+            ]
         if isinstance(value, Segment):
             return [1, _SEGMENT_KIND.encode(value.kind), BIN.encode(value.data)]
         if isinstance(value, Usage):
@@ -735,7 +764,59 @@ class TokenEventPayloadCodec(Codec[TokenEventPayload]):
             return Usage(_USAGE.decode(obj[1]))
         if tag == 3 and len(obj) >= 2 and type(tag) is int:
             return Finish(U32.decode(obj[1]))
+        if tag == 4 and len(obj) >= 4 and type(tag) is int:
+            return _decode_logprobs(obj[1], obj[2], obj[3])
         raise PayloadError(f"bad TokenEventPayload {obj[:1]!r} of {len(obj)} elements")
+
+
+def _logprob(value: Any) -> float:
+    """A logprob as read: an f32 (or int) that is finite and not above 0."""
+    if (type(value) is not float and type(value) is not int) or not -_F32_MAX <= value <= 0:
+        raise PayloadError(f"{value!r} is not a logprob (a finite f32, 0 or less)")
+    return to_f32(float(value))
+
+
+_F32_MAX = 3.4028234663852886e38
+
+
+def _check_logprobs(value: TokensLogprobs) -> None:
+    """What a receiver would refuse, refused before sending."""
+    U32Array.check(value.tokens)
+    if len(value.logprobs) != len(value.tokens):
+        raise PayloadError("TokensLogprobs: one logprob per token")
+    if value.top and len(value.top) != len(value.tokens):
+        raise PayloadError("TokensLogprobs: top is empty or one list per token")
+    for v in value.logprobs:
+        _logprob(v)
+    for alternatives in value.top:
+        if len(alternatives) > MAX_TOP_LOGPROBS:
+            raise PayloadError(f"TokensLogprobs: more than {MAX_TOP_LOGPROBS} alternatives")
+        for i, v in alternatives:
+            U32.encode(i)
+            _logprob(v)
+
+
+def _decode_logprobs(tokens: Any, logprobs: Any, top: Any) -> TokensLogprobs:
+    if type(tokens) is not list or type(logprobs) is not list or type(top) is not list:
+        raise PayloadError("TokensLogprobs: expected tokens, logprobs and top arrays")
+    U32Array.check(tokens)
+    if len(logprobs) != len(tokens):
+        raise PayloadError("TokensLogprobs: one logprob per token")
+    if top and len(top) != len(tokens):
+        raise PayloadError("TokensLogprobs: top is empty or one list per token")
+    alternatives: list[tuple[tuple[int, float], ...]] = []
+    for entry in top:
+        if type(entry) is not list or len(entry) > MAX_TOP_LOGPROBS:
+            raise PayloadError(
+                f"TokensLogprobs: a top list is an array of at most {MAX_TOP_LOGPROBS} pairs"
+            )
+        pairs = []
+        for pair in entry:
+            if type(pair) is not list or len(pair) < 2:
+                raise PayloadError("TokensLogprobs: a top entry is an [id, logprob] pair")
+            pairs.append((U32.decode(pair[0]), _logprob(pair[1])))
+        alternatives.append(tuple(pairs))
+    return TokensLogprobs(tuple(tokens), tuple(_logprob(v) for v in logprobs), tuple(alternatives))
 
 
 @dataclass(slots=True)
@@ -1170,18 +1251,41 @@ def message_frame(message: Message, seq: int) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class GenParams(Struct):
-    """Sampling parameters; all zero means greedy (docs/engine.md section 2)."""
+    """Sampling parameters; all zero means greedy (docs/engine.md section 2).
+
+    ``logprobs`` (docs/protocol.md section 12.1) is the sixth element, written only when it
+    is not 0, so the blob of a generation that asks for none is the five-element blob every
+    node reads; a five-element blob, or a sixth element that is no u8, reads as 0.
+    """
 
     temperature: float = 0.0
     top_p: float = 0.0
     min_p: float = 0.0
     top_k: int = 0
     seed: int = 0
-    FIELDS = (FLOAT32, FLOAT32, FLOAT32, U32, U64)
+    logprobs: int = 0
+    """0: none; n from 1 to LOGPROBS_MAX: each token's logprob and its n - 1 most likely
+    alternatives (TokensLogprobs events; only on a node with FEATURE_LOGPROBS).  A node
+    reads a larger value as LOGPROBS_MAX."""
+    FIELDS = (FLOAT32, FLOAT32, FLOAT32, U32, U64, U8)
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    def to_wire(self) -> list[Any]:
+        wire = Struct.to_wire(self)
+        return wire if self.logprobs else wire[:5]
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> GenParams:
+        if type(obj) is list and len(obj) >= 5:
+            sixth = obj[5] if len(obj) > 5 else 0
+            if type(sixth) is not int or not 0 <= sixth <= 0xFF:
+                sixth = 0  # not a logprobs count: some other appended field, read as none
+            obj = [*obj[:5], sixth]
+        params: GenParams = super(GenParams, cls).from_wire(obj)
+        return params
 
 
 def encode_params(params: GenParams) -> bytes:

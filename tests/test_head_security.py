@@ -29,6 +29,7 @@ from twisted.web.client import Agent, FileBodyProducer, readBody
 from twisted.web.http_headers import Headers
 
 from sfnode.generation import EngineStop, MockEngine
+from sfnode.head.gate import GateLimits
 from sfnode.head.http import OpenAIApi
 from sfnode.head.tap import Options, makeService
 from tests.nodefixture import RunningNode
@@ -155,7 +156,7 @@ class ApiKeyTests(HeadServiceTestCase):
         )
         self.assertEqual((code, json.loads(content)["data"][0]["id"]), (200, MODEL))
         code, _, content = yield self.request(head, b"GET", "/healthz")
-        self.assertEqual((code, json.loads(content)), (200, {"status": "ok", "nodes": 1}))
+        self.assertEqual((code, json.loads(content)["status"]), (200, "ok"))
         code, _, content = yield self.request(head, b"GET", "/metrics")
         self.assertEqual(code, 200)
         self.assertIn(
@@ -225,6 +226,72 @@ class ApiKeyOptionTests(TestCase):
             ["--api-key", "clé"],
         ):
             self.assertRaises(usage.UsageError, parse, *args)
+
+
+class HttpLimitOptionTests(TestCase):
+    """The front door's options (sfnode.head.gate.GateLimits)."""
+
+    def test_defaults_are_the_gate_defaults(self) -> None:
+        """Without options the limits are GateLimits' defaults: a 4 MiB body, 10 s for the
+        headers, 60 s for the body, 30 s of stall, 1024 connections, 64 requests per client
+        address, none per key, no extra host, no CORS."""
+        self.assertEqual(parse()["limits"], GateLimits())
+        self.assertEqual(
+            (GateLimits.max_body, GateLimits.max_connections, GateLimits.max_client_requests),
+            (4 * 1024 * 1024, 1024, 64),
+        )
+
+    def test_values_are_typed(self) -> None:
+        """Sizes take k, M and G suffixes; timeouts take fractions; limits take 0 (none);
+        --allowed-host and --cors-origin repeat."""
+        limits = parse(
+            "--max-body", "64k", "--header-timeout", "2.5", "--body-timeout", "7",
+            "--stall-timeout", "0.5", "--max-connections", "9", "--max-client-requests", "0",
+            "--max-key-requests", "3", "--allowed-host", "Head.Example",
+            "--allowed-host", "other", "--cors-origin", "https://app.example",
+        )["limits"]  # fmt: skip
+        self.assertEqual(
+            limits,
+            GateLimits(
+                max_body=65536, header_timeout_s=2.5, body_timeout_s=7.0, stall_timeout_s=0.5,
+                max_connections=9, max_client_requests=0, max_key_requests=3,
+                allowed_hosts=frozenset({"head.example", "other"}),
+                cors_origins=frozenset({"https://app.example"}),
+            ),
+        )  # fmt: skip
+        self.assertEqual(parse("--max-body", "2M")["limits"].max_body, 2 * 1024 * 1024)
+        self.assertEqual(parse("--max-body", "1g")["limits"].max_body, 1024**3)
+        self.assertEqual(parse("--max-body", "1000")["limits"].max_body, 1000)
+
+    def test_bad_values_are_usage_errors(self) -> None:
+        """A size of 0 or in words, a timeout of 0 or less, a negative limit and no
+        connection at all are refused, naming the option."""
+        for args in (
+            ["--max-body", "0"],
+            ["--max-body", "lots"],
+            ["--max-body", "-4M"],
+            ["--header-timeout", "0"],
+            ["--body-timeout", "-1"],
+            ["--stall-timeout", "never"],
+            ["--max-connections", "0"],
+            ["--max-client-requests", "-1"],
+            ["--max-key-requests", "x"],
+        ):
+            with self.assertRaises(usage.UsageError) as raised:
+                parse(*args)
+            self.assertIn(args[0], str(raised.exception))
+
+    def test_a_key_file_may_hold_several_keys(self) -> None:
+        """--api-key-file reads one key per line, skipping blank lines and # comments; a line
+        that cannot be a bearer token is refused."""
+        path = Path(self.mktemp())
+        path.write_text(f"# team a\n{KEY}\n\n  sk-b  \n")
+        options = parse("--api-key-file", str(path))
+        self.assertEqual(options["api-keys"], (KEY.encode(), b"sk-b"))
+        path.write_text(f"{KEY}\nnot a key\n")
+        self.assertRaises(usage.UsageError, parse, "--api-key-file", str(path))
+        path.write_text("# only a comment\n")
+        self.assertRaises(usage.UsageError, parse, "--api-key-file", str(path))
 
 
 class HttpAdmissionTests(TestCase):
@@ -321,7 +388,7 @@ class _RawClient(Protocol):
 def raw_post(path: str, body: Any) -> bytes:
     data = json.dumps(body).encode()
     return (
-        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         f"Connection: close\r\nContent-Length: {len(data)}\r\n\r\n"
     ).encode() + data
 
@@ -374,7 +441,9 @@ class DrainTests(HeadServiceTestCase):
         self.assertTrue(head_part.startswith(b"HTTP/1.1 503 "), answer)
         error = json.loads(content)["error"]
         self.assertEqual((error["type"], error["code"]), ("service_unavailable", "draining"))
-        late.transport.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        late.transport.write(
+            b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+        )
         health = yield late.ended
         self.assertTrue(health.startswith(b"HTTP/1.1 503 "), health)
         self.assertEqual(json.loads(health.partition(b"\r\n\r\n")[2])["status"], "draining")

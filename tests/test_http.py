@@ -25,6 +25,7 @@ from sfnode.config import NodeConfig
 from sfnode.generation import EngineStop, MockEngine, mock_next_token
 from sfnode.head.fleet import Fleet
 from sfnode.head.http import Detokenizer, OpenAIApi, Renderer, StopText
+from sfnode.head.schema import ChatMessage
 from sfnode.node import NodeAgent
 from sfnode.tap import node_factory
 from tests.nodefixture import NodeTestCase, RunningNode
@@ -65,6 +66,7 @@ class HttpTestCase(NodeTestCase):
         token_delay_s: float = 0.0,
         engine: Any = None,
         model_name: str = MODEL,
+        max_lanes: int = 8,
     ) -> Generator[defer.Deferred[Any], Any, RunningNode]:
         """A mock node whose tokens are ids of the tiny tokenizer (vocabulary 512)."""
         if engine is None:
@@ -73,8 +75,10 @@ class HttpTestCase(NodeTestCase):
                 context_window=context_window,
                 token_delay_s=token_delay_s,
                 vocab_size=TINY_VOCAB,
+                max_lanes=max_lanes,
             )
-        agent = NodeAgent(reactor, engine, NodeConfig(identity=identity, model_name=model_name))
+        config = NodeConfig(identity=identity, model_name=model_name, max_lanes=max_lanes)
+        agent = NodeAgent(reactor, engine, config)
         agent.start()
         endpoint = TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1")
         port = yield endpoint.listen(node_factory(agent))
@@ -84,13 +88,15 @@ class HttpTestCase(NodeTestCase):
 
     @defer.inlineCallbacks
     def start_head(
-        self, nodes: Sequence[RunningNode], *, model: str = MODEL, tok: Any = None
+        self, nodes: Sequence[RunningNode], *, model: str = MODEL, tok: Any = None, **api: Any
     ) -> Generator[defer.Deferred[Any], Any, Head]:
+        """A fleet with ``nodes`` and its API on 127.0.0.1 (``api``: more OpenAIApi keywords)."""
         fleet = Fleet(reactor, ids=self.ids)
         self.addCleanup(fleet.stop)
         for node in nodes:
             yield fleet.add_node(node.endpoint)
-        api = OpenAIApi(reactor, fleet, fleet, tok or tokenizer(), model, seed_source=lambda: 7)
+        api = OpenAIApi(reactor, fleet, tok or tokenizer(), model, seed_source=lambda: 7, **api)
+        self.addCleanup(api.stop)
         port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(api.site())
         self.addCleanup(port.stopListening)
         return Head(fleet, api, port)
@@ -118,7 +124,7 @@ class HttpTestCase(NodeTestCase):
         return response.code, content
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        return Renderer(tokenizer()).chat(messages)
+        return Renderer(tokenizer()).chat([ChatMessage(m["role"], m["content"]) for m in messages])
 
     def text_of(self, tokens: Sequence[int]) -> str:
         return str(tokenizer().decode(list(tokens), skip_special_tokens=True))
@@ -293,7 +299,8 @@ class CompletionTests(HttpTestCase):
             {"model": MODEL, "messages": MESSAGES, "max_tokens": 100000, "stream": True}
         ).encode()
         client.transport.write(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\n"
             + f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
@@ -305,11 +312,13 @@ class CompletionTests(HttpTestCase):
 
 
 class _StreamingClient(Protocol):
-    """A raw HTTP client that fires ``content_seen`` at the first content chunk."""
+    """A raw HTTP client that fires ``content_seen`` at the first content chunk and
+    ``ended`` with everything received when the connection closes."""
 
     def __init__(self) -> None:
         self.data = b""
         self.content_seen: defer.Deferred[None] = defer.Deferred()
+        self.ended: defer.Deferred[bytes] = defer.Deferred()
 
     def dataReceived(self, data: bytes) -> None:
         self.data += data
@@ -320,6 +329,7 @@ class _StreamingClient(Protocol):
     def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
         if not self.content_seen.called:
             self.content_seen.errback(reason)
+        self.ended.callback(self.data)
 
 
 class ErrorTests(HttpTestCase):
@@ -379,7 +389,8 @@ class ErrorTests(HttpTestCase):
 
     @defer.inlineCallbacks
     def test_no_node_is_503_and_unhealthy(self) -> Generator[Any, Any, None]:
-        """Without nodes: completions answer 503 and /healthz says 503 with nodes 0."""
+        """Without nodes: completions answer 503 and /healthz says 503 (unavailable) with no
+        node and no lane."""
         head = yield self.start_head([])
         code, content = yield self.call(
             head, b"POST", "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES}
@@ -387,7 +398,11 @@ class ErrorTests(HttpTestCase):
         self.assertEqual(code, 503)
         self.assertIn("error", json.loads(content))
         code, content = yield self.call(head, b"GET", "/healthz")
-        self.assertEqual((code, json.loads(content)), (503, {"status": "unavailable", "nodes": 0}))
+        self.assertEqual(
+            (code, json.loads(content)),
+            (503, {"status": "unavailable", "nodes": 0, "lanes_active": 0, "lanes_total": 0,
+                   "queued": 0, "requests": 0}),
+        )  # fmt: skip
 
 
 class ObservabilityTests(HttpTestCase):
@@ -399,7 +414,11 @@ class ObservabilityTests(HttpTestCase):
         node = yield self.start_vocab_node(identity="m1")
         head = yield self.start_head([node])
         code, content = yield self.call(head, b"GET", "/healthz")
-        self.assertEqual((code, json.loads(content)), (200, {"status": "ok", "nodes": 1}))
+        self.assertEqual(
+            (code, json.loads(content)),
+            (200, {"status": "ok", "nodes": 1, "lanes_active": 0, "lanes_total": 8, "queued": 0,
+                  "requests": 0}),
+        )  # fmt: skip
         code, content = yield self.call(head, b"GET", "/v1/models")
         self.assertEqual([m["id"] for m in json.loads(content)["data"]], [MODEL])
         yield self.call(
@@ -425,6 +444,46 @@ class ObservabilityTests(HttpTestCase):
             self.assertIn(line, text)
         self.assertIn('sfhead_node_lanes_active{node="m1"}', text)
         self.assertIn('sfhead_node_decode_tokens_per_s{node="m1"}', text)
+
+
+class SaturationTests(HttpTestCase):
+    @defer.inlineCallbacks
+    def test_health_says_busy_while_every_lane_is_taken(self) -> Generator[Any, Any, None]:
+        """A node with 2 lanes running 3 of this head's streams: /healthz answers 200 with
+        status busy, 2 of 2 lanes active, 1 generation queued and 3 requests open, and
+        /metrics shows the same; once the streams end it says ok again."""
+        node = yield self.start_vocab_node(max_lanes=2, token_delay_s=0.01)
+        head = yield self.start_head([node])
+        streams = []
+        for _ in range(3):
+            client = _StreamingClient()
+            yield connectProtocol(
+                TCP4ClientEndpoint(reactor, "127.0.0.1", head.port.getHost().port), client
+            )
+            body = json.dumps(
+                {"model": MODEL, "messages": MESSAGES, "max_tokens": 100, "stream": True}
+            ).encode()
+            client.transport.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Type: application/json\r\nConnection: close\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            streams.append(client)
+        yield streams[0].content_seen
+        code, content = yield self.call(head, b"GET", "/healthz")
+        self.assertEqual(
+            (code, json.loads(content)),
+            (200, {"status": "busy", "nodes": 1, "lanes_active": 2, "lanes_total": 2,
+                   "queued": 1, "requests": 3}),
+        )  # fmt: skip
+        _, metrics = yield self.call(head, b"GET", "/metrics")
+        for line in ("sfhead_queued 1.0", "sfhead_lanes_active 2.0", "sfhead_requests_open 3.0"):
+            self.assertIn(line, metrics.decode())
+        for client in streams:
+            yield client.ended
+        code, content = yield self.call(head, b"GET", "/healthz")
+        self.assertEqual((code, json.loads(content)["status"]), (200, "ok"))
 
 
 class TextTests(SynchronousTestCase):
@@ -486,7 +545,7 @@ class OpenAIClientTests(HttpTestCase):
         engine = TransformersEngine(model, reactor, max_lanes=2)
         node = yield self.start_vocab_node(engine=engine, model_name="tiny")
         head = yield self.start_head([node], model="tiny", tok=tok)
-        prompt = Renderer(tok).chat(MESSAGES)
+        prompt = Renderer(tok).chat([ChatMessage("user", "hello world")])
         expected = reference_greedy(model, prompt, 10)
         expected_text = str(tok.decode(expected, skip_special_tokens=True))
         client = openai.OpenAI(base_url=head.base + "/v1", api_key="unused", max_retries=0)
@@ -524,3 +583,146 @@ class OpenAIClientTests(HttpTestCase):
             yield threads.deferToThread(
                 lambda: client.chat.completions.create(model="other", messages=MESSAGES)  # type: ignore[arg-type]
             )
+
+
+class ChoicesAndRoutesTests(HttpTestCase):
+    """Issue 11's API with the official ``openai`` package and raw HTTP, over real TCP, against
+    a head whose node runs a real (tiny) transformers model."""
+
+    @defer.inlineCallbacks
+    def tiny_head(self) -> Generator[defer.Deferred[Any], Any, tuple[Head, Any, Any]]:
+        """A head on ``tiny`` served by a transformers node; (head, model, openai client)."""
+        import openai
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from sfnode.engines.transformers_engine import TransformersEngine
+        from tests.tinymodel import save_tiny_model
+
+        folder = save_tiny_model(self.mktemp())
+        model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True)
+        model.eval()
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        engine = TransformersEngine(model, reactor, max_lanes=4)
+        node = yield self.start_vocab_node(engine=engine, model_name="tiny")
+        head = yield self.start_head([node], model="tiny", tok=tok)
+        client = openai.OpenAI(base_url=head.base + "/v1", api_key="unused", max_retries=0)
+        self.addCleanup(client.close)
+        return head, model, client
+
+    @defer.inlineCallbacks
+    def test_n_gives_that_many_choices_plain_and_streamed(self) -> Generator[Any, Any, None]:
+        """n=3 returns three choices with indexes 0, 1, 2 (greedy: each is the greedy text);
+        usage counts the prompt once and the tokens of all choices; streamed with
+        include_usage, chunks carry their choice's index, each choice's text adds up to the
+        same text and ends with its own finish_reason, and the last chunk holds the usage."""
+        head, model, client = yield self.tiny_head()
+        from tests.tinymodel import reference_greedy
+
+        tok = head.api.renderer.codec
+        prompt = head.api.renderer.chat([ChatMessage("user", "hello world")])
+        expected = tok.decode(reference_greedy(model, prompt, 8))
+
+        def plain() -> Any:
+            return client.chat.completions.create(
+                model="tiny", messages=MESSAGES, max_tokens=8, temperature=0, n=3
+            )
+
+        def streamed() -> list[Any]:
+            return list(
+                client.chat.completions.create(
+                    model="tiny", messages=MESSAGES, max_tokens=8, temperature=0, n=2,
+                    stream=True, stream_options={"include_usage": True},
+                )
+            )  # fmt: skip
+
+        completion = yield threads.deferToThread(plain)
+        self.assertEqual([c.index for c in completion.choices], [0, 1, 2])
+        self.assertEqual([c.message.content for c in completion.choices], [expected] * 3)
+        tokens = completion.usage.completion_tokens
+        self.assertEqual(tokens % 3, 0)
+        self.assertEqual(completion.usage.prompt_tokens, len(prompt))
+        chunks = yield threads.deferToThread(streamed)
+        texts = {0: "", 1: ""}
+        finishes: dict[int, list[Any]] = {0: [], 1: []}
+        for chunk in chunks[:-1]:
+            (choice,) = chunk.choices
+            texts[choice.index] += choice.delta.content or ""
+            finishes[choice.index].append(choice.finish_reason)
+        self.assertEqual(texts, {0: expected, 1: expected})
+        for index in (0, 1):
+            self.assertIn(finishes[index][-1], ("length", "stop"))
+            self.assertEqual(set(finishes[index][:-1]), {None})
+        self.assertEqual(chunks[-1].choices, [])
+        self.assertEqual(chunks[-1].usage.completion_tokens, tokens * 2 // 3)
+
+    @defer.inlineCallbacks
+    def test_each_choice_samples_with_its_own_seed(self) -> Generator[Any, Any, None]:
+        """Sampled at temperature 1 with seed 5, choice i of n=3 is exactly what a request of
+        n=1 gets with seed choice_seed(5, i): choice 0 with the request's own seed."""
+        from sfnode.head.schema import choice_seed
+
+        _, _, client = yield self.tiny_head()
+
+        def chat(n: int, seed: int) -> Any:
+            return client.chat.completions.create(
+                model="tiny", messages=MESSAGES, max_tokens=12, temperature=1, seed=seed, n=n
+            )
+
+        together = yield threads.deferToThread(chat, 3, 5)
+        for i in range(3):
+            alone = yield threads.deferToThread(chat, 1, choice_seed(5, i))
+            self.assertEqual(together.choices[i].message.content, alone.choices[0].message.content)
+
+    @defer.inlineCallbacks
+    def test_models_retrieve_finds_the_model_or_raises_not_found(
+        self,
+    ) -> Generator[Any, Any, None]:
+        """models.retrieve gives the served model (with its context length) and raises
+        NotFoundError (404, model_not_found) for another; models.list lists the one."""
+        import openai
+
+        _, _, client = yield self.tiny_head()
+        model = yield threads.deferToThread(client.models.retrieve, "tiny")
+        self.assertEqual((model.id, model.object), ("tiny", "model"))
+        self.assertEqual(model.model_extra["context_length"], 256)
+        with self.assertRaises(openai.NotFoundError) as raised:
+            yield threads.deferToThread(client.models.retrieve, "no-such-model")
+        self.assertEqual(raised.exception.code, "model_not_found")
+        listed = yield threads.deferToThread(lambda: list(client.models.list()))
+        self.assertEqual([m.id for m in listed], ["tiny"])
+
+    @defer.inlineCallbacks
+    def test_every_route_answers_errors_in_json(self) -> Generator[Any, Any, None]:
+        """An unknown path is 404, a wrong method 405 with Allow, both in OpenAI's JSON shape
+        from raw HTTP; the openai package raises NotFoundError for an unknown path and
+        BadRequestError naming logprobs, which the head does not return yet."""
+        import openai
+
+        head, _, client = yield self.tiny_head()
+        for method, path, status, allow in [
+            (b"GET", "/no/such/path", 404, None),
+            (b"GET", "/", 404, None),
+            (b"GET", "/v1", 404, None),
+            (b"GET", "/v1/chat/completions", 405, [b"POST"]),
+            (b"DELETE", "/v1/models", 405, [b"GET"]),
+            (b"PUT", "/healthz", 405, [b"GET"]),
+            (b"BREW", "/v1/completions", 405, [b"POST"]),
+        ]:
+            response = yield Agent(reactor).request(method, (head.base + path).encode())
+            content = yield readBody(response)
+            self.assertEqual(response.code, status, (method, path, content))
+            self.assertEqual(response.headers.getRawHeaders(b"content-type"), [b"application/json"])
+            self.assertEqual(response.headers.getRawHeaders(b"server"), [b"sfhead"])
+            self.assertEqual(response.headers.getRawHeaders(b"allow"), allow)
+            error = json.loads(content)["error"]
+            self.assertEqual(set(error), {"message", "type", "param", "code"})
+        with self.assertRaises(openai.NotFoundError):
+            yield threads.deferToThread(client.get, "/no/such/path", cast_to=object)
+        with self.assertRaises(openai.BadRequestError) as raised:
+            yield threads.deferToThread(
+                lambda: client.chat.completions.create(
+                    model="tiny", messages=MESSAGES, logprobs=True, top_logprobs=3
+                )
+            )
+        self.assertEqual(raised.exception.body["param"], "logprobs")
+        self.assertEqual(raised.exception.code, "unsupported_parameter")

@@ -43,6 +43,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from sfnode.generation import StreamTooLong
+from sfnode.head.backend import BackendStatus, NodeReport
 from sfnode.head.link import (
     DEFAULT_HANDSHAKE_TIMEOUT_S,
     DEFAULT_LEASE,
@@ -724,6 +725,44 @@ class Fleet:
         """The largest known window among nodes serving ``model`` (0: unknown or unlimited)."""
         windows = [n.window or 0 for n in self.nodes if n.serves(model)]
         return max(windows, default=0)
+
+    def status(self, model: str | None = None) -> BackendStatus:
+        """How the fleet stands for ``model``: what the HTTP layer asks of its backend
+        (``sfnode.head.backend.Backend``) instead of reading the registry itself.
+
+        Lanes and waiting generations come from the nodes' reports (docs/protocol.md section
+        7.5), raised to what this head knows it runs there right now, so a fresh burst shows
+        at once rather than at the next NODE_STATUS.
+        """
+        now = self._clock.seconds()
+        live = self.live_nodes()
+        lanes_active = lanes_total = queued = 0
+        for node in live:
+            node.sample_age(now)
+            capacity = node.link.capacity
+            if capacity is None or not capacity.max_lanes:
+                lanes_active += node.inflight
+                continue
+            lanes_total += capacity.max_lanes
+            lanes_active += min(max(capacity.lanes_active, node.inflight), capacity.max_lanes)
+            queued += max(capacity.queue_depth, node.inflight - capacity.max_lanes)
+        too_long = self._too_long(model, 1 << 62)
+        return BackendStatus(
+            live_nodes=len(live),
+            joining_nodes=sum(
+                1 for n in self.nodes if n.dialed and not n.ever_connected and not n.down
+            ),
+            window=self.max_window(model),
+            context_limit=too_long.max if too_long is not None else None,
+            lanes_active=lanes_active,
+            lanes_total=lanes_total,
+            queued=queued,
+            failovers=self.failovers,
+            reconnects=self.reconnects,
+            nodes=tuple(
+                NodeReport(n.name, n in live, n.sessions, n.link.capacity) for n in self.nodes
+            ),
+        )
 
     def candidates(
         self,

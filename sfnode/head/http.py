@@ -1,24 +1,30 @@
 """The head's OpenAI-compatible HTTP API, health check and metrics, on twisted.web.
 
 - ``POST /v1/chat/completions`` and ``POST /v1/completions``: streaming (server-sent events in
-  OpenAI's chunk format, ending with ``data: [DONE]``) and not; ``GET /v1/models``.
-- ``GET /healthz``: ``{"status", "nodes"}``, 200 while at least one node is live, else 503.
-- ``GET /metrics``: Prometheus text from a per-head ``CollectorRegistry``: per-node capacity,
-  requests by outcome, tokens in and out, time to first token, failovers, reconnects.
+  OpenAI's chunk format, ending with ``data: [DONE]``) and not, ``n`` choices each generated on
+  its own with its own seed; ``GET /v1/models`` and ``GET /v1/models/{id}``.
+- ``GET /healthz``: ``{"status", "nodes", "lanes_active", "lanes_total", "queued",
+  "requests"}``; ``status`` is ``ok``, ``busy`` (every lane taken or generations waiting; still
+  200), ``unavailable`` or ``draining`` (503).
+- ``GET /metrics``: Prometheus text (:mod:`sfnode.head.metrics`).
 
-With an API key every ``/v1/*`` request must carry ``Authorization: Bearer KEY`` (compared in
-constant time) or gets 401; ``/healthz`` and ``/metrics`` stay open.  :meth:`OpenAIApi.drain`
-is the head's SIGTERM path: new completions get 503 (code ``draining``), running ones may finish
-until the drain timeout, then they are cancelled (GENERATE_CANCEL) and end with ``stop``.
+Every answer, errors on every route included (unknown path 404, wrong method 405), is JSON in
+OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.  The front door
+(:mod:`sfnode.head.gate`) screens each request from its headers before any body is read: Host,
+the API key (``Authorization: Bearer KEY``, constant time; ``/healthz`` and ``/metrics`` stay
+open), the body limit, ``Content-Type: application/json``, and the per-client and per-key
+limits.  The body is then checked (:mod:`sfnode.head.schema`), and rendered and tokenized
+(:mod:`sfnode.head.text`) on a small worker pool when it is large, after a cheap character
+bound from the window, so that a huge prompt never stalls the reactor.
 
-Text is rendered (the model's chat template) and detokenized here, at the head: nodes only see
-token ids.  Streamed text never splits a multi-byte character (:class:`Detokenizer`) and never
-shows a stop string (:class:`StopText`).  A client that disconnects mid-stream cancels its
-generation, which sends GENERATE_CANCEL to the node.
+:meth:`OpenAIApi.drain` is the head's SIGTERM path: new completions get 503 (code
+``draining``), running ones may finish until the drain timeout, then they are cancelled
+(GENERATE_CANCEL) and end with ``stop``.  A client that disconnects mid-stream, or stops reading
+for ``--stall-timeout`` seconds, cancels its generations.
 
 This module must never load model weights (only a tokenizer), never block the reactor, never use
-the global reactor or prometheus_client's global registry, and never answer an error in any
-shape but OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
+the global reactor or prometheus_client's global registry, never read the fleet's internals (only
+:class:`~sfnode.head.backend.Backend`), and never answer in any shape but OpenAI's.
 """
 
 from __future__ import annotations
@@ -29,443 +35,159 @@ import random
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.registry import Collector
+from twisted.internet import defer
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IReactorThreads, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from twisted.python.threadpool import ThreadPool
 from twisted.web.resource import Resource
-from twisted.web.server import NOT_DONE_YET, Site
+from twisted.web.server import NOT_DONE_YET
 
-from sfnode.head.fleet import (
-    Fleet,
-    FleetError,
-    FleetOutcome,
-    NodeDeclined,
-    StreamTooLong,
+from sfnode.head.backend import Backend, BackendStatus, GenerationHandle
+from sfnode.head.fleet import FleetError, FleetOutcome, NodeDeclined, StreamTooLong
+from sfnode.head.gate import (
+    ConcurrencyLimits,
+    GateLimits,
+    GuardedRequest,
+    GuardedSite,
+    body_too_large,
+    host_allowed,
 )
 from sfnode.head.link import LinkError
-from sfnode.wire import FINISH_CANCELLED, FINISH_EOS, GenParams
+from sfnode.head.metrics import EXPOSITION_CONTENT_TYPE, HeadMetrics
+from sfnode.head.schema import (
+    ApiError,
+    CompletionRequest,
+    clip,
+    parse_body,
+    parse_request,
+)
+from sfnode.head.text import Detokenizer, Renderer, StopText
+from sfnode.wire import FINISH_CANCELLED, FINISH_EOS
 
 DEFAULT_MAX_TOKENS = 512
 """max_tokens when a request gives none (capped by the window left after the prompt)."""
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for the legacy /v1/completions."""
-MAX_STOP_STRINGS = 4
 DRAIN_CANCEL_GRACE_S = 5.0
 """After the drain timeout cancels what still runs: how long the drain waits for those
 generations to end before it gives up on them (the fleet's links are closed next)."""
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+INLINE_BODY_BYTES = 16 * 1024
+"""Bodies up to this size are checked and tokenized on the reactor (a fraction of a
+millisecond); larger ones go to the worker pool."""
+WORKER_THREADS = 2
+COMPLETION_PATHS = (b"/v1/chat/completions", b"/v1/completions")
 
 _log = Logger(namespace="sfnode.head.http")
+_T = TypeVar("_T")
+
+__all__ = [
+    "DRAIN_CANCEL_GRACE_S",
+    "ApiError",
+    "Backend",
+    "CompletionRequest",
+    "Detokenizer",
+    "GenerationHandle",
+    "HeadMetrics",
+    "OpenAIApi",
+    "Renderer",
+    "StopText",
+    "Workers",
+]
 
 
 # --------------------------------------------------------------------------------------------
-# What the API runs generations on
+# Work off the reactor
 
 
-class GenerationHandle(Protocol):
-    """One generation in flight (a :class:`~sfnode.head.fleet.FleetGeneration` or a
-    pipeline's): its result, a cancel, and a Deferred for "placed, tokens will come"."""
+def trim_heap() -> None:
+    """Give the C heap's free memory back to the system (glibc's ``malloc_trim``; nothing
+    elsewhere).  Tokenizing a prompt of megabytes allocates hundreds of megabytes in the
+    tokenizer's native code; freed, glibc keeps them in the worker thread's arena for good."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        import ctypes
+        import ctypes.util
 
-    @property
-    def result(self) -> Deferred[FleetOutcome]: ...
-
-    def cancel(self) -> None: ...
-
-    def when_placed(self) -> Deferred[None]: ...
-
-
-class Backend(Protocol):
-    """What the API needs to run a generation: the fleet, or the pipeline driver."""
-
-    def generate(
-        self,
-        prompt: Sequence[int],
-        max_new: int,
-        *,
-        model: str | None = None,
-        params: GenParams = ...,
-        on_tokens: Callable[[Sequence[int]], None] | None = None,
-        max_wall_ms: int = 0,
-    ) -> GenerationHandle: ...
+        try:
+            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
 
 
-# --------------------------------------------------------------------------------------------
-# Text: rendering, detokenizing, stop strings
-
-_FALLBACK_TEMPLATE_ROLES = ("system", "user", "assistant", "tool", "developer")
+_malloc_trim: Any = None
 
 
-class Renderer:
-    """Turns chat messages and prompts into token ids, with the model's own chat template.
+class Workers:
+    """A small thread pool of its own for rendering and tokenizing (never the reactor's shared
+    one, so a burst of big prompts cannot starve other thread users).  Started on first use;
+    :meth:`stop` joins its threads."""
 
-    A tokenizer without a chat template (test tokenizers) gets a plain one:
-    ``<|role|>\\ncontent\\n`` per message, then ``<|assistant|>\\n``.
-    """
+    def __init__(self, reactor: IReactorThreads, size: int = WORKER_THREADS) -> None:
+        self._reactor = reactor
+        self._size = size
+        self._pool: ThreadPool | None = None
 
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
+    def run(self, work: Callable[[], _T]) -> Deferred[_T]:
+        """``work()`` on a worker thread; the C heap is trimmed after it (see
+        :func:`trim_heap`)."""
+        from twisted.internet.threads import deferToThreadPool
 
-    def chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        if getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=True
-            )
-        else:
-            text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
-            text += "<|assistant|>\n"
-        return [int(t) for t in self.tokenizer.encode(str(text), add_special_tokens=False)]
+        if self._pool is None:
+            self._pool = ThreadPool(minthreads=0, maxthreads=self._size, name="sfhead-text")
+            self._pool.start()
 
-    def completion(self, prompt: str) -> list[int]:
-        return [int(t) for t in self.tokenizer.encode(prompt)]
+        def run_then_trim() -> _T:
+            try:
+                return work()
+            finally:
+                trim_heap()
 
-    def decode(self, tokens: Sequence[int]) -> str:
-        return str(self.tokenizer.decode(list(tokens), skip_special_tokens=True))
+        return deferToThreadPool(self._reactor, self._pool, run_then_trim)
 
-    def detokenizer(self) -> Detokenizer:
-        return Detokenizer(self.decode)
-
-
-class Detokenizer:
-    """Incremental detokenizing that never emits half a character.
-
-    The text of the tokens since ``prefix`` is decoded again as tokens arrive; new text is
-    released only when it does not end in U+FFFD (an incomplete UTF-8 sequence, most likely).
-    """
-
-    def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
-        self._decode = decode
-        self._ids: list[int] = []
-        self._prefix = 0
-        self._read = 0
-
-    def push(self, tokens: Sequence[int]) -> str:
-        self._ids.extend(tokens)
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
-        text = self._decode(self._ids[self._prefix :])
-        if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
-            self._prefix, self._read = self._read, len(self._ids)
-            return text[len(prefix_text) :]
-        return ""
-
-    def flush(self) -> str:
-        """Whatever is held back (at the end of the stream, even an incomplete character)."""
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
-        text = self._decode(self._ids[self._prefix :])
-        self._prefix = self._read = len(self._ids)
-        return text[len(prefix_text) :] if len(text) > len(prefix_text) else ""
-
-
-class StopText:
-    """Cuts the text at the first stop string; holds back what could start one."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self._stops = [s for s in stops if s]
-        self._hold = max((len(s) for s in self._stops), default=1) - 1
-        self._text = ""
-        self._sent = 0
-        self.stopped = False
-
-    def feed(self, delta: str) -> str:
-        """The text that may be shown now."""
-        if self.stopped:
-            return ""
-        self._text += delta
-        if self._stops:
-            start = max(0, self._sent - self._hold)
-            hits = [i for i in (self._text.find(s, start) for s in self._stops) if i >= 0]
-            if hits:
-                self.stopped = True
-                return self._release(min(hits))
-        return self._release(len(self._text) - self._hold)
-
-    def flush(self) -> str:
-        return "" if self.stopped else self._release(len(self._text))
-
-    def _release(self, end: int) -> str:
-        if end <= self._sent:
-            return ""
-        out, self._sent = self._text[self._sent : end], end
-        return out
+    def stop(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.stop()
 
 
 # --------------------------------------------------------------------------------------------
-# Requests
+# Checked and rendered requests
 
 
-class ApiError(Exception):
-    """An error answered in OpenAI's shape."""
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A checked request and its prompt's token ids."""
 
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        kind: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        outcome: str = "bad_request",
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.kind = kind
-        self.param = param
-        self.code = code
-        self.outcome = outcome
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-
-@dataclass(frozen=True)
-class CompletionRequest:
-    """A checked request: what to generate, and how to answer."""
-
-    chat: bool
-    model: str
+    request: CompletionRequest
     prompt: list[int]
-    max_tokens: int | None
-    params: GenParams
-    stop: tuple[str, ...]
-    stream: bool
-    include_usage: bool
 
 
-def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ApiError(400, f"{name} must be a number", param=name)
-    if not low <= value <= high:
-        raise ApiError(400, f"{name} must be between {low} and {high}", param=name)
-    return float(value)
-
-
-def _integer(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ApiError(400, f"{name} must be an integer", param=name)
-    if not low <= value <= high:
-        raise ApiError(400, f"{name} must be between {low} and {high}", param=name)
-    return value
-
-
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty array", param="messages")
-    out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in _FALLBACK_TEMPLATE_ROLES:
-            raise ApiError(400, f"messages[{i}] needs a role", param=f"messages[{i}]")
-        content = message.get("content")
-        if content is None:
-            text = ""
-        elif isinstance(content, str):
-            text = content
-        elif isinstance(content, list):
-            parts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    raise ApiError(
-                        400,
-                        "only text content is supported (no images or audio)",
-                        param=f"messages[{i}].content",
-                    )
-                parts.append(str(part.get("text", "")))
-            text = "".join(parts)
-        else:
-            raise ApiError(400, f"messages[{i}].content must be text", param=f"messages[{i}]")
-        out.append({"role": str(message["role"]), "content": text})
-    return out
-
-
-def parse_request(
-    body: dict[str, Any],
-    *,
-    chat: bool,
-    renderer: Renderer,
-    models: Sequence[str],
-    seed_source: Callable[[], int],
-) -> CompletionRequest:
-    """Check one request body; raises :class:`ApiError` (400 or 404)."""
-    model = body.get("model", models[0] if models else "")
-    if not isinstance(model, str):
-        raise ApiError(400, "model must be a string", param="model")
-    if model not in models:
-        raise ApiError(
-            404,
-            f"The model '{model}' does not exist",
-            param="model",
-            code="model_not_found",
-            outcome="not_found",
-        )
-    if chat:
-        prompt = renderer.chat(_messages(body))
-    else:
-        raw = body.get("prompt")
-        if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
-            raw = raw[0]
-        if isinstance(raw, str):
-            prompt = renderer.completion(raw)
-        elif (
-            isinstance(raw, list)
-            and raw
-            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in raw)
-        ):
-            prompt = list(raw)
-        else:
-            raise ApiError(400, "prompt must be a string or an array of token ids", param="prompt")
-    n = _integer(body, "n", 1, 1)
-    del n
-    max_tokens = _integer(body, "max_completion_tokens", 1, 1 << 31)
-    if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", 1, 1 << 31)
-    temperature = _number(body, "temperature", 0.0, 2.0)
-    top_p = _number(body, "top_p", 0.0, 1.0)
-    min_p = _number(body, "min_p", 0.0, 1.0)
-    top_k = _integer(body, "top_k", -1, 1 << 31)
-    seed = _integer(body, "seed", -(1 << 63), (1 << 64) - 1)
-    stop_field = body.get("stop")
-    if stop_field is None:
-        stop: tuple[str, ...] = ()
-    elif isinstance(stop_field, str):
-        stop = (stop_field,)
-    elif (
-        isinstance(stop_field, list)
-        and len(stop_field) <= MAX_STOP_STRINGS
-        and all(isinstance(s, str) for s in stop_field)
-    ):
-        stop = tuple(stop_field)
-    else:
-        raise ApiError(400, "stop must be a string or up to 4 strings", param="stop")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, "stream must be a boolean", param="stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise ApiError(400, "stream_options must be an object", param="stream_options")
-    params = GenParams(
-        temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
-        min_p=min_p or 0.0,
-        top_k=max(top_k or 0, 0),
-        seed=(seed_source() if seed is None else seed) & ((1 << 64) - 1),
-    )
-    return CompletionRequest(
-        chat=chat,
-        model=model,
-        prompt=prompt,
-        max_tokens=max_tokens,
-        params=params,
-        stop=stop,
-        stream=stream,
-        include_usage=bool(options.get("include_usage", False)),
+def too_long(length: int, window: int, param: str) -> ApiError:
+    return ApiError(
+        400,
+        f"This model's maximum context length is {window} tokens; the prompt has {length} tokens.",
+        param=param,
+        code="context_length_exceeded",
+        outcome="too_long",
     )
 
 
-# --------------------------------------------------------------------------------------------
-# Metrics
+def _unavailable(message: str, code: str = "no_node_available") -> ApiError:
+    return ApiError(503, message, kind="service_unavailable", code=code, outcome="unavailable")
 
 
-class HeadMetrics:
-    """The head's Prometheus metrics, in a registry of its own."""
-
-    def __init__(self, fleet: Fleet) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter(
-            "sfhead_requests",
-            "Completion requests by outcome.",
-            ["outcome"],
-            registry=self.registry,
-        )
-        self.prompt_tokens = Counter(
-            "sfhead_prompt_tokens", "Prompt tokens sent to nodes.", registry=self.registry
-        )
-        self.completion_tokens = Counter(
-            "sfhead_completion_tokens",
-            "Tokens generated and delivered to clients.",
-            registry=self.registry,
-        )
-        self.ttft = Histogram(
-            "sfhead_time_to_first_token_seconds",
-            "From request received to first token at the head.",
-            buckets=TTFT_BUCKETS,
-            registry=self.registry,
-        )
-        self.registry.register(_FleetCollector(fleet))
-
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+def _draining() -> ApiError:
+    return _unavailable("the head is shutting down and takes no new requests", "draining")
 
 
-_CAPACITY_GAUGES = (
-    ("lanes_active", "Lanes decoding now."),
-    ("max_lanes", "Lanes the node decodes at once."),
-    ("queue_depth", "Generations waiting for a lane."),
-    ("kv_blocks_used", "KV cache blocks in use."),
-    ("kv_blocks_total", "KV cache blocks in total."),
-    ("max_context_tokens", "The node's context window."),
-    ("decode_tokens_per_s", "Decode rate over busy time (tokens/s)."),
-    ("prefill_tokens_per_s", "Prefill rate over busy time (tokens/s)."),
-)
-
-
-class _FleetCollector(Collector):
-    """Reads the fleet's registry at scrape time: per-node capacity, failovers, reconnects."""
-
-    def __init__(self, fleet: Fleet) -> None:
-        self._fleet = fleet
-
-    def describe(self) -> Iterable[Metric]:
-        return []
-
-    def collect(self) -> Iterable[Metric]:
-        fleet = self._fleet
-        up = GaugeMetricFamily("sfhead_node_up", "1 while the node is live.", labels=["node"])
-        sessions = GaugeMetricFamily(
-            "sfhead_node_sessions", "Sessions placed on the node.", labels=["node"]
-        )
-        gauges = {
-            field: GaugeMetricFamily(f"sfhead_node_{field}", text, labels=["node"])
-            for field, text in _CAPACITY_GAUGES
-        }
-        live = fleet.live_nodes()
-        for node in fleet.nodes:
-            up.add_metric([node.name], 1.0 if node in live else 0.0)
-            sessions.add_metric([node.name], float(node.sessions))
-            capacity = node.link.capacity
-            if capacity is None:
-                continue
-            for field, gauge in gauges.items():
-                gauge.add_metric([node.name], float(getattr(capacity, field)))
-        yield up
-        yield sessions
-        yield from gauges.values()
-        yield GaugeMetricFamily("sfhead_live_nodes", "Live nodes.", value=float(len(live)))
-        yield CounterMetricFamily(
-            "sfhead_failovers", "Generations moved to another node.", value=fleet.failovers
-        )
-        yield CounterMetricFamily(
-            "sfhead_reconnects", "Links reconnected and reconciled.", value=fleet.reconnects
-        )
+def _random_seed() -> int:
+    return random.SystemRandom().getrandbits(63)
 
 
 # --------------------------------------------------------------------------------------------
@@ -473,52 +195,143 @@ class _FleetCollector(Collector):
 
 
 class OpenAIApi:
-    """Everything the HTTP resources share: backend, fleet, renderer, model names, metrics."""
+    """Everything the HTTP resources share: backend, renderer, model names, keys, limits,
+    metrics, and the requests in flight."""
 
     def __init__(
         self,
-        reactor: IReactorTime,
+        reactor: Any,
         backend: Backend,
-        fleet: Fleet,
         tokenizer: Any,
         model_name: str,
         *,
         node_model: str | None = None,
         seed_source: Callable[[], int] | None = None,
         metrics: HeadMetrics | None = None,
-        api_key: bytes | None = None,
+        api_keys: Iterable[bytes] = (),
+        limits: GateLimits | None = None,
+        vocab_size: int | None = None,
+        workers: Workers | None = None,
     ) -> None:
-        self.reactor = reactor
+        self.reactor: IReactorTime = reactor
         self.backend = backend
-        self.fleet = fleet
         self.renderer = Renderer(tokenizer)
         self.model_name = model_name
         self.node_model = node_model if node_model is not None else model_name
         """The model name asked of nodes (the one they offer in HELLO_ACK_F)."""
+        self.vocab_size = max(vocab_size or 0, self.renderer.codec.vocab_size)
+        """Prompt token ids must be below this (the model's vocabulary, when known)."""
         self.new_seed: Callable[[], int] = seed_source or _random_seed
         """The seed of a request that gives none (sampling is counter-based: a fixed seed
         would give every such request the same draws)."""
-        self.metrics = metrics if metrics is not None else HeadMetrics(fleet)
-        self.api_key = api_key or None
-        """The bearer token every /v1 request must carry; None: the API is open."""
+        self.api_keys = tuple(k for k in api_keys if k)
+        """The bearer tokens a /v1 request may carry; none: the API is open."""
+        limits = limits if limits is not None else GateLimits()
+        hosts = limits.allowed_hosts
+        if self.api_keys and not hosts:
+            # A page in a browser cannot send the key, so a rebinding attack gains nothing.
+            hosts = frozenset({"*"})
+        self.limits = limits
+        self.allowed_hosts = hosts
+        self.concurrency = ConcurrencyLimits(limits.max_client_requests, limits.max_key_requests)
+        self.workers = workers if workers is not None else Workers(reactor)
         self.exchanges: set[_Exchange] = set()
         """Completion requests in flight (what a drain waits for)."""
         self.draining = False
         """True once :meth:`drain` started: new completion requests get 503."""
+        self._site: GuardedSite | None = None
+        self.metrics = (
+            metrics
+            if metrics is not None
+            else HeadMetrics(
+                self.status,
+                open_requests=lambda: len(self.exchanges),
+                open_connections=lambda: len(self._site.connections) if self._site else 0,
+            )
+        )
         self._drain_waiters: list[Deferred[None]] = []
         self._drain_timer: IDelayedCall | None = None
 
-    def authorized(self, request: Any) -> bool:
-        """Whether ``request`` carries the API key (always, when there is none)."""
-        if self.api_key is None:
-            return True
+    def status(self) -> BackendStatus:
+        return self.backend.status(self.node_model)
+
+    def stop(self) -> None:
+        """Stop the worker threads (the HTTP service does this when it stops)."""
+        self.workers.stop()
+
+    # The front door
+
+    def authorized(self, request: Any) -> bytes | None:
+        """The API key ``request`` carries (``b""`` when the API is open), or None."""
+        if not self.api_keys:
+            return b""
         header = request.getHeader(b"authorization") or b""
         scheme, _, given = header.partition(b" ")
-        if scheme.lower() != b"bearer":
-            given = b""
-        # compare_digest's time never depends on where the given bytes first differ from the
-        # key (at most on their lengths).
-        return hmac.compare_digest(given.strip(), self.api_key)
+        given = given.strip() if scheme.lower() == b"bearer" else b""
+        # compare_digest's time never depends on where the given bytes first differ from a
+        # key (at most on their lengths); every key is compared, whichever matches.
+        found = None
+        for key in self.api_keys:
+            if hmac.compare_digest(given, key):
+                found = key
+        return found
+
+    def screen(self, request: GuardedRequest, length: int | None) -> ApiError | None:
+        """The refusal of a request whose headers are in, or None (see :mod:`gate`)."""
+        if not host_allowed(request.getHeader(b"host"), self.allowed_hosts):
+            return ApiError(
+                403,
+                "this server does not answer to the host named in the Host header (an "
+                "operator can allow it with --allowed-host)",
+                code="host_not_allowed",
+                outcome="forbidden",
+            )
+        path = request.path.rstrip(b"/") if request.path != b"/" else request.path
+        preflight = request.method == b"OPTIONS" and request.site.cors_allows(request)
+        key = b""
+        if (path == b"/v1" or path.startswith(b"/v1/")) and not preflight:
+            found = self.authorized(request)
+            if found is None:
+                return _unauthorized(request)
+            key = found
+        if length is not None and length > self.limits.max_body:
+            return body_too_large(self.limits.max_body)
+        if request.method == b"POST" and path in COMPLETION_PATHS:
+            media = (request.getHeader(b"content-type") or b"").split(b";")[0].strip().lower()
+            if media != b"application/json":
+                return ApiError(
+                    415,
+                    "the request body must be JSON, sent with 'Content-Type: application/json'",
+                    code="unsupported_media_type",
+                    outcome="unsupported_media_type",
+                )
+            if self.draining:
+                return _draining()
+            try:
+                permit = self.concurrency.acquire(_client_of(request), key or None)
+            except ApiError as e:
+                return e
+            request.permit = permit
+            request.notifyFinish().addBoth(lambda _: permit.release())
+        return None
+
+    def unexpected(self, failure: Failure, request: Any = None) -> ApiError:
+        """An exception nobody expected: logged once, counted, answered as a JSON 500."""
+        _log.failure(
+            "answering {method} {path} failed unexpectedly",
+            failure,
+            method=getattr(request, "method", b"?").decode("latin-1"),
+            path=getattr(request, "path", b"?")[:200].decode("latin-1"),
+        )
+        self.metrics.requests.labels("error").inc()
+        return ApiError(
+            500,
+            "internal error: the head failed to answer this request (its log says why)",
+            kind="server_error",
+            outcome="error",
+        )
+
+    # Drain
 
     def drain(self, timeout_s: float) -> Deferred[None]:
         """Stop taking completions (503 from now on), let the ones in flight finish for up to
@@ -572,11 +385,62 @@ class OpenAIApi:
         for waiter in waiters:
             waiter.callback(None)
 
-    def resource(self) -> Resource:
-        root = Resource()  # type: ignore[no-untyped-call]
-        v1 = Resource()  # type: ignore[no-untyped-call]
-        chat = Resource()  # type: ignore[no-untyped-call]
-        root.putChild(b"v1", _Authorized(self, v1))
+    # Requests
+
+    def prepare(self, data: bytes, chat: bool, status: BackendStatus) -> Prepared:
+        """Check a body and render its prompt (on the reactor or a worker thread: it reads
+        only ``status``, a snapshot, and the renderer).
+
+        :raises ApiError: anything wrong with the request, a prompt that cannot fit included.
+        """
+        request = parse_request(
+            parse_body(data),
+            chat=chat,
+            models=[self.model_name],
+            vocab_size=self.vocab_size,
+            seed_source=self.new_seed,
+        )
+        limit = status.context_limit
+        if limit is not None and request.characters > self.renderer.character_bound(limit):
+            # Not tokenized at all: no window can hold this many characters.
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens; the prompt has "
+                f"{request.characters} characters, more than that many tokens can hold.",
+                param=request.prompt_param,
+                code="context_length_exceeded",
+                outcome="too_long",
+            )
+        if request.chat:
+            prompt = self.renderer.chat(request.messages)
+        elif request.prompt_text is not None:
+            prompt = self.renderer.completion(request.prompt_text)
+        else:
+            prompt = list(request.prompt_ids)
+        if not prompt:
+            raise ApiError(400, "the prompt has no tokens", param=request.prompt_param)
+        if limit is not None and len(prompt) > limit:
+            raise too_long(len(prompt), limit, request.prompt_param)
+        return Prepared(request, prompt)
+
+    def site(self) -> GuardedSite:
+        """The twisted.web site that serves this API (with its front door)."""
+        if self._site is None:
+            self._site = GuardedSite(
+                self._resource(),
+                reactor=self.reactor,
+                limits=self.limits,
+                screen=self.screen,
+                count=lambda outcome: self.metrics.requests.labels(outcome).inc(),
+                unexpected=self.unexpected,
+            )
+        return self._site
+
+    def _resource(self) -> Resource:
+        root = _Branch()  # type: ignore[no-untyped-call]
+        v1 = _Branch()  # type: ignore[no-untyped-call]
+        chat = _Branch()  # type: ignore[no-untyped-call]
+        root.putChild(b"v1", v1)
         v1.putChild(b"chat", chat)
         chat.putChild(b"completions", _Completions(self, chat=True))
         v1.putChild(b"completions", _Completions(self, chat=False))
@@ -585,104 +449,156 @@ class OpenAIApi:
         root.putChild(b"metrics", _Metrics(self))
         return root
 
-    def site(self) -> Site:
-        site = Site(self.resource())  # type: ignore[no-untyped-call]
-        site.displayTracebacks = False
-        return site
+
+def _client_of(request: Any) -> str:
+    address = request.getClientAddress()
+    return str(getattr(address, "host", None) or type(address).__name__)
 
 
-def _random_seed() -> int:
-    return random.SystemRandom().getrandbits(63)
-
-
-def _json(request: Any, status: int, body: Any) -> bytes:
-    request.setResponseCode(status)
-    request.setHeader(b"content-type", b"application/json")
-    return json.dumps(body).encode()
-
-
-def _unauthorized(request: Any) -> bytes:
+def _unauthorized(request: Any) -> ApiError:
     missing = not request.getHeader(b"authorization")
-    error = ApiError(
+    return ApiError(
         401,
         "You didn't provide an API key: send it as 'Authorization: Bearer KEY'."
         if missing
         else "Incorrect API key provided.",
         code="invalid_api_key",
         outcome="unauthorized",
+        headers={b"www-authenticate": b"Bearer"},
     )
-    request.setHeader(b"www-authenticate", b"Bearer")
-    return _json(request, error.status, error.body())
 
 
-class _Refusal(Resource):
-    """A leaf that answers 401 to every method (what an unauthorized /v1 request reaches)."""
+def answer(
+    request: Any, status: int, body: Any, headers: dict[bytes, bytes] | None = None
+) -> bytes:
+    data = json.dumps(body).encode()
+    request.setResponseCode(status)
+    request.setHeader(b"content-type", b"application/json")
+    request.setHeader(b"content-length", b"%d" % len(data))
+    for name, value in (headers or {}).items():
+        request.setHeader(name, value)
+    return data
+
+
+def answer_error(request: Any, error: ApiError) -> bytes:
+    return answer(request, error.status, error.body(), error.headers)
+
+
+# --------------------------------------------------------------------------------------------
+# Resources
+
+
+class _Leaf(Resource):
+    """A resource that answers every method it does not serve with a JSON 405 (and CORS
+    preflights with 204, when the origin is allowed)."""
 
     isLeaf = True
-
-    def render(self, request: Any) -> bytes:
-        return _unauthorized(request)
-
-
-class _Authorized(Resource):
-    """``/v1`` behind the API key: without the right bearer token every path below is 401."""
-
-    def __init__(self, api: OpenAIApi, inner: Resource) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.api = api
-        self.inner = inner
-
-    def getChildWithDefault(self, path: bytes, request: Any) -> Resource:
-        if not self.api.authorized(request):
-            self.api.metrics.requests.labels("unauthorized").inc()
-            return _Refusal()  # type: ignore[no-untyped-call]
-        return self.inner.getChildWithDefault(path, request)  # type: ignore[no-untyped-call,no-any-return]
-
-    def render(self, request: Any) -> bytes:
-        if not self.api.authorized(request):
-            self.api.metrics.requests.labels("unauthorized").inc()
-            return _unauthorized(request)
-        return self.inner.render(request)  # type: ignore[no-untyped-call,no-any-return]
-
-
-class _Health(Resource):
-    isLeaf = True
-
-    def __init__(self, api: OpenAIApi) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.api = api
+    methods: tuple[bytes, ...] = (b"GET",)
 
     def render_GET(self, request: Any) -> bytes:
-        live = len(self.api.fleet.live_nodes())
-        if self.api.draining:
-            return _json(request, 503, {"status": "draining", "nodes": live})
-        status = "ok" if live else "unavailable"
-        return _json(request, 200 if live else 503, {"status": status, "nodes": live})
+        raise NotImplementedError
+
+    def render(self, request: Any) -> bytes | int:
+        method = request.method
+        if method == b"HEAD" and b"GET" in self.methods:
+            # Answered here rather than by twisted.web, which logs a warning per HEAD request
+            # whose resource returns a body.
+            body = self.render_GET(request)
+            request.setHeader(b"content-length", b"%d" % len(body))
+            return b""
+        if method == b"OPTIONS" and request.site.cors_allows(request):
+            request.setResponseCode(204)
+            return b""
+        handler = getattr(self, "render_" + method.decode("latin-1"), None)
+        if method not in self.methods or handler is None:
+            name = method.decode("latin-1")[:16]
+            path = request.path[:100].decode("latin-1")
+            error = ApiError(
+                405,
+                f"{name} is not allowed on {path}; use "
+                + ", ".join(m.decode() for m in self.methods),
+                code="method_not_allowed",
+                outcome="bad_request",
+                headers={b"allow": b", ".join(self.methods)},
+            )
+            request.site.count(error.outcome)
+            return answer_error(request, error)
+        result: bytes | int = handler(request)
+        return result
 
 
-class _Metrics(Resource):
-    isLeaf = True
+class _NotFound(_Leaf):
+    def render(self, request: Any) -> bytes:
+        error = ApiError(
+            404,
+            f"Unknown request URL: {request.method.decode('latin-1')[:16]} "
+            f"{request.path[:100].decode('latin-1')}",
+            code="unknown_url",
+            outcome="not_found",
+        )
+        request.site.count(error.outcome)
+        return answer_error(request, error)
 
-    def __init__(self, api: OpenAIApi) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.api = api
 
-    def render_GET(self, request: Any) -> bytes:
-        request.setHeader(b"content-type", CONTENT_TYPE_LATEST.encode())
-        return self.api.metrics.exposition()
+class _Branch(Resource):
+    """A path segment with children; the segment itself and unknown children are 404."""
+
+    def getChild(self, path: bytes, request: Any) -> Resource:
+        return _NotFound()  # type: ignore[no-untyped-call]
+
+    def render(self, request: Any) -> bytes:
+        return _NotFound().render(request)  # type: ignore[no-untyped-call]
 
 
-class _Models(Resource):
-    isLeaf = True
-
+class _Health(_Leaf):
     def __init__(self, api: OpenAIApi) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.api = api
 
     def render_GET(self, request: Any) -> bytes:
         api = self.api
-        window = api.fleet.max_window(api.node_model)
-        entry = {
+        status = api.status()
+        if api.draining:
+            state, code = "draining", 503
+        elif not status.live_nodes:
+            state, code = "unavailable", 503
+        else:
+            state, code = ("busy" if status.busy else "ok"), 200
+        return answer(
+            request,
+            code,
+            {
+                "status": state,
+                "nodes": status.live_nodes,
+                "lanes_active": status.lanes_active,
+                "lanes_total": status.lanes_total,
+                "queued": status.queued,
+                "requests": len(api.exchanges),
+            },
+        )
+
+
+class _Metrics(_Leaf):
+    def __init__(self, api: OpenAIApi) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.api = api
+
+    def render_GET(self, request: Any) -> bytes:
+        request.setHeader(b"content-type", EXPOSITION_CONTENT_TYPE.encode())
+        return self.api.metrics.exposition()
+
+
+class _Models(_Leaf):
+    """``/v1/models`` (the list) and ``/v1/models/{id}`` (one, or 404)."""
+
+    def __init__(self, api: OpenAIApi) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.api = api
+
+    def _entry(self) -> dict[str, Any]:
+        api = self.api
+        window = api.status().window
+        return {
             "id": api.model_name,
             "object": "model",
             "created": 0,
@@ -690,307 +606,439 @@ class _Models(Resource):
             "context_length": window or None,
             "capabilities": {"chat": True, "completions": True, "vision": False},
         }
-        return _json(request, 200, {"object": "list", "data": [entry]})
+
+    def render_GET(self, request: Any) -> bytes:
+        wanted = b"/".join(request.postpath).strip(b"/").decode("utf-8", "replace")
+        if not wanted:
+            return answer(request, 200, {"object": "list", "data": [self._entry()]})
+        if wanted == self.api.model_name:
+            return answer(request, 200, self._entry())
+        error = ApiError(
+            404,
+            f"The model '{clip(wanted)}' does not exist",
+            param="model",
+            code="model_not_found",
+            outcome="not_found",
+        )
+        request.site.count(error.outcome)
+        return answer_error(request, error)
 
 
-class _Completions(Resource):
-    isLeaf = True
+class _Completions(_Leaf):
+    methods = (b"POST",)
 
     def __init__(self, api: OpenAIApi, *, chat: bool) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.api = api
         self.chat = chat
 
-    def render_POST(self, request: Any) -> bytes | int:
-        api = self.api
-        received = api.reactor.seconds()
-        try:
-            if api.draining:
-                raise ApiError(
-                    503,
-                    "the head is shutting down and takes no new requests",
-                    kind="service_unavailable",
-                    code="draining",
-                    outcome="unavailable",
-                )
-            assert request.content is not None
-            try:
-                body = json.loads(request.content.read() or b"null")
-            except (ValueError, UnicodeDecodeError) as e:
-                raise ApiError(400, f"the body is not valid JSON: {e}") from e
-            if not isinstance(body, dict):
-                raise ApiError(400, "the body must be a JSON object")
-            parsed = parse_request(
-                body,
-                chat=self.chat,
-                renderer=api.renderer,
-                models=[api.model_name],
-                seed_source=api.new_seed,
-            )
-            try:
-                api.fleet.check_fits(api.node_model, len(parsed.prompt))
-            except StreamTooLong as e:
-                raise _too_long(e) from e
-            if not api.fleet.live_nodes() and not any(
-                not n.ever_connected and not n.down for n in api.fleet.nodes
-            ):
-                raise ApiError(
-                    503,
-                    "no node is available to serve this model",
-                    kind="service_unavailable",
-                    code="no_node_available",
-                    outcome="unavailable",
-                )
-        except ApiError as e:
-            api.metrics.requests.labels(e.outcome).inc()
-            return _json(request, e.status, e.body())
-        _Exchange(api, request, parsed, received).start()
+    def render_POST(self, request: Any) -> int:
+        _Exchange(self.api, request, self.chat).start()
         return NOT_DONE_YET
 
 
-def _too_long(error: StreamTooLong) -> ApiError:
-    return ApiError(
-        400,
-        f"This model's maximum context length is {error.max} tokens; the prompt has "
-        f"{error.length} tokens.",
-        param="messages",
-        code="context_length_exceeded",
-        outcome="too_long",
-    )
+# --------------------------------------------------------------------------------------------
+# One completion request
 
 
-def _fleet_error(failure: Failure) -> ApiError:
+def _fleet_error(failure: Failure, param: str) -> ApiError | None:
+    """The answer to a generation that failed for a known reason (None: unexpected)."""
     error = failure.value
     if isinstance(error, StreamTooLong):
-        return _too_long(error)
+        return too_long(error.length, error.max, param)
     if isinstance(error, NodeDeclined):
         return ApiError(502, str(error), kind="server_error", outcome="error")
     if isinstance(error, (FleetError, LinkError)):
-        return ApiError(
-            503,
-            str(error),
-            kind="service_unavailable",
-            code="no_node_available",
-            outcome="unavailable",
-        )
-    _log.failure("a completion failed unexpectedly", failure)
-    return ApiError(500, f"internal error: {error}", kind="server_error", outcome="error")
+        return _unavailable(str(error))
+    return None
+
+
+class _Choice:
+    """One of the ``n`` generations of a request: its text so far and how it ended."""
+
+    def __init__(self, index: int, detok: Detokenizer, stops: Sequence[str]) -> None:
+        self.index = index
+        self.detok = detok
+        self.stop = StopText(stops)
+        self.text: list[str] = []
+        self.generation: GenerationHandle | None = None
+        self.outcome: FleetOutcome | None = None
+        self.finish: str | None = None
 
 
 class _Exchange:
-    """One completion request in flight: tokens in, text or SSE chunks out."""
+    """One completion request: body in, ``n`` generations, text or SSE chunks out."""
 
-    def __init__(
-        self, api: OpenAIApi, request: Any, parsed: CompletionRequest, received: float
-    ) -> None:
+    def __init__(self, api: OpenAIApi, request: Any, chat: bool) -> None:
         self.api = api
         self.request: Any = request
-        self.parsed = parsed
-        self.received = received
-        self.ident = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(received)
-        self.detok = api.renderer.detokenizer()
-        self.stop = StopText(parsed.stop)
-        self.text: list[str] = []
+        self.chat = chat
+        self.received = api.reactor.seconds()
+        self.ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(self.received)
+        self.parsed: CompletionRequest | None = None
+        self.prompt: list[int] = []
+        self.choices: list[_Choice] = []
         self.first_token_at: float | None = None
         self.streaming_started = False
+        self.answered = False
+        """The answer is complete (or the client is gone): nothing more is written."""
         self.gone = False
         self.drained = False
         """Cancelled by the head's drain timeout (it ends with finish_reason stop)."""
-        self.generation: GenerationHandle | None = None
+        self.failure: ApiError | None = None
+        self._pending = 0
+        self._stall_timer: IDelayedCall | None = None
+        self._producing = False
+
+    # Life cycle
 
     def start(self) -> None:
-        api, parsed = self.api, self.parsed
+        api = self.api
+        self.request.notifyFinish().addErrback(self._client_gone)
+        api.exchanges.add(self)
+        try:
+            if api.draining:
+                raise _draining()
+            data = self.request.content.getvalue()
+            if len(data) > api.limits.max_body:
+                raise body_too_large(api.limits.max_body)
+            status = api.status()
+            if len(data) <= INLINE_BODY_BYTES:
+                prepared: Deferred[Prepared] = defer.maybeDeferred(
+                    api.prepare, data, self.chat, status
+                )
+            else:
+                prepared = api.workers.run(lambda: api.prepare(data, self.chat, status))
+        except Exception:
+            # An ApiError is answered as such; anything else as an unexpected failure.
+            prepared = defer.fail()
+        prepared.addCallback(self._prepared).addErrback(self._refused).addErrback(self._unexpected)
+
+    def _prepared(self, prepared: Prepared) -> None:
+        api = self.api
+        self.parsed, self.prompt = prepared.request, prepared.prompt
+        if self.gone:
+            self._maybe_ended()
+            return
+        if api.draining:
+            raise _draining()
+        if not api.status().may_serve:
+            raise _unavailable("no node is available to serve this model")
+        parsed = self.parsed
         max_tokens = parsed.max_tokens
         if max_tokens is None:
-            window = api.fleet.max_window(api.node_model)
+            window = api.status().window
             default = DEFAULT_MAX_TOKENS if parsed.chat else COMPLETIONS_DEFAULT_MAX_TOKENS
-            room = window - len(parsed.prompt) if window else default
+            room = window - len(self.prompt) if window else default
             max_tokens = max(1, min(default, room))
         # Streamed chunks are small writes: without TCP_NODELAY, Nagle's algorithm holds each
         # one back until the client's delayed ACK of the previous one (about 40 ms).
         no_delay = getattr(self.request.transport, "setTcpNoDelay", None)
         if no_delay is not None:
             no_delay(True)
-        self.request.notifyFinish().addErrback(self._client_gone)
-        api.exchanges.add(self)
-        try:
+        self.request.registerProducer(self, True)
+        self._producing = True
+        placed = []
+        for index in range(parsed.n):
+            choice = _Choice(index, api.renderer.detokenizer(), parsed.stop)
+            self.choices.append(choice)
             generation = api.backend.generate(
-                parsed.prompt,
+                self.prompt,
                 max_tokens,
                 model=api.node_model,
-                params=parsed.params,
-                on_tokens=self._tokens,
+                params=parsed.choice_params(index),
+                on_tokens=self._receiver(choice),
             )
-        except BaseException:
-            api.exchange_ended(self)
-            raise
-        self.generation = generation
-        if parsed.stream:
-            generation.when_placed().addCallbacks(self._begin_stream, lambda _: None)
-        generation.result.addCallbacks(self._done, self._failed).addBoth(self._ended)
+            choice.generation = generation
+            self._pending += 1
+            if parsed.stream:
+                placed.append(generation.when_placed())
+            generation.result.addCallbacks(
+                self._choice_done, self._choice_failed, callbackArgs=(choice,),
+                errbackArgs=(choice,),
+            ).addErrback(self._unexpected)  # fmt: skip
+        if placed:
+            defer.gatherResults(placed, consumeErrors=True).addCallbacks(
+                self._begin_stream, lambda _: None
+            )
 
-    def _ended(self, result: Failure | None) -> None:
-        if isinstance(result, Failure):
-            _log.failure("answering {ident} failed", result, ident=self.ident)
-        self.api.exchange_ended(self)
+    def _refused(self, failure: Failure) -> None:
+        """A request that ends before any generation: its error answered and counted."""
+        failure.trap(ApiError)  # type: ignore[no-untyped-call]
+        error = failure.value
+        assert isinstance(error, ApiError)
+        self.api.metrics.requests.labels(error.outcome).inc()
+        self._answer_error(error)
+        self._maybe_ended()
+
+    def _unexpected(self, failure: Failure) -> None:
+        """Anything else that went wrong: one log line, one count, a JSON 500 if possible."""
+        error = self.api.unexpected(failure, self.request)
+        for choice in self.choices:
+            if choice.generation is not None and choice.outcome is None:
+                choice.generation.cancel()
+        self._answer_error(error)
+        self._pending = 0
+        self._maybe_ended()
+
+    def _maybe_ended(self) -> None:
+        if self._pending == 0:
+            self._stop_producing()
+            self.api.exchange_ended(self)
 
     def drain_cancel(self) -> None:
-        """The drain timeout: cancel the generation; the client still gets a clean end."""
+        """The drain timeout: cancel the generations; the client still gets a clean end."""
         self.drained = True
-        if self.generation is not None:
-            self.generation.cancel()
+        self._cancel_all()
+
+    def _cancel_all(self) -> None:
+        for choice in self.choices:
+            if choice.generation is not None:
+                choice.generation.cancel()
 
     # The client
 
     def _client_gone(self, failure: Failure) -> None:
         self.gone = True
+        self.answered = True
+        self._stop_producing()
+        if self.choices:
+            _log.info(
+                "client of {ident} went away ({reason}); cancelling",
+                ident=self.ident,
+                reason=failure.getErrorMessage(),
+            )
+        self._cancel_all()
+
+    def pauseProducing(self) -> None:
+        """The client's connection is full (it is not reading): cut it off unless it reads
+        again within the stall timeout."""
+        if self._stall_timer is None and not self.answered:
+            self._stall_timer = self.api.reactor.callLater(
+                self.api.limits.stall_timeout_s, self._stalled
+            )
+
+    def resumeProducing(self) -> None:
+        timer, self._stall_timer = self._stall_timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
+
+    def stopProducing(self) -> None:
+        self.resumeProducing()
+
+    def _stalled(self) -> None:
+        self._stall_timer = None
         _log.info(
-            "client of {ident} went away ({reason}); cancelling",
+            "client of {ident} read nothing for {seconds} s; cutting it off",
             ident=self.ident,
-            reason=failure.getErrorMessage(),
+            seconds=self.api.limits.stall_timeout_s,
         )
-        if self.generation is not None:
-            self.generation.cancel()
+        self.gone = True
+        self.answered = True
+        self._cancel_all()
+        transport = self.request.transport
+        if transport is not None:
+            transport.abortConnection()
+
+    def _stop_producing(self) -> None:
+        self.resumeProducing()
+        if self._producing:
+            self._producing = False
+            if not self.gone:
+                self.request.unregisterProducer()
+
+    # Writing
 
     def _write_event(self, body: Any) -> None:
-        if not self.gone:
+        if not self.answered:
             self.request.write(b"data: " + json.dumps(body).encode() + b"\n\n")
 
-    def _begin_stream(self, _: None) -> None:
-        if self.gone or self.streaming_started:
+    def _begin_stream(self, _: object = None) -> None:
+        if self.answered or self.streaming_started:
             return
         self.streaming_started = True
         request = self.request
         request.setResponseCode(200)
         request.setHeader(b"content-type", b"text/event-stream")
         request.setHeader(b"cache-control", b"no-cache")
-        if self.parsed.chat:
-            self._write_event(self._chunk({"role": "assistant", "content": ""}, None))
+        if self.chat:
+            for choice in self.choices:
+                self._write_event(self._chunk(choice, {"role": "assistant", "content": ""}, None))
         else:
             request.write(b"")
 
-    def _chunk(self, delta: dict[str, Any] | str, finish: str | None) -> dict[str, Any]:
-        if self.parsed.chat:
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
-            kind = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
-            kind = "text_completion"
-        return {
-            "id": self.ident,
-            "object": kind,
-            "created": self.created,
-            "model": self.parsed.model,
-            "choices": [choice],
-        }
-
-    def _emit(self, text: str) -> None:
-        if not text:
-            return
-        self.text.append(text)
-        if self.parsed.stream:
-            self._begin_stream(None)
-            self._write_event(self._chunk({"content": text} if self.parsed.chat else text, None))
-
-    # The generation
-
-    def _tokens(self, tokens: Sequence[int]) -> None:
-        if self.first_token_at is None and tokens:
-            self.first_token_at = self.api.reactor.seconds()
-            self.api.metrics.ttft.observe(self.first_token_at - self.received)
-        if self.stop.stopped:
-            return
-        self._emit(self.stop.feed(self.detok.push(tokens)))
-        if self.stop.stopped and self.generation is not None:
-            self.generation.cancel()
-
-    def _usage(self, completion_tokens: int) -> dict[str, int]:
-        prompt = len(self.parsed.prompt)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt + completion_tokens,
-        }
-
-    def _done(self, outcome: FleetOutcome) -> None:
-        api = self.api
-        if not self.stop.stopped:
-            self._emit(self.stop.feed(self.detok.flush()))
-            self._emit(self.stop.flush())
-        if self.stop.stopped or outcome.finish == FINISH_EOS:
-            finish = "stop"
-        elif outcome.finish == FINISH_CANCELLED and self.drained and not self.gone:
-            finish = "stop"
-        elif outcome.finish == FINISH_CANCELLED and self.gone:
-            finish = "cancelled"
-        else:
-            finish = "length"
-        api.metrics.prompt_tokens.inc(len(self.parsed.prompt))
-        api.metrics.completion_tokens.inc(len(outcome.tokens))
-        outcome_label = "cancelled" if finish == "cancelled" else "ok"
-        if self.drained and outcome.finish == FINISH_CANCELLED:
-            outcome_label = "drained"
-        api.metrics.requests.labels(outcome_label).inc()
-        if self.gone:
-            return
-        usage = self._usage(len(outcome.tokens))
-        if self.parsed.stream:
-            self._begin_stream(None)
-            self._write_event(self._chunk({} if self.parsed.chat else "", finish))
-            if self.parsed.include_usage:
-                last = self._chunk({}, None)
-                last["choices"] = []
-                last["usage"] = usage
-                self._write_event(last)
-            self.request.write(b"data: [DONE]\n\n")
-            self.request.finish()
-            return
-        text = "".join(self.text)
-        if self.parsed.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
+    def _chunk(self, choice: _Choice, delta: dict[str, Any] | str, finish: str | None) -> Any:
+        assert self.parsed is not None
+        if self.chat:
+            entry: dict[str, Any] = {
+                "index": choice.index,
+                "delta": delta,
                 "logprobs": None,
                 "finish_reason": finish,
             }
-            kind = "chat.completion"
+            kind = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            entry = {
+                "index": choice.index,
+                "text": delta,
+                "logprobs": None,
+                "finish_reason": finish,
+            }
             kind = "text_completion"
-        body = {
+        return {
             "id": self.ident,
             "object": kind,
             "created": self.created,
             "model": self.parsed.model,
-            "choices": [choice],
-            "usage": usage,
+            "choices": [entry],
         }
-        self.request.write(_json(self.request, 200, body))
-        self.request.finish()
 
-    def _failed(self, failure: Failure) -> None:
-        error = _fleet_error(failure)
-        self.api.metrics.requests.labels(error.outcome).inc()
-        if self.gone:
+    def _emit(self, choice: _Choice, text: str) -> None:
+        if not text:
             return
+        choice.text.append(text)
+        assert self.parsed is not None
+        if self.parsed.stream:
+            self._begin_stream()
+            self._write_event(self._chunk(choice, {"content": text} if self.chat else text, None))
+
+    def _answer_error(self, error: ApiError) -> None:
+        if self.answered:
+            return
+        self.answered = True
+        self._stop_producing()
         if self.streaming_started:
-            self._write_event(error.body())
+            self.request.write(b"data: " + error.encoded() + b"\n\n")
             self.request.write(b"data: [DONE]\n\n")
         else:
-            self.request.write(_json(self.request, error.status, error.body()))
+            self.request.write(answer_error(self.request, error))
         self.request.finish()
 
+    # The generations
 
-__all__ = [
-    "ApiError",
-    "Backend",
-    "CompletionRequest",
-    "Detokenizer",
-    "GenerationHandle",
-    "HeadMetrics",
-    "OpenAIApi",
-    "Renderer",
-    "StopText",
-    "parse_request",
-]
+    def _receiver(self, choice: _Choice) -> Callable[[Sequence[int]], None]:
+        return lambda tokens: self._tokens(choice, tokens)
+
+    def _tokens(self, choice: _Choice, tokens: Sequence[int]) -> None:
+        if self.first_token_at is None and tokens:
+            self.first_token_at = self.api.reactor.seconds()
+            self.api.metrics.ttft.observe(self.first_token_at - self.received)
+        if choice.stop.stopped or self.answered:
+            return
+        self._emit(choice, choice.stop.feed(choice.detok.push(tokens)))
+        if choice.stop.stopped and choice.generation is not None:
+            choice.generation.cancel()
+
+    def _choice_done(self, outcome: FleetOutcome, choice: _Choice) -> None:
+        choice.outcome = outcome
+        self._pending -= 1
+        self.api.metrics.completion_tokens.inc(len(outcome.tokens))
+        if not choice.stop.stopped and not self.answered:
+            self._emit(choice, choice.stop.feed(choice.detok.flush()))
+            self._emit(choice, choice.stop.flush())
+        if choice.stop.stopped or outcome.finish == FINISH_EOS:
+            choice.finish = "stop"
+        elif outcome.finish == FINISH_CANCELLED and self.drained and not self.gone:
+            choice.finish = "stop"
+        elif outcome.finish == FINISH_CANCELLED and self.gone:
+            choice.finish = "cancelled"
+        else:
+            choice.finish = "length"
+        assert self.parsed is not None
+        if self.parsed.stream and not self.answered:
+            self._begin_stream()
+            self._write_event(self._chunk(choice, {} if self.chat else "", choice.finish))
+        if self._pending == 0:
+            self._all_done()
+
+    def _choice_failed(self, failure: Failure, choice: _Choice) -> None:
+        self._pending -= 1
+        assert self.parsed is not None
+        error = _fleet_error(failure, self.parsed.prompt_param)
+        if error is None:
+            failure.raiseException()
+        if self.failure is None:
+            self.failure = error
+            self.api.metrics.requests.labels(error.outcome).inc()
+            self._cancel_all()
+            self._answer_error(error)
+        self._maybe_ended()
+
+    def _all_done(self) -> None:
+        api = self.api
+        parsed = self.parsed
+        assert parsed is not None
+        if self.failure is not None:
+            self._maybe_ended()
+            return
+        api.metrics.prompt_tokens.inc(len(self.prompt))
+        finishes = [c.finish for c in self.choices]
+        if self.drained and any(
+            c.outcome is not None and c.outcome.finish == FINISH_CANCELLED for c in self.choices
+        ):
+            label = "drained"
+        elif "cancelled" in finishes:
+            label = "cancelled"
+        else:
+            label = "ok"
+        api.metrics.requests.labels(label).inc()
+        if self.answered:
+            self._maybe_ended()
+            return
+        completion_tokens = sum(len(c.outcome.tokens) for c in self.choices if c.outcome)
+        usage = {
+            "prompt_tokens": len(self.prompt),
+            "completion_tokens": completion_tokens,
+            "total_tokens": len(self.prompt) + completion_tokens,
+        }
+        self.answered = True
+        self._stop_producing()
+        if parsed.stream:
+            self._begin_stream()
+            if parsed.include_usage:
+                last: dict[str, Any] = {
+                    "id": self.ident,
+                    "object": "chat.completion.chunk" if self.chat else "text_completion",
+                    "created": self.created,
+                    "model": parsed.model,
+                    "choices": [],
+                    "usage": usage,
+                }
+                self.request.write(b"data: " + json.dumps(last).encode() + b"\n\n")
+            self.request.write(b"data: [DONE]\n\n")
+            self.request.finish()
+            self._maybe_ended()
+            return
+        entries = []
+        for choice in self.choices:
+            text = "".join(choice.text)
+            if self.chat:
+                entries.append(
+                    {
+                        "index": choice.index,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": None,
+                        "finish_reason": choice.finish,
+                    }
+                )
+            else:
+                entries.append(
+                    {
+                        "index": choice.index,
+                        "text": text,
+                        "logprobs": None,
+                        "finish_reason": choice.finish,
+                    }
+                )
+        body = {
+            "id": self.ident,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": parsed.model,
+            "choices": entries,
+            "usage": usage,
+        }
+        self.request.write(answer(self.request, 200, body))
+        self.request.finish()
+        self._maybe_ended()

@@ -4,7 +4,8 @@
 anything; :func:`makeService` loads the tokenizer (never model weights) and returns a plain
 ``MultiService`` named ``sfhead`` with three children: ``fleet`` (dials the ``--node`` endpoints,
 keepalives and retries, or the ``--pipeline`` stages), ``fleet-listen`` (nodes that dial in) and
-``http`` (the OpenAI-compatible API, ``/healthz`` and ``/metrics``).  Both listening children log
+``http`` (the OpenAI-compatible API, ``/healthz`` and ``/metrics``, behind the front door of
+``sfnode.head.gate`` whose limits are the HTTP options here).  Both listening children log
 the address they actually bound, so ``tcp:0`` works.
 
 Stopping the tree (SIGTERM under twistd) drains the head: ``http`` stops listening at once and
@@ -36,6 +37,7 @@ from twisted.python.failure import Failure
 
 from sfnode.admission import is_loopback_listen, plaintext_refusal
 from sfnode.head.fleet import Fleet, Policy
+from sfnode.head.gate import GateLimits
 from sfnode.head.link import DEFAULT_LEASE
 from sfnode.service import (
     DEFAULT_MODEL_NAME,
@@ -92,6 +94,52 @@ def _seconds(name: str, value: object) -> float:
     if not 0 <= number < float("inf"):
         raise usage.UsageError(f"--{name} must be 0 or more seconds, not {value!r}")
     return number
+
+
+def _non_negative(name: str, value: object) -> int:
+    try:
+        number = int(str(value))
+    except ValueError as e:
+        raise usage.UsageError(f"--{name} must be an integer, not {value!r}") from e
+    if number < 0:
+        raise usage.UsageError(f"--{name} must be 0 or more, not {value!r}")
+    return number
+
+
+_SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
+
+
+def _size(name: str, value: object) -> int:
+    """A byte count: ``4194304``, ``4096k``, ``4M`` or ``1G`` (binary units)."""
+    text = str(value).strip().lower().removesuffix("b").removesuffix("i")
+    unit = text[-1:] if text[-1:] in _SIZE_UNITS and text[-1:] else ""
+    try:
+        number = int(text[: len(text) - len(unit)]) * _SIZE_UNITS[unit]
+    except ValueError as e:
+        raise usage.UsageError(f"--{name} must be a size such as 4M or 65536, not {value!r}") from e
+    if number < 1:
+        raise usage.UsageError(f"--{name} must be at least 1 byte, not {value!r}")
+    return number
+
+
+def _positive_seconds(name: str, value: object) -> float:
+    seconds = _seconds(name, value)
+    if seconds <= 0:
+        raise usage.UsageError(f"--{name} must be more than 0 seconds, not {value!r}")
+    return seconds
+
+
+def read_api_keys(path: str | Path) -> list[bytes]:
+    """The API keys in ``path``: one per line, blank lines and ``#`` comments skipped.
+
+    :raises OSError: the file cannot be read.
+    """
+    keys = []
+    for line in Path(path).expanduser().read_bytes().splitlines():
+        line = line.strip()
+        if line and not line.startswith(b"#"):
+            keys.append(line)
+    return keys
 
 
 def _api_key(key: bytes, where: str) -> bytes:
@@ -156,7 +204,13 @@ class Options(usage.Options):
             "Require 'Authorization: Bearer KEY' on every /v1 request (/healthz and /metrics "
             "stay open). --api-key-file keeps the key out of the process list.",
         ],
-        ["api-key-file", None, None, "File holding the API key (trimmed of whitespace)."],
+        [
+            "api-key-file",
+            None,
+            None,
+            "File holding the API key, or several, one per line (blank lines and # comments "
+            "are skipped); each key has its own --max-key-requests.",
+        ],
         [
             "drain-timeout",
             None,
@@ -170,6 +224,52 @@ class Options(usage.Options):
             None,
             "Run generations across these stage nodes: ENDPOINT,ENDPOINT[,...] (in order).",
         ],
+        # The HTTP front door (sfnode.head.gate): limits that hold against hostile clients.
+        [
+            "max-body",
+            None,
+            "4M",
+            "Largest request body (bytes; k, M, G suffixes): larger ones get 413 before they "
+            "are read.",
+        ],
+        [
+            "header-timeout",
+            None,
+            str(int(GateLimits.header_timeout_s)),
+            "Seconds a request's headers may take from their first byte (408 after).",
+        ],
+        [
+            "body-timeout",
+            None,
+            str(int(GateLimits.body_timeout_s)),
+            "Seconds a request's body may take after its headers (408 after).",
+        ],
+        [
+            "stall-timeout",
+            None,
+            str(int(GateLimits.stall_timeout_s)),
+            "Seconds a client may read nothing of its answer before it is cut off and its "
+            "generations are cancelled.",
+        ],
+        [
+            "max-connections",
+            None,
+            str(GateLimits.max_connections),
+            "Open HTTP connections at most; one more gets 503 and is closed.",
+        ],
+        [
+            "max-client-requests",
+            None,
+            str(GateLimits.max_client_requests),
+            "Completion requests one client address may have open at once (429 beyond; 0: "
+            "no limit).",
+        ],
+        [
+            "max-key-requests",
+            None,
+            str(GateLimits.max_key_requests),
+            "Completion requests one API key may have open at once (429 beyond; 0: no limit).",
+        ],
         [
             "pipeline-layers",
             None,
@@ -182,10 +282,24 @@ class Options(usage.Options):
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self["nodes"] = []
+        self["allowed-hosts"] = []
+        self["cors-origins"] = []
 
     def opt_node(self, endpoint: str) -> None:
         """Dial this node (repeatable)."""
         self["nodes"].append(endpoint)
+
+    def opt_allowed_host(self, name: str) -> None:
+        """Answer HTTP requests whose Host header names NAME (repeatable; * for any). IP
+        addresses and localhost are always answered; without this option any name is when
+        an API key is set (a browser page cannot send the key), none otherwise, so that web
+        pages cannot reach an open API through DNS rebinding."""
+        self["allowed-hosts"].append(name.strip())
+
+    def opt_cors_origin(self, origin: str) -> None:
+        """Give browsers at ORIGIN (e.g. https://app.example) CORS access to the API
+        (repeatable; * for any). Without it no CORS headers are sent."""
+        self["cors-origins"].append(origin.strip())
 
     def postOptions(self) -> None:
         """Check every value and replace it by its typed, defaulted form."""
@@ -243,21 +357,42 @@ class Options(usage.Options):
                 raise usage.UsageError(refusal)
         self["drain-timeout"] = _seconds("drain-timeout", self["drain-timeout"])
         self._check_api_key()
+        self._check_http_limits()
+
+    def _check_http_limits(self) -> None:
+        """The front door's options, typed, as ``self["limits"]`` (a GateLimits)."""
+        self["limits"] = GateLimits(
+            max_body=_size("max-body", self["max-body"]),
+            header_timeout_s=_positive_seconds("header-timeout", self["header-timeout"]),
+            body_timeout_s=_positive_seconds("body-timeout", self["body-timeout"]),
+            stall_timeout_s=_positive_seconds("stall-timeout", self["stall-timeout"]),
+            max_connections=_positive("max-connections", self["max-connections"]),
+            max_client_requests=_non_negative("max-client-requests", self["max-client-requests"]),
+            max_key_requests=_non_negative("max-key-requests", self["max-key-requests"]),
+            allowed_hosts=frozenset(h.lower() for h in self["allowed-hosts"] if h),
+            cors_origins=frozenset(o for o in self["cors-origins"] if o),
+        )
 
     def _check_api_key(self) -> None:
         """Read the API key (bytes, or None) and refuse an open API off loopback."""
         key, path = self["api-key"], self["api-key-file"]
         if key is not None and path is not None:
             raise usage.UsageError("give --api-key or --api-key-file, not both")
+        keys: list[bytes] = []
         if key is not None:
-            self["api-key"] = _api_key(str(key).strip().encode(), "--api-key")
+            keys = [_api_key(str(key).strip().encode(), "--api-key")]
         elif path is not None:
             try:
-                self["api-key"] = _api_key(read_token(path), f"--api-key-file {path}")
+                lines = read_api_keys(path)
             except OSError as e:
                 raise usage.UsageError(
                     f"cannot read --api-key-file {path}: {e.strerror or e}"
                 ) from e
+            if not lines:
+                raise usage.UsageError(f"--api-key-file {path} is empty")
+            keys = [_api_key(k, f"--api-key-file {path}") for k in lines]
+        self["api-keys"] = tuple(keys)
+        self["api-key"] = keys[0] if keys else None
         if (
             self["api-key"] is None
             and not self["insecure-http"]
@@ -270,24 +405,72 @@ class Options(usage.Options):
             )
 
 
+def tokenizer_folder(model: str | None) -> Path | None:
+    """The folder holding ``model``'s tokenizer files: the model folder or tokenizer-only
+    folder itself, or the converted cache folder of a .gguf file (or of the bundled default);
+    None when there is none yet (a GGUF that no node converted)."""
+    from sfnode import models
+
+    if model:
+        path = Path(model).expanduser()
+        if path.is_dir():
+            return path
+        folder = models.gguf_cache_folder(path)
+    else:
+        try:
+            folder = models.gguf_cache_folder(models.default_gguf())
+        except models.ModelLoadError:
+            return None
+    return folder if folder.is_dir() else None
+
+
 def load_head_tokenizer(model: str | None) -> Any:
     """The tokenizer (and chat template) of ``model``: a model folder, a tokenizer-only folder,
     a .gguf file, or the bundled default.  Never loads weights.
 
+    A folder with ``tokenizer.json`` (a .gguf file once any node converted it) is read without
+    torch or transformers (:class:`~sfnode.head.text.HeadTokenizer`, about a second); anything
+    else goes through transformers, which imports torch and takes several seconds.
+
     :raises HeadStartupError: it cannot be loaded.
     """
     from sfnode import models
+    from sfnode.head.text import TOKENIZER_FILE, HeadTokenizer, TokenizerLoadError
 
+    folder = tokenizer_folder(model)
+    if folder is not None and (folder / TOKENIZER_FILE).is_file():
+        try:
+            return HeadTokenizer(folder)
+        except TokenizerLoadError as e:
+            raise HeadStartupError(f"sfhead: cannot load the tokenizer: {e}") from e
+    log.info(
+        "sfhead: no {file} for {model}: loading the tokenizer through transformers (slower; "
+        "a GGUF model is converted on the first start of a node)",
+        file=TOKENIZER_FILE,
+        model=model or "the bundled model",
+    )
     try:
-        if model:
-            path = Path(model).expanduser()
-            if path.is_dir() and not (path / "config.json").is_file():
-                from transformers import AutoTokenizer
+        if folder is not None and not (folder / "config.json").is_file():
+            from transformers import AutoTokenizer
 
-                return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         return models.load_tokenizer(model)
     except Exception as e:
         raise HeadStartupError(f"sfhead: cannot load the tokenizer: {e}") from e
+
+
+def model_vocab_size(model: str | None) -> int | None:
+    """``vocab_size`` from the model's config.json, when there is one to read (it may exceed
+    the tokenizer's: embedding tables are often padded)."""
+    folder = tokenizer_folder(model)
+    if folder is None:
+        return None
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = config.get("vocab_size") if isinstance(config, dict) else None
+    return size if isinstance(size, int) and size > 0 else None
 
 
 def model_layers(model: str | None) -> int | None:
@@ -374,7 +557,12 @@ class HttpService(ListeningService):
         stopped = super().stopService()
         drained = self.api.drain(self.drain_timeout_s)
         drained.addCallback(lambda _: self.connections.close_all(DRAIN_CANCEL_GRACE_S))
+        drained.addBoth(self._stop_workers)
         return defer.gatherResults([stopped, drained]).addCallback(lambda _: None)
+
+    def _stop_workers(self, result: object) -> object:
+        self.api.stop()
+        return result
 
 
 class FleetService(service.Service):
@@ -428,8 +616,10 @@ def makeService(options: Options, reactor: Any = None) -> service.MultiService:
 
         reactor = global_reactor
         exit_zero_after_a_clean_stop(reactor)
+    from sfnode.head.backend import PipelineBackend
     from sfnode.head.http import OpenAIApi
     from sfnode.head.pipeline import PipelineFleet
+    from sfnode.head.text import as_codec
 
     tokenizer = load_head_tokenizer(options["model"])
     lease_ms = options["lease-ms"]
@@ -448,7 +638,7 @@ def makeService(options: Options, reactor: Any = None) -> service.MultiService:
                     "sfhead: --pipeline needs --pipeline-layers (the model's layer count is "
                     "not readable from its config.json)"
                 )
-        eos = getattr(tokenizer, "eos_token_id", None)
+        eos = as_codec(tokenizer).eos_token_id
         try:
             pipeline = PipelineFleet(
                 reactor,
@@ -462,12 +652,18 @@ def makeService(options: Options, reactor: Any = None) -> service.MultiService:
             raise HeadStartupError(f"sfhead: {e}") from e
         fleet = pipeline.fleet
         fleet.lease = lease
-        backend = pipeline
+        backend = PipelineBackend(pipeline)
     else:
         fleet = Fleet(reactor, token=token, policy=options["policy"], lease=lease)
         backend = fleet
     api = OpenAIApi(
-        reactor, backend, fleet, tokenizer, options["model-name"], api_key=options["api-key"]
+        reactor,
+        backend,
+        tokenizer,
+        options["model-name"],
+        api_keys=options["api-keys"],
+        limits=options["limits"],
+        vocab_size=model_vocab_size(options["model"]),
     )
     drain_timeout_s = options["drain-timeout"]
 
@@ -501,7 +697,7 @@ def makeService(options: Options, reactor: Any = None) -> service.MultiService:
             reactor,
         ),
     )
-    if options["api-key"] is None:
+    if not options["api-keys"]:
         log.info("sfhead HTTP API is open: no API key (--api-key, --api-key-file)")
     log.info(
         "sfhead serving model {model} ({policy}; nodes {nodes})",

@@ -1,0 +1,140 @@
+"""What the head's HTTP layer asks of whatever runs its generations: a small typed interface.
+
+The HTTP layer (:mod:`sfnode.head.http`, :mod:`sfnode.head.metrics`) never reads the fleet's
+internals (its nodes, links or counters).  It asks a :class:`Backend` two things: run a
+generation (:meth:`Backend.generate`) and say how things stand (:meth:`Backend.status`, one
+:class:`BackendStatus` snapshot).  :class:`~sfnode.head.fleet.Fleet` is a Backend as it is;
+:class:`PipelineBackend` makes a pipeline driver one.
+
+This module must never import Twisted's reactor, the node side or torch, and never hold state:
+it is types and one thin adapter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from twisted.internet.defer import Deferred
+
+from sfnode.wire import CapacitySummary, GenParams
+
+if TYPE_CHECKING:
+    from sfnode.head.fleet import FleetOutcome
+    from sfnode.head.pipeline import PipelineFleet
+
+
+_DEFAULT_PARAMS = GenParams()
+
+
+class GenerationHandle(Protocol):
+    """One generation in flight: its result, a cancel, and "placed, tokens will come"."""
+
+    @property
+    def result(self) -> Deferred[FleetOutcome]: ...
+
+    def cancel(self) -> None: ...
+
+    def when_placed(self) -> Deferred[None]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class NodeReport:
+    """One node as the metrics show it."""
+
+    name: str
+    up: bool
+    sessions: int
+    """Sessions the head placed there and has not ended."""
+    capacity: CapacitySummary | None
+    """The node's last NODE_STATUS capacity (docs/protocol.md section 7.5); None before one."""
+
+
+@dataclass(frozen=True, slots=True)
+class BackendStatus:
+    """How the backend stands, for one model: what ``/healthz``, ``/v1/models``, ``/metrics``
+    and the request checks need to know."""
+
+    live_nodes: int
+    """Nodes connected and not marked down."""
+    joining_nodes: int = 0
+    """Nodes being dialed that were never reached yet (and are not marked down): a request
+    may still be served by them."""
+    window: int = 0
+    """The largest known context window among nodes serving the model (0: none known, or
+    unlimited)."""
+    context_limit: int | None = None
+    """A context longer than this fits no node serving the model; None while any window is
+    unknown or unlimited (the fleet then tries)."""
+    lanes_active: int = 0
+    """Lanes decoding on live nodes (the larger of their report and the generations this head
+    runs there)."""
+    lanes_total: int = 0
+    """Lanes the live nodes reported (0: none reported yet)."""
+    queued: int = 0
+    """Generations waiting for a lane: at the nodes (reported, or beyond their lanes) and in
+    the head's own queue."""
+    failovers: int = 0
+    reconnects: int = 0
+    nodes: tuple[NodeReport, ...] = ()
+
+    @property
+    def may_serve(self) -> bool:
+        """Whether a request can be tried now (a node is live or still joining)."""
+        return self.live_nodes > 0 or self.joining_nodes > 0
+
+    @property
+    def busy(self) -> bool:
+        """Every reported lane is taken, or generations are waiting for one."""
+        return self.queued > 0 or (self.lanes_total > 0 and self.lanes_active >= self.lanes_total)
+
+
+class Backend(Protocol):
+    """What the HTTP API runs generations on: the fleet, or a pipeline driver."""
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        max_new: int,
+        *,
+        model: str | None = None,
+        params: GenParams = ...,
+        on_tokens: Callable[[Sequence[int]], None] | None = None,
+        max_wall_ms: int = 0,
+    ) -> GenerationHandle: ...
+
+    def status(self, model: str | None = None) -> BackendStatus: ...
+
+
+class PipelineBackend:
+    """A pipeline driver as a :class:`Backend`: generations run across its stages, the status
+    is that of the fleet that keeps the stage links."""
+
+    def __init__(self, pipeline: PipelineFleet) -> None:
+        self.pipeline = pipeline
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        max_new: int,
+        *,
+        model: str | None = None,
+        params: GenParams = _DEFAULT_PARAMS,
+        on_tokens: Callable[[Sequence[int]], None] | None = None,
+        max_wall_ms: int = 0,
+    ) -> GenerationHandle:
+        return self.pipeline.generate(
+            prompt,
+            max_new,
+            model=model,
+            params=params,
+            on_tokens=on_tokens,
+            max_wall_ms=max_wall_ms,
+        )
+
+    def status(self, model: str | None = None) -> BackendStatus:
+        return self.pipeline.fleet.status(model)
+
+
+__all__ = ["Backend", "BackendStatus", "GenerationHandle", "NodeReport", "PipelineBackend"]

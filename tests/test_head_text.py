@@ -1,0 +1,207 @@
+"""The head's text side (sfnode.head.text): its own tokenizer against transformers', chat
+templates, the cheap length bound, and a head that never imports torch.
+
+HeadTokenizer must give exactly what transformers gives for the same folder (ids, chat text,
+decoded text), since nodes generate from those ids.  The light-head tests run real child
+processes: one builds the ``sfhead`` service and reports its imports, one runs ``twistd sfhead``
+and reads which libraries its process mapped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+from twisted.internet import defer
+from twisted.internet.utils import getProcessOutputAndValue
+from twisted.trial.unittest import SkipTest, SynchronousTestCase, TestCase
+
+from sfnode.head.schema import ApiError, ChatMessage
+from sfnode.head.text import HeadTokenizer, Renderer, TransformersCodec
+from tests.processes import LOOPBACK, Child, child_env, spawn_twistd
+from tests.tinymodel import tiny_tokenizer
+
+CONVERSATION = [
+    ChatMessage("system", "be brief"),
+    ChatMessage("user", "héllo wörld 🙂 <|im_start|> the quick brown fox"),
+    ChatMessage("assistant", "a node agent"),
+    ChatMessage("user", "again,  with   spaces\nand lines"),
+]
+TEXTS = ["héllo  wörld 🙂\n ok", "the quick brown fox jumps", " leading space", "ünïcödé ☃"]
+TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools here') }}"
+    "{% endif %}<{{ m['role'] }}>{% if m['role'] == 'assistant' %}{% generation %}"
+    "{{ m['content'] }}{% endgeneration %}{% else %}{{ m['content'] | tojson }}{% endif %}"
+    "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def tiny_folder(test: SynchronousTestCase, *, template: str | None = None, **config: Any) -> Path:
+    """The tiny test tokenizer saved as transformers saves it, with ``template`` as its chat
+    template and ``config`` merged into tokenizer_config.json."""
+    folder = Path(test.mktemp())
+    tok = tiny_tokenizer()
+    if template is not None:
+        tok.chat_template = template
+    tok.save_pretrained(str(folder))
+    if config:
+        path = folder / "tokenizer_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    return folder
+
+
+def smollm2_folder() -> Path:
+    """The converted bundled model's folder (skips when no node converted it yet)."""
+    from sfnode import models
+
+    try:
+        folder = models.gguf_cache_folder(models.default_gguf())
+    except models.ModelLoadError as e:
+        raise SkipTest(str(e)) from e
+    if not (folder / "tokenizer.json").is_file():
+        raise SkipTest(f"the bundled model is not converted yet ({folder})")
+    return folder
+
+
+class EquivalenceTests(SynchronousTestCase):
+    """HeadTokenizer and transformers' tokenizer on the same folder agree on everything the
+    head uses."""
+
+    def assert_same(self, folder: Path) -> None:
+        from transformers import AutoTokenizer
+
+        ours = HeadTokenizer(folder)
+        theirs = TransformersCodec(AutoTokenizer.from_pretrained(str(folder)))
+        self.assertEqual(ours.render_chat(CONVERSATION), theirs.render_chat(CONVERSATION))
+        for text in [*TEXTS, ours.render_chat(CONVERSATION)]:
+            for special in (True, False):
+                ids = ours.encode(text, special=special)
+                self.assertEqual(ids, theirs.encode(text, special=special), (text, special))
+                self.assertEqual(ours.decode(ids), theirs.decode(ids))
+        self.assertEqual(
+            (ours.vocab_size, ours.longest_token, ours.eos_token_id),
+            (theirs.vocab_size, theirs.longest_token, theirs.eos_token_id),
+        )
+
+    def test_the_tiny_tokenizer_without_a_template(self) -> None:
+        """Without a chat template both use the plain fallback; ids and text agree."""
+        self.assert_same(tiny_folder(self))
+
+    def test_a_template_with_generation_tags_and_json(self) -> None:
+        """A template using {% generation %}, tojson and the special tokens renders the
+        same as transformers renders it."""
+        self.assert_same(tiny_folder(self, template=TEMPLATE))
+
+    def test_a_post_processor_that_adds_bos_and_eos(self) -> None:
+        """A tokenizer.json whose post-processor adds BOS and EOS (as Llama's do) gives
+        prompts with them, exactly as transformers does; add_bos_token in the config changes
+        nothing, for either."""
+        from tokenizers import Tokenizer, processors
+
+        folder = tiny_folder(self, add_bos_token=False, add_eos_token=False)
+        path = folder / "tokenizer.json"
+        tok = Tokenizer.from_file(str(path))
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)]
+        )
+        tok.save(str(path))
+        self.assert_same(folder)
+        ids = HeadTokenizer(folder).encode("hello", special=True)
+        self.assertEqual((ids[0], ids[-1]), (1, 2))
+
+    def test_the_bundled_smollm2(self) -> None:
+        """The default model's tokenizer and chat template (SmolLM2-135M-Instruct) agree."""
+        self.assert_same(smollm2_folder())
+
+
+class RendererTests(SynchronousTestCase):
+    def test_a_template_exception_is_a_400(self) -> None:
+        """A chat template that raises (raise_exception) gives a 400 about the messages with
+        the template's message, not a 500."""
+        renderer = Renderer(HeadTokenizer(tiny_folder(self, template=TEMPLATE)))
+        with self.assertRaises(ApiError) as raised:
+            renderer.chat([ChatMessage("tool", "x")])
+        error = raised.exception
+        self.assertEqual((error.status, error.param), (400, "messages"))
+        self.assertIn("no tools here", error.message)
+
+    def test_the_character_bound_holds_for_the_longest_tokens(self) -> None:
+        """No text longer than character_bound(window) encodes to window tokens or fewer,
+        even text made only of the longest token (the bound is exact there)."""
+        tok = HeadTokenizer(tiny_folder(self))
+        renderer = Renderer(tok)
+        longest = max(tok._tokenizer.get_vocab(), key=len)
+        text = tok.decode([tok._tokenizer.token_to_id(longest)]) * 50
+        self.assertLessEqual(len(text), renderer.character_bound(50))
+        self.assertGreaterEqual(
+            len(tok.encode(text, special=False)), len(text) // tok.longest_token
+        )
+
+
+_IMPORTS = """
+import sys
+from twisted.internet import reactor
+from sfnode.head.tap import Options, makeService
+options = Options()
+options.parseOptions(sys.argv[1:])
+head = makeService(options, reactor)
+api = head.getServiceNamed("http").api
+ids = api.renderer.chat([__import__("sfnode.head.schema").head.schema.ChatMessage("user", "hi")])
+print("torch" in sys.modules, "transformers" in sys.modules, len(ids) > 0)
+"""
+
+
+COMMON = ["--http", LOOPBACK, "--fleet-listen", LOOPBACK]
+
+
+class LightHeadTests(TestCase):
+    """The head loads a tokenizer and a chat template, never torch."""
+
+    timeout = 120
+
+    @defer.inlineCallbacks
+    def imports_of(self, *args: str) -> Generator[Any, Any, str]:
+        out, err, code = yield getProcessOutputAndValue(
+            sys.executable, ["-c", _IMPORTS, *args], env=child_env(), path=str(Path.cwd())
+        )
+        self.assertEqual(code, 0, err.decode(errors="replace"))
+        return str(out.decode().strip())
+
+    @defer.inlineCallbacks
+    def test_building_the_head_imports_neither_torch_nor_transformers(
+        self,
+    ) -> Generator[Any, Any, None]:
+        """makeService on a tokenizer folder renders a chat prompt with neither torch nor
+        transformers in sys.modules."""
+        folder = tiny_folder(self, template=TEMPLATE).resolve()
+        output = yield self.imports_of("--model", str(folder), *COMMON)
+        self.assertEqual(output, "False False True")
+
+    @defer.inlineCallbacks
+    def test_the_head_on_the_bundled_model_imports_no_torch(self) -> Generator[Any, Any, None]:
+        """makeService with no --model (the bundled SmolLM2, once a node converted it)
+        renders a chat prompt with neither torch nor transformers in sys.modules."""
+        smollm2_folder()
+        self.assertEqual((yield self.imports_of(*COMMON)), "False False True")
+
+    @defer.inlineCallbacks
+    def test_a_running_sfhead_has_no_torch_library_mapped(self) -> Generator[Any, Any, None]:
+        """A real ``twistd sfhead`` on a model's tokenizer folder, once serving HTTP, has no
+        libtorch in its memory map."""
+        maps = Path(f"/proc/{os.getpid()}/maps")
+        if not maps.exists():
+            raise SkipTest("no /proc/PID/maps on this system")
+        folder = tiny_folder(self, template=TEMPLATE).resolve()
+        head = spawn_twistd(
+            self,
+            Child("head"),
+            ["sfhead", "--model", str(folder), "--http", LOOPBACK, "--fleet-listen", LOOPBACK],
+        )
+        yield head.wait_for(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)\n")
+        mapped = Path(f"/proc/{head.transport.pid}/maps").read_text()
+        self.assertIn("python", mapped)
+        self.assertNotIn("libtorch", mapped)
