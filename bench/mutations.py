@@ -41,7 +41,8 @@ TARGETS: dict[str, list[str]] = {
         "tests.test_machines", "tests.test_fencing", "tests.test_drain.AgentDrainTests",
     ],
     "sfnode/wire.py": ["tests.test_wire"],
-    "sfnode/engines/llama_step.py": ["tests.test_llama_step"],
+    "sfnode/engines/scheduler.py": ["tests.test_scheduler"],
+    "sfnode/engines/llama_runner.py": ["tests.test_engine"],
 }  # fmt: skip
 """Each module mutated, and the fast test modules that should notice."""
 

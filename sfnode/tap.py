@@ -42,6 +42,7 @@ from sfnode.config import (
     DEFAULT_MAX_UNACKED_EVENTS,
     NodeConfig,
 )
+from sfnode.engines import WEIGHT_MODES
 from sfnode.service import (
     DEFAULT_MODEL_NAME,
     ListeningService,
@@ -73,7 +74,19 @@ EXIT_REFUSED = 1
 """Exit status of a ``--head`` node whose head holds another fleet token (D9)."""
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
-_TRANSFORMERS_ONLY = ("model", "dtype", "device", "threads", "cache-dir", "kv-blocks")
+_TRANSFORMERS_ONLY = (
+    "model",
+    "dtype",
+    "device",
+    "threads",
+    "cache-dir",
+    "kv-blocks",
+    "weights",
+    "prefix-cache-blocks",
+    "prefill-chunk",
+    "step-tokens",
+)
+
 _MOCK_ONLY = ("token-delay-ms",)
 
 
@@ -160,9 +173,14 @@ class Options(usage.Options):
         [
             "stock-kernels",
             None,
-            "transformers: run stock PyTorch kernels and the model's own forward (slower; by "
-            "default float32 CPU linear layers run on oneDNN, and Llama models decode through a "
-            "lean step that also carries prompt chunks of joining lanes).",
+            "transformers: run the model's own forward on stock PyTorch kernels (slower; by "
+            "default Llama models run through sfnode's own step, see --weights).",
+        ],
+        [
+            "no-prefix-cache",
+            None,
+            "transformers: do not reuse the KV blocks of earlier prompts (by default a prompt "
+            "that starts like an earlier one computes only the rest).",
         ],
     ]
 
@@ -276,6 +294,36 @@ class Options(usage.Options):
             None,
             "transformers: KV cache blocks of 16 tokens (default 0: the engine sizes it).",
         ],
+        [
+            "weights",
+            None,
+            None,
+            "transformers: how the weights are held and multiplied, one of "
+            f"{'|'.join(WEIGHT_MODES)} (default auto: a GGUF file's 4-bit matrices as int4 and "
+            "its 8-bit ones as int8 or bfloat16, whichever multiplies faster here; float weights "
+            "as they are).  float32 is the exact path; bfloat16, int8 and int4 compute in "
+            "bfloat16.",
+        ],
+        [
+            "prefix-cache-blocks",
+            None,
+            None,
+            "transformers: blocks of 16 tokens the prefix cache keeps (default 0: as many as "
+            "--kv-blocks).",
+        ],
+        [
+            "prefill-chunk",
+            None,
+            None,
+            "transformers: a prompt is computed in chunks of this many tokens (default 256).",
+        ],
+        [
+            "step-tokens",
+            None,
+            None,
+            "transformers: prompt tokens computed per step beside the decoding lanes (default "
+            "512).",
+        ],
     ]
 
     def postOptions(self) -> None:
@@ -295,8 +343,8 @@ class Options(usage.Options):
             raise usage.UsageError(f"--engine must be one of {', '.join(ENGINES)}, not {engine!r}")
         wrong = _TRANSFORMERS_ONLY if engine == "mock" else _MOCK_ONLY
         given = [f"--{name}" for name in wrong if self[name] is not None]
-        if engine == "mock" and self["stock-kernels"]:
-            given.append("--stock-kernels")
+        if engine == "mock":
+            given += [f"--{flag}" for flag in ("stock-kernels", "no-prefix-cache") if self[flag]]
         if given:
             raise usage.UsageError(f"{', '.join(given)} cannot be used with --engine {engine}")
 
@@ -313,8 +361,26 @@ class Options(usage.Options):
             "max-generations",
         ):
             self[name] = _non_negative(name, self[name])
-        for name, default in (("token-delay-ms", 0), ("threads", 0), ("kv-blocks", 0)):
+        for name, default in (
+            ("token-delay-ms", 0),
+            ("threads", 0),
+            ("kv-blocks", 0),
+            ("prefix-cache-blocks", 0),
+        ):
             self[name] = default if self[name] is None else _non_negative(name, self[name])
+        for name, default in (("prefill-chunk", 256), ("step-tokens", 512)):
+            value = default if self[name] is None else self[name]
+            self[name] = _non_negative(name, value, 1, U32_MAX)
+        self["weights"] = "auto" if self["weights"] is None else self["weights"]
+        if self["weights"] not in WEIGHT_MODES:
+            raise usage.UsageError(
+                f"--weights must be one of {', '.join(WEIGHT_MODES)}, not {self['weights']!r}"
+            )
+        if self["stock-kernels"] and self["weights"] not in ("auto", "float32"):
+            raise usage.UsageError(
+                f"--weights {self['weights']} needs sfnode's own step; --stock-kernels runs the "
+                "model's forward on its float weights"
+            )
 
         self["dtype"] = "auto" if self["dtype"] is None else self["dtype"]
         if self["dtype"] not in DTYPES:
@@ -405,17 +471,24 @@ def build_engine(reactor: Any, options: Options) -> Engine:
         )
     except models.ModelLoadError as e:
         raise NodeStartupError(f"sfnode: {e}") from e
+    from sfnode.engines.llama_weights import WeightsError
+
     try:
-        return TransformersEngine(
-            loaded.model,
+        return TransformersEngine.from_loaded(
+            loaded,
             reactor,
             max_lanes=options["max-lanes"],
             kv_blocks=options["kv-blocks"] or None,
             context_window=options["max-context"] or None,
+            weights=options["weights"],
+            prefix_cache=not options["no-prefix-cache"],
+            prefix_cache_blocks=options["prefix-cache-blocks"] or None,
+            prefill_chunk=options["prefill-chunk"],
+            step_tokens=options["step-tokens"],
             onednn=not options["stock-kernels"],
             lean_step=not options["stock-kernels"],
         )
-    except ValueError as e:
+    except (ValueError, WeightsError) as e:
         raise NodeStartupError(f"sfnode: cannot start the transformers engine: {e}") from e
 
 

@@ -20,6 +20,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import msgpack
 import torch
 from twisted.internet import defer, reactor
+from twisted.internet.task import deferLater
 from twisted.trial import unittest
 
 from sfnode.engines.kernels import onednn_linear_works
@@ -48,7 +49,7 @@ from sfnode.sampler import (
     uniform,
 )
 from sfnode.wire import GenParams
-from tests.tinymodel import TINY_VOCAB, reference_greedy, tiny_llama
+from tests.tinymodel import TINY_VOCAB, reference_greedy, tiny_llama, tiny_llama_random_norms
 
 torch.set_num_threads(1)
 
@@ -63,6 +64,14 @@ def model(**kwargs: Any) -> Any:
     return _MODELS[key]
 
 
+def random_norms_model() -> Any:
+    """The tiny Llama with random norm weights and biases (built once per test run)."""
+    key = ("random-norms",)
+    if key not in _MODELS:
+        _MODELS[key] = tiny_llama_random_norms()
+    return _MODELS[key]
+
+
 def prompts(n: int, seed: int, low: int = 3, high: int = 60) -> list[list[int]]:
     """``n`` random prompts (ids 3..vocab-1, so no EOS inside) of lengths in [low, high)."""
     rng = random.Random(seed)
@@ -72,6 +81,20 @@ def prompts(n: int, seed: int, low: int = 3, high: int = 60) -> list[list[int]]:
 
 
 SAMPLED = GenParams(temperature=0.9, top_p=0.95, min_p=0.02, top_k=64, seed=77)
+
+
+def spy_on_plans(engine: TransformersEngine) -> list[Any]:
+    """Record every plan the engine's runner executes (the list fills as steps run)."""
+    plans: list[Any] = []
+    runner = engine._runner
+    original = runner.run
+
+    def run(plan: Any) -> Any:
+        plans.append(plan)
+        return original(plan)
+
+    runner.run = run  # type: ignore[method-assign]
+    return plans
 
 
 # -- the sampler ----------------------------------------------------------------------------
@@ -259,8 +282,8 @@ class EngineTestCase(unittest.TestCase):
         self.model = model(**self.model_kwargs)
         self.engine = self.make_engine(**self.engine_kwargs)
 
-    def make_engine(self, **kwargs: Any) -> TransformersEngine:
-        engine = TransformersEngine(self.model, reactor, **kwargs)
+    def make_engine(self, model: Any = None, **kwargs: Any) -> TransformersEngine:
+        engine = TransformersEngine(model if model is not None else self.model, reactor, **kwargs)
         engine.start()
         self.addCleanup(engine.stop)
         return engine
@@ -299,13 +322,15 @@ class GreedyTests(EngineTestCase):
 
     @defer.inlineCallbacks
     def test_greedy_equals_generate_on_stock_kernels(self) -> Any:
-        """With onednn=False the worker runs stock PyTorch kernels, and greedy tokens still
-        equal generate(); by default every linear layer of the float32 model runs on oneDNN."""
-        linears = sum(isinstance(m, torch.nn.Linear) for m in self.model.modules())
-        if onednn_linear_works():
-            self.assertEqual(self.engine.onednn_layers, linears)
-        stock = self.make_engine(max_lanes=4, onednn=False)
+        """The model's own forward on stock kernels (--stock-kernels) gives generate()'s
+        tokens; with oneDNN allowed, that path routes every float32 linear layer to it."""
+        stock = self.make_engine(max_lanes=4, onednn=False, lean_step=False)
+        self.assertFalse(stock.lean_step)
         self.assertEqual(stock.onednn_layers, 0)
+        if onednn_linear_works():
+            routed = self.make_engine(max_lanes=4, lean_step=False, model=model(layers=2))
+            linears = sum(isinstance(m, torch.nn.Linear) for m in model(layers=2).modules())
+            self.assertEqual(routed.onednn_layers, linears)
         for prompt in prompts(3, seed=5):
             d, _ = self.run_one(prompt, 20, engine=stock)
             result = yield d
@@ -333,19 +358,12 @@ class GreedyTests(EngineTestCase):
                 )
 
     @defer.inlineCallbacks
-    def test_model_forward_gives_the_lean_step_tokens(self) -> Any:
-        """An engine that decodes through the model's own forward (lean_step=False) gives the
-        same tokens, concurrent lanes included, as the default lean Llama step, which prefills
-        joining lanes in the same pass as the running lanes' decode steps."""
+    def test_model_forward_gives_the_llama_runner_tokens(self) -> Any:
+        """The model's own forward (lean_step=False) gives the same tokens, concurrent lanes
+        included, as the Llama runner, whose steps carry joining lanes' prompt chunks in the
+        same pass as the running lanes' decode rows."""
         self.assertTrue(self.engine.lean_step)
-        mixed = []
-        original = self.engine._mixed_step
-
-        def counted() -> None:
-            mixed.append(True)
-            original()
-
-        self.engine._mixed_step = counted  # type: ignore[method-assign]
+        plans = spy_on_plans(self.engine)
         plain = self.make_engine(max_lanes=4, lean_step=False)
         self.assertFalse(plain.lean_step)
         ps = prompts(5, seed=9, low=3, high=90)
@@ -357,8 +375,7 @@ class GreedyTests(EngineTestCase):
             ]
             results.append((yield defer.gatherResults([d for d, _ in runs])))
         self.assertEqual(results[0], results[1])
-        # Prompts were prefilled in the same pass as other lanes' decode steps.
-        self.assertGreater(len(mixed), 0)
+        self.assertTrue(any(plan.decode and plan.chunks for plan in plans))
 
     @defer.inlineCallbacks
     def test_chunked_prefill_keeps_lanes_streaming(self) -> Any:
@@ -558,44 +575,45 @@ class FailureTests(EngineTestCase):
     """An error inside the worker fails one generation only."""
 
     @defer.inlineCallbacks
-    def test_worker_exception_fails_one_generation(self) -> Any:
-        """A context the model cannot run (an id outside the vocabulary) fails that generation's
-        Deferred; a generation running beside it and the next one both complete."""
+    def test_an_id_outside_the_vocabulary_is_refused(self) -> Any:
+        """A context with an id the model does not have is refused before it runs; a generation
+        running beside it and the next one both complete."""
         good_prompt = prompts(1, seed=8)[0]
         expected = reference_greedy(self.model, good_prompt, 20)
         good, _ = self.run_one(good_prompt, 20)
         bad, rec = self.run_one([5, TINY_VOCAB + 1000, 6], 20)
-        yield self.assertFailure(bad, IndexError)
+        error = yield self.assertFailure(bad, EngineRefusal)
+        self.assertIn(str(TINY_VOCAB + 1000), str(error))
         self.assertEqual(rec.batches, [])
         self.assertEqual(list((yield good).tokens), expected)
         after = yield self.run_one(good_prompt, 20)[0]
         self.assertEqual(list(after.tokens), expected)
-        self.flushLoggedErrors(IndexError)
 
     @defer.inlineCallbacks
-    def test_fault_between_steps_fails_running_lanes_only(self) -> Any:
-        """A fault outside any forward (here: merging a second lane's cache into the batch)
-        fails the lanes that were running, and the engine serves the next request."""
+    def test_a_failed_step_fails_its_generations_and_the_engine_serves_on(self) -> Any:
+        """A step that raises on the worker thread fails the generations it carried (the
+        running lane and the joining one), and the engine serves the next request from a clean
+        state."""
         engine = self.make_engine(max_lanes=2)
-        original = engine._join
-        calls = []
+        runner = engine._runner
+        original = runner.run
 
-        def broken_join(lane: Any) -> None:
-            calls.append(lane)
-            if len(calls) == 2:
-                raise RuntimeError("merge failed")
-            original(lane)
+        def broken(plan: Any) -> Any:
+            if any(chunk.tokens[0] == 9 for chunk in plan.chunks):
+                raise RuntimeError("step failed")
+            return original(plan)
 
-        engine._join = broken_join  # type: ignore[method-assign]
+        runner.run = broken  # type: ignore[method-assign]
         running, rec = self.run_one([5, 6, 7], 10**6, engine=engine)
-        joining = self.run_one([8, 9], 10, engine=engine)[0]
+        while rec.count < 3:
+            yield deferLater(reactor, 0.01)
+        joining = self.run_one([9, 10], 10, engine=engine)[0]
         yield self.assertFailure(joining, RuntimeError)
         yield self.assertFailure(running, RuntimeError)
-        self.assertGreater(rec.count, 0)
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
         result = yield self.run_one([5, 6, 7], 10, engine=engine)[0]
-        self.assertEqual(len(result.tokens), 10)
+        self.assertEqual(list(result.tokens), reference_greedy(self.model, [5, 6, 7], 10))
         self.assertEqual(engine.statistics().kv_blocks_used, 0)
-        self.flushLoggedErrors(RuntimeError)
 
     @defer.inlineCallbacks
     def test_on_tokens_error_cancels_only_that_generation(self) -> Any:
@@ -688,3 +706,120 @@ class StageForwardTests(EngineTestCase):
             )
         ok = yield self.engine.stage_forward([], 1, 2, good)
         self.assertIsNotNone(ok.hidden)
+
+
+class LongPromptTests(EngineTestCase):
+    """Prompts around and beyond a chunk, on a model whose norms are not 1.0 and whose
+    projections have biases (so a skipped norm weight, bias or a wrong position shows)."""
+
+    engine_kwargs = {"max_lanes": 3, "prefill_chunk": 128}
+
+    def setUp(self) -> None:
+        self.model = random_norms_model()
+        self.engine = self.make_engine(**self.engine_kwargs)
+
+    @defer.inlineCallbacks
+    def test_prompts_around_the_chunk_size_equal_generate(self) -> Any:
+        """Prompts of 1, 127, 128, 129, 300 and window - 12 tokens, one at a time, give
+        generate()'s greedy tokens."""
+        window = self.model.config.max_position_embeddings
+        rng = random.Random(21)
+        for n in (1, 127, 128, 129, 300, window - 12):
+            prompt = [rng.randrange(3, TINY_VOCAB) for _ in range(n)]
+            result = yield self.run_one(prompt, 10)[0]
+            expected = reference_greedy(self.model, prompt, 10)
+            self.assertEqual(list(result.tokens), expected, n)
+
+    @defer.inlineCallbacks
+    def test_long_prompts_joining_running_lanes_equal_generate(self) -> Any:
+        """Long prompts computed in chunks beside lanes that are decoding give the same tokens
+        as alone, and the running lanes' tokens are unchanged."""
+        rng = random.Random(22)
+        short = [rng.randrange(3, TINY_VOCAB) for _ in range(5)]
+        longs = [[rng.randrange(3, TINY_VOCAB) for _ in range(n)] for n in (129, 300)]
+        plans = spy_on_plans(self.engine)
+        running = self.run_one(short, 60)[0]
+        joining = [self.run_one(p, 10)[0] for p in longs]
+        results = yield defer.gatherResults([running, *joining])
+        for prompt, result, n in zip([short, *longs], results, (60, 10, 10), strict=True):
+            self.assertEqual(list(result.tokens), reference_greedy(self.model, prompt, n))
+        self.assertTrue(any(plan.decode and plan.chunks for plan in plans))
+
+
+class WeightsModeTests(EngineTestCase):
+    """bfloat16, int8 and int4 (docs/engine.md section 5): a lane's tokens do not depend on the
+    lanes beside it, greedy and seeded (bit for bit: float32 products of different row counts
+    round differently, the bfloat16, int8 and int4 ones do not)."""
+
+    @defer.inlineCallbacks
+    def test_each_mode_is_the_same_alone_and_batched(self) -> Any:
+        """In every weights mode, concurrent generations (greedy and seeded, some with prompts
+        longer than a chunk) equal their solo runs."""
+        ps = prompts(5, seed=31, low=3, high=150)
+        params = [GenParams() if i % 2 == 0 else SAMPLED for i in range(5)]
+        for mode in ("bfloat16", "int8", "int4"):
+            engine = self.make_engine(max_lanes=3, weights=mode, prefill_chunk=64)
+            self.assertEqual(engine.weights_mode, mode)
+            solo = []
+            for p, gp in zip(ps, params, strict=True):
+                solo.append((yield self.run_one(p, 20, gp, engine=engine)[0]))
+            runs = [
+                self.run_one(p, 20, gp, engine=engine)[0] for p, gp in zip(ps, params, strict=True)
+            ]
+            batched = yield defer.gatherResults(runs)
+            self.assertEqual(batched, solo, mode)
+
+    def test_modes_the_runner_cannot_serve_are_refused(self) -> None:
+        """--weights int4 on the model's own forward is refused with the reason."""
+        from sfnode.engines.llama_weights import WeightsError
+
+        with self.assertRaises(WeightsError) as caught:
+            TransformersEngine(self.model, reactor, weights="int4", lean_step=False)
+        self.assertIn("--stock-kernels", str(caught.exception))
+
+
+class PrefixReuseTests(EngineTestCase):
+    """The prefix cache through the engine (docs/engine.md section 4)."""
+
+    @defer.inlineCallbacks
+    def test_reuse_gives_the_tokens_of_a_cold_run(self) -> Any:
+        """Prompts sharing a 96-token prefix give the same greedy and seeded tokens with the
+        prefix cache as without it, and the cache was used."""
+        rng = random.Random(41)
+        shared = [rng.randrange(3, TINY_VOCAB) for _ in range(96)]
+        tails = [[rng.randrange(3, TINY_VOCAB) for _ in range(n)] for n in (1, 7, 20, 33)]
+        params = [GenParams(), SAMPLED, GenParams(), SAMPLED]
+        cold = self.make_engine(max_lanes=2, prefix_cache=False)
+        warm = self.make_engine(max_lanes=2, prefill_chunk=32)
+        for engine in (cold, warm):
+            engine.results = []  # type: ignore[attr-defined]
+            for tail, gp in zip(tails, params, strict=True):
+                result = yield self.run_one(shared + tail, 16, gp, engine=engine)[0]
+                engine.results.append(result)  # type: ignore[attr-defined]
+        self.assertEqual(warm.results, cold.results)  # type: ignore[attr-defined]
+        self.assertIsNone(cold.prefix_statistics())
+        stats = warm.prefix_statistics()
+        assert stats is not None
+        self.assertEqual(stats.hits, 3)
+        self.assertEqual(stats.reused_tokens, 3 * 96)
+        self.assertEqual(warm.statistics().prefilled_tokens, 96 + 1 + 7 + 20 + 33)
+
+    @defer.inlineCallbacks
+    def test_a_small_pool_evicts_and_stays_exact(self) -> Any:
+        """With a pool of 4 blocks, prompts that evict each other's blocks still give their
+        cold tokens, and the pool's accounting is back to no lane when idle."""
+        rng = random.Random(42)
+        bases = [[rng.randrange(3, TINY_VOCAB) for _ in range(48)] for _ in range(3)]
+        cold = self.make_engine(max_lanes=2, prefix_cache=False)
+        small = self.make_engine(max_lanes=2, prefix_cache_blocks=4)
+        for round_ in range(2):
+            for base in bases:
+                prompt = [*base, 5 + round_]
+                a = yield self.run_one(prompt, 12, engine=cold)[0]
+                b = yield self.run_one(prompt, 12, engine=small)[0]
+                self.assertEqual(a, b)
+        stats = small.prefix_statistics()
+        assert stats is not None
+        self.assertGreater(stats.evictions, 0)
+        self.assertLessEqual(stats.cached_blocks, 4)
+        self.assertEqual(small.statistics().kv_blocks_used, 0)

@@ -128,18 +128,19 @@ class InProcessPipelineTests(PipelineCase):
         self.addCleanup(port.stopListening)
         return RunningNode(agent, engine, port), model  # type: ignore[arg-type]
 
-    def capture_logits(self, model: Any) -> list[Any]:
-        """Record every output of ``model.lm_head`` (through ``__call__`` or ``forward``)."""
+    def capture_logits(self, engine: Any) -> list[Any]:
+        """Record the last row of every logits tensor the engine's runner computes (the last
+        stage's next-token logits)."""
         captured: list[Any] = []
-        head = model.lm_head
-        forward = head.forward
+        runner = engine._runner
+        logits_of = runner._logits
 
         def recording(*args: Any, **kwargs: Any) -> Any:
-            out = forward(*args, **kwargs)
-            captured.append(out.detach().reshape(-1, out.shape[-1])[-1].clone())
+            out = logits_of(*args, **kwargs)
+            captured.append(out.detach()[-1].clone())
             return out
 
-        head.forward = recording
+        runner._logits = recording
         return captured
 
     @defer.inlineCallbacks
@@ -147,13 +148,12 @@ class InProcessPipelineTests(PipelineCase):
         stages = []
         for i in range(len(boundaries)):
             stages.append((yield self.start_stage(f"stage{i}")))
-        last_model = stages[-1][1]
-        captured = self.capture_logits(last_model)
+        captured = self.capture_logits(stages[-1][0].engine)
         tokens, finish = yield self.run_pipeline([s.endpoint for s, _ in stages], boundaries)
         expected = reference_greedy(self.model, PROMPT, NEW_TOKENS)
         self.assertEqual(tokens, expected)
         self.assertEqual(finish, FINISH_LENGTH)
-        # One lm_head call per generated token, then one for compare_boundaries' walk.
+        # One logits row per generated token, then one for compare_boundaries' walk.
         self.assertEqual(len(captured), len(tokens) + 1)
         context = list(PROMPT)
         for step, token in enumerate(tokens):

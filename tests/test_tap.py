@@ -403,11 +403,10 @@ class EmbeddingTests(TestCase):
         self.assertEqual(answer.capacity.kv_blocks_total, 40)
         self.assertEqual(answer.capacity.max_lanes, 2)
 
-    def test_stock_kernels_option(self) -> None:
-        """--stock-kernels builds an engine on stock kernels and the model's own forward; by
-        default the engine routes linear layers to oneDNN (when this torch has it) and decodes
-        the Llama through the lean step."""
-        from sfnode.engines.kernels import onednn_linear_works
+    def test_stock_kernels_and_weights_options(self) -> None:
+        """--stock-kernels builds an engine on the model's own forward; by default a Llama runs
+        through sfnode's own step, and --weights chooses how its weights are held; --weights
+        int4 with --stock-kernels, or an unknown mode, is a usage error."""
         from sfnode.engines.transformers_engine import TransformersEngine
         from tests.tinymodel import save_tiny_model
 
@@ -415,10 +414,16 @@ class EmbeddingTests(TestCase):
         base = f"--listen {LOOPBACK} --model {folder} --device cpu".split()
         stock = tap.build_engine(reactor, parse(*base, "--stock-kernels"))
         default = tap.build_engine(reactor, parse(*base))
+        int4 = tap.build_engine(reactor, parse(*base, "--weights", "int4"))
         assert isinstance(stock, TransformersEngine) and isinstance(default, TransformersEngine)
+        assert isinstance(int4, TransformersEngine)
         self.assertEqual((stock.onednn_layers, stock.lean_step), (0, False))
-        self.assertTrue(default.lean_step)
-        self.assertEqual(default.onednn_layers > 0, onednn_linear_works())
+        self.assertEqual((default.lean_step, default.weights_mode), (True, "float32"))
+        self.assertEqual((int4.lean_step, int4.weights_mode), (True, "int4"))
+        for bad in (("--weights", "int3"), ("--weights", "int4", "--stock-kernels")):
+            with self.assertRaises(usage.UsageError) as caught:
+                parse(*base, *bad)
+            self.assertIn("--weights", str(caught.exception))
 
     async def test_head_mode_dials_and_answers(self) -> None:
         """With --head the node dials the head, which then says HELLO first and is answered."""

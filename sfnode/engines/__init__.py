@@ -3,3 +3,7 @@
 Each engine lives in its own module and is imported only when the operator chooses it, because
 those modules import torch.  This package must never import an engine module itself.
 """
+
+WEIGHT_MODES = ("auto", "float32", "bfloat16", "int8", "int4")
+"""The values of ``--weights`` (docs/engine.md section 5); here so that ``twistd sfnode --help``
+names them without importing torch."""

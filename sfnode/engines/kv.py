@@ -1,0 +1,139 @@
+"""KV memory of the Llama runner: one contiguous region per lane slot, and the prefix cache's pool.
+
+**Slots.**  Layer ``l`` keeps keys and values as ``[slots, kv_heads, capacity, head_dim]``; slot
+``s`` holds its lane's positions ``0 .. n-1`` at the start of its row.  A decode step reads the rows
+of all decoding slots at once (one attention call per layer, shorter lanes masked), and a lane's
+join or leave moves no memory: a new lane writes its prompt into a free slot, a finished lane's
+slot is simply overwritten by the next one.  The capacity grows (doubling, up to the window) when a
+lane needs more positions, which copies the buffers once.
+
+**Pool.**  The prefix cache's blocks live in ``[blocks, kv_heads, 16, head_dim]`` per layer.
+Saving copies a lane's full blocks from its slot into pool blocks; reusing copies pool blocks into
+the start of a new lane's slot.  On a CPU a copy of a block costs far less than computing it.
+
+Both are zero-filled when allocated: attention multiplies masked positions by zero, and a zero
+times a stale NaN from uninitialised memory would still be NaN.
+
+This module must never decide which slot or block holds what: the scheduler does; this module
+only holds tensors and copies between them, on the runner's thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from sfnode.generation import KV_BLOCK_TOKENS
+
+KV_GROWTH = 256
+"""Slot capacity is a multiple of this many positions."""
+
+
+class SlotKV:
+    """Per-layer key and value buffers for ``slots`` lanes of up to ``window`` positions."""
+
+    def __init__(
+        self,
+        *,
+        layers: int,
+        slots: int,
+        kv_heads: int,
+        head_dim: int,
+        window: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.layers = layers
+        self.slots = slots
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.window = window
+        self.dtype = dtype
+        self.device = device
+        self.capacity = 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def ensure(self, positions: int) -> None:
+        """Make room for ``positions`` positions in every slot (copies once when it grows)."""
+        if positions <= self.capacity:
+            return
+        if positions > self.window:
+            raise ValueError(f"{positions} positions exceed the window of {self.window}")
+        target = max(positions, min(self.window, 2 * self.capacity))
+        target = min(self.window, -(-target // KV_GROWTH) * KV_GROWTH)
+        shape = (self.slots, self.kv_heads, target, self.head_dim)
+        for index in range(self.layers):
+            for buffers in (self.keys, self.values):
+                grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                if self.capacity:
+                    grown[:, :, : self.capacity] = buffers[index]
+                    buffers[index] = grown
+                else:
+                    buffers.append(grown)
+        self.capacity = target
+
+
+class BlockPool:
+    """The prefix cache's KV blocks, ``[blocks, kv_heads, 16, head_dim]`` per layer, grown as
+    blocks are first written."""
+
+    def __init__(self, kv: SlotKV, capacity: int) -> None:
+        self._kv = kv
+        self.capacity = capacity
+        self.allocated = 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def _ensure(self, blocks: int) -> None:
+        if blocks <= self.allocated:
+            return
+        if blocks > self.capacity:
+            raise ValueError(f"pool block {blocks - 1} is beyond its {self.capacity} blocks")
+        kv = self._kv
+        target = min(self.capacity, max(blocks, 2 * self.allocated, 64))
+        shape = (target, kv.kv_heads, KV_BLOCK_TOKENS, kv.head_dim)
+        for index in range(kv.layers):
+            for buffers in (self.keys, self.values):
+                grown = torch.zeros(shape, dtype=kv.dtype, device=kv.device)
+                if self.allocated:
+                    grown[: self.allocated] = buffers[index]
+                    buffers[index] = grown
+                else:
+                    buffers.append(grown)
+        self.allocated = target
+
+    def save(self, slot: int, first: int, blocks: Sequence[int]) -> None:
+        """Copy lane blocks ``first ..`` of ``slot`` into pool ``blocks``."""
+        self._ensure(max(blocks) + 1)
+        kv = self._kv
+        n = len(blocks)
+        span = slice(first * KV_BLOCK_TOKENS, (first + n) * KV_BLOCK_TOKENS)
+        index = torch.tensor(blocks, dtype=torch.long, device=kv.device)
+        for layer in range(kv.layers):
+            for pool, slots in ((self.keys, kv.keys), (self.values, kv.values)):
+                source = slots[layer][slot, :, span].view(kv.kv_heads, n, KV_BLOCK_TOKENS, -1)
+                pool[layer].index_copy_(0, index, source.transpose(0, 1))
+
+    def load(self, slot: int, first: int, blocks: Sequence[int]) -> None:
+        """Copy pool ``blocks`` into lane blocks ``first ..`` of ``slot``."""
+        kv = self._kv
+        n = len(blocks)
+        kv.ensure((first + n) * KV_BLOCK_TOKENS)
+        span = slice(first * KV_BLOCK_TOKENS, (first + n) * KV_BLOCK_TOKENS)
+        index = torch.tensor(blocks, dtype=torch.long, device=kv.device)
+        for layer in range(kv.layers):
+            for pool, slots in ((self.keys, kv.keys), (self.values, kv.values)):
+                taken = pool[layer].index_select(0, index)  # [n, heads, 16, dim]
+                slots[layer][slot, :, span] = taken.transpose(0, 1).reshape(
+                    kv.kv_heads, n * KV_BLOCK_TOKENS, -1
+                )

@@ -1,0 +1,437 @@
+"""The model runner for Llama-family models: executes a :class:`~sfnode.engines.plan.StepPlan`.
+
+One step is one pass over the weights for every row it carries: each decoding lane's next token
+and the prompt chunks riding along, all through the same matrix products (reading the weights is
+most of what a step costs on a CPU, whatever the row count).  Attention runs per part: one call
+per layer for all decoding lanes (their slots of :class:`~sfnode.engines.kv.SlotKV`, shorter lanes
+masked; query heads grouped onto their key/value heads), one per prompt chunk against its own slot.
+
+The arithmetic is the model's (RMSNorm, rotary embedding, grouped-query attention, SiLU-gated
+MLP), done with few, large operators instead of transformers' modules: the query/key/value and
+the gate/up projections are one matrix each, both rotary halves of queries and keys turn in one
+operation, and the norms are ``torch.nn.functional.rms_norm``.  In float32 the tokens are those of
+the model's own ``generate()`` (tested); the logits agree to float32 rounding, not bit for bit.
+The quantized modes compute in bfloat16 between their matrices (docs/engine.md section 5).
+
+The runner also runs pipeline stages (docs/protocol.md, STAGE_FORWARD): layers ``[start, end)``
+over a whole token sequence, without a cache.
+
+This module must never be called from two threads at once (the engine gives it one worker thread),
+never decide what a step does (the plan says), and never sample with a random generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from sfnode.engines.kv import KV_GROWTH, BlockPool, SlotKV
+from sfnode.engines.llama_weights import LlamaWeights
+from sfnode.engines.plan import StepOutput, StepPlan
+from sfnode.engines.quant import Projection
+from sfnode.generation import StageForwardError, StageResult
+from sfnode.sampler import sample_tokens
+
+_LLAMA_TYPES = ("llama",)
+_STOCK_LAYER_PARTS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+    "input_layernorm",
+    "post_attention_layernorm",
+)
+
+
+def _has(module: Any, dotted: str) -> bool:
+    for name in dotted.split("."):
+        module = getattr(module, name, None)
+        if module is None:
+            return False
+    return True
+
+
+def llama_unsupported(model: Any) -> str | None:
+    """None when :class:`LlamaRunner` computes ``model`` faithfully, else the reason it cannot."""
+    config = getattr(model, "config", None)
+    inner = getattr(model, "model", None)
+    if config is None or inner is None:
+        return "not a transformers causal LM"
+    if getattr(config, "model_type", None) not in _LLAMA_TYPES:
+        return f"model type {getattr(config, 'model_type', None)!r} is not a plain Llama"
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        return f"rope type {rope.get('rope_type')!r} is not supported"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"activation {getattr(config, 'hidden_act', None)!r} is not SiLU"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return "pretraining_tp > 1 is not supported"
+    layers = getattr(inner, "layers", None)
+    if not layers or not all(_has(layer, p) for layer in layers for p in _STOCK_LAYER_PARTS):
+        return "the layers are not the stock Llama modules"
+    if not (hasattr(inner, "rotary_emb") and hasattr(inner, "norm") and hasattr(model, "lm_head")):
+        return "the model lacks rotary_emb, norm or lm_head"
+    return None
+
+
+REFINED = 64
+"""Logits per row computed again in float32 (see :meth:`LlamaRunner._logits`)."""
+
+Groups = list[tuple[int, int, bool]]
+"""Row ranges of a step and whether they use the dense copies (``(start, end, dense)``)."""
+
+
+def _project(projection: Projection, x: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """``x @ W^T`` with each row group's kernel: decode rows and short chunks multiply by the
+    quantized kernel, long prompt chunks by the dense copy (the same rows always get the same
+    kernel, whatever else shares the step)."""
+    if projection.dense is None or len(groups) == 1:
+        return projection(x, dense=groups[0][2])
+    return torch.cat([projection(x[a:b], dense=use_dense) for a, b, use_dense in groups])
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class _Attention:
+    """Per-step attention inputs: which slots decode, how long each is, the prompt chunks."""
+
+    def __init__(self, runner: LlamaRunner, plan: StepPlan) -> None:
+        device = runner.device
+        decode = plan.decode
+        self.rows = len(decode)
+        slots = [row.slot for row in decode]
+        self.span = max(slots) + 1 if slots else 0
+        self.gaps = slots != list(range(self.rows))
+        self.slot_index = torch.tensor(slots, dtype=torch.long, device=device)
+        self.position_index = torch.tensor(
+            [row.position for row in decode], dtype=torch.long, device=device
+        )
+        lengths = [1] * self.span
+        for row in decode:
+            lengths[row.slot] = row.position + 1
+        # Keys are read up to a multiple of the slots' growth step, masked past each lane's
+        # length, alone or not: a lane's attention then runs the same call on the same values
+        # whatever else is decoding, which keeps a lane's tokens independent of its company.
+        longest = max(lengths) if lengths else 0
+        self.length = min(runner.kv.capacity, -(-longest // KV_GROWTH) * KV_GROWTH)
+        self.mask: torch.Tensor | None = None
+        if self.rows:
+            columns = torch.arange(self.length, device=device)
+            limit = torch.tensor(lengths, device=device)
+            self.mask = (columns.unsqueeze(0) < limit.unsqueeze(1)).view(
+                self.span, 1, 1, self.length
+            )
+        self.chunks: list[tuple[int, int, int, torch.Tensor | None]] = []
+        for chunk in plan.chunks:
+            n = len(chunk.tokens)
+            mask = None
+            if chunk.start:
+                columns = torch.arange(chunk.start + n, device=device)
+                rows = torch.arange(chunk.start, chunk.start + n, device=device)
+                mask = (columns.unsqueeze(0) <= rows.unsqueeze(1)).view(1, 1, n, -1)
+            self.chunks.append((chunk.slot, chunk.start, n, mask))
+
+
+class LlamaRunner:
+    """Runs steps of one Llama model over ``slots`` KV slots (see the module docstring)."""
+
+    def __init__(
+        self,
+        weights: LlamaWeights,
+        *,
+        slots: int,
+        window: int,
+        device: torch.device,
+        inv_freq: torch.Tensor,
+        attention_scaling: float = 1.0,
+        pool_blocks: int = 0,
+    ) -> None:
+        self.weights = weights
+        self.device = device
+        self.window = window
+        w = weights
+        self._hidden = int(w.embed.shape[1])
+        self._heads, self._kv_heads, self._head_dim = w.heads, w.kv_heads, w.head_dim
+        self._groups = w.heads // w.kv_heads
+        self._scaling = w.head_dim**-0.5
+        self._intermediate = w.layers[0].gate_up.out_features // 2
+        self.kv = SlotKV(
+            layers=len(w.layers),
+            slots=slots,
+            kv_heads=w.kv_heads,
+            head_dim=w.head_dim,
+            window=window,
+            dtype=w.activations,
+            device=device,
+        )
+        self.pool = BlockPool(self.kv, pool_blocks) if pool_blocks > 0 else None
+        # cos/sin of every position, computed as transformers' rotary embedding computes them.
+        positions = torch.arange(window, dtype=torch.float32, device=device)
+        freqs = positions.unsqueeze(1) * inv_freq.to(device=device, dtype=torch.float32)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._cos = (emb.cos() * attention_scaling).to(w.activations)
+        self._sin = (emb.sin() * attention_scaling).to(w.activations)
+
+    @classmethod
+    def for_model(
+        cls, model: Any, weights: LlamaWeights, *, slots: int, window: int, pool_blocks: int = 0
+    ) -> LlamaRunner:
+        rotary = model.model.rotary_emb
+        return cls(
+            weights,
+            slots=slots,
+            window=window,
+            device=next(model.parameters()).device,
+            inv_freq=rotary.inv_freq,
+            attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
+            pool_blocks=pool_blocks,
+        )
+
+    # -- steps ------------------------------------------------------------------------------------
+
+    def run(self, plan: StepPlan) -> StepOutput:
+        """Execute ``plan``: block saves, block loads, then one pass; sample what it asks for."""
+        with torch.inference_mode():
+            if self.pool is not None:
+                for save in plan.saves:
+                    self.pool.save(save.slot, save.first, save.blocks)
+                for load in plan.loads:
+                    self.pool.load(load.slot, load.first, load.blocks)
+            if not plan.decode and not plan.chunks:
+                return StepOutput()
+            need = max(
+                [row.position + 1 for row in plan.decode]
+                + [chunk.start + len(chunk.tokens) for chunk in plan.chunks]
+            )
+            self.kv.ensure(need)
+            ids: list[int] = [row.token for row in plan.decode]
+            positions: list[int] = [row.position for row in plan.decode]
+            for chunk in plan.chunks:
+                ids.extend(chunk.tokens)
+                positions.extend(range(chunk.start, chunk.start + len(chunk.tokens)))
+            hidden = self._forward(ids, positions, _Attention(self, plan))
+            # Logits only where a token is sampled: every decode row, a prompt's last position.
+            wanted = list(range(len(plan.decode)))
+            params = [row.params for row in plan.decode]
+            draws = [row.draw for row in plan.decode]
+            offset = len(plan.decode)
+            for chunk in plan.chunks:
+                offset += len(chunk.tokens)
+                if chunk.last:
+                    wanted.append(offset - 1)
+                    params.append(chunk.params)
+                    draws.append(chunk.draw)
+            if not wanted:
+                return StepOutput(chunks=tuple(None for _ in plan.chunks))
+            logits = self._logits(hidden, wanted)
+            tokens = sample_tokens(logits, params, draws)
+        decoded = tuple(tokens[: len(plan.decode)])
+        firsts = iter(tokens[len(plan.decode) :])
+        chunks = tuple(next(firsts) if chunk.last else None for chunk in plan.chunks)
+        return StepOutput(decode=decoded, chunks=chunks)
+
+    def _logits(self, hidden: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+        """Float32 logits of ``rows`` of ``hidden``.
+
+        A bfloat16 logit near 25 is rounded to steps of 0.125, coarser than the gap between a
+        small model's two best tokens can be (SmolLM2 answers "The capital..." over "L'..." by
+        0.08).  So the best ``REFINED`` logits of each row are computed again in float32 from
+        the head's float weights, which decides greedy choices and the most likely draws as a
+        float32 head would; the rest keep their bfloat16 values.
+        """
+        w = self.weights
+        if len(rows) != hidden.shape[0]:
+            hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        normed = F.rms_norm(hidden, (self._hidden,), w.final_norm, w.eps)
+        logits = w.lm_head(normed).to(torch.float32)
+        if w.lm_head_float is None:
+            return logits
+        exact = F.rms_norm(hidden.to(torch.float32), (self._hidden,), w.final_norm_float, w.eps)
+        best = torch.topk(logits, min(REFINED, logits.shape[1]), dim=1).indices
+        rows_of = w.lm_head_float[best]  # [rows, REFINED, hidden]
+        refined = torch.bmm(rows_of, exact.unsqueeze(2)).squeeze(2)
+        return logits.scatter_(1, best, refined)
+
+    def _forward(
+        self, ids: Sequence[int], positions: Sequence[int], attention: _Attention
+    ) -> torch.Tensor:
+        w = self.weights
+        index = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = w.embed[torch.tensor(ids, dtype=torch.long, device=self.device)]
+        cos = self._cos[index].unsqueeze(1)
+        sin = self._sin[index].unsqueeze(1)
+        groups = self._row_groups(attention)
+        for layer_index in range(len(w.layers)):
+            hidden = self._layer(layer_index, hidden, cos, sin, attention, groups)
+        return hidden
+
+    def _row_groups(self, attention: _Attention) -> Groups:
+        """Decode rows use the kernels; a prompt chunk uses the dense copies when it is long."""
+        threshold = self.weights.dense_rows
+        spans = [(0, attention.rows, False)] if attention.rows else []
+        offset = attention.rows
+        for _, _, n, _ in attention.chunks:
+            spans.append((offset, offset + n, threshold is not None and n >= threshold))
+            offset += n
+        groups: Groups = []
+        for start, end, dense in spans:
+            if groups and groups[-1][2] == dense:
+                groups[-1] = (groups[-1][0], end, dense)
+            else:
+                groups.append((start, end, dense))
+        return groups
+
+    def _layer(
+        self,
+        index: int,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: _Attention | None,
+        groups: Groups,
+    ) -> torch.Tensor:
+        """One decoder layer over ``hidden`` rows; ``attention`` None means one causal sequence
+        without a cache (a pipeline stage)."""
+        w = self.weights
+        layer = w.layers[index]
+        rows = hidden.shape[0]
+        heads, kv_heads, head_dim = self._heads, self._kv_heads, self._head_dim
+        x = F.rms_norm(hidden, (self._hidden,), layer.input_norm, w.eps)
+        qkv = _project(layer.qkv, x, groups)
+        qk = qkv[:, : (heads + kv_heads) * head_dim].view(rows, heads + kv_heads, head_dim)
+        value = qkv[:, (heads + kv_heads) * head_dim :].view(rows, kv_heads, head_dim)
+        qk = qk * cos + _rotate_half(qk) * sin
+        query, key = qk[:, :heads], qk[:, heads:]
+        if attention is None:
+            attended = self._sequence_attention(query, key, value)
+        else:
+            attended = self._attend(index, query, key, value, attention)
+        hidden = hidden + _project(layer.o, attended, groups)
+        x = F.rms_norm(hidden, (self._hidden,), layer.post_norm, w.eps)
+        gate_up = _project(layer.gate_up, x, groups)
+        gated = F.silu(gate_up[:, : self._intermediate]) * gate_up[:, self._intermediate :]
+        return hidden + _project(layer.down, gated, groups)
+
+    def _attend(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention: _Attention,
+    ) -> torch.Tensor:
+        keys, values = self.kv.keys[layer], self.kv.values[layer]
+        heads, kv_heads, head_dim = self._heads, self._kv_heads, self._head_dim
+        parts: list[torch.Tensor] = []
+        decode = attention.rows
+        if decode:
+            keys[attention.slot_index, :, attention.position_index] = key[:decode]
+            values[attention.slot_index, :, attention.position_index] = value[:decode]
+            # Each key/value head answers its group of query heads: the group is laid out as
+            # that head's "query positions", so no key or value is repeated.
+            grouped = query[:decode].reshape(decode, kv_heads, self._groups, head_dim)
+            if attention.gaps:
+                full = grouped.new_zeros((attention.span, kv_heads, self._groups, head_dim))
+                full[attention.slot_index] = grouped
+                grouped = full
+            out = F.scaled_dot_product_attention(
+                grouped,
+                keys[: attention.span, :, : attention.length],
+                values[: attention.span, :, : attention.length],
+                attn_mask=attention.mask,
+                scale=self._scaling,
+            )
+            if attention.gaps:
+                out = out[attention.slot_index]
+            parts.append(out.reshape(decode, heads * head_dim))
+        offset = decode
+        for slot, start, n, mask in attention.chunks:
+            end = start + n
+            keys[slot, :, start:end] = key[offset : offset + n].transpose(0, 1)
+            values[slot, :, start:end] = value[offset : offset + n].transpose(0, 1)
+            q = query[offset : offset + n].transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(
+                q,
+                keys[slot : slot + 1, :, :end],
+                values[slot : slot + 1, :, :end],
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=self._scaling,
+                enable_gqa=self._groups > 1,
+            )
+            parts.append(out[0].transpose(0, 1).reshape(n, heads * head_dim))
+            offset += n
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _sequence_attention(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> torch.Tensor:
+        n = query.shape[0]
+        out = F.scaled_dot_product_attention(
+            query.transpose(0, 1).unsqueeze(0),
+            key.transpose(0, 1).unsqueeze(0),
+            value.transpose(0, 1).unsqueeze(0),
+            is_causal=True,
+            scale=self._scaling,
+            enable_gqa=self._groups > 1,
+        )
+        return out[0].transpose(0, 1).reshape(n, -1)
+
+    def sequence_logits(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Float32 logits ``[len(tokens), vocab]`` of every position of one causal sequence,
+        without touching the KV slots (for measuring a weights mode, e.g. its perplexity)."""
+        w = self.weights
+        n = len(tokens)
+        with torch.inference_mode():
+            hidden = w.embed[torch.tensor(list(tokens), dtype=torch.long, device=self.device)]
+            cos = self._cos[:n].unsqueeze(1)
+            sin = self._sin[:n].unsqueeze(1)
+            groups = [(0, n, w.dense_rows is not None and n >= w.dense_rows)]
+            for index in range(len(w.layers)):
+                hidden = self._layer(index, hidden, cos, sin, None, groups)
+            return self._logits(hidden, range(n))
+
+    # -- pipeline stages --------------------------------------------------------------------------
+
+    def stage(
+        self, tokens: Sequence[int], start: int, end: int, hidden_in: torch.Tensor | None
+    ) -> StageResult:
+        """Layers ``[start, end)`` over ``tokens`` (first stage) or ``hidden_in``; the stage that
+        ends at the last layer answers the greedy next token of the sequence's last position."""
+        from sfnode.engines.hidden import encode_hidden
+
+        w = self.weights
+        layers = len(w.layers)
+        if not 0 <= start <= end <= layers:
+            raise StageForwardError(f"bad layer bounds [{start}, {end}) for {layers} layers")
+        with torch.inference_mode():
+            if hidden_in is None:
+                if start != 0 or not tokens:
+                    raise StageForwardError("a first stage needs tokens and start_layer 0")
+                if min(tokens) < 0 or max(tokens) >= w.vocab_size:
+                    raise StageForwardError("a token id is outside the vocabulary")
+                hidden = w.embed[torch.tensor(list(tokens), dtype=torch.long, device=self.device)]
+            else:
+                hidden = hidden_in.to(device=self.device, dtype=w.activations)
+            n = hidden.shape[0]
+            if n > self.window:
+                raise StageForwardError(f"{n} tokens exceed the window of {self.window}")
+            cos = self._cos[:n].unsqueeze(1)
+            sin = self._sin[:n].unsqueeze(1)
+            threshold = w.dense_rows
+            groups = [(0, n, threshold is not None and n >= threshold)]
+            for index in range(start, end):
+                hidden = self._layer(index, hidden, cos, sin, None, groups)
+            if end < layers:
+                return StageResult(hidden=encode_hidden(hidden))
+            logits = self._logits(hidden, [n - 1])[0]
+            return StageResult(token=int(torch.argmax(logits).item()))

@@ -1,0 +1,491 @@
+"""A Llama model's weights, gathered for :class:`sfnode.engines.llama_runner.LlamaRunner`.
+
+The runner does the model's arithmetic itself, so it wants the weights as plain tensors and
+:class:`~sfnode.engines.quant.Linear` kernels rather than modules: per layer the two RMSNorm
+weights, one fused query/key/value projection, the output projection, one fused gate/up projection
+and the down projection; then the final norm, the token embedding and the output head.
+
+Where they come from depends on the weights mode (docs/engine.md section 5):
+
+- ``float32`` and ``bfloat16`` take the loaded transformers model's float weights;
+- ``int4`` and ``int8`` quantize those float weights (round to nearest), except that a model
+  loaded from a GGUF file is read again from the file, so that its Q4_0/Q4_1 matrices become int4
+  groups exactly as stored (no second rounding) and its Q8_0 matrices are requantized per row;
+- ``auto`` serves a GGUF file's 4-bit matrices as int4 and its 8-bit ones as int8 (where the kernels
+  pass their self-check), and float weights as they are.
+
+Packing a model takes seconds, so the packed tensors of a GGUF model are kept in a file next to the
+model's converted folder and read back on later starts.
+
+This module must never change the model object it reads, and never keep a weight in a form the
+self-check of :mod:`sfnode.engines.quant` did not pass: a failed kernel falls back to float, with
+one log line that says why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from twisted.logger import Logger
+
+from sfnode.engines import WEIGHT_MODES
+from sfnode.engines.quant import (
+    GGUF_KINDS,
+    GgufMatrix,
+    Linear,
+    Precision,
+    Projection,
+    dense_rows,
+    dequantize,
+    from_gguf,
+    kernel_works,
+    linear_from_state,
+    onednn_works,
+    quantize,
+)
+
+log = Logger(namespace="sfnode.engines.weights")
+
+
+_GGUF_PARTS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
+_CACHE_FORMAT = 1
+
+
+class WeightsError(Exception):
+    """The weights cannot be served in the mode asked for; the message says why."""
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer: norms as float tensors, projections as kernels."""
+
+    input_norm: torch.Tensor
+    qkv: Projection
+    o: Projection
+    post_norm: torch.Tensor
+    gate_up: Projection
+    down: Projection
+
+
+@dataclass
+class LlamaWeights:
+    """Everything a Llama decode step reads, in the dtypes the runner computes in."""
+
+    mode: str
+    """The weights mode after ``auto`` was resolved (``int4`` when any matrix is int4)."""
+    activations: torch.dtype
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor
+    lm_head: Linear
+    lm_head_float: torch.Tensor | None
+    """The output head's float32 weights (the model's own tensor, not a copy) when the kernel
+    computes in bfloat16: the best logits of each row are computed again from them."""
+    final_norm_float: torch.Tensor
+    eps: float
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab_size: int
+    dense_rows: int | None = None
+    """Prompt chunks of at least this many rows use the projections' dense copies (None: no
+    copies; decode rows always use the kernels)."""
+
+    def describe(self) -> str:
+        """A short account of the kernels, for the log: ``int4 x 120, int8 x 1``."""
+        counts = Counter(
+            projection.precision.value
+            for block in self.layers
+            for projection in (block.qkv, block.o, block.gate_up, block.down)
+        )
+        counts[self.lm_head.precision.value] += 1
+        return ", ".join(f"{name} x {n}" for name, n in sorted(counts.items()))
+
+
+# -- GGUF ----------------------------------------------------------------------------------------
+
+_GGUF_LAYER = {
+    "attn_q": "q",
+    "attn_k": "k",
+    "attn_v": "v",
+    "attn_output": "o",
+    "ffn_gate": "gate",
+    "ffn_up": "up",
+    "ffn_down": "down",
+}
+
+
+def _unpermute_order(rows: int, heads: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """Row order that undoes the query/key permutation GGUF converters apply to Llama weights.
+
+    Converters interleave each head's two rotary halves; transformers' layout keeps them apart.
+    Row ``i`` of the transformers matrix is row ``order[i]`` of the GGUF one.
+    """
+    half = rows // heads // 2
+    order = np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(rows)
+    return order
+
+
+def read_gguf_matrices(path: Path, heads: int, kv_heads: int) -> dict[str, GgufMatrix]:
+    """The quantized matrices of a Llama GGUF file, by ``"{layer}.{q|k|v|o|gate|up|down}"`` and
+    ``"embed"`` / ``"lm_head"``, rows in transformers' order.  Float tensors are left out."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    found: dict[str, GgufMatrix] = {}
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        if kind not in GGUF_KINDS:
+            continue
+        name = tensor.name.removesuffix(".weight")
+        rows = int(tensor.data.shape[0])
+        matrix = GgufMatrix(kind, rows, int(tensor.n_elements) // rows, np.asarray(tensor.data))
+        if name == "token_embd":
+            found["embed"] = matrix
+        elif name == "output":
+            found["lm_head"] = matrix
+        elif name.startswith("blk."):
+            _, index, part = name.split(".", 2)
+            short = _GGUF_LAYER.get(part)
+            if short is None:
+                continue
+            if short == "q":
+                matrix = matrix.take_rows(_unpermute_order(rows, heads))
+            elif short == "k":
+                matrix = matrix.take_rows(_unpermute_order(rows, kv_heads))
+            found[f"{int(index)}.{short}"] = matrix
+    return found
+
+
+# -- choosing kernels --------------------------------------------------------------------------
+
+
+def usable_precisions() -> dict[Precision, str | None]:
+    """Each precision's self-check result (None: usable)."""
+    return {p: kernel_works(p) for p in Precision}
+
+
+def _fallback(wanted: Precision, checks: dict[Precision, str | None]) -> Precision:
+    """``wanted`` if its kernel works, else bfloat16 if that works, else float32."""
+    if checks.get(wanted) is None:
+        return wanted
+    for other in (Precision.BFLOAT16, Precision.FLOAT32):
+        if checks.get(other) is None:
+            return other
+    return Precision.FLOAT32
+
+
+def _gguf_precision(kind: str | None, mode: str) -> Precision:
+    if mode != "auto":
+        return Precision(mode)
+    if kind in ("Q4_0", "Q4_1"):
+        return Precision.INT4
+    if kind == "Q8_0":
+        return Precision.INT8
+    return Precision.FLOAT32
+
+
+# -- gathering ---------------------------------------------------------------------------------
+
+
+def _wanted(
+    inner: Any, config: Any, matrices: dict[str, GgufMatrix], mode: str
+) -> dict[str, Precision]:
+    """The precision ``mode`` asks for, per projection (``"{layer}.{qkv|o|gate_up|down}"``)."""
+    wanted: dict[str, Precision] = {}
+    for index in range(len(inner.layers)):
+        for short, parts in _GGUF_PARTS.items():
+            kinds = {
+                matrices[f"{index}.{p}"].kind if f"{index}.{p}" in matrices else None for p in parts
+            }
+            kind = kinds.pop() if len(kinds) == 1 else None
+            wanted[f"{index}.{short}"] = _gguf_precision(kind, mode)
+    head_source = matrices.get("lm_head") or (
+        matrices.get("embed") if getattr(config, "tie_word_embeddings", False) else None
+    )
+    wanted["lm_head"] = _gguf_precision(head_source.kind if head_source else None, mode)
+    return wanted
+
+
+def _float(module: Any) -> torch.Tensor:
+    weight: torch.Tensor = module.weight.detach()
+    return weight.to(torch.float32)
+
+
+def gather_weights(
+    model: Any,
+    mode: str,
+    *,
+    gguf: Path | None = None,
+    cache_file: Path | None = None,
+    checks: dict[Precision, str | None] | None = None,
+    dense_copies: bool = True,
+) -> LlamaWeights:
+    """The weights of a transformers Llama ``model`` for ``mode`` (see the module docstring).
+
+    ``gguf`` is the file the model was loaded from, if any; ``cache_file`` where packed weights
+    are kept between starts (only used together with ``gguf``).  ``checks`` overrides the kernel
+    self-checks (tests use it to simulate a CPU without a kernel).  ``dense_copies`` lets long
+    prompt chunks use bfloat16 copies of quantized weights where that is measured to be faster.
+    """
+    if mode not in WEIGHT_MODES:
+        raise WeightsError(
+            f"unknown weights mode {mode!r}; expected one of {', '.join(WEIGHT_MODES)}"
+        )
+    config = model.config
+    device = next(model.parameters()).device
+    if mode != "float32" and device.type != "cpu" and mode in ("int4", "int8"):
+        raise WeightsError(f"--weights {mode} needs the CPU kernels; use bfloat16 on {device}")
+    if checks is None:
+        checks = usable_precisions()
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    inner = model.model
+
+    signature = {
+        "format": str(_CACHE_FORMAT),
+        "torch": torch.__version__,
+        "mode": mode,
+        "usable": ",".join(sorted(p.value for p, reason in checks.items() if reason is None)),
+    }
+    cached = _load_cache(cache_file, signature) if gguf is not None else None
+    if cached is not None:
+        wanted, linears = cached
+        chosen = {name: _fallback(p, checks) for name, p in wanted.items()}
+    else:
+        matrices: dict[str, GgufMatrix] = {}
+        if gguf is not None and mode in ("auto", "int4", "int8"):
+            started = time.monotonic()
+            matrices = read_gguf_matrices(gguf, heads, kv_heads)
+            _check_gguf_layout(matrices, inner)
+            log.info(
+                "read the quantized matrices of {gguf} in {s:.1f} s",
+                gguf=str(gguf),
+                s=time.monotonic() - started,
+            )
+        if mode == "auto" and not matrices:
+            float32 = next(model.parameters()).dtype == torch.float32
+            mode = "float32" if device.type == "cpu" and float32 else "bfloat16"
+        wanted = _wanted(inner, config, matrices, mode)
+        chosen = {name: _fallback(p, checks) for name, p in wanted.items()}
+        onednn = device.type == "cpu" and onednn_works()
+        head_source = matrices.get("lm_head") or (
+            matrices.get("embed") if getattr(config, "tie_word_embeddings", False) else None
+        )
+        linears = _build_linears(inner, model, matrices, chosen, head_source, onednn)
+        if (
+            gguf is not None
+            and cache_file is not None
+            and any(p in (Precision.INT4, Precision.INT8) for p in chosen.values())
+        ):
+            _save_cache(cache_file, signature, wanted, linears)
+    for precision in sorted(set(wanted.values()), key=lambda p: p.value):
+        reason = checks.get(precision)
+        if reason is not None:
+            log.warn(
+                "the {precision} kernel is not usable on this machine ({reason}); serving those "
+                "weights as {fallback}",
+                precision=precision.value,
+                reason=reason,
+                fallback=_fallback(precision, checks).value,
+            )
+
+    quantized = any(p is not Precision.FLOAT32 for p in chosen.values())
+    activations = torch.bfloat16 if quantized else torch.float32
+    served = sorted({p.value for p in chosen.values()}, key=WEIGHT_MODES.index)
+    resolved = served[-1] if mode == "auto" else mode
+    projections = {
+        name: Projection(linear, bias=_bias(inner, name, activations))
+        for name, linear in linears.items()
+        if name != "lm_head"
+    }
+    threshold = None
+    if dense_copies and any(p in (Precision.INT4, Precision.INT8) for p in chosen.values()):
+        probe = projections["0.gate_up"].with_dense()
+        threshold = dense_rows(probe)
+        if threshold is not None:
+            projections = {name: p.with_dense() for name, p in projections.items()}
+            log.info(
+                "prompt chunks of {rows} tokens or more multiply by bfloat16 copies of the "
+                "quantized weights (faster here from that size; measured at start)",
+                rows=threshold,
+            )
+    layers = []
+    for index, layer in enumerate(inner.layers):
+        layers.append(
+            LayerWeights(
+                input_norm=_float(layer.input_layernorm).to(activations),
+                qkv=projections[f"{index}.qkv"],
+                o=projections[f"{index}.o"],
+                post_norm=_float(layer.post_attention_layernorm).to(activations),
+                gate_up=projections[f"{index}.gate_up"],
+                down=projections[f"{index}.down"],
+            )
+        )
+    return LlamaWeights(
+        mode=resolved,
+        activations=activations,
+        embed=inner.embed_tokens.weight.detach().to(activations),
+        layers=layers,
+        final_norm=_float(inner.norm).to(activations),
+        lm_head=linears["lm_head"],
+        lm_head_float=(
+            model.lm_head.weight.detach()
+            if activations != torch.float32 and model.lm_head.weight.dtype == torch.float32
+            else None
+        ),
+        final_norm_float=_float(inner.norm),
+        eps=float(config.rms_norm_eps),
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=int(config.vocab_size),
+        dense_rows=threshold,
+    )
+
+
+def _bias(inner: Any, name: str, dtype: torch.dtype) -> torch.Tensor | None:
+    """The bias of projection ``name`` (the fused parts' biases joined), or None."""
+    index, short = name.split(".")
+    layer = inner.layers[int(index)]
+    attention, mlp = layer.self_attn, layer.mlp
+    modules = {
+        "qkv": (attention.q_proj, attention.k_proj, attention.v_proj),
+        "o": (attention.o_proj,),
+        "gate_up": (mlp.gate_proj, mlp.up_proj),
+        "down": (mlp.down_proj,),
+    }[short]
+    biases = [getattr(module, "bias", None) for module in modules]
+    if all(b is None for b in biases):
+        return None
+    parts = [
+        b.detach().to(torch.float32)
+        if b is not None
+        else torch.zeros(module.out_features, dtype=torch.float32)
+        for b, module in zip(biases, modules, strict=True)
+    ]
+    return torch.cat(parts).to(dtype)
+
+
+def _check_gguf_layout(matrices: dict[str, GgufMatrix], inner: Any) -> None:
+    """The file's first layer, dequantized, must be the loaded model's (catches a row order or a
+    naming this module does not know, before anything is served from it)."""
+    layer = inner.layers[0]
+    for short, module in (
+        ("q", layer.self_attn.q_proj),
+        ("k", layer.self_attn.k_proj),
+        ("down", layer.mlp.down_proj),
+    ):
+        matrix = matrices.get(f"0.{short}")
+        if matrix is None:
+            continue
+        if not torch.allclose(dequantize(matrix), _float(module), rtol=1e-5, atol=1e-6):
+            raise WeightsError(
+                f"the GGUF file's layer 0 {short} matrix does not match the loaded model; "
+                "serve it with --weights float32"
+            )
+
+
+def _build_linears(
+    inner: Any,
+    model: Any,
+    matrices: dict[str, GgufMatrix],
+    chosen: dict[str, Precision],
+    head_source: GgufMatrix | None,
+    onednn: bool,
+) -> dict[str, Linear]:
+    started = time.monotonic()
+    linears: dict[str, Linear] = {}
+    for index, layer in enumerate(inner.layers):
+        attention, mlp = layer.self_attn, layer.mlp
+        float_parts = {
+            "qkv": (attention.q_proj, attention.k_proj, attention.v_proj),
+            "o": (attention.o_proj,),
+            "gate_up": (mlp.gate_proj, mlp.up_proj),
+            "down": (mlp.down_proj,),
+        }
+        for short, parts in _GGUF_PARTS.items():
+            name = f"{index}.{short}"
+            precision = chosen[name]
+            stored = [matrices.get(f"{index}.{p}") for p in parts]
+            if precision is Precision.INT4 and all(m is not None for m in stored):
+                linears[name] = from_gguf([m for m in stored if m is not None], precision)
+            else:
+                weight = torch.cat([_float(module) for module in float_parts[short]])
+                linears[name] = quantize(weight, precision, onednn=onednn)
+    precision = chosen["lm_head"]
+    if precision is Precision.INT4 and head_source is not None and head_source.kind != "Q8_0":
+        linears["lm_head"] = from_gguf([head_source], precision)
+    else:
+        linears["lm_head"] = quantize(_float(model.lm_head), precision, onednn=onednn)
+    log.info("packed the weights in {s:.1f} s", s=time.monotonic() - started)
+    return linears
+
+
+def _load_cache(
+    path: Path | None, signature: dict[str, str]
+) -> tuple[dict[str, Precision], dict[str, Linear]] | None:
+    """``(wanted precisions, layers)`` from a packed-weights file written for ``signature``."""
+    if path is None or not path.is_file():
+        return None
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if any(meta.get(key) != value for key, value in signature.items()):
+                return None
+            wanted = {k: Precision(v) for k, v in json.loads(meta["wanted"]).items()}
+            chosen = {k: Precision(v) for k, v in json.loads(meta["chosen"]).items()}
+            # Copies, not the file's buffers: a tensor read from the file may start at an
+            # address the quantized kernels' vector loads do not expect (the int8 kernel
+            # crashed on an 8-byte aligned one), and a fresh tensor is 64-byte aligned.
+            tensors = {key: f.get_tensor(key).clone() for key in f.keys()}
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        log.warn("ignoring unreadable packed weights {path}: {e}", path=str(path), e=e)
+        return None
+    linears: dict[str, Linear] = {}
+    for name, precision in chosen.items():
+        prefix = f"{name}/"
+        state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+        linears[name] = linear_from_state(precision, state)
+    log.info("read packed weights from {path}", path=str(path))
+    return wanted, linears
+
+
+def _save_cache(
+    path: Path,
+    signature: dict[str, str],
+    wanted: dict[str, Precision],
+    linears: dict[str, Linear],
+) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {
+        f"{name}/{key}": value.contiguous()
+        for name, layer in linears.items()
+        for key, value in layer.state().items()
+    }
+    meta = dict(signature)
+    meta["wanted"] = json.dumps({k: v.value for k, v in wanted.items()})
+    meta["chosen"] = json.dumps({k: v.precision.value for k, v in linears.items()})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=meta)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    log.info("kept the packed weights in {path}", path=str(path))

@@ -1,0 +1,82 @@
+"""What one engine step does, as plain data: the scheduler writes a :class:`StepPlan`, a model
+runner executes it and answers with a :class:`StepOutput`.
+
+A plan names lanes by their KV *slot* (a runner keeps one contiguous KV region per slot) and says,
+for one forward pass over the model: which slots decode one token (``decode``), which prompt
+chunks are computed into which slots (``chunks``), which cached KV blocks are copied into a slot
+before the pass (``loads``) and which of a slot's full blocks are copied into the prefix cache's
+block pool after it (``saves``).  docs/engine.md section 3 describes the step.
+
+This module must never import torch, a runner or a scheduler: it is the contract between them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sfnode.wire import GenParams
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    """One new token for the lane in ``slot``: feed ``token`` at ``position``, sample the next."""
+
+    slot: int
+    token: int
+    position: int
+    params: GenParams
+    draw: int
+    """The sampler's counter for the token this row produces (docs/engine.md section 2)."""
+
+
+@dataclass(frozen=True)
+class ChunkRow:
+    """Prompt tokens ``tokens`` at positions ``start ..`` of the lane in ``slot``.
+
+    When ``last`` is true the chunk ends the prompt and its last position's logits give the lane's
+    first token (sampled with ``params`` at ``draw``); otherwise nothing is sampled.
+    """
+
+    slot: int
+    start: int
+    tokens: tuple[int, ...]
+    last: bool
+    params: GenParams
+    draw: int
+
+
+@dataclass(frozen=True)
+class BlockCopy:
+    """KV blocks between a slot and the block pool: lane block ``first + i`` is pool block
+    ``blocks[i]``."""
+
+    slot: int
+    first: int
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One forward pass.  Order of work: ``loads``, then the pass, then ``saves``."""
+
+    decode: tuple[DecodeRow, ...] = ()
+    chunks: tuple[ChunkRow, ...] = ()
+    loads: tuple[BlockCopy, ...] = ()
+    saves: tuple[BlockCopy, ...] = ()
+
+    @property
+    def rows(self) -> int:
+        """Token rows the pass computes."""
+        return len(self.decode) + sum(len(c.tokens) for c in self.chunks)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.decode or self.chunks or self.loads or self.saves)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What a runner answers: one token per decode row, and per chunk its first token or None."""
+
+    decode: tuple[int, ...] = ()
+    chunks: tuple[int | None, ...] = field(default=())

@@ -1,0 +1,388 @@
+"""The engine's scheduler: who decodes, whose prompt is computed, who waits, in each step.
+
+It is pure: it takes requests, cancellations and the clock's readings, and answers each
+:meth:`Scheduler.plan` with a :class:`~sfnode.engines.plan.StepPlan` for a model runner; the
+runner's :class:`~sfnode.engines.plan.StepOutput` comes back through :meth:`Scheduler.complete`,
+which answers with the tokens each generation got and the generations that ended.  The rules
+(docs/engine.md section 3):
+
+- **Lanes.**  Up to ``lanes`` generations run at once, each in a KV slot of its own.  A waiting
+  request is admitted into the lowest free slot between steps, first come first served, when the
+  KV blocks it may need (``ceil(min(context + max_new, window) / 16)``) fit in the pool;
+  otherwise it and everything behind it waits.
+- **Prefill.**  An admitted lane's prompt is computed in chunks whose boundaries are fixed
+  multiples of ``prefill_chunk`` from the start of the context, so a prompt is split the same way
+  alone or beside others.  Each step carries every decoding lane's next token and then prompt
+  chunks of several lanes, oldest first, up to ``step_tokens`` prompt tokens (at least one chunk,
+  so every prompt progresses).  A prompt whose last chunk is computed yields its first token in
+  that same step.
+- **Prefix reuse.**  With a :class:`~sfnode.engines.prefix_cache.PrefixCache`, an admitted lane
+  first gets the cached blocks its context starts with (copied into its slot) and computes only
+  the rest; full blocks a lane computed are saved into the cache in the next step.  A request
+  whose next uncached block is being computed by another lane's prompt right now waits for it
+  instead of computing it twice (requests behind it may go first).
+- **Ends.**  A lane ends on an EOS id (the id is its last token), at ``max_new`` tokens or its
+  token limit, when cancelled, when its wall deadline passes (checked between steps), or when the
+  step it was in failed.
+
+This module must never import torch, call a runner or a reactor, or read a clock of its own.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from sfnode.draws import draw_position
+from sfnode.engines.plan import BlockCopy, ChunkRow, DecodeRow, StepOutput, StepPlan
+from sfnode.engines.prefix_cache import BlockKey, PrefixCache, block_keys
+from sfnode.generation import KV_BLOCK_TOKENS, EngineStop
+from sfnode.wire import GenParams
+
+
+def blocks_for(tokens: int) -> int:
+    """KV blocks that hold ``tokens`` tokens."""
+    return -(-tokens // KV_BLOCK_TOKENS)
+
+
+@dataclass(eq=False)
+class Request:
+    """A generation as the scheduler sees it; ``handle`` is the engine's, opaque here."""
+
+    handle: Any
+    context: tuple[int, ...]
+    params: GenParams
+    max_new: int
+    token_limit: int
+    """The most tokens (context + new) the lane may hold."""
+    reserve_blocks: int
+    eos_ids: frozenset[int]
+    deadline: float | None = None
+    cancelled: bool = False
+
+
+@dataclass(eq=False)
+class Lane:
+    """An admitted request: its slot, how much of it is in the slot's KV, its new tokens."""
+
+    request: Request
+    slot: int
+    computed: int = 0
+    """Tokens of context + generated whose KV the slot holds."""
+    generated: list[int] = field(default_factory=list)
+    keys: list[BlockKey] = field(default_factory=list)
+    """Chain keys of the lane's full blocks, as far as they were needed."""
+    saved: int = 0
+    """Leading full blocks that are in the prefix cache (copied there or from there)."""
+    pending: list[BlockKey] = field(default_factory=list)
+    """Keys of prompt blocks this lane will compute that others may wait for."""
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.request.context)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.request.context) + len(self.generated)
+
+
+class Emitted(NamedTuple):
+    """A new token of a generation."""
+
+    request: Request
+    token: int
+
+
+class Ended(NamedTuple):
+    """A generation that ended: with ``stop``, or failed with ``error``."""
+
+    request: Request
+    stop: EngineStop | None
+    error: BaseException | None = None
+
+
+@dataclass
+class SchedulerCounts:
+    """Cumulative figures since start."""
+
+    decoded: int = 0
+    prefilled: int = 0
+    steps: int = 0
+
+
+class Scheduler:
+    """Plans steps over ``lanes`` KV slots and a pool of ``kv_blocks`` blocks."""
+
+    def __init__(
+        self,
+        *,
+        lanes: int,
+        kv_blocks: int,
+        prefill_chunk: int = 256,
+        step_tokens: int = 512,
+        prefix: PrefixCache | None = None,
+        salt: bytes = b"",
+    ) -> None:
+        if lanes < 1:
+            raise ValueError("lanes must be at least 1")
+        if prefill_chunk < 1 or step_tokens < 1:
+            raise ValueError("prefill_chunk and step_tokens must be at least 1")
+        self.lanes = lanes
+        self.kv_blocks = kv_blocks
+        self.prefill_chunk = prefill_chunk
+        self.step_tokens = step_tokens
+        self.prefix = prefix
+        self._salt = salt
+        self.waiting: deque[Request] = deque()
+        self.running: dict[int, Lane] = {}
+        self._order: list[Lane] = []
+        """Running lanes in admission order (prefill goes oldest first)."""
+        self._reserved = 0
+        self._retired: list[Lane] = []
+        """Lanes that ended after the last plan; their blocks are saved in the next one."""
+        self._pending: dict[BlockKey, Lane] = {}
+        self._saving: list[BlockKey] = []
+        """Keys whose blocks the last plan writes (forgotten again if that step fails)."""
+        self.counts = SchedulerCounts()
+
+    # -- state ----------------------------------------------------------------------------------
+
+    @property
+    def idle(self) -> bool:
+        """Nothing waits, runs, or has blocks left to save."""
+        return not (self.waiting or self.running or self._retired)
+
+    @property
+    def kv_blocks_used(self) -> int:
+        return sum(blocks_for(lane.tokens) for lane in self.running.values())
+
+    def submit(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def cancel(self, request: Request) -> None:
+        """Mark ``request`` cancelled; it ends at the next plan."""
+        request.cancelled = True
+
+    def abandon(self) -> list[Ended]:
+        """End everything as CANCELLED (the engine is stopping); the scheduler is then empty."""
+        ended = [Ended(r, EngineStop.CANCELLED) for r in self.waiting]
+        ended += [Ended(lane.request, EngineStop.CANCELLED) for lane in self._order]
+        self.waiting.clear()
+        for lane in list(self._order):
+            self._free(lane)
+        self._retired.clear()
+        return ended
+
+    # -- planning -------------------------------------------------------------------------------
+
+    def plan(self, now: float) -> tuple[StepPlan, list[Ended]]:
+        """The next step (maybe empty) and the generations that ended before it."""
+        ended = self._reap(now)
+        saves = self._saves()
+        loads = self._admit()
+        decode = tuple(
+            DecodeRow(
+                slot=lane.slot,
+                token=lane.generated[-1],
+                position=lane.tokens - 1,
+                params=lane.request.params,
+                draw=draw_position(
+                    lane.request.params.seed, len(lane.request.context), len(lane.generated)
+                ),
+            )
+            for lane in sorted(self._order, key=lambda lane: lane.slot)
+            if not lane.prefilling
+        )
+        chunks: list[ChunkRow] = []
+        budget = self.step_tokens
+        for lane in self._order:
+            if not lane.prefilling:
+                continue
+            context = lane.request.context
+            end = min(len(context), (lane.computed // self.prefill_chunk + 1) * self.prefill_chunk)
+            size = end - lane.computed
+            if chunks and size > budget:
+                break
+            budget -= size
+            chunks.append(
+                ChunkRow(
+                    slot=lane.slot,
+                    start=lane.computed,
+                    tokens=context[lane.computed : end],
+                    last=end == len(context),
+                    params=lane.request.params,
+                    draw=draw_position(lane.request.params.seed, len(context), 0),
+                )
+            )
+            if budget <= 0:
+                break
+        plan = StepPlan(decode=decode, chunks=tuple(chunks), loads=tuple(loads), saves=saves)
+        if plan.decode or plan.chunks:
+            self.counts.steps += 1
+        return plan, ended
+
+    def _reap(self, now: float) -> list[Ended]:
+        ended: list[Ended] = []
+
+        def stop_of(request: Request) -> EngineStop | None:
+            if request.cancelled:
+                return EngineStop.CANCELLED
+            if request.deadline is not None and now >= request.deadline:
+                return EngineStop.EXPIRED
+            return None
+
+        kept: deque[Request] = deque()
+        for request in self.waiting:
+            stop = stop_of(request)
+            if stop is None:
+                kept.append(request)
+            else:
+                ended.append(Ended(request, stop))
+        self.waiting = kept
+        for lane in list(self._order):
+            stop = stop_of(lane.request)
+            if stop is not None:
+                ended.append(Ended(lane.request, stop))
+                self._retire(lane)
+        return ended
+
+    def _admit(self) -> list[BlockCopy]:
+        loads: list[BlockCopy] = []
+        deferred: list[Request] = []
+        while self.waiting and len(self.running) < self.lanes:
+            request = self.waiting[0]
+            if self._reserved + request.reserve_blocks > self.kv_blocks:
+                break
+            self.waiting.popleft()
+            keys: list[BlockKey] = []
+            reused: list[int] = []
+            if self.prefix is not None:
+                # At least one prompt token is computed: its logits give the first token.
+                keys = block_keys(
+                    request.context, self._salt, (len(request.context) - 1) // KV_BLOCK_TOKENS
+                )
+                reused = self.prefix.match(keys)
+                if len(reused) < len(keys) and keys[len(reused)] in self._pending:
+                    deferred.append(request)
+                    continue
+                self.prefix.record_use(len(reused))
+            slot = min(set(range(self.lanes)) - set(self.running))
+            lane = Lane(request=request, slot=slot, computed=len(reused) * KV_BLOCK_TOKENS)
+            lane.keys = keys
+            lane.saved = len(reused)
+            lane.pending = [k for k in keys[len(reused) :] if k not in self._pending]
+            for key in lane.pending:
+                self._pending[key] = lane
+            self.running[slot] = lane
+            self._order.append(lane)
+            self._reserved += request.reserve_blocks
+            if reused:
+                loads.append(BlockCopy(slot=slot, first=0, blocks=tuple(reused)))
+        self.waiting.extendleft(reversed(deferred))
+        return loads
+
+    def _saves(self) -> tuple[BlockCopy, ...]:
+        self._saving = []
+        if self.prefix is None:
+            self._retired.clear()
+            return ()
+        saves: list[BlockCopy] = []
+        for lane in self._retired + self._order:
+            saves.extend(self._save_lane(lane))
+        self._retired.clear()
+        return tuple(saves)
+
+    def _save_lane(self, lane: Lane) -> Iterable[BlockCopy]:
+        assert self.prefix is not None
+        full = lane.computed // KV_BLOCK_TOKENS
+        if full <= lane.saved:
+            return ()
+        if len(lane.keys) < full:
+            tokens = lane.request.context + tuple(lane.generated)
+            lane.keys = block_keys(tokens[: full * KV_BLOCK_TOKENS], self._salt)
+        runs: list[BlockCopy] = []
+        first, blocks = lane.saved, list[int]()
+        for index in range(lane.saved, full):
+            key = lane.keys[index]
+            if self._pending.get(key) is lane:
+                del self._pending[key]
+            block = self.prefix.allocate(key)
+            if block is None:
+                if blocks:
+                    runs.append(BlockCopy(lane.slot, first, tuple(blocks)))
+                first, blocks = index + 1, []
+                continue
+            blocks.append(block)
+            self._saving.append(key)
+        if blocks:
+            runs.append(BlockCopy(lane.slot, first, tuple(blocks)))
+        lane.saved = full
+        return runs
+
+    # -- results ----------------------------------------------------------------------------------
+
+    def complete(self, plan: StepPlan, output: StepOutput) -> tuple[list[Emitted], list[Ended]]:
+        """Apply a step's output: the new tokens, and the generations they ended."""
+        emitted: list[Emitted] = []
+        ended: list[Ended] = []
+        for row, token in zip(plan.decode, output.decode, strict=True):
+            lane = self.running[row.slot]
+            lane.computed += 1
+            self._emit(lane, token, emitted, ended)
+        for chunk, first in zip(plan.chunks, output.chunks, strict=True):
+            lane = self.running[chunk.slot]
+            lane.computed = chunk.start + len(chunk.tokens)
+            self.counts.prefilled += len(chunk.tokens)
+            if chunk.last:
+                if first is None:
+                    raise ValueError("the runner gave no first token for a prompt's last chunk")
+                self._emit(lane, first, emitted, ended)
+        return emitted, ended
+
+    def _emit(self, lane: Lane, token: int, emitted: list[Emitted], ended: list[Ended]) -> None:
+        request = lane.request
+        lane.generated.append(token)
+        self.counts.decoded += 1
+        emitted.append(Emitted(request, token))
+        stop = None
+        if token in request.eos_ids:
+            stop = EngineStop.EOS
+        elif len(lane.generated) >= request.max_new or lane.tokens >= request.token_limit:
+            stop = EngineStop.LENGTH
+        if stop is not None:
+            ended.append(Ended(request, stop))
+            self._retire(lane)
+
+    def fail(self, plan: StepPlan, error: BaseException) -> list[Ended]:
+        """A step failed: every lane it computed for fails; blocks it was saving are forgotten."""
+        if self.prefix is not None:
+            for key in self._saving:
+                self.prefix.discard(key)
+        self._saving = []
+        ended: list[Ended] = []
+        slots = {row.slot for row in plan.decode} | {chunk.slot for chunk in plan.chunks}
+        slots |= {load.slot for load in plan.loads}
+        for slot in sorted(slots):
+            lane = self.running.get(slot)
+            if lane is not None:
+                ended.append(Ended(lane.request, None, error))
+                self._free(lane)
+        return ended
+
+    def _retire(self, lane: Lane) -> None:
+        """The lane ended normally: free its slot now, save its blocks in the next plan."""
+        self._free(lane)
+        if self.prefix is not None:
+            self._retired.append(lane)
+
+    def _free(self, lane: Lane) -> None:
+        if self.running.get(lane.slot) is lane:
+            del self.running[lane.slot]
+            self._order.remove(lane)
+            self._reserved -= lane.request.reserve_blocks
+        for key in lane.pending:
+            if self._pending.get(key) is lane:
+                del self._pending[key]
+        lane.pending = []

@@ -1,0 +1,346 @@
+"""The engine's scheduler and the prefix cache's index, alone: no model, no torch, no reactor.
+
+Each test drives :class:`sfnode.engines.scheduler.Scheduler` the way the engine does (``plan``,
+then ``complete`` or ``fail`` with what a runner would answer) and checks the plans it writes
+against the rules of docs/engine.md section 3 and section 4.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from twisted.trial import unittest
+
+from sfnode.draws import draw_position
+from sfnode.engines.plan import StepOutput, StepPlan
+from sfnode.engines.prefix_cache import PrefixCache, block_keys
+from sfnode.engines.scheduler import Ended, Request, Scheduler, blocks_for
+from sfnode.generation import KV_BLOCK_TOKENS, EngineStop
+from sfnode.wire import GenParams
+
+EOS = 2
+
+
+def request(
+    context: Sequence[int],
+    max_new: int = 8,
+    *,
+    window: int = 4096,
+    seed: int = 0,
+    deadline: float | None = None,
+    name: str = "",
+) -> Request:
+    limit = min(len(context) + max_new, window)
+    return Request(
+        handle=name or f"r{len(context)}",
+        context=tuple(context),
+        params=GenParams(seed=seed),
+        max_new=max_new,
+        token_limit=limit,
+        reserve_blocks=blocks_for(limit),
+        eos_ids=frozenset({EOS}),
+        deadline=deadline,
+    )
+
+
+def answer(plan: StepPlan, token: int = 7) -> StepOutput:
+    """What a runner would answer: ``token`` for every decode row and finished prompt."""
+    return StepOutput(
+        decode=tuple(token for _ in plan.decode),
+        chunks=tuple(token if chunk.last else None for chunk in plan.chunks),
+    )
+
+
+def run_step(scheduler: Scheduler, now: float = 0.0, token: int = 7) -> tuple[StepPlan, list]:
+    plan, ended = scheduler.plan(now)
+    emitted, more = scheduler.complete(plan, answer(plan, token))
+    return plan, [*ended, *emitted, *more]
+
+
+class AdmissionTests(unittest.SynchronousTestCase):
+    """Lanes, slots and KV blocks."""
+
+    def test_lowest_free_slots_first_come_first_served(self) -> None:
+        """Requests take the lowest free slots in arrival order; the rest wait."""
+        scheduler = Scheduler(lanes=2, kv_blocks=100)
+        a, b, c = request([5] * 3, name="a"), request([6] * 3, name="b"), request([7] * 3, name="c")
+        for r in (a, b, c):
+            scheduler.submit(r)
+        plan, _ = scheduler.plan(0.0)
+        self.assertEqual(
+            [(ch.slot, ch.tokens) for ch in plan.chunks], [(0, (5,) * 3), (1, (6,) * 3)]
+        )
+        self.assertEqual(list(scheduler.waiting), [c])
+
+    def test_a_request_that_does_not_fit_waits_with_those_behind_it(self) -> None:
+        """A request whose KV blocks do not fit waits, and so does everything behind it."""
+        scheduler = Scheduler(lanes=4, kv_blocks=3)
+        big = request([5] * 20, max_new=20, name="big")  # 40 tokens: 3 blocks
+        small = request([6] * 3, max_new=3, name="small")  # 1 block
+        scheduler.submit(big)
+        scheduler.submit(request([8] * 30, max_new=2, name="second"))  # 2 blocks: no room left
+        scheduler.submit(small)
+        plan, _ = scheduler.plan(0.0)
+        self.assertEqual([ch.slot for ch in plan.chunks], [0])
+        self.assertEqual([r.handle for r in scheduler.waiting], ["second", "small"])
+
+    def test_a_finished_lane_frees_its_slot_and_blocks(self) -> None:
+        """When a lane ends its slot and KV blocks go to the next request in the same step."""
+        scheduler = Scheduler(lanes=1, kv_blocks=100)
+        first, second = request([5, 6], max_new=1, name="first"), request([9], name="second")
+        scheduler.submit(first)
+        scheduler.submit(second)
+        _, events = run_step(scheduler)
+        self.assertIn(Ended(first, EngineStop.LENGTH), events)
+        self.assertEqual(scheduler.kv_blocks_used, 0)
+        plan, _ = scheduler.plan(0.0)
+        self.assertEqual([(ch.slot, ch.tokens) for ch in plan.chunks], [(0, (9,))])
+
+
+class PrefillTests(unittest.SynchronousTestCase):
+    """Prompt chunks and the step budget."""
+
+    def test_chunks_end_on_fixed_multiples_of_the_chunk_size(self) -> None:
+        """A prompt is cut at multiples of prefill_chunk from its start, one chunk per step; the
+        last chunk yields the first token at draw position seed + len(context)."""
+        scheduler = Scheduler(lanes=2, kv_blocks=100, prefill_chunk=8, step_tokens=100)
+        r = request(list(range(3, 23)), seed=40)  # 20 tokens
+        scheduler.submit(r)
+        spans = []
+        for _ in range(3):
+            plan, events = run_step(scheduler)
+            (chunk,) = plan.chunks
+            spans.append((chunk.start, len(chunk.tokens), chunk.last))
+        self.assertEqual(spans, [(0, 8, False), (8, 8, False), (16, 4, True)])
+        self.assertEqual(chunk.draw, draw_position(40, 20, 0))
+        self.assertEqual([e.token for e in events if hasattr(e, "token")], [7])
+
+    def test_several_prompts_share_a_step_within_the_budget(self) -> None:
+        """Prompt chunks of several lanes ride in one step up to step_tokens, oldest first, and
+        at least one chunk always goes."""
+        scheduler = Scheduler(lanes=4, kv_blocks=100, prefill_chunk=64, step_tokens=100)
+        for n in (40, 40, 40):
+            scheduler.submit(request([5] * n))
+        plan, _ = scheduler.plan(0.0)
+        self.assertEqual([ch.slot for ch in plan.chunks], [0, 1])
+        lone = Scheduler(lanes=1, kv_blocks=100, prefill_chunk=64, step_tokens=10)
+        lone.submit(request([5] * 40))
+        plan, _ = lone.plan(0.0)
+        self.assertEqual([len(ch.tokens) for ch in plan.chunks], [40])
+
+    def test_decode_rows_ride_with_prompt_chunks(self) -> None:
+        """A decoding lane gets one decode row per step (its last token at its position, the
+        draw of its k-th token) while another lane's prompt is computed in the same step."""
+        scheduler = Scheduler(lanes=2, kv_blocks=100, prefill_chunk=4)
+        first = request([5, 6, 7], seed=3)
+        scheduler.submit(first)
+        run_step(scheduler, token=11)
+        scheduler.submit(request([8] * 10))
+        plan, _ = scheduler.plan(0.0)
+        (row,) = plan.decode
+        self.assertEqual((row.slot, row.token, row.position), (0, 11, 3))
+        self.assertEqual(row.draw, draw_position(3, 3, 1))
+        self.assertEqual([(ch.slot, ch.start, len(ch.tokens)) for ch in plan.chunks], [(1, 0, 4)])
+
+
+class EndTests(unittest.SynchronousTestCase):
+    """How lanes end."""
+
+    def test_eos_max_new_and_token_limit(self) -> None:
+        """EOS ends a lane with the EOS id as its last token; max_new and the token limit end
+        it with LENGTH."""
+        scheduler = Scheduler(lanes=3, kv_blocks=100)
+        eos, budget = request([5], max_new=10, name="eos"), request([6], max_new=2, name="budget")
+        window = request([7] * 4, max_new=10, window=6, name="window")
+        for r in (eos, budget, window):
+            scheduler.submit(r)
+        run_step(scheduler, token=9)
+        _, events2 = run_step(scheduler, token=9)
+        self.assertIn(Ended(budget, EngineStop.LENGTH), events2)
+        self.assertIn(Ended(window, EngineStop.LENGTH), events2)
+        _, events3 = run_step(scheduler, token=EOS)
+        self.assertIn(Ended(eos, EngineStop.EOS), events3)
+        self.assertTrue(scheduler.idle)
+
+    def test_cancel_and_deadline(self) -> None:
+        """A cancelled request ends CANCELLED at the next plan, waiting or running; a passed
+        deadline ends it EXPIRED; neither is in the plan."""
+        scheduler = Scheduler(lanes=1, kv_blocks=100)
+        running = request([5], max_new=100, name="running")
+        waiting = request([6], name="waiting", deadline=5.0)
+        scheduler.submit(running)
+        scheduler.submit(waiting)
+        run_step(scheduler)
+        scheduler.cancel(running)
+        plan, ended = scheduler.plan(6.0)
+        self.assertEqual(
+            set(ended), {Ended(running, EngineStop.CANCELLED), Ended(waiting, EngineStop.EXPIRED)}
+        )
+        self.assertTrue(plan.empty)
+        self.assertTrue(scheduler.idle)
+
+    def test_a_failed_step_fails_its_lanes_only(self) -> None:
+        """A failed step ends the lanes it carried with the error; a lane that had no row in it
+        runs on."""
+        scheduler = Scheduler(lanes=3, kv_blocks=100, prefill_chunk=4, step_tokens=4)
+        a, b = request([5, 6], max_new=50, name="a"), request([6] * 8, max_new=50, name="b")
+        c = request([7] * 8, max_new=50, name="c")
+        scheduler.submit(a)
+        run_step(scheduler)
+        scheduler.submit(b)
+        scheduler.submit(c)
+        plan, _ = scheduler.plan(0.0)
+        self.assertEqual([ch.slot for ch in plan.chunks], [1])  # c waits for the budget
+        error = RuntimeError("boom")
+        ended = scheduler.fail(plan, error)
+        self.assertEqual(set(ended), {Ended(a, None, error), Ended(b, None, error)})
+        self.assertEqual(list(scheduler.running), [2])
+
+    def test_abandon_cancels_everything(self) -> None:
+        """Stopping ends waiting and running requests as CANCELLED and empties the scheduler."""
+        scheduler = Scheduler(lanes=1, kv_blocks=100)
+        a, b = request([5], name="a"), request([6], name="b")
+        scheduler.submit(a)
+        scheduler.submit(b)
+        scheduler.plan(0.0)
+        self.assertEqual(
+            set(scheduler.abandon()),
+            {Ended(a, EngineStop.CANCELLED), Ended(b, EngineStop.CANCELLED)},
+        )
+        self.assertTrue(scheduler.idle)
+        self.assertEqual(scheduler.kv_blocks_used, 0)
+
+
+class PrefixReuseTests(unittest.SynchronousTestCase):
+    """Reusing cached blocks (docs/engine.md section 4)."""
+
+    def scheduler(self, capacity: int = 64, chunk: int = 32) -> Scheduler:
+        return Scheduler(
+            lanes=4,
+            kv_blocks=1000,
+            prefill_chunk=chunk,
+            step_tokens=1000,
+            prefix=PrefixCache(capacity),
+            salt=b"test",
+        )
+
+    def finish(self, scheduler: Scheduler, steps: int = 100) -> None:
+        for _ in range(steps):
+            if scheduler.idle:
+                return
+            run_step(scheduler, token=EOS)
+        self.fail("the scheduler did not go idle")
+
+    def test_a_second_prompt_loads_the_first_ones_blocks(self) -> None:
+        """After a prompt's blocks were saved, a prompt that starts with them loads them into
+        its slot and computes only the rest (at least its last token)."""
+        scheduler = self.scheduler()
+        shared = list(range(100, 148))  # three full blocks
+        scheduler.submit(request([*shared, 1, 2, 3], max_new=1))
+        self.finish(scheduler)
+        prefix = scheduler.prefix
+        assert prefix is not None
+        self.assertEqual(len(prefix), 3)
+        scheduler.submit(request([*shared, 9, 9], max_new=1))
+        plan, _ = scheduler.plan(0.0)
+        (load,) = plan.loads
+        self.assertEqual((load.slot, load.first, len(load.blocks)), (0, 0, 3))
+        (chunk,) = plan.chunks
+        self.assertEqual((chunk.start, chunk.tokens), (48, (9, 9)))
+        self.assertEqual((prefix.stats.hits, prefix.stats.reused_tokens), (1, 48))
+        # An exact repeat of a 48-token prompt still computes its last block's last token.
+        scheduler.complete(plan, answer(plan, EOS))
+        scheduler.submit(request(shared, max_new=1))
+        plan, _ = scheduler.plan(0.0)
+        self.assertEqual(len(plan.loads[0].blocks), 2)
+        self.assertEqual(plan.chunks[0].start, 32)
+
+    def test_chunks_after_reused_blocks_keep_their_boundaries(self) -> None:
+        """After reused blocks, the first computed chunk ends on the next multiple of the chunk
+        size, where it would end without reuse."""
+        scheduler = self.scheduler(chunk=32)
+        shared = list(range(100, 148))
+        scheduler.submit(request([*shared, 1], max_new=1))
+        self.finish(scheduler)
+        scheduler.submit(request([*shared, *range(300, 340)], max_new=1))
+        plan, _ = scheduler.plan(0.0)
+        self.assertEqual([(c.start, len(c.tokens)) for c in plan.chunks], [(48, 16)])
+
+    def test_blocks_are_saved_after_the_step_that_computed_them(self) -> None:
+        """A lane's full blocks are saved in the plan after the step that computed them, from
+        its slot, generated tokens included, and each block once."""
+        scheduler = self.scheduler(chunk=16)
+        scheduler.submit(request(list(range(10, 42)), max_new=40))  # 2 full prompt blocks
+        plan, _ = scheduler.plan(0.0)
+        self.assertEqual(plan.saves, ())
+        scheduler.complete(plan, answer(plan))
+        plan, _ = scheduler.plan(0.0)
+        self.assertEqual([(s.slot, s.first, len(s.blocks)) for s in plan.saves], [(0, 0, 1)])
+        saved = 1
+        for _ in range(30):
+            scheduler.complete(plan, answer(plan))
+            plan, _ = scheduler.plan(0.0)
+            saved += sum(len(s.blocks) for s in plan.saves)
+        # 32 prompt tokens + 30 decoded (the last one not yet computed) = 61 computed: 3 blocks.
+        self.assertEqual(saved, 3)
+
+    def test_a_request_waits_for_blocks_another_lane_is_computing(self) -> None:
+        """A request whose next uncached block is in another lane's prompt waits for that lane
+        instead of computing it too, then loads it; requests behind it are not held up."""
+        scheduler = self.scheduler(chunk=16)
+        shared = list(range(200, 264))  # four blocks, computed one chunk per step
+        first = request([*shared, 1], max_new=1, name="first")
+        scheduler.submit(first)
+        scheduler.plan(0.0)  # first's chunk 0 is planned, not yet done
+        twin = request([*shared, 2], max_new=1, name="twin")
+        other = request([5, 6, 7], max_new=1, name="other")
+        scheduler.submit(twin)
+        scheduler.submit(other)
+        computed_by_twin = 0
+        for _ in range(40):
+            if scheduler.idle:
+                break
+            plan, _ = scheduler.plan(0.0)
+            for chunk in plan.chunks:
+                if chunk.tokens[-1] == 2 or (chunk.slot != 0 and chunk.tokens[0] >= 200):
+                    computed_by_twin += len(chunk.tokens)
+            scheduler.complete(plan, answer(plan, EOS))
+        self.assertTrue(scheduler.idle)
+        self.assertEqual(computed_by_twin, 1)  # only its own last token
+        prefix = scheduler.prefix
+        assert prefix is not None
+        self.assertEqual(prefix.stats.reused_tokens, 64)
+
+    def test_the_least_recently_used_block_is_evicted(self) -> None:
+        """A full pool gives up its least recently used block for a new one."""
+        cache = PrefixCache(2)
+        a, b, c = block_keys(list(range(48)), b"s")
+        self.assertEqual([cache.allocate(a), cache.allocate(b)], [0, 1])
+        self.assertEqual(cache.match([a]), [0])  # a is now the most recent
+        self.assertEqual(cache.allocate(c), 1)  # b goes
+        self.assertEqual(cache.match([a, b]), [0])
+        self.assertEqual(cache.stats.evictions, 1)
+        self.assertIsNone(cache.allocate(a))  # cached already
+
+    def test_keys_chain_over_the_whole_prefix(self) -> None:
+        """A block's key depends on every token before it and on the salt."""
+        base = list(range(32))
+        changed = [99, *base[1:]]
+        self.assertEqual(len(block_keys(base, b"s")), 2)
+        self.assertNotEqual(block_keys(base, b"s")[1], block_keys(changed, b"s")[1])
+        self.assertNotEqual(block_keys(base, b"s"), block_keys(base, b"t"))
+        self.assertEqual(block_keys(base + [1] * 15, b"s"), block_keys(base, b"s"))
+        self.assertEqual(len(block_keys(list(range(KV_BLOCK_TOKENS * 5)), b"s", limit=3)), 3)
+
+    def test_a_failed_step_forgets_the_blocks_it_was_saving(self) -> None:
+        """Blocks a failed step was writing are not left in the index."""
+        scheduler = self.scheduler(chunk=16)
+        scheduler.submit(request(list(range(10, 42)), max_new=40))
+        plan, _ = scheduler.plan(0.0)
+        scheduler.complete(plan, answer(plan))
+        plan, _ = scheduler.plan(0.0)
+        self.assertEqual(len(plan.saves), 1)
+        scheduler.fail(plan, RuntimeError("boom"))
+        prefix = scheduler.prefix
+        assert prefix is not None
+        self.assertEqual(len(prefix), 0)
