@@ -2,9 +2,12 @@
 
 - ``POST /v1/chat/completions`` and ``POST /v1/completions``: streaming (server-sent events in
   OpenAI's chunk format, ending with ``data: [DONE]``) and not; ``GET /v1/models``.
-- ``GET /healthz``: ``{"status", "nodes"}``, 200 while at least one node is live, else 503.
+- ``GET /healthz``: ``{"status", "nodes", "queued"}``, 200 while at least one node is live,
+  else 503.
 - ``GET /metrics``: Prometheus text from a per-head ``CollectorRegistry``: per-node capacity,
-  requests by outcome, tokens in and out, time to first token, failovers, reconnects.
+  requests by outcome, tokens in and out, time to first token, failovers, reconnects, and the
+  queue of requests waiting for a node (a full queue answers 503 ``queue_full`` at once; a
+  request that waited the queue timeout in vain, 503 ``no_node_available``).
 
 With an API key every ``/v1/*`` request must carry ``Authorization: Bearer KEY`` (compared in
 constant time) or gets 401; ``/healthz`` and ``/metrics`` stay open.  :meth:`OpenAIApi.drain`
@@ -47,6 +50,7 @@ from sfnode.head.fleet import (
     FleetError,
     FleetOutcome,
     NodeDeclined,
+    QueueFull,
     StreamTooLong,
 )
 from sfnode.head.link import LinkError
@@ -466,6 +470,19 @@ class _FleetCollector(Collector):
         yield CounterMetricFamily(
             "sfhead_reconnects", "Links reconnected and reconciled.", value=fleet.reconnects
         )
+        yield GaugeMetricFamily(
+            "sfhead_queued_requests", "Requests waiting for a node.", value=float(fleet.queued)
+        )
+        yield CounterMetricFamily(
+            "sfhead_queue_rejected",
+            "Requests refused at once because the queue was full.",
+            value=fleet.queue_rejected,
+        )
+        yield CounterMetricFamily(
+            "sfhead_queue_timeouts",
+            "Requests that waited the queue timeout for a node in vain.",
+            value=fleet.queue_timeouts,
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -654,10 +671,12 @@ class _Health(Resource):
 
     def render_GET(self, request: Any) -> bytes:
         live = len(self.api.fleet.live_nodes())
+        queued = self.api.fleet.queued
         if self.api.draining:
-            return _json(request, 503, {"status": "draining", "nodes": live})
+            return _json(request, 503, {"status": "draining", "nodes": live, "queued": queued})
         status = "ok" if live else "unavailable"
-        return _json(request, 200 if live else 503, {"status": status, "nodes": live})
+        body = {"status": status, "nodes": live, "queued": queued}
+        return _json(request, 200 if live else 503, body)
 
 
 class _Metrics(Resource):
@@ -731,16 +750,6 @@ class _Completions(Resource):
                 api.fleet.check_fits(api.node_model, len(parsed.prompt))
             except StreamTooLong as e:
                 raise _too_long(e) from e
-            if not api.fleet.live_nodes() and not any(
-                not n.ever_connected and not n.down for n in api.fleet.nodes
-            ):
-                raise ApiError(
-                    503,
-                    "no node is available to serve this model",
-                    kind="service_unavailable",
-                    code="no_node_available",
-                    outcome="unavailable",
-                )
         except ApiError as e:
             api.metrics.requests.labels(e.outcome).inc()
             return _json(request, e.status, e.body())
@@ -765,6 +774,10 @@ def _fleet_error(failure: Failure) -> ApiError:
         return _too_long(error)
     if isinstance(error, NodeDeclined):
         return ApiError(502, str(error), kind="server_error", outcome="error")
+    if isinstance(error, QueueFull):
+        return ApiError(
+            503, str(error), kind="service_unavailable", code="queue_full", outcome="unavailable"
+        )
     if isinstance(error, (FleetError, LinkError)):
         return ApiError(
             503,
