@@ -155,7 +155,9 @@ class ApiKeyTests(HeadServiceTestCase):
         )
         self.assertEqual((code, json.loads(content)["data"][0]["id"]), (200, MODEL))
         code, _, content = yield self.request(head, b"GET", "/healthz")
-        self.assertEqual((code, json.loads(content)), (200, {"status": "ok", "nodes": 1}))
+        self.assertEqual(
+            (code, json.loads(content)), (200, {"status": "ok", "nodes": 1, "queued": 0})
+        )
         code, _, content = yield self.request(head, b"GET", "/metrics")
         self.assertEqual(code, 200)
         self.assertIn(

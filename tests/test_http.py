@@ -82,9 +82,9 @@ class HttpTestCase(NodeTestCase):
 
     @defer.inlineCallbacks
     def start_head(
-        self, nodes: Sequence[RunningNode], *, model: str = MODEL, tok: Any = None
+        self, nodes: Sequence[RunningNode], *, model: str = MODEL, tok: Any = None, **fleet: Any
     ) -> Generator[defer.Deferred[Any], Any, Head]:
-        fleet = Fleet(reactor, ids=self.ids)
+        fleet = Fleet(reactor, ids=self.ids, **fleet)
         self.addCleanup(fleet.stop)
         for node in nodes:
             yield fleet.add_node(node.endpoint)
@@ -374,15 +374,18 @@ class ErrorTests(HttpTestCase):
 
     @defer.inlineCallbacks
     def test_no_node_is_503_and_unhealthy(self) -> Generator[Any, Any, None]:
-        """Without nodes: completions answer 503 and /healthz says 503 with nodes 0."""
-        head = yield self.start_head([])
+        """Without nodes: a completion waits the queue timeout (0.1 s here) for one, then
+        answers 503 no_node_available; /healthz says 503 with nodes 0 and nothing queued."""
+        head = yield self.start_head([], queue_timeout_s=0.1)
         code, content = yield self.call(
             head, b"POST", "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES}
         )
         self.assertEqual(code, 503)
-        self.assertIn("error", json.loads(content))
+        self.assertEqual(json.loads(content)["error"]["code"], "no_node_available")
         code, content = yield self.call(head, b"GET", "/healthz")
-        self.assertEqual((code, json.loads(content)), (503, {"status": "unavailable", "nodes": 0}))
+        self.assertEqual(
+            (code, json.loads(content)), (503, {"status": "unavailable", "nodes": 0, "queued": 0})
+        )
 
 
 class ObservabilityTests(HttpTestCase):
@@ -394,7 +397,9 @@ class ObservabilityTests(HttpTestCase):
         node = yield self.start_vocab_node(identity="m1")
         head = yield self.start_head([node])
         code, content = yield self.call(head, b"GET", "/healthz")
-        self.assertEqual((code, json.loads(content)), (200, {"status": "ok", "nodes": 1}))
+        self.assertEqual(
+            (code, json.loads(content)), (200, {"status": "ok", "nodes": 1, "queued": 0})
+        )
         code, content = yield self.call(head, b"GET", "/v1/models")
         self.assertEqual([m["id"] for m in json.loads(content)["data"]], [MODEL])
         yield self.call(
