@@ -111,8 +111,13 @@ class KillTests(TestCase):
         response = yield agent.request(b"GET", (base + "/metrics").encode())
         metrics = (yield readBody(response)).decode()
         self.assertIn("sfhead_failovers_total 1.0", metrics)
-        self.assertIn(b"node proc0 marked down", bytes(head.output))
-        self.assertNotIn(b"Traceback", bytes(head.output))
+        output = bytes(head.output)
+        # The redial at once may still reach the dying process (then the connection closes
+        # during the handshake); the next finds nobody listening.  Both say so plainly.
+        self.assertIn(f"node proc0 (tcp:127.0.0.1:{ports[0]}) is down: ".encode(), output)
+        self.assertIn(b"could not connect: connection refused", output)
+        for chatter in (b"Traceback", b"Starting factory", b"Stopping factory", b"object at 0x"):
+            self.assertNotIn(chatter, output)
 
 
 class OptionsTests(TestCase):
@@ -137,6 +142,39 @@ class OptionsTests(TestCase):
         self.assertIs(options["policy"], Policy.LOAD_AWARE)
         self.assertEqual(options["lease-ms"], 60000)
         self.assertEqual(options["model-name"], "SmolLM2-135M-Instruct")
+        self.assertEqual(
+            [options[o] for o in ("max-queued", "queue-timeout", "reconnect-max")], [256, 30, 10]
+        )
+        self.assertEqual(options["keepalive-timeout"], 10.0)
+
+    def test_queue_redial_and_keepalive_options(self) -> None:
+        """--max-queued is a count (0: no waiting), the others seconds; --reconnect-max may not
+        be below the first redial's 0.1 s; the values reach the fleet."""
+        from twisted.internet.testing import MemoryReactorClock
+        from twisted.python.usage import UsageError
+
+        from sfnode.head.tap import makeService
+        from tests.tinymodel import tiny_tokenizer
+
+        for args in (
+            ["--max-queued", "-1"],
+            ["--max-queued", "many"],
+            ["--queue-timeout", "soon"],
+            ["--reconnect-max", "0.01"],
+            ["--keepalive-timeout", "-3"],
+        ):
+            self.assertRaises(UsageError, self.parse, *args)
+        folder = self.mktemp()
+        tiny_tokenizer().save_pretrained(folder)
+        options = self.parse(
+            "--model", folder, "--max-queued", "0", "--queue-timeout", "2.5",
+            "--reconnect-max", "1", "--keepalive-timeout", "0",
+        )  # fmt: skip
+        fleet = makeService(options, MemoryReactorClock()).getServiceNamed("fleet").fleet
+        self.assertEqual(
+            (fleet.max_queued, fleet.queue_timeout_s, fleet.retry_max_s, fleet.silence_timeout_s),
+            (0, 2.5, 1.0, 0.0),
+        )
 
     def test_bad_values_are_usage_errors(self) -> None:
         """A bad policy, a bad endpoint, a non-loopback node without a token, --pipeline with

@@ -123,7 +123,9 @@ class PipelineFleet:
         ids: HeadIds | None = None,
         token: bytes = b"",
         clock: IReactorTime | None = None,
+        fleet_options: dict[str, Any] | None = None,
     ) -> None:
+        """``fleet_options`` go to the stages' :class:`Fleet` (redial cap, keepalive window)."""
         if not endpoints:
             raise ValueError("a pipeline needs at least one stage")
         if boundaries is not None:
@@ -134,7 +136,7 @@ class PipelineFleet:
             raise ValueError("give the layer count or the layer boundaries of the stages")
         self.endpoints = list(endpoints)
         self.eos_ids = frozenset(eos_ids)
-        self.fleet = Fleet(reactor, ids=ids, token=token, clock=clock)
+        self.fleet = Fleet(reactor, ids=ids, token=token, clock=clock, **(fleet_options or {}))
         self.stages: list[FleetNode] = []
 
     @property
