@@ -656,6 +656,15 @@ class ListeningService(service.Service):
         return stopped if stopped is not None else defer.succeed(None)
 
 
+def progress_bars_only_on_a_terminal() -> None:
+    """Turn tqdm's progress bars (model conversion and loading) off unless stderr is a
+    terminal: in a log file or a pipe they are lines of noise.  It has to run before tqdm is
+    first imported (``makeService`` runs before twistd redirects stderr to its log)."""
+    stderr = sys.__stderr__
+    if stderr is None or not stderr.isatty():
+        os.environ.setdefault("TQDM_DISABLE", "1")
+
+
 def exit_zero_after_a_clean_stop(reactor: Any) -> None:
     """Make a SIGTERM (or Ctrl-C) that ended in a clean, drained stop exit with status 0.
 
@@ -694,6 +703,7 @@ def makeService(
 
         reactor = global_reactor
         exit_zero_after_a_clean_stop(reactor)
+        progress_bars_only_on_a_terminal()
     from sfnode.node import NodeAgent
 
     engine = build_engine(reactor, options)

@@ -43,6 +43,7 @@ from sfnode.tap import (
     client_from_string,
     describe_address,
     exit_zero_after_a_clean_stop,
+    progress_bars_only_on_a_terminal,
     server_from_string,
 )
 from sfnode.tokens import read_token
@@ -523,6 +524,7 @@ def makeService(options: Options, reactor: Any = None) -> service.MultiService:
 
         reactor = global_reactor
         exit_zero_after_a_clean_stop(reactor)
+        progress_bars_only_on_a_terminal()
     from sfnode.head.http import OpenAIApi
     from sfnode.head.pipeline import PipelineFleet
 
