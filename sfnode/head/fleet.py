@@ -164,6 +164,12 @@ class FleetNode:
         return self.link.description
 
     @property
+    def label(self) -> str:
+        """The name and, when it says more, the endpoint: ``vm (tcp:10.0.0.5:8454)``."""
+        name, description = self.link.name, self.link.description
+        return name if name == description else f"{name} ({description})"
+
+    @property
     def dialed(self) -> bool:
         return self.link.dialable
 
@@ -707,16 +713,14 @@ class Fleet:
             self.reconnects += 1
             if node.failed_attempts:
                 _log.info(
-                    "node {node} ({endpoint}) is back after {count} failed attempts",
-                    node=node.name,
-                    endpoint=node.description,
+                    "node {node} is back after {count} failed attempts",
+                    node=node.label,
                     count=node.failed_attempts,
                 )
             else:
                 _log.info(
-                    "the link to {node} ({endpoint}) is open again (reconciled)",
-                    node=node.name,
-                    endpoint=node.description,
+                    "the link to {node} is open again (reconciled)",
+                    node=node.label,
                 )
         node.failed_attempts = 0
         node.last_failure = ""
@@ -730,19 +734,17 @@ class Fleet:
         text = str(reason)
         if node.failed_attempts == 1:
             _log.warn(
-                "node {node} ({endpoint}) is down: {reason}; redialling in {delay:.1f} s, "
+                "node {node} is down: {reason}; redialling in {delay:.1f} s, "
                 "then backing off up to {cap:g} s",
-                node=node.name,
-                endpoint=node.description,
+                node=node.label,
                 reason=text,
                 delay=retry_in_s or 0.0,
                 cap=self.retry_max_s,
             )
         elif text != node.last_failure:
             _log.info(
-                "node {node} ({endpoint}) is still down: {reason} (attempt {count})",
-                node=node.name,
-                endpoint=node.description,
+                "node {node} is still down: {reason} (attempt {count})",
+                node=node.label,
                 reason=text,
                 count=node.failed_attempts,
             )
@@ -754,9 +756,8 @@ class Fleet:
             return
         if link.dialable:
             _log.info(
-                "the link to {node} ({endpoint}) dropped: {reason}; redialling",
-                node=node.name,
-                endpoint=node.description,
+                "the link to {node} dropped: {reason}; redialling",
+                node=node.label,
                 reason=str(reason),
             )
 
