@@ -8,7 +8,9 @@ node is SIGKILLed and restarted on its port (only while all are up: at most one 
 time) and one node is SIGSTOPped for ``--hang`` seconds once.  Printed per direction: streams
 that equal their reference out of all, answers that failed (503 or an error in the stream),
 the head's failovers and reconnects, kills, and the longest stall (the longest time any stream
-went without a byte, from its request on).
+went without a byte, from its request on).  Then the head of a dial-in fleet is killed and
+started again ``--head-restart`` seconds later: printed are the delays after which each node
+joined it again and when the first request (sent as soon as it served HTTP) was answered.
 
     PYTHONPATH=. python bench/chaos.py                        # both directions, 400 streams
     PYTHONPATH=. python bench/chaos.py --direction dial --requests 100 --nodes 4
@@ -28,7 +30,7 @@ from typing import Any
 
 from twisted.internet import defer, task
 
-from tests.chaos import DIAL, DIAL_IN, ChaosConfig, run_chaos
+from tests.chaos import DIAL, DIAL_IN, ChaosConfig, run_chaos, run_head_restart
 
 
 def main(argv: list[str]) -> None:
@@ -42,6 +44,13 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--hang", type=float, default=4.0, help="SIGSTOP seconds (0: none)")
     parser.add_argument("--keepalive-timeout", type=float, default=3.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--head-restart",
+        type=float,
+        default=5.0,
+        help="then kill the head of a dial-in fleet, start it again after this many seconds, "
+        "and time the nodes' return (0: skip)",
+    )
     options = parser.parse_args(argv)
     directions = [DIAL, DIAL_IN] if options.direction == "both" else [options.direction]
 
@@ -71,6 +80,17 @@ def main(argv: list[str]) -> None:
             )
             for result in [r for r in report.results if not r.exact][:5]:
                 print(f"  not exact: {result}", flush=True)
+        if options.head_restart > 0:
+            with tempfile.TemporaryDirectory(prefix="sfnode-chaos-") as folder:
+                config = ChaosConfig(
+                    folder=Path(folder),
+                    nodes=options.nodes,
+                    tokens=options.tokens,
+                    prompts=1,
+                    token_delay_ms=options.token_delay_ms,
+                )
+                restart = yield run_head_restart(config, down_s=options.head_restart)
+            print(restart.summary(), flush=True)
 
     task.react(soak)
 

@@ -408,3 +408,67 @@ def run_chaos(config: ChaosConfig) -> Generator[Any, Any, ChaosReport]:
         if fleet.head is not None:
             report.head_log = bytes(fleet.head.output)
     return report
+
+
+@dataclass
+class RestartReport:
+    """A head killed and started again, with nodes that dial it."""
+
+    rejoined_s: list[float] = field(default_factory=list)
+    """Per node: from the new head accepting nodes to that node joining it."""
+    first_answer_s: float = 0.0
+    """From the new head serving HTTP to the end of the first answer (sent at once)."""
+    first_exact: bool = False
+    head_log: bytes = b""
+
+    def summary(self) -> str:
+        joined = ", ".join(f"{s:.2f}" for s in self.rejoined_s)
+        return (
+            f"head restart: nodes rejoined {joined} s after the head listened; the first "
+            f"request, sent at once, was answered {'exactly' if self.first_exact else 'WRONGLY'} "
+            f"{self.first_answer_s:.2f} s after the head served HTTP"
+        )
+
+
+@defer.inlineCallbacks
+def run_head_restart(
+    config: ChaosConfig, down_s: float = 5.0
+) -> Generator[Any, Any, RestartReport]:
+    """Nodes dial the head; the head is SIGKILLed, stays away ``down_s`` seconds (the nodes'
+    redials back off meanwhile), and starts again on the same ports.  A request is sent as soon
+    as it serves HTTP: it waits for a node, which must dial in again by itself."""
+    config.direction = DIAL_IN
+    fleet = Fleet(config)
+    load = Load(fleet, config)
+    report = RestartReport()
+    try:
+        yield fleet.start()
+        yield load.reference()
+        assert fleet.head is not None
+        yield fleet.head.kill()
+        yield task.deferLater(reactor, down_s, lambda: None)
+        head = fleet.start_head()
+
+        def stamp(_: Any) -> float:
+            return time.monotonic()
+
+        accepting = head.wait_for(rb"sfhead accepting nodes on").addCallback(stamp)
+        serving = head.wait_for(rb"sfhead serving HTTP on").addCallback(stamp)
+        joined = [
+            head.wait_for(rb"node chaos%d joined" % i).addCallback(stamp)
+            for i in range(config.nodes)
+        ]
+        listened = yield accepting
+        served = yield serving
+        first = yield load.stream(0)
+        answered = time.monotonic()
+        times = yield defer.gatherResults(joined)
+        report.rejoined_s = [t - listened for t in times]
+        report.first_answer_s = answered - served
+        report.first_exact = first.exact
+    finally:
+        yield fleet.stop()
+        yield load.pool.closeCachedConnections()
+        if fleet.head is not None:
+            report.head_log = bytes(fleet.head.output)
+    return report

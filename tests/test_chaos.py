@@ -4,7 +4,8 @@ Three ``twistd sfnode --engine mock`` nodes and one ``twistd sfhead``; streamed 
 while nodes are SIGKILLed and restarted on their port one at a time and one node is SIGSTOPped
 for longer than the head's keepalive window, then continued.  Every stream must equal the
 uninterrupted run of its prompt, none may fail, and the head must have failed over.  The long
-soak of the same harness is ``bench/chaos.py``.
+soak of the same harness is ``bench/chaos.py``.  Nodes that dial a head that was killed dial
+its successor by themselves, and its first request is served.
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ from typing import Any
 from twisted.internet import defer
 from twisted.trial.unittest import TestCase
 
-from tests.chaos import DIAL, DIAL_IN, ChaosConfig, ChaosReport, run_chaos
+from tests.chaos import (
+    DIAL,
+    DIAL_IN,
+    ChaosConfig,
+    ChaosReport,
+    RestartReport,
+    run_chaos,
+    run_head_restart,
+)
 
 
 class ChaosTests(TestCase):
@@ -53,3 +62,16 @@ class ChaosTests(TestCase):
     def test_nodes_that_dial_the_head(self) -> defer.Deferred[ChaosReport]:
         """The nodes dial the head (--head): kills, restarts and a SIGSTOP cost no stream."""
         return self.chaos(DIAL_IN)
+
+    @defer.inlineCallbacks
+    def test_nodes_rejoin_a_restarted_head_and_its_first_request_is_served(
+        self,
+    ) -> Generator[Any, Any, None]:
+        """The head is SIGKILLed and started again after 3 s on its ports: every node that
+        dials it joins the new head by itself, and a request sent as soon as the new head
+        serves HTTP waits for them and is answered exactly."""
+        config = ChaosConfig(folder=Path(self.mktemp()), nodes=2, tokens=16, prompts=1)
+        report: RestartReport = yield run_head_restart(config, down_s=3.0)
+        self.assertTrue(report.first_exact, report.summary())
+        self.assertEqual(len(report.rejoined_s), 2)
+        self.assertNotIn(b"Traceback", report.head_log)
