@@ -826,8 +826,8 @@ class Fleet:
             self.queue_rejected += 1
             return defer.fail(
                 QueueFull(
-                    f"every live node is busy and {len(self._queue)} requests are waiting "
-                    f"already (the most that may wait; {waiter.reason or 'no node is live'})"
+                    f"no node can take the request now ({waiter.reason or 'no node is live'}) "
+                    f"and the queue is full ({self.max_queued} requests may wait)"
                 )
             )
         if self.queue_timeout_s > 0:

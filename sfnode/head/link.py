@@ -659,10 +659,9 @@ class NodeLink:
         that cannot be sent now (the link is down) goes out after the next reconcile, so a
         node that was only unreachable frees what it still runs for the session.
         """
-        known = self.head_session.epoch_of(session_id)
         message = self.head_session.revoke(session_id, epoch=epoch)
         if message is not None and not self.send_now(message):
-            self._owed_revokes[session_id] = message.epoch if known is None else known
+            self._owed_revokes[session_id] = message.epoch
         for key, call in list(self._generations.items()):
             if key[0] == session_id:
                 self._forget_generation(call)
