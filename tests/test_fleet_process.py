@@ -1,4 +1,5 @@
-"""``twistd sfhead`` and ``twistd sfnode`` as real processes: a node killed mid-stream.
+"""``twistd sfhead`` and ``twistd sfnode`` as real processes: a node killed mid-stream, the
+head's options, and ``python -m sfnode.fleet`` (``make run``) stopped by Ctrl-C.
 
 Two mock-engine node processes (slow tokens, ``--token-delay-ms``) and a head process on the
 bundled tokenizer.  A streamed completion starts on the first node; that process is killed with
@@ -9,6 +10,9 @@ second node.  No sleeps: every wait is on a line a process logs or on the HTTP s
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
 import sys
 from collections.abc import Generator
 from io import BytesIO
@@ -114,8 +118,13 @@ class KillTests(TestCase):
         response = yield agent.request(b"GET", (base + "/metrics").encode())
         metrics = (yield readBody(response)).decode()
         self.assertIn("sfhead_failovers_total 1.0", metrics)
-        self.assertIn(b"node proc0 marked down", bytes(head.output))
-        self.assertNotIn(b"Traceback", bytes(head.output))
+        output = bytes(head.output)
+        # The redial at once may still reach the dying process (then the connection closes
+        # during the handshake); the next finds nobody listening.  Both say so plainly.
+        self.assertIn(f"node proc0 (tcp:127.0.0.1:{ports[0]}) is down: ".encode(), output)
+        self.assertIn(b"could not connect: connection refused", output)
+        for chatter in (b"Traceback", b"Starting factory", b"Stopping factory", b"object at 0x"):
+            self.assertNotIn(chatter, output)
 
 
 class OptionsTests(TestCase):
@@ -140,6 +149,39 @@ class OptionsTests(TestCase):
         self.assertIs(options["policy"], Policy.LOAD_AWARE)
         self.assertEqual(options["lease-ms"], 60000)
         self.assertEqual(options["model-name"], "SmolLM2-135M-Instruct")
+        self.assertEqual(
+            [options[o] for o in ("max-queued", "queue-timeout", "reconnect-max")], [256, 30, 10]
+        )
+        self.assertEqual(options["keepalive-timeout"], 10.0)
+
+    def test_queue_redial_and_keepalive_options(self) -> None:
+        """--max-queued is a count (0: no waiting), the others seconds; --reconnect-max may not
+        be below the first redial's 0.1 s; the values reach the fleet."""
+        from twisted.internet.testing import MemoryReactorClock
+        from twisted.python.usage import UsageError
+
+        from sfnode.head.tap import makeService
+        from tests.tinymodel import tiny_tokenizer
+
+        for args in (
+            ["--max-queued", "-1"],
+            ["--max-queued", "many"],
+            ["--queue-timeout", "soon"],
+            ["--reconnect-max", "0.01"],
+            ["--keepalive-timeout", "-3"],
+        ):
+            self.assertRaises(UsageError, self.parse, *args)
+        folder = self.mktemp()
+        tiny_tokenizer().save_pretrained(folder)
+        options = self.parse(
+            "--model", folder, "--max-queued", "0", "--queue-timeout", "2.5",
+            "--reconnect-max", "1", "--keepalive-timeout", "0",
+        )  # fmt: skip
+        fleet = makeService(options, MemoryReactorClock()).getServiceNamed("fleet").fleet
+        self.assertEqual(
+            (fleet.max_queued, fleet.queue_timeout_s, fleet.retry_max_s, fleet.silence_timeout_s),
+            (0, 2.5, 1.0, 0.0),
+        )
 
     def test_bad_values_are_usage_errors(self) -> None:
         """A bad policy, a bad endpoint, a non-loopback node without a token, --pipeline with
@@ -205,7 +247,116 @@ class OptionsTests(TestCase):
         )
         self.assertEqual((out.split(), code), ([b"True", b"False"], 0), err)
 
+    @defer.inlineCallbacks
+    def test_the_installed_package_brings_its_plugins(self) -> Generator[Any, Any, None]:
+        """Run from another folder without PYTHONPATH, the installed sfnode's twistd lists
+        sfnode and sfhead: a plain ``pip install -e .`` puts the project root on sys.path
+        (so Twisted's plugin scan finds twisted/plugins/), and a wheel ships the plugins."""
+        from twisted.internet.utils import getProcessOutputAndValue
+
+        from tests.processes import TWISTD
+
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        out, err, code = yield getProcessOutputAndValue(
+            sys.executable, ["-c", TWISTD, "--help"], env=env, path=self.mktemp_dir()
+        )
+        self.assertEqual(code, 0, err)
+        self.assertRegex(out.decode(), r"\n\s+sfnode\s+A Link F node agent")
+        self.assertRegex(out.decode(), r"\n\s+sfhead\s+A Link F fleet head")
+
     def mktemp_dir(self) -> str:
         folder = Path(self.mktemp())
         folder.mkdir(parents=True)
         return str(folder)
+
+
+class _Exiting(Child):
+    """A child that remembers its exit status."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.status: int | None = None
+
+    def processEnded(self, reason: Failure) -> None:
+        self.status = getattr(reason.value, "exitCode", None)
+        super().processEnded(reason)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class MakeRunTests(TestCase):
+    timeout = 180
+
+    @defer.inlineCallbacks
+    def test_ctrl_c_stops_the_fleet_cleanly(self) -> Generator[Any, Any, None]:
+        """``python -m sfnode.fleet`` (mock engine) serves a completion; a SIGINT to its process
+        group, as a terminal sends on Ctrl-C, stops the head and the node once each and exits
+        0 with no traceback."""
+        node_port, http_port, fleet_port = _free_port(), _free_port(), _free_port()
+        folder = Path(self.mktemp())
+        folder.mkdir(parents=True)
+        # A session of its own, like a shell's foreground job: the group a terminal signals.
+        script = (
+            "import os, runpy, sys; os.setsid(); sys.argv[0] = 'sfnode.fleet'; "
+            "runpy.run_module('sfnode.fleet', run_name='__main__')"
+        )
+        child = _Exiting("fleet")
+        child.transport = reactor.spawnProcess(
+            child,
+            sys.executable,
+            [sys.executable, "-c", script, "--engine", "mock", "--node-port", str(node_port),
+             "--http-port", str(http_port), "--fleet-port", str(fleet_port)],
+            env=child_env(),
+            path=str(folder),
+        )  # fmt: skip
+
+        def cleanup() -> defer.Deferred[None]:
+            if not child.ended.called:
+                child.transport.signalProcess("INT")
+            return child.ended
+
+        self.addCleanup(cleanup)
+        yield child.wait_for(rb"The fleet is up on")
+        body = {"model": "mock", "prompt": [100, 101, 102], "max_tokens": 4}
+        response = yield Agent(reactor).request(
+            b"POST",
+            f"http://127.0.0.1:{http_port}/v1/completions".encode(),
+            Headers({b"content-type": [b"application/json"]}),
+            FileBodyProducer(BytesIO(json.dumps(body).encode())),
+        )
+        self.assertEqual(response.code, 200)
+        yield readBody(response)
+        os.killpg(child.transport.pid, signal.SIGINT)
+        yield child.ended
+        output = bytes(child.output)
+        self.assertEqual(child.status, 0, output.decode(errors="replace"))
+        self.assertNotIn(b"Traceback", output)
+        self.assertNotIn(b"ReactorNotRunning", output)
+        self.assertEqual(output.count(b"Received SIGTERM"), 2)
+        self.assertNotIn(b"Received SIGINT", output)
+
+
+class QuietStartTests(TestCase):
+    timeout = 180
+
+    @defer.inlineCallbacks
+    def test_no_progress_bars_in_a_log(self) -> Generator[Any, Any, None]:
+        """A node whose output is not a terminal (here a pipe) loads its model without tqdm
+        progress bars ("Loading weights: 100%|...") in that output."""
+        from tests.tinymodel import save_tiny_model
+
+        model = save_tiny_model(Path(self.mktemp()).resolve() / "tiny")
+        node = spawn_twistd(
+            self,
+            Child("node"),
+            ["sfnode", "--listen", LOOPBACK, "--engine", "transformers", "--model", str(model)],
+        )
+        yield node.wait_for(rb"sfnode listening on")
+        output = bytes(node.output)
+        self.assertIn(b"Loaded tiny", output)
+        self.assertNotIn(b"it/s]", output)
+        self.assertNotIn(b"Loading weights", output)

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from twisted.internet.defer import Deferred
+from twisted.internet.error import ConnectionRefusedError
 from twisted.internet.protocol import ClientFactory, Factory, Protocol
 from twisted.internet.testing import MemoryReactorClock
 from twisted.logger import LogEvent, formatEvent, globalLogPublisher
@@ -21,6 +22,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from sfnode.head.link import (
     COMMAND_SPACE,
     DEFAULT_LEASE,
+    ConnectError,
     GenerationOutcome,
     HandshakeError,
     HandshakeTimeoutError,
@@ -30,6 +32,7 @@ from sfnode.head.link import (
     MalformedFrameError,
     NodeLink,
     NodeRefusedError,
+    NodeSilentError,
     ReconcileError,
     SessionRevokedError,
     SupersededError,
@@ -154,9 +157,14 @@ class LinkTestCase(SynchronousTestCase):
         self.completer = ConnectionCompleter(self.reactor)
         self.ids = HeadIds()
         self.pumps: list[IOPump] = []
+        self.links: list[NodeLink] = []
 
     def tearDown(self) -> None:
-        """No test may leave a timer behind (handshake and reconcile timers are cancelled)."""
+        """Closing every link leaves no timer behind (handshake, reconcile, keepalive, silence
+        and redial timers are all cancelled)."""
+        for link in self.links:
+            link.close()
+        self.flush()
         self.assertEqual(self.reactor.getDelayedCalls(), [])
 
     def flush(self) -> None:
@@ -172,7 +180,12 @@ class LinkTestCase(SynchronousTestCase):
     def dial(self, **kwargs: Any) -> Deferred[NodeLink]:
         d = connect_node(self.reactor, f"tcp:127.0.0.1:{PORT}", ids=self.ids, **kwargs)
         self.complete()
-        return d
+        return d.addCallback(self.keep)
+
+    def keep(self, link: NodeLink) -> NodeLink:
+        """Close ``link`` at the end of the test."""
+        self.links.append(link)
+        return link
 
     def open_link(self, **kwargs: Any) -> tuple[NodeLink, FakeNode]:
         link = self.successResultOf(self.dial(**kwargs))
@@ -214,18 +227,31 @@ class HandshakeTests(LinkTestCase):
         self.assertTrue(self.factory.nodes[0].lost)
 
     def test_a_node_closing_at_the_handshake_is_a_refusal(self) -> None:
-        """A connection closed before HELLO_ACK_F fails with NodeRefusedError naming the token."""
+        """A connection closed before HELLO_ACK_F fails with NodeRefusedError saying so, and
+        with the real reason; a plaintext link does not guess at a token.  connect_node then
+        closes the link: nothing redials."""
         self.factory.hello_mode = "close"
         failure = self.failureResultOf(self.dial(), NodeRefusedError)
-        self.assertIn("closed the connection at the handshake", str(failure.value))
-        self.assertIn("token", str(failure.value))
+        self.assertEqual(
+            str(failure.value),
+            "the node closed the connection during the handshake (the connection was closed)",
+        )
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
+
+    def test_a_refused_connection_says_refused(self) -> None:
+        """Nobody listening: connect_node fails with ConnectError "connection refused"."""
+        d = connect_node(self.reactor, "tcp:127.0.0.1:9", ids=self.ids)
+        self.completer.failOnce(Failure(ConnectionRefusedError()))
+        failure = self.failureResultOf(d, ConnectError)
+        self.assertEqual(str(failure.value), "could not connect: connection refused")
         self.assertEqual(self.reactor.getDelayedCalls(), [])
 
     def test_a_first_frame_other_than_hello_ack_fails_the_handshake(self) -> None:
-        """Any other first message is a handshake error ("expected HelloAckF")."""
+        """Any other first message is a handshake error ("expected HELLO_ACK_F")."""
         self.factory.hello_mode = "status"
         failure = self.failureResultOf(self.dial(), HandshakeError)
-        self.assertIn("expected HelloAckF", str(failure.value))
+        self.assertIn("expected HELLO_ACK_F", str(failure.value))
+        self.flush()
         self.assertTrue(self.factory.nodes[0].lost)
 
     def test_command_bases_and_epochs_are_process_wide(self) -> None:
@@ -250,6 +276,7 @@ class HandshakeTests(LinkTestCase):
         self.reactor.connectTCP("127.0.0.1", 9000, client_factory)
         self.complete()
         (link,) = adopted
+        self.keep(link)
         self.assertEqual(link.node_identity, "fake-node")
         self.assertFalse(link.dialable)
         self.assertEqual(node_factory.nodes[0].received[0].MSG_TYPE, Hello.MSG_TYPE)
@@ -382,6 +409,8 @@ class GenerateTests(LinkTestCase):
         self.flush()
         self.assertEqual(node.of_type(WatermarkAckMsg), [])
         self.assertEqual(call.tokens, [])
+        link.close()
+        self.failureResultOf(call.result, LinkLostError)
 
     def test_concurrent_generations_on_one_link_stay_apart(self) -> None:
         """Two generations on two sessions receive only their own events."""
@@ -495,16 +524,25 @@ class BrokenLinkTests(LinkTestCase):
         self.assertIn("TokenEventsMsg", str(failure.value))
         self.assertTrue(node.lost)
 
-    def test_a_dropped_link_fails_pending_generations_and_tells_the_owner(self) -> None:
-        """Without a reconnect, a lost connection fails pending calls with LinkLostError."""
+    def test_a_dropped_link_redials_at_once_and_a_failed_redial_fails_pending_calls(
+        self,
+    ) -> None:
+        """A lost connection tells the owner and is redialled at once; the pending generation
+        waits for that attempt, and fails with LinkLostError naming the real reason when the
+        node refuses it.  New calls fail at once while the link is down."""
         link, node = self.placed()
         call = link.generate(1, 4)
         closed = link.when_closed()
         self.flush()
         node.transport.loseConnection()  # type: ignore[union-attr]
         self.flush()
-        self.failureResultOf(call.result, LinkLostError)
         self.assertIsInstance(self.successResultOf(closed), LinkLostError)
+        self.assertNoResult(call.result)
+        self.assertEqual(link.status, "connecting")
+        self.completer.failOnce(Failure(ConnectionRefusedError()))
+        failure = self.failureResultOf(call.result, LinkLostError)
+        self.assertIn("connection refused", str(failure.value))
+        self.assertEqual(link.status, "down")
         self.failureResultOf(link.generate(1, 4).result, LinkLostError)
 
     def test_close_fails_pending_calls_and_fires_when_gone(self) -> None:
@@ -576,13 +614,13 @@ class ReconnectTests(LinkTestCase):
         self.assertEqual((append.command_id, decode_tokens(append.blocks)), (5, (5, 6)))
         self.assertTrue(link.connected)
 
-    def test_a_reconnect_from_when_closed_keeps_the_generation_waiting(self) -> None:
-        """An owner reconnecting from when_closed keeps its generation alive for retransmission."""
+    def test_a_dropped_connection_is_redialled_and_the_generation_completes(self) -> None:
+        """The node drops the connection mid-generation: the link redials at once by itself,
+        reconciles, and the generation completes from the retransmission, once."""
         link, node = self.placed()
         call = link.generate(1, 16)
         self.flush()
-        reconnected: list[Deferred[None]] = []
-        link.when_closed().addCallback(lambda _: reconnected.append(link.reconnect()))
+        reconnected = link.when_closed().addCallback(lambda _: link.when_open())
 
         def reconcile(new: FakeNode, message: Message) -> None:
             if isinstance(message, ReconcileMsg):
@@ -596,8 +634,9 @@ class ReconnectTests(LinkTestCase):
         self.flush()
         self.assertNoResult(call.result)
         self.complete()
-        self.successResultOf(reconnected[0])
+        self.successResultOf(reconnected)
         self.assertEqual(self.successResultOf(call.result), GenerationOutcome([], FINISH_EOS))
+        self.assertEqual(link.status, "open")
 
     def test_a_reconnect_that_cannot_handshake_fails_pending_generations(self) -> None:
         """If the node refuses the new connection, the reconnect and its generations fail."""
@@ -752,3 +791,51 @@ class MoreGenerateTests(LinkTestCase):
             self.successResultOf(call.result)
             wal = link.head_session.committed(1, call.epoch, call.generation_id)
             self.assertEqual([e.event_seq for e in wal], expected)
+
+
+class LivenessTests(LinkTestCase):
+    def test_an_open_link_sends_a_keepalive_every_15_s(self) -> None:
+        """KEEPALIVE goes out every 15 s on an open link (section 8), from the link itself."""
+        _, node = self.open_link(silence_timeout_s=0)
+        self.reactor.advance(15)
+        self.flush()
+        self.reactor.advance(15)
+        self.flush()
+        self.assertEqual(node.of_type(Keepalive), [Keepalive(), Keepalive()])
+
+    def test_a_hung_node_fails_its_generations_within_the_keepalive_window(self) -> None:
+        """A node that sends nothing for the keepalive window (2 s here) is given up: its
+        pending generation fails with NodeSilentError at once, whatever a redial might do,
+        and the link redials.  Every frame from the node pushes the deadline back."""
+        link, node = self.open_link(silence_timeout_s=2.0)
+        link.assign(1)
+        link.append(1, [1, 2])
+        call = link.generate(1, 16)
+        self.flush()
+        self.reactor.advance(1.5)
+        node.events(ev(0, Tokens((7,)), e=call.epoch, g=call.generation_id))
+        self.flush()
+        self.reactor.advance(1.9)
+        self.assertNoResult(call.result)
+        self.reactor.advance(0.1)
+        failure = self.failureResultOf(call.result, NodeSilentError)
+        self.assertIn("sent nothing for 2.0 s", str(failure.value))
+        self.assertEqual(call.tokens, [7])
+        self.assertEqual(link.status, "connecting")
+        self.flush()
+        self.assertTrue(node.lost)
+
+    def test_a_revoke_made_while_down_is_sent_after_the_reconnect(self) -> None:
+        """A session revoked while its node was unreachable is revoked on the node once the
+        link is back (so a node that was only hung frees what it still runs for it)."""
+        link, node = self.placed()
+        epoch = link.head_session.epoch_of(1)
+        node.transport.loseConnection()  # type: ignore[union-attr]
+        self.flush()
+        link.revoke(1)
+        self.complete()
+        self.assertEqual(link.status, "open")
+        new = self.factory.nodes[-1]
+        (revoke,) = new.of_type(SessionRevokeMsg)
+        self.assertEqual((revoke.session_id, revoke.epoch), (1, epoch))
+        self.assertEqual(new.of_type(ReconcileMsg), [])

@@ -88,10 +88,17 @@ class HttpTestCase(NodeTestCase):
 
     @defer.inlineCallbacks
     def start_head(
-        self, nodes: Sequence[RunningNode], *, model: str = MODEL, tok: Any = None, **api: Any
+        self,
+        nodes: Sequence[RunningNode],
+        *,
+        model: str = MODEL,
+        tok: Any = None,
+        fleet_options: dict[str, Any] | None = None,
+        **api: Any,
     ) -> Generator[defer.Deferred[Any], Any, Head]:
-        """A fleet with ``nodes`` and its API on 127.0.0.1 (``api``: more OpenAIApi keywords)."""
-        fleet = Fleet(reactor, ids=self.ids)
+        """A fleet with ``nodes`` and its API on 127.0.0.1 (``fleet_options``: more Fleet
+        keywords, such as the queue's bounds; ``api``: more OpenAIApi keywords)."""
+        fleet = Fleet(reactor, ids=self.ids, **(fleet_options or {}))
         self.addCleanup(fleet.stop)
         for node in nodes:
             yield fleet.add_node(node.endpoint)
@@ -389,14 +396,15 @@ class ErrorTests(HttpTestCase):
 
     @defer.inlineCallbacks
     def test_no_node_is_503_and_unhealthy(self) -> Generator[Any, Any, None]:
-        """Without nodes: completions answer 503 and /healthz says 503 (unavailable) with no
-        node and no lane."""
-        head = yield self.start_head([])
+        """Without nodes: a completion waits the queue timeout (0.1 s here) for one, then
+        answers 503 no_node_available; /healthz says 503 (unavailable) with no node, no lane
+        and nothing queued."""
+        head = yield self.start_head([], fleet_options={"queue_timeout_s": 0.1})
         code, content = yield self.call(
             head, b"POST", "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES}
         )
         self.assertEqual(code, 503)
-        self.assertIn("error", json.loads(content))
+        self.assertEqual(json.loads(content)["error"]["code"], "no_node_available")
         code, content = yield self.call(head, b"GET", "/healthz")
         self.assertEqual(
             (code, json.loads(content)),

@@ -104,7 +104,8 @@ class PipelineCase(NodeTestCase):
         self.assertEqual(streamed, outcome.tokens)
         links = []
         for node in pipeline.stages:
-            links.append((yield pipeline.fleet._ensure(node)))
+            yield node.link.when_open()
+            links.append(node.link)
         yield self.compare_boundaries(links, pipeline.ranges)
         return list(outcome.tokens), outcome.finish
 

@@ -4,7 +4,7 @@ They pin the command line (defaults, every refusal as a usage error that names t
 docs/protocol.md section 5.4 token trimming, D9 one direction of exactly one of --head/--listen, D10
 no plaintext off loopback), that the plugin is found without importing torch, that ``makeService``
 is a plain ``MultiService`` another program can embed and that it answers a head's HELLO in both
-directions, that --head redials 2 s, 4 s, ... 30 s apart (D9), and that ``twistd sfnode`` serves,
+directions, that --head redials 0.1 s, 0.2 s, ... 2 s apart (D9), and that ``twistd sfnode`` serves,
 shuts down cleanly on SIGTERM and turns a bad option into a usage message, not a traceback.
 
 The mock engine serves every test but one, which builds the transformers engine on the tiny
@@ -298,7 +298,8 @@ class PluginTests(TestCase):
         self.assertIs(maker.options, tap.Options)
 
     async def test_twistd_help_lists_sfnode_without_torch(self) -> None:
-        """``twistd --help`` lists sfnode and ``twistd sfnode --help`` works, importing no torch."""
+        """``twistd --help`` lists sfnode and ``twistd sfnode --help`` works (one usage line),
+        importing no torch."""
         probe = (
             "import atexit, sys\n"
             "atexit.register(lambda: print('TORCH', 'torch' in sys.modules))\n"
@@ -312,6 +313,10 @@ class PluginTests(TestCase):
         self.assertIn("TORCH False", out.decode())
         out, err, code = await run_python("-c", probe, "sfnode", "--help")
         self.assertEqual(code, 0, err)
+        first = out.decode().splitlines()[0]
+        self.assertEqual(
+            first, "Usage: twistd [options] sfnode (--listen ENDPOINT | --head ENDPOINT) [options]"
+        )
         self.assertIn("--listen=", out.decode())
         self.assertIn("--auth-file=", out.decode())
         self.assertIn("TORCH False", out.decode())
@@ -520,27 +525,42 @@ class RedialTests(SynchronousTestCase):
     """--head reconnects with the D9 backoff, on a fake clock."""
 
     def test_policy_delays(self) -> None:
-        """The policy gives 2, 4, 8, 16, 30, 30 s for failed attempts 1 to 6, plus its jitter."""
+        """The policy gives 0.1, 0.2, 0.4, 0.8, 1.6, 2 s for failed attempts 1 to 6; jitter
+        shortens a delay by up to a fifth, never lengthens it."""
         delays = [tap.head_retry_policy(lambda: 0.0)(attempt) for attempt in range(1, 7)]
-        self.assertEqual(delays, [2.0, 4.0, 8.0, 16.0, 30.0, 30.0])
-        self.assertEqual(tap.head_retry_policy(lambda: 0.25)(10_000), 30.25)
+        self.assertEqual([round(d, 3) for d in delays], [0.1, 0.2, 0.4, 0.8, 1.6, 2.0])
+        self.assertAlmostEqual(tap.head_retry_policy(lambda: 0.5)(10_000), 1.8)
 
-    def test_backoff_doubles_to_thirty_seconds(self) -> None:
-        """After each failed dial the next comes 2, 4, 8, 16, 30, 30 s later (plus < 1 s jitter)."""
+    def test_backoff_doubles_to_two_seconds_and_names_the_endpoint(self) -> None:
+        """After each failed dial the next comes 0.1, 0.2, 0.4, 0.8, 1.6, 2 s later (a fifth
+        less at most); the redial is logged once with the endpoint string and the reason,
+        never an endpoint object."""
         clock = MemoryReactorClock()
         options = parse("--head", "tcp:127.0.0.1:8455", "--engine", "mock")
         node = tap.makeService(options, clock)
-        node.startService()
-        self.assertEqual(len(clock.tcpClients), 1)
-        self.assertEqual(clock.tcpClients[0][:2], ("127.0.0.1", 8455))
-        for delay in (2, 4, 8, 16, 30, 30):
-            attempts = len(clock.tcpClients)
-            factory = clock.tcpClients[-1][2]
-            factory.clientConnectionFailed(clock.connectors[-1], Failure(ConnectionRefusedError()))
-            clock.advance(delay - 0.001)
-            self.assertEqual(len(clock.tcpClients), attempts, f"redialled before {delay} s")
-            clock.advance(1.0)
-            self.assertEqual(len(clock.tcpClients), attempts + 1, f"no redial by {delay + 1} s")
+        with capturedLogs() as events:
+            node.startService()
+            self.assertEqual(len(clock.tcpClients), 1)
+            self.assertEqual(clock.tcpClients[0][:2], ("127.0.0.1", 8455))
+            for delay in (0.1, 0.2, 0.4, 0.8, 1.6, 2.0):
+                attempts = len(clock.tcpClients)
+                factory = clock.tcpClients[-1][2]
+                factory.clientConnectionFailed(
+                    clock.connectors[-1], Failure(ConnectionRefusedError())
+                )
+                clock.advance(delay * 0.8 - 0.001)
+                self.assertEqual(len(clock.tcpClients), attempts, f"redialled before {delay} s")
+                clock.advance(delay * 0.2 + 0.002)
+                self.assertEqual(len(clock.tcpClients), attempts + 1, f"no redial by {delay} s")
+        lines = [formatEvent(e) for e in events]
+        redials = [line for line in lines if "redialling" in line]
+        self.assertEqual(len(redials), 1, lines)
+        self.assertRegex(
+            redials[0],
+            r"^the head at tcp:127\.0\.0\.1:8455: could not connect: connection refused; "
+            r"redialling in 0\.\d s \(attempt 1\)$",
+        )
+        self.assertFalse([line for line in lines if "object at 0x" in line], lines)
         stopped = node.stopService()
         clock.advance(0)
         self.successResultOf(stopped)

@@ -1,6 +1,10 @@
 """The head side of Link F: the bookkeeping and the connections a head keeps to its nodes.
 
-``sfnode.head.session`` holds the pure per-connection bookkeeping of LINKF 7.1 (no I/O);
-``sfnode.head.link`` drives one node over Twisted with it.  Nothing in this package may import
-torch or anything of the node side (``sfnode.protocol``): a head only speaks the wire.
+Pure parts first: ``sfnode.head.session`` holds the per-connection bookkeeping (docs/protocol.md
+section 8), ``sfnode.head.placement`` decides which node takes a request, and
+``sfnode.head.machines`` is the state machine of one link (connecting, handshaking, open,
+reconciling, down, closed, with its timers).  ``sfnode.head.link`` drives one node over Twisted
+with them, ``sfnode.head.fleet`` keeps the nodes, the queue and failover, and ``sfnode.head.http``
+serves the OpenAI-compatible API.  Nothing in this package may import torch or anything of the
+node side (``sfnode.protocol``): a head only speaks the wire.
 """

@@ -57,10 +57,7 @@ class BackendStatus:
     and the request checks need to know."""
 
     live_nodes: int
-    """Nodes connected and not marked down."""
-    joining_nodes: int = 0
-    """Nodes being dialed that were never reached yet (and are not marked down): a request
-    may still be served by them."""
+    """Nodes whose link is open."""
     window: int = 0
     """The largest known context window among nodes serving the model (0: none known, or
     unlimited)."""
@@ -75,14 +72,15 @@ class BackendStatus:
     queued: int = 0
     """Generations waiting for a lane: at the nodes (reported, or beyond their lanes) and in
     the head's own queue."""
+    waiting: int = 0
+    """Requests waiting in the head's own queue for a node (part of ``queued``)."""
+    queue_rejected: int = 0
+    """Requests refused at once because the head's queue was full (since start)."""
+    queue_timeouts: int = 0
+    """Requests that waited the queue timeout for a node in vain (since start)."""
     failovers: int = 0
     reconnects: int = 0
     nodes: tuple[NodeReport, ...] = ()
-
-    @property
-    def may_serve(self) -> bool:
-        """Whether a request can be tried now (a node is live or still joining)."""
-        return self.live_nodes > 0 or self.joining_nodes > 0
 
     @property
     def busy(self) -> bool:

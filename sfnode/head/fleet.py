@@ -1,62 +1,76 @@
-"""The fleet: a registry of nodes, placement of sessions on them, and failover (LINKF 7.2-7.4).
+"""The fleet: a registry of nodes, placement of sessions on them, a queue, and failover
+(docs/protocol.md section 8).
 
 :class:`Fleet` owns one :class:`~sfnode.head.link.NodeLink` per node (decision D2 lets one
 connection carry every generation of a node, so the per-lane connection pools of upstream are
 not needed).  Nodes come from two directions: the head dials the ones it is told about
-(:meth:`Fleet.add_node`), and accepts the ones that dial in (:meth:`Fleet.listen_factory`).
-Their HELLO_ACK_F and NODE_STATUS feed the registry: identity, models, context window and load.
+(:meth:`Fleet.add_node`; each link redials on its own, from about 0.1 s up to a cap, and its
+generations survive a dropped connection through the reconcile), and accepts the ones that
+dial in (:meth:`Fleet.listen_factory`).  Their HELLO_ACK_F and NODE_STATUS feed the registry:
+identity, models, context window, lanes and load.
 
 On top of that:
 
-- placement by one of three policies (LINKF 7.4): ``least-loaded``, ``round-robin`` and
-  ``load-aware`` (the default, an ETA from the node's reported lanes, queue and token rates);
-- a prompt that no node serving the model can hold is refused at the head with
-  :class:`StreamTooLong` (``length``, ``max``), also after a cold fleet learned the windows;
-- keepalives every 15 s; a node that cannot be reached is marked down, skipped, and retried every
-  10 s; a dialed link that drops is reconnected and reconciled (at once when generations are in
-  flight, else on next use);
-- failover: a generation whose node dies moves to another node with the delivered tokens
-  appended to its context and ``max_new - delivered`` left to generate, so the caller sees
-  exactly the tokens of an uninterrupted run, none twice (the counter-based sampler makes this
-  hold for sampled generations too);
+- placement (:mod:`sfnode.head.placement`, pure): a node is a candidate while its link is open
+  and the generations the head runs on it are fewer than its lanes; ``load-aware`` (the
+  default), ``least-loaded`` or ``round-robin`` orders the candidates;
+- a bounded queue: a request no live node can take now waits (``max_queued``, at most
+  ``queue_timeout_s``) for a node to come back, join, or free a lane, in arrival order; a full
+  queue refuses at once (:class:`QueueFull`), a wait that times out fails with
+  :class:`NoNodeAvailable`; a waiter that is cancelled (its client went away) leaves;
+- a prompt that no node serving the model can hold is refused with :class:`StreamTooLong`
+  (``length``, ``max``), also after a cold fleet learned the windows;
+- failover, in one place (:meth:`FleetGeneration._run`): a generation whose node dies (or
+  declines it) moves to another node with the delivered tokens appended to its context and
+  ``max_new - delivered`` left to generate, so the caller sees exactly the tokens of an
+  uninterrupted run, none twice (the counter-based sampler makes this hold for sampled
+  generations too); with no other node live it waits in the queue, ahead of new requests;
 - sessions are revoked when they end; a session whose context outgrows its node moves to one
-  that fits.
+  that fits;
+- :meth:`Fleet.status` answers what the HTTP layer asks of its backend
+  (:class:`~sfnode.head.backend.BackendStatus`: live nodes, windows, lanes, the queue, counters).
 
 This module must never block, never read the global reactor (the reactor and the clock are
-parameters), never import torch or the node side, and never deliver a token to a caller twice.
+parameters), never import torch or the node side (``StreamTooLong`` comes from
+``sfnode.generation``, the one "too long" error of both sides, which imports neither), and never
+deliver a token to a caller twice.
 """
 
 from __future__ import annotations
 
-import enum
 import itertools
-from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
-from typing import Any, cast
+from collections import deque
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, cast
 
 from twisted.internet import defer
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.endpoints import clientFromString
-from twisted.internet.interfaces import IReactorTime, IStreamClientEndpoint
-from twisted.internet.task import LoopingCall
+from twisted.internet.interfaces import IDelayedCall, IReactorTime, IStreamClientEndpoint
 from twisted.logger import Logger
-from twisted.python.failure import Failure
 
 from sfnode.generation import StreamTooLong
+from sfnode.head import placement
 from sfnode.head.backend import BackendStatus, NodeReport
 from sfnode.head.link import (
     DEFAULT_HANDSHAKE_TIMEOUT_S,
     DEFAULT_LEASE,
     DEFAULT_PARAMS,
-    HandshakeError,
     HeadIds,
     HeadLinkFactory,
     LinkError,
-    LinkLostError,
-    MalformedFrameError,
     NodeLink,
-    ReconcileError,
+    describe_endpoint,
 )
+from sfnode.head.machines import (
+    DEFAULT_KEEPALIVE_INTERVAL_S,
+    DEFAULT_RETRY_MAX_S,
+    DEFAULT_SILENCE_TIMEOUT_S,
+    RetryPolicy,
+    retry_policy,
+)
+from sfnode.head.placement import DEFAULT_EXPECTED_OUT, Policy
 from sfnode.wire import (
     FINISH_CANCELLED,
     FINISH_DECLINED,
@@ -66,24 +80,20 @@ from sfnode.wire import (
     Lease,
 )
 
-KEEPALIVE_INTERVAL_S = 15.0
-RETRY_INTERVAL_S = 10.0
-FRESH_SAMPLE_S = 10.0
-"""A NODE_STATUS older than this does not count as the node's load (LINKF 7.4)."""
-POOL_HIGH_PERCENT = 90
-DEFAULT_DECODE_RATE = 20
-DEFAULT_PREFILL_RATE = 200
-DEFAULT_EXPECTED_OUT = 64
+DEFAULT_MAX_QUEUED = 256
+"""Requests that may wait for a node at once; one more is refused at once."""
+DEFAULT_QUEUE_TIMEOUT_S = 30.0
+"""How long a request waits for a node before it fails (0: as long as it takes)."""
+MAX_FAILOVERS = 16
+"""Moves one generation may make before the fleet gives up on it (a request that kills every
+node it reaches must not go round for ever)."""
 
 _log = Logger(namespace="sfnode.head.fleet")
+_T = TypeVar("_T")
 
 
-class Policy(enum.Enum):
-    """How a session's node is chosen among the eligible ones (LINKF 7.4)."""
-
-    LOAD_AWARE = "load-aware"
-    LEAST_LOADED = "least-loaded"
-    ROUND_ROBIN = "round-robin"
+def _deferred(coroutine: Coroutine[Any, Any, _T]) -> Deferred[_T]:
+    return Deferred.fromCoroutine(coroutine)
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,76 +105,76 @@ class FleetError(Exception):
 
 
 class NoNodeAvailable(FleetError):
-    """No live node serves the model (all down, none joined, or none with that model)."""
+    """No live node could take the request (none came back or freed a lane in time, or none
+    serves the model)."""
+
+
+class QueueFull(FleetError):
+    """Every live node is busy and the queue of waiting requests is full."""
 
 
 class NodeDown(FleetError):
-    """A node could not be reached; it is skipped until a retry reaches it."""
+    """The session's node cannot be reached now."""
 
 
 class NodeDeclined(FleetError):
-    """The node answered FINISH_DECLINED (stale epoch or replayed command)."""
+    """The node answered FINISH_DECLINED (stale epoch, replayed command, or draining)."""
 
 
 class SessionClosed(FleetError):
     """The session was closed; it cannot append or generate any more."""
 
 
-def _node_down_is_known(failure: Failure) -> Failure | None:
-    """An errback for attempts whose NodeDown was already logged when the node was marked."""
-    return None if isinstance(failure.value, NodeDown) else failure
-
-
-_NODE_FATAL = (LinkLostError, MalformedFrameError, ReconcileError, HandshakeError, NodeDown)
+_NODE_FATAL = (LinkError, NodeDown)
 """Errors that say the node (or the path to it) failed, not the request: these fail over."""
 
 
 # --------------------------------------------------------------------------------------------
-# Links and nodes
+# Nodes
 
 
 class FleetNode:
-    """One node of the registry: its link, its state (up or down) and its placement load."""
+    """One node of the registry: its link, and the head's own count of its load."""
 
-    def __init__(self, link: NodeLink, description: str, order: int) -> None:
+    def __init__(self, link: NodeLink, order: int) -> None:
         self.link = link
-        self.description = description
-        """The endpoint dialed, or the peer's identity for a node that dialed in."""
         self.order = order
-        self.down = False
-        self.down_reason = ""
+        """Registration order: unique, the last tie-breaker of placement."""
         self.sessions = 0
         """Sessions placed here and not ended."""
         self.inflight = 0
-        """Generations running here."""
-        self.ever_connected = False
-        self._connecting: Deferred[None] | None = None
-        self._waiters: list[Deferred[NodeLink]] = []
-        self._sample: object = None
-        self._sample_at: float | None = None
-
-    def sample_age(self, now: float) -> float | None:
-        """Seconds since the node's load report last changed (None: never reported).
-
-        NodeLink keeps only the latest capacity; a new report is a new object, so watching
-        its identity (at every placement and keepalive tick) dates the reports closely enough
-        for the 10 s freshness rule.
-        """
-        capacity = self.link.capacity
-        if capacity is None:
-            return None
-        if capacity is not self._sample:
-            self._sample, self._sample_at = capacity, now
-        assert self._sample_at is not None
-        return now - self._sample_at
+        """Generations the head runs here."""
+        self.failed_attempts = 0
+        """Failed (re)connection attempts since the link was last open."""
+        self.last_failure = ""
 
     @property
     def name(self) -> str:
-        return self.link.hello_ack.node_identity if self.link.hello_ack else self.description
+        return self.link.name
+
+    @property
+    def description(self) -> str:
+        """The endpoint string dialed, or the peer of a node that dialed in."""
+        return self.link.description
+
+    @property
+    def label(self) -> str:
+        """The name and, when it says more, the endpoint: ``vm (tcp:10.0.0.5:8454)``."""
+        name, description = self.link.name, self.link.description
+        return name if name == description else f"{name} ({description})"
 
     @property
     def dialed(self) -> bool:
         return self.link.dialable
+
+    @property
+    def live(self) -> bool:
+        """Its link is open: placement may use it."""
+        return self.link.ready
+
+    @property
+    def down(self) -> bool:
+        return not self.link.ready
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -176,9 +186,18 @@ class FleetNode:
         capacity = self.link.capacity
         return None if capacity is None else capacity.max_context_tokens
 
-    def serves(self, model: str | None) -> bool:
-        """Whether the node serves ``model`` (or has not said yet)."""
-        return model is None or not self.models or model in self.models
+    def view(self, now: float) -> placement.NodeView:
+        """What placement knows of this node now."""
+        at = self.link.capacity_at
+        return placement.NodeView(
+            key=self.order,
+            live=self.link.ready,
+            models=self.link.models,
+            capacity=self.link.capacity,
+            report_age_s=None if at is None else now - at,
+            sessions=self.sessions,
+            inflight=self.inflight,
+        )
 
     def fits(self, length: int) -> bool:
         """Whether a context of ``length`` tokens fits (an unknown window is tried)."""
@@ -186,7 +205,27 @@ class FleetNode:
         return window is None or window == 0 or length <= window
 
     def __repr__(self) -> str:
-        return f"<FleetNode {self.name}{' down' if self.down else ''}>"
+        return f"<FleetNode {self.name} {self.link.status}>"
+
+
+# --------------------------------------------------------------------------------------------
+# The queue
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """One request waiting for a node."""
+
+    session: FleetSession
+    context: tuple[int, ...]
+    request: placement.Request
+    claim_lane: bool
+    placed: Deferred[FleetNode]
+    since: float
+    timer: IDelayedCall | None = None
+    reason: str = ""
+    """Why it waits (the last decision), for the timeout's message."""
+    settled: bool = field(default=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -226,20 +265,23 @@ class FleetSession:
         self.node: FleetNode | None = None
         self.closed = False
 
-    @defer.inlineCallbacks
-    def append(self, context: Sequence[int]) -> Generator[Deferred[Any], Any, None]:
-        """Replace the session's context (the COMPLETE context, LINKF 3.4).
+    def append(self, context: Sequence[int]) -> Deferred[None]:
+        """Replace the session's context (the COMPLETE context, section 8 "Per request").
 
-        A context that no longer fits the node's window moves the session to a node that fits
-        (or fails with :class:`StreamTooLong`).
+        A context that no longer fits the node's window, or a node that cannot be reached,
+        moves the session to a node that fits (waiting in the queue if none is live), or fails
+        with :class:`StreamTooLong`.
         """
+        return _deferred(self._append(tuple(context)))
+
+    async def _append(self, context: tuple[int, ...]) -> None:
         if self.closed:
             raise SessionClosed(f"session {self.session_id} is closed")
-        context = tuple(context)
+        fleet = self.fleet
         node = self.node
         if node is not None and node.fits(len(context)):
             try:
-                link = yield self.fleet._bound_link(self)
+                link = await fleet._bound_link(self)
             except _NODE_FATAL as e:
                 _log.info(
                     "session {session} lost its node {node}: {error}; placing it again",
@@ -252,16 +294,16 @@ class FleetSession:
                     link.append(self.session_id, context)
                     self.context = context
                     return
-        if node is not None:
+        if node is not None and self.node is node:
             _log.info(
                 "session {session} moves off {node} ({length} tokens)",
                 session=self.session_id,
                 node=node.name,
                 length=len(context),
             )
-            self.fleet._detach(self)
+            fleet._detach(self)
         self.context = context
-        yield self.fleet._place(self, context, set(), DEFAULT_EXPECTED_OUT)
+        await fleet._place(self, context, expected_out=DEFAULT_EXPECTED_OUT, claim_lane=False)
 
     def generate(
         self,
@@ -310,13 +352,15 @@ class FleetGeneration:
         self._expected_out = expected_out
         self._cancelled = False
         self._call: Any = None
+        self._waiting: Deferred[FleetNode] | None = None
         self._placed = False
-        self._placement_failure: Failure | None = None
+        self._placement_failure: Any = None
         self._placement_waiters: list[Deferred[None]] = []
 
     def when_placed(self) -> Deferred[None]:
-        """Fires once the first GENERATE_REQ is sent, or fails as the generation does if
-        placement fails (for example with :class:`StreamTooLong`)."""
+        """Fires once the first GENERATE_REQ is sent (or the generation ended first), or
+        fails as the generation does if it never got that far (for example with
+        :class:`StreamTooLong` or :class:`QueueFull`)."""
         d: Deferred[None] = Deferred()
         if self._placed:
             d.callback(None)
@@ -327,24 +371,26 @@ class FleetGeneration:
         return d
 
     def cancel(self) -> None:
-        """Stop the generation (GENERATE_CANCEL to its node); ``result`` still fires, CANCELLED."""
+        """Stop the generation (GENERATE_CANCEL to its node, or leave the queue); ``result``
+        still fires, with finish CANCELLED."""
         self._cancelled = True
+        if self._waiting is not None:
+            self._waiting.cancel()
         if self._call is not None:
             self._call.cancel()
 
     def _start(self) -> None:
-        d = self._run()
-        d.addCallbacks(self._succeeded, self._failed)
+        _deferred(self._run()).addCallbacks(self._succeeded, self._failed)
 
     def _succeeded(self, outcome: FleetOutcome) -> None:
         self._placement_done(None)
         self.result.callback(outcome)
 
-    def _failed(self, failure: Failure) -> None:
+    def _failed(self, failure: Any) -> None:
         self._placement_done(failure)
         self.result.errback(failure)
 
-    def _placement_done(self, failure: Failure | None) -> None:
+    def _placement_done(self, failure: Any) -> None:
         waiters, self._placement_waiters = self._placement_waiters, []
         if failure is None:
             self._placed = True
@@ -361,82 +407,116 @@ class FleetGeneration:
         if self._on_tokens is not None:
             self._on_tokens(tokens)
 
-    @defer.inlineCallbacks
-    def _run(self) -> Generator[Deferred[Any], Any, FleetOutcome]:
+    def _outcome(self, finish: int, node: FleetNode | None) -> FleetOutcome:
+        return FleetOutcome(
+            list(self.tokens), finish, node.name if node is not None else "", self.failovers
+        )
+
+    async def _run(self) -> FleetOutcome:
+        """Place, generate, and on a node failure move on with what was delivered."""
         session = self.session
         fleet = session.fleet
         base = session.context
-        tried: set[FleetNode] = set()
+        tried: list[FleetNode] = []
+        node: FleetNode | None = None
         try:
             if session.closed:
                 raise SessionClosed(f"session {session.session_id} is closed")
-            if session.node is None:
-                yield fleet._place(session, base, tried, self._expected_out)
             while True:
-                node = session.node
-                assert node is not None
                 if self._cancelled:
-                    return FleetOutcome(
-                        list(self.tokens), FINISH_CANCELLED, node.name, self.failovers
-                    )
+                    return self._outcome(FINISH_CANCELLED, node)
                 remaining = self.max_new - len(self.tokens)
                 if remaining <= 0:
-                    return FleetOutcome(list(self.tokens), FINISH_LENGTH, node.name, self.failovers)
-                try:
-                    link = yield fleet._bound_link(session)
-                    call = link.generate(
-                        session.session_id,
-                        remaining,
-                        max_wall_ms=self.max_wall_ms,
-                        on_tokens=self._deliver,
+                    return self._outcome(FINISH_LENGTH, node)
+                if session.node is None:
+                    # Failovers wait ahead of new requests: their clients are mid-answer.
+                    self._waiting = fleet._place(
+                        session,
+                        (*base, *self.tokens),
+                        expected_out=remaining if self._one_shot else self._expected_out,
+                        claim_lane=True,
+                        avoid=tried,
+                        priority=bool(self.failovers),
                     )
-                    self._call = call
-                    self._placement_done(None)
-                    node.inflight += 1
                     try:
-                        outcome = yield call.result
+                        node = await self._waiting
+                    except CancelledError:
+                        if self._cancelled:
+                            return self._outcome(FINISH_CANCELLED, node)
+                        raise
                     finally:
-                        node.inflight -= 1
-                        self._call = None
+                        self._waiting = None
+                else:
+                    node = session.node
+                    node.inflight += 1
+                try:
+                    outcome = await self._generate_on(node, remaining)
                 except _NODE_FATAL as e:
-                    tried.add(node)
-                    fleet._node_failed(node, e)
-                    if self._cancelled:
+                    error: Exception = e
+                else:
+                    if outcome is None:
+                        return self._outcome(FINISH_CANCELLED, node)
+                    if outcome.finish == FINISH_REFUSED:
+                        raise StreamTooLong(len(base) + len(self.tokens), node.window or 0)
+                    if outcome.finish != FINISH_DECLINED:
+                        if self.failovers and not self._one_shot and session.node is node:
+                            # The node holds prompt + the tokens delivered before the
+                            # failover; put the session's own context back for its next turn.
+                            node.link.append(session.session_id, base)
                         return FleetOutcome(
-                            list(self.tokens), FINISH_CANCELLED, node.name, self.failovers
+                            list(self.tokens), outcome.finish, node.name, self.failovers
                         )
-                    if self.max_new - len(self.tokens) <= 0:
-                        return FleetOutcome(
-                            list(self.tokens), FINISH_LENGTH, node.name, self.failovers
-                        )
-                    context = (*base, *self.tokens)
-                    _log.info(
-                        "generation of session {session} fails over from {node} after "
-                        "{delivered} tokens: {error}",
-                        session=session.session_id,
-                        node=node.name,
-                        delivered=len(self.tokens),
-                        error=str(e),
+                    error = NodeDeclined(
+                        f"{node.name} declined the generation (stale epoch, replayed command, "
+                        "or the node is draining)"
                     )
+                if self._cancelled:
+                    return self._outcome(FINISH_CANCELLED, node)
+                if self.failovers >= MAX_FAILOVERS:
+                    if isinstance(error, NodeDeclined):
+                        raise error
+                    raise NoNodeAvailable(
+                        f"gave up after {self.failovers} failovers; the last: {error}"
+                    ) from error
+                tried.append(node)
+                _log.info(
+                    "generation of session {session} fails over from {node} after "
+                    "{delivered} tokens: {error}",
+                    session=session.session_id,
+                    node=node.name,
+                    delivered=len(self.tokens),
+                    error=str(error),
+                )
+                if session.node is node:
                     fleet._detach(session)
-                    fleet.failovers += 1
-                    self.failovers += 1
-                    yield fleet._place(session, context, tried, self._expected_out)
-                    continue
-                if outcome.finish == FINISH_DECLINED:
-                    raise NodeDeclined(
-                        f"{node.name} declined the generation (stale epoch or replayed command)"
-                    )
-                if outcome.finish == FINISH_REFUSED:
-                    raise StreamTooLong(len(base) + len(self.tokens), node.window or 0)
-                if self.failovers and not self._one_shot:
-                    # The node holds prompt + the tokens delivered before the failover; put
-                    # the session's own context back for its next turn.
-                    link.append(session.session_id, base)
-                return FleetOutcome(list(self.tokens), outcome.finish, node.name, self.failovers)
+                fleet.failovers += 1
+                self.failovers += 1
         finally:
             if self._one_shot:
                 session.close()
+
+    async def _generate_on(self, node: FleetNode, remaining: int) -> Any:
+        """One GENERATE_REQ on ``node`` (whose lane this generation holds): its outcome, or
+        None when the generation was cancelled before it could be sent."""
+        fleet = self.session.fleet
+        try:
+            link = await fleet._bound_link(self.session)
+            if self._cancelled:
+                return None
+            call = link.generate(
+                self.session.session_id,
+                remaining,
+                max_wall_ms=self.max_wall_ms,
+                on_tokens=self._deliver,
+            )
+            self._call = call
+            self._placement_done(None)
+            try:
+                return await call.result
+            finally:
+                self._call = None
+        finally:
+            fleet._release(node)
 
 
 # --------------------------------------------------------------------------------------------
@@ -444,7 +524,8 @@ class FleetGeneration:
 
 
 class Fleet:
-    """The head's registry of nodes and the placement of sessions on them (LINKF 7.4)."""
+    """The head's registry of nodes, the placement of sessions on them and the queue of
+    requests waiting for one (section 8)."""
 
     def __init__(
         self,
@@ -456,8 +537,12 @@ class Fleet:
         lease: Lease = DEFAULT_LEASE,
         handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
         clock: IReactorTime | None = None,
-        keepalive_interval_s: float = KEEPALIVE_INTERVAL_S,
-        retry_interval_s: float = RETRY_INTERVAL_S,
+        keepalive_interval_s: float = DEFAULT_KEEPALIVE_INTERVAL_S,
+        silence_timeout_s: float = DEFAULT_SILENCE_TIMEOUT_S,
+        retry_max_s: float = DEFAULT_RETRY_MAX_S,
+        retry: RetryPolicy | None = None,
+        max_queued: int = DEFAULT_MAX_QUEUED,
+        queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
     ) -> None:
         self._reactor = reactor
         self._clock: IReactorTime = clock if clock is not None else reactor
@@ -466,52 +551,49 @@ class Fleet:
         self.policy = Policy(policy)
         self.lease = lease
         self.handshake_timeout_s = handshake_timeout_s
+        self.keepalive_interval_s = keepalive_interval_s
+        self.silence_timeout_s = silence_timeout_s
+        """The keepalive window: a node silent this long is dropped (0: never)."""
+        self.retry_max_s = retry_max_s
+        self._retry = retry if retry is not None else retry_policy(retry_max_s)
+        self.max_queued = max_queued
+        self.queue_timeout_s = queue_timeout_s
         self.nodes: list[FleetNode] = []
         self.failovers = 0
         self.reconnects = 0
+        self.queue_rejected = 0
+        """Requests refused at once because the queue was full."""
+        self.queue_timeouts = 0
+        """Requests that waited ``queue_timeout_s`` for a node in vain."""
+        self._queue: deque[_Waiter] = deque()
+        self._dispatching = False
+        self._dispatch_again = False
         self._orders = itertools.count()
         self._session_ids = itertools.count(1)
         self._cursor = 0
         self._stopping = False
         self._join_waiters: list[Deferred[FleetNode]] = []
-        self._keepalive = LoopingCall(self.tend)
-        self._keepalive.clock = self._clock
-        self._keepalive_interval_s = keepalive_interval_s
-        self._retry = LoopingCall(self.retry_down_nodes)
-        self._retry.clock = self._clock
-        self._retry_interval_s = retry_interval_s
 
     # ----------------------------------------------------------------------------------------
     # Life cycle and registry
 
     def start(self) -> None:
-        """Start the keepalive (every 15 s) and down-node retry (every 10 s) loops."""
+        """Let the fleet take requests (links keep themselves alive: nothing to start)."""
         self._stopping = False
-        self._keepalive.start(self._keepalive_interval_s, now=False).addErrback(
-            self._loop_failed, "keepalive"
-        )
-        self._retry.start(self._retry_interval_s, now=False).addErrback(self._loop_failed, "retry")
-
-    def _loop_failed(self, failure: Failure, name: str) -> None:
-        _log.failure("the fleet's {name} loop failed", failure, name=name)
 
     def stop(self) -> Deferred[None]:
-        """Stop the loops and close every link."""
+        """Fail what waits in the queue and close every link."""
         self._stopping = True
-        for loop in (self._keepalive, self._retry):
-            if loop.running:
-                loop.stop()
+        waiting, self._queue = list(self._queue), deque()
+        for waiter in waiting:
+            self._settle(waiter, NoNodeAvailable("the head is stopping"))
         closing = [node.link.close() for node in self.nodes]
         return defer.gatherResults(closing).addCallback(lambda _: None)
 
-    def add_node(
-        self, endpoint: str | IStreamClientEndpoint, *, connect: bool = True
-    ) -> Deferred[FleetNode]:
-        """Register a node the head dials; fires with it after the first connection attempt
-        (a node that cannot be reached is kept, marked down, and retried every 10 s).
-
-        ``connect=False`` registers it cold: it is dialed on first use.
-        """
+    def add_node(self, endpoint: str | IStreamClientEndpoint) -> Deferred[FleetNode]:
+        """Register a node the head dials and start dialing it; fires with it once the first
+        attempt ended, whether it reached the node or not (a node that cannot be reached is
+        kept and redialled with backoff)."""
         if isinstance(endpoint, str):
             description = endpoint
             dialer = cast(
@@ -519,23 +601,27 @@ class Fleet:
                 clientFromString(self._reactor, endpoint),  # type: ignore[no-untyped-call]
             )
         else:
-            description = repr(endpoint)
+            description = describe_endpoint(endpoint)
             dialer = endpoint
         link = NodeLink(
             self._reactor,
             self.ids,
             token=self.token,
             endpoint=dialer,
+            description=description,
             handshake_timeout_s=self.handshake_timeout_s,
+            clock=self._clock,
             keep_wal=False,
+            retry=self._retry,
+            keepalive_interval_s=self.keepalive_interval_s,
+            silence_timeout_s=self.silence_timeout_s,
         )
-        node = FleetNode(link, description, next(self._orders))
+        node = FleetNode(link, next(self._orders))
         self.nodes.append(node)
-        if not connect:
-            return defer.succeed(node)
-        d = self._ensure(node)
-        d.addErrback(_node_down_is_known)
-        return d.addCallback(lambda _: node)
+        link.observe(self)
+        link.start()
+        first = link.when_open()
+        return first.addBoth(lambda _: node)
 
     def listen_factory(self, *, loopback_only: bool = False) -> HeadLinkFactory:
         """The protocol factory for a port that nodes dial (``--fleet-listen``).
@@ -549,13 +635,15 @@ class Fleet:
             ids=self.ids,
             token=self.token,
             handshake_timeout_s=self.handshake_timeout_s,
+            clock=self._clock,
             keep_wal=False,
             loopback_only=loopback_only,
+            silence_timeout_s=self.silence_timeout_s,
         )
 
     def live_nodes(self) -> list[FleetNode]:
-        """Nodes that are up (reached at least once and not marked down)."""
-        return [n for n in self.nodes if n.ever_connected and not n.down]
+        """Nodes whose link is open."""
+        return [n for n in self.nodes if n.live]
 
     def node_named(self, name: str) -> FleetNode | None:
         for node in self.nodes:
@@ -563,25 +651,10 @@ class Fleet:
                 return node
         return None
 
-    def _adopt(self, link: NodeLink) -> None:
-        """A node dialed in and passed the handshake: it joins (or rejoins) by identity."""
-        identity = link.node_identity
-        if self._stopping:
-            link.close()
-            return
-        node = FleetNode(link, identity, next(self._orders))
-        node.ever_connected = True
-        self.nodes.append(node)
-        _log.info(
-            "node {node} joined (dialed in; models {models}, window {window})",
-            node=identity,
-            models=", ".join(link.models) or "-",
-            window=node.window,
-        )
-        self._watch(node)
-        waiters, self._join_waiters = self._join_waiters, []
-        for d in waiters:
-            d.callback(node)
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a node now."""
+        return len(self._queue)
 
     def next_join(self) -> Deferred[FleetNode]:
         """Fires with the next node that dials in and passes the handshake."""
@@ -589,142 +662,126 @@ class Fleet:
         self._join_waiters.append(d)
         return d
 
-    def _watch(self, node: FleetNode) -> None:
-        link = node.link
-        link.when_closed().addCallback(self._dropped, node, link)
+    def _node_of(self, link: NodeLink) -> FleetNode | None:
+        for node in self.nodes:
+            if node.link is link:
+                return node
+        return None
 
-    def _dropped(self, reason: Exception, node: FleetNode, link: NodeLink) -> None:
-        if self._stopping or node.link is not link:
+    def _adopt(self, link: NodeLink) -> None:
+        """A node dialed in and passed the handshake: it joins by identity."""
+        if self._stopping:
+            link.close()
             return
-        if not link.dialable:
-            if node in self.nodes:
-                self.nodes.remove(node)
-            _log.info("node {node} left: {reason}", node=node.name, reason=str(reason))
-            return
-        if link.pending_generations():
-            # Reconnect right here so the generations in flight wait for the reconcile
-            # (NodeLink keeps them suspended) instead of failing at once.
-            _log.info(
-                "the link to {node} dropped during generations ({reason}); reconnecting",
-                node=node.name,
-                reason=str(reason),
-            )
-            self._start_connect(node)
-        else:
-            _log.info(
-                "the link to {node} dropped ({reason}); reconnecting on next use",
-                node=node.name,
-                reason=str(reason),
-            )
+        node = FleetNode(link, next(self._orders))
+        self.nodes.append(node)
+        link.observe(self)
+        _log.info(
+            "node {node} joined (dialed in from {peer}; models {models}, window {window})",
+            node=link.name,
+            peer=link.description,
+            models=", ".join(link.models) or "-",
+            window=node.window,
+        )
+        waiters, self._join_waiters = self._join_waiters, []
+        for d in waiters:
+            d.callback(node)
+        self._dispatch()
 
     # ----------------------------------------------------------------------------------------
-    # Connections, up and down
+    # LinkObserver: what the links say
 
-    def _ensure(self, node: FleetNode) -> Deferred[NodeLink]:
-        """The node's link, open and reconciled; fails with :class:`NodeDown`."""
-        if node.link.connected and node._connecting is None:
-            return defer.succeed(node.link)
-        if self._stopping:
-            return defer.fail(NodeDown("the fleet is stopping"))
-        if not node.dialed:
-            return defer.fail(NodeDown(f"{node.name} left the fleet"))
-        d: Deferred[NodeLink] = Deferred()
-        node._waiters.append(d)
-        self._start_connect(node)
-        return d
-
-    def _start_connect(self, node: FleetNode) -> None:
-        if node._connecting is not None or self._stopping:
+    def link_opened(self, link: NodeLink, reconnected: bool) -> None:
+        node = self._node_of(link)
+        if node is None:
             return
-        link = node.link
-        reconnecting = node.ever_connected
-        attempt = link.reconnect() if reconnecting else link.dial()
-        node._connecting = attempt
-
-        def connected(_: None) -> None:
-            node._connecting = None
-            if reconnecting:
-                self.reconnects += 1
-            node.ever_connected = True
-            self._watch(node)
-            if node.down:
-                node.down = False
-                _log.info("node {node} is up again", node=node.name)
-            elif not reconnecting:
+        if not reconnected:
+            _log.info(
+                "node {node} joined (dialed {endpoint}; models {models}, window {window})",
+                node=node.name,
+                endpoint=node.description,
+                models=", ".join(link.models) or "-",
+                window=node.window,
+            )
+        else:
+            self.reconnects += 1
+            if node.failed_attempts:
                 _log.info(
-                    "node {node} joined (dialed {endpoint}; models {models}, window {window})",
-                    node=node.name,
-                    endpoint=node.description,
-                    models=", ".join(link.models) or "-",
-                    window=node.window,
+                    "node {node} is back after {count} failed attempts",
+                    node=node.label,
+                    count=node.failed_attempts,
                 )
-            waiters, node._waiters = node._waiters, []
-            for d in waiters:
-                d.callback(link)
+            else:
+                _log.info(
+                    "the link to {node} is open again (reconciled)",
+                    node=node.label,
+                )
+        node.failed_attempts = 0
+        node.last_failure = ""
+        self._dispatch()
 
-        def failed(failure: Failure) -> None:
-            node._connecting = None
-            error = NodeDown(f"{node.name} is down: {failure.getErrorMessage()}")
-            self._mark_down(node, failure.getErrorMessage())
-            waiters, node._waiters = node._waiters, []
-            for d in waiters:
-                d.errback(error)
+    def link_failed(self, link: NodeLink, reason: LinkError, retry_in_s: float | None) -> None:
+        node = self._node_of(link)
+        if node is None:
+            return
+        node.failed_attempts += 1
+        text = str(reason)
+        if node.failed_attempts == 1:
+            _log.warn(
+                "node {node} is down: {reason}; redialling in {delay:.1f} s, "
+                "then backing off up to {cap:g} s",
+                node=node.label,
+                reason=text,
+                delay=retry_in_s or 0.0,
+                cap=self.retry_max_s,
+            )
+        elif text != node.last_failure:
+            _log.info(
+                "node {node} is still down: {reason} (attempt {count})",
+                node=node.label,
+                reason=text,
+                count=node.failed_attempts,
+            )
+        node.last_failure = text
 
-        attempt.addCallbacks(connected, failed)
+    def link_dropped(self, link: NodeLink, reason: LinkError) -> None:
+        node = self._node_of(link)
+        if node is None:
+            return
+        if link.dialable:
+            _log.info(
+                "the link to {node} dropped: {reason}; redialling",
+                node=node.label,
+                reason=str(reason),
+            )
 
-    def _mark_down(self, node: FleetNode, reason: str) -> None:
-        node.down_reason = reason
-        if not node.down:
-            node.down = True
-            _log.warn("node {node} marked down: {reason}", node=node.name, reason=reason)
-
-    def _node_failed(self, node: FleetNode, error: Exception) -> None:
-        """A generation on ``node`` failed for a node-side reason: mark it down unless its
-        link is up again (a reconnect may have settled the failure)."""
-        if not node.link.connected:
-            self._mark_down(node, str(error))
-
-    def tend(self) -> None:
-        """KEEPALIVE on every open link; redial dialed links that dropped while idle."""
-        for node in list(self.nodes):
-            if node.down:
-                continue
-            node.sample_age(self._clock.seconds())
-            if node.link.connected:
-                node.link.keepalive()
-            elif node.dialed:
-                self._start_connect(node)
-
-    def retry_down_nodes(self) -> Deferred[None]:
-        """Try every down node once; fires when every attempt ended (LINKF 7.4's 10 s retry)."""
-        attempts = []
-        for node in self.nodes:
-            if node.down and node.dialed:
-                d = self._ensure(node)
-                d.addErrback(_node_down_is_known)
-                attempts.append(d)
-        return defer.gatherResults(attempts).addCallback(lambda _: None)
+    def link_closed(self, link: NodeLink) -> None:
+        node = self._node_of(link)
+        if node is None or self._stopping or link.dialable:
+            return
+        self.nodes.remove(node)
+        _log.info(
+            "node {node} left: {reason}",
+            node=node.name,
+            reason=str(link.last_reason or "its connection ended"),
+        )
 
     # ----------------------------------------------------------------------------------------
     # Placement
 
+    def _views(self) -> list[placement.NodeView]:
+        now = self._clock.seconds()
+        return [n.view(now) for n in self.nodes]
+
     def check_fits(self, model: str | None, length: int) -> None:
         """Raise :class:`StreamTooLong` when the known windows already say nothing fits."""
-        error = self._too_long(model, length)
-        if error is not None:
-            raise error
-
-    def _too_long(self, model: str | None, length: int) -> StreamTooLong | None:
-        windows = [n.window for n in self.nodes if n.serves(model)]
-        if not windows or any(w is None or w == 0 for w in windows):
-            return None
-        largest = max(cast(list[int], windows))
-        return StreamTooLong(length, largest) if length > largest else None
+        largest = placement.too_long([v for v in self._views() if v.serves(model)], length)
+        if largest is not None:
+            raise StreamTooLong(length, largest)
 
     def max_window(self, model: str | None) -> int:
         """The largest known window among nodes serving ``model`` (0: unknown or unlimited)."""
-        windows = [n.window or 0 for n in self.nodes if n.serves(model)]
-        return max(windows, default=0)
+        return placement.max_window(self._views(), model)
 
     def status(self, model: str | None = None) -> BackendStatus:
         """How the fleet stands for ``model``: what the HTTP layer asks of its backend
@@ -732,13 +789,12 @@ class Fleet:
 
         Lanes and waiting generations come from the nodes' reports (docs/protocol.md section
         7.5), raised to what this head knows it runs there right now, so a fresh burst shows
-        at once rather than at the next NODE_STATUS.
+        at once rather than at the next NODE_STATUS; the requests waiting in this head's own
+        queue (section 8.5) are counted in ``queued`` too.
         """
-        now = self._clock.seconds()
         live = self.live_nodes()
         lanes_active = lanes_total = queued = 0
         for node in live:
-            node.sample_age(now)
             capacity = node.link.capacity
             if capacity is None or not capacity.max_lanes:
                 lanes_active += node.inflight
@@ -746,134 +802,165 @@ class Fleet:
             lanes_total += capacity.max_lanes
             lanes_active += min(max(capacity.lanes_active, node.inflight), capacity.max_lanes)
             queued += max(capacity.queue_depth, node.inflight - capacity.max_lanes)
-        too_long = self._too_long(model, 1 << 62)
+        views = self._views()
         return BackendStatus(
             live_nodes=len(live),
-            joining_nodes=sum(
-                1 for n in self.nodes if n.dialed and not n.ever_connected and not n.down
-            ),
-            window=self.max_window(model),
-            context_limit=too_long.max if too_long is not None else None,
+            window=placement.max_window(views, model),
+            context_limit=placement.too_long([v for v in views if v.serves(model)], 1 << 62),
             lanes_active=lanes_active,
             lanes_total=lanes_total,
-            queued=queued,
+            queued=queued + len(self._queue),
+            waiting=len(self._queue),
+            queue_rejected=self.queue_rejected,
+            queue_timeouts=self.queue_timeouts,
             failovers=self.failovers,
             reconnects=self.reconnects,
             nodes=tuple(
-                NodeReport(n.name, n in live, n.sessions, n.link.capacity) for n in self.nodes
+                NodeReport(n.name, n.live, n.sessions, n.link.capacity) for n in self.nodes
             ),
         )
 
-    def candidates(
-        self,
-        model: str | None,
-        length: int,
-        exclude: set[FleetNode] | frozenset[FleetNode] = frozenset(),
-        expected_out: int = DEFAULT_EXPECTED_OUT,
-    ) -> list[FleetNode]:
-        """The eligible nodes in the order the policy tries them."""
-        eligible = [
-            n
-            for n in self.nodes
-            if not n.down and n not in exclude and n.serves(model) and n.fits(length)
-        ]
-        if not eligible:
-            return []
-        if self.policy is Policy.ROUND_ROBIN:
-            eligible.sort(key=lambda n: n.order)
-            start = self._cursor % len(eligible)
-            self._cursor += 1
-            return eligible[start:] + eligible[:start]
-        if self.policy is Policy.LEAST_LOADED:
-            return sorted(eligible, key=lambda n: (n.sessions + n.inflight, n.order))
-        return self._load_aware(eligible, length, expected_out)
-
-    def _fresh(self, node: FleetNode) -> bool:
-        age = node.sample_age(self._clock.seconds())
-        return age is not None and age < FRESH_SAMPLE_S
-
-    def _load_aware(
-        self, eligible: list[FleetNode], length: int, expected_out: int
-    ) -> list[FleetNode]:
-        def hot(node: FleetNode) -> bool:
-            capacity = node.link.capacity
-            if capacity is None or not capacity.kv_blocks_total or not self._fresh(node):
-                return False
-            return capacity.kv_blocks_used * 100 // capacity.kv_blocks_total >= POOL_HIGH_PERCENT
-
-        cool = [n for n in eligible if not hot(n)]
-        pool = cool or eligible
-        decode_rates = [
-            n.link.capacity.decode_tokens_per_s
-            for n in pool
-            if n.link.capacity is not None and n.link.capacity.decode_tokens_per_s
-        ]
-        prefill_rates = [
-            n.link.capacity.prefill_tokens_per_s
-            for n in pool
-            if n.link.capacity is not None and n.link.capacity.prefill_tokens_per_s
-        ]
-        mean_decode = sum(decode_rates) / len(decode_rates) if decode_rates else DEFAULT_DECODE_RATE
-        mean_prefill = (
-            sum(prefill_rates) / len(prefill_rates) if prefill_rates else DEFAULT_PREFILL_RATE
-        )
-
-        def eta(node: FleetNode) -> float:
-            capacity = node.link.capacity
-            fresh = capacity is not None and self._fresh(node)
-            if fresh and capacity is not None:
-                ahead = capacity.lanes_active + capacity.queue_depth + node.inflight
-            else:
-                ahead = node.inflight
-            decode = (capacity.decode_tokens_per_s if capacity is not None else 0) or mean_decode
-            prefill = (capacity.prefill_tokens_per_s if capacity is not None else 0) or mean_prefill
-            return (
-                ahead * expected_out * 1000 / decode
-                + length * 1000 / prefill
-                + expected_out * 1000 / decode
-            )
-
-        return sorted(pool, key=lambda n: (eta(n), n.sessions, n.order))
-
-    @defer.inlineCallbacks
     def _place(
         self,
         session: FleetSession,
         context: Sequence[int],
-        exclude: set[FleetNode],
+        *,
         expected_out: int,
-    ) -> Generator[Deferred[Any], Any, FleetNode]:
-        """Assign ``session`` (new epoch) and append ``context`` on the best eligible node."""
-        model = session.model
-        order = self.candidates(model, len(context), exclude, expected_out)
-        for node in order:
-            try:
-                link = yield self._ensure(node)
-            except NodeDown:
-                continue
-            if node.down or not node.serves(model) or not node.fits(len(context)):
-                continue  # fresh metadata says no (a cold node learned its window just now)
-            link.assign(session.session_id, lease=session.lease, params=session.params)
-            if context:
-                link.append(session.session_id, context)
-            session.node = node
-            node.sessions += 1
-            return node
-        too_long = self._too_long(model, len(context))
-        if too_long is not None:
-            raise too_long
-        raise NoNodeAvailable(
-            f"no live node serves {model or 'any model'}"
-            + (f" (tried {', '.join(n.name for n in order)})" if order else "")
+        claim_lane: bool,
+        avoid: Sequence[FleetNode] = (),
+        priority: bool = False,
+    ) -> Deferred[FleetNode]:
+        """Assign ``session`` (new epoch) and append ``context`` on the best node that can take
+        it, now or when one can (the queue).  ``claim_lane`` counts a generation on the node at
+        once.  ``priority`` (a failover) goes ahead of the queue and past its bound."""
+        request = placement.Request(
+            model=session.model,
+            length=len(context),
+            expected_out=expected_out,
+            needs_lane=claim_lane,
+            avoid=frozenset(n.order for n in avoid),
+        )
+        waiter = _Waiter(
+            session,
+            tuple(context),
+            request,
+            claim_lane,
+            Deferred(lambda _: self._leave(waiter)),
+            self._clock.seconds(),
+        )
+        if self._stopping:
+            return defer.fail(NoNodeAvailable("the head is stopping"))
+        if priority or not self._queue:
+            if self._try(waiter):
+                return waiter.placed
+        if not priority and len(self._queue) >= self.max_queued:
+            self.queue_rejected += 1
+            return defer.fail(
+                QueueFull(
+                    f"no node can take the request now ({waiter.reason or 'no node is live'}) "
+                    f"and the queue is full ({self.max_queued} requests may wait)"
+                )
+            )
+        if self.queue_timeout_s > 0:
+            waiter.timer = self._clock.callLater(self.queue_timeout_s, self._expire, waiter)
+        if priority:
+            self._queue.appendleft(waiter)
+        else:
+            self._queue.append(waiter)
+        self._dispatch()
+        return waiter.placed
+
+    def _try(self, waiter: _Waiter) -> bool:
+        """Settle ``waiter`` now if the nodes allow (placed, or refused); False: it waits."""
+        decision = placement.decide(self._views(), waiter.request, self.policy, self._cursor)
+        if isinstance(decision, placement.Place):
+            by_key = {n.order: n for n in self.nodes}
+            node = by_key[decision.order[0]]
+            if self.policy is Policy.ROUND_ROBIN:
+                self._cursor += 1
+            self._assign(waiter, node)
+            self._settle(waiter, node)
+            return True
+        if isinstance(decision, placement.TooLong):
+            self._settle(waiter, StreamTooLong(decision.length, decision.largest))
+            return True
+        if isinstance(decision, placement.Unserved):
+            self._settle(waiter, NoNodeAvailable(f"no node serves {decision.model}"))
+            return True
+        waiter.reason = decision.reason
+        return False
+
+    def _assign(self, waiter: _Waiter, node: FleetNode) -> None:
+        session, link = waiter.session, node.link
+        link.assign(session.session_id, lease=session.lease, params=session.params)
+        if waiter.context:
+            link.append(session.session_id, waiter.context)
+        session.node = node
+        node.sessions += 1
+        if waiter.claim_lane:
+            node.inflight += 1
+
+    def _dispatch(self) -> None:
+        """Place what waits, in order, on whatever the nodes can take now."""
+        if self._dispatching:
+            # Settling a waiter runs its generation, which may free a lane right here: go
+            # round once more when this pass is done.
+            self._dispatch_again = True
+            return
+        self._dispatching = True
+        try:
+            self._dispatch_again = True
+            while self._dispatch_again:
+                self._dispatch_again = False
+                for waiter in list(self._queue):
+                    if not waiter.settled:
+                        self._try(waiter)
+        finally:
+            self._dispatching = False
+
+    def _settle(self, waiter: _Waiter, result: FleetNode | Exception) -> None:
+        if waiter.settled:
+            return
+        waiter.settled = True
+        if waiter in self._queue:
+            self._queue.remove(waiter)
+        if waiter.timer is not None and waiter.timer.active():
+            waiter.timer.cancel()
+        if isinstance(result, Exception):
+            waiter.placed.errback(result)
+        else:
+            waiter.placed.callback(result)
+
+    def _leave(self, waiter: _Waiter) -> None:
+        """The waiter was cancelled (its client went away): it leaves the queue."""
+        waiter.settled = True
+        if waiter in self._queue:
+            self._queue.remove(waiter)
+        if waiter.timer is not None and waiter.timer.active():
+            waiter.timer.cancel()
+
+    def _expire(self, waiter: _Waiter) -> None:
+        waiter.timer = None
+        self.queue_timeouts += 1
+        self._settle(
+            waiter,
+            NoNodeAvailable(
+                f"no node could take the request within {self.queue_timeout_s:g} s "
+                f"({waiter.reason or 'no node is live'})"
+            ),
         )
 
-    @defer.inlineCallbacks
-    def _bound_link(self, session: FleetSession) -> Generator[Deferred[Any], Any, NodeLink]:
-        """The open link of the session's node; a link that lacks the session (a new
-        connection of a node that dialed in again) gets it assigned and appended first."""
+    async def _bound_link(self, session: FleetSession) -> NodeLink:
+        """The open link of the session's node (waiting for a reconnect under way); a link
+        that lacks the session (it was placed over another connection) gets it assigned and
+        appended first.  Fails with :class:`NodeDown` when the node cannot be reached now."""
         node = session.node
         assert node is not None
-        link: NodeLink = yield self._ensure(node)
+        link = node.link
+        try:
+            await link.when_open()
+        except LinkError as e:
+            raise NodeDown(f"{node.name} is down: {e}") from e
         if link.head_session.epoch_of(session.session_id) is None:
             link.assign(session.session_id, lease=session.lease, params=session.params)
             if session.context:
@@ -881,17 +968,21 @@ class Fleet:
         return link
 
     def _detach(self, session: FleetSession) -> None:
-        """Take ``session`` off its node: SESSION_REVOKE there (sent if the link is up)."""
+        """Take ``session`` off its node: SESSION_REVOKE there (now, or once it is back)."""
         node, session.node = session.node, None
         if node is None:
             return
         node.sessions -= 1
         node.link.revoke(session.session_id)
 
+    def _release(self, node: FleetNode) -> None:
+        """A generation on ``node`` ended: its lane may take a waiting request."""
+        node.inflight -= 1
+        self._dispatch()
+
     # ----------------------------------------------------------------------------------------
     # Sessions and one-shot generations
 
-    @defer.inlineCallbacks
     def open_session(
         self,
         context: Sequence[int] = (),
@@ -900,12 +991,13 @@ class Fleet:
         params: GenParams = DEFAULT_PARAMS,
         lease: Lease | None = None,
         expected_out: int = DEFAULT_EXPECTED_OUT,
-    ) -> Generator[Deferred[Any], Any, FleetSession]:
-        """Place a new session holding ``context``; fails with :class:`StreamTooLong` or
+    ) -> Deferred[FleetSession]:
+        """Place a new session holding ``context`` (waiting in the queue while no live node
+        can take it); fails with :class:`StreamTooLong`, :class:`QueueFull` or
         :class:`NoNodeAvailable`."""
         session = self.new_session(context, model=model, params=params, lease=lease)
-        yield self._place(session, session.context, set(), expected_out)
-        return session
+        placed = self._place(session, session.context, expected_out=expected_out, claim_lane=False)
+        return placed.addCallback(lambda _: session)
 
     def new_session(
         self,
@@ -945,6 +1037,8 @@ class Fleet:
 
 
 __all__ = [
+    "DEFAULT_MAX_QUEUED",
+    "DEFAULT_QUEUE_TIMEOUT_S",
     "Fleet",
     "FleetError",
     "FleetGeneration",
@@ -957,6 +1051,7 @@ __all__ = [
     "NodeDown",
     "NodeLink",
     "Policy",
+    "QueueFull",
     "SessionClosed",
     "StreamTooLong",
 ]

@@ -8,6 +8,11 @@
   200), ``unavailable`` or ``draining`` (503).
 - ``GET /metrics``: Prometheus text (:mod:`sfnode.head.metrics`).
 
+A completion that no live node can take now waits in the fleet's bounded queue (docs/protocol.md
+section 8.5): a full queue answers 503 ``queue_full`` at once, a request that waited the queue
+timeout in vain 503 ``no_node_available``.  The per-client and per-key limits of the front door
+are taken before a request can enter that queue.
+
 Every answer, errors on every route included (unknown path 404, wrong method 405), is JSON in
 OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.  The front door
 (:mod:`sfnode.head.gate`) screens each request from its headers before any body is read: Host,
@@ -47,7 +52,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
 from sfnode.head.backend import Backend, BackendStatus, GenerationHandle
-from sfnode.head.fleet import FleetError, FleetOutcome, NodeDeclined, StreamTooLong
+from sfnode.head.fleet import FleetError, FleetOutcome, NodeDeclined, QueueFull, StreamTooLong
 from sfnode.head.gate import (
     ConcurrencyLimits,
     GateLimits,
@@ -648,6 +653,8 @@ def _fleet_error(failure: Failure, param: str) -> ApiError | None:
         return too_long(error.length, error.max, param)
     if isinstance(error, NodeDeclined):
         return ApiError(502, str(error), kind="server_error", outcome="error")
+    if isinstance(error, QueueFull):
+        return _unavailable(str(error), "queue_full")
     if isinstance(error, (FleetError, LinkError)):
         return _unavailable(str(error))
     return None
@@ -723,8 +730,9 @@ class _Exchange:
             return
         if api.draining:
             raise _draining()
-        if not api.status().may_serve:
-            raise _unavailable("no node is available to serve this model")
+        # No "is a node live?" check here: a request no node can take now waits in the
+        # fleet's queue (a node may come back or dial in) and fails from there when it is
+        # full or the wait times out.
         parsed = self.parsed
         max_tokens = parsed.max_tokens
         if max_tokens is None:

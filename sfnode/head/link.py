@@ -1,16 +1,24 @@
-"""The head's Link F connection to one node, on Twisted (LINKF 4.3, 7.2, 7.3).
+"""The head's Link F connection to one node, on Twisted (docs/protocol.md sections 5, 6.5, 8).
 
-Three pieces, layered like the node side:
+Four pieces, layered like the node side:
 
 - :class:`HeadLinkProtocol` only turns bytes into typed messages (``wire.FrameDecoder`` and
   ``wire.decode_message``) and messages into frames (its own send seq, from 1).  It decides
   nothing; it forwards everything to its owner.
 - :class:`~sfnode.head.session.HeadSession` (pure) keeps the bookkeeping and builds messages.
-- :class:`NodeLink` is the owner that wires them to the reactor: the handshake, the Deferred
-  API (assign, append, generate, stage_forward, ...), lease grants, status, reconnect and
-  reconcile.
+- :class:`~sfnode.head.machines.LinkMachine` decides *when*: connecting, handshaking, open,
+  reconciling, down (waiting to redial) or closed, with every timer that goes with them.
+- :class:`NodeLink` is the owner that wires them to the reactor: it carries out what the
+  machine asks (dial, say HELLO, reconcile, abort), offers the Deferred API (assign, append,
+  generate, stage_forward, ...), answers lease renewals and keeps the node's status.
 
-:class:`HeadIds` holds the process-wide id spaces (LINKF 7.2); pass one instance around
+A link the head dials (:func:`connect_node`, or a fleet's ``--node``) redials on its own: at
+once when its connection drops, then with the backoff of its retry policy, and reconciles
+its sessions on every new connection; generations in flight when the connection dropped wait
+for that reconcile and continue when the node still runs them.  A link a node dialed in
+(:class:`HeadLinkFactory`) ends with its connection.
+
+:class:`HeadIds` holds the process-wide id spaces (section 8); pass one instance around
 explicitly.  With a fleet token every connection is Noise (``sfnode.noise``, D10) with the head
 as the initiator, whichever side dialled; ``Hello.auth`` still carries the token inside it.
 The reactor and the clock are always parameters: this module must never import the global
@@ -19,21 +27,37 @@ reactor, never block, and never let an exception escape ``dataReceived``.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 from typing import Protocol as TypingProtocol
 
-from twisted.internet import defer
-from twisted.internet.defer import Deferred
+from twisted.internet import defer, error
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.endpoints import clientFromString
-from twisted.internet.interfaces import IDelayedCall, IReactorTime, IStreamClientEndpoint
+from twisted.internet.interfaces import IReactorTime, IStreamClientEndpoint
 from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from sfnode.admission import is_loopback_address
+from sfnode.head.machines import (
+    DEFAULT_KEEPALIVE_INTERVAL_S,
+    DEFAULT_SILENCE_TIMEOUT_S,
+    ConnectError,
+    HandshakeError,
+    HandshakeTimeoutError,
+    LinkCore,
+    LinkError,
+    LinkInputs,
+    LinkLostError,
+    LinkMachine,
+    NodeRefusedError,
+    NodeSilentError,
+    ReconcileError,
+    RetryPolicy,
+    retry_policy,
+)
 from sfnode.head.session import HeadSession
 from sfnode.noise import NoiseFactory, NoiseProtocol, Role, secure_factory
 from sfnode.wire import (
@@ -68,7 +92,7 @@ DEFAULT_LEASE = Lease(duration_ms=60_000, renew_by_ms=45_000)
 DEFAULT_PARAMS = GenParams()
 DEFAULT_HANDSHAKE_TIMEOUT_S = 10.0
 DEFAULT_JOIN_HANDSHAKES = 8
-"""LINKF 4.6: nodes dialing a head that may be in their handshake at once."""
+"""Nodes dialing a head that may be in their handshake at once (section 7.1 of the node)."""
 COMMAND_SPACE = 1 << 32
 """Command ids each connection's HeadSession may use before the next connection's base."""
 MAX_RETRY_RANGE = 1 << 20
@@ -78,35 +102,11 @@ _log = Logger(namespace="sfnode.head.link")
 
 
 # --------------------------------------------------------------------------------------------
-# Errors
-
-
-class LinkError(Exception):
-    """Something went wrong on a head's link to a node."""
-
-
-class HandshakeError(LinkError):
-    """The link never got past HELLO / HELLO_ACK_F."""
-
-
-class HandshakeTimeoutError(HandshakeError):
-    """No HELLO_ACK_F arrived within the handshake timeout."""
-
-
-class NodeRefusedError(HandshakeError):
-    """The node closed the connection during the handshake (it refused the head)."""
-
-
-class LinkLostError(LinkError):
-    """The connection is gone; calls that depended on it cannot complete on it."""
+# Errors (the ones about connecting and handshaking live with the machine that raises them)
 
 
 class MalformedFrameError(LinkError):
     """The node sent bytes that are not Link F; the connection was closed."""
-
-
-class ReconcileError(LinkError):
-    """A reconnect's RECONCILE did not complete."""
 
 
 class UnknownSessionError(LinkError):
@@ -125,21 +125,65 @@ LinkLost = LinkLostError
 NodeRefused = NodeRefusedError
 
 
+def describe_failure(reason: Failure | BaseException) -> str:
+    """A connection failure in a few plain words (no object reprs)."""
+    value = reason.value if isinstance(reason, Failure) else reason
+    if isinstance(value, error.ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(value, (error.TCPTimedOutError, error.TimeoutError)):
+        return "connection timed out"
+    if isinstance(value, error.DNSLookupError):
+        return f"DNS lookup failed ({value})"
+    if isinstance(value, error.NoRouteError):
+        return "no route to the host"
+    if isinstance(value, error.ConnectionDone):
+        return "the connection was closed"
+    if isinstance(value, (error.ConnectionLost, error.ConnectionAborted)):
+        return "the connection was lost"
+    if isinstance(value, CancelledError):
+        return "the attempt was cancelled"
+    text = str(value).strip()
+    return text or type(value).__name__
+
+
+def describe_endpoint(endpoint: object) -> str:
+    """An endpoint in the words of its endpoint string, as far as it can be told."""
+    host = getattr(endpoint, "_host", None)
+    port = getattr(endpoint, "_port", None)
+    if host is not None and port is not None:
+        return f"tcp:{host}:{port}"
+    path = getattr(endpoint, "_path", None)
+    if path is not None:
+        return f"unix:{path}"
+    return type(endpoint).__name__
+
+
+def _noise_unfinished(protocol: HeadLinkProtocol) -> bool:
+    """Whether the connection ran over Noise and its handshake never finished."""
+    session = getattr(protocol.transport, "session", None)
+    return session is not None and not getattr(session, "ready", True)
+
+
+def _handshake_loss(reason: Failure, protocol: HeadLinkProtocol) -> HandshakeError:
+    """Why a connection that ended before HELLO_ACK_F failed, in the operator's words."""
+    if type(reason.value).__module__.startswith("OpenSSL"):
+        return HandshakeError(f"the TLS handshake with the node failed: {reason.value}")
+    if _noise_unfinished(protocol):
+        return NodeRefusedError(
+            "the node closed the connection during the encrypted handshake (if this repeats, "
+            "check that it holds the same fleet token)"
+        )
+    return NodeRefusedError(
+        f"the node closed the connection during the handshake ({describe_failure(reason)})"
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # Process-wide ids
 
 
-def _handshake_loss(reason: Failure) -> HandshakeError:
-    """Why a connection that ended before HELLO_ACK_F failed, in the operator's words."""
-    if type(reason.value).__module__.startswith("OpenSSL"):
-        return HandshakeError(f"the TLS handshake with the node failed: {reason.value}")
-    return NodeRefusedError(
-        "the node closed the connection at the handshake (likely a fleet token mismatch)"
-    )
-
-
 class HeadIds:
-    """The head's process-wide id spaces (LINKF 7.2).
+    """The head's process-wide id spaces (section 8, "Id spaces").
 
     Epochs come from one counter starting at 1, one per assign (any session, any link).  Each
     link's HeadSession starts its command ids at a base that advances by 2^32 per link (1,
@@ -257,7 +301,10 @@ class HeadLinkProtocol(Protocol):
 
 
 class _DialFactory(Factory):
-    """Builds the one protocol of a dial, owned by its link."""
+    """Builds the protocol of each dial, owned by its link."""
+
+    noisy = False
+    """No "Starting factory" line per connection attempt."""
 
     def __init__(self, link: NodeLink) -> None:
         self._link = link
@@ -342,20 +389,27 @@ class GenerationCall:
 # The owner
 
 
-class _Phase(enum.Enum):
-    HANDSHAKING = "handshaking"
-    OPEN = "open"
-    RECONCILING = "reconciling"
-    DOWN = "down"
-    CLOSED = "closed"
+class LinkObserver(TypingProtocol):
+    """What a link tells whoever watches it (the fleet); none of these may raise."""
+
+    def link_opened(self, link: NodeLink, reconnected: bool) -> None:
+        """The link is open (handshaken, and reconciled when it held sessions)."""
+
+    def link_failed(self, link: NodeLink, reason: LinkError, retry_in_s: float | None) -> None:
+        """An attempt to (re)connect failed; the next starts in ``retry_in_s`` (None: never)."""
+
+    def link_dropped(self, link: NodeLink, reason: LinkError) -> None:
+        """The open link lost its connection (a dialed link is redialling already)."""
+
+    def link_closed(self, link: NodeLink) -> None:
+        """The link is over: closed by the head, or the connection of a node that dialed in
+        ended or failed its handshake."""
 
 
 class _Reconcile:
     """What a reconnect's RECONCILE is waiting for."""
 
-    def __init__(self, timer: IDelayedCall) -> None:
-        self.done: Deferred[None] = Deferred()
-        self.timer = timer
+    def __init__(self) -> None:
         self.seen: set[tuple[int, int, int]] = set()
         """(session, generation, seq) of every event that arrived since RECONCILE was sent."""
         self.missing: set[tuple[int, int, int]] | None = None
@@ -367,20 +421,20 @@ class _Reconcile:
 
 
 class NodeLink:
-    """The head's side of one Link F connection to one node (LINKF 7.2).
+    """The head's side of one Link F connection to one node (section 8).
 
     Build it with :func:`connect_node` (the head dials) or :class:`HeadLinkFactory` (the node
     dials the head).  In both the head says HELLO first.
 
     Sends (:meth:`assign`, :meth:`append`, :meth:`revoke`, :meth:`keepalive`) are
-    fire-and-forget: while the link is down they only update the bookkeeping, and a
-    :meth:`reconnect` puts the node right.  Calls that wait (:meth:`generate`,
-    :meth:`stage_forward`) fail with :class:`LinkError` subclasses when the link loses them.
-
-    When the connection drops, every Deferred from :meth:`when_closed` fires with the reason;
-    an owner may call :meth:`reconnect` right there to keep pending generations waiting for
-    their retransmitted events.  Otherwise they fail with :class:`LinkLostError` at once.  A
-    malformed frame fails every pending call with :class:`MalformedFrameError`.
+    fire-and-forget: while the link is down they only update the bookkeeping, and the next
+    connection's reconcile puts the node right (a revoke that could not be sent goes out then).
+    Calls that wait (:meth:`generate`, :meth:`stage_forward`) fail with :class:`LinkError`
+    subclasses when the link loses them: a generation in flight when an open connection
+    dropped waits for the redial's reconcile, and fails when that attempt fails or the node no
+    longer has it; a node that went silent for the keepalive window fails its generations at
+    once (:class:`~sfnode.head.machines.NodeSilentError`).  A malformed frame fails every
+    pending call with :class:`MalformedFrameError`.
     """
 
     def __init__(
@@ -390,36 +444,61 @@ class NodeLink:
         *,
         token: bytes = b"",
         endpoint: IStreamClientEndpoint | None = None,
+        description: str | None = None,
         handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
         clock: IReactorTime | None = None,
         keep_wal: bool = True,
+        retry: RetryPolicy | None = None,
+        keepalive_interval_s: float = DEFAULT_KEEPALIVE_INTERVAL_S,
+        silence_timeout_s: float = DEFAULT_SILENCE_TIMEOUT_S,
     ) -> None:
         self._reactor = reactor
         self._clock: IReactorTime = clock if clock is not None else reactor
         self.ids = ids
         self.token = token
         self._endpoint = endpoint
+        self.description = description or (
+            describe_endpoint(endpoint) if endpoint is not None else "a node that dialed in"
+        )
+        """The endpoint string dialed, or the peer of a node that dialed in."""
         self.handshake_timeout_s = handshake_timeout_s
         self.keep_wal = keep_wal
         """False forgets a generation's committed events once its call completed."""
         self.head_session = HeadSession(ids.next_command_base())
         self.hello_ack: HelloAckF | None = None
         self.capacity: CapacitySummary | None = None
+        self.capacity_at: float | None = None
+        """When the latest capacity report arrived (clock seconds)."""
         self.models: tuple[str, ...] = ()
-        self._phase = _Phase.DOWN
+        self.status = "new"
+        """new, connecting, handshaking, reconciling, open, down or closed (for humans)."""
+        self.ready = False
+        """Open: handshaken, and reconciled after a reconnect."""
         self._protocol: HeadLinkProtocol | None = None
-        self._connecting: Deferred[Any] | None = None
-        self._handshake: Deferred[None] | None = None
-        self._handshake_timer: IDelayedCall | None = None
+        self._incoming: HeadLinkProtocol | None = None
+        self._closing: set[HeadLinkProtocol] = set()
+        self._awaiting_ack = False
         self._reconcile: _Reconcile | None = None
         self._next_generation = 1
         self._generations: dict[tuple[int, int], GenerationCall] = {}
         self._suspended: set[tuple[int, int]] = set()
-        """Generations in flight when the link dropped; a reconnect settles them."""
+        """Generations in flight when the connection dropped; the redial's reconcile settles
+        them."""
         self._stage_forwards: dict[int, Deferred[StageForwardRespMsg]] = {}
-        self._drop_reason: Exception | None = None
+        self._owed_revokes: dict[int, int] = {}
+        """session -> epoch of revokes made while the link was down."""
         self._closed_waiters: list[Deferred[Exception]] = []
         self._close_waiters: list[Deferred[None]] = []
+        self._observers: list[LinkObserver] = []
+        self._core = LinkCore(
+            effects=self,
+            clock=self._clock,
+            retry=retry if retry is not None else retry_policy(),
+            handshake_timeout_s=handshake_timeout_s,
+            keepalive_interval_s=keepalive_interval_s,
+            silence_timeout_s=silence_timeout_s,
+        )
+        self._machine: LinkInputs = LinkMachine(self._core)
 
     # ----------------------------------------------------------------------------------------
     # State seen by owners
@@ -429,38 +508,101 @@ class NodeLink:
         return self.hello_ack.node_identity if self.hello_ack is not None else "<unknown node>"
 
     @property
+    def name(self) -> str:
+        """The node's identity once known, else its endpoint string (or peer)."""
+        return self.hello_ack.node_identity if self.hello_ack is not None else self.description
+
+    @property
     def connected(self) -> bool:
-        """Whether the link is up and past its handshake (a reconcile may still be running)."""
-        return self._phase in (_Phase.OPEN, _Phase.RECONCILING)
+        """Whether a connection is up and past its handshake (a reconcile may still run)."""
+        return self._protocol is not None and not self._awaiting_ack
 
     @property
     def dialable(self) -> bool:
-        """Whether :meth:`reconnect` can dial the node again (the head dialed it)."""
+        """Whether the head dials this node (and so redials it)."""
         return self._endpoint is not None
+
+    @property
+    def last_reason(self) -> LinkError | None:
+        """Why the link last went down (None while open or before the first attempt)."""
+        return self._core.last_reason
+
+    def observe(self, observer: LinkObserver) -> None:
+        self._observers.append(observer)
 
     def pending_generations(self) -> list[GenerationCall]:
         return list(self._generations.values())
 
     def when_closed(self) -> Deferred[Exception]:
-        """A Deferred that fires with the reason the next time the connection drops.
-
-        If the link is down already it fires at once with the last reason.  A connection that
-        :meth:`reconnect` replaces on purpose, or one that never finished its handshake, is
-        not reported here (their own Deferreds say how they ended).
-        """
+        """A Deferred that fires with the reason the next time an open connection drops (or
+        the link is closed).  If the link is down or closed already it fires at once with
+        the last reason.  A connection :meth:`reconnect` replaces on purpose, or one that
+        never finished its handshake, is not reported here."""
         d: Deferred[Exception] = Deferred()
-        if self._phase in (_Phase.DOWN, _Phase.CLOSED) and self._drop_reason is not None:
-            d.callback(self._drop_reason)
+        last = self._core.last_reason
+        if last is not None and self.status in ("down", "closed"):
+            d.callback(last)
         else:
             self._closed_waiters.append(d)
         return d
+
+    def when_open(self) -> Deferred[None]:
+        """Fires when the link is open: at once if it is, else when the attempt under way
+        succeeds; fails when that attempt fails, or at once when the link is down or closed."""
+        d: Deferred[None] = Deferred()
+        self._core.open_waiters.append(d)
+        self._machine.wait_open()
+        return d
+
+    # ----------------------------------------------------------------------------------------
+    # Life cycle
+
+    def start(self) -> None:
+        """Dial the node (or, for a node dialing in, start waiting for its handshake)."""
+        self._machine.start()
+
+    def reconnect(self) -> Deferred[None]:
+        """Drop the connection (if any), dial again, handshake and reconcile (section 8).
+
+        Generations in flight keep waiting when the node still holds their session and shows
+        it has them (committed events, a retry range, or events since the RECONCILE): their
+        retransmitted events, and the rest of the stream the node moves to the new connection
+        (decision D2), complete them normally.  The others fail with :class:`LinkLostError`
+        once the reconcile is done (the caller decides on failover).  Held sessions get their
+        stored context appended again; sessions the node no longer holds are re-assigned at
+        the same epoch (new command id) and appended.  Fires once the link is open again.
+        """
+        if not self.dialable:
+            return defer.fail(LinkError("a node that dialed the head cannot be dialed back"))
+        d: Deferred[None] = Deferred()
+        self._core.open_waiters.append(d)
+        self._machine.redial()
+        self._machine.wait_open()
+        return d
+
+    def close(self) -> Deferred[None]:
+        """Close the link for good; pending calls fail with :class:`LinkLostError`.
+
+        Fires once the connection is gone.
+        """
+        d: Deferred[None] = Deferred()
+        self._close_waiters.append(d)
+        self._machine.close()
+        self._check_closed()
+        return d
+
+    def _check_closed(self) -> None:
+        if self.status == "closed" and not self._closing and self._protocol is None:
+            waiters, self._close_waiters = self._close_waiters, []
+            for d in waiters:
+                d.callback(None)
 
     # ----------------------------------------------------------------------------------------
     # Head -> node
 
     def send_now(self, message: Message) -> bool:
-        """Send one message if the link is up; False (and nothing sent) otherwise."""
-        if self._protocol is None or not self.connected:
+        """Send one message if a connection is up past its handshake; False otherwise."""
+        if self._protocol is None or self._awaiting_ack:
             return False
         self._protocol.send(message)
         return True
@@ -481,9 +623,10 @@ class NodeLink:
         """SESSION_ASSIGN with a new process-wide epoch, which is returned.
 
         Pending generations of the session fail with :class:`SupersededError`: the node drops
-        the generations of an older epoch when a higher one is assigned (LINKF 5.2).
+        the generations of an older epoch when a higher one is assigned (section 6.2).
         """
         epoch = self.ids.next_epoch()
+        self._owed_revokes.pop(session_id, None)
         for key, call in list(self._generations.items()):
             if key[0] == session_id:
                 self._forget_generation(call)
@@ -512,9 +655,13 @@ class NodeLink:
     def revoke(self, session_id: int, *, epoch: int | None = None) -> None:
         """SESSION_REVOKE; the session's pending generations fail with :class:`SessionRevokedError`.
 
-        A session this link does not know is revoked only when ``epoch`` is given.
+        A session this link does not know is revoked only when ``epoch`` is given.  A revoke
+        that cannot be sent now (the link is down) goes out after the next reconcile, so a
+        node that was only unreachable frees what it still runs for the session.
         """
-        self._send_optional(self.head_session.revoke(session_id, epoch=epoch))
+        message = self.head_session.revoke(session_id, epoch=epoch)
+        if message is not None and not self.send_now(message):
+            self._owed_revokes[session_id] = message.epoch
         for key, call in list(self._generations.items()):
             if key[0] == session_id:
                 self._forget_generation(call)
@@ -543,7 +690,7 @@ class NodeLink:
             call._fail(UnknownSessionError(f"session {session_id} was not assigned on this link"))
             return call
         if not self.connected:
-            call._fail(LinkLostError(f"the link to {self.node_identity} is down"))
+            call._fail(LinkLostError(f"the link to {self.name} is down"))
             return call
         request = self.head_session.generate(
             session_id, generation_id, GenerationBudgetsMsg(max_new_tokens, max_wall_ms)
@@ -563,7 +710,7 @@ class NodeLink:
         """STAGE_FORWARD_REQ; fires with the STAGE_FORWARD_RESP of the same request_id."""
         request_id = self._next_generation_id()
         if not self.connected:
-            return defer.fail(LinkLostError(f"the link to {self.node_identity} is down"))
+            return defer.fail(LinkLostError(f"the link to {self.name} is down"))
 
         def forget(_: Deferred[StageForwardRespMsg]) -> None:
             self._stage_forwards.pop(request_id, None)
@@ -575,48 +722,19 @@ class NodeLink:
         )
         return d
 
-    def close(self) -> Deferred[None]:
-        """Close the link for good; pending calls fail with :class:`LinkLostError`.
-
-        Fires once the connection is gone.
-        """
-        d: Deferred[None] = Deferred()
-        if self._phase is _Phase.CLOSED and self._protocol is None:
-            d.callback(None)
-            return d
-        self._phase = _Phase.CLOSED
-        self._drop_reason = LinkLostError("the head closed the link")
-        if self._protocol is None:
-            if self._connecting is not None:
-                self._connecting.cancel()
-            self._fail_handshake(self._drop_reason)
-            self._fail_stage_forwards(self._drop_reason)
-            self._fail_generations(self._drop_reason)
-            d.callback(None)
-            return d
-        self._close_waiters.append(d)
-        self._protocol.close()
-        return d
-
     def _next_generation_id(self) -> int:
         generation_id = self._next_generation
         self._next_generation += 1
         return generation_id
 
     # ----------------------------------------------------------------------------------------
-    # Dialing, handshake, reconnect
+    # LinkEffects: what the machine asks for
 
-    def dial(self) -> Deferred[None]:
-        """Connect and handshake (LINKF 4.3); fires once HELLO_ACK_F arrived.
-
-        Only for a link that is down; :func:`connect_node` and :meth:`reconnect` call it.
-        """
+    def dial(self) -> Deferred[Any] | None:
+        self.status = "connecting"
         if self._endpoint is None:
-            return defer.fail(LinkError("a node that dialed the head cannot be dialed back"))
-        if self._phase is not _Phase.DOWN or self._protocol is not None:
-            return defer.fail(LinkError(f"cannot dial a link that is {self._phase.value}"))
-        d = self._begin_handshake()
-        connecting = self._endpoint.connect(
+            return None
+        attempt = self._endpoint.connect(
             secure_factory(
                 _DialFactory(self),
                 self.token,
@@ -625,151 +743,221 @@ class NodeLink:
                 handshake_timeout_s=self.handshake_timeout_s,
             )
         )
-        if self._handshake is d:
-            self._connecting = connecting
-
-        def connected(_: object) -> None:
-            self._connecting = None
 
         def failed(failure: Failure) -> None:
-            self._connecting = None
-            self._fail_handshake(
-                HandshakeError(f"could not connect for the handshake: {failure.getErrorMessage()}")
+            self._machine.dial_failed(
+                ConnectError(f"could not connect: {describe_failure(failure)}")
             )
 
-        connecting.addCallbacks(connected, failed)
-        return d
+        attempt.addCallbacks(lambda _: None, failed)
+        return attempt
 
-    def reconnect(self) -> Deferred[None]:
-        """Drop the connection, dial again, handshake and reconcile (LINKF 7.3).
+    def attach(self) -> None:
+        self._protocol, self._incoming = self._incoming, None
+        self._awaiting_ack = True
+        self.status = "handshaking"
+        if self._protocol is not None:
+            self._protocol.send(Hello(PROTO_RANGE, LinkRole.HEAD_DAEMON, self.token))
 
-        Generations in flight when the link dropped keep waiting when the node still holds
-        their session and shows it has them (committed events, a retry range, or events since
-        the RECONCILE): their retransmitted events, and the rest of the stream the node moves
-        to the new connection (decision D2), complete them normally.  The others fail with
-        :class:`LinkLostError` once the reconcile is done (the caller decides on failover).
-        Held sessions get their stored context appended again; sessions the node no longer
-        holds are re-assigned at the same epoch (new command id) and appended.
-        """
-        if self._endpoint is None:
-            return defer.fail(LinkError("a node that dialed the head cannot be dialed back"))
-        if self._phase in (_Phase.HANDSHAKING, _Phase.RECONCILING, _Phase.CLOSED):
-            return defer.fail(LinkError(f"cannot reconnect a link that is {self._phase.value}"))
-        old = self._protocol
-        if old is not None:
-            # Detached first: its loss is no longer news to anyone.
-            self._protocol = None
-            old.abort()
-        self._phase = _Phase.DOWN
-        self._suspended.update(self._generations)
-        self._drop_reason = None
-        d = self.dial()
-        d.addCallback(lambda _: self._start_reconcile())
-        d.addErrback(self._reconnect_failed)
-        return d
+    def reject(self) -> None:
+        stray, self._incoming = self._incoming, None
+        if stray is not None:
+            stray.abort()
 
-    def _reconnect_failed(self, failure: Failure) -> Failure:
-        lost = LinkLostError(
-            f"reconnect to {self.node_identity} failed: {failure.getErrorMessage()}"
-        )
+    def abort(self) -> None:
+        protocol, self._protocol = self._protocol, None
+        self._awaiting_ack = False
+        if protocol is not None:
+            protocol.abort()
+
+    def begin_reconcile(self) -> None:
+        self.status = "reconciling"
+        self._reconcile = _Reconcile()
+        self.send_now(self.head_session.reconcile())
+
+    def opened(self, reconnected: bool) -> None:
+        self.status = "open"
+        self.ready = True
+        state, self._reconcile = self._reconcile, None
+        if state is not None:
+            for session_id in state.held:
+                self._send_optional(self.head_session.reappend(session_id))
+            for session_id in state.not_held:
+                self._send_optional(self.head_session.reassign(session_id))
+                self._send_optional(self.head_session.reappend(session_id))
+        self._settle_suspended(state)
+        owed, self._owed_revokes = self._owed_revokes, {}
+        for session_id, epoch in owed.items():
+            if self.head_session.epoch_of(session_id) is None:
+                self._send_optional(self.head_session.revoke(session_id, epoch=epoch))
+        for observer in list(self._observers):
+            observer.link_opened(self, reconnected)
+
+    def attempt_failed(self, reason: LinkError, retry_in_s: float) -> None:
+        self.status = "down"
+        self.ready = False
+        self._reconcile = None
+        lost = LinkLostError(f"{self.name} could not be reached again: {reason}")
         self._fail_stage_forwards(lost)
         self._fail_generations(lost)
-        return failure
-
-    def _begin_handshake(self) -> Deferred[None]:
-        self._phase = _Phase.HANDSHAKING
-        d: Deferred[None] = Deferred()
-        self._handshake = d
-        self._handshake_timer = self._clock.callLater(
-            self.handshake_timeout_s, self._handshake_timed_out
-        )
-        return d
-
-    def _handshake_timed_out(self) -> None:
-        self._handshake_timer = None
-        if self._connecting is not None:
-            connecting, self._connecting = self._connecting, None
-            connecting.cancel()
-        self._fail_handshake(
-            HandshakeTimeoutError(
-                f"no HELLO_ACK_F within {self.handshake_timeout_s} s: the handshake timed out"
-            )
-        )
-
-    def _stop_handshake_timer(self) -> None:
-        timer, self._handshake_timer = self._handshake_timer, None
-        if timer is not None and timer.active():
-            timer.cancel()
-
-    def _fail_handshake(self, error: Exception) -> None:
-        d, self._handshake = self._handshake, None
-        if d is None:
+        if not self.dialable:
+            # A node that dialed in and failed its handshake: nothing to redial.
+            self._machine.close()
             return
-        self._stop_handshake_timer()
-        protocol, self._protocol = self._protocol, None
-        if self._phase is not _Phase.CLOSED:
-            self._phase = _Phase.DOWN
-        self._drop_reason = error
-        if protocol is not None:
-            protocol.abort()
-        d.errback(error)
+        for observer in list(self._observers):
+            observer.link_failed(self, reason, retry_in_s)
 
-    def _handshake_message(self, message: Message) -> None:
+    def dropped(self, reason: LinkError) -> None:
+        self.ready = False
+        self._reconcile = None
+        self._fail_stage_forwards(reason)
+        if isinstance(reason, NodeSilentError) or not self.dialable:
+            self._fail_generations(reason)
+        else:
+            self._suspended.update(self._generations)
+        waiters, self._closed_waiters = self._closed_waiters, []
+        for d in waiters:
+            d.callback(reason)
+        for observer in list(self._observers):
+            observer.link_dropped(self, reason)
+
+    def replaced(self) -> None:
+        self.ready = False
+        self.abort()
+        self._fail_stage_forwards(LinkLostError(f"the link to {self.name} is reconnecting"))
+        self._suspended.update(self._generations)
+
+    def silent(self, seconds: float) -> None:
+        reason = NodeSilentError(
+            f"{self.name} sent nothing for {seconds:.1f} s (the keepalive window is "
+            f"{self._core.silence_timeout_s:g} s): it is hung or unreachable"
+        )
+        self.abort()
+        self._lose(reason)
+
+    def send_keepalive(self) -> None:
+        self.keepalive()
+
+    def closed(self) -> None:
+        was_open = self.ready
+        self.status = "closed"
+        self.ready = False
+        self._reconcile = None
+        reason = LinkLostError("the head closed the link")
+        if self._core.last_reason is None or was_open:
+            self._core.last_reason = reason
+        protocol, self._protocol = self._protocol, None
+        self._awaiting_ack = False
+        if protocol is not None:
+            self._closing.add(protocol)
+            protocol.close()
+        self._fail_stage_forwards(reason)
+        self._fail_generations(reason)
+        waiters, self._closed_waiters = self._closed_waiters, []
+        for d in waiters:
+            d.callback(self._core.last_reason or reason)
+        for observer in list(self._observers):
+            observer.link_closed(self)
+        self._check_closed()
+
+    # ----------------------------------------------------------------------------------------
+    # LinkOwner: what the protocol reports
+
+    def link_made(self, protocol: HeadLinkProtocol) -> None:
+        self._incoming = protocol
+        self._machine.connection_made()
+
+    def message_received(self, protocol: HeadLinkProtocol, message: Message) -> None:
+        if protocol is not self._protocol:
+            return
+        self._core.last_heard = self._clock.seconds()
+        if self._awaiting_ack:
+            self._on_hello_ack(message)
+        elif isinstance(message, TokenEventsMsg):
+            self._on_token_events(message)
+        elif isinstance(message, LeaseRenewMsg):
+            self._send_optional(self.head_session.on_lease_renew(message))
+        elif isinstance(message, NodeStatusMsg):
+            self._set_capacity(message.capacity)
+            if message.loadable_models:
+                self.models = message.loadable_models
+        elif isinstance(message, StageForwardRespMsg):
+            d = self._stage_forwards.pop(message.request_id, None)
+            if d is not None:
+                d.callback(message)
+        elif isinstance(message, ReconcileAckMsg):
+            self._on_reconcile_ack(message)
+        # Anything else a node may send (a repeated HELLO_ACK_F, TELEMETRY, ...) is ignored.
+
+    def link_broken(self, protocol: HeadLinkProtocol, error: Exception) -> None:
+        if protocol is not self._protocol:
+            protocol.abort()
+            return
+        if isinstance(error, WireError):
+            reason: LinkError = MalformedFrameError(f"{self.name} sent a malformed frame: {error}")
+        else:
+            reason = LinkError(f"handling a frame from {self.name} failed: {error}")
+        _log.error("closing the link to {node}: {reason}", node=self.name, reason=reason)
+        # Everything pending fails for this reason, even what a redial could have saved: the
+        # node's stream cannot be trusted.
+        self._fail_stage_forwards(reason)
+        self._fail_generations(reason)
+        self.abort()
+        self._lose(reason)
+
+    def link_lost(self, protocol: HeadLinkProtocol, reason: Failure) -> None:
+        if protocol in self._closing:
+            self._closing.discard(protocol)
+            self._check_closed()
+            return
+        if protocol is self._incoming:
+            self._incoming = None
+            return
+        if protocol is not self._protocol:
+            return
+        in_handshake = self._awaiting_ack
+        self._protocol = None
+        self._awaiting_ack = False
+        if in_handshake:
+            loss: LinkError = _handshake_loss(reason, protocol)
+        else:
+            loss = LinkLostError(f"the connection to {self.name} ended: {describe_failure(reason)}")
+        self._lose(loss)
+
+    def _lose(self, reason: LinkError) -> None:
+        if self.dialable:
+            self._machine.connection_lost(reason)
+        else:
+            self._machine.connection_ended(reason)
+
+    # ----------------------------------------------------------------------------------------
+    # Internals
+
+    def _set_capacity(self, capacity: CapacitySummary) -> None:
+        self.capacity = capacity
+        self.capacity_at = self._clock.seconds()
+
+    def _on_hello_ack(self, message: Message) -> None:
         if not isinstance(message, HelloAckF):
-            error = HandshakeError(f"expected HelloAckF, got {type(message).__name__}")
-            _log.error("handshake with a node failed: {error}", error=str(error))
-            self._fail_handshake(error)
+            self._machine.handshake_failed(
+                HandshakeError(f"expected HELLO_ACK_F, got {type(message).__name__}")
+            )
             return
-        d, self._handshake = self._handshake, None
-        self._stop_handshake_timer()
+        self._awaiting_ack = False
         self.hello_ack = message
-        self.capacity = message.capacity
+        self._set_capacity(message.capacity)
         self.models = message.loadable_models
-        self._phase = _Phase.OPEN
-        assert d is not None
-        d.callback(None)
+        if self.head_session.session_ids() or self._suspended:
+            self._machine.acknowledged_with_sessions()
+        else:
+            self._machine.acknowledged()
 
-    def _start_reconcile(self) -> Deferred[None]:
-        self._phase = _Phase.RECONCILING
-        timer = self._clock.callLater(self.handshake_timeout_s, self._reconcile_timed_out)
-        state = _Reconcile(timer)
-        self._reconcile = state
-        self.send_now(self.head_session.reconcile())
-        return state.done
-
-    def _reconcile_timed_out(self) -> None:
-        error = ReconcileError(
-            f"reconcile with {self.node_identity} timed out after {self.handshake_timeout_s} s"
+    def _settle_suspended(self, state: _Reconcile | None) -> None:
+        """Keep the suspended generations the node still has; fail the others (section 8)."""
+        held = set(state.held) if state is not None else set()
+        evidence = (
+            state.retried | {(s, g) for s, g, _ in state.seen} if state is not None else set()
         )
-        protocol, self._protocol = self._protocol, None
-        self._drop_reason = error
-        self._phase = _Phase.DOWN
-        self._end_reconcile(error)
-        if protocol is not None:
-            protocol.abort()
-
-    def _end_reconcile(self, error: Exception | None) -> None:
-        state, self._reconcile = self._reconcile, None
-        if state is None:
-            return
-        if state.timer.active():
-            state.timer.cancel()
-        if error is not None:
-            state.done.errback(error)
-            return
-        for session_id in state.held:
-            self._send_optional(self.head_session.reappend(session_id))
-        for session_id in state.not_held:
-            self._send_optional(self.head_session.reassign(session_id))
-            self._send_optional(self.head_session.reappend(session_id))
-        self._phase = _Phase.OPEN
-        self._settle_suspended(state)
-        state.done.callback(None)
-
-    def _settle_suspended(self, state: _Reconcile) -> None:
-        """Keep the suspended generations the node still has; fail the others (LINKF 7.3)."""
-        held = set(state.held)
-        evidence = state.retried | {(s, g) for s, g, _ in state.seen}
         suspended, self._suspended = self._suspended, set()
         for key in suspended:
             call = self._generations.get(key)
@@ -784,7 +972,7 @@ class NodeLink:
             self._forget_generation(call)
             call._fail(
                 LinkLostError(
-                    f"{self.node_identity} lost generation {generation_id} of session "
+                    f"{self.name} lost generation {generation_id} of session "
                     f"{session_id} with the link"
                 )
             )
@@ -816,95 +1004,7 @@ class NodeLink:
         ]
         state.missing = missing - state.seen
         if not state.missing:
-            self._end_reconcile(None)
-
-    # ----------------------------------------------------------------------------------------
-    # LinkOwner: what the protocol reports
-
-    def link_made(self, protocol: HeadLinkProtocol) -> None:
-        if self._handshake is None or self._protocol is not None:
-            protocol.abort()
-            return
-        self._protocol = protocol
-        protocol.send(Hello(PROTO_RANGE, LinkRole.HEAD_DAEMON, self.token))
-
-    def message_received(self, protocol: HeadLinkProtocol, message: Message) -> None:
-        if protocol is not self._protocol:
-            return
-        if self._handshake is not None:
-            self._handshake_message(message)
-        elif isinstance(message, TokenEventsMsg):
-            self._on_token_events(message)
-        elif isinstance(message, LeaseRenewMsg):
-            self._send_optional(self.head_session.on_lease_renew(message))
-        elif isinstance(message, NodeStatusMsg):
-            self.capacity = message.capacity
-            if message.loadable_models:
-                self.models = message.loadable_models
-        elif isinstance(message, StageForwardRespMsg):
-            d = self._stage_forwards.pop(message.request_id, None)
-            if d is not None:
-                d.callback(message)
-        elif isinstance(message, ReconcileAckMsg):
-            self._on_reconcile_ack(message)
-        # Anything else a node may send (a repeated HELLO_ACK_F, TELEMETRY, ...) is ignored.
-
-    def link_broken(self, protocol: HeadLinkProtocol, error: Exception) -> None:
-        if protocol is not self._protocol:
-            protocol.abort()
-            return
-        if isinstance(error, WireError):
-            reason: LinkError = MalformedFrameError(
-                f"{self.node_identity} sent a malformed frame: {error}"
-            )
-        else:
-            reason = LinkError(f"handling a frame from {self.node_identity} failed: {error}")
-        _log.error("closing the link to {node}: {reason}", node=self.node_identity, reason=reason)
-        self._drop_reason = reason
-        self._fail_handshake(reason)
-        self._end_reconcile(reason)
-        self._fail_stage_forwards(reason)
-        self._fail_generations(reason)
-        protocol.abort()
-
-    def link_lost(self, protocol: HeadLinkProtocol, reason: Failure) -> None:
-        if protocol is not self._protocol:
-            return
-        self._protocol = None
-        if self._handshake is not None:
-            refused = (
-                self._drop_reason
-                if self._phase is _Phase.CLOSED and self._drop_reason is not None
-                else _handshake_loss(reason)
-            )
-            self._fail_handshake(refused)
-        else:
-            self._dropped(reason)
-        closers, self._close_waiters = self._close_waiters, []
-        for d in closers:
-            d.callback(None)
-
-    def _dropped(self, reason: Failure) -> None:
-        error = self._drop_reason or LinkLostError(
-            f"the link to {self.node_identity} was lost: {reason.getErrorMessage()}"
-        )
-        self._drop_reason = error
-        _log.info("the link to {node} dropped: {reason}", node=self.node_identity, reason=error)
-        if self._phase is not _Phase.CLOSED:
-            self._phase = _Phase.DOWN
-        self._end_reconcile(ReconcileError(f"the link dropped during reconcile: {error}"))
-        self._fail_stage_forwards(error)
-        self._suspended.update(self._generations)
-        waiters, self._closed_waiters = self._closed_waiters, []
-        for d in waiters:
-            d.callback(error)
-        # An owner may have called reconnect() from a when_closed callback: the suspended
-        # generations then wait for its reconcile; otherwise they fail now.
-        if self._phase in (_Phase.DOWN, _Phase.CLOSED):
-            self._fail_generations(error)
-
-    # ----------------------------------------------------------------------------------------
-    # Internals
+            self._machine.reconciled()
 
     def _on_token_events(self, message: TokenEventsMsg) -> None:
         ingested = self.head_session.ingest(message)
@@ -936,7 +1036,7 @@ class NodeLink:
                 self.head_session.forget_committed(call.session_id, call.epoch, call.generation_id)
             call._complete()
         if state is not None and state.missing is not None and not state.missing:
-            self._end_reconcile(None)
+            self._machine.reconciled()
 
     def _forget_generation(self, call: GenerationCall) -> None:
         key = (call.session_id, call.generation_id)
@@ -971,44 +1071,61 @@ def connect_node(
     handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
     clock: IReactorTime | None = None,
     keep_wal: bool = True,
+    retry: RetryPolicy | None = None,
+    silence_timeout_s: float = DEFAULT_SILENCE_TIMEOUT_S,
 ) -> Deferred[NodeLink]:
     """Dial a node (a Twisted endpoint string or endpoint) and handshake.
 
-    Fires with the open :class:`NodeLink`, or fails with :class:`HandshakeTimeoutError`,
-    :class:`NodeRefusedError` (the node closed the connection: likely a token mismatch),
-    :class:`MalformedFrameError` or :class:`HandshakeError`.
+    Fires with the open :class:`NodeLink` (which then redials on its own whenever its
+    connection drops, until it is closed), or fails with the reason of the first attempt:
+    :class:`~sfnode.head.machines.ConnectError`, :class:`HandshakeTimeoutError`,
+    :class:`NodeRefusedError` (the node closed the connection during the handshake),
+    :class:`MalformedFrameError` or :class:`HandshakeError`; the link is then closed.
     """
     if isinstance(endpoint, str):
+        description = endpoint
         dialer = cast(
             IStreamClientEndpoint,
             clientFromString(reactor, endpoint),  # type: ignore[no-untyped-call]
         )
     else:
+        description = describe_endpoint(endpoint)
         dialer = endpoint
     link = NodeLink(
         reactor,
         ids,
         token=token,
         endpoint=dialer,
+        description=description,
         handshake_timeout_s=handshake_timeout_s,
         clock=clock,
         keep_wal=keep_wal,
+        retry=retry,
+        silence_timeout_s=silence_timeout_s,
     )
-    d = link.dial()
-    return d.addCallback(lambda _: link)
+    link.start()
+    opened = link.when_open()
+
+    def failed(failure: Failure) -> Failure:
+        link.close()
+        return failure
+
+    return opened.addCallbacks(lambda _: link, failed)
 
 
 class HeadLinkFactory(Factory):
     """Accepts nodes that dial the head; each handshaken link goes to ``on_node``.
 
-    The head still speaks first (HELLO, LINKF 4.1).  A connection whose handshake fails is
+    The head still speaks first (HELLO, section 5.2).  A connection whose handshake fails is
     logged and closed; ``on_node`` never sees it.
 
-    Admission (LINKF 4.6): with a token every connection is Noise (the head the initiator).
-    Without one, ``loopback_only=True`` (what ``sfhead`` passes unless --insecure-no-auth)
-    accepts only loopback or Unix-socket peers.  A connection arriving while
-    ``max_handshakes`` others are in their handshake is closed at once (0 = no limit).
+    Admission: with a token every connection is Noise (the head the initiator).  Without one,
+    ``loopback_only=True`` (what ``sfhead`` passes unless --insecure-no-auth) accepts only
+    loopback or Unix-socket peers.  A connection arriving while ``max_handshakes`` others are
+    in their handshake is closed at once (0 = no limit).
     """
+
+    noisy = False
 
     def __init__(
         self,
@@ -1022,6 +1139,7 @@ class HeadLinkFactory(Factory):
         keep_wal: bool = True,
         max_handshakes: int = DEFAULT_JOIN_HANDSHAKES,
         loopback_only: bool = False,
+        silence_timeout_s: float = DEFAULT_SILENCE_TIMEOUT_S,
     ) -> None:
         self._on_node = on_node
         self.max_handshakes = max_handshakes
@@ -1034,6 +1152,7 @@ class HeadLinkFactory(Factory):
         self._handshake_timeout_s = handshake_timeout_s
         self._clock = clock
         self._keep_wal = keep_wal
+        self.silence_timeout_s = silence_timeout_s
         self._noise = (
             NoiseFactory(
                 self,
@@ -1053,14 +1172,14 @@ class HeadLinkFactory(Factory):
             _log.warn(
                 "refused a node dialing in from {peer}: no fleet token, so only loopback "
                 "peers are accepted (--insecure-no-auth overrides)",
-                peer=addr,
+                peer=_peer(addr),
             )
             return None
         if self.max_handshakes and self.handshaking >= self.max_handshakes:
             _log.warn(
                 "closed a node connection from {peer} at once: {count} handshakes already "
                 "in progress",
-                peer=addr,
+                peer=_peer(addr),
                 count=self.max_handshakes,
             )
             return None
@@ -1070,15 +1189,18 @@ class HeadLinkFactory(Factory):
         return NoiseProtocol(self._noise, protocol)
 
     def _link_protocol(self, addr: Any) -> HeadLinkProtocol:
+        peer = _peer(addr)
         link = NodeLink(
             self._reactor,
             self._ids,
             token=self._token,
+            description=peer,
             handshake_timeout_s=self._handshake_timeout_s,
             clock=self._clock,
             keep_wal=self._keep_wal,
+            silence_timeout_s=self.silence_timeout_s,
         )
-        d = link._begin_handshake()
+        link.start()
         self.handshaking += 1
 
         def adopted(_: None) -> None:
@@ -1088,10 +1210,47 @@ class HeadLinkFactory(Factory):
         def refused(failure: Failure) -> None:
             self.handshaking -= 1
             _log.info(
-                "a node that dialed in ({peer}) failed the handshake: {reason}",
-                peer=addr,
+                "a node that dialed in from {peer} failed the handshake: {reason}",
+                peer=peer,
                 reason=failure.getErrorMessage(),
             )
 
-        d.addCallbacks(adopted, refused)
+        link.when_open().addCallbacks(adopted, refused)
         return HeadLinkProtocol(link)
+
+
+def _peer(addr: Any) -> str:
+    """``host:port`` of a peer address, or its socket path."""
+    host = getattr(addr, "host", None)
+    port = getattr(addr, "port", None)
+    if host is not None and port is not None:
+        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    name = getattr(addr, "name", None)
+    if isinstance(name, bytes):
+        return name.decode(errors="replace") or "a Unix socket"
+    return str(name) if name else "a Unix socket"
+
+
+__all__ = [
+    "ConnectError",
+    "GenerationCall",
+    "GenerationOutcome",
+    "HandshakeError",
+    "HandshakeTimeoutError",
+    "HeadIds",
+    "HeadLinkFactory",
+    "HeadLinkProtocol",
+    "LinkError",
+    "LinkLostError",
+    "LinkObserver",
+    "MalformedFrameError",
+    "NodeLink",
+    "NodeRefusedError",
+    "NodeSilentError",
+    "ReconcileError",
+    "SessionRevokedError",
+    "SupersededError",
+    "UnknownSessionError",
+    "connect_node",
+    "describe_failure",
+]

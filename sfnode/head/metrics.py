@@ -3,7 +3,8 @@
 Requests by outcome (every answer is counted once: served, refused at the door, failed), tokens
 in and out, time to first token, requests and connections open now, and, read from the backend's
 :class:`~sfnode.head.backend.BackendStatus` at scrape time, per-node capacity, live nodes, lanes,
-waiting generations, failovers and reconnects.
+waiting generations, the head's queue of requests waiting for a node (waiting now, refused
+because it was full, timed out), failovers and reconnects.
 
 This module must never use prometheus_client's global registry (two heads in one process keep
 their own numbers) and never read the fleet's internals: only ``Backend.status()``.
@@ -119,7 +120,9 @@ class _StatusCollector(Collector):
             "sfhead_lanes_total", "Lanes the live nodes reported.", value=status.lanes_total
         )
         yield GaugeMetricFamily(
-            "sfhead_queued", "Generations waiting for a lane.", value=status.queued
+            "sfhead_queued",
+            "Generations waiting for a lane, at the nodes and in the head's queue.",
+            value=status.queued,
         )
         yield GaugeMetricFamily(
             "sfhead_requests_open",
@@ -134,6 +137,21 @@ class _StatusCollector(Collector):
         )
         yield CounterMetricFamily(
             "sfhead_reconnects", "Links reconnected and reconciled.", value=status.reconnects
+        )
+        yield GaugeMetricFamily(
+            "sfhead_queued_requests",
+            "Requests waiting in the head's queue for a node.",
+            value=status.waiting,
+        )
+        yield CounterMetricFamily(
+            "sfhead_queue_rejected",
+            "Requests refused at once because the head's queue was full.",
+            value=status.queue_rejected,
+        )
+        yield CounterMetricFamily(
+            "sfhead_queue_timeouts",
+            "Requests that waited the queue timeout for a node in vain.",
+            value=status.queue_timeouts,
         )
 
 

@@ -1,4 +1,5 @@
-"""The pipeline driver (LINKF 7.5): each generation runs across stage nodes, layer range by range.
+"""The pipeline driver (docs/protocol.md section 7.6): each generation runs across stage nodes,
+layer range by range.
 
 P stage nodes split ``n_layers`` layers: evenly (``boundary[i] = ((i+1)·n_layers) // P``) or at
 boundaries given by the operator.  Per generated token, stage 0 gets the full context and no
@@ -7,8 +8,9 @@ that answers with a token ends the step.  The token is appended and the step rep
 the whole context each time (no KV cache, greedy).
 
 The stage nodes are kept in a :class:`~sfnode.head.fleet.Fleet` of their own, so they are dialed,
-kept alive, reconnected and reported (health, metrics) like any fleet's nodes, but never placed
-on: a pipeline needs all of its stages.
+kept alive, redialled and reported (health, metrics) like any fleet's nodes, but never placed
+on: a pipeline needs all of its stages.  A step whose stage is reconnecting waits for that
+attempt; a stage that cannot be reached fails the generation (:class:`NoNodeAvailable`).
 
 This module must never block, never use the global reactor, and never hand a caller a token twice
 or a token computed from a context it did not ask for.
@@ -26,7 +28,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from sfnode.head.fleet import Fleet, FleetError, FleetNode, FleetOutcome, NoNodeAvailable
-from sfnode.head.link import DEFAULT_PARAMS, HeadIds
+from sfnode.head.link import DEFAULT_PARAMS, HeadIds, LinkError
 from sfnode.wire import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, GenParams, StageForwardRespMsg
 
 _log = Logger(namespace="sfnode.head.pipeline")
@@ -37,7 +39,7 @@ class PipelineError(FleetError):
 
 
 def even_boundaries(n_layers: int, stages: int) -> list[int]:
-    """``boundary[i] = ((i+1)·n_layers) // P``: the end layer of each stage (LINKF 7.5)."""
+    """``boundary[i] = ((i+1)·n_layers) // P``: the end layer of each stage."""
     if stages < 1 or n_layers < stages:
         raise ValueError(f"cannot split {n_layers} layers over {stages} stages")
     return [((i + 1) * n_layers) // stages for i in range(stages)]
@@ -121,7 +123,9 @@ class PipelineFleet:
         ids: HeadIds | None = None,
         token: bytes = b"",
         clock: IReactorTime | None = None,
+        fleet_options: dict[str, Any] | None = None,
     ) -> None:
+        """``fleet_options`` go to the stages' :class:`Fleet` (redial cap, keepalive window)."""
         if not endpoints:
             raise ValueError("a pipeline needs at least one stage")
         if boundaries is not None:
@@ -132,7 +136,7 @@ class PipelineFleet:
             raise ValueError("give the layer count or the layer boundaries of the stages")
         self.endpoints = list(endpoints)
         self.eos_ids = frozenset(eos_ids)
-        self.fleet = Fleet(reactor, ids=ids, token=token, clock=clock)
+        self.fleet = Fleet(reactor, ids=ids, token=token, clock=clock, **(fleet_options or {}))
         self.stages: list[FleetNode] = []
 
     @property
@@ -166,7 +170,11 @@ class PipelineFleet:
             raise NoNodeAvailable("the pipeline's stages are not all connected yet")
         hidden: bytes | None = None
         for i, (node, (start, end)) in enumerate(zip(self.stages, self.ranges, strict=True)):
-            link = yield self.fleet._ensure(node)
+            try:
+                yield node.link.when_open()
+            except LinkError as e:
+                raise NoNodeAvailable(f"pipeline stage {node.name} is down: {e}") from e
+            link = node.link
             response: StageForwardRespMsg = yield link.stage_forward(
                 tuple(context) if i == 0 else (), start, end, hidden
             )

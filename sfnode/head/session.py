@@ -1,4 +1,5 @@
-"""HeadSession: the head's bookkeeping for one Link F connection (LINKF 7.1).
+"""HeadSession: the head's bookkeeping for one Link F connection (docs/protocol.md
+section 8).
 
 It knows which sessions the head placed on the node (epoch, lease, command watermark, and what
 is needed to place them again), which generations it asked for, and which token events it has
@@ -7,7 +8,7 @@ back through :class:`~sfnode.idempotency.EventDedup`, so every event is committe
 and acknowledged with the highest contiguous seq.
 
 This module is pure logic: it must never do I/O, read a clock, touch a reactor or allocate
-epochs (epochs are process-wide, LINKF 7.2, and come in as arguments).
+epochs (epochs are process-wide, section 8 "Id spaces", and come in as arguments).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class IngestedEvents:
 
 
 class HeadSession:
-    """Per-connection bookkeeping of the head (LINKF 7.1); builds messages, never sends them."""
+    """Per-connection bookkeeping of the head (section 8); builds messages, never sends them."""
 
     def __init__(self, command_base: int = 1) -> None:
         if command_base < 1:
@@ -267,7 +268,7 @@ class HeadSession:
         """SESSION_REVOKE for a known session, which the head then forgets (WAL kept).
 
         An unknown session gets a revoke only when ``epoch`` is given (a session placed over
-        another connection, LINKF 7.2); otherwise None.
+        another connection, section 8); otherwise None.
         """
         record = self._sessions.get(session_id)
         if record is None:
@@ -324,7 +325,7 @@ class HeadSession:
     def on_token_events(
         self, batch: TokenEventsMsg | Iterable[TokenEvent]
     ) -> list[WatermarkAckMsg]:
-        """The WATERMARK_ACKs for one TOKEN_EVENTS batch (LINKF 7.1).
+        """The WATERMARK_ACKs for one TOKEN_EVENTS batch (section 8).
 
         Per event: StaleEpoch is dropped silently; AlreadyCommitted is re-acknowledged but not
         committed; Accepted is committed to the WAL and acknowledged; Gap is dropped silently.

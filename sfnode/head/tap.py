@@ -36,9 +36,10 @@ from twisted.python import usage
 from twisted.python.failure import Failure
 
 from sfnode.admission import is_loopback_listen, plaintext_refusal
-from sfnode.head.fleet import Fleet, Policy
+from sfnode.head.fleet import DEFAULT_MAX_QUEUED, DEFAULT_QUEUE_TIMEOUT_S, Fleet, Policy
 from sfnode.head.gate import GateLimits
 from sfnode.head.link import DEFAULT_LEASE
+from sfnode.head.machines import DEFAULT_RETRY_MAX_S, DEFAULT_SILENCE_TIMEOUT_S, RETRY_INITIAL_S
 from sfnode.service import (
     DEFAULT_MODEL_NAME,
     ListeningService,
@@ -46,6 +47,7 @@ from sfnode.service import (
     client_from_string,
     default_model_name,
     exit_zero_after_a_clean_stop,
+    progress_bars_only_on_a_terminal,
     server_from_string,
 )
 from sfnode.tokens import read_token
@@ -163,9 +165,12 @@ class Options(usage.Options):
         "head runs each generation across the given stage nodes instead. Without a fleet "
         "token (--auth-file) node links must stay on loopback unless --insecure-no-auth; "
         "without an API key (--api-key or --api-key-file) --http must stay on loopback "
-        "unless --insecure-http. On SIGTERM the head stops listening for HTTP, answers 503 to "
-        "requests on connections still open, lets running completions finish for up to "
-        "--drain-timeout seconds, cancels the rest, then exits."
+        "unless --insecure-http. A request no live node can take waits (up to --max-queued "
+        "requests, each up to --queue-timeout seconds) for a node to come back, join or free a "
+        "lane, then gets 503; a --node that cannot be reached is redialled at once and then "
+        "with backoff up to --reconnect-max seconds. On SIGTERM the head stops listening for "
+        "HTTP, answers 503 to requests on connections still open, lets running completions "
+        "finish for up to --drain-timeout seconds, cancels the rest, then exits."
     )
 
     optFlags: ClassVar[list[list[str | None]]] = [
@@ -217,6 +222,35 @@ class Options(usage.Options):
             str(int(DEFAULT_DRAIN_TIMEOUT_S)),
             "On SIGTERM: seconds running completions may take to finish before they are "
             "cancelled (new requests get 503 at once).",
+        ],
+        [
+            "max-queued",
+            None,
+            str(DEFAULT_MAX_QUEUED),
+            "Requests that may wait for a node when no live node can take them, over all "
+            "clients (--max-client-requests and --max-key-requests apply first); one more gets "
+            "503 queue_full at once (0: none waits).",
+        ],
+        [
+            "queue-timeout",
+            None,
+            f"{DEFAULT_QUEUE_TIMEOUT_S:g}",
+            "Seconds a request waits for a node to come back, join or free a lane before it "
+            "gets 503 (0: as long as it takes). A stream whose node died waits the same way.",
+        ],
+        [
+            "reconnect-max",
+            None,
+            f"{DEFAULT_RETRY_MAX_S:g}",
+            "Longest wait in seconds between redials of a --node that cannot be reached "
+            "(redials start at once, then 0.1 s, doubling, jittered).",
+        ],
+        [
+            "keepalive-timeout",
+            None,
+            f"{DEFAULT_SILENCE_TIMEOUT_S:g}",
+            "Seconds a node link may stay silent (nodes report every 2 s) before the node is "
+            "taken for hung: its link is dropped and its streams fail over (0: never).",
         ],
         [
             "pipeline",
@@ -356,6 +390,7 @@ class Options(usage.Options):
             if refusal is not None:
                 raise usage.UsageError(refusal)
         self["drain-timeout"] = _seconds("drain-timeout", self["drain-timeout"])
+        self._check_fleet_options()
         self._check_api_key()
         self._check_http_limits()
 
@@ -372,6 +407,25 @@ class Options(usage.Options):
             allowed_hosts=frozenset(h.lower() for h in self["allowed-hosts"] if h),
             cors_origins=frozenset(o for o in self["cors-origins"] if o),
         )
+
+    def _check_fleet_options(self) -> None:
+        """The queue, redial and keepalive settings, typed."""
+        try:
+            self["max-queued"] = int(str(self["max-queued"]))
+        except ValueError as e:
+            raise usage.UsageError(
+                f"--max-queued must be an integer, not {self['max-queued']!r}"
+            ) from e
+        if self["max-queued"] < 0:
+            raise usage.UsageError("--max-queued must be 0 or more")
+        self["queue-timeout"] = _seconds("queue-timeout", self["queue-timeout"])
+        self["keepalive-timeout"] = _seconds("keepalive-timeout", self["keepalive-timeout"])
+        self["reconnect-max"] = _seconds("reconnect-max", self["reconnect-max"])
+        if self["reconnect-max"] < RETRY_INITIAL_S:
+            raise usage.UsageError(
+                f"--reconnect-max must be at least {RETRY_INITIAL_S:g} seconds "
+                "(the first redial's delay)"
+            )
 
     def _check_api_key(self) -> None:
         """Read the API key (bytes, or None) and refuse an open API off loopback."""
@@ -495,7 +549,11 @@ class HttpConnections(WrappingFactory):
     """The HTTP site's factory, wrapped to know its open connections, so that a drain can close
     them gracefully (flushing what was written) before the reactor stops."""
 
+    noisy = False
+    """No "Starting factory" lines (the listener logs where it serves)."""
+
     def __init__(self, site: IProtocolFactory, reactor: Any) -> None:
+        site.noisy = False  # type: ignore[attr-defined]
         super().__init__(site)  # type: ignore[no-untyped-call]
         self._reactor = reactor
         self._closed: list[defer.Deferred[None]] = []
@@ -616,6 +674,7 @@ def makeService(options: Options, reactor: Any = None) -> service.MultiService:
 
         reactor = global_reactor
         exit_zero_after_a_clean_stop(reactor)
+        progress_bars_only_on_a_terminal()
     from sfnode.head.backend import PipelineBackend
     from sfnode.head.http import OpenAIApi
     from sfnode.head.pipeline import PipelineFleet
@@ -625,6 +684,12 @@ def makeService(options: Options, reactor: Any = None) -> service.MultiService:
     lease_ms = options["lease-ms"]
     lease = Lease(duration_ms=lease_ms, renew_by_ms=lease_ms * 3 // 4)
     token = options["auth-token"]
+    fleet_options: dict[str, Any] = {
+        "max_queued": options["max-queued"],
+        "queue_timeout_s": options["queue-timeout"],
+        "retry_max_s": options["reconnect-max"],
+        "silence_timeout_s": options["keepalive-timeout"],
+    }
     pipeline: PipelineFleet | None = None
     backend: Any
     if options["stages"]:
@@ -647,6 +712,7 @@ def makeService(options: Options, reactor: Any = None) -> service.MultiService:
                 n_layers=n_layers,
                 eos_ids=[eos] if isinstance(eos, int) else [],
                 token=token,
+                fleet_options=fleet_options,
             )
         except ValueError as e:
             raise HeadStartupError(f"sfhead: {e}") from e
@@ -654,7 +720,7 @@ def makeService(options: Options, reactor: Any = None) -> service.MultiService:
         fleet.lease = lease
         backend = PipelineBackend(pipeline)
     else:
-        fleet = Fleet(reactor, token=token, policy=options["policy"], lease=lease)
+        fleet = Fleet(reactor, token=token, policy=options["policy"], lease=lease, **fleet_options)
         backend = fleet
     api = OpenAIApi(
         reactor,

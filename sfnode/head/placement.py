@@ -1,0 +1,253 @@
+"""Placement: which node takes a session, decided from what the nodes reported (docs/protocol.md
+section 8, "Per request"; the load report is section 7.5).
+
+Everything here is a pure function of :class:`NodeView` snapshots that the fleet builds from its
+links: :func:`decide` says *place it on one of these nodes, in this order*, *wait* (no live node
+can take it now), or *refuse* (the prompt fits no node's window, or no node serves the model).
+Three policies order the candidates: ``load-aware`` (an estimate of when the node would finish
+the request, from its reported lanes, queue and token rates), ``least-loaded`` (fewest sessions
+and generations) and ``round-robin``.
+
+A live node can take a generation while the generations the head runs on it are fewer than its
+``max_lanes`` (0: the node did not say, no limit): requests beyond that wait at the head, where
+they can still go to whichever node frees a lane first or comes back, instead of queueing
+inside one node that may die.
+
+This module must never do I/O, read a clock, hold a link or keep state between calls: the
+fleet passes in everything, including the round-robin cursor and the ages of the reports.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from sfnode.wire import CapacitySummary
+
+FRESH_SAMPLE_S = 10.0
+"""A load report older than this does not count as the node's load."""
+POOL_HIGH_PERCENT = 90
+"""A node whose KV pool is at least this full is avoided while a cooler one can take the work."""
+DEFAULT_DECODE_RATE = 20
+"""Tokens/s assumed for a node that reported no decode rate, when no node reported one."""
+DEFAULT_PREFILL_RATE = 200
+DEFAULT_EXPECTED_OUT = 64
+"""Tokens a session is expected to generate, when the request does not say."""
+
+
+class Policy(enum.Enum):
+    """How a session's node is chosen among the eligible ones."""
+
+    LOAD_AWARE = "load-aware"
+    LEAST_LOADED = "least-loaded"
+    ROUND_ROBIN = "round-robin"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    """What placement knows of one node at one moment."""
+
+    key: int
+    """The node's registration order: unique and stable, the last tie-breaker."""
+    live: bool
+    """Its link is open (handshaken, and reconciled after a reconnect)."""
+    models: tuple[str, ...] = ()
+    """The models it serves; () until it said (it is then assumed to serve any)."""
+    capacity: CapacitySummary | None = None
+    """Its latest load report (HELLO_ACK_F or NODE_STATUS), None before the first."""
+    report_age_s: float | None = None
+    """Seconds since that report arrived."""
+    sessions: int = 0
+    """Sessions the head placed there and has not ended."""
+    inflight: int = 0
+    """Generations the head runs there now."""
+
+    @property
+    def window(self) -> int | None:
+        """The node's context window: None while unknown, 0 when unlimited."""
+        return None if self.capacity is None else self.capacity.max_context_tokens
+
+    @property
+    def fresh(self) -> bool:
+        """Whether its load report is recent enough to count."""
+        return self.report_age_s is not None and self.report_age_s < FRESH_SAMPLE_S
+
+    @property
+    def free_lane(self) -> bool:
+        """Whether the head runs fewer generations there than the node has lanes."""
+        lanes = 0 if self.capacity is None else self.capacity.max_lanes
+        return lanes == 0 or self.inflight < lanes
+
+    def serves(self, model: str | None) -> bool:
+        """Whether it serves ``model`` (or has not said what it serves yet)."""
+        return model is None or not self.models or model in self.models
+
+    def fits(self, length: int) -> bool:
+        """Whether a context of ``length`` tokens fits its window (an unknown one is tried)."""
+        window = self.window
+        return window is None or window == 0 or length <= window
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """What is to be placed."""
+
+    model: str | None
+    length: int
+    """Tokens of context the node will hold."""
+    expected_out: int = DEFAULT_EXPECTED_OUT
+    """Tokens it is expected to generate (the load-aware estimate uses it)."""
+    needs_lane: bool = True
+    """A generation starts at once (it needs a free lane); False for a session opened idle."""
+    avoid: frozenset[int] = frozenset()
+    """Keys of nodes tried already for this request: they come last, if at all."""
+
+
+@dataclass(frozen=True, slots=True)
+class Place:
+    """Place it on the first of these nodes that still takes it (keys, best first)."""
+
+    order: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """No live node can take it now; one may come back or free a lane."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class TooLong:
+    """No node serving the model can hold ``length`` tokens; ``largest`` is the widest window."""
+
+    length: int
+    largest: int
+
+
+@dataclass(frozen=True, slots=True)
+class Unserved:
+    """Every node has said what it serves, and none serves ``model``."""
+
+    model: str
+
+
+Decision = Place | Wait | TooLong | Unserved
+
+
+def decide(
+    views: Sequence[NodeView], request: Request, policy: Policy, cursor: int = 0
+) -> Decision:
+    """Where ``request`` goes, given the nodes as they are now.
+
+    ``cursor`` is the round-robin position (the caller advances it after each placement).
+    """
+    serving = [v for v in views if v.serves(request.model)]
+    largest = too_long(serving, request.length)
+    if largest is not None:
+        return TooLong(request.length, largest)
+    if request.model is not None and views and not serving and all(v.models for v in views):
+        return Unserved(request.model)
+    candidates = [
+        v
+        for v in serving
+        if v.live and v.fits(request.length) and (v.free_lane or not request.needs_lane)
+    ]
+    if not candidates:
+        if any(v.live and v.fits(request.length) for v in serving):
+            return Wait("every lane of the live nodes is busy")
+        return Wait("no live node serves " + (request.model or "the model"))
+    ranked = rank(candidates, policy, request.length, request.expected_out, cursor)
+    preferred = [v.key for v in ranked if v.key not in request.avoid]
+    tried = [v.key for v in ranked if v.key in request.avoid]
+    return Place(tuple(preferred + tried))
+
+
+def too_long(views: Iterable[NodeView], length: int) -> int | None:
+    """The largest window, when every one of ``views`` has a known, finite window and none
+    holds ``length`` tokens; else None (something may fit, or nothing is known yet)."""
+    windows = [v.window for v in views]
+    if not windows or any(w is None or w == 0 for w in windows):
+        return None
+    largest = max(w for w in windows if w is not None)
+    return largest if length > largest else None
+
+
+def max_window(views: Iterable[NodeView], model: str | None) -> int:
+    """The largest known window among the nodes serving ``model`` (0: unknown or unlimited)."""
+    return max((v.window or 0 for v in views if v.serves(model)), default=0)
+
+
+def rank(
+    views: Sequence[NodeView], policy: Policy, length: int, expected_out: int, cursor: int = 0
+) -> list[NodeView]:
+    """``views`` in the order ``policy`` tries them."""
+    if not views:
+        return []
+    if policy is Policy.ROUND_ROBIN:
+        ordered = sorted(views, key=lambda v: v.key)
+        start = cursor % len(ordered)
+        return ordered[start:] + ordered[:start]
+    if policy is Policy.LEAST_LOADED:
+        return sorted(views, key=lambda v: (v.sessions + v.inflight, v.key))
+    return _load_aware(views, length, expected_out)
+
+
+def _hot(view: NodeView) -> bool:
+    capacity = view.capacity
+    if capacity is None or not capacity.kv_blocks_total or not view.fresh:
+        return False
+    return capacity.kv_blocks_used * 100 // capacity.kv_blocks_total >= POOL_HIGH_PERCENT
+
+
+def _mean(values: list[int], default: int) -> float:
+    """The mean of the rates that were reported (0 means "not measured yet")."""
+    reported = [v for v in values if v]
+    return sum(reported) / len(reported) if reported else default
+
+
+def _load_aware(views: Sequence[NodeView], length: int, expected_out: int) -> list[NodeView]:
+    """Least estimated time to finish first: the work ahead of the request at the node's decode
+    rate, its prompt at the prefill rate, and its own tokens; hot KV pools last."""
+    cool = [v for v in views if not _hot(v)]
+    pool = cool or list(views)
+    mean_decode = _mean(
+        [v.capacity.decode_tokens_per_s for v in pool if v.capacity is not None],
+        DEFAULT_DECODE_RATE,
+    )
+    mean_prefill = _mean(
+        [v.capacity.prefill_tokens_per_s for v in pool if v.capacity is not None],
+        DEFAULT_PREFILL_RATE,
+    )
+
+    def eta(view: NodeView) -> float:
+        capacity = view.capacity
+        if capacity is not None and view.fresh:
+            # The report counts this head's running generations too; inflight covers the ones
+            # started since it was sampled.
+            ahead = max(capacity.lanes_active + capacity.queue_depth, view.inflight)
+        else:
+            ahead = view.inflight
+        decode = (capacity.decode_tokens_per_s if capacity is not None else 0) or mean_decode
+        prefill = (capacity.prefill_tokens_per_s if capacity is not None else 0) or mean_prefill
+        return (ahead + 1) * expected_out / decode + length / prefill
+
+    return sorted(pool, key=lambda v: (eta(v), v.sessions, v.key))
+
+
+__all__ = [
+    "DEFAULT_EXPECTED_OUT",
+    "Decision",
+    "NodeView",
+    "Place",
+    "Policy",
+    "Request",
+    "TooLong",
+    "Unserved",
+    "Wait",
+    "decide",
+    "max_window",
+    "rank",
+    "too_long",
+]
