@@ -21,7 +21,7 @@ import enum
 import math
 import struct
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -83,6 +83,18 @@ class GenerationRequest:
     max_new: int
     max_wall_ms: int = 0
     """0 means no wall budget."""
+    interactive: bool = False
+    """An interactive request (a person waiting on it) goes ahead of batch work: it is admitted
+    first and its prompt computed first (docs/engine.md section 3)."""
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log probability under the distribution the sampler drew it from,
+    and the most likely tokens there, best first (docs/protocol.md section 12.1)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -113,7 +125,18 @@ class StageResult:
     token: int | None = None
 
 
-TokenSink = Callable[[Sequence[int]], None]
+class TokenSink(Protocol):
+    """Where an engine hands a generation's tokens, in order, each exactly once.
+
+    An engine calls ``on_tokens(tokens)`` for a generation whose ``params.logprobs`` is 0, and
+    ``on_tokens(tokens, logprobs)`` (one :class:`TokenLogprob` per token, with
+    ``params.logprobs - 1`` alternatives each) for one that asked for them, when it
+    ``supports_logprobs``.
+    """
+
+    def __call__(
+        self, tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None = None, /
+    ) -> None: ...
 
 
 class Generation(Protocol):

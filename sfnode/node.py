@@ -49,6 +49,7 @@ from sfnode.generation import (
     GenerationResult,
     StageForwardError,
     StageResult,
+    TokenLogprob,
 )
 from sfnode.idempotency import GenerationKey
 from sfnode.machines import (
@@ -573,7 +574,13 @@ class NodeAgent:
         )
         self._generations[key] = generation
         self._load.busy.started(self.now_ms())
-        engine_generation = self.engine.submit(request, machine.tokens)
+
+        def on_tokens(
+            tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None = None
+        ) -> None:
+            machine.tokens(tokens)
+
+        engine_generation = self.engine.submit(request, on_tokens)
         generation.engine_generation = engine_generation
 
         def failed(failure: Failure) -> None:
