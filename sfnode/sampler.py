@@ -24,7 +24,12 @@ import torch
 from sfnode.draws import draw_position as draw_position
 from sfnode.draws import splitmix64 as splitmix64
 from sfnode.draws import uniform
+from sfnode.generation import TokenLogprob
 from sfnode.wire import GenParams
+
+MAX_LOGPROBS = 21
+"""The most ``params.logprobs`` means: the chosen token and 20 alternatives (docs/protocol.md
+section 12.1)."""
 
 
 def greedy_token(logits: torch.Tensor) -> int:
@@ -98,3 +103,44 @@ def sample_tokens(
         if p.temperature > 0.0:
             out[row] = sample_token(logits[row], p, position)
     return out
+
+
+def token_logprob(logits: torch.Tensor, params: GenParams, token: int) -> TokenLogprob:
+    """``token``'s log probability in the distribution it was drawn from, and the
+    ``params.logprobs - 1`` most likely tokens there (docs/protocol.md section 12.1).
+
+    Greedy rows use the softmax of the raw logits; sampled rows the candidates ``candidates``
+    keeps, renormalised, so tokens outside them are never listed.  Values are clamped to 0 from
+    above (rounding can push a certain token's log probability a hair over it).
+    """
+    alternatives = max(0, min(params.logprobs, MAX_LOGPROBS) - 1)
+    row = logits.reshape(-1).to(torch.float32)
+    if params.temperature <= 0.0:
+        logprobs = torch.log_softmax(row, dim=-1)
+        chosen = float(logprobs[token].item())
+        top: list[tuple[int, float]] = []
+        if alternatives:
+            # A few more than asked, then ties ordered by the lower id, as the sampler does.
+            k = min(row.shape[0], alternatives + 8)
+            values, ids = torch.topk(logprobs, k)
+            pairs = sorted(
+                zip(ids.tolist(), values.tolist(), strict=True), key=lambda p: (-p[1], p[0])
+            )
+            top = pairs[:alternatives]
+    else:
+        ids, probs = candidates(row, params)
+        kept = torch.log(probs.to(torch.float64) / probs.to(torch.float64).sum())
+        position = int(torch.nonzero(ids == token)[0].item()) if bool((ids == token).any()) else -1
+        chosen = float(kept[position].item()) if position >= 0 else float("-inf")
+        top = list(zip(ids[:alternatives].tolist(), kept[:alternatives].tolist(), strict=True))
+    return TokenLogprob(min(chosen, 0.0), tuple((int(i), min(float(v), 0.0)) for i, v in top))
+
+
+def token_logprobs(
+    logits: torch.Tensor, params: Sequence[GenParams], tokens: Sequence[int]
+) -> list[TokenLogprob | None]:
+    """:func:`token_logprob` for each row whose ``params.logprobs`` asks for it, else None."""
+    return [
+        token_logprob(logits[row], p, token) if p.logprobs > 0 else None
+        for row, (p, token) in enumerate(zip(params, tokens, strict=True))
+    ]

@@ -90,6 +90,7 @@ _TRANSFORMERS_ONLY = (
     "prefix-cache-blocks",
     "prefill-chunk",
     "step-tokens",
+    "interactive-lanes",
 )
 
 _MOCK_ONLY = ("token-delay-ms",)
@@ -330,6 +331,13 @@ class Options(usage.Options):
             "transformers: prompt tokens computed per step beside the decoding lanes (default "
             "512).",
         ],
+        [
+            "interactive-lanes",
+            None,
+            None,
+            "transformers: lanes kept for interactive requests, which batch requests never hold "
+            "(default 1; batch work always keeps at least one lane).",
+        ],
     ]
 
     def postOptions(self) -> None:
@@ -372,6 +380,7 @@ class Options(usage.Options):
             ("threads", 0),
             ("kv-blocks", 0),
             ("prefix-cache-blocks", 0),
+            ("interactive-lanes", 1),
         ):
             self[name] = default if self[name] is None else _non_negative(name, self[name])
         for name, default in (("prefill-chunk", 256), ("step-tokens", 512)):
@@ -491,6 +500,7 @@ def build_engine(reactor: Any, options: Options) -> Engine:
             prefix_cache_blocks=options["prefix-cache-blocks"] or None,
             prefill_chunk=options["prefill-chunk"],
             step_tokens=options["step-tokens"],
+            interactive_lanes=options["interactive-lanes"],
             onednn=not options["stock-kernels"],
             lean_step=not options["stock-kernels"],
         )

@@ -823,3 +823,58 @@ class PrefixReuseTests(EngineTestCase):
         self.assertGreater(stats.evictions, 0)
         self.assertLessEqual(stats.cached_blocks, 4)
         self.assertEqual(small.statistics().kv_blocks_used, 0)
+
+
+class LogprobTests(EngineTestCase):
+    """Token logprobs (docs/protocol.md section 12.1) from the distribution the sampler used."""
+
+    @defer.inlineCallbacks
+    def test_greedy_logprobs_are_the_models_log_softmax(self) -> Any:
+        """Under greedy, each token's logprob is log_softmax of the model's own logits at that
+        position, it equals the first of the alternatives, and the alternatives are the model's
+        best tokens in order."""
+        prompt = prompts(1, seed=51)[0]
+        got: list[Any] = []
+
+        def sink(tokens: Sequence[int], logprobs: Any = None) -> None:
+            self.assertIsNotNone(logprobs)
+            self.assertEqual(len(logprobs), len(tokens))
+            got.extend(zip(tokens, logprobs, strict=True))
+
+        self.assertTrue(self.engine.supports_logprobs)
+        request = GenerationRequest(prompt, GenParams(logprobs=4), 8)
+        yield self.engine.submit(request, sink).result
+        context = list(prompt)
+        for token, logprob in got:
+            with torch.inference_mode():
+                logits = self.model(torch.tensor([context])).logits[0, -1].float()
+            expected = torch.log_softmax(logits, -1)
+            best = torch.topk(expected, 3)
+            self.assertAlmostEqual(logprob.logprob, float(expected[token]), places=4)
+            self.assertEqual([i for i, _ in logprob.top], best.indices.tolist())
+            self.assertEqual(logprob.top[0][1], logprob.logprob)
+            context.append(token)
+
+    @defer.inlineCallbacks
+    def test_sampled_logprobs_cover_the_kept_candidates(self) -> Any:
+        """Under sampling, logprobs are those of the kept candidates renormalised: the chosen
+        token is one of them, values are at most 0, and a generation that asks for none gets
+        the one-argument call."""
+        params = GenParams(temperature=0.9, top_k=5, seed=3, logprobs=21)
+        calls: list[tuple[int, Any]] = []
+
+        def sink(tokens: Sequence[int], logprobs: Any = None) -> None:
+            calls.append((len(tokens), logprobs))
+            for token, logprob in zip(tokens, logprobs, strict=True):
+                ids = [i for i, _ in logprob.top]
+                self.assertLessEqual(len(ids), 5)
+                self.assertIn(token, ids)
+                total = sum(math.exp(v) for _, v in logprob.top)
+                self.assertAlmostEqual(total, 1.0, places=4)
+                self.assertTrue(all(v <= 0.0 for _, v in logprob.top))
+
+        yield self.engine.submit(GenerationRequest([5, 6, 7], params, 10), sink).result
+        self.assertEqual(sum(n for n, _ in calls), 10)
+        plain: list[Any] = []
+        yield self.engine.submit(GenerationRequest([5, 6, 7], GenParams(), 3), plain.append).result
+        self.assertEqual(sum(len(batch) for batch in plain), 3)

@@ -29,6 +29,7 @@ def request(
     seed: int = 0,
     deadline: float | None = None,
     name: str = "",
+    interactive: bool = False,
 ) -> Request:
     limit = min(len(context) + max_new, window)
     return Request(
@@ -40,6 +41,7 @@ def request(
         reserve_blocks=blocks_for(limit),
         eos_ids=frozenset({EOS}),
         deadline=deadline,
+        interactive=interactive,
     )
 
 
@@ -62,7 +64,7 @@ class AdmissionTests(unittest.SynchronousTestCase):
 
     def test_lowest_free_slots_first_come_first_served(self) -> None:
         """Requests take the lowest free slots in arrival order; the rest wait."""
-        scheduler = Scheduler(lanes=2, kv_blocks=100)
+        scheduler = Scheduler(interactive_lanes=0, lanes=2, kv_blocks=100)
         a, b, c = request([5] * 3, name="a"), request([6] * 3, name="b"), request([7] * 3, name="c")
         for r in (a, b, c):
             scheduler.submit(r)
@@ -74,7 +76,7 @@ class AdmissionTests(unittest.SynchronousTestCase):
 
     def test_a_request_that_does_not_fit_waits_with_those_behind_it(self) -> None:
         """A request whose KV blocks do not fit waits, and so does everything behind it."""
-        scheduler = Scheduler(lanes=4, kv_blocks=3)
+        scheduler = Scheduler(interactive_lanes=0, lanes=4, kv_blocks=3)
         big = request([5] * 20, max_new=20, name="big")  # 40 tokens: 3 blocks
         small = request([6] * 3, max_new=3, name="small")  # 1 block
         scheduler.submit(big)
@@ -86,7 +88,7 @@ class AdmissionTests(unittest.SynchronousTestCase):
 
     def test_a_finished_lane_frees_its_slot_and_blocks(self) -> None:
         """When a lane ends its slot and KV blocks go to the next request in the same step."""
-        scheduler = Scheduler(lanes=1, kv_blocks=100)
+        scheduler = Scheduler(interactive_lanes=0, lanes=1, kv_blocks=100)
         first, second = request([5, 6], max_new=1, name="first"), request([9], name="second")
         scheduler.submit(first)
         scheduler.submit(second)
@@ -103,7 +105,9 @@ class PrefillTests(unittest.SynchronousTestCase):
     def test_chunks_end_on_fixed_multiples_of_the_chunk_size(self) -> None:
         """A prompt is cut at multiples of prefill_chunk from its start, one chunk per step; the
         last chunk yields the first token at draw position seed + len(context)."""
-        scheduler = Scheduler(lanes=2, kv_blocks=100, prefill_chunk=8, step_tokens=100)
+        scheduler = Scheduler(
+            interactive_lanes=0, lanes=2, kv_blocks=100, prefill_chunk=8, step_tokens=100
+        )
         r = request(list(range(3, 23)), seed=40)  # 20 tokens
         scheduler.submit(r)
         spans = []
@@ -118,12 +122,16 @@ class PrefillTests(unittest.SynchronousTestCase):
     def test_several_prompts_share_a_step_within_the_budget(self) -> None:
         """Prompt chunks of several lanes ride in one step up to step_tokens, oldest first, and
         at least one chunk always goes."""
-        scheduler = Scheduler(lanes=4, kv_blocks=100, prefill_chunk=64, step_tokens=100)
+        scheduler = Scheduler(
+            interactive_lanes=0, lanes=4, kv_blocks=100, prefill_chunk=64, step_tokens=100
+        )
         for n in (40, 40, 40):
             scheduler.submit(request([5] * n))
         plan, _ = scheduler.plan(0.0)
         self.assertEqual([ch.slot for ch in plan.chunks], [0, 1])
-        lone = Scheduler(lanes=1, kv_blocks=100, prefill_chunk=64, step_tokens=10)
+        lone = Scheduler(
+            interactive_lanes=0, lanes=1, kv_blocks=100, prefill_chunk=64, step_tokens=10
+        )
         lone.submit(request([5] * 40))
         plan, _ = lone.plan(0.0)
         self.assertEqual([len(ch.tokens) for ch in plan.chunks], [40])
@@ -131,7 +139,7 @@ class PrefillTests(unittest.SynchronousTestCase):
     def test_decode_rows_ride_with_prompt_chunks(self) -> None:
         """A decoding lane gets one decode row per step (its last token at its position, the
         draw of its k-th token) while another lane's prompt is computed in the same step."""
-        scheduler = Scheduler(lanes=2, kv_blocks=100, prefill_chunk=4)
+        scheduler = Scheduler(interactive_lanes=0, lanes=2, kv_blocks=100, prefill_chunk=4)
         first = request([5, 6, 7], seed=3)
         scheduler.submit(first)
         run_step(scheduler, token=11)
@@ -143,13 +151,66 @@ class PrefillTests(unittest.SynchronousTestCase):
         self.assertEqual([(ch.slot, ch.start, len(ch.tokens)) for ch in plan.chunks], [(1, 0, 4)])
 
 
+class InteractiveTests(unittest.SynchronousTestCase):
+    """Interactive work goes first (docs/engine.md section 3)."""
+
+    def test_an_interactive_request_is_admitted_at_once_beside_batch_work(self) -> None:
+        """With batch requests enough for every lane, one lane stays free: an interactive
+        request that arrives later is admitted at the very next step, while batch requests
+        wait."""
+        scheduler = Scheduler(lanes=3, kv_blocks=1000, interactive_lanes=1)
+        batch = [request([5] * 40, max_new=100, name=f"b{i}") for i in range(4)]
+        for r in batch:
+            scheduler.submit(r)
+        run_step(scheduler)
+        self.assertEqual(
+            sorted(lane.request.handle for lane in scheduler.running.values()), ["b0", "b1"]
+        )
+        chat = request([9, 9, 9], max_new=5, name="chat", interactive=True)
+        scheduler.submit(chat)
+        plan, _ = scheduler.plan(0.0)
+        self.assertEqual([ch.tokens for ch in plan.chunks], [(9, 9, 9)])
+        self.assertEqual(len(plan.decode), 2)
+        self.assertEqual([r.handle for r in scheduler.waiting], ["b2", "b3"])
+
+    def test_an_interactive_prompt_goes_alone_ahead_of_batch_prompts(self) -> None:
+        """A step that computes an interactive prompt carries no batch prompt chunk; batch
+        prompts continue once it is done."""
+        scheduler = Scheduler(
+            lanes=3, kv_blocks=1000, prefill_chunk=32, step_tokens=1000, interactive_lanes=1
+        )
+        scheduler.submit(request([5] * 100, max_new=10, name="agent"))
+        scheduler.plan(0.0)  # the agent's first chunk is in flight
+        scheduler.submit(request([9] * 20, max_new=10, name="chat", interactive=True))
+        plan, _ = scheduler.plan(0.0)
+        self.assertEqual([len(ch.tokens) for ch in plan.chunks], [20])
+        scheduler.complete(plan, answer(plan))
+        plan, _ = scheduler.plan(0.0)
+        self.assertEqual([ch.start for ch in plan.chunks], [0])  # the agent's chunk again
+
+    def test_batch_work_is_never_starved(self) -> None:
+        """While interactive requests keep coming, batch requests still run on the other lanes
+        and finish; with one lane in all, batch work shares it."""
+        scheduler = Scheduler(lanes=2, kv_blocks=1000, interactive_lanes=1)
+        agent = request([5] * 10, max_new=6, name="agent")
+        scheduler.submit(agent)
+        finished = []
+        for step in range(40):
+            scheduler.submit(request([9, step], max_new=2, interactive=True))
+            _, events = run_step(scheduler)
+            finished += [e.request.handle for e in events if isinstance(e, Ended)]
+        self.assertIn("agent", finished)
+        lone = Scheduler(lanes=1, kv_blocks=1000, interactive_lanes=1)
+        self.assertEqual(lone.batch_lanes, 1)
+
+
 class EndTests(unittest.SynchronousTestCase):
     """How lanes end."""
 
     def test_eos_max_new_and_token_limit(self) -> None:
         """EOS ends a lane with the EOS id as its last token; max_new and the token limit end
         it with LENGTH."""
-        scheduler = Scheduler(lanes=3, kv_blocks=100)
+        scheduler = Scheduler(interactive_lanes=0, lanes=3, kv_blocks=100)
         eos, budget = request([5], max_new=10, name="eos"), request([6], max_new=2, name="budget")
         window = request([7] * 4, max_new=10, window=6, name="window")
         for r in (eos, budget, window):
@@ -165,7 +226,7 @@ class EndTests(unittest.SynchronousTestCase):
     def test_cancel_and_deadline(self) -> None:
         """A cancelled request ends CANCELLED at the next plan, waiting or running; a passed
         deadline ends it EXPIRED; neither is in the plan."""
-        scheduler = Scheduler(lanes=1, kv_blocks=100)
+        scheduler = Scheduler(interactive_lanes=0, lanes=1, kv_blocks=100)
         running = request([5], max_new=100, name="running")
         waiting = request([6], name="waiting", deadline=5.0)
         scheduler.submit(running)
@@ -182,7 +243,9 @@ class EndTests(unittest.SynchronousTestCase):
     def test_a_failed_step_fails_its_lanes_only(self) -> None:
         """A failed step ends the lanes it carried with the error; a lane that had no row in it
         runs on."""
-        scheduler = Scheduler(lanes=3, kv_blocks=100, prefill_chunk=4, step_tokens=4)
+        scheduler = Scheduler(
+            interactive_lanes=0, lanes=3, kv_blocks=100, prefill_chunk=4, step_tokens=4
+        )
         a, b = request([5, 6], max_new=50, name="a"), request([6] * 8, max_new=50, name="b")
         c = request([7] * 8, max_new=50, name="c")
         scheduler.submit(a)
@@ -198,7 +261,7 @@ class EndTests(unittest.SynchronousTestCase):
 
     def test_abandon_cancels_everything(self) -> None:
         """Stopping ends waiting and running requests as CANCELLED and empties the scheduler."""
-        scheduler = Scheduler(lanes=1, kv_blocks=100)
+        scheduler = Scheduler(interactive_lanes=0, lanes=1, kv_blocks=100)
         a, b = request([5], name="a"), request([6], name="b")
         scheduler.submit(a)
         scheduler.submit(b)
@@ -216,6 +279,7 @@ class PrefixReuseTests(unittest.SynchronousTestCase):
 
     def scheduler(self, capacity: int = 64, chunk: int = 32) -> Scheduler:
         return Scheduler(
+            interactive_lanes=0,
             lanes=4,
             kv_blocks=1000,
             prefill_chunk=chunk,

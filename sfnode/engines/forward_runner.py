@@ -24,8 +24,8 @@ import torch
 from sfnode.engines.hidden import encode_hidden
 from sfnode.engines.kernels import lane_cache, onednn_on_this_thread, use_onednn_linear
 from sfnode.engines.plan import ChunkRow, StepOutput, StepPlan
-from sfnode.generation import StageForwardError, StageResult
-from sfnode.sampler import sample_tokens
+from sfnode.generation import StageForwardError, StageResult, TokenLogprob
+from sfnode.sampler import sample_tokens, token_logprobs
 
 
 class ModelForwardRunner:
@@ -53,7 +53,8 @@ class ModelForwardRunner:
         with torch.inference_mode():
             decoding = [row.slot for row in plan.decode]
             self._drop([slot for slot in self._rows if slot not in set(decoding)])
-            decoded: tuple[int, ...] = ()
+            decoded: list[int] = []
+            decoded_logprobs: list[TokenLogprob | None] = []
             if plan.decode:
                 order = {slot: row for row, slot in enumerate(self._rows)}
                 missing = [slot for slot in decoding if slot not in order]
@@ -62,19 +63,23 @@ class ModelForwardRunner:
                 logits = self._decode_step(plan)
                 rows = [order[row.slot] for row in plan.decode]
                 by_row = logits[torch.tensor(rows, dtype=torch.long, device=self.device)]
-                decoded = tuple(
-                    sample_tokens(
-                        by_row.to(torch.float32),
-                        [row.params for row in plan.decode],
-                        [row.draw for row in plan.decode],
-                    )
-                )
-            firsts: list[int | None] = []
+                by_row = by_row.to(torch.float32)
+                params = [row.params for row in plan.decode]
+                decoded = sample_tokens(by_row, params, [row.draw for row in plan.decode])
+                if any(p.logprobs for p in params):
+                    decoded_logprobs = token_logprobs(by_row, params, decoded)
+            firsts: list[tuple[int, TokenLogprob | None] | None] = []
             for chunk in plan.chunks:
                 firsts.append(self._chunk(chunk))
-        return StepOutput(decode=decoded, chunks=tuple(firsts))
+        asked = any(chunk.params.logprobs for chunk in plan.chunks)
+        return StepOutput(
+            decode=tuple(decoded),
+            chunks=tuple(None if f is None else f[0] for f in firsts),
+            decode_logprobs=tuple(decoded_logprobs),
+            chunk_logprobs=tuple(None if f is None else f[1] for f in firsts) if asked else (),
+        )
 
-    def _chunk(self, chunk: ChunkRow) -> int | None:
+    def _chunk(self, chunk: ChunkRow) -> tuple[int, TokenLogprob | None] | None:
         if chunk.start == 0:
             self._own[chunk.slot] = lane_cache(self._config)
             if chunk.slot in self._rows:
@@ -101,8 +106,9 @@ class ModelForwardRunner:
             return None
         logits = out.logits[:, -1, :].to(torch.float32)
         token = sample_tokens(logits, [chunk.params], [chunk.draw])[0]
+        logprob = token_logprobs(logits, [chunk.params], [token])[0]
         self._join(chunk.slot, self._own.pop(chunk.slot))
-        return token
+        return token, logprob
 
     def _join(self, slot: int, own: Any) -> None:
         """Merge a lane's cache into the batch cache (left padding to a common length)."""

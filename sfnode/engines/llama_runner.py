@@ -32,8 +32,8 @@ from sfnode.engines.kv import KV_GROWTH, BlockPool, SlotKV
 from sfnode.engines.llama_weights import LlamaWeights
 from sfnode.engines.plan import StepOutput, StepPlan
 from sfnode.engines.quant import Projection
-from sfnode.generation import StageForwardError, StageResult
-from sfnode.sampler import sample_tokens
+from sfnode.generation import StageForwardError, StageResult, TokenLogprob
+from sfnode.sampler import sample_tokens, token_logprobs
 
 _LLAMA_TYPES = ("llama",)
 _STOCK_LAYER_PARTS = (
@@ -94,6 +94,24 @@ def _project(projection: Projection, x: torch.Tensor, groups: Groups) -> torch.T
     if projection.dense is None or len(groups) == 1:
         return projection(x, dense=groups[0][2])
     return torch.cat([projection(x[a:b], dense=use_dense) for a, b, use_dense in groups])
+
+
+def _output(
+    plan: StepPlan, tokens: Sequence[int], logprobs: Sequence[TokenLogprob | None]
+) -> StepOutput:
+    """Tokens (and logprobs, when any row asked) sampled for the decode rows, then for the
+    chunks that ended a prompt, as a :class:`StepOutput`."""
+    rows = len(plan.decode)
+    firsts = iter(range(rows, len(tokens)))
+    chunk_rows = [next(firsts) if chunk.last else None for chunk in plan.chunks]
+    return StepOutput(
+        decode=tuple(tokens[:rows]),
+        chunks=tuple(None if r is None else tokens[r] for r in chunk_rows),
+        decode_logprobs=tuple(logprobs[:rows]) if logprobs else (),
+        chunk_logprobs=(
+            tuple(None if r is None else logprobs[r] for r in chunk_rows) if logprobs else ()
+        ),
+    )
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -234,10 +252,10 @@ class LlamaRunner:
                 return StepOutput(chunks=tuple(None for _ in plan.chunks))
             logits = self._logits(hidden, wanted)
             tokens = sample_tokens(logits, params, draws)
-        decoded = tuple(tokens[: len(plan.decode)])
-        firsts = iter(tokens[len(plan.decode) :])
-        chunks = tuple(next(firsts) if chunk.last else None for chunk in plan.chunks)
-        return StepOutput(decode=decoded, chunks=chunks)
+            logprobs = (
+                token_logprobs(logits, params, tokens) if any(p.logprobs for p in params) else []
+            )
+        return _output(plan, tokens, logprobs)
 
     def _logits(self, hidden: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
         """Float32 logits of ``rows`` of ``hidden``.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sfnode.generation import TokenLogprob
 from sfnode.wire import GenParams
 
 
@@ -76,7 +77,12 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """What a runner answers: one token per decode row, and per chunk its first token or None."""
+    """What a runner answers: one token per decode row, and per chunk its first token or None;
+    with each token its logprobs when its row's ``params.logprobs`` asks for them."""
 
     decode: tuple[int, ...] = ()
     chunks: tuple[int | None, ...] = field(default=())
+    decode_logprobs: tuple[TokenLogprob | None, ...] = ()
+    """Empty when no decode row asked for logprobs."""
+    chunk_logprobs: tuple[TokenLogprob | None, ...] = ()
+    """Empty when no chunk asked for logprobs."""

@@ -16,6 +16,11 @@ which answers with the tokens each generation got and the generations that ended
   chunks of several lanes, oldest first, up to ``step_tokens`` prompt tokens (at least one chunk,
   so every prompt progresses).  A prompt whose last chunk is computed yields its first token in
   that same step.
+- **Interactive first.**  An interactive request (a person waiting) is admitted before any
+  batch request, and ``interactive_lanes`` lanes are kept for such requests: batch work holds
+  at most ``lanes - interactive_lanes`` lanes (at least one), so a chat never waits for a batch
+  lane to finish.  A step that computes an interactive prompt carries no batch prompt chunks
+  (the decode rows still go), so its first token is one short step away.
 - **Prefix reuse.**  With a :class:`~sfnode.engines.prefix_cache.PrefixCache`, an admitted lane
   first gets the cached blocks its context starts with (copied into its slot) and computes only
   the rest; full blocks a lane computed are saved into the cache in the next step.  A request
@@ -38,7 +43,7 @@ from typing import Any, NamedTuple
 from sfnode.draws import draw_position
 from sfnode.engines.plan import BlockCopy, ChunkRow, DecodeRow, StepOutput, StepPlan
 from sfnode.engines.prefix_cache import BlockKey, PrefixCache, block_keys
-from sfnode.generation import KV_BLOCK_TOKENS, EngineStop
+from sfnode.generation import KV_BLOCK_TOKENS, EngineStop, TokenLogprob
 from sfnode.wire import GenParams
 
 
@@ -60,6 +65,7 @@ class Request:
     reserve_blocks: int
     eos_ids: frozenset[int]
     deadline: float | None = None
+    interactive: bool = False
     cancelled: bool = False
 
 
@@ -89,10 +95,11 @@ class Lane:
 
 
 class Emitted(NamedTuple):
-    """A new token of a generation."""
+    """A new token of a generation (with its logprobs when the request asked for them)."""
 
     request: Request
     token: int
+    logprob: TokenLogprob | None = None
 
 
 class Ended(NamedTuple):
@@ -124,6 +131,7 @@ class Scheduler:
         step_tokens: int = 512,
         prefix: PrefixCache | None = None,
         salt: bytes = b"",
+        interactive_lanes: int = 1,
     ) -> None:
         if lanes < 1:
             raise ValueError("lanes must be at least 1")
@@ -135,6 +143,8 @@ class Scheduler:
         self.step_tokens = step_tokens
         self.prefix = prefix
         self._salt = salt
+        self.batch_lanes = max(1, lanes - max(0, interactive_lanes))
+        """The most lanes batch requests hold at once."""
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Lane] = {}
         self._order: list[Lane] = []
@@ -197,9 +207,9 @@ class Scheduler:
         )
         chunks: list[ChunkRow] = []
         budget = self.step_tokens
-        for lane in self._order:
-            if not lane.prefilling:
-                continue
+        prefilling = [lane for lane in self._order if lane.prefilling]
+        interactive = [lane for lane in prefilling if lane.request.interactive]
+        for lane in interactive or prefilling:
             context = lane.request.context
             end = min(len(context), (lane.computed // self.prefill_chunk + 1) * self.prefill_chunk)
             size = end - lane.computed
@@ -249,39 +259,55 @@ class Scheduler:
         return ended
 
     def _admit(self) -> list[BlockCopy]:
+        """Admit waiting requests, interactive ones first, into free lanes (see the rules)."""
         loads: list[BlockCopy] = []
-        deferred: list[Request] = []
-        while self.waiting and len(self.running) < self.lanes:
-            request = self.waiting[0]
+        order = [r for r in self.waiting if r.interactive] + [
+            r for r in self.waiting if not r.interactive
+        ]
+        admitted: set[int] = set()
+        for request in order:
+            if len(self.running) >= self.lanes:
+                break
+            if not request.interactive:
+                batch = sum(not lane.request.interactive for lane in self._order)
+                if batch >= self.batch_lanes:
+                    break
             if self._reserved + request.reserve_blocks > self.kv_blocks:
                 break
-            self.waiting.popleft()
-            keys: list[BlockKey] = []
-            reused: list[int] = []
-            if self.prefix is not None:
-                # At least one prompt token is computed: its logits give the first token.
-                keys = block_keys(
-                    request.context, self._salt, (len(request.context) - 1) // KV_BLOCK_TOKENS
-                )
-                reused = self.prefix.match(keys)
-                if len(reused) < len(keys) and keys[len(reused)] in self._pending:
-                    deferred.append(request)
-                    continue
-                self.prefix.record_use(len(reused))
-            slot = min(set(range(self.lanes)) - set(self.running))
-            lane = Lane(request=request, slot=slot, computed=len(reused) * KV_BLOCK_TOKENS)
-            lane.keys = keys
-            lane.saved = len(reused)
-            lane.pending = [k for k in keys[len(reused) :] if k not in self._pending]
-            for key in lane.pending:
-                self._pending[key] = lane
-            self.running[slot] = lane
-            self._order.append(lane)
-            self._reserved += request.reserve_blocks
-            if reused:
-                loads.append(BlockCopy(slot=slot, first=0, blocks=tuple(reused)))
-        self.waiting.extendleft(reversed(deferred))
+            load = self._admit_one(request)
+            if load is None:
+                continue  # its prefix is being computed by another lane: it waits for it
+            admitted.add(id(request))
+            if load.blocks:
+                loads.append(load)
+        self.waiting = deque(r for r in self.waiting if id(r) not in admitted)
         return loads
+
+    def _admit_one(self, request: Request) -> BlockCopy | None:
+        """Give ``request`` a lane and its cached prefix; None when it must wait for blocks
+        another lane is computing."""
+        keys: list[BlockKey] = []
+        reused: list[int] = []
+        if self.prefix is not None:
+            # At least one prompt token is computed: its logits give the first token.
+            keys = block_keys(
+                request.context, self._salt, (len(request.context) - 1) // KV_BLOCK_TOKENS
+            )
+            reused = self.prefix.match(keys)
+            if len(reused) < len(keys) and keys[len(reused)] in self._pending:
+                return None
+            self.prefix.record_use(len(reused))
+        slot = min(set(range(self.lanes)) - set(self.running))
+        lane = Lane(request=request, slot=slot, computed=len(reused) * KV_BLOCK_TOKENS)
+        lane.keys = keys
+        lane.saved = len(reused)
+        lane.pending = [k for k in keys[len(reused) :] if k not in self._pending]
+        for key in lane.pending:
+            self._pending[key] = lane
+        self.running[slot] = lane
+        self._order.append(lane)
+        self._reserved += request.reserve_blocks
+        return BlockCopy(slot=slot, first=0, blocks=tuple(reused))
 
     def _saves(self) -> tuple[BlockCopy, ...]:
         self._saving = []
@@ -327,25 +353,34 @@ class Scheduler:
         """Apply a step's output: the new tokens, and the generations they ended."""
         emitted: list[Emitted] = []
         ended: list[Ended] = []
-        for row, token in zip(plan.decode, output.decode, strict=True):
+        decode_logprobs = output.decode_logprobs or (None,) * len(plan.decode)
+        chunk_logprobs = output.chunk_logprobs or (None,) * len(plan.chunks)
+        for row, token, logprob in zip(plan.decode, output.decode, decode_logprobs, strict=True):
             lane = self.running[row.slot]
             lane.computed += 1
-            self._emit(lane, token, emitted, ended)
-        for chunk, first in zip(plan.chunks, output.chunks, strict=True):
+            self._emit(lane, token, logprob, emitted, ended)
+        for chunk, first, logprob in zip(plan.chunks, output.chunks, chunk_logprobs, strict=True):
             lane = self.running[chunk.slot]
             lane.computed = chunk.start + len(chunk.tokens)
             self.counts.prefilled += len(chunk.tokens)
             if chunk.last:
                 if first is None:
                     raise ValueError("the runner gave no first token for a prompt's last chunk")
-                self._emit(lane, first, emitted, ended)
+                self._emit(lane, first, logprob, emitted, ended)
         return emitted, ended
 
-    def _emit(self, lane: Lane, token: int, emitted: list[Emitted], ended: list[Ended]) -> None:
+    def _emit(
+        self,
+        lane: Lane,
+        token: int,
+        logprob: TokenLogprob | None,
+        emitted: list[Emitted],
+        ended: list[Ended],
+    ) -> None:
         request = lane.request
         lane.generated.append(token)
         self.counts.decoded += 1
-        emitted.append(Emitted(request, token))
+        emitted.append(Emitted(request, token, logprob))
         stop = None
         if token in request.eos_ids:
             stop = EngineStop.EOS

@@ -53,6 +53,7 @@ from sfnode.generation import (
     StageForwardError,
     StageResult,
     StreamTooLong,
+    TokenLogprob,
     TokenSink,
 )
 from sfnode.models import LoadedModel
@@ -106,12 +107,15 @@ class _Generation:
         if self.request is not None:
             self._engine._cancel(self.request)
 
-    def _deliver(self, tokens: list[int]) -> None:
+    def _deliver(self, tokens: list[int], logprobs: list[TokenLogprob] | None) -> None:
         if self._result.called or self._cancelled:
             return
         self._delivered.extend(tokens)
         try:
-            self._on_tokens(tokens)
+            if logprobs is None:
+                self._on_tokens(tokens)
+            else:
+                self._on_tokens(tokens, logprobs)
         except Exception:
             log.failure("on_tokens raised; cancelling the generation")
             self.cancel()
@@ -151,6 +155,7 @@ class TransformersEngine:
         weights_cache: Path | None = None,
         prefix_cache: bool = True,
         prefix_cache_blocks: int | None = None,
+        interactive_lanes: int = 1,
         onednn: bool = True,
         lean_step: bool = True,
         clock: Callable[[], float] = time.monotonic,
@@ -160,6 +165,8 @@ class TransformersEngine:
         ``lean_step`` False runs the model's own forward even for a Llama (``--stock-kernels``,
         with ``onednn`` False too); ``prefix_cache`` reuses the KV of earlier prompts' blocks
         (Llama runner only), in a pool of ``prefix_cache_blocks`` blocks (default: ``kv_blocks``).
+        ``interactive_lanes`` lanes are kept for interactive requests (batch work never holds
+        them).
         """
         if max_lanes < 1:
             raise ValueError("max_lanes must be at least 1")
@@ -240,6 +247,7 @@ class TransformersEngine:
             step_tokens=step_tokens,
             prefix=self.prefix_cache,
             salt=salt,
+            interactive_lanes=interactive_lanes,
         )
         self._pool = ThreadPool(minthreads=1, maxthreads=1, name="sfnode-engine")
         self._started = False
@@ -275,6 +283,11 @@ class TransformersEngine:
     @property
     def max_lanes(self) -> int:
         return self._max_lanes
+
+    @property
+    def supports_logprobs(self) -> bool:
+        """Token logprobs are computed for generations that ask (docs/protocol.md 12.1)."""
+        return True
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -333,6 +346,7 @@ class TransformersEngine:
             reserve_blocks=reserve,
             eos_ids=self._eos_ids,
             deadline=deadline,
+            interactive=request.interactive,
         )
         handle.request = job
         self._scheduler.submit(job)
@@ -463,12 +477,16 @@ class TransformersEngine:
 
     def _deliver(self, emitted: Sequence[Emitted], ended: Sequence[Ended]) -> None:
         """Hand tokens to their generations (one call per generation per step), then ends."""
-        batches: dict[int, tuple[_Generation, list[int]]] = {}
-        for request, token in emitted:
+        batches: dict[int, tuple[_Generation, list[int], list[TokenLogprob]]] = {}
+        for request, token, logprob in emitted:
             handle: _Generation = request.handle
-            batches.setdefault(id(handle), (handle, []))[1].append(token)
-        for handle, tokens in batches.values():
-            handle._deliver(tokens)
+            _, tokens, logprobs = batches.setdefault(id(handle), (handle, [], []))
+            tokens.append(token)
+            if logprob is not None:
+                logprobs.append(logprob)
+        for handle, tokens, logprobs in batches.values():
+            asked = handle.request is not None and handle.request.params.logprobs > 0
+            handle._deliver(tokens, logprobs if asked else None)
         for request, stop, error in ended:
             handle = request.handle
             if error is not None:
