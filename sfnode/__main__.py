@@ -1,6 +1,7 @@
 """``python -m sfnode COMMAND``: the small commands that are not the twistd plugins.
 
-``token [--file PATH]`` prints the fleet token, creating the token file first (LINKF 4.5).
+``token [--file PATH]`` prints the fleet token, creating the token file first (docs/protocol.md
+section 5.4).
 Nodes and heads themselves run under ``twistd sfnode`` / ``twistd sfhead``.
 """
 

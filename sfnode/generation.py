@@ -1,12 +1,12 @@
 """The engine interface of the node, and the deterministic mock engine used by protocol tests.
 
-The node agent talks to its engine only through :class:`Engine` (ENGINE.md section 1):
+The node agent talks to its engine only through :class:`Engine` (docs/engine.md section 1):
 
 1. ``submit`` a streamed generation; token batches come back on the reactor thread through the
    ``on_tokens`` callback, and the generation's :class:`GenerationResult` through a Deferred;
 2. ``statistics`` for NODE_STATUS;
 3. ``context_window`` (``max_context_tokens`` in the capacity summary);
-4. ``stage_forward`` for pipeline stages (LINKF 6.6).
+4. ``stage_forward`` for pipeline stages (docs/protocol.md section 7.6).
 
 Every callback and every Deferred of an engine fires on the reactor thread.  An engine that
 computes on a worker thread crosses back with ``reactor.callFromThread`` and nothing else.
@@ -107,7 +107,8 @@ class GenerationResult:
 
 @dataclass(frozen=True)
 class EngineStatistics:
-    """Live figures of an engine (ENGINE.md 1.2); counters are cumulative since start."""
+    """Live figures of an engine (docs/engine.md section 1, item 2); counters are cumulative since
+    start."""
 
     decoded_tokens: int = 0
     prefilled_tokens: int = 0
@@ -192,7 +193,8 @@ _LAYER_STEP = struct.Struct("<QI")
 
 
 def mock_embed(tokens: Sequence[int]) -> int:
-    """The mock's hidden state before layer 0: xxh3_64 of the tokens as LE u32 (LINKF 6.6)."""
+    """The mock's hidden state before layer 0: xxh3_64 of the tokens as LE u32 (docs/protocol.md
+    section 7.6)."""
     return int(xxhash.xxh3_64_intdigest(struct.pack(f"<{len(tokens)}I", *tokens)))
 
 

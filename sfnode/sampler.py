@@ -1,4 +1,4 @@
-"""The exact token sampler of ENGINE.md section 2, as pure functions over float32 logits.
+"""The exact token sampler of docs/engine.md section 2, as pure functions over float32 logits.
 
 Per token the order is: temperature, top-k, min-p, top-p, draw.  The draw uses a counter-based
 random number ``uniform(position)`` with ``position = seed + len(context) + k`` for the k-th new
@@ -12,7 +12,8 @@ here), which the mock engine draws with too.
 
 Running sums (top-p walk, the draw) are taken in float64 over the float32 probabilities; the draw
 takes the first kept candidate at which ``target`` is below the running sum, which is the
-"subtract each probability until ``target < p``" walk of ENGINE.md done without a Python loop.
+"subtract each probability until ``target < p``" walk of docs/engine.md section 2.1 done without a
+Python loop.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def candidates(logits: torch.Tensor, params: GenParams) -> tuple[torch.Tensor, t
 
 
 def draw(ids: torch.Tensor, probs: torch.Tensor, u: float) -> int:
-    """Pick among kept candidates with ``target = u * sum(probs)`` (ENGINE.md's walk)."""
+    """Pick among kept candidates with ``target = u * sum(probs)`` (docs/engine.md section 2.1)."""
     running = torch.cumsum(probs.to(torch.float64), dim=0)
     total = float(running[-1].item())
     target = u * total

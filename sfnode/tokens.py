@@ -1,4 +1,5 @@
-"""Fleet tokens (LINKF 4.5): where the token file lives, how it is made, how it is read.
+"""Fleet tokens (docs/protocol.md section 5.4): where the token file lives, how it is made, how it
+is read.
 
 A token is 64 lowercase hex characters from ``os.urandom(32)``.  The file is created
 exclusively (``O_CREAT | O_EXCL``) with mode 0600 and never overwritten: when it exists its
@@ -22,7 +23,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 ASCII_WHITESPACE = b" \t\n\x0c\r"
-"""What LINKF 4.5 trims around a token (Rust's ``trim_ascii``: no vertical tab)."""
+"""What docs/protocol.md section 5.4 trims around a token (Rust's ``trim_ascii``: no vertical
+tab)."""
 TOKEN_BYTES = 32
 HOME_VARIABLE = "SFNODE_HOME"
 
@@ -41,7 +43,8 @@ def default_token_path(environ: Mapping[str, str] | None = None) -> Path:
 
 
 def read_token(path: str | Path) -> bytes:
-    """The fleet token in ``path``, trimmed of ASCII whitespace (LINKF 4.5); b"" means none.
+    """The fleet token in ``path``, trimmed of ASCII whitespace (docs/protocol.md section 5.4); b""
+    means none.
 
     The one reader of token files: ``--auth-file`` on the node and on the head use it.
 

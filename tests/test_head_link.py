@@ -649,7 +649,8 @@ class ReconnectTests(LinkTestCase):
         self.failureResultOf(call.result, LinkLostError)
 
     def test_events_before_the_reconcile_ack_count_toward_its_retry_ranges(self) -> None:
-        """Seqs that arrive before RECONCILE_ACK are not waited for again (LINKF 7.3 step 3)."""
+        """Seqs that arrive before RECONCILE_ACK are not waited for again (docs/protocol.md
+        section 8.4 step 3)."""
         link, _ = self.placed()
         call = link.generate(1, 16)
 

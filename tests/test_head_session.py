@@ -1,4 +1,5 @@
-"""Tests of HeadSession, the head's pure per-connection bookkeeping (LINKF 7.1, 8 item 12)."""
+"""Tests of HeadSession, the head's pure per-connection bookkeeping (docs/protocol.md section 8.1,
+and section 10 item 12)."""
 
 from __future__ import annotations
 

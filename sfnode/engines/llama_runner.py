@@ -114,9 +114,14 @@ def _output(
     )
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding: ``x * cos + rotate_half(x) * sin``.
+
+    ``rotate_half(x)`` is ``[-x2, x1]`` for the halves ``x1, x2`` of the last dimension, which is
+    ``x`` rolled by half its length with the first half's sign flipped; the flip is folded into
+    ``signed_sin`` once per step, so a layer does a roll and a fused multiply-add.
+    """
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 class _Attention:
@@ -184,7 +189,10 @@ class LlamaRunner:
         freqs = positions.unsqueeze(1) * inv_freq.to(device=device, dtype=torch.float32)
         emb = torch.cat((freqs, freqs), dim=-1)
         self._cos = (emb.cos() * attention_scaling).to(w.activations)
-        self._sin = (emb.sin() * attention_scaling).to(w.activations)
+        half = emb.shape[-1] // 2
+        sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(device)
+        self._sin = (emb.sin() * attention_scaling * sign).to(w.activations)
+        """sin with the sign of rotate_half folded in (see :func:`_rotate`)."""
 
     @classmethod
     def for_model(
@@ -317,7 +325,7 @@ class LlamaRunner:
         qkv = _project(layer.qkv, x, groups)
         qk = qkv[:, : (heads + kv_heads) * head_dim].view(rows, heads + kv_heads, head_dim)
         value = qkv[:, (heads + kv_heads) * head_dim :].view(rows, kv_heads, head_dim)
-        qk = qk * cos + _rotate_half(qk) * sin
+        qk = _rotate(qk, cos, sin)
         query, key = qk[:, :heads], qk[:, heads:]
         if attention is None:
             attended = self._sequence_attention(query, key, value)
