@@ -823,6 +823,25 @@ class PrefixReuseTests(EngineTestCase):
         self.assertEqual(warm.statistics().prefilled_tokens, 96 + 1 + 7 + 20 + 33)
 
     @defer.inlineCallbacks
+    def test_a_prefix_shared_inside_a_block_gives_the_tokens_of_a_cold_run(self) -> Any:
+        """A prompt that shares 40 tokens with an earlier one (two blocks and half of a third)
+        takes those positions from the pool and gives the tokens of a cold run."""
+        rng = random.Random(43)
+        shared = [rng.randrange(3, TINY_VOCAB) for _ in range(40)]
+        first = shared + [rng.randrange(3, TINY_VOCAB) for _ in range(30)]
+        second = shared + [rng.randrange(3, TINY_VOCAB) for _ in range(9)]
+        cold = self.make_engine(max_lanes=2, prefix_cache=False)
+        warm = self.make_engine(max_lanes=2)
+        yield self.run_one(first, 4, engine=warm)[0]
+        for params in (GenParams(), SAMPLED):
+            a = yield self.run_one(second, 16, params, engine=cold)[0]
+            b = yield self.run_one(second, 16, params, engine=warm)[0]
+            self.assertEqual(a, b)
+        stats = warm.prefix_statistics()
+        assert stats is not None
+        self.assertGreaterEqual(stats.reused_tokens, 40)
+
+    @defer.inlineCallbacks
     def test_a_small_pool_evicts_and_stays_exact(self) -> Any:
         """With a pool of 4 blocks, prompts that evict each other's blocks still give their
         cold tokens, and the pool's accounting is back to no lane when idle."""

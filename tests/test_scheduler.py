@@ -312,12 +312,29 @@ class PrefixReuseTests(unittest.SynchronousTestCase):
         (chunk,) = plan.chunks
         self.assertEqual((chunk.start, chunk.tokens), (48, (9, 9)))
         self.assertEqual((prefix.stats.hits, prefix.stats.reused_tokens), (1, 48))
-        # An exact repeat of a 48-token prompt still computes its last block's last token.
+        # An exact repeat of a 48-token prompt takes 47 positions and computes the last one.
         scheduler.complete(plan, answer(plan, EOS))
         scheduler.submit(request(shared, max_new=1))
         plan, _ = scheduler.plan(0.0)
-        self.assertEqual(len(plan.loads[0].blocks), 2)
-        self.assertEqual(plan.chunks[0].start, 32)
+        self.assertEqual((len(plan.loads[0].blocks), plan.loads[0].tail), (3, 15))
+        self.assertEqual(plan.chunks[0].start, 47)
+
+    def test_a_prompt_takes_the_positions_it_shares_inside_a_block(self) -> None:
+        """A prompt that leaves a cached chain inside a block takes the positions it shares
+        with the cached block there, and computes from the first one that differs."""
+        scheduler = self.scheduler()
+        first = list(range(100, 140))  # blocks 0 and 1 full, 8 tokens in block 2
+        scheduler.submit(request(first, max_new=1))
+        self.finish(scheduler)
+        second = [*first[:20], 7, 7, 7, 7, 7]  # block 0, then 4 of block 1's tokens
+        scheduler.submit(request(second, max_new=1))
+        plan, _ = scheduler.plan(0.0)
+        (load,) = plan.loads
+        self.assertEqual((len(load.blocks), load.tail), (2, 4))
+        self.assertEqual([(c.start, c.tokens) for c in plan.chunks], [(20, (7,) * 5)])
+        prefix = scheduler.prefix
+        assert prefix is not None
+        self.assertEqual(prefix.stats.reused_tokens, 20)
 
     def test_chunks_after_reused_blocks_keep_their_boundaries(self) -> None:
         """After reused blocks, the first computed chunk ends on the next multiple of the chunk
@@ -378,13 +395,18 @@ class PrefixReuseTests(unittest.SynchronousTestCase):
     def test_the_least_recently_used_block_is_evicted(self) -> None:
         """A full pool gives up its least recently used block for a new one."""
         cache = PrefixCache(2)
-        a, b, c = block_keys(list(range(48)), b"s")
-        self.assertEqual([cache.allocate(a), cache.allocate(b)], [0, 1])
+        tokens = list(range(48))
+        a, b, c = block_keys(tokens, b"s")
+        blocks = [tokens[i : i + 16] for i in (0, 16, 32)]
+        self.assertEqual(
+            [cache.allocate(a, b"s", blocks[0]), cache.allocate(b, a, blocks[1])], [0, 1]
+        )
         self.assertEqual(cache.match([a]), [0])  # a is now the most recent
-        self.assertEqual(cache.allocate(c), 1)  # b goes
+        self.assertEqual(cache.allocate(c, b, blocks[2]), 1)  # b goes
         self.assertEqual(cache.match([a, b]), [0])
+        self.assertEqual(cache.partial(a, blocks[1]), (-1, 0))  # b's tokens are gone with it
         self.assertEqual(cache.stats.evictions, 1)
-        self.assertIsNone(cache.allocate(a))  # cached already
+        self.assertIsNone(cache.allocate(a, b"s", blocks[0]))  # cached already
 
     def test_keys_chain_over_the_whole_prefix(self) -> None:
         """A block's key depends on every token before it and on the salt."""

@@ -124,16 +124,19 @@ class BlockPool:
                 source = slots[layer][slot, :, span].view(kv.kv_heads, n, KV_BLOCK_TOKENS, -1)
                 pool[layer].index_copy_(0, index, source.transpose(0, 1))
 
-    def load(self, slot: int, first: int, blocks: Sequence[int]) -> None:
-        """Copy pool ``blocks`` into lane blocks ``first ..`` of ``slot``."""
+    def load(
+        self, slot: int, first: int, blocks: Sequence[int], tail: int = KV_BLOCK_TOKENS
+    ) -> None:
+        """Copy pool ``blocks`` into lane blocks ``first ..`` of ``slot`` (of the last one only
+        its first ``tail`` positions)."""
         kv = self._kv
         n = len(blocks)
-        kv.ensure((first + n) * KV_BLOCK_TOKENS)
-        span = slice(first * KV_BLOCK_TOKENS, (first + n) * KV_BLOCK_TOKENS)
+        positions = (n - 1) * KV_BLOCK_TOKENS + tail
+        start = first * KV_BLOCK_TOKENS
+        kv.ensure(start + positions)
         index = torch.tensor(blocks, dtype=torch.long, device=kv.device)
         for layer in range(kv.layers):
             for pool, slots in ((self.keys, kv.keys), (self.values, kv.values)):
                 taken = pool[layer].index_select(0, index)  # [n, heads, 16, dim]
-                slots[layer][slot, :, span] = taken.transpose(0, 1).reshape(
-                    kv.kv_heads, n * KV_BLOCK_TOKENS, -1
-                )
+                rows = taken.transpose(0, 1).reshape(kv.kv_heads, n * KV_BLOCK_TOKENS, -1)
+                slots[layer][slot, :, start : start + positions] = rows[:, :positions]

@@ -218,7 +218,7 @@ class LlamaRunner:
                 for save in plan.saves:
                     self.pool.save(save.slot, save.first, save.blocks)
                 for load in plan.loads:
-                    self.pool.load(load.slot, load.first, load.blocks)
+                    self.pool.load(load.slot, load.first, load.blocks, load.tail)
             if not plan.decode and not plan.chunks:
                 return StepOutput()
             need = max(

@@ -49,11 +49,13 @@ class ChunkRow:
 @dataclass(frozen=True)
 class BlockCopy:
     """KV blocks between a slot and the block pool: lane block ``first + i`` is pool block
-    ``blocks[i]``."""
+    ``blocks[i]``; of the last block only its first ``tail`` positions (a load that ends
+    inside a block)."""
 
     slot: int
     first: int
     blocks: tuple[int, ...]
+    tail: int = 16
 
 
 @dataclass(frozen=True)

@@ -61,14 +61,27 @@ class PrefixCacheStats:
     cached_blocks: int = 0
 
 
+@dataclass
+class _Entry:
+    block: int
+    parent: BlockKey
+    tokens: tuple[int, ...]
+
+
 class PrefixCache:
-    """Keys of cached blocks and their pool numbers, least recently used first."""
+    """Keys of cached blocks and their pool numbers, least recently used first.
+
+    Each entry also remembers its parent key and its 16 tokens, so that a context that leaves
+    the cached chain in the middle of a block can still take the positions it shares with a
+    cached child of its last full block (:meth:`partial`).
+    """
 
     def __init__(self, capacity: int) -> None:
         if capacity < 0:
             raise ValueError("capacity must not be negative")
         self.capacity = capacity
-        self._blocks: OrderedDict[BlockKey, int] = OrderedDict()
+        self._blocks: OrderedDict[BlockKey, _Entry] = OrderedDict()
+        self._children: dict[BlockKey, set[BlockKey]] = {}
         self._free = list(range(capacity - 1, -1, -1))
         self.stats = PrefixCacheStats()
 
@@ -85,23 +98,41 @@ class PrefixCache:
         """
         found: list[int] = []
         for key in keys:
-            block = self._blocks.get(key)
-            if block is None:
+            entry = self._blocks.get(key)
+            if entry is None:
                 break
             self._blocks.move_to_end(key)
-            found.append(block)
+            found.append(entry.block)
         return found
 
-    def record_use(self, reused_blocks: int) -> None:
-        """Count one generation's lookup (a hit when it reused any block)."""
-        if reused_blocks:
+    def partial(self, parent: BlockKey, tokens: Sequence[int]) -> tuple[int, int]:
+        """``(block, n)``: the cached child of ``parent`` whose first ``n`` tokens are the first
+        ``n`` of ``tokens``, for the largest ``n`` (``n`` 0 when none shares a first token)."""
+        best_block, best, best_key = -1, 0, b""
+        for key in self._children.get(parent, ()):
+            entry = self._blocks[key]
+            n = 0
+            for mine, theirs in zip(tokens, entry.tokens, strict=False):
+                if mine != theirs:
+                    break
+                n += 1
+            if n > best:
+                best_block, best = entry.block, n
+                best_key = key
+        if best:
+            self._blocks.move_to_end(best_key)
+        return best_block, best
+
+    def record_use(self, reused_tokens: int) -> None:
+        """Count one generation's lookup (a hit when it reused any token)."""
+        if reused_tokens:
             self.stats.hits += 1
-            self.stats.reused_tokens += reused_blocks * KV_BLOCK_TOKENS
+            self.stats.reused_tokens += reused_tokens
         else:
             self.stats.misses += 1
 
-    def allocate(self, key: BlockKey) -> int | None:
-        """A pool block to store the block named ``key`` in, or None.
+    def allocate(self, key: BlockKey, parent: BlockKey, tokens: Sequence[int]) -> int | None:
+        """A pool block to store the block named ``key`` (``tokens``, after ``parent``) in, or None.
 
         None when ``key`` is cached already (it becomes the most recently used) or the pool has
         no blocks at all.  A full pool gives up its least recently used block.
@@ -114,16 +145,27 @@ class PrefixCache:
         else:
             if not self._blocks:
                 return None
-            _, block = self._blocks.popitem(last=False)
+            old_key, old = self._blocks.popitem(last=False)
+            self._unlink(old_key, old)
+            block = old.block
             self.stats.evictions += 1
-        self._blocks[key] = block
+        self._blocks[key] = _Entry(block, parent, tuple(tokens))
+        self._children.setdefault(parent, set()).add(key)
         self.stats.saved_blocks += 1
         self.stats.cached_blocks = len(self._blocks)
         return block
 
     def discard(self, key: BlockKey) -> None:
         """Forget ``key`` (its block was never written: the step that would write it failed)."""
-        block = self._blocks.pop(key, None)
-        if block is not None:
-            self._free.append(block)
+        entry = self._blocks.pop(key, None)
+        if entry is not None:
+            self._unlink(key, entry)
+            self._free.append(entry.block)
             self.stats.cached_blocks = len(self._blocks)
+
+    def _unlink(self, key: BlockKey, entry: _Entry) -> None:
+        siblings = self._children.get(entry.parent)
+        if siblings is not None:
+            siblings.discard(key)
+            if not siblings:
+                del self._children[entry.parent]

@@ -22,8 +22,8 @@ which answers with the tokens each generation got and the generations that ended
   lane to finish.  A step that computes an interactive prompt carries no batch prompt chunks
   (the decode rows still go), so its first token is one short step away.
 - **Prefix reuse.**  With a :class:`~sfnode.engines.prefix_cache.PrefixCache`, an admitted lane
-  first gets the cached blocks its context starts with (copied into its slot) and computes only
-  the rest; full blocks a lane computed are saved into the cache in the next step.  A request
+  first gets the cached blocks its context starts with, and the positions it shares with a
+  cached block that goes on differently (copied into its slot), and computes only the rest; full blocks a lane computed are saved into the cache in the next step.  A request
   whose next uncached block is being computed by another lane's prompt right now waits for it
   instead of computing it twice (requests behind it may go first).
 - **Ends.**  A lane ends on an EOS id (the id is its last token), at ``max_new`` tokens or its
@@ -288,26 +288,40 @@ class Scheduler:
         another lane is computing."""
         keys: list[BlockKey] = []
         reused: list[int] = []
+        tail = KV_BLOCK_TOKENS
+        context = request.context
         if self.prefix is not None:
             # At least one prompt token is computed: its logits give the first token.
-            keys = block_keys(
-                request.context, self._salt, (len(request.context) - 1) // KV_BLOCK_TOKENS
-            )
+            usable = len(context) - 1
+            keys = block_keys(context, self._salt, usable // KV_BLOCK_TOKENS)
             reused = self.prefix.match(keys)
-            if len(reused) < len(keys) and keys[len(reused)] in self._pending:
+            full = len(reused)
+            if full < len(keys) and keys[full] in self._pending:
                 return None
-            self.prefix.record_use(len(reused))
+            # Then the positions it shares with a cached block that goes on differently.
+            parent = keys[full - 1] if full else self._salt
+            start = full * KV_BLOCK_TOKENS
+            block, shared = self.prefix.partial(parent, context[start : min(usable, start + 16)])
+            if shared:
+                reused.append(block)
+                tail = shared
+            self.prefix.record_use(full * KV_BLOCK_TOKENS + shared)
         slot = min(set(range(self.lanes)) - set(self.running))
-        lane = Lane(request=request, slot=slot, computed=len(reused) * KV_BLOCK_TOKENS)
+        full = len(reused) - (tail < KV_BLOCK_TOKENS)
+        lane = Lane(
+            request=request,
+            slot=slot,
+            computed=full * KV_BLOCK_TOKENS + (tail if tail < KV_BLOCK_TOKENS else 0),
+        )
         lane.keys = keys
-        lane.saved = len(reused)
-        lane.pending = [k for k in keys[len(reused) :] if k not in self._pending]
+        lane.saved = full
+        lane.pending = [k for k in keys[full:] if k not in self._pending]
         for key in lane.pending:
             self._pending[key] = lane
         self.running[slot] = lane
         self._order.append(lane)
         self._reserved += request.reserve_blocks
-        return BlockCopy(slot=slot, first=0, blocks=tuple(reused))
+        return BlockCopy(slot=slot, first=0, blocks=tuple(reused), tail=tail)
 
     def _saves(self) -> tuple[BlockCopy, ...]:
         self._saving = []
@@ -325,8 +339,8 @@ class Scheduler:
         full = lane.computed // KV_BLOCK_TOKENS
         if full <= lane.saved:
             return ()
+        tokens = lane.request.context + tuple(lane.generated)
         if len(lane.keys) < full:
-            tokens = lane.request.context + tuple(lane.generated)
             lane.keys = block_keys(tokens[: full * KV_BLOCK_TOKENS], self._salt)
         runs: list[BlockCopy] = []
         first, blocks = lane.saved, list[int]()
@@ -334,7 +348,9 @@ class Scheduler:
             key = lane.keys[index]
             if self._pending.get(key) is lane:
                 del self._pending[key]
-            block = self.prefix.allocate(key)
+            parent = lane.keys[index - 1] if index else self._salt
+            span = tokens[index * KV_BLOCK_TOKENS : (index + 1) * KV_BLOCK_TOKENS]
+            block = self.prefix.allocate(key, parent, span)
             if block is None:
                 if blocks:
                     runs.append(BlockCopy(lane.slot, first, tuple(blocks)))
