@@ -192,6 +192,17 @@ class LinkAndFleetTests(FleetTestCase):
         self.assertEqual(plain.engine.statistics().decoded_tokens, 0)
 
 
+    def test_a_pipeline_refuses_logprobs(self) -> None:
+        """A pipeline (stage forwards return tokens, not distributions) fails a generation
+        that asks for logprobs with LogprobsUnavailable before dialing anything."""
+        from sfnode.head.pipeline import PipelineFleet
+
+        pipeline = PipelineFleet(reactor, ["tcp:127.0.0.1:1"], n_layers=24, ids=self.ids)
+        generation = pipeline.generate(PROMPT, 4, params=GenParams(logprobs=2))
+        self.failureResultOf(generation.result, LogprobsUnavailable)
+        self.assertEqual(pipeline.stages, [])
+
+
 class HttpLogprobsTests(HttpTestCase):
     """The HTTP API's logprobs (OpenAI's shapes) from a mock node on the tiny vocabulary."""
 
