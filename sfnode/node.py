@@ -20,6 +20,10 @@ stopped reading holds at most ``max_held_tokens`` tokens, then stops as if the h
 session's GENERATE_REQs get FINISH_REFUSED; beyond ``max_generations`` running or queued
 generations a GENERATE_REQ is declined.  :meth:`NodeAgent.drain` is the SIGTERM path.
 
+Logprobs (section 12.1): the node sets ``FEATURE_LOGPROBS`` when its engine
+``supports_logprobs``, and a generation whose session's GenParams ask for them sends
+TokensLogprobs events instead of Tokens, coalesced, retried and retransmitted alike.
+
 Section numbers in this module are those of docs/protocol.md.
 """
 

@@ -27,6 +27,9 @@ On top of that:
   generations too); with no other node live it waits in the queue, ahead of new requests;
 - sessions are revoked when they end; a session whose context outgrows its node moves to one
   that fits;
+- a session whose GenParams ask for logprobs is placed only on nodes that offer them
+  (``FEATURE_LOGPROBS``, docs/protocol.md section 12.1), failover included; when every node
+  serving the model has said it has none, it fails with :class:`LogprobsUnavailable`;
 - :meth:`Fleet.status` answers what the HTTP layer asks of its backend
   (:class:`~sfnode.head.backend.BackendStatus`: live nodes, windows, lanes, the queue, counters).
 
