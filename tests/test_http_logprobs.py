@@ -31,7 +31,7 @@ from sfnode.node import NodeAgent
 from sfnode.tap import node_factory
 from sfnode.wire import FEATURE_LOGPROBS, FINISH_LENGTH, GenParams, HelloAckF, to_f32
 from tests.nodefixture import RunningNode, expected_tokens
-from tests.test_fleet import FleetTestCase
+from tests.test_fleet import FleetTestCase, next_open
 from tests.test_http import MESSAGES, MODEL, HttpTestCase, sse_events
 from tests.tinymodel import TINY_VOCAB
 
@@ -191,6 +191,37 @@ class LinkAndFleetTests(FleetTestCase):
         self.assertEqual(recorder.logprobs, greedy_logprobs(PROMPT, 40, 4))
         self.assertEqual(plain.engine.statistics().decoded_tokens, 0)
 
+
+    @defer.inlineCallbacks
+    def test_a_node_back_without_the_bit_loses_the_session(self) -> Gen:
+        """A session that asks sits on a node that dies and comes back (same name, same port)
+        with an engine that has no logprobs: its next generation moves to the other node with
+        the bit and returns the tokens and logprobs of a local run."""
+        a = yield self.start_node(identity="a")
+        b = yield self.start_node(identity="b")
+        fleet = yield self.fleet_of([a, b], policy=Policy.LEAST_LOADED)
+        session = yield fleet.open_session(PROMPT, params=GenParams(logprobs=2))
+        self.assertEqual(session.node.name, "a")
+        port = a.port_number
+        yield self.kill(a)
+        yield self.on(fleet, a).link.when_closed()
+        back = next_open(self.on(fleet, a))
+        engine = MockEngine(reactor, supports_logprobs=False)
+        agent = NodeAgent(reactor, engine, NodeConfig(identity="a", model_name="mock"))
+        agent.start()
+        listening = yield TCP4ServerEndpoint(reactor, port, interface="127.0.0.1").listen(
+            node_factory(agent)
+        )
+        self.addCleanup(agent.stop)
+        self.addCleanup(listening.stopListening)
+        yield back
+        self.assertEqual(self.on(fleet, a).link.features, 0)
+        recorder = Recorder()
+        outcome = yield session.generate(6, on_tokens=recorder).result
+        self.assertEqual((outcome.node, outcome.failovers), ("b", 1))
+        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 6))
+        self.assertEqual(recorder.logprobs, greedy_logprobs(PROMPT, 6, 2))
+        self.assertEqual(engine.statistics().decoded_tokens, 0)
 
     def test_a_pipeline_refuses_logprobs(self) -> None:
         """A pipeline (stage forwards return tokens, not distributions) fails a generation
