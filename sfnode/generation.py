@@ -30,7 +30,7 @@ from twisted.internet import defer
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 from sfnode.draws import draw_position, uniform
-from sfnode.wire import GenParams
+from sfnode.wire import LOGPROBS_MAX, GenParams
 
 KV_BLOCK_TOKENS = 16
 """Tokens per KV block; ``kv_blocks_used`` counts ``ceil(tokens / 16)`` per live lane."""
@@ -165,6 +165,12 @@ class Engine(Protocol):
     def n_layers(self) -> int:
         """How many layers stage forwards split."""
 
+    @property
+    def supports_logprobs(self) -> bool:
+        """Whether the engine hands over token logprobs to a generation whose
+        ``params.logprobs`` asks (the two-argument :class:`TokenSink` call); the node then
+        offers ``FEATURE_LOGPROBS`` (docs/protocol.md section 12.1)."""
+
     def statistics(self) -> EngineStatistics:
         """A snapshot of the engine's figures."""
 
@@ -241,20 +247,20 @@ def mock_logits(
     return [(token, -MOCK_LOGIT_STEP * rank) for rank, token in enumerate(ids)]
 
 
-def sample_sparse(logits: Sequence[tuple[int, float]], params: GenParams, position: int) -> int:
-    """The sampler of docs/engine.md section 2 over sparse logits (ids not listed are -inf).
+def kept_candidates(
+    logits: Sequence[tuple[int, float]], params: GenParams
+) -> list[tuple[int, float]]:
+    """The candidates the sampler of docs/engine.md section 2 draws from, over sparse logits
+    (ids not listed are -inf), as (token id, probability) best first, ties to the lower id.
 
-    Temperature, then top-k, min-p and top-p over candidates sorted by probability (ties to the
-    lower id), then the draw ``target = uniform(position) * kept mass``.  Pure Python, in float64
-    (the torch sampler of :mod:`sfnode.sampler` works in float32 over dense logits).
+    Greedy parameters keep the one best token (probability 1).  Otherwise: the softmax of the
+    logits over ``temperature``, then top-k, min-p and top-p; the probabilities are those of
+    the full softmax (not renormalised).  Pure Python, in float64 (the torch sampler of
+    :mod:`sfnode.sampler` works in float32 over dense logits).
     """
     if params.temperature <= 0.0:
-        return min(logits, key=lambda entry: (-entry[1], entry[0]))[0]
-    best = max(logit for _, logit in logits)
-    weights = [(token, math.exp((logit - best) / params.temperature)) for token, logit in logits]
-    total = sum(weight for _, weight in weights)
-    probabilities = [(token, weight / total) for token, weight in weights]
-    ranked = sorted(probabilities, key=lambda entry: (-entry[1], entry[0]))
+        return [(min(logits, key=lambda entry: (-entry[1], entry[0]))[0], 1.0)]
+    ranked = _softmax(logits, params.temperature)
     keep = len(ranked)
     if params.top_k > 0:
         keep = min(keep, params.top_k)
@@ -270,13 +276,63 @@ def sample_sparse(logits: Sequence[tuple[int, float]], params: GenParams, positi
             if running >= params.top_p:
                 keep = n + 1
                 break
-    kept = ranked[:keep]
+    return ranked[:keep]
+
+
+def _softmax(logits: Sequence[tuple[int, float]], temperature: float) -> list[tuple[int, float]]:
+    """softmax(logits / temperature) as (token id, probability), best first, ties to the lower
+    id."""
+    best = max(logit for _, logit in logits)
+    weights = [(token, math.exp((logit - best) / temperature)) for token, logit in logits]
+    total = sum(weight for _, weight in weights)
+    return sorted(
+        ((token, weight / total) for token, weight in weights),
+        key=lambda entry: (-entry[1], entry[0]),
+    )
+
+
+def sample_sparse(logits: Sequence[tuple[int, float]], params: GenParams, position: int) -> int:
+    """The sampler of docs/engine.md section 2 over sparse logits (ids not listed are -inf).
+
+    Temperature, then top-k, min-p and top-p over candidates sorted by probability (ties to the
+    lower id) (:func:`kept_candidates`), then the draw ``target = uniform(position) * kept
+    mass``.
+    """
+    kept = kept_candidates(logits, params)
+    if params.temperature <= 0.0:
+        return kept[0][0]
     target = uniform(position) * sum(p for _, p in kept)
     for token, p in kept:
         if target < p:
             return token
         target -= p
     return [token for token, p in kept if p > 0.0][-1]
+
+
+def sparse_logprob(
+    logits: Sequence[tuple[int, float]], params: GenParams, token: int
+) -> TokenLogprob:
+    """``token``'s logprob in the distribution the sampler drew it from, and the
+    ``params.logprobs - 1`` most likely tokens there (docs/protocol.md section 12.1), over
+    sparse logits.
+
+    Greedy: the softmax of the logits, unfiltered, so the chosen (best) token's logprob is the
+    first alternative's.  Sampled: the softmax of ``logits / temperature`` over the candidates
+    top-k, min-p and top-p keep, renormalised; tokens outside them are never listed.  Values
+    are clamped to 0 from above (rounding may push a certain token a hair over it).
+    """
+    alternatives = max(0, min(params.logprobs, LOGPROBS_MAX) - 1)
+    if params.temperature <= 0.0:
+        ranked = _softmax(logits, 1.0)
+    else:
+        kept = kept_candidates(logits, params)
+        mass = sum(p for _, p in kept)
+        ranked = [(t, p / mass) for t, p in kept]
+    logprobs = {t: (math.log(p) if p > 0.0 else -math.inf) for t, p in ranked}
+    return TokenLogprob(
+        min(logprobs.get(token, -math.inf), 0.0),
+        tuple((t, min(logprobs[t], 0.0)) for t, _ in ranked[:alternatives]),
+    )
 
 
 def mock_token(
@@ -334,6 +390,8 @@ class MockEngine:
     and KV block accounting behave like a real engine's, so the node's scheduling and its
     capacity reports can be tested without a model.  Sampling parameters are honoured
     (:func:`mock_token`): a sampled lane draws at ``seed + len(context)`` from the mock's logits.
+    A generation whose ``params.logprobs`` asks gets each token's logprob and alternatives from
+    those same logits (:func:`sparse_logprob`).
     """
 
     def __init__(
@@ -347,8 +405,10 @@ class MockEngine:
         n_layers: int = MOCK_LAYERS,
         eos_token_id: int | None = None,
         poison_token: int | None = None,
+        supports_logprobs: bool = True,
     ) -> None:
         self._reactor = reactor
+        self._supports_logprobs = supports_logprobs
         self._context_window = context_window
         self._max_lanes = max(1, max_lanes)
         self._token_delay_s = token_delay_s
@@ -369,6 +429,12 @@ class MockEngine:
     @property
     def n_layers(self) -> int:
         return self._n_layers
+
+    @property
+    def supports_logprobs(self) -> bool:
+        """True unless built with ``supports_logprobs=False`` (an engine without them, for
+        tests of nodes that do not offer ``FEATURE_LOGPROBS``)."""
+        return self._supports_logprobs
 
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(
@@ -469,16 +535,24 @@ class MockEngine:
             self._leave(generation)
             generation.result.errback(MockEngineFault("the context holds the poison token"))
             return
+        params = request.params
         token = mock_token(
             generation.context,
-            request.params,
-            draw_position(request.params.seed, len(request.context), len(generation.produced)),
+            params,
+            draw_position(params.seed, len(request.context), len(generation.produced)),
             self._vocab_size,
         )
+        logprob = None
+        if params.logprobs > 0 and self._supports_logprobs:
+            logits = mock_logits(generation.context, self._vocab_size)
+            logprob = sparse_logprob(logits, params, token)
         generation.context.append(token)
         generation.produced.append(token)
         self._decoded += 1
-        generation.on_tokens((token,))
+        if logprob is None:
+            generation.on_tokens((token,))
+        else:
+            generation.on_tokens((token,), (logprob,))
         if generation.cancelled or generation.result.called:
             return
         if token == self._eos_token_id:

@@ -25,7 +25,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
-from sfnode.generation import EngineStop, GenerationResult
+from sfnode.generation import EngineStop, GenerationResult, TokenLogprob
 from sfnode.idempotency import GenerationKey, LeaseClock
 from sfnode.wire import (
     FINISH_CANCELLED,
@@ -457,8 +457,9 @@ SessionMachine = _session.build()
 
 
 class GenerationInputs(Protocol):
-    def tokens(self, batch: Sequence[int]) -> None:
-        """The engine handed over new tokens."""
+    def tokens(self, batch: Sequence[int], logprobs: Sequence[TokenLogprob] | None = None) -> None:
+        """The engine handed over new tokens (with one logprob each, when the generation
+        asked for them: docs/protocol.md section 12.1)."""
 
     def cancel(self) -> None:
         """GENERATE_CANCEL for this generation arrived."""
@@ -480,8 +481,11 @@ class GenerationInputs(Protocol):
 
 
 class GenerationOwner(Protocol):
-    def emit_tokens(self, tokens: Sequence[int]) -> bool:
-        """Emit one Tokens event; False when the session refuses (fenced or superseded)."""
+    def emit_tokens(
+        self, tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None = None
+    ) -> bool:
+        """Emit one Tokens event (TokensLogprobs when ``logprobs`` is given, one per token);
+        False when the session refuses (fenced or superseded)."""
 
     def emit_finish(self, reason: int) -> None: ...
 
@@ -501,14 +505,31 @@ class GenerationCore:
     coalesce_tokens: int
     coalesce_ms: int
     pending: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    """The logprobs of ``pending``, one per token, for a generation that asked for them
+    (coalesced with their tokens, never sent apart from them); else empty."""
     last_flush: float = 0.0
+
+    def collect(self, batch: Sequence[int], logprobs: Sequence[TokenLogprob] | None) -> None:
+        self.pending.extend(batch)
+        if logprobs is not None:
+            self.pending_logprobs.extend(logprobs)
+
+    def discard(self) -> None:
+        self.pending.clear()
+        self.pending_logprobs.clear()
 
     def flush(self, inputs: GenerationInputs) -> None:
         if not self.pending:
             return
         batch, self.pending = self.pending, []
+        logprobs, self.pending_logprobs = self.pending_logprobs, []
         self.last_flush = self.clock.seconds()
-        if not self.owner.emit_tokens(batch):
+        if logprobs:
+            sent = self.owner.emit_tokens(batch, logprobs)
+        else:
+            sent = self.owner.emit_tokens(batch)
+        if not sent:
             inputs._fenced()
 
 
@@ -523,7 +544,12 @@ class Coalescing:
         self.flush_call = None
 
 
-def _running(inputs: GenerationInputs, core: GenerationCore, batch: Sequence[int]) -> Coalescing:
+def _running(
+    inputs: GenerationInputs,
+    core: GenerationCore,
+    batch: Sequence[int],
+    logprobs: Sequence[TokenLogprob] | None = None,
+) -> Coalescing:
     core.last_flush = core.clock.seconds()
     return Coalescing()
 
@@ -544,18 +570,27 @@ _g_done = _generation.state("done")
 
 
 @_g_new.upon(GenerationInputs.tokens).to(_g_running)
-def _first_tokens(inputs: GenerationInputs, core: GenerationCore, batch: Sequence[int]) -> None:
+def _first_tokens(
+    inputs: GenerationInputs,
+    core: GenerationCore,
+    batch: Sequence[int],
+    logprobs: Sequence[TokenLogprob] | None = None,
+) -> None:
     # The first tokens go out at once: holding them for the coalescing window would add up to
     # 200 ms to every time-to-first-token.  Coalescing starts from this flush.
-    core.pending.extend(batch)
+    core.collect(batch, logprobs)
     core.flush(inputs)
 
 
 @_g_running.upon(GenerationInputs.tokens).loop()
 def _collect(
-    inputs: GenerationInputs, core: GenerationCore, data: Coalescing, batch: Sequence[int]
+    inputs: GenerationInputs,
+    core: GenerationCore,
+    data: Coalescing,
+    batch: Sequence[int],
+    logprobs: Sequence[TokenLogprob] | None = None,
 ) -> None:
-    core.pending.extend(batch)
+    core.collect(batch, logprobs)
     if len(core.pending) >= core.coalesce_tokens:
         data.stop()
         core.flush(inputs)
@@ -580,7 +615,7 @@ def _cancel_running(inputs: GenerationInputs, core: GenerationCore, data: Coales
 @_g_running.upon(GenerationInputs._fenced).to(_g_fenced)
 def _fence_running(inputs: GenerationInputs, core: GenerationCore, data: Coalescing) -> None:
     data.stop()
-    core.pending.clear()
+    core.discard()
     core.owner.stop_engine()
 
 
@@ -669,18 +704,31 @@ def _failed_fenced(inputs: GenerationInputs, core: GenerationCore, reason: str) 
 # timers do nothing.
 @_g_cancelling.upon(GenerationInputs.tokens).loop()
 def _drop_after_cancel(
-    inputs: GenerationInputs, core: GenerationCore, batch: Sequence[int]
+    inputs: GenerationInputs,
+    core: GenerationCore,
+    batch: Sequence[int],
+    logprobs: Sequence[TokenLogprob] | None = None,
 ) -> None:
     pass
 
 
 @_g_fenced.upon(GenerationInputs.tokens).loop()
-def _drop_after_fence(inputs: GenerationInputs, core: GenerationCore, batch: Sequence[int]) -> None:
+def _drop_after_fence(
+    inputs: GenerationInputs,
+    core: GenerationCore,
+    batch: Sequence[int],
+    logprobs: Sequence[TokenLogprob] | None = None,
+) -> None:
     pass
 
 
 @_g_done.upon(GenerationInputs.tokens).loop()
-def _drop_after_done(inputs: GenerationInputs, core: GenerationCore, batch: Sequence[int]) -> None:
+def _drop_after_done(
+    inputs: GenerationInputs,
+    core: GenerationCore,
+    batch: Sequence[int],
+    logprobs: Sequence[TokenLogprob] | None = None,
+) -> None:
     pass
 
 

@@ -20,15 +20,20 @@ stopped reading holds at most ``max_held_tokens`` tokens, then stops as if the h
 session's GENERATE_REQs get FINISH_REFUSED; beyond ``max_generations`` running or queued
 generations a GENERATE_REQ is declined.  :meth:`NodeAgent.drain` is the SIGTERM path.
 
+Logprobs (section 12.1): the node sets ``FEATURE_LOGPROBS`` when its engine
+``supports_logprobs``, and a generation whose session's GenParams ask for them sends
+TokensLogprobs events instead of Tokens, coalesced, retried and retransmitted alike.
+
 Section numbers in this module are those of docs/protocol.md.
 """
 
 from __future__ import annotations
 
+import math
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
 import psutil
@@ -62,8 +67,11 @@ from sfnode.machines import (
 )
 from sfnode.protocol import NodeConnection, NodeProtocol
 from sfnode.wire import (
+    F32_MAX,
+    FEATURE_LOGPROBS,
     FINISH_DECLINED,
     FINISH_REFUSED,
+    LOGPROBS_MAX,
     PROTO_VERSION,
     U32_MAX,
     AppendContentMsg,
@@ -87,6 +95,7 @@ from sfnode.wire import (
     TokenEvent,
     TokenEventsMsg,
     Tokens,
+    TokensLogprobs,
     WatermarkAckMsg,
     WireError,
     decode_message,
@@ -159,6 +168,36 @@ handles = HANDLERS.handles
 # Generations
 
 
+def checked_logprobs(
+    tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None, asked: int
+) -> list[TokenLogprob]:
+    """An engine's logprobs for ``tokens`` as a TokensLogprobs event may carry them
+    (docs/protocol.md section 12.1): ``asked - 1`` alternatives at most (none when ``asked`` is
+    1), every value clamped into ``[-f32 max, 0]`` (rounding above 0, and -inf for a token
+    the engine gave no chance).
+
+    :raises ValueError: no logprobs, not one per token, or a NaN (an engine fault).
+    """
+    if logprobs is None:
+        raise ValueError("the engine handed over tokens without their logprobs")
+    if len(logprobs) != len(tokens):
+        raise ValueError(f"the engine gave {len(logprobs)} logprobs for {len(tokens)} tokens")
+    alternatives = asked - 1
+    return [
+        TokenLogprob(
+            _clamped(entry.logprob),
+            tuple((token, _clamped(value)) for token, value in entry.top[:alternatives]),
+        )
+        for entry in logprobs
+    ]
+
+
+def _clamped(value: float) -> float:
+    if math.isnan(value):
+        raise ValueError("the engine gave a NaN logprob")
+    return min(max(value, -F32_MAX), 0.0)
+
+
 @dataclass(eq=False)
 class NodeGeneration:
     """One accepted generation: the owner of its machine and of its engine generation."""
@@ -167,15 +206,23 @@ class NodeGeneration:
     key: GenerationKey
     connection: NodeConnection
     """Where its events go; moved by a RECONCILE, kept when closed (events then wait)."""
+    logprobs: int = 0
+    """The session's GenParams.logprobs as this node honours it: 0 sends Tokens events; n from
+    1 to LOGPROBS_MAX sends TokensLogprobs with n - 1 alternatives (docs/protocol.md 12.1)."""
     machine: GenerationInputs = field(init=False)
     engine_generation: Generation | None = None
     held: list[int] = field(default_factory=list)
     """Tokens not emitted yet because the head stopped reading (bounded by max_held_tokens)."""
+    held_logprobs: list[TokenLogprob] = field(default_factory=list)
+    """Their logprobs, when the generation asked for them."""
 
-    def emit_tokens(self, tokens: Sequence[int]) -> bool:
+    def emit_tokens(
+        self, tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None = None
+    ) -> bool:
         connection = self.connection
         if connection.open and not connection.writable:
             self.held.extend(tokens)
+            self.held_logprobs.extend(logprobs or ())
             cap = self.agent.config.max_held_tokens
             if cap and len(self.held) > cap:
                 log.warn(
@@ -188,16 +235,30 @@ class NodeGeneration:
                     cap=cap,
                 )
                 self.held.clear()
+                self.held_logprobs.clear()
                 return False
             return True
         held, self.held = self.held, []
-        return self._emit(Tokens((*held, *tokens)))
+        held_logprobs, self.held_logprobs = self.held_logprobs, []
+        return self._emit(self._payload((*held, *tokens), (*held_logprobs, *(logprobs or ()))))
 
     def release_held(self) -> None:
         """The head reads again: send what was held (a refusal stops it at the next flush)."""
         if self.held:
             held, self.held = self.held, []
-            self._emit(Tokens(tuple(held)))
+            held_logprobs, self.held_logprobs = self.held_logprobs, []
+            self._emit(self._payload(held, held_logprobs))
+
+    def _payload(self, tokens: Sequence[int], logprobs: Sequence[TokenLogprob]) -> Tokens:
+        """Tokens, or TokensLogprobs for a generation that asked for logprobs (coalesced
+        together, so an event carries the logprobs of exactly its tokens)."""
+        if not self.logprobs:
+            return Tokens(tuple(tokens))
+        return TokensLogprobs(
+            tuple(tokens),
+            tuple(entry.logprob for entry in logprobs),
+            tuple(entry.top for entry in logprobs) if self.logprobs > 1 else (),
+        )
 
     def emit_finish(self, reason: int) -> None:
         self.release_held()
@@ -346,7 +407,7 @@ class NodeAgent:
             node_identity=self.config.identity,
             capacity=self.capacity(),
             loadable_models=(self.config.model_name,),
-            feature_flags=0,
+            feature_flags=FEATURE_LOGPROBS if self.engine.supports_logprobs else 0,
             limits=LinkFLimits(),
         )
 
@@ -498,12 +559,18 @@ class NodeAgent:
             self._answer_at_once(connection, msg, FINISH_REFUSED if refused else FINISH_DECLINED)
             return
         session.home = connection
+        params = session.params
+        # Logprobs only from an engine that has them (this node's HELLO_ACK_F said so); a
+        # value past the largest reads as the largest (docs/protocol.md section 12.1).
+        asked = min(params.logprobs, LOGPROBS_MAX) if self.engine.supports_logprobs else 0
+        if asked != params.logprobs:
+            params = replace(params, logprobs=asked)
         self._start_generation(
             connection,
             msg,
             GenerationRequest(
                 context=tuple(session.context or ()),
-                params=session.params,
+                params=params,
                 max_new=min(msg.budgets.max_new_tokens, U32_MAX),
                 max_wall_ms=msg.budgets.max_wall_ms,
             ),
@@ -563,7 +630,8 @@ class NodeAgent:
             # The same generation id again with a fresh command: the entry (and its event
             # sequence) continues (section 6.2); the older run stops sending.
             previous.machine.cancel()
-        generation = NodeGeneration(self, key, connection)
+        asked = request.params.logprobs
+        generation = NodeGeneration(self, key, connection, logprobs=asked)
         machine = generation.machine = GenerationMachine(
             GenerationCore(
                 clock=self._reactor,
@@ -578,7 +646,22 @@ class NodeAgent:
         def on_tokens(
             tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None = None
         ) -> None:
-            machine.tokens(tokens)
+            if not asked:
+                machine.tokens(tokens)
+                return
+            try:
+                checked = checked_logprobs(tokens, logprobs, asked)
+            except ValueError as e:
+                log.error(
+                    "generation {generation} of session {session}: {error}",
+                    generation=msg.generation_id,
+                    session=msg.session_id,
+                    error=str(e),
+                )
+                generation.stop_engine()
+                machine.failed(str(e))
+                return
+            machine.tokens(tokens, checked)
 
         engine_generation = self.engine.submit(request, on_tokens)
         generation.engine_generation = engine_generation

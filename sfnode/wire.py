@@ -769,14 +769,17 @@ class TokenEventPayloadCodec(Codec[TokenEventPayload]):
         raise PayloadError(f"bad TokenEventPayload {obj[:1]!r} of {len(obj)} elements")
 
 
+F32_MAX = 3.4028234663852886e38
+"""The largest finite float32: the most negative logprob a TokensLogprobs event carries is its
+negative."""
+
+
 def _logprob(value: Any) -> float:
     """A logprob as read: an f32 (or int) that is finite and not above 0."""
-    if (type(value) is not float and type(value) is not int) or not -_F32_MAX <= value <= 0:
+    if (type(value) is not float and type(value) is not int) or not -F32_MAX <= value <= 0:
         raise PayloadError(f"{value!r} is not a logprob (a finite f32, 0 or less)")
     return to_f32(float(value))
 
-
-_F32_MAX = 3.4028234663852886e38
 
 
 def _check_logprobs(value: TokensLogprobs) -> None:

@@ -91,16 +91,21 @@ class NodeTestCase(TestCase):
         token_delay_s: float = 0.0,
         poison_token: int | None = None,
         eos_token_id: int | None = None,
+        supports_logprobs: bool = True,
+        engine: Any = None,
         **config: Any,
     ) -> Generator[defer.Deferred[Any], Any, RunningNode]:
-        engine = MockEngine(
-            reactor,
-            context_window=context_window,
-            max_lanes=max_lanes,
-            token_delay_s=token_delay_s,
-            poison_token=poison_token,
-            eos_token_id=eos_token_id,
-        )
+        """A node on a free loopback port; ``engine`` replaces its mock engine."""
+        if engine is None:
+            engine = MockEngine(
+                reactor,
+                context_window=context_window,
+                max_lanes=max_lanes,
+                token_delay_s=token_delay_s,
+                poison_token=poison_token,
+                eos_token_id=eos_token_id,
+                supports_logprobs=supports_logprobs,
+            )
         agent = NodeAgent(
             reactor,
             engine,

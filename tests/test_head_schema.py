@@ -114,8 +114,6 @@ class FieldTests(SchemaTestCase):
         """Every parameter the fleet does not honour, given a value that asks for something,
         is a 400 with code unsupported_parameter naming it."""
         asking: dict[str, Any] = {
-            "logprobs": True,
-            "top_logprobs": 3,
             "logit_bias": {"12": 5},
             "tools": [{"type": "function", "function": {"name": "f"}}],
             "tool_choice": "auto",
@@ -144,9 +142,6 @@ class FieldTests(SchemaTestCase):
                 (error.status, error.param, error.code), (400, name, "unsupported_parameter")
             )
             self.assertIn(name, error.message)
-        # /v1/completions' logprobs is a count: any count asks for something.
-        error = self.refused(completion, prompt="hi", logprobs=0)
-        self.assertEqual(error.param, "logprobs")
 
     def test_neutral_values_of_unsupported_parameters_are_accepted(self) -> None:
         """A client that sends the neutral value (logprobs false, penalties 0, tool_choice
@@ -160,6 +155,39 @@ class FieldTests(SchemaTestCase):
         completion(prompt="hi", echo=False, best_of=1, suffix="", logprobs=None)
         self.assertEqual(completion(prompt="hi", n=2, best_of=2).n, 2)
         self.assertEqual(self.refused(chat, logprobs=0).param, "logprobs")  # 0 is not false
+
+    def test_logprobs_are_asked_within_openais_bounds(self) -> None:
+        """Chat: logprobs true with top_logprobs from 0 to 20 asks for that many alternatives
+        (GenParams.logprobs one more); logprobs false or absent asks for none; top_logprobs
+        without logprobs true, past 20 or not an integer is a 400 naming it.  Completions:
+        logprobs from 0 to 5 (as OpenAI), null or absent for none; 6, true or a string is a
+        400 naming logprobs."""
+        self.assertEqual((chat().logprobs, chat().params.logprobs), (None, 0))
+        self.assertEqual((chat(logprobs=False).logprobs, chat(logprobs=False).params.logprobs),
+                         (None, 0))  # fmt: skip
+        asked = chat(logprobs=True)
+        self.assertEqual((asked.logprobs, asked.params.logprobs), (0, 1))
+        for top in (0, 3, 20):
+            asked = chat(logprobs=True, top_logprobs=top)
+            self.assertEqual((asked.logprobs, asked.params.logprobs), (top, top + 1))
+            self.assertEqual(asked.choice_params(2).logprobs, top + 1)
+        for bad in (21, -1, "3", 1.5):
+            error = self.refused(chat, logprobs=True, top_logprobs=bad)
+            self.assertEqual((error.status, error.param), (400, "top_logprobs"))
+        error = self.refused(chat, top_logprobs=3)
+        self.assertEqual(error.param, "top_logprobs")
+        self.assertIn("logprobs: true", error.message)
+        self.assertEqual(self.refused(chat, logprobs="yes").param, "logprobs")
+        for count in (0, 5):
+            asked = completion(prompt="hi", logprobs=count)
+            self.assertEqual((asked.logprobs, asked.params.logprobs), (count, count + 1))
+        self.assertIsNone(completion(prompt="hi").logprobs)
+        for bad in (6, -1, True, "2"):
+            error = self.refused(completion, prompt="hi", logprobs=bad)
+            self.assertEqual((error.status, error.param), (400, "logprobs"))
+            self.assertIn("from 0 to 5", error.message)
+        self.assertEqual(self.refused(completion, prompt="hi", top_logprobs=2).param,
+                         "top_logprobs")  # fmt: skip
 
     def test_unknown_fields_are_refused_as_openai_does(self) -> None:
         """An unknown field is a 400 "Unrecognized request argument supplied" naming it (cut

@@ -31,7 +31,8 @@ from tests.test_http import MODEL, HttpTestCase
 
 FIELDS = [
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
-    "top_p", "min_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
+    "top_p", "min_p", "top_k", "seed", "stop", "stream", "stream_options", "n", "logprobs",
+    "top_logprobs",
     *sorted(UNSUPPORTED), *sorted(IGNORED),
 ]  # fmt: skip
 
@@ -83,7 +84,8 @@ plausible: dict[str, Any] = {
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": json_values}),
     "stop": texts | st.lists(texts, max_size=5),
-    "logprobs": st.booleans() | st.integers(0, 5),
+    "logprobs": st.booleans() | st.integers(0, 6),
+    "top_logprobs": st.integers(-1, 21),
 }
 
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.generation import EngineStop, GenerationResult
+from sfnode.generation import EngineStop, GenerationResult, TokenLogprob
 from sfnode.idempotency import GenerationKey, LeaseClock
 from sfnode.machines import (
     ConnectionCore,
@@ -317,12 +318,12 @@ class RecordingGeneration:
         self.accept = accept
         self.log: list[object] = []
 
-    def emit_tokens(self, tokens: Sequence[int]) -> bool:
+    def emit_tokens(self, tokens: Sequence[int], logprobs: Sequence[Any] | None = None) -> bool:
         if self.accept <= 0:
             self.log.append("refused")
             return False
         self.accept -= 1
-        self.log.append(list(tokens))
+        self.log.append(list(tokens) if logprobs is None else (list(tokens), list(logprobs)))
         return True
 
     def emit_finish(self, reason: int) -> None:
@@ -359,6 +360,23 @@ class GenerationMachineTests(SynchronousTestCase):
         self.assertEqual(owner.log, [[99]])
         machine.tokens([15])  # type: ignore[attr-defined]
         self.assertEqual(owner.log, [[99], list(range(16))])
+
+    def test_logprobs_are_coalesced_with_their_tokens(self) -> None:
+        """Tokens handed over with logprobs are emitted with exactly their own logprobs, in the
+        same events as without (first at once, then 16 at a time or after 200 ms)."""
+        clock, owner, machine = self.build()
+        machine.tokens([99], [TokenLogprob(-0.5)])  # type: ignore[attr-defined]
+        for t in range(18):
+            machine.tokens([t], [TokenLogprob(-t - 1.0)])  # type: ignore[attr-defined]
+        clock.advance(0.2)
+        self.assertEqual(
+            owner.log,
+            [
+                ([99], [TokenLogprob(-0.5)]),
+                (list(range(16)), [TokenLogprob(-t - 1.0) for t in range(16)]),
+                ([16, 17], [TokenLogprob(-17.0), TokenLogprob(-18.0)]),
+            ],
+        )
 
     def test_slow_tokens_flush_after_200_ms(self) -> None:
         """Fewer than 16 tokens are flushed 200 ms after the last flush, by a timer."""

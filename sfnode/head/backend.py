@@ -12,12 +12,13 @@ it is types and one thin adapter.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from twisted.internet.defer import Deferred
 
+from sfnode.generation import TokenSink
 from sfnode.wire import CapacitySummary, GenParams
 
 if TYPE_CHECKING:
@@ -98,9 +99,13 @@ class Backend(Protocol):
         *,
         model: str | None = None,
         params: GenParams = ...,
-        on_tokens: Callable[[Sequence[int]], None] | None = None,
+        on_tokens: TokenSink | None = None,
         max_wall_ms: int = 0,
-    ) -> GenerationHandle: ...
+    ) -> GenerationHandle:
+        """Run one generation of ``prompt``; ``on_tokens(tokens)`` gets its tokens as they
+        come, or ``on_tokens(tokens, logprobs)`` when ``params.logprobs`` asks for them (a
+        backend that cannot return them fails the generation with
+        :class:`~sfnode.head.fleet.LogprobsUnavailable`)."""
 
     def status(self, model: str | None = None) -> BackendStatus: ...
 
@@ -119,7 +124,7 @@ class PipelineBackend:
         *,
         model: str | None = None,
         params: GenParams = _DEFAULT_PARAMS,
-        on_tokens: Callable[[Sequence[int]], None] | None = None,
+        on_tokens: TokenSink | None = None,
         max_wall_ms: int = 0,
     ) -> GenerationHandle:
         return self.pipeline.generate(

@@ -27,6 +27,9 @@ On top of that:
   generations too); with no other node live it waits in the queue, ahead of new requests;
 - sessions are revoked when they end; a session whose context outgrows its node moves to one
   that fits;
+- a session whose GenParams ask for logprobs is placed only on nodes that offer them
+  (``FEATURE_LOGPROBS``, docs/protocol.md section 12.1), failover included; when every node
+  serving the model has said it has none, it fails with :class:`LogprobsUnavailable`;
 - :meth:`Fleet.status` answers what the HTTP layer asks of its backend
   (:class:`~sfnode.head.backend.BackendStatus`: live nodes, windows, lanes, the queue, counters).
 
@@ -40,7 +43,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
@@ -50,7 +53,7 @@ from twisted.internet.endpoints import clientFromString
 from twisted.internet.interfaces import IDelayedCall, IReactorTime, IStreamClientEndpoint
 from twisted.logger import Logger
 
-from sfnode.generation import StreamTooLong
+from sfnode.generation import StreamTooLong, TokenLogprob, TokenSink
 from sfnode.head import placement
 from sfnode.head.backend import BackendStatus, NodeReport
 from sfnode.head.link import (
@@ -72,6 +75,7 @@ from sfnode.head.machines import (
 )
 from sfnode.head.placement import DEFAULT_EXPECTED_OUT, Policy
 from sfnode.wire import (
+    FEATURE_LOGPROBS,
     FINISH_CANCELLED,
     FINISH_DECLINED,
     FINISH_LENGTH,
@@ -125,8 +129,18 @@ class SessionClosed(FleetError):
     """The session was closed; it cannot append or generate any more."""
 
 
+class LogprobsUnavailable(FleetError):
+    """The request asks for logprobs and no node serving the model returns them (every one
+    of them has said so: its HELLO_ACK_F lacks FEATURE_LOGPROBS, docs/protocol.md 12.1)."""
+
+
 _NODE_FATAL = (LinkError, NodeDown)
 """Errors that say the node (or the path to it) failed, not the request: these fail over."""
+
+
+def needed_features(params: GenParams) -> int:
+    """The feature flags a node must offer to serve a session with ``params``."""
+    return FEATURE_LOGPROBS if params.logprobs else 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,6 +211,7 @@ class FleetNode:
             report_age_s=None if at is None else now - at,
             sessions=self.sessions,
             inflight=self.inflight,
+            features=self.link.features,
         )
 
     def fits(self, length: int) -> bool:
@@ -309,10 +324,13 @@ class FleetSession:
         self,
         max_new: int,
         *,
-        on_tokens: Callable[[Sequence[int]], None] | None = None,
+        on_tokens: TokenSink | None = None,
         max_wall_ms: int = 0,
     ) -> FleetGeneration:
-        """Generate up to ``max_new`` tokens after the session's context; fails over on its own."""
+        """Generate up to ``max_new`` tokens after the session's context; fails over on its own.
+
+        A session whose GenParams ask for logprobs gets them with its tokens
+        (``on_tokens(tokens, logprobs)``, see :meth:`NodeLink.generate`)."""
         generation = FleetGeneration(self, max_new, on_tokens, max_wall_ms, one_shot=False)
         generation._start()
         return generation
@@ -334,7 +352,7 @@ class FleetGeneration:
         self,
         session: FleetSession,
         max_new: int,
-        on_tokens: Callable[[Sequence[int]], None] | None,
+        on_tokens: TokenSink | None,
         max_wall_ms: int,
         *,
         one_shot: bool,
@@ -402,10 +420,15 @@ class FleetGeneration:
             else:
                 d.errback(failure)
 
-    def _deliver(self, tokens: Sequence[int]) -> None:
+    def _deliver(
+        self, tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None = None
+    ) -> None:
         self.tokens.extend(tokens)
         if self._on_tokens is not None:
-            self._on_tokens(tokens)
+            if logprobs is None:
+                self._on_tokens(tokens)
+            else:
+                self._on_tokens(tokens, logprobs)
 
     def _outcome(self, finish: int, node: FleetNode | None) -> FleetOutcome:
         return FleetOutcome(
@@ -839,6 +862,7 @@ class Fleet:
             expected_out=expected_out,
             needs_lane=claim_lane,
             avoid=frozenset(n.order for n in avoid),
+            features=needed_features(session.params),
         )
         waiter = _Waiter(
             session,
@@ -886,6 +910,12 @@ class Fleet:
             return True
         if isinstance(decision, placement.Unserved):
             self._settle(waiter, NoNodeAvailable(f"no node serves {decision.model}"))
+            return True
+        if isinstance(decision, placement.Unsupported):
+            model = waiter.session.model or "the model"
+            self._settle(
+                waiter, LogprobsUnavailable(f"no node serving {model} returns logprobs")
+            )
             return True
         waiter.reason = decision.reason
         return False
@@ -961,6 +991,11 @@ class Fleet:
             await link.when_open()
         except LinkError as e:
             raise NodeDown(f"{node.name} is down: {e}") from e
+        needed = needed_features(session.params)
+        if (link.features or 0) & needed != needed:
+            # The node came back without a feature the session needs (restarted with
+            # another engine): the session moves to a node that has it.
+            raise NodeDown(f"{node.name} no longer returns logprobs")
         if link.head_session.epoch_of(session.session_id) is None:
             link.assign(session.session_id, lease=session.lease, params=session.params)
             if session.context:
@@ -1024,10 +1059,14 @@ class Fleet:
         *,
         model: str | None = None,
         params: GenParams = DEFAULT_PARAMS,
-        on_tokens: Callable[[Sequence[int]], None] | None = None,
+        on_tokens: TokenSink | None = None,
         max_wall_ms: int = 0,
     ) -> FleetGeneration:
-        """One request: place a new session with ``prompt``, generate, revoke the session."""
+        """One request: place a new session with ``prompt``, generate, revoke the session.
+
+        ``params`` asking for logprobs place it only on nodes that return them (failover
+        included); when every node serving the model has said it does not, the generation
+        fails with :class:`LogprobsUnavailable`."""
         session = self.new_session(prompt, model=model, params=params)
         generation = FleetGeneration(
             session, max_new, on_tokens, max_wall_ms, one_shot=True, expected_out=max_new
@@ -1046,6 +1085,7 @@ __all__ = [
     "FleetOutcome",
     "FleetSession",
     "LinkError",
+    "LogprobsUnavailable",
     "NoNodeAvailable",
     "NodeDeclined",
     "NodeDown",

@@ -51,8 +51,16 @@ from twisted.python.threadpool import ThreadPool
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
+from sfnode.generation import TokenLogprob, TokenSink
 from sfnode.head.backend import Backend, BackendStatus, GenerationHandle
-from sfnode.head.fleet import FleetError, FleetOutcome, NodeDeclined, QueueFull, StreamTooLong
+from sfnode.head.fleet import (
+    FleetError,
+    FleetOutcome,
+    LogprobsUnavailable,
+    NodeDeclined,
+    QueueFull,
+    StreamTooLong,
+)
 from sfnode.head.gate import (
     ConcurrencyLimits,
     GateLimits,
@@ -62,6 +70,7 @@ from sfnode.head.gate import (
     host_allowed,
 )
 from sfnode.head.link import LinkError
+from sfnode.head.logprobs import ChoiceLogprobs
 from sfnode.head.metrics import EXPOSITION_CONTENT_TYPE, HeadMetrics
 from sfnode.head.schema import (
     ApiError,
@@ -655,6 +664,13 @@ def _fleet_error(failure: Failure, param: str) -> ApiError | None:
         return ApiError(502, str(error), kind="server_error", outcome="error")
     if isinstance(error, QueueFull):
         return _unavailable(str(error), "queue_full")
+    if isinstance(error, LogprobsUnavailable):
+        return ApiError(
+            400,
+            f"logprobs are not supported here: {error}",
+            param="logprobs",
+            code="unsupported_parameter",
+        )
     if isinstance(error, (FleetError, LinkError)):
         return _unavailable(str(error))
     return None
@@ -663,7 +679,13 @@ def _fleet_error(failure: Failure, param: str) -> ApiError | None:
 class _Choice:
     """One of the ``n`` generations of a request: its text so far and how it ended."""
 
-    def __init__(self, index: int, detok: Detokenizer, stops: Sequence[str]) -> None:
+    def __init__(
+        self,
+        index: int,
+        detok: Detokenizer,
+        stops: Sequence[str],
+        logprobs: ChoiceLogprobs | None = None,
+    ) -> None:
         self.index = index
         self.detok = detok
         self.stop = StopText(stops)
@@ -671,6 +693,10 @@ class _Choice:
         self.generation: GenerationHandle | None = None
         self.outcome: FleetOutcome | None = None
         self.finish: str | None = None
+        self.logprobs = logprobs
+        """The logprobs of the tokens shown so far, when the request asked for them."""
+        self.decoded = 0
+        """Characters the detokenizer released so far (where the next token's text starts)."""
 
 
 class _Exchange:
@@ -749,7 +775,10 @@ class _Exchange:
         self._producing = True
         placed = []
         for index in range(parsed.n):
-            choice = _Choice(index, api.renderer.detokenizer(), parsed.stop)
+            logprobs = None
+            if parsed.logprobs is not None:
+                logprobs = ChoiceLogprobs(self.chat, parsed.logprobs, api.renderer.token_bytes)
+            choice = _Choice(index, api.renderer.detokenizer(), parsed.stop, logprobs)
             self.choices.append(choice)
             generation = api.backend.generate(
                 self.prompt,
@@ -876,13 +905,19 @@ class _Exchange:
         else:
             request.write(b"")
 
-    def _chunk(self, choice: _Choice, delta: dict[str, Any] | str, finish: str | None) -> Any:
+    def _chunk(
+        self,
+        choice: _Choice,
+        delta: dict[str, Any] | str,
+        finish: str | None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> Any:
         assert self.parsed is not None
         if self.chat:
             entry: dict[str, Any] = {
                 "index": choice.index,
                 "delta": delta,
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }
             kind = "chat.completion.chunk"
@@ -890,7 +925,7 @@ class _Exchange:
             entry = {
                 "index": choice.index,
                 "text": delta,
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }
             kind = "text_completion"
@@ -902,14 +937,20 @@ class _Exchange:
             "choices": [entry],
         }
 
-    def _emit(self, choice: _Choice, text: str) -> None:
-        if not text:
+    def _emit(self, choice: _Choice, text: str, *, last: bool = False) -> None:
+        """Show ``text`` (a chunk when streaming), with the logprobs of the tokens shown since
+        the last chunk; ``last``: the choice's final text, sent even when empty if logprobs
+        are still pending (tokens whose text is empty, such as an EOS)."""
+        pending = choice.logprobs is not None and choice.logprobs.pending
+        if not text and not (last and pending):
             return
         choice.text.append(text)
         assert self.parsed is not None
         if self.parsed.stream:
             self._begin_stream()
-            self._write_event(self._chunk(choice, {"content": text} if self.chat else text, None))
+            logprobs = choice.logprobs.take() if choice.logprobs is not None else None
+            delta = {"content": text} if self.chat else text
+            self._write_event(self._chunk(choice, delta, None, logprobs))
 
     def _answer_error(self, error: ApiError) -> None:
         if self.answered:
@@ -925,16 +966,46 @@ class _Exchange:
 
     # The generations
 
-    def _receiver(self, choice: _Choice) -> Callable[[Sequence[int]], None]:
-        return lambda tokens: self._tokens(choice, tokens)
+    def _receiver(self, choice: _Choice) -> TokenSink:
+        def receive(
+            tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None = None, /
+        ) -> None:
+            self._tokens(choice, tokens, logprobs)
 
-    def _tokens(self, choice: _Choice, tokens: Sequence[int]) -> None:
+        return receive
+
+    def _tokens(
+        self, choice: _Choice, tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None
+    ) -> None:
         if self.first_token_at is None and tokens:
             self.first_token_at = self.api.reactor.seconds()
             self.api.metrics.ttft.observe(self.first_token_at - self.received)
         if choice.stop.stopped or self.answered:
             return
-        self._emit(choice, choice.stop.feed(choice.detok.push(tokens)))
+        if choice.logprobs is None:
+            self._emit(choice, choice.stop.feed(choice.detok.push(tokens)))
+        elif logprobs is None or len(logprobs) != len(tokens):
+            # The fleet places such requests only on nodes that return logprobs, and their
+            # links refuse a stream without them: a defect, answered as one.
+            self._give_up(
+                ApiError(
+                    502,
+                    "a node returned tokens without the logprobs asked for",
+                    kind="server_error",
+                    outcome="error",
+                )
+            )
+            return
+        else:
+            # One token at a time: each entry is shown with the text its token released, and
+            # the tokens after a stop string are not listed.
+            for token, logprob in zip(tokens, logprobs, strict=True):
+                choice.logprobs.add(token, logprob, choice.decoded)
+                piece = choice.detok.push((token,))
+                choice.decoded += len(piece)
+                self._emit(choice, choice.stop.feed(piece))
+                if choice.stop.stopped:
+                    break
         if choice.stop.stopped and choice.generation is not None:
             choice.generation.cancel()
 
@@ -942,9 +1013,10 @@ class _Exchange:
         choice.outcome = outcome
         self._pending -= 1
         self.api.metrics.completion_tokens.inc(len(outcome.tokens))
-        if not choice.stop.stopped and not self.answered:
-            self._emit(choice, choice.stop.feed(choice.detok.flush()))
-            self._emit(choice, choice.stop.flush())
+        if not self.answered:
+            if not choice.stop.stopped:
+                self._emit(choice, choice.stop.feed(choice.detok.flush()))
+            self._emit(choice, choice.stop.flush(), last=True)
         if choice.stop.stopped or outcome.finish == FINISH_EOS:
             choice.finish = "stop"
         elif outcome.finish == FINISH_CANCELLED and self.drained and not self.gone:
@@ -966,12 +1038,17 @@ class _Exchange:
         error = _fleet_error(failure, self.parsed.prompt_param)
         if error is None:
             failure.raiseException()
+        self._give_up(error)
+        self._maybe_ended()
+
+    def _give_up(self, error: ApiError) -> None:
+        """Answer ``error`` for the whole request (the first error wins) and cancel the
+        generations still running."""
         if self.failure is None:
             self.failure = error
             self.api.metrics.requests.labels(error.outcome).inc()
             self._cancel_all()
             self._answer_error(error)
-        self._maybe_ended()
 
     def _all_done(self) -> None:
         api = self.api
@@ -1021,12 +1098,13 @@ class _Exchange:
         entries = []
         for choice in self.choices:
             text = "".join(choice.text)
+            logprobs = choice.logprobs.whole() if choice.logprobs is not None else None
             if self.chat:
                 entries.append(
                     {
                         "index": choice.index,
                         "message": {"role": "assistant", "content": text},
-                        "logprobs": None,
+                        "logprobs": logprobs,
                         "finish_reason": choice.finish,
                     }
                 )
@@ -1035,7 +1113,7 @@ class _Exchange:
                     {
                         "index": choice.index,
                         "text": text,
-                        "logprobs": None,
+                        "logprobs": logprobs,
                         "finish_reason": choice.finish,
                     }
                 )

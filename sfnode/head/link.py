@@ -41,6 +41,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from sfnode.admission import is_loopback_address
+from sfnode.generation import TokenLogprob, TokenSink
 from sfnode.head.machines import (
     DEFAULT_KEEPALIVE_INTERVAL_S,
     DEFAULT_SILENCE_TIMEOUT_S,
@@ -61,6 +62,7 @@ from sfnode.head.machines import (
 from sfnode.head.session import HeadSession
 from sfnode.noise import NoiseFactory, NoiseProtocol, Role, secure_factory
 from sfnode.wire import (
+    FEATURE_LOGPROBS,
     CapacitySummary,
     Finish,
     FrameDecoder,
@@ -81,8 +83,10 @@ from sfnode.wire import (
     StageForwardRespMsg,
     TokenEventsMsg,
     Tokens,
+    TokensLogprobs,
     WireError,
     decode_message,
+    decode_params,
     encode_params,
     message_frame,
 )
@@ -317,6 +321,13 @@ class _DialFactory(Factory):
 # Generations
 
 
+def token_logprobs(payload: TokensLogprobs) -> list[TokenLogprob]:
+    """The logprobs of a TokensLogprobs event, one per token (alternatives empty when the
+    event lists none)."""
+    tops = payload.top or [()] * len(payload.tokens)
+    return [TokenLogprob(v, top) for v, top in zip(payload.logprobs, tops, strict=True)]
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationOutcome:
     """The tokens a generation committed, in order, and its finish reason."""
@@ -339,11 +350,15 @@ class GenerationCall:
         session_id: int,
         generation_id: int,
         epoch: int,
-        on_tokens: Callable[[Sequence[int]], None] | None,
+        on_tokens: TokenSink | None,
+        *,
+        logprobs: bool = False,
     ) -> None:
         self.session_id = session_id
         self.generation_id = generation_id
         self.epoch = epoch
+        self.logprobs = logprobs
+        """Its session's GenParams ask for logprobs (docs/protocol.md section 12.1)."""
         self.tokens: list[int] = []
         """Tokens delivered so far (committed events only, each once)."""
         self.finish: int | None = None
@@ -367,11 +382,15 @@ class GenerationCall:
         self.cancel()
         self._link._forget_generation(self)
 
-    def _deliver(self, tokens: Sequence[int]) -> None:
+    def _deliver(self, payload: Tokens) -> None:
+        tokens = payload.tokens
         self.tokens.extend(tokens)
         if self._on_tokens is not None:
             try:
-                self._on_tokens(tokens)
+                if self.logprobs and isinstance(payload, TokensLogprobs):
+                    self._on_tokens(tokens, token_logprobs(payload))
+                else:
+                    self._on_tokens(tokens)
             except Exception:
                 _log.failure("an on_tokens callback failed")
 
@@ -506,6 +525,12 @@ class NodeLink:
     @property
     def node_identity(self) -> str:
         return self.hello_ack.node_identity if self.hello_ack is not None else "<unknown node>"
+
+    @property
+    def features(self) -> int | None:
+        """The feature flags of the node's latest HELLO_ACK_F (docs/protocol.md section 12);
+        None before the first handshake."""
+        return self.hello_ack.feature_flags if self.hello_ack is not None else None
 
     @property
     def name(self) -> str:
@@ -676,16 +701,25 @@ class NodeLink:
         max_new_tokens: int,
         *,
         max_wall_ms: int = 0,
-        on_tokens: Callable[[Sequence[int]], None] | None = None,
+        on_tokens: TokenSink | None = None,
     ) -> GenerationCall:
         """GENERATE_REQ with a new generation id; committed tokens stream to ``on_tokens``.
+
+        When the session's GenParams ask for logprobs and the node offers them
+        (:attr:`features`), each batch comes with its logprobs: ``on_tokens(tokens,
+        logprobs)``, one :class:`~sfnode.generation.TokenLogprob` per token (docs/protocol.md
+        section 12.1); otherwise ``on_tokens(tokens)``.
 
         The call's ``result`` fails at once with :class:`UnknownSessionError` or
         :class:`LinkLostError` when the session was never assigned here or the link is down.
         """
         generation_id = self._next_generation_id()
         epoch = self.head_session.epoch_of(session_id)
-        call = GenerationCall(self, session_id, generation_id, epoch or 0, on_tokens)
+        record = self.head_session.session(session_id)
+        asks = record is not None and decode_params(record.params).logprobs > 0
+        call = GenerationCall(
+            self, session_id, generation_id, epoch or 0, on_tokens, logprobs=asks
+        )
         if epoch is None:
             call._fail(UnknownSessionError(f"session {session_id} was not assigned on this link"))
             return call
@@ -1025,8 +1059,23 @@ class NodeLink:
                 continue
             payload = event.payload
             if isinstance(payload, Tokens):
+                if (
+                    call.logprobs
+                    and type(payload) is Tokens
+                    and (self.features or 0) & FEATURE_LOGPROBS
+                    and self._protocol is not None
+                ):
+                    # A node with the bit answers a session that asks only in TokensLogprobs
+                    # (section 12.1): its stream cannot be rendered as asked.
+                    self._protocol.fail(
+                        PayloadError(
+                            f"plain Tokens for generation {event.generation_id} of session "
+                            f"{event.session_id}, whose GenParams ask for logprobs"
+                        )
+                    )
+                    return
                 if id(event) in committed:
-                    call._deliver(payload.tokens)
+                    call._deliver(payload)
             elif isinstance(payload, Finish):
                 call.finish = payload.reason
                 finished.append(call)

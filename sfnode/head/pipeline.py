@@ -27,7 +27,14 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from sfnode.head.fleet import Fleet, FleetError, FleetNode, FleetOutcome, NoNodeAvailable
+from sfnode.head.fleet import (
+    Fleet,
+    FleetError,
+    FleetNode,
+    FleetOutcome,
+    LogprobsUnavailable,
+    NoNodeAvailable,
+)
 from sfnode.head.link import DEFAULT_PARAMS, HeadIds, LinkError
 from sfnode.wire import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, GenParams, StageForwardRespMsg
 
@@ -198,7 +205,13 @@ class PipelineFleet:
         on_tokens: Callable[[Sequence[int]], None] | None = None,
         max_wall_ms: int = 0,
     ) -> PipelineGeneration:
-        """Generate ``max_new`` greedy tokens (sampling parameters do not apply here)."""
+        """Generate ``max_new`` greedy tokens (sampling parameters do not apply here).
+
+        Stage forwards return tokens, not distributions: a request for logprobs fails with
+        :class:`~sfnode.head.fleet.LogprobsUnavailable`."""
         generation = PipelineGeneration(self, prompt, max_new, on_tokens)
+        if params.logprobs:
+            generation.result.errback(LogprobsUnavailable("a pipeline returns no logprobs"))
+            return generation
         generation._start()
         return generation

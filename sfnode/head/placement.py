@@ -3,7 +3,8 @@ section 8, "Per request"; the load report is section 7.5).
 
 Everything here is a pure function of :class:`NodeView` snapshots that the fleet builds from its
 links: :func:`decide` says *place it on one of these nodes, in this order*, *wait* (no live node
-can take it now), or *refuse* (the prompt fits no node's window, or no node serves the model).
+can take it now), or *refuse* (the prompt fits no node's window, no node serves the model, or
+none offers a feature the request needs: :func:`with_features`).
 Three policies order the candidates: ``load-aware`` (an estimate of when the node would finish
 the request, from its reported lanes, queue and token rates), ``least-loaded`` (fewest sessions
 and generations) and ``round-robin``.
@@ -62,6 +63,9 @@ class NodeView:
     """Sessions the head placed there and has not ended."""
     inflight: int = 0
     """Generations the head runs there now."""
+    features: int | None = None
+    """The feature flags of its latest HELLO_ACK_F (docs/protocol.md section 12); None before
+    its first handshake."""
 
     @property
     def window(self) -> int | None:
@@ -102,6 +106,9 @@ class Request:
     """A generation starts at once (it needs a free lane); False for a session opened idle."""
     avoid: frozenset[int] = frozenset()
     """Keys of nodes tried already for this request: they come last, if at all."""
+    features: int = 0
+    """Feature flags the node must have set (``FEATURE_LOGPROBS`` for a session that asks
+    for logprobs, docs/protocol.md section 12.1)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +140,14 @@ class Unserved:
     model: str
 
 
-Decision = Place | Wait | TooLong | Unserved
+@dataclass(frozen=True, slots=True)
+class Unsupported:
+    """Every node serving the model has said what it offers, and none offers ``features``."""
+
+    features: int
+
+
+Decision = Place | Wait | TooLong | Unserved | Unsupported
 
 
 def decide(
@@ -144,11 +158,15 @@ def decide(
     ``cursor`` is the round-robin position (the caller advances it after each placement).
     """
     serving = [v for v in views if v.serves(request.model)]
+    if request.model is not None and views and not serving and all(v.models for v in views):
+        return Unserved(request.model)
+    offering = with_features(serving, request.features)
+    if isinstance(offering, Unsupported):
+        return offering
+    serving = offering
     largest = too_long(serving, request.length)
     if largest is not None:
         return TooLong(request.length, largest)
-    if request.model is not None and views and not serving and all(v.models for v in views):
-        return Unserved(request.model)
     candidates = [
         v
         for v in serving
@@ -162,6 +180,21 @@ def decide(
     preferred = [v.key for v in ranked if v.key not in request.avoid]
     tried = [v.key for v in ranked if v.key in request.avoid]
     return Place(tuple(preferred + tried))
+
+
+def with_features(views: Sequence[NodeView], features: int) -> list[NodeView] | Unsupported:
+    """The views whose node offers every flag of ``features``, keeping the ones that have not
+    said yet (a node not handshaken may offer them; the request waits for it).
+
+    :class:`Unsupported` when some node serves the model and every one of them has said,
+    and none offers them: waiting cannot help.
+    """
+    if not features:
+        return list(views)
+    kept = [v for v in views if v.features is None or v.features & features == features]
+    if views and not kept:
+        return Unsupported(features)
+    return kept
 
 
 def too_long(views: Iterable[NodeView], length: int) -> int | None:
@@ -245,9 +278,11 @@ __all__ = [
     "Request",
     "TooLong",
     "Unserved",
+    "Unsupported",
     "Wait",
     "decide",
     "max_window",
     "rank",
     "too_long",
+    "with_features",
 ]

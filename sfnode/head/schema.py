@@ -5,10 +5,11 @@ checked); :func:`parse_request` checks every field of ``/v1/chat/completions`` a
 ``/v1/completions`` and returns a :class:`CompletionRequest` that says what to render and how
 to generate; anything wrong is an :class:`ApiError` in OpenAI's shape, naming the field.
 
-Parameters the fleet does not honour (tools, JSON mode, logprobs, penalties, ...) are refused
-with 400 naming them, unless they carry their neutral value (``"logprobs": false``,
-``"presence_penalty": 0``, ...), so no client believes it got what it did not; unknown fields
-are refused as OpenAI does.  The lists are :data:`UNSUPPORTED` and :data:`IGNORED`, and the
+Parameters the fleet does not honour (tools, JSON mode, penalties, ...) are refused with 400
+naming them, unless they carry their neutral value (``"presence_penalty": 0``, ...), so no
+client believes it got what it did not; unknown fields are refused as OpenAI does.  Logprobs
+are honoured: ``logprobs`` and ``top_logprobs`` (0 to 20) on chat, ``logprobs`` (0 to 5) on
+completions, as OpenAI bounds them.  The lists are :data:`UNSUPPORTED` and :data:`IGNORED`, and the
 README repeats them.
 
 This module is pure: it must never tokenize, touch the network, the reactor or a thread, never
@@ -28,6 +29,10 @@ from sfnode.wire import GenParams
 
 MAX_N = 8
 """The most choices one request may ask for (each is its own generation, on its own lane)."""
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives chat's ``top_logprobs`` may ask for (OpenAI's bound)."""
+MAX_COMPLETION_LOGPROBS = 5
+"""The most alternatives completions' ``logprobs`` may ask for (OpenAI's bound)."""
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 """The longest stop string (the streamed text holds back that many characters)."""
@@ -160,8 +165,6 @@ def _neutral(*values: Any) -> Callable[[Any], bool]:
 
 
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "logprobs": (_neutral(False, None), "logprobs are not returned yet"),
-    "top_logprobs": (_neutral(None, 0), "logprobs are not returned yet"),
     "logit_bias": (lambda v: v is None or v == {}, "logit_bias is not supported"),
     "tools": (lambda v: v is None or v == [], "tools (function calling) are not supported"),
     "tool_choice": (_neutral(None, "none"), "tools (function calling) are not supported"),
@@ -203,13 +206,14 @@ IGNORED = frozenset(
 _CHAT_FIELDS = frozenset(
     {
         "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-        "min_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
+        "min_p", "top_k", "seed", "stop", "stream", "stream_options", "n", "logprobs",
+        "top_logprobs",
     }
 )  # fmt: skip
 _COMPLETION_FIELDS = frozenset(
     {
         "model", "prompt", "max_tokens", "temperature", "top_p", "min_p", "top_k", "seed",
-        "stop", "stream", "stream_options", "n",
+        "stop", "stream", "stream_options", "n", "logprobs",
     }
 )  # fmt: skip
 
@@ -390,6 +394,44 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(checked_text(s, "stop") for s in stops)
 
 
+def _logprobs(body: Mapping[str, Any], chat: bool) -> int | None:
+    """How many most likely tokens to list beside each chosen one (None: no logprobs).
+
+    Chat: ``logprobs: true`` and ``top_logprobs`` from 0 to :data:`MAX_TOP_LOGPROBS`;
+    completions: ``logprobs`` from 0 to :data:`MAX_COMPLETION_LOGPROBS` (both as OpenAI).
+    """
+    if not chat:
+        value = body.get("logprobs")
+        if value is None or value is False:
+            return None
+        count = value if isinstance(value, int) and not isinstance(value, bool) else None
+        if count is None or not 0 <= count <= MAX_COMPLETION_LOGPROBS:
+            raise ApiError(
+                400,
+                f"logprobs must be an integer from 0 to {MAX_COMPLETION_LOGPROBS}",
+                param="logprobs",
+            )
+        return count
+    asked = body.get("logprobs")
+    if asked is not None and not isinstance(asked, bool):
+        raise ApiError(400, "logprobs must be a boolean", param="logprobs")
+    top = _integer(body, "top_logprobs")
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ApiError(
+            400, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", param="top_logprobs"
+        )
+    if not asked:
+        if top:
+            raise ApiError(
+                400,
+                "top_logprobs needs logprobs: true (logprobs must be enabled to return the "
+                "most likely tokens)",
+                param="top_logprobs",
+            )
+        return None
+    return top or 0
+
+
 def _stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
     """(stream, include_usage)."""
     stream = body.get("stream")
@@ -459,6 +501,10 @@ class CompletionRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    logprobs: int | None = None
+    """None: no logprobs; else each token's logprob and this many most likely tokens
+    (``top_logprobs`` on chat, ``logprobs`` on completions); ``params.logprobs`` is one
+    more (docs/protocol.md section 12.1)."""
 
     @property
     def characters(self) -> int:
@@ -522,6 +568,7 @@ def parse_request(
         raise ApiError(400, "seed must fit in 64 bits", param="seed")
     stop = _stop(body)
     stream, include_usage = _stream(body)
+    logprobs = _logprobs(body, chat)
     params = GenParams(
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
@@ -529,6 +576,7 @@ def parse_request(
         # top_k beyond the vocabulary keeps every token, as top_k off (0) does.
         top_k=min(max(top_k or 0, 0), U32_MAX),
         seed=(seed_source() if seed is None else seed) & U64_MASK,
+        logprobs=0 if logprobs is None else logprobs + 1,
     )
     return CompletionRequest(
         chat=chat,
@@ -543,6 +591,7 @@ def parse_request(
         stop=stop,
         stream=stream,
         include_usage=include_usage,
+        logprobs=logprobs,
     )
 
 

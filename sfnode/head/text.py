@@ -19,6 +19,7 @@ and never touch the reactor: rendering and tokenizing run on the HTTP layer's wo
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -66,6 +67,10 @@ class TextCodec(Protocol):
 
     def render_chat(self, messages: Sequence[ChatMessage]) -> str:
         """The messages through the chat template, with the assistant's turn opened."""
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a part of a character, or a special token's own
+        text); what OpenAI's logprobs call ``bytes``."""
 
 
 def plain_chat(messages: Sequence[ChatMessage]) -> str:
@@ -237,6 +242,9 @@ class HeadTokenizer:
         text: str = self._tokenizer.decode(list(ids), skip_special_tokens=True)
         return _clean_up_spaces(text) if self._clean_up else text
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return piece_bytes(self._tokenizer, token_id, self.decode)
+
     def render_chat(self, messages: Sequence[ChatMessage]) -> str:
         if self._template is None:
             return plain_chat(messages)
@@ -279,6 +287,10 @@ class TransformersCodec:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
+    def token_bytes(self, token_id: int) -> bytes:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)  # fast tokenizers only
+        return piece_bytes(backend, token_id, self.decode)
+
     def render_chat(self, messages: Sequence[ChatMessage]) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             return plain_chat(messages)
@@ -289,6 +301,58 @@ class TransformersCodec:
                 add_generation_prompt=True,
             )
         )
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's ``bytes_to_unicode``): the character each byte is
+    written as in a vocabulary, mapped back to the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_METASPACE = "\u2581"
+
+
+def piece_bytes(backend: Any, token_id: int, decode: Callable[[Sequence[int]], str]) -> bytes:
+    """The bytes ``token_id`` stands for, read from the vocabulary of ``backend`` (a
+    ``tokenizers.Tokenizer``, or None).
+
+    Byte-level BPE vocabularies write each byte as one character of :func:`_byte_level_alphabet`;
+    SentencePiece-style ones write a space as U+2581 and a lone byte as ``<0xNN>``; a special
+    (added) token is its own text.  Anything else is the token decoded alone.
+    """
+    piece: str | None = backend.id_to_token(token_id) if backend is not None else None
+    if piece is None:
+        return decode([token_id]).encode()
+    from tokenizers import decoders
+
+    if isinstance(backend.decoder, decoders.ByteLevel) and all(c in _BYTE_LEVEL for c in piece):
+        return bytes(_BYTE_LEVEL[c] for c in piece)
+    fallback = _BYTE_FALLBACK.fullmatch(piece)
+    if fallback is not None:
+        return bytes([int(fallback.group(1), 16)])
+    if _METASPACE in piece:
+        return piece.replace(_METASPACE, " ").encode()
+    text: str = decode([token_id]) or piece
+    return text.encode()
+
+
+def token_text(data: bytes) -> str:
+    """A token's bytes as OpenAI's logprobs name the token: its text, or ``bytes:\\xNN...``
+    when the bytes are not whole UTF-8 characters."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
 
 def as_codec(tokenizer: Any) -> TextCodec:
@@ -304,6 +368,7 @@ class Renderer:
 
     def __init__(self, tokenizer: Any) -> None:
         self.codec = as_codec(tokenizer)
+        self._pieces: dict[int, bytes] = {}
 
     def chat(self, messages: Sequence[ChatMessage]) -> list[int]:
         try:
@@ -328,6 +393,14 @@ class Renderer:
 
     def detokenizer(self) -> Detokenizer:
         return Detokenizer(self.decode)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """What :meth:`TextCodec.token_bytes` says, remembered (logprobs ask for the same
+        few thousand tokens again and again)."""
+        found = self._pieces.get(token_id)
+        if found is None:
+            found = self._pieces[token_id] = self.codec.token_bytes(token_id)
+        return found
 
     def character_bound(self, window: int) -> int:
         """More characters than this cannot fit in ``window`` tokens (each token stands for at
@@ -407,5 +480,7 @@ __all__ = [
     "TokenizerLoadError",
     "TransformersCodec",
     "as_codec",
+    "piece_bytes",
     "plain_chat",
+    "token_text",
 ]

@@ -1,0 +1,168 @@
+"""Logprobs end to end (issue 11, docs/protocol.md section 12.1): the official ``openai``
+package against a ``twistd sfhead`` process whose node is a ``twistd sfnode`` process.
+
+The same cases run against a node on the mock engine (:class:`MockEngineTests`) and on the
+tiny transformers model (:class:`TransformersEngineTests`): the engine is the one class
+attribute they differ by.  A node whose HELLO_ACK_F lacks FEATURE_LOGPROBS fails the mock's
+cases and skips the transformers' ones (an engine without logprobs yet).  No sleeps: every
+wait is on a line a process logs or on an HTTP answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any, ClassVar
+
+from twisted.internet import defer, reactor, threads
+from twisted.trial.unittest import SkipTest, TestCase
+
+from sfnode.head.link import HeadIds, connect_node
+from sfnode.wire import FEATURE_LOGPROBS
+from tests.processes import LOOPBACK, Child, spawn_twistd
+
+MESSAGES = [{"role": "user", "content": "hello world"}]
+
+
+class _LogprobsProcessCases(TestCase):
+    """The cases; a subclass names the engine (``mock`` or ``transformers``)."""
+
+    engine: ClassVar[str] = ""
+    timeout = 300
+
+    def engine_args(self) -> tuple[list[str], list[str], str]:
+        """(node arguments, head arguments, model name) for :attr:`engine`."""
+        if self.engine == "mock":
+            # The head's tokenizer is the bundled model's: its vocabulary covers the mock's.
+            return ["--engine", "mock"], ["--model-name", "mock"], "mock"
+        from tests.tinymodel import save_tiny_model
+
+        folder = str(save_tiny_model(Path(self.mktemp()).resolve() / "tiny"))
+        return (
+            ["--engine", "transformers", "--model", folder],
+            ["--model", folder, "--model-name", "tiny"],
+            "tiny",
+        )
+
+    @defer.inlineCallbacks
+    def serve(self) -> Generator[defer.Deferred[Any], Any, tuple[Any, str]]:
+        """A node process and a head process over it; (openai client, model name)."""
+        import openai
+
+        node_args, head_args, model = self.engine_args()
+        node = spawn_twistd(
+            self, Child("node"), ["sfnode", "--listen", LOOPBACK, "--identity", "n", *node_args]
+        )
+        found = yield node.wait_for(rb"sfnode listening on 127\.0\.0\.1:(\d+)\n")
+        endpoint = f"tcp:127.0.0.1:{int(found[0].group(1))}"
+        link = yield connect_node(reactor, endpoint, ids=HeadIds())
+        features = link.features or 0
+        yield link.close()
+        if not features & FEATURE_LOGPROBS:
+            if self.engine != "mock":
+                raise SkipTest(f"the {self.engine} engine does not return logprobs yet")
+            self.fail("a mock node does not offer FEATURE_LOGPROBS")
+        head = spawn_twistd(
+            self,
+            Child("head"),
+            ["sfhead", "--http", LOOPBACK, "--fleet-listen", LOOPBACK, "--node", endpoint,
+             *head_args],
+        )  # fmt: skip
+        found = yield head.wait_for(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)\n")
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{int(found[0].group(1))}/v1",
+            api_key="unused",
+            max_retries=0,
+        )
+        self.addCleanup(client.close)
+        return client, model
+
+    @defer.inlineCallbacks
+    def test_greedy_chat_logprobs_plain_and_streamed(self) -> Generator[Any, Any, None]:
+        """logprobs=True, top_logprobs=3 under greedy: one entry per completion token, each
+        with three top_logprobs, best first, the first being the chosen token with the same
+        logprob; streamed with include_usage, the chunks' entries put together are the same
+        and the last chunk carries the usage."""
+        client, model = yield self.serve()
+        ask = {
+            "model": model, "messages": MESSAGES, "max_tokens": 12, "temperature": 0,
+            "logprobs": True, "top_logprobs": 3,
+        }  # fmt: skip
+
+        def plain() -> Any:
+            return client.chat.completions.create(**ask)
+
+        def streamed() -> list[Any]:
+            return list(
+                client.chat.completions.create(
+                    **ask, stream=True, stream_options={"include_usage": True}
+                )
+            )
+
+        completion = yield threads.deferToThread(plain)
+        (choice,) = completion.choices
+        entries = choice.logprobs.content
+        self.assertEqual(len(entries), completion.usage.completion_tokens)
+        self.assertGreater(len(entries), 0)
+        for entry in entries:
+            self.assertEqual(len(entry.top_logprobs), 3)
+            best = entry.top_logprobs[0]
+            self.assertEqual((best.token, best.logprob, best.bytes),
+                             (entry.token, entry.logprob, entry.bytes))  # fmt: skip
+            values = [t.logprob for t in entry.top_logprobs]
+            self.assertEqual(values, sorted(values, reverse=True))
+            self.assertLessEqual(entry.logprob, 0.0)
+        chunks = yield threads.deferToThread(streamed)
+        together = [
+            entry
+            for chunk in chunks
+            for c in chunk.choices
+            if c.logprobs is not None
+            for entry in c.logprobs.content
+        ]
+        self.assertEqual([e.model_dump() for e in together], [e.model_dump() for e in entries])
+        self.assertEqual(chunks[-1].choices, [])
+        self.assertEqual(chunks[-1].usage.completion_tokens, completion.usage.completion_tokens)
+        text = "".join(c.delta.content or "" for chunk in chunks for c in chunk.choices)
+        self.assertEqual(text, choice.message.content)
+
+    @defer.inlineCallbacks
+    def test_completion_logprobs_with_two_choices(self) -> Generator[Any, Any, None]:
+        """/v1/completions with logprobs=2 and n=2 under greedy: each choice lists one token,
+        logprob, top mapping (the chosen token its best entry) and text offset per completion
+        token."""
+        client, model = yield self.serve()
+
+        def complete() -> Any:
+            return client.completions.create(
+                model=model, prompt="hello world", max_tokens=8, temperature=0, logprobs=2, n=2
+            )
+
+        completion = yield threads.deferToThread(complete)
+        self.assertEqual([c.index for c in completion.choices], [0, 1])
+        for choice in completion.choices:
+            logprobs = choice.logprobs
+            count = len(logprobs.tokens)
+            self.assertEqual(count * 2, completion.usage.completion_tokens)
+            self.assertEqual(
+                [len(logprobs.token_logprobs), len(logprobs.top_logprobs),
+                 len(logprobs.text_offset)],
+                [count] * 3,
+            )  # fmt: skip
+            for token, value, top in zip(
+                logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+            ):
+                self.assertLessEqual(len(top), 3)
+                self.assertEqual(top[token], value)
+                self.assertEqual(max(top.values()), value)
+
+
+class MockEngineTests(_LogprobsProcessCases):
+    engine = "mock"
+
+
+class TransformersEngineTests(_LogprobsProcessCases):
+    engine = "transformers"
+
+
+del _LogprobsProcessCases
