@@ -23,9 +23,10 @@ which answers with the tokens each generation got and the generations that ended
   (the decode rows still go), so its first token is one short step away.
 - **Prefix reuse.**  With a :class:`~sfnode.engines.prefix_cache.PrefixCache`, an admitted lane
   first gets the cached blocks its context starts with, and the positions it shares with a
-  cached block that goes on differently (copied into its slot), and computes only the rest; full blocks a lane computed are saved into the cache in the next step.  A request
-  whose next uncached block is being computed by another lane's prompt right now waits for it
-  instead of computing it twice (requests behind it may go first).
+  cached block that goes on differently (copied into its slot), and computes only the rest;
+  full blocks a lane computed are saved into the cache in the next step.  A request whose next
+  uncached block is being computed by another lane's prompt right now waits for it instead of
+  computing it twice (requests behind it may go first).
 - **Ends.**  A lane ends on an EOS id (the id is its last token), at ``max_new`` tokens or its
   token limit, when cancelled, when its wall deadline passes (checked between steps), or when the
   step it was in failed.
