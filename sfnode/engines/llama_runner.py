@@ -2,9 +2,9 @@
 
 One step is one pass over the weights for every row it carries: each decoding lane's next token
 and the prompt chunks riding along, all through the same matrix products (reading the weights is
-most of what a step costs on a CPU, whatever the row count).  Attention runs per lane: each
-decoding lane against exactly its own keys in its slot of :class:`~sfnode.engines.kv.SlotKV`
-(query heads grouped onto their key/value heads), each prompt chunk against its own slot.
+most of what a step costs on a CPU, whatever the row count).  Decoding lanes attend to their own
+slots of :class:`~sfnode.engines.kv.SlotKV` (query heads grouped onto their key/value heads),
+lanes of similar length in one call; each prompt chunk attends to its own slot.
 
 The arithmetic is the model's (RMSNorm, rotary embedding, grouped-query attention, SiLU-gated
 MLP), done with few, large operators instead of transformers' modules: the query/key/value and
@@ -80,6 +80,9 @@ def llama_unsupported(model: Any) -> str | None:
     return None
 
 
+ATTENTION_BUCKET = 64
+"""Decoding lanes' keys are read to a multiple of this many positions (see :class:`_Attention`)."""
+
 REFINED = 128
 """Logits per row computed again in float32 (see :meth:`LlamaRunner._logits`)."""
 
@@ -138,8 +141,37 @@ class _Attention:
         self.position_index = torch.tensor(
             [row.position for row in decode], dtype=torch.long, device=device
         )
-        self.lanes = [(row.slot, row.position + 1) for row in decode]
-        """Each decode row's slot and its length with this step's token."""
+        # Decode rows are attended in groups of lanes whose lengths round up to the same
+        # multiple of ATTENTION_BUCKET; each lane is padded to that, masked past its length.
+        # The padding depends on the lane's own length only, so a lane's attention is the same
+        # computation alone or beside others (a batch padded to its longest lane rounds a
+        # lane's result differently with the others' lengths).
+        buckets: dict[int, list[int]] = {}
+        for index, decode_row in enumerate(decode):
+            length = decode_row.position + 1
+            padded = min(runner.kv.capacity, -(-length // ATTENTION_BUCKET) * ATTENTION_BUCKET)
+            buckets.setdefault(padded, []).append(index)
+        self.groups: list[tuple[list[int], Any, int, torch.Tensor]] = []
+        """Per group: its decode rows, their slots (a slice when consecutive), padded length,
+        mask."""
+        order: list[int] = []
+        for padded, members in sorted(buckets.items()):
+            slots = [decode[i].slot for i in members]
+            if slots == list(range(slots[0], slots[0] + len(slots))):
+                where: Any = slice(slots[0], slots[0] + len(slots))
+            else:
+                where = torch.tensor(slots, dtype=torch.long, device=device)
+            lengths = torch.tensor([decode[i].position + 1 for i in members], device=device)
+            valid = torch.arange(padded, device=device).unsqueeze(0) < lengths.unsqueeze(1)
+            self.groups.append((members, where, padded, valid.view(len(members), 1, 1, padded)))
+            order += members
+        self.restore: torch.Tensor | None = None
+        """Puts the groups' rows back in decode order, when grouping moved them."""
+        if order != list(range(self.rows)):
+            inverse = [0] * self.rows
+            for position, row in enumerate(order):
+                inverse[row] = position
+            self.restore = torch.tensor(inverse, dtype=torch.long, device=device)
         self.chunks: list[tuple[int, int, int, torch.Tensor | None]] = []
         for chunk in plan.chunks:
             n = len(chunk.tokens)
@@ -353,21 +385,22 @@ class LlamaRunner:
             keys[attention.slot_index, :, attention.position_index] = key[:decode]
             values[attention.slot_index, :, attention.position_index] = value[:decode]
             # Each key/value head answers its group of query heads: the group is laid out as
-            # that head's "query positions", so no key or value is repeated.  One call per lane
-            # over exactly its own keys: a lane's attention is then the same computation alone
-            # or beside others (a padded, masked batch call rounds differently with the length
-            # it is padded to), and on these CPUs no slower than the padded call.
+            # that head's "query positions", so no key or value is repeated.
             grouped = query[:decode].reshape(decode, kv_heads, self._groups, head_dim)
-            lanes = [
-                F.scaled_dot_product_attention(
-                    grouped[row : row + 1],
-                    keys[slot : slot + 1, :, :length],
-                    values[slot : slot + 1, :, :length],
-                    scale=self._scaling,
+            outs = []
+            for members, where, padded, valid in attention.groups:
+                if isinstance(where, slice):
+                    k, v = keys[where, :, :padded], values[where, :, :padded]
+                else:
+                    k = keys.index_select(0, where)[:, :, :padded]
+                    v = values.index_select(0, where)[:, :, :padded]
+                q = grouped if len(members) == decode else grouped[members]
+                outs.append(
+                    F.scaled_dot_product_attention(q, k, v, attn_mask=valid, scale=self._scaling)
                 )
-                for row, (slot, length) in enumerate(attention.lanes)
-            ]
-            out = lanes[0] if decode == 1 else torch.cat(lanes)
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
+            if attention.restore is not None:
+                out = out.index_select(0, attention.restore)
             parts.append(out.reshape(decode, heads * head_dim))
         offset = decode
         for slot, start, n, mask in attention.chunks:
