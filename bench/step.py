@@ -1,0 +1,126 @@
+"""Where a decode step's time goes: the Llama runner's step at batch 1 and 8, whole and with its
+parts taken out one by one.
+
+The runner is built as ``twistd sfnode`` builds it (the bundled model's own weights by default)
+and timed on one thread with ``time.thread_time``, which counts only the time this thread ran,
+so other processes on the machine change the figures less than they change wall time.  Printed
+per batch size: the whole step, then the step with the layers' matrix products replaced by
+ready-made zeros, then also without the output head and sampling, without attention, without
+the norms, and without the rotary embedding.  The differences are what each part costs; what is
+left at the end is the rest (KV writes, residual adds, the MLP's gate, Python).
+
+    PYTHONPATH=. python bench/step.py                  # the bundled SmolLM2, --weights auto
+    PYTHONPATH=. python bench/step.py --weights float32 --length 500
+
+This script only measures and prints; it must never assert or be imported by the package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def median_ms(f: Callable[[], Any], n: int = 31) -> float:
+    times = []
+    for _ in range(n):
+        started = time.thread_time()
+        f()
+        times.append(time.thread_time() - started)
+    times.sort()
+    return times[n // 2] * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="model folder or .gguf (default: bundled)")
+    parser.add_argument("--weights", default="auto")
+    parser.add_argument("--length", type=int, default=100, help="context length of each lane")
+    parser.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
+    options = parser.parse_args()
+
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+
+    import sfnode.engines.llama_runner as runner_module
+    from sfnode.engines import quant
+    from sfnode.engines.llama_runner import LlamaRunner
+    from sfnode.engines.llama_weights import gather_weights
+    from sfnode.engines.plan import ChunkRow, DecodeRow, StepPlan
+    from sfnode.models import load_model
+    from sfnode.wire import GenParams
+
+    torch.set_num_threads(1)
+    loaded = load_model(options.model)
+    gguf = loaded.source if loaded.source.suffix == ".gguf" else None
+    weights = gather_weights(
+        loaded.model,
+        options.weights,
+        gguf=gguf,
+        cache_file=loaded.folder / "packed-weights.safetensors" if gguf else None,
+    )
+    batches = [int(b) for b in options.batches.split(",")]
+    runner = LlamaRunner.for_model(loaded.model, weights, slots=max(batches), window=4096)
+    greedy = GenParams()
+    length = options.length
+    for slot in range(max(batches)):
+        prompt = tuple(range(1, length + 1))
+        runner.run(StepPlan(chunks=(ChunkRow(slot, 0, prompt, True, greedy, 0),)))
+    plans = {
+        b: StepPlan(decode=tuple(DecodeRow(s, 5, length, greedy, 0) for s in range(b)))
+        for b in batches
+    }
+    print(
+        f"{loaded.name}, weights {weights.mode} ({weights.describe()}), {length} positions a "
+        "lane, one thread, CPU ms per step (median of 31)"
+    )
+    rows: list[tuple[str, dict[int, float]]] = []
+
+    def measure(label: str) -> None:
+        rows.append((label, {b: median_ms(lambda p=p: runner.run(p)) for b, p in plans.items()}))
+
+    measure("whole step")
+    zeros: dict[tuple[int, int], torch.Tensor] = {}
+
+    def no_product(self: Any, x: torch.Tensor, *, dense: bool = False) -> torch.Tensor:
+        key = (x.shape[0], self.out_features)
+        if key not in zeros:
+            zeros[key] = torch.zeros(key, dtype=x.dtype)
+        return zeros[key]
+
+    quant.Projection.__call__ = no_product  # type: ignore[method-assign]
+    measure("- layer matrix products")
+    vocab = weights.vocab_size
+    runner._logits = lambda hidden, wanted: torch.zeros(len(wanted), vocab)  # type: ignore[method-assign]
+    measure("- output head, sampling")
+    runner_module.F.scaled_dot_product_attention = (  # type: ignore[attr-defined]
+        lambda q, k, v, **kw: torch.zeros(q.shape, dtype=q.dtype)
+    )
+    measure("- attention")
+    runner_module.F.rms_norm = lambda x, shape, weight, eps: x  # type: ignore[attr-defined]
+    measure("- norms")
+    runner_module._rotate = lambda x, cos, sin: x  # type: ignore[assignment]
+    measure("- rotary embedding (what is left: the rest)")
+    del F
+
+    print("| step | " + " | ".join(f"batch {b}" for b in batches) + " |")
+    print("|---|" + "---|" * len(batches))
+    previous: dict[int, float] | None = None
+    for label, figures in rows:
+        cells = []
+        for b in batches:
+            cell = f"{figures[b]:.2f}"
+            if previous is not None:
+                cell += f" (part: {previous[b] - figures[b]:.2f})"
+            cells.append(cell)
+        print(f"| {label} | " + " | ".join(cells) + " |")
+        previous = figures
+
+
+if __name__ == "__main__":
+    main()
