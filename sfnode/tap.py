@@ -492,6 +492,7 @@ def build_engine(reactor: Any, options: Options) -> Engine:
         return TransformersEngine.from_loaded(
             loaded,
             reactor,
+            release_float_weights=True,
             max_lanes=options["max-lanes"],
             kv_blocks=options["kv-blocks"] or None,
             context_window=options["max-context"] or None,

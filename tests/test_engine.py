@@ -787,6 +787,37 @@ class WeightsModeTests(EngineTestCase):
             batched = yield defer.gatherResults(runs)
             self.assertEqual(batched, solo, mode)
 
+    @defer.inlineCallbacks
+    def test_released_float_weights_change_nothing(self) -> Any:
+        """An engine built by from_loaded with release_float_weights (as the node builds it)
+        drops the model's float projection weights and gives the tokens of one that keeps
+        them."""
+        from pathlib import Path
+
+        from sfnode.models import LoadedModel
+
+        keeping = self.make_engine(max_lanes=2, weights="int4", dense_copies=False)
+        own = tiny_llama()
+        loaded = LoadedModel(
+            own, None, "tiny", Path("tiny"), Path("tiny"), torch.float32, own.device
+        )
+        releasing = TransformersEngine.from_loaded(
+            loaded,
+            reactor,
+            release_float_weights=True,
+            max_lanes=2,
+            weights="int4",
+            dense_copies=False,
+            interactive_lanes=0,
+        )
+        releasing.start()
+        self.addCleanup(releasing.stop)
+        self.assertEqual(own.model.layers[0].mlp.up_proj.weight.numel(), 0)
+        for prompt in prompts(3, seed=33):
+            a = yield self.run_one(prompt, 12, engine=keeping)[0]
+            b = yield self.run_one(prompt, 12, engine=releasing)[0]
+            self.assertEqual(a, b)
+
     def test_modes_the_runner_cannot_serve_are_refused(self) -> None:
         """--weights int4 on the model's own forward is refused with the reason."""
         from sfnode.engines.llama_weights import WeightsError

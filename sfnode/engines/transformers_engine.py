@@ -77,6 +77,23 @@ def eos_ids_of(model: Any) -> frozenset[int]:
     return frozenset(found)
 
 
+def _release_projections(model: Any) -> None:
+    """Replace the float weights of every decoder layer's projections with empty tensors."""
+    for layer in model.model.layers:
+        for module in (
+            layer.self_attn.q_proj,
+            layer.self_attn.k_proj,
+            layer.self_attn.v_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_proj,
+            layer.mlp.up_proj,
+            layer.mlp.down_proj,
+        ):
+            module.weight = torch.nn.Parameter(
+                torch.empty(0, dtype=module.weight.dtype), requires_grad=False
+            )
+
+
 class _Runner(Protocol):
     def run(self, plan: StepPlan) -> StepOutput: ...
 
@@ -156,6 +173,7 @@ class TransformersEngine:
         prefix_cache: bool = True,
         prefix_cache_blocks: int | None = None,
         interactive_lanes: int = 1,
+        dense_copies: bool = True,
         onednn: bool = True,
         lean_step: bool = True,
         clock: Callable[[], float] = time.monotonic,
@@ -166,7 +184,8 @@ class TransformersEngine:
         with ``onednn`` False too); ``prefix_cache`` reuses the KV of earlier prompts' blocks
         (Llama runner only), in a pool of ``prefix_cache_blocks`` blocks (default: ``kv_blocks``).
         ``interactive_lanes`` lanes are kept for interactive requests (batch work never holds
-        them).
+        them).  ``dense_copies`` lets long prompt chunks multiply by bfloat16 copies of
+        quantized weights where that is measured to be faster at start.
         """
         if max_lanes < 1:
             raise ValueError("max_lanes must be at least 1")
@@ -197,7 +216,9 @@ class TransformersEngine:
         self._runner: _Runner
         pool_blocks = 0
         if unsupported is None:
-            served = gather_weights(model, weights, gguf=gguf, cache_file=weights_cache)
+            served = gather_weights(
+                model, weights, gguf=gguf, cache_file=weights_cache, dense_copies=dense_copies
+            )
             if prefix_cache:
                 pool_blocks = (
                     prefix_cache_blocks
@@ -257,13 +278,29 @@ class TransformersEngine:
         self._stopped = False
 
     @classmethod
-    def from_loaded(cls, loaded: LoadedModel, reactor: Any, **kwargs: Any) -> TransformersEngine:
+    def from_loaded(
+        cls,
+        loaded: LoadedModel,
+        reactor: Any,
+        *,
+        release_float_weights: bool = False,
+        **kwargs: Any,
+    ) -> TransformersEngine:
         """An engine over a model from :func:`sfnode.models.load_model` (same keywords); a model
-        loaded from a GGUF file serves the file's own quantized weights (``--weights auto``)."""
+        loaded from a GGUF file serves the file's own quantized weights (``--weights auto``).
+
+        With ``release_float_weights`` (the node, which owns ``loaded``) the model's float
+        projection weights are dropped once the runner holds its own quantized copies: they
+        are most of the model's memory, and nothing reads them afterwards.  The model object
+        cannot then run its own forward.
+        """
         if loaded.source.suffix.lower() == ".gguf":
             kwargs.setdefault("gguf", loaded.source)
             kwargs.setdefault("weights_cache", loaded.folder / "packed-weights.safetensors")
-        return cls(loaded.model, reactor, **kwargs)
+        engine = cls(loaded.model, reactor, **kwargs)
+        if release_float_weights and engine.lean_step and engine._activations != torch.float32:
+            _release_projections(loaded.model)
+        return engine
 
     # -- the Engine interface (reactor thread) -----------------------------------------------
 
