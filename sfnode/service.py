@@ -22,7 +22,7 @@ from types import FrameType
 from typing import Any, cast
 
 from twisted.application import service
-from twisted.internet import defer, endpoints
+from twisted.internet import defer, endpoints, error
 from twisted.internet.interfaces import (
     IListeningPort,
     IProtocolFactory,
@@ -195,3 +195,24 @@ def exit_zero_after_a_clean_stop(reactor: Any) -> None:
             signal.signal(number, on_signal)
 
     reactor.callWhenRunning(install)
+
+
+def describe_failure(reason: Failure | BaseException) -> str:
+    """A connection failure in a few plain words (no object reprs)."""
+    value = reason.value if isinstance(reason, Failure) else reason
+    if isinstance(value, error.ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(value, (error.TCPTimedOutError, error.TimeoutError)):
+        return "connection timed out"
+    if isinstance(value, error.DNSLookupError):
+        return f"DNS lookup failed ({value})"
+    if isinstance(value, error.NoRouteError):
+        return "no route to the host"
+    if isinstance(value, error.ConnectionDone):
+        return "the connection was closed"
+    if isinstance(value, (error.ConnectionLost, error.ConnectionAborted)):
+        return "the connection was lost"
+    if isinstance(value, defer.CancelledError):
+        return "the attempt was cancelled"
+    text = str(value).strip()
+    return text or type(value).__name__

@@ -51,6 +51,7 @@ from sfnode.service import (
     add_child,
     client_from_string,
     default_model_name,
+    describe_failure,
     exit_zero_after_a_clean_stop,
     progress_bars_only_on_a_terminal,
     server_from_string,
@@ -533,20 +534,6 @@ def head_retry_policy(
     return delay
 
 
-def _connect_failure(failure: Failure) -> str:
-    """Why a dial failed, in a few plain words."""
-    from twisted.internet import error
-
-    value = failure.value
-    if isinstance(value, error.ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(value, (error.TCPTimedOutError, error.TimeoutError)):
-        return "connection timed out"
-    if isinstance(value, error.DNSLookupError):
-        return f"DNS lookup failed ({value})"
-    return str(value).strip() or type(value).__name__
-
-
 class HeadDialer:
     """The ``--head`` endpoint, named by its endpoint string, remembering how the last attempt
     ended so that each redial is logged with the endpoint and the real reason."""
@@ -566,7 +553,7 @@ class HeadDialer:
             return protocol
 
         def failed(failure: Failure) -> Failure:
-            self._outcome = f"could not connect: {_connect_failure(failure)}"
+            self._outcome = f"could not connect: {describe_failure(failure)}"
             return failure
 
         return attempt.addCallbacks(connected, failed)

@@ -30,6 +30,23 @@ KV_GROWTH = 256
 """Slot capacity is a multiple of this many positions."""
 
 
+def _grow(
+    buffers: list[torch.Tensor],
+    layers: int,
+    shape: tuple[int, ...],
+    kept: tuple[slice, ...],
+    like: SlotKV,
+) -> None:
+    """Give each layer's buffer ``shape`` (zero-filled), keeping the part ``kept`` selects."""
+    for index in range(layers):
+        grown = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        if index < len(buffers):
+            grown[kept] = buffers[index][kept]
+            buffers[index] = grown
+        else:
+            buffers.append(grown)
+
+
 class SlotKV:
     """Per-layer key and value buffers for ``slots`` lanes of up to ``window`` positions."""
 
@@ -68,14 +85,9 @@ class SlotKV:
         target = max(positions, min(self.window, 2 * self.capacity))
         target = min(self.window, -(-target // KV_GROWTH) * KV_GROWTH)
         shape = (self.slots, self.kv_heads, target, self.head_dim)
-        for index in range(self.layers):
-            for buffers in (self.keys, self.values):
-                grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                if self.capacity:
-                    grown[:, :, : self.capacity] = buffers[index]
-                    buffers[index] = grown
-                else:
-                    buffers.append(grown)
+        kept = (slice(None), slice(None), slice(0, self.capacity))
+        for buffers in (self.keys, self.values):
+            _grow(buffers, self.layers, shape, kept, self)
         self.capacity = target
 
 
@@ -102,14 +114,8 @@ class BlockPool:
         kv = self._kv
         target = min(self.capacity, max(blocks, 2 * self.allocated, 64))
         shape = (target, kv.kv_heads, KV_BLOCK_TOKENS, kv.head_dim)
-        for index in range(kv.layers):
-            for buffers in (self.keys, self.values):
-                grown = torch.zeros(shape, dtype=kv.dtype, device=kv.device)
-                if self.allocated:
-                    grown[: self.allocated] = buffers[index]
-                    buffers[index] = grown
-                else:
-                    buffers.append(grown)
+        for buffers in (self.keys, self.values):
+            _grow(buffers, kv.layers, shape, (slice(0, self.allocated),), kv)
         self.allocated = target
 
     def save(self, slot: int, first: int, blocks: Sequence[int]) -> None:

@@ -360,17 +360,21 @@ def gather_weights(
     )
 
 
-def _bias(inner: Any, name: str, dtype: torch.dtype) -> torch.Tensor | None:
-    """The bias of projection ``name`` (the fused parts' biases joined), or None."""
-    index, short = name.split(".")
-    layer = inner.layers[int(index)]
+def _projection_modules(layer: Any) -> dict[str, tuple[Any, ...]]:
+    """The transformers modules each fused projection of a decoder layer is made of."""
     attention, mlp = layer.self_attn, layer.mlp
-    modules = {
+    return {
         "qkv": (attention.q_proj, attention.k_proj, attention.v_proj),
         "o": (attention.o_proj,),
         "gate_up": (mlp.gate_proj, mlp.up_proj),
         "down": (mlp.down_proj,),
-    }[short]
+    }
+
+
+def _bias(inner: Any, name: str, dtype: torch.dtype) -> torch.Tensor | None:
+    """The bias of projection ``name`` (the fused parts' biases joined), or None."""
+    index, short = name.split(".")
+    modules = _projection_modules(inner.layers[int(index)])[short]
     biases = [getattr(module, "bias", None) for module in modules]
     if all(b is None for b in biases):
         return None
@@ -413,13 +417,7 @@ def _build_linears(
     started = time.monotonic()
     linears: dict[str, Linear] = {}
     for index, layer in enumerate(inner.layers):
-        attention, mlp = layer.self_attn, layer.mlp
-        float_parts = {
-            "qkv": (attention.q_proj, attention.k_proj, attention.v_proj),
-            "o": (attention.o_proj,),
-            "gate_up": (mlp.gate_proj, mlp.up_proj),
-            "down": (mlp.down_proj,),
-        }
+        float_parts = _projection_modules(layer)
         for short, parts in _GGUF_PARTS.items():
             name = f"{index}.{short}"
             precision = chosen[name]

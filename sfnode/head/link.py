@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from typing import Any, cast
 from typing import Protocol as TypingProtocol
 
-from twisted.internet import defer, error
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet import defer
+from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import clientFromString
 from twisted.internet.interfaces import IReactorTime, IStreamClientEndpoint
 from twisted.internet.protocol import Factory, Protocol, connectionDone
@@ -61,6 +61,7 @@ from sfnode.head.machines import (
 )
 from sfnode.head.session import HeadSession
 from sfnode.noise import NoiseFactory, NoiseProtocol, Role, secure_factory
+from sfnode.service import describe_failure
 from sfnode.wire import (
     FEATURE_LOGPROBS,
     CapacitySummary,
@@ -127,27 +128,6 @@ class SupersededError(LinkError):
 
 LinkLost = LinkLostError
 NodeRefused = NodeRefusedError
-
-
-def describe_failure(reason: Failure | BaseException) -> str:
-    """A connection failure in a few plain words (no object reprs)."""
-    value = reason.value if isinstance(reason, Failure) else reason
-    if isinstance(value, error.ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(value, (error.TCPTimedOutError, error.TimeoutError)):
-        return "connection timed out"
-    if isinstance(value, error.DNSLookupError):
-        return f"DNS lookup failed ({value})"
-    if isinstance(value, error.NoRouteError):
-        return "no route to the host"
-    if isinstance(value, error.ConnectionDone):
-        return "the connection was closed"
-    if isinstance(value, (error.ConnectionLost, error.ConnectionAborted)):
-        return "the connection was lost"
-    if isinstance(value, CancelledError):
-        return "the attempt was cancelled"
-    text = str(value).strip()
-    return text or type(value).__name__
 
 
 def describe_endpoint(endpoint: object) -> str:
