@@ -55,8 +55,12 @@ class FleetTestCase(NodeTestCase):
         token_delay_s: float = 0.0,
         vocab_size: int = MOCK_VOCAB_SIZE,
         port: int = 0,
+        clock: Clock | None = None,
         **config: Any,
     ) -> Generator[defer.Deferred[Any], Any, RunningNode]:
+        """A mock node on loopback; with ``clock`` its own timers (handshake, idle, lease,
+        status, coalescing) run on that ``Clock`` while its sockets and engine use the
+        reactor."""
         engine = MockEngine(
             reactor,
             context_window=context_window,
@@ -65,7 +69,7 @@ class FleetTestCase(NodeTestCase):
             vocab_size=vocab_size,
         )
         agent = NodeAgent(
-            reactor,
+            reactor if clock is None else clock,
             engine,
             NodeConfig(identity=identity, model_name=model_name, max_lanes=max_lanes, **config),
         )
@@ -221,13 +225,19 @@ class OneNodeTests(FleetTestCase):
         self,
     ) -> Generator[Any, Any, None]:
         """The node drops the idle link; the next append + generate reconnects, reconciles
-        the held session and returns the tokens of the grown context."""
-        node = yield self.start_mock_node(idle_timeout_ms=300)
+        the held session and returns the tokens of the grown context.  The node's timers run
+        on a ``Clock``, so the link goes idle exactly once, when the test moves the clock past
+        the 300 ms idle timeout, however slowly the machine runs."""
+        clock = Clock()
+        node = yield self.start_mock_node(idle_timeout_ms=300, clock=clock)
         fleet = yield self.fleet_of([node])
         session = yield fleet.open_session(PROMPT)
         outcome = yield session.generate(8).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 8))
-        yield self.on(fleet, node).link.when_closed()
+        self.assertEqual(fleet.reconnects, 0)
+        closed = self.on(fleet, node).link.when_closed()
+        clock.advance(0.3)
+        yield closed
         grown = [*PROMPT, *outcome.tokens, 7, 8, 9]
         yield session.append(grown)
         again = yield session.generate(8).result
