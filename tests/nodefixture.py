@@ -18,7 +18,7 @@ from typing import Any
 
 from twisted.internet import defer, reactor
 from twisted.internet.endpoints import TCP4ServerEndpoint
-from twisted.internet.interfaces import IListeningPort, IProtocolFactory
+from twisted.internet.interfaces import IListeningPort, IProtocolFactory, IReactorTime
 from twisted.internet.protocol import ClientFactory
 from twisted.internet.testing import MemoryReactorClock
 from twisted.test.iosim import ConnectionCompleter, IOPump
@@ -93,9 +93,15 @@ class NodeTestCase(TestCase):
         eos_token_id: int | None = None,
         supports_logprobs: bool = True,
         engine: Any = None,
+        clock: IReactorTime | None = None,
         **config: Any,
     ) -> Generator[defer.Deferred[Any], Any, RunningNode]:
-        """A node on a free loopback port; ``engine`` replaces its mock engine."""
+        """A node on a free loopback port; ``engine`` replaces its mock engine.
+
+        With ``clock`` (a ``Clock``) the node's own timers (handshake, idle, lease, status,
+        coalescing) run on it, so a test moves them when it decides; its sockets and the mock
+        engine stay on the reactor.
+        """
         if engine is None:
             engine = MockEngine(
                 reactor,
@@ -107,7 +113,7 @@ class NodeTestCase(TestCase):
                 supports_logprobs=supports_logprobs,
             )
         agent = NodeAgent(
-            reactor,
+            reactor if clock is None else clock,
             engine,
             NodeConfig(identity=identity, model_name="mock", max_lanes=max_lanes, **config),
         )

@@ -35,7 +35,7 @@ from sfnode.head.fleet import (
 from sfnode.head.pipeline import PipelineFleet, check_boundaries, even_boundaries
 from sfnode.node import NodeAgent
 from sfnode.tap import node_factory
-from sfnode.wire import FINISH_CANCELLED, FINISH_LENGTH
+from sfnode.wire import FINISH_CANCELLED, FINISH_LENGTH, NodeStatusMsg
 from tests.nodefixture import NodeTestCase, RunningNode, expected_tokens
 
 PROMPT = list(range(100, 112))
@@ -55,8 +55,12 @@ class FleetTestCase(NodeTestCase):
         token_delay_s: float = 0.0,
         vocab_size: int = MOCK_VOCAB_SIZE,
         port: int = 0,
+        clock: Clock | None = None,
         **config: Any,
     ) -> Generator[defer.Deferred[Any], Any, RunningNode]:
+        """A mock node on loopback; with ``clock`` its own timers (handshake, idle, lease,
+        status, coalescing) run on that ``Clock`` while its sockets and engine use the
+        reactor."""
         engine = MockEngine(
             reactor,
             context_window=context_window,
@@ -65,7 +69,7 @@ class FleetTestCase(NodeTestCase):
             vocab_size=vocab_size,
         )
         agent = NodeAgent(
-            reactor,
+            reactor if clock is None else clock,
             engine,
             NodeConfig(identity=identity, model_name=model_name, max_lanes=max_lanes, **config),
         )
@@ -142,6 +146,22 @@ class _Opened:
 
     def link_closed(self, link: Any) -> None:
         pass
+
+
+def next_status(node: FleetNode) -> defer.Deferred[None]:
+    """Fires when ``node``'s link next hears a NODE_STATUS (after the link has taken it)."""
+    link = node.link
+    heard: defer.Deferred[None] = defer.Deferred()
+    original = link.message_received
+
+    def received(protocol: Any, message: Any) -> None:
+        original(protocol, message)
+        if isinstance(message, NodeStatusMsg) and not heard.called:
+            del link.message_received  # type: ignore[method-assign]
+            heard.callback(None)
+
+    link.message_received = received  # type: ignore[method-assign]
+    return heard
 
 
 def next_open(node: FleetNode) -> defer.Deferred[None]:
@@ -221,13 +241,19 @@ class OneNodeTests(FleetTestCase):
         self,
     ) -> Generator[Any, Any, None]:
         """The node drops the idle link; the next append + generate reconnects, reconciles
-        the held session and returns the tokens of the grown context."""
-        node = yield self.start_mock_node(idle_timeout_ms=300)
+        the held session and returns the tokens of the grown context.  The node's timers run
+        on a ``Clock``, so the link goes idle exactly once, when the test moves the clock past
+        the 300 ms idle timeout, however slowly the machine runs."""
+        clock = Clock()
+        node = yield self.start_mock_node(idle_timeout_ms=300, clock=clock)
         fleet = yield self.fleet_of([node])
         session = yield fleet.open_session(PROMPT)
         outcome = yield session.generate(8).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 8))
-        yield self.on(fleet, node).link.when_closed()
+        self.assertEqual(fleet.reconnects, 0)
+        closed = self.on(fleet, node).link.when_closed()
+        clock.advance(0.3)
+        yield closed
         grown = [*PROMPT, *outcome.tokens, 7, 8, 9]
         yield session.append(grown)
         again = yield session.generate(8).result
@@ -658,36 +684,50 @@ class HungNodeTests(FleetTestCase):
         """A node that stops answering mid-stream (frozen behind a proxy, the connection still
         open) is given up after the keepalive window: the stream continues on the other node
         with exactly the tokens of an uninterrupted run.  Once it answers again it rejoins
-        and serves correctly, and nothing it still had running reached the client twice."""
+        and serves correctly, and nothing it still had running reached the client twice.
+
+        The head's timers run on a ``Clock``: the frozen node is given up exactly when the
+        test moves the clock 0.5 s past its last token, and the other node, heard since (a
+        NODE_STATUS every 50 ms), is not, however long the machine takes between the two."""
+        clock = Clock()
         frozen = yield self.start_mock_node(identity="frozen", token_delay_s=0.01)
-        other = yield self.start_mock_node(identity="other")
+        other = yield self.start_mock_node(identity="other", status_interval_ms=50)
         proxy = FreezingProxy(frozen.port_number)
         listening = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(proxy)
         self.addCleanup(listening.stopListening)
         self.addCleanup(proxy.close_all)
         fleet = self.new_fleet(
-            policy=Policy.ROUND_ROBIN, silence_timeout_s=0.5, handshake_timeout_s=0.5
+            policy=Policy.ROUND_ROBIN, silence_timeout_s=0.5, handshake_timeout_s=0.5, clock=clock
         )
         hung = yield fleet.add_node(f"tcp:127.0.0.1:{listening.getHost().port}")
-        yield fleet.add_node(other.endpoint)
+        alive = yield fleet.add_node(other.endpoint)
         drops = _Opened()
         hung.link.observe(drops)
         streamed: list[int] = []
+        froze: defer.Deferred[None] = defer.Deferred()
 
         def seen(tokens: Sequence[int]) -> None:
             streamed.extend(tokens)
             if len(streamed) >= 5 and not proxy.frozen:
                 proxy.freeze()
+                froze.callback(None)
 
-        outcome = yield fleet.generate(PROMPT, 40, on_tokens=seen).result
+        generation = fleet.generate(PROMPT, 40, on_tokens=seen)
+        yield froze
+        clock.advance(0.3)
+        yield next_status(alive)
+        clock.advance(0.2)
+        outcome = yield generation.result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 40))
         self.assertEqual(streamed, outcome.tokens)
         self.assertEqual((outcome.node, outcome.failovers), ("other", 1))
         self.assertTrue(hung.down)
+        self.assertFalse(alive.down)
         (reason,) = drops.dropped
         self.assertIn("frozen sent nothing for", str(reason))
         back = next_open(hung)
         proxy.thaw()
+        clock.advance(0.05)  # the redial delay of new_fleet's retry policy
         yield back
         session = yield fleet.open_session(PROMPT)
         if session.node is not hung:
