@@ -17,6 +17,14 @@ first token (median, p90), the best of the rounds (other work only ever slows a 
 the throughput ratio fleet/engine (target >= 0.95) and the median first-token time the fleet adds
 (target <= 10 ms), met or missed, and whether both modes generated the same texts.
 
+One deliberate difference from a second ``twistd sfnode`` start: with quantized weights, the
+row count from which prompt chunks are multiplied by dense bfloat16 copies is timed when an
+engine starts (docs/engine.md section 5), and on a busy machine two starts often pick different
+ones (8 and 128 rows were both seen here), which changes how fast prompts are computed and,
+through rounding, the greedy texts.  So the node is started first and the in-process engine
+takes the node's choice (from its log) instead of timing its own; ``--own-crossover`` lets it
+time its own.  Both engines' start-up lines are printed.
+
 Both modes get the environment of the shell that started the script without
 ``OMP_WAIT_POLICY`` (a test-suite setting that slows a dedicated node), plus ``--node-env``:
 the in-process engine too, since this script drops it before torch is loaded.
@@ -34,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import sys
 import tempfile
 import time
@@ -68,6 +77,8 @@ RATE_TARGET = 0.95
 """Fleet tokens/s at least this fraction of the engine's alone."""
 ADDED_TTFT_TARGET_MS = 10.0
 """The fleet adds at most this much to the median time to first token."""
+CROSSOVER = re.compile(r"prompt chunks of (\d+) tokens or more")
+"""The engine's log line naming the row count from which prompts use dense copies."""
 
 
 class EngineClient:
@@ -144,10 +155,22 @@ def best(phases: Sequence[Phase]) -> tuple[float, float, float]:
     )
 
 
-def build_in_process_engine(reactor: Any, model: Path | None, node_args: Sequence[str]) -> Any:
-    """The engine ``twistd sfnode --listen ... [--model MODEL] NODE_ARGS`` would serve with."""
+def build_in_process_engine(
+    reactor: Any, model: Path | None, node_args: Sequence[str], crossover: str | None
+) -> tuple[Any, list[str]]:
+    """The engine ``twistd sfnode --listen ... [--model MODEL] NODE_ARGS`` would serve with,
+    and the lines its start logged.
+
+    ``crossover`` is the node's log line that says from how many rows prompt chunks use dense
+    copies of quantized weights (None: measure here, as the node did).  That row count is
+    timed at start (docs/engine.md section 5), so on a busy machine two starts pick different
+    ones, and prompts are then computed at different speeds and rounded differently; given
+    the node's line, this engine takes the node's choice instead of timing its own.
+    """
+    from twisted.logger import formatEvent, globalLogPublisher
     from twisted.python import usage
 
+    import sfnode.engines.llama_weights
     from sfnode.tap import Options, build_engine
 
     options = Options()
@@ -156,15 +179,32 @@ def build_in_process_engine(reactor: Any, model: Path | None, node_args: Sequenc
         options.parseOptions(["--listen", "tcp:0:interface=127.0.0.1", *model_args, *node_args])
     except usage.UsageError as e:
         raise BenchError(f"--node-arg: {e}") from e
-    return build_engine(reactor, options)
+    lines: list[str] = []
+
+    def keep(event: dict[str, Any]) -> None:
+        if str(event.get("log_namespace", "")).startswith("sfnode.engines"):
+            lines.append(formatEvent(event))
+
+    measure = sfnode.engines.llama_weights.dense_rows
+    if crossover is not None:
+        found = CROSSOVER.search(crossover)
+        rows = int(found.group(1)) if found else None
+        sfnode.engines.llama_weights.dense_rows = lambda projection: rows  # type: ignore[assignment]
+    globalLogPublisher.addObserver(keep)
+    try:
+        return build_engine(reactor, options), lines
+    finally:
+        globalLogPublisher.removeObserver(keep)
+        sfnode.engines.llama_weights.dense_rows = measure  # type: ignore[assignment]
 
 
-def served_line(log: Path) -> str:
-    """The node's log line that says which weights and kernels it serves with."""
-    for line in log.read_text(errors="replace").splitlines():
-        if "serving " in line and ("weights" in line or "forward" in line):
-            return line.split("] ", 1)[-1]
-    return "(not found in its log)"
+def node_lines(log: Path) -> list[str]:
+    """What the node's engine logged at start (its weights, kernels and crossover)."""
+    return [
+        line.split("] ", 1)[-1]
+        for line in log.read_text(errors="replace").splitlines()
+        if "[sfnode.engines." in line
+    ]
 
 
 async def bench(reactor: Any, options: argparse.Namespace) -> None:
@@ -185,24 +225,38 @@ async def bench(reactor: Any, options: argparse.Namespace) -> None:
         f"{model or 'the bundled one'}; logs in {logs}",
         flush=True,
     )
-    print("building the engine in this process as twistd sfnode does ...", flush=True)
-    started = time.monotonic()
-    engine = build_in_process_engine(reactor, model, options.node_arg)
-    engine.start()
-    print(
-        f"  built in {time.monotonic() - started:.0f} s: weights {engine.weights_mode} "
-        f"({engine.kernels})",
-        flush=True,
-    )
-    renderer = Renderer(load_head_tokenizer(str(model) if model is not None else None))
-    client = EngineClient(engine, renderer)
     env = child_env(options.node_env)
     concurrencies: list[int] = options.concurrency or [1, 8]
     phases: dict[tuple[str, int], list[Phase]] = {(m, c): [] for m in MODES for c in concurrencies}
+    engine: Any = None
     try:
         with fleet_processes(options.node_arg, env, model, logs) as port:
             served = served_model(port)
-            print(f"  the node: {served_line(logs / 'sfnode.log')}", flush=True)
+            node_said = node_lines(logs / "sfnode.log")
+            print("  the node's engine:", *node_said, sep="\n    ", flush=True)
+            crossover = None
+            if not options.own_crossover:
+                crossover = next((line for line in node_said if CROSSOVER.search(line)), "")
+            found = CROSSOVER.search(crossover or "")
+            crossover_rows = f"from {found.group(1)}" if found else "none"
+            print("building the engine in this process as twistd sfnode does ...", flush=True)
+            started = time.monotonic()
+            engine, said = build_in_process_engine(reactor, model, options.node_arg, crossover)
+            engine.start()
+            print(
+                f"  built in {time.monotonic() - started:.0f} s"
+                + (
+                    ""
+                    if crossover is None
+                    else f", dense prompt rows as the node: {crossover_rows}"
+                )
+                + ":",
+                *said,
+                sep="\n    ",
+                flush=True,
+            )
+            renderer = Renderer(load_head_tokenizer(str(model) if model is not None else None))
+            client = EngineClient(engine, renderer)
             # One warm-up request each: first passes, connections, tokenizer caches.
             await client.phase([WARM_UP_TOPIC], options.max_tokens, 1)
             await fleet_phase(port, served, [WARM_UP_TOPIC], options.max_tokens, 1)
@@ -224,7 +278,8 @@ async def bench(reactor: Any, options: argparse.Namespace) -> None:
                             done = await fleet_phase(port, served, chosen, options.max_tokens, c)
                         phases[mode, c].append(done)
     finally:
-        await engine.stop()
+        if engine is not None:
+            await engine.stop()
     load.append(os.getloadavg()[0])
     report(options, concurrencies, phases, load, engine)
 
@@ -343,6 +398,13 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="an environment variable for both modes (this process and sfhead and sfnode), "
         "repeatable (e.g. --node-env OMP_WAIT_POLICY=ACTIVE)",
+    )
+    p.add_argument(
+        "--own-crossover",
+        action="store_true",
+        help="let the in-process engine time its own crossover to dense prompt products "
+        "instead of taking the node's (docs/engine.md section 5); two starts on a busy "
+        "machine often pick different ones, which changes prompt speed and greedy texts",
     )
     p.add_argument("--logs", default=None, help="folder for the servers' logs (default: a temp)")
     options = p.parse_args(argv)
