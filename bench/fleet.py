@@ -20,7 +20,7 @@ the throughput ratio fleet/engine (target >= 0.95) and the median first-token ti
 One deliberate difference from a second ``twistd sfnode`` start: with quantized weights, the
 row count from which prompt chunks are multiplied by dense bfloat16 copies is timed when an
 engine starts (docs/engine.md section 5), and on a busy machine two starts often pick different
-ones (8 and 128 rows were both seen here), which changes how fast prompts are computed and,
+ones (8, 32, 64 and 128 rows were all seen here), which changes how fast prompts are computed and,
 through rounding, the greedy texts.  So the node is started first and the in-process engine
 takes the node's choice (from its log) instead of timing its own; ``--own-crossover`` lets it
 time its own.  Both engines' start-up lines are printed.
@@ -100,7 +100,6 @@ class EngineClient:
         from sfnode.wire import GenParams
 
         answer = Answer(usage=True)
-        started = time.perf_counter()
 
         def seen(tokens: Sequence[int], logprobs: Any = None, /) -> None:
             if answer.first is None and tokens:
@@ -156,16 +155,16 @@ def best(phases: Sequence[Phase]) -> tuple[float, float, float]:
 
 
 def build_in_process_engine(
-    reactor: Any, model: Path | None, node_args: Sequence[str], crossover: str | None
+    reactor: Any, model: Path | None, node_args: Sequence[str], dense_rows: int | None, own: bool
 ) -> tuple[Any, list[str]]:
     """The engine ``twistd sfnode --listen ... [--model MODEL] NODE_ARGS`` would serve with,
     and the lines its start logged.
 
-    ``crossover`` is the node's log line that says from how many rows prompt chunks use dense
-    copies of quantized weights (None: measure here, as the node did).  That row count is
-    timed at start (docs/engine.md section 5), so on a busy machine two starts pick different
-    ones, and prompts are then computed at different speeds and rounded differently; given
-    the node's line, this engine takes the node's choice instead of timing its own.
+    ``dense_rows`` is the node's choice of the row count from which prompt chunks use dense
+    copies of quantized weights (None: never); ``own`` times it here instead, as the node
+    did.  It is timed at start (docs/engine.md section 5), so on a busy machine two starts pick
+    different ones, and prompts are then computed at different speeds and rounded
+    differently: given the node's choice, this engine takes it instead of timing its own.
     """
     from twisted.logger import formatEvent, globalLogPublisher
     from twisted.python import usage
@@ -186,16 +185,23 @@ def build_in_process_engine(
             lines.append(formatEvent(event))
 
     measure = sfnode.engines.llama_weights.dense_rows
-    if crossover is not None:
-        found = CROSSOVER.search(crossover)
-        rows = int(found.group(1)) if found else None
-        sfnode.engines.llama_weights.dense_rows = lambda projection: rows  # type: ignore[assignment]
+    if not own:
+        sfnode.engines.llama_weights.dense_rows = lambda projection: dense_rows  # type: ignore[assignment]
     globalLogPublisher.addObserver(keep)
     try:
         return build_engine(reactor, options), lines
     finally:
         globalLogPublisher.removeObserver(keep)
         sfnode.engines.llama_weights.dense_rows = measure  # type: ignore[assignment]
+
+
+def node_dense_rows(lines: Sequence[str]) -> int | None:
+    """The node's crossover to dense prompt products, from its start-up lines (None: none)."""
+    for line in lines:
+        found = CROSSOVER.search(line)
+        if found:
+            return int(found.group(1))
+    return None
 
 
 def node_lines(log: Path) -> list[str]:
@@ -234,23 +240,16 @@ async def bench(reactor: Any, options: argparse.Namespace) -> None:
             served = served_model(port)
             node_said = node_lines(logs / "sfnode.log")
             print("  the node's engine:", *node_said, sep="\n    ", flush=True)
-            crossover = None
-            if not options.own_crossover:
-                crossover = next((line for line in node_said if CROSSOVER.search(line)), "")
-            found = CROSSOVER.search(crossover or "")
-            crossover_rows = f"from {found.group(1)}" if found else "none"
+            rows = node_dense_rows(node_said)
+            own = options.own_crossover
             print("building the engine in this process as twistd sfnode does ...", flush=True)
             started = time.monotonic()
-            engine, said = build_in_process_engine(reactor, model, options.node_arg, crossover)
+            engine, said = build_in_process_engine(reactor, model, options.node_arg, rows, own)
             engine.start()
+            crossover = f"from {rows} rows" if rows is not None else "none"
+            taken = "" if own else f", taking the node's crossover to dense prompts ({crossover})"
             print(
-                f"  built in {time.monotonic() - started:.0f} s"
-                + (
-                    ""
-                    if crossover is None
-                    else f", dense prompt rows as the node: {crossover_rows}"
-                )
-                + ":",
+                f"  built in {time.monotonic() - started:.0f} s{taken}:",
                 *said,
                 sep="\n    ",
                 flush=True,
