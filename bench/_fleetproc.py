@@ -1,0 +1,431 @@
+"""What the benchmarks that run the fleet as deployed share: its processes and an HTTP client.
+
+``bench/peer.py`` and ``bench/fleet.py`` start ``twistd -n --pidfile= sfnode`` and ``twistd -n
+--pidfile= sfhead`` as separate processes on free ports (:func:`fleet_processes`), with the
+environment of the shell that started the script without ``OMP_WAIT_POLICY`` (:func:`child_env`;
+a test-suite setting that slows a dedicated server), and send them streamed OpenAI chat requests
+with a small asyncio client (:func:`run_phase`) that times the first text of every answer.
+
+This module is for benchmark scripts only: it must never be imported by the package or the
+tests, never assert, and never leave a process it started running when the script exits (call
+:func:`guard_children` first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import IO, Any
+
+# The environment of the shell that started the script, taken when this module is imported
+# (before any script changes its own).
+SHELL_ENV = dict(os.environ)
+
+NODE_READY_S = 900.0
+"""The node's first start converts the GGUF model (about half a minute, more on a busy machine)."""
+STOP_S = 30.0
+TOPICS = (
+    "a lighthouse keeper",
+    "a dragon who is afraid of fire",
+    "a city under the sea",
+    "a robot learning to paint",
+    "two rival bakers",
+    "a lost expedition in Antarctica",
+    "a talking cat",
+    "the first colony on Mars",
+    "a haunted library",
+    "a young inventor",
+    "a storm at sea",
+    "a detective in Victorian London",
+    "a forgotten kingdom",
+    "a journey across the desert",
+    "a clockmaker's apprentice",
+    "a friendship between a fox and a crow",
+)
+WARM_UP_TOPIC = "a quiet village in the mountains"
+
+
+class BenchError(Exception):
+    """The benchmark cannot go on; the message says why and where the logs are."""
+
+
+# --- child processes -------------------------------------------------------------------------
+
+_CHILDREN: list[Child] = []
+
+
+class Child:
+    """A process this script started: its output goes to a log file; ``stop`` ends it."""
+
+    def __init__(
+        self, name: str, argv: Sequence[str], env: dict[str, str], log_path: Path, group: bool
+    ) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log: IO[bytes] = open(log_path, "wb")  # closed by stop()
+        # A build runs make and compilers: in its own process group so that stop ends them all.
+        self.group = group
+        self.process = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=group,
+        )
+        _CHILDREN.append(self)
+
+    def tail(self, lines: int = 25) -> str:
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def failed(self, what: str) -> BenchError:
+        return BenchError(f"{self.name} {what}; the end of {self.log_path}:\n{self.tail()}")
+
+    def check_running(self) -> None:
+        status = self.process.poll()
+        if status is not None:
+            raise self.failed(f"exited with status {status}")
+
+    def wait_for_line(self, pattern: bytes, timeout: float) -> re.Match[bytes]:
+        """The first match of ``pattern`` in the child's output, polled until ``timeout``."""
+        compiled = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        while True:
+            found = compiled.search(self.log_path.read_bytes())
+            if found:
+                return found
+            self.check_running()
+            if time.monotonic() > deadline:
+                raise self.failed(f"did not print {pattern.decode()!r} within {timeout:.0f} s")
+            time.sleep(0.2)
+
+    def wait(self) -> int:
+        """Wait for the end; the exit status."""
+        return self.process.wait()
+
+    def stop(self) -> None:
+        """End the process (SIGTERM, then SIGKILL after 30 s) and wait for it; idempotent."""
+        if self.process.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=STOP_S)
+            except subprocess.TimeoutExpired:
+                self._signal(signal.SIGKILL)
+                self.process.wait()
+        self._log.close()
+        if self in _CHILDREN:
+            _CHILDREN.remove(self)
+
+    def _signal(self, signum: int) -> None:
+        try:
+            if self.group:
+                os.killpg(self.process.pid, signum)
+            else:
+                self.process.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+
+def stop_children() -> None:
+    """Stop every process started through :class:`Child` that is still running."""
+    for child in list(reversed(_CHILDREN)):
+        child.stop()
+
+
+def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
+    # Turned into SystemExit so that every ``finally`` (and then atexit) stops the children.
+    raise SystemExit(128 + signum)
+
+
+def guard_children() -> None:
+    """Stop the children at exit, and on SIGTERM or SIGHUP (call once, from the main thread)."""
+    atexit.register(stop_children)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _exit_on_signal)
+
+
+def get_json(url: str, timeout: float = 5.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.load(response)
+
+
+def wait_until(child: Child, url: str, ready: Callable[[Any], bool], timeout: float) -> None:
+    """Poll ``url`` until its JSON answer satisfies ``ready`` (non-200 answers count as not)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if ready(get_json(url, timeout=2)):
+                return
+        except (OSError, ValueError, urllib.error.URLError):
+            pass
+        child.check_running()
+        if time.monotonic() > deadline:
+            raise child.failed(f"was not ready at {url} within {timeout:.0f} s")
+        time.sleep(0.25)
+
+
+def child_env(extra: Sequence[str]) -> dict[str, str]:
+    """The shell's environment without OMP_WAIT_POLICY, plus ``KEY=VALUE`` settings."""
+    env = {k: v for k, v in SHELL_ENV.items() if k != "OMP_WAIT_POLICY"}
+    env.update(parse_env(extra))
+    return env
+
+
+def parse_env(settings: Sequence[str]) -> dict[str, str]:
+    """``KEY=VALUE`` settings as a dict; :class:`BenchError` for one without ``=``."""
+    parsed = {}
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        if not sep or not key:
+            raise BenchError(f"an environment setting must be KEY=VALUE, not {setting!r}")
+        parsed[key] = value
+    return parsed
+
+
+def twistd(*args: str) -> list[str]:
+    """The command line of ``twistd -n --pidfile= ARGS`` with this script's Python."""
+    run = "import sys; sys.argv[0] = 'twistd'; from twisted.scripts.twistd import run; run()"
+    return [sys.executable, "-c", run, "-n", "--pidfile=", *args]
+
+
+def shown(argv: Sequence[str]) -> str:
+    """A :func:`twistd` command line as a user would type it."""
+    return "twistd " + subprocess.list2cmdline(list(argv)[3:])
+
+
+@contextmanager
+def fleet_processes(
+    node_args: Sequence[str], env: dict[str, str], model: Path | None, logs: Path
+) -> Iterator[int]:
+    """``twistd sfnode`` listening on a free loopback port and ``twistd sfhead`` dialing it,
+    serving HTTP on another: yields that HTTP port once the head has the node, and stops both
+    when the block ends.  Their output goes to ``logs/sfnode.log`` and ``logs/sfhead.log``."""
+    model_args = ["--model", str(model)] if model is not None else []
+    node_argv = twistd("sfnode", "--listen", "tcp:0:interface=127.0.0.1", *model_args, *node_args)
+    print(f"starting {shown(node_argv)}", flush=True)
+    node = Child("sfnode", node_argv, env, logs / "sfnode.log", False)
+    head: Child | None = None
+    try:
+        found = node.wait_for_line(rb"sfnode listening on 127\.0\.0\.1:(\d+)", NODE_READY_S)
+        head_argv = twistd(
+            "sfhead",
+            "--node", f"tcp:127.0.0.1:{int(found.group(1))}",
+            "--http", "tcp:0:interface=127.0.0.1",
+            "--fleet-listen", "tcp:0:interface=127.0.0.1",
+            *model_args,
+        )  # fmt: skip
+        print(f"starting {shown(head_argv)}", flush=True)
+        head = Child("sfhead", head_argv, env, logs / "sfhead.log", False)
+        found = head.wait_for_line(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)", NODE_READY_S)
+        port = int(found.group(1))
+        wait_until(
+            head,
+            f"http://127.0.0.1:{port}/healthz",
+            lambda body: body.get("nodes", 0) > 0,
+            NODE_READY_S,
+        )
+        yield port
+    finally:
+        if head is not None:
+            head.stop()
+        node.stop()
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "an unknown CPU"
+
+
+# --- the client ------------------------------------------------------------------------------
+
+
+@dataclass
+class Answer:
+    """One streamed completion as the client saw it."""
+
+    tokens: int = 0
+    """``usage.completion_tokens`` of the last chunk, else the content chunks counted."""
+    first: float | None = None
+    """Seconds from sending the request to the first chunk with text."""
+    text: str = ""
+    chunks: int = 0
+    usage: bool = False
+
+
+@dataclass
+class Phase:
+    """The requests of one concurrency on one server."""
+
+    concurrency: int
+    answers: list[Answer]
+    wall: float
+    client_cpu: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(a.tokens for a in self.answers)
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.wall if self.wall > 0 else 0.0
+
+    def first_token_ms(self, q: float) -> float:
+        times = sorted(a.first for a in self.answers if a.first is not None)
+        if not times:
+            return float("nan")
+        if q == 0.5:
+            return 1000 * statistics.median(times)
+        return 1000 * times[min(len(times) - 1, round(q * (len(times) - 1)))]
+
+
+async def _body(reader: asyncio.StreamReader, headers: dict[str, str]) -> AsyncIterator[bytes]:
+    """The response body as it arrives (chunked, sized or until the connection closes)."""
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        while True:
+            size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                while (await reader.readline()).strip():
+                    pass  # trailers
+                return
+            data = await reader.readexactly(size)
+            await reader.readexactly(2)
+            yield data
+    elif "content-length" in headers:
+        yield await reader.readexactly(int(headers["content-length"]))
+    else:
+        while data := await reader.read(65536):
+            yield data
+
+
+async def stream_chat(host: str, port: int, body: dict[str, Any]) -> Answer:
+    """POST one streamed chat completion on a fresh connection and read it to the end."""
+    payload = json.dumps(body).encode()
+    request = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+        f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
+        f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+    ).encode() + payload
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        started = time.perf_counter()
+        writer.write(request)
+        await writer.drain()
+        status_line = (await reader.readline()).decode("latin-1").strip()
+        headers: dict[str, str] = {}
+        while line := (await reader.readline()).decode("latin-1").strip():
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        answer = Answer()
+        if status_line.split(" ")[1:2] != ["200"]:
+            error = b"".join([chunk async for chunk in _body(reader, headers)])
+            raise BenchError(f"{status_line} from :{port}: {error.decode(errors='replace')[:500]}")
+        buffer = b""
+        async for data in _body(reader, headers):
+            arrived = time.perf_counter()
+            buffer += data.replace(b"\r\n", b"\n")
+            while b"\n\n" in buffer:
+                event, buffer = buffer.split(b"\n\n", 1)
+                _read_event(event, answer, arrived - started, port)
+        if not answer.usage:
+            answer.tokens = answer.chunks
+        return answer
+    finally:
+        writer.close()
+
+
+def _read_event(event: bytes, answer: Answer, elapsed: float, port: int) -> None:
+    for line in event.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        chunk = json.loads(data)
+        if "error" in chunk:
+            raise BenchError(f"error event from :{port}: {chunk['error']}")
+        for choice in chunk.get("choices") or []:
+            text = (choice.get("delta") or {}).get("content")
+            if text:
+                answer.chunks += 1
+                answer.text += text
+                if answer.first is None:
+                    answer.first = elapsed
+        usage = chunk.get("usage")
+        if usage and "completion_tokens" in usage:
+            answer.tokens = int(usage["completion_tokens"])
+            answer.usage = True
+
+
+def story_request(topic: str) -> str:
+    """The user message of every benchmark chat request (issue 9's prompts)."""
+    return f"Write a long, detailed story about {topic}"
+
+
+def chat_body(model: str, topic: str, max_tokens: int) -> dict[str, Any]:
+    """A greedy streamed chat request for ``topic``, asking for usage in the last chunk."""
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": story_request(topic)}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+def served_model(port: int) -> str:
+    """The first model id the server at ``port`` lists."""
+    models = get_json(f"http://127.0.0.1:{port}/v1/models")
+    return str(models["data"][0]["id"])
+
+
+async def run_phase(port: int, bodies: Sequence[dict[str, Any]], concurrency: int) -> Phase:
+    """``bodies`` in order, ``concurrency`` in flight (a closed loop: the next on each end)."""
+    answers: list[Answer | None] = [None] * len(bodies)
+    pending = iter(range(len(bodies)))
+
+    async def client() -> None:
+        for index in pending:
+            answers[index] = await stream_chat("127.0.0.1", port, bodies[index])
+
+    cpu = time.process_time()
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    wall = time.perf_counter() - started
+    done = [a for a in answers if a is not None]
+    return Phase(concurrency, done, wall, time.process_time() - cpu)
+
+
+def topics(count: int, start: int = 0) -> list[str]:
+    """``count`` topics from position ``start`` of an endless list: the 16 of the issue, then
+    again as "part 2", "part 3", ..."""
+    end = start + count
+    rounds = [TOPICS] + [
+        tuple(f"{t} (part {n})" for t in TOPICS) for n in range(2, end // len(TOPICS) + 2)
+    ]
+    return [topic for round_ in rounds for topic in round_][start:end]
