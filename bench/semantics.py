@@ -13,8 +13,9 @@ where the scenario can run there, against llama.cpp's ``llama-server``).
   kind of agents with no chat.
 - **KV exhaustion**: 32 concurrent near-window prompts against 8 lanes whose KV pool holds 8
   windows (the window made small with the node's ``--max-context``): all complete, none refused.
-- **conversation**: 200 turns; each resends the history, trimmed by the client to the window:
-  every turn answered; the first-token time by turn is printed.
+- **conversation**: 200 turns; each resends the history, trimmed by the client to the window
+  (when it no longer fits, the oldest exchanges go, down to three quarters of it): every turn
+  answered; the first-token time by turn is printed.
 - **client disconnect**: one lane; a streaming client goes away after a few tokens; the next
   request starts at once (its first token within 0.5 s of its time on an idle server).
 - **shared-prefix burst**: 32 requests at once sharing a ~1,000-token prompt: the shared part is
@@ -592,6 +593,18 @@ def worker_kill(options: argparse.Namespace, logs: Path) -> Row:
         f"{reply.chunks} chunks, finish {reply.finish}, longest stall {ms(reply.longest_gap)}, "
         f"{reply.end:.1f} s (uninterrupted {reference.end:.1f} s)"
     )
+    if reply.text != reference.text:
+        same = next(
+            (i for i, (a, b) in enumerate(zip(reply.text, reference.text, strict=False)) if a != b),
+            min(len(reply.text), len(reference.text)),
+        )
+        figures += (
+            f"; the texts part after {same} of {len(reference.text)} characters: "
+            f"{reference.text[same : same + 30]!r} uninterrupted, {reply.text[same : same + 30]!r} "
+            "after the kill"
+        )
+    if not reply.ok:
+        figures += f"; error {reply.error or reply.status}"
     return Row("worker kill", "sfnode", condition, exact and bool(victim), figures)
 
 
@@ -675,6 +688,8 @@ def agents_chat(target: Target, options: argparse.Namespace) -> Row:
     try:
         path, warm = target.body("Warm up: say a word.", 4)
         asyncio.run(call(target.port, path, warm))
+        chat_path, chat_body = target.body(CHAT_QUESTION, 16)
+        idle = asyncio.run(call(target.port, chat_path, chat_body))
 
         def agents(seed: int) -> list[tuple[str, dict[str, Any]]]:
             return [
@@ -691,8 +706,7 @@ def agents_chat(target: Target, options: argparse.Namespace) -> Row:
             chat_reply = None
             if chat:
                 await asyncio.sleep(options.chat_delay)
-                p, b = target.body(CHAT_QUESTION, 16)
-                chat_reply = await call(target.port, p, b)
+                chat_reply = await call(target.port, chat_path, chat_body)
             return list(await asyncio.gather(*tasks)), chat_reply
 
         alone, _ = asyncio.run(phase(1, chat=False))
@@ -719,7 +733,8 @@ def agents_chat(target: Target, options: argparse.Namespace) -> Row:
     prompt = statistics.mean(r.prompt_tokens or 0 for r in mixed)
     classes = sorted({r.request_class or "-" for r in mixed})
     figures = (
-        f"chat first token {ms(chat.first)} (class {chat.request_class or '-'}), answer "
+        f"chat first token {ms(chat.first)} (alone on the idle server {ms(idle.first)}; class "
+        f"{chat.request_class or '-'}), answer "
         f"{chat.text.strip()[:60]!r}; agents finished {finished}/{2 * options.agents}, "
         f"{prompt:.0f} prompt tokens each (class {'/'.join(classes)}); agent throughput "
         f"{alone_rate:.1f} tok/s alone, {mixed_rate:.1f} with the chat ({100 * drop:+.1f}% drop); "
@@ -791,9 +806,12 @@ def conversation(target: Target, options: argparse.Namespace) -> Row:
                     "content": f"Turn {turn}: tell me one short fact about the number {turn}.",
                 }
             )
-            while length(history) > budget and len(history) > 1:
-                del history[:2]
-                trimmed += 1
+            if length(history) > budget:
+                # Like a chat client: drop the oldest exchanges, down to three quarters of the
+                # window, so that the next turns extend the same prefix again.
+                while length(history) > budget * 3 // 4 and len(history) > 1:
+                    del history[:2]
+                    trimmed += 1
             lengths.append(length(history))
             path, body = target.messages_body(history, options.conv_tokens)
             reply = asyncio.run(call(target.port, path, body))
