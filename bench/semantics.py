@@ -395,6 +395,7 @@ class Fleet(Target):
                 "--metrics",
                 f"tcp:{self.metrics_ports[index]}:interface=127.0.0.1",
                 *self.options.engine_node_args,
+                *self.options.node_arg,
                 *self.node_args,
             ],
         )
@@ -1100,6 +1101,14 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         default=[],
         metavar="KEY=VALUE",
         help="an environment variable for sfhead and sfnode, repeatable",
+    )
+    p.add_argument(
+        "--node-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an argument for every twistd sfnode, repeatable (write it with '=', e.g. "
+        "--node-arg=--weights=float32)",
     )
     p.add_argument(
         "--head-arg",
