@@ -392,6 +392,7 @@ class MockEngine:
     (:func:`mock_token`): a sampled lane draws at ``seed + len(context)`` from the mock's logits.
     A generation whose ``params.logprobs`` asks gets each token's logprob and alternatives from
     those same logits (:func:`sparse_logprob`).
+    A free lane takes the first queued interactive request before any batch one.
     """
 
     def __init__(
@@ -506,10 +507,19 @@ class MockEngine:
         self._leave(generation)
         generation.result.callback(GenerationResult(tuple(generation.produced), stop))
 
+    def _next_admitted(self) -> _MockGeneration:
+        """The queued generation a free lane takes: the first interactive one, else the first
+        (docs/protocol.md section 12.2; the mock keeps no lane for interactive work)."""
+        for generation in self._queue:
+            if generation.request.interactive:
+                self._queue.remove(generation)
+                return generation
+        return self._queue.popleft()
+
     def _step(self) -> None:
         self._step_call = None
         while self._queue and len(self._lanes) < self._max_lanes:
-            generation = self._queue.popleft()
+            generation = self._next_admitted()
             self._prefilled += len(generation.context)
             if generation.request.max_wall_ms:
                 generation.deadline = (

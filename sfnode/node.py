@@ -69,6 +69,7 @@ from sfnode.protocol import NodeConnection, NodeProtocol
 from sfnode.wire import (
     F32_MAX,
     FEATURE_LOGPROBS,
+    FEATURE_REQUEST_CLASS,
     FINISH_DECLINED,
     FINISH_REFUSED,
     LOGPROBS_MAX,
@@ -407,7 +408,9 @@ class NodeAgent:
             node_identity=self.config.identity,
             capacity=self.capacity(),
             loadable_models=(self.config.model_name,),
-            feature_flags=FEATURE_LOGPROBS if self.engine.supports_logprobs else 0,
+            # Every engine reads GenerationRequest.interactive (section 12.2).
+            feature_flags=FEATURE_REQUEST_CLASS
+            | (FEATURE_LOGPROBS if self.engine.supports_logprobs else 0),
             limits=LinkFLimits(),
         )
 
@@ -573,6 +576,7 @@ class NodeAgent:
                 params=params,
                 max_new=min(msg.budgets.max_new_tokens, U32_MAX),
                 max_wall_ms=msg.budgets.max_wall_ms,
+                interactive=msg.interactive,
             ),
         )
 

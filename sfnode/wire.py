@@ -54,6 +54,9 @@ MAX_TOP_LOGPROBS = 20
 """The most alternatives a TokensLogprobs event lists per token (OpenAI's top_logprobs)."""
 LOGPROBS_MAX = MAX_TOP_LOGPROBS + 1
 """The largest ``GenParams.logprobs``: the chosen token and 20 alternatives."""
+FEATURE_REQUEST_CLASS = 1 << 1
+"""HELLO_ACK_F feature flag: the node reads the request class of GENERATE_REQ and admits
+interactive generations ahead of batch ones (docs/protocol.md section 12.2)."""
 
 _ENVELOPE = struct.Struct("<IHHQQB")
 _LENGTH = struct.Struct("<I")
@@ -945,16 +948,53 @@ class AppendContentMsg(Message):
     FIELDS = (U64, U64, U64, BIN, ArrayOf(TokenSpan.as_codec()), ArrayOf(HASH32))
 
 
+class RequestClass(enum.IntEnum):
+    """Who waits on a generation (docs/protocol.md section 12.2).  The numbers are the wire's."""
+
+    INTERACTIVE = 0
+    """A person is waiting: admitted ahead of batch work.  What a GENERATE_REQ without the
+    element means."""
+    BATCH = 1
+    """Throughput work (agents, evaluations, bulk jobs): never ahead of interactive work."""
+
+
 @dataclass(frozen=True, slots=True)
 class GenerateReqMsg(Message):
+    """GENERATE_REQ.  ``request_class`` is the optional seventh element of section 12.2: None
+    (not written, the six-element message every node reads) or a u8, where 0 is interactive,
+    1 batch, and any other value reads as batch."""
+
     command_id: int
     session_id: int
     epoch: int
     generation_id: int
     budgets: GenerationBudgetsMsg
     policy_ref: int = 0
+    request_class: int | None = None
     MSG_TYPE = MsgType.GENERATE_REQ
-    FIELDS = (U64, U64, U64, U64, GenerationBudgetsMsg.as_codec(), U64)
+    FIELDS = (U64, U64, U64, U64, GenerationBudgetsMsg.as_codec(), U64, Optional(U8))
+
+    def __post_init__(self) -> None:
+        if isinstance(self.request_class, RequestClass):
+            # Compared and encoded as the plain u8 it is on the wire.
+            object.__setattr__(self, "request_class", int(self.request_class))
+
+    @property
+    def interactive(self) -> bool:
+        """Whether the generation is interactive: class 0, or no class at all (an older head
+        classifies nothing, and its requests keep every lane as they always did)."""
+        return self.request_class is None or self.request_class == RequestClass.INTERACTIVE
+
+    def to_wire(self) -> list[Any]:
+        wire = Struct.to_wire(self)
+        return wire if self.request_class is not None else wire[:6]
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> GenerateReqMsg:
+        if type(obj) is list and len(obj) == 6:
+            obj = [*obj, None]
+        message: GenerateReqMsg = super(GenerateReqMsg, cls).from_wire(obj)
+        return message
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 from twisted.internet.defer import Deferred
 
 from sfnode.generation import TokenSink
-from sfnode.wire import CapacitySummary, GenParams
+from sfnode.wire import CapacitySummary, GenParams, RequestClass
 
 if TYPE_CHECKING:
     from sfnode.head.fleet import FleetOutcome
@@ -101,11 +101,13 @@ class Backend(Protocol):
         params: GenParams = ...,
         on_tokens: TokenSink | None = None,
         max_wall_ms: int = 0,
+        request_class: RequestClass = ...,
     ) -> GenerationHandle:
         """Run one generation of ``prompt``; ``on_tokens(tokens)`` gets its tokens as they
         come, or ``on_tokens(tokens, logprobs)`` when ``params.logprobs`` asks for them (a
         backend that cannot return them fails the generation with
-        :class:`~sfnode.head.fleet.LogprobsUnavailable`)."""
+        :class:`~sfnode.head.fleet.LogprobsUnavailable`); ``request_class`` says whether someone
+        waits on it (docs/protocol.md section 12.2)."""
 
     def status(self, model: str | None = None) -> BackendStatus: ...
 
@@ -126,7 +128,10 @@ class PipelineBackend:
         params: GenParams = _DEFAULT_PARAMS,
         on_tokens: TokenSink | None = None,
         max_wall_ms: int = 0,
+        request_class: RequestClass = RequestClass.INTERACTIVE,
     ) -> GenerationHandle:
+        # A pipeline runs one generation at a time on its stages: there is no lane to keep,
+        # so the class changes nothing there.
         return self.pipeline.generate(
             prompt,
             max_new,

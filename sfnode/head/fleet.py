@@ -82,6 +82,7 @@ from sfnode.wire import (
     FINISH_REFUSED,
     GenParams,
     Lease,
+    RequestClass,
 )
 
 DEFAULT_MAX_QUEUED = 256
@@ -158,6 +159,8 @@ class FleetNode:
         """Sessions placed here and not ended."""
         self.inflight = 0
         """Generations the head runs here."""
+        self.interactive_inflight = 0
+        """How many of them are interactive (docs/protocol.md section 12.2)."""
         self.failed_attempts = 0
         """Failed (re)connection attempts since the link was last open."""
         self.last_failure = ""
@@ -212,6 +215,7 @@ class FleetNode:
             sessions=self.sessions,
             inflight=self.inflight,
             features=self.link.features,
+            interactive_inflight=self.interactive_inflight,
         )
 
     def fits(self, length: int) -> bool:
@@ -326,12 +330,15 @@ class FleetSession:
         *,
         on_tokens: TokenSink | None = None,
         max_wall_ms: int = 0,
+        request_class: RequestClass = RequestClass.INTERACTIVE,
     ) -> FleetGeneration:
         """Generate up to ``max_new`` tokens after the session's context; fails over on its own.
 
         A session whose GenParams ask for logprobs gets them with its tokens
         (``on_tokens(tokens, logprobs)``, see :meth:`NodeLink.generate`)."""
-        generation = FleetGeneration(self, max_new, on_tokens, max_wall_ms, one_shot=False)
+        generation = FleetGeneration(
+            self, max_new, on_tokens, max_wall_ms, one_shot=False, request_class=request_class
+        )
         generation._start()
         return generation
 
@@ -357,10 +364,13 @@ class FleetGeneration:
         *,
         one_shot: bool,
         expected_out: int = DEFAULT_EXPECTED_OUT,
+        request_class: RequestClass = RequestClass.INTERACTIVE,
     ) -> None:
         self.session = session
         self.max_new = max_new
         self.max_wall_ms = max_wall_ms
+        self.request_class = request_class
+        """Interactive or batch (docs/protocol.md section 12.2); kept across failovers."""
         self.tokens: list[int] = []
         """Every token delivered to the caller, in order, each once."""
         self.failovers = 0
@@ -460,6 +470,7 @@ class FleetGeneration:
                         claim_lane=True,
                         avoid=tried,
                         priority=bool(self.failovers),
+                        interactive=self.interactive,
                     )
                     try:
                         node = await self._waiting
@@ -471,7 +482,7 @@ class FleetGeneration:
                         self._waiting = None
                 else:
                     node = session.node
-                    node.inflight += 1
+                    fleet._claim(node, self.interactive)
                 try:
                     outcome = await self._generate_on(node, remaining)
                 except _NODE_FATAL as e:
@@ -531,6 +542,7 @@ class FleetGeneration:
                 remaining,
                 max_wall_ms=self.max_wall_ms,
                 on_tokens=self._deliver,
+                request_class=self.request_class,
             )
             self._call = call
             self._placement_done(None)
@@ -539,7 +551,11 @@ class FleetGeneration:
             finally:
                 self._call = None
         finally:
-            fleet._release(node)
+            fleet._release(node, self.interactive)
+
+    @property
+    def interactive(self) -> bool:
+        return self.request_class == RequestClass.INTERACTIVE
 
 
 # --------------------------------------------------------------------------------------------
@@ -852,10 +868,12 @@ class Fleet:
         claim_lane: bool,
         avoid: Sequence[FleetNode] = (),
         priority: bool = False,
+        interactive: bool = False,
     ) -> Deferred[FleetNode]:
         """Assign ``session`` (new epoch) and append ``context`` on the best node that can take
         it, now or when one can (the queue).  ``claim_lane`` counts a generation on the node at
-        once.  ``priority`` (a failover) goes ahead of the queue and past its bound."""
+        once.  ``priority`` (a failover) goes ahead of the queue and past its bound;
+        ``interactive`` places it as docs/protocol.md section 12.2 says."""
         request = placement.Request(
             model=session.model,
             length=len(context),
@@ -863,6 +881,7 @@ class Fleet:
             needs_lane=claim_lane,
             avoid=frozenset(n.order for n in avoid),
             features=needed_features(session.params),
+            interactive=interactive,
         )
         waiter = _Waiter(
             session,
@@ -928,7 +947,7 @@ class Fleet:
         session.node = node
         node.sessions += 1
         if waiter.claim_lane:
-            node.inflight += 1
+            self._claim(node, waiter.request.interactive)
 
     def _dispatch(self) -> None:
         """Place what waits, in order, on whatever the nodes can take now."""
@@ -1010,9 +1029,17 @@ class Fleet:
         node.sessions -= 1
         node.link.revoke(session.session_id)
 
-    def _release(self, node: FleetNode) -> None:
+    def _claim(self, node: FleetNode, interactive: bool) -> None:
+        """A generation starts on ``node``: count it (and its class, section 12.2)."""
+        node.inflight += 1
+        if interactive:
+            node.interactive_inflight += 1
+
+    def _release(self, node: FleetNode, interactive: bool) -> None:
         """A generation on ``node`` ended: its lane may take a waiting request."""
         node.inflight -= 1
+        if interactive:
+            node.interactive_inflight -= 1
         self._dispatch()
 
     # ----------------------------------------------------------------------------------------
@@ -1061,15 +1088,26 @@ class Fleet:
         params: GenParams = DEFAULT_PARAMS,
         on_tokens: TokenSink | None = None,
         max_wall_ms: int = 0,
+        request_class: RequestClass = RequestClass.INTERACTIVE,
     ) -> FleetGeneration:
         """One request: place a new session with ``prompt``, generate, revoke the session.
 
         ``params`` asking for logprobs place it only on nodes that return them (failover
         included); when every node serving the model has said it does not, the generation
-        fails with :class:`LogprobsUnavailable`."""
+        fails with :class:`LogprobsUnavailable`.
+
+        ``request_class`` (docs/protocol.md section 12.2): interactive (the default, which is
+        also how a node reads a request that says nothing) or batch.
+        """
         session = self.new_session(prompt, model=model, params=params)
         generation = FleetGeneration(
-            session, max_new, on_tokens, max_wall_ms, one_shot=True, expected_out=max_new
+            session,
+            max_new,
+            on_tokens,
+            max_wall_ms,
+            one_shot=True,
+            expected_out=max_new,
+            request_class=request_class,
         )
         generation._start()
         return generation

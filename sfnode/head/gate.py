@@ -478,7 +478,9 @@ class GuardedSite(Site):
             return
         if request.method == b"OPTIONS":
             request.setHeader(b"access-control-allow-methods", b"GET, POST, OPTIONS")
-            request.setHeader(b"access-control-allow-headers", b"Authorization, Content-Type")
+            request.setHeader(
+                b"access-control-allow-headers", b"Authorization, Content-Type, X-Request-Class"
+            )
             request.setHeader(b"access-control-max-age", b"600")
 
     def cors_allows(self, request: GuardedRequest) -> bool:

@@ -8,6 +8,10 @@
   200), ``unavailable`` or ``draining`` (503).
 - ``GET /metrics``: Prometheus text (:mod:`sfnode.head.metrics`).
 
+Each completion is interactive or batch (docs/protocol.md section 12.2): the ``X-Request-Class``
+header says which, else the head's rule (:mod:`sfnode.head.classes`); the answer carries the class
+chosen in the same header.
+
 A completion that no live node can take now waits in the fleet's bounded queue (docs/protocol.md
 section 8.5): a full queue answers 503 ``queue_full`` at once, a request that waited the queue
 timeout in vain 503 ``no_node_available``.  The per-client and per-key limits of the front door
@@ -53,6 +57,8 @@ from twisted.web.server import NOT_DONE_YET
 
 from sfnode.generation import TokenLogprob, TokenSink
 from sfnode.head.backend import Backend, BackendStatus, GenerationHandle
+from sfnode.head.classes import HEADER as CLASS_HEADER
+from sfnode.head.classes import ClassRule, class_name, parse_header
 from sfnode.head.fleet import (
     FleetError,
     FleetOutcome,
@@ -80,7 +86,7 @@ from sfnode.head.schema import (
     parse_request,
 )
 from sfnode.head.text import Detokenizer, Renderer, StopText
-from sfnode.wire import FINISH_CANCELLED, FINISH_EOS
+from sfnode.wire import FINISH_CANCELLED, FINISH_EOS, RequestClass
 
 DEFAULT_MAX_TOKENS = 512
 """max_tokens when a request gives none (capped by the window left after the prompt)."""
@@ -226,6 +232,7 @@ class OpenAIApi:
         limits: GateLimits | None = None,
         vocab_size: int | None = None,
         workers: Workers | None = None,
+        class_rule: ClassRule | None = None,
     ) -> None:
         self.reactor: IReactorTime = reactor
         self.backend = backend
@@ -249,6 +256,8 @@ class OpenAIApi:
         self.allowed_hosts = hosts
         self.concurrency = ConcurrencyLimits(limits.max_client_requests, limits.max_key_requests)
         self.workers = workers if workers is not None else Workers(reactor)
+        self.class_rule = class_rule if class_rule is not None else ClassRule()
+        """How a request that names no class (X-Request-Class) gets one (sfnode.head.classes)."""
         self.exchanges: set[_Exchange] = set()
         """Completion requests in flight (what a drain waits for)."""
         self.draining = False
@@ -713,6 +722,8 @@ class _Exchange:
         self.prompt: list[int] = []
         self.choices: list[_Choice] = []
         self.first_token_at: float | None = None
+        self.named_class: RequestClass | None = None
+        """The class the X-Request-Class header named (None: it named none)."""
         self.streaming_started = False
         self.answered = False
         """The answer is complete (or the client is gone): nothing more is written."""
@@ -733,6 +744,7 @@ class _Exchange:
         try:
             if api.draining:
                 raise _draining()
+            self.named_class = parse_header(self.request.getHeader(CLASS_HEADER))
             data = self.request.content.getvalue()
             if len(data) > api.limits.max_body:
                 raise body_too_large(api.limits.max_body)
@@ -771,6 +783,8 @@ class _Exchange:
         no_delay = getattr(self.request.transport, "setTcpNoDelay", None)
         if no_delay is not None:
             no_delay(True)
+        request_class = api.class_rule.classify(self.named_class, len(self.prompt))
+        self.request.setHeader(CLASS_HEADER, class_name(request_class).encode())
         self.request.registerProducer(self, True)
         self._producing = True
         placed = []
@@ -786,6 +800,7 @@ class _Exchange:
                 model=api.node_model,
                 params=parsed.choice_params(index),
                 on_tokens=self._receiver(choice),
+                request_class=request_class,
             )
             choice.generation = generation
             self._pending += 1

@@ -64,6 +64,7 @@ from sfnode.noise import NoiseFactory, NoiseProtocol, Role, secure_factory
 from sfnode.service import describe_failure
 from sfnode.wire import (
     FEATURE_LOGPROBS,
+    FEATURE_REQUEST_CLASS,
     CapacitySummary,
     Finish,
     FrameDecoder,
@@ -80,6 +81,7 @@ from sfnode.wire import (
     NodeStatusMsg,
     PayloadError,
     ReconcileAckMsg,
+    RequestClass,
     StageForwardReqMsg,
     StageForwardRespMsg,
     TokenEventsMsg,
@@ -518,6 +520,12 @@ class NodeLink:
         return self.hello_ack.node_identity if self.hello_ack is not None else self.description
 
     @property
+    def request_classes(self) -> bool:
+        """Whether the node reads request classes (FEATURE_REQUEST_CLASS in its HELLO_ACK_F,
+        docs/protocol.md section 12.2)."""
+        return bool((self.features or 0) & FEATURE_REQUEST_CLASS)
+
+    @property
     def connected(self) -> bool:
         """Whether a connection is up and past its handshake (a reconcile may still run)."""
         return self._protocol is not None and not self._awaiting_ack
@@ -682,6 +690,7 @@ class NodeLink:
         *,
         max_wall_ms: int = 0,
         on_tokens: TokenSink | None = None,
+        request_class: RequestClass = RequestClass.INTERACTIVE,
     ) -> GenerationCall:
         """GENERATE_REQ with a new generation id; committed tokens stream to ``on_tokens``.
 
@@ -689,6 +698,10 @@ class NodeLink:
         (:attr:`features`), each batch comes with its logprobs: ``on_tokens(tokens,
         logprobs)``, one :class:`~sfnode.generation.TokenLogprob` per token (docs/protocol.md
         section 12.1); otherwise ``on_tokens(tokens)``.
+
+        ``request_class`` travels only to a node that set FEATURE_REQUEST_CLASS
+        (:attr:`request_classes`); any other node reads every request alike (docs/protocol.md
+        section 12.2).
 
         The call's ``result`` fails at once with :class:`UnknownSessionError` or
         :class:`LinkLostError` when the session was never assigned here or the link is down.
@@ -707,7 +720,10 @@ class NodeLink:
             call._fail(LinkLostError(f"the link to {self.name} is down"))
             return call
         request = self.head_session.generate(
-            session_id, generation_id, GenerationBudgetsMsg(max_new_tokens, max_wall_ms)
+            session_id,
+            generation_id,
+            GenerationBudgetsMsg(max_new_tokens, max_wall_ms),
+            int(request_class) if self.request_classes else None,
         )
         assert request is not None
         self._generations[(session_id, generation_id)] = call

@@ -14,6 +14,11 @@ A live node can take a generation while the generations the head runs on it are 
 they can still go to whichever node frees a lane first or comes back, instead of queueing
 inside one node that may die.
 
+An interactive request (docs/protocol.md section 12.2) differs in two ways, both in
+:func:`takes_interactive` and :func:`prefer_interactive_lanes`: on a node that keeps a lane for
+interactive work it is not held back by the head's count of busy lanes, and nodes with a free
+interactive lane are tried first.
+
 This module must never do I/O, read a clock, hold a link or keep state between calls: the
 fleet passes in everything, including the round-robin cursor and the ages of the reports.
 """
@@ -24,7 +29,7 @@ import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from sfnode.wire import CapacitySummary
+from sfnode.wire import FEATURE_REQUEST_CLASS, CapacitySummary
 
 FRESH_SAMPLE_S = 10.0
 """A load report older than this does not count as the node's load."""
@@ -35,6 +40,10 @@ DEFAULT_DECODE_RATE = 20
 DEFAULT_PREFILL_RATE = 200
 DEFAULT_EXPECTED_OUT = 64
 """Tokens a session is expected to generate, when the request does not say."""
+KEPT_INTERACTIVE_LANES = 1
+"""Lanes the head counts on a node with the request-class bit keeping for interactive work
+(docs/protocol.md section 12.2; sfnode's ``--interactive-lanes`` default, and the least a node
+that keeps any keeps)."""
 
 
 class Policy(enum.Enum):
@@ -66,6 +75,14 @@ class NodeView:
     features: int | None = None
     """The feature flags of its latest HELLO_ACK_F (docs/protocol.md section 12); None before
     its first handshake."""
+    interactive_inflight: int = 0
+    """How many of them are interactive (docs/protocol.md section 12.2)."""
+
+    @property
+    def request_classes(self) -> bool:
+        """The node set FEATURE_REQUEST_CLASS: it admits interactive work first and keeps a
+        lane for it (docs/protocol.md section 12.2)."""
+        return bool((self.features or 0) & FEATURE_REQUEST_CLASS)
 
     @property
     def window(self) -> int | None:
@@ -109,6 +126,8 @@ class Request:
     features: int = 0
     """Feature flags the node must have set (``FEATURE_LOGPROBS`` for a session that asks
     for logprobs, docs/protocol.md section 12.1)."""
+    interactive: bool = False
+    """Someone waits on it (docs/protocol.md section 12.2)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,13 +189,19 @@ def decide(
     candidates = [
         v
         for v in serving
-        if v.live and v.fits(request.length) and (v.free_lane or not request.needs_lane)
+        if v.live
+        and v.fits(request.length)
+        and (
+            v.free_lane or not request.needs_lane or (request.interactive and takes_interactive(v))
+        )
     ]
     if not candidates:
         if any(v.live and v.fits(request.length) for v in serving):
             return Wait("every lane of the live nodes is busy")
         return Wait("no live node serves " + (request.model or "the model"))
     ranked = rank(candidates, policy, request.length, request.expected_out, cursor)
+    if request.interactive:
+        ranked = prefer_interactive_lanes(ranked)
     preferred = [v.key for v in ranked if v.key not in request.avoid]
     tried = [v.key for v in ranked if v.key in request.avoid]
     return Place(tuple(preferred + tried))
@@ -195,6 +220,35 @@ def with_features(views: Sequence[NodeView], features: int) -> list[NodeView] | 
     if views and not kept:
         return Unsupported(features)
     return kept
+
+
+def takes_interactive(view: NodeView) -> bool:
+    """Whether an interactive generation may go to ``view`` although the head counts all its
+    lanes busy: the node keeps a lane for interactive work (it set the request-class bit) and
+    the head runs no more interactive generations there than such lanes.  It then starts in
+    that lane, or first when a lane frees, rather than wait at the head behind batch work."""
+    return view.request_classes and view.interactive_inflight < KEPT_INTERACTIVE_LANES
+
+
+def free_interactive_lane(view: NodeView) -> bool:
+    """Whether an interactive generation would start at once on ``view``: the head counts a
+    free lane there and a fresh report agrees (``lanes_active`` < ``max_lanes``: it also
+    counts other heads' work), or the node keeps a lane for it (:func:`takes_interactive`)."""
+    if takes_interactive(view):
+        return True
+    capacity = view.capacity
+    if capacity is None or not capacity.max_lanes:
+        return True
+    if view.fresh and capacity.lanes_active >= capacity.max_lanes:
+        return False
+    return view.free_lane
+
+
+def prefer_interactive_lanes(ranked: Sequence[NodeView]) -> list[NodeView]:
+    """``ranked`` with the nodes that have a free interactive lane first, each group in its
+    own order (docs/protocol.md section 12.2)."""
+    free = [v for v in ranked if free_interactive_lane(v)]
+    return free + [v for v in ranked if not free_interactive_lane(v)]
 
 
 def too_long(views: Iterable[NodeView], length: int) -> int | None:
@@ -281,8 +335,11 @@ __all__ = [
     "Unsupported",
     "Wait",
     "decide",
+    "free_interactive_lane",
     "max_window",
+    "prefer_interactive_lanes",
     "rank",
+    "takes_interactive",
     "too_long",
     "with_features",
 ]

@@ -240,9 +240,14 @@ class HeadSession:
         return None if record is None else record.context
 
     def generate(
-        self, session_id: int, generation_id: int, budgets: GenerationBudgetsMsg
+        self,
+        session_id: int,
+        generation_id: int,
+        budgets: GenerationBudgetsMsg,
+        request_class: int | None = None,
     ) -> GenerateReqMsg | None:
-        """GENERATE_REQ for ``generation_id``; a retry returns the SAME message (same command).
+        """GENERATE_REQ for ``generation_id``; a retry returns the SAME message (same command,
+        same ``request_class``: None leaves the element out, docs/protocol.md section 12.2).
 
         Unknown session: None.
         """
@@ -259,6 +264,7 @@ class HeadSession:
             generation_id=generation_id,
             budgets=budgets,
             policy_ref=0,
+            request_class=request_class,
         )
         self._issued[(session_id, generation_id)] = message
         self._tracked.setdefault(session_id, set()).add((record.epoch, generation_id))

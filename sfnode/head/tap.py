@@ -36,6 +36,12 @@ from twisted.python import usage
 from twisted.python.failure import Failure
 
 from sfnode.admission import is_loopback_listen, plaintext_refusal
+from sfnode.head.classes import (
+    DEFAULT_CLASSES,
+    DEFAULT_INTERACTIVE_PROMPT_TOKENS,
+    ClassRule,
+    DefaultClass,
+)
 from sfnode.head.fleet import DEFAULT_MAX_QUEUED, DEFAULT_QUEUE_TIMEOUT_S, Fleet, Policy
 from sfnode.head.gate import GateLimits
 from sfnode.head.link import DEFAULT_LEASE
@@ -170,7 +176,9 @@ class Options(usage.Options):
         "lane, then gets 503; a --node that cannot be reached is redialled at once and then "
         "with backoff up to --reconnect-max seconds. On SIGTERM the head stops listening for "
         "HTTP, answers 503 to requests on connections still open, lets running completions "
-        "finish for up to --drain-timeout seconds, cancels the rest, then exits."
+        "finish for up to --drain-timeout seconds, cancels the rest, then exits. A completion "
+        "is interactive or batch (header X-Request-Class, else --default-request-class): nodes "
+        "serve interactive ones first."
     )
 
     optFlags: ClassVar[list[list[str | None]]] = [
@@ -200,6 +208,21 @@ class Options(usage.Options):
             "Model name served and asked of nodes (default: as twistd sfnode names it).",
         ],
         ["policy", None, Policy.LOAD_AWARE.value, f"Placement: {', '.join(POLICIES)}."],
+        [
+            "default-request-class",
+            None,
+            DefaultClass.AUTO.value,
+            "Class of a completion without an X-Request-Class header: auto (a prompt of at most "
+            "--interactive-prompt-tokens tokens is interactive, a longer one batch), "
+            "interactive or batch. Nodes admit interactive requests ahead of batch work.",
+        ],
+        [
+            "interactive-prompt-tokens",
+            None,
+            str(DEFAULT_INTERACTIVE_PROMPT_TOKENS),
+            "With --default-request-class auto: the longest prompt, in tokens, taken for "
+            "interactive.",
+        ],
         ["lease-ms", None, str(DEFAULT_LEASE.duration_ms), "Session lease granted to nodes."],
         ["auth-file", None, None, "File holding the fleet token (trimmed of whitespace)."],
         [
@@ -345,6 +368,7 @@ class Options(usage.Options):
             raise usage.UsageError(f"--policy must be one of {', '.join(POLICIES)}")
         self["policy"] = Policy(self["policy"])
         self["lease-ms"] = _positive("lease-ms", self["lease-ms"])
+        self._check_class_options()
         stages: list[str] = []
         if self["pipeline"] is not None:
             if self["nodes"]:
@@ -406,6 +430,19 @@ class Options(usage.Options):
             max_key_requests=_non_negative("max-key-requests", self["max-key-requests"]),
             allowed_hosts=frozenset(h.lower() for h in self["allowed-hosts"] if h),
             cors_origins=frozenset(o for o in self["cors-origins"] if o),
+        )
+
+    def _check_class_options(self) -> None:
+        """The request-class rule, typed, as ``self["class-rule"]`` (a ClassRule)."""
+        default = str(self["default-request-class"]).strip().lower()
+        if default not in DEFAULT_CLASSES:
+            raise usage.UsageError(
+                f"--default-request-class must be one of {', '.join(DEFAULT_CLASSES)}, not "
+                f"{self['default-request-class']!r}"
+            )
+        self["class-rule"] = ClassRule(
+            DefaultClass(default),
+            _non_negative("interactive-prompt-tokens", self["interactive-prompt-tokens"]),
         )
 
     def _check_fleet_options(self) -> None:
@@ -730,6 +767,7 @@ def makeService(options: Options, reactor: Any = None) -> service.MultiService:
         api_keys=options["api-keys"],
         limits=options["limits"],
         vocab_size=model_vocab_size(options["model"]),
+        class_rule=options["class-rule"],
     )
     drain_timeout_s = options["drain-timeout"]
 
