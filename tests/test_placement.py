@@ -2,7 +2,8 @@
 
 Each test builds the nodes as placement sees them (:class:`NodeView`) and checks the decision:
 the order of the candidates under each policy, when a request waits (no live node, every lane
-busy), and when it is refused (the prompt fits no window, no node serves the model).
+busy), when it is refused (the prompt fits no window, no node serves the model), and how a
+node's cached prefix weighs against its load (the prefix rule of docs/protocol.md section 8.5).
 """
 
 from __future__ import annotations
@@ -10,15 +11,20 @@ from __future__ import annotations
 from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.head.placement import (
+    DEFAULT_PREFIX_RULE,
+    NO_PREFIX,
     NodeView,
     Place,
     Policy,
+    PrefixRule,
     Request,
     TooLong,
     Unserved,
     Wait,
+    ahead,
     decide,
     max_window,
+    prefix_credit,
     rank,
 )
 from sfnode.wire import CapacitySummary
@@ -139,3 +145,88 @@ class DecisionTests(SynchronousTestCase):
         views = [node(0), node(1), node(2)]
         decision = decide(views, request(avoid=frozenset({0})), Policy.LEAST_LOADED)
         self.assertEqual(decision, Place((1, 2, 0)))
+
+
+class PrefixRuleTests(SynchronousTestCase):
+    """Cached prefix length against load, under ``load-aware`` (docs/protocol.md section 8.5)."""
+
+    def test_the_node_holding_the_prefix_wins_among_equals(self) -> None:
+        """Two idle nodes alike in all but the prefix: the one believed to hold the first
+        960 tokens of a 1,000-token prompt comes first, whatever the registration order;
+        without the prefix rule the registration order decides."""
+        cold = node(0, decode_tokens_per_s=50, prefill_tokens_per_s=500)
+        holder = node(1, decode_tokens_per_s=50, prefill_tokens_per_s=500, cached_tokens=960)
+        self.assertEqual(keys(rank([cold, holder], Policy.LOAD_AWARE, 1000, 64)), [1, 0])
+        plain = rank([cold, holder], Policy.LOAD_AWARE, 1000, 64, prefix=NO_PREFIX)
+        self.assertEqual(keys(plain), [0, 1])
+
+    def test_the_credit_is_the_saved_prefill_weighted(self) -> None:
+        """The credit is weight x cached tokens / prefill rate, in seconds; nothing for a node
+        that holds none of the prompt, with weight 0, or without a prefill rate."""
+        holder = node(0, cached_tokens=1000)
+        self.assertEqual(prefix_credit(holder, PrefixRule(weight=1.0), 500.0, 0), 2.0)
+        self.assertEqual(prefix_credit(holder, PrefixRule(weight=2.5), 500.0, 0), 5.0)
+        self.assertEqual(prefix_credit(holder, NO_PREFIX, 500.0, 0), 0.0)
+        self.assertEqual(prefix_credit(holder, DEFAULT_PREFIX_RULE, 0.0, 0), 0.0)
+        self.assertEqual(prefix_credit(node(1), DEFAULT_PREFIX_RULE, 500.0, 0), 0.0)
+
+    def test_the_prefix_is_weighed_against_the_work_ahead(self) -> None:
+        """A holder with two generations more ahead (each worth 50 tokens at 100 tokens/s,
+        0.5 s) loses with 800 cached tokens at 1,000 tokens/s (0.8 s saved) and wins with
+        1,600 (1.6 s saved); a weight of 2 makes the 800 tokens worth 1.6 s too."""
+        rates = {"decode_tokens_per_s": 100, "prefill_tokens_per_s": 1000}
+        idle = node(0, **rates)
+        small = node(1, lanes_active=2, cached_tokens=800, **rates)
+        large = node(1, lanes_active=2, cached_tokens=1600, **rates)
+        self.assertEqual(keys(rank([idle, small], Policy.LOAD_AWARE, 2000, 50)), [0, 1])
+        self.assertEqual(keys(rank([idle, large], Policy.LOAD_AWARE, 2000, 50)), [1, 0])
+        heavier = PrefixRule(weight=2.0)
+        self.assertEqual(
+            keys(rank([idle, small], Policy.LOAD_AWARE, 2000, 50, prefix=heavier)), [1, 0]
+        )
+
+    def test_a_much_busier_holder_gets_no_credit(self) -> None:
+        """However much it holds, a node with more than max_skew generations ahead of the
+        least busy candidate is ranked by load alone; at exactly max_skew it keeps its credit."""
+        rates = {"decode_tokens_per_s": 100, "prefill_tokens_per_s": 100}
+        idle = node(0, **rates)
+        at_skew = node(1, inflight=4, cached_tokens=4000, **rates)
+        beyond = node(1, inflight=5, cached_tokens=4000, **rates)
+        rule = PrefixRule(max_skew=4)
+        self.assertEqual(keys(rank([idle, at_skew], Policy.LOAD_AWARE, 4100, 10, prefix=rule)),
+                         [1, 0])  # fmt: skip
+        self.assertEqual(keys(rank([idle, beyond], Policy.LOAD_AWARE, 4100, 10, prefix=rule)),
+                         [0, 1])  # fmt: skip
+        self.assertEqual(prefix_credit(beyond, rule, 100.0, ahead(idle)), 0.0)
+        self.assertEqual(prefix_credit(at_skew, rule, 100.0, ahead(idle)), 40.0)
+
+    def test_the_skew_counts_the_fresh_reports_like_the_estimate(self) -> None:
+        """The work ahead is the fresh report's lanes and queue, or the head's own generations
+        when more (or when the report is stale)."""
+        self.assertEqual(ahead(node(0, lanes_active=3, queue_depth=2, inflight=1)), 5)
+        self.assertEqual(ahead(node(0, lanes_active=1, inflight=4)), 4)
+        self.assertEqual(ahead(node(0, age=11.0, lanes_active=6, inflight=2)), 2)
+
+    def test_only_load_aware_weighs_prefixes(self) -> None:
+        """least-loaded and round-robin ignore what a node holds."""
+        views = [node(0), node(1, cached_tokens=4000)]
+        self.assertEqual(keys(rank(views, Policy.LEAST_LOADED, 4100, 64)), [0, 1])
+        self.assertEqual(keys(rank(views, Policy.ROUND_ROBIN, 4100, 64)), [0, 1])
+
+    def test_decide_passes_the_rule_on(self) -> None:
+        """decide() orders by the prefix rule it is given (the default one when none)."""
+        views = [node(0), node(1, cached_tokens=4000)]
+        self.assertEqual(decide(views, request(4100), Policy.LOAD_AWARE), Place((1, 0)))
+        self.assertEqual(
+            decide(views, request(4100), Policy.LOAD_AWARE, prefix=NO_PREFIX), Place((0, 1))
+        )
+
+    def test_a_rule_refuses_negative_values(self) -> None:
+        """A negative (or not-a-number) weight, or a negative skew, is refused when built."""
+        for bad in (
+            {"weight": -1.0},
+            {"weight": float("nan")},
+            {"max_skew": -1},
+        ):
+            with self.assertRaises(ValueError):
+                PrefixRule(**bad)  # type: ignore[arg-type]

@@ -8,6 +8,14 @@ Three policies order the candidates: ``load-aware`` (an estimate of when the nod
 the request, from its reported lanes, queue and token rates), ``least-loaded`` (fewest sessions
 and generations) and ``round-robin``.
 
+``load-aware`` is also prefix-aware (:class:`PrefixRule`, :func:`prefix_credit`): a node believed
+to hold the first blocks of the request's context in its prefix cache (the fleet's
+:class:`~sfnode.head.prefix_index.PrefixIndex` says how many tokens, in
+:attr:`NodeView.cached_tokens`) would not prefill them, so its estimate is lowered by their
+prefill time (times the rule's weight), unless it has more than ``max_skew`` generations ahead
+of the least busy candidate.  Requests that share a system prompt, or the turns of one
+conversation, so land where their prefix already is, unless that node is much busier.
+
 A live node can take a generation while the generations the head runs on it are fewer than its
 ``max_lanes`` (0: the node did not say, no limit): requests beyond that wait at the head, where
 they can still go to whichever node frees a lane first or comes back, instead of queueing
@@ -34,6 +42,10 @@ DEFAULT_DECODE_RATE = 20
 DEFAULT_PREFILL_RATE = 200
 DEFAULT_EXPECTED_OUT = 64
 """Tokens a session is expected to generate, when the request does not say."""
+DEFAULT_PREFIX_WEIGHT = 1.0
+"""Seconds of estimated finish time credited per second of prefill a node's cache saves."""
+DEFAULT_PREFIX_MAX_SKEW = 4
+"""Generations a node may have ahead of the least busy candidate and still be credited."""
 
 
 class Policy(enum.Enum):
@@ -62,6 +74,9 @@ class NodeView:
     """Sessions the head placed there and has not ended."""
     inflight: int = 0
     """Generations the head runs there now."""
+    cached_tokens: int = 0
+    """Leading tokens of the request's context this node is believed to hold in its prefix
+    cache (the fleet's prefix index); 0 when none or unknown."""
 
     @property
     def window(self) -> int | None:
@@ -105,6 +120,30 @@ class Request:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixRule:
+    """How much a cached prefix counts against load (the ``load-aware`` policy only)."""
+
+    weight: float = DEFAULT_PREFIX_WEIGHT
+    """Seconds of estimated finish time a node is credited per second of prefill that its
+    cache saves (1: the estimate counts only the part of the prompt the node must compute;
+    more: affinity is worth more than that; 0: prefixes are ignored)."""
+    max_skew: int = DEFAULT_PREFIX_MAX_SKEW
+    """A node with more than this many generations ahead of the least busy candidate gets no
+    credit, however much of the prompt it holds."""
+
+    def __post_init__(self) -> None:
+        if not self.weight >= 0:
+            raise ValueError(f"the prefix weight must be 0 or more, not {self.weight!r}")
+        if self.max_skew < 0:
+            raise ValueError(f"the prefix skew must be 0 or more, not {self.max_skew!r}")
+
+
+DEFAULT_PREFIX_RULE = PrefixRule()
+NO_PREFIX = PrefixRule(weight=0.0)
+"""A rule that ignores cached prefixes: ``load-aware`` as it was before prefix reuse."""
+
+
+@dataclass(frozen=True, slots=True)
 class Place:
     """Place it on the first of these nodes that still takes it (keys, best first)."""
 
@@ -137,11 +176,17 @@ Decision = Place | Wait | TooLong | Unserved
 
 
 def decide(
-    views: Sequence[NodeView], request: Request, policy: Policy, cursor: int = 0
+    views: Sequence[NodeView],
+    request: Request,
+    policy: Policy,
+    cursor: int = 0,
+    prefix: PrefixRule | None = None,
 ) -> Decision:
     """Where ``request`` goes, given the nodes as they are now.
 
-    ``cursor`` is the round-robin position (the caller advances it after each placement).
+    ``cursor`` is the round-robin position (the caller advances it after each placement);
+    ``prefix`` weighs the views' ``cached_tokens`` against load (``load-aware`` only; None:
+    :data:`DEFAULT_PREFIX_RULE`).
     """
     serving = [v for v in views if v.serves(request.model)]
     largest = too_long(serving, request.length)
@@ -158,7 +203,7 @@ def decide(
         if any(v.live and v.fits(request.length) for v in serving):
             return Wait("every lane of the live nodes is busy")
         return Wait("no live node serves " + (request.model or "the model"))
-    ranked = rank(candidates, policy, request.length, request.expected_out, cursor)
+    ranked = rank(candidates, policy, request.length, request.expected_out, cursor, prefix)
     preferred = [v.key for v in ranked if v.key not in request.avoid]
     tried = [v.key for v in ranked if v.key in request.avoid]
     return Place(tuple(preferred + tried))
@@ -180,7 +225,12 @@ def max_window(views: Iterable[NodeView], model: str | None) -> int:
 
 
 def rank(
-    views: Sequence[NodeView], policy: Policy, length: int, expected_out: int, cursor: int = 0
+    views: Sequence[NodeView],
+    policy: Policy,
+    length: int,
+    expected_out: int,
+    cursor: int = 0,
+    prefix: PrefixRule | None = None,
 ) -> list[NodeView]:
     """``views`` in the order ``policy`` tries them."""
     if not views:
@@ -191,7 +241,7 @@ def rank(
         return ordered[start:] + ordered[:start]
     if policy is Policy.LEAST_LOADED:
         return sorted(views, key=lambda v: (v.sessions + v.inflight, v.key))
-    return _load_aware(views, length, expected_out)
+    return _load_aware(views, length, expected_out, prefix or DEFAULT_PREFIX_RULE)
 
 
 def _hot(view: NodeView) -> bool:
@@ -207,9 +257,36 @@ def _mean(values: list[int], default: int) -> float:
     return sum(reported) / len(reported) if reported else default
 
 
-def _load_aware(views: Sequence[NodeView], length: int, expected_out: int) -> list[NodeView]:
+def ahead(view: NodeView) -> int:
+    """Generations a new one would wait behind on ``view`` (or share its lanes with)."""
+    capacity = view.capacity
+    if capacity is not None and view.fresh:
+        # The report counts this head's running generations too; inflight covers the ones
+        # started since it was sampled.
+        return max(capacity.lanes_active + capacity.queue_depth, view.inflight)
+    return view.inflight
+
+
+def prefix_credit(view: NodeView, rule: PrefixRule, prefill_rate: float, least_ahead: int) -> float:
+    """Seconds taken off ``view``'s estimated finish time for the prefix it holds.
+
+    ``weight * cached_tokens / prefill_rate``: the prefill its cache saves, weighted; nothing
+    when the rule's weight is 0, the node holds none of the context, or it has more than
+    ``max_skew`` generations ahead of ``least_ahead`` (the least busy candidate's).
+    """
+    if rule.weight <= 0 or view.cached_tokens <= 0 or prefill_rate <= 0:
+        return 0.0
+    if ahead(view) - least_ahead > rule.max_skew:
+        return 0.0
+    return rule.weight * view.cached_tokens / prefill_rate
+
+
+def _load_aware(
+    views: Sequence[NodeView], length: int, expected_out: int, prefix: PrefixRule
+) -> list[NodeView]:
     """Least estimated time to finish first: the work ahead of the request at the node's decode
-    rate, its prompt at the prefill rate, and its own tokens; hot KV pools last."""
+    rate, its prompt at the prefill rate, and its own tokens, less the prefill a cached prefix
+    saves (:func:`prefix_credit`); hot KV pools last."""
     cool = [v for v in views if not _hot(v)]
     pool = cool or list(views)
     mean_decode = _mean(
@@ -220,34 +297,37 @@ def _load_aware(views: Sequence[NodeView], length: int, expected_out: int) -> li
         [v.capacity.prefill_tokens_per_s for v in pool if v.capacity is not None],
         DEFAULT_PREFILL_RATE,
     )
+    least_ahead = min(ahead(v) for v in pool)
 
     def eta(view: NodeView) -> float:
         capacity = view.capacity
-        if capacity is not None and view.fresh:
-            # The report counts this head's running generations too; inflight covers the ones
-            # started since it was sampled.
-            ahead = max(capacity.lanes_active + capacity.queue_depth, view.inflight)
-        else:
-            ahead = view.inflight
         decode = (capacity.decode_tokens_per_s if capacity is not None else 0) or mean_decode
         prefill = (capacity.prefill_tokens_per_s if capacity is not None else 0) or mean_prefill
-        return (ahead + 1) * expected_out / decode + length / prefill
+        estimate = (ahead(view) + 1) * expected_out / decode + length / prefill
+        return estimate - prefix_credit(view, prefix, prefill, least_ahead)
 
     return sorted(pool, key=lambda v: (eta(v), v.sessions, v.key))
 
 
 __all__ = [
     "DEFAULT_EXPECTED_OUT",
+    "DEFAULT_PREFIX_MAX_SKEW",
+    "DEFAULT_PREFIX_RULE",
+    "DEFAULT_PREFIX_WEIGHT",
+    "NO_PREFIX",
     "Decision",
     "NodeView",
     "Place",
     "Policy",
+    "PrefixRule",
     "Request",
     "TooLong",
     "Unserved",
     "Wait",
+    "ahead",
     "decide",
     "max_window",
+    "prefix_credit",
     "rank",
     "too_long",
 ]

@@ -40,6 +40,7 @@ from sfnode.head.fleet import DEFAULT_MAX_QUEUED, DEFAULT_QUEUE_TIMEOUT_S, Fleet
 from sfnode.head.gate import GateLimits
 from sfnode.head.link import DEFAULT_LEASE
 from sfnode.head.machines import DEFAULT_RETRY_MAX_S, DEFAULT_SILENCE_TIMEOUT_S, RETRY_INITIAL_S
+from sfnode.head.placement import DEFAULT_PREFIX_MAX_SKEW, DEFAULT_PREFIX_WEIGHT, PrefixRule
 from sfnode.service import (
     DEFAULT_MODEL_NAME,
     ListeningService,
@@ -104,6 +105,16 @@ def _non_negative(name: str, value: object) -> int:
     except ValueError as e:
         raise usage.UsageError(f"--{name} must be an integer, not {value!r}") from e
     if number < 0:
+        raise usage.UsageError(f"--{name} must be 0 or more, not {value!r}")
+    return number
+
+
+def _non_negative_number(name: str, value: object) -> float:
+    try:
+        number = float(str(value))
+    except ValueError as e:
+        raise usage.UsageError(f"--{name} must be a number, not {value!r}") from e
+    if not 0 <= number < float("inf"):
         raise usage.UsageError(f"--{name} must be 0 or more, not {value!r}")
     return number
 
@@ -200,6 +211,22 @@ class Options(usage.Options):
             "Model name served and asked of nodes (default: as twistd sfnode names it).",
         ],
         ["policy", None, Policy.LOAD_AWARE.value, f"Placement: {', '.join(POLICIES)}."],
+        [
+            "prefix-weight",
+            None,
+            f"{DEFAULT_PREFIX_WEIGHT:g}",
+            "load-aware placement: seconds taken off a node's estimated finish time per second "
+            "of prefill its prefix cache saves (the head remembers the prompts it sent each "
+            "node); 1 counts just the saved prefill, more keeps requests that share a prefix "
+            "together harder, 0 ignores prefixes.",
+        ],
+        [
+            "prefix-max-skew",
+            None,
+            str(DEFAULT_PREFIX_MAX_SKEW),
+            "load-aware placement: a node with more than this many generations ahead of the "
+            "least busy node gets no credit for the prefix it holds.",
+        ],
         ["lease-ms", None, str(DEFAULT_LEASE.duration_ms), "Session lease granted to nodes."],
         ["auth-file", None, None, "File holding the fleet token (trimmed of whitespace)."],
         [
@@ -344,6 +371,10 @@ class Options(usage.Options):
         if self["policy"] not in POLICIES:
             raise usage.UsageError(f"--policy must be one of {', '.join(POLICIES)}")
         self["policy"] = Policy(self["policy"])
+        self["prefix"] = PrefixRule(
+            weight=_non_negative_number("prefix-weight", self["prefix-weight"]),
+            max_skew=_non_negative("prefix-max-skew", self["prefix-max-skew"]),
+        )
         self["lease-ms"] = _positive("lease-ms", self["lease-ms"])
         stages: list[str] = []
         if self["pipeline"] is not None:
@@ -720,7 +751,14 @@ def makeService(options: Options, reactor: Any = None) -> service.MultiService:
         fleet.lease = lease
         backend = PipelineBackend(pipeline)
     else:
-        fleet = Fleet(reactor, token=token, policy=options["policy"], lease=lease, **fleet_options)
+        fleet = Fleet(
+            reactor,
+            token=token,
+            policy=options["policy"],
+            lease=lease,
+            prefix=options["prefix"],
+            **fleet_options,
+        )
         backend = fleet
     api = OpenAIApi(
         reactor,
@@ -765,10 +803,13 @@ def makeService(options: Options, reactor: Any = None) -> service.MultiService:
     )
     if not options["api-keys"]:
         log.info("sfhead HTTP API is open: no API key (--api-key, --api-key-file)")
+    policy = "pipeline" if pipeline is not None else options["policy"].value
+    if pipeline is None and fleet.prefix_aware:
+        policy += f", prefix weight {options['prefix'].weight:g}, skew {options['prefix'].max_skew}"
     log.info(
         "sfhead serving model {model} ({policy}; nodes {nodes})",
         model=options["model-name"],
-        policy="pipeline" if pipeline is not None else options["policy"].value,
+        policy=policy,
         nodes=", ".join(options["stages"] or options["nodes"]) or "dial in",
     )
     return head
