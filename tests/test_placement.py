@@ -171,19 +171,19 @@ class PrefixRuleTests(SynchronousTestCase):
         self.assertEqual(prefix_credit(node(1), DEFAULT_PREFIX_RULE, 500.0, 0), 0.0)
 
     def test_the_prefix_is_weighed_against_the_work_ahead(self) -> None:
-        """A holder with two generations more ahead (each worth 50 tokens at 100 tokens/s,
-        0.5 s) loses with 800 cached tokens at 1,000 tokens/s (0.8 s saved) and wins with
-        1,600 (1.6 s saved); a weight of 2 makes the 800 tokens worth 1.6 s too."""
+        """With weight 1, a holder with two generations more ahead (each worth 50 tokens at
+        100 tokens/s, 0.5 s) loses with 800 cached tokens at 1,000 tokens/s (0.8 s saved) and
+        wins with 1,600 (1.6 s saved); the default weight, 2, makes the 800 tokens worth 1.6 s
+        too."""
         rates = {"decode_tokens_per_s": 100, "prefill_tokens_per_s": 1000}
         idle = node(0, **rates)
         small = node(1, lanes_active=2, cached_tokens=800, **rates)
         large = node(1, lanes_active=2, cached_tokens=1600, **rates)
-        self.assertEqual(keys(rank([idle, small], Policy.LOAD_AWARE, 2000, 50)), [0, 1])
-        self.assertEqual(keys(rank([idle, large], Policy.LOAD_AWARE, 2000, 50)), [1, 0])
-        heavier = PrefixRule(weight=2.0)
-        self.assertEqual(
-            keys(rank([idle, small], Policy.LOAD_AWARE, 2000, 50, prefix=heavier)), [1, 0]
-        )
+        one = PrefixRule(weight=1.0)
+        self.assertEqual(keys(rank([idle, small], Policy.LOAD_AWARE, 2000, 50, prefix=one)), [0, 1])
+        self.assertEqual(keys(rank([idle, large], Policy.LOAD_AWARE, 2000, 50, prefix=one)), [1, 0])
+        self.assertEqual(DEFAULT_PREFIX_RULE.weight, 2.0)
+        self.assertEqual(keys(rank([idle, small], Policy.LOAD_AWARE, 2000, 50)), [1, 0])
 
     def test_a_much_busier_holder_gets_no_credit(self) -> None:
         """However much it holds, a node with more than max_skew generations ahead of the
@@ -192,7 +192,7 @@ class PrefixRuleTests(SynchronousTestCase):
         idle = node(0, **rates)
         at_skew = node(1, inflight=4, cached_tokens=4000, **rates)
         beyond = node(1, inflight=5, cached_tokens=4000, **rates)
-        rule = PrefixRule(max_skew=4)
+        rule = PrefixRule(weight=1.0, max_skew=4)
         self.assertEqual(keys(rank([idle, at_skew], Policy.LOAD_AWARE, 4100, 10, prefix=rule)),
                          [1, 0])  # fmt: skip
         self.assertEqual(keys(rank([idle, beyond], Policy.LOAD_AWARE, 4100, 10, prefix=rule)),

@@ -42,8 +42,10 @@ DEFAULT_DECODE_RATE = 20
 DEFAULT_PREFILL_RATE = 200
 DEFAULT_EXPECTED_OUT = 64
 """Tokens a session is expected to generate, when the request does not say."""
-DEFAULT_PREFIX_WEIGHT = 1.0
-"""Seconds of estimated finish time credited per second of prefill a node's cache saves."""
+DEFAULT_PREFIX_WEIGHT = 2.0
+"""Seconds of estimated finish time credited per second of prefill a node's cache saves: the
+request's own prefill, and as much again for the lanes decoding beside it, which a prompt chunk
+slows down in every step it rides along (docs/protocol.md section 8.5)."""
 DEFAULT_PREFIX_MAX_SKEW = 4
 """Generations a node may have ahead of the least busy candidate and still be credited."""
 

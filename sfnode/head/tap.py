@@ -217,7 +217,8 @@ class Options(usage.Options):
             f"{DEFAULT_PREFIX_WEIGHT:g}",
             "load-aware placement: seconds taken off a node's estimated finish time per second "
             "of prefill its prefix cache saves (the head remembers the prompts it sent each "
-            "node); 1 counts just the saved prefill, more keeps requests that share a prefix "
+            "node); 1 counts just the request's own saved prefill, the default 2 as much again "
+            "for the lanes it would slow down, more keeps requests that share a prefix "
             "together harder, 0 ignores prefixes.",
         ],
         [
