@@ -462,6 +462,22 @@ class PrefixPlacementTests(FleetTestCase):
         self.assertEqual(len(member.prefixes), 0)
 
     @defer.inlineCallbacks
+    def test_generations_that_ended_since_the_report_are_counted(
+        self,
+    ) -> Generator[Any, Any, None]:
+        """The fleet tells placement how many of its generations on a node ended after the
+        node's latest load report, and forgets them when a new report arrives."""
+        node = yield self.start_mock_node(status_interval_ms=600_000)
+        fleet = yield self.fleet_of([node])
+        member = self.on(fleet, node)
+        yield defer.gatherResults([fleet.generate([*PROMPT, i], 4).result for i in range(2)])
+        self.assertEqual(member.view(reactor.seconds()).ended_since_report, 2)
+        reopened = next_open(member)
+        node.agent.close_connections("test drop")
+        yield reopened  # a new HELLO_ACK_F: a new load report
+        self.assertEqual(member.view(reactor.seconds()).ended_since_report, 0)
+
+    @defer.inlineCallbacks
     def test_other_policies_keep_no_index(self) -> Generator[Any, Any, None]:
         """least-loaded placement does not weigh prefixes, so the fleet does not hash them."""
         node = yield self.start_mock_node()

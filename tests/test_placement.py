@@ -207,6 +207,22 @@ class PrefixRuleTests(SynchronousTestCase):
         self.assertEqual(ahead(node(0, lanes_active=1, inflight=4)), 4)
         self.assertEqual(ahead(node(0, age=11.0, lanes_active=6, inflight=2)), 2)
 
+    def test_generations_that_ended_since_the_report_are_not_ahead(self) -> None:
+        """A report still counts the head's generations that ended after it was sampled: they
+        are taken off (never below the head's own running generations), so a node that just
+        finished its work does not look busy until its next report."""
+        self.assertEqual(ahead(node(0, lanes_active=6, inflight=2, ended_since_report=3)), 3)
+        self.assertEqual(ahead(node(0, lanes_active=6, inflight=5, ended_since_report=3)), 5)
+        self.assertEqual(ahead(node(0, lanes_active=2, inflight=0, ended_since_report=2)), 0)
+        finished = node(0, lanes_active=6, decode_tokens_per_s=50, ended_since_report=6)
+        running = node(1, decode_tokens_per_s=50, inflight=1)
+        self.assertEqual(keys(rank([running, finished], Policy.LOAD_AWARE, 10, 64)), [0, 1])
+        holder = node(0, lanes_active=7, inflight=1, ended_since_report=6, cached_tokens=900)
+        other = node(1, inflight=1)
+        rule = PrefixRule(max_skew=0)
+        self.assertEqual(keys(rank([other, holder], Policy.LOAD_AWARE, 950, 64, prefix=rule)),
+                         [0, 1])  # fmt: skip
+
     def test_only_load_aware_weighs_prefixes(self) -> None:
         """least-loaded and round-robin ignore what a node holds."""
         views = [node(0), node(1, cached_tokens=4000)]

@@ -156,6 +156,8 @@ class FleetNode:
         self.last_failure = ""
         self.prefixes = PrefixIndex()
         """The blocks of the contexts placed and generated here (what its cache may hold)."""
+        self.ended: deque[float] = deque()
+        """When this head's generations here ended, since the node's latest load report."""
 
     @property
     def name(self) -> str:
@@ -199,6 +201,10 @@ class FleetNode:
         """What placement knows of this node now, for a request whose context has the block
         keys ``keys`` (how much of it the node is believed to hold)."""
         at = self.link.capacity_at
+        ended = self.ended
+        # Only the ends after the latest report matter (it still counts those generations).
+        while ended and (at is None or ended[0] <= at):
+            ended.popleft()
         return placement.NodeView(
             key=self.order,
             live=self.link.ready,
@@ -208,6 +214,7 @@ class FleetNode:
             sessions=self.sessions,
             inflight=self.inflight,
             cached_tokens=self.prefixes.cached_blocks(keys) * KV_BLOCK_TOKENS if keys else 0,
+            ended_since_report=len(ended),
         )
 
     def remember(self, keys: Sequence[BlockKey]) -> None:
@@ -1026,6 +1033,7 @@ class Fleet:
     def _release(self, node: FleetNode) -> None:
         """A generation on ``node`` ended: its lane may take a waiting request."""
         node.inflight -= 1
+        node.ended.append(self._clock.seconds())
         self._dispatch()
 
     # ----------------------------------------------------------------------------------------

@@ -79,6 +79,9 @@ class NodeView:
     cached_tokens: int = 0
     """Leading tokens of the request's context this node is believed to hold in its prefix
     cache (the fleet's prefix index); 0 when none or unknown."""
+    ended_since_report: int = 0
+    """Generations the head ran there that ended after its load report was sampled: the
+    report still counts them as running."""
 
     @property
     def window(self) -> int | None:
@@ -263,9 +266,11 @@ def ahead(view: NodeView) -> int:
     """Generations a new one would wait behind on ``view`` (or share its lanes with)."""
     capacity = view.capacity
     if capacity is not None and view.fresh:
-        # The report counts this head's running generations too; inflight covers the ones
-        # started since it was sampled.
-        return max(capacity.lanes_active + capacity.queue_depth, view.inflight)
+        # The report counts this head's running generations too, also those that ended since
+        # it was sampled (taken off here, or a node that just finished work would look busy
+        # for up to a status interval); inflight covers the ones started since.
+        reported = capacity.lanes_active + capacity.queue_depth - view.ended_since_report
+        return max(reported, view.inflight)
     return view.inflight
 
 
