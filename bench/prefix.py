@@ -577,15 +577,21 @@ def print_report(
         cached = next((r for r in runs if r.label == "sfnode"), None)
         uncached = next((r for r in runs if r.label == "sfnode --no-prefix-cache"), None)
         if cached is not None and uncached is not None:
-            pairs = []
-            for name in ("burst", "shared", "distinct"):
+            cells = []
+            total = same_total = 0
+            for name, label in (("burst", "burst"), ("shared", "one at a time, shared"),
+                                ("distinct", "one at a time, distinct")):  # fmt: skip
                 a, b = getattr(cached, name), getattr(uncached, name)
-                pairs += list(zip(a.answers, b.answers, strict=True))
-            pairs += [(a.answers[0], b.answers[0]) for a, b in zip(cached.turns, uncached.turns,
-                                                                    strict=True)]  # fmt: skip
-            same = sum(a.text == b.text for a, b in pairs)
-            print(f"\nGreedy texts with the prefix cache equal to those without: {same} of "
-                  f"{len(pairs)}")  # fmt: skip
+                same = sum(x.text == y.text for x, y in zip(a.answers, b.answers, strict=True))
+                cells.append(f"{label} {same} of {len(a.answers)}")
+                total += len(a.answers)
+                same_total += same
+            turns = [x.answers[0].text == y.answers[0].text
+                     for x, y in zip(cached.turns, uncached.turns, strict=True)]  # fmt: skip
+            cells.append(f"conversation {sum(turns)} of {len(turns)} turns")
+            print(f"\nGreedy texts with the prefix cache equal to those without: "
+                  f"{same_total + sum(turns)} of {total + len(turns)} ({'; '.join(cells)}; a "
+                  "turn that differs changes the history of the later ones)")  # fmt: skip
         for run in runs:
             print(f"- {run.label}: load average {run.load[0]:.2f} -> {run.load[1]:.2f}")
 
