@@ -201,10 +201,7 @@ class FleetNode:
         """What placement knows of this node now, for a request whose context has the block
         keys ``keys`` (how much of it the node is believed to hold)."""
         at = self.link.capacity_at
-        ended = self.ended
-        # Only the ends after the latest report matter (it still counts those generations).
-        while ended and (at is None or ended[0] <= at):
-            ended.popleft()
+        self._forget_reported_ends()
         return placement.NodeView(
             key=self.order,
             live=self.link.ready,
@@ -214,8 +211,21 @@ class FleetNode:
             sessions=self.sessions,
             inflight=self.inflight,
             cached_tokens=self.prefixes.cached_blocks(keys) * KV_BLOCK_TOKENS if keys else 0,
-            ended_since_report=len(ended),
+            ended_since_report=len(self.ended),
         )
+
+    def generation_ended(self, now: float) -> None:
+        """One of this head's generations here ended (its lane is free)."""
+        self.inflight -= 1
+        self._forget_reported_ends()
+        self.ended.append(now)
+
+    def _forget_reported_ends(self) -> None:
+        # Only the ends after the latest report matter: that report still counts them, a
+        # later one does not.
+        at = self.link.capacity_at
+        while self.ended and (at is None or self.ended[0] <= at):
+            self.ended.popleft()
 
     def remember(self, keys: Sequence[BlockKey]) -> None:
         """The node was sent, or computed, the blocks named ``keys``."""
@@ -1032,8 +1042,7 @@ class Fleet:
 
     def _release(self, node: FleetNode) -> None:
         """A generation on ``node`` ended: its lane may take a waiting request."""
-        node.inflight -= 1
-        node.ended.append(self._clock.seconds())
+        node.generation_ended(self._clock.seconds())
         self._dispatch()
 
     # ----------------------------------------------------------------------------------------
