@@ -184,7 +184,7 @@ class OptionsTests(TestCase):
         )
 
     def test_prefix_rule_options(self) -> None:
-        """--prefix-weight (a number, 2 by default, 0 turns prefixes off) and --prefix-max-skew
+        """--prefix-weight (a number, 4 by default, 0 turns prefixes off) and --prefix-max-skew
         (a count, 4 by default) reach the fleet's prefix rule; negative or non-numeric values
         are usage errors."""
         from twisted.internet.testing import MemoryReactorClock
@@ -202,7 +202,7 @@ class OptionsTests(TestCase):
             ["--prefix-max-skew", "2.5"],
         ):
             self.assertRaises(UsageError, self.parse, *args)
-        self.assertEqual(self.parse()["prefix"], PrefixRule(weight=2.0, max_skew=4))
+        self.assertEqual(self.parse()["prefix"], PrefixRule(weight=4.0, max_skew=4))
         folder = self.mktemp()
         tiny_tokenizer().save_pretrained(folder)
         options = self.parse("--model", folder, "--prefix-weight", "2.5", "--prefix-max-skew", "0")

@@ -160,45 +160,49 @@ class PrefixRuleTests(SynchronousTestCase):
         plain = rank([cold, holder], Policy.LOAD_AWARE, 1000, 64, prefix=NO_PREFIX)
         self.assertEqual(keys(plain), [0, 1])
 
-    def test_the_credit_is_the_saved_prefill_weighted(self) -> None:
-        """The credit is weight x cached tokens / prefill rate, in seconds; nothing for a node
-        that holds none of the prompt, with weight 0, or without a prefill rate."""
+    def test_the_credit_is_generations_per_thousand_cached_tokens(self) -> None:
+        """The credit is weight x cached tokens / 1,000 generations (4 per 1,000 by default);
+        nothing for a node that holds none of the prompt, or with weight 0."""
         holder = node(0, cached_tokens=1000)
-        self.assertEqual(prefix_credit(holder, PrefixRule(weight=1.0), 500.0, 0), 2.0)
-        self.assertEqual(prefix_credit(holder, PrefixRule(weight=2.5), 500.0, 0), 5.0)
-        self.assertEqual(prefix_credit(holder, NO_PREFIX, 500.0, 0), 0.0)
-        self.assertEqual(prefix_credit(holder, DEFAULT_PREFIX_RULE, 0.0, 0), 0.0)
-        self.assertEqual(prefix_credit(node(1), DEFAULT_PREFIX_RULE, 500.0, 0), 0.0)
+        self.assertEqual(prefix_credit(holder, DEFAULT_PREFIX_RULE, 0), 4.0)
+        self.assertEqual(prefix_credit(node(0, cached_tokens=250), DEFAULT_PREFIX_RULE, 0), 1.0)
+        self.assertEqual(prefix_credit(holder, PrefixRule(weight=2.5), 0), 2.5)
+        self.assertEqual(prefix_credit(holder, NO_PREFIX, 0), 0.0)
+        self.assertEqual(prefix_credit(node(1), DEFAULT_PREFIX_RULE, 0), 0.0)
 
     def test_the_prefix_is_weighed_against_the_work_ahead(self) -> None:
-        """With weight 1, a holder with two generations more ahead (each worth 50 tokens at
-        100 tokens/s, 0.5 s) loses with 800 cached tokens at 1,000 tokens/s (0.8 s saved) and
-        wins with 1,600 (1.6 s saved); the default weight, 2, makes the 800 tokens worth 1.6 s
-        too."""
-        rates = {"decode_tokens_per_s": 100, "prefill_tokens_per_s": 1000}
-        idle = node(0, **rates)
-        small = node(1, lanes_active=2, cached_tokens=800, **rates)
-        large = node(1, lanes_active=2, cached_tokens=1600, **rates)
-        one = PrefixRule(weight=1.0)
-        self.assertEqual(keys(rank([idle, small], Policy.LOAD_AWARE, 2000, 50, prefix=one)), [0, 1])
-        self.assertEqual(keys(rank([idle, large], Policy.LOAD_AWARE, 2000, 50, prefix=one)), [1, 0])
-        self.assertEqual(DEFAULT_PREFIX_RULE.weight, 2.0)
-        self.assertEqual(keys(rank([idle, small], Policy.LOAD_AWARE, 2000, 50)), [1, 0])
+        """By default 500 cached tokens are worth two generations ahead: a holder with one
+        more generation ahead than an idle node wins, with three more it loses; 1,000 cached
+        tokens outweigh three.  The reported rates do not change the balance."""
+        for rates in ({"decode_tokens_per_s": 100, "prefill_tokens_per_s": 1000},
+                      {"decode_tokens_per_s": 20, "prefill_tokens_per_s": 5000}):  # fmt: skip
+            idle = node(0, **rates)
+            one_more = node(1, lanes_active=1, cached_tokens=500, **rates)
+            three_more = node(1, lanes_active=3, cached_tokens=500, **rates)
+            larger = node(1, lanes_active=3, cached_tokens=1000, **rates)
+            self.assertEqual(keys(rank([idle, one_more], Policy.LOAD_AWARE, 2000, 50)), [1, 0])
+            self.assertEqual(keys(rank([idle, three_more], Policy.LOAD_AWARE, 2000, 50)), [0, 1])
+            self.assertEqual(keys(rank([idle, larger], Policy.LOAD_AWARE, 2000, 50)), [1, 0])
+
+    def test_the_longer_cached_prefix_wins(self) -> None:
+        """Between two idle holders, the one believed to hold more of the context comes first."""
+        short = node(0, cached_tokens=320)
+        long = node(1, cached_tokens=640)
+        self.assertEqual(keys(rank([short, long], Policy.LOAD_AWARE, 1000, 64)), [1, 0])
 
     def test_a_much_busier_holder_gets_no_credit(self) -> None:
         """However much it holds, a node with more than max_skew generations ahead of the
         least busy candidate is ranked by load alone; at exactly max_skew it keeps its credit."""
-        rates = {"decode_tokens_per_s": 100, "prefill_tokens_per_s": 100}
-        idle = node(0, **rates)
-        at_skew = node(1, inflight=4, cached_tokens=4000, **rates)
-        beyond = node(1, inflight=5, cached_tokens=4000, **rates)
-        rule = PrefixRule(weight=1.0, max_skew=4)
+        idle = node(0)
+        at_skew = node(1, inflight=4, cached_tokens=4000)
+        beyond = node(1, inflight=5, cached_tokens=4000)
+        rule = PrefixRule(weight=4.0, max_skew=4)
         self.assertEqual(keys(rank([idle, at_skew], Policy.LOAD_AWARE, 4100, 10, prefix=rule)),
                          [1, 0])  # fmt: skip
         self.assertEqual(keys(rank([idle, beyond], Policy.LOAD_AWARE, 4100, 10, prefix=rule)),
                          [0, 1])  # fmt: skip
-        self.assertEqual(prefix_credit(beyond, rule, 100.0, ahead(idle)), 0.0)
-        self.assertEqual(prefix_credit(at_skew, rule, 100.0, ahead(idle)), 40.0)
+        self.assertEqual(prefix_credit(beyond, rule, ahead(idle)), 0.0)
+        self.assertEqual(prefix_credit(at_skew, rule, ahead(idle)), 16.0)
 
     def test_the_skew_counts_the_fresh_reports_like_the_estimate(self) -> None:
         """The work ahead is the fresh report's lanes and queue, or the head's own generations

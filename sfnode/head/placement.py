@@ -11,10 +11,12 @@ and generations) and ``round-robin``.
 ``load-aware`` is also prefix-aware (:class:`PrefixRule`, :func:`prefix_credit`): a node believed
 to hold the first blocks of the request's context in its prefix cache (the fleet's
 :class:`~sfnode.head.prefix_index.PrefixIndex` says how many tokens, in
-:attr:`NodeView.cached_tokens`) would not prefill them, so its estimate is lowered by their
-prefill time (times the rule's weight), unless it has more than ``max_skew`` generations ahead
-of the least busy candidate.  Requests that share a system prompt, or the turns of one
-conversation, so land where their prefix already is, unless that node is much busier.
+:attr:`NodeView.cached_tokens`) counts as that many generations less busy in the estimate
+(``weight`` generations per 1,000 cached tokens), unless it has more than ``max_skew``
+generations ahead of the least busy candidate.  Requests that share a system prompt, or the
+turns of one conversation, so land where their prefix already is, unless that node is much
+busier.  The credit is counted in generations, not seconds: the reported rates are busy-time
+averages of prefill and decode together, which say little about what a skipped prefill saves.
 
 A live node can take a generation while the generations the head runs on it are fewer than its
 ``max_lanes`` (0: the node did not say, no limit): requests beyond that wait at the head, where
@@ -42,10 +44,10 @@ DEFAULT_DECODE_RATE = 20
 DEFAULT_PREFILL_RATE = 200
 DEFAULT_EXPECTED_OUT = 64
 """Tokens a session is expected to generate, when the request does not say."""
-DEFAULT_PREFIX_WEIGHT = 2.0
-"""Seconds of estimated finish time credited per second of prefill a node's cache saves: the
-request's own prefill, and as much again for the lanes decoding beside it, which a prompt chunk
-slows down in every step it rides along (docs/protocol.md section 8.5)."""
+DEFAULT_PREFIX_WEIGHT = 4.0
+"""Generations ahead that 1,000 cached prompt tokens are worth: on a CPU a 1,000-token prefill
+takes about as long as a few short answers' decoding, and it also slows every lane decoding
+beside it (docs/protocol.md section 8.5)."""
 DEFAULT_PREFIX_MAX_SKEW = 4
 """Generations a node may have ahead of the least busy candidate and still be credited."""
 
@@ -129,9 +131,8 @@ class PrefixRule:
     """How much a cached prefix counts against load (the ``load-aware`` policy only)."""
 
     weight: float = DEFAULT_PREFIX_WEIGHT
-    """Seconds of estimated finish time a node is credited per second of prefill that its
-    cache saves (1: the estimate counts only the part of the prompt the node must compute;
-    more: affinity is worth more than that; 0: prefixes are ignored)."""
+    """Generations ahead a node is credited per 1,000 tokens of the request's context it holds
+    (0: prefixes are ignored)."""
     max_skew: int = DEFAULT_PREFIX_MAX_SKEW
     """A node with more than this many generations ahead of the least busy candidate gets no
     credit, however much of the prompt it holds."""
@@ -274,26 +275,26 @@ def ahead(view: NodeView) -> int:
     return view.inflight
 
 
-def prefix_credit(view: NodeView, rule: PrefixRule, prefill_rate: float, least_ahead: int) -> float:
-    """Seconds taken off ``view``'s estimated finish time for the prefix it holds.
+def prefix_credit(view: NodeView, rule: PrefixRule, least_ahead: int) -> float:
+    """Generations taken off ``view``'s work ahead for the prefix it holds.
 
-    ``weight * cached_tokens / prefill_rate``: the prefill its cache saves, weighted; nothing
-    when the rule's weight is 0, the node holds none of the context, or it has more than
-    ``max_skew`` generations ahead of ``least_ahead`` (the least busy candidate's).
+    ``weight * cached_tokens / 1000``; nothing when the rule's weight is 0, the node holds none
+    of the context, or it has more than ``max_skew`` generations ahead of ``least_ahead`` (the
+    least busy candidate's).
     """
-    if rule.weight <= 0 or view.cached_tokens <= 0 or prefill_rate <= 0:
+    if rule.weight <= 0 or view.cached_tokens <= 0:
         return 0.0
     if ahead(view) - least_ahead > rule.max_skew:
         return 0.0
-    return rule.weight * view.cached_tokens / prefill_rate
+    return rule.weight * view.cached_tokens / 1000
 
 
 def _load_aware(
     views: Sequence[NodeView], length: int, expected_out: int, prefix: PrefixRule
 ) -> list[NodeView]:
-    """Least estimated time to finish first: the work ahead of the request at the node's decode
-    rate, its prompt at the prefill rate, and its own tokens, less the prefill a cached prefix
-    saves (:func:`prefix_credit`); hot KV pools last."""
+    """Least estimated time to finish first: the work ahead of the request (less the credit of
+    a cached prefix, :func:`prefix_credit`) and its own tokens at the node's decode rate, and
+    its prompt at the prefill rate; hot KV pools last."""
     cool = [v for v in views if not _hot(v)]
     pool = cool or list(views)
     mean_decode = _mean(
@@ -310,8 +311,8 @@ def _load_aware(
         capacity = view.capacity
         decode = (capacity.decode_tokens_per_s if capacity is not None else 0) or mean_decode
         prefill = (capacity.prefill_tokens_per_s if capacity is not None else 0) or mean_prefill
-        estimate = (ahead(view) + 1) * expected_out / decode + length / prefill
-        return estimate - prefix_credit(view, prefix, prefill, least_ahead)
+        work = ahead(view) - prefix_credit(view, prefix, least_ahead) + 1
+        return work * expected_out / decode + length / prefill
 
     return sorted(pool, key=lambda v: (eta(v), v.sessions, v.key))
 

@@ -215,11 +215,10 @@ class Options(usage.Options):
             "prefix-weight",
             None,
             f"{DEFAULT_PREFIX_WEIGHT:g}",
-            "load-aware placement: seconds taken off a node's estimated finish time per second "
-            "of prefill its prefix cache saves (the head remembers the prompts it sent each "
-            "node); 1 counts just the request's own saved prefill, the default 2 as much again "
-            "for the lanes it would slow down, more keeps requests that share a prefix "
-            "together harder, 0 ignores prefixes.",
+            "load-aware placement: how many generations less busy a node counts as per 1,000 "
+            "tokens of the prompt it holds in its prefix cache (the head remembers the prompts "
+            "it sent each node); more keeps requests that share a prefix together harder, 0 "
+            "ignores prefixes.",
         ],
         [
             "prefix-max-skew",
