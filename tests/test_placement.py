@@ -184,6 +184,20 @@ class PrefixRuleTests(SynchronousTestCase):
             self.assertEqual(keys(rank([idle, three_more], Policy.LOAD_AWARE, 2000, 50)), [0, 1])
             self.assertEqual(keys(rank([idle, larger], Policy.LOAD_AWARE, 2000, 50)), [1, 0])
 
+    def test_a_holder_reporting_slower_rates_keeps_its_credit(self) -> None:
+        """The credit is weighed in generations, not in seconds of the nodes' rates: a holder
+        whose latest report shows a third of the other node's decode rate (rates are busy-time
+        averages, and a node that just prefilled reports a low one) still wins while its work
+        ahead less its credit is smaller; without any credit the estimate decides as before."""
+        idle = node(0, decode_tokens_per_s=90, prefill_tokens_per_s=300)
+        holder = node(1, lanes_active=2, cached_tokens=1000, decode_tokens_per_s=30,
+                      prefill_tokens_per_s=100)  # fmt: skip
+        self.assertEqual(keys(rank([idle, holder], Policy.LOAD_AWARE, 1100, 32)), [1, 0])
+        cold = node(1, lanes_active=2, decode_tokens_per_s=30, prefill_tokens_per_s=100)
+        self.assertEqual(keys(rank([idle, cold], Policy.LOAD_AWARE, 1100, 32)), [0, 1])
+        faster = node(0, lanes_active=1, decode_tokens_per_s=900, prefill_tokens_per_s=3000)
+        self.assertEqual(keys(rank([faster, cold], Policy.LOAD_AWARE, 1100, 32)), [0, 1])
+
     def test_the_longer_cached_prefix_wins(self) -> None:
         """Between two idle holders, the one believed to hold more of the context comes first."""
         short = node(0, cached_tokens=320)

@@ -11,12 +11,14 @@ and generations) and ``round-robin``.
 ``load-aware`` is also prefix-aware (:class:`PrefixRule`, :func:`prefix_credit`): a node believed
 to hold the first blocks of the request's context in its prefix cache (the fleet's
 :class:`~sfnode.head.prefix_index.PrefixIndex` says how many tokens, in
-:attr:`NodeView.cached_tokens`) counts as that many generations less busy in the estimate
-(``weight`` generations per 1,000 cached tokens), unless it has more than ``max_skew``
-generations ahead of the least busy candidate.  Requests that share a system prompt, or the
-turns of one conversation, so land where their prefix already is, unless that node is much
-busier.  The credit is counted in generations, not seconds: the reported rates are busy-time
-averages of prefill and decode together, which say little about what a skipped prefill saves.
+:attr:`NodeView.cached_tokens`) counts as that many generations less busy (``weight``
+generations per 1,000 cached tokens), unless it has more than ``max_skew`` generations ahead of
+the least busy candidate.  When any candidate has such a credit, the candidates are ordered by
+their generations ahead less their credit, and by the estimate only among equals: the reported
+rates are busy-time averages of prefill and decode together, noisy from one report to the next,
+and weighing a prefix in seconds of them let that noise decide.  Requests that share a system
+prompt, or the turns of one conversation, so land where their prefix already is, unless that
+node is much busier.
 
 A live node can take a generation while the generations the head runs on it are fewer than its
 ``max_lanes`` (0: the node did not say, no limit): requests beyond that wait at the head, where
@@ -292,9 +294,10 @@ def prefix_credit(view: NodeView, rule: PrefixRule, least_ahead: int) -> float:
 def _load_aware(
     views: Sequence[NodeView], length: int, expected_out: int, prefix: PrefixRule
 ) -> list[NodeView]:
-    """Least estimated time to finish first: the work ahead of the request (less the credit of
-    a cached prefix, :func:`prefix_credit`) and its own tokens at the node's decode rate, and
-    its prompt at the prefill rate; hot KV pools last."""
+    """Least estimated time to finish first: the work ahead of the request and its own tokens
+    at the node's decode rate, and its prompt at the prefill rate; hot KV pools last.  When a
+    candidate holds a prefix of the request (:func:`prefix_credit`), least work ahead less the
+    credit first, the estimate among equals."""
     cool = [v for v in views if not _hot(v)]
     pool = cool or list(views)
     mean_decode = _mean(
@@ -311,9 +314,11 @@ def _load_aware(
         capacity = view.capacity
         decode = (capacity.decode_tokens_per_s if capacity is not None else 0) or mean_decode
         prefill = (capacity.prefill_tokens_per_s if capacity is not None else 0) or mean_prefill
-        work = ahead(view) - prefix_credit(view, prefix, least_ahead) + 1
-        return work * expected_out / decode + length / prefill
+        return (ahead(view) + 1) * expected_out / decode + length / prefill
 
+    credits = {v.key: prefix_credit(v, prefix, least_ahead) for v in pool}
+    if any(credits.values()):
+        return sorted(pool, key=lambda v: (ahead(v) - credits[v.key], eta(v), v.sessions, v.key))
     return sorted(pool, key=lambda v: (eta(v), v.sessions, v.key))
 
 
