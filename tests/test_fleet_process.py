@@ -184,8 +184,8 @@ class OptionsTests(TestCase):
         )
 
     def test_prefix_rule_options(self) -> None:
-        """--prefix-weight (a number, 4 by default, 0 turns prefixes off) and --prefix-max-skew
-        (a count, 4 by default) reach the fleet's prefix rule; negative or non-numeric values
+        """--prefix-weight (a number, 6 by default, 0 turns prefixes off) and --prefix-max-skew
+        (a count, 6 by default) reach the fleet's prefix rule; negative or non-numeric values
         are usage errors."""
         from twisted.internet.testing import MemoryReactorClock
         from twisted.python.usage import UsageError
@@ -202,7 +202,7 @@ class OptionsTests(TestCase):
             ["--prefix-max-skew", "2.5"],
         ):
             self.assertRaises(UsageError, self.parse, *args)
-        self.assertEqual(self.parse()["prefix"], PrefixRule(weight=4.0, max_skew=4))
+        self.assertEqual(self.parse()["prefix"], PrefixRule(weight=6.0, max_skew=6))
         folder = self.mktemp()
         tiny_tokenizer().save_pretrained(folder)
         options = self.parse("--model", folder, "--prefix-weight", "2.5", "--prefix-max-skew", "0")

@@ -161,25 +161,25 @@ class PrefixRuleTests(SynchronousTestCase):
         self.assertEqual(keys(plain), [0, 1])
 
     def test_the_credit_is_generations_per_thousand_cached_tokens(self) -> None:
-        """The credit is weight x cached tokens / 1,000 generations (4 per 1,000 by default);
+        """The credit is weight x cached tokens / 1,000 generations (6 per 1,000 by default);
         nothing for a node that holds none of the prompt, or with weight 0."""
         holder = node(0, cached_tokens=1000)
-        self.assertEqual(prefix_credit(holder, DEFAULT_PREFIX_RULE, 0), 4.0)
-        self.assertEqual(prefix_credit(node(0, cached_tokens=250), DEFAULT_PREFIX_RULE, 0), 1.0)
+        self.assertEqual(prefix_credit(holder, DEFAULT_PREFIX_RULE, 0), 6.0)
+        self.assertEqual(prefix_credit(node(0, cached_tokens=250), DEFAULT_PREFIX_RULE, 0), 1.5)
         self.assertEqual(prefix_credit(holder, PrefixRule(weight=2.5), 0), 2.5)
         self.assertEqual(prefix_credit(holder, NO_PREFIX, 0), 0.0)
         self.assertEqual(prefix_credit(node(1), DEFAULT_PREFIX_RULE, 0), 0.0)
 
     def test_the_prefix_is_weighed_against_the_work_ahead(self) -> None:
-        """By default 500 cached tokens are worth two generations ahead: a holder with one
-        more generation ahead than an idle node wins, with three more it loses; 1,000 cached
-        tokens outweigh three.  The reported rates do not change the balance."""
+        """By default 500 cached tokens are worth three generations ahead: a holder with two
+        more generations ahead than an idle node wins, with four more it loses; 1,000 cached
+        tokens outweigh four.  The reported rates do not change the balance."""
         for rates in ({"decode_tokens_per_s": 100, "prefill_tokens_per_s": 1000},
                       {"decode_tokens_per_s": 20, "prefill_tokens_per_s": 5000}):  # fmt: skip
             idle = node(0, **rates)
-            one_more = node(1, lanes_active=1, cached_tokens=500, **rates)
-            three_more = node(1, lanes_active=3, cached_tokens=500, **rates)
-            larger = node(1, lanes_active=3, cached_tokens=1000, **rates)
+            one_more = node(1, lanes_active=2, cached_tokens=500, **rates)
+            three_more = node(1, lanes_active=4, cached_tokens=500, **rates)
+            larger = node(1, lanes_active=4, cached_tokens=1000, **rates)
             self.assertEqual(keys(rank([idle, one_more], Policy.LOAD_AWARE, 2000, 50)), [1, 0])
             self.assertEqual(keys(rank([idle, three_more], Policy.LOAD_AWARE, 2000, 50)), [0, 1])
             self.assertEqual(keys(rank([idle, larger], Policy.LOAD_AWARE, 2000, 50)), [1, 0])

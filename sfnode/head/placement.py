@@ -46,11 +46,12 @@ DEFAULT_DECODE_RATE = 20
 DEFAULT_PREFILL_RATE = 200
 DEFAULT_EXPECTED_OUT = 64
 """Tokens a session is expected to generate, when the request does not say."""
-DEFAULT_PREFIX_WEIGHT = 4.0
-"""Generations ahead that 1,000 cached prompt tokens are worth: on a CPU a 1,000-token prefill
-takes about as long as a few short answers' decoding, and it also slows every lane decoding
-beside it (docs/protocol.md section 8.5)."""
-DEFAULT_PREFIX_MAX_SKEW = 4
+DEFAULT_PREFIX_WEIGHT = 6.0
+"""Generations ahead that 1,000 cached prompt tokens are worth: a lane more in a node's batch
+slows each of its lanes a little (a batch shares each pass over the weights), while a 1,000-token
+prefill takes seconds on a CPU and slows every lane decoding beside it, and once done on a second
+node it stays duplicated in both caches (docs/protocol.md section 8.5)."""
+DEFAULT_PREFIX_MAX_SKEW = 6
 """Generations a node may have ahead of the least busy candidate and still be credited."""
 
 
