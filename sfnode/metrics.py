@@ -4,12 +4,17 @@ A collector reads the engine's live statistics and the node's latest busy-time r
 time, in a registry of its own (never the process-global one, so several nodes can run in one
 process).  A scrape only reads: it never takes a rate sample (that would move the baseline the
 NODE_STATUS rates are measured from).
+
+An engine with a prefix cache (one with ``prefix_statistics()``, the transformers engine unless
+``--no-prefix-cache``) adds its figures: lookups that reused blocks and lookups that did not,
+prompt tokens not computed thanks to it, blocks saved and evicted, and blocks held now.  An
+engine without one shows none of them (not zeros that would read as "nothing reused").
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -17,10 +22,20 @@ from prometheus_client.registry import Collector
 from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
+from sfnode.engines.prefix_cache import PrefixCacheStats
+
 if TYPE_CHECKING:
     from sfnode.node import NodeAgent
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+
+
+@runtime_checkable
+class PrefixStatisticsSource(Protocol):
+    """An engine that may keep a prefix cache (the transformers engine)."""
+
+    def prefix_statistics(self) -> PrefixCacheStats | None:
+        """The cache's figures, or None when the engine runs without one."""
 
 
 class NodeCollector(Collector):
@@ -70,6 +85,38 @@ class NodeCollector(Collector):
                     len(agent.connections))  # fmt: skip
         yield gauge(
             "sfnode_generations", "Generations running or queued.", agent.running_generations
+        )
+        engine = agent.engine
+        prefix = engine.prefix_statistics() if isinstance(engine, PrefixStatisticsSource) else None
+        if prefix is None:
+            return
+        yield counter(
+            "sfnode_prefix_cache_hits",
+            "Generations whose context started with cached KV blocks (they reused at least one).",
+            prefix.hits,
+        )
+        yield counter(
+            "sfnode_prefix_cache_misses",
+            "Generations that found none of their context's blocks cached.",
+            prefix.misses,
+        )
+        yield counter(
+            "sfnode_prefix_cache_reused_tokens",
+            "Context tokens whose KV was copied from the cache instead of computed.",
+            prefix.reused_tokens,
+        )
+        yield counter(
+            "sfnode_prefix_cache_saved_blocks",
+            "Full 16-token blocks written into the cache.",
+            prefix.saved_blocks,
+        )
+        yield counter(
+            "sfnode_prefix_cache_evictions",
+            "Cached blocks given up (least recently used first) to make room for new ones.",
+            prefix.evictions,
+        )
+        yield gauge(
+            "sfnode_prefix_cache_blocks", "Blocks the cache holds now.", prefix.cached_blocks
         )
 
 

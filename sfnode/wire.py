@@ -784,7 +784,6 @@ def _logprob(value: Any) -> float:
     return to_f32(float(value))
 
 
-
 def _check_logprobs(value: TokensLogprobs) -> None:
     """What a receiver would refuse, refused before sending."""
     U32Array.check(value.tokens)

@@ -1,7 +1,8 @@
 """The fleet head (sfnode.head.fleet) against real mock-engine nodes over loopback TCP.
 
 These pin the head's behaviour of docs/protocol.md section 8: placement spreads and routes,
-round robin rotates, a dead node is skipped and used again once it answers, failover of
+round robin rotates, requests that share a prefix land where the head sent it (section 8.5), a
+dead node is skipped and used again once it answers, failover of
 streaming and non-streaming generations gives exactly the tokens of an uninterrupted run, a
 reconnect after a dropped link is invisible, a hung node's streams fail over within the
 keepalive window, requests wait in a bounded queue for a node (and leave it when cancelled),
@@ -33,6 +34,8 @@ from sfnode.head.fleet import (
     StreamTooLong,
 )
 from sfnode.head.pipeline import PipelineFleet, check_boundaries, even_boundaries
+from sfnode.head.placement import NO_PREFIX
+from sfnode.head.prefix_index import reusable_keys
 from sfnode.node import NodeAgent
 from sfnode.tap import node_factory
 from sfnode.wire import FINISH_CANCELLED, FINISH_LENGTH, NodeStatusMsg
@@ -391,6 +394,123 @@ class PlacementTests(FleetTestCase):
             self.assertEqual((sa.node.name, sb.node.name), ("a", "b"))
         yield self.assertFailure(fleet.open_session(PROMPT, model="model-c"), NoNodeAvailable)
         self.assertEqual(len(fleet.live_nodes()), 2)
+
+
+SYSTEM_A = list(range(1000, 1480))
+"""A 480-token "system prompt" (30 blocks)."""
+SYSTEM_B = list(range(2000, 2480))
+
+
+class PrefixPlacementTests(FleetTestCase):
+    """Prefix affinity: the fleet's per-node prefix index and the rule of section 8.5."""
+
+    @defer.inlineCallbacks
+    def later_nodes(self, **kwargs: Any) -> Generator[Any, Any, tuple[list[str], list[str]]]:
+        """Two nodes; a request with system prompt A and one with B at once (A lands on n0,
+        then B on n1, the idler), then one at a time three more of each, B first: the nodes
+        the later A and B requests landed on."""
+        nodes = []
+        for i in range(2):
+            nodes.append((yield self.start_mock_node(identity=f"n{i}")))
+        fleet = yield self.fleet_of(nodes, **kwargs)
+        first = [fleet.generate([*SYSTEM_A, 1], 4), fleet.generate([*SYSTEM_B, 1], 4)]
+        outcomes = yield defer.gatherResults([g.result for g in first])
+        self.assertEqual([o.node for o in outcomes], ["n0", "n1"])
+        later_a: list[str] = []
+        later_b: list[str] = []
+        for i in range(2, 5):
+            outcome = yield fleet.generate([*SYSTEM_B, i], 4).result
+            later_b.append(outcome.node)
+            outcome = yield fleet.generate([*SYSTEM_A, i], 4).result
+            later_a.append(outcome.node)
+        return later_a, later_b
+
+    @defer.inlineCallbacks
+    def test_requests_sharing_a_prefix_land_where_it_is(self) -> Generator[Any, Any, None]:
+        """With two idle nodes, every later request lands on the node its system prompt was
+        sent to first."""
+        later_a, later_b = yield self.later_nodes()
+        self.assertEqual((later_a, later_b), (["n0"] * 3, ["n1"] * 3))
+
+    @defer.inlineCallbacks
+    def test_without_the_rule_idle_nodes_go_by_registration(self) -> Generator[Any, Any, None]:
+        """With prefix weight 0 the same requests all go to the first registered idle node:
+        the affinity above is the rule's doing."""
+        later_a, later_b = yield self.later_nodes(prefix=NO_PREFIX)
+        self.assertEqual((later_a, later_b), (["n0"] * 3, ["n0"] * 3))
+
+    @defer.inlineCallbacks
+    def test_the_index_learns_the_answer_and_the_next_turn(self) -> Generator[Any, Any, None]:
+        """After a generation the node's index holds the blocks of prompt and answer (what the
+        node computed), so the next turn of the conversation matches beyond the old prompt;
+        a session's appended turn is learned at once."""
+        node = yield self.start_mock_node()
+        fleet = yield self.fleet_of([node])
+        prompt = [*SYSTEM_A, 1]
+        outcome = yield fleet.generate(prompt, 40).result
+        index = self.on(fleet, node).prefixes
+        turn = [*prompt, *outcome.tokens, 7, 8, 9]
+        self.assertEqual(
+            index.cached_blocks(reusable_keys(turn, None)), (len(prompt) + 40 - 1) // 16
+        )
+        session = yield fleet.open_session(SYSTEM_B)
+        grown = [*SYSTEM_B, *range(3000, 3100)]
+        self.assertEqual(index.cached_blocks(reusable_keys(grown, None)), 29)
+        yield session.append(grown)
+        self.assertEqual(index.cached_blocks(reusable_keys([*grown, 1], None)), len(grown) // 16)
+
+    @defer.inlineCallbacks
+    def test_the_index_is_bounded_by_the_nodes_pool(self) -> Generator[Any, Any, None]:
+        """A node reporting 8 KV blocks is believed to hold at most 8, the newest."""
+        node = yield self.start_mock_node(context_window=128, max_lanes=1)
+        fleet = yield self.fleet_of([node])
+        first = list(range(500, 600))
+        second = list(range(700, 800))
+        yield fleet.generate(first, 20).result
+        yield fleet.generate(second, 20).result
+        index = self.on(fleet, node).prefixes
+        self.assertEqual((index.capacity, len(index)), (8, 8))
+        self.assertEqual(index.cached_blocks(reusable_keys([*second, 1], None)), 6)
+        self.assertEqual(index.cached_blocks(reusable_keys([*first, 1], None)), 0)
+
+    @defer.inlineCallbacks
+    def test_a_reconnect_forgets_what_the_node_held(self) -> Generator[Any, Any, None]:
+        """When a node's link opens again the node may be a new process: its index is empty
+        until the head sends it prompts again."""
+        node = yield self.start_mock_node()
+        fleet = yield self.fleet_of([node])
+        yield fleet.generate([*SYSTEM_A, 1], 4).result
+        member = self.on(fleet, node)
+        self.assertGreater(len(member.prefixes), 0)
+        reopened = next_open(member)
+        node.agent.close_connections("test drop")
+        yield reopened
+        self.assertEqual(len(member.prefixes), 0)
+
+    @defer.inlineCallbacks
+    def test_generations_that_ended_since_the_report_are_counted(
+        self,
+    ) -> Generator[Any, Any, None]:
+        """The fleet tells placement how many of its generations on a node ended after the
+        node's latest load report, and forgets them when a new report arrives."""
+        node = yield self.start_mock_node(status_interval_ms=600_000)
+        fleet = yield self.fleet_of([node])
+        member = self.on(fleet, node)
+        yield defer.gatherResults([fleet.generate([*PROMPT, i], 4).result for i in range(2)])
+        self.assertEqual(member.view(reactor.seconds()).ended_since_report, 2)
+        reopened = next_open(member)
+        node.agent.close_connections("test drop")
+        yield reopened  # a new HELLO_ACK_F: a new load report
+        self.assertEqual(member.view(reactor.seconds()).ended_since_report, 0)
+
+    @defer.inlineCallbacks
+    def test_other_policies_keep_no_index(self) -> Generator[Any, Any, None]:
+        """least-loaded placement does not weigh prefixes, so the fleet does not hash them."""
+        node = yield self.start_mock_node()
+        fleet = yield self.fleet_of([node], policy=Policy.LEAST_LOADED)
+        self.assertFalse(fleet.prefix_aware)
+        yield fleet.generate([*SYSTEM_A, 1], 4).result
+        self.assertEqual(len(self.on(fleet, node).prefixes), 0)
 
 
 class LivenessTests(FleetTestCase):

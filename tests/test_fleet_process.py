@@ -183,6 +183,36 @@ class OptionsTests(TestCase):
             (0, 2.5, 1.0, 0.0),
         )
 
+    def test_prefix_rule_options(self) -> None:
+        """--prefix-weight (a number, 6 by default, 0 turns prefixes off) and --prefix-max-skew
+        (a count, 6 by default) reach the fleet's prefix rule; negative or non-numeric values
+        are usage errors."""
+        from twisted.internet.testing import MemoryReactorClock
+        from twisted.python.usage import UsageError
+
+        from sfnode.head.placement import PrefixRule
+        from sfnode.head.tap import makeService
+        from tests.tinymodel import tiny_tokenizer
+
+        for args in (
+            ["--prefix-weight", "-0.5"],
+            ["--prefix-weight", "lots"],
+            ["--prefix-weight", "inf"],
+            ["--prefix-max-skew", "-1"],
+            ["--prefix-max-skew", "2.5"],
+        ):
+            self.assertRaises(UsageError, self.parse, *args)
+        self.assertEqual(self.parse()["prefix"], PrefixRule(weight=6.0, max_skew=6))
+        folder = self.mktemp()
+        tiny_tokenizer().save_pretrained(folder)
+        options = self.parse("--model", folder, "--prefix-weight", "2.5", "--prefix-max-skew", "0")
+        fleet = makeService(options, MemoryReactorClock()).getServiceNamed("fleet").fleet
+        self.assertEqual(fleet.prefix, PrefixRule(weight=2.5, max_skew=0))
+        self.assertTrue(fleet.prefix_aware)
+        off = self.parse("--model", folder, "--prefix-weight", "0")
+        fleet = makeService(off, MemoryReactorClock()).getServiceNamed("fleet").fleet
+        self.assertFalse(fleet.prefix_aware)
+
     def test_bad_values_are_usage_errors(self) -> None:
         """A bad policy, a bad endpoint, a non-loopback node without a token, --pipeline with
         --node, and layer boundaries that do not match the stages are refused."""

@@ -48,9 +48,7 @@ def greedy_logprobs(
     for _ in range(count):
         token = mock_next_token(context, vocab)
         entry = sparse_logprob(mock_logits(context, vocab), GenParams(logprobs=asked), token)
-        out.append(
-            TokenLogprob(to_f32(entry.logprob), tuple((t, to_f32(v)) for t, v in entry.top))
-        )
+        out.append(TokenLogprob(to_f32(entry.logprob), tuple((t, to_f32(v)) for t, v in entry.top)))
         context.append(token)
     return out
 
@@ -190,7 +188,6 @@ class LinkAndFleetTests(FleetTestCase):
         self.assertEqual((outcome.node, outcome.failovers), ("second", 1))
         self.assertEqual(recorder.logprobs, greedy_logprobs(PROMPT, 40, 4))
         self.assertEqual(plain.engine.statistics().decoded_tokens, 0)
-
 
     @defer.inlineCallbacks
     def test_a_node_back_without_the_bit_loses_the_session(self) -> Gen:

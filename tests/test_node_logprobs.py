@@ -328,9 +328,7 @@ class NodeWireTests(NodeTestCase):
         )
         retransmission = head.received[head.received.index(ack) + 1]
         self.assertEqual(retransmission.events, tuple(sent[2:]))
-        self.assertEqual(
-            [type(e.payload) for e in retransmission.events[:2]], [TokensLogprobs] * 2
-        )
+        self.assertEqual([type(e.payload) for e in retransmission.events[:2]], [TokensLogprobs] * 2)
 
     @defer.inlineCallbacks
     def test_a_node_without_logprobs_sends_plain_tokens(self) -> Gen:

@@ -2,7 +2,8 @@
 
 Each test builds the nodes as placement sees them (:class:`NodeView`) and checks the decision:
 the order of the candidates under each policy, when a request waits (no live node, every lane
-busy), and when it is refused (the prompt fits no window, no node serves the model).
+busy), when it is refused (the prompt fits no window, no node serves the model), and how a
+node's cached prefix weighs against its load (the prefix rule of docs/protocol.md section 8.5).
 """
 
 from __future__ import annotations
@@ -10,15 +11,20 @@ from __future__ import annotations
 from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.head.placement import (
+    DEFAULT_PREFIX_RULE,
+    NO_PREFIX,
     NodeView,
     Place,
     Policy,
+    PrefixRule,
     Request,
     TooLong,
     Unserved,
     Wait,
+    ahead,
     decide,
     max_window,
+    prefix_credit,
     rank,
 )
 from sfnode.wire import CapacitySummary
@@ -139,3 +145,122 @@ class DecisionTests(SynchronousTestCase):
         views = [node(0), node(1), node(2)]
         decision = decide(views, request(avoid=frozenset({0})), Policy.LEAST_LOADED)
         self.assertEqual(decision, Place((1, 2, 0)))
+
+
+class PrefixRuleTests(SynchronousTestCase):
+    """Cached prefix length against load, under ``load-aware`` (docs/protocol.md section 8.5)."""
+
+    def test_the_node_holding_the_prefix_wins_among_equals(self) -> None:
+        """Two idle nodes alike in all but the prefix: the one believed to hold the first
+        960 tokens of a 1,000-token prompt comes first, whatever the registration order;
+        without the prefix rule the registration order decides."""
+        cold = node(0, decode_tokens_per_s=50, prefill_tokens_per_s=500)
+        holder = node(1, decode_tokens_per_s=50, prefill_tokens_per_s=500, cached_tokens=960)
+        self.assertEqual(keys(rank([cold, holder], Policy.LOAD_AWARE, 1000, 64)), [1, 0])
+        plain = rank([cold, holder], Policy.LOAD_AWARE, 1000, 64, prefix=NO_PREFIX)
+        self.assertEqual(keys(plain), [0, 1])
+
+    def test_the_credit_is_generations_per_thousand_cached_tokens(self) -> None:
+        """The credit is weight x cached tokens / 1,000 generations (6 per 1,000 by default);
+        nothing for a node that holds none of the prompt, or with weight 0."""
+        holder = node(0, cached_tokens=1000)
+        self.assertEqual(prefix_credit(holder, DEFAULT_PREFIX_RULE, 0), 6.0)
+        self.assertEqual(prefix_credit(node(0, cached_tokens=250), DEFAULT_PREFIX_RULE, 0), 1.5)
+        self.assertEqual(prefix_credit(holder, PrefixRule(weight=2.5), 0), 2.5)
+        self.assertEqual(prefix_credit(holder, NO_PREFIX, 0), 0.0)
+        self.assertEqual(prefix_credit(node(1), DEFAULT_PREFIX_RULE, 0), 0.0)
+
+    def test_the_prefix_is_weighed_against_the_work_ahead(self) -> None:
+        """By default 500 cached tokens are worth three generations ahead: a holder with two
+        more generations ahead than an idle node wins, with four more it loses; 1,000 cached
+        tokens outweigh four.  The reported rates do not change the balance."""
+        for rates in ({"decode_tokens_per_s": 100, "prefill_tokens_per_s": 1000},
+                      {"decode_tokens_per_s": 20, "prefill_tokens_per_s": 5000}):  # fmt: skip
+            idle = node(0, **rates)
+            one_more = node(1, lanes_active=2, cached_tokens=500, **rates)
+            three_more = node(1, lanes_active=4, cached_tokens=500, **rates)
+            larger = node(1, lanes_active=4, cached_tokens=1000, **rates)
+            self.assertEqual(keys(rank([idle, one_more], Policy.LOAD_AWARE, 2000, 50)), [1, 0])
+            self.assertEqual(keys(rank([idle, three_more], Policy.LOAD_AWARE, 2000, 50)), [0, 1])
+            self.assertEqual(keys(rank([idle, larger], Policy.LOAD_AWARE, 2000, 50)), [1, 0])
+
+    def test_a_holder_reporting_slower_rates_keeps_its_credit(self) -> None:
+        """The credit is weighed in generations, not in seconds of the nodes' rates: a holder
+        whose latest report shows a third of the other node's decode rate (rates are busy-time
+        averages, and a node that just prefilled reports a low one) still wins while its work
+        ahead less its credit is smaller; without any credit the estimate decides as before."""
+        idle = node(0, decode_tokens_per_s=90, prefill_tokens_per_s=300)
+        holder = node(1, lanes_active=2, cached_tokens=1000, decode_tokens_per_s=30,
+                      prefill_tokens_per_s=100)  # fmt: skip
+        self.assertEqual(keys(rank([idle, holder], Policy.LOAD_AWARE, 1100, 32)), [1, 0])
+        cold = node(1, lanes_active=2, decode_tokens_per_s=30, prefill_tokens_per_s=100)
+        self.assertEqual(keys(rank([idle, cold], Policy.LOAD_AWARE, 1100, 32)), [0, 1])
+        faster = node(0, lanes_active=1, decode_tokens_per_s=900, prefill_tokens_per_s=3000)
+        self.assertEqual(keys(rank([faster, cold], Policy.LOAD_AWARE, 1100, 32)), [0, 1])
+
+    def test_the_longer_cached_prefix_wins(self) -> None:
+        """Between two idle holders, the one believed to hold more of the context comes first."""
+        short = node(0, cached_tokens=320)
+        long = node(1, cached_tokens=640)
+        self.assertEqual(keys(rank([short, long], Policy.LOAD_AWARE, 1000, 64)), [1, 0])
+
+    def test_a_much_busier_holder_gets_no_credit(self) -> None:
+        """However much it holds, a node with more than max_skew generations ahead of the
+        least busy candidate is ranked by load alone; at exactly max_skew it keeps its credit."""
+        idle = node(0)
+        at_skew = node(1, inflight=4, cached_tokens=4000)
+        beyond = node(1, inflight=5, cached_tokens=4000)
+        rule = PrefixRule(weight=4.0, max_skew=4)
+        self.assertEqual(keys(rank([idle, at_skew], Policy.LOAD_AWARE, 4100, 10, prefix=rule)),
+                         [1, 0])  # fmt: skip
+        self.assertEqual(keys(rank([idle, beyond], Policy.LOAD_AWARE, 4100, 10, prefix=rule)),
+                         [0, 1])  # fmt: skip
+        self.assertEqual(prefix_credit(beyond, rule, ahead(idle)), 0.0)
+        self.assertEqual(prefix_credit(at_skew, rule, ahead(idle)), 16.0)
+
+    def test_the_skew_counts_the_fresh_reports_like_the_estimate(self) -> None:
+        """The work ahead is the fresh report's lanes and queue, or the head's own generations
+        when more (or when the report is stale)."""
+        self.assertEqual(ahead(node(0, lanes_active=3, queue_depth=2, inflight=1)), 5)
+        self.assertEqual(ahead(node(0, lanes_active=1, inflight=4)), 4)
+        self.assertEqual(ahead(node(0, age=11.0, lanes_active=6, inflight=2)), 2)
+
+    def test_generations_that_ended_since_the_report_are_not_ahead(self) -> None:
+        """A report still counts the head's generations that ended after it was sampled: they
+        are taken off (never below the head's own running generations), so a node that just
+        finished its work does not look busy until its next report."""
+        self.assertEqual(ahead(node(0, lanes_active=6, inflight=2, ended_since_report=3)), 3)
+        self.assertEqual(ahead(node(0, lanes_active=6, inflight=5, ended_since_report=3)), 5)
+        self.assertEqual(ahead(node(0, lanes_active=2, inflight=0, ended_since_report=2)), 0)
+        finished = node(0, lanes_active=6, decode_tokens_per_s=50, ended_since_report=6)
+        running = node(1, decode_tokens_per_s=50, inflight=1)
+        self.assertEqual(keys(rank([running, finished], Policy.LOAD_AWARE, 10, 64)), [0, 1])
+        holder = node(0, lanes_active=7, inflight=1, ended_since_report=6, cached_tokens=900)
+        other = node(1, inflight=1)
+        rule = PrefixRule(max_skew=0)
+        self.assertEqual(keys(rank([other, holder], Policy.LOAD_AWARE, 950, 64, prefix=rule)),
+                         [0, 1])  # fmt: skip
+
+    def test_only_load_aware_weighs_prefixes(self) -> None:
+        """least-loaded and round-robin ignore what a node holds."""
+        views = [node(0), node(1, cached_tokens=4000)]
+        self.assertEqual(keys(rank(views, Policy.LEAST_LOADED, 4100, 64)), [0, 1])
+        self.assertEqual(keys(rank(views, Policy.ROUND_ROBIN, 4100, 64)), [0, 1])
+
+    def test_decide_passes_the_rule_on(self) -> None:
+        """decide() orders by the prefix rule it is given (the default one when none)."""
+        views = [node(0), node(1, cached_tokens=4000)]
+        self.assertEqual(decide(views, request(4100), Policy.LOAD_AWARE), Place((1, 0)))
+        self.assertEqual(
+            decide(views, request(4100), Policy.LOAD_AWARE, prefix=NO_PREFIX), Place((0, 1))
+        )
+
+    def test_a_rule_refuses_negative_values(self) -> None:
+        """A negative (or not-a-number) weight, or a negative skew, is refused when built."""
+        for bad in (
+            {"weight": -1.0},
+            {"weight": float("nan")},
+            {"max_skew": -1},
+        ):
+            with self.assertRaises(ValueError):
+                PrefixRule(**bad)  # type: ignore[arg-type]

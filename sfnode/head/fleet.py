@@ -14,6 +14,12 @@ On top of that:
 - placement (:mod:`sfnode.head.placement`, pure): a node is a candidate while its link is open
   and the generations the head runs on it are fewer than its lanes; ``load-aware`` (the
   default), ``least-loaded`` or ``round-robin`` orders the candidates;
+- prefix affinity (docs/protocol.md section 8.5): each node has a
+  :class:`~sfnode.head.prefix_index.PrefixIndex` of the blocks of the contexts this head placed
+  and generated there, cleared when its link opens again; under ``load-aware`` placement
+  weighs the leading blocks of a request's context a node holds against its load
+  (:class:`~sfnode.head.placement.PrefixRule`), so requests sharing a system prompt and the
+  turns of a conversation go where their prefix is;
 - a bounded queue: a request no live node can take now waits (``max_queued``, at most
   ``queue_timeout_s``) for a node to come back, join, or free a lane, in arrival order; a full
   queue refuses at once (:class:`QueueFull`), a wait that times out fails with
@@ -53,7 +59,7 @@ from twisted.internet.endpoints import clientFromString
 from twisted.internet.interfaces import IDelayedCall, IReactorTime, IStreamClientEndpoint
 from twisted.logger import Logger
 
-from sfnode.generation import StreamTooLong, TokenLogprob, TokenSink
+from sfnode.generation import KV_BLOCK_TOKENS, StreamTooLong, TokenLogprob, TokenSink
 from sfnode.head import placement
 from sfnode.head.backend import BackendStatus, NodeReport
 from sfnode.head.link import (
@@ -73,7 +79,8 @@ from sfnode.head.machines import (
     RetryPolicy,
     retry_policy,
 )
-from sfnode.head.placement import DEFAULT_EXPECTED_OUT, Policy
+from sfnode.head.placement import DEFAULT_EXPECTED_OUT, DEFAULT_PREFIX_RULE, Policy, PrefixRule
+from sfnode.head.prefix_index import BlockKey, PrefixIndex, reusable_keys
 from sfnode.wire import (
     FEATURE_LOGPROBS,
     FINISH_CANCELLED,
@@ -164,6 +171,10 @@ class FleetNode:
         self.failed_attempts = 0
         """Failed (re)connection attempts since the link was last open."""
         self.last_failure = ""
+        self.prefixes = PrefixIndex()
+        """The blocks of the contexts placed and generated here (what its cache may hold)."""
+        self.ended: deque[float] = deque()
+        """When this head's generations here ended, since the node's latest load report."""
 
     @property
     def name(self) -> str:
@@ -203,9 +214,11 @@ class FleetNode:
         capacity = self.link.capacity
         return None if capacity is None else capacity.max_context_tokens
 
-    def view(self, now: float) -> placement.NodeView:
-        """What placement knows of this node now."""
+    def view(self, now: float, keys: Sequence[BlockKey] = ()) -> placement.NodeView:
+        """What placement knows of this node now, for a request whose context has the block
+        keys ``keys`` (how much of it the node is believed to hold)."""
         at = self.link.capacity_at
+        self._forget_reported_ends()
         return placement.NodeView(
             key=self.order,
             live=self.link.ready,
@@ -216,7 +229,30 @@ class FleetNode:
             inflight=self.inflight,
             features=self.link.features,
             interactive_inflight=self.interactive_inflight,
+            cached_tokens=self.prefixes.cached_blocks(keys) * KV_BLOCK_TOKENS if keys else 0,
+            ended_since_report=len(self.ended),
         )
+
+    def generation_ended(self, now: float) -> None:
+        """One of this head's generations here ended (its lane is free)."""
+        self.inflight -= 1
+        self._forget_reported_ends()
+        self.ended.append(now)
+
+    def _forget_reported_ends(self) -> None:
+        # Only the ends after the latest report matter: that report still counts them, a
+        # later one does not.
+        at = self.link.capacity_at
+        while self.ended and (at is None or self.ended[0] <= at):
+            self.ended.popleft()
+
+    def remember(self, keys: Sequence[BlockKey]) -> None:
+        """The node was sent, or computed, the blocks named ``keys``."""
+        capacity = self.link.capacity
+        if capacity is not None and capacity.kv_blocks_total:
+            # Bounded like the node's own pool, so the index forgets about when the node evicts.
+            self.prefixes.capacity = capacity.kv_blocks_total
+        self.prefixes.record(keys)
 
     def fits(self, length: int) -> bool:
         """Whether a context of ``length`` tokens fits (an unknown window is tried)."""
@@ -241,6 +277,8 @@ class _Waiter:
     claim_lane: bool
     placed: Deferred[FleetNode]
     since: float
+    keys: tuple[BlockKey, ...] = ()
+    """The block keys of ``context`` (when placement weighs cached prefixes)."""
     timer: IDelayedCall | None = None
     reason: str = ""
     """Why it waits (the last decision), for the timeout's message."""
@@ -312,6 +350,7 @@ class FleetSession:
                 if node.fits(len(context)):
                     link.append(self.session_id, context)
                     self.context = context
+                    fleet._remember(node, context, self.model)
                     return
         if node is not None and self.node is node:
             _log.info(
@@ -497,6 +536,9 @@ class FleetGeneration:
                             # The node holds prompt + the tokens delivered before the
                             # failover; put the session's own context back for its next turn.
                             node.link.append(session.session_id, base)
+                        # Its cache now holds the blocks of the answer too: the next turn
+                        # of a conversation starts with them.
+                        fleet._remember(node, (*base, *self.tokens), session.model)
                         return FleetOutcome(
                             list(self.tokens), outcome.finish, node.name, self.failovers
                         )
@@ -582,6 +624,7 @@ class Fleet:
         retry: RetryPolicy | None = None,
         max_queued: int = DEFAULT_MAX_QUEUED,
         queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
+        prefix: PrefixRule = DEFAULT_PREFIX_RULE,
     ) -> None:
         self._reactor = reactor
         self._clock: IReactorTime = clock if clock is not None else reactor
@@ -597,6 +640,8 @@ class Fleet:
         self._retry = retry if retry is not None else retry_policy(retry_max_s)
         self.max_queued = max_queued
         self.queue_timeout_s = queue_timeout_s
+        self.prefix = prefix
+        """How placement weighs a node's cached prefix against its load (``load-aware``)."""
         self.nodes: list[FleetNode] = []
         self.failovers = 0
         self.reconnects = 0
@@ -757,6 +802,9 @@ class Fleet:
                 )
         node.failed_attempts = 0
         node.last_failure = ""
+        if reconnected:
+            # The node may have restarted with an empty cache; what it kept is learned again.
+            node.prefixes.clear()
         self._dispatch()
 
     def link_failed(self, link: NodeLink, reason: LinkError, retry_in_s: float | None) -> None:
@@ -808,9 +856,22 @@ class Fleet:
     # ----------------------------------------------------------------------------------------
     # Placement
 
-    def _views(self) -> list[placement.NodeView]:
+    def _views(self, keys: Sequence[BlockKey] = ()) -> list[placement.NodeView]:
         now = self._clock.seconds()
-        return [n.view(now) for n in self.nodes]
+        return [n.view(now, keys) for n in self.nodes]
+
+    @property
+    def prefix_aware(self) -> bool:
+        """Whether placement weighs cached prefixes (``load-aware`` with a weight above 0)."""
+        return self.policy is Policy.LOAD_AWARE and self.prefix.weight > 0
+
+    def _prefix_keys(self, context: Sequence[int], model: str | None) -> tuple[BlockKey, ...]:
+        return reusable_keys(context, model) if self.prefix_aware else ()
+
+    def _remember(self, node: FleetNode, context: Sequence[int], model: str | None) -> None:
+        """``node`` holds ``context`` (appended, or generated there): its index learns it."""
+        if self.prefix_aware:
+            node.remember(reusable_keys(context, model))
 
     def check_fits(self, model: str | None, length: int) -> None:
         """Raise :class:`StreamTooLong` when the known windows already say nothing fits."""
@@ -890,6 +951,7 @@ class Fleet:
             claim_lane,
             Deferred(lambda _: self._leave(waiter)),
             self._clock.seconds(),
+            self._prefix_keys(context, session.model),
         )
         if self._stopping:
             return defer.fail(NoNodeAvailable("the head is stopping"))
@@ -915,7 +977,9 @@ class Fleet:
 
     def _try(self, waiter: _Waiter) -> bool:
         """Settle ``waiter`` now if the nodes allow (placed, or refused); False: it waits."""
-        decision = placement.decide(self._views(), waiter.request, self.policy, self._cursor)
+        decision = placement.decide(
+            self._views(waiter.keys), waiter.request, self.policy, self._cursor, self.prefix
+        )
         if isinstance(decision, placement.Place):
             by_key = {n.order: n for n in self.nodes}
             node = by_key[decision.order[0]]
@@ -932,9 +996,7 @@ class Fleet:
             return True
         if isinstance(decision, placement.Unsupported):
             model = waiter.session.model or "the model"
-            self._settle(
-                waiter, LogprobsUnavailable(f"no node serving {model} returns logprobs")
-            )
+            self._settle(waiter, LogprobsUnavailable(f"no node serving {model} returns logprobs"))
             return True
         waiter.reason = decision.reason
         return False
@@ -944,6 +1006,7 @@ class Fleet:
         link.assign(session.session_id, lease=session.lease, params=session.params)
         if waiter.context:
             link.append(session.session_id, waiter.context)
+            node.remember(waiter.keys)
         session.node = node
         node.sessions += 1
         if waiter.claim_lane:
@@ -1037,7 +1100,7 @@ class Fleet:
 
     def _release(self, node: FleetNode, interactive: bool) -> None:
         """A generation on ``node`` ended: its lane may take a waiting request."""
-        node.inflight -= 1
+        node.generation_ended(self._clock.seconds())
         if interactive:
             node.interactive_inflight -= 1
         self._dispatch()

@@ -710,9 +710,7 @@ class NodeLink:
         epoch = self.head_session.epoch_of(session_id)
         record = self.head_session.session(session_id)
         asks = record is not None and decode_params(record.params).logprobs > 0
-        call = GenerationCall(
-            self, session_id, generation_id, epoch or 0, on_tokens, logprobs=asks
-        )
+        call = GenerationCall(self, session_id, generation_id, epoch or 0, on_tokens, logprobs=asks)
         if epoch is None:
             call._fail(UnknownSessionError(f"session {session_id} was not assigned on this link"))
             return call

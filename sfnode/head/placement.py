@@ -9,6 +9,18 @@ Three policies order the candidates: ``load-aware`` (an estimate of when the nod
 the request, from its reported lanes, queue and token rates), ``least-loaded`` (fewest sessions
 and generations) and ``round-robin``.
 
+``load-aware`` is also prefix-aware (:class:`PrefixRule`, :func:`prefix_credit`): a node believed
+to hold the first blocks of the request's context in its prefix cache (the fleet's
+:class:`~sfnode.head.prefix_index.PrefixIndex` says how many tokens, in
+:attr:`NodeView.cached_tokens`) counts as that many generations less busy (``weight``
+generations per 1,000 cached tokens), unless it has more than ``max_skew`` generations ahead of
+the least busy candidate.  When any candidate has such a credit, the candidates are ordered by
+their generations ahead less their credit, and by the estimate only among equals: the reported
+rates are busy-time averages of prefill and decode together, noisy from one report to the next,
+and weighing a prefix in seconds of them let that noise decide.  Requests that share a system
+prompt, or the turns of one conversation, so land where their prefix already is, unless that
+node is much busier.
+
 A live node can take a generation while the generations the head runs on it are fewer than its
 ``max_lanes`` (0: the node did not say, no limit): requests beyond that wait at the head, where
 they can still go to whichever node frees a lane first or comes back, instead of queueing
@@ -44,6 +56,13 @@ KEPT_INTERACTIVE_LANES = 1
 """Lanes the head counts on a node with the request-class bit keeping for interactive work
 (docs/protocol.md section 12.2; sfnode's ``--interactive-lanes`` default, and the least a node
 that keeps any keeps)."""
+DEFAULT_PREFIX_WEIGHT = 6.0
+"""Generations ahead that 1,000 cached prompt tokens are worth: a lane more in a node's batch
+slows each of its lanes a little (a batch shares each pass over the weights), while a 1,000-token
+prefill takes seconds on a CPU and slows every lane decoding beside it, and once done on a second
+node it stays duplicated in both caches (docs/protocol.md section 8.5)."""
+DEFAULT_PREFIX_MAX_SKEW = 6
+"""Generations a node may have ahead of the least busy candidate and still be credited."""
 
 
 class Policy(enum.Enum):
@@ -77,6 +96,12 @@ class NodeView:
     its first handshake."""
     interactive_inflight: int = 0
     """How many of them are interactive (docs/protocol.md section 12.2)."""
+    cached_tokens: int = 0
+    """Leading tokens of the request's context this node is believed to hold in its prefix
+    cache (the fleet's prefix index); 0 when none or unknown."""
+    ended_since_report: int = 0
+    """Generations the head ran there that ended after its load report was sampled: the
+    report still counts them as running."""
 
     @property
     def request_classes(self) -> bool:
@@ -131,6 +156,29 @@ class Request:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixRule:
+    """How much a cached prefix counts against load (the ``load-aware`` policy only)."""
+
+    weight: float = DEFAULT_PREFIX_WEIGHT
+    """Generations ahead a node is credited per 1,000 tokens of the request's context it holds
+    (0: prefixes are ignored)."""
+    max_skew: int = DEFAULT_PREFIX_MAX_SKEW
+    """A node with more than this many generations ahead of the least busy candidate gets no
+    credit, however much of the prompt it holds."""
+
+    def __post_init__(self) -> None:
+        if not self.weight >= 0:
+            raise ValueError(f"the prefix weight must be 0 or more, not {self.weight!r}")
+        if self.max_skew < 0:
+            raise ValueError(f"the prefix skew must be 0 or more, not {self.max_skew!r}")
+
+
+DEFAULT_PREFIX_RULE = PrefixRule()
+NO_PREFIX = PrefixRule(weight=0.0)
+"""A rule that ignores cached prefixes: ``load-aware`` as it was before prefix reuse."""
+
+
+@dataclass(frozen=True, slots=True)
 class Place:
     """Place it on the first of these nodes that still takes it (keys, best first)."""
 
@@ -170,11 +218,17 @@ Decision = Place | Wait | TooLong | Unserved | Unsupported
 
 
 def decide(
-    views: Sequence[NodeView], request: Request, policy: Policy, cursor: int = 0
+    views: Sequence[NodeView],
+    request: Request,
+    policy: Policy,
+    cursor: int = 0,
+    prefix: PrefixRule | None = None,
 ) -> Decision:
     """Where ``request`` goes, given the nodes as they are now.
 
-    ``cursor`` is the round-robin position (the caller advances it after each placement).
+    ``cursor`` is the round-robin position (the caller advances it after each placement);
+    ``prefix`` weighs the views' ``cached_tokens`` against load (``load-aware`` only; None:
+    :data:`DEFAULT_PREFIX_RULE`).
     """
     serving = [v for v in views if v.serves(request.model)]
     if request.model is not None and views and not serving and all(v.models for v in views):
@@ -199,7 +253,7 @@ def decide(
         if any(v.live and v.fits(request.length) for v in serving):
             return Wait("every lane of the live nodes is busy")
         return Wait("no live node serves " + (request.model or "the model"))
-    ranked = rank(candidates, policy, request.length, request.expected_out, cursor)
+    ranked = rank(candidates, policy, request.length, request.expected_out, cursor, prefix)
     if request.interactive:
         ranked = prefer_interactive_lanes(ranked)
     preferred = [v.key for v in ranked if v.key not in request.avoid]
@@ -267,7 +321,12 @@ def max_window(views: Iterable[NodeView], model: str | None) -> int:
 
 
 def rank(
-    views: Sequence[NodeView], policy: Policy, length: int, expected_out: int, cursor: int = 0
+    views: Sequence[NodeView],
+    policy: Policy,
+    length: int,
+    expected_out: int,
+    cursor: int = 0,
+    prefix: PrefixRule | None = None,
 ) -> list[NodeView]:
     """``views`` in the order ``policy`` tries them."""
     if not views:
@@ -278,7 +337,7 @@ def rank(
         return ordered[start:] + ordered[:start]
     if policy is Policy.LEAST_LOADED:
         return sorted(views, key=lambda v: (v.sessions + v.inflight, v.key))
-    return _load_aware(views, length, expected_out)
+    return _load_aware(views, length, expected_out, prefix or DEFAULT_PREFIX_RULE)
 
 
 def _hot(view: NodeView) -> bool:
@@ -294,9 +353,39 @@ def _mean(values: list[int], default: int) -> float:
     return sum(reported) / len(reported) if reported else default
 
 
-def _load_aware(views: Sequence[NodeView], length: int, expected_out: int) -> list[NodeView]:
-    """Least estimated time to finish first: the work ahead of the request at the node's decode
-    rate, its prompt at the prefill rate, and its own tokens; hot KV pools last."""
+def ahead(view: NodeView) -> int:
+    """Generations a new one would wait behind on ``view`` (or share its lanes with)."""
+    capacity = view.capacity
+    if capacity is not None and view.fresh:
+        # The report counts this head's running generations too, also those that ended since
+        # it was sampled (taken off here, or a node that just finished work would look busy
+        # for up to a status interval); inflight covers the ones started since.
+        reported = capacity.lanes_active + capacity.queue_depth - view.ended_since_report
+        return max(reported, view.inflight)
+    return view.inflight
+
+
+def prefix_credit(view: NodeView, rule: PrefixRule, least_ahead: int) -> float:
+    """Generations taken off ``view``'s work ahead for the prefix it holds.
+
+    ``weight * cached_tokens / 1000``; nothing when the rule's weight is 0, the node holds none
+    of the context, or it has more than ``max_skew`` generations ahead of ``least_ahead`` (the
+    least busy candidate's).
+    """
+    if rule.weight <= 0 or view.cached_tokens <= 0:
+        return 0.0
+    if ahead(view) - least_ahead > rule.max_skew:
+        return 0.0
+    return rule.weight * view.cached_tokens / 1000
+
+
+def _load_aware(
+    views: Sequence[NodeView], length: int, expected_out: int, prefix: PrefixRule
+) -> list[NodeView]:
+    """Least estimated time to finish first: the work ahead of the request and its own tokens
+    at the node's decode rate, and its prompt at the prefill rate; hot KV pools last.  When a
+    candidate holds a prefix of the request (:func:`prefix_credit`), least work ahead less the
+    credit first, the estimate among equals."""
     cool = [v for v in views if not _hot(v)]
     pool = cool or list(views)
     mean_decode = _mean(
@@ -307,37 +396,42 @@ def _load_aware(views: Sequence[NodeView], length: int, expected_out: int) -> li
         [v.capacity.prefill_tokens_per_s for v in pool if v.capacity is not None],
         DEFAULT_PREFILL_RATE,
     )
+    least_ahead = min(ahead(v) for v in pool)
 
     def eta(view: NodeView) -> float:
         capacity = view.capacity
-        if capacity is not None and view.fresh:
-            # The report counts this head's running generations too; inflight covers the ones
-            # started since it was sampled.
-            ahead = max(capacity.lanes_active + capacity.queue_depth, view.inflight)
-        else:
-            ahead = view.inflight
         decode = (capacity.decode_tokens_per_s if capacity is not None else 0) or mean_decode
         prefill = (capacity.prefill_tokens_per_s if capacity is not None else 0) or mean_prefill
-        return (ahead + 1) * expected_out / decode + length / prefill
+        return (ahead(view) + 1) * expected_out / decode + length / prefill
 
+    credits = {v.key: prefix_credit(v, prefix, least_ahead) for v in pool}
+    if any(credits.values()):
+        return sorted(pool, key=lambda v: (ahead(v) - credits[v.key], eta(v), v.sessions, v.key))
     return sorted(pool, key=lambda v: (eta(v), v.sessions, v.key))
 
 
 __all__ = [
     "DEFAULT_EXPECTED_OUT",
+    "DEFAULT_PREFIX_MAX_SKEW",
+    "DEFAULT_PREFIX_RULE",
+    "DEFAULT_PREFIX_WEIGHT",
+    "NO_PREFIX",
     "Decision",
     "NodeView",
     "Place",
     "Policy",
+    "PrefixRule",
     "Request",
     "TooLong",
     "Unserved",
     "Unsupported",
     "Wait",
+    "ahead",
     "decide",
     "free_interactive_lane",
     "max_window",
     "prefer_interactive_lanes",
+    "prefix_credit",
     "rank",
     "takes_interactive",
     "too_long",

@@ -46,6 +46,7 @@ from sfnode.head.fleet import DEFAULT_MAX_QUEUED, DEFAULT_QUEUE_TIMEOUT_S, Fleet
 from sfnode.head.gate import GateLimits
 from sfnode.head.link import DEFAULT_LEASE
 from sfnode.head.machines import DEFAULT_RETRY_MAX_S, DEFAULT_SILENCE_TIMEOUT_S, RETRY_INITIAL_S
+from sfnode.head.placement import DEFAULT_PREFIX_MAX_SKEW, DEFAULT_PREFIX_WEIGHT, PrefixRule
 from sfnode.service import (
     DEFAULT_MODEL_NAME,
     ListeningService,
@@ -110,6 +111,16 @@ def _non_negative(name: str, value: object) -> int:
     except ValueError as e:
         raise usage.UsageError(f"--{name} must be an integer, not {value!r}") from e
     if number < 0:
+        raise usage.UsageError(f"--{name} must be 0 or more, not {value!r}")
+    return number
+
+
+def _non_negative_number(name: str, value: object) -> float:
+    try:
+        number = float(str(value))
+    except ValueError as e:
+        raise usage.UsageError(f"--{name} must be a number, not {value!r}") from e
+    if not 0 <= number < float("inf"):
         raise usage.UsageError(f"--{name} must be 0 or more, not {value!r}")
     return number
 
@@ -222,6 +233,22 @@ class Options(usage.Options):
             str(DEFAULT_INTERACTIVE_PROMPT_TOKENS),
             "With --default-request-class auto: the longest prompt, in tokens, taken for "
             "interactive.",
+        ],
+        [
+            "prefix-weight",
+            None,
+            f"{DEFAULT_PREFIX_WEIGHT:g}",
+            "load-aware placement: how many generations less busy a node counts as per 1,000 "
+            "tokens of the prompt it holds in its prefix cache (the head remembers the prompts "
+            "it sent each node); more keeps requests that share a prefix together harder, 0 "
+            "ignores prefixes.",
+        ],
+        [
+            "prefix-max-skew",
+            None,
+            str(DEFAULT_PREFIX_MAX_SKEW),
+            "load-aware placement: a node with more than this many generations ahead of the "
+            "least busy node gets no credit for the prefix it holds.",
         ],
         ["lease-ms", None, str(DEFAULT_LEASE.duration_ms), "Session lease granted to nodes."],
         ["auth-file", None, None, "File holding the fleet token (trimmed of whitespace)."],
@@ -367,6 +394,10 @@ class Options(usage.Options):
         if self["policy"] not in POLICIES:
             raise usage.UsageError(f"--policy must be one of {', '.join(POLICIES)}")
         self["policy"] = Policy(self["policy"])
+        self["prefix"] = PrefixRule(
+            weight=_non_negative_number("prefix-weight", self["prefix-weight"]),
+            max_skew=_non_negative("prefix-max-skew", self["prefix-max-skew"]),
+        )
         self["lease-ms"] = _positive("lease-ms", self["lease-ms"])
         self._check_class_options()
         stages: list[str] = []
@@ -757,7 +788,14 @@ def makeService(options: Options, reactor: Any = None) -> service.MultiService:
         fleet.lease = lease
         backend = PipelineBackend(pipeline)
     else:
-        fleet = Fleet(reactor, token=token, policy=options["policy"], lease=lease, **fleet_options)
+        fleet = Fleet(
+            reactor,
+            token=token,
+            policy=options["policy"],
+            lease=lease,
+            prefix=options["prefix"],
+            **fleet_options,
+        )
         backend = fleet
     api = OpenAIApi(
         reactor,
@@ -803,10 +841,13 @@ def makeService(options: Options, reactor: Any = None) -> service.MultiService:
     )
     if not options["api-keys"]:
         log.info("sfhead HTTP API is open: no API key (--api-key, --api-key-file)")
+    policy = "pipeline" if pipeline is not None else options["policy"].value
+    if pipeline is None and fleet.prefix_aware:
+        policy += f", prefix weight {options['prefix'].weight:g}, skew {options['prefix'].max_skew}"
     log.info(
         "sfhead serving model {model} ({policy}; nodes {nodes})",
         model=options["model-name"],
-        policy="pipeline" if pipeline is not None else options["policy"].value,
+        policy=policy,
         nodes=", ".join(options["stages"] or options["nodes"]) or "dial in",
     )
     return head

@@ -1,0 +1,118 @@
+"""The node's ``--metrics`` page (sfnode.metrics) with and without a prefix cache.
+
+Nodes here are the real service tree of ``twistd sfnode`` (``sfnode.tap.makeService``) on the
+tiny random Llama of tests/tinymodel.py (or the mock engine), on loopback TCP; a head-side link
+asks for generations and ``/metrics`` is read with an HTTP client and parsed as Prometheus text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+from twisted.application.service import MultiService
+from twisted.internet import reactor
+from twisted.trial.unittest import TestCase
+from twisted.web.client import Agent, readBody
+
+from sfnode import tap
+from sfnode.head.link import HeadIds, connect_node
+from tests.processes import LOOPBACK
+from tests.tinymodel import save_tiny_model
+
+PREFIX_FAMILIES = (
+    "sfnode_prefix_cache_hits",
+    "sfnode_prefix_cache_misses",
+    "sfnode_prefix_cache_reused_tokens",
+    "sfnode_prefix_cache_saved_blocks",
+    "sfnode_prefix_cache_evictions",
+    "sfnode_prefix_cache_blocks",
+)
+SHARED = [(7 * i) % 500 + 3 for i in range(64)]
+"""64 tokens: four full blocks, shared by the prompts below."""
+
+
+class NodeMetricsTests(TestCase):
+    timeout = 120
+
+    def start(self, *args: str) -> MultiService:
+        options = tap.Options()
+        options.parseOptions(
+            ["--listen", LOOPBACK, "--metrics", LOOPBACK, "--identity", "metered", *args]
+        )
+        node = tap.makeService(options, reactor)
+        node.startService()  # type: ignore[no-untyped-call]
+        self.addCleanup(node.stopService)  # type: ignore[no-untyped-call]
+        return node
+
+    def tiny(self, *args: str) -> MultiService:
+        folder = save_tiny_model(Path(self.mktemp()).resolve() / "tiny-llama")
+        return self.start(
+            "--model", str(folder), "--device", "cpu", "--threads", "1",
+            "--max-context", "256", "--max-lanes", "2", *args,
+        )  # fmt: skip
+
+    async def generate(self, node: MultiService, prompts: list[list[int]]) -> None:
+        """Each prompt in turn, 4 greedy tokens, one session each."""
+        port = node.getServiceNamed("listen").port.getHost().port  # type: ignore[no-untyped-call]
+        link = await connect_node(reactor, f"tcp:127.0.0.1:{port}", ids=HeadIds())
+        try:
+            for session, prompt in enumerate(prompts, start=1):
+                link.assign(session)
+                link.append(session, prompt)
+                await link.generate(session, 4).result
+        finally:
+            await link.close()
+
+    async def scrape(self, node: MultiService) -> dict[str, float]:
+        """The samples of ``/metrics`` by name (one node, so one sample per name)."""
+        service = node.getServiceNamed("metrics")  # type: ignore[no-untyped-call]
+        url = f"http://127.0.0.1:{service.port.getHost().port}/metrics"
+        response = await Agent(reactor).request(b"GET", url.encode())
+        self.assertEqual(response.code, 200)
+        text = (await readBody(response)).decode()
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                self.assertEqual(sample.labels, {"node": "metered", "model": "tiny-llama"})
+                samples[sample.name] = sample.value
+        return samples
+
+    async def test_the_prefix_cache_figures(self) -> None:
+        """Two prompts sharing 64 tokens: the first misses and saves its four full blocks, the
+        second hits and reuses all 64 tokens, so only 65 + 1 prompt tokens are computed; no
+        block was evicted and four are held."""
+        node = self.tiny()
+        await self.generate(node, [[*SHARED, 11], [*SHARED, 12]])
+        samples = await self.scrape(node)
+        self.assertEqual(
+            {name: samples[name] for name in samples if name.startswith("sfnode_prefix")},
+            {
+                "sfnode_prefix_cache_hits_total": 1,
+                "sfnode_prefix_cache_misses_total": 1,
+                "sfnode_prefix_cache_reused_tokens_total": 64,
+                "sfnode_prefix_cache_saved_blocks_total": 4,
+                "sfnode_prefix_cache_evictions_total": 0,
+                "sfnode_prefix_cache_blocks": 4,
+            },
+        )
+        self.assertEqual(samples["sfnode_prefilled_tokens_total"], 66)
+
+    async def test_a_small_cache_counts_its_evictions(self) -> None:
+        """With --prefix-cache-blocks 2, prompts of four blocks each evict blocks to save
+        theirs; the cache never holds more than its two blocks."""
+        node = self.tiny("--prefix-cache-blocks", "2")
+        await self.generate(node, [[*SHARED, 11], [9, *SHARED]])
+        samples = await self.scrape(node)
+        self.assertGreater(samples["sfnode_prefix_cache_evictions_total"], 0)
+        self.assertEqual(samples["sfnode_prefix_cache_blocks"], 2)
+        self.assertEqual(samples["sfnode_prefix_cache_misses_total"], 2)
+
+    async def test_no_prefix_figures_without_a_cache(self) -> None:
+        """--no-prefix-cache shows no prefix figures (rather than zeros that would read as
+        "nothing reused"), and every prompt token is computed."""
+        node = self.tiny("--no-prefix-cache")
+        await self.generate(node, [[*SHARED, 11], [*SHARED, 12]])
+        samples = await self.scrape(node)
+        self.assertFalse([name for name in samples if name.startswith("sfnode_prefix")])
+        self.assertEqual(samples["sfnode_prefilled_tokens_total"], 130)
