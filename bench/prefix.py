@@ -53,11 +53,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# bench/peer.py's children, client and llama-server build (it also puts the repository on
-# sys.path and keeps the shell's environment for the servers).
+# bench/_fleetproc.py's children and client (it keeps the shell's environment for the
+# servers); bench/peer.py's llama-server build (it also puts the repository on sys.path).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _fleetproc
 import peer
-from peer import Answer, BenchError, Child, child_env, get_json, stream_chat, twistd
+from _fleetproc import Answer, BenchError, Child, child_env, get_json, stream_chat, twistd
 
 KV_BLOCK = 16
 READY_S = 900.0
@@ -243,7 +244,7 @@ def start_fleet(
         children.append(head)
         found = head.wait_for_line(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)", READY_S)
         http = int(found.group(1))
-        peer.wait_until(
+        _fleetproc.wait_until(
             head, f"http://127.0.0.1:{http}/healthz", lambda b: b.get("nodes", 0) > 0, READY_S
         )
     except BaseException:
@@ -266,7 +267,7 @@ def start_llama_server(server: Path, gguf: Path, options: argparse.Namespace, lo
     try:
         found = child.wait_for_line(rb"listening on http://127\.0\.0\.1:(\d+)", peer.PEER_READY_S)
         port = int(found.group(1))
-        peer.wait_until(
+        _fleetproc.wait_until(
             child,
             f"http://127.0.0.1:{port}/health",
             lambda body: body.get("status") == "ok",
@@ -708,7 +709,7 @@ def run(options: argparse.Namespace) -> int:
     logs = cache / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     started_load = os.getloadavg()[0]
-    print(f"{peer.cpu_name()}, {os.cpu_count()} CPUs; load average {started_load:.2f}; "
+    print(f"{_fleetproc.cpu_name()}, {os.cpu_count()} CPUs; load average {started_load:.2f}; "
           f"server logs in {logs}", flush=True)  # fmt: skip
     work = Workload(options.model, options.system_tokens, options.max_tokens)
     runs: list[Run] = []
@@ -767,16 +768,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = parse(argv)
     import atexit
 
-    atexit.register(peer.stop_children)
+    atexit.register(_fleetproc.stop_children)
     for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, peer._exit_on_signal)
+        signal.signal(signum, _fleetproc._exit_on_signal)
     try:
         return run(options)
     except BenchError as e:
         print(f"bench/prefix.py: {e}", file=sys.stderr)
         return 1
     finally:
-        peer.stop_children()
+        _fleetproc.stop_children()
 
 
 if __name__ == "__main__":

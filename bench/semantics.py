@@ -32,7 +32,7 @@ built it (``~/.cache/sfnode/peer``; ``--peer no`` skips it), on the bundled GGUF
     .venv/bin/python bench/semantics.py --only agents-chat --peer no
 
 This script only measures and prints; it asserts nothing, is not part of CI, is never imported by
-the package, and never leaves a server running when it exits (bench/peer.py's process helpers).
+the package, and never leaves a server running when it exits (bench/_fleetproc.py's process helpers).
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-# bench/peer.py: child processes, the llama-server it built.
+# bench/_fleetproc.py: child processes; bench/peer.py: the llama-server it built.
+import _fleetproc
 import peer
 
 SCENARIOS = (
@@ -369,18 +370,18 @@ class Fleet(Target):
         self.metrics_ports = [free_port() for _ in range(nodes)]
         self.node_args = list(node_args)
         self.dial_in = dial_in
-        self.nodes: list[peer.Child | None] = [None] * nodes
-        self.head: peer.Child | None = None
+        self.nodes: list[_fleetproc.Child | None] = [None] * nodes
+        self.head: _fleetproc.Child | None = None
         self._spawned = 0
 
-    def _spawn(self, name: str, args: Sequence[str]) -> peer.Child:
+    def _spawn(self, name: str, args: Sequence[str]) -> _fleetproc.Child:
         self._spawned += 1
         log = self.logs / f"{name}-{self._spawned}.log"
-        return peer.Child(
-            name, peer.twistd(*args), peer.child_env(self.options.node_env), log, False
+        return _fleetproc.Child(
+            name, _fleetproc.twistd(*args), _fleetproc.child_env(self.options.node_env), log, False
         )
 
-    def start_node(self, index: int) -> peer.Child:
+    def start_node(self, index: int) -> _fleetproc.Child:
         if self.dial_in:
             where = ["--head", f"tcp:127.0.0.1:{self.fleet_port}"]
         else:
@@ -404,7 +405,7 @@ class Fleet(Target):
             node.wait_for_line(rb"sfnode listening on", READY_S)
         return node
 
-    def start_head(self) -> peer.Child:
+    def start_head(self) -> _fleetproc.Child:
         args = [
             "sfhead",
             "--http",
@@ -424,7 +425,7 @@ class Fleet(Target):
     def wait_nodes(self, count: int | None = None) -> None:
         wanted = len(self.nodes) if count is None else count
         assert self.head is not None
-        peer.wait_until(
+        _fleetproc.wait_until(
             self.head,
             f"http://127.0.0.1:{self.port}/healthz",
             lambda body: body.get("nodes", 0) >= wanted,
@@ -484,7 +485,7 @@ class LlamaServer(Target):
         self.parallel = parallel
         self.ctx = ctx_per_slot * parallel
         self.extra = list(extra)
-        self.child: peer.Child | None = None
+        self.child: _fleetproc.Child | None = None
         self._runs = 0
 
     def start(self) -> LlamaServer:
@@ -506,14 +507,14 @@ class LlamaServer(Target):
             str(self.port),
             *self.extra,
         ]
-        self.child = peer.Child(
+        self.child = _fleetproc.Child(
             "llama-server",
             argv,
-            peer.child_env(()),
+            _fleetproc.child_env(()),
             self.logs / f"llama-server-{self._runs}.log",
             False,
         )
-        peer.wait_until(
+        _fleetproc.wait_until(
             self.child,
             f"http://127.0.0.1:{self.port}/health",
             lambda body: body.get("status") == "ok",
@@ -1028,10 +1029,12 @@ def run(options: argparse.Namespace) -> int:
 
             options.llama_server, options.gguf, peer_ok = server, default_gguf(), True
         elif options.peer == "yes":
-            raise peer.BenchError(f"no llama-server at {server}: run bench/peer.py --build-only")
+            raise _fleetproc.BenchError(
+                f"no llama-server at {server}: run bench/peer.py --build-only"
+            )
     chosen = options.only or list(SCENARIOS)
     print(
-        f"{peer.cpu_name()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; engine "
+        f"{_fleetproc.cpu_name()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; engine "
         f"{options.engine}; llama-server {'yes' if peer_ok else 'no'}; logs in {logs}",
         flush=True,
     )
@@ -1042,10 +1045,10 @@ def run(options: argparse.Namespace) -> int:
         began = time.perf_counter()
         try:
             result = runner(options, logs)
-        except (peer.BenchError, OSError, AssertionError, KeyError, ValueError) as e:
+        except (_fleetproc.BenchError, OSError, AssertionError, KeyError, ValueError) as e:
             # Reported in the table (and its traceback here); the next scenario starts clean.
             traceback.print_exc()
-            peer.stop_children()
+            _fleetproc.stop_children()
             result = Row(name, server, "-", False, f"could not run: {str(e)[:300]}")
         for row in result if isinstance(result, list) else [result]:
             row.figures += f" [{time.perf_counter() - began:.0f} s]"
@@ -1145,16 +1148,16 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     options = parse(argv)
-    atexit.register(peer.stop_children)
+    atexit.register(_fleetproc.stop_children)
     for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, peer._exit_on_signal)
+        signal.signal(signum, _fleetproc._exit_on_signal)
     try:
         return run(options)
-    except peer.BenchError as e:
+    except _fleetproc.BenchError as e:
         print(f"bench/semantics.py: {e}", file=sys.stderr)
         return 1
     finally:
-        peer.stop_children()
+        _fleetproc.stop_children()
 
 
 if __name__ == "__main__":
