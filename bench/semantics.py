@@ -31,8 +31,9 @@ built it (``~/.cache/sfnode/peer``; ``--peer no`` skips it), on the bundled GGUF
     .venv/bin/python bench/semantics.py --engine mock          # the harness on the mock engine
     .venv/bin/python bench/semantics.py --only agents-chat --peer no
 
-This script only measures and prints; it asserts nothing, is not part of CI, is never imported by
-the package, and never leaves a server running when it exits (bench/_fleetproc.py's process helpers).
+This script only measures and prints; it asserts nothing, is not part of CI, is never imported
+by the package, and never leaves a server running when it exits (bench/_fleetproc.py's process
+helpers).
 """
 
 from __future__ import annotations
