@@ -33,7 +33,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 
-from sfnode.engines import WEIGHT_MODES
+from sfnode.engines import WEIGHT_MODES, openmp
 from sfnode.engines.forward_runner import ModelForwardRunner
 from sfnode.engines.hidden import decode_hidden, encode_hidden
 from sfnode.engines.llama_runner import LlamaRunner, llama_unsupported
@@ -440,6 +440,9 @@ class TransformersEngine:
         if self._started:
             return
         self._started = True
+        # The steps' OpenMP team must be the only one (sfnode/engines/openmp.py): give back the
+        # one this thread (the reactor's, which loaded the model) holds.
+        log.info("OpenMP threads of the starting thread: {done}", done=openmp.release_team())
         self._pool.start()
         prepare = getattr(self._runner, "prepare_thread", None)
         if prepare is not None:
