@@ -78,3 +78,61 @@ class BundledWeightsTests(unittest.SynchronousTestCase):
             row = DecodeRow(0, tokens[-1], len(prompt) + len(tokens) - 1, greedy, 0)
             tokens.append(quantized.run(StepPlan(decode=(row,))).decode[0])
         self.assertIn("Paris", tokenizer.decode(tokens, skip_special_tokens=True))
+
+
+class BundledPrefixReuseTests(unittest.TestCase):
+    """On the bundled model's float32 path, a prompt that reuses a cached system prompt gives
+    the greedy tokens of a cold run (docs/engine.md section 4)."""
+
+    skip = BundledWeightsTests.skip
+
+    def test_reuse_gives_the_tokens_of_a_cold_run(self) -> Any:
+        from twisted.internet import defer, reactor
+
+        from sfnode.engines.transformers_engine import TransformersEngine
+        from sfnode.generation import GenerationRequest
+        from sfnode.models import load_model
+        from sfnode.wire import GenParams
+
+        loaded = load_model(threads=2)
+        tokenizer = loaded.tokenizer
+        system = " ".join(TEXT.read_text().split()[:120])
+
+        def prompt(question: str) -> list[int]:
+            messages = [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question},
+            ]
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+            ids: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
+            return ids
+
+        first, second = prompt("Say it in one line."), prompt("What is it about?")
+
+        def engine(cache: bool) -> TransformersEngine:
+            built = TransformersEngine.from_loaded(
+                loaded, reactor, weights="float32", prefix_cache=cache, max_lanes=1,
+                interactive_lanes=0,
+            )  # fmt: skip
+            built.start()
+            self.addCleanup(built.stop)
+            return built
+
+        def run(on: TransformersEngine, ids: list[int]) -> defer.Deferred[Any]:
+            request = GenerationRequest(ids, GenParams(), 24)
+            return on.submit(request, lambda *args: None).result
+
+        @defer.inlineCallbacks
+        def check() -> Any:
+            cached, cold = engine(True), engine(False)
+            yield run(cached, first)
+            reused = yield run(cached, second)
+            stats = cached.prefix_statistics()
+            assert stats is not None
+            self.assertGreaterEqual(stats.reused_tokens, 96)
+            fresh = yield run(cold, second)
+            self.assertEqual(reused.tokens, fresh.tokens)
+
+        return check()
