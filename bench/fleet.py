@@ -97,6 +97,7 @@ class EngineClient:
 
     async def answer(self, context: list[int], max_tokens: int) -> Answer:
         from sfnode.generation import GenerationRequest
+        from sfnode.head.classes import DEFAULT_INTERACTIVE_PROMPT_TOKENS
         from sfnode.wire import GenParams
 
         answer = Answer(usage=True)
@@ -105,9 +106,12 @@ class EngineClient:
             if answer.first is None and tokens:
                 answer.first = time.perf_counter() - started
 
-        # What the head asks of a node for temperature 0 (sfnode.head.schema); not
-        # interactive, since GENERATE_REQ does not carry that yet.
-        request = GenerationRequest(context, GenParams(temperature=0.0, top_p=1.0), max_tokens)
+        # What the head asks of a node for temperature 0 (sfnode.head.schema), with the class
+        # its default rule gives the prompt (sfnode.head.classes: a short chat is interactive).
+        interactive = len(context) <= DEFAULT_INTERACTIVE_PROMPT_TOKENS
+        request = GenerationRequest(
+            context, GenParams(temperature=0.0, top_p=1.0), max_tokens, interactive=interactive
+        )
         started = time.perf_counter()
         result = await self.engine.submit(request, seen).result
         answer.tokens = len(result.tokens)
