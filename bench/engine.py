@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 from twisted.internet import defer, reactor
 
-from sfnode.engines import WEIGHT_MODES
+from sfnode.engines import WEIGHT_MODES, openmp
 from sfnode.engines.transformers_engine import TransformersEngine
 from sfnode.generation import GenerationRequest
 from sfnode.wire import GenParams
@@ -231,6 +231,9 @@ def run_engine(
     Every call gives the prompts a first token of its own (as long as the vocabulary allows),
     so the prefix cache never holds a run's prompts from an earlier run.
     """
+    # The baselines ran torch on this thread, which gave it an OpenMP team again; the engine's
+    # worker must have the only one, as on a node (sfnode/engines/openmp.py).
+    openmp.release_team()
     salt = next(_RUNS)
     pending = [Request([3 + salt % (vocab - 3), *r.prompt[1:]], r.budget) for r in requests]
     ttft: list[float] = []
