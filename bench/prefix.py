@@ -43,7 +43,6 @@ import argparse
 import asyncio
 import os
 import random
-import signal
 import statistics
 import sys
 import time
@@ -766,11 +765,7 @@ def _default_gguf() -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     options = parse(argv)
-    import atexit
-
-    atexit.register(_fleetproc.stop_children)
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, _fleetproc._exit_on_signal)
+    _fleetproc.guard_children()
     try:
         return run(options)
     except BenchError as e:

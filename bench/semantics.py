@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import atexit
 import json
 import os
 import random
@@ -1158,9 +1157,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     options = parse(argv)
-    atexit.register(_fleetproc.stop_children)
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, _fleetproc._exit_on_signal)
+    _fleetproc.guard_children()
     try:
         return run(options)
     except _fleetproc.BenchError as e:
