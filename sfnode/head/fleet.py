@@ -233,9 +233,17 @@ class FleetNode:
             ended_since_report=len(self.ended),
         )
 
-    def generation_ended(self, now: float) -> None:
+    def generation_started(self, interactive: bool) -> None:
+        """One of this head's generations starts here (counted by class, section 12.2)."""
+        self.inflight += 1
+        if interactive:
+            self.interactive_inflight += 1
+
+    def generation_ended(self, now: float, interactive: bool) -> None:
         """One of this head's generations here ended (its lane is free)."""
         self.inflight -= 1
+        if interactive:
+            self.interactive_inflight -= 1
         self._forget_reported_ends()
         self.ended.append(now)
 
@@ -521,7 +529,7 @@ class FleetGeneration:
                         self._waiting = None
                 else:
                     node = session.node
-                    fleet._claim(node, self.interactive)
+                    node.generation_started(self.interactive)
                 try:
                     outcome = await self._generate_on(node, remaining)
                 except _NODE_FATAL as e:
@@ -1010,7 +1018,7 @@ class Fleet:
         session.node = node
         node.sessions += 1
         if waiter.claim_lane:
-            self._claim(node, waiter.request.interactive)
+            node.generation_started(waiter.request.interactive)
 
     def _dispatch(self) -> None:
         """Place what waits, in order, on whatever the nodes can take now."""
@@ -1092,17 +1100,9 @@ class Fleet:
         node.sessions -= 1
         node.link.revoke(session.session_id)
 
-    def _claim(self, node: FleetNode, interactive: bool) -> None:
-        """A generation starts on ``node``: count it (and its class, section 12.2)."""
-        node.inflight += 1
-        if interactive:
-            node.interactive_inflight += 1
-
     def _release(self, node: FleetNode, interactive: bool) -> None:
         """A generation on ``node`` ended: its lane may take a waiting request."""
-        node.generation_ended(self._clock.seconds())
-        if interactive:
-            node.interactive_inflight -= 1
+        node.generation_ended(self._clock.seconds(), interactive)
         self._dispatch()
 
     # ----------------------------------------------------------------------------------------
