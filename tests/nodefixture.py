@@ -160,9 +160,16 @@ class MemoryNodeTestCase(SynchronousTestCase):
         self.ids = HeadIds()
 
     def start_node(
-        self, *, identity: str = "node-1", token_delay_s: float = 0.0, **config: Any
+        self,
+        *,
+        identity: str = "node-1",
+        token_delay_s: float = 0.0,
+        engine: MockEngine | None = None,
+        **config: Any,
     ) -> MemoryNode:
-        engine = MockEngine(self.reactor, token_delay_s=token_delay_s)
+        """A node listening on the memory reactor, on ``engine`` (default: a new MockEngine)."""
+        if engine is None:
+            engine = MockEngine(self.reactor, token_delay_s=token_delay_s)
         agent = NodeAgent(
             self.reactor, engine, NodeConfig(identity=identity, model_name="mock", **config)
         )

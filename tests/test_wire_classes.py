@@ -16,7 +16,6 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode import wire
-from sfnode.config import NodeConfig
 from sfnode.generation import (
     EngineStop,
     Generation,
@@ -26,8 +25,6 @@ from sfnode.generation import (
     TokenSink,
 )
 from sfnode.head.session import HeadSession
-from sfnode.node import NodeAgent
-from sfnode.tap import node_factory
 from sfnode.wire import (
     FEATURE_LOGPROBS,
     FEATURE_REQUEST_CLASS,
@@ -44,7 +41,7 @@ from sfnode.wire import (
     decode_message,
     encode_tokens,
 )
-from tests.nodefixture import MEMORY_PORT, MemoryNodeTestCase, expected_tokens, finish_of
+from tests.nodefixture import MemoryNodeTestCase, expected_tokens, finish_of
 
 BATCH_EXAMPLE = bytes.fromhex("97 03 01 05 64 92 14 00 00 01")
 NO_CLASS_EXAMPLE = bytes.fromhex("96 03 01 05 64 92 14 00 00")
@@ -170,16 +167,7 @@ class RecordingEngine(MockEngine):
 class NodeTests(MemoryNodeTestCase):
     def start_recording_node(self) -> RecordingEngine:
         engine = RecordingEngine(self.reactor)
-        agent = NodeAgent(self.reactor, engine, NodeConfig(identity="n", model_name="mock"))
-        agent.start()
-        self.reactor.listenTCP(MEMORY_PORT, node_factory(agent), interface="127.0.0.1")
-
-        def stop() -> None:
-            stopped = agent.stop()
-            self.flush()
-            self.successResultOf(stopped)
-
-        self.addCleanup(stop)
+        self.start_node(identity="n", engine=engine)
         return engine
 
     def test_the_node_announces_the_feature(self) -> None:
