@@ -96,13 +96,7 @@ def _positive(name: str, value: object) -> int:
 
 
 def _seconds(name: str, value: object) -> float:
-    try:
-        number = float(str(value))
-    except ValueError as e:
-        raise usage.UsageError(f"--{name} must be a number of seconds, not {value!r}") from e
-    if not 0 <= number < float("inf"):
-        raise usage.UsageError(f"--{name} must be 0 or more seconds, not {value!r}")
-    return number
+    return _non_negative_number(name, value, unit="seconds")
 
 
 def _non_negative(name: str, value: object) -> int:
@@ -115,13 +109,16 @@ def _non_negative(name: str, value: object) -> int:
     return number
 
 
-def _non_negative_number(name: str, value: object) -> float:
+def _non_negative_number(name: str, value: object, unit: str = "") -> float:
+    """``value`` as a finite number of 0 or more (of ``unit``, for the messages)."""
     try:
         number = float(str(value))
     except ValueError as e:
-        raise usage.UsageError(f"--{name} must be a number, not {value!r}") from e
+        what = f"a number of {unit}" if unit else "a number"
+        raise usage.UsageError(f"--{name} must be {what}, not {value!r}") from e
     if not 0 <= number < float("inf"):
-        raise usage.UsageError(f"--{name} must be 0 or more, not {value!r}")
+        least = f"0 or more {unit}" if unit else "0 or more"
+        raise usage.UsageError(f"--{name} must be {least}, not {value!r}")
     return number
 
 
