@@ -298,7 +298,7 @@ class TransformersEngine:
             kwargs.setdefault("gguf", loaded.source)
             kwargs.setdefault("weights_cache", loaded.folder / "packed-weights.safetensors")
         engine = cls(loaded.model, reactor, **kwargs)
-        if release_float_weights and engine.lean_step and engine._activations != torch.float32:
+        if release_float_weights and engine.lean_step and engine.weights_mode != "float32":
             _release_projections(loaded.model)
         return engine
 
