@@ -30,6 +30,7 @@ import torch.nn.functional as F  # noqa: N812
 
 from sfnode.engines.kv import BlockPool, SlotKV
 from sfnode.engines.llama_weights import LlamaWeights
+from sfnode.engines.native import FusedLayers, fusable
 from sfnode.engines.plan import StepOutput, StepPlan
 from sfnode.engines.quant import Projection
 from sfnode.generation import StageForwardError, StageResult, TokenLogprob
@@ -196,7 +197,11 @@ class LlamaRunner:
         inv_freq: torch.Tensor,
         attention_scaling: float = 1.0,
         pool_blocks: int = 0,
+        fused: bool = True,
     ) -> None:
+        """``fused`` runs each layer's work outside attention through the native library's
+        fused calls (:class:`~sfnode.engines.native.FusedLayers`) where the weights allow it;
+        :attr:`fused_reason` says why not otherwise."""
         self.weights = weights
         self.device = device
         self.window = window
@@ -225,10 +230,24 @@ class LlamaRunner:
         sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(device)
         self._sin = (emb.sin() * attention_scaling * sign).to(w.activations)
         """sin with the sign of rotate_half folded in (see :func:`_rotate`)."""
+        self.fused: FusedLayers | None = None
+        library = w.family.library if w.family is not None else None
+        self.fused_reason = "turned off" if not fused else fusable(w)
+        if self.fused_reason is None and library is None:
+            self.fused_reason = "the native kernels are not in use"
+        if self.fused_reason is None and library is not None:
+            self.fused = FusedLayers(w, library)
 
     @classmethod
     def for_model(
-        cls, model: Any, weights: LlamaWeights, *, slots: int, window: int, pool_blocks: int = 0
+        cls,
+        model: Any,
+        weights: LlamaWeights,
+        *,
+        slots: int,
+        window: int,
+        pool_blocks: int = 0,
+        fused: bool = True,
     ) -> LlamaRunner:
         rotary = model.model.rotary_emb
         return cls(
@@ -239,6 +258,7 @@ class LlamaRunner:
             inv_freq=rotary.inv_freq,
             attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
             pool_blocks=pool_blocks,
+            fused=fused,
         )
 
     # -- steps ------------------------------------------------------------------------------------
@@ -319,7 +339,7 @@ class LlamaRunner:
         sin = self._sin[index].unsqueeze(1)
         groups = self._row_groups(attention)
         for layer_index in range(len(w.layers)):
-            hidden = self._layer(layer_index, hidden, cos, sin, attention, groups)
+            hidden = self._layer(layer_index, hidden, cos, sin, attention, groups, index)
         return hidden
 
     def _row_groups(self, attention: _Attention) -> Groups:
@@ -346,13 +366,27 @@ class LlamaRunner:
         sin: torch.Tensor,
         attention: _Attention | None,
         groups: Groups,
+        positions: torch.Tensor,
     ) -> torch.Tensor:
-        """One decoder layer over ``hidden`` rows; ``attention`` None means one causal sequence
-        without a cache (a pipeline stage)."""
+        """One decoder layer over ``hidden`` rows at ``positions``; ``attention`` None means one
+        causal sequence without a cache (a pipeline stage)."""
         w = self.weights
         layer = w.layers[index]
         rows = hidden.shape[0]
         heads, kv_heads, head_dim = self._heads, self._kv_heads, self._head_dim
+        if self.fused is not None:
+            qkv = self.fused.pre(index, hidden, self._cos, self._sin, positions)
+            query = qkv[:, : heads * head_dim].view(rows, heads, head_dim)
+            key = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(
+                rows, kv_heads, head_dim
+            )
+            value = qkv[:, (heads + kv_heads) * head_dim :].view(rows, kv_heads, head_dim)
+            if attention is None:
+                attended = self._sequence_attention(query, key, value)
+            else:
+                attended = self._attend(index, query, key, value, attention)
+            self.fused.post(index, hidden, attended)
+            return hidden
         x = F.rms_norm(hidden, (self._hidden,), layer.input_norm, w.eps)
         qkv = _project(layer.qkv, x, groups)
         qk = qkv[:, : (heads + kv_heads) * head_dim].view(rows, heads + kv_heads, head_dim)
@@ -445,8 +479,9 @@ class LlamaRunner:
             cos = self._cos[:n].unsqueeze(1)
             sin = self._sin[:n].unsqueeze(1)
             groups = [(0, n, w.dense_rows is not None and n >= w.dense_rows)]
+            positions = torch.arange(n, device=self.device)
             for index in range(len(w.layers)):
-                hidden = self._layer(index, hidden, cos, sin, None, groups)
+                hidden = self._layer(index, hidden, cos, sin, None, groups, positions)
             return self._logits(hidden, range(n))
 
     # -- pipeline stages --------------------------------------------------------------------------
@@ -470,7 +505,8 @@ class LlamaRunner:
                     raise StageForwardError("a token id is outside the vocabulary")
                 hidden = w.embed[torch.tensor(list(tokens), dtype=torch.long, device=self.device)]
             else:
-                hidden = hidden_in.to(device=self.device, dtype=w.activations)
+                # A copy: the fused layers write into the hidden states in place.
+                hidden = hidden_in.to(device=self.device, dtype=w.activations, copy=True)
             n = hidden.shape[0]
             if n > self.window:
                 raise StageForwardError(f"{n} tokens exceed the window of {self.window}")
@@ -478,8 +514,9 @@ class LlamaRunner:
             sin = self._sin[:n].unsqueeze(1)
             threshold = w.dense_rows
             groups = [(0, n, threshold is not None and n >= threshold)]
+            positions = torch.arange(n, device=self.device)
             for index in range(start, end):
-                hidden = self._layer(index, hidden, cos, sin, None, groups)
+                hidden = self._layer(index, hidden, cos, sin, None, groups, positions)
             if end < layers:
                 return StageResult(hidden=encode_hidden(hidden))
             logits = self._logits(hidden, [n - 1])[0]

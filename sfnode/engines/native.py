@@ -56,6 +56,7 @@ SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
 
 #define QK 32
 #define BLOCK_BYTES 20
@@ -223,6 +224,133 @@ int sf_q8_linear(const float *x, int M, int K, const int8_t *w, const float *sca
     free_rows(&a);
     return 0;
 }
+
+/* -- a decoder layer's per-token work around its products, fused (docs/engine.md section 5.2) -- */
+
+typedef struct {
+    int32_t kind; /* 0: Q4_1 blocks; 1: int8 rows with a float32 scale each */
+    int32_t K, N;
+    const void *w;
+    const float *scales;
+} sf_matrix;
+
+typedef struct {
+    int32_t hidden, heads, kv_heads, head_dim, intermediate;
+    float eps;
+    const float *input_norm, *post_norm;
+    sf_matrix qkv, o, gate_up, down;
+} sf_layer;
+
+static int matmul(const sf_matrix *mat, const float *x, int M, float *y, int threads) {
+    if (mat->kind == 0) return sf_q4_1_linear(x, M, mat->K, (const uint8_t *)mat->w, mat->N, y,
+                                              threads);
+    if (mat->kind == 1) return sf_q8_linear(x, M, mat->K, (const int8_t *)mat->w, mat->scales,
+                                            mat->N, y, threads);
+    return 3;
+}
+
+/* out = x / sqrt(mean(x^2) + eps) * w, row by row */
+static void rmsnorm_rows(const float *x, int M, int H, const float *w, float eps, float *out) {
+    for (int m = 0; m < M; m++) {
+        const float *v = x + (size_t)m * H;
+        __m256 acc = _mm256_setzero_ps();
+        int i = 0;
+        for (; i + 8 <= H; i += 8) {
+            const __m256 t = _mm256_loadu_ps(v + i);
+            acc = _mm256_fmadd_ps(t, t, acc);
+        }
+        float sum = hsum(acc);
+        for (; i < H; i++) sum += v[i] * v[i];
+        const float scale = 1.0f / sqrtf(sum / (float)H + eps);
+        const __m256 sc = _mm256_set1_ps(scale);
+        float *o = out + (size_t)m * H;
+        for (i = 0; i + 8 <= H; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(v + i), sc),
+                                                  _mm256_loadu_ps(w + i)));
+        for (; i < H; i++) o[i] = v[i] * scale * w[i];
+    }
+}
+
+/* e^x for 8 floats (Cephes' polynomial; relative error about 2e-7) */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+    fx = _mm256_floor_ps(fx);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* qkv = rmsnorm(hidden) @ Wqkv^T, then queries and keys turned by the rotary embedding of each
+   row's position: v * cos + rotate_half(v) * sin, with rotate_half's sign folded into sin. */
+int sf_layer_pre(const sf_layer *L, const float *hidden, int M, const float *cos,
+                 const float *sin, const int64_t *positions, float *qkv, int threads) {
+    const int H = L->hidden, hd = L->head_dim, half = hd / 2;
+    const int turned = L->heads + L->kv_heads, width = L->qkv.N;
+    if (hd > 1024) return 1;
+    float *x = (float *)malloc(sizeof(float) * (size_t)M * H);
+    if (!x) return 2;
+    rmsnorm_rows(hidden, M, H, L->input_norm, L->eps, x);
+    const int status = matmul(&L->qkv, x, M, qkv, threads);
+    free(x);
+    if (status) return status;
+    for (int m = 0; m < M; m++) {
+        const float *c = cos + (size_t)positions[m] * hd;
+        const float *sn = sin + (size_t)positions[m] * hd;
+        for (int h = 0; h < turned; h++) {
+            float *v = qkv + (size_t)m * width + (size_t)h * hd;
+            float t[1024];
+            memcpy(t, v, sizeof(float) * hd);
+            for (int i = 0; i < hd; i++) v[i] = t[i] * c[i] + t[(i + half) % hd] * sn[i];
+        }
+    }
+    return 0;
+}
+
+/* hidden += attended @ Wo^T; then hidden += (silu(gate) * up) @ Wdown^T, where gate and up are
+   rmsnorm(hidden) @ Wgate_up^T's two halves.  In place on hidden. */
+int sf_layer_post(const sf_layer *L, float *hidden, const float *attended, int M, int threads) {
+    const int H = L->hidden, I = L->intermediate;
+    float *t = (float *)malloc(sizeof(float) * (size_t)M * H);
+    float *x = (float *)malloc(sizeof(float) * (size_t)M * H);
+    float *gu = (float *)malloc(sizeof(float) * (size_t)M * 2 * I);
+    float *g = (float *)malloc(sizeof(float) * (size_t)M * I);
+    int status = (!t || !x || !gu || !g) ? 2 : 0;
+    if (!status) status = matmul(&L->o, attended, M, t, threads);
+    if (!status) {
+        for (size_t i = 0; i < (size_t)M * H; i++) hidden[i] += t[i];
+        rmsnorm_rows(hidden, M, H, L->post_norm, L->eps, x);
+        status = matmul(&L->gate_up, x, M, gu, threads);
+    }
+    if (!status) {
+        for (int m = 0; m < M; m++) {
+            const float *gate = gu + (size_t)m * 2 * I, *up = gate + I;
+            float *o = g + (size_t)m * I;
+            int i = 0;
+            for (; i + 8 <= I; i += 8) {
+                const __m256 a = _mm256_loadu_ps(gate + i);
+                const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), a));
+                const __m256 silu = _mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+                _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+            }
+            for (; i < I; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        }
+        status = matmul(&L->down, g, M, t, threads);
+    }
+    if (!status)
+        for (size_t i = 0; i < (size_t)M * H; i++) hidden[i] += t[i];
+    free(t); free(x); free(gu); free(g);
+    return status;
+}
 """
 
 
@@ -303,12 +431,15 @@ def load(cache_dir: Path, flags: frozenset[str] | None = None) -> Library | str:
     try:
         handle = ctypes.CDLL(str(path))
         q4, q8 = handle.sf_q4_1_linear, handle.sf_q8_linear
+        pre, post = handle.sf_layer_pre, handle.sf_layer_post
     except (OSError, AttributeError) as e:
         return f"cannot load {path}: {e}"
     pointer, integer = ctypes.c_void_p, ctypes.c_int
     q4.argtypes = [pointer, integer, integer, pointer, integer, pointer, integer]
     q8.argtypes = [pointer, integer, integer, pointer, pointer, integer, pointer, integer]
-    q4.restype = q8.restype = ctypes.c_int
+    pre.argtypes = [pointer, pointer, integer, pointer, pointer, pointer, pointer, integer]
+    post.argtypes = [pointer, pointer, pointer, integer, integer]
+    q4.restype = q8.restype = pre.restype = post.restype = ctypes.c_int
     library = Library(path, built, handle)
     _loaded[path] = library
     return library
@@ -321,7 +452,7 @@ def _compile(cc: str, path: Path) -> str | None:
         source = work / "q4.c"
         source.write_text(SOURCE)
         output = work / path.name
-        command = [cc, *COMPILE_FLAGS, str(source), "-o", str(output)]
+        command = [cc, *COMPILE_FLAGS, str(source), "-o", str(output), "-lm"]
         openmp = _torch_openmp()
         if openmp is not None:
             # Link the runtime torch already has loaded (same soname): one OpenMP team.
@@ -469,14 +600,158 @@ class Q8Linear:
         return {"weight": self.weight, "scales": self.scales}
 
 
+class _Matrix(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int32),
+        ("K", ctypes.c_int32),
+        ("N", ctypes.c_int32),
+        ("w", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("hidden", ctypes.c_int32),
+        ("heads", ctypes.c_int32),
+        ("kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("intermediate", ctypes.c_int32),
+        ("eps", ctypes.c_float),
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("qkv", _Matrix),
+        ("o", _Matrix),
+        ("gate_up", _Matrix),
+        ("down", _Matrix),
+    ]
+
+
+def _matrix(layer: Any) -> _Matrix:
+    if isinstance(layer, Q4Linear):
+        return _Matrix(0, layer.in_features, layer.out_features, layer.blocks.data_ptr(), None)
+    if isinstance(layer, Q8Linear):
+        return _Matrix(
+            1,
+            layer.in_features,
+            layer.out_features,
+            layer.weight.data_ptr(),
+            layer.scales.data_ptr(),
+        )
+    raise TypeError(f"no fused kernel for {type(layer).__name__}")
+
+
+def fusable(weights: Any) -> str | None:
+    """None when every decoder layer of ``weights`` (a ``LlamaWeights``) can run through
+    :class:`FusedLayers`, else why not."""
+    if weights.activations != torch.float32:
+        return f"activations are {str(weights.activations).removeprefix('torch.')}"
+    if weights.head_dim > 1024 or weights.head_dim % 2:
+        return f"head_dim {weights.head_dim} is not supported"
+    for layer in weights.layers:
+        for projection in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            if not isinstance(projection.kernel, Q4Linear | Q8Linear):
+                return f"a {projection.kernel.precision.value} matrix has no native kernel"
+            if projection.bias is not None or projection.dense is not None:
+                return "a projection has a bias or a dense copy"
+    return None
+
+
+class FusedLayers:
+    """Each decoder layer's work outside attention as two calls into the native library:
+    :meth:`pre` (input norm, query/key/value product, rotary embedding) and :meth:`post` (output
+    product, residual, post-attention norm, gate/up product, SiLU gate, down product, residual).
+
+    Rows are computed independently of each other, so it is batch-invariant like the kernels.
+    The layers' tensors must outlive this object (it holds their addresses; ``weights`` keeps
+    them).
+    """
+
+    def __init__(self, weights: Any, library: Library) -> None:
+        reason = fusable(weights)
+        if reason is not None:
+            raise ValueError(reason)
+        self._weights = weights
+        self._norms: list[torch.Tensor] = []
+        self._layers: list[_Layer] = []
+        intermediate = weights.layers[0].gate_up.out_features // 2
+        for layer in weights.layers:
+            norms = (
+                layer.input_norm.to(torch.float32).contiguous(),
+                layer.post_norm.to(torch.float32).contiguous(),
+            )
+            self._norms.extend(norms)
+            self._layers.append(
+                _Layer(
+                    int(weights.embed.shape[1]),
+                    weights.heads,
+                    weights.kv_heads,
+                    weights.head_dim,
+                    intermediate,
+                    weights.eps,
+                    norms[0].data_ptr(),
+                    norms[1].data_ptr(),
+                    _matrix(layer.qkv.kernel),
+                    _matrix(layer.o.kernel),
+                    _matrix(layer.gate_up.kernel),
+                    _matrix(layer.down.kernel),
+                )
+            )
+        self._addresses = [ctypes.addressof(layer) for layer in self._layers]
+        self._width = weights.layers[0].qkv.out_features
+        self._pre = library.handle.sf_layer_pre
+        self._post = library.handle.sf_layer_post
+
+    def pre(
+        self,
+        index: int,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """``[rows, (heads + 2 kv_heads) * head_dim]``: queries and keys turned, then values.
+        ``cos`` and ``sin`` are the runner's whole tables, ``positions`` (int64) each row's."""
+        rows = hidden.shape[0]
+        out = torch.empty((rows, self._width), dtype=torch.float32)
+        status = self._pre(
+            self._addresses[index],
+            hidden.data_ptr(),
+            rows,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            positions.data_ptr(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if status:
+            raise RuntimeError(f"the fused layer refused the problem (status {status})")
+        return out
+
+    def post(self, index: int, hidden: torch.Tensor, attended: torch.Tensor) -> None:
+        """The rest of layer ``index``, in place on ``hidden`` (contiguous float32)."""
+        attended = attended.contiguous()
+        status = self._post(
+            self._addresses[index],
+            hidden.data_ptr(),
+            attended.data_ptr(),
+            hidden.shape[0],
+            torch.get_num_threads(),
+        )
+        if status:
+            raise RuntimeError(f"the fused layer refused the problem (status {status})")
+
+
 __all__ = [
     "NEEDED_FLAGS",
+    "FusedLayers",
     "Library",
     "Q4Linear",
     "Q8Linear",
     "blocks_weight",
     "compiler",
     "cpu_flags",
+    "fusable",
     "gguf_blocks",
     "load",
     "pack_blocks",
