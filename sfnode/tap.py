@@ -88,6 +88,7 @@ _TRANSFORMERS_ONLY = (
     "cache-dir",
     "kv-blocks",
     "weights",
+    "kernels",
     "prefix-cache-blocks",
     "prefill-chunk",
     "step-tokens",
@@ -183,6 +184,12 @@ class Options(usage.Options):
             None,
             "transformers: run the model's own forward on stock PyTorch kernels (slower; by "
             "default Llama models run through sfnode's own step, see --weights).",
+        ],
+        [
+            "eager-step",
+            None,
+            "transformers: run each layer as separate torch operators, never through the "
+            "native fused layer calls (for comparison; docs/engine.md section 5.2).",
         ],
         [
             "no-prefix-cache",
@@ -313,6 +320,15 @@ class Options(usage.Options):
             "bfloat16.",
         ],
         [
+            "kernels",
+            None,
+            None,
+            "transformers: the kernels of int4 and int8 matrices: auto (default: the faster on "
+            "layer 0, timed at start and kept per CPU), bfloat16 (torch's, bfloat16 "
+            "activations) or float32 (sfnode's AVX2 kernels built with the C compiler, float32 "
+            "activations).",
+        ],
+        [
             "prefix-cache-blocks",
             None,
             None,
@@ -359,7 +375,11 @@ class Options(usage.Options):
         wrong = _TRANSFORMERS_ONLY if engine == "mock" else _MOCK_ONLY
         given = [f"--{name}" for name in wrong if self[name] is not None]
         if engine == "mock":
-            given += [f"--{flag}" for flag in ("stock-kernels", "no-prefix-cache") if self[flag]]
+            given += [
+                f"--{flag}"
+                for flag in ("stock-kernels", "no-prefix-cache", "eager-step")
+                if self[flag]
+            ]
         if given:
             raise usage.UsageError(f"{', '.join(given)} cannot be used with --engine {engine}")
 
@@ -391,6 +411,11 @@ class Options(usage.Options):
         if self["weights"] not in WEIGHT_MODES:
             raise usage.UsageError(
                 f"--weights must be one of {', '.join(WEIGHT_MODES)}, not {self['weights']!r}"
+            )
+        self["kernels"] = "auto" if self["kernels"] is None else self["kernels"]
+        if self["kernels"] not in ("auto", "bfloat16", "float32"):
+            raise usage.UsageError(
+                f"--kernels must be one of auto, bfloat16, float32, not {self['kernels']!r}"
             )
         if self["stock-kernels"] and self["weights"] not in ("auto", "float32"):
             raise usage.UsageError(
@@ -505,6 +530,8 @@ def build_engine(reactor: Any, options: Options) -> Engine:
             interactive_lanes=options["interactive-lanes"],
             onednn=not options["stock-kernels"],
             lean_step=not options["stock-kernels"],
+            kernels=options["kernels"],
+            fused_step=not options["eager-step"],
         )
     except (ValueError, WeightsError) as e:
         raise NodeStartupError(f"sfnode: cannot start the transformers engine: {e}") from e

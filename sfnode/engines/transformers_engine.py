@@ -176,6 +176,8 @@ class TransformersEngine:
         dense_copies: bool = True,
         onednn: bool = True,
         lean_step: bool = True,
+        kernels: str = "auto",
+        fused_step: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``weights`` is a mode of :data:`~sfnode.engines.llama_weights.WEIGHT_MODES` (``gguf``
@@ -185,7 +187,10 @@ class TransformersEngine:
         (Llama runner only), in a pool of ``prefix_cache_blocks`` blocks (default: ``kv_blocks``).
         ``interactive_lanes`` lanes are kept for interactive requests (batch work never holds
         them).  ``dense_copies`` lets long prompt chunks multiply by bfloat16 copies of
-        quantized weights where that is measured to be faster at start.
+        quantized weights where that is measured to be faster at start.  ``kernels`` picks
+        the family of the quantized kernels (``auto``: measured at start, docs/engine.md section
+        5.1); ``fused_step`` False runs every layer as separate torch operators even where the
+        native fused calls could (docs/engine.md section 5.2).
         """
         if max_lanes < 1:
             raise ValueError("max_lanes must be at least 1")
@@ -217,7 +222,12 @@ class TransformersEngine:
         pool_blocks = 0
         if unsupported is None:
             served = gather_weights(
-                model, weights, gguf=gguf, cache_file=weights_cache, dense_copies=dense_copies
+                model,
+                weights,
+                gguf=gguf,
+                cache_file=weights_cache,
+                dense_copies=dense_copies,
+                kernels=kernels,
             )
             if prefix_cache:
                 pool_blocks = (
@@ -225,21 +235,33 @@ class TransformersEngine:
                     if prefix_cache_blocks is not None
                     else self._kv_blocks_total
                 )
-            self._runner = LlamaRunner.for_model(
-                model, served, slots=max_lanes, window=self._window, pool_blocks=pool_blocks
+            runner = LlamaRunner.for_model(
+                model,
+                served,
+                slots=max_lanes,
+                window=self._window,
+                pool_blocks=pool_blocks,
+                fused=fused_step,
             )
+            self._runner = runner
+            self.fused_step = runner.fused is not None
             self.weights_mode = served.mode
             self.kernels = served.describe()
             self.onednn_layers = 0
             self._activations = served.activations
             log.info(
                 "serving {layers} layers with weights {mode} ({kernels}); activations and KV "
-                "in {dtype}; prefix cache {prefix}",
+                "in {dtype}; prefix cache {prefix}; {fused}",
                 layers=self._n_layers,
                 mode=served.mode,
                 kernels=self.kernels,
                 dtype=str(served.activations).removeprefix("torch."),
                 prefix=f"{pool_blocks} blocks" if pool_blocks else "off",
+                fused=(
+                    "each layer's work around attention in two fused native calls"
+                    if runner.fused is not None
+                    else f"layers run as torch operators (no fused step: {runner.fused_reason})"
+                ),
             )
         else:
             dtype = next(model.parameters()).dtype
@@ -248,10 +270,11 @@ class TransformersEngine:
                     f"--weights {weights} needs the Llama runner, which cannot serve this model "
                     f"({unsupported}); its own forward serves {dtype} weights"
                 )
-            runner = ModelForwardRunner(model, onednn=onednn)
-            self._runner = runner
+            forward = ModelForwardRunner(model, onednn=onednn)
+            self._runner = forward
+            self.fused_step = False
             self.weights_mode = str(dtype).removeprefix("torch.")
-            self.onednn_layers = runner.onednn_layers
+            self.onednn_layers = forward.onednn_layers
             self.kernels = f"the model's own forward ({self.onednn_layers} layers on oneDNN)"
             self._activations = dtype
             log.info(
