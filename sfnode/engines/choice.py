@@ -191,7 +191,11 @@ def choose(
     for family in candidates:
         total = 0.0
         for weight, precision in samples.values():
-            layer = family_layer(family, weight, precision, library)
+            try:
+                layer = family_layer(family, weight, precision, library)
+            except ValueError as e:
+                failed[family] = str(e)
+                break
             problem = _self_check(layer, weight)
             if problem is not None:
                 failed[family] = problem
