@@ -212,15 +212,22 @@ def shown(argv: Sequence[str]) -> str:
 
 @contextmanager
 def fleet_processes(
-    node_args: Sequence[str], env: dict[str, str], model: Path | None, logs: Path
+    node_args: Sequence[str],
+    env: dict[str, str],
+    model: Path | None,
+    logs: Path,
+    children: list[Child] | None = None,
 ) -> Iterator[int]:
     """``twistd sfnode`` listening on a free loopback port and ``twistd sfhead`` dialing it,
     serving HTTP on another: yields that HTTP port once the head has the node, and stops both
-    when the block ends.  Their output goes to ``logs/sfnode.log`` and ``logs/sfhead.log``."""
+    when the block ends.  Their output goes to ``logs/sfnode.log`` and ``logs/sfhead.log``;
+    ``children``, when given, gets the node's and then the head's :class:`Child`."""
     model_args = ["--model", str(model)] if model is not None else []
     node_argv = twistd("sfnode", "--listen", "tcp:0:interface=127.0.0.1", *model_args, *node_args)
     print(f"starting {shown(node_argv)}", flush=True)
     node = Child("sfnode", node_argv, env, logs / "sfnode.log", False)
+    if children is not None:
+        children.append(node)
     head: Child | None = None
     try:
         found = node.wait_for_line(rb"sfnode listening on 127\.0\.0\.1:(\d+)", NODE_READY_S)
@@ -233,6 +240,8 @@ def fleet_processes(
         )  # fmt: skip
         print(f"starting {shown(head_argv)}", flush=True)
         head = Child("sfhead", head_argv, env, logs / "sfhead.log", False)
+        if children is not None:
+            children.append(head)
         found = head.wait_for_line(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)", NODE_READY_S)
         port = int(found.group(1))
         wait_until(
@@ -246,6 +255,48 @@ def fleet_processes(
         if head is not None:
             head.stop()
         node.stop()
+
+
+VECTOR_EXTENSIONS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
+
+
+def cpu_extensions() -> str:
+    """The CPU's vector extensions that decide sfnode's kernels (docs/engine.md section 5.1), as
+    ``avx2 fma f16c; no avx512f, ...``."""
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        return "unknown (no /proc/cpuinfo)"
+    have = [name for name in VECTOR_EXTENSIONS if name in flags]
+    lacking = [name for name in VECTOR_EXTENSIONS if name not in flags]
+    return " ".join(have or ["none"]) + (f"; no {', '.join(lacking)}" if lacking else "")
+
+
+def memory_mb(pid: int) -> tuple[float, float]:
+    """``(VmRSS, VmHWM)`` of a process in MB: its resident memory now and at its peak."""
+    found = {"VmRSS": 0.0, "VmHWM": 0.0}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in found:
+                found[key] = int(value.split()[0]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return found["VmRSS"], found["VmHWM"]
 
 
 def cpu_name() -> str:
