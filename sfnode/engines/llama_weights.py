@@ -43,6 +43,7 @@ from sfnode.engines.quant import (
     GGUF_KINDS,
     GgufMatrix,
     Linear,
+    Q8Rows,
     Precision,
     Projection,
     dense_rows,
@@ -84,13 +85,16 @@ class LlamaWeights:
     mode: str
     """The weights mode after ``auto`` was resolved (``int4`` when any matrix is int4)."""
     activations: torch.dtype
-    embed: torch.Tensor
+    embed: torch.Tensor | Q8Rows
+    """The token embedding: a tensor in ``activations``, or a GGUF file's Q8_0 table read a row
+    at a time (float32 activations only)."""
     layers: list[LayerWeights]
     final_norm: torch.Tensor
     lm_head: Linear
-    lm_head_float: torch.Tensor | None
-    """The output head's float32 weights (the model's own tensor, not a copy) when the kernel
-    computes in bfloat16: the best logits of each row are computed again from them."""
+    lm_head_float: torch.Tensor | Q8Rows | None
+    """The output head's float32 weights (the model's own tensor, or its Q8_0 rows when the
+    file holds it so) when the head is quantized: the best logits of each row are computed
+    again from them."""
     final_norm_float: torch.Tensor
     eps: float
     heads: int
@@ -102,6 +106,13 @@ class LlamaWeights:
     copies; decode rows always use the kernels)."""
     family: Choice | None = None
     """The kernel family of the quantized matrices and why it was chosen."""
+    holds_model_embedding: bool = True
+    """Whether :attr:`embed` or :attr:`lm_head_float` is the model's own embedding tensor (else
+    the model's embedding and head may be released)."""
+
+    @property
+    def hidden(self) -> int:
+        return int(self.embed.shape[1])
 
     def describe(self) -> str:
         """A short account of the kernels, for the log: ``int4 x 120, int8 x 1``."""
@@ -334,6 +345,20 @@ def gather_weights(
     activations = torch.bfloat16 if quantized else torch.float32
     if family.family == "float32":
         activations = torch.float32
+    head_float: torch.Tensor | Q8Rows | None = None
+    if (
+        linears["lm_head"].precision is not Precision.FLOAT32
+        and model.lm_head.weight.dtype == torch.float32
+    ):
+        head_float = model.lm_head.weight.detach()
+    embed: torch.Tensor | Q8Rows = inner.embed_tokens.weight.detach().to(activations)
+    stored = matrices.get("embed")
+    if stored is not None and stored.kind == "Q8_0" and activations == torch.float32:
+        # Bit for bit the model's rows (it was dequantized from them), at a quarter of the
+        # memory; the head's float rows are the same table when the model ties them.
+        embed = Q8Rows(stored)
+        if head_float is not None and getattr(config, "tie_word_embeddings", False):
+            head_float = embed
     served = sorted({p.value for p in chosen.values()}, key=WEIGHT_MODES.index)
     resolved = served[-1] if mode == "auto" else mode
     projections = {
@@ -371,16 +396,11 @@ def gather_weights(
     return LlamaWeights(
         mode=resolved,
         activations=activations,
-        embed=inner.embed_tokens.weight.detach().to(activations),
+        embed=embed,
         layers=layers,
         final_norm=_float(inner.norm).to(activations),
         lm_head=linears["lm_head"],
-        lm_head_float=(
-            model.lm_head.weight.detach()
-            if linears["lm_head"].precision is not Precision.FLOAT32
-            and model.lm_head.weight.dtype == torch.float32
-            else None
-        ),
+        lm_head_float=head_float,
         final_norm_float=_float(inner.norm),
         eps=float(config.rms_norm_eps),
         heads=heads,
@@ -389,7 +409,11 @@ def gather_weights(
         vocab_size=int(config.vocab_size),
         dense_rows=threshold,
         family=family,
+        holds_model_embedding=not (
+            isinstance(embed, Q8Rows) and (head_float is None or isinstance(head_float, Q8Rows))
+        ),
     )
+
 
 
 def _choose_family(

@@ -140,6 +140,32 @@ def dequantize(matrix: GgufMatrix) -> torch.Tensor:
     return (grouped + minimum.unsqueeze(-1)).reshape(matrix.rows, matrix.cols)
 
 
+class Q8Rows:
+    """A Q8_0 matrix read a row at a time: ``rows[index]`` is the float32 rows ``index`` picks
+    (any index tensor; the last dimension is the row), computed as :func:`dequantize` computes
+    them, so bit for bit the same.  A quarter of the float32 matrix's memory: an embedding table
+    kept this way, and the float32 rows a quantized head's best logits are computed again from
+    (docs/engine.md section 5)."""
+
+    dtype = torch.float32
+
+    def __init__(self, matrix: GgufMatrix) -> None:
+        q, scale = q8_parts(matrix)
+        self.q = q.contiguous()
+        self.scales = scale.contiguous()
+        self.shape = torch.Size((matrix.rows, matrix.cols))
+
+    def __getitem__(self, index: torch.Tensor) -> torch.Tensor:
+        rows, cols = self.shape
+        q = self.q[index]
+        grouped = q.view(*q.shape[:-1], cols // GROUP, GROUP).to(torch.float32)
+        return (grouped * self.scales[index].unsqueeze(-1)).view(*q.shape[:-1], cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scales.numel() * 4
+
+
 # -- linear kernels ---------------------------------------------------------------------------
 
 

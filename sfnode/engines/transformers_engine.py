@@ -77,8 +77,14 @@ def eos_ids_of(model: Any) -> frozenset[int]:
     return frozenset(found)
 
 
-def _release_projections(model: Any) -> None:
-    """Replace the float weights of every decoder layer's projections with empty tensors."""
+def _release_projections(model: Any, embedding: bool) -> None:
+    """Replace the float weights of every decoder layer's projections (and with ``embedding``
+    the token embedding's and the output head's) with empty tensors."""
+    modules = [model.model.embed_tokens, model.lm_head] if embedding else []
+    for module in modules:
+        module.weight = torch.nn.Parameter(
+            torch.empty(0, dtype=module.weight.dtype), requires_grad=False
+        )
     for layer in model.model.layers:
         for module in (
             layer.self_attn.q_proj,
@@ -92,6 +98,20 @@ def _release_projections(model: Any) -> None:
             module.weight = torch.nn.Parameter(
                 torch.empty(0, dtype=module.weight.dtype), requires_grad=False
             )
+
+
+def _trim_heap() -> None:
+    """Return free heap pages to the system (glibc's ``malloc_trim``; nothing elsewhere)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is not None:
+        trim(0)
 
 
 class _Runner(Protocol):
@@ -245,6 +265,7 @@ class TransformersEngine:
             )
             self._runner = runner
             self.fused_step = runner.fused is not None
+            self._holds_model_embedding = served.holds_model_embedding
             self.weights_mode = served.mode
             self.kernels = served.describe()
             self.onednn_layers = 0
@@ -273,6 +294,7 @@ class TransformersEngine:
             forward = ModelForwardRunner(model, onednn=onednn)
             self._runner = forward
             self.fused_step = False
+            self._holds_model_embedding = True
             self.weights_mode = str(dtype).removeprefix("torch.")
             self.onednn_layers = forward.onednn_layers
             self.kernels = f"the model's own forward ({self.onednn_layers} layers on oneDNN)"
@@ -322,7 +344,9 @@ class TransformersEngine:
             kwargs.setdefault("weights_cache", loaded.folder / "packed-weights.safetensors")
         engine = cls(loaded.model, reactor, **kwargs)
         if release_float_weights and engine.lean_step and engine.weights_mode != "float32":
-            _release_projections(loaded.model)
+            _release_projections(loaded.model, embedding=not engine._holds_model_embedding)
+            # Give the freed heap back (packing and measuring at start leave much of it).
+            _trim_heap()
         return engine
 
     # -- the Engine interface (reactor thread) -----------------------------------------------
