@@ -323,10 +323,10 @@ class Options(usage.Options):
             "kernels",
             None,
             None,
-            "transformers: the kernels of int4 and int8 matrices: auto (default: the faster on "
-            "layer 0, timed at start and kept per CPU), bfloat16 (torch's, bfloat16 "
-            "activations) or float32 (sfnode's AVX2 kernels built with the C compiler, float32 "
-            "activations).",
+            "transformers: the kernels that multiply the weights: auto (default: the faster on "
+            "layer 0, timed at start and kept per CPU), torch (torch's; its int4 and int8 "
+            "kernels compute in bfloat16) or native (sfnode's AVX2 kernels, built with the C "
+            "compiler; float32 activations).",
         ],
         [
             "prefix-cache-blocks",
@@ -413,9 +413,9 @@ class Options(usage.Options):
                 f"--weights must be one of {', '.join(WEIGHT_MODES)}, not {self['weights']!r}"
             )
         self["kernels"] = "auto" if self["kernels"] is None else self["kernels"]
-        if self["kernels"] not in ("auto", "bfloat16", "float32"):
+        if self["kernels"] not in ("auto", "torch", "native"):
             raise usage.UsageError(
-                f"--kernels must be one of auto, bfloat16, float32, not {self['kernels']!r}"
+                f"--kernels must be one of auto, torch, native, not {self['kernels']!r}"
             )
         if self["stock-kernels"] and self["weights"] not in ("auto", "float32"):
             raise usage.UsageError(

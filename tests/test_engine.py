@@ -784,12 +784,12 @@ class WeightsModeTests(EngineTestCase):
         params = [GenParams() if i % 2 == 0 else SAMPLED for i in range(5)]
         cases: list[tuple[str, str, bool]] = [
             ("bfloat16", "auto", True),
-            ("int8", "bfloat16", True),
-            ("int4", "bfloat16", True),
+            ("int8", "torch", True),
+            ("int4", "torch", True),
         ]
         if not isinstance(native.load(native_library_dir()), str):
-            cases += [("int8", "float32", True), ("int4", "float32", True)]
-            cases += [("int4", "float32", False)]
+            cases += [("int8", "native", True), ("int4", "native", True)]
+            cases += [("int4", "native", False)]
         for mode, kernels, fused in cases:
             # Without the prefix cache: a reused prefix changes which chunks are computed, and
             # with them which rows multiply by the dense copies (docs/engine.md section 5).
@@ -802,7 +802,7 @@ class WeightsModeTests(EngineTestCase):
                 fused_step=fused,
             )
             self.assertEqual(engine.weights_mode, mode)
-            self.assertEqual(engine.fused_step, kernels == "float32" and fused)
+            self.assertEqual(engine.fused_step, kernels == "native" and fused)
             solo = []
             for p, gp in zip(ps, params, strict=True):
                 solo.append((yield self.run_one(p, 20, gp, engine=engine)[0]))

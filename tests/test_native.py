@@ -100,7 +100,7 @@ class KernelTests(unittest.SynchronousTestCase):
 
         weight = torch.randn(40, 96, generator=torch.Generator().manual_seed(4)) * 0.1
         for precision in (Precision.INT4, Precision.INT8):
-            layer = family_layer("float32", weight, precision, self.library)
+            layer = family_layer("native", weight, precision, self.library)
             self.assertEqual(layer.activations, torch.float32)
             from sfnode.engines.quant import effective_weight
 
@@ -165,7 +165,7 @@ class ChoiceTests(unittest.SynchronousTestCase):
             cache_file=self.cache,
             measure=emulated,
         )
-        self.assertEqual((first.family, first.activations), ("float32", torch.float32))
+        self.assertEqual((first.family, first.activations), ("native", torch.float32))
         self.assertIsNotNone(first.library)
         self.assertEqual(set(emulated.measured), {torch.float32, torch.bfloat16})
         second = choose(
@@ -175,17 +175,17 @@ class ChoiceTests(unittest.SynchronousTestCase):
             cache_file=self.cache,
             measure=native_bf16,
         )
-        self.assertEqual((second.family, second.activations), ("bfloat16", torch.bfloat16))
+        self.assertEqual((second.family, second.activations), ("torch", torch.bfloat16))
         self.assertEqual(set(native_bf16.measured), {torch.float32, torch.bfloat16})
         kept = json.loads(self.cache.read_text())["choices"]
         families = sorted(entry["family"] for entry in kept.values())
-        self.assertEqual(families, ["bfloat16", "float32"])
+        self.assertEqual(families, ["native", "torch"])
         again = [
             choose(self.samples, cpu=c, library_dir=_library_dir, cache_file=self.cache,
                    measure=refuse).family
             for c in (avx2, xeon)
         ]  # fmt: skip
-        self.assertEqual(again, ["float32", "bfloat16"])
+        self.assertEqual(again, ["native", "torch"])
 
     def test_a_cpu_without_avx2_keeps_torch_kernels_and_says_why(self) -> None:
         """Without AVX2 only torch's kernels are measured, and the reason is in the choice."""
@@ -197,7 +197,7 @@ class ChoiceTests(unittest.SynchronousTestCase):
             cache_file=self.cache,
             measure=timing,
         )
-        self.assertEqual(choice.family, "bfloat16")
+        self.assertEqual(choice.family, "torch")
         self.assertEqual(set(timing.measured), {torch.bfloat16})
         self.assertIn("lacks avx2", choice.why)
 
@@ -216,8 +216,8 @@ class ChoiceTests(unittest.SynchronousTestCase):
             cache_file=self.cache,
             measure=Timing(torch.float32),
         )
-        self.assertEqual(choice.family, "bfloat16")
-        self.assertIn("float32 failed its check", choice.why)
+        self.assertEqual(choice.family, "torch")
+        self.assertIn("native failed its check", choice.why)
 
     def test_the_engine_weights_follow_the_choice_and_log_it_once(self) -> None:
         """gather_weights serves a model's int4 matrices with the family the measurement
@@ -242,7 +242,7 @@ class ChoiceTests(unittest.SynchronousTestCase):
             self.assertEqual((weights.mode, weights.activations), ("int4", activations))
             self.assertEqual(weights.describe(), "int4 x 13")
         lines = [e for e in events if "multiply with the" in e.get("log_format", "")]
-        self.assertEqual([e["family"] for e in lines], ["float32", "bfloat16"])
+        self.assertEqual([e["family"] for e in lines], ["native", "torch"])
         self.assertIn("no avx512f", lines[0]["cpu"])
         self.assertIn("avx512_bf16", lines[1]["cpu"])
 
@@ -290,7 +290,8 @@ def greedy_run(runner: LlamaRunner, prompt: list[int], new: int) -> tuple[list[i
 
 class FusedStepTests(unittest.SynchronousTestCase):
     """The fused layer calls compute what the per-operator layer computes (docs/engine.md
-    section 5.2), in every mode that has them (int4 and int8 with the native kernels)."""
+    section 5.2), in every mode that has them (int4, int8 and float32 with the native
+    kernels)."""
 
     def setUp(self) -> None:
         self.library = library()
@@ -298,15 +299,15 @@ class FusedStepTests(unittest.SynchronousTestCase):
 
     def weights(self, mode: str) -> Any:
         return gather_weights(
-            self.model, mode, dense_copies=False, kernels="float32", library_dir=_library_dir
+            self.model, mode, dense_copies=False, kernels="native", library_dir=_library_dir
         )
 
     def test_fused_equals_eager_per_mode(self) -> None:
-        """For int4 and int8, the fused runner gives the greedy tokens of the per-operator
+        """For int4, int8 and float32, the fused runner gives the greedy tokens of the per-operator
         runner on the same weights, and logits within 0.1% of its own (the norms and the SiLU
         gate are computed in another order, and the products round activations to 16 bits)."""
         rng = random.Random(5)
-        for mode in ("int4", "int8"):
+        for mode in ("int4", "int8", "float32"):
             weights = self.weights(mode)
             fused = LlamaRunner.for_model(self.model, weights, slots=1, window=256)
             eager = LlamaRunner.for_model(self.model, weights, slots=1, window=256, fused=False)
@@ -319,6 +320,28 @@ class FusedStepTests(unittest.SynchronousTestCase):
                 self.assertEqual(a_tokens, b_tokens, (mode, n))
                 error = float((a_logits - b_logits).abs().max() / b_logits.abs().max())
                 self.assertLess(error, 1e-3, mode)
+
+    def test_float32_native_greedy_equals_generate(self) -> None:
+        """--weights float32 with sfnode's kernels, fused step: greedy tokens equal
+        transformers' generate() (the float32 mode's promise, docs/engine.md section 2.2)."""
+        weights = self.weights("float32")
+        runner = LlamaRunner.for_model(self.model, weights, slots=1, window=256)
+        self.assertIsNotNone(runner.fused, runner.fused_reason)
+        self.assertEqual(weights.describe(), "float32 x 13")
+        rng = random.Random(6)
+        for n in (1, 9, 40):
+            prompt = [rng.randrange(3, TINY_VOCAB) for _ in range(n)]
+            tokens, _ = greedy_run(runner, prompt, 12)
+            with torch.inference_mode():
+                out = self.model.generate(
+                    torch.tensor([prompt]),
+                    max_new_tokens=12,
+                    do_sample=False,
+                    attention_mask=torch.ones(1, n, dtype=torch.long),
+                    pad_token_id=0,
+                    eos_token_id=None,
+                )
+            self.assertEqual(tokens, out[0, n:].tolist(), n)
 
     def test_fused_stage_forward_leaves_its_input_alone(self) -> None:
         """A later pipeline stage (hidden states in) through the fused layers does not write

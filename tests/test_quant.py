@@ -205,7 +205,7 @@ class FallbackTests(unittest.SynchronousTestCase):
         checks = {p: None for p in Precision}
         checks[Precision.INT4] = "RuntimeError: no int4 kernel"
         weights = gather_weights(
-            model, "int4", checks=checks, dense_copies=False, kernels="bfloat16"
+            model, "int4", checks=checks, dense_copies=False, kernels="torch"
         )
         self.assertEqual(weights.mode, "int4")
         self.assertEqual(weights.describe(), "bfloat16 x 9")

@@ -1,21 +1,22 @@
-"""Which kernels, and so which activation type, a quantized weights mode uses on this CPU: found
-out at start by timing the candidates on one layer of the model, and kept beside the packed
-weights, keyed by the CPU's flags (docs/engine.md section 5.1).
+"""Which kernels, and so which activation type, a weights mode uses on this CPU: found out at
+start by timing the candidates on one layer of the model, and kept beside the packed weights,
+keyed by the CPU's flags (docs/engine.md section 5.1).
 
-Two families of kernels multiply int4 and int8 weights:
+Two families of kernels multiply the weights:
 
-- ``bfloat16``: torch's own ``_weight_int4pack_mm_for_cpu`` and ``_weight_int8pack_mm``, which
-  want bfloat16 activations; fast where the CPU computes in bfloat16 (AVX512-BF16, AMX), slow
-  where bfloat16 is emulated;
-- ``float32``: sfnode's AVX2 kernels (:mod:`sfnode.engines.native`), float32 activations
-  quantized per row and block of 32 inside the kernel; they need AVX2, FMA, F16C and a C
-  compiler at the first start.
+- ``torch``: torch's own kernels: ``_weight_int4pack_mm_for_cpu`` and ``_weight_int8pack_mm``,
+  which want bfloat16 activations (fast where the CPU computes in bfloat16: AVX512-BF16, AMX;
+  slow where bfloat16 is emulated), and oneDNN's float32 matmul;
+- ``native``: sfnode's AVX2 kernels (:mod:`sfnode.engines.native`) for int4, int8 and float32
+  weights, float32 activations (quantized per row and block of 32 inside the int kernels); they
+  need AVX2, FMA, F16C and a C compiler at the first start.
 
-Both are batch-invariant.  The family decides the activation type of the whole step (norms,
-attention, KV): a mode's matrices must agree on it.  :func:`choose` runs each available family's
-kernels on layer 0's own weights at one and at eight rows, drops a family whose answer is not the
-float reference's (its self-check), and keeps the fastest; the choice and the figures go to the
-log and to a small JSON file, so a restart on the same CPU reads it instead of measuring again.
+The quantized kernels of both are batch-invariant.  The family decides the activation type of
+the whole step (norms, attention, KV): a mode's matrices must agree on it.  :func:`choose` runs
+each available family's kernels on layer 0's own weights at one and at eight rows, drops a
+family whose answer is not the float reference's (its self-check), and keeps the fastest; the
+choice and the figures go to the log and to a small JSON file, so a restart on the same CPU
+reads it instead of measuring again.
 
 This module must never keep a family that failed its check, never reuse a choice measured on a
 CPU with other flags, and never touch the model object (it gets plain tensors).
@@ -36,11 +37,19 @@ import torch
 from twisted.logger import Logger
 
 from sfnode.engines import native
-from sfnode.engines.quant import Int4Linear, Int8Linear, Linear, Precision, int4_parts
+from sfnode.engines.quant import (
+    Float32Linear,
+    Int4Linear,
+    Int8Linear,
+    Linear,
+    Precision,
+    int4_parts,
+    onednn_works,
+)
 
 log = Logger(namespace="sfnode.engines.choice")
 
-FAMILIES = ("bfloat16", "float32")
+FAMILIES = ("torch", "native")
 EXTENSIONS = (
     "avx2",
     "fma",
@@ -96,11 +105,15 @@ class Choice:
     timings: Mapping[str, float] = field(default_factory=dict)
     """Microseconds of layer 0's products at :data:`ROWS` (summed), per family measured."""
     library: native.Library | None = None
-    """The native library, when ``family`` is ``float32``."""
+    """The native library, when ``family`` is ``native``."""
+    all_float32: bool = False
+    """Whether the mode's matrices are all float32 (then torch's family computes in float32)."""
 
     @property
     def activations(self) -> torch.dtype:
-        return torch.float32 if self.family == "float32" else torch.bfloat16
+        if self.family == "native" or self.all_float32:
+            return torch.float32
+        return torch.bfloat16
 
 
 Measure = Callable[[Linear, torch.Tensor], float]
@@ -122,8 +135,10 @@ def family_layer(
     family: str, weight: torch.Tensor, precision: Precision, library: native.Library | None
 ) -> Linear:
     """``weight`` as a :class:`Linear` of ``precision`` with ``family``'s kernel."""
-    if family == "float32":
+    if family == "native":
         assert library is not None
+        if precision is Precision.FLOAT32:
+            return native.F32Linear(weight, library)
         if precision is Precision.INT4:
             return native.Q4Linear(
                 native.pack_blocks(*int4_parts(weight)), weight.shape[1], library
@@ -131,12 +146,14 @@ def family_layer(
         if precision is Precision.INT8:
             reference = Int8Linear.quantize(weight)
             return native.Q8Linear(reference.weight, reference.scales.to(torch.float32), library)
-        raise ValueError(f"the float32 family has no {precision.value} kernel")
+        raise ValueError(f"sfnode has no {precision.value} kernel")
+    if precision is Precision.FLOAT32:
+        return Float32Linear(weight, onednn=onednn_works())
     if precision is Precision.INT4:
         return Int4Linear.quantize(weight)
     if precision is Precision.INT8:
         return Int8Linear.quantize(weight)
-    raise ValueError(f"the bfloat16 family has no {precision.value} kernel")
+    raise ValueError(f"torch's family has no {precision.value} kernel here")
 
 
 def _self_check(layer: Linear, weight: torch.Tensor) -> str | None:
@@ -170,10 +187,11 @@ def choose(
     """The family for matrices like ``samples`` (layer 0's projections: float weights and the
     precision the mode wants for each), on ``cpu``.
 
-    Only quantized precisions (int4, int8) have a choice; ``library_dir`` is where the native
-    library is built and kept; ``cache_file`` where choices are kept, by CPU and precisions.
+    ``library_dir`` is where the native library is built and kept; ``cache_file`` where choices
+    are kept, by CPU and precisions.
     """
     wanted = sorted({p.value for _, p in samples.values()})
+    all_float32 = wanted == [Precision.FLOAT32.value]
     key = f"{cpu.key()}|{','.join(wanted)}"
     library: native.Library | None = None
     unavailable = ""
@@ -183,9 +201,15 @@ def choose(
     else:
         library = loaded
     cached = _read(cache_file, key)
-    if cached is not None and (cached.family != "float32" or library is not None):
-        return Choice(cached.family, f"kept from {cache_file}", cached.timings, library)
-    candidates = ["bfloat16"] + (["float32"] if library is not None else [])
+    if cached is not None and (cached.family != "native" or library is not None):
+        return Choice(
+            cached.family,
+            f"kept from {cache_file}",
+            cached.timings,
+            library if cached.family == "native" else None,
+            all_float32,
+        )
+    candidates = ["torch"] + (["native"] if library is not None else [])
     timings: dict[str, float] = {}
     failed: dict[str, str] = {}
     for family in candidates:
@@ -207,17 +231,17 @@ def choose(
             timings[family] = total * 1e6
     if not timings:
         # Neither family works: the caller's kernel self-checks fall back to float weights.
-        choice = Choice("bfloat16", "no family passed its check: " + "; ".join(failed.values()))
-        return choice
+        why = "no family passed its check: " + "; ".join(failed.values())
+        return Choice("torch", why, all_float32=all_float32)
     best = min(timings, key=lambda name: timings[name])
     parts = [f"{name} {us:.0f} us" for name, us in sorted(timings.items())]
     parts += [f"{name} failed its check ({why})" for name, why in failed.items()]
     if unavailable:
-        parts.append(f"float32 not available ({unavailable})")
+        parts.append(f"native not available ({unavailable})")
     why = "measured layer 0 at 1 and 8 rows: " + ", ".join(parts)
     if library is not None and library.built_seconds:
         why += f"; the native kernels compiled in {library.built_seconds:.1f} s"
-    choice = Choice(best, why, timings, library if best == "float32" else None)
+    choice = Choice(best, why, timings, library if best == "native" else None, all_float32)
     if cache_file is not None:
         _write(cache_file, key, choice)
     return choice

@@ -43,9 +43,9 @@ from sfnode.engines.quant import (
     GGUF_KINDS,
     GgufMatrix,
     Linear,
-    Q8Rows,
     Precision,
     Projection,
+    Q8Rows,
     dense_rows,
     dequantize,
     from_gguf,
@@ -261,8 +261,8 @@ def gather_weights(
     library are kept in its folder).  ``checks`` overrides the kernel self-checks (tests use it
     to simulate a CPU without a kernel).  ``dense_copies`` lets long prompt chunks use bfloat16
     copies of quantized weights where that is measured to be faster.  ``kernels`` is the family
-    of the quantized kernels (:mod:`sfnode.engines.choice`): ``auto`` measures on ``cpu`` (this
-    one by default) with ``measure``; ``bfloat16`` or ``float32`` forces one.  ``library_dir`` is
+    of the kernels (:mod:`sfnode.engines.choice`): ``auto`` measures on ``cpu`` (this one by
+    default) with ``measure``; ``torch`` or ``native`` forces one.  ``library_dir`` is
     where the native kernels are built when there is no ``cache_file``.
     """
     if mode not in WEIGHT_MODES:
@@ -297,7 +297,7 @@ def gather_weights(
     family = _choose_family(
         inner, wanted, mode, kernels, device, cpu, measure, cache_file, library_dir
     )
-    if family.family == "float32":
+    if family.family == "native":
         chosen = dict(wanted)
     else:
         chosen = {name: _fallback(p, checks) for name, p in wanted.items()}
@@ -307,9 +307,9 @@ def gather_weights(
         "mode": mode,
         "usable": ",".join(sorted(p.value for p, reason in checks.items() if reason is None)),
     }
-    if family.family == "float32":
+    if family.family == "native":
         # Another file for another layout, so that older code keeps reading its own.
-        signature["family"] = "float32"
+        signature["family"] = "native"
         signature["usable"] = "native"
         if cache_file is not None:
             cache_file = cache_file.with_name(f"{cache_file.stem}-float32{cache_file.suffix}")
@@ -331,7 +331,7 @@ def gather_weights(
         ):
             _save_cache(cache_file, signature, wanted, linears)
     for precision in sorted(set(wanted.values()), key=lambda p: p.value):
-        reason = checks.get(precision) if family.family == "bfloat16" else None
+        reason = checks.get(precision) if family.family == "torch" else None
         if reason is not None:
             log.warn(
                 "the {precision} kernel is not usable on this machine ({reason}); serving those "
@@ -343,7 +343,7 @@ def gather_weights(
 
     quantized = any(p is not Precision.FLOAT32 for p in chosen.values())
     activations = torch.bfloat16 if quantized else torch.float32
-    if family.family == "float32":
+    if family.family == "native":
         activations = torch.float32
     head_float: torch.Tensor | Q8Rows | None = None
     if (
@@ -369,7 +369,7 @@ def gather_weights(
     threshold = None
     if (
         dense_copies
-        and family.family == "bfloat16"
+        and family.family == "torch"
         and any(p in (Precision.INT4, Precision.INT8) for p in chosen.values())
     ):
         probe = projections["0.gate_up"].with_dense()
@@ -415,7 +415,6 @@ def gather_weights(
     )
 
 
-
 def _choose_family(
     inner: Any,
     wanted: dict[str, Precision],
@@ -427,30 +426,33 @@ def _choose_family(
     cache_file: Path | None,
     library_dir: Path | None,
 ) -> Choice:
-    """The kernel family of the quantized matrices (:mod:`sfnode.engines.choice`), logged."""
-    quantized = {name for name, p in wanted.items() if p in (Precision.INT4, Precision.INT8)}
-    if not quantized or device.type != "cpu":
-        return Choice("bfloat16", "no quantized matrices")
+    """The kernel family of the mode's matrices (:mod:`sfnode.engines.choice`), logged."""
+    measured = (Precision.INT4, Precision.INT8, Precision.FLOAT32)
+    precisions = set(wanted.values())
+    quantized = precisions & {Precision.INT4, Precision.INT8}
+    all_float32 = precisions == {Precision.FLOAT32}
+    if device.type != "cpu" or not (quantized or all_float32):
+        return Choice("torch", "only torch's kernels serve these weights", all_float32=all_float32)
     if kernels not in ("auto", *FAMILIES):
         raise WeightsError(f"kernels must be auto, {' or '.join(FAMILIES)}, not {kernels!r}")
     cpu = cpu or Cpu.here()
     if library_dir is None:
         library_dir = cache_file.parent if cache_file is not None else _default_library_dir()
-    if kernels == "bfloat16":
-        choice = Choice("bfloat16", "asked for")
+    if kernels == "torch":
+        choice = Choice("torch", "asked for", all_float32=all_float32)
     else:
         samples: dict[str, tuple[torch.Tensor, Precision]] = {}
         for short, modules in _projection_modules(inner.layers[0]).items():
             precision = wanted.get(f"0.{short}")
-            if precision in (Precision.INT4, Precision.INT8):
+            if precision in measured and (precision is not Precision.FLOAT32 or all_float32):
                 samples[short] = (torch.cat([_float(m) for m in modules]), precision)
         if not samples:
             samples["lm_head"] = (_float(inner.embed_tokens), wanted["lm_head"])
-        if kernels == "float32":
+        if kernels == "native":
             loaded = native.load(library_dir, cpu.flags)
             if isinstance(loaded, str):
-                raise WeightsError(f"the float32 kernels cannot be used here: {loaded}")
-            choice = Choice("float32", "asked for", library=loaded)
+                raise WeightsError(f"sfnode's native kernels cannot be used here: {loaded}")
+            choice = Choice("native", "asked for", library=loaded, all_float32=all_float32)
         else:
             choice = choose(
                 samples,
@@ -460,7 +462,7 @@ def _choose_family(
                 measure=measure,
             )
     log.info(
-        "quantized matrices of --weights {mode} multiply with the {family} kernels "
+        "the matrices of --weights {mode} multiply with the {family} kernels "
         "({activations} activations): {why}; CPU: {cpu}",
         mode=mode,
         family=choice.family,
@@ -543,13 +545,13 @@ def _build_linears(
 
     def build(stored: list[GgufMatrix | None], weight: Any, precision: Precision) -> Linear:
         complete = [m for m in stored if m is not None]
-        if library is not None and precision in (Precision.INT4, Precision.INT8):
+        if library is not None and precision in (Precision.INT4, Precision.INT8, Precision.FLOAT32):
             if precision is Precision.INT4 and len(complete) == len(stored):
                 if all(m.kind in ("Q4_0", "Q4_1") for m in complete):
                     return native.Q4Linear(native.gguf_blocks(complete), complete[0].cols, library)
             from sfnode.engines.choice import family_layer
 
-            return family_layer("float32", weight(), precision, library)
+            return family_layer("native", weight(), precision, library)
         if precision is Precision.INT4 and len(complete) == len(stored):
             return from_gguf(complete, precision)
         return quantize(weight(), precision, onednn=onednn)

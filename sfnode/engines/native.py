@@ -225,10 +225,39 @@ int sf_q8_linear(const float *x, int M, int K, const int8_t *w, const float *sca
     return 0;
 }
 
+static inline __attribute__((always_inline)) void f32_rows(
+    const int R, const float *w, int K, const float *x, float *out, int stride) {
+    __m256 acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 8 <= K; k += 8) {
+        const __m256 wv = _mm256_loadu_ps(w + k);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (size_t)r * K + k), acc[r]);
+    }
+    for (int r = 0; r < R; r++) {
+        float sum = hsum(acc[r]);
+        for (int j = k; j < K; j++) sum += w[j] * x[(size_t)r * K + j];
+        out[(size_t)r * stride] = sum;
+    }
+}
+
+/* y[M, N] = x[M, K] @ W^T for float32 W [N, K]: each row's sums in the same order whatever M
+   is (8 lanes along K, then their sum, then the tail). */
+int sf_f32_linear(const float *x, int M, int K, const float *w, int N, float *y, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int n = 0; n < N; n++) {
+        const float *wr = w + (size_t)n * K;
+#define F32_CALL(RR) f32_rows(RR, wr, K, x + (size_t)m * K, y + (size_t)m * N + n, N)
+        TILES(F32_CALL)
+    }
+    return 0;
+}
+
 /* -- a decoder layer's per-token work around its products, fused (docs/engine.md section 5.2) -- */
 
 typedef struct {
-    int32_t kind; /* 0: Q4_1 blocks; 1: int8 rows with a float32 scale each */
+    int32_t kind; /* 0: Q4_1 blocks; 1: int8 rows with a float32 scale each; 2: float32 */
     int32_t K, N;
     const void *w;
     const float *scales;
@@ -246,6 +275,8 @@ static int matmul(const sf_matrix *mat, const float *x, int M, float *y, int thr
                                               threads);
     if (mat->kind == 1) return sf_q8_linear(x, M, mat->K, (const int8_t *)mat->w, mat->scales,
                                             mat->N, y, threads);
+    if (mat->kind == 2) return sf_f32_linear(x, M, mat->K, (const float *)mat->w, mat->N, y,
+                                             threads);
     return 3;
 }
 
@@ -432,11 +463,14 @@ def load(cache_dir: Path, flags: frozenset[str] | None = None) -> Library | str:
         handle = ctypes.CDLL(str(path))
         q4, q8 = handle.sf_q4_1_linear, handle.sf_q8_linear
         pre, post = handle.sf_layer_pre, handle.sf_layer_post
+        f32 = handle.sf_f32_linear
     except (OSError, AttributeError) as e:
         return f"cannot load {path}: {e}"
     pointer, integer = ctypes.c_void_p, ctypes.c_int
     q4.argtypes = [pointer, integer, integer, pointer, integer, pointer, integer]
     q8.argtypes = [pointer, integer, integer, pointer, pointer, integer, pointer, integer]
+    f32.argtypes = [pointer, integer, integer, pointer, integer, pointer, integer]
+    f32.restype = ctypes.c_int
     pre.argtypes = [pointer, pointer, integer, pointer, pointer, pointer, pointer, integer]
     post.argtypes = [pointer, pointer, pointer, integer, integer]
     q4.restype = q8.restype = pre.restype = post.restype = ctypes.c_int
@@ -600,6 +634,42 @@ class Q8Linear:
         return {"weight": self.weight, "scales": self.scales}
 
 
+class F32Linear:
+    """Float32 weights multiplied by :data:`SOURCE`'s kernel: float32 products summed in a fixed
+    order per row (8 lanes along the row, then their sum), so a row's result does not depend on
+    the rows beside it."""
+
+    precision = Precision.FLOAT32
+    activations = torch.float32
+    kernel_name = "sfnode float32 (avx2)"
+
+    def __init__(self, weight: torch.Tensor, library: Library) -> None:
+        self.weight = weight.to(torch.float32).contiguous()
+        self.out_features, self.in_features = self.weight.shape
+        self.library = library
+        self._function = library.handle.sf_f32_linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            x = x.to(torch.float32)
+        x = x.contiguous()
+        rows = x.shape[0]
+        out = torch.empty((rows, self.out_features), dtype=torch.float32)
+        self._function(
+            x.data_ptr(),
+            rows,
+            self.in_features,
+            self.weight.data_ptr(),
+            self.out_features,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight}
+
+
 class _Matrix(ctypes.Structure):
     _fields_ = [
         ("kind", ctypes.c_int32),
@@ -638,6 +708,8 @@ def _matrix(layer: Any) -> _Matrix:
             layer.weight.data_ptr(),
             layer.scales.data_ptr(),
         )
+    if isinstance(layer, F32Linear):
+        return _Matrix(2, layer.in_features, layer.out_features, layer.weight.data_ptr(), None)
     raise TypeError(f"no fused kernel for {type(layer).__name__}")
 
 
@@ -650,7 +722,7 @@ def fusable(weights: Any) -> str | None:
         return f"head_dim {weights.head_dim} is not supported"
     for layer in weights.layers:
         for projection in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            if not isinstance(projection.kernel, Q4Linear | Q8Linear):
+            if not isinstance(projection.kernel, Q4Linear | Q8Linear | F32Linear):
                 return f"a {projection.kernel.precision.value} matrix has no native kernel"
             if projection.bias is not None or projection.dense is not None:
                 return "a projection has a bias or a dense copy"
@@ -744,6 +816,7 @@ class FusedLayers:
 
 __all__ = [
     "NEEDED_FLAGS",
+    "F32Linear",
     "FusedLayers",
     "Library",
     "Q4Linear",

@@ -156,7 +156,7 @@ class Q8Rows:
         self.shape = torch.Size((matrix.rows, matrix.cols))
 
     def __getitem__(self, index: torch.Tensor) -> torch.Tensor:
-        rows, cols = self.shape
+        cols = self.shape[1]
         q = self.q[index]
         grouped = q.view(*q.shape[:-1], cols // GROUP, GROUP).to(torch.float32)
         return (grouped * self.scales[index].unsqueeze(-1)).view(*q.shape[:-1], cols)
@@ -485,4 +485,6 @@ def effective_weight(layer: Linear) -> torch.Tensor:
     weight, scales = getattr(layer, "weight", None), getattr(layer, "scales", None)
     if isinstance(weight, torch.Tensor) and isinstance(scales, torch.Tensor):  # native.Q8Linear
         return weight.to(torch.float32) * scales.to(torch.float32).unsqueeze(1)
+    if isinstance(weight, torch.Tensor) and layer.precision is Precision.FLOAT32:  # F32Linear
+        return weight
     raise TypeError(f"unknown layer {type(layer).__name__}")

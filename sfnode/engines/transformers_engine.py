@@ -343,7 +343,7 @@ class TransformersEngine:
             kwargs.setdefault("gguf", loaded.source)
             kwargs.setdefault("weights_cache", loaded.folder / "packed-weights.safetensors")
         engine = cls(loaded.model, reactor, **kwargs)
-        if release_float_weights and engine.lean_step and engine.weights_mode != "float32":
+        if release_float_weights and engine.lean_step:
             _release_projections(loaded.model, embedding=not engine._holds_model_embedding)
             # Give the freed heap back (packing and measuring at start leave much of it).
             _trim_heap()
