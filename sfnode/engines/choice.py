@@ -66,7 +66,7 @@ EXTENSIONS = (
 ROWS = (1, 8)
 """Row counts the candidates are timed at: one decoding lane, and eight."""
 
-_CHOICE_FORMAT = 1
+_CHOICE_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -120,14 +120,24 @@ Measure = Callable[[Linear, torch.Tensor], float]
 """Seconds one product takes (tests replace it to play a CPU of another kind)."""
 
 
-def measure_product(layer: Linear, x: torch.Tensor, repeats: int = 7) -> float:
-    """The median time of ``layer(x)`` over ``repeats`` runs, after one warm-up run."""
-    layer(x)
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
+def measure_product(layer: Linear, x: torch.Tensor, repeats: int = 9) -> float:
+    """The median CPU time of ``layer(x)`` on one thread over ``repeats`` runs, after a
+    warm-up run.
+
+    CPU time of one thread, not wall time: a node often starts while other work shares the
+    cores, and spinning OpenMP threads then measure the machine's load rather than the kernel.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
         layer(x)
-        times.append(time.perf_counter() - started)
+        times = []
+        for _ in range(repeats):
+            started = time.thread_time()
+            layer(x)
+            times.append(time.thread_time() - started)
+    finally:
+        torch.set_num_threads(threads)
     return sorted(times)[repeats // 2]
 
 
@@ -154,6 +164,35 @@ def family_layer(
     if precision is Precision.INT8:
         return Int8Linear.quantize(weight)
     raise ValueError(f"torch's family has no {precision.value} kernel here")
+
+
+class _Glue:
+    """A layer's work besides its products, as torch operators in one activation type: two RMS
+    norms, the rotary embedding, one decode row's attention over 128 positions, the SiLU gate
+    and two residual adds.  Part of what a family costs: where bfloat16 is emulated, this work
+    is slow in bfloat16 too."""
+
+    def __init__(self, dtype: torch.dtype, hidden: int, intermediate: int) -> None:
+        self.activations = dtype
+        self.in_features = hidden
+        self._intermediate = intermediate
+        self._weight = torch.ones(hidden, dtype=dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F  # noqa: N812
+
+        rows, hidden = x.shape
+        gate = x.new_ones((rows, 2 * self._intermediate))
+        for _ in range(2):
+            normed = F.rms_norm(x, (hidden,), self._weight, 1e-5)
+            x = x + normed
+        turned = torch.addcmul(x * x, x.roll(hidden // 2, dims=-1), x)
+        heads = max(1, hidden // 64)
+        query = turned[:, : heads * 64].reshape(rows, heads, 1, 64)
+        keys = query.new_ones((rows, heads, 128, 64))
+        attended = F.scaled_dot_product_attention(query, keys, keys).reshape(rows, -1)
+        gated = F.silu(gate[:, : self._intermediate]) * gate[:, self._intermediate :]
+        return attended + gated[:, : attended.shape[1]]
 
 
 def _self_check(layer: Linear, weight: torch.Tensor) -> str | None:
@@ -183,16 +222,20 @@ def choose(
     library_dir: Path,
     cache_file: Path | None = None,
     measure: Measure = measure_product,
+    native_fused: bool = True,
 ) -> Choice:
     """The family for matrices like ``samples`` (layer 0's projections: float weights and the
     precision the mode wants for each), on ``cpu``.
 
     ``library_dir`` is where the native library is built and kept; ``cache_file`` where choices
-    are kept, by CPU and precisions.
+    are kept, by CPU and precisions.  Each family's time is its products plus the layer's other
+    work in its activation type (:class:`_Glue`), except that with ``native_fused`` the native
+    family's other work runs inside its fused calls (docs/engine.md section 5.2) and costs
+    nothing more.
     """
     wanted = sorted({p.value for _, p in samples.values()})
     all_float32 = wanted == [Precision.FLOAT32.value]
-    key = f"{cpu.key()}|{','.join(wanted)}"
+    key = f"{cpu.key()}|{','.join(wanted)}|{'fused' if native_fused else 'eager'}"
     library: native.Library | None = None
     unavailable = ""
     loaded = native.load(library_dir, cpu.flags)
@@ -210,6 +253,9 @@ def choose(
             all_float32,
         )
     candidates = ["torch"] + (["native"] if library is not None else [])
+    shapes = [weight.shape for weight, _ in samples.values()]
+    hidden = int(min(shape[1] for shape in shapes))
+    intermediate = int(max(max(shape) for shape in shapes)) // 2
     timings: dict[str, float] = {}
     failed: dict[str, str] = {}
     for family in candidates:
@@ -228,6 +274,10 @@ def choose(
                 x = torch.randn(rows, weight.shape[1]).to(layer.activations)
                 total += measure(layer, x)
         if family not in failed:
+            dtype = torch.float32 if family == "native" or all_float32 else torch.bfloat16
+            glue = _Glue(dtype, hidden, intermediate)
+            for rows in ROWS if family == "torch" or not native_fused else ():
+                total += measure(glue, torch.randn(rows, hidden).to(dtype))  # type: ignore[arg-type]
             timings[family] = total * 1e6
     if not timings:
         # Neither family works: the caller's kernel self-checks fall back to float weights.
@@ -238,7 +288,7 @@ def choose(
     parts += [f"{name} failed its check ({why})" for name, why in failed.items()]
     if unavailable:
         parts.append(f"native not available ({unavailable})")
-    why = "measured layer 0 at 1 and 8 rows: " + ", ".join(parts)
+    why = "measured layer 0's products and its other work at 1 and 8 rows: " + ", ".join(parts)
     if library is not None and library.built_seconds:
         why += f"; the native kernels compiled in {library.built_seconds:.1f} s"
     choice = Choice(best, why, timings, library if best == "native" else None, all_float32)

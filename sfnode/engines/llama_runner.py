@@ -217,9 +217,11 @@ class LlamaRunner:
             kv_heads=w.kv_heads,
             head_dim=w.head_dim,
             window=window,
-            dtype=w.activations,
+            dtype=w.kv_dtype or w.activations,
             device=device,
         )
+        self._kv_cast = self.kv.dtype != w.activations
+        """Whether keys and values are stored in another type than they are computed in."""
         self.pool = BlockPool(self.kv, pool_blocks) if pool_blocks > 0 else None
         # cos/sin of every position, computed as transformers' rotary embedding computes them.
         positions = torch.arange(window, dtype=torch.float32, device=device)
@@ -416,8 +418,11 @@ class LlamaRunner:
         parts: list[torch.Tensor] = []
         decode = attention.rows
         if decode:
-            keys[attention.slot_index, :, attention.position_index] = key[:decode]
-            values[attention.slot_index, :, attention.position_index] = value[:decode]
+            new_keys, new_values = key[:decode], value[:decode]
+            if self._kv_cast:
+                new_keys, new_values = new_keys.to(keys.dtype), new_values.to(values.dtype)
+            keys[attention.slot_index, :, attention.position_index] = new_keys
+            values[attention.slot_index, :, attention.position_index] = new_values
             # Each key/value head answers its group of query heads: the group is laid out as
             # that head's "query positions", so no key or value is repeated.
             grouped = query[:decode].reshape(decode, kv_heads, self._groups, head_dim)
@@ -429,6 +434,8 @@ class LlamaRunner:
                     k = keys.index_select(0, where)[:, :, :padded]
                     v = values.index_select(0, where)[:, :, :padded]
                 q = grouped if len(members) == decode else grouped[members]
+                if self._kv_cast:
+                    k, v = k.to(q.dtype), v.to(q.dtype)
                 outs.append(
                     F.scaled_dot_product_attention(q, k, v, attn_mask=valid, scale=self._scaling)
                 )
@@ -442,10 +449,13 @@ class LlamaRunner:
             keys[slot, :, start:end] = key[offset : offset + n].transpose(0, 1)
             values[slot, :, start:end] = value[offset : offset + n].transpose(0, 1)
             q = query[offset : offset + n].transpose(0, 1).unsqueeze(0)
+            k, v = keys[slot : slot + 1, :, :end], values[slot : slot + 1, :, :end]
+            if self._kv_cast:
+                k, v = k.to(q.dtype), v.to(q.dtype)
             out = F.scaled_dot_product_attention(
                 q,
-                keys[slot : slot + 1, :, :end],
-                values[slot : slot + 1, :, :end],
+                k,
+                v,
                 attn_mask=mask,
                 is_causal=mask is None,
                 scale=self._scaling,

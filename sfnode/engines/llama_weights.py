@@ -106,6 +106,8 @@ class LlamaWeights:
     copies; decode rows always use the kernels)."""
     family: Choice | None = None
     """The kernel family of the quantized matrices and why it was chosen."""
+    kv_dtype: torch.dtype | None = None
+    """How keys and values are stored (None: in :attr:`activations`)."""
     holds_model_embedding: bool = True
     """Whether :attr:`embed` or :attr:`lm_head_float` is the model's own embedding tensor (else
     the model's embedding and head may be released)."""
@@ -253,6 +255,7 @@ def gather_weights(
     cpu: Cpu | None = None,
     measure: Measure = measure_product,
     library_dir: Path | None = None,
+    fused_step: bool = True,
 ) -> LlamaWeights:
     """The weights of a transformers Llama ``model`` for ``mode`` (see the module docstring).
 
@@ -263,7 +266,9 @@ def gather_weights(
     copies of quantized weights where that is measured to be faster.  ``kernels`` is the family
     of the kernels (:mod:`sfnode.engines.choice`): ``auto`` measures on ``cpu`` (this one by
     default) with ``measure``; ``torch`` or ``native`` forces one.  ``library_dir`` is
-    where the native kernels are built when there is no ``cache_file``.
+    where the native kernels are built when there is no ``cache_file``; ``fused_step`` says
+    whether the runner will fuse each layer's work with the native kernels (it counts in the
+    measurement).
     """
     if mode not in WEIGHT_MODES:
         raise WeightsError(
@@ -295,7 +300,7 @@ def gather_weights(
         mode = "float32" if device.type == "cpu" and float32 else "bfloat16"
     wanted = _wanted(inner, config, matrices, mode)
     family = _choose_family(
-        inner, wanted, mode, kernels, device, cpu, measure, cache_file, library_dir
+        inner, wanted, mode, kernels, device, cpu, measure, cache_file, library_dir, fused_step
     )
     if family.family == "native":
         chosen = dict(wanted)
@@ -409,6 +414,9 @@ def gather_weights(
         vocab_size=int(config.vocab_size),
         dense_rows=threshold,
         family=family,
+        # Half the memory of float32 keys and values, rounded as llama.cpp rounds its own; the
+        # float32 mode keeps its exact path.
+        kv_dtype=torch.float16 if family.family == "native" and quantized else None,
         holds_model_embedding=not (
             isinstance(embed, Q8Rows) and (head_float is None or isinstance(head_float, Q8Rows))
         ),
@@ -425,6 +433,7 @@ def _choose_family(
     measure: Measure,
     cache_file: Path | None,
     library_dir: Path | None,
+    fused_step: bool,
 ) -> Choice:
     """The kernel family of the mode's matrices (:mod:`sfnode.engines.choice`), logged."""
     measured = (Precision.INT4, Precision.INT8, Precision.FLOAT32)
@@ -460,6 +469,12 @@ def _choose_family(
                 library_dir=library_dir,
                 cache_file=(cache_file.parent / CHOICE_FILE) if cache_file is not None else None,
                 measure=measure,
+                native_fused=fused_step
+                and all(
+                    getattr(module, "bias", None) is None
+                    for parts in _projection_modules(inner.layers[0]).values()
+                    for module in parts
+                ),
             )
     log.info(
         "the matrices of --weights {mode} multiply with the {family} kernels "

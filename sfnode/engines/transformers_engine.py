@@ -248,6 +248,7 @@ class TransformersEngine:
                 cache_file=weights_cache,
                 dense_copies=dense_copies,
                 kernels=kernels,
+                fused_step=fused_step,
             )
             if prefix_cache:
                 pool_blocks = (
