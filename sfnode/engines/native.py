@@ -242,11 +242,45 @@ static inline __attribute__((always_inline)) void f32_rows(
     }
 }
 
+/* Two weight rows at once (each activation load serves both); every sum is formed exactly as
+   f32_rows forms it. */
+static inline __attribute__((always_inline)) void f32_rows2(
+    const int R, const float *w, int K, const float *x, float *out, int stride) {
+    __m256 a0[4], a1[4];
+    for (int r = 0; r < R; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
+    const float *w1 = w + K;
+    int k = 0;
+    for (; k + 8 <= K; k += 8) {
+        const __m256 v0 = _mm256_loadu_ps(w + k), v1 = _mm256_loadu_ps(w1 + k);
+        for (int r = 0; r < R; r++) {
+            const __m256 xv = _mm256_loadu_ps(x + (size_t)r * K + k);
+            a0[r] = _mm256_fmadd_ps(v0, xv, a0[r]);
+            a1[r] = _mm256_fmadd_ps(v1, xv, a1[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float s0 = hsum(a0[r]), s1 = hsum(a1[r]);
+        for (int j = k; j < K; j++) {
+            s0 += w[j] * x[(size_t)r * K + j];
+            s1 += w1[j] * x[(size_t)r * K + j];
+        }
+        out[(size_t)r * stride] = s0;
+        out[(size_t)r * stride + 1] = s1;
+    }
+}
+
 /* y[M, N] = x[M, K] @ W^T for float32 W [N, K]: each row's sums in the same order whatever M
    is (8 lanes along K, then their sum, then the tail). */
 int sf_f32_linear(const float *x, int M, int K, const float *w, int N, float *y, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int n = 0; n < N; n++) {
+    for (int pair = 0; pair < N / 2; pair++) {
+        const int n = 2 * pair;
+        const float *wr = w + (size_t)n * K;
+#define F32_CALL2(RR) f32_rows2(RR, wr, K, x + (size_t)m * K, y + (size_t)m * N + n, N)
+        TILES(F32_CALL2)
+    }
+    if (N % 2) {
+        const int n = N - 1;
         const float *wr = w + (size_t)n * K;
 #define F32_CALL(RR) f32_rows(RR, wr, K, x + (size_t)m * K, y + (size_t)m * N + n, N)
         TILES(F32_CALL)
