@@ -476,6 +476,12 @@ def _choose_family(
                     for module in parts
                 ),
             )
+    if choice.library is not None and choice.library.built_seconds:
+        log.info(
+            "built sfnode's native kernels in {s:.1f} s (once; kept in {path})",
+            s=choice.library.built_seconds,
+            path=str(choice.library.path),
+        )
     log.info(
         "the matrices of --weights {mode} multiply with the {family} kernels "
         "({activations} activations): {why}; CPU: {cpu}",

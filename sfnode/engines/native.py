@@ -26,6 +26,7 @@ half-built library where a later start would load it, and never touch a model or
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -485,7 +486,8 @@ def load(cache_dir: Path, flags: frozenset[str] | None = None) -> Library | str:
         return "no C compiler found (set CC, or install gcc)"
     path = cache_dir / library_name(cc)
     if path in _loaded:
-        return _loaded[path]
+        # Loaded already in this process: nothing was built for this call.
+        return dataclasses.replace(_loaded[path], built_seconds=0.0)
     built = 0.0
     if not path.is_file():
         started = time.monotonic()
