@@ -164,7 +164,9 @@ class HandshakeLimitTests(NodeTestCase):
         real head is served.  The node's timers run on a ``Clock``: however slowly the 65
         connections arrive, the 64 time out only when the test moves the clock past 3 s."""
         clock = Clock()
-        node = yield self.start_node(auth_token=TOKEN, handshake_timeout_ms=3000, clock=clock)
+        node = yield self.start_node(
+            auth_token=TOKEN, handshake_timeout_ms=3000, clock=clock, max_address_handshakes=0
+        )
         factory = node.node_factory
         self.assertEqual(factory.max_handshakes, 64)
         built: defer.Deferred[None] = defer.Deferred()
