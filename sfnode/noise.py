@@ -232,7 +232,10 @@ class NoiseProtocol(ProtocolWrapper):
         except NoiseUnauthorized:
             peer = self.peer_name()
             log.warn("refused {peer}: its fleet token differs", peer=peer)
-            self._fail("its fleet token differs (Noise message 1 does not decrypt)")
+            self._fail(
+                "Noise message 1 does not decrypt: the peer holds another fleet token, or is "
+                "not a head"
+            )
             if self.factory.on_refused is not None:
                 self.factory.on_refused(peer)
             return
