@@ -18,6 +18,7 @@ from typing import Any
 
 from twisted.internet import defer, reactor, threads
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.generation import EngineStop, MockEngine
 from sfnode.head.link import HeadIds, connect_node
@@ -25,12 +26,16 @@ from sfnode.wire import (
     FEATURE_HEAD_IDENTITY,
     FINISH_LENGTH,
     GenerationWatermark,
+    Hello,
     LeaseStateMsg,
+    LinkRole,
     ReconcileAckMsg,
     ReconcileMsg,
     SessionReconcileState,
     SessionRevokeMsg,
     WatermarkAckMsg,
+    decode_message,
+    message_frame,
 )
 from tests.nodefixture import NodeTestCase, RawHead, expected_tokens
 from tests.test_head_security import HeadServiceTestCase
@@ -41,6 +46,23 @@ from tests.test_node_link import LONG_LEASE
 PROMPT_A = list(range(100, 112))
 PROMPT_B = list(range(300, 309))
 Gen = Generator[defer.Deferred[Any], Any, None]
+
+
+class HelloTests(SynchronousTestCase):
+    def test_the_head_id_is_an_optional_fourth_element(self) -> None:
+        """docs/protocol.md section 12.4's example: HELLO{(2, 2), HeadDaemon, empty auth,
+        head_id 5} is byte for byte the document's frame; the three-element HELLO of 2.5 is
+        unchanged and reads as a head without identity."""
+        frame = message_frame(Hello((2, 2), LinkRole.HEAD_DAEMON, b"", 5), 1)
+        self.assertEqual(
+            frame.hex(),
+            "1e000000" "0200" "0100" "0100000000000000" "0000000000000000" "00"
+            "949202029102c40005",
+        )  # fmt: skip
+        self.assertEqual(decode_message(1, frame[25:]).head_id, 5)  # type: ignore[attr-defined]
+        old = message_frame(Hello((2, 2), LinkRole.HEAD_DAEMON, b""), 1)
+        self.assertEqual(old[25:].hex(), "939202029102c400")
+        self.assertIsNone(decode_message(1, old[25:]).head_id)  # type: ignore[attr-defined]
 
 
 class SharedNodeTests(NodeTestCase):
