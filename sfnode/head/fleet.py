@@ -913,9 +913,8 @@ class Fleet:
             )
 
     def link_reported(self, link: NodeLink) -> None:
-        node = self._node_of(link)
-        if node is not None and node.declined_at is not None and self._queue:
-            # A node that declined work has reported again: it may have room now.
+        if self._queue and self._node_of(link) is not None:
+            # A fresh report may say that a full node (or one that declined) has room again.
             self._dispatch()
 
     def link_closed(self, link: NodeLink) -> None:

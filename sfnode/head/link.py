@@ -1192,7 +1192,8 @@ class HeadLinkFactory(Factory):
     Admission: with a token every connection is Noise (the head the initiator).  Without one,
     ``loopback_only=True`` (what ``sfhead`` passes unless --insecure-no-auth) accepts only
     loopback or Unix-socket peers.  A connection arriving while ``max_handshakes`` others are
-    in their handshake is closed at once (0 = no limit).
+    in their handshake, or ``max_address_handshakes`` others from its address, is closed at
+    once (0 = no limit; docs/protocol.md section 5.3).
     """
 
     noisy = False
