@@ -17,11 +17,13 @@ from collections.abc import Generator
 from typing import Any
 
 from twisted.internet import defer, reactor, threads
-from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint, connectProtocol
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from sfnode.generation import EngineStop, MockEngine
+from sfnode.head.fleet import GenerationTimedOut
 from sfnode.head.link import HeadIds, connect_node
+from sfnode.head.pipeline import PipelineFleet
 from sfnode.wire import (
     FEATURE_HEAD_IDENTITY,
     FINISH_LENGTH,
@@ -33,11 +35,13 @@ from sfnode.wire import (
     ReconcileMsg,
     SessionReconcileState,
     SessionRevokeMsg,
+    StageForwardReqMsg,
     WatermarkAckMsg,
     decode_message,
     message_frame,
 )
 from tests.nodefixture import NodeTestCase, RawHead, expected_tokens
+from tests.test_head_link import FakeNodeFactory
 from tests.test_head_security import HeadServiceTestCase
 from tests.test_http import MESSAGES, MODEL
 from tests.test_http_hostile import RawClient, request_bytes
@@ -250,3 +254,31 @@ class GenerationBudgetTests(HeadServiceTestCase):
         ]
         self.assertTrue(any(contents), "the stream had tokens before its budget passed")
         self.assertEqual([n.inflight for n in fleet.nodes], [0])
+
+
+class PipelineBudgetTests(TestCase):
+    timeout = 30
+
+    @defer.inlineCallbacks
+    def test_a_stage_that_never_answers_fails_the_generation_at_its_budget(self) -> Gen:
+        """A pipeline stage that shakes hands and never answers a STAGE_FORWARD_REQ: the
+        pipelined generation fails with GenerationTimedOut at the fleet's wall budget (0.5 s
+        here), and the link waits for that stage forward no more."""
+        factory = FakeNodeFactory()
+        port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(factory)
+        self.addCleanup(port.stopListening)
+        pipeline = PipelineFleet(
+            reactor,
+            [f"tcp:127.0.0.1:{port.getHost().port}"],
+            n_layers=24,
+            ids=HeadIds(),
+            fleet_options={"max_generation_s": 0.5},
+        )
+        self.addCleanup(pipeline.stop)
+        yield pipeline.start()
+        with self.assertRaises(GenerationTimedOut) as raised:
+            yield pipeline.generate(PROMPT_A, 4).result
+        self.assertIn("did not end within 0.5 s", str(raised.exception))
+        (node,) = factory.nodes
+        self.assertEqual(len(node.of_type(StageForwardReqMsg)), 1)
+        self.assertEqual(pipeline.stages[0].link._stage_forwards, {})

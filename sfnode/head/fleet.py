@@ -449,6 +449,9 @@ class FleetGeneration:
         self._placement_failure: Any = None
         self._placement_waiters: list[Deferred[None]] = []
         self._deadline: IDelayedCall | None = None
+        self._timed_out: GenerationTimedOut | None = None
+        """Set when the wall budget passed: how the generation ends, whatever stopping it
+        produced."""
 
     def when_placed(self) -> Deferred[None]:
         """Fires once the first GENERATE_REQ is sent (or the generation ended first), or
@@ -479,15 +482,16 @@ class FleetGeneration:
         _deferred(self._run()).addCallbacks(self._succeeded, self._failed)
 
     def _succeeded(self, outcome: FleetOutcome) -> None:
-        if self.result.called:
-            return  # it timed out first (_expire)
+        if self._timed_out is not None:
+            self._failed(self._timed_out)
+            return
         self._stop_deadline()
         self._placement_done(None)
         self.result.callback(outcome)
 
     def _failed(self, failure: Any) -> None:
-        if self.result.called:
-            return
+        if self._timed_out is not None:
+            failure = self._timed_out
         self._stop_deadline()
         self._placement_done(failure)
         self.result.errback(failure)
@@ -498,9 +502,9 @@ class FleetGeneration:
             deadline.cancel()
 
     def _expire(self) -> None:
-        """The wall budget passed: fail now, then stop whatever still runs (the queue wait, or
-        the call on its node, which sends GENERATE_CANCEL and frees the lane at once whether
-        or not a Finish ever comes)."""
+        """The wall budget passed: stop whatever still runs (the queue wait, or the call on
+        its node, which sends GENERATE_CANCEL and frees the lane at once whether or not a
+        Finish ever comes); the run then ends at once, failing with GenerationTimedOut."""
         self._deadline = None
         session = self.session
         budget = session.fleet.max_generation_s
@@ -511,11 +515,9 @@ class FleetGeneration:
             budget=budget,
             delivered=len(self.tokens),
         )
-        self._failed(
-            GenerationTimedOut(
-                f"the generation did not end within {budget:g} s (--max-generation-time) "
-                f"after {len(self.tokens)} tokens"
-            )
+        self._timed_out = GenerationTimedOut(
+            f"the generation did not end within {budget:g} s (--max-generation-time) "
+            f"after {len(self.tokens)} tokens"
         )
         self._cancelled = True
         if self._waiting is not None:

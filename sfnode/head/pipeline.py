@@ -87,6 +87,7 @@ class PipelineGeneration:
         self._cancelled = False
         self._running: Deferred[FleetOutcome] | None = None
         self._deadline: IDelayedCall | None = None
+        self._timed_out: GenerationTimedOut | None = None
 
     def when_placed(self) -> Deferred[None]:
         """A pipeline needs no placement: fires at once."""
@@ -104,14 +105,17 @@ class PipelineGeneration:
         self._running.addCallbacks(self._succeeded, self._failed)
 
     def _succeeded(self, outcome: FleetOutcome) -> None:
-        if not self.result.called:
-            self._stop_deadline()
-            self.result.callback(outcome)
+        if self._timed_out is not None:
+            self._failed(self._timed_out)
+            return
+        self._stop_deadline()
+        self.result.callback(outcome)
 
     def _failed(self, failure: Failure | Exception) -> None:
-        if not self.result.called:
-            self._stop_deadline()
-            self.result.errback(failure)
+        if self._timed_out is not None:
+            failure = self._timed_out
+        self._stop_deadline()
+        self.result.errback(failure)
 
     def _stop_deadline(self) -> None:
         deadline, self._deadline = self._deadline, None
@@ -119,14 +123,13 @@ class PipelineGeneration:
             deadline.cancel()
 
     def _expire(self, budget: float) -> None:
-        """The wall budget passed: fail, and abandon the step in flight (its stage forward)."""
+        """The wall budget passed: abandon the step in flight (its stage forward), which ends
+        the run at once, failing with GenerationTimedOut."""
         self._deadline = None
         self._cancelled = True
-        self._failed(
-            GenerationTimedOut(
-                f"the generation did not end within {budget:g} s (--max-generation-time) "
-                f"after {len(self.tokens)} tokens"
-            )
+        self._timed_out = GenerationTimedOut(
+            f"the generation did not end within {budget:g} s (--max-generation-time) "
+            f"after {len(self.tokens)} tokens"
         )
         if self._running is not None:
             self._running.cancel()
