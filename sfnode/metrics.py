@@ -9,6 +9,8 @@ An engine with a prefix cache (one with ``prefix_statistics()``, the transformer
 ``--no-prefix-cache``) adds its figures: lookups that reused blocks and lookups that did not,
 prompt tokens not computed thanks to it, blocks saved and evicted, and blocks held now.  An
 engine without one shows none of them (not zeros that would read as "nothing reused").
+An engine that honours constraints adds the grammar masks it computed, the seconds that took
+and the seconds steps waited for them after their forward pass (docs/engine.md section 2.4).
 """
 
 from __future__ import annotations
@@ -28,6 +30,14 @@ if TYPE_CHECKING:
     from sfnode.node import NodeAgent
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+
+
+@runtime_checkable
+class MaskFiguresSource(Protocol):
+    """An engine that computes grammar masks (the transformers engine)."""
+
+    def mask_figures(self) -> tuple[int, float, float]:
+        """(masks computed, seconds computing them, seconds steps waited for them)."""
 
 
 @runtime_checkable
@@ -51,7 +61,7 @@ class NodeCollector(Collector):
         labels = ["node", "model"]
         values = [agent.config.identity, agent.config.model_name]
 
-        def counter(name: str, help_text: str, value: int) -> CounterMetricFamily:
+        def counter(name: str, help_text: str, value: float) -> CounterMetricFamily:
             family = CounterMetricFamily(name, help_text, labels=labels)
             family.add_metric(values, value)
             return family
@@ -87,6 +97,21 @@ class NodeCollector(Collector):
             "sfnode_generations", "Generations running or queued.", agent.running_generations
         )
         engine = agent.engine
+        if engine.supports_constraints and isinstance(engine, MaskFiguresSource):
+            masks, computing, waiting = engine.mask_figures()
+            yield counter(
+                "sfnode_grammar_masks", "Allowed-token masks computed for constrained rows.", masks
+            )
+            yield counter(
+                "sfnode_grammar_mask_seconds",
+                "Seconds spent computing grammar masks (beside the forward passes).",
+                computing,
+            )
+            yield counter(
+                "sfnode_grammar_mask_wait_seconds",
+                "Seconds steps waited for their grammar masks after their forward pass.",
+                waiting,
+            )
         prefix = engine.prefix_statistics() if isinstance(engine, PrefixStatisticsSource) else None
         if prefix is None:
             return

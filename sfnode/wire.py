@@ -1004,7 +1004,7 @@ class ToolsGrammar:
 Grammar = JsonObjectGrammar | JsonSchemaGrammar | ToolsGrammar
 
 
-class _BoundedStr(Codec[str]):
+class BoundedStr(Codec[str]):
     """A str of at most ``limit`` UTF-8 bytes."""
 
     def __init__(self, limit: int) -> None:
@@ -1021,8 +1021,8 @@ class _BoundedStr(Codec[str]):
         return obj
 
 
-_GRAMMAR_TEXT = _BoundedStr(MAX_GRAMMAR_BYTES)
-_FUNCTION_NAME = _BoundedStr(256)
+_GRAMMAR_TEXT = BoundedStr(MAX_GRAMMAR_BYTES)
+_FUNCTION_NAME = BoundedStr(256)
 
 
 class GrammarCodec(Codec[Grammar]):
@@ -1062,7 +1062,7 @@ class GrammarCodec(Codec[Grammar]):
         raise PayloadError(f"bad Grammar {obj[:1]!r} of {len(obj)} elements")
 
 
-class _RangedF32(Codec[float]):
+class RangedF32(Codec[float]):
     """An f32 within ``[low, high]`` (NaN is refused)."""
 
     def __init__(self, low: float, high: float) -> None:
@@ -1085,12 +1085,20 @@ PENALTY_RANGE = (-2.0, 2.0)
 REPETITION_RANGE = (0.0, 10.0)
 """What ``repetition_penalty`` may be; 0 and 1 leave the logits alone."""
 
-_BIAS = _RangedF32(*LOGIT_BIAS_RANGE)
-_PENALTY = _RangedF32(*PENALTY_RANGE)
-_REPETITION = _RangedF32(*REPETITION_RANGE)
+_BIAS = RangedF32(*LOGIT_BIAS_RANGE)
+_PENALTY = RangedF32(*PENALTY_RANGE)
+_REPETITION = RangedF32(*REPETITION_RANGE)
 
 
-class _LogitBias(Codec[tuple[tuple[int, float], ...]]):
+class UIntUpTo(UInt):
+    """A u32 of at most ``maximum``."""
+
+    def __init__(self, maximum: int) -> None:
+        super().__init__(32)
+        self.limit = maximum + 1
+
+
+class LogitBiasCodec(Codec[tuple[tuple[int, float], ...]]):
     """``[[token u32, bias f32], ...]``, at most :data:`MAX_LOGIT_BIAS` pairs."""
 
     def encode(self, value: tuple[tuple[int, float], ...]) -> Any:
@@ -1125,7 +1133,7 @@ class SamplerControls(Struct):
     not positive); 0 and 1 leave them alone."""
     repetition_window: int = 64
     """How many of the context's last tokens ``repetition_penalty`` looks at."""
-    FIELDS = (_LogitBias(), _PENALTY, _PENALTY, _REPETITION, U32)
+    FIELDS = (LogitBiasCodec(), _PENALTY, _PENALTY, _REPETITION, UIntUpTo(MAX_REPETITION_WINDOW))
 
     @property
     def penalises(self) -> bool:
@@ -1140,18 +1148,6 @@ class SamplerControls(Struct):
     def empty(self) -> bool:
         """Whether these controls change nothing."""
         return not (self.logit_bias or self.penalises)
-
-    def to_wire(self) -> list[Any]:
-        if self.repetition_window > MAX_REPETITION_WINDOW:
-            raise PayloadError(f"repetition_window above {MAX_REPETITION_WINDOW}")
-        return Struct.to_wire(self)
-
-    @classmethod
-    def from_wire(cls, obj: Any) -> SamplerControls:
-        controls: SamplerControls = super(SamplerControls, cls).from_wire(obj)
-        if controls.repetition_window > MAX_REPETITION_WINDOW:
-            raise PayloadError(f"repetition_window above {MAX_REPETITION_WINDOW}")
-        return controls
 
 
 @dataclass(frozen=True, slots=True)
