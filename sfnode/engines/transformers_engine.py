@@ -235,15 +235,20 @@ class TransformersEngine:
         self._masks: MaskWorker | None = None
         if tokenizer is not None:
             started = time.perf_counter()
-            self.vocabulary = Vocabulary.of_tokenizer(
-                tokenizer, size=self._vocab_size, eos_ids=self._eos_ids
-            )
-            self._masks = MaskWorker(self.vocabulary)
-            log.info(
-                "constraints: the grammar library read {n} tokens in {s:.2f} s",
-                n=self._vocab_size,
-                s=time.perf_counter() - started,
-            )
+            try:
+                self.vocabulary = Vocabulary.of_tokenizer(
+                    tokenizer, size=self._vocab_size, eos_ids=self._eos_ids
+                )
+            except ValueError as e:
+                # A slow tokenizer, or a model without an EOS id: served without constraints.
+                log.warn("constraints are not available with this model: {error}", error=str(e))
+            else:
+                self._masks = MaskWorker(self.vocabulary)
+                log.info(
+                    "constraints: the grammar library read {n} tokens in {s:.2f} s",
+                    n=self._vocab_size,
+                    s=time.perf_counter() - started,
+                )
         unsupported = llama_unsupported(model) if lean_step else "--stock-kernels"
         self._runner: _Runner
         pool_blocks = 0
