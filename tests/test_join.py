@@ -19,7 +19,7 @@ from twisted.application.service import MultiService
 from twisted.internet import defer, reactor
 from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.interfaces import IListeningPort
-from twisted.logger import formatEvent, globalLogPublisher
+from twisted.logger import capturedLogs, formatEvent, globalLogPublisher
 from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
@@ -115,6 +115,31 @@ class RefusalBackoffTests(SynchronousTestCase):
         dialer.connect(object())  # type: ignore[arg-type]
         delays.append(round(policy(1), 3))
         self.assertEqual(delays, [0.1, 0.2, 0.4, 0.8, 0.1])
+
+
+    def test_every_lost_connection_is_logged_but_refusals_once(self) -> None:
+        """Each link that was up and ended is logged (two in a row: two lines), while the same
+        refusal again and again is logged once."""
+
+        class Endpoint:
+            def connect(self, factory: object) -> defer.Deferred[object]:
+                return defer.succeed(object())
+
+        dialer = tap.HeadDialer(Endpoint(), "head")  # type: ignore[arg-type]
+        policy = tap.head_retry_policy(
+            lambda: 0.0, on_delay=dialer.redialling, attempts=dialer.attempt
+        )
+        with capturedLogs() as events:
+            for refused in (False, False, True, True, True):
+                dialer.connect(object())  # type: ignore[arg-type]
+                if refused:
+                    dialer.refused("10.0.0.1:8455")
+                policy(1)
+        lines = [formatEvent(e) for e in events if "redialling" in formatEvent(e)]
+        self.assertEqual(
+            [("ended" in line, "refused this node's fleet token" in line) for line in lines],
+            [(True, False), (True, False), (False, True)],
+        )
 
 
 class RecordingBrowser:
