@@ -2,8 +2,9 @@
 
 Each test makes its own hosts (tests/netns.py: a namespace per host, ``eth0`` on a bridge, real
 multicast between them) and runs a head and mock-engine nodes in them as an operator would:
-one node joins with ``--join auto`` (DNS-SD on the bridge, no address given), one with the
-head's address, one holds another fleet token.  The test reaches the head's HTTP API through a
+the head's token made by ``python -m sfnode token`` and the nodes given only the value it
+printed; one node joins with ``--join auto`` (DNS-SD on the bridge, no address given), one with
+the head's address, one holds another fleet token.  The test reaches the head's HTTP API through a
 Unix socket in a temporary folder (every namespace shares the file system, and nothing is added
 to the machine's own network).  No sleeps: every wait is on a line a process logs or on an HTTP
 answer.  Skipped, with the reason, where namespaces cannot be made (not root, no iproute2, a
@@ -15,6 +16,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 from io import BytesIO
 from pathlib import Path
@@ -30,7 +33,7 @@ from zope.interface import implementer
 
 from sfnode.generation import MOCK_VOCAB_SIZE
 from tests import netns
-from tests.processes import Child
+from tests.processes import Child, child_env
 
 FLEET_PORT = 8455
 """The head's fleet port: a fixed port is safe here, each host is a network of its own."""
@@ -79,7 +82,13 @@ class MultiHostTests(TestCase):
         # Short: a Unix socket's path must fit in 108 bytes.
         self.folder = Path(tempfile.mkdtemp(prefix="sfnt-"))
         self.addCleanup(shutil.rmtree, self.folder, True)
-        self.token = self.secret("token", b"1" * 64)
+        # The token as an operator makes it: printed on the head's machine, pasted on the nodes'.
+        self.head_token = str(self.folder / "head-token")
+        made = subprocess.run(
+            [sys.executable, "-m", "sfnode", "token", "--file", self.head_token],
+            capture_output=True, env=child_env(), timeout=60, check=True,
+        )  # fmt: skip
+        self.token = self.secret("token", made.stdout.strip())
         self.tokenizer = mock_tokenizer(self.folder / "tokenizer")
 
     def secret(self, name: str, token: bytes) -> str:
@@ -91,7 +100,8 @@ class MultiHostTests(TestCase):
     def start_head(self, host: netns.Host, name: str, **extra: str) -> tuple[Child, str]:
         socket = str(self.folder / f"{name}.sock")
         args = ["sfhead", "--fleet-listen", f"tcp:{FLEET_PORT}", "--http", f"unix:{socket}",
-                "--auth-file", self.token, "--model", str(self.tokenizer), "--model-name", "mock",
+                "--auth-file", self.head_token, "--model", str(self.tokenizer),
+                "--model-name", "mock",
                 "--head-name", "test-head",
                 "--policy", "round-robin", "--queue-timeout", "20"]  # fmt: skip
         for option, value in extra.items():
