@@ -79,8 +79,11 @@ class ZeroconfBrowser:
     def _report(result: tuple[list[HeadAnswer], list[str]]) -> list[HeadAnswer]:
         answers, problems = result
         for problem in problems:
-            log.warn("ignoring an answer on {service}: {problem}", service=SERVICE_TYPE,
-                     problem=problem)  # fmt: skip
+            log.warn(
+                "ignoring an answer on {service}: {problem}",
+                service=SERVICE_TYPE,
+                problem=problem,
+            )
         return answers
 
 

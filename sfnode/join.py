@@ -40,13 +40,13 @@ class DiscoveringEndpoint:
         finder: HeadFinder,
         *,
         browse_s: float = BROWSE_S,
-        token_required: bool = True,
+        has_token: bool = True,
     ) -> None:
         self._reactor = reactor
         self._browser = browser
         self.finder = finder
         self._browse_s = browse_s
-        self._token_required = token_required
+        self._has_token = has_token
         self._announced: HeadAnswer | None = None
         self._dialled: str | None = None
 
@@ -77,13 +77,13 @@ class DiscoveringEndpoint:
                 service=SERVICE_TYPE,
                 count=len(answers),
             )
-            if head.announcement.token_required != self._token_required:
+            if head.announcement.token_required != self._has_token:
                 log.warn(
                     "the head {head} says it {has} a fleet token and this node {ours}: the "
                     "handshake will fail until both hold the same token (--auth-file)",
                     head=head.describe(),
                     has="requires" if head.announcement.token_required else "has no",
-                    ours="has one" if self._token_required else "has none",
+                    ours="has one" if self._has_token else "has none",
                 )
 
     def _dial(self, factory: IProtocolFactory) -> defer.Deferred[Any]:
@@ -91,9 +91,7 @@ class DiscoveringEndpoint:
         head = self.finder.head
         assert head is not None
         self._dialled = f"the head {head.head_name!r} at {join_address(host, port)}"
-        attempt: defer.Deferred[Any] = HostnameEndpoint(self._reactor, host, port).connect(
-            factory
-        )
+        attempt: defer.Deferred[Any] = HostnameEndpoint(self._reactor, host, port).connect(factory)
 
         def connected(protocol: Any) -> Any:
             self.finder.connected()

@@ -655,9 +655,9 @@ class HeadDialer:
         self._refusals += 1
         self._serious = True
         self._outcome = (
-            f"{peer} refused this node's fleet token (the head holds another one: check that "
-            "this node's --auth-file holds what python -m sfnode token printed on the head's "
-            "machine)"
+            f"it refused this node's fleet token (the head at {peer} holds another one: check "
+            "that this node's --auth-file holds the value python -m sfnode token printed on the "
+            "head's machine)"
         )
 
     def attempt(self, attempt: int) -> int:
@@ -805,7 +805,7 @@ def join_service(
             reactor,
             browser,
             HeadFinder(head_name=options["head-name"]),
-            token_required=bool(options["auth-token"]),
+            has_token=bool(options["auth-token"]),
         )
         description, endpoint, phrase = "auto", discovering, discovering.describe
         log.info(

@@ -250,7 +250,11 @@ class JoinTests(TestCase):
         await logs.wait_for("its fleet token differs", 3)
         errors = logs.matching("refused this node's fleet token")
         self.assertEqual(len(errors), 1, logs.lines)  # once, not at every redial
-        self.assertIn(f"the head at 127.0.0.1:{port}: 127.0.0.1:{port} refused", errors[0])
+        self.assertIn(
+            f"the head at 127.0.0.1:{port}: it refused this node's fleet token (the head at "
+            f"127.0.0.1:{port} holds another one",
+            errors[0],
+        )
         self.assertIn("--auth-file", errors[0])
         self.assertTrue(logs.matching("failed the handshake"), logs.lines)
         self.assertEqual(fleet.live_nodes(), [])

@@ -94,8 +94,7 @@ class AnnounceService(service.Service):
 
         def failed(failure: Failure) -> None:
             log.failure(
-                "sfhead cannot announce itself on {service} (nodes can still join it by "
-                "address)",
+                "sfhead cannot announce itself on {service} (nodes can still join it by address)",
                 failure,
                 service=SERVICE_TYPE,
             )
