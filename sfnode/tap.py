@@ -473,7 +473,6 @@ class Options(usage.Options):
         if not self["model-name"]:
             raise usage.UsageError("--model-name must not be empty")
 
-
     def _check_join(self) -> None:
         """``--join`` and ``--head-name``, typed: ``join-target`` (a JoinTarget, or None) and
         ``join-auto`` (True for ``--join auto``)."""
