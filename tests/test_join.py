@@ -6,7 +6,7 @@ real fleet listener (``sfnode.head.fleet.Fleet``) over loopback TCP: joining by 
 keeping on after a wrong token until the head holds the right one, and ``--join auto`` through a
 recording browser (no multicast here; tests/test_multihost.py browses for real): it dials the
 head the browse found, browses again when that head stays away, and reports several heads as an
-error that names them.  The backoff after refused handshakes is checked on its own.
+error that names them.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from twisted.application.service import MultiService
 from twisted.internet import defer, reactor
 from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.interfaces import IListeningPort
-from twisted.logger import capturedLogs, formatEvent, globalLogPublisher
+from twisted.logger import formatEvent, globalLogPublisher
 from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
@@ -93,53 +93,6 @@ class JoinOptionsTests(SynchronousTestCase):
             parse("--join", join, "--engine", "mock", "--auth-file", self.token())
         parse("--join", "127.0.0.1:8455", "--engine", "mock")
         parse("--join", "[::1]:8455", "--engine", "mock")
-
-
-class RefusalBackoffTests(SynchronousTestCase):
-    def test_refused_handshakes_back_off_like_failed_connects(self) -> None:
-        """A head that accepts the TCP connection and then refuses the token is redialled
-        0.1, 0.2, 0.4 ... s later, not every 0.1 s (ClientService counts each such connection
-        as a success); a connection that is not refused starts the count again."""
-
-        class Endpoint:
-            def connect(self, factory: object) -> defer.Deferred[object]:
-                return defer.succeed(object())
-
-        dialer = tap.HeadDialer(Endpoint(), "head")  # type: ignore[arg-type]
-        policy = tap.head_retry_policy(lambda: 0.0, attempts=dialer.attempt)
-        delays = []
-        for _ in range(4):
-            dialer.connect(object())  # type: ignore[arg-type]
-            dialer.refused("10.0.0.1:8455")
-            delays.append(round(policy(1), 3))
-        dialer.connect(object())  # type: ignore[arg-type]
-        delays.append(round(policy(1), 3))
-        self.assertEqual(delays, [0.1, 0.2, 0.4, 0.8, 0.1])
-
-
-    def test_every_lost_connection_is_logged_but_refusals_once(self) -> None:
-        """Each link that was up and ended is logged (two in a row: two lines), while the same
-        refusal again and again is logged once."""
-
-        class Endpoint:
-            def connect(self, factory: object) -> defer.Deferred[object]:
-                return defer.succeed(object())
-
-        dialer = tap.HeadDialer(Endpoint(), "head")  # type: ignore[arg-type]
-        policy = tap.head_retry_policy(
-            lambda: 0.0, on_delay=dialer.redialling, attempts=dialer.attempt
-        )
-        with capturedLogs() as events:
-            for refused in (False, False, True, True, True):
-                dialer.connect(object())  # type: ignore[arg-type]
-                if refused:
-                    dialer.refused("10.0.0.1:8455")
-                policy(1)
-        lines = [formatEvent(e) for e in events if "redialling" in formatEvent(e)]
-        self.assertEqual(
-            [("ended" in line, "refused this node's fleet token" in line) for line in lines],
-            [(True, False), (True, False), (False, True)],
-        )
 
 
 class RecordingBrowser:
@@ -248,14 +201,13 @@ class JoinTests(TestCase):
         self.node("--join", f"127.0.0.1:{port}", "--identity", "j2",
                   "--auth-file", self.token_file(node_token))  # fmt: skip
         await logs.wait_for("its fleet token differs", 3)
-        errors = logs.matching("refused this node's fleet token")
+        errors = logs.matching("the handshake failed")
         self.assertEqual(len(errors), 1, logs.lines)  # once, not at every redial
         self.assertIn(
-            f"the head at 127.0.0.1:{port}: it refused this node's fleet token (the head at "
-            f"127.0.0.1:{port} holds another one",
+            f"the head at 127.0.0.1:{port}: the handshake failed: Noise message 1 does not "
+            "decrypt: the peer holds another fleet token",
             errors[0],
         )
-        self.assertIn("--auth-file", errors[0])
         self.assertTrue(logs.matching("failed the handshake"), logs.lines)
         self.assertEqual(fleet.live_nodes(), [])
         # Someone fixes the head: the same port now holds a head with the node's token.

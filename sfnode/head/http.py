@@ -64,6 +64,7 @@ from sfnode.head.classes import ClassRule, class_name, parse_header
 from sfnode.head.fleet import (
     FleetError,
     FleetOutcome,
+    GenerationTimedOut,
     LogprobsUnavailable,
     NodeDeclined,
     QueueFull,
@@ -677,6 +678,10 @@ def _fleet_error(failure: Failure, param: str) -> ApiError | None:
         return ApiError(502, str(error), kind="server_error", outcome="error")
     if isinstance(error, QueueFull):
         return _unavailable(str(error), "queue_full")
+    if isinstance(error, GenerationTimedOut):
+        return ApiError(
+            504, str(error), kind="timeout_error", code="generation_timeout", outcome="timeout"
+        )
     if isinstance(error, LogprobsUnavailable):
         return ApiError(
             400,

@@ -45,7 +45,13 @@ from sfnode.head.classes import (
     ClassRule,
     DefaultClass,
 )
-from sfnode.head.fleet import DEFAULT_MAX_QUEUED, DEFAULT_QUEUE_TIMEOUT_S, Fleet, Policy
+from sfnode.head.fleet import (
+    DEFAULT_MAX_GENERATION_S,
+    DEFAULT_MAX_QUEUED,
+    DEFAULT_QUEUE_TIMEOUT_S,
+    Fleet,
+    Policy,
+)
 from sfnode.head.gate import GateLimits
 from sfnode.head.link import DEFAULT_LEASE
 from sfnode.head.machines import DEFAULT_RETRY_MAX_S, DEFAULT_SILENCE_TIMEOUT_S, RETRY_INITIAL_S
@@ -306,6 +312,15 @@ class Options(usage.Options):
             "gets 503 (0: as long as it takes). A stream whose node died waits the same way.",
         ],
         [
+            "max-generation-time",
+            None,
+            f"{DEFAULT_MAX_GENERATION_S:g}",
+            "Seconds one generation may take from its request to its end, waiting and failovers "
+            "included; past it the head cancels it on its node, frees its lane and answers 504 "
+            "generation_timeout (an error event in a stream already answered), so no request "
+            "hangs on a node that lost it (0: no limit).",
+        ],
+        [
             "reconnect-max",
             None,
             f"{DEFAULT_RETRY_MAX_S:g}",
@@ -510,6 +525,7 @@ class Options(usage.Options):
         if self["max-queued"] < 0:
             raise usage.UsageError("--max-queued must be 0 or more")
         self["queue-timeout"] = _seconds("queue-timeout", self["queue-timeout"])
+        self["max-generation-time"] = _seconds("max-generation-time", self["max-generation-time"])
         self["keepalive-timeout"] = _seconds("keepalive-timeout", self["keepalive-timeout"])
         self["reconnect-max"] = _seconds("reconnect-max", self["reconnect-max"])
         if self["reconnect-max"] < RETRY_INITIAL_S:
@@ -782,6 +798,7 @@ def makeService(
     fleet_options: dict[str, Any] = {
         "max_queued": options["max-queued"],
         "queue_timeout_s": options["queue-timeout"],
+        "max_generation_s": options["max-generation-time"],
         "retry_max_s": options["reconnect-max"],
         "silence_timeout_s": options["keepalive-timeout"],
     }
