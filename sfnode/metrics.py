@@ -17,10 +17,16 @@ prompt tokens not computed thanks to it, blocks saved and evicted, and blocks he
 engine without one shows none of them (not zeros that would read as "nothing reused").
 An engine that honours constraints adds the grammar masks it computed, the seconds that took
 and the seconds steps waited for them after their forward pass (docs/engine.md section 2.4).
+
+The same site answers ``/healthz`` for probes (a Kubernetes readiness or liveness probe, a load
+balancer): 200 ``{"status": "ok", ...}`` while the node takes generations (its model is loaded:
+the site starts after the engine is built), 503 ``{"status": "draining", ...}`` once SIGTERM
+started its drain.  Both say how many heads are connected and how many generations run.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -169,6 +175,30 @@ class MetricsResource(Resource):
         return generate_latest(self._registry)
 
 
+class HealthResource(Resource):
+    """``/healthz``: 200 while the node takes generations, 503 once it drains."""
+
+    isLeaf = True
+
+    def __init__(self, agent: NodeAgent) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._agent = agent
+
+    def render_GET(self, request: Request) -> bytes:
+        agent = self._agent
+        accepting = agent.accepting
+        request.setResponseCode(200 if accepting else 503)
+        request.setHeader(b"content-type", b"application/json")  # type: ignore[no-untyped-call]
+        body = {
+            "status": "ok" if accepting else "draining",
+            "node": agent.config.identity,
+            "model": agent.config.model_name,
+            "heads": len(agent.connections),
+            "generations": agent.running_generations,
+        }
+        return json.dumps(body).encode()
+
+
 def metrics_site(
     agent: NodeAgent,
     reactor: IReactorTime,
@@ -176,12 +206,13 @@ def metrics_site(
     max_connections: int = METRICS_MAX_CONNECTIONS,
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
 ) -> CappedSite:
-    """A web site serving this node's figures at ``/metrics``, behind the shared guards (its
-    deadlines run on ``reactor``)."""
+    """A web site serving this node's figures at ``/metrics`` and its health at ``/healthz``,
+    behind the shared guards (its deadlines run on ``reactor``)."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(NodeCollector(agent))
     root = Resource()  # type: ignore[no-untyped-call]
     root.putChild(b"metrics", MetricsResource(registry))
+    root.putChild(b"healthz", HealthResource(agent))
     return CappedSite(
         root, reactor=reactor, max_connections=max_connections, header_timeout_s=header_timeout_s
     )

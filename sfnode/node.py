@@ -472,6 +472,11 @@ class NodeAgent:
         return len(self._generations)
 
     @property
+    def accepting(self) -> bool:
+        """Whether new generations are taken: True until the drain starts."""
+        return self._drain.accepting()
+
+    @property
     def contexts(self) -> Mapping[int, array[int]]:
         """Each session's token context, for the sessions that have one, of the heads without
         identity (:meth:`contexts_of` for a head that has one)."""
