@@ -299,10 +299,11 @@ class PluginTests(TestCase):
 
     async def test_twistd_help_lists_sfnode_without_torch(self) -> None:
         """``twistd --help`` lists sfnode and ``twistd sfnode --help`` works (one usage line),
-        importing no torch."""
+        importing neither torch nor zeroconf."""
         probe = (
             "import atexit, sys\n"
             "atexit.register(lambda: print('TORCH', 'torch' in sys.modules))\n"
+            "atexit.register(lambda: print('ZEROCONF', 'zeroconf' in sys.modules))\n"
             "sys.argv = ['twistd'] + sys.argv[1:]\n"
             "from twisted.scripts.twistd import run\n"
             "run()\n"
@@ -315,11 +316,15 @@ class PluginTests(TestCase):
         self.assertEqual(code, 0, err)
         first = out.decode().splitlines()[0]
         self.assertEqual(
-            first, "Usage: twistd [options] sfnode (--listen ENDPOINT | --head ENDPOINT) [options]"
+            first,
+            "Usage: twistd [options] sfnode (--join HOST[:PORT] | --join auto | --head ENDPOINT "
+            "| --listen ENDPOINT) [options]",
         )
         self.assertIn("--listen=", out.decode())
+        self.assertIn("--join=", out.decode())
         self.assertIn("--auth-file=", out.decode())
         self.assertIn("TORCH False", out.decode())
+        self.assertIn("ZEROCONF False", out.decode())
 
 
 class EmbeddingTests(TestCase):

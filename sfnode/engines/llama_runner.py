@@ -30,11 +30,12 @@ import torch.nn.functional as F  # noqa: N812
 
 from sfnode.engines.kv import BlockPool, SlotKV
 from sfnode.engines.llama_weights import LlamaWeights
+from sfnode.engines.masks import MaskWorker
 from sfnode.engines.native import FusedLayers, fusable
 from sfnode.engines.plan import StepOutput, StepPlan
 from sfnode.engines.quant import Projection
 from sfnode.generation import StageForwardError, StageResult, TokenLogprob
-from sfnode.sampler import sample_tokens, token_logprobs
+from sfnode.sampler import allowed_rows, sample_with_stages
 
 _LLAMA_TYPES = ("llama",)
 _STOCK_LAYER_PARTS = (
@@ -198,12 +199,15 @@ class LlamaRunner:
         attention_scaling: float = 1.0,
         pool_blocks: int = 0,
         fused: bool = True,
+        masks: MaskWorker | None = None,
     ) -> None:
         """``fused`` runs each layer's work outside attention through the native library's
         fused calls (:class:`~sfnode.engines.native.FusedLayers`) where the weights allow it;
         :attr:`fused_reason` says why not otherwise."""
         self.weights = weights
         self.device = device
+        self.masks = masks
+        """Computes constrained rows' grammar masks while the forward pass runs."""
         self.window = window
         w = weights
         self._hidden = int(w.embed.shape[1])
@@ -250,6 +254,7 @@ class LlamaRunner:
         window: int,
         pool_blocks: int = 0,
         fused: bool = True,
+        masks: MaskWorker | None = None,
     ) -> LlamaRunner:
         rotary = model.model.rotary_emb
         return cls(
@@ -261,6 +266,7 @@ class LlamaRunner:
             attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
             pool_blocks=pool_blocks,
             fused=fused,
+            masks=masks,
         )
 
     # -- steps ------------------------------------------------------------------------------------
@@ -285,11 +291,11 @@ class LlamaRunner:
             for chunk in plan.chunks:
                 ids.extend(chunk.tokens)
                 positions.extend(range(chunk.start, chunk.start + len(chunk.tokens)))
-            hidden = self._forward(ids, positions, _Attention(self, plan))
             # Logits only where a token is sampled: every decode row, a prompt's last position.
             wanted = list(range(len(plan.decode)))
             params = [row.params for row in plan.decode]
             draws = [row.draw for row in plan.decode]
+            stages = [row.stage for row in plan.decode]
             offset = len(plan.decode)
             for chunk in plan.chunks:
                 offset += len(chunk.tokens)
@@ -297,16 +303,23 @@ class LlamaRunner:
                     wanted.append(offset - 1)
                     params.append(chunk.params)
                     draws.append(chunk.draw)
+                    stages.append(chunk.stage)
+            # The constrained rows' masks are computed while the forward pass runs.
+            pending = self.masks.start(stages) if self.masks is not None else None
+            try:
+                hidden = self._forward(ids, positions, _Attention(self, plan))
+            finally:
+                masks = pending.wait() if pending is not None else None
             if not wanted:
                 return StepOutput(chunks=tuple(None for _ in plan.chunks))
-            logits = self._logits(hidden, wanted)
-            tokens = sample_tokens(logits, params, draws)
-            logprobs = (
-                token_logprobs(logits, params, tokens) if any(p.logprobs for p in params) else []
-            )
+            allowed = None if masks is None else allowed_rows(masks, self.weights.vocab_size)
+            logits = self._logits(hidden, wanted, allowed)
+            tokens, logprobs = sample_with_stages(logits, params, draws, stages, allowed)
         return _output(plan, tokens, logprobs)
 
-    def _logits(self, hidden: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    def _logits(
+        self, hidden: torch.Tensor, rows: Sequence[int], allowed: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Float32 logits of ``rows`` of ``hidden``.
 
         A bfloat16 logit near 25 is rounded to steps of 0.125, coarser than the gap between a
@@ -315,12 +328,17 @@ class LlamaRunner:
         the head's float weights, which decides greedy choices and the most likely draws as a
         float32 head would; the rest keep their bfloat16 values (an int4 head's error then costs
         the bundled model under 1% of perplexity).
+
+        With ``allowed`` (a grammar's mask of each row, docs/engine.md section 2.4) the tokens
+        it forbids are -inf, and the refined ones are the best allowed ones.
         """
         w = self.weights
         if len(rows) != hidden.shape[0]:
             hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
         normed = F.rms_norm(hidden, (self._hidden,), w.final_norm, w.eps)
         logits = w.lm_head(normed).to(torch.float32)
+        if allowed is not None:
+            logits.masked_fill_(~allowed, float("-inf"))
         if w.lm_head_float is None:
             return logits
         exact = F.rms_norm(hidden.to(torch.float32), (self._hidden,), w.final_norm_float, w.eps)
@@ -329,7 +347,11 @@ class LlamaRunner:
         # A product and a sum along each row, not a batched matmul: its rounding then does not
         # depend on how many rows share the step.
         refined = (rows_of * exact.unsqueeze(1)).sum(-1)
-        return logits.scatter_(1, best, refined)
+        logits.scatter_(1, best, refined)
+        if allowed is not None:
+            # A row with fewer than REFINED allowed tokens had forbidden ones refined too.
+            logits.masked_fill_(~allowed, float("-inf"))
+        return logits
 
     def _forward(
         self, ids: Sequence[int], positions: Sequence[int], attention: _Attention
