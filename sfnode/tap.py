@@ -45,7 +45,7 @@ from sfnode.config import (
     NodeConfig,
 )
 from sfnode.discovery import SERVICE_TYPE, HeadFinder, JoinTarget, parse_join, valid_head_name
-from sfnode.engines import WEIGHT_MODES
+from sfnode.engines import DEFAULT_DRAFT_TOKENS, SPECULATIVE_MODES, WEIGHT_MODES
 from sfnode.service import (
     DEFAULT_MODEL_NAME,
     ListeningService,
@@ -96,6 +96,8 @@ _TRANSFORMERS_ONLY = (
     "prefill-chunk",
     "step-tokens",
     "interactive-lanes",
+    "speculative",
+    "draft-tokens",
 )
 
 _MOCK_ONLY = ("token-delay-ms",)
@@ -372,6 +374,22 @@ class Options(usage.Options):
             "compiler; float32 activations).",
         ],
         [
+            "speculative",
+            None,
+            None,
+            "transformers: speculative decoding, off (default) or ngram: each decoding "
+            "generation drafts its next tokens from n-grams of its own prompt and output, and "
+            "one step verifies them; the tokens are those decoding without drafts gives "
+            "(docs/engine.md section 3.1).",
+        ],
+        [
+            "draft-tokens",
+            None,
+            None,
+            f"transformers: with --speculative ngram, the most tokens a generation drafts per "
+            f"step (default {DEFAULT_DRAFT_TOKENS}).",
+        ],
+        [
             "prefix-cache-blocks",
             None,
             None,
@@ -466,6 +484,16 @@ class Options(usage.Options):
             raise usage.UsageError(
                 f"--weights must be one of {', '.join(WEIGHT_MODES)}, not {self['weights']!r}"
             )
+        self["speculative"] = "off" if self["speculative"] is None else self["speculative"]
+        if self["speculative"] not in SPECULATIVE_MODES:
+            raise usage.UsageError(
+                f"--speculative must be one of {', '.join(SPECULATIVE_MODES)}, not "
+                f"{self['speculative']!r}"
+            )
+        if self["draft-tokens"] is None:
+            self["draft-tokens"] = DEFAULT_DRAFT_TOKENS
+        else:
+            self["draft-tokens"] = _non_negative("draft-tokens", self["draft-tokens"], 1, 64)
         self["kernels"] = "auto" if self["kernels"] is None else self["kernels"]
         if self["kernels"] not in ("auto", "torch", "native"):
             raise usage.UsageError(
@@ -616,6 +644,8 @@ def build_engine(reactor: Any, options: Options) -> Engine:
             lean_step=not options["stock-kernels"],
             kernels=options["kernels"],
             fused_step=not options["eager-step"],
+            speculative=options["speculative"],
+            draft_tokens=options["draft-tokens"],
         )
     except (ValueError, WeightsError) as e:
         raise NodeStartupError(f"sfnode: cannot start the transformers engine: {e}") from e
