@@ -118,10 +118,11 @@ class ApiKeyTests(HeadServiceTestCase):
     def test_v1_needs_the_bearer_key_and_health_and_metrics_do_not(
         self,
     ) -> Generator[Any, Any, None]:
-        """With --api-key, every /v1 path (known or not) answers 401 in OpenAI's error shape
-        (code invalid_api_key, a WWW-Authenticate: Bearer header) to a missing key, a wrong
-        key, a key of another length and the right key under another scheme; the right bearer
-        key is served; /healthz and /metrics answer without any key and count the refusals."""
+        """With --api-key, every /v1 path (known or not) and /metrics answer 401 in OpenAI's
+        error shape (code invalid_api_key, a WWW-Authenticate: Bearer header) to a missing
+        key, a wrong key, a key of another length and the right key under another scheme; the
+        right bearer key is served; /healthz answers without any key, and /metrics with the
+        key counts the refusals."""
         node = yield self.start_vocab_node()
         head = yield self.start_sfhead([node], "--api-key", KEY)
         refused = [
@@ -133,6 +134,8 @@ class ApiKeyTests(HeadServiceTestCase):
             (b"GET", "/v1/models", None, "Bearer " + KEY + "0"),
             (b"GET", "/v1/nothing/here", None, None),
             (b"GET", "/v1", None, None),
+            (b"GET", "/metrics", None, None),
+            (b"GET", "/metrics", None, "Bearer x"),
         ]
         for method, path, body, authorization in refused:
             code, headers, content = yield self.request(
@@ -157,7 +160,9 @@ class ApiKeyTests(HeadServiceTestCase):
         self.assertEqual((code, json.loads(content)["data"][0]["id"]), (200, MODEL))
         code, _, content = yield self.request(head, b"GET", "/healthz")
         self.assertEqual((code, json.loads(content)["status"]), (200, "ok"))
-        code, _, content = yield self.request(head, b"GET", "/metrics")
+        code, _, content = yield self.request(
+            head, b"GET", "/metrics", authorization="Bearer " + KEY
+        )
         self.assertEqual(code, 200)
         self.assertIn(
             f'sfhead_requests_total{{outcome="unauthorized"}} {float(len(refused))}',
