@@ -268,6 +268,32 @@ class HttpLimitOptionTests(TestCase):
         self.assertEqual(parse("--max-body", "1g")["limits"].max_body, 1024**3)
         self.assertEqual(parse("--max-body", "1000")["limits"].max_body, 1000)
 
+    def test_the_fair_share_options(self) -> None:
+        """--max-client-connections (64), --max-client-queued (a quarter of --max-queued,
+        at least 1; 0 turns it off), --template-timeout (5 s), --metrics-public and
+        --allow-special-tokens (off) are read and typed."""
+        options = parse()
+        self.assertEqual(
+            (options["limits"].max_client_connections, options["max-client-queued"],
+             options["template-timeout"], options["limits"].metrics_public,
+             options["allow-special-tokens"]),
+            (64, 64, 5.0, False, 0),
+        )  # fmt: skip
+        self.assertEqual(parse("--max-queued", "10")["max-client-queued"], 2)
+        self.assertEqual(parse("--max-queued", "2")["max-client-queued"], 1)
+        self.assertEqual(parse("--max-queued", "0")["max-client-queued"], 0)
+        self.assertEqual(parse("--max-client-queued", "0")["max-client-queued"], 0)
+        options = parse(
+            "--max-client-connections", "0", "--template-timeout", "0.25", "--metrics-public",
+            "--allow-special-tokens", "--max-client-queued", "7",
+        )  # fmt: skip
+        self.assertEqual(
+            (options["limits"].max_client_connections, options["template-timeout"],
+             options["limits"].metrics_public, options["allow-special-tokens"],
+             options["max-client-queued"]),
+            (0, 0.25, True, 1, 7),
+        )  # fmt: skip
+
     def test_bad_values_are_usage_errors(self) -> None:
         """A size of 0 or in words, a timeout of 0 or less, a negative limit and no
         connection at all are refused, naming the option."""
@@ -281,6 +307,9 @@ class HttpLimitOptionTests(TestCase):
             ["--max-connections", "0"],
             ["--max-client-requests", "-1"],
             ["--max-key-requests", "x"],
+            ["--max-client-connections", "-1"],
+            ["--max-client-queued", "many"],
+            ["--template-timeout", "0"],
         ):
             with self.assertRaises(usage.UsageError) as raised:
                 parse(*args)
