@@ -295,3 +295,56 @@ class TemplateBoundTests(SynchronousTestCase):
             with self.assertRaises(ApiError) as raised:
                 renderer.chat([ChatMessage("user", "x")])
             self.assertEqual((raised.exception.status, raised.exception.param), (400, "messages"))
+
+
+class RenderBudgetTests(SynchronousTestCase):
+    """RenderBudget: a render on another thread that stop() interrupts."""
+
+    def test_stop_interrupts_a_render_that_never_ends(self) -> None:
+        """A render looping for ever on a worker thread ends with RenderStopped once stop()
+        is called from this thread; the thread is free again (it runs its next job)."""
+        import threading
+
+        from sfnode.head.text import RenderBudget, RenderStopped
+
+        started = threading.Event()
+        outcome: list[object] = []
+
+        def forever() -> None:
+            started.set()
+            while True:
+                pass
+
+        def worker() -> None:
+            try:
+                budget.run(forever)
+            except RenderStopped as e:
+                outcome.append(e)
+            outcome.append(RenderBudget().run(lambda: "next job"))
+
+        budget = RenderBudget()
+        thread = threading.Thread(target=worker, daemon=True)
+        thread.start()
+        self.assertTrue(started.wait(30))
+        budget.stop()
+        thread.join(30)
+        self.assertFalse(thread.is_alive())
+        self.assertIsInstance(outcome[0], RenderStopped)
+        self.assertEqual(outcome[1], "next job")
+
+    def test_stop_before_the_start_and_after_the_end(self) -> None:
+        """Stopped before it starts, a render never runs (RenderStopped); stopped after it
+        ended, nothing happens to the thread (its result stands, and no exception is left
+        pending for whatever it runs next)."""
+        from sfnode.head.text import RenderBudget, RenderStopped
+
+        early = RenderBudget()
+        early.stop()
+        ran: list[int] = []
+        self.assertRaises(RenderStopped, early.run, lambda: ran.append(1))
+        self.assertEqual(ran, [])
+        late = RenderBudget()
+        self.assertEqual(late.run(lambda: 42), 42)
+        late.stop()
+        total = sum(range(100_000))
+        self.assertEqual(total, 4_999_950_000)

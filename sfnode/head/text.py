@@ -497,10 +497,10 @@ class RenderBudget:
             if self._done:
                 raise RenderStopped("stopped before it started")
             self._thread = thread = threading.get_ident()
-        if self._on_start is not None:
-            self._on_start()
         try:
             try:
+                if self._on_start is not None:
+                    self._on_start()
                 return work()
             finally:
                 with self._lock:
