@@ -210,6 +210,16 @@ def shown(argv: Sequence[str]) -> str:
     return "twistd " + subprocess.list2cmdline(list(argv)[3:])
 
 
+@dataclass
+class RunningFleet:
+    """A started ``twistd sfnode`` and ``twistd sfhead``: the head's HTTP port and both
+    children."""
+
+    port: int
+    head: Child
+    node: Child
+
+
 @contextmanager
 def fleet_processes(
     node_args: Sequence[str], env: dict[str, str], model: Path | None, logs: Path
@@ -217,6 +227,19 @@ def fleet_processes(
     """``twistd sfnode`` listening on a free loopback port and ``twistd sfhead`` dialing it,
     serving HTTP on another: yields that HTTP port once the head has the node, and stops both
     when the block ends.  Their output goes to ``logs/sfnode.log`` and ``logs/sfhead.log``."""
+    with fleet_children(node_args, env, model, logs) as fleet:
+        yield fleet.port
+
+
+@contextmanager
+def fleet_children(
+    node_args: Sequence[str],
+    env: dict[str, str],
+    model: Path | None,
+    logs: Path,
+    head_args: Sequence[str] = (),
+) -> Iterator[RunningFleet]:
+    """:func:`fleet_processes`, with ``head_args`` for the head and both children yielded."""
     model_args = ["--model", str(model)] if model is not None else []
     node_argv = twistd("sfnode", "--listen", "tcp:0:interface=127.0.0.1", *model_args, *node_args)
     print(f"starting {shown(node_argv)}", flush=True)
@@ -230,6 +253,7 @@ def fleet_processes(
             "--http", "tcp:0:interface=127.0.0.1",
             "--fleet-listen", "tcp:0:interface=127.0.0.1",
             *model_args,
+            *head_args,
         )  # fmt: skip
         print(f"starting {shown(head_argv)}", flush=True)
         head = Child("sfhead", head_argv, env, logs / "sfhead.log", False)
@@ -241,7 +265,7 @@ def fleet_processes(
             lambda body: body.get("nodes", 0) > 0,
             NODE_READY_S,
         )
-        yield port
+        yield RunningFleet(port, head, node)
     finally:
         if head is not None:
             head.stop()
