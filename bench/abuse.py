@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -230,16 +231,20 @@ def counted(replies: Sequence[Reply]) -> str:
 # --- the scenarios -----------------------------------------------------------------------------
 
 
+def body_for(path: str) -> bytes:
+    """A valid body for the completion route ``path`` names (chat or legacy)."""
+    if "chat" in path or "%63hat" in path:
+        return chat("hi", 4)
+    return json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 4}).encode()
+
+
 async def encoded_path(target: Target) -> Row:
     """Item 1: paths the router decodes into a completion route, without a key, text/plain."""
     paths = ["/v%31/chat/completions", "/%761/completions", "Xv1/chat/completions"]
-    body = chat("hi", 4)
-    replies = [
-        await exchange(
-            target.port, request_bytes("POST", p, body, content_type="text/plain"), ATTACKER
-        )
-        for p in paths
-    ]
+    replies = []
+    for path in paths:
+        data = request_bytes("POST", path, body_for(path), content_type="text/plain")
+        replies.append(await exchange(target.port, data, ATTACKER))
     return Row(
         "encoded-path",
         "no key, `text/plain`: " + ", ".join(f"`{p}`" for p in paths),
@@ -260,17 +265,13 @@ async def suffix_at_key_limit(target: Target) -> Row:
         held.tasks.append(asyncio.ensure_future(read_all(reader)))
     await asyncio.sleep(1.0)
     paths = ["/v1/chat/completions/x", "/v1/completions/%2e", "/v1/chat/completions/"]
+    replies = []
     try:
-        replies = [
-            await exchange(
-                target.port,
-                request_bytes(
-                    "POST", p, chat("hi", 4), key=target.attacker_key, content_type="text/plain"
-                ),
-                ATTACKER,
+        for path in paths:
+            data = request_bytes(
+                "POST", path, body_for(path), key=target.attacker_key, content_type="text/plain"
             )
-            for p in paths
-        ]
+            replies.append(await exchange(target.port, data, ATTACKER))
     finally:
         held.close()
     await drained(target)
@@ -473,7 +474,18 @@ def attack(
                  "--token-delay-ms", str(TOKEN_DELAY_MS)]  # fmt: skip
     head_args = ["--model-name", MODEL, "--api-key-file", str(key_file),
                  "--max-key-requests", "64", *head_extra]  # fmt: skip
-    env = child_env([f"PYTHONPATH={checkout}"] if checkout is not None else [])
+    # PYTHONSAFEPATH: ``python -c`` would otherwise put the working folder (this checkout)
+    # ahead of PYTHONPATH, and the baseline would run this checkout's code.
+    baseline = [f"PYTHONPATH={checkout}", "PYTHONSAFEPATH=1"] if checkout is not None else []
+    env = child_env(baseline)
+    where = subprocess.run(
+        [sys.executable, "-c", "import sfnode; print(sfnode.__file__)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    print(f"the processes import {where}", flush=True)
     with fleet_children(node_args, env, None, logs, head_args) as fleet:
         target = Target(fleet.port, fleet.head.process.pid, keys["attacker"], keys["victim"])
         print(f"head VmRSS at start: {target.rss_mb():.0f} MB", flush=True)
