@@ -5,6 +5,12 @@ time, in a registry of its own (never the process-global one, so several nodes c
 process).  A scrape only reads: it never takes a rate sample (that would move the baseline the
 NODE_STATUS rates are measured from).
 
+The listener has the guards every sfnode listener has (``sfnode.webguard``): at most
+``max_connections`` open connections (one more is answered 503 and closed) and
+``header_timeout_s`` for a request's headers (408 after), so idle or slow connections cannot
+hold it.  ``twistd sfnode`` refuses a ``--metrics`` address off loopback unless
+``--metrics-insecure``: the figures say what the node runs and how busy it is.
+
 An engine with a prefix cache (one with ``prefix_statistics()``, the transformers engine unless
 ``--no-prefix-cache``) adds its figures: lookups that reused blocks and lookups that did not,
 prompt tokens not computed thanks to it, blocks saved and evicted, and blocks held now.  An
@@ -19,15 +25,19 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from twisted.internet.interfaces import IReactorTime
 from twisted.web.resource import Resource
-from twisted.web.server import Request, Site
+from twisted.web.server import Request
 
 from sfnode.engines.prefix_cache import PrefixCacheStats
+from sfnode.webguard import DEFAULT_HEADER_TIMEOUT_S, CappedSite
 
 if TYPE_CHECKING:
     from sfnode.node import NodeAgent
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+METRICS_MAX_CONNECTIONS = 64
+"""Open connections the metrics listener takes; one more is answered 503 and closed."""
 
 
 @runtime_checkable
@@ -80,7 +90,7 @@ class NodeCollector(Collector):
         )  # fmt: skip
         yield gauge("sfnode_decode_tokens_per_second", "Busy-time decode rate (EWMA).", decode)
         yield gauge("sfnode_prefill_tokens_per_second", "Busy-time prefill rate (EWMA).", prefill)
-        yield gauge("sfnode_sessions", "Sessions holding a context.", len(agent.contexts))
+        yield gauge("sfnode_sessions", "Sessions holding a context.", agent.sessions_with_context())
         yield gauge("sfnode_connections", "Head connections past the handshake.",
                     len(agent.connections))  # fmt: skip
         yield gauge(
@@ -134,12 +144,19 @@ class MetricsResource(Resource):
         return generate_latest(self._registry)
 
 
-def metrics_site(agent: NodeAgent) -> Site:
-    """A web site serving this node's figures at ``/metrics``."""
+def metrics_site(
+    agent: NodeAgent,
+    reactor: IReactorTime,
+    *,
+    max_connections: int = METRICS_MAX_CONNECTIONS,
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+) -> CappedSite:
+    """A web site serving this node's figures at ``/metrics``, behind the shared guards (its
+    deadlines run on ``reactor``)."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(NodeCollector(agent))
     root = Resource()  # type: ignore[no-untyped-call]
     root.putChild(b"metrics", MetricsResource(registry))
-    site = Site(root)  # type: ignore[no-untyped-call]
-    site.noisy = False
-    return site
+    return CappedSite(
+        root, reactor=reactor, max_connections=max_connections, header_timeout_s=header_timeout_s
+    )

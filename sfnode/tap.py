@@ -13,11 +13,9 @@ imports them, and only for ``--engine transformers``.
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import socket
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -30,11 +28,13 @@ from twisted.logger import Logger
 from twisted.python import usage
 from twisted.python.failure import Failure
 
-from sfnode.admission import plaintext_refusal
+from sfnode.admission import is_loopback_listen, plaintext_refusal
 from sfnode.config import (
     DEFAULT_DRAIN_TIMEOUT_MS,
+    DEFAULT_FENCED_GRACE_MS,
     DEFAULT_HANDSHAKE_TIMEOUT_MS,
     DEFAULT_IDLE_TIMEOUT_MS,
+    DEFAULT_MAX_ADDRESS_HANDSHAKES,
     DEFAULT_MAX_GENERATIONS,
     DEFAULT_MAX_HANDSHAKES,
     DEFAULT_MAX_HELD_TOKENS,
@@ -61,6 +61,8 @@ from sfnode.tokens import default_token_path, read_token
 if TYPE_CHECKING:
     from sfnode.generation import Engine
     from sfnode.node import NodeAgent
+    from sfnode.noise import NoiseProtocol
+    from sfnode.protocol import NodeProtocol
 
 log = Logger(namespace="sfnode.tap")
 
@@ -76,8 +78,6 @@ RECONNECT_MAX_S = 2.0
 REDIAL_LOG_EVERY = 30
 """While the head stays unreachable, one redial line per this many attempts (about a minute)."""
 U32_MAX = 0xFFFF_FFFF
-EXIT_REFUSED = 1
-"""Exit status of a ``--head`` node whose head holds another fleet token (D9)."""
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _TRANSFORMERS_ONLY = (
@@ -114,12 +114,12 @@ class _PlaceholderReactor:
     """
 
 
-def _check_server_endpoint(description: str) -> None:
+def _check_server_endpoint(description: str, option: str = "listen") -> None:
     try:
         server_from_string(_PlaceholderReactor(), description)
     except Exception as e:
         raise usage.UsageError(
-            f"--listen {description!r} is not a server endpoint string: {e} "
+            f"--{option} {description!r} is not a server endpoint string: {e} "
             "(for example tcp:8454:interface=127.0.0.1 or unix:/run/sfnode.sock)"
         ) from e
 
@@ -164,8 +164,9 @@ class Options(usage.Options):
     synopsis = "(--listen ENDPOINT | --head ENDPOINT) [options]"
     longdesc = (
         "Runs a Link F node agent. It either accepts heads on --listen or dials one head given by "
-        "--head (redialling 0.1 s after losing it, then doubling up to 2 s apart). ENDPOINT is "
-        "a Twisted endpoint "
+        "--head and keeps dialing it: 0.1 s after losing it, and after an attempt that failed "
+        "(no answer, a failed handshake, another fleet token: each logged with its reason) "
+        "twice as long as the last, up to 2 s. ENDPOINT is a Twisted endpoint "
         "string such as tcp:8454:interface=127.0.0.1 (listen) or tcp:head.example:8454 (dial). "
         "Without a fleet token (--auth-file) only loopback addresses are allowed, unless "
         "--insecure-no-auth is given."
@@ -183,6 +184,12 @@ class Options(usage.Options):
             None,
             "transformers: run the model's own forward on stock PyTorch kernels (slower; by "
             "default Llama models run through sfnode's own step, see --weights).",
+        ],
+        [
+            "metrics-insecure",
+            None,
+            "Allow --metrics on an address off loopback (anyone who reaches it reads what this "
+            "node serves and how busy it is).",
         ],
         [
             "no-prefix-cache",
@@ -253,11 +260,26 @@ class Options(usage.Options):
             "Connections in their handshake at once; more are closed at once (0: no limit).",
         ],
         [
+            "max-address-handshakes",
+            None,
+            str(DEFAULT_MAX_ADDRESS_HANDSHAKES),
+            "Connections from one address in their handshake at once; more from it are closed "
+            "at once, so a few silent connections cannot keep heads out (0: no limit).",
+        ],
+        [
             "max-sessions",
             None,
             str(DEFAULT_MAX_SESSIONS),
-            "Sessions held at once; an ASSIGN beyond it is refused and that session's "
-            "generations get FINISH_REFUSED (0: no limit).",
+            "Live sessions held at once; an ASSIGN beyond it is refused and that session's "
+            "generations are declined, so its head places it elsewhere (0: no limit).",
+        ],
+        [
+            "fenced-grace-ms",
+            None,
+            str(DEFAULT_FENCED_GRACE_MS),
+            "A session whose lease ran out (its head is gone) is kept this long for its head "
+            "to come back and reconcile, then deleted with its undelivered events (0: kept "
+            "until a new session needs its place).",
         ],
         [
             "max-unacked-events",
@@ -284,7 +306,8 @@ class Options(usage.Options):
             None,
             None,
             "Serve this node's engine figures in Prometheus format at /metrics on this server "
-            "endpoint (default: none).",
+            "endpoint (default: none); loopback only unless --metrics-insecure. At most 64 "
+            "connections, 10 s for a request's headers.",
         ],
         ["token-delay-ms", None, None, "mock only: delay between tokens (default 0)."],
         ["dtype", None, None, f"transformers: weight dtype, one of {'|'.join(DTYPES)} (auto)."],
@@ -347,7 +370,12 @@ class Options(usage.Options):
         if (head is None) == (listen is None):
             raise usage.UsageError("give exactly one of --head ENDPOINT or --listen ENDPOINT")
         if self["metrics"] is not None:
-            _check_server_endpoint(self["metrics"])
+            _check_server_endpoint(self["metrics"], "metrics")
+            if not self["metrics-insecure"] and not is_loopback_listen(self["metrics"]):
+                raise usage.UsageError(
+                    f"refusing to serve metrics on {self['metrics']} off loopback: listen on a "
+                    "loopback interface (interface=127.0.0.1) or pass --metrics-insecure"
+                )
         if listen is not None:
             _check_server_endpoint(listen)
         else:
@@ -370,7 +398,9 @@ class Options(usage.Options):
             "idle-timeout-ms",
             "drain-timeout",
             "max-handshakes",
+            "max-address-handshakes",
             "max-sessions",
+            "fenced-grace-ms",
             "max-unacked-events",
             "max-held-tokens",
             "max-generations",
@@ -450,7 +480,9 @@ def node_config(options: Options) -> NodeConfig:
         handshake_timeout_ms=options["handshake-timeout-ms"],
         idle_timeout_ms=options["idle-timeout-ms"],
         max_handshakes=options["max-handshakes"],
+        max_address_handshakes=options["max-address-handshakes"],
         max_sessions=options["max-sessions"],
+        fenced_grace_ms=options["fenced-grace-ms"],
         max_unacked_events=options["max-unacked-events"],
         max_held_tokens=options["max-held-tokens"],
         max_generations=options["max-generations"],
@@ -514,13 +546,10 @@ def head_retry_policy(
     jitter: Callable[[], float] = random.random,
     on_delay: Callable[[int, float], None] | None = None,
 ) -> Callable[[int], float]:
-    """D9's redial delays for ``ClientService``: 0.1 s, 0.2 s, 0.4 s, ... up to 2 s, each
-    shortened by up to a fifth at random (``jitter()`` in [0, 1)) so that a fleet of nodes does
-    not redial in lockstep.
-
-    ``ClientService`` counts failed attempts from 1 and starts again at 1 once a connection was
-    made, so a node that loses its head redials 0.1 s later.  ``on_delay(attempt, delay)`` is
-    told every delay (for the log).
+    """D9's redial delays: 0.1 s, 0.2 s, 0.4 s, ... up to 2 s for the 1st, 2nd, 3rd, ...
+    attempt in a row that did not reach a handshake, each shortened by up to a fifth at random
+    (``jitter()`` in [0, 1)) so that a fleet of nodes does not redial in lockstep.
+    ``on_delay(attempt, delay)`` is told every delay (for the log).
     """
 
     def delay(attempt: int) -> float:
@@ -534,29 +563,79 @@ def head_retry_policy(
     return delay
 
 
+def _node_layers(protocol: Any) -> tuple[NodeProtocol | None, NoiseProtocol | None]:
+    """The node's own protocol inside what a dial built (``ClientService``'s proxy, the Noise
+    wrapper), and that wrapper (None without a token)."""
+    from sfnode.noise import NoiseProtocol
+    from sfnode.protocol import NodeProtocol
+
+    noise = None
+    for _ in range(4):
+        if isinstance(protocol, NodeProtocol):
+            return protocol, noise
+        if isinstance(protocol, NoiseProtocol):
+            noise = protocol
+            protocol = protocol.wrappedProtocol
+        else:
+            protocol = getattr(protocol, "_protocol", None)
+    return None, noise
+
+
 class HeadDialer:
-    """The ``--head`` endpoint, named by its endpoint string, remembering how the last attempt
-    ended so that each redial is logged with the endpoint and the real reason."""
+    """The ``--head`` endpoint, named by its endpoint string; it remembers how each attempt
+    ended, so that every redial is logged with the endpoint and the real reason, and counts
+    the attempts in a row that did not reach a handshake (the backoff of :meth:`retry_policy`).
+
+    Nothing a peer sends makes the node stop dialing (docs/protocol.md section 5.2, D9): a
+    connection that fails its handshake (garbage, a silent peer, another fleet token) is a
+    failed attempt like a refused connection, logged with its reason and retried with backoff;
+    only a connection that passed its handshake sets the backoff back to its first step.
+    """
 
     def __init__(self, endpoint: IStreamClientEndpoint, description: str) -> None:
         self._endpoint = endpoint
         self.description = description
         self._outcome = ""
         self._logged = ""
+        self.failures = 0
+        """Attempts in a row that did not reach a handshake."""
 
     def connect(self, factory: IProtocolFactory) -> defer.Deferred[Any]:
         attempt = self._endpoint.connect(factory)
 
         def connected(protocol: Any) -> Any:
-            self._outcome = "the connection to it ended"
-            self._logged = ""
+            node, noise = _node_layers(protocol)
+            if node is not None:
+                node.lost.addCallback(lambda _: self._ended(node, noise))
             return protocol
 
         def failed(failure: Failure) -> Failure:
+            self.failures += 1
             self._outcome = f"could not connect: {describe_failure(failure)}"
             return failure
 
         return attempt.addCallbacks(connected, failed)
+
+    def _ended(self, node: NodeProtocol, noise: NoiseProtocol | None) -> None:
+        if node.connection is not None and node.connection.handshaken:
+            self.failures = 0
+            self._outcome = "the connection to it ended"
+            self._logged = ""
+            return
+        self.failures += 1
+        reason = (
+            (noise.failure if noise is not None else None)
+            or node.close_reason
+            or "it closed the connection (if this repeats, check that it holds the same fleet "
+            "token)"
+        )
+        self._outcome = f"the handshake failed: {reason}"
+
+    def retry_policy(self, jitter: Callable[[], float] = random.random) -> Callable[[int], float]:
+        """The delays for ``ClientService`` (which counts only attempts that did not connect):
+        :func:`head_retry_policy` over :attr:`failures`, each redial logged."""
+        policy = head_retry_policy(jitter, on_delay=self.redialling)
+        return lambda attempt: policy(max(self.failures, 1))
 
     def redialling(self, attempt: int, delay: float) -> None:
         """Log a redial: the first after a connection or a new reason, then now and again."""
@@ -620,40 +699,24 @@ class HeadDialService(ClientService):
         return drained
 
 
-def exit_after_refusal(reactor: Any, message: str) -> None:
-    """The default reaction of a ``--head`` node refused by its head: stop, exit status 1.
-
-    ``twistd`` has no exit status of its own for a stopped reactor, so the process ends with
-    ``os._exit(1)`` after the reactor's shutdown (services stopped, logs flushed).
-    """
-
-    def leave() -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(EXIT_REFUSED)
-
-    print(message, file=sys.stderr, flush=True)
-    reactor.addSystemEventTrigger("after", "shutdown", leave)
-    reactor.stop()
-
-
 def node_factory(
     agent: NodeAgent, on_refused: Callable[[str], None] | None = None
 ) -> IProtocolFactory:
     """The protocol factory of ``agent``, for listening or dialing; all its connections share
     the node.
 
-    Each factory admits at most ``max_handshakes`` connections in their handshake at once
-    (docs/protocol.md section 5.3).  With a fleet token the node is the Noise responder around
-    it (D10), in both dial directions, and ``on_refused(peer)`` is called for a peer refused for
-    holding another token.
+    Each factory admits at most ``max_handshakes`` connections in their handshake at once, and
+    ``max_address_handshakes`` from one address (docs/protocol.md section 5.3).  With a fleet
+    token the node is the Noise responder around it (D10), in both dial directions, and
+    ``on_refused(peer)`` is told of each peer refused for holding another token (the
+    connection is closed either way; nothing stops).
     """
     from sfnode.noise import Role, secure_factory
     from sfnode.protocol import NodeFactory
 
     config = agent.config
     return secure_factory(
-        NodeFactory(agent, config.max_handshakes),
+        NodeFactory(agent, config.max_handshakes, config.max_address_handshakes),
         config.auth_token,
         role=Role.RESPONDER,
         clock=agent.clock,
@@ -662,19 +725,15 @@ def node_factory(
     )
 
 
-def makeService(
-    options: Options,
-    reactor: Any = None,
-    on_head_refused: Callable[[str], None] | None = None,
-) -> service.MultiService:
+def makeService(options: Options, reactor: Any = None) -> service.MultiService:
     """The node as a service tree named ``sfnode``: ``agent``, then ``listen`` or ``head``.
 
     ``options`` must have been parsed (``Options().parseOptions([...])``).  ``reactor`` defaults
     to the global one.  The engine (and any model) is loaded here, before the services start.
 
-    With ``--head``, a head that holds another fleet token stops the redialling and calls
-    ``on_head_refused(message)``; the default (:func:`exit_after_refusal`) stops the reactor
-    and ends the process with exit status 1.  An embedding program passes its own.
+    With ``--head`` the node dials its head until the service stops: whatever answers there
+    (garbage, a head with another fleet token) is logged and redialled with backoff
+    (:class:`HeadDialer`); only a bad configuration, found before this runs, stops a node.
 
     :raises NodeStartupError: the engine cannot be built.
     """
@@ -700,7 +759,7 @@ def makeService(
             "metrics",
             ListeningService(
                 server_from_string(reactor, options["metrics"]),
-                metrics_site(agent),
+                metrics_site(agent, reactor),
                 options["metrics"],
                 what="metrics on",
                 program="sfnode",
@@ -723,32 +782,8 @@ def makeService(
         )
         return node
     description = options["head"]
-    refused_reported = False
-
-    def head_refused(peer: str) -> None:
-        nonlocal refused_reported
-        if refused_reported:
-            return
-        refused_reported = True
-        message = (
-            f"sfnode: the head at {description} ({peer}) refused this node's fleet token "
-            "(its fleet token differs); stopping instead of redialling"
-        )
-        log.critical("{message}", message=message)
-        dial.stopService()
-        if on_head_refused is not None:
-            on_head_refused(message)
-        else:
-            exit_after_refusal(reactor, message)
-
     dialer = HeadDialer(client_from_string(reactor, description), description)
-    dial = HeadDialService(
-        agent,
-        dialer,
-        node_factory(agent, on_refused=head_refused),
-        head_retry_policy(on_delay=dialer.redialling),
-        clock=reactor,
-    )
+    dial = HeadDialService(agent, dialer, node_factory(agent), dialer.retry_policy(), clock=reactor)
     add_child(node, "head", dial)
     log.info("sfnode dialing the head at {endpoint}", endpoint=description)
     return node

@@ -57,6 +57,9 @@ LOGPROBS_MAX = MAX_TOP_LOGPROBS + 1
 FEATURE_REQUEST_CLASS = 1 << 1
 """HELLO_ACK_F feature flag: the node reads the request class of GENERATE_REQ and admits
 interactive generations ahead of batch ones (docs/protocol.md section 12.2)."""
+FEATURE_HEAD_IDENTITY = 1 << 3
+"""HELLO_ACK_F feature flag: the node keeps the sessions of each head identity (the HELLO's
+``head_id``) apart from every other head's (docs/protocol.md section 12.4, decision D13)."""
 
 _ENVELOPE = struct.Struct("<IHHQQB")
 _LENGTH = struct.Struct("<I")
@@ -96,6 +99,50 @@ class MsgType(enum.IntEnum):
 
 
 _KNOWN_TYPES = frozenset(int(t) for t in MsgType)
+
+SMALL_PAYLOAD = 1024
+"""The limit of the messages made of a few integers (decision D14)."""
+HANDSHAKE_PAYLOAD = 4096
+"""HELLO: versions, a role, a fleet token (64 characters) and a head identity."""
+STATUS_PAYLOAD = 8192
+"""HELLO_ACK_F and NODE_STATUS: an identity, a capacity sample and the list of model names."""
+PAYLOAD_LIMITS: dict[int, int] = {
+    int(t): limit
+    for t, limit in {
+        MsgType.HELLO: HANDSHAKE_PAYLOAD,
+        MsgType.HELLO_ACK_F: STATUS_PAYLOAD,
+        MsgType.RECONCILE: MAX_PAYLOAD,
+        MsgType.RECONCILE_ACK: MAX_PAYLOAD,
+        MsgType.SESSION_ASSIGN: 64 * 1024,
+        MsgType.SESSION_REVOKE: SMALL_PAYLOAD,
+        MsgType.POLICY_UPDATE: 64 * 1024,
+        MsgType.LEASE_RENEW: SMALL_PAYLOAD,
+        MsgType.LEASE_GRANT: SMALL_PAYLOAD,
+        MsgType.APPEND_CONTENT: MAX_PAYLOAD,
+        MsgType.GENERATE_REQ: 1024 * 1024,
+        MsgType.PARK_REQ: SMALL_PAYLOAD,
+        MsgType.RESUME_REQ: SMALL_PAYLOAD,
+        MsgType.TOKEN_EVENTS: MAX_PAYLOAD,
+        MsgType.WATERMARK_ACK: SMALL_PAYLOAD,
+        MsgType.XFER_BEGIN: SMALL_PAYLOAD,
+        MsgType.XFER_CHUNK: MAX_PAYLOAD,
+        MsgType.XFER_END: SMALL_PAYLOAD,
+        MsgType.XFER_ABORT: SMALL_PAYLOAD,
+        MsgType.STATE_SHIP: MAX_PAYLOAD,
+        MsgType.STATE_FETCH: MAX_PAYLOAD,
+        MsgType.BLOB_FETCH: SMALL_PAYLOAD,
+        MsgType.NODE_STATUS: STATUS_PAYLOAD,
+        MsgType.GENERATE_CANCEL: SMALL_PAYLOAD,
+        MsgType.STAGE_FORWARD_REQ: MAX_PAYLOAD,
+        MsgType.STAGE_FORWARD_RESP: MAX_PAYLOAD,
+        MsgType.TELEMETRY: MAX_PAYLOAD,
+        MsgType.KEEPALIVE: SMALL_PAYLOAD,
+    }.items()
+}
+"""The largest payload each message type may carry (docs/protocol.md section 2.3, decision
+D14): what its fields can need with room for appended ones.  A frame that declares more is
+refused from its header, before its body is buffered or unpacked; an unknown droppable type
+(skipped, never unpacked) is held to ``MAX_FRAME`` only."""
 
 
 def frame_class(msg_type: int) -> int:
@@ -145,6 +192,11 @@ class PayloadError(WireError):
     """A payload that is not the msgpack shape its message type declares."""
 
 
+class PayloadTooLarge(WireError):
+    """A frame whose payload is larger than its message type's limit (``PAYLOAD_LIMITS``), or
+    larger than the handshake's own limit before the handshake frame arrived."""
+
+
 # --------------------------------------------------------------------------------------------
 # Envelope
 
@@ -165,20 +217,45 @@ def encode_frame(msg_type: int, seq: int, payload: bytes, frame_cls: int | None 
     length = HEADER_LEN + len(payload)
     if length > MAX_FRAME:
         raise FrameTooLarge(f"frame of {length} bytes exceeds MAX_FRAME {MAX_FRAME}")
+    _check_payload_limit(msg_type, len(payload))
     return _ENVELOPE.pack(length, PROTO_VERSION, msg_type, seq, 0, expected) + payload
+
+
+def _check_payload_limit(msg_type: int, size: int) -> None:
+    """The sender's side of ``PAYLOAD_LIMITS``: nothing a receiver would refuse is written."""
+    limit = PAYLOAD_LIMITS.get(msg_type, MAX_PAYLOAD)
+    if size > limit:
+        raise PayloadTooLarge(
+            f"a {_type_label(msg_type)} payload of {size} bytes exceeds its limit of {limit}"
+        )
+
+
+def _type_label(msg_type: int) -> str:
+    try:
+        return MsgType(msg_type).name
+    except ValueError:
+        return f"0x{msg_type:04x}"
 
 
 class FrameDecoder:
     """A streaming decoder: feed it bytes, get whole frames (docs/protocol.md section 2.4).
 
-    Unknown Droppable types are skipped here and never delivered.  After an error the decoder
-    is unusable; the caller closes the connection.
+    Unknown Droppable types are skipped here and never delivered.  A frame whose payload is
+    larger than its type's limit (``PAYLOAD_LIMITS``, decision D14) is refused as soon as its
+    header is in, before its body is buffered.  ``handshake`` names the frame a connection
+    starts with (HELLO on the node, HELLO_ACK_F on the head): until one of that type has been
+    decoded, every frame is held to that type's limit, so a peer that has not shaken hands
+    cannot make the decoder buffer more.  After an error the decoder is unusable; the caller
+    closes the connection.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, handshake: MsgType | None = None) -> None:
         self._buffer = bytearray()
         self._needed = 4
         """Bytes the buffer must hold before the next frame can be complete."""
+        self._handshake = None if handshake is None else int(handshake)
+        """The type that lifts the handshake cap once decoded; None when there is no cap."""
+        self._cap = MAX_PAYLOAD if handshake is None else PAYLOAD_LIMITS[int(handshake)]
 
     @property
     def buffered(self) -> int:
@@ -204,6 +281,7 @@ class FrameDecoder:
         available = len(buffer)
         unpack_length = _LENGTH.unpack_from
         unpack_envelope = _ENVELOPE.unpack_from
+        limit_of = PAYLOAD_LIMITS.get
         try:
             while available - offset >= 4:
                 if available - offset >= 25:
@@ -215,9 +293,16 @@ class FrameDecoder:
                     raise BadLength(f"frame length {length} is below the header length 21")
                 if length > MAX_FRAME:
                     raise FrameTooLarge(f"frame length {length} exceeds MAX_FRAME {MAX_FRAME}")
+                if available - offset < 25:
+                    # The type is not known yet: wait for the whole header (a frame is at least
+                    # 25 bytes), whose type says how much body may follow.
+                    self._needed = 25
+                    break
+                size = length - HEADER_LEN
+                if size > self._cap or size > limit_of(msg_type, MAX_PAYLOAD):
+                    raise self._too_large(msg_type, size)
                 end = offset + 4 + length
                 if end > available:
-                    # (Always taken when fewer than 25 bytes were there: a frame is >= 25.)
                     self._needed = 4 + length
                     break
                 payload = buffer[offset + 25 : end]
@@ -228,6 +313,8 @@ class FrameDecoder:
                     if msg_type & DROPPABLE_BIT:
                         continue
                     raise UnknownRequiredType(f"unknown required message type 0x{msg_type:04x}")
+                if msg_type == self._handshake:
+                    self._handshake, self._cap = None, MAX_PAYLOAD
                 frames.append(Frame(msg_type, seq, payload))
         except WireError as e:
             e.frames_before = frames
@@ -235,6 +322,17 @@ class FrameDecoder:
         finally:
             self._buffer = bytearray(buffer[offset:]) if offset < len(buffer) else bytearray()
         return frames
+
+    def _too_large(self, msg_type: int, size: int) -> PayloadTooLarge:
+        limit = PAYLOAD_LIMITS.get(msg_type, MAX_PAYLOAD)
+        if size <= limit and self._handshake is not None:
+            return PayloadTooLarge(
+                f"a {_type_label(msg_type)} frame of {size} payload bytes before the "
+                f"{_type_label(self._handshake)} (the limit before it is {self._cap})"
+            )
+        return PayloadTooLarge(
+            f"a {_type_label(msg_type)} payload of {size} bytes exceeds its limit of {limit}"
+        )
 
     def finish(self) -> None:
         """The stream ended: raise :class:`Truncated` if part of a frame is still buffered."""
@@ -853,11 +951,27 @@ class Message(Struct):
 
 @dataclass(frozen=True, slots=True)
 class Hello(Message):
+    """HELLO.  ``head_id`` is the optional fourth element of docs/protocol.md section 12.4: a
+    head's identity, which a node with ``FEATURE_HEAD_IDENTITY`` keeps its sessions under.
+    None (not written: the three-element HELLO every node reads) is a head without one."""
+
     proto_versions: tuple[int, int]
     link_role: LinkRole
     auth: bytes
+    head_id: int | None = None
     MSG_TYPE = MsgType.HELLO
-    FIELDS = (Pair(U16), UnitEnum(LinkRole), BIN)
+    FIELDS = (Pair(U16), UnitEnum(LinkRole), BIN, Optional(U64))
+
+    def to_wire(self) -> list[Any]:
+        wire = Struct.to_wire(self)
+        return wire if self.head_id is not None else wire[:3]
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Hello:
+        if type(obj) is list and len(obj) == 3:
+            obj = [*obj, None]
+        message: Hello = super(Hello, cls).from_wire(obj)
+        return message
 
 
 @dataclass(frozen=True, slots=True)
@@ -1258,6 +1372,9 @@ _ENVELOPE_OF_CLASS: dict[type[Message], tuple[int, int]] = {
     c: (int(t), frame_class(t)) for t, c in MESSAGE_CLASSES.items()
 }
 """Each message class's type number and class byte, looked up once per frame sent."""
+_LIMIT_OF_CLASS: dict[type[Message], int] = {
+    c: PAYLOAD_LIMITS[int(t)] for t, c in MESSAGE_CLASSES.items()
+}
 
 
 def decode_message(msg_type: int, payload: bytes) -> Message:
@@ -1284,6 +1401,8 @@ def message_frame(message: Message, seq: int) -> bytes:
     length = HEADER_LEN + len(payload)
     if length > MAX_FRAME:
         raise FrameTooLarge(f"frame of {length} bytes exceeds MAX_FRAME {MAX_FRAME}")
+    if len(payload) > _LIMIT_OF_CLASS[type(message)]:
+        _check_payload_limit(msg_type, len(payload))
     return _ENVELOPE.pack(length, PROTO_VERSION, msg_type, seq, 0, cls) + payload
 
 

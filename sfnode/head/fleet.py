@@ -34,6 +34,13 @@ On top of that:
   ``max_new - delivered`` left to generate, so the caller sees exactly the tokens of an
   uninterrupted run, none twice (the counter-based sampler makes this hold for sampled
   generations too); with no other node live it waits in the queue, ahead of new requests;
+- a wall budget per generation (``max_generation_s``, ``--max-generation-time``): a
+  generation still running when it passes, placement and failovers included, is cancelled on
+  its node, its lane freed, and it fails with :class:`GenerationTimedOut`, so no request hangs
+  on a Finish that never comes (a node that lost the generation);
+- a node that declined a generation (full: its live sessions are at ``max_sessions``, or
+  draining) is not given new work until its next load report, which tells whether it has
+  room again (a fresh report of ``active_sessions`` at ``max_sessions`` counts as full too);
 - sessions are revoked when they end; a session whose context outgrows its node moves to one
   that fits;
 - a session whose GenParams ask for logprobs is placed only on nodes that offer them
@@ -100,6 +107,8 @@ DEFAULT_MAX_QUEUED = 256
 """Requests that may wait for a node at once; one more is refused at once."""
 DEFAULT_QUEUE_TIMEOUT_S = 30.0
 """How long a request waits for a node before it fails (0: as long as it takes)."""
+DEFAULT_MAX_GENERATION_S = 600.0
+"""The wall budget of one generation, from its request to its Finish (0: none)."""
 MAX_FAILOVERS = 16
 """Moves one generation may make before the fleet gives up on it (a request that kills every
 node it reaches must not go round for ever)."""
@@ -159,6 +168,10 @@ class SessionClosed(FleetError):
     """The session was closed; it cannot append or generate any more."""
 
 
+class GenerationTimedOut(FleetError):
+    """The generation passed its wall budget (``max_generation_s``) without ending."""
+
+
 class LogprobsUnavailable(FleetError):
     """The request asks for logprobs and no node serving the model returns them (every one
     of them has said so: its HELLO_ACK_F lacks FEATURE_LOGPROBS, docs/protocol.md 12.1)."""
@@ -195,6 +208,9 @@ class FleetNode:
         self.last_failure = ""
         self.prefixes = PrefixIndex()
         """The blocks of the contexts placed and generated here (what its cache may hold)."""
+        self.declined_at: float | None = None
+        """When it last declined a generation (clock seconds); it takes nothing new until a
+        load report sampled after that arrives."""
         self.ended: deque[float] = deque()
         """When this head's generations here ended, since the node's latest load report."""
 
@@ -253,6 +269,7 @@ class FleetNode:
             interactive_inflight=self.interactive_inflight,
             cached_tokens=self.prefixes.cached_blocks(keys) * KV_BLOCK_TOKENS if keys else 0,
             ended_since_report=len(self.ended),
+            declined=self.declined_at is not None and (at is None or at <= self.declined_at),
         )
 
     def generation_started(self, interactive: bool) -> None:
@@ -456,6 +473,10 @@ class FleetGeneration:
         self._placed = False
         self._placement_failure: Any = None
         self._placement_waiters: list[Deferred[None]] = []
+        self._deadline: IDelayedCall | None = None
+        self._timed_out: GenerationTimedOut | None = None
+        """Set when the wall budget passed: how the generation ends, whatever stopping it
+        produced."""
 
     def when_placed(self) -> Deferred[None]:
         """Fires once the first GENERATE_REQ is sent (or the generation ended first), or
@@ -480,15 +501,54 @@ class FleetGeneration:
             self._call.cancel()
 
     def _start(self) -> None:
+        fleet = self.session.fleet
+        if fleet.max_generation_s > 0:
+            self._deadline = fleet._clock.callLater(fleet.max_generation_s, self._expire)
         _deferred(self._run()).addCallbacks(self._succeeded, self._failed)
 
     def _succeeded(self, outcome: FleetOutcome) -> None:
+        if self._timed_out is not None:
+            self._failed(self._timed_out)
+            return
+        self._stop_deadline()
         self._placement_done(None)
         self.result.callback(outcome)
 
     def _failed(self, failure: Any) -> None:
+        if self._timed_out is not None:
+            failure = self._timed_out
+        self._stop_deadline()
         self._placement_done(failure)
         self.result.errback(failure)
+
+    def _stop_deadline(self) -> None:
+        deadline, self._deadline = self._deadline, None
+        if deadline is not None and deadline.active():
+            deadline.cancel()
+
+    def _expire(self) -> None:
+        """The wall budget passed: stop whatever still runs (the queue wait, or the call on
+        its node, which sends GENERATE_CANCEL and frees the lane at once whether or not a
+        Finish ever comes); the run then ends at once, failing with GenerationTimedOut."""
+        self._deadline = None
+        session = self.session
+        budget = session.fleet.max_generation_s
+        _log.warn(
+            "generation of session {session} passed its wall budget of {budget:g} s after "
+            "{delivered} tokens; cancelling it",
+            session=session.session_id,
+            budget=budget,
+            delivered=len(self.tokens),
+        )
+        self._timed_out = GenerationTimedOut(
+            f"the generation did not end within {budget:g} s (--max-generation-time) "
+            f"after {len(self.tokens)} tokens"
+        )
+        self._cancelled = True
+        if self._waiting is not None:
+            self._waiting.cancel()
+        if self._call is not None:
+            self._call.result.cancel()
 
     def _placement_done(self, failure: Any) -> None:
         waiters, self._placement_waiters = self._placement_waiters, []
@@ -576,9 +636,10 @@ class FleetGeneration:
                             list(self.tokens), outcome.finish, node.name, self.failovers
                         )
                     error = NodeDeclined(
-                        f"{node.name} declined the generation (stale epoch, replayed command, "
-                        "or the node is draining)"
+                        f"{node.name} declined the generation (it is full or draining, or a "
+                        "stale epoch or replayed command)"
                     )
+                    fleet._declined(node)
                 if self._cancelled:
                     return self._outcome(FINISH_CANCELLED, node)
                 if self.failovers >= MAX_FAILOVERS:
@@ -659,6 +720,7 @@ class Fleet:
         max_client_queued: int | None = None,
         queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
         prefix: PrefixRule = DEFAULT_PREFIX_RULE,
+        max_generation_s: float = DEFAULT_MAX_GENERATION_S,
     ) -> None:
         self._reactor = reactor
         self._clock: IReactorTime = clock if clock is not None else reactor
@@ -681,6 +743,8 @@ class Fleet:
         self.queue_timeout_s = queue_timeout_s
         self.prefix = prefix
         """How placement weighs a node's cached prefix against its load (``load-aware``)."""
+        self.max_generation_s = max_generation_s
+        """The wall budget of each generation (0: none)."""
         self.nodes: list[FleetNode] = []
         self.failovers = 0
         self.reconnects = 0
@@ -879,6 +943,11 @@ class Fleet:
                 node=node.label,
                 reason=str(reason),
             )
+
+    def link_reported(self, link: NodeLink) -> None:
+        if self._queue and self._node_of(link) is not None:
+            # A fresh report may say that a full node (or one that declined) has room again.
+            self._dispatch()
 
     def link_closed(self, link: NodeLink) -> None:
         node = self._node_of(link)
@@ -1144,6 +1213,10 @@ class Fleet:
         node.sessions -= 1
         node.link.revoke(session.session_id)
 
+    def _declined(self, node: FleetNode) -> None:
+        """``node`` declined a generation: no new work there until it reports again."""
+        node.declined_at = self._clock.seconds()
+
     def _release(self, node: FleetNode, interactive: bool) -> None:
         """A generation on ``node`` ended: its lane may take a waiting request."""
         node.generation_ended(self._clock.seconds(), interactive)
@@ -1225,6 +1298,7 @@ class Fleet:
 
 
 __all__ = [
+    "DEFAULT_MAX_GENERATION_S",
     "DEFAULT_MAX_QUEUED",
     "DEFAULT_QUEUE_TIMEOUT_S",
     "ClientQueueFull",
@@ -1234,6 +1308,7 @@ __all__ = [
     "FleetNode",
     "FleetOutcome",
     "FleetSession",
+    "GenerationTimedOut",
     "LinkError",
     "LogprobsUnavailable",
     "NoNodeAvailable",

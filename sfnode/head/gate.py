@@ -1,5 +1,7 @@
 """The head's HTTP front door: what is checked before a request body is read, and the clocks that
-keep slow or hostile clients from holding the head.
+keep slow or hostile clients from holding the head.  It is built on the guards every sfnode
+listener shares (``sfnode.webguard``: the header deadline, refusals that read nothing more, the
+connection cap), with the head's own checks and its errors in OpenAI's shape.
 
 - :func:`resolve` decides what a request is, once: it decodes and walks the path exactly as
   twisted.web's router does, and the site then serves the resource found there
@@ -41,23 +43,27 @@ from io import BytesIO
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IReactorTime
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web import http
 from twisted.web.resource import Resource
-from twisted.web.server import Request, Site
+from twisted.web.server import Request
 
 from sfnode.head.schema import ApiError
+from sfnode.webguard import (
+    IDLE_TIMEOUT_S,
+    LINGER_BYTES,
+    LINGER_S,
+    CappedSite,
+    Refusal,
+    http_date,
+)
+from sfnode.webguard import (
+    GuardedChannel as SharedChannel,
+)
+from sfnode.webguard import raw_response as _raw_response
 
-LINGER_BYTES = 256 * 1024
-"""After a refusal: how much of the unread body is discarded before the connection is aborted
-(enough for a normal client to finish sending and read the answer)."""
-LINGER_S = 5.0
-"""After a refusal: how long the connection may stay half-open before it is aborted."""
-IDLE_TIMEOUT_S = 60.0
-"""A keep-alive connection with no request in progress is closed after this long."""
 SERVER = b"sfhead"
 
 _log = Logger(namespace="sfnode.head.gate")
@@ -336,24 +342,11 @@ def _too_many(why: str) -> ApiError:
 
 def raw_response(error: ApiError, date: bytes, extra: Mapping[bytes, bytes] | None = None) -> bytes:
     """A complete HTTP/1.1 response for ``error`` that closes the connection."""
-    body = error.encoded()
-    reason = http.RESPONSES.get(error.status, b"Error")
-    lines = [
-        b"HTTP/1.1 %d %s" % (error.status, reason),
-        b"Server: " + SERVER,
-        b"Date: " + date,
-        b"Content-Type: application/json",
-        b"Content-Length: %d" % len(body),
-        b"Connection: close",
-    ]
-    for name, value in {**error.headers, **(extra or {})}.items():
-        lines.append(name + b": " + value)
-    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+    return _raw_response(error, date, SERVER, extra)
 
 
 def _date(clock: IReactorTime) -> bytes:
-    date: bytes = http.datetimeToString(clock.seconds())  # type: ignore[no-untyped-call]
-    return date
+    return http_date(clock)
 
 
 def body_too_large(limit: int) -> ApiError:
@@ -419,75 +412,26 @@ class GuardedRequest(Request):
         return reason
 
 
-class GuardedChannel(http.HTTPChannel):
-    """An HTTP/1.1 channel that screens each request at the end of its headers and runs the
-    header and body deadlines."""
+class GuardedChannel(SharedChannel):
+    """The shared channel (header deadline, refusals) that also screens each request at the
+    end of its headers and runs the body deadline."""
 
     site: GuardedSite
-    refused = False
-    """A refusal was written: everything the client sends from now on is discarded."""
-    _deadline: IDelayedCall | None = None
-    _discarded = 0
-
     client = ""
     """The peer's address (what ``max_client_connections`` counts)."""
 
     def connectionMade(self) -> None:
-        super().connectionMade()  # type: ignore[no-untyped-call]
-        self.site.connections.add(self)
+        super().connectionMade()
         self.client = client_address(self.transport.getPeer() if self.transport else None)
         self.site.client_connections[self.client] += 1
 
     def connectionLost(self, reason: Failure) -> None:  # type: ignore[override]
-        if self in self.site.connections:
-            self.site.connections.discard(self)
-            self.site.client_connections[self.client] -= 1
-            if self.site.client_connections[self.client] <= 0:
-                del self.site.client_connections[self.client]
-        self._cancel_deadline()
-        super().connectionLost(reason)  # type: ignore[no-untyped-call]
-
-    # Deadlines
-
-    def _arm(self, seconds: float, what: str) -> None:
-        self._cancel_deadline()
-        self._deadline = self.site.reactor.callLater(seconds, self._timed_out, what, seconds)
-
-    def _cancel_deadline(self) -> None:
-        deadline, self._deadline = self._deadline, None
-        if deadline is not None and deadline.active():
-            deadline.cancel()
-
-    def _timed_out(self, what: str, seconds: float) -> None:
-        self._deadline = None
-        self.refuse(
-            ApiError(
-                408,
-                f"the request {what} did not arrive within {seconds:g} s",
-                code="request_timeout",
-                outcome="timeout",
-            )
-        )
-
-    # Bytes in
-
-    def dataReceived(self, data: bytes) -> None:
-        if self.refused:
-            self._discard(data)
-            return
-        if data and not self._handlingRequest and self._deadline is None:
-            self._arm(self.site.limits.header_timeout_s, "headers")
-        super().dataReceived(data)  # type: ignore[no-untyped-call]
-
-    def lineReceived(self, line: bytes) -> None:
-        if not self.refused:
-            super().lineReceived(line)  # type: ignore[no-untyped-call]
-
-    def rawDataReceived(self, data: bytes) -> None:
-        if self.refused:
-            self._discard(data)
-            return
-        super().rawDataReceived(data)
+        counts = self.site.client_connections
+        if counts.get(self.client, 0) > 0:
+            counts[self.client] -= 1
+            if counts[self.client] <= 0:
+                del counts[self.client]
+        super().connectionLost(reason)
 
     def allHeadersReceived(self) -> None:
         self._cancel_deadline()
@@ -508,7 +452,7 @@ class GuardedChannel(http.HTTPChannel):
         if error is not None:
             self.refuse(error)
             return
-        super().allHeadersReceived()  # type: ignore[no-untyped-call]
+        super().allHeadersReceived()
         if self.length != 0 and not self.refused:
             self._arm(self.site.limits.body_timeout_s, "body")
 
@@ -518,77 +462,11 @@ class GuardedChannel(http.HTTPChannel):
         self._cancel_deadline()
         super().allContentReceived()  # type: ignore[no-untyped-call]
 
-    # Refusals
-
-    def _respondToBadRequestAndDisconnect(self) -> None:
-        # twisted.web's answer to a malformed request line, header or chunk is a bare
-        # "400 Bad Request"; ours is OpenAI's JSON like every other error.
-        self.refuse(
-            ApiError(
-                400,
-                "malformed HTTP request (request line, headers or chunked body)",
-                code="bad_http_request",
-            )
-        )
-
-    def lineLengthExceeded(self, line: bytes) -> None:
-        # LineReceiver would close the connection without a word.
-        self.refuse(
-            ApiError(
-                400,
-                f"a request line or header is longer than {self.MAX_LENGTH} bytes",
-                code="bad_http_request",
-            )
-        )
-
-    def refuse(self, error: ApiError) -> None:
-        """Answer ``error`` now, read nothing more of this connection, and close it."""
-        if self.refused:
-            return
-        self.refused = True
-        self._cancel_deadline()
-        self.setTimeout(None)  # type: ignore[no-untyped-call]
-        self.site.count(error.outcome)
-        transport = self.transport
-        assert transport is not None
-        transport.write(raw_response(error, _date(self.site.reactor)))
-        # Half-close: the client reads the answer and its end of the stream, while whatever
-        # it still sends is discarded (a full close now would reset the connection and could
-        # destroy the answer before the client reads it).
-        lose_write = getattr(transport, "loseWriteConnection", None)
-        if lose_write is not None:
-            lose_write()
-        else:
-            transport.loseConnection()
-        self._deadline = self.site.reactor.callLater(LINGER_S, self._abort)
-
-    def _discard(self, data: bytes) -> None:
-        self._discarded += len(data)
-        if self._discarded > LINGER_BYTES:
-            self._abort()
-
-    def _abort(self) -> None:
-        self._cancel_deadline()
-        transport: Any = self.transport
-        if transport is not None:
-            transport.abortConnection()
-
 
 def client_address(address: object) -> str:
     """A peer's address as the per-client limits count it (its host; the kind of address for
     one without a host, such as a Unix socket)."""
     return str(getattr(address, "host", None) or type(address).__name__)
-
-
-def too_many_connections() -> ApiError:
-    return ApiError(
-        503,
-        "the server has too many open connections; retry shortly",
-        kind="service_unavailable",
-        code="too_many_connections",
-        outcome="overloaded",
-        headers={b"retry-after": b"1"},
-    )
 
 
 def too_many_client_connections(limit: int) -> ApiError:
@@ -603,16 +481,15 @@ def too_many_client_connections(limit: int) -> ApiError:
     )
 
 
-class _Overloaded(Protocol):
-    """What a connection beyond a cap gets: ``error`` (503 or 429) and the end of the
+class _ClientOverloaded(Protocol):
+    """What a connection beyond its address's cap gets: a 429 and the end of the
     connection."""
 
-    def __init__(self, site: GuardedSite, error: ApiError) -> None:
+    def __init__(self, site: GuardedSite) -> None:
         self.site = site
-        self.error = error
 
     def connectionMade(self) -> None:
-        error = self.error
+        error = too_many_client_connections(self.site.limits.max_client_connections)
         self.site.count(error.outcome)
         assert self.transport is not None
         self.transport.write(raw_response(error, _date(self.site.reactor)))
@@ -629,7 +506,7 @@ class _Hooks:
     unexpected: Callable[[Failure, GuardedRequest], ApiError]
 
 
-class GuardedSite(Site):
+class GuardedSite(CappedSite):
     """A twisted.web ``Site`` with the front door: screened requests, bounded bodies,
     deadlines, a connection cap, CORS only for configured origins.
 
@@ -638,8 +515,9 @@ class GuardedSite(Site):
     logs an unexpected exception once and returns the 500 to answer.
     """
 
-    protocol = GuardedChannel  # type: ignore[assignment]
+    protocol = GuardedChannel
     requestFactory = GuardedRequest
+    server = SERVER
 
     def __init__(
         self,
@@ -652,23 +530,24 @@ class GuardedSite(Site):
         unexpected: Callable[[Failure, GuardedRequest], ApiError],
         not_found: Resource,
     ) -> None:
-        super().__init__(resource, timeout=IDLE_TIMEOUT_S, reactor=reactor)  # type: ignore[no-untyped-call]
-        self.displayTracebacks = False
+        super().__init__(
+            resource,
+            reactor=reactor,
+            max_connections=limits.max_connections,
+            header_timeout_s=limits.header_timeout_s,
+        )
         self.limits = limits
         self.hooks = _Hooks(screen, count, unexpected)
         self.not_found = not_found
         """What answers a path that reaches no route (a JSON 404)."""
-        self.connections: set[GuardedChannel] = set()
         self.client_connections: Counter[str] = Counter()
         """Open connections per client address."""
 
     def buildProtocol(self, addr: Any) -> Any:
-        if len(self.connections) >= self.limits.max_connections:
-            return _Overloaded(self, too_many_connections())
         per_client = self.limits.max_client_connections
         if per_client and self.client_connections[client_address(addr)] >= per_client:
-            return _Overloaded(self, too_many_client_connections(per_client))
-        return super().buildProtocol(addr)  # type: ignore[no-untyped-call]
+            return _ClientOverloaded(self)
+        return super().buildProtocol(addr)
 
     def resolve(self, request: GuardedRequest) -> Resolved:
         """What ``request`` is (:func:`resolve` on this site's resource tree)."""
@@ -685,6 +564,18 @@ class GuardedSite(Site):
         request.prepath = list(resolved.prepath)
         request.postpath = list(resolved.postpath)
         return resolved.resource
+
+    def error(
+        self,
+        status: int,
+        message: str,
+        *,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        outcome: str = "bad_request",
+        headers: Mapping[bytes, bytes] | None = None,
+    ) -> Refusal:
+        return ApiError(status, message, kind=kind, code=code, outcome=outcome, headers=headers)
 
     def screen(self, request: GuardedRequest, length: int | None) -> ApiError | None:
         return self.hooks.screen(request, length)
@@ -731,6 +622,7 @@ __all__ = [
     "LINGER_BYTES",
     "LINGER_S",
     "NOT_FOUND",
+    "SERVER",
     "ConcurrencyLimits",
     "GateLimits",
     "GuardedChannel",

@@ -63,6 +63,7 @@ from sfnode.head.fleet import (
     ClientQueueFull,
     FleetError,
     FleetOutcome,
+    GenerationTimedOut,
     LogprobsUnavailable,
     NodeDeclined,
     QueueFull,
@@ -718,6 +719,10 @@ def _fleet_error(failure: Failure, param: str) -> ApiError | None:
         )
     if isinstance(error, QueueFull):
         return _unavailable(str(error), "queue_full")
+    if isinstance(error, GenerationTimedOut):
+        return ApiError(
+            504, str(error), kind="timeout_error", code="generation_timeout", outcome="timeout"
+        )
     if isinstance(error, LogprobsUnavailable):
         return ApiError(
             400,

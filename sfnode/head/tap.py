@@ -43,6 +43,7 @@ from sfnode.head.classes import (
     DefaultClass,
 )
 from sfnode.head.fleet import (
+    DEFAULT_MAX_GENERATION_S,
     DEFAULT_MAX_QUEUED,
     DEFAULT_QUEUE_TIMEOUT_S,
     Fleet,
@@ -319,6 +320,15 @@ class Options(usage.Options):
             "gets 503 (0: as long as it takes). A stream whose node died waits the same way.",
         ],
         [
+            "max-generation-time",
+            None,
+            f"{DEFAULT_MAX_GENERATION_S:g}",
+            "Seconds one generation may take from its request to its end, waiting and failovers "
+            "included; past it the head cancels it on its node, frees its lane and answers 504 "
+            "generation_timeout (an error event in a stream already answered), so no request "
+            "hangs on a node that lost it (0: no limit).",
+        ],
+        [
             "reconnect-max",
             None,
             f"{DEFAULT_RETRY_MAX_S:g}",
@@ -545,6 +555,7 @@ class Options(usage.Options):
                 "max-client-queued", self["max-client-queued"]
             )
         self["queue-timeout"] = _seconds("queue-timeout", self["queue-timeout"])
+        self["max-generation-time"] = _seconds("max-generation-time", self["max-generation-time"])
         self["keepalive-timeout"] = _seconds("keepalive-timeout", self["keepalive-timeout"])
         self["reconnect-max"] = _seconds("reconnect-max", self["reconnect-max"])
         if self["reconnect-max"] < RETRY_INITIAL_S:
@@ -821,6 +832,7 @@ def makeService(options: Options, reactor: Any = None) -> service.MultiService:
         "max_queued": options["max-queued"],
         "max_client_queued": options["max-client-queued"],
         "queue_timeout_s": options["queue-timeout"],
+        "max_generation_s": options["max-generation-time"],
         "retry_max_s": options["reconnect-max"],
         "silence_timeout_s": options["keepalive-timeout"],
     }
