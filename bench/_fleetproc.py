@@ -222,12 +222,19 @@ class RunningFleet:
 
 @contextmanager
 def fleet_processes(
-    node_args: Sequence[str], env: dict[str, str], model: Path | None, logs: Path
+    node_args: Sequence[str],
+    env: dict[str, str],
+    model: Path | None,
+    logs: Path,
+    children: list[Child] | None = None,
 ) -> Iterator[int]:
     """``twistd sfnode`` listening on a free loopback port and ``twistd sfhead`` dialing it,
     serving HTTP on another: yields that HTTP port once the head has the node, and stops both
-    when the block ends.  Their output goes to ``logs/sfnode.log`` and ``logs/sfhead.log``."""
+    when the block ends.  Their output goes to ``logs/sfnode.log`` and ``logs/sfhead.log``;
+    ``children``, when given, gets the node's and then the head's :class:`Child`."""
     with fleet_children(node_args, env, model, logs) as fleet:
+        if children is not None:
+            children.extend((fleet.node, fleet.head))
         yield fleet.port
 
 
@@ -270,6 +277,48 @@ def fleet_children(
         if head is not None:
             head.stop()
         node.stop()
+
+
+VECTOR_EXTENSIONS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
+
+
+def cpu_extensions() -> str:
+    """The CPU's vector extensions that decide sfnode's kernels (docs/engine.md section 5.1), as
+    ``avx2 fma f16c; no avx512f, ...``."""
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        return "unknown (no /proc/cpuinfo)"
+    have = [name for name in VECTOR_EXTENSIONS if name in flags]
+    lacking = [name for name in VECTOR_EXTENSIONS if name not in flags]
+    return " ".join(have or ["none"]) + (f"; no {', '.join(lacking)}" if lacking else "")
+
+
+def memory_mb(pid: int) -> tuple[float, float]:
+    """``(VmRSS, VmHWM)`` of a process in MB: its resident memory now and at its peak."""
+    found = {"VmRSS": 0.0, "VmHWM": 0.0}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in found:
+                found[key] = int(value.split()[0]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return found["VmRSS"], found["VmHWM"]
 
 
 def cpu_name() -> str:

@@ -15,10 +15,18 @@ An engine with a prefix cache (one with ``prefix_statistics()``, the transformer
 ``--no-prefix-cache``) adds its figures: lookups that reused blocks and lookups that did not,
 prompt tokens not computed thanks to it, blocks saved and evicted, and blocks held now.  An
 engine without one shows none of them (not zeros that would read as "nothing reused").
+An engine that honours constraints adds the grammar masks it computed, the seconds that took
+and the seconds steps waited for them after their forward pass (docs/engine.md section 2.4).
+
+The same site answers ``/healthz`` for probes (a Kubernetes readiness or liveness probe, a load
+balancer): 200 ``{"status": "ok", ...}`` while the node takes generations (its model is loaded:
+the site starts after the engine is built), 503 ``{"status": "draining", ...}`` once SIGTERM
+started its drain.  Both say how many heads are connected and how many generations run.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -38,6 +46,14 @@ if TYPE_CHECKING:
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 METRICS_MAX_CONNECTIONS = 64
 """Open connections the metrics listener takes; one more is answered 503 and closed."""
+
+
+@runtime_checkable
+class MaskFiguresSource(Protocol):
+    """An engine that computes grammar masks (the transformers engine)."""
+
+    def mask_figures(self) -> tuple[int, float, float]:
+        """(masks computed, seconds computing them, seconds steps waited for them)."""
 
 
 @runtime_checkable
@@ -61,7 +77,7 @@ class NodeCollector(Collector):
         labels = ["node", "model"]
         values = [agent.config.identity, agent.config.model_name]
 
-        def counter(name: str, help_text: str, value: int) -> CounterMetricFamily:
+        def counter(name: str, help_text: str, value: float) -> CounterMetricFamily:
             family = CounterMetricFamily(name, help_text, labels=labels)
             family.add_metric(values, value)
             return family
@@ -97,6 +113,21 @@ class NodeCollector(Collector):
             "sfnode_generations", "Generations running or queued.", agent.running_generations
         )
         engine = agent.engine
+        if engine.supports_constraints and isinstance(engine, MaskFiguresSource):
+            masks, computing, waiting = engine.mask_figures()
+            yield counter(
+                "sfnode_grammar_masks", "Allowed-token masks computed for constrained rows.", masks
+            )
+            yield counter(
+                "sfnode_grammar_mask_seconds",
+                "Seconds spent computing grammar masks (beside the forward passes).",
+                computing,
+            )
+            yield counter(
+                "sfnode_grammar_mask_wait_seconds",
+                "Seconds steps waited for their grammar masks after their forward pass.",
+                waiting,
+            )
         prefix = engine.prefix_statistics() if isinstance(engine, PrefixStatisticsSource) else None
         if prefix is None:
             return
@@ -144,6 +175,30 @@ class MetricsResource(Resource):
         return generate_latest(self._registry)
 
 
+class HealthResource(Resource):
+    """``/healthz``: 200 while the node takes generations, 503 once it drains."""
+
+    isLeaf = True
+
+    def __init__(self, agent: NodeAgent) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._agent = agent
+
+    def render_GET(self, request: Request) -> bytes:
+        agent = self._agent
+        accepting = agent.accepting
+        request.setResponseCode(200 if accepting else 503)
+        request.setHeader(b"content-type", b"application/json")  # type: ignore[no-untyped-call]
+        body = {
+            "status": "ok" if accepting else "draining",
+            "node": agent.config.identity,
+            "model": agent.config.model_name,
+            "heads": len(agent.connections),
+            "generations": agent.running_generations,
+        }
+        return json.dumps(body).encode()
+
+
 def metrics_site(
     agent: NodeAgent,
     reactor: IReactorTime,
@@ -151,12 +206,13 @@ def metrics_site(
     max_connections: int = METRICS_MAX_CONNECTIONS,
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
 ) -> CappedSite:
-    """A web site serving this node's figures at ``/metrics``, behind the shared guards (its
-    deadlines run on ``reactor``)."""
+    """A web site serving this node's figures at ``/metrics`` and its health at ``/healthz``,
+    behind the shared guards (its deadlines run on ``reactor``)."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(NodeCollector(agent))
     root = Resource()  # type: ignore[no-untyped-call]
     root.putChild(b"metrics", MetricsResource(registry))
+    root.putChild(b"healthz", HealthResource(agent))
     return CappedSite(
         root, reactor=reactor, max_connections=max_connections, header_timeout_s=header_timeout_s
     )

@@ -28,6 +28,11 @@ Logprobs (section 12.1): the node sets ``FEATURE_LOGPROBS`` when its engine
 ``supports_logprobs``, and a generation whose session's GenParams ask for them sends
 TokensLogprobs events instead of Tokens, coalesced, retried and retransmitted alike.
 
+Constraints (section 12.3): the node sets ``FEATURE_CONSTRAINTS`` when its engine
+``supports_constraints`` and hands a GENERATE_REQ's constraint to the engine with the request;
+a constraint the engine cannot honour is a refusal (FINISH_REFUSED), as is one sent to a node
+that did not offer the bit.
+
 Section numbers in this module are those of docs/protocol.md.
 """
 
@@ -71,10 +76,12 @@ from sfnode.machines import (
 from sfnode.protocol import NodeConnection, NodeProtocol
 from sfnode.wire import (
     F32_MAX,
+    FEATURE_CONSTRAINTS,
     FEATURE_HEAD_IDENTITY,
     FEATURE_LOGPROBS,
     FEATURE_REQUEST_CLASS,
     FINISH_DECLINED,
+    FINISH_REFUSED,
     LOGPROBS_MAX,
     PROTO_VERSION,
     U32_MAX,
@@ -465,6 +472,11 @@ class NodeAgent:
         return len(self._generations)
 
     @property
+    def accepting(self) -> bool:
+        """Whether new generations are taken: True until the drain starts."""
+        return self._drain.accepting()
+
+    @property
     def contexts(self) -> Mapping[int, array[int]]:
         """Each session's token context, for the sessions that have one, of the heads without
         identity (:meth:`contexts_of` for a head that has one)."""
@@ -507,7 +519,8 @@ class NodeAgent:
             # Every engine reads GenerationRequest.interactive (section 12.2).
             feature_flags=FEATURE_REQUEST_CLASS
             | FEATURE_HEAD_IDENTITY
-            | (FEATURE_LOGPROBS if self.engine.supports_logprobs else 0),
+            | (FEATURE_LOGPROBS if self.engine.supports_logprobs else 0)
+            | (FEATURE_CONSTRAINTS if self.engine.supports_constraints else 0),
             limits=LinkFLimits(),
         )
 
@@ -689,6 +702,16 @@ class NodeAgent:
             self._answer_at_once(connection, msg, FINISH_DECLINED)
             return
         session.home = connection
+        if msg.constraint is not None and not self.engine.supports_constraints:
+            # Only a head that ignored this node's HELLO_ACK_F sends one (section 12.3).
+            log.info(
+                "refused generation {generation} of session {session}: this node does not "
+                "honour constraints",
+                generation=msg.generation_id,
+                session=msg.session_id,
+            )
+            self._answer_at_once(connection, msg, FINISH_REFUSED)
+            return
         params = session.params
         # Logprobs only from an engine that has them (this node's HELLO_ACK_F said so); a
         # value past the largest reads as the largest (docs/protocol.md section 12.1).
@@ -705,6 +728,7 @@ class NodeAgent:
                 max_new=min(msg.budgets.max_new_tokens, U32_MAX),
                 max_wall_ms=msg.budgets.max_wall_ms,
                 interactive=msg.interactive,
+                constraint=msg.constraint,
             ),
         )
 

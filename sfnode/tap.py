@@ -8,7 +8,8 @@ factory of a node (behind Noise when it has a fleet token), for listening or dia
 
 This module must never import torch or transformers at import time, nor while parsing options:
 ``twistd --help`` and ``twistd sfnode --help`` have to stay fast.  Only :func:`build_engine`
-imports them, and only for ``--engine transformers``.
+imports them, and only for ``--engine transformers``.  zeroconf is imported only when
+``makeService`` builds a ``--join auto`` node.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from sfnode.config import (
     DEFAULT_MAX_UNACKED_EVENTS,
     NodeConfig,
 )
+from sfnode.discovery import SERVICE_TYPE, HeadFinder, JoinTarget, parse_join, valid_head_name
 from sfnode.engines import WEIGHT_MODES
 from sfnode.service import (
     DEFAULT_MODEL_NAME,
@@ -59,6 +61,7 @@ from sfnode.service import (
 from sfnode.tokens import default_token_path, read_token
 
 if TYPE_CHECKING:
+    from sfnode.dnssd import Browser
     from sfnode.generation import Engine
     from sfnode.node import NodeAgent
     from sfnode.noise import NoiseProtocol
@@ -88,6 +91,7 @@ _TRANSFORMERS_ONLY = (
     "cache-dir",
     "kv-blocks",
     "weights",
+    "kernels",
     "prefix-cache-blocks",
     "prefill-chunk",
     "step-tokens",
@@ -161,29 +165,37 @@ class Options(usage.Options):
     ``identity`` and ``model-name`` hold their resolved defaults.
     """
 
-    synopsis = "(--listen ENDPOINT | --head ENDPOINT) [options]"
+    synopsis = "(--join HOST[:PORT] | --join auto | --head ENDPOINT | --listen ENDPOINT) [options]"
     longdesc = (
-        "Runs a Link F node agent. It either accepts heads on --listen or dials one head given by "
-        "--head and keeps dialing it: 0.1 s after losing it, and after an attempt that failed "
-        "(no answer, a failed handshake, another fleet token: each logged with its reason) "
-        "twice as long as the last, up to 2 s. ENDPOINT is a Twisted endpoint "
-        "string such as tcp:8454:interface=127.0.0.1 (listen) or tcp:head.example:8454 (dial). "
-        "Without a fleet token (--auth-file) only loopback addresses are allowed, unless "
-        "--insecure-no-auth is given."
+        "Runs a Link F node agent. It either joins a head (--join HOST[:PORT] dials that head's "
+        f"fleet listener; --join auto finds the head by DNS-SD ({SERVICE_TYPE}) on the local "
+        "network and browses again whenever it stays unreachable), dials one head given as an "
+        "endpoint (--head), or accepts heads on --listen. A node that dials keeps dialing: 0.1 s "
+        "after losing its head, and after an attempt that failed (no answer, a failed handshake, "
+        "another fleet token: each logged with its reason) twice as long as the last, up to 2 s. "
+        "ENDPOINT is a Twisted endpoint string such as tcp:8454:interface=127.0.0.1 (listen) or "
+        "tcp:head.example:8455 (dial). Without a fleet token (--auth-file) only loopback "
+        "addresses are allowed, unless --insecure-no-auth is given."
     )
 
     optFlags: ClassVar[list[list[str | None]]] = [
         [
             "insecure-no-auth",
             None,
-            "Allow a non-loopback --listen or --head without a fleet token (plaintext link, "
-            "any head accepted).",
+            "Allow a non-loopback --listen, --head or --join without a fleet token (plaintext "
+            "link, any head accepted).",
         ],
         [
             "stock-kernels",
             None,
             "transformers: run the model's own forward on stock PyTorch kernels (slower; by "
             "default Llama models run through sfnode's own step, see --weights).",
+        ],
+        [
+            "eager-step",
+            None,
+            "transformers: run each layer as separate torch operators, never through the "
+            "native fused layer calls (for comparison; docs/engine.md section 5.2).",
         ],
         [
             "metrics-insecure",
@@ -200,6 +212,21 @@ class Options(usage.Options):
     ]
 
     optParameters: ClassVar[list[list[Any]]] = [
+        [
+            "join",
+            None,
+            None,
+            "Join a head: HOST[:PORT] of its fleet listener (port 8455 unless given), or auto to "
+            f"find it by DNS-SD ({SERVICE_TYPE}) on the local network. Keeps redialling; with "
+            "auto, browses again whenever the head stays unreachable.",
+        ],
+        [
+            "head-name",
+            None,
+            None,
+            "With --join auto: join the head that announces this name (its --head-name, by "
+            "default its host name); needed when several heads answer.",
+        ],
         ["head", None, None, "Dial the head at this client endpoint and keep reconnecting."],
         ["listen", None, None, "Accept heads on this server endpoint (tcp:0 picks a free port)."],
         ["engine", None, "transformers", f"Generation engine: {' or '.join(ENGINES)}."],
@@ -336,6 +363,15 @@ class Options(usage.Options):
             "bfloat16.",
         ],
         [
+            "kernels",
+            None,
+            None,
+            "transformers: the kernels that multiply the weights: auto (default: the faster on "
+            "layer 0, timed at start and kept per CPU), torch (torch's; its int4 and int8 "
+            "kernels compute in bfloat16) or native (sfnode's AVX2 kernels, built with the C "
+            "compiler; float32 activations).",
+        ],
+        [
             "prefix-cache-blocks",
             None,
             None,
@@ -366,9 +402,12 @@ class Options(usage.Options):
 
     def postOptions(self) -> None:
         """Check every value and replace it by its typed, defaulted form."""
-        head, listen = self["head"], self["listen"]
-        if (head is None) == (listen is None):
-            raise usage.UsageError("give exactly one of --head ENDPOINT or --listen ENDPOINT")
+        head, listen, join = self["head"], self["listen"], self["join"]
+        if sum(value is not None for value in (head, listen, join)) != 1:
+            raise usage.UsageError(
+                "give exactly one of --join HOST[:PORT], --join auto, --head ENDPOINT or "
+                "--listen ENDPOINT"
+            )
         if self["metrics"] is not None:
             _check_server_endpoint(self["metrics"], "metrics")
             if not self["metrics-insecure"] and not is_loopback_listen(self["metrics"]):
@@ -378,8 +417,9 @@ class Options(usage.Options):
                 )
         if listen is not None:
             _check_server_endpoint(listen)
-        else:
+        elif head is not None:
             _check_client_endpoint(head)
+        self._check_join()
 
         engine = self["engine"]
         if engine not in ENGINES:
@@ -387,7 +427,11 @@ class Options(usage.Options):
         wrong = _TRANSFORMERS_ONLY if engine == "mock" else _MOCK_ONLY
         given = [f"--{name}" for name in wrong if self[name] is not None]
         if engine == "mock":
-            given += [f"--{flag}" for flag in ("stock-kernels", "no-prefix-cache") if self[flag]]
+            given += [
+                f"--{flag}"
+                for flag in ("stock-kernels", "no-prefix-cache", "eager-step")
+                if self[flag]
+            ]
         if given:
             raise usage.UsageError(f"{', '.join(given)} cannot be used with --engine {engine}")
 
@@ -422,6 +466,11 @@ class Options(usage.Options):
             raise usage.UsageError(
                 f"--weights must be one of {', '.join(WEIGHT_MODES)}, not {self['weights']!r}"
             )
+        self["kernels"] = "auto" if self["kernels"] is None else self["kernels"]
+        if self["kernels"] not in ("auto", "torch", "native"):
+            raise usage.UsageError(
+                f"--kernels must be one of auto, torch, native, not {self['kernels']!r}"
+            )
         if self["stock-kernels"] and self["weights"] not in ("auto", "float32"):
             raise usage.UsageError(
                 f"--weights {self['weights']} needs sfnode's own step; --stock-kernels runs the "
@@ -453,9 +502,18 @@ class Options(usage.Options):
                     f"cannot read --auth-file {auth_file}: {e.strerror or e}"
                 ) from e
         # docs/protocol.md section 5.3: checked here, before makeService loads any model.
+        target: JoinTarget | None = self["join-target"]
+        dial = head if target is None else target.endpoint_string()
         refusal = plaintext_refusal(
-            token=self["auth-token"], insecure=self["insecure-no-auth"], listen=listen, dial=head
+            token=self["auth-token"], insecure=self["insecure-no-auth"], listen=listen, dial=dial
         )
+        if refusal is None and self["join-auto"] and not self["auth-token"]:
+            if not self["insecure-no-auth"]:
+                refusal = (
+                    "refusing to join a head found by DNS-SD without a fleet token: give "
+                    "--auth-file (the value python -m sfnode token printed on the head's "
+                    "machine) or pass --insecure-no-auth"
+                )
         if refusal is not None:
             raise usage.UsageError(refusal)
 
@@ -468,6 +526,25 @@ class Options(usage.Options):
             self["model-name"] = "mock" if engine == "mock" else default_model_name(self["model"])
         if not self["model-name"]:
             raise usage.UsageError("--model-name must not be empty")
+
+    def _check_join(self) -> None:
+        """``--join`` and ``--head-name``, typed: ``join-target`` (a JoinTarget, or None) and
+        ``join-auto`` (True for ``--join auto``)."""
+        self["join-target"] = None
+        self["join-auto"] = False
+        join, name = self["join"], self["head-name"]
+        if join is not None:
+            try:
+                self["join-target"] = parse_join(join)
+            except ValueError as e:
+                raise usage.UsageError(f"--join {e}") from None
+            self["join-auto"] = self["join-target"] is None
+        if name is not None:
+            if not self["join-auto"]:
+                raise usage.UsageError("--head-name needs --join auto")
+            why = valid_head_name(name)
+            if why is not None:
+                raise usage.UsageError(f"--head-name {name!r} cannot be a head's name: {why}")
 
 
 def node_config(options: Options) -> NodeConfig:
@@ -537,6 +614,8 @@ def build_engine(reactor: Any, options: Options) -> Engine:
             interactive_lanes=options["interactive-lanes"],
             onednn=not options["stock-kernels"],
             lean_step=not options["stock-kernels"],
+            kernels=options["kernels"],
+            fused_step=not options["eager-step"],
         )
     except (ValueError, WeightsError) as e:
         raise NodeStartupError(f"sfnode: cannot start the transformers engine: {e}") from e
@@ -582,23 +661,40 @@ def _node_layers(protocol: Any) -> tuple[NodeProtocol | None, NoiseProtocol | No
 
 
 class HeadDialer:
-    """The ``--head`` endpoint, named by its endpoint string; it remembers how each attempt
-    ended, so that every redial is logged with the endpoint and the real reason, and counts
-    the attempts in a row that did not reach a handshake (the backoff of :meth:`retry_policy`).
+    """The endpoint of a node that dials its head (``--head``, ``--join``), named for the log;
+    it remembers how each attempt ended, so that every redial is logged with the head and the
+    real reason, and counts the attempts in a row that did not reach a handshake (the backoff of
+    :meth:`retry_policy`).
 
     Nothing a peer sends makes the node stop dialing (docs/protocol.md section 5.2, D9): a
     connection that fails its handshake (garbage, a silent peer, another fleet token) is a
     failed attempt like a refused connection, logged with its reason and retried with backoff;
     only a connection that passed its handshake sets the backoff back to its first step.
+
+    ``description`` is the head as the operator named it; ``phrase``, when given, says which
+    head is dialled now (``--join auto``: "the head 'a' at 10.0.0.1:8455").
     """
 
-    def __init__(self, endpoint: IStreamClientEndpoint, description: str) -> None:
+    def __init__(
+        self,
+        endpoint: IStreamClientEndpoint,
+        description: str,
+        phrase: Callable[[], str] | None = None,
+    ) -> None:
         self._endpoint = endpoint
         self.description = description
+        self._phrase = phrase
         self._outcome = ""
         self._logged = ""
+        self._serious = False
         self.failures = 0
         """Attempts in a row that did not reach a handshake."""
+
+    def head(self) -> str:
+        """The head dialled, as log lines name it."""
+        if self._phrase is not None:
+            return self._phrase()
+        return f"the head at {self.description}"
 
     def connect(self, factory: IProtocolFactory) -> defer.Deferred[Any]:
         attempt = self._endpoint.connect(factory)
@@ -610,8 +706,15 @@ class HeadDialer:
             return protocol
 
         def failed(failure: Failure) -> Failure:
+            from sfnode.discovery import NoHeadFound, SeveralHeads
+
             self.failures += 1
-            self._outcome = f"could not connect: {describe_failure(failure)}"
+            if isinstance(failure.value, (NoHeadFound, SeveralHeads)):
+                self._outcome = str(failure.value)
+                self._serious = isinstance(failure.value, SeveralHeads)
+            else:
+                self._outcome = f"could not connect: {describe_failure(failure)}"
+                self._serious = False
             return failure
 
         return attempt.addCallbacks(connected, failed)
@@ -619,6 +722,7 @@ class HeadDialer:
     def _ended(self, node: NodeProtocol, noise: NoiseProtocol | None) -> None:
         if node.connection is not None and node.connection.handshaken:
             self.failures = 0
+            self._serious = False
             self._outcome = "the connection to it ended"
             self._logged = ""
             return
@@ -629,6 +733,7 @@ class HeadDialer:
             or "it closed the connection (if this repeats, check that it holds the same fleet "
             "token)"
         )
+        self._serious = False
         self._outcome = f"the handshake failed: {reason}"
 
     def retry_policy(self, jitter: Callable[[], float] = random.random) -> Callable[[int], float]:
@@ -638,13 +743,15 @@ class HeadDialer:
         return lambda attempt: policy(max(self.failures, 1))
 
     def redialling(self, attempt: int, delay: float) -> None:
-        """Log a redial: the first after a connection or a new reason, then now and again."""
+        """Log a redial: the first after a connection or a new reason, then now and again (a
+        head refusing the token again and again is logged once per REDIAL_LOG_EVERY)."""
         if self._outcome == self._logged and attempt % REDIAL_LOG_EVERY:
             return
         self._logged = self._outcome
-        log.info(
-            "the head at {endpoint}: {outcome}; redialling in {delay:.1f} s (attempt {attempt})",
-            endpoint=self.description,
+        emit = log.error if self._serious else log.info
+        emit(
+            "{head}: {outcome}; redialling in {delay:.1f} s (attempt {attempt})",
+            head=self.head(),
             outcome=self._outcome,
             delay=delay,
             attempt=attempt,
@@ -725,15 +832,58 @@ def node_factory(
     )
 
 
-def makeService(options: Options, reactor: Any = None) -> service.MultiService:
+def join_service(
+    reactor: Any, agent: NodeAgent, options: Options, browser: Browser | None = None
+) -> HeadDialService:
+    """``--join``'s redialling connection: the head at HOST:PORT, or the one DNS-SD finds.
+
+    The same service, backoff and log lines as ``--head``: a head that refuses the node's token
+    is logged and redialled with backoff (someone may fix its token).
+    """
+    target: JoinTarget | None = options["join-target"]
+    endpoint: IStreamClientEndpoint
+    phrase: Callable[[], str] | None = None
+    if target is not None:
+        from twisted.internet.endpoints import HostnameEndpoint
+
+        description = str(target)
+        endpoint = HostnameEndpoint(reactor, target.host, target.port)
+        log.info("sfnode joining the head at {address}", address=description)
+    else:
+        from sfnode.join import DiscoveringEndpoint
+
+        if browser is None:
+            from sfnode.dnssd import ZeroconfBrowser
+
+            browser = ZeroconfBrowser(reactor)
+        discovering = DiscoveringEndpoint(
+            reactor,
+            browser,
+            HeadFinder(head_name=options["head-name"]),
+            has_token=bool(options["auth-token"]),
+        )
+        description, endpoint, phrase = "auto", discovering, discovering.describe
+        log.info(
+            "sfnode joining {head} (browsing DNS-SD)",
+            head=discovering.describe(),
+        )
+    dialer = HeadDialer(endpoint, description, phrase)
+    return HeadDialService(agent, dialer, node_factory(agent), dialer.retry_policy(), clock=reactor)
+
+
+def makeService(
+    options: Options, reactor: Any = None, browser: Browser | None = None
+) -> service.MultiService:
     """The node as a service tree named ``sfnode``: ``agent``, then ``listen`` or ``head``.
 
     ``options`` must have been parsed (``Options().parseOptions([...])``).  ``reactor`` defaults
     to the global one.  The engine (and any model) is loaded here, before the services start.
 
-    With ``--head`` the node dials its head until the service stops: whatever answers there
-    (garbage, a head with another fleet token) is logged and redialled with backoff
+    With ``--head`` or ``--join`` the node dials its head until the service stops: whatever
+    answers there (garbage, a head with another fleet token) is logged and redialled with backoff
     (:class:`HeadDialer`); only a bad configuration, found before this runs, stops a node.
+    ``--join auto`` browses DNS-SD through ``browser`` (default: a
+    :class:`~sfnode.dnssd.ZeroconfBrowser`).
 
     :raises NodeStartupError: the engine cannot be built.
     """
@@ -780,6 +930,9 @@ def makeService(options: Options, reactor: Any = None) -> service.MultiService:
                 error=NodeStartupError,
             ),
         )
+        return node
+    if options["join"] is not None:
+        add_child(node, "head", join_service(reactor, agent, options, browser))
         return node
     description = options["head"]
     dialer = HeadDialer(client_from_string(reactor, description), description)

@@ -412,6 +412,17 @@ class ErrorTests(HttpTestCase):
                    "queued": 0, "requests": 0}),
         )  # fmt: skip
 
+    @defer.inlineCallbacks
+    def test_liveness_probe_is_200_without_nodes(self) -> Generator[Any, Any, None]:
+        """/healthz?probe=live (a Kubernetes liveness probe) answers 200 "alive" while the
+        head has no node (it is not ready, but restarting it would not help); any other query
+        is the readiness answer."""
+        head = yield self.start_head([])
+        code, content = yield self.call(head, b"GET", "/healthz?probe=live")
+        self.assertEqual((code, json.loads(content)), (200, {"status": "alive"}))
+        code, content = yield self.call(head, b"GET", "/healthz?probe=ready")
+        self.assertEqual((code, json.loads(content)["status"]), (503, "unavailable"))
+
 
 class ObservabilityTests(HttpTestCase):
     @defer.inlineCallbacks

@@ -46,6 +46,11 @@ On top of that:
 - a session whose GenParams ask for logprobs is placed only on nodes that offer them
   (``FEATURE_LOGPROBS``, docs/protocol.md section 12.1), failover included; when every node
   serving the model has said it has none, it fails with :class:`LogprobsUnavailable`;
+- a constrained generation (docs/protocol.md section 12.3) likewise only on nodes that offer
+  ``FEATURE_CONSTRAINTS``, else :class:`ConstraintsUnavailable`; a failover sends the same
+  constraint with ``generated_from`` at the end of the prompt, so the new node replays the
+  delivered tokens through its grammar; a node that refuses the constraint fails the
+  generation with :class:`ConstraintRefused`;
 - :meth:`Fleet.status` answers what the HTTP layer asks of its backend
   (:class:`~sfnode.head.backend.BackendStatus`: live nodes, windows, lanes, the queue, counters).
 
@@ -60,7 +65,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar, cast
 
 from twisted.internet import defer
@@ -93,11 +98,13 @@ from sfnode.head.machines import (
 from sfnode.head.placement import DEFAULT_EXPECTED_OUT, DEFAULT_PREFIX_RULE, Policy, PrefixRule
 from sfnode.head.prefix_index import BlockKey, PrefixIndex, reusable_keys
 from sfnode.wire import (
+    FEATURE_CONSTRAINTS,
     FEATURE_LOGPROBS,
     FINISH_CANCELLED,
     FINISH_DECLINED,
     FINISH_LENGTH,
     FINISH_REFUSED,
+    Constraint,
     GenParams,
     Lease,
     RequestClass,
@@ -177,13 +184,27 @@ class LogprobsUnavailable(FleetError):
     of them has said so: its HELLO_ACK_F lacks FEATURE_LOGPROBS, docs/protocol.md 12.1)."""
 
 
+class ConstraintsUnavailable(FleetError):
+    """The generation has a constraint and no node serving the model honours constraints
+    (every one of them has said so: its HELLO_ACK_F lacks FEATURE_CONSTRAINTS,
+    docs/protocol.md section 12.3)."""
+
+
+class ConstraintRefused(FleetError):
+    """A node refused the generation's constraint (FINISH_REFUSED for a context that fits
+    it): a grammar its library cannot compile, or delivered tokens the grammar refuses."""
+
+
 _NODE_FATAL = (LinkError, NodeDown)
 """Errors that say the node (or the path to it) failed, not the request: these fail over."""
 
 
-def needed_features(params: GenParams) -> int:
-    """The feature flags a node must offer to serve a session with ``params``."""
-    return FEATURE_LOGPROBS if params.logprobs else 0
+def needed_features(params: GenParams, constraint: Constraint | None = None) -> int:
+    """The feature flags a node must offer to serve a session with ``params`` (and a
+    generation with ``constraint``)."""
+    return (FEATURE_LOGPROBS if params.logprobs else 0) | (
+        FEATURE_CONSTRAINTS if constraint is not None else 0
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -420,13 +441,21 @@ class FleetSession:
         on_tokens: TokenSink | None = None,
         max_wall_ms: int = 0,
         request_class: RequestClass = RequestClass.INTERACTIVE,
+        constraint: Constraint | None = None,
     ) -> FleetGeneration:
         """Generate up to ``max_new`` tokens after the session's context; fails over on its own.
 
         A session whose GenParams ask for logprobs gets them with its tokens
-        (``on_tokens(tokens, logprobs)``, see :meth:`NodeLink.generate`)."""
+        (``on_tokens(tokens, logprobs)``, see :meth:`NodeLink.generate`).  ``constraint``:
+        as :meth:`Fleet.generate`."""
         generation = FleetGeneration(
-            self, max_new, on_tokens, max_wall_ms, one_shot=False, request_class=request_class
+            self,
+            max_new,
+            on_tokens,
+            max_wall_ms,
+            one_shot=False,
+            request_class=request_class,
+            constraint=constraint,
         )
         generation._start()
         return generation
@@ -454,12 +483,18 @@ class FleetGeneration:
         one_shot: bool,
         expected_out: int = DEFAULT_EXPECTED_OUT,
         request_class: RequestClass = RequestClass.INTERACTIVE,
+        constraint: Constraint | None = None,
     ) -> None:
         self.session = session
         self.max_new = max_new
         self.max_wall_ms = max_wall_ms
         self.request_class = request_class
         """Interactive or batch (docs/protocol.md section 12.2); kept across failovers."""
+        self.constraint = constraint
+        """Its grammar and sampler controls (docs/protocol.md section 12.3); every
+        GENERATE_REQ carries it with ``generated_from`` at the end of the prompt."""
+        self.features = needed_features(session.params, constraint)
+        """What a node must offer to run it."""
         self.tokens: list[int] = []
         """Every token delivered to the caller, in order, each once."""
         self.failovers = 0
@@ -603,6 +638,7 @@ class FleetGeneration:
                         avoid=tried,
                         priority=bool(self.failovers),
                         interactive=self.interactive,
+                        features=self.features,
                     )
                     try:
                         node = await self._waiting
@@ -623,7 +659,12 @@ class FleetGeneration:
                     if outcome is None:
                         return self._outcome(FINISH_CANCELLED, node)
                     if outcome.finish == FINISH_REFUSED:
-                        raise StreamTooLong(len(base) + len(self.tokens), node.window or 0)
+                        length = len(base) + len(self.tokens)
+                        if self.constraint is not None and node.fits(length):
+                            raise ConstraintRefused(
+                                f"{node.name} refused the generation's constraint"
+                            )
+                        raise StreamTooLong(length, node.window or 0)
                     if outcome.finish != FINISH_DECLINED:
                         if self.failovers and not self._one_shot and session.node is node:
                             # The node holds prompt + the tokens delivered before the
@@ -670,15 +711,19 @@ class FleetGeneration:
         None when the generation was cancelled before it could be sent."""
         fleet = self.session.fleet
         try:
-            link = await fleet._bound_link(self.session)
+            link = await fleet._bound_link(self.session, self.features)
             if self._cancelled:
                 return None
+            constraint = self.constraint
+            if constraint is not None:
+                constraint = replace(constraint, generated_from=len(self.session.context))
             call = link.generate(
                 self.session.session_id,
                 remaining,
                 max_wall_ms=self.max_wall_ms,
                 on_tokens=self._deliver,
                 request_class=self.request_class,
+                constraint=constraint,
             )
             self._call = call
             self._placement_done(None)
@@ -1037,18 +1082,20 @@ class Fleet:
         avoid: Sequence[FleetNode] = (),
         priority: bool = False,
         interactive: bool = False,
+        features: int = 0,
     ) -> Deferred[FleetNode]:
         """Assign ``session`` (new epoch) and append ``context`` on the best node that can take
         it, now or when one can (the queue).  ``claim_lane`` counts a generation on the node at
         once.  ``priority`` (a failover) goes ahead of the queue and past its bound;
-        ``interactive`` places it as docs/protocol.md section 12.2 says."""
+        ``interactive`` places it as docs/protocol.md section 12.2 says; ``features`` are what
+        the node must offer beyond what the session's GenParams need."""
         request = placement.Request(
             model=session.model,
             length=len(context),
             expected_out=expected_out,
             needs_lane=claim_lane,
             avoid=frozenset(n.order for n in avoid),
-            features=needed_features(session.params),
+            features=needed_features(session.params) | features,
             interactive=interactive,
         )
         waiter = _Waiter(
@@ -1118,7 +1165,16 @@ class Fleet:
             return True
         if isinstance(decision, placement.Unsupported):
             model = waiter.session.model or "the model"
-            self._settle(waiter, LogprobsUnavailable(f"no node serving {model} returns logprobs"))
+            serving = [v for v in self._views() if v.serves(waiter.request.model)]
+            if decision.features & FEATURE_CONSTRAINTS and isinstance(
+                placement.with_features(serving, FEATURE_CONSTRAINTS), placement.Unsupported
+            ):
+                error: FleetError = ConstraintsUnavailable(
+                    f"no node serving {model} honours constraints (response_format, tools)"
+                )
+            else:
+                error = LogprobsUnavailable(f"no node serving {model} returns logprobs")
+            self._settle(waiter, error)
             return True
         waiter.reason = decision.reason
         return False
@@ -1183,7 +1239,7 @@ class Fleet:
             ),
         )
 
-    async def _bound_link(self, session: FleetSession) -> NodeLink:
+    async def _bound_link(self, session: FleetSession, features: int = 0) -> NodeLink:
         """The open link of the session's node (waiting for a reconnect under way); a link
         that lacks the session (it was placed over another connection) gets it assigned and
         appended first.  Fails with :class:`NodeDown` when the node cannot be reached now."""
@@ -1194,11 +1250,11 @@ class Fleet:
             await link.when_open()
         except LinkError as e:
             raise NodeDown(f"{node.name} is down: {e}") from e
-        needed = needed_features(session.params)
+        needed = needed_features(session.params) | features
         if (link.features or 0) & needed != needed:
             # The node came back without a feature the session needs (restarted with
             # another engine): the session moves to a node that has it.
-            raise NodeDown(f"{node.name} no longer returns logprobs")
+            raise NodeDown(f"{node.name} no longer offers what the generation needs")
         if link.head_session.epoch_of(session.session_id) is None:
             link.assign(session.session_id, lease=session.lease, params=session.params)
             if session.context:
@@ -1272,6 +1328,7 @@ class Fleet:
         max_wall_ms: int = 0,
         request_class: RequestClass = RequestClass.INTERACTIVE,
         requester: Requester = ANONYMOUS,
+        constraint: Constraint | None = None,
     ) -> FleetGeneration:
         """One request: place a new session with ``prompt``, generate, revoke the session.
 
@@ -1282,6 +1339,12 @@ class Fleet:
         ``request_class`` (docs/protocol.md section 12.2): interactive (the default, which is
         also how a node reads a request that says nothing) or batch.  ``requester``: the
         client it serves, its share of the queue (section 8.5).
+
+        ``constraint`` (docs/protocol.md section 12.3; its ``generated_from`` is set here): a
+        grammar the output follows and the sampler's per-lane controls, on nodes that offer
+        FEATURE_CONSTRAINTS only, failover included; when every node serving the model has
+        said it does not, the generation fails with :class:`ConstraintsUnavailable`.  Build
+        it with :mod:`sfnode.constraint`.
         """
         session = self.new_session(prompt, model=model, params=params, requester=requester)
         generation = FleetGeneration(
@@ -1292,6 +1355,7 @@ class Fleet:
             one_shot=True,
             expected_out=max_new,
             request_class=request_class,
+            constraint=constraint,
         )
         generation._start()
         return generation
@@ -1302,6 +1366,8 @@ __all__ = [
     "DEFAULT_MAX_QUEUED",
     "DEFAULT_QUEUE_TIMEOUT_S",
     "ClientQueueFull",
+    "ConstraintRefused",
+    "ConstraintsUnavailable",
     "Fleet",
     "FleetError",
     "FleetGeneration",

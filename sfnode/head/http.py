@@ -5,7 +5,9 @@
   its own with its own seed; ``GET /v1/models`` and ``GET /v1/models/{id}``.
 - ``GET /healthz``: ``{"status", "nodes", "lanes_active", "lanes_total", "queued",
   "requests"}``; ``status`` is ``ok``, ``busy`` (every lane taken or generations waiting; still
-  200), ``unavailable`` or ``draining`` (503).
+  200), ``unavailable`` or ``draining`` (503).  ``GET /healthz?probe=live`` is a liveness probe:
+  200 ``{"status": "alive"}`` whenever the head answers HTTP at all (a head with no node is
+  alive, only not ready).
 - ``GET /metrics``: Prometheus text (:mod:`sfnode.head.metrics`).
 
 Each completion is interactive or batch (docs/protocol.md section 12.2): the ``X-Request-Class``
@@ -614,6 +616,8 @@ class _Health(_Leaf):
 
     def render_GET(self, request: Any) -> bytes:
         api = self.api
+        if request.args.get(b"probe") == [b"live"]:
+            return answer(request, 200, {"status": "alive"})
         status = api.status()
         if api.draining:
             state, code = "draining", 503

@@ -69,10 +69,12 @@ from sfnode.head.session import HeadSession
 from sfnode.noise import NoiseFactory, NoiseProtocol, Role, secure_factory
 from sfnode.service import describe_failure
 from sfnode.wire import (
+    FEATURE_CONSTRAINTS,
     FEATURE_HEAD_IDENTITY,
     FEATURE_LOGPROBS,
     FEATURE_REQUEST_CLASS,
     CapacitySummary,
+    Constraint,
     Finish,
     FrameDecoder,
     GenerateCancelMsg,
@@ -137,6 +139,11 @@ class SessionRevokedError(LinkError):
 
 class SupersededError(LinkError):
     """The head re-assigned the session at a new epoch; the node drops older generations."""
+
+
+class ConstraintsUnsupportedError(LinkError):
+    """A constrained generation for a node that did not offer FEATURE_CONSTRAINTS (it would
+    ignore the constraint, docs/protocol.md section 12.3): never sent."""
 
 
 LinkLost = LinkLostError
@@ -708,6 +715,7 @@ class NodeLink:
         max_wall_ms: int = 0,
         on_tokens: TokenSink | None = None,
         request_class: RequestClass = RequestClass.INTERACTIVE,
+        constraint: Constraint | None = None,
     ) -> GenerationCall:
         """GENERATE_REQ with a new generation id; committed tokens stream to ``on_tokens``.
 
@@ -719,6 +727,10 @@ class NodeLink:
         ``request_class`` travels only to a node that set FEATURE_REQUEST_CLASS
         (:attr:`request_classes`); any other node reads every request alike (docs/protocol.md
         section 12.2).
+
+        ``constraint`` (docs/protocol.md section 12.3) goes only to a node that set
+        FEATURE_CONSTRAINTS; for any other the call fails at once with
+        :class:`ConstraintsUnsupportedError` and nothing is sent.
 
         The call's ``result`` fails at once with :class:`UnknownSessionError` or
         :class:`LinkLostError` when the session was never assigned here or the link is down.
@@ -734,11 +746,15 @@ class NodeLink:
         if not self.connected:
             call._fail(LinkLostError(f"the link to {self.name} is down"))
             return call
+        if constraint is not None and not (self.features or 0) & FEATURE_CONSTRAINTS:
+            call._fail(ConstraintsUnsupportedError(f"{self.name} does not honour constraints"))
+            return call
         request = self.head_session.generate(
             session_id,
             generation_id,
             GenerationBudgetsMsg(max_new_tokens, max_wall_ms),
             int(request_class) if self.request_classes else None,
+            constraint,
         )
         assert request is not None
         self._generations[(session_id, generation_id)] = call

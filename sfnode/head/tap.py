@@ -6,7 +6,8 @@ anything; :func:`makeService` loads the tokenizer (never model weights) and retu
 keepalives and retries, or the ``--pipeline`` stages), ``fleet-listen`` (nodes that dial in) and
 ``http`` (the OpenAI-compatible API, ``/healthz`` and ``/metrics``, behind the front door of
 ``sfnode.head.gate`` whose limits are the HTTP options here).  Both listening children log
-the address they actually bound, so ``tcp:0`` works.
+the address they actually bound, so ``tcp:0`` works.  A fleet listener off loopback adds a
+fourth child, ``announce`` (:mod:`sfnode.head.announce`: DNS-SD, unless ``--no-announce``).
 
 Stopping the tree (SIGTERM under twistd) drains the head: ``http`` stops listening at once and
 answers 503 to requests that still arrive on open connections, completions in flight get up to
@@ -23,9 +24,10 @@ detokenizes text.
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from twisted.application import service
 from twisted.internet import defer
@@ -36,6 +38,7 @@ from twisted.python import usage
 from twisted.python.failure import Failure
 
 from sfnode.admission import is_loopback_listen, plaintext_refusal
+from sfnode.discovery import MAX_HEAD_NAME, SERVICE_TYPE, HeadAnnouncement, valid_head_name
 from sfnode.head.classes import (
     DEFAULT_CLASSES,
     DEFAULT_INTERACTIVE_PROMPT_TOKENS,
@@ -67,6 +70,9 @@ from sfnode.service import (
 )
 from sfnode.tokens import read_token
 from sfnode.wire import Lease
+
+if TYPE_CHECKING:
+    from sfnode.dnssd import Announcer
 
 log = Logger(namespace="sfnode.head.tap")
 
@@ -203,6 +209,13 @@ class Options(usage.Options):
     optFlags: ClassVar[list[list[str | None]]] = [
         ["insecure-no-auth", None, "Allow non-loopback node links without a fleet token."],
         [
+            "no-announce",
+            None,
+            f"Do not announce the fleet listener by DNS-SD ({SERVICE_TYPE}); by default a "
+            "head whose --fleet-listen is off loopback announces it, so that nodes started "
+            "with --join auto find it.",
+        ],
+        [
             "insecure-http",
             None,
             "Allow --http on a non-loopback address without an API key (anyone who can reach "
@@ -224,6 +237,13 @@ class Options(usage.Options):
 
     optParameters: ClassVar[list[list[Any]]] = [
         ["fleet-listen", None, DEFAULT_FLEET_LISTEN, "Accept nodes that dial in here."],
+        [
+            "head-name",
+            None,
+            None,
+            "The name this head announces by DNS-SD, which nodes pick with --head-name "
+            "(default: this host's name).",
+        ],
         ["http", None, DEFAULT_HTTP, "Serve the HTTP API here (tcp:0 picks a free port)."],
         [
             "model",
@@ -502,6 +522,12 @@ class Options(usage.Options):
             if refusal is not None:
                 raise usage.UsageError(refusal)
         self["drain-timeout"] = _seconds("drain-timeout", self["drain-timeout"])
+        if self["head-name"] is None:
+            name = socket.gethostname().encode()[:MAX_HEAD_NAME]
+            self["head-name"] = name.decode(errors="ignore")
+        why = valid_head_name(self["head-name"])
+        if why is not None:
+            raise usage.UsageError(f"--head-name {self['head-name']!r} cannot be used: {why}")
         self._check_fleet_options()
         self._check_api_key()
         self._check_http_limits()
@@ -805,11 +831,15 @@ class FleetService(service.Service):
         return stopped.addCallback(lambda _: log.info("sfhead stopped"))
 
 
-def makeService(options: Options, reactor: Any = None) -> service.MultiService:
-    """The head as a service tree named ``sfhead``: ``fleet``, ``fleet-listen``, ``http``.
+def makeService(
+    options: Options, reactor: Any = None, announcer: Announcer | None = None
+) -> service.MultiService:
+    """The head as a service tree named ``sfhead``: ``fleet``, ``fleet-listen``, ``http`` and,
+    with a fleet listener off loopback, ``announce``.
 
     ``options`` must have been parsed.  ``reactor`` defaults to the global one.  The tokenizer
-    is loaded here, before the services start.
+    is loaded here, before the services start.  ``announcer`` announces the fleet listener
+    (default: a :class:`~sfnode.dnssd.ZeroconfAnnouncer`).
 
     :raises HeadStartupError: the tokenizer cannot be loaded, or a pipeline has no layer count.
     """
@@ -896,18 +926,15 @@ def makeService(options: Options, reactor: Any = None) -> service.MultiService:
         "fleet",
         FleetService(fleet, options["nodes"], pipeline, drained=lambda: api.drain(drain_timeout_s)),
     )
-    _add_child(
-        head,
-        "fleet-listen",
-        ListeningService(
-            server_from_string(reactor, options["fleet-listen"]),
-            fleet.listen_factory(loopback_only=not token and not options["insecure-no-auth"]),
-            options["fleet-listen"],
-            what="accepting nodes on",
-            program="sfhead",
-            error=HeadStartupError,
-        ),
+    fleet_listener = ListeningService(
+        server_from_string(reactor, options["fleet-listen"]),
+        fleet.listen_factory(loopback_only=not token and not options["insecure-no-auth"]),
+        options["fleet-listen"],
+        what="accepting nodes on",
+        program="sfhead",
+        error=HeadStartupError,
     )
+    _add_child(head, "fleet-listen", fleet_listener)
     _add_child(
         head,
         "http",
@@ -919,6 +946,14 @@ def makeService(options: Options, reactor: Any = None) -> service.MultiService:
             reactor,
         ),
     )
+    if not options["no-announce"] and not is_loopback_listen(options["fleet-listen"]):
+        from sfnode.dnssd import ZeroconfAnnouncer, interface_addresses
+        from sfnode.head.announce import AnnounceService
+
+        announcement = HeadAnnouncement(options["head-name"], token_required=bool(token))
+        announcer = announcer if announcer is not None else ZeroconfAnnouncer(reactor)
+        announce = AnnounceService(fleet_listener, announcement, announcer, interface_addresses)
+        _add_child(head, "announce", announce)
     if not options["api-keys"]:
         log.info("sfhead HTTP API is open: no API key (--api-key, --api-key-file)")
     elif key_in_clear(options["http"]):
