@@ -107,6 +107,44 @@ class GgufBlockTests(unittest.SynchronousTestCase):
         order = _unpermute_order(8, 1)
         self.assertEqual([gguf_rows[i] for i in order], list(range(8)))
 
+    def test_the_gguf_reader_gives_the_gguf_librarys_matrices(self) -> None:
+        """read_gguf_matrices (sfnode's own walk of the tensor table and memory maps) gives the
+        matrices the gguf library's reader gives, kind, shape and bytes, rows reordered alike,
+        for every quantized tensor of the bundled model (skipped when it is not installed)."""
+        from gguf import GGUFReader
+
+        from sfnode.engines.llama_weights import _GGUF_LAYER, read_gguf_matrices
+        from sfnode.models import ModelLoadError, default_gguf
+
+        try:
+            path = default_gguf()
+        except ModelLoadError as e:
+            raise unittest.SkipTest(str(e)) from e
+        ours = read_gguf_matrices(path, 9, 3)
+        theirs: dict[str, GgufMatrix] = {}
+        for tensor in GGUFReader(str(path)).tensors:
+            if tensor.tensor_type.name not in ("Q4_0", "Q4_1", "Q8_0"):
+                continue
+            rows = int(tensor.data.shape[0])
+            cols = int(tensor.n_elements) // rows
+            matrix = GgufMatrix(tensor.tensor_type.name, rows, cols, np.asarray(tensor.data))
+            name = tensor.name.removesuffix(".weight")
+            if name in ("token_embd", "output"):
+                theirs["embed" if name == "token_embd" else "lm_head"] = matrix
+                continue
+            _, index, part = name.split(".", 2)
+            short = _GGUF_LAYER[part]
+            if short in ("q", "k"):
+                matrix = matrix.take_rows(_unpermute_order(rows, 9 if short == "q" else 3))
+            theirs[f"{int(index)}.{short}"] = matrix
+        self.assertEqual(sorted(ours), sorted(theirs))
+        for name, matrix in theirs.items():
+            mine = ours[name]
+            self.assertEqual(
+                (mine.kind, mine.rows, mine.cols), (matrix.kind, matrix.rows, matrix.cols)
+            )
+            self.assertTrue(np.array_equal(mine.data, matrix.data), name)
+
 
 class KernelTests(unittest.SynchronousTestCase):
     """Each quantized kernel multiplies by the weights it stands for."""

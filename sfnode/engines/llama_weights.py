@@ -40,7 +40,6 @@ from twisted.logger import Logger
 from sfnode.engines import WEIGHT_MODES, native
 from sfnode.engines.choice import FAMILIES, Choice, Cpu, Measure, choose, measure_product
 from sfnode.engines.quant import (
-    GGUF_KINDS,
     GgufMatrix,
     Linear,
     Precision,
@@ -151,20 +150,41 @@ def _unpermute_order(rows: int, heads: int) -> np.ndarray[Any, np.dtype[np.int64
     return order
 
 
+_GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+"""The ggml type numbers of the quantized kinds served from the file (:data:`GGUF_KINDS`)."""
+_GGUF_BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34)}
+"""Per kind: values per block and bytes per block."""
+
+
 def read_gguf_matrices(path: Path, heads: int, kv_heads: int) -> dict[str, GgufMatrix]:
     """The quantized matrices of a Llama GGUF file, by ``"{layer}.{q|k|v|o|gate|up|down}"`` and
-    ``"embed"`` / ``"lm_head"``, rows in transformers' order.  Float tensors are left out."""
-    from gguf import GGUFReader
+    ``"embed"`` / ``"lm_head"``, rows in transformers' order.  Float tensors are left out.
 
-    reader = GGUFReader(str(path))
+    The tensor table is walked by :func:`sfnode.gguf_table.read_tensor_table` (which skips the
+    metadata, a 49152-token vocabulary included, without decoding it) and each matrix is a
+    read-only memory map of its bytes: nothing is copied but the query and key rows reordered.
+    """
+    from sfnode.gguf_table import GgufFormatError, impossible_tensor, read_tensor_table
+
+    try:
+        entries = read_tensor_table(path)
+        problem = impossible_tensor(entries, path.stat().st_size)
+    except (OSError, GgufFormatError) as e:
+        raise WeightsError(f"cannot read the tensors of {path}: {e}") from e
+    if problem is not None:
+        raise WeightsError(f"the GGUF file {path} is refused: {problem}")
     found: dict[str, GgufMatrix] = {}
-    for tensor in reader.tensors:
-        kind = tensor.tensor_type.name
-        if kind not in GGUF_KINDS:
+    for entry in entries:
+        kind = _GGUF_TYPES.get(entry.type)
+        if kind is None or len(entry.shape) != 2:
             continue
-        name = tensor.name.removesuffix(".weight")
-        rows = int(tensor.data.shape[0])
-        matrix = GgufMatrix(kind, rows, int(tensor.n_elements) // rows, np.asarray(tensor.data))
+        values, size = _GGUF_BLOCK[kind]
+        cols, rows = entry.shape
+        data = np.memmap(
+            path, dtype=np.uint8, mode="r", offset=entry.offset, shape=(rows, cols // values * size)
+        )
+        name = entry.name.removesuffix(".weight")
+        matrix = GgufMatrix(kind, rows, cols, data)
         if name == "token_embd":
             found["embed"] = matrix
         elif name == "output":
