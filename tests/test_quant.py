@@ -146,6 +146,35 @@ class GgufBlockTests(unittest.SynchronousTestCase):
             self.assertTrue(np.array_equal(mine.data, matrix.data), name)
 
 
+class CheckCacheTests(unittest.SynchronousTestCase):
+    """The kernels' self-checks are kept beside the packed weights, per CPU kind."""
+
+    def test_a_start_reads_the_kept_checks_and_rewrites_damaged_ones(self) -> None:
+        """The first start runs the self-checks and keeps them; the next reads them without
+        running any; a damaged file is run again and rewritten."""
+        from sfnode.engines import llama_weights
+
+        folder = Path(self.mktemp())
+        folder.mkdir()
+        runs: list[int] = []
+        usable = llama_weights.usable_precisions
+
+        def counting() -> dict[Precision, str | None]:
+            runs.append(1)
+            return usable()
+
+        self.patch(llama_weights, "usable_precisions", counting)
+        first = llama_weights.cached_precisions(folder)
+        self.assertEqual(len(runs), 1)
+        self.assertEqual(llama_weights.cached_precisions(folder), first)
+        self.assertEqual(len(runs), 1)
+        (folder / llama_weights.CHECKS_FILE).write_text("{not json")
+        self.assertEqual(llama_weights.cached_precisions(folder), first)
+        self.assertEqual(len(runs), 2)
+        self.assertEqual(llama_weights.cached_precisions(folder), first)
+        self.assertEqual(len(runs), 2)
+
+
 class KernelTests(unittest.SynchronousTestCase):
     """Each quantized kernel multiplies by the weights it stands for."""
 

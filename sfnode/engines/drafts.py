@@ -117,4 +117,3 @@ class DraftLength:
         if self._misses >= self._patience:
             self._resting = self._misses
             self._next = 1
-

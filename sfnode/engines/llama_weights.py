@@ -210,6 +210,39 @@ def usable_precisions() -> dict[Precision, str | None]:
     return {p: kernel_works(p) for p in Precision}
 
 
+CHECKS_FILE = "kernel-checks.json"
+"""The kernels' self-check results kept beside the packed weights, per CPU kind and torch."""
+
+
+def cached_precisions(folder: Path | None) -> dict[Precision, str | None]:
+    """:func:`usable_precisions`, read from ``folder``'s :data:`CHECKS_FILE` when it holds this
+    CPU kind's results (its flags and torch's version: what the results depend on), else run
+    and kept there (best effort)."""
+    if folder is None:
+        return usable_precisions()
+    key = Cpu.here().key()
+    path = folder / CHECKS_FILE
+    kept: dict[str, Any] = {}
+    try:
+        kept = json.loads(path.read_text())
+        results = kept[key]
+        checks = {Precision(name): results[name] for name in (p.value for p in Precision)}
+        if all(reason is None or isinstance(reason, str) for reason in checks.values()):
+            return checks
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        kept = kept if isinstance(kept, dict) else {}
+    checks = usable_precisions()
+    kept[key] = {p.value: reason for p, reason in checks.items()}
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{CHECKS_FILE}.", dir=folder)
+        with os.fdopen(fd, "w") as out:
+            json.dump(kept, out, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warn("cannot keep the kernels' self-checks in {path}: {e}", path=str(path), e=e)
+    return checks
+
+
 def _fallback(wanted: Precision, checks: dict[Precision, str | None]) -> Precision:
     """``wanted`` if its kernel works, else bfloat16 if that works, else float32."""
     if checks.get(wanted) is None:
@@ -299,7 +332,7 @@ def gather_weights(
     if mode != "float32" and device.type != "cpu" and mode in ("int4", "int8"):
         raise WeightsError(f"--weights {mode} needs the CPU kernels; use bfloat16 on {device}")
     if checks is None:
-        checks = usable_precisions()
+        checks = cached_precisions(cache_file.parent if cache_file is not None else None)
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
@@ -309,7 +342,6 @@ def gather_weights(
     if gguf is not None and mode in ("auto", "int4", "int8"):
         started = time.monotonic()
         matrices = read_gguf_matrices(gguf, heads, kv_heads)
-        _check_gguf_layout(matrices, inner)
         log.info(
             "read the quantized matrices of {gguf} in {s:.1f} s",
             gguf=str(gguf),
@@ -340,8 +372,12 @@ def gather_weights(
             cache_file = cache_file.with_name(f"{cache_file.stem}-float32{cache_file.suffix}")
     cached = _load_cache(cache_file, signature, family.library) if gguf is not None else None
     if cached is not None and cached[0] == wanted:
+        # Packed from this very file (the cache folder is named by its content) after the
+        # layout check below passed.
         linears = cached[1]
     else:
+        if matrices:
+            _check_gguf_layout(matrices, inner)
         onednn = device.type == "cpu" and onednn_works()
         head_source = matrices.get("lm_head") or (
             matrices.get("embed") if getattr(config, "tie_word_embeddings", False) else None
@@ -628,10 +664,14 @@ def _load_cache(
                 return None
             wanted = {k: Precision(v) for k, v in json.loads(meta["wanted"]).items()}
             chosen = {k: Precision(v) for k, v in json.loads(meta["chosen"]).items()}
-            # Copies, not the file's buffers: a tensor read from the file may start at an
-            # address the quantized kernels' vector loads do not expect (the int8 kernel
-            # crashed on an 8-byte aligned one), and a fresh tensor is 64-byte aligned.
-            tensors = {key: f.get_tensor(key).clone() for key in f.keys()}
+            # The file's pages are mapped, not copied, where the tensor starts on a 64-byte
+            # boundary; others are copied: the quantized kernels' vector loads expect that
+            # alignment (the int8 kernel crashed on an 8-byte aligned one), and a fresh tensor
+            # has it.
+            tensors = {}
+            for key in f.keys():
+                tensor = f.get_tensor(key)
+                tensors[key] = tensor if tensor.data_ptr() % 64 == 0 else tensor.clone()
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         log.warn("ignoring unreadable packed weights {path}: {e}", path=str(path), e=e)
         return None
