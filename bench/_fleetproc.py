@@ -503,9 +503,9 @@ _TYPOS = (("the", "teh"), ("and", "adn"), ("which", "wich"), ("will", "wil"))
 
 def extract_request(index: int) -> str:
     """The user message of the ``index``-th extract request: each passage asked to be repeated,
-    quoted from, corrected and rewritten in turn."""
+    quoted from, corrected and rewritten in turn (any four requests in a row ask all four)."""
     passage = PASSAGES[index % len(PASSAGES)]
-    kind = (index // len(PASSAGES)) % 4
+    kind = (index + index // len(PASSAGES)) % 4
     n = index % len(PASSAGES)
     if kind == 0:
         return f"Repeat the following text exactly, word for word:\n\n{passage}"
