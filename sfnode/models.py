@@ -162,7 +162,8 @@ def _xxh64_file(path: Path, limit: int | None = None) -> str:
 def gguf_content_hash(gguf: Path, cache_root: Path) -> str:
     """The xxh64 of ``gguf``'s content: read from its stamp in ``cache_root`` when the file's
     path, size and modification time are those stamped, else computed (one read of the file)
-    and stamped (best effort: a read-only cache only costs the read at each start)."""
+    and, when the cache holds a conversion of it, stamped (best effort: a read-only cache only
+    costs the read at each start; a file that was refused leaves nothing in the cache)."""
     st = gguf.stat()
     seen = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}"
     stamp = cache_root / _STAMPS / f"{xxhash.xxh64_hexdigest(seen.encode())}.json"
@@ -173,6 +174,8 @@ def gguf_content_hash(gguf: Path, cache_root: Path) -> str:
     except (OSError, ValueError, AttributeError):
         pass
     content = _xxh64_file(gguf)
+    if not (cache_root / _folder_name(gguf, content)).is_dir():
+        return content
     try:
         stamp.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{stamp.name}.", dir=stamp.parent)
@@ -194,7 +197,11 @@ def gguf_cache_folder(gguf: Path, cache_dir: str | os.PathLike[str] | None = Non
     by the file's content, so every copy of the same file (in each virtualenv, in CI) shares
     one conversion per machine and a changed file gets a new one."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    return root / f"{gguf.stem}-xxh64-{gguf_content_hash(gguf, root)}"
+    return root / _folder_name(gguf, gguf_content_hash(gguf, root))
+
+
+def _folder_name(gguf: Path, content: str) -> str:
+    return f"{gguf.stem}-xxh64-{content}"
 
 
 def _write_manifest(folder: Path, content: str) -> None:
@@ -333,6 +340,7 @@ def model_folder(
         _set_aside(folder)
     check_gguf_shapes(source)
     _convert_gguf(source, folder, content)
+    gguf_content_hash(source, root)  # stamped now that the conversion exists
     return source, folder
 
 
