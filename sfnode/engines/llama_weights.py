@@ -664,10 +664,10 @@ def _load_cache(
                 return None
             wanted = {k: Precision(v) for k, v in json.loads(meta["wanted"]).items()}
             chosen = {k: Precision(v) for k, v in json.loads(meta["chosen"]).items()}
-            # The file's pages are mapped, not copied, where the tensor starts on a 64-byte
-            # boundary; others are copied: the quantized kernels' vector loads expect that
-            # alignment (the int8 kernel crashed on an 8-byte aligned one), and a fresh tensor
-            # has it.
+            # The reader gives each tensor in memory of its own; only one that does not start
+            # on a 64-byte boundary is copied again: the quantized kernels' vector loads expect
+            # that alignment (the int8 kernel crashed on an 8-byte aligned one), and a fresh
+            # tensor has it.
             tensors = {}
             for key in f.keys():
                 tensor = f.get_tensor(key)
