@@ -23,9 +23,9 @@ from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.head.backend import BackendStatus
+from sfnode.generation import TokenBatch
+from sfnode.head.backend import BackendStatus, FleetOutcome, QueueFull
 from sfnode.head.exchange import MOVES, Exchange, Phase, finish_reason, request_label
-from sfnode.head.fleet import FleetOutcome, QueueFull
 from sfnode.head.gate import GateLimits
 from sfnode.head.http import OpenAIApi
 from sfnode.wire import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH
@@ -73,7 +73,7 @@ class _Generation:
 
     def tokens(self, *ids: int) -> None:
         self.sent.extend(ids)
-        self.on_tokens(list(ids))
+        self.on_tokens(TokenBatch(tuple(ids)))
 
     def end(self, finish: int) -> None:
         self.result.callback(FleetOutcome(list(self.sent), finish, "node", 0))

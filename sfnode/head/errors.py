@@ -13,14 +13,14 @@ what the answer is.
 
 from __future__ import annotations
 
-from sfnode.head.fleet import (
+from sfnode.generation import StreamTooLong
+from sfnode.head.backend import (
     ClientQueueFull,
     FleetError,
     GenerationTimedOut,
     LogprobsUnavailable,
     NodeDeclined,
     QueueFull,
-    StreamTooLong,
 )
 from sfnode.head.link import LinkError
 from sfnode.head.schema import ApiError

@@ -47,12 +47,17 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from sfnode.generation import TokenLogprob, TokenSink
+from sfnode.generation import TokenBatch, TokenSink
 from sfnode.head import bodies, errors
-from sfnode.head.backend import Backend, BackendStatus, GenerationHandle, Requester
+from sfnode.head.backend import (
+    Backend,
+    BackendStatus,
+    FleetOutcome,
+    GenerationHandle,
+    Requester,
+)
 from sfnode.head.classes import HEADER as CLASS_HEADER
 from sfnode.head.classes import ClassRule, class_name, parse_header
-from sfnode.head.fleet import FleetOutcome
 from sfnode.head.gate import GateLimits, body_too_large, client_address
 from sfnode.head.logprobs import ChoiceLogprobs
 from sfnode.head.metrics import HeadMetrics
@@ -526,16 +531,13 @@ class Exchange:
     # The generations
 
     def _receiver(self, choice: _Choice) -> TokenSink:
-        def receive(
-            tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None = None, /
-        ) -> None:
-            self._tokens(choice, tokens, logprobs)
+        def receive(batch: TokenBatch) -> None:
+            self._tokens(choice, batch)
 
         return receive
 
-    def _tokens(
-        self, choice: _Choice, tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None
-    ) -> None:
+    def _tokens(self, choice: _Choice, batch: TokenBatch) -> None:
+        tokens, logprobs = batch.tokens, batch.logprobs
         if self.first_token_at is None and tokens:
             self.first_token_at = self.api.reactor.seconds()
             self.api.metrics.ttft.observe(self.first_token_at - self.received)
@@ -543,7 +545,9 @@ class Exchange:
             return
         if choice.logprobs is None:
             self._emit(choice, choice.stop.feed(choice.detok.push(tokens)))
-        elif logprobs is None or len(logprobs) != len(tokens):
+        elif logprobs is None:
+            # The fleet places such requests only on nodes that return logprobs, and their
+            # links refuse a stream without them: a defect, answered as one.
             self._give_up(errors.missing_logprobs())
             return
         else:
