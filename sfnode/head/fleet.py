@@ -66,11 +66,10 @@ import itertools
 from collections import deque
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from twisted.internet import defer
 from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.endpoints import clientFromString
 from twisted.internet.interfaces import IDelayedCall, IReactorTime, IStreamClientEndpoint
 from twisted.logger import Logger
 
@@ -97,8 +96,9 @@ from sfnode.head.link import (
     HeadIds,
     HeadLinkFactory,
     LinkError,
+    LinkSettings,
     NodeLink,
-    describe_endpoint,
+    parse_endpoint,
 )
 from sfnode.head.machines import (
     DEFAULT_KEEPALIVE_INTERVAL_S,
@@ -709,13 +709,16 @@ class Fleet:
         self._reactor = reactor
         self._clock: IReactorTime = clock if clock is not None else reactor
         self.ids = ids if ids is not None else HeadIds()
-        self.token = token
+        self.link_settings = LinkSettings(
+            token=token,
+            handshake_timeout_s=handshake_timeout_s,
+            keepalive_interval_s=keepalive_interval_s,
+            silence_timeout_s=silence_timeout_s,
+            keep_wal=False,
+        )
+        """How every link runs, the ones it dials and the ones that dial in alike."""
         self.policy = Policy(policy)
         self.lease = lease
-        self.handshake_timeout_s = handshake_timeout_s
-        self.keepalive_interval_s = keepalive_interval_s
-        self.silence_timeout_s = silence_timeout_s
-        """The keepalive window: a node silent this long is dropped (0: never)."""
         self.retry_max_s = retry_max_s
         self._retry = retry if retry is not None else retry_policy(retry_max_s)
         self.max_queued = max_queued
@@ -764,27 +767,15 @@ class Fleet:
         """Register a node the head dials and start dialing it; fires with it once the first
         attempt ended, whether it reached the node or not (a node that cannot be reached is
         kept and redialled with backoff)."""
-        if isinstance(endpoint, str):
-            description = endpoint
-            dialer = cast(
-                IStreamClientEndpoint,
-                clientFromString(self._reactor, endpoint),  # type: ignore[no-untyped-call]
-            )
-        else:
-            description = describe_endpoint(endpoint)
-            dialer = endpoint
+        dialer, description = parse_endpoint(self._reactor, endpoint)
         link = NodeLink(
             self._reactor,
             self.ids,
-            token=self.token,
+            settings=self.link_settings,
             endpoint=dialer,
             description=description,
-            handshake_timeout_s=self.handshake_timeout_s,
             clock=self._clock,
-            keep_wal=False,
             retry=self._retry,
-            keepalive_interval_s=self.keepalive_interval_s,
-            silence_timeout_s=self.silence_timeout_s,
         )
         node = FleetNode(link, next(self._orders))
         self.nodes.append(node)
@@ -803,12 +794,9 @@ class Fleet:
             self._adopt,
             reactor=self._reactor,
             ids=self.ids,
-            token=self.token,
-            handshake_timeout_s=self.handshake_timeout_s,
+            settings=self.link_settings,
             clock=self._clock,
-            keep_wal=False,
             loopback_only=loopback_only,
-            silence_timeout_s=self.silence_timeout_s,
         )
 
     def live_nodes(self) -> list[FleetNode]:

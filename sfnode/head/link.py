@@ -121,6 +121,28 @@ MAX_RETRY_RANGE = 1 << 20
 _log = Logger(namespace="sfnode.head.link")
 
 
+@dataclass(frozen=True, slots=True)
+class LinkSettings:
+    """How the head runs every link to a node, dialed or dialed in: built once from the
+    options and handed to both paths (:func:`connect_node` and the fleet's dials, and
+    :class:`HeadLinkFactory`), so that neither can drop a setting on the way."""
+
+    token: bytes = b""
+    """The fleet token: with one, every connection is Noise (docs/protocol.md section 5)."""
+    handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S
+    """The most a connection may take to finish its handshake (and a reconcile to end)."""
+    keepalive_interval_s: float = DEFAULT_KEEPALIVE_INTERVAL_S
+    """A KEEPALIVE goes out on an open link this often (docs/protocol.md section 8)."""
+    silence_timeout_s: float = DEFAULT_SILENCE_TIMEOUT_S
+    """The keepalive window: a node silent this long is given up (0: never)."""
+    keep_wal: bool = True
+    """False forgets a generation's committed events once its call completed (what a fleet
+    wants); True keeps them (tests inspect them)."""
+
+
+DEFAULT_LINK_SETTINGS = LinkSettings()
+
+
 # --------------------------------------------------------------------------------------------
 # Errors (the ones about connecting and handshaking live with the machine that raises them)
 
@@ -148,6 +170,17 @@ class ConstraintsUnsupportedError(LinkError):
 
 LinkLost = LinkLostError
 NodeRefused = NodeRefusedError
+
+
+def parse_endpoint(
+    reactor: Any, endpoint: str | IStreamClientEndpoint
+) -> tuple[IStreamClientEndpoint, str]:
+    """The endpoint to dial for a Twisted endpoint string (or an endpoint as it is), and how
+    logs name it: the string as given, or :func:`describe_endpoint`."""
+    if isinstance(endpoint, str):
+        parsed = clientFromString(reactor, endpoint)  # type: ignore[no-untyped-call]
+        return cast(IStreamClientEndpoint, parsed), endpoint
+    return endpoint, describe_endpoint(endpoint)
 
 
 def describe_endpoint(endpoint: object) -> str:
@@ -469,28 +502,21 @@ class NodeLink:
         reactor: Any,
         ids: HeadIds,
         *,
-        token: bytes = b"",
+        settings: LinkSettings = DEFAULT_LINK_SETTINGS,
         endpoint: IStreamClientEndpoint | None = None,
         description: str | None = None,
-        handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
         clock: IReactorTime | None = None,
-        keep_wal: bool = True,
         retry: RetryPolicy | None = None,
-        keepalive_interval_s: float = DEFAULT_KEEPALIVE_INTERVAL_S,
-        silence_timeout_s: float = DEFAULT_SILENCE_TIMEOUT_S,
     ) -> None:
         self._reactor = reactor
         self._clock: IReactorTime = clock if clock is not None else reactor
         self.ids = ids
-        self.token = token
+        self.settings = settings
         self._endpoint = endpoint
         self.description = description or (
             describe_endpoint(endpoint) if endpoint is not None else "a node that dialed in"
         )
         """The endpoint string dialed, or the peer of a node that dialed in."""
-        self.handshake_timeout_s = handshake_timeout_s
-        self.keep_wal = keep_wal
-        """False forgets a generation's committed events once its call completed."""
         self.head_session = HeadSession(ids.next_command_base())
         self.hello_ack: HelloAckF | None = None
         self.capacity: CapacitySummary | None = None
@@ -521,9 +547,9 @@ class NodeLink:
             effects=self,
             clock=self._clock,
             retry=retry if retry is not None else retry_policy(),
-            handshake_timeout_s=handshake_timeout_s,
-            keepalive_interval_s=keepalive_interval_s,
-            silence_timeout_s=silence_timeout_s,
+            handshake_timeout_s=settings.handshake_timeout_s,
+            keepalive_interval_s=settings.keepalive_interval_s,
+            silence_timeout_s=settings.silence_timeout_s,
         )
         self._machine: LinkInputs = LinkMachine(self._core)
 
@@ -800,10 +826,10 @@ class NodeLink:
         attempt = self._endpoint.connect(
             secure_factory(
                 _DialFactory(self),
-                self.token,
+                self.settings.token,
                 role=Role.INITIATOR,
                 clock=self._clock,
-                handshake_timeout_s=self.handshake_timeout_s,
+                handshake_timeout_s=self.settings.handshake_timeout_s,
             )
         )
 
@@ -821,7 +847,7 @@ class NodeLink:
         self.status = "handshaking"
         if self._protocol is not None:
             self._protocol.send(
-                Hello(PROTO_RANGE, LinkRole.HEAD_DAEMON, self.token, self.ids.head_id)
+                Hello(PROTO_RANGE, LinkRole.HEAD_DAEMON, self.settings.token, self.ids.head_id)
             )
 
     def reject(self) -> None:
@@ -1120,7 +1146,7 @@ class NodeLink:
                 finished.append(call)
         for call in finished:
             self._forget_generation(call)
-            if not self.keep_wal:
+            if not self.settings.keep_wal:
                 self.head_session.forget_committed(call.session_id, call.epoch, call.generation_id)
             call._complete()
         if state is not None and state.missing is not None and not state.missing:
@@ -1155,12 +1181,9 @@ def connect_node(
     endpoint: str | IStreamClientEndpoint,
     *,
     ids: HeadIds,
-    token: bytes = b"",
-    handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+    settings: LinkSettings = DEFAULT_LINK_SETTINGS,
     clock: IReactorTime | None = None,
-    keep_wal: bool = True,
     retry: RetryPolicy | None = None,
-    silence_timeout_s: float = DEFAULT_SILENCE_TIMEOUT_S,
 ) -> Deferred[NodeLink]:
     """Dial a node (a Twisted endpoint string or endpoint) and handshake.
 
@@ -1170,26 +1193,15 @@ def connect_node(
     :class:`NodeRefusedError` (the node closed the connection during the handshake),
     :class:`MalformedFrameError` or :class:`HandshakeError`; the link is then closed.
     """
-    if isinstance(endpoint, str):
-        description = endpoint
-        dialer = cast(
-            IStreamClientEndpoint,
-            clientFromString(reactor, endpoint),  # type: ignore[no-untyped-call]
-        )
-    else:
-        description = describe_endpoint(endpoint)
-        dialer = endpoint
+    dialer, description = parse_endpoint(reactor, endpoint)
     link = NodeLink(
         reactor,
         ids,
-        token=token,
+        settings=settings,
         endpoint=dialer,
         description=description,
-        handshake_timeout_s=handshake_timeout_s,
         clock=clock,
-        keep_wal=keep_wal,
         retry=retry,
-        silence_timeout_s=silence_timeout_s,
     )
     link.start()
     opened = link.when_open()
@@ -1222,14 +1234,11 @@ class HeadLinkFactory(Factory):
         *,
         reactor: Any,
         ids: HeadIds,
-        token: bytes = b"",
-        handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+        settings: LinkSettings = DEFAULT_LINK_SETTINGS,
         clock: IReactorTime | None = None,
-        keep_wal: bool = True,
         max_handshakes: int = DEFAULT_JOIN_HANDSHAKES,
         max_address_handshakes: int = DEFAULT_JOIN_ADDRESS_HANDSHAKES,
         loopback_only: bool = False,
-        silence_timeout_s: float = DEFAULT_SILENCE_TIMEOUT_S,
     ) -> None:
         self._on_node = on_node
         self.max_handshakes = max_handshakes
@@ -1241,27 +1250,24 @@ class HeadLinkFactory(Factory):
         """The same, by the peer's host."""
         self._reactor = reactor
         self._ids = ids
-        self._token = token
-        self._handshake_timeout_s = handshake_timeout_s
+        self.settings = settings
         self._clock = clock
-        self._keep_wal = keep_wal
-        self.silence_timeout_s = silence_timeout_s
         self._noise = (
             NoiseFactory(
                 self,
-                token=token,
+                token=settings.token,
                 role=Role.INITIATOR,
                 clock=clock if clock is not None else reactor,
-                handshake_timeout_s=handshake_timeout_s,
+                handshake_timeout_s=settings.handshake_timeout_s,
             )
-            if token
+            if settings.token
             else None
         )
 
     def buildProtocol(self, addr: Any) -> HeadLinkProtocol | NoiseProtocol | None:
         """The link's protocol, behind Noise (head = initiator) when there is a token; None
         (the connection is closed at once) for a refused peer."""
-        if not self._token and self.loopback_only and not is_loopback_address(addr):
+        if not self.settings.token and self.loopback_only and not is_loopback_address(addr):
             _log.warn(
                 "refused a node dialing in from {peer}: no fleet token, so only loopback "
                 "peers are accepted (--insecure-no-auth overrides)",
@@ -1298,14 +1304,7 @@ class HeadLinkFactory(Factory):
         peer = _peer(addr)
         address = address_key(addr)
         link = NodeLink(
-            self._reactor,
-            self._ids,
-            token=self._token,
-            description=peer,
-            handshake_timeout_s=self._handshake_timeout_s,
-            clock=self._clock,
-            keep_wal=self._keep_wal,
-            silence_timeout_s=self.silence_timeout_s,
+            self._reactor, self._ids, settings=self.settings, description=peer, clock=self._clock
         )
         link.start()
         self.handshaking += 1
