@@ -180,8 +180,8 @@ class OptionsTests(TestCase):
         fleet = makeService(options, MemoryReactorClock()).getServiceNamed("fleet").fleet
         self.assertEqual(
             (
-                fleet.max_queued,
-                fleet.queue_timeout_s,
+                fleet.queue.max_queued,
+                fleet.queue.timeout_s,
                 fleet.retry_max_s,
                 fleet.link_settings.silence_timeout_s,
             ),
