@@ -154,20 +154,23 @@ class _Opened:
         pass
 
 
+class _Reported(_Opened):
+    """Fires ``reported`` the first time its link hears a NODE_STATUS after it was added."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reported: defer.Deferred[None] = defer.Deferred()
+
+    def link_reported(self, link: Any) -> None:
+        if not self.reported.called:
+            self.reported.callback(None)
+
+
 def next_status(node: FleetNode) -> defer.Deferred[None]:
     """Fires when ``node``'s link next hears a NODE_STATUS (after the link has taken it)."""
-    link = node.link
-    heard: defer.Deferred[None] = defer.Deferred()
-    original = link.message_received
-
-    def received(protocol: Any, message: Any) -> None:
-        original(protocol, message)
-        if isinstance(message, NodeStatusMsg) and not heard.called:
-            del link.message_received  # type: ignore[method-assign]
-            heard.callback(None)
-
-    link.message_received = received  # type: ignore[method-assign]
-    return heard
+    observer = _Reported()
+    node.link.observe(observer)
+    return observer.reported
 
 
 def next_open(node: FleetNode) -> defer.Deferred[None]:

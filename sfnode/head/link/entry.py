@@ -188,7 +188,7 @@ class HeadLinkFactory(Factory):
             )
 
         link.when_open().addCallbacks(adopted, refused)
-        return HeadLinkProtocol(link)
+        return HeadLinkProtocol(link.owner)
 
 
 def _peer(addr: Any) -> str:

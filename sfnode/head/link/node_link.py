@@ -30,7 +30,7 @@ from sfnode.head.link.errors import (
     SupersededError,
     UnknownSessionError,
 )
-from sfnode.head.link.protocol import HeadLinkProtocol, handshake_loss
+from sfnode.head.link.protocol import HeadLinkProtocol, LinkOwner, handshake_loss
 from sfnode.head.link.reconcile import Reconcile
 from sfnode.head.link.settings import (
     DEFAULT_LEASE,
@@ -95,11 +95,11 @@ class _DialFactory(Factory):
     noisy = False
     """No "Starting factory" line per connection attempt."""
 
-    def __init__(self, link: NodeLink) -> None:
-        self._link = link
+    def __init__(self, owner: LinkOwner) -> None:
+        self._owner = owner
 
     def buildProtocol(self, addr: Any) -> HeadLinkProtocol:
-        return HeadLinkProtocol(self._link)
+        return HeadLinkProtocol(self._owner)
 
 
 class LinkObserver(TypingProtocol):
@@ -122,7 +122,7 @@ class LinkObserver(TypingProtocol):
         ended or failed its handshake."""
 
 
-_Handler = Callable[["NodeLink", Any], None]
+_Handler = Callable[["_LinkDriver", Any], None]
 _HANDLERS: dict[type[Message], _Handler] = {}
 """What the link does with each message a node sends once the handshake is over (like the
 node's ``HANDLERS``): one method per message class, registered with :func:`_handles`."""
@@ -132,10 +132,12 @@ _M = TypeVar("_M", bound=Message)
 
 def _handles(
     message_class: type[_M],
-) -> Callable[[Callable[[NodeLink, _M], None]], Callable[[NodeLink, _M], None]]:
+) -> Callable[[Callable[[_LinkDriver, _M], None]], Callable[[_LinkDriver, _M], None]]:
     """Register the decorated method as the link's handler of ``message_class``."""
 
-    def register(handler: Callable[[NodeLink, _M], None]) -> Callable[[NodeLink, _M], None]:
+    def register(
+        handler: Callable[[_LinkDriver, _M], None],
+    ) -> Callable[[_LinkDriver, _M], None]:
         if message_class in _HANDLERS:
             raise ValueError(f"{message_class.__name__} already has a handler")
         _HANDLERS[message_class] = handler
@@ -191,11 +193,6 @@ class NodeLink:
         """new, connecting, handshaking, reconciling, open, down or closed (for humans)."""
         self.ready = False
         """Open: handshaken, and reconciled after a reconnect."""
-        self._protocol: HeadLinkProtocol | None = None
-        self._incoming: HeadLinkProtocol | None = None
-        self._closing: set[HeadLinkProtocol] = set()
-        self._awaiting_ack = False
-        self._reconcile: Reconcile | None = None
         self._calls = CallTable()
         """Outstanding generations and stage forwards (and which generations a drop
         suspended until the redial's reconcile settles them)."""
@@ -204,8 +201,11 @@ class NodeLink:
         self._closed_waiters: list[Deferred[Exception]] = []
         self._close_waiters: list[Deferred[None]] = []
         self._observers: list[LinkObserver] = []
+        self._driver = _LinkDriver(self)
+        self.owner: LinkOwner = self._driver
+        """What this link's connections report to (a :class:`HeadLinkProtocol`'s owner)."""
         self._core = LinkCore(
-            effects=self,
+            effects=self._driver,
             clock=self._clock,
             retry=retry if retry is not None else retry_policy(),
             handshake_timeout_s=settings.handshake_timeout_s,
@@ -241,7 +241,7 @@ class NodeLink:
     @property
     def connected(self) -> bool:
         """Whether a connection is up and past its handshake (a reconcile may still run)."""
-        return self._protocol is not None and not self._awaiting_ack
+        return self._driver.connected
 
     @property
     def dialable(self) -> bool:
@@ -323,7 +323,7 @@ class NodeLink:
         return d
 
     def _check_closed(self) -> None:
-        if self.status == "closed" and not self._closing and self._protocol is None:
+        if self.status == "closed" and self._driver.idle:
             waiters, self._close_waiters = self._close_waiters, []
             for d in waiters:
                 d.callback(None)
@@ -333,14 +333,7 @@ class NodeLink:
 
     def send_now(self, message: Message) -> bool:
         """Send one message if a connection is up past its handshake; False otherwise."""
-        if self._protocol is None or self._awaiting_ack:
-            return False
-        self._protocol.send(message)
-        return True
-
-    def _send_optional(self, message: Message | None) -> None:
-        if message is not None:
-            self.send_now(message)
+        return self._driver.send_now(message)
 
     def assign(
         self,
@@ -468,25 +461,67 @@ class NodeLink:
         )
         return d
 
+    def forget_generation(self, call: GenerationCall) -> None:
+        """Take ``call`` out of the table and the bookkeeping (its result was settled or
+        cancelled)."""
+        if self._calls.forget(call):
+            self.head_session.retire_generation(call.session_id, call.generation_id)
+
+
+class _LinkDriver:
+    """The half of a :class:`NodeLink` that its machine and its connections drive: it carries
+    out what the machine asks (:class:`~sfnode.head.machines.LinkEffects`), hears what each
+    connection reports (:class:`LinkOwner`) and routes each message through the handler
+    table.  It owns the connection (the one handshaken, one being made, ones closing) and the
+    reconcile under way; every other piece of state is the link's."""
+
+    def __init__(self, link: NodeLink) -> None:
+        self.link = link
+        self._protocol: HeadLinkProtocol | None = None
+        self._incoming: HeadLinkProtocol | None = None
+        self._closing: set[HeadLinkProtocol] = set()
+        self._awaiting_ack = False
+        self._reconcile: Reconcile | None = None
+
+    @property
+    def connected(self) -> bool:
+        """A connection is up and past its handshake (a reconcile may still run)."""
+        return self._protocol is not None and not self._awaiting_ack
+
+    @property
+    def idle(self) -> bool:
+        """No connection at all, not even one closing."""
+        return not self._closing and self._protocol is None
+
+    def send_now(self, message: Message) -> bool:
+        if not self.connected or self._protocol is None:
+            return False
+        self._protocol.send(message)
+        return True
+
+    def send_optional(self, message: Message | None) -> None:
+        if message is not None:
+            self.send_now(message)
+
     # ----------------------------------------------------------------------------------------
     # LinkEffects: what the machine asks for
 
     def dial(self) -> Deferred[Any] | None:
-        self.status = "connecting"
-        if self._endpoint is None:
+        self.link.status = "connecting"
+        if self.link._endpoint is None:
             return None
-        attempt = self._endpoint.connect(
+        attempt = self.link._endpoint.connect(
             secure_factory(
                 _DialFactory(self),
-                self.settings.token,
+                self.link.settings.token,
                 role=Role.INITIATOR,
-                clock=self._clock,
-                handshake_timeout_s=self.settings.handshake_timeout_s,
+                clock=self.link._clock,
+                handshake_timeout_s=self.link.settings.handshake_timeout_s,
             )
         )
 
         def failed(failure: Failure) -> None:
-            self._machine.dial_failed(
+            self.link._machine.dial_failed(
                 ConnectError(f"could not connect: {describe_failure(failure)}")
             )
 
@@ -496,10 +531,15 @@ class NodeLink:
     def attach(self) -> None:
         self._protocol, self._incoming = self._incoming, None
         self._awaiting_ack = True
-        self.status = "handshaking"
+        self.link.status = "handshaking"
         if self._protocol is not None:
             self._protocol.send(
-                Hello(PROTO_RANGE, LinkRole.HEAD_DAEMON, self.settings.token, self.ids.head_id)
+                Hello(
+                    PROTO_RANGE,
+                    LinkRole.HEAD_DAEMON,
+                    self.link.settings.token,
+                    self.link.ids.head_id,
+                )
             )
 
     def reject(self) -> None:
@@ -514,106 +554,108 @@ class NodeLink:
             protocol.abort()
 
     def begin_reconcile(self) -> None:
-        self.status = "reconciling"
+        self.link.status = "reconciling"
         self._reconcile = Reconcile()
-        self.send_now(self.head_session.reconcile())
+        self.send_now(self.link.head_session.reconcile())
 
     def opened(self, reconnected: bool) -> None:
-        self.status = "open"
-        self.ready = True
+        self.link.status = "open"
+        self.link.ready = True
         state, self._reconcile = self._reconcile, None
         if state is not None:
             for session_id in state.held:
-                self._send_optional(self.head_session.reappend(session_id))
+                self.send_optional(self.link.head_session.reappend(session_id))
             for session_id in state.not_held:
-                self._send_optional(self.head_session.reassign(session_id))
-                self._send_optional(self.head_session.reappend(session_id))
+                self.send_optional(self.link.head_session.reassign(session_id))
+                self.send_optional(self.link.head_session.reappend(session_id))
         self._settle_suspended(state)
-        owed, self._owed_revokes = self._owed_revokes, {}
+        owed, self.link._owed_revokes = self.link._owed_revokes, {}
         for session_id, epoch in owed.items():
-            if self.head_session.epoch_of(session_id) is None:
-                self._send_optional(self.head_session.revoke(session_id, epoch=epoch))
-        for observer in list(self._observers):
-            observer.link_opened(self, reconnected)
+            if self.link.head_session.epoch_of(session_id) is None:
+                self.send_optional(self.link.head_session.revoke(session_id, epoch=epoch))
+        for observer in list(self.link._observers):
+            observer.link_opened(self.link, reconnected)
 
     def attempt_failed(self, reason: LinkError, retry_in_s: float) -> None:
-        self.status = "down"
-        self.ready = False
+        self.link.status = "down"
+        self.link.ready = False
         self._reconcile = None
-        lost = LinkLostError(f"{self.name} could not be reached again: {reason}")
-        self._calls.fail_forwards(lost)
+        lost = LinkLostError(f"{self.link.name} could not be reached again: {reason}")
+        self.link._calls.fail_forwards(lost)
         self._fail_generations(lost)
-        if not self.dialable:
+        if not self.link.dialable:
             # A node that dialed in and failed its handshake: nothing to redial.
-            self._machine.close()
+            self.link._machine.close()
             return
-        for observer in list(self._observers):
-            observer.link_failed(self, reason, retry_in_s)
+        for observer in list(self.link._observers):
+            observer.link_failed(self.link, reason, retry_in_s)
 
     def dropped(self, reason: LinkError) -> None:
-        self.ready = False
+        self.link.ready = False
         self._reconcile = None
-        self._calls.fail_forwards(reason)
-        if isinstance(reason, NodeSilentError) or not self.dialable:
+        self.link._calls.fail_forwards(reason)
+        if isinstance(reason, NodeSilentError) or not self.link.dialable:
             self._fail_generations(reason)
         else:
-            self._calls.suspend_all()
-        waiters, self._closed_waiters = self._closed_waiters, []
+            self.link._calls.suspend_all()
+        waiters, self.link._closed_waiters = self.link._closed_waiters, []
         for d in waiters:
             d.callback(reason)
-        for observer in list(self._observers):
-            observer.link_dropped(self, reason)
+        for observer in list(self.link._observers):
+            observer.link_dropped(self.link, reason)
 
     def replaced(self) -> None:
-        self.ready = False
+        self.link.ready = False
         self.abort()
-        self._calls.fail_forwards(LinkLostError(f"the link to {self.name} is reconnecting"))
-        self._calls.suspend_all()
+        self.link._calls.fail_forwards(
+            LinkLostError(f"the link to {self.link.name} is reconnecting")
+        )
+        self.link._calls.suspend_all()
 
     def silent(self, seconds: float) -> None:
         reason = NodeSilentError(
-            f"{self.name} sent nothing for {seconds:.1f} s (the keepalive window is "
-            f"{self._core.silence_timeout_s:g} s): it is hung or unreachable"
+            f"{self.link.name} sent nothing for {seconds:.1f} s (the keepalive window is "
+            f"{self.link._core.silence_timeout_s:g} s): it is hung or unreachable"
         )
         self.abort()
         self._lose(reason)
 
     def send_keepalive(self) -> None:
-        self.keepalive()
+        self.link.keepalive()
 
     def closed(self) -> None:
-        was_open = self.ready
-        self.status = "closed"
-        self.ready = False
+        was_open = self.link.ready
+        self.link.status = "closed"
+        self.link.ready = False
         self._reconcile = None
         reason = LinkLostError("the head closed the link")
-        if self._core.last_reason is None or was_open:
-            self._core.last_reason = reason
+        if self.link._core.last_reason is None or was_open:
+            self.link._core.last_reason = reason
         protocol, self._protocol = self._protocol, None
         self._awaiting_ack = False
         if protocol is not None:
             self._closing.add(protocol)
             protocol.close()
-        self._calls.fail_forwards(reason)
+        self.link._calls.fail_forwards(reason)
         self._fail_generations(reason)
-        waiters, self._closed_waiters = self._closed_waiters, []
+        waiters, self.link._closed_waiters = self.link._closed_waiters, []
         for d in waiters:
-            d.callback(self._core.last_reason or reason)
-        for observer in list(self._observers):
-            observer.link_closed(self)
-        self._check_closed()
+            d.callback(self.link._core.last_reason or reason)
+        for observer in list(self.link._observers):
+            observer.link_closed(self.link)
+        self.link._check_closed()
 
     # ----------------------------------------------------------------------------------------
     # LinkOwner: what the protocol reports
 
     def link_made(self, protocol: HeadLinkProtocol) -> None:
         self._incoming = protocol
-        self._machine.connection_made()
+        self.link._machine.connection_made()
 
     def message_received(self, protocol: HeadLinkProtocol, message: Message) -> None:
         if protocol is not self._protocol:
             return
-        self._core.last_heard = self._clock.seconds()
+        self.link._core.last_heard = self.link._clock.seconds()
         if self._awaiting_ack:
             self._on_hello_ack(message)
             return
@@ -627,13 +669,15 @@ class NodeLink:
             protocol.abort()
             return
         if isinstance(error, WireError):
-            reason: LinkError = MalformedFrameError(f"{self.name} sent a malformed frame: {error}")
+            reason: LinkError = MalformedFrameError(
+                f"{self.link.name} sent a malformed frame: {error}"
+            )
         else:
-            reason = LinkError(f"handling a frame from {self.name} failed: {error}")
-        _log.error("closing the link to {node}: {reason}", node=self.name, reason=reason)
+            reason = LinkError(f"handling a frame from {self.link.name} failed: {error}")
+        _log.error("closing the link to {node}: {reason}", node=self.link.name, reason=reason)
         # Everything pending fails for this reason, even what a redial could have saved: the
         # node's stream cannot be trusted.
-        self._calls.fail_forwards(reason)
+        self.link._calls.fail_forwards(reason)
         self._fail_generations(reason)
         self.abort()
         self._lose(reason)
@@ -641,7 +685,7 @@ class NodeLink:
     def link_lost(self, protocol: HeadLinkProtocol, reason: Failure) -> None:
         if protocol in self._closing:
             self._closing.discard(protocol)
-            self._check_closed()
+            self.link._check_closed()
             return
         if protocol is self._incoming:
             self._incoming = None
@@ -654,148 +698,154 @@ class NodeLink:
         if in_handshake:
             loss: LinkError = handshake_loss(reason, protocol)
         else:
-            loss = LinkLostError(f"the connection to {self.name} ended: {describe_failure(reason)}")
+            loss = LinkLostError(
+                f"the connection to {self.link.name} ended: {describe_failure(reason)}"
+            )
         self._lose(loss)
 
     def _lose(self, reason: LinkError) -> None:
-        if self.dialable:
-            self._machine.connection_lost(reason)
+        if self.link.dialable:
+            self.link._machine.connection_lost(reason)
         else:
-            self._machine.connection_ended(reason)
+            self.link._machine.connection_ended(reason)
 
     # ----------------------------------------------------------------------------------------
     # Internals
 
     def _set_capacity(self, capacity: CapacitySummary) -> None:
-        self.capacity = capacity
-        self.capacity_at = self._clock.seconds()
+        self.link.capacity = capacity
+        self.link.capacity_at = self.link._clock.seconds()
 
     def _on_hello_ack(self, message: Message) -> None:
         if not isinstance(message, HelloAckF):
-            self._machine.handshake_failed(
+            self.link._machine.handshake_failed(
                 HandshakeError(f"expected HELLO_ACK_F, got {type(message).__name__}")
             )
             return
         self._awaiting_ack = False
-        if self.hello_ack is None and not message.feature_flags & FEATURE_HEAD_IDENTITY:
+        if self.link.hello_ack is None and not message.feature_flags & FEATURE_HEAD_IDENTITY:
             _log.warn(
                 "node {node} does not keep the sessions of different heads apart (no head "
                 "identity, docs/protocol.md section 12.4): do not share it with another head",
                 node=message.node_identity,
             )
-        self.hello_ack = message
+        self.link.hello_ack = message
         self._set_capacity(message.capacity)
-        self.models = message.loadable_models
-        if self.head_session.session_ids() or self._calls.any_suspended:
-            self._machine.acknowledged_with_sessions()
+        self.link.models = message.loadable_models
+        if self.link.head_session.session_ids() or self.link._calls.any_suspended:
+            self.link._machine.acknowledged_with_sessions()
         else:
-            self._machine.acknowledged()
+            self.link._machine.acknowledged()
 
     def _settle_suspended(self, state: Reconcile | None) -> None:
         """Keep the suspended generations the node still has; fail the others (section 8)."""
-        for call in self._calls.take_suspended():
+        for call in self.link._calls.take_suspended():
             key = (call.session_id, call.generation_id)
             committed = (
-                self.head_session.watermark(call.session_id, call.epoch, call.generation_id)
+                self.link.head_session.watermark(call.session_id, call.epoch, call.generation_id)
                 is not None
             )
             if state is not None and state.keeps(key, committed):
                 continue
-            self.forget_generation(call)
+            self.link.forget_generation(call)
             call._fail(
                 LinkLostError(
-                    f"{self.name} lost generation {call.generation_id} of session "
+                    f"{self.link.name} lost generation {call.generation_id} of session "
                     f"{call.session_id} with the link"
                 )
             )
 
-    @_handles(ReconcileAckMsg)
-    def _on_reconcile_ack(self, message: ReconcileAckMsg) -> None:
-        state = self._reconcile
-        if state is None or state.acknowledged:
-            return
-        session = self.head_session
-        try:
-            state.acknowledge(
-                message, lambda s: session.epoch_of(s) is not None, session.on_reconcile_ack
-            )
-        except PayloadError as e:
-            if self._protocol is not None:
-                self._protocol.fail(e)
-            return
-        if state.done:
-            self._machine.reconciled()
-
-    @_handles(LeaseRenewMsg)
-    def _on_lease_renew(self, message: LeaseRenewMsg) -> None:
-        self._send_optional(self.head_session.on_lease_renew(message))
-
-    @_handles(NodeStatusMsg)
-    def _on_node_status(self, message: NodeStatusMsg) -> None:
-        self._set_capacity(message.capacity)
-        if message.loadable_models:
-            self.models = message.loadable_models
-        for observer in list(self._observers):
-            observer.link_reported(self)
-
-    @_handles(StageForwardRespMsg)
-    def _on_stage_forward_resp(self, message: StageForwardRespMsg) -> None:
-        self._calls.answer_forward(message)
-
-    @_handles(TokenEventsMsg)
-    def _on_token_events(self, message: TokenEventsMsg) -> None:
-        ingested = self.head_session.ingest(message)
-        for ack in ingested.acks:
-            self.send_now(ack)
-        committed = {id(event) for event in ingested.committed}
-        finished: list[GenerationCall] = []
-        state = self._reconcile
-        for event in message.events:
-            key = (event.session_id, event.generation_id)
-            if state is not None:
-                state.saw(event.session_id, event.generation_id, event.event_seq)
-            call = self._calls.get(key)
-            if call is None or call.finish is not None:
-                continue
-            payload = event.payload
-            if isinstance(payload, Tokens):
-                if (
-                    call.logprobs
-                    and type(payload) is Tokens
-                    and (self.features or 0) & FEATURE_LOGPROBS
-                    and self._protocol is not None
-                ):
-                    # A node with the bit answers a session that asks only in TokensLogprobs
-                    # (section 12.1): its stream cannot be rendered as asked.
-                    self._protocol.fail(
-                        PayloadError(
-                            f"plain Tokens for generation {event.generation_id} of session "
-                            f"{event.session_id}, whose GenParams ask for logprobs"
-                        )
-                    )
-                    return
-                if id(event) in committed:
-                    call._deliver(payload)
-            elif isinstance(payload, Finish):
-                call.finish = payload.reason
-                finished.append(call)
-        for call in finished:
-            self.forget_generation(call)
-            if not self.settings.keep_wal:
-                self.head_session.forget_committed(call.session_id, call.epoch, call.generation_id)
-            call._complete()
-        if state is not None and state.done:
-            self._machine.reconciled()
-
-    def forget_generation(self, call: GenerationCall) -> None:
-        """Take ``call`` out of the table and the bookkeeping (its result was settled or
-        cancelled)."""
-        if self._calls.forget(call):
-            self.head_session.retire_generation(call.session_id, call.generation_id)
-
     def _fail_generations(self, error: Exception) -> None:
         """Fail every pending generation."""
-        self._calls.take_suspended()
-        for call in self._calls.pending():
-            self.forget_generation(call)
+        self.link._calls.take_suspended()
+        for call in self.link._calls.pending():
+            self.link.forget_generation(call)
             call._fail(error)
+
+
+# The handler table: what the link does with each message a node sends after the handshake.
+
+
+@_handles(ReconcileAckMsg)
+def _on_reconcile_ack(driver: _LinkDriver, message: ReconcileAckMsg) -> None:
+    state = driver._reconcile
+    if state is None or state.acknowledged:
+        return
+    session = driver.link.head_session
+    try:
+        state.acknowledge(
+            message, lambda s: session.epoch_of(s) is not None, session.on_reconcile_ack
+        )
+    except PayloadError as e:
+        if driver._protocol is not None:
+            driver._protocol.fail(e)
+        return
+    if state.done:
+        driver.link._machine.reconciled()
+
+
+@_handles(LeaseRenewMsg)
+def _on_lease_renew(driver: _LinkDriver, message: LeaseRenewMsg) -> None:
+    driver.send_optional(driver.link.head_session.on_lease_renew(message))
+
+
+@_handles(NodeStatusMsg)
+def _on_node_status(driver: _LinkDriver, message: NodeStatusMsg) -> None:
+    driver._set_capacity(message.capacity)
+    if message.loadable_models:
+        driver.link.models = message.loadable_models
+    for observer in list(driver.link._observers):
+        observer.link_reported(driver.link)
+
+
+@_handles(StageForwardRespMsg)
+def _on_stage_forward_resp(driver: _LinkDriver, message: StageForwardRespMsg) -> None:
+    driver.link._calls.answer_forward(message)
+
+
+@_handles(TokenEventsMsg)
+def _on_token_events(driver: _LinkDriver, message: TokenEventsMsg) -> None:
+    ingested = driver.link.head_session.ingest(message)
+    for ack in ingested.acks:
+        driver.send_now(ack)
+    committed = {id(event) for event in ingested.committed}
+    finished: list[GenerationCall] = []
+    state = driver._reconcile
+    for event in message.events:
+        key = (event.session_id, event.generation_id)
+        if state is not None:
+            state.saw(event.session_id, event.generation_id, event.event_seq)
+        call = driver.link._calls.get(key)
+        if call is None or call.finish is not None:
+            continue
+        payload = event.payload
+        if isinstance(payload, Tokens):
+            if (
+                call.logprobs
+                and type(payload) is Tokens
+                and (driver.link.features or 0) & FEATURE_LOGPROBS
+                and driver._protocol is not None
+            ):
+                # A node with the bit answers a session that asks only in TokensLogprobs
+                # (section 12.1): its stream cannot be rendered as asked.
+                driver._protocol.fail(
+                    PayloadError(
+                        f"plain Tokens for generation {event.generation_id} of session "
+                        f"{event.session_id}, whose GenParams ask for logprobs"
+                    )
+                )
+                return
+            if id(event) in committed:
+                call._deliver(payload)
+        elif isinstance(payload, Finish):
+            call.finish = payload.reason
+            finished.append(call)
+    for call in finished:
+        driver.link.forget_generation(call)
+        if not driver.link.settings.keep_wal:
+            driver.link.head_session.forget_committed(
+                call.session_id, call.epoch, call.generation_id
+            )
+        call._complete()
+    if state is not None and state.done:
+        driver.link._machine.reconciled()
