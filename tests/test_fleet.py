@@ -38,7 +38,7 @@ from sfnode.head.placement import NO_PREFIX
 from sfnode.head.prefix_index import reusable_keys
 from sfnode.node import NodeAgent
 from sfnode.tap import node_factory
-from sfnode.wire import FINISH_CANCELLED, FINISH_LENGTH, NodeStatusMsg
+from sfnode.wire import FINISH_CANCELLED, FINISH_LENGTH
 from tests.nodefixture import NodeTestCase, RunningNode, expected_tokens
 
 PROMPT = list(range(100, 112))
@@ -260,7 +260,7 @@ class OneNodeTests(FleetTestCase):
         session = yield fleet.open_session(PROMPT)
         outcome = yield session.generate(8).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 8))
-        self.assertEqual(fleet.reconnects, 0)
+        self.assertEqual(fleet.registry.reconnects, 0)
         closed = self.on(fleet, node).link.when_closed()
         clock.advance(0.3)
         yield closed
@@ -268,7 +268,7 @@ class OneNodeTests(FleetTestCase):
         yield session.append(grown)
         again = yield session.generate(8).result
         self.assertEqual(again.tokens, expected_tokens(grown, 8))
-        self.assertEqual(fleet.reconnects, 1)
+        self.assertEqual(fleet.registry.reconnects, 1)
         self.assertEqual(fleet.failovers, 0)
         self.assertFalse(self.on(fleet, node).down)
 
@@ -292,7 +292,7 @@ class OneNodeTests(FleetTestCase):
         outcome = yield fleet.generate(PROMPT, 30, on_tokens=seen).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 30))
         self.assertEqual(streamed, outcome.tokens)
-        self.assertEqual((fleet.reconnects, fleet.failovers), (1, 0))
+        self.assertEqual((fleet.registry.reconnects, fleet.failovers), (1, 0))
 
     @defer.inlineCallbacks
     def test_a_node_that_dials_in_is_adopted_and_serves(self) -> Generator[Any, Any, None]:
