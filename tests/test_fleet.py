@@ -45,7 +45,13 @@ PROMPT = list(range(100, 112))
 
 
 class FleetTestCase(NodeTestCase):
-    """Starts mock nodes (any model name, window, vocabulary) and fleets over them."""
+    """Starts mock nodes (any model name, window, vocabulary) and fleets over them.
+
+    Over real loopback TCP on purpose: these tests kill, restart and hang whole nodes (their
+    listening port closed, their connections cut by the kernel, a node back on the same port)
+    and check what the fleet makes of it, through Twisted's real connect and its errors.
+    The timing rules that need no socket are pinned on the memory reactor
+    (tests/test_fleet_memory.py, tests/test_wait_queue.py, tests/test_failover.py)."""
 
     @defer.inlineCallbacks
     def start_mock_node(

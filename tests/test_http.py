@@ -58,6 +58,10 @@ class Head:
 
 
 class HttpTestCase(NodeTestCase):
+    """A node and a head with its HTTP API, over real loopback TCP: these tests speak HTTP as
+    clients do (twisted.web's Agent, raw sockets, the openai package), through the head's real
+    listener and its guards."""
+
     @defer.inlineCallbacks
     def start_vocab_node(
         self,
