@@ -498,7 +498,8 @@ class FleetGeneration:
                 )
                 decision = failover.decide(attempt, outcome)
                 if failover.declined(outcome):
-                    fleet._declined(node)
+                    # No new work there until it reports again.
+                    node.declined_at = fleet._clock.seconds()
                 if isinstance(decision, failover.Fail):
                     raise decision.error
                 if isinstance(decision, failover.Cancelled):
@@ -796,18 +797,16 @@ class Fleet:
         self.queue.wait(waiter, priority=priority)
         return waiter.placed
 
+    def _decide(self, placing: _Placing) -> placement.Decision:
+        """Where ``placing`` goes now, from the nodes' views (placement is pure)."""
+        views = self.registry.views(placing.keys)
+        return placement.decide(views, placing.request, self.policy, self._cursor, self.prefix)
+
     def _why_waiting(self, waiter: _Waiter) -> str:
         """Why ``waiter`` cannot be placed now (for a refusal's message)."""
         if waiter.reason:
             return waiter.reason
-        placing: _Placing = waiter.request
-        decision = placement.decide(
-            self.registry.views(placing.keys),
-            placing.request,
-            self.policy,
-            self._cursor,
-            self.prefix,
-        )
+        decision = self._decide(waiter.request)
         if isinstance(decision, placement.Wait):
             return decision.reason
         return f"{len(self.queue)} generations wait ahead of it"
@@ -815,13 +814,7 @@ class Fleet:
     def _try(self, waiter: _Waiter) -> bool:
         """Settle ``waiter`` now if the nodes allow (placed, or refused); False: it waits."""
         placing: _Placing = waiter.request
-        decision = placement.decide(
-            self.registry.views(placing.keys),
-            placing.request,
-            self.policy,
-            self._cursor,
-            self.prefix,
-        )
+        decision = self._decide(placing)
         if isinstance(decision, placement.Place):
             by_key = {n.order: n for n in self.nodes}
             node = by_key[decision.order[0]]
@@ -893,10 +886,6 @@ class Fleet:
             return
         node.sessions -= 1
         node.link.revoke(session.session_id)
-
-    def _declined(self, node: FleetNode) -> None:
-        """``node`` declined a generation: no new work there until it reports again."""
-        node.declined_at = self._clock.seconds()
 
     def _release(self, node: FleetNode, interactive: bool) -> None:
         """A generation on ``node`` ended: its lane may take a waiting request."""
