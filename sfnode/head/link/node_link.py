@@ -832,9 +832,7 @@ def _on_token_events(driver: _LinkDriver, message: TokenEventsMsg) -> None:
     for call in finished:
         driver.link.forget_generation(call)
         if not driver.link.settings.keep_wal:
-            driver.link.head_session.forget_committed(
-                call.session_id, call.epoch, call.generation_id
-            )
+            driver.link.head_session.wal.forget(call.session_id, call.epoch, call.generation_id)
         call._complete()
     if state is not None and state.done:
         driver.link._machine.reconciled()
