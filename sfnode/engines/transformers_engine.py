@@ -38,6 +38,7 @@ from sfnode.engines.forward_runner import ModelForwardRunner
 from sfnode.engines.hidden import decode_hidden, encode_hidden
 from sfnode.engines.llama_runner import LlamaRunner, llama_unsupported
 from sfnode.engines.llama_weights import WeightsError, gather_weights
+from sfnode.engines.pace import DEFAULT_STEP_MS, RateEstimator, StepCost, StepRates
 from sfnode.engines.plan import StepOutput, StepPlan
 from sfnode.engines.prefix_cache import PrefixCache, PrefixCacheStats
 from sfnode.engines.scheduler import Emitted, Ended, Request, Scheduler, blocks_for
@@ -166,6 +167,7 @@ class TransformersEngine:
         context_window: int | None = None,
         prefill_chunk: int = 256,
         step_tokens: int = 512,
+        step_ms: float = DEFAULT_STEP_MS,
         eos_ids: Sequence[int] | None = None,
         weights: str = "auto",
         gguf: Path | None = None,
@@ -186,6 +188,9 @@ class TransformersEngine:
         ``interactive_lanes`` lanes are kept for interactive requests (batch work never holds
         them).  ``dense_copies`` lets long prompt chunks multiply by bfloat16 copies of
         quantized weights where that is measured to be faster at start.
+        ``step_ms`` is the time budget of a step's batch prompt chunks while interactive work
+        may need the engine (0: steps are sized by ``step_tokens`` only; docs/engine.md section
+        3), checked against the rates measured on this machine.
         """
         if max_lanes < 1:
             raise ValueError("max_lanes must be at least 1")
@@ -269,7 +274,9 @@ class TransformersEngine:
             prefix=self.prefix_cache,
             salt=salt,
             interactive_lanes=interactive_lanes,
+            step_ms=step_ms,
         )
+        self._pace = RateEstimator()
         self._pool = ThreadPool(minthreads=1, maxthreads=1, name="sfnode-engine")
         self._started = False
         self._stopping = False
@@ -481,21 +488,35 @@ class TransformersEngine:
         """Send off the next step if none is running and there is something to do."""
         if self._stepping or self._stopping or not self._started:
             return
-        plan, ended = self._scheduler.plan(self._clock())
+        plan, ended = self._scheduler.plan(self._clock(), self._pace.rates)
         if not plan.empty:
             self._stepping = True
-            d = deferToThreadPool(self._reactor, self._pool, self._runner.run, plan)
+            d = deferToThreadPool(self._reactor, self._pool, self._timed_run, plan)
             d.addCallbacks(
                 self._step_done, self._step_failed, callbackArgs=(plan,), errbackArgs=(plan,)
             )
             d.addErrback(lambda failure: log.failure("the engine's step handling failed", failure))
         self._deliver([], ended)
 
-    def _step_done(self, output: StepOutput, plan: StepPlan) -> None:
+    def _timed_run(self, plan: StepPlan) -> tuple[StepOutput, float]:
+        """Run ``plan`` (worker thread); answer its output and how long it took."""
+        started = time.perf_counter()
+        output = self._runner.run(plan)
+        return output, time.perf_counter() - started
+
+    @property
+    def step_rates(self) -> StepRates:
+        """What a step takes here, as measured so far (docs/engine.md section 3)."""
+        return self._pace.rates
+
+    def _step_done(self, result: tuple[StepOutput, float], plan: StepPlan) -> None:
         self._stepping = False
         if self._stopping:
             self._stop_pool()
             return
+        output, seconds = result
+        if plan.decode or plan.chunks:
+            self._pace.observe(StepCost.of(plan), seconds)
         emitted, ended = self._scheduler.complete(plan, output)
         self._kick()
         self._deliver(emitted, ended)
