@@ -769,15 +769,12 @@ class WeightsModeTests(EngineTestCase):
     @defer.inlineCallbacks
     def test_each_mode_is_the_same_alone_and_batched(self) -> Any:
         """In every weights mode, concurrent generations (greedy and seeded, some with prompts
-        longer than a chunk) equal their solo runs."""
+        longer than a chunk, reusing the solo runs' cached blocks) equal their solo runs."""
         ps = prompts(5, seed=31, low=3, high=150)
         params = [GenParams() if i % 2 == 0 else SAMPLED for i in range(5)]
         for mode in ("bfloat16", "int8", "int4"):
-            # Without the prefix cache: a reused prefix changes which chunks are computed, and
-            # with them which rows multiply by the dense copies (docs/engine.md section 5).
-            engine = self.make_engine(
-                max_lanes=3, weights=mode, prefill_chunk=64, prefix_cache=False
-            )
+            # The batched runs reuse the solo runs' prompts from the prefix cache too.
+            engine = self.make_engine(max_lanes=3, weights=mode, prefill_chunk=64)
             self.assertEqual(engine.weights_mode, mode)
             solo = []
             for p, gp in zip(ps, params, strict=True):

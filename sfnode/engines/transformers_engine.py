@@ -175,7 +175,7 @@ class TransformersEngine:
         prefix_cache: bool = True,
         prefix_cache_blocks: int | None = None,
         interactive_lanes: int = 1,
-        dense_copies: bool = True,
+        dense_copies: bool = False,
         onednn: bool = True,
         lean_step: bool = True,
         clock: Callable[[], float] = time.monotonic,
@@ -187,7 +187,9 @@ class TransformersEngine:
         (Llama runner only), in a pool of ``prefix_cache_blocks`` blocks (default: ``kv_blocks``).
         ``interactive_lanes`` lanes are kept for interactive requests (batch work never holds
         them).  ``dense_copies`` lets long prompt chunks multiply by bfloat16 copies of
-        quantized weights where that is measured to be faster at start.
+        quantized weights where that is measured to be faster at start; off by default, since a
+        position's KV then depends on the size of the chunk it was computed in, and a reused
+        prefix or a failover no longer continues a stream exactly (docs/engine.md section 5).
         ``step_ms`` is the time budget of a step's batch prompt chunks while interactive work
         may need the engine (0: steps are sized by ``step_tokens`` only; docs/engine.md section
         3), checked against the rates measured on this machine.
@@ -278,6 +280,10 @@ class TransformersEngine:
         )
         self._pace = RateEstimator()
         self._pool = ThreadPool(minthreads=1, maxthreads=1, name="sfnode-engine")
+        self.exactness: defer.Deferred[str | None] = defer.Deferred()
+        """Fires once the start-up check has run (Llama runner only): with None when a
+        position's KV does not depend on how its prompt is cut into steps, else what differed
+        (docs/engine.md section 4)."""
         self._started = False
         self._stopping = False
         self._stepping = False
@@ -454,7 +460,31 @@ class TransformersEngine:
         prepare = getattr(self._runner, "prepare_thread", None)
         if prepare is not None:
             self._pool.callInThread(prepare)
+        if isinstance(self._runner, LlamaRunner):
+            # Before any step (the pool runs one job at a time, in order).
+            checking = deferToThreadPool(
+                self._reactor, self._pool, self._runner.check_exactness
+            )
+            checking.addCallbacks(self._checked, self._check_failed)
         self._kick()
+
+    def _checked(self, problem: str | None) -> None:
+        if problem is None:
+            log.info(
+                "checked: a position's KV and logits do not depend on how its prompt was cut "
+                "into steps, so reused prefixes and failovers continue seeded streams exactly"
+            )
+        else:
+            log.warn(
+                "on this machine a position's KV depends on how its prompt was cut into steps "
+                "({problem}): a reused prefix or a failover may part from a seeded stream",
+                problem=problem,
+            )
+        self.exactness.callback(problem)
+
+    def _check_failed(self, failure: Failure) -> None:
+        log.failure("the start-up check of exactness failed", failure)
+        self.exactness.callback(f"the check failed: {failure.value}")
 
     def stop(self) -> defer.Deferred[None]:
         """Cancel everything, wait for the step in flight, stop the worker thread."""
