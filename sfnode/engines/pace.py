@@ -11,7 +11,9 @@ CPU the chunks get shorter, on a fast one longer, with the same budget.
 
 The estimate is a least-squares fit that forgets old steps (each step weighs ``forget`` times
 the one after it), pulled slightly towards a prior so that it is defined from the first step
-on and a few odd steps (a machine busy with something else) cannot send it anywhere absurd.
+on; once it has seen a few steps, a step's time counts at most :data:`OUTLIER_FACTOR` times
+the prediction either way, so an odd step (the machine busy with something else) cannot swing
+it, while a machine that really got slower is followed within a few dozen steps.
 
 This module must never import torch, read a clock or touch a runner: it is arithmetic on
 figures the engine gives it, tested alone.
@@ -88,6 +90,13 @@ PRIOR = StepRates(step_s=0.05, decode_row_s=0.004, prompt_row_s=0.003, keys_s=0.
 """Before any step is measured: a slow CPU's figures (about those of a 135M-parameter model on
 two AVX2 cores), so that the first steps err on the short side."""
 
+SETTLED_STEPS = 8
+"""Steps after which the fit is the machine's own rather than the prior's."""
+
+OUTLIER_FACTOR = 2.0
+"""Once settled, a step's time counts at most this many times the prediction (or this many
+times less): a step slowed by something else cannot swing the rates."""
+
 _SCALES = (1.0, 8.0, 256.0, 256.0 * 512 / KEYS_UNIT)
 """Typical size of each figure in a step, to weigh the prior evenly across them."""
 
@@ -134,6 +143,11 @@ class RateEstimator:
         """Take one measured step; answers the new estimate."""
         if seconds < 0 or cost == StepCost():
             return self._rates
+        if self.steps >= SETTLED_STEPS:
+            # One odd step (the machine busy with something else) moves the fit at most as
+            # much as a step this many times off would.
+            predicted = self._rates.seconds(cost)
+            seconds = min(max(seconds, predicted / OUTLIER_FACTOR), predicted * OUTLIER_FACTOR)
         x = cost.features()
         for i in range(4):
             self._moment[i] = self._forget * self._moment[i] + x[i] * seconds
