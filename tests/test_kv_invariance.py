@@ -96,10 +96,12 @@ class LayoutTests(unittest.SynchronousTestCase):
 class RunnerInvarianceTests(unittest.SynchronousTestCase):
     """The runner alone: keys, values and logits of a prompt however it is computed."""
 
-    def runner(self, mode: str) -> LlamaRunner:
+    def runner(self, mode: str, slots: int = 4) -> LlamaRunner:
         weights = gather_weights(model(), mode, dense_copies=False)
         self.assertEqual(weights.mode, mode)
-        return LlamaRunner.for_model(model(), weights, slots=4, window=WINDOW, pool_blocks=64)
+        return LlamaRunner.for_model(
+            model(), weights, slots=slots, window=WINDOW, pool_blocks=64
+        )
 
     def kv(self, runner: LlamaRunner, slot: int, n: int) -> list[torch.Tensor]:
         """Copies of the slot's keys and values of positions 0 .. n-1, every layer."""
@@ -187,8 +189,9 @@ class RunnerInvarianceTests(unittest.SynchronousTestCase):
 
     def test_the_start_up_check_finds_a_kernel_that_depends_on_the_chunk(self) -> None:
         """With dense copies for chunks of two rows or more (so a prompt's rows and decode rows
-        multiply by different kernels), the start-up check says what differs."""
-        runner = self.runner("int4")
+        multiply by different kernels), the start-up check says what differs, on a runner of
+        one slot too."""
+        runner = self.runner("int4", slots=1)
         weights = runner.weights
         for layer in weights.layers:
             layer.qkv, layer.o = layer.qkv.with_dense(), layer.o.with_dense()

@@ -562,24 +562,24 @@ class LlamaRunner:
         """None when a prompt computed in one chunk and the same prompt whose last ``decoded``
         tokens are fed as decode rows leave the same keys and values and give the same logits,
         here, with these kernels; else what differed.  Run at start, before any lane holds a
-        slot (it uses slots 0 and 1); docs/engine.md section 4 says what depends on it."""
-        if self.kv.slots < 2:
-            return None
+        slot (it uses slot 0); docs/engine.md section 4 says what depends on it."""
         length = min(length, self.window - 1)
         decoded = min(decoded, length - 1)
         vocab = self.weights.vocab_size
         prompt = tuple(3 + (i * 7919) % max(1, vocab - 3) for i in range(length))
         params = GenParams(logprobs=20)
         whole = self.run(StepPlan(chunks=(ChunkRow(0, 0, prompt, True, params, 0),)))
+        kept = [t[0, :, :length].clone() for t in self.kv.keys + self.kv.values]
         split = length - decoded
-        self.run(StepPlan(chunks=(ChunkRow(1, 0, prompt[:split], False, params, 0),)))
+        self.run(StepPlan(chunks=(ChunkRow(0, 0, prompt[:split], False, params, 0),)))
         fed = StepOutput()
         for position in range(split, length):
-            fed = self.run(StepPlan(decode=(DecodeRow(1, prompt[position], position, params, 0),)))
-        for name, buffers in (("keys", self.kv.keys), ("values", self.kv.values)):
-            for layer, tensor in enumerate(buffers):
-                if not torch.equal(tensor[0, :, :length], tensor[1, :, :length]):
-                    return f"the {name} of layer {layer} differ"
+            fed = self.run(StepPlan(decode=(DecodeRow(0, prompt[position], position, params, 0),)))
+        layers = len(self.kv.keys)
+        for index, tensor in enumerate(self.kv.keys + self.kv.values):
+            if not torch.equal(tensor[0, :, :length], kept[index]):
+                name = "keys" if index < layers else "values"
+                return f"the {name} of layer {index % layers} differ"
         if whole.chunk_logprobs != fed.decode_logprobs:
             return "the logits of the next token differ"
         return None
