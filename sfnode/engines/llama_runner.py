@@ -164,11 +164,9 @@ def _project(projection: Projection, x: torch.Tensor, groups: Groups) -> torch.T
     quantized kernel, long prompt chunks by the dense copy when the engine keeps dense copies
     (the same rows always get the same kernel, whatever else shares the step)."""
     if projection.dense is None or len(groups) == 1:
-        if groups[0][2] and projection.dense is not None:
-            out = projection.dense(x)
-        else:
-            out = _multiply(projection.kernel, x)
-        return out if projection.bias is None else out + projection.bias
+        if x.shape[0] == 1 and projection.precision is Precision.FLOAT32:
+            return projection(torch.cat([x, x]))[:1]  # see _multiply
+        return projection(x, dense=groups[0][2])
     return torch.cat([projection(x[a:b], dense=use_dense) for a, b, use_dense in groups])
 
 
