@@ -210,13 +210,43 @@ def shown(argv: Sequence[str]) -> str:
     return "twistd " + subprocess.list2cmdline(list(argv)[3:])
 
 
+@dataclass
+class RunningFleet:
+    """A started ``twistd sfnode`` and ``twistd sfhead``: the head's HTTP port and both
+    children."""
+
+    port: int
+    head: Child
+    node: Child
+
+
 @contextmanager
 def fleet_processes(
-    node_args: Sequence[str], env: dict[str, str], model: Path | None, logs: Path
+    node_args: Sequence[str],
+    env: dict[str, str],
+    model: Path | None,
+    logs: Path,
+    children: list[Child] | None = None,
 ) -> Iterator[int]:
     """``twistd sfnode`` listening on a free loopback port and ``twistd sfhead`` dialing it,
     serving HTTP on another: yields that HTTP port once the head has the node, and stops both
-    when the block ends.  Their output goes to ``logs/sfnode.log`` and ``logs/sfhead.log``."""
+    when the block ends.  Their output goes to ``logs/sfnode.log`` and ``logs/sfhead.log``;
+    ``children``, when given, gets the node's and then the head's :class:`Child`."""
+    with fleet_children(node_args, env, model, logs) as fleet:
+        if children is not None:
+            children.extend((fleet.node, fleet.head))
+        yield fleet.port
+
+
+@contextmanager
+def fleet_children(
+    node_args: Sequence[str],
+    env: dict[str, str],
+    model: Path | None,
+    logs: Path,
+    head_args: Sequence[str] = (),
+) -> Iterator[RunningFleet]:
+    """:func:`fleet_processes`, with ``head_args`` for the head and both children yielded."""
     model_args = ["--model", str(model)] if model is not None else []
     node_argv = twistd("sfnode", "--listen", "tcp:0:interface=127.0.0.1", *model_args, *node_args)
     print(f"starting {shown(node_argv)}", flush=True)
@@ -230,6 +260,7 @@ def fleet_processes(
             "--http", "tcp:0:interface=127.0.0.1",
             "--fleet-listen", "tcp:0:interface=127.0.0.1",
             *model_args,
+            *head_args,
         )  # fmt: skip
         print(f"starting {shown(head_argv)}", flush=True)
         head = Child("sfhead", head_argv, env, logs / "sfhead.log", False)
@@ -241,11 +272,53 @@ def fleet_processes(
             lambda body: body.get("nodes", 0) > 0,
             NODE_READY_S,
         )
-        yield port
+        yield RunningFleet(port, head, node)
     finally:
         if head is not None:
             head.stop()
         node.stop()
+
+
+VECTOR_EXTENSIONS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
+
+
+def cpu_extensions() -> str:
+    """The CPU's vector extensions that decide sfnode's kernels (docs/engine.md section 5.1), as
+    ``avx2 fma f16c; no avx512f, ...``."""
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        return "unknown (no /proc/cpuinfo)"
+    have = [name for name in VECTOR_EXTENSIONS if name in flags]
+    lacking = [name for name in VECTOR_EXTENSIONS if name not in flags]
+    return " ".join(have or ["none"]) + (f"; no {', '.join(lacking)}" if lacking else "")
+
+
+def memory_mb(pid: int) -> tuple[float, float]:
+    """``(VmRSS, VmHWM)`` of a process in MB: its resident memory now and at its peak."""
+    found = {"VmRSS": 0.0, "VmHWM": 0.0}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in found:
+                found[key] = int(value.split()[0]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return found["VmRSS"], found["VmHWM"]
 
 
 def cpu_name() -> str:

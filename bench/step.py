@@ -7,10 +7,14 @@ so other processes on the machine change the figures less than they change wall 
 per batch size: the whole step, then the step with the layers' matrix products replaced by
 ready-made zeros, then also without the output head and sampling, without attention, without
 the norms, and without the rotary embedding.  The differences are what each part costs; what is
-left at the end is the rest (KV writes, residual adds, the MLP's gate, Python).
+left at the end is the rest (KV writes, residual adds, the MLP's gate, Python).  When the runner
+fuses each layer's work with sfnode's kernels (docs/engine.md section 5.2), the products, norms,
+rotary embedding, gate and residual adds are one part (the fused layer calls), taken out first.
+``--kernels`` and ``--eager-step`` choose the kernels as ``twistd sfnode`` does.
 
     PYTHONPATH=. python bench/step.py                  # the bundled SmolLM2, --weights auto
     PYTHONPATH=. python bench/step.py --weights float32 --length 500
+    PYTHONPATH=. python bench/step.py --kernels torch --eager-step   # torch's kernels, unfused
 
 This script only measures and prints; it must never assert or be imported by the package.
 """
@@ -42,6 +46,8 @@ def main() -> None:
     parser.add_argument("--weights", default="auto")
     parser.add_argument("--length", type=int, default=100, help="context length of each lane")
     parser.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
+    parser.add_argument("--kernels", default="auto", help="auto, torch or native")
+    parser.add_argument("--eager-step", action="store_true", help="no fused layer calls")
     options = parser.parse_args()
 
     import torch
@@ -63,9 +69,13 @@ def main() -> None:
         options.weights,
         gguf=gguf,
         cache_file=loaded.folder / "packed-weights.safetensors" if gguf else None,
+        kernels=options.kernels,
+        fused_step=not options.eager_step,
     )
     batches = [int(b) for b in options.batches.split(",")]
-    runner = LlamaRunner.for_model(loaded.model, weights, slots=max(batches), window=4096)
+    runner = LlamaRunner.for_model(
+        loaded.model, weights, slots=max(batches), window=4096, fused=not options.eager_step
+    )
     greedy = GenParams()
     length = options.length
     for slot in range(max(batches)):
@@ -75,9 +85,11 @@ def main() -> None:
         b: StepPlan(decode=tuple(DecodeRow(s, 5, length, greedy, 0) for s in range(b)))
         for b in batches
     }
+    family = weights.family.family if weights.family is not None else "torch"
+    fused = "fused layer calls" if runner.fused is not None else "layers as torch operators"
     print(
-        f"{loaded.name}, weights {weights.mode} ({weights.describe()}), {length} positions a "
-        "lane, one thread, CPU ms per step (median of 31)"
+        f"{loaded.name}, weights {weights.mode} ({weights.describe()}, {family} kernels, "
+        f"{fused}), {length} positions a lane, one thread, CPU ms per step (median of 31)"
     )
     rows: list[tuple[str, dict[int, float]]] = []
 
@@ -86,6 +98,19 @@ def main() -> None:
 
     measure("whole step")
     zeros: dict[tuple[int, int], torch.Tensor] = {}
+    if runner.fused is not None:
+        width = weights.layers[0].qkv.out_features
+        fused_layers = runner.fused
+
+        def no_pre(index: int, hidden: torch.Tensor, *args: Any) -> torch.Tensor:
+            key = (hidden.shape[0], width)
+            if key not in zeros:
+                zeros[key] = torch.zeros(key, dtype=hidden.dtype)
+            return zeros[key]
+
+        fused_layers.pre = no_pre  # type: ignore[method-assign]
+        fused_layers.post = lambda index, hidden, attended: None  # type: ignore[method-assign]
+        measure("- fused layer calls (products, norms, rotary, gate, residuals)")
 
     def no_product(self: Any, x: torch.Tensor, *, dense: bool = False) -> torch.Tensor:
         key = (x.shape[0], self.out_features)

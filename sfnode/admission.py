@@ -23,12 +23,13 @@ SUPPORTED_VERSIONS = (PROTO_VERSION, PROTO_VERSION)
 """The protocol versions the node speaks: exactly 2."""
 
 
-def hello_refusal(frame: Frame, token: bytes) -> str | None:
-    """Why the node refuses this HELLO frame, or None when it accepts it (section 5.2).
+def read_hello(frame: Frame, token: bytes) -> Hello | str:
+    """The HELLO of this frame when the node accepts it, else why it refuses it (section 5.2).
 
     The checks run in the order of the specification: the payload decodes, a common version
     exists, the peer is a head daemon, and (when the node has a token) ``auth`` equals it,
-    compared in constant time.  A node without a token accepts any ``auth``.
+    compared in constant time.  A node without a token accepts any ``auth``.  The accepted
+    HELLO carries the head's identity (``head_id``, section 12.4) when it sent one.
     """
     try:
         hello = decode_frame(frame)
@@ -42,7 +43,13 @@ def hello_refusal(frame: Frame, token: bytes) -> str | None:
         return f"peer is not a head daemon (role {hello.link_role.name})"
     if token and not hmac.compare_digest(hello.auth, token):
         return "unauthorized: its fleet token differs"
-    return None
+    return hello
+
+
+def hello_refusal(frame: Frame, token: bytes) -> str | None:
+    """Why the node refuses this HELLO frame, or None when it accepts it (:func:`read_hello`)."""
+    hello = read_hello(frame, token)
+    return hello if isinstance(hello, str) else None
 
 
 def _split_endpoint(description: str) -> tuple[str, list[str], dict[str, str]]:
@@ -103,14 +110,64 @@ def is_loopback_listen(description: str) -> bool:
     return False
 
 
+class _NoReactor:
+    """Stands in for the reactor while a client endpoint string is parsed: Twisted's endpoint
+    constructors only keep it."""
+
+
+def _dialed_endpoint(description: str) -> object | None:
+    """The endpoint Twisted's own ``clientFromString`` builds of ``description`` (the innermost
+    one of a ``tls:`` wrapper), or None when Twisted does not parse it."""
+    from twisted.internet import endpoints
+
+    try:
+        endpoint: object = endpoints.clientFromString(_NoReactor(), description)  # type: ignore[no-untyped-call]
+    except Exception:
+        return None
+    for _ in range(4):
+        inner = getattr(endpoint, "_wrappedEndpoint", None)
+        if inner is None:
+            break
+        endpoint = inner
+    return endpoint
+
+
+def dialed_host(description: str) -> str | None:
+    """The host a TCP-family client endpoint string makes Twisted dial, read from the endpoint
+    Twisted itself builds of the string, so that nothing the string says twice
+    (``tcp:10.1.2.3:8454:host=127.0.0.1`` dials 10.1.2.3) can make this answer differ from the
+    socket.  None for other kinds (a Unix socket, a plugin's) and for strings Twisted does not
+    parse.
+    """
+    from twisted.internet import endpoints
+
+    endpoint = _dialed_endpoint(description)
+    if isinstance(endpoint, endpoints.HostnameEndpoint):
+        return str(endpoint._hostText)
+    if isinstance(
+        endpoint,
+        (endpoints.TCP4ClientEndpoint, endpoints.TCP6ClientEndpoint, endpoints.SSL4ClientEndpoint),
+    ):
+        return str(endpoint._host)
+    return None
+
+
 def is_loopback_head(description: str) -> bool:
-    """Whether a client endpoint dials a head on this machine (loopback host or Unix socket)."""
-    kind, args, kwargs = _split_endpoint(description)
-    if kind == "unix":
+    """Whether a client endpoint dials a peer on this machine (a Unix socket, or a loopback
+    host as :func:`dialed_host` reads it); an unknown kind is not."""
+    from twisted.internet import endpoints
+
+    if isinstance(_dialed_endpoint(description), endpoints.UNIXClientEndpoint):
         return True
-    if kind in ("tcp", "tcp6", "tls", "ssl"):
-        return _is_loopback_host(kwargs.get("host", args[0] if args else ""))
-    return False
+    host = dialed_host(description)
+    return host is not None and _is_loopback_host(host)
+
+
+def address_key(address: object) -> str:
+    """The part of a peer's address (``IAddress``) that handshake slots are counted by: its
+    host (any port), or the kind of socket (every Unix-socket peer shares one)."""
+    host = getattr(address, "host", None)
+    return str(host) if host is not None else type(address).__name__
 
 
 def is_loopback_address(address: object) -> bool:

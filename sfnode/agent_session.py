@@ -80,6 +80,8 @@ class NodeSession(Generic[C]):
     machine: SessionInputs = field(init=False)
     fenced: bool = False
     """Written only by the lease machine's outputs."""
+    fenced_at: int = 0
+    """When it was last fenced (node milliseconds); written with ``fenced``."""
     context: array[int] | None = None
     """The token context of the last accepted APPEND, 4 bytes a token; None before one."""
     params: GenParams = field(default_factory=GenParams)
@@ -102,15 +104,21 @@ class AgentSession(Generic[C]):
         clock: IReactorTime,
         owner: SessionOwner,
         renew_interval_ms: int = RENEW_INTERVAL_MS,
+        *,
+        grace_ms: int = 0,
+        started_at: float | None = None,
     ) -> None:
         self._clock = clock
-        self._started_at = clock.seconds()
+        self._started_at = clock.seconds() if started_at is None else started_at
         self._owner = owner
         self._renew_interval_ms = renew_interval_ms
+        self._grace_ms = grace_ms
+        """How long a fenced session is kept before it is deleted (0: no time limit, 6.4)."""
         self._sessions: dict[int, NodeSession[C]] = {}
 
     def now_ms(self) -> int:
-        """Monotonic milliseconds since this object was created: the node's time base."""
+        """Monotonic milliseconds since ``started_at`` (default: this object's creation): the
+        node's time base, shared by the tables of all its heads when they pass the same."""
         return int((self._clock.seconds() - self._started_at) * 1000)
 
     def _lease(self, duration_ms: int, renew_by_ms: int) -> LeaseClock:
@@ -141,6 +149,7 @@ class AgentSession(Generic[C]):
                     owner=self._owner,
                     session=session,
                     renew_interval_ms=self._renew_interval_ms,
+                    grace_ms=self._grace_ms,
                 )
             )
             self._sessions[msg.session_id] = session
@@ -160,17 +169,36 @@ class AgentSession(Generic[C]):
         return session
 
     def on_revoke(self, msg: SessionRevokeMsg) -> NodeSession[C] | None:
-        """SESSION_REVOKE (6.2): forget the session and its generations unless stale.
+        """SESSION_REVOKE (6.2): forget the session and its generations unless stale or a
+        replay.
 
-        The command id a REVOKE carries is neither checked nor recorded.  Returns the forgotten
-        session (its lease machine stopped), or None when the REVOKE did not apply.
+        Its command id is checked like any other (a known id is a replay and changes nothing);
+        nothing is left to record it in.  Returns the forgotten session (its lease machine
+        stopped), or None when the REVOKE did not apply.
         """
         session = self._sessions.get(msg.session_id)
         if session is None or msg.epoch < session.epoch:
             return None
-        del self._sessions[msg.session_id]
+        if not session.commands.apply(msg.command_id):
+            return None
+        return self.delete(msg.session_id)
+
+    def delete(self, session_id: int) -> NodeSession[C] | None:
+        """Forget a session now: its record, commands, generations and unacknowledged events
+        (a revoke, or a fenced session whose place a new one needs); its machine stops."""
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            return None
         session.machine.stopped()
         session.forget_context()
+        return session
+
+    def remove_orphan(self, session_id: int) -> NodeSession[C] | None:
+        """Forget a session whose lease machine ended its grace period (6.4); the machine has
+        no timer left and is not told again."""
+        session = self._sessions.pop(session_id, None)
+        if session is not None:
+            session.forget_context()
         return session
 
     def on_append(self, session_id: int, epoch: int, command_id: int) -> NodeSession[C] | None:
@@ -328,6 +356,15 @@ class AgentSession(Generic[C]):
 
     def __len__(self) -> int:
         return len(self._sessions)
+
+    def live_count(self) -> int:
+        """Sessions held and not fenced: what ``max_sessions`` bounds (7.7)."""
+        return sum(1 for s in self._sessions.values() if not s.fenced)
+
+    def oldest_fenced(self) -> NodeSession[C] | None:
+        """The session fenced longest ago, or None when none is fenced."""
+        fenced = [s for s in self._sessions.values() if s.fenced]
+        return min(fenced, key=lambda s: (s.fenced_at, s.session_id), default=None)
 
     def is_fenced(self, session_id: int) -> bool | None:
         """Whether the session is fenced; None when the node does not hold it."""

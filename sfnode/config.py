@@ -18,8 +18,14 @@ COALESCE_MS = 200
 DEFAULT_MAX_HANDSHAKES = 64
 """docs/protocol.md section 5.3: connections of one listener in their handshake at once; more are
 closed."""
+DEFAULT_MAX_ADDRESS_HANDSHAKES = 8
+"""docs/protocol.md section 5.3: connections of one listener from one address in their handshake
+at once; more from that address are closed."""
 DEFAULT_MAX_SESSIONS = 1024
-"""Sessions a node holds at once; an ASSIGN of one more is refused (see NodeConfig)."""
+"""Live sessions a node holds at once; an ASSIGN of one more is refused (see NodeConfig)."""
+DEFAULT_FENCED_GRACE_MS = 60_000
+"""How long a fenced session is kept for its head to come back and reconcile before it is
+deleted (docs/protocol.md section 6.4)."""
 DEFAULT_MAX_UNACKED_EVENTS = 4096
 """Events of one generation waiting for a WATERMARK_ACK; past it the session is fenced."""
 DEFAULT_MAX_HELD_TOKENS = 65_536
@@ -48,10 +54,17 @@ class NodeConfig:
     status_interval_ms: int = STATUS_INTERVAL_MS
     max_handshakes: int = DEFAULT_MAX_HANDSHAKES
     """Per listener; 0 = no limit."""
+    max_address_handshakes: int = DEFAULT_MAX_ADDRESS_HANDSHAKES
+    """Per listener and peer address; 0 = no limit."""
     max_sessions: int = DEFAULT_MAX_SESSIONS
-    """An ASSIGN that would hold one session more is refused (silently, docs/protocol.md section
-    7.2); the node then answers that session's GENERATE_REQs with FINISH_REFUSED.  Advertised as
-    ``CapacitySummary.max_sessions``."""
+    """An ASSIGN that would hold one live (not fenced) session more is refused (silently,
+    docs/protocol.md section 7.2); the node then answers that session's GENERATE_REQs with
+    FINISH_DECLINED, which a head fails over on.  Fenced sessions do not count, but a new
+    session takes the place of the one fenced longest ago when the node holds this many
+    records.  Advertised as ``CapacitySummary.max_sessions``."""
+    fenced_grace_ms: int = DEFAULT_FENCED_GRACE_MS
+    """A fenced session is deleted this long after it was fenced unless a new ASSIGN un-fenced
+    it (docs/protocol.md section 6.4); 0 = kept until its place is needed."""
     max_unacked_events: int = DEFAULT_MAX_UNACKED_EVENTS
     """Retry-buffer cap per generation; 0 = no cap."""
     max_held_tokens: int = DEFAULT_MAX_HELD_TOKENS

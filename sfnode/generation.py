@@ -23,14 +23,15 @@ import struct
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import xxhash
 from twisted.internet import defer
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
+from sfnode.constraint import ConstraintError, LaneStage, Vocabulary
 from sfnode.draws import draw_position, uniform
-from sfnode.wire import LOGPROBS_MAX, GenParams
+from sfnode.wire import LOGPROBS_MAX, Constraint, GenParams
 
 KV_BLOCK_TOKENS = 16
 """Tokens per KV block; ``kv_blocks_used`` counts ``ceil(tokens / 16)`` per live lane."""
@@ -86,6 +87,9 @@ class GenerationRequest:
     interactive: bool = False
     """An interactive request (a person waiting on it) goes ahead of batch work: it is admitted
     first and its prompt computed first (docs/engine.md section 3)."""
+    constraint: Constraint | None = None
+    """A grammar the output must follow and the sampler's per-lane controls (docs/engine.md
+    section 2.4), only for an engine that ``supports_constraints``."""
 
 
 @dataclass(frozen=True)
@@ -170,6 +174,12 @@ class Engine(Protocol):
         """Whether the engine hands over token logprobs to a generation whose
         ``params.logprobs`` asks (the two-argument :class:`TokenSink` call); the node then
         offers ``FEATURE_LOGPROBS`` (docs/protocol.md section 12.1)."""
+
+    @property
+    def supports_constraints(self) -> bool:
+        """Whether the engine honours ``GenerationRequest.constraint`` (a grammar needs the
+        model's vocabulary); the node then offers ``FEATURE_CONSTRAINTS`` (docs/protocol.md
+        section 12.3)."""
 
     def statistics(self) -> EngineStatistics:
         """A snapshot of the engine's figures."""
@@ -335,6 +345,35 @@ def sparse_logprob(
     )
 
 
+def mock_staged_logits(
+    context: Sequence[int], stage: LaneStage, vocab_size: int = MOCK_VOCAB_SIZE
+) -> list[tuple[int, float]]:
+    """The mock's logits after ``context`` through a lane's stage (docs/engine.md section 2.4):
+    each candidate of :func:`mock_logits` with its bias and penalties, then only the ones the
+    grammar allows.  When the grammar allows none of them, the :data:`MOCK_CANDIDATES` lowest
+    allowed ids stand in, at logits 0, -0.5, ... (then biased and penalised alike), so a
+    constrained mock always writes what its grammar allows.  Ids not listed are -inf, so a
+    bias only moves listed candidates.
+    """
+    logits = [(t, stage.adjusted(t, v)) for t, v in mock_logits(context, vocab_size)]
+    if stage.matcher is None:
+        return logits
+    allowed = stage.matcher.allowed()
+    allowed = allowed[allowed < vocab_size]
+    kept = [(t, v) for t, v in logits if _holds(allowed, t)]
+    if kept:
+        return kept
+    return [
+        (int(t), stage.adjusted(int(t), -MOCK_LOGIT_STEP * rank))
+        for rank, t in enumerate(allowed[:MOCK_CANDIDATES])
+    ]
+
+
+def _holds(ascending: Any, token: int) -> bool:
+    index = int(ascending.searchsorted(token))
+    return index < len(ascending) and int(ascending[index]) == token
+
+
 def mock_token(
     context: Sequence[int], params: GenParams, position: int, vocab_size: int = MOCK_VOCAB_SIZE
 ) -> int:
@@ -366,6 +405,8 @@ class _MockGeneration:
         self.produced: list[int] = []
         self.deadline: float | None = None
         self.cancelled = False
+        self.stage: LaneStage | None = None
+        """The lane's stage when the request has a constraint (it ends with the lane)."""
         self._result: defer.Deferred[GenerationResult] = defer.Deferred()
 
     @property
@@ -393,6 +434,10 @@ class MockEngine:
     A generation whose ``params.logprobs`` asks gets each token's logprob and alternatives from
     those same logits (:func:`sparse_logprob`).
     A free lane takes the first queued interactive request before any batch one.
+    With a :class:`~sfnode.constraint.Vocabulary` it honours constraints: a constrained
+    lane draws from :func:`mock_staged_logits`, through the same :class:`LaneStage` the
+    transformers engine uses (prepared at submit, on the reactor: the mock has no thread), and
+    the vocabulary's EOS ids end a lane as ``eos_token_id`` does.
     """
 
     def __init__(
@@ -407,9 +452,11 @@ class MockEngine:
         eos_token_id: int | None = None,
         poison_token: int | None = None,
         supports_logprobs: bool = True,
+        vocabulary: Vocabulary | None = None,
     ) -> None:
         self._reactor = reactor
         self._supports_logprobs = supports_logprobs
+        self._vocabulary = vocabulary
         self._context_window = context_window
         self._max_lanes = max(1, max_lanes)
         self._token_delay_s = token_delay_s
@@ -436,6 +483,11 @@ class MockEngine:
         """True unless built with ``supports_logprobs=False`` (an engine without them, for
         tests of nodes that do not offer ``FEATURE_LOGPROBS``)."""
         return self._supports_logprobs
+
+    @property
+    def supports_constraints(self) -> bool:
+        """True when built with a vocabulary (a grammar needs one)."""
+        return self._vocabulary is not None
 
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(
@@ -466,6 +518,17 @@ class MockEngine:
             refusal = StreamTooLong(len(request.context), self._context_window)
             self._reactor.callLater(0, generation.result.errback, refusal)
             return generation
+        if request.constraint is not None:
+            try:
+                if request.constraint.grammar is not None and self._vocabulary is None:
+                    raise ConstraintError("this engine has no grammar support", "grammar")
+                generation.stage = LaneStage.prepare(
+                    self._vocabulary, request.constraint, request.context
+                )
+            except ConstraintError as e:
+                failure = EngineRefusal(f"the constraint cannot be honoured: {e}")
+                self._reactor.callLater(0, generation.result.errback, failure)
+                return generation
         self._queue.append(generation)
         self._schedule()
         return generation
@@ -546,15 +609,19 @@ class MockEngine:
             generation.result.errback(MockEngineFault("the context holds the poison token"))
             return
         params = request.params
-        token = mock_token(
-            generation.context,
-            params,
-            draw_position(params.seed, len(request.context), len(generation.produced)),
-            self._vocab_size,
-        )
+        position = draw_position(params.seed, len(request.context), len(generation.produced))
+        stage = generation.stage
+        if stage is None:
+            token = mock_token(generation.context, params, position, self._vocab_size)
+            logits = None
+        else:
+            logits = mock_staged_logits(generation.context, stage, self._vocab_size)
+            token = sample_sparse(logits, params, position)
+            stage.advance(token)
         logprob = None
         if params.logprobs > 0 and self._supports_logprobs:
-            logits = mock_logits(generation.context, self._vocab_size)
+            if logits is None:
+                logits = mock_logits(generation.context, self._vocab_size)
             logprob = sparse_logprob(logits, params, token)
         generation.context.append(token)
         generation.produced.append(token)
@@ -565,7 +632,9 @@ class MockEngine:
             generation.on_tokens((token,), (logprob,))
         if generation.cancelled or generation.result.called:
             return
-        if token == self._eos_token_id:
+        if token == self._eos_token_id or (
+            self._vocabulary is not None and token in self._vocabulary.eos_ids
+        ):
             self._finish(generation, EngineStop.EOS)
         elif len(generation.produced) >= request.max_new:
             self._finish(generation, EngineStop.LENGTH)

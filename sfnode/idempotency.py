@@ -181,10 +181,12 @@ class LeaseClock:
 
 class GenerationKey(NamedTuple):
     """How the node names a generation: WITHOUT its epoch, so that a generation id replayed
-    under a fresh command continues its event seqs (docs/protocol.md section 6.1)."""
+    under a fresh command continues its event seqs (docs/protocol.md section 6.1), and with the
+    identity of the head whose session it is (None: a head without one; section 12.4)."""
 
     session_id: int
     generation_id: int
+    head_id: int | None = None
 
 
 class DedupKey(NamedTuple):

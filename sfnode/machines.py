@@ -288,6 +288,8 @@ class LeasedSession(Protocol):
     session_id: int
     lease: LeaseClock
     fenced: bool
+    fenced_at: int
+    """When it was last fenced, on the node's millisecond clock (written with ``fenced``)."""
 
 
 class SessionInputs(Protocol):
@@ -315,6 +317,9 @@ class SessionInputs(Protocol):
     def _expired(self) -> None:
         """Private: the lease ran out."""
 
+    def _orphaned(self) -> None:
+        """Private: the session stayed fenced for the grace period (docs/protocol.md 6.4)."""
+
 
 class SessionOwner(Protocol):
     """What the lease machine asks of the node; each call names the session it is about."""
@@ -328,6 +333,10 @@ class SessionOwner(Protocol):
     def gave_up(self, session_id: int, reason: str) -> None:
         """The node fenced the session because of ``reason``: forget its context."""
 
+    def orphaned(self, session_id: int) -> None:
+        """The session stayed fenced for the whole grace period: delete its record, commands,
+        generations and unacknowledged events (the machine has no timer left)."""
+
 
 @dataclass
 class SessionCore:
@@ -337,6 +346,8 @@ class SessionCore:
     owner: SessionOwner
     session: LeasedSession
     renew_interval_ms: int
+    grace_ms: int = 0
+    """How long a fenced session is kept for its head to come back (0: no time limit)."""
 
 
 @dataclass
@@ -363,10 +374,30 @@ def _held(inputs: SessionInputs, core: SessionCore) -> LeaseTimers:
     )
 
 
+@dataclass
+class GraceTimer:
+    """Data of ``fenced``: when the fenced session is deleted unless a new ASSIGN comes first
+    (None: kept without a time limit)."""
+
+    deadline: IDelayedCall | None
+
+    def stop(self) -> None:
+        _cancel(self.deadline)
+
+
+def _fenced(inputs: SessionInputs, core: SessionCore, reason: str = "") -> GraceTimer:
+    # (``reason`` is give_up's: every input that enters the state passes its own arguments.)
+    core.session.fenced = True
+    core.session.fenced_at = core.now_ms()
+    if not core.grace_ms:
+        return GraceTimer(None)
+    return GraceTimer(core.clock.callLater(_seconds(core.grace_ms), inputs._orphaned))
+
+
 _session = TypeMachineBuilder(SessionInputs, SessionCore)
 _s_unleased = _session.state("unleased")
 _s_held = _session.state("held", _held)
-_s_fenced = _session.state("fenced")
+_s_fenced = _session.state("fenced", _fenced)
 
 
 @_s_unleased.upon(SessionInputs.assigned).to(_s_held)
@@ -375,9 +406,15 @@ def _first_lease(inputs: SessionInputs, core: SessionCore) -> None:
 
 
 @_s_fenced.upon(SessionInputs.assigned).to(_s_held)
-def _unfence(inputs: SessionInputs, core: SessionCore) -> None:
+def _unfence(inputs: SessionInputs, core: SessionCore, data: GraceTimer) -> None:
+    data.stop()
     core.session.fenced = False
     log.info("session {session} un-fenced by a new lease", session=core.session.session_id)
+
+
+@_s_fenced.upon(SessionInputs._orphaned).to(_s_unleased)
+def _orphan(inputs: SessionInputs, core: SessionCore, data: GraceTimer) -> None:
+    core.owner.orphaned(core.session.session_id)
 
 
 def _rearm(inputs: SessionInputs, core: SessionCore, data: LeaseTimers) -> None:
@@ -391,23 +428,23 @@ _s_held.upon(SessionInputs.assigned).loop()(_rearm)
 _s_held.upon(SessionInputs.granted).loop()(_rearm)
 
 
+# Entering ``fenced`` sets the flag and arms the grace timer (its data factory, _fenced).
+
+
 @_s_held.upon(SessionInputs._expired).to(_s_fenced)
 def _lease_expired(inputs: SessionInputs, core: SessionCore, data: LeaseTimers) -> None:
     data.stop()
-    core.session.fenced = True
     core.owner.self_fenced(core.session.session_id)
 
 
 @_s_held.upon(SessionInputs.superseded).to(_s_fenced)
 def _superseded(inputs: SessionInputs, core: SessionCore, data: LeaseTimers) -> None:
     data.stop()
-    core.session.fenced = True
 
 
 @_s_held.upon(SessionInputs.give_up).to(_s_fenced)
 def _given_up(inputs: SessionInputs, core: SessionCore, data: LeaseTimers, reason: str) -> None:
     data.stop()
-    core.session.fenced = True
     core.owner.gave_up(core.session.session_id, reason)
 
 
@@ -424,27 +461,36 @@ def _ask_for_renewal(inputs: SessionInputs, core: SessionCore, data: LeaseTimers
 
 @_s_unleased.upon(SessionInputs.superseded).to(_s_fenced)
 def _superseded_unleased(inputs: SessionInputs, core: SessionCore) -> None:
-    core.session.fenced = True
+    pass
 
 
 @_s_unleased.upon(SessionInputs.give_up).to(_s_fenced)
 def _given_up_unleased(inputs: SessionInputs, core: SessionCore, reason: str) -> None:
-    core.session.fenced = True
     core.owner.gave_up(core.session.session_id, reason)
 
 
+@_s_fenced.upon(SessionInputs.stopped).to(_s_unleased)
+def _stop_fenced(inputs: SessionInputs, core: SessionCore, data: GraceTimer) -> None:
+    data.stop()
+
+
 # Deliberately quiet pairs: a grant never reaches a session without a lease or a fenced one (the
-# session rules refuse it first); fencing a fenced session changes nothing; stopping a machine
-# without timers changes nothing.
+# session rules refuse it first); fencing a fenced session changes nothing (its grace period
+# runs on from the first fence); stopping a machine without timers changes nothing.
 _s_unleased.upon(SessionInputs.granted).loop().returns(None)
 _s_unleased.upon(SessionInputs.stopped).loop().returns(None)
-_s_fenced.upon(SessionInputs.granted).loop().returns(None)
-_s_fenced.upon(SessionInputs.superseded).loop().returns(None)
-_s_fenced.upon(SessionInputs.stopped).to(_s_unleased).returns(None)
+
+
+@_s_fenced.upon(SessionInputs.granted).loop()
+@_s_fenced.upon(SessionInputs.superseded).loop()
+def _already_fenced_quietly(inputs: SessionInputs, core: SessionCore, data: GraceTimer) -> None:
+    pass
 
 
 @_s_fenced.upon(SessionInputs.give_up).loop()
-def _already_fenced(inputs: SessionInputs, core: SessionCore, reason: str) -> None:
+def _already_fenced(
+    inputs: SessionInputs, core: SessionCore, data: GraceTimer, reason: str
+) -> None:
     pass
 
 

@@ -5,29 +5,55 @@ time, in a registry of its own (never the process-global one, so several nodes c
 process).  A scrape only reads: it never takes a rate sample (that would move the baseline the
 NODE_STATUS rates are measured from).
 
+The listener has the guards every sfnode listener has (``sfnode.webguard``): at most
+``max_connections`` open connections (one more is answered 503 and closed) and
+``header_timeout_s`` for a request's headers (408 after), so idle or slow connections cannot
+hold it.  ``twistd sfnode`` refuses a ``--metrics`` address off loopback unless
+``--metrics-insecure``: the figures say what the node runs and how busy it is.
+
 An engine with a prefix cache (one with ``prefix_statistics()``, the transformers engine unless
 ``--no-prefix-cache``) adds its figures: lookups that reused blocks and lookups that did not,
 prompt tokens not computed thanks to it, blocks saved and evicted, and blocks held now.  An
 engine without one shows none of them (not zeros that would read as "nothing reused").
+An engine that honours constraints adds the grammar masks it computed, the seconds that took
+and the seconds steps waited for them after their forward pass (docs/engine.md section 2.4).
+
+The same site answers ``/healthz`` for probes (a Kubernetes readiness or liveness probe, a load
+balancer): 200 ``{"status": "ok", ...}`` while the node takes generations (its model is loaded:
+the site starts after the engine is built), 503 ``{"status": "draining", ...}`` once SIGTERM
+started its drain.  Both say how many heads are connected and how many generations run.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from twisted.internet.interfaces import IReactorTime
 from twisted.web.resource import Resource
-from twisted.web.server import Request, Site
+from twisted.web.server import Request
 
 from sfnode.engines.prefix_cache import PrefixCacheStats
+from sfnode.webguard import DEFAULT_HEADER_TIMEOUT_S, CappedSite
 
 if TYPE_CHECKING:
     from sfnode.node import NodeAgent
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+METRICS_MAX_CONNECTIONS = 64
+"""Open connections the metrics listener takes; one more is answered 503 and closed."""
+
+
+@runtime_checkable
+class MaskFiguresSource(Protocol):
+    """An engine that computes grammar masks (the transformers engine)."""
+
+    def mask_figures(self) -> tuple[int, float, float]:
+        """(masks computed, seconds computing them, seconds steps waited for them)."""
 
 
 @runtime_checkable
@@ -51,7 +77,7 @@ class NodeCollector(Collector):
         labels = ["node", "model"]
         values = [agent.config.identity, agent.config.model_name]
 
-        def counter(name: str, help_text: str, value: int) -> CounterMetricFamily:
+        def counter(name: str, help_text: str, value: float) -> CounterMetricFamily:
             family = CounterMetricFamily(name, help_text, labels=labels)
             family.add_metric(values, value)
             return family
@@ -80,13 +106,28 @@ class NodeCollector(Collector):
         )  # fmt: skip
         yield gauge("sfnode_decode_tokens_per_second", "Busy-time decode rate (EWMA).", decode)
         yield gauge("sfnode_prefill_tokens_per_second", "Busy-time prefill rate (EWMA).", prefill)
-        yield gauge("sfnode_sessions", "Sessions holding a context.", len(agent.contexts))
+        yield gauge("sfnode_sessions", "Sessions holding a context.", agent.sessions_with_context())
         yield gauge("sfnode_connections", "Head connections past the handshake.",
                     len(agent.connections))  # fmt: skip
         yield gauge(
             "sfnode_generations", "Generations running or queued.", agent.running_generations
         )
         engine = agent.engine
+        if engine.supports_constraints and isinstance(engine, MaskFiguresSource):
+            masks, computing, waiting = engine.mask_figures()
+            yield counter(
+                "sfnode_grammar_masks", "Allowed-token masks computed for constrained rows.", masks
+            )
+            yield counter(
+                "sfnode_grammar_mask_seconds",
+                "Seconds spent computing grammar masks (beside the forward passes).",
+                computing,
+            )
+            yield counter(
+                "sfnode_grammar_mask_wait_seconds",
+                "Seconds steps waited for their grammar masks after their forward pass.",
+                waiting,
+            )
         prefix = engine.prefix_statistics() if isinstance(engine, PrefixStatisticsSource) else None
         if prefix is None:
             return
@@ -134,12 +175,44 @@ class MetricsResource(Resource):
         return generate_latest(self._registry)
 
 
-def metrics_site(agent: NodeAgent) -> Site:
-    """A web site serving this node's figures at ``/metrics``."""
+class HealthResource(Resource):
+    """``/healthz``: 200 while the node takes generations, 503 once it drains."""
+
+    isLeaf = True
+
+    def __init__(self, agent: NodeAgent) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._agent = agent
+
+    def render_GET(self, request: Request) -> bytes:
+        agent = self._agent
+        accepting = agent.accepting
+        request.setResponseCode(200 if accepting else 503)
+        request.setHeader(b"content-type", b"application/json")  # type: ignore[no-untyped-call]
+        body = {
+            "status": "ok" if accepting else "draining",
+            "node": agent.config.identity,
+            "model": agent.config.model_name,
+            "heads": len(agent.connections),
+            "generations": agent.running_generations,
+        }
+        return json.dumps(body).encode()
+
+
+def metrics_site(
+    agent: NodeAgent,
+    reactor: IReactorTime,
+    *,
+    max_connections: int = METRICS_MAX_CONNECTIONS,
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+) -> CappedSite:
+    """A web site serving this node's figures at ``/metrics`` and its health at ``/healthz``,
+    behind the shared guards (its deadlines run on ``reactor``)."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(NodeCollector(agent))
     root = Resource()  # type: ignore[no-untyped-call]
     root.putChild(b"metrics", MetricsResource(registry))
-    site = Site(root)  # type: ignore[no-untyped-call]
-    site.noisy = False
-    return site
+    root.putChild(b"healthz", HealthResource(agent))
+    return CappedSite(
+        root, reactor=reactor, max_connections=max_connections, header_timeout_s=header_timeout_s
+    )

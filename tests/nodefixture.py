@@ -289,10 +289,11 @@ class RawHead:
     def send_bytes(self, data: bytes) -> None:
         self.protocol.transport.write(data)
 
-    def hello(self, token: bytes = b"") -> defer.Deferred[Any]:
+    def hello(self, token: bytes = b"", head_id: int | None = None) -> defer.Deferred[Any]:
+        """HELLO (naming ``head_id`` as its identity, when given); fires with the ack."""
         from sfnode.wire import Hello, HelloAckF, LinkRole
 
-        self.send(Hello((2, 2), LinkRole.HEAD_DAEMON, token))
+        self.send(Hello((2, 2), LinkRole.HEAD_DAEMON, token, head_id))
         return self.wait_for(lambda m: isinstance(m, HelloAckF))
 
     def wait_for(self, predicate: Any) -> defer.Deferred[Any]:

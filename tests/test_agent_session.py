@@ -212,11 +212,15 @@ class RevokeTests(SynchronousTestCase):
         self.assertEqual(agent.unacked_events(1, 100), 0)
         self.assertIsNone(agent.on_revoke(SessionRevokeMsg(99, 1, 5)))
 
-    def test_revoke_command_not_recorded(self) -> None:
-        """REVOKE's command id is neither checked nor recorded; a higher epoch also applies."""
+    def test_revoke_command_is_checked(self) -> None:
+        """REVOKE's command id is checked like any other: a replay of a known id (here the
+        ASSIGN's) changes nothing, a fresh one applies, also with a higher epoch."""
         agent = Node().agent
         agent.on_assign(assign(1, 5, 10))
-        self.assertIsNotNone(agent.on_revoke(SessionRevokeMsg(10, 1, 7)))
+        self.assertIsNone(agent.on_revoke(SessionRevokeMsg(10, 1, 7)))
+        self.assertTrue(agent.has_session(1))
+        self.assertIsNotNone(agent.on_revoke(SessionRevokeMsg(11, 1, 7)))
+        self.assertFalse(agent.has_session(1))
         self.assertIsNotNone(agent.on_assign(assign(1, 5, 10)))
 
     def test_revoke_deletes_fenced_session_and_stops_its_timers(self) -> None:

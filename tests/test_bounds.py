@@ -44,7 +44,6 @@ from sfnode.protocol import NodeProtocol
 from sfnode.wire import (
     FINISH_DECLINED,
     FINISH_LENGTH,
-    FINISH_REFUSED,
     MAX_FRAME,
     AppendContentMsg,
     Finish,
@@ -299,21 +298,22 @@ class SlowReaderTests(BoundsTestCase):
 class SessionAndGenerationCapTests(BoundsTestCase):
     @defer.inlineCallbacks
     def test_assign_beyond_max_sessions_is_refused(self) -> Gen:
-        """max_sessions=2 (default 1024) is advertised; a third ASSIGN is refused and that
-        session's GENERATE gets FINISH_REFUSED while a never-assigned one gets DECLINED; after
-        a REVOKE frees a place the same session is accepted and served."""
+        """max_sessions=2 (default 1024) is advertised; a third ASSIGN is refused (logged once)
+        and that session's GENERATE gets FINISH_DECLINED, which a head fails over on, as a
+        never-assigned one does; after a REVOKE frees a place the same session is accepted
+        and served."""
         self.assertEqual(DEFAULT_MAX_SESSIONS, 1024)
         node = yield self.start_node(max_sessions=2)
         head = yield RawHead.connect(self, node)
         ack = yield head.hello()
         self.assertEqual(ack.capacity.max_sessions, 2)
-        refused = self.log_lines("refused session 3")
+        refused = self.log_lines("refusing new sessions (the first: session 3")
         for session in (1, 2, 3):
             self.place(head, session)
         yield refused
         self.generate(head, 3, 1, 4)
         self.generate(head, 9, 1, 4)
-        yield head.wait_for(finish_of(3, 1, FINISH_REFUSED))
+        yield head.wait_for(finish_of(3, 1, FINISH_DECLINED))
         yield head.wait_for(finish_of(9, 1, FINISH_DECLINED))
         self.assertEqual(node.agent.session.session_ids(), [1, 2])
         head.send(SessionRevokeMsg(self.next_command(), 1, 1))

@@ -12,6 +12,7 @@ import math
 import os
 import random
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -761,6 +762,13 @@ class LongPromptTests(EngineTestCase):
         self.assertTrue(any(plan.decode and plan.chunks for plan in plans))
 
 
+def native_library_dir() -> Path:
+    """Where the tests' engines keep the native kernels (they are built once there)."""
+    from sfnode.models import default_cache_dir
+
+    return default_cache_dir().parent / "kernels"
+
+
 class WeightsModeTests(EngineTestCase):
     """bfloat16, int8 and int4 (docs/engine.md section 5): a lane's tokens do not depend on the
     lanes beside it, greedy and seeded (bit for bit: float32 products of different row counts
@@ -768,14 +776,33 @@ class WeightsModeTests(EngineTestCase):
 
     @defer.inlineCallbacks
     def test_each_mode_is_the_same_alone_and_batched(self) -> Any:
-        """In every weights mode, concurrent generations (greedy and seeded, some with prompts
-        longer than a chunk, reusing the solo runs' cached blocks) equal their solo runs."""
+        """In every weights mode and with each kernel family (docs/engine.md section 5.1),
+        fused step or not (section 5.2), concurrent generations (greedy and seeded, some with
+        prompts longer than a chunk, reusing the solo runs' cached blocks) equal their solo
+        runs."""
+        from sfnode.engines import native
+
         ps = prompts(5, seed=31, low=3, high=150)
         params = [GenParams() if i % 2 == 0 else SAMPLED for i in range(5)]
-        for mode in ("bfloat16", "int8", "int4"):
+        cases: list[tuple[str, str, bool]] = [
+            ("bfloat16", "auto", True),
+            ("int8", "torch", True),
+            ("int4", "torch", True),
+        ]
+        if not isinstance(native.load(native_library_dir()), str):
+            cases += [("int8", "native", True), ("int4", "native", True)]
+            cases += [("int4", "native", False)]
+        for mode, kernels, fused in cases:
             # The batched runs reuse the solo runs' prompts from the prefix cache too.
-            engine = self.make_engine(max_lanes=3, weights=mode, prefill_chunk=64)
+            engine = self.make_engine(
+                max_lanes=3,
+                weights=mode,
+                prefill_chunk=64,
+                kernels=kernels,
+                fused_step=fused,
+            )
             self.assertEqual(engine.weights_mode, mode)
+            self.assertEqual(engine.fused_step, kernels == "native" and fused)
             solo = []
             for p, gp in zip(ps, params, strict=True):
                 solo.append((yield self.run_one(p, 20, gp, engine=engine)[0]))
@@ -783,7 +810,7 @@ class WeightsModeTests(EngineTestCase):
                 self.run_one(p, 20, gp, engine=engine)[0] for p, gp in zip(ps, params, strict=True)
             ]
             batched = yield defer.gatherResults(runs)
-            self.assertEqual(batched, solo, mode)
+            self.assertEqual(batched, solo, (mode, kernels, fused))
 
     @defer.inlineCallbacks
     def test_released_float_weights_change_nothing(self) -> Any:

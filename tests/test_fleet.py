@@ -147,6 +147,9 @@ class _Opened:
     def link_dropped(self, link: Any, reason: Any) -> None:
         self.dropped.append(reason)
 
+    def link_reported(self, link: Any) -> None:
+        pass
+
     def link_closed(self, link: Any) -> None:
         pass
 
@@ -212,11 +215,12 @@ class OneNodeTests(FleetTestCase):
         # A second request on the same connection: the revoke was handled before it.
         second = yield fleet.open_session(PROMPT)
         yield second.generate(2).result
-        self.assertNotIn(first.session.session_id, node.agent.contexts)
-        self.assertIn(second.session_id, node.agent.contexts)
+        contexts = node.agent.contexts_of
+        self.assertNotIn(first.session.session_id, contexts(self.ids.head_id))
+        self.assertIn(second.session_id, contexts(self.ids.head_id))
         second.close()
         yield fleet.generate(PROMPT, 1).result
-        self.assertNotIn(second.session_id, node.agent.contexts)
+        self.assertNotIn(second.session_id, contexts(self.ids.head_id))
 
     @defer.inlineCallbacks
     def test_cancel_reaches_the_node(self) -> Generator[Any, Any, None]:
@@ -726,7 +730,7 @@ class WindowTests(FleetTestCase):
         self.assertEqual(self.on(fleet, narrow).sessions, 0)
         yield fleet.generate(PROMPT, 1).result  # a round trip on each link
         yield fleet.generate(PROMPT, 1).result
-        self.assertNotIn(session.session_id, narrow.agent.contexts)
+        self.assertNotIn(session.session_id, narrow.agent.contexts_of(self.ids.head_id))
 
 
 class _Relay(Protocol):

@@ -202,11 +202,14 @@ class LinkTestCase(SynchronousTestCase):
 
 class HandshakeTests(LinkTestCase):
     def test_the_head_says_hello_first_and_keeps_the_ack(self) -> None:
-        """HELLO{(2,2), HeadDaemon, auth} is frame seq 1; HELLO_ACK_F fills identity/capacity.
+        """HELLO{(2,2), HeadDaemon, auth, the head's identity} is frame seq 1; HELLO_ACK_F fills
+        identity/capacity.
 
         (With a token the same HELLO carries it inside Noise: tests/test_noise.py.)"""
         link, node = self.open_link()
-        self.assertEqual(node.received, [Hello((2, 2), LinkRole.HEAD_DAEMON, b"")])
+        self.assertEqual(
+            node.received, [Hello((2, 2), LinkRole.HEAD_DAEMON, b"", link.ids.head_id)]
+        )
         self.assertEqual(node.seqs, [1])
         self.assertEqual(link.hello_ack, HELLO_ACK)
         self.assertEqual(link.node_identity, "fake-node")

@@ -412,6 +412,17 @@ class ErrorTests(HttpTestCase):
                    "queued": 0, "requests": 0}),
         )  # fmt: skip
 
+    @defer.inlineCallbacks
+    def test_liveness_probe_is_200_without_nodes(self) -> Generator[Any, Any, None]:
+        """/healthz?probe=live (a Kubernetes liveness probe) answers 200 "alive" while the
+        head has no node (it is not ready, but restarting it would not help); any other query
+        is the readiness answer."""
+        head = yield self.start_head([])
+        code, content = yield self.call(head, b"GET", "/healthz?probe=live")
+        self.assertEqual((code, json.loads(content)), (200, {"status": "alive"}))
+        code, content = yield self.call(head, b"GET", "/healthz?probe=ready")
+        self.assertEqual((code, json.loads(content)["status"]), (503, "unavailable"))
+
 
 class ObservabilityTests(HttpTestCase):
     @defer.inlineCallbacks
@@ -462,6 +473,17 @@ class SaturationTests(HttpTestCase):
         /metrics shows the same; once the streams end it says ok again."""
         node = yield self.start_vocab_node(max_lanes=2, token_delay_s=0.01)
         head = yield self.start_head([node])
+        # Chat prompts are rendered on worker threads: wait until all three reached the fleet.
+        placed: defer.Deferred[None] = defer.Deferred()
+        generate, calls = head.fleet.generate, []
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            calls.append(args)
+            if len(calls) == 3:
+                placed.callback(None)
+            return generate(*args, **kwargs)
+
+        head.fleet.generate = counting  # type: ignore[method-assign]
         streams = []
         for _ in range(3):
             client = _StreamingClient()
@@ -478,6 +500,7 @@ class SaturationTests(HttpTestCase):
                 + body
             )
             streams.append(client)
+        yield placed
         yield streams[0].content_seen
         code, content = yield self.call(head, b"GET", "/healthz")
         self.assertEqual(

@@ -290,7 +290,7 @@ class SessionTests(NodeTestCase):
         link.append(1, PROMPT)
         second = yield link.generate(1, 10).result
         self.assertEqual(first.tokens, second.tokens)
-        self.assertEqual(node.agent.session.session_epoch(1), second_epoch)
+        self.assertEqual(node.agent.sessions_of(self.ids.head_id).session_epoch(1), second_epoch)
 
     @defer.inlineCallbacks
     def test_second_head_reusing_a_session_id_never_hangs(self) -> Gen:
@@ -324,11 +324,11 @@ class SessionTests(NodeTestCase):
         yield link.generate(1, 2).result
         link.revoke(1)
         head = yield RawHead.connect(self, node)
-        yield head.hello()
+        yield head.hello(head_id=self.ids.head_id)
         head.send(GenerateReqMsg(1 << 40, 1, epoch, 9, GenerationBudgetsMsg(2)))
         yield head.wait_for(finish_of(1, 9))
         self.assertEqual([e.payload for e in head.events(1, 9)], [Finish(FINISH_DECLINED)])
-        self.assertNotIn(1, node.agent.contexts)
+        self.assertNotIn(1, node.agent.contexts_of(self.ids.head_id))
 
 
 class ReconcileTests(NodeTestCase):
@@ -631,7 +631,7 @@ class TimedTests(MemoryNodeTestCase):
         link.assign(1, lease=Lease(1000, 100))
         link.append(1, PROMPT)
         self.advance(2.5)
-        self.assertFalse(node.agent.session.is_fenced(1))
+        self.assertFalse(node.agent.sessions_of(self.ids.head_id).is_fenced(1))
         call = link.generate(1, 3)
         self.advance(0.3)
         self.assertEqual(self.successResultOf(call.result).tokens, expected_tokens(PROMPT, 3))

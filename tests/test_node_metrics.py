@@ -2,11 +2,13 @@
 
 Nodes here are the real service tree of ``twistd sfnode`` (``sfnode.tap.makeService``) on the
 tiny random Llama of tests/tinymodel.py (or the mock engine), on loopback TCP; a head-side link
-asks for generations and ``/metrics`` is read with an HTTP client and parsed as Prometheus text.
+asks for generations and ``/metrics`` is read with an HTTP client and parsed as Prometheus text;
+``/healthz`` beside it is read as JSON.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -116,3 +118,26 @@ class NodeMetricsTests(TestCase):
         samples = await self.scrape(node)
         self.assertFalse([name for name in samples if name.startswith("sfnode_prefix")])
         self.assertEqual(samples["sfnode_prefilled_tokens_total"], 130)
+
+    async def test_healthz_is_ok_until_the_drain_starts(self) -> None:
+        """/healthz on the --metrics listener (the probe of deploy/kubernetes) answers 200
+        "ok" with the node's identity, model, connected heads and generations while the node
+        takes generations, and 503 "draining" once its drain started."""
+        node = self.start("--engine", "mock")
+        service = node.getServiceNamed("metrics")  # type: ignore[no-untyped-call]
+        url = f"http://127.0.0.1:{service.port.getHost().port}/healthz".encode()
+        port = node.getServiceNamed("listen").port.getHost().port  # type: ignore[no-untyped-call]
+        link = await connect_node(reactor, f"tcp:127.0.0.1:{port}", ids=HeadIds())
+        self.addCleanup(link.close)
+        response = await Agent(reactor).request(b"GET", url)
+        body = json.loads(await readBody(response))
+        self.assertEqual(
+            (response.code, body),
+            (200, {"status": "ok", "node": "metered", "model": "mock", "heads": 1,
+                   "generations": 0}),
+        )  # fmt: skip
+        agent = node.getServiceNamed("agent").agent  # type: ignore[no-untyped-call]
+        agent.drain()
+        response = await Agent(reactor).request(b"GET", url)
+        body = json.loads(await readBody(response))
+        self.assertEqual((response.code, body["status"]), (503, "draining"))

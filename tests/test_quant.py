@@ -204,7 +204,9 @@ class FallbackTests(unittest.SynchronousTestCase):
         self.addCleanup(globalLogPublisher.removeObserver, events.append)
         checks = {p: None for p in Precision}
         checks[Precision.INT4] = "RuntimeError: no int4 kernel"
-        weights = gather_weights(model, "int4", checks=checks, dense_copies=False)
+        weights = gather_weights(
+            model, "int4", checks=checks, dense_copies=False, kernels="torch"
+        )
         self.assertEqual(weights.mode, "int4")
         self.assertEqual(weights.describe(), "bfloat16 x 9")
         warnings = [

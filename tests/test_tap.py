@@ -302,10 +302,11 @@ class PluginTests(TestCase):
 
     async def test_twistd_help_lists_sfnode_without_torch(self) -> None:
         """``twistd --help`` lists sfnode and ``twistd sfnode --help`` works (one usage line),
-        importing no torch."""
+        importing neither torch nor zeroconf."""
         probe = (
             "import atexit, sys\n"
             "atexit.register(lambda: print('TORCH', 'torch' in sys.modules))\n"
+            "atexit.register(lambda: print('ZEROCONF', 'zeroconf' in sys.modules))\n"
             "sys.argv = ['twistd'] + sys.argv[1:]\n"
             "from twisted.scripts.twistd import run\n"
             "run()\n"
@@ -318,11 +319,15 @@ class PluginTests(TestCase):
         self.assertEqual(code, 0, err)
         first = out.decode().splitlines()[0]
         self.assertEqual(
-            first, "Usage: twistd [options] sfnode (--listen ENDPOINT | --head ENDPOINT) [options]"
+            first,
+            "Usage: twistd [options] sfnode (--join HOST[:PORT] | --join auto | --head ENDPOINT "
+            "| --listen ENDPOINT) [options]",
         )
         self.assertIn("--listen=", out.decode())
+        self.assertIn("--join=", out.decode())
         self.assertIn("--auth-file=", out.decode())
         self.assertIn("TORCH False", out.decode())
+        self.assertIn("ZEROCONF False", out.decode())
 
 
 class EmbeddingTests(TestCase):
@@ -437,6 +442,37 @@ class EmbeddingTests(TestCase):
             with self.assertRaises(usage.UsageError) as caught:
                 parse(*base, *bad)
             self.assertIn("--weights", str(caught.exception))
+
+    def test_kernels_and_eager_step_options(self) -> None:
+        """--kernels torch serves int4 with torch's kernels in bfloat16, --kernels native with
+        sfnode's in float32 and the fused step, which --eager-step turns off; an unknown family,
+        or either option with the mock engine, is a usage error (docs/engine.md 5.1, 5.2)."""
+        import torch
+
+        from sfnode.engines import native
+        from sfnode.engines.transformers_engine import TransformersEngine
+        from sfnode.models import default_cache_dir
+        from tests.tinymodel import save_tiny_model
+
+        folder = save_tiny_model(Path(self.mktemp()).resolve() / "tiny-llama")
+        base = f"--listen {LOOPBACK} --model {folder} --device cpu --weights int4".split()
+        torch_kernels = tap.build_engine(reactor, parse(*base, "--kernels", "torch"))
+        assert isinstance(torch_kernels, TransformersEngine)
+        self.assertEqual((torch_kernels.kernels, torch_kernels.fused_step), ("int4 x 13", False))
+        self.assertEqual(torch_kernels._activations, torch.bfloat16)
+        if not isinstance(native.load(default_cache_dir().parent / "kernels"), str):
+            own = tap.build_engine(reactor, parse(*base, "--kernels", "native"))
+            eager = tap.build_engine(reactor, parse(*base, "--kernels", "native", "--eager-step"))
+            assert isinstance(own, TransformersEngine) and isinstance(eager, TransformersEngine)
+            self.assertEqual((own._activations, own.fused_step), (torch.float32, True))
+            self.assertEqual((eager._activations, eager.fused_step), (torch.float32, False))
+        with self.assertRaises(usage.UsageError) as caught:
+            parse(*base, "--kernels", "fast")
+        self.assertIn("--kernels", str(caught.exception))
+        for flag in (("--kernels", "torch"), ("--eager-step",)):
+            with self.assertRaises(usage.UsageError) as caught:
+                parse("--listen", LOOPBACK, "--engine", "mock", *flag)
+            self.assertIn(flag[0], str(caught.exception))
 
     async def test_head_mode_dials_and_answers(self) -> None:
         """With --head the node dials the head, which then says HELLO first and is answered."""

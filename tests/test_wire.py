@@ -654,6 +654,25 @@ def strategy_for(codec: Codec[Any]) -> st.SearchStrategy[Any]:
         return st.sampled_from(list(codec.enum_cls))
     if isinstance(codec, StructCodec):
         return message_strategy(codec.cls)
+    if isinstance(codec, wire.BoundedStr):
+        return st.text(max_size=12)
+    if isinstance(codec, wire.RangedF32):
+        return st.floats(codec.low, codec.high, width=32)
+    if isinstance(codec, wire.LogitBiasCodec):
+        bias = st.floats(*wire.LOGIT_BIAS_RANGE, width=32)
+        return st.lists(st.tuples(st.integers(0, U32_MAX), bias), max_size=3).map(tuple)
+    if isinstance(codec, wire.GrammarCodec):
+        return st.one_of(
+            st.just(wire.JsonObjectGrammar()),
+            st.builds(wire.JsonSchemaGrammar, st.text(max_size=12)),
+            st.builds(
+                wire.ToolsGrammar,
+                st.text(max_size=12),
+                st.sampled_from(list(wire.ToolChoice)),
+                st.text(max_size=8),
+                st.booleans(),
+            ),
+        )
     if isinstance(codec, TokenEventPayloadCodec):
         return st.one_of(
             st.lists(st.integers(0, U32_MAX), max_size=6).map(lambda t: Tokens(tuple(t))),

@@ -23,16 +23,19 @@ import torch
 
 from sfnode.engines.hidden import encode_hidden
 from sfnode.engines.kernels import lane_cache, onednn_on_this_thread, use_onednn_linear
+from sfnode.engines.masks import MaskWorker
 from sfnode.engines.plan import ChunkRow, StepOutput, StepPlan
 from sfnode.generation import StageForwardError, StageResult, TokenLogprob
-from sfnode.sampler import sample_tokens, token_logprobs
+from sfnode.sampler import allowed_rows, sample_with_stages
 
 
 class ModelForwardRunner:
     """Runs steps through ``model(...)``; ``onednn`` routes float32 linear layers to oneDNN."""
 
-    def __init__(self, model: Any, *, onednn: bool) -> None:
+    def __init__(self, model: Any, *, onednn: bool, masks: MaskWorker | None = None) -> None:
         self._model = model
+        self.masks = masks
+        """Computes constrained rows' grammar masks while the forward pass runs."""
         self._config = model.config
         self.device: torch.device = next(model.parameters()).device
         self.onednn_layers = use_onednn_linear(model) if onednn else 0
@@ -60,14 +63,23 @@ class ModelForwardRunner:
                 missing = [slot for slot in decoding if slot not in order]
                 if missing:
                     raise RuntimeError(f"slots {missing} decode without a computed prompt")
-                logits = self._decode_step(plan)
+                stages = [row.stage for row in plan.decode]
+                pending = self.masks.start(stages) if self.masks is not None else None
+                try:
+                    logits = self._decode_step(plan)
+                finally:
+                    masks = pending.wait() if pending is not None else None
                 rows = [order[row.slot] for row in plan.decode]
                 by_row = logits[torch.tensor(rows, dtype=torch.long, device=self.device)]
                 by_row = by_row.to(torch.float32)
                 params = [row.params for row in plan.decode]
-                decoded = sample_tokens(by_row, params, [row.draw for row in plan.decode])
-                if any(p.logprobs for p in params):
-                    decoded_logprobs = token_logprobs(by_row, params, decoded)
+                decoded, decoded_logprobs = sample_with_stages(
+                    by_row,
+                    params,
+                    [row.draw for row in plan.decode],
+                    stages,
+                    None if masks is None else allowed_rows(masks, by_row.shape[-1]),
+                )
             firsts: list[tuple[int, TokenLogprob | None] | None] = []
             for chunk in plan.chunks:
                 firsts.append(self._chunk(chunk))
@@ -90,6 +102,8 @@ class ModelForwardRunner:
         end = chunk.start + len(chunk.tokens)
         ids = torch.tensor([list(chunk.tokens)], dtype=torch.long, device=self.device)
         positions = torch.arange(chunk.start, end, dtype=torch.long, device=self.device)
+        stages = [chunk.stage] if chunk.last else []
+        pending = self.masks.start(stages) if self.masks is not None else None
         try:
             out = self._model(
                 input_ids=ids,
@@ -102,11 +116,16 @@ class ModelForwardRunner:
         except Exception:
             self._own.pop(chunk.slot, None)
             raise
+        finally:
+            masks = pending.wait() if pending is not None else None
         if not chunk.last:
             return None
         logits = out.logits[:, -1, :].to(torch.float32)
-        token = sample_tokens(logits, [chunk.params], [chunk.draw])[0]
-        logprob = token_logprobs(logits, [chunk.params], [token])[0]
+        allowed = None if masks is None else allowed_rows(masks, logits.shape[-1])
+        tokens, logprobs = sample_with_stages(
+            logits, [chunk.params], [chunk.draw], [chunk.stage], allowed
+        )
+        token, logprob = tokens[0], (logprobs[0] if logprobs else None)
         self._join(chunk.slot, self._own.pop(chunk.slot))
         return token, logprob
 

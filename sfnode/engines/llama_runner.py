@@ -33,10 +33,12 @@ import torch.nn.functional as F  # noqa: N812
 
 from sfnode.engines.kv import BlockPool, SlotKV
 from sfnode.engines.llama_weights import LlamaWeights
+from sfnode.engines.masks import MaskWorker
+from sfnode.engines.native import FusedLayers, fusable
 from sfnode.engines.plan import ChunkRow, DecodeRow, StepOutput, StepPlan
-from sfnode.engines.quant import Linear, Precision, Projection
+from sfnode.engines.quant import Float32Linear, Linear, Projection
 from sfnode.generation import StageForwardError, StageResult, TokenLogprob
-from sfnode.sampler import sample_tokens, token_logprobs
+from sfnode.sampler import allowed_rows, sample_with_stages
 from sfnode.wire import GenParams
 
 _LLAMA_TYPES = ("llama",)
@@ -152,9 +154,9 @@ def _multiply(layer: Linear, x: torch.Tensor) -> torch.Tensor:
     oneDNN multiplies a single row with a matrix-vector kernel and two rows or more with a
     matrix kernel, and the two round differently; with every row through the matrix kernel, a
     row's product does not depend on how many rows share the call (docs/engine.md section 4).
-    The quantized and bfloat16 kernels do not need it.
+    The quantized and bfloat16 kernels, and sfnode's own float32 kernel, do not need it.
     """
-    if x.shape[0] == 1 and layer.precision is Precision.FLOAT32:
+    if x.shape[0] == 1 and isinstance(layer, Float32Linear):
         return layer(torch.cat([x, x]))[:1]
     return layer(x)
 
@@ -164,7 +166,7 @@ def _project(projection: Projection, x: torch.Tensor, groups: Groups) -> torch.T
     quantized kernel, long prompt chunks by the dense copy when the engine keeps dense copies
     (the same rows always get the same kernel, whatever else shares the step)."""
     if projection.dense is None or len(groups) == 1:
-        if x.shape[0] == 1 and projection.precision is Precision.FLOAT32:
+        if x.shape[0] == 1 and isinstance(projection.kernel, Float32Linear):
             return projection(torch.cat([x, x]))[:1]  # see _multiply
         return projection(x, dense=groups[0][2])
     return torch.cat([projection(x[a:b], dense=use_dense) for a, b, use_dense in groups])
@@ -292,9 +294,16 @@ class LlamaRunner:
         inv_freq: torch.Tensor,
         attention_scaling: float = 1.0,
         pool_blocks: int = 0,
+        fused: bool = True,
+        masks: MaskWorker | None = None,
     ) -> None:
+        """``fused`` runs each layer's work outside attention through the native library's
+        fused calls (:class:`~sfnode.engines.native.FusedLayers`) where the weights allow it;
+        :attr:`fused_reason` says why not otherwise."""
         self.weights = weights
         self.device = device
+        self.masks = masks
+        """Computes constrained rows' grammar masks while the forward pass runs."""
         self.window = window
         w = weights
         self._hidden = int(w.embed.shape[1])
@@ -308,9 +317,11 @@ class LlamaRunner:
             kv_heads=w.kv_heads,
             head_dim=w.head_dim,
             window=window,
-            dtype=w.activations,
+            dtype=w.kv_dtype or w.activations,
             device=device,
         )
+        self._kv_cast = self.kv.dtype != w.activations
+        """Whether keys and values are stored in another type than they are computed in."""
         self.pool = BlockPool(self.kv, pool_blocks) if pool_blocks > 0 else None
         # cos/sin of every position, computed as transformers' rotary embedding computes them.
         positions = torch.arange(window, dtype=torch.float32, device=device)
@@ -321,10 +332,25 @@ class LlamaRunner:
         sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(device)
         self._sin = (emb.sin() * attention_scaling * sign).to(w.activations)
         """sin with the sign of rotate_half folded in (see :func:`_rotate`)."""
+        self.fused: FusedLayers | None = None
+        library = w.family.library if w.family is not None else None
+        self.fused_reason = "turned off" if not fused else fusable(w)
+        if self.fused_reason is None and library is None:
+            self.fused_reason = "the native kernels are not in use"
+        if self.fused_reason is None and library is not None:
+            self.fused = FusedLayers(w, library)
 
     @classmethod
     def for_model(
-        cls, model: Any, weights: LlamaWeights, *, slots: int, window: int, pool_blocks: int = 0
+        cls,
+        model: Any,
+        weights: LlamaWeights,
+        *,
+        slots: int,
+        window: int,
+        pool_blocks: int = 0,
+        fused: bool = True,
+        masks: MaskWorker | None = None,
     ) -> LlamaRunner:
         rotary = model.model.rotary_emb
         return cls(
@@ -335,6 +361,8 @@ class LlamaRunner:
             inv_freq=rotary.inv_freq,
             attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
             pool_blocks=pool_blocks,
+            fused=fused,
+            masks=masks,
         )
 
     # -- steps ------------------------------------------------------------------------------------
@@ -356,11 +384,11 @@ class LlamaRunner:
             for chunk in plan.chunks:
                 ids.extend(chunk.tokens)
                 positions.extend(range(chunk.start, chunk.start + len(chunk.tokens)))
-            hidden = self._forward(ids, positions, attention)
             # Logits only where a token is sampled: every decode row, a prompt's last position.
             wanted = list(range(len(plan.decode)))
             params = [row.params for row in plan.decode]
             draws = [row.draw for row in plan.decode]
+            stages = [row.stage for row in plan.decode]
             offset = len(plan.decode)
             for chunk in plan.chunks:
                 offset += len(chunk.tokens)
@@ -368,16 +396,23 @@ class LlamaRunner:
                     wanted.append(offset - 1)
                     params.append(chunk.params)
                     draws.append(chunk.draw)
+                    stages.append(chunk.stage)
+            # The constrained rows' masks are computed while the forward pass runs.
+            pending = self.masks.start(stages) if self.masks is not None else None
+            try:
+                hidden = self._forward(ids, positions, attention)
+            finally:
+                masks = pending.wait() if pending is not None else None
             if not wanted:
                 return StepOutput(chunks=tuple(None for _ in plan.chunks))
-            logits = self._logits(hidden, wanted)
-            tokens = sample_tokens(logits, params, draws)
-            logprobs = (
-                token_logprobs(logits, params, tokens) if any(p.logprobs for p in params) else []
-            )
+            allowed = None if masks is None else allowed_rows(masks, self.weights.vocab_size)
+            logits = self._logits(hidden, wanted, allowed)
+            tokens, logprobs = sample_with_stages(logits, params, draws, stages, allowed)
         return _output(plan, tokens, logprobs)
 
-    def _logits(self, hidden: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    def _logits(
+        self, hidden: torch.Tensor, rows: Sequence[int], allowed: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Float32 logits of ``rows`` of ``hidden``.
 
         A bfloat16 logit near 25 is rounded to steps of 0.125, coarser than the gap between a
@@ -386,12 +421,17 @@ class LlamaRunner:
         the head's float weights, which decides greedy choices and the most likely draws as a
         float32 head would; the rest keep their bfloat16 values (an int4 head's error then costs
         the bundled model under 1% of perplexity).
+
+        With ``allowed`` (a grammar's mask of each row, docs/engine.md section 2.4) the tokens
+        it forbids are -inf, and the refined ones are the best allowed ones.
         """
         w = self.weights
         if len(rows) != hidden.shape[0]:
             hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
         normed = F.rms_norm(hidden, (self._hidden,), w.final_norm, w.eps)
         logits = _multiply(w.lm_head, normed).to(torch.float32)
+        if allowed is not None:
+            logits.masked_fill_(~allowed, float("-inf"))
         if w.lm_head_float is None:
             return logits
         exact = F.rms_norm(hidden.to(torch.float32), (self._hidden,), w.final_norm_float, w.eps)
@@ -400,7 +440,11 @@ class LlamaRunner:
         # A product and a sum along each row, not a batched matmul: its rounding then does not
         # depend on how many rows share the step.
         refined = (rows_of * exact.unsqueeze(1)).sum(-1)
-        return logits.scatter_(1, best, refined)
+        logits.scatter_(1, best, refined)
+        if allowed is not None:
+            # A row with fewer than REFINED allowed tokens had forbidden ones refined too.
+            logits.masked_fill_(~allowed, float("-inf"))
+        return logits
 
     def _forward(
         self, ids: Sequence[int], positions: Sequence[int], attention: _Attention
@@ -412,7 +456,7 @@ class LlamaRunner:
         sin = self._sin[index].unsqueeze(1)
         groups = self._row_groups(attention)
         for layer_index in range(len(w.layers)):
-            hidden = self._layer(layer_index, hidden, cos, sin, attention, groups)
+            hidden = self._layer(layer_index, hidden, cos, sin, attention, groups, index)
         return hidden
 
     def _row_groups(self, attention: _Attention) -> Groups:
@@ -439,13 +483,27 @@ class LlamaRunner:
         sin: torch.Tensor,
         attention: _Attention | None,
         groups: Groups,
+        positions: torch.Tensor,
     ) -> torch.Tensor:
-        """One decoder layer over ``hidden`` rows; ``attention`` None means one causal sequence
-        without a cache (a pipeline stage)."""
+        """One decoder layer over ``hidden`` rows at ``positions``; ``attention`` None means one
+        causal sequence without a cache (a pipeline stage)."""
         w = self.weights
         layer = w.layers[index]
         rows = hidden.shape[0]
         heads, kv_heads, head_dim = self._heads, self._kv_heads, self._head_dim
+        if self.fused is not None:
+            qkv = self.fused.pre(index, hidden, self._cos, self._sin, positions)
+            query = qkv[:, : heads * head_dim].view(rows, heads, head_dim)
+            key = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(
+                rows, kv_heads, head_dim
+            )
+            value = qkv[:, (heads + kv_heads) * head_dim :].view(rows, kv_heads, head_dim)
+            if attention is None:
+                attended = self._sequence_attention(query, key, value)
+            else:
+                attended = self._attend(index, query, key, value, attention)
+            self.fused.post(index, hidden, attended)
+            return hidden
         x = F.rms_norm(hidden, (self._hidden,), layer.input_norm, w.eps)
         qkv = _project(layer.qkv, x, groups)
         qk = qkv[:, : (heads + kv_heads) * head_dim].view(rows, heads + kv_heads, head_dim)
@@ -477,8 +535,11 @@ class LlamaRunner:
         parts: list[torch.Tensor] = []
         decode = attention.rows
         if decode:
-            keys[attention.slot_index, :, attention.position_index] = key[:decode]
-            values[attention.slot_index, :, attention.position_index] = value[:decode]
+            new_keys, new_values = key[:decode], value[:decode]
+            if self._kv_cast:
+                new_keys, new_values = new_keys.to(keys.dtype), new_values.to(values.dtype)
+            keys[attention.slot_index, :, attention.position_index] = new_keys
+            values[attention.slot_index, :, attention.position_index] = new_values
             # Each key/value head answers its group of query heads: the group is laid out as
             # that head's "query positions", so no key or value is repeated.
             grouped = query[:decode].reshape(decode, kv_heads, groups, head_dim)
@@ -491,6 +552,8 @@ class LlamaRunner:
                     k = keys.index_select(0, where)[:, :, :length]
                     v = values.index_select(0, where)[:, :, :length]
                 q = grouped if len(members) == decode else grouped[members]
+                if self._kv_cast:
+                    k, v = k.to(q.dtype), v.to(q.dtype)
                 outs.append(
                     F.scaled_dot_product_attention(q, k, v, attn_mask=valid, scale=self._scaling)
                 )
@@ -512,10 +575,13 @@ class LlamaRunner:
                     .permute(1, 0, 2, 3)
                     .reshape(1, kv_heads, rows * groups, head_dim)
                 )
+                k, v = keys[slot : slot + 1, :, :length], values[slot : slot + 1, :, :length]
+                if self._kv_cast:
+                    k, v = k.to(q.dtype), v.to(q.dtype)
                 out = F.scaled_dot_product_attention(
                     _pad_rows(q, mask.shape[2]),
-                    keys[slot : slot + 1, :, :length],
-                    values[slot : slot + 1, :, :length],
+                    k,
+                    v,
                     attn_mask=mask,
                     scale=self._scaling,
                 )
@@ -552,8 +618,9 @@ class LlamaRunner:
             cos = self._cos[:n].unsqueeze(1)
             sin = self._sin[:n].unsqueeze(1)
             groups = [(0, n, w.dense_rows is not None and n >= w.dense_rows)]
+            positions = torch.arange(n, device=self.device)
             for index in range(len(w.layers)):
-                hidden = self._layer(index, hidden, cos, sin, None, groups)
+                hidden = self._layer(index, hidden, cos, sin, None, groups, positions)
             return self._logits(hidden, range(n))
 
     def check_exactness(self, length: int = 80, decoded: int = 10) -> str | None:
@@ -603,7 +670,8 @@ class LlamaRunner:
                     raise StageForwardError("a token id is outside the vocabulary")
                 hidden = w.embed[torch.tensor(list(tokens), dtype=torch.long, device=self.device)]
             else:
-                hidden = hidden_in.to(device=self.device, dtype=w.activations)
+                # A copy: the fused layers write into the hidden states in place.
+                hidden = hidden_in.to(device=self.device, dtype=w.activations, copy=True)
             n = hidden.shape[0]
             if n > self.window:
                 raise StageForwardError(f"{n} tokens exceed the window of {self.window}")
@@ -611,8 +679,9 @@ class LlamaRunner:
             sin = self._sin[:n].unsqueeze(1)
             threshold = w.dense_rows
             groups = [(0, n, threshold is not None and n >= threshold)]
+            positions = torch.arange(n, device=self.device)
             for index in range(start, end):
-                hidden = self._layer(index, hidden, cos, sin, None, groups)
+                hidden = self._layer(index, hidden, cos, sin, None, groups, positions)
             if end < layers:
                 return StageResult(hidden=encode_hidden(hidden))
             logits = self._logits(hidden, [n - 1])[0]

@@ -37,13 +37,15 @@ import numpy as np
 import torch
 from twisted.logger import Logger
 
-from sfnode.engines import WEIGHT_MODES
+from sfnode.engines import WEIGHT_MODES, native
+from sfnode.engines.choice import FAMILIES, Choice, Cpu, Measure, choose, measure_product
 from sfnode.engines.quant import (
     GGUF_KINDS,
     GgufMatrix,
     Linear,
     Precision,
     Projection,
+    Q8Rows,
     dense_rows,
     dequantize,
     from_gguf,
@@ -83,13 +85,16 @@ class LlamaWeights:
     mode: str
     """The weights mode after ``auto`` was resolved (``int4`` when any matrix is int4)."""
     activations: torch.dtype
-    embed: torch.Tensor
+    embed: torch.Tensor | Q8Rows
+    """The token embedding: a tensor in ``activations``, or a GGUF file's Q8_0 table read a row
+    at a time (float32 activations only)."""
     layers: list[LayerWeights]
     final_norm: torch.Tensor
     lm_head: Linear
-    lm_head_float: torch.Tensor | None
-    """The output head's float32 weights (the model's own tensor, not a copy) when the kernel
-    computes in bfloat16: the best logits of each row are computed again from them."""
+    lm_head_float: torch.Tensor | Q8Rows | None
+    """The output head's float32 weights (the model's own tensor, or its Q8_0 rows when the
+    file holds it so) when the head is quantized: the best logits of each row are computed
+    again from them."""
     final_norm_float: torch.Tensor
     eps: float
     heads: int
@@ -99,6 +104,17 @@ class LlamaWeights:
     dense_rows: int | None = None
     """Prompt chunks of at least this many rows use the projections' dense copies (None: no
     copies; decode rows always use the kernels)."""
+    family: Choice | None = None
+    """The kernel family of the quantized matrices and why it was chosen."""
+    kv_dtype: torch.dtype | None = None
+    """How keys and values are stored (None: in :attr:`activations`)."""
+    holds_model_embedding: bool = True
+    """Whether :attr:`embed` or :attr:`lm_head_float` is the model's own embedding tensor (else
+    the model's embedding and head may be released)."""
+
+    @property
+    def hidden(self) -> int:
+        return int(self.embed.shape[1])
 
     def describe(self) -> str:
         """A short account of the kernels, for the log: ``int4 x 120, int8 x 1``."""
@@ -235,13 +251,24 @@ def gather_weights(
     cache_file: Path | None = None,
     checks: dict[Precision, str | None] | None = None,
     dense_copies: bool = True,
+    kernels: str = "auto",
+    cpu: Cpu | None = None,
+    measure: Measure = measure_product,
+    library_dir: Path | None = None,
+    fused_step: bool = True,
 ) -> LlamaWeights:
     """The weights of a transformers Llama ``model`` for ``mode`` (see the module docstring).
 
     ``gguf`` is the file the model was loaded from, if any; ``cache_file`` where packed weights
-    are kept between starts (only used together with ``gguf``).  ``checks`` overrides the kernel
-    self-checks (tests use it to simulate a CPU without a kernel).  ``dense_copies`` lets long
-    prompt chunks use bfloat16 copies of quantized weights where that is measured to be faster.
+    are kept between starts (only used together with ``gguf``; the kernel choice and the native
+    library are kept in its folder).  ``checks`` overrides the kernel self-checks (tests use it
+    to simulate a CPU without a kernel).  ``dense_copies`` lets long prompt chunks use bfloat16
+    copies of quantized weights where that is measured to be faster.  ``kernels`` is the family
+    of the kernels (:mod:`sfnode.engines.choice`): ``auto`` measures on ``cpu`` (this one by
+    default) with ``measure``; ``torch`` or ``native`` forces one.  ``library_dir`` is
+    where the native kernels are built when there is no ``cache_file``; ``fused_step`` says
+    whether the runner will fuse each layer's work with the native kernels (it counts in the
+    measurement).
     """
     if mode not in WEIGHT_MODES:
         raise WeightsError(
@@ -258,37 +285,50 @@ def gather_weights(
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
     inner = model.model
 
+    matrices: dict[str, GgufMatrix] = {}
+    if gguf is not None and mode in ("auto", "int4", "int8"):
+        started = time.monotonic()
+        matrices = read_gguf_matrices(gguf, heads, kv_heads)
+        _check_gguf_layout(matrices, inner)
+        log.info(
+            "read the quantized matrices of {gguf} in {s:.1f} s",
+            gguf=str(gguf),
+            s=time.monotonic() - started,
+        )
+    if mode == "auto" and not matrices:
+        float32 = next(model.parameters()).dtype == torch.float32
+        mode = "float32" if device.type == "cpu" and float32 else "bfloat16"
+    wanted = _wanted(inner, config, matrices, mode)
+    family = _choose_family(
+        inner, wanted, mode, kernels, device, cpu, measure, cache_file, library_dir, fused_step
+    )
+    if family.family == "native":
+        chosen = dict(wanted)
+    else:
+        chosen = {name: _fallback(p, checks) for name, p in wanted.items()}
     signature = {
         "format": str(_CACHE_FORMAT),
         "torch": torch.__version__,
         "mode": mode,
         "usable": ",".join(sorted(p.value for p, reason in checks.items() if reason is None)),
     }
-    cached = _load_cache(cache_file, signature) if gguf is not None else None
-    if cached is not None:
-        wanted, linears = cached
-        chosen = {name: _fallback(p, checks) for name, p in wanted.items()}
+    if family.family == "native":
+        # Another file for another layout, so that older code keeps reading its own.
+        signature["family"] = "native"
+        signature["usable"] = "native"
+        if cache_file is not None:
+            cache_file = cache_file.with_name(f"{cache_file.stem}-float32{cache_file.suffix}")
+    cached = _load_cache(cache_file, signature, family.library) if gguf is not None else None
+    if cached is not None and cached[0] == wanted:
+        linears = cached[1]
     else:
-        matrices: dict[str, GgufMatrix] = {}
-        if gguf is not None and mode in ("auto", "int4", "int8"):
-            started = time.monotonic()
-            matrices = read_gguf_matrices(gguf, heads, kv_heads)
-            _check_gguf_layout(matrices, inner)
-            log.info(
-                "read the quantized matrices of {gguf} in {s:.1f} s",
-                gguf=str(gguf),
-                s=time.monotonic() - started,
-            )
-        if mode == "auto" and not matrices:
-            float32 = next(model.parameters()).dtype == torch.float32
-            mode = "float32" if device.type == "cpu" and float32 else "bfloat16"
-        wanted = _wanted(inner, config, matrices, mode)
-        chosen = {name: _fallback(p, checks) for name, p in wanted.items()}
         onednn = device.type == "cpu" and onednn_works()
         head_source = matrices.get("lm_head") or (
             matrices.get("embed") if getattr(config, "tie_word_embeddings", False) else None
         )
-        linears = _build_linears(inner, model, matrices, chosen, head_source, onednn)
+        linears = _build_linears(
+            inner, model, matrices, chosen, head_source, onednn, family.library
+        )
         if (
             gguf is not None
             and cache_file is not None
@@ -296,7 +336,7 @@ def gather_weights(
         ):
             _save_cache(cache_file, signature, wanted, linears)
     for precision in sorted(set(wanted.values()), key=lambda p: p.value):
-        reason = checks.get(precision)
+        reason = checks.get(precision) if family.family == "torch" else None
         if reason is not None:
             log.warn(
                 "the {precision} kernel is not usable on this machine ({reason}); serving those "
@@ -308,6 +348,22 @@ def gather_weights(
 
     quantized = any(p is not Precision.FLOAT32 for p in chosen.values())
     activations = torch.bfloat16 if quantized else torch.float32
+    if family.family == "native":
+        activations = torch.float32
+    head_float: torch.Tensor | Q8Rows | None = None
+    if (
+        linears["lm_head"].precision is not Precision.FLOAT32
+        and model.lm_head.weight.dtype == torch.float32
+    ):
+        head_float = model.lm_head.weight.detach()
+    embed: torch.Tensor | Q8Rows = inner.embed_tokens.weight.detach().to(activations)
+    stored = matrices.get("embed")
+    if stored is not None and stored.kind == "Q8_0" and activations == torch.float32:
+        # Bit for bit the model's rows (it was dequantized from them), at a quarter of the
+        # memory; the head's float rows are the same table when the model ties them.
+        embed = Q8Rows(stored)
+        if head_float is not None and getattr(config, "tie_word_embeddings", False):
+            head_float = embed
     served = sorted({p.value for p in chosen.values()}, key=WEIGHT_MODES.index)
     resolved = served[-1] if mode == "auto" else mode
     projections = {
@@ -316,7 +372,11 @@ def gather_weights(
         if name != "lm_head"
     }
     threshold = None
-    if dense_copies and any(p in (Precision.INT4, Precision.INT8) for p in chosen.values()):
+    if (
+        dense_copies
+        and family.family == "torch"
+        and any(p in (Precision.INT4, Precision.INT8) for p in chosen.values())
+    ):
         probe = projections["0.gate_up"].with_dense()
         threshold = dense_rows(probe)
         if threshold is not None:
@@ -341,15 +401,11 @@ def gather_weights(
     return LlamaWeights(
         mode=resolved,
         activations=activations,
-        embed=inner.embed_tokens.weight.detach().to(activations),
+        embed=embed,
         layers=layers,
         final_norm=_float(inner.norm).to(activations),
         lm_head=linears["lm_head"],
-        lm_head_float=(
-            model.lm_head.weight.detach()
-            if activations != torch.float32 and model.lm_head.weight.dtype == torch.float32
-            else None
-        ),
+        lm_head_float=head_float,
         final_norm_float=_float(inner.norm),
         eps=float(config.rms_norm_eps),
         heads=heads,
@@ -357,7 +413,95 @@ def gather_weights(
         head_dim=head_dim,
         vocab_size=int(config.vocab_size),
         dense_rows=threshold,
+        family=family,
+        # Half the memory of float32 keys and values, rounded as llama.cpp rounds its own; the
+        # float32 mode keeps its exact path.
+        kv_dtype=torch.float16 if family.family == "native" and quantized else None,
+        holds_model_embedding=not (
+            isinstance(embed, Q8Rows) and (head_float is None or isinstance(head_float, Q8Rows))
+        ),
     )
+
+
+def _choose_family(
+    inner: Any,
+    wanted: dict[str, Precision],
+    mode: str,
+    kernels: str,
+    device: torch.device,
+    cpu: Cpu | None,
+    measure: Measure,
+    cache_file: Path | None,
+    library_dir: Path | None,
+    fused_step: bool,
+) -> Choice:
+    """The kernel family of the mode's matrices (:mod:`sfnode.engines.choice`), logged."""
+    measured = (Precision.INT4, Precision.INT8, Precision.FLOAT32)
+    precisions = set(wanted.values())
+    quantized = precisions & {Precision.INT4, Precision.INT8}
+    all_float32 = precisions == {Precision.FLOAT32}
+    if device.type != "cpu" or not (quantized or all_float32):
+        return Choice("torch", "only torch's kernels serve these weights", all_float32=all_float32)
+    if kernels not in ("auto", *FAMILIES):
+        raise WeightsError(f"kernels must be auto, {' or '.join(FAMILIES)}, not {kernels!r}")
+    cpu = cpu or Cpu.here()
+    if library_dir is None:
+        library_dir = cache_file.parent if cache_file is not None else _default_library_dir()
+    if kernels == "torch":
+        choice = Choice("torch", "asked for", all_float32=all_float32)
+    else:
+        samples: dict[str, tuple[torch.Tensor, Precision]] = {}
+        for short, modules in _projection_modules(inner.layers[0]).items():
+            precision = wanted.get(f"0.{short}")
+            if precision in measured and (precision is not Precision.FLOAT32 or all_float32):
+                samples[short] = (torch.cat([_float(m) for m in modules]), precision)
+        if not samples:
+            samples["lm_head"] = (_float(inner.embed_tokens), wanted["lm_head"])
+        if kernels == "native":
+            loaded = native.load(library_dir, cpu.flags)
+            if isinstance(loaded, str):
+                raise WeightsError(f"sfnode's native kernels cannot be used here: {loaded}")
+            choice = Choice("native", "asked for", library=loaded, all_float32=all_float32)
+        else:
+            choice = choose(
+                samples,
+                cpu=cpu,
+                library_dir=library_dir,
+                cache_file=(cache_file.parent / CHOICE_FILE) if cache_file is not None else None,
+                measure=measure,
+                native_fused=fused_step
+                and all(
+                    getattr(module, "bias", None) is None
+                    for parts in _projection_modules(inner.layers[0]).values()
+                    for module in parts
+                ),
+            )
+    if choice.library is not None and choice.library.built_seconds:
+        log.info(
+            "built sfnode's native kernels in {s:.1f} s (once; kept in {path})",
+            s=choice.library.built_seconds,
+            path=str(choice.library.path),
+        )
+    log.info(
+        "the matrices of --weights {mode} multiply with the {family} kernels "
+        "({activations} activations): {why}; CPU: {cpu}",
+        mode=mode,
+        family=choice.family,
+        activations=str(choice.activations).removeprefix("torch."),
+        why=choice.why,
+        cpu=cpu.describe(),
+    )
+    return choice
+
+
+CHOICE_FILE = "kernel-choice.json"
+"""The kernel choices kept beside the packed weights (:mod:`sfnode.engines.choice`)."""
+
+
+def _default_library_dir() -> Path:
+    from sfnode.models import default_cache_dir
+
+    return default_cache_dir().parent / "kernels"
 
 
 def _projection_modules(layer: Any) -> dict[str, tuple[Any, ...]]:
@@ -413,31 +557,44 @@ def _build_linears(
     chosen: dict[str, Precision],
     head_source: GgufMatrix | None,
     onednn: bool,
+    library: native.Library | None = None,
 ) -> dict[str, Linear]:
+    """The kernels of every projection; with ``library`` the quantized ones are the native
+    float32-activation kernels, else torch's."""
     started = time.monotonic()
     linears: dict[str, Linear] = {}
+
+    def build(stored: list[GgufMatrix | None], weight: Any, precision: Precision) -> Linear:
+        complete = [m for m in stored if m is not None]
+        if library is not None and precision in (Precision.INT4, Precision.INT8, Precision.FLOAT32):
+            if precision is Precision.INT4 and len(complete) == len(stored):
+                if all(m.kind in ("Q4_0", "Q4_1") for m in complete):
+                    return native.Q4Linear(native.gguf_blocks(complete), complete[0].cols, library)
+            from sfnode.engines.choice import family_layer
+
+            return family_layer("native", weight(), precision, library)
+        if precision is Precision.INT4 and len(complete) == len(stored):
+            return from_gguf(complete, precision)
+        return quantize(weight(), precision, onednn=onednn)
+
     for index, layer in enumerate(inner.layers):
         float_parts = _projection_modules(layer)
         for short, parts in _GGUF_PARTS.items():
             name = f"{index}.{short}"
-            precision = chosen[name]
-            stored = [matrices.get(f"{index}.{p}") for p in parts]
-            if precision is Precision.INT4 and all(m is not None for m in stored):
-                linears[name] = from_gguf([m for m in stored if m is not None], precision)
-            else:
-                weight = torch.cat([_float(module) for module in float_parts[short]])
-                linears[name] = quantize(weight, precision, onednn=onednn)
-    precision = chosen["lm_head"]
-    if precision is Precision.INT4 and head_source is not None and head_source.kind != "Q8_0":
-        linears["lm_head"] = from_gguf([head_source], precision)
-    else:
-        linears["lm_head"] = quantize(_float(model.lm_head), precision, onednn=onednn)
+            modules = float_parts[short]
+            linears[name] = build(
+                [matrices.get(f"{index}.{p}") for p in parts],
+                lambda modules=modules: torch.cat([_float(module) for module in modules]),
+                chosen[name],
+            )
+    head_stored = [head_source if head_source is not None and head_source.kind != "Q8_0" else None]
+    linears["lm_head"] = build(head_stored, lambda: _float(model.lm_head), chosen["lm_head"])
     log.info("packed the weights in {s:.1f} s", s=time.monotonic() - started)
     return linears
 
 
 def _load_cache(
-    path: Path | None, signature: dict[str, str]
+    path: Path | None, signature: dict[str, str], library: native.Library | None = None
 ) -> tuple[dict[str, Precision], dict[str, Linear]] | None:
     """``(wanted precisions, layers)`` from a packed-weights file written for ``signature``."""
     if path is None or not path.is_file():
@@ -462,7 +619,14 @@ def _load_cache(
     for name, precision in chosen.items():
         prefix = f"{name}/"
         state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-        linears[name] = linear_from_state(precision, state)
+        if library is not None and precision is Precision.INT4:
+            linears[name] = native.Q4Linear(
+                state["blocks"], int(state["in_features"].item()), library
+            )
+        elif library is not None and precision is Precision.INT8:
+            linears[name] = native.Q8Linear(state["weight"], state["scales"], library)
+        else:
+            linears[name] = linear_from_state(precision, state)
     log.info("read packed weights from {path}", path=str(path))
     return wanted, linears
 

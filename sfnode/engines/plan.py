@@ -5,7 +5,9 @@ A plan names lanes by their KV *slot* (a runner keeps one contiguous KV region p
 for one forward pass over the model: which slots decode one token (``decode``), which prompt
 chunks are computed into which slots (``chunks``), which cached KV blocks are copied into a slot
 before the pass (``loads``) and which of a slot's full blocks are copied into the prefix cache's
-block pool after it (``saves``).  docs/engine.md section 3 describes the step.
+block pool after it (``saves``).  docs/engine.md section 3 describes the step.  A row that
+samples for a constrained lane carries the lane's :class:`~sfnode.constraint.LaneStage`: the
+one mutable thing a plan holds, touched only by the runner that executes the plan.
 
 This module must never import torch, a runner or a scheduler: it is the contract between them.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sfnode.constraint import LaneStage
 from sfnode.generation import TokenLogprob
 from sfnode.wire import GenParams
 
@@ -28,6 +31,9 @@ class DecodeRow:
     params: GenParams
     draw: int
     """The sampler's counter for the token this row produces (docs/engine.md section 2)."""
+    stage: LaneStage | None = None
+    """The lane's stage between its logits and the draw (docs/engine.md section 2.4), which
+    the runner advances by the token it draws."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,8 @@ class ChunkRow:
     last: bool
     params: GenParams
     draw: int
+    stage: LaneStage | None = None
+    """As :attr:`DecodeRow.stage`, for the first token of a ``last`` chunk."""
 
 
 @dataclass(frozen=True)

@@ -140,6 +140,32 @@ def dequantize(matrix: GgufMatrix) -> torch.Tensor:
     return (grouped + minimum.unsqueeze(-1)).reshape(matrix.rows, matrix.cols)
 
 
+class Q8Rows:
+    """A Q8_0 matrix read a row at a time: ``rows[index]`` is the float32 rows ``index`` picks
+    (any index tensor; the last dimension is the row), computed as :func:`dequantize` computes
+    them, so bit for bit the same.  A quarter of the float32 matrix's memory: an embedding table
+    kept this way, and the float32 rows a quantized head's best logits are computed again from
+    (docs/engine.md section 5)."""
+
+    dtype = torch.float32
+
+    def __init__(self, matrix: GgufMatrix) -> None:
+        q, scale = q8_parts(matrix)
+        self.q = q.contiguous()
+        self.scales = scale.contiguous()
+        self.shape = torch.Size((matrix.rows, matrix.cols))
+
+    def __getitem__(self, index: torch.Tensor) -> torch.Tensor:
+        cols = self.shape[1]
+        q = self.q[index]
+        grouped = q.view(*q.shape[:-1], cols // GROUP, GROUP).to(torch.float32)
+        return (grouped * self.scales[index].unsqueeze(-1)).view(*q.shape[:-1], cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scales.numel() * 4
+
+
 # -- linear kernels ---------------------------------------------------------------------------
 
 
@@ -147,6 +173,8 @@ class Linear(Protocol):
     """``y = x @ W^T`` for ``x`` of shape ``[rows, in_features]`` in :attr:`activations`."""
 
     precision: Precision
+    activations: torch.dtype
+    """What the kernel takes and answers (a weights mode's matrices share one)."""
     in_features: int
     out_features: int
 
@@ -166,6 +194,7 @@ class Float32Linear:
     """Float32 weights; oneDNN's matmul when it passed its check, else ``F.linear``."""
 
     precision = Precision.FLOAT32
+    activations = torch.float32
 
     def __init__(self, weight: torch.Tensor, *, onednn: bool) -> None:
         self.weight = weight.to(torch.float32).contiguous()
@@ -185,6 +214,7 @@ class Bfloat16Linear:
     """Bfloat16 weights through ``F.linear``."""
 
     precision = Precision.BFLOAT16
+    activations = torch.bfloat16
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight.to(torch.bfloat16).contiguous()
@@ -201,6 +231,7 @@ class Int8Linear:
     """Int8 weights with one bfloat16 scale per output row (``_weight_int8pack_mm``)."""
 
     precision = Precision.INT8
+    activations = torch.bfloat16
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor) -> None:
         self.weight = weight.to(torch.int8).contiguous()
@@ -227,6 +258,7 @@ class Int4Linear:
     """4-bit weights in groups of 32, packed for ``_weight_int4pack_mm_for_cpu``."""
 
     precision = Precision.INT4
+    activations = torch.bfloat16
 
     def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, in_features: int) -> None:
         self.packed = packed.contiguous()
@@ -248,34 +280,8 @@ class Int4Linear:
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int4Linear:
-        """Asymmetric group-32 int4 of a float matrix, each group's range clipped by whichever of
-        a few ratios (1.0 down to 0.8 of its width) gives the smallest squared error."""
-        w = weight.to(torch.float32)
-        rows, cols = w.shape
-        if cols % GROUP:
-            raise ValueError(f"int4 needs in_features divisible by {GROUP}, not {cols}")
-        groups = w.view(rows, cols // GROUP, GROUP)
-        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-        middle, half = (low + high) / 2, (high - low) / 2
-        best: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        for ratio in _CLIP_RATIOS:
-            floor = middle - half * ratio
-            scale = (half * ratio * 2 / 15.0).clamp(min=torch.finfo(torch.float32).tiny)
-            q = torch.round((groups - floor.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(0, 15)
-            error = ((q * scale.unsqueeze(-1) + floor.unsqueeze(-1) - groups) ** 2).sum(-1)
-            if best is None:
-                best = (error, q, scale, floor)
-                continue
-            better = error < best[0]
-            best = (
-                torch.where(better, error, best[0]),
-                torch.where(better.unsqueeze(-1), q, best[1]),
-                torch.where(better, scale, best[2]),
-                torch.where(better, floor, best[3]),
-            )
-        assert best is not None
-        _, q, scale, floor = best
-        return cls.from_parts(q.to(torch.uint8).view(rows, cols), scale, floor)
+        """Asymmetric group-32 int4 of a float matrix (see :func:`int4_parts`)."""
+        return cls.from_parts(*int4_parts(weight))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -289,6 +295,38 @@ class Int4Linear:
             "scales_zeros": self.scales_zeros,
             "in_features": torch.tensor(self.in_features),
         }
+
+
+def int4_parts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, scale, minimum)`` of an asymmetric group-32 int4 of a float matrix (``w = scale *
+    q + minimum`` per group, q in 0..15), each group's range clipped by whichever of a few ratios
+    (1.0 down to 0.8 of its width) gives the smallest squared error."""
+    w = weight.to(torch.float32)
+    rows, cols = w.shape
+    if cols % GROUP:
+        raise ValueError(f"int4 needs in_features divisible by {GROUP}, not {cols}")
+    groups = w.view(rows, cols // GROUP, GROUP)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    middle, half = (low + high) / 2, (high - low) / 2
+    best: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    for ratio in _CLIP_RATIOS:
+        floor = middle - half * ratio
+        scale = (half * ratio * 2 / 15.0).clamp(min=torch.finfo(torch.float32).tiny)
+        q = torch.round((groups - floor.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(0, 15)
+        error = ((q * scale.unsqueeze(-1) + floor.unsqueeze(-1) - groups) ** 2).sum(-1)
+        if best is None:
+            best = (error, q, scale, floor)
+            continue
+        better = error < best[0]
+        best = (
+            torch.where(better, error, best[0]),
+            torch.where(better.unsqueeze(-1), q, best[1]),
+            torch.where(better, scale, best[2]),
+            torch.where(better, floor, best[3]),
+        )
+    assert best is not None
+    _, q, scale, floor = best
+    return q.to(torch.uint8).view(rows, cols), scale, floor
 
 
 @dataclass
@@ -439,4 +477,14 @@ def effective_weight(layer: Linear) -> torch.Tensor:
         return layer.weight.to(torch.float32)
     if isinstance(layer, Float32Linear):
         return layer.weight
+    blocks = getattr(layer, "blocks", None)
+    if isinstance(blocks, torch.Tensor):  # sfnode.engines.native.Q4Linear
+        from sfnode.engines.native import blocks_weight
+
+        return blocks_weight(blocks, layer.in_features)
+    weight, scales = getattr(layer, "weight", None), getattr(layer, "scales", None)
+    if isinstance(weight, torch.Tensor) and isinstance(scales, torch.Tensor):  # native.Q8Linear
+        return weight.to(torch.float32) * scales.to(torch.float32).unsqueeze(1)
+    if isinstance(weight, torch.Tensor) and layer.precision is Precision.FLOAT32:  # F32Linear
+        return weight
     raise TypeError(f"unknown layer {type(layer).__name__}")

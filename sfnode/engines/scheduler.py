@@ -48,6 +48,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from sfnode.constraint import LaneStage
 from sfnode.draws import draw_position
 from sfnode.engines.pace import StepCost, StepRates
 from sfnode.engines.plan import BlockCopy, ChunkRow, DecodeRow, StepOutput, StepPlan
@@ -76,6 +77,9 @@ class Request:
     deadline: float | None = None
     interactive: bool = False
     cancelled: bool = False
+    stage: LaneStage | None = None
+    """The lane's constraint and sampler controls (docs/engine.md section 2.4); its rows carry
+    it to the runner, and it ends with the lane."""
 
 
 @dataclass(eq=False)
@@ -216,6 +220,7 @@ class Scheduler:
                 draw=draw_position(
                     lane.request.params.seed, len(lane.request.context), len(lane.generated)
                 ),
+                stage=lane.request.stage,
             )
             for lane in sorted(self._order, key=lambda lane: lane.slot)
             if not lane.prefilling
@@ -272,6 +277,7 @@ class Scheduler:
                     last=end == len(context),
                     params=lane.request.params,
                     draw=draw_position(lane.request.params.seed, len(context), 0),
+                    stage=lane.request.stage if end == len(context) else None,
                 )
             )
             if tokens_left <= 0 or (seconds_left is not None and seconds_left <= 0):

@@ -14,6 +14,12 @@ The engine is split the way vLLM and TGI split theirs (docs/engine.md section 3)
 
 Cancelling, deadlines and statistics are therefore plain reactor-side bookkeeping with no locks.
 
+Constraints (docs/engine.md section 2.4): with the model's tokenizer the engine builds a
+:class:`~sfnode.constraint.Vocabulary`; a constrained request's
+:class:`~sfnode.constraint.LaneStage` is prepared (its grammar compiled, delivered tokens
+replayed) on a thread of its own before the request queues, and each step's masks are computed
+by a :class:`~sfnode.engines.masks.MaskWorker` while the step's forward pass runs.
+
 This module must never touch the model except through the runner on the worker thread, never let
 one generation's failure stop the engine (a failed step fails the lanes it carried and the engine
 goes on), and never sample with a random generator (:mod:`sfnode.sampler` does every draw).
@@ -33,11 +39,13 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 
+from sfnode.constraint import ConstraintError, LaneStage, Vocabulary
 from sfnode.engines import WEIGHT_MODES, openmp
 from sfnode.engines.forward_runner import ModelForwardRunner
 from sfnode.engines.hidden import decode_hidden, encode_hidden
 from sfnode.engines.llama_runner import LlamaRunner, llama_unsupported
 from sfnode.engines.llama_weights import WeightsError, gather_weights
+from sfnode.engines.masks import MaskWorker
 from sfnode.engines.pace import DEFAULT_STEP_MS, RateEstimator, StepCost, StepRates
 from sfnode.engines.plan import StepOutput, StepPlan
 from sfnode.engines.prefix_cache import PrefixCache, PrefixCacheStats
@@ -78,8 +86,14 @@ def eos_ids_of(model: Any) -> frozenset[int]:
     return frozenset(found)
 
 
-def _release_projections(model: Any) -> None:
-    """Replace the float weights of every decoder layer's projections with empty tensors."""
+def _release_projections(model: Any, embedding: bool) -> None:
+    """Replace the float weights of every decoder layer's projections (and with ``embedding``
+    the token embedding's and the output head's) with empty tensors."""
+    modules = [model.model.embed_tokens, model.lm_head] if embedding else []
+    for module in modules:
+        module.weight = torch.nn.Parameter(
+            torch.empty(0, dtype=module.weight.dtype), requires_grad=False
+        )
     for layer in model.model.layers:
         for module in (
             layer.self_attn.q_proj,
@@ -93,6 +107,20 @@ def _release_projections(model: Any) -> None:
             module.weight = torch.nn.Parameter(
                 torch.empty(0, dtype=module.weight.dtype), requires_grad=False
             )
+
+
+def _trim_heap() -> None:
+    """Return free heap pages to the system (glibc's ``malloc_trim``; nothing elsewhere)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is not None:
+        trim(0)
 
 
 class _Runner(Protocol):
@@ -113,6 +141,8 @@ class _Generation:
         self._cancelled = False
         self._result: defer.Deferred[GenerationResult] = defer.Deferred(lambda _d: self.cancel())
         self.request: Request | None = None
+        self.preparing = False
+        """Its constraint's stage is being prepared; it queues when that is done."""
 
     @property
     def result(self) -> defer.Deferred[GenerationResult]:
@@ -124,6 +154,12 @@ class _Generation:
         self._cancelled = True
         if self.request is not None:
             self._engine._cancel(self.request)
+        elif self.preparing:
+            self._finish(EngineStop.CANCELLED)
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
 
     def _deliver(self, tokens: list[int], logprobs: list[TokenLogprob] | None) -> None:
         if self._result.called or self._cancelled:
@@ -178,6 +214,9 @@ class TransformersEngine:
         dense_copies: bool = False,
         onednn: bool = True,
         lean_step: bool = True,
+        kernels: str = "auto",
+        fused_step: bool = True,
+        tokenizer: Any = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``weights`` is a mode of :data:`~sfnode.engines.llama_weights.WEIGHT_MODES` (``gguf``
@@ -192,7 +231,12 @@ class TransformersEngine:
         prefix or a failover no longer continues a stream exactly (docs/engine.md section 5).
         ``step_ms`` is the time budget of a step's batch prompt chunks while interactive work
         may need the engine (0: steps are sized by ``step_tokens`` only; docs/engine.md section
-        3), checked against the rates measured on this machine.
+        3), checked against the rates measured on this machine.  ``kernels`` picks
+        the family of the quantized kernels (``auto``: measured at start, docs/engine.md section
+        5.1); ``fused_step`` False runs every layer as separate torch operators even where the
+        native fused calls could (docs/engine.md section 5.2).  ``tokenizer`` (the model's
+        transformers fast tokenizer) lets it honour constraints (docs/engine.md section 2.4);
+        without one, ``supports_constraints`` is false.
         """
         if max_lanes < 1:
             raise ValueError("max_lanes must be at least 1")
@@ -219,12 +263,36 @@ class TransformersEngine:
         self._vocab_size = int(getattr(config, "vocab_size", 0))
         self._hidden_size = int(getattr(config, "hidden_size", 0))
 
+        self.vocabulary: Vocabulary | None = None
+        self._masks: MaskWorker | None = None
+        if tokenizer is not None:
+            started = time.perf_counter()
+            try:
+                self.vocabulary = Vocabulary.of_tokenizer(
+                    tokenizer, size=self._vocab_size, eos_ids=self._eos_ids
+                )
+            except ValueError as e:
+                # A slow tokenizer, or a model without an EOS id: served without constraints.
+                log.warn("constraints are not available with this model: {error}", error=str(e))
+            else:
+                self._masks = MaskWorker(self.vocabulary)
+                log.info(
+                    "constraints: the grammar library read {n} tokens in {s:.2f} s",
+                    n=self._vocab_size,
+                    s=time.perf_counter() - started,
+                )
         unsupported = llama_unsupported(model) if lean_step else "--stock-kernels"
         self._runner: _Runner
         pool_blocks = 0
         if unsupported is None:
             served = gather_weights(
-                model, weights, gguf=gguf, cache_file=weights_cache, dense_copies=dense_copies
+                model,
+                weights,
+                gguf=gguf,
+                cache_file=weights_cache,
+                dense_copies=dense_copies,
+                kernels=kernels,
+                fused_step=fused_step,
             )
             if prefix_cache:
                 pool_blocks = (
@@ -232,21 +300,35 @@ class TransformersEngine:
                     if prefix_cache_blocks is not None
                     else self._kv_blocks_total
                 )
-            self._runner = LlamaRunner.for_model(
-                model, served, slots=max_lanes, window=self._window, pool_blocks=pool_blocks
+            runner = LlamaRunner.for_model(
+                model,
+                served,
+                slots=max_lanes,
+                window=self._window,
+                pool_blocks=pool_blocks,
+                fused=fused_step,
+                masks=self._masks,
             )
+            self._runner = runner
+            self.fused_step = runner.fused is not None
+            self._holds_model_embedding = served.holds_model_embedding
             self.weights_mode = served.mode
             self.kernels = served.describe()
             self.onednn_layers = 0
             self._activations = served.activations
             log.info(
                 "serving {layers} layers with weights {mode} ({kernels}); activations and KV "
-                "in {dtype}; prefix cache {prefix}",
+                "in {dtype}; prefix cache {prefix}; {fused}",
                 layers=self._n_layers,
                 mode=served.mode,
                 kernels=self.kernels,
                 dtype=str(served.activations).removeprefix("torch."),
                 prefix=f"{pool_blocks} blocks" if pool_blocks else "off",
+                fused=(
+                    "each layer's work around attention in two fused native calls"
+                    if runner.fused is not None
+                    else f"layers run as torch operators (no fused step: {runner.fused_reason})"
+                ),
             )
         else:
             dtype = next(model.parameters()).dtype
@@ -255,10 +337,12 @@ class TransformersEngine:
                     f"--weights {weights} needs the Llama runner, which cannot serve this model "
                     f"({unsupported}); its own forward serves {dtype} weights"
                 )
-            runner = ModelForwardRunner(model, onednn=onednn)
-            self._runner = runner
+            forward = ModelForwardRunner(model, onednn=onednn, masks=self._masks)
+            self._runner = forward
+            self.fused_step = False
+            self._holds_model_embedding = True
             self.weights_mode = str(dtype).removeprefix("torch.")
-            self.onednn_layers = runner.onednn_layers
+            self.onednn_layers = forward.onednn_layers
             self.kernels = f"the model's own forward ({self.onednn_layers} layers on oneDNN)"
             self._activations = dtype
             log.info(
@@ -284,6 +368,8 @@ class TransformersEngine:
         """Fires once the start-up check has run (Llama runner only): with None when a
         position's KV does not depend on how its prompt is cut into steps, else what differed
         (docs/engine.md section 4)."""
+        self._grammar_pool = ThreadPool(minthreads=0, maxthreads=1, name="sfnode-grammar")
+        """Prepares constrained requests' stages (compiling a grammar can take 100 ms)."""
         self._started = False
         self._stopping = False
         self._stepping = False
@@ -310,9 +396,12 @@ class TransformersEngine:
         if loaded.source.suffix.lower() == ".gguf":
             kwargs.setdefault("gguf", loaded.source)
             kwargs.setdefault("weights_cache", loaded.folder / "packed-weights.safetensors")
+        kwargs.setdefault("tokenizer", loaded.tokenizer)
         engine = cls(loaded.model, reactor, **kwargs)
-        if release_float_weights and engine.lean_step and engine._activations != torch.float32:
-            _release_projections(loaded.model)
+        if release_float_weights and engine.lean_step:
+            _release_projections(loaded.model, embedding=not engine._holds_model_embedding)
+            # Give the freed heap back (packing and measuring at start leave much of it).
+            _trim_heap()
         return engine
 
     # -- the Engine interface (reactor thread) -----------------------------------------------
@@ -338,6 +427,17 @@ class TransformersEngine:
     def supports_logprobs(self) -> bool:
         """Token logprobs are computed for generations that ask (docs/protocol.md 12.1)."""
         return True
+
+    @property
+    def supports_constraints(self) -> bool:
+        """Constraints are honoured when the engine has the model's vocabulary (its
+        tokenizer), docs/protocol.md section 12.3."""
+        return self.vocabulary is not None
+
+    def mask_figures(self) -> tuple[int, float, float]:
+        """(grammar masks computed, seconds computing them, seconds steps waited for them
+        after their forward pass), docs/engine.md section 2.4; zeros without constraints."""
+        return self._masks.figures() if self._masks is not None else (0, 0.0, 0.0)
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -398,10 +498,57 @@ class TransformersEngine:
             deadline=deadline,
             interactive=request.interactive,
         )
+        constraint = request.constraint
+        if constraint is None:
+            self._queue(handle, job)
+        elif constraint.grammar is None:
+            # Controls alone: nothing to compile.
+            try:
+                job.stage = LaneStage.prepare(None, constraint, context)
+            except ConstraintError as e:
+                handle._fail(EngineRefusal(f"the constraint cannot be honoured: {e}"))
+                return handle
+            self._queue(handle, job)
+        elif self.vocabulary is None:
+            handle._fail(EngineRefusal("this engine has no vocabulary for grammars"))
+        else:
+            handle.preparing = True
+            if not self._grammar_pool.started:
+                self._grammar_pool.start()
+            prepared: defer.Deferred[LaneStage] = deferToThreadPool(
+                self._reactor,
+                self._grammar_pool,
+                LaneStage.prepare,
+                self.vocabulary,
+                constraint,
+                context,
+            )
+            prepared.addCallbacks(
+                self._prepared, self._unprepared, callbackArgs=(handle, job), errbackArgs=(handle,)
+            )
+        return handle
+
+    def _queue(self, handle: _Generation, job: Request) -> None:
         handle.request = job
         self._scheduler.submit(job)
         self._kick()
-        return handle
+
+    def _prepared(self, stage: LaneStage, handle: _Generation, job: Request) -> None:
+        handle.preparing = False
+        if handle.cancelled or handle.result.called:
+            return
+        if self._stopping:
+            handle._finish(EngineStop.CANCELLED)
+            return
+        job.stage = stage
+        self._queue(handle, job)
+
+    def _unprepared(self, failure: Failure, handle: _Generation) -> None:
+        handle.preparing = False
+        if isinstance(failure.value, ConstraintError):
+            handle._fail(EngineRefusal(f"the constraint cannot be honoured: {failure.value}"))
+        else:
+            handle._fail(failure.value if failure.value is not None else RuntimeError("failed"))
 
     def stage_forward(
         self, tokens: Sequence[int], start_layer: int, end_layer: int, hidden_in: bytes | None
@@ -503,6 +650,10 @@ class TransformersEngine:
     def _stop_pool(self) -> None:
         if self._started:
             self._pool.stop()
+        if self._grammar_pool.started:
+            self._grammar_pool.stop()
+        if self._masks is not None:
+            self._masks.stop()
         self._stopped = True
         waiters, self._stop_waiters = self._stop_waiters, []
         for waiter in waiters:

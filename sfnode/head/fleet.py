@@ -21,8 +21,11 @@ On top of that:
   (:class:`~sfnode.head.placement.PrefixRule`), so requests sharing a system prompt and the
   turns of a conversation go where their prefix is;
 - a bounded queue: a request no live node can take now waits (``max_queued``, at most
-  ``queue_timeout_s``) for a node to come back, join, or free a lane, in arrival order; a full
-  queue refuses at once (:class:`QueueFull`), a wait that times out fails with
+  ``queue_timeout_s``) for a node to come back, join, or free a lane; lanes go to the waiting
+  clients round robin (:class:`~sfnode.head.fairqueue.FairQueue`: by API key, else by address,
+  each client's requests in arrival order), and one client address may hold at most
+  ``max_client_queued`` of the queue; a full queue refuses at once (:class:`QueueFull`, or
+  :class:`ClientQueueFull` for a client at its share), a wait that times out fails with
   :class:`NoNodeAvailable`; a waiter that is cancelled (its client went away) leaves;
 - a prompt that no node serving the model can hold is refused with :class:`StreamTooLong`
   (``length``, ``max``), also after a cold fleet learned the windows;
@@ -31,11 +34,23 @@ On top of that:
   ``max_new - delivered`` left to generate, so the caller sees exactly the tokens of an
   uninterrupted run, none twice (the counter-based sampler makes this hold for sampled
   generations too); with no other node live it waits in the queue, ahead of new requests;
+- a wall budget per generation (``max_generation_s``, ``--max-generation-time``): a
+  generation still running when it passes, placement and failovers included, is cancelled on
+  its node, its lane freed, and it fails with :class:`GenerationTimedOut`, so no request hangs
+  on a Finish that never comes (a node that lost the generation);
+- a node that declined a generation (full: its live sessions are at ``max_sessions``, or
+  draining) is not given new work until its next load report, which tells whether it has
+  room again (a fresh report of ``active_sessions`` at ``max_sessions`` counts as full too);
 - sessions are revoked when they end; a session whose context outgrows its node moves to one
   that fits;
 - a session whose GenParams ask for logprobs is placed only on nodes that offer them
   (``FEATURE_LOGPROBS``, docs/protocol.md section 12.1), failover included; when every node
   serving the model has said it has none, it fails with :class:`LogprobsUnavailable`;
+- a constrained generation (docs/protocol.md section 12.3) likewise only on nodes that offer
+  ``FEATURE_CONSTRAINTS``, else :class:`ConstraintsUnavailable`; a failover sends the same
+  constraint with ``generated_from`` at the end of the prompt, so the new node replays the
+  delivered tokens through its grammar; a node that refuses the constraint fails the
+  generation with :class:`ConstraintRefused`;
 - :meth:`Fleet.status` answers what the HTTP layer asks of its backend
   (:class:`~sfnode.head.backend.BackendStatus`: live nodes, windows, lanes, the queue, counters).
 
@@ -50,7 +65,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar, cast
 
 from twisted.internet import defer
@@ -61,7 +76,8 @@ from twisted.logger import Logger
 
 from sfnode.generation import KV_BLOCK_TOKENS, StreamTooLong, TokenLogprob, TokenSink
 from sfnode.head import placement
-from sfnode.head.backend import BackendStatus, NodeReport
+from sfnode.head.backend import ANONYMOUS, BackendStatus, NodeReport, Requester
+from sfnode.head.fairqueue import FairQueue
 from sfnode.head.link import (
     DEFAULT_HANDSHAKE_TIMEOUT_S,
     DEFAULT_LEASE,
@@ -82,11 +98,13 @@ from sfnode.head.machines import (
 from sfnode.head.placement import DEFAULT_EXPECTED_OUT, DEFAULT_PREFIX_RULE, Policy, PrefixRule
 from sfnode.head.prefix_index import BlockKey, PrefixIndex, reusable_keys
 from sfnode.wire import (
+    FEATURE_CONSTRAINTS,
     FEATURE_LOGPROBS,
     FINISH_CANCELLED,
     FINISH_DECLINED,
     FINISH_LENGTH,
     FINISH_REFUSED,
+    Constraint,
     GenParams,
     Lease,
     RequestClass,
@@ -96,12 +114,20 @@ DEFAULT_MAX_QUEUED = 256
 """Requests that may wait for a node at once; one more is refused at once."""
 DEFAULT_QUEUE_TIMEOUT_S = 30.0
 """How long a request waits for a node before it fails (0: as long as it takes)."""
+DEFAULT_MAX_GENERATION_S = 600.0
+"""The wall budget of one generation, from its request to its Finish (0: none)."""
 MAX_FAILOVERS = 16
 """Moves one generation may make before the fleet gives up on it (a request that kills every
 node it reaches must not go round for ever)."""
 
 _log = Logger(namespace="sfnode.head.fleet")
 _T = TypeVar("_T")
+
+
+def default_client_queued(max_queued: int) -> int:
+    """The default bound of one client address's waiting generations: a quarter of the
+    queue (at least 1 when anything may wait)."""
+    return max(1, max_queued // 4) if max_queued > 0 else 0
 
 
 def _deferred(coroutine: Coroutine[Any, Any, _T]) -> Deferred[_T]:
@@ -125,6 +151,18 @@ class QueueFull(FleetError):
     """Every live node is busy and the queue of waiting requests is full."""
 
 
+class ClientQueueFull(QueueFull):
+    """The client's address already holds its share of the queue (``max_client_queued``)."""
+
+    def __init__(self, address: str, limit: int) -> None:
+        super().__init__(
+            f"this client address has {limit} generations waiting for a lane, the most one "
+            "address may have waiting (--max-client-queued); retry when some have started"
+        )
+        self.address = address
+        self.limit = limit
+
+
 class NodeDown(FleetError):
     """The session's node cannot be reached now."""
 
@@ -137,18 +175,36 @@ class SessionClosed(FleetError):
     """The session was closed; it cannot append or generate any more."""
 
 
+class GenerationTimedOut(FleetError):
+    """The generation passed its wall budget (``max_generation_s``) without ending."""
+
+
 class LogprobsUnavailable(FleetError):
     """The request asks for logprobs and no node serving the model returns them (every one
     of them has said so: its HELLO_ACK_F lacks FEATURE_LOGPROBS, docs/protocol.md 12.1)."""
+
+
+class ConstraintsUnavailable(FleetError):
+    """The generation has a constraint and no node serving the model honours constraints
+    (every one of them has said so: its HELLO_ACK_F lacks FEATURE_CONSTRAINTS,
+    docs/protocol.md section 12.3)."""
+
+
+class ConstraintRefused(FleetError):
+    """A node refused the generation's constraint (FINISH_REFUSED for a context that fits
+    it): a grammar its library cannot compile, or delivered tokens the grammar refuses."""
 
 
 _NODE_FATAL = (LinkError, NodeDown)
 """Errors that say the node (or the path to it) failed, not the request: these fail over."""
 
 
-def needed_features(params: GenParams) -> int:
-    """The feature flags a node must offer to serve a session with ``params``."""
-    return FEATURE_LOGPROBS if params.logprobs else 0
+def needed_features(params: GenParams, constraint: Constraint | None = None) -> int:
+    """The feature flags a node must offer to serve a session with ``params`` (and a
+    generation with ``constraint``)."""
+    return (FEATURE_LOGPROBS if params.logprobs else 0) | (
+        FEATURE_CONSTRAINTS if constraint is not None else 0
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,6 +229,9 @@ class FleetNode:
         self.last_failure = ""
         self.prefixes = PrefixIndex()
         """The blocks of the contexts placed and generated here (what its cache may hold)."""
+        self.declined_at: float | None = None
+        """When it last declined a generation (clock seconds); it takes nothing new until a
+        load report sampled after that arrives."""
         self.ended: deque[float] = deque()
         """When this head's generations here ended, since the node's latest load report."""
 
@@ -231,6 +290,7 @@ class FleetNode:
             interactive_inflight=self.interactive_inflight,
             cached_tokens=self.prefixes.cached_blocks(keys) * KV_BLOCK_TOKENS if keys else 0,
             ended_since_report=len(self.ended),
+            declined=self.declined_at is not None and (at is None or at <= self.declined_at),
         )
 
     def generation_started(self, interactive: bool) -> None:
@@ -319,12 +379,15 @@ class FleetSession:
         params: GenParams,
         lease: Lease,
         context: Sequence[int],
+        requester: Requester = ANONYMOUS,
     ) -> None:
         self.fleet = fleet
         self.session_id = session_id
         self.model = model
         self.params = params
         self.lease = lease
+        self.requester = requester
+        """Who it serves: its share of the queue (docs/protocol.md section 8.5)."""
         self.context: tuple[int, ...] = tuple(context)
         """The complete context last appended."""
         self.node: FleetNode | None = None
@@ -378,13 +441,21 @@ class FleetSession:
         on_tokens: TokenSink | None = None,
         max_wall_ms: int = 0,
         request_class: RequestClass = RequestClass.INTERACTIVE,
+        constraint: Constraint | None = None,
     ) -> FleetGeneration:
         """Generate up to ``max_new`` tokens after the session's context; fails over on its own.
 
         A session whose GenParams ask for logprobs gets them with its tokens
-        (``on_tokens(tokens, logprobs)``, see :meth:`NodeLink.generate`)."""
+        (``on_tokens(tokens, logprobs)``, see :meth:`NodeLink.generate`).  ``constraint``:
+        as :meth:`Fleet.generate`."""
         generation = FleetGeneration(
-            self, max_new, on_tokens, max_wall_ms, one_shot=False, request_class=request_class
+            self,
+            max_new,
+            on_tokens,
+            max_wall_ms,
+            one_shot=False,
+            request_class=request_class,
+            constraint=constraint,
         )
         generation._start()
         return generation
@@ -412,12 +483,18 @@ class FleetGeneration:
         one_shot: bool,
         expected_out: int = DEFAULT_EXPECTED_OUT,
         request_class: RequestClass = RequestClass.INTERACTIVE,
+        constraint: Constraint | None = None,
     ) -> None:
         self.session = session
         self.max_new = max_new
         self.max_wall_ms = max_wall_ms
         self.request_class = request_class
         """Interactive or batch (docs/protocol.md section 12.2); kept across failovers."""
+        self.constraint = constraint
+        """Its grammar and sampler controls (docs/protocol.md section 12.3); every
+        GENERATE_REQ carries it with ``generated_from`` at the end of the prompt."""
+        self.features = needed_features(session.params, constraint)
+        """What a node must offer to run it."""
         self.tokens: list[int] = []
         """Every token delivered to the caller, in order, each once."""
         self.failovers = 0
@@ -431,6 +508,10 @@ class FleetGeneration:
         self._placed = False
         self._placement_failure: Any = None
         self._placement_waiters: list[Deferred[None]] = []
+        self._deadline: IDelayedCall | None = None
+        self._timed_out: GenerationTimedOut | None = None
+        """Set when the wall budget passed: how the generation ends, whatever stopping it
+        produced."""
 
     def when_placed(self) -> Deferred[None]:
         """Fires once the first GENERATE_REQ is sent (or the generation ended first), or
@@ -455,15 +536,54 @@ class FleetGeneration:
             self._call.cancel()
 
     def _start(self) -> None:
+        fleet = self.session.fleet
+        if fleet.max_generation_s > 0:
+            self._deadline = fleet._clock.callLater(fleet.max_generation_s, self._expire)
         _deferred(self._run()).addCallbacks(self._succeeded, self._failed)
 
     def _succeeded(self, outcome: FleetOutcome) -> None:
+        if self._timed_out is not None:
+            self._failed(self._timed_out)
+            return
+        self._stop_deadline()
         self._placement_done(None)
         self.result.callback(outcome)
 
     def _failed(self, failure: Any) -> None:
+        if self._timed_out is not None:
+            failure = self._timed_out
+        self._stop_deadline()
         self._placement_done(failure)
         self.result.errback(failure)
+
+    def _stop_deadline(self) -> None:
+        deadline, self._deadline = self._deadline, None
+        if deadline is not None and deadline.active():
+            deadline.cancel()
+
+    def _expire(self) -> None:
+        """The wall budget passed: stop whatever still runs (the queue wait, or the call on
+        its node, which sends GENERATE_CANCEL and frees the lane at once whether or not a
+        Finish ever comes); the run then ends at once, failing with GenerationTimedOut."""
+        self._deadline = None
+        session = self.session
+        budget = session.fleet.max_generation_s
+        _log.warn(
+            "generation of session {session} passed its wall budget of {budget:g} s after "
+            "{delivered} tokens; cancelling it",
+            session=session.session_id,
+            budget=budget,
+            delivered=len(self.tokens),
+        )
+        self._timed_out = GenerationTimedOut(
+            f"the generation did not end within {budget:g} s (--max-generation-time) "
+            f"after {len(self.tokens)} tokens"
+        )
+        self._cancelled = True
+        if self._waiting is not None:
+            self._waiting.cancel()
+        if self._call is not None:
+            self._call.result.cancel()
 
     def _placement_done(self, failure: Any) -> None:
         waiters, self._placement_waiters = self._placement_waiters, []
@@ -518,6 +638,7 @@ class FleetGeneration:
                         avoid=tried,
                         priority=bool(self.failovers),
                         interactive=self.interactive,
+                        features=self.features,
                     )
                     try:
                         node = await self._waiting
@@ -538,7 +659,12 @@ class FleetGeneration:
                     if outcome is None:
                         return self._outcome(FINISH_CANCELLED, node)
                     if outcome.finish == FINISH_REFUSED:
-                        raise StreamTooLong(len(base) + len(self.tokens), node.window or 0)
+                        length = len(base) + len(self.tokens)
+                        if self.constraint is not None and node.fits(length):
+                            raise ConstraintRefused(
+                                f"{node.name} refused the generation's constraint"
+                            )
+                        raise StreamTooLong(length, node.window or 0)
                     if outcome.finish != FINISH_DECLINED:
                         if self.failovers and not self._one_shot and session.node is node:
                             # The node holds prompt + the tokens delivered before the
@@ -551,9 +677,10 @@ class FleetGeneration:
                             list(self.tokens), outcome.finish, node.name, self.failovers
                         )
                     error = NodeDeclined(
-                        f"{node.name} declined the generation (stale epoch, replayed command, "
-                        "or the node is draining)"
+                        f"{node.name} declined the generation (it is full or draining, or a "
+                        "stale epoch or replayed command)"
                     )
+                    fleet._declined(node)
                 if self._cancelled:
                     return self._outcome(FINISH_CANCELLED, node)
                 if self.failovers >= MAX_FAILOVERS:
@@ -584,15 +711,19 @@ class FleetGeneration:
         None when the generation was cancelled before it could be sent."""
         fleet = self.session.fleet
         try:
-            link = await fleet._bound_link(self.session)
+            link = await fleet._bound_link(self.session, self.features)
             if self._cancelled:
                 return None
+            constraint = self.constraint
+            if constraint is not None:
+                constraint = replace(constraint, generated_from=len(self.session.context))
             call = link.generate(
                 self.session.session_id,
                 remaining,
                 max_wall_ms=self.max_wall_ms,
                 on_tokens=self._deliver,
                 request_class=self.request_class,
+                constraint=constraint,
             )
             self._call = call
             self._placement_done(None)
@@ -631,8 +762,10 @@ class Fleet:
         retry_max_s: float = DEFAULT_RETRY_MAX_S,
         retry: RetryPolicy | None = None,
         max_queued: int = DEFAULT_MAX_QUEUED,
+        max_client_queued: int | None = None,
         queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
         prefix: PrefixRule = DEFAULT_PREFIX_RULE,
+        max_generation_s: float = DEFAULT_MAX_GENERATION_S,
     ) -> None:
         self._reactor = reactor
         self._clock: IReactorTime = clock if clock is not None else reactor
@@ -647,9 +780,16 @@ class Fleet:
         self.retry_max_s = retry_max_s
         self._retry = retry if retry is not None else retry_policy(retry_max_s)
         self.max_queued = max_queued
+        self.max_client_queued = (
+            default_client_queued(max_queued) if max_client_queued is None else max_client_queued
+        )
+        """Generations one client address may have waiting (0: no bound but ``max_queued``;
+        generations without an address, such as a program's own, are not bounded by it)."""
         self.queue_timeout_s = queue_timeout_s
         self.prefix = prefix
         """How placement weighs a node's cached prefix against its load (``load-aware``)."""
+        self.max_generation_s = max_generation_s
+        """The wall budget of each generation (0: none)."""
         self.nodes: list[FleetNode] = []
         self.failovers = 0
         self.reconnects = 0
@@ -657,7 +797,7 @@ class Fleet:
         """Requests refused at once because the queue was full."""
         self.queue_timeouts = 0
         """Requests that waited ``queue_timeout_s`` for a node in vain."""
-        self._queue: deque[_Waiter] = deque()
+        self._queue: FairQueue[_Waiter] = FairQueue()
         self._dispatching = False
         self._dispatch_again = False
         self._orders = itertools.count()
@@ -676,8 +816,7 @@ class Fleet:
     def stop(self) -> Deferred[None]:
         """Fail what waits in the queue and close every link."""
         self._stopping = True
-        waiting, self._queue = list(self._queue), deque()
-        for waiter in waiting:
+        for waiter in self._queue.clear():
             self._settle(waiter, NoNodeAvailable("the head is stopping"))
         closing = [node.link.close() for node in self.nodes]
         return defer.gatherResults(closing).addCallback(lambda _: None)
@@ -850,6 +989,11 @@ class Fleet:
                 reason=str(reason),
             )
 
+    def link_reported(self, link: NodeLink) -> None:
+        if self._queue and self._node_of(link) is not None:
+            # A fresh report may say that a full node (or one that declined) has room again.
+            self._dispatch()
+
     def link_closed(self, link: NodeLink) -> None:
         node = self._node_of(link)
         if node is None or self._stopping or link.dialable:
@@ -938,18 +1082,20 @@ class Fleet:
         avoid: Sequence[FleetNode] = (),
         priority: bool = False,
         interactive: bool = False,
+        features: int = 0,
     ) -> Deferred[FleetNode]:
         """Assign ``session`` (new epoch) and append ``context`` on the best node that can take
         it, now or when one can (the queue).  ``claim_lane`` counts a generation on the node at
         once.  ``priority`` (a failover) goes ahead of the queue and past its bound;
-        ``interactive`` places it as docs/protocol.md section 12.2 says."""
+        ``interactive`` places it as docs/protocol.md section 12.2 says; ``features`` are what
+        the node must offer beyond what the session's GenParams need."""
         request = placement.Request(
             model=session.model,
             length=len(context),
             expected_out=expected_out,
             needs_lane=claim_lane,
             avoid=frozenset(n.order for n in avoid),
-            features=needed_features(session.params),
+            features=needed_features(session.params) | features,
             interactive=interactive,
         )
         waiter = _Waiter(
@@ -966,22 +1112,36 @@ class Fleet:
         if priority or not self._queue:
             if self._try(waiter):
                 return waiter.placed
-        if not priority and len(self._queue) >= self.max_queued:
-            self.queue_rejected += 1
-            return defer.fail(
-                QueueFull(
-                    f"no node can take the request now ({waiter.reason or 'no node is live'}) "
-                    f"and the queue is full ({self.max_queued} requests may wait)"
+        requester = session.requester
+        if not priority:
+            if len(self._queue) >= self.max_queued:
+                self.queue_rejected += 1
+                return defer.fail(
+                    QueueFull(
+                        f"no node can take the request now ({self._why_waiting(waiter)}) and "
+                        f"the queue is full ({self.max_queued} generations may wait)"
+                    )
                 )
-            )
+            limit = self.max_client_queued
+            if requester.address and limit and self._queue.waiting_of(requester.address) >= limit:
+                self.queue_rejected += 1
+                return defer.fail(ClientQueueFull(requester.address, limit))
         if self.queue_timeout_s > 0:
             waiter.timer = self._clock.callLater(self.queue_timeout_s, self._expire, waiter)
-        if priority:
-            self._queue.appendleft(waiter)
-        else:
-            self._queue.append(waiter)
+        self._queue.push(waiter, requester.share, requester.address, priority=priority)
         self._dispatch()
         return waiter.placed
+
+    def _why_waiting(self, waiter: _Waiter) -> str:
+        """Why ``waiter`` cannot be placed now (for a refusal's message)."""
+        if waiter.reason:
+            return waiter.reason
+        decision = placement.decide(
+            self._views(waiter.keys), waiter.request, self.policy, self._cursor, self.prefix
+        )
+        if isinstance(decision, placement.Wait):
+            return decision.reason
+        return f"{len(self._queue)} generations wait ahead of it"
 
     def _try(self, waiter: _Waiter) -> bool:
         """Settle ``waiter`` now if the nodes allow (placed, or refused); False: it waits."""
@@ -993,6 +1153,7 @@ class Fleet:
             node = by_key[decision.order[0]]
             if self.policy is Policy.ROUND_ROBIN:
                 self._cursor += 1
+            self._queue.served(waiter.session.requester.share)
             self._assign(waiter, node)
             self._settle(waiter, node)
             return True
@@ -1004,7 +1165,16 @@ class Fleet:
             return True
         if isinstance(decision, placement.Unsupported):
             model = waiter.session.model or "the model"
-            self._settle(waiter, LogprobsUnavailable(f"no node serving {model} returns logprobs"))
+            serving = [v for v in self._views() if v.serves(waiter.request.model)]
+            if decision.features & FEATURE_CONSTRAINTS and isinstance(
+                placement.with_features(serving, FEATURE_CONSTRAINTS), placement.Unsupported
+            ):
+                error: FleetError = ConstraintsUnavailable(
+                    f"no node serving {model} honours constraints (response_format, tools)"
+                )
+            else:
+                error = LogprobsUnavailable(f"no node serving {model} returns logprobs")
+            self._settle(waiter, error)
             return True
         waiter.reason = decision.reason
         return False
@@ -1021,7 +1191,8 @@ class Fleet:
             node.generation_started(waiter.request.interactive)
 
     def _dispatch(self) -> None:
-        """Place what waits, in order, on whatever the nodes can take now."""
+        """Place what waits on whatever the nodes can take now: failovers first, then the
+        clients round robin (:meth:`FairQueue.order`)."""
         if self._dispatching:
             # Settling a waiter runs its generation, which may free a lane right here: go
             # round once more when this pass is done.
@@ -1032,7 +1203,7 @@ class Fleet:
             self._dispatch_again = True
             while self._dispatch_again:
                 self._dispatch_again = False
-                for waiter in list(self._queue):
+                for waiter in self._queue.order():
                     if not waiter.settled:
                         self._try(waiter)
         finally:
@@ -1042,8 +1213,7 @@ class Fleet:
         if waiter.settled:
             return
         waiter.settled = True
-        if waiter in self._queue:
-            self._queue.remove(waiter)
+        self._queue.remove(waiter)
         if waiter.timer is not None and waiter.timer.active():
             waiter.timer.cancel()
         if isinstance(result, Exception):
@@ -1054,8 +1224,7 @@ class Fleet:
     def _leave(self, waiter: _Waiter) -> None:
         """The waiter was cancelled (its client went away): it leaves the queue."""
         waiter.settled = True
-        if waiter in self._queue:
-            self._queue.remove(waiter)
+        self._queue.remove(waiter)
         if waiter.timer is not None and waiter.timer.active():
             waiter.timer.cancel()
 
@@ -1066,11 +1235,11 @@ class Fleet:
             waiter,
             NoNodeAvailable(
                 f"no node could take the request within {self.queue_timeout_s:g} s "
-                f"({waiter.reason or 'no node is live'})"
+                f"({self._why_waiting(waiter)})"
             ),
         )
 
-    async def _bound_link(self, session: FleetSession) -> NodeLink:
+    async def _bound_link(self, session: FleetSession, features: int = 0) -> NodeLink:
         """The open link of the session's node (waiting for a reconnect under way); a link
         that lacks the session (it was placed over another connection) gets it assigned and
         appended first.  Fails with :class:`NodeDown` when the node cannot be reached now."""
@@ -1081,11 +1250,11 @@ class Fleet:
             await link.when_open()
         except LinkError as e:
             raise NodeDown(f"{node.name} is down: {e}") from e
-        needed = needed_features(session.params)
+        needed = needed_features(session.params) | features
         if (link.features or 0) & needed != needed:
             # The node came back without a feature the session needs (restarted with
             # another engine): the session moves to a node that has it.
-            raise NodeDown(f"{node.name} no longer returns logprobs")
+            raise NodeDown(f"{node.name} no longer offers what the generation needs")
         if link.head_session.epoch_of(session.session_id) is None:
             link.assign(session.session_id, lease=session.lease, params=session.params)
             if session.context:
@@ -1099,6 +1268,10 @@ class Fleet:
             return
         node.sessions -= 1
         node.link.revoke(session.session_id)
+
+    def _declined(self, node: FleetNode) -> None:
+        """``node`` declined a generation: no new work there until it reports again."""
+        node.declined_at = self._clock.seconds()
 
     def _release(self, node: FleetNode, interactive: bool) -> None:
         """A generation on ``node`` ended: its lane may take a waiting request."""
@@ -1131,6 +1304,7 @@ class Fleet:
         model: str | None = None,
         params: GenParams = DEFAULT_PARAMS,
         lease: Lease | None = None,
+        requester: Requester = ANONYMOUS,
     ) -> FleetSession:
         """A session not placed yet (its first generation places it)."""
         return FleetSession(
@@ -1140,6 +1314,7 @@ class Fleet:
             params,
             lease if lease is not None else self.lease,
             context,
+            requester,
         )
 
     def generate(
@@ -1152,6 +1327,8 @@ class Fleet:
         on_tokens: TokenSink | None = None,
         max_wall_ms: int = 0,
         request_class: RequestClass = RequestClass.INTERACTIVE,
+        requester: Requester = ANONYMOUS,
+        constraint: Constraint | None = None,
     ) -> FleetGeneration:
         """One request: place a new session with ``prompt``, generate, revoke the session.
 
@@ -1160,9 +1337,16 @@ class Fleet:
         fails with :class:`LogprobsUnavailable`.
 
         ``request_class`` (docs/protocol.md section 12.2): interactive (the default, which is
-        also how a node reads a request that says nothing) or batch.
+        also how a node reads a request that says nothing) or batch.  ``requester``: the
+        client it serves, its share of the queue (section 8.5).
+
+        ``constraint`` (docs/protocol.md section 12.3; its ``generated_from`` is set here): a
+        grammar the output follows and the sampler's per-lane controls, on nodes that offer
+        FEATURE_CONSTRAINTS only, failover included; when every node serving the model has
+        said it does not, the generation fails with :class:`ConstraintsUnavailable`.  Build
+        it with :mod:`sfnode.constraint`.
         """
-        session = self.new_session(prompt, model=model, params=params)
+        session = self.new_session(prompt, model=model, params=params, requester=requester)
         generation = FleetGeneration(
             session,
             max_new,
@@ -1171,20 +1355,26 @@ class Fleet:
             one_shot=True,
             expected_out=max_new,
             request_class=request_class,
+            constraint=constraint,
         )
         generation._start()
         return generation
 
 
 __all__ = [
+    "DEFAULT_MAX_GENERATION_S",
     "DEFAULT_MAX_QUEUED",
     "DEFAULT_QUEUE_TIMEOUT_S",
+    "ClientQueueFull",
+    "ConstraintRefused",
+    "ConstraintsUnavailable",
     "Fleet",
     "FleetError",
     "FleetGeneration",
     "FleetNode",
     "FleetOutcome",
     "FleetSession",
+    "GenerationTimedOut",
     "LinkError",
     "LogprobsUnavailable",
     "NoNodeAvailable",
@@ -1193,6 +1383,7 @@ __all__ = [
     "NodeLink",
     "Policy",
     "QueueFull",
+    "Requester",
     "SessionClosed",
     "StreamTooLong",
 ]

@@ -18,15 +18,21 @@ its sessions on every new connection; generations in flight when the connection 
 for that reconcile and continue when the node still runs them.  A link a node dialed in
 (:class:`HeadLinkFactory`) ends with its connection.
 
-:class:`HeadIds` holds the process-wide id spaces (section 8); pass one instance around
-explicitly.  With a fleet token every connection is Noise (``sfnode.noise``, D10) with the head
-as the initiator, whichever side dialled; ``Hello.auth`` still carries the token inside it.
+:class:`HeadIds` holds the process-wide id spaces (section 8) and the head's identity, a random
+64-bit ``head_id`` sent in every HELLO (section 12.4, decision D13), so that a node keeps this
+head's sessions apart from any other head's; pass one instance around explicitly.  Until the
+HELLO_ACK_F has arrived no frame may be larger than one can be (decision D14).
+
+With a fleet token every connection is Noise (``sfnode.noise``, D10) with the head as the
+initiator, whichever side dialled; ``Hello.auth`` still carries the token inside it.
 The reactor and the clock are always parameters: this module must never import the global
 reactor, never block, and never let an exception escape ``dataReceived``.
 """
 
 from __future__ import annotations
 
+import secrets
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -40,7 +46,7 @@ from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from sfnode.admission import is_loopback_address
+from sfnode.admission import address_key, is_loopback_address
 from sfnode.generation import TokenLogprob, TokenSink
 from sfnode.head.machines import (
     DEFAULT_KEEPALIVE_INTERVAL_S,
@@ -63,9 +69,12 @@ from sfnode.head.session import HeadSession
 from sfnode.noise import NoiseFactory, NoiseProtocol, Role, secure_factory
 from sfnode.service import describe_failure
 from sfnode.wire import (
+    FEATURE_CONSTRAINTS,
+    FEATURE_HEAD_IDENTITY,
     FEATURE_LOGPROBS,
     FEATURE_REQUEST_CLASS,
     CapacitySummary,
+    Constraint,
     Finish,
     FrameDecoder,
     GenerateCancelMsg,
@@ -78,6 +87,7 @@ from sfnode.wire import (
     LeaseRenewMsg,
     LinkRole,
     Message,
+    MsgType,
     NodeStatusMsg,
     PayloadError,
     ReconcileAckMsg,
@@ -99,7 +109,10 @@ DEFAULT_LEASE = Lease(duration_ms=60_000, renew_by_ms=45_000)
 DEFAULT_PARAMS = GenParams()
 DEFAULT_HANDSHAKE_TIMEOUT_S = 10.0
 DEFAULT_JOIN_HANDSHAKES = 8
-"""Nodes dialing a head that may be in their handshake at once (section 7.1 of the node)."""
+"""Nodes dialing a head that may be in their handshake at once (section 5.3)."""
+DEFAULT_JOIN_ADDRESS_HANDSHAKES = 4
+"""Of those, how many may come from one address (section 5.3): a few silent connections from
+one address cannot keep the nodes of others from joining."""
 COMMAND_SPACE = 1 << 32
 """Command ids each connection's HeadSession may use before the next connection's base."""
 MAX_RETRY_RANGE = 1 << 20
@@ -126,6 +139,11 @@ class SessionRevokedError(LinkError):
 
 class SupersededError(LinkError):
     """The head re-assigned the session at a new epoch; the node drops older generations."""
+
+
+class ConstraintsUnsupportedError(LinkError):
+    """A constrained generation for a node that did not offer FEATURE_CONSTRAINTS (it would
+    ignore the constraint, docs/protocol.md section 12.3): never sent."""
 
 
 LinkLost = LinkLostError
@@ -169,14 +187,17 @@ def _handshake_loss(reason: Failure, protocol: HeadLinkProtocol) -> HandshakeErr
 
 
 class HeadIds:
-    """The head's process-wide id spaces (section 8, "Id spaces").
+    """The head's identity and process-wide id spaces (section 8, "Id spaces").
 
-    Epochs come from one counter starting at 1, one per assign (any session, any link).  Each
-    link's HeadSession starts its command ids at a base that advances by 2^32 per link (1,
-    2^32+1, ...), so a node never sees one command id twice.
+    ``head_id`` is drawn at random once per head (a restarted head is another head): every
+    HELLO carries it, and a node with ``FEATURE_HEAD_IDENTITY`` keeps this head's sessions
+    under it (section 12.4, decision D13).  Epochs come from one counter starting at 1, one per
+    assign (any session, any link).  Each link's HeadSession starts its command ids at a base
+    that advances by 2^32 per link (1, 2^32+1, ...), so a node never sees one command id twice.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, head_id: int | None = None) -> None:
+        self.head_id = secrets.randbits(64) if head_id is None else head_id
         self._last_epoch = 0
         self._links = 0
 
@@ -216,7 +237,7 @@ class HeadLinkProtocol(Protocol):
 
     def __init__(self, owner: LinkOwner) -> None:
         self.owner = owner
-        self._decoder = FrameDecoder()
+        self._decoder = FrameDecoder(handshake=MsgType.HELLO_ACK_F)
         self._send_seq = 1
         self._broken = False
 
@@ -401,6 +422,9 @@ class LinkObserver(TypingProtocol):
 
     def link_dropped(self, link: NodeLink, reason: LinkError) -> None:
         """The open link lost its connection (a dialed link is redialling already)."""
+
+    def link_reported(self, link: NodeLink) -> None:
+        """A NODE_STATUS brought a new load report (``link.capacity``)."""
 
     def link_closed(self, link: NodeLink) -> None:
         """The link is over: closed by the head, or the connection of a node that dialed in
@@ -691,6 +715,7 @@ class NodeLink:
         max_wall_ms: int = 0,
         on_tokens: TokenSink | None = None,
         request_class: RequestClass = RequestClass.INTERACTIVE,
+        constraint: Constraint | None = None,
     ) -> GenerationCall:
         """GENERATE_REQ with a new generation id; committed tokens stream to ``on_tokens``.
 
@@ -702,6 +727,10 @@ class NodeLink:
         ``request_class`` travels only to a node that set FEATURE_REQUEST_CLASS
         (:attr:`request_classes`); any other node reads every request alike (docs/protocol.md
         section 12.2).
+
+        ``constraint`` (docs/protocol.md section 12.3) goes only to a node that set
+        FEATURE_CONSTRAINTS; for any other the call fails at once with
+        :class:`ConstraintsUnsupportedError` and nothing is sent.
 
         The call's ``result`` fails at once with :class:`UnknownSessionError` or
         :class:`LinkLostError` when the session was never assigned here or the link is down.
@@ -717,11 +746,15 @@ class NodeLink:
         if not self.connected:
             call._fail(LinkLostError(f"the link to {self.name} is down"))
             return call
+        if constraint is not None and not (self.features or 0) & FEATURE_CONSTRAINTS:
+            call._fail(ConstraintsUnsupportedError(f"{self.name} does not honour constraints"))
+            return call
         request = self.head_session.generate(
             session_id,
             generation_id,
             GenerationBudgetsMsg(max_new_tokens, max_wall_ms),
             int(request_class) if self.request_classes else None,
+            constraint,
         )
         assert request is not None
         self._generations[(session_id, generation_id)] = call
@@ -785,7 +818,9 @@ class NodeLink:
         self._awaiting_ack = True
         self.status = "handshaking"
         if self._protocol is not None:
-            self._protocol.send(Hello(PROTO_RANGE, LinkRole.HEAD_DAEMON, self.token))
+            self._protocol.send(
+                Hello(PROTO_RANGE, LinkRole.HEAD_DAEMON, self.token, self.ids.head_id)
+            )
 
     def reject(self) -> None:
         stray, self._incoming = self._incoming, None
@@ -909,6 +944,8 @@ class NodeLink:
             self._set_capacity(message.capacity)
             if message.loadable_models:
                 self.models = message.loadable_models
+            for observer in list(self._observers):
+                observer.link_reported(self)
         elif isinstance(message, StageForwardRespMsg):
             d = self._stage_forwards.pop(message.request_id, None)
             if d is not None:
@@ -972,6 +1009,12 @@ class NodeLink:
             )
             return
         self._awaiting_ack = False
+        if self.hello_ack is None and not message.feature_flags & FEATURE_HEAD_IDENTITY:
+            _log.warn(
+                "node {node} does not keep the sessions of different heads apart (no head "
+                "identity, docs/protocol.md section 12.4): do not share it with another head",
+                node=message.node_identity,
+            )
         self.hello_ack = message
         self._set_capacity(message.capacity)
         self.models = message.loadable_models
@@ -1165,7 +1208,8 @@ class HeadLinkFactory(Factory):
     Admission: with a token every connection is Noise (the head the initiator).  Without one,
     ``loopback_only=True`` (what ``sfhead`` passes unless --insecure-no-auth) accepts only
     loopback or Unix-socket peers.  A connection arriving while ``max_handshakes`` others are
-    in their handshake is closed at once (0 = no limit).
+    in their handshake, or ``max_address_handshakes`` others from its address, is closed at
+    once (0 = no limit; docs/protocol.md section 5.3).
     """
 
     noisy = False
@@ -1181,14 +1225,18 @@ class HeadLinkFactory(Factory):
         clock: IReactorTime | None = None,
         keep_wal: bool = True,
         max_handshakes: int = DEFAULT_JOIN_HANDSHAKES,
+        max_address_handshakes: int = DEFAULT_JOIN_ADDRESS_HANDSHAKES,
         loopback_only: bool = False,
         silence_timeout_s: float = DEFAULT_SILENCE_TIMEOUT_S,
     ) -> None:
         self._on_node = on_node
         self.max_handshakes = max_handshakes
+        self.max_address_handshakes = max_address_handshakes
         self.loopback_only = loopback_only
         self.handshaking = 0
         """Links built and not yet past (or failed in) their handshake."""
+        self.handshaking_from: Counter[str] = Counter()
+        """The same, by the peer's host."""
         self._reactor = reactor
         self._ids = ids
         self._token = token
@@ -1226,6 +1274,19 @@ class HeadLinkFactory(Factory):
                 count=self.max_handshakes,
             )
             return None
+        address = address_key(addr)
+        if (
+            self.max_address_handshakes
+            and self.handshaking_from[address] >= self.max_address_handshakes
+        ):
+            _log.warn(
+                "closed a node connection from {peer} at once: {count} handshakes from "
+                "{address} already in progress",
+                peer=_peer(addr),
+                count=self.max_address_handshakes,
+                address=address,
+            )
+            return None
         protocol = self._link_protocol(addr)
         if self._noise is None:
             return protocol
@@ -1233,6 +1294,7 @@ class HeadLinkFactory(Factory):
 
     def _link_protocol(self, addr: Any) -> HeadLinkProtocol:
         peer = _peer(addr)
+        address = address_key(addr)
         link = NodeLink(
             self._reactor,
             self._ids,
@@ -1245,13 +1307,20 @@ class HeadLinkFactory(Factory):
         )
         link.start()
         self.handshaking += 1
+        self.handshaking_from[address] += 1
+
+        def handshake_over() -> None:
+            self.handshaking -= 1
+            self.handshaking_from[address] -= 1
+            if not self.handshaking_from[address]:
+                del self.handshaking_from[address]
 
         def adopted(_: None) -> None:
-            self.handshaking -= 1
+            handshake_over()
             self._on_node(link)
 
         def refused(failure: Failure) -> None:
-            self.handshaking -= 1
+            handshake_over()
             _log.info(
                 "a node that dialed in from {peer} failed the handshake: {reason}",
                 peer=peer,

@@ -10,7 +10,9 @@ the whole context each time (no KV cache, greedy).
 The stage nodes are kept in a :class:`~sfnode.head.fleet.Fleet` of their own, so they are dialed,
 kept alive, redialled and reported (health, metrics) like any fleet's nodes, but never placed
 on: a pipeline needs all of its stages.  A step whose stage is reconnecting waits for that
-attempt; a stage that cannot be reached fails the generation (:class:`NoNodeAvailable`).
+attempt; a stage that cannot be reached fails the generation (:class:`NoNodeAvailable`).  A
+generation has the fleet's wall budget (``max_generation_s``): past it the step in flight is
+abandoned and the generation fails with :class:`~sfnode.head.fleet.GenerationTimedOut`.
 
 This module must never block, never use the global reactor, and never hand a caller a token twice
 or a token computed from a context it did not ask for.
@@ -23,7 +25,7 @@ from typing import Any
 
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -32,6 +34,7 @@ from sfnode.head.fleet import (
     FleetError,
     FleetNode,
     FleetOutcome,
+    GenerationTimedOut,
     LogprobsUnavailable,
     NoNodeAvailable,
 )
@@ -82,7 +85,9 @@ class PipelineGeneration:
         self._max_new = max_new
         self._on_tokens = on_tokens
         self._cancelled = False
-        self._pending: Deferred[StageForwardRespMsg] | None = None
+        self._running: Deferred[FleetOutcome] | None = None
+        self._deadline: IDelayedCall | None = None
+        self._timed_out: GenerationTimedOut | None = None
 
     def when_placed(self) -> Deferred[None]:
         """A pipeline needs no placement: fires at once."""
@@ -93,10 +98,41 @@ class PipelineGeneration:
         self._cancelled = True
 
     def _start(self) -> None:
-        self._run().addCallbacks(self.result.callback, self._failed)
+        budget = self._pipeline.fleet.max_generation_s
+        if budget > 0:
+            self._deadline = self._pipeline.clock.callLater(budget, self._expire, budget)
+        self._running = self._run()
+        self._running.addCallbacks(self._succeeded, self._failed)
 
-    def _failed(self, failure: Failure) -> None:
+    def _succeeded(self, outcome: FleetOutcome) -> None:
+        if self._timed_out is not None:
+            self._failed(self._timed_out)
+            return
+        self._stop_deadline()
+        self.result.callback(outcome)
+
+    def _failed(self, failure: Failure | Exception) -> None:
+        if self._timed_out is not None:
+            failure = self._timed_out
+        self._stop_deadline()
         self.result.errback(failure)
+
+    def _stop_deadline(self) -> None:
+        deadline, self._deadline = self._deadline, None
+        if deadline is not None and deadline.active():
+            deadline.cancel()
+
+    def _expire(self, budget: float) -> None:
+        """The wall budget passed: abandon the step in flight (its stage forward), which ends
+        the run at once, failing with GenerationTimedOut."""
+        self._deadline = None
+        self._cancelled = True
+        self._timed_out = GenerationTimedOut(
+            f"the generation did not end within {budget:g} s (--max-generation-time) "
+            f"after {len(self.tokens)} tokens"
+        )
+        if self._running is not None:
+            self._running.cancel()
 
     @defer.inlineCallbacks
     def _run(self) -> Generator[Deferred[Any], Any, FleetOutcome]:
@@ -144,6 +180,7 @@ class PipelineFleet:
         self.endpoints = list(endpoints)
         self.eos_ids = frozenset(eos_ids)
         self.fleet = Fleet(reactor, ids=ids, token=token, clock=clock, **(fleet_options or {}))
+        self.clock: IReactorTime = clock if clock is not None else reactor
         self.stages: list[FleetNode] = []
 
     @property

@@ -41,7 +41,7 @@ import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from sfnode.wire import FEATURE_REQUEST_CLASS, CapacitySummary
+from sfnode.wire import FEATURE_REQUEST_CLASS, U32_MAX, CapacitySummary
 
 FRESH_SAMPLE_S = 10.0
 """A load report older than this does not count as the node's load."""
@@ -102,6 +102,8 @@ class NodeView:
     ended_since_report: int = 0
     """Generations the head ran there that ended after its load report was sampled: the
     report still counts them as running."""
+    declined: bool = False
+    """It declined a generation since its latest load report (full, or draining)."""
 
     @property
     def request_classes(self) -> bool:
@@ -133,6 +135,18 @@ class NodeView:
         """Whether a context of ``length`` tokens fits its window (an unknown one is tried)."""
         window = self.window
         return window is None or window == 0 or length <= window
+
+    @property
+    def full(self) -> bool:
+        """Whether it takes no new session now: it declined work since its latest report, or
+        a fresh report has its live sessions at its ``max_sessions`` (docs/protocol.md 7.7)."""
+        if self.declined:
+            return True
+        capacity = self.capacity
+        if capacity is None or not self.fresh:
+            return False
+        cap = capacity.max_sessions
+        return 0 < cap < U32_MAX and capacity.active_sessions >= cap
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,12 +259,16 @@ def decide(
         for v in serving
         if v.live
         and v.fits(request.length)
+        and not v.full
         and (
             v.free_lane or not request.needs_lane or (request.interactive and takes_interactive(v))
         )
     ]
     if not candidates:
-        if any(v.live and v.fits(request.length) for v in serving):
+        live = [v for v in serving if v.live and v.fits(request.length)]
+        if live and all(v.full for v in live):
+            return Wait("every live node is full or draining")
+        if live:
             return Wait("every lane of the live nodes is busy")
         return Wait("no live node serves " + (request.model or "the model"))
     ranked = rank(candidates, policy, request.length, request.expected_out, cursor, prefix)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from sfnode.idempotency import Accepted, AlreadyCommitted, EventDedup
 from sfnode.wire import (
     AppendContentMsg,
+    Constraint,
     Finish,
     GenerateReqMsg,
     GenerationBudgetsMsg,
@@ -245,9 +246,11 @@ class HeadSession:
         generation_id: int,
         budgets: GenerationBudgetsMsg,
         request_class: int | None = None,
+        constraint: Constraint | None = None,
     ) -> GenerateReqMsg | None:
         """GENERATE_REQ for ``generation_id``; a retry returns the SAME message (same command,
-        same ``request_class``: None leaves the element out, docs/protocol.md section 12.2).
+        same ``request_class``: None leaves the element out, docs/protocol.md section 12.2;
+        same ``constraint``, section 12.3).
 
         Unknown session: None.
         """
@@ -265,6 +268,7 @@ class HeadSession:
             budgets=budgets,
             policy_ref=0,
             request_class=request_class,
+            constraint=constraint,
         )
         self._issued[(session_id, generation_id)] = message
         self._tracked.setdefault(session_id, set()).add((record.epoch, generation_id))

@@ -1,0 +1,100 @@
+"""A constrained stream survives the death of its node (docs/protocol.md section 12.3): real
+``twistd sfnode`` processes on the tiny Llama with ``--weights float32``, driven by the head
+library (:class:`~sfnode.head.fleet.Fleet`) in the test.
+
+The generation is sampled, with a JSON Schema that asks for a long array and a presence
+penalty, so that the node is still generating when it is killed and the survivor has both a
+grammar and penalty counts to rebuild from the delivered tokens.  No sleeps: every wait is on a
+line a process logs or on the fleet.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Generator, Sequence
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+from twisted.internet import defer, reactor
+from twisted.trial.unittest import TestCase
+
+from sfnode.constraint import response_format_grammar
+from sfnode.head.fleet import Fleet, Policy
+from sfnode.head.link import HeadIds
+from sfnode.wire import Constraint, GenParams, SamplerControls
+from tests.processes import LOOPBACK, Child, spawn_twistd
+
+LONG_ARRAY = {
+    "type": "object",
+    "properties": {
+        "digits": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 9},
+            "minItems": 60,
+            "maxItems": 70,
+        }
+    },
+    "required": ["digits"],
+    "additionalProperties": False,
+}
+
+
+class ConstrainedFailoverTests(TestCase):
+    timeout = 300
+
+    @defer.inlineCallbacks
+    def test_a_killed_nodes_constrained_answer_equals_the_uninterrupted_one(
+        self,
+    ) -> Generator[defer.Deferred[Any], Any, None]:
+        """SIGKILL the node serving a constrained, sampled stream right after its first
+        tokens: the fleet finishes it on the other node, and the caller's tokens equal an
+        uninterrupted run's, token for token, and validate against the schema."""
+        from tests.tinymodel import save_tiny_model
+
+        folder = str(save_tiny_model(Path(self.mktemp()).resolve() / "tiny"))
+        nodes, endpoints = [], []
+        for i in range(2):
+            node = spawn_twistd(
+                self,
+                Child(f"node{i}"),
+                ["sfnode", "--listen", LOOPBACK, "--identity", f"n{i}", "--engine",
+                 "transformers", "--model", folder, "--weights", "float32"],
+            )  # fmt: skip
+            found = yield node.wait_for(rb"sfnode listening on 127\.0\.0\.1:(\d+)\n")
+            nodes.append(node)
+            endpoints.append(f"tcp:127.0.0.1:{int(found[0].group(1))}")
+        fleet = Fleet(reactor, ids=HeadIds(), policy=Policy.LEAST_LOADED, retry=lambda _: 0.05)
+        self.addCleanup(fleet.stop)
+        for endpoint in endpoints:
+            yield fleet.add_node(endpoint)
+
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        prompt = tokenizer.encode("the quick brown fox jumps over the lazy dog")
+        grammar = response_format_grammar(
+            {"type": "json_schema", "json_schema": {"name": "digits", "schema": LONG_ARRAY}}
+        )
+        constraint = Constraint(0, grammar, SamplerControls(presence_penalty=0.4))
+        params = GenParams(temperature=0.9, top_p=0.95, seed=2024)
+        reference = yield fleet.generate(prompt, 200, params=params, constraint=constraint).result
+        self.assertEqual((reference.node, reference.failovers), ("n0", 0))
+
+        streamed: list[int] = []
+        killed: list[defer.Deferred[None]] = []
+
+        def seen(tokens: Sequence[int], logprobs: Any = None) -> None:
+            streamed.extend(tokens)
+            if not killed:
+                killed.append(nodes[0].kill())
+
+        outcome = yield fleet.generate(
+            prompt, 200, params=params, on_tokens=seen, constraint=constraint
+        ).result
+        yield killed[0]
+        self.assertEqual((outcome.node, outcome.failovers), ("n1", 1))
+        self.assertEqual(streamed, outcome.tokens)
+        self.assertEqual(outcome.tokens, reference.tokens)
+        answer = json.loads(tokenizer.decode(outcome.tokens, skip_special_tokens=True))
+        jsonschema.validate(answer, LONG_ARRAY)

@@ -1,0 +1,360 @@
+"""Tests of sfnode's native kernels, the per-CPU choice of kernel family and the fused layer step
+(docs/engine.md sections 5.1 and 5.2).
+
+The native library is really built with this machine's C compiler (into a temporary folder,
+once per test class) and really run; a CPU of another kind is played by made-up flags and a
+made-up timing function, since the choice is the same measurement on every CPU.  They must
+never sleep and never assert a timing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import struct
+import tempfile
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np
+import torch
+from twisted.logger import globalLogPublisher
+from twisted.trial import unittest
+
+from sfnode.engines import native
+from sfnode.engines.choice import Cpu, choose
+from sfnode.engines.llama_runner import LlamaRunner
+from sfnode.engines.llama_weights import gather_weights
+from sfnode.engines.plan import ChunkRow, DecodeRow, StepPlan
+from sfnode.engines.quant import GROUP, GgufMatrix, Int8Linear, Linear, Precision, dequantize
+from sfnode.wire import GenParams
+from tests.tinymodel import TINY_VOCAB, tiny_llama
+
+AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"})
+"""An AMD EPYC of the kind this project is measured on: no AVX-512, no AVX512-BF16."""
+AVX512_BF16 = AVX2_ONLY | {"avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"}
+"""An Intel Xeon with AVX512-BF16 and AMX."""
+NO_AVX2 = frozenset({"sse4_2", "avx"})
+
+_library_dir = Path(tempfile.mkdtemp(prefix="sfnode-native-test-"))
+
+
+def library() -> native.Library:
+    """The native library, built once for these tests (the test fails if it cannot be)."""
+    loaded = native.load(_library_dir)
+    if isinstance(loaded, str):
+        raise unittest.SkipTest(f"no native kernels on this machine: {loaded}")
+    return loaded
+
+
+def q4_1_rows(rows: int, cols: int, seed: int) -> GgufMatrix:
+    """A Q4_1 matrix of random blocks, as a GGUF file would hold it."""
+    rng = random.Random(seed)
+    data = b""
+    for _ in range(rows):
+        for _ in range(cols // GROUP):
+            q = [rng.randrange(16) for _ in range(GROUP)]
+            d = rng.uniform(0.001, 0.05)
+            data += struct.pack("<ee", d, -8 * d + rng.uniform(-0.01, 0.01))
+            data += bytes(q[j] | (q[j + 16] << 4) for j in range(16))
+    array = np.frombuffer(data, dtype=np.uint8).reshape(rows, -1)
+    return GgufMatrix("Q4_1", rows, cols, array)
+
+
+class KernelTests(unittest.SynchronousTestCase):
+    """The native products multiply by the weights they hold, one row independently of the
+    others."""
+
+    def setUp(self) -> None:
+        self.library = library()
+        generator = torch.Generator().manual_seed(3)
+        self.x = torch.randn(13, 96, generator=generator)
+
+    def check(self, layer: Linear, weight: torch.Tensor) -> None:
+        got = layer(self.x)
+        want = self.x @ weight.t()
+        # Activations are held in 16 bits per block of 32 inside the kernel.
+        error = float((got - want).abs().max()) / float(want.abs().max())
+        self.assertLess(error, 1e-3)
+        for rows in (1, 3, 4, 5, 8):
+            for start in range(0, 13 - rows + 1, 4):
+                alone = layer(self.x[start : start + rows])
+                self.assertTrue(torch.equal(alone, got[start : start + rows]), (rows, start))
+
+    def test_q4_from_gguf_blocks(self) -> None:
+        """A Q4_1 matrix served from its own bytes multiplies by the weights the file means,
+        and a row's result is bit for bit the same alone or beside 1 to 12 others."""
+        m = q4_1_rows(40, 96, seed=1)
+        layer = native.Q4Linear(native.gguf_blocks([m]), 96, self.library)
+        self.assertTrue(torch.equal(native.blocks_weight(layer.blocks, 96), dequantize(m)))
+        self.check(layer, dequantize(m))
+
+    def test_q4_of_a_float_matrix_and_q8(self) -> None:
+        """Float weights packed into Q4_1 blocks, and int8 rows with a scale each, multiply by
+        the weights they hold (the kernel family's self-check uses the same)."""
+        from sfnode.engines.choice import family_layer
+
+        weight = torch.randn(40, 96, generator=torch.Generator().manual_seed(4)) * 0.1
+        for precision in (Precision.INT4, Precision.INT8):
+            layer = family_layer("native", weight, precision, self.library)
+            self.assertEqual(layer.activations, torch.float32)
+            from sfnode.engines.quant import effective_weight
+
+            held = effective_weight(layer)
+            if precision is Precision.INT8:
+                # The same int8 rows and scales as torch's int8 kernel would hold.
+                self.assertTrue(torch.equal(held, effective_weight(Int8Linear.quantize(weight))))
+            self.check(layer, held)
+
+    def test_a_cpu_without_avx2_or_a_compiler_gets_no_library(self) -> None:
+        """The library is refused, with the reason, on a CPU without AVX2 and where no C
+        compiler is found."""
+        reason = native.load(_library_dir, NO_AVX2)
+        self.assertIsInstance(reason, str)
+        self.assertIn("avx2", str(reason))
+        self.patch(native, "compiler", lambda: None)
+        native._loaded.clear()
+        reason = native.load(Path(tempfile.mkdtemp(prefix="sfnode-native-none-")), AVX2_ONLY)
+        self.assertIsInstance(reason, str)
+        self.assertIn("no C compiler", str(reason))
+
+
+class Timing:
+    """A made-up measurement: as a CPU with native bfloat16 (bfloat16 products fast) or one
+    that emulates it (float32 products fast); records what was measured."""
+
+    def __init__(self, fast: torch.dtype) -> None:
+        self.fast = fast
+        self.measured: list[torch.dtype] = []
+
+    def __call__(self, layer: Linear, x: torch.Tensor) -> float:
+        self.measured.append(x.dtype)
+        return 0.001 if x.dtype == self.fast else 0.003
+
+
+def refuse(layer: Linear, x: torch.Tensor) -> float:
+    raise AssertionError("measured again although the choice was kept")
+
+
+class ChoiceTests(unittest.SynchronousTestCase):
+    """The kernel family is the faster on layer 0 for this CPU, and is kept per CPU flags."""
+
+    def setUp(self) -> None:
+        self.library = library()
+        generator = torch.Generator().manual_seed(8)
+        self.samples = {
+            "qkv": (torch.randn(128, 64, generator=generator) * 0.1, Precision.INT4),
+            "down": (torch.randn(64, 128, generator=generator) * 0.1, Precision.INT4),
+        }
+        self.cache = Path(tempfile.mkdtemp(prefix="sfnode-choice-")) / "kernel-choice.json"
+
+    def test_each_kind_of_cpu_keeps_its_own_measured_choice(self) -> None:
+        """An AVX2-only CPU that measures float32 faster gets the native kernels; a CPU with
+        AVX512-BF16 that measures bfloat16 faster keeps torch's; both are kept in one file under
+        their own flags and read back without measuring again."""
+        avx2, xeon = Cpu(AVX2_ONLY), Cpu(AVX512_BF16)
+        emulated, native_bf16 = Timing(torch.float32), Timing(torch.bfloat16)
+        first = choose(
+            self.samples,
+            cpu=avx2,
+            library_dir=_library_dir,
+            cache_file=self.cache,
+            measure=emulated,
+        )
+        self.assertEqual((first.family, first.activations), ("native", torch.float32))
+        self.assertIsNotNone(first.library)
+        self.assertEqual(set(emulated.measured), {torch.float32, torch.bfloat16})
+        second = choose(
+            self.samples,
+            cpu=xeon,
+            library_dir=_library_dir,
+            cache_file=self.cache,
+            measure=native_bf16,
+        )
+        self.assertEqual((second.family, second.activations), ("torch", torch.bfloat16))
+        self.assertEqual(set(native_bf16.measured), {torch.float32, torch.bfloat16})
+        kept = json.loads(self.cache.read_text())["choices"]
+        families = sorted(entry["family"] for entry in kept.values())
+        self.assertEqual(families, ["native", "torch"])
+        again = [
+            choose(self.samples, cpu=c, library_dir=_library_dir, cache_file=self.cache,
+                   measure=refuse).family
+            for c in (avx2, xeon)
+        ]  # fmt: skip
+        self.assertEqual(again, ["native", "torch"])
+
+    def test_a_cpu_without_avx2_keeps_torch_kernels_and_says_why(self) -> None:
+        """Without AVX2 only torch's kernels are measured, and the reason is in the choice."""
+        timing = Timing(torch.float32)
+        choice = choose(
+            self.samples,
+            cpu=Cpu(NO_AVX2),
+            library_dir=_library_dir,
+            cache_file=self.cache,
+            measure=timing,
+        )
+        self.assertEqual(choice.family, "torch")
+        self.assertEqual(set(timing.measured), {torch.bfloat16})
+        self.assertIn("lacks avx2", choice.why)
+
+    def test_a_family_that_fails_its_check_is_never_chosen(self) -> None:
+        """A native kernel answering wrongly is dropped however fast it measures."""
+
+        class Wrong(native.Q4Linear):
+            def __call__(self, x: torch.Tensor) -> torch.Tensor:
+                return super().__call__(x) * 1.5
+
+        self.patch(native, "Q4Linear", Wrong)
+        choice = choose(
+            self.samples,
+            cpu=Cpu(AVX2_ONLY),
+            library_dir=_library_dir,
+            cache_file=self.cache,
+            measure=Timing(torch.float32),
+        )
+        self.assertEqual(choice.family, "torch")
+        self.assertIn("native failed its check", choice.why)
+
+    def test_the_engine_weights_follow_the_choice_and_log_it_once(self) -> None:
+        """gather_weights serves a model's int4 matrices with the family the measurement
+        chose, computes in its activation type, and logs the choice with the CPU's extensions
+        in one line."""
+        model = tiny_llama()
+        events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        for flags, fast, activations in (
+            (AVX2_ONLY, torch.float32, torch.float32),
+            (AVX512_BF16, torch.bfloat16, torch.bfloat16),
+        ):
+            weights = gather_weights(
+                model,
+                "int4",
+                dense_copies=False,
+                cpu=Cpu(flags),
+                measure=Timing(fast),
+                library_dir=_library_dir,
+            )
+            self.assertEqual((weights.mode, weights.activations), ("int4", activations))
+            self.assertEqual(weights.describe(), "int4 x 13")
+        lines = [e for e in events if "multiply with the" in e.get("log_format", "")]
+        self.assertEqual([e["family"] for e in lines], ["native", "torch"])
+        self.assertIn("no avx512f", lines[0]["cpu"])
+        self.assertIn("avx512_bf16", lines[1]["cpu"])
+
+
+class FallbackTests(unittest.SynchronousTestCase):
+    """Without a C compiler (or on a CPU without AVX2) the engine runs torch's kernels and its
+    layers as torch operators, and one log line says why."""
+
+    def test_no_compiler_means_torch_kernels_and_the_eager_step(self) -> None:
+        """With no compiler found, int4 weights use torch's kernel in bfloat16, the runner has
+        no fused step, and the choice's log line names the missing compiler."""
+        self.patch(native, "compiler", lambda: None)
+        self.patch(native, "_loaded", {})
+        events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        model = tiny_llama()
+        weights = gather_weights(
+            model,
+            "int4",
+            dense_copies=False,
+            cpu=Cpu(AVX2_ONLY),
+            measure=Timing(torch.float32),
+            library_dir=Path(tempfile.mkdtemp(prefix="sfnode-native-none-")),
+        )
+        self.assertEqual(weights.activations, torch.bfloat16)
+        runner = LlamaRunner.for_model(model, weights, slots=1, window=64)
+        self.assertIsNone(runner.fused)
+        self.assertEqual(runner.fused_reason, "activations are bfloat16")
+        lines = [e for e in events if "multiply with the" in e.get("log_format", "")]
+        self.assertEqual(len(lines), 1)
+        self.assertIn("no C compiler found", lines[0]["why"])
+
+
+def greedy_run(runner: LlamaRunner, prompt: list[int], new: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens of ``prompt`` in slot 0, and the last step's hidden-state logits."""
+    params = GenParams()
+    out = runner.run(StepPlan(chunks=(ChunkRow(0, 0, tuple(prompt), True, params, 0),)))
+    tokens = [out.chunks[0]]
+    for i in range(new - 1):
+        row = DecodeRow(0, tokens[-1], len(prompt) + i, params, 0)
+        tokens.append(runner.run(StepPlan(decode=(row,))).decode[0])
+    return [t for t in tokens if t is not None], runner.sequence_logits(prompt + tokens[:-1])
+
+
+class FusedStepTests(unittest.SynchronousTestCase):
+    """The fused layer calls compute what the per-operator layer computes (docs/engine.md
+    section 5.2), in every mode that has them (int4, int8 and float32 with the native
+    kernels)."""
+
+    def setUp(self) -> None:
+        self.library = library()
+        self.model = tiny_llama()
+
+    def weights(self, mode: str) -> Any:
+        return gather_weights(
+            self.model, mode, dense_copies=False, kernels="native", library_dir=_library_dir
+        )
+
+    def test_fused_equals_eager_per_mode(self) -> None:
+        """For int4, int8 and float32, the fused runner gives the greedy tokens of the per-operator
+        runner on the same weights, and logits within 0.1% of its own (the norms and the SiLU
+        gate are computed in another order, and the products round activations to 16 bits)."""
+        rng = random.Random(5)
+        for mode in ("int4", "int8", "float32"):
+            weights = self.weights(mode)
+            fused = LlamaRunner.for_model(self.model, weights, slots=1, window=256)
+            eager = LlamaRunner.for_model(self.model, weights, slots=1, window=256, fused=False)
+            self.assertIsNotNone(fused.fused, fused.fused_reason)
+            self.assertIsNone(eager.fused)
+            for n in (1, 9, 40):
+                prompt = [rng.randrange(3, TINY_VOCAB) for _ in range(n)]
+                a_tokens, a_logits = greedy_run(fused, prompt, 12)
+                b_tokens, b_logits = greedy_run(eager, prompt, 12)
+                self.assertEqual(a_tokens, b_tokens, (mode, n))
+                error = float((a_logits - b_logits).abs().max() / b_logits.abs().max())
+                self.assertLess(error, 1e-3, mode)
+
+    def test_float32_native_greedy_equals_generate(self) -> None:
+        """--weights float32 with sfnode's kernels, fused step: greedy tokens equal
+        transformers' generate() (the float32 mode's promise, docs/engine.md section 2.2)."""
+        weights = self.weights("float32")
+        runner = LlamaRunner.for_model(self.model, weights, slots=1, window=256)
+        self.assertIsNotNone(runner.fused, runner.fused_reason)
+        self.assertEqual(weights.describe(), "float32 x 13")
+        rng = random.Random(6)
+        for n in (1, 9, 40):
+            prompt = [rng.randrange(3, TINY_VOCAB) for _ in range(n)]
+            tokens, _ = greedy_run(runner, prompt, 12)
+            with torch.inference_mode():
+                out = self.model.generate(
+                    torch.tensor([prompt]),
+                    max_new_tokens=12,
+                    do_sample=False,
+                    attention_mask=torch.ones(1, n, dtype=torch.long),
+                    pad_token_id=0,
+                    eos_token_id=None,
+                )
+            self.assertEqual(tokens, out[0, n:].tolist(), n)
+
+    def test_fused_stage_forward_leaves_its_input_alone(self) -> None:
+        """A later pipeline stage (hidden states in) through the fused layers does not write
+        into the caller's tensor, and splitting the layers gives the one-stage token."""
+        weights = self.weights("int4")
+        runner = LlamaRunner.for_model(self.model, weights, slots=1, window=256)
+        tokens = list(range(3, 40))
+        whole = runner.stage(tokens, 0, 3, None).token
+        first = runner.stage(tokens, 0, 1, None)
+        from sfnode.engines.hidden import decode_hidden
+
+        assert first.hidden is not None
+        hidden = decode_hidden(first.hidden, 64)
+        kept = hidden.clone()
+        self.assertEqual(runner.stage([], 1, 3, hidden).token, whole)
+        self.assertTrue(torch.equal(hidden, kept))
