@@ -1,5 +1,7 @@
 """A position's KV and logits do not depend on how its prompt was computed (docs/engine.md
-section 4), in every weights mode of the Llama runner.
+section 4), in every weights mode of the Llama runner, with each kernel family (torch's, and
+sfnode's native kernels with and without the fused step where this CPU can build them;
+docs/engine.md sections 5.1 and 5.2).
 
 - The runner alone, on a tiny random Llama: a prompt computed in one chunk, in chunks of other
   sizes beside other lanes' rows, a row at a time as decode rows (as a failover's new node
@@ -28,6 +30,7 @@ import torch
 from twisted.internet import reactor
 from twisted.trial import unittest
 
+from sfnode.engines import native
 from sfnode.engines.llama_runner import (
     CALL_ROWS,
     MIN_BLOCK_ROWS,
@@ -42,6 +45,7 @@ from sfnode.engines.plan import BlockCopy, ChunkRow, DecodeRow, StepOutput, Step
 from sfnode.engines.transformers_engine import TransformersEngine
 from sfnode.generation import KV_BLOCK_TOKENS, GenerationRequest, TokenLogprob
 from sfnode.wire import GenParams
+from tests.test_engine import native_library_dir
 from tests.tinymodel import TINY_VOCAB, tiny_llama
 
 torch.set_num_threads(1)
@@ -53,6 +57,22 @@ LOGITS = GenParams(logprobs=20)
 SEEDED = GenParams(temperature=0.8, seed=1234)
 
 _MODELS: dict[str, Any] = {}
+
+
+def cases() -> list[tuple[str, str, bool]]:
+    """(weights mode, kernel family, fused step) of every way the runner can compute: each mode
+    with torch's kernels, and the modes sfnode's kernels serve, fused and not, when they build
+    on this CPU."""
+    found: list[tuple[str, str, bool]] = [(mode, "torch", False) for mode in MODES]
+    if not isinstance(native.load(native_library_dir()), str):
+        for mode in ("float32", "int8", "int4"):
+            found += [(mode, "native", True), (mode, "native", False)]
+    return found
+
+
+def name(case: tuple[str, str, bool]) -> str:
+    mode, kernels, fused = case
+    return f"{mode} {kernels}{' fused' if fused else ''}"
 
 
 def model() -> Any:
@@ -96,12 +116,23 @@ class LayoutTests(unittest.SynchronousTestCase):
 class RunnerInvarianceTests(unittest.SynchronousTestCase):
     """The runner alone: keys, values and logits of a prompt however it is computed."""
 
-    def runner(self, mode: str, slots: int = 4) -> LlamaRunner:
-        weights = gather_weights(model(), mode, dense_copies=False)
-        self.assertEqual(weights.mode, mode)
-        return LlamaRunner.for_model(
-            model(), weights, slots=slots, window=WINDOW, pool_blocks=64
+    def runner(
+        self, mode: str, slots: int = 4, kernels: str = "torch", fused: bool = False
+    ) -> LlamaRunner:
+        weights = gather_weights(
+            model(),
+            mode,
+            dense_copies=False,
+            kernels=kernels,
+            library_dir=native_library_dir(),
+            fused_step=fused,
         )
+        self.assertEqual(weights.mode, mode)
+        runner = LlamaRunner.for_model(
+            model(), weights, slots=slots, window=WINDOW, pool_blocks=64, fused=fused
+        )
+        self.assertEqual(runner.fused is not None, fused, runner.fused_reason)
+        return runner
 
     def kv(self, runner: LlamaRunner, slot: int, n: int) -> list[torch.Tensor]:
         """Copies of the slot's keys and values of positions 0 .. n-1, every layer."""
@@ -183,15 +214,18 @@ class RunnerInvarianceTests(unittest.SynchronousTestCase):
         return self.kv(runner, slot, len(prompt)), out.chunk_logprobs[0]
 
     def test_the_start_up_check_passes_in_every_mode(self) -> None:
-        """The check the engine runs at start finds nothing that differs, in every mode."""
-        for mode in MODES:
-            self.assertIsNone(self.runner(mode).check_exactness(), mode)
+        """The check the engine runs at start finds nothing that differs, in every mode, with
+        each kernel family."""
+        for case in cases():
+            mode, kernels, fused = case
+            runner = self.runner(mode, kernels=kernels, fused=fused)
+            self.assertIsNone(runner.check_exactness(), name(case))
 
     def test_the_start_up_check_finds_a_kernel_that_depends_on_the_chunk(self) -> None:
         """With dense copies for chunks of two rows or more (so a prompt's rows and decode rows
         multiply by different kernels), the start-up check says what differs, on a runner of
         one slot too."""
-        runner = self.runner("int4", slots=1)
+        runner = self.runner("int4", slots=1, kernels="torch")
         weights = runner.weights
         for layer in weights.layers:
             layer.qkv, layer.o = layer.qkv.with_dense(), layer.o.with_dense()
@@ -202,19 +236,22 @@ class RunnerInvarianceTests(unittest.SynchronousTestCase):
         self.assertIn("differ", problem)
 
     def test_every_way_of_computing_a_prompt_gives_the_same_kv_and_logits(self) -> None:
-        """In every weights mode, a 700-token prompt leaves the same keys and values (every
-        layer, every position) and the same next-token logits computed in one chunk, in chunks
-        of 16, 48, 256 and 512 beside another lane, with its last 90 tokens fed as decode rows,
-        and after 40 whole blocks or 43 blocks and 5 positions reused from the pool."""
+        """In every weights mode, with each kernel family, a 700-token prompt leaves the same
+        keys and values (every layer, every position) and the same next-token logits computed in
+        one chunk, in chunks of 16, 48, 256 and 512 beside another lane, with its last 90 tokens
+        fed as decode rows, and after 40 whole blocks or 43 blocks and 5 positions reused from
+        the pool."""
         prompt = ids(700, seed=7)
-        for mode in MODES:
-            runner = self.runner(mode)
+        for case in cases():
+            mode, kernels, fused = case
+            runner = self.runner(mode, kernels=kernels, fused=fused)
+            how = name(case)
             want = self.one_chunk(runner, 1, prompt)
             for size in (16, 48, 256, 512):
-                self.assert_same(self.chunked(runner, 1, prompt, size, 2), want, f"{mode} {size}")
-            self.assert_same(self.decoded(runner, 2, prompt, 610), want, f"{mode} decoded")
-            self.assert_same(self.reused(runner, 1, prompt, 40, 16), want, f"{mode} blocks")
-            self.assert_same(self.reused(runner, 2, prompt, 44, 5), want, f"{mode} inside")
+                self.assert_same(self.chunked(runner, 1, prompt, size, 2), want, f"{how} {size}")
+            self.assert_same(self.decoded(runner, 2, prompt, 610), want, f"{how} decoded")
+            self.assert_same(self.reused(runner, 1, prompt, 40, 16), want, f"{how} blocks")
+            self.assert_same(self.reused(runner, 2, prompt, 44, 5), want, f"{how} inside")
 
 
 class EngineInvarianceTests(unittest.TestCase):
@@ -235,26 +272,31 @@ class EngineInvarianceTests(unittest.TestCase):
         return list(result.tokens)
 
     async def test_seeded_streams_are_the_same_cold_reused_rechunked_and_continued(self) -> None:
-        """In every weights mode, a seeded request (temperature 0.8) with a 200-token prompt
-        gives the same 48 tokens: on an engine without the prefix cache (chunks of 256); twice
-        on one with it (chunks of 32; the repeat reuses its blocks); for a prompt sharing 181
-        tokens with it (11 blocks and part of the next) on the cached engine and on the cold
-        one; and continued from its 20th token with those tokens in the context, on both."""
+        """In every weights mode, with each kernel family, a seeded request (temperature 0.8)
+        with a 200-token prompt gives the same 48 tokens: on an engine without the prefix cache
+        (chunks of 256); twice on one with it (chunks of 32; the repeat reuses its blocks); for
+        a prompt sharing 181 tokens with it (11 blocks and part of the next) on the cached
+        engine and on the cold one; and continued from its 20th token with those tokens in the
+        context, on both."""
         prompt = ids(200, seed=11)
         other = prompt[:181] + ids(30, seed=12)
-        for mode in MODES:
-            cold = self.engine(weights=mode, prefix_cache=False, prefill_chunk=256)
-            warm = self.engine(weights=mode, prefill_chunk=32)
-            self.assertIsNone(await warm.exactness, mode)
+        for case in cases():
+            mode, kernels, fused = case
+            family = {"weights": mode, "kernels": kernels, "fused_step": fused}
+            cold = self.engine(prefix_cache=False, prefill_chunk=256, **family)
+            warm = self.engine(prefill_chunk=32, **family)
+            how = name(case)
+            self.assertEqual(warm.fused_step, fused, how)
+            self.assertIsNone(await warm.exactness, how)
             want = await self.run_one(cold, prompt, 48)
-            self.assertEqual(await self.run_one(warm, prompt, 48), want, mode)
-            self.assertEqual(await self.run_one(warm, prompt, 48), want, mode)
+            self.assertEqual(await self.run_one(warm, prompt, 48), want, how)
+            self.assertEqual(await self.run_one(warm, prompt, 48), want, how)
             stats = warm.prefix_statistics()
             assert stats is not None
-            self.assertGreaterEqual(stats.reused_tokens, 192, mode)
+            self.assertGreaterEqual(stats.reused_tokens, 192, how)
             self.assertEqual(
-                await self.run_one(warm, other, 32), await self.run_one(cold, other, 32), mode
+                await self.run_one(warm, other, 32), await self.run_one(cold, other, 32), how
             )
             continued = prompt + want[:20]
-            self.assertEqual(await self.run_one(cold, continued, 28), want[20:], mode)
-            self.assertEqual(await self.run_one(warm, continued, 28), want[20:], mode)
+            self.assertEqual(await self.run_one(cold, continued, 28), want[20:], how)
+            self.assertEqual(await self.run_one(warm, continued, 28), want[20:], how)
