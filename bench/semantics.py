@@ -3,8 +3,8 @@ its pass condition, run against ``twistd sfhead`` and ``twistd sfnode`` as real 
 where the scenario can run there, against llama.cpp's ``llama-server``).
 
 - **worker kill**: two nodes; a node SIGKILLed in the middle of a stream; the stream completes
-  exactly (the same text and finish as an uninterrupted run; the bundled model's nodes run
-  ``--weights float32`` here, since only that path promises it: docs/protocol.md, D12).
+  exactly (the same text and finish as an uninterrupted run, in the nodes' default weights
+  mode: docs/protocol.md, D12).
 - **daemon restart**: nodes dial the head; the node is restarted (SIGTERM, start again): the next
   requests are served; then the head is restarted: the node rejoins and requests are served
   within a few seconds of the head serving HTTP again.
@@ -557,14 +557,10 @@ def run_all(bodies: Sequence[Awaitable[Reply]]) -> list[Reply]:
 
 def worker_kill(options: argparse.Namespace, logs: Path) -> Row:
     condition = "the stream completes exactly (same text and finish as without the kill)"
-    # The continuation recomputes the delivered tokens as a prompt; token-for-token equality
-    # with the uninterrupted run is a property of the float32 path only (docs/protocol.md
-    # section 8.5, decision D12), so the bundled model runs it there unless --node-arg says.
-    default_weights = options.engine == "bundled" and not any(
-        a.startswith("--weights") for a in options.node_arg
-    )
-    weights = ["--weights=float32"] if default_weights else []
-    fleet = Fleet(options, logs, nodes=2, node_args=weights).start()
+    # The continuation recomputes the delivered tokens as a prompt, which the engine computes
+    # exactly as the decode steps that made them, in every weights mode (docs/protocol.md
+    # section 8.5, decision D12).
+    fleet = Fleet(options, logs, nodes=2).start()
     try:
         path, body = fleet.body(f"Tell a long story about {words(6, 1)}.", options.kill_tokens)
         reference = asyncio.run(call(fleet.port, path, body))
@@ -599,8 +595,7 @@ def worker_kill(options: argparse.Namespace, logs: Path) -> Row:
         fleet.stop()
     exact = reply.ok and reply.text == reference.text and reply.finish == reference.finish
     figures = (
-        ("nodes --weights=float32; " if weights else "")
-        + f"killed {victim or 'no node (none was running it)'} after {options.kill_after} chunks; "
+        f"killed {victim or 'no node (none was running it)'} after {options.kill_after} chunks; "
         f"{reply.chunks} chunks, finish {reply.finish}, longest stall {ms(reply.longest_gap)}, "
         f"{reply.end:.1f} s (uninterrupted {reference.end:.1f} s)"
     )

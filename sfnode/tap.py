@@ -47,6 +47,7 @@ from sfnode.config import (
 )
 from sfnode.discovery import SERVICE_TYPE, HeadFinder, JoinTarget, parse_join, valid_head_name
 from sfnode.engines import DEFAULT_DRAFT_TOKENS, SPECULATIVE_MODES, WEIGHT_MODES
+from sfnode.engines.pace import DEFAULT_STEP_MS
 from sfnode.service import (
     DEFAULT_MODEL_NAME,
     ListeningService,
@@ -98,6 +99,7 @@ _TRANSFORMERS_ONLY = (
     "prefix-cache-blocks",
     "prefill-chunk",
     "step-tokens",
+    "step-ms",
     "interactive-lanes",
     "speculative",
     "draft-tokens",
@@ -368,6 +370,17 @@ class Options(usage.Options):
             "512).",
         ],
         [
+            "step-ms",
+            None,
+            None,
+            "transformers: while interactive work may need the node (an interactive request "
+            "waiting or running, or a lane free for one), batch prompt tokens ride in a step "
+            "only as far as it is predicted, from the step times measured on this machine, to "
+            "take at most this many milliseconds, so a chat's first token comes within a short "
+            f"step on a slow CPU too (default {DEFAULT_STEP_MS}; 0: only --step-tokens bounds "
+            "a step).",
+        ],
+        [
             "interactive-lanes",
             None,
             None,
@@ -428,6 +441,7 @@ class Options(usage.Options):
             self[name] = non_negative(name, self[name])
         for name, default in (
             ("token-delay-ms", 0),
+            ("step-ms", DEFAULT_STEP_MS),
             ("threads", 0),
             ("kv-blocks", 0),
             ("prefix-cache-blocks", 0),
@@ -597,6 +611,7 @@ def build_engine(reactor: Any, options: Options) -> Engine:
             prefix_cache_blocks=options["prefix-cache-blocks"] or None,
             prefill_chunk=options["prefill-chunk"],
             step_tokens=options["step-tokens"],
+            step_ms=float(options["step-ms"]),
             interactive_lanes=options["interactive-lanes"],
             onednn=not options["stock-kernels"],
             lean_step=not options["stock-kernels"],

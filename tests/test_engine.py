@@ -24,6 +24,7 @@ from twisted.internet import defer, reactor
 from twisted.trial import unittest
 
 from sfnode.engines.kernels import onednn_linear_works
+from sfnode.engines.pace import PRIOR, StepCost, StepRates
 from sfnode.engines.transformers_engine import (
     TransformersEngine,
     decode_hidden,
@@ -85,16 +86,16 @@ SAMPLED = GenParams(temperature=0.9, top_p=0.95, min_p=0.02, top_k=64, seed=77)
 
 
 def spy_on_plans(engine: TransformersEngine) -> list[Any]:
-    """Record every plan the engine's runner executes (the list fills as steps run)."""
+    """Record every plan the engine sends to its runner as a step (the list fills as steps run;
+    the runner's start-up check is no step)."""
     plans: list[Any] = []
-    runner = engine._runner
-    original = runner.run
+    original = engine._timed_run
 
     def run(plan: Any) -> Any:
         plans.append(plan)
         return original(plan)
 
-    runner.run = run  # type: ignore[method-assign]
+    engine._timed_run = run  # type: ignore[method-assign]
     return plans
 
 
@@ -778,7 +779,8 @@ class WeightsModeTests(EngineTestCase):
     def test_each_mode_is_the_same_alone_and_batched(self) -> Any:
         """In every weights mode and with each kernel family (docs/engine.md section 5.1),
         fused step or not (section 5.2), concurrent generations (greedy and seeded, some with
-        prompts longer than a chunk) equal their solo runs."""
+        prompts longer than a chunk, reusing the solo runs' cached blocks) equal their solo
+        runs."""
         from sfnode.engines import native
 
         ps = prompts(5, seed=31, low=3, high=150)
@@ -792,13 +794,11 @@ class WeightsModeTests(EngineTestCase):
             cases += [("int8", "native", True), ("int4", "native", True)]
             cases += [("int4", "native", False)]
         for mode, kernels, fused in cases:
-            # Without the prefix cache: a reused prefix changes which chunks are computed, and
-            # with them which rows multiply by the dense copies (docs/engine.md section 5).
+            # The batched runs reuse the solo runs' prompts from the prefix cache too.
             engine = self.make_engine(
                 max_lanes=3,
                 weights=mode,
                 prefill_chunk=64,
-                prefix_cache=False,
                 kernels=kernels,
                 fused_step=fused,
             )
@@ -917,6 +917,53 @@ class PrefixReuseTests(EngineTestCase):
         self.assertGreater(stats.evictions, 0)
         self.assertLessEqual(stats.cached_blocks, 4)
         self.assertEqual(small.statistics().kv_blocks_used, 0)
+
+
+class RecordingPace:
+    """Stands in for the engine's rate estimator: fixed rates, and a record of every step."""
+
+    def __init__(self, rates: StepRates) -> None:
+        self.rates = rates
+        self.observed: list[tuple[StepCost, float]] = []
+
+    def observe(self, cost: StepCost, seconds: float) -> StepRates:
+        self.observed.append((cost, seconds))
+        return self.rates
+
+
+class StepTimeTests(EngineTestCase):
+    """Steps sized in time (docs/engine.md section 3) through the engine."""
+
+    @defer.inlineCallbacks
+    def test_steps_are_timed_and_planned_with_the_rates(self) -> Any:
+        """The engine hands every step's cost and duration to its estimator and plans with its
+        rates: at a slow machine's rates (50 ms a step, 2 ms a prompt token) and a 250 ms
+        budget, a 240-token batch prompt beside a free lane goes in chunks of 96; with
+        --step-ms 0 in chunks of the prefill chunk (128)."""
+        slow = StepRates(step_s=0.05, decode_row_s=0.005, prompt_row_s=0.002, keys_s=0.0)
+        prompt = prompts(1, seed=61, low=240, high=241)[0]
+        for step_ms, want in ((250, [96, 96, 48]), (0, [128, 112])):
+            engine = self.make_engine(
+                interactive_lanes=1, step_ms=step_ms, max_lanes=2, prefill_chunk=128
+            )
+            pace = RecordingPace(slow)
+            engine._pace = pace  # type: ignore[assignment]
+            plans = spy_on_plans(engine)
+            yield self.run_one(prompt, 3, engine=engine)[0]
+            chunks = [len(chunk.tokens) for plan in plans for chunk in plan.chunks]
+            self.assertEqual(chunks, want, step_ms)
+            self.assertEqual([cost for cost, _ in pace.observed], [StepCost.of(p) for p in plans])
+            self.assertTrue(all(seconds >= 0 for _, seconds in pace.observed))
+
+    @defer.inlineCallbacks
+    def test_the_engine_learns_its_rates(self) -> Any:
+        """After a few generations the engine's rates are its own measurements, not the
+        prior."""
+        engine = self.make_engine(max_lanes=2)
+        self.assertEqual(engine.step_rates, PRIOR)
+        for prompt in prompts(3, seed=62, low=20, high=80):
+            yield self.run_one(prompt, 8, engine=engine)[0]
+        self.assertNotEqual(engine.step_rates, PRIOR)
 
 
 class LogprobTests(EngineTestCase):

@@ -13,6 +13,7 @@ from twisted.trial import unittest
 
 from sfnode.draws import draw_position
 from sfnode.engines.drafts import Speculation
+from sfnode.engines.pace import StepCost, StepRates
 from sfnode.engines.plan import StepOutput, StepPlan
 from sfnode.engines.prefix_cache import PrefixCache, block_keys
 from sfnode.engines.scheduler import Ended, Request, Scheduler, blocks_for
@@ -203,6 +204,140 @@ class InteractiveTests(unittest.SynchronousTestCase):
         self.assertIn("agent", finished)
         lone = Scheduler(lanes=1, kv_blocks=1000, interactive_lanes=1)
         self.assertEqual(lone.batch_lanes, 1)
+
+
+SLOW = StepRates(step_s=0.05, decode_row_s=0.005, prompt_row_s=0.002, keys_s=0.0)
+"""A slow CPU's step: 50 ms, plus 5 ms a decode row and 2 ms a prompt token."""
+
+
+def step_seconds(plan: StepPlan, rates: StepRates) -> float:
+    return rates.seconds(StepCost.of(plan))
+
+
+class TimeBudgetTests(unittest.SynchronousTestCase):
+    """Steps sized in time while interactive work may need the engine (docs/engine.md
+    section 3): the rates are values the test gives, as the engine gives measured ones."""
+
+    def agents(self, scheduler: Scheduler, n: int, length: int = 1300) -> None:
+        for i in range(n):
+            scheduler.submit(request([5 + i] * length, max_new=64, name=f"agent{i}"))
+
+    def test_a_batch_prompt_beside_a_free_lane_is_cut_to_the_budget(self) -> None:
+        """With a lane free for a chat, a batch prompt's chunk is as long as fits 250 ms at
+        the given rates (50 ms + 2 ms a token: 100 tokens), cut back to a block boundary (96);
+        with step_ms 0, or without rates, it is the whole prefill chunk."""
+        for step_ms, rates, want in ((250, SLOW, [96]), (0, SLOW, [256]), (250, None, [256])):
+            scheduler = Scheduler(lanes=8, kv_blocks=10_000, step_ms=step_ms)
+            self.agents(scheduler, 1)
+            plan, _ = scheduler.plan(0.0, rates)
+            self.assertEqual([len(chunk.tokens) for chunk in plan.chunks], want, step_ms)
+
+    def test_the_same_budget_gives_longer_chunks_on_a_faster_machine(self) -> None:
+        """Four times faster rates give chunks about four times longer for the same budget."""
+        fast = StepRates(step_s=0.0125, decode_row_s=0.00125, prompt_row_s=0.0005, keys_s=0.0)
+        scheduler = Scheduler(
+            lanes=8, kv_blocks=10_000, prefill_chunk=512, step_tokens=1024, step_ms=250
+        )
+        self.agents(scheduler, 1)
+        plan, _ = scheduler.plan(0.0, fast)
+        self.assertEqual([len(chunk.tokens) for chunk in plan.chunks], [464])
+
+    def test_every_planned_step_fits_the_budget_beside_decoding_lanes(self) -> None:
+        """Seven agents with long prompts: every step (decode rows and the prompt chunks of
+        several lanes) is predicted to take at most 250 ms, every chunk but a prompt's last
+        ends on a block boundary, and every agent finishes."""
+        scheduler = Scheduler(lanes=8, kv_blocks=10_000, step_ms=250)
+        self.agents(scheduler, 7)
+        ended = 0
+        for _ in range(2000):
+            plan, _ = scheduler.plan(0.0, SLOW)
+            if plan.empty:
+                break
+            self.assertLessEqual(step_seconds(plan, SLOW), 0.25 + 1e-9)
+            for chunk in plan.chunks:
+                end = chunk.start + len(chunk.tokens)
+                self.assertTrue(chunk.last or end % KV_BLOCK_TOKENS == 0, end)
+            _, events = scheduler.complete(plan, answer(plan))
+            ended += sum(isinstance(e, Ended) for e in events)
+        self.assertEqual(ended, 7)
+        self.assertTrue(scheduler.idle)
+
+    def test_attention_shortens_chunks_late_in_a_long_prompt(self) -> None:
+        """With a cost per attended key, a chunk late in a long prompt is shorter than its
+        first one, for the same budget."""
+        rates = StepRates(step_s=0.05, decode_row_s=0.005, prompt_row_s=0.001, keys_s=0.0005)
+        scheduler = Scheduler(lanes=8, kv_blocks=10_000, step_ms=250, prefill_chunk=512)
+        self.agents(scheduler, 1, length=4000)
+        sizes = []
+        for _ in range(200):
+            plan, _ = scheduler.plan(0.0, rates)
+            if not plan.chunks:
+                break
+            sizes.append(len(plan.chunks[0].tokens))
+            scheduler.complete(plan, answer(plan))
+        self.assertGreater(sizes[0], sizes[-2])
+        self.assertEqual(sum(sizes), 4000)
+
+    def test_a_step_moves_a_prompt_by_a_block_when_decoding_fills_the_budget(self) -> None:
+        """When the decoding lanes alone are predicted to take the whole budget, the step still
+        carries one block of one prompt, so prompts progress."""
+        crowded = StepRates(step_s=0.3, decode_row_s=0.01, prompt_row_s=0.002, keys_s=0.0)
+        scheduler = Scheduler(lanes=8, kv_blocks=10_000, step_ms=250)
+        self.agents(scheduler, 2)
+        plan, _ = scheduler.plan(0.0, crowded)
+        self.assertEqual([len(chunk.tokens) for chunk in plan.chunks], [KV_BLOCK_TOKENS])
+
+    def test_tokens_only_when_no_interactive_work_can_come(self) -> None:
+        """With every lane held by batch work and no interactive request waiting or running, a
+        step is bounded by step_tokens only; an interactive request arriving (and waiting for
+        a lane) brings the time budget back."""
+        scheduler = Scheduler(lanes=2, kv_blocks=10_000, interactive_lanes=0, step_ms=250)
+        self.agents(scheduler, 2)
+        plan, _ = scheduler.plan(0.0, SLOW)
+        self.assertEqual([len(chunk.tokens) for chunk in plan.chunks], [256, 256])
+        self.assertFalse(scheduler.interactive_expected())
+        scheduler.complete(plan, answer(plan))
+        scheduler.submit(request([9] * 10, name="chat", interactive=True))
+        plan, _ = scheduler.plan(0.0, SLOW)
+        self.assertTrue(scheduler.interactive_expected())
+        self.assertEqual([len(chunk.tokens) for chunk in plan.chunks], [96])
+
+    def test_an_interactive_lane_decoding_keeps_steps_short(self) -> None:
+        """A chat streaming its answer keeps batch prompt chunks within the budget even when
+        no lane is free."""
+        scheduler = Scheduler(lanes=2, kv_blocks=10_000, interactive_lanes=1, step_ms=250)
+        scheduler.submit(request([9] * 10, max_new=100, name="chat", interactive=True))
+        run_step(scheduler)
+        self.agents(scheduler, 1)
+        plan, _ = scheduler.plan(0.0, SLOW)
+        self.assertEqual(len(plan.decode), 1)
+        # 250 ms - 50 ms - one decode row (5 ms) leaves 97 tokens: 96.
+        self.assertEqual([len(chunk.tokens) for chunk in plan.chunks], [96])
+
+    def test_an_interactive_prompt_is_not_cut_by_time(self) -> None:
+        """A person waits on an interactive prompt: it is cut by the prefill chunk only, since
+        cutting it shorter would only delay its own first token."""
+        scheduler = Scheduler(lanes=8, kv_blocks=10_000, step_ms=250)
+        scheduler.submit(request([9] * 600, name="chat", interactive=True))
+        plan, _ = scheduler.plan(0.0, SLOW)
+        self.assertEqual([len(chunk.tokens) for chunk in plan.chunks], [256])
+
+    def test_a_chat_arriving_beside_agents_waits_for_one_short_step(self) -> None:
+        """Eight agents with 1,300-token prompts, then a chat: at the given rates no step
+        before the chat's is predicted past 250 ms, and the chat's own step (its prompt and
+        the agents' decode rows, no batch chunk) yields its first token."""
+        scheduler = Scheduler(lanes=8, kv_blocks=10_000, step_ms=250)
+        self.agents(scheduler, 8)
+        for _ in range(30):
+            plan, _ = scheduler.plan(0.0, SLOW)
+            self.assertLessEqual(step_seconds(plan, SLOW), 0.25 + 1e-9)
+            scheduler.complete(plan, answer(plan))
+        chat = request([9] * 30, max_new=4, name="chat", interactive=True)
+        scheduler.submit(chat)
+        plan, _ = scheduler.plan(0.0, SLOW)
+        self.assertEqual([chunk.tokens for chunk in plan.chunks], [(9,) * 30])
+        emitted, _ = scheduler.complete(plan, answer(plan))
+        self.assertIn(chat, [e.request for e in emitted])
 
 
 class EndTests(unittest.SynchronousTestCase):

@@ -142,6 +142,7 @@ class OptionsTests(SynchronousTestCase):
         self.assertEqual(options["model-name"], "SmolLM2-135M-Instruct")
         self.assertEqual((options["dtype"], options["device"]), ("auto", "auto"))
         self.assertEqual((options["threads"], options["kv-blocks"]), (0, 0))
+        self.assertEqual((options["step-tokens"], options["step-ms"]), (512, 250))
 
     def test_model_name_from_model_path(self) -> None:
         """Without --model-name a model folder gives its name and a .gguf file its stem."""
@@ -194,6 +195,8 @@ class OptionsTests(SynchronousTestCase):
             ("token-delay-ms", "-1", "mock"),
             ("threads", "many", "transformers"),
             ("kv-blocks", "-3", "transformers"),
+            ("step-ms", "-1", "transformers"),
+            ("step-ms", "fast", "transformers"),
         ]
         for name, value, engine in cases:
             self.assert_usage_error(
@@ -415,8 +418,9 @@ class EmbeddingTests(TestCase):
 
     def test_stock_kernels_and_weights_options(self) -> None:
         """--stock-kernels builds an engine on the model's own forward; by default a Llama runs
-        through sfnode's own step, and --weights chooses how its weights are held; --weights
-        int4 with --stock-kernels, or an unknown mode, is a usage error."""
+        through sfnode's own step, and --weights chooses how its weights are held; --step-ms
+        reaches the scheduler (250 by default); --weights int4 with --stock-kernels, or an
+        unknown mode, is a usage error."""
         from sfnode.engines.transformers_engine import TransformersEngine
         from tests.tinymodel import save_tiny_model
 
@@ -430,6 +434,10 @@ class EmbeddingTests(TestCase):
         self.assertEqual((stock.onednn_layers, stock.lean_step), (0, False))
         self.assertEqual((default.lean_step, default.weights_mode), (True, "float32"))
         self.assertEqual((int4.lean_step, int4.weights_mode), (True, "int4"))
+        self.assertEqual(default._scheduler.step_ms, 250)
+        timed = tap.build_engine(reactor, parse(*base, "--step-ms", "80"))
+        assert isinstance(timed, TransformersEngine)
+        self.assertEqual(timed._scheduler.step_ms, 80)
         for bad in (("--weights", "int3"), ("--weights", "int4", "--stock-kernels")):
             with self.assertRaises(usage.UsageError) as caught:
                 parse(*base, *bad)

@@ -4,7 +4,10 @@ One step is one pass over the weights for every row it carries: each decoding la
 and the prompt chunks riding along, all through the same matrix products (reading the weights is
 most of what a step costs on a CPU, whatever the row count).  Decoding lanes attend to their own
 slots of :class:`~sfnode.engines.kv.SlotKV` (query heads grouped onto their key/value heads),
-lanes of similar length in one call; each prompt chunk attends to its own slot.
+lanes of similar length in one call; each prompt chunk attends to its own slot, a few positions
+per call.  A row is computed the same way wherever it is (a decode row, any chunk, after a reused
+prefix), so a position's KV and logits depend on its lane's tokens only, bit for bit
+(:class:`_Attention`, :func:`_multiply`; docs/engine.md section 4).
 
 The arithmetic is the model's (RMSNorm, rotary embedding, grouped-query attention, SiLU-gated
 MLP), done with few, large operators instead of transformers' modules: the query/key/value and
@@ -42,10 +45,11 @@ from sfnode.engines.kv import BlockPool, SlotKV
 from sfnode.engines.llama_weights import LlamaWeights
 from sfnode.engines.masks import MaskWorker
 from sfnode.engines.native import FusedLayers, fusable
-from sfnode.engines.plan import StepOutput, StepPlan
-from sfnode.engines.quant import Projection
+from sfnode.engines.plan import ChunkRow, DecodeRow, StepOutput, StepPlan
+from sfnode.engines.quant import Float32Linear, Linear, Projection
 from sfnode.generation import StageForwardError, StageResult, TokenLogprob
 from sfnode.sampler import allowed_rows, sample_with_stages
+from sfnode.wire import GenParams
 
 _MASK64 = (1 << 64) - 1
 
@@ -95,7 +99,20 @@ def llama_unsupported(model: Any) -> str | None:
 
 
 ATTENTION_BUCKET = 64
-"""Decoding lanes' keys are read to a multiple of this many positions (see :class:`_Attention`)."""
+"""A query reads keys up to its position rounded up to a multiple of this (see
+:func:`key_length`)."""
+
+QUERY_BLOCK = 32
+"""Query rows per block of torch's CPU flash-attention kernel when a call has fewer than
+:data:`CALL_ROWS` rows."""
+
+CALL_ROWS = 191
+"""The most query rows of one attention call: from 192 rows on, the kernel cuts them into
+larger blocks, which round differently."""
+
+MIN_BLOCK_ROWS = 4
+"""A block of fewer query rows than this is multiplied by other code paths (a matrix-vector
+product for one row), which round differently; calls are padded so that none occurs."""
 
 REFINED = 128
 """Logits per row computed again in float32 (see :meth:`LlamaRunner._logits`)."""
@@ -104,11 +121,65 @@ Groups = list[tuple[int, int, bool]]
 """Row ranges of a step and whether they use the dense copies (``(start, end, dense)``)."""
 
 
+def key_length(position: int, window: int) -> int:
+    """Keys the query at ``position`` reads: up to its position rounded up to a multiple of
+    :data:`ATTENTION_BUCKET` (the positions past its own masked), within the window.
+
+    A function of the position alone, so a query reads the same keys as a decode row, in any
+    prompt chunk, and after a reused prefix (docs/engine.md section 4)."""
+    return min(window, -(-(position + 1) // ATTENTION_BUCKET) * ATTENTION_BUCKET)
+
+
+def padded_rows(rows: int) -> int:
+    """The query rows of one attention call of ``rows`` rows (fewer than :data:`CALL_ROWS`)
+    once padded so that each of the kernel's blocks of :data:`QUERY_BLOCK` rows holds at least
+    :data:`MIN_BLOCK_ROWS` of them."""
+    if rows < MIN_BLOCK_ROWS:
+        return MIN_BLOCK_ROWS
+    tail = rows % QUERY_BLOCK
+    if tail and tail < MIN_BLOCK_ROWS:
+        return rows + MIN_BLOCK_ROWS - tail
+    return rows
+
+
+def positions_per_call(groups: int) -> int:
+    """How many consecutive positions of a prompt chunk one attention call takes (a power of
+    two dividing :data:`ATTENTION_BUCKET`, so they share a key length), each position being
+    ``groups`` query rows, padding included, fewer than :data:`CALL_ROWS`."""
+    size = ATTENTION_BUCKET
+    while size > 1 and size * groups + MIN_BLOCK_ROWS > CALL_ROWS:
+        size //= 2
+    return size
+
+
+def _pad_rows(q: torch.Tensor, rows: int) -> torch.Tensor:
+    """``q`` with zero query rows appended along dimension 2 up to ``rows`` rows."""
+    missing = rows - q.shape[2]
+    if missing <= 0:
+        return q
+    return torch.cat([q, q.new_zeros(*q.shape[:2], missing, q.shape[3])], dim=2)
+
+
+def _multiply(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)``; a lone float32 row goes through as two.
+
+    oneDNN multiplies a single row with a matrix-vector kernel and two rows or more with a
+    matrix kernel, and the two round differently; with every row through the matrix kernel, a
+    row's product does not depend on how many rows share the call (docs/engine.md section 4).
+    The quantized and bfloat16 kernels, and sfnode's own float32 kernel, do not need it.
+    """
+    if x.shape[0] == 1 and isinstance(layer, Float32Linear):
+        return layer(torch.cat([x, x]))[:1]
+    return layer(x)
+
+
 def _project(projection: Projection, x: torch.Tensor, groups: Groups) -> torch.Tensor:
     """``x @ W^T`` with each row group's kernel: decode rows and short chunks multiply by the
-    quantized kernel, long prompt chunks by the dense copy (the same rows always get the same
-    kernel, whatever else shares the step)."""
+    quantized kernel, long prompt chunks by the dense copy when the engine keeps dense copies
+    (the same rows always get the same kernel, whatever else shares the step)."""
     if projection.dense is None or len(groups) == 1:
+        if x.shape[0] == 1 and isinstance(projection.kernel, Float32Linear):
+            return projection(torch.cat([x, x]))[:1]  # see _multiply
         return projection(x, dense=groups[0][2])
     return torch.cat([projection(x[a:b], dense=use_dense) for a, b, use_dense in groups])
 
@@ -219,11 +290,23 @@ def _sample(plan: StepPlan, logits: torch.Tensor, allowed: torch.Tensor | None) 
 
 
 class _Attention:
-    """Per-step attention inputs: where each decode row's key and value go, how long each lane
-    is, and the prompt chunks."""
+    """Per-step attention inputs: where each decode row's key and value go, which lanes are
+    attended together, and each prompt chunk's attention calls.
+
+    Every query row is attended the same way wherever it comes from (a decode row, any prompt
+    chunk, a prompt after a reused prefix), so that its result, and the KV the next layers
+    compute from it, depend on its lane's tokens only (docs/engine.md section 4): it reads the
+    keys up to :func:`key_length` of its position, the positions past its own masked; the
+    query heads that share a key/value head are laid out as that head's query rows; and the
+    call it is in has fewer than :data:`CALL_ROWS` rows, padded (:func:`padded_rows`) so that no
+    block of the kernel is short.  The kernel's rounding of a row then depends on nothing else
+    in the call (tested).
+    """
 
     def __init__(self, runner: LlamaRunner, plan: StepPlan) -> None:
         device = runner.device
+        window = runner.window
+        groups = runner._groups
         decode = _decode_positions(plan)
         self.rows = len(decode)
         self.slot_index = torch.tensor(
@@ -232,30 +315,27 @@ class _Attention:
         self.position_index = torch.tensor(
             [position for _, position in decode], dtype=torch.long, device=device
         )
-        # Decode rows are attended in groups of lanes whose lengths round up to the same
-        # multiple of ATTENTION_BUCKET; each lane is padded to that, masked past its length.
-        # The padding depends on the lane's own length only, so a lane's attention is the same
-        # computation alone or beside others (a batch padded to its longest lane rounds a
-        # lane's result differently with the others' lengths).  A drafted row is a decode row
-        # at its own position: it sees the keys written before it in this pass, no further.
+        self.decode_rows = padded_rows(groups)
+        """Query rows of each decoding lane's attention problem (its query heads, padded)."""
+        # Lanes whose key lengths are equal share a call (one problem per lane).  A drafted row
+        # is a decode row at its own position: it sees the keys written before it in this
+        # pass, no further, and is attended exactly as a decode row at that position.
         buckets: dict[int, list[int]] = {}
         for index, (_, position) in enumerate(decode):
-            length = position + 1
-            padded = min(runner.kv.capacity, -(-length // ATTENTION_BUCKET) * ATTENTION_BUCKET)
-            buckets.setdefault(padded, []).append(index)
+            buckets.setdefault(key_length(position, window), []).append(index)
         self.groups: list[tuple[list[int], Any, int, torch.Tensor]] = []
-        """Per group: its decode rows, their slots (a slice when consecutive), padded length,
+        """Per group: its decode rows, their slots (a slice when consecutive), key length,
         mask."""
         order: list[int] = []
-        for padded, members in sorted(buckets.items()):
+        for length, members in sorted(buckets.items()):
             slots = [decode[i][0] for i in members]
             if slots == list(range(slots[0], slots[0] + len(slots))):
                 where: Any = slice(slots[0], slots[0] + len(slots))
             else:
                 where = torch.tensor(slots, dtype=torch.long, device=device)
             lengths = torch.tensor([decode[i][1] + 1 for i in members], device=device)
-            valid = torch.arange(padded, device=device).unsqueeze(0) < lengths.unsqueeze(1)
-            self.groups.append((members, where, padded, valid.view(len(members), 1, 1, padded)))
+            valid = torch.arange(length, device=device).unsqueeze(0) < lengths.unsqueeze(1)
+            self.groups.append((members, where, length, valid.view(len(members), 1, 1, length)))
             order += members
         self.restore: torch.Tensor | None = None
         """Puts the groups' rows back in decode order, when grouping moved them."""
@@ -264,15 +344,32 @@ class _Attention:
             for position, row in enumerate(order):
                 inverse[row] = position
             self.restore = torch.tensor(inverse, dtype=torch.long, device=device)
-        self.chunks: list[tuple[int, int, int, torch.Tensor | None]] = []
+        per_call = positions_per_call(groups)
+        self.chunks: list[tuple[int, int, int, list[tuple[int, int, int, torch.Tensor]]]] = []
+        """Per chunk: its slot, first position, length, and its calls: (first and end row in
+        the chunk, key length, mask)."""
+        self.longest = 0
+        """The longest key length any call reads."""
         for chunk in plan.chunks:
             n = len(chunk.tokens)
-            mask = None
-            if chunk.start:
-                columns = torch.arange(chunk.start + n, device=device)
-                rows = torch.arange(chunk.start, chunk.start + n, device=device)
-                mask = (columns.unsqueeze(0) <= rows.unsqueeze(1)).view(1, 1, n, -1)
-            self.chunks.append((chunk.slot, chunk.start, n, mask))
+            calls = []
+            first = chunk.start
+            while first < chunk.start + n:
+                end = min(chunk.start + n, (first // per_call + 1) * per_call)
+                length = key_length(end - 1, window)
+                rows = (end - first) * groups
+                positions = torch.arange(first, end, device=device).repeat_interleave(groups)
+                padding = padded_rows(rows) - rows
+                if padding:
+                    positions = torch.cat([positions, positions.new_zeros(padding)])
+                columns = torch.arange(length, device=device)
+                mask = (columns.unsqueeze(0) <= positions.unsqueeze(1)).view(1, 1, -1, length)
+                calls.append((first - chunk.start, end - chunk.start, length, mask))
+                self.longest = max(self.longest, length)
+                first = end
+            self.chunks.append((chunk.slot, chunk.start, n, calls))
+        for _, _, length, _ in self.groups:
+            self.longest = max(self.longest, length)
 
 
 class LlamaRunner:
@@ -372,11 +469,8 @@ class LlamaRunner:
             if not plan.decode and not plan.chunks:
                 return StepOutput()
             decode = _decode_positions(plan)
-            need = max(
-                [position + 1 for _, position in decode]
-                + [chunk.start + len(chunk.tokens) for chunk in plan.chunks]
-            )
-            self.kv.ensure(need)
+            attention = _Attention(self, plan)
+            self.kv.ensure(attention.longest)
             ids: list[int] = [token for row in plan.decode for token in (row.token, *row.draft)]
             positions: list[int] = [position for _, position in decode]
             for chunk in plan.chunks:
@@ -398,7 +492,7 @@ class LlamaRunner:
             # The constrained rows' masks are computed while the forward pass runs.
             pending = self.masks.start(stages, prefixes) if self.masks is not None else None
             try:
-                hidden = self._forward(ids, positions, _Attention(self, plan))
+                hidden = self._forward(ids, positions, attention)
             finally:
                 masks = pending.wait() if pending is not None else None
             if not wanted:
@@ -426,7 +520,7 @@ class LlamaRunner:
         if len(rows) != hidden.shape[0]:
             hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
         normed = F.rms_norm(hidden, (self._hidden,), w.final_norm, w.eps)
-        logits = w.lm_head(normed).to(torch.float32)
+        logits = _multiply(w.lm_head, normed).to(torch.float32)
         if allowed is not None:
             logits.masked_fill_(~allowed, float("-inf"))
         if w.lm_head_float is None:
@@ -525,8 +619,10 @@ class LlamaRunner:
         value: torch.Tensor,
         attention: _Attention,
     ) -> torch.Tensor:
+        """Attention of every row of a step (see :class:`_Attention` for how it is cut)."""
         keys, values = self.kv.keys[layer], self.kv.values[layer]
         heads, kv_heads, head_dim = self._heads, self._kv_heads, self._head_dim
+        groups = self._groups
         parts: list[torch.Tensor] = []
         decode = attention.rows
         if decode:
@@ -537,14 +633,15 @@ class LlamaRunner:
             values[attention.slot_index, :, attention.position_index] = new_values
             # Each key/value head answers its group of query heads: the group is laid out as
             # that head's "query positions", so no key or value is repeated.
-            grouped = query[:decode].reshape(decode, kv_heads, self._groups, head_dim)
+            grouped = query[:decode].reshape(decode, kv_heads, groups, head_dim)
+            grouped = _pad_rows(grouped, attention.decode_rows)
             outs = []
-            for members, where, padded, valid in attention.groups:
+            for members, where, length, valid in attention.groups:
                 if isinstance(where, slice):
-                    k, v = keys[where, :, :padded], values[where, :, :padded]
+                    k, v = keys[where, :, :length], values[where, :, :length]
                 else:
-                    k = keys.index_select(0, where)[:, :, :padded]
-                    v = values.index_select(0, where)[:, :, :padded]
+                    k = keys.index_select(0, where)[:, :, :length]
+                    v = values.index_select(0, where)[:, :, :length]
                 q = grouped if len(members) == decode else grouped[members]
                 if self._kv_cast:
                     k, v = k.to(q.dtype), v.to(q.dtype)
@@ -554,26 +651,37 @@ class LlamaRunner:
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
             if attention.restore is not None:
                 out = out.index_select(0, attention.restore)
-            parts.append(out.reshape(decode, heads * head_dim))
+            parts.append(out[:, :, :groups].reshape(decode, heads * head_dim))
         offset = decode
-        for slot, start, n, mask in attention.chunks:
+        for slot, start, n, calls in attention.chunks:
             end = start + n
             keys[slot, :, start:end] = key[offset : offset + n].transpose(0, 1)
             values[slot, :, start:end] = value[offset : offset + n].transpose(0, 1)
-            q = query[offset : offset + n].transpose(0, 1).unsqueeze(0)
-            k, v = keys[slot : slot + 1, :, :end], values[slot : slot + 1, :, :end]
-            if self._kv_cast:
-                k, v = k.to(q.dtype), v.to(q.dtype)
-            out = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=self._scaling,
-                enable_gqa=self._groups > 1,
-            )
-            parts.append(out[0].transpose(0, 1).reshape(n, heads * head_dim))
+            for first, last, length, mask in calls:
+                rows = last - first
+                # [rows, heads, dim] -> [1, kv_heads, rows * groups, dim], position-major.
+                q = (
+                    query[offset + first : offset + last]
+                    .view(rows, kv_heads, groups, head_dim)
+                    .permute(1, 0, 2, 3)
+                    .reshape(1, kv_heads, rows * groups, head_dim)
+                )
+                k, v = keys[slot : slot + 1, :, :length], values[slot : slot + 1, :, :length]
+                if self._kv_cast:
+                    k, v = k.to(q.dtype), v.to(q.dtype)
+                out = F.scaled_dot_product_attention(
+                    _pad_rows(q, mask.shape[2]),
+                    k,
+                    v,
+                    attn_mask=mask,
+                    scale=self._scaling,
+                )
+                parts.append(
+                    out[0, :, : rows * groups]
+                    .view(kv_heads, rows, groups, head_dim)
+                    .permute(1, 0, 2, 3)
+                    .reshape(rows, heads * head_dim)
+                )
             offset += n
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -605,6 +713,32 @@ class LlamaRunner:
             for index in range(len(w.layers)):
                 hidden = self._layer(index, hidden, cos, sin, None, groups, positions)
             return self._logits(hidden, range(n))
+
+    def check_exactness(self, length: int = 80, decoded: int = 10) -> str | None:
+        """None when a prompt computed in one chunk and the same prompt whose last ``decoded``
+        tokens are fed as decode rows leave the same keys and values and give the same logits,
+        here, with these kernels; else what differed.  Run at start, before any lane holds a
+        slot (it uses slot 0); docs/engine.md section 4 says what depends on it."""
+        length = min(length, self.window - 1)
+        decoded = min(decoded, length - 1)
+        vocab = self.weights.vocab_size
+        prompt = tuple(3 + (i * 7919) % max(1, vocab - 3) for i in range(length))
+        params = GenParams(logprobs=20)
+        whole = self.run(StepPlan(chunks=(ChunkRow(0, 0, prompt, True, params, 0),)))
+        kept = [t[0, :, :length].clone() for t in self.kv.keys + self.kv.values]
+        split = length - decoded
+        self.run(StepPlan(chunks=(ChunkRow(0, 0, prompt[:split], False, params, 0),)))
+        fed = StepOutput()
+        for position in range(split, length):
+            fed = self.run(StepPlan(decode=(DecodeRow(0, prompt[position], position, params, 0),)))
+        layers = len(self.kv.keys)
+        for index, tensor in enumerate(self.kv.keys + self.kv.values):
+            if not torch.equal(tensor[0, :, :length], kept[index]):
+                name = "keys" if index < layers else "values"
+                return f"the {name} of layer {index % layers} differ"
+        if whole.chunk_logprobs != fed.decode_logprobs:
+            return "the logits of the next token differ"
+        return None
 
     # -- pipeline stages --------------------------------------------------------------------------
 

@@ -10,12 +10,19 @@ which answers with the tokens each generation got and the generations that ended
   request is admitted into the lowest free slot between steps, first come first served, when the
   KV blocks it may need (``ceil(min(context + max_new, window) / 16)``) fit in the pool;
   otherwise it and everything behind it waits.
-- **Prefill.**  An admitted lane's prompt is computed in chunks whose boundaries are fixed
-  multiples of ``prefill_chunk`` from the start of the context, so a prompt is split the same way
-  alone or beside others.  Each step carries every decoding lane's next token and then prompt
-  chunks of several lanes, oldest first, up to ``step_tokens`` prompt tokens (at least one chunk,
-  so every prompt progresses).  A prompt whose last chunk is computed yields its first token in
-  that same step.
+- **Prefill.**  An admitted lane's prompt is computed in chunks of at most ``prefill_chunk``
+  tokens, ending on multiples of ``prefill_chunk`` from the start of the context.  Each step
+  carries every decoding lane's next token and then prompt chunks of several lanes, oldest
+  first, up to ``step_tokens`` prompt tokens (at least one chunk, so every prompt progresses).
+  A prompt whose last chunk is computed yields its first token in that same step.
+- **Steps sized in time.**  While interactive work waits, runs, or could be admitted at once
+  (a lane is free), batch prompt chunks are instead cut so that the step's predicted time,
+  from the :class:`~sfnode.engines.pace.StepRates` the engine measured, stays within
+  ``step_ms``: such a chunk is at most ``prefill_chunk`` tokens from where its prompt stands and
+  ends on a block boundary (or the prompt's end), and a step always carries at least one block
+  of one prompt.  So a chat arriving beside batch work waits for a step of about ``step_ms``, on a
+  slow CPU as on a fast one.  Otherwise (or with ``step_ms`` 0) only ``step_tokens`` bounds a
+  step.
 - **Interactive first.**  An interactive request (a person waiting) is admitted before any
   batch request, and ``interactive_lanes`` lanes are kept for such requests: batch work holds
   at most ``lanes - interactive_lanes`` lanes (at least one), so a chat never waits for a batch
@@ -51,6 +58,7 @@ from typing import Any, NamedTuple
 from sfnode.constraint import LaneStage
 from sfnode.draws import draw_position
 from sfnode.engines.drafts import DraftLength, PromptLookup, Speculation
+from sfnode.engines.pace import StepCost, StepRates
 from sfnode.engines.plan import BlockCopy, ChunkRow, DecodeRow, StepOutput, StepPlan
 from sfnode.engines.prefix_cache import BlockKey, PrefixCache, block_keys
 from sfnode.generation import KV_BLOCK_TOKENS, EngineStop, TokenLogprob
@@ -157,15 +165,20 @@ class Scheduler:
         salt: bytes = b"",
         interactive_lanes: int = 1,
         speculation: Speculation | None = None,
+        step_ms: float = 0.0,
     ) -> None:
         if lanes < 1:
             raise ValueError("lanes must be at least 1")
         if prefill_chunk < 1 or step_tokens < 1:
             raise ValueError("prefill_chunk and step_tokens must be at least 1")
+        if step_ms < 0:
+            raise ValueError("step_ms must not be negative")
         self.lanes = lanes
         self.kv_blocks = kv_blocks
         self.prefill_chunk = prefill_chunk
         self.step_tokens = step_tokens
+        self.step_ms = step_ms
+        """The time budget of a step while interactive work may need it (0: none)."""
         self.prefix = prefix
         self.speculation = speculation
         self._salt = salt
@@ -213,8 +226,9 @@ class Scheduler:
 
     # -- planning -------------------------------------------------------------------------------
 
-    def plan(self, now: float) -> tuple[StepPlan, list[Ended]]:
-        """The next step (maybe empty) and the generations that ended before it."""
+    def plan(self, now: float, rates: StepRates | None = None) -> tuple[StepPlan, list[Ended]]:
+        """The next step (maybe empty) and the generations that ended before it; ``rates``
+        are what steps take here (without them, steps are sized in tokens only)."""
         ended = self._reap(now)
         saves = self._saves()
         loads = self._admit()
@@ -233,34 +247,82 @@ class Scheduler:
             for lane in sorted(self._order, key=lambda lane: lane.slot)
             if not lane.prefilling
         )
+        chunks = self._chunks(decode, rates)
+        plan = StepPlan(decode=decode, chunks=tuple(chunks), loads=tuple(loads), saves=saves)
+        if plan.decode or plan.chunks:
+            self.counts.steps += 1
+        return plan, ended
+
+    def interactive_expected(self) -> bool:
+        """Whether interactive work waits, runs, or would be admitted at once if it came (a
+        lane is free): then a step's prompt chunks are sized in time (see the rules)."""
+        return (
+            len(self.running) < self.lanes
+            or any(request.interactive for request in self.waiting)
+            or any(lane.request.interactive for lane in self._order)
+        )
+
+    def _chunks(self, decode: tuple[DecodeRow, ...], rates: StepRates | None) -> list[ChunkRow]:
+        """The prompt chunks of the next step, beside ``decode`` (see the rules)."""
         chunks: list[ChunkRow] = []
-        budget = self.step_tokens
+        tokens_left = self.step_tokens
         prefilling = [lane for lane in self._order if lane.prefilling]
         interactive = [lane for lane in prefilling if lane.request.interactive]
+        seconds_left: float | None = None
+        if not interactive and rates is not None and self.step_ms > 0:
+            if self.interactive_expected():
+                spent = rates.seconds(StepCost(decode_rows=len(decode)))
+                seconds_left = self.step_ms / 1000.0 - spent
         for lane in interactive or prefilling:
             context = lane.request.context
-            end = min(len(context), (lane.computed // self.prefill_chunk + 1) * self.prefill_chunk)
-            size = end - lane.computed
-            if chunks and size > budget:
+            start = lane.computed
+            if seconds_left is not None and rates is not None:
+                end = min(len(context), start + self.prefill_chunk)
+                end = self._fitting_end(start, end, seconds_left, rates)
+                if end <= start:
+                    if chunks:
+                        break
+                    # Every step moves a prompt on by at least a block.
+                    end = min(len(context), (start // KV_BLOCK_TOKENS + 1) * KV_BLOCK_TOKENS)
+                seconds_left -= rates.prompt_seconds(start, end)
+            else:
+                end = min(len(context), (start // self.prefill_chunk + 1) * self.prefill_chunk)
+            size = end - start
+            if chunks and size > tokens_left:
                 break
-            budget -= size
+            tokens_left -= size
             chunks.append(
                 ChunkRow(
                     slot=lane.slot,
-                    start=lane.computed,
-                    tokens=context[lane.computed : end],
+                    start=start,
+                    tokens=context[start:end],
                     last=end == len(context),
                     params=lane.request.params,
                     draw=draw_position(lane.request.params.seed, len(context), 0),
                     stage=lane.request.stage if end == len(context) else None,
                 )
             )
-            if budget <= 0:
+            if tokens_left <= 0 or (seconds_left is not None and seconds_left <= 0):
                 break
-        plan = StepPlan(decode=decode, chunks=tuple(chunks), loads=tuple(loads), saves=saves)
-        if plan.decode or plan.chunks:
-            self.counts.steps += 1
-        return plan, ended
+        return chunks
+
+    @staticmethod
+    def _fitting_end(start: int, end: int, seconds: float, rates: StepRates) -> int:
+        """The furthest end up to ``end``, on a block boundary unless it is ``end`` itself, whose
+        rows from ``start`` are predicted to take at most ``seconds`` (``start`` when none)."""
+        if rates.prompt_seconds(start, end) <= seconds:
+            return end
+        low = start // KV_BLOCK_TOKENS + 1
+        high = (end - 1) // KV_BLOCK_TOKENS
+        best = start
+        while low <= high:
+            middle = (low + high) // 2
+            candidate = middle * KV_BLOCK_TOKENS
+            if rates.prompt_seconds(start, candidate) <= seconds:
+                best, low = candidate, middle + 1
+            else:
+                high = middle - 1
+        return best
 
     def _draft(self, lane: Lane) -> tuple[int, ...]:
         """The tokens guessed to follow the lane's next one (none without speculation)."""

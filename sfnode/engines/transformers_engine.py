@@ -52,6 +52,7 @@ from sfnode.engines.hidden import decode_hidden, encode_hidden
 from sfnode.engines.llama_runner import LlamaRunner, llama_unsupported
 from sfnode.engines.llama_weights import WeightsError, gather_weights
 from sfnode.engines.masks import MaskWorker
+from sfnode.engines.pace import DEFAULT_STEP_MS, RateEstimator, StepCost, StepRates
 from sfnode.engines.plan import StepOutput, StepPlan
 from sfnode.engines.prefix_cache import PrefixCache, PrefixCacheStats
 from sfnode.engines.scheduler import (
@@ -214,6 +215,7 @@ class TransformersEngine:
         context_window: int | None = None,
         prefill_chunk: int = 256,
         step_tokens: int = 512,
+        step_ms: float = DEFAULT_STEP_MS,
         eos_ids: Sequence[int] | None = None,
         weights: str = "auto",
         gguf: Path | None = None,
@@ -221,7 +223,7 @@ class TransformersEngine:
         prefix_cache: bool = True,
         prefix_cache_blocks: int | None = None,
         interactive_lanes: int = 1,
-        dense_copies: bool = True,
+        dense_copies: bool = False,
         onednn: bool = True,
         lean_step: bool = True,
         kernels: str = "auto",
@@ -238,7 +240,12 @@ class TransformersEngine:
         (Llama runner only), in a pool of ``prefix_cache_blocks`` blocks (default: ``kv_blocks``).
         ``interactive_lanes`` lanes are kept for interactive requests (batch work never holds
         them).  ``dense_copies`` lets long prompt chunks multiply by bfloat16 copies of
-        quantized weights where that is measured to be faster at start.  ``kernels`` picks
+        quantized weights where that is measured to be faster at start; off by default, since a
+        position's KV then depends on the size of the chunk it was computed in, and a reused
+        prefix or a failover no longer continues a stream exactly (docs/engine.md section 5).
+        ``step_ms`` is the time budget of a step's batch prompt chunks while interactive work
+        may need the engine (0: steps are sized by ``step_tokens`` only; docs/engine.md section
+        3), checked against the rates measured on this machine.  ``kernels`` picks
         the family of the quantized kernels (``auto``: measured at start, docs/engine.md section
         5.1); ``fused_step`` False runs every layer as separate torch operators even where the
         native fused calls could (docs/engine.md section 5.2).  ``tokenizer`` (the model's
@@ -395,8 +402,14 @@ class TransformersEngine:
             salt=salt,
             interactive_lanes=interactive_lanes,
             speculation=speculation,
+            step_ms=step_ms,
         )
+        self._pace = RateEstimator()
         self._pool = ThreadPool(minthreads=1, maxthreads=1, name="sfnode-engine")
+        self.exactness: defer.Deferred[str | None] = defer.Deferred()
+        """Fires once the start-up check has run (Llama runner only): with None when a
+        position's KV does not depend on how its prompt is cut into steps, else what differed
+        (docs/engine.md section 4)."""
         self._grammar_pool = ThreadPool(minthreads=0, maxthreads=1, name="sfnode-grammar")
         """Prepares constrained requests' stages (compiling a grammar can take 100 ms)."""
         self._started = False
@@ -641,7 +654,31 @@ class TransformersEngine:
         prepare = getattr(self._runner, "prepare_thread", None)
         if prepare is not None:
             self._pool.callInThread(prepare)
+        if isinstance(self._runner, LlamaRunner):
+            # Before any step (the pool runs one job at a time, in order).
+            checking = deferToThreadPool(
+                self._reactor, self._pool, self._runner.check_exactness
+            )
+            checking.addCallbacks(self._checked, self._check_failed)
         self._kick()
+
+    def _checked(self, problem: str | None) -> None:
+        if problem is None:
+            log.info(
+                "checked: a position's KV and logits do not depend on how its prompt was cut "
+                "into steps, so reused prefixes and failovers continue seeded streams exactly"
+            )
+        else:
+            log.warn(
+                "on this machine a position's KV depends on how its prompt was cut into steps "
+                "({problem}): a reused prefix or a failover may part from a seeded stream",
+                problem=problem,
+            )
+        self.exactness.callback(problem)
+
+    def _check_failed(self, failure: Failure) -> None:
+        log.failure("the start-up check of exactness failed", failure)
+        self.exactness.callback(f"the check failed: {failure.value}")
 
     def stop(self) -> defer.Deferred[None]:
         """Cancel everything, wait for the step in flight, stop the worker thread."""
@@ -679,21 +716,35 @@ class TransformersEngine:
         """Send off the next step if none is running and there is something to do."""
         if self._stepping or self._stopping or not self._started:
             return
-        plan, ended = self._scheduler.plan(self._clock())
+        plan, ended = self._scheduler.plan(self._clock(), self._pace.rates)
         if not plan.empty:
             self._stepping = True
-            d = deferToThreadPool(self._reactor, self._pool, self._runner.run, plan)
+            d = deferToThreadPool(self._reactor, self._pool, self._timed_run, plan)
             d.addCallbacks(
                 self._step_done, self._step_failed, callbackArgs=(plan,), errbackArgs=(plan,)
             )
             d.addErrback(lambda failure: log.failure("the engine's step handling failed", failure))
         self._deliver([], ended)
 
-    def _step_done(self, output: StepOutput, plan: StepPlan) -> None:
+    def _timed_run(self, plan: StepPlan) -> tuple[StepOutput, float]:
+        """Run ``plan`` (worker thread); answer its output and how long it took."""
+        started = time.perf_counter()
+        output = self._runner.run(plan)
+        return output, time.perf_counter() - started
+
+    @property
+    def step_rates(self) -> StepRates:
+        """What a step takes here, as measured so far (docs/engine.md section 3)."""
+        return self._pace.rates
+
+    def _step_done(self, result: tuple[StepOutput, float], plan: StepPlan) -> None:
         self._stepping = False
         if self._stopping:
             self._stop_pool()
             return
+        output, seconds = result
+        if plan.decode or plan.chunks:
+            self._pace.observe(StepCost.of(plan), seconds)
         emitted, ended = self._scheduler.complete(plan, output)
         self._kick()
         self._deliver(emitted, ended)
