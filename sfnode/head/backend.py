@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 from twisted.internet.defer import Deferred
 
 from sfnode.generation import TokenSink
-from sfnode.wire import CapacitySummary, GenParams, RequestClass
+from sfnode.wire import CapacitySummary, Constraint, GenParams, RequestClass
 
 if TYPE_CHECKING:
     from sfnode.head.fleet import FleetOutcome
@@ -125,13 +125,16 @@ class Backend(Protocol):
         max_wall_ms: int = 0,
         request_class: RequestClass = ...,
         requester: Requester = ...,
+        constraint: Constraint | None = None,
     ) -> GenerationHandle:
         """Run one generation of ``prompt``; ``on_tokens(tokens)`` gets its tokens as they
         come, or ``on_tokens(tokens, logprobs)`` when ``params.logprobs`` asks for them (a
         backend that cannot return them fails the generation with
         :class:`~sfnode.head.fleet.LogprobsUnavailable`); ``request_class`` says whether someone
         waits on it (docs/protocol.md section 12.2); ``requester`` whose share of the queue it
-        takes (section 8.5)."""
+        takes (section 8.5); ``constraint`` the grammar and sampler controls its output
+        follows (section 12.3: a backend that cannot enforce them raises or fails with
+        :class:`~sfnode.head.fleet.ConstraintsUnavailable`)."""
 
     def status(self, model: str | None = None) -> BackendStatus: ...
 
@@ -154,7 +157,13 @@ class PipelineBackend:
         max_wall_ms: int = 0,
         request_class: RequestClass = RequestClass.INTERACTIVE,
         requester: Requester = ANONYMOUS,
+        constraint: Constraint | None = None,
     ) -> GenerationHandle:
+        if constraint is not None:
+            from sfnode.head.fleet import ConstraintsUnavailable
+
+            # Pipeline stages carry no constraint (docs/protocol.md section 12.3).
+            raise ConstraintsUnavailable("a pipeline does not honour constraints")
         # A pipeline runs one generation at a time on its stages: there is no lane to keep,
         # so neither the class nor the requester changes anything there.
         return self.pipeline.generate(

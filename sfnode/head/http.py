@@ -63,6 +63,8 @@ from sfnode.head.classes import HEADER as CLASS_HEADER
 from sfnode.head.classes import ClassRule, class_name, parse_header
 from sfnode.head.fleet import (
     ClientQueueFull,
+    ConstraintRefused,
+    ConstraintsUnavailable,
     FleetError,
     FleetOutcome,
     GenerationTimedOut,
@@ -101,6 +103,7 @@ from sfnode.head.text import (
     Renderer,
     StopText,
 )
+from sfnode.head.tools import CallEvent, CallsAnswer, CallSplitter, Content, call_delta
 from sfnode.wire import FINISH_CANCELLED, FINISH_EOS, RequestClass
 
 DEFAULT_MAX_TOKENS = 512
@@ -474,7 +477,7 @@ class OpenAIApi:
                 outcome="too_long",
             )
         if request.chat:
-            prompt = self.renderer.chat(request.messages, budget)
+            prompt = self.renderer.chat(request.messages, budget, request.tools)
         elif request.prompt_text is not None:
             prompt = self.renderer.completion(request.prompt_text)
         else:
@@ -727,6 +730,16 @@ def _fleet_error(failure: Failure, param: str) -> ApiError | None:
         return ApiError(
             504, str(error), kind="timeout_error", code="generation_timeout", outcome="timeout"
         )
+    if isinstance(error, ConstraintsUnavailable):
+        return ApiError(
+            400,
+            f"{error}: this fleet cannot enforce response_format, tools, logit_bias or "
+            "penalties",
+            param="response_format",
+            code="unsupported_parameter",
+        )
+    if isinstance(error, ConstraintRefused):
+        return ApiError(502, str(error), kind="server_error", outcome="error")
     if isinstance(error, LogprobsUnavailable):
         return ApiError(
             400,
@@ -760,6 +773,10 @@ class _Choice:
         """The logprobs of the tokens shown so far, when the request asked for them."""
         self.decoded = 0
         """Characters the detokenizer released so far (where the next token's text starts)."""
+        self.calls: CallSplitter | None = None
+        """Reads tool calls out of the text, when the request's output may hold some."""
+        self.answer = CallsAnswer()
+        """The content and calls read so far (with :attr:`calls`)."""
 
 
 class _Exchange:
@@ -884,16 +901,28 @@ class _Exchange:
             if parsed.logprobs is not None:
                 logprobs = ChoiceLogprobs(self.chat, parsed.logprobs, api.renderer.token_bytes)
             choice = _Choice(index, api.renderer.detokenizer(), parsed.stop, logprobs)
+            if parsed.calls:
+                choice.calls = CallSplitter()
             self.choices.append(choice)
-            generation = api.backend.generate(
-                self.prompt,
-                max_tokens,
-                model=api.node_model,
-                params=parsed.choice_params(index),
-                on_tokens=self._receiver(choice),
-                request_class=request_class,
-                requester=requester,
-            )
+            try:
+                generation = api.backend.generate(
+                    self.prompt,
+                    max_tokens,
+                    model=api.node_model,
+                    params=parsed.choice_params(index),
+                    on_tokens=self._receiver(choice),
+                    request_class=request_class,
+                    requester=requester,
+                    constraint=parsed.constraint,
+                )
+            except FleetError as e:
+                # Refused before it started (a backend that cannot honour the request).
+                error = _fleet_error(Failure(e), parsed.prompt_param)  # type: ignore[no-untyped-call]
+                if error is None:
+                    raise
+                self._give_up(error)
+                self._maybe_ended()
+                return
             choice.generation = generation
             self._pending += 1
             if parsed.stream:
@@ -1052,11 +1081,30 @@ class _Exchange:
         if not text and not (last and pending):
             return
         choice.text.append(text)
+        if choice.calls is not None:
+            self._show(choice, choice.calls.feed(text))
+            return
         assert self.parsed is not None
         if self.parsed.stream:
             self._begin_stream()
             logprobs = choice.logprobs.take() if choice.logprobs is not None else None
             delta = {"content": text} if self.chat else text
+            self._write_event(self._chunk(choice, delta, None, logprobs))
+
+    def _show(self, choice: _Choice, events: Sequence[CallEvent]) -> None:
+        """Content and tool-call deltas read out of a choice's text (a chunk each when
+        streaming; the raw tags never reach the client)."""
+        choice.answer.add(events)
+        assert self.parsed is not None
+        if not self.parsed.stream:
+            return
+        for event in events:
+            self._begin_stream()
+            logprobs = choice.logprobs.take() if choice.logprobs is not None else None
+            if isinstance(event, Content):
+                delta: dict[str, Any] = {"content": event.text}
+            else:
+                delta = {"tool_calls": [call_delta(event)]}
             self._write_event(self._chunk(choice, delta, None, logprobs))
 
     def _answer_error(self, error: ApiError) -> None:
@@ -1124,6 +1172,8 @@ class _Exchange:
             if not choice.stop.stopped:
                 self._emit(choice, choice.stop.feed(choice.detok.flush()))
             self._emit(choice, choice.stop.flush(), last=True)
+            if choice.calls is not None:
+                self._show(choice, choice.calls.finish())
         if choice.stop.stopped or outcome.finish == FINISH_EOS:
             choice.finish = "stop"
         elif outcome.finish == FINISH_CANCELLED and self.drained and not self.gone:
@@ -1132,6 +1182,8 @@ class _Exchange:
             choice.finish = "cancelled"
         else:
             choice.finish = "length"
+        if choice.calls is not None and choice.answer.calls and choice.finish == "stop":
+            choice.finish = "tool_calls"
         assert self.parsed is not None
         if self.parsed.stream and not self.answered:
             self._begin_stream()
@@ -1207,10 +1259,17 @@ class _Exchange:
             text = "".join(choice.text)
             logprobs = choice.logprobs.whole() if choice.logprobs is not None else None
             if self.chat:
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if choice.calls is not None:
+                    message["content"] = choice.answer.text or None
+                    if choice.answer.calls:
+                        message["tool_calls"] = choice.answer.calls
+                    elif message["content"] is None:
+                        message["content"] = ""
                 entries.append(
                     {
                         "index": choice.index,
-                        "message": {"role": "assistant", "content": text},
+                        "message": message,
                         "logprobs": logprobs,
                         "finish_reason": choice.finish,
                     }
