@@ -1,5 +1,8 @@
 """The head's OpenAI-compatible HTTP API, health check and metrics, on twisted.web.
 
+- ``POST /v1/responses``: OpenAI's Responses API, translated onto a chat completion
+  (:mod:`sfnode.head.responses`), streamed as its documented events or not; stored responses
+  (bounded, in memory) continue with ``previous_response_id``.
 - ``POST /v1/chat/completions`` and ``POST /v1/completions``: streaming (server-sent events in
   OpenAI's chunk format, ending with ``data: [DONE]``) and not, ``n`` choices each generated on
   its own with its own seed; ``GET /v1/models`` and ``GET /v1/models/{id}``.
@@ -89,6 +92,14 @@ from sfnode.head.gate import (
 from sfnode.head.link import LinkError
 from sfnode.head.logprobs import ChoiceLogprobs
 from sfnode.head.metrics import EXPOSITION_CONTENT_TYPE, HeadMetrics
+from sfnode.head.responses import (
+    ResponseBuilder,
+    ResponsesRequest,
+    ResponseStore,
+    event_bytes,
+    new_response_id,
+    translate,
+)
 from sfnode.head.schema import (
     ApiError,
     CompletionRequest,
@@ -253,6 +264,7 @@ class OpenAIApi:
         class_rule: ClassRule | None = None,
         allow_special_tokens: bool = False,
         template_timeout_s: float = DEFAULT_TEMPLATE_TIMEOUT_S,
+        responses: ResponseStore | None = None,
     ) -> None:
         self.reactor: IReactorTime = reactor
         self.backend = backend
@@ -280,6 +292,9 @@ class OpenAIApi:
         self.workers = workers if workers is not None else Workers(reactor)
         self.class_rule = class_rule if class_rule is not None else ClassRule()
         """How a request that names no class (X-Request-Class) gets one (sfnode.head.classes)."""
+        self.responses = responses if responses is not None else ResponseStore()
+        """Stored responses, for ``/v1/responses``' ``previous_response_id`` (in memory
+        only: a restart forgets them)."""
         self.exchanges: set[_Exchange] = set()
         """Completion requests in flight (what a drain waits for)."""
         self.draining = False
@@ -514,6 +529,7 @@ class OpenAIApi:
         chat.putChild(b"completions", _Completions(self, chat=True))
         v1.putChild(b"completions", _Completions(self, chat=False))
         v1.putChild(b"models", _Models(self))
+        v1.putChild(b"responses", _Responses(self))
         root.putChild(b"healthz", _Health(self))
         root.putChild(b"metrics", _Metrics(self, keyed=not self.limits.metrics_public))
         return root
@@ -689,6 +705,18 @@ class _Models(_Leaf):
         )
         request.site.count(error.outcome)
         return answer_error(request, error)
+
+
+class _Responses(_Leaf):
+    route = Route(methods=(b"POST",), completion=True)
+
+    def __init__(self, api: OpenAIApi) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.api = api
+
+    def render_POST(self, request: Any) -> int:
+        _ResponsesExchange(self.api, request).start()
+        return NOT_DONE_YET
 
 
 class _Completions(_Leaf):
@@ -1035,11 +1063,15 @@ class _Exchange:
         request.setResponseCode(200)
         request.setHeader(b"content-type", b"text/event-stream")
         request.setHeader(b"cache-control", b"no-cache")
+        self._stream_opened()
+
+    def _stream_opened(self) -> None:
+        """The first events of a stream (its headers are set)."""
         if self.chat:
             for choice in self.choices:
                 self._write_event(self._chunk(choice, {"role": "assistant", "content": ""}, None))
         else:
-            request.write(b"")
+            self.request.write(b"")
 
     def _chunk(
         self,
@@ -1081,28 +1113,23 @@ class _Exchange:
         if not text and not (last and pending):
             return
         choice.text.append(text)
-        if choice.calls is not None:
-            self._show(choice, choice.calls.feed(text))
-            return
-        assert self.parsed is not None
-        if self.parsed.stream:
-            self._begin_stream()
-            logprobs = choice.logprobs.take() if choice.logprobs is not None else None
-            delta = {"content": text} if self.chat else text
-            self._write_event(self._chunk(choice, delta, None, logprobs))
+        self._show(choice, choice.calls.feed(text) if choice.calls is not None else [Content(text)])
 
     def _show(self, choice: _Choice, events: Sequence[CallEvent]) -> None:
         """Content and tool-call deltas read out of a choice's text (a chunk each when
         streaming; the raw tags never reach the client)."""
         choice.answer.add(events)
         assert self.parsed is not None
-        if not self.parsed.stream:
-            return
-        for event in events:
+        if self.parsed.stream and events:
             self._begin_stream()
+            self._stream_events(choice, events)
+
+    def _stream_events(self, choice: _Choice, events: Sequence[CallEvent]) -> None:
+        for event in events:
             logprobs = choice.logprobs.take() if choice.logprobs is not None else None
+            delta: dict[str, Any] | str
             if isinstance(event, Content):
-                delta: dict[str, Any] = {"content": event.text}
+                delta = {"content": event.text} if self.chat else event.text
             else:
                 delta = {"tool_calls": [call_delta(event)]}
             self._write_event(self._chunk(choice, delta, None, logprobs))
@@ -1113,11 +1140,15 @@ class _Exchange:
         self.answered = True
         self._stop_producing()
         if self.streaming_started:
-            self.request.write(b"data: " + error.encoded() + b"\n\n")
-            self.request.write(b"data: [DONE]\n\n")
+            self._stream_failed(error)
         else:
             self.request.write(answer_error(self.request, error))
         self.request.finish()
+
+    def _stream_failed(self, error: ApiError) -> None:
+        """The events that end a stream that failed."""
+        self.request.write(b"data: " + error.encoded() + b"\n\n")
+        self.request.write(b"data: [DONE]\n\n")
 
     # The generations
 
@@ -1187,9 +1218,13 @@ class _Exchange:
         assert self.parsed is not None
         if self.parsed.stream and not self.answered:
             self._begin_stream()
-            self._write_event(self._chunk(choice, {} if self.chat else "", choice.finish))
+            self._stream_choice_finished(choice)
         if self._pending == 0:
             self._all_done()
+
+    def _stream_choice_finished(self, choice: _Choice) -> None:
+        """The event that says a streamed choice ended, and how."""
+        self._write_event(self._chunk(choice, {} if self.chat else "", choice.finish))
 
     def _choice_failed(self, failure: Failure, choice: _Choice) -> None:
         self._pending -= 1
@@ -1240,20 +1275,35 @@ class _Exchange:
         self._stop_producing()
         if parsed.stream:
             self._begin_stream()
-            if parsed.include_usage:
-                last: dict[str, Any] = {
-                    "id": self.ident,
-                    "object": "chat.completion.chunk" if self.chat else "text_completion",
-                    "created": self.created,
-                    "model": parsed.model,
-                    "choices": [],
-                    "usage": usage,
-                }
-                self.request.write(b"data: " + json.dumps(last).encode() + b"\n\n")
-            self.request.write(b"data: [DONE]\n\n")
+            self._stream_closed(usage)
             self.request.finish()
             self._maybe_ended()
             return
+        body = self._whole_answer(usage)
+        self.request.write(answer(self.request, 200, body))
+        self.request.finish()
+        self._maybe_ended()
+
+    def _stream_closed(self, usage: dict[str, int]) -> None:
+        """The events that end a stream whose choices all ended."""
+        parsed = self.parsed
+        assert parsed is not None
+        if parsed.include_usage:
+            last: dict[str, Any] = {
+                "id": self.ident,
+                "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created,
+                "model": parsed.model,
+                "choices": [],
+                "usage": usage,
+            }
+            self.request.write(b"data: " + json.dumps(last).encode() + b"\n\n")
+        self.request.write(b"data: [DONE]\n\n")
+
+    def _whole_answer(self, usage: dict[str, int]) -> Any:
+        """The body of a non-streamed answer."""
+        parsed = self.parsed
+        assert parsed is not None
         entries = []
         for choice in self.choices:
             text = "".join(choice.text)
@@ -1291,6 +1341,78 @@ class _Exchange:
             "choices": entries,
             "usage": usage,
         }
-        self.request.write(answer(self.request, 200, body))
-        self.request.finish()
-        self._maybe_ended()
+        return body
+
+
+class _ResponsesExchange(_Exchange):
+    """One ``/v1/responses`` request: translated onto a chat completion
+    (:func:`sfnode.head.responses.translate`), answered as a ``Response`` or its stream of
+    events (:class:`~sfnode.head.responses.ResponseBuilder`), stored for
+    ``previous_response_id`` unless ``store`` is false."""
+
+    def __init__(self, api: OpenAIApi, request: Any) -> None:
+        super().__init__(api, request, chat=True)
+        self.ident = new_response_id()
+        self.translated: ResponsesRequest | None = None
+        self.builder: ResponseBuilder | None = None
+
+    def _prepare_chat(self, data: bytes, status: BackendStatus) -> Deferred[Prepared]:
+        # On the reactor: the store is the reactor's.
+        self.translated = translate(parse_body(data), self.api.responses)
+        chat = json.dumps(self.translated.chat).encode()
+        return super()._prepare_chat(chat, status)
+
+    def _prepared(self, prepared: Prepared) -> None:
+        assert self.translated is not None
+        self.builder = ResponseBuilder(
+            self.ident, self.created, prepared.request.model, self.translated
+        )
+        super()._prepared(prepared)
+
+    def _write_events(self, events: Iterable[dict[str, Any]]) -> None:
+        if not self.answered:
+            for event in events:
+                self.request.write(event_bytes(event))
+
+    def _stream_opened(self) -> None:
+        assert self.builder is not None
+        self._write_events(self.builder.started())
+
+    def _show(self, choice: _Choice, events: Sequence[CallEvent]) -> None:
+        assert self.builder is not None and self.parsed is not None
+        shown = self.builder.add(events)
+        if self.parsed.stream and shown:
+            self._begin_stream()
+            self._write_events(shown)
+
+    def _stream_choice_finished(self, choice: _Choice) -> None:
+        pass  # the response's last events say it (_stream_closed)
+
+    def _reason(self) -> str | None:
+        finish = self.choices[0].finish if self.choices else None
+        return "max_output_tokens" if finish == "length" else None
+
+    def _stream_closed(self, usage: dict[str, int]) -> None:
+        assert self.builder is not None
+        events = self.builder.finished(usage, self._reason())
+        for event in events:
+            self.request.write(event_bytes(event))
+        self._store()
+
+    def _whole_answer(self, usage: dict[str, int]) -> Any:
+        assert self.builder is not None
+        body = self.builder.whole(usage, self._reason())
+        self._store()
+        return body
+
+    def _store(self) -> None:
+        assert self.builder is not None and self.translated is not None
+        if self.translated.store:
+            self.api.responses.put(self.ident, self.builder.conversation())
+
+    def _stream_failed(self, error: ApiError) -> None:
+        assert self.builder is not None
+        event = self.builder.event(
+            "error", code=error.code, message=error.message, param=error.param
+        )
+        self.request.write(event_bytes(event))

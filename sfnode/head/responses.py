@@ -113,7 +113,9 @@ def translate(body: Mapping[str, Any], store: ResponseStore) -> ResponsesRequest
     history: tuple[dict[str, Any], ...] = ()
     if previous is not None:
         if not isinstance(previous, str):
-            raise ApiError(400, "previous_response_id must be a string", param="previous_response_id")
+            raise ApiError(
+                400, "previous_response_id must be a string", param="previous_response_id"
+            )
         found = store.get(previous)
         if found is None:
             raise ApiError(
@@ -235,8 +237,7 @@ def _content(content: Any, where: str) -> str:
         ):
             raise ApiError(
                 400,
-                f"{where}.content[{j}]: only text parts are supported (no images, audio or "
-                "files)",
+                f"{where}.content[{j}]: only text parts are supported (no images, audio or files)",
                 param=f"{where}.content[{j}]",
             )
         parts.append(part["text"])
@@ -473,9 +474,7 @@ class ResponseBuilder:
             self.event("response.output_item.done", output_index=item.index, item=item.body),
         ]
 
-    def finished(
-        self, usage: Mapping[str, int], reason: str | None = None
-    ) -> list[dict[str, Any]]:
+    def finished(self, usage: Mapping[str, int], reason: str | None = None) -> list[dict[str, Any]]:
         """The events that close every open item and the response (``reason``:
         ``max_output_tokens`` when the output was cut)."""
         status = "completed" if reason is None else "incomplete"
@@ -526,7 +525,13 @@ class ResponseBuilder:
 
 def event_bytes(event: Mapping[str, Any]) -> bytes:
     """One server-sent event of a Responses stream (named by its type)."""
-    return b"event: " + str(event["type"]).encode() + b"\ndata: " + json.dumps(event).encode() + b"\n\n"
+    return (
+        b"event: "
+        + str(event["type"]).encode()
+        + b"\ndata: "
+        + json.dumps(event).encode()
+        + b"\n\n"
+    )
 
 
 # --------------------------------------------------------------------------------------------
