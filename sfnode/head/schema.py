@@ -14,7 +14,7 @@ completions, as OpenAI bounds them.  ``response_format``, ``tools`` / ``tool_cho
 :class:`~sfnode.wire.Constraint` (docs/protocol.md section 12.3), checked here with the grammar
 library (:mod:`sfnode.constraint`), before any node is asked.  The lists are
 :data:`UNSUPPORTED`, :data:`IGNORED`, :data:`CONSTRAINT_FIELDS` and :data:`TOOL_FIELDS`, and
-the README repeats them.
+docs/operating.md and docs/api.md repeat them.
 
 This module is pure: it must never tokenize, touch the network, the reactor or a thread, never
 raise anything but :class:`ApiError` for any JSON value, and never put more than
@@ -35,6 +35,7 @@ from sfnode.constraint import (
     sampler_controls,
     tools_grammar,
 )
+from sfnode.head.bodies import error_body
 from sfnode.wire import Constraint, GenParams, ToolChoice
 
 MAX_N = 8
@@ -83,14 +84,7 @@ class ApiError(Exception):
         """Extra response headers (``WWW-Authenticate``, ``Allow``, ``Retry-After``)."""
 
     def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        return error_body(self.message, self.kind, self.param, self.code)
 
     def encoded(self) -> bytes:
         return json.dumps(self.body()).encode()

@@ -849,7 +849,6 @@ def makeService(
         reactor = global_reactor
         exit_zero_after_a_clean_stop(reactor)
         progress_bars_only_on_a_terminal()
-    from sfnode.head.backend import PipelineBackend
     from sfnode.head.http import OpenAIApi
     from sfnode.head.pipeline import PipelineFleet
     from sfnode.head.text import as_codec
@@ -894,7 +893,7 @@ def makeService(
             raise HeadStartupError(f"sfhead: {e}") from e
         fleet = pipeline.fleet
         fleet.lease = lease
-        backend = PipelineBackend(pipeline)
+        backend = pipeline
     else:
         fleet = Fleet(
             reactor,
