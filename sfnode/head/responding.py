@@ -4,8 +4,9 @@ OpenAI's Responses API (docs/api.md "/v1/responses").
 :class:`ResponsesExchange` is an :class:`~sfnode.head.exchange.Exchange` of a chat completion
 whose body :func:`sfnode.head.responses.translate` wrote, and whose :class:`ResponsesWriter`
 answers a ``Response`` object or its stream of events
-(:class:`~sfnode.head.responses.ResponseBuilder`) instead of chat's bodies and chunks; a response asked to be stored is put in the API's
-:class:`~sfnode.head.responses.ResponseStore` when it ends.
+(:class:`~sfnode.head.responses.ResponseBuilder`) instead of chat's bodies and chunks; a
+response asked to be stored is put in the API's :class:`~sfnode.head.responses.ResponseStore`
+when it ends.
 
 This module must never decide anything the chat exchange decides (placement, back-pressure,
 errors, metrics: those stay in :mod:`sfnode.head.exchange`), never touch the store from a
