@@ -4,7 +4,8 @@ typed (structured) output?  (docs/api.md; outside CI.)
 Starts ``twistd sfnode`` on the bundled model and ``twistd sfhead`` dialing it, as deployed
 (bench/_fleetproc.py), makes a virtualenv of its own for the clients (default
 ``/tmp/clients-venv``; torch is kept out of it by a pip constraint: clients need none) with the
-``openai`` SDK, langchain-openai, pydantic-ai, openai-agents and instructor, and runs one small
+``openai`` SDK, langchain-openai, pydantic-ai (``pydantic-ai-slim[openai]``), openai-agents and
+instructor, and runs one small
 script per framework in that venv against the head's ``/v1``.  Each script does two things the
 way that framework's documentation shows:
 
@@ -34,7 +35,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _fleetproc
 
-PACKAGES = ["openai", "langchain-openai", "pydantic-ai", "openai-agents", "instructor"]
+PACKAGES = ["openai", "langchain-openai", "pydantic-ai-slim[openai]", "openai-agents", "instructor"]
+"""pydantic-ai as its slim distribution with the OpenAI extra (the full one pulls every
+provider's SDK)."""
 NO_TORCH = "torch<0\n"
 """A pip constraint no torch release satisfies: installing a client that needs torch fails
 instead of pulling a multi-gigabyte build."""
@@ -291,7 +294,7 @@ def main() -> None:
     print("| framework | tool call | typed output | notes |")
     print("|---|---|---|---|")
     for name, found in rows:
-        version = installed.get(name, "?")
+        version = installed.get(name) or installed.get(name + "-slim", "?")
         notes = "; ".join(str(n) for n in found.get("notes", []))  # type: ignore[attr-defined]
         notes = notes.replace("|", "/").replace("\n", " ")
         print(f"| {name} {version} | {mark(found['tool'])} | {mark(found['typed'])} | {notes} |")

@@ -7,8 +7,10 @@ function, arguments that validate) for each of twelve different user turns, a na
 likewise, and eight ``json_schema`` answers validate against a nested schema (an enum,
 integer bounds, an array with ``maxItems``, required keys, ``additionalProperties: false``).
 The tools reach the model through the generic rendering (SmolLM2's template has none), and the
-calls come back as ``message.tool_calls``.  Sampled at OpenAI's defaults (temperature 1), each
-request with its own seed.  Locally ``SFNODE_SKIP_SLOW=1`` skips it.
+calls come back as ``message.tool_calls``.  The node runs at its default settings; the requests
+are greedy (``temperature: 0``), as tests/test_agents_smollm2.py asks of the engine (sampled at
+temperature 1, a turn may go on writing parallel calls until ``max_tokens``).  Locally
+``SFNODE_SKIP_SLOW=1`` skips it.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ class BundledAgentsOverHttpTests(NodeTestCase):
                 tools=TOOLS,  # type: ignore[arg-type]
                 tool_choice=choice,
                 max_tokens=256,
+                temperature=0,
             )
 
         def ask_json(question: str) -> Any:
@@ -114,6 +117,7 @@ class BundledAgentsOverHttpTests(NodeTestCase):
                     "json_schema": {"name": "city", "schema": NESTED_SCHEMA, "strict": True},
                 },
                 max_tokens=256,
+                temperature=0,
             )
 
         tool_answers = [threads.deferToThread(ask_tool, t, c) for t, c, _ in cases]

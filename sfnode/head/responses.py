@@ -47,7 +47,9 @@ PASSED = frozenset(
     }
 )  # fmt: skip
 """Fields that mean on ``/v1/responses`` what they mean on chat completions."""
-IGNORED = frozenset({"metadata", "user", "service_tier", "safety_identifier", "prompt_cache_key"})
+IGNORED = frozenset(
+    {"metadata", "user", "service_tier", "safety_identifier", "prompt_cache_key", "stream_options"}
+)
 """Accepted and ignored (``metadata`` is echoed)."""
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "truncation": (None, "disabled", "auto"),
@@ -55,6 +57,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "reasoning": (None,),
     "background": (None, False),
     "top_logprobs": (None, 0),
+    "max_tool_calls": (None,),
 }
 """Accepted only with these values (``include`` and ``reasoning`` also as empty containers)."""
 _KNOWN = frozenset(
