@@ -65,17 +65,16 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar, cast
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 from twisted.internet import defer
 from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.endpoints import clientFromString
 from twisted.internet.interfaces import IDelayedCall, IReactorTime, IStreamClientEndpoint
 from twisted.logger import Logger
 
 from sfnode.generation import KV_BLOCK_TOKENS, StreamTooLong, TokenBatch, TokenSink
-from sfnode.head import placement
+from sfnode.head import failover, placement
 from sfnode.head.backend import ANONYMOUS, BackendStatus, NodeReport, Requester
 from sfnode.head.backend import ClientQueueFull as ClientQueueFull
 from sfnode.head.backend import ConstraintRefused as ConstraintRefused
@@ -89,7 +88,7 @@ from sfnode.head.backend import NodeDown as NodeDown
 from sfnode.head.backend import NoNodeAvailable as NoNodeAvailable
 from sfnode.head.backend import QueueFull as QueueFull
 from sfnode.head.backend import SessionClosed as SessionClosed
-from sfnode.head.fairqueue import FairQueue
+from sfnode.head.failover import MAX_FAILOVERS as MAX_FAILOVERS
 from sfnode.head.link import (
     DEFAULT_HANDSHAKE_TIMEOUT_S,
     DEFAULT_LEASE,
@@ -97,8 +96,9 @@ from sfnode.head.link import (
     HeadIds,
     HeadLinkFactory,
     LinkError,
+    LinkSettings,
     NodeLink,
-    describe_endpoint,
+    parse_endpoint,
 )
 from sfnode.head.machines import (
     DEFAULT_KEEPALIVE_INTERVAL_S,
@@ -109,13 +109,12 @@ from sfnode.head.machines import (
 )
 from sfnode.head.placement import DEFAULT_EXPECTED_OUT, DEFAULT_PREFIX_RULE, Policy, PrefixRule
 from sfnode.head.prefix_index import BlockKey, PrefixIndex, reusable_keys
+from sfnode.head.queue import Waiter, WaitQueue
 from sfnode.wire import (
     FEATURE_CONSTRAINTS,
     FEATURE_LOGPROBS,
     FINISH_CANCELLED,
-    FINISH_DECLINED,
     FINISH_LENGTH,
-    FINISH_REFUSED,
     Constraint,
     GenParams,
     Lease,
@@ -128,9 +127,6 @@ DEFAULT_QUEUE_TIMEOUT_S = 30.0
 """How long a request waits for a node before it fails (0: as long as it takes)."""
 DEFAULT_MAX_GENERATION_S = 600.0
 """The wall budget of one generation, from its request to its Finish (0: none)."""
-MAX_FAILOVERS = 16
-"""Moves one generation may make before the fleet gives up on it (a request that kills every
-node it reaches must not go round for ever)."""
 
 _log = Logger(namespace="sfnode.head.fleet")
 _T = TypeVar("_T")
@@ -160,6 +156,18 @@ def needed_features(params: GenParams, constraint: Constraint | None = None) -> 
     return (FEATURE_LOGPROBS if params.logprobs else 0) | (
         FEATURE_CONSTRAINTS if constraint is not None else 0
     )
+
+
+def ensure_session(
+    link: NodeLink, session: FleetSession, context: Sequence[int], *, fresh: bool = False
+) -> None:
+    """Make ``link`` hold ``session`` with ``context`` (its COMPLETE context) appended:
+    assigned at a new epoch and appended when ``fresh`` (a placement) or when the link does
+    not hold the session; left alone when it does (docs/protocol.md sections 6.2 and 8)."""
+    if fresh or link.head_session.epoch_of(session.session_id) is None:
+        link.assign(session.session_id, lease=session.lease, params=session.params)
+        if context:
+            link.append(session.session_id, context)
 
 
 # --------------------------------------------------------------------------------------------
@@ -290,22 +298,19 @@ class FleetNode:
 # The queue
 
 
-@dataclass(eq=False)
-class _Waiter:
-    """One request waiting for a node."""
+@dataclass(frozen=True, slots=True)
+class _Placing:
+    """What one waiter of the queue asks for: a session placed with ``context``."""
 
     session: FleetSession
     context: tuple[int, ...]
     request: placement.Request
     claim_lane: bool
-    placed: Deferred[FleetNode]
-    since: float
     keys: tuple[BlockKey, ...] = ()
     """The block keys of ``context`` (when placement weighs cached prefixes)."""
-    timer: IDelayedCall | None = None
-    reason: str = ""
-    """Why it waits (the last decision), for the timeout's message."""
-    settled: bool = field(default=False)
+
+
+_Waiter = Waiter["FleetNode"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -353,7 +358,7 @@ class FleetSession:
         node = self.node
         if node is not None and node.fits(len(context)):
             try:
-                link = await fleet._bound_link(self)
+                link = await fleet._bound_link(self, self.context)
             except _NODE_FATAL as e:
                 _log.info(
                     "session {session} lost its node {node}: {error}; placing it again",
@@ -591,43 +596,40 @@ class FleetGeneration:
                     node = session.node
                     node.generation_started(self.interactive)
                 try:
-                    outcome = await self._generate_on(node, remaining)
+                    answer = await self._generate_on(node, remaining, (*base, *self.tokens))
                 except _NODE_FATAL as e:
-                    error: Exception = e
+                    outcome: failover.Outcome = failover.Lost(e)
                 else:
-                    if outcome is None:
-                        return self._outcome(FINISH_CANCELLED, node)
-                    if outcome.finish == FINISH_REFUSED:
-                        length = len(base) + len(self.tokens)
-                        if self.constraint is not None and node.fits(length):
-                            raise ConstraintRefused(
-                                f"{node.name} refused the generation's constraint"
-                            )
-                        raise StreamTooLong(length, node.window or 0)
-                    if outcome.finish != FINISH_DECLINED:
-                        if self.failovers and not self._one_shot and session.node is node:
-                            # The node holds prompt + the tokens delivered before the
-                            # failover; put the session's own context back for its next turn.
-                            node.link.append(session.session_id, base)
-                        # Its cache now holds the blocks of the answer too: the next turn
-                        # of a conversation starts with them.
-                        fleet._remember(node, (*base, *self.tokens), session.model)
-                        return FleetOutcome(
-                            list(self.tokens), outcome.finish, node.name, self.failovers
-                        )
-                    error = NodeDeclined(
-                        f"{node.name} declined the generation (it is full or draining, or a "
-                        "stale epoch or replayed command)"
+                    outcome = (
+                        failover.NotSent() if answer is None else failover.Finished(answer.finish)
                     )
+                length = len(base) + len(self.tokens)
+                attempt = failover.Attempt(
+                    node.name,
+                    length,
+                    node.fits(length),
+                    constrained=self.constraint is not None,
+                    failovers=self.failovers,
+                    cancelled=self._cancelled,
+                    window=node.window or 0,
+                )
+                decision = failover.decide(attempt, outcome)
+                if failover.declined(outcome):
                     fleet._declined(node)
-                if self._cancelled:
+                if isinstance(decision, failover.Fail):
+                    raise decision.error
+                if isinstance(decision, failover.Cancelled):
                     return self._outcome(FINISH_CANCELLED, node)
-                if self.failovers >= MAX_FAILOVERS:
-                    if isinstance(error, NodeDeclined):
-                        raise error
-                    raise NoNodeAvailable(
-                        f"gave up after {self.failovers} failovers; the last: {error}"
-                    ) from error
+                if isinstance(decision, failover.End):
+                    if decision.restore and not self._one_shot and session.node is node:
+                        # The node holds prompt + the tokens delivered before the
+                        # failover; put the session's own context back for its next turn.
+                        node.link.append(session.session_id, base)
+                    # Its cache now holds the blocks of the answer too: the next turn
+                    # of a conversation starts with them.
+                    fleet._remember(node, (*base, *self.tokens), session.model)
+                    return self._outcome(decision.finish, node)
+                error = decision.error
                 tried.append(node)
                 _log.info(
                     "generation of session {session} fails over from {node} after "
@@ -645,12 +647,15 @@ class FleetGeneration:
             if self._one_shot:
                 session.close()
 
-    async def _generate_on(self, node: FleetNode, remaining: int) -> Any:
-        """One GENERATE_REQ on ``node`` (whose lane this generation holds): its outcome, or
-        None when the generation was cancelled before it could be sent."""
+    async def _generate_on(
+        self, node: FleetNode, remaining: int, context: Sequence[int]
+    ) -> Any:
+        """One GENERATE_REQ on ``node`` (whose lane this generation holds), which holds (or
+        gets) ``context``: its outcome, or None when the generation was cancelled before it
+        could be sent."""
         fleet = self.session.fleet
         try:
-            link = await fleet._bound_link(self.session, self.features)
+            link = await fleet._bound_link(self.session, context, self.features)
             if self._cancelled:
                 return None
             constraint = self.constraint
@@ -709,22 +714,33 @@ class Fleet:
         self._reactor = reactor
         self._clock: IReactorTime = clock if clock is not None else reactor
         self.ids = ids if ids is not None else HeadIds()
-        self.token = token
+        self.link_settings = LinkSettings(
+            token=token,
+            handshake_timeout_s=handshake_timeout_s,
+            keepalive_interval_s=keepalive_interval_s,
+            silence_timeout_s=silence_timeout_s,
+            keep_wal=False,
+        )
+        """How every link runs, the ones it dials and the ones that dial in alike."""
         self.policy = Policy(policy)
         self.lease = lease
-        self.handshake_timeout_s = handshake_timeout_s
-        self.keepalive_interval_s = keepalive_interval_s
-        self.silence_timeout_s = silence_timeout_s
-        """The keepalive window: a node silent this long is dropped (0: never)."""
         self.retry_max_s = retry_max_s
         self._retry = retry if retry is not None else retry_policy(retry_max_s)
-        self.max_queued = max_queued
-        self.max_client_queued = (
-            default_client_queued(max_queued) if max_client_queued is None else max_client_queued
+        self.queue: WaitQueue[FleetNode] = WaitQueue(
+            self._clock,
+            self._try,
+            self._why_waiting,
+            max_queued=max_queued,
+            max_client_queued=(
+                default_client_queued(max_queued)
+                if max_client_queued is None
+                else max_client_queued
+            ),
+            timeout_s=queue_timeout_s,
         )
-        """Generations one client address may have waiting (0: no bound but ``max_queued``;
-        generations without an address, such as a program's own, are not bounded by it)."""
-        self.queue_timeout_s = queue_timeout_s
+        """Generations waiting for a node, with the queue's bounds, timeout and counters
+        (generations without a client address, such as a program's own, are not bounded by
+        the per-address one)."""
         self.prefix = prefix
         """How placement weighs a node's cached prefix against its load (``load-aware``)."""
         self.max_generation_s = max_generation_s
@@ -732,13 +748,6 @@ class Fleet:
         self.nodes: list[FleetNode] = []
         self.failovers = 0
         self.reconnects = 0
-        self.queue_rejected = 0
-        """Requests refused at once because the queue was full."""
-        self.queue_timeouts = 0
-        """Requests that waited ``queue_timeout_s`` for a node in vain."""
-        self._queue: FairQueue[_Waiter] = FairQueue()
-        self._dispatching = False
-        self._dispatch_again = False
         self._orders = itertools.count()
         self._session_ids = itertools.count(1)
         self._cursor = 0
@@ -755,8 +764,7 @@ class Fleet:
     def stop(self) -> Deferred[None]:
         """Fail what waits in the queue and close every link."""
         self._stopping = True
-        for waiter in self._queue.clear():
-            self._settle(waiter, NoNodeAvailable("the head is stopping"))
+        self.queue.clear(NoNodeAvailable("the head is stopping"))
         closing = [node.link.close() for node in self.nodes]
         return defer.gatherResults(closing).addCallback(lambda _: None)
 
@@ -764,27 +772,15 @@ class Fleet:
         """Register a node the head dials and start dialing it; fires with it once the first
         attempt ended, whether it reached the node or not (a node that cannot be reached is
         kept and redialled with backoff)."""
-        if isinstance(endpoint, str):
-            description = endpoint
-            dialer = cast(
-                IStreamClientEndpoint,
-                clientFromString(self._reactor, endpoint),  # type: ignore[no-untyped-call]
-            )
-        else:
-            description = describe_endpoint(endpoint)
-            dialer = endpoint
+        dialer, description = parse_endpoint(self._reactor, endpoint)
         link = NodeLink(
             self._reactor,
             self.ids,
-            token=self.token,
+            settings=self.link_settings,
             endpoint=dialer,
             description=description,
-            handshake_timeout_s=self.handshake_timeout_s,
             clock=self._clock,
-            keep_wal=False,
             retry=self._retry,
-            keepalive_interval_s=self.keepalive_interval_s,
-            silence_timeout_s=self.silence_timeout_s,
         )
         node = FleetNode(link, next(self._orders))
         self.nodes.append(node)
@@ -803,12 +799,9 @@ class Fleet:
             self._adopt,
             reactor=self._reactor,
             ids=self.ids,
-            token=self.token,
-            handshake_timeout_s=self.handshake_timeout_s,
+            settings=self.link_settings,
             clock=self._clock,
-            keep_wal=False,
             loopback_only=loopback_only,
-            silence_timeout_s=self.silence_timeout_s,
         )
 
     def live_nodes(self) -> list[FleetNode]:
@@ -824,7 +817,7 @@ class Fleet:
     @property
     def queued(self) -> int:
         """Requests waiting for a node now."""
-        return len(self._queue)
+        return len(self.queue)
 
     def next_join(self) -> Deferred[FleetNode]:
         """Fires with the next node that dials in and passes the handshake."""
@@ -856,7 +849,7 @@ class Fleet:
         waiters, self._join_waiters = self._join_waiters, []
         for d in waiters:
             d.callback(node)
-        self._dispatch()
+        self.queue.dispatch()
 
     # ----------------------------------------------------------------------------------------
     # LinkObserver: what the links say
@@ -891,7 +884,7 @@ class Fleet:
         if reconnected:
             # The node may have restarted with an empty cache; what it kept is learned again.
             node.prefixes.clear()
-        self._dispatch()
+        self.queue.dispatch()
 
     def link_failed(self, link: NodeLink, reason: LinkError, retry_in_s: float | None) -> None:
         node = self._node_of(link)
@@ -929,9 +922,9 @@ class Fleet:
             )
 
     def link_reported(self, link: NodeLink) -> None:
-        if self._queue and self._node_of(link) is not None:
+        if self.queue and self._node_of(link) is not None:
             # A fresh report may say that a full node (or one that declined) has room again.
-            self._dispatch()
+            self.queue.dispatch()
 
     def link_closed(self, link: NodeLink) -> None:
         node = self._node_of(link)
@@ -1000,10 +993,10 @@ class Fleet:
             context_limit=placement.too_long([v for v in views if v.serves(model)], 1 << 62),
             lanes_active=lanes_active,
             lanes_total=lanes_total,
-            queued=queued + len(self._queue),
-            waiting=len(self._queue),
-            queue_rejected=self.queue_rejected,
-            queue_timeouts=self.queue_timeouts,
+            queued=queued + len(self.queue),
+            waiting=len(self.queue),
+            queue_rejected=self.queue.rejected,
+            queue_timeouts=self.queue.timeouts,
             failovers=self.failovers,
             reconnects=self.reconnects,
             nodes=tuple(
@@ -1037,74 +1030,65 @@ class Fleet:
             features=needed_features(session.params) | features,
             interactive=interactive,
         )
-        waiter = _Waiter(
-            session,
-            tuple(context),
-            request,
-            claim_lane,
-            Deferred(lambda _: self._leave(waiter)),
-            self._clock.seconds(),
-            self._prefix_keys(context, session.model),
+        requester = session.requester
+        waiter = self.queue.waiter(
+            _Placing(
+                session,
+                tuple(context),
+                request,
+                claim_lane,
+                self._prefix_keys(context, session.model),
+            ),
+            requester.share,
+            requester.address,
         )
         if self._stopping:
             return defer.fail(NoNodeAvailable("the head is stopping"))
-        if priority or not self._queue:
-            if self._try(waiter):
-                return waiter.placed
-        requester = session.requester
+        if (priority or not self.queue) and self._try(waiter):
+            return waiter.placed
         if not priority:
-            if len(self._queue) >= self.max_queued:
-                self.queue_rejected += 1
-                return defer.fail(
-                    QueueFull(
-                        f"no node can take the request now ({self._why_waiting(waiter)}) and "
-                        f"the queue is full ({self.max_queued} generations may wait)"
-                    )
-                )
-            limit = self.max_client_queued
-            if requester.address and limit and self._queue.waiting_of(requester.address) >= limit:
-                self.queue_rejected += 1
-                return defer.fail(ClientQueueFull(requester.address, limit))
-        if self.queue_timeout_s > 0:
-            waiter.timer = self._clock.callLater(self.queue_timeout_s, self._expire, waiter)
-        self._queue.push(waiter, requester.share, requester.address, priority=priority)
-        self._dispatch()
+            refused = self.queue.refusal(waiter)
+            if refused is not None:
+                return defer.fail(refused)
+        self.queue.wait(waiter, priority=priority)
         return waiter.placed
 
     def _why_waiting(self, waiter: _Waiter) -> str:
         """Why ``waiter`` cannot be placed now (for a refusal's message)."""
         if waiter.reason:
             return waiter.reason
+        placing: _Placing = waiter.request
         decision = placement.decide(
-            self._views(waiter.keys), waiter.request, self.policy, self._cursor, self.prefix
+            self._views(placing.keys), placing.request, self.policy, self._cursor, self.prefix
         )
         if isinstance(decision, placement.Wait):
             return decision.reason
-        return f"{len(self._queue)} generations wait ahead of it"
+        return f"{len(self.queue)} generations wait ahead of it"
 
     def _try(self, waiter: _Waiter) -> bool:
         """Settle ``waiter`` now if the nodes allow (placed, or refused); False: it waits."""
+        placing: _Placing = waiter.request
         decision = placement.decide(
-            self._views(waiter.keys), waiter.request, self.policy, self._cursor, self.prefix
+            self._views(placing.keys), placing.request, self.policy, self._cursor, self.prefix
         )
         if isinstance(decision, placement.Place):
             by_key = {n.order: n for n in self.nodes}
             node = by_key[decision.order[0]]
             if self.policy is Policy.ROUND_ROBIN:
                 self._cursor += 1
-            self._queue.served(waiter.session.requester.share)
-            self._assign(waiter, node)
-            self._settle(waiter, node)
+            self.queue.served(waiter)
+            self._assign(placing, node)
+            self.queue.settle(waiter, node)
             return True
         if isinstance(decision, placement.TooLong):
-            self._settle(waiter, StreamTooLong(decision.length, decision.largest))
+            self.queue.settle(waiter, StreamTooLong(decision.length, decision.largest))
             return True
         if isinstance(decision, placement.Unserved):
-            self._settle(waiter, NoNodeAvailable(f"no node serves {decision.model}"))
+            self.queue.settle(waiter, NoNodeAvailable(f"no node serves {decision.model}"))
             return True
         if isinstance(decision, placement.Unsupported):
-            model = waiter.session.model or "the model"
-            serving = [v for v in self._views() if v.serves(waiter.request.model)]
+            model = placing.session.model or "the model"
+            serving = [v for v in self._views() if v.serves(placing.request.model)]
             if decision.features & FEATURE_CONSTRAINTS and isinstance(
                 placement.with_features(serving, FEATURE_CONSTRAINTS), placement.Unsupported
             ):
@@ -1113,75 +1097,29 @@ class Fleet:
                 )
             else:
                 error = LogprobsUnavailable(f"no node serving {model} returns logprobs")
-            self._settle(waiter, error)
+            self.queue.settle(waiter, error)
             return True
         waiter.reason = decision.reason
         return False
 
-    def _assign(self, waiter: _Waiter, node: FleetNode) -> None:
-        session, link = waiter.session, node.link
-        link.assign(session.session_id, lease=session.lease, params=session.params)
-        if waiter.context:
-            link.append(session.session_id, waiter.context)
-            node.remember(waiter.keys)
+    def _assign(self, placing: _Placing, node: FleetNode) -> None:
+        session = placing.session
+        ensure_session(node.link, session, placing.context, fresh=True)
+        if placing.context:
+            node.remember(placing.keys)
         session.node = node
         node.sessions += 1
-        if waiter.claim_lane:
-            node.generation_started(waiter.request.interactive)
+        if placing.claim_lane:
+            node.generation_started(placing.request.interactive)
 
-    def _dispatch(self) -> None:
-        """Place what waits on whatever the nodes can take now: failovers first, then the
-        clients round robin (:meth:`FairQueue.order`)."""
-        if self._dispatching:
-            # Settling a waiter runs its generation, which may free a lane right here: go
-            # round once more when this pass is done.
-            self._dispatch_again = True
-            return
-        self._dispatching = True
-        try:
-            self._dispatch_again = True
-            while self._dispatch_again:
-                self._dispatch_again = False
-                for waiter in self._queue.order():
-                    if not waiter.settled:
-                        self._try(waiter)
-        finally:
-            self._dispatching = False
-
-    def _settle(self, waiter: _Waiter, result: FleetNode | Exception) -> None:
-        if waiter.settled:
-            return
-        waiter.settled = True
-        self._queue.remove(waiter)
-        if waiter.timer is not None and waiter.timer.active():
-            waiter.timer.cancel()
-        if isinstance(result, Exception):
-            waiter.placed.errback(result)
-        else:
-            waiter.placed.callback(result)
-
-    def _leave(self, waiter: _Waiter) -> None:
-        """The waiter was cancelled (its client went away): it leaves the queue."""
-        waiter.settled = True
-        self._queue.remove(waiter)
-        if waiter.timer is not None and waiter.timer.active():
-            waiter.timer.cancel()
-
-    def _expire(self, waiter: _Waiter) -> None:
-        waiter.timer = None
-        self.queue_timeouts += 1
-        self._settle(
-            waiter,
-            NoNodeAvailable(
-                f"no node could take the request within {self.queue_timeout_s:g} s "
-                f"({self._why_waiting(waiter)})"
-            ),
-        )
-
-    async def _bound_link(self, session: FleetSession, features: int = 0) -> NodeLink:
+    async def _bound_link(
+        self, session: FleetSession, context: Sequence[int], features: int = 0
+    ) -> NodeLink:
         """The open link of the session's node (waiting for a reconnect under way); a link
-        that lacks the session (it was placed over another connection) gets it assigned and
-        appended first.  Fails with :class:`NodeDown` when the node cannot be reached now."""
+        that lacks the session gets it assigned with ``context`` (what the node must hold for
+        the call to come: the session's context, or for a generation that failed over, its
+        prompt and the tokens delivered so far) appended first.  Fails with :class:`NodeDown`
+        when the node cannot be reached now."""
         node = session.node
         assert node is not None
         link = node.link
@@ -1194,10 +1132,7 @@ class Fleet:
             # The node came back without a feature the session needs (restarted with
             # another engine): the session moves to a node that has it.
             raise NodeDown(f"{node.name} no longer offers what the generation needs")
-        if link.head_session.epoch_of(session.session_id) is None:
-            link.assign(session.session_id, lease=session.lease, params=session.params)
-            if session.context:
-                link.append(session.session_id, session.context)
+        ensure_session(link, session, context)
         return link
 
     def _detach(self, session: FleetSession) -> None:
@@ -1215,7 +1150,7 @@ class Fleet:
     def _release(self, node: FleetNode, interactive: bool) -> None:
         """A generation on ``node`` ended: its lane may take a waiting request."""
         node.generation_ended(self._clock.seconds(), interactive)
-        self._dispatch()
+        self.queue.dispatch()
 
     # ----------------------------------------------------------------------------------------
     # Sessions and one-shot generations

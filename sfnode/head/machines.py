@@ -40,6 +40,9 @@ from automat import TypeMachineBuilder
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
+from sfnode import backoff
+from sfnode.backoff import RetryPolicy as RetryPolicy
+
 RETRY_INITIAL_S = 0.1
 """The delay before the first redial after a failed attempt."""
 RETRY_FACTOR = 2.0
@@ -50,26 +53,15 @@ DEFAULT_KEEPALIVE_INTERVAL_S = 15.0
 DEFAULT_SILENCE_TIMEOUT_S = 10.0
 """An open link that brought nothing for this long is dropped (nodes report every 2 s)."""
 
-RetryPolicy = Callable[[int], float]
-"""Seconds to wait before the next attempt, given the failed attempts in a row (from 1)."""
-
 
 def retry_policy(
-    cap_s: float = DEFAULT_RETRY_MAX_S,
-    *,
-    initial_s: float = RETRY_INITIAL_S,
-    factor: float = RETRY_FACTOR,
-    jitter: Callable[[], float] = random.random,
+    cap_s: float = DEFAULT_RETRY_MAX_S, *, jitter: Callable[[], float] = random.random
 ) -> RetryPolicy:
-    """Exponential backoff from ``initial_s`` up to ``cap_s``, each delay shortened by up to a
-    fifth at random (``jitter()`` in [0, 1)), so that a fleet does not redial in lockstep."""
-
-    def delay(failures: int) -> float:
-        steps = min(max(failures, 1) - 1, 64)
-        base = min(initial_s * factor**steps, cap_s)
-        return base * (1.0 - 0.2 * jitter())
-
-    return delay
+    """The head's redial delays: :func:`sfnode.backoff.retry_policy` from
+    ``RETRY_INITIAL_S`` up to ``cap_s`` (``--reconnect-max``)."""
+    return backoff.retry_policy(
+        cap_s, initial_s=RETRY_INITIAL_S, factor=RETRY_FACTOR, jitter=jitter
+    )
 
 
 class LinkError(Exception):
