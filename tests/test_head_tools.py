@@ -82,9 +82,13 @@ class SplitterTests(SynchronousTestCase):
 
     def test_a_call_cut_short_keeps_what_came(self) -> None:
         """An output cut by max_tokens inside a call's arguments: the call is open with the
-        fragments so far, and finish adds nothing."""
-        answer = split('<tool_call>{"name": "jump", "arguments": {"over": "fo', 3)
-        self.assertEqual(answer.calls[0]["function"]["arguments"], '{"over": "fo')
+        fragments so far (what a stream showed), finish adds nothing, and the whole calls (what
+        a non-streamed answer lists) leave it out, as parse_tool_calls does."""
+        text = '<tool_call>{"name": "jump", "arguments": {}}</tool_call>\n<tool_call>{"name": '
+        answer = split(text + '"jump", "arguments": {"over": "fo', 3)
+        self.assertEqual(answer.calls[1]["function"]["arguments"], '{"over": "fo')
+        self.assertEqual(answer.whole_calls, answer.calls[:1])
+        self.assertEqual(len(parse_tool_calls(text)[1]), 1)
 
 
 class RenderingTests(SynchronousTestCase):

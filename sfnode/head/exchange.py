@@ -65,7 +65,14 @@ from sfnode.head.logprobs import ChoiceLogprobs
 from sfnode.head.metrics import HeadMetrics
 from sfnode.head.schema import ApiError, CompletionRequest
 from sfnode.head.text import Detokenizer, RenderBudget, Renderer, StopText
-from sfnode.head.tools import CallEvent, CallsAnswer, CallSplitter, Content, call_delta
+from sfnode.head.tools import (
+    CallDone,
+    CallEvent,
+    CallsAnswer,
+    CallSplitter,
+    Content,
+    call_delta,
+)
 from sfnode.wire import FINISH_CANCELLED, FINISH_EOS, RequestClass
 
 DEFAULT_MAX_TOKENS = 512
@@ -691,6 +698,8 @@ class ChatWriter:
             return  # the whole answer reads the choice's text (whole)
         x = self.exchange
         for shown in events:
+            if isinstance(shown, CallDone):
+                continue  # no chunk: the next call or the finish says it
             logprobs = choice.logprobs.take() if choice.logprobs is not None else None
             if isinstance(shown, Content):
                 chunk = bodies.delta_chunk(x.reply, choice.index, shown.text, logprobs=logprobs)
@@ -721,7 +730,7 @@ class ChatWriter:
                 c.answer.text if c.calls is not None else "".join(c.text),
                 c.finish,
                 c.logprobs.whole() if c.logprobs is not None else None,
-                c.answer.calls if c.calls is not None else None,
+                c.answer.whole_calls if c.calls is not None else None,
             )
             for c in x.choices
         ]

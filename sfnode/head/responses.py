@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sfnode.head.schema import ApiError, checked_text, clip
-from sfnode.head.tools import ArgumentsDelta, CallEvent, CallOpened, Content
+from sfnode.head.tools import ArgumentsDelta, CallDone, CallEvent, CallOpened, Content
 
 DEFAULT_MAX_RESPONSES = 1024
 DEFAULT_MAX_CHARACTERS = 64 * 1024 * 1024
@@ -330,6 +330,8 @@ class ResponseBuilder:
     items: list[_Item] = field(default_factory=list)
     _text: _Item | None = None
     _calls: dict[int, _Item] = field(default_factory=dict)
+    _done: set[int] = field(default_factory=set)
+    """Output indexes of the calls whose arguments are whole."""
 
     def response(
         self, status: str, usage: Mapping[str, int] | None = None, reason: str | None = None
@@ -412,6 +414,8 @@ class ResponseBuilder:
                         item=dict(item.body),
                     )
                 )
+            elif isinstance(event, CallDone):
+                self._done.add(self._calls[event.index].index)
             else:
                 assert isinstance(event, ArgumentsDelta)
                 item = self._calls[event.index]
@@ -501,8 +505,13 @@ class ResponseBuilder:
         return out
 
     def whole(self, usage: Mapping[str, int], reason: str | None = None) -> dict[str, Any]:
-        """The non-streamed answer."""
+        """The non-streamed answer (a call the output was cut inside is dropped)."""
         self.finished(usage, reason)
+        self.items = [
+            item
+            for item in self.items
+            if item.body["type"] != "function_call" or item.index in self._done
+        ]
         return self.response("completed" if reason is None else "incomplete", usage, reason)
 
     def conversation(self) -> tuple[dict[str, Any], ...]:
@@ -518,7 +527,7 @@ class ResponseBuilder:
                 "function": {"name": item.body["name"], "arguments": item.body["arguments"]},
             }
             for item in self.items
-            if item.body["type"] == "function_call"
+            if item.body["type"] == "function_call" and item.index in self._done
         ]
         turn: dict[str, Any] = {"role": "assistant", "content": text or None}
         if calls:

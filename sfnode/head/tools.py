@@ -172,7 +172,15 @@ class ArgumentsDelta:
     fragment: str
 
 
-CallEvent = Content | CallOpened | ArgumentsDelta
+@dataclass(frozen=True, slots=True)
+class CallDone:
+    """Call ``index``'s arguments are whole (an output cut short leaves its last call
+    without one)."""
+
+    index: int
+
+
+CallEvent = Content | CallOpened | ArgumentsDelta | CallDone
 
 
 class CallSplitter:
@@ -275,6 +283,7 @@ class CallSplitter:
             events.append(ArgumentsDelta(self._calls - 1, fragment))
         self._buffer = "" if end is None else buffer[end:]
         if end is not None:
+            events.append(CallDone(self._calls - 1))
             self._mode = "closing"
 
     def _closing(self, events: list[CallEvent]) -> None:
@@ -307,6 +316,8 @@ class CallsAnswer:
 
     content: list[str] = field(default_factory=list)
     calls: list[dict[str, Any]] = field(default_factory=list)
+    done: set[int] = field(default_factory=set)
+    """The calls whose arguments are whole."""
 
     def add(self, events: Sequence[CallEvent]) -> None:
         for event in events:
@@ -320,6 +331,8 @@ class CallsAnswer:
                         "function": {"name": event.name, "arguments": ""},
                     }
                 )
+            elif isinstance(event, CallDone):
+                self.done.add(event.index)
             else:
                 function = self.calls[event.index]["function"]
                 function["arguments"] += event.fragment
@@ -327,6 +340,13 @@ class CallsAnswer:
     @property
     def text(self) -> str:
         return "".join(self.content)
+
+    @property
+    def whole_calls(self) -> list[dict[str, Any]]:
+        """The calls whose arguments are whole (what a non-streamed answer lists: a call an
+        output was cut inside is dropped, as :func:`sfnode.constraint.parse_tool_calls`
+        drops it)."""
+        return [call for index, call in enumerate(self.calls) if index in self.done]
 
 
 def call_delta(event: CallOpened | ArgumentsDelta) -> dict[str, Any]:
@@ -346,6 +366,7 @@ __all__ = [
     "RESPONSE_CLOSE",
     "RESPONSE_OPEN",
     "ArgumentsDelta",
+    "CallDone",
     "CallEvent",
     "CallOpened",
     "CallSplitter",
