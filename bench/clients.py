@@ -239,11 +239,14 @@ def make_venv(venv: Path, packages: list[str]) -> Path:
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     constraint = venv / "no-torch.txt"
     constraint.write_text(NO_TORCH)
-    subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", "--constraint", str(constraint),
-         *packages],
-        check=True,
-    )  # fmt: skip
+    # One at a time: resolving the five together sends pip's resolver into a long backtrack
+    # (their pins on openai and httpx differ); each alone installs in seconds.
+    for package in packages:
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "--quiet", "--constraint", str(constraint),
+             package],
+            check=True,
+        )  # fmt: skip
     return python
 
 
