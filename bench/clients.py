@@ -35,9 +35,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _fleetproc
 
-PACKAGES = ["openai", "langchain-openai", "pydantic-ai-slim[openai]", "openai-agents", "instructor"]
+PACKAGES = ["openai", "instructor", "langchain-openai", "pydantic-ai-slim[openai]", "openai-agents"]
 """pydantic-ai as its slim distribution with the OpenAI extra (the full one pulls every
-provider's SDK)."""
+provider's SDK).  instructor before the others: it caps ``openai`` lower than they need, and
+installed last it would take ``openai`` back down under them (pip then warns of instructor's
+cap, which its calls here do not hit)."""
 NO_TORCH = "torch<0\n"
 """A pip constraint no torch release satisfies: installing a client that needs torch fails
 instead of pulling a multi-gigabyte build."""
