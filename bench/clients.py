@@ -100,7 +100,7 @@ client = openai.OpenAI(base_url=BASE, api_key="-")
 def tool():
     answer = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": ASK_TOOL}], tools=[WEATHER],
-        tool_choice="required", max_tokens=128)
+        tool_choice="required", max_tokens=256)
     call = answer.choices[0].message.tool_calls[0]
     json.loads(call.function.arguments)
     result["notes"].append(f"called {call.function.name}({call.function.arguments})")
@@ -109,7 +109,7 @@ def tool():
 def typed():
     answer = client.chat.completions.parse(
         model=MODEL, messages=[{"role": "user", "content": ASK_TYPED}], response_format=City,
-        max_tokens=128)
+        max_tokens=256)
     parsed = answer.choices[0].message.parsed
     result["notes"].append(f"parse -> {parsed!r}")
     return isinstance(parsed, City)
@@ -121,7 +121,7 @@ attempt("typed", typed)
 from langchain_openai import ChatOpenAI
 from langchain_core.tools import tool as lc_tool
 
-llm = ChatOpenAI(model=MODEL, base_url=BASE, api_key="-", max_tokens=128)
+llm = ChatOpenAI(model=MODEL, base_url=BASE, api_key="-", max_tokens=256)
 
 def tool():
     weather = lc_tool(get_weather)
@@ -145,7 +145,7 @@ from pydantic_ai.providers.openai import OpenAIProvider
 from pydantic_ai.settings import ModelSettings
 
 model = OpenAIChatModel(MODEL, provider=OpenAIProvider(base_url=BASE, api_key="-"))
-settings = ModelSettings(max_tokens=128)
+settings = ModelSettings(max_tokens=256)
 calls = []
 
 def tool():
@@ -187,7 +187,8 @@ def weather(city: str, unit: Literal["celsius", "fahrenheit"]) -> str:
 
 def tool():
     agent = Agent(name="w", instructions="Answer with the tool.", model=model, tools=[weather],
-                  model_settings=ModelSettings(tool_choice="required", max_tokens=128),
+                  model_settings=ModelSettings(tool_choice="required", max_tokens=256,
+                                               parallel_tool_calls=False),
                   tool_use_behavior="stop_on_first_tool")
     run = Runner.run_sync(agent, ASK_TOOL)
     result["notes"].append(f"/v1/responses: tool called with {calls}")
@@ -195,7 +196,7 @@ def tool():
 
 def typed():
     agent = Agent(name="c", instructions="Describe the city.", model=model, output_type=City,
-                  model_settings=ModelSettings(max_tokens=128))
+                  model_settings=ModelSettings(max_tokens=256))
     run = Runner.run_sync(agent, ASK_TYPED)
     result["notes"].append(f"output_type -> {run.final_output!r}")
     return isinstance(run.final_output, City)
@@ -212,7 +213,7 @@ raw = openai.OpenAI(base_url=BASE, api_key="-")
 def tool():
     client = instructor.from_openai(raw, mode=instructor.Mode.TOOLS)
     parsed = client.chat.completions.create(
-        model=MODEL, response_model=City, max_retries=0, max_tokens=128,
+        model=MODEL, response_model=City, max_retries=0, max_tokens=256,
         messages=[{"role": "user", "content": ASK_TYPED}])
     result["notes"].append(f"Mode.TOOLS -> {parsed!r}")
     return isinstance(parsed, City)
@@ -220,7 +221,7 @@ def tool():
 def typed():
     client = instructor.from_openai(raw, mode=instructor.Mode.JSON_SCHEMA)
     parsed = client.chat.completions.create(
-        model=MODEL, response_model=City, max_retries=0, max_tokens=128,
+        model=MODEL, response_model=City, max_retries=0, max_tokens=256,
         messages=[{"role": "user", "content": ASK_TYPED}])
     result["notes"].append(f"Mode.JSON_SCHEMA -> {parsed!r}")
     return isinstance(parsed, City)
