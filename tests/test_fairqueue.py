@@ -178,7 +178,7 @@ class FleetQueueTests(SynchronousTestCase):
         clock = Clock()
         fleet = Fleet(clock, ids=HeadIds(), clock=clock, **kwargs)
         link = FakeLink(lanes)
-        fleet._adopt(link)  # type: ignore[arg-type]
+        fleet.registry.adopt(link)  # type: ignore[arg-type]
 
         self.generations: list[FleetGeneration] = []
 

@@ -45,7 +45,13 @@ PROMPT = list(range(100, 112))
 
 
 class FleetTestCase(NodeTestCase):
-    """Starts mock nodes (any model name, window, vocabulary) and fleets over them."""
+    """Starts mock nodes (any model name, window, vocabulary) and fleets over them.
+
+    Over real loopback TCP on purpose: these tests kill, restart and hang whole nodes (their
+    listening port closed, their connections cut by the kernel, a node back on the same port)
+    and check what the fleet makes of it, through Twisted's real connect and its errors.
+    The timing rules that need no socket are pinned on the memory reactor
+    (tests/test_fleet_memory.py, tests/test_wait_queue.py, tests/test_failover.py)."""
 
     @defer.inlineCallbacks
     def start_mock_node(
@@ -260,7 +266,7 @@ class OneNodeTests(FleetTestCase):
         session = yield fleet.open_session(PROMPT)
         outcome = yield session.generate(8).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 8))
-        self.assertEqual(fleet.reconnects, 0)
+        self.assertEqual(fleet.registry.reconnects, 0)
         closed = self.on(fleet, node).link.when_closed()
         clock.advance(0.3)
         yield closed
@@ -268,7 +274,7 @@ class OneNodeTests(FleetTestCase):
         yield session.append(grown)
         again = yield session.generate(8).result
         self.assertEqual(again.tokens, expected_tokens(grown, 8))
-        self.assertEqual(fleet.reconnects, 1)
+        self.assertEqual(fleet.registry.reconnects, 1)
         self.assertEqual(fleet.failovers, 0)
         self.assertFalse(self.on(fleet, node).down)
 
@@ -292,7 +298,7 @@ class OneNodeTests(FleetTestCase):
         outcome = yield fleet.generate(PROMPT, 30, on_tokens=seen).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 30))
         self.assertEqual(streamed, outcome.tokens)
-        self.assertEqual((fleet.reconnects, fleet.failovers), (1, 0))
+        self.assertEqual((fleet.registry.reconnects, fleet.failovers), (1, 0))
 
     @defer.inlineCallbacks
     def test_a_node_that_dials_in_is_adopted_and_serves(self) -> Generator[Any, Any, None]:

@@ -182,7 +182,7 @@ class OptionsTests(TestCase):
             (
                 fleet.queue.max_queued,
                 fleet.queue.timeout_s,
-                fleet.retry_max_s,
+                fleet.registry.retry_max_s,
                 fleet.link_settings.silence_timeout_s,
             ),
             (0, 2.5, 1.0, 0.0),

@@ -804,7 +804,7 @@ class MoreGenerateTests(LinkTestCase):
             node.events(ev(1, Finish(FINISH_EOS), e=call.epoch, g=call.generation_id))
             self.flush()
             self.successResultOf(call.result)
-            wal = link.head_session.committed(1, call.epoch, call.generation_id)
+            wal = link.head_session.wal.events(1, call.epoch, call.generation_id)
             self.assertEqual([e.event_seq for e in wal], expected)
 
 

@@ -6,8 +6,9 @@ connection carry every generation of a node, so the per-lane connection pools of
 not needed).  Nodes come from two directions: the head dials the ones it is told about
 (:meth:`Fleet.add_node`; each link redials on its own, from about 0.1 s up to a cap, and its
 generations survive a dropped connection through the reconcile), and accepts the ones that
-dial in (:meth:`Fleet.listen_factory`).  Their HELLO_ACK_F and NODE_STATUS feed the registry:
-identity, models, context window, lanes and load.
+dial in (:meth:`Fleet.listen_factory`), every link built with the fleet's one
+:class:`~sfnode.head.link.LinkSettings`.  Their HELLO_ACK_F and NODE_STATUS feed the registry
+(:mod:`sfnode.head.registry`): identity, models, context window, lanes and load.
 
 On top of that:
 
@@ -20,18 +21,20 @@ On top of that:
   weighs the leading blocks of a request's context a node holds against its load
   (:class:`~sfnode.head.placement.PrefixRule`), so requests sharing a system prompt and the
   turns of a conversation go where their prefix is;
-- a bounded queue: a request no live node can take now waits (``max_queued``, at most
-  ``queue_timeout_s``) for a node to come back, join, or free a lane; lanes go to the waiting
-  clients round robin (:class:`~sfnode.head.fairqueue.FairQueue`: by API key, else by address,
-  each client's requests in arrival order), and one client address may hold at most
+- a bounded queue (:class:`~sfnode.head.queue.WaitQueue`): a request no live node can take now
+  waits (``max_queued``, at most ``queue_timeout_s``) for a node to come back, join, or free a
+  lane; lanes go to the waiting clients round robin
+  (:class:`~sfnode.head.fairqueue.FairQueue`: by API key, else by address, each client's
+  requests in arrival order), and one client address may hold at most
   ``max_client_queued`` of the queue; a full queue refuses at once (:class:`QueueFull`, or
   :class:`ClientQueueFull` for a client at its share), a wait that times out fails with
   :class:`NoNodeAvailable`; a waiter that is cancelled (its client went away) leaves;
 - a prompt that no node serving the model can hold is refused with :class:`StreamTooLong`
   (``length``, ``max``), also after a cold fleet learned the windows;
-- failover, in one place (:meth:`FleetGeneration._run`): a generation whose node dies (or
-  declines it) moves to another node with the delivered tokens appended to its context and
-  ``max_new - delivered`` left to generate, so the caller sees exactly the tokens of an
+- failover, decided in one place (:func:`sfnode.head.failover.decide`, carried out by
+  :meth:`FleetGeneration._run`): a generation whose node dies (or declines it) moves to another
+  node with the delivered tokens appended to its context and ``max_new - delivered`` left to
+  generate, so the caller sees exactly the tokens of an
   uninterrupted run, none twice (the counter-based sampler makes this hold for sampled
   generations too); with no other node live it waits in the queue, ahead of new requests;
 - a wall budget per generation (``max_generation_s``, ``--max-generation-time``): a
@@ -63,7 +66,6 @@ deliver a token to a caller twice.
 from __future__ import annotations
 
 import itertools
-from collections import deque
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -73,7 +75,7 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime, IStreamClientEndpoint
 from twisted.logger import Logger
 
-from sfnode.generation import KV_BLOCK_TOKENS, StreamTooLong, TokenBatch, TokenSink
+from sfnode.generation import StreamTooLong, TokenBatch, TokenSink
 from sfnode.head import failover, placement
 from sfnode.head.backend import ANONYMOUS, BackendStatus, NodeReport, Requester
 from sfnode.head.backend import ClientQueueFull as ClientQueueFull
@@ -98,7 +100,6 @@ from sfnode.head.link import (
     LinkError,
     LinkSettings,
     NodeLink,
-    parse_endpoint,
 )
 from sfnode.head.machines import (
     DEFAULT_KEEPALIVE_INTERVAL_S,
@@ -108,8 +109,10 @@ from sfnode.head.machines import (
     retry_policy,
 )
 from sfnode.head.placement import DEFAULT_EXPECTED_OUT, DEFAULT_PREFIX_RULE, Policy, PrefixRule
-from sfnode.head.prefix_index import BlockKey, PrefixIndex, reusable_keys
+from sfnode.head.prefix_index import BlockKey, reusable_keys
 from sfnode.head.queue import Waiter, WaitQueue
+from sfnode.head.registry import FleetNode as FleetNode
+from sfnode.head.registry import NodeRegistry
 from sfnode.wire import (
     FEATURE_CONSTRAINTS,
     FEATURE_LOGPROBS,
@@ -172,126 +175,6 @@ def ensure_session(
 
 # --------------------------------------------------------------------------------------------
 # Nodes
-
-
-class FleetNode:
-    """One node of the registry: its link, and the head's own count of its load."""
-
-    def __init__(self, link: NodeLink, order: int) -> None:
-        self.link = link
-        self.order = order
-        """Registration order: unique, the last tie-breaker of placement."""
-        self.sessions = 0
-        """Sessions placed here and not ended."""
-        self.inflight = 0
-        """Generations the head runs here."""
-        self.interactive_inflight = 0
-        """How many of them are interactive (docs/protocol.md section 12.2)."""
-        self.failed_attempts = 0
-        """Failed (re)connection attempts since the link was last open."""
-        self.last_failure = ""
-        self.prefixes = PrefixIndex()
-        """The blocks of the contexts placed and generated here (what its cache may hold)."""
-        self.declined_at: float | None = None
-        """When it last declined a generation (clock seconds); it takes nothing new until a
-        load report sampled after that arrives."""
-        self.ended: deque[float] = deque()
-        """When this head's generations here ended, since the node's latest load report."""
-
-    @property
-    def name(self) -> str:
-        return self.link.name
-
-    @property
-    def description(self) -> str:
-        """The endpoint string dialed, or the peer of a node that dialed in."""
-        return self.link.description
-
-    @property
-    def label(self) -> str:
-        """The name and, when it says more, the endpoint: ``vm (tcp:10.0.0.5:8454)``."""
-        name, description = self.link.name, self.link.description
-        return name if name == description else f"{name} ({description})"
-
-    @property
-    def dialed(self) -> bool:
-        return self.link.dialable
-
-    @property
-    def live(self) -> bool:
-        """Its link is open: placement may use it."""
-        return self.link.ready
-
-    @property
-    def down(self) -> bool:
-        return not self.link.ready
-
-    @property
-    def models(self) -> tuple[str, ...]:
-        return self.link.models
-
-    @property
-    def window(self) -> int | None:
-        """The node's context window: None while unknown, 0 when unlimited."""
-        capacity = self.link.capacity
-        return None if capacity is None else capacity.max_context_tokens
-
-    def view(self, now: float, keys: Sequence[BlockKey] = ()) -> placement.NodeView:
-        """What placement knows of this node now, for a request whose context has the block
-        keys ``keys`` (how much of it the node is believed to hold)."""
-        at = self.link.capacity_at
-        self._forget_reported_ends()
-        return placement.NodeView(
-            key=self.order,
-            live=self.link.ready,
-            models=self.link.models,
-            capacity=self.link.capacity,
-            report_age_s=None if at is None else now - at,
-            sessions=self.sessions,
-            inflight=self.inflight,
-            features=self.link.features,
-            interactive_inflight=self.interactive_inflight,
-            cached_tokens=self.prefixes.cached_blocks(keys) * KV_BLOCK_TOKENS if keys else 0,
-            ended_since_report=len(self.ended),
-            declined=self.declined_at is not None and (at is None or at <= self.declined_at),
-        )
-
-    def generation_started(self, interactive: bool) -> None:
-        """One of this head's generations starts here (counted by class, section 12.2)."""
-        self.inflight += 1
-        if interactive:
-            self.interactive_inflight += 1
-
-    def generation_ended(self, now: float, interactive: bool) -> None:
-        """One of this head's generations here ended (its lane is free)."""
-        self.inflight -= 1
-        if interactive:
-            self.interactive_inflight -= 1
-        self._forget_reported_ends()
-        self.ended.append(now)
-
-    def _forget_reported_ends(self) -> None:
-        # Only the ends after the latest report matter: that report still counts them, a
-        # later one does not.
-        at = self.link.capacity_at
-        while self.ended and (at is None or self.ended[0] <= at):
-            self.ended.popleft()
-
-    def remember(self, keys: Sequence[BlockKey]) -> None:
-        """The node was sent, or computed, the blocks named ``keys``."""
-        capacity = self.link.capacity
-        if capacity is not None and capacity.kv_blocks_total:
-            # Bounded like the node's own pool, so the index forgets about when the node evicts.
-            self.prefixes.capacity = capacity.kv_blocks_total
-        self.prefixes.record(keys)
-
-    def fits(self, length: int) -> bool:
-        """Whether a context of ``length`` tokens fits (an unknown window is tried)."""
-        window = self.window
-        return window is None or window == 0 or length <= window
-
-    def __repr__(self) -> str:
-        return f"<FleetNode {self.name} {self.link.status}>"
 
 
 # --------------------------------------------------------------------------------------------
@@ -615,7 +498,8 @@ class FleetGeneration:
                 )
                 decision = failover.decide(attempt, outcome)
                 if failover.declined(outcome):
-                    fleet._declined(node)
+                    # No new work there until it reports again.
+                    node.declined_at = fleet._clock.seconds()
                 if isinstance(decision, failover.Fail):
                     raise decision.error
                 if isinstance(decision, failover.Cancelled):
@@ -647,9 +531,7 @@ class FleetGeneration:
             if self._one_shot:
                 session.close()
 
-    async def _generate_on(
-        self, node: FleetNode, remaining: int, context: Sequence[int]
-    ) -> Any:
+    async def _generate_on(self, node: FleetNode, remaining: int, context: Sequence[int]) -> Any:
         """One GENERATE_REQ on ``node`` (whose lane this generation holds), which holds (or
         gets) ``context``: its outcome, or None when the generation was cancelled before it
         could be sent."""
@@ -724,8 +606,6 @@ class Fleet:
         """How every link runs, the ones it dials and the ones that dial in alike."""
         self.policy = Policy(policy)
         self.lease = lease
-        self.retry_max_s = retry_max_s
-        self._retry = retry if retry is not None else retry_policy(retry_max_s)
         self.queue: WaitQueue[FleetNode] = WaitQueue(
             self._clock,
             self._try,
@@ -745,25 +625,32 @@ class Fleet:
         """How placement weighs a node's cached prefix against its load (``load-aware``)."""
         self.max_generation_s = max_generation_s
         """The wall budget of each generation (0: none)."""
-        self.nodes: list[FleetNode] = []
+        self.registry = NodeRegistry(
+            reactor,
+            self._clock,
+            self.ids,
+            self.link_settings,
+            retry if retry is not None else retry_policy(retry_max_s),
+            retry_max_s,
+            on_room=lambda: self.queue.dispatch(),
+            on_report=lambda: self.queue.dispatch() if self.queue else None,
+        )
+        self.nodes = self.registry.nodes
+        """The registry's nodes (the same list)."""
         self.failovers = 0
-        self.reconnects = 0
-        self._orders = itertools.count()
         self._session_ids = itertools.count(1)
         self._cursor = 0
-        self._stopping = False
-        self._join_waiters: list[Deferred[FleetNode]] = []
 
     # ----------------------------------------------------------------------------------------
     # Life cycle and registry
 
     def start(self) -> None:
         """Let the fleet take requests (links keep themselves alive: nothing to start)."""
-        self._stopping = False
+        self.registry.stopping = False
 
     def stop(self) -> Deferred[None]:
         """Fail what waits in the queue and close every link."""
-        self._stopping = True
+        self.registry.stopping = True
         self.queue.clear(NoNodeAvailable("the head is stopping"))
         closing = [node.link.close() for node in self.nodes]
         return defer.gatherResults(closing).addCallback(lambda _: None)
@@ -772,22 +659,7 @@ class Fleet:
         """Register a node the head dials and start dialing it; fires with it once the first
         attempt ended, whether it reached the node or not (a node that cannot be reached is
         kept and redialled with backoff)."""
-        dialer, description = parse_endpoint(self._reactor, endpoint)
-        link = NodeLink(
-            self._reactor,
-            self.ids,
-            settings=self.link_settings,
-            endpoint=dialer,
-            description=description,
-            clock=self._clock,
-            retry=self._retry,
-        )
-        node = FleetNode(link, next(self._orders))
-        self.nodes.append(node)
-        link.observe(self)
-        link.start()
-        first = link.when_open()
-        return first.addBoth(lambda _: node)
+        return self.registry.dial(endpoint)
 
     def listen_factory(self, *, loopback_only: bool = False) -> HeadLinkFactory:
         """The protocol factory for a port that nodes dial (``--fleet-listen``).
@@ -795,154 +667,26 @@ class Fleet:
         ``loopback_only`` (what ``twistd sfhead`` asks for without a fleet token, unless
         --insecure-no-auth) closes connections from anywhere but loopback at once.
         """
-        return HeadLinkFactory(
-            self._adopt,
-            reactor=self._reactor,
-            ids=self.ids,
-            settings=self.link_settings,
-            clock=self._clock,
-            loopback_only=loopback_only,
-        )
+        return self.registry.listen_factory(loopback_only=loopback_only)
 
     def live_nodes(self) -> list[FleetNode]:
         """Nodes whose link is open."""
         return [n for n in self.nodes if n.live]
 
     def node_named(self, name: str) -> FleetNode | None:
-        for node in self.nodes:
-            if node.name == name:
-                return node
-        return None
+        return self.registry.named(name)
+
+    def next_join(self) -> Deferred[FleetNode]:
+        """Fires with the next node that dials in and passes the handshake."""
+        return self.registry.next_join()
 
     @property
     def queued(self) -> int:
         """Requests waiting for a node now."""
         return len(self.queue)
 
-    def next_join(self) -> Deferred[FleetNode]:
-        """Fires with the next node that dials in and passes the handshake."""
-        d: Deferred[FleetNode] = Deferred()
-        self._join_waiters.append(d)
-        return d
-
-    def _node_of(self, link: NodeLink) -> FleetNode | None:
-        for node in self.nodes:
-            if node.link is link:
-                return node
-        return None
-
-    def _adopt(self, link: NodeLink) -> None:
-        """A node dialed in and passed the handshake: it joins by identity."""
-        if self._stopping:
-            link.close()
-            return
-        node = FleetNode(link, next(self._orders))
-        self.nodes.append(node)
-        link.observe(self)
-        _log.info(
-            "node {node} joined (dialed in from {peer}; models {models}, window {window})",
-            node=link.name,
-            peer=link.description,
-            models=", ".join(link.models) or "-",
-            window=node.window,
-        )
-        waiters, self._join_waiters = self._join_waiters, []
-        for d in waiters:
-            d.callback(node)
-        self.queue.dispatch()
-
-    # ----------------------------------------------------------------------------------------
-    # LinkObserver: what the links say
-
-    def link_opened(self, link: NodeLink, reconnected: bool) -> None:
-        node = self._node_of(link)
-        if node is None:
-            return
-        if not reconnected:
-            _log.info(
-                "node {node} joined (dialed {endpoint}; models {models}, window {window})",
-                node=node.name,
-                endpoint=node.description,
-                models=", ".join(link.models) or "-",
-                window=node.window,
-            )
-        else:
-            self.reconnects += 1
-            if node.failed_attempts:
-                _log.info(
-                    "node {node} is back after {count} failed attempts",
-                    node=node.label,
-                    count=node.failed_attempts,
-                )
-            else:
-                _log.info(
-                    "the link to {node} is open again (reconciled)",
-                    node=node.label,
-                )
-        node.failed_attempts = 0
-        node.last_failure = ""
-        if reconnected:
-            # The node may have restarted with an empty cache; what it kept is learned again.
-            node.prefixes.clear()
-        self.queue.dispatch()
-
-    def link_failed(self, link: NodeLink, reason: LinkError, retry_in_s: float | None) -> None:
-        node = self._node_of(link)
-        if node is None:
-            return
-        node.failed_attempts += 1
-        text = str(reason)
-        if node.failed_attempts == 1:
-            _log.warn(
-                "node {node} is down: {reason}; redialling in {delay:.1f} s, "
-                "then backing off up to {cap:g} s",
-                node=node.label,
-                reason=text,
-                delay=retry_in_s or 0.0,
-                cap=self.retry_max_s,
-            )
-        elif text != node.last_failure:
-            _log.info(
-                "node {node} is still down: {reason} (attempt {count})",
-                node=node.label,
-                reason=text,
-                count=node.failed_attempts,
-            )
-        node.last_failure = text
-
-    def link_dropped(self, link: NodeLink, reason: LinkError) -> None:
-        node = self._node_of(link)
-        if node is None:
-            return
-        if link.dialable:
-            _log.info(
-                "the link to {node} dropped: {reason}; redialling",
-                node=node.label,
-                reason=str(reason),
-            )
-
-    def link_reported(self, link: NodeLink) -> None:
-        if self.queue and self._node_of(link) is not None:
-            # A fresh report may say that a full node (or one that declined) has room again.
-            self.queue.dispatch()
-
-    def link_closed(self, link: NodeLink) -> None:
-        node = self._node_of(link)
-        if node is None or self._stopping or link.dialable:
-            return
-        self.nodes.remove(node)
-        _log.info(
-            "node {node} left: {reason}",
-            node=node.name,
-            reason=str(link.last_reason or "its connection ended"),
-        )
-
     # ----------------------------------------------------------------------------------------
     # Placement
-
-    def _views(self, keys: Sequence[BlockKey] = ()) -> list[placement.NodeView]:
-        now = self._clock.seconds()
-        return [n.view(now, keys) for n in self.nodes]
 
     @property
     def prefix_aware(self) -> bool:
@@ -959,13 +703,13 @@ class Fleet:
 
     def check_fits(self, model: str | None, length: int) -> None:
         """Raise :class:`StreamTooLong` when the known windows already say nothing fits."""
-        largest = placement.too_long([v for v in self._views() if v.serves(model)], length)
+        largest = placement.too_long([v for v in self.registry.views() if v.serves(model)], length)
         if largest is not None:
             raise StreamTooLong(length, largest)
 
     def max_window(self, model: str | None) -> int:
         """The largest known window among nodes serving ``model`` (0: unknown or unlimited)."""
-        return placement.max_window(self._views(), model)
+        return placement.max_window(self.registry.views(), model)
 
     def status(self, model: str | None = None) -> BackendStatus:
         """How the fleet stands for ``model``: what the HTTP layer asks of its backend
@@ -986,7 +730,7 @@ class Fleet:
             lanes_total += capacity.max_lanes
             lanes_active += min(max(capacity.lanes_active, node.inflight), capacity.max_lanes)
             queued += max(capacity.queue_depth, node.inflight - capacity.max_lanes)
-        views = self._views()
+        views = self.registry.views()
         return BackendStatus(
             live_nodes=len(live),
             window=placement.max_window(views, model),
@@ -998,7 +742,7 @@ class Fleet:
             queue_rejected=self.queue.rejected,
             queue_timeouts=self.queue.timeouts,
             failovers=self.failovers,
-            reconnects=self.reconnects,
+            reconnects=self.registry.reconnects,
             nodes=tuple(
                 NodeReport(n.name, n.live, n.sessions, n.link.capacity) for n in self.nodes
             ),
@@ -1042,7 +786,7 @@ class Fleet:
             requester.share,
             requester.address,
         )
-        if self._stopping:
+        if self.registry.stopping:
             return defer.fail(NoNodeAvailable("the head is stopping"))
         if (priority or not self.queue) and self._try(waiter):
             return waiter.placed
@@ -1053,14 +797,16 @@ class Fleet:
         self.queue.wait(waiter, priority=priority)
         return waiter.placed
 
+    def _decide(self, placing: _Placing) -> placement.Decision:
+        """Where ``placing`` goes now, from the nodes' views (placement is pure)."""
+        views = self.registry.views(placing.keys)
+        return placement.decide(views, placing.request, self.policy, self._cursor, self.prefix)
+
     def _why_waiting(self, waiter: _Waiter) -> str:
         """Why ``waiter`` cannot be placed now (for a refusal's message)."""
         if waiter.reason:
             return waiter.reason
-        placing: _Placing = waiter.request
-        decision = placement.decide(
-            self._views(placing.keys), placing.request, self.policy, self._cursor, self.prefix
-        )
+        decision = self._decide(waiter.request)
         if isinstance(decision, placement.Wait):
             return decision.reason
         return f"{len(self.queue)} generations wait ahead of it"
@@ -1068,9 +814,7 @@ class Fleet:
     def _try(self, waiter: _Waiter) -> bool:
         """Settle ``waiter`` now if the nodes allow (placed, or refused); False: it waits."""
         placing: _Placing = waiter.request
-        decision = placement.decide(
-            self._views(placing.keys), placing.request, self.policy, self._cursor, self.prefix
-        )
+        decision = self._decide(placing)
         if isinstance(decision, placement.Place):
             by_key = {n.order: n for n in self.nodes}
             node = by_key[decision.order[0]]
@@ -1088,7 +832,7 @@ class Fleet:
             return True
         if isinstance(decision, placement.Unsupported):
             model = placing.session.model or "the model"
-            serving = [v for v in self._views() if v.serves(placing.request.model)]
+            serving = [v for v in self.registry.views() if v.serves(placing.request.model)]
             if decision.features & FEATURE_CONSTRAINTS and isinstance(
                 placement.with_features(serving, FEATURE_CONSTRAINTS), placement.Unsupported
             ):
@@ -1142,10 +886,6 @@ class Fleet:
             return
         node.sessions -= 1
         node.link.revoke(session.session_id)
-
-    def _declined(self, node: FleetNode) -> None:
-        """``node`` declined a generation: no new work there until it reports again."""
-        node.declined_at = self._clock.seconds()
 
     def _release(self, node: FleetNode, interactive: bool) -> None:
         """A generation on ``node`` ended: its lane may take a waiting request."""

@@ -214,6 +214,11 @@ class LinkCore:
     """The delay of the redial timer ``down`` set last."""
     open_waiters: list[Deferred[None]] = field(default_factory=list)
     """Waiters for the link to be open; fired by the machine only."""
+    phase: str = "new"
+    """new, connecting, handshaking, reconciling, open, down or closed: written by the machine
+    only, before it asks for the effects of the phase it enters, and read by everyone else
+    (the link's ``status``, whether it is open, whether its connection is past the
+    handshake)."""
 
     def settle(self, error: LinkError | None) -> None:
         waiters, self.open_waiters = self.open_waiters, []
@@ -285,6 +290,7 @@ def _connecting(inputs: LinkInputs, core: LinkCore, reason: LinkError | None = N
         inputs._timed_out,
         ConnectError(f"timed out connecting after {core.handshake_timeout_s:g} s"),
     )
+    core.phase = "connecting"
     return Dialing(core.effects.dial(), deadline)
 
 
@@ -335,6 +341,15 @@ _down_state = _link.state("down", _down)
 _closed = _link.state("closed")
 
 
+def _enter_closed(core: LinkCore, *, was_open: bool = False) -> None:
+    """Enter ``closed``: why the link is down becomes the head's close when it was open (or
+    never had another reason), and the link's effects of closing follow."""
+    if core.last_reason is None or was_open:
+        core.last_reason = LinkLostError("the head closed the link")
+    core.phase = "closed"
+    core.effects.closed()
+
+
 def _ignore(state: Any, *inputs: Callable[..., None]) -> None:
     """Inputs that ``state`` accepts and deliberately does nothing about (late or stray)."""
     for each in inputs:
@@ -366,7 +381,7 @@ def _new_wait(inputs: LinkInputs, core: LinkCore) -> None:
 @_new.upon(LinkInputs.close).to(_closed)
 def _new_close(inputs: LinkInputs, core: LinkCore) -> None:
     core.settle(_closed_error())
-    core.effects.closed()
+    _enter_closed(core)
 
 
 _ignore(
@@ -386,6 +401,7 @@ _ignore(
 @_connecting_state.upon(LinkInputs.connection_made).to(_handshaking_state)
 def _connected(inputs: LinkInputs, core: LinkCore, data: Dialing) -> None:
     data.stop()
+    core.phase = "handshaking"
     core.effects.attach()
 
 
@@ -408,7 +424,7 @@ def _connect_timed_out(
 def _close_connecting(inputs: LinkInputs, core: LinkCore, data: Dialing) -> None:
     data.abandon()
     core.settle(_closed_error())
-    core.effects.closed()
+    _enter_closed(core)
 
 
 _ignore(
@@ -428,6 +444,7 @@ _ignore(
 
 def _report_failure(core: LinkCore, reason: LinkError) -> None:
     """Entering ``down`` after a failed attempt (its data is built: ``core.failures`` counts it)."""
+    core.phase = "down"
     core.effects.attempt_failed(reason, core.retry_in_s)
     core.settle(reason)
 
@@ -445,6 +462,7 @@ def _acknowledged(inputs: LinkInputs, core: LinkCore, data: Deadline) -> None:
 @_handshaking_state.upon(LinkInputs.acknowledged_with_sessions).to(_reconciling_state)
 def _start_reconcile(inputs: LinkInputs, core: LinkCore, data: Deadline) -> None:
     data.stop()
+    core.phase = "reconciling"
     core.effects.begin_reconcile()
 
 
@@ -466,7 +484,7 @@ def _ended_in_handshake(
     data.stop()
     core.last_reason = reason
     core.settle(reason)
-    core.effects.closed()
+    _enter_closed(core)
 
 
 @_handshaking_state.upon(LinkInputs.connection_made).loop()
@@ -478,7 +496,7 @@ def _handshaking_stray(inputs: LinkInputs, core: LinkCore, data: Deadline) -> No
 def _close_handshaking(inputs: LinkInputs, core: LinkCore, data: Deadline) -> None:
     data.stop()
     core.settle(_closed_error())
-    core.effects.closed()
+    _enter_closed(core)
 
 
 _ignore(
@@ -518,7 +536,7 @@ def _reconciling_stray(inputs: LinkInputs, core: LinkCore, data: Deadline) -> No
 def _close_reconciling(inputs: LinkInputs, core: LinkCore, data: Deadline) -> None:
     data.stop()
     core.settle(_closed_error())
-    core.effects.closed()
+    _enter_closed(core)
 
 
 _ignore(
@@ -539,6 +557,7 @@ def _now_open(core: LinkCore) -> None:
     core.ever_open = True
     core.failures = 0
     core.last_reason = None
+    core.phase = "open"
     core.effects.opened(reconnected)
     core.settle(None)
 
@@ -551,6 +570,7 @@ def _now_open(core: LinkCore) -> None:
 def _redial_at_once(inputs: LinkInputs, core: LinkCore, data: Open, reason: LinkError) -> None:
     data.stop()
     core.last_reason = reason
+    core.phase = "connecting"
     core.effects.dropped(reason)
 
 
@@ -558,13 +578,15 @@ def _redial_at_once(inputs: LinkInputs, core: LinkCore, data: Open, reason: Link
 def _ended(inputs: LinkInputs, core: LinkCore, data: Open, reason: LinkError) -> None:
     data.stop()
     core.last_reason = reason
+    core.phase = "closed"
     core.effects.dropped(reason)
-    core.effects.closed()
+    _enter_closed(core)
 
 
 @_open_state.upon(LinkInputs.redial).to(_connecting_state)
 def _replace(inputs: LinkInputs, core: LinkCore, data: Open) -> None:
     data.stop()
+    core.phase = "connecting"
     core.effects.replaced()
 
 
@@ -598,7 +620,7 @@ def _open_stray(inputs: LinkInputs, core: LinkCore, data: Open) -> None:
 def _close_open(inputs: LinkInputs, core: LinkCore, data: Open) -> None:
     data.stop()
     core.settle(_closed_error())
-    core.effects.closed()
+    _enter_closed(core, was_open=True)
 
 
 _ignore(
@@ -644,7 +666,7 @@ def _down_stray(inputs: LinkInputs, core: LinkCore, data: Waiting) -> None:
 def _close_down(inputs: LinkInputs, core: LinkCore, data: Waiting) -> None:
     data.stop()
     core.settle(_closed_error())
-    core.effects.closed()
+    _enter_closed(core)
 
 
 _ignore(

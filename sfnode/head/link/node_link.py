@@ -179,6 +179,8 @@ class NodeLink:
         self.ids = ids
         self.settings = settings
         self._endpoint = endpoint
+        self.dialable = endpoint is not None
+        """Whether the head dials this node (and so redials it)."""
         self.description = description or (
             describe_endpoint(endpoint) if endpoint is not None else "a node that dialed in"
         )
@@ -189,10 +191,6 @@ class NodeLink:
         self.capacity_at: float | None = None
         """When the latest capacity report arrived (clock seconds)."""
         self.models: tuple[str, ...] = ()
-        self.status = "new"
-        """new, connecting, handshaking, reconciling, open, down or closed (for humans)."""
-        self.ready = False
-        """Open: handshaken, and reconciled after a reconnect."""
         self._calls = CallTable()
         """Outstanding generations and stage forwards (and which generations a drop
         suspended until the redial's reconcile settles them)."""
@@ -244,9 +242,15 @@ class NodeLink:
         return self._driver.connected
 
     @property
-    def dialable(self) -> bool:
-        """Whether the head dials this node (and so redials it)."""
-        return self._endpoint is not None
+    def status(self) -> str:
+        """new, connecting, handshaking, reconciling, open, down or closed (for humans): the
+        phase of the link machine."""
+        return self._core.phase
+
+    @property
+    def ready(self) -> bool:
+        """Open: handshaken, and reconciled after a reconnect."""
+        return self._core.phase == "open"
 
     @property
     def last_reason(self) -> LinkError | None:
@@ -480,13 +484,17 @@ class _LinkDriver:
         self._protocol: HeadLinkProtocol | None = None
         self._incoming: HeadLinkProtocol | None = None
         self._closing: set[HeadLinkProtocol] = set()
-        self._awaiting_ack = False
         self._reconcile: Reconcile | None = None
 
     @property
     def connected(self) -> bool:
         """A connection is up and past its handshake (a reconcile may still run)."""
-        return self._protocol is not None and not self._awaiting_ack
+        return self._protocol is not None and not self.in_handshake
+
+    @property
+    def in_handshake(self) -> bool:
+        """The connection waits for its HELLO_ACK_F (the machine's ``handshaking``)."""
+        return self.link._core.phase == "handshaking"
 
     @property
     def idle(self) -> bool:
@@ -507,7 +515,6 @@ class _LinkDriver:
     # LinkEffects: what the machine asks for
 
     def dial(self) -> Deferred[Any] | None:
-        self.link.status = "connecting"
         if self.link._endpoint is None:
             return None
         attempt = self.link._endpoint.connect(
@@ -530,8 +537,6 @@ class _LinkDriver:
 
     def attach(self) -> None:
         self._protocol, self._incoming = self._incoming, None
-        self._awaiting_ack = True
-        self.link.status = "handshaking"
         if self._protocol is not None:
             self._protocol.send(
                 Hello(
@@ -549,18 +554,14 @@ class _LinkDriver:
 
     def abort(self) -> None:
         protocol, self._protocol = self._protocol, None
-        self._awaiting_ack = False
         if protocol is not None:
             protocol.abort()
 
     def begin_reconcile(self) -> None:
-        self.link.status = "reconciling"
         self._reconcile = Reconcile()
         self.send_now(self.link.head_session.reconcile())
 
     def opened(self, reconnected: bool) -> None:
-        self.link.status = "open"
-        self.link.ready = True
         state, self._reconcile = self._reconcile, None
         if state is not None:
             for session_id in state.held:
@@ -577,8 +578,6 @@ class _LinkDriver:
             observer.link_opened(self.link, reconnected)
 
     def attempt_failed(self, reason: LinkError, retry_in_s: float) -> None:
-        self.link.status = "down"
-        self.link.ready = False
         self._reconcile = None
         lost = LinkLostError(f"{self.link.name} could not be reached again: {reason}")
         self.link._calls.fail_forwards(lost)
@@ -591,7 +590,6 @@ class _LinkDriver:
             observer.link_failed(self.link, reason, retry_in_s)
 
     def dropped(self, reason: LinkError) -> None:
-        self.link.ready = False
         self._reconcile = None
         self.link._calls.fail_forwards(reason)
         if isinstance(reason, NodeSilentError) or not self.link.dialable:
@@ -605,7 +603,6 @@ class _LinkDriver:
             observer.link_dropped(self.link, reason)
 
     def replaced(self) -> None:
-        self.link.ready = False
         self.abort()
         self.link._calls.fail_forwards(
             LinkLostError(f"the link to {self.link.name} is reconnecting")
@@ -624,15 +621,9 @@ class _LinkDriver:
         self.link.keepalive()
 
     def closed(self) -> None:
-        was_open = self.link.ready
-        self.link.status = "closed"
-        self.link.ready = False
         self._reconcile = None
         reason = LinkLostError("the head closed the link")
-        if self.link._core.last_reason is None or was_open:
-            self.link._core.last_reason = reason
         protocol, self._protocol = self._protocol, None
-        self._awaiting_ack = False
         if protocol is not None:
             self._closing.add(protocol)
             protocol.close()
@@ -656,7 +647,7 @@ class _LinkDriver:
         if protocol is not self._protocol:
             return
         self.link._core.last_heard = self.link._clock.seconds()
-        if self._awaiting_ack:
+        if self.in_handshake:
             self._on_hello_ack(message)
             return
         handler = _HANDLERS.get(type(message))
@@ -692,9 +683,8 @@ class _LinkDriver:
             return
         if protocol is not self._protocol:
             return
-        in_handshake = self._awaiting_ack
+        in_handshake = self.in_handshake
         self._protocol = None
-        self._awaiting_ack = False
         if in_handshake:
             loss: LinkError = handshake_loss(reason, protocol)
         else:
@@ -722,7 +712,6 @@ class _LinkDriver:
                 HandshakeError(f"expected HELLO_ACK_F, got {type(message).__name__}")
             )
             return
-        self._awaiting_ack = False
         if self.link.hello_ack is None and not message.feature_flags & FEATURE_HEAD_IDENTITY:
             _log.warn(
                 "node {node} does not keep the sessions of different heads apart (no head "
@@ -843,9 +832,7 @@ def _on_token_events(driver: _LinkDriver, message: TokenEventsMsg) -> None:
     for call in finished:
         driver.link.forget_generation(call)
         if not driver.link.settings.keep_wal:
-            driver.link.head_session.forget_committed(
-                call.session_id, call.epoch, call.generation_id
-            )
+            driver.link.head_session.wal.forget(call.session_id, call.epoch, call.generation_id)
         call._complete()
     if state is not None and state.done:
         driver.link._machine.reconciled()
