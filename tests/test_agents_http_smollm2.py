@@ -78,7 +78,9 @@ class BundledAgentsOverHttpTests(NodeTestCase):
             node_factory(agent)
         )
         self.addCleanup(port.stopListening)
-        fleet = Fleet(reactor, ids=self.ids)
+        # 32 requests on 8 lanes: on a loaded machine the last wait longer than the queue's
+        # default 30 s for a lane.
+        fleet = Fleet(reactor, ids=self.ids, queue_timeout_s=900)
         self.addCleanup(fleet.stop)
         yield fleet.add_node(f"tcp:127.0.0.1:{port.getHost().port}")
         seeds = itertools.count(1000)
