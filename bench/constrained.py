@@ -3,8 +3,10 @@ ones, in one run, through a real ``twistd sfnode`` process (docs/engine.md secti
 
 The node runs as deployed (the bundled model at its default settings, the environment of the
 shell that started this script without ``OMP_WAIT_POLICY``), with its ``/metrics``.  This
-script drives it with the head library (:class:`~sfnode.head.fleet.Fleet`; the HTTP API for
-constraints comes later): the same eight chat prompts (tests/agents.py's city questions) as
+script drives it with the head library (:class:`~sfnode.head.fleet.Fleet`), or with ``--http``
+through a ``twistd sfhead`` process's OpenAI API (streamed chat requests with
+``response_format``, each chunk's tokens counted from its ``logprobs``, asked of both kinds
+alike): the same eight chat prompts (tests/agents.py's city questions) as
 eight concurrent generations under the nested JSON Schema, then unconstrained with each
 prompt's ``max_new`` set to the length of its constrained answer (so both kinds keep as many
 lanes busy for as long: the comparison is of the steps, not of the answers' lengths), round
@@ -21,6 +23,7 @@ steps waited for their masks.  One answer of each kind is printed, so the output
 
     PYTHONPATH=. python bench/constrained.py
     PYTHONPATH=. python bench/constrained.py --rounds 3 --max-new 160
+    PYTHONPATH=. python bench/constrained.py --http
 
 This script only measures and prints; it must never assert or be imported by the package.
 """
@@ -74,6 +77,78 @@ def rates(runs: Sequence[Run]) -> tuple[float, float]:
     return steady, whole
 
 
+class _Tokens:
+    """What one streamed chat answer delivers to a :class:`Run`: its text and, per chunk, as
+    many token ids as the chunk's logprobs list (the ids are not known over HTTP: -1)."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.text: list[str] = []
+
+    def event(self, body: dict[str, Any]) -> None:
+        for choice in body.get("choices", []):
+            entries = (choice.get("logprobs") or {}).get("content") or []
+            if entries:
+                self.run.arrivals.append((time.perf_counter(), len(entries)))
+                self.run.tokens.extend([-1] * len(entries))
+            self.text.append((choice.get("delta") or {}).get("content") or "")
+
+
+def http_chat(port: int, model: str, question: str, kind: str, max_new: int, run: Run) -> Any:
+    """One streamed chat request to the head (``json_schema`` under the nested schema, with
+    logprobs so each chunk says how many tokens it holds); fires when the stream ends."""
+    from io import BytesIO
+
+    from twisted.internet import defer, protocol, reactor
+    from twisted.web.client import Agent, FileBodyProducer
+    from twisted.web.http_headers import Headers
+
+    from tests.agents import NESTED_SCHEMA
+
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": max_new,
+        "stream": True,
+        "logprobs": True,
+        "top_logprobs": 0,
+    }
+    if kind == "json_schema":
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "city", "schema": NESTED_SCHEMA},
+        }
+    sink = _Tokens(run)
+    done: defer.Deferred[None] = defer.Deferred()
+
+    class Reader(protocol.Protocol):
+        buffer = b""
+
+        def dataReceived(self, data: bytes) -> None:
+            self.buffer += data
+            while b"\n\n" in self.buffer:
+                block, self.buffer = self.buffer.split(b"\n\n", 1)
+                if block.startswith(b"data: {"):
+                    sink.event(json.loads(block[6:]))
+
+        def connectionLost(self, reason: Any = None) -> None:
+            done.callback(None)
+
+    def read(response: Any) -> Any:
+        response.deliverBody(Reader())
+        return done
+
+    request = Agent(reactor).request(
+        b"POST",
+        f"http://127.0.0.1:{port}/v1/chat/completions".encode(),
+        Headers({b"content-type": [b"application/json"]}),
+        FileBodyProducer(BytesIO(json.dumps(body).encode())),
+    )
+    request.addCallback(read)
+    request.addCallback(lambda _: setattr(run, "text", "".join(sink.text)))
+    return request
+
+
 def mask_figures(port: int) -> tuple[float, float, float]:
     """(masks, seconds computing, seconds waited) from the node's /metrics."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
@@ -92,6 +167,9 @@ def main() -> None:
     parser.add_argument("--max-new", type=int, default=160, help="new tokens at most")
     parser.add_argument("--node-arg", action="append", default=[], help="extra sfnode option")
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for the node")
+    parser.add_argument(
+        "--http", action="store_true", help="through a twistd sfhead's HTTP API (streamed chat)"
+    )
     options = parser.parse_args()
     _fleetproc.guard_children()
 
@@ -124,6 +202,23 @@ def main() -> None:
     found = node.wait_for_line(rb"sfnode listening on 127\.0\.0\.1:(\d+)", _fleetproc.NODE_READY_S)
     endpoint = f"tcp:127.0.0.1:{int(found.group(1))}"
     metrics_port = int(node.wait_for_line(rb"sfnode metrics on 127\.0\.0\.1:(\d+)", 60).group(1))
+    head = None
+    http_port = 0
+    if options.http:
+        head_argv = _fleetproc.twistd(
+            "sfhead", "--node", endpoint, "--http", "tcp:0:interface=127.0.0.1",
+            "--fleet-listen", "tcp:0:interface=127.0.0.1",
+        )  # fmt: skip
+        print(f"starting {_fleetproc.shown(head_argv)}", flush=True)
+        head = _fleetproc.Child(
+            "sfhead", head_argv, _fleetproc.child_env(options.env), logs / "sfhead.log", False
+        )
+        found = head.wait_for_line(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)", 120)
+        http_port = int(found.group(1))
+        _fleetproc.wait_until(
+            head, f"http://127.0.0.1:{http_port}/healthz", lambda b: b.get("nodes", 0) > 0, 120
+        )
+    model = _fleetproc.served_model(http_port) if http_port else ""
     results: dict[str, list[tuple[float, float]]] = {kind: [] for kind in KINDS}
     samples: dict[str, str] = {}
     counts: dict[str, list[int]] = {kind: [] for kind in KINDS}
@@ -138,9 +233,12 @@ def main() -> None:
         def round_of(kind: str, lengths: Sequence[int]) -> Generator[Any, Any, list[Run]]:
             runs = []
             generations = []
-            for prompt, max_new in zip(prompts, lengths, strict=True):
+            for question, prompt, max_new in zip(CITY_QUESTIONS, prompts, lengths, strict=True):
                 run = Run(time.perf_counter())
                 runs.append(run)
+                if options.http:
+                    generations.append(http_chat(http_port, model, question, kind, max_new, run))
+                    continue
                 generations.append(
                     fleet.generate(
                         prompt,
@@ -164,7 +262,9 @@ def main() -> None:
             for kind, runs in (("json_schema", constrained), ("unconstrained", plain)):
                 results[kind].append(rates(runs))
                 counts[kind].append(sum(len(run.tokens) for run in runs))
-                samples[kind] = tokenizer.decode(runs[0].tokens, skip_special_tokens=True)
+                samples[kind] = getattr(runs[0], "text", None) or tokenizer.decode(
+                    runs[0].tokens, skip_special_tokens=True
+                )
         after = yield threads.deferToThread(mask_figures, metrics_port)
         yield fleet.stop()
         masks, computing, waiting = (a - b for a, b in zip(after, before, strict=True))
@@ -173,6 +273,8 @@ def main() -> None:
     try:
         task.react(lambda _reactor: drive())
     finally:
+        if head is not None:
+            head.stop()
         node.stop()
 
 
@@ -185,8 +287,10 @@ def report(
     waiting: float,
     options: Any,
 ) -> None:
+    via = "through twistd sfhead's HTTP API" if options.http else "through the head library"
     print(f"\n8 concurrent generations on {_fleetproc.cpu_name()}, bundled model, node defaults "
-          f"{' '.join(options.node_arg)}; median of {options.rounds} rounds, tokens/s")  # fmt: skip
+          f"{' '.join(options.node_arg)}, {via}; median of {options.rounds} rounds, "
+          "tokens/s")  # fmt: skip
     print(f"{'':28}{'unconstrained':>15}{'json_schema':>15}{'ratio':>9}")
     print(
         f"{'tokens per round':28}{statistics.median(counts['unconstrained']):>15.0f}"

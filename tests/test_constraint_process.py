@@ -1,6 +1,7 @@
 """A constrained stream survives the death of its node (docs/protocol.md section 12.3): real
 ``twistd sfnode`` processes on the tiny Llama with ``--weights float32``, driven by the head
-library (:class:`~sfnode.head.fleet.Fleet`) in the test.
+library (:class:`~sfnode.head.fleet.Fleet`) in the test, and through the HTTP API with the
+``openai`` package.
 
 The generation is sampled, with a JSON Schema that asks for a long array and a presence
 penalty, so that the node is still generating when it is killed and the survivor has both a
@@ -44,12 +45,8 @@ class ConstrainedFailoverTests(TestCase):
     timeout = 300
 
     @defer.inlineCallbacks
-    def test_a_killed_nodes_constrained_answer_equals_the_uninterrupted_one(
-        self,
-    ) -> Generator[defer.Deferred[Any], Any, None]:
-        """SIGKILL the node serving a constrained, sampled stream right after its first
-        tokens: the fleet finishes it on the other node, and the caller's tokens equal an
-        uninterrupted run's, token for token, and validate against the schema."""
+    def two_nodes(self) -> Generator[defer.Deferred[Any], Any, tuple[str, list[Any], Fleet]]:
+        """The tiny model's folder, two float32 node processes and a fleet of both."""
         from tests.tinymodel import save_tiny_model
 
         folder = str(save_tiny_model(Path(self.mktemp()).resolve() / "tiny"))
@@ -68,6 +65,78 @@ class ConstrainedFailoverTests(TestCase):
         self.addCleanup(fleet.stop)
         for endpoint in endpoints:
             yield fleet.add_node(endpoint)
+        return folder, nodes, fleet
+
+    @defer.inlineCallbacks
+    def test_a_killed_nodes_streamed_json_answer_equals_the_uninterrupted_one_over_http(
+        self,
+    ) -> Generator[defer.Deferred[Any], Any, None]:
+        """Through the HTTP API with the ``openai`` package: a seeded, sampled chat completion
+        under a ``json_schema`` and a presence penalty, streamed; the node serving it is
+        SIGKILLed at its first content chunk; the stream goes on from the other node and its
+        text equals the same request's uninterrupted answer, which validates."""
+        import openai
+        from transformers import AutoTokenizer
+        from twisted.internet import threads
+        from twisted.internet.endpoints import TCP4ServerEndpoint
+
+        from sfnode.head.http import OpenAIApi
+
+        folder, nodes, fleet = yield self.two_nodes()
+        api = OpenAIApi(reactor, fleet, AutoTokenizer.from_pretrained(folder), "tiny")
+        self.addCleanup(api.stop)
+        port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(api.site())
+        self.addCleanup(port.stopListening)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port.getHost().port}/v1", api_key="-", max_retries=0
+        )
+        self.addCleanup(client.close)
+        request: dict[str, Any] = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "the quick brown fox"}],
+            "max_tokens": 200,
+            "temperature": 0.9,
+            "top_p": 0.95,
+            "seed": 2024,
+            "presence_penalty": 0.4,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "digits", "schema": LONG_ARRAY},
+            },
+        }
+        reference = yield threads.deferToThread(
+            lambda: client.chat.completions.create(**request)
+        )
+        killed: list[defer.Deferred[None]] = []
+
+        def kill_the_serving_node() -> None:
+            serving = [n.name for n in fleet.status().nodes if n.sessions]
+            self.assertEqual(len(serving), 1)
+            killed.append(nodes[int(serving[0][1:])].kill())
+
+        def streamed() -> str:
+            pieces = []
+            for chunk in client.chat.completions.create(**request, stream=True):
+                text = chunk.choices[0].delta.content if chunk.choices else None
+                if text and not killed:
+                    threads.blockingCallFromThread(reactor, kill_the_serving_node)
+                pieces.append(text or "")
+            return "".join(pieces)
+
+        text = yield threads.deferToThread(streamed)
+        yield killed[0]
+        self.assertEqual(fleet.status().failovers, 1)
+        self.assertEqual(text, reference.choices[0].message.content)
+        jsonschema.validate(json.loads(text), LONG_ARRAY)
+
+    @defer.inlineCallbacks
+    def test_a_killed_nodes_constrained_answer_equals_the_uninterrupted_one(
+        self,
+    ) -> Generator[defer.Deferred[Any], Any, None]:
+        """SIGKILL the node serving a constrained, sampled stream right after its first
+        tokens: the fleet finishes it on the other node, and the caller's tokens equal an
+        uninterrupted run's, token for token, and validate against the schema."""
+        folder, nodes, fleet = yield self.two_nodes()
 
         from transformers import AutoTokenizer
 

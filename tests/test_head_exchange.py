@@ -96,6 +96,7 @@ class _Backend:
         max_wall_ms: int = 0,
         request_class: Any = None,
         requester: Any = None,
+        constraint: Any = None,
     ) -> _Generation:
         generation = _Generation(prompt, max_new, on_tokens)
         self.generations.append(generation)

@@ -20,8 +20,10 @@ from twisted.internet import defer, threads
 from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.head.schema import (
+    CONSTRAINT_FIELDS,
     IGNORED,
     MAX_N,
+    TOOL_FIELDS,
     UNSUPPORTED,
     ApiError,
     CompletionRequest,
@@ -33,7 +35,7 @@ FIELDS = [
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
     "top_p", "min_p", "top_k", "seed", "stop", "stream", "stream_options", "n", "logprobs",
     "top_logprobs",
-    *sorted(UNSUPPORTED), *sorted(IGNORED),
+    *sorted(UNSUPPORTED), *sorted(IGNORED), *CONSTRAINT_FIELDS, *TOOL_FIELDS,
 ]  # fmt: skip
 
 # Text with lone surrogates and other awkward characters mixed in.
@@ -86,6 +88,30 @@ plausible: dict[str, Any] = {
     "stop": texts | st.lists(texts, max_size=5),
     "logprobs": st.booleans() | st.integers(0, 6),
     "top_logprobs": st.integers(-1, 21),
+    "response_format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema", "yaml"])},
+        optional={"json_schema": st.fixed_dictionaries({}, optional={"schema": json_values})},
+    ),
+    "tools": st.lists(
+        st.fixed_dictionaries(
+            {
+                "type": st.just("function"),
+                "function": st.fixed_dictionaries(
+                    {"name": st.just("f") | texts}, optional={"parameters": json_values}
+                ),
+            }
+        ),
+        max_size=2,
+    ),
+    "tool_choice": st.sampled_from(["none", "auto", "required"])
+    | st.fixed_dictionaries(
+        {"type": st.just("function"), "function": st.fixed_dictionaries({"name": texts})}
+    ),
+    "logit_bias": st.dictionaries(
+        st.integers(-1, 600).map(str) | texts, st.floats(-200, 200), max_size=3
+    ),
+    "presence_penalty": st.floats(-3, 3),
+    "repetition_penalty": st.floats(-1, 11),
 }
 
 

@@ -138,7 +138,9 @@ class RouteWalkTests(HostileTestCase):
         paths = dict(resource_paths(head.api.site().resource))
         self.assertIn("/v1/chat/completions", paths)
         completions = [p for p, r in paths.items() if route_of(r).completion]
-        self.assertEqual(sorted(completions), ["/v1/chat/completions", "/v1/completions"])
+        self.assertEqual(
+            sorted(completions), ["/v1/chat/completions", "/v1/completions", "/v1/responses"]
+        )
         modes = [
             ("no key", "application/json", None),
             ("text/plain", "text/plain", OTHER_KEY),
@@ -148,7 +150,14 @@ class RouteWalkTests(HostileTestCase):
         answered: set[int] = set()
         for path in sorted(paths):
             prompt = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
-            body = json.dumps(prompt if path.endswith("/v1/completions") else CHAT).encode()
+            response = {"model": MODEL, "input": "hi", "max_output_tokens": 3}
+            body = json.dumps(
+                prompt
+                if path.endswith("/v1/completions")
+                else response
+                if path.endswith("/v1/responses")
+                else CHAT
+            ).encode()
             for variant in sorted(path_variants(path)):
                 for mode, media, key in modes:
                     extra = [f"Authorization: Bearer {key}"] if key else []

@@ -23,7 +23,7 @@ from typing import Protocol
 from twisted.internet.defer import Deferred
 
 from sfnode.generation import TokenSink
-from sfnode.wire import CapacitySummary, GenParams, RequestClass
+from sfnode.wire import CapacitySummary, Constraint, GenParams, RequestClass
 
 _DEFAULT_PARAMS = GenParams()
 
@@ -200,6 +200,7 @@ class Backend(Protocol):
         max_wall_ms: int = 0,
         request_class: RequestClass = ...,
         requester: Requester = ...,
+        constraint: Constraint | None = None,
     ) -> GenerationHandle:
         """Run one generation of ``prompt``; ``on_tokens(batch)`` gets its tokens as they
         come, one :class:`~sfnode.generation.TokenBatch` at a time, each token once, carrying
@@ -208,7 +209,9 @@ class Backend(Protocol):
         :class:`FleetOutcome` or fails with a :class:`FleetError` (or a link error);
         ``request_class`` says whether someone
         waits on it (docs/protocol.md section 12.2); ``requester`` whose share of the queue it
-        takes (section 8.5)."""
+        takes (section 8.5); ``constraint`` the grammar and sampler controls its output
+        follows (section 12.3: a backend that cannot enforce them raises or fails with
+        :class:`ConstraintsUnavailable`)."""
 
     def status(self, model: str | None = None) -> BackendStatus: ...
 

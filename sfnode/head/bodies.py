@@ -55,6 +55,14 @@ class ChoiceBody:
     text: str
     finish: str | None
     logprobs: dict[str, Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    """The calls read out of the text (then ``text`` is what came before them, and ``None``
+    as content when empty); None: the request had no tools that may be called."""
+
+
+def json_bytes(body: Any) -> bytes:
+    """``body`` as JSON bytes."""
+    return json.dumps(body).encode()
 
 
 def event(body: Any) -> bytes:
@@ -108,6 +116,14 @@ def delta_chunk(
     return _chunk(reply, index, {"content": text}, text, logprobs, None)
 
 
+def calls_chunk(
+    reply: Reply, index: int, calls: list[dict[str, Any]], *, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A streamed piece of chat choice ``index``'s tool calls: ``{"delta": {"tool_calls":
+    calls}}`` (each entry from :func:`sfnode.head.tools.call_delta`)."""
+    return _chunk(reply, index, {"tool_calls": calls}, "", logprobs, None)
+
+
 def role_chunk(reply: Reply, index: int) -> dict[str, Any]:
     """The first chunk of a chat choice: the assistant's role and empty content."""
     return _chunk(reply, index, {"role": "assistant", "content": ""}, "", None, None)
@@ -138,7 +154,10 @@ def completion(
     entries: list[dict[str, Any]] = []
     for choice in choices:
         if reply.chat:
-            message = {"role": "assistant", "content": choice.text}
+            message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+            if choice.tool_calls:
+                message["content"] = choice.text or None
+                message["tool_calls"] = choice.tool_calls
             entries.append(
                 {
                     "index": choice.index,
@@ -210,12 +229,14 @@ __all__ = [
     "DONE",
     "ChoiceBody",
     "Reply",
+    "calls_chunk",
     "completion",
     "delta_chunk",
     "error_body",
     "event",
     "finish_chunk",
     "health",
+    "json_bytes",
     "model_entry",
     "model_list",
     "new_ident",

@@ -16,6 +16,8 @@ from __future__ import annotations
 from sfnode.generation import StreamTooLong
 from sfnode.head.backend import (
     ClientQueueFull,
+    ConstraintRefused,
+    ConstraintsUnavailable,
     FleetError,
     GenerationTimedOut,
     LogprobsUnavailable,
@@ -100,6 +102,16 @@ def fleet_error(error: BaseException, param: str) -> ApiError | None:
         return ApiError(
             504, str(error), kind="timeout_error", code="generation_timeout", outcome="timeout"
         )
+    if isinstance(error, ConstraintsUnavailable):
+        return ApiError(
+            400,
+            f"{error}: this fleet cannot enforce response_format, tools, logit_bias or "
+            "penalties",
+            param="response_format",
+            code="unsupported_parameter",
+        )
+    if isinstance(error, ConstraintRefused):
+        return ApiError(502, str(error), kind="server_error", outcome="error")
     if isinstance(error, LogprobsUnavailable):
         return ApiError(
             400,

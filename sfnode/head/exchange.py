@@ -65,6 +65,14 @@ from sfnode.head.logprobs import ChoiceLogprobs
 from sfnode.head.metrics import HeadMetrics
 from sfnode.head.schema import ApiError, CompletionRequest
 from sfnode.head.text import Detokenizer, RenderBudget, Renderer, StopText
+from sfnode.head.tools import (
+    CallDone,
+    CallEvent,
+    CallsAnswer,
+    CallSplitter,
+    Content,
+    call_delta,
+)
 from sfnode.wire import FINISH_CANCELLED, FINISH_EOS, RequestClass
 
 DEFAULT_MAX_TOKENS = 512
@@ -250,6 +258,10 @@ class _Choice:
         """The logprobs of the tokens shown so far, when the request asked for them."""
         self.decoded = 0
         """Characters the detokenizer released so far (where the next token's text starts)."""
+        self.calls: CallSplitter | None = None
+        """Reads tool calls out of the text, when the request's output may hold some."""
+        self.answer = CallsAnswer()
+        """The content and calls shown so far."""
 
 
 class Exchange:
@@ -276,6 +288,8 @@ class Exchange:
         self._pending = 0
         """Generations not ended yet."""
         self._watch = StallWatch(api.reactor, api.limits.stall_timeout_s, self._stalled)
+        self.writer: Writer = ChatWriter(self)
+        """How the answer is written (chat's and completions' shapes, or another API's)."""
 
     @property
     def answered(self) -> bool:
@@ -389,6 +403,8 @@ class Exchange:
             if parsed.logprobs is not None:
                 logprobs = ChoiceLogprobs(self.chat, parsed.logprobs, api.renderer.token_bytes)
             choice = _Choice(index, api.renderer.detokenizer(), parsed.stop, logprobs)
+            if parsed.calls:
+                choice.calls = CallSplitter()
             self.choices.append(choice)
             generation = api.backend.generate(
                 self.prompt,
@@ -398,6 +414,7 @@ class Exchange:
                 on_tokens=self._receiver(choice),
                 request_class=request_class,
                 requester=requester,
+                constraint=parsed.constraint,
             )
             choice.generation = generation
             self._pending += 1
@@ -494,11 +511,7 @@ class Exchange:
         request.setResponseCode(200)
         request.setHeader(b"content-type", b"text/event-stream")
         request.setHeader(b"cache-control", b"no-cache")
-        if self.chat:
-            for choice in self.choices:
-                request.write(bodies.event(bodies.role_chunk(self.reply, choice.index)))
-        else:
-            request.write(b"")
+        self.writer.opened()
 
     def _emit(self, choice: _Choice, text: str, *, last: bool = False) -> None:
         """Show ``text`` (a chunk when streaming), with the logprobs of the tokens shown since
@@ -508,14 +521,17 @@ class Exchange:
         if not text and not (last and pending):
             return
         choice.text.append(text)
+        self._show(choice, choice.calls.feed(text) if choice.calls is not None else [Content(text)])
+
+    def _show(self, choice: _Choice, events: Sequence[CallEvent]) -> None:
+        """Content and tool-call deltas read out of a choice's text (a chunk each when
+        streaming; a call's raw tags never reach the client)."""
+        choice.answer.add(events)
         assert self.parsed is not None
-        if self.parsed.stream:
+        if self.parsed.stream and events:
             self._begin_stream()
-            if self.answered:
-                return
-            logprobs = choice.logprobs.take() if choice.logprobs is not None else None
-            chunk = bodies.delta_chunk(self.reply, choice.index, text, logprobs=logprobs)
-            self.request.write(bodies.event(chunk))
+        if events and not self.answered:
+            self.writer.show(choice, events, streamed=self.parsed.stream)
 
     def _answer_error(self, error: ApiError) -> None:
         if self.answered:
@@ -524,8 +540,7 @@ class Exchange:
         self._move("answered")
         self._watch.detach(gone=False)
         if streaming:
-            self.request.write(bodies.event(error.body()))
-            self.request.write(bodies.DONE)
+            self.writer.failed(error)
         else:
             self.request.write(answer_error(self.request, error))
         self.request.finish()
@@ -573,14 +588,17 @@ class Exchange:
             if not choice.stop.stopped:
                 self._emit(choice, choice.stop.feed(choice.detok.flush()))
             self._emit(choice, choice.stop.flush(), last=True)
+            if choice.calls is not None:
+                self._show(choice, choice.calls.finish())
         choice.finish = finish_reason(
             outcome, choice.stop.stopped, drained=self.drained, gone=self.phase is Phase.GONE
         )
+        if choice.answer.calls and choice.finish == "stop":
+            choice.finish = "tool_calls"
         assert self.parsed is not None
         if self.parsed.stream and not self.answered:
             self._begin_stream()
-            chunk = bodies.finish_chunk(self.reply, choice.index, choice.finish)
-            self.request.write(bodies.event(chunk))
+            self.writer.choice_finished(choice)
         if self._pending == 0:
             self._all_done()
 
@@ -625,26 +643,102 @@ class Exchange:
             self._begin_stream()
             self._move("answered")
             self._watch.detach(gone=False)
-            if parsed.include_usage:
-                chunk = bodies.usage_chunk(self.reply, len(self.prompt), completion_tokens)
-                self.request.write(bodies.event(chunk))
-            self.request.write(bodies.DONE)
+            self.writer.closed(completion_tokens)
         else:
             self._move("answered")
             self._watch.detach(gone=False)
-            choices = [
-                bodies.ChoiceBody(
-                    c.index,
-                    "".join(c.text),
-                    c.finish,
-                    c.logprobs.whole() if c.logprobs is not None else None,
-                )
-                for c in self.choices
-            ]
-            body = bodies.completion(self.reply, choices, len(self.prompt), completion_tokens)
+            body = self.writer.whole(completion_tokens)
             self.request.write(answer(self.request, 200, body))
         self.request.finish()
         self._end_if_idle()
+
+# --------------------------------------------------------------------------------------------
+# Writing an answer
+
+
+class Writer(Protocol):
+    """How an exchange's answer is written: the events of a stream, or one body."""
+
+    def opened(self) -> None:
+        """The first events of a stream (its headers are set)."""
+
+    def show(self, choice: _Choice, events: Sequence[CallEvent], *, streamed: bool) -> None:
+        """Text and tool calls a choice shows (``streamed``: as events, now)."""
+
+    def choice_finished(self, choice: _Choice) -> None:
+        """A streamed choice ended (its ``finish`` is set)."""
+
+    def closed(self, completion_tokens: int) -> None:
+        """The events that end a stream whose choices all ended."""
+
+    def whole(self, completion_tokens: int) -> Any:
+        """The body of a non-streamed answer."""
+
+    def failed(self, error: ApiError) -> None:
+        """The events that end a stream that failed."""
+
+
+class ChatWriter:
+    """Chat and text completions: OpenAI's chunks ending with ``data: [DONE]``, or one
+    ``chat.completion`` / ``text_completion`` body (:mod:`sfnode.head.bodies`)."""
+
+    def __init__(self, exchange: Exchange) -> None:
+        self.exchange = exchange
+
+    def opened(self) -> None:
+        x = self.exchange
+        if x.chat:
+            for choice in x.choices:
+                x.request.write(bodies.event(bodies.role_chunk(x.reply, choice.index)))
+        else:
+            x.request.write(b"")
+
+    def show(self, choice: _Choice, events: Sequence[CallEvent], *, streamed: bool) -> None:
+        if not streamed:
+            return  # the whole answer reads the choice's text (whole)
+        x = self.exchange
+        for shown in events:
+            if isinstance(shown, CallDone):
+                continue  # no chunk: the next call or the finish says it
+            logprobs = choice.logprobs.take() if choice.logprobs is not None else None
+            if isinstance(shown, Content):
+                chunk = bodies.delta_chunk(x.reply, choice.index, shown.text, logprobs=logprobs)
+            else:
+                chunk = bodies.calls_chunk(
+                    x.reply, choice.index, [call_delta(shown)], logprobs=logprobs
+                )
+            x.request.write(bodies.event(chunk))
+
+    def choice_finished(self, choice: _Choice) -> None:
+        assert choice.finish is not None
+        chunk = bodies.finish_chunk(self.exchange.reply, choice.index, choice.finish)
+        self.exchange.request.write(bodies.event(chunk))
+
+    def closed(self, completion_tokens: int) -> None:
+        x = self.exchange
+        assert x.parsed is not None
+        if x.parsed.include_usage:
+            chunk = bodies.usage_chunk(x.reply, len(x.prompt), completion_tokens)
+            x.request.write(bodies.event(chunk))
+        x.request.write(bodies.DONE)
+
+    def whole(self, completion_tokens: int) -> Any:
+        x = self.exchange
+        choices = [
+            bodies.ChoiceBody(
+                c.index,
+                c.answer.text if c.calls is not None else "".join(c.text),
+                c.finish,
+                c.logprobs.whole() if c.logprobs is not None else None,
+                c.answer.whole_calls if c.calls is not None else None,
+            )
+            for c in x.choices
+        ]
+        return bodies.completion(x.reply, choices, len(x.prompt), completion_tokens)
+
+    def failed(self, error: ApiError) -> None:
+        self.exchange.request.write(bodies.event(error.body()))
+        self.exchange.request.write(bodies.DONE)
 
 
 # --------------------------------------------------------------------------------------------
@@ -673,11 +767,13 @@ __all__ = [
     "DEFAULT_MAX_TOKENS",
     "INLINE_BODY_BYTES",
     "MOVES",
+    "ChatWriter",
     "Exchange",
     "Host",
     "Phase",
     "Prepared",
     "StallWatch",
+    "Writer",
     "answer",
     "answer_error",
     "finish_reason",

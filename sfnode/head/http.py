@@ -1,5 +1,8 @@
 """The head's OpenAI-compatible HTTP API, health check and metrics, on twisted.web.
 
+- ``POST /v1/responses``: OpenAI's Responses API, translated onto a chat completion
+  (:mod:`sfnode.head.responses`), streamed as its documented events or not; stored responses
+  (bounded, in memory) continue with ``previous_response_id``.
 - ``POST /v1/chat/completions`` and ``POST /v1/completions``: streaming (server-sent events in
   OpenAI's chunk format, ending with ``data: [DONE]``) and not, ``n`` choices each generated on
   its own with its own seed; ``GET /v1/models`` and ``GET /v1/models/{id}``.
@@ -81,6 +84,8 @@ from sfnode.head.gate import (
     unknown_url,
 )
 from sfnode.head.metrics import EXPOSITION_CONTENT_TYPE, HeadMetrics
+from sfnode.head.responding import ResponsesExchange
+from sfnode.head.responses import ResponseStore
 from sfnode.head.schema import (
     ApiError,
     CompletionRequest,
@@ -210,6 +215,7 @@ class OpenAIApi:
         class_rule: ClassRule | None = None,
         allow_special_tokens: bool = False,
         template_timeout_s: float = DEFAULT_TEMPLATE_TIMEOUT_S,
+        responses: ResponseStore | None = None,
     ) -> None:
         self.reactor: IReactorTime = reactor
         self.backend = backend
@@ -237,6 +243,9 @@ class OpenAIApi:
         self.workers = workers if workers is not None else Workers(reactor)
         self.class_rule = class_rule if class_rule is not None else ClassRule()
         """How a request that names no class (X-Request-Class) gets one (sfnode.head.classes)."""
+        self.responses = responses if responses is not None else ResponseStore()
+        """Stored responses, for ``/v1/responses``' ``previous_response_id`` (in memory
+        only: a restart forgets them)."""
         self.exchanges: set[Exchange] = set()
         """Completion requests in flight (what a drain waits for)."""
         self.draining = False
@@ -425,7 +434,7 @@ class OpenAIApi:
             # Not tokenized at all: no window can hold this many characters.
             raise errors.too_many_characters(request.characters, limit, request.prompt_param)
         if request.chat:
-            prompt = self.renderer.chat(request.messages, budget)
+            prompt = self.renderer.chat(request.messages, budget, request.tools)
         elif request.prompt_text is not None:
             prompt = self.renderer.completion(request.prompt_text)
         else:
@@ -462,6 +471,7 @@ class OpenAIApi:
         chat.putChild(b"completions", _Completions(self, chat=True))
         v1.putChild(b"completions", _Completions(self, chat=False))
         v1.putChild(b"models", _Models(self))
+        v1.putChild(b"responses", _Responses(self))
         root.putChild(b"healthz", _Health(self))
         root.putChild(b"metrics", _Metrics(self, keyed=not self.limits.metrics_public))
         return root
@@ -609,6 +619,18 @@ class _Models(_Leaf):
         )
         request.site.count(error.outcome)
         return answer_error(request, error)
+
+
+class _Responses(_Leaf):
+    route = Route(methods=(b"POST",), completion=True)
+
+    def __init__(self, api: OpenAIApi) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.api = api
+
+    def render_POST(self, request: Any) -> int:
+        ResponsesExchange(self.api, request).start()
+        return NOT_DONE_YET
 
 
 class _Completions(_Leaf):

@@ -33,6 +33,7 @@ from sfnode.generation import TokenBatch, TokenSink
 from sfnode.head.backend import (
     ANONYMOUS,
     BackendStatus,
+    ConstraintsUnavailable,
     FleetError,
     FleetOutcome,
     GenerationTimedOut,
@@ -46,6 +47,7 @@ from sfnode.wire import (
     FINISH_CANCELLED,
     FINISH_EOS,
     FINISH_LENGTH,
+    Constraint,
     GenParams,
     RequestClass,
     StageForwardRespMsg,
@@ -253,6 +255,7 @@ class PipelineFleet:
         max_wall_ms: int = 0,
         request_class: RequestClass = RequestClass.INTERACTIVE,
         requester: Requester = ANONYMOUS,
+        constraint: Constraint | None = None,
     ) -> PipelineGeneration:
         """Generate ``max_new`` greedy tokens (sampling parameters do not apply here): the
         :meth:`~sfnode.head.backend.Backend.generate` of a pipeline.
@@ -260,10 +263,17 @@ class PipelineFleet:
         A pipeline runs one generation at a time on its stages: there is no lane to keep, so
         neither ``request_class`` nor ``requester`` changes anything here.  Stage forwards
         return tokens, not distributions: a request for logprobs fails with
-        :class:`~sfnode.head.backend.LogprobsUnavailable`."""
+        :class:`~sfnode.head.backend.LogprobsUnavailable`; stage forwards carry no constraint
+        (docs/protocol.md section 12.3): one fails with
+        :class:`~sfnode.head.backend.ConstraintsUnavailable`."""
         generation = PipelineGeneration(self, prompt, max_new, on_tokens)
         if params.logprobs:
             generation.result.errback(LogprobsUnavailable("a pipeline returns no logprobs"))
+            return generation
+        if constraint is not None:
+            generation.result.errback(
+                ConstraintsUnavailable("a pipeline does not honour constraints")
+            )
             return generation
         generation._start()
         return generation

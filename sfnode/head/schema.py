@@ -5,12 +5,16 @@ checked); :func:`parse_request` checks every field of ``/v1/chat/completions`` a
 ``/v1/completions`` and returns a :class:`CompletionRequest` that says what to render and how
 to generate; anything wrong is an :class:`ApiError` in OpenAI's shape, naming the field.
 
-Parameters the fleet does not honour (tools, JSON mode, penalties, ...) are refused with 400
-naming them, unless they carry their neutral value (``"presence_penalty": 0``, ...), so no
-client believes it got what it did not; unknown fields are refused as OpenAI does.  Logprobs
-are honoured: ``logprobs`` and ``top_logprobs`` (0 to 20) on chat, ``logprobs`` (0 to 5) on
-completions, as OpenAI bounds them.  The lists are :data:`UNSUPPORTED` and :data:`IGNORED`, and
-docs/operating.md repeats them.
+Parameters the fleet does not honour (``functions``, ``echo``, audio, ...) are refused with
+400 naming them, unless they carry their neutral value (``"echo": false``, ...), so no client
+believes it got what it did not; unknown fields are refused as OpenAI does.  Logprobs are
+honoured: ``logprobs`` and ``top_logprobs`` (0 to 20) on chat, ``logprobs`` (0 to 5) on
+completions, as OpenAI bounds them.  ``response_format``, ``tools`` / ``tool_choice`` /
+``parallel_tool_calls`` (chat), ``logit_bias`` and the penalties become the request's
+:class:`~sfnode.wire.Constraint` (docs/protocol.md section 12.3), checked here with the grammar
+library (:mod:`sfnode.constraint`), before any node is asked.  The lists are
+:data:`UNSUPPORTED`, :data:`IGNORED`, :data:`CONSTRAINT_FIELDS` and :data:`TOOL_FIELDS`, and
+docs/operating.md and docs/api.md repeat them.
 
 This module is pure: it must never tokenize, touch the network, the reactor or a thread, never
 raise anything but :class:`ApiError` for any JSON value, and never put more than
@@ -25,8 +29,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from sfnode.constraint import (
+    ConstraintError,
+    response_format_grammar,
+    sampler_controls,
+    tools_grammar,
+)
 from sfnode.head.bodies import error_body
-from sfnode.wire import GenParams
+from sfnode.wire import Constraint, GenParams, ToolChoice
 
 MAX_N = 8
 """The most choices one request may ask for (each is its own generation, on its own lane)."""
@@ -159,18 +169,8 @@ def _neutral(*values: Any) -> Callable[[Any], bool]:
 
 
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "logit_bias": (lambda v: v is None or v == {}, "logit_bias is not supported"),
-    "tools": (lambda v: v is None or v == [], "tools (function calling) are not supported"),
-    "tool_choice": (_neutral(None, "none"), "tools (function calling) are not supported"),
     "functions": (lambda v: v is None or v == [], "functions are not supported"),
     "function_call": (_neutral(None, "none"), "functions are not supported"),
-    "response_format": (
-        lambda v: v is None or v == {"type": "text"},
-        "response_format other than text (JSON mode, JSON schema) is not supported",
-    ),
-    "presence_penalty": (_neutral(None, 0), "presence_penalty is not supported"),
-    "frequency_penalty": (_neutral(None, 0), "frequency_penalty is not supported"),
-    "repetition_penalty": (_neutral(None, 1), "repetition_penalty is not supported"),
     "echo": (_neutral(False, None), "echo is not supported"),
     "best_of": (_neutral(None, 1), "best_of is not supported (use n)"),
     "suffix": (_neutral(None, ""), "suffix (insertion) is not supported"),
@@ -192,22 +192,30 @@ IGNORED = frozenset(
         "service_tier",
         "safety_identifier",
         "prompt_cache_key",
-        "parallel_tool_calls",
     }
 )
 """Accepted and ignored: they do not change what is generated."""
+
+CONSTRAINT_FIELDS = (
+    "response_format", "logit_bias", "presence_penalty", "frequency_penalty",
+    "repetition_penalty",
+)  # fmt: skip
+"""Honoured on chat and completions, as a constraint the nodes enforce (docs/protocol.md
+section 12.3)."""
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
+"""Honoured on chat (docs/api.md "Tools")."""
 
 _CHAT_FIELDS = frozenset(
     {
         "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
         "min_p", "top_k", "seed", "stop", "stream", "stream_options", "n", "logprobs",
-        "top_logprobs",
+        "top_logprobs", *CONSTRAINT_FIELDS, *TOOL_FIELDS,
     }
 )  # fmt: skip
 _COMPLETION_FIELDS = frozenset(
     {
         "model", "prompt", "max_tokens", "temperature", "top_p", "min_p", "top_k", "seed",
-        "stop", "stream", "stream_options", "n", "logprobs",
+        "stop", "stream", "stream_options", "n", "logprobs", *CONSTRAINT_FIELDS,
     }
 )  # fmt: skip
 
@@ -270,11 +278,34 @@ def _at_least(body: Mapping[str, Any], name: str, low: int) -> int | None:
 
 
 @dataclass(frozen=True, slots=True)
+class ChatToolCall:
+    """A call an assistant message of the history made (OpenAI's ``tool_calls[]``)."""
+
+    id: str
+    name: str
+    arguments: str
+    """The arguments' JSON text, as the client sent it."""
+
+
+@dataclass(frozen=True, slots=True)
 class ChatMessage:
     """One message as the chat template sees it."""
 
     role: str
     content: str
+    tool_calls: tuple[ChatToolCall, ...] = ()
+    """An assistant message's calls."""
+    tool_call_id: str | None = None
+    """The call a ``tool`` message answers."""
+
+    @property
+    def characters(self) -> int:
+        return (
+            len(self.role)
+            + len(self.content)
+            + sum(len(c.name) + len(c.arguments) + len(c.id) for c in self.tool_calls)
+            + len(self.tool_call_id or "")
+        )
 
 
 def _messages(body: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
@@ -295,7 +326,7 @@ def _messages(body: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
                 + ("" if role is None else f", not {shown}"),
                 param=f"{where}.role",
             )
-        for name in ("tool_calls", "function_call", "audio"):
+        for name in ("function_call", "audio"):
             if message.get(name) not in (None, []):
                 raise ApiError(
                     400,
@@ -303,14 +334,72 @@ def _messages(body: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
                     param=f"{where}.{name}",
                     code="unsupported_parameter",
                 )
-        out.append(ChatMessage("system" if role == "developer" else role, _content(message, i)))
+        calls = _tool_calls(message, where) if role == "assistant" else ()
+        if role != "assistant" and message.get("tool_calls") not in (None, []):
+            raise ApiError(
+                400, f"{where}.tool_calls is only allowed on assistant messages", param=where
+            )
+        call_id = None
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise ApiError(
+                    400,
+                    f"{where}.tool_call_id is required on tool messages (a string)",
+                    param=f"{where}.tool_call_id",
+                )
+            checked_text(call_id, f"{where}.tool_call_id")
+        content = _content(message, i, empty_ok=bool(calls))
+        out.append(
+            ChatMessage("system" if role == "developer" else role, content, calls, call_id)
+        )
     return tuple(out)
 
 
-def _content(message: Mapping[str, Any], i: int) -> str:
+def _tool_calls(message: Mapping[str, Any], where: str) -> tuple[ChatToolCall, ...]:
+    """An assistant message's ``tool_calls``: ``[{id, type: function, function: {name,
+    arguments}}]``, ``arguments`` a string (JSON text, as OpenAI returns it)."""
+    value = message.get("tool_calls")
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ApiError(400, f"{where}.tool_calls must be an array", param=f"{where}.tool_calls")
+    calls = []
+    for j, call in enumerate(value):
+        at = f"{where}.tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(call, dict)
+            or call.get("type", "function") != "function"
+            or not isinstance(function, dict)
+        ):
+            raise ApiError(
+                400, f"{at} must be {{type: function, id, function: {{name, arguments}}}}",
+                param=at,
+            )  # fmt: skip
+        ident, name, arguments = call.get("id"), function.get("name"), function.get("arguments")
+        if not isinstance(ident, str) or not isinstance(name, str):
+            raise ApiError(400, f"{at}.id and {at}.function.name must be strings", param=at)
+        if arguments is None:
+            arguments = "{}"
+        if not isinstance(arguments, str):
+            raise ApiError(
+                400, f"{at}.function.arguments must be a string of JSON", param=at
+            )
+        calls.append(
+            ChatToolCall(
+                checked_text(ident, f"{at}.id"),
+                checked_text(name, f"{at}.function.name"),
+                checked_text(arguments, f"{at}.function.arguments"),
+            )
+        )
+    return tuple(calls)
+
+
+def _content(message: Mapping[str, Any], i: int, *, empty_ok: bool = False) -> str:
     where = f"messages[{i}].content"
     content = message.get("content")
-    if content is None and message.get("role") == "assistant":
+    if content is None and (empty_ok or message.get("role") == "assistant"):
         return ""
     if isinstance(content, str):
         return checked_text(content, where)
@@ -499,13 +588,22 @@ class CompletionRequest:
     """None: no logprobs; else each token's logprob and this many most likely tokens
     (``top_logprobs`` on chat, ``logprobs`` on completions); ``params.logprobs`` is one
     more (docs/protocol.md section 12.1)."""
+    constraint: Constraint | None = None
+    """The grammar and sampler controls of ``response_format``, ``tools``/``tool_choice``,
+    ``logit_bias`` and the penalties (docs/protocol.md section 12.3); None: none asked."""
+    tools: tuple[Mapping[str, Any], ...] = ()
+    """The checked ``tools`` (OpenAI's array), for the chat template or the generic
+    rendering."""
+    calls: bool = False
+    """The output may hold tool calls (read back into ``message.tool_calls``)."""
 
     @property
     def characters(self) -> int:
         """The characters of text to render and tokenize (what the cheap length check sees)."""
         if self.prompt_text is not None:
             return len(self.prompt_text)
-        return sum(len(m.content) + len(m.role) for m in self.messages)
+        tools = len(json.dumps(self.tools)) if self.tools else 0
+        return tools + sum(m.characters for m in self.messages)
 
     @property
     def prompt_param(self) -> str:
@@ -563,6 +661,7 @@ def parse_request(
     stop = _stop(body)
     stream, include_usage = _stream(body)
     logprobs = _logprobs(body, chat)
+    constraint, tools, calls = _constraint(body, chat, vocab_size)
     params = GenParams(
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
@@ -586,7 +685,49 @@ def parse_request(
         stream=stream,
         include_usage=include_usage,
         logprobs=logprobs,
+        constraint=constraint,
+        tools=tools,
+        calls=calls,
     )
+
+
+def _constraint(
+    body: Mapping[str, Any], chat: bool, vocab_size: int
+) -> tuple[Constraint | None, tuple[Mapping[str, Any], ...], bool]:
+    """(the constraint, the tools, whether calls may come) of a request: its
+    ``response_format``, its tools (chat only) and its sampler controls, each checked here,
+    before any node is asked; a schema the grammar library cannot enforce is a 400 naming the
+    field, never served unconstrained."""
+    try:
+        grammar = response_format_grammar(body.get("response_format"))
+        tools = None
+        if chat:
+            tools = tools_grammar(
+                body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
+            )
+        controls = sampler_controls(
+            logit_bias=body.get("logit_bias"),
+            presence_penalty=body.get("presence_penalty"),
+            frequency_penalty=body.get("frequency_penalty"),
+            repetition_penalty=body.get("repetition_penalty"),
+            vocab_size=vocab_size,
+        )
+    except ConstraintError as e:
+        raise ApiError(400, clip(e.message, 300), param=e.param) from e
+    calls = tools is not None and tools.choice is not ToolChoice.NONE
+    if grammar is not None and calls:
+        raise ApiError(
+            400,
+            "response_format cannot be combined with tools that may be called: send one, or "
+            'tool_choice "none"',
+            param="response_format",
+        )
+    if grammar is None:
+        grammar = tools
+    declared = tuple(body["tools"]) if tools is not None else ()
+    if grammar is None and controls is None:
+        return None, declared, False
+    return Constraint(0, grammar, controls), declared, calls
 
 
 __all__ = [
@@ -595,6 +736,7 @@ __all__ = [
     "UNSUPPORTED",
     "ApiError",
     "ChatMessage",
+    "ChatToolCall",
     "CompletionRequest",
     "checked_text",
     "choice_seed",

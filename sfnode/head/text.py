@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from sfnode.head.schema import ApiError, ChatMessage, clip
+from sfnode.head.tools import client_texts, masked, template_message, template_messages
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -106,8 +107,15 @@ class TextCodec(Protocol):
     def specials(self) -> Sequence[SpecialToken]:
         """The tokenizer's special tokens (what ``parse_special`` turns into their ids)."""
 
-    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
-        """The messages through the chat template, with the assistant's turn opened."""
+    def render_chat(
+        self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> str:
+        """The messages through the chat template, with the assistant's turn opened;
+        ``tools`` for the template's ``tools`` variable (only when :attr:`knows_tools`)."""
+
+    @property
+    def knows_tools(self) -> bool:
+        """Whether the chat template renders tools itself (its jinja reads ``tools``)."""
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a part of a character, or a special token's own
@@ -316,13 +324,19 @@ class HeadTokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         return piece_bytes(self._tokenizer, token_id, self.decode)
 
-    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
+    @property
+    def knows_tools(self) -> bool:
+        return _knows_tools(self.chat_template)
+
+    def render_chat(
+        self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> str:
         if self._template is None:
             return plain_chat(messages)
         rendered: str = self._template.render(
-            messages=[{"role": m.role, "content": m.content} for m in messages],
+            messages=[template_message(m) for m in messages],
             add_generation_prompt=True,
-            tools=None,
+            tools=list(tools) if tools else None,
             documents=None,
             **self.special_tokens,
         )
@@ -372,16 +386,29 @@ class TransformersCodec:
         backend = getattr(self.tokenizer, "backend_tokenizer", None)  # fast tokenizers only
         return piece_bytes(backend, token_id, self.decode)
 
-    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
+    @property
+    def knows_tools(self) -> bool:
+        return _knows_tools(getattr(self.tokenizer, "chat_template", None))
+
+    def render_chat(
+        self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             return plain_chat(messages)
         return str(
             self.tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in messages],
+                [template_message(m) for m in messages],
+                tools=list(tools) if tools else None,
                 tokenize=False,
                 add_generation_prompt=True,
             )
         )
+
+
+def _knows_tools(template: Any) -> bool:
+    """Whether a chat template's source reads the ``tools`` variable (as llama.cpp decides
+    whether a template supports tools)."""
+    return isinstance(template, str) and re.search(r"\btools\b", template) is not None
 
 
 def _specials(decoder: Mapping[int, Any]) -> list[SpecialToken]:
@@ -545,19 +572,27 @@ class Renderer:
         )
 
     def chat(
-        self, messages: Sequence[ChatMessage], budget: RenderBudget | None = None
+        self,
+        messages: Sequence[ChatMessage],
+        budget: RenderBudget | None = None,
+        tools: Sequence[Mapping[str, Any]] = (),
     ) -> list[int]:
         """The prompt of ``messages``: the chat template's text, with the template's special
         tokens as their ids and the messages' text as text (a special token spelled out in a
         message is the tokens of its characters).  ``budget``: the render's time limit.
+        ``tools`` (and the history's calls and results) go to a template that knows tools,
+        else through the generic rendering (:func:`sfnode.head.tools.template_messages`).
 
         :raises ApiError: 400 when the template refuses the messages, 500 when it ran out of
             time.
         """
+        messages, rendered_tools = template_messages(messages, tools, self.codec.knows_tools)
         pattern = self._special_re
-        if pattern is None or not any(pattern.search(m.content) for m in messages):
+        if pattern is None or not any(
+            pattern.search(text) for m in messages for text in client_texts(m)
+        ):
             # Every special token in the text is the template's own.
-            text = self._render(messages, budget)
+            text = self._render(messages, budget, rendered_tools)
             return self.codec.encode(text, special=False, parse_special=True)
         # Render with each spelled-out special token masked by a placeholder no client can
         # guess, cut the text at the template's special tokens (the only ones left), and
@@ -569,7 +604,7 @@ class Renderer:
         def mask(content: str) -> str:
             return pattern.sub(lambda m: f"\ue000{nonce}.{index[m.group()]}\ue001", content)
 
-        text = self._render([ChatMessage(m.role, mask(m.content)) for m in messages], budget)
+        text = self._render([masked(m, mask) for m in messages], budget, rendered_tools)
         placeholder = re.compile("\ue000" + nonce + r"\.(\d+)\ue001")
         if nonce in placeholder.sub("", text):
             raise ApiError(
@@ -593,11 +628,16 @@ class Renderer:
                 ids.extend(self.codec.encode(piece, special=False, parse_special=False))
         return ids
 
-    def _render(self, messages: Sequence[ChatMessage], budget: RenderBudget | None) -> str:
+    def _render(
+        self,
+        messages: Sequence[ChatMessage],
+        budget: RenderBudget | None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
         try:
             if budget is None:
-                return self.codec.render_chat(messages)
-            return budget.run(lambda: self.codec.render_chat(messages))
+                return self.codec.render_chat(messages, tools)
+            return budget.run(lambda: self.codec.render_chat(messages, tools))
         except RenderStopped as e:
             raise ApiError(
                 500,
