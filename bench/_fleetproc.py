@@ -210,6 +210,16 @@ def shown(argv: Sequence[str]) -> str:
     return "twistd " + subprocess.list2cmdline(list(argv)[3:])
 
 
+@dataclass
+class RunningFleet:
+    """A started ``twistd sfnode`` and ``twistd sfhead``: the head's HTTP port and both
+    children."""
+
+    port: int
+    head: Child
+    node: Child
+
+
 @contextmanager
 def fleet_processes(
     node_args: Sequence[str],
@@ -222,12 +232,25 @@ def fleet_processes(
     serving HTTP on another: yields that HTTP port once the head has the node, and stops both
     when the block ends.  Their output goes to ``logs/sfnode.log`` and ``logs/sfhead.log``;
     ``children``, when given, gets the node's and then the head's :class:`Child`."""
+    with fleet_children(node_args, env, model, logs) as fleet:
+        if children is not None:
+            children.extend((fleet.node, fleet.head))
+        yield fleet.port
+
+
+@contextmanager
+def fleet_children(
+    node_args: Sequence[str],
+    env: dict[str, str],
+    model: Path | None,
+    logs: Path,
+    head_args: Sequence[str] = (),
+) -> Iterator[RunningFleet]:
+    """:func:`fleet_processes`, with ``head_args`` for the head and both children yielded."""
     model_args = ["--model", str(model)] if model is not None else []
     node_argv = twistd("sfnode", "--listen", "tcp:0:interface=127.0.0.1", *model_args, *node_args)
     print(f"starting {shown(node_argv)}", flush=True)
     node = Child("sfnode", node_argv, env, logs / "sfnode.log", False)
-    if children is not None:
-        children.append(node)
     head: Child | None = None
     try:
         found = node.wait_for_line(rb"sfnode listening on 127\.0\.0\.1:(\d+)", NODE_READY_S)
@@ -237,11 +260,10 @@ def fleet_processes(
             "--http", "tcp:0:interface=127.0.0.1",
             "--fleet-listen", "tcp:0:interface=127.0.0.1",
             *model_args,
+            *head_args,
         )  # fmt: skip
         print(f"starting {shown(head_argv)}", flush=True)
         head = Child("sfhead", head_argv, env, logs / "sfhead.log", False)
-        if children is not None:
-            children.append(head)
         found = head.wait_for_line(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)", NODE_READY_S)
         port = int(found.group(1))
         wait_until(
@@ -250,7 +272,7 @@ def fleet_processes(
             lambda body: body.get("nodes", 0) > 0,
             NODE_READY_S,
         )
-        yield port
+        yield RunningFleet(port, head, node)
     finally:
         if head is not None:
             head.stop()

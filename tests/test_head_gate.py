@@ -1,11 +1,18 @@
-"""The pure parts of the head's front door (sfnode.head.gate): the Host check and the
-per-client and per-key request limits."""
+"""The pure parts of the head's front door (sfnode.head.gate): the Host check, what a path is
+(canonical segments and the resolved route), and the per-client and per-key limits."""
 
 from __future__ import annotations
 
 from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.resource import Resource
 
-from sfnode.head.gate import ConcurrencyLimits, host_allowed
+from sfnode.head.gate import (
+    ConcurrencyLimits,
+    Route,
+    canonical_segments,
+    host_allowed,
+    resolve,
+)
 from sfnode.head.schema import ApiError
 
 
@@ -65,3 +72,84 @@ class LimitTests(SynchronousTestCase):
         for i in range(100):
             limits.acquire(f"10.0.0.{i}", f"k{i}".encode()).release()
         self.assertEqual((dict(limits.clients), dict(limits.keys)), ({}, {}))
+
+
+class _Node(Resource):
+    def __init__(self, route: Route, leaf: bool = False) -> None:
+        super().__init__()
+        self.route = route
+        self.isLeaf = leaf
+
+
+class PathTests(SynchronousTestCase):
+    def test_canonical_segments_are_what_twisted_web_routes_by(self) -> None:
+        """A canonical path gives its percent-decoded segments (as twisted.web decodes them);
+        no leading slash, an empty, ``.`` or ``..`` segment (encoded or not) and an encoded
+        slash are not canonical."""
+        self.assertEqual(
+            canonical_segments(b"/v1/chat/completions"), [b"v1", b"chat", b"completions"]
+        )
+        self.assertEqual(canonical_segments(b"/v%31/%63hat"), [b"v1", b"chat"])
+        for path in (
+            b"v1/chat", b"X/v1", b"*", b"/", b"//v1", b"/v1/", b"/v1//chat", b"/./v1", b"/v1/.",
+            b"/v1/..", b"/v1/%2e", b"/v1/%2E%2e", b"/v1%2fchat", b"http://h/v1", b"",
+        ):  # fmt: skip
+            self.assertIsNone(canonical_segments(path), path)
+
+    def test_resolve_walks_the_tree_and_keeps_what_it_found(self) -> None:
+        """resolve finds the resource twisted.web would, is keyed when a resource on the way
+        is, hands a suffix to a route that takes one, and resolves unknown paths, suffixes on
+        routes that take none and non-canonical paths to the not-found resource."""
+        root = _Node(Route())
+        v1 = _Node(Route(keyed=True))
+        leaf = _Node(Route(methods=(b"POST",), completion=True), leaf=True)
+        models = _Node(Route(methods=(b"GET",), suffix=True), leaf=True)
+        health = _Node(Route(methods=(b"GET",)), leaf=True)
+        root.putChild(b"v1", v1)
+        root.putChild(b"healthz", health)
+        v1.putChild(b"completions", leaf)
+        v1.putChild(b"models", models)
+        missing = Resource()
+        found = resolve(root, b"/v%31/completions", None, missing)
+        self.assertEqual((found.resource, found.keyed, found.canonical), (leaf, True, True))
+        self.assertEqual((found.prepath, found.postpath), ((b"v1", b"completions"), ()))
+        found = resolve(root, b"/v1/models/org/name", None, missing)
+        self.assertEqual((found.resource, found.postpath), (models, (b"org", b"name")))
+        self.assertFalse(resolve(root, b"/healthz", None, missing).keyed)
+        for path, keyed, canonical in (
+            (b"/v1/completions/x", True, True), (b"/v1/nothing", True, True),
+            (b"/healthz/x", False, True), (b"/v1", True, True),
+            (b"/v1/completions/%2e", False, False), (b"Xv1/completions", False, False),
+        ):  # fmt: skip
+            found = resolve(root, path, None, missing)
+            self.assertIs(found.resource, missing, path)
+            self.assertFalse(found.found, path)
+            self.assertEqual((found.keyed, found.canonical), (keyed, canonical), path)
+
+
+class GenerationCountTests(SynchronousTestCase):
+    def test_n_choices_count_n(self) -> None:
+        """A permit widened by n - 1 counts n generations; widening past a limit is a 429 and
+        takes nothing; a request larger than a limit alone is a 400 naming n; the release
+        gives all of them back."""
+        limits = ConcurrencyLimits(per_client=8, per_key=6)
+        first = limits.acquire("a", b"k")
+        first.widen(4)
+        self.assertEqual((limits.clients["a"], limits.keys[b"k"]), (5, 5))
+        second = limits.acquire("a", None)
+        with self.assertRaises(ApiError) as raised:
+            second.widen(3)
+        self.assertEqual(
+            (raised.exception.status, raised.exception.code), (429, "rate_limit_exceeded")
+        )
+        self.assertEqual(limits.clients["a"], 6)
+        with self.assertRaises(ApiError) as raised:
+            limits.acquire("b", None).widen(8)
+        self.assertEqual((raised.exception.status, raised.exception.param), (400, "n"))
+        with self.assertRaises(ApiError) as raised:
+            limits.acquire("c", b"k2").widen(6)
+        self.assertEqual((raised.exception.status, raised.exception.param), (400, "n"))
+        first.release()
+        second.release()
+        self.assertEqual(limits.clients["a"], 0)
+        self.assertNotIn(b"k", limits.keys)

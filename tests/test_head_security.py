@@ -118,10 +118,11 @@ class ApiKeyTests(HeadServiceTestCase):
     def test_v1_needs_the_bearer_key_and_health_and_metrics_do_not(
         self,
     ) -> Generator[Any, Any, None]:
-        """With --api-key, every /v1 path (known or not) answers 401 in OpenAI's error shape
-        (code invalid_api_key, a WWW-Authenticate: Bearer header) to a missing key, a wrong
-        key, a key of another length and the right key under another scheme; the right bearer
-        key is served; /healthz and /metrics answer without any key and count the refusals."""
+        """With --api-key, every /v1 path (known or not) and /metrics answer 401 in OpenAI's
+        error shape (code invalid_api_key, a WWW-Authenticate: Bearer header) to a missing
+        key, a wrong key, a key of another length and the right key under another scheme; the
+        right bearer key is served; /healthz answers without any key, and /metrics with the
+        key counts the refusals."""
         node = yield self.start_vocab_node()
         head = yield self.start_sfhead([node], "--api-key", KEY)
         refused = [
@@ -133,6 +134,8 @@ class ApiKeyTests(HeadServiceTestCase):
             (b"GET", "/v1/models", None, "Bearer " + KEY + "0"),
             (b"GET", "/v1/nothing/here", None, None),
             (b"GET", "/v1", None, None),
+            (b"GET", "/metrics", None, None),
+            (b"GET", "/metrics", None, "Bearer x"),
         ]
         for method, path, body, authorization in refused:
             code, headers, content = yield self.request(
@@ -157,7 +160,9 @@ class ApiKeyTests(HeadServiceTestCase):
         self.assertEqual((code, json.loads(content)["data"][0]["id"]), (200, MODEL))
         code, _, content = yield self.request(head, b"GET", "/healthz")
         self.assertEqual((code, json.loads(content)["status"]), (200, "ok"))
-        code, _, content = yield self.request(head, b"GET", "/metrics")
+        code, _, content = yield self.request(
+            head, b"GET", "/metrics", authorization="Bearer " + KEY
+        )
         self.assertEqual(code, 200)
         self.assertIn(
             f'sfhead_requests_total{{outcome="unauthorized"}} {float(len(refused))}',
@@ -263,6 +268,32 @@ class HttpLimitOptionTests(TestCase):
         self.assertEqual(parse("--max-body", "1g")["limits"].max_body, 1024**3)
         self.assertEqual(parse("--max-body", "1000")["limits"].max_body, 1000)
 
+    def test_the_fair_share_options(self) -> None:
+        """--max-client-connections (64), --max-client-queued (a quarter of --max-queued,
+        at least 1; 0 turns it off), --template-timeout (5 s), --metrics-public and
+        --allow-special-tokens (off) are read and typed."""
+        options = parse()
+        self.assertEqual(
+            (options["limits"].max_client_connections, options["max-client-queued"],
+             options["template-timeout"], options["limits"].metrics_public,
+             options["allow-special-tokens"]),
+            (64, 64, 5.0, False, 0),
+        )  # fmt: skip
+        self.assertEqual(parse("--max-queued", "10")["max-client-queued"], 2)
+        self.assertEqual(parse("--max-queued", "2")["max-client-queued"], 1)
+        self.assertEqual(parse("--max-queued", "0")["max-client-queued"], 0)
+        self.assertEqual(parse("--max-client-queued", "0")["max-client-queued"], 0)
+        options = parse(
+            "--max-client-connections", "0", "--template-timeout", "0.25", "--metrics-public",
+            "--allow-special-tokens", "--max-client-queued", "7",
+        )  # fmt: skip
+        self.assertEqual(
+            (options["limits"].max_client_connections, options["template-timeout"],
+             options["limits"].metrics_public, options["allow-special-tokens"],
+             options["max-client-queued"]),
+            (0, 0.25, True, 1, 7),
+        )  # fmt: skip
+
     def test_bad_values_are_usage_errors(self) -> None:
         """A size of 0 or in words, a timeout of 0 or less, a negative limit and no
         connection at all are refused, naming the option."""
@@ -276,6 +307,9 @@ class HttpLimitOptionTests(TestCase):
             ["--max-connections", "0"],
             ["--max-client-requests", "-1"],
             ["--max-key-requests", "x"],
+            ["--max-client-connections", "-1"],
+            ["--max-client-queued", "many"],
+            ["--template-timeout", "0"],
         ):
             with self.assertRaises(usage.UsageError) as raised:
                 parse(*args)

@@ -473,6 +473,17 @@ class SaturationTests(HttpTestCase):
         /metrics shows the same; once the streams end it says ok again."""
         node = yield self.start_vocab_node(max_lanes=2, token_delay_s=0.01)
         head = yield self.start_head([node])
+        # Chat prompts are rendered on worker threads: wait until all three reached the fleet.
+        placed: defer.Deferred[None] = defer.Deferred()
+        generate, calls = head.fleet.generate, []
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            calls.append(args)
+            if len(calls) == 3:
+                placed.callback(None)
+            return generate(*args, **kwargs)
+
+        head.fleet.generate = counting  # type: ignore[method-assign]
         streams = []
         for _ in range(3):
             client = _StreamingClient()
@@ -489,6 +500,7 @@ class SaturationTests(HttpTestCase):
                 + body
             )
             streams.append(client)
+        yield placed
         yield streams[0].content_seen
         code, content = yield self.call(head, b"GET", "/healthz")
         self.assertEqual(

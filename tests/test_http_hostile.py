@@ -225,12 +225,12 @@ class _BlockingCodec(TransformersCodec):
         self.go = threading.Event()
         self.encoded = 0
 
-    def encode(self, text: str, *, special: bool) -> list[int]:
+    def encode(self, text: str, *, special: bool, parse_special: bool = False) -> list[int]:
         self.encoded += 1
         if len(text) > INLINE_BODY_BYTES:
             reactor.callFromThread(self.started.callback, threading.current_thread())
             self.go.wait(60)
-        return super().encode(text, special=special)
+        return super().encode(text, special=special, parse_special=parse_special)
 
 
 class OffTheReactorTests(HostileTestCase):
@@ -410,9 +410,11 @@ class LimitTests(HostileTestCase):
         """A client at 127.0.0.1 opens 300 streams and reads none: 4 run
         (--max-client-requests 4), 296 get 429 rate_limit_exceeded at once; a client at
         127.0.0.2 is served meanwhile, and /healthz counts the 4 running requests on their
-        lanes."""
+        lanes (no per-address connection cap here: --max-client-connections 0)."""
         node = yield self.start_vocab_node(token_delay_s=0.01)
-        head = yield self.start_sfhead([node], "--max-client-requests", "4")
+        head = yield self.start_sfhead(
+            [node], "--max-client-requests", "4", "--max-client-connections", "0"
+        )
         screened: list[Any] = []
         all_screened: defer.Deferred[None] = defer.Deferred()
         site = head.api.site()

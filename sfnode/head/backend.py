@@ -29,6 +29,28 @@ if TYPE_CHECKING:
 _DEFAULT_PARAMS = GenParams()
 
 
+@dataclass(frozen=True, slots=True)
+class Requester:
+    """Who a generation is for, as the head's queue shares lanes (docs/protocol.md section
+    8.5): the client's address and the API key it was admitted with."""
+
+    address: str = ""
+    """The client's address ("" for a program's own generations: no per-address bound)."""
+    key: bytes | None = None
+    """The API key the request carried (None: the API is open)."""
+
+    @property
+    def share(self) -> tuple[str, bytes | str]:
+        """What the queue serves round robin: the API key when there is one, else the
+        address (several programs behind one address share it; one key on many addresses is
+        still one client)."""
+        return ("key", self.key) if self.key is not None else ("address", self.address)
+
+
+ANONYMOUS = Requester()
+"""The requester of generations that name none (a program embedding the fleet, tests)."""
+
+
 class GenerationHandle(Protocol):
     """One generation in flight: its result, a cancel, and "placed, tokens will come"."""
 
@@ -102,12 +124,14 @@ class Backend(Protocol):
         on_tokens: TokenSink | None = None,
         max_wall_ms: int = 0,
         request_class: RequestClass = ...,
+        requester: Requester = ...,
     ) -> GenerationHandle:
         """Run one generation of ``prompt``; ``on_tokens(tokens)`` gets its tokens as they
         come, or ``on_tokens(tokens, logprobs)`` when ``params.logprobs`` asks for them (a
         backend that cannot return them fails the generation with
         :class:`~sfnode.head.fleet.LogprobsUnavailable`); ``request_class`` says whether someone
-        waits on it (docs/protocol.md section 12.2)."""
+        waits on it (docs/protocol.md section 12.2); ``requester`` whose share of the queue it
+        takes (section 8.5)."""
 
     def status(self, model: str | None = None) -> BackendStatus: ...
 
@@ -129,9 +153,10 @@ class PipelineBackend:
         on_tokens: TokenSink | None = None,
         max_wall_ms: int = 0,
         request_class: RequestClass = RequestClass.INTERACTIVE,
+        requester: Requester = ANONYMOUS,
     ) -> GenerationHandle:
         # A pipeline runs one generation at a time on its stages: there is no lane to keep,
-        # so the class changes nothing there.
+        # so neither the class nor the requester changes anything there.
         return self.pipeline.generate(
             prompt,
             max_new,
@@ -145,4 +170,12 @@ class PipelineBackend:
         return self.pipeline.fleet.status(model)
 
 
-__all__ = ["Backend", "BackendStatus", "GenerationHandle", "NodeReport", "PipelineBackend"]
+__all__ = [
+    "ANONYMOUS",
+    "Backend",
+    "BackendStatus",
+    "GenerationHandle",
+    "NodeReport",
+    "PipelineBackend",
+    "Requester",
+]

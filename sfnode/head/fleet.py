@@ -21,8 +21,11 @@ On top of that:
   (:class:`~sfnode.head.placement.PrefixRule`), so requests sharing a system prompt and the
   turns of a conversation go where their prefix is;
 - a bounded queue: a request no live node can take now waits (``max_queued``, at most
-  ``queue_timeout_s``) for a node to come back, join, or free a lane, in arrival order; a full
-  queue refuses at once (:class:`QueueFull`), a wait that times out fails with
+  ``queue_timeout_s``) for a node to come back, join, or free a lane; lanes go to the waiting
+  clients round robin (:class:`~sfnode.head.fairqueue.FairQueue`: by API key, else by address,
+  each client's requests in arrival order), and one client address may hold at most
+  ``max_client_queued`` of the queue; a full queue refuses at once (:class:`QueueFull`, or
+  :class:`ClientQueueFull` for a client at its share), a wait that times out fails with
   :class:`NoNodeAvailable`; a waiter that is cancelled (its client went away) leaves;
 - a prompt that no node serving the model can hold is refused with :class:`StreamTooLong`
   (``length``, ``max``), also after a cold fleet learned the windows;
@@ -73,7 +76,8 @@ from twisted.logger import Logger
 
 from sfnode.generation import KV_BLOCK_TOKENS, StreamTooLong, TokenLogprob, TokenSink
 from sfnode.head import placement
-from sfnode.head.backend import BackendStatus, NodeReport
+from sfnode.head.backend import ANONYMOUS, BackendStatus, NodeReport, Requester
+from sfnode.head.fairqueue import FairQueue
 from sfnode.head.link import (
     DEFAULT_HANDSHAKE_TIMEOUT_S,
     DEFAULT_LEASE,
@@ -120,6 +124,12 @@ _log = Logger(namespace="sfnode.head.fleet")
 _T = TypeVar("_T")
 
 
+def default_client_queued(max_queued: int) -> int:
+    """The default bound of one client address's waiting generations: a quarter of the
+    queue (at least 1 when anything may wait)."""
+    return max(1, max_queued // 4) if max_queued > 0 else 0
+
+
 def _deferred(coroutine: Coroutine[Any, Any, _T]) -> Deferred[_T]:
     return Deferred.fromCoroutine(coroutine)
 
@@ -139,6 +149,18 @@ class NoNodeAvailable(FleetError):
 
 class QueueFull(FleetError):
     """Every live node is busy and the queue of waiting requests is full."""
+
+
+class ClientQueueFull(QueueFull):
+    """The client's address already holds its share of the queue (``max_client_queued``)."""
+
+    def __init__(self, address: str, limit: int) -> None:
+        super().__init__(
+            f"this client address has {limit} generations waiting for a lane, the most one "
+            "address may have waiting (--max-client-queued); retry when some have started"
+        )
+        self.address = address
+        self.limit = limit
 
 
 class NodeDown(FleetError):
@@ -357,12 +379,15 @@ class FleetSession:
         params: GenParams,
         lease: Lease,
         context: Sequence[int],
+        requester: Requester = ANONYMOUS,
     ) -> None:
         self.fleet = fleet
         self.session_id = session_id
         self.model = model
         self.params = params
         self.lease = lease
+        self.requester = requester
+        """Who it serves: its share of the queue (docs/protocol.md section 8.5)."""
         self.context: tuple[int, ...] = tuple(context)
         """The complete context last appended."""
         self.node: FleetNode | None = None
@@ -737,6 +762,7 @@ class Fleet:
         retry_max_s: float = DEFAULT_RETRY_MAX_S,
         retry: RetryPolicy | None = None,
         max_queued: int = DEFAULT_MAX_QUEUED,
+        max_client_queued: int | None = None,
         queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
         prefix: PrefixRule = DEFAULT_PREFIX_RULE,
         max_generation_s: float = DEFAULT_MAX_GENERATION_S,
@@ -754,6 +780,11 @@ class Fleet:
         self.retry_max_s = retry_max_s
         self._retry = retry if retry is not None else retry_policy(retry_max_s)
         self.max_queued = max_queued
+        self.max_client_queued = (
+            default_client_queued(max_queued) if max_client_queued is None else max_client_queued
+        )
+        """Generations one client address may have waiting (0: no bound but ``max_queued``;
+        generations without an address, such as a program's own, are not bounded by it)."""
         self.queue_timeout_s = queue_timeout_s
         self.prefix = prefix
         """How placement weighs a node's cached prefix against its load (``load-aware``)."""
@@ -766,7 +797,7 @@ class Fleet:
         """Requests refused at once because the queue was full."""
         self.queue_timeouts = 0
         """Requests that waited ``queue_timeout_s`` for a node in vain."""
-        self._queue: deque[_Waiter] = deque()
+        self._queue: FairQueue[_Waiter] = FairQueue()
         self._dispatching = False
         self._dispatch_again = False
         self._orders = itertools.count()
@@ -785,8 +816,7 @@ class Fleet:
     def stop(self) -> Deferred[None]:
         """Fail what waits in the queue and close every link."""
         self._stopping = True
-        waiting, self._queue = list(self._queue), deque()
-        for waiter in waiting:
+        for waiter in self._queue.clear():
             self._settle(waiter, NoNodeAvailable("the head is stopping"))
         closing = [node.link.close() for node in self.nodes]
         return defer.gatherResults(closing).addCallback(lambda _: None)
@@ -1082,22 +1112,36 @@ class Fleet:
         if priority or not self._queue:
             if self._try(waiter):
                 return waiter.placed
-        if not priority and len(self._queue) >= self.max_queued:
-            self.queue_rejected += 1
-            return defer.fail(
-                QueueFull(
-                    f"no node can take the request now ({waiter.reason or 'no node is live'}) "
-                    f"and the queue is full ({self.max_queued} requests may wait)"
+        requester = session.requester
+        if not priority:
+            if len(self._queue) >= self.max_queued:
+                self.queue_rejected += 1
+                return defer.fail(
+                    QueueFull(
+                        f"no node can take the request now ({self._why_waiting(waiter)}) and "
+                        f"the queue is full ({self.max_queued} generations may wait)"
+                    )
                 )
-            )
+            limit = self.max_client_queued
+            if requester.address and limit and self._queue.waiting_of(requester.address) >= limit:
+                self.queue_rejected += 1
+                return defer.fail(ClientQueueFull(requester.address, limit))
         if self.queue_timeout_s > 0:
             waiter.timer = self._clock.callLater(self.queue_timeout_s, self._expire, waiter)
-        if priority:
-            self._queue.appendleft(waiter)
-        else:
-            self._queue.append(waiter)
+        self._queue.push(waiter, requester.share, requester.address, priority=priority)
         self._dispatch()
         return waiter.placed
+
+    def _why_waiting(self, waiter: _Waiter) -> str:
+        """Why ``waiter`` cannot be placed now (for a refusal's message)."""
+        if waiter.reason:
+            return waiter.reason
+        decision = placement.decide(
+            self._views(waiter.keys), waiter.request, self.policy, self._cursor, self.prefix
+        )
+        if isinstance(decision, placement.Wait):
+            return decision.reason
+        return f"{len(self._queue)} generations wait ahead of it"
 
     def _try(self, waiter: _Waiter) -> bool:
         """Settle ``waiter`` now if the nodes allow (placed, or refused); False: it waits."""
@@ -1109,6 +1153,7 @@ class Fleet:
             node = by_key[decision.order[0]]
             if self.policy is Policy.ROUND_ROBIN:
                 self._cursor += 1
+            self._queue.served(waiter.session.requester.share)
             self._assign(waiter, node)
             self._settle(waiter, node)
             return True
@@ -1146,7 +1191,8 @@ class Fleet:
             node.generation_started(waiter.request.interactive)
 
     def _dispatch(self) -> None:
-        """Place what waits, in order, on whatever the nodes can take now."""
+        """Place what waits on whatever the nodes can take now: failovers first, then the
+        clients round robin (:meth:`FairQueue.order`)."""
         if self._dispatching:
             # Settling a waiter runs its generation, which may free a lane right here: go
             # round once more when this pass is done.
@@ -1157,7 +1203,7 @@ class Fleet:
             self._dispatch_again = True
             while self._dispatch_again:
                 self._dispatch_again = False
-                for waiter in list(self._queue):
+                for waiter in self._queue.order():
                     if not waiter.settled:
                         self._try(waiter)
         finally:
@@ -1167,8 +1213,7 @@ class Fleet:
         if waiter.settled:
             return
         waiter.settled = True
-        if waiter in self._queue:
-            self._queue.remove(waiter)
+        self._queue.remove(waiter)
         if waiter.timer is not None and waiter.timer.active():
             waiter.timer.cancel()
         if isinstance(result, Exception):
@@ -1179,8 +1224,7 @@ class Fleet:
     def _leave(self, waiter: _Waiter) -> None:
         """The waiter was cancelled (its client went away): it leaves the queue."""
         waiter.settled = True
-        if waiter in self._queue:
-            self._queue.remove(waiter)
+        self._queue.remove(waiter)
         if waiter.timer is not None and waiter.timer.active():
             waiter.timer.cancel()
 
@@ -1191,7 +1235,7 @@ class Fleet:
             waiter,
             NoNodeAvailable(
                 f"no node could take the request within {self.queue_timeout_s:g} s "
-                f"({waiter.reason or 'no node is live'})"
+                f"({self._why_waiting(waiter)})"
             ),
         )
 
@@ -1260,6 +1304,7 @@ class Fleet:
         model: str | None = None,
         params: GenParams = DEFAULT_PARAMS,
         lease: Lease | None = None,
+        requester: Requester = ANONYMOUS,
     ) -> FleetSession:
         """A session not placed yet (its first generation places it)."""
         return FleetSession(
@@ -1269,6 +1314,7 @@ class Fleet:
             params,
             lease if lease is not None else self.lease,
             context,
+            requester,
         )
 
     def generate(
@@ -1281,6 +1327,7 @@ class Fleet:
         on_tokens: TokenSink | None = None,
         max_wall_ms: int = 0,
         request_class: RequestClass = RequestClass.INTERACTIVE,
+        requester: Requester = ANONYMOUS,
         constraint: Constraint | None = None,
     ) -> FleetGeneration:
         """One request: place a new session with ``prompt``, generate, revoke the session.
@@ -1290,7 +1337,8 @@ class Fleet:
         fails with :class:`LogprobsUnavailable`.
 
         ``request_class`` (docs/protocol.md section 12.2): interactive (the default, which is
-        also how a node reads a request that says nothing) or batch.
+        also how a node reads a request that says nothing) or batch.  ``requester``: the
+        client it serves, its share of the queue (section 8.5).
 
         ``constraint`` (docs/protocol.md section 12.3; its ``generated_from`` is set here): a
         grammar the output follows and the sampler's per-lane controls, on nodes that offer
@@ -1298,7 +1346,7 @@ class Fleet:
         said it does not, the generation fails with :class:`ConstraintsUnavailable`.  Build
         it with :mod:`sfnode.constraint`.
         """
-        session = self.new_session(prompt, model=model, params=params)
+        session = self.new_session(prompt, model=model, params=params, requester=requester)
         generation = FleetGeneration(
             session,
             max_new,
@@ -1317,6 +1365,7 @@ __all__ = [
     "DEFAULT_MAX_GENERATION_S",
     "DEFAULT_MAX_QUEUED",
     "DEFAULT_QUEUE_TIMEOUT_S",
+    "ClientQueueFull",
     "ConstraintRefused",
     "ConstraintsUnavailable",
     "Fleet",
@@ -1334,6 +1383,7 @@ __all__ = [
     "NodeLink",
     "Policy",
     "QueueFull",
+    "Requester",
     "SessionClosed",
     "StreamTooLong",
 ]

@@ -3,20 +3,31 @@ keep slow or hostile clients from holding the head.  It is built on the guards e
 listener shares (``sfnode.webguard``: the header deadline, refusals that read nothing more, the
 connection cap), with the head's own checks and its errors in OpenAI's shape.
 
+- :func:`resolve` decides what a request is, once: it decodes and walks the path exactly as
+  twisted.web's router does, and the site then serves the resource found there
+  (:meth:`GuardedSite.getResourceFor`), so the checks and the answer can never see two
+  different requests.  A path that is not in canonical form (not starting with ``/``, an empty,
+  ``.`` or ``..`` segment once decoded, a suffix after a resource that takes none) is a 404 before
+  anything else.  Each resource declares its :class:`Route`: the methods it serves, whether a
+  POST to it produces a completion, whether it takes a suffix, whether it needs the API key.
 - :class:`GuardedChannel` asks the API's ``screen`` about every request as soon as its headers
   are complete (Host, API key, Content-Length against ``--max-body``, Content-Type, the
-  per-client and per-key limits).  A refusal is answered at once in OpenAI's JSON shape with
-  ``Connection: close``; the body is never read (what the client already sent is discarded, and
-  the connection is aborted after :data:`LINGER_BYTES` or :data:`LINGER_S`).  The headers must
-  arrive within ``header_timeout_s`` of their first byte and the body within
-  ``body_timeout_s`` of the headers, whatever the pace of the bytes (408 otherwise).
+  per-client and per-key limits).  Only a POST to a completion route reads a body: any other
+  request that declares one (``/healthz``, ``/metrics``, any GET, unknown paths, a wrong
+  method) is answered from its headers (404, 405 or 400).  A refusal is answered at once in
+  OpenAI's JSON shape with ``Connection: close``; the body is never read (what the client
+  already sent is discarded, and the connection is aborted after :data:`LINGER_BYTES` or
+  :data:`LINGER_S`).  The headers must arrive within ``header_timeout_s`` of their first byte
+  and the body within ``body_timeout_s`` of the headers, whatever the pace of the bytes (408
+  otherwise).
 - :class:`GuardedRequest` keeps the body in memory and stops at the body limit while a chunked
   body streams in (413); it never spills to a temporary file.  An unexpected exception while
   rendering is a JSON 500 (counted and logged once), never Twisted's HTML page, and every answer
   says ``Server: sfhead``.
-- :class:`GuardedSite` caps the open connections (``max_connections``): one more is answered
-  503 and closed.
-- :func:`host_allowed` and :class:`ConcurrencyLimits` are the pure parts.
+- :class:`GuardedSite` caps the open connections, in total (``max_connections``: one more is
+  answered 503 and closed) and per client address (``max_client_connections``: 429).
+- :func:`host_allowed`, :func:`canonical_segments` and :class:`ConcurrencyLimits` are the pure
+  parts.
 
 This module must never read a body it refused, never write a request to disk, never echo
 unbounded input, and never use the global reactor (the site's reactor runs the clocks).
@@ -30,8 +41,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from io import BytesIO
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 from twisted.internet.interfaces import IReactorTime
+from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
@@ -67,14 +80,136 @@ class GateLimits:
     """A client that reads nothing of its answer for this long is cut off and its generations
     are cancelled: a reader that stopped must not hold lanes."""
     max_connections: int = 1024
+    max_client_connections: int = 64
+    """Open connections per client address (0: no limit besides ``max_connections``)."""
     max_client_requests: int = 64
-    """Completion requests open at once per client address (0: no limit)."""
+    """Generations open at once per client address, a request with ``n`` choices counting
+    ``n`` (0: no limit)."""
     max_key_requests: int = 0
-    """Completion requests open at once per API key (0: no limit)."""
+    """Generations open at once per API key, counted the same way (0: no limit)."""
+    metrics_public: bool = False
+    """``/metrics`` answers without the API key (when one is set)."""
     allowed_hosts: frozenset[str] = frozenset()
     """Host names answered besides IP addresses and ``localhost``; ``*`` is any."""
     cors_origins: frozenset[str] = frozenset()
     """Origins given CORS headers (``*`` is any); empty: no CORS."""
+
+
+# --------------------------------------------------------------------------------------------
+# Routes: what a request is, decided once
+
+
+@dataclass(frozen=True)
+class Route:
+    """What the front door must know of a resource before it reads a body."""
+
+    methods: tuple[bytes, ...] = ()
+    """The methods it serves (HEAD goes with GET, OPTIONS with CORS); none: a 404."""
+    completion: bool = False
+    """A POST here produces a completion: the only requests whose body is read, and only
+    after the API key, ``Content-Type: application/json`` and the limits."""
+    suffix: bool = False
+    """It takes further path segments (``/v1/models/{id}``); any other resource is a 404
+    when the path goes on after it."""
+    keyed: bool = False
+    """It and everything under it need the API key (when one is set)."""
+
+
+NOT_FOUND = Route()
+"""The route of a path that reaches nothing (a resource that serves no method)."""
+
+
+def route_of(resource: object) -> Route:
+    """The :class:`Route` a resource declares (one that declares none is served by nothing:
+    a 404, so a resource added without thinking of the front door cannot be reached)."""
+    route = getattr(resource, "route", None)
+    return route if isinstance(route, Route) else NOT_FOUND
+
+
+def canonical_segments(path: bytes) -> list[bytes] | None:
+    """The decoded segments twisted.web routes ``path`` by (``Request.process``:
+    ``unquote(segment)`` for each ``/``-separated segment after the first character), or None
+    when the path is not in canonical form: it does not start with ``/``, or a decoded segment
+    is empty, ``.``, ``..`` or holds a ``/`` (``%2F``).  A canonical path routes the same
+    whether or not it is percent-decoded again, and no proxy or client normalises it into
+    another route."""
+    if not path.startswith(b"/"):
+        return None
+    segments = [unquote_to_bytes(s) for s in path[1:].split(b"/")]
+    for segment in segments:
+        if segment in (b"", b".", b"..") or b"/" in segment:
+            return None
+    return segments
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Where the router sends a request: the resource that answers it (the not-found one
+    for a path that reaches no route), its :class:`Route`, whether the API key is needed, and
+    twisted.web's ``prepath``/``postpath`` after the walk (what the resource reads)."""
+
+    resource: Resource
+    route: Route
+    keyed: bool
+    canonical: bool
+    prepath: tuple[bytes, ...] = ()
+    postpath: tuple[bytes, ...] = ()
+
+    @property
+    def found(self) -> bool:
+        """A resource that serves something (one that serves no method is a 404)."""
+        return bool(self.route.methods)
+
+
+def resolve(root: Resource, path: bytes, request: object, not_found: Resource) -> Resolved:
+    """Walk ``root`` with ``path`` as twisted.web does (``getChildForRequest``), on the same
+    decoded segments.  A non-canonical path, a path that reaches no route and a suffix after
+    a resource that takes none resolve to ``not_found``.  ``keyed``: a resource on the way
+    needs the API key."""
+    segments = canonical_segments(path)
+    if segments is None:
+        return Resolved(not_found, NOT_FOUND, False, canonical=False)
+    resource: Resource = root
+    keyed = route_of(root).keyed
+    prepath: list[bytes] = []
+    postpath = list(segments)
+    while postpath and not resource.isLeaf:
+        segment = postpath.pop(0)
+        prepath.append(segment)
+        resource = resource.getChildWithDefault(segment, request)  # type: ignore[no-untyped-call]
+        keyed = keyed or route_of(resource).keyed
+    route = route_of(resource)
+    if not route.methods or (postpath and not route.suffix):
+        return Resolved(not_found, NOT_FOUND, keyed, True, tuple(prepath), tuple(postpath))
+    return Resolved(resource, route, keyed, True, tuple(prepath), tuple(postpath))
+
+
+def unknown_url(method: bytes, path: bytes) -> ApiError:
+    return ApiError(
+        404,
+        f"Unknown request URL: {method.decode('latin-1')[:16]} {path[:100].decode('latin-1')}",
+        code="unknown_url",
+        outcome="not_found",
+    )
+
+
+def method_not_allowed(method: bytes, path: bytes, route: Route) -> ApiError:
+    return ApiError(
+        405,
+        f"{method.decode('latin-1')[:16]} is not allowed on {path[:100].decode('latin-1')}; use "
+        + ", ".join(m.decode() for m in route.methods),
+        code="method_not_allowed",
+        outcome="bad_request",
+        headers={b"allow": b", ".join(route.methods)},
+    )
+
+
+def no_body_here(method: bytes, path: bytes) -> ApiError:
+    return ApiError(
+        400,
+        f"{method.decode('latin-1')[:16]} {path[:100].decode('latin-1')} takes no request body",
+        code="unexpected_body",
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -112,19 +247,47 @@ def host_allowed(host: bytes | None, allowed: Iterable[str]) -> bool:
 
 
 class Permit:
-    """One request's place in :class:`ConcurrencyLimits`; :meth:`release` gives it back (once)."""
+    """One request's generations in :class:`ConcurrencyLimits`: :meth:`widen` counts more of
+    them, :meth:`release` gives them all back (once)."""
 
-    def __init__(self, release: Callable[[], None]) -> None:
-        self._release: Callable[[], None] | None = release
+    def __init__(self, limits: ConcurrencyLimits, client: str, key: bytes | None, count: int):
+        self._limits: ConcurrencyLimits | None = limits
+        self.client = client
+        self.key = key
+        self.count = count
+
+    def widen(self, extra: int) -> None:
+        """Count ``extra`` more generations of the same request (its ``n`` choices).
+
+        :raises ApiError: 429 when a limit would be passed (nothing is taken), or 400 when the
+            request alone is larger than a limit (it could never run).
+        """
+        limits = self._limits
+        if limits is None or extra <= 0:
+            return
+        total = self.count + extra
+        for limit, what in ((limits.per_client, "client address"), (limits.per_key, "API key")):
+            if limit and total > limit and (what == "client address" or self.key is not None):
+                raise ApiError(
+                    400,
+                    f"n is {total}, more than the {limit} generations one {what} may have open "
+                    "at once on this server",
+                    param="n",
+                    code="invalid_value",
+                    outcome="bad_request",
+                )
+        limits._take(self.client, self.key, extra)
+        self.count = total
 
     def release(self) -> None:
-        release, self._release = self._release, None
-        if release is not None:
-            release()
+        limits, self._limits = self._limits, None
+        if limits is not None:
+            limits._give_back(self.client, self.key, self.count)
 
 
 class ConcurrencyLimits:
-    """Completion requests open at once, per client address and per API key."""
+    """Generations open at once, per client address and per API key (a request with ``n``
+    choices counts ``n``: it runs ``n`` generations)."""
 
     def __init__(self, per_client: int, per_key: int) -> None:
         self.per_client = per_client
@@ -132,35 +295,40 @@ class ConcurrencyLimits:
         self.clients: Counter[str] = Counter()
         self.keys: Counter[bytes] = Counter()
 
-    def acquire(self, client: str, key: bytes | None) -> Permit:
-        """A permit for one more request of ``client`` (and ``key``).
+    def acquire(self, client: str, key: bytes | None, count: int = 1) -> Permit:
+        """A permit for ``count`` more generations of ``client`` (and ``key``).
 
-        :raises ApiError: 429 when either limit is reached.
+        :raises ApiError: 429 when either limit would be passed.
         """
-        if self.per_client and self.clients[client] >= self.per_client:
-            raise _too_many(f"this client address has {self.per_client} requests open")
-        if key is not None and self.per_key and self.keys[key] >= self.per_key:
-            raise _too_many(f"this API key has {self.per_key} requests open")
-        self.clients[client] += 1
+        self._take(client, key, count)
+        return Permit(self, client, key, count)
+
+    def _take(self, client: str, key: bytes | None, count: int) -> None:
+        if self.per_client and self.clients[client] + count > self.per_client:
+            raise _too_many(f"this client address has {self.clients[client]} generations open "
+                            f"(at most {self.per_client})")  # fmt: skip
+        if key is not None and self.per_key and self.keys[key] + count > self.per_key:
+            raise _too_many(f"this API key has {self.keys[key]} generations open "
+                            f"(at most {self.per_key})")  # fmt: skip
+        self.clients[client] += count
         if key is not None:
-            self.keys[key] += 1
+            self.keys[key] += count
 
-        def release() -> None:
-            self.clients[client] -= 1
-            if not self.clients[client]:
-                del self.clients[client]
-            if key is not None:
-                self.keys[key] -= 1
-                if not self.keys[key]:
-                    del self.keys[key]
-
-        return Permit(release)
+    def _give_back(self, client: str, key: bytes | None, count: int) -> None:
+        self.clients[client] -= count
+        if self.clients[client] <= 0:
+            del self.clients[client]
+        if key is not None:
+            self.keys[key] -= count
+            if self.keys[key] <= 0:
+                del self.keys[key]
 
 
 def _too_many(why: str) -> ApiError:
     return ApiError(
         429,
-        f"Too many concurrent requests: {why}; retry when one of them has ended.",
+        f"Too many concurrent requests: {why}, a request with n choices counting n; retry "
+        "when one of them has ended.",
         kind="requests",
         code="rate_limit_exceeded",
         outcome="rate_limited",
@@ -200,6 +368,8 @@ class GuardedRequest(Request):
     site: GuardedSite
     permit: Permit | None = None
     """Its place in the per-client/per-key limits (released when it finishes or is lost)."""
+    resolved: Resolved | None = None
+    """What the front door decided this request is (:func:`resolve`); the site serves it."""
     _body_bytes = 0
 
     def gotLength(self, length: int | None) -> None:
@@ -247,6 +417,21 @@ class GuardedChannel(SharedChannel):
     end of its headers and runs the body deadline."""
 
     site: GuardedSite
+    client = ""
+    """The peer's address (what ``max_client_connections`` counts)."""
+
+    def connectionMade(self) -> None:
+        super().connectionMade()
+        self.client = client_address(self.transport.getPeer() if self.transport else None)
+        self.site.client_connections[self.client] += 1
+
+    def connectionLost(self, reason: Failure) -> None:  # type: ignore[override]
+        counts = self.site.client_connections
+        if counts.get(self.client, 0) > 0:
+            counts[self.client] -= 1
+            if counts[self.client] <= 0:
+                del counts[self.client]
+        super().connectionLost(reason)
 
     def allHeadersReceived(self) -> None:
         self._cancel_deadline()
@@ -257,6 +442,12 @@ class GuardedChannel(SharedChannel):
         request.uri = self._path
         request.path = self._path.split(b"?", 1)[0]
         request.site = self.site
+        resolved = request.resolved = self.site.resolve(request)
+        if not resolved.canonical:
+            # Before anything else: a path that routes differently depending on who decodes
+            # or normalises it is never served.
+            self.refuse(unknown_url(request.method, request.path))
+            return
         error = self.site.screen(request, self.length)
         if error is not None:
             self.refuse(error)
@@ -270,6 +461,39 @@ class GuardedChannel(SharedChannel):
             return
         self._cancel_deadline()
         super().allContentReceived()  # type: ignore[no-untyped-call]
+
+
+def client_address(address: object) -> str:
+    """A peer's address as the per-client limits count it (its host; the kind of address for
+    one without a host, such as a Unix socket)."""
+    return str(getattr(address, "host", None) or type(address).__name__)
+
+
+def too_many_client_connections(limit: int) -> ApiError:
+    return ApiError(
+        429,
+        f"this client address has {limit} connections open, the most this server allows one "
+        "address; reuse them (keep-alive) or close some",
+        kind="requests",
+        code="too_many_connections",
+        outcome="rate_limited",
+        headers={b"retry-after": b"1"},
+    )
+
+
+class _ClientOverloaded(Protocol):
+    """What a connection beyond its address's cap gets: a 429 and the end of the
+    connection."""
+
+    def __init__(self, site: GuardedSite) -> None:
+        self.site = site
+
+    def connectionMade(self) -> None:
+        error = too_many_client_connections(self.site.limits.max_client_connections)
+        self.site.count(error.outcome)
+        assert self.transport is not None
+        self.transport.write(raw_response(error, _date(self.site.reactor)))
+        self.transport.loseConnection()
 
 
 Screen = Callable[[GuardedRequest, "int | None"], "ApiError | None"]
@@ -304,6 +528,7 @@ class GuardedSite(CappedSite):
         screen: Screen,
         count: Callable[[str], None],
         unexpected: Callable[[Failure, GuardedRequest], ApiError],
+        not_found: Resource,
     ) -> None:
         super().__init__(
             resource,
@@ -313,6 +538,32 @@ class GuardedSite(CappedSite):
         )
         self.limits = limits
         self.hooks = _Hooks(screen, count, unexpected)
+        self.not_found = not_found
+        """What answers a path that reaches no route (a JSON 404)."""
+        self.client_connections: Counter[str] = Counter()
+        """Open connections per client address."""
+
+    def buildProtocol(self, addr: Any) -> Any:
+        per_client = self.limits.max_client_connections
+        if per_client and self.client_connections[client_address(addr)] >= per_client:
+            return _ClientOverloaded(self)
+        return super().buildProtocol(addr)
+
+    def resolve(self, request: GuardedRequest) -> Resolved:
+        """What ``request`` is (:func:`resolve` on this site's resource tree)."""
+        return resolve(self.resource, request.path, request, self.not_found)
+
+    def getResourceFor(self, request: Any) -> Any:
+        """The resource the front door resolved for ``request`` (it never walks the tree a
+        second time: the checks and the answer see one request)."""
+        resolved = request.resolved
+        if resolved is None:
+            resolved = request.resolved = self.resolve(request)
+        request.site = self
+        request.sitepath = []
+        request.prepath = list(resolved.prepath)
+        request.postpath = list(resolved.postpath)
+        return resolved.resource
 
     def error(
         self,
@@ -370,6 +621,7 @@ __all__ = [
     "IDLE_TIMEOUT_S",
     "LINGER_BYTES",
     "LINGER_S",
+    "NOT_FOUND",
     "SERVER",
     "ConcurrencyLimits",
     "GateLimits",
@@ -377,7 +629,16 @@ __all__ = [
     "GuardedRequest",
     "GuardedSite",
     "Permit",
+    "Resolved",
+    "Route",
     "body_too_large",
+    "canonical_segments",
+    "client_address",
     "host_allowed",
+    "method_not_allowed",
+    "no_body_here",
     "raw_response",
+    "resolve",
+    "route_of",
+    "unknown_url",
 ]

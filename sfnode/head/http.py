@@ -58,10 +58,11 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
 from sfnode.generation import TokenLogprob, TokenSink
-from sfnode.head.backend import Backend, BackendStatus, GenerationHandle
+from sfnode.head.backend import Backend, BackendStatus, GenerationHandle, Requester
 from sfnode.head.classes import HEADER as CLASS_HEADER
 from sfnode.head.classes import ClassRule, class_name, parse_header
 from sfnode.head.fleet import (
+    ClientQueueFull,
     FleetError,
     FleetOutcome,
     GenerationTimedOut,
@@ -75,8 +76,13 @@ from sfnode.head.gate import (
     GateLimits,
     GuardedRequest,
     GuardedSite,
+    Route,
     body_too_large,
+    client_address,
     host_allowed,
+    method_not_allowed,
+    no_body_here,
+    unknown_url,
 )
 from sfnode.head.link import LinkError
 from sfnode.head.logprobs import ChoiceLogprobs
@@ -88,7 +94,13 @@ from sfnode.head.schema import (
     parse_body,
     parse_request,
 )
-from sfnode.head.text import Detokenizer, Renderer, StopText
+from sfnode.head.text import (
+    DEFAULT_TEMPLATE_TIMEOUT_S,
+    Detokenizer,
+    RenderBudget,
+    Renderer,
+    StopText,
+)
 from sfnode.wire import FINISH_CANCELLED, FINISH_EOS, RequestClass
 
 DEFAULT_MAX_TOKENS = 512
@@ -99,10 +111,10 @@ DRAIN_CANCEL_GRACE_S = 5.0
 """After the drain timeout cancels what still runs: how long the drain waits for those
 generations to end before it gives up on them (the fleet's links are closed next)."""
 INLINE_BODY_BYTES = 16 * 1024
-"""Bodies up to this size are checked and tokenized on the reactor (a fraction of a
-millisecond); larger ones go to the worker pool."""
+"""Completion bodies up to this size are checked and tokenized on the reactor (a fraction of a
+millisecond); larger ones go to the worker pool, and so does every chat request (its template
+is code from a model file, run under ``--template-timeout``)."""
 WORKER_THREADS = 2
-COMPLETION_PATHS = (b"/v1/chat/completions", b"/v1/completions")
 
 _log = Logger(namespace="sfnode.head.http")
 _T = TypeVar("_T")
@@ -236,10 +248,14 @@ class OpenAIApi:
         vocab_size: int | None = None,
         workers: Workers | None = None,
         class_rule: ClassRule | None = None,
+        allow_special_tokens: bool = False,
+        template_timeout_s: float = DEFAULT_TEMPLATE_TIMEOUT_S,
     ) -> None:
         self.reactor: IReactorTime = reactor
         self.backend = backend
-        self.renderer = Renderer(tokenizer)
+        self.renderer = Renderer(tokenizer, allow_special_tokens=allow_special_tokens)
+        self.template_timeout_s = template_timeout_s
+        """How long one chat-template render may take before it is stopped (500)."""
         self.model_name = model_name
         self.node_model = node_model if node_model is not None else model_name
         """The model name asked of nodes (the one they offer in HELLO_ACK_F)."""
@@ -303,7 +319,12 @@ class OpenAIApi:
         return found
 
     def screen(self, request: GuardedRequest, length: int | None) -> ApiError | None:
-        """The refusal of a request whose headers are in, or None (see :mod:`gate`)."""
+        """The refusal of a request whose headers are in, or None (see :mod:`gate`).
+
+        It reads the route the front door resolved (``request.resolved``, what will serve the
+        request), never the raw path: Host, then the API key for keyed routes, then the body
+        rules (only a POST to a completion route reads one; any other request that declares
+        a body is answered now), then for completions the JSON media type and the limits."""
         if not host_allowed(request.getHeader(b"host"), self.allowed_hosts):
             return ApiError(
                 403,
@@ -312,17 +333,28 @@ class OpenAIApi:
                 code="host_not_allowed",
                 outcome="forbidden",
             )
-        path = request.path.rstrip(b"/") if request.path != b"/" else request.path
-        preflight = request.method == b"OPTIONS" and request.site.cors_allows(request)
+        resolved = request.resolved
+        assert resolved is not None
+        method = request.method
+        preflight = method == b"OPTIONS" and request.site.cors_allows(request)
         key = b""
-        if (path == b"/v1" or path.startswith(b"/v1/")) and not preflight:
+        if resolved.keyed and not preflight:
             found = self.authorized(request)
             if found is None:
                 return _unauthorized(request)
             key = found
+        route = resolved.route
+        completion = route.completion and method == b"POST"
+        if length != 0 and not completion:
+            # Answered from the headers: a body this route never reads is never read.
+            if not resolved.found:
+                return unknown_url(method, request.path)
+            if method not in _allowed(route) and not preflight:
+                return method_not_allowed(method, request.path, route)
+            return no_body_here(method, request.path)
         if length is not None and length > self.limits.max_body:
             return body_too_large(self.limits.max_body)
-        if request.method == b"POST" and path in COMPLETION_PATHS:
+        if completion:
             media = (request.getHeader(b"content-type") or b"").split(b";")[0].strip().lower()
             if media != b"application/json":
                 return ApiError(
@@ -333,8 +365,9 @@ class OpenAIApi:
                 )
             if self.draining:
                 return _draining()
+            client = client_address(request.getClientAddress())  # type: ignore[no-untyped-call]
             try:
-                permit = self.concurrency.acquire(_client_of(request), key or None)
+                permit = self.concurrency.acquire(client, key or None)
             except ApiError as e:
                 return e
             request.permit = permit
@@ -413,9 +446,12 @@ class OpenAIApi:
 
     # Requests
 
-    def prepare(self, data: bytes, chat: bool, status: BackendStatus) -> Prepared:
+    def prepare(
+        self, data: bytes, chat: bool, status: BackendStatus, budget: RenderBudget | None = None
+    ) -> Prepared:
         """Check a body and render its prompt (on the reactor or a worker thread: it reads
-        only ``status``, a snapshot, and the renderer).
+        only ``status``, a snapshot, and the renderer); ``budget`` bounds the chat
+        template's render.
 
         :raises ApiError: anything wrong with the request, a prompt that cannot fit included.
         """
@@ -438,7 +474,7 @@ class OpenAIApi:
                 outcome="too_long",
             )
         if request.chat:
-            prompt = self.renderer.chat(request.messages)
+            prompt = self.renderer.chat(request.messages, budget)
         elif request.prompt_text is not None:
             prompt = self.renderer.completion(request.prompt_text)
         else:
@@ -459,26 +495,30 @@ class OpenAIApi:
                 screen=self.screen,
                 count=lambda outcome: self.metrics.requests.labels(outcome).inc(),
                 unexpected=self.unexpected,
+                not_found=_NotFound(),  # type: ignore[no-untyped-call]
             )
         return self._site
 
     def _resource(self) -> Resource:
-        root = _Branch()  # type: ignore[no-untyped-call]
-        v1 = _Branch()  # type: ignore[no-untyped-call]
-        chat = _Branch()  # type: ignore[no-untyped-call]
+        """The resource tree: every route the API serves (each resource declares its
+        :class:`~sfnode.head.gate.Route`; everything under ``/v1`` needs the API key, and
+        ``/metrics`` too unless ``--metrics-public``)."""
+        root = _Branch()
+        v1 = _Branch(keyed=True)
+        chat = _Branch()
         root.putChild(b"v1", v1)
         v1.putChild(b"chat", chat)
         chat.putChild(b"completions", _Completions(self, chat=True))
         v1.putChild(b"completions", _Completions(self, chat=False))
         v1.putChild(b"models", _Models(self))
         root.putChild(b"healthz", _Health(self))
-        root.putChild(b"metrics", _Metrics(self))
+        root.putChild(b"metrics", _Metrics(self, keyed=not self.limits.metrics_public))
         return root
 
 
-def _client_of(request: Any) -> str:
-    address = request.getClientAddress()
-    return str(getattr(address, "host", None) or type(address).__name__)
+def _allowed(route: Route) -> tuple[bytes, ...]:
+    """The methods a route answers: its own, and HEAD where it serves GET."""
+    return (*route.methods, b"HEAD") if b"GET" in route.methods else route.methods
 
 
 def _unauthorized(request: Any) -> ApiError:
@@ -519,14 +559,15 @@ class _Leaf(Resource):
     preflights with 204, when the origin is allowed)."""
 
     isLeaf = True
-    methods: tuple[bytes, ...] = (b"GET",)
+    route = Route(methods=(b"GET",))
 
     def render_GET(self, request: Any) -> bytes:
         raise NotImplementedError
 
     def render(self, request: Any) -> bytes | int:
         method = request.method
-        if method == b"HEAD" and b"GET" in self.methods:
+        methods = self.route.methods
+        if method == b"HEAD" and b"GET" in methods:
             # Answered here rather than by twisted.web, which logs a warning per HEAD request
             # whose resource returns a body.
             body = self.render_GET(request)
@@ -536,17 +577,8 @@ class _Leaf(Resource):
             request.setResponseCode(204)
             return b""
         handler = getattr(self, "render_" + method.decode("latin-1"), None)
-        if method not in self.methods or handler is None:
-            name = method.decode("latin-1")[:16]
-            path = request.path[:100].decode("latin-1")
-            error = ApiError(
-                405,
-                f"{name} is not allowed on {path}; use "
-                + ", ".join(m.decode() for m in self.methods),
-                code="method_not_allowed",
-                outcome="bad_request",
-                headers={b"allow": b", ".join(self.methods)},
-            )
+        if method not in methods or handler is None:
+            error = method_not_allowed(method, request.path, self.route)
             request.site.count(error.outcome)
             return answer_error(request, error)
         result: bytes | int = handler(request)
@@ -554,20 +586,21 @@ class _Leaf(Resource):
 
 
 class _NotFound(_Leaf):
+    route = Route()
+
     def render(self, request: Any) -> bytes:
-        error = ApiError(
-            404,
-            f"Unknown request URL: {request.method.decode('latin-1')[:16]} "
-            f"{request.path[:100].decode('latin-1')}",
-            code="unknown_url",
-            outcome="not_found",
-        )
+        error = unknown_url(request.method, request.path)
         request.site.count(error.outcome)
         return answer_error(request, error)
 
 
 class _Branch(Resource):
-    """A path segment with children; the segment itself and unknown children are 404."""
+    """A path segment with children; the segment itself and unknown children are 404
+    (``keyed``: it and everything under it need the API key)."""
+
+    def __init__(self, *, keyed: bool = False) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.route = Route(keyed=keyed)
 
     def getChild(self, path: bytes, request: Any) -> Resource:
         return _NotFound()  # type: ignore[no-untyped-call]
@@ -607,9 +640,10 @@ class _Health(_Leaf):
 
 
 class _Metrics(_Leaf):
-    def __init__(self, api: OpenAIApi) -> None:
+    def __init__(self, api: OpenAIApi, *, keyed: bool) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.api = api
+        self.route = Route(methods=(b"GET",), keyed=keyed)
 
     def render_GET(self, request: Any) -> bytes:
         request.setHeader(b"content-type", EXPOSITION_CONTENT_TYPE.encode())
@@ -618,6 +652,8 @@ class _Metrics(_Leaf):
 
 class _Models(_Leaf):
     """``/v1/models`` (the list) and ``/v1/models/{id}`` (one, or 404)."""
+
+    route = Route(methods=(b"GET",), suffix=True)
 
     def __init__(self, api: OpenAIApi) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
@@ -653,7 +689,7 @@ class _Models(_Leaf):
 
 
 class _Completions(_Leaf):
-    methods = (b"POST",)
+    route = Route(methods=(b"POST",), completion=True)
 
     def __init__(self, api: OpenAIApi, *, chat: bool) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
@@ -676,6 +712,15 @@ def _fleet_error(failure: Failure, param: str) -> ApiError | None:
         return too_long(error.length, error.max, param)
     if isinstance(error, NodeDeclined):
         return ApiError(502, str(error), kind="server_error", outcome="error")
+    if isinstance(error, ClientQueueFull):
+        return ApiError(
+            429,
+            str(error),
+            kind="requests",
+            code="rate_limit_exceeded",
+            outcome="rate_limited",
+            headers={b"retry-after": b"1"},
+        )
     if isinstance(error, QueueFull):
         return _unavailable(str(error), "queue_full")
     if isinstance(error, GenerationTimedOut):
@@ -751,6 +796,10 @@ class _Exchange:
         self.request.notifyFinish().addErrback(self._client_gone)
         api.exchanges.add(self)
         try:
+            if self.request.permit is None:
+                # The front door admits every completion with a permit: one without is a
+                # defect, and must never produce a completion.
+                raise RuntimeError(f"a completion reached {self.request.path!r} unscreened")
             if api.draining:
                 raise _draining()
             self.named_class = parse_header(self.request.getHeader(CLASS_HEADER))
@@ -758,16 +807,45 @@ class _Exchange:
             if len(data) > api.limits.max_body:
                 raise body_too_large(api.limits.max_body)
             status = api.status()
-            if len(data) <= INLINE_BODY_BYTES:
-                prepared: Deferred[Prepared] = defer.maybeDeferred(
-                    api.prepare, data, self.chat, status
-                )
+            if self.chat:
+                prepared: Deferred[Prepared] = self._prepare_chat(data, status)
+            elif len(data) <= INLINE_BODY_BYTES:
+                prepared = defer.maybeDeferred(api.prepare, data, self.chat, status)
             else:
                 prepared = api.workers.run(lambda: api.prepare(data, self.chat, status))
         except Exception:
             # An ApiError is answered as such; anything else as an unexpected failure.
             prepared = defer.fail()
         prepared.addCallback(self._prepared).addErrback(self._refused).addErrback(self._unexpected)
+
+    def _prepare_chat(self, data: bytes, status: BackendStatus) -> Deferred[Prepared]:
+        """Check and render a chat body on a worker, its template's render stopped after
+        ``--template-timeout`` seconds (timed from when the render starts)."""
+        api = self.api
+        timer: list[IDelayedCall] = []
+
+        def arm() -> None:
+            if not budget.stopped:
+                timer.append(api.reactor.callLater(api.template_timeout_s, timed_out))
+
+        def timed_out() -> None:
+            _log.warn(
+                "the chat template took more than {seconds:g} s to render the messages of "
+                "{ident}; stopped it (--template-timeout)",
+                seconds=api.template_timeout_s,
+                ident=self.ident,
+            )
+            budget.stop()
+
+        def disarm(result: object) -> object:
+            for call in timer:
+                if call.active():
+                    call.cancel()
+            return result
+
+        budget = RenderBudget(lambda: api.reactor.callFromThread(arm))  # type: ignore[attr-defined]
+        prepared = api.workers.run(lambda: api.prepare(data, True, status, budget))
+        return prepared.addBoth(disarm)
 
     def _prepared(self, prepared: Prepared) -> None:
         api = self.api
@@ -781,6 +859,9 @@ class _Exchange:
         # fleet's queue (a node may come back or dial in) and fails from there when it is
         # full or the wait times out.
         parsed = self.parsed
+        permit = self.request.permit
+        assert permit is not None  # start() refused a request without one
+        permit.widen(parsed.n - 1)
         max_tokens = parsed.max_tokens
         if max_tokens is None:
             window = api.status().window
@@ -796,6 +877,7 @@ class _Exchange:
         self.request.setHeader(CLASS_HEADER, class_name(request_class).encode())
         self.request.registerProducer(self, True)
         self._producing = True
+        requester = Requester(client_address(self.request.getClientAddress()), permit.key)
         placed = []
         for index in range(parsed.n):
             logprobs = None
@@ -810,6 +892,7 @@ class _Exchange:
                 params=parsed.choice_params(index),
                 on_tokens=self._receiver(choice),
                 request_class=request_class,
+                requester=requester,
             )
             choice.generation = generation
             self._pending += 1

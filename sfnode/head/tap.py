@@ -51,11 +51,13 @@ from sfnode.head.fleet import (
     DEFAULT_QUEUE_TIMEOUT_S,
     Fleet,
     Policy,
+    default_client_queued,
 )
 from sfnode.head.gate import GateLimits
 from sfnode.head.link import DEFAULT_LEASE
 from sfnode.head.machines import DEFAULT_RETRY_MAX_S, DEFAULT_SILENCE_TIMEOUT_S, RETRY_INITIAL_S
 from sfnode.head.placement import DEFAULT_PREFIX_MAX_SKEW, DEFAULT_PREFIX_WEIGHT, PrefixRule
+from sfnode.head.text import DEFAULT_TEMPLATE_TIMEOUT_S
 from sfnode.service import (
     DEFAULT_MODEL_NAME,
     ListeningService,
@@ -198,7 +200,10 @@ class Options(usage.Options):
         "HTTP, answers 503 to requests on connections still open, lets running completions "
         "finish for up to --drain-timeout seconds, cancels the rest, then exits. A completion "
         "is interactive or batch (header X-Request-Class, else --default-request-class): nodes "
-        "serve interactive ones first."
+        "serve interactive ones first. Waiting generations get lanes round robin across "
+        "clients (by API key, else by address). Text in messages and string prompts is "
+        "tokenized as text: a special token typed by a client (<|im_start|>, ...) never "
+        "becomes the special id unless --allow-special-tokens (string prompts only)."
     )
 
     optFlags: ClassVar[list[list[str | None]]] = [
@@ -215,6 +220,18 @@ class Options(usage.Options):
             None,
             "Allow --http on a non-loopback address without an API key (anyone who can reach "
             "it may use the API).",
+        ],
+        [
+            "metrics-public",
+            None,
+            "Answer /metrics without the API key (it needs the key when one is set).",
+        ],
+        [
+            "allow-special-tokens",
+            None,
+            "Let a /v1/completions string prompt spell special tokens (<|im_start|>, ...) that "
+            "become their special ids; by default they are ordinary text, as they always are "
+            "in chat messages (a token-id prompt may send any id).",
         ],
     ]
 
@@ -279,8 +296,10 @@ class Options(usage.Options):
             "api-key",
             None,
             None,
-            "Require 'Authorization: Bearer KEY' on every /v1 request (/healthz and /metrics "
-            "stay open). --api-key-file keeps the key out of the process list.",
+            "Require 'Authorization: Bearer KEY' on every /v1 request and on /metrics (unless "
+            "--metrics-public; /healthz stays open). --api-key-file keeps the key out of the "
+            "process list. Off loopback, serve --http over TLS (ssl:...): a plain tcp: "
+            "listener sends the key in clear, and the head warns at start.",
         ],
         [
             "api-key-file",
@@ -300,9 +319,18 @@ class Options(usage.Options):
             "max-queued",
             None,
             str(DEFAULT_MAX_QUEUED),
-            "Requests that may wait for a node when no live node can take them, over all "
-            "clients (--max-client-requests and --max-key-requests apply first); one more gets "
-            "503 queue_full at once (0: none waits).",
+            "Generations that may wait for a lane when no live node can take them, over all "
+            "clients (a request with n choices counts n; --max-client-requests and "
+            "--max-key-requests apply first); one more gets 503 queue_full at once (0: none "
+            "waits).",
+        ],
+        [
+            "max-client-queued",
+            None,
+            None,
+            "Generations one client address may have waiting in that queue (default: a "
+            "quarter of --max-queued; 0: no bound but --max-queued); one more gets 429 "
+            "rate_limit_exceeded at once.",
         ],
         [
             "queue-timeout",
@@ -374,17 +402,34 @@ class Options(usage.Options):
             "Open HTTP connections at most; one more gets 503 and is closed.",
         ],
         [
+            "max-client-connections",
+            None,
+            str(GateLimits.max_client_connections),
+            "Open HTTP connections one client address may have; one more gets 429 "
+            "too_many_connections and is closed (0: no limit but --max-connections).",
+        ],
+        [
             "max-client-requests",
             None,
             str(GateLimits.max_client_requests),
-            "Completion requests one client address may have open at once (429 beyond; 0: "
-            "no limit).",
+            "Generations one client address may have open at once, a request with n choices "
+            "counting n (429 beyond; 0: no limit).",
         ],
         [
             "max-key-requests",
             None,
             str(GateLimits.max_key_requests),
-            "Completion requests one API key may have open at once (429 beyond; 0: no limit).",
+            "Generations one API key may have open at once, a request with n choices counting "
+            "n (429 beyond; 0: no limit).",
+        ],
+        [
+            "template-timeout",
+            None,
+            f"{DEFAULT_TEMPLATE_TIMEOUT_S:g}",
+            "Seconds the model's chat template may take to render one request's messages; "
+            "a template that takes longer is stopped and the request gets 500 "
+            "template_timeout (a chat template from an untrusted model file cannot hang the "
+            "head).",
         ],
         [
             "pipeline-layers",
@@ -495,11 +540,16 @@ class Options(usage.Options):
             body_timeout_s=_positive_seconds("body-timeout", self["body-timeout"]),
             stall_timeout_s=_positive_seconds("stall-timeout", self["stall-timeout"]),
             max_connections=_positive("max-connections", self["max-connections"]),
+            max_client_connections=_non_negative(
+                "max-client-connections", self["max-client-connections"]
+            ),
             max_client_requests=_non_negative("max-client-requests", self["max-client-requests"]),
             max_key_requests=_non_negative("max-key-requests", self["max-key-requests"]),
+            metrics_public=bool(self["metrics-public"]),
             allowed_hosts=frozenset(h.lower() for h in self["allowed-hosts"] if h),
             cors_origins=frozenset(o for o in self["cors-origins"] if o),
         )
+        self["template-timeout"] = _positive_seconds("template-timeout", self["template-timeout"])
 
     def _check_class_options(self) -> None:
         """The request-class rule, typed, as ``self["class-rule"]`` (a ClassRule)."""
@@ -524,6 +574,12 @@ class Options(usage.Options):
             ) from e
         if self["max-queued"] < 0:
             raise usage.UsageError("--max-queued must be 0 or more")
+        if self["max-client-queued"] is None:
+            self["max-client-queued"] = default_client_queued(self["max-queued"])
+        else:
+            self["max-client-queued"] = _non_negative(
+                "max-client-queued", self["max-client-queued"]
+            )
         self["queue-timeout"] = _seconds("queue-timeout", self["queue-timeout"])
         self["max-generation-time"] = _seconds("max-generation-time", self["max-generation-time"])
         self["keepalive-timeout"] = _seconds("keepalive-timeout", self["keepalive-timeout"])
@@ -564,6 +620,13 @@ class Options(usage.Options):
                 "or --api-key-file, listen on a loopback interface (interface=127.0.0.1), or "
                 "pass --insecure-http"
             )
+
+
+def key_in_clear(http: str) -> bool:
+    """Whether an API key sent to the ``--http`` endpoint ``http`` crosses the network in
+    clear: a listener off loopback that is not TLS (``ssl:``)."""
+    kind = http.split(":", 1)[0].strip().lower()
+    return kind != "ssl" and not is_loopback_listen(http)
 
 
 def tokenizer_folder(model: str | None) -> Path | None:
@@ -797,6 +860,7 @@ def makeService(
     token = options["auth-token"]
     fleet_options: dict[str, Any] = {
         "max_queued": options["max-queued"],
+        "max_client_queued": options["max-client-queued"],
         "queue_timeout_s": options["queue-timeout"],
         "max_generation_s": options["max-generation-time"],
         "retry_max_s": options["reconnect-max"],
@@ -850,6 +914,8 @@ def makeService(
         limits=options["limits"],
         vocab_size=model_vocab_size(options["model"]),
         class_rule=options["class-rule"],
+        allow_special_tokens=bool(options["allow-special-tokens"]),
+        template_timeout_s=options["template-timeout"],
     )
     drain_timeout_s = options["drain-timeout"]
 
@@ -890,6 +956,13 @@ def makeService(
         _add_child(head, "announce", announce)
     if not options["api-keys"]:
         log.info("sfhead HTTP API is open: no API key (--api-key, --api-key-file)")
+    elif key_in_clear(options["http"]):
+        log.warn(
+            "sfhead serves its API key over plain HTTP on {http}, off loopback: anyone on the "
+            "path can read the key; listen with ssl:PORT:privateKey=KEY.pem:certKey=CERT.pem "
+            "or on a loopback interface",
+            http=options["http"],
+        )
     policy = "pipeline" if pipeline is not None else options["policy"].value
     if pipeline is None and fleet.prefix_aware:
         policy += f", prefix weight {options['prefix'].weight:g}, skew {options['prefix'].max_skew}"

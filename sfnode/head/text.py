@@ -12,18 +12,33 @@ bound on how many characters a window can hold (so a huge prompt is refused befo
 tokenized), and :class:`Detokenizer` and :class:`StopText` for streamed text that never splits a
 character and never shows a stop string.
 
+Prompts cannot forge roles: text a client sends is tokenized as text.  A special token spelled
+out in a message's content (``<|im_start|>``, ``<|im_end|>``, ...) becomes the ordinary tokens of
+its characters, never the special id; only the chat template itself puts special ids in a
+prompt (:meth:`Renderer.chat` renders the messages with such spellings masked, cuts the
+rendered text at the template's own special tokens, and encodes the pieces between them with
+special-token parsing off).  A ``/v1/completions`` string prompt follows the same rule unless
+the operator allows special tokens; token-id prompts are the way to send special ids.
+
+A chat template is code from a model file: :class:`RenderBudget` lets another thread stop a
+render that runs past its time limit, so a hostile template cannot hold a worker for ever.
+
 This module must never import torch or transformers at import time, never load model weights,
 and never touch the reactor: rendering and tokenizing run on the HTTP layer's worker threads.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import re
+import secrets
+import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from sfnode.head.schema import ApiError, ChatMessage, clip
 
@@ -41,8 +56,29 @@ SPECIAL_TOKEN_NAMES = (
 )
 
 
+DEFAULT_TEMPLATE_TIMEOUT_S = 5.0
+"""How long one chat-template render may take (``twistd sfhead --template-timeout``)."""
+MAX_TEMPLATE_STRING = 16 * 1024 * 1024
+"""The longest string (or sequence) a chat template may build with ``*`` (a sandboxed template
+can still ask for ``"x" * 10**12``: one C call no time limit can stop)."""
+
+_T = TypeVar("_T")
+
+
 class TokenizerLoadError(Exception):
     """A tokenizer folder cannot be read; the message names the file and the cause."""
+
+
+@dataclass(frozen=True, slots=True)
+class SpecialToken:
+    """A special (added) token as the tokenizer matches it in text."""
+
+    text: str
+    id: int
+    lstrip: bool = False
+    """The tokenizer's match takes the whitespace on its left with it."""
+    rstrip: bool = False
+    """... and on its right."""
 
 
 class TextCodec(Protocol):
@@ -59,11 +95,16 @@ class TextCodec(Protocol):
     @property
     def eos_token_id(self) -> int | None: ...
 
-    def encode(self, text: str, *, special: bool) -> list[int]:
-        """Token ids of ``text``, with the tokenizer's own special tokens (BOS) if ``special``."""
+    def encode(self, text: str, *, special: bool, parse_special: bool = False) -> list[int]:
+        """Token ids of ``text``, with the tokenizer's own special tokens (BOS) if ``special``;
+        a special token spelled out in ``text`` becomes its special id only if
+        ``parse_special`` (else the tokens of its characters)."""
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ``ids``, special tokens left out."""
+
+    def specials(self) -> Sequence[SpecialToken]:
+        """The tokenizer's special tokens (what ``parse_special`` turns into their ids)."""
 
     def render_chat(self, messages: Sequence[ChatMessage]) -> str:
         """The messages through the chat template, with the assistant's turn opened."""
@@ -139,7 +180,29 @@ def _template_environment() -> Any:
     def strftime_now(format: str) -> str:
         return datetime.now().strftime(format)
 
-    environment = ImmutableSandboxedEnvironment(
+    class Environment(ImmutableSandboxedEnvironment):
+        """The sandbox, with ``*`` and ``**`` bounded: their results are built in one C call
+        that a render's time limit cannot stop."""
+
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if operator == "**" and isinstance(right, int) and abs(right) > 1024:
+                raise jinja2.exceptions.SecurityError("the exponent is too large")
+            if operator == "*":
+                for value, times in ((left, right), (right, left)):
+                    if (
+                        isinstance(value, (str, bytes, list, tuple))
+                        and isinstance(times, int)
+                        and len(value) * times > MAX_TEMPLATE_STRING
+                    ):
+                        raise jinja2.exceptions.SecurityError(
+                            f"the template builds a value of more than {MAX_TEMPLATE_STRING} "
+                            "items with *"
+                        )
+            return super().call_binop(context, operator, left, right)
+
+    environment = Environment(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[GenerationTag, "jinja2.ext.loopcontrols"],
@@ -168,6 +231,10 @@ class HeadTokenizer:
         path = self.folder / TOKENIZER_FILE
         try:
             self._tokenizer = Tokenizer.from_file(str(path))
+            # A second instance for text (its flag is per instance: worker threads encode at
+            # once, so one instance's flag must never be switched back and forth).
+            self._text_tokenizer = Tokenizer.from_file(str(path))
+            self._text_tokenizer.encode_special_tokens = True
         except Exception as e:
             raise TokenizerLoadError(f"cannot read {path}: {e}") from e
         config = self._read_json(CONFIG_FILE)
@@ -230,17 +297,21 @@ class HeadTokenizer:
     def eos_token_id(self) -> int | None:
         return self._eos
 
-    def encode(self, text: str, *, special: bool) -> list[int]:
+    def encode(self, text: str, *, special: bool, parse_special: bool = False) -> list[int]:
         # The batch encoders release the GIL while they work (``encode`` holds it throughout,
         # which would stall the reactor for seconds on a big prompt); the fast one skips the
         # character offsets the head does not use, twice as fast on long texts.
-        encoder = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)
+        tokenizer = self._tokenizer if parse_special else self._text_tokenizer
+        encoder = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
         ids: list[int] = encoder([text], add_special_tokens=special)[0].ids
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:
         text: str = self._tokenizer.decode(list(ids), skip_special_tokens=True)
         return _clean_up_spaces(text) if self._clean_up else text
+
+    def specials(self) -> Sequence[SpecialToken]:
+        return _specials(self._tokenizer.get_added_tokens_decoder())
 
     def token_bytes(self, token_id: int) -> bytes:
         return piece_bytes(self._tokenizer, token_id, self.decode)
@@ -264,6 +335,7 @@ class TransformersCodec:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self._lock = threading.Lock()
         vocab = tokenizer.get_vocab()
         self._vocab_size = max(max(vocab.values(), default=-1) + 1, len(tokenizer))
         self._longest = max((len(t) for t in vocab), default=1)
@@ -281,11 +353,20 @@ class TransformersCodec:
         eos = getattr(self.tokenizer, "eos_token_id", None)
         return eos if isinstance(eos, int) else None
 
-    def encode(self, text: str, *, special: bool) -> list[int]:
-        return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=special)]
+    def encode(self, text: str, *, special: bool, parse_special: bool = False) -> list[int]:
+        # transformers switches the backend's special-token flag for the call: one call at a
+        # time, or a worker thread's call could run with another's setting.
+        with self._lock:
+            ids = self.tokenizer.encode(
+                text, add_special_tokens=special, split_special_tokens=not parse_special
+            )
+        return [int(t) for t in ids]
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    def specials(self) -> Sequence[SpecialToken]:
+        return _specials(getattr(self.tokenizer, "added_tokens_decoder", {}))
 
     def token_bytes(self, token_id: int) -> bytes:
         backend = getattr(self.tokenizer, "backend_tokenizer", None)  # fast tokenizers only
@@ -301,6 +382,15 @@ class TransformersCodec:
                 add_generation_prompt=True,
             )
         )
+
+
+def _specials(decoder: Mapping[int, Any]) -> list[SpecialToken]:
+    """The special tokens of an added-tokens table (``{id: AddedToken}``)."""
+    return [
+        SpecialToken(str(token.content), int(i), bool(token.lstrip), bool(token.rstrip))
+        for i, token in decoder.items()
+        if getattr(token, "special", False) and token.content
+    ]
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -363,16 +453,161 @@ def as_codec(tokenizer: Any) -> TextCodec:
     return TransformersCodec(tokenizer)
 
 
-class Renderer:
-    """Messages and prompts to token ids, ids to text, with one tokenizer."""
+class TemplateTimeout(BaseException):
+    """Raised in a worker thread whose chat-template render ran out of time, between two of
+    its Python instructions (a BaseException, so that no ``except Exception`` on the way can
+    swallow it)."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        self.codec = as_codec(tokenizer)
-        self._pieces: dict[int, bytes] = {}
 
-    def chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+class RenderStopped(Exception):
+    """The render was stopped by its :class:`RenderBudget` (or before it started)."""
+
+
+def _raise_in(thread: int, exception: type[BaseException] | None) -> None:
+    """Make ``thread`` raise ``exception`` at its next Python instruction (None: forget one that
+    is pending)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread), None if exception is None else ctypes.py_object(exception)
+    )
+
+
+class RenderBudget:
+    """A render that another thread may stop.
+
+    :meth:`run` runs the render on the calling (worker) thread; :meth:`stop`, from any thread
+    (the HTTP layer's timer), interrupts it there with :class:`TemplateTimeout` if it is still
+    running, and :meth:`run` then raises :class:`RenderStopped`.  A lock orders the two, so the
+    interruption lands inside the render or in :meth:`run`'s own cleanup, never in whatever the
+    thread does next.  ``on_start`` is called on the worker thread as the render starts (where
+    the HTTP layer arms its timer, so time spent waiting for a worker does not count).
+    """
+
+    def __init__(self, on_start: Callable[[], None] | None = None) -> None:
+        self._lock = threading.Lock()
+        self._thread: int | None = None
+        self._done = False
+        self._on_start = on_start
+        self.stopped = False
+
+    def run(self, work: Callable[[], _T]) -> _T:
+        """``work()`` on this thread, unless stopped first.
+
+        :raises RenderStopped: :meth:`stop` came before the end (or before the start)."""
+        with self._lock:
+            if self._done:
+                raise RenderStopped("stopped before it started")
+            self._thread = thread = threading.get_ident()
         try:
-            text = self.codec.render_chat(messages)
+            try:
+                if self._on_start is not None:
+                    self._on_start()
+                return work()
+            finally:
+                with self._lock:
+                    self._done = True
+                    if self.stopped:
+                        _raise_in(thread, None)
+        except TemplateTimeout:
+            raise RenderStopped("stopped by its time limit") from None
+
+    def stop(self) -> None:
+        """Stop the render now (nothing if it is over)."""
+        with self._lock:
+            if self._done or self.stopped:
+                return
+            self.stopped = True
+            if self._thread is None:
+                self._done = True
+            else:
+                _raise_in(self._thread, TemplateTimeout)
+
+
+class Renderer:
+    """Messages and prompts to token ids, ids to text, with one tokenizer.
+
+    ``allow_special_tokens``: a completion's string prompt may spell special tokens that
+    become their ids (``--allow-special-tokens``); chat messages never may.
+    """
+
+    def __init__(self, tokenizer: Any, *, allow_special_tokens: bool = False) -> None:
+        self.codec = as_codec(tokenizer)
+        self.allow_special_tokens = allow_special_tokens
+        self._pieces: dict[int, bytes] = {}
+        # Longest first: where two special tokens start at the same place the longer one is
+        # what the tokenizer matches (leftmost-longest), and so does this pattern.
+        specials = sorted(self.codec.specials(), key=lambda t: len(t.text), reverse=True)
+        self._specials = {t.text: t for t in specials}
+        self._special_names = list(self._specials)
+        self._special_re = (
+            re.compile("(" + "|".join(re.escape(t) for t in self._special_names) + ")")
+            if specials
+            else None
+        )
+
+    def chat(
+        self, messages: Sequence[ChatMessage], budget: RenderBudget | None = None
+    ) -> list[int]:
+        """The prompt of ``messages``: the chat template's text, with the template's special
+        tokens as their ids and the messages' text as text (a special token spelled out in a
+        message is the tokens of its characters).  ``budget``: the render's time limit.
+
+        :raises ApiError: 400 when the template refuses the messages, 500 when it ran out of
+            time.
+        """
+        pattern = self._special_re
+        if pattern is None or not any(pattern.search(m.content) for m in messages):
+            # Every special token in the text is the template's own.
+            text = self._render(messages, budget)
+            return self.codec.encode(text, special=False, parse_special=True)
+        # Render with each spelled-out special token masked by a placeholder no client can
+        # guess, cut the text at the template's special tokens (the only ones left), and
+        # encode the pieces between them as text with the spellings put back: exactly what
+        # the tokenizer does with added tokens, except that the client's are not among them.
+        nonce = secrets.token_hex(8)
+        index = {name: i for i, name in enumerate(self._special_names)}
+
+        def mask(content: str) -> str:
+            return pattern.sub(lambda m: f"\ue000{nonce}.{index[m.group()]}\ue001", content)
+
+        text = self._render([ChatMessage(m.role, mask(m.content)) for m in messages], budget)
+        placeholder = re.compile("\ue000" + nonce + r"\.(\d+)\ue001")
+        if nonce in placeholder.sub("", text):
+            raise ApiError(
+                400,
+                "the model's chat template transformed a message holding a special token's "
+                "spelling in a way this server cannot tokenize as text; send it without it",
+                param="messages",
+            )
+        pieces = pattern.split(text)
+        ids: list[int] = []
+        for i, piece in enumerate(pieces):
+            if i % 2:
+                ids.append(self._specials[piece].id)
+                continue
+            if i > 0 and self._specials[pieces[i - 1]].rstrip:
+                piece = piece.lstrip()
+            if i + 1 < len(pieces) and self._specials[pieces[i + 1]].lstrip:
+                piece = piece.rstrip()
+            if piece:
+                piece = placeholder.sub(lambda m: self._special_names[int(m.group(1))], piece)
+                ids.extend(self.codec.encode(piece, special=False, parse_special=False))
+        return ids
+
+    def _render(self, messages: Sequence[ChatMessage], budget: RenderBudget | None) -> str:
+        try:
+            if budget is None:
+                return self.codec.render_chat(messages)
+            return budget.run(lambda: self.codec.render_chat(messages))
+        except RenderStopped as e:
+            raise ApiError(
+                500,
+                "the model's chat template did not finish rendering these messages in time "
+                "(--template-timeout) and was stopped; the server's operator should check the "
+                "model's chat template",
+                kind="server_error",
+                code="template_timeout",
+                outcome="error",
+            ) from e
         except Exception as e:
             from jinja2 import TemplateError
 
@@ -383,10 +618,11 @@ class Renderer:
                 f"the model's chat template refused these messages: {clip(str(e), 200)}",
                 param="messages",
             ) from e
-        return self.codec.encode(text, special=False)
 
     def completion(self, prompt: str) -> list[int]:
-        return self.codec.encode(prompt, special=True)
+        """A completion's string prompt, with the tokenizer's BOS; a special token spelled out
+        in it is text unless ``allow_special_tokens``."""
+        return self.codec.encode(prompt, special=True, parse_special=self.allow_special_tokens)
 
     def decode(self, tokens: Sequence[int]) -> str:
         return self.codec.decode(tokens)
@@ -472,10 +708,15 @@ class StopText:
 
 
 __all__ = [
+    "DEFAULT_TEMPLATE_TIMEOUT_S",
     "Detokenizer",
     "HeadTokenizer",
+    "RenderBudget",
+    "RenderStopped",
     "Renderer",
+    "SpecialToken",
     "StopText",
+    "TemplateTimeout",
     "TextCodec",
     "TokenizerLoadError",
     "TransformersCodec",

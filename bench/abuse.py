@@ -1,0 +1,534 @@
+"""Abuse of the head's HTTP front door, tried against real processes: a walk around the API key,
+and one client taking everyone's share (issue 19, items 1 and 4).
+
+Starts ``twistd sfnode --engine mock`` (8 lanes, 5 ms a token) and a keyed ``twistd sfhead``
+(two API keys: the attacker's and the victim's, ``--max-key-requests 64``) on loopback, as an
+operator would, then runs each scenario of :data:`SCENARIOS` in turn.  The attacker connects
+from 127.0.0.1, the victim from 127.0.0.2 (another loopback address: another client to the
+head).  Each scenario prints one row of a Markdown table:
+
+    | scenario | tried | figure | pass condition | result |
+
+with its figure: the status codes the attacker got, the growth of the head's resident memory
+(VmRSS), and how long the victim waited.  A scenario is a coroutine function taking the
+:class:`Target` and returning a :class:`Row`; add one to :data:`SCENARIOS` to add a row.
+
+``--baseline DIR`` first runs the same scenarios against the checkout in DIR (its ``sfnode``
+package and twistd plugins first on the processes' ``PYTHONPATH``; for example an export of
+``main``), then against this one, and prints both tables.
+
+    .venv/bin/python bench/abuse.py
+    .venv/bin/python bench/abuse.py --only n8-flood --only idle-connections
+    git archive main | tar -x -C /tmp/main && .venv/bin/python bench/abuse.py --baseline /tmp/main
+
+This script only measures and prints; it asserts nothing, is never imported by the package, and
+never leaves a process running when it exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from _fleetproc import BenchError, child_env, cpu_name, fleet_children, guard_children
+
+ATTACKER = "127.0.0.1"
+VICTIM = "127.0.0.2"
+MODEL = "mock"
+TOKEN_DELAY_MS = 5
+LANES = 8
+
+
+@dataclass
+class Target:
+    """The head under attack: its port, its process and the API keys."""
+
+    port: int
+    head_pid: int
+    attacker_key: str
+    victim_key: str
+
+    def rss_mb(self) -> float:
+        """The head's resident memory now (VmRSS), in MB."""
+        for line in Path(f"/proc/{self.head_pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+
+@dataclass
+class Row:
+    """One scenario's line of the table."""
+
+    scenario: str
+    tried: str
+    figure: str
+    condition: str
+    passed: bool
+
+    def markdown(self) -> str:
+        result = "pass" if self.passed else "**FAIL**"
+        return f"| {self.scenario} | {self.tried} | {self.figure} | {self.condition} | {result} |"
+
+
+# --- a raw HTTP client -------------------------------------------------------------------------
+
+
+@dataclass
+class Reply:
+    status: int
+    body: bytes
+    seconds: float
+
+    @property
+    def code(self) -> str:
+        """The OpenAI error code of an error reply ("" for others)."""
+        try:
+            return str(json.loads(self.body)["error"]["code"])
+        except (ValueError, KeyError, TypeError):
+            return ""
+
+
+def request_bytes(
+    method: str,
+    path: str,
+    body: bytes = b"",
+    *,
+    key: str | None = None,
+    content_type: str = "application/json",
+    length: int | None = None,
+) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", "Connection: close",
+             f"Content-Type: {content_type}"]  # fmt: skip
+    if key is not None:
+        lines.append(f"Authorization: Bearer {key}")
+    if body or length is not None:
+        lines.append(f"Content-Length: {len(body) if length is None else length}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def parse_reply(data: bytes, seconds: float) -> Reply:
+    head, _, body = data.partition(b"\r\n\r\n")
+    try:
+        status = int(head.split(b" ", 2)[1])
+    except (IndexError, ValueError):
+        status = 0
+    if b"transfer-encoding: chunked" in head.lower():
+        chunks, rest = [], body
+        while rest:
+            size_line, _, rest = rest.partition(b"\r\n")
+            size = int(size_line.split(b";")[0] or b"0", 16)
+            if size == 0:
+                break
+            chunks.append(rest[:size])
+            rest = rest[size + 2 :]
+        body = b"".join(chunks)
+    return Reply(status, body, seconds)
+
+
+async def connect(port: int, bind: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", port, local_addr=(bind, 0))
+
+
+async def exchange(port: int, data: bytes, bind: str, timeout: float = 120.0) -> Reply:
+    """Send ``data`` on a new connection from ``bind`` and read until the head closes it."""
+    started = time.perf_counter()
+    try:
+        reader, writer = await connect(port, bind)
+    except OSError:
+        return Reply(0, b"", time.perf_counter() - started)
+    try:
+        writer.write(data)
+        received = await asyncio.wait_for(reader.read(), timeout)
+    except (TimeoutError, OSError):
+        received = b""
+    finally:
+        writer.transport.abort()
+    return parse_reply(received, time.perf_counter() - started)
+
+
+@dataclass
+class Held:
+    """Connections a scenario holds open (streams, idle ones) until it ends."""
+
+    writers: list[asyncio.StreamWriter] = field(default_factory=list)
+    tasks: list[asyncio.Task[bytes]] = field(default_factory=list)
+
+    def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        for writer in self.writers:
+            writer.transport.abort()
+
+
+async def read_all(reader: asyncio.StreamReader) -> bytes:
+    return await reader.read()
+
+
+async def first_bytes(reader: asyncio.StreamReader, timeout: float) -> bytes:
+    """What arrives within ``timeout`` (b"" if nothing)."""
+    try:
+        return await asyncio.wait_for(reader.read(4096), timeout)
+    except TimeoutError:
+        return b""
+
+
+def chat(content: str, max_tokens: int, **extra: Any) -> bytes:
+    return json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": content}],
+         "max_tokens": max_tokens, **extra}
+    ).encode()  # fmt: skip
+
+
+async def victim_chat(target: Target) -> Reply:
+    """The victim's one short chat completion (8 tokens), timed from connect to answer."""
+    return await exchange(
+        target.port,
+        request_bytes(
+            "POST", "/v1/chat/completions", chat("a short question", 8), key=target.victim_key
+        ),
+        VICTIM,
+    )
+
+
+async def drained(target: Target, timeout: float = 60.0) -> None:
+    """Wait until the head has no request open (what an attacker left behind has ended), for
+    up to ``timeout`` seconds (a head that keeps some open is left as it is)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        reply = await exchange(target.port, request_bytes("GET", "/healthz"), VICTIM, 5.0)
+        try:
+            if json.loads(reply.body).get("requests") == 0:
+                return
+        except ValueError:
+            pass
+        await asyncio.sleep(0.2)
+    print(f"  (the head still had requests open {timeout:.0f} s after the scenario)")
+
+
+async def health(target: Target) -> dict[str, Any]:
+    reply = await exchange(target.port, request_bytes("GET", "/healthz"), VICTIM)
+    data: dict[str, Any] = json.loads(reply.body) if reply.body else {}
+    return data
+
+
+def counted(replies: Sequence[Reply]) -> str:
+    """Status codes with their counts: ``56 x 429 rate_limit_exceeded, 8 x 200``."""
+    counts = Counter(f"{r.status} {r.code}".strip() if r.status else "no answer" for r in replies)
+    return ", ".join(f"{n} x {what}" for what, n in counts.most_common())
+
+
+# --- the scenarios -----------------------------------------------------------------------------
+
+
+def body_for(path: str) -> bytes:
+    """A valid body for the completion route ``path`` names (chat or legacy)."""
+    if "chat" in path or "%63hat" in path:
+        return chat("hi", 4)
+    return json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 4}).encode()
+
+
+async def encoded_path(target: Target) -> Row:
+    """Item 1: paths the router decodes into a completion route, without a key, text/plain."""
+    paths = ["/v%31/chat/completions", "/%761/completions", "Xv1/chat/completions"]
+    replies = []
+    for path in paths:
+        data = request_bytes("POST", path, body_for(path), content_type="text/plain")
+        replies.append(await exchange(target.port, data, ATTACKER))
+    return Row(
+        "encoded-path",
+        "no key, `text/plain`: " + ", ".join(f"`{p}`" for p in paths),
+        ", ".join(str(r.status) for r in replies),
+        "no 2xx",
+        all(not 200 <= r.status < 300 for r in replies),
+    )
+
+
+async def suffix_at_key_limit(target: Target) -> Row:
+    """Item 1: suffixed completion paths with a key held at --max-key-requests, text/plain."""
+    held = Held()
+    body = chat("hold the key", 2000, n=8, stream=True)
+    for _ in range(8):  # 8 x n 8 = the key's 64 generations, from a third address
+        reader, writer = await connect(target.port, "127.0.0.3")
+        writer.write(request_bytes("POST", "/v1/chat/completions", body, key=target.attacker_key))
+        held.writers.append(writer)
+        held.tasks.append(asyncio.ensure_future(read_all(reader)))
+    await asyncio.sleep(1.0)
+    paths = ["/v1/chat/completions/x", "/v1/completions/%2e", "/v1/chat/completions/"]
+    replies = []
+    try:
+        for path in paths:
+            data = request_bytes(
+                "POST", path, body_for(path), key=target.attacker_key, content_type="text/plain"
+            )
+            replies.append(await exchange(target.port, data, ATTACKER))
+    finally:
+        held.close()
+    await drained(target)
+    return Row(
+        "suffix-at-key-limit",
+        "key held at `--max-key-requests 64`, `text/plain`: " + ", ".join(f"`{p}`" for p in paths),
+        ", ".join(str(r.status) for r in replies),
+        "no 2xx",
+        all(not 200 <= r.status < 300 for r in replies),
+    )
+
+
+async def n8_flood(target: Target) -> Row:
+    """Item 4: one address sends 64 streamed requests with n 8; another then asks once."""
+    held = Held()
+    body = chat("flood", 200, n=8, stream=True, temperature=1)
+    answers: list[asyncio.Task[bytes]] = []
+    for _ in range(64):
+        reader, writer = await connect(target.port, ATTACKER)
+        writer.write(request_bytes("POST", "/v1/chat/completions", body, key=target.attacker_key))
+        held.writers.append(writer)
+        answers.append(asyncio.ensure_future(first_bytes(reader, 2.0)))
+    try:
+        first = await asyncio.gather(*answers)
+        status = await health(target)
+        victim = await victim_chat(target)
+    finally:
+        held.close()
+    await drained(target)
+    attacker = counted([parse_reply(data, 0) for data in first if data])
+    silent = sum(1 for data in first if not data)
+    return Row(
+        "n8-flood",
+        "127.0.0.1: 64 streamed chat requests, `n: 8`, 200 tokens each; then 127.0.0.2 asks "
+        "for 8 tokens",
+        f"attacker: {attacker}, {silent} waiting; head queued {status.get('queued')}; victim "
+        f"{victim.status} in {victim.seconds:.2f} s",
+        "victim 200 in < 3 s (the attacker's backlog is 7 rounds of about 1 s)",
+        victim.status == 200 and victim.seconds < 3.0,
+    )
+
+
+async def idle_connections(target: Target) -> Row:
+    """Item 4: one address opens 1,100 idle connections; another is served."""
+    held = Held()
+    rss = target.rss_mb()
+    arrivals = []
+    for _ in range(1100):
+        try:
+            reader, writer = await connect(target.port, ATTACKER)
+        except OSError:
+            continue
+        held.writers.append(writer)
+        arrivals.append(asyncio.ensure_future(first_bytes(reader, 2.0)))
+    try:
+        first = await asyncio.gather(*arrivals)
+        probe = await exchange(target.port, request_bytes("GET", "/healthz"), VICTIM)
+        victim = await victim_chat(target)
+        grown = target.rss_mb() - rss
+    finally:
+        held.close()
+    refused = [parse_reply(data, 0) for data in first if data]
+    return Row(
+        "idle-connections",
+        "127.0.0.1 opens 1,100 idle connections; 127.0.0.2 asks `/healthz` and a completion",
+        f"attacker: {counted(refused)}, {len(first) - len(refused)} held; victim /healthz "
+        f"{probe.status} in {probe.seconds:.3f} s, completion {victim.status} in "
+        f"{victim.seconds:.2f} s; head RSS {grown:+.0f} MB",
+        "victim 200 and 200",
+        probe.status == 200 and victim.status == 200,
+    )
+
+
+async def bodies_to_healthz(target: Target) -> Row:
+    """Item 4: 200 connections POST 4 MB bodies to /healthz without a key."""
+    size = 4 * 1024 * 1024
+    chunk = b"x" * 65536
+    rss = target.rss_mb()
+    peak = rss
+
+    sent_before_answer: list[int] = []
+
+    async def one(bind: str) -> Reply:
+        nonlocal peak
+        started = time.perf_counter()
+        try:
+            reader, writer = await connect(target.port, bind)
+        except OSError:
+            return Reply(0, b"", 0.0)
+        received = bytearray()
+
+        async def collect() -> None:
+            # Kept as it arrives: the head drops the connection once it has discarded enough
+            # of a refused body, and a reset would lose what a single read() had not returned.
+            try:
+                while chunk := await reader.read(65536):
+                    received.extend(chunk)
+            except OSError:
+                pass
+
+        reading = asyncio.ensure_future(collect())
+        sent = 0
+        try:
+            writer.write(request_bytes("POST", "/healthz", length=size))
+            while sent < size and not received:
+                writer.write(chunk)
+                await writer.drain()
+                sent += len(chunk)
+                await asyncio.sleep(0)  # one chunk per turn: the answer is read as it comes
+        except OSError:
+            pass
+        try:
+            await asyncio.wait_for(reading, 120.0)
+        except TimeoutError:
+            pass
+        finally:
+            writer.transport.abort()
+            peak = max(peak, target.rss_mb())
+        sent_before_answer.append(sent)
+        return parse_reply(bytes(received), time.perf_counter() - started)
+
+    binds = [f"127.0.1.{1 + i % 4}" for i in range(200)]  # 50 per address
+    replies = await asyncio.gather(*(one(b) for b in binds))
+    await drained(target)
+    return Row(
+        "bodies-to-healthz",
+        "200 connections (4 addresses) POST 4 MiB bodies to `/healthz`, no key",
+        f"{counted(replies)}, the client had sent at most {max(sent_before_answer) // 1024} "
+        f"KiB of its body when it arrived; head RSS {peak - rss:+.0f} MB at most",
+        "every one 405 from its headers; RSS growth < 50 MB",
+        all(r.status == 405 for r in replies) and peak - rss < 50,
+    )
+
+
+async def unread_streams(target: Target) -> Row:
+    """Item 4: one address opens 200 streams and reads none; another asks once."""
+    held = Held()
+    body = chat("never read", 400, stream=True, temperature=1)
+    arrivals = []
+    for _ in range(200):
+        try:
+            reader, writer = await connect(target.port, ATTACKER)
+        except OSError:
+            continue
+        writer.write(request_bytes("POST", "/v1/chat/completions", body, key=target.attacker_key))
+        held.writers.append(writer)
+        arrivals.append(asyncio.ensure_future(first_bytes(reader, 2.0)))
+    try:
+        first = await asyncio.gather(*arrivals)  # reads at most the first 4 KiB of each
+        victim = await victim_chat(target)
+    finally:
+        held.close()
+    await drained(target)
+    answered = [parse_reply(data, 0) for data in first if data]
+    return Row(
+        "unread-streams",
+        "127.0.0.1 opens 200 streams of 400 tokens and reads none; then 127.0.0.2 asks for "
+        "8 tokens",
+        f"attacker: {counted(answered)}, {len(first) - len(answered)} silent; victim "
+        f"{victim.status} in {victim.seconds:.2f} s",
+        "victim 200 in < 5 s (one generation is about 2 s; the stall timeout is 30 s)",
+        victim.status == 200 and victim.seconds < 5.0,
+    )
+
+
+Scenario = Callable[[Target], Awaitable[Row]]
+SCENARIOS: list[tuple[str, Scenario]] = [
+    ("encoded-path", encoded_path),
+    ("suffix-at-key-limit", suffix_at_key_limit),
+    ("n8-flood", n8_flood),
+    ("idle-connections", idle_connections),
+    ("bodies-to-healthz", bodies_to_healthz),
+    ("unread-streams", unread_streams),
+]
+"""Every scenario, in the order they run: (name, coroutine function)."""
+
+HEADER = "| scenario | tried | figure | pass condition | result |\n| --- | --- | --- | --- | --- |"
+
+
+async def run(target: Target, names: Sequence[str]) -> list[Row]:
+    rows = []
+    for name, scenario in SCENARIOS:
+        if names and name not in names:
+            continue
+        print(f"running {name} ...", flush=True)
+        rows.append(await scenario(target))
+        print(rows[-1].markdown(), flush=True)
+    return rows
+
+
+def attack(
+    checkout: Path | None, names: Sequence[str], head_extra: Sequence[str], logs: Path
+) -> list[Row]:
+    """Start a node and a keyed head (from ``checkout``, else this one), run the scenarios."""
+    logs.mkdir(parents=True, exist_ok=True)
+    keys = {"attacker": "sk-attacker-" + "a" * 20, "victim": "sk-victim-" + "b" * 20}
+    key_file = logs / "api-keys"
+    key_file.write_text(f"{keys['attacker']}\n{keys['victim']}\n")
+    node_args = ["--engine", "mock", "--max-lanes", str(LANES),
+                 "--token-delay-ms", str(TOKEN_DELAY_MS)]  # fmt: skip
+    head_args = ["--model-name", MODEL, "--api-key-file", str(key_file),
+                 "--max-key-requests", "64", *head_extra]  # fmt: skip
+    # PYTHONSAFEPATH: ``python -c`` would otherwise put the working folder (this checkout)
+    # ahead of PYTHONPATH, and the baseline would run this checkout's code.
+    baseline = [f"PYTHONPATH={checkout}", "PYTHONSAFEPATH=1"] if checkout is not None else []
+    env = child_env(baseline)
+    where = subprocess.run(
+        [sys.executable, "-c", "import sfnode; print(sfnode.__file__)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    print(f"the processes import {where}", flush=True)
+    with fleet_children(node_args, env, None, logs, head_args) as fleet:
+        target = Target(fleet.port, fleet.head.process.pid, keys["attacker"], keys["victim"])
+        print(f"head VmRSS at start: {target.rss_mb():.0f} MB", flush=True)
+        return asyncio.run(run(target, names))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        choices=[name for name, _ in SCENARIOS],
+        help="run only this scenario (repeatable)",
+    )
+    parser.add_argument("--head-arg", action="append", default=[], help="one more sfhead option")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="a checkout to attack first, for comparison (its sfnode and plugins are used)",
+    )
+    options = parser.parse_args()
+    guard_children()
+    logs = Path(tempfile.mkdtemp(prefix="sfnode-abuse-"))
+    print(f"{cpu_name()}; logs in {logs}", flush=True)
+    tables: list[tuple[str, list[Row]]] = []
+    try:
+        if options.baseline is not None:
+            print(f"\nbaseline: {options.baseline}", flush=True)
+            rows = attack(options.baseline, options.only, options.head_arg, logs / "baseline")
+            tables.append((f"baseline ({options.baseline})", rows))
+            print("\nthis checkout", flush=True)
+        rows = attack(None, options.only, options.head_arg, logs / "this")
+        tables.append(("this checkout", rows))
+    except BenchError as e:
+        sys.exit(f"abuse: {e}")
+    print(f"\nload average: {Path('/proc/loadavg').read_text().strip()}")
+    for title, rows in tables:
+        print(f"\n{title}\n\n{HEADER}")
+        for row in rows:
+            print(row.markdown())
+
+
+if __name__ == "__main__":
+    main()
