@@ -314,10 +314,10 @@ def gather_weights(
     }
     if family.family == "native":
         # Another file for another layout, so that older code keeps reading its own.
-        signature["family"] = "native-tiles"
+        signature["family"] = "native-tiles2"
         signature["usable"] = "native"
         if cache_file is not None:
-            cache_file = cache_file.with_name(f"{cache_file.stem}-tiles{cache_file.suffix}")
+            cache_file = cache_file.with_name(f"{cache_file.stem}-tiles2{cache_file.suffix}")
     cached = _load_cache(cache_file, signature, family.library) if gguf is not None else None
     if cached is not None and cached[0] == wanted:
         linears = cached[1]

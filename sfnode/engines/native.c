@@ -184,11 +184,12 @@ static void rmsnorm_row(const float *v, int H, const float *w, float eps, float 
 /* products                                                                                 */
 
 /* Q4_1 tiles: for each group g of 8 output rows and each block b of 32 inputs, TILE_BYTES at
-   (g * blocks + b) * TILE_BYTES: the 8 rows' float16 d, their 8 float16 m, then 8 chunks of 16
-   bytes; byte i of chunk c holds, for row 8g + i/2, input 32b + 2c + i%2 in its low nibble and
-   input 32b + 2(c + 8) + i%2 in its high one.  Unpacked, a chunk's low (high) nibbles are the
-   int16 pairs of inputs (2c, 2c + 1) ((2c + 16, 2c + 17)) of the 8 rows, which vpmaddwd
-   multiplies by the activation pair broadcast to all 8, summing each row's two products. */
+   (g * blocks + b) * TILE_BYTES: the 8 rows' float16 d, their 8 float16 m, then 4 quarters of
+   32 bytes.  Read as 16 little-endian 16-bit lanes, lane j = 2r + k of quarter q holds in its
+   nibble s (bits 4s to 4s + 3) row 8g + r's weight for input 2c + k of the block, c = 4q + s.
+   So a shift and a mask give, for each pair c of inputs, the 8 rows' int16 weights in the
+   order vpmaddwd multiplies them by the activation pair broadcast to all 8 (no lane-crossing
+   conversion), summing each row's two products. */
 
 #define BCAST_PAIR(p) _mm256_castps_si256(_mm256_broadcast_ss((const float *)(p)))
 
@@ -199,20 +200,24 @@ static inline __attribute__((always_inline)) void q4_tile_rows(
     int K, float *y, int ldy, int cols, int accumulate) {
     __m256 af[4];
     for (int r = 0; r < R; r++) af[r] = _mm256_setzero_ps();
-    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m256i low = _mm256_set1_epi16(0x0F);
     for (int b = 0; b < nb; b++) {
         const uint8_t *t = w + (size_t)b * TILE_BYTES;
         __m256i ai[4];
         for (int r = 0; r < R; r++) ai[r] = _mm256_setzero_si256();
-        for (int c = 0; c < 8; c++) {
-            const __m128i v = _mm_loadu_si128((const __m128i *)(t + 32 + 16 * c));
-            const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(v, low));
-            const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), low));
+        for (int q = 0; q < 4; q++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(t + 32 + 32 * q));
+            const __m256i w0 = _mm256_and_si256(v, low);
+            const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), low);
+            const __m256i w3 = _mm256_srli_epi16(v, 12);
             for (int r = 0; r < R; r++) {
-                const int16_t *xp = qx + (size_t)r * K + b * QK;
-                ai[r] = _mm256_add_epi32(
-                    ai[r], _mm256_add_epi32(_mm256_madd_epi16(lo, BCAST_PAIR(xp + 2 * c)),
-                                            _mm256_madd_epi16(hi, BCAST_PAIR(xp + 2 * c + 16))));
+                const int16_t *xp = qx + (size_t)r * K + b * QK + 8 * q;
+                const __m256i p01 = _mm256_add_epi32(_mm256_madd_epi16(w0, BCAST_PAIR(xp)),
+                                                     _mm256_madd_epi16(w1, BCAST_PAIR(xp + 2)));
+                const __m256i p23 = _mm256_add_epi32(_mm256_madd_epi16(w2, BCAST_PAIR(xp + 4)),
+                                                     _mm256_madd_epi16(w3, BCAST_PAIR(xp + 6)));
+                ai[r] = _mm256_add_epi32(ai[r], _mm256_add_epi32(p01, p23));
             }
         }
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
@@ -432,10 +437,12 @@ int sf_tile_q4(const uint8_t *blocks, int N, int K, uint8_t *tiles) {
                     q[j] = blk[4 + j] & 0x0F;
                     q[j + 16] = blk[4 + j] >> 4;
                 }
-                for (int c = 0; c < 8; c++)
-                    for (int kk = 0; kk < 2; kk++)
-                        t[32 + 16 * c + 2 * r + kk] =
-                            (uint8_t)(q[2 * c + kk] | (q[2 * (c + 8) + kk] << 4));
+                /* input i = 2c + k, c = 4 qu + s: lane 2r + k of quarter qu, nibble s */
+                for (int i = 0; i < QK; i++) {
+                    const int c = i / 2, k = i % 2, qu = c / 4, s = c % 4;
+                    const int lane = 2 * r + k, byte = 32 + 32 * qu + 2 * lane + s / 2;
+                    t[byte] |= (uint8_t)(q[i] << (4 * (s % 2)));
+                }
             }
         }
     return 0;
@@ -453,12 +460,11 @@ int sf_untile_q4(const uint8_t *tiles, int N, int K, uint8_t *blocks) {
             memcpy(blk, t + 2 * r, 2);
             memcpy(blk + 2, t + 16 + 2 * r, 2);
             uint8_t q[QK];
-            for (int c = 0; c < 8; c++)
-                for (int kk = 0; kk < 2; kk++) {
-                    const uint8_t v = t[32 + 16 * c + 2 * r + kk];
-                    q[2 * c + kk] = v & 0x0F;
-                    q[2 * (c + 8) + kk] = v >> 4;
-                }
+            for (int i = 0; i < QK; i++) {
+                const int c = i / 2, k = i % 2, qu = c / 4, s = c % 4;
+                const int lane = 2 * r + k, byte = 32 + 32 * qu + 2 * lane + s / 2;
+                q[i] = (uint8_t)((t[byte] >> (4 * (s % 2))) & 0x0F);
+            }
             for (int j = 0; j < 16; j++) blk[4 + j] = (uint8_t)(q[j] | (q[j + 16] << 4));
         }
     return 0;
