@@ -242,9 +242,10 @@ static inline __attribute__((always_inline)) void q4_tile_rows(
     }
 }
 
-#define ROW_TILES(CALL)                                                                    \
+#define ROW_TILES(CALL) ROW_TILES_FROM(0, CALL)
+#define ROW_TILES_FROM(M0, CALL)                                                           \
     do {                                                                                   \
-        int m = 0;                                                                         \
+        int m = (M0);                                                                      \
         for (; m + 4 <= M; m += 4) CALL(4);                                                \
         switch (M - m) {                                                                   \
         case 3: CALL(3); break;                                                            \
@@ -285,7 +286,7 @@ static inline __attribute__((always_inline)) void q8_rows(
    the tail; the same order whatever R is. */
 static inline __attribute__((always_inline)) void f32_rows(
     const int R, const float *w, int K, const float *x, float *out, int stride, int accumulate) {
-    __m256 acc[4];
+    __m256 acc[8];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     int k = 0;
     for (; k + 8 <= K; k += 8) {
@@ -361,19 +362,26 @@ static void product_units(const sf_matrix *mat, const acts *a, int M, float *y, 
         }
     } else {
         const float *w = (const float *)mat->w;
+        /* Rows 8 at a time against one weight row (each weight row read once for them all),
+           the rest as below; every row's sum is formed as f32_rows forms it. */
+        const int M8 = M - M % 8;
+        for (int n = u0; n < u1 && M8; n++)
+            for (int m = 0; m < M8; m += 8)
+                f32_rows(8, w + (size_t)n * K, K, a->f + (size_t)m * K, y + (size_t)m * ldy + n,
+                         ldy, accumulate);
         int n = u0;
         for (; n + 2 <= u1; n += 2) {
             const float *wr = w + (size_t)n * K;
 #define F32_CALL2(RR)                                                                          \
     f32_rows2(RR, wr, K, a->f + (size_t)m * K, y + (size_t)m * ldy + n, ldy, accumulate)
-            ROW_TILES(F32_CALL2);
+            ROW_TILES_FROM(M8, F32_CALL2);
 #undef F32_CALL2
         }
         for (; n < u1; n++) {
             const float *wr = w + (size_t)n * K;
 #define F32_CALL(RR)                                                                           \
     f32_rows(RR, wr, K, a->f + (size_t)m * K, y + (size_t)m * ldy + n, ldy, accumulate)
-            ROW_TILES(F32_CALL);
+            ROW_TILES_FROM(M8, F32_CALL);
 #undef F32_CALL
         }
     }
