@@ -35,6 +35,7 @@
 #define TILE_BYTES 160 /* 8 float16 d, 8 float16 m, 128 bytes of nibbles */
 #define QMAX 32767.0f
 #define MAX_HEAD_DIM 256
+#define PREFETCH_BYTES (TILE_BYTES * 16)
 
 typedef struct {
     int32_t kind; /* 0: Q4_1 tiles; 1: int8 rows with a float32 scale each; 2: float32 rows */
@@ -203,6 +204,9 @@ static inline __attribute__((always_inline)) void q4_tile_rows(
     const __m256i low = _mm256_set1_epi16(0x0F);
     for (int b = 0; b < nb; b++) {
         const uint8_t *t = w + (size_t)b * TILE_BYTES;
+        _mm_prefetch((const char *)(t + PREFETCH_BYTES), _MM_HINT_T0);
+        _mm_prefetch((const char *)(t + PREFETCH_BYTES + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(t + PREFETCH_BYTES + 128), _MM_HINT_T0);
         __m256i ai[4];
         for (int r = 0; r < R; r++) ai[r] = _mm256_setzero_si256();
         for (int q = 0; q < 4; q++) {
