@@ -36,6 +36,7 @@
 #define QMAX 32767.0f
 #define MAX_HEAD_DIM 256
 #define PREFETCH_BYTES (TILE_BYTES * 16)
+#define PREFETCH_FLOATS 1024
 
 typedef struct {
     int32_t kind; /* 0: Q4_1 tiles; 1: int8 rows with a float32 scale each; 2: float32 rows */
@@ -294,6 +295,7 @@ static inline __attribute__((always_inline)) void f32_rows(
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     int k = 0;
     for (; k + 8 <= K; k += 8) {
+        if (!(k & 15)) _mm_prefetch((const char *)(w + k + PREFETCH_FLOATS), _MM_HINT_T0);
         const __m256 wv = _mm256_loadu_ps(w + k);
         for (int r = 0; r < R; r++)
             acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (size_t)r * K + k), acc[r]);
@@ -314,6 +316,10 @@ static inline __attribute__((always_inline)) void f32_rows2(
     const float *w1 = w + K;
     int k = 0;
     for (; k + 8 <= K; k += 8) {
+        if (!(k & 15)) {
+            _mm_prefetch((const char *)(w + k + PREFETCH_FLOATS), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w1 + k + PREFETCH_FLOATS), _MM_HINT_T0);
+        }
         const __m256 v0 = _mm256_loadu_ps(w + k), v1 = _mm256_loadu_ps(w1 + k);
         for (int r = 0; r < R; r++) {
             const __m256 xv = _mm256_loadu_ps(x + (size_t)r * K + k);
