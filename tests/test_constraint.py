@@ -671,6 +671,42 @@ class TransformersEngineTests(unittest.TestCase):
             yield self.assertFailure(generation.result, EngineRefusal)
             self.assertEqual(sink.tokens, [])
 
+    @defer.inlineCallbacks
+    def test_drafts_through_the_masks_and_penalties_change_nothing(self) -> Any:
+        """With speculative decoding (docs/engine.md section 3.1) constrained lanes verify
+        their drafts through their grammar's masks and their penalties and biases: greedy and
+        seeded, two grammars and sampler controls, alone and batched, the tokens are those of
+        decoding without drafts, and drafted tokens were accepted and refused."""
+        from tests.test_engine import draft_from_answers
+
+        plain = self.make_engine(weights="float32")
+        drafting = self.make_engine(weights="float32", speculative="ngram")
+        prompts = [_tokenizer().encode(text) for text in _PROMPTS]
+        grammars: list[Any] = [NESTED_GRAMMAR, tools_grammar(ONE_TOOL, "auto", True), None]
+        controls = SamplerControls(
+            ((5, 2.0), (7, -3.0)), presence_penalty=0.5, repetition_penalty=1.2
+        )
+        requests = []
+        for i, prompt in enumerate(prompts):
+            params = GenParams() if i % 2 == 0 else GenParams(temperature=0.8, seed=11 + i)
+            constraint = Constraint(len(prompt), grammars[i % 3], controls if i % 4 < 2 else None)
+            requests.append(GenerationRequest(prompt, params, 40, constraint=constraint))
+        expected = []
+        for request in requests:
+            expected.append(list((yield self.submit(plain, request)).tokens))
+        answers = {tuple(r.context): tokens for r, tokens in zip(requests, expected, strict=True)}
+        del answers[tuple(requests[-1].context)]  # the last one drafts by lookup
+        draft_from_answers(drafting, answers)
+        solo = []
+        for request in requests:
+            solo.append(list((yield self.submit(drafting, request)).tokens))
+        self.assertEqual(solo, expected)
+        batched = yield defer.gatherResults([self.submit(drafting, r) for r in requests])
+        self.assertEqual([list(r.tokens) for r in batched], expected)
+        counts = drafting.step_counts()
+        self.assertGreater(counts.accepted, 0)
+        self.assertGreater(counts.drafted, counts.accepted)
+
     def test_masks_are_counted(self) -> None:
         """An engine without a tokenizer does not support constraints; with one it counts the
         masks it computes."""

@@ -167,9 +167,7 @@ class KubernetesTests(SynchronousTestCase):
         self.assertEqual(options["fleet-listen"], f"tcp:{PORTS['head-fleet']}")
         self.assertEqual(head["readinessProbe"]["httpGet"]["path"], "/healthz")
         self.assertEqual(head["livenessProbe"]["httpGet"]["path"], "/healthz?probe=live")
-        self.assertGreater(
-            head_pod["terminationGracePeriodSeconds"], options["drain-timeout"] + 5
-        )
+        self.assertGreater(head_pod["terminationGracePeriodSeconds"], options["drain-timeout"] + 5)
 
         node_pod = nodes["spec"]["template"]["spec"]
         (node,) = node_pod["containers"]

@@ -37,6 +37,7 @@ from sfnode.generation import (
     GenerationResult,
     StageForwardError,
     StreamTooLong,
+    TokenBatch,
 )
 from sfnode.sampler import (
     candidates,
@@ -929,10 +930,10 @@ class LogprobTests(EngineTestCase):
         prompt = prompts(1, seed=51)[0]
         got: list[Any] = []
 
-        def sink(tokens: Sequence[int], logprobs: Any = None) -> None:
-            self.assertIsNotNone(logprobs)
-            self.assertEqual(len(logprobs), len(tokens))
-            got.extend(zip(tokens, logprobs, strict=True))
+        def sink(batch: TokenBatch) -> None:
+            self.assertIsNotNone(batch.logprobs)
+            self.assertEqual(len(batch.logprobs or ()), len(batch.tokens))
+            got.extend(zip(batch.tokens, batch.logprobs or (), strict=True))
 
         self.assertTrue(self.engine.supports_logprobs)
         request = GenerationRequest(prompt, GenParams(logprobs=4), 8)
@@ -952,13 +953,13 @@ class LogprobTests(EngineTestCase):
     def test_sampled_logprobs_cover_the_kept_candidates(self) -> Any:
         """Under sampling, logprobs are those of the kept candidates renormalised: the chosen
         token is one of them, values are at most 0, and a generation that asks for none gets
-        the one-argument call."""
+        batches without them."""
         params = GenParams(temperature=0.9, top_k=5, seed=3, logprobs=21)
         calls: list[tuple[int, Any]] = []
 
-        def sink(tokens: Sequence[int], logprobs: Any = None) -> None:
-            calls.append((len(tokens), logprobs))
-            for token, logprob in zip(tokens, logprobs, strict=True):
+        def sink(batch: TokenBatch) -> None:
+            calls.append((len(batch), batch.logprobs))
+            for token, logprob in zip(batch.tokens, batch.logprobs or (), strict=True):
                 ids = [i for i, _ in logprob.top]
                 self.assertLessEqual(len(ids), 5)
                 self.assertIn(token, ids)
@@ -968,6 +969,167 @@ class LogprobTests(EngineTestCase):
 
         yield self.engine.submit(GenerationRequest([5, 6, 7], params, 10), sink).result
         self.assertEqual(sum(n for n, _ in calls), 10)
-        plain: list[Any] = []
+        self.assertNotIn(None, [logprobs for _, logprobs in calls])
+        plain: list[TokenBatch] = []
         yield self.engine.submit(GenerationRequest([5, 6, 7], GenParams(), 3), plain.append).result
         self.assertEqual(sum(len(batch) for batch in plain), 3)
+        self.assertEqual({batch.logprobs for batch in plain}, {None})
+
+
+def echo_prompts(n: int, seed: int) -> list[list[int]]:
+    """``n`` prompts that quote themselves: a random passage, other tokens, then the passage's
+    start again (so prompt lookup drafts from the first token on)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        passage = [rng.randrange(3, TINY_VOCAB) for _ in range(rng.randrange(20, 40))]
+        filler = [rng.randrange(3, TINY_VOCAB) for _ in range(rng.randrange(3, 10))]
+        out.append(passage + filler + passage[: rng.randrange(3, 8)])
+    return out
+
+
+def draft_from_answers(
+    engine: TransformersEngine, answers: dict[tuple[int, ...], list[int]]
+) -> None:
+    """Make the engine's scheduler draft, for a prompt in ``answers``, the tokens decoding
+    without drafts gave, with one in three drafts wrong from its third token on (so the runner
+    verifies drafts accepted whole, in part and not at all); other prompts draft by lookup.
+
+    The random tiny model seldom repeats its context, so without this its drafts would all be
+    refused and the accepting path never run."""
+    scheduler = engine._scheduler
+    lookup = scheduler._draft
+
+    def draft(lane: Any) -> tuple[int, ...]:
+        request = lane.request
+        answer = answers.get(tuple(request.context))
+        if answer is None:
+            return lookup(lane)
+        done = len(lane.generated)
+        room = min(request.max_new - done, request.token_limit - lane.tokens) - 1
+        guess = [t for t in answer[done : done + min(room, 4)] if t not in request.eos_ids]
+        if done % 3 == 1 and len(guess) > 2:
+            guess[2:] = [(t + 1) % TINY_VOCAB or 3 for t in guess[2:]]
+        return tuple(guess)
+
+    scheduler._draft = draft  # type: ignore[method-assign]
+
+
+class SpeculativeTests(EngineTestCase):
+    """Speculative decoding by prompt lookup (docs/engine.md section 3.1): the tokens are those
+    of decoding without drafts, whatever was drafted and whoever shares the step."""
+
+    def same_tokens(
+        self, mode: str, kernels: str = "auto", fused: bool = True
+    ) -> defer.Deferred[Any]:
+        return defer.ensureDeferred(self._same_tokens(mode, kernels, fused))
+
+    async def _same_tokens(self, mode: str, kernels: str, fused: bool) -> None:
+        """Greedy and seeded generations, some with logprobs, alone and eight at a time on
+        three lanes, with drafts equal the same generations without; drafted tokens were
+        accepted and refused."""
+        ps = echo_prompts(6, seed=61) + prompts(2, seed=62)
+        params = [
+            GenParams(),
+            SAMPLED,
+            GenParams(temperature=0.4, seed=9, logprobs=3),
+            GenParams(logprobs=2),
+        ] * 2
+        engines = [
+            self.make_engine(
+                max_lanes=3,
+                weights=mode,
+                kernels=kernels,
+                fused_step=fused,
+                prefix_cache=False,
+                speculative=speculative,
+                draft_tokens=5,
+            )
+            for speculative in ("off", "ngram")
+        ]
+        plain, drafting = engines
+        self.assertIsNone(plain.speculation)
+        self.assertIsNotNone(drafting.speculation)
+        results: list[list[Any]] = []
+        for engine in (plain, drafting):
+            solo = []
+            for p, gp in zip(ps, params, strict=True):
+                solo.append(await self.collect(engine, p, gp))
+            results.append(solo)
+            if engine is plain:
+                # Three in four prompts draft what plain decoding gave them (see
+                # draft_from_answers); the others draft by lookup.
+                answers = {
+                    tuple(p): run[0]
+                    for i, (p, run) in enumerate(zip(ps, solo, strict=True))
+                    if i % 4 != 3
+                }
+                draft_from_answers(drafting, answers)
+            batched = await defer.gatherResults(
+                [
+                    defer.ensureDeferred(self.collect(engine, p, gp))
+                    for p, gp in zip(ps, params, strict=True)
+                ]
+            )
+            results.append(batched)
+        for i, other in enumerate(results[1:], 1):
+            self.assertEqual(other, results[0], (mode, kernels, fused, i))
+        counts = drafting.step_counts()
+        self.assertGreater(counts.accepted, 0)
+        self.assertGreater(counts.drafted, counts.accepted)
+        self.assertLess(counts.decode_rows, counts.decode_tokens)
+        self.assertEqual(plain.step_counts().drafted, 0)
+
+    async def collect(
+        self, engine: TransformersEngine, prompt: list[int], params: GenParams
+    ) -> tuple[list[int], list[Any], Any]:
+        """The tokens streamed, their logprobs and the result of one generation of 40."""
+        tokens: list[int] = []
+        logprobs: list[Any] = []
+
+        def sink(batch: TokenBatch) -> None:
+            tokens.extend(batch.tokens)
+            logprobs.extend(batch.logprobs or ())
+
+        result = await engine.submit(GenerationRequest(prompt, params, 40), sink).result
+        self.assertEqual(list(result.tokens), tokens)
+        return tokens, logprobs, result.stop
+
+    def test_float32(self) -> defer.Deferred[Any]:
+        """float32: drafts change no token, greedy or seeded, alone or batched, nor a logprob
+        (the verified rows are decode rows at their own positions, attended alike)."""
+        return self.same_tokens("float32")
+
+    @defer.inlineCallbacks
+    def test_greedy_equals_generate(self) -> Any:
+        """With drafts, greedy tokens still equal model.generate(do_sample=False)."""
+        engine = self.make_engine(speculative="ngram")
+        ps = echo_prompts(3, seed=63)
+        expected = [reference_greedy(self.model, prompt, 30) for prompt in ps]
+        draft_from_answers(engine, {tuple(ps[0]): expected[0]})
+        for prompt, tokens in zip(ps, expected, strict=True):
+            d, _ = self.run_one(prompt, 30, engine=engine)
+            result = yield d
+            self.assertEqual(list(result.tokens), tokens)
+        self.assertGreater(engine.step_counts().accepted, 0)
+
+    @defer.inlineCallbacks
+    def test_quantized_modes(self) -> Any:
+        """bfloat16, int8 and int4 (torch kernels, and the native ones with and without the
+        fused step where they build): drafts change no token nor logprob."""
+        from sfnode.engines import native
+
+        yield self.same_tokens("bfloat16")
+        yield self.same_tokens("int8", "torch")
+        yield self.same_tokens("int4", "torch")
+        if not isinstance(native.load(native_library_dir()), str):
+            yield self.same_tokens("int8", "native")
+            yield self.same_tokens("int4", "native", False)
+
+    def test_the_model_forward_does_not_speculate(self) -> None:
+        """The model's own forward (--stock-kernels) verifies no drafts: speculation is off,
+        and a bad mode or draft length is refused."""
+        engine = self.make_engine(lean_step=False, speculative="ngram")
+        self.assertIsNone(engine.speculation)
+        self.assertRaises(ValueError, TransformersEngine, self.model, reactor, speculative="x")
+        self.assertRaises(ValueError, TransformersEngine, self.model, reactor, draft_tokens=0)

@@ -177,7 +177,7 @@ class DefaultModelTests(unittest.SynchronousTestCase):
         source, folder = model_folder(None, cache)
         self.assertEqual(source.suffix, ".gguf")
         self.assertEqual(folder, gguf_cache_folder(source, cache))
-        self.assertEqual([p.name for p in cache.iterdir()], [folder.name])
+        self.assertEqual([p.name for p in cache.iterdir() if p.name[0] != "."], [folder.name])
         self.assertTrue((folder / "model.safetensors").is_file())
         loaded = load_model(None, cache_dir=cache, threads=2)
         self.assertEqual(loaded.folder, folder)
@@ -192,3 +192,56 @@ class DefaultModelTests(unittest.SynchronousTestCase):
         answer = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
         self.assertIn("Paris", answer)
         self.assertEqual(load_tokenizer(None, cache).get_vocab(), tokenizer.get_vocab())
+
+    def test_the_conversion_is_keyed_by_content_and_checked_at_each_start(self) -> None:
+        """The conversion's folder is named by the GGUF's content: a copy of the file elsewhere
+        (another virtualenv) uses it without converting again, and a start reads the cache it
+        finds.  A conversion whose file was damaged is refused with a log line naming the file,
+        and converted again; one made for another file is refused too."""
+        import shutil
+
+        from twisted.logger import globalLogPublisher
+
+        from sfnode import models
+
+        cache = _tmpdir(self)
+        conversions: list[Path] = []
+        convert = models._convert_gguf
+
+        def counting(gguf: Path, target: Path, content: str) -> None:
+            conversions.append(gguf)
+            convert(gguf, target, content)
+
+        self.patch(models, "_convert_gguf", counting)
+        messages: list[str] = []
+
+        def observe(event: dict[str, object]) -> None:
+            if event.get("log_namespace") == "sfnode.models":
+                from twisted.logger import formatEvent
+
+                messages.append(formatEvent(event))
+
+        globalLogPublisher.addObserver(observe)
+        self.addCleanup(globalLogPublisher.removeObserver, observe)
+        source, folder = model_folder(None, cache)
+        self.assertEqual(len(conversions), 1)
+        other = _tmpdir(self) / source.name
+        shutil.copyfile(source, other)
+        self.assertEqual(model_folder(other, cache), (other, folder))
+        self.assertEqual(len(conversions), 1)
+        self.assertTrue(any(m.startswith("Using cached conversion") for m in messages))
+        content = models.gguf_content_hash(source, cache)
+        self.assertEqual(folder.name, f"{source.stem}-xxh64-{content}")
+        self.assertIsNone(models.conversion_problem(folder, content))
+        self.assertIn("another GGUF", models.conversion_problem(folder, "0" * 16) or "")
+
+        weights = folder / "model.safetensors"
+        with open(weights, "r+b") as f:
+            f.truncate(weights.stat().st_size - 1)
+        self.assertEqual(model_folder(None, cache), (source, folder))
+        self.assertEqual(len(conversions), 2)
+        refused = [m for m in messages if m.startswith("Refusing the cached conversion")]
+        self.assertEqual(len(refused), 1)
+        self.assertIn("model.safetensors has", refused[0])
+        self.assertIsNone(models.conversion_problem(folder, content))
+        self.assertEqual(sorted(p.name for p in cache.iterdir() if p.name[0] != "."), [folder.name])

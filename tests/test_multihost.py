@@ -210,4 +210,3 @@ class MultiHostTests(TestCase):
         answer = await self.completion(socket)
         self.assertEqual(answer["usage"]["completion_tokens"], 5)
         self.assert_clean(moved, node)
-

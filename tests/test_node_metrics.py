@@ -54,17 +54,19 @@ class NodeMetricsTests(TestCase):
             "--max-context", "256", "--max-lanes", "2", *args,
         )  # fmt: skip
 
-    async def generate(self, node: MultiService, prompts: list[list[int]]) -> None:
-        """Each prompt in turn, 4 greedy tokens, one session each."""
+    async def generate(self, node: MultiService, prompts: list[list[int]]) -> list[list[int]]:
+        """Each prompt in turn, 4 greedy tokens, one session each; their tokens."""
         port = node.getServiceNamed("listen").port.getHost().port  # type: ignore[no-untyped-call]
         link = await connect_node(reactor, f"tcp:127.0.0.1:{port}", ids=HeadIds())
+        answers = []
         try:
             for session, prompt in enumerate(prompts, start=1):
                 link.assign(session)
                 link.append(session, prompt)
-                await link.generate(session, 4).result
+                answers.append(list((await link.generate(session, 4).result).tokens))
         finally:
             await link.close()
+        return answers
 
     async def scrape(self, node: MultiService) -> dict[str, float]:
         """The samples of ``/metrics`` by name (one node, so one sample per name)."""
@@ -141,3 +143,29 @@ class NodeMetricsTests(TestCase):
         response = await Agent(reactor).request(b"GET", url)
         body = json.loads(await readBody(response))
         self.assertEqual((response.code, body["status"]), (503, "draining"))
+
+    async def test_step_and_draft_figures(self) -> None:
+        """Every step-running engine shows its steps, decode rows and the tokens they gave;
+        with --speculative ngram also the draft tokens verified and accepted and their ratio
+        (docs/engine.md section 3.1), and a decode row then gives more than one token."""
+        from tests.test_engine import draft_from_answers
+
+        prompt = [*SHARED[:24], 5, 6]
+        plain = self.tiny("--no-prefix-cache")
+        (answer,) = await self.generate(plain, [prompt])
+        samples = await self.scrape(plain)
+        self.assertEqual(samples["sfnode_decode_row_tokens_total"], 3)
+        self.assertEqual(samples["sfnode_decode_rows_total"], 3)
+        self.assertEqual(samples["sfnode_tokens_per_decode_row"], 1.0)
+        self.assertFalse([name for name in samples if name.startswith("sfnode_draft")])
+        drafting = self.tiny("--no-prefix-cache", "--speculative", "ngram")
+        engine = drafting.getServiceNamed("agent").agent.engine  # type: ignore[no-untyped-call]
+        # The random tiny model seldom quotes its prompt: the drafts are its plain answers.
+        draft_from_answers(engine, {tuple(prompt): answer})
+        await self.generate(drafting, [prompt])
+        samples = await self.scrape(drafting)
+        self.assertEqual(samples["sfnode_draft_tokens_total"], 2)
+        self.assertEqual(samples["sfnode_draft_accepted_tokens_total"], 2)
+        self.assertEqual(samples["sfnode_draft_acceptance_ratio"], 1.0)
+        self.assertEqual(samples["sfnode_decode_rows_total"], 1)
+        self.assertEqual(samples["sfnode_tokens_per_decode_row"], 3.0)

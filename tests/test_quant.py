@@ -107,6 +107,73 @@ class GgufBlockTests(unittest.SynchronousTestCase):
         order = _unpermute_order(8, 1)
         self.assertEqual([gguf_rows[i] for i in order], list(range(8)))
 
+    def test_the_gguf_reader_gives_the_gguf_librarys_matrices(self) -> None:
+        """read_gguf_matrices (sfnode's own walk of the tensor table and memory maps) gives the
+        matrices the gguf library's reader gives, kind, shape and bytes, rows reordered alike,
+        for every quantized tensor of the bundled model (skipped when it is not installed)."""
+        from gguf import GGUFReader
+
+        from sfnode.engines.llama_weights import _GGUF_LAYER, read_gguf_matrices
+        from sfnode.models import ModelLoadError, default_gguf
+
+        try:
+            path = default_gguf()
+        except ModelLoadError as e:
+            raise unittest.SkipTest(str(e)) from e
+        ours = read_gguf_matrices(path, 9, 3)
+        theirs: dict[str, GgufMatrix] = {}
+        for tensor in GGUFReader(str(path)).tensors:
+            if tensor.tensor_type.name not in ("Q4_0", "Q4_1", "Q8_0"):
+                continue
+            rows = int(tensor.data.shape[0])
+            cols = int(tensor.n_elements) // rows
+            matrix = GgufMatrix(tensor.tensor_type.name, rows, cols, np.asarray(tensor.data))
+            name = tensor.name.removesuffix(".weight")
+            if name in ("token_embd", "output"):
+                theirs["embed" if name == "token_embd" else "lm_head"] = matrix
+                continue
+            _, index, part = name.split(".", 2)
+            short = _GGUF_LAYER[part]
+            if short in ("q", "k"):
+                matrix = matrix.take_rows(_unpermute_order(rows, 9 if short == "q" else 3))
+            theirs[f"{int(index)}.{short}"] = matrix
+        self.assertEqual(sorted(ours), sorted(theirs))
+        for name, matrix in theirs.items():
+            mine = ours[name]
+            self.assertEqual(
+                (mine.kind, mine.rows, mine.cols), (matrix.kind, matrix.rows, matrix.cols)
+            )
+            self.assertTrue(np.array_equal(mine.data, matrix.data), name)
+
+
+class CheckCacheTests(unittest.SynchronousTestCase):
+    """The kernels' self-checks are kept beside the packed weights, per CPU kind."""
+
+    def test_a_start_reads_the_kept_checks_and_rewrites_damaged_ones(self) -> None:
+        """The first start runs the self-checks and keeps them; the next reads them without
+        running any; a damaged file is run again and rewritten."""
+        from sfnode.engines import llama_weights
+
+        folder = Path(self.mktemp())
+        folder.mkdir()
+        runs: list[int] = []
+        usable = llama_weights.usable_precisions
+
+        def counting() -> dict[Precision, str | None]:
+            runs.append(1)
+            return usable()
+
+        self.patch(llama_weights, "usable_precisions", counting)
+        first = llama_weights.cached_precisions(folder)
+        self.assertEqual(len(runs), 1)
+        self.assertEqual(llama_weights.cached_precisions(folder), first)
+        self.assertEqual(len(runs), 1)
+        (folder / llama_weights.CHECKS_FILE).write_text("{not json")
+        self.assertEqual(llama_weights.cached_precisions(folder), first)
+        self.assertEqual(len(runs), 2)
+        self.assertEqual(llama_weights.cached_precisions(folder), first)
+        self.assertEqual(len(runs), 2)
+
 
 class KernelTests(unittest.SynchronousTestCase):
     """Each quantized kernel multiplies by the weights it stands for."""
@@ -204,9 +271,7 @@ class FallbackTests(unittest.SynchronousTestCase):
         self.addCleanup(globalLogPublisher.removeObserver, events.append)
         checks = {p: None for p in Precision}
         checks[Precision.INT4] = "RuntimeError: no int4 kernel"
-        weights = gather_weights(
-            model, "int4", checks=checks, dense_copies=False, kernels="torch"
-        )
+        weights = gather_weights(model, "int4", checks=checks, dense_copies=False, kernels="torch")
         self.assertEqual(weights.mode, "int4")
         self.assertEqual(weights.describe(), "bfloat16 x 9")
         warnings = [

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from twisted.trial import unittest
 
 from sfnode.draws import draw_position
+from sfnode.engines.drafts import Speculation
 from sfnode.engines.plan import StepOutput, StepPlan
 from sfnode.engines.prefix_cache import PrefixCache, block_keys
 from sfnode.engines.scheduler import Ended, Request, Scheduler, blocks_for
@@ -430,3 +431,103 @@ class PrefixReuseTests(unittest.SynchronousTestCase):
         prefix = scheduler.prefix
         assert prefix is not None
         self.assertEqual(len(prefix), 0)
+
+
+class DraftTests(unittest.SynchronousTestCase):
+    """Decode rows with drafts (docs/engine.md section 3.1): what the scheduler drafts, and how
+    it takes the tokens a runner drew at the drafted positions."""
+
+    PASSAGE = (10, 11, 12, 13, 14, 15, 16, 17, 18, 19)
+
+    def drafting(self, *requests: Request, draft_tokens: int = 4, first: int = 10) -> Scheduler:
+        """A scheduler with speculation, the requests submitted and their prompts computed
+        (each answered with its first token ``first``)."""
+        scheduler = Scheduler(
+            interactive_lanes=0,
+            lanes=4,
+            kv_blocks=100,
+            speculation=Speculation(draft_tokens=draft_tokens),
+        )
+        for r in requests:
+            scheduler.submit(r)
+        run_step(scheduler, token=first)
+        return scheduler
+
+    def test_a_row_drafts_what_followed_the_same_ngram(self) -> None:
+        """A lane whose tokens end with an n-gram seen before drafts what followed it, as many
+        as draft_tokens, its draw counter unchanged; without speculation it drafts nothing."""
+        r = request([*self.PASSAGE, 5, 6], max_new=20, seed=3)
+        scheduler = self.drafting(r, draft_tokens=3)
+        plan, _ = scheduler.plan(0.0)
+        (row,) = plan.decode
+        # The context ends with 10 (the first token): [5, 6, 10] never occurred, so no draft yet.
+        self.assertEqual((row.token, row.position, row.draft), (10, 12, ()))
+        scheduler.complete(plan, StepOutput(decode=(11,)))
+        plan, _ = scheduler.plan(0.0)
+        (row,) = plan.decode
+        self.assertEqual((row.token, row.position, row.draft), (11, 13, ()))
+        scheduler.complete(plan, StepOutput(decode=(12,)))
+        plan, _ = scheduler.plan(0.0)
+        (row,) = plan.decode
+        # [10, 11, 12] occurred at the start of the prompt, followed by 13, 14, 15, ...
+        self.assertEqual((row.token, row.position, row.draft), (12, 14, (13, 14, 15)))
+        self.assertEqual(row.draw, draw_position(3, 12, 3))
+        self.assertEqual(plan.rows, 4)
+        plain = Scheduler(interactive_lanes=0, lanes=1, kv_blocks=100)
+        plain.submit(request([*self.PASSAGE, *self.PASSAGE[:3]], max_new=20))
+        run_step(plain, token=13)
+        plan, _ = plain.plan(0.0)
+        self.assertEqual(plan.decode[0].draft, ())
+
+    def test_accepted_tokens_are_emitted_in_order_and_counted(self) -> None:
+        """The runner's drawn tokens after the accepted drafts are emitted after the row's own,
+        the lane's next row starts after the last of them, and the counts say how many were
+        drafted and accepted."""
+        r = request([*self.PASSAGE, 10, 11], max_new=20)
+        scheduler = self.drafting(r, first=12)
+        plan, _ = scheduler.plan(0.0)
+        (row,) = plan.decode
+        self.assertEqual((row.token, row.position, row.draft), (12, 12, (13, 14, 15, 16)))
+        # The sampler drew 13 (= draft[0]), then 14 (= draft[1]), then 99 (not draft[2]).
+        emitted, _ = scheduler.complete(plan, StepOutput(decode=(13,), drafted=((14, 99),)))
+        self.assertEqual([e.token for e in emitted], [13, 14, 99])
+        plan, _ = scheduler.plan(0.0)
+        (row,) = plan.decode
+        self.assertEqual((row.token, row.position), (99, 15))
+        counts = scheduler.counts
+        self.assertEqual((counts.decode_rows, counts.decode_tokens), (1, 3))
+        self.assertEqual((counts.drafted, counts.accepted), (4, 2))
+        # Two of four accepted: the lane's next draft is at most three tokens long.
+        length = scheduler.running[0].draft_length
+        assert length is not None
+        self.assertEqual(length.budget(), 3)
+
+    def test_drafts_fit_the_budget_and_stop_before_an_eos(self) -> None:
+        """A draft never runs past max_new (the token after it included) nor includes an EOS
+        id; a lane that ends inside its accepted tokens emits nothing after its end; a runner
+        answering more tokens than drafted is refused."""
+        short = request([*self.PASSAGE, 10, 11], max_new=5, name="short")
+        scheduler = self.drafting(short, first=12)
+        plan, _ = scheduler.plan(0.0)
+        # The first token, the row's own and three drafted make max_new.
+        self.assertEqual(plan.decode[0].draft, (13, 14, 15))
+        emitted, ended = scheduler.complete(plan, StepOutput(decode=(13,), drafted=((14, 15, 16),)))
+        self.assertEqual([e.token for e in emitted], [13, 14, 15, 16])
+        self.assertEqual(ended, [Ended(short, EngineStop.LENGTH)])
+
+        with_eos = request([10, 11, 12, 13, EOS, 14, 10, 11], max_new=20, name="eos")
+        scheduler = self.drafting(with_eos, first=12)
+        plan, _ = scheduler.plan(0.0)
+        self.assertEqual(plan.decode[0].draft, (13,))
+        emitted, ended = scheduler.complete(plan, StepOutput(decode=(13,), drafted=((EOS,),)))
+        self.assertEqual([e.token for e in emitted], [13, EOS])
+        self.assertEqual(ended, [Ended(with_eos, EngineStop.EOS)])
+
+        again = self.drafting(request([*self.PASSAGE, 10, 11], max_new=20), first=12)
+        plan, _ = again.plan(0.0)
+        self.assertRaises(
+            ValueError,
+            again.complete,
+            plan,
+            StepOutput(decode=(13,), drafted=((14, 15, 16, 17, 18),)),
+        )

@@ -466,6 +466,36 @@ class EmbeddingTests(TestCase):
                 parse("--listen", LOOPBACK, "--engine", "mock", *flag)
             self.assertIn(flag[0], str(caught.exception))
 
+    def test_speculative_options(self) -> None:
+        """--speculative ngram with --draft-tokens builds an engine that drafts that many tokens
+        (docs/engine.md section 3.1); by default it does not draft; an unknown mode, a draft
+        length out of range, or either option with the mock engine is a usage error."""
+        from sfnode.engines.transformers_engine import TransformersEngine
+        from tests.tinymodel import save_tiny_model
+
+        folder = save_tiny_model(Path(self.mktemp()).resolve() / "tiny-llama")
+        base = f"--listen {LOOPBACK} --model {folder} --device cpu".split()
+        default = tap.build_engine(reactor, parse(*base))
+        drafting = tap.build_engine(
+            reactor, parse(*base, "--speculative", "ngram", "--draft-tokens", "7")
+        )
+        assert isinstance(default, TransformersEngine) and isinstance(drafting, TransformersEngine)
+        self.assertIsNone(default.speculation)
+        assert drafting.speculation is not None
+        self.assertEqual(drafting.speculation.draft_tokens, 7)
+        for bad, name in (
+            (("--speculative", "medusa"), "--speculative"),
+            (("--draft-tokens", "0"), "--draft-tokens"),
+            (("--draft-tokens", "65"), "--draft-tokens"),
+        ):
+            with self.assertRaises(usage.UsageError) as caught:
+                parse(*base, *bad)
+            self.assertIn(name, str(caught.exception))
+        for flag in (("--speculative", "ngram"), ("--draft-tokens", "2")):
+            with self.assertRaises(usage.UsageError) as caught:
+                parse("--listen", LOOPBACK, "--engine", "mock", *flag)
+            self.assertIn(flag[0], str(caught.exception))
+
     async def test_head_mode_dials_and_answers(self) -> None:
         """With --head the node dials the head, which then says HELLO first and is answered."""
         probes: list[HeadProbe] = []

@@ -8,7 +8,8 @@ computed chunk by chunk into a cache of its own and merged into the batch when i
 out; a lane that the plan no longer decodes has left, and its row is dropped (with the padding
 every remaining row shares).  The cache of a prompt that ended half computed stays until its slot
 starts a new prompt (at most one per slot).  Prompt chunks and the decode step are separate
-forwards.  It keeps no prefix cache: a plan given to it never has block loads or saves.
+forwards.  It keeps no prefix cache and verifies no drafts: a plan given to it never has block
+loads or saves, nor a decode row with a draft.
 
 This module must never be called from two threads at once, and never sample with a random
 generator.
@@ -53,6 +54,8 @@ class ModelForwardRunner:
     def run(self, plan: StepPlan) -> StepOutput:
         if plan.loads or plan.saves:
             raise ValueError("the model-forward runner keeps no prefix cache")
+        if any(row.draft for row in plan.decode):
+            raise ValueError("the model-forward runner does not verify drafts")
         with torch.inference_mode():
             decoding = [row.slot for row in plan.decode]
             self._drop([slot for slot in self._rows if slot not in set(decoding)])

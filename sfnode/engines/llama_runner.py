@@ -13,6 +13,16 @@ operation, and the norms are ``torch.nn.functional.rms_norm``.  In float32 the t
 the model's own ``generate()`` (tested); the logits agree to float32 rounding, not bit for bit.
 The quantized modes compute in bfloat16 between their matrices (docs/engine.md section 5).
 
+A decode row with a draft (docs/engine.md section 3.1) takes one row of the pass per token it
+feeds: its own token and each drafted one at the next positions, each attended exactly as a
+decode row at that position would be (its keys read to its own length, rounded to the same
+bucket), so a drafted position computes what the step that would have fed that token computes.
+The sampler then walks each lane's rows in order: the first row's token is drawn as always, and
+the next row's only while the token drawn equals the drafted one fed there; the lane's stage
+(its grammar and penalties) has then advanced by exactly the tokens drawn, and its grammar's
+masks for the drafted rows were computed beside the pass with the drafted tokens consumed and
+taken back (:mod:`sfnode.engines.masks`).
+
 The runner also runs pipeline stages (docs/protocol.md, STAGE_FORWARD): layers ``[start, end)``
 over a whole token sequence, without a cache.
 
@@ -36,6 +46,8 @@ from sfnode.engines.plan import StepOutput, StepPlan
 from sfnode.engines.quant import Projection
 from sfnode.generation import StageForwardError, StageResult, TokenLogprob
 from sfnode.sampler import allowed_rows, sample_with_stages
+
+_MASK64 = (1 << 64) - 1
 
 _LLAMA_TYPES = ("llama",)
 _STOCK_LAYER_PARTS = (
@@ -102,13 +114,19 @@ def _project(projection: Projection, x: torch.Tensor, groups: Groups) -> torch.T
 
 
 def _output(
-    plan: StepPlan, tokens: Sequence[int], logprobs: Sequence[TokenLogprob | None]
+    plan: StepPlan,
+    tokens: Sequence[int],
+    logprobs: Sequence[TokenLogprob | None],
+    drafted: Sequence[tuple[int, ...]] = (),
+    drafted_logprobs: Sequence[tuple[TokenLogprob | None, ...]] = (),
 ) -> StepOutput:
     """Tokens (and logprobs, when any row asked) sampled for the decode rows, then for the
-    chunks that ended a prompt, as a :class:`StepOutput`."""
+    chunks that ended a prompt, as a :class:`StepOutput`; ``drafted`` the tokens drawn after
+    each decode row's accepted draft tokens."""
     rows = len(plan.decode)
     firsts = iter(range(rows, len(tokens)))
     chunk_rows = [next(firsts) if chunk.last else None for chunk in plan.chunks]
+    asked = any(row.params.logprobs for row in plan.decode)
     return StepOutput(
         decode=tuple(tokens[:rows]),
         chunks=tuple(None if r is None else tokens[r] for r in chunk_rows),
@@ -116,6 +134,8 @@ def _output(
         chunk_logprobs=(
             tuple(None if r is None else logprobs[r] for r in chunk_rows) if logprobs else ()
         ),
+        drafted=tuple(drafted),
+        drafted_logprobs=tuple(drafted_logprobs) if asked and drafted else (),
     )
 
 
@@ -129,28 +149,98 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
+def _decode_positions(plan: StepPlan) -> list[tuple[int, int]]:
+    """``(slot, position)`` of every decode row of the pass: each decode row, then its draft's
+    tokens at the next positions."""
+    return [(row.slot, row.position + depth) for row in plan.decode for depth in range(row.rows)]
+
+
+def _sample(plan: StepPlan, logits: torch.Tensor, allowed: torch.Tensor | None) -> StepOutput:
+    """The tokens of a pass whose sampled rows' logits are ``logits`` (decode rows with their
+    drafted rows, then the chunks that end a prompt), drawn by the sampler's own rule.
+
+    Each lane's first row is drawn as in any step.  A drafted row is drawn only when the
+    token drawn at the row before it is the drafted token it was fed, with the draw counter of
+    its position; the lane's stage advances by each token drawn, so the penalties and the
+    grammar of the next row see exactly the tokens before it (docs/engine.md section 3.1).
+    """
+    starts: list[int] = []
+    offset = 0
+    for row in plan.decode:
+        starts.append(offset)
+        offset += row.rows
+    firsts = starts + list(range(offset, logits.shape[0]))
+    params = [row.params for row in plan.decode]
+    draws = [row.draw for row in plan.decode]
+    stages = [row.stage for row in plan.decode]
+    for chunk in plan.chunks:
+        if chunk.last:
+            params.append(chunk.params)
+            draws.append(chunk.draw)
+            stages.append(chunk.stage)
+    if offset == len(plan.decode):
+        tokens, logprobs = sample_with_stages(logits, params, draws, stages, allowed)
+        return _output(plan, tokens, logprobs)
+    index = torch.tensor(firsts, dtype=torch.long, device=logits.device)
+    tokens, logprobs = sample_with_stages(
+        logits[index], params, draws, stages, None if allowed is None else allowed[index]
+    )
+    drafted: list[list[int]] = [[] for _ in plan.decode]
+    drafted_logprobs: list[list[TokenLogprob | None]] = [[] for _ in plan.decode]
+    alive = [r for r, row in enumerate(plan.decode) if row.draft and tokens[r] == row.draft[0]]
+    depth = 1
+    while alive:
+        rows = [plan.decode[r] for r in alive]
+        index = torch.tensor([starts[r] + depth for r in alive], dtype=torch.long)
+        sampled, sampled_logprobs = sample_with_stages(
+            logits[index],
+            [row.params for row in rows],
+            [(row.draw + depth) & _MASK64 for row in rows],
+            [row.stage for row in rows],
+            None if allowed is None else allowed[index],
+        )
+        following: list[int] = []
+        for r, row, token, logprob in zip(
+            alive, rows, sampled, sampled_logprobs or [None] * len(rows), strict=True
+        ):
+            drafted[r].append(token)
+            drafted_logprobs[r].append(logprob)
+            if depth < len(row.draft) and token == row.draft[depth]:
+                following.append(r)
+        alive = following
+        depth += 1
+    return _output(
+        plan,
+        tokens,
+        logprobs,
+        [tuple(more) for more in drafted],
+        [tuple(more) for more in drafted_logprobs],
+    )
+
+
 class _Attention:
     """Per-step attention inputs: where each decode row's key and value go, how long each lane
     is, and the prompt chunks."""
 
     def __init__(self, runner: LlamaRunner, plan: StepPlan) -> None:
         device = runner.device
-        decode = plan.decode
+        decode = _decode_positions(plan)
         self.rows = len(decode)
         self.slot_index = torch.tensor(
-            [row.slot for row in decode], dtype=torch.long, device=device
+            [slot for slot, _ in decode], dtype=torch.long, device=device
         )
         self.position_index = torch.tensor(
-            [row.position for row in decode], dtype=torch.long, device=device
+            [position for _, position in decode], dtype=torch.long, device=device
         )
         # Decode rows are attended in groups of lanes whose lengths round up to the same
         # multiple of ATTENTION_BUCKET; each lane is padded to that, masked past its length.
         # The padding depends on the lane's own length only, so a lane's attention is the same
         # computation alone or beside others (a batch padded to its longest lane rounds a
-        # lane's result differently with the others' lengths).
+        # lane's result differently with the others' lengths).  A drafted row is a decode row
+        # at its own position: it sees the keys written before it in this pass, no further.
         buckets: dict[int, list[int]] = {}
-        for index, decode_row in enumerate(decode):
-            length = decode_row.position + 1
+        for index, (_, position) in enumerate(decode):
+            length = position + 1
             padded = min(runner.kv.capacity, -(-length // ATTENTION_BUCKET) * ATTENTION_BUCKET)
             buckets.setdefault(padded, []).append(index)
         self.groups: list[tuple[list[int], Any, int, torch.Tensor]] = []
@@ -158,12 +248,12 @@ class _Attention:
         mask."""
         order: list[int] = []
         for padded, members in sorted(buckets.items()):
-            slots = [decode[i].slot for i in members]
+            slots = [decode[i][0] for i in members]
             if slots == list(range(slots[0], slots[0] + len(slots))):
                 where: Any = slice(slots[0], slots[0] + len(slots))
             else:
                 where = torch.tensor(slots, dtype=torch.long, device=device)
-            lengths = torch.tensor([decode[i].position + 1 for i in members], device=device)
+            lengths = torch.tensor([decode[i][1] + 1 for i in members], device=device)
             valid = torch.arange(padded, device=device).unsqueeze(0) < lengths.unsqueeze(1)
             self.groups.append((members, where, padded, valid.view(len(members), 1, 1, padded)))
             order += members
@@ -281,34 +371,35 @@ class LlamaRunner:
                     self.pool.load(load.slot, load.first, load.blocks, load.tail)
             if not plan.decode and not plan.chunks:
                 return StepOutput()
+            decode = _decode_positions(plan)
             need = max(
-                [row.position + 1 for row in plan.decode]
+                [position + 1 for _, position in decode]
                 + [chunk.start + len(chunk.tokens) for chunk in plan.chunks]
             )
             self.kv.ensure(need)
-            ids: list[int] = [row.token for row in plan.decode]
-            positions: list[int] = [row.position for row in plan.decode]
+            ids: list[int] = [token for row in plan.decode for token in (row.token, *row.draft)]
+            positions: list[int] = [position for _, position in decode]
             for chunk in plan.chunks:
                 ids.extend(chunk.tokens)
                 positions.extend(range(chunk.start, chunk.start + len(chunk.tokens)))
-            # Logits only where a token is sampled: every decode row, a prompt's last position.
-            wanted = list(range(len(plan.decode)))
-            params = [row.params for row in plan.decode]
-            draws = [row.draw for row in plan.decode]
-            stages = [row.stage for row in plan.decode]
-            offset = len(plan.decode)
+            # Logits only where a token may be sampled: every decode row (drafted ones too), a
+            # prompt's last position.  Per such row, the stage and the drafted tokens its
+            # grammar mask must have consumed first.
+            wanted = list(range(len(decode)))
+            stages = [row.stage for row in plan.decode for _ in range(row.rows)]
+            prefixes = [row.draft[:depth] for row in plan.decode for depth in range(row.rows)]
+            offset = len(decode)
             for chunk in plan.chunks:
                 offset += len(chunk.tokens)
                 if chunk.last:
                     wanted.append(offset - 1)
-                    params.append(chunk.params)
-                    draws.append(chunk.draw)
                     stages.append(chunk.stage)
+                    prefixes.append(())
             # The constrained rows' masks are computed while the forward pass runs.
-            pending = self.masks.start(stages) if self.masks is not None else None
+            pending = self.masks.start(stages, prefixes) if self.masks is not None else None
             try:
                 if self.fused is not None:
-                    slots = [row.slot for row in plan.decode]
+                    slots = [slot for slot, _ in decode]
                     for chunk in plan.chunks:
                         slots.extend([chunk.slot] * len(chunk.tokens))
                     hidden = self.fused.forward(self.kv, positions, slots, tokens=ids)
@@ -325,8 +416,7 @@ class LlamaRunner:
                 logits = self.fused.logits(hidden, masks, REFINED)
             else:
                 logits = self._logits(hidden, wanted, allowed)
-            tokens, logprobs = sample_with_stages(logits, params, draws, stages, allowed)
-        return _output(plan, tokens, logprobs)
+            return _sample(plan, logits, allowed)
 
     def _logits(
         self, hidden: torch.Tensor, rows: Sequence[int], allowed: torch.Tensor | None = None

@@ -40,7 +40,6 @@ from twisted.logger import Logger
 from sfnode.engines import WEIGHT_MODES, native
 from sfnode.engines.choice import FAMILIES, Choice, Cpu, Measure, choose, measure_product
 from sfnode.engines.quant import (
-    GGUF_KINDS,
     GgufMatrix,
     Linear,
     Precision,
@@ -151,20 +150,41 @@ def _unpermute_order(rows: int, heads: int) -> np.ndarray[Any, np.dtype[np.int64
     return order
 
 
+_GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+"""The ggml type numbers of the quantized kinds served from the file (:data:`GGUF_KINDS`)."""
+_GGUF_BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34)}
+"""Per kind: values per block and bytes per block."""
+
+
 def read_gguf_matrices(path: Path, heads: int, kv_heads: int) -> dict[str, GgufMatrix]:
     """The quantized matrices of a Llama GGUF file, by ``"{layer}.{q|k|v|o|gate|up|down}"`` and
-    ``"embed"`` / ``"lm_head"``, rows in transformers' order.  Float tensors are left out."""
-    from gguf import GGUFReader
+    ``"embed"`` / ``"lm_head"``, rows in transformers' order.  Float tensors are left out.
 
-    reader = GGUFReader(str(path))
+    The tensor table is walked by :func:`sfnode.gguf_table.read_tensor_table` (which skips the
+    metadata, a 49152-token vocabulary included, without decoding it) and each matrix is a
+    read-only memory map of its bytes: nothing is copied but the query and key rows reordered.
+    """
+    from sfnode.gguf_table import GgufFormatError, impossible_tensor, read_tensor_table
+
+    try:
+        entries = read_tensor_table(path)
+        problem = impossible_tensor(entries, path.stat().st_size)
+    except (OSError, GgufFormatError) as e:
+        raise WeightsError(f"cannot read the tensors of {path}: {e}") from e
+    if problem is not None:
+        raise WeightsError(f"the GGUF file {path} is refused: {problem}")
     found: dict[str, GgufMatrix] = {}
-    for tensor in reader.tensors:
-        kind = tensor.tensor_type.name
-        if kind not in GGUF_KINDS:
+    for entry in entries:
+        kind = _GGUF_TYPES.get(entry.type)
+        if kind is None or len(entry.shape) != 2:
             continue
-        name = tensor.name.removesuffix(".weight")
-        rows = int(tensor.data.shape[0])
-        matrix = GgufMatrix(kind, rows, int(tensor.n_elements) // rows, np.asarray(tensor.data))
+        values, size = _GGUF_BLOCK[kind]
+        cols, rows = entry.shape
+        data = np.memmap(
+            path, dtype=np.uint8, mode="r", offset=entry.offset, shape=(rows, cols // values * size)
+        )
+        name = entry.name.removesuffix(".weight")
+        matrix = GgufMatrix(kind, rows, cols, data)
         if name == "token_embd":
             found["embed"] = matrix
         elif name == "output":
@@ -188,6 +208,39 @@ def read_gguf_matrices(path: Path, heads: int, kv_heads: int) -> dict[str, GgufM
 def usable_precisions() -> dict[Precision, str | None]:
     """Each precision's self-check result (None: usable)."""
     return {p: kernel_works(p) for p in Precision}
+
+
+CHECKS_FILE = "kernel-checks.json"
+"""The kernels' self-check results kept beside the packed weights, per CPU kind and torch."""
+
+
+def cached_precisions(folder: Path | None) -> dict[Precision, str | None]:
+    """:func:`usable_precisions`, read from ``folder``'s :data:`CHECKS_FILE` when it holds this
+    CPU kind's results (its flags and torch's version: what the results depend on), else run
+    and kept there (best effort)."""
+    if folder is None:
+        return usable_precisions()
+    key = Cpu.here().key()
+    path = folder / CHECKS_FILE
+    kept: dict[str, Any] = {}
+    try:
+        kept = json.loads(path.read_text())
+        results = kept[key]
+        checks = {Precision(name): results[name] for name in (p.value for p in Precision)}
+        if all(reason is None or isinstance(reason, str) for reason in checks.values()):
+            return checks
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        kept = kept if isinstance(kept, dict) else {}
+    checks = usable_precisions()
+    kept[key] = {p.value: reason for p, reason in checks.items()}
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{CHECKS_FILE}.", dir=folder)
+        with os.fdopen(fd, "w") as out:
+            json.dump(kept, out, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warn("cannot keep the kernels' self-checks in {path}: {e}", path=str(path), e=e)
+    return checks
 
 
 def _fallback(wanted: Precision, checks: dict[Precision, str | None]) -> Precision:
@@ -279,7 +332,7 @@ def gather_weights(
     if mode != "float32" and device.type != "cpu" and mode in ("int4", "int8"):
         raise WeightsError(f"--weights {mode} needs the CPU kernels; use bfloat16 on {device}")
     if checks is None:
-        checks = usable_precisions()
+        checks = cached_precisions(cache_file.parent if cache_file is not None else None)
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
@@ -289,7 +342,6 @@ def gather_weights(
     if gguf is not None and mode in ("auto", "int4", "int8"):
         started = time.monotonic()
         matrices = read_gguf_matrices(gguf, heads, kv_heads)
-        _check_gguf_layout(matrices, inner)
         log.info(
             "read the quantized matrices of {gguf} in {s:.1f} s",
             gguf=str(gguf),
@@ -320,8 +372,12 @@ def gather_weights(
             cache_file = cache_file.with_name(f"{cache_file.stem}-tiles2{cache_file.suffix}")
     cached = _load_cache(cache_file, signature, family.library) if gguf is not None else None
     if cached is not None and cached[0] == wanted:
+        # Packed from this very file (the cache folder is named by its content) after the
+        # layout check below passed.
         linears = cached[1]
     else:
+        if matrices:
+            _check_gguf_layout(matrices, inner)
         onednn = device.type == "cpu" and onednn_works()
         head_source = matrices.get("lm_head") or (
             matrices.get("embed") if getattr(config, "tie_word_embeddings", False) else None
@@ -608,10 +664,14 @@ def _load_cache(
                 return None
             wanted = {k: Precision(v) for k, v in json.loads(meta["wanted"]).items()}
             chosen = {k: Precision(v) for k, v in json.loads(meta["chosen"]).items()}
-            # Copies, not the file's buffers: a tensor read from the file may start at an
-            # address the quantized kernels' vector loads do not expect (the int8 kernel
-            # crashed on an 8-byte aligned one), and a fresh tensor is 64-byte aligned.
-            tensors = {key: f.get_tensor(key).clone() for key in f.keys()}
+            # The reader gives each tensor in memory of its own; only one that does not start
+            # on a 64-byte boundary is copied again: the quantized kernels' vector loads expect
+            # that alignment (the int8 kernel crashed on an 8-byte aligned one), and a fresh
+            # tensor has it.
+            tensors = {}
+            for key in f.keys():
+                tensor = f.get_tensor(key)
+                tensors[key] = tensor if tensor.data_ptr() % 64 == 0 else tensor.clone()
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         log.warn("ignoring unreadable packed weights {path}: {e}", path=str(path), e=e)
         return None

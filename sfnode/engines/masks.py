@@ -8,6 +8,14 @@ releases the GIL: the forward pass (torch releases it too) and the masks share t
 instead of adding up.  Every matcher is touched by one thread at a time: the mask thread reads
 it between ``start`` and ``wait``, the runner's thread advances it after ``wait``.
 
+A row that verifies a draft (docs/engine.md section 3.1) needs the mask of its grammar after
+the drafted tokens fed before it: the mask thread consumes those tokens in order, filling each
+depth's rows of all lanes in one call, stops a lane's chain at the first drafted token its mask
+forbids (or an EOS id, after which the lane ends), and takes every consumed token back before
+the masks are handed over, so the matcher is where the lane stands when the runner samples.
+Rows past a broken chain are left all ones: the sampler never reaches them, since the token
+drawn before them cannot be the forbidden one.
+
 The worker keeps two cumulative figures for the metrics and benchmarks: the seconds spent
 computing masks, and the seconds steps waited for them after their forward pass.
 
@@ -25,6 +33,11 @@ import numpy as np
 from numpy.typing import NDArray
 
 from sfnode.constraint import LaneStage, MaskFiller, Matcher, Vocabulary
+
+
+def _allows(masks: NDArray[np.int32], row: int, token: int) -> bool:
+    """Whether bit ``token`` of mask row ``row`` is set."""
+    return bool((int(masks[row, token // 32]) >> (token % 32)) & 1)
 
 
 class MaskPending:
@@ -58,23 +71,66 @@ class MaskWorker:
         self._waiting = 0.0
         self._masks = 0
 
-    def start(self, stages: Sequence[LaneStage | None]) -> MaskPending:
-        """Start computing the masks of the rows whose stages have a grammar."""
-        matchers: list[tuple[Matcher, int]] = [
-            (stage.matcher, row)
-            for row, stage in enumerate(stages)
+    def start(
+        self,
+        stages: Sequence[LaneStage | None],
+        drafts: Sequence[tuple[int, ...]] | None = None,
+    ) -> MaskPending:
+        """Start computing the masks of the rows whose stages have a grammar; ``drafts`` gives
+        per row the drafted tokens fed before it (a lane's rows in order, the first with
+        none; see the module docstring)."""
+        prefixes = drafts if drafts is not None else [()] * len(stages)
+        rows: list[tuple[Matcher, int, tuple[int, ...]]] = [
+            (stage.matcher, row, prefix)
+            for row, (stage, prefix) in enumerate(zip(stages, prefixes, strict=True))
             if stage is not None and stage.matcher is not None
         ]
-        if not matchers:
+        if not rows:
             return MaskPending(self, None)
-        return MaskPending(self, self._pool.submit(self._fill, matchers, len(stages)))
+        return MaskPending(self, self._pool.submit(self._fill, rows, len(stages)))
 
-    def _fill(self, matchers: list[tuple[Matcher, int]], rows: int) -> NDArray[np.int32]:
+    def _fill(
+        self, rows: list[tuple[Matcher, int, tuple[int, ...]]], count: int
+    ) -> NDArray[np.int32]:
         started = time.perf_counter()
-        masks = self._filler.fill(matchers, rows)
+        masks = self.vocabulary.new_masks(count)
+        by_depth: dict[int, list[tuple[Matcher, int, tuple[int, ...]]]] = {}
+        for entry in rows:
+            by_depth.setdefault(len(entry[2]), []).append(entry)
+        eos = self.vocabulary.eos_ids
+        consumed: dict[int, tuple[Matcher, int]] = {}
+        """Per matcher (by id): the matcher and the drafted tokens it consumed here."""
+        last_row: dict[int, tuple[int, int]] = {}
+        """Per matcher: the depth and row of its deepest mask filled so far."""
+        filled = 0
+        try:
+            for depth in sorted(by_depth):
+                batch: list[tuple[Matcher, int]] = []
+                for matcher, row, prefix in by_depth[depth]:
+                    key = id(matcher)
+                    if depth:
+                        before = last_row.get(key)
+                        token = prefix[-1]
+                        # The chain holds while each drafted token is allowed where it is fed.
+                        if (
+                            before is None
+                            or before[0] != depth - 1
+                            or token in eos
+                            or not _allows(masks, before[1], token)
+                        ):
+                            continue
+                        matcher.consume(token)
+                        consumed[key] = (matcher, consumed.get(key, (matcher, 0))[1] + 1)
+                    batch.append((matcher, row))
+                    last_row[key] = (depth, row)
+                self._filler.fill(batch, count, into=masks)
+                filled += len(batch)
+        finally:
+            for matcher, tokens in consumed.values():
+                matcher.rollback(tokens)
         with self._lock:
             self._computing += time.perf_counter() - started
-            self._masks += len(matchers)
+            self._masks += filled
         return masks
 
     def add_wait(self, seconds: float) -> None:

@@ -5,7 +5,9 @@ A plan names lanes by their KV *slot* (a runner keeps one contiguous KV region p
 for one forward pass over the model: which slots decode one token (``decode``), which prompt
 chunks are computed into which slots (``chunks``), which cached KV blocks are copied into a slot
 before the pass (``loads``) and which of a slot's full blocks are copied into the prefix cache's
-block pool after it (``saves``).  docs/engine.md section 3 describes the step.  A row that
+block pool after it (``saves``).  docs/engine.md section 3 describes the step.  A decode row may
+carry a *draft* (section 3.1): tokens guessed to follow the one it samples, computed in the same
+pass at the next positions and kept as far as the sampler would have drawn them.  A row that
 samples for a constrained lane carries the lane's :class:`~sfnode.constraint.LaneStage`: the
 one mutable thing a plan holds, touched only by the runner that executes the plan.
 
@@ -34,6 +36,15 @@ class DecodeRow:
     stage: LaneStage | None = None
     """The lane's stage between its logits and the draw (docs/engine.md section 2.4), which
     the runner advances by the token it draws."""
+    draft: tuple[int, ...] = ()
+    """Tokens guessed to follow the one this row samples (docs/engine.md section 3.1): fed at
+    ``position + 1 ..`` in the same pass; the token sampled after each accepted one is kept,
+    up to the first guess the sampler does not draw."""
+
+    @property
+    def rows(self) -> int:
+        """Token rows this decode row takes in the pass (itself and its draft)."""
+        return 1 + len(self.draft)
 
 
 @dataclass(frozen=True)
@@ -78,7 +89,7 @@ class StepPlan:
     @property
     def rows(self) -> int:
         """Token rows the pass computes."""
-        return len(self.decode) + sum(len(c.tokens) for c in self.chunks)
+        return sum(row.rows for row in self.decode) + sum(len(c.tokens) for c in self.chunks)
 
     @property
     def empty(self) -> bool:
@@ -96,3 +107,10 @@ class StepOutput:
     """Empty when no decode row asked for logprobs."""
     chunk_logprobs: tuple[TokenLogprob | None, ...] = ()
     """Empty when no chunk asked for logprobs."""
+    drafted: tuple[tuple[int, ...], ...] = ()
+    """Per decode row, the tokens sampled after its first one at the positions its accepted
+    draft tokens opened (so ``drafted[r][i]`` follows ``draft[i]``); empty when no row had a
+    draft."""
+    drafted_logprobs: tuple[tuple[TokenLogprob | None, ...], ...] = ()
+    """Their logprobs, as :attr:`decode_logprobs`; empty when no row asked for logprobs or
+    had a draft."""

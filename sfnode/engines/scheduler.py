@@ -27,6 +27,13 @@ which answers with the tokens each generation got and the generations that ended
   full blocks a lane computed are saved into the cache in the next step.  A request whose next
   uncached block is being computed by another lane's prompt right now waits for it instead of
   computing it twice (requests behind it may go first).
+- **Drafts.**  With a :class:`~sfnode.engines.drafts.Speculation`, a decoding lane's row carries
+  the tokens that followed the last earlier occurrence of the n-gram its tokens end with
+  (prompt lookup, docs/engine.md section 3.1), as many as its
+  :class:`~sfnode.engines.drafts.DraftLength` allows and never more than its ``max_new`` and
+  token limit leave room for, and ending before any EOS id; the runner answers the tokens the
+  sampler drew at the positions the accepted ones opened, and they are emitted in order like
+  any other.
 - **Ends.**  A lane ends on an EOS id (the id is its last token), at ``max_new`` tokens or its
   token limit, when cancelled, when its wall deadline passes (checked between steps), or when the
   step it was in failed.
@@ -43,6 +50,7 @@ from typing import Any, NamedTuple
 
 from sfnode.constraint import LaneStage
 from sfnode.draws import draw_position
+from sfnode.engines.drafts import DraftLength, PromptLookup, Speculation
 from sfnode.engines.plan import BlockCopy, ChunkRow, DecodeRow, StepOutput, StepPlan
 from sfnode.engines.prefix_cache import BlockKey, PrefixCache, block_keys
 from sfnode.generation import KV_BLOCK_TOKENS, EngineStop, TokenLogprob
@@ -89,6 +97,9 @@ class Lane:
     """Leading full blocks that are in the prefix cache (copied there or from there)."""
     pending: list[BlockKey] = field(default_factory=list)
     """Keys of prompt blocks this lane will compute that others may wait for."""
+    lookup: PromptLookup | None = None
+    """The n-gram index its drafts come from (built when it first decodes with speculation)."""
+    draft_length: DraftLength | None = None
 
     @property
     def prefilling(self) -> bool:
@@ -122,6 +133,14 @@ class SchedulerCounts:
     decoded: int = 0
     prefilled: int = 0
     steps: int = 0
+    decode_rows: int = 0
+    """Decode rows computed (one per decoding lane per step, however long its draft)."""
+    decode_tokens: int = 0
+    """Tokens those rows gave (more than one a row when drafts were accepted)."""
+    drafted: int = 0
+    """Draft tokens verified (docs/engine.md section 3.1)."""
+    accepted: int = 0
+    """Draft tokens the sampler drew as drafted."""
 
 
 class Scheduler:
@@ -137,6 +156,7 @@ class Scheduler:
         prefix: PrefixCache | None = None,
         salt: bytes = b"",
         interactive_lanes: int = 1,
+        speculation: Speculation | None = None,
     ) -> None:
         if lanes < 1:
             raise ValueError("lanes must be at least 1")
@@ -147,6 +167,7 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.step_tokens = step_tokens
         self.prefix = prefix
+        self.speculation = speculation
         self._salt = salt
         self.batch_lanes = max(1, lanes - max(0, interactive_lanes))
         """The most lanes batch requests hold at once."""
@@ -207,6 +228,7 @@ class Scheduler:
                     lane.request.params.seed, len(lane.request.context), len(lane.generated)
                 ),
                 stage=lane.request.stage,
+                draft=self._draft(lane),
             )
             for lane in sorted(self._order, key=lambda lane: lane.slot)
             if not lane.prefilling
@@ -239,6 +261,32 @@ class Scheduler:
         if plan.decode or plan.chunks:
             self.counts.steps += 1
         return plan, ended
+
+    def _draft(self, lane: Lane) -> tuple[int, ...]:
+        """The tokens guessed to follow the lane's next one (none without speculation)."""
+        speculation = self.speculation
+        if speculation is None:
+            return ()
+        request = lane.request
+        # Room for the draft and the token after it, within max_new and the token limit.
+        room = min(request.max_new - len(lane.generated), request.token_limit - lane.tokens) - 1
+        if room < 1:
+            return ()
+        if lane.lookup is None:
+            lane.lookup = PromptLookup(
+                request.context + tuple(lane.generated),
+                ngram_min=speculation.ngram_min,
+                ngram_max=speculation.ngram_max,
+            )
+            lane.draft_length = DraftLength(speculation.draft_tokens)
+        assert lane.draft_length is not None
+        limit = min(room, lane.draft_length.budget())
+        draft = lane.lookup.draft(limit) if limit > 0 else ()
+        # A draft stops before an EOS id: no row is ever sampled after a lane's end.
+        for index, token in enumerate(draft):
+            if token in request.eos_ids:
+                return draft[:index]
+        return draft
 
     def _reap(self, now: float) -> list[Ended]:
         ended: list[Ended] = []
@@ -378,10 +426,28 @@ class Scheduler:
         ended: list[Ended] = []
         decode_logprobs = output.decode_logprobs or (None,) * len(plan.decode)
         chunk_logprobs = output.chunk_logprobs or (None,) * len(plan.chunks)
-        for row, token, logprob in zip(plan.decode, output.decode, decode_logprobs, strict=True):
+        drafted = output.drafted or ((),) * len(plan.decode)
+        drafted_logprobs = output.drafted_logprobs or ((),) * len(plan.decode)
+        for row, token, logprob, more, more_logprobs in zip(
+            plan.decode, output.decode, decode_logprobs, drafted, drafted_logprobs, strict=True
+        ):
+            if len(more) > len(row.draft):
+                raise ValueError("the runner accepted more tokens than the row drafted")
             lane = self.running[row.slot]
-            lane.computed += 1
-            self._emit(lane, token, logprob, emitted, ended)
+            self.counts.decode_rows += 1
+            self.counts.drafted += len(row.draft)
+            if lane.draft_length is not None:
+                lane.draft_length.verified(len(row.draft), len(more))
+            logprobs = more_logprobs or (None,) * len(more)
+            for index, (new, new_logprob) in enumerate(
+                zip((token, *more), (logprob, *logprobs), strict=True)
+            ):
+                # Each token's row fed the one before it: its KV is now in the slot.
+                lane.computed += 1
+                self.counts.decode_tokens += 1
+                self.counts.accepted += 1 if index else 0
+                if self._emit(lane, new, new_logprob, emitted, ended):
+                    break
         for chunk, first, logprob in zip(plan.chunks, output.chunks, chunk_logprobs, strict=True):
             lane = self.running[chunk.slot]
             lane.computed = chunk.start + len(chunk.tokens)
@@ -399,9 +465,12 @@ class Scheduler:
         logprob: TokenLogprob | None,
         emitted: list[Emitted],
         ended: list[Ended],
-    ) -> None:
+    ) -> bool:
+        """Give the lane its next token; True when that ended it."""
         request = lane.request
         lane.generated.append(token)
+        if lane.lookup is not None:
+            lane.lookup.extend((token,))
         self.counts.decoded += 1
         emitted.append(Emitted(request, token, logprob))
         stop = None
@@ -409,9 +478,11 @@ class Scheduler:
             stop = EngineStop.EOS
         elif len(lane.generated) >= request.max_new or lane.tokens >= request.token_limit:
             stop = EngineStop.LENGTH
-        if stop is not None:
-            ended.append(Ended(request, stop))
-            self._retire(lane)
+        if stop is None:
+            return False
+        ended.append(Ended(request, stop))
+        self._retire(lane)
+        return True
 
     def fail(self, plan: StepPlan, error: BaseException) -> list[Ended]:
         """A step failed: every lane it computed for fails; blocks it was saving are forgotten."""

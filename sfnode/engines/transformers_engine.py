@@ -14,6 +14,11 @@ The engine is split the way vLLM and TGI split theirs (docs/engine.md section 3)
 
 Cancelling, deadlines and statistics are therefore plain reactor-side bookkeeping with no locks.
 
+Speculative decoding (``speculative="ngram"``, docs/engine.md section 3.1): the scheduler drafts
+each decoding lane's next tokens from its own context, the Llama runner verifies them in the same
+pass, and the sampler's own rule keeps those it would have drawn; the model-forward runner does
+not speculate.
+
 Constraints (docs/engine.md section 2.4): with the model's tokenizer the engine builds a
 :class:`~sfnode.constraint.Vocabulary`; a constrained request's
 :class:`~sfnode.constraint.LaneStage` is prepared (its grammar compiled, delivered tokens
@@ -40,7 +45,8 @@ from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 
 from sfnode.constraint import ConstraintError, LaneStage, Vocabulary
-from sfnode.engines import WEIGHT_MODES, openmp
+from sfnode.engines import DEFAULT_DRAFT_TOKENS, SPECULATIVE_MODES, WEIGHT_MODES, openmp
+from sfnode.engines.drafts import Speculation
 from sfnode.engines.forward_runner import ModelForwardRunner
 from sfnode.engines.hidden import decode_hidden, encode_hidden
 from sfnode.engines.llama_runner import LlamaRunner, llama_unsupported
@@ -48,7 +54,14 @@ from sfnode.engines.llama_weights import WeightsError, gather_weights
 from sfnode.engines.masks import MaskWorker
 from sfnode.engines.plan import StepOutput, StepPlan
 from sfnode.engines.prefix_cache import PrefixCache, PrefixCacheStats
-from sfnode.engines.scheduler import Emitted, Ended, Request, Scheduler, blocks_for
+from sfnode.engines.scheduler import (
+    Emitted,
+    Ended,
+    Request,
+    Scheduler,
+    SchedulerCounts,
+    blocks_for,
+)
 from sfnode.generation import (
     KV_BLOCK_TOKENS,
     Engine,
@@ -61,6 +74,7 @@ from sfnode.generation import (
     StageForwardError,
     StageResult,
     StreamTooLong,
+    TokenBatch,
     TokenLogprob,
     TokenSink,
 )
@@ -165,10 +179,8 @@ class _Generation:
             return
         self._delivered.extend(tokens)
         try:
-            if logprobs is None:
-                self._on_tokens(tokens)
-            else:
-                self._on_tokens(tokens, logprobs)
+            batch = TokenBatch(tuple(tokens), None if logprobs is None else tuple(logprobs))
+            self._on_tokens(batch)
         except Exception:
             log.failure("on_tokens raised; cancelling the generation")
             self.cancel()
@@ -215,6 +227,8 @@ class TransformersEngine:
         kernels: str = "auto",
         fused_step: bool = True,
         tokenizer: Any = None,
+        speculative: str = "off",
+        draft_tokens: int = DEFAULT_DRAFT_TOKENS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``weights`` is a mode of :data:`~sfnode.engines.llama_weights.WEIGHT_MODES` (``gguf``
@@ -229,10 +243,18 @@ class TransformersEngine:
         5.1); ``fused_step`` False runs every layer as separate torch operators even where the
         native fused calls could (docs/engine.md section 5.2).  ``tokenizer`` (the model's
         transformers fast tokenizer) lets it honour constraints (docs/engine.md section 2.4);
-        without one, ``supports_constraints`` is false.
+        without one, ``supports_constraints`` is false.  ``speculative`` ``ngram`` drafts up to
+        ``draft_tokens`` tokens a lane per step by prompt lookup and verifies them in the step
+        (docs/engine.md section 3.1; the Llama runner only).
         """
         if max_lanes < 1:
             raise ValueError("max_lanes must be at least 1")
+        if speculative not in SPECULATIVE_MODES:
+            raise ValueError(
+                f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, not {speculative!r}"
+            )
+        if draft_tokens < 1:
+            raise ValueError("draft_tokens must be at least 1")
         if weights not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, not {weights!r}")
         self._reactor = reactor
@@ -343,6 +365,25 @@ class TransformersEngine:
                 why=unsupported,
                 layers=self.onednn_layers,
             )
+        speculation = None
+        if speculative == "ngram":
+            if isinstance(self._runner, LlamaRunner):
+                speculation = Speculation(draft_tokens=draft_tokens)
+                log.info(
+                    "speculative decoding: up to {k} tokens a lane per step, drafted from "
+                    "{low}- to {high}-grams of its own context",
+                    k=draft_tokens,
+                    low=speculation.ngram_min,
+                    high=speculation.ngram_max,
+                )
+            else:
+                log.warn(
+                    "speculative decoding is off: the model's own forward does not verify drafts "
+                    "({why})",
+                    why=unsupported,
+                )
+        self.speculation = speculation
+        """How the scheduler drafts, or None (docs/engine.md section 3.1)."""
         self.prefix_cache = PrefixCache(pool_blocks) if pool_blocks else None
         salt = f"{self.weights_mode}|{self._activations}|{self._n_layers}".encode()
         self._scheduler = Scheduler(
@@ -353,6 +394,7 @@ class TransformersEngine:
             prefix=self.prefix_cache,
             salt=salt,
             interactive_lanes=interactive_lanes,
+            speculation=speculation,
         )
         self._pool = ThreadPool(minthreads=1, maxthreads=1, name="sfnode-engine")
         self._grammar_pool = ThreadPool(minthreads=0, maxthreads=1, name="sfnode-grammar")
@@ -434,6 +476,11 @@ class TransformersEngine:
     def steps(self) -> int:
         """Forward passes run so far (decode and prompt rows together count once)."""
         return self._scheduler.counts.steps
+
+    def step_counts(self) -> SchedulerCounts:
+        """The scheduler's cumulative figures: steps, decode rows and the tokens they gave,
+        draft tokens verified and accepted (docs/engine.md section 3.1)."""
+        return self._scheduler.counts
 
     def prefix_statistics(self) -> PrefixCacheStats | None:
         """The prefix cache's figures, or None without one."""
