@@ -8,8 +8,9 @@ per batch size: the whole step, then the step with the layers' matrix products r
 ready-made zeros, then also without the output head and sampling, without attention, without
 the norms, and without the rotary embedding.  The differences are what each part costs; what is
 left at the end is the rest (KV writes, residual adds, the MLP's gate, Python).  When the runner
-fuses each layer's work with sfnode's kernels (docs/engine.md section 5.2), the products, norms,
-rotary embedding, gate and residual adds are one part (the fused layer calls), taken out first.
+runs the whole step in sfnode's native code (docs/engine.md section 5.2), the products, norms,
+rotary embedding, attention, gate and residual adds are one part (the native layers call), and
+the output head another.  A prompt chunk's step (``--chunk`` tokens) is timed first.
 ``--kernels`` and ``--eager-step`` choose the kernels as ``twistd sfnode`` does.
 
     PYTHONPATH=. python bench/step.py                  # the bundled SmolLM2, --weights auto
@@ -47,7 +48,10 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=100, help="context length of each lane")
     parser.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
     parser.add_argument("--kernels", default="auto", help="auto, torch or native")
-    parser.add_argument("--eager-step", action="store_true", help="no fused layer calls")
+    parser.add_argument("--eager-step", action="store_true", help="no native step")
+    parser.add_argument(
+        "--chunk", type=int, default=16, help="prompt tokens of the prompt-chunk step (0: none)"
+    )
     options = parser.parse_args()
 
     import torch
@@ -86,7 +90,7 @@ def main() -> None:
         for b in batches
     }
     family = weights.family.family if weights.family is not None else "torch"
-    fused = "fused layer calls" if runner.fused is not None else "layers as torch operators"
+    fused = "native step" if runner.fused is not None else "layers as torch operators"
     print(
         f"{loaded.name}, weights {weights.mode} ({weights.describe()}, {family} kernels, "
         f"{fused}), {length} positions a lane, one thread, CPU ms per step (median of 31)"
@@ -96,21 +100,41 @@ def main() -> None:
     def measure(label: str) -> None:
         rows.append((label, {b: median_ms(lambda p=p: runner.run(p)) for b, p in plans.items()}))
 
+    if options.chunk:
+        # A prompt chunk into a spare slot (what a first token waits for), whole.
+        chunk_runner = LlamaRunner.for_model(
+            loaded.model, weights, slots=1, window=4096, fused=not options.eager_step
+        )
+        chunk = StepPlan(
+            chunks=(ChunkRow(0, 0, tuple(range(1, options.chunk + 1)), True, greedy, 0),)
+        )
+        print(
+            f"a prompt chunk of {options.chunk} tokens (first token): "
+            f"{median_ms(lambda: chunk_runner.run(chunk), 11):.2f} CPU ms (median of 11)"
+        )
     measure("whole step")
     zeros: dict[tuple[int, int], torch.Tensor] = {}
     if runner.fused is not None:
-        width = weights.layers[0].qkv.out_features
-        fused_layers = runner.fused
+        # The native step: the layers (one call) and the head (one call); the rest is the
+        # sampler and Python.
+        native_step = runner.fused
+        vocab = weights.vocab_size
+        hidden_zeros: dict[int, torch.Tensor] = {}
 
-        def no_pre(index: int, hidden: torch.Tensor, *args: Any) -> torch.Tensor:
-            key = (hidden.shape[0], width)
-            if key not in zeros:
-                zeros[key] = torch.zeros(key, dtype=hidden.dtype)
-            return zeros[key]
+        def no_forward(kv: Any, positions: Any, slots: Any, **kw: Any) -> torch.Tensor:
+            n = len(positions)
+            if n not in hidden_zeros:
+                hidden_zeros[n] = torch.zeros((n, weights.hidden))
+            return hidden_zeros[n]
 
-        fused_layers.pre = no_pre  # type: ignore[method-assign]
-        fused_layers.post = lambda index, hidden, attended: None  # type: ignore[method-assign]
-        measure("- fused layer calls (products, norms, rotary, gate, residuals)")
+        native_step.forward = no_forward  # type: ignore[method-assign]
+        measure("- native layers (products, norms, rotary, attention, KV writes, gate)")
+        native_step.logits = (  # type: ignore[method-assign]
+            lambda hidden, masks=None, refined=0: torch.zeros(hidden.shape[0], vocab)
+        )
+        measure("- native head (norm, product, refined logits; what is left: sampling, Python)")
+        report(batches, rows)
+        return
 
     def no_product(self: Any, x: torch.Tensor, *, dense: bool = False) -> torch.Tensor:
         key = (x.shape[0], self.out_features)
@@ -133,6 +157,10 @@ def main() -> None:
     measure("- rotary embedding (what is left: the rest)")
     del F
 
+    report(batches, rows)
+
+
+def report(batches: list[int], rows: list[tuple[str, dict[int, float]]]) -> None:
     print("| step | " + " | ".join(f"batch {b}" for b in batches) + " |")
     print("|---|" + "---|" * len(batches))
     previous: dict[int, float] | None = None

@@ -157,7 +157,7 @@ class Options(usage.Options):
             "eager-step",
             None,
             "transformers: run each layer as separate torch operators, never through the "
-            "native fused layer calls (for comparison; docs/engine.md section 5.2).",
+            "native step (for comparison; docs/engine.md section 5.2).",
         ],
         [
             "metrics-insecure",

@@ -289,7 +289,7 @@ def greedy_run(runner: LlamaRunner, prompt: list[int], new: int) -> tuple[list[i
 
 
 class FusedStepTests(unittest.SynchronousTestCase):
-    """The fused layer calls compute what the per-operator layer computes (docs/engine.md
+    """The native step computes what the per-operator layers compute (docs/engine.md
     section 5.2), in every mode that has them (int4, int8 and float32 with the native
     kernels)."""
 
@@ -303,9 +303,11 @@ class FusedStepTests(unittest.SynchronousTestCase):
         )
 
     def test_fused_equals_eager_per_mode(self) -> None:
-        """For int4, int8 and float32, the fused runner gives the greedy tokens of the per-operator
-        runner on the same weights, and logits within 0.1% of its own (the norms and the SiLU
-        gate are computed in another order, and the products round activations to 16 bits)."""
+        """For int4, int8 and float32, the native step gives the greedy tokens of the
+        per-operator runner on the same weights, and each position's best logits within 0.1% of
+        its own (the norms, attention and the SiLU gate are computed in another order, and the
+        products round activations to 16 bits; the best logits are the ones both compute again
+        in float32, while a logit near the 128th may be refined by one and not the other)."""
         rng = random.Random(5)
         for mode in ("int4", "int8", "float32"):
             weights = self.weights(mode)
@@ -318,8 +320,43 @@ class FusedStepTests(unittest.SynchronousTestCase):
                 a_tokens, a_logits = greedy_run(fused, prompt, 12)
                 b_tokens, b_logits = greedy_run(eager, prompt, 12)
                 self.assertEqual(a_tokens, b_tokens, (mode, n))
-                error = float((a_logits - b_logits).abs().max() / b_logits.abs().max())
+                best = b_logits.topk(16, dim=1).indices
+                a_best, b_best = a_logits.gather(1, best), b_logits.gather(1, best)
+                error = float((a_best - b_best).abs().max() / b_best.abs().max())
                 self.assertLess(error, 1e-3, mode)
+
+    def test_keys_and_values_do_not_depend_on_chunking_or_neighbours(self) -> None:
+        """In int4 and int8 the native step writes bit-identical keys and values for a prompt
+        computed in one chunk in slot 0 and in chunks of 7 in slot 1 beside another lane's
+        decode rows, and the next decode step gives both lanes bit-identical logits
+        (docs/engine.md section 5.2: a prefix-cache hit continues the same stream)."""
+        rng = random.Random(8)
+        for mode in ("int4", "int8"):
+            weights = self.weights(mode)
+            runner = LlamaRunner.for_model(self.model, weights, slots=3, window=256)
+            self.assertIsNotNone(runner.fused, runner.fused_reason)
+            params = GenParams()
+            prompt = tuple(rng.randrange(3, TINY_VOCAB) for _ in range(40))
+            other = tuple(rng.randrange(3, TINY_VOCAB) for _ in range(5))
+            runner.run(StepPlan(chunks=(ChunkRow(0, 0, prompt, True, params, 0),)))
+            runner.run(StepPlan(chunks=(ChunkRow(2, 0, other, True, params, 0),)))
+            for start in range(0, len(prompt), 7):
+                piece = prompt[start : start + 7]
+                last = start + 7 >= len(prompt)
+                neighbour = DecodeRow(2, 11, len(other) + start // 7, params, 0)
+                runner.run(
+                    StepPlan(
+                        decode=(neighbour,),
+                        chunks=(ChunkRow(1, start, piece, last, params, 0),),
+                    )
+                )
+            n = len(prompt)
+            for layer in range(len(runner.kv.keys)):
+                for table in (runner.kv.keys[layer], runner.kv.values[layer]):
+                    self.assertTrue(torch.equal(table[0, :, :n], table[1, :, :n]), (mode, layer))
+            hidden = runner.fused.forward(runner.kv, [n, n], [0, 1], tokens=[7, 7])
+            logits = runner.fused.logits(hidden, None, 128)
+            self.assertTrue(torch.equal(logits[0], logits[1]), mode)
 
     def test_float32_native_greedy_equals_generate(self) -> None:
         """--weights float32 with sfnode's kernels, fused step: greedy tokens equal

@@ -235,7 +235,7 @@ def choose(
     """
     wanted = sorted({p.value for _, p in samples.values()})
     all_float32 = wanted == [Precision.FLOAT32.value]
-    key = f"{cpu.key()}|{','.join(wanted)}|{'fused' if native_fused else 'eager'}"
+    key = f"{cpu.key()}|{','.join(wanted)}|{'native-step' if native_fused else 'eager'}"
     library: native.Library | None = None
     unavailable = ""
     loaded = native.load(library_dir, cpu.flags)

@@ -44,7 +44,7 @@ import torch.nn.functional as F  # noqa: N812
 from sfnode.engines.kv import BlockPool, SlotKV
 from sfnode.engines.llama_weights import LlamaWeights
 from sfnode.engines.masks import MaskWorker
-from sfnode.engines.native import FusedLayers, fusable
+from sfnode.engines.native import NativeStep, fusable
 from sfnode.engines.plan import ChunkRow, DecodeRow, StepOutput, StepPlan
 from sfnode.engines.quant import Float32Linear, Linear, Projection
 from sfnode.generation import StageForwardError, StageResult, TokenLogprob
@@ -388,8 +388,8 @@ class LlamaRunner:
         fused: bool = True,
         masks: MaskWorker | None = None,
     ) -> None:
-        """``fused`` runs each layer's work outside attention through the native library's
-        fused calls (:class:`~sfnode.engines.native.FusedLayers`) where the weights allow it;
+        """``fused`` runs the whole step through the native library
+        (:class:`~sfnode.engines.native.NativeStep`) where the weights allow it;
         :attr:`fused_reason` says why not otherwise."""
         self.weights = weights
         self.device = device
@@ -423,13 +423,13 @@ class LlamaRunner:
         sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(device)
         self._sin = (emb.sin() * attention_scaling * sign).to(w.activations)
         """sin with the sign of rotate_half folded in (see :func:`_rotate`)."""
-        self.fused: FusedLayers | None = None
+        self.fused: NativeStep | None = None
         library = w.family.library if w.family is not None else None
         self.fused_reason = "turned off" if not fused else fusable(w)
         if self.fused_reason is None and library is None:
             self.fused_reason = "the native kernels are not in use"
         if self.fused_reason is None and library is not None:
-            self.fused = FusedLayers(w, library)
+            self.fused = NativeStep(w, library, self._cos, self._sin)
 
     @classmethod
     def for_model(
@@ -492,13 +492,24 @@ class LlamaRunner:
             # The constrained rows' masks are computed while the forward pass runs.
             pending = self.masks.start(stages, prefixes) if self.masks is not None else None
             try:
-                hidden = self._forward(ids, positions, attention)
+                if self.fused is not None:
+                    slots = [slot for slot, _ in decode]
+                    for chunk in plan.chunks:
+                        slots.extend([chunk.slot] * len(chunk.tokens))
+                    hidden = self.fused.forward(self.kv, positions, slots, tokens=ids)
+                else:
+                    hidden = self._forward(ids, positions, attention)
             finally:
                 masks = pending.wait() if pending is not None else None
             if not wanted:
                 return StepOutput(chunks=tuple(None for _ in plan.chunks))
             allowed = None if masks is None else allowed_rows(masks, self.weights.vocab_size)
-            logits = self._logits(hidden, wanted, allowed)
+            if self.fused is not None:
+                if len(wanted) != hidden.shape[0]:
+                    hidden = hidden[torch.tensor(wanted, dtype=torch.long)]
+                logits = self.fused.logits(hidden, masks, REFINED)
+            else:
+                logits = self._logits(hidden, wanted, allowed)
             return _sample(plan, logits, allowed)
 
     def _logits(
@@ -519,6 +530,8 @@ class LlamaRunner:
         w = self.weights
         if len(rows) != hidden.shape[0]:
             hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        if self.fused is not None:
+            return self.fused.logits(hidden, None, REFINED)
         normed = F.rms_norm(hidden, (self._hidden,), w.final_norm, w.eps)
         logits = _multiply(w.lm_head, normed).to(torch.float32)
         if allowed is not None:
@@ -582,19 +595,6 @@ class LlamaRunner:
         layer = w.layers[index]
         rows = hidden.shape[0]
         heads, kv_heads, head_dim = self._heads, self._kv_heads, self._head_dim
-        if self.fused is not None:
-            qkv = self.fused.pre(index, hidden, self._cos, self._sin, positions)
-            query = qkv[:, : heads * head_dim].view(rows, heads, head_dim)
-            key = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(
-                rows, kv_heads, head_dim
-            )
-            value = qkv[:, (heads + kv_heads) * head_dim :].view(rows, kv_heads, head_dim)
-            if attention is None:
-                attended = self._sequence_attention(query, key, value)
-            else:
-                attended = self._attend(index, query, key, value, attention)
-            self.fused.post(index, hidden, attended)
-            return hidden
         x = F.rms_norm(hidden, (self._hidden,), layer.input_norm, w.eps)
         qkv = _project(layer.qkv, x, groups)
         qk = qkv[:, : (heads + kv_heads) * head_dim].view(rows, heads + kv_heads, head_dim)
@@ -704,6 +704,12 @@ class LlamaRunner:
         without touching the KV slots (for measuring a weights mode, e.g. its perplexity)."""
         w = self.weights
         n = len(tokens)
+        if self.fused is not None:
+            with torch.inference_mode():
+                hidden = self.fused.forward(
+                    self._scratch_kv(n), range(n), [0] * n, tokens=list(tokens)
+                )
+                return self._logits(hidden, range(n))
         with torch.inference_mode():
             hidden = w.embed[torch.tensor(list(tokens), dtype=torch.long, device=self.device)]
             cos = self._cos[:n].unsqueeze(1)
@@ -740,6 +746,22 @@ class LlamaRunner:
             return "the logits of the next token differ"
         return None
 
+    def _scratch_kv(self, positions: int) -> SlotKV:
+        """One KV slot of ``positions`` positions, apart from the lanes' (a pipeline stage or a
+        whole sequence computed without touching them), in float32 as the per-operator layers
+        attend a sequence."""
+        kv = SlotKV(
+            layers=len(self.weights.layers),
+            slots=1,
+            kv_heads=self._kv_heads,
+            head_dim=self._head_dim,
+            window=positions,
+            dtype=torch.float32,
+            device=self.device,
+        )
+        kv.ensure(positions)
+        return kv
+
     # -- pipeline stages --------------------------------------------------------------------------
 
     def stage(
@@ -766,6 +788,14 @@ class LlamaRunner:
             n = hidden.shape[0]
             if n > self.window:
                 raise StageForwardError(f"{n} tokens exceed the window of {self.window}")
+            if self.fused is not None:
+                hidden = self.fused.forward(
+                    self._scratch_kv(n), range(n), [0] * n, hidden=hidden, first=start, end=end
+                )
+                if end < layers:
+                    return StageResult(hidden=encode_hidden(hidden))
+                logits = self._logits(hidden, [n - 1])[0]
+                return StageResult(token=int(torch.argmax(logits).item()))
             cos = self._cos[:n].unsqueeze(1)
             sin = self._sin[:n].unsqueeze(1)
             threshold = w.dense_rows

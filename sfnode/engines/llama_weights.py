@@ -366,10 +366,10 @@ def gather_weights(
     }
     if family.family == "native":
         # Another file for another layout, so that older code keeps reading its own.
-        signature["family"] = "native"
+        signature["family"] = "native-tiles2"
         signature["usable"] = "native"
         if cache_file is not None:
-            cache_file = cache_file.with_name(f"{cache_file.stem}-float32{cache_file.suffix}")
+            cache_file = cache_file.with_name(f"{cache_file.stem}-tiles2{cache_file.suffix}")
     cached = _load_cache(cache_file, signature, family.library) if gguf is not None else None
     if cached is not None and cached[0] == wanted:
         # Packed from this very file (the cache folder is named by its content) after the
@@ -681,7 +681,11 @@ def _load_cache(
         state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
         if library is not None and precision is Precision.INT4:
             linears[name] = native.Q4Linear(
-                state["blocks"], int(state["in_features"].item()), library
+                None,
+                int(state["in_features"].item()),
+                library,
+                tiles=state["tiles"],
+                out_features=int(state["out_features"].item()),
             )
         elif library is not None and precision is Precision.INT8:
             linears[name] = native.Q8Linear(state["weight"], state["scales"], library)

@@ -1,18 +1,19 @@
-"""sfnode's own AVX2 kernel for 4-bit weights with float32 activations, built at start with the
-machine's C compiler and kept in a cache folder.
+"""sfnode's own AVX2 kernels and decode step for float32 activations, built at start with the
+machine's C compiler and kept in a cache folder (docs/engine.md sections 5.1 and 5.2).
 
 Why: on a CPU without AVX512-BF16 (most cloud VMs, many desktops; AVX2-only AMD EPYC machines
-among them) bfloat16 arithmetic is emulated, so torch's int4 kernel, which wants bfloat16
-activations, spends its time converting; with float32 activations it takes a path tens of times
-slower still (docs/engine.md section 7).  This kernel does what llama.cpp does on such CPUs: each
-activation row is quantized to int8 in blocks of 32 (one scale per block, the row alone decides
-it), and each block of 32 4-bit weights (a GGUF Q4_1 block exactly: float16 scale ``d``, float16
-minimum ``m``, 16 bytes of nibbles; ``w = d*q + m``) is multiplied with integer instructions
-(``vpmaddubsw``), its sum scaled by ``d`` times the activation block's scale, plus ``m`` times the
-activation block's sum.  A row's result depends on that row only, in the same order of operations
-whatever else is in the call, so it is batch-invariant.  The output rows are split between the
-OpenMP threads of the runtime torch itself uses (the library links the ``libgomp.so.1`` torch has
-already loaded, so no second thread team appears; docs/engine.md section 6).
+among them) bfloat16 arithmetic is emulated, so torch's quantized kernels, which want bfloat16
+activations, spend their time converting; and a decode step of eager torch operators spends as
+much time dispatching its few hundred small operators as multiplying.  The C source
+(``native.c`` beside this module) has products for 4-bit weights (GGUF Q4_1 blocks, laid out in
+tiles of 8 output rows), int8 and float32 weights, each activation row quantized by itself to
+int16 per block of 32 for the integer kernels; and the whole decode step of a Llama-family model
+(every layer, attention over the KV slots included, then the output head and its best logits
+computed again in float32) in two calls.  Every row is computed by itself in the same order of
+operations whatever else is in the call, so the results are batch-invariant, and a position's
+keys and values do not depend on how its prompt was cut into steps.  The work is split between
+the OpenMP threads of the runtime torch itself uses (the library links the ``libgomp.so.1``
+torch has already loaded, so no second thread team appears; docs/engine.md section 6).
 
 The library is compiled once per (source, compiler, flags) into ``cache_dir`` (atomically, so two
 processes may race) and loaded with ctypes.  :func:`load` answers the library or the reason it
@@ -34,6 +35,7 @@ import subprocess
 import sysconfig
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,372 +54,8 @@ BLOCK_BYTES = 20
 
 COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 
-SOURCE = r"""
-#include <immintrin.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <math.h>
-
-#define QK 32
-#define BLOCK_BYTES 20
-#define MAX_BLOCKS 1024
-#define QMAX 32767.0f
-
-/* One activation row in int16 per block of 32: q = round(x / d), d = amax / 32767; s = d * sum(q),
-   what the weights' block minimum multiplies.  Depends on the row alone. */
-static void quantize_row(const float *x, int K, int16_t *qx, float *d, float *s) {
-    const int nb = K / QK;
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int b = 0; b < nb; b++) {
-        const float *v = x + b * QK;
-        __m256 amax = _mm256_setzero_ps();
-        for (int j = 0; j < QK; j += 8)
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)));
-        __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const float mx = _mm_cvtss_f32(m4);
-        const float id = mx > 0.0f ? QMAX / mx : 0.0f;
-        const __m256 mul = _mm256_set1_ps(id);
-        __m256i r[4];
-        for (int j = 0; j < 4; j++)
-            r[j] = _mm256_cvtps_epi32(
-                _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * j), mul),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        const __m256i sum4 = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]),
-                                              _mm256_add_epi32(r[2], r[3]));
-        __m128i s2 = _mm_add_epi32(_mm256_extracti128_si256(sum4, 1),
-                                   _mm256_castsi256_si128(sum4));
-        s2 = _mm_hadd_epi32(s2, s2);
-        s2 = _mm_hadd_epi32(s2, s2);
-        /* packs interleave 128-bit lanes; put the values back in order */
-        const __m256i p01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(r[0], r[1]), 0xD8);
-        const __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(r[2], r[3]), 0xD8);
-        _mm256_storeu_si256((__m256i *)(qx + b * QK), p01);
-        _mm256_storeu_si256((__m256i *)(qx + b * QK + 16), p23);
-        d[b] = mx / QMAX;
-        s[b] = d[b] * (float)_mm_cvtsi128_si32(s2);
-    }
-}
-
-static inline float hsum(__m256 v) {
-    __m128 r = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
-    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-    r = _mm_add_ss(r, _mm_movehdup_ps(r));
-    return _mm_cvtss_f32(r);
-}
-
-typedef struct { int16_t *q; float *d; float *s; } rows_t;
-
-static int quantize_rows(const float *x, int M, int K, rows_t *out) {
-    const int nb = K / QK;
-    out->q = (int16_t *)malloc(sizeof(int16_t) * ((size_t)M * K + 32));
-    out->d = (float *)malloc(sizeof(float) * ((size_t)M * nb + 1));
-    out->s = (float *)malloc(sizeof(float) * ((size_t)M * nb + 1));
-    if (!out->q || !out->d || !out->s) return 0;
-    for (int m = 0; m < M; m++)
-        quantize_row(x + (size_t)m * K, K, out->q + (size_t)m * K, out->d + m * nb,
-                     out->s + m * nb);
-    return 1;
-}
-
-static void free_rows(rows_t *r) { free(r->q); free(r->d); free(r->s); }
-
-/* R activation rows against one weight row given as 32 int16 weights a block (lo: 0..15,
-   hi: 16..31) and a scale a block; each row's sum is formed in the same order whatever R is,
-   so a row's result does not depend on the rows beside it. */
-#define DOT_BLOCK(LO, HI, SCALE)                                                        \
-    for (int r = 0; r < R; r++) {                                                       \
-        const int16_t *xq = qx + (size_t)r * K + b * QK;                                \
-        const __m256i x0 = _mm256_loadu_si256((const __m256i *)xq);                     \
-        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + 16));              \
-        const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(LO, x0),                   \
-                                           _mm256_madd_epi16(HI, x1));                  \
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps((SCALE) * dx[r * nb + b]),              \
-                                 _mm256_cvtepi32_ps(p), acc[r]);                        \
-    }
-
-static inline __attribute__((always_inline)) void q4_rows(
-    const int R, const uint8_t *w, int nb, const float *dw, const float *mw,
-    const int16_t *qx, const float *dx, const float *sx, int K, float *out, int stride) {
-    __m256 acc[4];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    const __m128i low = _mm_set1_epi8(0x0F);
-    for (int b = 0; b < nb; b++) {
-        const __m128i t = _mm_loadu_si128((const __m128i *)(w + b * BLOCK_BYTES + 4));
-        const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(t, low));
-        const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(t, 4), low));
-        DOT_BLOCK(lo, hi, dw[b])
-    }
-    for (int r = 0; r < R; r++) {
-        float summ = 0.0f;
-        for (int b = 0; b < nb; b++) summ += mw[b] * sx[r * nb + b];
-        out[(size_t)r * stride] = hsum(acc[r]) + summ;
-    }
-}
-
-static inline __attribute__((always_inline)) void q8_rows(
-    const int R, const int8_t *w, int nb, float scale, const int16_t *qx, const float *dx,
-    int K, float *out, int stride) {
-    __m256 acc[4];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + b * QK)));
-        const __m256i hi =
-            _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + b * QK + 16)));
-        DOT_BLOCK(lo, hi, 1.0f)
-    }
-    for (int r = 0; r < R; r++) out[(size_t)r * stride] = hsum(acc[r]) * scale;
-}
-
-#define TILES(CALL)                                                                      \
-    int m = 0;                                                                           \
-    for (; m + 4 <= M; m += 4) { const int R4 = 4; CALL(R4); }                           \
-    switch (M - m) {                                                                     \
-    case 3: CALL(3); break;                                                              \
-    case 2: CALL(2); break;                                                              \
-    case 1: CALL(1); break;                                                              \
-    default: break;                                                                      \
-    }
-
-/* y[M, N] = x[M, K] @ W^T for W as N rows of K/32 Q4_1 blocks (float16 d, float16 m, 16 bytes:
-   byte j holds weight j in its low nibble and weight j + 16 in its high one; w = d * q + m). */
-int sf_q4_1_linear(const float *x, int M, int K, const uint8_t *w, int N, float *y,
-                   int threads) {
-    if (K % QK || K / QK > MAX_BLOCKS) return 1;
-    const int nb = K / QK;
-    rows_t a;
-    if (!quantize_rows(x, M, K, &a)) { free_rows(&a); return 2; }
-    const size_t row_bytes = (size_t)nb * BLOCK_BYTES;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int n = 0; n < N; n++) {
-        const uint8_t *wr = w + n * row_bytes;
-        float dw[MAX_BLOCKS], mw[MAX_BLOCKS];
-        for (int b = 0; b < nb; b++) {
-            uint16_t h[2];
-            memcpy(h, wr + b * BLOCK_BYTES, 4);
-            dw[b] = _cvtsh_ss(h[0]);
-            mw[b] = _cvtsh_ss(h[1]);
-        }
-#define Q4_CALL(RR) q4_rows(RR, wr, nb, dw, mw, a.q + (size_t)m * K, a.d + m * nb,             \
-                            a.s + m * nb, K, y + (size_t)m * N + n, N)
-        TILES(Q4_CALL)
-    }
-    free_rows(&a);
-    return 0;
-}
-
-/* y[M, N] = x[M, K] @ W^T for W int8 [N, K] with one scale per row (w = scale * q). */
-int sf_q8_linear(const float *x, int M, int K, const int8_t *w, const float *scales, int N,
-                 float *y, int threads) {
-    if (K % QK || K / QK > MAX_BLOCKS) return 1;
-    const int nb = K / QK;
-    rows_t a;
-    if (!quantize_rows(x, M, K, &a)) { free_rows(&a); return 2; }
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int n = 0; n < N; n++) {
-        const int8_t *wr = w + (size_t)n * K;
-#define Q8_CALL(RR) q8_rows(RR, wr, nb, scales[n], a.q + (size_t)m * K, a.d + m * nb, K,        \
-                            y + (size_t)m * N + n, N)
-        TILES(Q8_CALL)
-    }
-    free_rows(&a);
-    return 0;
-}
-
-static inline __attribute__((always_inline)) void f32_rows(
-    const int R, const float *w, int K, const float *x, float *out, int stride) {
-    __m256 acc[4];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    int k = 0;
-    for (; k + 8 <= K; k += 8) {
-        const __m256 wv = _mm256_loadu_ps(w + k);
-        for (int r = 0; r < R; r++)
-            acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (size_t)r * K + k), acc[r]);
-    }
-    for (int r = 0; r < R; r++) {
-        float sum = hsum(acc[r]);
-        for (int j = k; j < K; j++) sum += w[j] * x[(size_t)r * K + j];
-        out[(size_t)r * stride] = sum;
-    }
-}
-
-/* Two weight rows at once (each activation load serves both); every sum is formed exactly as
-   f32_rows forms it. */
-static inline __attribute__((always_inline)) void f32_rows2(
-    const int R, const float *w, int K, const float *x, float *out, int stride) {
-    __m256 a0[4], a1[4];
-    for (int r = 0; r < R; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
-    const float *w1 = w + K;
-    int k = 0;
-    for (; k + 8 <= K; k += 8) {
-        const __m256 v0 = _mm256_loadu_ps(w + k), v1 = _mm256_loadu_ps(w1 + k);
-        for (int r = 0; r < R; r++) {
-            const __m256 xv = _mm256_loadu_ps(x + (size_t)r * K + k);
-            a0[r] = _mm256_fmadd_ps(v0, xv, a0[r]);
-            a1[r] = _mm256_fmadd_ps(v1, xv, a1[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        float s0 = hsum(a0[r]), s1 = hsum(a1[r]);
-        for (int j = k; j < K; j++) {
-            s0 += w[j] * x[(size_t)r * K + j];
-            s1 += w1[j] * x[(size_t)r * K + j];
-        }
-        out[(size_t)r * stride] = s0;
-        out[(size_t)r * stride + 1] = s1;
-    }
-}
-
-/* y[M, N] = x[M, K] @ W^T for float32 W [N, K]: each row's sums in the same order whatever M
-   is (8 lanes along K, then their sum, then the tail). */
-int sf_f32_linear(const float *x, int M, int K, const float *w, int N, float *y, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int pair = 0; pair < N / 2; pair++) {
-        const int n = 2 * pair;
-        const float *wr = w + (size_t)n * K;
-#define F32_CALL2(RR) f32_rows2(RR, wr, K, x + (size_t)m * K, y + (size_t)m * N + n, N)
-        TILES(F32_CALL2)
-    }
-    if (N % 2) {
-        const int n = N - 1;
-        const float *wr = w + (size_t)n * K;
-#define F32_CALL(RR) f32_rows(RR, wr, K, x + (size_t)m * K, y + (size_t)m * N + n, N)
-        TILES(F32_CALL)
-    }
-    return 0;
-}
-
-/* -- a decoder layer's per-token work around its products, fused (docs/engine.md section 5.2) -- */
-
-typedef struct {
-    int32_t kind; /* 0: Q4_1 blocks; 1: int8 rows with a float32 scale each; 2: float32 */
-    int32_t K, N;
-    const void *w;
-    const float *scales;
-} sf_matrix;
-
-typedef struct {
-    int32_t hidden, heads, kv_heads, head_dim, intermediate;
-    float eps;
-    const float *input_norm, *post_norm;
-    sf_matrix qkv, o, gate_up, down;
-} sf_layer;
-
-static int matmul(const sf_matrix *mat, const float *x, int M, float *y, int threads) {
-    if (mat->kind == 0) return sf_q4_1_linear(x, M, mat->K, (const uint8_t *)mat->w, mat->N, y,
-                                              threads);
-    if (mat->kind == 1) return sf_q8_linear(x, M, mat->K, (const int8_t *)mat->w, mat->scales,
-                                            mat->N, y, threads);
-    if (mat->kind == 2) return sf_f32_linear(x, M, mat->K, (const float *)mat->w, mat->N, y,
-                                             threads);
-    return 3;
-}
-
-/* out = x / sqrt(mean(x^2) + eps) * w, row by row */
-static void rmsnorm_rows(const float *x, int M, int H, const float *w, float eps, float *out) {
-    for (int m = 0; m < M; m++) {
-        const float *v = x + (size_t)m * H;
-        __m256 acc = _mm256_setzero_ps();
-        int i = 0;
-        for (; i + 8 <= H; i += 8) {
-            const __m256 t = _mm256_loadu_ps(v + i);
-            acc = _mm256_fmadd_ps(t, t, acc);
-        }
-        float sum = hsum(acc);
-        for (; i < H; i++) sum += v[i] * v[i];
-        const float scale = 1.0f / sqrtf(sum / (float)H + eps);
-        const __m256 sc = _mm256_set1_ps(scale);
-        float *o = out + (size_t)m * H;
-        for (i = 0; i + 8 <= H; i += 8)
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(v + i), sc),
-                                                  _mm256_loadu_ps(w + i)));
-        for (; i < H; i++) o[i] = v[i] * scale * w[i];
-    }
-}
-
-/* e^x for 8 floats (Cephes' polynomial; relative error about 2e-7) */
-static inline __m256 exp256(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-    __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
-    fx = _mm256_floor_ps(fx);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-/* qkv = rmsnorm(hidden) @ Wqkv^T, then queries and keys turned by the rotary embedding of each
-   row's position: v * cos + rotate_half(v) * sin, with rotate_half's sign folded into sin. */
-int sf_layer_pre(const sf_layer *L, const float *hidden, int M, const float *cos,
-                 const float *sin, const int64_t *positions, float *qkv, int threads) {
-    const int H = L->hidden, hd = L->head_dim, half = hd / 2;
-    const int turned = L->heads + L->kv_heads, width = L->qkv.N;
-    if (hd > 1024) return 1;
-    float *x = (float *)malloc(sizeof(float) * (size_t)M * H);
-    if (!x) return 2;
-    rmsnorm_rows(hidden, M, H, L->input_norm, L->eps, x);
-    const int status = matmul(&L->qkv, x, M, qkv, threads);
-    free(x);
-    if (status) return status;
-    for (int m = 0; m < M; m++) {
-        const float *c = cos + (size_t)positions[m] * hd;
-        const float *sn = sin + (size_t)positions[m] * hd;
-        for (int h = 0; h < turned; h++) {
-            float *v = qkv + (size_t)m * width + (size_t)h * hd;
-            float t[1024];
-            memcpy(t, v, sizeof(float) * hd);
-            for (int i = 0; i < hd; i++) v[i] = t[i] * c[i] + t[(i + half) % hd] * sn[i];
-        }
-    }
-    return 0;
-}
-
-/* hidden += attended @ Wo^T; then hidden += (silu(gate) * up) @ Wdown^T, where gate and up are
-   rmsnorm(hidden) @ Wgate_up^T's two halves.  In place on hidden. */
-int sf_layer_post(const sf_layer *L, float *hidden, const float *attended, int M, int threads) {
-    const int H = L->hidden, I = L->intermediate;
-    float *t = (float *)malloc(sizeof(float) * (size_t)M * H);
-    float *x = (float *)malloc(sizeof(float) * (size_t)M * H);
-    float *gu = (float *)malloc(sizeof(float) * (size_t)M * 2 * I);
-    float *g = (float *)malloc(sizeof(float) * (size_t)M * I);
-    int status = (!t || !x || !gu || !g) ? 2 : 0;
-    if (!status) status = matmul(&L->o, attended, M, t, threads);
-    if (!status) {
-        for (size_t i = 0; i < (size_t)M * H; i++) hidden[i] += t[i];
-        rmsnorm_rows(hidden, M, H, L->post_norm, L->eps, x);
-        status = matmul(&L->gate_up, x, M, gu, threads);
-    }
-    if (!status) {
-        for (int m = 0; m < M; m++) {
-            const float *gate = gu + (size_t)m * 2 * I, *up = gate + I;
-            float *o = g + (size_t)m * I;
-            int i = 0;
-            for (; i + 8 <= I; i += 8) {
-                const __m256 a = _mm256_loadu_ps(gate + i);
-                const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), a));
-                const __m256 silu = _mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-                _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
-            }
-            for (; i < I; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-        }
-        status = matmul(&L->down, g, M, t, threads);
-    }
-    if (!status)
-        for (size_t i = 0; i < (size_t)M * H; i++) hidden[i] += t[i];
-    free(t); free(x); free(gu); free(g);
-    return status;
-}
-"""
+SOURCE = (Path(__file__).parent / "native.c").read_text()
+"""The library's C source (``native.c`` beside this module)."""
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
@@ -495,21 +133,23 @@ def load(cache_dir: Path, flags: frozenset[str] | None = None) -> Library | str:
         if reason is not None:
             return reason
         built = time.monotonic() - started
+    pointer, integer = ctypes.c_void_p, ctypes.c_int
+    signatures = {
+        "sf_linear": [pointer, pointer, integer, pointer, integer],
+        "sf_forward": [pointer, pointer, integer, pointer, pointer, pointer, pointer]
+        + [integer] * 3,
+        "sf_logits": [pointer, integer, pointer, pointer, integer, integer, pointer, integer],
+        "sf_tile_q4": [pointer, integer, integer, pointer],
+        "sf_untile_q4": [pointer, integer, integer, pointer],
+    }
     try:
         handle = ctypes.CDLL(str(path))
-        q4, q8 = handle.sf_q4_1_linear, handle.sf_q8_linear
-        pre, post = handle.sf_layer_pre, handle.sf_layer_post
-        f32 = handle.sf_f32_linear
+        for name, argtypes in signatures.items():
+            function = getattr(handle, name)
+            function.argtypes = argtypes
+            function.restype = ctypes.c_int
     except (OSError, AttributeError) as e:
         return f"cannot load {path}: {e}"
-    pointer, integer = ctypes.c_void_p, ctypes.c_int
-    q4.argtypes = [pointer, integer, integer, pointer, integer, pointer, integer]
-    q8.argtypes = [pointer, integer, integer, pointer, pointer, integer, pointer, integer]
-    f32.argtypes = [pointer, integer, integer, pointer, integer, pointer, integer]
-    f32.restype = ctypes.c_int
-    pre.argtypes = [pointer, pointer, integer, pointer, pointer, pointer, pointer, integer]
-    post.argtypes = [pointer, pointer, pointer, integer, integer]
-    q4.restype = q8.restype = pre.restype = post.restype = ctypes.c_int
     library = Library(path, built, handle)
     _loaded[path] = library
     return library
@@ -519,7 +159,7 @@ def _compile(cc: str, path: Path) -> str | None:
     path.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".sfnode-q4-", dir=path.parent))
     try:
-        source = work / "q4.c"
+        source = work / "native.c"
         source.write_text(SOURCE)
         output = work / path.name
         command = [cc, *COMPILE_FLAGS, str(source), "-o", str(output), "-lm"]
@@ -587,123 +227,28 @@ def blocks_weight(blocks: torch.Tensor, cols: int) -> torch.Tensor:
     return torch.from_numpy(w.reshape(rows, cols))
 
 
-class Q4Linear:
-    """4-bit weights in Q4_1 blocks multiplied by :data:`SOURCE`'s kernel, float32 activations.
-
-    Its precision is int4 (what the weights hold); it computes in float32 between matrices.
-    """
-
-    precision = Precision.INT4
-    activations = torch.float32
-    kernel_name = "sfnode q4 x q8 (avx2)"
-
-    def __init__(self, blocks: torch.Tensor, in_features: int, library: Library) -> None:
-        if in_features % BLOCK:
-            raise ValueError(f"Q4_1 blocks need in_features divisible by {BLOCK}")
-        self.blocks = blocks.contiguous()
-        self.in_features = in_features
-        self.out_features = int(blocks.shape[0])
-        self.library = library
-        self._function = library.handle.sf_q4_1_linear
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:
-            x = x.to(torch.float32)
-        x = x.contiguous()
-        rows = x.shape[0]
-        out = torch.empty((rows, self.out_features), dtype=torch.float32)
-        status = self._function(
-            x.data_ptr(),
-            rows,
-            self.in_features,
-            self.blocks.data_ptr(),
-            self.out_features,
-            out.data_ptr(),
-            torch.get_num_threads(),
-        )
-        if status:
-            raise RuntimeError(f"the q4 kernel refused the problem (status {status})")
-        return out
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return {"blocks": self.blocks, "in_features": torch.tensor(self.in_features)}
+TILE_ROWS = 8
+TILE_BYTES = 160
+"""A tile: 8 output rows' Q4_1 blocks for the same 32 inputs, laid out for the kernel."""
 
 
-class Q8Linear:
-    """Int8 weights with one float32 scale per output row, multiplied by :data:`SOURCE`'s kernel
-    (activations quantized per block of 32 as for :class:`Q4Linear`); float32 activations."""
-
-    precision = Precision.INT8
-    activations = torch.float32
-    kernel_name = "sfnode q8 x q8 (avx2)"
-
-    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, library: Library) -> None:
-        self.weight = weight.to(torch.int8).contiguous()
-        self.scales = scales.to(torch.float32).contiguous()
-        self.out_features, self.in_features = self.weight.shape
-        if self.in_features % BLOCK:
-            raise ValueError(f"the q8 kernel needs in_features divisible by {BLOCK}")
-        self.library = library
-        self._function = library.handle.sf_q8_linear
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:
-            x = x.to(torch.float32)
-        x = x.contiguous()
-        rows = x.shape[0]
-        out = torch.empty((rows, self.out_features), dtype=torch.float32)
-        status = self._function(
-            x.data_ptr(),
-            rows,
-            self.in_features,
-            self.weight.data_ptr(),
-            self.scales.data_ptr(),
-            self.out_features,
-            out.data_ptr(),
-            torch.get_num_threads(),
-        )
-        if status:
-            raise RuntimeError(f"the q8 kernel refused the problem (status {status})")
-        return out
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return {"weight": self.weight, "scales": self.scales}
+def tile_shape(rows: int, cols: int) -> tuple[int, int]:
+    """The shape of the tiles of a ``[rows, cols]`` Q4_1 matrix: a row of tiles per 8 rows."""
+    return (-(-rows // TILE_ROWS), cols // BLOCK * TILE_BYTES)
 
 
-class F32Linear:
-    """Float32 weights multiplied by :data:`SOURCE`'s kernel: float32 products summed in a fixed
-    order per row (8 lanes along the row, then their sum), so a row's result does not depend on
-    the rows beside it."""
-
-    precision = Precision.FLOAT32
-    activations = torch.float32
-    kernel_name = "sfnode float32 (avx2)"
-
-    def __init__(self, weight: torch.Tensor, library: Library) -> None:
-        self.weight = weight.to(torch.float32).contiguous()
-        self.out_features, self.in_features = self.weight.shape
-        self.library = library
-        self._function = library.handle.sf_f32_linear
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:
-            x = x.to(torch.float32)
-        x = x.contiguous()
-        rows = x.shape[0]
-        out = torch.empty((rows, self.out_features), dtype=torch.float32)
-        self._function(
-            x.data_ptr(),
-            rows,
-            self.in_features,
-            self.weight.data_ptr(),
-            self.out_features,
-            out.data_ptr(),
-            torch.get_num_threads(),
-        )
-        return out
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return {"weight": self.weight}
+def _linear(function: Any, matrix: _Matrix, x: torch.Tensor, out_features: int) -> torch.Tensor:
+    if x.dtype != torch.float32:
+        x = x.to(torch.float32)
+    x = x.contiguous()
+    rows = x.shape[0]
+    out = torch.empty((rows, out_features), dtype=torch.float32)
+    status = function(
+        ctypes.byref(matrix), x.data_ptr(), rows, out.data_ptr(), torch.get_num_threads()
+    )
+    if status:
+        raise RuntimeError(f"the native kernel refused the problem (status {status})")
+    return out
 
 
 class _Matrix(ctypes.Structure):
@@ -716,14 +261,127 @@ class _Matrix(ctypes.Structure):
     ]
 
 
+class Q4Linear:
+    """4-bit weights in Q4_1 blocks, held as the kernel's tiles, multiplied by the native
+    library's kernel; float32 activations (quantized per row and block of 32 to int16 inside).
+
+    Its precision is int4 (what the weights hold); it computes in float32 between matrices.
+    """
+
+    precision = Precision.INT4
+    activations = torch.float32
+    kernel_name = "sfnode q4 tiles x int16 (avx2)"
+
+    def __init__(
+        self,
+        blocks: torch.Tensor | None,
+        in_features: int,
+        library: Library,
+        *,
+        tiles: torch.Tensor | None = None,
+        out_features: int | None = None,
+    ) -> None:
+        """From row-major Q4_1 ``blocks`` ``[rows, in_features / 32 * 20]``, or from ``tiles``
+        laid out already (with ``out_features``)."""
+        if in_features % BLOCK:
+            raise ValueError(f"Q4_1 blocks need in_features divisible by {BLOCK}")
+        self.in_features = in_features
+        self.library = library
+        if tiles is None:
+            assert blocks is not None
+            self.out_features = int(blocks.shape[0])
+            blocks = blocks.contiguous()
+            tiles = torch.empty(tile_shape(self.out_features, in_features), dtype=torch.uint8)
+            library.handle.sf_tile_q4(
+                blocks.data_ptr(), self.out_features, in_features, tiles.data_ptr()
+            )
+        else:
+            assert out_features is not None
+            if tuple(tiles.shape) != tile_shape(out_features, in_features):
+                raise ValueError(f"tiles of shape {tuple(tiles.shape)} for {out_features} rows")
+            self.out_features = out_features
+        self.tiles = tiles.contiguous()
+        self.matrix = _Matrix(0, in_features, self.out_features, self.tiles.data_ptr(), None)
+        self._function = library.handle.sf_linear
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        """The row-major Q4_1 blocks these tiles hold (a copy)."""
+        blocks = torch.empty(
+            (self.out_features, self.in_features // BLOCK * BLOCK_BYTES), dtype=torch.uint8
+        )
+        self.library.handle.sf_untile_q4(
+            self.tiles.data_ptr(), self.out_features, self.in_features, blocks.data_ptr()
+        )
+        return blocks
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(self._function, self.matrix, x, self.out_features)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {
+            "tiles": self.tiles,
+            "in_features": torch.tensor(self.in_features),
+            "out_features": torch.tensor(self.out_features),
+        }
+
+
+class Q8Linear:
+    """Int8 weights with one float32 scale per output row, multiplied by the native library's
+    kernel (activations quantized per block of 32 as for :class:`Q4Linear`); float32
+    activations."""
+
+    precision = Precision.INT8
+    activations = torch.float32
+    kernel_name = "sfnode q8 x int16 (avx2)"
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, library: Library) -> None:
+        self.weight = weight.to(torch.int8).contiguous()
+        self.scales = scales.to(torch.float32).contiguous()
+        self.out_features, self.in_features = self.weight.shape
+        if self.in_features % BLOCK:
+            raise ValueError(f"the q8 kernel needs in_features divisible by {BLOCK}")
+        self.library = library
+        self.matrix = _Matrix(
+            1, self.in_features, self.out_features, self.weight.data_ptr(), self.scales.data_ptr()
+        )
+        self._function = library.handle.sf_linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(self._function, self.matrix, x, self.out_features)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight, "scales": self.scales}
+
+
+class F32Linear:
+    """Float32 weights multiplied by the native library's kernel: float32 products summed in a
+    fixed order per row (8 lanes along the row, then their sum), so a row's result does not
+    depend on the rows beside it."""
+
+    precision = Precision.FLOAT32
+    activations = torch.float32
+    kernel_name = "sfnode float32 (avx2)"
+
+    def __init__(self, weight: torch.Tensor, library: Library) -> None:
+        self.weight = weight.to(torch.float32).contiguous()
+        self.out_features, self.in_features = self.weight.shape
+        self.library = library
+        self.matrix = _Matrix(2, self.in_features, self.out_features, self.weight.data_ptr(), None)
+        self._function = library.handle.sf_linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(self._function, self.matrix, x, self.out_features)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight}
+
+
+NativeLinear = Q4Linear | Q8Linear | F32Linear
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [
-        ("hidden", ctypes.c_int32),
-        ("heads", ctypes.c_int32),
-        ("kv_heads", ctypes.c_int32),
-        ("head_dim", ctypes.c_int32),
-        ("intermediate", ctypes.c_int32),
-        ("eps", ctypes.c_float),
         ("input_norm", ctypes.c_void_p),
         ("post_norm", ctypes.c_void_p),
         ("qkv", _Matrix),
@@ -733,128 +391,257 @@ class _Layer(ctypes.Structure):
     ]
 
 
-def _matrix(layer: Any) -> _Matrix:
-    if isinstance(layer, Q4Linear):
-        return _Matrix(0, layer.in_features, layer.out_features, layer.blocks.data_ptr(), None)
-    if isinstance(layer, Q8Linear):
-        return _Matrix(
-            1,
-            layer.in_features,
-            layer.out_features,
-            layer.weight.data_ptr(),
-            layer.scales.data_ptr(),
-        )
-    if isinstance(layer, F32Linear):
-        return _Matrix(2, layer.in_features, layer.out_features, layer.weight.data_ptr(), None)
-    raise TypeError(f"no fused kernel for {type(layer).__name__}")
+class _Model(ctypes.Structure):
+    _fields_ = [
+        ("layers", ctypes.c_int32),
+        ("hidden", ctypes.c_int32),
+        ("heads", ctypes.c_int32),
+        ("kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("intermediate", ctypes.c_int32),
+        ("vocab", ctypes.c_int32),
+        ("eps", ctypes.c_float),
+        ("attention_scale", ctypes.c_float),
+        ("layer", ctypes.c_void_p),
+        ("embed_kind", ctypes.c_int32),
+        ("embed", ctypes.c_void_p),
+        ("embed_scales", ctypes.c_void_p),
+        ("final_norm", ctypes.c_void_p),
+        ("head", _Matrix),
+        ("refine_kind", ctypes.c_int32),
+        ("refine", ctypes.c_void_p),
+        ("refine_scales", ctypes.c_void_p),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+    ]
+
+
+class _KV(ctypes.Structure):
+    _fields_ = [
+        ("half", ctypes.c_int32),
+        ("capacity", ctypes.c_int32),
+        ("keys", ctypes.c_void_p),
+        ("values", ctypes.c_void_p),
+    ]
+
+
+MAX_HEAD_DIM = 256
 
 
 def fusable(weights: Any) -> str | None:
-    """None when every decoder layer of ``weights`` (a ``LlamaWeights``) can run through
-    :class:`FusedLayers`, else why not."""
+    """None when ``weights`` (a ``LlamaWeights``) can run through :class:`NativeStep`, else why
+    not."""
+    from sfnode.engines.quant import Q8Rows
+
     if weights.activations != torch.float32:
         return f"activations are {str(weights.activations).removeprefix('torch.')}"
-    if weights.head_dim > 1024 or weights.head_dim % 2:
+    if weights.head_dim > MAX_HEAD_DIM or weights.head_dim % 8:
         return f"head_dim {weights.head_dim} is not supported"
+    if weights.heads % weights.kv_heads:
+        return "the query heads do not group evenly onto the key/value heads"
+    intermediate = weights.layers[0].gate_up.out_features // 2
+    if weights.hidden % BLOCK or intermediate % BLOCK or (weights.heads * weights.head_dim) % BLOCK:
+        return f"a dimension is not a multiple of {BLOCK}"
     for layer in weights.layers:
         for projection in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            if not isinstance(projection.kernel, Q4Linear | Q8Linear | F32Linear):
+            if not isinstance(projection.kernel, NativeLinear):
                 return f"a {projection.kernel.precision.value} matrix has no native kernel"
             if projection.bias is not None or projection.dense is not None:
                 return "a projection has a bias or a dense copy"
+    if not isinstance(weights.lm_head, NativeLinear):
+        return "the output head has no native kernel"
+    if not isinstance(weights.embed, Q8Rows | torch.Tensor):
+        return "the embedding table is neither float32 nor int8 rows"
     return None
 
 
-class FusedLayers:
-    """Each decoder layer's work outside attention as two calls into the native library:
-    :meth:`pre` (input norm, query/key/value product, rotary embedding) and :meth:`post` (output
-    product, residual, post-attention norm, gate/up product, SiLU gate, down product, residual).
+def _rows_pointers(table: Any) -> tuple[int, int, int, list[torch.Tensor]]:
+    """(kind, rows, scales, tensors to keep) of an embedding table or the head's float rows:
+    kind 0 float32 rows, 1 int8 rows with float32 scales per block of 32."""
+    from sfnode.engines.quant import Q8Rows
 
-    Rows are computed independently of each other, so it is batch-invariant like the kernels.
-    The layers' tensors must outlive this object (it holds their addresses; ``weights`` keeps
-    them).
+    if isinstance(table, Q8Rows):
+        q, scales = table.q.contiguous(), table.scales.to(torch.float32).contiguous()
+        return 1, q.data_ptr(), scales.data_ptr(), [q, scales]
+    rows = table.to(torch.float32).contiguous()
+    return 0, rows.data_ptr(), 0, [rows]
+
+
+class NativeStep:
+    """The whole decode step of a Llama-family model in two calls into the native library
+    (docs/engine.md section 5.2): :meth:`forward` (every layer over any rows, attention over the
+    KV slots included) and :meth:`logits` (the final norm, the head, the best logits computed
+    again in float32).
+
+    Every row is computed by itself, so it is batch-invariant like the kernels, and a
+    position's keys and values do not depend on the step it was computed in.  The weights'
+    tensors must outlive this object (it holds their addresses; ``weights`` keeps them).
     """
 
-    def __init__(self, weights: Any, library: Library) -> None:
+    def __init__(
+        self, weights: Any, library: Library, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
+        """``cos`` and ``sin`` are the rotary tables ``[window, head_dim]`` (``sin`` with
+        rotate_half's sign folded in), float32."""
         reason = fusable(weights)
         if reason is not None:
             raise ValueError(reason)
         self._weights = weights
-        self._norms: list[torch.Tensor] = []
-        self._layers: list[_Layer] = []
-        intermediate = weights.layers[0].gate_up.out_features // 2
-        for layer in weights.layers:
-            norms = (
-                layer.input_norm.to(torch.float32).contiguous(),
-                layer.post_norm.to(torch.float32).contiguous(),
-            )
-            self._norms.extend(norms)
-            self._layers.append(
-                _Layer(
-                    int(weights.embed.shape[1]),
-                    weights.heads,
-                    weights.kv_heads,
-                    weights.head_dim,
-                    intermediate,
-                    weights.eps,
-                    norms[0].data_ptr(),
-                    norms[1].data_ptr(),
-                    _matrix(layer.qkv.kernel),
-                    _matrix(layer.o.kernel),
-                    _matrix(layer.gate_up.kernel),
-                    _matrix(layer.down.kernel),
-                )
-            )
-        self._addresses = [ctypes.addressof(layer) for layer in self._layers]
-        self._width = weights.layers[0].qkv.out_features
-        self._pre = library.handle.sf_layer_pre
-        self._post = library.handle.sf_layer_post
+        self._keep: list[torch.Tensor] = []
 
-    def pre(
+        def keep(tensor: torch.Tensor) -> int:
+            tensor = tensor.to(torch.float32).contiguous()
+            self._keep.append(tensor)
+            return int(tensor.data_ptr())
+
+        count = len(weights.layers)
+        self._layers = (_Layer * count)()
+        for index, layer in enumerate(weights.layers):
+            self._layers[index] = _Layer(
+                keep(layer.input_norm),
+                keep(layer.post_norm),
+                layer.qkv.kernel.matrix,
+                layer.o.kernel.matrix,
+                layer.gate_up.kernel.matrix,
+                layer.down.kernel.matrix,
+            )
+        embed_kind, embed, embed_scales, kept = _rows_pointers(weights.embed)
+        self._keep += kept
+        refine_kind, refine, refine_scales = -1, 0, 0
+        if weights.lm_head_float is not None:
+            refine_kind, refine, refine_scales, kept = _rows_pointers(weights.lm_head_float)
+            self._keep += kept
+        self.hidden = int(weights.hidden)
+        self.vocab = int(weights.vocab_size)
+        self.refines = weights.lm_head_float is not None
+        """Whether :meth:`logits` computes each row's best logits again from float rows."""
+        self._model = _Model(
+            count,
+            self.hidden,
+            weights.heads,
+            weights.kv_heads,
+            weights.head_dim,
+            weights.layers[0].gate_up.out_features // 2,
+            self.vocab,
+            weights.eps,
+            weights.head_dim**-0.5,
+            ctypes.addressof(self._layers),
+            embed_kind,
+            embed,
+            embed_scales,
+            keep(weights.final_norm_float),
+            weights.lm_head.matrix,
+            refine_kind,
+            refine,
+            refine_scales,
+            keep(cos),
+            keep(sin),
+        )
+        self.window = int(cos.shape[0])
+        self._forward = library.handle.sf_forward
+        self._logits = library.handle.sf_logits
+        self._kv: tuple[tuple[int, int, int], _KV, Any, Any] | None = None
+
+    def _kv_struct(self, kv: Any) -> _KV:
+        """The C view of ``kv`` (a :class:`~sfnode.engines.kv.SlotKV`), rebuilt when it grew."""
+        key = (id(kv), kv.capacity, kv.keys[0].data_ptr() if kv.keys else 0)
+        if self._kv is None or self._kv[0] != key:
+            layers = len(kv.keys)
+            keys = (ctypes.c_void_p * layers)(*[t.data_ptr() for t in kv.keys])
+            values = (ctypes.c_void_p * layers)(*[t.data_ptr() for t in kv.values])
+            if kv.dtype not in (torch.float16, torch.float32):
+                raise ValueError(f"keys and values in {kv.dtype} are not supported")
+            struct = _KV(
+                int(kv.dtype == torch.float16),
+                kv.capacity,
+                ctypes.addressof(keys),
+                ctypes.addressof(values),
+            )
+            self._kv = (key, struct, keys, values)
+        return self._kv[1]
+
+    def forward(
         self,
-        index: int,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        positions: torch.Tensor,
+        kv: Any,
+        positions: Sequence[int],
+        slots: Sequence[int],
+        *,
+        tokens: Sequence[int] | None = None,
+        hidden: torch.Tensor | None = None,
+        first: int = 0,
+        end: int | None = None,
     ) -> torch.Tensor:
-        """``[rows, (heads + 2 kv_heads) * head_dim]``: queries and keys turned, then values.
-        ``cos`` and ``sin`` are the runner's whole tables, ``positions`` (int64) each row's."""
-        rows = hidden.shape[0]
-        out = torch.empty((rows, self._width), dtype=torch.float32)
-        status = self._pre(
-            self._addresses[index],
-            hidden.data_ptr(),
+        """Layers ``[first, end)`` over rows at ``positions`` of ``slots`` of ``kv``, from the
+        ``tokens``' embeddings or from ``hidden`` (float32 ``[rows, hidden]``, changed in
+        place); answers the hidden states after the last of them.  Each row's key and value
+        go to its position of its slot; each row attends to its slot up to its position."""
+        rows = len(positions)
+        end = len(self._weights.layers) if end is None else end
+        if hidden is None:
+            if tokens is None:
+                raise ValueError("forward needs tokens or hidden states")
+            hidden = torch.empty((rows, self.hidden), dtype=torch.float32)
+            token_array = np.asarray(tokens, dtype=np.int64)
+            token_pointer = token_array.ctypes.data
+        else:
+            token_pointer = None
+        position_array = np.asarray(positions, dtype=np.int64)
+        slot_array = np.asarray(slots, dtype=np.int64)
+        if rows and (int(slot_array.min()) < 0 or int(slot_array.max()) >= kv.slots):
+            raise ValueError("a row's slot is outside the KV slots")
+        status = self._forward(
+            ctypes.byref(self._model),
+            ctypes.byref(self._kv_struct(kv)),
             rows,
-            cos.data_ptr(),
-            sin.data_ptr(),
-            positions.data_ptr(),
+            token_pointer,
+            position_array.ctypes.data,
+            slot_array.ctypes.data,
+            hidden.data_ptr(),
+            first,
+            end,
+            torch.get_num_threads(),
+        )
+        if status:
+            raise RuntimeError(f"the native step refused the problem (status {status})")
+        return hidden
+
+    def logits(
+        self, hidden: torch.Tensor, masks: np.ndarray[Any, Any] | None = None, refined: int = 0
+    ) -> torch.Tensor:
+        """Float32 logits ``[rows, vocab]`` of ``hidden`` rows (after the last layer): the head's
+        product, and with :attr:`refines` the best ``refined`` of each row computed again from
+        the head's float rows.  ``masks`` (int32 words a row, bit ``t % 32`` of word ``t // 32``
+        allowing token ``t``) makes forbidden tokens -inf, and the refined ones the best
+        allowed ones."""
+        hidden = hidden.to(torch.float32).contiguous()
+        rows = hidden.shape[0]
+        out = torch.empty((rows, self.vocab), dtype=torch.float32)
+        words = 0
+        mask_pointer = None
+        if masks is not None:
+            masks = np.ascontiguousarray(masks, dtype=np.int32)
+            words = int(masks.shape[1])
+            mask_pointer = masks.ctypes.data
+        status = self._logits(
+            ctypes.byref(self._model),
+            rows,
+            hidden.data_ptr(),
+            mask_pointer,
+            words,
+            refined if self.refines else 0,
             out.data_ptr(),
             torch.get_num_threads(),
         )
         if status:
-            raise RuntimeError(f"the fused layer refused the problem (status {status})")
+            raise RuntimeError(f"the native head refused the problem (status {status})")
         return out
-
-    def post(self, index: int, hidden: torch.Tensor, attended: torch.Tensor) -> None:
-        """The rest of layer ``index``, in place on ``hidden`` (contiguous float32)."""
-        attended = attended.contiguous()
-        status = self._post(
-            self._addresses[index],
-            hidden.data_ptr(),
-            attended.data_ptr(),
-            hidden.shape[0],
-            torch.get_num_threads(),
-        )
-        if status:
-            raise RuntimeError(f"the fused layer refused the problem (status {status})")
 
 
 __all__ = [
     "NEEDED_FLAGS",
     "F32Linear",
-    "FusedLayers",
     "Library",
+    "NativeStep",
     "Q4Linear",
     "Q8Linear",
     "blocks_weight",

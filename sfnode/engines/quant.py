@@ -477,7 +477,7 @@ def effective_weight(layer: Linear) -> torch.Tensor:
         return layer.weight.to(torch.float32)
     if isinstance(layer, Float32Linear):
         return layer.weight
-    blocks = getattr(layer, "blocks", None)
+    blocks = getattr(layer, "blocks", None) if hasattr(layer, "tiles") else None
     if isinstance(blocks, torch.Tensor):  # sfnode.engines.native.Q4Linear
         from sfnode.engines.native import blocks_weight
 

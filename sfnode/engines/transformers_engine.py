@@ -347,9 +347,9 @@ class TransformersEngine:
                 dtype=str(served.activations).removeprefix("torch."),
                 prefix=f"{pool_blocks} blocks" if pool_blocks else "off",
                 fused=(
-                    "each layer's work around attention in two fused native calls"
+                    "the whole step (layers, attention, head) in two native calls"
                     if runner.fused is not None
-                    else f"layers run as torch operators (no fused step: {runner.fused_reason})"
+                    else f"layers run as torch operators (no native step: {runner.fused_reason})"
                 ),
             )
         else:
