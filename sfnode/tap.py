@@ -63,6 +63,7 @@ from sfnode.tokens import default_token_path, read_token
 if TYPE_CHECKING:
     from sfnode.dnssd import Browser
     from sfnode.generation import Engine
+    from sfnode.model_files import Bundle
     from sfnode.node import NodeAgent
     from sfnode.noise import NoiseProtocol
     from sfnode.protocol import NodeProtocol
@@ -871,6 +872,43 @@ def join_service(
     return HeadDialService(agent, dialer, node_factory(agent), dialer.retry_policy(), clock=reactor)
 
 
+def model_files(options: Options) -> Bundle | None:
+    """The files a head needs to serve this node's model (docs/protocol.md section 12.5): the
+    tokenizer, chat template and configuration of the ``--model`` folder (of a .gguf file's
+    converted folder, or of the bundled model's, for the transformers engine).  None, and a
+    log line, when there are none (the mock engine without ``--model``, a folder without
+    ``tokenizer.json``): the head then needs ``--model`` for this model.
+    """
+    from sfnode import models
+    from sfnode.model_files import ModelFilesError, read_bundle
+
+    model = options["model"]
+    if options["engine"] == "mock" and model is None:
+        return None
+    try:
+        if model is not None and Path(model).expanduser().is_dir():
+            folder = Path(model).expanduser()
+        else:
+            gguf = Path(model).expanduser() if model is not None else models.default_gguf()
+            folder = models.gguf_cache_folder(gguf, options["cache-dir"])
+        bundle = read_bundle(folder)
+    except (ModelFilesError, models.ModelLoadError) as e:
+        log.warn("sfnode offers its head no model files: {error}", error=e)
+        return None
+    if bundle is None:
+        log.info(
+            "sfnode offers its head no model files: {folder} has no tokenizer.json", folder=folder
+        )
+        return None
+    log.info(
+        "sfnode offers its head the model files of {model} ({hash}, {size} bytes)",
+        model=options["model-name"],
+        hash=bundle.short_hash,
+        size=len(bundle.data),
+    )
+    return bundle
+
+
 def makeService(
     options: Options, reactor: Any = None, browser: Browser | None = None
 ) -> service.MultiService:
@@ -896,7 +934,7 @@ def makeService(
     from sfnode.node import NodeAgent
 
     engine = build_engine(reactor, options)
-    agent = NodeAgent(reactor, engine, node_config(options))
+    agent = NodeAgent(reactor, engine, node_config(options), model_files(options))
 
     node = service.MultiService()  # type: ignore[no-untyped-call]
     node.setName("sfnode")  # type: ignore[no-untyped-call]

@@ -95,6 +95,7 @@ from sfnode.head.machines import (
     RetryPolicy,
     retry_policy,
 )
+from sfnode.head.model_admission import ModelAdmission
 from sfnode.head.placement import DEFAULT_EXPECTED_OUT, DEFAULT_PREFIX_RULE, Policy, PrefixRule
 from sfnode.head.prefix_index import BlockKey, PrefixIndex, reusable_keys
 from sfnode.wire import (
@@ -222,6 +223,8 @@ class FleetNode:
         """Sessions placed here and not ended."""
         self.inflight = 0
         """Generations the head runs here."""
+        self.admitted = True
+        """The head serves the model it names with it (sfnode.head.model_admission)."""
         self.interactive_inflight = 0
         """How many of them are interactive (docs/protocol.md section 12.2)."""
         self.failed_attempts = 0
@@ -256,8 +259,8 @@ class FleetNode:
 
     @property
     def live(self) -> bool:
-        """Its link is open: placement may use it."""
-        return self.link.ready
+        """Its link is open and the head serves its model with it: placement may use it."""
+        return self.link.ready and self.admitted
 
     @property
     def down(self) -> bool:
@@ -280,7 +283,7 @@ class FleetNode:
         self._forget_reported_ends()
         return placement.NodeView(
             key=self.order,
-            live=self.link.ready,
+            live=self.live,
             models=self.link.models,
             capacity=self.link.capacity,
             report_age_s=None if at is None else now - at,
@@ -739,6 +742,21 @@ class FleetGeneration:
         return self.request_class == RequestClass.INTERACTIVE
 
 
+def _lanes(nodes: Sequence[FleetNode]) -> tuple[int, int, int]:
+    """Lanes decoding, lanes in total and generations waiting for one on ``nodes``: their
+    reports, raised to what this head knows it runs there now."""
+    active = total = queued = 0
+    for node in nodes:
+        capacity = node.link.capacity
+        if capacity is None or not capacity.max_lanes:
+            active += node.inflight
+            continue
+        total += capacity.max_lanes
+        active += min(max(capacity.lanes_active, node.inflight), capacity.max_lanes)
+        queued += max(capacity.queue_depth, node.inflight - capacity.max_lanes)
+    return active, total, queued
+
+
 # --------------------------------------------------------------------------------------------
 # The fleet
 
@@ -766,8 +784,14 @@ class Fleet:
         queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
         prefix: PrefixRule = DEFAULT_PREFIX_RULE,
         max_generation_s: float = DEFAULT_MAX_GENERATION_S,
+        models: ModelAdmission | None = None,
     ) -> None:
         self._reactor = reactor
+        self.models = models
+        """Which nodes serve which model, by the head's model registry (None: every node
+        serves the model it names)."""
+        if models is not None:
+            models.changed = self._model_judged
         self._clock: IReactorTime = clock if clock is not None else reactor
         self.ids = ids if ids is not None else HeadIds()
         self.token = token
@@ -907,6 +931,7 @@ class Fleet:
         node = FleetNode(link, next(self._orders))
         self.nodes.append(node)
         link.observe(self)
+        self._judge(node)
         _log.info(
             "node {node} joined (dialed in from {peer}; models {models}, window {window})",
             node=link.name,
@@ -926,6 +951,7 @@ class Fleet:
         node = self._node_of(link)
         if node is None:
             return
+        self._judge(node)
         if not reconnected:
             _log.info(
                 "node {node} joined (dialed {endpoint}; models {models}, window {window})",
@@ -999,11 +1025,25 @@ class Fleet:
         if node is None or self._stopping or link.dialable:
             return
         self.nodes.remove(node)
+        if self.models is not None:
+            self.models.forget(link)
         _log.info(
             "node {node} left: {reason}",
             node=node.name,
             reason=str(link.last_reason or "its connection ended"),
         )
+
+    def _judge(self, node: FleetNode) -> None:
+        """Whether the head serves the model ``node`` names with it (every handshake: a node
+        may come back with other files)."""
+        if self.models is not None:
+            node.admitted = self.models.judge(node.link)
+
+    def _model_judged(self, link: NodeLink) -> None:
+        node = self._node_of(link)
+        if node is not None and self.models is not None:
+            node.admitted = self.models.admits(link)
+            self._dispatch()
 
     # ----------------------------------------------------------------------------------------
     # Placement
@@ -1045,15 +1085,10 @@ class Fleet:
         queue (section 8.5) are counted in ``queued`` too.
         """
         live = self.live_nodes()
-        lanes_active = lanes_total = queued = 0
-        for node in live:
-            capacity = node.link.capacity
-            if capacity is None or not capacity.max_lanes:
-                lanes_active += node.inflight
-                continue
-            lanes_total += capacity.max_lanes
-            lanes_active += min(max(capacity.lanes_active, node.inflight), capacity.max_lanes)
-            queued += max(capacity.queue_depth, node.inflight - capacity.max_lanes)
+        lanes_active, lanes_total, queued = _lanes(live)
+        serving = [n for n in live if model is not None and model in n.models]
+        model_running, _, model_queued = _lanes(serving)
+        capacities = [n.link.capacity for n in serving if n.link.capacity is not None]
         views = self._views()
         return BackendStatus(
             live_nodes=len(live),
@@ -1070,6 +1105,12 @@ class Fleet:
             nodes=tuple(
                 NodeReport(n.name, n.live, n.sessions, n.link.capacity) for n in self.nodes
             ),
+            serving_nodes=len(serving),
+            model_running=model_running,
+            model_waiting=model_queued
+            + sum(1 for w in self._queue if model is not None and w.request.model == model),
+            model_kv_blocks_used=sum(c.kv_blocks_used for c in capacities),
+            model_kv_blocks_total=sum(c.kv_blocks_total for c in capacities),
         )
 
     def _place(
@@ -1161,6 +1202,10 @@ class Fleet:
             self._settle(waiter, StreamTooLong(decision.length, decision.largest))
             return True
         if isinstance(decision, placement.Unserved):
+            if self.models is not None and self.models.knows(decision.model):
+                # A model the head serves whose nodes are all gone: it waits for one.
+                waiter.reason = f"no live node serves {decision.model}"
+                return False
             self._settle(waiter, NoNodeAvailable(f"no node serves {decision.model}"))
             return True
         if isinstance(decision, placement.Unsupported):

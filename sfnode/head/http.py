@@ -44,7 +44,7 @@ import hmac
 import json
 import random
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -87,6 +87,7 @@ from sfnode.head.gate import (
 from sfnode.head.link import LinkError
 from sfnode.head.logprobs import ChoiceLogprobs
 from sfnode.head.metrics import EXPOSITION_CONTENT_TYPE, HeadMetrics
+from sfnode.head.models_registry import ModelRegistry, ServedModel
 from sfnode.head.schema import (
     ApiError,
     CompletionRequest,
@@ -197,10 +198,11 @@ class Workers:
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    """A checked request and its prompt's token ids."""
+    """A checked request, its prompt's token ids, and the model it asks for."""
 
     request: CompletionRequest
     prompt: list[int]
+    model: ServedModel
 
 
 def too_long(length: int, window: int, param: str) -> ApiError:
@@ -240,7 +242,7 @@ class OpenAIApi:
         tokenizer: Any,
         model_name: str,
         *,
-        node_model: str | None = None,
+        models: ModelRegistry | None = None,
         seed_source: Callable[[], int] | None = None,
         metrics: HeadMetrics | None = None,
         api_keys: Iterable[bytes] = (),
@@ -253,14 +255,25 @@ class OpenAIApi:
     ) -> None:
         self.reactor: IReactorTime = reactor
         self.backend = backend
-        self.renderer = Renderer(tokenizer, allow_special_tokens=allow_special_tokens)
+        self.models = (
+            models
+            if models is not None
+            else ModelRegistry(allow_special_tokens=allow_special_tokens)
+        )
+        """The models served, by name (sfnode.head.models_registry): what a request's
+        ``model`` picks, and what nodes offer in HELLO_ACK_F."""
+        if tokenizer is not None:
+            self.models.serve(
+                model_name,
+                tokenizer,
+                origin="the head's tokenizer",
+                vocab_size=vocab_size,
+                override=True,
+            )
         self.template_timeout_s = template_timeout_s
         """How long one chat-template render may take before it is stopped (500)."""
         self.model_name = model_name
-        self.node_model = node_model if node_model is not None else model_name
-        """The model name asked of nodes (the one they offer in HELLO_ACK_F)."""
-        self.vocab_size = max(vocab_size or 0, self.renderer.codec.vocab_size)
-        """Prompt token ids must be below this (the model's vocabulary, when known)."""
+        """The model of a request that names none."""
         self.new_seed: Callable[[], int] = seed_source or _random_seed
         """The seed of a request that gives none (sampling is counter-based: a fixed seed
         would give every such request the same draws)."""
@@ -289,13 +302,41 @@ class OpenAIApi:
                 self.status,
                 open_requests=lambda: len(self.exchanges),
                 open_connections=lambda: len(self._site.connections) if self._site else 0,
+                statuses=self.statuses,
             )
         )
         self._drain_waiters: list[Deferred[None]] = []
         self._drain_timer: IDelayedCall | None = None
 
-    def status(self) -> BackendStatus:
-        return self.backend.status(self.node_model)
+    @property
+    def renderer(self) -> Renderer:
+        """The renderer of the model a request that names none gets."""
+        return self.default_model().renderer
+
+    def default_model(self) -> ServedModel:
+        """The model of a request that names none: ``model_name``, else the first served."""
+        model = self.models.get(self.model_name)
+        if model is None:
+            names = self.models.names()
+            if not names:
+                raise ApiError(
+                    503,
+                    "no model is served yet: no node has joined with one",
+                    kind="server_error",
+                    code="no_model",
+                    outcome="unavailable",
+                )
+            model = self.models.get(names[0])
+            assert model is not None
+        return model
+
+    def status(self, model: str | None = None) -> BackendStatus:
+        """The backend's status for ``model`` (default: :attr:`model_name`)."""
+        return self.backend.status(model if model is not None else self.model_name)
+
+    def statuses(self) -> dict[str, BackendStatus]:
+        """The backend's status for every model served (a snapshot a worker may read)."""
+        return {name: self.backend.status(name) for name in self.models.names()}
 
     def stop(self) -> None:
         """Stop the worker threads (the HTTP service does this when it stops)."""
@@ -447,23 +488,37 @@ class OpenAIApi:
     # Requests
 
     def prepare(
-        self, data: bytes, chat: bool, status: BackendStatus, budget: RenderBudget | None = None
+        self,
+        data: bytes,
+        chat: bool,
+        statuses: Mapping[str, BackendStatus],
+        budget: RenderBudget | None = None,
     ) -> Prepared:
-        """Check a body and render its prompt (on the reactor or a worker thread: it reads
-        only ``status``, a snapshot, and the renderer); ``budget`` bounds the chat
-        template's render.
+        """Check a body and render its prompt for the model it names (on the reactor or a
+        worker thread: it reads only ``statuses``, a snapshot per model, and the renderers);
+        ``budget`` bounds the chat template's render.
 
-        :raises ApiError: anything wrong with the request, a prompt that cannot fit included.
+        :raises ApiError: anything wrong with the request, an unknown model (404
+            ``model_not_found``) and a prompt that cannot fit included.
         """
+        body = parse_body(data)
+        named = body.get("model")
+        served = self.models.get(named) if isinstance(named, str) else None
+        if served is None and "model" not in body:
+            served = self.default_model()
         request = parse_request(
-            parse_body(data),
+            body,
             chat=chat,
-            models=[self.model_name],
-            vocab_size=self.vocab_size,
+            models=self.models.names() or [self.model_name],
+            vocab_size=served.vocab_size if served is not None else 0,
             seed_source=self.new_seed,
         )
-        limit = status.context_limit
-        if limit is not None and request.characters > self.renderer.character_bound(limit):
+        model = self.models.get(request.model)
+        assert model is not None  # parse_request refused any other name
+        renderer = model.renderer
+        status = statuses.get(model.name)
+        limit = status.context_limit if status is not None else None
+        if limit is not None and request.characters > renderer.character_bound(limit):
             # Not tokenized at all: no window can hold this many characters.
             raise ApiError(
                 400,
@@ -474,16 +529,16 @@ class OpenAIApi:
                 outcome="too_long",
             )
         if request.chat:
-            prompt = self.renderer.chat(request.messages, budget)
+            prompt = renderer.chat(request.messages, budget)
         elif request.prompt_text is not None:
-            prompt = self.renderer.completion(request.prompt_text)
+            prompt = renderer.completion(request.prompt_text)
         else:
             prompt = list(request.prompt_ids)
         if not prompt:
             raise ApiError(400, "the prompt has no tokens", param=request.prompt_param)
         if limit is not None and len(prompt) > limit:
             raise too_long(len(prompt), limit, request.prompt_param)
-        return Prepared(request, prompt)
+        return Prepared(request, prompt, model)
 
     def site(self) -> GuardedSite:
         """The twisted.web site that serves this API (with its front door)."""
@@ -659,24 +714,26 @@ class _Models(_Leaf):
         super().__init__()  # type: ignore[no-untyped-call]
         self.api = api
 
-    def _entry(self) -> dict[str, Any]:
-        api = self.api
-        window = api.status().window
+    def _entry(self, name: str) -> dict[str, Any]:
+        status = self.api.status(name)
         return {
-            "id": api.model_name,
+            "id": name,
             "object": "model",
             "created": 0,
             "owned_by": "sfnode",
-            "context_length": window or None,
+            "context_length": status.window or None,
+            "nodes": status.serving_nodes,
             "capabilities": {"chat": True, "completions": True, "vision": False},
         }
 
     def render_GET(self, request: Any) -> bytes:
         wanted = b"/".join(request.postpath).strip(b"/").decode("utf-8", "replace")
+        names = self.api.models.names()
         if not wanted:
-            return answer(request, 200, {"object": "list", "data": [self._entry()]})
-        if wanted == self.api.model_name:
-            return answer(request, 200, self._entry())
+            entries = [self._entry(name) for name in names]
+            return answer(request, 200, {"object": "list", "data": entries})
+        if wanted in names:
+            return answer(request, 200, self._entry(wanted))
         error = ApiError(
             404,
             f"The model '{clip(wanted)}' does not exist",
@@ -774,6 +831,8 @@ class _Exchange:
         self.created = int(self.received)
         self.parsed: CompletionRequest | None = None
         self.prompt: list[int] = []
+        self.model: ServedModel | None = None
+        """The model the request names (its renderer, the name asked of nodes)."""
         self.choices: list[_Choice] = []
         self.first_token_at: float | None = None
         self.named_class: RequestClass | None = None
@@ -806,19 +865,21 @@ class _Exchange:
             data = self.request.content.getvalue()
             if len(data) > api.limits.max_body:
                 raise body_too_large(api.limits.max_body)
-            status = api.status()
+            statuses = api.statuses()
             if self.chat:
-                prepared: Deferred[Prepared] = self._prepare_chat(data, status)
+                prepared: Deferred[Prepared] = self._prepare_chat(data, statuses)
             elif len(data) <= INLINE_BODY_BYTES:
-                prepared = defer.maybeDeferred(api.prepare, data, self.chat, status)
+                prepared = defer.maybeDeferred(api.prepare, data, self.chat, statuses)
             else:
-                prepared = api.workers.run(lambda: api.prepare(data, self.chat, status))
+                prepared = api.workers.run(lambda: api.prepare(data, self.chat, statuses))
         except Exception:
             # An ApiError is answered as such; anything else as an unexpected failure.
             prepared = defer.fail()
         prepared.addCallback(self._prepared).addErrback(self._refused).addErrback(self._unexpected)
 
-    def _prepare_chat(self, data: bytes, status: BackendStatus) -> Deferred[Prepared]:
+    def _prepare_chat(
+        self, data: bytes, statuses: Mapping[str, BackendStatus]
+    ) -> Deferred[Prepared]:
         """Check and render a chat body on a worker, its template's render stopped after
         ``--template-timeout`` seconds (timed from when the render starts)."""
         api = self.api
@@ -844,12 +905,12 @@ class _Exchange:
             return result
 
         budget = RenderBudget(lambda: api.reactor.callFromThread(arm))  # type: ignore[attr-defined]
-        prepared = api.workers.run(lambda: api.prepare(data, True, status, budget))
+        prepared = api.workers.run(lambda: api.prepare(data, True, statuses, budget))
         return prepared.addBoth(disarm)
 
     def _prepared(self, prepared: Prepared) -> None:
         api = self.api
-        self.parsed, self.prompt = prepared.request, prepared.prompt
+        self.parsed, self.prompt, self.model = prepared.request, prepared.prompt, prepared.model
         if self.gone:
             self._maybe_ended()
             return
@@ -863,8 +924,10 @@ class _Exchange:
         assert permit is not None  # start() refused a request without one
         permit.widen(parsed.n - 1)
         max_tokens = parsed.max_tokens
+        model = self.model
+        assert model is not None
         if max_tokens is None:
-            window = api.status().window
+            window = api.status(model.name).window
             default = DEFAULT_MAX_TOKENS if parsed.chat else COMPLETIONS_DEFAULT_MAX_TOKENS
             room = window - len(self.prompt) if window else default
             max_tokens = max(1, min(default, room))
@@ -882,13 +945,13 @@ class _Exchange:
         for index in range(parsed.n):
             logprobs = None
             if parsed.logprobs is not None:
-                logprobs = ChoiceLogprobs(self.chat, parsed.logprobs, api.renderer.token_bytes)
-            choice = _Choice(index, api.renderer.detokenizer(), parsed.stop, logprobs)
+                logprobs = ChoiceLogprobs(self.chat, parsed.logprobs, model.renderer.token_bytes)
+            choice = _Choice(index, model.renderer.detokenizer(), parsed.stop, logprobs)
             self.choices.append(choice)
             generation = api.backend.generate(
                 self.prompt,
                 max_tokens,
-                model=api.node_model,
+                model=model.name,
                 params=parsed.choice_params(index),
                 on_tokens=self._receiver(choice),
                 request_class=request_class,

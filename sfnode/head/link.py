@@ -66,6 +66,7 @@ from sfnode.head.machines import (
     retry_policy,
 )
 from sfnode.head.session import HeadSession
+from sfnode.model_files import ModelFilesError, Reassembly
 from sfnode.noise import NoiseFactory, NoiseProtocol, Role, secure_factory
 from sfnode.service import describe_failure
 from sfnode.wire import (
@@ -73,6 +74,7 @@ from sfnode.wire import (
     FEATURE_HEAD_IDENTITY,
     FEATURE_LOGPROBS,
     FEATURE_REQUEST_CLASS,
+    BlobFetchMsg,
     CapacitySummary,
     Constraint,
     Finish,
@@ -98,6 +100,10 @@ from sfnode.wire import (
     Tokens,
     TokensLogprobs,
     WireError,
+    XferAbortMsg,
+    XferBeginMsg,
+    XferChunkMsg,
+    XferEndMsg,
     decode_message,
     decode_params,
     encode_params,
@@ -510,6 +516,8 @@ class NodeLink:
         """Generations in flight when the connection dropped; the redial's reconcile settles
         them."""
         self._stage_forwards: dict[int, Deferred[StageForwardRespMsg]] = {}
+        self._fetch: tuple[Reassembly, Deferred[bytes]] | None = None
+        """The transfer of model files in progress (docs/protocol.md section 12.5)."""
         self._owed_revokes: dict[int, int] = {}
         """session -> epoch of revokes made while the link was down."""
         self._closed_waiters: list[Deferred[Exception]] = []
@@ -952,6 +960,8 @@ class NodeLink:
                 d.callback(message)
         elif isinstance(message, ReconcileAckMsg):
             self._on_reconcile_ack(message)
+        elif isinstance(message, (XferBeginMsg, XferChunkMsg, XferEndMsg, XferAbortMsg)):
+            self._on_transfer(message)
         # Anything else a node may send (a repeated HELLO_ACK_F, TELEMETRY, ...) is ignored.
 
     def link_broken(self, protocol: HeadLinkProtocol, error: Exception) -> None:
@@ -990,6 +1000,7 @@ class NodeLink:
         self._lose(loss)
 
     def _lose(self, reason: LinkError) -> None:
+        self._fail_fetch(reason)
         if self.dialable:
             self._machine.connection_lost(reason)
         else:
@@ -1123,6 +1134,45 @@ class NodeLink:
             call._complete()
         if state is not None and state.missing is not None and not state.missing:
             self._machine.reconciled()
+
+    def fetch_model_files(self, content_hash: bytes) -> Deferred[bytes]:
+        """Ask the node for the model files named ``content_hash`` (BLOB_FETCH, section
+        12.5); fires with the bundle, checked against the hash, or fails with
+        :class:`~sfnode.model_files.ModelFilesError` (the node sent something else, or
+        aborted) or :class:`LinkError` (the link was lost first).  One fetch at a time."""
+        if self._fetch is not None:
+            return defer.fail(ModelFilesError("a transfer of model files is already in progress"))
+        if not self.send_now(BlobFetchMsg(content_hash)):
+            return defer.fail(LinkError(f"the link to {self.name} is not open"))
+        done: Deferred[bytes] = Deferred()
+        self._fetch = (Reassembly(content_hash), done)
+        return done
+
+    def _on_transfer(
+        self, message: XferBeginMsg | XferChunkMsg | XferEndMsg | XferAbortMsg
+    ) -> None:
+        if self._fetch is None:
+            return  # nothing asked (or a fetch already failed): ignored, as section 4.1 says
+        reassembly, done = self._fetch
+        try:
+            if isinstance(message, XferBeginMsg):
+                reassembly.begin(message)
+            elif isinstance(message, XferChunkMsg):
+                reassembly.chunk(message)
+            elif isinstance(message, XferEndMsg):
+                data = reassembly.end(message)
+                self._fetch = None
+                done.callback(data)
+            else:
+                raise ModelFilesError(f"the node aborted the transfer (reason {message.reason})")
+        except ModelFilesError as e:
+            self._fail_fetch(e)
+
+    def _fail_fetch(self, error: Exception) -> None:
+        if self._fetch is not None:
+            _, done = self._fetch
+            self._fetch = None
+            done.errback(error)
 
     def _forget_generation(self, call: GenerationCall) -> None:
         key = (call.session_id, call.generation_id)
