@@ -38,7 +38,10 @@ import urllib.request
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sfnode.generation import TokenBatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _fleetproc
@@ -54,9 +57,9 @@ class Run:
     arrivals: list[tuple[float, int]] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
 
-    def __call__(self, tokens: Sequence[int], logprobs: Any = None) -> None:
-        self.arrivals.append((time.perf_counter(), len(tokens)))
-        self.tokens.extend(tokens)
+    def __call__(self, batch: TokenBatch) -> None:
+        self.arrivals.append((time.perf_counter(), len(batch)))
+        self.tokens.extend(batch.tokens)
 
 
 def rates(runs: Sequence[Run]) -> tuple[float, float]:

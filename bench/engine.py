@@ -54,7 +54,7 @@ from twisted.internet import defer, reactor
 
 from sfnode.engines import WEIGHT_MODES, openmp
 from sfnode.engines.transformers_engine import TransformersEngine
-from sfnode.generation import GenerationRequest
+from sfnode.generation import GenerationRequest, TokenBatch
 from sfnode.wire import GenParams
 
 CONCURRENCIES = (1, 2, 4, 8, 16)
@@ -247,7 +247,7 @@ def run_engine(
         submitted = time.perf_counter()
         first: list[float] = []
 
-        def on_tokens(batch: Sequence[int]) -> None:
+        def on_tokens(batch: TokenBatch) -> None:
             if not first:
                 first.append(time.perf_counter())
             tokens[0] += len(batch)

@@ -50,7 +50,10 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sfnode.generation import TokenBatch
 
 # bench/_fleetproc.py's children and client (it keeps the shell's environment for the
 # servers); bench/peer.py's llama-server build (it also puts the repository on sys.path).
@@ -460,7 +463,7 @@ def _drive_fleet(
                 started = time.perf_counter()
                 seen: list[float] = []
 
-                def on_tokens(batch: Sequence[int]) -> None:
+                def on_tokens(batch: TokenBatch) -> None:
                     if batch and not seen:
                         seen.append(time.perf_counter() - started)
 

@@ -2,8 +2,10 @@
 
 The node agent talks to its engine only through :class:`Engine` (docs/engine.md section 1):
 
-1. ``submit`` a streamed generation; token batches come back on the reactor thread through the
-   ``on_tokens`` callback, and the generation's :class:`GenerationResult` through a Deferred;
+1. ``submit`` a streamed generation; its tokens come back on the reactor thread as
+   :class:`TokenBatch` values through the ``on_tokens`` callback (the same value the head
+   passes on to its HTTP writer), and the generation's :class:`GenerationResult` through a
+   Deferred;
 2. ``statistics`` for NODE_STATUS;
 3. ``context_window`` (``max_context_tokens`` in the capacity summary);
 4. ``stage_forward`` for pipeline stages (docs/protocol.md section 7.6).
@@ -21,7 +23,7 @@ import enum
 import math
 import struct
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -130,18 +132,59 @@ class StageResult:
     token: int | None = None
 
 
-class TokenSink(Protocol):
-    """Where an engine hands a generation's tokens, in order, each exactly once.
+@dataclass(frozen=True, slots=True)
+class TokenBatch:
+    """The one value a generation's tokens travel in, from the engine's delivery to the head's
+    HTTP writer: tokens in order and, when the generation asked for them, one
+    :class:`TokenLogprob` per token (docs/protocol.md section 12.1).
 
-    An engine calls ``on_tokens(tokens)`` for a generation whose ``params.logprobs`` is 0, and
-    ``on_tokens(tokens, logprobs)`` (one :class:`TokenLogprob` per token, with
-    ``params.logprobs - 1`` alternatives each) for one that asked for them, when it
-    ``supports_logprobs``.
+    Every hop passes the batch on as it is (the tuples are shared, never copied); only where
+    batches are really joined (the node's coalescing, the tokens held for a head that does not
+    read) is a new one built, with :meth:`join`.  A field added later (text the head derives
+    from the tokens, a parsed tool call) gets a default, so every producer stays valid.
     """
 
-    def __call__(
-        self, tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None = None, /
-    ) -> None: ...
+    tokens: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    """One per token, or None: the generation did not ask for logprobs."""
+
+    def __post_init__(self) -> None:
+        if self.logprobs is not None and len(self.logprobs) != len(self.tokens):
+            raise ValueError(
+                f"{len(self.logprobs)} logprobs for {len(self.tokens)} tokens: a batch carries "
+                "one per token or none"
+            )
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __iter__(self) -> Iterator[int]:
+        """A batch iterates as its tokens (``seen.extend(batch)`` keeps the tokens)."""
+        return iter(self.tokens)
+
+    @staticmethod
+    def join(batches: Sequence[TokenBatch]) -> TokenBatch:
+        """The batches one after the other, as one batch (the only place one is copied).
+
+        :raises ValueError: some batches carry logprobs and others do not (a generation's
+            stream carries them throughout or not at all)."""
+        if len(batches) == 1:
+            return batches[0]
+        tokens = tuple(token for batch in batches for token in batch.tokens)
+        with_logprobs = sum(batch.logprobs is not None for batch in batches)
+        if not with_logprobs:
+            return TokenBatch(tokens)
+        if with_logprobs != len(batches):
+            raise ValueError("batches with and without logprobs cannot be joined")
+        return TokenBatch(tokens, tuple(e for batch in batches for e in batch.logprobs or ()))
+
+
+EMPTY_BATCH = TokenBatch(())
+"""A batch of no tokens."""
+
+TokenSink = Callable[[TokenBatch], None]
+"""Where a generation's batches go, in order, each token exactly once: an engine's
+``on_tokens``, a head link's, the fleet's and the HTTP writer's alike."""
 
 
 class Generation(Protocol):
@@ -172,7 +215,7 @@ class Engine(Protocol):
     @property
     def supports_logprobs(self) -> bool:
         """Whether the engine hands over token logprobs to a generation whose
-        ``params.logprobs`` asks (the two-argument :class:`TokenSink` call); the node then
+        ``params.logprobs`` asks (in each :class:`TokenBatch`); the node then
         offers ``FEATURE_LOGPROBS`` (docs/protocol.md section 12.1)."""
 
     @property
@@ -626,10 +669,7 @@ class MockEngine:
         generation.context.append(token)
         generation.produced.append(token)
         self._decoded += 1
-        if logprob is None:
-            generation.on_tokens((token,))
-        else:
-            generation.on_tokens((token,), (logprob,))
+        generation.on_tokens(TokenBatch((token,), None if logprob is None else (logprob,)))
         if generation.cancelled or generation.result.called:
             return
         if token == self._eos_token_id or (

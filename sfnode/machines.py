@@ -15,7 +15,7 @@ tables for readers of the protocol; section numbers in this module are those of 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -25,7 +25,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
-from sfnode.generation import EngineStop, GenerationResult, TokenLogprob
+from sfnode.generation import EngineStop, GenerationResult, TokenBatch
 from sfnode.idempotency import GenerationKey, LeaseClock
 from sfnode.wire import (
     FINISH_CANCELLED,
@@ -503,7 +503,7 @@ SessionMachine = _session.build()
 
 
 class GenerationInputs(Protocol):
-    def tokens(self, batch: Sequence[int], logprobs: Sequence[TokenLogprob] | None = None) -> None:
+    def tokens(self, batch: TokenBatch) -> None:
         """The engine handed over new tokens (with one logprob each, when the generation
         asked for them: docs/protocol.md section 12.1)."""
 
@@ -527,11 +527,9 @@ class GenerationInputs(Protocol):
 
 
 class GenerationOwner(Protocol):
-    def emit_tokens(
-        self, tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None = None
-    ) -> bool:
-        """Emit one Tokens event (TokensLogprobs when ``logprobs`` is given, one per token);
-        False when the session refuses (fenced or superseded)."""
+    def emit_tokens(self, batch: TokenBatch) -> bool:
+        """Emit one Tokens event (TokensLogprobs when the batch carries logprobs); False when
+        the session refuses (fenced or superseded)."""
 
     def emit_finish(self, reason: int) -> None: ...
 
@@ -550,32 +548,27 @@ class GenerationCore:
     owner: GenerationOwner
     coalesce_tokens: int
     coalesce_ms: int
-    pending: list[int] = field(default_factory=list)
-    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
-    """The logprobs of ``pending``, one per token, for a generation that asked for them
-    (coalesced with their tokens, never sent apart from them); else empty."""
+    pending: list[TokenBatch] = field(default_factory=list)
+    """The batches not sent yet (their logprobs travel with them, never apart)."""
+    pending_tokens: int = 0
     last_flush: float = 0.0
 
-    def collect(self, batch: Sequence[int], logprobs: Sequence[TokenLogprob] | None) -> None:
-        self.pending.extend(batch)
-        if logprobs is not None:
-            self.pending_logprobs.extend(logprobs)
+    def collect(self, batch: TokenBatch) -> None:
+        if batch.tokens:
+            self.pending.append(batch)
+            self.pending_tokens += len(batch)
 
     def discard(self) -> None:
         self.pending.clear()
-        self.pending_logprobs.clear()
+        self.pending_tokens = 0
 
     def flush(self, inputs: GenerationInputs) -> None:
         if not self.pending:
             return
-        batch, self.pending = self.pending, []
-        logprobs, self.pending_logprobs = self.pending_logprobs, []
+        batches, self.pending = self.pending, []
+        self.pending_tokens = 0
         self.last_flush = self.clock.seconds()
-        if logprobs:
-            sent = self.owner.emit_tokens(batch, logprobs)
-        else:
-            sent = self.owner.emit_tokens(batch)
-        if not sent:
+        if not self.owner.emit_tokens(TokenBatch.join(batches)):
             inputs._fenced()
 
 
@@ -590,12 +583,7 @@ class Coalescing:
         self.flush_call = None
 
 
-def _running(
-    inputs: GenerationInputs,
-    core: GenerationCore,
-    batch: Sequence[int],
-    logprobs: Sequence[TokenLogprob] | None = None,
-) -> Coalescing:
+def _running(inputs: GenerationInputs, core: GenerationCore, batch: TokenBatch) -> Coalescing:
     core.last_flush = core.clock.seconds()
     return Coalescing()
 
@@ -616,28 +604,19 @@ _g_done = _generation.state("done")
 
 
 @_g_new.upon(GenerationInputs.tokens).to(_g_running)
-def _first_tokens(
-    inputs: GenerationInputs,
-    core: GenerationCore,
-    batch: Sequence[int],
-    logprobs: Sequence[TokenLogprob] | None = None,
-) -> None:
+def _first_tokens(inputs: GenerationInputs, core: GenerationCore, batch: TokenBatch) -> None:
     # The first tokens go out at once: holding them for the coalescing window would add up to
     # 200 ms to every time-to-first-token.  Coalescing starts from this flush.
-    core.collect(batch, logprobs)
+    core.collect(batch)
     core.flush(inputs)
 
 
 @_g_running.upon(GenerationInputs.tokens).loop()
 def _collect(
-    inputs: GenerationInputs,
-    core: GenerationCore,
-    data: Coalescing,
-    batch: Sequence[int],
-    logprobs: Sequence[TokenLogprob] | None = None,
+    inputs: GenerationInputs, core: GenerationCore, data: Coalescing, batch: TokenBatch
 ) -> None:
-    core.collect(batch, logprobs)
-    if len(core.pending) >= core.coalesce_tokens:
+    core.collect(batch)
+    if core.pending_tokens >= core.coalesce_tokens:
         data.stop()
         core.flush(inputs)
     elif data.flush_call is None:
@@ -749,32 +728,17 @@ def _failed_fenced(inputs: GenerationInputs, core: GenerationCore, reason: str) 
 # Deliberately quiet pairs: tokens after a stop are never sent; repeated cancels and stale
 # timers do nothing.
 @_g_cancelling.upon(GenerationInputs.tokens).loop()
-def _drop_after_cancel(
-    inputs: GenerationInputs,
-    core: GenerationCore,
-    batch: Sequence[int],
-    logprobs: Sequence[TokenLogprob] | None = None,
-) -> None:
+def _drop_after_cancel(inputs: GenerationInputs, core: GenerationCore, batch: TokenBatch) -> None:
     pass
 
 
 @_g_fenced.upon(GenerationInputs.tokens).loop()
-def _drop_after_fence(
-    inputs: GenerationInputs,
-    core: GenerationCore,
-    batch: Sequence[int],
-    logprobs: Sequence[TokenLogprob] | None = None,
-) -> None:
+def _drop_after_fence(inputs: GenerationInputs, core: GenerationCore, batch: TokenBatch) -> None:
     pass
 
 
 @_g_done.upon(GenerationInputs.tokens).loop()
-def _drop_after_done(
-    inputs: GenerationInputs,
-    core: GenerationCore,
-    batch: Sequence[int],
-    logprobs: Sequence[TokenLogprob] | None = None,
-) -> None:
+def _drop_after_done(inputs: GenerationInputs, core: GenerationCore, batch: TokenBatch) -> None:
     pass
 
 

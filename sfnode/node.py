@@ -63,6 +63,7 @@ from sfnode.generation import (
     GenerationResult,
     StageForwardError,
     StageResult,
+    TokenBatch,
     TokenLogprob,
 )
 from sfnode.idempotency import GenerationKey
@@ -223,28 +224,26 @@ class HeadSessions:
 # Generations
 
 
-def checked_logprobs(
-    tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None, asked: int
-) -> list[TokenLogprob]:
-    """An engine's logprobs for ``tokens`` as a TokensLogprobs event may carry them
-    (docs/protocol.md section 12.1): ``asked - 1`` alternatives at most (none when ``asked`` is
-    1), every value clamped into ``[-f32 max, 0]`` (rounding above 0, and -inf for a token
-    the engine gave no chance).
+def checked_logprobs(batch: TokenBatch, asked: int) -> TokenBatch:
+    """An engine's batch as a TokensLogprobs event may carry it (docs/protocol.md section
+    12.1): ``asked - 1`` alternatives at most (none when ``asked`` is 1), every value clamped
+    into ``[-f32 max, 0]`` (rounding above 0, and -inf for a token the engine gave no chance).
 
-    :raises ValueError: no logprobs, not one per token, or a NaN (an engine fault).
+    :raises ValueError: no logprobs, or a NaN (an engine fault).
     """
-    if logprobs is None:
+    if batch.logprobs is None:
         raise ValueError("the engine handed over tokens without their logprobs")
-    if len(logprobs) != len(tokens):
-        raise ValueError(f"the engine gave {len(logprobs)} logprobs for {len(tokens)} tokens")
     alternatives = asked - 1
-    return [
-        TokenLogprob(
-            _clamped(entry.logprob),
-            tuple((token, _clamped(value)) for token, value in entry.top[:alternatives]),
-        )
-        for entry in logprobs
-    ]
+    return TokenBatch(
+        batch.tokens,
+        tuple(
+            TokenLogprob(
+                _clamped(entry.logprob),
+                tuple((token, _clamped(value)) for token, value in entry.top[:alternatives]),
+            )
+            for entry in batch.logprobs
+        ),
+    )
 
 
 def _clamped(value: float) -> float:
@@ -268,51 +267,49 @@ class NodeGeneration:
     1 to LOGPROBS_MAX sends TokensLogprobs with n - 1 alternatives (docs/protocol.md 12.1)."""
     machine: GenerationInputs = field(init=False)
     engine_generation: Generation | None = None
-    held: list[int] = field(default_factory=list)
-    """Tokens not emitted yet because the head stopped reading (bounded by max_held_tokens)."""
-    held_logprobs: list[TokenLogprob] = field(default_factory=list)
-    """Their logprobs, when the generation asked for them."""
+    held: list[TokenBatch] = field(default_factory=list)
+    """Batches not emitted yet because the head stopped reading (bounded by max_held_tokens)."""
+    held_tokens: int = 0
 
-    def emit_tokens(
-        self, tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None = None
-    ) -> bool:
+    def emit_tokens(self, batch: TokenBatch) -> bool:
         connection = self.connection
         if connection.open and not connection.writable:
-            self.held.extend(tokens)
-            self.held_logprobs.extend(logprobs or ())
+            self.held.append(batch)
+            self.held_tokens += len(batch)
             cap = self.agent.config.max_held_tokens
-            if cap and len(self.held) > cap:
+            if cap and self.held_tokens > cap:
                 log.warn(
                     "stopped generation {generation} of session {session}: its head at {peer} "
                     "has not read for {count} tokens (max_held_tokens {cap})",
                     generation=self.key.generation_id,
                     session=self.key.session_id,
                     peer=connection.peer,
-                    count=len(self.held),
+                    count=self.held_tokens,
                     cap=cap,
                 )
-                self.held.clear()
-                self.held_logprobs.clear()
+                self._take_held()
                 return False
             return True
-        held, self.held = self.held, []
-        held_logprobs, self.held_logprobs = self.held_logprobs, []
-        return self._emit(self._payload((*held, *tokens), (*held_logprobs, *(logprobs or ()))))
+        return self._emit(self._payload(TokenBatch.join([*self._take_held(), batch])))
 
     def release_held(self) -> None:
         """The head reads again: send what was held (a refusal stops it at the next flush)."""
         if self.held:
-            held, self.held = self.held, []
-            held_logprobs, self.held_logprobs = self.held_logprobs, []
-            self._emit(self._payload(held, held_logprobs))
+            self._emit(self._payload(TokenBatch.join(self._take_held())))
 
-    def _payload(self, tokens: Sequence[int], logprobs: Sequence[TokenLogprob]) -> Tokens:
+    def _take_held(self) -> list[TokenBatch]:
+        held, self.held = self.held, []
+        self.held_tokens = 0
+        return held
+
+    def _payload(self, batch: TokenBatch) -> Tokens:
         """Tokens, or TokensLogprobs for a generation that asked for logprobs (coalesced
         together, so an event carries the logprobs of exactly its tokens)."""
         if not self.logprobs:
-            return Tokens(tuple(tokens))
+            return Tokens(batch.tokens)
+        logprobs = batch.logprobs or ()
         return TokensLogprobs(
-            tuple(tokens),
+            batch.tokens,
             tuple(entry.logprob for entry in logprobs),
             tuple(entry.top for entry in logprobs) if self.logprobs > 1 else (),
         )
@@ -842,14 +839,12 @@ class NodeAgent:
         self._generations[key] = generation
         self._load.busy.started(self.now_ms())
 
-        def on_tokens(
-            tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None = None
-        ) -> None:
+        def on_tokens(batch: TokenBatch) -> None:
             if not asked:
-                machine.tokens(tokens)
+                machine.tokens(batch if batch.logprobs is None else TokenBatch(batch.tokens))
                 return
             try:
-                checked = checked_logprobs(tokens, logprobs, asked)
+                checked = checked_logprobs(batch, asked)
             except ValueError as e:
                 log.error(
                     "generation {generation} of session {session}: {error}",
@@ -860,7 +855,7 @@ class NodeAgent:
                 generation.stop_engine()
                 machine.failed(str(e))
                 return
-            machine.tokens(tokens, checked)
+            machine.tokens(checked)
 
         engine_generation = self.engine.submit(request, on_tokens)
         generation.engine_generation = engine_generation

@@ -37,6 +37,7 @@ from sfnode.generation import (
     GenerationResult,
     StageForwardError,
     StreamTooLong,
+    TokenBatch,
 )
 from sfnode.sampler import (
     candidates,
@@ -929,10 +930,10 @@ class LogprobTests(EngineTestCase):
         prompt = prompts(1, seed=51)[0]
         got: list[Any] = []
 
-        def sink(tokens: Sequence[int], logprobs: Any = None) -> None:
-            self.assertIsNotNone(logprobs)
-            self.assertEqual(len(logprobs), len(tokens))
-            got.extend(zip(tokens, logprobs, strict=True))
+        def sink(batch: TokenBatch) -> None:
+            self.assertIsNotNone(batch.logprobs)
+            self.assertEqual(len(batch.logprobs or ()), len(batch.tokens))
+            got.extend(zip(batch.tokens, batch.logprobs or (), strict=True))
 
         self.assertTrue(self.engine.supports_logprobs)
         request = GenerationRequest(prompt, GenParams(logprobs=4), 8)
@@ -952,13 +953,13 @@ class LogprobTests(EngineTestCase):
     def test_sampled_logprobs_cover_the_kept_candidates(self) -> Any:
         """Under sampling, logprobs are those of the kept candidates renormalised: the chosen
         token is one of them, values are at most 0, and a generation that asks for none gets
-        the one-argument call."""
+        batches without them."""
         params = GenParams(temperature=0.9, top_k=5, seed=3, logprobs=21)
         calls: list[tuple[int, Any]] = []
 
-        def sink(tokens: Sequence[int], logprobs: Any = None) -> None:
-            calls.append((len(tokens), logprobs))
-            for token, logprob in zip(tokens, logprobs, strict=True):
+        def sink(batch: TokenBatch) -> None:
+            calls.append((len(batch), batch.logprobs))
+            for token, logprob in zip(batch.tokens, batch.logprobs or (), strict=True):
                 ids = [i for i, _ in logprob.top]
                 self.assertLessEqual(len(ids), 5)
                 self.assertIn(token, ids)
@@ -968,6 +969,8 @@ class LogprobTests(EngineTestCase):
 
         yield self.engine.submit(GenerationRequest([5, 6, 7], params, 10), sink).result
         self.assertEqual(sum(n for n, _ in calls), 10)
-        plain: list[Any] = []
+        self.assertNotIn(None, [logprobs for _, logprobs in calls])
+        plain: list[TokenBatch] = []
         yield self.engine.submit(GenerationRequest([5, 6, 7], GenParams(), 3), plain.append).result
         self.assertEqual(sum(len(batch) for batch in plain), 3)
+        self.assertEqual({batch.logprobs for batch in plain}, {None})

@@ -22,7 +22,7 @@ from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
 from sfnode.config import NodeConfig
-from sfnode.generation import MOCK_LAYERS, MOCK_VOCAB_SIZE, MockEngine
+from sfnode.generation import MOCK_LAYERS, MOCK_VOCAB_SIZE, MockEngine, TokenBatch
 from sfnode.head.fleet import (
     Fleet,
     FleetGeneration,
@@ -626,9 +626,9 @@ class LivenessTests(FleetTestCase):
         def submit_and_watch(request: Any, on_tokens: Any) -> Any:
             made: list[int] = []
 
-            def watched(tokens: Sequence[int]) -> None:
-                on_tokens(tokens)
-                made.extend(tokens)
+            def watched(batch: TokenBatch) -> None:
+                on_tokens(batch)
+                made.extend(batch.tokens)
                 if len(made) >= 7 and not killed:
                     killed.append(True)
                     reactor.callLater(0, self.kill, a)

@@ -19,6 +19,7 @@ from twisted.internet.endpoints import TCP4ServerEndpoint
 from sfnode.config import NodeConfig
 from sfnode.generation import (
     MockEngine,
+    TokenBatch,
     TokenLogprob,
     mock_logits,
     mock_next_token,
@@ -54,17 +55,17 @@ def greedy_logprobs(
 
 
 class Recorder:
-    """An ``on_tokens`` sink that records how it was called."""
+    """An ``on_tokens`` sink that records the batches it got."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[Any, ...]] = []
+        self.batches: list[TokenBatch] = []
 
-    def __call__(self, *args: Any) -> None:
-        self.calls.append(args)
+    def __call__(self, batch: TokenBatch) -> None:
+        self.batches.append(batch)
 
     @property
     def logprobs(self) -> list[TokenLogprob]:
-        return [lp for call in self.calls for lp in call[1]]
+        return [lp for batch in self.batches for lp in batch.logprobs or ()]
 
 
 class _ClaimingNode(NodeAgent):
@@ -86,9 +87,9 @@ class _ClaimingNode(NodeAgent):
 class LinkAndFleetTests(FleetTestCase):
     @defer.inlineCallbacks
     def test_the_link_hands_logprobs_over_with_their_tokens(self) -> Gen:
-        """A session whose GenParams ask (logprobs 3) gets on_tokens(tokens, logprobs) with one
-        TokenLogprob per token, the mock's greedy values and two alternatives; a session that
-        does not ask gets on_tokens(tokens); the link reports the node's feature bit."""
+        """A session whose GenParams ask (logprobs 3) gets batches with one TokenLogprob per
+        token, the mock's greedy values and two alternatives; a session that does not ask gets
+        batches without logprobs; the link reports the node's feature bit."""
         node = yield self.start_node()
         link = yield self.dial(node)
         self.assertEqual((link.features or 0) & FEATURE_LOGPROBS, FEATURE_LOGPROBS)
@@ -101,11 +102,11 @@ class LinkAndFleetTests(FleetTestCase):
         second = yield link.generate(2, 30, on_tokens=plain).result
         self.assertEqual(first.tokens, expected_tokens(PROMPT, 30))
         self.assertEqual(second.tokens, first.tokens)
-        self.assertEqual({len(c) for c in asked.calls}, {2})
-        for tokens, logprobs in asked.calls:
-            self.assertEqual(len(tokens), len(logprobs))
+        self.assertEqual({batch.logprobs is None for batch in asked.batches}, {False})
+        for batch in asked.batches:
+            self.assertEqual(len(batch.tokens), len(batch.logprobs or ()))
         self.assertEqual(asked.logprobs, greedy_logprobs(PROMPT, 30, 3))
-        self.assertEqual({len(c) for c in plain.calls}, {1})
+        self.assertEqual({batch.logprobs is None for batch in plain.batches}, {True})
 
     @defer.inlineCallbacks
     def test_a_node_with_the_bit_that_sends_plain_tokens_breaks_its_link(self) -> Gen:
@@ -174,9 +175,9 @@ class LinkAndFleetTests(FleetTestCase):
         recorder = Recorder()
         killed: list[bool] = []
 
-        def seen(tokens: Sequence[int], logprobs: Any = None) -> None:
-            recorder(tokens, logprobs)
-            if sum(len(c[0]) for c in recorder.calls) >= 7 and not killed:
+        def seen(batch: TokenBatch) -> None:
+            recorder(batch)
+            if sum(len(b) for b in recorder.batches) >= 7 and not killed:
                 killed.append(True)
                 reactor.callLater(0, self.kill, first)
 

@@ -6,15 +6,13 @@ runs it, in tests/test_agent_session.py.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.generation import EngineStop, GenerationResult, TokenLogprob
+from sfnode.generation import EngineStop, GenerationResult, TokenBatch, TokenLogprob
 from sfnode.idempotency import GenerationKey, LeaseClock
 from sfnode.machines import (
     ConnectionCore,
@@ -318,12 +316,13 @@ class RecordingGeneration:
         self.accept = accept
         self.log: list[object] = []
 
-    def emit_tokens(self, tokens: Sequence[int], logprobs: Sequence[Any] | None = None) -> bool:
+    def emit_tokens(self, batch: TokenBatch) -> bool:
         if self.accept <= 0:
             self.log.append("refused")
             return False
         self.accept -= 1
-        self.log.append(list(tokens) if logprobs is None else (list(tokens), list(logprobs)))
+        tokens, logprobs = list(batch.tokens), batch.logprobs
+        self.log.append(tokens if logprobs is None else (tokens, list(logprobs)))
         return True
 
     def emit_finish(self, reason: int) -> None:
@@ -348,26 +347,26 @@ class GenerationMachineTests(SynchronousTestCase):
     def test_first_tokens_go_out_at_once(self) -> None:
         """The first batch is flushed as it arrives (no wait for time-to-first-token)."""
         _clock, owner, machine = self.build()
-        machine.tokens([7])  # type: ignore[attr-defined]
+        machine.tokens(TokenBatch((7,)))  # type: ignore[attr-defined]
         self.assertEqual(owner.log, [[7]])
 
     def test_sixteen_tokens_flush_at_once(self) -> None:
         """Coalescing: after the first batch, the 16th pending token flushes one event."""
         _clock, owner, machine = self.build()
-        machine.tokens([99])  # type: ignore[attr-defined]
+        machine.tokens(TokenBatch((99,)))  # type: ignore[attr-defined]
         for t in range(15):
-            machine.tokens([t])  # type: ignore[attr-defined]
+            machine.tokens(TokenBatch((t,)))  # type: ignore[attr-defined]
         self.assertEqual(owner.log, [[99]])
-        machine.tokens([15])  # type: ignore[attr-defined]
+        machine.tokens(TokenBatch((15,)))  # type: ignore[attr-defined]
         self.assertEqual(owner.log, [[99], list(range(16))])
 
     def test_logprobs_are_coalesced_with_their_tokens(self) -> None:
         """Tokens handed over with logprobs are emitted with exactly their own logprobs, in the
         same events as without (first at once, then 16 at a time or after 200 ms)."""
         clock, owner, machine = self.build()
-        machine.tokens([99], [TokenLogprob(-0.5)])  # type: ignore[attr-defined]
+        machine.tokens(TokenBatch((99,), (TokenLogprob(-0.5),)))  # type: ignore[attr-defined]
         for t in range(18):
-            machine.tokens([t], [TokenLogprob(-t - 1.0)])  # type: ignore[attr-defined]
+            machine.tokens(TokenBatch((t,), (TokenLogprob(-t - 1.0),)))  # type: ignore[attr-defined]
         clock.advance(0.2)
         self.assertEqual(
             owner.log,
@@ -381,10 +380,10 @@ class GenerationMachineTests(SynchronousTestCase):
     def test_slow_tokens_flush_after_200_ms(self) -> None:
         """Fewer than 16 tokens are flushed 200 ms after the last flush, by a timer."""
         clock, owner, machine = self.build()
-        machine.tokens([0])  # type: ignore[attr-defined]
-        machine.tokens([1])  # type: ignore[attr-defined]
+        machine.tokens(TokenBatch((0,)))  # type: ignore[attr-defined]
+        machine.tokens(TokenBatch((1,)))  # type: ignore[attr-defined]
         clock.advance(0.1)
-        machine.tokens([2])  # type: ignore[attr-defined]
+        machine.tokens(TokenBatch((2,)))  # type: ignore[attr-defined]
         clock.advance(0.099)
         self.assertEqual(owner.log, [[0]])
         clock.advance(0.001)
@@ -399,7 +398,7 @@ class GenerationMachineTests(SynchronousTestCase):
             (EngineStop.CANCELLED, FINISH_CANCELLED),
         ]:
             clock, owner, machine = self.build()
-            machine.tokens([5, 6])  # type: ignore[attr-defined]
+            machine.tokens(TokenBatch((5, 6)))  # type: ignore[attr-defined]
             machine.finished(GenerationResult((5, 6), stop))  # type: ignore[attr-defined]
             self.assertEqual(owner.log, [[5, 6], ("finish", reason), "done"])
             self.assertEqual(clock.getDelayedCalls(), [])
@@ -408,18 +407,18 @@ class GenerationMachineTests(SynchronousTestCase):
         """Cancel: pending tokens go out, the engine is stopped, later tokens are never sent,
         and the Finish says CANCELLED whatever the engine reports."""
         _clock, owner, machine = self.build()
-        machine.tokens([1, 2])  # type: ignore[attr-defined]
+        machine.tokens(TokenBatch((1, 2)))  # type: ignore[attr-defined]
         machine.cancel()  # type: ignore[attr-defined]
-        machine.tokens([3])  # type: ignore[attr-defined]
+        machine.tokens(TokenBatch((3,)))  # type: ignore[attr-defined]
         machine.finished(GenerationResult((1, 2, 3), EngineStop.LENGTH))  # type: ignore[attr-defined]
         self.assertEqual(owner.log, [[1, 2], "stop_engine", ("finish", FINISH_CANCELLED), "done"])
 
     def test_fenced_emit_stops_without_finish(self) -> None:
         """An emit refused by the session state stops the engine and sends no Finish."""
         _clock, owner, machine = self.build(accept=1)
-        machine.tokens(list(range(16)))  # type: ignore[attr-defined]
-        machine.tokens(list(range(16)))  # type: ignore[attr-defined]
-        machine.tokens([1])  # type: ignore[attr-defined]
+        machine.tokens(TokenBatch(tuple(range(16))))  # type: ignore[attr-defined]
+        machine.tokens(TokenBatch(tuple(range(16))))  # type: ignore[attr-defined]
+        machine.tokens(TokenBatch((1,)))  # type: ignore[attr-defined]
         machine.finished(GenerationResult((), EngineStop.LENGTH))  # type: ignore[attr-defined]
         self.assertEqual(owner.log, [list(range(16)), "refused", "stop_engine", "done"])
 
@@ -432,7 +431,7 @@ class GenerationMachineTests(SynchronousTestCase):
     def test_engine_failure_fails_the_connection(self) -> None:
         """An engine error asks the owner to fail (close the asking connection), no Finish."""
         clock, owner, machine = self.build()
-        machine.tokens([1])  # type: ignore[attr-defined]
+        machine.tokens(TokenBatch((1,)))  # type: ignore[attr-defined]
         machine.failed("boom")  # type: ignore[attr-defined]
         self.assertEqual(owner.log, [[1], ("fail", "boom"), "done"])
         self.assertEqual(clock.getDelayedCalls(), [])

@@ -19,6 +19,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from sfnode.generation import (
     GenerationRequest,
     MockEngine,
+    TokenBatch,
     TokenLogprob,
     mock_logits,
     mock_next_token,
@@ -142,37 +143,38 @@ class MockLogprobTests(SynchronousTestCase):
         self.assertEqual(got.top, ())
 
     def test_the_engine_calls_the_sink_with_logprobs_only_when_asked(self) -> None:
-        """A generation asking for logprobs gets the two-argument call with one TokenLogprob per
-        token (those of a greedy run); one that does not, or one on a mock built without
-        logprobs, gets the one-argument call; the tokens are the same in every case."""
+        """A generation asking for logprobs gets batches with one TokenLogprob per token (those
+        of a greedy run); one that does not, or one on a mock built without logprobs, gets
+        batches without logprobs; the tokens are the same in every case."""
         from twisted.internet.task import Clock
 
-        def run(engine: MockEngine, logprobs: int) -> list[tuple[Any, ...]]:
-            calls: list[tuple[Any, ...]] = []
+        def run(engine: MockEngine, logprobs: int) -> list[TokenBatch]:
+            batches: list[TokenBatch] = []
             engine.submit(
-                GenerationRequest(PROMPT, GenParams(logprobs=logprobs), 5),
-                lambda *args: calls.append(args),
+                GenerationRequest(PROMPT, GenParams(logprobs=logprobs), 5), batches.append
             )
             clock.advance(0)
             for _ in range(6):
                 clock.advance(0)
-            return calls
+            return batches
 
         clock = Clock()
         asked = run(MockEngine(clock), 3)
-        self.assertEqual([len(c) for c in asked], [2] * 5)
-        self.assertEqual([t for c in asked for t in c[0]], expected_tokens(PROMPT, 5))
+        self.assertEqual([b.logprobs is not None for b in asked], [True] * 5)
+        self.assertEqual([t for b in asked for t in b.tokens], expected_tokens(PROMPT, 5))
         context = list(PROMPT)
-        for (token,), (entry,) in asked:
+        for batch in asked:
+            ((token,), (entry,)) = batch.tokens, batch.logprobs or ()
             values = log_softmax(mock_logits(context))
             self.assertAlmostEqual(entry.logprob, values[token], places=12)
             self.assertEqual(len(entry.top), 2)
             context.append(token)
         plain = run(MockEngine(clock), 0)
-        self.assertEqual([len(c) for c in plain], [1] * 5)
+        self.assertEqual([b.logprobs is None for b in plain], [True] * 5)
+        self.assertEqual([t for b in plain for t in b.tokens], expected_tokens(PROMPT, 5))
         without = MockEngine(clock, supports_logprobs=False)
         self.assertFalse(without.supports_logprobs)
-        self.assertEqual([len(c) for c in run(without, 3)], [1] * 5)
+        self.assertEqual([b.logprobs is None for b in run(without, 3)], [True] * 5)
 
 
 class CheckedLogprobsTests(SynchronousTestCase):
@@ -182,20 +184,20 @@ class CheckedLogprobsTests(SynchronousTestCase):
         """Values above 0 become 0, -inf becomes the most negative f32, and no more than
         ``asked - 1`` alternatives are kept (none for 1)."""
         entry = TokenLogprob(1e-9, ((1, 2e-9), (2, -math.inf), (3, -1.0)))
-        (checked,) = checked_logprobs([1], [entry], 3)
+        (checked,) = checked_logprobs(TokenBatch((1,), (entry,)), 3).logprobs or ()
         self.assertEqual(checked, TokenLogprob(0.0, ((1, 0.0), (2, -F32_MAX))))
-        (alone,) = checked_logprobs([1], [entry], 1)
+        (alone,) = checked_logprobs(TokenBatch((1,), (entry,)), 1).logprobs or ()
         self.assertEqual(alone.top, ())
 
     def test_an_engine_fault_is_a_clear_error(self) -> None:
-        """No logprobs, a count that differs from the tokens', or a NaN is a ValueError that
-        says which."""
+        """No logprobs, a count that differs from the tokens' (refused by the batch itself),
+        or a NaN is a ValueError that says which."""
         with self.assertRaisesRegex(ValueError, "without their logprobs"):
-            checked_logprobs([1], None, 2)
+            checked_logprobs(TokenBatch((1,)), 2)
         with self.assertRaisesRegex(ValueError, "2 logprobs for 1 tokens"):
-            checked_logprobs([1], [TokenLogprob(-1.0)] * 2, 2)
+            checked_logprobs(TokenBatch((1,), (TokenLogprob(-1.0),) * 2), 2)
         with self.assertRaisesRegex(ValueError, "NaN"):
-            checked_logprobs([1], [TokenLogprob(math.nan)], 2)
+            checked_logprobs(TokenBatch((1,), (TokenLogprob(math.nan),)), 2)
 
 
 def assign(head: RawHead, session: int, epoch: int, params: GenParams | None) -> None:
@@ -381,7 +383,7 @@ class _NaNAfter:
         if self._poison not in request.context:
             return self._engine.submit(request, on_tokens)
 
-        def spoiled(tokens: Sequence[int], logprobs: Any = None) -> None:
-            on_tokens(tokens, [TokenLogprob(math.nan)] * len(tokens))
+        def spoiled(batch: TokenBatch) -> None:
+            on_tokens(TokenBatch(batch.tokens, (TokenLogprob(math.nan),) * len(batch)))
 
         return self._engine.submit(request, spoiled)

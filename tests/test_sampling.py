@@ -38,6 +38,7 @@ from sfnode.generation import (
     GenerationRequest,
     GenerationResult,
     MockEngine,
+    TokenBatch,
     mock_logits,
     mock_next_token,
     mock_token,
@@ -108,9 +109,9 @@ def kill_after(engines: Sequence[Any], count: int, kill: Callable[[int], Any]) -
         def watching(request: Any, on_tokens: Any, index: int = index, submit: Any = submit) -> Any:
             made: list[int] = []
 
-            def watched(tokens: Sequence[int]) -> None:
-                on_tokens(tokens)
-                made.extend(tokens)
+            def watched(batch: TokenBatch) -> None:
+                on_tokens(batch)
+                made.extend(batch.tokens)
                 if len(made) >= count and not killed:
                     killed.append(index)
                     reactor.callLater(0, kill, index)

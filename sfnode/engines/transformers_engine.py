@@ -61,6 +61,7 @@ from sfnode.generation import (
     StageForwardError,
     StageResult,
     StreamTooLong,
+    TokenBatch,
     TokenLogprob,
     TokenSink,
 )
@@ -165,10 +166,8 @@ class _Generation:
             return
         self._delivered.extend(tokens)
         try:
-            if logprobs is None:
-                self._on_tokens(tokens)
-            else:
-                self._on_tokens(tokens, logprobs)
+            batch = TokenBatch(tuple(tokens), None if logprobs is None else tuple(logprobs))
+            self._on_tokens(batch)
         except Exception:
             log.failure("on_tokens raised; cancelling the generation")
             self.cancel()

@@ -2,31 +2,106 @@
 
 The HTTP layer (:mod:`sfnode.head.http`, :mod:`sfnode.head.metrics`) never reads the fleet's
 internals (its nodes, links or counters).  It asks a :class:`Backend` two things: run a
-generation (:meth:`Backend.generate`) and say how things stand (:meth:`Backend.status`, one
-:class:`BackendStatus` snapshot).  :class:`~sfnode.head.fleet.Fleet` is a Backend as it is;
-:class:`PipelineBackend` makes a pipeline driver one.
+generation (:meth:`Backend.generate`, its tokens streamed as
+:class:`~sfnode.generation.TokenBatch` values) and say how things stand
+(:meth:`Backend.status`, one :class:`BackendStatus` snapshot).  How a generation ends is
+declared here too: :class:`FleetOutcome` and the :class:`FleetError` family, so that the HTTP
+layer, the fleet and the pipeline driver all import them from here and none of them from
+another.  :class:`~sfnode.head.fleet.Fleet` and :class:`~sfnode.head.pipeline.PipelineFleet`
+are Backends as they are.
 
-This module must never import Twisted's reactor, the node side or torch, and never hold state:
-it is types and one thin adapter.
+This module must never import Twisted's reactor, another module of the head, the node side or
+torch, and never hold state: it is types only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from twisted.internet.defer import Deferred
 
 from sfnode.generation import TokenSink
 from sfnode.wire import CapacitySummary, GenParams, RequestClass
 
-if TYPE_CHECKING:
-    from sfnode.head.fleet import FleetOutcome
-    from sfnode.head.pipeline import PipelineFleet
-
-
 _DEFAULT_PARAMS = GenParams()
+
+
+# --------------------------------------------------------------------------------------------
+# How a generation ends
+
+
+@dataclass(frozen=True, slots=True)
+class FleetOutcome:
+    """How a fleet generation ended: every token delivered, in order, and the finish reason."""
+
+    tokens: list[int]
+    finish: int
+    node: str
+    """The node that finished it."""
+    failovers: int
+
+
+class FleetError(Exception):
+    """A request the fleet cannot serve."""
+
+
+class NoNodeAvailable(FleetError):
+    """No live node could take the request (none came back or freed a lane in time, or none
+    serves the model)."""
+
+
+class QueueFull(FleetError):
+    """Every live node is busy and the queue of waiting requests is full."""
+
+
+class ClientQueueFull(QueueFull):
+    """The client's address already holds its share of the queue (``max_client_queued``)."""
+
+    def __init__(self, address: str, limit: int) -> None:
+        super().__init__(
+            f"this client address has {limit} generations waiting for a lane, the most one "
+            "address may have waiting (--max-client-queued); retry when some have started"
+        )
+        self.address = address
+        self.limit = limit
+
+
+class NodeDown(FleetError):
+    """The session's node cannot be reached now."""
+
+
+class NodeDeclined(FleetError):
+    """The node answered FINISH_DECLINED (stale epoch, replayed command, or draining)."""
+
+
+class SessionClosed(FleetError):
+    """The session was closed; it cannot append or generate any more."""
+
+
+class GenerationTimedOut(FleetError):
+    """The generation passed its wall budget (``max_generation_s``) without ending."""
+
+
+class LogprobsUnavailable(FleetError):
+    """The request asks for logprobs and no node serving the model returns them (every one
+    of them has said so: its HELLO_ACK_F lacks FEATURE_LOGPROBS, docs/protocol.md 12.1)."""
+
+
+class ConstraintsUnavailable(FleetError):
+    """The generation has a constraint and no node serving the model honours constraints
+    (every one of them has said so: its HELLO_ACK_F lacks FEATURE_CONSTRAINTS,
+    docs/protocol.md section 12.3)."""
+
+
+class ConstraintRefused(FleetError):
+    """A node refused the generation's constraint (FINISH_REFUSED for a context that fits
+    it): a grammar its library cannot compile, or delivered tokens the grammar refuses."""
+
+
+# --------------------------------------------------------------------------------------------
+# Who asks, and what they are told
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,56 +212,35 @@ class Backend(Protocol):
         request_class: RequestClass = ...,
         requester: Requester = ...,
     ) -> GenerationHandle:
-        """Run one generation of ``prompt``; ``on_tokens(tokens)`` gets its tokens as they
-        come, or ``on_tokens(tokens, logprobs)`` when ``params.logprobs`` asks for them (a
-        backend that cannot return them fails the generation with
-        :class:`~sfnode.head.fleet.LogprobsUnavailable`); ``request_class`` says whether someone
+        """Run one generation of ``prompt``; ``on_tokens(batch)`` gets its tokens as they
+        come, one :class:`~sfnode.generation.TokenBatch` at a time, each token once, carrying
+        logprobs when ``params.logprobs`` asks for them (a backend that cannot return them
+        fails the generation with :class:`LogprobsUnavailable`); ``result`` fires with a
+        :class:`FleetOutcome` or fails with a :class:`FleetError` (or a link error);
+        ``request_class`` says whether someone
         waits on it (docs/protocol.md section 12.2); ``requester`` whose share of the queue it
         takes (section 8.5)."""
 
     def status(self, model: str | None = None) -> BackendStatus: ...
 
 
-class PipelineBackend:
-    """A pipeline driver as a :class:`Backend`: generations run across its stages, the status
-    is that of the fleet that keeps the stage links."""
-
-    def __init__(self, pipeline: PipelineFleet) -> None:
-        self.pipeline = pipeline
-
-    def generate(
-        self,
-        prompt: Sequence[int],
-        max_new: int,
-        *,
-        model: str | None = None,
-        params: GenParams = _DEFAULT_PARAMS,
-        on_tokens: TokenSink | None = None,
-        max_wall_ms: int = 0,
-        request_class: RequestClass = RequestClass.INTERACTIVE,
-        requester: Requester = ANONYMOUS,
-    ) -> GenerationHandle:
-        # A pipeline runs one generation at a time on its stages: there is no lane to keep,
-        # so neither the class nor the requester changes anything there.
-        return self.pipeline.generate(
-            prompt,
-            max_new,
-            model=model,
-            params=params,
-            on_tokens=on_tokens,
-            max_wall_ms=max_wall_ms,
-        )
-
-    def status(self, model: str | None = None) -> BackendStatus:
-        return self.pipeline.fleet.status(model)
-
-
 __all__ = [
     "ANONYMOUS",
     "Backend",
     "BackendStatus",
+    "ClientQueueFull",
+    "ConstraintRefused",
+    "ConstraintsUnavailable",
+    "FleetError",
+    "FleetOutcome",
     "GenerationHandle",
+    "GenerationTimedOut",
+    "LogprobsUnavailable",
+    "NoNodeAvailable",
+    "NodeDeclined",
+    "NodeDown",
     "NodeReport",
-    "PipelineBackend",
+    "QueueFull",
     "Requester",
+    "SessionClosed",
 ]

@@ -74,9 +74,21 @@ from twisted.internet.endpoints import clientFromString
 from twisted.internet.interfaces import IDelayedCall, IReactorTime, IStreamClientEndpoint
 from twisted.logger import Logger
 
-from sfnode.generation import KV_BLOCK_TOKENS, StreamTooLong, TokenLogprob, TokenSink
+from sfnode.generation import KV_BLOCK_TOKENS, StreamTooLong, TokenBatch, TokenSink
 from sfnode.head import placement
 from sfnode.head.backend import ANONYMOUS, BackendStatus, NodeReport, Requester
+from sfnode.head.backend import ClientQueueFull as ClientQueueFull
+from sfnode.head.backend import ConstraintRefused as ConstraintRefused
+from sfnode.head.backend import ConstraintsUnavailable as ConstraintsUnavailable
+from sfnode.head.backend import FleetError as FleetError
+from sfnode.head.backend import FleetOutcome as FleetOutcome
+from sfnode.head.backend import GenerationTimedOut as GenerationTimedOut
+from sfnode.head.backend import LogprobsUnavailable as LogprobsUnavailable
+from sfnode.head.backend import NodeDeclined as NodeDeclined
+from sfnode.head.backend import NodeDown as NodeDown
+from sfnode.head.backend import NoNodeAvailable as NoNodeAvailable
+from sfnode.head.backend import QueueFull as QueueFull
+from sfnode.head.backend import SessionClosed as SessionClosed
 from sfnode.head.fairqueue import FairQueue
 from sfnode.head.link import (
     DEFAULT_HANDSHAKE_TIMEOUT_S,
@@ -136,64 +148,7 @@ def _deferred(coroutine: Coroutine[Any, Any, _T]) -> Deferred[_T]:
 
 
 # --------------------------------------------------------------------------------------------
-# Errors
-
-
-class FleetError(Exception):
-    """A request the fleet cannot serve."""
-
-
-class NoNodeAvailable(FleetError):
-    """No live node could take the request (none came back or freed a lane in time, or none
-    serves the model)."""
-
-
-class QueueFull(FleetError):
-    """Every live node is busy and the queue of waiting requests is full."""
-
-
-class ClientQueueFull(QueueFull):
-    """The client's address already holds its share of the queue (``max_client_queued``)."""
-
-    def __init__(self, address: str, limit: int) -> None:
-        super().__init__(
-            f"this client address has {limit} generations waiting for a lane, the most one "
-            "address may have waiting (--max-client-queued); retry when some have started"
-        )
-        self.address = address
-        self.limit = limit
-
-
-class NodeDown(FleetError):
-    """The session's node cannot be reached now."""
-
-
-class NodeDeclined(FleetError):
-    """The node answered FINISH_DECLINED (stale epoch, replayed command, or draining)."""
-
-
-class SessionClosed(FleetError):
-    """The session was closed; it cannot append or generate any more."""
-
-
-class GenerationTimedOut(FleetError):
-    """The generation passed its wall budget (``max_generation_s``) without ending."""
-
-
-class LogprobsUnavailable(FleetError):
-    """The request asks for logprobs and no node serving the model returns them (every one
-    of them has said so: its HELLO_ACK_F lacks FEATURE_LOGPROBS, docs/protocol.md 12.1)."""
-
-
-class ConstraintsUnavailable(FleetError):
-    """The generation has a constraint and no node serving the model honours constraints
-    (every one of them has said so: its HELLO_ACK_F lacks FEATURE_CONSTRAINTS,
-    docs/protocol.md section 12.3)."""
-
-
-class ConstraintRefused(FleetError):
-    """A node refused the generation's constraint (FINISH_REFUSED for a context that fits
-    it): a grammar its library cannot compile, or delivered tokens the grammar refuses."""
+# Errors (the types a caller sees live in sfnode.head.backend)
 
 
 _NODE_FATAL = (LinkError, NodeDown)
@@ -360,17 +315,6 @@ class _Waiter:
 # Sessions and generations
 
 
-@dataclass(frozen=True, slots=True)
-class FleetOutcome:
-    """How a fleet generation ended: every token delivered, in order, and the finish reason."""
-
-    tokens: list[int]
-    finish: int
-    node: str
-    """The node that finished it."""
-    failovers: int
-
-
 class FleetSession:
     """A session placed on one node of the fleet; it moves when its node dies or is too small."""
 
@@ -448,8 +392,8 @@ class FleetSession:
     ) -> FleetGeneration:
         """Generate up to ``max_new`` tokens after the session's context; fails over on its own.
 
-        A session whose GenParams ask for logprobs gets them with its tokens
-        (``on_tokens(tokens, logprobs)``, see :meth:`NodeLink.generate`).  ``constraint``:
+        A session whose GenParams ask for logprobs gets them in each batch (see
+        :meth:`NodeLink.generate`).  ``constraint``:
         as :meth:`Fleet.generate`."""
         generation = FleetGeneration(
             self,
@@ -600,15 +544,10 @@ class FleetGeneration:
             else:
                 d.errback(failure)
 
-    def _deliver(
-        self, tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None = None
-    ) -> None:
-        self.tokens.extend(tokens)
+    def _deliver(self, batch: TokenBatch) -> None:
+        self.tokens.extend(batch.tokens)
         if self._on_tokens is not None:
-            if logprobs is None:
-                self._on_tokens(tokens)
-            else:
-                self._on_tokens(tokens, logprobs)
+            self._on_tokens(batch)
 
     def _outcome(self, finish: int, node: FleetNode | None) -> FleetOutcome:
         return FleetOutcome(

@@ -57,20 +57,22 @@ from twisted.python.threadpool import ThreadPool
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
-from sfnode.generation import TokenLogprob, TokenSink
-from sfnode.head.backend import Backend, BackendStatus, GenerationHandle, Requester
-from sfnode.head.classes import HEADER as CLASS_HEADER
-from sfnode.head.classes import ClassRule, class_name, parse_header
-from sfnode.head.fleet import (
+from sfnode.generation import StreamTooLong, TokenBatch, TokenSink
+from sfnode.head.backend import (
+    Backend,
+    BackendStatus,
     ClientQueueFull,
     FleetError,
     FleetOutcome,
+    GenerationHandle,
     GenerationTimedOut,
     LogprobsUnavailable,
     NodeDeclined,
     QueueFull,
-    StreamTooLong,
+    Requester,
 )
+from sfnode.head.classes import HEADER as CLASS_HEADER
+from sfnode.head.classes import ClassRule, class_name, parse_header
 from sfnode.head.gate import (
     ConcurrencyLimits,
     GateLimits,
@@ -1137,16 +1139,13 @@ class _Exchange:
     # The generations
 
     def _receiver(self, choice: _Choice) -> TokenSink:
-        def receive(
-            tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None = None, /
-        ) -> None:
-            self._tokens(choice, tokens, logprobs)
+        def receive(batch: TokenBatch) -> None:
+            self._tokens(choice, batch)
 
         return receive
 
-    def _tokens(
-        self, choice: _Choice, tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None
-    ) -> None:
+    def _tokens(self, choice: _Choice, batch: TokenBatch) -> None:
+        tokens, logprobs = batch.tokens, batch.logprobs
         if self.first_token_at is None and tokens:
             self.first_token_at = self.api.reactor.seconds()
             self.api.metrics.ttft.observe(self.first_token_at - self.received)
@@ -1154,7 +1153,7 @@ class _Exchange:
             return
         if choice.logprobs is None:
             self._emit(choice, choice.stop.feed(choice.detok.push(tokens)))
-        elif logprobs is None or len(logprobs) != len(tokens):
+        elif logprobs is None:
             # The fleet places such requests only on nodes that return logprobs, and their
             # links refuse a stream without them: a defect, answered as one.
             self._give_up(

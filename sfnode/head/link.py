@@ -47,7 +47,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from sfnode.admission import address_key, is_loopback_address
-from sfnode.generation import TokenLogprob, TokenSink
+from sfnode.generation import TokenBatch, TokenLogprob, TokenSink
 from sfnode.head.machines import (
     DEFAULT_KEEPALIVE_INTERVAL_S,
     DEFAULT_SILENCE_TIMEOUT_S,
@@ -330,11 +330,11 @@ class _DialFactory(Factory):
 # Generations
 
 
-def token_logprobs(payload: TokensLogprobs) -> list[TokenLogprob]:
+def token_logprobs(payload: TokensLogprobs) -> tuple[TokenLogprob, ...]:
     """The logprobs of a TokensLogprobs event, one per token (alternatives empty when the
     event lists none)."""
     tops = payload.top or [()] * len(payload.tokens)
-    return [TokenLogprob(v, top) for v, top in zip(payload.logprobs, tops, strict=True)]
+    return tuple(TokenLogprob(v, top) for v, top in zip(payload.logprobs, tops, strict=True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,14 +392,16 @@ class GenerationCall:
         self._link._forget_generation(self)
 
     def _deliver(self, payload: Tokens) -> None:
-        tokens = payload.tokens
-        self.tokens.extend(tokens)
+        batch = TokenBatch(
+            payload.tokens,
+            token_logprobs(payload)
+            if self.logprobs and isinstance(payload, TokensLogprobs)
+            else None,
+        )
+        self.tokens.extend(batch.tokens)
         if self._on_tokens is not None:
             try:
-                if self.logprobs and isinstance(payload, TokensLogprobs):
-                    self._on_tokens(tokens, token_logprobs(payload))
-                else:
-                    self._on_tokens(tokens)
+                self._on_tokens(batch)
             except Exception:
                 _log.failure("an on_tokens callback failed")
 
@@ -727,10 +729,10 @@ class NodeLink:
     ) -> GenerationCall:
         """GENERATE_REQ with a new generation id; committed tokens stream to ``on_tokens``.
 
-        When the session's GenParams ask for logprobs and the node offers them
-        (:attr:`features`), each batch comes with its logprobs: ``on_tokens(tokens,
-        logprobs)``, one :class:`~sfnode.generation.TokenLogprob` per token (docs/protocol.md
-        section 12.1); otherwise ``on_tokens(tokens)``.
+        Each event arrives as one :class:`~sfnode.generation.TokenBatch`; when the session's
+        GenParams ask for logprobs and the node offers them (:attr:`features`), the batch
+        carries one :class:`~sfnode.generation.TokenLogprob` per token (docs/protocol.md
+        section 12.1).
 
         ``request_class`` travels only to a node that set FEATURE_REQUEST_CLASS
         (:attr:`request_classes`); any other node reads every request alike (docs/protocol.md

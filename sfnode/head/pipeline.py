@@ -12,7 +12,7 @@ kept alive, redialled and reported (health, metrics) like any fleet's nodes, but
 on: a pipeline needs all of its stages.  A step whose stage is reconnecting waits for that
 attempt; a stage that cannot be reached fails the generation (:class:`NoNodeAvailable`).  A
 generation has the fleet's wall budget (``max_generation_s``): past it the step in flight is
-abandoned and the generation fails with :class:`~sfnode.head.fleet.GenerationTimedOut`.
+abandoned and the generation fails with :class:`~sfnode.head.backend.GenerationTimedOut`.
 
 This module must never block, never use the global reactor, and never hand a caller a token twice
 or a token computed from a context it did not ask for.
@@ -20,7 +20,7 @@ or a token computed from a context it did not ask for.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 from twisted.internet import defer
@@ -29,17 +29,27 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from sfnode.head.fleet import (
-    Fleet,
+from sfnode.generation import TokenBatch, TokenSink
+from sfnode.head.backend import (
+    ANONYMOUS,
+    BackendStatus,
     FleetError,
-    FleetNode,
     FleetOutcome,
     GenerationTimedOut,
     LogprobsUnavailable,
     NoNodeAvailable,
+    Requester,
 )
+from sfnode.head.fleet import Fleet, FleetNode
 from sfnode.head.link import DEFAULT_PARAMS, HeadIds, LinkError
-from sfnode.wire import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, GenParams, StageForwardRespMsg
+from sfnode.wire import (
+    FINISH_CANCELLED,
+    FINISH_EOS,
+    FINISH_LENGTH,
+    GenParams,
+    RequestClass,
+    StageForwardRespMsg,
+)
 
 _log = Logger(namespace="sfnode.head.pipeline")
 
@@ -76,7 +86,7 @@ class PipelineGeneration:
         pipeline: PipelineFleet,
         prompt: Sequence[int],
         max_new: int,
-        on_tokens: Callable[[Sequence[int]], None] | None,
+        on_tokens: TokenSink | None,
     ) -> None:
         self.tokens: list[int] = []
         self.result: Deferred[FleetOutcome] = Deferred()
@@ -146,7 +156,7 @@ class PipelineGeneration:
             context.append(token)
             self.tokens.append(token)
             if self._on_tokens is not None:
-                self._on_tokens((token,))
+                self._on_tokens(TokenBatch((token,)))
             if token in pipeline.eos_ids:
                 return FleetOutcome(list(self.tokens), FINISH_EOS, last, 0)
         return FleetOutcome(list(self.tokens), FINISH_LENGTH, last, 0)
@@ -239,16 +249,25 @@ class PipelineFleet:
         *,
         model: str | None = None,
         params: GenParams = DEFAULT_PARAMS,
-        on_tokens: Callable[[Sequence[int]], None] | None = None,
+        on_tokens: TokenSink | None = None,
         max_wall_ms: int = 0,
+        request_class: RequestClass = RequestClass.INTERACTIVE,
+        requester: Requester = ANONYMOUS,
     ) -> PipelineGeneration:
-        """Generate ``max_new`` greedy tokens (sampling parameters do not apply here).
+        """Generate ``max_new`` greedy tokens (sampling parameters do not apply here): the
+        :meth:`~sfnode.head.backend.Backend.generate` of a pipeline.
 
-        Stage forwards return tokens, not distributions: a request for logprobs fails with
-        :class:`~sfnode.head.fleet.LogprobsUnavailable`."""
+        A pipeline runs one generation at a time on its stages: there is no lane to keep, so
+        neither ``request_class`` nor ``requester`` changes anything here.  Stage forwards
+        return tokens, not distributions: a request for logprobs fails with
+        :class:`~sfnode.head.backend.LogprobsUnavailable`."""
         generation = PipelineGeneration(self, prompt, max_new, on_tokens)
         if params.logprobs:
             generation.result.errback(LogprobsUnavailable("a pipeline returns no logprobs"))
             return generation
         generation._start()
         return generation
+
+    def status(self, model: str | None = None) -> BackendStatus:
+        """The status of the fleet that keeps the stage links."""
+        return self.fleet.status(model)

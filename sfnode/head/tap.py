@@ -903,7 +903,6 @@ def makeService(
         reactor = global_reactor
         exit_zero_after_a_clean_stop(reactor)
         progress_bars_only_on_a_terminal()
-    from sfnode.head.backend import PipelineBackend
     from sfnode.head.http import OpenAIApi
     from sfnode.head.model_admission import ModelAdmission
     from sfnode.head.pipeline import PipelineFleet
@@ -957,7 +956,7 @@ def makeService(
             raise HeadStartupError(f"sfhead: {e}") from e
         fleet = pipeline.fleet
         fleet.lease = lease
-        backend = PipelineBackend(pipeline)
+        backend = pipeline
     else:
         fleet = Fleet(
             reactor,
