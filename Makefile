@@ -9,7 +9,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 LISTEN ?= tcp:8454:interface=127.0.0.1
 
-.PHONY: run node test lint clean
+.PHONY: run node test lint options clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ test: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(BIN)/tox -e lint
+
+# docs/options.md: the option tables of twistd sfnode and twistd sfhead, from their Options.
+options: $(VENV)/.installed
+	$(BIN)/python -m sfnode.optiondocs > docs/options.md
 
 clean:
 	rm -rf $(VENV) .tox _trial_temp

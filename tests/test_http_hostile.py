@@ -537,7 +537,13 @@ class LimitTests(HostileTestCase):
     def test_a_stream_nobody_reads_is_cut_off_and_cancelled(self) -> Generator[Any, Any, None]:
         """With --stall-timeout 0.5, a streaming client that stops reading a long stream
         (90,000 tokens, megabytes of events: the socket buffers fill) is disconnected and its
-        generation is cancelled on the node."""
+        generation is cancelled on the node.
+
+        Both sockets' buffers are made small before any byte flows, so the head's writes back
+        up after a bounded amount of data whatever the load: the send buffer on the head's
+        listening socket (an accepted socket inherits it, so there is no race with the head's
+        accept) and the client's receive buffer.  Left to the kernel's autotuning they grow to
+        megabytes, and under load the mock engine took over 120 s to fill them."""
         import socket
 
         engine = MockEngine(reactor, context_window=100_000, vocab_size=TINY_VOCAB)
@@ -552,8 +558,11 @@ class LimitTests(HostileTestCase):
         engine.submit = recording_submit  # type: ignore[method-assign]
         node = yield self.start_vocab_node(engine=engine)
         head = yield self.start_sfhead([node], "--stall-timeout", "0.5")
+        listening = head.service.getServiceNamed("http").port  # type: ignore[no-untyped-call]
+        listening.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         client = yield self.connect(head.port)
         assert client.transport is not None
+        client.transport.getHandle().setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         client.transport.pauseProducing()
         client.send(
             request_bytes(
@@ -561,8 +570,6 @@ class LimitTests(HostileTestCase):
                 json.dumps({**CHAT, "max_tokens": 90_000, "stream": True}).encode(),
             )
         )
-        for channel in list(head.api.site().connections):
-            channel.transport.getHandle().setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         result = yield ended
         self.assertEqual(result.stop, EngineStop.CANCELLED)
         self.assertLess(len(result.tokens), 90_000)

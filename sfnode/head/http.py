@@ -41,14 +41,10 @@ the global reactor or prometheus_client's global registry, never read the fleet'
 from __future__ import annotations
 
 import hmac
-import json
 import random
-import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
-from twisted.internet import defer
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorThreads, IReactorTime
 from twisted.logger import Logger
@@ -57,22 +53,16 @@ from twisted.python.threadpool import ThreadPool
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
-from sfnode.generation import StreamTooLong, TokenBatch, TokenSink
-from sfnode.head.backend import (
-    Backend,
-    BackendStatus,
-    ClientQueueFull,
-    FleetError,
-    FleetOutcome,
-    GenerationHandle,
-    GenerationTimedOut,
-    LogprobsUnavailable,
-    NodeDeclined,
-    QueueFull,
-    Requester,
+from sfnode.head import bodies, errors
+from sfnode.head.backend import Backend, BackendStatus, GenerationHandle
+from sfnode.head.classes import ClassRule
+from sfnode.head.exchange import (
+    INLINE_BODY_BYTES,
+    Exchange,
+    Prepared,
+    answer,
+    answer_error,
 )
-from sfnode.head.classes import HEADER as CLASS_HEADER
-from sfnode.head.classes import ClassRule, class_name, parse_header
 from sfnode.head.gate import (
     ConcurrencyLimits,
     GateLimits,
@@ -86,8 +76,6 @@ from sfnode.head.gate import (
     no_body_here,
     unknown_url,
 )
-from sfnode.head.link import LinkError
-from sfnode.head.logprobs import ChoiceLogprobs
 from sfnode.head.metrics import EXPOSITION_CONTENT_TYPE, HeadMetrics
 from sfnode.head.models_registry import ModelRegistry, ServedModel
 from sfnode.head.schema import (
@@ -104,19 +92,10 @@ from sfnode.head.text import (
     Renderer,
     StopText,
 )
-from sfnode.wire import FINISH_CANCELLED, FINISH_EOS, RequestClass
 
-DEFAULT_MAX_TOKENS = 512
-"""max_tokens when a request gives none (capped by the window left after the prompt)."""
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-"""OpenAI's default for the legacy /v1/completions."""
 DRAIN_CANCEL_GRACE_S = 5.0
 """After the drain timeout cancels what still runs: how long the drain waits for those
 generations to end before it gives up on them (the fleet's links are closed next)."""
-INLINE_BODY_BYTES = 16 * 1024
-"""Completion bodies up to this size are checked and tokenized on the reactor (a fraction of a
-millisecond); larger ones go to the worker pool, and so does every chat request (its template
-is code from a model file, run under ``--template-timeout``)."""
 WORKER_THREADS = 2
 
 _log = Logger(namespace="sfnode.head.http")
@@ -124,6 +103,7 @@ _T = TypeVar("_T")
 
 __all__ = [
     "DRAIN_CANCEL_GRACE_S",
+    "INLINE_BODY_BYTES",
     "ApiError",
     "Backend",
     "CompletionRequest",
@@ -198,33 +178,6 @@ class Workers:
 # Checked and rendered requests
 
 
-@dataclass(frozen=True, slots=True)
-class Prepared:
-    """A checked request, its prompt's token ids, and the model it asks for."""
-
-    request: CompletionRequest
-    prompt: list[int]
-    model: ServedModel
-
-
-def too_long(length: int, window: int, param: str) -> ApiError:
-    return ApiError(
-        400,
-        f"This model's maximum context length is {window} tokens; the prompt has {length} tokens.",
-        param=param,
-        code="context_length_exceeded",
-        outcome="too_long",
-    )
-
-
-def _unavailable(message: str, code: str = "no_node_available") -> ApiError:
-    return ApiError(503, message, kind="service_unavailable", code=code, outcome="unavailable")
-
-
-def _draining() -> ApiError:
-    return _unavailable("the head is shutting down and takes no new requests", "draining")
-
-
 def _random_seed() -> int:
     return random.SystemRandom().getrandbits(63)
 
@@ -292,7 +245,7 @@ class OpenAIApi:
         self.workers = workers if workers is not None else Workers(reactor)
         self.class_rule = class_rule if class_rule is not None else ClassRule()
         """How a request that names no class (X-Request-Class) gets one (sfnode.head.classes)."""
-        self.exchanges: set[_Exchange] = set()
+        self.exchanges: set[Exchange] = set()
         """Completion requests in flight (what a drain waits for)."""
         self.draining = False
         """True once :meth:`drain` started: new completion requests get 503."""
@@ -407,7 +360,7 @@ class OpenAIApi:
                     outcome="unsupported_media_type",
                 )
             if self.draining:
-                return _draining()
+                return errors.draining()
             client = client_address(request.getClientAddress())  # type: ignore[no-untyped-call]
             try:
                 permit = self.concurrency.acquire(client, key or None)
@@ -426,12 +379,7 @@ class OpenAIApi:
             path=getattr(request, "path", b"?")[:200].decode("latin-1"),
         )
         self.metrics.requests.labels("error").inc()
-        return ApiError(
-            500,
-            "internal error: the head failed to answer this request (its log says why)",
-            kind="server_error",
-            outcome="error",
-        )
+        return errors.internal_error()
 
     # Drain
 
@@ -471,7 +419,10 @@ class OpenAIApi:
         )
         self._drain_done()
 
-    def exchange_ended(self, exchange: _Exchange) -> None:
+    def exchange_began(self, exchange: Exchange) -> None:
+        self.exchanges.add(exchange)
+
+    def exchange_ended(self, exchange: Exchange) -> None:
         self.exchanges.discard(exchange)
         self._check_drained()
 
@@ -522,14 +473,7 @@ class OpenAIApi:
         limit = status.context_limit if status is not None else None
         if limit is not None and request.characters > renderer.character_bound(limit):
             # Not tokenized at all: no window can hold this many characters.
-            raise ApiError(
-                400,
-                f"This model's maximum context length is {limit} tokens; the prompt has "
-                f"{request.characters} characters, more than that many tokens can hold.",
-                param=request.prompt_param,
-                code="context_length_exceeded",
-                outcome="too_long",
-            )
+            raise errors.too_many_characters(request.characters, limit, request.prompt_param)
         if request.chat:
             prompt = renderer.chat(request.messages, budget)
         elif request.prompt_text is not None:
@@ -539,7 +483,7 @@ class OpenAIApi:
         if not prompt:
             raise ApiError(400, "the prompt has no tokens", param=request.prompt_param)
         if limit is not None and len(prompt) > limit:
-            raise too_long(len(prompt), limit, request.prompt_param)
+            raise errors.too_long(len(prompt), limit, request.prompt_param)
         return Prepared(request, prompt, model)
 
     def site(self) -> GuardedSite:
@@ -589,22 +533,6 @@ def _unauthorized(request: Any) -> ApiError:
         outcome="unauthorized",
         headers={b"www-authenticate": b"Bearer"},
     )
-
-
-def answer(
-    request: Any, status: int, body: Any, headers: dict[bytes, bytes] | None = None
-) -> bytes:
-    data = json.dumps(body).encode()
-    request.setResponseCode(status)
-    request.setHeader(b"content-type", b"application/json")
-    request.setHeader(b"content-length", b"%d" % len(data))
-    for name, value in (headers or {}).items():
-        request.setHeader(name, value)
-    return data
-
-
-def answer_error(request: Any, error: ApiError) -> bytes:
-    return answer(request, error.status, error.body(), error.headers)
 
 
 # --------------------------------------------------------------------------------------------
@@ -674,7 +602,7 @@ class _Health(_Leaf):
     def render_GET(self, request: Any) -> bytes:
         api = self.api
         if request.args.get(b"probe") == [b"live"]:
-            return answer(request, 200, {"status": "alive"})
+            return answer(request, 200, bodies.ALIVE)
         status = api.status()
         if api.draining:
             state, code = "draining", 503
@@ -682,18 +610,15 @@ class _Health(_Leaf):
             state, code = "unavailable", 503
         else:
             state, code = ("busy" if status.busy else "ok"), 200
-        return answer(
-            request,
-            code,
-            {
-                "status": state,
-                "nodes": status.live_nodes,
-                "lanes_active": status.lanes_active,
-                "lanes_total": status.lanes_total,
-                "queued": status.queued,
-                "requests": len(api.exchanges),
-            },
+        body = bodies.health(
+            state,
+            nodes=status.live_nodes,
+            lanes_active=status.lanes_active,
+            lanes_total=status.lanes_total,
+            queued=status.queued,
+            requests=len(api.exchanges),
         )
+        return answer(request, code, body)
 
 
 class _Metrics(_Leaf):
@@ -718,22 +643,13 @@ class _Models(_Leaf):
 
     def _entry(self, name: str) -> dict[str, Any]:
         status = self.api.status(name)
-        return {
-            "id": name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "sfnode",
-            "context_length": status.window or None,
-            "nodes": status.serving_nodes,
-            "capabilities": {"chat": True, "completions": True, "vision": False},
-        }
+        return bodies.model_entry(name, status.window, status.serving_nodes)
 
     def render_GET(self, request: Any) -> bytes:
         wanted = b"/".join(request.postpath).strip(b"/").decode("utf-8", "replace")
         names = self.api.models.names()
         if not wanted:
-            entries = [self._entry(name) for name in names]
-            return answer(request, 200, {"object": "list", "data": entries})
+            return answer(request, 200, bodies.model_list([self._entry(n) for n in names]))
         if wanted in names:
             return answer(request, 200, self._entry(wanted))
         error = ApiError(
@@ -756,544 +672,5 @@ class _Completions(_Leaf):
         self.chat = chat
 
     def render_POST(self, request: Any) -> int:
-        _Exchange(self.api, request, self.chat).start()
+        Exchange(self.api, request, self.chat).start()
         return NOT_DONE_YET
-
-
-# --------------------------------------------------------------------------------------------
-# One completion request
-
-
-def _fleet_error(failure: Failure, param: str) -> ApiError | None:
-    """The answer to a generation that failed for a known reason (None: unexpected)."""
-    error = failure.value
-    if isinstance(error, StreamTooLong):
-        return too_long(error.length, error.max, param)
-    if isinstance(error, NodeDeclined):
-        return ApiError(502, str(error), kind="server_error", outcome="error")
-    if isinstance(error, ClientQueueFull):
-        return ApiError(
-            429,
-            str(error),
-            kind="requests",
-            code="rate_limit_exceeded",
-            outcome="rate_limited",
-            headers={b"retry-after": b"1"},
-        )
-    if isinstance(error, QueueFull):
-        return _unavailable(str(error), "queue_full")
-    if isinstance(error, GenerationTimedOut):
-        return ApiError(
-            504, str(error), kind="timeout_error", code="generation_timeout", outcome="timeout"
-        )
-    if isinstance(error, LogprobsUnavailable):
-        return ApiError(
-            400,
-            f"logprobs are not supported here: {error}",
-            param="logprobs",
-            code="unsupported_parameter",
-        )
-    if isinstance(error, (FleetError, LinkError)):
-        return _unavailable(str(error))
-    return None
-
-
-class _Choice:
-    """One of the ``n`` generations of a request: its text so far and how it ended."""
-
-    def __init__(
-        self,
-        index: int,
-        detok: Detokenizer,
-        stops: Sequence[str],
-        logprobs: ChoiceLogprobs | None = None,
-    ) -> None:
-        self.index = index
-        self.detok = detok
-        self.stop = StopText(stops)
-        self.text: list[str] = []
-        self.generation: GenerationHandle | None = None
-        self.outcome: FleetOutcome | None = None
-        self.finish: str | None = None
-        self.logprobs = logprobs
-        """The logprobs of the tokens shown so far, when the request asked for them."""
-        self.decoded = 0
-        """Characters the detokenizer released so far (where the next token's text starts)."""
-
-
-class _Exchange:
-    """One completion request: body in, ``n`` generations, text or SSE chunks out."""
-
-    def __init__(self, api: OpenAIApi, request: Any, chat: bool) -> None:
-        self.api = api
-        self.request: Any = request
-        self.chat = chat
-        self.received = api.reactor.seconds()
-        self.ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(self.received)
-        self.parsed: CompletionRequest | None = None
-        self.prompt: list[int] = []
-        self.model: ServedModel | None = None
-        """The model the request names (its renderer, the name asked of nodes)."""
-        self.choices: list[_Choice] = []
-        self.first_token_at: float | None = None
-        self.named_class: RequestClass | None = None
-        """The class the X-Request-Class header named (None: it named none)."""
-        self.streaming_started = False
-        self.answered = False
-        """The answer is complete (or the client is gone): nothing more is written."""
-        self.gone = False
-        self.drained = False
-        """Cancelled by the head's drain timeout (it ends with finish_reason stop)."""
-        self.failure: ApiError | None = None
-        self._pending = 0
-        self._stall_timer: IDelayedCall | None = None
-        self._producing = False
-
-    # Life cycle
-
-    def start(self) -> None:
-        api = self.api
-        self.request.notifyFinish().addErrback(self._client_gone)
-        api.exchanges.add(self)
-        try:
-            if self.request.permit is None:
-                # The front door admits every completion with a permit: one without is a
-                # defect, and must never produce a completion.
-                raise RuntimeError(f"a completion reached {self.request.path!r} unscreened")
-            if api.draining:
-                raise _draining()
-            self.named_class = parse_header(self.request.getHeader(CLASS_HEADER))
-            data = self.request.content.getvalue()
-            if len(data) > api.limits.max_body:
-                raise body_too_large(api.limits.max_body)
-            statuses = api.statuses()
-            if self.chat:
-                prepared: Deferred[Prepared] = self._prepare_chat(data, statuses)
-            elif len(data) <= INLINE_BODY_BYTES:
-                prepared = defer.maybeDeferred(api.prepare, data, self.chat, statuses)
-            else:
-                prepared = api.workers.run(lambda: api.prepare(data, self.chat, statuses))
-        except Exception:
-            # An ApiError is answered as such; anything else as an unexpected failure.
-            prepared = defer.fail()
-        prepared.addCallback(self._prepared).addErrback(self._refused).addErrback(self._unexpected)
-
-    def _prepare_chat(
-        self, data: bytes, statuses: Mapping[str, BackendStatus]
-    ) -> Deferred[Prepared]:
-        """Check and render a chat body on a worker, its template's render stopped after
-        ``--template-timeout`` seconds (timed from when the render starts)."""
-        api = self.api
-        timer: list[IDelayedCall] = []
-
-        def arm() -> None:
-            if not budget.stopped:
-                timer.append(api.reactor.callLater(api.template_timeout_s, timed_out))
-
-        def timed_out() -> None:
-            _log.warn(
-                "the chat template took more than {seconds:g} s to render the messages of "
-                "{ident}; stopped it (--template-timeout)",
-                seconds=api.template_timeout_s,
-                ident=self.ident,
-            )
-            budget.stop()
-
-        def disarm(result: object) -> object:
-            for call in timer:
-                if call.active():
-                    call.cancel()
-            return result
-
-        budget = RenderBudget(lambda: api.reactor.callFromThread(arm))  # type: ignore[attr-defined]
-        prepared = api.workers.run(lambda: api.prepare(data, True, statuses, budget))
-        return prepared.addBoth(disarm)
-
-    def _prepared(self, prepared: Prepared) -> None:
-        api = self.api
-        self.parsed, self.prompt, self.model = prepared.request, prepared.prompt, prepared.model
-        if self.gone:
-            self._maybe_ended()
-            return
-        if api.draining:
-            raise _draining()
-        # No "is a node live?" check here: a request no node can take now waits in the
-        # fleet's queue (a node may come back or dial in) and fails from there when it is
-        # full or the wait times out.
-        parsed = self.parsed
-        permit = self.request.permit
-        assert permit is not None  # start() refused a request without one
-        permit.widen(parsed.n - 1)
-        max_tokens = parsed.max_tokens
-        model = self.model
-        assert model is not None
-        if max_tokens is None:
-            window = api.status(model.name).window
-            default = DEFAULT_MAX_TOKENS if parsed.chat else COMPLETIONS_DEFAULT_MAX_TOKENS
-            room = window - len(self.prompt) if window else default
-            max_tokens = max(1, min(default, room))
-        # Streamed chunks are small writes: without TCP_NODELAY, Nagle's algorithm holds each
-        # one back until the client's delayed ACK of the previous one (about 40 ms).
-        no_delay = getattr(self.request.transport, "setTcpNoDelay", None)
-        if no_delay is not None:
-            no_delay(True)
-        request_class = api.class_rule.classify(self.named_class, len(self.prompt))
-        self.request.setHeader(CLASS_HEADER, class_name(request_class).encode())
-        self.request.registerProducer(self, True)
-        self._producing = True
-        requester = Requester(client_address(self.request.getClientAddress()), permit.key)
-        placed = []
-        for index in range(parsed.n):
-            logprobs = None
-            if parsed.logprobs is not None:
-                logprobs = ChoiceLogprobs(self.chat, parsed.logprobs, model.renderer.token_bytes)
-            choice = _Choice(index, model.renderer.detokenizer(), parsed.stop, logprobs)
-            self.choices.append(choice)
-            generation = api.backend.generate(
-                self.prompt,
-                max_tokens,
-                model=model.name,
-                params=parsed.choice_params(index),
-                on_tokens=self._receiver(choice),
-                request_class=request_class,
-                requester=requester,
-            )
-            choice.generation = generation
-            self._pending += 1
-            if parsed.stream:
-                placed.append(generation.when_placed())
-            generation.result.addCallbacks(
-                self._choice_done, self._choice_failed, callbackArgs=(choice,),
-                errbackArgs=(choice,),
-            ).addErrback(self._unexpected)  # fmt: skip
-        if placed:
-            defer.gatherResults(placed, consumeErrors=True).addCallbacks(
-                self._begin_stream, lambda _: None
-            )
-
-    def _refused(self, failure: Failure) -> None:
-        """A request that ends before any generation: its error answered and counted."""
-        failure.trap(ApiError)  # type: ignore[no-untyped-call]
-        error = failure.value
-        assert isinstance(error, ApiError)
-        self.api.metrics.requests.labels(error.outcome).inc()
-        self._answer_error(error)
-        self._maybe_ended()
-
-    def _unexpected(self, failure: Failure) -> None:
-        """Anything else that went wrong: one log line, one count, a JSON 500 if possible."""
-        error = self.api.unexpected(failure, self.request)
-        for choice in self.choices:
-            if choice.generation is not None and choice.outcome is None:
-                choice.generation.cancel()
-        self._answer_error(error)
-        self._pending = 0
-        self._maybe_ended()
-
-    def _maybe_ended(self) -> None:
-        if self._pending == 0:
-            self._stop_producing()
-            self.api.exchange_ended(self)
-
-    def drain_cancel(self) -> None:
-        """The drain timeout: cancel the generations; the client still gets a clean end."""
-        self.drained = True
-        self._cancel_all()
-
-    def _cancel_all(self) -> None:
-        for choice in self.choices:
-            if choice.generation is not None:
-                choice.generation.cancel()
-
-    # The client
-
-    def _client_gone(self, failure: Failure) -> None:
-        self.gone = True
-        self.answered = True
-        self._stop_producing()
-        if self.choices:
-            _log.info(
-                "client of {ident} went away ({reason}); cancelling",
-                ident=self.ident,
-                reason=failure.getErrorMessage(),
-            )
-        self._cancel_all()
-
-    def pauseProducing(self) -> None:
-        """The client's connection is full (it is not reading): cut it off unless it reads
-        again within the stall timeout."""
-        if self._stall_timer is None and not self.answered:
-            self._stall_timer = self.api.reactor.callLater(
-                self.api.limits.stall_timeout_s, self._stalled
-            )
-
-    def resumeProducing(self) -> None:
-        timer, self._stall_timer = self._stall_timer, None
-        if timer is not None and timer.active():
-            timer.cancel()
-
-    def stopProducing(self) -> None:
-        self.resumeProducing()
-
-    def _stalled(self) -> None:
-        self._stall_timer = None
-        _log.info(
-            "client of {ident} read nothing for {seconds} s; cutting it off",
-            ident=self.ident,
-            seconds=self.api.limits.stall_timeout_s,
-        )
-        self.gone = True
-        self.answered = True
-        self._cancel_all()
-        transport = self.request.transport
-        if transport is not None:
-            transport.abortConnection()
-
-    def _stop_producing(self) -> None:
-        self.resumeProducing()
-        if self._producing:
-            self._producing = False
-            if not self.gone:
-                self.request.unregisterProducer()
-
-    # Writing
-
-    def _write_event(self, body: Any) -> None:
-        if not self.answered:
-            self.request.write(b"data: " + json.dumps(body).encode() + b"\n\n")
-
-    def _begin_stream(self, _: object = None) -> None:
-        if self.answered or self.streaming_started:
-            return
-        self.streaming_started = True
-        request = self.request
-        request.setResponseCode(200)
-        request.setHeader(b"content-type", b"text/event-stream")
-        request.setHeader(b"cache-control", b"no-cache")
-        if self.chat:
-            for choice in self.choices:
-                self._write_event(self._chunk(choice, {"role": "assistant", "content": ""}, None))
-        else:
-            request.write(b"")
-
-    def _chunk(
-        self,
-        choice: _Choice,
-        delta: dict[str, Any] | str,
-        finish: str | None,
-        logprobs: dict[str, Any] | None = None,
-    ) -> Any:
-        assert self.parsed is not None
-        if self.chat:
-            entry: dict[str, Any] = {
-                "index": choice.index,
-                "delta": delta,
-                "logprobs": logprobs,
-                "finish_reason": finish,
-            }
-            kind = "chat.completion.chunk"
-        else:
-            entry = {
-                "index": choice.index,
-                "text": delta,
-                "logprobs": logprobs,
-                "finish_reason": finish,
-            }
-            kind = "text_completion"
-        return {
-            "id": self.ident,
-            "object": kind,
-            "created": self.created,
-            "model": self.parsed.model,
-            "choices": [entry],
-        }
-
-    def _emit(self, choice: _Choice, text: str, *, last: bool = False) -> None:
-        """Show ``text`` (a chunk when streaming), with the logprobs of the tokens shown since
-        the last chunk; ``last``: the choice's final text, sent even when empty if logprobs
-        are still pending (tokens whose text is empty, such as an EOS)."""
-        pending = choice.logprobs is not None and choice.logprobs.pending
-        if not text and not (last and pending):
-            return
-        choice.text.append(text)
-        assert self.parsed is not None
-        if self.parsed.stream:
-            self._begin_stream()
-            logprobs = choice.logprobs.take() if choice.logprobs is not None else None
-            delta = {"content": text} if self.chat else text
-            self._write_event(self._chunk(choice, delta, None, logprobs))
-
-    def _answer_error(self, error: ApiError) -> None:
-        if self.answered:
-            return
-        self.answered = True
-        self._stop_producing()
-        if self.streaming_started:
-            self.request.write(b"data: " + error.encoded() + b"\n\n")
-            self.request.write(b"data: [DONE]\n\n")
-        else:
-            self.request.write(answer_error(self.request, error))
-        self.request.finish()
-
-    # The generations
-
-    def _receiver(self, choice: _Choice) -> TokenSink:
-        def receive(batch: TokenBatch) -> None:
-            self._tokens(choice, batch)
-
-        return receive
-
-    def _tokens(self, choice: _Choice, batch: TokenBatch) -> None:
-        tokens, logprobs = batch.tokens, batch.logprobs
-        if self.first_token_at is None and tokens:
-            self.first_token_at = self.api.reactor.seconds()
-            self.api.metrics.ttft.observe(self.first_token_at - self.received)
-        if choice.stop.stopped or self.answered:
-            return
-        if choice.logprobs is None:
-            self._emit(choice, choice.stop.feed(choice.detok.push(tokens)))
-        elif logprobs is None:
-            # The fleet places such requests only on nodes that return logprobs, and their
-            # links refuse a stream without them: a defect, answered as one.
-            self._give_up(
-                ApiError(
-                    502,
-                    "a node returned tokens without the logprobs asked for",
-                    kind="server_error",
-                    outcome="error",
-                )
-            )
-            return
-        else:
-            # One token at a time: each entry is shown with the text its token released, and
-            # the tokens after a stop string are not listed.
-            for token, logprob in zip(tokens, logprobs, strict=True):
-                choice.logprobs.add(token, logprob, choice.decoded)
-                piece = choice.detok.push((token,))
-                choice.decoded += len(piece)
-                self._emit(choice, choice.stop.feed(piece))
-                if choice.stop.stopped:
-                    break
-        if choice.stop.stopped and choice.generation is not None:
-            choice.generation.cancel()
-
-    def _choice_done(self, outcome: FleetOutcome, choice: _Choice) -> None:
-        choice.outcome = outcome
-        self._pending -= 1
-        self.api.metrics.completion_tokens.inc(len(outcome.tokens))
-        if not self.answered:
-            if not choice.stop.stopped:
-                self._emit(choice, choice.stop.feed(choice.detok.flush()))
-            self._emit(choice, choice.stop.flush(), last=True)
-        if choice.stop.stopped or outcome.finish == FINISH_EOS:
-            choice.finish = "stop"
-        elif outcome.finish == FINISH_CANCELLED and self.drained and not self.gone:
-            choice.finish = "stop"
-        elif outcome.finish == FINISH_CANCELLED and self.gone:
-            choice.finish = "cancelled"
-        else:
-            choice.finish = "length"
-        assert self.parsed is not None
-        if self.parsed.stream and not self.answered:
-            self._begin_stream()
-            self._write_event(self._chunk(choice, {} if self.chat else "", choice.finish))
-        if self._pending == 0:
-            self._all_done()
-
-    def _choice_failed(self, failure: Failure, choice: _Choice) -> None:
-        self._pending -= 1
-        assert self.parsed is not None
-        error = _fleet_error(failure, self.parsed.prompt_param)
-        if error is None:
-            failure.raiseException()
-        self._give_up(error)
-        self._maybe_ended()
-
-    def _give_up(self, error: ApiError) -> None:
-        """Answer ``error`` for the whole request (the first error wins) and cancel the
-        generations still running."""
-        if self.failure is None:
-            self.failure = error
-            self.api.metrics.requests.labels(error.outcome).inc()
-            self._cancel_all()
-            self._answer_error(error)
-
-    def _all_done(self) -> None:
-        api = self.api
-        parsed = self.parsed
-        assert parsed is not None
-        if self.failure is not None:
-            self._maybe_ended()
-            return
-        api.metrics.prompt_tokens.inc(len(self.prompt))
-        finishes = [c.finish for c in self.choices]
-        if self.drained and any(
-            c.outcome is not None and c.outcome.finish == FINISH_CANCELLED for c in self.choices
-        ):
-            label = "drained"
-        elif "cancelled" in finishes:
-            label = "cancelled"
-        else:
-            label = "ok"
-        api.metrics.requests.labels(label).inc()
-        if self.answered:
-            self._maybe_ended()
-            return
-        completion_tokens = sum(len(c.outcome.tokens) for c in self.choices if c.outcome)
-        usage = {
-            "prompt_tokens": len(self.prompt),
-            "completion_tokens": completion_tokens,
-            "total_tokens": len(self.prompt) + completion_tokens,
-        }
-        self.answered = True
-        self._stop_producing()
-        if parsed.stream:
-            self._begin_stream()
-            if parsed.include_usage:
-                last: dict[str, Any] = {
-                    "id": self.ident,
-                    "object": "chat.completion.chunk" if self.chat else "text_completion",
-                    "created": self.created,
-                    "model": parsed.model,
-                    "choices": [],
-                    "usage": usage,
-                }
-                self.request.write(b"data: " + json.dumps(last).encode() + b"\n\n")
-            self.request.write(b"data: [DONE]\n\n")
-            self.request.finish()
-            self._maybe_ended()
-            return
-        entries = []
-        for choice in self.choices:
-            text = "".join(choice.text)
-            logprobs = choice.logprobs.whole() if choice.logprobs is not None else None
-            if self.chat:
-                entries.append(
-                    {
-                        "index": choice.index,
-                        "message": {"role": "assistant", "content": text},
-                        "logprobs": logprobs,
-                        "finish_reason": choice.finish,
-                    }
-                )
-            else:
-                entries.append(
-                    {
-                        "index": choice.index,
-                        "text": text,
-                        "logprobs": logprobs,
-                        "finish_reason": choice.finish,
-                    }
-                )
-        body = {
-            "id": self.ident,
-            "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created,
-            "model": parsed.model,
-            "choices": entries,
-            "usage": usage,
-        }
-        self.request.write(answer(self.request, 200, body))
-        self.request.finish()
-        self._maybe_ended()

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from sfnode.head.bodies import error_body
 from sfnode.wire import GenParams
 
 MAX_N = 8
@@ -73,14 +74,7 @@ class ApiError(Exception):
         """Extra response headers (``WWW-Authenticate``, ``Allow``, ``Retry-After``)."""
 
     def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        return error_body(self.message, self.kind, self.param, self.code)
 
     def encoded(self) -> bytes:
         return json.dumps(self.body()).encode()

@@ -1,0 +1,231 @@
+"""The OpenAI response bodies of the head: what the HTTP API answers, built by pure functions.
+
+The mirror of :mod:`sfnode.head.schema` (which parses requests): a chat completion, a text
+completion, the chunks of a stream (the role chunk, text deltas, a choice's finish, the usage
+chunk, ``data: [DONE]``), usage, errors, the model list and the health check, each built here and
+nowhere else, as plain JSON-ready values or the bytes of one server-sent event.
+
+This module is pure: it must never touch a request, the network, the reactor or a clock (the
+caller passes ``created``), and never build a shape OpenAI's clients do not parse.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+DONE = b"data: [DONE]\n\n"
+"""The last event of every stream (OpenAI's end marker)."""
+
+
+def new_ident(chat: bool) -> str:
+    """A fresh completion id: ``chatcmpl-...`` for chat, ``cmpl-...`` for text completions."""
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """What every body and chunk of one completion shares."""
+
+    ident: str
+    created: int
+    """Unix seconds when the request came in."""
+    model: str
+    """The model name the client asked for."""
+    chat: bool
+    """``/v1/chat/completions`` (else ``/v1/completions``)."""
+
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    @property
+    def body_object(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceBody:
+    """One choice of a finished, unstreamed completion."""
+
+    index: int
+    text: str
+    finish: str | None
+    logprobs: dict[str, Any] | None = None
+
+
+def event(body: Any) -> bytes:
+    """One server-sent event carrying ``body`` as JSON."""
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+def error_body(message: str, kind: str, param: str | None, code: str | None) -> dict[str, Any]:
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _chunk(reply: Reply, entry: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": reply.ident,
+        "object": reply.chunk_object,
+        "created": reply.created,
+        "model": reply.model,
+        "choices": [entry],
+    }
+
+
+def delta_chunk(
+    reply: Reply,
+    index: int,
+    text: str,
+    *,
+    logprobs: dict[str, Any] | None = None,
+    finish: str | None = None,
+) -> dict[str, Any]:
+    """A streamed piece of choice ``index``: ``{"delta": {"content": text}}`` for chat,
+    ``{"text": text}`` for text completions."""
+    if reply.chat:
+        delta: dict[str, Any] = {"content": text}
+        return _chunk(
+            reply, {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        )
+    return _chunk(
+        reply, {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    )
+
+
+def role_chunk(reply: Reply, index: int) -> dict[str, Any]:
+    """The first chunk of a chat choice: the assistant's role and empty content."""
+    delta = {"role": "assistant", "content": ""}
+    return _chunk(reply, {"index": index, "delta": delta, "logprobs": None, "finish_reason": None})
+
+
+def finish_chunk(reply: Reply, index: int, finish: str) -> dict[str, Any]:
+    """The chunk that ends choice ``index``: an empty delta (chat) or text, and its
+    ``finish_reason``."""
+    if reply.chat:
+        entry: dict[str, Any] = {
+            "index": index, "delta": {}, "logprobs": None, "finish_reason": finish,
+        }  # fmt: skip
+    else:
+        entry = {"index": index, "text": "", "logprobs": None, "finish_reason": finish}
+    return _chunk(reply, entry)
+
+
+def usage_chunk(reply: Reply, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """The chunk ``stream_options.include_usage`` asks for: no choices, the usage."""
+    return {
+        "id": reply.ident,
+        "object": reply.chunk_object,
+        "created": reply.created,
+        "model": reply.model,
+        "choices": [],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def completion(
+    reply: Reply, choices: Sequence[ChoiceBody], prompt_tokens: int, completion_tokens: int
+) -> dict[str, Any]:
+    """A whole, unstreamed completion (``chat.completion`` or ``text_completion``)."""
+    entries: list[dict[str, Any]] = []
+    for choice in choices:
+        if reply.chat:
+            message = {"role": "assistant", "content": choice.text}
+            entries.append(
+                {
+                    "index": choice.index,
+                    "message": message,
+                    "logprobs": choice.logprobs,
+                    "finish_reason": choice.finish,
+                }
+            )
+        else:
+            entries.append(
+                {
+                    "index": choice.index,
+                    "text": choice.text,
+                    "logprobs": choice.logprobs,
+                    "finish_reason": choice.finish,
+                }
+            )
+    return {
+        "id": reply.ident,
+        "object": reply.body_object,
+        "created": reply.created,
+        "model": reply.model,
+        "choices": entries,
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def model_entry(name: str, window: int, nodes: int) -> dict[str, Any]:
+    """One entry of ``/v1/models`` (``window`` 0: unknown, shown as null; ``nodes``: how many
+    live nodes serve it)."""
+    return {
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "sfnode",
+        "context_length": window or None,
+        "nodes": nodes,
+        "capabilities": {"chat": True, "completions": True, "vision": False},
+    }
+
+
+def model_list(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    return {"object": "list", "data": list(entries)}
+
+
+def health(
+    state: str,
+    *,
+    nodes: int,
+    lanes_active: int,
+    lanes_total: int,
+    queued: int,
+    requests: int,
+) -> dict[str, Any]:
+    """The body of ``/healthz`` (``state``: ok, busy, unavailable or draining)."""
+    return {
+        "status": state,
+        "nodes": nodes,
+        "lanes_active": lanes_active,
+        "lanes_total": lanes_total,
+        "queued": queued,
+        "requests": requests,
+    }
+
+
+ALIVE = {"status": "alive"}
+"""The body of ``/healthz?probe=live``."""
+
+__all__ = [
+    "ALIVE",
+    "DONE",
+    "ChoiceBody",
+    "Reply",
+    "completion",
+    "delta_chunk",
+    "error_body",
+    "event",
+    "finish_chunk",
+    "health",
+    "model_entry",
+    "model_list",
+    "new_ident",
+    "role_chunk",
+    "usage",
+    "usage_chunk",
+]
