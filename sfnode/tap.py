@@ -85,7 +85,6 @@ U32_MAX = 0xFFFF_FFFF
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _TRANSFORMERS_ONLY = (
-    "model",
     "dtype",
     "device",
     "threads",
@@ -235,15 +234,18 @@ class Options(usage.Options):
             "model",
             None,
             None,
-            "transformers: model folder or .gguf file (default: the bundled "
-            f"{DEFAULT_MODEL_NAME}).",
+            "Model folder or .gguf file (default: the bundled "
+            f"{DEFAULT_MODEL_NAME}): the transformers engine loads it; with any engine its "
+            "tokenizer and chat template are sent to the head, which then needs no model "
+            "files (docs/protocol.md section 12.5).",
         ],
         [
             "model-name",
             None,
             None,
-            "Model name offered to heads (default: 'mock' for the mock engine, else the model "
-            f"folder name or file stem, else {DEFAULT_MODEL_NAME}).",
+            "Model name offered to heads, which route requests by it (default: 'mock' for the "
+            f"mock engine without --model, else the model folder name or file stem, else "
+            f"{DEFAULT_MODEL_NAME}).",
         ],
         ["identity", None, None, "Node identity in HELLO_ACK_F (default: this host's name)."],
         ["max-lanes", None, str(DEFAULT_MAX_LANES), "Generations decoded at once (at least 1)."],
@@ -524,7 +526,8 @@ class Options(usage.Options):
             raise usage.UsageError("--identity must not be empty")
         if self["model-name"] is None:
             # The mock engine is offered as "mock"; a model as its folder name or file stem.
-            self["model-name"] = "mock" if engine == "mock" else default_model_name(self["model"])
+            mock = engine == "mock" and self["model"] is None
+            self["model-name"] = "mock" if mock else default_model_name(self["model"])
         if not self["model-name"]:
             raise usage.UsageError("--model-name must not be empty")
 
