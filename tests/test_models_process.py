@@ -75,7 +75,7 @@ class TwoModelProcessTests(TestCase):
         join = f"127.0.0.1:{int(found[0].group(1))}"
         nodes = {}
         for identity, model, folder in (
-            ("a0", "tiny-a", folder_a), ("a1", "tiny-a", folder_a), ("b0", "tiny-b", folder_b),
+            ("a0", "tiny-a", folder_a), ("b0", "tiny-b", folder_b), ("a1", "tiny-a", folder_a),
         ):  # fmt: skip
             nodes[identity] = self.spawn(
                 identity,
@@ -83,7 +83,8 @@ class TwoModelProcessTests(TestCase):
                  "--model-name", model, "--identity", identity, "--token-delay-ms", "25",
                  "--metrics", LOOPBACK],
             )  # fmt: skip
-            # One at a time: least-loaded places the first tiny-a stream on a0.
+            # One at a time: least-loaded places the first tiny-a stream on a0, and a placement
+            # that ignored the model would fail it over to b0 (registered before a1).
             yield head.wait_for(rf"node {identity} joined".encode())
         yield head.wait_for(rb"installed the model files", 2)
         metrics = {}
