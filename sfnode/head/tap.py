@@ -250,14 +250,18 @@ class Options(usage.Options):
             "model",
             None,
             None,
-            "Model folder, tokenizer folder or .gguf file for the tokenizer and chat template "
-            f"(default: the bundled {DEFAULT_MODEL_NAME}); weights are never loaded.",
+            "Model folder, tokenizer folder or .gguf file whose tokenizer and chat template "
+            "serve --model-name, whatever nodes send for it (weights are never loaded). "
+            "Default: none; nodes send the files of the models they serve (docs/protocol.md "
+            f"section 12.5), and the bundled {DEFAULT_MODEL_NAME}'s tokenizer, when installed "
+            "here, serves --model-name for nodes that send none.",
         ],
         [
             "model-name",
             None,
             None,
-            "Model name served and asked of nodes (default: as twistd sfnode names it).",
+            "The model --model (or the bundled tokenizer) serves, and the model of a request "
+            "that names none (default: as twistd sfnode names it).",
         ],
         ["policy", None, Policy.LOAD_AWARE.value, f"Placement: {', '.join(POLICIES)}."],
         [
