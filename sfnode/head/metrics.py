@@ -74,9 +74,7 @@ class HeadMetrics:
             buckets=TTFT_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(
-            _StatusCollector(status, open_requests, open_connections, statuses)
-        )
+        self.registry.register(_StatusCollector(status, open_requests, open_connections, statuses))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,20 +12,28 @@ link's state beyond its verdict.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
+from twisted.internet import defer
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from sfnode.head.models_registry import ModelRegistry, Verdict
-from sfnode.model_files import ModelFilesError, short_hash
+from sfnode.head.models_registry import LoadedFiles, ModelRegistry, Verdict
+from sfnode.model_files import short_hash
 from sfnode.wire import FEATURE_MODEL_FILES
 
 if TYPE_CHECKING:
     from sfnode.head.link import NodeLink
 
 _log = Logger(namespace="sfnode.head.models")
+_T = TypeVar("_T")
+Run = Callable[[Callable[[], LoadedFiles]], "Deferred[LoadedFiles]"]
+"""Runs the reading of a bundle (a worker thread in the head; at once in tests)."""
+
+
+def run_here(work: Callable[[], _T]) -> Deferred[_T]:
+    return defer.maybeDeferred(work)
 
 
 def offered_files(link: NodeLink) -> bytes | None:
@@ -39,10 +47,12 @@ def offered_files(link: NodeLink) -> bytes | None:
 
 class ModelAdmission:
     """The verdict on each link; ``changed(link)`` is called when one changes after the
-    handshake (its files arrived, or their fetch failed)."""
+    handshake (its files arrived, or their fetch failed).  ``run`` reads a fetched bundle
+    into a tokenizer (half a second for a large one: the head runs it on a worker thread)."""
 
-    def __init__(self, registry: ModelRegistry) -> None:
+    def __init__(self, registry: ModelRegistry, run: Run = run_here) -> None:
         self.registry = registry
+        self._run = run
         self.changed: Callable[[NodeLink], None] = lambda link: None
         self._admitted: dict[NodeLink, bool] = {}
         self._refused: dict[NodeLink, str] = {}
@@ -122,11 +132,16 @@ class ModelAdmission:
         )
 
     def _fetched(self, data: bytes, link: NodeLink, name: str, content_hash: bytes) -> None:
-        try:
-            self.registry.install(content_hash, data)
-        except ModelFilesError as e:
-            self._refuse_waiting(name, content_hash, str(e))
-            return
+        read = self._run(lambda: self.registry.read(data))
+        read.addCallbacks(
+            self._read,
+            self._fetch_failed,
+            callbackArgs=(data, link, content_hash),
+            errbackArgs=(link, name, content_hash),
+        ).addErrback(lambda failure: _log.failure("judging {node} failed", failure, node=name))
+
+    def _read(self, loaded: LoadedFiles, data: bytes, link: NodeLink, content_hash: bytes) -> None:
+        self.registry.keep(content_hash, loaded)
         _log.info(
             "installed the model files {hash} ({size} bytes) from node {node}",
             hash=short_hash(content_hash),
@@ -151,4 +166,4 @@ class ModelAdmission:
             self.changed(each)
 
 
-__all__ = ["ModelAdmission", "offered_files"]
+__all__ = ["ModelAdmission", "Run", "offered_files", "run_here"]

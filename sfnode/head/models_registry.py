@@ -72,6 +72,14 @@ class ServedModel:
 
 
 @dataclass(frozen=True, slots=True)
+class LoadedFiles:
+    """A bundle read into a tokenizer, not yet kept by the registry."""
+
+    tokenizer: Any
+    vocab_size: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class Verdict:
     """What the head does with a node that names a model: place on it (``admit``), fetch its
     files first (``fetch``, then judge again), or leave it out (``reason`` says why)."""
@@ -177,14 +185,26 @@ class ModelRegistry:
 
         :raises ModelFilesError: the files cannot be read, or do not make a tokenizer.
         """
-        if content_hash in self._by_hash:
-            return
+        if content_hash not in self._by_hash:
+            self.keep(content_hash, self.read(data))
+
+    def read(self, data: bytes) -> LoadedFiles:
+        """The tokenizer (and config vocabulary size) of the bundle ``data``: the slow half of
+        :meth:`install` (half a second for a large tokenizer), which touches nothing of the
+        registry, so it may run on a worker thread.
+
+        :raises ModelFilesError: the files cannot be read, or do not make a tokenizer.
+        """
         files = unpack_bundle(data)
         try:
             tokenizer = self._load(files)
         except Exception as e:
             raise ModelFilesError(f"the model files do not make a tokenizer: {e}") from e
-        self._by_hash[content_hash] = (tokenizer, vocab_size_of(files))
+        return LoadedFiles(tokenizer, vocab_size_of(files))
+
+    def keep(self, content_hash: bytes, loaded: LoadedFiles) -> None:
+        """Keep what :meth:`read` made of the bundle ``content_hash`` (the first copy wins)."""
+        self._by_hash.setdefault(content_hash, (loaded.tokenizer, loaded.vocab_size))
 
     @property
     def bundles(self) -> int:
@@ -194,6 +214,7 @@ class ModelRegistry:
 
 __all__ = [
     "ADMIT",
+    "LoadedFiles",
     "ModelRegistry",
     "ServedModel",
     "TokenizerFromFiles",

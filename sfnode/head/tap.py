@@ -27,7 +27,7 @@ import json
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from twisted.application import service
 from twisted.internet import defer
@@ -76,6 +76,7 @@ if TYPE_CHECKING:
     from sfnode.head.models_registry import ModelRegistry
 
 log = Logger(namespace="sfnode.head.tap")
+_T = TypeVar("_T")
 
 DEFAULT_FLEET_LISTEN = "tcp:8455:interface=127.0.0.1"
 DEFAULT_HTTP = "tcp:8453:interface=127.0.0.1"
@@ -968,7 +969,7 @@ def makeService(
             policy=options["policy"],
             lease=lease,
             prefix=options["prefix"],
-            models=ModelAdmission(registry),
+            models=ModelAdmission(registry, run=lambda work: _on_a_thread(reactor, work)),
             **fleet_options,
         )
         backend = fleet
@@ -1040,6 +1041,14 @@ def makeService(
         nodes=", ".join(options["stages"] or options["nodes"]) or "dial in",
     )
     return head
+
+
+def _on_a_thread(reactor: Any, work: Callable[[], _T]) -> defer.Deferred[_T]:
+    """``work`` on the reactor's thread pool (reading a node's model files: half a second for
+    a large tokenizer, which must not stall the streams of other models)."""
+    from twisted.internet.threads import deferToThreadPool
+
+    return deferToThreadPool(reactor, reactor.getThreadPool(), work)
 
 
 def _add_child(parent: service.MultiService, name: str, child: service.Service) -> None:
