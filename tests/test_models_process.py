@@ -65,7 +65,7 @@ class TwoModelProcessTests(TestCase):
         files they send: /v1/models lists both with their node counts; a tiny-b chat is
         rendered with tiny-b's template; a tiny-a stream whose node is killed completes from
         the other tiny-a node with the text of an uninterrupted run, and the tiny-b node
-        decoded nothing for it."""
+        decoded nothing for it; the head never maps libtorch."""
         folder_a, folder_b = bundled_tokenizer_folders(Path(self.mktemp()).resolve())
         head = self.spawn("head", ["sfhead", "--http", LOOPBACK, "--fleet-listen", LOOPBACK,
                                    "--policy", "least-loaded"])  # fmt: skip
@@ -152,3 +152,6 @@ class TwoModelProcessTests(TestCase):
         self.assertNotEqual(len(prompt), len(other))
         self.assertEqual(answer["usage"]["prompt_tokens"], len(prompt))
         self.assertNotIn(b"Traceback", bytes(head.output))
+        maps = Path(f"/proc/{head.transport.pid}/maps")
+        if maps.exists():  # the head read two models' files and still never loaded torch
+            self.assertNotIn(b"libtorch", maps.read_bytes())
