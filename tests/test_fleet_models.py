@@ -17,7 +17,9 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.config import NodeConfig
 from sfnode.generation import MockEngine, mock_next_token
+from sfnode.head.backend import BackendStatus
 from sfnode.head.fleet import Fleet, NoNodeAvailable
+from sfnode.head.gauges import gateway_gauges
 from sfnode.head.http import OpenAIApi
 from sfnode.head.model_admission import ModelAdmission
 from sfnode.head.models_registry import ModelRegistry
@@ -104,7 +106,7 @@ class BundleTests(SynchronousTestCase):
         self.assertEqual(make_bundle(files), a)
         self.assertNotEqual(a.content_hash, b.content_hash)
         empty = Path(root) / "empty"
-        empty.mkdir()
+        empty.mkdir(parents=True)
         self.assertIsNone(read_bundle(empty))
 
     def test_a_bundle_holds_only_the_files_a_head_reads(self) -> None:
@@ -480,3 +482,65 @@ class TwoModelTests(HttpTestCase):
         ):
             for model in ("tiny-a", "tiny-b"):
                 self.assertRegex(text, rf'{name}{{model_name="{model}"}} \d')
+
+
+class GaugeTests(SynchronousTestCase):
+    """The gateway's gauges from per-model status snapshots (sfnode.head.gauges), pure."""
+
+    def test_each_model_gets_its_series_and_kv_usage_is_a_fraction(self) -> None:
+        """Waiting and running come from the model's status; KV usage is used over total
+        blocks of its nodes (0 when none reported), under both vLLM names."""
+        statuses = {
+            "m1": BackendStatus(
+                live_nodes=2, model_waiting=3, model_running=4,
+                model_kv_blocks_used=512, model_kv_blocks_total=2048,
+            ),
+            "m2": BackendStatus(live_nodes=2),
+        }  # fmt: skip
+        samples = {
+            (family.name, sample.labels["model_name"]): sample.value
+            for family in gateway_gauges(statuses)
+            for sample in family.samples
+        }
+        self.assertEqual(
+            samples,
+            {
+                ("vllm:num_requests_waiting", "m1"): 3.0,
+                ("vllm:num_requests_waiting", "m2"): 0.0,
+                ("vllm:num_requests_running", "m1"): 4.0,
+                ("vllm:num_requests_running", "m2"): 0.0,
+                ("vllm:kv_cache_usage_perc", "m1"): 0.25,
+                ("vllm:kv_cache_usage_perc", "m2"): 0.0,
+                ("vllm:gpu_cache_usage_perc", "m1"): 0.25,
+                ("vllm:gpu_cache_usage_perc", "m2"): 0.0,
+            },
+        )
+
+
+class NodeFilesOptionTests(SynchronousTestCase):
+    """Which files ``twistd sfnode`` offers its head (sfnode.tap.model_files)."""
+
+    def options(self, *args: str) -> Any:
+        from sfnode.tap import Options
+
+        options = Options()
+        options.parseOptions(["--listen", "tcp:0:interface=127.0.0.1", *args])
+        return options
+
+    def test_a_mock_node_offers_its_model_folder_and_is_named_after_it(self) -> None:
+        """--engine mock --model FOLDER offers the folder's bundle and names the model after
+        the folder; without --model it offers nothing and is 'mock'; a folder without
+        tokenizer.json offers nothing."""
+        from sfnode.tap import model_files
+
+        root = self.mktemp()
+        folder = tokenizer_folder(root, TEMPLATE_A)
+        with_model = self.options("--engine", "mock", "--model", str(folder))
+        self.assertEqual(model_files(with_model), bundle_of(root, TEMPLATE_A))
+        self.assertEqual(with_model["model-name"], folder.name)
+        plain = self.options("--engine", "mock")
+        self.assertIsNone(model_files(plain))
+        self.assertEqual(plain["model-name"], "mock")
+        empty = Path(root) / "empty-model"
+        empty.mkdir(parents=True)
+        self.assertIsNone(model_files(self.options("--engine", "mock", "--model", str(empty))))
