@@ -383,6 +383,9 @@ class TwoModelTests(HttpTestCase):
         assert node is not None
         self.assertTrue(node.link.ready)
         self.assertFalse(node.live)
+        reason = head.fleet.models.refusal(node.link)  # type: ignore[union-attr]
+        assert reason is not None
+        self.assertIn("differ from those this head serves tiny-a with", reason)
         self.assertEqual(len(head.fleet.live_nodes()), 1)
         for _ in range(3):
             code, _ = yield self.chat(head, "tiny-a")
@@ -409,6 +412,35 @@ class TwoModelTests(HttpTestCase):
         self.assertEqual(head.api.models.names(), ("tiny-a",))
         code, _ = yield self.chat(head, "tiny-c")
         self.assertEqual(code, 404)
+
+    @defer.inlineCallbacks
+    def test_files_that_do_not_match_their_hash_are_refused_and_the_link_stays(
+        self,
+    ) -> Generator[Any, Any, None]:
+        """A node whose files do not hash to what it offered is refused for its model (the
+        head logs why) without losing its link, and the model is not served; a sound node of
+        another model beside it is unaffected."""
+        root = self.mktemp()
+        sound = bundle_of(root, TEMPLATE_A)
+        lying = Bundle(bundle_of(root, TEMPLATE_B).data, b"\x07" * 32)
+        a = yield self.start_model_node("a", "tiny-a", sound)
+        liar = yield self.start_model_node("x", "tiny-x", lying)
+        head = yield self.model_head([a])
+        yield head.fleet.add_node(liar.endpoint)
+        node = head.fleet.node_named("x")
+        assert node is not None
+        admission = head.fleet.models
+        assert admission is not None
+        while admission.fetching():
+            yield task.deferLater(reactor, 0.01, lambda: None)
+        self.assertTrue(node.link.ready)
+        self.assertFalse(node.live)
+        reason = admission.refusal(node.link)
+        assert reason is not None
+        self.assertIn("do not have the content hash", reason)
+        self.assertEqual(head.api.models.names(), ("tiny-a",))
+        code, _ = yield self.chat(head, "tiny-a")
+        self.assertEqual(code, 200)
 
     @defer.inlineCallbacks
     def dial_in(

@@ -66,6 +66,14 @@ class ModelAdmission:
         judges every link at its handshake)."""
         return self._admitted.get(link, True)
 
+    def refusal(self, link: NodeLink) -> str | None:
+        """Why ``link``'s node takes no requests (None: it is not refused)."""
+        return None if self._admitted.get(link, True) else self._refused.get(link)
+
+    def fetching(self) -> bool:
+        """Whether some node's files are being fetched or read now."""
+        return bool(self._fetching)
+
     def knows(self, model: str | None) -> bool:
         """Whether the head serves ``model`` (its requests wait for a node; never
         "no node serves it")."""
