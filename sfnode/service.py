@@ -1,6 +1,6 @@
 """What both command lines need (``twistd sfnode`` and ``twistd sfhead``): listening services,
-endpoint parsing, the default model's name, a clean exit status after SIGTERM, and no progress
-bars off a terminal.
+endpoint parsing and the checks of options (endpoint strings, counts), the default model's name,
+a clean exit status after SIGTERM, and no progress bars off a terminal.
 
 The node's tap (``sfnode.tap``) and the head's tap (``sfnode.head.tap``) both build their
 service trees from these pieces, so a listener, an address in a log line or a model name means
@@ -30,6 +30,7 @@ from twisted.internet.interfaces import (
     IStreamServerEndpoint,
 )
 from twisted.logger import Logger
+from twisted.python import usage
 from twisted.python.failure import Failure
 
 log = Logger(namespace="sfnode.service")
@@ -70,6 +71,49 @@ def describe_address(address: object) -> str:
     if name is not None:
         return name.decode(errors="replace") if isinstance(name, bytes) else str(name)
     return str(address)
+
+
+class _PlaceholderReactor:
+    """Stands in for the reactor while endpoint strings are syntax-checked.
+
+    Endpoint constructors only store their reactor; the real one is used in ``makeService``.
+    Importing ``twisted.internet.reactor`` during option parsing would install the default
+    reactor before ``twistd --reactor`` can choose one.
+    """
+
+
+def check_endpoint(option: str, description: str, *, server: bool, example: str) -> None:
+    """A :class:`usage.UsageError` naming ``--option`` unless ``description`` parses as a
+    server (or client) endpoint string; ``example`` is shown with the error."""
+    parse = server_from_string if server else client_from_string
+    kind = "server" if server else "client"
+    try:
+        parse(_PlaceholderReactor(), description)
+    except NameError as e:
+        # Twisted's tls: parser names optionsForClientTLS, which exists only with pyOpenSSL.
+        raise usage.UsageError(
+            f"--{option} {description!r} needs TLS support: pip install 'twisted[tls]' ({e})"
+        ) from e
+    except Exception as e:
+        raise usage.UsageError(
+            f"--{option} {description!r} is not a {kind} endpoint string: {e} "
+            f"(for example {example})"
+        ) from e
+
+
+def non_negative(name: str, value: object, minimum: int = 0, maximum: int | None = None) -> int:
+    """``value`` as an int in [minimum, maximum]; a :class:`usage.UsageError` naming ``--name``."""
+    text = str(value).strip()
+    expected = "a non-negative integer" if minimum == 0 else f"an integer of at least {minimum}"
+    try:
+        number = int(text, 10)
+    except ValueError:
+        raise usage.UsageError(f"--{name} must be {expected}, not {text!r}") from None
+    if number < minimum:
+        raise usage.UsageError(f"--{name} must be {expected}, not {text!r}")
+    if maximum is not None and number > maximum:
+        raise usage.UsageError(f"--{name} must be at most {maximum}, not {text!r}")
+    return number
 
 
 def add_child(parent: service.MultiService, name: str, child: service.Service) -> None:

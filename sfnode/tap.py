@@ -30,6 +30,7 @@ from twisted.python import usage
 from twisted.python.failure import Failure
 
 from sfnode.admission import is_loopback_listen, plaintext_refusal
+from sfnode.backoff import RetryPolicy, retry_policy
 from sfnode.config import (
     DEFAULT_DRAIN_TIMEOUT_MS,
     DEFAULT_FENCED_GRACE_MS,
@@ -51,10 +52,12 @@ from sfnode.service import (
     ListeningService,
     StartupError,
     add_child,
+    check_endpoint,
     client_from_string,
     default_model_name,
     describe_failure,
     exit_zero_after_a_clean_stop,
+    non_negative,
     progress_bars_only_on_a_terminal,
     server_from_string,
 )
@@ -109,53 +112,8 @@ class NodeStartupError(StartupError):
     """
 
 
-class _PlaceholderReactor:
-    """Stands in for the reactor while endpoint strings are syntax-checked.
-
-    Endpoint constructors only store their reactor; the real one is used in ``makeService``.
-    Importing ``twisted.internet.reactor`` during option parsing would install the default
-    reactor before ``twistd --reactor`` can choose one.
-    """
-
-
-def _check_server_endpoint(description: str, option: str = "listen") -> None:
-    try:
-        server_from_string(_PlaceholderReactor(), description)
-    except Exception as e:
-        raise usage.UsageError(
-            f"--{option} {description!r} is not a server endpoint string: {e} "
-            "(for example tcp:8454:interface=127.0.0.1 or unix:/run/sfnode.sock)"
-        ) from e
-
-
-def _check_client_endpoint(description: str) -> None:
-    try:
-        client_from_string(_PlaceholderReactor(), description)
-    except NameError as e:
-        # Twisted's tls: parser names optionsForClientTLS, which exists only with pyOpenSSL.
-        raise usage.UsageError(
-            f"--head {description!r} needs TLS support: pip install 'twisted[tls]' ({e})"
-        ) from e
-    except Exception as e:
-        raise usage.UsageError(
-            f"--head {description!r} is not a client endpoint string: {e} "
-            "(for example tcp:head.example:8454 or unix:/run/sfhead.sock)"
-        ) from e
-
-
-def _non_negative(name: str, value: object, minimum: int = 0, maximum: int | None = None) -> int:
-    """``value`` as an int in [minimum, maximum]; a :class:`usage.UsageError` naming ``--name``."""
-    text = str(value).strip()
-    expected = "a non-negative integer" if minimum == 0 else f"an integer of at least {minimum}"
-    try:
-        number = int(text, 10)
-    except ValueError:
-        raise usage.UsageError(f"--{name} must be {expected}, not {text!r}") from None
-    if number < minimum:
-        raise usage.UsageError(f"--{name} must be {expected}, not {text!r}")
-    if maximum is not None and number > maximum:
-        raise usage.UsageError(f"--{name} must be at most {maximum}, not {text!r}")
-    return number
+NODE_SERVER_EXAMPLE = "tcp:8454:interface=127.0.0.1 or unix:/run/sfnode.sock"
+HEAD_CLIENT_EXAMPLE = "tcp:head.example:8454 or unix:/run/sfhead.sock"
 
 
 class Options(usage.Options):
@@ -412,16 +370,16 @@ class Options(usage.Options):
                 "--listen ENDPOINT"
             )
         if self["metrics"] is not None:
-            _check_server_endpoint(self["metrics"], "metrics")
+            check_endpoint("metrics", self["metrics"], server=True, example=NODE_SERVER_EXAMPLE)
             if not self["metrics-insecure"] and not is_loopback_listen(self["metrics"]):
                 raise usage.UsageError(
                     f"refusing to serve metrics on {self['metrics']} off loopback: listen on a "
                     "loopback interface (interface=127.0.0.1) or pass --metrics-insecure"
                 )
         if listen is not None:
-            _check_server_endpoint(listen)
+            check_endpoint("listen", listen, server=True, example=NODE_SERVER_EXAMPLE)
         elif head is not None:
-            _check_client_endpoint(head)
+            check_endpoint("head", head, server=False, example=HEAD_CLIENT_EXAMPLE)
         self._check_join()
 
         engine = self["engine"]
@@ -438,7 +396,7 @@ class Options(usage.Options):
         if given:
             raise usage.UsageError(f"{', '.join(given)} cannot be used with --engine {engine}")
 
-        self["max-lanes"] = _non_negative("max-lanes", self["max-lanes"], 1, U32_MAX)
+        self["max-lanes"] = non_negative("max-lanes", self["max-lanes"], 1, U32_MAX)
         for name in (
             "max-context",
             "handshake-timeout-ms",
@@ -452,7 +410,7 @@ class Options(usage.Options):
             "max-held-tokens",
             "max-generations",
         ):
-            self[name] = _non_negative(name, self[name])
+            self[name] = non_negative(name, self[name])
         for name, default in (
             ("token-delay-ms", 0),
             ("threads", 0),
@@ -460,10 +418,10 @@ class Options(usage.Options):
             ("prefix-cache-blocks", 0),
             ("interactive-lanes", 1),
         ):
-            self[name] = default if self[name] is None else _non_negative(name, self[name])
+            self[name] = default if self[name] is None else non_negative(name, self[name])
         for name, default in (("prefill-chunk", 256), ("step-tokens", 512)):
             value = default if self[name] is None else self[name]
-            self[name] = _non_negative(name, value, 1, U32_MAX)
+            self[name] = non_negative(name, value, 1, U32_MAX)
         self["weights"] = "auto" if self["weights"] is None else self["weights"]
         if self["weights"] not in WEIGHT_MODES:
             raise usage.UsageError(
@@ -628,22 +586,19 @@ def build_engine(reactor: Any, options: Options) -> Engine:
 def head_retry_policy(
     jitter: Callable[[], float] = random.random,
     on_delay: Callable[[int, float], None] | None = None,
-) -> Callable[[int], float]:
+) -> RetryPolicy:
     """D9's redial delays: 0.1 s, 0.2 s, 0.4 s, ... up to 2 s for the 1st, 2nd, 3rd, ...
-    attempt in a row that did not reach a handshake, each shortened by up to a fifth at random
-    (``jitter()`` in [0, 1)) so that a fleet of nodes does not redial in lockstep.
-    ``on_delay(attempt, delay)`` is told every delay (for the log).
+    attempt in a row that did not reach a handshake (:func:`sfnode.backoff.retry_policy`, the
+    head's own policy with the node's cap).  ``on_delay(attempt, delay)`` is told every
+    delay (for the log).
     """
-
-    def delay(attempt: int) -> float:
-        steps = min(max(attempt, 1) - 1, 16)
-        base = min(RECONNECT_INITIAL_S * RECONNECT_FACTOR**steps, RECONNECT_MAX_S)
-        wait = base * (1.0 - 0.2 * jitter())
-        if on_delay is not None:
-            on_delay(attempt, wait)
-        return wait
-
-    return delay
+    return retry_policy(
+        RECONNECT_MAX_S,
+        initial_s=RECONNECT_INITIAL_S,
+        factor=RECONNECT_FACTOR,
+        jitter=jitter,
+        on_delay=on_delay,
+    )
 
 
 def _node_layers(protocol: Any) -> tuple[NodeProtocol | None, NoiseProtocol | None]:

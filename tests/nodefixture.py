@@ -26,7 +26,7 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from sfnode.config import NodeConfig
 from sfnode.generation import MockEngine, mock_next_token
-from sfnode.head.link import HeadIds, NodeLink, connect_node
+from sfnode.head.link import HeadIds, LinkSettings, NodeLink, connect_node
 from sfnode.node import NodeAgent
 from sfnode.protocol import NodeFactory
 from sfnode.tap import node_factory
@@ -127,9 +127,13 @@ class NodeTestCase(TestCase):
 
     @defer.inlineCallbacks
     def dial(
-        self, node: RunningNode, token: bytes = b"", **kwargs: Any
+        self, node: RunningNode, token: bytes = b"", **settings: Any
     ) -> Generator[defer.Deferred[Any], Any, NodeLink]:
-        link = yield connect_node(reactor, node.endpoint, ids=self.ids, token=token, **kwargs)
+        """An open link to ``node``, with ``token`` and the other :class:`LinkSettings`
+        given (closed when the test ends)."""
+        link = yield connect_node(
+            reactor, node.endpoint, ids=self.ids, settings=LinkSettings(token=token, **settings)
+        )
         self.addCleanup(link.close)
         return link
 

@@ -22,7 +22,7 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.utils import getProcessOutputAndValue
 from twisted.trial.unittest import TestCase
 
-from sfnode.head.link import HeadIds, HeadLinkFactory, NodeLink
+from sfnode.head.link import HeadIds, HeadLinkFactory, LinkSettings, NodeLink
 from tests.nodefixture import expected_tokens
 from tests.processes import TWISTD, Child, child_env, spawn_twistd
 
@@ -73,8 +73,7 @@ class DialTests(TestCase):
             lambda link: None if joined.called else joined.callback(link),
             reactor=reactor,
             ids=HeadIds(),
-            token=token,
-            handshake_timeout_s=10.0,
+            settings=LinkSettings(token=token, handshake_timeout_s=10.0),
         )
         listening = await TCP4ServerEndpoint(reactor, port, interface="127.0.0.1").listen(factory)
         self.addCleanup(listening.stopListening)

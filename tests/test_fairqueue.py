@@ -178,7 +178,7 @@ class FleetQueueTests(SynchronousTestCase):
         clock = Clock()
         fleet = Fleet(clock, ids=HeadIds(), clock=clock, **kwargs)
         link = FakeLink(lanes)
-        fleet._adopt(link)  # type: ignore[arg-type]
+        fleet.registry.adopt(link)  # type: ignore[arg-type]
 
         self.generations: list[FleetGeneration] = []
 
@@ -238,13 +238,13 @@ class FleetQueueTests(SynchronousTestCase):
         address still queues; a program's own generations (no address) are bounded only by
         max_queued."""
         fleet, _ = self.fleet(lanes=1, max_queued=8)
-        self.assertEqual(fleet.max_client_queued, 2)
+        self.assertEqual(fleet.queue.max_client_queued, 2)
         self.ask(fleet, "10.0.0.1", 0)
         waiting = [self.ask(fleet, "10.0.0.1", i) for i in (1, 2)]
         refused = self.ask(fleet, "10.0.0.1", 3)
         error = self.failureResultOf(refused.result, ClientQueueFull).value
         self.assertIn("--max-client-queued", str(error))
-        self.assertEqual(fleet.queue_rejected, 1)
+        self.assertEqual(fleet.queue.rejected, 1)
         self.ask(fleet, "10.0.0.2", 4)
         for _ in range(3):
             self.ask(fleet, "", 5)

@@ -38,14 +38,20 @@ from sfnode.head.placement import NO_PREFIX
 from sfnode.head.prefix_index import reusable_keys
 from sfnode.node import NodeAgent
 from sfnode.tap import node_factory
-from sfnode.wire import FINISH_CANCELLED, FINISH_LENGTH, NodeStatusMsg
+from sfnode.wire import FINISH_CANCELLED, FINISH_LENGTH
 from tests.nodefixture import NodeTestCase, RunningNode, expected_tokens
 
 PROMPT = list(range(100, 112))
 
 
 class FleetTestCase(NodeTestCase):
-    """Starts mock nodes (any model name, window, vocabulary) and fleets over them."""
+    """Starts mock nodes (any model name, window, vocabulary) and fleets over them.
+
+    Over real loopback TCP on purpose: these tests kill, restart and hang whole nodes (their
+    listening port closed, their connections cut by the kernel, a node back on the same port)
+    and check what the fleet makes of it, through Twisted's real connect and its errors.
+    The timing rules that need no socket are pinned on the memory reactor
+    (tests/test_fleet_memory.py, tests/test_wait_queue.py, tests/test_failover.py)."""
 
     @defer.inlineCallbacks
     def start_mock_node(
@@ -154,20 +160,23 @@ class _Opened:
         pass
 
 
+class _Reported(_Opened):
+    """Fires ``reported`` the first time its link hears a NODE_STATUS after it was added."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reported: defer.Deferred[None] = defer.Deferred()
+
+    def link_reported(self, link: Any) -> None:
+        if not self.reported.called:
+            self.reported.callback(None)
+
+
 def next_status(node: FleetNode) -> defer.Deferred[None]:
     """Fires when ``node``'s link next hears a NODE_STATUS (after the link has taken it)."""
-    link = node.link
-    heard: defer.Deferred[None] = defer.Deferred()
-    original = link.message_received
-
-    def received(protocol: Any, message: Any) -> None:
-        original(protocol, message)
-        if isinstance(message, NodeStatusMsg) and not heard.called:
-            del link.message_received  # type: ignore[method-assign]
-            heard.callback(None)
-
-    link.message_received = received  # type: ignore[method-assign]
-    return heard
+    observer = _Reported()
+    node.link.observe(observer)
+    return observer.reported
 
 
 def next_open(node: FleetNode) -> defer.Deferred[None]:
@@ -257,7 +266,7 @@ class OneNodeTests(FleetTestCase):
         session = yield fleet.open_session(PROMPT)
         outcome = yield session.generate(8).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 8))
-        self.assertEqual(fleet.reconnects, 0)
+        self.assertEqual(fleet.registry.reconnects, 0)
         closed = self.on(fleet, node).link.when_closed()
         clock.advance(0.3)
         yield closed
@@ -265,7 +274,7 @@ class OneNodeTests(FleetTestCase):
         yield session.append(grown)
         again = yield session.generate(8).result
         self.assertEqual(again.tokens, expected_tokens(grown, 8))
-        self.assertEqual(fleet.reconnects, 1)
+        self.assertEqual(fleet.registry.reconnects, 1)
         self.assertEqual(fleet.failovers, 0)
         self.assertFalse(self.on(fleet, node).down)
 
@@ -289,7 +298,7 @@ class OneNodeTests(FleetTestCase):
         outcome = yield fleet.generate(PROMPT, 30, on_tokens=seen).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 30))
         self.assertEqual(streamed, outcome.tokens)
-        self.assertEqual((fleet.reconnects, fleet.failovers), (1, 0))
+        self.assertEqual((fleet.registry.reconnects, fleet.failovers), (1, 0))
 
     @defer.inlineCallbacks
     def test_a_node_that_dials_in_is_adopted_and_serves(self) -> Generator[Any, Any, None]:
@@ -612,6 +621,44 @@ class LivenessTests(FleetTestCase):
         self.assertNotEqual(b.agent.engine.statistics().decoded_tokens, 0)
 
     @defer.inlineCallbacks
+    def test_a_link_that_lost_a_failed_over_session_gets_prompt_and_delivered(
+        self,
+    ) -> Generator[Any, Any, None]:
+        """A session's generation fails over from a (dead after 7 tokens) to b, and b's link
+        no longer holds the session when the generation is sent there (here: revoked right
+        after the placement, standing in for any way a link loses it): the session is
+        assigned there again with prompt + the delivered tokens (not the session's own
+        context, the prompt alone), so the answer still equals the uninterrupted run."""
+        a = yield self.start_mock_node(identity="a", token_delay_s=0.005)
+        b = yield self.start_mock_node(identity="b", token_delay_s=0.001)
+        fleet = yield self.fleet_of([a, b], policy=Policy.LEAST_LOADED)
+        session = yield fleet.open_session(PROMPT)
+        self.assertEqual(session.node.name, "a")
+        assign = fleet._assign
+        lost: list[int] = []
+
+        def assign_then_lose(placing: Any, node: FleetNode) -> None:
+            assign(placing, node)
+            if node.name == "b" and not lost:
+                lost.append(len(placing.context))
+                node.link.revoke(placing.session.session_id)
+
+        fleet._assign = assign_then_lose  # type: ignore[method-assign]
+        streamed: list[int] = []
+
+        def seen(batch: TokenBatch) -> None:
+            streamed.extend(batch.tokens)
+            if len(streamed) >= 7 and len(streamed) - len(batch) < 7:
+                reactor.callLater(0, self.kill, a)
+
+        outcome = yield session.generate(40, on_tokens=seen).result
+        self.assertEqual(len(lost), 1)
+        self.assertGreater(lost[0], len(PROMPT))
+        self.assertEqual((outcome.node, outcome.failovers), ("b", 1))
+        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 40))
+        self.assertEqual(streamed, outcome.tokens)
+
+    @defer.inlineCallbacks
     def test_non_streaming_generation_fails_over_when_the_owning_node_dies(
         self,
     ) -> Generator[Any, Any, None]:
@@ -895,13 +942,13 @@ class QueueTests(FleetTestCase):
         self.assertEqual(fleet.queued, 1)
         self.failureResultOf(second.result, QueueFull)
         self.failureResultOf(second.when_placed(), QueueFull)
-        self.assertEqual(fleet.queue_rejected, 1)
+        self.assertEqual(fleet.queue.rejected, 1)
         clock.advance(4.9)
         self.assertNoResult(first.result)
         clock.advance(0.1)
         error = self.failureResultOf(first.result, NoNodeAvailable).value
         self.assertIn("no node could take the request within 5 s (no live node", str(error))
-        self.assertEqual((fleet.queued, fleet.queue_timeouts), (0, 1))
+        self.assertEqual((fleet.queued, fleet.queue.timeouts), (0, 1))
 
     def test_the_status_counts_the_queue(self) -> None:
         """Fleet.status() (what /healthz and /metrics read) counts the requests waiting in the

@@ -179,7 +179,12 @@ class OptionsTests(TestCase):
         )  # fmt: skip
         fleet = makeService(options, MemoryReactorClock()).getServiceNamed("fleet").fleet
         self.assertEqual(
-            (fleet.max_queued, fleet.queue_timeout_s, fleet.retry_max_s, fleet.silence_timeout_s),
+            (
+                fleet.queue.max_queued,
+                fleet.queue.timeout_s,
+                fleet.registry.retry_max_s,
+                fleet.link_settings.silence_timeout_s,
+            ),
             (0, 2.5, 1.0, 0.0),
         )
 

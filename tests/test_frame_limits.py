@@ -27,6 +27,7 @@ from sfnode.head.link import (
     HeadIds,
     HeadLinkFactory,
     LinkError,
+    LinkSettings,
     NodeLink,
     connect_node,
 )
@@ -206,7 +207,9 @@ class HeadLimitTests(NodeTestCase):
         once (its handshake timeout is a minute) with the limit named."""
         endpoint = yield self.fake_node(header(MsgType.HELLO_ACK_F, 100 * 1024))
         with self.assertRaises(LinkError) as raised:
-            yield connect_node(reactor, endpoint, ids=HeadIds(), handshake_timeout_s=60)
+            yield connect_node(
+                reactor, endpoint, ids=HeadIds(), settings=LinkSettings(handshake_timeout_s=60)
+            )
         self.assertIn(
             "HELLO_ACK_F payload of 102400 bytes exceeds its limit", str(raised.exception)
         )
@@ -284,7 +287,10 @@ class AddressSlotTests(NodeTestCase):
         self.assertEqual(DEFAULT_JOIN_ADDRESS_HANDSHAKES, 4)
         joined: defer.Deferred[NodeLink] = defer.Deferred()
         factory = HeadLinkFactory(
-            joined.callback, reactor=reactor, ids=self.ids, handshake_timeout_s=60.0
+            joined.callback,
+            reactor=reactor,
+            ids=self.ids,
+            settings=LinkSettings(handshake_timeout_s=60.0),
         )
         port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(factory)
         self.addCleanup(port.stopListening)

@@ -281,4 +281,4 @@ class PipelineBudgetTests(TestCase):
         self.assertIn("did not end within 0.5 s", str(raised.exception))
         (node,) = factory.nodes
         self.assertEqual(len(node.of_type(StageForwardReqMsg)), 1)
-        self.assertEqual(pipeline.stages[0].link._stage_forwards, {})
+        self.assertEqual(pipeline.stages[0].link.pending_forwards, 0)

@@ -19,6 +19,7 @@ from twisted.python.failure import Failure
 from twisted.test.iosim import ConnectionCompleter, IOPump
 from twisted.trial.unittest import SynchronousTestCase
 
+from sfnode.head.fleet import Fleet
 from sfnode.head.link import (
     COMMAND_SPACE,
     DEFAULT_LEASE,
@@ -29,6 +30,7 @@ from sfnode.head.link import (
     HeadIds,
     HeadLinkFactory,
     LinkLostError,
+    LinkSettings,
     MalformedFrameError,
     NodeLink,
     NodeRefusedError,
@@ -177,8 +179,14 @@ class LinkTestCase(SynchronousTestCase):
         self.pumps.append(pump)
         self.flush()
 
-    def dial(self, **kwargs: Any) -> Deferred[NodeLink]:
-        d = connect_node(self.reactor, f"tcp:127.0.0.1:{PORT}", ids=self.ids, **kwargs)
+    def dial(self, **settings: Any) -> Deferred[NodeLink]:
+        """Dial the fake node with the :class:`LinkSettings` given."""
+        d = connect_node(
+            self.reactor,
+            f"tcp:127.0.0.1:{PORT}",
+            ids=self.ids,
+            settings=LinkSettings(**settings),
+        )
         self.complete()
         return d.addCallback(self.keep)
 
@@ -687,7 +695,7 @@ class ReconnectTests(LinkTestCase):
         done = link.reconnect()
         self.complete()
         self.assertNoResult(done)
-        self.reactor.advance(link.handshake_timeout_s)
+        self.reactor.advance(link.settings.handshake_timeout_s)
         self.flush()
         failure = self.failureResultOf(done, ReconcileError)
         self.assertIn("timed out", str(failure.value))
@@ -746,7 +754,10 @@ class MoreGenerateTests(LinkTestCase):
         """HeadLinkFactory drops a node that does not answer HELLO within the timeout."""
         adopted: list[NodeLink] = []
         head_factory = HeadLinkFactory(
-            adopted.append, reactor=self.reactor, ids=self.ids, handshake_timeout_s=2.0
+            adopted.append,
+            reactor=self.reactor,
+            ids=self.ids,
+            settings=LinkSettings(handshake_timeout_s=2.0),
         )
         self.reactor.listenTCP(9000, head_factory)
         node_factory = FakeNodeFactory()
@@ -793,7 +804,7 @@ class MoreGenerateTests(LinkTestCase):
             node.events(ev(1, Finish(FINISH_EOS), e=call.epoch, g=call.generation_id))
             self.flush()
             self.successResultOf(call.result)
-            wal = link.head_session.committed(1, call.epoch, call.generation_id)
+            wal = link.head_session.wal.events(1, call.epoch, call.generation_id)
             self.assertEqual([e.event_seq for e in wal], expected)
 
 
@@ -843,3 +854,38 @@ class LivenessTests(LinkTestCase):
         (revoke,) = new.of_type(SessionRevokeMsg)
         self.assertEqual((revoke.session_id, revoke.epoch), (1, epoch))
         self.assertEqual(new.of_type(ReconcileMsg), [])
+
+
+class LinkSettingsTests(LinkTestCase):
+    """The fleet's link settings reach every link, dialed or dialed in (docs/protocol.md
+    section 8: the head sends KEEPALIVE on an open link)."""
+
+    def keepalives_after(self, node: FakeNode, seconds: float) -> int:
+        self.reactor.advance(seconds)
+        self.flush()
+        return len(node.of_type(Keepalive))
+
+    def test_a_node_that_dials_in_gets_the_heads_keepalive(self) -> None:
+        """A fleet told to send KEEPALIVE every 3 s does so on the link of a node that dialed
+        in, as on one it dialed (not the 15 s default): both nodes get their first after 3 s,
+        their second after 6 s."""
+        fleet = Fleet(self.reactor, ids=self.ids, keepalive_interval_s=3.0, silence_timeout_s=0)
+        self.reactor.listenTCP(9000, fleet.listen_factory())
+        joined = fleet.next_join()
+        node_factory = FakeNodeFactory()
+        client_factory = ClientFactory.forProtocol(lambda: FakeNode(node_factory))
+        self.reactor.connectTCP("127.0.0.1", 9000, client_factory)
+        self.complete()
+        self.successResultOf(joined)
+        dialed = fleet.add_node(f"tcp:127.0.0.1:{PORT}")
+        self.complete()
+        self.successResultOf(dialed)
+        dialing_in, dialed_node = node_factory.nodes[0], self.factory.nodes[-1]
+        self.assertEqual(self.keepalives_after(dialing_in, 2.9), 0)
+        self.assertEqual(self.keepalives_after(dialing_in, 0.1), 1)
+        self.assertEqual(len(dialed_node.of_type(Keepalive)), 1)
+        self.assertEqual(self.keepalives_after(dialing_in, 3.0), 2)
+        self.assertEqual(len(dialed_node.of_type(Keepalive)), 2)
+        stopped = fleet.stop()
+        self.flush()
+        self.successResultOf(stopped)

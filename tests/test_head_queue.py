@@ -86,7 +86,7 @@ class QueueOverHttpTests(HttpTestCase):
         assert waiting.transport is not None
         waiting.transport.abortConnection()
         yield until(lambda: head.fleet.queued == 0, "the gone client's request left")
-        self.assertEqual(head.fleet.queue_timeouts, 0)
+        self.assertEqual(head.fleet.queue.timeouts, 0)
 
     @defer.inlineCallbacks
     def test_a_queued_request_is_served_when_a_node_joins(self) -> Generator[Any, Any, None]:

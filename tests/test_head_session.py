@@ -150,7 +150,7 @@ class GenerateTests(SynchronousTestCase):
         again = head.generate(1, 100, BUDGETS)
         assert first is not None and again is not None
         self.assertNotEqual(again.command_id, first.command_id)
-        self.assertEqual(head.committed_tokens(1, 5, 100), [10])
+        self.assertEqual(head.wal.tokens(1, 5, 100), [10])
 
 
 class DedupTests(SynchronousTestCase):
@@ -159,9 +159,9 @@ class DedupTests(SynchronousTestCase):
         head = assigned()
         acks = head.on_token_events(batch(event(0), event(1), event(2, Finish(FINISH_EOS))))
         self.assertEqual(acks, [WatermarkAckMsg(1, 5, 100, 2)])
-        self.assertEqual(head.committed_tokens(1, 5, 100), [10, 11])
-        self.assertEqual(head.committed_finish(1, 5, 100), FINISH_EOS)
-        self.assertEqual([e.event_seq for e in head.committed(1, 5, 100)], [0, 1, 2])
+        self.assertEqual(head.wal.tokens(1, 5, 100), [10, 11])
+        self.assertEqual(head.wal.finish(1, 5, 100), FINISH_EOS)
+        self.assertEqual([e.event_seq for e in head.wal.events(1, 5, 100)], [0, 1, 2])
 
     def test_a_retransmitted_batch_commits_nothing_and_re_acks(self) -> None:
         """A batch already committed commits nothing and re-acks watermark 1 (item 12)."""
@@ -170,7 +170,7 @@ class DedupTests(SynchronousTestCase):
         ingested = head.ingest(batch(event(0), event(1)))
         self.assertEqual(ingested.acks, [WatermarkAckMsg(1, 5, 100, 1)])
         self.assertEqual(ingested.committed, [])
-        self.assertEqual(head.committed_tokens(1, 5, 100), [10, 11])
+        self.assertEqual(head.wal.tokens(1, 5, 100), [10, 11])
 
     def test_a_duplicate_mixed_with_a_new_event_gives_one_ack(self) -> None:
         """AlreadyCommitted and Accepted under one key: one ack with the highest contiguous seq."""
@@ -186,7 +186,7 @@ class DedupTests(SynchronousTestCase):
         head.assign_session(1, 6, LEASE)
         acks = head.on_token_events(batch(event(0, e=5)))
         self.assertEqual(acks, [])
-        self.assertEqual(head.committed(1, 5, 100), [])
+        self.assertEqual(head.wal.events(1, 5, 100), [])
         fresh = head.on_token_events(batch(event(0, e=6)))
         self.assertEqual(fresh, [WatermarkAckMsg(1, 6, 100, 0)])
 
@@ -195,7 +195,7 @@ class DedupTests(SynchronousTestCase):
         head = assigned()
         head.on_token_events(batch(event(0)))
         self.assertEqual(head.on_token_events(batch(event(2))), [])
-        self.assertEqual(head.committed_tokens(1, 5, 100), [10])
+        self.assertEqual(head.wal.tokens(1, 5, 100), [10])
         acks = head.on_token_events(batch(event(1), event(2)))
         self.assertEqual(acks, [WatermarkAckMsg(1, 5, 100, 2)])
 
@@ -218,7 +218,7 @@ class DedupTests(SynchronousTestCase):
         head.on_token_events(batch(event(0), event(1)))
         acks = head.on_token_events(batch(event(0, Finish(FINISH_DECLINED))))
         self.assertEqual(acks, [WatermarkAckMsg(1, 5, 100, 1)])
-        self.assertIsNone(head.committed_finish(1, 5, 100))
+        self.assertIsNone(head.wal.finish(1, 5, 100))
 
 
 class LeaseAndReconcileTests(SynchronousTestCase):
@@ -288,12 +288,12 @@ class LeaseAndReconcileTests(SynchronousTestCase):
         self.assertEqual((msg.command_id, msg.session_id, msg.epoch), (1, 3, 9))
 
     def test_wal_entries_can_be_forgotten(self) -> None:
-        """forget_committed drops one generation's committed events from the WAL."""
+        """wal.forget drops one generation's committed events from the WAL."""
         head = assigned()
         head.on_token_events(batch(event(0)))
-        self.assertEqual(head.wal_keys(), [(1, 5, 100)])
-        head.forget_committed(1, 5, 100)
-        self.assertEqual(head.wal_keys(), [])
+        self.assertEqual(head.wal.keys(), [(1, 5, 100)])
+        head.wal.forget(1, 5, 100)
+        self.assertEqual(head.wal.keys(), [])
 
     def test_an_append_with_a_bad_token_changes_nothing(self) -> None:
         """A token that is not a u32 raises before the context or a command id is used."""

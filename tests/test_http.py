@@ -29,6 +29,7 @@ from sfnode.head.schema import ChatMessage
 from sfnode.node import NodeAgent
 from sfnode.tap import node_factory
 from tests.nodefixture import NodeTestCase, RunningNode
+from tests.test_fleet import next_status
 from tests.tinymodel import TINY_VOCAB, tiny_tokenizer
 
 MODEL = "mock"
@@ -57,6 +58,10 @@ class Head:
 
 
 class HttpTestCase(NodeTestCase):
+    """A node and a head with its HTTP API, over real loopback TCP: these tests speak HTTP as
+    clients do (twisted.web's Agent, raw sockets, the openai package), through the head's real
+    listener and its guards."""
+
     @defer.inlineCallbacks
     def start_vocab_node(
         self,
@@ -470,7 +475,8 @@ class SaturationTests(HttpTestCase):
     def test_health_says_busy_while_every_lane_is_taken(self) -> Generator[Any, Any, None]:
         """A node with 2 lanes running 3 of this head's streams: /healthz answers 200 with
         status busy, 2 of 2 lanes active, 1 generation queued and 3 requests open, and
-        /metrics shows the same; once the streams end it says ok again."""
+        /metrics shows the same; once the streams have ended and the node has reported since,
+        it says ok again."""
         node = yield self.start_vocab_node(max_lanes=2, token_delay_s=0.01)
         head = yield self.start_head([node])
         # Chat prompts are rendered on worker threads: wait until all three reached the fleet.
@@ -513,6 +519,11 @@ class SaturationTests(HttpTestCase):
             self.assertIn(line, metrics.decode())
         for client in streams:
             yield client.ended
+        # Until the node reports again, its last NODE_STATUS (sampled while the streams ran)
+        # still counts both lanes busy.  A report that arrives now was sent after the streams'
+        # Finish events (one connection keeps its order): it is the node's own word that its
+        # lanes are free.
+        yield next_status(head.fleet.nodes[0])
         code, content = yield self.call(head, b"GET", "/healthz")
         self.assertEqual((code, json.loads(content)["status"]), (200, "ok"))
 

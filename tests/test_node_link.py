@@ -82,7 +82,7 @@ class GenerationTests(NodeTestCase):
         outcome = yield call.result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 16))
         self.assertEqual(outcome.finish, FINISH_LENGTH)
-        events = link.head_session.committed(1, call.epoch, call.generation_id)
+        events = link.head_session.wal.events(1, call.epoch, call.generation_id)
         self.assertEqual(sum(isinstance(e.payload, Finish) for e in events), 1)
         self.assertLessEqual(len(events), 16 + 1)
 
@@ -416,10 +416,10 @@ class ReconcileTests(NodeTestCase):
         link.append(1, PROMPT)
         call = link.generate(1, 12)
         first = yield call.result
-        committed = len(link.head_session.committed(1, call.epoch, call.generation_id))
+        committed = len(link.head_session.wal.events(1, call.epoch, call.generation_id))
         yield link.reconnect()
         self.assertEqual(
-            len(link.head_session.committed(1, call.epoch, call.generation_id)), committed
+            len(link.head_session.wal.events(1, call.epoch, call.generation_id)), committed
         )
         second = yield link.generate(1, 12).result
         self.assertEqual(first.tokens, second.tokens)

@@ -24,7 +24,7 @@ from twisted.logger import capturedLogs, formatEvent
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.head.link import HeadLinkFactory, NodeLink, NodeRefusedError
+from sfnode.head.link import HeadLinkFactory, LinkSettings, NodeLink, NodeRefusedError
 from sfnode.noise import (
     HANDSHAKE_MESSAGE_LEN,
     MAX_CHUNK,
@@ -292,8 +292,7 @@ class LinkTests(NodeTestCase):
                 lambda link, d=adopted: d.callback(link),
                 reactor=reactor,
                 ids=self.ids,
-                token=head_token,
-                handshake_timeout_s=5.0,
+                settings=LinkSettings(token=head_token, handshake_timeout_s=5.0),
             )
             port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(head)
             self.addCleanup(port.stopListening)

@@ -27,7 +27,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from sfnode import tap, tokens
-from sfnode.head.link import HeadIds, HeadLinkFactory
+from sfnode.head.link import HeadIds, HeadLinkFactory, LinkSettings
 from tests.nodefixture import NodeTestCase, expected_tokens
 from tests.test_tap import REPO_ROOT, TWISTD, child_env
 
@@ -218,15 +218,15 @@ class HeadAdmissionTests(SynchronousTestCase):
 
         clock = Clock()
         plain = HeadLinkFactory(
-            lambda _: None, reactor=clock, ids=HeadIds(), handshake_timeout_s=1.0,
-            loopback_only=True,
+            lambda _: None, reactor=clock, ids=HeadIds(),
+            settings=LinkSettings(handshake_timeout_s=1.0), loopback_only=True,
         )  # fmt: skip
         self.assertIsNone(plain.buildProtocol(IPv4Address("TCP", "10.1.2.3", 5000)))
         self.assertIsNotNone(plain.buildProtocol(IPv4Address("TCP", "127.0.0.1", 5000)))
         self.assertIsNotNone(plain.buildProtocol(UNIXAddress(b"/tmp/s")))
         keyed = HeadLinkFactory(
-            lambda _: None, reactor=clock, ids=HeadIds(), token=TOKEN, handshake_timeout_s=1.0,
-            loopback_only=True,
+            lambda _: None, reactor=clock, ids=HeadIds(),
+            settings=LinkSettings(token=TOKEN, handshake_timeout_s=1.0), loopback_only=True,
         )  # fmt: skip
         self.assertIsInstance(
             keyed.buildProtocol(IPv4Address("TCP", "10.1.2.3", 5000)), NoiseProtocol
@@ -244,8 +244,8 @@ class HeadAdmissionTests(SynchronousTestCase):
         self.assertEqual(DEFAULT_JOIN_HANDSHAKES, 8)
         clock = Clock()
         factory = HeadLinkFactory(
-            lambda _: None, reactor=clock, ids=HeadIds(), handshake_timeout_s=1.0,
-            max_handshakes=2,
+            lambda _: None, reactor=clock, ids=HeadIds(),
+            settings=LinkSettings(handshake_timeout_s=1.0), max_handshakes=2,
         )  # fmt: skip
         peer = IPv4Address("TCP", "127.0.0.1", 5000)
         self.assertIsNotNone(factory.buildProtocol(peer))

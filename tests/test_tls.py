@@ -16,7 +16,7 @@ from twisted.internet import reactor
 from twisted.trial.unittest import TestCase
 
 from sfnode import tap
-from sfnode.head.link import HandshakeError, HeadIds, connect_node
+from sfnode.head.link import HandshakeError, HeadIds, LinkSettings, connect_node
 from sfnode.wire import FINISH_LENGTH
 from tests.nodefixture import expected_tokens
 
@@ -124,7 +124,7 @@ class TLSEndpointTests(TestCase):
                 ids=HeadIds(),
                 # The refusal comes at once; the timeout is only a cap, kept far away so that a
                 # loaded machine cannot turn the TLS failure into a handshake timeout.
-                handshake_timeout_s=60.0,
+                settings=LinkSettings(handshake_timeout_s=60.0),
             ),
             HandshakeError,
         )

@@ -169,5 +169,5 @@ class OldPeerTests(SynchronousTestCase):
         session.generate(7, 1, wire.GenerationBudgetsMsg(16, 0))
         acks = session.on_token_events(TokenEventsMsg((TokenEvent(7, 3, 1, 0, EXAMPLE),)))
         self.assertEqual([a.watermark for a in acks], [0])
-        self.assertEqual(session.committed_tokens(7, 3, 1), [300, 301])
+        self.assertEqual(session.wal.tokens(7, 3, 1), [300, 301])
         self.assertIsInstance(EXAMPLE, Tokens)

@@ -6,8 +6,9 @@ connection carry every generation of a node, so the per-lane connection pools of
 not needed).  Nodes come from two directions: the head dials the ones it is told about
 (:meth:`Fleet.add_node`; each link redials on its own, from about 0.1 s up to a cap, and its
 generations survive a dropped connection through the reconcile), and accepts the ones that
-dial in (:meth:`Fleet.listen_factory`).  Their HELLO_ACK_F and NODE_STATUS feed the registry:
-identity, models, context window, lanes and load.
+dial in (:meth:`Fleet.listen_factory`), every link built with the fleet's one
+:class:`~sfnode.head.link.LinkSettings`.  Their HELLO_ACK_F and NODE_STATUS feed the registry
+(:mod:`sfnode.head.registry`): identity, models, context window, lanes and load.
 
 On top of that:
 
@@ -20,18 +21,20 @@ On top of that:
   weighs the leading blocks of a request's context a node holds against its load
   (:class:`~sfnode.head.placement.PrefixRule`), so requests sharing a system prompt and the
   turns of a conversation go where their prefix is;
-- a bounded queue: a request no live node can take now waits (``max_queued``, at most
-  ``queue_timeout_s``) for a node to come back, join, or free a lane; lanes go to the waiting
-  clients round robin (:class:`~sfnode.head.fairqueue.FairQueue`: by API key, else by address,
-  each client's requests in arrival order), and one client address may hold at most
+- a bounded queue (:class:`~sfnode.head.queue.WaitQueue`): a request no live node can take now
+  waits (``max_queued``, at most ``queue_timeout_s``) for a node to come back, join, or free a
+  lane; lanes go to the waiting clients round robin
+  (:class:`~sfnode.head.fairqueue.FairQueue`: by API key, else by address, each client's
+  requests in arrival order), and one client address may hold at most
   ``max_client_queued`` of the queue; a full queue refuses at once (:class:`QueueFull`, or
   :class:`ClientQueueFull` for a client at its share), a wait that times out fails with
   :class:`NoNodeAvailable`; a waiter that is cancelled (its client went away) leaves;
 - a prompt that no node serving the model can hold is refused with :class:`StreamTooLong`
   (``length``, ``max``), also after a cold fleet learned the windows;
-- failover, in one place (:meth:`FleetGeneration._run`): a generation whose node dies (or
-  declines it) moves to another node with the delivered tokens appended to its context and
-  ``max_new - delivered`` left to generate, so the caller sees exactly the tokens of an
+- failover, decided in one place (:func:`sfnode.head.failover.decide`, carried out by
+  :meth:`FleetGeneration._run`): a generation whose node dies (or declines it) moves to another
+  node with the delivered tokens appended to its context and ``max_new - delivered`` left to
+  generate, so the caller sees exactly the tokens of an
   uninterrupted run, none twice (the counter-based sampler makes this hold for sampled
   generations too); with no other node live it waits in the queue, ahead of new requests;
 - a wall budget per generation (``max_generation_s``, ``--max-generation-time``): a
@@ -63,19 +66,17 @@ deliver a token to a caller twice.
 from __future__ import annotations
 
 import itertools
-from collections import deque
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar, cast
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 from twisted.internet import defer
 from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.endpoints import clientFromString
 from twisted.internet.interfaces import IDelayedCall, IReactorTime, IStreamClientEndpoint
 from twisted.logger import Logger
 
-from sfnode.generation import KV_BLOCK_TOKENS, StreamTooLong, TokenBatch, TokenSink
-from sfnode.head import placement
+from sfnode.generation import StreamTooLong, TokenBatch, TokenSink
+from sfnode.head import failover, placement
 from sfnode.head.backend import ANONYMOUS, BackendStatus, NodeReport, Requester
 from sfnode.head.backend import ClientQueueFull as ClientQueueFull
 from sfnode.head.backend import ConstraintRefused as ConstraintRefused
@@ -89,7 +90,7 @@ from sfnode.head.backend import NodeDown as NodeDown
 from sfnode.head.backend import NoNodeAvailable as NoNodeAvailable
 from sfnode.head.backend import QueueFull as QueueFull
 from sfnode.head.backend import SessionClosed as SessionClosed
-from sfnode.head.fairqueue import FairQueue
+from sfnode.head.failover import MAX_FAILOVERS as MAX_FAILOVERS
 from sfnode.head.link import (
     DEFAULT_HANDSHAKE_TIMEOUT_S,
     DEFAULT_LEASE,
@@ -97,8 +98,8 @@ from sfnode.head.link import (
     HeadIds,
     HeadLinkFactory,
     LinkError,
+    LinkSettings,
     NodeLink,
-    describe_endpoint,
 )
 from sfnode.head.machines import (
     DEFAULT_KEEPALIVE_INTERVAL_S,
@@ -109,14 +110,15 @@ from sfnode.head.machines import (
 )
 from sfnode.head.model_admission import ModelAdmission
 from sfnode.head.placement import DEFAULT_EXPECTED_OUT, DEFAULT_PREFIX_RULE, Policy, PrefixRule
-from sfnode.head.prefix_index import BlockKey, PrefixIndex, reusable_keys
+from sfnode.head.prefix_index import BlockKey, reusable_keys
+from sfnode.head.queue import Waiter, WaitQueue
+from sfnode.head.registry import FleetNode as FleetNode
+from sfnode.head.registry import NodeRegistry
 from sfnode.wire import (
     FEATURE_CONSTRAINTS,
     FEATURE_LOGPROBS,
     FINISH_CANCELLED,
-    FINISH_DECLINED,
     FINISH_LENGTH,
-    FINISH_REFUSED,
     Constraint,
     GenParams,
     Lease,
@@ -129,9 +131,6 @@ DEFAULT_QUEUE_TIMEOUT_S = 30.0
 """How long a request waits for a node before it fails (0: as long as it takes)."""
 DEFAULT_MAX_GENERATION_S = 600.0
 """The wall budget of one generation, from its request to its Finish (0: none)."""
-MAX_FAILOVERS = 16
-"""Moves one generation may make before the fleet gives up on it (a request that kills every
-node it reaches must not go round for ever)."""
 
 _log = Logger(namespace="sfnode.head.fleet")
 _T = TypeVar("_T")
@@ -163,152 +162,39 @@ def needed_features(params: GenParams, constraint: Constraint | None = None) -> 
     )
 
 
+def ensure_session(
+    link: NodeLink, session: FleetSession, context: Sequence[int], *, fresh: bool = False
+) -> None:
+    """Make ``link`` hold ``session`` with ``context`` (its COMPLETE context) appended:
+    assigned at a new epoch and appended when ``fresh`` (a placement) or when the link does
+    not hold the session; left alone when it does (docs/protocol.md sections 6.2 and 8)."""
+    if fresh or link.head_session.epoch_of(session.session_id) is None:
+        link.assign(session.session_id, lease=session.lease, params=session.params)
+        if context:
+            link.append(session.session_id, context)
+
+
 # --------------------------------------------------------------------------------------------
 # Nodes
-
-
-class FleetNode:
-    """One node of the registry: its link, and the head's own count of its load."""
-
-    def __init__(self, link: NodeLink, order: int) -> None:
-        self.link = link
-        self.order = order
-        """Registration order: unique, the last tie-breaker of placement."""
-        self.sessions = 0
-        """Sessions placed here and not ended."""
-        self.inflight = 0
-        """Generations the head runs here."""
-        self.admitted = True
-        """The head serves the model it names with it (sfnode.head.model_admission)."""
-        self.interactive_inflight = 0
-        """How many of them are interactive (docs/protocol.md section 12.2)."""
-        self.failed_attempts = 0
-        """Failed (re)connection attempts since the link was last open."""
-        self.last_failure = ""
-        self.prefixes = PrefixIndex()
-        """The blocks of the contexts placed and generated here (what its cache may hold)."""
-        self.declined_at: float | None = None
-        """When it last declined a generation (clock seconds); it takes nothing new until a
-        load report sampled after that arrives."""
-        self.ended: deque[float] = deque()
-        """When this head's generations here ended, since the node's latest load report."""
-
-    @property
-    def name(self) -> str:
-        return self.link.name
-
-    @property
-    def description(self) -> str:
-        """The endpoint string dialed, or the peer of a node that dialed in."""
-        return self.link.description
-
-    @property
-    def label(self) -> str:
-        """The name and, when it says more, the endpoint: ``vm (tcp:10.0.0.5:8454)``."""
-        name, description = self.link.name, self.link.description
-        return name if name == description else f"{name} ({description})"
-
-    @property
-    def dialed(self) -> bool:
-        return self.link.dialable
-
-    @property
-    def live(self) -> bool:
-        """Its link is open and the head serves its model with it: placement may use it."""
-        return self.link.ready and self.admitted
-
-    @property
-    def down(self) -> bool:
-        return not self.link.ready
-
-    @property
-    def models(self) -> tuple[str, ...]:
-        return self.link.models
-
-    @property
-    def window(self) -> int | None:
-        """The node's context window: None while unknown, 0 when unlimited."""
-        capacity = self.link.capacity
-        return None if capacity is None else capacity.max_context_tokens
-
-    def view(self, now: float, keys: Sequence[BlockKey] = ()) -> placement.NodeView:
-        """What placement knows of this node now, for a request whose context has the block
-        keys ``keys`` (how much of it the node is believed to hold)."""
-        at = self.link.capacity_at
-        self._forget_reported_ends()
-        return placement.NodeView(
-            key=self.order,
-            live=self.live,
-            models=self.link.models,
-            capacity=self.link.capacity,
-            report_age_s=None if at is None else now - at,
-            sessions=self.sessions,
-            inflight=self.inflight,
-            features=self.link.features,
-            interactive_inflight=self.interactive_inflight,
-            cached_tokens=self.prefixes.cached_blocks(keys) * KV_BLOCK_TOKENS if keys else 0,
-            ended_since_report=len(self.ended),
-            declined=self.declined_at is not None and (at is None or at <= self.declined_at),
-        )
-
-    def generation_started(self, interactive: bool) -> None:
-        """One of this head's generations starts here (counted by class, section 12.2)."""
-        self.inflight += 1
-        if interactive:
-            self.interactive_inflight += 1
-
-    def generation_ended(self, now: float, interactive: bool) -> None:
-        """One of this head's generations here ended (its lane is free)."""
-        self.inflight -= 1
-        if interactive:
-            self.interactive_inflight -= 1
-        self._forget_reported_ends()
-        self.ended.append(now)
-
-    def _forget_reported_ends(self) -> None:
-        # Only the ends after the latest report matter: that report still counts them, a
-        # later one does not.
-        at = self.link.capacity_at
-        while self.ended and (at is None or self.ended[0] <= at):
-            self.ended.popleft()
-
-    def remember(self, keys: Sequence[BlockKey]) -> None:
-        """The node was sent, or computed, the blocks named ``keys``."""
-        capacity = self.link.capacity
-        if capacity is not None and capacity.kv_blocks_total:
-            # Bounded like the node's own pool, so the index forgets about when the node evicts.
-            self.prefixes.capacity = capacity.kv_blocks_total
-        self.prefixes.record(keys)
-
-    def fits(self, length: int) -> bool:
-        """Whether a context of ``length`` tokens fits (an unknown window is tried)."""
-        window = self.window
-        return window is None or window == 0 or length <= window
-
-    def __repr__(self) -> str:
-        return f"<FleetNode {self.name} {self.link.status}>"
 
 
 # --------------------------------------------------------------------------------------------
 # The queue
 
 
-@dataclass(eq=False)
-class _Waiter:
-    """One request waiting for a node."""
+@dataclass(frozen=True, slots=True)
+class _Placing:
+    """What one waiter of the queue asks for: a session placed with ``context``."""
 
     session: FleetSession
     context: tuple[int, ...]
     request: placement.Request
     claim_lane: bool
-    placed: Deferred[FleetNode]
-    since: float
     keys: tuple[BlockKey, ...] = ()
     """The block keys of ``context`` (when placement weighs cached prefixes)."""
-    timer: IDelayedCall | None = None
-    reason: str = ""
-    """Why it waits (the last decision), for the timeout's message."""
-    settled: bool = field(default=False)
+
+
+_Waiter = Waiter["FleetNode"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -356,7 +242,7 @@ class FleetSession:
         node = self.node
         if node is not None and node.fits(len(context)):
             try:
-                link = await fleet._bound_link(self)
+                link = await fleet._bound_link(self, self.context)
             except _NODE_FATAL as e:
                 _log.info(
                     "session {session} lost its node {node}: {error}; placing it again",
@@ -594,43 +480,41 @@ class FleetGeneration:
                     node = session.node
                     node.generation_started(self.interactive)
                 try:
-                    outcome = await self._generate_on(node, remaining)
+                    answer = await self._generate_on(node, remaining, (*base, *self.tokens))
                 except _NODE_FATAL as e:
-                    error: Exception = e
+                    outcome: failover.Outcome = failover.Lost(e)
                 else:
-                    if outcome is None:
-                        return self._outcome(FINISH_CANCELLED, node)
-                    if outcome.finish == FINISH_REFUSED:
-                        length = len(base) + len(self.tokens)
-                        if self.constraint is not None and node.fits(length):
-                            raise ConstraintRefused(
-                                f"{node.name} refused the generation's constraint"
-                            )
-                        raise StreamTooLong(length, node.window or 0)
-                    if outcome.finish != FINISH_DECLINED:
-                        if self.failovers and not self._one_shot and session.node is node:
-                            # The node holds prompt + the tokens delivered before the
-                            # failover; put the session's own context back for its next turn.
-                            node.link.append(session.session_id, base)
-                        # Its cache now holds the blocks of the answer too: the next turn
-                        # of a conversation starts with them.
-                        fleet._remember(node, (*base, *self.tokens), session.model)
-                        return FleetOutcome(
-                            list(self.tokens), outcome.finish, node.name, self.failovers
-                        )
-                    error = NodeDeclined(
-                        f"{node.name} declined the generation (it is full or draining, or a "
-                        "stale epoch or replayed command)"
+                    outcome = (
+                        failover.NotSent() if answer is None else failover.Finished(answer.finish)
                     )
-                    fleet._declined(node)
-                if self._cancelled:
+                length = len(base) + len(self.tokens)
+                attempt = failover.Attempt(
+                    node.name,
+                    length,
+                    node.fits(length),
+                    constrained=self.constraint is not None,
+                    failovers=self.failovers,
+                    cancelled=self._cancelled,
+                    window=node.window or 0,
+                )
+                decision = failover.decide(attempt, outcome)
+                if failover.declined(outcome):
+                    # No new work there until it reports again.
+                    node.declined_at = fleet._clock.seconds()
+                if isinstance(decision, failover.Fail):
+                    raise decision.error
+                if isinstance(decision, failover.Cancelled):
                     return self._outcome(FINISH_CANCELLED, node)
-                if self.failovers >= MAX_FAILOVERS:
-                    if isinstance(error, NodeDeclined):
-                        raise error
-                    raise NoNodeAvailable(
-                        f"gave up after {self.failovers} failovers; the last: {error}"
-                    ) from error
+                if isinstance(decision, failover.End):
+                    if decision.restore and not self._one_shot and session.node is node:
+                        # The node holds prompt + the tokens delivered before the
+                        # failover; put the session's own context back for its next turn.
+                        node.link.append(session.session_id, base)
+                    # Its cache now holds the blocks of the answer too: the next turn
+                    # of a conversation starts with them.
+                    fleet._remember(node, (*base, *self.tokens), session.model)
+                    return self._outcome(decision.finish, node)
+                error = decision.error
                 tried.append(node)
                 _log.info(
                     "generation of session {session} fails over from {node} after "
@@ -648,12 +532,13 @@ class FleetGeneration:
             if self._one_shot:
                 session.close()
 
-    async def _generate_on(self, node: FleetNode, remaining: int) -> Any:
-        """One GENERATE_REQ on ``node`` (whose lane this generation holds): its outcome, or
-        None when the generation was cancelled before it could be sent."""
+    async def _generate_on(self, node: FleetNode, remaining: int, context: Sequence[int]) -> Any:
+        """One GENERATE_REQ on ``node`` (whose lane this generation holds), which holds (or
+        gets) ``context``: its outcome, or None when the generation was cancelled before it
+        could be sent."""
         fleet = self.session.fleet
         try:
-            link = await fleet._bound_link(self.session, self.features)
+            link = await fleet._bound_link(self.session, context, self.features)
             if self._cancelled:
                 return None
             constraint = self.constraint
@@ -729,58 +614,65 @@ class Fleet:
         self.models = models
         """Which nodes serve which model, by the head's model registry (None: every node
         serves the model it names)."""
-        if models is not None:
-            models.changed = self._model_judged
         self._clock: IReactorTime = clock if clock is not None else reactor
         self.ids = ids if ids is not None else HeadIds()
-        self.token = token
+        self.link_settings = LinkSettings(
+            token=token,
+            handshake_timeout_s=handshake_timeout_s,
+            keepalive_interval_s=keepalive_interval_s,
+            silence_timeout_s=silence_timeout_s,
+            keep_wal=False,
+        )
+        """How every link runs, the ones it dials and the ones that dial in alike."""
         self.policy = Policy(policy)
         self.lease = lease
-        self.handshake_timeout_s = handshake_timeout_s
-        self.keepalive_interval_s = keepalive_interval_s
-        self.silence_timeout_s = silence_timeout_s
-        """The keepalive window: a node silent this long is dropped (0: never)."""
-        self.retry_max_s = retry_max_s
-        self._retry = retry if retry is not None else retry_policy(retry_max_s)
-        self.max_queued = max_queued
-        self.max_client_queued = (
-            default_client_queued(max_queued) if max_client_queued is None else max_client_queued
+        self.queue: WaitQueue[FleetNode] = WaitQueue(
+            self._clock,
+            self._try,
+            self._why_waiting,
+            max_queued=max_queued,
+            max_client_queued=(
+                default_client_queued(max_queued)
+                if max_client_queued is None
+                else max_client_queued
+            ),
+            timeout_s=queue_timeout_s,
         )
-        """Generations one client address may have waiting (0: no bound but ``max_queued``;
-        generations without an address, such as a program's own, are not bounded by it)."""
-        self.queue_timeout_s = queue_timeout_s
+        """Generations waiting for a node, with the queue's bounds, timeout and counters
+        (generations without a client address, such as a program's own, are not bounded by
+        the per-address one)."""
         self.prefix = prefix
         """How placement weighs a node's cached prefix against its load (``load-aware``)."""
         self.max_generation_s = max_generation_s
         """The wall budget of each generation (0: none)."""
-        self.nodes: list[FleetNode] = []
+        self.registry = NodeRegistry(
+            reactor,
+            self._clock,
+            self.ids,
+            self.link_settings,
+            retry if retry is not None else retry_policy(retry_max_s),
+            retry_max_s,
+            on_room=lambda: self.queue.dispatch(),
+            on_report=lambda: self.queue.dispatch() if self.queue else None,
+            models=models,
+        )
+        self.nodes = self.registry.nodes
+        """The registry's nodes (the same list)."""
         self.failovers = 0
-        self.reconnects = 0
-        self.queue_rejected = 0
-        """Requests refused at once because the queue was full."""
-        self.queue_timeouts = 0
-        """Requests that waited ``queue_timeout_s`` for a node in vain."""
-        self._queue: FairQueue[_Waiter] = FairQueue()
-        self._dispatching = False
-        self._dispatch_again = False
-        self._orders = itertools.count()
         self._session_ids = itertools.count(1)
         self._cursor = 0
-        self._stopping = False
-        self._join_waiters: list[Deferred[FleetNode]] = []
 
     # ----------------------------------------------------------------------------------------
     # Life cycle and registry
 
     def start(self) -> None:
         """Let the fleet take requests (links keep themselves alive: nothing to start)."""
-        self._stopping = False
+        self.registry.stopping = False
 
     def stop(self) -> Deferred[None]:
         """Fail what waits in the queue and close every link."""
-        self._stopping = True
-        for waiter in self._queue.clear():
-            self._settle(waiter, NoNodeAvailable("the head is stopping"))
+        self.registry.stopping = True
+        self.queue.clear(NoNodeAvailable("the head is stopping"))
         closing = [node.link.close() for node in self.nodes]
         return defer.gatherResults(closing).addCallback(lambda _: None)
 
@@ -788,34 +680,7 @@ class Fleet:
         """Register a node the head dials and start dialing it; fires with it once the first
         attempt ended, whether it reached the node or not (a node that cannot be reached is
         kept and redialled with backoff)."""
-        if isinstance(endpoint, str):
-            description = endpoint
-            dialer = cast(
-                IStreamClientEndpoint,
-                clientFromString(self._reactor, endpoint),  # type: ignore[no-untyped-call]
-            )
-        else:
-            description = describe_endpoint(endpoint)
-            dialer = endpoint
-        link = NodeLink(
-            self._reactor,
-            self.ids,
-            token=self.token,
-            endpoint=dialer,
-            description=description,
-            handshake_timeout_s=self.handshake_timeout_s,
-            clock=self._clock,
-            keep_wal=False,
-            retry=self._retry,
-            keepalive_interval_s=self.keepalive_interval_s,
-            silence_timeout_s=self.silence_timeout_s,
-        )
-        node = FleetNode(link, next(self._orders))
-        self.nodes.append(node)
-        link.observe(self)
-        link.start()
-        first = link.when_open()
-        return first.addBoth(lambda _: node)
+        return self.registry.dial(endpoint)
 
     def listen_factory(self, *, loopback_only: bool = False) -> HeadLinkFactory:
         """The protocol factory for a port that nodes dial (``--fleet-listen``).
@@ -823,173 +688,26 @@ class Fleet:
         ``loopback_only`` (what ``twistd sfhead`` asks for without a fleet token, unless
         --insecure-no-auth) closes connections from anywhere but loopback at once.
         """
-        return HeadLinkFactory(
-            self._adopt,
-            reactor=self._reactor,
-            ids=self.ids,
-            token=self.token,
-            handshake_timeout_s=self.handshake_timeout_s,
-            clock=self._clock,
-            keep_wal=False,
-            loopback_only=loopback_only,
-            silence_timeout_s=self.silence_timeout_s,
-        )
+        return self.registry.listen_factory(loopback_only=loopback_only)
 
     def live_nodes(self) -> list[FleetNode]:
         """Nodes whose link is open."""
         return [n for n in self.nodes if n.live]
 
     def node_named(self, name: str) -> FleetNode | None:
-        for node in self.nodes:
-            if node.name == name:
-                return node
-        return None
+        return self.registry.named(name)
+
+    def next_join(self) -> Deferred[FleetNode]:
+        """Fires with the next node that dials in and passes the handshake."""
+        return self.registry.next_join()
 
     @property
     def queued(self) -> int:
         """Requests waiting for a node now."""
-        return len(self._queue)
-
-    def next_join(self) -> Deferred[FleetNode]:
-        """Fires with the next node that dials in and passes the handshake."""
-        d: Deferred[FleetNode] = Deferred()
-        self._join_waiters.append(d)
-        return d
-
-    def _node_of(self, link: NodeLink) -> FleetNode | None:
-        for node in self.nodes:
-            if node.link is link:
-                return node
-        return None
-
-    def _adopt(self, link: NodeLink) -> None:
-        """A node dialed in and passed the handshake: it joins by identity."""
-        if self._stopping:
-            link.close()
-            return
-        node = FleetNode(link, next(self._orders))
-        self.nodes.append(node)
-        link.observe(self)
-        self._judge(node)
-        _log.info(
-            "node {node} joined (dialed in from {peer}; models {models}, window {window})",
-            node=link.name,
-            peer=link.description,
-            models=", ".join(link.models) or "-",
-            window=node.window,
-        )
-        waiters, self._join_waiters = self._join_waiters, []
-        for d in waiters:
-            d.callback(node)
-        self._dispatch()
-
-    # ----------------------------------------------------------------------------------------
-    # LinkObserver: what the links say
-
-    def link_opened(self, link: NodeLink, reconnected: bool) -> None:
-        node = self._node_of(link)
-        if node is None:
-            return
-        self._judge(node)
-        if not reconnected:
-            _log.info(
-                "node {node} joined (dialed {endpoint}; models {models}, window {window})",
-                node=node.name,
-                endpoint=node.description,
-                models=", ".join(link.models) or "-",
-                window=node.window,
-            )
-        else:
-            self.reconnects += 1
-            if node.failed_attempts:
-                _log.info(
-                    "node {node} is back after {count} failed attempts",
-                    node=node.label,
-                    count=node.failed_attempts,
-                )
-            else:
-                _log.info(
-                    "the link to {node} is open again (reconciled)",
-                    node=node.label,
-                )
-        node.failed_attempts = 0
-        node.last_failure = ""
-        if reconnected:
-            # The node may have restarted with an empty cache; what it kept is learned again.
-            node.prefixes.clear()
-        self._dispatch()
-
-    def link_failed(self, link: NodeLink, reason: LinkError, retry_in_s: float | None) -> None:
-        node = self._node_of(link)
-        if node is None:
-            return
-        node.failed_attempts += 1
-        text = str(reason)
-        if node.failed_attempts == 1:
-            _log.warn(
-                "node {node} is down: {reason}; redialling in {delay:.1f} s, "
-                "then backing off up to {cap:g} s",
-                node=node.label,
-                reason=text,
-                delay=retry_in_s or 0.0,
-                cap=self.retry_max_s,
-            )
-        elif text != node.last_failure:
-            _log.info(
-                "node {node} is still down: {reason} (attempt {count})",
-                node=node.label,
-                reason=text,
-                count=node.failed_attempts,
-            )
-        node.last_failure = text
-
-    def link_dropped(self, link: NodeLink, reason: LinkError) -> None:
-        node = self._node_of(link)
-        if node is None:
-            return
-        if link.dialable:
-            _log.info(
-                "the link to {node} dropped: {reason}; redialling",
-                node=node.label,
-                reason=str(reason),
-            )
-
-    def link_reported(self, link: NodeLink) -> None:
-        if self._queue and self._node_of(link) is not None:
-            # A fresh report may say that a full node (or one that declined) has room again.
-            self._dispatch()
-
-    def link_closed(self, link: NodeLink) -> None:
-        node = self._node_of(link)
-        if node is None or self._stopping or link.dialable:
-            return
-        self.nodes.remove(node)
-        if self.models is not None:
-            self.models.forget(link)
-        _log.info(
-            "node {node} left: {reason}",
-            node=node.name,
-            reason=str(link.last_reason or "its connection ended"),
-        )
-
-    def _judge(self, node: FleetNode) -> None:
-        """Whether the head serves the model ``node`` names with it (every handshake: a node
-        may come back with other files)."""
-        if self.models is not None:
-            node.admitted = self.models.judge(node.link)
-
-    def _model_judged(self, link: NodeLink) -> None:
-        node = self._node_of(link)
-        if node is not None and self.models is not None:
-            node.admitted = self.models.admits(link)
-            self._dispatch()
+        return len(self.queue)
 
     # ----------------------------------------------------------------------------------------
     # Placement
-
-    def _views(self, keys: Sequence[BlockKey] = ()) -> list[placement.NodeView]:
-        now = self._clock.seconds()
-        return [n.view(now, keys) for n in self.nodes]
 
     @property
     def prefix_aware(self) -> bool:
@@ -1006,13 +724,13 @@ class Fleet:
 
     def check_fits(self, model: str | None, length: int) -> None:
         """Raise :class:`StreamTooLong` when the known windows already say nothing fits."""
-        largest = placement.too_long([v for v in self._views() if v.serves(model)], length)
+        largest = placement.too_long([v for v in self.registry.views() if v.serves(model)], length)
         if largest is not None:
             raise StreamTooLong(length, largest)
 
     def max_window(self, model: str | None) -> int:
         """The largest known window among nodes serving ``model`` (0: unknown or unlimited)."""
-        return placement.max_window(self._views(), model)
+        return placement.max_window(self.registry.views(), model)
 
     def status(self, model: str | None = None) -> BackendStatus:
         """How the fleet stands for ``model``: what the HTTP layer asks of its backend
@@ -1028,26 +746,26 @@ class Fleet:
         serving = [n for n in live if model is not None and model in n.models]
         model_running, _, model_queued = _lanes(serving)
         capacities = [n.link.capacity for n in serving if n.link.capacity is not None]
-        views = self._views()
+        views = self.registry.views()
         return BackendStatus(
             live_nodes=len(live),
             window=placement.max_window(views, model),
             context_limit=placement.too_long([v for v in views if v.serves(model)], 1 << 62),
             lanes_active=lanes_active,
             lanes_total=lanes_total,
-            queued=queued + len(self._queue),
-            waiting=len(self._queue),
-            queue_rejected=self.queue_rejected,
-            queue_timeouts=self.queue_timeouts,
+            queued=queued + len(self.queue),
+            waiting=len(self.queue),
+            queue_rejected=self.queue.rejected,
+            queue_timeouts=self.queue.timeouts,
             failovers=self.failovers,
-            reconnects=self.reconnects,
+            reconnects=self.registry.reconnects,
             nodes=tuple(
                 NodeReport(n.name, n.live, n.sessions, n.link.capacity) for n in self.nodes
             ),
             serving_nodes=len(serving),
             model_running=model_running,
             model_waiting=model_queued
-            + sum(1 for w in self._queue if model is not None and w.request.model == model),
+            + sum(1 for w in self.queue if model is not None and w.request.request.model == model),
             model_kv_blocks_used=sum(c.kv_blocks_used for c in capacities),
             model_kv_blocks_total=sum(c.kv_blocks_total for c in capacities),
         )
@@ -1078,78 +796,69 @@ class Fleet:
             features=needed_features(session.params) | features,
             interactive=interactive,
         )
-        waiter = _Waiter(
-            session,
-            tuple(context),
-            request,
-            claim_lane,
-            Deferred(lambda _: self._leave(waiter)),
-            self._clock.seconds(),
-            self._prefix_keys(context, session.model),
-        )
-        if self._stopping:
-            return defer.fail(NoNodeAvailable("the head is stopping"))
-        if priority or not self._queue:
-            if self._try(waiter):
-                return waiter.placed
         requester = session.requester
+        waiter = self.queue.waiter(
+            _Placing(
+                session,
+                tuple(context),
+                request,
+                claim_lane,
+                self._prefix_keys(context, session.model),
+            ),
+            requester.share,
+            requester.address,
+        )
+        if self.registry.stopping:
+            return defer.fail(NoNodeAvailable("the head is stopping"))
+        if (priority or not self.queue) and self._try(waiter):
+            return waiter.placed
         if not priority:
-            if len(self._queue) >= self.max_queued:
-                self.queue_rejected += 1
-                return defer.fail(
-                    QueueFull(
-                        f"no node can take the request now ({self._why_waiting(waiter)}) and "
-                        f"the queue is full ({self.max_queued} generations may wait)"
-                    )
-                )
-            limit = self.max_client_queued
-            if requester.address and limit and self._queue.waiting_of(requester.address) >= limit:
-                self.queue_rejected += 1
-                return defer.fail(ClientQueueFull(requester.address, limit))
-        if self.queue_timeout_s > 0:
-            waiter.timer = self._clock.callLater(self.queue_timeout_s, self._expire, waiter)
-        self._queue.push(waiter, requester.share, requester.address, priority=priority)
-        self._dispatch()
+            refused = self.queue.refusal(waiter)
+            if refused is not None:
+                return defer.fail(refused)
+        self.queue.wait(waiter, priority=priority)
         return waiter.placed
+
+    def _decide(self, placing: _Placing) -> placement.Decision:
+        """Where ``placing`` goes now, from the nodes' views (placement is pure)."""
+        views = self.registry.views(placing.keys)
+        return placement.decide(views, placing.request, self.policy, self._cursor, self.prefix)
 
     def _why_waiting(self, waiter: _Waiter) -> str:
         """Why ``waiter`` cannot be placed now (for a refusal's message)."""
         if waiter.reason:
             return waiter.reason
-        decision = placement.decide(
-            self._views(waiter.keys), waiter.request, self.policy, self._cursor, self.prefix
-        )
+        decision = self._decide(waiter.request)
         if isinstance(decision, placement.Wait):
             return decision.reason
-        return f"{len(self._queue)} generations wait ahead of it"
+        return f"{len(self.queue)} generations wait ahead of it"
 
     def _try(self, waiter: _Waiter) -> bool:
         """Settle ``waiter`` now if the nodes allow (placed, or refused); False: it waits."""
-        decision = placement.decide(
-            self._views(waiter.keys), waiter.request, self.policy, self._cursor, self.prefix
-        )
+        placing: _Placing = waiter.request
+        decision = self._decide(placing)
         if isinstance(decision, placement.Place):
             by_key = {n.order: n for n in self.nodes}
             node = by_key[decision.order[0]]
             if self.policy is Policy.ROUND_ROBIN:
                 self._cursor += 1
-            self._queue.served(waiter.session.requester.share)
-            self._assign(waiter, node)
-            self._settle(waiter, node)
+            self.queue.served(waiter)
+            self._assign(placing, node)
+            self.queue.settle(waiter, node)
             return True
         if isinstance(decision, placement.TooLong):
-            self._settle(waiter, StreamTooLong(decision.length, decision.largest))
+            self.queue.settle(waiter, StreamTooLong(decision.length, decision.largest))
             return True
         if isinstance(decision, placement.Unserved):
             if self.models is not None and self.models.knows(decision.model):
                 # A model the head serves whose nodes are all gone: it waits for one.
                 waiter.reason = f"no live node serves {decision.model}"
                 return False
-            self._settle(waiter, NoNodeAvailable(f"no node serves {decision.model}"))
+            self.queue.settle(waiter, NoNodeAvailable(f"no node serves {decision.model}"))
             return True
         if isinstance(decision, placement.Unsupported):
-            model = waiter.session.model or "the model"
-            serving = [v for v in self._views() if v.serves(waiter.request.model)]
+            model = placing.session.model or "the model"
+            serving = [v for v in self.registry.views() if v.serves(placing.request.model)]
             if decision.features & FEATURE_CONSTRAINTS and isinstance(
                 placement.with_features(serving, FEATURE_CONSTRAINTS), placement.Unsupported
             ):
@@ -1158,75 +867,29 @@ class Fleet:
                 )
             else:
                 error = LogprobsUnavailable(f"no node serving {model} returns logprobs")
-            self._settle(waiter, error)
+            self.queue.settle(waiter, error)
             return True
         waiter.reason = decision.reason
         return False
 
-    def _assign(self, waiter: _Waiter, node: FleetNode) -> None:
-        session, link = waiter.session, node.link
-        link.assign(session.session_id, lease=session.lease, params=session.params)
-        if waiter.context:
-            link.append(session.session_id, waiter.context)
-            node.remember(waiter.keys)
+    def _assign(self, placing: _Placing, node: FleetNode) -> None:
+        session = placing.session
+        ensure_session(node.link, session, placing.context, fresh=True)
+        if placing.context:
+            node.remember(placing.keys)
         session.node = node
         node.sessions += 1
-        if waiter.claim_lane:
-            node.generation_started(waiter.request.interactive)
+        if placing.claim_lane:
+            node.generation_started(placing.request.interactive)
 
-    def _dispatch(self) -> None:
-        """Place what waits on whatever the nodes can take now: failovers first, then the
-        clients round robin (:meth:`FairQueue.order`)."""
-        if self._dispatching:
-            # Settling a waiter runs its generation, which may free a lane right here: go
-            # round once more when this pass is done.
-            self._dispatch_again = True
-            return
-        self._dispatching = True
-        try:
-            self._dispatch_again = True
-            while self._dispatch_again:
-                self._dispatch_again = False
-                for waiter in self._queue.order():
-                    if not waiter.settled:
-                        self._try(waiter)
-        finally:
-            self._dispatching = False
-
-    def _settle(self, waiter: _Waiter, result: FleetNode | Exception) -> None:
-        if waiter.settled:
-            return
-        waiter.settled = True
-        self._queue.remove(waiter)
-        if waiter.timer is not None and waiter.timer.active():
-            waiter.timer.cancel()
-        if isinstance(result, Exception):
-            waiter.placed.errback(result)
-        else:
-            waiter.placed.callback(result)
-
-    def _leave(self, waiter: _Waiter) -> None:
-        """The waiter was cancelled (its client went away): it leaves the queue."""
-        waiter.settled = True
-        self._queue.remove(waiter)
-        if waiter.timer is not None and waiter.timer.active():
-            waiter.timer.cancel()
-
-    def _expire(self, waiter: _Waiter) -> None:
-        waiter.timer = None
-        self.queue_timeouts += 1
-        self._settle(
-            waiter,
-            NoNodeAvailable(
-                f"no node could take the request within {self.queue_timeout_s:g} s "
-                f"({self._why_waiting(waiter)})"
-            ),
-        )
-
-    async def _bound_link(self, session: FleetSession, features: int = 0) -> NodeLink:
+    async def _bound_link(
+        self, session: FleetSession, context: Sequence[int], features: int = 0
+    ) -> NodeLink:
         """The open link of the session's node (waiting for a reconnect under way); a link
-        that lacks the session (it was placed over another connection) gets it assigned and
-        appended first.  Fails with :class:`NodeDown` when the node cannot be reached now."""
+        that lacks the session gets it assigned with ``context`` (what the node must hold for
+        the call to come: the session's context, or for a generation that failed over, its
+        prompt and the tokens delivered so far) appended first.  Fails with :class:`NodeDown`
+        when the node cannot be reached now."""
         node = session.node
         assert node is not None
         link = node.link
@@ -1239,10 +902,7 @@ class Fleet:
             # The node came back without a feature the session needs (restarted with
             # another engine): the session moves to a node that has it.
             raise NodeDown(f"{node.name} no longer offers what the generation needs")
-        if link.head_session.epoch_of(session.session_id) is None:
-            link.assign(session.session_id, lease=session.lease, params=session.params)
-            if session.context:
-                link.append(session.session_id, session.context)
+        ensure_session(link, session, context)
         return link
 
     def _detach(self, session: FleetSession) -> None:
@@ -1253,14 +913,10 @@ class Fleet:
         node.sessions -= 1
         node.link.revoke(session.session_id)
 
-    def _declined(self, node: FleetNode) -> None:
-        """``node`` declined a generation: no new work there until it reports again."""
-        node.declined_at = self._clock.seconds()
-
     def _release(self, node: FleetNode, interactive: bool) -> None:
         """A generation on ``node`` ended: its lane may take a waiting request."""
         node.generation_ended(self._clock.seconds(), interactive)
-        self._dispatch()
+        self.queue.dispatch()
 
     # ----------------------------------------------------------------------------------------
     # Sessions and one-shot generations

@@ -40,6 +40,9 @@ from automat import TypeMachineBuilder
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
+from sfnode import backoff
+from sfnode.backoff import RetryPolicy as RetryPolicy
+
 RETRY_INITIAL_S = 0.1
 """The delay before the first redial after a failed attempt."""
 RETRY_FACTOR = 2.0
@@ -50,26 +53,15 @@ DEFAULT_KEEPALIVE_INTERVAL_S = 15.0
 DEFAULT_SILENCE_TIMEOUT_S = 10.0
 """An open link that brought nothing for this long is dropped (nodes report every 2 s)."""
 
-RetryPolicy = Callable[[int], float]
-"""Seconds to wait before the next attempt, given the failed attempts in a row (from 1)."""
-
 
 def retry_policy(
-    cap_s: float = DEFAULT_RETRY_MAX_S,
-    *,
-    initial_s: float = RETRY_INITIAL_S,
-    factor: float = RETRY_FACTOR,
-    jitter: Callable[[], float] = random.random,
+    cap_s: float = DEFAULT_RETRY_MAX_S, *, jitter: Callable[[], float] = random.random
 ) -> RetryPolicy:
-    """Exponential backoff from ``initial_s`` up to ``cap_s``, each delay shortened by up to a
-    fifth at random (``jitter()`` in [0, 1)), so that a fleet does not redial in lockstep."""
-
-    def delay(failures: int) -> float:
-        steps = min(max(failures, 1) - 1, 64)
-        base = min(initial_s * factor**steps, cap_s)
-        return base * (1.0 - 0.2 * jitter())
-
-    return delay
+    """The head's redial delays: :func:`sfnode.backoff.retry_policy` from
+    ``RETRY_INITIAL_S`` up to ``cap_s`` (``--reconnect-max``)."""
+    return backoff.retry_policy(
+        cap_s, initial_s=RETRY_INITIAL_S, factor=RETRY_FACTOR, jitter=jitter
+    )
 
 
 class LinkError(Exception):
@@ -222,6 +214,11 @@ class LinkCore:
     """The delay of the redial timer ``down`` set last."""
     open_waiters: list[Deferred[None]] = field(default_factory=list)
     """Waiters for the link to be open; fired by the machine only."""
+    phase: str = "new"
+    """new, connecting, handshaking, reconciling, open, down or closed: written by the machine
+    only, before it asks for the effects of the phase it enters, and read by everyone else
+    (the link's ``status``, whether it is open, whether its connection is past the
+    handshake)."""
 
     def settle(self, error: LinkError | None) -> None:
         waiters, self.open_waiters = self.open_waiters, []
@@ -293,6 +290,7 @@ def _connecting(inputs: LinkInputs, core: LinkCore, reason: LinkError | None = N
         inputs._timed_out,
         ConnectError(f"timed out connecting after {core.handshake_timeout_s:g} s"),
     )
+    core.phase = "connecting"
     return Dialing(core.effects.dial(), deadline)
 
 
@@ -343,6 +341,15 @@ _down_state = _link.state("down", _down)
 _closed = _link.state("closed")
 
 
+def _enter_closed(core: LinkCore, *, was_open: bool = False) -> None:
+    """Enter ``closed``: why the link is down becomes the head's close when it was open (or
+    never had another reason), and the link's effects of closing follow."""
+    if core.last_reason is None or was_open:
+        core.last_reason = LinkLostError("the head closed the link")
+    core.phase = "closed"
+    core.effects.closed()
+
+
 def _ignore(state: Any, *inputs: Callable[..., None]) -> None:
     """Inputs that ``state`` accepts and deliberately does nothing about (late or stray)."""
     for each in inputs:
@@ -374,7 +381,7 @@ def _new_wait(inputs: LinkInputs, core: LinkCore) -> None:
 @_new.upon(LinkInputs.close).to(_closed)
 def _new_close(inputs: LinkInputs, core: LinkCore) -> None:
     core.settle(_closed_error())
-    core.effects.closed()
+    _enter_closed(core)
 
 
 _ignore(
@@ -394,6 +401,7 @@ _ignore(
 @_connecting_state.upon(LinkInputs.connection_made).to(_handshaking_state)
 def _connected(inputs: LinkInputs, core: LinkCore, data: Dialing) -> None:
     data.stop()
+    core.phase = "handshaking"
     core.effects.attach()
 
 
@@ -416,7 +424,7 @@ def _connect_timed_out(
 def _close_connecting(inputs: LinkInputs, core: LinkCore, data: Dialing) -> None:
     data.abandon()
     core.settle(_closed_error())
-    core.effects.closed()
+    _enter_closed(core)
 
 
 _ignore(
@@ -436,6 +444,7 @@ _ignore(
 
 def _report_failure(core: LinkCore, reason: LinkError) -> None:
     """Entering ``down`` after a failed attempt (its data is built: ``core.failures`` counts it)."""
+    core.phase = "down"
     core.effects.attempt_failed(reason, core.retry_in_s)
     core.settle(reason)
 
@@ -453,6 +462,7 @@ def _acknowledged(inputs: LinkInputs, core: LinkCore, data: Deadline) -> None:
 @_handshaking_state.upon(LinkInputs.acknowledged_with_sessions).to(_reconciling_state)
 def _start_reconcile(inputs: LinkInputs, core: LinkCore, data: Deadline) -> None:
     data.stop()
+    core.phase = "reconciling"
     core.effects.begin_reconcile()
 
 
@@ -474,7 +484,7 @@ def _ended_in_handshake(
     data.stop()
     core.last_reason = reason
     core.settle(reason)
-    core.effects.closed()
+    _enter_closed(core)
 
 
 @_handshaking_state.upon(LinkInputs.connection_made).loop()
@@ -486,7 +496,7 @@ def _handshaking_stray(inputs: LinkInputs, core: LinkCore, data: Deadline) -> No
 def _close_handshaking(inputs: LinkInputs, core: LinkCore, data: Deadline) -> None:
     data.stop()
     core.settle(_closed_error())
-    core.effects.closed()
+    _enter_closed(core)
 
 
 _ignore(
@@ -526,7 +536,7 @@ def _reconciling_stray(inputs: LinkInputs, core: LinkCore, data: Deadline) -> No
 def _close_reconciling(inputs: LinkInputs, core: LinkCore, data: Deadline) -> None:
     data.stop()
     core.settle(_closed_error())
-    core.effects.closed()
+    _enter_closed(core)
 
 
 _ignore(
@@ -547,6 +557,7 @@ def _now_open(core: LinkCore) -> None:
     core.ever_open = True
     core.failures = 0
     core.last_reason = None
+    core.phase = "open"
     core.effects.opened(reconnected)
     core.settle(None)
 
@@ -559,6 +570,7 @@ def _now_open(core: LinkCore) -> None:
 def _redial_at_once(inputs: LinkInputs, core: LinkCore, data: Open, reason: LinkError) -> None:
     data.stop()
     core.last_reason = reason
+    core.phase = "connecting"
     core.effects.dropped(reason)
 
 
@@ -566,13 +578,15 @@ def _redial_at_once(inputs: LinkInputs, core: LinkCore, data: Open, reason: Link
 def _ended(inputs: LinkInputs, core: LinkCore, data: Open, reason: LinkError) -> None:
     data.stop()
     core.last_reason = reason
+    core.phase = "closed"
     core.effects.dropped(reason)
-    core.effects.closed()
+    _enter_closed(core)
 
 
 @_open_state.upon(LinkInputs.redial).to(_connecting_state)
 def _replace(inputs: LinkInputs, core: LinkCore, data: Open) -> None:
     data.stop()
+    core.phase = "connecting"
     core.effects.replaced()
 
 
@@ -606,7 +620,7 @@ def _open_stray(inputs: LinkInputs, core: LinkCore, data: Open) -> None:
 def _close_open(inputs: LinkInputs, core: LinkCore, data: Open) -> None:
     data.stop()
     core.settle(_closed_error())
-    core.effects.closed()
+    _enter_closed(core, was_open=True)
 
 
 _ignore(
@@ -652,7 +666,7 @@ def _down_stray(inputs: LinkInputs, core: LinkCore, data: Waiting) -> None:
 def _close_down(inputs: LinkInputs, core: LinkCore, data: Waiting) -> None:
     data.stop()
     core.settle(_closed_error())
-    core.effects.closed()
+    _enter_closed(core)
 
 
 _ignore(

@@ -131,7 +131,7 @@ class ModelAdmission:
             hash=short_hash(content_hash),
             node=link.name,
         )
-        fetched: Deferred[bytes] = link.fetch_model_files(content_hash)
+        fetched: Deferred[bytes] = link.files.start(content_hash, link.send_now)
         fetched.addCallbacks(
             self._fetched,
             self._fetch_failed,

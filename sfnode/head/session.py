@@ -67,6 +67,42 @@ class IngestedEvents:
     committed: list[TokenEvent]
 
 
+class CommittedLog:
+    """The head's WAL: every committed token event, per generation, in seq order."""
+
+    def __init__(self) -> None:
+        self._events: dict[Key, list[TokenEvent]] = {}
+
+    def record(self, key: Key, event: TokenEvent) -> None:
+        self._events.setdefault(key, []).append(event)
+
+    def events(self, session_id: int, epoch: int, generation_id: int) -> list[TokenEvent]:
+        """Every committed event of one generation, in seq order."""
+        return list(self._events.get((session_id, epoch, generation_id), ()))
+
+    def tokens(self, session_id: int, epoch: int, generation_id: int) -> list[int]:
+        """The tokens of the committed ``Tokens`` events of one generation, in order."""
+        tokens: list[int] = []
+        for event in self._events.get((session_id, epoch, generation_id), ()):
+            if isinstance(event.payload, Tokens):
+                tokens.extend(event.payload.tokens)
+        return tokens
+
+    def finish(self, session_id: int, epoch: int, generation_id: int) -> int | None:
+        """The reason of the committed ``Finish`` of one generation, or None."""
+        for event in self._events.get((session_id, epoch, generation_id), ()):
+            if isinstance(event.payload, Finish):
+                return event.payload.reason
+        return None
+
+    def keys(self) -> list[Key]:
+        return list(self._events)
+
+    def forget(self, session_id: int, epoch: int, generation_id: int) -> None:
+        """Drop one generation's committed events (the caller has used them)."""
+        self._events.pop((session_id, epoch, generation_id), None)
+
+
 class HeadSession:
     """Per-connection bookkeeping of the head (section 8); builds messages, never sends them."""
 
@@ -79,7 +115,8 @@ class HeadSession:
         """session -> {(epoch, generation)} the head still expects events for."""
         self._issued: dict[tuple[int, int], GenerateReqMsg] = {}
         self._dedup = EventDedup()
-        self._wal: dict[Key, list[TokenEvent]] = {}
+        self.wal = CommittedLog()
+        """The events committed so far, per generation."""
 
     # ----------------------------------------------------------------------------------------
     # Queries
@@ -113,35 +150,6 @@ class HeadSession:
     def watermark(self, session_id: int, epoch: int, generation_id: int) -> int | None:
         """The highest contiguous seq committed for a generation, or None."""
         return self._dedup.watermark((session_id, epoch, generation_id))
-
-    # ----------------------------------------------------------------------------------------
-    # The WAL of committed events
-
-    def committed(self, session_id: int, epoch: int, generation_id: int) -> list[TokenEvent]:
-        """Every committed event of one generation, in seq order."""
-        return list(self._wal.get((session_id, epoch, generation_id), ()))
-
-    def committed_tokens(self, session_id: int, epoch: int, generation_id: int) -> list[int]:
-        """The tokens of the committed ``Tokens`` events of one generation, in order."""
-        tokens: list[int] = []
-        for event in self._wal.get((session_id, epoch, generation_id), ()):
-            if isinstance(event.payload, Tokens):
-                tokens.extend(event.payload.tokens)
-        return tokens
-
-    def committed_finish(self, session_id: int, epoch: int, generation_id: int) -> int | None:
-        """The reason of the committed ``Finish`` of one generation, or None."""
-        for event in self._wal.get((session_id, epoch, generation_id), ()):
-            if isinstance(event.payload, Finish):
-                return event.payload.reason
-        return None
-
-    def wal_keys(self) -> list[Key]:
-        return list(self._wal)
-
-    def forget_committed(self, session_id: int, epoch: int, generation_id: int) -> None:
-        """Drop one generation's committed events from the WAL (the caller has used them)."""
-        self._wal.pop((session_id, epoch, generation_id), None)
 
     # ----------------------------------------------------------------------------------------
     # Commands
@@ -316,7 +324,7 @@ class HeadSession:
             key = (event.session_id, event.epoch, event.generation_id)
             outcome = self._dedup.accept(key, event.event_seq)
             if isinstance(outcome, Accepted):
-                self._wal.setdefault(key, []).append(event)
+                self.wal.record(key, event)
                 self._tracked.setdefault(event.session_id, set()).add(
                     (event.epoch, event.generation_id)
                 )

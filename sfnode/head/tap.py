@@ -62,9 +62,11 @@ from sfnode.service import (
     DEFAULT_MODEL_NAME,
     ListeningService,
     StartupError,
-    client_from_string,
+    add_child,
+    check_endpoint,
     default_model_name,
     exit_zero_after_a_clean_stop,
+    non_negative,
     progress_bars_only_on_a_terminal,
     server_from_string,
 )
@@ -89,40 +91,16 @@ class HeadStartupError(StartupError):
 
 
 def _check_endpoint(option: str, description: str, *, server: bool) -> None:
-    """A usage error unless ``description`` parses as a server (or client) endpoint string."""
-    parse = server_from_string if server else client_from_string
-    try:
-        parse(object(), description)
-    except Exception as e:
-        example = "tcp:8455:interface=127.0.0.1" if server else "tcp:127.0.0.1:8454"
-        raise usage.UsageError(
-            f"--{option} {description!r} is not a {'server' if server else 'client'} endpoint "
-            f"string: {e} (for example {example})"
-        ) from e
+    example = "tcp:8455:interface=127.0.0.1" if server else "tcp:127.0.0.1:8454"
+    check_endpoint(option, description, server=server, example=example)
 
 
 def _positive(name: str, value: object) -> int:
-    try:
-        number = int(str(value))
-    except ValueError as e:
-        raise usage.UsageError(f"--{name} must be an integer, not {value!r}") from e
-    if number < 1:
-        raise usage.UsageError(f"--{name} must be at least 1, not {value!r}")
-    return number
+    return non_negative(name, value, 1)
 
 
 def _seconds(name: str, value: object) -> float:
     return _non_negative_number(name, value, unit="seconds")
-
-
-def _non_negative(name: str, value: object) -> int:
-    try:
-        number = int(str(value))
-    except ValueError as e:
-        raise usage.UsageError(f"--{name} must be an integer, not {value!r}") from e
-    if number < 0:
-        raise usage.UsageError(f"--{name} must be 0 or more, not {value!r}")
-    return number
 
 
 def _non_negative_number(name: str, value: object, unit: str = "") -> float:
@@ -479,7 +457,7 @@ class Options(usage.Options):
         self["policy"] = Policy(self["policy"])
         self["prefix"] = PrefixRule(
             weight=_non_negative_number("prefix-weight", self["prefix-weight"]),
-            max_skew=_non_negative("prefix-max-skew", self["prefix-max-skew"]),
+            max_skew=non_negative("prefix-max-skew", self["prefix-max-skew"]),
         )
         self["lease-ms"] = _positive("lease-ms", self["lease-ms"])
         self._check_class_options()
@@ -546,11 +524,11 @@ class Options(usage.Options):
             body_timeout_s=_positive_seconds("body-timeout", self["body-timeout"]),
             stall_timeout_s=_positive_seconds("stall-timeout", self["stall-timeout"]),
             max_connections=_positive("max-connections", self["max-connections"]),
-            max_client_connections=_non_negative(
+            max_client_connections=non_negative(
                 "max-client-connections", self["max-client-connections"]
             ),
-            max_client_requests=_non_negative("max-client-requests", self["max-client-requests"]),
-            max_key_requests=_non_negative("max-key-requests", self["max-key-requests"]),
+            max_client_requests=non_negative("max-client-requests", self["max-client-requests"]),
+            max_key_requests=non_negative("max-key-requests", self["max-key-requests"]),
             metrics_public=bool(self["metrics-public"]),
             allowed_hosts=frozenset(h.lower() for h in self["allowed-hosts"] if h),
             cors_origins=frozenset(o for o in self["cors-origins"] if o),
@@ -567,7 +545,7 @@ class Options(usage.Options):
             )
         self["class-rule"] = ClassRule(
             DefaultClass(default),
-            _non_negative("interactive-prompt-tokens", self["interactive-prompt-tokens"]),
+            non_negative("interactive-prompt-tokens", self["interactive-prompt-tokens"]),
         )
 
     def _check_fleet_options(self) -> None:
@@ -583,7 +561,7 @@ class Options(usage.Options):
         if self["max-client-queued"] is None:
             self["max-client-queued"] = default_client_queued(self["max-queued"])
         else:
-            self["max-client-queued"] = _non_negative(
+            self["max-client-queued"] = non_negative(
                 "max-client-queued", self["max-client-queued"]
             )
         self["queue-timeout"] = _seconds("queue-timeout", self["queue-timeout"])
@@ -989,7 +967,7 @@ def makeService(
 
     head = service.MultiService()  # type: ignore[no-untyped-call]
     head.setName("sfhead")  # type: ignore[no-untyped-call]
-    _add_child(
+    add_child(
         head,
         "fleet",
         FleetService(fleet, options["nodes"], pipeline, drained=lambda: api.drain(drain_timeout_s)),
@@ -1002,8 +980,8 @@ def makeService(
         program="sfhead",
         error=HeadStartupError,
     )
-    _add_child(head, "fleet-listen", fleet_listener)
-    _add_child(
+    add_child(head, "fleet-listen", fleet_listener)
+    add_child(
         head,
         "http",
         HttpService(
@@ -1021,7 +999,7 @@ def makeService(
         announcement = HeadAnnouncement(options["head-name"], token_required=bool(token))
         announcer = announcer if announcer is not None else ZeroconfAnnouncer(reactor)
         announce = AnnounceService(fleet_listener, announcement, announcer, interface_addresses)
-        _add_child(head, "announce", announce)
+        add_child(head, "announce", announce)
     if not options["api-keys"]:
         log.info("sfhead HTTP API is open: no API key (--api-key, --api-key-file)")
     elif key_in_clear(options["http"]):
@@ -1049,8 +1027,3 @@ def _on_a_thread(reactor: Any, work: Callable[[], _T]) -> defer.Deferred[_T]:
     from twisted.internet.threads import deferToThreadPool
 
     return deferToThreadPool(reactor, reactor.getThreadPool(), work)
-
-
-def _add_child(parent: service.MultiService, name: str, child: service.Service) -> None:
-    child.setName(name)  # type: ignore[no-untyped-call]
-    child.setServiceParent(parent)  # type: ignore[no-untyped-call]

@@ -1,0 +1,208 @@
+"""The outstanding calls of one head link, in one correlation table (like AMP's
+``BoxDispatcher``): generations by (session, generation) and stage forwards by request id.
+
+A :class:`GenerationCall` is what a caller holds for one GENERATE_REQ; :class:`CallTable` is
+where the link finds it again when the node's events, or a STAGE_FORWARD_RESP, arrive.  This
+module must never send or receive a frame: the link does, through the small
+:class:`CallOwner` interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol as TypingProtocol
+
+from twisted.internet.defer import Deferred
+from twisted.logger import Logger
+
+from sfnode.generation import TokenBatch, TokenLogprob, TokenSink
+from sfnode.wire import (
+    GenerateCancelMsg,
+    Message,
+    StageForwardRespMsg,
+    Tokens,
+    TokensLogprobs,
+)
+
+_log = Logger(namespace="sfnode.head.link")
+
+GenerationKey = tuple[int, int]
+"""(session, generation)."""
+
+
+def token_logprobs(payload: TokensLogprobs) -> tuple[TokenLogprob, ...]:
+    """The logprobs of a TokensLogprobs event, one per token (alternatives empty when the
+    event lists none)."""
+    tops = payload.top or [()] * len(payload.tokens)
+    return tuple(TokenLogprob(v, top) for v, top in zip(payload.logprobs, tops, strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationOutcome:
+    """The tokens a generation committed, in order, and its finish reason."""
+
+    tokens: list[int]
+    finish: int
+
+
+class CallOwner(TypingProtocol):
+    """What a call asks of its link."""
+
+    def send_now(self, message: Message) -> bool:
+        """Send now if a connection is up; False otherwise."""
+
+    def forget_generation(self, call: GenerationCall) -> None:
+        """Take the call out of the link's table (its result was cancelled)."""
+
+
+class GenerationCall:
+    """One GENERATE_REQ in flight: its result and a way to cancel it.
+
+    ``result`` fires with a :class:`GenerationOutcome` when the node's Finish arrives (any
+    finish, DECLINED and REFUSED included), or fails with a :class:`LinkError` when the link
+    loses it.  Cancelling ``result`` itself also sends GENERATE_CANCEL and forgets the call.
+    """
+
+    def __init__(
+        self,
+        link: CallOwner,
+        session_id: int,
+        generation_id: int,
+        epoch: int,
+        on_tokens: TokenSink | None,
+        *,
+        logprobs: bool = False,
+    ) -> None:
+        self.session_id = session_id
+        self.generation_id = generation_id
+        self.epoch = epoch
+        self.logprobs = logprobs
+        """Its session's GenParams ask for logprobs (docs/protocol.md section 12.1)."""
+        self.tokens: list[int] = []
+        """Tokens delivered so far (committed events only, each once)."""
+        self.finish: int | None = None
+        self.result: Deferred[GenerationOutcome] = Deferred(self._cancel_result)
+        self._link = link
+        self._on_tokens = on_tokens
+        self._cancel_sent = False
+
+    @property
+    def done(self) -> bool:
+        return self.result.called
+
+    def cancel(self) -> None:
+        """Ask the node to stop (GENERATE_CANCEL, sent at most once); the Finish still comes."""
+        if self._cancel_sent or self.done:
+            return
+        if self._link.send_now(GenerateCancelMsg(self.session_id, self.generation_id)):
+            self._cancel_sent = True
+
+    def _cancel_result(self, _: Deferred[GenerationOutcome]) -> None:
+        self.cancel()
+        self._link.forget_generation(self)
+
+    def _deliver(self, payload: Tokens) -> None:
+        batch = TokenBatch(
+            payload.tokens,
+            token_logprobs(payload)
+            if self.logprobs and isinstance(payload, TokensLogprobs)
+            else None,
+        )
+        self.tokens.extend(batch.tokens)
+        if self._on_tokens is not None:
+            try:
+                self._on_tokens(batch)
+            except Exception:
+                _log.failure("an on_tokens callback failed")
+
+    def _complete(self) -> None:
+        assert self.finish is not None
+        if not self.result.called:
+            self.result.callback(GenerationOutcome(list(self.tokens), self.finish))
+
+    def _fail(self, error: Exception) -> None:
+        if not self.result.called:
+            self.result.errback(error)
+
+
+class CallTable:
+    """Every outstanding call of one link (AMP's ``BoxDispatcher``): generations by (session,
+    generation), stage forwards by request id, the ids they are given, and the generations a
+    dropped connection suspended until the redial's reconcile settles them."""
+
+    def __init__(self) -> None:
+        self._next_id = 1
+        self._generations: dict[GenerationKey, GenerationCall] = {}
+        self._forwards: dict[int, Deferred[StageForwardRespMsg]] = {}
+        self._suspended: set[GenerationKey] = set()
+
+    def next_id(self) -> int:
+        """A new generation id (or stage forward request id) on this link."""
+        value = self._next_id
+        self._next_id += 1
+        return value
+
+    # Generations
+
+    def add(self, call: GenerationCall) -> None:
+        self._generations[(call.session_id, call.generation_id)] = call
+
+    def get(self, key: GenerationKey) -> GenerationCall | None:
+        return self._generations.get(key)
+
+    def pending(self) -> list[GenerationCall]:
+        return list(self._generations.values())
+
+    def of_session(self, session_id: int) -> list[GenerationCall]:
+        return [call for key, call in self._generations.items() if key[0] == session_id]
+
+    def forget(self, call: GenerationCall) -> bool:
+        """Take ``call`` out; False when it was not (or no longer) in the table."""
+        key = (call.session_id, call.generation_id)
+        if self._generations.get(key) is not call:
+            return False
+        del self._generations[key]
+        self._suspended.discard(key)
+        return True
+
+    def suspend_all(self) -> None:
+        """The connection dropped: every pending generation waits for the reconcile."""
+        self._suspended.update(self._generations)
+
+    def take_suspended(self) -> list[GenerationCall]:
+        """The suspended generations still pending, no longer marked suspended."""
+        suspended, self._suspended = self._suspended, set()
+        return [call for key in suspended if (call := self._generations.get(key)) is not None]
+
+    @property
+    def any_suspended(self) -> bool:
+        return bool(self._suspended)
+
+    # Stage forwards
+
+    def expect_forward(self, request_id: int) -> Deferred[StageForwardRespMsg]:
+        """The Deferred that :meth:`answer_forward` fires for ``request_id``; cancelling it
+        forgets it."""
+
+        def forget(_: Deferred[StageForwardRespMsg]) -> None:
+            self._forwards.pop(request_id, None)
+
+        d: Deferred[StageForwardRespMsg] = Deferred(forget)
+        self._forwards[request_id] = d
+        return d
+
+    def answer_forward(self, message: StageForwardRespMsg) -> None:
+        """A STAGE_FORWARD_RESP: fire its request's Deferred (an unknown id is ignored)."""
+        d = self._forwards.pop(message.request_id, None)
+        if d is not None:
+            d.callback(message)
+
+    @property
+    def forwards(self) -> int:
+        """Stage forwards waiting for their answer."""
+        return len(self._forwards)
+
+    def fail_forwards(self, error: Exception) -> None:
+        forwards, self._forwards = self._forwards, {}
+        for d in forwards.values():
+            d.errback(error)
