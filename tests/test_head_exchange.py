@@ -300,3 +300,42 @@ class PureTests(SynchronousTestCase):
         self.assertEqual(request_label(["cancelled"], True), "drained")
         self.assertEqual(request_label(["stop", "cancelled"], False), "cancelled")
         self.assertEqual(request_label(["stop", "length"], False), "ok")
+
+
+class ErrorMappingTests(SynchronousTestCase):
+    def test_each_generation_failure_has_its_answer(self) -> None:
+        """Each way a generation fails is answered in one place (sfnode.head.errors): too
+        long 400 ``context_length_exceeded`` on the prompt's field, a node's refusal 502, a
+        client's full share of the queue 429 with ``Retry-After``, a full queue 503
+        ``queue_full``, the wall budget 504, no logprobs 400 on ``logprobs``, any other fleet
+        failure 503 ``no_node_available``; anything else is unexpected (None)."""
+        from sfnode.generation import StreamTooLong
+        from sfnode.head.backend import (
+            ClientQueueFull,
+            GenerationTimedOut,
+            LogprobsUnavailable,
+            NodeDeclined,
+            NoNodeAvailable,
+        )
+        from sfnode.head.errors import fleet_error
+
+        def answer(error: BaseException) -> tuple[int, str | None, str | None, str]:
+            found = fleet_error(error, "messages")
+            assert found is not None
+            return found.status, found.code, found.param, found.outcome
+
+        self.assertEqual(
+            answer(StreamTooLong(9, 4)),
+            (400, "context_length_exceeded", "messages", "too_long"),
+        )
+        self.assertEqual(answer(NodeDeclined("no"))[::3], (502, "error"))
+        limited = fleet_error(ClientQueueFull("127.0.0.1", 2), "prompt")
+        assert limited is not None
+        self.assertEqual((limited.status, limited.code), (429, "rate_limit_exceeded"))
+        self.assertEqual(limited.headers, {b"retry-after": b"1"})
+        self.assertEqual(answer(QueueFull("full"))[:2], (503, "queue_full"))
+        self.assertEqual(answer(GenerationTimedOut("late"))[:2], (504, "generation_timeout"))
+        self.assertEqual(answer(LogprobsUnavailable("none"))[:3], (400, "unsupported_parameter",
+                                                                   "logprobs"))  # fmt: skip
+        self.assertEqual(answer(NoNodeAvailable("none"))[:2], (503, "no_node_available"))
+        self.assertIsNone(fleet_error(ValueError("?"), "prompt"))

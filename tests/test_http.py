@@ -5,6 +5,12 @@ head for the protocol behaviours: response shapes, SSE streaming, errors, health
 strings, and a client disconnect that must cancel the node's generation.  One test drives the
 API with the official ``openai`` package against a real transformers node on a tiny Llama.
 No sleeps: every wait is a Deferred.
+
+Why real TCP here: these tests pin the whole path a client's request takes (twisted.web's
+parser on real bytes, the fleet, Link F to a node, the node's engine, and back), and the
+clients are the ones users bring (the ``openai`` package, twisted.web's ``Agent``).  The
+exchange's own life (its phases, back-pressure, error mapping, labels) is pinned without a
+socket on the memory reactor in tests/test_head_exchange.py.
 """
 
 from __future__ import annotations

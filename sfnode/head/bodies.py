@@ -75,7 +75,22 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def _chunk(reply: Reply, entry: dict[str, Any]) -> dict[str, Any]:
+def _chunk(
+    reply: Reply,
+    index: int,
+    delta: dict[str, Any],
+    text: str,
+    logprobs: dict[str, Any] | None,
+    finish: str | None,
+) -> dict[str, Any]:
+    """One streamed choice: ``delta`` for chat, ``text`` for text completions."""
+    entry: dict[str, Any] = {"index": index}
+    if reply.chat:
+        entry["delta"] = delta
+    else:
+        entry["text"] = text
+    entry["logprobs"] = logprobs
+    entry["finish_reason"] = finish
     return {
         "id": reply.ident,
         "object": reply.chunk_object,
@@ -86,41 +101,22 @@ def _chunk(reply: Reply, entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def delta_chunk(
-    reply: Reply,
-    index: int,
-    text: str,
-    *,
-    logprobs: dict[str, Any] | None = None,
-    finish: str | None = None,
+    reply: Reply, index: int, text: str, *, logprobs: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """A streamed piece of choice ``index``: ``{"delta": {"content": text}}`` for chat,
-    ``{"text": text}`` for text completions."""
-    if reply.chat:
-        delta: dict[str, Any] = {"content": text}
-        return _chunk(
-            reply, {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        )
-    return _chunk(
-        reply, {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-    )
+    ``{"text": text}`` for text completions, with the logprobs of its tokens."""
+    return _chunk(reply, index, {"content": text}, text, logprobs, None)
 
 
 def role_chunk(reply: Reply, index: int) -> dict[str, Any]:
     """The first chunk of a chat choice: the assistant's role and empty content."""
-    delta = {"role": "assistant", "content": ""}
-    return _chunk(reply, {"index": index, "delta": delta, "logprobs": None, "finish_reason": None})
+    return _chunk(reply, index, {"role": "assistant", "content": ""}, "", None, None)
 
 
 def finish_chunk(reply: Reply, index: int, finish: str) -> dict[str, Any]:
     """The chunk that ends choice ``index``: an empty delta (chat) or text, and its
     ``finish_reason``."""
-    if reply.chat:
-        entry: dict[str, Any] = {
-            "index": index, "delta": {}, "logprobs": None, "finish_reason": finish,
-        }  # fmt: skip
-    else:
-        entry = {"index": index, "text": "", "logprobs": None, "finish_reason": finish}
-    return _chunk(reply, entry)
+    return _chunk(reply, index, {}, "", None, finish)
 
 
 def usage_chunk(reply: Reply, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:

@@ -28,21 +28,20 @@ from sfnode.head.schema import ApiError
 
 def too_long(length: int, window: int, param: str) -> ApiError:
     """A prompt of ``length`` tokens that no window of ``window`` tokens holds."""
-    return ApiError(
-        400,
-        f"This model's maximum context length is {window} tokens; the prompt has {length} tokens.",
-        param=param,
-        code="context_length_exceeded",
-        outcome="too_long",
-    )
+    return _context_exceeded(window, f"{length} tokens", param)
 
 
 def too_many_characters(characters: int, window: int, param: str) -> ApiError:
     """A prompt with more characters than ``window`` tokens can hold (never tokenized)."""
+    return _context_exceeded(
+        window, f"{characters} characters, more than that many tokens can hold", param
+    )
+
+
+def _context_exceeded(window: int, what: str, param: str) -> ApiError:
     return ApiError(
         400,
-        f"This model's maximum context length is {window} tokens; the prompt has "
-        f"{characters} characters, more than that many tokens can hold.",
+        f"This model's maximum context length is {window} tokens; the prompt has {what}.",
         param=param,
         code="context_length_exceeded",
         outcome="too_long",

@@ -14,11 +14,13 @@ answer (or an error) is written and the request finished; *gone*: the client wen
 cut off, nothing more is written.  ``lost`` in *done* or *gone* is a deliberate no-op (the
 connection closes after the answer, or after the stall timer cut it).
 
-The phases are a small explicit state class rather than an Automat machine: every output here
-writes to a twisted.web request, and those writes re-enter the exchange synchronously (a write
-can pause the producer; aborting the connection fires the request's finish errback, which is
-the ``lost`` input, inside the output that aborted).  A table of moves checked in one method
-says the same as a transition table without Automat's rule against re-entrant inputs.
+The phases are a small explicit state class rather than an Automat machine.  The exchange's
+outputs write to a twisted.web request, and a write can re-enter the exchange synchronously:
+the connection's loss fires the request's finish errback, which is the ``lost`` input.  Automat
+postpones such an input until the running outputs finish, but the rest of those outputs must
+already see *gone* and write nothing (a stream writes chunk after chunk in one output).  So the
+phase changes at once, in one method (``_move``) that checks each move against :data:`MOVES`
+and traces it (``exchange ... [old].input -> [new]`` at debug level).
 
 Three concerns each live in one place: back-pressure in :class:`StallWatch` (the producer
 twisted.web pauses when the client does not read; ``--stall-timeout`` later the client is cut

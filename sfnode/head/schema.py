@@ -9,8 +9,8 @@ Parameters the fleet does not honour (tools, JSON mode, penalties, ...) are refu
 naming them, unless they carry their neutral value (``"presence_penalty": 0``, ...), so no
 client believes it got what it did not; unknown fields are refused as OpenAI does.  Logprobs
 are honoured: ``logprobs`` and ``top_logprobs`` (0 to 20) on chat, ``logprobs`` (0 to 5) on
-completions, as OpenAI bounds them.  The lists are :data:`UNSUPPORTED` and :data:`IGNORED`, and the
-README repeats them.
+completions, as OpenAI bounds them.  The lists are :data:`UNSUPPORTED` and :data:`IGNORED`, and
+docs/operating.md repeats them.
 
 This module is pure: it must never tokenize, touch the network, the reactor or a thread, never
 raise anything but :class:`ApiError` for any JSON value, and never put more than
