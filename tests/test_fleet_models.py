@@ -21,6 +21,8 @@ from sfnode.head.backend import BackendStatus
 from sfnode.head.fleet import Fleet, NoNodeAvailable
 from sfnode.head.gauges import gateway_gauges
 from sfnode.head.http import OpenAIApi
+from sfnode.head.link.files import FilesFetch
+from sfnode.head.machines import LinkError
 from sfnode.head.model_admission import ModelAdmission
 from sfnode.head.models_registry import ModelRegistry
 from sfnode.head.schema import ChatMessage
@@ -40,6 +42,7 @@ from sfnode.node import NodeAgent
 from sfnode.tap import node_factory
 from sfnode.wire import (
     FEATURE_MODEL_FILES,
+    BlobFetchMsg,
     CapacitySummary,
     HelloAckF,
     LinkFLimits,
@@ -576,3 +579,70 @@ class NodeFilesOptionTests(SynchronousTestCase):
         empty = Path(root) / "empty-model"
         empty.mkdir(parents=True)
         self.assertIsNone(model_files(self.options("--engine", "mock", "--model", str(empty))))
+
+
+class _Link:
+    """What ModelAdmission reads of a link, with a real FilesFetch and the messages it sent."""
+
+    def __init__(self, name: str, model: str, content_hash: bytes) -> None:
+        self.name = name
+        self.models = (model,)
+        self.connected = True
+        self.hello_ack = HelloAckF(
+            2, name, CapacitySummary(), (model,), FEATURE_MODEL_FILES, LinkFLimits(),
+            ModelFilesOffer(content_hash, 0),
+        )  # fmt: skip
+        self.files = FilesFetch()
+        self.sent: list[Any] = []
+
+    def send_now(self, message: Any) -> bool:
+        self.sent.append(message)
+        return True
+
+    def send_files(self, bundle: Bundle) -> None:
+        for message in transfer_messages(bundle, 1):
+            self.files.receive(message)
+
+
+class AdmissionTests(SynchronousTestCase):
+    """ModelAdmission over links whose transfers the test plays (no sockets, no reactor)."""
+
+    def setUp(self) -> None:
+        root = self.mktemp()
+        self.honest = bundle_of(root, TEMPLATE_A)
+        self.admission = ModelAdmission(ModelRegistry())
+        self.changed: list[Any] = []
+        self.admission.changed = self.changed.append
+
+    def test_one_fetch_per_hash_and_a_liar_costs_only_itself(self) -> None:
+        """Two nodes offer the same files: only the first is asked; it sends other bytes and
+        is refused, the second is asked next, and once its files are read both the model
+        and that node are served."""
+        liar = _Link("liar", "m", self.honest.content_hash)
+        good = _Link("good", "m", self.honest.content_hash)
+        self.assertFalse(self.admission.judge(liar))  # type: ignore[arg-type]
+        self.assertFalse(self.admission.judge(good))  # type: ignore[arg-type]
+        self.assertEqual(liar.sent, [BlobFetchMsg(self.honest.content_hash)])
+        self.assertEqual(good.sent, [])
+        liar.send_files(Bundle(bundle_of(self.mktemp(), TEMPLATE_B).data, self.honest.content_hash))
+        self.assertIn("do not have the content hash", self.admission.refusal(liar) or "")  # type: ignore[arg-type]
+        self.assertEqual(good.sent, [BlobFetchMsg(self.honest.content_hash)])
+        good.send_files(self.honest)
+        self.assertTrue(self.admission.admits(good))  # type: ignore[arg-type]
+        self.assertFalse(self.admission.admits(liar))  # type: ignore[arg-type]
+        self.assertIn(good, self.changed)
+        self.assertTrue(self.admission.knows("m"))
+
+    def test_a_transfer_cut_off_is_no_refusal_and_the_next_node_is_asked(self) -> None:
+        """The link of the node asked is lost mid-transfer: it is not refused (it is asked
+        again at its next handshake), and the next node offering the files is asked."""
+        first = _Link("first", "m", self.honest.content_hash)
+        second = _Link("second", "m", self.honest.content_hash)
+        self.admission.judge(first)  # type: ignore[arg-type]
+        self.admission.judge(second)  # type: ignore[arg-type]
+        first.files.fail(LinkError("the connection to first ended"))
+        self.assertIsNone(self.admission.refusal(first))  # type: ignore[arg-type]
+        self.assertEqual(len(second.sent), 1)
+        second.send_files(self.honest)
+        self.assertTrue(self.admission.admits(second))  # type: ignore[arg-type]
+        self.assertFalse(self.admission.judge(_Link("x", "m", b"\x09" * 32)))  # type: ignore[arg-type]

@@ -19,6 +19,7 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from sfnode.head.machines import LinkError
 from sfnode.head.models_registry import LoadedFiles, ModelRegistry, Verdict
 from sfnode.model_files import short_hash
 from sfnode.wire import FEATURE_MODEL_FILES
@@ -143,9 +144,9 @@ class ModelAdmission:
         read = self._run(lambda: self.registry.read(data))
         read.addCallbacks(
             self._read,
-            self._fetch_failed,
+            self._read_failed,
             callbackArgs=(data, link, content_hash),
-            errbackArgs=(link, name, content_hash),
+            errbackArgs=(name, content_hash),
         ).addErrback(lambda failure: _log.failure("judging {node} failed", failure, node=name))
 
     def _read(self, loaded: LoadedFiles, data: bytes, link: NodeLink, content_hash: bytes) -> None:
@@ -164,12 +165,32 @@ class ModelAdmission:
     def _fetch_failed(
         self, failure: Failure, link: NodeLink, name: str, content_hash: bytes
     ) -> None:
-        self._refuse_waiting(name, content_hash, failure.getErrorMessage())
+        """The transfer from ``link`` failed: a lost link is fetched from again when it comes
+        back, a node that sent other files than it offered is refused; either way the
+        next node waiting for the same files is asked instead."""
+        waiting = [w for w in self._fetching.pop(content_hash, []) if w is not link]
+        if isinstance(failure.value, LinkError):
+            _log.info(
+                "the transfer of the model files {hash} from node {node} was cut off: {error}",
+                hash=short_hash(content_hash),
+                node=link.name,
+                error=failure.getErrorMessage(),
+            )
+        else:
+            reason = f"its model files ({short_hash(content_hash)}) could not be read: "
+            self._settle(link, name, Verdict(False, reason=reason + failure.getErrorMessage()))
+            self.changed(link)
+        others = [w for w in waiting if w.connected and w.models]
+        if others:
+            self._fetch(others[0], others[0].models[0], content_hash)
+            self._fetching[content_hash].extend(others[1:])
 
-    def _refuse_waiting(self, name: str, content_hash: bytes, error: str) -> None:
-        waiting = self._fetching.pop(content_hash, [])
-        reason = f"its model files ({short_hash(content_hash)}) could not be read: {error}"
-        for each in waiting:
+    def _read_failed(self, failure: Failure, name: str, content_hash: bytes) -> None:
+        """Files with the hash asked for make no tokenizer: every node offering them is
+        refused."""
+        reason = f"its model files ({short_hash(content_hash)}) could not be read: "
+        reason += failure.getErrorMessage()
+        for each in self._fetching.pop(content_hash, []):
             self._settle(each, name, Verdict(False, reason=reason))
             self.changed(each)
 
