@@ -249,6 +249,64 @@ class BackPressureTests(ExchangeTestCase):
         self.assertEqual(self.count("cancelled"), 1)
 
 
+class _HeldWorkers(_InlineWorkers):
+    """Workers whose work runs only when the test says so."""
+
+    def __init__(self) -> None:
+        self.held: list[tuple[Callable[[], Any], Deferred[Any]]] = []
+
+    def run(self, work: Callable[[], _T]) -> Deferred[_T]:
+        done: Deferred[_T] = Deferred()
+        self.held.append((work, done))
+        return done
+
+    def release(self) -> None:
+        for work, done in self.held:
+            done.callback(work())
+        self.held = []
+
+
+class LifeTests(ExchangeTestCase):
+    def test_a_client_gone_while_preparing_starts_no_generation(self) -> None:
+        """A chat request whose client leaves while its prompt is rendered on a worker is
+        gone: when the render ends, no generation is started, nothing is written, and the
+        request leaves the API's requests."""
+        workers = _HeldWorkers()
+        self.api.workers = workers
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        channel, transport = self.open("/v1/chat/completions", chat)
+        self.assertEqual(self.exchange().phase, Phase.PREPARING)
+        exchange = self.exchange()
+        channel.connectionLost(Failure(ConnectionDone()))
+        self.assertEqual(exchange.phase, Phase.GONE)
+        workers.release()
+        self.assertEqual(self.backend.generations, [])
+        self.assertEqual(transport.value(), b"")
+        self.assertEqual(self.api.exchanges, set())
+
+    def test_the_drain_timeout_ends_a_stream_cleanly_with_stop(self) -> None:
+        """A stream still running when the drain timeout passes is cancelled on its node and
+        ends cleanly for the client: its last choice chunk says ``stop``, then ``[DONE]``;
+        it is counted ``drained`` and the drain then fires."""
+        body = {"model": MODEL, "prompt": [5], "max_tokens": 100, "stream": True}
+        _, transport = self.open("/v1/completions", body)
+        (generation,) = self.backend.generations
+        generation.placed.callback(None)
+        generation.tokens(7)
+        drained = self.api.drain(3.0)
+        self.reactor.advance(2.9)
+        self.assertEqual(generation.cancels, 0)
+        self.reactor.advance(0.1)
+        self.assertEqual(generation.cancels, 1)
+        self.assertNoResult(drained)
+        generation.end(FINISH_CANCELLED)
+        events = self.events(transport)
+        self.assertEqual(events[-2]["choices"][0]["finish_reason"], "stop")
+        self.assertEqual(events[-1], "[DONE]")
+        self.assertEqual(self.count("drained"), 1)
+        self.successResultOf(drained)
+
+
 class ErrorTests(ExchangeTestCase):
     def test_a_backend_failure_is_answered_by_its_mapping(self) -> None:
         """A generation that fails with a full queue answers 503 ``queue_full`` in OpenAI's

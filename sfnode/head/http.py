@@ -33,6 +33,10 @@ bound from the window, so that a huge prompt never stalls the reactor.
 (GENERATE_CANCEL) and end with ``stop``.  A client that disconnects mid-stream, or stops reading
 for ``--stall-timeout`` seconds, cancels its generations.
 
+This module holds the resources and what they share (:class:`OpenAIApi`); one completion's
+life is an :class:`~sfnode.head.exchange.Exchange`, every body is built by
+:mod:`sfnode.head.bodies`, and the error answers come from :mod:`sfnode.head.errors`.
+
 This module must never load model weights (only a tokenizer), never block the reactor, never use
 the global reactor or prometheus_client's global registry, never read the fleet's internals (only
 :class:`~sfnode.head.backend.Backend`), and never answer in any shape but OpenAI's.
