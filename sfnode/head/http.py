@@ -272,6 +272,11 @@ class OpenAIApi:
         """The renderer of the model a request that names none gets."""
         return self.default_model().renderer
 
+    @property
+    def vocab_size(self) -> int:
+        """Prompt token ids of a request that names no model must be below this."""
+        return self.default_model().vocab_size
+
     def default_model(self) -> ServedModel:
         """The model of a request that names none: ``model_name``, else the first served."""
         model = self.models.get(self.model_name)
