@@ -38,6 +38,7 @@ Section numbers in this module are those of docs/protocol.md.
 
 from __future__ import annotations
 
+import itertools
 import math
 from array import array
 from collections.abc import Callable, Generator, Mapping, Sequence
@@ -74,12 +75,14 @@ from sfnode.machines import (
     GenerationInputs,
     GenerationMachine,
 )
+from sfnode.model_files import XFER_ABORT_UNKNOWN, Bundle, transfer_messages
 from sfnode.protocol import NodeConnection, NodeProtocol
 from sfnode.wire import (
     F32_MAX,
     FEATURE_CONSTRAINTS,
     FEATURE_HEAD_IDENTITY,
     FEATURE_LOGPROBS,
+    FEATURE_MODEL_FILES,
     FEATURE_REQUEST_CLASS,
     FINISH_DECLINED,
     FINISH_REFUSED,
@@ -87,6 +90,7 @@ from sfnode.wire import (
     PROTO_VERSION,
     U32_MAX,
     AppendContentMsg,
+    BlobFetchMsg,
     CapacitySummary,
     Finish,
     Frame,
@@ -99,6 +103,7 @@ from sfnode.wire import (
     LinkFLimits,
     MemCountersMsg,
     Message,
+    ModelFilesOffer,
     NodeStatusMsg,
     ReconcileMsg,
     SessionAssignMsg,
@@ -111,6 +116,7 @@ from sfnode.wire import (
     TokensLogprobs,
     WatermarkAckMsg,
     WireError,
+    XferAbortMsg,
     decode_message,
     decode_params,
     decode_tokens,
@@ -350,10 +356,20 @@ class NodeGeneration:
 class NodeAgent:
     """A Link F node: shared by every connection it serves, in either dial direction."""
 
-    def __init__(self, reactor: IReactorTime, engine: Engine, config: NodeConfig) -> None:
+    def __init__(
+        self,
+        reactor: IReactorTime,
+        engine: Engine,
+        config: NodeConfig,
+        model_files: Bundle | None = None,
+    ) -> None:
         self._reactor = reactor
         self.engine = engine
         self.config = config
+        self.model_files = model_files
+        """The files a head needs to serve the model (docs/protocol.md section 12.5), offered
+        in HELLO_ACK_F and sent on BLOB_FETCH; None: the node offers none."""
+        self._transfer_ids = itertools.count(1)
         self.started_at = reactor.seconds()
         """The node's time base (section 6.1), shared by the tables of all heads."""
         self._heads: dict[int | None, HeadSessions] = {}
@@ -517,8 +533,14 @@ class NodeAgent:
             feature_flags=FEATURE_REQUEST_CLASS
             | FEATURE_HEAD_IDENTITY
             | (FEATURE_LOGPROBS if self.engine.supports_logprobs else 0)
-            | (FEATURE_CONSTRAINTS if self.engine.supports_constraints else 0),
+            | (FEATURE_CONSTRAINTS if self.engine.supports_constraints else 0)
+            | (FEATURE_MODEL_FILES if self.model_files is not None else 0),
             limits=LinkFLimits(),
+            model_files=(
+                ModelFilesOffer(self.model_files.content_hash, len(self.model_files.data))
+                if self.model_files is not None
+                else None
+            ),
         )
 
     def status(self) -> NodeStatusMsg:
@@ -756,6 +778,22 @@ class NodeAgent:
         self.engine.stage_forward(
             msg.tokens, msg.start_layer, msg.end_layer, msg.hidden_in
         ).addCallbacks(answer, refuse)
+
+    @handles(BlobFetchMsg)
+    def _on_blob_fetch(self, connection: NodeConnection, msg: BlobFetchMsg) -> None:
+        """Send the model files a head asks for by their hash (section 12.5), else abort."""
+        transfer_id = next(self._transfer_ids)
+        files = self.model_files
+        if files is None or files.content_hash != msg.content_hash:
+            connection.send(XferAbortMsg(transfer_id, XFER_ABORT_UNKNOWN))
+            return
+        log.info(
+            "sending the model files {hash} ({size} bytes) to the head",
+            hash=files.short_hash,
+            size=len(files.data),
+        )
+        for message in transfer_messages(files, transfer_id):
+            connection.send(message)
 
     @handles(WatermarkAckMsg)
     def _on_watermark_ack(self, connection: NodeConnection, msg: WatermarkAckMsg) -> None:

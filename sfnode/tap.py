@@ -67,6 +67,7 @@ from sfnode.tokens import default_token_path, read_token
 if TYPE_CHECKING:
     from sfnode.dnssd import Browser
     from sfnode.generation import Engine
+    from sfnode.model_files import Bundle
     from sfnode.node import NodeAgent
     from sfnode.noise import NoiseProtocol
     from sfnode.protocol import NodeProtocol
@@ -88,7 +89,6 @@ U32_MAX = 0xFFFF_FFFF
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _TRANSFORMERS_ONLY = (
-    "model",
     "dtype",
     "device",
     "threads",
@@ -196,15 +196,18 @@ class Options(usage.Options):
             "model",
             None,
             None,
-            "transformers: model folder or .gguf file (default: the bundled "
-            f"{DEFAULT_MODEL_NAME}).",
+            "Model folder or .gguf file (default: the bundled "
+            f"{DEFAULT_MODEL_NAME}): the transformers engine loads it; with any engine its "
+            "tokenizer and chat template are sent to the head, which then needs no model "
+            "files (docs/protocol.md section 12.5).",
         ],
         [
             "model-name",
             None,
             None,
-            "Model name offered to heads (default: 'mock' for the mock engine, else the model "
-            f"folder name or file stem, else {DEFAULT_MODEL_NAME}).",
+            "Model name offered to heads, which route requests by it (default: 'mock' for the "
+            f"mock engine without --model, else the model folder name or file stem, else "
+            f"{DEFAULT_MODEL_NAME}).",
         ],
         ["identity", None, None, "Node identity in HELLO_ACK_F (default: this host's name)."],
         ["max-lanes", None, str(DEFAULT_MAX_LANES), "Generations decoded at once (at least 1)."],
@@ -523,7 +526,8 @@ class Options(usage.Options):
             raise usage.UsageError("--identity must not be empty")
         if self["model-name"] is None:
             # The mock engine is offered as "mock"; a model as its folder name or file stem.
-            self["model-name"] = "mock" if engine == "mock" else default_model_name(self["model"])
+            mock = engine == "mock" and self["model"] is None
+            self["model-name"] = "mock" if mock else default_model_name(self["model"])
         if not self["model-name"]:
             raise usage.UsageError("--model-name must not be empty")
 
@@ -871,6 +875,43 @@ def join_service(
     return HeadDialService(agent, dialer, node_factory(agent), dialer.retry_policy(), clock=reactor)
 
 
+def model_files(options: Options) -> Bundle | None:
+    """The files a head needs to serve this node's model (docs/protocol.md section 12.5): the
+    tokenizer, chat template and configuration of the ``--model`` folder (of a .gguf file's
+    converted folder, or of the bundled model's, for the transformers engine).  None, and a
+    log line, when there are none (the mock engine without ``--model``, a folder without
+    ``tokenizer.json``): the head then needs ``--model`` for this model.
+    """
+    from sfnode import models
+    from sfnode.model_files import ModelFilesError, read_bundle
+
+    model = options["model"]
+    if options["engine"] == "mock" and model is None:
+        return None
+    try:
+        if model is not None and Path(model).expanduser().is_dir():
+            folder = Path(model).expanduser()
+        else:
+            gguf = Path(model).expanduser() if model is not None else models.default_gguf()
+            folder = models.gguf_cache_folder(gguf, options["cache-dir"])
+        bundle = read_bundle(folder)
+    except (ModelFilesError, models.ModelLoadError) as e:
+        log.warn("sfnode offers its head no model files: {error}", error=e)
+        return None
+    if bundle is None:
+        log.info(
+            "sfnode offers its head no model files: {folder} has no tokenizer.json", folder=folder
+        )
+        return None
+    log.info(
+        "sfnode offers its head the model files of {model} ({hash}, {size} bytes)",
+        model=options["model-name"],
+        hash=bundle.short_hash,
+        size=len(bundle.data),
+    )
+    return bundle
+
+
 def makeService(
     options: Options, reactor: Any = None, browser: Browser | None = None
 ) -> service.MultiService:
@@ -896,7 +937,7 @@ def makeService(
     from sfnode.node import NodeAgent
 
     engine = build_engine(reactor, options)
-    agent = NodeAgent(reactor, engine, node_config(options))
+    agent = NodeAgent(reactor, engine, node_config(options), model_files(options))
 
     node = service.MultiService()  # type: ignore[no-untyped-call]
     node.setName("sfnode")  # type: ignore[no-untyped-call]

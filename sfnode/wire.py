@@ -69,6 +69,10 @@ MAX_REPETITION_WINDOW = 1 << 16
 FEATURE_HEAD_IDENTITY = 1 << 3
 """HELLO_ACK_F feature flag: the node keeps the sessions of each head identity (the HELLO's
 ``head_id``) apart from every other head's (docs/protocol.md section 12.4, decision D13)."""
+FEATURE_MODEL_FILES = 1 << 4
+"""HELLO_ACK_F feature flag: the node sends its head the files its text layer reads to serve
+its model (tokenizer, chat template), named by a content hash in HELLO_ACK_F and fetched with
+BLOB_FETCH and the transfer messages (docs/protocol.md section 12.5, D21-D22)."""
 
 _ENVELOPE = struct.Struct("<IHHQQB")
 _LENGTH = struct.Struct("<I")
@@ -984,15 +988,48 @@ class Hello(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class ModelFilesOffer(Struct):
+    """HELLO_ACK_F's optional seventh element (docs/protocol.md section 12.5): the content
+    hash (SHA-256) of the bundle of the node's model files, and its length in bytes."""
+
+    content_hash: bytes
+    total_len: int
+    FIELDS = (HASH32, U64)
+
+
+@dataclass(frozen=True, slots=True)
 class HelloAckF(Message):
+    """HELLO_ACK_F.  ``model_files`` is the optional seventh element of section 12.5 (None:
+    not written, the six-element message every head reads)."""
+
     chosen_version: int
     node_identity: str
     capacity: CapacitySummary
     loadable_models: tuple[str, ...]
     feature_flags: int
     limits: LinkFLimits
+    model_files: ModelFilesOffer | None = None
     MSG_TYPE = MsgType.HELLO_ACK_F
-    FIELDS = (U16, STR, CapacitySummary.as_codec(), ArrayOf(STR), U64, LinkFLimits.as_codec())
+    FIELDS = (
+        U16,
+        STR,
+        CapacitySummary.as_codec(),
+        ArrayOf(STR),
+        U64,
+        LinkFLimits.as_codec(),
+        Optional(ModelFilesOffer.as_codec()),
+    )
+
+    def to_wire(self) -> list[Any]:
+        wire = Struct.to_wire(self)
+        return wire if self.model_files is not None else wire[:6]
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> HelloAckF:
+        if type(obj) is list and len(obj) == 6:
+            obj = [*obj, None]
+        message: HelloAckF = super(HelloAckF, cls).from_wire(obj)
+        return message
 
 
 @dataclass(frozen=True, slots=True)

@@ -114,10 +114,11 @@ class BodyTests(SynchronousTestCase):
         self.assertNotEqual(bodies.new_ident(True), bodies.new_ident(True))
 
     def test_models_and_health(self) -> None:
-        """A model entry shows an unknown window as null; the health body names each
-        count."""
-        entry = bodies.model_entry("m", 0)
+        """A model entry shows an unknown window as null and how many nodes serve it; the
+        health body names each count."""
+        entry = bodies.model_entry("m", 0, 2)
         self.assertIsNone(entry["context_length"])
+        self.assertEqual(entry["nodes"], 2)
         self.assertEqual(bodies.model_list([entry]), {"object": "list", "data": [entry]})
         self.assertEqual(
             bodies.health("ok", nodes=1, lanes_active=2, lanes_total=4, queued=0, requests=3),

@@ -4,7 +4,8 @@ Each test makes its own hosts (tests/netns.py: a namespace per host, ``eth0`` on
 multicast between them) and runs a head and mock-engine nodes in them as an operator would:
 the head's token made by ``python -m sfnode token`` and the nodes given only the value it
 printed; one node joins with ``--join auto`` (DNS-SD on the bridge, no address given), one with
-the head's address, one holds another fleet token.  The test reaches the head's HTTP API through a
+the head's address, one holds another fleet token; a head started without ``--model`` serves
+two models from the files their nodes send.  The test reaches the head's HTTP API through a
 Unix socket in a temporary folder (every namespace shares the file system, and nothing is added
 to the machine's own network).  No sleeps: every wait is on a line a process logs or on an HTTP
 answer.  Skipped, with the reason, where namespaces cannot be made (not root, no iproute2, a
@@ -42,10 +43,10 @@ RESTART_TARGET_S = 10.0
 (issue 22's target; the nodes redial within 2 s and re-browse after 3 failed dials)."""
 
 
-def mock_tokenizer(folder: Path) -> Path:
+def mock_tokenizer(folder: Path, template: str | None = None) -> Path:
     """A tokenizer folder whose vocabulary holds every id the mock engine emits (the head
     detokenizes them): one word per id, written with the tokenizers package in well under a
-    second, so the head starts without torch or a model."""
+    second, so the head starts without torch or a model; ``template`` is its chat template."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     tokenizer = Tokenizer(
@@ -55,7 +56,17 @@ def mock_tokenizer(folder: Path) -> Path:
     folder.mkdir(parents=True)
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w2"}))
+    if template is not None:
+        (folder / "chat_template.jinja").write_text(template)
     return folder
+
+
+TEMPLATES = {
+    "m1": "{% for m in messages %}w10 {{ m.content }} w11 {% endfor %}w12",
+    "m2": "w20 w21 {% for m in messages %}{{ m.content }} w22 {% endfor %}w23 w24",
+}
+"""Two chat templates over the word tokenizer: a chat renders to 5 tokens with m1's and 7 with
+m2's, so the prompt's length says which template the head used."""
 
 
 @implementer(IAgentEndpointFactory)
@@ -97,24 +108,45 @@ class MultiHostTests(TestCase):
         path.chmod(0o600)
         return str(path)
 
-    def start_head(self, host: netns.Host, name: str, **extra: str) -> tuple[Child, str]:
+    def start_head(
+        self, host: netns.Host, name: str, *, model: bool = True, **extra: str
+    ) -> tuple[Child, str]:
+        """A head on ``host``; with ``model``, the mock tokenizer serves ``mock`` (else the
+        head has no --model and serves what its nodes bring)."""
         socket = str(self.folder / f"{name}.sock")
+        own = ["--model", str(self.tokenizer), "--model-name", "mock"] if model else []
         args = ["sfhead", "--fleet-listen", f"tcp:{FLEET_PORT}", "--http", f"unix:{socket}",
-                "--auth-file", self.head_token, "--model", str(self.tokenizer),
-                "--model-name", "mock",
+                "--auth-file", self.head_token, *own,
                 "--head-name", "test-head",
                 "--policy", "round-robin", "--queue-timeout", "20"]  # fmt: skip
         for option, value in extra.items():
             args += [f"--{option}", value]
         return host.spawn_twistd(Child(name), args), socket
 
-    def start_node(self, host: netns.Host, identity: str, join: str, token: str) -> Child:
+    def start_node(
+        self, host: netns.Host, identity: str, join: str, token: str, *extra: str
+    ) -> Child:
         metrics = self.folder / f"{identity}.sock"
         return host.spawn_twistd(
             Child(identity),
             ["sfnode", "--join", join, "--auth-file", token, "--engine", "mock",
-             "--identity", identity, "--metrics", f"unix:{metrics}"],
+             "--identity", identity, "--metrics", f"unix:{metrics}", *extra],
         )  # fmt: skip
+
+    async def chat(self, socket: str, model: str) -> dict[str, Any]:
+        agent = Agent.usingEndpointFactory(reactor, _UnixSocket(socket))
+        body = {"model": model, "messages": [{"role": "user", "content": "w100 w101"}],
+                "max_tokens": 5}  # fmt: skip
+        response = await agent.request(
+            b"POST",
+            b"http://localhost/v1/chat/completions",
+            Headers({b"content-type": [b"application/json"]}),
+            FileBodyProducer(BytesIO(json.dumps(body).encode())),
+        )
+        content = await readBody(response)
+        self.assertEqual(response.code, 200, content)
+        answer: dict[str, Any] = json.loads(content)
+        return answer
 
     async def completion(self, socket: str) -> dict[str, Any]:
         agent = Agent.usingEndpointFactory(reactor, _UnixSocket(socket))
@@ -210,3 +242,39 @@ class MultiHostTests(TestCase):
         answer = await self.completion(socket)
         self.assertEqual(answer["usage"]["completion_tokens"], 5)
         self.assert_clean(moved, node)
+
+    async def test_a_head_without_model_files_serves_two_models_each_on_its_own_node(
+        self,
+    ) -> None:
+        """The head starts with no --model; node-1 (model m1, --join auto) and node-2 (model
+        m2, by address) each send their tokenizer and chat template when they join.  A chat
+        naming m1 is rendered with m1's template and decoded by node-1 only (twice, under
+        round-robin placement), one naming m2 with m2's template by node-2 only; /v1/models
+        lists both, one node each."""
+        head_host, one_host, two_host = (self.net.add_host(n) for n in ("head", "one", "two"))
+        head, socket = self.start_head(head_host, "head", model=False)
+        await head.wait_for(rb"sfhead announcing 'test-head' on _superfluid-fleet\._tcp")
+        for identity, host, model, join in (
+            ("node-1", one_host, "m1", "auto"),
+            ("node-2", two_host, "m2", f"{head_host.address}:{FLEET_PORT}"),
+        ):
+            folder = mock_tokenizer(self.folder / model, TEMPLATES[model])
+            self.start_node(host, identity, join, self.token, "--model", str(folder),
+                            "--model-name", model)  # fmt: skip
+            await head.wait_for(f"node {identity} joined".encode())
+        await head.wait_for(rb"installed the model files", 2)
+        agent = Agent.usingEndpointFactory(reactor, _UnixSocket(socket))
+        response = await agent.request(b"GET", b"http://localhost/v1/models")
+        listed = {m["id"]: m["nodes"] for m in json.loads(await readBody(response))["data"]}
+        self.assertEqual((listed.get("m1"), listed.get("m2")), (1, 1))
+        for model, node, other, prompt in (("m1", "node-1", "node-2", 5),
+                                           ("m2", "node-2", "node-1", 7)):  # fmt: skip
+            before = await self.decoded(node), await self.decoded(other)
+            for _ in range(2):  # twice: round robin over all nodes would reach the other
+                answer = await self.chat(socket, model)
+                self.assertEqual(
+                    (answer["model"], answer["usage"]["prompt_tokens"]), (model, prompt)
+                )
+            after = await self.decoded(node), await self.decoded(other)
+            self.assertEqual((after[0] - before[0], after[1] - before[1]), (10, 0))
+        self.assert_clean(head)

@@ -179,6 +179,17 @@ class BackendStatus:
     failovers: int = 0
     reconnects: int = 0
     nodes: tuple[NodeReport, ...] = ()
+    serving_nodes: int = 0
+    """Live nodes that serve the model (named it, and the head serves it with them)."""
+    model_running: int = 0
+    """Generations of the model decoding on the nodes serving it."""
+    model_waiting: int = 0
+    """Generations of the model waiting for a lane: in the head's queue, and beyond the lanes
+    of the nodes serving it."""
+    model_kv_blocks_used: int = 0
+    """KV blocks in use on the live nodes serving the model (their latest reports)."""
+    model_kv_blocks_total: int = 0
+    """KV blocks in total on those nodes."""
 
     @property
     def busy(self) -> bool:

@@ -185,14 +185,16 @@ def completion(
     }
 
 
-def model_entry(name: str, window: int) -> dict[str, Any]:
-    """One entry of ``/v1/models`` (``window`` 0: unknown, shown as null)."""
+def model_entry(name: str, window: int, nodes: int) -> dict[str, Any]:
+    """One entry of ``/v1/models`` (``window`` 0: unknown, shown as null; ``nodes``: how many
+    live nodes serve it)."""
     return {
         "id": name,
         "object": "model",
         "created": 0,
         "owned_by": "sfnode",
         "context_length": window or None,
+        "nodes": nodes,
         "capabilities": {"chat": True, "completions": True, "vision": False},
     }
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -63,8 +63,9 @@ from sfnode.head.classes import ClassRule, class_name, parse_header
 from sfnode.head.gate import GateLimits, body_too_large, client_address
 from sfnode.head.logprobs import ChoiceLogprobs
 from sfnode.head.metrics import HeadMetrics
+from sfnode.head.models_registry import ServedModel
 from sfnode.head.schema import ApiError, CompletionRequest
-from sfnode.head.text import Detokenizer, RenderBudget, Renderer, StopText
+from sfnode.head.text import Detokenizer, RenderBudget, StopText
 from sfnode.head.tools import (
     CallDone,
     CallEvent,
@@ -94,10 +95,11 @@ _T = TypeVar("_T")
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    """A checked request and its prompt's token ids."""
+    """A checked request, its prompt's token ids, and the model it names."""
 
     request: CompletionRequest
     prompt: list[int]
+    model: ServedModel
 
 
 class Runner(Protocol):
@@ -111,21 +113,25 @@ class Host(Protocol):
 
     reactor: IReactorTime
     backend: Backend
-    renderer: Renderer
     metrics: HeadMetrics
     limits: GateLimits
     class_rule: ClassRule
-    node_model: str
     template_timeout_s: float
     draining: bool
 
     @property
     def workers(self) -> Runner: ...
 
-    def status(self) -> BackendStatus: ...
+    def status(self, model: str | None = None) -> BackendStatus: ...
+
+    def statuses(self) -> dict[str, BackendStatus]: ...
 
     def prepare(
-        self, data: bytes, chat: bool, status: BackendStatus, budget: RenderBudget | None = None
+        self,
+        data: bytes,
+        chat: bool,
+        statuses: Mapping[str, BackendStatus],
+        budget: RenderBudget | None = None,
     ) -> Prepared: ...
 
     def unexpected(self, failure: Failure, request: Any = None) -> ApiError: ...
@@ -277,6 +283,8 @@ class Exchange:
         self.created = int(self.received)
         self.parsed: CompletionRequest | None = None
         self.prompt: list[int] = []
+        self.model: ServedModel | None = None
+        """The model the request names (its renderer, the name asked of nodes)."""
         self.choices: list[_Choice] = []
         self.first_token_at: float | None = None
         self.named_class: RequestClass | None = None
@@ -324,19 +332,21 @@ class Exchange:
             data = self.request.content.getvalue()
             if len(data) > api.limits.max_body:
                 raise body_too_large(api.limits.max_body)
-            status = api.status()
+            statuses = api.statuses()
             if self.chat:
-                prepared: Deferred[Prepared] = self._prepare_chat(data, status)
+                prepared: Deferred[Prepared] = self._prepare_chat(data, statuses)
             elif len(data) <= INLINE_BODY_BYTES:
-                prepared = defer.maybeDeferred(api.prepare, data, self.chat, status)
+                prepared = defer.maybeDeferred(api.prepare, data, self.chat, statuses)
             else:
-                prepared = api.workers.run(lambda: api.prepare(data, self.chat, status))
+                prepared = api.workers.run(lambda: api.prepare(data, self.chat, statuses))
         except Exception:
             # An ApiError is answered as such; anything else as an unexpected failure.
             prepared = defer.fail()
         prepared.addCallback(self._place).addErrback(self._refused).addErrback(self._unexpected)
 
-    def _prepare_chat(self, data: bytes, status: BackendStatus) -> Deferred[Prepared]:
+    def _prepare_chat(
+        self, data: bytes, statuses: Mapping[str, BackendStatus]
+    ) -> Deferred[Prepared]:
         """Check and render a chat body on a worker, its template's render stopped after
         ``--template-timeout`` seconds (timed from when the render starts)."""
         api = self.api
@@ -362,13 +372,13 @@ class Exchange:
             return result
 
         budget = RenderBudget(lambda: api.reactor.callFromThread(arm))  # type: ignore[attr-defined]
-        prepared = api.workers.run(lambda: api.prepare(data, True, status, budget))
+        prepared = api.workers.run(lambda: api.prepare(data, True, statuses, budget))
         return prepared.addBoth(disarm)
 
     def _place(self, prepared: Prepared) -> None:
         """The request is checked and rendered: hand its ``n`` generations to the backend."""
         api = self.api
-        self.parsed, self.prompt = prepared.request, prepared.prompt
+        self.parsed, self.prompt, self.model = prepared.request, prepared.prompt, prepared.model
         if self.phase is Phase.GONE:
             self._end_if_idle()
             return
@@ -382,8 +392,9 @@ class Exchange:
         assert permit is not None  # start() refused a request without one
         permit.widen(parsed.n - 1)
         max_tokens = parsed.max_tokens
+        model = prepared.model
         if max_tokens is None:
-            window = api.status().window
+            window = api.status(model.name).window
             default = DEFAULT_MAX_TOKENS if parsed.chat else COMPLETIONS_DEFAULT_MAX_TOKENS
             room = window - len(self.prompt) if window else default
             max_tokens = max(1, min(default, room))
@@ -401,15 +412,15 @@ class Exchange:
         for index in range(parsed.n):
             logprobs = None
             if parsed.logprobs is not None:
-                logprobs = ChoiceLogprobs(self.chat, parsed.logprobs, api.renderer.token_bytes)
-            choice = _Choice(index, api.renderer.detokenizer(), parsed.stop, logprobs)
+                logprobs = ChoiceLogprobs(self.chat, parsed.logprobs, model.renderer.token_bytes)
+            choice = _Choice(index, model.renderer.detokenizer(), parsed.stop, logprobs)
             if parsed.calls:
                 choice.calls = CallSplitter()
             self.choices.append(choice)
             generation = api.backend.generate(
                 self.prompt,
                 max_tokens,
-                model=api.node_model,
+                model=model.name,
                 params=parsed.choice_params(index),
                 on_tokens=self._receiver(choice),
                 request_class=request_class,

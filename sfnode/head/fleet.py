@@ -108,6 +108,7 @@ from sfnode.head.machines import (
     RetryPolicy,
     retry_policy,
 )
+from sfnode.head.model_admission import ModelAdmission
 from sfnode.head.placement import DEFAULT_EXPECTED_OUT, DEFAULT_PREFIX_RULE, Policy, PrefixRule
 from sfnode.head.prefix_index import BlockKey, reusable_keys
 from sfnode.head.queue import Waiter, WaitQueue
@@ -565,6 +566,21 @@ class FleetGeneration:
         return self.request_class == RequestClass.INTERACTIVE
 
 
+def _lanes(nodes: Sequence[FleetNode]) -> tuple[int, int, int]:
+    """Lanes decoding, lanes in total and generations waiting for one on ``nodes``: their
+    reports, raised to what this head knows it runs there now."""
+    active = total = queued = 0
+    for node in nodes:
+        capacity = node.link.capacity
+        if capacity is None or not capacity.max_lanes:
+            active += node.inflight
+            continue
+        total += capacity.max_lanes
+        active += min(max(capacity.lanes_active, node.inflight), capacity.max_lanes)
+        queued += max(capacity.queue_depth, node.inflight - capacity.max_lanes)
+    return active, total, queued
+
+
 # --------------------------------------------------------------------------------------------
 # The fleet
 
@@ -592,8 +608,12 @@ class Fleet:
         queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
         prefix: PrefixRule = DEFAULT_PREFIX_RULE,
         max_generation_s: float = DEFAULT_MAX_GENERATION_S,
+        models: ModelAdmission | None = None,
     ) -> None:
         self._reactor = reactor
+        self.models = models
+        """Which nodes serve which model, by the head's model registry (None: every node
+        serves the model it names)."""
         self._clock: IReactorTime = clock if clock is not None else reactor
         self.ids = ids if ids is not None else HeadIds()
         self.link_settings = LinkSettings(
@@ -634,6 +654,7 @@ class Fleet:
             retry_max_s,
             on_room=lambda: self.queue.dispatch(),
             on_report=lambda: self.queue.dispatch() if self.queue else None,
+            models=models,
         )
         self.nodes = self.registry.nodes
         """The registry's nodes (the same list)."""
@@ -721,15 +742,10 @@ class Fleet:
         queue (section 8.5) are counted in ``queued`` too.
         """
         live = self.live_nodes()
-        lanes_active = lanes_total = queued = 0
-        for node in live:
-            capacity = node.link.capacity
-            if capacity is None or not capacity.max_lanes:
-                lanes_active += node.inflight
-                continue
-            lanes_total += capacity.max_lanes
-            lanes_active += min(max(capacity.lanes_active, node.inflight), capacity.max_lanes)
-            queued += max(capacity.queue_depth, node.inflight - capacity.max_lanes)
+        lanes_active, lanes_total, queued = _lanes(live)
+        serving = [n for n in live if model is not None and model in n.models]
+        model_running, _, model_queued = _lanes(serving)
+        capacities = [n.link.capacity for n in serving if n.link.capacity is not None]
         views = self.registry.views()
         return BackendStatus(
             live_nodes=len(live),
@@ -746,6 +762,12 @@ class Fleet:
             nodes=tuple(
                 NodeReport(n.name, n.live, n.sessions, n.link.capacity) for n in self.nodes
             ),
+            serving_nodes=len(serving),
+            model_running=model_running,
+            model_waiting=model_queued
+            + sum(1 for w in self.queue if model is not None and w.request.request.model == model),
+            model_kv_blocks_used=sum(c.kv_blocks_used for c in capacities),
+            model_kv_blocks_total=sum(c.kv_blocks_total for c in capacities),
         )
 
     def _place(
@@ -828,6 +850,10 @@ class Fleet:
             self.queue.settle(waiter, StreamTooLong(decision.length, decision.largest))
             return True
         if isinstance(decision, placement.Unserved):
+            if self.models is not None and self.models.knows(decision.model):
+                # A model the head serves whose nodes are all gone: it waits for one.
+                waiter.reason = f"no live node serves {decision.model}"
+                return False
             self.queue.settle(waiter, NoNodeAvailable(f"no node serves {decision.model}"))
             return True
         if isinstance(decision, placement.Unsupported):

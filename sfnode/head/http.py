@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import hmac
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from twisted.internet.defer import Deferred
@@ -84,6 +84,7 @@ from sfnode.head.gate import (
     unknown_url,
 )
 from sfnode.head.metrics import EXPOSITION_CONTENT_TYPE, HeadMetrics
+from sfnode.head.models_registry import ModelRegistry, ServedModel
 from sfnode.head.responding import ResponsesExchange
 from sfnode.head.responses import ResponseStore
 from sfnode.head.schema import (
@@ -205,7 +206,7 @@ class OpenAIApi:
         tokenizer: Any,
         model_name: str,
         *,
-        node_model: str | None = None,
+        models: ModelRegistry | None = None,
         seed_source: Callable[[], int] | None = None,
         metrics: HeadMetrics | None = None,
         api_keys: Iterable[bytes] = (),
@@ -219,14 +220,25 @@ class OpenAIApi:
     ) -> None:
         self.reactor: IReactorTime = reactor
         self.backend = backend
-        self.renderer = Renderer(tokenizer, allow_special_tokens=allow_special_tokens)
+        self.models = (
+            models
+            if models is not None
+            else ModelRegistry(allow_special_tokens=allow_special_tokens)
+        )
+        """The models served, by name (sfnode.head.models_registry): what a request's
+        ``model`` picks, and what nodes offer in HELLO_ACK_F."""
+        if tokenizer is not None:
+            self.models.serve(
+                model_name,
+                tokenizer,
+                origin="the head's tokenizer",
+                vocab_size=vocab_size,
+                override=True,
+            )
         self.template_timeout_s = template_timeout_s
         """How long one chat-template render may take before it is stopped (500)."""
         self.model_name = model_name
-        self.node_model = node_model if node_model is not None else model_name
-        """The model name asked of nodes (the one they offer in HELLO_ACK_F)."""
-        self.vocab_size = max(vocab_size or 0, self.renderer.codec.vocab_size)
-        """Prompt token ids must be below this (the model's vocabulary, when known)."""
+        """The model of a request that names none."""
         self.new_seed: Callable[[], int] = seed_source or _random_seed
         """The seed of a request that gives none (sampling is counter-based: a fixed seed
         would give every such request the same draws)."""
@@ -258,13 +270,46 @@ class OpenAIApi:
                 self.status,
                 open_requests=lambda: len(self.exchanges),
                 open_connections=lambda: len(self._site.connections) if self._site else 0,
+                statuses=self.statuses,
             )
         )
         self._drain_waiters: list[Deferred[None]] = []
         self._drain_timer: IDelayedCall | None = None
 
-    def status(self) -> BackendStatus:
-        return self.backend.status(self.node_model)
+    @property
+    def renderer(self) -> Renderer:
+        """The renderer of the model a request that names none gets."""
+        return self.default_model().renderer
+
+    @property
+    def vocab_size(self) -> int:
+        """Prompt token ids of a request that names no model must be below this."""
+        return self.default_model().vocab_size
+
+    def default_model(self) -> ServedModel:
+        """The model of a request that names none: ``model_name``, else the first served."""
+        model = self.models.get(self.model_name)
+        if model is None:
+            names = self.models.names()
+            if not names:
+                raise ApiError(
+                    503,
+                    "no model is served yet: no node has joined with one",
+                    kind="server_error",
+                    code="no_model",
+                    outcome="unavailable",
+                )
+            model = self.models.get(names[0])
+            assert model is not None
+        return model
+
+    def status(self, model: str | None = None) -> BackendStatus:
+        """The backend's status for ``model`` (default: :attr:`model_name`)."""
+        return self.backend.status(model if model is not None else self.model_name)
+
+    def statuses(self) -> dict[str, BackendStatus]:
+        """The backend's status for every model served (a snapshot a worker may read)."""
+        return {name: self.backend.status(name) for name in self.models.names()}
 
     def stop(self) -> None:
         """Stop the worker threads (the HTTP service does this when it stops)."""
@@ -414,36 +459,50 @@ class OpenAIApi:
     # Requests
 
     def prepare(
-        self, data: bytes, chat: bool, status: BackendStatus, budget: RenderBudget | None = None
+        self,
+        data: bytes,
+        chat: bool,
+        statuses: Mapping[str, BackendStatus],
+        budget: RenderBudget | None = None,
     ) -> Prepared:
-        """Check a body and render its prompt (on the reactor or a worker thread: it reads
-        only ``status``, a snapshot, and the renderer); ``budget`` bounds the chat
-        template's render.
+        """Check a body and render its prompt for the model it names (on the reactor or a
+        worker thread: it reads only ``statuses``, a snapshot per model, and the renderers);
+        ``budget`` bounds the chat template's render.
 
-        :raises ApiError: anything wrong with the request, a prompt that cannot fit included.
+        :raises ApiError: anything wrong with the request, an unknown model (404
+            ``model_not_found``) and a prompt that cannot fit included.
         """
+        body = parse_body(data)
+        named = body.get("model")
+        served = self.models.get(named) if isinstance(named, str) else None
+        if served is None and "model" not in body:
+            served = self.default_model()
         request = parse_request(
-            parse_body(data),
+            body,
             chat=chat,
-            models=[self.model_name],
-            vocab_size=self.vocab_size,
+            models=self.models.names() or [self.model_name],
+            vocab_size=served.vocab_size if served is not None else 0,
             seed_source=self.new_seed,
         )
-        limit = status.context_limit
-        if limit is not None and request.characters > self.renderer.character_bound(limit):
+        model = self.models.get(request.model)
+        assert model is not None  # parse_request refused any other name
+        renderer = model.renderer
+        status = statuses.get(model.name)
+        limit = status.context_limit if status is not None else None
+        if limit is not None and request.characters > renderer.character_bound(limit):
             # Not tokenized at all: no window can hold this many characters.
             raise errors.too_many_characters(request.characters, limit, request.prompt_param)
         if request.chat:
-            prompt = self.renderer.chat(request.messages, budget, request.tools)
+            prompt = renderer.chat(request.messages, budget, request.tools)
         elif request.prompt_text is not None:
-            prompt = self.renderer.completion(request.prompt_text)
+            prompt = renderer.completion(request.prompt_text)
         else:
             prompt = list(request.prompt_ids)
         if not prompt:
             raise ApiError(400, "the prompt has no tokens", param=request.prompt_param)
         if limit is not None and len(prompt) > limit:
             raise errors.too_long(len(prompt), limit, request.prompt_param)
-        return Prepared(request, prompt)
+        return Prepared(request, prompt, model)
 
     def site(self) -> GuardedSite:
         """The twisted.web site that serves this API (with its front door)."""
@@ -601,15 +660,17 @@ class _Models(_Leaf):
         super().__init__()  # type: ignore[no-untyped-call]
         self.api = api
 
-    def _entry(self) -> dict[str, Any]:
-        return bodies.model_entry(self.api.model_name, self.api.status().window)
+    def _entry(self, name: str) -> dict[str, Any]:
+        status = self.api.status(name)
+        return bodies.model_entry(name, status.window, status.serving_nodes)
 
     def render_GET(self, request: Any) -> bytes:
         wanted = b"/".join(request.postpath).strip(b"/").decode("utf-8", "replace")
+        names = self.api.models.names()
         if not wanted:
-            return answer(request, 200, bodies.model_list([self._entry()]))
-        if wanted == self.api.model_name:
-            return answer(request, 200, self._entry())
+            return answer(request, 200, bodies.model_list([self._entry(n) for n in names]))
+        if wanted in names:
+            return answer(request, 200, self._entry(wanted))
         error = ApiError(
             404,
             f"The model '{clip(wanted)}' does not exist",

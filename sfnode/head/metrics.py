@@ -4,7 +4,8 @@ Requests by outcome (every answer is counted once: served, refused at the door, 
 in and out, time to first token, requests and connections open now, and, read from the backend's
 :class:`~sfnode.head.backend.BackendStatus` at scrape time, per-node capacity, live nodes, lanes,
 waiting generations, the head's queue of requests waiting for a node (waiting now, refused
-because it was full, timed out), failovers and reconnects.
+because it was full, timed out), failovers and reconnects; and, per model, the gauges an
+inference gateway's endpoint picker reads (:mod:`sfnode.head.gauges`).
 
 This module must never use prometheus_client's global registry (two heads in one process keep
 their own numbers) and never read the fleet's internals: only ``Backend.status()``.
@@ -12,7 +13,7 @@ their own numbers) and never read the fleet's internals: only ``Backend.status()
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -20,6 +21,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from sfnode.head.backend import BackendStatus
+from sfnode.head.gauges import gateway_gauges
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 EXPOSITION_CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -38,7 +40,8 @@ _CAPACITY_GAUGES = (
 
 class HeadMetrics:
     """The head's metrics.  ``status`` is asked at every scrape; ``open_requests`` and
-    ``open_connections`` too (the HTTP layer's own counts)."""
+    ``open_connections`` too (the HTTP layer's own counts), and ``statuses`` (each served
+    model's status) for the gateway's gauges."""
 
     def __init__(
         self,
@@ -46,6 +49,7 @@ class HeadMetrics:
         *,
         open_requests: Callable[[], int] = lambda: 0,
         open_connections: Callable[[], int] = lambda: 0,
+        statuses: Callable[[], Mapping[str, BackendStatus]] = dict,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
@@ -70,7 +74,7 @@ class HeadMetrics:
             buckets=TTFT_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(_StatusCollector(status, open_requests, open_connections))
+        self.registry.register(_StatusCollector(status, open_requests, open_connections, statuses))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -84,10 +88,12 @@ class _StatusCollector(Collector):
         status: Callable[[], BackendStatus],
         open_requests: Callable[[], int],
         open_connections: Callable[[], int],
+        statuses: Callable[[], Mapping[str, BackendStatus]],
     ) -> None:
         self._status = status
         self._open_requests = open_requests
         self._open_connections = open_connections
+        self._statuses = statuses
 
     def describe(self) -> Iterable[Metric]:
         return []
@@ -153,6 +159,7 @@ class _StatusCollector(Collector):
             "Requests that waited the queue timeout for a node in vain.",
             value=status.queue_timeouts,
         )
+        yield from gateway_gauges(self._statuses())
 
 
 __all__ = ["EXPOSITION_CONTENT_TYPE", "TTFT_BUCKETS", "HeadMetrics"]

@@ -13,7 +13,7 @@ and never use the global reactor: the clock is a parameter, so it is tested on a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -82,6 +82,10 @@ class WaitQueue(Generic[_R]):
 
     def __bool__(self) -> bool:
         return bool(self._fair)
+
+    def __iter__(self) -> Iterator[Waiter[_R]]:
+        """The waiters, in no particular order (for counts by model)."""
+        return iter(self._fair)
 
     def waiter(self, request: Any, share: Hashable, address: str = "") -> Waiter[_R]:
         """A new waiter whose ``placed`` Deferred, when cancelled, takes it out of the

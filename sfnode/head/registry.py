@@ -28,6 +28,7 @@ from sfnode.head.link import (
     parse_endpoint,
 )
 from sfnode.head.machines import RetryPolicy
+from sfnode.head.model_admission import ModelAdmission
 from sfnode.head.prefix_index import BlockKey, PrefixIndex
 
 _log = Logger(namespace="sfnode.head.fleet")
@@ -44,6 +45,8 @@ class FleetNode:
         """Sessions placed here and not ended."""
         self.inflight = 0
         """Generations the head runs here."""
+        self.admitted = True
+        """The head serves the model it names with it (sfnode.head.model_admission)."""
         self.interactive_inflight = 0
         """How many of them are interactive (docs/protocol.md section 12.2)."""
         self.failed_attempts = 0
@@ -78,8 +81,8 @@ class FleetNode:
 
     @property
     def live(self) -> bool:
-        """Its link is open: placement may use it."""
-        return self.link.ready
+        """Its link is open and the head serves its model with it: placement may use it."""
+        return self.link.ready and self.admitted
 
     @property
     def down(self) -> bool:
@@ -102,7 +105,7 @@ class FleetNode:
         self._forget_reported_ends()
         return placement.NodeView(
             key=self.order,
-            live=self.link.ready,
+            live=self.live,
             models=self.link.models,
             capacity=self.link.capacity,
             report_age_s=None if at is None else now - at,
@@ -169,8 +172,14 @@ class NodeRegistry:
         retry_max_s: float,
         on_room: Callable[[], None],
         on_report: Callable[[], None],
+        models: ModelAdmission | None = None,
     ) -> None:
         self._reactor = reactor
+        self.models = models
+        """Which node serves which model, by the head's model registry (None: every node
+        serves the model it names)."""
+        if models is not None:
+            models.changed = self._model_judged
         self._clock = clock
         self.ids = ids
         self.settings = settings
@@ -254,6 +263,7 @@ class NodeRegistry:
         node = FleetNode(link, next(self._orders))
         self.nodes.append(node)
         link.observe(self)
+        self._judge(node)
         _log.info(
             "node {node} joined (dialed in from {peer}; models {models}, window {window})",
             node=link.name,
@@ -266,6 +276,19 @@ class NodeRegistry:
             d.callback(node)
         self._on_room()
 
+    def _judge(self, node: FleetNode) -> None:
+        """Whether the head serves the model ``node`` names with it (at every handshake: a
+        node may come back with other files)."""
+        if self.models is not None:
+            node.admitted = self.models.judge(node.link)
+
+    def _model_judged(self, link: NodeLink) -> None:
+        """The verdict on ``link`` changed after its handshake (its files arrived)."""
+        node = self.of_link(link)
+        if node is not None and self.models is not None:
+            node.admitted = self.models.admits(link)
+            self._on_room()
+
     # ----------------------------------------------------------------------------------------
     # LinkObserver: what the links say
 
@@ -273,6 +296,7 @@ class NodeRegistry:
         node = self.of_link(link)
         if node is None:
             return
+        self._judge(node)
         if not reconnected:
             _log.info(
                 "node {node} joined (dialed {endpoint}; models {models}, window {window})",
@@ -346,6 +370,8 @@ class NodeRegistry:
         if node is None or self.stopping or link.dialable:
             return
         self.nodes.remove(node)
+        if self.models is not None:
+            self.models.forget(link)
         _log.info(
             "node {node} left: {reason}",
             node=node.name,

@@ -15,7 +15,7 @@ worker thread, and never write to a request once the exchange is done or gone.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from twisted.internet.defer import Deferred
@@ -51,10 +51,12 @@ class ResponsesExchange(Exchange):
         self.ident = new_response_id()
         self.translated: ResponsesRequest | None = None
 
-    def _prepare_chat(self, data: bytes, status: BackendStatus) -> Deferred[Prepared]:
+    def _prepare_chat(
+        self, data: bytes, statuses: Mapping[str, BackendStatus]
+    ) -> Deferred[Prepared]:
         # Translated on the reactor (the store is the reactor's), rendered on a worker.
         self.translated = translate(parse_body(data), self.store)
-        return super()._prepare_chat(bodies.json_bytes(self.translated.chat), status)
+        return super()._prepare_chat(bodies.json_bytes(self.translated.chat), statuses)
 
     def _place(self, prepared: Prepared) -> None:
         assert self.translated is not None

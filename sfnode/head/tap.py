@@ -27,7 +27,7 @@ import json
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from twisted.application import service
 from twisted.internet import defer
@@ -75,8 +75,10 @@ from sfnode.wire import Lease
 
 if TYPE_CHECKING:
     from sfnode.dnssd import Announcer
+    from sfnode.head.models_registry import ModelRegistry
 
 log = Logger(namespace="sfnode.head.tap")
+_T = TypeVar("_T")
 
 DEFAULT_FLEET_LISTEN = "tcp:8455:interface=127.0.0.1"
 DEFAULT_HTTP = "tcp:8453:interface=127.0.0.1"
@@ -227,14 +229,18 @@ class Options(usage.Options):
             "model",
             None,
             None,
-            "Model folder, tokenizer folder or .gguf file for the tokenizer and chat template "
-            f"(default: the bundled {DEFAULT_MODEL_NAME}); weights are never loaded.",
+            "Model folder, tokenizer folder or .gguf file whose tokenizer and chat template "
+            "serve --model-name, whatever nodes send for it (weights are never loaded). "
+            "Default: none; nodes send the files of the models they serve (docs/protocol.md "
+            f"section 12.5), and the bundled {DEFAULT_MODEL_NAME}'s tokenizer, when installed "
+            "here, serves --model-name for nodes that send none.",
         ],
         [
             "model-name",
             None,
             None,
-            "Model name served and asked of nodes (default: as twistd sfnode names it).",
+            "The model --model (or the bundled tokenizer) serves, and the model of a request "
+            "that names none (default: as twistd sfnode names it).",
         ],
         ["policy", None, Policy.LOAD_AWARE.value, f"Placement: {', '.join(POLICIES)}."],
         [
@@ -661,6 +667,59 @@ def load_head_tokenizer(model: str | None) -> Any:
         raise HeadStartupError(f"sfhead: cannot load the tokenizer: {e}") from e
 
 
+def head_models(options: Options) -> ModelRegistry:
+    """The head's model registry at start (sfnode.head.models_registry).
+
+    With ``--model`` (not for a pipeline, which loads it itself): its tokenizer serves
+    ``--model-name`` whatever nodes send.  Without: nodes bring their models' files
+    (docs/protocol.md section 12.5); the bundled model's tokenizer, when it is installed and
+    installed here, serves ``--model-name`` for nodes that send none, until one sends files
+    for that name.
+
+    :raises HeadStartupError: ``--model``'s tokenizer cannot be loaded.
+    """
+    from sfnode.head.models_registry import ModelRegistry
+    from sfnode.head.text import TOKENIZER_FILE, HeadTokenizer, TokenizerLoadError
+
+    registry = ModelRegistry(allow_special_tokens=bool(options["allow-special-tokens"]))
+    name = options["model-name"]
+    if options["stages"]:
+        return registry
+    if options["model"] is not None:
+        registry.serve(
+            name,
+            load_head_tokenizer(options["model"]),
+            origin=f"--model {options['model']}",
+            vocab_size=model_vocab_size(options["model"]),
+            override=True,
+        )
+        return registry
+    from sfnode import models
+
+    folder = tokenizer_folder(None)
+    try:
+        if folder is not None and (folder / TOKENIZER_FILE).is_file():
+            tokenizer = HeadTokenizer(folder)
+        else:
+            models.default_gguf()  # installed, not converted yet: read through transformers
+            tokenizer = load_head_tokenizer(None)
+    except (TokenizerLoadError, HeadStartupError, models.ModelLoadError) as e:
+        log.info(
+            "sfhead has no --model and no bundled tokenizer ({error}): it serves the models "
+            "its nodes bring",
+            error=e,
+        )
+        return registry
+    registry.serve(
+        name,
+        tokenizer,
+        origin="the bundled tokenizer",
+        vocab_size=model_vocab_size(None),
+        provisional=True,
+    )
+    return registry
+
+
 def model_vocab_size(model: str | None) -> int | None:
     """``vocab_size`` from the model's config.json, when there is one to read (it may exceed
     the tokenizer's: embedding tables are often padded)."""
@@ -828,10 +887,11 @@ def makeService(
         exit_zero_after_a_clean_stop(reactor)
         progress_bars_only_on_a_terminal()
     from sfnode.head.http import OpenAIApi
+    from sfnode.head.model_admission import ModelAdmission
     from sfnode.head.pipeline import PipelineFleet
     from sfnode.head.text import as_codec
 
-    tokenizer = load_head_tokenizer(options["model"])
+    registry = head_models(options)
     lease_ms = options["lease-ms"]
     lease = Lease(duration_ms=lease_ms, renew_by_ms=lease_ms * 3 // 4)
     token = options["auth-token"]
@@ -856,6 +916,14 @@ def makeService(
                     "sfhead: --pipeline needs --pipeline-layers (the model's layer count is "
                     "not readable from its config.json)"
                 )
+        tokenizer = load_head_tokenizer(options["model"])
+        registry.serve(
+            options["model-name"],
+            tokenizer,
+            origin=f"--model {options['model'] or 'the bundled model'}",
+            vocab_size=model_vocab_size(options["model"]),
+            override=True,
+        )
         eos = as_codec(tokenizer).eos_token_id
         try:
             pipeline = PipelineFleet(
@@ -879,17 +947,18 @@ def makeService(
             policy=options["policy"],
             lease=lease,
             prefix=options["prefix"],
+            models=ModelAdmission(registry, run=lambda work: _on_a_thread(reactor, work)),
             **fleet_options,
         )
         backend = fleet
     api = OpenAIApi(
         reactor,
         backend,
-        tokenizer,
+        None,
         options["model-name"],
+        models=registry,
         api_keys=options["api-keys"],
         limits=options["limits"],
-        vocab_size=model_vocab_size(options["model"]),
         class_rule=options["class-rule"],
         allow_special_tokens=bool(options["allow-special-tokens"]),
         template_timeout_s=options["template-timeout"],
@@ -944,9 +1013,17 @@ def makeService(
     if pipeline is None and fleet.prefix_aware:
         policy += f", prefix weight {options['prefix'].weight:g}, skew {options['prefix'].max_skew}"
     log.info(
-        "sfhead serving model {model} ({policy}; nodes {nodes})",
-        model=options["model-name"],
+        "sfhead serving models {models} ({policy}; nodes {nodes})",
+        models=", ".join(registry.names()) + ("" if options["model"] else ", what nodes bring"),
         policy=policy,
         nodes=", ".join(options["stages"] or options["nodes"]) or "dial in",
     )
     return head
+
+
+def _on_a_thread(reactor: Any, work: Callable[[], _T]) -> defer.Deferred[_T]:
+    """``work`` on the reactor's thread pool (reading a node's model files: half a second for
+    a large tokenizer, which must not stall the streams of other models)."""
+    from twisted.internet.threads import deferToThreadPool
+
+    return deferToThreadPool(reactor, reactor.getThreadPool(), work)

@@ -227,24 +227,58 @@ class HeadTokenizer:
     Reads ``tokenizer.json`` (the ``tokenizers`` package; its post-processor decides which
     special tokens a prompt gets, as it does for transformers' ``TokenizersBackend``),
     ``tokenizer_config.json`` (special tokens, ``clean_up_tokenization_spaces``, an inline
-    ``chat_template``) and ``chat_template.jinja``.
+    ``chat_template``) and ``chat_template.jinja``, from a folder or from the files a node
+    sent (:meth:`from_files`).
 
     :raises TokenizerLoadError: a file is missing or unreadable.
     """
 
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(
+        self, folder: str | Path | None = None, *, files: Mapping[str, bytes] | None = None
+    ) -> None:
+        if (folder is None) == (files is None):
+            raise TypeError("HeadTokenizer reads a folder or files, one of the two")
+        self.folder = Path(folder) if folder is not None else None
+        self._files = files
+        self._load()
+
+    @classmethod
+    def from_files(cls, files: Mapping[str, bytes]) -> HeadTokenizer:
+        """The tokenizer of a node's model files (docs/protocol.md section 12.5): the same
+        files a folder holds, by name, with no folder at all."""
+        return cls(files=files)
+
+    def _where(self, name: str) -> str:
+        return str(self.folder / name) if self.folder is not None else f"the node's {name}"
+
+    def _read(self, name: str) -> str | None:
+        """The text of the file ``name``; None when there is none."""
+        try:
+            if self._files is not None:
+                data = self._files.get(name)
+                return None if data is None else data.decode("utf-8")
+            assert self.folder is not None
+            path = self.folder / name
+            return path.read_text(encoding="utf-8") if path.is_file() else None
+        except (OSError, ValueError) as e:
+            raise TokenizerLoadError(f"cannot read {self._where(name)}: {e}") from e
+
+    def _load(self) -> None:
         from tokenizers import Tokenizer
 
-        self.folder = Path(folder)
-        path = self.folder / TOKENIZER_FILE
         try:
-            self._tokenizer = Tokenizer.from_file(str(path))
+            text = self._read(TOKENIZER_FILE)
+            if text is None:
+                raise TokenizerLoadError(f"there is no {self._where(TOKENIZER_FILE)}")
+            self._tokenizer = Tokenizer.from_str(text)
             # A second instance for text (its flag is per instance: worker threads encode at
             # once, so one instance's flag must never be switched back and forth).
-            self._text_tokenizer = Tokenizer.from_file(str(path))
+            self._text_tokenizer = Tokenizer.from_str(text)
             self._text_tokenizer.encode_special_tokens = True
+        except TokenizerLoadError:
+            raise
         except Exception as e:
-            raise TokenizerLoadError(f"cannot read {path}: {e}") from e
+            raise TokenizerLoadError(f"cannot read {self._where(TOKENIZER_FILE)}: {e}") from e
         config = self._read_json(CONFIG_FILE)
         legacy_map = self._read_json("special_tokens_map.json")
         self.special_tokens: dict[str, str] = {}
@@ -261,9 +295,8 @@ class HeadTokenizer:
             try:
                 self._template = _template_environment().from_string(self.chat_template)
             except Exception as e:
-                raise TokenizerLoadError(
-                    f"the chat template of {self.folder} is invalid: {e}"
-                ) from e
+                where = self.folder if self.folder is not None else "the node's files"
+                raise TokenizerLoadError(f"the chat template of {where} is invalid: {e}") from e
         vocab = self._tokenizer.get_vocab(with_added_tokens=True)
         self._vocab_size = max(vocab.values(), default=-1) + 1
         self._longest = max((len(t) for t in vocab), default=1)
@@ -271,22 +304,19 @@ class HeadTokenizer:
         self._eos = self._tokenizer.token_to_id(eos) if eos is not None else None
 
     def _read_json(self, name: str) -> dict[str, Any]:
-        path = self.folder / name
-        if not path.is_file():
+        text = self._read(name)
+        if text is None:
             return {}
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise TokenizerLoadError(f"cannot read {path}: {e}") from e
+            data = json.loads(text)
+        except ValueError as e:
+            raise TokenizerLoadError(f"cannot read {self._where(name)}: {e}") from e
         return data if isinstance(data, dict) else {}
 
     def _chat_template(self, config: Mapping[str, Any]) -> str | None:
-        path = self.folder / TEMPLATE_FILE
-        if path.is_file():
-            try:
-                return path.read_text(encoding="utf-8")
-            except OSError as e:
-                raise TokenizerLoadError(f"cannot read {path}: {e}") from e
+        template: Any = self._read(TEMPLATE_FILE)
+        if template is not None:
+            return str(template)
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: the default one
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}

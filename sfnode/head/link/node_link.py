@@ -30,6 +30,7 @@ from sfnode.head.link.errors import (
     SupersededError,
     UnknownSessionError,
 )
+from sfnode.head.link.files import FilesFetch, TransferMsg
 from sfnode.head.link.protocol import HeadLinkProtocol, LinkOwner, handshake_loss
 from sfnode.head.link.reconcile import Reconcile
 from sfnode.head.link.settings import (
@@ -82,6 +83,10 @@ from sfnode.wire import (
     TokenEventsMsg,
     Tokens,
     WireError,
+    XferAbortMsg,
+    XferBeginMsg,
+    XferChunkMsg,
+    XferEndMsg,
     decode_params,
     encode_params,
 )
@@ -192,6 +197,8 @@ class NodeLink:
         """When the latest capacity report arrived (clock seconds)."""
         self.models: tuple[str, ...] = ()
         self._calls = CallTable()
+        self.files = FilesFetch()
+        """The fetch of the node's model files in progress (section 12.5)."""
         """Outstanding generations and stage forwards (and which generations a drop
         suspended until the redial's reconcile settles them)."""
         self._owed_revokes: dict[int, int] = {}
@@ -694,6 +701,7 @@ class _LinkDriver:
         self._lose(loss)
 
     def _lose(self, reason: LinkError) -> None:
+        self.link.files.fail(reason)
         if self.link.dialable:
             self.link._machine.connection_lost(reason)
         else:
@@ -790,6 +798,15 @@ def _on_node_status(driver: _LinkDriver, message: NodeStatusMsg) -> None:
 @_handles(StageForwardRespMsg)
 def _on_stage_forward_resp(driver: _LinkDriver, message: StageForwardRespMsg) -> None:
     driver.link._calls.answer_forward(message)
+
+
+def _on_transfer(driver: _LinkDriver, message: TransferMsg) -> None:
+    driver.link.files.receive(message)
+
+
+for _transfer in (XferBeginMsg, XferChunkMsg, XferEndMsg, XferAbortMsg):
+    # The four transfer messages of section 12.5 share one handler.
+    _HANDLERS[_transfer] = _on_transfer
 
 
 @_handles(TokenEventsMsg)
