@@ -145,7 +145,7 @@ def main() -> None:
     quant.Projection.__call__ = no_product  # type: ignore[method-assign]
     measure("- layer matrix products")
     vocab = weights.vocab_size
-    runner._logits = lambda hidden, wanted: torch.zeros(len(wanted), vocab)  # type: ignore[method-assign]
+    runner._logits = lambda hidden, wanted, allowed=None: torch.zeros(len(wanted), vocab)  # type: ignore[method-assign]
     measure("- output head, sampling")
     runner_module.F.scaled_dot_product_attention = (  # type: ignore[attr-defined]
         lambda q, k, v, **kw: torch.zeros(q.shape, dtype=q.dtype)
