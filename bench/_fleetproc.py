@@ -279,33 +279,12 @@ def fleet_children(
         node.stop()
 
 
-VECTOR_EXTENSIONS = (
-    "avx2",
-    "fma",
-    "f16c",
-    "avx512f",
-    "avx512_vnni",
-    "avx512_bf16",
-    "amx_tile",
-    "amx_bf16",
-    "amx_int8",
-)
-
-
 def cpu_extensions() -> str:
     """The CPU's vector extensions that decide sfnode's kernels (docs/engine.md section 5.1), as
-    ``avx2 fma f16c; no avx512f, ...``."""
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        return "unknown (no /proc/cpuinfo)"
-    have = [name for name in VECTOR_EXTENSIONS if name in flags]
-    lacking = [name for name in VECTOR_EXTENSIONS if name not in flags]
-    return " ".join(have or ["none"]) + (f"; no {', '.join(lacking)}" if lacking else "")
+    ``avx2 fma f16c; no avx512f, ...``: the node's own description of its CPU."""
+    from sfnode.engines.choice import Cpu  # imports torch: only the benches that print it pay
+
+    return Cpu.here().describe()
 
 
 def memory_mb(pid: int) -> tuple[float, float]:
