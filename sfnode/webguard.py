@@ -74,7 +74,9 @@ class HttpError(Exception):
         self.kind = kind
         self.code = code
         self.outcome = outcome
+        """The ``sfhead_requests_total`` label it is counted under."""
         self.headers = dict(headers or {})
+        """Extra response headers (``WWW-Authenticate``, ``Allow``, ``Retry-After``)."""
 
     def encoded(self) -> bytes:
         error = {"message": self.message, "type": self.kind, "param": None, "code": self.code}

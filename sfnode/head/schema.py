@@ -36,6 +36,7 @@ from sfnode.constraint import (
     tools_grammar,
 )
 from sfnode.head.bodies import error_body
+from sfnode.webguard import HttpError
 from sfnode.wire import Constraint, GenParams, ToolChoice
 
 MAX_N = 8
@@ -58,8 +59,9 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 predate it)."""
 
 
-class ApiError(Exception):
-    """An error answered in OpenAI's shape: ``{"error": {message, type, param, code}}``."""
+class ApiError(HttpError):
+    """An error answered in OpenAI's shape: ``{"error": {message, type, param, code}}``; the
+    front door's :class:`~sfnode.webguard.HttpError` with the request field it is about."""
 
     def __init__(
         self,
@@ -72,16 +74,9 @@ class ApiError(Exception):
         outcome: str = "bad_request",
         headers: Mapping[bytes, bytes] | None = None,
     ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.kind = kind
+        super().__init__(status, message, kind=kind, code=code, outcome=outcome, headers=headers)
         self.param = param
-        self.code = code
-        self.outcome = outcome
-        """The ``sfhead_requests_total`` label it is counted under."""
-        self.headers = dict(headers or {})
-        """Extra response headers (``WWW-Authenticate``, ``Allow``, ``Retry-After``)."""
+        """The request field the error is about (OpenAI's ``param``), if one."""
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.kind, self.param, self.code)
