@@ -21,7 +21,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
 	touch $@
 
 run: $(VENV)/.installed
-	HF_HUB_OFFLINE=1 $(BIN)/python -m sfnode.fleet
+	HF_HUB_OFFLINE=1 $(BIN)/python -m sfnode fleet
 
 node: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/twistd --pidfile= -n sfnode --listen $(LISTEN)
@@ -34,7 +34,7 @@ lint: $(VENV)/.installed
 
 # docs/options.md: the option tables of twistd sfnode and twistd sfhead, from their Options.
 options: $(VENV)/.installed
-	$(BIN)/python -m sfnode.optiondocs > docs/options.md
+	$(BIN)/python -m sfnode.cli.optiondocs > docs/options.md
 
 clean:
 	rm -rf $(VENV) .tox _trial_temp

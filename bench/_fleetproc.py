@@ -282,7 +282,9 @@ def fleet_children(
 def cpu_extensions() -> str:
     """The CPU's vector extensions that decide sfnode's kernels (docs/engine.md section 5.1), as
     ``avx2 fma f16c; no avx512f, ...``: the node's own description of its CPU."""
-    from sfnode.engines.choice import Cpu  # imports torch: only the benches that print it pay
+    from sfnode.engines.kernels.choice import (
+        Cpu,  # imports torch: only the benches that print it pay
+    )
 
     return Cpu.here().describe()
 

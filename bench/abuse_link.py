@@ -555,15 +555,15 @@ SCENARIOS: dict[str, Callable[[Bench], Row]] = {
 
 def head_tokenizer() -> str:
     """A folder holding the bundled model's tokenizer.json (a node's converted GGUF)."""
-    from sfnode import models
+    from sfnode.engines.weights import loading
 
     try:
-        folder = models.gguf_cache_folder(models.default_gguf())
+        folder = loading.gguf_cache_folder(loading.default_gguf())
         if (folder / "tokenizer.json").is_file():
             return str(folder)
-    except models.ModelLoadError:
+    except loading.ModelLoadError:
         pass
-    for folder in sorted(models.default_cache_dir().glob("SmolLM2-*")):
+    for folder in sorted(loading.default_cache_dir().glob("SmolLM2-*")):
         if (folder / "tokenizer.json").is_file():
             return str(folder)
     raise BenchError("no converted SmolLM2 folder: start a transformers node once first")

@@ -3,7 +3,7 @@ ones, in one run, through a real ``twistd sfnode`` process (docs/engine.md secti
 
 The node runs as deployed (the bundled model at its default settings, the environment of the
 shell that started this script without ``OMP_WAIT_POLICY``), with its ``/metrics``.  This
-script drives it with the head library (:class:`~sfnode.head.fleet.Fleet`), or with ``--http``
+script drives it with the head library (:class:`~sfnode.head.fleet.fleet.Fleet`), or with ``--http``
 through a ``twistd sfhead`` process's OpenAI API (streamed chat requests with
 ``response_format``, each chunk's tokens counted from its ``logprobs``, asked of both kinds
 alike): the same eight chat prompts (tests/agents.py's city questions) as
@@ -175,11 +175,11 @@ def main() -> None:
 
     from twisted.internet import defer, reactor, task, threads
 
-    from sfnode.constraint import response_format_grammar
-    from sfnode.head.fleet import Fleet
+    from sfnode.decoding.constraint import response_format_grammar
+    from sfnode.engines.weights.loading import load_tokenizer
+    from sfnode.head.fleet.fleet import Fleet
     from sfnode.head.link import HeadIds
-    from sfnode.models import load_tokenizer
-    from sfnode.wire import Constraint
+    from sfnode.linkf.wire import Constraint
     from tests.agents import CITY_QUESTIONS, NESTED_SCHEMA
 
     tokenizer = load_tokenizer(None)

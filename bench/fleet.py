@@ -3,7 +3,7 @@
 Two modes, run one after the other (never at once), on the same greedy chat requests:
 
 - **engine alone**: the engine in this process, built exactly as ``twistd sfnode`` builds it
-  (``sfnode.tap.build_engine`` with the node's options), each request's context rendered as the
+  (``sfnode.node.tap.build_engine`` with the node's options), each request's context rendered as the
   head renders it, submitted directly;
 - **fleet**: the same requests as streamed OpenAI ``/v1/chat/completions`` requests to a real
   ``twistd sfhead`` and ``twistd sfnode``, separate processes on free loopback ports, with
@@ -90,15 +90,15 @@ class EngineClient:
 
     def context(self, topic: str) -> list[int]:
         """The token ids the head sends a node for the chat request about ``topic``."""
-        from sfnode.head.schema import ChatMessage
+        from sfnode.head.api.schema import ChatMessage
 
         ids: list[int] = self.renderer.chat([ChatMessage("user", story_request(topic))])
         return ids
 
     async def answer(self, context: list[int], max_tokens: int) -> Answer:
         from sfnode.generation import GenerationRequest
-        from sfnode.head.classes import DEFAULT_INTERACTIVE_PROMPT_TOKENS
-        from sfnode.wire import GenParams
+        from sfnode.head.api.request_class import DEFAULT_INTERACTIVE_PROMPT_TOKENS
+        from sfnode.linkf.wire import GenParams
 
         answer = Answer(usage=True)
 
@@ -106,8 +106,9 @@ class EngineClient:
             if answer.first is None and tokens:
                 answer.first = time.perf_counter() - started
 
-        # What the head asks of a node for temperature 0 (sfnode.head.schema), with the class
-        # its default rule gives the prompt (sfnode.head.classes: a short chat is interactive).
+        # What the head asks of a node for temperature 0 (sfnode.head.api.schema), with the class
+        # its default rule gives the prompt (sfnode.head.api.request_class: a short chat is
+        # interactive).
         interactive = len(context) <= DEFAULT_INTERACTIVE_PROMPT_TOKENS
         request = GenerationRequest(
             context, GenParams(temperature=0.0, top_p=1.0), max_tokens, interactive=interactive
@@ -173,8 +174,8 @@ def build_in_process_engine(
     from twisted.logger import formatEvent, globalLogPublisher
     from twisted.python import usage
 
-    import sfnode.engines.llama_weights
-    from sfnode.tap import Options, build_engine
+    import sfnode.engines.weights.llama
+    from sfnode.node.tap import Options, build_engine
 
     options = Options()
     model_args = ["--model", str(model)] if model is not None else []
@@ -188,15 +189,15 @@ def build_in_process_engine(
         if str(event.get("log_namespace", "")).startswith("sfnode.engines"):
             lines.append(formatEvent(event))
 
-    measure = sfnode.engines.llama_weights.dense_rows
+    measure = sfnode.engines.weights.llama.dense_rows
     if not own:
-        sfnode.engines.llama_weights.dense_rows = lambda projection: dense_rows  # type: ignore[assignment]
+        sfnode.engines.weights.llama.dense_rows = lambda projection: dense_rows  # type: ignore[assignment]
     globalLogPublisher.addObserver(keep)
     try:
         return build_engine(reactor, options), lines
     finally:
         globalLogPublisher.removeObserver(keep)
-        sfnode.engines.llama_weights.dense_rows = measure  # type: ignore[assignment]
+        sfnode.engines.weights.llama.dense_rows = measure  # type: ignore[assignment]
 
 
 def node_dense_rows(lines: Sequence[str]) -> int | None:
@@ -218,7 +219,7 @@ def node_lines(log: Path) -> list[str]:
 
 
 async def bench(reactor: Any, options: argparse.Namespace) -> None:
-    from sfnode.head.http import Renderer
+    from sfnode.head.api.http import Renderer
     from sfnode.head.tap import load_head_tokenizer
 
     logs = Path(options.logs or tempfile.mkdtemp(prefix="sfnode-fleet-bench-"))

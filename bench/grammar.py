@@ -98,7 +98,7 @@ class Llguidance(Library):
     name = "llguidance"
 
     def __init__(self, tokenizer_json: str, size: int, eos: int) -> None:
-        from sfnode.constraint import Vocabulary
+        from sfnode.decoding.constraint import Vocabulary
 
         self.vocabulary = Vocabulary(tokenizer_json, size=size, eos_ids=[eos])
         import llguidance
@@ -106,7 +106,7 @@ class Llguidance(Library):
         self.executor = llguidance.LLExecutor(num_threads=1)
 
     def grammars(self) -> dict[str, Any]:
-        from sfnode.constraint import response_format_grammar, tools_grammar
+        from sfnode.decoding.constraint import response_format_grammar, tools_grammar
         from tests.agents import NESTED_SCHEMA, TOOLS
 
         return {
@@ -121,7 +121,7 @@ class Llguidance(Library):
         return self.matcher(grammar)
 
     def matcher(self, grammar: Any) -> Any:
-        from sfnode.constraint import Matcher
+        from sfnode.decoding.constraint import Matcher
 
         return Matcher(self.vocabulary, grammar)
 
@@ -236,7 +236,7 @@ def measure(name: str, walks: int) -> dict[str, Any]:
     """Every figure of one library, in this process."""
     import jsonschema
 
-    from sfnode import models
+    from sfnode.engines.weights import loading
     from tests.agents import NESTED_INSTANCE, NESTED_SCHEMA, TOOL_CALL_INSTANCE
 
     out: dict[str, Any] = {}
@@ -245,7 +245,7 @@ def measure(name: str, walks: int) -> dict[str, Any]:
     __import__(name)
     out["import s"] = time.perf_counter() - started
     out["imports torch"] = "torch" in set(sys.modules) - before
-    tokenizer = models.load_tokenizer(None)
+    tokenizer = loading.load_tokenizer(None)
     size, eos = 49152, int(tokenizer.eos_token_id)
     base = rss_mb()
     started = time.perf_counter()

@@ -13,7 +13,7 @@ folder, removed at the end), which is put first on ``PYTHONPATH``.  Every test r
 ``nice -n 19``.  The figures it prints are the report; nothing is asserted.
 
 Usage: python bench/mutations.py [--per-module N] [--seed S] [--timeout SECONDS] [MODULE ...]
-(MODULE is one of the targets below, e.g. sfnode/wire.py; all of them by default).
+(MODULE is one of the targets below, e.g. sfnode/linkf/wire.py; all of them by default).
 """
 
 from __future__ import annotations
@@ -35,14 +35,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 _SAMPLER_TESTS = ["tests.test_engine.SamplerTests", "tests.test_sampling.MockSamplerTests"]
 TARGETS: dict[str, list[str]] = {
-    "sfnode/sampler.py": _SAMPLER_TESTS,
-    "sfnode/draws.py": _SAMPLER_TESTS,
-    "sfnode/machines.py": [
+    "sfnode/decoding/sampler.py": _SAMPLER_TESTS,
+    "sfnode/decoding/draws.py": _SAMPLER_TESTS,
+    "sfnode/node/machines.py": [
         "tests.test_machines", "tests.test_fencing", "tests.test_drain.AgentDrainTests",
     ],
-    "sfnode/wire.py": ["tests.test_wire"],
-    "sfnode/engines/scheduler.py": ["tests.test_scheduler"],
-    "sfnode/engines/llama_runner.py": ["tests.test_engine"],
+    "sfnode/linkf/wire.py": ["tests.test_wire"],
+    "sfnode/engines/scheduling/scheduler.py": ["tests.test_scheduler"],
+    "sfnode/engines/runners/llama.py": ["tests.test_engine"],
 }  # fmt: skip
 """Each module mutated, and the fast test modules that should notice."""
 

@@ -647,7 +647,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def run(options: argparse.Namespace) -> int:
     cache = (options.cache_dir or default_cache()).expanduser().resolve()
     if options.model is None:
-        from sfnode.models import ModelLoadError, default_gguf
+        from sfnode.engines.weights.loading import ModelLoadError, default_gguf
 
         try:
             gguf_path = default_gguf()

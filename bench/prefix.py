@@ -22,7 +22,7 @@ times the burst's shared part was computed, first-token latency (median, p95) an
 tokens per second, and whether the greedy texts with the cache equal those without.
 
 The **placement check** then starts two nodes (prefix cache on) and drives them with the head's
-own fleet (``sfnode.head.fleet.Fleet``, the code behind ``twistd sfhead``, in this process, so
+own fleet (``sfnode.head.fleet.fleet.Fleet``, the code behind ``twistd sfhead``, in this process, so
 that every answer says which node gave it): 32 requests, two system prompts in a shuffled
 order, 8 at once; printed: the share of each prompt's requests that landed on the node its first
 request went to, the requests per node, and the prompt tokens each node computed; then the same
@@ -108,9 +108,9 @@ class Workload:
     that their token counts are the ones a node sees."""
 
     def __init__(self, model: Path | None, system_tokens: int, max_tokens: int) -> None:
-        from sfnode.head.schema import ChatMessage
+        from sfnode.head.api.schema import ChatMessage
+        from sfnode.head.models.text import Renderer
         from sfnode.head.tap import load_head_tokenizer
-        from sfnode.head.text import Renderer
 
         self._message = ChatMessage
         self.renderer = Renderer(load_head_tokenizer(str(model) if model else None))
@@ -423,8 +423,8 @@ def _drive_fleet(
     from twisted.internet import defer, reactor
     from twisted.python.failure import Failure
 
-    from sfnode.head.fleet import Fleet
-    from sfnode.head.placement import DEFAULT_PREFIX_MAX_SKEW, PrefixRule
+    from sfnode.head.fleet.fleet import Fleet
+    from sfnode.head.fleet.placement import DEFAULT_PREFIX_MAX_SKEW, PrefixRule
 
     results: list[Placement] = []
     failure: list[Any] = []
@@ -697,7 +697,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         if getattr(options, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     options.turns = min(options.turns, len(TURNS))
-    from sfnode.head.placement import DEFAULT_PREFIX_MAX_SKEW, DEFAULT_PREFIX_WEIGHT
+    from sfnode.head.fleet.placement import DEFAULT_PREFIX_MAX_SKEW, DEFAULT_PREFIX_WEIGHT
 
     if options.prefix_weight is None:
         options.prefix_weight = DEFAULT_PREFIX_WEIGHT
@@ -758,7 +758,7 @@ def run(options: argparse.Namespace) -> int:
 
 
 def _default_gguf() -> Path:
-    from sfnode.models import ModelLoadError, default_gguf
+    from sfnode.engines.weights.loading import ModelLoadError, default_gguf
 
     try:
         return default_gguf()

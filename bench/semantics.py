@@ -785,9 +785,9 @@ def conversation(target: Target, options: argparse.Namespace) -> Row:
         f"{options.turns} turns, each resending the history trimmed to the window: every turn "
         "answered"
     )
-    from sfnode.head.schema import ChatMessage
+    from sfnode.head.api.schema import ChatMessage
+    from sfnode.head.models.text import Renderer
     from sfnode.head.tap import load_head_tokenizer
-    from sfnode.head.text import Renderer
 
     renderer = Renderer(load_head_tokenizer(options.head_model))
     budget = options.conv_window - options.conv_tokens - 8
@@ -1029,7 +1029,7 @@ def run(options: argparse.Namespace) -> int:
     if options.peer != "no" and options.engine == "bundled" and options.model is None:
         server = peer.binaries(peer.default_cache())["llama-server"]
         if os.access(server, os.X_OK):
-            from sfnode.models import default_gguf
+            from sfnode.engines.weights.loading import default_gguf
 
             options.llama_server, options.gguf, peer_ok = server, default_gguf(), True
         elif options.peer == "yes":

@@ -57,13 +57,13 @@ def main() -> None:
     import torch
     import torch.nn.functional as F  # noqa: N812
 
-    import sfnode.engines.llama_runner as runner_module
-    from sfnode.engines import quant
-    from sfnode.engines.llama_runner import LlamaRunner
-    from sfnode.engines.llama_weights import gather_weights
-    from sfnode.engines.plan import ChunkRow, DecodeRow, StepPlan
-    from sfnode.models import load_model
-    from sfnode.wire import GenParams
+    import sfnode.engines.runners.llama as runner_module
+    from sfnode.engines.kernels import quant
+    from sfnode.engines.runners.llama import LlamaRunner
+    from sfnode.engines.scheduling.plan import ChunkRow, DecodeRow, StepPlan
+    from sfnode.engines.weights.llama import gather_weights
+    from sfnode.engines.weights.loading import load_model
+    from sfnode.linkf.wire import GenParams
 
     torch.set_num_threads(1)
     loaded = load_model(options.model)

@@ -27,12 +27,9 @@ from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint
 from twisted.internet.interfaces import IReactorCore
 from twisted.python.failure import Failure
 
-from sfnode.config import NodeConfig
 from sfnode.generation import MockEngine
 from sfnode.head.link import HeadLinkProtocol
-from sfnode.node import NodeAgent
-from sfnode.tap import node_factory
-from sfnode.wire import (
+from sfnode.linkf.wire import (
     Hello,
     HelloAckF,
     LinkRole,
@@ -41,6 +38,9 @@ from sfnode.wire import (
     TokenEventsMsg,
     Tokens,
 )
+from sfnode.node.agent import NodeAgent
+from sfnode.node.config import NodeConfig
+from sfnode.node.tap import node_factory
 
 CHUNK = 2000
 """Frames the node writes before it lets the reactor carry them."""

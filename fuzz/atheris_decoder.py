@@ -1,10 +1,10 @@
-"""A coverage-guided fuzz target for the Link F decoder (``sfnode.wire``), for atheris.
+"""A coverage-guided fuzz target for the Link F decoder (``sfnode.linkf.wire``), for atheris.
 
-It feeds arbitrary bytes, cut into arbitrary slices, to :class:`~sfnode.wire.FrameDecoder`, and
-decodes every frame it delivers with :func:`~sfnode.wire.decode_frame` (and the nested token and
-parameter blobs of APPEND_CONTENT and SESSION_ASSIGN).  The only exception allowed out of the
-decoder is :class:`~sfnode.wire.WireError` (the node turns it into a closed connection); any
-other exception, a hang or a crash is a finding.  It also checks that every decoded message
+It feeds arbitrary bytes, cut into arbitrary slices, to :class:`~sfnode.linkf.wire.FrameDecoder`,
+and decodes every frame it delivers with :func:`~sfnode.linkf.wire.decode_frame` (and the nested
+token and parameter blobs of APPEND_CONTENT and SESSION_ASSIGN).  The only exception allowed out of
+the decoder is :class:`~sfnode.linkf.wire.WireError` (the node turns it into a closed connection);
+any other exception, a hang or a crash is a finding.  It also checks that every decoded message
 encodes again without error.
 
 atheris is not a test requirement.  To run it (Linux, CPython 3.11)::
@@ -24,7 +24,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from sfnode.wire import (
+from sfnode.linkf.wire import (
     AppendContentMsg,
     FrameDecoder,
     SessionAssignMsg,

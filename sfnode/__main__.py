@@ -1,7 +1,8 @@
 """``python -m sfnode COMMAND``: the small commands that are not the twistd plugins.
 
 ``token [--file PATH]`` prints the fleet token, creating the token file first (docs/protocol.md
-section 5.4).
+section 5.4).  ``fleet [--engine mock] ...`` runs a head and one node on this machine (what
+``make run`` runs; ``python -m sfnode fleet --help``).
 Nodes and heads themselves run under ``twistd sfnode`` / ``twistd sfhead``.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-USAGE = "usage: python -m sfnode token [--file PATH]"
+USAGE = "usage: python -m sfnode token [--file PATH] | fleet [--help]"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -19,9 +20,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(USAGE)
         return 0 if args else 2
     if args[0] == "token":
-        from sfnode.tokens import main as token_main
+        from sfnode.linkf.fleet_token import main as token_main
 
         return token_main(args[1:])
+    if args[0] == "fleet":
+        from sfnode.cli.launcher import main as fleet_main
+
+        return fleet_main(args[1:])
     print(f"sfnode: unknown command {args[0]!r}\n{USAGE}", file=sys.stderr)
     return 2
 

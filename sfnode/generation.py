@@ -31,9 +31,9 @@ import xxhash
 from twisted.internet import defer
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
-from sfnode.constraint import ConstraintError, LaneStage, Vocabulary
-from sfnode.draws import draw_position, uniform
-from sfnode.wire import LOGPROBS_MAX, Constraint, GenParams
+from sfnode.decoding.constraint import ConstraintError, LaneStage, Vocabulary
+from sfnode.decoding.draws import draw_position, uniform
+from sfnode.linkf.wire import LOGPROBS_MAX, Constraint, GenParams
 
 KV_BLOCK_TOKENS = 16
 """Tokens per KV block; ``kv_blocks_used`` counts ``ceil(tokens / 16)`` per live lane."""
@@ -309,7 +309,7 @@ def kept_candidates(
     Greedy parameters keep the one best token (probability 1).  Otherwise: the softmax of the
     logits over ``temperature``, then top-k, min-p and top-p; the probabilities are those of
     the full softmax (not renormalised).  Pure Python, in float64 (the torch sampler of
-    :mod:`sfnode.sampler` works in float32 over dense logits).
+    :mod:`sfnode.decoding.sampler` works in float32 over dense logits).
     """
     if params.temperature <= 0.0:
         return [(min(logits, key=lambda entry: (-entry[1], entry[0]))[0], 1.0)]
@@ -477,7 +477,7 @@ class MockEngine:
     A generation whose ``params.logprobs`` asks gets each token's logprob and alternatives from
     those same logits (:func:`sparse_logprob`).
     A free lane takes the first queued interactive request before any batch one.
-    With a :class:`~sfnode.constraint.Vocabulary` it honours constraints: a constrained
+    With a :class:`~sfnode.decoding.constraint.Vocabulary` it honours constraints: a constrained
     lane draws from :func:`mock_staged_logits`, through the same :class:`LaneStage` the
     transformers engine uses (prepared at submit, on the reactor: the mock has no thread), and
     the vocabulary's EOS ids end a lane as ``eos_token_id`` does.

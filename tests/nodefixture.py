@@ -24,12 +24,12 @@ from twisted.internet.testing import MemoryReactorClock
 from twisted.test.iosim import ConnectionCompleter, IOPump
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from sfnode.config import NodeConfig
 from sfnode.generation import MockEngine, mock_next_token
 from sfnode.head.link import HeadIds, LinkSettings, NodeLink, connect_node
-from sfnode.node import NodeAgent
-from sfnode.protocol import NodeFactory
-from sfnode.tap import node_factory
+from sfnode.node.agent import NodeAgent
+from sfnode.node.config import NodeConfig
+from sfnode.node.protocol import NodeFactory
+from sfnode.node.tap import node_factory
 
 
 def expected_tokens(context: Sequence[int], count: int) -> list[int]:
@@ -57,7 +57,8 @@ class RunningNode:
         self.engine = engine
         self.port = port
         self.factory = factory
-        """The factory it listens with (``sfnode.tap.node_factory``), Noise wrapper included."""
+        """The factory it listens with (``sfnode.node.tap.node_factory``), Noise wrapper
+        included."""
 
     @property
     def node_factory(self) -> NodeFactory:
@@ -244,7 +245,7 @@ class RawHead:
     def __init__(self) -> None:
         from twisted.internet.protocol import Protocol
 
-        from sfnode.wire import FrameDecoder, decode_frame
+        from sfnode.linkf.wire import FrameDecoder, decode_frame
 
         head = self
         self.received: list[Any] = []
@@ -285,7 +286,7 @@ class RawHead:
         return head
 
     def send(self, message: Any) -> None:
-        from sfnode.wire import message_frame
+        from sfnode.linkf.wire import message_frame
 
         self._seq += 1
         self.protocol.transport.write(message_frame(message, self._seq))
@@ -295,7 +296,7 @@ class RawHead:
 
     def hello(self, token: bytes = b"", head_id: int | None = None) -> defer.Deferred[Any]:
         """HELLO (naming ``head_id`` as its identity, when given); fires with the ack."""
-        from sfnode.wire import Hello, HelloAckF, LinkRole
+        from sfnode.linkf.wire import Hello, HelloAckF, LinkRole
 
         self.send(Hello((2, 2), LinkRole.HEAD_DAEMON, token, head_id))
         return self.wait_for(lambda m: isinstance(m, HelloAckF))
@@ -314,7 +315,7 @@ class RawHead:
         return [m for m in self.received if isinstance(m, cls)]
 
     def events(self, session_id: int, generation_id: int) -> list[Any]:
-        from sfnode.wire import TokenEventsMsg
+        from sfnode.linkf.wire import TokenEventsMsg
 
         return [
             e
@@ -336,7 +337,7 @@ class RawHead:
 def finish_of(session_id: int, generation_id: int, reason: int | None = None) -> Any:
     """A RawHead predicate: a TOKEN_EVENTS batch holding the Finish of this generation (with
     this reason, when one is given)."""
-    from sfnode.wire import Finish, TokenEventsMsg
+    from sfnode.linkf.wire import Finish, TokenEventsMsg
 
     def predicate(message: Any) -> bool:
         return isinstance(message, TokenEventsMsg) and any(
@@ -351,7 +352,7 @@ def finish_of(session_id: int, generation_id: int, reason: int | None = None) ->
 
 def stream_of(events: Sequence[Any]) -> tuple[list[int], list[int]]:
     """The tokens and the Finish reasons of a generation's events, in event order."""
-    from sfnode.wire import Finish, Tokens
+    from sfnode.linkf.wire import Finish, Tokens
 
     tokens = [t for e in events if isinstance(e.payload, Tokens) for t in e.payload.tokens]
     finishes = [e.payload.reason for e in events if isinstance(e.payload, Finish)]

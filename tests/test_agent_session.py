@@ -1,4 +1,4 @@
-"""Tests of sfnode.agent_session.AgentSession, the node's sessions of docs/protocol.md section 6.
+"""Tests of sfnode.node.sessions.AgentSession, the node's sessions of docs/protocol.md section 6.
 
 They pin the upstream behaviours 8 to 11 of docs/protocol.md section 10, every rule of sections
 6.2 to 6.5 (including the reconcile and lease-grant rules behind behaviours 16 and 17) and the
@@ -12,8 +12,7 @@ from __future__ import annotations
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.agent_session import RENEW_INTERVAL_MS, AgentSession
-from sfnode.wire import (
+from sfnode.linkf.wire import (
     Finish,
     GenerateReqMsg,
     GenerationBudgetsMsg,
@@ -31,6 +30,7 @@ from sfnode.wire import (
     Tokens,
     WatermarkAckMsg,
 )
+from sfnode.node.sessions import RENEW_INTERVAL_MS, AgentSession
 
 
 class RecordingOwner:

@@ -61,13 +61,13 @@ class BundledAgentsOverHttpTests(NodeTestCase):
         answer ends and validates."""
         import openai
 
-        from sfnode.config import NodeConfig
         from sfnode.engines.transformers_engine import TransformersEngine
-        from sfnode.head.fleet import Fleet
-        from sfnode.head.http import OpenAIApi
-        from sfnode.models import load_model
-        from sfnode.node import NodeAgent
-        from sfnode.tap import node_factory
+        from sfnode.engines.weights.loading import load_model
+        from sfnode.head.api.http import OpenAIApi
+        from sfnode.head.fleet.fleet import Fleet
+        from sfnode.node.agent import NodeAgent
+        from sfnode.node.config import NodeConfig
+        from sfnode.node.tap import node_factory
 
         loaded = load_model(threads=2)
         engine = TransformersEngine.from_loaded(loaded, reactor)

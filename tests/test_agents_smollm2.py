@@ -50,7 +50,7 @@ class BundledAgentTests(unittest.TestCase):
 
     def setUp(self) -> None:
         from sfnode.engines.transformers_engine import TransformersEngine
-        from sfnode.models import load_model
+        from sfnode.engines.weights.loading import load_model
 
         if "model" not in _LOADED:
             _LOADED["model"] = load_model(threads=2)
@@ -67,7 +67,7 @@ class BundledAgentTests(unittest.TestCase):
 
     def generate(self, prompt: list[int], grammar: Any) -> defer.Deferred[Any]:
         from sfnode.generation import GenerationRequest
-        from sfnode.wire import Constraint, GenParams
+        from sfnode.linkf.wire import Constraint, GenParams
 
         request = GenerationRequest(
             prompt, GenParams(), 256, constraint=Constraint(len(prompt), grammar)
@@ -81,7 +81,7 @@ class BundledAgentTests(unittest.TestCase):
     def test_eight_json_schema_answers_validate(self) -> Generator[Any, Any, None]:
         """Eight questions answered at once under the nested schema: every answer ends (EOS)
         and validates."""
-        from sfnode.constraint import response_format_grammar
+        from sfnode.decoding.constraint import response_format_grammar
         from sfnode.generation import EngineStop
 
         grammar = response_format_grammar(
@@ -100,7 +100,7 @@ class BundledAgentTests(unittest.TestCase):
         """tool_choice required, then the named function, for each of twelve user turns: the
         output is calls only, each of a declared function (the named one when named) with
         arguments that validate against its parameters."""
-        from sfnode.constraint import parse_tool_calls, tools_grammar, tools_system_text
+        from sfnode.decoding.constraint import parse_tool_calls, tools_grammar, tools_system_text
 
         system = tools_system_text(TOOLS)
         schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}

@@ -1,4 +1,4 @@
-"""The head's DNS-SD announcement (sfnode.head.announce, docs/protocol.md section 5.6).
+"""The head's DNS-SD announcement (sfnode.discovery.announce, docs/protocol.md section 5.6).
 
 :class:`AnnounceService` against a recording announcer (no multicast here; tests/test_multihost.py
 announces and browses for real): it announces once the fleet listener is bound, at the bound
@@ -22,9 +22,9 @@ from twisted.logger import capturedLogs, formatEvent
 from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.discovery import HeadAnnouncement
+from sfnode.discovery.announce import AnnounceService
+from sfnode.discovery.rules import HeadAnnouncement
 from sfnode.head import tap as head_tap
-from sfnode.head.announce import AnnounceService
 
 
 class RecordingAnnouncer:

@@ -1,7 +1,7 @@
 """Tests of the node's bounds against a misbehaving head (issue 5, point 4), over real TCP.
 
-Each bound has a default (``sfnode.config``), an option (``twistd sfnode --max-...``) and a test
-here that reaches it and shows it holding:
+Each bound has a default (``sfnode.node.config``), an option (``twistd sfnode --max-...``) and a
+test here that reaches it and shows it holding:
 
 - ``max_unacked_events``: a head that never acknowledges; past the cap the generation stops
   with no Finish, its session is fenced (logged), and the events stay for a RECONCILE;
@@ -34,14 +34,7 @@ from twisted.logger import ILogObserver, formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface import provider
 
-from sfnode.config import (
-    DEFAULT_MAX_GENERATIONS,
-    DEFAULT_MAX_HELD_TOKENS,
-    DEFAULT_MAX_SESSIONS,
-    DEFAULT_MAX_UNACKED_EVENTS,
-)
-from sfnode.protocol import NodeProtocol
-from sfnode.wire import (
+from sfnode.linkf.wire import (
     FINISH_DECLINED,
     FINISH_LENGTH,
     MAX_FRAME,
@@ -56,6 +49,13 @@ from sfnode.wire import (
     Tokens,
     encode_tokens,
 )
+from sfnode.node.config import (
+    DEFAULT_MAX_GENERATIONS,
+    DEFAULT_MAX_HELD_TOKENS,
+    DEFAULT_MAX_SESSIONS,
+    DEFAULT_MAX_UNACKED_EVENTS,
+)
+from sfnode.node.protocol import NodeProtocol
 from tests.nodefixture import NodeTestCase, RawHead, expected_tokens, finish_of
 
 PROMPT = list(range(100, 112))
@@ -267,7 +267,7 @@ class SlowReaderTests(BoundsTestCase):
         paused = self.log_lines("stopped reading: pausing this connection")
         head.protocol.transport.pauseProducing()
         request = GenerateReqMsg(0, 77, 1, 1, GenerationBudgetsMsg(1))
-        from sfnode.wire import message_frame
+        from sfnode.linkf.wire import message_frame
 
         flood = b"".join(
             message_frame(GenerateReqMsg(i, 77, 1, i, request.budgets), i)
@@ -366,8 +366,8 @@ class OptionTests(SynchronousTestCase):
         """--max-handshakes, --max-sessions, --max-unacked-events, --max-held-tokens,
         --max-generations and --drain-timeout default to the config's values and are passed
         on as given."""
-        from sfnode import tap
-        from sfnode.config import NodeConfig
+        from sfnode.node import tap
+        from sfnode.node.config import NodeConfig
 
         def config(*extra: str) -> NodeConfig:
             options = tap.Options()

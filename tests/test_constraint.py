@@ -24,7 +24,7 @@ from twisted.internet import defer, reactor
 from twisted.internet.task import Clock
 from twisted.trial import unittest
 
-from sfnode.constraint import (
+from sfnode.decoding.constraint import (
     ConstraintError,
     LaneStage,
     MaskFiller,
@@ -37,6 +37,7 @@ from sfnode.constraint import (
     tools_grammar,
     tools_system_text,
 )
+from sfnode.decoding.sampler import apply_controls
 from sfnode.engines.transformers_engine import TransformersEngine
 from sfnode.generation import (
     EngineRefusal,
@@ -48,8 +49,7 @@ from sfnode.generation import (
     mock_next_token,
     mock_staged_logits,
 )
-from sfnode.sampler import apply_controls
-from sfnode.wire import (
+from sfnode.linkf.wire import (
     Constraint,
     GenParams,
     JsonObjectGrammar,

@@ -1,6 +1,6 @@
 """A constrained stream survives the death of its node (docs/protocol.md section 12.3): real
 ``twistd sfnode`` processes on the tiny Llama with ``--weights float32``, driven by the head
-library (:class:`~sfnode.head.fleet.Fleet`) in the test, and through the HTTP API with the
+library (:class:`~sfnode.head.fleet.fleet.Fleet`) in the test, and through the HTTP API with the
 ``openai`` package.
 
 The generation is sampled, with a JSON Schema that asks for a long array and a presence
@@ -20,10 +20,10 @@ import jsonschema
 from twisted.internet import defer, reactor
 from twisted.trial.unittest import TestCase
 
-from sfnode.constraint import response_format_grammar
-from sfnode.head.fleet import Fleet, Policy
+from sfnode.decoding.constraint import response_format_grammar
+from sfnode.head.fleet.fleet import Fleet, Policy
 from sfnode.head.link import HeadIds
-from sfnode.wire import Constraint, GenParams, SamplerControls
+from sfnode.linkf.wire import Constraint, GenParams, SamplerControls
 from tests.processes import LOOPBACK, Child, spawn_twistd
 
 LONG_ARRAY = {
@@ -80,7 +80,7 @@ class ConstrainedFailoverTests(TestCase):
         from twisted.internet import threads
         from twisted.internet.endpoints import TCP4ServerEndpoint
 
-        from sfnode.head.http import OpenAIApi
+        from sfnode.head.api.http import OpenAIApi
 
         folder, nodes, fleet = yield self.two_nodes()
         api = OpenAIApi(reactor, fleet, AutoTokenizer.from_pretrained(folder), "tiny")

@@ -28,8 +28,8 @@ from typing import Any
 
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
-from sfnode import tap
 from sfnode.head import tap as head_tap
+from sfnode.node import tap
 from tests.processes import REPO_ROOT
 
 DEPLOY = REPO_ROOT / "deploy"
@@ -196,7 +196,7 @@ class KubernetesTests(SynchronousTestCase):
 
 
 class SystemdTests(SynchronousTestCase):
-    UNITS = {"sfhead.service": "sfhead", "sfnode.service": "sfnode"}
+    UNITS = {"sfhead.service": "sfhead", "sfnode.runtime.service": "sfnode"}
 
     def unit(self, name: str) -> dict[str, list[str]]:
         """The unit's settings, KEY: [values] (continuation lines joined)."""
@@ -254,6 +254,6 @@ class SystemdTests(SynchronousTestCase):
             options = parse_options(options, argv[4:], token)
             stop_s = int(unit["TimeoutStopSec"][0])
             self.assertGreater(stop_s, options["drain-timeout"], name)
-        argv = shlex.split(self.unit("sfnode.service")["ExecStart"][0])
+        argv = shlex.split(self.unit("sfnode.runtime.service")["ExecStart"][0])
         node = parse_options(tap.Options(), argv[4:], token)
         self.assertTrue(node["join-auto"])

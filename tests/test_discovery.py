@@ -1,4 +1,4 @@
-"""The pure rules of finding a head (sfnode.discovery, docs/protocol.md section 5.6).
+"""The pure rules of finding a head (sfnode.discovery.rules, docs/protocol.md section 5.6).
 
 The TXT record a head announces (and that it never holds the token), which head a node joins
 among those that answer a browse (one, or the one ``--head-name`` names; several is an error
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.discovery import (
+from sfnode.discovery.rules import (
     DEFAULT_FLEET_PORT,
     REBROWSE_AFTER_FAILURES,
     SERVICE_TYPE,
@@ -25,7 +25,7 @@ from sfnode.discovery import (
     choose_head,
     parse_join,
 )
-from sfnode.wire import PROTO_VERSION
+from sfnode.linkf.wire import PROTO_VERSION
 
 
 def answer(name: str, *addresses: str, port: int = 8455, proto: int = PROTO_VERSION) -> HeadAnswer:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from twisted.trial import unittest
 
-from sfnode.engines.drafts import DraftLength, PromptLookup, Speculation
+from sfnode.engines.scheduling.drafts import DraftLength, PromptLookup, Speculation
 
 
 def lookup(tokens: list[int], low: int = 3, high: int = 5) -> PromptLookup:

@@ -19,12 +19,12 @@ from twisted.internet.error import ProcessDone
 from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
-from sfnode.config import NodeConfig
 from sfnode.generation import MockEngine
 from sfnode.head.link import HeadIds, NodeLink, connect_node
-from sfnode.node import NodeAgent
-from sfnode.tap import node_factory
-from sfnode.wire import FINISH_CANCELLED, FINISH_DECLINED, FINISH_LENGTH
+from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_DECLINED, FINISH_LENGTH
+from sfnode.node.agent import NodeAgent
+from sfnode.node.config import NodeConfig
+from sfnode.node.tap import node_factory
 from tests.nodefixture import NodeTestCase, RunningNode, expected_tokens
 from tests.test_tap import TWISTD, TwistdProcess, child_env
 

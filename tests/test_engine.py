@@ -23,8 +23,18 @@ import torch
 from twisted.internet import defer, reactor
 from twisted.trial import unittest
 
-from sfnode.engines.kernels import onednn_linear_works
-from sfnode.engines.pace import PRIOR, StepCost, StepRates
+from sfnode.decoding.sampler import (
+    candidates,
+    draw,
+    draw_position,
+    greedy_token,
+    sample_token,
+    sample_tokens,
+    splitmix64,
+    uniform,
+)
+from sfnode.engines.kernels.torch_ops import onednn_linear_works
+from sfnode.engines.scheduling.pace import PRIOR, StepCost, StepRates
 from sfnode.engines.transformers_engine import (
     TransformersEngine,
     decode_hidden,
@@ -40,17 +50,7 @@ from sfnode.generation import (
     StreamTooLong,
     TokenBatch,
 )
-from sfnode.sampler import (
-    candidates,
-    draw,
-    draw_position,
-    greedy_token,
-    sample_token,
-    sample_tokens,
-    splitmix64,
-    uniform,
-)
-from sfnode.wire import GenParams
+from sfnode.linkf.wire import GenParams
 from tests.tinymodel import TINY_VOCAB, reference_greedy, tiny_llama, tiny_llama_random_norms
 
 torch.set_num_threads(1)
@@ -765,7 +765,7 @@ class LongPromptTests(EngineTestCase):
 
 def native_library_dir() -> Path:
     """Where the tests' engines keep the native kernels (they are built once there)."""
-    from sfnode.models import default_cache_dir
+    from sfnode.engines.weights.loading import default_cache_dir
 
     return default_cache_dir().parent / "kernels"
 
@@ -781,7 +781,7 @@ class WeightsModeTests(EngineTestCase):
         fused step or not (section 5.2), concurrent generations (greedy and seeded, some with
         prompts longer than a chunk, reusing the solo runs' cached blocks) equal their solo
         runs."""
-        from sfnode.engines import native
+        from sfnode.engines.kernels import native
 
         ps = prompts(5, seed=31, low=3, high=150)
         params = [GenParams() if i % 2 == 0 else SAMPLED for i in range(5)]
@@ -820,7 +820,7 @@ class WeightsModeTests(EngineTestCase):
         them."""
         from pathlib import Path
 
-        from sfnode.models import LoadedModel
+        from sfnode.engines.weights.loading import LoadedModel
 
         keeping = self.make_engine(max_lanes=2, weights="int4", dense_copies=False)
         own = tiny_llama()
@@ -846,7 +846,7 @@ class WeightsModeTests(EngineTestCase):
 
     def test_modes_the_runner_cannot_serve_are_refused(self) -> None:
         """--weights int4 on the model's own forward is refused with the reason."""
-        from sfnode.engines.llama_weights import WeightsError
+        from sfnode.engines.weights.llama import WeightsError
 
         with self.assertRaises(WeightsError) as caught:
             TransformersEngine(self.model, reactor, weights="int4", lean_step=False)
@@ -1164,7 +1164,7 @@ class SpeculativeTests(EngineTestCase):
     def test_quantized_modes(self) -> Any:
         """bfloat16, int8 and int4 (torch kernels, and the native ones with and without the
         fused step where they build): drafts change no token nor logprob."""
-        from sfnode.engines import native
+        from sfnode.engines.kernels import native
 
         yield self.same_tokens("bfloat16")
         yield self.same_tokens("int8", "torch")

@@ -1,4 +1,4 @@
-"""Tests of the fleet's failover decision (sfnode.head.failover) alone: what a generation does
+"""Tests of the fleet's failover decision (sfnode.head.fleet.failover) alone: what a generation does
 after each attempt on a node (docs/protocol.md section 8, "Failover")."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.generation import StreamTooLong
-from sfnode.head.backend import ConstraintRefused, NodeDeclined, NoNodeAvailable
-from sfnode.head.failover import (
+from sfnode.head.fleet.backend import ConstraintRefused, NodeDeclined, NoNodeAvailable
+from sfnode.head.fleet.failover import (
     MAX_FAILOVERS,
     Attempt,
     Cancelled,
@@ -20,8 +20,8 @@ from sfnode.head.failover import (
     decide,
     declined,
 )
-from sfnode.head.machines import LinkLostError
-from sfnode.wire import (
+from sfnode.head.link.machine import LinkLostError
+from sfnode.linkf.wire import (
     FINISH_CANCELLED,
     FINISH_DECLINED,
     FINISH_EOS,

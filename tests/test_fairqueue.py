@@ -1,7 +1,7 @@
 """Fair shares of the head's queue (docs/protocol.md section 8.5): the pure round-robin queue
-(sfnode.head.fairqueue) and the fleet's queue built on it, on a ``Clock``.
+(sfnode.head.fleet.fair_queue) and the fleet's queue built on it, on a ``Clock``.
 
-The fleet tests run a real :class:`~sfnode.head.fleet.Fleet` on a ``Clock`` with one recording
+The fleet tests run a real :class:`~sfnode.head.fleet.fleet.Fleet` on a ``Clock`` with one recording
 node link (:class:`FakeLink`): it has a fixed number of lanes, records which session each
 GENERATE_REQ was for, and ends a generation only when the test says so; everything else (the
 queue, its bounds, placement and the order lanes are given) is the fleet's own code.
@@ -16,11 +16,11 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.head.backend import Requester
-from sfnode.head.fairqueue import FairQueue
-from sfnode.head.fleet import ClientQueueFull, Fleet, FleetGeneration, QueueFull
+from sfnode.head.fleet.backend import Requester
+from sfnode.head.fleet.fair_queue import FairQueue
+from sfnode.head.fleet.fleet import ClientQueueFull, Fleet, FleetGeneration, QueueFull
 from sfnode.head.link import GenerationOutcome, HeadIds
-from sfnode.wire import FINISH_CANCELLED, FINISH_LENGTH, CapacitySummary
+from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_LENGTH, CapacitySummary
 
 PROMPT = [5, 6, 7]
 

@@ -22,11 +22,8 @@ from twisted.internet import defer, reactor
 from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.task import Clock
 
-from sfnode.config import NodeConfig
 from sfnode.generation import MockEngine
-from sfnode.node import NodeAgent
-from sfnode.tap import node_factory
-from sfnode.wire import (
+from sfnode.linkf.wire import (
     FINISH_DECLINED,
     AppendContentMsg,
     Finish,
@@ -39,6 +36,9 @@ from sfnode.wire import (
     Tokens,
     encode_tokens,
 )
+from sfnode.node.agent import NodeAgent
+from sfnode.node.config import NodeConfig
+from sfnode.node.tap import node_factory
 from tests.nodefixture import NodeTestCase, RawHead, RunningNode, expected_tokens, finish_of
 
 PROMPT = list(range(100, 112))

@@ -1,4 +1,4 @@
-"""The fleet head (sfnode.head.fleet) against real mock-engine nodes over loopback TCP.
+"""The fleet head (sfnode.head.fleet.fleet) against real mock-engine nodes over loopback TCP.
 
 These pin the head's behaviour of docs/protocol.md section 8: placement spreads and routes,
 round robin rotates, requests that share a prefix land where the head sent it (section 8.5), a
@@ -21,9 +21,8 @@ from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
-from sfnode.config import NodeConfig
 from sfnode.generation import MOCK_LAYERS, MOCK_VOCAB_SIZE, MockEngine, TokenBatch
-from sfnode.head.fleet import (
+from sfnode.head.fleet.fleet import (
     Fleet,
     FleetGeneration,
     FleetNode,
@@ -33,12 +32,13 @@ from sfnode.head.fleet import (
     QueueFull,
     StreamTooLong,
 )
-from sfnode.head.pipeline import PipelineFleet, check_boundaries, even_boundaries
-from sfnode.head.placement import NO_PREFIX
-from sfnode.head.prefix_index import reusable_keys
-from sfnode.node import NodeAgent
-from sfnode.tap import node_factory
-from sfnode.wire import FINISH_CANCELLED, FINISH_LENGTH
+from sfnode.head.fleet.pipeline import PipelineFleet, check_boundaries, even_boundaries
+from sfnode.head.fleet.placement import NO_PREFIX
+from sfnode.head.fleet.prefix_index import reusable_keys
+from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_LENGTH
+from sfnode.node.agent import NodeAgent
+from sfnode.node.config import NodeConfig
+from sfnode.node.tap import node_factory
 from tests.nodefixture import NodeTestCase, RunningNode, expected_tokens
 
 PROMPT = list(range(100, 112))

@@ -1,17 +1,17 @@
-"""Tests of the fleet (sfnode.head.fleet) against a real node agent on a ``MemoryReactorClock``:
-the bytes move through iosim pumps and time moves only when a test says, so the timing rules
-(the wall budget, the queue's timeout, the keepalive window) are pinned exactly, with no
-socket and no waiting (tests/nodefixture.py ``MemoryNodeTestCase``)."""
+"""Tests of the fleet (sfnode.head.fleet.fleet) against a real node agent on a
+``MemoryReactorClock``: the bytes move through iosim pumps and time moves only when a test says, so
+the timing rules (the wall budget, the queue's timeout, the keepalive window) are pinned exactly,
+with no socket and no waiting (tests/nodefixture.py ``MemoryNodeTestCase``)."""
 
 from __future__ import annotations
 
 from twisted.internet.testing import MemoryReactorClock
 
 from sfnode.generation import TokenBatch
-from sfnode.head.backend import GenerationTimedOut, NoNodeAvailable
-from sfnode.head.fleet import Fleet
+from sfnode.head.fleet.backend import GenerationTimedOut, NoNodeAvailable
+from sfnode.head.fleet.fleet import Fleet
 from sfnode.head.link import NodeSilentError
-from sfnode.wire import FINISH_LENGTH
+from sfnode.linkf.wire import FINISH_LENGTH
 from tests.nodefixture import MEMORY_PORT, MemoryNodeTestCase, expected_tokens
 
 PROMPT = list(range(100, 112))

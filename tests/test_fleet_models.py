@@ -15,19 +15,18 @@ from twisted.internet import defer, reactor, task
 from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.config import NodeConfig
 from sfnode.generation import MockEngine, mock_next_token
-from sfnode.head.backend import BackendStatus
-from sfnode.head.fleet import Fleet, NoNodeAvailable
-from sfnode.head.gauges import gateway_gauges
-from sfnode.head.http import OpenAIApi
+from sfnode.head.api.gauges import gateway_gauges
+from sfnode.head.api.http import OpenAIApi
+from sfnode.head.api.schema import ChatMessage
+from sfnode.head.fleet.backend import BackendStatus
+from sfnode.head.fleet.fleet import Fleet, NoNodeAvailable
+from sfnode.head.fleet.model_admission import ModelAdmission
 from sfnode.head.link.files import FilesFetch
-from sfnode.head.machines import LinkError
-from sfnode.head.model_admission import ModelAdmission
-from sfnode.head.models_registry import ModelRegistry
-from sfnode.head.schema import ChatMessage
-from sfnode.head.text import HeadTokenizer, Renderer
-from sfnode.model_files import (
+from sfnode.head.link.machine import LinkError
+from sfnode.head.models.registry import ModelRegistry
+from sfnode.head.models.text import HeadTokenizer, Renderer
+from sfnode.linkf.model_files import (
     CHUNK_BYTES,
     MAX_BUNDLE_BYTES,
     Bundle,
@@ -38,9 +37,7 @@ from sfnode.model_files import (
     transfer_messages,
     unpack_bundle,
 )
-from sfnode.node import NodeAgent
-from sfnode.tap import node_factory
-from sfnode.wire import (
+from sfnode.linkf.wire import (
     FEATURE_MODEL_FILES,
     BlobFetchMsg,
     CapacitySummary,
@@ -52,6 +49,9 @@ from sfnode.wire import (
     XferEndMsg,
     decode_message,
 )
+from sfnode.node.agent import NodeAgent
+from sfnode.node.config import NodeConfig
+from sfnode.node.tap import node_factory
 from tests.nodefixture import RunningNode
 from tests.test_http import Head, HttpTestCase
 from tests.tinymodel import TINY_VOCAB, tiny_tokenizer
@@ -192,7 +192,7 @@ def encode_message_free(obj: Any) -> bytes:
 
 
 class RegistryTests(SynchronousTestCase):
-    """The registry's rule for a node that names a model (sfnode.head.models_registry)."""
+    """The registry's rule for a node that names a model (sfnode.head.models.registry)."""
 
     def setUp(self) -> None:
         root = self.mktemp()
@@ -520,7 +520,7 @@ class TwoModelTests(HttpTestCase):
 
 
 class GaugeTests(SynchronousTestCase):
-    """The gateway's gauges from per-model status snapshots (sfnode.head.gauges), pure."""
+    """The gateway's gauges from per-model status snapshots (sfnode.head.api.gauges), pure."""
 
     def test_each_model_gets_its_series_and_kv_usage_is_a_fraction(self) -> None:
         """Waiting and running come from the model's status; KV usage is used over total
@@ -553,10 +553,10 @@ class GaugeTests(SynchronousTestCase):
 
 
 class NodeFilesOptionTests(SynchronousTestCase):
-    """Which files ``twistd sfnode`` offers its head (sfnode.tap.model_files)."""
+    """Which files ``twistd sfnode`` offers its head (sfnode.node.tap.model_files)."""
 
     def options(self, *args: str) -> Any:
-        from sfnode.tap import Options
+        from sfnode.node.tap import Options
 
         options = Options()
         options.parseOptions(["--listen", "tcp:0:interface=127.0.0.1", *args])
@@ -566,7 +566,7 @@ class NodeFilesOptionTests(SynchronousTestCase):
         """--engine mock --model FOLDER offers the folder's bundle and names the model after
         the folder; without --model it offers nothing and is 'mock'; a folder without
         tokenizer.json offers nothing."""
-        from sfnode.tap import model_files
+        from sfnode.node.tap import model_files
 
         root = self.mktemp()
         folder = tokenizer_folder(root, TEMPLATE_A)

@@ -1,5 +1,5 @@
 """``twistd sfhead`` and ``twistd sfnode`` as real processes: a node killed mid-stream, the
-head's options, and ``python -m sfnode.fleet`` (``make run``) stopped by Ctrl-C.
+head's options, and ``python -m sfnode fleet`` (``make run``) stopped by Ctrl-C.
 
 Two mock-engine node processes (slow tokens, ``--token-delay-ms``) and a head process on the
 bundled tokenizer.  A streamed completion starts on the first node; that process is killed with
@@ -140,7 +140,7 @@ class OptionsTests(TestCase):
     def test_defaults_and_repeatable_nodes(self) -> None:
         """Defaults follow the issue (fleet 8455, HTTP 8453 on loopback, load-aware, bundled
         model name); --node repeats; the policy and lease are typed."""
-        from sfnode.head.fleet import Policy
+        from sfnode.head.fleet.fleet import Policy
 
         options = self.parse("--node", "tcp:127.0.0.1:1", "--node", "tcp:127.0.0.1:2")
         self.assertEqual(options["fleet-listen"], "tcp:8455:interface=127.0.0.1")
@@ -195,7 +195,7 @@ class OptionsTests(TestCase):
         from twisted.internet.testing import MemoryReactorClock
         from twisted.python.usage import UsageError
 
-        from sfnode.head.placement import PrefixRule
+        from sfnode.head.fleet.placement import PrefixRule
         from sfnode.head.tap import makeService
         from tests.tinymodel import tiny_tokenizer
 
@@ -329,16 +329,16 @@ class MakeRunTests(TestCase):
 
     @defer.inlineCallbacks
     def test_ctrl_c_stops_the_fleet_cleanly(self) -> Generator[Any, Any, None]:
-        """``python -m sfnode.fleet`` (mock engine) serves a completion; a SIGINT to its process
-        group, as a terminal sends on Ctrl-C, stops the head and the node once each and exits
-        0 with no traceback."""
+        """``python -m sfnode fleet`` (mock engine) serves a completion; a SIGINT to its
+        process group, as a terminal sends on Ctrl-C, stops the head and the node once each and
+        exits 0 with no traceback."""
         node_port, http_port, fleet_port = _free_port(), _free_port(), _free_port()
         folder = Path(self.mktemp())
         folder.mkdir(parents=True)
         # A session of its own, like a shell's foreground job: the group a terminal signals.
         script = (
-            "import os, runpy, sys; os.setsid(); sys.argv[0] = 'sfnode.fleet'; "
-            "runpy.run_module('sfnode.fleet', run_name='__main__')"
+            "import os, runpy, sys; os.setsid(); sys.argv[0:1] = ['sfnode', 'fleet']; "
+            "runpy.run_module('sfnode', run_name='__main__')"
         )
         child = _Exiting("fleet")
         child.transport = reactor.spawnProcess(

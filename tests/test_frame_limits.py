@@ -31,8 +31,7 @@ from sfnode.head.link import (
     NodeLink,
     connect_node,
 )
-from sfnode.tap import node_factory
-from sfnode.wire import (
+from sfnode.linkf.wire import (
     HANDSHAKE_PAYLOAD,
     MAX_PAYLOAD,
     PAYLOAD_LIMITS,
@@ -50,6 +49,7 @@ from sfnode.wire import (
     encode_frame,
     message_frame,
 )
+from sfnode.node.tap import node_factory
 from tests.nodefixture import NodeTestCase, expected_tokens
 
 PROMPT = list(range(100, 112))

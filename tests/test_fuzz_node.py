@@ -55,7 +55,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface import implementer, provider
 
-from sfnode.wire import (
+from sfnode.linkf.wire import (
     FINISH_CANCELLED,
     FINISH_LENGTH,
     HEADER_LEN,

@@ -1,4 +1,4 @@
-"""The OpenAI response bodies (sfnode.head.bodies): pure functions, no request, no reactor.
+"""The OpenAI response bodies (sfnode.head.api.bodies): pure functions, no request, no reactor.
 
 The shapes are those OpenAI's clients parse; the end-to-end tests (tests/test_http.py, with the
 ``openai`` package) show that they do, these pin each shape alone."""
@@ -9,8 +9,8 @@ import json
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.head import bodies
-from sfnode.head.schema import ApiError
+from sfnode.head.api import bodies
+from sfnode.head.api.schema import ApiError
 
 CHAT = bodies.Reply("chatcmpl-1", 1700000000, "m", chat=True)
 TEXT = bodies.Reply("cmpl-1", 1700000000, "m", chat=False)

@@ -19,20 +19,20 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.client import Agent, FileBodyProducer, readBody
 from twisted.web.http_headers import Headers
 
-from sfnode.head import placement
-from sfnode.head.classes import (
+from sfnode.head.api.request_class import (
     DEFAULT_INTERACTIVE_PROMPT_TOKENS,
     ClassRule,
     DefaultClass,
     class_name,
     parse_header,
 )
-from sfnode.head.fleet import Fleet
+from sfnode.head.api.schema import ApiError
+from sfnode.head.fleet import placement
+from sfnode.head.fleet.fleet import Fleet
+from sfnode.head.fleet.placement import NodeView, Place, Policy, Request, Wait, decide
 from sfnode.head.link import GenerationCall
-from sfnode.head.placement import NodeView, Place, Policy, Request, Wait, decide
-from sfnode.head.schema import ApiError
 from sfnode.head.tap import Options
-from sfnode.wire import (
+from sfnode.linkf.wire import (
     FEATURE_REQUEST_CLASS,
     FINISH_LENGTH,
     CapacitySummary,

@@ -1,6 +1,6 @@
-"""One completion request's life in the head (sfnode.head.exchange) on the memory reactor.
+"""One completion request's life in the head (sfnode.head.api.exchange) on the memory reactor.
 
-The API (:class:`~sfnode.head.http.OpenAIApi`, front door included) answers requests written
+The API (:class:`~sfnode.head.api.http.OpenAIApi`, front door included) answers requests written
 into a twisted.web channel over a ``StringTransport``; a recording backend stands in for the
 fleet, so each test fires placements, tokens, results and failures itself and reads exactly
 what was written.  Time is a ``Clock``: the stall timeout and the drain are advanced, never
@@ -24,11 +24,11 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.generation import TokenBatch
-from sfnode.head.backend import BackendStatus, FleetOutcome, QueueFull
-from sfnode.head.exchange import MOVES, Exchange, Phase, finish_reason, request_label
-from sfnode.head.gate import GateLimits
-from sfnode.head.http import OpenAIApi
-from sfnode.wire import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH
+from sfnode.head.api.exchange import MOVES, Exchange, Phase, finish_reason, request_label
+from sfnode.head.api.gate import GateLimits
+from sfnode.head.api.http import OpenAIApi
+from sfnode.head.fleet.backend import BackendStatus, FleetOutcome, QueueFull
+from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH
 from tests.test_http import tokenizer
 from tests.test_http_hostile import request_bytes
 
@@ -363,20 +363,20 @@ class PureTests(SynchronousTestCase):
 
 class ErrorMappingTests(SynchronousTestCase):
     def test_each_generation_failure_has_its_answer(self) -> None:
-        """Each way a generation fails is answered in one place (sfnode.head.errors): too
+        """Each way a generation fails is answered in one place (sfnode.head.api.failures): too
         long 400 ``context_length_exceeded`` on the prompt's field, a node's refusal 502, a
         client's full share of the queue 429 with ``Retry-After``, a full queue 503
         ``queue_full``, the wall budget 504, no logprobs 400 on ``logprobs``, any other fleet
         failure 503 ``no_node_available``; anything else is unexpected (None)."""
         from sfnode.generation import StreamTooLong
-        from sfnode.head.backend import (
+        from sfnode.head.api.failures import fleet_error
+        from sfnode.head.fleet.backend import (
             ClientQueueFull,
             GenerationTimedOut,
             LogprobsUnavailable,
             NodeDeclined,
             NoNodeAvailable,
         )
-        from sfnode.head.errors import fleet_error
 
         def answer(error: BaseException) -> tuple[int, str | None, str | None, str]:
             found = fleet_error(error, "messages")

@@ -1,4 +1,4 @@
-"""The pure parts of the head's front door (sfnode.head.gate): the Host check, what a path is
+"""The pure parts of the head's front door (sfnode.head.api.gate): the Host check, what a path is
 (canonical segments and the resolved route), and the per-client and per-key limits."""
 
 from __future__ import annotations
@@ -6,14 +6,14 @@ from __future__ import annotations
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 
-from sfnode.head.gate import (
+from sfnode.head.api.gate import (
     ConcurrencyLimits,
     Route,
     canonical_segments,
     host_allowed,
     resolve,
 )
-from sfnode.head.schema import ApiError
+from sfnode.head.api.schema import ApiError
 
 
 class HostTests(SynchronousTestCase):

@@ -21,10 +21,10 @@ from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint, c
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from sfnode.generation import EngineStop, MockEngine
-from sfnode.head.fleet import GenerationTimedOut
+from sfnode.head.fleet.fleet import GenerationTimedOut
+from sfnode.head.fleet.pipeline import PipelineFleet
 from sfnode.head.link import HeadIds, connect_node
-from sfnode.head.pipeline import PipelineFleet
-from sfnode.wire import (
+from sfnode.linkf.wire import (
     FEATURE_HEAD_IDENTITY,
     FINISH_LENGTH,
     GenerationWatermark,

@@ -19,7 +19,7 @@ from twisted.python.failure import Failure
 from twisted.test.iosim import ConnectionCompleter, IOPump
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.head.fleet import Fleet
+from sfnode.head.fleet.fleet import Fleet
 from sfnode.head.link import (
     COMMAND_SPACE,
     DEFAULT_LEASE,
@@ -41,7 +41,7 @@ from sfnode.head.link import (
     UnknownSessionError,
     connect_node,
 )
-from sfnode.wire import (
+from sfnode.linkf.wire import (
     FINISH_CANCELLED,
     FINISH_DECLINED,
     FINISH_EOS,

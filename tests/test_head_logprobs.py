@@ -1,9 +1,9 @@
 """Logprobs at the head (docs/protocol.md section 12.1): placement on nodes that offer them,
 the token bytes and names OpenAI shows, and the ``logprobs`` objects of chat and completions.
 
-Pure parts only (no reactor, no socket): :func:`sfnode.head.placement.with_features` and
-:func:`~sfnode.head.placement.decide`, :func:`sfnode.head.text.piece_bytes` and
-:func:`~sfnode.head.text.token_text`, :class:`sfnode.head.logprobs.ChoiceLogprobs`.
+Pure parts only (no reactor, no socket): :func:`sfnode.head.fleet.placement.with_features` and
+:func:`~sfnode.head.fleet.placement.decide`, :func:`sfnode.head.models.text.piece_bytes` and
+:func:`~sfnode.head.models.text.token_text`, :class:`sfnode.head.api.logprobs.ChoiceLogprobs`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.generation import TokenLogprob
-from sfnode.head.logprobs import ChoiceLogprobs
-from sfnode.head.placement import (
+from sfnode.head.api.logprobs import ChoiceLogprobs
+from sfnode.head.fleet.placement import (
     NodeView,
     Place,
     Policy,
@@ -25,8 +25,8 @@ from sfnode.head.placement import (
     decide,
     with_features,
 )
-from sfnode.head.text import Renderer, piece_bytes, token_text
-from sfnode.wire import FEATURE_LOGPROBS, CapacitySummary
+from sfnode.head.models.text import Renderer, piece_bytes, token_text
+from sfnode.linkf.wire import FEATURE_LOGPROBS, CapacitySummary
 from tests.tinymodel import tiny_tokenizer
 
 

@@ -1,4 +1,4 @@
-"""The head's link machine (sfnode.head.machines) alone: a recording fake for its effects and a
+"""The head's link machine (sfnode.head.link.machine) alone: a recording fake for its effects and a
 ``Clock``, asserted as sequences of what the machine asked for.
 
 These pin the redial schedule (at once after a drop, then backoff from about 0.1 s to a cap),
@@ -15,7 +15,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.head.machines import (
+from sfnode.head.link.machine import (
     ConnectError,
     LinkCore,
     LinkError,

@@ -1,4 +1,4 @@
-"""The head's prefix index (sfnode.head.prefix_index) as plain objects: no links, no reactor.
+"""The head's prefix index (sfnode.head.fleet.prefix_index) as plain objects: no links, no reactor.
 
 What one node is believed to hold: the leading run of a context's block keys, least recently
 used first and bounded like the node's pool, with the keys of the blocks a request can reuse
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.engines.prefix_cache import block_keys
-from sfnode.head.prefix_index import (
+from sfnode.engines.scheduling.prefix_cache import block_keys
+from sfnode.head.fleet.prefix_index import (
     MAX_INDEX_BLOCKS,
     PrefixIndex,
     head_salt,

@@ -1,4 +1,4 @@
-"""The head's queue seen over HTTP (sfnode.head.fleet and sfnode.head.http) on real TCP.
+"""The head's queue seen over HTTP (sfnode.head.fleet.fleet and sfnode.head.api.http) on real TCP.
 
 A completion that no live node can take waits for one; a full queue answers 503 ``queue_full``
 at once; a client that disconnects while its request waits takes it out of the queue; a node
@@ -15,10 +15,10 @@ from twisted.internet import defer, reactor, task
 from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint, connectProtocol
 from twisted.internet.protocol import Protocol
 
-from sfnode.config import NodeConfig
 from sfnode.generation import MockEngine
-from sfnode.node import NodeAgent
-from sfnode.tap import node_factory
+from sfnode.node.agent import NodeAgent
+from sfnode.node.config import NodeConfig
+from sfnode.node.tap import node_factory
 from tests.test_http import MESSAGES, MODEL, HttpTestCase, expected_tokens
 from tests.tinymodel import TINY_VOCAB
 

@@ -1,4 +1,4 @@
-"""The head's OpenAI request schema (sfnode.head.schema), alone: pure functions, no reactor.
+"""The head's OpenAI request schema (sfnode.head.api.schema), alone: pure functions, no reactor.
 
 Every case states what a client sends and what it must get back: a checked request, or an
 ApiError whose status, message and ``param`` say what was wrong.
@@ -11,7 +11,7 @@ from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.head.schema import (
+from sfnode.head.api.schema import (
     ECHO_LIMIT,
     MAX_JSON_DEPTH,
     MAX_N,

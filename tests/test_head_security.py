@@ -29,8 +29,8 @@ from twisted.web.client import Agent, FileBodyProducer, readBody
 from twisted.web.http_headers import Headers
 
 from sfnode.generation import EngineStop, MockEngine
-from sfnode.head.gate import GateLimits
-from sfnode.head.http import OpenAIApi
+from sfnode.head.api.gate import GateLimits
+from sfnode.head.api.http import OpenAIApi
 from sfnode.head.tap import Options, makeService
 from tests.nodefixture import RunningNode
 from tests.processes import TWISTD, Child, child_env, spawn_twistd
@@ -234,7 +234,7 @@ class ApiKeyOptionTests(TestCase):
 
 
 class HttpLimitOptionTests(TestCase):
-    """The front door's options (sfnode.head.gate.GateLimits)."""
+    """The front door's options (sfnode.head.api.gate.GateLimits)."""
 
     def test_defaults_are_the_gate_defaults(self) -> None:
         """Without options the limits are GateLimits' defaults: a 4 MiB body, 10 s for the

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.head.session import HeadSession
-from sfnode.wire import (
+from sfnode.head.link.session import HeadSession
+from sfnode.linkf.wire import (
     FINISH_DECLINED,
     FINISH_EOS,
     Finish,

@@ -1,4 +1,4 @@
-"""The head's text side (sfnode.head.text): its own tokenizer against transformers', chat
+"""The head's text side (sfnode.head.models.text): its own tokenizer against transformers', chat
 templates, the cheap length bound, and a head that never imports torch.
 
 HeadTokenizer must give exactly what transformers gives for the same folder (ids, chat text,
@@ -20,8 +20,8 @@ from twisted.internet import defer
 from twisted.internet.utils import getProcessOutputAndValue
 from twisted.trial.unittest import SkipTest, SynchronousTestCase, TestCase
 
-from sfnode.head.schema import ApiError, ChatMessage
-from sfnode.head.text import HeadTokenizer, Renderer, TransformersCodec
+from sfnode.head.api.schema import ApiError, ChatMessage
+from sfnode.head.models.text import HeadTokenizer, Renderer, TransformersCodec
 from tests.processes import LOOPBACK, Child, child_env, spawn_twistd
 from tests.tinymodel import tiny_tokenizer
 
@@ -57,11 +57,11 @@ def tiny_folder(test: SynchronousTestCase, *, template: str | None = None, **con
 def smollm2_folder() -> Path:
     """The converted bundled model's folder, converted as a node would if no node did yet
     (skips only when the bundled model is not installed)."""
-    from sfnode import models
+    from sfnode.engines.weights import loading
 
     try:
-        return models.model_folder(None)[1]
-    except models.ModelLoadError as e:
+        return loading.model_folder(None)[1]
+    except loading.ModelLoadError as e:
         raise SkipTest(str(e)) from e
 
 
@@ -154,8 +154,8 @@ options = Options()
 options.parseOptions(sys.argv[1:])
 head = makeService(options, reactor)
 api = head.getServiceNamed("http").api
-ids = api.renderer.chat([__import__("sfnode.head.schema").head.schema.ChatMessage("user", "hi")])
-print("torch" in sys.modules, "transformers" in sys.modules, len(ids) > 0)
+ids = api.renderer.chat([__import__("sfnode.head.api.schema").head.schema.ChatMessage("user",
+"hi")]) print("torch" in sys.modules, "transformers" in sys.modules, len(ids) > 0)
 """
 
 
@@ -305,7 +305,7 @@ class RenderBudgetTests(SynchronousTestCase):
         is called from this thread; the thread is free again (it runs its next job)."""
         import threading
 
-        from sfnode.head.text import RenderBudget, RenderStopped
+        from sfnode.head.models.text import RenderBudget, RenderStopped
 
         started = threading.Event()
         outcome: list[object] = []
@@ -336,7 +336,7 @@ class RenderBudgetTests(SynchronousTestCase):
         """Stopped before it starts, a render never runs (RenderStopped); stopped after it
         ended, nothing happens to the thread (its result stands, and no exception is left
         pending for whatever it runs next)."""
-        from sfnode.head.text import RenderBudget, RenderStopped
+        from sfnode.head.models.text import RenderBudget, RenderStopped
 
         early = RenderBudget()
         early.stop()

@@ -1,5 +1,5 @@
-"""The head's tool calls as pure pieces (sfnode.head.tools): the generic rendering of tools and
-tool history, a template that renders tools itself, and the calls read back out of an output
+"""The head's tool calls as pure pieces (sfnode.head.models.tools): the generic rendering of tools
+and tool history, a template that renders tools itself, and the calls read back out of an output
 as it streams, in any cut of its text.
 """
 
@@ -9,10 +9,10 @@ from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.constraint import parse_tool_calls, tools_system_text
-from sfnode.head.schema import ChatMessage, ChatToolCall
-from sfnode.head.text import Renderer
-from sfnode.head.tools import (
+from sfnode.decoding.constraint import parse_tool_calls, tools_system_text
+from sfnode.head.api.schema import ChatMessage, ChatToolCall
+from sfnode.head.models.text import Renderer
+from sfnode.head.models.tools import (
     ArgumentsDelta,
     CallOpened,
     CallsAnswer,

@@ -1,4 +1,4 @@
-"""The head's OpenAI-compatible HTTP API (sfnode.head.http) over real TCP.
+"""The head's OpenAI-compatible HTTP API (sfnode.head.api.http) over real TCP.
 
 Mock-engine nodes with the tiny test tokenizer's vocabulary (tests/tinymodel.py) stand behind the
 head for the protocol behaviours: response shapes, SSE streaming, errors, health, metrics, stop
@@ -27,13 +27,13 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.client import Agent, readBody
 from twisted.web.http_headers import Headers
 
-from sfnode.config import NodeConfig
 from sfnode.generation import EngineStop, MockEngine, mock_next_token
-from sfnode.head.fleet import Fleet
-from sfnode.head.http import Detokenizer, OpenAIApi, Renderer, StopText
-from sfnode.head.schema import ChatMessage
-from sfnode.node import NodeAgent
-from sfnode.tap import node_factory
+from sfnode.head.api.http import Detokenizer, OpenAIApi, Renderer, StopText
+from sfnode.head.api.schema import ChatMessage
+from sfnode.head.fleet.fleet import Fleet
+from sfnode.node.agent import NodeAgent
+from sfnode.node.config import NodeConfig
+from sfnode.node.tap import node_factory
 from tests.nodefixture import NodeTestCase, RunningNode
 from tests.test_fleet import next_status
 from tests.tinymodel import TINY_VOCAB, tiny_tokenizer
@@ -707,7 +707,7 @@ class ChoicesAndRoutesTests(HttpTestCase):
     def test_each_choice_samples_with_its_own_seed(self) -> Generator[Any, Any, None]:
         """Sampled at temperature 1 with seed 5, choice i of n=3 is exactly what a request of
         n=1 gets with seed choice_seed(5, i): choice 0 with the request's own seed."""
-        from sfnode.head.schema import choice_seed
+        from sfnode.head.api.schema import choice_seed
 
         _, _, client = yield self.tiny_head()
 

@@ -5,8 +5,8 @@ penalties) on chat and completions, driven with the official ``openai`` package 
 Mock-engine nodes built with the tiny test vocabulary stand behind the head, so they honour
 constraints (docs/protocol.md section 12.3) with the same matcher as the transformers engine;
 each answer is compared with the engine's own run of the same constrained request (its raw
-text read back with :func:`sfnode.constraint.parse_tool_calls`), so a test pins exactly what
-the API shows.  The bundled model's targets are in tests/test_agents_http_smollm2.py.
+text read back with :func:`sfnode.decoding.constraint.parse_tool_calls`), so a test pins exactly
+what the API shows.  The bundled model's targets are in tests/test_agents_http_smollm2.py.
 No sleeps: every wait is a Deferred.
 """
 
@@ -19,7 +19,7 @@ from typing import Any, Literal
 import jsonschema
 from twisted.internet import defer, reactor, threads
 
-from sfnode.constraint import (
+from sfnode.decoding.constraint import (
     CALL_OPEN,
     parse_tool_calls,
     response_format_grammar,
@@ -27,9 +27,9 @@ from sfnode.constraint import (
     tools_grammar,
 )
 from sfnode.generation import GenerationRequest, MockEngine
-from sfnode.head.schema import ChatMessage, ChatToolCall
-from sfnode.head.text import Renderer
-from sfnode.wire import Constraint, GenParams, Grammar, SamplerControls
+from sfnode.head.api.schema import ChatMessage, ChatToolCall
+from sfnode.head.models.text import Renderer
+from sfnode.linkf.wire import Constraint, GenParams, Grammar, SamplerControls
 from tests.test_constraint import NESTED, vocabulary
 from tests.test_http import MODEL, Head, HttpTestCase, expected_tokens, tokenizer
 from tests.tinymodel import TINY_VOCAB

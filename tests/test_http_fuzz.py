@@ -1,6 +1,6 @@
 """Hypothesis fuzzing of the head's request parser: random JSON shapes and values for every field.
 
-Two levels: the pure parser (``sfnode.head.schema.parse_request``, thousands of bodies: it
+Two levels: the pure parser (``sfnode.head.api.schema.parse_request``, thousands of bodies: it
 returns a checked request or raises ApiError, nothing else), and the whole HTTP path over real
 TCP (a head on loopback with a mock node behind it; bodies sent by a blocking client from a
 worker thread while the reactor serves them): every answer is JSON, no status is 500 or more,
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from twisted.internet import defer, threads
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.head.schema import (
+from sfnode.head.api.schema import (
     CONSTRAINT_FIELDS,
     IGNORED,
     MAX_N,

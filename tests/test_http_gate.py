@@ -20,8 +20,8 @@ from twisted.logger import globalLogPublisher
 from twisted.web.resource import Resource
 
 from sfnode.generation import MockEngine
-from sfnode.head.gate import route_of
-from sfnode.head.schema import ChatMessage
+from sfnode.head.api.gate import route_of
+from sfnode.head.api.schema import ChatMessage
 from sfnode.head.tap import Options, makeService
 from tests.test_head_security import KEY
 from tests.test_http import MODEL
@@ -431,7 +431,7 @@ class SpecialTokenTests(_HeadOnFolder):
         three <|im_start|> ids only; a completion's string prompt spelling <|im_start|> reaches
         it without the id, unless the head runs with --allow-special-tokens; a token-id prompt
         reaches it exactly as sent, special ids included."""
-        from sfnode.head.text import HeadTokenizer
+        from sfnode.head.models.text import HeadTokenizer
         from tests.test_head_text import FORGED, smollm2_folder
 
         folder = smollm2_folder()

@@ -26,9 +26,9 @@ from twisted.logger import globalLogPublisher
 from twisted.python.failure import Failure
 
 from sfnode.generation import EngineStop, MockEngine
-from sfnode.head.gate import GateLimits
-from sfnode.head.http import INLINE_BODY_BYTES
-from sfnode.head.text import TransformersCodec
+from sfnode.head.api.gate import GateLimits
+from sfnode.head.api.http import INLINE_BODY_BYTES
+from sfnode.head.models.text import TransformersCodec
 from tests.test_head_security import KEY, HeadServiceTestCase
 from tests.test_http import MESSAGES, MODEL, Head, tokenizer
 from tests.tinymodel import TINY_VOCAB

@@ -16,7 +16,6 @@ from typing import Any
 from twisted.internet import defer, reactor
 from twisted.internet.endpoints import TCP4ServerEndpoint
 
-from sfnode.config import NodeConfig
 from sfnode.generation import (
     MockEngine,
     TokenBatch,
@@ -25,12 +24,13 @@ from sfnode.generation import (
     mock_next_token,
     sparse_logprob,
 )
-from sfnode.head.fleet import LogprobsUnavailable
+from sfnode.head.fleet.fleet import LogprobsUnavailable
+from sfnode.head.fleet.placement import Policy
 from sfnode.head.link import MalformedFrameError
-from sfnode.head.placement import Policy
-from sfnode.node import NodeAgent
-from sfnode.tap import node_factory
-from sfnode.wire import FEATURE_LOGPROBS, FINISH_LENGTH, GenParams, HelloAckF, to_f32
+from sfnode.linkf.wire import FEATURE_LOGPROBS, FINISH_LENGTH, GenParams, HelloAckF, to_f32
+from sfnode.node.agent import NodeAgent
+from sfnode.node.config import NodeConfig
+from sfnode.node.tap import node_factory
 from tests.nodefixture import RunningNode, expected_tokens
 from tests.test_fleet import FleetTestCase, next_open
 from tests.test_http import MESSAGES, MODEL, HttpTestCase, sse_events
@@ -224,7 +224,7 @@ class LinkAndFleetTests(FleetTestCase):
     def test_a_pipeline_refuses_logprobs(self) -> None:
         """A pipeline (stage forwards return tokens, not distributions) fails a generation
         that asks for logprobs with LogprobsUnavailable before dialing anything."""
-        from sfnode.head.pipeline import PipelineFleet
+        from sfnode.head.fleet.pipeline import PipelineFleet
 
         pipeline = PipelineFleet(reactor, ["tcp:127.0.0.1:1"], n_layers=24, ids=self.ids)
         generation = pipeline.generate(PROMPT, 4, params=GenParams(logprobs=2))

@@ -1,4 +1,4 @@
-"""OpenAI's Responses API on the head (``POST /v1/responses``, sfnode.head.responses), driven
+"""OpenAI's Responses API on the head (``POST /v1/responses``, sfnode.head.api.responses), driven
 with the official ``openai`` package over real TCP: plain and streamed answers (the documented
 event sequence), a function call round trip through ``previous_response_id``, ``text.format``
 and the store's bounds.
@@ -18,7 +18,7 @@ import jsonschema
 from twisted.internet import defer
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.head.responses import ResponseStore
+from sfnode.head.api.responses import ResponseStore
 from tests.test_constraint import NESTED
 from tests.test_http import MODEL
 from tests.test_http_agents import TOOLS, AgentsTestCase

@@ -1,4 +1,4 @@
-"""Tests of sfnode.idempotency: command tables, retry buffers, lease clocks and event dedup.
+"""Tests of sfnode.linkf.idempotency: command tables, retry buffers, lease clocks and event dedup.
 
 They pin docs/protocol.md section 10 items 3 to 7 (and the memory bounds this edition adds).  Pure
 logic, so every test is synchronous and never touches a reactor or a clock.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.idempotency import (
+from sfnode.linkf.idempotency import (
     U64_MAX,
     Accepted,
     AlreadyCommitted,

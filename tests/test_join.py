@@ -1,8 +1,8 @@
 """``twistd sfnode --join``: a node that joins a head by address or finds it by DNS-SD.
 
 The options (one direction, ``--head-name`` only with ``auto``, no plaintext off loopback),
-then the node's real service tree (``sfnode.tap.makeService``, mock engine) against the head's
-real fleet listener (``sfnode.head.fleet.Fleet``) over loopback TCP: joining by address,
+then the node's real service tree (``sfnode.node.tap.makeService``, mock engine) against the head's
+real fleet listener (``sfnode.head.fleet.fleet.Fleet``) over loopback TCP: joining by address,
 keeping on after a wrong token until the head holds the right one, and ``--join auto`` through a
 recording browser (no multicast here; tests/test_multihost.py browses for real): it dials the
 head the browse found, browses again when that head stays away, and reports several heads as an
@@ -23,10 +23,10 @@ from twisted.logger import formatEvent, globalLogPublisher
 from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from sfnode import tap
-from sfnode.discovery import SERVICE_TYPE, HeadAnnouncement, HeadAnswer
-from sfnode.head.fleet import Fleet, FleetNode
+from sfnode.discovery.rules import SERVICE_TYPE, HeadAnnouncement, HeadAnswer
+from sfnode.head.fleet.fleet import Fleet, FleetNode
 from sfnode.head.link import HeadIds
+from sfnode.node import tap
 from tests.nodefixture import expected_tokens
 
 PROMPT = [5, 6, 7, 8]

@@ -1,4 +1,5 @@
-"""Tests of sfnode.engines.kernels: oneDNN linear layers on opted-in threads, in-place KV growth.
+"""Tests of sfnode.engines.kernels.torch_ops: oneDNN linear layers on opted-in threads, in-place KV
+growth.
 
 They run real torch kernels on a tiny random Llama built from a config (nothing is downloaded) and
 look at which operators ran with a torch dispatch mode.  They must never sleep.
@@ -20,7 +21,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 from twisted.trial import unittest
 
-from sfnode.engines.kernels import (
+from sfnode.engines.kernels.torch_ops import (
     SlackLayer,
     lane_cache,
     onednn_linear_works,

@@ -30,8 +30,8 @@ import torch
 from twisted.internet import reactor
 from twisted.trial import unittest
 
-from sfnode.engines import native
-from sfnode.engines.llama_runner import (
+from sfnode.engines.kernels import native
+from sfnode.engines.runners.llama import (
     CALL_ROWS,
     MIN_BLOCK_ROWS,
     QUERY_BLOCK,
@@ -40,11 +40,11 @@ from sfnode.engines.llama_runner import (
     padded_rows,
     positions_per_call,
 )
-from sfnode.engines.llama_weights import gather_weights
-from sfnode.engines.plan import BlockCopy, ChunkRow, DecodeRow, StepOutput, StepPlan
+from sfnode.engines.scheduling.plan import BlockCopy, ChunkRow, DecodeRow, StepOutput, StepPlan
 from sfnode.engines.transformers_engine import TransformersEngine
+from sfnode.engines.weights.llama import gather_weights
 from sfnode.generation import KV_BLOCK_TOKENS, GenerationRequest, TokenLogprob
-from sfnode.wire import GenParams
+from sfnode.linkf.wire import GenParams
 from tests.test_engine import native_library_dir
 from tests.tinymodel import TINY_VOCAB, tiny_llama
 

@@ -18,7 +18,7 @@ from twisted.internet import defer, reactor, threads
 from twisted.trial.unittest import SkipTest, TestCase
 
 from sfnode.head.link import HeadIds, connect_node
-from sfnode.wire import FEATURE_LOGPROBS
+from sfnode.linkf.wire import FEATURE_LOGPROBS
 from tests.processes import LOOPBACK, Child, spawn_twistd
 
 MESSAGES = [{"role": "user", "content": "hello world"}]

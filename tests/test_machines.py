@@ -1,4 +1,4 @@
-"""Each machine of ``sfnode.machines`` alone, with a recording owner and a ``Clock``.
+"""Each machine of ``sfnode.node.machines`` alone, with a recording owner and a ``Clock``.
 
 The lease machine is also driven through the session rules that build it, exactly as the node
 runs it, in tests/test_agent_session.py.
@@ -13,19 +13,8 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.generation import EngineStop, GenerationResult, TokenBatch, TokenLogprob
-from sfnode.idempotency import GenerationKey, LeaseClock
-from sfnode.machines import (
-    ConnectionCore,
-    ConnectionMachine,
-    DrainCore,
-    DrainMachine,
-    GenerationCore,
-    GenerationMachine,
-    SessionCore,
-    SessionMachine,
-    trace_machine,
-)
-from sfnode.wire import (
+from sfnode.linkf.idempotency import GenerationKey, LeaseClock
+from sfnode.linkf.wire import (
     FINISH_CANCELLED,
     FINISH_EOS,
     FINISH_EXPIRED,
@@ -35,6 +24,17 @@ from sfnode.wire import (
     Hello,
     LinkRole,
     MsgType,
+)
+from sfnode.node.machines import (
+    ConnectionCore,
+    ConnectionMachine,
+    DrainCore,
+    DrainMachine,
+    GenerationCore,
+    GenerationMachine,
+    SessionCore,
+    SessionMachine,
+    trace_machine,
 )
 
 HELLO = Frame(int(MsgType.HELLO), 1, Hello((2, 2), LinkRole.HEAD_DAEMON, b"").payload())

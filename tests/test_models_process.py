@@ -23,8 +23,8 @@ from twisted.trial.unittest import SkipTest, TestCase
 from twisted.web.client import Agent, FileBodyProducer, readBody
 from twisted.web.http_headers import Headers
 
-from sfnode.head.schema import ChatMessage
-from sfnode.head.text import HeadTokenizer, Renderer
+from sfnode.head.api.schema import ChatMessage
+from sfnode.head.models.text import HeadTokenizer, Renderer
 from tests.processes import LOOPBACK, Child, spawn_twistd
 from tests.test_fleet_process import _Stream
 
@@ -38,11 +38,11 @@ MESSAGES = [{"role": "user", "content": "name three colours"}]
 def bundled_tokenizer_folders(root: Path) -> tuple[Path, Path]:
     """Two folders with the bundled model's tokenizer: ``a`` with its own chat template,
     ``b`` with :data:`TEMPLATE_B`."""
-    from sfnode import models
+    from sfnode.engines.weights import loading
 
     try:
-        tokenizer = models.load_tokenizer(None)
-    except models.ModelLoadError as e:
+        tokenizer = loading.load_tokenizer(None)
+    except loading.ModelLoadError as e:
         raise SkipTest(f"the bundled model is not installed: {e}") from e
     folders = root / "a", root / "b"
     for folder in folders:

@@ -25,13 +25,20 @@ import torch
 from twisted.logger import globalLogPublisher
 from twisted.trial import unittest
 
-from sfnode.engines import native
-from sfnode.engines.choice import Cpu, choose
-from sfnode.engines.llama_runner import LlamaRunner
-from sfnode.engines.llama_weights import gather_weights
-from sfnode.engines.plan import ChunkRow, DecodeRow, StepPlan
-from sfnode.engines.quant import GROUP, GgufMatrix, Int8Linear, Linear, Precision, dequantize
-from sfnode.wire import GenParams
+from sfnode.engines.kernels import native
+from sfnode.engines.kernels.choice import Cpu, choose
+from sfnode.engines.kernels.quant import (
+    GROUP,
+    GgufMatrix,
+    Int8Linear,
+    Linear,
+    Precision,
+    dequantize,
+)
+from sfnode.engines.runners.llama import LlamaRunner
+from sfnode.engines.scheduling.plan import ChunkRow, DecodeRow, StepPlan
+from sfnode.engines.weights.llama import gather_weights
+from sfnode.linkf.wire import GenParams
 from tests.tinymodel import TINY_VOCAB, tiny_llama
 
 AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"})
@@ -96,13 +103,13 @@ class KernelTests(unittest.SynchronousTestCase):
     def test_q4_of_a_float_matrix_and_q8(self) -> None:
         """Float weights packed into Q4_1 blocks, and int8 rows with a scale each, multiply by
         the weights they hold (the kernel family's self-check uses the same)."""
-        from sfnode.engines.choice import family_layer
+        from sfnode.engines.kernels.choice import family_layer
 
         weight = torch.randn(40, 96, generator=torch.Generator().manual_seed(4)) * 0.1
         for precision in (Precision.INT4, Precision.INT8):
             layer = family_layer("native", weight, precision, self.library)
             self.assertEqual(layer.activations, torch.float32)
-            from sfnode.engines.quant import effective_weight
+            from sfnode.engines.kernels.quant import effective_weight
 
             held = effective_weight(layer)
             if precision is Precision.INT8:
@@ -388,7 +395,7 @@ class FusedStepTests(unittest.SynchronousTestCase):
         tokens = list(range(3, 40))
         whole = runner.stage(tokens, 0, 3, None).token
         first = runner.stage(tokens, 0, 1, None)
-        from sfnode.engines.hidden import decode_hidden
+        from sfnode.engines.runners.hidden import decode_hidden
 
         assert first.hidden is not None
         hidden = decode_hidden(first.hidden, 64)

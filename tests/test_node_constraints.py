@@ -17,12 +17,12 @@ import jsonschema
 from twisted.internet import defer, reactor
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode import wire
-from sfnode.constraint import response_format_grammar, tools_grammar
+from sfnode.decoding.constraint import response_format_grammar, tools_grammar
 from sfnode.generation import GenerationRequest, MockEngine
-from sfnode.head.fleet import ConstraintRefused, ConstraintsUnavailable, Policy
+from sfnode.head.fleet.fleet import ConstraintRefused, ConstraintsUnavailable, Policy
 from sfnode.head.link import ConstraintsUnsupportedError
-from sfnode.wire import (
+from sfnode.linkf import wire
+from sfnode.linkf.wire import (
     FEATURE_CONSTRAINTS,
     FEATURE_LOGPROBS,
     FEATURE_REQUEST_CLASS,

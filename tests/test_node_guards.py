@@ -1,6 +1,7 @@
 """The node's smaller doors (issue 19, item 8, node parts).
 
-- ``--metrics`` has the HTTP guards of every sfnode listener (``sfnode.webguard``): a cap on open
+- ``--metrics`` has the HTTP guards of every sfnode listener (``sfnode.runtime.http_guard``): a cap
+on open
   connections (503 beyond it) and a deadline for a request's headers (408), and an address off
   loopback is refused unless ``--metrics-insecure``;
 - the plaintext-dial guard judges the host Twisted will actually dial, parsed by Twisted's own
@@ -28,11 +29,11 @@ from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import Agent, readBody
 
-from sfnode import tap
-from sfnode.admission import dialed_host, is_loopback_head
-from sfnode.gguf_table import impossible_tensor, read_tensor_table
+from sfnode.engines.weights.gguf import impossible_tensor, read_tensor_table
 from sfnode.head import tap as head_tap
-from sfnode.metrics import METRICS_MAX_CONNECTIONS, metrics_site
+from sfnode.linkf.handshake import dialed_host, is_loopback_head
+from sfnode.node import tap
+from sfnode.node.exporter import METRICS_MAX_CONNECTIONS, metrics_site
 from tests.nodefixture import NodeTestCase
 from tests.processes import LOOPBACK, TWISTD, child_env
 from tests.test_http_hostile import RawClient, response_of
@@ -246,12 +247,12 @@ class GgufProcessTests(TestCase):
         traceback and no converted folder left behind."""
         from twisted.internet.utils import getProcessOutputAndValue
 
-        from sfnode import models
+        from sfnode.engines.weights import loading
 
         folder = Path(self.mktemp()).resolve()
         folder.mkdir(parents=True)
         bad = folder / "zero-rows.gguf"
-        shutil.copyfile(models.default_gguf(), bad)
+        shutil.copyfile(loading.default_gguf(), bad)
         (entry,) = [e for e in read_tensor_table(bad) if e.name == "blk.0.ffn_down.weight"]
         self.assertEqual(entry.shape, (1536, 576))
         with open(bad, "r+b") as file:

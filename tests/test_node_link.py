@@ -16,8 +16,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.generation import MockEngineFault
 from sfnode.head.link import LinkLostError, NodeRefusedError
-from sfnode.node import HANDLERS, HandlerTable
-from sfnode.wire import (
+from sfnode.linkf.wire import (
     FINISH_CANCELLED,
     FINISH_DECLINED,
     FINISH_EOS,
@@ -48,6 +47,7 @@ from sfnode.wire import (
     encode_tokens,
     message_frame,
 )
+from sfnode.node.agent import HANDLERS, HandlerTable
 from tests.nodefixture import (
     MemoryNodeTestCase,
     NodeTestCase,

@@ -27,8 +27,7 @@ from sfnode.generation import (
     sparse_logprob,
 )
 from sfnode.head.link import LinkLostError
-from sfnode.node import checked_logprobs
-from sfnode.wire import (
+from sfnode.linkf.wire import (
     F32_MAX,
     FEATURE_LOGPROBS,
     FINISH_LENGTH,
@@ -52,6 +51,7 @@ from sfnode.wire import (
     encode_tokens,
     to_f32,
 )
+from sfnode.node.agent import checked_logprobs
 from tests.nodefixture import NodeTestCase, RawHead, expected_tokens, finish_of, stream_of
 
 PROMPT = list(range(100, 112))

@@ -1,6 +1,6 @@
-"""The node's ``--metrics`` page (sfnode.metrics) with and without a prefix cache.
+"""The node's ``--metrics`` page (sfnode.node.exporter) with and without a prefix cache.
 
-Nodes here are the real service tree of ``twistd sfnode`` (``sfnode.tap.makeService``) on the
+Nodes here are the real service tree of ``twistd sfnode`` (``sfnode.node.tap.makeService``) on the
 tiny random Llama of tests/tinymodel.py (or the mock engine), on loopback TCP; a head-side link
 asks for generations and ``/metrics`` is read with an HTTP client and parsed as Prometheus text;
 ``/healthz`` beside it is read as JSON.
@@ -17,8 +17,8 @@ from twisted.internet import reactor
 from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent, readBody
 
-from sfnode import tap
 from sfnode.head.link import HeadIds, connect_node
+from sfnode.node import tap
 from tests.processes import LOOPBACK
 from tests.tinymodel import save_tiny_model
 

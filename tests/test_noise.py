@@ -1,5 +1,5 @@
-"""Tests of the encrypted transport (sfnode.noise, docs/protocol.md section 5.1, D10) alone and
-under Link F.
+"""Tests of the encrypted transport (sfnode.linkf.noise, docs/protocol.md section 5.1, D10) alone
+and under Link F.
 
 They pin the Noise pattern and framing (48-byte handshake messages behind ``00 30``), that a
 responder with another token refuses message 1 and reports the peer, that a plaintext peer is told
@@ -25,7 +25,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.head.link import HeadLinkFactory, LinkSettings, NodeLink, NodeRefusedError
-from sfnode.noise import (
+from sfnode.linkf.noise import (
     HANDSHAKE_MESSAGE_LEN,
     MAX_CHUNK,
     NoiseError,
@@ -36,8 +36,8 @@ from sfnode.noise import (
     Role,
     psk_of,
 )
-from sfnode.tap import node_factory
-from sfnode.wire import FINISH_LENGTH
+from sfnode.linkf.wire import FINISH_LENGTH
+from sfnode.node.tap import node_factory
 from tests.nodefixture import NodeTestCase, expected_tokens
 
 TOKEN = b"4f" * 32
@@ -105,7 +105,7 @@ class SessionTests(SynchronousTestCase):
 
     def test_a_plaintext_peer_is_not_a_wrong_key(self) -> None:
         """A plaintext Link F HELLO is not a Noise message: a NoiseError, not Unauthorized."""
-        from sfnode.wire import Hello, LinkRole, message_frame
+        from sfnode.linkf.wire import Hello, LinkRole, message_frame
 
         responder = NoiseSession(Role.RESPONDER, TOKEN)
         responder.start()

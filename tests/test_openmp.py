@@ -1,4 +1,4 @@
-"""The starting thread's OpenMP team is given back (sfnode/engines/openmp.py, docs/engine.md
+"""The starting thread's OpenMP team is given back (sfnode/engines/kernels/openmp.py, docs/engine.md
 section 6): its helper threads end, work on the thread goes on, and an engine does it when it
 starts."""
 
@@ -16,7 +16,7 @@ from twisted.internet import reactor
 from twisted.logger import formatEvent, globalLogPublisher
 from twisted.trial import unittest
 
-from sfnode.engines import openmp
+from sfnode.engines.kernels import openmp
 from sfnode.engines.transformers_engine import TransformersEngine
 from tests.tinymodel import tiny_llama
 

@@ -1,4 +1,4 @@
-"""The generated option tables (docs/options.md, sfnode.optiondocs) stay in step with --help.
+"""The generated option tables (docs/options.md, sfnode.cli.optiondocs) stay in step with --help.
 
 Other branches add options to ``twistd sfnode`` and ``twistd sfhead``; each such change must
 regenerate the tables with the one command the failure message names."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode import optiondocs
+from sfnode.cli import optiondocs
 
 OPTIONS_MD = Path(__file__).resolve().parent.parent / "docs" / "options.md"
 

@@ -22,7 +22,7 @@ from twisted.internet.task import Clock
 
 from sfnode.generation import MockEngine
 from sfnode.head.link import HeadIds, connect_node
-from sfnode.wire import (
+from sfnode.linkf.wire import (
     FINISH_DECLINED,
     FINISH_LENGTH,
     AppendContentMsg,

@@ -1,5 +1,6 @@
-"""The step-time estimate the scheduler sizes prompt chunks with (sfnode/engines/pace.py), alone:
-no model, no clock; steps are made up with known rates."""
+"""The step-time estimate the scheduler sizes prompt chunks with
+(sfnode/engines/scheduling/pace.py), alone: no model, no clock; steps are made up with known
+rates."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import random
 
 from twisted.trial import unittest
 
-from sfnode.engines.pace import PRIOR, RateEstimator, StepCost, StepRates, prompt_keys
-from sfnode.engines.plan import ChunkRow, DecodeRow, StepPlan
-from sfnode.wire import GenParams
+from sfnode.engines.scheduling.pace import PRIOR, RateEstimator, StepCost, StepRates, prompt_keys
+from sfnode.engines.scheduling.plan import ChunkRow, DecodeRow, StepPlan
+from sfnode.linkf.wire import GenParams
 
 TRUE = StepRates(step_s=0.04, decode_row_s=0.003, prompt_row_s=0.0015, keys_s=0.0008)
 

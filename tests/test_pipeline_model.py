@@ -23,12 +23,12 @@ from typing import Any
 from twisted.internet import defer, reactor
 from twisted.internet.endpoints import TCP4ServerEndpoint
 
-from sfnode.config import NodeConfig
+from sfnode.head.fleet.pipeline import PipelineFleet
 from sfnode.head.link import NodeLink
-from sfnode.head.pipeline import PipelineFleet
-from sfnode.node import NodeAgent
-from sfnode.tap import node_factory
-from sfnode.wire import FINISH_LENGTH
+from sfnode.linkf.wire import FINISH_LENGTH
+from sfnode.node.agent import NodeAgent
+from sfnode.node.config import NodeConfig
+from sfnode.node.tap import node_factory
 from tests.nodefixture import NodeTestCase, RunningNode
 from tests.processes import LOOPBACK, Child, spawn_twistd
 from tests.tinymodel import TINY_EOS, TINY_VOCAB, reference_greedy, tiny_llama_random_norms

@@ -1,4 +1,4 @@
-"""Placement as a pure function (sfnode.head.placement): no links, no reactor, no clock.
+"""Placement as a pure function (sfnode.head.fleet.placement): no links, no reactor, no clock.
 
 Each test builds the nodes as placement sees them (:class:`NodeView`) and checks the decision:
 the order of the candidates under each policy, when a request waits (no live node, every lane
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.head.placement import (
+from sfnode.head.fleet.placement import (
     DEFAULT_PREFIX_RULE,
     NO_PREFIX,
     NodeView,
@@ -27,7 +27,7 @@ from sfnode.head.placement import (
     prefix_credit,
     rank,
 )
-from sfnode.wire import CapacitySummary
+from sfnode.linkf.wire import CapacitySummary
 
 
 def node(key: int, *, live: bool = True, age: float | None = 1.0, **fields: object) -> NodeView:

@@ -29,7 +29,7 @@ from twisted.web.client import Agent, FileBodyProducer, readBody
 from twisted.web.http_headers import Headers
 
 from sfnode.generation import KV_BLOCK_TOKENS
-from sfnode.head.fleet import Fleet
+from sfnode.head.fleet.fleet import Fleet
 from sfnode.head.tap import Options, makeService
 from tests.processes import LOOPBACK, Child, spawn_twistd
 from tests.tinymodel import save_tiny_model

@@ -19,8 +19,7 @@ import torch
 from twisted.logger import LogLevel, globalLogPublisher
 from twisted.trial import unittest
 
-from sfnode.engines.llama_weights import _unpermute_order, gather_weights
-from sfnode.engines.quant import (
+from sfnode.engines.kernels.quant import (
     GROUP,
     Bfloat16Linear,
     GgufMatrix,
@@ -35,6 +34,7 @@ from sfnode.engines.quant import (
     q4_parts,
     quantize,
 )
+from sfnode.engines.weights.llama import _unpermute_order, gather_weights
 from tests.tinymodel import tiny_llama
 
 
@@ -113,8 +113,8 @@ class GgufBlockTests(unittest.SynchronousTestCase):
         for every quantized tensor of the bundled model (skipped when it is not installed)."""
         from gguf import GGUFReader
 
-        from sfnode.engines.llama_weights import _GGUF_LAYER, read_gguf_matrices
-        from sfnode.models import ModelLoadError, default_gguf
+        from sfnode.engines.weights.llama import _GGUF_LAYER, read_gguf_matrices
+        from sfnode.engines.weights.loading import ModelLoadError, default_gguf
 
         try:
             path = default_gguf()
@@ -152,26 +152,26 @@ class CheckCacheTests(unittest.SynchronousTestCase):
     def test_a_start_reads_the_kept_checks_and_rewrites_damaged_ones(self) -> None:
         """The first start runs the self-checks and keeps them; the next reads them without
         running any; a damaged file is run again and rewritten."""
-        from sfnode.engines import llama_weights
+        from sfnode.engines.weights import llama
 
         folder = Path(self.mktemp())
         folder.mkdir()
         runs: list[int] = []
-        usable = llama_weights.usable_precisions
+        usable = llama.usable_precisions
 
         def counting() -> dict[Precision, str | None]:
             runs.append(1)
             return usable()
 
-        self.patch(llama_weights, "usable_precisions", counting)
-        first = llama_weights.cached_precisions(folder)
+        self.patch(llama, "usable_precisions", counting)
+        first = llama.cached_precisions(folder)
         self.assertEqual(len(runs), 1)
-        self.assertEqual(llama_weights.cached_precisions(folder), first)
+        self.assertEqual(llama.cached_precisions(folder), first)
         self.assertEqual(len(runs), 1)
-        (folder / llama_weights.CHECKS_FILE).write_text("{not json")
-        self.assertEqual(llama_weights.cached_precisions(folder), first)
+        (folder / llama.CHECKS_FILE).write_text("{not json")
+        self.assertEqual(llama.cached_precisions(folder), first)
         self.assertEqual(len(runs), 2)
-        self.assertEqual(llama_weights.cached_precisions(folder), first)
+        self.assertEqual(llama.cached_precisions(folder), first)
         self.assertEqual(len(runs), 2)
 
 
@@ -291,7 +291,7 @@ class PackedFileTests(unittest.SynchronousTestCase):
         """Weights read from the packed file give the products of the packed originals, and
         every tensor read back is 64-byte aligned (the int8 kernel crashed on the file's own
         8-byte aligned buffers)."""
-        from sfnode.engines.llama_weights import _load_cache, _save_cache
+        from sfnode.engines.weights.llama import _load_cache, _save_cache
 
         generator = torch.Generator().manual_seed(9)
         weight = torch.randn(96, 64, generator=generator)

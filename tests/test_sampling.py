@@ -29,8 +29,7 @@ from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.config import NodeConfig
-from sfnode.draws import draw_position
+from sfnode.decoding.draws import draw_position
 from sfnode.generation import (
     MOCK_CANDIDATES,
     Engine,
@@ -44,10 +43,11 @@ from sfnode.generation import (
     mock_token,
     sample_sparse,
 )
-from sfnode.head.fleet import Fleet, Policy
-from sfnode.node import NodeAgent
-from sfnode.tap import node_factory
-from sfnode.wire import FINISH_LENGTH, GenParams
+from sfnode.head.fleet.fleet import Fleet, Policy
+from sfnode.linkf.wire import FINISH_LENGTH, GenParams
+from sfnode.node.agent import NodeAgent
+from sfnode.node.config import NodeConfig
+from sfnode.node.tap import node_factory
 from tests.nodefixture import NodeTestCase, RunningNode
 from tests.test_http import MESSAGES, HttpTestCase, sse_events
 from tests.tinymodel import TINY_VOCAB
@@ -140,12 +140,12 @@ class MockSamplerTests(SynchronousTestCase):
         return produced
 
     def test_the_sparse_sampler_draws_what_the_torch_sampler_draws(self) -> None:
-        """sample_sparse over the mock's logits equals sfnode.sampler.sample_token over the same
-        logits made dense (-inf elsewhere), for greedy, temperatures 0.5 to 2 and every filter,
+        """sample_sparse over the mock's logits equals sfnode.decoding.sampler.sample_token over the
+        same logits made dense (-inf elsewhere), for greedy, temperatures 0.5 to 2 and every filter,
         at 100 positions each: the mock samples by the sampler's rules, not its own."""
         import torch
 
-        from sfnode.sampler import sample_token
+        from sfnode.decoding.sampler import sample_token
 
         grid = [
             GenParams(),
@@ -343,7 +343,7 @@ class RealModelSamplingTests(FleetSamplingCase):
         at seed + len(prompt) + k: no cache, no batching, no engine."""
         import torch
 
-        from sfnode.sampler import sample_token
+        from sfnode.decoding.sampler import sample_token
         from tests.tinymodel import tiny_llama_random_norms
 
         model = tiny_llama_random_norms()

@@ -1,8 +1,8 @@
 """The engine's scheduler and the prefix cache's index, alone: no model, no torch, no reactor.
 
-Each test drives :class:`sfnode.engines.scheduler.Scheduler` the way the engine does (``plan``,
-then ``complete`` or ``fail`` with what a runner would answer) and checks the plans it writes
-against the rules of docs/engine.md section 3 and section 4.
+Each test drives :class:`sfnode.engines.scheduling.scheduler.Scheduler` the way the engine does
+(``plan``, then ``complete`` or ``fail`` with what a runner would answer) and checks the plans it
+writes against the rules of docs/engine.md section 3 and section 4.
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from collections.abc import Sequence
 
 from twisted.trial import unittest
 
-from sfnode.draws import draw_position
-from sfnode.engines.drafts import Speculation
-from sfnode.engines.pace import StepCost, StepRates
-from sfnode.engines.plan import StepOutput, StepPlan
-from sfnode.engines.prefix_cache import PrefixCache, block_keys
-from sfnode.engines.scheduler import Ended, Request, Scheduler, blocks_for
+from sfnode.decoding.draws import draw_position
+from sfnode.engines.scheduling.drafts import Speculation
+from sfnode.engines.scheduling.pace import StepCost, StepRates
+from sfnode.engines.scheduling.plan import StepOutput, StepPlan
+from sfnode.engines.scheduling.prefix_cache import PrefixCache, block_keys
+from sfnode.engines.scheduling.scheduler import Ended, Request, Scheduler, blocks_for
 from sfnode.generation import KV_BLOCK_TOKENS, EngineStop
-from sfnode.wire import GenParams
+from sfnode.linkf.wire import GenParams
 
 EOS = 2
 

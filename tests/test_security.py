@@ -26,8 +26,9 @@ from twisted.internet.utils import getProcessOutputAndValue
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from sfnode import tap, tokens
 from sfnode.head.link import HeadIds, HeadLinkFactory, LinkSettings
+from sfnode.linkf import fleet_token
+from sfnode.node import tap
 from tests.nodefixture import NodeTestCase, expected_tokens
 from tests.test_tap import REPO_ROOT, TWISTD, child_env
 
@@ -47,7 +48,7 @@ def isolated_env(home: Path) -> dict[str, str]:
     """The child environment with its own HOME and no SFNODE_HOME: no stray token is found."""
     env = child_env()
     env["HOME"] = str(home)
-    env.pop(tokens.HOME_VARIABLE, None)
+    env.pop(fleet_token.HOME_VARIABLE, None)
     return env
 
 
@@ -71,14 +72,14 @@ class TokenCommandTests(TestCase):
         out2, err2, code2 = await run(["-m", "sfnode", "token", "--file", str(path)], env)
         self.assertEqual((code2, out2.decode().strip()), (0, token), err2)
         self.assertEqual(path.stat().st_mtime_ns, before)
-        self.assertEqual(tokens.read_token(path), token.encode())
+        self.assertEqual(fleet_token.read_token(path), token.encode())
 
     async def test_default_path_is_under_sfnode_home(self) -> None:
         """Without --file the token goes to $SFNODE_HOME/token; an existing token there
         (whatever its text) is printed trimmed and never replaced."""
         home = Path(self.mktemp()).resolve()
         env = isolated_env(home)
-        env[tokens.HOME_VARIABLE] = str(home / "sf")
+        env[fleet_token.HOME_VARIABLE] = str(home / "sf")
         out, err, code = await run(["-m", "sfnode", "token"], env)
         self.assertEqual(code, 0, err)
         self.assertEqual((home / "sf" / "token").read_text().strip(), out.decode().strip())
@@ -93,26 +94,28 @@ class TokenFileTests(SynchronousTestCase):
 
     def test_default_path(self) -> None:
         """$SFNODE_HOME/token when set, else ~/.config/sfnode/token."""
-        self.assertEqual(tokens.default_token_path({"SFNODE_HOME": "/x"}), Path("/x/token"))
-        self.assertEqual(tokens.default_token_path({}), Path("~/.config/sfnode/token").expanduser())
+        self.assertEqual(fleet_token.default_token_path({"SFNODE_HOME": "/x"}), Path("/x/token"))
+        self.assertEqual(
+            fleet_token.default_token_path({}), Path("~/.config/sfnode/token").expanduser()
+        )
 
     def test_auth_file_reads_what_token_wrote(self) -> None:
         """--auth-file reads a created token file through the same trimmed reader."""
         path = Path(self.mktemp()) / "token"
-        token, created = tokens.ensure_token(path)
+        token, created = fleet_token.ensure_token(path)
         self.assertTrue(created)
         options = tap.Options()
         options.parseOptions(
             ["--listen", "tcp:0:interface=0.0.0.0", "--engine", "mock", "--auth-file", str(path)]
         )
         self.assertEqual(options["auth-token"], token)
-        self.assertEqual(tokens.ensure_token(path), (token, False))
+        self.assertEqual(fleet_token.ensure_token(path), (token, False))
 
     def test_empty_existing_file_is_an_error(self) -> None:
         """An existing file without a token is reported, not overwritten."""
         path = Path(self.mktemp())
         path.write_bytes(b"\n")
-        self.assertRaises(tokens.TokenError, tokens.ensure_token, path)
+        self.assertRaises(fleet_token.TokenError, fleet_token.ensure_token, path)
         self.assertEqual(path.read_bytes(), b"\n")
 
 
@@ -214,7 +217,7 @@ class HeadAdmissionTests(SynchronousTestCase):
         from twisted.internet.address import IPv4Address, UNIXAddress
         from twisted.internet.task import Clock
 
-        from sfnode.noise import NoiseProtocol
+        from sfnode.linkf.noise import NoiseProtocol
 
         clock = Clock()
         plain = HeadLinkFactory(

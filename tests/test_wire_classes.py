@@ -15,7 +15,6 @@ from typing import Any
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode import wire
 from sfnode.generation import (
     EngineStop,
     Generation,
@@ -24,8 +23,9 @@ from sfnode.generation import (
     MockEngine,
     TokenSink,
 )
-from sfnode.head.session import HeadSession
-from sfnode.wire import (
+from sfnode.head.link.session import HeadSession
+from sfnode.linkf import wire
+from sfnode.linkf.wire import (
     FEATURE_LOGPROBS,
     FEATURE_REQUEST_CLASS,
     GenerateReqMsg,

@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode import wire
-from sfnode.head.session import HeadSession
-from sfnode.wire import (
+from sfnode.head.link.session import HeadSession
+from sfnode.linkf import wire
+from sfnode.linkf.wire import (
     FEATURE_LOGPROBS,
     LOGPROBS_MAX,
     MAX_TOP_LOGPROBS,

@@ -2,10 +2,11 @@
 
 The engine is split the way vLLM and TGI split theirs (docs/engine.md section 3):
 
-- :class:`~sfnode.engines.scheduler.Scheduler` (pure, on the reactor thread) decides each step:
+- :class:`~sfnode.engines.scheduling.scheduler.Scheduler` (pure, on the reactor thread) decides each
+step:
   who decodes, which prompt chunks ride along, who is admitted, which KV blocks are reused;
-- a model runner (:class:`~sfnode.engines.llama_runner.LlamaRunner` for Llama-family models,
-  :class:`~sfnode.engines.forward_runner.ModelForwardRunner` for anything else) executes the step
+- a model runner (:class:`~sfnode.engines.runners.llama.LlamaRunner` for Llama-family models,
+  :class:`~sfnode.engines.runners.forward.ModelForwardRunner` for anything else) executes the step
   on the worker thread, one forward pass, and samples;
 - this module joins them: each step's plan goes to a one-thread pool with ``deferToThreadPool``,
   its output comes back as a Deferred on the reactor, the scheduler plans the next step (which is
@@ -20,14 +21,14 @@ pass, and the sampler's own rule keeps those it would have drawn; the model-forw
 not speculate.
 
 Constraints (docs/engine.md section 2.4): with the model's tokenizer the engine builds a
-:class:`~sfnode.constraint.Vocabulary`; a constrained request's
-:class:`~sfnode.constraint.LaneStage` is prepared (its grammar compiled, delivered tokens
+:class:`~sfnode.decoding.constraint.Vocabulary`; a constrained request's
+:class:`~sfnode.decoding.constraint.LaneStage` is prepared (its grammar compiled, delivered tokens
 replayed) on a thread of its own before the request queues, and each step's masks are computed
-by a :class:`~sfnode.engines.masks.MaskWorker` while the step's forward pass runs.
+by a :class:`~sfnode.engines.runners.masks.MaskWorker` while the step's forward pass runs.
 
 This module must never touch the model except through the runner on the worker thread, never let
 one generation's failure stop the engine (a failed step fails the lanes it carried and the engine
-goes on), and never sample with a random generator (:mod:`sfnode.sampler` does every draw).
+goes on), and never sample with a random generator (:mod:`sfnode.decoding.sampler` does every draw).
 """
 
 from __future__ import annotations
@@ -44,18 +45,18 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 
-from sfnode.constraint import ConstraintError, LaneStage, Vocabulary
-from sfnode.engines import DEFAULT_DRAFT_TOKENS, SPECULATIVE_MODES, WEIGHT_MODES, openmp
-from sfnode.engines.drafts import Speculation
-from sfnode.engines.forward_runner import ModelForwardRunner
-from sfnode.engines.hidden import decode_hidden, encode_hidden
-from sfnode.engines.llama_runner import LlamaRunner, llama_unsupported
-from sfnode.engines.llama_weights import WeightsError, gather_weights
-from sfnode.engines.masks import MaskWorker
-from sfnode.engines.pace import DEFAULT_STEP_MS, RateEstimator, StepCost, StepRates
-from sfnode.engines.plan import StepOutput, StepPlan
-from sfnode.engines.prefix_cache import PrefixCache, PrefixCacheStats
-from sfnode.engines.scheduler import (
+from sfnode.decoding.constraint import ConstraintError, LaneStage, Vocabulary
+from sfnode.engines import DEFAULT_DRAFT_TOKENS, SPECULATIVE_MODES, WEIGHT_MODES
+from sfnode.engines.kernels import openmp
+from sfnode.engines.runners.forward import ModelForwardRunner
+from sfnode.engines.runners.hidden import decode_hidden, encode_hidden
+from sfnode.engines.runners.llama import LlamaRunner, llama_unsupported
+from sfnode.engines.runners.masks import MaskWorker
+from sfnode.engines.scheduling.drafts import Speculation
+from sfnode.engines.scheduling.pace import DEFAULT_STEP_MS, RateEstimator, StepCost, StepRates
+from sfnode.engines.scheduling.plan import StepOutput, StepPlan
+from sfnode.engines.scheduling.prefix_cache import PrefixCache, PrefixCacheStats
+from sfnode.engines.scheduling.scheduler import (
     Emitted,
     Ended,
     Request,
@@ -63,6 +64,8 @@ from sfnode.engines.scheduler import (
     SchedulerCounts,
     blocks_for,
 )
+from sfnode.engines.weights.llama import WeightsError, gather_weights
+from sfnode.engines.weights.loading import LoadedModel
 from sfnode.generation import (
     KV_BLOCK_TOKENS,
     Engine,
@@ -79,7 +82,6 @@ from sfnode.generation import (
     TokenLogprob,
     TokenSink,
 )
-from sfnode.models import LoadedModel
 
 __all__ = ["TransformersEngine", "decode_hidden", "encode_hidden", "eos_ids_of"]
 
@@ -233,7 +235,7 @@ class TransformersEngine:
         draft_tokens: int = DEFAULT_DRAFT_TOKENS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``weights`` is a mode of :data:`~sfnode.engines.llama_weights.WEIGHT_MODES` (``gguf``
+        """``weights`` is a mode of :data:`~sfnode.engines.weights.llama.WEIGHT_MODES` (``gguf``
         is the file the model came from, ``weights_cache`` where packed weights are kept).
         ``lean_step`` False runs the model's own forward even for a Llama (``--stock-kernels``,
         with ``onednn`` False too); ``prefix_cache`` reuses the KV of earlier prompts' blocks
@@ -427,8 +429,9 @@ class TransformersEngine:
         release_float_weights: bool = False,
         **kwargs: Any,
     ) -> TransformersEngine:
-        """An engine over a model from :func:`sfnode.models.load_model` (same keywords); a model
-        loaded from a GGUF file serves the file's own quantized weights (``--weights auto``).
+        """An engine over a model from :func:`sfnode.engines.weights.loading.load_model` (same
+        keywords); a model loaded from a GGUF file serves the file's own quantized weights
+        (``--weights auto``).
 
         With ``release_float_weights`` (the node, which owns ``loaded``) the model's float
         projection weights are dropped once the runner holds its own quantized copies: they
@@ -647,8 +650,8 @@ class TransformersEngine:
         if self._started:
             return
         self._started = True
-        # The steps' OpenMP team must be the only one (sfnode/engines/openmp.py): give back the
-        # one this thread (the reactor's, which loaded the model) holds.
+        # The steps' OpenMP team must be the only one (sfnode/engines/kernels/openmp.py): give back
+        # the one this thread (the reactor's, which loaded the model) holds.
         log.info("OpenMP threads of the starting thread: {done}", done=openmp.release_team())
         self._pool.start()
         prepare = getattr(self._runner, "prepare_thread", None)

@@ -5,9 +5,9 @@ anything; :func:`makeService` loads the tokenizer (never model weights) and retu
 ``MultiService`` named ``sfhead`` with three children: ``fleet`` (dials the ``--node`` endpoints,
 keepalives and retries, or the ``--pipeline`` stages), ``fleet-listen`` (nodes that dial in) and
 ``http`` (the OpenAI-compatible API, ``/healthz`` and ``/metrics``, behind the front door of
-``sfnode.head.gate`` whose limits are the HTTP options here).  Both listening children log
+``sfnode.head.api.gate`` whose limits are the HTTP options here).  Both listening children log
 the address they actually bound, so ``tcp:0`` works.  A fleet listener off loopback adds a
-fourth child, ``announce`` (:mod:`sfnode.head.announce`: DNS-SD, unless ``--no-announce``).
+fourth child, ``announce`` (:mod:`sfnode.discovery.announce`: DNS-SD, unless ``--no-announce``).
 
 Stopping the tree (SIGTERM under twistd) drains the head: ``http`` stops listening at once and
 answers 503 to requests that still arrive on open connections, completions in flight get up to
@@ -37,15 +37,15 @@ from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
 from twisted.python import usage
 from twisted.python.failure import Failure
 
-from sfnode.admission import is_loopback_listen, plaintext_refusal
-from sfnode.discovery import MAX_HEAD_NAME, SERVICE_TYPE, HeadAnnouncement, valid_head_name
-from sfnode.head.classes import (
+from sfnode.discovery.rules import MAX_HEAD_NAME, SERVICE_TYPE, HeadAnnouncement, valid_head_name
+from sfnode.head.api.gate import GateLimits
+from sfnode.head.api.request_class import (
     DEFAULT_CLASSES,
     DEFAULT_INTERACTIVE_PROMPT_TOKENS,
     ClassRule,
     DefaultClass,
 )
-from sfnode.head.fleet import (
+from sfnode.head.fleet.fleet import (
     DEFAULT_MAX_GENERATION_S,
     DEFAULT_MAX_QUEUED,
     DEFAULT_QUEUE_TIMEOUT_S,
@@ -53,12 +53,14 @@ from sfnode.head.fleet import (
     Policy,
     default_client_queued,
 )
-from sfnode.head.gate import GateLimits
+from sfnode.head.fleet.placement import DEFAULT_PREFIX_MAX_SKEW, DEFAULT_PREFIX_WEIGHT, PrefixRule
 from sfnode.head.link import DEFAULT_LEASE
-from sfnode.head.machines import DEFAULT_RETRY_MAX_S, DEFAULT_SILENCE_TIMEOUT_S, RETRY_INITIAL_S
-from sfnode.head.placement import DEFAULT_PREFIX_MAX_SKEW, DEFAULT_PREFIX_WEIGHT, PrefixRule
-from sfnode.head.text import DEFAULT_TEMPLATE_TIMEOUT_S
-from sfnode.service import (
+from sfnode.head.link.machine import DEFAULT_RETRY_MAX_S, DEFAULT_SILENCE_TIMEOUT_S, RETRY_INITIAL_S
+from sfnode.head.models.text import DEFAULT_TEMPLATE_TIMEOUT_S
+from sfnode.linkf.fleet_token import read_token
+from sfnode.linkf.handshake import is_loopback_listen, plaintext_refusal
+from sfnode.linkf.wire import Lease
+from sfnode.runtime.service import (
     DEFAULT_MODEL_NAME,
     ListeningService,
     StartupError,
@@ -70,12 +72,10 @@ from sfnode.service import (
     progress_bars_only_on_a_terminal,
     server_from_string,
 )
-from sfnode.tokens import read_token
-from sfnode.wire import Lease
 
 if TYPE_CHECKING:
-    from sfnode.dnssd import Announcer
-    from sfnode.head.models_registry import ModelRegistry
+    from sfnode.discovery.dnssd import Announcer
+    from sfnode.head.models.registry import ModelRegistry
 
 log = Logger(namespace="sfnode.head.tap")
 _T = TypeVar("_T")
@@ -352,7 +352,7 @@ class Options(usage.Options):
             None,
             "Run generations across these stage nodes: ENDPOINT,ENDPOINT[,...] (in order).",
         ],
-        # The HTTP front door (sfnode.head.gate): limits that hold against hostile clients.
+        # The HTTP front door (sfnode.head.api.gate): limits that hold against hostile clients.
         [
             "max-body",
             None,
@@ -617,17 +617,17 @@ def tokenizer_folder(model: str | None) -> Path | None:
     """The folder holding ``model``'s tokenizer files: the model folder or tokenizer-only
     folder itself, or the converted cache folder of a .gguf file (or of the bundled default);
     None when there is none yet (a GGUF that no node converted)."""
-    from sfnode import models
+    from sfnode.engines.weights import loading
 
     if model:
         path = Path(model).expanduser()
         if path.is_dir():
             return path
-        folder = models.gguf_cache_folder(path)
+        folder = loading.gguf_cache_folder(path)
     else:
         try:
-            folder = models.gguf_cache_folder(models.default_gguf())
-        except models.ModelLoadError:
+            folder = loading.gguf_cache_folder(loading.default_gguf())
+        except loading.ModelLoadError:
             return None
     return folder if folder.is_dir() else None
 
@@ -637,13 +637,13 @@ def load_head_tokenizer(model: str | None) -> Any:
     a .gguf file, or the bundled default.  Never loads weights.
 
     A folder with ``tokenizer.json`` (a .gguf file once any node converted it) is read without
-    torch or transformers (:class:`~sfnode.head.text.HeadTokenizer`, about a second); anything
-    else goes through transformers, which imports torch and takes several seconds.
+    torch or transformers (:class:`~sfnode.head.models.text.HeadTokenizer`, about a second);
+    anything else goes through transformers, which imports torch and takes several seconds.
 
     :raises HeadStartupError: it cannot be loaded.
     """
-    from sfnode import models
-    from sfnode.head.text import TOKENIZER_FILE, HeadTokenizer, TokenizerLoadError
+    from sfnode.engines.weights import loading
+    from sfnode.head.models.text import TOKENIZER_FILE, HeadTokenizer, TokenizerLoadError
 
     folder = tokenizer_folder(model)
     if folder is not None and (folder / TOKENIZER_FILE).is_file():
@@ -662,13 +662,13 @@ def load_head_tokenizer(model: str | None) -> Any:
             from transformers import AutoTokenizer
 
             return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        return models.load_tokenizer(model)
+        return loading.load_tokenizer(model)
     except Exception as e:
         raise HeadStartupError(f"sfhead: cannot load the tokenizer: {e}") from e
 
 
 def head_models(options: Options) -> ModelRegistry:
-    """The head's model registry at start (sfnode.head.models_registry).
+    """The head's model registry at start (sfnode.head.models.registry).
 
     With ``--model`` (not for a pipeline, which loads it itself): its tokenizer serves
     ``--model-name`` whatever nodes send.  Without: nodes bring their models' files
@@ -678,8 +678,8 @@ def head_models(options: Options) -> ModelRegistry:
 
     :raises HeadStartupError: ``--model``'s tokenizer cannot be loaded.
     """
-    from sfnode.head.models_registry import ModelRegistry
-    from sfnode.head.text import TOKENIZER_FILE, HeadTokenizer, TokenizerLoadError
+    from sfnode.head.models.registry import ModelRegistry
+    from sfnode.head.models.text import TOKENIZER_FILE, HeadTokenizer, TokenizerLoadError
 
     registry = ModelRegistry(allow_special_tokens=bool(options["allow-special-tokens"]))
     name = options["model-name"]
@@ -694,16 +694,16 @@ def head_models(options: Options) -> ModelRegistry:
             override=True,
         )
         return registry
-    from sfnode import models
+    from sfnode.engines.weights import loading
 
     folder = tokenizer_folder(None)
     try:
         if folder is not None and (folder / TOKENIZER_FILE).is_file():
             tokenizer = HeadTokenizer(folder)
         else:
-            models.default_gguf()  # installed, not converted yet: read through transformers
+            loading.default_gguf()  # installed, not converted yet: read through transformers
             tokenizer = load_head_tokenizer(None)
-    except (TokenizerLoadError, HeadStartupError, models.ModelLoadError) as e:
+    except (TokenizerLoadError, HeadStartupError, loading.ModelLoadError) as e:
         log.info(
             "sfhead has no --model and no bundled tokenizer ({error}): it serves the models "
             "its nodes bring",
@@ -736,17 +736,17 @@ def model_vocab_size(model: str | None) -> int | None:
 
 def model_layers(model: str | None) -> int | None:
     """``num_hidden_layers`` from the model's config.json, when there is one to read."""
-    from sfnode import models
+    from sfnode.engines.weights import loading
 
     try:
         if model:
             folder = Path(model).expanduser()
             if not folder.is_dir():
-                folder = models.gguf_cache_folder(folder)
+                folder = loading.gguf_cache_folder(folder)
         else:
-            folder = models.gguf_cache_folder(models.default_gguf())
+            folder = loading.gguf_cache_folder(loading.default_gguf())
         config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError, models.ModelLoadError):
+    except (OSError, ValueError, loading.ModelLoadError):
         return None
     layers = config.get("num_hidden_layers")
     return int(layers) if isinstance(layers, int) else None
@@ -817,7 +817,7 @@ class HttpService(ListeningService):
         self.drain_timeout_s = drain_timeout_s
 
     def stopService(self) -> defer.Deferred[None]:
-        from sfnode.head.http import DRAIN_CANCEL_GRACE_S
+        from sfnode.head.api.http import DRAIN_CANCEL_GRACE_S
 
         stopped = super().stopService()
         drained = self.api.drain(self.drain_timeout_s)
@@ -876,7 +876,7 @@ def makeService(
 
     ``options`` must have been parsed.  ``reactor`` defaults to the global one.  The tokenizer
     is loaded here, before the services start.  ``announcer`` announces the fleet listener
-    (default: a :class:`~sfnode.dnssd.ZeroconfAnnouncer`).
+    (default: a :class:`~sfnode.discovery.dnssd.ZeroconfAnnouncer`).
 
     :raises HeadStartupError: the tokenizer cannot be loaded, or a pipeline has no layer count.
     """
@@ -886,10 +886,10 @@ def makeService(
         reactor = global_reactor
         exit_zero_after_a_clean_stop(reactor)
         progress_bars_only_on_a_terminal()
-    from sfnode.head.http import OpenAIApi
-    from sfnode.head.model_admission import ModelAdmission
-    from sfnode.head.pipeline import PipelineFleet
-    from sfnode.head.text import as_codec
+    from sfnode.head.api.http import OpenAIApi
+    from sfnode.head.fleet.model_admission import ModelAdmission
+    from sfnode.head.fleet.pipeline import PipelineFleet
+    from sfnode.head.models.text import as_codec
 
     registry = head_models(options)
     lease_ms = options["lease-ms"]
@@ -993,8 +993,8 @@ def makeService(
         ),
     )
     if not options["no-announce"] and not is_loopback_listen(options["fleet-listen"]):
-        from sfnode.dnssd import ZeroconfAnnouncer, interface_addresses
-        from sfnode.head.announce import AnnounceService
+        from sfnode.discovery.announce import AnnounceService
+        from sfnode.discovery.dnssd import ZeroconfAnnouncer, interface_addresses
 
         announcement = HeadAnnouncement(options["head-name"], token_required=bool(token))
         announcer = announcer if announcer is not None else ZeroconfAnnouncer(reactor)

@@ -8,8 +8,8 @@ Layered like the node side (and like AMP: framing, correlation, schema), one mod
 - :mod:`.calls`: the correlation table (:class:`CallTable`) of outstanding generations and
   stage forwards, and the :class:`GenerationCall` a caller holds.
 - :mod:`.reconcile`: :class:`Reconcile`, one reconnect's reconcile phase, pure.
-- :class:`~sfnode.head.session.HeadSession` (pure) keeps the bookkeeping and builds messages;
-  :class:`~sfnode.head.machines.LinkMachine` decides *when*: connecting, handshaking, open,
+- :class:`~sfnode.head.link.session.HeadSession` (pure) keeps the bookkeeping and builds messages;
+  :class:`~sfnode.head.link.machine.LinkMachine` decides *when*: connecting, handshaking, open,
   reconciling, down (waiting to redial) or closed, with every timer that goes with them.
 - :mod:`.node_link`: :class:`NodeLink`, the owner that wires them to the reactor: it carries
   out what the machine asks (dial, say HELLO, reconcile, abort), offers the Deferred API
@@ -30,7 +30,7 @@ for that reconcile and continue when the node still runs them.  A link a node di
 head's sessions apart from any other head's; pass one instance around explicitly.  Until the
 HELLO_ACK_F has arrived no frame may be larger than one can be (decision D14).
 
-With a fleet token every connection is Noise (``sfnode.noise``, D10) with the head as the
+With a fleet token every connection is Noise (``sfnode.linkf.noise``, D10) with the head as the
 initiator, whichever side dialled; ``Hello.auth`` still carries the token inside it.
 The reactor and the clock are always parameters: this module must never import the global
 reactor, never block, and never let an exception escape ``dataReceived``.
@@ -53,6 +53,16 @@ from sfnode.head.link.errors import (
     SupersededError,
     UnknownSessionError,
 )
+from sfnode.head.link.machine import (
+    ConnectError,
+    HandshakeError,
+    HandshakeTimeoutError,
+    LinkError,
+    LinkLostError,
+    NodeRefusedError,
+    NodeSilentError,
+    ReconcileError,
+)
 from sfnode.head.link.node_link import LinkObserver, NodeLink
 from sfnode.head.link.protocol import HeadLinkProtocol, LinkOwner
 from sfnode.head.link.reconcile import MAX_RETRY_RANGE, Reconcile
@@ -70,17 +80,7 @@ from sfnode.head.link.settings import (
     describe_endpoint,
     parse_endpoint,
 )
-from sfnode.head.machines import (
-    ConnectError,
-    HandshakeError,
-    HandshakeTimeoutError,
-    LinkError,
-    LinkLostError,
-    NodeRefusedError,
-    NodeSilentError,
-    ReconcileError,
-)
-from sfnode.service import describe_failure
+from sfnode.runtime.service import describe_failure
 
 __all__ = [
     "COMMAND_SPACE",

@@ -16,7 +16,7 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
 from sfnode.generation import TokenBatch, TokenLogprob, TokenSink
-from sfnode.wire import (
+from sfnode.linkf.wire import (
     GenerateCancelMsg,
     Message,
     StageForwardRespMsg,

@@ -16,7 +16,9 @@ from twisted.internet.protocol import Factory
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from sfnode.admission import address_key, is_loopback_address
+from sfnode.head.link.machine import (
+    RetryPolicy,
+)
 from sfnode.head.link.node_link import NodeLink
 from sfnode.head.link.protocol import HeadLinkProtocol
 from sfnode.head.link.settings import (
@@ -27,10 +29,8 @@ from sfnode.head.link.settings import (
     LinkSettings,
     parse_endpoint,
 )
-from sfnode.head.machines import (
-    RetryPolicy,
-)
-from sfnode.noise import NoiseFactory, NoiseProtocol, Role
+from sfnode.linkf.handshake import address_key, is_loopback_address
+from sfnode.linkf.noise import NoiseFactory, NoiseProtocol, Role
 
 _log = Logger(namespace="sfnode.head.link")
 
@@ -48,7 +48,7 @@ def connect_node(
 
     Fires with the open :class:`NodeLink` (which then redials on its own whenever its
     connection drops, until it is closed), or fails with the reason of the first attempt:
-    :class:`~sfnode.head.machines.ConnectError`, :class:`HandshakeTimeoutError`,
+    :class:`~sfnode.head.link.machine.ConnectError`, :class:`HandshakeTimeoutError`,
     :class:`NodeRefusedError` (the node closed the connection during the handshake),
     :class:`MalformedFrameError` or :class:`HandshakeError`; the link is then closed.
     """

@@ -1,12 +1,12 @@
 """The errors a call on a head link fails with (those about connecting and handshaking live
-with the machine that raises them, :mod:`sfnode.head.machines`, and are re-exported here).
+with the machine that raises them, :mod:`sfnode.head.link.machine`, and are re-exported here).
 
 This module must never hold state: it is exception types only.
 """
 
 from __future__ import annotations
 
-from sfnode.head.machines import (
+from sfnode.head.link.machine import (
     LinkError,
     LinkLostError,
     NodeRefusedError,

@@ -1,6 +1,6 @@
 """The transfer of a node's model files to its head, on one link (docs/protocol.md section
 12.5): BLOB_FETCH out, the node's XFER_BEGIN, XFER_CHUNKs and XFER_END (or XFER_ABORT) in, each
-checked by :class:`~sfnode.model_files.Reassembly`.
+checked by :class:`~sfnode.linkf.model_files.Reassembly`.
 
 :class:`FilesFetch` keeps the one fetch a link may have in progress.  It must never decide
 what the files mean (the model registry does) and never close the link: a bad transfer fails
@@ -14,9 +14,9 @@ from collections.abc import Callable
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
 
-from sfnode.head.machines import LinkError
-from sfnode.model_files import ModelFilesError, Reassembly
-from sfnode.wire import (
+from sfnode.head.link.machine import LinkError
+from sfnode.linkf.model_files import ModelFilesError, Reassembly
+from sfnode.linkf.wire import (
     BlobFetchMsg,
     Message,
     XferAbortMsg,
@@ -37,7 +37,7 @@ class FilesFetch:
     def start(self, content_hash: bytes, send: Callable[[Message], bool]) -> Deferred[bytes]:
         """Ask for the files named ``content_hash`` through ``send`` (the link's
         ``send_now``); fires with the bundle, checked against the hash, or fails with
-        :class:`~sfnode.model_files.ModelFilesError` (the node sent something else, or
+        :class:`~sfnode.linkf.model_files.ModelFilesError` (the node sent something else, or
         aborted) or :class:`LinkError` (no connection, or it was lost first)."""
         if self._current is not None:
             return defer.fail(ModelFilesError("a transfer of model files is in progress"))

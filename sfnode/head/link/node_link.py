@@ -1,8 +1,8 @@
 """The owner of one head link: :class:`NodeLink` (docs/protocol.md sections 5, 6.5, 8).
 
 It wires the framing protocol (:mod:`~sfnode.head.link.protocol`), the pure bookkeeping
-(:class:`~sfnode.head.session.HeadSession`), the link machine
-(:class:`~sfnode.head.machines.LinkMachine`), the correlation table
+(:class:`~sfnode.head.link.session.HeadSession`), the link machine
+(:class:`~sfnode.head.link.machine.LinkMachine`), the correlation table
 (:mod:`~sfnode.head.link.calls`) and the reconcile (:mod:`~sfnode.head.link.reconcile`):
 it carries out what the machine asks, offers the Deferred API and routes each incoming
 message through its handler table.  It must never block, never use the global reactor.
@@ -31,18 +31,7 @@ from sfnode.head.link.errors import (
     UnknownSessionError,
 )
 from sfnode.head.link.files import FilesFetch, TransferMsg
-from sfnode.head.link.protocol import HeadLinkProtocol, LinkOwner, handshake_loss
-from sfnode.head.link.reconcile import Reconcile
-from sfnode.head.link.settings import (
-    DEFAULT_LEASE,
-    DEFAULT_LINK_SETTINGS,
-    DEFAULT_PARAMS,
-    PROTO_RANGE,
-    HeadIds,
-    LinkSettings,
-    describe_endpoint,
-)
-from sfnode.head.machines import (
+from sfnode.head.link.machine import (
     ConnectError,
     HandshakeError,
     LinkCore,
@@ -54,10 +43,20 @@ from sfnode.head.machines import (
     RetryPolicy,
     retry_policy,
 )
-from sfnode.head.session import HeadSession
-from sfnode.noise import Role, secure_factory
-from sfnode.service import describe_failure
-from sfnode.wire import (
+from sfnode.head.link.protocol import HeadLinkProtocol, LinkOwner, handshake_loss
+from sfnode.head.link.reconcile import Reconcile
+from sfnode.head.link.session import HeadSession
+from sfnode.head.link.settings import (
+    DEFAULT_LEASE,
+    DEFAULT_LINK_SETTINGS,
+    DEFAULT_PARAMS,
+    PROTO_RANGE,
+    HeadIds,
+    LinkSettings,
+    describe_endpoint,
+)
+from sfnode.linkf.noise import Role, secure_factory
+from sfnode.linkf.wire import (
     FEATURE_CONSTRAINTS,
     FEATURE_HEAD_IDENTITY,
     FEATURE_LOGPROBS,
@@ -90,6 +89,7 @@ from sfnode.wire import (
     decode_params,
     encode_params,
 )
+from sfnode.runtime.service import describe_failure
 
 _log = Logger(namespace="sfnode.head.link")
 
@@ -164,7 +164,7 @@ class NodeLink:
     subclasses when the link loses them: a generation in flight when an open connection
     dropped waits for the redial's reconcile, and fails when that attempt fails or the node no
     longer has it; a node that went silent for the keepalive window fails its generations at
-    once (:class:`~sfnode.head.machines.NodeSilentError`).  A malformed frame fails every
+    once (:class:`~sfnode.head.link.machine.NodeSilentError`).  A malformed frame fails every
     pending call with :class:`MalformedFrameError`.
     """
 
@@ -481,7 +481,7 @@ class NodeLink:
 
 class _LinkDriver:
     """The half of a :class:`NodeLink` that its machine and its connections drive: it carries
-    out what the machine asks (:class:`~sfnode.head.machines.LinkEffects`), hears what each
+    out what the machine asks (:class:`~sfnode.head.link.machine.LinkEffects`), hears what each
     connection reports (:class:`LinkOwner`) and routes each message through the handler
     table.  It owns the connection (the one handshaken, one being made, ones closing) and the
     reconcile under way; every other piece of state is the link's."""

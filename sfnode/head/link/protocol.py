@@ -14,12 +14,11 @@ from twisted.internet.protocol import Protocol, connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from sfnode.head.machines import (
+from sfnode.head.link.machine import (
     HandshakeError,
     NodeRefusedError,
 )
-from sfnode.service import describe_failure
-from sfnode.wire import (
+from sfnode.linkf.wire import (
     FrameDecoder,
     Message,
     MsgType,
@@ -27,6 +26,7 @@ from sfnode.wire import (
     decode_message,
     message_frame,
 )
+from sfnode.runtime.service import describe_failure
 
 _log = Logger(namespace="sfnode.head.link")
 
@@ -46,7 +46,7 @@ class LinkOwner(TypingProtocol):
 class HeadLinkProtocol(Protocol):
     """Frames in, typed messages out, and back; every decision belongs to the owner.
 
-    Bad bytes (a :class:`~sfnode.wire.WireError`) or an owner that raises are reported once
+    Bad bytes (a :class:`~sfnode.linkf.wire.WireError`) or an owner that raises are reported once
     through ``link_broken``; after that the connection's input is ignored and the owner is
     expected to close it.  Nothing ever escapes ``dataReceived``.
     """

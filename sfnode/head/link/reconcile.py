@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from sfnode.wire import PayloadError, ReconcileAckMsg
+from sfnode.linkf.wire import PayloadError, ReconcileAckMsg
 
 MAX_RETRY_RANGE = 1 << 20
 """The most seqs one RetryRange may ask the head to wait for."""

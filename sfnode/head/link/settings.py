@@ -15,11 +15,11 @@ from typing import Any, cast
 from twisted.internet.endpoints import clientFromString
 from twisted.internet.interfaces import IStreamClientEndpoint
 
-from sfnode.head.machines import (
+from sfnode.head.link.machine import (
     DEFAULT_KEEPALIVE_INTERVAL_S,
     DEFAULT_SILENCE_TIMEOUT_S,
 )
-from sfnode.wire import (
+from sfnode.linkf.wire import (
     GenParams,
     Lease,
 )

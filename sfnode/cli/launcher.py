@@ -1,0 +1,141 @@
+"""``python -m sfnode fleet``: a whole fleet on this machine in one command (a head and a node).
+
+Starts ``twistd -n sfnode`` (on the bundled SmolLM2 by default) and ``twistd -n sfhead`` dialing
+it as child processes, waits until the head's ``/healthz`` says a node is live, prints a ``curl``
+line that works, and then runs until Ctrl-C or SIGTERM, which stops both children (SIGTERM, so
+they drain) and exits 0.
+
+The children run in sessions of their own: a Ctrl-C in the terminal reaches only this process,
+which then stops each child once (a child that got the terminal's SIGINT and then a SIGTERM
+would try to stop its reactor twice).  The head redials its node at least every second: on one
+machine a node that does not answer yet is only loading its model, and the first request
+should not wait for a long backoff.
+
+This is an operator's convenience, not library code: it must never be imported by sfnode itself,
+and never leave a child running when it exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from types import FrameType
+
+PROG = "python -m sfnode fleet"
+TWISTD = "import sys; sys.argv[0] = 'twistd'; from twisted.scripts.twistd import run; run()"
+READY_TIMEOUT_S = 600.0
+"""The first start converts the bundled GGUF model (about half a minute, more on slow disks)."""
+
+
+def _twistd(*args: str) -> list[str]:
+    return [sys.executable, "-c", TWISTD, "--pidfile=", "-n", *args]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return bool(json.load(response).get("nodes", 0) > 0)
+    except (OSError, ValueError, urllib.error.URLError):
+        return False
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Run a head and one node on this machine."
+    )
+    parser.add_argument("--engine", default="transformers", choices=("transformers", "mock"))
+    parser.add_argument("--model", default=None, help="model folder or .gguf (default: bundled)")
+    parser.add_argument("--node-port", type=int, default=8454)
+    parser.add_argument("--http-port", type=int, default=8453)
+    parser.add_argument("--fleet-port", type=int, default=8455)
+    options = parser.parse_args(argv)
+
+    node_args = ["sfnode", "--listen", f"tcp:{options.node_port}:interface=127.0.0.1",
+                 "--engine", options.engine]  # fmt: skip
+    head_args = [
+        "sfhead",
+        "--node", f"tcp:127.0.0.1:{options.node_port}",
+        "--http", f"tcp:{options.http_port}:interface=127.0.0.1",
+        "--fleet-listen", f"tcp:{options.fleet_port}:interface=127.0.0.1",
+        "--reconnect-max", "1",
+    ]  # fmt: skip
+    if options.model:
+        node_args += ["--model", options.model]
+        head_args += ["--model", options.model]
+    if options.engine == "mock":
+        # Mock tokens are ids below 32000: any tokenizer at least that large renders them.
+        head_args += ["--model-name", "mock"]
+
+    children = [
+        subprocess.Popen(_twistd(*node_args), start_new_session=True),
+        subprocess.Popen(_twistd(*head_args), start_new_session=True),
+    ]
+
+    def stop(signum: int = 0, frame: FrameType | None = None) -> None:
+        # A second Ctrl-C while the children drain must not interrupt this with a traceback.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if signum in (signal.SIGINT, signal.SIGTERM):
+            print("\nsfnode.fleet: stopping the head and the node", file=sys.stderr, flush=True)
+        for child in children:
+            if child.poll() is None:
+                child.terminate()
+        for child in children:
+            try:
+                child.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        raise SystemExit(0 if signum in (0, signal.SIGINT, signal.SIGTERM) else 1)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    base = f"http://127.0.0.1:{options.http_port}"
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not _healthy(base + "/healthz"):
+            if any(child.poll() is not None for child in children):
+                print(f"{PROG}: a child exited before the fleet was ready", file=sys.stderr)
+                stop(1)
+            if time.monotonic() > deadline:
+                print(f"{PROG}: the fleet did not become ready in time", file=sys.stderr)
+                stop(1)
+            time.sleep(0.5)
+        model = "mock" if options.engine == "mock" else _served_model(base)
+        # temperature 0 (greedy): OpenAI's default of 1 samples freely, and a 135M model
+        # sampled at 1 rambles; greedy answers this one right ("... is Paris.").
+        question = "What is the capital of France?"
+        body = json.dumps(
+            {"model": model, "messages": [{"role": "user", "content": question}],
+             "max_tokens": 32, "temperature": 0}
+        )  # fmt: skip
+        print(f"\nThe fleet is up on {base}. Try:\n")
+        print(f"  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\")
+        print(f"       -d '{body}'\n", flush=True)
+        while all(child.poll() is None for child in children):
+            time.sleep(1)
+        print(f"{PROG}: a child exited; stopping the other", file=sys.stderr)
+        stop(1)
+    except BaseException:
+        # Whatever ends this process (an error included) must not leave a child running.
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+        raise
+    return 0
+
+
+def _served_model(base: str) -> str:
+    with urllib.request.urlopen(base + "/v1/models", timeout=5) as response:
+        return str(json.load(response)["data"][0]["id"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,6 @@
+"""The arithmetic of the engine: linear layers in the precision the weights have (``quant``),
+sfnode's own native kernels and decode step (``native``, ``native.c``), the kernel family this CPU
+runs faster (``choice``), torch operator helpers and the OpenMP team.
+
+May import nothing of sfnode outside ``sfnode.engines.kernels``; imports torch.
+"""

@@ -1,0 +1,816 @@
+/* sfnode's native kernels and decode step: C with AVX2, FMA and F16C intrinsics and OpenMP,
+   compiled once at start by sfnode/engines/kernels/native.py (docs/engine.md sections 5.1 and 5.2).
+
+   Products (y = x @ W^T, float32 in and out):
+   - kind 0, 4-bit weights: GGUF Q4_1 blocks (32 weights, float16 d and m, w = d*q + m) laid
+     out for the kernel in tiles of 8 output rows by one block (see sf_tile_q4); each activation
+     row is quantized by itself to int16 per block of 32 (one scale a block), the products are
+     integer multiply-adds (vpmaddwd) summed exactly in int32 per block, then scaled in float;
+   - kind 1, int8 weights with one float32 scale per output row, the same int16 activations;
+   - kind 2, float32 weights, float32 products summed in a fixed order per row.
+   Every row's result is computed by itself, in the same order of operations whatever else is in
+   the call, so the products are batch-invariant (a row's result never depends on the others).
+
+   The step (sf_forward, sf_logits): every layer of a Llama-family model over any set of rows
+   (decoding lanes and prompt chunks alike) in one call: RMS norms, the products, the rotary
+   embedding, the keys and values written into the lanes' KV slots, attention of each row over
+   its own slot up to its position, the SiLU-gated MLP and the residual adds; then the final
+   norm, the output head, and the best logits of each row computed again from the head's float
+   rows.  Each row's attention reads its own slot, in a fixed order, so a position's keys and
+   values do not depend on how its prompt was cut into steps or which rows share the step.
+   One OpenMP parallel region a call; the threads split each product's output columns and each
+   attention's (row, query head) items, and meet at barriers between the parts.
+
+   This file must never keep state between calls, never allocate what it does not free before
+   returning, and never read past the rows, slots and positions it is given. */
+
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QK 32
+#define TILE_BYTES 160 /* 8 float16 d, 8 float16 m, 128 bytes of nibbles */
+#define QMAX 32767.0f
+#define MAX_HEAD_DIM 256
+#define PREFETCH_BYTES (TILE_BYTES * 16)
+#define PREFETCH_FLOATS 1024
+
+typedef struct {
+    int32_t kind; /* 0: Q4_1 tiles; 1: int8 rows with a float32 scale each; 2: float32 rows */
+    int32_t K, N;
+    const void *w;
+    const float *scales;
+} sf_matrix;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    sf_matrix qkv, o, gate_up, down;
+} sf_layer;
+
+typedef struct {
+    int32_t layers, hidden, heads, kv_heads, head_dim, intermediate, vocab;
+    float eps, attention_scale;
+    const sf_layer *layer;
+    int32_t embed_kind; /* 0: float32 [vocab, hidden]; 1: int8 rows and float32 scales a block */
+    const void *embed;
+    const float *embed_scales;
+    const float *final_norm;
+    sf_matrix head;
+    int32_t refine_kind; /* -1: none; 0: float32 rows; 1: int8 rows and scales a block */
+    const void *refine;
+    const float *refine_scales;
+    const float *cos, *sin; /* [window, head_dim]; sin with rotate_half's sign folded in */
+} sf_model;
+
+typedef struct {
+    int32_t half;     /* 1: float16 keys and values; 0: float32 */
+    int32_t capacity; /* positions a slot holds */
+    void *const *keys, *const *values; /* per layer: [slots, kv_heads, capacity, head_dim] */
+} sf_kv;
+
+/* ---------------------------------------------------------------------------------------- */
+/* small helpers                                                                            */
+
+static inline float hsum(__m256 v) {
+    __m128 r = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r);
+}
+
+/* e^x for 8 floats (Cephes' polynomial; relative error about 2e-7) */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+    fx = _mm256_floor_ps(fx);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* [lo, hi) of total items for part index of parts */
+static inline void share(int total, int parts, int index, int *lo, int *hi) {
+    const int base = total / parts, extra = total % parts;
+    *lo = index * base + (index < extra ? index : extra);
+    *hi = *lo + base + (index < extra ? 1 : 0);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* activations                                                                              */
+
+typedef struct {
+    const float *f; /* float32 rows [M, K] */
+    int16_t *q;     /* int16 rows [M, K] */
+    float *d, *s;   /* per row and block: scale, scale * sum(q) */
+    int K;
+} acts;
+
+/* One row in int16 per block of 32: q = round(x / d), d = amax / 32767; s = d * sum(q), what
+   the weights' block minimum multiplies.  Depends on the row alone. */
+static void quantize_row(const float *x, int K, int16_t *qx, float *d, float *s) {
+    const int nb = K / QK;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int b = 0; b < nb; b++) {
+        const float *v = x + b * QK;
+        __m256 amax = _mm256_setzero_ps();
+        for (int j = 0; j < QK; j += 8)
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)));
+        __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float mx = _mm_cvtss_f32(m4);
+        const float id = mx > 0.0f ? QMAX / mx : 0.0f;
+        const __m256 mul = _mm256_set1_ps(id);
+        __m256i r[4];
+        for (int j = 0; j < 4; j++)
+            r[j] = _mm256_cvtps_epi32(
+                _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * j), mul),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        const __m256i sum4 = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]),
+                                              _mm256_add_epi32(r[2], r[3]));
+        __m128i s2 = _mm_add_epi32(_mm256_extracti128_si256(sum4, 1),
+                                   _mm256_castsi256_si128(sum4));
+        s2 = _mm_hadd_epi32(s2, s2);
+        s2 = _mm_hadd_epi32(s2, s2);
+        /* packs interleave 128-bit lanes; put the values back in order */
+        const __m256i p01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(r[0], r[1]), 0xD8);
+        const __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(r[2], r[3]), 0xD8);
+        _mm256_storeu_si256((__m256i *)(qx + b * QK), p01);
+        _mm256_storeu_si256((__m256i *)(qx + b * QK + 16), p23);
+        d[b] = mx / QMAX;
+        s[b] = d[b] * (float)_mm_cvtsi128_si32(s2);
+    }
+}
+
+static inline int quantized(const sf_matrix *mat) { return mat->kind == 0 || mat->kind == 1; }
+
+/* rows [m0, m1) of a */
+static void quantize_rows(acts *a, int m0, int m1) {
+    const int nb = a->K / QK;
+    for (int m = m0; m < m1; m++)
+        quantize_row(a->f + (size_t)m * a->K, a->K, a->q + (size_t)m * a->K, a->d + m * nb,
+                     a->s + m * nb);
+}
+
+/* out = x / sqrt(mean(x^2) + eps) * w, one row */
+static void rmsnorm_row(const float *v, int H, const float *w, float eps, float *o) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= H; i += 8) {
+        const __m256 t = _mm256_loadu_ps(v + i);
+        acc = _mm256_fmadd_ps(t, t, acc);
+    }
+    float sum = hsum(acc);
+    for (; i < H; i++) sum += v[i] * v[i];
+    const float scale = 1.0f / sqrtf(sum / (float)H + eps);
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (i = 0; i + 8 <= H; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(v + i), sc),
+                                              _mm256_loadu_ps(w + i)));
+    for (; i < H; i++) o[i] = v[i] * scale * w[i];
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* products                                                                                 */
+
+/* Q4_1 tiles: for each group g of 8 output rows and each block b of 32 inputs, TILE_BYTES at
+   (g * blocks + b) * TILE_BYTES: the 8 rows' float16 d, their 8 float16 m, then 4 quarters of
+   32 bytes.  Read as 16 little-endian 16-bit lanes, lane j = 2r + k of quarter q holds in its
+   nibble s (bits 4s to 4s + 3) row 8g + r's weight for input 2c + k of the block, c = 4q + s.
+   So a shift and a mask give, for each pair c of inputs, the 8 rows' int16 weights in the
+   order vpmaddwd multiplies them by the activation pair broadcast to all 8 (no lane-crossing
+   conversion), summing each row's two products. */
+
+#define BCAST_PAIR(p) _mm256_castps_si256(_mm256_broadcast_ss((const float *)(p)))
+
+/* R activation rows (R <= 4) against one tile column (8 output rows); each row's int32 sum per
+   block is exact, and its float steps are the same whatever R is. */
+static inline __attribute__((always_inline)) void q4_tile_rows(
+    const int R, const uint8_t *w, int nb, const int16_t *qx, const float *dx, const float *sx,
+    int K, float *y, int ldy, int cols, int accumulate) {
+    __m256 af[4];
+    for (int r = 0; r < R; r++) af[r] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi16(0x0F);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *t = w + (size_t)b * TILE_BYTES;
+        _mm_prefetch((const char *)(t + PREFETCH_BYTES), _MM_HINT_T0);
+        _mm_prefetch((const char *)(t + PREFETCH_BYTES + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(t + PREFETCH_BYTES + 128), _MM_HINT_T0);
+        __m256i ai[4];
+        for (int r = 0; r < R; r++) ai[r] = _mm256_setzero_si256();
+        for (int q = 0; q < 4; q++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(t + 32 + 32 * q));
+            const __m256i w0 = _mm256_and_si256(v, low);
+            const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), low);
+            const __m256i w3 = _mm256_srli_epi16(v, 12);
+            for (int r = 0; r < R; r++) {
+                const int16_t *xp = qx + (size_t)r * K + b * QK + 8 * q;
+                const __m256i p01 = _mm256_add_epi32(_mm256_madd_epi16(w0, BCAST_PAIR(xp)),
+                                                     _mm256_madd_epi16(w1, BCAST_PAIR(xp + 2)));
+                const __m256i p23 = _mm256_add_epi32(_mm256_madd_epi16(w2, BCAST_PAIR(xp + 4)),
+                                                     _mm256_madd_epi16(w3, BCAST_PAIR(xp + 6)));
+                ai[r] = _mm256_add_epi32(ai[r], _mm256_add_epi32(p01, p23));
+            }
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
+        const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 16)));
+        for (int r = 0; r < R; r++) {
+            af[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[r]),
+                                    _mm256_mul_ps(dw, _mm256_set1_ps(dx[r * nb + b])), af[r]);
+            af[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[r * nb + b]), af[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float *out = y + (size_t)r * ldy;
+        if (cols == 8 && !accumulate) {
+            _mm256_storeu_ps(out, af[r]);
+        } else if (cols == 8) {
+            _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), af[r]));
+        } else {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, af[r]);
+            for (int j = 0; j < cols; j++) out[j] = accumulate ? out[j] + tmp[j] : tmp[j];
+        }
+    }
+}
+
+#define ROW_TILES(CALL) ROW_TILES_FROM(0, CALL)
+#define ROW_TILES_FROM(M0, CALL)                                                           \
+    do {                                                                                   \
+        int m = (M0);                                                                      \
+        for (; m + 4 <= M; m += 4) CALL(4);                                                \
+        switch (M - m) {                                                                   \
+        case 3: CALL(3); break;                                                            \
+        case 2: CALL(2); break;                                                            \
+        case 1: CALL(1); break;                                                            \
+        default: break;                                                                    \
+        }                                                                                  \
+    } while (0)
+
+/* R activation rows against one int8 weight row (one scale): each row's sum in the same order
+   whatever R is. */
+static inline __attribute__((always_inline)) void q8_rows(
+    const int R, const int8_t *w, int nb, float scale, const int16_t *qx, const float *dx, int K,
+    float *out, int stride, int accumulate) {
+    __m256 acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + b * QK)));
+        const __m256i hi =
+            _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + b * QK + 16)));
+        for (int r = 0; r < R; r++) {
+            const int16_t *xq = qx + (size_t)r * K + b * QK;
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)xq);
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + 16));
+            const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, x0),
+                                               _mm256_madd_epi16(hi, x1));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dx[r * nb + b]), _mm256_cvtepi32_ps(p),
+                                     acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const float v = hsum(acc[r]) * scale;
+        out[(size_t)r * stride] = accumulate ? out[(size_t)r * stride] + v : v;
+    }
+}
+
+/* R float32 rows against one float32 weight row: 8 lanes along the row, then their sum, then
+   the tail; the same order whatever R is. */
+static inline __attribute__((always_inline)) void f32_rows(
+    const int R, const float *w, int K, const float *x, float *out, int stride, int accumulate) {
+    __m256 acc[8];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 8 <= K; k += 8) {
+        if (!(k & 15)) _mm_prefetch((const char *)(w + k + PREFETCH_FLOATS), _MM_HINT_T0);
+        const __m256 wv = _mm256_loadu_ps(w + k);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (size_t)r * K + k), acc[r]);
+    }
+    for (int r = 0; r < R; r++) {
+        float sum = hsum(acc[r]);
+        for (int j = k; j < K; j++) sum += w[j] * x[(size_t)r * K + j];
+        out[(size_t)r * stride] = accumulate ? out[(size_t)r * stride] + sum : sum;
+    }
+}
+
+/* Two weight rows at once (each activation load serves both); every sum is formed exactly as
+   f32_rows forms it. */
+static inline __attribute__((always_inline)) void f32_rows2(
+    const int R, const float *w, int K, const float *x, float *out, int stride, int accumulate) {
+    __m256 a0[4], a1[4];
+    for (int r = 0; r < R; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
+    const float *w1 = w + K;
+    int k = 0;
+    for (; k + 8 <= K; k += 8) {
+        if (!(k & 15)) {
+            _mm_prefetch((const char *)(w + k + PREFETCH_FLOATS), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w1 + k + PREFETCH_FLOATS), _MM_HINT_T0);
+        }
+        const __m256 v0 = _mm256_loadu_ps(w + k), v1 = _mm256_loadu_ps(w1 + k);
+        for (int r = 0; r < R; r++) {
+            const __m256 xv = _mm256_loadu_ps(x + (size_t)r * K + k);
+            a0[r] = _mm256_fmadd_ps(v0, xv, a0[r]);
+            a1[r] = _mm256_fmadd_ps(v1, xv, a1[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float s0 = hsum(a0[r]), s1 = hsum(a1[r]);
+        for (int j = k; j < K; j++) {
+            s0 += w[j] * x[(size_t)r * K + j];
+            s1 += w1[j] * x[(size_t)r * K + j];
+        }
+        float *o = out + (size_t)r * stride;
+        o[0] = accumulate ? o[0] + s0 : s0;
+        o[1] = accumulate ? o[1] + s1 : s1;
+    }
+}
+
+/* The work units a product splits between threads: tiles of 8 output rows (kind 0), output
+   rows (kinds 1 and 2). */
+static inline int units(const sf_matrix *mat) {
+    return mat->kind == 0 ? (mat->N + 7) / 8 : mat->N;
+}
+
+/* y[m, n] (+)= x[m] . W[n] for the output rows of units [u0, u1); y's rows are ldy apart. */
+static void product_units(const sf_matrix *mat, const acts *a, int M, float *y, int ldy,
+                          int accumulate, int u0, int u1) {
+    const int K = mat->K, N = mat->N, nb = K / QK;
+    if (mat->kind == 0) {
+        const uint8_t *w = (const uint8_t *)mat->w;
+        for (int g = u0; g < u1; g++) {
+            const uint8_t *wg = w + (size_t)g * nb * TILE_BYTES;
+            const int cols = N - 8 * g < 8 ? N - 8 * g : 8;
+#define Q4_CALL(RR)                                                                            \
+    q4_tile_rows(RR, wg, nb, a->q + (size_t)m * K, a->d + m * nb, a->s + m * nb, K,            \
+                 y + (size_t)m * ldy + 8 * g, ldy, cols, accumulate)
+            ROW_TILES(Q4_CALL);
+#undef Q4_CALL
+        }
+    } else if (mat->kind == 1) {
+        const int8_t *w = (const int8_t *)mat->w;
+        for (int n = u0; n < u1; n++) {
+            const int8_t *wr = w + (size_t)n * K;
+#define Q8_CALL(RR)                                                                            \
+    q8_rows(RR, wr, nb, mat->scales[n], a->q + (size_t)m * K, a->d + m * nb, K,                \
+            y + (size_t)m * ldy + n, ldy, accumulate)
+            ROW_TILES(Q8_CALL);
+#undef Q8_CALL
+        }
+    } else {
+        const float *w = (const float *)mat->w;
+        /* Rows 8 at a time against one weight row (each weight row read once for them all),
+           the rest as below; every row's sum is formed as f32_rows forms it. */
+        const int M8 = M - M % 8;
+        for (int n = u0; n < u1 && M8; n++)
+            for (int m = 0; m < M8; m += 8)
+                f32_rows(8, w + (size_t)n * K, K, a->f + (size_t)m * K, y + (size_t)m * ldy + n,
+                         ldy, accumulate);
+        int n = u0;
+        for (; n + 2 <= u1; n += 2) {
+            const float *wr = w + (size_t)n * K;
+#define F32_CALL2(RR)                                                                          \
+    f32_rows2(RR, wr, K, a->f + (size_t)m * K, y + (size_t)m * ldy + n, ldy, accumulate)
+            ROW_TILES_FROM(M8, F32_CALL2);
+#undef F32_CALL2
+        }
+        for (; n < u1; n++) {
+            const float *wr = w + (size_t)n * K;
+#define F32_CALL(RR)                                                                           \
+    f32_rows(RR, wr, K, a->f + (size_t)m * K, y + (size_t)m * ldy + n, ldy, accumulate)
+            ROW_TILES_FROM(M8, F32_CALL);
+#undef F32_CALL
+        }
+    }
+}
+
+/* This thread's share of a product (inside a parallel region). */
+static void product(const sf_matrix *mat, const acts *a, int M, float *y, int ldy,
+                    int accumulate) {
+    int u0, u1;
+    share(units(mat), omp_get_num_threads(), omp_get_thread_num(), &u0, &u1);
+    product_units(mat, a, M, y, ldy, accumulate, u0, u1);
+}
+
+static int matrix_ok(const sf_matrix *mat) {
+    if (mat->kind < 0 || mat->kind > 2 || mat->K <= 0 || mat->N <= 0) return 0;
+    if (quantized(mat) && mat->K % QK) return 0;
+    return 1;
+}
+
+/* y[M, N] = x[M, K] @ W^T, one product in a parallel region of its own. */
+int sf_linear(const sf_matrix *mat, const float *x, int M, float *y, int threads) {
+    if (!matrix_ok(mat)) return 1;
+    const int K = mat->K;
+    acts a = {x, NULL, NULL, NULL, K};
+    if (quantized(mat)) {
+        a.q = (int16_t *)malloc(sizeof(int16_t) * ((size_t)M * K + 16));
+        a.d = (float *)malloc(sizeof(float) * ((size_t)M * (K / QK) + 1));
+        a.s = (float *)malloc(sizeof(float) * ((size_t)M * (K / QK) + 1));
+        if (!a.q || !a.d || !a.s) { free(a.q); free(a.d); free(a.s); return 2; }
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        if (quantized(mat)) {
+            int m0, m1;
+            share(M, omp_get_num_threads(), omp_get_thread_num(), &m0, &m1);
+            quantize_rows(&a, m0, m1);
+#pragma omp barrier
+        }
+        product(mat, &a, M, y, mat->N, 0);
+    }
+    free(a.q); free(a.d); free(a.s);
+    return 0;
+}
+
+/* Lay out Q4_1 blocks (N rows of K/32 blocks of 20 bytes: float16 d, float16 m, 16 bytes with
+   input j in the low nibble of byte j and input j + 16 in its high one) as tiles (see above);
+   tiles has ceil(N / 8) * K / 32 * TILE_BYTES bytes (rows past N are zero). */
+int sf_tile_q4(const uint8_t *blocks, int N, int K, uint8_t *tiles) {
+    if (K % QK) return 1;
+    const int nb = K / QK, groups = (N + 7) / 8;
+    memset(tiles, 0, (size_t)groups * nb * TILE_BYTES);
+    for (int g = 0; g < groups; g++)
+        for (int b = 0; b < nb; b++) {
+            uint8_t *t = tiles + ((size_t)g * nb + b) * TILE_BYTES;
+            for (int r = 0; r < 8 && 8 * g + r < N; r++) {
+                const uint8_t *blk = blocks + ((size_t)(8 * g + r) * nb + b) * 20;
+                memcpy(t + 2 * r, blk, 2);
+                memcpy(t + 16 + 2 * r, blk + 2, 2);
+                uint8_t q[QK];
+                for (int j = 0; j < 16; j++) {
+                    q[j] = blk[4 + j] & 0x0F;
+                    q[j + 16] = blk[4 + j] >> 4;
+                }
+                /* input i = 2c + k, c = 4 qu + s: lane 2r + k of quarter qu, nibble s */
+                for (int i = 0; i < QK; i++) {
+                    const int c = i / 2, k = i % 2, qu = c / 4, s = c % 4;
+                    const int lane = 2 * r + k, byte = 32 + 32 * qu + 2 * lane + s / 2;
+                    t[byte] |= (uint8_t)(q[i] << (4 * (s % 2)));
+                }
+            }
+        }
+    return 0;
+}
+
+/* The inverse of sf_tile_q4. */
+int sf_untile_q4(const uint8_t *tiles, int N, int K, uint8_t *blocks) {
+    if (K % QK) return 1;
+    const int nb = K / QK;
+    for (int n = 0; n < N; n++)
+        for (int b = 0; b < nb; b++) {
+            const int g = n / 8, r = n % 8;
+            const uint8_t *t = tiles + ((size_t)g * nb + b) * TILE_BYTES;
+            uint8_t *blk = blocks + ((size_t)n * nb + b) * 20;
+            memcpy(blk, t + 2 * r, 2);
+            memcpy(blk + 2, t + 16 + 2 * r, 2);
+            uint8_t q[QK];
+            for (int i = 0; i < QK; i++) {
+                const int c = i / 2, k = i % 2, qu = c / 4, s = c % 4;
+                const int lane = 2 * r + k, byte = 32 + 32 * qu + 2 * lane + s / 2;
+                q[i] = (uint8_t)((t[byte] >> (4 * (s % 2))) & 0x0F);
+            }
+            for (int j = 0; j < 16; j++) blk[4 + j] = (uint8_t)(q[j] | (q[j + 16] << 4));
+        }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* the step                                                                                 */
+
+/* One row of the embedding table, float32 (int8 rows: q * scale, the scale of each block). */
+static void embed_row(const sf_model *md, int64_t token, float *out) {
+    const int H = md->hidden;
+    if (md->embed_kind == 0) {
+        memcpy(out, (const float *)md->embed + (size_t)token * H, sizeof(float) * H);
+        return;
+    }
+    const int8_t *q = (const int8_t *)md->embed + (size_t)token * H;
+    const float *sc = md->embed_scales + (size_t)token * (H / QK);
+    for (int k = 0; k < H; k++) out[k] = (float)q[k] * sc[k / QK];
+}
+
+static inline __m256 load8(const void *base, size_t index, int half) {
+    if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + index)));
+    return _mm256_loadu_ps((const float *)base + index);
+}
+
+/* Attention of one query head of one row over positions [0, length) of its slot's keys and
+   values (head_dim hd, a multiple of 8, at most MAX_HEAD_DIM): softmax of the scaled dot
+   products, then the weighted sum of the values, each in a fixed order. */
+static void attend(const float *q, const void *keys, const void *values, int half, int length,
+                   int hd, float scale, float *scores, float *out) {
+    const int nv = hd / 8;
+    __m256 qv[MAX_HEAD_DIM / 8];
+    for (int i = 0; i < nv; i++) qv[i] = _mm256_loadu_ps(q + 8 * i);
+    float best = -INFINITY;
+    for (int t = 0; t < length; t++) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int i = 0; i < nv; i++)
+            acc = _mm256_fmadd_ps(qv[i], load8(keys, (size_t)t * hd + 8 * i, half), acc);
+        const float s = hsum(acc) * scale;
+        scores[t] = s;
+        best = s > best ? s : best;
+    }
+    const __m256 top = _mm256_set1_ps(best);
+    __m256 total = _mm256_setzero_ps();
+    int t = 0;
+    for (; t + 8 <= length; t += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + t), top));
+        _mm256_storeu_ps(scores + t, e);
+        total = _mm256_add_ps(total, e);
+    }
+    if (t < length) {
+        float tail[8] = {0};
+        for (int j = 0; t + j < length; j++) tail[j] = scores[t + j];
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(tail), top));
+        _mm256_storeu_ps(tail, e);
+        for (int j = 0; j < 8; j++) {
+            if (t + j < length) scores[t + j] = tail[j];
+            else tail[j] = 0.0f;
+        }
+        total = _mm256_add_ps(total, _mm256_loadu_ps(tail));
+    }
+    const float inv = 1.0f / hsum(total);
+    __m256 acc[MAX_HEAD_DIM / 8];
+    for (int i = 0; i < nv; i++) acc[i] = _mm256_setzero_ps();
+    for (t = 0; t < length; t++) {
+        const __m256 p = _mm256_set1_ps(scores[t]);
+        for (int i = 0; i < nv; i++)
+            acc[i] = _mm256_fmadd_ps(p, load8(values, (size_t)t * hd + 8 * i, half), acc[i]);
+    }
+    const __m256 norm = _mm256_set1_ps(inv);
+    for (int i = 0; i < nv; i++) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], norm));
+}
+
+/* The key (turned already) and the value of kv head h of one row into its slot's position. */
+static void write_kv(const sf_kv *kv, int l, size_t slot_stride, int64_t slot, int64_t position,
+                     int h, int hd, const float *row, int heads, int kvh) {
+    const size_t at = (size_t)slot * slot_stride + ((size_t)h * kv->capacity + position) * hd;
+    const float *k = row + (size_t)(heads + h) * hd;
+    const float *v = row + (size_t)(heads + kvh + h) * hd;
+    if (kv->half) {
+        uint16_t *kd = (uint16_t *)kv->keys[l] + at, *vd = (uint16_t *)kv->values[l] + at;
+        for (int j = 0; j < hd; j += 8) {
+            _mm_storeu_si128((__m128i *)(kd + j),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(k + j), _MM_FROUND_TO_NEAREST_INT));
+            _mm_storeu_si128((__m128i *)(vd + j),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(v + j), _MM_FROUND_TO_NEAREST_INT));
+        }
+    } else {
+        memcpy((float *)kv->keys[l] + at, k, sizeof(float) * hd);
+        memcpy((float *)kv->values[l] + at, v, sizeof(float) * hd);
+    }
+}
+
+/* Rows [0, M) at positions[m] of slots[m]: layers [first, end) over hidden (in place; when
+   tokens is not NULL the rows are first the tokens' embeddings).  Each row's key and value are
+   written at its position of its slot, then each row attends to positions [0, position] of its
+   slot: rows of one prompt chunk see each other causally, and a decode row sees its lane. */
+int sf_forward(const sf_model *md, const sf_kv *kv, int M, const int64_t *tokens,
+               const int64_t *positions, const int64_t *slots, float *hidden, int first, int end,
+               int threads) {
+    const int H = md->hidden, hd = md->head_dim, heads = md->heads, kvh = md->kv_heads;
+    const int I = md->intermediate, groups = heads / kvh, half = hd / 2;
+    const int width = (heads + 2 * kvh) * hd, attended = heads * hd;
+    if (M <= 0) return 0;
+    if (hd % 8 || hd > MAX_HEAD_DIM || heads % kvh || H % QK || attended % QK || I % QK)
+        return 1;
+    for (int l = first; l < end; l++) {
+        const sf_layer *L = &md->layer[l];
+        if (!matrix_ok(&L->qkv) || !matrix_ok(&L->o) || !matrix_ok(&L->gate_up) ||
+            !matrix_ok(&L->down) || L->qkv.N != width || L->o.N != H ||
+            L->gate_up.N != 2 * I || L->down.N != H)
+            return 1;
+    }
+    int longest = 0;
+    for (int m = 0; m < M; m++) {
+        if (positions[m] < 0 || positions[m] >= kv->capacity) return 4;
+        if (positions[m] + 1 > longest) longest = (int)positions[m] + 1;
+    }
+    const int widest = I > H ? (I > attended ? I : attended) : (H > attended ? H : attended);
+    const size_t rows = (size_t)M;
+    float *xf = (float *)malloc(sizeof(float) * rows * widest);
+    int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * (rows * widest + 16));
+    float *xd = (float *)malloc(sizeof(float) * (rows * (widest / QK) + 1));
+    float *xs = (float *)malloc(sizeof(float) * (rows * (widest / QK) + 1));
+    float *qkv = (float *)malloc(sizeof(float) * rows * width);
+    float *gu = (float *)malloc(sizeof(float) * rows * 2 * I);
+    float *scores = (float *)malloc(sizeof(float) * ((size_t)threads * (longest + 8) + 8));
+    int status = (!xf || !xq || !xd || !xs || !qkv || !gu || !scores) ? 2 : 0;
+    if (!status && tokens)
+        for (int m = 0; m < M; m++) {
+            if (tokens[m] < 0 || tokens[m] >= md->vocab) { status = 5; break; }
+            embed_row(md, tokens[m], hidden + (size_t)m * H);
+        }
+    if (status) {
+        free(xf); free(xq); free(xd); free(xs); free(qkv); free(gu); free(scores);
+        return status;
+    }
+    const size_t slot_stride = (size_t)kvh * kv->capacity * hd;
+#pragma omp parallel num_threads(threads)
+    {
+        const int nt = omp_get_num_threads(), me = omp_get_thread_num();
+        int m0, m1;
+        share(M, nt, me, &m0, &m1);
+        float *my_scores = scores + (size_t)me * (longest + 8);
+        acts in_h = {xf, xq, xd, xs, H};
+        acts in_a = {xf, xq, xd, xs, attended};
+        acts in_i = {xf, xq, xd, xs, I};
+        for (int l = first; l < end; l++) {
+            const sf_layer *L = &md->layer[l];
+            /* input norm, quantized for the product */
+            for (int m = m0; m < m1; m++)
+                rmsnorm_row(hidden + (size_t)m * H, H, L->input_norm, md->eps, xf + (size_t)m * H);
+            if (quantized(&L->qkv)) quantize_rows(&in_h, m0, m1);
+#pragma omp barrier
+            product(&L->qkv, &in_h, M, qkv, width, 0);
+#pragma omp barrier
+            /* rotary embedding of queries and keys; keys and values into the slots */
+            {
+                int i0, i1;
+                share(M * (heads + kvh), nt, me, &i0, &i1);
+                for (int i = i0; i < i1; i++) {
+                    const int m = i / (heads + kvh), h = i % (heads + kvh);
+                    const float *c = md->cos + (size_t)positions[m] * hd;
+                    const float *sn = md->sin + (size_t)positions[m] * hd;
+                    float *v = qkv + (size_t)m * width + (size_t)h * hd;
+                    float t[MAX_HEAD_DIM];
+                    memcpy(t, v, sizeof(float) * hd);
+                    for (int j = 0; j < hd; j++) v[j] = t[j] * c[j] + t[(j + half) % hd] * sn[j];
+                    if (h < heads) continue;
+                    /* a key head, turned: it and its value into the slot */
+                    write_kv(kv, l, slot_stride, slots[m], positions[m], h - heads, hd,
+                             qkv + (size_t)m * width, heads, kvh);
+                }
+            }
+#pragma omp barrier
+            /* attention: each (row, query head) by one thread */
+            {
+                int i0, i1;
+                share(M * heads, nt, me, &i0, &i1);
+                for (int i = i0; i < i1; i++) {
+                    const int m = i / heads, h = i % heads, g = h / groups;
+                    const size_t base = (size_t)slots[m] * slot_stride + (size_t)g * kv->capacity * hd;
+                    const void *keys = kv->half ? (const void *)((const uint16_t *)kv->keys[l] + base)
+                                                : (const void *)((const float *)kv->keys[l] + base);
+                    const void *values = kv->half ? (const void *)((const uint16_t *)kv->values[l] + base)
+                                                  : (const void *)((const float *)kv->values[l] + base);
+                    attend(qkv + (size_t)m * width + (size_t)h * hd, keys, values, kv->half,
+                           (int)positions[m] + 1, hd, md->attention_scale, my_scores,
+                           xf + (size_t)m * attended + (size_t)h * hd);
+                }
+            }
+#pragma omp barrier
+            if (quantized(&L->o)) {
+                quantize_rows(&in_a, m0, m1);
+#pragma omp barrier
+            }
+            product(&L->o, &in_a, M, hidden, H, 1);
+#pragma omp barrier
+            for (int m = m0; m < m1; m++)
+                rmsnorm_row(hidden + (size_t)m * H, H, L->post_norm, md->eps, xf + (size_t)m * H);
+            if (quantized(&L->gate_up)) quantize_rows(&in_h, m0, m1);
+#pragma omp barrier
+            product(&L->gate_up, &in_h, M, gu, 2 * I, 0);
+#pragma omp barrier
+            for (int m = m0; m < m1; m++) {
+                const float *gate = gu + (size_t)m * 2 * I, *up = gate + I;
+                float *o = xf + (size_t)m * I;
+                int i = 0;
+                for (; i + 8 <= I; i += 8) {
+                    const __m256 a = _mm256_loadu_ps(gate + i);
+                    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), a));
+                    const __m256 silu = _mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+                    _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+                }
+                for (; i < I; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+            }
+            if (quantized(&L->down)) quantize_rows(&in_i, m0, m1);
+#pragma omp barrier
+            product(&L->down, &in_i, M, hidden, H, 1);
+#pragma omp barrier
+        }
+    }
+    free(xf); free(xq); free(xd); free(xs); free(qkv); free(gu); free(scores);
+    return 0;
+}
+
+/* The best `count` of logits[0, vocab) (larger first; of equal ones, the lower index), into
+   best[0, count) as indices; a min-heap of the kept ones. */
+static void top_indices(const float *logits, int vocab, int count, int32_t *best) {
+    int n = 0;
+    /* heap of indices; the root is the worst kept: the smallest value, of equal values the
+       larger index */
+#define WORSE(a, b) (logits[a] < logits[b] || (logits[a] == logits[b] && (a) > (b)))
+    for (int t = 0; t < vocab; t++) {
+        if (n < count) {
+            int i = n++;
+            best[i] = t;
+            while (i > 0) {
+                const int p = (i - 1) / 2;
+                if (!WORSE(best[i], best[p])) break;
+                const int32_t x = best[i]; best[i] = best[p]; best[p] = x;
+                i = p;
+            }
+        } else if (WORSE(best[0], t)) {
+            best[0] = t;
+            int i = 0;
+            for (;;) {
+                const int l = 2 * i + 1, r = l + 1;
+                int w = i;
+                if (l < n && WORSE(best[l], best[w])) w = l;
+                if (r < n && WORSE(best[r], best[w])) w = r;
+                if (w == i) break;
+                const int32_t x = best[i]; best[i] = best[w]; best[w] = x;
+                i = w;
+            }
+        }
+    }
+#undef WORSE
+}
+
+static inline int allowed(const int32_t *mask, int t) {
+    return (int)(((uint32_t)mask[t >> 5] >> (t & 31)) & 1u);
+}
+
+/* Logits [M, vocab] of hidden rows [M, hidden] (after the last layer): the final norm, the
+   head's product, then (when the model has refine rows) the best `refined` logits of each row
+   computed again in float32 from the head's float rows.  With masks (mask_words int32 words a
+   row, bit t % 32 of word t / 32 allowing token t) forbidden tokens are -inf, and the refined
+   ones are the best allowed ones. */
+int sf_logits(const sf_model *md, int M, const float *hidden, const int32_t *masks,
+              int mask_words, int refined, float *logits, int threads) {
+    const int H = md->hidden, V = md->vocab;
+    if (M <= 0) return 0;
+    if (!matrix_ok(&md->head) || md->head.N != V || md->head.K != H) return 1;
+    if (masks && mask_words * 32 < V) return 1;
+    if (refined > V) refined = V;
+    float *xf = (float *)malloc(sizeof(float) * (size_t)M * H);
+    int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * ((size_t)M * H + 16));
+    float *xd = (float *)malloc(sizeof(float) * ((size_t)M * (H / QK) + 1));
+    float *xs = (float *)malloc(sizeof(float) * ((size_t)M * (H / QK) + 1));
+    int32_t *best = (int32_t *)malloc(sizeof(int32_t) * ((size_t)M * (refined > 0 ? refined : 1)));
+    if (!xf || !xq || !xd || !xs || !best) {
+        free(xf); free(xq); free(xd); free(xs); free(best);
+        return 2;
+    }
+    acts a = {xf, xq, xd, xs, H};
+#pragma omp parallel num_threads(threads)
+    {
+        const int nt = omp_get_num_threads(), me = omp_get_thread_num();
+        int m0, m1;
+        share(M, nt, me, &m0, &m1);
+        for (int m = m0; m < m1; m++)
+            rmsnorm_row(hidden + (size_t)m * H, H, md->final_norm, md->eps, xf + (size_t)m * H);
+        if (quantized(&md->head)) quantize_rows(&a, m0, m1);
+#pragma omp barrier
+        product(&md->head, &a, M, logits, V, 0);
+#pragma omp barrier
+        for (int m = m0; m < m1; m++) {
+            float *row = logits + (size_t)m * V;
+            const int32_t *mask = masks ? masks + (size_t)m * mask_words : NULL;
+            if (mask)
+                for (int t = 0; t < V; t++)
+                    if (!allowed(mask, t)) row[t] = -INFINITY;
+            if (md->refine_kind < 0 || refined <= 0) continue;
+            int32_t *b = best + (size_t)m * refined;
+            top_indices(row, V, refined, b);
+            const float *x = xf + (size_t)m * H;
+            for (int j = 0; j < refined; j++) {
+                const int t = b[j];
+                __m256 acc = _mm256_setzero_ps();
+                if (md->refine_kind == 0) {
+                    const float *w = (const float *)md->refine + (size_t)t * H;
+                    for (int k = 0; k < H; k += 8)
+                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), acc);
+                } else {
+                    const int8_t *w = (const int8_t *)md->refine + (size_t)t * H;
+                    const float *sc = md->refine_scales + (size_t)t * (H / QK);
+                    for (int k = 0; k < H; k += 8) {
+                        const __m256 wv = _mm256_mul_ps(
+                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + k)))),
+                            _mm256_set1_ps(sc[k / QK]));
+                        acc = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + k), acc);
+                    }
+                }
+                row[t] = (mask && !allowed(mask, t)) ? -INFINITY : hsum(acc);
+            }
+        }
+    }
+    free(xf); free(xq); free(xd); free(xs); free(best);
+    return 0;
+}

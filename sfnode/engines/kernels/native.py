@@ -1,0 +1,655 @@
+"""sfnode's own AVX2 kernels and decode step for float32 activations, built at start with the
+machine's C compiler and kept in a cache folder (docs/engine.md sections 5.1 and 5.2).
+
+Why: on a CPU without AVX512-BF16 (most cloud VMs, many desktops; AVX2-only AMD EPYC machines
+among them) bfloat16 arithmetic is emulated, so torch's quantized kernels, which want bfloat16
+activations, spend their time converting; and a decode step of eager torch operators spends as
+much time dispatching its few hundred small operators as multiplying.  The C source
+(``native.c`` beside this module) has products for 4-bit weights (GGUF Q4_1 blocks, laid out in
+tiles of 8 output rows), int8 and float32 weights, each activation row quantized by itself to
+int16 per block of 32 for the integer kernels; and the whole decode step of a Llama-family model
+(every layer, attention over the KV slots included, then the output head and its best logits
+computed again in float32) in two calls.  Every row is computed by itself in the same order of
+operations whatever else is in the call, so the results are batch-invariant, and a position's
+keys and values do not depend on how its prompt was cut into steps.  The work is split between
+the OpenMP threads of the runtime torch itself uses (the library links the ``libgomp.so.1``
+torch has already loaded, so no second thread team appears; docs/engine.md section 6).
+
+The library is compiled once per (source, compiler, flags) into ``cache_dir`` (atomically, so two
+processes may race) and loaded with ctypes.  :func:`load` answers the library or the reason it
+cannot: no C compiler, a CPU without AVX2/FMA/F16C, a failed compile; the caller then keeps torch's
+kernels and logs that one reason.
+
+This module must never run a kernel on a CPU whose flags it has not checked, never write a
+half-built library where a later start would load it, and never touch a model or a thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import os
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from sfnode.engines.kernels.quant import Precision
+
+NEEDED_FLAGS = frozenset({"avx2", "fma", "f16c"})
+"""CPU flags (as /proc/cpuinfo spells them) the kernel's instructions need."""
+
+BLOCK = 32
+BLOCK_BYTES = 20
+"""A Q4_1 block: float16 d, float16 m, 16 bytes holding 32 nibbles."""
+
+COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+
+SOURCE = (Path(__file__).parent / "native.c").read_text()
+"""The library's C source (``native.c`` beside this module)."""
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The first CPU's flags as the kernel lists them (empty where there is no /proc/cpuinfo)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def compiler() -> str | None:
+    """The C compiler to build with: ``$CC``, Python's own, ``cc``, ``gcc`` or ``clang``."""
+    candidates = [os.environ.get("CC", ""), str(sysconfig.get_config_var("CC") or "")]
+    candidates += ["cc", "gcc", "clang"]
+    for candidate in candidates:
+        name = candidate.split()[0] if candidate.strip() else ""
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _torch_openmp() -> Path | None:
+    """The OpenMP runtime file torch ships (its ``lib`` folder), if any."""
+    found = sorted((Path(torch.__file__).parent / "lib").glob("libgomp*.so*"))
+    return found[0] if found else None
+
+
+@dataclass(frozen=True)
+class Library:
+    """A loaded kernel library and where it came from."""
+
+    path: Path
+    built_seconds: float
+    """Seconds spent compiling it at this start (0.0: it was in the cache)."""
+    handle: Any
+
+
+_loaded: dict[Path, Library] = {}
+
+
+def library_name(cc: str) -> str:
+    """The cache file name for this source built by ``cc`` (its version included)."""
+    try:
+        version = subprocess.run(
+            [cc, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout.splitlines()[:1]
+    except (OSError, subprocess.SubprocessError):
+        version = []
+    key = "\n".join([SOURCE, " ".join(COMPILE_FLAGS), *version, torch.__version__])
+    return f"sfnode-q4-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+
+
+def load(cache_dir: Path, flags: frozenset[str] | None = None) -> Library | str:
+    """The kernel library (compiled into ``cache_dir`` first if it is not there), or why not."""
+    flags = cpu_flags() if flags is None else flags
+    missing = sorted(NEEDED_FLAGS - flags)
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    cc = compiler()
+    if cc is None:
+        return "no C compiler found (set CC, or install gcc)"
+    path = cache_dir / library_name(cc)
+    if path in _loaded:
+        # Loaded already in this process: nothing was built for this call.
+        return dataclasses.replace(_loaded[path], built_seconds=0.0)
+    built = 0.0
+    if not path.is_file():
+        started = time.monotonic()
+        reason = _compile(cc, path)
+        if reason is not None:
+            return reason
+        built = time.monotonic() - started
+    pointer, integer = ctypes.c_void_p, ctypes.c_int
+    signatures = {
+        "sf_linear": [pointer, pointer, integer, pointer, integer],
+        "sf_forward": [pointer, pointer, integer, pointer, pointer, pointer, pointer]
+        + [integer] * 3,
+        "sf_logits": [pointer, integer, pointer, pointer, integer, integer, pointer, integer],
+        "sf_tile_q4": [pointer, integer, integer, pointer],
+        "sf_untile_q4": [pointer, integer, integer, pointer],
+    }
+    try:
+        handle = ctypes.CDLL(str(path))
+        for name, argtypes in signatures.items():
+            function = getattr(handle, name)
+            function.argtypes = argtypes
+            function.restype = ctypes.c_int
+    except (OSError, AttributeError) as e:
+        return f"cannot load {path}: {e}"
+    library = Library(path, built, handle)
+    _loaded[path] = library
+    return library
+
+
+def _compile(cc: str, path: Path) -> str | None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".sfnode-q4-", dir=path.parent))
+    try:
+        source = work / "native.c"
+        source.write_text(SOURCE)
+        output = work / path.name
+        command = [cc, *COMPILE_FLAGS, str(source), "-o", str(output), "-lm"]
+        openmp = _torch_openmp()
+        if openmp is not None:
+            # Link the runtime torch already has loaded (same soname): one OpenMP team.
+            command += [f"-L{openmp.parent}", f"-Wl,-rpath,{openmp.parent}"]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as e:
+            return f"{cc} failed to run: {e}"
+        if done.returncode != 0 or not output.is_file():
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            return f"{cc} could not build the kernel: {last}"
+        os.replace(output, path)
+        return None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# -- weights ----------------------------------------------------------------------------------
+
+
+def pack_blocks(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """Q4_1 blocks ``[rows, cols / 32 * 20]`` (uint8) of ``w = scale * q + minimum`` per group.
+
+    ``q`` is ``[rows, cols]`` in 0..15; ``scale`` and ``minimum`` ``[rows, groups]`` (held as
+    float16, as in a GGUF file).
+    """
+    rows, cols = q.shape
+    groups = cols // BLOCK
+    nibbles = q.to(torch.uint8).reshape(rows, groups, BLOCK).numpy()
+    packed = nibbles[..., :16] | (nibbles[..., 16:] << 4)
+    d = scale.to(torch.float32).numpy().astype(np.float16).view(np.uint8)
+    m = minimum.to(torch.float32).numpy().astype(np.float16).view(np.uint8)
+    blocks = np.concatenate(
+        [d.reshape(rows, groups, 2), m.reshape(rows, groups, 2), packed.astype(np.uint8)], axis=-1
+    )
+    return torch.from_numpy(np.ascontiguousarray(blocks.reshape(rows, groups * BLOCK_BYTES)))
+
+
+def gguf_blocks(matrices: list[Any]) -> torch.Tensor:
+    """Q4_1 blocks of GGUF 4-bit matrices stacked along their rows (a fused projection): a Q4_1
+    file's own bytes, a Q4_0 matrix rewritten with its minimum ``-8 d``."""
+    from sfnode.engines.kernels.quant import q4_parts
+
+    parts = []
+    for matrix in matrices:
+        if matrix.kind == "Q4_1":
+            parts.append(torch.from_numpy(np.array(matrix.data, dtype=np.uint8, copy=True)))
+        else:
+            parts.append(pack_blocks(*q4_parts(matrix)))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def blocks_weight(blocks: torch.Tensor, cols: int) -> torch.Tensor:
+    """The float32 weights Q4_1 ``blocks`` mean (``d*q + m``), ``[rows, cols]``."""
+    rows = blocks.shape[0]
+    raw = blocks.numpy().reshape(rows, cols // BLOCK, BLOCK_BYTES)
+    d = np.ascontiguousarray(raw[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    m = np.ascontiguousarray(raw[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+    packed = raw[..., 4:]
+    q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.float32)
+    w = q * d[..., None] + m[..., None]
+    return torch.from_numpy(w.reshape(rows, cols))
+
+
+TILE_ROWS = 8
+TILE_BYTES = 160
+"""A tile: 8 output rows' Q4_1 blocks for the same 32 inputs, laid out for the kernel."""
+
+
+def tile_shape(rows: int, cols: int) -> tuple[int, int]:
+    """The shape of the tiles of a ``[rows, cols]`` Q4_1 matrix: a row of tiles per 8 rows."""
+    return (-(-rows // TILE_ROWS), cols // BLOCK * TILE_BYTES)
+
+
+def _linear(function: Any, matrix: _Matrix, x: torch.Tensor, out_features: int) -> torch.Tensor:
+    if x.dtype != torch.float32:
+        x = x.to(torch.float32)
+    x = x.contiguous()
+    rows = x.shape[0]
+    out = torch.empty((rows, out_features), dtype=torch.float32)
+    status = function(
+        ctypes.byref(matrix), x.data_ptr(), rows, out.data_ptr(), torch.get_num_threads()
+    )
+    if status:
+        raise RuntimeError(f"the native kernel refused the problem (status {status})")
+    return out
+
+
+class _Matrix(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int32),
+        ("K", ctypes.c_int32),
+        ("N", ctypes.c_int32),
+        ("w", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+    ]
+
+
+class Q4Linear:
+    """4-bit weights in Q4_1 blocks, held as the kernel's tiles, multiplied by the native
+    library's kernel; float32 activations (quantized per row and block of 32 to int16 inside).
+
+    Its precision is int4 (what the weights hold); it computes in float32 between matrices.
+    """
+
+    precision = Precision.INT4
+    activations = torch.float32
+    kernel_name = "sfnode q4 tiles x int16 (avx2)"
+
+    def __init__(
+        self,
+        blocks: torch.Tensor | None,
+        in_features: int,
+        library: Library,
+        *,
+        tiles: torch.Tensor | None = None,
+        out_features: int | None = None,
+    ) -> None:
+        """From row-major Q4_1 ``blocks`` ``[rows, in_features / 32 * 20]``, or from ``tiles``
+        laid out already (with ``out_features``)."""
+        if in_features % BLOCK:
+            raise ValueError(f"Q4_1 blocks need in_features divisible by {BLOCK}")
+        self.in_features = in_features
+        self.library = library
+        if tiles is None:
+            assert blocks is not None
+            self.out_features = int(blocks.shape[0])
+            blocks = blocks.contiguous()
+            tiles = torch.empty(tile_shape(self.out_features, in_features), dtype=torch.uint8)
+            library.handle.sf_tile_q4(
+                blocks.data_ptr(), self.out_features, in_features, tiles.data_ptr()
+            )
+        else:
+            assert out_features is not None
+            if tuple(tiles.shape) != tile_shape(out_features, in_features):
+                raise ValueError(f"tiles of shape {tuple(tiles.shape)} for {out_features} rows")
+            self.out_features = out_features
+        self.tiles = tiles.contiguous()
+        self.matrix = _Matrix(0, in_features, self.out_features, self.tiles.data_ptr(), None)
+        self._function = library.handle.sf_linear
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        """The row-major Q4_1 blocks these tiles hold (a copy)."""
+        blocks = torch.empty(
+            (self.out_features, self.in_features // BLOCK * BLOCK_BYTES), dtype=torch.uint8
+        )
+        self.library.handle.sf_untile_q4(
+            self.tiles.data_ptr(), self.out_features, self.in_features, blocks.data_ptr()
+        )
+        return blocks
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(self._function, self.matrix, x, self.out_features)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {
+            "tiles": self.tiles,
+            "in_features": torch.tensor(self.in_features),
+            "out_features": torch.tensor(self.out_features),
+        }
+
+
+class Q8Linear:
+    """Int8 weights with one float32 scale per output row, multiplied by the native library's
+    kernel (activations quantized per block of 32 as for :class:`Q4Linear`); float32
+    activations."""
+
+    precision = Precision.INT8
+    activations = torch.float32
+    kernel_name = "sfnode q8 x int16 (avx2)"
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, library: Library) -> None:
+        self.weight = weight.to(torch.int8).contiguous()
+        self.scales = scales.to(torch.float32).contiguous()
+        self.out_features, self.in_features = self.weight.shape
+        if self.in_features % BLOCK:
+            raise ValueError(f"the q8 kernel needs in_features divisible by {BLOCK}")
+        self.library = library
+        self.matrix = _Matrix(
+            1, self.in_features, self.out_features, self.weight.data_ptr(), self.scales.data_ptr()
+        )
+        self._function = library.handle.sf_linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(self._function, self.matrix, x, self.out_features)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight, "scales": self.scales}
+
+
+class F32Linear:
+    """Float32 weights multiplied by the native library's kernel: float32 products summed in a
+    fixed order per row (8 lanes along the row, then their sum), so a row's result does not
+    depend on the rows beside it."""
+
+    precision = Precision.FLOAT32
+    activations = torch.float32
+    kernel_name = "sfnode float32 (avx2)"
+
+    def __init__(self, weight: torch.Tensor, library: Library) -> None:
+        self.weight = weight.to(torch.float32).contiguous()
+        self.out_features, self.in_features = self.weight.shape
+        self.library = library
+        self.matrix = _Matrix(2, self.in_features, self.out_features, self.weight.data_ptr(), None)
+        self._function = library.handle.sf_linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(self._function, self.matrix, x, self.out_features)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight}
+
+
+NativeLinear = Q4Linear | Q8Linear | F32Linear
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("qkv", _Matrix),
+        ("o", _Matrix),
+        ("gate_up", _Matrix),
+        ("down", _Matrix),
+    ]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        ("layers", ctypes.c_int32),
+        ("hidden", ctypes.c_int32),
+        ("heads", ctypes.c_int32),
+        ("kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("intermediate", ctypes.c_int32),
+        ("vocab", ctypes.c_int32),
+        ("eps", ctypes.c_float),
+        ("attention_scale", ctypes.c_float),
+        ("layer", ctypes.c_void_p),
+        ("embed_kind", ctypes.c_int32),
+        ("embed", ctypes.c_void_p),
+        ("embed_scales", ctypes.c_void_p),
+        ("final_norm", ctypes.c_void_p),
+        ("head", _Matrix),
+        ("refine_kind", ctypes.c_int32),
+        ("refine", ctypes.c_void_p),
+        ("refine_scales", ctypes.c_void_p),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+    ]
+
+
+class _KV(ctypes.Structure):
+    _fields_ = [
+        ("half", ctypes.c_int32),
+        ("capacity", ctypes.c_int32),
+        ("keys", ctypes.c_void_p),
+        ("values", ctypes.c_void_p),
+    ]
+
+
+MAX_HEAD_DIM = 256
+
+
+def fusable(weights: Any) -> str | None:
+    """None when ``weights`` (a ``LlamaWeights``) can run through :class:`NativeStep`, else why
+    not."""
+    from sfnode.engines.kernels.quant import Q8Rows
+
+    if weights.activations != torch.float32:
+        return f"activations are {str(weights.activations).removeprefix('torch.')}"
+    if weights.head_dim > MAX_HEAD_DIM or weights.head_dim % 8:
+        return f"head_dim {weights.head_dim} is not supported"
+    if weights.heads % weights.kv_heads:
+        return "the query heads do not group evenly onto the key/value heads"
+    intermediate = weights.layers[0].gate_up.out_features // 2
+    if weights.hidden % BLOCK or intermediate % BLOCK or (weights.heads * weights.head_dim) % BLOCK:
+        return f"a dimension is not a multiple of {BLOCK}"
+    for layer in weights.layers:
+        for projection in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            if not isinstance(projection.kernel, NativeLinear):
+                return f"a {projection.kernel.precision.value} matrix has no native kernel"
+            if projection.bias is not None or projection.dense is not None:
+                return "a projection has a bias or a dense copy"
+    if not isinstance(weights.lm_head, NativeLinear):
+        return "the output head has no native kernel"
+    if not isinstance(weights.embed, Q8Rows | torch.Tensor):
+        return "the embedding table is neither float32 nor int8 rows"
+    return None
+
+
+def _rows_pointers(table: Any) -> tuple[int, int, int, list[torch.Tensor]]:
+    """(kind, rows, scales, tensors to keep) of an embedding table or the head's float rows:
+    kind 0 float32 rows, 1 int8 rows with float32 scales per block of 32."""
+    from sfnode.engines.kernels.quant import Q8Rows
+
+    if isinstance(table, Q8Rows):
+        q, scales = table.q.contiguous(), table.scales.to(torch.float32).contiguous()
+        return 1, q.data_ptr(), scales.data_ptr(), [q, scales]
+    rows = table.to(torch.float32).contiguous()
+    return 0, rows.data_ptr(), 0, [rows]
+
+
+class NativeStep:
+    """The whole decode step of a Llama-family model in two calls into the native library
+    (docs/engine.md section 5.2): :meth:`forward` (every layer over any rows, attention over the
+    KV slots included) and :meth:`logits` (the final norm, the head, the best logits computed
+    again in float32).
+
+    Every row is computed by itself, so it is batch-invariant like the kernels, and a
+    position's keys and values do not depend on the step it was computed in.  The weights'
+    tensors must outlive this object (it holds their addresses; ``weights`` keeps them).
+    """
+
+    def __init__(
+        self, weights: Any, library: Library, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
+        """``cos`` and ``sin`` are the rotary tables ``[window, head_dim]`` (``sin`` with
+        rotate_half's sign folded in), float32."""
+        reason = fusable(weights)
+        if reason is not None:
+            raise ValueError(reason)
+        self._weights = weights
+        self._keep: list[torch.Tensor] = []
+
+        def keep(tensor: torch.Tensor) -> int:
+            tensor = tensor.to(torch.float32).contiguous()
+            self._keep.append(tensor)
+            return int(tensor.data_ptr())
+
+        count = len(weights.layers)
+        self._layers = (_Layer * count)()
+        for index, layer in enumerate(weights.layers):
+            self._layers[index] = _Layer(
+                keep(layer.input_norm),
+                keep(layer.post_norm),
+                layer.qkv.kernel.matrix,
+                layer.o.kernel.matrix,
+                layer.gate_up.kernel.matrix,
+                layer.down.kernel.matrix,
+            )
+        embed_kind, embed, embed_scales, kept = _rows_pointers(weights.embed)
+        self._keep += kept
+        refine_kind, refine, refine_scales = -1, 0, 0
+        if weights.lm_head_float is not None:
+            refine_kind, refine, refine_scales, kept = _rows_pointers(weights.lm_head_float)
+            self._keep += kept
+        self.hidden = int(weights.hidden)
+        self.vocab = int(weights.vocab_size)
+        self.refines = weights.lm_head_float is not None
+        """Whether :meth:`logits` computes each row's best logits again from float rows."""
+        self._model = _Model(
+            count,
+            self.hidden,
+            weights.heads,
+            weights.kv_heads,
+            weights.head_dim,
+            weights.layers[0].gate_up.out_features // 2,
+            self.vocab,
+            weights.eps,
+            weights.head_dim**-0.5,
+            ctypes.addressof(self._layers),
+            embed_kind,
+            embed,
+            embed_scales,
+            keep(weights.final_norm_float),
+            weights.lm_head.matrix,
+            refine_kind,
+            refine,
+            refine_scales,
+            keep(cos),
+            keep(sin),
+        )
+        self.window = int(cos.shape[0])
+        self._forward = library.handle.sf_forward
+        self._logits = library.handle.sf_logits
+        self._kv: tuple[tuple[int, int, int], _KV, Any, Any] | None = None
+
+    def _kv_struct(self, kv: Any) -> _KV:
+        """The C view of ``kv`` (a :class:`~sfnode.engines.runners.kv.SlotKV`), rebuilt when it
+        grew."""
+        key = (id(kv), kv.capacity, kv.keys[0].data_ptr() if kv.keys else 0)
+        if self._kv is None or self._kv[0] != key:
+            layers = len(kv.keys)
+            keys = (ctypes.c_void_p * layers)(*[t.data_ptr() for t in kv.keys])
+            values = (ctypes.c_void_p * layers)(*[t.data_ptr() for t in kv.values])
+            if kv.dtype not in (torch.float16, torch.float32):
+                raise ValueError(f"keys and values in {kv.dtype} are not supported")
+            struct = _KV(
+                int(kv.dtype == torch.float16),
+                kv.capacity,
+                ctypes.addressof(keys),
+                ctypes.addressof(values),
+            )
+            self._kv = (key, struct, keys, values)
+        return self._kv[1]
+
+    def forward(
+        self,
+        kv: Any,
+        positions: Sequence[int],
+        slots: Sequence[int],
+        *,
+        tokens: Sequence[int] | None = None,
+        hidden: torch.Tensor | None = None,
+        first: int = 0,
+        end: int | None = None,
+    ) -> torch.Tensor:
+        """Layers ``[first, end)`` over rows at ``positions`` of ``slots`` of ``kv``, from the
+        ``tokens``' embeddings or from ``hidden`` (float32 ``[rows, hidden]``, changed in
+        place); answers the hidden states after the last of them.  Each row's key and value
+        go to its position of its slot; each row attends to its slot up to its position."""
+        rows = len(positions)
+        end = len(self._weights.layers) if end is None else end
+        if hidden is None:
+            if tokens is None:
+                raise ValueError("forward needs tokens or hidden states")
+            hidden = torch.empty((rows, self.hidden), dtype=torch.float32)
+            token_array = np.asarray(tokens, dtype=np.int64)
+            token_pointer = token_array.ctypes.data
+        else:
+            token_pointer = None
+        position_array = np.asarray(positions, dtype=np.int64)
+        slot_array = np.asarray(slots, dtype=np.int64)
+        if rows and (int(slot_array.min()) < 0 or int(slot_array.max()) >= kv.slots):
+            raise ValueError("a row's slot is outside the KV slots")
+        status = self._forward(
+            ctypes.byref(self._model),
+            ctypes.byref(self._kv_struct(kv)),
+            rows,
+            token_pointer,
+            position_array.ctypes.data,
+            slot_array.ctypes.data,
+            hidden.data_ptr(),
+            first,
+            end,
+            torch.get_num_threads(),
+        )
+        if status:
+            raise RuntimeError(f"the native step refused the problem (status {status})")
+        return hidden
+
+    def logits(
+        self, hidden: torch.Tensor, masks: np.ndarray[Any, Any] | None = None, refined: int = 0
+    ) -> torch.Tensor:
+        """Float32 logits ``[rows, vocab]`` of ``hidden`` rows (after the last layer): the head's
+        product, and with :attr:`refines` the best ``refined`` of each row computed again from
+        the head's float rows.  ``masks`` (int32 words a row, bit ``t % 32`` of word ``t // 32``
+        allowing token ``t``) makes forbidden tokens -inf, and the refined ones the best
+        allowed ones."""
+        hidden = hidden.to(torch.float32).contiguous()
+        rows = hidden.shape[0]
+        out = torch.empty((rows, self.vocab), dtype=torch.float32)
+        words = 0
+        mask_pointer = None
+        if masks is not None:
+            masks = np.ascontiguousarray(masks, dtype=np.int32)
+            words = int(masks.shape[1])
+            mask_pointer = masks.ctypes.data
+        status = self._logits(
+            ctypes.byref(self._model),
+            rows,
+            hidden.data_ptr(),
+            mask_pointer,
+            words,
+            refined if self.refines else 0,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if status:
+            raise RuntimeError(f"the native head refused the problem (status {status})")
+        return out
+
+
+__all__ = [
+    "NEEDED_FLAGS",
+    "F32Linear",
+    "Library",
+    "NativeStep",
+    "Q4Linear",
+    "Q8Linear",
+    "blocks_weight",
+    "compiler",
+    "cpu_flags",
+    "fusable",
+    "gguf_blocks",
+    "load",
+    "pack_blocks",
+]

@@ -1,0 +1,121 @@
+"""One ``/v1/responses`` request on the head: the chat exchange, translated in and answered as
+OpenAI's Responses API (docs/api.md "/v1/responses").
+
+:class:`ResponsesExchange` is an :class:`~sfnode.head.api.exchange.Exchange` of a chat completion
+whose body :func:`sfnode.head.api.responses.translate` wrote, and whose :class:`ResponsesWriter`
+answers a ``Response`` object or its stream of events
+(:class:`~sfnode.head.api.responses.ResponseBuilder`) instead of chat's bodies and chunks; a
+response asked to be stored is put in the API's :class:`~sfnode.head.api.responses.ResponseStore`
+when it ends.
+
+This module must never decide anything the chat exchange decides (placement, back-pressure,
+errors, metrics: those stay in :mod:`sfnode.head.api.exchange`), never touch the store from a
+worker thread, and never write to a request once the exchange is done or gone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+from twisted.internet.defer import Deferred
+
+from sfnode.head.api import bodies
+from sfnode.head.api.exchange import Exchange, Host, Prepared, _Choice
+from sfnode.head.api.responses import (
+    ResponseBuilder,
+    ResponsesRequest,
+    ResponseStore,
+    event_bytes,
+    new_response_id,
+    translate,
+)
+from sfnode.head.api.schema import ApiError, parse_body
+from sfnode.head.fleet.backend import BackendStatus
+from sfnode.head.models.tools import CallEvent
+
+
+class ResponsesHost(Host, Protocol):
+    """The API, with its store of responses."""
+
+    responses: ResponseStore
+
+
+class ResponsesExchange(Exchange):
+    """One ``/v1/responses`` request (see the module's docstring): the chat exchange with a
+    translated body and a :class:`ResponsesWriter`."""
+
+    def __init__(self, api: ResponsesHost, request: Any) -> None:
+        super().__init__(api, request, chat=True)
+        self.store = api.responses
+        self.ident = new_response_id()
+        self.translated: ResponsesRequest | None = None
+
+    def _prepare_chat(
+        self, data: bytes, statuses: Mapping[str, BackendStatus]
+    ) -> Deferred[Prepared]:
+        # Translated on the reactor (the store is the reactor's), rendered on a worker.
+        self.translated = translate(parse_body(data), self.store)
+        return super()._prepare_chat(bodies.json_bytes(self.translated.chat), statuses)
+
+    def _place(self, prepared: Prepared) -> None:
+        assert self.translated is not None
+        builder = ResponseBuilder(self.ident, self.created, prepared.request.model, self.translated)
+        self.writer = ResponsesWriter(self, builder, self.store)
+        super()._place(prepared)
+
+
+class ResponsesWriter:
+    """A :class:`~sfnode.head.api.exchange.Writer` of Responses' shapes: every piece of output
+    goes through the builder (streamed or not), the stream as its named events."""
+
+    def __init__(
+        self, exchange: ResponsesExchange, builder: ResponseBuilder, store: ResponseStore
+    ) -> None:
+        self.exchange = exchange
+        self.builder = builder
+        self.store = store
+
+    def _write(self, events: Iterable[dict[str, Any]]) -> None:
+        for event in events:
+            self.exchange.request.write(event_bytes(event))
+
+    def opened(self) -> None:
+        self._write(self.builder.started())
+
+    def show(self, choice: _Choice, events: Sequence[CallEvent], *, streamed: bool) -> None:
+        shown = self.builder.add(events)
+        if streamed:
+            self._write(shown)
+
+    def choice_finished(self, choice: _Choice) -> None:
+        pass  # the response's last events say it (closed)
+
+    def _usage_and_reason(self, completion_tokens: int) -> tuple[dict[str, int], str | None]:
+        x = self.exchange
+        finish = x.choices[0].finish if x.choices else None
+        reason = "max_output_tokens" if finish == "length" else None
+        return bodies.usage(len(x.prompt), completion_tokens), reason
+
+    def closed(self, completion_tokens: int) -> None:
+        self._write(self.builder.finished(*self._usage_and_reason(completion_tokens)))
+        self._keep()
+
+    def whole(self, completion_tokens: int) -> Any:
+        body = self.builder.whole(*self._usage_and_reason(completion_tokens))
+        self._keep()
+        return body
+
+    def _keep(self) -> None:
+        translated = self.exchange.translated
+        if translated is not None and translated.store:
+            self.store.put(self.exchange.ident, self.builder.conversation())
+
+    def failed(self, error: ApiError) -> None:
+        event = self.builder.event(
+            "error", code=error.code, message=error.message, param=error.param
+        )
+        self._write([event])
+
+
+__all__ = ["ResponsesExchange", "ResponsesHost", "ResponsesWriter"]
