@@ -33,9 +33,9 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 from sfnode.decoding.constraint import ConstraintError, LaneStage, Vocabulary
 from sfnode.decoding.draws import draw_position, uniform
+from sfnode.linkf.prefix_blocks import KV_BLOCK_TOKENS
 from sfnode.linkf.wire import LOGPROBS_MAX, Constraint, GenParams
 
-KV_BLOCK_TOKENS = 16
 """Tokens per KV block; ``kv_blocks_used`` counts ``ceil(tokens / 16)`` per live lane."""
 
 

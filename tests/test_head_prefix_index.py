@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.engines.scheduling.prefix_cache import block_keys
 from sfnode.head.fleet.prefix_index import (
     MAX_INDEX_BLOCKS,
     PrefixIndex,
     head_salt,
     reusable_keys,
 )
+from sfnode.linkf.prefix_blocks import block_keys
 
 SYSTEM = list(range(1000, 1064))
 """64 tokens: four full blocks."""

@@ -43,7 +43,8 @@ from sfnode.engines.runners.llama import (
 from sfnode.engines.scheduling.plan import BlockCopy, ChunkRow, DecodeRow, StepOutput, StepPlan
 from sfnode.engines.transformers_engine import TransformersEngine
 from sfnode.engines.weights.llama import gather_weights
-from sfnode.generation import KV_BLOCK_TOKENS, GenerationRequest, TokenLogprob
+from sfnode.generation import GenerationRequest, TokenLogprob
+from sfnode.linkf.prefix_blocks import KV_BLOCK_TOKENS
 from sfnode.linkf.wire import GenParams
 from tests.test_engine import native_library_dir
 from tests.tinymodel import TINY_VOCAB, tiny_llama

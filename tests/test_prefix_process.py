@@ -28,9 +28,9 @@ from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent, FileBodyProducer, readBody
 from twisted.web.http_headers import Headers
 
-from sfnode.generation import KV_BLOCK_TOKENS
 from sfnode.head.fleet.fleet import Fleet
 from sfnode.head.tap import Options, makeService
+from sfnode.linkf.prefix_blocks import KV_BLOCK_TOKENS
 from tests.processes import LOOPBACK, Child, spawn_twistd
 from tests.tinymodel import save_tiny_model
 

@@ -15,9 +15,10 @@ from sfnode.decoding.draws import draw_position
 from sfnode.engines.scheduling.drafts import Speculation
 from sfnode.engines.scheduling.pace import StepCost, StepRates
 from sfnode.engines.scheduling.plan import StepOutput, StepPlan
-from sfnode.engines.scheduling.prefix_cache import PrefixCache, block_keys
+from sfnode.engines.scheduling.prefix_cache import PrefixCache
 from sfnode.engines.scheduling.scheduler import Ended, Request, Scheduler, blocks_for
-from sfnode.generation import KV_BLOCK_TOKENS, EngineStop
+from sfnode.generation import EngineStop
+from sfnode.linkf.prefix_blocks import KV_BLOCK_TOKENS, block_keys
 from sfnode.linkf.wire import GenParams
 
 EOS = 2

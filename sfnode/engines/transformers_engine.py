@@ -67,7 +67,6 @@ from sfnode.engines.scheduling.scheduler import (
 from sfnode.engines.weights.llama import WeightsError, gather_weights
 from sfnode.engines.weights.loading import LoadedModel
 from sfnode.generation import (
-    KV_BLOCK_TOKENS,
     Engine,
     EngineRefusal,
     EngineStatistics,
@@ -82,6 +81,7 @@ from sfnode.generation import (
     TokenLogprob,
     TokenSink,
 )
+from sfnode.linkf.prefix_blocks import KV_BLOCK_TOKENS
 
 __all__ = ["TransformersEngine", "decode_hidden", "encode_hidden", "eos_ids_of"]
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from sfnode.generation import KV_BLOCK_TOKENS
+from sfnode.linkf.prefix_blocks import KV_BLOCK_TOKENS
 
 KV_GROWTH = 256
 """Slot capacity is a multiple of this many positions."""

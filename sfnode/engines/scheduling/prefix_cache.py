@@ -1,10 +1,9 @@
 """The prefix cache's index: which KV blocks of earlier prompts are kept, and where.
 
-Every full block of 16 tokens of a context is named by a hash chain: block ``i``'s key hashes
-block ``i - 1``'s key with the block's own token ids (and a salt naming the model and the weights
-mode), so a key stands for the whole prefix up to the end of its block.  When a new generation's
-context starts with blocks whose keys are here, their KV is copied into its lane and only the rest
-of the prompt is computed (docs/engine.md section 4).
+Every full block of 16 tokens of a context is named by a hash chain
+(:mod:`sfnode.linkf.prefix_blocks`), so a key stands for the whole prefix up to the end of its
+block.  When a new generation's context starts with blocks whose keys are here, their KV is
+copied into its lane and only the rest of the prompt is computed (docs/engine.md section 4).
 
 This index holds no tensors.  It hands out block numbers of a pool that a model runner owns
 (``0 .. capacity - 1``), keeps them in least-recently-used order, and when the pool is full it
@@ -18,33 +17,11 @@ This module must never import torch or touch a runner: it is pure bookkeeping, t
 
 from __future__ import annotations
 
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import xxhash
-
-from sfnode.generation import KV_BLOCK_TOKENS
-
-BlockKey = bytes
-
-
-def block_keys(tokens: Sequence[int], salt: bytes, limit: int | None = None) -> list[BlockKey]:
-    """The chain keys of the full blocks of ``tokens`` (at most ``limit`` blocks)."""
-    full = len(tokens) // KV_BLOCK_TOKENS
-    if limit is not None:
-        full = min(full, limit)
-    keys: list[BlockKey] = []
-    previous = salt
-    for index in range(full):
-        block = tokens[index * KV_BLOCK_TOKENS : (index + 1) * KV_BLOCK_TOKENS]
-        digest = xxhash.xxh3_128()
-        digest.update(previous)
-        digest.update(array("q", block).tobytes())
-        previous = digest.digest()
-        keys.append(previous)
-    return keys
+from sfnode.linkf.prefix_blocks import BlockKey
 
 
 @dataclass

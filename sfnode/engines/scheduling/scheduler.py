@@ -62,8 +62,9 @@ from sfnode.decoding.draws import draw_position
 from sfnode.engines.scheduling.drafts import DraftLength, PromptLookup, Speculation
 from sfnode.engines.scheduling.pace import StepCost, StepRates
 from sfnode.engines.scheduling.plan import BlockCopy, ChunkRow, DecodeRow, StepOutput, StepPlan
-from sfnode.engines.scheduling.prefix_cache import BlockKey, PrefixCache, block_keys
-from sfnode.generation import KV_BLOCK_TOKENS, EngineStop, TokenLogprob
+from sfnode.engines.scheduling.prefix_cache import PrefixCache
+from sfnode.generation import EngineStop, TokenLogprob
+from sfnode.linkf.prefix_blocks import KV_BLOCK_TOKENS, BlockKey, block_keys
 from sfnode.linkf.wire import GenParams
 
 

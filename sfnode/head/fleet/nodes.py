@@ -17,7 +17,6 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime, IStreamClientEndpoint
 from twisted.logger import Logger
 
-from sfnode.generation import KV_BLOCK_TOKENS
 from sfnode.head.fleet import placement
 from sfnode.head.fleet.model_admission import ModelAdmission
 from sfnode.head.fleet.prefix_index import BlockKey, PrefixIndex
@@ -30,6 +29,7 @@ from sfnode.head.link import (
     parse_endpoint,
 )
 from sfnode.head.link.machine import RetryPolicy
+from sfnode.linkf.prefix_blocks import KV_BLOCK_TOKENS
 
 _log = Logger(namespace="sfnode.head.fleet.fleet")
 

@@ -26,8 +26,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from sfnode.engines.scheduling.prefix_cache import BlockKey, block_keys
-from sfnode.generation import KV_BLOCK_TOKENS
+from sfnode.linkf.prefix_blocks import KV_BLOCK_TOKENS, BlockKey, block_keys
 
 DEFAULT_INDEX_BLOCKS = 4096
 """Blocks remembered for a node that has not reported its pool size yet."""
