@@ -154,8 +154,9 @@ options = Options()
 options.parseOptions(sys.argv[1:])
 head = makeService(options, reactor)
 api = head.getServiceNamed("http").api
-ids = api.renderer.chat([__import__("sfnode.head.api.schema").head.schema.ChatMessage("user",
-"hi")]) print("torch" in sys.modules, "transformers" in sys.modules, len(ids) > 0)
+from sfnode.head.api.schema import ChatMessage
+ids = api.renderer.chat([ChatMessage("user", "hi")])
+print("torch" in sys.modules, "transformers" in sys.modules, len(ids) > 0)
 """
 
 
