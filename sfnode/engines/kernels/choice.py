@@ -10,7 +10,7 @@ Two families of kernels multiply the weights:
 - ``native``: sfnode's AVX2 kernels (:mod:`sfnode.engines.kernels.native`) for int4, int8 and
 float32
   weights, float32 activations (quantized per row and block of 32 inside the int kernels); they
-  need AVX2, FMA, F16C and a C compiler at the first start.
+  need AVX2, FMA, F16C, and a C compiler at the first start or the build a wheel ships.
 
 The quantized kernels of both are batch-invariant.  The family decides the activation type of
 the whole step (norms, attention, KV): a mode's matrices must agree on it.  :func:`choose` runs
@@ -292,6 +292,8 @@ def choose(
     why = "measured layer 0's products and its other work at 1 and 8 rows: " + ", ".join(parts)
     if library is not None and library.built_seconds:
         why += f"; the native kernels compiled in {library.built_seconds:.1f} s"
+    if library is not None and library.shipped:
+        why += "; the native kernels are the build shipped with sfnode (no usable C compiler here)"
     choice = Choice(best, why, timings, library if best == "native" else None, all_float32)
     if cache_file is not None:
         _write(cache_file, key, choice)
