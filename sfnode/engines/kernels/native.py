@@ -519,35 +519,46 @@ class NativeStep:
             raise ValueError(reason)
         self._weights = weights
         self._keep: list[torch.Tensor] = []
-
-        def keep(tensor: torch.Tensor) -> int:
-            tensor = tensor.to(torch.float32).contiguous()
-            self._keep.append(tensor)
-            return int(tensor.data_ptr())
-
-        count = len(weights.layers)
-        self._layers = (_Layer * count)()
+        self._layers = (_Layer * len(weights.layers))()
         for index, layer in enumerate(weights.layers):
             self._layers[index] = _Layer(
-                keep(layer.input_norm),
-                keep(layer.post_norm),
+                self._float_pointer(layer.input_norm),
+                self._float_pointer(layer.post_norm),
                 layer.qkv.kernel.matrix,
                 layer.o.kernel.matrix,
                 layer.gate_up.kernel.matrix,
                 layer.down.kernel.matrix,
             )
-        embed_kind, embed, embed_scales, kept = _rows_pointers(weights.embed)
-        self._keep += kept
-        refine_kind, refine, refine_scales = -1, 0, 0
-        if weights.lm_head_float is not None:
-            refine_kind, refine, refine_scales, kept = _rows_pointers(weights.lm_head_float)
-            self._keep += kept
         self.hidden = int(weights.hidden)
         self.vocab = int(weights.vocab_size)
         self.refines = weights.lm_head_float is not None
         """Whether :meth:`logits` computes each row's best logits again from float rows."""
-        self._model = _Model(
-            count,
+        self._model = self._model_struct(weights, cos, sin)
+        self.window = int(cos.shape[0])
+        self._forward = library.handle.sf_forward
+        self._logits = library.handle.sf_logits
+        self._kv: tuple[tuple[int, int, int], _KV, Any, Any] | None = None
+
+    def _float_pointer(self, tensor: torch.Tensor) -> int:
+        """The address of ``tensor`` as contiguous float32, kept alive as long as this step."""
+        tensor = tensor.to(torch.float32).contiguous()
+        self._keep.append(tensor)
+        return int(tensor.data_ptr())
+
+    def _rows_pointers(self, table: Any) -> tuple[int, int, int]:
+        """(kind, rows, scales) of a table of rows (:func:`_rows_pointers`), kept alive."""
+        kind, rows, scales, kept = _rows_pointers(table)
+        self._keep += kept
+        return kind, rows, scales
+
+    def _model_struct(self, weights: Any, cos: torch.Tensor, sin: torch.Tensor) -> _Model:
+        """The C view of the whole model: sizes, the layers, the embedding, the head and the
+        float rows it refines its best logits from (kind -1: none), the rotary tables."""
+        refine = (-1, 0, 0)
+        if weights.lm_head_float is not None:
+            refine = self._rows_pointers(weights.lm_head_float)
+        return _Model(
+            len(weights.layers),
             self.hidden,
             weights.heads,
             weights.kv_heads,
@@ -557,21 +568,13 @@ class NativeStep:
             weights.eps,
             weights.head_dim**-0.5,
             ctypes.addressof(self._layers),
-            embed_kind,
-            embed,
-            embed_scales,
-            keep(weights.final_norm_float),
+            *self._rows_pointers(weights.embed),
+            self._float_pointer(weights.final_norm_float),
             weights.lm_head.matrix,
-            refine_kind,
-            refine,
-            refine_scales,
-            keep(cos),
-            keep(sin),
+            *refine,
+            self._float_pointer(cos),
+            self._float_pointer(sin),
         )
-        self.window = int(cos.shape[0])
-        self._forward = library.handle.sf_forward
-        self._logits = library.handle.sf_logits
-        self._kv: tuple[tuple[int, int, int], _KV, Any, Any] | None = None
 
     def _kv_struct(self, kv: Any) -> _KV:
         """The C view of ``kv`` (a :class:`~sfnode.engines.runners.kv.SlotKV`), rebuilt when it
