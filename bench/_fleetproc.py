@@ -5,6 +5,8 @@
 environment of the shell that started the script without ``OMP_WAIT_POLICY`` (:func:`child_env`;
 a test-suite setting that slows a dedicated server), and send them streamed OpenAI chat requests
 with a small asyncio client (:func:`run_phase`) that times the first text of every answer.
+Every benchmark that starts processes guards them (:func:`run_guarded`); the abuse benchmarks
+print their scenarios as :class:`Row`.
 
 This module is for benchmark scripts only: it must never be imported by the package or the
 tests, never assert, and never leave a process it started running when the script exits (call
@@ -31,7 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 # The environment of the shell that started the script, taken when this module is imported
 # (before any script changes its own).
@@ -59,6 +61,9 @@ TOPICS = (
     "a friendship between a fox and a crow",
 )
 WARM_UP_TOPIC = "a quiet village in the mountains"
+
+
+Options = TypeVar("Options")
 
 
 class BenchError(Exception):
@@ -159,6 +164,35 @@ def guard_children() -> None:
     atexit.register(stop_children)
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _exit_on_signal)
+
+
+def run_guarded(script: str, run: Callable[[Options], int], options: Options) -> int:
+    """``run(options)`` with the children guarded and stopped at the end; a
+    :class:`BenchError` is printed as ``script: why`` and exits 1."""
+    guard_children()
+    try:
+        return run(options)
+    except BenchError as e:
+        print(f"{script}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        stop_children()
+
+
+@dataclass
+class Row:
+    """One scenario's line of a Markdown table ``| scenario | tried | figure | pass condition |
+    result |`` (the abuse benchmarks)."""
+
+    scenario: str
+    tried: str
+    figure: str
+    condition: str
+    passed: bool
+
+    def markdown(self) -> str:
+        result = "pass" if self.passed else "**FAIL**"
+        return f"| {self.scenario} | {self.tried} | {self.figure} | {self.condition} | {result} |"
 
 
 def get_json(url: str, timeout: float = 5.0) -> Any:

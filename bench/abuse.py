@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _fleetproc import BenchError, child_env, cpu_name, fleet_children, guard_children
+from _fleetproc import BenchError, Row, child_env, cpu_name, fleet_children, guard_children
 
 ATTACKER = "127.0.0.1"
 VICTIM = "127.0.0.2"
@@ -64,21 +64,6 @@ class Target:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
         return float("nan")
-
-
-@dataclass
-class Row:
-    """One scenario's line of the table."""
-
-    scenario: str
-    tried: str
-    figure: str
-    condition: str
-    passed: bool
-
-    def markdown(self) -> str:
-        result = "pass" if self.passed else "**FAIL**"
-        return f"| {self.scenario} | {self.tried} | {self.figure} | {self.condition} | {result} |"
 
 
 # --- a raw HTTP client -------------------------------------------------------------------------
@@ -164,6 +149,23 @@ class Held:
     writers: list[asyncio.StreamWriter] = field(default_factory=list)
     tasks: list[asyncio.Task[bytes]] = field(default_factory=list)
 
+    async def open_from_attacker(
+        self, port: int, count: int, request: bytes = b""
+    ) -> list[asyncio.Task[bytes]]:
+        """``count`` connections from the attacker's address (one refused is skipped), each
+        sending ``request`` and held: the first bytes each gets within 2 s, as tasks."""
+        arrivals = []
+        for _ in range(count):
+            try:
+                reader, writer = await connect(port, ATTACKER)
+            except OSError:
+                continue
+            if request:
+                writer.write(request)
+            self.writers.append(writer)
+            arrivals.append(asyncio.ensure_future(first_bytes(reader, 2.0)))
+        return arrivals
+
     def close(self) -> None:
         for task in self.tasks:
             task.cancel()
@@ -245,13 +247,7 @@ async def encoded_path(target: Target) -> Row:
     for path in paths:
         data = request_bytes("POST", path, body_for(path), content_type="text/plain")
         replies.append(await exchange(target.port, data, ATTACKER))
-    return Row(
-        "encoded-path",
-        "no key, `text/plain`: " + ", ".join(f"`{p}`" for p in paths),
-        ", ".join(str(r.status) for r in replies),
-        "no 2xx",
-        all(not 200 <= r.status < 300 for r in replies),
-    )
+    return unserved_row("encoded-path", "no key, `text/plain`: ", paths, replies)
 
 
 async def suffix_at_key_limit(target: Target) -> Row:
@@ -275,9 +271,15 @@ async def suffix_at_key_limit(target: Target) -> Row:
     finally:
         held.close()
     await drained(target)
+    tried = "key held at `--max-key-requests 64`, `text/plain`: "
+    return unserved_row("suffix-at-key-limit", tried, paths, replies)
+
+
+def unserved_row(scenario: str, tried: str, paths: list[str], replies: list[Reply]) -> Row:
+    """The row of ``paths`` that must not be served: each one's status; passes with no 2xx."""
     return Row(
-        "suffix-at-key-limit",
-        "key held at `--max-key-requests 64`, `text/plain`: " + ", ".join(f"`{p}`" for p in paths),
+        scenario,
+        tried + ", ".join(f"`{p}`" for p in paths),
         ", ".join(str(r.status) for r in replies),
         "no 2xx",
         all(not 200 <= r.status < 300 for r in replies),
@@ -318,14 +320,7 @@ async def idle_connections(target: Target) -> Row:
     """Item 4: one address opens 1,100 idle connections; another is served."""
     held = Held()
     rss = target.rss_mb()
-    arrivals = []
-    for _ in range(1100):
-        try:
-            reader, writer = await connect(target.port, ATTACKER)
-        except OSError:
-            continue
-        held.writers.append(writer)
-        arrivals.append(asyncio.ensure_future(first_bytes(reader, 2.0)))
+    arrivals = await held.open_from_attacker(target.port, 1100)
     try:
         first = await asyncio.gather(*arrivals)
         probe = await exchange(target.port, request_bytes("GET", "/healthz"), VICTIM)
@@ -410,15 +405,8 @@ async def unread_streams(target: Target) -> Row:
     """Item 4: one address opens 200 streams and reads none; another asks once."""
     held = Held()
     body = chat("never read", 400, stream=True, temperature=1)
-    arrivals = []
-    for _ in range(200):
-        try:
-            reader, writer = await connect(target.port, ATTACKER)
-        except OSError:
-            continue
-        writer.write(request_bytes("POST", "/v1/chat/completions", body, key=target.attacker_key))
-        held.writers.append(writer)
-        arrivals.append(asyncio.ensure_future(first_bytes(reader, 2.0)))
+    request = request_bytes("POST", "/v1/chat/completions", body, key=target.attacker_key)
+    arrivals = await held.open_from_attacker(target.port, 200, request)
     try:
         first = await asyncio.gather(*arrivals)  # reads at most the first 4 KiB of each
         victim = await victim_chat(target)

@@ -47,24 +47,11 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from _fleetproc import BenchError, Child, child_env, guard_children, twistd
+from _fleetproc import BenchError, Child, Row, child_env, guard_children, twistd
 
 TOKEN = "4f" * 32
 OTHER = "9a" * 32
 HELLO_BYTES = 4 * 1024 * 1024
-
-
-@dataclass
-class Row:
-    scenario: str
-    tried: str
-    figure: str
-    condition: str
-    passed: bool
-
-    def markdown(self) -> str:
-        result = "pass" if self.passed else "FAIL"
-        return f"| {self.scenario} | {self.tried} | {self.figure} | {self.condition} | {result} |"
 
 
 @dataclass
@@ -339,20 +326,16 @@ def big_hello(bench: Bench) -> Row:
 
 def silent_node_slots(bench: Bench) -> Row:
     _, node_port = bench.node()
-    with silent_connections(node_port, 64) as closed:
-        started = time.monotonic()
-        _, http, _ = bench.head("--node", f"tcp:127.0.0.1:{node_port}:bindAddress=127.0.0.2")
-        joined = wait_for_nodes(http, 1, 20)
-        seconds = time.monotonic() - started if joined is not None else None
-        refused = closed[0]
+
+    def head_dials() -> int:
+        return bench.head("--node", f"tcp:127.0.0.1:{node_port}:bindAddress=127.0.0.2")[1]
+
+    seconds, refused = joined_despite_silence(node_port, 64, head_dials, timeout=20)
     return Row(
         "silent connections to a node",
         "127.0.0.1 keeps 64 silent connections to a node (re-opened when closed); a head "
         "from 127.0.0.2 dials it",
-        f"head joined {seconds:.2f} s after it started; the node closed {refused} of the "
-        "silent ones"
-        if seconds is not None
-        else "the head did not join within 20 s",
+        joined_figure(seconds, refused, ("head", "it started"), "node", 20),
         "joins within 5 s",
         seconds is not None and seconds < 5,
     )
@@ -360,25 +343,49 @@ def silent_node_slots(bench: Bench) -> Row:
 
 def silent_fleet_slots(bench: Bench) -> Row:
     _, http, fleet = bench.head()
-    with silent_connections(fleet, 8) as closed:
-        started = time.monotonic()
+
+    def node_dials_in() -> int:
         bench.spawn(
             "sfnode", "sfnode", "--head", f"tcp:127.0.0.1:{fleet}:bindAddress=127.0.0.2",
             "--engine", "mock",
         )  # fmt: skip
-        joined = wait_for_nodes(http, 1, 30)
-        seconds = time.monotonic() - started if joined is not None else None
-        refused = closed[0]
+        return http
+
+    seconds, refused = joined_despite_silence(fleet, 8, node_dials_in, timeout=30)
     return Row(
         "silent connections to the fleet listener",
         "127.0.0.1 keeps 8 silent connections to the head's fleet port (re-opened when "
         "closed); a node from 127.0.0.2 dials in",
-        f"node joined {seconds:.2f} s after its process started; the head closed {refused} of "
-        "the silent ones"
-        if seconds is not None
-        else "the node did not join within 30 s",
+        joined_figure(seconds, refused, ("node", "its process started"), "head", 30),
         "joins within 5 s of its start",
         seconds is not None and seconds < 5,
+    )
+
+
+def joined_despite_silence(
+    port: int, count: int, join: Callable[[], int], *, timeout: float
+) -> tuple[float | None, int]:
+    """While ``count`` silent connections hold ``port``, ``join`` starts a process that joins
+    a head (it answers the head's HTTP port): seconds until the head had a live node (None: not
+    within ``timeout``), and how many of the silent connections were closed meanwhile."""
+    with silent_connections(port, count) as closed:
+        started = time.monotonic()
+        http = join()
+        joined = wait_for_nodes(http, 1, timeout)
+        return (time.monotonic() - started if joined is not None else None), closed[0]
+
+
+def joined_figure(
+    seconds: float | None, refused: int, joiner: tuple[str, str], closer: str, timeout: int
+) -> str:
+    """What a silent-connections scenario measured: when the joiner (who, since when) joined,
+    and how many silent connections the ``closer`` closed meanwhile."""
+    who, since = joiner
+    if seconds is None:
+        return f"the {who} did not join within {timeout} s"
+    return (
+        f"{who} joined {seconds:.2f} s after {since}; the {closer} closed {refused} of the "
+        "silent ones"
     )
 
 

@@ -33,6 +33,7 @@ import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # for tests.agents
 import _fleetproc
 
 PACKAGES = ["openai", "instructor", "langchain-openai", "pydantic-ai-slim[openai]", "openai-agents"]
@@ -64,20 +65,7 @@ def get_weather(city: str, unit: Literal["celsius", "fahrenheit"]) -> str:
     return f"18 degrees {unit} in {city}"
 
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 32},
-                           "unit": {"enum": ["celsius", "fahrenheit"]}},
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
+WEATHER = json.loads(os.environ["SFNODE_WEATHER_TOOL"])
 ASK_TOOL = "What is the weather in Paris? Use the tool."
 ASK_TYPED = "Describe Paris."
 result = {"tool": None, "typed": None, "notes": []}
@@ -210,24 +198,16 @@ import openai
 
 raw = openai.OpenAI(base_url=BASE, api_key="-")
 
-def tool():
-    client = instructor.from_openai(raw, mode=instructor.Mode.TOOLS)
+def parsed_in(mode):
+    client = instructor.from_openai(raw, mode=getattr(instructor.Mode, mode))
     parsed = client.chat.completions.create(
         model=MODEL, response_model=City, max_retries=0, max_tokens=256,
         messages=[{"role": "user", "content": ASK_TYPED}])
-    result["notes"].append(f"Mode.TOOLS -> {parsed!r}")
+    result["notes"].append(f"Mode.{mode} -> {parsed!r}")
     return isinstance(parsed, City)
 
-def typed():
-    client = instructor.from_openai(raw, mode=instructor.Mode.JSON_SCHEMA)
-    parsed = client.chat.completions.create(
-        model=MODEL, response_model=City, max_retries=0, max_tokens=256,
-        messages=[{"role": "user", "content": ASK_TYPED}])
-    result["notes"].append(f"Mode.JSON_SCHEMA -> {parsed!r}")
-    return isinstance(parsed, City)
-
-attempt("tool", tool)
-attempt("typed", typed)
+attempt("tool", lambda: parsed_in("TOOLS"))
+attempt("typed", lambda: parsed_in("JSON_SCHEMA"))
 ''',
 }
 TAIL = '''
@@ -256,7 +236,15 @@ def make_venv(venv: Path, packages: list[str]) -> Path:
 def run_client(python: Path, name: str, base: str, model: str, logs: Path) -> dict[str, object]:
     script = logs / f"client-{name}.py"
     script.write_text(textwrap.dedent(COMMON) + textwrap.dedent(SCRIPTS[name]) + TAIL)
-    env = {**_fleetproc.SHELL_ENV, "SFNODE_BASE": base, "SFNODE_MODEL": model}
+    from tests.agents import TOOLS
+
+    # The weather tool the agent tests use (tests/agents.py), handed to the client's script.
+    env = {
+        **_fleetproc.SHELL_ENV,
+        "SFNODE_BASE": base,
+        "SFNODE_MODEL": model,
+        "SFNODE_WEATHER_TOOL": json.dumps(TOOLS[0]),
+    }
     done = subprocess.run(
         [str(python), str(script)], env=env, capture_output=True, text=True, timeout=900
     )

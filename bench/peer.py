@@ -70,11 +70,10 @@ from _fleetproc import (
     cpu_name,
     extract_request,
     fleet_processes,
-    guard_children,
     memory_mb,
+    run_guarded,
     run_phase,
     served_model,
-    stop_children,
     topics,
     twistd,
     wait_until,
@@ -819,15 +818,7 @@ def run_speculative(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    options = parse(argv)
-    guard_children()
-    try:
-        return run(options)
-    except BenchError as e:
-        print(f"bench/peer.py: {e}", file=sys.stderr)
-        return 1
-    finally:
-        stop_children()
+    return run_guarded("bench/peer.py", run, parse(argv))
 
 
 if __name__ == "__main__":

@@ -767,15 +767,7 @@ def _default_gguf() -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    options = parse(argv)
-    _fleetproc.guard_children()
-    try:
-        return run(options)
-    except BenchError as e:
-        print(f"bench/prefix.py: {e}", file=sys.stderr)
-        return 1
-    finally:
-        _fleetproc.stop_children()
+    return _fleetproc.run_guarded("bench/prefix.py", run, parse(argv))
 
 
 if __name__ == "__main__":

@@ -70,14 +70,7 @@ SCENARIOS = (
     "client-disconnect",
     "shared-prefix",
 )
-PEER_SCENARIOS = (
-    "daemon-restart",
-    "agents-chat",
-    "kv-exhaustion",
-    "conversation",
-    "client-disconnect",
-    "shared-prefix",
-)
+PEER_SCENARIOS = tuple(name for name in SCENARIOS if name != "worker-kill")
 """What can run against one llama-server (a worker kill needs two nodes behind one head)."""
 CHAT_QUESTION = "What is the capital of France?"
 CALL_TIMEOUT_S = 600.0
@@ -1077,6 +1070,18 @@ def run(options: argparse.Namespace) -> int:
     return 0
 
 
+SIZES: dict[str, int | float] = {
+    "kill-tokens": 96, "kill-after": 3,
+    "agents": 8, "agent-words": 1200, "agent-tokens": 64, "chat-delay": 2.0,
+    "kv-requests": 32, "kv-lanes": 8, "kv-window": 512, "kv-tokens": 16,
+    "turns": 200, "conv-window": 1024, "conv-tokens": 16,
+    "disconnect-tokens": 400, "leave-after": 4,
+    "shared-requests": 32, "shared-tokens": 1008, "shared-unique": 8, "shared-out": 4,
+}  # fmt: skip
+"""The sizes of the scenarios (``--NAME VALUE``, one line a scenario) and their defaults."""
+SIZE_HELP = {"kill-after": "chunks before the SIGKILL", "kv-window": "the node's --max-context"}
+
+
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     paragraphs = __doc__.split("\n\n")
     p = argparse.ArgumentParser(
@@ -1128,38 +1133,15 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--token-delay-ms", type=int, default=20, help="the mock engine's delay per token"
     )
     sizes = p.add_argument_group("sizes")
-    sizes.add_argument("--kill-tokens", type=int, default=96)
-    sizes.add_argument("--kill-after", type=int, default=3, help="chunks before the SIGKILL")
-    sizes.add_argument("--agents", type=int, default=8)
-    sizes.add_argument("--agent-words", type=int, default=1200)
-    sizes.add_argument("--agent-tokens", type=int, default=64)
-    sizes.add_argument("--chat-delay", type=float, default=2.0)
-    sizes.add_argument("--kv-requests", type=int, default=32)
-    sizes.add_argument("--kv-lanes", type=int, default=8)
-    sizes.add_argument("--kv-window", type=int, default=512, help="the node's --max-context")
-    sizes.add_argument("--kv-tokens", type=int, default=16)
-    sizes.add_argument("--turns", type=int, default=200)
-    sizes.add_argument("--conv-window", type=int, default=1024)
-    sizes.add_argument("--conv-tokens", type=int, default=16)
-    sizes.add_argument("--disconnect-tokens", type=int, default=400)
-    sizes.add_argument("--leave-after", type=int, default=4)
-    sizes.add_argument("--shared-requests", type=int, default=32)
-    sizes.add_argument("--shared-tokens", type=int, default=1008)
-    sizes.add_argument("--shared-unique", type=int, default=8)
-    sizes.add_argument("--shared-out", type=int, default=4)
+    for name, default in SIZES.items():
+        sizes.add_argument(
+            f"--{name}", type=type(default), default=default, help=SIZE_HELP.get(name)
+        )
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    options = parse(argv)
-    _fleetproc.guard_children()
-    try:
-        return run(options)
-    except _fleetproc.BenchError as e:
-        print(f"bench/semantics.py: {e}", file=sys.stderr)
-        return 1
-    finally:
-        _fleetproc.stop_children()
+    return _fleetproc.run_guarded("bench/semantics.py", run, parse(argv))
 
 
 if __name__ == "__main__":

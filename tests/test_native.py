@@ -22,7 +22,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 import torch
-from twisted.logger import globalLogPublisher
+from twisted.logger import LogLevel, formatEvent, globalLogPublisher
 from twisted.trial import unittest
 
 from sfnode.engines.kernels import native
@@ -124,10 +124,51 @@ class KernelTests(unittest.SynchronousTestCase):
         self.assertIsInstance(reason, str)
         self.assertIn("avx2", str(reason))
         self.patch(native, "compiler", lambda: None)
+        self.patch(native, "shipped_library", lambda: None)
         native._loaded.clear()
         reason = native.load(Path(tempfile.mkdtemp(prefix="sfnode-native-none-")), AVX2_ONLY)
         self.assertIsInstance(reason, str)
         self.assertIn("no C compiler", str(reason))
+
+    def test_without_a_compiler_the_shipped_build_is_loaded(self) -> None:
+        """Where no C compiler is found, the build a wheel ships is loaded (nothing is
+        compiled into the cache), marked as shipped, and its products are the compiled
+        library's, bit for bit."""
+        shipped = Path(tempfile.mkdtemp(prefix="sfnode-native-shipped-")) / "shipped.so"
+        shipped.write_bytes(self.library.path.read_bytes())
+        self.patch(native, "compiler", lambda: None)
+        self.patch(native, "shipped_library", lambda: shipped)
+        cache = Path(tempfile.mkdtemp(prefix="sfnode-native-none-"))
+        loaded = native.load(cache, AVX2_ONLY)
+        assert isinstance(loaded, native.Library), loaded
+        self.assertEqual((loaded.path, loaded.shipped, loaded.built_seconds), (shipped, True, 0.0))
+        self.assertEqual(list(cache.iterdir()), [])
+        m = q4_1_rows(40, 96, seed=2)
+        ours, theirs = (
+            native.Q4Linear(native.gguf_blocks([m]), 96, lib) for lib in (loaded, self.library)
+        )
+        self.assertTrue(torch.equal(ours(self.x), theirs(self.x)))
+
+    def test_neither_a_compiler_nor_a_shipped_build_warns_once(self) -> None:
+        """With no C compiler and no shipped build on a CPU that could run the kernels, one
+        WARNING names the cause and what the node does instead (torch's kernels); a second
+        load does not repeat it, and a CPU without AVX2 is no cause for a warning."""
+        self.patch(native, "compiler", lambda: None)
+        self.patch(native, "shipped_library", lambda: None)
+        self.patch(native, "_warned", set())
+        events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        cache = Path(tempfile.mkdtemp(prefix="sfnode-native-none-"))
+        for flags in (AVX2_ONLY, AVX2_ONLY, NO_AVX2):
+            self.assertIsInstance(native.load(cache, flags), str)
+        warnings = [e for e in events if e.get("log_level") == LogLevel.warn]
+        self.assertEqual(len(warnings), 1, warnings)
+        text = formatEvent(warnings[0])
+        self.assertIn("no C compiler found", text)
+        self.assertIn("ships no prebuilt native library", text)
+        self.assertIn("falls back to torch's kernels", text)
+        self.assertIn("docs/engine.md section 5.1", text)
 
 
 class Timing:
@@ -262,6 +303,7 @@ class FallbackTests(unittest.SynchronousTestCase):
         """With no compiler found, int4 weights use torch's kernel in bfloat16, the runner has
         no fused step, and the choice's log line names the missing compiler."""
         self.patch(native, "compiler", lambda: None)
+        self.patch(native, "shipped_library", lambda: None)
         self.patch(native, "_loaded", {})
         events: list[dict[str, Any]] = []
         globalLogPublisher.addObserver(events.append)

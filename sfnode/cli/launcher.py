@@ -25,8 +25,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
+from typing import NoReturn
 
 PROG = "python -m sfnode fleet"
 TWISTD = "import sys; sys.argv[0] = 'twistd'; from twisted.scripts.twistd import run; run()"
@@ -47,6 +48,33 @@ def _healthy(url: str) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    options = _parser().parse_args(argv)
+    node_args, head_args = _daemon_args(options)
+    children = [
+        subprocess.Popen(_twistd(*node_args), start_new_session=True),
+        subprocess.Popen(_twistd(*head_args), start_new_session=True),
+    ]
+    stop = _stopper(children)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    base = f"http://127.0.0.1:{options.http_port}"
+    try:
+        _wait_until_ready(base, children, stop)
+        _print_a_request(base, "mock" if options.engine == "mock" else _served_model(base))
+        while all(child.poll() is None for child in children):
+            time.sleep(1)
+        print(f"{PROG}: a child exited; stopping the other", file=sys.stderr)
+        stop(1)
+    except BaseException:
+        # Whatever ends this process (an error included) must not leave a child running.
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+        raise
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Run a head and one node on this machine."
     )
@@ -55,8 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--node-port", type=int, default=8454)
     parser.add_argument("--http-port", type=int, default=8453)
     parser.add_argument("--fleet-port", type=int, default=8455)
-    options = parser.parse_args(argv)
+    return parser
 
+
+def _daemon_args(options: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The twistd arguments of the node and of the head dialing it."""
     node_args = ["sfnode", "--listen", f"tcp:{options.node_port}:interface=127.0.0.1",
                  "--engine", options.engine]  # fmt: skip
     head_args = [
@@ -72,13 +103,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if options.engine == "mock":
         # Mock tokens are ids below 32000: any tokenizer at least that large renders them.
         head_args += ["--model-name", "mock"]
+    return node_args, head_args
 
-    children = [
-        subprocess.Popen(_twistd(*node_args), start_new_session=True),
-        subprocess.Popen(_twistd(*head_args), start_new_session=True),
-    ]
 
-    def stop(signum: int = 0, frame: FrameType | None = None) -> None:
+def _stopper(children: list[subprocess.Popen[bytes]]) -> Callable[..., NoReturn]:
+    """The handler of SIGINT and SIGTERM (and of a failure, called with 1): stops each child
+    once (SIGTERM, so they drain; SIGKILL after 40 s) and exits, 0 unless a failure."""
+
+    def stop(signum: int = 0, frame: FrameType | None = None) -> NoReturn:
         # A second Ctrl-C while the children drain must not interrupt this with a traceback.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -95,41 +127,37 @@ def main(argv: Sequence[str] | None = None) -> int:
                 child.wait()
         raise SystemExit(0 if signum in (0, signal.SIGINT, signal.SIGTERM) else 1)
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    base = f"http://127.0.0.1:{options.http_port}"
-    try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not _healthy(base + "/healthz"):
-            if any(child.poll() is not None for child in children):
-                print(f"{PROG}: a child exited before the fleet was ready", file=sys.stderr)
-                stop(1)
-            if time.monotonic() > deadline:
-                print(f"{PROG}: the fleet did not become ready in time", file=sys.stderr)
-                stop(1)
-            time.sleep(0.5)
-        model = "mock" if options.engine == "mock" else _served_model(base)
-        # temperature 0 (greedy): OpenAI's default of 1 samples freely, and a 135M model
-        # sampled at 1 rambles; greedy answers this one right ("... is Paris.").
-        question = "What is the capital of France?"
-        body = json.dumps(
-            {"model": model, "messages": [{"role": "user", "content": question}],
-             "max_tokens": 32, "temperature": 0}
-        )  # fmt: skip
-        print(f"\nThe fleet is up on {base}. Try:\n")
-        print(f"  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\")
-        print(f"       -d '{body}'\n", flush=True)
-        while all(child.poll() is None for child in children):
-            time.sleep(1)
-        print(f"{PROG}: a child exited; stopping the other", file=sys.stderr)
-        stop(1)
-    except BaseException:
-        # Whatever ends this process (an error included) must not leave a child running.
-        for child in children:
-            if child.poll() is None:
-                child.kill()
-        raise
-    return 0
+    return stop
+
+
+def _wait_until_ready(
+    base: str, children: list[subprocess.Popen[bytes]], stop: Callable[[int], NoReturn]
+) -> None:
+    """Returns once the head's ``/healthz`` reports a node; stops everything with 1 when a
+    child exits first or the fleet is not ready in :data:`READY_TIMEOUT_S`."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not _healthy(base + "/healthz"):
+        if any(child.poll() is not None for child in children):
+            print(f"{PROG}: a child exited before the fleet was ready", file=sys.stderr)
+            stop(1)
+        if time.monotonic() > deadline:
+            print(f"{PROG}: the fleet did not become ready in time", file=sys.stderr)
+            stop(1)
+        time.sleep(0.5)
+
+
+def _print_a_request(base: str, model: str) -> None:
+    """The ``curl`` line that asks the fleet a question it answers right."""
+    # temperature 0 (greedy): OpenAI's default of 1 samples freely, and a 135M model
+    # sampled at 1 rambles; greedy answers this one right ("... is Paris.").
+    question = "What is the capital of France?"
+    body = json.dumps(
+        {"model": model, "messages": [{"role": "user", "content": question}],
+         "max_tokens": 32, "temperature": 0}
+    )  # fmt: skip
+    print(f"\nThe fleet is up on {base}. Try:\n")
+    print(f"  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\")
+    print(f"       -d '{body}'\n", flush=True)
 
 
 def _served_model(base: str) -> str:

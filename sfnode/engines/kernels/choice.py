@@ -10,7 +10,7 @@ Two families of kernels multiply the weights:
 - ``native``: sfnode's AVX2 kernels (:mod:`sfnode.engines.kernels.native`) for int4, int8 and
 float32
   weights, float32 activations (quantized per row and block of 32 inside the int kernels); they
-  need AVX2, FMA, F16C and a C compiler at the first start.
+  need AVX2, FMA, F16C, and a C compiler at the first start or the build a wheel ships.
 
 The quantized kernels of both are batch-invariant.  The family decides the activation type of
 the whole step (norms, attention, KV): a mode's matrices must agree on it.  :func:`choose` runs
@@ -237,13 +237,8 @@ def choose(
     wanted = sorted({p.value for _, p in samples.values()})
     all_float32 = wanted == [Precision.FLOAT32.value]
     key = f"{cpu.key()}|{','.join(wanted)}|{'native-step' if native_fused else 'eager'}"
-    library: native.Library | None = None
-    unavailable = ""
     loaded = native.load(library_dir, cpu.flags)
-    if isinstance(loaded, str):
-        unavailable = loaded
-    else:
-        library = loaded
+    library = None if isinstance(loaded, str) else loaded
     cached = _read(cache_file, key)
     if cached is not None and (cached.family != "native" or library is not None):
         return Choice(
@@ -253,13 +248,40 @@ def choose(
             library if cached.family == "native" else None,
             all_float32,
         )
-    candidates = ["torch"] + (["native"] if library is not None else [])
+    families = ["torch"] + (["native"] if library is not None else [])
+    timings, failed = _measure_families(
+        families, samples, library, measure, native_fused=native_fused, all_float32=all_float32
+    )
+    if not timings:
+        # Neither family works: the caller's kernel self-checks fall back to float weights.
+        why = "no family passed its check: " + "; ".join(failed.values())
+        return Choice("torch", why, all_float32=all_float32)
+    best = min(timings, key=lambda name: timings[name])
+    why = _measured_why(timings, failed, loaded)
+    choice = Choice(best, why, timings, library if best == "native" else None, all_float32)
+    if cache_file is not None:
+        _write(cache_file, key, choice)
+    return choice
+
+
+def _measure_families(
+    families: list[str],
+    samples: Mapping[str, tuple[torch.Tensor, Precision]],
+    library: native.Library | None,
+    measure: Measure,
+    *,
+    native_fused: bool,
+    all_float32: bool,
+) -> tuple[dict[str, float], dict[str, str]]:
+    """Each family's microseconds over the samples' products at :data:`ROWS` and the layer's
+    other work (:class:`_Glue`, unless the native step runs it), and why each family that
+    failed its self-check failed."""
     shapes = [weight.shape for weight, _ in samples.values()]
     hidden = int(min(shape[1] for shape in shapes))
     intermediate = int(max(max(shape) for shape in shapes)) // 2
     timings: dict[str, float] = {}
     failed: dict[str, str] = {}
-    for family in candidates:
+    for family in families:
         total = 0.0
         for weight, precision in samples.values():
             try:
@@ -280,22 +302,24 @@ def choose(
             for rows in ROWS if family == "torch" or not native_fused else ():
                 total += measure(glue, torch.randn(rows, hidden).to(dtype))  # type: ignore[arg-type]
             timings[family] = total * 1e6
-    if not timings:
-        # Neither family works: the caller's kernel self-checks fall back to float weights.
-        why = "no family passed its check: " + "; ".join(failed.values())
-        return Choice("torch", why, all_float32=all_float32)
-    best = min(timings, key=lambda name: timings[name])
+    return timings, failed
+
+
+def _measured_why(
+    timings: Mapping[str, float], failed: Mapping[str, str], loaded: native.Library | str
+) -> str:
+    """The log's account of a measured choice: each family's time or failure, why the native
+    family was not measured, and where its library came from."""
     parts = [f"{name} {us:.0f} us" for name, us in sorted(timings.items())]
     parts += [f"{name} failed its check ({why})" for name, why in failed.items()]
-    if unavailable:
-        parts.append(f"native not available ({unavailable})")
+    if isinstance(loaded, str):
+        parts.append(f"native not available ({loaded})")
     why = "measured layer 0's products and its other work at 1 and 8 rows: " + ", ".join(parts)
-    if library is not None and library.built_seconds:
-        why += f"; the native kernels compiled in {library.built_seconds:.1f} s"
-    choice = Choice(best, why, timings, library if best == "native" else None, all_float32)
-    if cache_file is not None:
-        _write(cache_file, key, choice)
-    return choice
+    if isinstance(loaded, native.Library) and loaded.built_seconds:
+        why += f"; the native kernels compiled in {loaded.built_seconds:.1f} s"
+    if isinstance(loaded, native.Library) and loaded.shipped:
+        why += "; the native kernels are the build shipped with sfnode (no usable C compiler here)"
+    return why
 
 
 def _read(path: Path | None, key: str) -> Choice | None:

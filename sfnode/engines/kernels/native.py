@@ -1,5 +1,6 @@
 """sfnode's own AVX2 kernels and decode step for float32 activations, built at start with the
-machine's C compiler and kept in a cache folder (docs/engine.md sections 5.1 and 5.2).
+machine's C compiler and kept in a cache folder, or shipped built in the wheel (docs/engine.md
+sections 5.1 and 5.2).
 
 Why: on a CPU without AVX512-BF16 (most cloud VMs, many desktops; AVX2-only AMD EPYC machines
 among them) bfloat16 arithmetic is emulated, so torch's quantized kernels, which want bfloat16
@@ -16,9 +17,11 @@ the OpenMP threads of the runtime torch itself uses (the library links the ``lib
 torch has already loaded, so no second thread team appears; docs/engine.md section 6).
 
 The library is compiled once per (source, compiler, flags) into ``cache_dir`` (atomically, so two
-processes may race) and loaded with ctypes.  :func:`load` answers the library or the reason it
-cannot: no C compiler, a CPU without AVX2/FMA/F16C, a failed compile; the caller then keeps torch's
-kernels and logs that one reason.
+processes may race; :mod:`sfnode.engines.kernels.native_build` holds the flags and the compile)
+and loaded with ctypes; where no C compiler is found (or it fails), the build the wheel ships is
+loaded instead.  :func:`load` answers the library or the reason it cannot: a CPU without
+AVX2/FMA/F16C, or neither a compiler nor a shipped build (then it also logs a WARNING); the caller
+then keeps torch's kernels and logs that one reason.
 
 This module must never run a kernel on a CPU whose flags it has not checked, never write a
 half-built library where a later start would load it, and never touch a model or a thread.
@@ -29,11 +32,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import hashlib
-import os
-import shutil
 import subprocess
-import sysconfig
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,20 +41,29 @@ from typing import Any
 
 import numpy as np
 import torch
+from twisted.logger import Logger
 
+from sfnode.engines.kernels.native_build import (
+    COMPILE_FLAGS,
+    NEEDED_FLAGS,
+    SHIPPED_FOLDER,
+    compile_library,
+    compiler,
+    shipped_name,
+    source,
+)
 from sfnode.engines.kernels.quant import Precision
 
-NEEDED_FLAGS = frozenset({"avx2", "fma", "f16c"})
-"""CPU flags (as /proc/cpuinfo spells them) the kernel's instructions need."""
+log = Logger(namespace="sfnode.engines.kernels.native")
 
 BLOCK = 32
 BLOCK_BYTES = 20
 """A Q4_1 block: float16 d, float16 m, 16 bytes holding 32 nibbles."""
 
-COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
-
-SOURCE = (Path(__file__).parent / "native.c").read_text()
+SOURCE = source()
 """The library's C source (``native.c`` beside this module)."""
+
+NO_COMPILER = "no C compiler found (set CC, or install gcc)"
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
@@ -71,21 +79,17 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset()
 
 
-def compiler() -> str | None:
-    """The C compiler to build with: ``$CC``, Python's own, ``cc``, ``gcc`` or ``clang``."""
-    candidates = [os.environ.get("CC", ""), str(sysconfig.get_config_var("CC") or "")]
-    candidates += ["cc", "gcc", "clang"]
-    for candidate in candidates:
-        name = candidate.split()[0] if candidate.strip() else ""
-        if name and shutil.which(name):
-            return name
-    return None
-
-
 def _torch_openmp() -> Path | None:
     """The OpenMP runtime file torch ships (its ``lib`` folder), if any."""
     found = sorted((Path(torch.__file__).parent / "lib").glob("libgomp*.so*"))
     return found[0] if found else None
+
+
+def shipped_library() -> Path | None:
+    """The build of this source that the installed wheel carries, if it carries one (a source
+    checkout carries none: it compiles at first use)."""
+    path = Path(__file__).parent / SHIPPED_FOLDER / shipped_name(SOURCE)
+    return path if path.is_file() else None
 
 
 @dataclass(frozen=True)
@@ -94,11 +98,14 @@ class Library:
 
     path: Path
     built_seconds: float
-    """Seconds spent compiling it at this start (0.0: it was in the cache)."""
+    """Seconds spent compiling it at this start (0.0: it was in the cache, or shipped)."""
     handle: Any
+    shipped: bool = False
+    """Whether it is the build the wheel shipped (no usable C compiler here)."""
 
 
 _loaded: dict[Path, Library] = {}
+_warned: set[str] = set()
 
 
 def library_name(cc: str) -> str:
@@ -114,14 +121,34 @@ def library_name(cc: str) -> str:
 
 
 def load(cache_dir: Path, flags: frozenset[str] | None = None) -> Library | str:
-    """The kernel library (compiled into ``cache_dir`` first if it is not there), or why not."""
+    """The kernel library, or why not: compiled into ``cache_dir`` first if it is not there;
+    without a C compiler (or where it fails), the build the wheel shipped.  Where neither can be
+    had on a CPU that could run them, a WARNING says so and what the node does instead."""
     flags = cpu_flags() if flags is None else flags
     missing = sorted(NEEDED_FLAGS - flags)
     if missing:
         return f"the CPU lacks {', '.join(missing)}"
     cc = compiler()
-    if cc is None:
-        return "no C compiler found (set CC, or install gcc)"
+    reason = NO_COMPILER if cc is None else ""
+    if cc is not None:
+        built = _load_built(cc, cache_dir)
+        if isinstance(built, Library):
+            return built
+        reason = built
+    shipped = shipped_library()
+    if shipped is None:
+        reason += "; this install ships no prebuilt native library"
+    else:
+        opened = _open(shipped, 0.0, shipped=True)
+        if isinstance(opened, Library):
+            return opened
+        reason += f"; {opened}"
+    _warn_unavailable(reason)
+    return reason
+
+
+def _load_built(cc: str, cache_dir: Path) -> Library | str:
+    """The library ``cc`` builds, from ``cache_dir`` (compiled there first if it is not)."""
     path = cache_dir / library_name(cc)
     if path in _loaded:
         # Loaded already in this process: nothing was built for this call.
@@ -129,10 +156,21 @@ def load(cache_dir: Path, flags: frozenset[str] | None = None) -> Library | str:
     built = 0.0
     if not path.is_file():
         started = time.monotonic()
-        reason = _compile(cc, path)
+        openmp = _torch_openmp()
+        # Link the runtime torch already has loaded (same soname): one OpenMP team.
+        link = [f"-L{openmp.parent}", f"-Wl,-rpath,{openmp.parent}"] if openmp else []
+        reason = compile_library(cc, SOURCE, path, link)
         if reason is not None:
             return reason
         built = time.monotonic() - started
+    return _open(path, built)
+
+
+def _open(path: Path, built: float, *, shipped: bool = False) -> Library | str:
+    """The library at ``path`` loaded and its functions typed, or why it cannot be."""
+    if path in _loaded:
+        return _loaded[path]
+    openmp = _torch_openmp()
     pointer, integer = ctypes.c_void_p, ctypes.c_int
     signatures = {
         "sf_linear": [pointer, pointer, integer, pointer, integer],
@@ -143,6 +181,10 @@ def load(cache_dir: Path, flags: frozenset[str] | None = None) -> Library | str:
         "sf_untile_q4": [pointer, integer, integer, pointer],
     }
     try:
+        if shipped and openmp is not None:
+            # A shipped build names libgomp.so.1 with no path: torch's (already loaded by torch
+            # itself) answers that name, as it does for a build linked here.
+            ctypes.CDLL(str(openmp), mode=ctypes.RTLD_GLOBAL)
         handle = ctypes.CDLL(str(path))
         for name, argtypes in signatures.items():
             function = getattr(handle, name)
@@ -150,34 +192,23 @@ def load(cache_dir: Path, flags: frozenset[str] | None = None) -> Library | str:
             function.restype = ctypes.c_int
     except (OSError, AttributeError) as e:
         return f"cannot load {path}: {e}"
-    library = Library(path, built, handle)
+    library = Library(path, built, handle, shipped)
     _loaded[path] = library
     return library
 
 
-def _compile(cc: str, path: Path) -> str | None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".sfnode-q4-", dir=path.parent))
-    try:
-        source = work / "native.c"
-        source.write_text(SOURCE)
-        output = work / path.name
-        command = [cc, *COMPILE_FLAGS, str(source), "-o", str(output), "-lm"]
-        openmp = _torch_openmp()
-        if openmp is not None:
-            # Link the runtime torch already has loaded (same soname): one OpenMP team.
-            command += [f"-L{openmp.parent}", f"-Wl,-rpath,{openmp.parent}"]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.SubprocessError) as e:
-            return f"{cc} failed to run: {e}"
-        if done.returncode != 0 or not output.is_file():
-            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            return f"{cc} could not build the kernel: {last}"
-        os.replace(output, path)
-        return None
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+def _warn_unavailable(reason: str) -> None:
+    """One WARNING per reason and process: the node falls back to torch's kernels."""
+    if reason in _warned:
+        return
+    _warned.add(reason)
+    log.warn(
+        "sfnode's native kernels cannot be had on this machine: {reason}; the node falls back "
+        "to torch's kernels (bfloat16 activations for int4 and int8 weights, slower where the "
+        "CPU emulates bfloat16) and runs its layers as torch operators (docs/engine.md "
+        "section 5.1)",
+        reason=reason,
+    )
 
 
 # -- weights ----------------------------------------------------------------------------------
@@ -488,35 +519,46 @@ class NativeStep:
             raise ValueError(reason)
         self._weights = weights
         self._keep: list[torch.Tensor] = []
-
-        def keep(tensor: torch.Tensor) -> int:
-            tensor = tensor.to(torch.float32).contiguous()
-            self._keep.append(tensor)
-            return int(tensor.data_ptr())
-
-        count = len(weights.layers)
-        self._layers = (_Layer * count)()
+        self._layers = (_Layer * len(weights.layers))()
         for index, layer in enumerate(weights.layers):
             self._layers[index] = _Layer(
-                keep(layer.input_norm),
-                keep(layer.post_norm),
+                self._float_pointer(layer.input_norm),
+                self._float_pointer(layer.post_norm),
                 layer.qkv.kernel.matrix,
                 layer.o.kernel.matrix,
                 layer.gate_up.kernel.matrix,
                 layer.down.kernel.matrix,
             )
-        embed_kind, embed, embed_scales, kept = _rows_pointers(weights.embed)
-        self._keep += kept
-        refine_kind, refine, refine_scales = -1, 0, 0
-        if weights.lm_head_float is not None:
-            refine_kind, refine, refine_scales, kept = _rows_pointers(weights.lm_head_float)
-            self._keep += kept
         self.hidden = int(weights.hidden)
         self.vocab = int(weights.vocab_size)
         self.refines = weights.lm_head_float is not None
         """Whether :meth:`logits` computes each row's best logits again from float rows."""
-        self._model = _Model(
-            count,
+        self._model = self._model_struct(weights, cos, sin)
+        self.window = int(cos.shape[0])
+        self._forward = library.handle.sf_forward
+        self._logits = library.handle.sf_logits
+        self._kv: tuple[tuple[int, int, int], _KV, Any, Any] | None = None
+
+    def _float_pointer(self, tensor: torch.Tensor) -> int:
+        """The address of ``tensor`` as contiguous float32, kept alive as long as this step."""
+        tensor = tensor.to(torch.float32).contiguous()
+        self._keep.append(tensor)
+        return int(tensor.data_ptr())
+
+    def _rows_pointers(self, table: Any) -> tuple[int, int, int]:
+        """(kind, rows, scales) of a table of rows (:func:`_rows_pointers`), kept alive."""
+        kind, rows, scales, kept = _rows_pointers(table)
+        self._keep += kept
+        return kind, rows, scales
+
+    def _model_struct(self, weights: Any, cos: torch.Tensor, sin: torch.Tensor) -> _Model:
+        """The C view of the whole model: sizes, the layers, the embedding, the head and the
+        float rows it refines its best logits from (kind -1: none), the rotary tables."""
+        refine = (-1, 0, 0)
+        if weights.lm_head_float is not None:
+            refine = self._rows_pointers(weights.lm_head_float)
+        return _Model(
+            len(weights.layers),
             self.hidden,
             weights.heads,
             weights.kv_heads,
@@ -526,21 +568,13 @@ class NativeStep:
             weights.eps,
             weights.head_dim**-0.5,
             ctypes.addressof(self._layers),
-            embed_kind,
-            embed,
-            embed_scales,
-            keep(weights.final_norm_float),
+            *self._rows_pointers(weights.embed),
+            self._float_pointer(weights.final_norm_float),
             weights.lm_head.matrix,
-            refine_kind,
-            refine,
-            refine_scales,
-            keep(cos),
-            keep(sin),
+            *refine,
+            self._float_pointer(cos),
+            self._float_pointer(sin),
         )
-        self.window = int(cos.shape[0])
-        self._forward = library.handle.sf_forward
-        self._logits = library.handle.sf_logits
-        self._kv: tuple[tuple[int, int, int], _KV, Any, Any] | None = None
 
     def _kv_struct(self, kv: Any) -> _KV:
         """The C view of ``kv`` (a :class:`~sfnode.engines.runners.kv.SlotKV`), rebuilt when it

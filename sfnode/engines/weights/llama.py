@@ -279,9 +279,7 @@ def _wanted(
             }
             kind = kinds.pop() if len(kinds) == 1 else None
             wanted[f"{index}.{short}"] = _gguf_precision(kind, mode)
-    head_source = matrices.get("lm_head") or (
-        matrices.get("embed") if getattr(config, "tie_word_embeddings", False) else None
-    )
+    head_source = _head_source(matrices, config)
     head = _gguf_precision(head_source.kind if head_source else None, mode)
     if mode == "auto" and head is Precision.INT8:
         # The head's best logits are computed again in float32 (LlamaRunner._logits), which
@@ -290,6 +288,14 @@ def _wanted(
         head = Precision.INT4
     wanted["lm_head"] = head
     return wanted
+
+
+def _head_source(matrices: dict[str, GgufMatrix], config: Any) -> GgufMatrix | None:
+    """The file's matrix of the output head: its own, or the embedding's when the model ties
+    them."""
+    return matrices.get("lm_head") or (
+        matrices.get("embed") if getattr(config, "tie_word_embeddings", False) else None
+    )
 
 
 def _float(module: Any) -> torch.Tensor:
@@ -324,30 +330,13 @@ def gather_weights(
     whether the runner will fuse each layer's work with the native kernels (it counts in the
     measurement).
     """
-    if mode not in WEIGHT_MODES:
-        raise WeightsError(
-            f"unknown weights mode {mode!r}; expected one of {', '.join(WEIGHT_MODES)}"
-        )
-    config = model.config
     device = next(model.parameters()).device
-    if mode != "float32" and device.type != "cpu" and mode in ("int4", "int8"):
-        raise WeightsError(f"--weights {mode} needs the CPU kernels; use bfloat16 on {device}")
+    _check_mode(mode, device)
     if checks is None:
         checks = cached_precisions(cache_file.parent if cache_file is not None else None)
-    heads = int(config.num_attention_heads)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    inner = model.model
-
-    matrices: dict[str, GgufMatrix] = {}
-    if gguf is not None and mode in ("auto", "int4", "int8"):
-        started = time.monotonic()
-        matrices = read_gguf_matrices(gguf, heads, kv_heads)
-        log.info(
-            "read the quantized matrices of {gguf} in {s:.1f} s",
-            gguf=str(gguf),
-            s=time.monotonic() - started,
-        )
+    config, inner = model.config, model.model
+    heads, kv_heads, _ = _attention_shape(config)
+    matrices = _read_matrices(gguf, mode, heads, kv_heads)
     if mode == "auto" and not matrices:
         float32 = next(model.parameters()).dtype == torch.float32
         mode = "float32" if device.type == "cpu" and float32 else "bfloat16"
@@ -359,107 +348,69 @@ def gather_weights(
         chosen = dict(wanted)
     else:
         chosen = {name: _fallback(p, checks) for name, p in wanted.items()}
-    signature = {
-        "format": str(_CACHE_FORMAT),
-        "torch": torch.__version__,
-        "mode": mode,
-        "usable": ",".join(sorted(p.value for p, reason in checks.items() if reason is None)),
-    }
-    if family.family == "native":
-        # Another file for another layout, so that older code keeps reading its own.
-        signature["family"] = "native-tiles2"
-        signature["usable"] = "native"
-        if cache_file is not None:
-            cache_file = cache_file.with_name(f"{cache_file.stem}-tiles2{cache_file.suffix}")
+    linears = _kept_or_packed(
+        model, matrices, wanted, chosen, family, checks, mode=mode, gguf=gguf, cache_file=cache_file
+    )
+    _warn_fallbacks(wanted, family, checks)
+    return _assemble(model, mode, matrices, chosen, linears, family, dense_copies)
+
+
+def _kept_or_packed(
+    model: Any,
+    matrices: dict[str, GgufMatrix],
+    wanted: dict[str, Precision],
+    chosen: dict[str, Precision],
+    family: Choice,
+    checks: dict[Precision, str | None],
+    *,
+    mode: str,
+    gguf: Path | None,
+    cache_file: Path | None,
+) -> dict[str, Linear]:
+    """Every projection's kernel: read back from ``cache_file`` where a GGUF model's were
+    packed for the same signature, else packed now (and kept there for the next start)."""
+    signature, cache_file = _cache_signature(mode, checks, family, cache_file)
     cached = _load_cache(cache_file, signature, family.library) if gguf is not None else None
     if cached is not None and cached[0] == wanted:
         # Packed from this very file (the cache folder is named by its content) after the
-        # layout check below passed.
-        linears = cached[1]
-    else:
-        if matrices:
-            _check_gguf_layout(matrices, inner)
-        onednn = device.type == "cpu" and onednn_works()
-        head_source = matrices.get("lm_head") or (
-            matrices.get("embed") if getattr(config, "tie_word_embeddings", False) else None
-        )
-        linears = _build_linears(
-            inner, model, matrices, chosen, head_source, onednn, family.library
-        )
-        if (
-            gguf is not None
-            and cache_file is not None
-            and any(p in (Precision.INT4, Precision.INT8) for p in chosen.values())
-        ):
-            _save_cache(cache_file, signature, wanted, linears)
-    for precision in sorted(set(wanted.values()), key=lambda p: p.value):
-        reason = checks.get(precision) if family.family == "torch" else None
-        if reason is not None:
-            log.warn(
-                "the {precision} kernel is not usable on this machine ({reason}); serving those "
-                "weights as {fallback}",
-                precision=precision.value,
-                reason=reason,
-                fallback=_fallback(precision, checks).value,
-            )
+        # layout check of _packed passed.
+        return cached[1]
+    device = next(model.parameters()).device
+    linears = _packed(model, matrices, chosen, family, device)
+    if gguf is not None and cache_file is not None and _any_integer(chosen):
+        _save_cache(cache_file, signature, wanted, linears)
+    return linears
 
+
+def _assemble(
+    model: Any,
+    mode: str,
+    matrices: dict[str, GgufMatrix],
+    chosen: dict[str, Precision],
+    linears: dict[str, Linear],
+    family: Choice,
+    dense_copies: bool,
+) -> LlamaWeights:
+    """The weights the runner reads, in the activation type the family computes in."""
+    config, inner = model.config, model.model
+    heads, kv_heads, head_dim = _attention_shape(config)
     quantized = any(p is not Precision.FLOAT32 for p in chosen.values())
-    activations = torch.bfloat16 if quantized else torch.float32
-    if family.family == "native":
-        activations = torch.float32
-    head_float: torch.Tensor | Q8Rows | None = None
-    if (
-        linears["lm_head"].precision is not Precision.FLOAT32
-        and model.lm_head.weight.dtype == torch.float32
-    ):
-        head_float = model.lm_head.weight.detach()
-    embed: torch.Tensor | Q8Rows = inner.embed_tokens.weight.detach().to(activations)
-    stored = matrices.get("embed")
-    if stored is not None and stored.kind == "Q8_0" and activations == torch.float32:
-        # Bit for bit the model's rows (it was dequantized from them), at a quarter of the
-        # memory; the head's float rows are the same table when the model ties them.
-        embed = Q8Rows(stored)
-        if head_float is not None and getattr(config, "tie_word_embeddings", False):
-            head_float = embed
-    served = sorted({p.value for p in chosen.values()}, key=WEIGHT_MODES.index)
-    resolved = served[-1] if mode == "auto" else mode
+    activations = torch.float32 if family.family == "native" or not quantized else torch.bfloat16
+    embed, head_float = _embedding_and_head(model, matrices, linears["lm_head"], activations)
     projections = {
         name: Projection(linear, bias=_bias(inner, name, activations))
         for name, linear in linears.items()
         if name != "lm_head"
     }
     threshold = None
-    if (
-        dense_copies
-        and family.family == "torch"
-        and any(p in (Precision.INT4, Precision.INT8) for p in chosen.values())
-    ):
-        probe = projections["0.gate_up"].with_dense()
-        threshold = dense_rows(probe)
-        if threshold is not None:
-            projections = {name: p.with_dense() for name, p in projections.items()}
-            log.info(
-                "prompt chunks of {rows} tokens or more multiply by bfloat16 copies of the "
-                "quantized weights (faster here from that size; measured at start)",
-                rows=threshold,
-            )
-    layers = []
-    for index, layer in enumerate(inner.layers):
-        layers.append(
-            LayerWeights(
-                input_norm=_float(layer.input_layernorm).to(activations),
-                qkv=projections[f"{index}.qkv"],
-                o=projections[f"{index}.o"],
-                post_norm=_float(layer.post_attention_layernorm).to(activations),
-                gate_up=projections[f"{index}.gate_up"],
-                down=projections[f"{index}.down"],
-            )
-        )
+    if dense_copies and family.family == "torch" and _any_integer(chosen):
+        projections, threshold = _with_dense_copies(projections)
+    served = sorted({p.value for p in chosen.values()}, key=WEIGHT_MODES.index)
     return LlamaWeights(
-        mode=resolved,
+        mode=served[-1] if mode == "auto" else mode,
         activations=activations,
         embed=embed,
-        layers=layers,
+        layers=_layers(inner, projections, activations),
         final_norm=_float(inner.norm).to(activations),
         lm_head=linears["lm_head"],
         lm_head_float=head_float,
@@ -480,6 +431,150 @@ def gather_weights(
     )
 
 
+def _check_mode(mode: str, device: torch.device) -> None:
+    """A :class:`WeightsError` for a mode that does not exist, or that ``device`` cannot run."""
+    if mode not in WEIGHT_MODES:
+        raise WeightsError(
+            f"unknown weights mode {mode!r}; expected one of {', '.join(WEIGHT_MODES)}"
+        )
+    if device.type != "cpu" and mode in ("int4", "int8"):
+        raise WeightsError(f"--weights {mode} needs the CPU kernels; use bfloat16 on {device}")
+
+
+def _attention_shape(config: Any) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head size) of a transformers Llama ``config``."""
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return heads, kv_heads, head_dim
+
+
+def _read_matrices(
+    gguf: Path | None, mode: str, heads: int, kv_heads: int
+) -> dict[str, GgufMatrix]:
+    """The GGUF file's quantized matrices, where ``mode`` serves any (else none)."""
+    if gguf is None or mode not in ("auto", "int4", "int8"):
+        return {}
+    started = time.monotonic()
+    matrices = read_gguf_matrices(gguf, heads, kv_heads)
+    log.info(
+        "read the quantized matrices of {gguf} in {s:.1f} s",
+        gguf=str(gguf),
+        s=time.monotonic() - started,
+    )
+    return matrices
+
+
+def _any_integer(chosen: dict[str, Precision]) -> bool:
+    """Whether any projection is int4 or int8."""
+    return any(p in (Precision.INT4, Precision.INT8) for p in chosen.values())
+
+
+def _cache_signature(
+    mode: str, checks: dict[Precision, str | None], family: Choice, cache_file: Path | None
+) -> tuple[dict[str, str], Path | None]:
+    """What packed weights kept in a file must have been packed for, and that file."""
+    signature = {
+        "format": str(_CACHE_FORMAT),
+        "torch": torch.__version__,
+        "mode": mode,
+        "usable": ",".join(sorted(p.value for p, reason in checks.items() if reason is None)),
+    }
+    if family.family == "native":
+        # Another file for another layout, so that older code keeps reading its own.
+        signature["family"] = "native-tiles2"
+        signature["usable"] = "native"
+        if cache_file is not None:
+            cache_file = cache_file.with_name(f"{cache_file.stem}-tiles2{cache_file.suffix}")
+    return signature, cache_file
+
+
+def _packed(
+    model: Any,
+    matrices: dict[str, GgufMatrix],
+    chosen: dict[str, Precision],
+    family: Choice,
+    device: torch.device,
+) -> dict[str, Linear]:
+    """Every projection's kernel packed now, after the file's layout is checked against the
+    loaded model."""
+    inner = model.model
+    if matrices:
+        _check_gguf_layout(matrices, inner)
+    onednn = device.type == "cpu" and onednn_works()
+    head_source = _head_source(matrices, model.config)
+    return _build_linears(inner, model, matrices, chosen, head_source, onednn, family.library)
+
+
+def _warn_fallbacks(
+    wanted: dict[str, Precision], family: Choice, checks: dict[Precision, str | None]
+) -> None:
+    """One line per precision asked for whose torch kernel failed its self-check."""
+    for precision in sorted(set(wanted.values()), key=lambda p: p.value):
+        reason = checks.get(precision) if family.family == "torch" else None
+        if reason is not None:
+            log.warn(
+                "the {precision} kernel is not usable on this machine ({reason}); serving those "
+                "weights as {fallback}",
+                precision=precision.value,
+                reason=reason,
+                fallback=_fallback(precision, checks).value,
+            )
+
+
+def _embedding_and_head(
+    model: Any, matrices: dict[str, GgufMatrix], lm_head: Linear, activations: torch.dtype
+) -> tuple[torch.Tensor | Q8Rows, torch.Tensor | Q8Rows | None]:
+    """The token embedding, and the head's float rows where the head is quantized: a GGUF
+    file's Q8_0 embedding is read a row at a time in float32 (and is the head's rows too when
+    the model ties them)."""
+    head_float: torch.Tensor | Q8Rows | None = None
+    if lm_head.precision is not Precision.FLOAT32 and model.lm_head.weight.dtype == torch.float32:
+        head_float = model.lm_head.weight.detach()
+    embed: torch.Tensor | Q8Rows = model.model.embed_tokens.weight.detach().to(activations)
+    stored = matrices.get("embed")
+    if stored is not None and stored.kind == "Q8_0" and activations == torch.float32:
+        # Bit for bit the model's rows (it was dequantized from them), at a quarter of the
+        # memory; the head's float rows are the same table when the model ties them.
+        embed = Q8Rows(stored)
+        if head_float is not None and getattr(model.config, "tie_word_embeddings", False):
+            head_float = embed
+    return embed, head_float
+
+
+def _with_dense_copies(
+    projections: dict[str, Projection],
+) -> tuple[dict[str, Projection], int | None]:
+    """The projections with bfloat16 copies of their quantized weights, and the prompt chunk
+    size from which the copies are faster (measured on layer 0; None: never, no copies)."""
+    threshold = dense_rows(projections["0.gate_up"].with_dense())
+    if threshold is None:
+        return projections, None
+    log.info(
+        "prompt chunks of {rows} tokens or more multiply by bfloat16 copies of the "
+        "quantized weights (faster here from that size; measured at start)",
+        rows=threshold,
+    )
+    return {name: p.with_dense() for name, p in projections.items()}, threshold
+
+
+def _layers(
+    inner: Any, projections: dict[str, Projection], activations: torch.dtype
+) -> list[LayerWeights]:
+    """Each decoder layer's norms (in ``activations``) and projections."""
+    return [
+        LayerWeights(
+            input_norm=_float(layer.input_layernorm).to(activations),
+            qkv=projections[f"{index}.qkv"],
+            o=projections[f"{index}.o"],
+            post_norm=_float(layer.post_attention_layernorm).to(activations),
+            gate_up=projections[f"{index}.gate_up"],
+            down=projections[f"{index}.down"],
+        )
+        for index, layer in enumerate(inner.layers)
+    ]
+
+
 def _choose_family(
     inner: Any,
     wanted: dict[str, Precision],
@@ -493,7 +588,6 @@ def _choose_family(
     fused_step: bool,
 ) -> Choice:
     """The kernel family of the mode's matrices (:mod:`sfnode.engines.kernels.choice`), logged."""
-    measured = (Precision.INT4, Precision.INT8, Precision.FLOAT32)
     precisions = set(wanted.values())
     quantized = precisions & {Precision.INT4, Precision.INT8}
     all_float32 = precisions == {Precision.FLOAT32}
@@ -506,33 +600,43 @@ def _choose_family(
         library_dir = cache_file.parent if cache_file is not None else _default_library_dir()
     if kernels == "torch":
         choice = Choice("torch", "asked for", all_float32=all_float32)
+    elif kernels == "native":
+        loaded = native.load(library_dir, cpu.flags)
+        if isinstance(loaded, str):
+            raise WeightsError(f"sfnode's native kernels cannot be used here: {loaded}")
+        choice = Choice("native", "asked for", library=loaded, all_float32=all_float32)
     else:
-        samples: dict[str, tuple[torch.Tensor, Precision]] = {}
-        for short, modules in _projection_modules(inner.layers[0]).items():
-            precision = wanted.get(f"0.{short}")
-            if precision in measured and (precision is not Precision.FLOAT32 or all_float32):
-                samples[short] = (torch.cat([_float(m) for m in modules]), precision)
-        if not samples:
-            samples["lm_head"] = (_float(inner.embed_tokens), wanted["lm_head"])
-        if kernels == "native":
-            loaded = native.load(library_dir, cpu.flags)
-            if isinstance(loaded, str):
-                raise WeightsError(f"sfnode's native kernels cannot be used here: {loaded}")
-            choice = Choice("native", "asked for", library=loaded, all_float32=all_float32)
-        else:
-            choice = choose(
-                samples,
-                cpu=cpu,
-                library_dir=library_dir,
-                cache_file=(cache_file.parent / CHOICE_FILE) if cache_file is not None else None,
-                measure=measure,
-                native_fused=fused_step
-                and all(
-                    getattr(module, "bias", None) is None
-                    for parts in _projection_modules(inner.layers[0]).values()
-                    for module in parts
-                ),
-            )
+        layer0 = _projection_modules(inner.layers[0])
+        choice = choose(
+            _layer0_samples(inner, wanted, all_float32),
+            cpu=cpu,
+            library_dir=library_dir,
+            cache_file=(cache_file.parent / CHOICE_FILE) if cache_file is not None else None,
+            measure=measure,
+            native_fused=fused_step
+            and all(getattr(m, "bias", None) is None for parts in layer0.values() for m in parts),
+        )
+    _log_choice(choice, mode, cpu)
+    return choice
+
+
+def _layer0_samples(
+    inner: Any, wanted: dict[str, Precision], all_float32: bool
+) -> dict[str, tuple[torch.Tensor, Precision]]:
+    """Layer 0's projections the family is measured on, as float weights and the precision the
+    mode wants for each (the embedding when none is measured)."""
+    measured = (Precision.INT4, Precision.INT8, Precision.FLOAT32)
+    samples: dict[str, tuple[torch.Tensor, Precision]] = {}
+    for short, modules in _projection_modules(inner.layers[0]).items():
+        precision = wanted.get(f"0.{short}")
+        if precision in measured and (precision is not Precision.FLOAT32 or all_float32):
+            samples[short] = (torch.cat([_float(m) for m in modules]), precision)
+    if not samples:
+        samples["lm_head"] = (_float(inner.embed_tokens), wanted["lm_head"])
+    return samples
+
+
+def _log_choice(choice: Choice, mode: str, cpu: Cpu) -> None:
     if choice.library is not None and choice.library.built_seconds:
         log.info(
             "built sfnode's native kernels in {s:.1f} s (once; kept in {path})",
@@ -548,7 +652,6 @@ def _choose_family(
         why=choice.why,
         cpu=cpu.describe(),
     )
-    return choice
 
 
 CHOICE_FILE = "kernel-choice.json"
