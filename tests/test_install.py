@@ -4,16 +4,19 @@
 checkout with nothing of the checkout on the path.
 
 The fresh virtualenv sees the dependencies already installed for the tests (torch is large)
-through one plain path line in a ``.pth`` file: such a line adds that site-packages folder to
-``sys.path`` without processing that folder's own ``.pth`` files, so an editable install of
-sfnode there stays out, and the tests check that ``sfnode`` is imported from the fresh
-virtualenv.  The wheel and the virtualenv are made once per test process (about 20 s) and
-shared by these tests.
+through plain path lines in a ``.pth`` file: such a line adds a folder to ``sys.path`` without
+processing that folder's own ``.pth`` files, so an editable install of sfnode there stays out.
+The folders named are views of the tests' site-packages without sfnode's own files (its
+package, its metadata, its twistd plugins), because tox installs sfnode there as a package: so
+nothing of sfnode can come from anywhere but the fresh virtualenv, and the tests check that it
+does not.  The wheel and the virtualenv are made once per test process (about 20 s) and shared
+by these tests.
 
 What is pinned: the wheel carries every module of the tree, the native library and both twistd
 plugins and nothing else; every module imports from the install; ``twistd sfnode --help`` and
 ``twistd sfhead --help`` work; a head and a mock node started from the install serve a request
-over TCP; without any C compiler the node still gets the native kernels (the build the wheel
+over TCP; running the install again over the same version puts the wheel's files back;
+without any C compiler the node still gets the native kernels (the build the wheel
 ships, docs/engine.md section 5.1), and that build uses no instruction beyond AVX2, FMA and F16C.
 Building the image itself needs a container engine, which most machines running the suite
 lack: that one test skips saying so.
@@ -124,15 +127,51 @@ def installed() -> Install:
     (root / "work").mkdir()
     env = {**os.environ, "PYTHON": sys.executable}
     _step(["sh", str(INSTALL_SH), "--wheel", str(REPO_ROOT), str(root / "dist")], env)
-    venv = root / "venv"
-    _step([sys.executable, "-m", "venv", str(venv)])
-    install = Install(root, next((root / "dist").glob("sfnode-*.whl")), venv)
-    # The tests' own dependencies, by a plain path line (not processed as a site folder).
-    here = sorted({sysconfig.get_path("purelib"), sysconfig.get_path("platlib")})
-    (install.site_packages / "test-dependencies.pth").write_text("\n".join(here) + "\n")
-    _step(["sh", str(INSTALL_SH), str(venv), str(install.wheel)], env)
+    install = fresh_venv(root, root / "venv", next((root / "dist").glob("sfnode-*.whl")))
+    _step(["sh", str(INSTALL_SH), str(install.venv), str(install.wheel)], env)
     _install = install
     return install
+
+
+def fresh_venv(root: Path, venv: Path, wheel: Path) -> Install:
+    """A new virtualenv ``venv`` that sees the tests' own dependencies, and nothing of sfnode,
+    through plain path lines (not processed as site folders) to :func:`dependencies_view`."""
+    _step([sys.executable, "-m", "venv", str(venv)])
+    install = Install(root, wheel, venv)
+    folders = sorted({sysconfig.get_path("purelib"), sysconfig.get_path("platlib")})
+    views = [root / "dependencies" / str(index) for index in range(len(folders))]
+    if not views[0].parent.exists():
+        for folder, view in zip(folders, views, strict=True):
+            dependencies_view(Path(folder), view)
+    lines = "".join(f"{view}\n" for view in views)
+    (install.site_packages / "test-dependencies.pth").write_text(lines)
+    return install
+
+
+SFNODE_PLUGINS = {"sfnode_plugins.py", "sfhead_plugins.py", "dropin.cache", "__pycache__"}
+
+
+def dependencies_view(site: Path, view: Path) -> None:
+    """``view``: links to everything in the site-packages folder ``site`` but sfnode's own files
+    (the package, its metadata, an editable install's hooks, and its plugins in Twisted's
+    ``twisted/plugins``), so that a virtualenv given ``view`` sees no other sfnode."""
+    view.mkdir(parents=True)
+    for entry in site.iterdir():
+        name = entry.name
+        if name == "sfnode" or re.match(r"(__editable__[._]*)?sfnode[-_.]", name):
+            continue
+        if name == "twisted" and entry.is_dir():
+            _link_all_but(entry, view / name, {"plugins"})
+            _link_all_but(entry / "plugins", view / name / "plugins", SFNODE_PLUGINS)
+        else:
+            (view / name).symlink_to(entry)
+
+
+def _link_all_but(folder: Path, view: Path, left_out: set[str]) -> None:
+    view.mkdir()
+    for entry in folder.iterdir():
+        if entry.name not in left_out:
+            (view / entry.name).symlink_to(entry)
 
 
 def source_modules() -> set[str]:
@@ -157,6 +196,12 @@ for info in pkgutil.walk_packages(sfnode.__path__, "sfnode.", onerror=walk_error
         failed[info.name] = f"{type(e).__name__}: {e}"
 files["sfnode"] = sfnode.__file__
 print(json.dumps({"path": sys.path, "files": files, "failed": failed}))
+"""
+
+PLUGIN_FILES = """
+import json
+from twisted.plugins import sfhead_plugins, sfnode_plugins
+print(json.dumps([sfnode_plugins.__file__, sfhead_plugins.__file__]))
 """
 
 NATIVE_WITHOUT_COMPILER = """
@@ -240,7 +285,8 @@ class InstalledTests(SynchronousTestCase):
 
     def test_twistd_sfnode_and_sfhead_help(self) -> None:
         """``twistd sfnode --help`` and ``twistd sfhead --help`` exit 0 with each plugin's own
-        usage line, and ``twistd --help`` lists both plugins."""
+        usage line, ``twistd --help`` lists both plugins, and both plugin modules are the
+        fresh virtualenv's files."""
         install = installed()
         for plugin, usage in (("sfnode", "--listen ENDPOINT"), ("sfhead", "--node ENDPOINT")):
             done = install.run("-c", TWISTD, plugin, "--help")
@@ -250,6 +296,11 @@ class InstalledTests(SynchronousTestCase):
         listed = install.run("-c", TWISTD, "--help").stdout
         for plugin in ("sfnode", "sfhead"):
             self.assertRegex(listed, rf"\n\s+{plugin}\s+A Link F")
+        files = install.json(PLUGIN_FILES)
+        self.assertEqual(
+            [Path(path).parent for path in files],
+            [install.site_packages / "twisted" / "plugins"] * 2,
+        )
 
     def test_without_a_compiler_the_node_gets_the_shipped_native_kernels(self) -> None:
         """With ``CC`` naming a compiler that does not exist and no compiler on PATH, the
@@ -299,6 +350,25 @@ class InstalledTests(SynchronousTestCase):
         cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
         if not all(re.search(rf"\b{flag}\b", cpuinfo) for flag in flags):
             raise SkipTest(f"this CPU lacks one of {', '.join(sorted(flags))}")
+
+
+class ReinstallTests(SynchronousTestCase):
+    """``deploy/install.sh`` run again over a virtualenv that holds sfnode already."""
+
+    def test_installing_over_the_same_version_puts_the_wheels_files_back(self) -> None:
+        """Over an install of the same version whose files differ (an install from the tree
+        before a change: the version number stays), ``deploy/install.sh VENV WHEEL`` leaves
+        the wheel's files, where pip alone keeps the old ones."""
+        install = installed()
+        again = fresh_venv(install.root, install.root / "venv-again", install.wheel)
+        _step([again.python, "-m", "pip", "install", "--no-deps", str(install.wheel)])
+        module = "sfnode/cli/launcher.py"
+        (again.site_packages / module).write_text("raise SystemExit('the old install')\n")
+        env = {**os.environ, "PYTHON": sys.executable}
+        _step(["sh", str(INSTALL_SH), str(again.venv), str(install.wheel)], env)
+        with zipfile.ZipFile(install.wheel) as archive:
+            wanted = archive.read(module)
+        self.assertEqual((again.site_packages / module).read_bytes(), wanted)
 
 
 class ServingTests(TestCase):
