@@ -24,7 +24,8 @@ from twisted.internet.testing import MemoryReactorClock
 from twisted.test.iosim import ConnectionCompleter, IOPump
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from sfnode.generation import MockEngine, mock_next_token
+from sfnode.engines.config import EngineConfig
+from sfnode.engines.mock import MockEngine, mock_next_token
 from sfnode.head.link import HeadIds, LinkSettings, NodeLink, connect_node
 from sfnode.node.agent import NodeAgent
 from sfnode.node.config import NodeConfig
@@ -106,8 +107,7 @@ class NodeTestCase(TestCase):
         if engine is None:
             engine = MockEngine(
                 reactor,
-                context_window=context_window,
-                max_lanes=max_lanes,
+                EngineConfig(context_window=context_window, max_lanes=max_lanes),
                 token_delay_s=token_delay_s,
                 poison_token=poison_token,
                 eos_token_id=eos_token_id,

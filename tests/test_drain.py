@@ -19,7 +19,7 @@ from twisted.internet.error import ProcessDone
 from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
-from sfnode.generation import MockEngine
+from sfnode.engines.mock import MockEngine
 from sfnode.head.link import HeadIds, NodeLink, connect_node
 from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_DECLINED, FINISH_LENGTH
 from sfnode.node.agent import NodeAgent

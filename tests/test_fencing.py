@@ -22,7 +22,7 @@ from twisted.internet import defer, reactor
 from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.task import Clock
 
-from sfnode.generation import MockEngine
+from sfnode.engines.mock import MockEngine
 from sfnode.linkf.wire import (
     FINISH_DECLINED,
     AppendContentMsg,

@@ -15,7 +15,7 @@ from twisted.internet import defer, reactor, task
 from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.generation import MockEngine, mock_next_token
+from sfnode.engines.mock import MockEngine, mock_next_token
 from sfnode.head.api.gauges import gateway_gauges
 from sfnode.head.api.http import OpenAIApi
 from sfnode.head.api.schema import ChatMessage
@@ -64,8 +64,9 @@ TEMPLATE_B = (
     "{% for m in messages %}<<B {{ m.role }}>>{{ m.content }}<</B>>{% endfor %}"
     "{% if add_generation_prompt %}<<B assistant>>{% endif %}"
 )
-VOCAB_B = 300
-"""Node B's mock engine draws from fewer ids, so its tokens tell which node answered."""
+VOCAB_B = 400
+"""Node B's mock engine draws from fewer ids, so its tokens tell which node answered (still
+more than the prompts' ids: an engine refuses a context with ids outside its vocabulary)."""
 MESSAGES = [{"role": "user", "content": "hello world"}]
 
 _FOLDERS: dict[str, Path] = {}

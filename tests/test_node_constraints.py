@@ -18,7 +18,8 @@ from twisted.internet import defer, reactor
 from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.decoding.constraint import response_format_grammar, tools_grammar
-from sfnode.generation import GenerationRequest, MockEngine
+from sfnode.engines.mock import MockEngine
+from sfnode.generation import GenerationRequest
 from sfnode.head.fleet.fleet import ConstraintRefused, ConstraintsUnavailable, Policy
 from sfnode.head.link import ConstraintsUnsupportedError
 from sfnode.linkf import wire
@@ -185,7 +186,9 @@ class NodeTests(FleetTestCase):
         self.assertEqual(finishes, [FINISH_EOS])
         jsonschema.validate(json.loads(vocabulary().decode(tokens[:-1])), NESTED)
         request = GenerationRequest(PROMPT, GenParams(), 200, constraint=constraint)
-        local = yield mock_engine().submit(request, lambda t, lp=None: None).result
+        engine = mock_engine()
+        engine.start()
+        local = yield engine.submit(request, lambda t, lp=None: None).result
         self.assertEqual(list(local.tokens), tokens)
 
     @defer.inlineCallbacks

@@ -14,7 +14,7 @@ from typing import Any
 from twisted.internet import defer, task
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.generation import MockEngineFault
+from sfnode.engines.mock import MockEngineFault
 from sfnode.head.link import LinkLostError, NodeRefusedError
 from sfnode.linkf.wire import (
     FINISH_CANCELLED,
@@ -197,7 +197,9 @@ class GenerationTests(NodeTestCase):
     @defer.inlineCallbacks
     def test_engine_failure_closes_only_that_connection(self) -> Gen:
         """docs/protocol.md section 7.4: an engine error closes the connection that asked; another
-        connection's session is untouched and the node keeps serving."""
+        connection's session is untouched and the node keeps serving.  The fault is logged
+        twice: by the engine loop for the step that failed, and by the node for the
+        generation that step carried."""
         node = yield self.start_node(poison_token=666)
         healthy = yield self.dial(node)
         doomed = yield self.dial(node)
@@ -211,7 +213,7 @@ class GenerationTests(NodeTestCase):
         yield self.assertFailure(failed.result, LinkLostError)
         outcome = yield healthy.generate(1, 8).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 8))
-        self.assertEqual(len(self.flushLoggedErrors(MockEngineFault)), 1)
+        self.assertEqual(len(self.flushLoggedErrors(MockEngineFault)), 2)
 
 
 class SessionTests(NodeTestCase):

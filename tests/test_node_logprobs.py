@@ -16,16 +16,9 @@ from typing import Any
 from twisted.internet import defer, reactor
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.generation import (
-    GenerationRequest,
-    MockEngine,
-    TokenBatch,
-    TokenLogprob,
-    mock_logits,
-    mock_next_token,
-    mock_token,
-    sparse_logprob,
-)
+from sfnode.decoding.sparse_sampler import sparse_logprob
+from sfnode.engines.mock import MockEngine, mock_logits, mock_next_token, mock_token
+from sfnode.generation import GenerationRequest, TokenBatch, TokenLogprob
 from sfnode.head.link import LinkLostError
 from sfnode.linkf.wire import (
     F32_MAX,
@@ -150,6 +143,7 @@ class MockLogprobTests(SynchronousTestCase):
 
         def run(engine: MockEngine, logprobs: int) -> list[TokenBatch]:
             batches: list[TokenBatch] = []
+            engine.start()
             engine.submit(
                 GenerationRequest(PROMPT, GenParams(logprobs=logprobs), 5), batches.append
             )

@@ -20,7 +20,7 @@ from typing import Any
 from twisted.internet import defer, reactor
 from twisted.internet.task import Clock
 
-from sfnode.generation import MockEngine
+from sfnode.engines.mock import MockEngine
 from sfnode.head.link import HeadIds, connect_node
 from sfnode.linkf.wire import (
     FINISH_DECLINED,

@@ -50,6 +50,7 @@ class BundledModelSpeculationTests(TestCase):
         """Two extract prompts and a story, greedy and seeded: with --speculative ngram the
         tokens equal those without, alone and three at a time, and most drafted tokens were
         accepted on the extract prompts."""
+        from sfnode.engines.config import EngineConfig
         from sfnode.engines.transformers_engine import TransformersEngine
         from sfnode.engines.weights.loading import load_model
 
@@ -65,15 +66,14 @@ class BundledModelSpeculationTests(TestCase):
         params = [GenParams(), GenParams(temperature=0.7, top_p=0.9, seed=21), GenParams(seed=3)]
         engines = []
         for speculative in ("off", "ngram"):
-            engine = TransformersEngine.from_loaded(
-                loaded,
-                reactor,
+            config = EngineConfig(
                 weights="float32",
                 max_lanes=3,
                 interactive_lanes=0,
                 prefix_cache=False,
                 speculative=speculative,
             )
+            engine = TransformersEngine.from_loaded(loaded, reactor, config)
             engine.start()
             self.addCleanup(engine.stop)
             engines.append(engine)
@@ -94,6 +94,6 @@ class BundledModelSpeculationTests(TestCase):
                 runs.append([list(result.tokens) for result in results])
         for i, run in enumerate(runs[1:], 1):
             self.assertEqual(run, runs[0], i)
-        counts = engines[1].step_counts()
+        counts = engines[1].statistics().steps
         self.assertGreater(counts.accepted, counts.drafted // 2)
         self.assertGreater(counts.decode_tokens, counts.decode_rows * 1.5)

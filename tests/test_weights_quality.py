@@ -89,6 +89,7 @@ class BundledPrefixReuseTests(unittest.TestCase):
     def test_reuse_gives_the_tokens_of_a_cold_run(self) -> Any:
         from twisted.internet import defer, reactor
 
+        from sfnode.engines.config import EngineConfig
         from sfnode.engines.transformers_engine import TransformersEngine
         from sfnode.engines.weights.loading import load_model
         from sfnode.generation import GenerationRequest
@@ -112,10 +113,10 @@ class BundledPrefixReuseTests(unittest.TestCase):
         first, second = prompt("Say it in one line."), prompt("What is it about?")
 
         def engine(cache: bool) -> TransformersEngine:
-            built = TransformersEngine.from_loaded(
-                loaded, reactor, weights="float32", prefix_cache=cache, max_lanes=1,
-                interactive_lanes=0,
-            )  # fmt: skip
+            config = EngineConfig(
+                weights="float32", prefix_cache=cache, max_lanes=1, interactive_lanes=0
+            )
+            built = TransformersEngine.from_loaded(loaded, reactor, config)
             built.start()
             self.addCleanup(built.stop)
             return built
@@ -129,7 +130,7 @@ class BundledPrefixReuseTests(unittest.TestCase):
             cached, cold = engine(True), engine(False)
             yield run(cached, first)
             reused = yield run(cached, second)
-            stats = cached.prefix_statistics()
+            stats = cached.statistics().prefix
             assert stats is not None
             self.assertGreaterEqual(stats.reused_tokens, 96)
             fresh = yield run(cold, second)
