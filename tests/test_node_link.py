@@ -588,7 +588,7 @@ class FramesBeforeBadBytesTests(NodeTestCase):
         )
         yield head.lost
         self.assertEqual(node.agent.session.session_epoch(3), 5)
-        self.assertEqual(list(node.agent.contexts[3]), PROMPT)
+        self.assertEqual(list(node.agent.contexts_of(None)[3]), PROMPT)
 
 
 class TimedTests(MemoryNodeTestCase):
@@ -613,7 +613,7 @@ class TimedTests(MemoryNodeTestCase):
         self.assertFalse(node.agent.session.is_fenced(1))
         self.advance(0.02)
         self.assertTrue(node.agent.session.is_fenced(1))
-        self.assertNotIn(1, node.agent.contexts)
+        self.assertNotIn(1, node.agent.contexts_of(None))
         self.advance(1.0)
         self.assertEqual(len(head.of_type(LeaseRenewMsg)), 1)
         head.send(GenerateReqMsg(3, 1, 5, 1, GenerationBudgetsMsg(4)))

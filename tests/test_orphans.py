@@ -132,7 +132,7 @@ class LiveSessionBoundTests(NodeTestCase):
         head.send(GenerateReqMsg(10, 4, 1, 1, GenerationBudgetsMsg(4)))
         yield head.wait_for(finish_of(4, 1))
         self.assertEqual(stream_of(head.events(4, 1)), ([], [FINISH_DECLINED]))
-        capacity = node.agent.capacity()
+        capacity = node.agent.reports.capacity()
         self.assertEqual((capacity.active_sessions, capacity.max_sessions), (2, 2))
 
 

@@ -148,7 +148,7 @@ class NodeCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         agent = self._agent
         stats = agent.engine.statistics()
-        decode, prefill = agent.rates
+        decode, prefill = agent.reports.rates
         family = _Families(agent.config.identity, agent.config.model_name)
         yield family.counter(
             "sfnode_decoded_tokens", "Tokens decoded by the engine.", stats.decoded_tokens
@@ -170,7 +170,9 @@ class NodeCollector(Collector):
         )  # fmt: skip
         yield gauge("sfnode_decode_tokens_per_second", "Busy-time decode rate (EWMA).", decode)
         yield gauge("sfnode_prefill_tokens_per_second", "Busy-time prefill rate (EWMA).", prefill)
-        yield gauge("sfnode_sessions", "Sessions holding a context.", agent.sessions_with_context())
+        yield gauge(
+            "sfnode_sessions", "Sessions holding a context.", agent.heads.sessions_with_context()
+        )
         yield gauge("sfnode_connections", "Head connections past the handshake.",
                     len(agent.connections))  # fmt: skip
         yield gauge(
