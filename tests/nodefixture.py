@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from twisted.internet import defer, reactor
 from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.interfaces import IListeningPort, IProtocolFactory, IReactorTime
 from twisted.internet.protocol import ClientFactory
 from twisted.internet.testing import MemoryReactorClock
+from twisted.python.failure import Failure
 from twisted.test.iosim import ConnectionCompleter, IOPump
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
@@ -149,6 +150,15 @@ class MemoryNode:
 
     agent: NodeAgent
     engine: MockEngine
+    port: int = MEMORY_PORT
+    """The memory port it listens on."""
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp:127.0.0.1:{self.port}"
+
+
+T = TypeVar("T")
 
 
 class MemoryNodeTestCase(SynchronousTestCase):
@@ -169,17 +179,34 @@ class MemoryNodeTestCase(SynchronousTestCase):
         *,
         identity: str = "node-1",
         token_delay_s: float = 0.0,
-        engine: MockEngine | None = None,
+        engine: Any = None,
+        context_window: int = 4096,
+        max_lanes: int = 8,
+        poison_token: int | None = None,
+        eos_token_id: int | None = None,
+        supports_logprobs: bool = True,
         **config: Any,
     ) -> MemoryNode:
-        """A node listening on the memory reactor, on ``engine`` (default: a new MockEngine)."""
+        """A node listening on the memory reactor (each on a port of its own), on ``engine``
+        (default: a new MockEngine with the rest of the arguments, as
+        :meth:`NodeTestCase.start_node`)."""
         if engine is None:
-            engine = MockEngine(self.reactor, token_delay_s=token_delay_s)
+            engine = MockEngine(
+                self.reactor,
+                EngineConfig(context_window=context_window, max_lanes=max_lanes),
+                token_delay_s=token_delay_s,
+                poison_token=poison_token,
+                eos_token_id=eos_token_id,
+                supports_logprobs=supports_logprobs,
+            )
         agent = NodeAgent(
-            self.reactor, engine, NodeConfig(identity=identity, model_name="mock", **config)
+            self.reactor,
+            engine,
+            NodeConfig(identity=identity, model_name="mock", max_lanes=max_lanes, **config),
         )
         agent.start()
-        self.reactor.listenTCP(MEMORY_PORT, node_factory(agent), interface="127.0.0.1")
+        port = MEMORY_PORT + len(self.reactor.tcpServers)
+        self.reactor.listenTCP(port, node_factory(agent), interface="127.0.0.1")
 
         def stop() -> None:
             stopped = agent.stop()
@@ -187,7 +214,7 @@ class MemoryNodeTestCase(SynchronousTestCase):
             self.successResultOf(stopped)
 
         self.addCleanup(stop)
-        return MemoryNode(agent, engine)
+        return MemoryNode(agent, engine, port)
 
     def connect(self) -> None:
         """Join the oldest pending dial to the node's listener."""
@@ -196,11 +223,15 @@ class MemoryNodeTestCase(SynchronousTestCase):
         self.pumps.append(pump)
         self.flush()
 
-    def dial(self) -> NodeLink:
-        """A head link (the head library) connected and past its handshake."""
-        d = connect_node(self.reactor, f"tcp:127.0.0.1:{MEMORY_PORT}", ids=self.ids)
+    def dial(self, node: MemoryNode | None = None, token: bytes = b"", **settings: Any) -> NodeLink:
+        """A head link (the head library) to ``node`` (default: the first one), with ``token``
+        and the other :class:`LinkSettings` given, connected and past its handshake."""
+        endpoint = f"tcp:127.0.0.1:{MEMORY_PORT}" if node is None else node.endpoint
+        d = connect_node(
+            self.reactor, endpoint, ids=self.ids, settings=LinkSettings(token=token, **settings)
+        )
         self.connect()
-        link = self.successResultOf(d)
+        link = self.wait(d)
 
         def close() -> None:
             closed = link.close()
@@ -210,14 +241,50 @@ class MemoryNodeTestCase(SynchronousTestCase):
         self.addCleanup(close)
         return link
 
-    def raw_head(self) -> RawHead:
-        """A scripted head (:class:`RawHead`) connected, before its HELLO."""
+    def raw_head(self, node: MemoryNode | None = None) -> RawHead:
+        """A scripted head (:class:`RawHead`) connected to ``node`` (default: the first one),
+        before its HELLO."""
         head = RawHead()
-        self.reactor.connectTCP(
-            "127.0.0.1", MEMORY_PORT, ClientFactory.forProtocol(lambda: head.protocol)
-        )
+        port = MEMORY_PORT if node is None else node.port
+        self.reactor.connectTCP("127.0.0.1", port, ClientFactory.forProtocol(lambda: head.protocol))
         self.connect()
         return head
+
+    def wait(self, d: defer.Deferred[T], timeout_s: float = 60.0, step: float = 0.01) -> T:
+        """What ``d`` fires with, once memory time has passed (in steps of ``step``, the bytes
+        moved after each) until it fired; a failure is raised.  A Deferred that has not fired
+        within ``timeout_s`` of memory time fails the test."""
+        self.flush()
+        for _ in range(round(timeout_s / step)):
+            if d.called:
+                break
+            self.reactor.advance(step)
+            self.accept_dials()
+        results: list[T] = []
+        failures: list[Failure] = []
+        d.addCallbacks(results.append, failures.append)
+        if failures:
+            failures[0].raiseException()
+        if not results:
+            self.fail(f"{d!r} did not fire within {timeout_s} s of memory time")
+        return results[0]
+
+    def wait_failure(
+        self, d: defer.Deferred[Any], *expected: type[BaseException], timeout_s: float = 60.0
+    ) -> Failure:
+        """The failure ``d`` fires with (one of ``expected``), waited for as :meth:`wait`."""
+        try:
+            result = self.wait(d, timeout_s)
+        except expected:
+            return Failure()
+        self.fail(f"{d!r} fired with {result!r}, not a failure of {expected}")
+
+    def accept_dials(self) -> None:
+        """Join every pending dial to its listener, then move the bytes (a head's reconnect
+        reaches its node as it would on a real reactor)."""
+        while (pump := self.completer.succeedOnce()) is not None:
+            self.pumps.append(pump)
+        self.flush()
 
     def flush(self) -> None:
         """Move every pending byte both ways until nothing moves (and run what is due now)."""

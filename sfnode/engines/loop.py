@@ -471,7 +471,7 @@ class EngineLoop:
             self._stopped_now()
             return
         output, seconds = result
-        if plan.decode or plan.chunks:
+        if self._traits.timed and (plan.decode or plan.chunks):
             self.pace.observe(StepCost.of(plan), seconds)
         emitted, ended = self.scheduler.complete(plan, output)
         self._kick()

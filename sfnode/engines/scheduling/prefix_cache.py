@@ -59,7 +59,10 @@ class PrefixCache:
         self.capacity = capacity
         self._blocks: OrderedDict[BlockKey, _Entry] = OrderedDict()
         self._children: dict[BlockKey, set[BlockKey]] = {}
-        self._free = list(range(capacity - 1, -1, -1))
+        self._free: list[int] = []
+        """Blocks given back (:meth:`discard`), taken again last in first out."""
+        self._unused = 0
+        """Blocks ``_unused ..`` were never taken (a pool of millions costs nothing until used)."""
         self.stats = PrefixCacheStats()
 
     def __len__(self) -> int:
@@ -119,6 +122,9 @@ class PrefixCache:
             return None
         if self._free:
             block = self._free.pop()
+        elif self._unused < self.capacity:
+            block = self._unused
+            self._unused += 1
         else:
             if not self._blocks:
                 return None

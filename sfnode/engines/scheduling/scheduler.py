@@ -461,7 +461,7 @@ class Scheduler:
             return ()
         tokens = lane.request.context + tuple(lane.generated)
         if len(lane.keys) < full:
-            lane.keys = block_keys(tokens[: full * KV_BLOCK_TOKENS], self._salt)
+            lane.keys = block_keys(tokens[: full * KV_BLOCK_TOKENS], self._salt, known=lane.keys)
         runs: list[BlockCopy] = []
         first, blocks = lane.saved, list[int]()
         for index in range(lane.saved, full):
