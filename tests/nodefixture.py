@@ -28,10 +28,18 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from sfnode.engines.config import EngineConfig
 from sfnode.engines.mock import MockEngine, mock_next_token
 from sfnode.head.link import HeadIds, LinkSettings, NodeLink, connect_node
+from sfnode.linkf.wire import Lease
 from sfnode.node.agent import NodeAgent
 from sfnode.node.config import NodeConfig
 from sfnode.node.protocol import NodeFactory
 from sfnode.node.tap import node_factory
+
+PROMPT = list(range(100, 112))
+"""The context most node tests generate from."""
+LONG_LEASE = Lease(60_000, 45_000)
+"""A lease no test outlives."""
+Gen = Generator[defer.Deferred[Any], Any, None]
+"""What an ``inlineCallbacks`` test method returns."""
 
 
 def expected_tokens(context: Sequence[int], count: int) -> list[int]:
@@ -376,6 +384,36 @@ class RawHead:
         d: defer.Deferred[Any] = defer.Deferred()
         self._waiters.append((predicate, d))
         return d
+
+    def reconcile(
+        self, session_id: int, epoch: int, watermarks: Sequence[tuple[int, int | None]] = ()
+    ) -> defer.Deferred[Any]:
+        """A RECONCILE of one session (command watermark 3) naming each generation's
+        (id, watermark); fires with the RECONCILE_ACK that answers it."""
+        from sfnode.linkf.wire import (
+            GenerationWatermark,
+            LeaseStateMsg,
+            ReconcileAckMsg,
+            ReconcileMsg,
+            SessionReconcileState,
+        )
+
+        before = len(self.received)
+        marks = tuple(GenerationWatermark(g, w) for g, w in watermarks)
+        state = SessionReconcileState(session_id, epoch, LeaseStateMsg(LONG_LEASE, 0), 3, marks)
+        self.send(ReconcileMsg((state,)))
+        return self.wait_for(
+            lambda m: isinstance(m, ReconcileAckMsg) and any(m is x for x in self.received[before:])
+        )
+
+    def following(self, message: Any) -> defer.Deferred[Any]:
+        """Fires with the message received right after ``message``."""
+        return self.wait_for(
+            lambda m: any(
+                earlier is message and later is m
+                for earlier, later in zip(self.received, self.received[1:], strict=False)
+            )
+        )
 
     def of_type(self, cls: type[Any]) -> list[Any]:
         """Every message of class ``cls`` received so far, in order."""

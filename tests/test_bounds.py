@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import socket
 import struct
-from collections.abc import Generator
 from typing import Any
 
 from twisted.internet import defer
@@ -57,11 +56,17 @@ from sfnode.node.config import (
     DEFAULT_MAX_UNACKED_EVENTS,
 )
 from sfnode.node.protocol import NodeProtocol
-from tests.nodefixture import MemoryNodeTestCase, NodeTestCase, RawHead, expected_tokens, finish_of
+from tests.nodefixture import (
+    PROMPT,
+    Gen,
+    MemoryNodeTestCase,
+    NodeTestCase,
+    RawHead,
+    expected_tokens,
+    finish_of,
+)
 
-PROMPT = list(range(100, 112))
 LEASE = Lease(600_000, 450_000)
-Gen = Generator[defer.Deferred[Any], Any, None]
 
 
 class Bounds:

@@ -23,12 +23,11 @@ from twisted.internet.utils import getProcessOutputAndValue
 from twisted.trial.unittest import TestCase
 
 from sfnode.head.link import HeadIds, HeadLinkFactory, LinkSettings, NodeLink
-from tests.nodefixture import expected_tokens
+from tests.nodefixture import PROMPT, expected_tokens
 from tests.processes import TWISTD, Child, child_env, spawn_twistd
 
 TOKEN = b"4f" * 32
 OTHER = b"9a" * 32
-PROMPT = list(range(100, 112))
 
 
 class Garbage(Protocol):

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Generator
-from typing import Any
 
 from twisted.internet import defer, reactor
 from twisted.internet.error import ProcessDone
@@ -19,13 +17,11 @@ from twisted.trial.unittest import TestCase
 
 from sfnode.head.link import HeadIds, NodeLink, connect_node
 from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_DECLINED, FINISH_LENGTH
-from tests.nodefixture import MemoryNodeTestCase, expected_tokens
+from tests.nodefixture import PROMPT, MemoryNodeTestCase, expected_tokens
 from tests.test_tap import TWISTD, TwistdProcess, child_env
 
-PROMPT = list(range(100, 112))
 STEP_S = 0.01
 """One clock step: one mock token."""
-Gen = Generator[defer.Deferred[Any], Any, None]
 
 
 class AgentDrainTests(MemoryNodeTestCase):

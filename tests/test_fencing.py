@@ -15,7 +15,6 @@ connection, in order).
 
 from __future__ import annotations
 
-from collections.abc import Generator
 from typing import Any
 
 from twisted.internet import defer
@@ -33,15 +32,13 @@ from sfnode.linkf.wire import (
     Tokens,
     encode_tokens,
 )
-from tests.nodefixture import MemoryNodeTestCase, RawHead, expected_tokens, finish_of
+from tests.nodefixture import PROMPT, MemoryNodeTestCase, RawHead, expected_tokens, finish_of
 
-PROMPT = list(range(100, 112))
 LEASE_MS = 1000
 RENEW_BY_MS = 500
 STEP_S = 0.01
 """Clock step: one mock token per step."""
 UNKNOWN_SESSION = 999
-Gen = Generator[defer.Deferred[Any], Any, None]
 
 
 class FencingTests(MemoryNodeTestCase):

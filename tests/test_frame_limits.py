@@ -50,10 +50,7 @@ from sfnode.linkf.wire import (
     message_frame,
 )
 from sfnode.node.tap import node_factory
-from tests.nodefixture import NodeTestCase, expected_tokens
-
-PROMPT = list(range(100, 112))
-Gen = Generator[defer.Deferred[Any], Any, None]
+from tests.nodefixture import PROMPT, Gen, NodeTestCase, expected_tokens
 
 
 def header(msg_type: int, payload_size: int, frame_cls: int = 0) -> bytes:

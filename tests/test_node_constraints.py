@@ -37,7 +37,6 @@ from sfnode.linkf.wire import (
     GenParams,
     JsonObjectGrammar,
     JsonSchemaGrammar,
-    Lease,
     MsgType,
     PayloadError,
     SamplerControls,
@@ -47,13 +46,17 @@ from sfnode.linkf.wire import (
     decode_message,
     encode_tokens,
 )
-from tests.nodefixture import MemoryNodeTestCase, RawHead, finish_of, stream_of
+from tests.nodefixture import (
+    LONG_LEASE,
+    PROMPT,
+    Gen,
+    MemoryNodeTestCase,
+    RawHead,
+    finish_of,
+    stream_of,
+)
 from tests.test_constraint import NESTED, ONE_TOOL, ONE_TOOL_LANGUAGE, vocabulary
 from tests.test_fleet import FleetTestCase
-
-PROMPT = list(range(100, 112))
-LONG_LEASE = Lease(60_000, 45_000)
-Gen = Generator[defer.Deferred[Any], Any, None]
 
 EXAMPLE = GenerateReqMsg(
     3,

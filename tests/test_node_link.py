@@ -9,7 +9,6 @@ engine.
 
 from __future__ import annotations
 
-from collections.abc import Generator
 from typing import Any
 
 from twisted.internet import defer, task
@@ -28,19 +27,14 @@ from sfnode.linkf.wire import (
     Finish,
     GenerateReqMsg,
     GenerationBudgetsMsg,
-    GenerationWatermark,
     Hello,
     Lease,
     LeaseGrantMsg,
     LeaseRenewMsg,
-    LeaseStateMsg,
     LinkRole,
     MsgType,
     NodeStatusMsg,
-    ReconcileAckMsg,
-    ReconcileMsg,
     SessionAssignMsg,
-    SessionReconcileState,
     TokenEventsMsg,
     Tokens,
     WatermarkAckMsg,
@@ -50,16 +44,14 @@ from sfnode.linkf.wire import (
 )
 from sfnode.node.agent import HANDLERS, HandlerTable
 from tests.nodefixture import (
+    LONG_LEASE,
+    PROMPT,
     MemoryNodeTestCase,
     RawHead,
     expected_tokens,
     finish_of,
     stream_of,
 )
-
-PROMPT = list(range(100, 112))
-LONG_LEASE = Lease(60_000, 45_000)
-Gen = Generator[defer.Deferred[Any], Any, None]
 
 
 def assign_raw(
@@ -334,30 +326,13 @@ class ReconcileTests(MemoryNodeTestCase):
         # The first token at once, then 16, 16 and 7 coalesced, then the Finish.
         self.assertEqual([e.event_seq for e in sent], [0, 1, 2, 3, 4])
         head.send(WatermarkAckMsg(1, 5, 100, 0))
-        head.send(
-            ReconcileMsg(
-                (
-                    SessionReconcileState(
-                        1, 5, LeaseStateMsg(LONG_LEASE, 0), 3, (GenerationWatermark(100, 1),)
-                    ),
-                )
-            )
-        )
-        ack = self.wait(head.wait_for(lambda m: isinstance(m, ReconcileAckMsg)))
+        ack = self.wait(head.reconcile(1, 5, [(100, 1)]))
         (entry,) = ack.sessions
         self.assertTrue(entry.held)
         self.assertEqual(
             [(r.generation_id, r.from_seq, r.to_seq) for r in entry.retry_ranges], [(100, 2, 4)]
         )
-        self.wait(
-            head.wait_for(
-                lambda m: (
-                    isinstance(m, TokenEventsMsg)
-                    and head.received.index(m) > head.received.index(ack)
-                )
-            )
-        )
-        retransmission = head.received[head.received.index(ack) + 1]
+        retransmission = self.wait(head.following(ack))
         self.assertEqual(retransmission.events, tuple(sent[2:]))
         self.assertEqual(node.agent.session.unacked_events(1, 100), 4)
 
@@ -371,16 +346,7 @@ class ReconcileTests(MemoryNodeTestCase):
         head.send(AppendContentMsg(2, 1, 5, encode_tokens(PROMPT)))
         head.send(GenerateReqMsg(3, 1, 5, 100, GenerationBudgetsMsg(60)))
         self.wait(head.wait_for(lambda m: isinstance(m, TokenEventsMsg)))
-        head.send(
-            ReconcileMsg(
-                (
-                    SessionReconcileState(
-                        1, 5, LeaseStateMsg(LONG_LEASE, 0), 3, (GenerationWatermark(100, None),)
-                    ),
-                )
-            )
-        )
-        ack = self.wait(head.wait_for(lambda m: isinstance(m, ReconcileAckMsg)))
+        ack = self.wait(head.reconcile(1, 5, [(100, None)]))
         self.assertTrue(ack.sessions[0].held)
         self.wait(head.wait_for(finish_of(1, 100)))
         after = head.received.index(ack)

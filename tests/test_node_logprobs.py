@@ -11,10 +11,9 @@ renormalised (sampled).
 from __future__ import annotations
 
 import math
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from twisted.internet import defer
 from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.decoding.sparse_sampler import sparse_logprob
@@ -28,15 +27,8 @@ from sfnode.linkf.wire import (
     AppendContentMsg,
     GenerateReqMsg,
     GenerationBudgetsMsg,
-    GenerationWatermark,
     GenParams,
-    Lease,
-    LeaseStateMsg,
-    ReconcileAckMsg,
-    ReconcileMsg,
     SessionAssignMsg,
-    SessionReconcileState,
-    TokenEventsMsg,
     Tokens,
     TokensLogprobs,
     WatermarkAckMsg,
@@ -46,11 +38,15 @@ from sfnode.linkf.wire import (
     to_f32,
 )
 from sfnode.node.agent import checked_logprobs
-from tests.nodefixture import MemoryNodeTestCase, RawHead, expected_tokens, finish_of, stream_of
-
-PROMPT = list(range(100, 112))
-LONG_LEASE = Lease(60_000, 45_000)
-Gen = Generator[defer.Deferred[Any], Any, None]
+from tests.nodefixture import (
+    LONG_LEASE,
+    PROMPT,
+    MemoryNodeTestCase,
+    RawHead,
+    expected_tokens,
+    finish_of,
+    stream_of,
+)
 
 
 def log_softmax(logits: Sequence[tuple[int, float]], temperature: float = 1.0) -> dict[int, float]:
@@ -304,25 +300,8 @@ class NodeWireTests(MemoryNodeTestCase):
         sent = head.events(1, 100)
         self.assertEqual([e.event_seq for e in sent], [0, 1, 2, 3, 4])
         head.send(WatermarkAckMsg(1, 5, 100, 0))
-        head.send(
-            ReconcileMsg(
-                (
-                    SessionReconcileState(
-                        1, 5, LeaseStateMsg(LONG_LEASE, 0), 3, (GenerationWatermark(100, 1),)
-                    ),
-                )
-            )
-        )
-        ack = self.wait(head.wait_for(lambda m: isinstance(m, ReconcileAckMsg)))
-        self.wait(
-            head.wait_for(
-                lambda m: (
-                    isinstance(m, TokenEventsMsg)
-                    and head.received.index(m) > head.received.index(ack)
-                )
-            )
-        )
-        retransmission = head.received[head.received.index(ack) + 1]
+        ack = self.wait(head.reconcile(1, 5, [(100, 1)]))
+        retransmission = self.wait(head.following(ack))
         self.assertEqual(retransmission.events, tuple(sent[2:]))
         self.assertEqual([type(e.payload) for e in retransmission.events[:2]], [TokensLogprobs] * 2)
 

@@ -36,14 +36,20 @@ from sfnode.linkf.wire import (
     SessionReconcileState,
     encode_tokens,
 )
-from tests.nodefixture import MemoryNodeTestCase, RawHead, expected_tokens, finish_of, stream_of
+from tests.nodefixture import (
+    PROMPT,
+    Gen,
+    MemoryNodeTestCase,
+    RawHead,
+    expected_tokens,
+    finish_of,
+    stream_of,
+)
 from tests.test_http import MESSAGES, MODEL, HttpTestCase
 from tests.test_http import expected_tokens as vocab_tokens
 from tests.tinymodel import TINY_VOCAB
 
-PROMPT = list(range(100, 112))
 SHORT = Lease(1000, 800)
-Gen = Generator[defer.Deferred[Any], Any, None]
 
 
 def place(head: RawHead, command: int, session: int, lease: Lease = SHORT) -> None:

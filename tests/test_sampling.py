@@ -44,16 +44,14 @@ from sfnode.linkf.wire import FINISH_LENGTH, GenParams
 from sfnode.node.agent import NodeAgent
 from sfnode.node.config import NodeConfig
 from sfnode.node.tap import node_factory
-from tests.nodefixture import NodeTestCase, RunningNode
+from tests.nodefixture import PROMPT, Gen, NodeTestCase, RunningNode
 from tests.test_http import MESSAGES, HttpTestCase, sse_events
 from tests.tinymodel import TINY_VOCAB
 
-PROMPT = list(range(100, 112))
 SAMPLED = GenParams(temperature=1.0, top_p=1.0, seed=1234)
 """OpenAI's defaults with a fixed seed.  Every value here is exact in float32 (the wire's type)."""
 NARROWED = GenParams(temperature=0.75, top_p=0.875, min_p=0.0625, top_k=5, seed=2**40 + 3)
 """Every field set, none to its default, all exact in float32."""
-Gen = Generator[defer.Deferred[Any], Any, None]
 
 
 def sampled_run(
