@@ -303,7 +303,7 @@ def bench_model(
     all_requests = workload(count(max(concurrencies)), vocab)
     baseline = str(next(model.parameters()).dtype).removeprefix("torch.")
     print(
-        f"\n=== {name}: engine weights {engine.weights_mode} ({engine.kernels}), baselines "
+        f"\n=== {name}: engine weights {engine.weights.mode} ({engine.weights.kernels}), baselines "
         f"{baseline}; {torch.get_num_threads()} torch threads; OMP_WAIT_POLICY "
         f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}; best of {repeat} runs per figure ===",
         flush=True,

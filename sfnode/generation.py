@@ -123,12 +123,12 @@ class StepFigures:
 
 @dataclass(frozen=True)
 class PrefixFigures:
-    """An engine's prefix cache: cumulative figures since start, and the blocks held now."""
+    """An engine's prefix cache: cumulative figures since start (``hits``: generations that
+    reused at least one block, ``misses``: generations that reused nothing, the context tokens
+    reused, the blocks saved and evicted), and the blocks held now."""
 
     hits: int = 0
-    """Generations that reused at least one block."""
     misses: int = 0
-    """Generations that reused nothing."""
     reused_tokens: int = 0
     saved_blocks: int = 0
     evictions: int = 0

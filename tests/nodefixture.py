@@ -53,6 +53,41 @@ def expected_tokens(context: Sequence[int], count: int) -> list[int]:
     return out
 
 
+def mock_node(
+    reactor: IReactorTime,
+    clock: IReactorTime,
+    *,
+    identity: str = "node-1",
+    engine: Any = None,
+    context_window: int = 4096,
+    max_lanes: int = 8,
+    token_delay_s: float = 0.0,
+    poison_token: int | None = None,
+    eos_token_id: int | None = None,
+    supports_logprobs: bool = True,
+    **config: Any,
+) -> tuple[NodeAgent, Any]:
+    """A started node agent, its timers on ``clock``, and its engine: ``engine``, or a
+    MockEngine on ``reactor`` with the mock options given; ``config`` are further
+    :class:`NodeConfig` fields."""
+    if engine is None:
+        engine = MockEngine(
+            reactor,
+            EngineConfig(context_window=context_window, max_lanes=max_lanes),
+            token_delay_s=token_delay_s,
+            poison_token=poison_token,
+            eos_token_id=eos_token_id,
+            supports_logprobs=supports_logprobs,
+        )
+    agent = NodeAgent(
+        clock,
+        engine,
+        NodeConfig(identity=identity, model_name="mock", max_lanes=max_lanes, **config),
+    )
+    agent.start()
+    return agent, engine
+
+
 class RunningNode:
     """A node listening on 127.0.0.1 with a free port."""
 
@@ -94,40 +129,15 @@ class NodeTestCase(TestCase):
 
     @defer.inlineCallbacks
     def start_node(
-        self,
-        *,
-        identity: str = "node-1",
-        context_window: int = 4096,
-        max_lanes: int = 8,
-        token_delay_s: float = 0.0,
-        poison_token: int | None = None,
-        eos_token_id: int | None = None,
-        supports_logprobs: bool = True,
-        engine: Any = None,
-        clock: IReactorTime | None = None,
-        **config: Any,
+        self, *, clock: IReactorTime | None = None, **options: Any
     ) -> Generator[defer.Deferred[Any], Any, RunningNode]:
-        """A node on a free loopback port; ``engine`` replaces its mock engine.
+        """A node (:func:`mock_node` with ``options``) on a free loopback port.
 
         With ``clock`` (a ``Clock``) the node's own timers (handshake, idle, lease, status,
         coalescing) run on it, so a test moves them when it decides; its sockets and the mock
         engine stay on the reactor.
         """
-        if engine is None:
-            engine = MockEngine(
-                reactor,
-                EngineConfig(context_window=context_window, max_lanes=max_lanes),
-                token_delay_s=token_delay_s,
-                poison_token=poison_token,
-                eos_token_id=eos_token_id,
-                supports_logprobs=supports_logprobs,
-            )
-        agent = NodeAgent(
-            reactor if clock is None else clock,
-            engine,
-            NodeConfig(identity=identity, model_name="mock", max_lanes=max_lanes, **config),
-        )
-        agent.start()
+        agent, engine = mock_node(reactor, reactor if clock is None else clock, **options)
         factory = node_factory(agent)
         port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(factory)
         # Cleanups run last-in first-out: links close, then the port, then the node.
@@ -182,37 +192,10 @@ class MemoryNodeTestCase(SynchronousTestCase):
         self.pumps: list[IOPump] = []
         self.ids = HeadIds()
 
-    def start_node(
-        self,
-        *,
-        identity: str = "node-1",
-        token_delay_s: float = 0.0,
-        engine: Any = None,
-        context_window: int = 4096,
-        max_lanes: int = 8,
-        poison_token: int | None = None,
-        eos_token_id: int | None = None,
-        supports_logprobs: bool = True,
-        **config: Any,
-    ) -> MemoryNode:
-        """A node listening on the memory reactor (each on a port of its own), on ``engine``
-        (default: a new MockEngine with the rest of the arguments, as
-        :meth:`NodeTestCase.start_node`)."""
-        if engine is None:
-            engine = MockEngine(
-                self.reactor,
-                EngineConfig(context_window=context_window, max_lanes=max_lanes),
-                token_delay_s=token_delay_s,
-                poison_token=poison_token,
-                eos_token_id=eos_token_id,
-                supports_logprobs=supports_logprobs,
-            )
-        agent = NodeAgent(
-            self.reactor,
-            engine,
-            NodeConfig(identity=identity, model_name="mock", max_lanes=max_lanes, **config),
-        )
-        agent.start()
+    def start_node(self, **options: Any) -> MemoryNode:
+        """A node (:func:`mock_node` with ``options``) listening on the memory reactor, each
+        on a port of its own."""
+        agent, engine = mock_node(self.reactor, self.reactor, **options)
         port = MEMORY_PORT + len(self.reactor.tcpServers)
         self.reactor.listenTCP(port, node_factory(agent), interface="127.0.0.1")
 

@@ -563,7 +563,7 @@ class TransformersEngineTests(unittest.TestCase):
                     prompt, params, 120, constraint=Constraint(len(prompt), NESTED_GRAMMAR)
                 )
                 result: GenerationResult = yield self.submit(engine, request)
-                self.assertEqual(result.stop, EngineStop.EOS, engine.weights_mode)
+                self.assertEqual(result.stop, EngineStop.EOS, engine.weights.mode)
                 text = vocabulary().decode(list(result.tokens[:-1]))
                 jsonschema.validate(json.loads(text), NESTED)
 

@@ -331,11 +331,11 @@ class GreedyTests(EngineTestCase):
         tokens; with oneDNN allowed, that path routes every float32 linear layer to it."""
         stock = self.make_engine(max_lanes=4, onednn=False, lean_step=False)
         self.assertFalse(stock.lean_step)
-        self.assertEqual(stock.onednn_layers, 0)
+        self.assertEqual(stock.weights.onednn_layers, 0)
         if onednn_linear_works():
             routed = self.make_engine(max_lanes=4, lean_step=False, model=model(layers=2))
             linears = sum(isinstance(m, torch.nn.Linear) for m in model(layers=2).modules())
-            self.assertEqual(routed.onednn_layers, linears)
+            self.assertEqual(routed.weights.onednn_layers, linears)
         for prompt in prompts(3, seed=5):
             d, _ = self.run_one(prompt, 20, engine=stock)
             result = yield d
@@ -801,7 +801,7 @@ class WeightsModeTests(EngineTestCase):
                 kernels=kernels,
                 fused_step=fused,
             )
-            self.assertEqual(engine.weights_mode, mode)
+            self.assertEqual(engine.weights.mode, mode)
             self.assertEqual(engine.fused_step, kernels == "native" and fused)
             solo = []
             for p, gp in zip(ps, params, strict=True):

@@ -462,9 +462,9 @@ class EmbeddingTests(TestCase):
         int4 = tap.build_engine(reactor, parse(*base, "--weights", "int4"))
         assert isinstance(stock, TransformersEngine) and isinstance(default, TransformersEngine)
         assert isinstance(int4, TransformersEngine)
-        self.assertEqual((stock.onednn_layers, stock.lean_step), (0, False))
-        self.assertEqual((default.lean_step, default.weights_mode), (True, "float32"))
-        self.assertEqual((int4.lean_step, int4.weights_mode), (True, "int4"))
+        self.assertEqual((stock.weights.onednn_layers, stock.lean_step), (0, False))
+        self.assertEqual((default.lean_step, default.weights.mode), (True, "float32"))
+        self.assertEqual((int4.lean_step, int4.weights.mode), (True, "int4"))
         self.assertEqual(default.scheduler.step_ms, 250)
         timed = tap.build_engine(reactor, parse(*base, "--step-ms", "80"))
         assert isinstance(timed, TransformersEngine)
@@ -489,7 +489,9 @@ class EmbeddingTests(TestCase):
         base = f"--listen {LOOPBACK} --model {folder} --device cpu --weights int4".split()
         torch_kernels = tap.build_engine(reactor, parse(*base, "--kernels", "torch"))
         assert isinstance(torch_kernels, TransformersEngine)
-        self.assertEqual((torch_kernels.kernels, torch_kernels.fused_step), ("int4 x 13", False))
+        self.assertEqual(
+            (torch_kernels.weights.kernels, torch_kernels.fused_step), ("int4 x 13", False)
+        )
         self.assertEqual(torch_kernels.weights.activations, torch.bfloat16)
         if not isinstance(native.load(default_cache_dir().parent / "kernels"), str):
             own = tap.build_engine(reactor, parse(*base, "--kernels", "native"))

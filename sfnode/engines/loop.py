@@ -21,7 +21,7 @@ engine goes on), and never call a generation's ``on_tokens`` after it was cancel
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from twisted.internet import defer
@@ -48,10 +48,8 @@ from sfnode.generation import (
     GenerationRequest,
     GenerationResult,
     MaskFigures,
-    PrefixFigures,
     StageForwardError,
     StageResult,
-    StepFigures,
     StreamTooLong,
     TokenBatch,
     TokenLogprob,
@@ -281,15 +279,8 @@ class EngineLoop:
             lanes_active=len(scheduler.running),
             kv_blocks_used=scheduler.kv_blocks_used,
             kv_blocks_total=scheduler.kv_blocks,
-            steps=StepFigures(
-                steps=counts.steps,
-                decode_rows=counts.decode_rows,
-                decode_tokens=counts.decode_tokens,
-                speculative=scheduler.speculation is not None,
-                drafted=counts.drafted,
-                accepted=counts.accepted,
-            ),
-            prefix=None if prefix is None else PrefixFigures(**asdict(prefix.stats)),
+            steps=counts.figures(speculative=scheduler.speculation is not None),
+            prefix=None if prefix is None else prefix.stats,
             masks=self.mask_figures(),
         )
 

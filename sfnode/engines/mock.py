@@ -150,18 +150,12 @@ class MockRunner:
     pool of blocks of tokens (the prefix cache's), sampling from :func:`mock_logits`."""
 
     def __init__(
-        self,
-        *,
-        slots: int,
-        vocab_size: int,
-        n_layers: int,
-        poison_token: int | None = None,
-        logprobs: bool = True,
+        self, traits: RunnerTraits, slots: int, poison_token: int | None, logprobs: bool
     ) -> None:
         self._slots: list[list[int]] = [[] for _ in range(slots)]
         self._pool: dict[int, tuple[int, ...]] = {}
-        self._vocab_size = vocab_size
-        self._n_layers = n_layers
+        self._vocab_size = traits.vocab_size
+        self._n_layers = traits.n_layers
         self._poison_token = poison_token
         self._logprobs = logprobs
         """Whether rows that ask get their logprobs (False: a model without them)."""
@@ -330,13 +324,7 @@ class MockEngine(EngineLoop):
             block_copies=True,
             timed=False,
         )
-        runner = MockRunner(
-            slots=config.max_lanes,
-            vocab_size=vocab_size,
-            n_layers=n_layers,
-            poison_token=poison_token,
-            logprobs=supports_logprobs,
-        )
+        runner = MockRunner(traits, config.max_lanes, poison_token, supports_logprobs)
         super().__init__(
             config,
             traits,

@@ -414,18 +414,6 @@ class TransformersEngine(EngineLoop):
         return isinstance(self.runner, LlamaRunner)
 
     @property
-    def weights_mode(self) -> str:
-        return self.weights.mode
-
-    @property
-    def kernels(self) -> str:
-        return self.weights.kernels
-
-    @property
-    def onednn_layers(self) -> int:
-        return self.weights.onednn_layers
-
-    @property
     def fused_step(self) -> bool:
         """Whether the whole step runs in sfnode's native fused calls."""
         return isinstance(self.runner, LlamaRunner) and self.runner.fused is not None

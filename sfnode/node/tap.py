@@ -577,45 +577,60 @@ class Options(usage.Options):
                 raise usage.UsageError(f"--head-name {name!r} cannot be a head's name: {why}")
 
 
+_NODE_FIELDS = (
+    "model_name",
+    "identity",
+    "max_lanes",
+    "auth_token",
+    "handshake_timeout_ms",
+    "idle_timeout_ms",
+    "max_handshakes",
+    "max_address_handshakes",
+    "max_sessions",
+    "fenced_grace_ms",
+    "max_unacked_events",
+    "max_held_tokens",
+    "max_generations",
+)
+"""The :class:`NodeConfig` fields that are the checked option of the same name as they are."""
+_ENGINE_FIELDS = (
+    "max_lanes",
+    "interactive_lanes",
+    "prefill_chunk",
+    "step_tokens",
+    "speculative",
+    "draft_tokens",
+    "weights",
+    "kernels",
+)
+"""The :class:`EngineConfig` fields that are the checked option of the same name as they are."""
+
+
+def _as_given(options: Options, fields: tuple[str, ...]) -> dict[str, Any]:
+    """Each of ``fields`` with the value of its option (``max_lanes``: ``--max-lanes``)."""
+    return {field: options[field.replace("_", "-")] for field in fields}
+
+
 def node_config(options: Options) -> NodeConfig:
     """The :class:`NodeConfig` that checked ``options`` describe."""
     return NodeConfig(
-        model_name=options["model-name"],
-        identity=options["identity"],
-        max_lanes=options["max-lanes"],
-        auth_token=options["auth-token"],
-        handshake_timeout_ms=options["handshake-timeout-ms"],
-        idle_timeout_ms=options["idle-timeout-ms"],
-        max_handshakes=options["max-handshakes"],
-        max_address_handshakes=options["max-address-handshakes"],
-        max_sessions=options["max-sessions"],
-        fenced_grace_ms=options["fenced-grace-ms"],
-        max_unacked_events=options["max-unacked-events"],
-        max_held_tokens=options["max-held-tokens"],
-        max_generations=options["max-generations"],
-        drain_timeout_ms=options["drain-timeout"] * 1000,
+        **_as_given(options, _NODE_FIELDS), drain_timeout_ms=options["drain-timeout"] * 1000
     )
 
 
 def engine_config(options: Options) -> EngineConfig:
     """The :class:`EngineConfig` that checked ``options`` describe (the mock engine reads its
     lanes, window and scheduling; the other fields are at their defaults for it)."""
+    stock = options["stock-kernels"]
     return EngineConfig(
-        max_lanes=options["max-lanes"],
+        **_as_given(options, _ENGINE_FIELDS),
         context_window=options["max-context"] or None,
         kv_blocks=options["kv-blocks"] or None,
-        interactive_lanes=options["interactive-lanes"],
-        prefill_chunk=options["prefill-chunk"],
-        step_tokens=options["step-tokens"],
         step_ms=float(options["step-ms"]),
         prefix_cache=not options["no-prefix-cache"],
         prefix_cache_blocks=options["prefix-cache-blocks"] or None,
-        speculative=options["speculative"],
-        draft_tokens=options["draft-tokens"],
-        weights=options["weights"],
-        kernels=options["kernels"],
-        lean_step=not options["stock-kernels"],
-        onednn=not options["stock-kernels"],
+        lean_step=not stock,
+        onednn=not stock,
         fused_step=not options["eager-step"],
     )
 
