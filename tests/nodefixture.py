@@ -88,6 +88,18 @@ def mock_node(
     return agent, engine
 
 
+@defer.inlineCallbacks
+def serves(
+    test: SynchronousTestCase, link: NodeLink, session: int, count: int
+) -> Generator[defer.Deferred[Any], Any, None]:
+    """Fails ``test`` unless ``link`` generates, in a new session ``session`` over
+    :data:`PROMPT`, the ``count`` greedy tokens of the local run."""
+    link.assign(session)
+    link.append(session, PROMPT)
+    outcome = yield link.generate(session, count).result
+    test.assertEqual(outcome.tokens, expected_tokens(PROMPT, count))
+
+
 class RunningNode:
     """A node listening on 127.0.0.1 with a free port."""
 

@@ -64,6 +64,7 @@ from tests.nodefixture import (
     RawHead,
     expected_tokens,
     finish_of,
+    serves,
 )
 
 LEASE = Lease(600_000, 450_000)
@@ -366,10 +367,7 @@ class HugeAppendTests(MemoryBoundsTestCase):
         head.send_bytes(struct.pack("<I", MAX_FRAME + 1))
         self.wait(head.lost)
         link = self.dial(node)
-        link.assign(1)
-        link.append(1, PROMPT)
-        outcome = self.wait(link.generate(1, 3).result)
-        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 3))
+        self.wait(serves(self, link, 1, 3))
 
 
 class OptionTests(SynchronousTestCase):

@@ -50,6 +50,7 @@ from tests.nodefixture import (
     RawHead,
     expected_tokens,
     finish_of,
+    serves,
     stream_of,
 )
 
@@ -446,10 +447,7 @@ class HandshakeTests(MemoryNodeTestCase):
         self.wait(old.lost)
         self.assertEqual(impostor.received + old.received, [])
         link = self.dial(node, token=b"right-token")
-        link.assign(1)
-        link.append(1, PROMPT)
-        outcome = self.wait(link.generate(1, 3).result)
-        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 3))
+        self.wait(serves(self, link, 1, 3))
 
 
 class RobustnessTests(MemoryNodeTestCase):

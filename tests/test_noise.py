@@ -37,7 +37,7 @@ from sfnode.linkf.noise import (
 )
 from sfnode.linkf.wire import FINISH_LENGTH
 from sfnode.node.tap import node_factory
-from tests.nodefixture import PROMPT, Gen, NodeTestCase, expected_tokens
+from tests.nodefixture import PROMPT, Gen, NodeTestCase, expected_tokens, serves
 
 TOKEN = b"4f" * 32
 OTHER = b"9a" * 32
@@ -303,10 +303,7 @@ class LinkTests(NodeTestCase):
             link = yield adopted
             self.addCleanup(link.close)
             self.assertEqual(link.node_identity, "joiner")
-            link.assign(7)
-            link.append(7, PROMPT)
-            outcome = yield link.generate(7, 5).result
-            self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 5))
+            yield serves(self, link, 7, 5)
             self.assertFalse(refused.called)
             del protocol
 

@@ -695,6 +695,16 @@ class TwistdProcess(ProcessProtocol):
             )
         self.ended.callback(reason.value)
 
+    async def stopped(self, test: TestCase) -> str:
+        """Its output, once it has ended; fails ``test`` unless it exited 0 after logging
+        "sfnode stopped", with no traceback."""
+        ended = await self.ended
+        output = self.output.decode()
+        test.assertIsInstance(ended, ProcessDone, output)
+        test.assertIn("sfnode stopped", output)
+        test.assertNotIn("Traceback", output)
+        return output
+
     def kill(self) -> defer.Deferred[BaseException | None] | None:
         """Make sure the child does not outlive its test (a cleanup: waits for its end)."""
         if self.ended.called:
@@ -739,12 +749,8 @@ class ProcessTests(TestCase):
         self.assertEqual(answer.node_identity, "proc-1")
 
         transport.signalProcess("TERM")
-        ended = await process.ended
-        output = process.output.decode()
-        self.assertIsInstance(ended, ProcessDone, output)
-        self.assertIn("sfnode stopped", output)
+        output = await process.stopped(self)
         self.assertIn("Main loop terminated.", output)
-        self.assertNotIn("Traceback", output)
         self.assertNotIn("Unhandled", output)
         return output
 

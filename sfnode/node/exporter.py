@@ -31,7 +31,8 @@ started its drain.  Both say how many heads are connected and how many generatio
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -211,42 +212,38 @@ def _engine_metrics(
         )
 
 
-class MetricsResource(Resource):
+class Page(Resource):
+    """A page that answers every GET with what ``answer(request)`` returns."""
+
+    isLeaf = True
+
+    def __init__(self, answer: Callable[[Request], bytes]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._answer = answer
+
+    def render_GET(self, request: Request) -> bytes:
+        return self._answer(request)
+
+
+def prometheus_text(registry: CollectorRegistry, request: Request) -> bytes:
     """``GET /metrics``: the registry in Prometheus text format."""
-
-    isLeaf = True
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self._registry = registry
-
-    def render_GET(self, request: Request) -> bytes:
-        request.setHeader(b"content-type", CONTENT_TYPE)  # type: ignore[no-untyped-call]
-        return generate_latest(self._registry)
+    request.setHeader(b"content-type", CONTENT_TYPE)  # type: ignore[no-untyped-call]
+    return generate_latest(registry)
 
 
-class HealthResource(Resource):
+def health(agent: NodeAgent, request: Request) -> bytes:
     """``/healthz``: 200 while the node takes generations, 503 once it drains."""
-
-    isLeaf = True
-
-    def __init__(self, agent: NodeAgent) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self._agent = agent
-
-    def render_GET(self, request: Request) -> bytes:
-        agent = self._agent
-        accepting = agent.accepting
-        request.setResponseCode(200 if accepting else 503)
-        request.setHeader(b"content-type", b"application/json")  # type: ignore[no-untyped-call]
-        body = {
-            "status": "ok" if accepting else "draining",
-            "node": agent.config.identity,
-            "model": agent.config.model_name,
-            "heads": len(agent.connections),
-            "generations": agent.running_generations,
-        }
-        return json.dumps(body).encode()
+    accepting = agent.accepting
+    request.setResponseCode(200 if accepting else 503)
+    request.setHeader(b"content-type", b"application/json")  # type: ignore[no-untyped-call]
+    body = {
+        "status": "ok" if accepting else "draining",
+        "node": agent.config.identity,
+        "model": agent.config.model_name,
+        "heads": len(agent.connections),
+        "generations": agent.running_generations,
+    }
+    return json.dumps(body).encode()
 
 
 def metrics_site(
@@ -261,8 +258,8 @@ def metrics_site(
     registry = CollectorRegistry(auto_describe=True)
     registry.register(NodeCollector(agent))
     root = Resource()  # type: ignore[no-untyped-call]
-    root.putChild(b"metrics", MetricsResource(registry))
-    root.putChild(b"healthz", HealthResource(agent))
+    root.putChild(b"metrics", Page(partial(prometheus_text, registry)))
+    root.putChild(b"healthz", Page(partial(health, agent)))
     return CappedSite(
         root, reactor=reactor, max_connections=max_connections, header_timeout_s=header_timeout_s
     )
