@@ -253,6 +253,26 @@ class MemoryNodeTestCase(SynchronousTestCase):
         self.connect()
         return head
 
+    def fault_closes_only_its_link(self, node: MemoryNode, **assign: Any) -> None:
+        """Fails the test unless an engine fault on one link to ``node`` (a generation over a
+        context holding the token 666) closes that link and loses its generation, while a
+        generation of 8 tokens over :data:`PROMPT` on another link completes exactly
+        (docs/protocol.md section 7.4); ``assign`` are both sessions' ASSIGN options."""
+        from sfnode.head.link import LinkLostError
+
+        healthy = self.dial(node)
+        doomed = self.dial(node)
+        healthy.assign(1, **assign)
+        healthy.append(1, PROMPT)
+        doomed.assign(2, **assign)
+        doomed.append(2, [1, 666])
+        closed = doomed.when_closed()
+        failed = doomed.generate(2, 5)
+        self.wait(closed)
+        self.wait_failure(failed.result, LinkLostError)
+        outcome = self.wait(healthy.generate(1, 8).result)
+        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 8))
+
     def wait(self, d: defer.Deferred[T], timeout_s: float = 60.0, step: float = 0.01) -> T:
         """What ``d`` fires with, once memory time has passed (in steps of ``step``, the bytes
         moved after each) until it fired; a failure is raised.  A Deferred that has not fired

@@ -15,7 +15,7 @@ from twisted.internet import defer, task
 from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.engines.mock import MockEngineFault
-from sfnode.head.link import LinkLostError, NodeRefusedError
+from sfnode.head.link import NodeLink, NodeRefusedError
 from sfnode.linkf.wire import (
     FINISH_CANCELLED,
     FINISH_DECLINED,
@@ -184,19 +184,7 @@ class GenerationTests(MemoryNodeTestCase):
         connection's session is untouched and the node keeps serving.  The fault is logged
         twice: by the engine loop for the step that failed, and by the node for the
         generation that step carried."""
-        node = self.start_node(poison_token=666)
-        healthy = self.dial(node)
-        doomed = self.dial(node)
-        healthy.assign(1)
-        healthy.append(1, PROMPT)
-        doomed.assign(2)
-        doomed.append(2, [1, 666])
-        closed = doomed.when_closed()
-        failed = doomed.generate(2, 5)
-        self.wait(closed)
-        self.wait_failure(failed.result, LinkLostError)
-        outcome = self.wait(healthy.generate(1, 8).result)
-        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 8))
+        self.fault_closes_only_its_link(self.start_node(poison_token=666))
         self.assertEqual(len(self.flushLoggedErrors(MockEngineFault)), 2)
 
 
@@ -615,22 +603,29 @@ class TimedTests(MemoryNodeTestCase):
         self.successResultOf(closed)
         self.assertEqual(node.agent.connections, ())
 
-    def test_idle_drop_is_transparent(self) -> None:
-        """Item 26: the node drops a link idle for 400 ms; a reconnect and reconcile make the
-        next generation return the same tokens."""
-        self.start_node(idle_timeout_ms=400)
+    def dropped_when_idle(self, idle_timeout_ms: int, count: int) -> tuple[NodeLink, list[int]]:
+        """A link to a node with that idle timeout, after a generation of ``count`` tokens
+        over :data:`PROMPT` in session 1, the drop of the link once idle that long (checked
+        at 10 ms past it), and its reconnect; the link and the tokens of that generation."""
+        self.start_node(idle_timeout_ms=idle_timeout_ms)
         link = self.dial()
         link.assign(1)
         link.append(1, PROMPT)
-        first = link.generate(1, 6)
+        first = link.generate(1, count)
         self.flush()
         tokens = self.successResultOf(first.result).tokens
         closed = link.when_closed()
-        self.advance(0.41)
+        self.advance(idle_timeout_ms / 1000 + 0.01)
         self.successResultOf(closed)
         reconnected = link.reconnect()
         self.connect()
         self.successResultOf(reconnected)
+        return link, tokens
+
+    def test_idle_drop_is_transparent(self) -> None:
+        """Item 26: the node drops a link idle for 400 ms; a reconnect and reconcile make the
+        next generation return the same tokens."""
+        link, tokens = self.dropped_when_idle(400, 6)
         second = link.generate(1, 6)
         self.flush()
         self.assertEqual(self.successResultOf(second.result).tokens, tokens)
@@ -638,19 +633,7 @@ class TimedTests(MemoryNodeTestCase):
     def test_append_after_idle_drop_rebinds(self) -> None:
         """Item 31: after an idle drop and reconnect, an append of the grown context and a
         generate give the output of the grown prompt."""
-        self.start_node(idle_timeout_ms=300)
-        link = self.dial()
-        link.assign(1)
-        link.append(1, PROMPT)
-        first = link.generate(1, 4)
-        self.flush()
-        tokens = self.successResultOf(first.result).tokens
-        closed = link.when_closed()
-        self.advance(0.31)
-        self.successResultOf(closed)
-        reconnected = link.reconnect()
-        self.connect()
-        self.successResultOf(reconnected)
+        link, tokens = self.dropped_when_idle(300, 4)
         grown = PROMPT + tokens + [42]
         link.append(1, grown)
         outcome = link.generate(1, 5)

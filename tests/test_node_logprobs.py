@@ -19,7 +19,6 @@ from twisted.trial.unittest import SynchronousTestCase
 from sfnode.decoding.sparse_sampler import sparse_logprob
 from sfnode.engines.mock import MockEngine, mock_logits, mock_next_token, mock_token
 from sfnode.generation import GenerationRequest, TokenBatch, TokenLogprob
-from sfnode.head.link import LinkLostError
 from sfnode.linkf.wire import (
     F32_MAX,
     FEATURE_LOGPROBS,
@@ -200,6 +199,16 @@ def assign(head: RawHead, session: int, epoch: int, params: GenParams | None) ->
 class NodeWireTests(MemoryNodeTestCase):
     """TokensLogprobs events from a node, the head joined in memory (docs/protocol.md 12.1)."""
 
+    def generation(self, params: GenParams, max_new: int, **node: Any) -> RawHead:
+        """A scripted head that ran generation 100 of ``max_new`` tokens in session 1 (epoch
+        5, ``params``) on a new node (``node``: its options) to its Finish."""
+        head = self.raw_head(self.start_node(**node))
+        self.wait(head.hello())
+        assign(head, 1, 5, params)
+        head.send(GenerateReqMsg(3, 1, 5, 100, GenerationBudgetsMsg(max_new)))
+        self.wait(head.wait_for(finish_of(1, 100)))
+        return head
+
     def test_the_feature_bit_says_whether_the_engine_has_logprobs(self) -> None:
         """HELLO_ACK_F sets FEATURE_LOGPROBS for an engine with logprobs, and not otherwise."""
         with_them = self.start_node()
@@ -291,12 +300,7 @@ class NodeWireTests(MemoryNodeTestCase):
         """Events not acknowledged stay in the retry buffer with their logprobs: a RECONCILE
         with watermark 1 retransmits seqs 2 to 4 equal to the first transmission, values
         and alternatives included."""
-        node = self.start_node()
-        head = self.raw_head(node)
-        self.wait(head.hello())
-        assign(head, 1, 5, GenParams(logprobs=6))
-        head.send(GenerateReqMsg(3, 1, 5, 100, GenerationBudgetsMsg(40)))
-        self.wait(head.wait_for(finish_of(1, 100)))
+        head = self.generation(GenParams(logprobs=6), 40)
         sent = head.events(1, 100)
         self.assertEqual([e.event_seq for e in sent], [0, 1, 2, 3, 4])
         head.send(WatermarkAckMsg(1, 5, 100, 0))
@@ -308,12 +312,7 @@ class NodeWireTests(MemoryNodeTestCase):
     def test_a_node_without_logprobs_sends_plain_tokens(self) -> None:
         """A node whose engine has no logprobs (no FEATURE_LOGPROBS) answers a session that
         asks anyway with plain Tokens, as a node that predates the extension would."""
-        node = self.start_node(supports_logprobs=False)
-        head = self.raw_head(node)
-        self.wait(head.hello())
-        assign(head, 1, 5, GenParams(logprobs=3))
-        head.send(GenerateReqMsg(3, 1, 5, 100, GenerationBudgetsMsg(20)))
-        self.wait(head.wait_for(finish_of(1, 100)))
+        head = self.generation(GenParams(logprobs=3), 20, supports_logprobs=False)
         events = head.events(1, 100)
         self.assertEqual(
             {type(e.payload) for e in events if isinstance(e.payload, Tokens)}, {Tokens}
@@ -325,19 +324,9 @@ class NodeWireTests(MemoryNodeTestCase):
         (its connection closes, docs/protocol.md section 7.4); another connection's
         generation with logprobs completes."""
         engine = _NaNAfter(MockEngine(self.reactor), poison=666)
-        node = self.start_node(engine=engine)
-        healthy = self.dial(node)
-        doomed = self.dial(node)
-        healthy.assign(1, params=GenParams(logprobs=2))
-        healthy.append(1, PROMPT)
-        doomed.assign(2, params=GenParams(logprobs=2))
-        doomed.append(2, [1, 666])
-        closed = doomed.when_closed()
-        failed = doomed.generate(2, 5)
-        self.wait(closed)
-        self.wait_failure(failed.result, LinkLostError)
-        outcome = self.wait(healthy.generate(1, 8).result)
-        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 8))
+        self.fault_closes_only_its_link(
+            self.start_node(engine=engine), params=GenParams(logprobs=2)
+        )
 
 
 class _NaNAfter:
