@@ -64,9 +64,8 @@ TEMPLATE_B = (
     "{% for m in messages %}<<B {{ m.role }}>>{{ m.content }}<</B>>{% endfor %}"
     "{% if add_generation_prompt %}<<B assistant>>{% endif %}"
 )
-VOCAB_B = 400
-"""Node B's mock engine draws from fewer ids, so its tokens tell which node answered (still
-more than the prompts' ids: an engine refuses a context with ids outside its vocabulary)."""
+VOCAB_B = 300
+"""Node B's mock engine draws from fewer ids, so its tokens tell which node answered."""
 MESSAGES = [{"role": "user", "content": "hello world"}]
 
 _FOLDERS: dict[str, Path] = {}

@@ -108,6 +108,8 @@ class RunnerTraits:
     n_layers: int
     vocab_size: int
     eos_ids: frozenset[int]
+    context_ids: int = 0
+    """A context's token ids must be below this (refused otherwise); 0: ``vocab_size``."""
     model_window: int = 0
     """The model's own context window; 0: none (the configuration then gives one)."""
     salt: bytes = b""
@@ -318,7 +320,7 @@ class EngineLoop:
             return StreamTooLong(len(context), self._window)
         if self._stopping:
             return RuntimeError("the engine is stopped")
-        vocab = self._traits.vocab_size
+        vocab = self._traits.context_ids or self._traits.vocab_size
         if min(context) < 0 or max(context) >= vocab:
             bad = next(t for t in context if not 0 <= t < vocab)
             return EngineRefusal(f"token id {bad} is outside the vocabulary of {vocab}")

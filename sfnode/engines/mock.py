@@ -294,7 +294,8 @@ class MockEngine(EngineLoop):
     ``config`` is the same value the transformers engine takes (lanes, KV blocks, prompt chunks,
     interactive lanes, the prefix cache); without a ``context_window`` the mock's is
     :data:`MOCK_CONTEXT_WINDOW`; the weights and kernels fields, speculation and ``step_ms`` do
-    not apply.  The pretend model has ``vocab_size`` tokens and ``n_layers`` layers; EOS is
+    not apply.  The pretend model has ``vocab_size`` tokens (its contexts may hold any u32 id: its
+    embedding hashes them) and ``n_layers`` layers; EOS is
     ``eos_token_id`` and, with a ``vocabulary``, the vocabulary's EOS ids.
     """
 
@@ -320,6 +321,8 @@ class MockEngine(EngineLoop):
             n_layers=n_layers,
             vocab_size=vocab_size,
             eos_ids=frozenset(eos_ids),
+            # Its pretend embedding hashes any u32 token, as a head's tokenizer may give it.
+            context_ids=1 << 32,
             salt=b"mock",
             block_copies=True,
             timed=False,
