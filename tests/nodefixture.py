@@ -26,7 +26,7 @@ from twisted.test.iosim import ConnectionCompleter, IOPump
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from sfnode.engines.config import EngineConfig
-from sfnode.engines.mock import MockEngine, mock_next_token
+from sfnode.engines.mock import MOCK_VOCAB_SIZE, MockEngine, mock_next_token
 from sfnode.head.link import HeadIds, LinkSettings, NodeLink, connect_node
 from sfnode.linkf.wire import Lease
 from sfnode.node.agent import NodeAgent
@@ -42,12 +42,15 @@ Gen = Generator[defer.Deferred[Any], Any, None]
 """What an ``inlineCallbacks`` test method returns."""
 
 
-def expected_tokens(context: Sequence[int], count: int) -> list[int]:
-    """What the mock engine generates greedily from ``context``: the local reference run."""
+def expected_tokens(
+    context: Sequence[int], count: int, vocab_size: int = MOCK_VOCAB_SIZE
+) -> list[int]:
+    """What the mock engine (of ``vocab_size`` ids) generates greedily from ``context``: the
+    local reference run."""
     context = list(context)
     out = []
     for _ in range(count):
-        token = mock_next_token(context)
+        token = mock_next_token(context, vocab_size)
         context.append(token)
         out.append(token)
     return out
