@@ -53,6 +53,7 @@ import torch
 from twisted.internet import defer, reactor
 
 from sfnode.engines import WEIGHT_MODES
+from sfnode.engines.config import EngineConfig
 from sfnode.engines.kernels import openmp
 from sfnode.engines.transformers_engine import TransformersEngine
 from sfnode.generation import GenerationRequest, TokenBatch
@@ -302,7 +303,7 @@ def bench_model(
     all_requests = workload(count(max(concurrencies)), vocab)
     baseline = str(next(model.parameters()).dtype).removeprefix("torch.")
     print(
-        f"\n=== {name}: engine weights {engine.weights_mode} ({engine.kernels}), baselines "
+        f"\n=== {name}: engine weights {engine.weights.mode} ({engine.weights.kernels}), baselines "
         f"{baseline}; {torch.get_num_threads()} torch threads; OMP_WAIT_POLICY "
         f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}; best of {repeat} runs per figure ===",
         flush=True,
@@ -360,12 +361,9 @@ def bench_model(
 @defer.inlineCallbacks
 def main(reactor_: Any, args: argparse.Namespace) -> Any:
     torch.set_num_threads(args.threads)
-    engine_options: dict[str, Any] = {
-        "max_lanes": LANES,
-        "interactive_lanes": 0,
-        "eos_ids": [],
-        "weights": args.weights,
-    }
+    config = EngineConfig(
+        max_lanes=LANES, interactive_lanes=0, eos_ids=frozenset(), weights=args.weights
+    )
     try:
         if args.model_only in (None, "tiny"):
             from tests.tinymodel import tiny_llama
@@ -374,7 +372,7 @@ def main(reactor_: Any, args: argparse.Namespace) -> Any:
             yield bench_model(
                 "tiny random Llama (hidden 256, 4 layers, vocab 32000)",
                 tiny,
-                TransformersEngine(tiny, reactor_, **engine_options),
+                TransformersEngine(tiny, reactor_, config),
                 args.quick,
                 args.repeat,
                 args.per_slot,
@@ -388,7 +386,7 @@ def main(reactor_: Any, args: argparse.Namespace) -> Any:
             yield bench_model(
                 "SmolLM2-135M-Instruct",
                 loaded.model,
-                TransformersEngine.from_loaded(loaded, reactor_, **engine_options),
+                TransformersEngine.from_loaded(loaded, reactor_, config),
                 args.quick,
                 args.repeat,
                 args.per_slot,

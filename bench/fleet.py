@@ -298,7 +298,7 @@ def report(
     print(
         f"\n{options.requests} greedy streamed chat requests per phase, max_tokens "
         f"{options.max_tokens}; {options.rounds} round(s), best of them shown; weights "
-        f"{engine.weights_mode}; node args: {' '.join(options.node_arg) or '(none)'}; load "
+        f"{engine.weights.mode}; node args: {' '.join(options.node_arg) or '(none)'}; load "
         f"average {load[0]:.2f} at the start, {load[-1]:.2f} at the end"
     )
     cpus = os.cpu_count() or 1

@@ -27,7 +27,7 @@ from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint
 from twisted.internet.interfaces import IReactorCore
 from twisted.python.failure import Failure
 
-from sfnode.generation import MockEngine
+from sfnode.engines.mock import MockEngine
 from sfnode.head.link import HeadLinkProtocol
 from sfnode.linkf.wire import (
     Hello,

@@ -45,9 +45,31 @@ LAYERS: dict[str, frozenset[str]] = {
             "sfnode.decoding",
         }
     ),
+    # The loop every engine runs (the scheduler's steps sent to a runner), and the mock engine:
+    # that loop with a pretend forward pass, torch-free.
+    "sfnode.engines.loop": frozenset(
+        {
+            "sfnode.engines",
+            "sfnode.engines.scheduling",
+            "sfnode.linkf",
+            "sfnode.generation",
+            "sfnode.decoding",
+        }
+    ),
+    "sfnode.engines.mock": frozenset(
+        {
+            "sfnode.engines",
+            "sfnode.engines.loop",
+            "sfnode.engines.scheduling",
+            "sfnode.linkf",
+            "sfnode.generation",
+            "sfnode.decoding",
+        }
+    ),
     "sfnode.engines.transformers_engine": frozenset(
         {
             "sfnode.engines",
+            "sfnode.engines.loop",
             "sfnode.engines.kernels",
             "sfnode.engines.weights",
             "sfnode.engines.scheduling",
@@ -72,6 +94,7 @@ LAYERS: dict[str, frozenset[str]] = {
             "sfnode.engines",
             "sfnode.engines.weights",
             "sfnode.engines.scheduling",
+            "sfnode.engines.mock",
             "sfnode.engines.transformers_engine",
         }
     ),

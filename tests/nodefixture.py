@@ -14,33 +14,93 @@ from __future__ import annotations
 
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from twisted.internet import defer, reactor
 from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.interfaces import IListeningPort, IProtocolFactory, IReactorTime
 from twisted.internet.protocol import ClientFactory
 from twisted.internet.testing import MemoryReactorClock
+from twisted.python.failure import Failure
 from twisted.test.iosim import ConnectionCompleter, IOPump
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from sfnode.generation import MockEngine, mock_next_token
+from sfnode.engines.config import EngineConfig
+from sfnode.engines.mock import MOCK_VOCAB_SIZE, MockEngine, mock_next_token
 from sfnode.head.link import HeadIds, LinkSettings, NodeLink, connect_node
+from sfnode.linkf.wire import Lease
 from sfnode.node.agent import NodeAgent
 from sfnode.node.config import NodeConfig
 from sfnode.node.protocol import NodeFactory
 from sfnode.node.tap import node_factory
 
+PROMPT = list(range(100, 112))
+"""The context most node tests generate from."""
+LONG_LEASE = Lease(60_000, 45_000)
+"""A lease no test outlives."""
+Gen = Generator[defer.Deferred[Any], Any, None]
+"""What an ``inlineCallbacks`` test method returns."""
 
-def expected_tokens(context: Sequence[int], count: int) -> list[int]:
-    """What the mock engine generates greedily from ``context``: the local reference run."""
+
+def expected_tokens(
+    context: Sequence[int], count: int, vocab_size: int = MOCK_VOCAB_SIZE
+) -> list[int]:
+    """What the mock engine (of ``vocab_size`` ids) generates greedily from ``context``: the
+    local reference run."""
     context = list(context)
     out = []
     for _ in range(count):
-        token = mock_next_token(context)
+        token = mock_next_token(context, vocab_size)
         context.append(token)
         out.append(token)
     return out
+
+
+def mock_node(
+    reactor: IReactorTime,
+    clock: IReactorTime,
+    *,
+    identity: str = "node-1",
+    engine: Any = None,
+    context_window: int = 4096,
+    max_lanes: int = 8,
+    token_delay_s: float = 0.0,
+    poison_token: int | None = None,
+    eos_token_id: int | None = None,
+    supports_logprobs: bool = True,
+    **config: Any,
+) -> tuple[NodeAgent, Any]:
+    """A started node agent, its timers on ``clock``, and its engine: ``engine``, or a
+    MockEngine on ``reactor`` with the mock options given; ``config`` are further
+    :class:`NodeConfig` fields."""
+    if engine is None:
+        engine = MockEngine(
+            reactor,
+            EngineConfig(context_window=context_window, max_lanes=max_lanes),
+            token_delay_s=token_delay_s,
+            poison_token=poison_token,
+            eos_token_id=eos_token_id,
+            supports_logprobs=supports_logprobs,
+        )
+    agent = NodeAgent(
+        clock,
+        engine,
+        NodeConfig(identity=identity, model_name="mock", max_lanes=max_lanes, **config),
+    )
+    agent.start()
+    return agent, engine
+
+
+@defer.inlineCallbacks
+def serves(
+    test: SynchronousTestCase, link: NodeLink, session: int, count: int
+) -> Generator[defer.Deferred[Any], Any, None]:
+    """Fails ``test`` unless ``link`` generates, in a new session ``session`` over
+    :data:`PROMPT`, the ``count`` greedy tokens of the local run."""
+    link.assign(session)
+    link.append(session, PROMPT)
+    outcome = yield link.generate(session, count).result
+    test.assertEqual(outcome.tokens, expected_tokens(PROMPT, count))
 
 
 class RunningNode:
@@ -84,41 +144,15 @@ class NodeTestCase(TestCase):
 
     @defer.inlineCallbacks
     def start_node(
-        self,
-        *,
-        identity: str = "node-1",
-        context_window: int = 4096,
-        max_lanes: int = 8,
-        token_delay_s: float = 0.0,
-        poison_token: int | None = None,
-        eos_token_id: int | None = None,
-        supports_logprobs: bool = True,
-        engine: Any = None,
-        clock: IReactorTime | None = None,
-        **config: Any,
+        self, *, clock: IReactorTime | None = None, **options: Any
     ) -> Generator[defer.Deferred[Any], Any, RunningNode]:
-        """A node on a free loopback port; ``engine`` replaces its mock engine.
+        """A node (:func:`mock_node` with ``options``) on a free loopback port.
 
         With ``clock`` (a ``Clock``) the node's own timers (handshake, idle, lease, status,
         coalescing) run on it, so a test moves them when it decides; its sockets and the mock
         engine stay on the reactor.
         """
-        if engine is None:
-            engine = MockEngine(
-                reactor,
-                context_window=context_window,
-                max_lanes=max_lanes,
-                token_delay_s=token_delay_s,
-                poison_token=poison_token,
-                eos_token_id=eos_token_id,
-                supports_logprobs=supports_logprobs,
-            )
-        agent = NodeAgent(
-            reactor if clock is None else clock,
-            engine,
-            NodeConfig(identity=identity, model_name="mock", max_lanes=max_lanes, **config),
-        )
-        agent.start()
+        agent, engine = mock_node(reactor, reactor if clock is None else clock, **options)
         factory = node_factory(agent)
         port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(factory)
         # Cleanups run last-in first-out: links close, then the port, then the node.
@@ -149,6 +183,15 @@ class MemoryNode:
 
     agent: NodeAgent
     engine: MockEngine
+    port: int = MEMORY_PORT
+    """The memory port it listens on."""
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp:127.0.0.1:{self.port}"
+
+
+T = TypeVar("T")
 
 
 class MemoryNodeTestCase(SynchronousTestCase):
@@ -164,22 +207,12 @@ class MemoryNodeTestCase(SynchronousTestCase):
         self.pumps: list[IOPump] = []
         self.ids = HeadIds()
 
-    def start_node(
-        self,
-        *,
-        identity: str = "node-1",
-        token_delay_s: float = 0.0,
-        engine: MockEngine | None = None,
-        **config: Any,
-    ) -> MemoryNode:
-        """A node listening on the memory reactor, on ``engine`` (default: a new MockEngine)."""
-        if engine is None:
-            engine = MockEngine(self.reactor, token_delay_s=token_delay_s)
-        agent = NodeAgent(
-            self.reactor, engine, NodeConfig(identity=identity, model_name="mock", **config)
-        )
-        agent.start()
-        self.reactor.listenTCP(MEMORY_PORT, node_factory(agent), interface="127.0.0.1")
+    def start_node(self, **options: Any) -> MemoryNode:
+        """A node (:func:`mock_node` with ``options``) listening on the memory reactor, each
+        on a port of its own."""
+        agent, engine = mock_node(self.reactor, self.reactor, **options)
+        port = MEMORY_PORT + len(self.reactor.tcpServers)
+        self.reactor.listenTCP(port, node_factory(agent), interface="127.0.0.1")
 
         def stop() -> None:
             stopped = agent.stop()
@@ -187,7 +220,7 @@ class MemoryNodeTestCase(SynchronousTestCase):
             self.successResultOf(stopped)
 
         self.addCleanup(stop)
-        return MemoryNode(agent, engine)
+        return MemoryNode(agent, engine, port)
 
     def connect(self) -> None:
         """Join the oldest pending dial to the node's listener."""
@@ -196,11 +229,15 @@ class MemoryNodeTestCase(SynchronousTestCase):
         self.pumps.append(pump)
         self.flush()
 
-    def dial(self) -> NodeLink:
-        """A head link (the head library) connected and past its handshake."""
-        d = connect_node(self.reactor, f"tcp:127.0.0.1:{MEMORY_PORT}", ids=self.ids)
+    def dial(self, node: MemoryNode | None = None, token: bytes = b"", **settings: Any) -> NodeLink:
+        """A head link (the head library) to ``node`` (default: the first one), with ``token``
+        and the other :class:`LinkSettings` given, connected and past its handshake."""
+        endpoint = f"tcp:127.0.0.1:{MEMORY_PORT}" if node is None else node.endpoint
+        d = connect_node(
+            self.reactor, endpoint, ids=self.ids, settings=LinkSettings(token=token, **settings)
+        )
         self.connect()
-        link = self.successResultOf(d)
+        link = self.wait(d)
 
         def close() -> None:
             closed = link.close()
@@ -210,14 +247,70 @@ class MemoryNodeTestCase(SynchronousTestCase):
         self.addCleanup(close)
         return link
 
-    def raw_head(self) -> RawHead:
-        """A scripted head (:class:`RawHead`) connected, before its HELLO."""
+    def raw_head(self, node: MemoryNode | None = None) -> RawHead:
+        """A scripted head (:class:`RawHead`) connected to ``node`` (default: the first one),
+        before its HELLO."""
         head = RawHead()
-        self.reactor.connectTCP(
-            "127.0.0.1", MEMORY_PORT, ClientFactory.forProtocol(lambda: head.protocol)
-        )
+        port = MEMORY_PORT if node is None else node.port
+        self.reactor.connectTCP("127.0.0.1", port, ClientFactory.forProtocol(lambda: head.protocol))
         self.connect()
         return head
+
+    def fault_closes_only_its_link(self, node: MemoryNode, **assign: Any) -> None:
+        """Fails the test unless an engine fault on one link to ``node`` (a generation over a
+        context holding the token 666) closes that link and loses its generation, while a
+        generation of 8 tokens over :data:`PROMPT` on another link completes exactly
+        (docs/protocol.md section 7.4); ``assign`` are both sessions' ASSIGN options."""
+        from sfnode.head.link import LinkLostError
+
+        healthy = self.dial(node)
+        doomed = self.dial(node)
+        healthy.assign(1, **assign)
+        healthy.append(1, PROMPT)
+        doomed.assign(2, **assign)
+        doomed.append(2, [1, 666])
+        closed = doomed.when_closed()
+        failed = doomed.generate(2, 5)
+        self.wait(closed)
+        self.wait_failure(failed.result, LinkLostError)
+        outcome = self.wait(healthy.generate(1, 8).result)
+        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 8))
+
+    def wait(self, d: defer.Deferred[T], timeout_s: float = 60.0, step: float = 0.01) -> T:
+        """What ``d`` fires with, once memory time has passed (in steps of ``step``, the bytes
+        moved after each) until it fired; a failure is raised.  A Deferred that has not fired
+        within ``timeout_s`` of memory time fails the test."""
+        self.flush()
+        for _ in range(round(timeout_s / step)):
+            if d.called:
+                break
+            self.reactor.advance(step)
+            self.accept_dials()
+        results: list[T] = []
+        failures: list[Failure] = []
+        d.addCallbacks(results.append, failures.append)
+        if failures:
+            failures[0].raiseException()
+        if not results:
+            self.fail(f"{d!r} did not fire within {timeout_s} s of memory time")
+        return results[0]
+
+    def wait_failure(
+        self, d: defer.Deferred[Any], *expected: type[BaseException], timeout_s: float = 60.0
+    ) -> Failure:
+        """The failure ``d`` fires with (one of ``expected``), waited for as :meth:`wait`."""
+        try:
+            result = self.wait(d, timeout_s)
+        except expected:
+            return Failure()
+        self.fail(f"{d!r} fired with {result!r}, not a failure of {expected}")
+
+    def accept_dials(self) -> None:
+        """Join every pending dial to its listener, then move the bytes (a head's reconnect
+        reaches its node as it would on a real reactor)."""
+        while (pump := self.completer.succeedOnce()) is not None:
+            self.pumps.append(pump)
+        self.flush()
 
     def flush(self) -> None:
         """Move every pending byte both ways until nothing moves (and run what is due now)."""
@@ -309,6 +402,36 @@ class RawHead:
         d: defer.Deferred[Any] = defer.Deferred()
         self._waiters.append((predicate, d))
         return d
+
+    def reconcile(
+        self, session_id: int, epoch: int, watermarks: Sequence[tuple[int, int | None]] = ()
+    ) -> defer.Deferred[Any]:
+        """A RECONCILE of one session (command watermark 3) naming each generation's
+        (id, watermark); fires with the RECONCILE_ACK that answers it."""
+        from sfnode.linkf.wire import (
+            GenerationWatermark,
+            LeaseStateMsg,
+            ReconcileAckMsg,
+            ReconcileMsg,
+            SessionReconcileState,
+        )
+
+        before = len(self.received)
+        marks = tuple(GenerationWatermark(g, w) for g, w in watermarks)
+        state = SessionReconcileState(session_id, epoch, LeaseStateMsg(LONG_LEASE, 0), 3, marks)
+        self.send(ReconcileMsg((state,)))
+        return self.wait_for(
+            lambda m: isinstance(m, ReconcileAckMsg) and any(m is x for x in self.received[before:])
+        )
+
+    def following(self, message: Any) -> defer.Deferred[Any]:
+        """Fires with the message received right after ``message``."""
+        return self.wait_for(
+            lambda m: any(
+                earlier is message and later is m
+                for earlier, later in zip(self.received, self.received[1:], strict=False)
+            )
+        )
 
     def of_type(self, cls: type[Any]) -> list[Any]:
         """Every message of class ``cls`` received so far, in order."""

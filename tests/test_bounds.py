@@ -1,4 +1,5 @@
-"""Tests of the node's bounds against a misbehaving head (issue 5, point 4), over real TCP.
+"""Tests of the node's bounds against a misbehaving head (issue 5, point 4): those about the
+transport's buffers over real loopback TCP, the others with the head joined in memory.
 
 Each bound has a default (``sfnode.node.config``), an option (``twistd sfnode --max-...``) and a
 test here that reaches it and shows it holding:
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import socket
 import struct
-from collections.abc import Generator
 from typing import Any
 
 from twisted.internet import defer
@@ -56,16 +56,26 @@ from sfnode.node.config import (
     DEFAULT_MAX_UNACKED_EVENTS,
 )
 from sfnode.node.protocol import NodeProtocol
-from tests.nodefixture import NodeTestCase, RawHead, expected_tokens, finish_of
+from tests.nodefixture import (
+    PROMPT,
+    Gen,
+    MemoryNodeTestCase,
+    NodeTestCase,
+    RawHead,
+    expected_tokens,
+    finish_of,
+    serves,
+)
 
-PROMPT = list(range(100, 112))
 LEASE = Lease(600_000, 450_000)
-Gen = Generator[defer.Deferred[Any], Any, None]
 
 
-class BoundsTestCase(NodeTestCase):
+class Bounds:
+    """What every bounds test does: place sessions and ask for generations with fresh command
+    ids, and wait for log lines."""
+
     def setUp(self) -> None:
-        super().setUp()
+        super().setUp()  # type: ignore[misc]
         self.command = 0
 
     def next_command(self) -> int:
@@ -99,8 +109,16 @@ class BoundsTestCase(NodeTestCase):
                     d.callback(seen)
 
         globalLogPublisher.addObserver(observe)
-        self.addCleanup(globalLogPublisher.removeObserver, observe)
+        self.addCleanup(globalLogPublisher.removeObserver, observe)  # type: ignore[attr-defined]
         return d
+
+
+class BoundsTestCase(Bounds, NodeTestCase):
+    """Bounds over real loopback TCP: those that are about the transport's buffers."""
+
+
+class MemoryBoundsTestCase(Bounds, MemoryNodeTestCase):
+    """Bounds of the node's logic, the head joined in memory."""
 
 
 def node_protocol(node: Any, head: RawHead) -> NodeProtocol:
@@ -164,25 +182,24 @@ class BufferSampler:
         return max(self.samples)
 
 
-class UnackedTests(BoundsTestCase):
-    @defer.inlineCallbacks
-    def test_a_head_that_never_acks_fences_the_session(self) -> Gen:
+class UnackedTests(MemoryBoundsTestCase):
+    def test_a_head_that_never_acks_fences_the_session(self) -> None:
         """max_unacked_events=4 (default 4096): the 5th event of a generation nobody acks is
         not sent; the generation stops (no Finish, engine idle), the session is fenced with a
         log line, the 4 events stay buffered, and a new GENERATE there is DECLINED."""
         self.assertEqual(DEFAULT_MAX_UNACKED_EVENTS, 4096)
-        node = yield self.start_node(max_unacked_events=4)
+        node = self.start_node(max_unacked_events=4)
         fenced = self.log_lines("fenced session 1")
-        head = yield RawHead.connect(self, node)
-        yield head.hello()
+        head = self.raw_head(node)
+        self.wait(head.hello())
         self.place(head, 1)
         self.generate(head, 1, 1, 100_000)
-        (line,) = yield fenced
+        (line,) = self.wait(fenced)
         self.assertIn("max_unacked_events 4", line)
         self.assertTrue(node.agent.session.is_fenced(1))
         self.assertEqual(node.agent.session.unacked_events(1, 1), 4)
         self.generate(head, 1, 2, 5)
-        yield head.wait_for(finish_of(1, 2, FINISH_DECLINED))
+        self.wait(head.wait_for(finish_of(1, 2, FINISH_DECLINED)))
         events = head.events(1, 1)
         self.assertEqual([e.event_seq for e in events], [0, 1, 2, 3])
         self.assertFalse(any(isinstance(e.payload, Finish) for e in events))
@@ -295,68 +312,62 @@ class SlowReaderTests(BoundsTestCase):
         yield head.lost
 
 
-class SessionAndGenerationCapTests(BoundsTestCase):
-    @defer.inlineCallbacks
-    def test_assign_beyond_max_sessions_is_refused(self) -> Gen:
+class SessionAndGenerationCapTests(MemoryBoundsTestCase):
+    def test_assign_beyond_max_sessions_is_refused(self) -> None:
         """max_sessions=2 (default 1024) is advertised; a third ASSIGN is refused (logged once)
         and that session's GENERATE gets FINISH_DECLINED, which a head fails over on, as a
         never-assigned one does; after a REVOKE frees a place the same session is accepted
         and served."""
         self.assertEqual(DEFAULT_MAX_SESSIONS, 1024)
-        node = yield self.start_node(max_sessions=2)
-        head = yield RawHead.connect(self, node)
-        ack = yield head.hello()
+        node = self.start_node(max_sessions=2)
+        head = self.raw_head(node)
+        ack = self.wait(head.hello())
         self.assertEqual(ack.capacity.max_sessions, 2)
         refused = self.log_lines("refusing new sessions (the first: session 3")
         for session in (1, 2, 3):
             self.place(head, session)
-        yield refused
+        self.wait(refused)
         self.generate(head, 3, 1, 4)
         self.generate(head, 9, 1, 4)
-        yield head.wait_for(finish_of(3, 1, FINISH_DECLINED))
-        yield head.wait_for(finish_of(9, 1, FINISH_DECLINED))
+        self.wait(head.wait_for(finish_of(3, 1, FINISH_DECLINED)))
+        self.wait(head.wait_for(finish_of(9, 1, FINISH_DECLINED)))
         self.assertEqual(node.agent.session.session_ids(), [1, 2])
         head.send(SessionRevokeMsg(self.next_command(), 1, 1))
         self.place(head, 3)
         self.generate(head, 3, 2, 4)
-        yield head.wait_for(finish_of(3, 2, FINISH_LENGTH))
+        self.wait(head.wait_for(finish_of(3, 2, FINISH_LENGTH)))
         tokens = [t for e in head.events(3, 2) if isinstance(e.payload, Tokens)
                   for t in e.payload.tokens]  # fmt: skip
         self.assertEqual(tokens, expected_tokens(PROMPT, 4))
 
-    @defer.inlineCallbacks
-    def test_generations_beyond_max_generations_are_declined(self) -> Gen:
+    def test_generations_beyond_max_generations_are_declined(self) -> None:
         """max_generations=2 (default 256): a third concurrent GENERATE is DECLINED at once
         and the first two complete correctly."""
         self.assertEqual(DEFAULT_MAX_GENERATIONS, 256)
-        node = yield self.start_node(max_generations=2, token_delay_s=0.005)
-        link = yield self.dial(node)
+        node = self.start_node(max_generations=2, token_delay_s=0.005)
+        link = self.dial(node)
         for session in (1, 2, 3):
             link.assign(session)
             link.append(session, PROMPT)
         calls = [link.generate(session, 10) for session in (1, 2, 3)]
-        third = yield calls[2].result
+        third = self.wait(calls[2].result)
         self.assertEqual((third.tokens, third.finish), ([], FINISH_DECLINED))
         for call in calls[:2]:
-            outcome = yield call.result
+            outcome = self.wait(call.result)
             self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 10))
 
 
-class HugeAppendTests(BoundsTestCase):
-    @defer.inlineCallbacks
-    def test_a_frame_beyond_max_frame_closes_at_its_length(self) -> Gen:
+class HugeAppendTests(MemoryBoundsTestCase):
+    def test_a_frame_beyond_max_frame_closes_at_its_length(self) -> None:
         """An APPEND announced longer than MAX_FRAME (16 MiB) closes that connection as soon
         as its 4 length bytes arrive (nothing more is buffered); another head is served."""
-        node = yield self.start_node()
-        head = yield RawHead.connect(self, node)
-        yield head.hello()
+        node = self.start_node()
+        head = self.raw_head(node)
+        self.wait(head.hello())
         head.send_bytes(struct.pack("<I", MAX_FRAME + 1))
-        yield head.lost
-        link = yield self.dial(node)
-        link.assign(1)
-        link.append(1, PROMPT)
-        outcome = yield link.generate(1, 3).result
-        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 3))
+        self.wait(head.lost)
+        link = self.dial(node)
+        self.wait(serves(self, link, 1, 3))
 
 
 class OptionTests(SynchronousTestCase):

@@ -11,12 +11,8 @@ engine and the transformers engine on the tiny Llama then run the same stages.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from typing import Any
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import jsonschema
 import torch
@@ -38,17 +34,10 @@ from sfnode.decoding.constraint import (
     tools_system_text,
 )
 from sfnode.decoding.sampler import apply_controls
+from sfnode.engines.config import EngineConfig
+from sfnode.engines.mock import MockEngine, mock_logits, mock_next_token, mock_staged_logits
 from sfnode.engines.transformers_engine import TransformersEngine
-from sfnode.generation import (
-    EngineRefusal,
-    EngineStop,
-    GenerationRequest,
-    GenerationResult,
-    MockEngine,
-    mock_logits,
-    mock_next_token,
-    mock_staged_logits,
-)
+from sfnode.generation import EngineRefusal, EngineStop, GenerationRequest, GenerationResult
 from sfnode.linkf.wire import (
     Constraint,
     GenParams,
@@ -465,6 +454,7 @@ class MockEngineTests(unittest.SynchronousTestCase):
     def run_mock(self, request: GenerationRequest, vocab_size: int = TINY_VOCAB) -> Any:
         clock = Clock()
         engine = MockEngine(clock, vocab_size=vocab_size, vocabulary=vocabulary())
+        engine.start()
         generation = engine.submit(request, lambda tokens, logprobs=None: None)
         results: list[Any] = []
         generation.result.addBoth(results.append)
@@ -544,7 +534,10 @@ class TransformersEngineTests(unittest.TestCase):
         kwargs.setdefault("interactive_lanes", 0)
         kwargs.setdefault("max_lanes", 4)
         engine = TransformersEngine(
-            tiny_model(), reactor, tokenizer=_tokenizer(), prefix_cache=False, **kwargs
+            tiny_model(),
+            reactor,
+            EngineConfig(prefix_cache=False, **kwargs),
+            tokenizer=_tokenizer(),
         )
         engine.start()
         self.addCleanup(engine.stop)
@@ -570,7 +563,7 @@ class TransformersEngineTests(unittest.TestCase):
                     prompt, params, 120, constraint=Constraint(len(prompt), NESTED_GRAMMAR)
                 )
                 result: GenerationResult = yield self.submit(engine, request)
-                self.assertEqual(result.stop, EngineStop.EOS, engine.weights_mode)
+                self.assertEqual(result.stop, EngineStop.EOS, engine.weights.mode)
                 text = vocabulary().decode(list(result.tokens[:-1]))
                 jsonschema.validate(json.loads(text), NESTED)
 
@@ -703,16 +696,16 @@ class TransformersEngineTests(unittest.TestCase):
         self.assertEqual(solo, expected)
         batched = yield defer.gatherResults([self.submit(drafting, r) for r in requests])
         self.assertEqual([list(r.tokens) for r in batched], expected)
-        counts = drafting.step_counts()
+        counts = drafting.statistics().steps
         self.assertGreater(counts.accepted, 0)
         self.assertGreater(counts.drafted, counts.accepted)
 
     def test_masks_are_counted(self) -> None:
         """An engine without a tokenizer does not support constraints; with one it counts the
         masks it computes."""
-        engine = TransformersEngine(tiny_model(), reactor, max_lanes=1)
+        engine = TransformersEngine(tiny_model(), reactor, EngineConfig(max_lanes=1))
         self.assertFalse(engine.supports_constraints)
-        self.assertEqual(engine.mask_figures(), (0, 0.0, 0.0))
+        self.assertIsNone(engine.statistics().masks)
 
 
 _PROMPTS = [

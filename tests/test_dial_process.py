@@ -23,12 +23,11 @@ from twisted.internet.utils import getProcessOutputAndValue
 from twisted.trial.unittest import TestCase
 
 from sfnode.head.link import HeadIds, HeadLinkFactory, LinkSettings, NodeLink
-from tests.nodefixture import expected_tokens
+from tests.nodefixture import serves
 from tests.processes import TWISTD, Child, child_env, spawn_twistd
 
 TOKEN = b"4f" * 32
 OTHER = b"9a" * 32
-PROMPT = list(range(100, 112))
 
 
 class Garbage(Protocol):
@@ -83,10 +82,7 @@ class DialTests(TestCase):
         link = await joined
         self.addCleanup(link.close)
         self.assertEqual(link.node_identity, "dialer")
-        link.assign(1)
-        link.append(1, PROMPT)
-        outcome = await link.generate(1, 6).result
-        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 6))
+        await serves(self, link, 1, 6)
 
     async def test_garbage_on_the_heads_port_is_retried_until_the_head_is_back(self) -> None:
         """Garbage answers three dials: each failed handshake is logged with its reason, the

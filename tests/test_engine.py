@@ -9,14 +9,10 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import msgpack
 import torch
@@ -33,6 +29,7 @@ from sfnode.decoding.sampler import (
     splitmix64,
     uniform,
 )
+from sfnode.engines.config import EngineConfig
 from sfnode.engines.kernels.torch_ops import onednn_linear_works
 from sfnode.engines.scheduling.pace import PRIOR, StepCost, StepRates
 from sfnode.engines.transformers_engine import (
@@ -86,16 +83,16 @@ SAMPLED = GenParams(temperature=0.9, top_p=0.95, min_p=0.02, top_k=64, seed=77)
 
 
 def spy_on_plans(engine: TransformersEngine) -> list[Any]:
-    """Record every plan the engine sends to its runner as a step (the list fills as steps run;
-    the runner's start-up check is no step)."""
+    """Record every plan the engine sends to its worker as a step (the list fills as steps are
+    sent; the runner's start-up check is no step)."""
     plans: list[Any] = []
-    original = engine._timed_run
+    original = engine.worker.step
 
-    def run(plan: Any) -> Any:
+    def step(plan: Any) -> Any:
         plans.append(plan)
         return original(plan)
 
-    engine._timed_run = run  # type: ignore[method-assign]
+    engine.worker.step = step  # type: ignore[method-assign]
     return plans
 
 
@@ -289,7 +286,9 @@ class EngineTestCase(unittest.TestCase):
         """A started engine; batch requests may use every lane unless a test keeps some for
         interactive requests (the engine's own default keeps one)."""
         kwargs.setdefault("interactive_lanes", 0)
-        engine = TransformersEngine(model if model is not None else self.model, reactor, **kwargs)
+        engine = TransformersEngine(
+            model if model is not None else self.model, reactor, EngineConfig(**kwargs)
+        )
         engine.start()
         self.addCleanup(engine.stop)
         return engine
@@ -332,11 +331,11 @@ class GreedyTests(EngineTestCase):
         tokens; with oneDNN allowed, that path routes every float32 linear layer to it."""
         stock = self.make_engine(max_lanes=4, onednn=False, lean_step=False)
         self.assertFalse(stock.lean_step)
-        self.assertEqual(stock.onednn_layers, 0)
+        self.assertEqual(stock.weights.onednn_layers, 0)
         if onednn_linear_works():
             routed = self.make_engine(max_lanes=4, lean_step=False, model=model(layers=2))
             linears = sum(isinstance(m, torch.nn.Linear) for m in model(layers=2).modules())
-            self.assertEqual(routed.onednn_layers, linears)
+            self.assertEqual(routed.weights.onednn_layers, linears)
         for prompt in prompts(3, seed=5):
             d, _ = self.run_one(prompt, 20, engine=stock)
             result = yield d
@@ -603,7 +602,7 @@ class FailureTests(EngineTestCase):
         running lane and the joining one), and the engine serves the next request from a clean
         state."""
         engine = self.make_engine(max_lanes=2)
-        runner = engine._runner
+        runner = engine.runner
         original = runner.run
 
         def broken(plan: Any) -> Any:
@@ -802,7 +801,7 @@ class WeightsModeTests(EngineTestCase):
                 kernels=kernels,
                 fused_step=fused,
             )
-            self.assertEqual(engine.weights_mode, mode)
+            self.assertEqual(engine.weights.mode, mode)
             self.assertEqual(engine.fused_step, kernels == "native" and fused)
             solo = []
             for p, gp in zip(ps, params, strict=True):
@@ -830,11 +829,8 @@ class WeightsModeTests(EngineTestCase):
         releasing = TransformersEngine.from_loaded(
             loaded,
             reactor,
+            EngineConfig(max_lanes=2, weights="int4", dense_copies=False, interactive_lanes=0),
             release_float_weights=True,
-            max_lanes=2,
-            weights="int4",
-            dense_copies=False,
-            interactive_lanes=0,
         )
         releasing.start()
         self.addCleanup(releasing.stop)
@@ -849,7 +845,7 @@ class WeightsModeTests(EngineTestCase):
         from sfnode.engines.weights.llama import WeightsError
 
         with self.assertRaises(WeightsError) as caught:
-            TransformersEngine(self.model, reactor, weights="int4", lean_step=False)
+            TransformersEngine(self.model, reactor, EngineConfig(weights="int4", lean_step=False))
         self.assertIn("--stock-kernels", str(caught.exception))
 
 
@@ -872,8 +868,8 @@ class PrefixReuseTests(EngineTestCase):
                 result = yield self.run_one(shared + tail, 16, gp, engine=engine)[0]
                 engine.results.append(result)  # type: ignore[attr-defined]
         self.assertEqual(warm.results, cold.results)  # type: ignore[attr-defined]
-        self.assertIsNone(cold.prefix_statistics())
-        stats = warm.prefix_statistics()
+        self.assertIsNone(cold.statistics().prefix)
+        stats = warm.statistics().prefix
         assert stats is not None
         self.assertEqual(stats.hits, 3)
         self.assertEqual(stats.reused_tokens, 3 * 96)
@@ -894,7 +890,7 @@ class PrefixReuseTests(EngineTestCase):
             a = yield self.run_one(second, 16, params, engine=cold)[0]
             b = yield self.run_one(second, 16, params, engine=warm)[0]
             self.assertEqual(a, b)
-        stats = warm.prefix_statistics()
+        stats = warm.statistics().prefix
         assert stats is not None
         self.assertGreaterEqual(stats.reused_tokens, 40)
 
@@ -912,7 +908,7 @@ class PrefixReuseTests(EngineTestCase):
                 a = yield self.run_one(prompt, 12, engine=cold)[0]
                 b = yield self.run_one(prompt, 12, engine=small)[0]
                 self.assertEqual(a, b)
-        stats = small.prefix_statistics()
+        stats = small.statistics().prefix
         assert stats is not None
         self.assertGreater(stats.evictions, 0)
         self.assertLessEqual(stats.cached_blocks, 4)
@@ -947,7 +943,7 @@ class StepTimeTests(EngineTestCase):
                 interactive_lanes=1, step_ms=step_ms, max_lanes=2, prefill_chunk=128
             )
             pace = RecordingPace(slow)
-            engine._pace = pace  # type: ignore[assignment]
+            engine.pace = pace  # type: ignore[assignment]
             plans = spy_on_plans(engine)
             yield self.run_one(prompt, 3, engine=engine)[0]
             chunks = [len(chunk.tokens) for plan in plans for chunk in plan.chunks]
@@ -960,10 +956,10 @@ class StepTimeTests(EngineTestCase):
         """After a few generations the engine's rates are its own measurements, not the
         prior."""
         engine = self.make_engine(max_lanes=2)
-        self.assertEqual(engine.step_rates, PRIOR)
+        self.assertEqual(engine.pace.rates, PRIOR)
         for prompt in prompts(3, seed=62, low=20, high=80):
             yield self.run_one(prompt, 8, engine=engine)[0]
-        self.assertNotEqual(engine.step_rates, PRIOR)
+        self.assertNotEqual(engine.pace.rates, PRIOR)
 
 
 class LogprobTests(EngineTestCase):
@@ -1044,7 +1040,7 @@ def draft_from_answers(
 
     The random tiny model seldom repeats its context, so without this its drafts would all be
     refused and the accepting path never run."""
-    scheduler = engine._scheduler
+    scheduler = engine.scheduler
     lookup = scheduler._draft
 
     def draft(lane: Any) -> tuple[int, ...]:
@@ -1121,11 +1117,11 @@ class SpeculativeTests(EngineTestCase):
             results.append(batched)
         for i, other in enumerate(results[1:], 1):
             self.assertEqual(other, results[0], (mode, kernels, fused, i))
-        counts = drafting.step_counts()
+        counts = drafting.statistics().steps
         self.assertGreater(counts.accepted, 0)
         self.assertGreater(counts.drafted, counts.accepted)
         self.assertLess(counts.decode_rows, counts.decode_tokens)
-        self.assertEqual(plain.step_counts().drafted, 0)
+        self.assertEqual(plain.statistics().steps.drafted, 0)
 
     async def collect(
         self, engine: TransformersEngine, prompt: list[int], params: GenParams
@@ -1158,7 +1154,7 @@ class SpeculativeTests(EngineTestCase):
             d, _ = self.run_one(prompt, 30, engine=engine)
             result = yield d
             self.assertEqual(list(result.tokens), tokens)
-        self.assertGreater(engine.step_counts().accepted, 0)
+        self.assertGreater(engine.statistics().steps.accepted, 0)
 
     @defer.inlineCallbacks
     def test_quantized_modes(self) -> Any:
@@ -1178,5 +1174,5 @@ class SpeculativeTests(EngineTestCase):
         and a bad mode or draft length is refused."""
         engine = self.make_engine(lean_step=False, speculative="ngram")
         self.assertIsNone(engine.speculation)
-        self.assertRaises(ValueError, TransformersEngine, self.model, reactor, speculative="x")
-        self.assertRaises(ValueError, TransformersEngine, self.model, reactor, draft_tokens=0)
+        self.assertRaises(ValueError, EngineConfig, speculative="x")
+        self.assertRaises(ValueError, EngineConfig, draft_tokens=0)

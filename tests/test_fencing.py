@@ -2,27 +2,23 @@
 
 docs/protocol.md section 6.4: an expired, unfenced session fences itself; a fenced session emits
 nothing, and its generations stop without a Finish.  The unit tests of the lease machine and the
-session state pin the pieces; this test pins the whole node: a real NodeAgent on real TCP, with a
-generation streaming when the lease runs out.
+session state pin the pieces; this test pins the whole node: a real NodeAgent and a scripted head
+joined in memory (``twisted.test.iosim``), with a generation streaming when the lease runs out.
 
-The node's time is a :class:`~twisted.internet.task.Clock` (the node, its machines and its mock
-engine take the clock as their reactor; only the sockets use the real reactor), so the fence
-happens at a known instant.  Each clock step is followed by a barrier: a GENERATE_REQ for a
-session the node does not hold, answered at once with FINISH_DECLINED; once the head has that
-answer, the node has handled everything sent before it and everything the node wrote before it
-has arrived (one connection, in order).
+The node's time is a ``MemoryReactorClock`` that the test moves (the node, its machines, its mock
+engine and the bytes between it and the head all run on it), so the fence happens at a known
+instant.  Each clock step is followed by a barrier: a GENERATE_REQ for a session the node does
+not hold, answered at once with FINISH_DECLINED; once the head has that answer, the node has
+handled everything sent before it and everything the node wrote before it has arrived (one
+connection, in order).
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
 from typing import Any
 
-from twisted.internet import defer, reactor
-from twisted.internet.endpoints import TCP4ServerEndpoint
-from twisted.internet.task import Clock
+from twisted.internet import defer
 
-from sfnode.generation import MockEngine
 from sfnode.linkf.wire import (
     FINISH_DECLINED,
     AppendContentMsg,
@@ -36,21 +32,16 @@ from sfnode.linkf.wire import (
     Tokens,
     encode_tokens,
 )
-from sfnode.node.agent import NodeAgent
-from sfnode.node.config import NodeConfig
-from sfnode.node.tap import node_factory
-from tests.nodefixture import NodeTestCase, RawHead, RunningNode, expected_tokens, finish_of
+from tests.nodefixture import PROMPT, MemoryNodeTestCase, RawHead, expected_tokens, finish_of
 
-PROMPT = list(range(100, 112))
 LEASE_MS = 1000
 RENEW_BY_MS = 500
 STEP_S = 0.01
 """Clock step: one mock token per step."""
 UNKNOWN_SESSION = 999
-Gen = Generator[defer.Deferred[Any], Any, None]
 
 
-class FencingTests(NodeTestCase):
+class FencingTests(MemoryNodeTestCase):
     def setUp(self) -> None:
         super().setUp()
         self.command = 0
@@ -59,17 +50,6 @@ class FencingTests(NodeTestCase):
     def next_command(self) -> int:
         self.command += 1
         return self.command
-
-    @defer.inlineCallbacks
-    def start_clocked_node(self, clock: Clock) -> Generator[Any, Any, RunningNode]:
-        engine = MockEngine(clock, token_delay_s=STEP_S)
-        agent = NodeAgent(clock, engine, NodeConfig(identity="fencing", model_name="mock"))
-        agent.start()
-        endpoint = TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1")
-        port = yield endpoint.listen(node_factory(agent))
-        self.addCleanup(agent.stop)
-        self.addCleanup(port.stopListening)
-        return RunningNode(agent, engine, port)
 
     def barrier(self, head: RawHead) -> defer.Deferred[Any]:
         """Fires once the node handled everything sent before and its answers arrived."""
@@ -81,16 +61,15 @@ class FencingTests(NodeTestCase):
         )
         return head.wait_for(finish_of(UNKNOWN_SESSION, self.barriers, FINISH_DECLINED))
 
-    @defer.inlineCallbacks
-    def test_no_token_after_the_fence_of_a_running_stream(self) -> Gen:
+    def test_no_token_after_the_fence_of_a_running_stream(self) -> None:
         """A stream runs under a 1000 ms lease; the head grants the first renewal, then stops
         renewing.  The lease runs out 1000 ms after that grant, while tokens still flow: the
         session fences itself at that instant, every event the node emitted was emitted
         before it (none while fenced), the head receives no token and no Finish afterwards
         (the clock runs on for 2 s), the engine is idle, and the tokens received are the exact
         prefix of the uninterrupted run."""
-        clock = Clock()
-        node = yield self.start_clocked_node(clock)
+        node = self.start_node(identity="fencing", token_delay_s=STEP_S)
+        clock = self.reactor
         agent = node.agent
         emitted: list[tuple[float, bool, Any]] = []
         emit = agent.session.emit
@@ -103,14 +82,14 @@ class FencingTests(NodeTestCase):
             return batch
 
         agent.session.emit = recording_emit  # type: ignore[method-assign]
-        head = yield RawHead.connect(self, node)
-        yield head.hello()
+        head = self.raw_head(node)
+        self.wait(head.hello())
         head.send(
             SessionAssignMsg(self.next_command(), 1, 1, Lease(LEASE_MS, RENEW_BY_MS), "", b"", 0, 0)
         )
         head.send(AppendContentMsg(self.next_command(), 1, 1, encode_tokens(PROMPT)))
         head.send(GenerateReqMsg(self.next_command(), 1, 1, 1, GenerationBudgetsMsg(10**6)))
-        yield self.barrier(head)
+        self.wait(self.barrier(head))
         self.assertEqual(agent.running_generations, 1)
 
         def renewals() -> int:
@@ -119,17 +98,17 @@ class FencingTests(NodeTestCase):
         granted_at: float | None = None
         while granted_at is None:
             clock.advance(STEP_S)
-            yield self.barrier(head)
+            self.wait(self.barrier(head))
             if renewals():
                 head.send(LeaseGrantMsg(1, 1, LEASE_MS, RENEW_BY_MS))
-                yield self.barrier(head)
+                self.wait(self.barrier(head))
                 granted_at = clock.seconds()
             self.assertLess(clock.seconds(), 1.0, "no LEASE_RENEW within the first lease")
         fence_at = granted_at + LEASE_MS / 1000.0
         while not agent.session.is_fenced(1):
             self.assertLess(clock.seconds(), fence_at + 0.5, "the session outlived its lease")
             clock.advance(STEP_S)
-            yield self.barrier(head)
+            self.wait(self.barrier(head))
         fenced_at = clock.seconds()
         # The lease runs out 1000 ms after the grant (the node's timer adds 1 ms for its
         # whole-millisecond lease clock): within the clock step that reaches that moment.
@@ -139,7 +118,7 @@ class FencingTests(NodeTestCase):
         received_at_fence = len(head.received)
         while clock.seconds() < fenced_at + 2.0:
             clock.advance(STEP_S)
-            yield self.barrier(head)
+            self.wait(self.barrier(head))
 
         # Emissions: all before the fence, none while fenced, and the stream ran to the end.
         self.assertEqual([e for e in emitted if e[1]], [])

@@ -21,7 +21,9 @@ from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
-from sfnode.generation import MOCK_LAYERS, MOCK_VOCAB_SIZE, MockEngine, TokenBatch
+from sfnode.engines.config import EngineConfig
+from sfnode.engines.mock import MOCK_LAYERS, MOCK_VOCAB_SIZE, MockEngine
+from sfnode.generation import TokenBatch
 from sfnode.head.fleet.fleet import (
     Fleet,
     FleetGeneration,
@@ -72,8 +74,7 @@ class FleetTestCase(NodeTestCase):
         reactor."""
         engine = MockEngine(
             reactor,
-            context_window=context_window,
-            max_lanes=max_lanes,
+            EngineConfig(context_window=context_window, max_lanes=max_lanes),
             token_delay_s=token_delay_s,
             vocab_size=vocab_size,
         )

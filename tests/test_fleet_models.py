@@ -15,7 +15,7 @@ from twisted.internet import defer, reactor, task
 from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.generation import MockEngine, mock_next_token
+from sfnode.engines.mock import MockEngine, mock_next_token
 from sfnode.head.api.gauges import gateway_gauges
 from sfnode.head.api.http import OpenAIApi
 from sfnode.head.api.schema import ChatMessage

@@ -50,10 +50,7 @@ from sfnode.linkf.wire import (
     message_frame,
 )
 from sfnode.node.tap import node_factory
-from tests.nodefixture import NodeTestCase, expected_tokens
-
-PROMPT = list(range(100, 112))
-Gen = Generator[defer.Deferred[Any], Any, None]
+from tests.nodefixture import PROMPT, Gen, NodeTestCase, expected_tokens, serves
 
 
 def header(msg_type: int, payload_size: int, frame_cls: int = 0) -> bytes:
@@ -275,10 +272,7 @@ class AddressSlotTests(NodeTestCase):
             reactor, f"tcp:127.0.0.1:{node.port_number}:bindAddress=127.0.0.2", ids=self.ids
         )
         self.addCleanup(link.close)
-        link.assign(1)
-        link.append(1, PROMPT)
-        outcome = yield link.generate(1, 5).result
-        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 5))
+        yield serves(self, link, 1, 5)
 
     @defer.inlineCallbacks
     def test_the_fleet_listener_admits_4_handshakes_per_address(self) -> Gen:
@@ -305,7 +299,4 @@ class AddressSlotTests(NodeTestCase):
         link = yield joined
         self.addCleanup(link.close)
         self.assertEqual(link.node_identity, "joiner")
-        link.assign(1)
-        link.append(1, PROMPT)
-        outcome = yield link.generate(1, 5).result
-        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 5))
+        yield serves(self, link, 1, 5)

@@ -295,8 +295,9 @@ class Fate:
 def expected_fate(data: bytes) -> Fate:
     """The fate of a script by the rules.
 
-    The frames are cut by the codec (``FrameDecoder``, ``decode_frame``: pinned by test_wire);
-    what the node does with them is derived here from docs/protocol.md: a framing error closes
+    The frames are cut by the codec as the node cuts them (``FrameDecoder`` held to a HELLO's
+    size until a HELLO is decoded, decision D14; ``decode_frame``: pinned by test_wire); what
+    the node does with them is derived here from docs/protocol.md: a framing error closes
     (after the frames before it); before the handshake every frame but HELLO is discarded; a
     malformed HELLO closes; the first HELLO is accepted when a version is common and the role
     is HEAD_DAEMON (no fleet token here), and refused with a close otherwise; later HELLOs are
@@ -306,7 +307,7 @@ def expected_fate(data: bytes) -> Fate:
     other connections: from there on a malformed-payload close is possible as well.
     """
     try:
-        frames = FrameDecoder().feed(data)
+        frames = FrameDecoder(handshake=MsgType.HELLO).feed(data)
         framing_error = False
     except WireError as e:
         frames = e.frames_before

@@ -20,7 +20,8 @@ from twisted.internet import defer, reactor, threads
 from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint, connectProtocol
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from sfnode.generation import EngineStop, MockEngine
+from sfnode.engines.mock import MockEngine
+from sfnode.generation import EngineStop
 from sfnode.head.fleet.fleet import GenerationTimedOut
 from sfnode.head.fleet.pipeline import PipelineFleet
 from sfnode.head.link import HeadIds, connect_node

@@ -28,7 +28,8 @@ from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent, FileBodyProducer, readBody
 from twisted.web.http_headers import Headers
 
-from sfnode.generation import EngineStop, MockEngine
+from sfnode.engines.mock import MockEngine
+from sfnode.generation import EngineStop
 from sfnode.head.api.gate import GateLimits
 from sfnode.head.api.http import OpenAIApi
 from sfnode.head.tap import Options, makeService

@@ -27,7 +27,9 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.client import Agent, readBody
 from twisted.web.http_headers import Headers
 
-from sfnode.generation import EngineStop, MockEngine, mock_next_token
+from sfnode.engines.config import EngineConfig
+from sfnode.engines.mock import MockEngine, mock_next_token
+from sfnode.generation import EngineStop
 from sfnode.head.api.http import Detokenizer, OpenAIApi, Renderer, StopText
 from sfnode.head.api.schema import ChatMessage
 from sfnode.head.fleet.fleet import Fleet
@@ -83,10 +85,9 @@ class HttpTestCase(NodeTestCase):
         if engine is None:
             engine = MockEngine(
                 reactor,
-                context_window=context_window,
+                EngineConfig(context_window=context_window, max_lanes=max_lanes),
                 token_delay_s=token_delay_s,
                 vocab_size=TINY_VOCAB,
-                max_lanes=max_lanes,
             )
         config = NodeConfig(identity=identity, model_name=model_name, max_lanes=max_lanes)
         agent = NodeAgent(reactor, engine, config)
@@ -590,7 +591,7 @@ class OpenAIClientTests(HttpTestCase):
         model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True)
         model.eval()
         tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        engine = TransformersEngine(model, reactor, max_lanes=2)
+        engine = TransformersEngine(model, reactor, EngineConfig(max_lanes=2))
         node = yield self.start_vocab_node(engine=engine, model_name="tiny")
         head = yield self.start_head([node], model="tiny", tok=tok)
         prompt = Renderer(tok).chat([ChatMessage("user", "hello world")])
@@ -650,7 +651,7 @@ class ChoicesAndRoutesTests(HttpTestCase):
         model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True)
         model.eval()
         tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        engine = TransformersEngine(model, reactor, max_lanes=4)
+        engine = TransformersEngine(model, reactor, EngineConfig(max_lanes=4))
         node = yield self.start_vocab_node(engine=engine, model_name="tiny")
         head = yield self.start_head([node], model="tiny", tok=tok)
         client = openai.OpenAI(base_url=head.base + "/v1", api_key="unused", max_retries=0)

@@ -26,7 +26,8 @@ from sfnode.decoding.constraint import (
     sampler_controls,
     tools_grammar,
 )
-from sfnode.generation import GenerationRequest, MockEngine
+from sfnode.engines.mock import MockEngine
+from sfnode.generation import GenerationRequest
 from sfnode.head.api.schema import ChatMessage, ChatToolCall
 from sfnode.head.models.text import Renderer
 from sfnode.linkf.wire import Constraint, GenParams, Grammar, SamplerControls
@@ -105,7 +106,9 @@ class AgentsTestCase(HttpTestCase):
             max_new,
             constraint=Constraint(len(prompt), grammar, controls),
         )
-        result = yield constrained_engine().submit(request, lambda *_: None).result
+        engine = constrained_engine()
+        engine.start()
+        result = yield engine.submit(request, lambda *_: None).result
         return str(tokenizer().decode(list(result.tokens), skip_special_tokens=True))
 
     def chat_prompt(self, messages: Sequence[dict[str, Any]], tools: Any = ()) -> list[int]:

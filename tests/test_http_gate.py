@@ -19,7 +19,8 @@ from twisted.internet import defer, reactor
 from twisted.logger import globalLogPublisher
 from twisted.web.resource import Resource
 
-from sfnode.generation import MockEngine
+from sfnode.engines.config import EngineConfig
+from sfnode.engines.mock import MockEngine
 from sfnode.head.api.gate import route_of
 from sfnode.head.api.schema import ChatMessage
 from sfnode.head.tap import Options, makeService
@@ -288,7 +289,7 @@ class FairShareTests(HostileTestCase):
         lane that frees, not for the 56 generations ahead of it (it is the ninth generation
         the node starts, right after a request of 127.0.0.1 that went away freed its lanes),
         and it is answered 200."""
-        engine = RecordingEngine(token_delay_s=0.005, max_lanes=8)
+        engine = RecordingEngine(config=EngineConfig(max_lanes=8), token_delay_s=0.005)
         node = yield self.start_vocab_node(engine=engine, max_lanes=8)
         head = yield self.start_sfhead([node])
         fleet = head.service.getServiceNamed("fleet").fleet  # type: ignore[no-untyped-call]

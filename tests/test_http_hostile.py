@@ -25,7 +25,9 @@ from twisted.internet.task import LoopingCall, deferLater
 from twisted.logger import globalLogPublisher
 from twisted.python.failure import Failure
 
-from sfnode.generation import EngineStop, MockEngine
+from sfnode.engines.config import EngineConfig
+from sfnode.engines.mock import MockEngine
+from sfnode.generation import EngineStop
 from sfnode.head.api.gate import GateLimits
 from sfnode.head.api.http import INLINE_BODY_BYTES
 from sfnode.head.models.text import TransformersCodec
@@ -546,7 +548,7 @@ class LimitTests(HostileTestCase):
         megabytes, and under load the mock engine took over 120 s to fill them."""
         import socket
 
-        engine = MockEngine(reactor, context_window=100_000, vocab_size=TINY_VOCAB)
+        engine = MockEngine(reactor, EngineConfig(context_window=100_000), vocab_size=TINY_VOCAB)
         ended: defer.Deferred[Any] = defer.Deferred()
         submit = engine.submit
 

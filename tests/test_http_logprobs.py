@@ -16,14 +16,9 @@ from typing import Any
 from twisted.internet import defer, reactor
 from twisted.internet.endpoints import TCP4ServerEndpoint
 
-from sfnode.generation import (
-    MockEngine,
-    TokenBatch,
-    TokenLogprob,
-    mock_logits,
-    mock_next_token,
-    sparse_logprob,
-)
+from sfnode.decoding.sparse_sampler import sparse_logprob
+from sfnode.engines.mock import MockEngine, mock_logits, mock_next_token
+from sfnode.generation import TokenBatch, TokenLogprob
 from sfnode.head.fleet.fleet import LogprobsUnavailable
 from sfnode.head.fleet.placement import Policy
 from sfnode.head.link import MalformedFrameError

@@ -18,18 +18,15 @@ Nothing here sleeps or downloads; the models are built from a config.
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Sequence
 from typing import Any
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 from twisted.internet import reactor
 from twisted.trial import unittest
 
+from sfnode.engines.config import EngineConfig
 from sfnode.engines.kernels import native
 from sfnode.engines.runners.llama import (
     CALL_ROWS,
@@ -260,7 +257,7 @@ class EngineInvarianceTests(unittest.TestCase):
 
     def engine(self, **kwargs: Any) -> TransformersEngine:
         kwargs.setdefault("interactive_lanes", 0)
-        engine = TransformersEngine(model(), reactor, max_lanes=3, **kwargs)
+        engine = TransformersEngine(model(), reactor, EngineConfig(max_lanes=3, **kwargs))
         engine.start()
         self.addCleanup(engine.stop)
         return engine
@@ -292,7 +289,7 @@ class EngineInvarianceTests(unittest.TestCase):
             want = await self.run_one(cold, prompt, 48)
             self.assertEqual(await self.run_one(warm, prompt, 48), want, how)
             self.assertEqual(await self.run_one(warm, prompt, 48), want, how)
-            stats = warm.prefix_statistics()
+            stats = warm.statistics().prefix
             assert stats is not None
             self.assertGreaterEqual(stats.reused_tokens, 192, how)
             self.assertEqual(

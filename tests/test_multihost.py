@@ -32,7 +32,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgentEndpointFactory
 from zope.interface import implementer
 
-from sfnode.generation import MOCK_VOCAB_SIZE
+from sfnode.engines.mock import MOCK_VOCAB_SIZE
 from tests import netns
 from tests.processes import Child, child_env
 

@@ -1,7 +1,8 @@
 """Constraints on the wire, on the node and in the head library (docs/protocol.md section 12.3).
 
 GENERATE_REQ's eighth element and its checks; a node's FEATURE_CONSTRAINTS bit and what it
-does with a constraint (over real loopback TCP, the mock engine with the tiny test vocabulary);
+does with a constraint (a scripted head joined to it in memory, the mock engine with the tiny
+test vocabulary);
 and the head library, which sends a constraint only to nodes that offer the bit and continues a
 constrained stream on another node exactly when its node dies.
 """
@@ -18,7 +19,8 @@ from twisted.internet import defer, reactor
 from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.decoding.constraint import response_format_grammar, tools_grammar
-from sfnode.generation import GenerationRequest, MockEngine
+from sfnode.engines.mock import MockEngine
+from sfnode.generation import GenerationRequest
 from sfnode.head.fleet.fleet import ConstraintRefused, ConstraintsUnavailable, Policy
 from sfnode.head.link import ConstraintsUnsupportedError
 from sfnode.linkf import wire
@@ -35,7 +37,6 @@ from sfnode.linkf.wire import (
     GenParams,
     JsonObjectGrammar,
     JsonSchemaGrammar,
-    Lease,
     MsgType,
     PayloadError,
     SamplerControls,
@@ -45,13 +46,17 @@ from sfnode.linkf.wire import (
     decode_message,
     encode_tokens,
 )
-from tests.nodefixture import RawHead, finish_of, stream_of
+from tests.nodefixture import (
+    LONG_LEASE,
+    PROMPT,
+    Gen,
+    MemoryNodeTestCase,
+    RawHead,
+    finish_of,
+    stream_of,
+)
 from tests.test_constraint import NESTED, ONE_TOOL, ONE_TOOL_LANGUAGE, vocabulary
 from tests.test_fleet import FleetTestCase
-
-PROMPT = list(range(100, 112))
-LONG_LEASE = Lease(60_000, 45_000)
-Gen = Generator[defer.Deferred[Any], Any, None]
 
 EXAMPLE = GenerateReqMsg(
     3,
@@ -142,9 +147,9 @@ class WireTests(SynchronousTestCase):
                 decode(wire.pack([*base, constraint]))
 
 
-def mock_engine(**kwargs: Any) -> MockEngine:
+def mock_engine(clock: Any = reactor, **kwargs: Any) -> MockEngine:
     """A mock engine over the tiny test vocabulary (512 ids), so it honours constraints."""
-    return MockEngine(reactor, vocab_size=512, vocabulary=vocabulary(), **kwargs)
+    return MockEngine(clock, vocab_size=512, vocabulary=vocabulary(), **kwargs)
 
 
 def assign(head: RawHead, session: int, epoch: int, context: Sequence[int] = PROMPT) -> None:
@@ -157,78 +162,76 @@ NESTED_GRAMMAR = response_format_grammar(
 )
 
 
-class NodeTests(FleetTestCase):
-    """A node with and without constraints, over real loopback TCP."""
+class NodeTests(MemoryNodeTestCase):
+    """A node with and without constraints, a scripted head joined to it in memory."""
 
-    @defer.inlineCallbacks
-    def test_the_bit_says_whether_the_engine_has_a_vocabulary(self) -> Gen:
+    def test_the_bit_says_whether_the_engine_has_a_vocabulary(self) -> None:
         """HELLO_ACK_F sets FEATURE_CONSTRAINTS for an engine that honours constraints only."""
-        with_them = yield self.start_node(engine=mock_engine())
-        without = yield self.start_node()
+        with_them = self.start_node(engine=mock_engine(self.reactor))
+        without = self.start_node()
         for node, expected in ((with_them, FEATURE_CONSTRAINTS), (without, 0)):
-            head = yield RawHead.connect(self, node)
-            ack = yield head.hello()
+            head = self.raw_head(node)
+            ack = self.wait(head.hello())
             self.assertEqual(ack.feature_flags & FEATURE_CONSTRAINTS, expected)
 
-    @defer.inlineCallbacks
-    def test_a_constrained_generation_follows_its_grammar(self) -> Gen:
+    def test_a_constrained_generation_follows_its_grammar(self) -> None:
         """A json_schema constraint: the node streams the mock's constrained run (equal to
         the engine's own run of the same request), which validates, then Finish EOS."""
-        node = yield self.start_node(engine=mock_engine())
-        head = yield RawHead.connect(self, node)
-        yield head.hello()
+        node = self.start_node(engine=mock_engine(self.reactor))
+        head = self.raw_head(node)
+        self.wait(head.hello())
         assign(head, 1, 5)
         constraint = Constraint(len(PROMPT), NESTED_GRAMMAR)
         head.send(GenerateReqMsg(3, 1, 5, 100, GenerationBudgetsMsg(200), 0, None, constraint))
-        yield head.wait_for(finish_of(1, 100))
+        self.wait(head.wait_for(finish_of(1, 100)))
         tokens, finishes = stream_of(head.events(1, 100))
         self.assertEqual(finishes, [FINISH_EOS])
         jsonschema.validate(json.loads(vocabulary().decode(tokens[:-1])), NESTED)
         request = GenerationRequest(PROMPT, GenParams(), 200, constraint=constraint)
-        local = yield mock_engine().submit(request, lambda t, lp=None: None).result
+        engine = mock_engine(self.reactor)
+        engine.start()
+        local = self.wait(engine.submit(request, lambda t, lp=None: None).result)
         self.assertEqual(list(local.tokens), tokens)
 
-    @defer.inlineCallbacks
-    def test_refusals_keep_the_connection(self) -> Gen:
+    def test_refusals_keep_the_connection(self) -> None:
         """A constraint for a node without the bit, and delivered tokens the grammar refuses,
         are answered FINISH_REFUSED; the connection stays and serves the next request."""
-        without = yield self.start_node()
-        head = yield RawHead.connect(self, without)
-        yield head.hello()
+        without = self.start_node()
+        head = self.raw_head(without)
+        self.wait(head.hello())
         assign(head, 1, 5)
         constraint = Constraint(len(PROMPT), JsonObjectGrammar())
         head.send(GenerateReqMsg(3, 1, 5, 100, GenerationBudgetsMsg(9), 0, None, constraint))
-        yield head.wait_for(finish_of(1, 100, FINISH_REFUSED))
+        self.wait(head.wait_for(finish_of(1, 100, FINISH_REFUSED)))
 
-        node = yield self.start_node(engine=mock_engine())
-        head = yield RawHead.connect(self, node)
-        yield head.hello()
+        node = self.start_node(engine=mock_engine(self.reactor))
+        head = self.raw_head(node)
+        self.wait(head.hello())
         assign(head, 1, 5)
         broken = Constraint(4, NESTED_GRAMMAR)  # PROMPT[4:] is no start of JSON
         head.send(GenerateReqMsg(3, 1, 5, 100, GenerationBudgetsMsg(9), 0, None, broken))
-        yield head.wait_for(finish_of(1, 100, FINISH_REFUSED))
+        self.wait(head.wait_for(finish_of(1, 100, FINISH_REFUSED)))
         head.send(GenerateReqMsg(4, 1, 5, 101, GenerationBudgetsMsg(5)))
-        yield head.wait_for(finish_of(1, 101))
+        self.wait(head.wait_for(finish_of(1, 101)))
         self.assertEqual(len(stream_of(head.events(1, 101))[0]), 5)
 
-    @defer.inlineCallbacks
-    def test_a_malformed_constraint_closes_only_its_connection(self) -> Gen:
+    def test_a_malformed_constraint_closes_only_its_connection(self) -> None:
         """A bias of 500 is a malformed GENERATE_REQ: that connection closes (section 7.4);
         another connection's generation completes."""
-        node = yield self.start_node(engine=mock_engine())
-        bad = yield RawHead.connect(self, node)
-        good = yield RawHead.connect(self, node)
-        yield bad.hello()
-        yield good.hello()
+        node = self.start_node(engine=mock_engine(self.reactor))
+        bad = self.raw_head(node)
+        good = self.raw_head(node)
+        self.wait(bad.hello())
+        self.wait(good.hello())
         assign(bad, 1, 5)
         assign(good, 2, 6)
         payload = wire.pack(
             [3, 1, 5, 100, [9, 0], 0, None, [12, None, [[[5, 500.0]], 0.0, 0.0, 0.0, 64]]]
         )
         bad.send_bytes(wire.encode_frame(MsgType.GENERATE_REQ, 9, payload))
-        yield bad.lost
+        self.wait(bad.lost)
         good.send(GenerateReqMsg(3, 2, 6, 200, GenerationBudgetsMsg(5)))
-        yield good.wait_for(finish_of(2, 200))
+        self.wait(good.wait_for(finish_of(2, 200)))
 
 
 class HeadTests(FleetTestCase):

@@ -1,5 +1,6 @@
-"""Node behaviours of docs/protocol.md section 10 over real loopback TCP: the head library against a
-node.
+"""Node behaviours of docs/protocol.md section 10: the head library (or a scripted head) against a
+node, joined in memory (``twisted.test.iosim`` on a ``MemoryReactorClock``: the node's real
+protocol, machines and mock engine, no socket, time moved by the test).
 
 Each test names the upstream scenario it follows ("item N" of docs/protocol.md section 10) or the
 decision of this edition it pins (D2: no blocking, no dropped frames).  The node runs the mock
@@ -8,14 +9,13 @@ engine.
 
 from __future__ import annotations
 
-from collections.abc import Generator
 from typing import Any
 
 from twisted.internet import defer, task
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.generation import MockEngineFault
-from sfnode.head.link import LinkLostError, NodeRefusedError
+from sfnode.engines.mock import MockEngineFault
+from sfnode.head.link import NodeLink, NodeRefusedError
 from sfnode.linkf.wire import (
     FINISH_CANCELLED,
     FINISH_DECLINED,
@@ -27,19 +27,14 @@ from sfnode.linkf.wire import (
     Finish,
     GenerateReqMsg,
     GenerationBudgetsMsg,
-    GenerationWatermark,
     Hello,
     Lease,
     LeaseGrantMsg,
     LeaseRenewMsg,
-    LeaseStateMsg,
     LinkRole,
     MsgType,
     NodeStatusMsg,
-    ReconcileAckMsg,
-    ReconcileMsg,
     SessionAssignMsg,
-    SessionReconcileState,
     TokenEventsMsg,
     Tokens,
     WatermarkAckMsg,
@@ -49,17 +44,15 @@ from sfnode.linkf.wire import (
 )
 from sfnode.node.agent import HANDLERS, HandlerTable
 from tests.nodefixture import (
+    LONG_LEASE,
+    PROMPT,
     MemoryNodeTestCase,
-    NodeTestCase,
     RawHead,
     expected_tokens,
     finish_of,
+    serves,
     stream_of,
 )
-
-PROMPT = list(range(100, 112))
-LONG_LEASE = Lease(60_000, 45_000)
-Gen = Generator[defer.Deferred[Any], Any, None]
 
 
 def assign_raw(
@@ -68,64 +61,60 @@ def assign_raw(
     head.send(SessionAssignMsg(command, session, epoch, lease, "", b"", 0, 0))
 
 
-class GenerationTests(NodeTestCase):
-    @defer.inlineCallbacks
-    def test_generation_matches_local_run(self) -> Gen:
+class GenerationTests(MemoryNodeTestCase):
+    def test_generation_matches_local_run(self) -> None:
         """Item 19: 16 tokens equal a local run, one Finish, events <= tokens + 1, and the
         HELLO_ACK_F names the model "mock"."""
-        node = yield self.start_node()
-        link = yield self.dial(node)
+        node = self.start_node()
+        link = self.dial(node)
         self.assertEqual(link.models, ("mock",))
         link.assign(1)
         link.append(1, PROMPT)
         call = link.generate(1, 16)
-        outcome = yield call.result
+        outcome = self.wait(call.result)
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 16))
         self.assertEqual(outcome.finish, FINISH_LENGTH)
         events = link.head_session.wal.events(1, call.epoch, call.generation_id)
         self.assertEqual(sum(isinstance(e.payload, Finish) for e in events), 1)
         self.assertLessEqual(len(events), 16 + 1)
 
-    @defer.inlineCallbacks
-    def test_two_generations_share_one_connection(self) -> Gen:
+    def test_two_generations_share_one_connection(self) -> None:
         """D2: two generations on one connection run together and both finish correctly."""
-        node = yield self.start_node(token_delay_s=0.001)
-        link = yield self.dial(node)
+        node = self.start_node(token_delay_s=0.001)
+        link = self.dial(node)
         link.assign(1)
         link.append(1, PROMPT)
         link.assign(2)
         link.append(2, [7, 8, 9])
         first = link.generate(1, 40)
         second = link.generate(2, 25)
-        a, b = yield defer.gatherResults([first.result, second.result])
+        a, b = self.wait(defer.gatherResults([first.result, second.result]))
         self.assertEqual(a.tokens, expected_tokens(PROMPT, 40))
         self.assertEqual(b.tokens, expected_tokens([7, 8, 9], 25))
         self.assertEqual((a.finish, b.finish), (FINISH_LENGTH, FINISH_LENGTH))
         self.assertEqual(len(node.agent.connections), 1)
 
-    @defer.inlineCallbacks
-    def test_concurrent_streams_on_two_nodes(self) -> Gen:
+    def test_concurrent_streams_on_two_nodes(self) -> None:
         """Items 28 and 40: eight concurrent streams spread over two nodes are all correct."""
         links = []
         for i in range(2):
-            node = yield self.start_node(identity=f"n{i}")
-            links.append((yield self.dial(node)))
+            node = self.start_node(identity=f"n{i}")
+            links.append(self.dial(node))
         calls = []
         for session in range(8):
             link = links[session % 2]
             link.assign(session)
             link.append(session, [session, session + 1])
             calls.append(link.generate(session, 20))
-        outcomes = yield defer.gatherResults([c.result for c in calls])
+        outcomes = self.wait(defer.gatherResults([c.result for c in calls]))
         for session, outcome in enumerate(outcomes):
             self.assertEqual(outcome.tokens, expected_tokens([session, session + 1], 20))
 
-    @defer.inlineCallbacks
-    def test_cancel_mid_stream(self) -> Gen:
+    def test_cancel_mid_stream(self) -> None:
         """Item 51: a cancel after >= 5 tokens ends the stream with CANCELLED, far short of
         its budget, and the tokens sent are a prefix of the full run."""
-        node = yield self.start_node(token_delay_s=0.002)
-        link = yield self.dial(node)
+        node = self.start_node(token_delay_s=0.002)
+        link = self.dial(node)
         link.assign(1)
         link.append(1, PROMPT)
         seen: list[int] = []
@@ -136,92 +125,76 @@ class GenerationTests(NodeTestCase):
                 call.cancel()
 
         call = link.generate(1, 1_000_000, on_tokens=on_tokens)
-        outcome = yield call.result
+        outcome = self.wait(call.result)
         self.assertEqual(outcome.finish, FINISH_CANCELLED)
         self.assertGreaterEqual(len(outcome.tokens), 5)
         self.assertLess(len(outcome.tokens), 1000)
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, len(outcome.tokens)))
         self.assertEqual(node.agent.running_generations, 0)
 
-    @defer.inlineCallbacks
-    def test_refusal_keeps_the_link(self) -> Gen:
+    def test_refusal_keeps_the_link(self) -> None:
         """Item 22: a prompt longer than the window (64) gets FINISH_REFUSED and no token; the
         same connection then serves a fitting session."""
-        node = yield self.start_node(context_window=64)
-        link = yield self.dial(node)
+        node = self.start_node(context_window=64)
+        link = self.dial(node)
         self.assertEqual(link.hello_ack.capacity.max_context_tokens, 64)
         link.assign(1)
         link.append(1, list(range(96)))
-        refused = yield link.generate(1, 4).result
+        refused = self.wait(link.generate(1, 4).result)
         self.assertEqual((refused.tokens, refused.finish), ([], FINISH_REFUSED))
         link.assign(2)
         link.append(2, PROMPT)
-        served = yield link.generate(2, 4).result
+        served = self.wait(link.generate(2, 4).result)
         self.assertEqual(served.tokens, expected_tokens(PROMPT, 4))
 
-    @defer.inlineCallbacks
-    def test_length_at_the_window(self) -> Gen:
+    def test_length_at_the_window(self) -> None:
         """A generation that reaches the context window stops there with LENGTH."""
-        node = yield self.start_node(context_window=20)
-        link = yield self.dial(node)
+        node = self.start_node(context_window=20)
+        link = self.dial(node)
         link.assign(1)
         link.append(1, PROMPT)
-        outcome = yield link.generate(1, 100).result
+        outcome = self.wait(link.generate(1, 100).result)
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 8))
         self.assertEqual(outcome.finish, FINISH_LENGTH)
 
-    @defer.inlineCallbacks
-    def test_wall_budget_expires(self) -> Gen:
+    def test_wall_budget_expires(self) -> None:
         """A generation past its max_wall_ms ends with FINISH_EXPIRED after the tokens it made."""
-        node = yield self.start_node(token_delay_s=0.005)
-        link = yield self.dial(node)
+        node = self.start_node(token_delay_s=0.005)
+        link = self.dial(node)
         link.assign(1)
         link.append(1, PROMPT)
-        outcome = yield link.generate(1, 1_000_000, max_wall_ms=60).result
+        outcome = self.wait(link.generate(1, 1_000_000, max_wall_ms=60).result)
         self.assertEqual(outcome.finish, FINISH_EXPIRED)
         self.assertLess(len(outcome.tokens), 1000)
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, len(outcome.tokens)))
 
-    @defer.inlineCallbacks
-    def test_eos_is_the_last_token(self) -> Gen:
+    def test_eos_is_the_last_token(self) -> None:
         """D6: when the model emits its EOS id, that id is the last token and the finish is EOS."""
         reference = expected_tokens(PROMPT, 6)
-        node = yield self.start_node(eos_token_id=reference[5])
-        link = yield self.dial(node)
+        node = self.start_node(eos_token_id=reference[5])
+        link = self.dial(node)
         link.assign(1)
         link.append(1, PROMPT)
-        outcome = yield link.generate(1, 50).result
+        outcome = self.wait(link.generate(1, 50).result)
         self.assertEqual(outcome.tokens, reference)
         self.assertEqual(outcome.finish, FINISH_EOS)
 
-    @defer.inlineCallbacks
-    def test_engine_failure_closes_only_that_connection(self) -> Gen:
+    def test_engine_failure_closes_only_that_connection(self) -> None:
         """docs/protocol.md section 7.4: an engine error closes the connection that asked; another
-        connection's session is untouched and the node keeps serving."""
-        node = yield self.start_node(poison_token=666)
-        healthy = yield self.dial(node)
-        doomed = yield self.dial(node)
-        healthy.assign(1)
-        healthy.append(1, PROMPT)
-        doomed.assign(2)
-        doomed.append(2, [1, 666])
-        closed = doomed.when_closed()
-        failed = doomed.generate(2, 5)
-        yield closed
-        yield self.assertFailure(failed.result, LinkLostError)
-        outcome = yield healthy.generate(1, 8).result
-        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 8))
-        self.assertEqual(len(self.flushLoggedErrors(MockEngineFault)), 1)
+        connection's session is untouched and the node keeps serving.  The fault is logged
+        twice: by the engine loop for the step that failed, and by the node for the
+        generation that step carried."""
+        self.fault_closes_only_its_link(self.start_node(poison_token=666))
+        self.assertEqual(len(self.flushLoggedErrors(MockEngineFault)), 2)
 
 
-class SessionTests(NodeTestCase):
-    @defer.inlineCallbacks
-    def test_assign_is_idempotent_and_epochs_absolute(self) -> Gen:
+class SessionTests(MemoryNodeTestCase):
+    def test_assign_is_idempotent_and_epochs_absolute(self) -> None:
         """Item 8: a replayed ASSIGN and a lower epoch are refused (silently): generating at
         the refused epoch is declined, at the held epoch it runs."""
-        node = yield self.start_node()
-        head = yield RawHead.connect(self, node)
-        yield head.hello()
+        node = self.start_node()
+        head = self.raw_head(node)
+        self.wait(head.hello())
         assign_raw(head, 1, 7, 5)
         assign_raw(head, 1, 7, 9)  # replayed command id: refused, epoch stays 5
         assign_raw(head, 2, 7, 4)  # lower epoch: refused
@@ -230,26 +203,25 @@ class SessionTests(NodeTestCase):
         head.send(GenerateReqMsg(5, 7, 4, 2, GenerationBudgetsMsg(3)))
         head.send(GenerateReqMsg(6, 7, 5, 3, GenerationBudgetsMsg(3)))
         for generation in (1, 2, 3):
-            yield head.wait_for(finish_of(7, generation))
+            self.wait(head.wait_for(finish_of(7, generation)))
         self.assertEqual([e.payload for e in head.events(7, 1)], [Finish(FINISH_DECLINED)])
         self.assertEqual([e.payload for e in head.events(7, 2)], [Finish(FINISH_DECLINED)])
         self.assertEqual(
             stream_of(head.events(7, 3)), (expected_tokens(PROMPT, 3), [FINISH_LENGTH])
         )
 
-    @defer.inlineCallbacks
-    def test_replayed_generate_does_not_restart(self) -> Gen:
+    def test_replayed_generate_does_not_restart(self) -> None:
         """Item 9: a replayed GENERATE (same command id) is declined with event_seq 0 outside
         the stream, and the running stream goes on from its own next seq."""
-        node = yield self.start_node(token_delay_s=0.002)
-        head = yield RawHead.connect(self, node)
-        yield head.hello()
+        node = self.start_node(token_delay_s=0.002)
+        head = self.raw_head(node)
+        self.wait(head.hello())
         assign_raw(head, 1, 1, 5)
         head.send(AppendContentMsg(2, 1, 5, encode_tokens(PROMPT)))
         request = GenerateReqMsg(3, 1, 5, 100, GenerationBudgetsMsg(20))
         head.send(request)
         head.send(request)
-        yield head.wait_for(finish_of(1, 100, FINISH_LENGTH))
+        self.wait(head.wait_for(finish_of(1, 100, FINISH_LENGTH)))
         events = head.events(1, 100)
         declined = [e for e in events if e.payload == Finish(FINISH_DECLINED)]
         self.assertEqual([e.event_seq for e in declined], [0])
@@ -258,142 +230,114 @@ class SessionTests(NodeTestCase):
         tokens = [t for e in stream if isinstance(e.payload, Tokens) for t in e.payload.tokens]
         self.assertEqual(tokens, expected_tokens(PROMPT, 20))
 
-    @defer.inlineCallbacks
-    def test_append_is_gated(self) -> Gen:
+    def test_append_is_gated(self) -> None:
         """Item 10: an APPEND with a wrong epoch, an unknown session or a replayed command is
         ignored; the generation runs on the last accepted context."""
-        node = yield self.start_node()
-        head = yield RawHead.connect(self, node)
-        yield head.hello()
+        node = self.start_node()
+        head = self.raw_head(node)
+        self.wait(head.hello())
         assign_raw(head, 1, 1, 5)
         head.send(AppendContentMsg(2, 1, 5, encode_tokens(PROMPT)))
         head.send(AppendContentMsg(3, 1, 4, encode_tokens([1, 2])))  # stale epoch
         head.send(AppendContentMsg(2, 1, 5, encode_tokens([3, 4])))  # replayed command
         head.send(AppendContentMsg(4, 2, 5, encode_tokens([5, 6])))  # unknown session
         head.send(GenerateReqMsg(5, 1, 5, 1, GenerationBudgetsMsg(4)))
-        yield head.wait_for(finish_of(1, 1))
+        self.wait(head.wait_for(finish_of(1, 1)))
         self.assertEqual(
             stream_of(head.events(1, 1)), (expected_tokens(PROMPT, 4), [FINISH_LENGTH])
         )
 
-    @defer.inlineCallbacks
-    def test_reassignment_and_second_generation_wins(self) -> Gen:
+    def test_reassignment_and_second_generation_wins(self) -> None:
         """Item 21: re-assigning gives a higher epoch; re-append and generate give the same
         greedy output."""
-        node = yield self.start_node()
-        link = yield self.dial(node)
+        node = self.start_node()
+        link = self.dial(node)
         first_epoch = link.assign(1)
         link.append(1, PROMPT)
-        first = yield link.generate(1, 10).result
+        first = self.wait(link.generate(1, 10).result)
         second_epoch = link.assign(1)
         self.assertGreater(second_epoch, first_epoch)
         link.append(1, PROMPT)
-        second = yield link.generate(1, 10).result
+        second = self.wait(link.generate(1, 10).result)
         self.assertEqual(first.tokens, second.tokens)
         self.assertEqual(node.agent.sessions_of(self.ids.head_id).session_epoch(1), second_epoch)
 
-    @defer.inlineCallbacks
-    def test_second_head_reusing_a_session_id_never_hangs(self) -> Gen:
+    def test_second_head_reusing_a_session_id_never_hangs(self) -> None:
         """Item 23: after one head ran generations on session 1, a second head's assign of the
         same id gets tokens or FINISH_DECLINED, never silence; a fresh session still works."""
-        node = yield self.start_node()
-        first = yield self.dial(node)
+        node = self.start_node()
+        first = self.dial(node)
         first.assign(1)
         first.append(1, PROMPT)
         for _ in range(3):
-            yield first.generate(1, 3).result
-        second = yield self.dial(node)
+            self.wait(first.generate(1, 3).result)
+        second = self.dial(node)
         second.assign(1)
         second.append(1, [4, 5, 6])
-        outcome = yield second.generate(1, 3).result
+        outcome = self.wait(second.generate(1, 3).result)
         self.assertEqual(
             (outcome.tokens, outcome.finish), (expected_tokens([4, 5, 6], 3), FINISH_LENGTH)
         )
         second.assign(2)
         second.append(2, [4, 5, 6])
-        fresh = yield second.generate(2, 3).result
+        fresh = self.wait(second.generate(2, 3).result)
         self.assertEqual(fresh.tokens, expected_tokens([4, 5, 6], 3))
 
-    @defer.inlineCallbacks
-    def test_revoke_forgets_the_session(self) -> Gen:
+    def test_revoke_forgets_the_session(self) -> None:
         """A SESSION_REVOKE drops the session: its context is gone and a GENERATE is declined."""
-        node = yield self.start_node()
-        link = yield self.dial(node)
+        node = self.start_node()
+        link = self.dial(node)
         epoch = link.assign(1)
         link.append(1, PROMPT)
-        yield link.generate(1, 2).result
+        self.wait(link.generate(1, 2).result)
         link.revoke(1)
-        head = yield RawHead.connect(self, node)
-        yield head.hello(head_id=self.ids.head_id)
+        head = self.raw_head(node)
+        self.wait(head.hello(head_id=self.ids.head_id))
         head.send(GenerateReqMsg(1 << 40, 1, epoch, 9, GenerationBudgetsMsg(2)))
-        yield head.wait_for(finish_of(1, 9))
+        self.wait(head.wait_for(finish_of(1, 9)))
         self.assertEqual([e.payload for e in head.events(1, 9)], [Finish(FINISH_DECLINED)])
         self.assertNotIn(1, node.agent.contexts_of(self.ids.head_id))
 
 
-class ReconcileTests(NodeTestCase):
-    @defer.inlineCallbacks
-    def test_unacked_events_are_retransmitted_on_reconcile(self) -> Gen:
+class ReconcileTests(MemoryNodeTestCase):
+    def test_unacked_events_are_retransmitted_on_reconcile(self) -> None:
         """Items 16 and 18: events the head did not acknowledge stay buffered; a RECONCILE
         with watermark 1 retransmits exactly the later seqs in one batch with their range,
         and acknowledged ones are gone."""
-        node = yield self.start_node()
-        head = yield RawHead.connect(self, node)
-        yield head.hello()
+        node = self.start_node()
+        head = self.raw_head(node)
+        self.wait(head.hello())
         assign_raw(head, 1, 1, 5)
         head.send(AppendContentMsg(2, 1, 5, encode_tokens(PROMPT)))
         head.send(GenerateReqMsg(3, 1, 5, 100, GenerationBudgetsMsg(40)))
-        yield head.wait_for(finish_of(1, 100))
+        self.wait(head.wait_for(finish_of(1, 100)))
         sent = head.events(1, 100)
         # The first token at once, then 16, 16 and 7 coalesced, then the Finish.
         self.assertEqual([e.event_seq for e in sent], [0, 1, 2, 3, 4])
         head.send(WatermarkAckMsg(1, 5, 100, 0))
-        head.send(
-            ReconcileMsg(
-                (
-                    SessionReconcileState(
-                        1, 5, LeaseStateMsg(LONG_LEASE, 0), 3, (GenerationWatermark(100, 1),)
-                    ),
-                )
-            )
-        )
-        ack = yield head.wait_for(lambda m: isinstance(m, ReconcileAckMsg))
+        ack = self.wait(head.reconcile(1, 5, [(100, 1)]))
         (entry,) = ack.sessions
         self.assertTrue(entry.held)
         self.assertEqual(
             [(r.generation_id, r.from_seq, r.to_seq) for r in entry.retry_ranges], [(100, 2, 4)]
         )
-        received_before = len(head.received)
-        yield head.wait_for(
-            lambda m: isinstance(m, TokenEventsMsg) and head.received.index(m) >= received_before
-        )
-        retransmission = head.received[head.received.index(ack) + 1]
+        retransmission = self.wait(head.following(ack))
         self.assertEqual(retransmission.events, tuple(sent[2:]))
         self.assertEqual(node.agent.session.unacked_events(1, 100), 4)
 
-    @defer.inlineCallbacks
-    def test_reconcile_during_a_generation_is_answered(self) -> Gen:
+    def test_reconcile_during_a_generation_is_answered(self) -> None:
         """D2: a RECONCILE that arrives while a generation streams on the same connection is
         answered at once, and the stream still completes correctly."""
-        node = yield self.start_node(token_delay_s=0.003)
-        head = yield RawHead.connect(self, node)
-        yield head.hello()
+        node = self.start_node(token_delay_s=0.003)
+        head = self.raw_head(node)
+        self.wait(head.hello())
         assign_raw(head, 1, 1, 5)
         head.send(AppendContentMsg(2, 1, 5, encode_tokens(PROMPT)))
         head.send(GenerateReqMsg(3, 1, 5, 100, GenerationBudgetsMsg(60)))
-        yield head.wait_for(lambda m: isinstance(m, TokenEventsMsg))
-        head.send(
-            ReconcileMsg(
-                (
-                    SessionReconcileState(
-                        1, 5, LeaseStateMsg(LONG_LEASE, 0), 3, (GenerationWatermark(100, None),)
-                    ),
-                )
-            )
-        )
-        ack = yield head.wait_for(lambda m: isinstance(m, ReconcileAckMsg))
+        self.wait(head.wait_for(lambda m: isinstance(m, TokenEventsMsg)))
+        ack = self.wait(head.reconcile(1, 5, [(100, None)]))
         self.assertTrue(ack.sessions[0].held)
-        yield head.wait_for(finish_of(1, 100))
+        self.wait(head.wait_for(finish_of(1, 100)))
         after = head.received.index(ack)
         finish_index = next(i for i, m in enumerate(head.received) if finish_of(1, 100)(m))
         self.assertLess(after, finish_index)
@@ -406,30 +350,28 @@ class ReconcileTests(NodeTestCase):
                 tokens.extend(event.payload.tokens)
         self.assertEqual(tokens, expected_tokens(PROMPT, 60))
 
-    @defer.inlineCallbacks
-    def test_reconnect_holds_session_and_resumes(self) -> Gen:
+    def test_reconnect_holds_session_and_resumes(self) -> None:
         """Items 18 and 24: after a generation, a reconnect reconciles the session as held with
         no retransmission, commits nothing new, and the next generation equals the first."""
-        node = yield self.start_node()
-        link = yield self.dial(node)
+        node = self.start_node()
+        link = self.dial(node)
         link.assign(1)
         link.append(1, PROMPT)
         call = link.generate(1, 12)
-        first = yield call.result
+        first = self.wait(call.result)
         committed = len(link.head_session.wal.events(1, call.epoch, call.generation_id))
-        yield link.reconnect()
+        self.wait(link.reconnect())
         self.assertEqual(
             len(link.head_session.wal.events(1, call.epoch, call.generation_id)), committed
         )
-        second = yield link.generate(1, 12).result
+        second = self.wait(link.generate(1, 12).result)
         self.assertEqual(first.tokens, second.tokens)
 
-    @defer.inlineCallbacks
-    def test_reconnect_mid_stream_completes_the_generation(self) -> Gen:
+    def test_reconnect_mid_stream_completes_the_generation(self) -> None:
         """D2 with 7.3: a link dropped in the middle of a stream reconnects and reconciles; the
         generation completes with every token exactly once."""
-        node = yield self.start_node(token_delay_s=0.003)
-        link = yield self.dial(node)
+        node = self.start_node(token_delay_s=0.003)
+        link = self.dial(node)
         link.assign(1)
         link.append(1, PROMPT)
         reconnected: list[defer.Deferred[None]] = []
@@ -439,19 +381,18 @@ class ReconcileTests(NodeTestCase):
                 reconnected.append(link.reconnect())
 
         call = link.generate(1, 80, on_tokens=on_tokens)
-        outcome = yield call.result
-        yield reconnected[0]
+        outcome = self.wait(call.result)
+        self.wait(reconnected[0])
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 80))
         self.assertEqual(outcome.finish, FINISH_LENGTH)
 
 
-class HandshakeTests(NodeTestCase):
-    @defer.inlineCallbacks
-    def test_hello_ack_describes_the_node(self) -> Gen:
+class HandshakeTests(MemoryNodeTestCase):
+    def test_hello_ack_describes_the_node(self) -> None:
         """Items 19 and 32: HELLO_ACK_F carries version 2, the identity, ["mock"], the window,
         the lanes, the host memory (D8) and the advertised limits."""
-        node = yield self.start_node(identity="proc-node", context_window=512, max_lanes=4)
-        link = yield self.dial(node)
+        node = self.start_node(identity="proc-node", context_window=512, max_lanes=4)
+        link = self.dial(node)
         ack = link.hello_ack
         self.assertEqual((ack.chosen_version, ack.node_identity), (2, "proc-node"))
         self.assertEqual(ack.loadable_models, ("mock",))
@@ -461,78 +402,73 @@ class HandshakeTests(NodeTestCase):
         self.assertEqual(ack.capacity.kv_blocks_total, 32 * 4)
         self.assertEqual((ack.limits.max_frame, ack.limits.transfer_window), (16 * 1024 * 1024, 8))
 
-    @defer.inlineCallbacks
-    def test_node_status_reports_capacity(self) -> Gen:
+    def test_node_status_reports_capacity(self) -> None:
         """docs/protocol.md section 7.5: NODE_STATUS arrives every status interval with live
         capacity, and the busy-time decode rate becomes non-zero after a generation."""
-        node = yield self.start_node(status_interval_ms=100, token_delay_s=0.002)
-        head = yield RawHead.connect(self, node)
-        yield head.hello()
+        node = self.start_node(status_interval_ms=100, token_delay_s=0.002)
+        head = self.raw_head(node)
+        self.wait(head.hello())
         assign_raw(head, 1, 1, 5)
         head.send(AppendContentMsg(2, 1, 5, encode_tokens(PROMPT)))
         head.send(GenerateReqMsg(3, 1, 5, 1, GenerationBudgetsMsg(150)))
-        yield head.wait_for(finish_of(1, 1))
-        status = yield head.wait_for(
-            lambda m: isinstance(m, NodeStatusMsg) and m.capacity.decode_tokens_per_s > 0
+        self.wait(head.wait_for(finish_of(1, 1)))
+        status = self.wait(
+            head.wait_for(
+                lambda m: isinstance(m, NodeStatusMsg) and m.capacity.decode_tokens_per_s > 0
+            )
         )
         self.assertEqual(status.loadable_models, ("mock",))
         self.assertEqual(status.capacity.active_sessions, 1)
         self.assertEqual(status.mem.pool_blocks_total, status.capacity.kv_blocks_total)
 
-    @defer.inlineCallbacks
-    def test_wrong_token_and_non_head_are_refused(self) -> Gen:
+    def test_wrong_token_and_non_head_are_refused(self) -> None:
         """Item 27: a wrong token or none against a keyed node fails the handshake, a peer that
         is not a head is refused, and the right token works."""
-        node = yield self.start_node(auth_token=b"right-token")
-        yield self.assertFailure(self.dial(node, token=b"wrong-token"), NodeRefusedError)
-        yield self.assertFailure(self.dial(node), NodeRefusedError)
-        impostor = yield RawHead.connect(self, node)
+        node = self.start_node(auth_token=b"right-token")
+        self.assertRaises(NodeRefusedError, self.dial, node, token=b"wrong-token")
+        self.assertRaises(NodeRefusedError, self.dial, node)
+        impostor = self.raw_head(node)
         impostor.send(Hello((2, 2), LinkRole.NODE_AGENT, b"right-token"))
-        yield impostor.lost
-        old = yield RawHead.connect(self, node)
+        self.wait(impostor.lost)
+        old = self.raw_head(node)
         old.send(Hello((1, 1), LinkRole.HEAD_DAEMON, b"right-token"))
-        yield old.lost
+        self.wait(old.lost)
         self.assertEqual(impostor.received + old.received, [])
-        link = yield self.dial(node, token=b"right-token")
-        link.assign(1)
-        link.append(1, PROMPT)
-        outcome = yield link.generate(1, 3).result
-        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 3))
+        link = self.dial(node, token=b"right-token")
+        self.wait(serves(self, link, 1, 3))
 
 
-class RobustnessTests(NodeTestCase):
-    @defer.inlineCallbacks
-    def test_bad_frame_closes_only_that_connection(self) -> Gen:
+class RobustnessTests(MemoryNodeTestCase):
+    def test_bad_frame_closes_only_that_connection(self) -> None:
         """A malformed envelope or payload closes that one connection with a logged reason;
         a generation on another connection finishes correctly."""
-        node = yield self.start_node(token_delay_s=0.002)
-        link = yield self.dial(node)
+        node = self.start_node(token_delay_s=0.002)
+        link = self.dial(node)
         link.assign(1)
         link.append(1, PROMPT)
         call = link.generate(1, 50)
-        bad_envelope = yield RawHead.connect(self, node)
-        yield bad_envelope.hello()
+        bad_envelope = self.raw_head(node)
+        self.wait(bad_envelope.hello())
         bad_envelope.send_bytes(b"\x05\x00\x00\x00" + b"\x00" * 5)
-        bad_payload = yield RawHead.connect(self, node)
-        yield bad_payload.hello()
+        bad_payload = self.raw_head(node)
+        self.wait(bad_payload.hello())
         # An APPEND whose context blob is not an array of u32.
         bad_payload.send(AppendContentMsg(1, 1, 1, b"\xc3"))
         assign_raw(bad_payload, 1 << 41, 1 << 20, 1)
         bad_payload.send(AppendContentMsg((1 << 41) + 1, 1 << 20, 1, b"\xa1x"))
-        yield defer.gatherResults([bad_envelope.lost, bad_payload.lost])
-        outcome = yield call.result
+        self.wait(defer.gatherResults([bad_envelope.lost, bad_payload.lost]))
+        outcome = self.wait(call.result)
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 50))
         self.assertTrue(link.connected)
         self.flushLoggedErrors()
 
 
-class PipelineTests(NodeTestCase):
-    @defer.inlineCallbacks
-    def run_pipeline(self, boundaries: list[int], steps: int) -> Generator[Any, Any, list[int]]:
+class PipelineTests(MemoryNodeTestCase):
+    def run_pipeline(self, boundaries: list[int], steps: int) -> list[int]:
         links = []
         for i in range(len(boundaries)):
-            node = yield self.start_node(identity=f"stage{i}")
-            links.append((yield self.dial(node)))
+            node = self.start_node(identity=f"stage{i}")
+            links.append(self.dial(node))
         context = list(PROMPT)
         out = []
         for _ in range(steps):
@@ -541,52 +477,48 @@ class PipelineTests(NodeTestCase):
             token = None
             for link, end in zip(links, boundaries, strict=False):
                 tokens = context if hidden is None else []
-                response = yield link.stage_forward(tokens, start, end, hidden)
+                response = self.wait(link.stage_forward(tokens, start, end, hidden))
                 hidden, token, start = response.hidden, response.token, end
             self.assertIsNotNone(token)
             context.append(token)
             out.append(token)
         return out
 
-    @defer.inlineCallbacks
-    def test_two_stage_pipeline_matches_one_node(self) -> Gen:
+    def test_two_stage_pipeline_matches_one_node(self) -> None:
         """Item 64: stages [0,12) and [12,24) give the 8 tokens of a single full node."""
-        tokens = yield self.run_pipeline([12, 24], 8)
+        tokens = self.run_pipeline([12, 24], 8)
         self.assertEqual(tokens, expected_tokens(PROMPT, 8))
 
-    @defer.inlineCallbacks
-    def test_three_stage_pipeline_matches_one_node(self) -> Gen:
+    def test_three_stage_pipeline_matches_one_node(self) -> None:
         """Item 65: stages split at 8 and 16 give the 6 tokens of a single full node."""
-        tokens = yield self.run_pipeline([8, 16, 24], 6)
+        tokens = self.run_pipeline([8, 16, 24], 6)
         self.assertEqual(tokens, expected_tokens(PROMPT, 6))
 
-    @defer.inlineCallbacks
-    def test_bad_stage_requests_answer_nil(self) -> Gen:
+    def test_bad_stage_requests_answer_nil(self) -> None:
         """docs/protocol.md section 7.6: bad layer bounds or a malformed hidden blob answer {nil,
         nil}."""
-        node = yield self.start_node()
-        link = yield self.dial(node)
+        node = self.start_node()
+        link = self.dial(node)
         for args in [(PROMPT, 5, 3, None), (PROMPT, 0, 25, None), ([], 12, 24, b"short")]:
-            response = yield link.stage_forward(*args)
+            response = self.wait(link.stage_forward(*args))
             self.assertEqual((response.hidden, response.token), (None, None))
 
 
-class FramesBeforeBadBytesTests(NodeTestCase):
-    @defer.inlineCallbacks
-    def test_frames_ahead_of_bad_bytes_are_handled(self) -> Gen:
+class FramesBeforeBadBytesTests(MemoryNodeTestCase):
+    def test_frames_ahead_of_bad_bytes_are_handled(self) -> None:
         """An ASSIGN and an APPEND that arrive in one write with bad bytes behind them are
         applied before the connection closes: valid input is never lost."""
-        node = yield self.start_node()
-        head = yield RawHead.connect(self, node)
-        yield head.hello()
+        node = self.start_node()
+        head = self.raw_head(node)
+        self.wait(head.hello())
         head.send_bytes(
             message_frame(SessionAssignMsg(1, 3, 5, LONG_LEASE, "", b"", 0, 0), 2)
             + message_frame(AppendContentMsg(2, 3, 5, encode_tokens(PROMPT)), 3)
             + b"\x05\x00\x00\x00"
         )
-        yield head.lost
+        self.wait(head.lost)
         self.assertEqual(node.agent.session.session_epoch(3), 5)
-        self.assertEqual(list(node.agent.contexts[3]), PROMPT)
+        self.assertEqual(list(node.agent.contexts_of(None)[3]), PROMPT)
 
 
 class TimedTests(MemoryNodeTestCase):
@@ -611,7 +543,7 @@ class TimedTests(MemoryNodeTestCase):
         self.assertFalse(node.agent.session.is_fenced(1))
         self.advance(0.02)
         self.assertTrue(node.agent.session.is_fenced(1))
-        self.assertNotIn(1, node.agent.contexts)
+        self.assertNotIn(1, node.agent.contexts_of(None))
         self.advance(1.0)
         self.assertEqual(len(head.of_type(LeaseRenewMsg)), 1)
         head.send(GenerateReqMsg(3, 1, 5, 1, GenerationBudgetsMsg(4)))
@@ -671,22 +603,29 @@ class TimedTests(MemoryNodeTestCase):
         self.successResultOf(closed)
         self.assertEqual(node.agent.connections, ())
 
-    def test_idle_drop_is_transparent(self) -> None:
-        """Item 26: the node drops a link idle for 400 ms; a reconnect and reconcile make the
-        next generation return the same tokens."""
-        self.start_node(idle_timeout_ms=400)
+    def dropped_when_idle(self, idle_timeout_ms: int, count: int) -> tuple[NodeLink, list[int]]:
+        """A link to a node with that idle timeout, after a generation of ``count`` tokens
+        over :data:`PROMPT` in session 1, the drop of the link once idle that long (checked
+        at 10 ms past it), and its reconnect; the link and the tokens of that generation."""
+        self.start_node(idle_timeout_ms=idle_timeout_ms)
         link = self.dial()
         link.assign(1)
         link.append(1, PROMPT)
-        first = link.generate(1, 6)
+        first = link.generate(1, count)
         self.flush()
         tokens = self.successResultOf(first.result).tokens
         closed = link.when_closed()
-        self.advance(0.41)
+        self.advance(idle_timeout_ms / 1000 + 0.01)
         self.successResultOf(closed)
         reconnected = link.reconnect()
         self.connect()
         self.successResultOf(reconnected)
+        return link, tokens
+
+    def test_idle_drop_is_transparent(self) -> None:
+        """Item 26: the node drops a link idle for 400 ms; a reconnect and reconcile make the
+        next generation return the same tokens."""
+        link, tokens = self.dropped_when_idle(400, 6)
         second = link.generate(1, 6)
         self.flush()
         self.assertEqual(self.successResultOf(second.result).tokens, tokens)
@@ -694,19 +633,7 @@ class TimedTests(MemoryNodeTestCase):
     def test_append_after_idle_drop_rebinds(self) -> None:
         """Item 31: after an idle drop and reconnect, an append of the grown context and a
         generate give the output of the grown prompt."""
-        self.start_node(idle_timeout_ms=300)
-        link = self.dial()
-        link.assign(1)
-        link.append(1, PROMPT)
-        first = link.generate(1, 4)
-        self.flush()
-        tokens = self.successResultOf(first.result).tokens
-        closed = link.when_closed()
-        self.advance(0.31)
-        self.successResultOf(closed)
-        reconnected = link.reconnect()
-        self.connect()
-        self.successResultOf(reconnected)
+        link, tokens = self.dropped_when_idle(300, 4)
         grown = PROMPT + tokens + [42]
         link.append(1, grown)
         outcome = link.generate(1, 5)

@@ -1,7 +1,8 @@
 """Token logprobs on the node (docs/protocol.md section 12.1): the mock engine's values, the
-node's FEATURE_LOGPROBS bit, and TokensLogprobs events over real loopback TCP.
+node's FEATURE_LOGPROBS bit, and TokensLogprobs events (a scripted head joined to the node in
+memory).
 
-The mock engine's logits are sparse (:func:`sfnode.generation.mock_logits`: eight candidates
+The mock engine's logits are sparse (:func:`sfnode.engines.mock.mock_logits`: eight candidates
 half a nat apart), so the expected values are computed here from first principles: a
 log-softmax over those logits (greedy), or over the candidates the sampler keeps,
 renormalised (sampled).
@@ -10,23 +11,14 @@ renormalised (sampled).
 from __future__ import annotations
 
 import math
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from twisted.internet import defer, reactor
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.generation import (
-    GenerationRequest,
-    MockEngine,
-    TokenBatch,
-    TokenLogprob,
-    mock_logits,
-    mock_next_token,
-    mock_token,
-    sparse_logprob,
-)
-from sfnode.head.link import LinkLostError
+from sfnode.decoding.sparse_sampler import sparse_logprob
+from sfnode.engines.mock import MockEngine, mock_logits, mock_next_token, mock_token
+from sfnode.generation import GenerationRequest, TokenBatch, TokenLogprob
 from sfnode.linkf.wire import (
     F32_MAX,
     FEATURE_LOGPROBS,
@@ -34,15 +26,8 @@ from sfnode.linkf.wire import (
     AppendContentMsg,
     GenerateReqMsg,
     GenerationBudgetsMsg,
-    GenerationWatermark,
     GenParams,
-    Lease,
-    LeaseStateMsg,
-    ReconcileAckMsg,
-    ReconcileMsg,
     SessionAssignMsg,
-    SessionReconcileState,
-    TokenEventsMsg,
     Tokens,
     TokensLogprobs,
     WatermarkAckMsg,
@@ -52,11 +37,15 @@ from sfnode.linkf.wire import (
     to_f32,
 )
 from sfnode.node.agent import checked_logprobs
-from tests.nodefixture import NodeTestCase, RawHead, expected_tokens, finish_of, stream_of
-
-PROMPT = list(range(100, 112))
-LONG_LEASE = Lease(60_000, 45_000)
-Gen = Generator[defer.Deferred[Any], Any, None]
+from tests.nodefixture import (
+    LONG_LEASE,
+    PROMPT,
+    MemoryNodeTestCase,
+    RawHead,
+    expected_tokens,
+    finish_of,
+    stream_of,
+)
 
 
 def log_softmax(logits: Sequence[tuple[int, float]], temperature: float = 1.0) -> dict[int, float]:
@@ -150,6 +139,7 @@ class MockLogprobTests(SynchronousTestCase):
 
         def run(engine: MockEngine, logprobs: int) -> list[TokenBatch]:
             batches: list[TokenBatch] = []
+            engine.start()
             engine.submit(
                 GenerationRequest(PROMPT, GenParams(logprobs=logprobs), 5), batches.append
             )
@@ -206,35 +196,43 @@ def assign(head: RawHead, session: int, epoch: int, params: GenParams | None) ->
     head.send(AppendContentMsg(2, session, epoch, encode_tokens(PROMPT)))
 
 
-class NodeWireTests(NodeTestCase):
-    """TokensLogprobs events from a real node over loopback TCP (docs/protocol.md 12.1)."""
+class NodeWireTests(MemoryNodeTestCase):
+    """TokensLogprobs events from a node, the head joined in memory (docs/protocol.md 12.1)."""
 
-    @defer.inlineCallbacks
-    def test_the_feature_bit_says_whether_the_engine_has_logprobs(self) -> Gen:
+    def generation(self, params: GenParams, max_new: int, **node: Any) -> RawHead:
+        """A scripted head that ran generation 100 of ``max_new`` tokens in session 1 (epoch
+        5, ``params``) on a new node (``node``: its options) to its Finish."""
+        head = self.raw_head(self.start_node(**node))
+        self.wait(head.hello())
+        assign(head, 1, 5, params)
+        head.send(GenerateReqMsg(3, 1, 5, 100, GenerationBudgetsMsg(max_new)))
+        self.wait(head.wait_for(finish_of(1, 100)))
+        return head
+
+    def test_the_feature_bit_says_whether_the_engine_has_logprobs(self) -> None:
         """HELLO_ACK_F sets FEATURE_LOGPROBS for an engine with logprobs, and not otherwise."""
-        with_them = yield self.start_node()
-        without = yield self.start_node(supports_logprobs=False)
-        head = yield RawHead.connect(self, with_them)
-        ack = yield head.hello()
+        with_them = self.start_node()
+        without = self.start_node(supports_logprobs=False)
+        head = self.raw_head(with_them)
+        ack = self.wait(head.hello())
         self.assertEqual(ack.feature_flags & FEATURE_LOGPROBS, FEATURE_LOGPROBS)
-        head = yield RawHead.connect(self, without)
-        ack = yield head.hello()
+        head = self.raw_head(without)
+        ack = self.wait(head.hello())
         self.assertEqual(ack.feature_flags & FEATURE_LOGPROBS, 0)
 
-    @defer.inlineCallbacks
-    def test_a_session_that_asks_gets_tokens_logprobs_events(self) -> Gen:
+    def test_a_session_that_asks_gets_tokens_logprobs_events(self) -> None:
         """GenParams.logprobs 3: every token event is a TokensLogprobs, coalesced exactly as
         plain Tokens are (the same event seqs and token counts), carrying each token's greedy
         logprob and the best two tokens, as f32; the tokens are those of a plain run."""
-        node = yield self.start_node()
-        head = yield RawHead.connect(self, node)
-        yield head.hello()
+        node = self.start_node()
+        head = self.raw_head(node)
+        self.wait(head.hello())
         assign(head, 1, 5, GenParams(logprobs=3))
         assign(head, 2, 6, None)
         head.send(GenerateReqMsg(3, 1, 5, 100, GenerationBudgetsMsg(40)))
         head.send(GenerateReqMsg(3, 2, 6, 200, GenerationBudgetsMsg(40)))
-        yield head.wait_for(finish_of(1, 100, FINISH_LENGTH))
-        yield head.wait_for(finish_of(2, 200, FINISH_LENGTH))
+        self.wait(head.wait_for(finish_of(1, 100, FINISH_LENGTH)))
+        self.wait(head.wait_for(finish_of(2, 200, FINISH_LENGTH)))
         asked, plain = head.events(1, 100), head.events(2, 200)
         token_events = [e for e in asked if isinstance(e.payload, Tokens)]
         self.assertEqual({type(e.payload) for e in token_events}, {TokensLogprobs})
@@ -253,19 +251,18 @@ class NodeWireTests(NodeTestCase):
         for entry in got:
             self.assertEqual(entry.logprob, entry.top[0][1])
 
-    @defer.inlineCallbacks
-    def test_one_sends_no_alternatives_and_large_values_read_as_the_largest(self) -> Gen:
+    def test_one_sends_no_alternatives_and_large_values_read_as_the_largest(self) -> None:
         """logprobs 1 sends the chosen tokens' logprobs with an empty top; 200 reads as 21
         (every one of the mock's eight candidates listed, nothing refused)."""
-        node = yield self.start_node()
-        head = yield RawHead.connect(self, node)
-        yield head.hello()
+        node = self.start_node()
+        head = self.raw_head(node)
+        self.wait(head.hello())
         assign(head, 1, 5, GenParams(logprobs=1))
         assign(head, 2, 6, GenParams(logprobs=200))
         head.send(GenerateReqMsg(3, 1, 5, 100, GenerationBudgetsMsg(5)))
         head.send(GenerateReqMsg(3, 2, 6, 200, GenerationBudgetsMsg(5)))
-        yield head.wait_for(finish_of(1, 100))
-        yield head.wait_for(finish_of(2, 200))
+        self.wait(head.wait_for(finish_of(1, 100)))
+        self.wait(head.wait_for(finish_of(2, 200)))
         one = [e.payload for e in head.events(1, 100) if isinstance(e.payload, TokensLogprobs)]
         self.assertEqual({p.top for p in one}, {()})
         self.assertEqual(
@@ -276,18 +273,17 @@ class NodeWireTests(NodeTestCase):
         self.assertEqual(many, as_wire(greedy_logprobs(PROMPT, 5, 21)))
         self.assertEqual({len(lp.top) for lp in many}, {8})
 
-    @defer.inlineCallbacks
-    def test_sampled_logprobs_follow_the_seeded_draws(self) -> Gen:
+    def test_sampled_logprobs_follow_the_seeded_draws(self) -> None:
         """Sampled (temperature 0.8, top_p 1, top_k 4, seed 3): the tokens are the seeded
         draws, each token's logprob is its entry among the alternatives, and only the four
         kept candidates are listed."""
-        node = yield self.start_node()
-        head = yield RawHead.connect(self, node)
-        yield head.hello()
+        node = self.start_node()
+        head = self.raw_head(node)
+        self.wait(head.hello())
         params = GenParams(temperature=0.8, top_p=1.0, top_k=4, seed=3, logprobs=21)
         assign(head, 1, 5, params)
         head.send(GenerateReqMsg(3, 1, 5, 100, GenerationBudgetsMsg(30)))
-        yield head.wait_for(finish_of(1, 100))
+        self.wait(head.wait_for(finish_of(1, 100)))
         tokens, _ = stream_of(head.events(1, 100))
         got = logprobs_of(head.events(1, 100))
         context = list(PROMPT)
@@ -300,73 +296,37 @@ class NodeWireTests(NodeTestCase):
             self.assertIn((token, entry.logprob), entry.top)
             context.append(token)
 
-    @defer.inlineCallbacks
-    def test_a_reconcile_retransmits_the_same_values(self) -> Gen:
+    def test_a_reconcile_retransmits_the_same_values(self) -> None:
         """Events not acknowledged stay in the retry buffer with their logprobs: a RECONCILE
         with watermark 1 retransmits seqs 2 to 4 equal to the first transmission, values
         and alternatives included."""
-        node = yield self.start_node()
-        head = yield RawHead.connect(self, node)
-        yield head.hello()
-        assign(head, 1, 5, GenParams(logprobs=6))
-        head.send(GenerateReqMsg(3, 1, 5, 100, GenerationBudgetsMsg(40)))
-        yield head.wait_for(finish_of(1, 100))
+        head = self.generation(GenParams(logprobs=6), 40)
         sent = head.events(1, 100)
         self.assertEqual([e.event_seq for e in sent], [0, 1, 2, 3, 4])
         head.send(WatermarkAckMsg(1, 5, 100, 0))
-        head.send(
-            ReconcileMsg(
-                (
-                    SessionReconcileState(
-                        1, 5, LeaseStateMsg(LONG_LEASE, 0), 3, (GenerationWatermark(100, 1),)
-                    ),
-                )
-            )
-        )
-        ack = yield head.wait_for(lambda m: isinstance(m, ReconcileAckMsg))
-        count = len(head.received)
-        yield head.wait_for(
-            lambda m: isinstance(m, TokenEventsMsg) and head.received.index(m) >= count
-        )
-        retransmission = head.received[head.received.index(ack) + 1]
+        ack = self.wait(head.reconcile(1, 5, [(100, 1)]))
+        retransmission = self.wait(head.following(ack))
         self.assertEqual(retransmission.events, tuple(sent[2:]))
         self.assertEqual([type(e.payload) for e in retransmission.events[:2]], [TokensLogprobs] * 2)
 
-    @defer.inlineCallbacks
-    def test_a_node_without_logprobs_sends_plain_tokens(self) -> Gen:
+    def test_a_node_without_logprobs_sends_plain_tokens(self) -> None:
         """A node whose engine has no logprobs (no FEATURE_LOGPROBS) answers a session that
         asks anyway with plain Tokens, as a node that predates the extension would."""
-        node = yield self.start_node(supports_logprobs=False)
-        head = yield RawHead.connect(self, node)
-        yield head.hello()
-        assign(head, 1, 5, GenParams(logprobs=3))
-        head.send(GenerateReqMsg(3, 1, 5, 100, GenerationBudgetsMsg(20)))
-        yield head.wait_for(finish_of(1, 100))
+        head = self.generation(GenParams(logprobs=3), 20, supports_logprobs=False)
         events = head.events(1, 100)
         self.assertEqual(
             {type(e.payload) for e in events if isinstance(e.payload, Tokens)}, {Tokens}
         )
         self.assertEqual(stream_of(events)[0], expected_tokens(PROMPT, 20))
 
-    @defer.inlineCallbacks
-    def test_unusable_engine_logprobs_fail_only_that_generation(self) -> Gen:
+    def test_unusable_engine_logprobs_fail_only_that_generation(self) -> None:
         """An engine that hands over a NaN logprob fails that generation as an engine error
         (its connection closes, docs/protocol.md section 7.4); another connection's
         generation with logprobs completes."""
-        engine = _NaNAfter(MockEngine(reactor), poison=666)
-        node = yield self.start_node(engine=engine)
-        healthy = yield self.dial(node)
-        doomed = yield self.dial(node)
-        healthy.assign(1, params=GenParams(logprobs=2))
-        healthy.append(1, PROMPT)
-        doomed.assign(2, params=GenParams(logprobs=2))
-        doomed.append(2, [1, 666])
-        closed = doomed.when_closed()
-        failed = doomed.generate(2, 5)
-        yield closed
-        yield self.assertFailure(failed.result, LinkLostError)
-        outcome = yield healthy.generate(1, 8).result
-        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 8))
+        engine = _NaNAfter(MockEngine(self.reactor), poison=666)
+        self.fault_closes_only_its_link(
+            self.start_node(engine=engine), params=GenParams(logprobs=2)
+        )
 
 
 class _NaNAfter:

@@ -12,7 +12,6 @@ another key, whether the head dials the node or the node dials the head.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Generator
 from typing import Any
 
 from hypothesis import given, settings
@@ -38,12 +37,10 @@ from sfnode.linkf.noise import (
 )
 from sfnode.linkf.wire import FINISH_LENGTH
 from sfnode.node.tap import node_factory
-from tests.nodefixture import NodeTestCase, expected_tokens
+from tests.nodefixture import PROMPT, Gen, NodeTestCase, expected_tokens, serves
 
 TOKEN = b"4f" * 32
 OTHER = b"9a" * 32
-PROMPT = list(range(100, 112))
-Gen = Generator[defer.Deferred[Any], Any, None]
 
 
 def handshake(token_i: bytes = TOKEN, token_r: bytes = TOKEN) -> tuple[NoiseSession, NoiseSession]:
@@ -306,10 +303,7 @@ class LinkTests(NodeTestCase):
             link = yield adopted
             self.addCleanup(link.close)
             self.assertEqual(link.node_identity, "joiner")
-            link.assign(7)
-            link.append(7, PROMPT)
-            outcome = yield link.generate(7, 5).result
-            self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 5))
+            yield serves(self, link, 7, 5)
             self.assertFalse(refused.called)
             del protocol
 

@@ -16,6 +16,7 @@ from twisted.internet import reactor
 from twisted.logger import formatEvent, globalLogPublisher
 from twisted.trial import unittest
 
+from sfnode.engines.config import EngineConfig
 from sfnode.engines.kernels import openmp
 from sfnode.engines.transformers_engine import TransformersEngine
 from tests.tinymodel import tiny_llama
@@ -88,7 +89,7 @@ class EngineTests(unittest.TestCase):
 
         globalLogPublisher.addObserver(keep)
         self.addCleanup(globalLogPublisher.removeObserver, keep)
-        engine = TransformersEngine(tiny_llama(), reactor, max_lanes=1)
+        engine = TransformersEngine(tiny_llama(), reactor, EngineConfig(max_lanes=1))
         engine.start()
         self.addCleanup(engine.stop)
         lines = [line for line in said if line.startswith("OpenMP threads of the starting thread")]

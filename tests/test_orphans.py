@@ -7,8 +7,9 @@ counts live sessions: a fenced one gives its place to a new one.  A node at its 
 the generations of a session it refused, and the head fails over, or waits for room and then
 answers 503: never 400 ``context_length_exceeded``.
 
-Nodes run on real loopback TCP; where leases must run out, the node's own timers run on a
-``Clock`` that the test moves (the sockets stay real).
+Nodes and heads are joined in memory (``twisted.test.iosim`` on a ``MemoryReactorClock``) where
+leases must run out, so the test moves time exactly; the head that fails over runs over real
+loopback TCP.
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ from collections.abc import Generator
 from typing import Any
 
 from twisted.internet import defer, reactor
-from twisted.internet.task import Clock
 
-from sfnode.generation import MockEngine
+from sfnode.engines.mock import MockEngine
 from sfnode.head.link import HeadIds, connect_node
 from sfnode.linkf.wire import (
     FINISH_DECLINED,
@@ -36,14 +36,20 @@ from sfnode.linkf.wire import (
     SessionReconcileState,
     encode_tokens,
 )
-from tests.nodefixture import NodeTestCase, RawHead, expected_tokens, finish_of, stream_of
+from tests.nodefixture import (
+    PROMPT,
+    Gen,
+    MemoryNodeTestCase,
+    RawHead,
+    expected_tokens,
+    finish_of,
+    stream_of,
+)
 from tests.test_http import MESSAGES, MODEL, HttpTestCase
 from tests.test_http import expected_tokens as vocab_tokens
 from tests.tinymodel import TINY_VOCAB
 
-PROMPT = list(range(100, 112))
 SHORT = Lease(1000, 800)
-Gen = Generator[defer.Deferred[Any], Any, None]
 
 
 def place(head: RawHead, command: int, session: int, lease: Lease = SHORT) -> None:
@@ -63,76 +69,72 @@ def reconcile(head: RawHead, *sessions: int) -> defer.Deferred[Any]:
     )
 
 
-class GraceTests(NodeTestCase):
-    @defer.inlineCallbacks
-    def test_a_fenced_session_is_deleted_after_its_grace_period(self) -> Gen:
+class GraceTests(MemoryNodeTestCase):
+    def test_a_fenced_session_is_deleted_after_its_grace_period(self) -> None:
         """Lease 1 s, grace 5 s: a session whose head never renews is fenced at 1 s (record
         and unacknowledged events kept), and deleted at 6 s with its events; another whose
         head comes back 3 s after its fence and assigns it again is un-fenced, served, and
         outlives the first one's deletion."""
-        clock = Clock()
-        node = yield self.start_node(clock=clock, fenced_grace_ms=5000)
-        head = yield RawHead.connect(self, node)
-        yield head.hello()
+        node = self.start_node(fenced_grace_ms=5000)
+        head = self.raw_head(node)
+        self.wait(head.hello())
         place(head, 1, 1)
         place(head, 3, 2)
         head.send(GenerateReqMsg(5, 1, 1, 7, GenerationBudgetsMsg(3)))
-        yield head.wait_for(finish_of(1, 7))
-        yield reconcile(head)
+        self.wait(head.wait_for(finish_of(1, 7)))
+        self.wait(reconcile(head))
         table = node.agent.session
         self.assertEqual(table.unacked_events(1, 7), len(head.events(1, 7)))
-        clock.advance(1.0)
+        self.reactor.advance(1.0)
         self.assertEqual((table.is_fenced(1), table.is_fenced(2)), (True, True))
         self.assertEqual(table.unacked_events(1, 7), len(head.events(1, 7)))
-        clock.advance(3.0)
-        ack = yield reconcile(head, 1, 2)
+        self.reactor.advance(3.0)
+        ack = self.wait(reconcile(head, 1, 2))
         self.assertEqual([e.held for e in ack.sessions], [False, False])
         head.send(SessionAssignMsg(6, 2, 1, Lease(600_000, 450_000), "", b"", 0, 0))
         head.send(AppendContentMsg(7, 2, 1, encode_tokens(PROMPT)))
-        yield reconcile(head)
+        self.wait(reconcile(head))
         self.assertFalse(table.is_fenced(2))
-        clock.advance(1.999)
+        self.reactor.advance(1.999)
         self.assertTrue(table.has_session(1))
-        clock.advance(0.002)
+        self.reactor.advance(0.002)
         self.assertEqual(table.session_ids(), [2])
         self.assertEqual(table.unacked_events(1, 7), 0)
-        clock.advance(10.0)
+        self.reactor.advance(10.0)
         head.send(GenerateReqMsg(8, 2, 1, 1, GenerationBudgetsMsg(4)))
-        yield head.wait_for(finish_of(2, 1))
+        self.wait(head.wait_for(finish_of(2, 1)))
         self.assertEqual(
             stream_of(head.events(2, 1)), (expected_tokens(PROMPT, 4), [FINISH_LENGTH])
         )
 
 
-class LiveSessionBoundTests(NodeTestCase):
-    @defer.inlineCallbacks
-    def test_max_sessions_counts_live_sessions(self) -> Gen:
+class LiveSessionBoundTests(MemoryNodeTestCase):
+    def test_max_sessions_counts_live_sessions(self) -> None:
         """max_sessions=2 with sessions 1 and 2 held: session 1's lease runs out, so a third
         session is accepted and served, taking the fenced one's place (the node never holds
         more than two records); with two live sessions a fourth is refused and its GENERATE
         declined, which the capacity report shows as 2 of 2."""
-        clock = Clock()
-        node = yield self.start_node(clock=clock, max_sessions=2, fenced_grace_ms=0)
-        head = yield RawHead.connect(self, node)
-        yield head.hello()
+        node = self.start_node(max_sessions=2, fenced_grace_ms=0)
+        head = self.raw_head(node)
+        self.wait(head.hello())
         place(head, 1, 1)
         place(head, 3, 2, Lease(600_000, 450_000))
-        yield reconcile(head)
-        clock.advance(1.0)
+        self.wait(reconcile(head))
+        self.reactor.advance(1.0)
         table = node.agent.session
         self.assertTrue(table.is_fenced(1))
         place(head, 5, 3, Lease(600_000, 450_000))
         head.send(GenerateReqMsg(7, 3, 1, 1, GenerationBudgetsMsg(4)))
-        yield head.wait_for(finish_of(3, 1))
+        self.wait(head.wait_for(finish_of(3, 1)))
         self.assertEqual(
             stream_of(head.events(3, 1)), (expected_tokens(PROMPT, 4), [FINISH_LENGTH])
         )
         self.assertEqual(table.session_ids(), [2, 3])
         place(head, 8, 4, Lease(600_000, 450_000))
         head.send(GenerateReqMsg(10, 4, 1, 1, GenerationBudgetsMsg(4)))
-        yield head.wait_for(finish_of(4, 1))
+        self.wait(head.wait_for(finish_of(4, 1)))
         self.assertEqual(stream_of(head.events(4, 1)), ([], [FINISH_DECLINED]))
-        capacity = node.agent.capacity()
+        capacity = node.agent.reports.capacity()
         self.assertEqual((capacity.active_sessions, capacity.max_sessions), (2, 2))
 
 

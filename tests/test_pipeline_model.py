@@ -117,10 +117,11 @@ class InProcessPipelineTests(PipelineCase):
     def start_stage(
         self, name: str
     ) -> Generator[defer.Deferred[Any], Any, tuple[RunningNode, Any]]:
+        from sfnode.engines.config import EngineConfig
         from sfnode.engines.transformers_engine import TransformersEngine
 
         model = tiny_llama_random_norms(layers=LAYERS)
-        engine = TransformersEngine(model, reactor, max_lanes=1)
+        engine = TransformersEngine(model, reactor, EngineConfig(max_lanes=1))
         agent = NodeAgent(reactor, engine, NodeConfig(identity=name, model_name="tiny"))
         agent.start()
         endpoint = TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1")
@@ -133,7 +134,7 @@ class InProcessPipelineTests(PipelineCase):
         """Record the last row of every logits tensor the engine's runner computes (the last
         stage's next-token logits)."""
         captured: list[Any] = []
-        runner = engine._runner
+        runner = engine.runner
         logits_of = runner._logits
 
         def recording(*args: Any, **kwargs: Any) -> Any:

@@ -30,34 +30,28 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.decoding.draws import draw_position
-from sfnode.generation import (
+from sfnode.decoding.sparse_sampler import sample_sparse
+from sfnode.engines.mock import (
     MOCK_CANDIDATES,
-    Engine,
-    EngineStop,
-    GenerationRequest,
-    GenerationResult,
     MockEngine,
-    TokenBatch,
     mock_logits,
     mock_next_token,
     mock_token,
-    sample_sparse,
 )
+from sfnode.generation import Engine, EngineStop, GenerationRequest, GenerationResult, TokenBatch
 from sfnode.head.fleet.fleet import Fleet, Policy
 from sfnode.linkf.wire import FINISH_LENGTH, GenParams
 from sfnode.node.agent import NodeAgent
 from sfnode.node.config import NodeConfig
 from sfnode.node.tap import node_factory
-from tests.nodefixture import NodeTestCase, RunningNode
+from tests.nodefixture import PROMPT, Gen, NodeTestCase, RunningNode
 from tests.test_http import MESSAGES, HttpTestCase, sse_events
 from tests.tinymodel import TINY_VOCAB
 
-PROMPT = list(range(100, 112))
 SAMPLED = GenParams(temperature=1.0, top_p=1.0, seed=1234)
 """OpenAI's defaults with a fixed seed.  Every value here is exact in float32 (the wire's type)."""
 NARROWED = GenParams(temperature=0.75, top_p=0.875, min_p=0.0625, top_k=5, seed=2**40 + 3)
 """Every field set, none to its default, all exact in float32."""
-Gen = Generator[defer.Deferred[Any], Any, None]
 
 
 def sampled_run(
@@ -128,6 +122,7 @@ class MockSamplerTests(SynchronousTestCase):
     def run_engine(self, context: Sequence[int], params: GenParams, count: int) -> list[int]:
         clock = Clock()
         engine = MockEngine(clock)
+        engine.start()
         produced: list[int] = []
         generation = engine.submit(GenerationRequest(tuple(context), params, count),
                                    produced.extend)  # fmt: skip
@@ -333,10 +328,11 @@ class RealModelSamplingTests(FleetSamplingCase):
     timeout = 240
 
     def tiny_engine(self) -> Any:
+        from sfnode.engines.config import EngineConfig
         from sfnode.engines.transformers_engine import TransformersEngine
         from tests.tinymodel import tiny_llama_random_norms
 
-        return TransformersEngine(tiny_llama_random_norms(), reactor, max_lanes=2)
+        return TransformersEngine(tiny_llama_random_norms(), reactor, EngineConfig(max_lanes=2))
 
     def reference(self, prompt: Sequence[int], count: int, params: GenParams) -> list[int]:
         """The tiny model's full forward over the whole context per token and the torch sampler

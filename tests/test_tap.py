@@ -331,6 +331,36 @@ class PluginTests(TestCase):
         self.assertIn("ZEROCONF False", out.decode())
 
 
+    async def test_a_mock_node_runs_without_torch(self) -> None:
+        """A node on ``--engine mock`` (its engine: the engine loop, the scheduler and the mock
+        runner; its agent) runs a sampled generation with logprobs without importing torch:
+        heads and protocol tests run the mock."""
+        probe = (
+            "import sys\n"
+            "from twisted.internet.task import Clock\n"
+            "from sfnode.generation import GenerationRequest\n"
+            "from sfnode.linkf.wire import GenParams\n"
+            "from sfnode.node import tap\n"
+            "from sfnode.node.agent import NodeAgent\n"
+            "options = tap.Options()\n"
+            "options.parseOptions(['--listen', 'tcp:0:interface=127.0.0.1', '--engine', 'mock'])\n"
+            "clock = Clock()\n"
+            "engine = tap.build_engine(clock, options)\n"
+            "NodeAgent(clock, engine, tap.node_config(options)).start()\n"
+            "got = []\n"
+            "params = GenParams(temperature=0.8, seed=5, logprobs=2)\n"
+            "engine.submit(GenerationRequest((1, 2, 3), params, 4), got.extend)\n"
+            "for _ in range(10):\n"
+            "    clock.advance(0)\n"
+            "print('TOKENS', len(got))\n"
+            "print('TORCH', 'torch' in sys.modules)\n"
+        )
+        out, err, code = await run_python("-c", probe)
+        self.assertEqual(code, 0, err)
+        self.assertIn("TOKENS 4", out.decode())
+        self.assertIn("TORCH False", out.decode())
+
+
 class EmbeddingTests(TestCase):
     """``makeService`` is a plain service tree that another program can run."""
 
@@ -432,13 +462,13 @@ class EmbeddingTests(TestCase):
         int4 = tap.build_engine(reactor, parse(*base, "--weights", "int4"))
         assert isinstance(stock, TransformersEngine) and isinstance(default, TransformersEngine)
         assert isinstance(int4, TransformersEngine)
-        self.assertEqual((stock.onednn_layers, stock.lean_step), (0, False))
-        self.assertEqual((default.lean_step, default.weights_mode), (True, "float32"))
-        self.assertEqual((int4.lean_step, int4.weights_mode), (True, "int4"))
-        self.assertEqual(default._scheduler.step_ms, 250)
+        self.assertEqual((stock.weights.onednn_layers, stock.lean_step), (0, False))
+        self.assertEqual((default.lean_step, default.weights.mode), (True, "float32"))
+        self.assertEqual((int4.lean_step, int4.weights.mode), (True, "int4"))
+        self.assertEqual(default.scheduler.step_ms, 250)
         timed = tap.build_engine(reactor, parse(*base, "--step-ms", "80"))
         assert isinstance(timed, TransformersEngine)
-        self.assertEqual(timed._scheduler.step_ms, 80)
+        self.assertEqual(timed.scheduler.step_ms, 80)
         for bad in (("--weights", "int3"), ("--weights", "int4", "--stock-kernels")):
             with self.assertRaises(usage.UsageError) as caught:
                 parse(*base, *bad)
@@ -459,14 +489,16 @@ class EmbeddingTests(TestCase):
         base = f"--listen {LOOPBACK} --model {folder} --device cpu --weights int4".split()
         torch_kernels = tap.build_engine(reactor, parse(*base, "--kernels", "torch"))
         assert isinstance(torch_kernels, TransformersEngine)
-        self.assertEqual((torch_kernels.kernels, torch_kernels.fused_step), ("int4 x 13", False))
-        self.assertEqual(torch_kernels._activations, torch.bfloat16)
+        self.assertEqual(
+            (torch_kernels.weights.kernels, torch_kernels.fused_step), ("int4 x 13", False)
+        )
+        self.assertEqual(torch_kernels.weights.activations, torch.bfloat16)
         if not isinstance(native.load(default_cache_dir().parent / "kernels"), str):
             own = tap.build_engine(reactor, parse(*base, "--kernels", "native"))
             eager = tap.build_engine(reactor, parse(*base, "--kernels", "native", "--eager-step"))
             assert isinstance(own, TransformersEngine) and isinstance(eager, TransformersEngine)
-            self.assertEqual((own._activations, own.fused_step), (torch.float32, True))
-            self.assertEqual((eager._activations, eager.fused_step), (torch.float32, False))
+            self.assertEqual((own.weights.activations, own.fused_step), (torch.float32, True))
+            self.assertEqual((eager.weights.activations, eager.fused_step), (torch.float32, False))
         with self.assertRaises(usage.UsageError) as caught:
             parse(*base, "--kernels", "fast")
         self.assertIn("--kernels", str(caught.exception))
@@ -663,6 +695,16 @@ class TwistdProcess(ProcessProtocol):
             )
         self.ended.callback(reason.value)
 
+    async def stopped(self, test: TestCase) -> str:
+        """Its output, once it has ended; fails ``test`` unless it exited 0 after logging
+        "sfnode stopped", with no traceback."""
+        ended = await self.ended
+        output = self.output.decode()
+        test.assertIsInstance(ended, ProcessDone, output)
+        test.assertIn("sfnode stopped", output)
+        test.assertNotIn("Traceback", output)
+        return output
+
     def kill(self) -> defer.Deferred[BaseException | None] | None:
         """Make sure the child does not outlive its test (a cleanup: waits for its end)."""
         if self.ended.called:
@@ -707,12 +749,8 @@ class ProcessTests(TestCase):
         self.assertEqual(answer.node_identity, "proc-1")
 
         transport.signalProcess("TERM")
-        ended = await process.ended
-        output = process.output.decode()
-        self.assertIsInstance(ended, ProcessDone, output)
-        self.assertIn("sfnode stopped", output)
+        output = await process.stopped(self)
         self.assertIn("Main loop terminated.", output)
-        self.assertNotIn("Traceback", output)
         self.assertNotIn("Unhandled", output)
         return output
 

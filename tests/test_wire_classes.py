@@ -15,14 +15,9 @@ from typing import Any
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.generation import (
-    EngineStop,
-    Generation,
-    GenerationRequest,
-    GenerationResult,
-    MockEngine,
-    TokenSink,
-)
+from sfnode.engines.config import EngineConfig
+from sfnode.engines.mock import MockEngine
+from sfnode.generation import EngineStop, Generation, GenerationRequest, GenerationResult, TokenSink
 from sfnode.head.link.session import HeadSession
 from sfnode.linkf import wire
 from sfnode.linkf.wire import (
@@ -227,6 +222,7 @@ class MockAdmissionTests(SynchronousTestCase):
             finished.append(index)
             results.append(result)
 
+        engine.start()
         for index, r in enumerate(requests):
             engine.submit(r, lambda tokens, logprobs=None: None).result.addCallback(done, index)
             if index == 0:
@@ -243,7 +239,7 @@ class MockAdmissionTests(SynchronousTestCase):
         requests queued earlier, and the others in arrival order; tokens do not depend on the
         class."""
         clock = Clock()
-        engine = MockEngine(clock, max_lanes=1, token_delay_s=0.01)
+        engine = MockEngine(clock, EngineConfig(max_lanes=1), token_delay_s=0.01)
         params = GenParams()
         requests = [
             GenerationRequest((1, 2), params, 5),
@@ -259,6 +255,7 @@ class MockAdmissionTests(SynchronousTestCase):
         for interactive in (True, False):
             clock = Clock()
             engine = MockEngine(clock)
+            engine.start()
             engine.submit(
                 GenerationRequest((9, 10, 11), GenParams(), 6, interactive=interactive),
                 lambda tokens, logprobs=None, i=interactive: produced[i].extend(tokens),

@@ -5,9 +5,9 @@
 function of (seed, absolute position in the stream): the same alone or batched, and the same on
 the node a session fails over to with the delivered tokens appended to its context.
 
-Pure Python, so that the torch sampler (:mod:`sfnode.decoding.sampler`) and the mock engine
-(:mod:`sfnode.generation`, which must never import torch) draw the very same numbers.  This
-module must never keep state or use a random generator.
+Pure Python, so that the torch sampler (:mod:`sfnode.decoding.sampler`) and the mock engine's
+(:mod:`sfnode.decoding.sparse_sampler`, which must never import torch) draw the very same
+numbers.  This module must never keep state or use a random generator.
 """
 
 from __future__ import annotations

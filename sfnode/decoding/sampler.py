@@ -8,7 +8,8 @@ or after a failover that appends the delivered tokens to the context.
 This module must never keep state, use a random generator (``torch.multinomial``, ``random``),
 touch a model, a thread or the reactor.  It is imported only by the transformers engine (it needs
 torch); the random numbers themselves live in the all-Python :mod:`sfnode.decoding.draws`
-(re-exported here), which the mock engine draws with too.
+(re-exported here), which the mock engine's sampler (:mod:`sfnode.decoding.sparse_sampler`) draws
+with too.
 
 Running sums (top-p walk, the draw) are taken in float64 over the float32 probabilities; the draw
 takes the first kept candidate at which ``target`` is below the running sum, which is the

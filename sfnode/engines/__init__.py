@@ -1,12 +1,22 @@
-"""Generation engines that run real models (see :mod:`sfnode.generation` for the interface).
+"""Generation engines (see :mod:`sfnode.generation` for the interface): the engine loop both
+engines run (``loop``), its configuration (``config``), the mock engine (``mock``, pure Python),
+and the transformers engine (``transformers_engine``) with its scheduler, runners, kernels and
+weights in the folders beside it.
 
-Each engine lives in its own module and is imported only when the operator chooses it, because
-those modules import torch.  This package must never import an engine module itself.
+The transformers engine's modules import torch, so they are imported only when the operator
+chooses that engine; the loop, the configuration, the scheduling and the mock never import
+torch.  This package's ``__init__`` holds only the option values the command line names (so
+that ``twistd sfnode --help`` needs nothing else) and must never import an engine module
+itself.  May import ``sfnode.generation``, ``sfnode.decoding`` and ``sfnode.linkf``.
 """
 
 WEIGHT_MODES = ("auto", "float32", "bfloat16", "int8", "int4")
 """The values of ``--weights`` (docs/engine.md section 5); here so that ``twistd sfnode --help``
 names them without importing torch."""
+
+KERNEL_MODES = ("auto", "torch", "native")
+"""The values of ``--kernels``: measured at start, torch's, or sfnode's own (docs/engine.md
+section 5.1)."""
 
 SPECULATIVE_MODES = ("off", "ngram")
 """The values of ``--speculative``: no drafts, or drafts by prompt lookup (docs/engine.md

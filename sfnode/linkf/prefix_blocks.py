@@ -21,14 +21,21 @@ KV_BLOCK_TOKENS = 16
 BlockKey = bytes
 
 
-def block_keys(tokens: Sequence[int], salt: bytes, limit: int | None = None) -> list[BlockKey]:
-    """The chain keys of the full blocks of ``tokens`` (at most ``limit`` blocks)."""
+def block_keys(
+    tokens: Sequence[int],
+    salt: bytes,
+    limit: int | None = None,
+    known: Sequence[BlockKey] = (),
+) -> list[BlockKey]:
+    """The chain keys of the full blocks of ``tokens`` (at most ``limit`` blocks); ``known``
+    are the keys of its first blocks, already computed (a growing context's keys are
+    extended, not computed again)."""
     full = len(tokens) // KV_BLOCK_TOKENS
     if limit is not None:
         full = min(full, limit)
-    keys: list[BlockKey] = []
-    previous = salt
-    for index in range(full):
+    keys = list(known[:full])
+    previous = keys[-1] if keys else salt
+    for index in range(len(keys), full):
         block = tokens[index * KV_BLOCK_TOKENS : (index + 1) * KV_BLOCK_TOKENS]
         digest = xxhash.xxh3_128()
         digest.update(previous)

@@ -37,7 +37,7 @@ from twisted.python.failure import Failure
 
 from sfnode.linkf.handshake import address_key
 from sfnode.linkf.wire import Frame, FrameDecoder, Hello, Message, MsgType, WireError, message_frame
-from sfnode.node.config import DEFAULT_MAX_ADDRESS_HANDSHAKES, DEFAULT_MAX_HANDSHAKES
+from sfnode.node.config import DEFAULT_MAX_ADDRESS_HANDSHAKES, DEFAULT_MAX_HANDSHAKES, NodeConfig
 from sfnode.node.machines import ConnectionCore, ConnectionInputs, ConnectionMachine
 
 log = Logger()
@@ -46,17 +46,9 @@ log = Logger()
 class ConnectionHost(TypingProtocol):
     """What a connection needs from the node it belongs to."""
 
-    @property
-    def clock(self) -> IReactorTime: ...
-
-    @property
-    def handshake_timeout_ms(self) -> int: ...
-
-    @property
-    def idle_timeout_ms(self) -> int: ...
-
-    @property
-    def status_interval_ms(self) -> int: ...
+    clock: IReactorTime
+    config: NodeConfig
+    """Its handshake, idle and status timings."""
 
     def read_hello(self, frame: Frame) -> Hello | str:
         """Decode and check a HELLO frame: the HELLO when accepted, else why not."""
@@ -98,9 +90,9 @@ class NodeConnection:
             ConnectionCore(
                 clock=host.clock,
                 owner=self,
-                handshake_timeout_ms=host.handshake_timeout_ms,
-                idle_timeout_ms=host.idle_timeout_ms,
-                status_interval_ms=host.status_interval_ms,
+                handshake_timeout_ms=host.config.handshake_timeout_ms,
+                idle_timeout_ms=host.config.idle_timeout_ms,
+                status_interval_ms=host.config.status_interval_ms,
             )
         )
 

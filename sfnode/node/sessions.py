@@ -183,22 +183,17 @@ class AgentSession(Generic[C]):
             return None
         return self.delete(msg.session_id)
 
-    def delete(self, session_id: int) -> NodeSession[C] | None:
+    def delete(self, session_id: int, *, stop_machine: bool = True) -> NodeSession[C] | None:
         """Forget a session now: its record, commands, generations and unacknowledged events
-        (a revoke, or a fenced session whose place a new one needs); its machine stops."""
+        (a revoke, or a fenced session whose place a new one needs); its machine stops.  A
+        session whose lease machine ended its grace period (6.4) is deleted with
+        ``stop_machine`` False: the machine has no timer left and is not told again."""
         session = self._sessions.pop(session_id, None)
         if session is None:
             return None
-        session.machine.stopped()
+        if stop_machine:
+            session.machine.stopped()
         session.forget_context()
-        return session
-
-    def remove_orphan(self, session_id: int) -> NodeSession[C] | None:
-        """Forget a session whose lease machine ended its grace period (6.4); the machine has
-        no timer left and is not told again."""
-        session = self._sessions.pop(session_id, None)
-        if session is not None:
-            session.forget_context()
         return session
 
     def on_append(self, session_id: int, epoch: int, command_id: int) -> NodeSession[C] | None:
@@ -251,7 +246,7 @@ class AgentSession(Generic[C]):
 
     def on_watermark_ack(self, msg: WatermarkAckMsg) -> None:
         """WATERMARK_ACK (6.3): release acknowledged events of a generation of that epoch."""
-        generation = self._generation(msg.session_id, msg.generation_id)
+        generation = self.generation(msg.session_id, msg.generation_id)
         if generation is not None and generation.epoch == msg.epoch:
             generation.retry.ack(msg.watermark)
 
@@ -357,15 +352,6 @@ class AgentSession(Generic[C]):
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def live_count(self) -> int:
-        """Sessions held and not fenced: what ``max_sessions`` bounds (7.7)."""
-        return sum(1 for s in self._sessions.values() if not s.fenced)
-
-    def oldest_fenced(self) -> NodeSession[C] | None:
-        """The session fenced longest ago, or None when none is fenced."""
-        fenced = [s for s in self._sessions.values() if s.fenced]
-        return min(fenced, key=lambda s: (s.fenced_at, s.session_id), default=None)
-
     def is_fenced(self, session_id: int) -> bool | None:
         """Whether the session is fenced; None when the node does not hold it."""
         session = self._sessions.get(session_id)
@@ -373,7 +359,7 @@ class AgentSession(Generic[C]):
 
     def unacked_events(self, session_id: int, generation_id: int) -> int:
         """Events of the generation still waiting for a WATERMARK_ACK (0 when unknown)."""
-        generation = self._generation(session_id, generation_id)
+        generation = self.generation(session_id, generation_id)
         return 0 if generation is None else len(generation.retry)
 
     def session_epoch(self, session_id: int) -> int | None:
@@ -393,17 +379,9 @@ class AgentSession(Generic[C]):
         session = self._sessions.get(session_id)
         return [] if session is None else sorted(session.generations)
 
-    def generation_epoch(self, session_id: int, generation_id: int) -> int | None:
-        """The epoch a generation was started under; None when it is not kept."""
-        generation = self._generation(session_id, generation_id)
-        return None if generation is None else generation.epoch
-
-    def next_event_seq(self, session_id: int, generation_id: int) -> int | None:
-        """The ``event_seq`` the generation's next event will carry; None when not kept."""
-        generation = self._generation(session_id, generation_id)
-        return None if generation is None else generation.next_seq
-
-    def _generation(self, session_id: int, generation_id: int) -> GenerationEntry | None:
+    def generation(self, session_id: int, generation_id: int) -> GenerationEntry | None:
+        """What is kept of a generation (the epoch it was started under, the ``event_seq`` its
+        next event will carry, its unacknowledged events); None when it is not kept."""
         session = self._sessions.get(session_id)
         return None if session is None else session.generations.get(generation_id)
 

@@ -30,8 +30,13 @@ from twisted.python import usage
 from twisted.python.failure import Failure
 
 from sfnode.discovery.rules import SERVICE_TYPE, HeadFinder, JoinTarget, parse_join, valid_head_name
-from sfnode.engines import DEFAULT_DRAFT_TOKENS, SPECULATIVE_MODES, WEIGHT_MODES
-from sfnode.engines.scheduling.pace import DEFAULT_STEP_MS
+from sfnode.engines import DEFAULT_DRAFT_TOKENS, KERNEL_MODES, SPECULATIVE_MODES, WEIGHT_MODES
+from sfnode.engines.config import (
+    DEFAULT_PREFILL_CHUNK,
+    DEFAULT_STEP_MS,
+    DEFAULT_STEP_TOKENS,
+    EngineConfig,
+)
 from sfnode.linkf.backoff import RetryPolicy, retry_policy
 from sfnode.linkf.fleet_token import default_token_path, read_token
 from sfnode.linkf.handshake import is_loopback_listen, plaintext_refusal
@@ -76,8 +81,6 @@ log = Logger(namespace="sfnode.node.tap")
 
 ENGINES = ("transformers", "mock")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-MOCK_CONTEXT_WINDOW = 4096
-"""The mock engine's context window when ``--max-context`` is 0."""
 # D9: a node that dials its head redials 0.1 s after a lost connection or a failed attempt,
 # doubling up to 2 s, so that it is back within about 2 s of its head listening again.
 RECONNECT_INITIAL_S = 0.1
@@ -106,6 +109,30 @@ _TRANSFORMERS_ONLY = (
 )
 
 _MOCK_ONLY = ("token-delay-ms",)
+
+_COUNTS = (
+    "max-context",
+    "handshake-timeout-ms",
+    "idle-timeout-ms",
+    "drain-timeout",
+    "max-handshakes",
+    "max-address-handshakes",
+    "max-sessions",
+    "fenced-grace-ms",
+    "max-unacked-events",
+    "max-held-tokens",
+    "max-generations",
+)
+"""Options that are counts or durations with a default of their own (0 or more)."""
+_COUNTS_WITH_DEFAULTS = (
+    ("token-delay-ms", 0),
+    ("step-ms", DEFAULT_STEP_MS),
+    ("threads", 0),
+    ("kv-blocks", 0),
+    ("prefix-cache-blocks", 0),
+    ("interactive-lanes", 1),
+)
+"""Counts given without a default on the command line (one engine's only), and theirs."""
 
 
 class NodeStartupError(StartupError):
@@ -394,6 +421,17 @@ class Options(usage.Options):
 
     def postOptions(self) -> None:
         """Check every value and replace it by its typed, defaulted form."""
+        self._check_endpoints()
+        self._check_join()
+        self._check_engine()
+        self._check_numbers()
+        self._check_modes()
+        self._check_token()
+        self._check_names()
+
+    def _check_endpoints(self) -> None:
+        """Exactly one of --join, --head and --listen, each a valid endpoint; --metrics on
+        loopback unless --metrics-insecure."""
         head, listen, join = self["head"], self["listen"], self["join"]
         if sum(value is not None for value in (head, listen, join)) != 1:
             raise usage.UsageError(
@@ -411,8 +449,9 @@ class Options(usage.Options):
             check_endpoint("listen", listen, server=True, example=NODE_SERVER_EXAMPLE)
         elif head is not None:
             check_endpoint("head", head, server=False, example=HEAD_CLIENT_EXAMPLE)
-        self._check_join()
 
+    def _check_engine(self) -> None:
+        """A known --engine, and no option of the other engine."""
         engine = self["engine"]
         if engine not in ENGINES:
             raise usage.UsageError(f"--engine must be one of {', '.join(ENGINES)}, not {engine!r}")
@@ -427,63 +466,42 @@ class Options(usage.Options):
         if given:
             raise usage.UsageError(f"{', '.join(given)} cannot be used with --engine {engine}")
 
+    def _check_numbers(self) -> None:
+        """Every count and duration as an int in range, with its default when not given."""
         self["max-lanes"] = non_negative("max-lanes", self["max-lanes"], 1, U32_MAX)
-        for name in (
-            "max-context",
-            "handshake-timeout-ms",
-            "idle-timeout-ms",
-            "drain-timeout",
-            "max-handshakes",
-            "max-address-handshakes",
-            "max-sessions",
-            "fenced-grace-ms",
-            "max-unacked-events",
-            "max-held-tokens",
-            "max-generations",
-        ):
+        for name in _COUNTS:
             self[name] = non_negative(name, self[name])
-        for name, default in (
-            ("token-delay-ms", 0),
-            ("step-ms", DEFAULT_STEP_MS),
-            ("threads", 0),
-            ("kv-blocks", 0),
-            ("prefix-cache-blocks", 0),
-            ("interactive-lanes", 1),
-        ):
+        for name, default in _COUNTS_WITH_DEFAULTS:
             self[name] = default if self[name] is None else non_negative(name, self[name])
-        for name, default in (("prefill-chunk", 256), ("step-tokens", 512)):
+        for name, default in (
+            ("prefill-chunk", DEFAULT_PREFILL_CHUNK),
+            ("step-tokens", DEFAULT_STEP_TOKENS),
+        ):
             value = default if self[name] is None else self[name]
             self[name] = non_negative(name, value, 1, U32_MAX)
-        self["weights"] = "auto" if self["weights"] is None else self["weights"]
-        if self["weights"] not in WEIGHT_MODES:
-            raise usage.UsageError(
-                f"--weights must be one of {', '.join(WEIGHT_MODES)}, not {self['weights']!r}"
-            )
-        self["speculative"] = "off" if self["speculative"] is None else self["speculative"]
-        if self["speculative"] not in SPECULATIVE_MODES:
-            raise usage.UsageError(
-                f"--speculative must be one of {', '.join(SPECULATIVE_MODES)}, not "
-                f"{self['speculative']!r}"
-            )
         if self["draft-tokens"] is None:
             self["draft-tokens"] = DEFAULT_DRAFT_TOKENS
         else:
             self["draft-tokens"] = non_negative("draft-tokens", self["draft-tokens"], 1, 64)
-        self["kernels"] = "auto" if self["kernels"] is None else self["kernels"]
-        if self["kernels"] not in ("auto", "torch", "native"):
-            raise usage.UsageError(
-                f"--kernels must be one of auto, torch, native, not {self['kernels']!r}"
-            )
+
+    def _check_modes(self) -> None:
+        """--weights, --speculative, --kernels, --dtype and --device among their values (auto
+        when not given), and --model an existing path."""
+        for name, modes in (
+            ("weights", WEIGHT_MODES),
+            ("speculative", SPECULATIVE_MODES),
+            ("kernels", KERNEL_MODES),
+            ("dtype", DTYPES),
+        ):
+            self[name] = modes[0] if self[name] is None else self[name]
+            if self[name] not in modes:
+                raise usage.UsageError(
+                    f"--{name} must be one of {', '.join(modes)}, not {self[name]!r}"
+                )
         if self["stock-kernels"] and self["weights"] not in ("auto", "float32"):
             raise usage.UsageError(
                 f"--weights {self['weights']} needs sfnode's own step; --stock-kernels runs the "
                 "model's forward on its float weights"
-            )
-
-        self["dtype"] = "auto" if self["dtype"] is None else self["dtype"]
-        if self["dtype"] not in DTYPES:
-            raise usage.UsageError(
-                f"--dtype must be one of {', '.join(DTYPES)}, not {self['dtype']!r}"
             )
         self["device"] = "auto" if self["device"] is None else self["device"]
         if not _DEVICE.fullmatch(self["device"]):
@@ -493,6 +511,10 @@ class Options(usage.Options):
         if self["model"] is not None and not Path(self["model"]).expanduser().exists():
             raise usage.UsageError(f"--model {self['model']} does not exist")
 
+    def _check_token(self) -> None:
+        """``auth-token``: the --auth-file's token (or the default file's), b"" without one;
+        and no link off loopback without it unless --insecure-no-auth (docs/protocol.md
+        section 5.3: checked here, before makeService loads any model)."""
         self["auth-token"] = b""
         auth_file = self["auth-file"]
         if auth_file is None and default_token_path().is_file():
@@ -504,11 +526,13 @@ class Options(usage.Options):
                 raise usage.UsageError(
                     f"cannot read --auth-file {auth_file}: {e.strerror or e}"
                 ) from e
-        # docs/protocol.md section 5.3: checked here, before makeService loads any model.
         target: JoinTarget | None = self["join-target"]
-        dial = head if target is None else target.endpoint_string()
+        dial = self["head"] if target is None else target.endpoint_string()
         refusal = plaintext_refusal(
-            token=self["auth-token"], insecure=self["insecure-no-auth"], listen=listen, dial=dial
+            token=self["auth-token"],
+            insecure=self["insecure-no-auth"],
+            listen=self["listen"],
+            dial=dial,
         )
         if refusal is None and self["join-auto"] and not self["auth-token"]:
             if not self["insecure-no-auth"]:
@@ -520,13 +544,15 @@ class Options(usage.Options):
         if refusal is not None:
             raise usage.UsageError(refusal)
 
+    def _check_names(self) -> None:
+        """--identity and --model-name, with their defaults, not empty."""
         if self["identity"] is None:
             self["identity"] = socket.gethostname()
         if not self["identity"]:
             raise usage.UsageError("--identity must not be empty")
         if self["model-name"] is None:
             # The mock engine is offered as "mock"; a model as its folder name or file stem.
-            mock = engine == "mock" and self["model"] is None
+            mock = self["engine"] == "mock" and self["model"] is None
             self["model-name"] = "mock" if mock else default_model_name(self["model"])
         if not self["model-name"]:
             raise usage.UsageError("--model-name must not be empty")
@@ -551,23 +577,61 @@ class Options(usage.Options):
                 raise usage.UsageError(f"--head-name {name!r} cannot be a head's name: {why}")
 
 
+_NODE_FIELDS = (
+    "model_name",
+    "identity",
+    "max_lanes",
+    "auth_token",
+    "handshake_timeout_ms",
+    "idle_timeout_ms",
+    "max_handshakes",
+    "max_address_handshakes",
+    "max_sessions",
+    "fenced_grace_ms",
+    "max_unacked_events",
+    "max_held_tokens",
+    "max_generations",
+)
+"""The :class:`NodeConfig` fields that are the checked option of the same name as they are."""
+_ENGINE_FIELDS = (
+    "max_lanes",
+    "interactive_lanes",
+    "prefill_chunk",
+    "step_tokens",
+    "speculative",
+    "draft_tokens",
+    "weights",
+    "kernels",
+)
+"""The :class:`EngineConfig` fields that are the checked option of the same name as they are."""
+
+
+def _as_given(options: Options, fields: tuple[str, ...]) -> dict[str, Any]:
+    """Each of ``fields`` with the value of its option (``max_lanes``: ``--max-lanes``)."""
+    return {field: options[field.replace("_", "-")] for field in fields}
+
+
 def node_config(options: Options) -> NodeConfig:
     """The :class:`NodeConfig` that checked ``options`` describe."""
     return NodeConfig(
-        model_name=options["model-name"],
-        identity=options["identity"],
-        max_lanes=options["max-lanes"],
-        auth_token=options["auth-token"],
-        handshake_timeout_ms=options["handshake-timeout-ms"],
-        idle_timeout_ms=options["idle-timeout-ms"],
-        max_handshakes=options["max-handshakes"],
-        max_address_handshakes=options["max-address-handshakes"],
-        max_sessions=options["max-sessions"],
-        fenced_grace_ms=options["fenced-grace-ms"],
-        max_unacked_events=options["max-unacked-events"],
-        max_held_tokens=options["max-held-tokens"],
-        max_generations=options["max-generations"],
-        drain_timeout_ms=options["drain-timeout"] * 1000,
+        **_as_given(options, _NODE_FIELDS), drain_timeout_ms=options["drain-timeout"] * 1000
+    )
+
+
+def engine_config(options: Options) -> EngineConfig:
+    """The :class:`EngineConfig` that checked ``options`` describe (the mock engine reads its
+    lanes, window and scheduling; the other fields are at their defaults for it)."""
+    stock = options["stock-kernels"]
+    return EngineConfig(
+        **_as_given(options, _ENGINE_FIELDS),
+        context_window=options["max-context"] or None,
+        kv_blocks=options["kv-blocks"] or None,
+        step_ms=float(options["step-ms"]),
+        prefix_cache=not options["no-prefix-cache"],
+        prefix_cache_blocks=options["prefix-cache-blocks"] or None,
+        lean_step=not stock,
+        onednn=not stock,
+        fused_step=not options["eager-step"],
     )
 
 
@@ -576,18 +640,15 @@ def build_engine(reactor: Any, options: Options) -> Engine:
 
     :raises NodeStartupError: the transformers engine or its model cannot be loaded.
     """
+    config = engine_config(options)
     if options["engine"] == "mock":
-        from sfnode.generation import MockEngine
+        from sfnode.engines.mock import MockEngine
 
-        return MockEngine(
-            reactor,
-            context_window=options["max-context"] or MOCK_CONTEXT_WINDOW,
-            max_lanes=options["max-lanes"],
-            token_delay_s=options["token-delay-ms"] / 1000.0,
-        )
+        return MockEngine(reactor, config, token_delay_s=options["token-delay-ms"] / 1000.0)
     try:
         from sfnode.engines.transformers_engine import TransformersEngine
         from sfnode.engines.weights import loading
+        from sfnode.engines.weights.llama import WeightsError
     except ImportError as e:
         raise NodeStartupError(f"sfnode: the transformers engine is not available: {e}") from e
     try:
@@ -600,30 +661,8 @@ def build_engine(reactor: Any, options: Options) -> Engine:
         )
     except loading.ModelLoadError as e:
         raise NodeStartupError(f"sfnode: {e}") from e
-    from sfnode.engines.weights.llama import WeightsError
-
     try:
-        return TransformersEngine.from_loaded(
-            loaded,
-            reactor,
-            release_float_weights=True,
-            max_lanes=options["max-lanes"],
-            kv_blocks=options["kv-blocks"] or None,
-            context_window=options["max-context"] or None,
-            weights=options["weights"],
-            prefix_cache=not options["no-prefix-cache"],
-            prefix_cache_blocks=options["prefix-cache-blocks"] or None,
-            prefill_chunk=options["prefill-chunk"],
-            step_tokens=options["step-tokens"],
-            step_ms=float(options["step-ms"]),
-            interactive_lanes=options["interactive-lanes"],
-            onednn=not options["stock-kernels"],
-            lean_step=not options["stock-kernels"],
-            kernels=options["kernels"],
-            fused_step=not options["eager-step"],
-            speculative=options["speculative"],
-            draft_tokens=options["draft-tokens"],
-        )
+        return TransformersEngine.from_loaded(loaded, reactor, config, release_float_weights=True)
     except (ValueError, WeightsError) as e:
         raise NodeStartupError(f"sfnode: cannot start the transformers engine: {e}") from e
 
@@ -945,39 +984,36 @@ def makeService(
     if options["metrics"] is not None:
         from sfnode.node.exporter import metrics_site
 
-        add_child(
-            node,
-            "metrics",
-            ListeningService(
-                server_from_string(reactor, options["metrics"]),
-                metrics_site(agent, reactor),
-                options["metrics"],
-                what="metrics on",
-                program="sfnode",
-                error=NodeStartupError,
-            ),
-        )
+        site = metrics_site(agent, reactor)
+        add_child(node, "metrics", _listening(reactor, options["metrics"], site, "metrics on"))
     if options["listen"] is not None:
-        description = options["listen"]
-        add_child(
-            node,
-            "listen",
-            ListeningService(
-                server_from_string(reactor, description),
-                node_factory(agent),
-                description,
-                what="listening on",
-                program="sfnode",
-                error=NodeStartupError,
-            ),
-        )
-        return node
-    if options["join"] is not None:
+        listen = _listening(reactor, options["listen"], node_factory(agent), "listening on")
+        add_child(node, "listen", listen)
+    elif options["join"] is not None:
         add_child(node, "head", join_service(reactor, agent, options, browser))
-        return node
-    description = options["head"]
+    else:
+        add_child(node, "head", head_service(reactor, agent, options["head"]))
+    return node
+
+
+def _listening(
+    reactor: Any, description: str, factory: IProtocolFactory, what: str
+) -> ListeningService:
+    """The node's listener on the server endpoint ``description`` (``what``: for the log)."""
+    return ListeningService(
+        server_from_string(reactor, description),
+        factory,
+        description,
+        what=what,
+        program="sfnode",
+        error=NodeStartupError,
+    )
+
+
+def head_service(reactor: Any, agent: NodeAgent, description: str) -> HeadDialService:
+    """``--head``'s redialling connection to the head at the client endpoint
+    ``description``."""
     dialer = HeadDialer(client_from_string(reactor, description), description)
     dial = HeadDialService(agent, dialer, node_factory(agent), dialer.retry_policy(), clock=reactor)
-    add_child(node, "head", dial)
     log.info("sfnode dialing the head at {endpoint}", endpoint=description)
-    return node
+    return dial

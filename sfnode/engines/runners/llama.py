@@ -257,6 +257,20 @@ def _sample(plan: StepPlan, logits: torch.Tensor, allowed: torch.Tensor | None) 
     tokens, logprobs = sample_with_stages(
         logits[index], params, draws, stages, None if allowed is None else allowed[index]
     )
+    drafted, drafted_logprobs = _drafted(plan, logits, allowed, tokens, starts)
+    return _output(plan, tokens, logprobs, drafted, drafted_logprobs)
+
+
+def _drafted(
+    plan: StepPlan,
+    logits: torch.Tensor,
+    allowed: torch.Tensor | None,
+    tokens: Sequence[int],
+    starts: Sequence[int],
+) -> tuple[list[tuple[int, ...]], list[tuple[TokenLogprob | None, ...]]]:
+    """Per decode row, the tokens drawn at the rows its accepted draft opened (and their
+    logprobs): a row's drafted rows are walked while the token drawn is the one drafted next
+    (``tokens``: each row's first token; ``starts``: where its rows start in ``logits``)."""
     drafted: list[list[int]] = [[] for _ in plan.decode]
     drafted_logprobs: list[list[TokenLogprob | None]] = [[] for _ in plan.decode]
     alive = [r for r, row in enumerate(plan.decode) if row.draft and tokens[r] == row.draft[0]]
@@ -281,13 +295,7 @@ def _sample(plan: StepPlan, logits: torch.Tensor, allowed: torch.Tensor | None) 
                 following.append(r)
         alive = following
         depth += 1
-    return _output(
-        plan,
-        tokens,
-        logprobs,
-        [tuple(more) for more in drafted],
-        [tuple(more) for more in drafted_logprobs],
-    )
+    return [tuple(more) for more in drafted], [tuple(more) for more in drafted_logprobs]
 
 
 class _Attention:
@@ -318,15 +326,33 @@ class _Attention:
         )
         self.decode_rows = padded_rows(groups)
         """Query rows of each decoding lane's attention problem (its query heads, padded)."""
-        # Lanes whose key lengths are equal share a call (one problem per lane).  A drafted row
-        # is a decode row at its own position: it sees the keys written before it in this
-        # pass, no further, and is attended exactly as a decode row at that position.
-        buckets: dict[int, list[int]] = {}
-        for index, (_, position) in enumerate(decode):
-            buckets.setdefault(key_length(position, window), []).append(index)
         self.groups: list[tuple[list[int], Any, int, torch.Tensor]] = []
         """Per group: its decode rows, their slots (a slice when consecutive), key length,
         mask."""
+        self.restore: torch.Tensor | None = None
+        """Puts the groups' rows back in decode order, when grouping moved them."""
+        self._group(decode, window, device)
+        per_call = positions_per_call(groups)
+        self.chunks: list[tuple[int, int, int, list[tuple[int, int, int, torch.Tensor]]]] = []
+        """Per chunk: its slot, first position, length, and its calls: (first and end row in
+        the chunk, key length, mask)."""
+        for chunk in plan.chunks:
+            calls = _chunk_calls(chunk, per_call, groups, window, device)
+            self.chunks.append((chunk.slot, chunk.start, len(chunk.tokens), calls))
+        self.longest = max(
+            [length for _, _, length, _ in self.groups]
+            + [call[2] for *_, calls in self.chunks for call in calls],
+            default=0,
+        )
+        """The longest key length any call reads."""
+
+    def _group(self, decode: list[tuple[int, int]], window: int, device: torch.device) -> None:
+        """Lanes whose key lengths are equal share a call (one problem per lane).  A drafted
+        row is a decode row at its own position: it sees the keys written before it in this
+        pass, no further, and is attended exactly as a decode row at that position."""
+        buckets: dict[int, list[int]] = {}
+        for index, (_, position) in enumerate(decode):
+            buckets.setdefault(key_length(position, window), []).append(index)
         order: list[int] = []
         for length, members in sorted(buckets.items()):
             slots = [decode[i][0] for i in members]
@@ -338,39 +364,34 @@ class _Attention:
             valid = torch.arange(length, device=device).unsqueeze(0) < lengths.unsqueeze(1)
             self.groups.append((members, where, length, valid.view(len(members), 1, 1, length)))
             order += members
-        self.restore: torch.Tensor | None = None
-        """Puts the groups' rows back in decode order, when grouping moved them."""
         if order != list(range(self.rows)):
             inverse = [0] * self.rows
             for position, row in enumerate(order):
                 inverse[row] = position
             self.restore = torch.tensor(inverse, dtype=torch.long, device=device)
-        per_call = positions_per_call(groups)
-        self.chunks: list[tuple[int, int, int, list[tuple[int, int, int, torch.Tensor]]]] = []
-        """Per chunk: its slot, first position, length, and its calls: (first and end row in
-        the chunk, key length, mask)."""
-        self.longest = 0
-        """The longest key length any call reads."""
-        for chunk in plan.chunks:
-            n = len(chunk.tokens)
-            calls = []
-            first = chunk.start
-            while first < chunk.start + n:
-                end = min(chunk.start + n, (first // per_call + 1) * per_call)
-                length = key_length(end - 1, window)
-                rows = (end - first) * groups
-                positions = torch.arange(first, end, device=device).repeat_interleave(groups)
-                padding = padded_rows(rows) - rows
-                if padding:
-                    positions = torch.cat([positions, positions.new_zeros(padding)])
-                columns = torch.arange(length, device=device)
-                mask = (columns.unsqueeze(0) <= positions.unsqueeze(1)).view(1, 1, -1, length)
-                calls.append((first - chunk.start, end - chunk.start, length, mask))
-                self.longest = max(self.longest, length)
-                first = end
-            self.chunks.append((chunk.slot, chunk.start, n, calls))
-        for _, _, length, _ in self.groups:
-            self.longest = max(self.longest, length)
+
+
+def _chunk_calls(
+    chunk: ChunkRow, per_call: int, groups: int, window: int, device: torch.device
+) -> list[tuple[int, int, int, torch.Tensor]]:
+    """A prompt chunk's attention calls, ``per_call`` positions each (they share a key
+    length): (first and end row in the chunk, key length, mask)."""
+    n = len(chunk.tokens)
+    calls = []
+    first = chunk.start
+    while first < chunk.start + n:
+        end = min(chunk.start + n, (first // per_call + 1) * per_call)
+        length = key_length(end - 1, window)
+        rows = (end - first) * groups
+        positions = torch.arange(first, end, device=device).repeat_interleave(groups)
+        padding = padded_rows(rows) - rows
+        if padding:
+            positions = torch.cat([positions, positions.new_zeros(padding)])
+        columns = torch.arange(length, device=device)
+        mask = (columns.unsqueeze(0) <= positions.unsqueeze(1)).view(1, 1, -1, length)
+        calls.append((first - chunk.start, end - chunk.start, length, mask))
+        first = end
+    return calls
 
 
 class LlamaRunner:
@@ -622,69 +643,97 @@ class LlamaRunner:
     ) -> torch.Tensor:
         """Attention of every row of a step (see :class:`_Attention` for how it is cut)."""
         keys, values = self.kv.keys[layer], self.kv.values[layer]
-        heads, kv_heads, head_dim = self._heads, self._kv_heads, self._head_dim
-        groups = self._groups
         parts: list[torch.Tensor] = []
         decode = attention.rows
         if decode:
-            new_keys, new_values = key[:decode], value[:decode]
-            if self._kv_cast:
-                new_keys, new_values = new_keys.to(keys.dtype), new_values.to(values.dtype)
-            keys[attention.slot_index, :, attention.position_index] = new_keys
-            values[attention.slot_index, :, attention.position_index] = new_values
-            # Each key/value head answers its group of query heads: the group is laid out as
-            # that head's "query positions", so no key or value is repeated.
-            grouped = query[:decode].reshape(decode, kv_heads, groups, head_dim)
-            grouped = _pad_rows(grouped, attention.decode_rows)
-            outs = []
-            for members, where, length, valid in attention.groups:
-                if isinstance(where, slice):
-                    k, v = keys[where, :, :length], values[where, :, :length]
-                else:
-                    k = keys.index_select(0, where)[:, :, :length]
-                    v = values.index_select(0, where)[:, :, :length]
-                q = grouped if len(members) == decode else grouped[members]
-                if self._kv_cast:
-                    k, v = k.to(q.dtype), v.to(q.dtype)
-                outs.append(
-                    F.scaled_dot_product_attention(q, k, v, attn_mask=valid, scale=self._scaling)
-                )
-            out = outs[0] if len(outs) == 1 else torch.cat(outs)
-            if attention.restore is not None:
-                out = out.index_select(0, attention.restore)
-            parts.append(out[:, :, :groups].reshape(decode, heads * head_dim))
+            parts.append(self._attend_decode(keys, values, query, key, value, attention))
         offset = decode
         for slot, start, n, calls in attention.chunks:
             end = start + n
             keys[slot, :, start:end] = key[offset : offset + n].transpose(0, 1)
             values[slot, :, start:end] = value[offset : offset + n].transpose(0, 1)
-            for first, last, length, mask in calls:
-                rows = last - first
-                # [rows, heads, dim] -> [1, kv_heads, rows * groups, dim], position-major.
-                q = (
-                    query[offset + first : offset + last]
-                    .view(rows, kv_heads, groups, head_dim)
-                    .permute(1, 0, 2, 3)
-                    .reshape(1, kv_heads, rows * groups, head_dim)
-                )
-                k, v = keys[slot : slot + 1, :, :length], values[slot : slot + 1, :, :length]
-                if self._kv_cast:
-                    k, v = k.to(q.dtype), v.to(q.dtype)
-                out = F.scaled_dot_product_attention(
-                    _pad_rows(q, mask.shape[2]),
-                    k,
-                    v,
-                    attn_mask=mask,
-                    scale=self._scaling,
-                )
-                parts.append(
-                    out[0, :, : rows * groups]
-                    .view(kv_heads, rows, groups, head_dim)
-                    .permute(1, 0, 2, 3)
-                    .reshape(rows, heads * head_dim)
-                )
+            parts.extend(self._attend_chunk(keys, values, query[offset : offset + n], slot, calls))
             offset += n
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _attend_decode(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention: _Attention,
+    ) -> torch.Tensor:
+        """The decode rows' attention: their keys and values written into their slots first,
+        lanes of equal key length in one call."""
+        kv_heads, head_dim, groups = self._kv_heads, self._head_dim, self._groups
+        decode = attention.rows
+        new_keys, new_values = key[:decode], value[:decode]
+        if self._kv_cast:
+            new_keys, new_values = new_keys.to(keys.dtype), new_values.to(values.dtype)
+        keys[attention.slot_index, :, attention.position_index] = new_keys
+        values[attention.slot_index, :, attention.position_index] = new_values
+        # Each key/value head answers its group of query heads: the group is laid out as
+        # that head's "query positions", so no key or value is repeated.
+        grouped = query[:decode].reshape(decode, kv_heads, groups, head_dim)
+        grouped = _pad_rows(grouped, attention.decode_rows)
+        outs = []
+        for members, where, length, valid in attention.groups:
+            if isinstance(where, slice):
+                k, v = keys[where, :, :length], values[where, :, :length]
+            else:
+                k = keys.index_select(0, where)[:, :, :length]
+                v = values.index_select(0, where)[:, :, :length]
+            q = grouped if len(members) == decode else grouped[members]
+            if self._kv_cast:
+                k, v = k.to(q.dtype), v.to(q.dtype)
+            outs.append(
+                F.scaled_dot_product_attention(q, k, v, attn_mask=valid, scale=self._scaling)
+            )
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if attention.restore is not None:
+            out = out.index_select(0, attention.restore)
+        return out[:, :, :groups].reshape(decode, self._heads * head_dim)
+
+    def _attend_chunk(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        query: torch.Tensor,
+        slot: int,
+        calls: list[tuple[int, int, int, torch.Tensor]],
+    ) -> list[torch.Tensor]:
+        """A prompt chunk's attention, call by call, over its slot's keys (``query``: the
+        chunk's rows)."""
+        kv_heads, head_dim, groups = self._kv_heads, self._head_dim, self._groups
+        parts = []
+        for first, last, length, mask in calls:
+            rows = last - first
+            # [rows, heads, dim] -> [1, kv_heads, rows * groups, dim], position-major.
+            q = (
+                query[first:last]
+                .view(rows, kv_heads, groups, head_dim)
+                .permute(1, 0, 2, 3)
+                .reshape(1, kv_heads, rows * groups, head_dim)
+            )
+            k, v = keys[slot : slot + 1, :, :length], values[slot : slot + 1, :, :length]
+            if self._kv_cast:
+                k, v = k.to(q.dtype), v.to(q.dtype)
+            out = F.scaled_dot_product_attention(
+                _pad_rows(q, mask.shape[2]),
+                k,
+                v,
+                attn_mask=mask,
+                scale=self._scaling,
+            )
+            parts.append(
+                out[0, :, : rows * groups]
+                .view(kv_heads, rows, groups, head_dim)
+                .permute(1, 0, 2, 3)
+                .reshape(rows, self._heads * head_dim)
+            )
+        return parts
 
     def _sequence_attention(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor

@@ -25,10 +25,6 @@ from dataclasses import dataclass
 
 from sfnode.engines.scheduling.plan import StepPlan
 
-DEFAULT_STEP_MS = 250
-"""A step's time budget while interactive work may need the engine (``--step-ms``): a chat that
-arrives beside batch work waits about this long for the step in flight."""
-
 KEYS_UNIT = 1024
 """Attended keys are counted in units of this many (keeps the figures of one size)."""
 

@@ -5,7 +5,7 @@ A plan names lanes by their KV *slot* (a runner keeps one contiguous KV region p
 for one forward pass over the model: which slots decode one token (``decode``), which prompt
 chunks are computed into which slots (``chunks``), which cached KV blocks are copied into a slot
 before the pass (``loads``) and which of a slot's full blocks are copied into the prefix cache's
-block pool after it (``saves``).  docs/engine.md section 3 describes the step.  A decode row may
+block pool (``saves``).  docs/engine.md section 3 describes the step.  A decode row may
 carry a *draft* (section 3.1): tokens guessed to follow the one it samples, computed in the same
 pass at the next positions and kept as far as the sampler would have drawn them.  A row that
 samples for a constrained lane carries the lane's :class:`~sfnode.decoding.constraint.LaneStage`:
@@ -79,7 +79,8 @@ class BlockCopy:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One forward pass.  Order of work: ``loads``, then the pass, then ``saves``."""
+    """One forward pass.  Order of work: ``saves`` (blocks earlier steps computed, of lanes
+    running or ended, whose slot a load may now reuse), then ``loads``, then the pass."""
 
     decode: tuple[DecodeRow, ...] = ()
     chunks: tuple[ChunkRow, ...] = ()

@@ -19,23 +19,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from sfnode.generation import PrefixFigures
 from sfnode.linkf.prefix_blocks import BlockKey
-
-
-@dataclass
-class PrefixCacheStats:
-    """Cumulative figures since start, and the blocks held now."""
-
-    hits: int = 0
-    """Generations that reused at least one block."""
-    misses: int = 0
-    """Generations that reused nothing."""
-    reused_tokens: int = 0
-    saved_blocks: int = 0
-    evictions: int = 0
-    cached_blocks: int = 0
 
 
 @dataclass
@@ -59,8 +46,13 @@ class PrefixCache:
         self.capacity = capacity
         self._blocks: OrderedDict[BlockKey, _Entry] = OrderedDict()
         self._children: dict[BlockKey, set[BlockKey]] = {}
-        self._free = list(range(capacity - 1, -1, -1))
-        self.stats = PrefixCacheStats()
+        self._free: list[int] = []
+        """Blocks given back (:meth:`discard`), taken again last in first out."""
+        self._unused = 0
+        """Blocks ``_unused ..`` were never taken (a pool of millions costs nothing until used)."""
+        self.stats = PrefixFigures()
+        """Cumulative figures since start, and the blocks held now (a new value at each
+        change)."""
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -102,11 +94,13 @@ class PrefixCache:
 
     def record_use(self, reused_tokens: int) -> None:
         """Count one generation's lookup (a hit when it reused any token)."""
+        stats = self.stats
         if reused_tokens:
-            self.stats.hits += 1
-            self.stats.reused_tokens += reused_tokens
+            self.stats = replace(
+                stats, hits=stats.hits + 1, reused_tokens=stats.reused_tokens + reused_tokens
+            )
         else:
-            self.stats.misses += 1
+            self.stats = replace(stats, misses=stats.misses + 1)
 
     def allocate(self, key: BlockKey, parent: BlockKey, tokens: Sequence[int]) -> int | None:
         """A pool block to store the block named ``key`` (``tokens``, after ``parent``) in, or None.
@@ -119,17 +113,21 @@ class PrefixCache:
             return None
         if self._free:
             block = self._free.pop()
+        elif self._unused < self.capacity:
+            block = self._unused
+            self._unused += 1
         else:
             if not self._blocks:
                 return None
             old_key, old = self._blocks.popitem(last=False)
             self._unlink(old_key, old)
             block = old.block
-            self.stats.evictions += 1
+            self.stats = replace(self.stats, evictions=self.stats.evictions + 1)
         self._blocks[key] = _Entry(block, parent, tuple(tokens))
         self._children.setdefault(parent, set()).add(key)
-        self.stats.saved_blocks += 1
-        self.stats.cached_blocks = len(self._blocks)
+        self.stats = replace(
+            self.stats, saved_blocks=self.stats.saved_blocks + 1, cached_blocks=len(self._blocks)
+        )
         return block
 
     def discard(self, key: BlockKey) -> None:
@@ -138,7 +136,7 @@ class PrefixCache:
         if entry is not None:
             self._unlink(key, entry)
             self._free.append(entry.block)
-            self.stats.cached_blocks = len(self._blocks)
+            self.stats = replace(self.stats, cached_blocks=len(self._blocks))
 
     def _unlink(self, key: BlockKey, entry: _Entry) -> None:
         siblings = self._children.get(entry.parent)

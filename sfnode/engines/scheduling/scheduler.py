@@ -63,7 +63,7 @@ from sfnode.engines.scheduling.drafts import DraftLength, PromptLookup, Speculat
 from sfnode.engines.scheduling.pace import StepCost, StepRates
 from sfnode.engines.scheduling.plan import BlockCopy, ChunkRow, DecodeRow, StepOutput, StepPlan
 from sfnode.engines.scheduling.prefix_cache import PrefixCache
-from sfnode.generation import EngineStop, TokenLogprob
+from sfnode.generation import EngineStop, StepFigures, TokenLogprob
 from sfnode.linkf.prefix_blocks import KV_BLOCK_TOKENS, BlockKey, block_keys
 from sfnode.linkf.wire import GenParams
 
@@ -139,19 +139,27 @@ class Ended(NamedTuple):
 
 @dataclass
 class SchedulerCounts:
-    """Cumulative figures since start."""
+    """Cumulative figures since start: tokens decoded and prompt tokens computed, and the
+    figures of :class:`~sfnode.generation.StepFigures` (which :meth:`figures` reports)."""
 
     decoded: int = 0
     prefilled: int = 0
     steps: int = 0
     decode_rows: int = 0
-    """Decode rows computed (one per decoding lane per step, however long its draft)."""
     decode_tokens: int = 0
-    """Tokens those rows gave (more than one a row when drafts were accepted)."""
     drafted: int = 0
-    """Draft tokens verified (docs/engine.md section 3.1)."""
     accepted: int = 0
-    """Draft tokens the sampler drew as drafted."""
+
+    def figures(self, speculative: bool) -> StepFigures:
+        """The step figures now, as a value."""
+        return StepFigures(
+            self.steps,
+            self.decode_rows,
+            self.decode_tokens,
+            speculative,
+            self.drafted,
+            self.accepted,
+        )
 
 
 class Scheduler:
@@ -461,7 +469,7 @@ class Scheduler:
             return ()
         tokens = lane.request.context + tuple(lane.generated)
         if len(lane.keys) < full:
-            lane.keys = block_keys(tokens[: full * KV_BLOCK_TOKENS], self._salt)
+            lane.keys = block_keys(tokens[: full * KV_BLOCK_TOKENS], self._salt, known=lane.keys)
         runs: list[BlockCopy] = []
         first, blocks = lane.saved, list[int]()
         for index in range(lane.saved, full):

@@ -1,0 +1,517 @@
+"""The engine loop: what joins the scheduler to a runner, for the transformers engine and the mock
+engine alike (docs/engine.md section 3).
+
+:class:`EngineLoop` takes the node's generations (:meth:`EngineLoop.submit`), hands them to the
+pure :class:`~sfnode.engines.scheduling.scheduler.Scheduler`, sends each step's plan to its
+:class:`Worker` (which runs the engine's runner: on a worker thread for the transformers engine,
+on the reactor after a pretend step time for the mock), and when a step's output comes back has
+the scheduler plan the next step (sent off at once) before it hands the tokens and ends to the
+generations, so that handing them over overlaps the next step's computation.  Cancelling,
+deadlines, KV block accounting and statistics are plain reactor-side bookkeeping with no locks.
+
+A constrained request's :class:`~sfnode.decoding.constraint.LaneStage` is prepared by the worker
+(compiling a grammar can take 100 ms: the transformers engine does it on a thread of its own)
+before the request queues.
+
+This module must never import torch, touch a model or a thread itself (the worker does), never
+let one generation's failure stop the engine (a failed step fails the lanes it carried and the
+engine goes on), and never call a generation's ``on_tokens`` after it was cancelled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from twisted.internet import defer
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from sfnode.decoding.constraint import ConstraintError, LaneStage, Vocabulary
+from sfnode.engines.config import EngineConfig
+from sfnode.engines.scheduling.drafts import Speculation
+from sfnode.engines.scheduling.pace import RateEstimator, StepCost
+from sfnode.engines.scheduling.plan import StepOutput, StepPlan
+from sfnode.engines.scheduling.prefix_cache import PrefixCache
+from sfnode.engines.scheduling.scheduler import (
+    Emitted,
+    Ended,
+    Request,
+    Scheduler,
+    blocks_for,
+)
+from sfnode.generation import (
+    EngineRefusal,
+    EngineStatistics,
+    EngineStop,
+    GenerationRequest,
+    GenerationResult,
+    MaskFigures,
+    StageForwardError,
+    StageResult,
+    StreamTooLong,
+    TokenBatch,
+    TokenLogprob,
+    TokenSink,
+)
+from sfnode.linkf.prefix_blocks import KV_BLOCK_TOKENS
+from sfnode.linkf.wire import Constraint
+
+if TYPE_CHECKING:
+    from sfnode.generation import Generation
+
+log = Logger(namespace="sfnode.engines.loop")
+
+T = TypeVar("T")
+
+
+class Runner(Protocol):
+    """What executes a step's plan and a pipeline stage (a model runner, or the mock's)."""
+
+    def run(self, plan: StepPlan) -> StepOutput: ...
+
+    def stage(self, tokens: Sequence[int], start: int, end: int, hidden_in: Any) -> StageResult: ...
+
+
+class Worker(Protocol):
+    """Where an engine's runner executes: a worker thread, or the reactor itself."""
+
+    def start(self) -> None:
+        """Before the first step (start a thread, check the runner)."""
+
+    def step(self, plan: StepPlan) -> defer.Deferred[tuple[StepOutput, float]]:
+        """Run ``plan`` on the runner; fires on the reactor thread with its output and the
+        seconds it took, or fails with what the runner raised."""
+
+    def call(self, work: Callable[..., T], *args: Any) -> defer.Deferred[T]:
+        """Run ``work(*args)`` where the steps run, between them (a pipeline stage)."""
+
+    def prepare(
+        self, vocabulary: Vocabulary | None, constraint: Constraint, context: Sequence[int]
+    ) -> defer.Deferred[LaneStage]:
+        """A constrained request's stage (:meth:`LaneStage.prepare`); fails with
+        :class:`ConstraintError` when it cannot be honoured."""
+
+    def interrupt(self) -> None:
+        """The engine stops: end the step in flight now if that can be done (its Deferred then
+        fails), else let it finish."""
+
+    def stop(self) -> None:
+        """No step is in flight and none will come: release what the worker holds."""
+
+
+@dataclass(frozen=True)
+class RunnerTraits:
+    """What an engine's model and runner are: the facts the loop sizes itself by."""
+
+    n_layers: int
+    vocab_size: int
+    eos_ids: frozenset[int]
+    context_ids: int = 0
+    """A context's token ids must be below this (refused otherwise); 0: ``vocab_size``."""
+    model_window: int = 0
+    """The model's own context window; 0: none (the configuration then gives one)."""
+    salt: bytes = b""
+    """What a block's KV depends on besides its tokens (the prefix cache's keys start from it)."""
+    block_copies: bool = False
+    """The runner executes a plan's block loads and saves: a prefix cache can be kept."""
+    drafts: bool = False
+    """The runner verifies drafted tokens: speculative decoding can be on."""
+    timed: bool = True
+    """A step's duration is measured (steps may be sized in time, docs/engine.md section 3);
+    False: the steps take no real time and are sized in tokens only."""
+
+
+class EngineGeneration:
+    """The node's handle on one generation of an :class:`EngineLoop`; lives on the reactor
+    thread."""
+
+    def __init__(self, cancel: Callable[[Request], None], on_tokens: TokenSink) -> None:
+        self._cancel_request = cancel
+        self._on_tokens = on_tokens
+        self._delivered: list[int] = []
+        self._cancelled = False
+        self._result: defer.Deferred[GenerationResult] = defer.Deferred(lambda _d: self.cancel())
+        self.request: Request | None = None
+        """Its request, once it is queued in the scheduler."""
+        self.preparing = False
+        """Its constraint's stage is being prepared; it queues when that is done."""
+
+    @property
+    def result(self) -> defer.Deferred[GenerationResult]:
+        return self._result
+
+    def cancel(self) -> None:
+        if self._result.called or self._cancelled:
+            return
+        self._cancelled = True
+        if self.request is not None:
+            self._cancel_request(self.request)
+        elif self.preparing:
+            self.finish(EngineStop.CANCELLED)
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def deliver(self, tokens: list[int], logprobs: list[TokenLogprob] | None) -> None:
+        if self._result.called or self._cancelled:
+            return
+        self._delivered.extend(tokens)
+        try:
+            batch = TokenBatch(tuple(tokens), None if logprobs is None else tuple(logprobs))
+            self._on_tokens(batch)
+        except Exception:
+            log.failure("on_tokens raised; cancelling the generation")
+            self.cancel()
+
+    def finish(self, stop: EngineStop) -> None:
+        if self._result.called:
+            return
+        if self._cancelled:
+            stop = EngineStop.CANCELLED
+        self._result.callback(GenerationResult(tuple(self._delivered), stop))
+
+    def fail(self, error: BaseException) -> None:
+        if self._result.called:
+            return
+        if self._cancelled:
+            self._result.callback(GenerationResult(tuple(self._delivered), EngineStop.CANCELLED))
+        else:
+            self._result.errback(error)
+
+
+class EngineLoop:
+    """The reactor side of an engine (see the module): the engines are this loop with a runner
+    and a worker of their own (:class:`~sfnode.engines.mock.MockEngine`,
+    :class:`~sfnode.engines.transformers_engine.TransformersEngine`)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        traits: RunnerTraits,
+        runner: Runner,
+        worker: Worker,
+        *,
+        clock: Callable[[], float],
+        vocabulary: Vocabulary | None = None,
+        supports_logprobs: bool = True,
+    ) -> None:
+        """``clock`` reads the seconds deadlines are kept in; ``vocabulary`` lets the engine
+        honour grammars (docs/engine.md section 2.4)."""
+        self.config = config
+        self._window, kv_blocks = config.kv_sizes(traits.model_window)
+        self._traits = traits
+        prefix_blocks = config.prefix_blocks(kv_blocks) if traits.block_copies else 0
+        self.prefix_cache = PrefixCache(prefix_blocks) if prefix_blocks else None
+        """The prefix cache's index, when the configuration and the runner keep one."""
+        self.scheduler = Scheduler(
+            lanes=config.max_lanes,
+            kv_blocks=kv_blocks,
+            prefill_chunk=config.prefill_chunk,
+            step_tokens=config.step_tokens,
+            prefix=self.prefix_cache,
+            salt=traits.salt,
+            interactive_lanes=config.interactive_lanes,
+            speculation=(
+                Speculation(draft_tokens=config.draft_tokens)
+                if config.speculative == "ngram" and traits.drafts
+                else None
+            ),
+            step_ms=config.step_ms if traits.timed else 0.0,
+        )
+        self.runner = runner
+        self.worker = worker
+        self.pace = RateEstimator()
+        """What a step takes here, fitted to the steps measured (docs/engine.md section 3)."""
+        self.vocabulary = vocabulary
+        """The model's vocabulary for grammars; None: the engine honours no grammar."""
+        self._clock = clock
+        self._supports_logprobs = supports_logprobs
+        self._started = False
+        self._stopping = False
+        self._stepping = False
+        self._stopped = False
+        self._stop_waiters: list[defer.Deferred[None]] = []
+
+    # -- what the node reads (reactor thread) -----------------------------------------------
+
+    @property
+    def context_window(self) -> int:
+        return self._window
+
+    @property
+    def n_layers(self) -> int:
+        return self._traits.n_layers
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self._traits.eos_ids
+
+    @property
+    def supports_logprobs(self) -> bool:
+        """Token logprobs are computed for generations that ask (docs/protocol.md 12.1)."""
+        return self._supports_logprobs
+
+    @property
+    def supports_constraints(self) -> bool:
+        """Constraints are honoured when the engine has the model's vocabulary, docs/protocol.md
+        section 12.3."""
+        return self.vocabulary is not None
+
+    @property
+    def speculation(self) -> Speculation | None:
+        """How the scheduler drafts, or None (docs/engine.md section 3.1)."""
+        return self.scheduler.speculation
+
+    def mask_figures(self) -> MaskFigures | None:
+        """The grammar masks computed so far (docs/engine.md section 2.4); None: the engine
+        computes none."""
+        return None
+
+    def statistics(self) -> EngineStatistics:
+        scheduler = self.scheduler
+        counts = scheduler.counts
+        prefix = self.prefix_cache
+        return EngineStatistics(
+            decoded_tokens=counts.decoded,
+            prefilled_tokens=counts.prefilled,
+            queue_depth=len(scheduler.waiting),
+            lanes_active=len(scheduler.running),
+            kv_blocks_used=scheduler.kv_blocks_used,
+            kv_blocks_total=scheduler.kv_blocks,
+            steps=counts.figures(speculative=scheduler.speculation is not None),
+            prefix=None if prefix is None else prefix.stats,
+            masks=self.mask_figures(),
+        )
+
+    # -- generations ------------------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest, on_tokens: TokenSink) -> EngineGeneration:
+        handle = EngineGeneration(self._cancel, on_tokens)
+        context = tuple(int(t) for t in request.context)
+        refusal = self._refusal(context)
+        if refusal is not None:
+            handle.fail(refusal)
+            return handle
+        if request.max_new <= 0 or len(context) >= self._window:
+            handle.finish(EngineStop.LENGTH)
+            return handle
+        job = self._request(handle, request, context)
+        constraint = request.constraint
+        if constraint is None:
+            self._queue(handle, job)
+        elif constraint.grammar is not None and self.vocabulary is None:
+            handle.fail(EngineRefusal("this engine has no vocabulary for grammars"))
+        else:
+            handle.preparing = True
+            prepared = self.worker.prepare(self.vocabulary, constraint, context)
+            prepared.addCallbacks(
+                self._prepared, self._unprepared, callbackArgs=(handle, job), errbackArgs=(handle,)
+            )
+        return handle
+
+    def _refusal(self, context: tuple[int, ...]) -> BaseException | None:
+        """Why a generation of ``context`` cannot run here, or None."""
+        if not context:
+            return EngineRefusal("the context is empty; there is nothing to extend")
+        if len(context) > self._window:
+            return StreamTooLong(len(context), self._window)
+        if self._stopping:
+            return RuntimeError("the engine is stopped")
+        vocab = self._traits.context_ids or self._traits.vocab_size
+        if min(context) < 0 or max(context) >= vocab:
+            bad = next(t for t in context if not 0 <= t < vocab)
+            return EngineRefusal(f"token id {bad} is outside the vocabulary of {vocab}")
+        return None
+
+    def _request(
+        self, handle: EngineGeneration, request: GenerationRequest, context: tuple[int, ...]
+    ) -> Request:
+        """The scheduler's view of ``request``: its KV reservation, token limit and deadline."""
+        limit = min(len(context) + request.max_new, self._window)
+        reserve = min(blocks_for(limit), self.scheduler.kv_blocks)
+        wall = request.max_wall_ms
+        return Request(
+            handle=handle,
+            context=context,
+            params=request.params,
+            max_new=request.max_new,
+            token_limit=min(limit, reserve * KV_BLOCK_TOKENS),
+            reserve_blocks=reserve,
+            eos_ids=self._traits.eos_ids,
+            deadline=self._clock() + wall / 1000.0 if wall > 0 else None,
+            interactive=request.interactive,
+        )
+
+    def _queue(self, handle: EngineGeneration, job: Request) -> None:
+        handle.request = job
+        self.scheduler.submit(job)
+        self._kick()
+
+    def _prepared(self, stage: LaneStage, handle: EngineGeneration, job: Request) -> None:
+        handle.preparing = False
+        if handle.cancelled or handle.result.called:
+            return
+        if self._stopping:
+            handle.finish(EngineStop.CANCELLED)
+            return
+        job.stage = stage
+        self._queue(handle, job)
+
+    def _unprepared(self, failure: Failure, handle: EngineGeneration) -> None:
+        handle.preparing = False
+        if isinstance(failure.value, ConstraintError):
+            handle.fail(EngineRefusal(f"the constraint cannot be honoured: {failure.value}"))
+        else:
+            handle.fail(failure.value if failure.value is not None else RuntimeError("failed"))
+
+    def _cancel(self, request: Request) -> None:
+        self.scheduler.cancel(request)
+        self._kick()
+
+    # -- pipeline stages (docs/protocol.md section 7.6) -------------------------------------
+
+    def stage_forward(
+        self, tokens: Sequence[int], start_layer: int, end_layer: int, hidden_in: bytes | None
+    ) -> defer.Deferred[StageResult]:
+        n_layers = self._traits.n_layers
+        try:
+            if not 0 <= start_layer <= end_layer <= n_layers:
+                raise StageForwardError(
+                    f"bad layer bounds [{start_layer}, {end_layer}) for {n_layers} layers"
+                )
+            if hidden_in is None and (start_layer != 0 or not tokens):
+                raise StageForwardError(
+                    "a stage without hidden input must start at layer 0 with tokens"
+                )
+            if self._stopping or not self._started:
+                raise StageForwardError("the engine is stopped")
+            hidden = None if hidden_in is None else self.read_hidden(hidden_in)
+        except StageForwardError as e:
+            return defer.fail(e)
+        d = self.worker.call(
+            self.runner.stage, [int(t) for t in tokens], start_layer, end_layer, hidden
+        )
+
+        def unexpected(failure: Failure) -> Failure | StageResult:
+            if isinstance(failure.value, StageForwardError):
+                return failure
+            log.failure("stage forward failed", failure)
+            raise StageForwardError(f"stage forward failed: {failure.value}")
+
+        d.addErrback(unexpected)
+        return d
+
+    def read_hidden(self, blob: bytes) -> Any:
+        """A stage's hidden input as the runner takes it.
+
+        :raises StageForwardError: the blob is malformed or mis-sized."""
+        raise StageForwardError("this engine runs no pipeline stages")
+
+    # -- life ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        self.worker.start()
+        self._kick()
+
+    def stop(self) -> defer.Deferred[None]:
+        """Cancel everything, end the step in flight (or wait for it), stop the worker."""
+        done: defer.Deferred[None] = defer.Deferred()
+        if self._stopped:
+            done.callback(None)
+            return done
+        self._stop_waiters.append(done)
+        if not self._stopping:
+            self._stopping = True
+            self._deliver([], self.scheduler.abandon())
+            if self._stepping:
+                self.worker.interrupt()
+            else:
+                self._stopped_now()
+        return done
+
+    def _stopped_now(self) -> None:
+        self.worker.stop()
+        self._stopped = True
+        waiters, self._stop_waiters = self._stop_waiters, []
+        for waiter in waiters:
+            waiter.callback(None)
+
+    # -- steps (reactor thread) ---------------------------------------------------------------
+
+    def _kick(self) -> None:
+        """Send off the next step if none is running and there is something to do."""
+        if self._stepping or self._stopping or not self._started:
+            return
+        plan, ended = self.scheduler.plan(self._clock(), self.pace.rates)
+        if not plan.empty:
+            self._stepping = True
+            d = self.worker.step(plan)
+            d.addCallbacks(
+                self._step_done, self._step_failed, callbackArgs=(plan,), errbackArgs=(plan,)
+            )
+            d.addErrback(lambda failure: log.failure("the engine's step handling failed", failure))
+        self._deliver([], ended)
+
+    def _step_done(self, result: tuple[StepOutput, float], plan: StepPlan) -> None:
+        self._stepping = False
+        if self._stopping:
+            self._stopped_now()
+            return
+        output, seconds = result
+        if self._traits.timed and (plan.decode or plan.chunks):
+            self.pace.observe(StepCost.of(plan), seconds)
+        emitted, ended = self.scheduler.complete(plan, output)
+        self._kick()
+        self._deliver(emitted, ended)
+
+    def _step_failed(self, failure: Failure, plan: StepPlan) -> None:
+        self._stepping = False
+        if self._stopping:
+            self._stopped_now()
+            return
+        log.failure(
+            "an engine step failed; its {n} generations fail, the engine keeps serving",
+            failure,
+            n=len(plan.decode) + len(plan.chunks),
+        )
+        error = failure.value if failure.value is not None else RuntimeError("step failed")
+        ended = self.scheduler.fail(plan, error)
+        self._kick()
+        self._deliver([], ended)
+
+    def _deliver(self, emitted: Sequence[Emitted], ended: Sequence[Ended]) -> None:
+        """Hand tokens to their generations (one call per generation per step), then ends."""
+        batches: dict[int, tuple[EngineGeneration, list[int], list[TokenLogprob]]] = {}
+        for request, token, logprob in emitted:
+            handle: EngineGeneration = request.handle
+            _, tokens, logprobs = batches.setdefault(id(handle), (handle, [], []))
+            tokens.append(token)
+            if logprob is not None:
+                logprobs.append(logprob)
+        for handle, tokens, logprobs in batches.values():
+            asked = (
+                self._supports_logprobs
+                and handle.request is not None
+                and handle.request.params.logprobs > 0
+            )
+            handle.deliver(tokens, logprobs if asked else None)
+        for request, stop, error in ended:
+            handle = request.handle
+            if error is not None:
+                handle.fail(error)
+            else:
+                assert stop is not None
+                handle.finish(stop)
+
+
+if TYPE_CHECKING:
+
+    def _conforms(generation: EngineGeneration) -> Generation:
+        """mypy checks here that the handle implements the node's protocol."""
+        return generation

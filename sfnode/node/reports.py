@@ -1,0 +1,108 @@
+"""What a node tells its heads about itself: HELLO_ACK_F and NODE_STATUS (docs/protocol.md
+sections 5.1 and 7.5), each with a fresh capacity sample.
+
+:class:`NodeReports` owns the node's busy-time load (:class:`~sfnode.node.capacity.NodeLoad`),
+which the generations start and stop, and builds every report from the engine's statistics,
+the node's configuration and its session count.  It never sends: the connections do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import psutil
+
+from sfnode.generation import Engine
+from sfnode.linkf.model_files import Bundle
+from sfnode.linkf.wire import (
+    FEATURE_CONSTRAINTS,
+    FEATURE_HEAD_IDENTITY,
+    FEATURE_LOGPROBS,
+    FEATURE_MODEL_FILES,
+    FEATURE_REQUEST_CLASS,
+    PROTO_VERSION,
+    CapacitySummary,
+    HelloAckF,
+    LinkFLimits,
+    MemCountersMsg,
+    ModelFilesOffer,
+    NodeStatusMsg,
+)
+from sfnode.node.capacity import NodeLoad
+from sfnode.node.config import NodeConfig
+
+
+class NodeReports:
+    """HELLO_ACK_F, NODE_STATUS and the capacity summary both carry (decision D8)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        config: NodeConfig,
+        model_files: Bundle | None,
+        *,
+        now_ms: Callable[[], int],
+        live_sessions: Callable[[], int],
+    ) -> None:
+        self._engine = engine
+        self._config = config
+        self._model_files = model_files
+        self._now_ms = now_ms
+        self._live_sessions = live_sessions
+        self.load = NodeLoad()
+        """The busy time and rates; generations start and stop its busy timer."""
+        self._host_memory_bytes = int(psutil.virtual_memory().total)
+
+    def generation_started(self) -> None:
+        self.load.busy.started(self._now_ms())
+
+    def generation_ended(self) -> None:
+        self.load.busy.stopped(self._now_ms())
+
+    @property
+    def rates(self) -> tuple[int, int]:
+        """The latest busy-time (decode, prefill) tokens per second, without a new sample."""
+        rates = self.load.rates
+        return rates.decode_tokens_per_s, rates.prefill_tokens_per_s
+
+    def capacity(self) -> CapacitySummary:
+        """A fresh capacity sample (section 7.5 and decision D8)."""
+        return self.load.summary(
+            self._now_ms(),
+            self._engine.statistics(),
+            host_memory_bytes=self._host_memory_bytes,
+            active_sessions=self._live_sessions(),
+            max_sessions=self._config.max_sessions,
+            max_context_tokens=self._engine.context_window,
+            max_lanes=self._config.max_lanes,
+        )
+
+    def hello_ack(self) -> HelloAckF:
+        files = self._model_files
+        return HelloAckF(
+            chosen_version=PROTO_VERSION,
+            node_identity=self._config.identity,
+            capacity=self.capacity(),
+            loadable_models=(self._config.model_name,),
+            # Every engine reads GenerationRequest.interactive (section 12.2).
+            feature_flags=FEATURE_REQUEST_CLASS
+            | FEATURE_HEAD_IDENTITY
+            | (FEATURE_LOGPROBS if self._engine.supports_logprobs else 0)
+            | (FEATURE_CONSTRAINTS if self._engine.supports_constraints else 0)
+            | (FEATURE_MODEL_FILES if files is not None else 0),
+            limits=LinkFLimits(),
+            model_files=(
+                ModelFilesOffer(files.content_hash, len(files.data)) if files is not None else None
+            ),
+        )
+
+    def status(self) -> NodeStatusMsg:
+        capacity = self.capacity()
+        return NodeStatusMsg(
+            capacity=capacity,
+            loadable_models=(self._config.model_name,),
+            mem=MemCountersMsg(
+                pool_blocks_total=capacity.kv_blocks_total,
+                pool_blocks_used=capacity.kv_blocks_used,
+            ),
+        )

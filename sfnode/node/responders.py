@@ -1,0 +1,314 @@
+"""What the node does with each message a head sends (docs/protocol.md section 7.2): the dispatch
+table and its responders.
+
+Every decoded frame goes to the responder registered for its message class in :data:`HANDLERS`,
+like AMP pairs a command with its responder.  :class:`Responders` holds them: each reads and
+changes the node's parts (the session tables of :mod:`sfnode.node.heads`, the generations of
+:mod:`sfnode.node.generations`, the drain, the engine's pipeline stages, the model files) and
+answers on the connection the message came on.  Decision D2 holds: nothing blocks, no frame is
+dropped, one connection may carry many generations.
+
+Bounds (issue 5, :class:`~sfnode.node.config.NodeConfig` fields): an ASSIGN beyond
+``max_sessions`` live sessions is refused and that session's GENERATE_REQs are declined (a head
+fails over); a new session takes the place of the one fenced longest ago when the node holds
+that many records; beyond ``max_generations`` running or queued generations, and once the drain
+started, a GENERATE_REQ is declined.  Constraints (section 12.3): a constraint sent to a node
+that did not offer ``FEATURE_CONSTRAINTS`` is a refusal (FINISH_REFUSED).
+
+This module never decodes bytes itself beyond calling :mod:`sfnode.linkf.wire`, and never touches
+a socket (it sends through :class:`~sfnode.node.protocol.NodeConnection`).  Section numbers are
+those of docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Generic, TypeVar
+
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from sfnode.generation import Engine, GenerationRequest, StageForwardError, StageResult
+from sfnode.linkf.idempotency import GenerationKey
+from sfnode.linkf.model_files import XFER_ABORT_UNKNOWN, Bundle, transfer_messages
+from sfnode.linkf.wire import (
+    FINISH_DECLINED,
+    FINISH_REFUSED,
+    LOGPROBS_MAX,
+    U32_MAX,
+    AppendContentMsg,
+    BlobFetchMsg,
+    Finish,
+    GenerateCancelMsg,
+    GenerateReqMsg,
+    LeaseGrantMsg,
+    Message,
+    ReconcileMsg,
+    SessionAssignMsg,
+    SessionRevokeMsg,
+    StageForwardReqMsg,
+    StageForwardRespMsg,
+    TokenEvent,
+    TokenEventsMsg,
+    WatermarkAckMsg,
+    XferAbortMsg,
+    decode_params,
+    decode_tokens,
+)
+from sfnode.node.config import NodeConfig
+from sfnode.node.generations import GenerationTable
+from sfnode.node.heads import HeadSessions, HeadTables
+from sfnode.node.machines import DrainInputs
+from sfnode.node.protocol import NodeConnection
+
+log = Logger()
+
+M = TypeVar("M", bound=Message)
+
+
+@dataclass(frozen=True)
+class Handler(Generic[M]):
+    """One entry of the dispatch table: a message class and what the node does with it."""
+
+    message_class: type[M]
+    respond: Callable[[Responders, NodeConnection, M], None]
+    lenient: bool
+    """True: a malformed payload is logged and ignored instead of closing the connection."""
+
+
+class HandlerTable:
+    """The node's responders, one per message class (section 7.2).
+
+    Types without an entry are ignored without decoding their payload.
+    """
+
+    def __init__(self) -> None:
+        self._by_type: dict[int, Handler[Any]] = {}
+
+    def handles(
+        self, message_class: type[M], *, lenient: bool = False
+    ) -> Callable[
+        [Callable[[Responders, NodeConnection, M], None]],
+        Callable[[Responders, NodeConnection, M], None],
+    ]:
+        """Register the decorated method as the node's responder to ``message_class``."""
+
+        def register(
+            respond: Callable[[Responders, NodeConnection, M], None],
+        ) -> Callable[[Responders, NodeConnection, M], None]:
+            if message_class.MSG_TYPE in self._by_type:
+                raise ValueError(f"{message_class.__name__} already has a handler")
+            self._by_type[message_class.MSG_TYPE] = Handler(message_class, respond, lenient)
+            return respond
+
+        return register
+
+    def get(self, msg_type: int) -> Handler[Any] | None:
+        return self._by_type.get(msg_type)
+
+    def message_classes(self) -> list[type[Message]]:
+        """Every handled message class, in catalog order."""
+        return [self._by_type[t].message_class for t in sorted(self._by_type)]
+
+
+HANDLERS = HandlerTable()
+handles = HANDLERS.handles
+
+
+def answer_at_once(connection: NodeConnection, msg: GenerateReqMsg, reason: int) -> None:
+    """A Finish sent at once, bypassing the retry buffer and the event seqs (section 7.3)."""
+    connection.send(
+        TokenEventsMsg(
+            (TokenEvent(msg.session_id, msg.epoch, msg.generation_id, 0, Finish(reason)),)
+        )
+    )
+
+
+class Responders:
+    """The node's responder to each message class (see the module)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        config: NodeConfig,
+        heads: HeadTables,
+        generations: GenerationTable,
+        drain: DrainInputs,
+        model_files: Bundle | None,
+    ) -> None:
+        self._engine = engine
+        self._config = config
+        self._heads = heads
+        self._generations = generations
+        self._drain = drain
+        self._model_files = model_files
+        self._transfer_ids = itertools.count(1)
+        self._at_session_cap = False
+        self._at_generation_cap = False
+
+    def _head_of(self, connection: NodeConnection) -> HeadSessions:
+        return self._heads.of(connection.head_id)
+
+    @handles(ReconcileMsg)
+    def reconcile(self, connection: NodeConnection, msg: ReconcileMsg) -> None:
+        head = self._head_of(connection)
+        ack, retransmissions = head.table.on_reconcile(msg)
+        connection.send(ack)
+        for batch in retransmissions:
+            connection.send(batch)
+        for entry in ack.sessions:
+            session = head.table.get(entry.session_id)
+            if entry.held and session is not None:
+                session.home = connection
+                for generation in self._generations.of_session(head, entry.session_id):
+                    generation.connection = connection
+
+    @handles(SessionAssignMsg)
+    def assign(self, connection: NodeConnection, msg: SessionAssignMsg) -> None:
+        head = self._head_of(connection)
+        cap = self._config.max_sessions
+        if cap and not head.table.has_session(msg.session_id):
+            if self._heads.live_sessions() >= cap:
+                # Silent, as every refused ASSIGN (section 7.2); its GENERATE_REQs are
+                # declined, which a head fails over on.
+                if not self._at_session_cap:
+                    log.warn(
+                        "refusing new sessions (the first: session {session} of {head}): this "
+                        "node holds max_sessions={cap} live sessions",
+                        session=msg.session_id,
+                        head=head.label,
+                        cap=cap,
+                    )
+                self._at_session_cap = True
+                return
+            if self._heads.session_records() >= cap:
+                self._heads.make_room()
+        session = head.table.on_assign(msg)
+        if session is None:
+            return
+        self._at_session_cap = False
+        session.params = decode_params(msg.params)
+        session.home = connection
+
+    @handles(SessionRevokeMsg)
+    def revoke(self, connection: NodeConnection, msg: SessionRevokeMsg) -> None:
+        head = self._head_of(connection)
+        if head.table.on_revoke(msg) is not None:
+            self._generations.cancel_session(head, msg.session_id)
+            self._heads.forget_if_idle(head)
+
+    @handles(AppendContentMsg)
+    def append(self, connection: NodeConnection, msg: AppendContentMsg) -> None:
+        session = self._head_of(connection).table.on_append(
+            msg.session_id, msg.epoch, msg.command_id
+        )
+        if session is None:
+            return
+        session.home = connection
+        # Strict: a malformed context is fatal to the connection, after the command was
+        # recorded (section 7.2).
+        session.context = array("I", decode_tokens(msg.blocks))
+
+    @handles(GenerateReqMsg)
+    def generate(self, connection: NodeConnection, msg: GenerateReqMsg) -> None:
+        if not self._drain.accepting() or self._at_generation_bound():
+            answer_at_once(connection, msg, FINISH_DECLINED)
+            return
+        head = self._head_of(connection)
+        session = head.table.on_generate(msg)
+        if session is None:
+            answer_at_once(connection, msg, FINISH_DECLINED)
+            return
+        session.home = connection
+        if msg.constraint is not None and not self._engine.supports_constraints:
+            # Only a head that ignored this node's HELLO_ACK_F sends one (section 12.3).
+            log.info(
+                "refused generation {generation} of session {session}: this node does not "
+                "honour constraints",
+                generation=msg.generation_id,
+                session=msg.session_id,
+            )
+            answer_at_once(connection, msg, FINISH_REFUSED)
+            return
+        params = session.params
+        # Logprobs only from an engine that has them (this node's HELLO_ACK_F said so); a
+        # value past the largest reads as the largest (section 12.1).
+        asked = min(params.logprobs, LOGPROBS_MAX) if self._engine.supports_logprobs else 0
+        if asked != params.logprobs:
+            params = replace(params, logprobs=asked)
+        request = GenerationRequest(
+            context=tuple(session.context or ()),
+            params=params,
+            max_new=min(msg.budgets.max_new_tokens, U32_MAX),
+            max_wall_ms=msg.budgets.max_wall_ms,
+            interactive=msg.interactive,
+            constraint=msg.constraint,
+        )
+        key = GenerationKey(msg.session_id, msg.generation_id, head.head_id)
+        self._generations.start(connection, head, key, request)
+
+    def _at_generation_bound(self) -> bool:
+        """Whether ``max_generations`` run or wait (logged once each time it is reached)."""
+        cap = self._config.max_generations
+        if cap and len(self._generations) >= cap:
+            if not self._at_generation_cap:
+                log.warn("declining generations: {cap} are running or queued", cap=cap)
+            self._at_generation_cap = True
+            return True
+        self._at_generation_cap = False
+        return False
+
+    @handles(StageForwardReqMsg)
+    def stage_forward(self, connection: NodeConnection, msg: StageForwardReqMsg) -> None:
+        def answer(result: StageResult) -> None:
+            connection.send(StageForwardRespMsg(msg.request_id, result.hidden, result.token))
+
+        def refuse(failure: Failure) -> None:
+            if not isinstance(failure.value, StageForwardError):
+                log.failure("stage forward {request} failed", failure, request=msg.request_id)
+            else:
+                log.info(
+                    "stage forward {request} refused: {reason}",
+                    request=msg.request_id,
+                    reason=failure.getErrorMessage(),
+                )
+            connection.send(StageForwardRespMsg(msg.request_id, None, None))
+
+        self._engine.stage_forward(
+            msg.tokens, msg.start_layer, msg.end_layer, msg.hidden_in
+        ).addCallbacks(answer, refuse)
+
+    @handles(BlobFetchMsg)
+    def blob_fetch(self, connection: NodeConnection, msg: BlobFetchMsg) -> None:
+        """Send the model files a head asks for by their hash (section 12.5), else abort."""
+        transfer_id = next(self._transfer_ids)
+        files = self._model_files
+        if files is None or files.content_hash != msg.content_hash:
+            connection.send(XferAbortMsg(transfer_id, XFER_ABORT_UNKNOWN))
+            return
+        log.info(
+            "sending the model files {hash} ({size} bytes) to the head",
+            hash=files.short_hash,
+            size=len(files.data),
+        )
+        for message in transfer_messages(files, transfer_id):
+            connection.send(message)
+
+    @handles(WatermarkAckMsg)
+    def watermark_ack(self, connection: NodeConnection, msg: WatermarkAckMsg) -> None:
+        self._head_of(connection).table.on_watermark_ack(msg)
+        self._drain.acked()
+
+    @handles(LeaseGrantMsg)
+    def lease_grant(self, connection: NodeConnection, msg: LeaseGrantMsg) -> None:
+        self._head_of(connection).table.on_lease_grant(msg)
+
+    @handles(GenerateCancelMsg, lenient=True)
+    def cancel(self, connection: NodeConnection, msg: GenerateCancelMsg) -> None:
+        key = GenerationKey(msg.session_id, msg.generation_id, connection.head_id)
+        generation = self._generations.get(key)
+        if generation is not None:
+            generation.machine.cancel()
