@@ -659,9 +659,7 @@ class TransformersEngine:
             self._pool.callInThread(prepare)
         if isinstance(self._runner, LlamaRunner):
             # Before any step (the pool runs one job at a time, in order).
-            checking = deferToThreadPool(
-                self._reactor, self._pool, self._runner.check_exactness
-            )
+            checking = deferToThreadPool(self._reactor, self._pool, self._runner.check_exactness)
             checking.addCallbacks(self._checked, self._check_failed)
         self._kick()
 

@@ -21,6 +21,7 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 MAGIC = b"GGUF"
 MAX_DIMS = 4
@@ -36,6 +37,22 @@ _STRING = 8
 _ARRAY = 9
 _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _UNSIGNED = {0: "<B", 2: "<H", 4: "<I", 10: "<Q"}
+_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+KEPT_ARRAY = 4096
+"""Arrays of at most this many items are read into the metadata; longer ones (a vocabulary)
+are described by :class:`LongArray` and left in the file."""
 
 
 class GgufFormatError(ValueError):
@@ -53,6 +70,14 @@ class TensorEntry:
     """The ggml type number."""
     offset: int
     """Where its data starts in the file (the data section's start plus its own offset)."""
+
+
+@dataclass(frozen=True)
+class LongArray:
+    """A metadata array too long to read with the header (a vocabulary, its merges)."""
+
+    item_type: int
+    length: int
 
 
 class _Cursor:
@@ -84,6 +109,29 @@ class _Cursor:
         if value > _MAX_ENTRIES:
             raise GgufFormatError(f"{value} {what} cannot be right")
         return value
+
+    def decode(self, kind: int) -> Any:
+        """One metadata value, decoded (a long array described, not read)."""
+        if kind in _SCALARS:
+            fmt = _SCALARS[kind]
+            size = struct.calcsize(fmt)
+            if self.at + size > len(self.data):
+                raise GgufFormatError(f"the file ends inside its header (at byte {self.at})")
+            (value,) = struct.unpack_from(fmt, self.data, self.at)
+            self.at += size
+            return value
+        if kind == _STRING:
+            return self.string().decode("utf-8", "replace")
+        if kind == _ARRAY:
+            start = self.at
+            item = self.take("<I")
+            length = self.take("<Q")
+            if length > KEPT_ARRAY:
+                self.at = start
+                self.value(_ARRAY)
+                return LongArray(item, length)
+            return [self.decode(item) for _ in range(length)]
+        raise GgufFormatError(f"unknown metadata value type {kind} at byte {self.at}")
 
     def value(self, kind: int) -> int | None:
         """Skip one metadata value; its value when it is an unsigned integer."""
@@ -154,6 +202,31 @@ def read_tensor_table(path: Path) -> list[TensorEntry]:
     return [TensorEntry(name, shape, kind, start + offset) for name, shape, kind, offset in table]
 
 
+def read_header(path: Path) -> tuple[dict[str, Any], list[TensorEntry]]:
+    """A GGUF file's metadata (values decoded; arrays longer than :data:`KEPT_ARRAY` as
+    :class:`LongArray`) and its tensor table.
+
+    :raises GgufFormatError: the file is not GGUF, or its header contradicts itself.
+    """
+    with open(path, "rb") as file:
+        if file.seek(0, 2) < 24:
+            raise GgufFormatError("the file is too short to be GGUF")
+        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            cursor = _Cursor(data)
+            if bytes(data[:4]) != MAGIC:
+                raise GgufFormatError("the file does not start with GGUF")
+            cursor.skip(4)
+            if cursor.take("<I") not in (2, 3):
+                raise GgufFormatError("the GGUF version is not 2 or 3")
+            cursor.count("tensors")
+            entries = cursor.count("metadata entries")
+            metadata: dict[str, Any] = {}
+            for _ in range(entries):
+                key = cursor.string().decode("utf-8", "replace")
+                metadata[key] = cursor.decode(cursor.take("<I"))
+    return metadata, read_tensor_table(path)
+
+
 def impossible_tensor(entries: list[TensorEntry], file_size: int) -> str | None:
     """What is wrong with the first tensor that cannot exist, or None when all can."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -190,8 +263,11 @@ def impossible_tensor(entries: list[TensorEntry], file_size: int) -> str | None:
 
 
 __all__ = [
+    "KEPT_ARRAY",
     "GgufFormatError",
+    "LongArray",
     "TensorEntry",
     "impossible_tensor",
+    "read_header",
     "read_tensor_table",
 ]
