@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from sfnode.engines.families.rope import Rope, llama3_factors, yarn_attention_factor
-from sfnode.engines.families.spec import ConfigReader, GgufKeys
+from sfnode.engines.families.spec import ConfigReader, GgufKeys, float32
 
 TensorValues = Callable[[str], "list[float] | None"]
 """A GGUF file's small float tensor by name (``rope_freqs``), or None when it has none."""
@@ -47,7 +47,7 @@ def config_rope(reader: ConfigReader, head_dim: int, layer_type: str | None = No
     """The rope of a ``config.json`` (of ``layer_type``'s layers where the config nests it):
     default, linear, dynamic, yarn or llama3; any other kind is refused by name."""
     params = reader.rope_parameters(layer_type)
-    base = float(params.get("rope_theta", 10000.0))
+    base = float32(float(params.get("rope_theta", 10000.0)))
     dims = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
     kind = params.get("rope_type", "default")
     if kind == "default":
@@ -55,7 +55,7 @@ def config_rope(reader: ConfigReader, head_dim: int, layer_type: str | None = No
     if kind in ("linear", "dynamic", "yarn", "llama3") and "factor" not in params:
         raise reader.refuse("rope_parameters", params, "has no factor")
     if kind == "linear":
-        return Rope(base, dims, "linear", float(params["factor"]))
+        return Rope(base, dims, "linear", float32(float(params["factor"])))
     if kind == "dynamic":
         return Rope(
             base,
@@ -85,16 +85,17 @@ def _config_yarn(reader: ConfigReader, base: float, dims: int, params: dict[str,
             raise reader.refuse(f"rope_parameters.{key}", params[key])
     if params.get("truncate", True) is not True:
         raise reader.refuse("rope_parameters.truncate", params["truncate"])
-    factor = float(params["factor"])
+    factor = float32(float(params["factor"]))
     return Rope(
         base,
         dims,
         "yarn",
         factor,
         original_context=int(params["original_max_position_embeddings"]),
-        beta_fast=float(params.get("beta_fast") or 32),
-        beta_slow=float(params.get("beta_slow") or 1),
-        attention_factor=float(params.get("attention_factor") or yarn_attention_factor(factor)),
+        beta_fast=float32(float(params.get("beta_fast") or 32)),
+        beta_slow=float32(float(params.get("beta_slow") or 1)),
+        attention_factor=float32(float(params.get("attention_factor") or 0))
+        or float32(yarn_attention_factor(factor)),
     )
 
 
@@ -161,7 +162,7 @@ def _gguf_yarn(keys: GgufKeys, base: float, dims: int, factor: float) -> Rope:
         beta_fast=keys.number("rope.scaling.yarn_beta_fast", 32.0),
         beta_slow=keys.number("rope.scaling.yarn_beta_slow", 1.0),
         attention_factor=keys.number(
-            "rope.scaling.yarn_attn_factor", yarn_attention_factor(factor)
+            "rope.scaling.yarn_attn_factor", float32(yarn_attention_factor(factor))
         ),
     )
 

@@ -43,7 +43,7 @@ def from_config(config: Mapping[str, Any], generation: Mapping[str, Any] | None)
         sandwich_norms=True,
         sliding_window=int(window) if window else None,
         sliding_layers=sliding_layers(reader, fields["layers"], 6) if window else (),
-        final_softcap=reader.get("final_logit_softcapping"),
+        final_softcap=reader.optional_number("final_logit_softcapping"),
         embed_scale=math.sqrt(fields["hidden"]),
         tied_embeddings=bool(reader.get("tie_word_embeddings", True)),
         **fields,

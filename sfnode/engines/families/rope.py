@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -134,8 +134,9 @@ def llama3_factors(
 
     freqs = 1.0 / (base ** (torch.arange(0, dims, 2, dtype=torch.float32) / dims))
     low_wavelen, high_wavelen = original / low, original / high
-    factors = []
-    for freq in freqs.tolist():
+    factors: list[Any] = []
+    # Each frequency as a float32 scalar tensor, so that every step rounds as the converter's.
+    for freq in freqs:
         wavelen = 2 * math.pi / freq
         if wavelen < high_wavelen:
             factors.append(1.0)

@@ -14,6 +14,7 @@ Plain data: this module never imports torch and never reads a file.
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -95,6 +96,13 @@ class ModelSpec:
         return ModelLoadError(f"{self.family}: {what} is not supported")
 
 
+def float32(value: float) -> float:
+    """``value`` rounded to float32: a GGUF file holds its numbers so, and the arithmetic uses
+    them so; a ``config.json``'s are rounded alike so that both give one spec."""
+    packed: float = struct.unpack("<f", struct.pack("<f", value))[0]
+    return packed
+
+
 def plain_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
@@ -122,10 +130,15 @@ class ConfigReader:
         return value
 
     def number(self, key: str, default: float | None = None) -> float:
+        """``key`` as a float32 (what a GGUF file holds, and what the arithmetic uses)."""
         value = self.get(key, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.refuse(key, value, "is not a number")
-        return float(value)
+        return float32(value)
+
+    def optional_number(self, key: str) -> float | None:
+        """:meth:`number` of ``key``, or None where it is absent, null or 0."""
+        return self.number(key) if self.get(key) else None
 
     def eos_ids(self, generation: Mapping[str, Any] | None) -> tuple[int, ...]:
         """The end-of-sequence ids of the config and of ``generation_config.json``."""
