@@ -24,15 +24,18 @@ from typing import Any
 import numpy as np
 
 from tests import kquant
-from tests.tinymodel import TINY_EOS, TINY_VOCAB, tiny_tokenizer
+from tests.tinymodel import TINY_EOS, tiny_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 WINDOW = 16
 """The sliding window of the families that have one: smaller than a test's context."""
 CONTEXT = 128
+VOCAB = 400
+"""The tiny tokenizer's own size (its trainer stops at 400 tokens on its few sentences): the
+models' vocabulary is exactly the tokenizer's, or Gemma 3's converter trims the embedding."""
 _COMMON = {
-    "vocab_size": TINY_VOCAB,
+    "vocab_size": VOCAB,
     "hidden_size": 256,
     "intermediate_size": 256,
     "num_hidden_layers": 2,
@@ -127,6 +130,8 @@ def save_folder(family: str, folder: Path, seed: int = 1234) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     model(family, seed).save_pretrained(str(folder))
     tokenizer = tiny_tokenizer()
+    if len(tokenizer) != VOCAB:
+        raise AssertionError(f"the tiny tokenizer has {len(tokenizer)} tokens, not {VOCAB}")
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(str(folder))
     return folder
