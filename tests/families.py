@@ -85,6 +85,7 @@ def config(family: str) -> Any:
             query_pre_attn_scalar=64,
             sliding_window=WINDOW,
             rope_parameters=rope,
+            tie_word_embeddings=False,
         )
     if family == "phi3":
         return t.Phi3Config(
@@ -104,7 +105,7 @@ FAMILY_NAMES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3"
 
 def model(family: str, seed: int = 1234) -> Any:
     """``family``'s tiny model in float32 eval mode, random norms and biases included (a reader
-    that dropped a norm's weight or a bias would read another model)."""
+    that dropped a norm's weight or a bias would read another model), eager attention."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -120,6 +121,10 @@ def model(family: str, seed: int = 1234) -> Any:
                 parameter.copy_(offset + 0.3 * torch.randn(parameter.shape, generator=generator))
             elif name.endswith(".bias"):
                 parameter.copy_(0.2 * torch.randn(parameter.shape, generator=generator))
+        if family == "gemma2":
+            # The embedding is scaled by sqrt(hidden) = 16 and is the head too: at full size
+            # it outweighs both layers, and the model only ever repeats its last token.
+            lm.model.embed_tokens.weight.mul_(0.05)
     lm.generation_config.eos_token_id = TINY_EOS
     lm.generation_config.pad_token_id = 0
     return lm.eval()

@@ -301,3 +301,62 @@ class RopeTests(unittest.SynchronousTestCase):
         np.testing.assert_array_equal(_bits(gspec.rope_of(0).inv_freq()), _bits(local))
         full = gemma.model.rotary_emb.full_attention_inv_freq.numpy()
         np.testing.assert_array_equal(_bits(gspec.rope_of(5).inv_freq()), _bits(full))
+
+
+PROMPT = [1, 37, 90, 200, 15, 8, 301, 77]
+TOKENS = 48
+
+
+class ReferenceTests(unittest.SynchronousTestCase):
+    """A forward in plain torch over the spec and the weights as stored
+    (``tests/reference.py``) is transformers' model: the spec and the reader leave nothing
+    out."""
+
+    def _transformers(self, family: str, window: bool = True) -> Any:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(str(folder(family)))
+        if not window:
+            config.sliding_window = None
+        model = AutoModelForCausalLM.from_pretrained(
+            str(folder(family)), config=config, dtype=torch.float32, attn_implementation="eager"
+        )
+        return model.eval()
+
+    def test_folder_and_f32_gguf_are_transformers_generate(self) -> None:
+        """For every family, the first 48 greedy tokens of the reference over the folder and
+        over the F32 GGUF file equal transformers' ``generate()`` on the folder in float32
+        (Mistral's GGUF file: equal to the model without its window, which the converter
+        drops, and not to the windowed one, so the window matters here)."""
+        from tests.reference import Reference, transformers_greedy
+
+        for family in families.FAMILY_NAMES:
+            with self.subTest(family=family):
+                want = transformers_greedy(self._transformers(family), PROMPT, TOKENS)
+                self.assertEqual(len(want), TOKENS)
+                self.assertGreater(len(set(want)), 8)
+                self.assertEqual(
+                    Reference(read_folder(folder(family))).greedy(PROMPT, TOKENS), want
+                )
+                from_file = Reference(read_gguf(gguf(family, "F32"))).greedy(PROMPT, TOKENS)
+                if family == "mistral":
+                    self.assertNotEqual(from_file, want)
+                    unwindowed = self._transformers(family, window=False)
+                    want = transformers_greedy(unwindowed, PROMPT, TOKENS)
+                self.assertEqual(from_file, want)
+
+    def test_quantized_files_are_transformers_over_their_weights(self) -> None:
+        """For every family, the reference over the Q8_0 and Q4_K_M files' blocks gives the
+        first 48 greedy tokens of transformers' ``generate()`` on the folder's model with its
+        matrices replaced by the file's (dequantized): the blocks, their rows and their names
+        are read right."""
+        from tests.reference import Reference, transformers_greedy, with_stored_matrices
+
+        for family in families.FAMILY_NAMES:
+            for kind in ("Q8_0", "Q4_K_M"):
+                with self.subTest(family=family, kind=kind):
+                    stored = read_gguf(gguf(family, kind))
+                    model = self._transformers(family, window=family != "mistral")
+                    want = transformers_greedy(with_stored_matrices(model, stored), PROMPT, TOKENS)
+                    self.assertEqual(Reference(stored).greedy(PROMPT, TOKENS), want)
