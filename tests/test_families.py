@@ -360,3 +360,27 @@ class ReferenceTests(unittest.SynchronousTestCase):
                     model = self._transformers(family, window=family != "mistral")
                     want = transformers_greedy(with_stored_matrices(model, stored), PROMPT, TOKENS)
                     self.assertEqual(Reference(stored).greedy(PROMPT, TOKENS), want)
+
+
+class ChatTemplateTests(unittest.SynchronousTestCase):
+    def test_template_from_folder_and_gguf(self) -> None:
+        """The chat template comes from the model: the folder's ``chat_template.jinja`` and the
+        GGUF file's ``tokenizer.chat_template`` give the family's tiny template."""
+        from sfnode.engines.weights.templates import chat_template
+
+        self.assertEqual(chat_template(folder("qwen3")), families.CHAT_TEMPLATE)
+        self.assertEqual(chat_template(gguf("qwen3", "Q8_0")), families.CHAT_TEMPLATE)
+
+    def test_tokenizer_config_and_no_template(self) -> None:
+        """Without the jinja file the ``tokenizer_config.json``'s template is read (the
+        ``default`` of named ones); a folder with neither has none (None, not an error)."""
+        from sfnode.engines.weights.templates import chat_template
+
+        bare = _root / "bare"
+        bare.mkdir(exist_ok=True)
+        self.assertIsNone(chat_template(bare))
+        named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+        (bare / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
+        self.assertEqual(chat_template(bare), "D")
+        (bare / "tokenizer_config.json").write_text(json.dumps({"chat_template": "plain"}))
+        self.assertEqual(chat_template(bare), "plain")
