@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from sfnode.engines.families.rope import Rope, llama3_factors, yarn_attention_factor
-from sfnode.engines.families.spec import ConfigReader, GgufKeys, float32
+from sfnode.engines.families.spec import ConfigReader, GgufKeys, ModelSpec, float32, plain_scale
 
 TensorValues = Callable[[str], "list[float] | None"]
 """A GGUF file's small float tensor by name (``rope_freqs``), or None when it has none."""
@@ -177,4 +177,46 @@ def gguf_biases(keys: GgufKeys) -> dict[str, Any]:
     }
 
 
-__all__ = ["config_fields", "config_rope", "gguf_biases", "gguf_fields", "gguf_rope"]
+def llama_like_config(
+    family: str, reader: ConfigReader, generation: Mapping[str, Any] | None, **own: Any
+) -> ModelSpec:
+    """The spec of a family that is Llama's arithmetic plus ``own`` fields, from a
+    ``config.json``."""
+    fields = config_fields(reader, generation)
+    return ModelSpec(
+        family=family,
+        rope=config_rope(reader, fields["head_dim"]),
+        attention_scale=plain_scale(fields["head_dim"]),
+        tied_embeddings=bool(reader.get("tie_word_embeddings", False)),
+        **fields,
+        **own,
+    )
+
+
+def llama_like_gguf(
+    family: str, keys: GgufKeys, freqs: TensorValues, embed_rows: int, **own: Any
+) -> ModelSpec:
+    """The same from a GGUF file (biases said by the tensors), once every key is read."""
+    fields = gguf_fields(keys, embed_rows)
+    own = {**gguf_biases(keys), **own}
+    spec = ModelSpec(
+        family=family,
+        rope=gguf_rope(keys, fields["head_dim"], freqs),
+        attention_scale=plain_scale(fields["head_dim"]),
+        tied_embeddings="output.weight" not in keys.tensors,
+        **fields,
+        **own,
+    )
+    keys.refuse_unread()
+    return spec
+
+
+__all__ = [
+    "config_fields",
+    "config_rope",
+    "gguf_biases",
+    "gguf_fields",
+    "gguf_rope",
+    "llama_like_config",
+    "llama_like_gguf",
+]

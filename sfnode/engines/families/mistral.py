@@ -11,21 +11,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from sfnode.engines.families.common import config_fields, config_rope
-from sfnode.engines.families.spec import ConfigReader, Family, GgufKeys, ModelSpec, plain_scale
+from sfnode.engines.families.common import llama_like_config
+from sfnode.engines.families.spec import ConfigReader, Family, GgufKeys, ModelSpec
 
 
 def from_config(config: Mapping[str, Any], generation: Mapping[str, Any] | None) -> ModelSpec:
     reader = ConfigReader("mistral", config)
-    fields = config_fields(reader, generation)
     window = reader.get("sliding_window")
-    return ModelSpec(
-        family="mistral",
-        rope=config_rope(reader, fields["head_dim"]),
-        attention_scale=plain_scale(fields["head_dim"]),
-        sliding_window=int(window) if window else None,
-        tied_embeddings=bool(reader.get("tie_word_embeddings", False)),
-        **fields,
+    return llama_like_config(
+        "mistral", reader, generation, sliding_window=int(window) if window else None
     )
 
 

@@ -13,23 +13,20 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from sfnode.engines.families.common import config_fields, config_rope, gguf_fields, gguf_rope
-from sfnode.engines.families.spec import ConfigReader, Family, GgufKeys, ModelSpec, plain_scale
+from sfnode.engines.families.common import llama_like_config, llama_like_gguf
+from sfnode.engines.families.spec import ConfigReader, Family, GgufKeys, ModelSpec
 
 
 def from_config(config: Mapping[str, Any], generation: Mapping[str, Any] | None) -> ModelSpec:
     reader = ConfigReader("phi3", config)
-    fields = config_fields(reader, generation)
     window = reader.get("sliding_window")
-    return ModelSpec(
-        family="phi3",
-        rope=config_rope(reader, fields["head_dim"]),
-        attention_scale=plain_scale(fields["head_dim"]),
+    return llama_like_config(
+        "phi3",
+        reader,
+        generation,
         sliding_window=int(window) if window else None,
         fused_qkv=True,
         fused_gate_up=True,
-        tied_embeddings=bool(reader.get("tie_word_embeddings", False)),
-        **fields,
     )
 
 
@@ -38,21 +35,17 @@ def from_gguf(
 ) -> ModelSpec:
     if "rope_factors_long.weight" in keys.tensors:
         raise keys.refuse("rope_factors_long", "(a tensor)", "(longrope scaling) is not supported")
-    fields = gguf_fields(keys, embed_rows)
     keys.count("rope.scaling.original_context_length", 0)  # only longrope uses it
     window = keys.count("attention.sliding_window", 0)
-    spec = ModelSpec(
-        family="phi3",
-        rope=gguf_rope(keys, fields["head_dim"], freqs),
-        attention_scale=plain_scale(fields["head_dim"]),
+    return llama_like_gguf(
+        "phi3",
+        keys,
+        freqs,
+        embed_rows,
         sliding_window=window or None,
         fused_qkv=True,
         fused_gate_up=True,
-        tied_embeddings="output.weight" not in keys.tensors,
-        **fields,
     )
-    keys.refuse_unread()
-    return spec
 
 
 FAMILY = Family("phi3", ("phi3",), ("phi3",), from_config, from_gguf)

@@ -162,10 +162,25 @@ class _Cursor:
 
 
 def read_tensor_table(path: Path) -> list[TensorEntry]:
-    """The tensors a GGUF file describes, with their absolute data offsets.
+    """The tensors a GGUF file describes, with their absolute data offsets (the metadata is
+    walked, not decoded).
 
     :raises GgufFormatError: the file is not GGUF, or its header contradicts itself.
     """
+    return _walk(path, decode=False)[1]
+
+
+def read_header(path: Path) -> tuple[dict[str, Any], list[TensorEntry]]:
+    """A GGUF file's metadata (values decoded; arrays longer than :data:`KEPT_ARRAY` as
+    :class:`LongArray`) and its tensor table.
+
+    :raises GgufFormatError: the file is not GGUF, or its header contradicts itself.
+    """
+    return _walk(path, decode=True)
+
+
+def _walk(path: Path, *, decode: bool) -> tuple[dict[str, Any], list[TensorEntry]]:
+    """The metadata (empty unless ``decode``) and the tensor table of a GGUF file."""
     with open(path, "rb") as file:
         size = file.seek(0, 2)
         if size < 24:
@@ -179,13 +194,7 @@ def read_tensor_table(path: Path) -> list[TensorEntry]:
             if version not in (2, 3):
                 raise GgufFormatError(f"GGUF version {version} is not 2 or 3")
             tensors = cursor.count("tensors")
-            entries = cursor.count("metadata entries")
-            alignment = DEFAULT_ALIGNMENT
-            for _ in range(entries):
-                key = cursor.string()
-                value = cursor.value(cursor.take("<I"))
-                if key == b"general.alignment" and value is not None:
-                    alignment = value
+            metadata, alignment = _metadata(cursor, cursor.count("metadata entries"), decode)
             if alignment < 1:
                 raise GgufFormatError(f"an alignment of {alignment} cannot be right")
             table: list[tuple[str, tuple[int, ...], int, int]] = []
@@ -199,32 +208,25 @@ def read_tensor_table(path: Path) -> list[TensorEntry]:
                 shape = tuple(cursor.take("<Q") for _ in range(dims))
                 table.append((name, shape, cursor.take("<I"), cursor.take("<Q")))
             start = -(-cursor.at // alignment) * alignment
-    return [TensorEntry(name, shape, kind, start + offset) for name, shape, kind, offset in table]
+    entries = [
+        TensorEntry(name, shape, kind, start + offset) for name, shape, kind, offset in table
+    ]
+    return metadata, entries
 
 
-def read_header(path: Path) -> tuple[dict[str, Any], list[TensorEntry]]:
-    """A GGUF file's metadata (values decoded; arrays longer than :data:`KEPT_ARRAY` as
-    :class:`LongArray`) and its tensor table.
-
-    :raises GgufFormatError: the file is not GGUF, or its header contradicts itself.
-    """
-    with open(path, "rb") as file:
-        if file.seek(0, 2) < 24:
-            raise GgufFormatError("the file is too short to be GGUF")
-        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            cursor = _Cursor(data)
-            if bytes(data[:4]) != MAGIC:
-                raise GgufFormatError("the file does not start with GGUF")
-            cursor.skip(4)
-            if cursor.take("<I") not in (2, 3):
-                raise GgufFormatError("the GGUF version is not 2 or 3")
-            cursor.count("tensors")
-            entries = cursor.count("metadata entries")
-            metadata: dict[str, Any] = {}
-            for _ in range(entries):
-                key = cursor.string().decode("utf-8", "replace")
-                metadata[key] = cursor.decode(cursor.take("<I"))
-    return metadata, read_tensor_table(path)
+def _metadata(cursor: _Cursor, entries: int, decode: bool) -> tuple[dict[str, Any], int]:
+    """The metadata entries (decoded, or only walked) and the data alignment they set."""
+    metadata: dict[str, Any] = {}
+    alignment = DEFAULT_ALIGNMENT
+    for _ in range(entries):
+        key = cursor.string()
+        kind = cursor.take("<I")
+        value = cursor.decode(kind) if decode else cursor.value(kind)
+        if decode:
+            metadata[key.decode("utf-8", "replace")] = value
+        if key == b"general.alignment" and isinstance(value, int):
+            alignment = value
+    return metadata, alignment
 
 
 def impossible_tensor(entries: list[TensorEntry], file_size: int) -> str | None:
