@@ -108,21 +108,6 @@ class Reference:
         return new
 
 
-def transformers_greedy(model: Any, prompt: list[int], count: int) -> list[int]:
-    """``generate(do_sample=False)``'s new tokens (stopping after an EOS)."""
-    with torch.inference_mode():
-        ids = torch.tensor([prompt])
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=count,
-            min_new_tokens=0,
-            pad_token_id=0,
-        )
-    return [int(t) for t in out[0, len(prompt) :]]
-
-
 def with_stored_matrices(model: Any, stored: StoredModel) -> Any:
     """``model`` (a family's transformers model) with every matrix replaced by ``stored``'s,
     dequantized (fused ones joined again): transformers' own forward over a file's weights."""

@@ -22,6 +22,7 @@ from sfnode.engines.families.rope import Rope
 from sfnode.engines.families.spec import ModelSpec
 from sfnode.engines.weights.stored import StoredModel, read_folder, read_gguf
 from tests import families
+from tests.tinymodel import reference_greedy
 
 _root = Path(tempfile.mkdtemp(prefix="sfnode-families-"))
 _folders: dict[str, Path] = {}
@@ -329,11 +330,11 @@ class ReferenceTests(unittest.SynchronousTestCase):
         over the F32 GGUF file equal transformers' ``generate()`` on the folder in float32
         (Mistral's GGUF file: equal to the model without its window, which the converter
         drops, and not to the windowed one, so the window matters here)."""
-        from tests.reference import Reference, transformers_greedy
+        from tests.reference import Reference
 
         for family in families.FAMILY_NAMES:
             with self.subTest(family=family):
-                want = transformers_greedy(self._transformers(family), PROMPT, TOKENS)
+                want = reference_greedy(self._transformers(family), PROMPT, TOKENS)
                 self.assertEqual(len(want), TOKENS)
                 self.assertGreater(len(set(want)), 8)
                 self.assertEqual(
@@ -343,7 +344,7 @@ class ReferenceTests(unittest.SynchronousTestCase):
                 if family == "mistral":
                     self.assertNotEqual(from_file, want)
                     unwindowed = self._transformers(family, window=False)
-                    want = transformers_greedy(unwindowed, PROMPT, TOKENS)
+                    want = reference_greedy(unwindowed, PROMPT, TOKENS)
                 self.assertEqual(from_file, want)
 
     def test_quantized_files_are_transformers_over_their_weights(self) -> None:
@@ -351,14 +352,14 @@ class ReferenceTests(unittest.SynchronousTestCase):
         first 48 greedy tokens of transformers' ``generate()`` on the folder's model with its
         matrices replaced by the file's (dequantized): the blocks, their rows and their names
         are read right."""
-        from tests.reference import Reference, transformers_greedy, with_stored_matrices
+        from tests.reference import Reference, with_stored_matrices
 
         for family in families.FAMILY_NAMES:
             for kind in ("Q8_0", "Q4_K_M"):
                 with self.subTest(family=family, kind=kind):
                     stored = read_gguf(gguf(family, kind))
                     model = self._transformers(family, window=family != "mistral")
-                    want = transformers_greedy(with_stored_matrices(model, stored), PROMPT, TOKENS)
+                    want = reference_greedy(with_stored_matrices(model, stored), PROMPT, TOKENS)
                     self.assertEqual(Reference(stored).greedy(PROMPT, TOKENS), want)
 
 
