@@ -30,7 +30,10 @@ LAYERS: dict[str, frozenset[str]] = {
     # The engine: kernels at the bottom, the engine that joins them at the top.
     "sfnode.engines": frozenset({"sfnode.linkf", "sfnode.generation", "sfnode.decoding"}),
     "sfnode.engines.kernels": frozenset({"sfnode.engines"}),
-    "sfnode.engines.weights": frozenset({"sfnode.engines", "sfnode.engines.kernels"}),
+    "sfnode.engines.families": frozenset({"sfnode.engines"}),
+    "sfnode.engines.weights": frozenset(
+        {"sfnode.engines", "sfnode.engines.kernels", "sfnode.engines.families"}
+    ),
     "sfnode.engines.scheduling": frozenset(
         {"sfnode.engines", "sfnode.linkf", "sfnode.generation", "sfnode.decoding"}
     ),
@@ -38,6 +41,7 @@ LAYERS: dict[str, frozenset[str]] = {
         {
             "sfnode.engines",
             "sfnode.engines.kernels",
+            "sfnode.engines.families",
             "sfnode.engines.weights",
             "sfnode.engines.scheduling",
             "sfnode.linkf",
@@ -71,6 +75,7 @@ LAYERS: dict[str, frozenset[str]] = {
             "sfnode.engines",
             "sfnode.engines.loop",
             "sfnode.engines.kernels",
+            "sfnode.engines.families",
             "sfnode.engines.weights",
             "sfnode.engines.scheduling",
             "sfnode.engines.runners",

@@ -10,6 +10,12 @@ that ``twistd sfnode --help`` needs nothing else) and must never import an engin
 itself.  May import ``sfnode.generation``, ``sfnode.decoding`` and ``sfnode.linkf``.
 """
 
+
+class ModelLoadError(Exception):
+    """The model (or tokenizer) could not be loaded, or is refused; the message names the path
+    or the architecture and the cause (the key and its value, where a key is the cause)."""
+
+
 WEIGHT_MODES = ("auto", "float32", "bfloat16", "int8", "int4")
 """The values of ``--weights`` (docs/engine.md section 5); here so that ``twistd sfnode --help``
 names them without importing torch."""

@@ -561,9 +561,7 @@ class Options(usage.Options):
         if self["max-client-queued"] is None:
             self["max-client-queued"] = default_client_queued(self["max-queued"])
         else:
-            self["max-client-queued"] = non_negative(
-                "max-client-queued", self["max-client-queued"]
-            )
+            self["max-client-queued"] = non_negative("max-client-queued", self["max-client-queued"])
         self["queue-timeout"] = _seconds("queue-timeout", self["queue-timeout"])
         self["max-generation-time"] = _seconds("max-generation-time", self["max-generation-time"])
         self["keepalive-timeout"] = _seconds("keepalive-timeout", self["keepalive-timeout"])

@@ -814,3 +814,106 @@ int sf_logits(const sf_model *md, int M, const float *hidden, const int32_t *mas
     free(xf); free(xq); free(xd); free(xs); free(best);
     return 0;
 }
+
+/* ---------------------------------------------------------------------------------------- */
+/* GGUF K-quant blocks, dequantized a super-block at a time                                 */
+/* (sfnode/engines/kernels/blocks.py holds the layouts; the results are bit for bit ggml's   */
+/* reference: the same float products and differences in the same order, never fused into   */
+/* one rounding, hence fp-contract off for these functions)                                 */
+
+#define QK_K 256
+#if defined(__clang__)
+#define SF_EXACT
+#define SF_EXACT_BODY _Pragma("clang fp contract(off)")
+#else
+#define SF_EXACT __attribute__((optimize("fp-contract=off")))
+#define SF_EXACT_BODY
+#endif
+
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* Scale j and min j (0..7) of a Q4_K/Q5_K super-block's 12 packed bytes. */
+static inline void k_scale_min(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* Q4_K (144 bytes): d, dmin, 12 bytes of scales and mins, 128 bytes of nibbles. */
+SF_EXACT static inline void dequantize_q4_k(const uint8_t *b, float *y) {
+    SF_EXACT_BODY
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const uint8_t *scales = b + 4, *q = b + 16;
+    for (int j = 0; j < 8; j += 2, q += 32) {
+        uint8_t sc, m;
+        k_scale_min(j, scales, &sc, &m);
+        const float d1 = d * (float)sc, m1 = dmin * (float)m;
+        k_scale_min(j + 1, scales, &sc, &m);
+        const float d2 = d * (float)sc, m2 = dmin * (float)m;
+        for (int l = 0; l < 32; l++) *y++ = d1 * (float)(q[l] & 0xF) - m1;
+        for (int l = 0; l < 32; l++) *y++ = d2 * (float)(q[l] >> 4) - m2;
+    }
+}
+
+/* Q5_K (176 bytes): as Q4_K with 32 bytes of fifth bits before the nibbles. */
+SF_EXACT static inline void dequantize_q5_k(const uint8_t *b, float *y) {
+    SF_EXACT_BODY
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const uint8_t *scales = b + 4, *qh = b + 16, *ql = b + 48;
+    uint8_t u1 = 1, u2 = 2;
+    for (int j = 0; j < 8; j += 2, ql += 32, u1 <<= 2, u2 <<= 2) {
+        uint8_t sc, m;
+        k_scale_min(j, scales, &sc, &m);
+        const float d1 = d * (float)sc, m1 = dmin * (float)m;
+        k_scale_min(j + 1, scales, &sc, &m);
+        const float d2 = d * (float)sc, m2 = dmin * (float)m;
+        for (int l = 0; l < 32; l++)
+            *y++ = d1 * (float)((ql[l] & 0xF) + (qh[l] & u1 ? 16 : 0)) - m1;
+        for (int l = 0; l < 32; l++)
+            *y++ = d2 * (float)((ql[l] >> 4) + (qh[l] & u2 ? 16 : 0)) - m2;
+    }
+}
+
+/* Q6_K (210 bytes): 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d. */
+SF_EXACT static inline void dequantize_q6_k(const uint8_t *b, float *y) {
+    SF_EXACT_BODY
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = half_at(b + 208);
+    for (int n = 0; n < QK_K; n += 128, ql += 64, qh += 32, sc += 8, y += 128) {
+        for (int l = 0; l < 32; l++) {
+            const int is = l / 16;
+            const int q1 = (int)((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+            const int q2 = (int)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+            const int q3 = (int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+            const int q4 = (int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+            y[l] = (d * (float)sc[is + 0]) * (float)q1;
+            y[l + 32] = (d * (float)sc[is + 2]) * (float)q2;
+            y[l + 64] = (d * (float)sc[is + 4]) * (float)q3;
+            y[l + 96] = (d * (float)sc[is + 6]) * (float)q4;
+        }
+    }
+}
+
+/* The float32 weights of `blocks` super-blocks of ggml type `kind` (12 Q4_K, 13 Q5_K,
+   14 Q6_K) at `data`, QK_K a block, into `out`; 1 for a kind it does not know. */
+int sf_dequantize(int kind, const uint8_t *data, int64_t blocks, float *out) {
+    void (*one)(const uint8_t *, float *);
+    size_t size;
+    switch (kind) {
+    case 12: one = dequantize_q4_k; size = 144; break;
+    case 13: one = dequantize_q5_k; size = 176; break;
+    case 14: one = dequantize_q6_k; size = 210; break;
+    default: return 1;
+    }
+    for (int64_t i = 0; i < blocks; i++) one(data + (size_t)i * size, out + (size_t)i * QK_K);
+    return 0;
+}

@@ -179,6 +179,7 @@ def _open(path: Path, built: float, *, shipped: bool = False) -> Library | str:
         "sf_logits": [pointer, integer, pointer, pointer, integer, integer, pointer, integer],
         "sf_tile_q4": [pointer, integer, integer, pointer],
         "sf_untile_q4": [pointer, integer, integer, pointer],
+        "sf_dequantize": [integer, pointer, ctypes.c_int64, pointer],
     }
     try:
         if shipped and openmp is not None:
@@ -244,6 +245,26 @@ def gguf_blocks(matrices: list[Any]) -> torch.Tensor:
         else:
             parts.append(pack_blocks(*q4_parts(matrix)))
     return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def dequantize_k(library: Library, kind: str, data: np.ndarray[Any, Any]) -> torch.Tensor:
+    """The float32 weights of K-quant super-blocks (``kind`` Q4_K, Q5_K or Q6_K; ``data`` whole
+    blocks, any shape of uint8), dequantized a block at a time by the library's
+    ``sf_dequantize``: bit for bit :func:`sfnode.engines.kernels.blocks.dequantize`."""
+    from sfnode.engines.kernels.blocks import FORMATS, K_QUANTS
+
+    if kind not in K_QUANTS:
+        raise ValueError(f"not a K-quant: {kind}")
+    form = FORMATS[kind]
+    raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
+    if raw.size % form.size:
+        raise ValueError(f"{raw.size} bytes are not whole {kind} blocks")
+    count = raw.size // form.size
+    out = torch.empty(count * form.weights, dtype=torch.float32)
+    status = library.handle.sf_dequantize(form.ggml_type, raw.ctypes.data, count, out.data_ptr())
+    if status:
+        raise RuntimeError(f"sf_dequantize refused {kind} (status {status})")
+    return out
 
 
 def blocks_weight(blocks: torch.Tensor, cols: int) -> torch.Tensor:

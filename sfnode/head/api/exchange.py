@@ -663,6 +663,7 @@ class Exchange:
         self.request.finish()
         self._end_if_idle()
 
+
 # --------------------------------------------------------------------------------------------
 # Writing an answer
 

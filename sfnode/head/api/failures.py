@@ -105,8 +105,7 @@ def fleet_error(error: BaseException, param: str) -> ApiError | None:
     if isinstance(error, ConstraintsUnavailable):
         return ApiError(
             400,
-            f"{error}: this fleet cannot enforce response_format, tools, logit_bias or "
-            "penalties",
+            f"{error}: this fleet cannot enforce response_format, tools, logit_bias or penalties",
             param="response_format",
             code="unsupported_parameter",
         )

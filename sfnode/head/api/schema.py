@@ -346,9 +346,7 @@ def _messages(body: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
                 )
             checked_text(call_id, f"{where}.tool_call_id")
         content = _content(message, i, empty_ok=bool(calls))
-        out.append(
-            ChatMessage("system" if role == "developer" else role, content, calls, call_id)
-        )
+        out.append(ChatMessage("system" if role == "developer" else role, content, calls, call_id))
     return tuple(out)
 
 
@@ -379,9 +377,7 @@ def _tool_calls(message: Mapping[str, Any], where: str) -> tuple[ChatToolCall, .
         if arguments is None:
             arguments = "{}"
         if not isinstance(arguments, str):
-            raise ApiError(
-                400, f"{at}.function.arguments must be a string of JSON", param=at
-            )
+            raise ApiError(400, f"{at}.function.arguments must be a string of JSON", param=at)
         calls.append(
             ChatToolCall(
                 checked_text(ident, f"{at}.id"),

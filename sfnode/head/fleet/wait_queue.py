@@ -168,8 +168,7 @@ class WaitQueue(Generic[_R]):
         self.settle(
             waiter,
             NoNodeAvailable(
-                f"no node could take the request within {self.timeout_s:g} s "
-                f"({self._why(waiter)})"
+                f"no node could take the request within {self.timeout_s:g} s ({self._why(waiter)})"
             ),
         )
 
