@@ -480,10 +480,27 @@ class _KV(ctypes.Structure):
 MAX_HEAD_DIM = 256
 
 
+def _spec_unsupported(spec: Any) -> str | None:
+    """What of ``spec`` (a ``ModelSpec``) the native step does not compute yet, or None."""
+    features = {
+        "biases": spec.qkv_bias or spec.o_bias or spec.mlp_bias,
+        "q/k norms": spec.qk_norm,
+        "a sliding window": spec.sliding_window is not None,
+        "soft-capping": spec.attn_softcap is not None or spec.final_softcap is not None,
+        f"the {spec.activation} activation": spec.activation != "silu",
+        "norms after each half of a layer": spec.sandwich_norms,
+        "a scaled embedding": spec.embed_scale is not None,
+        "a rope of its own for some layers": spec.local_rope is not None,
+        "a partial rotation": spec.rope.dims != spec.head_dim,
+    }
+    found = [name for name, present in features.items() if present]
+    return f"{spec.family} has {', '.join(found)}" if found else None
+
+
 def fusable(weights: Any) -> str | None:
-    """None when ``weights`` (a ``LlamaWeights``) can run through :class:`NativeStep`, else why
+    """None when ``weights`` (a ``ModelWeights``) can run through :class:`NativeStep`, else why
     not."""
-    from sfnode.engines.kernels.quant import Q8Rows
+    from sfnode.engines.kernels.quant import StoredRows
 
     if weights.activations != torch.float32:
         return f"activations are {str(weights.activations).removeprefix('torch.')}"
@@ -491,9 +508,12 @@ def fusable(weights: Any) -> str | None:
         return f"head_dim {weights.head_dim} is not supported"
     if weights.heads % weights.kv_heads:
         return "the query heads do not group evenly onto the key/value heads"
-    intermediate = weights.layers[0].gate_up.out_features // 2
+    intermediate = weights.intermediate
     if weights.hidden % BLOCK or intermediate % BLOCK or (weights.heads * weights.head_dim) % BLOCK:
         return f"a dimension is not a multiple of {BLOCK}"
+    unsupported = _spec_unsupported(weights.spec)
+    if unsupported is not None:
+        return unsupported
     for layer in weights.layers:
         for projection in (layer.qkv, layer.o, layer.gate_up, layer.down):
             if not isinstance(projection.kernel, NativeLinear):
@@ -502,19 +522,22 @@ def fusable(weights: Any) -> str | None:
                 return "a projection has a bias or a dense copy"
     if not isinstance(weights.lm_head, NativeLinear):
         return "the output head has no native kernel"
-    if not isinstance(weights.embed, Q8Rows | torch.Tensor):
-        return "the embedding table is neither float32 nor int8 rows"
+    for table in (weights.embed, weights.lm_head_float):
+        if isinstance(table, StoredRows) and table.kind != "Q8_0":
+            return f"a table of rows stored as {table.kind} has no native reader"
     return None
 
 
-def _rows_pointers(table: Any) -> tuple[int, int, int, list[torch.Tensor]]:
-    """(kind, rows, scales, tensors to keep) of an embedding table or the head's float rows:
-    kind 0 float32 rows, 1 int8 rows with float32 scales per block of 32."""
-    from sfnode.engines.kernels.quant import Q8Rows
+def _rows_pointers(table: Any) -> tuple[int, int, int, list[Any]]:
+    """(kind, rows, scales, arrays to keep) of an embedding table or the head's float rows:
+    kind 0 float32 rows, 1 int8 rows with float32 scales per block of 32 (a Q8_0 table)."""
+    from sfnode.engines.kernels.quant import StoredRows
 
-    if isinstance(table, Q8Rows):
-        q, scales = table.q.contiguous(), table.scales.to(torch.float32).contiguous()
-        return 1, q.data_ptr(), scales.data_ptr(), [q, scales]
+    if isinstance(table, StoredRows):
+        blocks = np.ascontiguousarray(table.data).reshape(table.shape[0], -1, 34)
+        q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(table.shape[0], -1)
+        scales = np.ascontiguousarray(blocks[..., :2]).view("<f2").astype(np.float32)
+        return 1, q.ctypes.data, scales.ctypes.data, [q, scales]
     rows = table.to(torch.float32).contiguous()
     return 0, rows.data_ptr(), 0, [rows]
 
@@ -531,20 +554,21 @@ class NativeStep:
     """
 
     def __init__(
-        self, weights: Any, library: Library, cos: torch.Tensor, sin: torch.Tensor
+        self, weights: Any, library: Library, tables: Sequence[tuple[torch.Tensor, torch.Tensor]]
     ) -> None:
-        """``cos`` and ``sin`` are the rotary tables ``[window, head_dim]`` (``sin`` with
-        rotate_half's sign folded in), float32."""
+        """``tables`` are each layer's rotary tables ``(cos, sin)``, ``[window, head_dim]``
+        (``sin`` with rotate_half's sign folded in), float32."""
+        cos, sin = tables[0]
         reason = fusable(weights)
         if reason is not None:
             raise ValueError(reason)
         self._weights = weights
-        self._keep: list[torch.Tensor] = []
+        self._keep: list[Any] = []
         self._layers = (_Layer * len(weights.layers))()
         for index, layer in enumerate(weights.layers):
             self._layers[index] = _Layer(
-                self._float_pointer(layer.input_norm),
-                self._float_pointer(layer.post_norm),
+                self._float_pointer(layer.attn_norm),
+                self._float_pointer(layer.mlp_norm),
                 layer.qkv.kernel.matrix,
                 layer.o.kernel.matrix,
                 layer.gate_up.kernel.matrix,
@@ -584,10 +608,10 @@ class NativeStep:
             weights.heads,
             weights.kv_heads,
             weights.head_dim,
-            weights.layers[0].gate_up.out_features // 2,
+            weights.intermediate,
             self.vocab,
             weights.eps,
-            weights.head_dim**-0.5,
+            weights.spec.attention_scale,
             ctypes.addressof(self._layers),
             *self._rows_pointers(weights.embed),
             self._float_pointer(weights.final_norm_float),
