@@ -48,6 +48,10 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm;
     sf_matrix qkv, o, gate_up, down;
+    /* the layer's rope: [window, rope_dims] tables (sin with rotate_half's sign folded in);
+       the first rope_dims of each head turn, the rest pass through */
+    const float *cos, *sin;
+    int32_t rope_dims;
 } sf_layer;
 
 typedef struct {
@@ -62,7 +66,6 @@ typedef struct {
     int32_t refine_kind; /* -1: none; 0: float32 rows; 1: int8 rows and scales a block */
     const void *refine;
     const float *refine_scales;
-    const float *cos, *sin; /* [window, head_dim]; sin with rotate_half's sign folded in */
 } sf_model;
 
 typedef struct {
@@ -584,7 +587,7 @@ int sf_forward(const sf_model *md, const sf_kv *kv, int M, const int64_t *tokens
                const int64_t *positions, const int64_t *slots, float *hidden, int first, int end,
                int threads) {
     const int H = md->hidden, hd = md->head_dim, heads = md->heads, kvh = md->kv_heads;
-    const int I = md->intermediate, groups = heads / kvh, half = hd / 2;
+    const int I = md->intermediate, groups = heads / kvh;
     const int width = (heads + 2 * kvh) * hd, attended = heads * hd;
     if (M <= 0) return 0;
     if (hd % 8 || hd > MAX_HEAD_DIM || heads % kvh || H % QK || attended % QK || I % QK)
@@ -593,7 +596,8 @@ int sf_forward(const sf_model *md, const sf_kv *kv, int M, const int64_t *tokens
         const sf_layer *L = &md->layer[l];
         if (!matrix_ok(&L->qkv) || !matrix_ok(&L->o) || !matrix_ok(&L->gate_up) ||
             !matrix_ok(&L->down) || L->qkv.N != width || L->o.N != H ||
-            L->gate_up.N != 2 * I || L->down.N != H)
+            L->gate_up.N != 2 * I || L->down.N != H || L->rope_dims % 2 ||
+            L->rope_dims <= 0 || L->rope_dims > hd)
             return 1;
     }
     int longest = 0;
@@ -645,12 +649,13 @@ int sf_forward(const sf_model *md, const sf_kv *kv, int M, const int64_t *tokens
                 share(M * (heads + kvh), nt, me, &i0, &i1);
                 for (int i = i0; i < i1; i++) {
                     const int m = i / (heads + kvh), h = i % (heads + kvh);
-                    const float *c = md->cos + (size_t)positions[m] * hd;
-                    const float *sn = md->sin + (size_t)positions[m] * hd;
+                    const int rd = L->rope_dims, rh = rd / 2;
+                    const float *c = L->cos + (size_t)positions[m] * rd;
+                    const float *sn = L->sin + (size_t)positions[m] * rd;
                     float *v = qkv + (size_t)m * width + (size_t)h * hd;
                     float t[MAX_HEAD_DIM];
-                    memcpy(t, v, sizeof(float) * hd);
-                    for (int j = 0; j < hd; j++) v[j] = t[j] * c[j] + t[(j + half) % hd] * sn[j];
+                    memcpy(t, v, sizeof(float) * rd);
+                    for (int j = 0; j < rd; j++) v[j] = t[j] * c[j] + t[(j + rh) % rd] * sn[j];
                     if (h < heads) continue;
                     /* a key head, turned: it and its value into the slot */
                     write_kv(kv, l, slot_stride, slots[m], positions[m], h - heads, hd,

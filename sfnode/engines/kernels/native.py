@@ -440,6 +440,9 @@ class _Layer(ctypes.Structure):
         ("o", _Matrix),
         ("gate_up", _Matrix),
         ("down", _Matrix),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+        ("rope_dims", ctypes.c_int32),
     ]
 
 
@@ -463,8 +466,6 @@ class _Model(ctypes.Structure):
         ("refine_kind", ctypes.c_int32),
         ("refine", ctypes.c_void_p),
         ("refine_scales", ctypes.c_void_p),
-        ("cos", ctypes.c_void_p),
-        ("sin", ctypes.c_void_p),
     ]
 
 
@@ -490,8 +491,6 @@ def _spec_unsupported(spec: Any) -> str | None:
         f"the {spec.activation} activation": spec.activation != "silu",
         "norms after each half of a layer": spec.sandwich_norms,
         "a scaled embedding": spec.embed_scale is not None,
-        "a rope of its own for some layers": spec.local_rope is not None,
-        "a partial rotation": spec.rope.dims != spec.head_dim,
     }
     found = [name for name, present in features.items() if present]
     return f"{spec.family} has {', '.join(found)}" if found else None
@@ -556,9 +555,9 @@ class NativeStep:
     def __init__(
         self, weights: Any, library: Library, tables: Sequence[tuple[torch.Tensor, torch.Tensor]]
     ) -> None:
-        """``tables`` are each layer's rotary tables ``(cos, sin)``, ``[window, head_dim]``
-        (``sin`` with rotate_half's sign folded in), float32."""
-        cos, sin = tables[0]
+        """``tables`` are each layer's rotary tables ``(cos, sin)``, ``[window, rotated
+        dimensions]`` (``sin`` with rotate_half's sign folded in), float32; layers of one rope
+        share theirs."""
         reason = fusable(weights)
         if reason is not None:
             raise ValueError(reason)
@@ -566,6 +565,7 @@ class NativeStep:
         self._keep: list[Any] = []
         self._layers = (_Layer * len(weights.layers))()
         for index, layer in enumerate(weights.layers):
+            cos, sin = tables[index]
             self._layers[index] = _Layer(
                 self._float_pointer(layer.attn_norm),
                 self._float_pointer(layer.mlp_norm),
@@ -573,13 +573,16 @@ class NativeStep:
                 layer.o.kernel.matrix,
                 layer.gate_up.kernel.matrix,
                 layer.down.kernel.matrix,
+                self._float_pointer(cos),
+                self._float_pointer(sin),
+                int(cos.shape[1]),
             )
         self.hidden = int(weights.hidden)
         self.vocab = int(weights.vocab_size)
         self.refines = weights.lm_head_float is not None
         """Whether :meth:`logits` computes each row's best logits again from float rows."""
-        self._model = self._model_struct(weights, cos, sin)
-        self.window = int(cos.shape[0])
+        self._model = self._model_struct(weights)
+        self.window = int(tables[0][0].shape[0])
         self._forward = library.handle.sf_forward
         self._logits = library.handle.sf_logits
         self._kv: tuple[tuple[int, int, int], _KV, Any, Any] | None = None
@@ -596,9 +599,9 @@ class NativeStep:
         self._keep += kept
         return kind, rows, scales
 
-    def _model_struct(self, weights: Any, cos: torch.Tensor, sin: torch.Tensor) -> _Model:
+    def _model_struct(self, weights: Any) -> _Model:
         """The C view of the whole model: sizes, the layers, the embedding, the head and the
-        float rows it refines its best logits from (kind -1: none), the rotary tables."""
+        float rows it refines its best logits from (kind -1: none)."""
         refine = (-1, 0, 0)
         if weights.lm_head_float is not None:
             refine = self._rows_pointers(weights.lm_head_float)
@@ -617,8 +620,6 @@ class NativeStep:
             self._float_pointer(weights.final_norm_float),
             weights.lm_head.matrix,
             *refine,
-            self._float_pointer(cos),
-            self._float_pointer(sin),
         )
 
     def _kv_struct(self, kv: Any) -> _KV:
