@@ -52,6 +52,9 @@ typedef struct {
        the first rope_dims of each head turn, the rest pass through */
     const float *cos, *sin;
     int32_t rope_dims;
+    int32_t window; /* keys a query reads, its own included (a sliding window); 0: all */
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* NULL: none */
+    const float *q_norm, *k_norm; /* RMS norms over each query and key head; NULL: none */
 } sf_layer;
 
 typedef struct {
@@ -579,27 +582,183 @@ static void write_kv(const sf_kv *kv, int l, size_t slot_stride, int64_t slot, i
     }
 }
 
+/* What every thread of one sf_forward call shares: the model, the rows, and the buffers. */
+typedef struct {
+    const sf_model *md;
+    const sf_kv *kv;
+    int M, width, attended;
+    const int64_t *positions, *slots;
+    float *hidden, *xf, *qkv, *gu, *out, *scores;
+    int16_t *xq;
+    float *xd, *xs;
+    int longest;
+    size_t slot_stride;
+} step_state;
+
+/* rows [m0, m1) of y [M, N] += bias */
+static void add_bias(float *y, int N, const float *bias, int m0, int m1) {
+    for (int m = m0; m < m1; m++) {
+        float *row = y + (size_t)m * N;
+        for (int n = 0; n < N; n++) row[n] += bias[n];
+    }
+}
+
+/* A half of a layer closed into the residual stream: hidden += x @ W^T (+ bias).  With a bias
+   the product goes to st->out first, so that the sum is hidden + (product + bias) as the
+   per-operator layers form it; without one it accumulates into hidden directly. */
+static void close_half(const step_state *st, const sf_matrix *mat, const acts *a,
+                       const float *bias, int m0, int m1) {
+    const int H = st->md->hidden;
+    if (!bias) {
+        product(mat, a, st->M, st->hidden, H, 1);
+        return;
+    }
+    product(mat, a, st->M, st->out, H, 0);
+#pragma omp barrier
+    for (int m = m0; m < m1; m++) {
+        float *y = st->out + (size_t)m * H, *h = st->hidden + (size_t)m * H;
+        for (int n = 0; n < H; n++) h[n] += y[n] + bias[n];
+    }
+}
+
+/* Queries and keys of one row: q/k norms where the layer has them, then the rotary turn of
+   the first rope_dims of each head; each key head, and its value, into the row's slot. */
+static void turn_heads(const step_state *st, const sf_layer *L, int l, int nt, int me) {
+    const sf_model *md = st->md;
+    const int hd = md->head_dim, heads = md->heads, kvh = md->kv_heads;
+    int i0, i1;
+    share(st->M * (heads + kvh), nt, me, &i0, &i1);
+    for (int i = i0; i < i1; i++) {
+        const int m = i / (heads + kvh), h = i % (heads + kvh);
+        const int rd = L->rope_dims, rh = rd / 2;
+        const float *c = L->cos + (size_t)st->positions[m] * rd;
+        const float *sn = L->sin + (size_t)st->positions[m] * rd;
+        float *v = st->qkv + (size_t)m * st->width + (size_t)h * hd;
+        const float *norm = h < heads ? L->q_norm : L->k_norm;
+        if (norm) rmsnorm_row(v, hd, norm, md->eps, v);
+        float t[MAX_HEAD_DIM];
+        memcpy(t, v, sizeof(float) * rd);
+        for (int j = 0; j < rd; j++) v[j] = t[j] * c[j] + t[(j + rh) % rd] * sn[j];
+        if (h < heads) continue;
+        /* a key head, turned: it and its value into the slot */
+        write_kv(st->kv, l, st->slot_stride, st->slots[m], st->positions[m], h - heads, hd,
+                 st->qkv + (size_t)m * st->width, heads, kvh);
+    }
+}
+
+/* Attention of each (row, query head), by one thread each, over the keys of its slot from
+   the start of its window (the layer's, when it slides) to its own position. */
+static void attend_heads(const step_state *st, const sf_layer *L, int l, int nt, int me) {
+    const sf_model *md = st->md;
+    const sf_kv *kv = st->kv;
+    const int hd = md->head_dim, heads = md->heads, groups = heads / md->kv_heads;
+    float *scores = st->scores + (size_t)me * (st->longest + 8);
+    int i0, i1;
+    share(st->M * heads, nt, me, &i0, &i1);
+    for (int i = i0; i < i1; i++) {
+        const int m = i / heads, h = i % heads, g = h / groups;
+        const int length = (int)st->positions[m] + 1;
+        const int start = L->window > 0 && length > L->window ? length - L->window : 0;
+        const size_t base = (size_t)st->slots[m] * st->slot_stride +
+                            ((size_t)g * kv->capacity + start) * hd;
+        const void *keys = kv->half ? (const void *)((const uint16_t *)kv->keys[l] + base)
+                                    : (const void *)((const float *)kv->keys[l] + base);
+        const void *values = kv->half ? (const void *)((const uint16_t *)kv->values[l] + base)
+                                      : (const void *)((const float *)kv->values[l] + base);
+        attend(st->qkv + (size_t)m * st->width + (size_t)h * hd, keys, values, kv->half,
+               length - start, hd, md->attention_scale, scores,
+               st->xf + (size_t)m * st->attended + (size_t)h * hd);
+    }
+}
+
+/* The attention half of layer l: its norm, the query/key/value product, the turn, attention,
+   the output product closed into the residual stream. */
+static void attention_half(const step_state *st, const sf_layer *L, int l, int nt, int me,
+                           int m0, int m1) {
+    const sf_model *md = st->md;
+    const int H = md->hidden;
+    acts in_h = {st->xf, st->xq, st->xd, st->xs, H};
+    acts in_a = {st->xf, st->xq, st->xd, st->xs, st->attended};
+    for (int m = m0; m < m1; m++)
+        rmsnorm_row(st->hidden + (size_t)m * H, H, L->input_norm, md->eps, st->xf + (size_t)m * H);
+    if (quantized(&L->qkv)) quantize_rows(&in_h, m0, m1);
+#pragma omp barrier
+    product(&L->qkv, &in_h, st->M, st->qkv, st->width, 0);
+#pragma omp barrier
+    if (L->qkv_bias) {
+        add_bias(st->qkv, st->width, L->qkv_bias, m0, m1);
+#pragma omp barrier
+    }
+    turn_heads(st, L, l, nt, me);
+#pragma omp barrier
+    attend_heads(st, L, l, nt, me);
+#pragma omp barrier
+    if (quantized(&L->o)) {
+        quantize_rows(&in_a, m0, m1);
+#pragma omp barrier
+    }
+    close_half(st, &L->o, &in_a, L->o_bias, m0, m1);
+#pragma omp barrier
+}
+
+/* The MLP half of layer l: its norm, the gate/up product, the SiLU gate, the down product
+   closed into the residual stream. */
+static void mlp_half(const step_state *st, const sf_layer *L, int m0, int m1) {
+    const sf_model *md = st->md;
+    const int H = md->hidden, I = md->intermediate;
+    acts in_h = {st->xf, st->xq, st->xd, st->xs, H};
+    acts in_i = {st->xf, st->xq, st->xd, st->xs, I};
+    for (int m = m0; m < m1; m++)
+        rmsnorm_row(st->hidden + (size_t)m * H, H, L->post_norm, md->eps, st->xf + (size_t)m * H);
+    if (quantized(&L->gate_up)) quantize_rows(&in_h, m0, m1);
+#pragma omp barrier
+    product(&L->gate_up, &in_h, st->M, st->gu, 2 * I, 0);
+#pragma omp barrier
+    if (L->gate_up_bias) add_bias(st->gu, 2 * I, L->gate_up_bias, m0, m1);
+    for (int m = m0; m < m1; m++) {
+        const float *gate = st->gu + (size_t)m * 2 * I, *up = gate + I;
+        float *o = st->xf + (size_t)m * I;
+        int i = 0;
+        for (; i + 8 <= I; i += 8) {
+            const __m256 a = _mm256_loadu_ps(gate + i);
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), a));
+            const __m256 silu = _mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+        }
+        for (; i < I; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+    if (quantized(&L->down)) quantize_rows(&in_i, m0, m1);
+#pragma omp barrier
+    close_half(st, &L->down, &in_i, L->down_bias, m0, m1);
+#pragma omp barrier
+}
+
+/* Whether layer L fits the model: its products' shapes, its rope, its window. */
+static int layer_ok(const sf_model *md, const sf_layer *L) {
+    const int H = md->hidden, hd = md->head_dim, I = md->intermediate;
+    const int width = (md->heads + 2 * md->kv_heads) * hd;
+    return matrix_ok(&L->qkv) && matrix_ok(&L->o) && matrix_ok(&L->gate_up) &&
+           matrix_ok(&L->down) && L->qkv.N == width && L->o.N == H && L->gate_up.N == 2 * I &&
+           L->down.N == H && L->rope_dims % 2 == 0 && L->rope_dims > 0 && L->rope_dims <= hd &&
+           L->window >= 0;
+}
+
 /* Rows [0, M) at positions[m] of slots[m]: layers [first, end) over hidden (in place; when
    tokens is not NULL the rows are first the tokens' embeddings).  Each row's key and value are
    written at its position of its slot, then each row attends to positions [0, position] of its
-   slot: rows of one prompt chunk see each other causally, and a decode row sees its lane. */
+   slot (the last `window` of them in a sliding-window layer): rows of one prompt chunk see each
+   other causally, and a decode row sees its lane. */
 int sf_forward(const sf_model *md, const sf_kv *kv, int M, const int64_t *tokens,
                const int64_t *positions, const int64_t *slots, float *hidden, int first, int end,
                int threads) {
     const int H = md->hidden, hd = md->head_dim, heads = md->heads, kvh = md->kv_heads;
-    const int I = md->intermediate, groups = heads / kvh;
+    const int I = md->intermediate;
     const int width = (heads + 2 * kvh) * hd, attended = heads * hd;
     if (M <= 0) return 0;
     if (hd % 8 || hd > MAX_HEAD_DIM || heads % kvh || H % QK || attended % QK || I % QK)
         return 1;
-    for (int l = first; l < end; l++) {
-        const sf_layer *L = &md->layer[l];
-        if (!matrix_ok(&L->qkv) || !matrix_ok(&L->o) || !matrix_ok(&L->gate_up) ||
-            !matrix_ok(&L->down) || L->qkv.N != width || L->o.N != H ||
-            L->gate_up.N != 2 * I || L->down.N != H || L->rope_dims % 2 ||
-            L->rope_dims <= 0 || L->rope_dims > hd)
-            return 1;
-    }
+    for (int l = first; l < end; l++)
+        if (!layer_ok(md, &md->layer[l])) return 1;
     int longest = 0;
     for (int m = 0; m < M; m++) {
         if (positions[m] < 0 || positions[m] >= kv->capacity) return 4;
@@ -607,111 +766,39 @@ int sf_forward(const sf_model *md, const sf_kv *kv, int M, const int64_t *tokens
     }
     const int widest = I > H ? (I > attended ? I : attended) : (H > attended ? H : attended);
     const size_t rows = (size_t)M;
-    float *xf = (float *)malloc(sizeof(float) * rows * widest);
-    int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * (rows * widest + 16));
-    float *xd = (float *)malloc(sizeof(float) * (rows * (widest / QK) + 1));
-    float *xs = (float *)malloc(sizeof(float) * (rows * (widest / QK) + 1));
-    float *qkv = (float *)malloc(sizeof(float) * rows * width);
-    float *gu = (float *)malloc(sizeof(float) * rows * 2 * I);
-    float *scores = (float *)malloc(sizeof(float) * ((size_t)threads * (longest + 8) + 8));
-    int status = (!xf || !xq || !xd || !xs || !qkv || !gu || !scores) ? 2 : 0;
+    step_state st = {md, kv, M, width, attended, positions, slots, hidden, NULL, NULL, NULL,
+                     NULL, NULL, NULL, NULL, NULL, longest, (size_t)kvh * kv->capacity * hd};
+    st.xf = (float *)malloc(sizeof(float) * rows * widest);
+    st.xq = (int16_t *)malloc(sizeof(int16_t) * (rows * widest + 16));
+    st.xd = (float *)malloc(sizeof(float) * (rows * (widest / QK) + 1));
+    st.xs = (float *)malloc(sizeof(float) * (rows * (widest / QK) + 1));
+    st.qkv = (float *)malloc(sizeof(float) * rows * width);
+    st.gu = (float *)malloc(sizeof(float) * rows * 2 * I);
+    st.out = (float *)malloc(sizeof(float) * rows * H);
+    st.scores = (float *)malloc(sizeof(float) * ((size_t)threads * (longest + 8) + 8));
+    int status =
+        (!st.xf || !st.xq || !st.xd || !st.xs || !st.qkv || !st.gu || !st.out || !st.scores)
+            ? 2 : 0;
     if (!status && tokens)
         for (int m = 0; m < M; m++) {
             if (tokens[m] < 0 || tokens[m] >= md->vocab) { status = 5; break; }
             embed_row(md, tokens[m], hidden + (size_t)m * H);
         }
-    if (status) {
-        free(xf); free(xq); free(xd); free(xs); free(qkv); free(gu); free(scores);
-        return status;
-    }
-    const size_t slot_stride = (size_t)kvh * kv->capacity * hd;
+    if (!status) {
 #pragma omp parallel num_threads(threads)
-    {
-        const int nt = omp_get_num_threads(), me = omp_get_thread_num();
-        int m0, m1;
-        share(M, nt, me, &m0, &m1);
-        float *my_scores = scores + (size_t)me * (longest + 8);
-        acts in_h = {xf, xq, xd, xs, H};
-        acts in_a = {xf, xq, xd, xs, attended};
-        acts in_i = {xf, xq, xd, xs, I};
-        for (int l = first; l < end; l++) {
-            const sf_layer *L = &md->layer[l];
-            /* input norm, quantized for the product */
-            for (int m = m0; m < m1; m++)
-                rmsnorm_row(hidden + (size_t)m * H, H, L->input_norm, md->eps, xf + (size_t)m * H);
-            if (quantized(&L->qkv)) quantize_rows(&in_h, m0, m1);
-#pragma omp barrier
-            product(&L->qkv, &in_h, M, qkv, width, 0);
-#pragma omp barrier
-            /* rotary embedding of queries and keys; keys and values into the slots */
-            {
-                int i0, i1;
-                share(M * (heads + kvh), nt, me, &i0, &i1);
-                for (int i = i0; i < i1; i++) {
-                    const int m = i / (heads + kvh), h = i % (heads + kvh);
-                    const int rd = L->rope_dims, rh = rd / 2;
-                    const float *c = L->cos + (size_t)positions[m] * rd;
-                    const float *sn = L->sin + (size_t)positions[m] * rd;
-                    float *v = qkv + (size_t)m * width + (size_t)h * hd;
-                    float t[MAX_HEAD_DIM];
-                    memcpy(t, v, sizeof(float) * rd);
-                    for (int j = 0; j < rd; j++) v[j] = t[j] * c[j] + t[(j + rh) % rd] * sn[j];
-                    if (h < heads) continue;
-                    /* a key head, turned: it and its value into the slot */
-                    write_kv(kv, l, slot_stride, slots[m], positions[m], h - heads, hd,
-                             qkv + (size_t)m * width, heads, kvh);
-                }
+        {
+            const int nt = omp_get_num_threads(), me = omp_get_thread_num();
+            int m0, m1;
+            share(M, nt, me, &m0, &m1);
+            for (int l = first; l < end; l++) {
+                attention_half(&st, &md->layer[l], l, nt, me, m0, m1);
+                mlp_half(&st, &md->layer[l], m0, m1);
             }
-#pragma omp barrier
-            /* attention: each (row, query head) by one thread */
-            {
-                int i0, i1;
-                share(M * heads, nt, me, &i0, &i1);
-                for (int i = i0; i < i1; i++) {
-                    const int m = i / heads, h = i % heads, g = h / groups;
-                    const size_t base = (size_t)slots[m] * slot_stride + (size_t)g * kv->capacity * hd;
-                    const void *keys = kv->half ? (const void *)((const uint16_t *)kv->keys[l] + base)
-                                                : (const void *)((const float *)kv->keys[l] + base);
-                    const void *values = kv->half ? (const void *)((const uint16_t *)kv->values[l] + base)
-                                                  : (const void *)((const float *)kv->values[l] + base);
-                    attend(qkv + (size_t)m * width + (size_t)h * hd, keys, values, kv->half,
-                           (int)positions[m] + 1, hd, md->attention_scale, my_scores,
-                           xf + (size_t)m * attended + (size_t)h * hd);
-                }
-            }
-#pragma omp barrier
-            if (quantized(&L->o)) {
-                quantize_rows(&in_a, m0, m1);
-#pragma omp barrier
-            }
-            product(&L->o, &in_a, M, hidden, H, 1);
-#pragma omp barrier
-            for (int m = m0; m < m1; m++)
-                rmsnorm_row(hidden + (size_t)m * H, H, L->post_norm, md->eps, xf + (size_t)m * H);
-            if (quantized(&L->gate_up)) quantize_rows(&in_h, m0, m1);
-#pragma omp barrier
-            product(&L->gate_up, &in_h, M, gu, 2 * I, 0);
-#pragma omp barrier
-            for (int m = m0; m < m1; m++) {
-                const float *gate = gu + (size_t)m * 2 * I, *up = gate + I;
-                float *o = xf + (size_t)m * I;
-                int i = 0;
-                for (; i + 8 <= I; i += 8) {
-                    const __m256 a = _mm256_loadu_ps(gate + i);
-                    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), a));
-                    const __m256 silu = _mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-                    _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
-                }
-                for (; i < I; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-            }
-            if (quantized(&L->down)) quantize_rows(&in_i, m0, m1);
-#pragma omp barrier
-            product(&L->down, &in_i, M, hidden, H, 1);
-#pragma omp barrier
         }
     }
-    free(xf); free(xq); free(xd); free(xs); free(qkv); free(gu); free(scores);
-    return 0;
+    free(st.xf); free(st.xq); free(st.xd); free(st.xs); free(st.qkv); free(st.gu);
+    free(st.out); free(st.scores);
+    return status;
 }
 
 /* The best `count` of logits[0, vocab) (larger first; of equal ones, the lower index), into

@@ -443,6 +443,13 @@ class _Layer(ctypes.Structure):
         ("cos", ctypes.c_void_p),
         ("sin", ctypes.c_void_p),
         ("rope_dims", ctypes.c_int32),
+        ("window", ctypes.c_int32),
+        ("qkv_bias", ctypes.c_void_p),
+        ("o_bias", ctypes.c_void_p),
+        ("gate_up_bias", ctypes.c_void_p),
+        ("down_bias", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
     ]
 
 
@@ -484,9 +491,6 @@ MAX_HEAD_DIM = 256
 def _spec_unsupported(spec: Any) -> str | None:
     """What of ``spec`` (a ``ModelSpec``) the native step does not compute yet, or None."""
     features = {
-        "biases": spec.qkv_bias or spec.o_bias or spec.mlp_bias,
-        "q/k norms": spec.qk_norm,
-        "a sliding window": spec.sliding_window is not None,
         "soft-capping": spec.attn_softcap is not None or spec.final_softcap is not None,
         f"the {spec.activation} activation": spec.activation != "silu",
         "norms after each half of a layer": spec.sandwich_norms,
@@ -517,8 +521,8 @@ def fusable(weights: Any) -> str | None:
         for projection in (layer.qkv, layer.o, layer.gate_up, layer.down):
             if not isinstance(projection.kernel, NativeLinear):
                 return f"a {projection.kernel.precision.value} matrix has no native kernel"
-            if projection.bias is not None or projection.dense is not None:
-                return "a projection has a bias or a dense copy"
+            if projection.dense is not None:
+                return "a projection has a dense copy"
     if not isinstance(weights.lm_head, NativeLinear):
         return "the output head has no native kernel"
     for table in (weights.embed, weights.lm_head_float):
@@ -576,6 +580,13 @@ class NativeStep:
                 self._float_pointer(cos),
                 self._float_pointer(sin),
                 int(cos.shape[1]),
+                weights.spec.sliding_window or 0 if weights.spec.is_sliding(index) else 0,
+                *(
+                    self._optional_pointer(projection.bias)
+                    for projection in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                ),
+                self._optional_pointer(layer.q_norm),
+                self._optional_pointer(layer.k_norm),
             )
         self.hidden = int(weights.hidden)
         self.vocab = int(weights.vocab_size)
@@ -592,6 +603,10 @@ class NativeStep:
         tensor = tensor.to(torch.float32).contiguous()
         self._keep.append(tensor)
         return int(tensor.data_ptr())
+
+    def _optional_pointer(self, tensor: torch.Tensor | None) -> int | None:
+        """:meth:`_float_pointer`, or NULL for what the layer has not."""
+        return None if tensor is None else self._float_pointer(tensor)
 
     def _rows_pointers(self, table: Any) -> tuple[int, int, int]:
         """(kind, rows, scales) of a table of rows (:func:`_rows_pointers`), kept alive."""
