@@ -55,6 +55,8 @@ typedef struct {
     int32_t window; /* keys a query reads, its own included (a sliding window); 0: all */
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* NULL: none */
     const float *q_norm, *k_norm; /* RMS norms over each query and key head; NULL: none */
+    /* norms of each half's output before its residual add (Gemma's); NULL: none */
+    const float *attn_post_norm, *mlp_post_norm;
 } sf_layer;
 
 typedef struct {
@@ -69,6 +71,10 @@ typedef struct {
     int32_t refine_kind; /* -1: none; 0: float32 rows; 1: int8 rows and scales a block */
     const void *refine;
     const float *refine_scales;
+    float attn_softcap;  /* attention scores become cap * tanh(score / cap); 0: none */
+    float final_softcap; /* logits likewise; 0: none */
+    float embed_scale;   /* what an embedded row is multiplied by; 0: nothing */
+    int32_t activation;  /* the gated MLP's: 0 SiLU, 1 GELU (tanh) */
 } sf_model;
 
 typedef struct {
@@ -104,6 +110,43 @@ static inline __m256 exp256(__m256 x) {
     const __m256i e = _mm256_slli_epi32(
         _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* tanh of 8 floats, as 1 - 2 / (e^2x + 1) */
+static inline __m256 tanh256(__m256 x) {
+    const __m256 e = exp256(_mm256_add_ps(x, x));
+    return _mm256_sub_ps(_mm256_set1_ps(1.0f),
+                         _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
+}
+
+#define GELU_K0 0.7978845608028654f /* sqrt(2 / pi) */
+#define GELU_K1 0.044715f
+
+/* The gated MLP's activation of one row: act(gate) * up into o, SiLU or GELU (tanh). */
+static void gated_row(const float *gate, const float *up, int I, int gelu, float *o) {
+    int i = 0;
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; i + 8 <= I; i += 8) {
+        const __m256 a = _mm256_loadu_ps(gate + i);
+        __m256 act;
+        if (gelu) {
+            const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(a, a), a);
+            const __m256 inner = _mm256_mul_ps(
+                _mm256_set1_ps(GELU_K0), _mm256_add_ps(a, _mm256_mul_ps(_mm256_set1_ps(GELU_K1), cube)));
+            act = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), a),
+                                _mm256_add_ps(one, tanh256(inner)));
+        } else {
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), a));
+            act = _mm256_div_ps(a, _mm256_add_ps(one, e));
+        }
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(act, _mm256_loadu_ps(up + i)));
+    }
+    for (; i < I; i++) {
+        const float a = gate[i];
+        const float act = gelu ? 0.5f * a * (1.0f + tanhf(GELU_K0 * (a + GELU_K1 * a * a * a)))
+                               : a / (1.0f + expf(-a));
+        o[i] = act * up[i];
+    }
 }
 
 /* [lo, hi) of total items for part index of parts */
@@ -518,7 +561,7 @@ static inline __m256 load8(const void *base, size_t index, int half) {
    values (head_dim hd, a multiple of 8, at most MAX_HEAD_DIM): softmax of the scaled dot
    products, then the weighted sum of the values, each in a fixed order. */
 static void attend(const float *q, const void *keys, const void *values, int half, int length,
-                   int hd, float scale, float *scores, float *out) {
+                   int hd, float scale, float softcap, float *scores, float *out) {
     const int nv = hd / 8;
     __m256 qv[MAX_HEAD_DIM / 8];
     for (int i = 0; i < nv; i++) qv[i] = _mm256_loadu_ps(q + 8 * i);
@@ -527,7 +570,8 @@ static void attend(const float *q, const void *keys, const void *values, int hal
         __m256 acc = _mm256_setzero_ps();
         for (int i = 0; i < nv; i++)
             acc = _mm256_fmadd_ps(qv[i], load8(keys, (size_t)t * hd + 8 * i, half), acc);
-        const float s = hsum(acc) * scale;
+        float s = hsum(acc) * scale;
+        if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
         scores[t] = s;
         best = s > best ? s : best;
     }
@@ -603,13 +647,14 @@ static void add_bias(float *y, int N, const float *bias, int m0, int m1) {
     }
 }
 
-/* A half of a layer closed into the residual stream: hidden += x @ W^T (+ bias).  With a bias
-   the product goes to st->out first, so that the sum is hidden + (product + bias) as the
-   per-operator layers form it; without one it accumulates into hidden directly. */
+/* A half of a layer closed into the residual stream: hidden += x @ W^T (+ bias), normed
+   first where the layer norms it (Gemma's norms after each half).  With a bias or a norm the
+   product goes to st->out first, so that the sum is formed as the per-operator layers form it
+   (hidden + norm(product + bias)); without either it accumulates into hidden directly. */
 static void close_half(const step_state *st, const sf_matrix *mat, const acts *a,
-                       const float *bias, int m0, int m1) {
+                       const float *bias, const float *norm, int m0, int m1) {
     const int H = st->md->hidden;
-    if (!bias) {
+    if (!bias && !norm) {
         product(mat, a, st->M, st->hidden, H, 1);
         return;
     }
@@ -617,7 +662,10 @@ static void close_half(const step_state *st, const sf_matrix *mat, const acts *a
 #pragma omp barrier
     for (int m = m0; m < m1; m++) {
         float *y = st->out + (size_t)m * H, *h = st->hidden + (size_t)m * H;
-        for (int n = 0; n < H; n++) h[n] += y[n] + bias[n];
+        if (bias)
+            for (int n = 0; n < H; n++) y[n] += bias[n];
+        if (norm) rmsnorm_row(y, H, norm, st->md->eps, y);
+        for (int n = 0; n < H; n++) h[n] += y[n];
     }
 }
 
@@ -666,7 +714,7 @@ static void attend_heads(const step_state *st, const sf_layer *L, int l, int nt,
         const void *values = kv->half ? (const void *)((const uint16_t *)kv->values[l] + base)
                                       : (const void *)((const float *)kv->values[l] + base);
         attend(st->qkv + (size_t)m * st->width + (size_t)h * hd, keys, values, kv->half,
-               length - start, hd, md->attention_scale, scores,
+               length - start, hd, md->attention_scale, md->attn_softcap, scores,
                st->xf + (size_t)m * st->attended + (size_t)h * hd);
     }
 }
@@ -697,7 +745,7 @@ static void attention_half(const step_state *st, const sf_layer *L, int l, int n
         quantize_rows(&in_a, m0, m1);
 #pragma omp barrier
     }
-    close_half(st, &L->o, &in_a, L->o_bias, m0, m1);
+    close_half(st, &L->o, &in_a, L->o_bias, L->attn_post_norm, m0, m1);
 #pragma omp barrier
 }
 
@@ -716,20 +764,12 @@ static void mlp_half(const step_state *st, const sf_layer *L, int m0, int m1) {
 #pragma omp barrier
     if (L->gate_up_bias) add_bias(st->gu, 2 * I, L->gate_up_bias, m0, m1);
     for (int m = m0; m < m1; m++) {
-        const float *gate = st->gu + (size_t)m * 2 * I, *up = gate + I;
-        float *o = st->xf + (size_t)m * I;
-        int i = 0;
-        for (; i + 8 <= I; i += 8) {
-            const __m256 a = _mm256_loadu_ps(gate + i);
-            const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), a));
-            const __m256 silu = _mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
-        }
-        for (; i < I; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        const float *gate = st->gu + (size_t)m * 2 * I;
+        gated_row(gate, gate + I, I, md->activation == 1, st->xf + (size_t)m * I);
     }
     if (quantized(&L->down)) quantize_rows(&in_i, m0, m1);
 #pragma omp barrier
-    close_half(st, &L->down, &in_i, L->down_bias, m0, m1);
+    close_half(st, &L->down, &in_i, L->down_bias, L->mlp_post_norm, m0, m1);
 #pragma omp barrier
 }
 
@@ -782,7 +822,10 @@ int sf_forward(const sf_model *md, const sf_kv *kv, int M, const int64_t *tokens
     if (!status && tokens)
         for (int m = 0; m < M; m++) {
             if (tokens[m] < 0 || tokens[m] >= md->vocab) { status = 5; break; }
-            embed_row(md, tokens[m], hidden + (size_t)m * H);
+            float *row = hidden + (size_t)m * H;
+            embed_row(md, tokens[m], row);
+            if (md->embed_scale != 0.0f)
+                for (int k = 0; k < H; k++) row[k] *= md->embed_scale;
         }
     if (!status) {
 #pragma omp parallel num_threads(threads)
@@ -839,6 +882,33 @@ static inline int allowed(const int32_t *mask, int t) {
     return (int)(((uint32_t)mask[t >> 5] >> (t & 31)) & 1u);
 }
 
+/* The best `refined` logits of one row (the final norm's output x) computed again from the
+   head's float rows, forbidden ones -inf; `best` holds `refined` indices. */
+static void refine_row(const sf_model *md, const float *x, float *row, const int32_t *mask,
+                       int refined, int32_t *best) {
+    const int H = md->hidden;
+    top_indices(row, md->vocab, refined, best);
+    for (int j = 0; j < refined; j++) {
+        const int t = best[j];
+        __m256 acc = _mm256_setzero_ps();
+        if (md->refine_kind == 0) {
+            const float *w = (const float *)md->refine + (size_t)t * H;
+            for (int k = 0; k < H; k += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), acc);
+        } else {
+            const int8_t *w = (const int8_t *)md->refine + (size_t)t * H;
+            const float *sc = md->refine_scales + (size_t)t * (H / QK);
+            for (int k = 0; k < H; k += 8) {
+                const __m256 wv = _mm256_mul_ps(
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + k)))),
+                    _mm256_set1_ps(sc[k / QK]));
+                acc = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + k), acc);
+            }
+        }
+        row[t] = (mask && !allowed(mask, t)) ? -INFINITY : hsum(acc);
+    }
+}
+
 /* Logits [M, vocab] of hidden rows [M, hidden] (after the last layer): the final norm, the
    head's product, then (when the model has refine rows) the best `refined` logits of each row
    computed again in float32 from the head's float rows.  With masks (mask_words int32 words a
@@ -878,28 +948,14 @@ int sf_logits(const sf_model *md, int M, const float *hidden, const int32_t *mas
             if (mask)
                 for (int t = 0; t < V; t++)
                     if (!allowed(mask, t)) row[t] = -INFINITY;
-            if (md->refine_kind < 0 || refined <= 0) continue;
-            int32_t *b = best + (size_t)m * refined;
-            top_indices(row, V, refined, b);
-            const float *x = xf + (size_t)m * H;
-            for (int j = 0; j < refined; j++) {
-                const int t = b[j];
-                __m256 acc = _mm256_setzero_ps();
-                if (md->refine_kind == 0) {
-                    const float *w = (const float *)md->refine + (size_t)t * H;
-                    for (int k = 0; k < H; k += 8)
-                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), acc);
-                } else {
-                    const int8_t *w = (const int8_t *)md->refine + (size_t)t * H;
-                    const float *sc = md->refine_scales + (size_t)t * (H / QK);
-                    for (int k = 0; k < H; k += 8) {
-                        const __m256 wv = _mm256_mul_ps(
-                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + k)))),
-                            _mm256_set1_ps(sc[k / QK]));
-                        acc = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + k), acc);
-                    }
-                }
-                row[t] = (mask && !allowed(mask, t)) ? -INFINITY : hsum(acc);
+            if (md->refine_kind >= 0 && refined > 0)
+                refine_row(md, xf + (size_t)m * H, row, mask, refined, best + (size_t)m * refined);
+            if (md->final_softcap > 0.0f) {
+                /* after the refinement, as the per-operator head caps them; masked ones stay
+                   -inf */
+                const float cap = md->final_softcap;
+                for (int t = 0; t < V; t++)
+                    if (row[t] != -INFINITY) row[t] = cap * tanhf(row[t] / cap);
             }
         }
     }

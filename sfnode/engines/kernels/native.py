@@ -450,6 +450,8 @@ class _Layer(ctypes.Structure):
         ("down_bias", ctypes.c_void_p),
         ("q_norm", ctypes.c_void_p),
         ("k_norm", ctypes.c_void_p),
+        ("attn_post_norm", ctypes.c_void_p),
+        ("mlp_post_norm", ctypes.c_void_p),
     ]
 
 
@@ -473,6 +475,10 @@ class _Model(ctypes.Structure):
         ("refine_kind", ctypes.c_int32),
         ("refine", ctypes.c_void_p),
         ("refine_scales", ctypes.c_void_p),
+        ("attn_softcap", ctypes.c_float),
+        ("final_softcap", ctypes.c_float),
+        ("embed_scale", ctypes.c_float),
+        ("activation", ctypes.c_int32),
     ]
 
 
@@ -486,18 +492,8 @@ class _KV(ctypes.Structure):
 
 
 MAX_HEAD_DIM = 256
-
-
-def _spec_unsupported(spec: Any) -> str | None:
-    """What of ``spec`` (a ``ModelSpec``) the native step does not compute yet, or None."""
-    features = {
-        "soft-capping": spec.attn_softcap is not None or spec.final_softcap is not None,
-        f"the {spec.activation} activation": spec.activation != "silu",
-        "norms after each half of a layer": spec.sandwich_norms,
-        "a scaled embedding": spec.embed_scale is not None,
-    }
-    found = [name for name, present in features.items() if present]
-    return f"{spec.family} has {', '.join(found)}" if found else None
+ACTIVATIONS = ("silu", "gelu_tanh")
+"""The gated MLP's activations the step computes, by the number ``sf_model`` holds."""
 
 
 def fusable(weights: Any) -> str | None:
@@ -514,9 +510,6 @@ def fusable(weights: Any) -> str | None:
     intermediate = weights.intermediate
     if weights.hidden % BLOCK or intermediate % BLOCK or (weights.heads * weights.head_dim) % BLOCK:
         return f"a dimension is not a multiple of {BLOCK}"
-    unsupported = _spec_unsupported(weights.spec)
-    if unsupported is not None:
-        return unsupported
     for layer in weights.layers:
         for projection in (layer.qkv, layer.o, layer.gate_up, layer.down):
             if not isinstance(projection.kernel, NativeLinear):
@@ -587,6 +580,8 @@ class NativeStep:
                 ),
                 self._optional_pointer(layer.q_norm),
                 self._optional_pointer(layer.k_norm),
+                self._optional_pointer(layer.attn_post_norm),
+                self._optional_pointer(layer.mlp_post_norm),
             )
         self.hidden = int(weights.hidden)
         self.vocab = int(weights.vocab_size)
@@ -617,6 +612,7 @@ class NativeStep:
     def _model_struct(self, weights: Any) -> _Model:
         """The C view of the whole model: sizes, the layers, the embedding, the head and the
         float rows it refines its best logits from (kind -1: none)."""
+        spec = weights.spec
         refine = (-1, 0, 0)
         if weights.lm_head_float is not None:
             refine = self._rows_pointers(weights.lm_head_float)
@@ -635,6 +631,10 @@ class NativeStep:
             self._float_pointer(weights.final_norm_float),
             weights.lm_head.matrix,
             *refine,
+            spec.attn_softcap or 0.0,
+            spec.final_softcap or 0.0,
+            spec.embed_scale or 0.0,
+            ACTIVATIONS.index(spec.activation),
         )
 
     def _kv_struct(self, kv: Any) -> _KV:
