@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -331,3 +332,31 @@ def write_gguf(family: str, folder: Path, path: Path, kind: str = "F32") -> Path
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+_root: list[Path] = []
+_written: dict[tuple[str, str], Path] = {}
+
+
+def _workspace() -> Path:
+    if not _root:
+        _root.append(Path(tempfile.mkdtemp(prefix="sfnode-families-")))
+    return _root[0]
+
+
+def folder(family: str) -> Path:
+    """``family``'s tiny folder, written once per test run."""
+    key = (family, "folder")
+    if key not in _written:
+        _written[key] = save_folder(family, _workspace() / family)
+    return _written[key]
+
+
+def gguf(family: str, kind: str) -> Path:
+    """``family``'s tiny GGUF file of ``kind`` (``F32``, ``Q8_0``, ``Q4_K_M``), written once
+    per test run."""
+    key = (family, kind)
+    if key not in _written:
+        path = _workspace() / f"{family}-{kind}.gguf"
+        _written[key] = write_gguf(family, folder(family), path, kind)
+    return _written[key]

@@ -39,10 +39,21 @@
 #define PREFETCH_FLOATS 1024
 
 typedef struct {
-    int32_t kind; /* 0: Q4_1 tiles; 1: int8 rows with a float32 scale each; 2: float32 rows */
+    int32_t kind; /* 0: Q4_1 tiles; 1: int8 rows with a float32 scale each; 2: float32 rows;
+                     as the file stores them, rows of: 3 Q8_0, 4 Q4_K, 5 Q5_K, 6 Q6_K blocks */
     int32_t K, N;
     const void *w;
     const float *scales;
+} sf_part;
+
+#define MAX_PARTS 3
+
+/* A matrix whose rows are one or more parts stacked (a fused projection whose parts are held
+   in different formats: query, key and value; gate and up). */
+typedef struct {
+    int32_t parts;
+    int32_t K, N; /* N: the parts' rows together */
+    sf_part part[MAX_PARTS];
 } sf_matrix;
 
 typedef struct {
@@ -63,14 +74,12 @@ typedef struct {
     int32_t layers, hidden, heads, kv_heads, head_dim, intermediate, vocab;
     float eps, attention_scale;
     const sf_layer *layer;
-    int32_t embed_kind; /* 0: float32 [vocab, hidden]; 1: int8 rows and float32 scales a block */
+    int32_t embed_type; /* the ggml type of the table's rows (0: float32 [vocab, hidden]) */
     const void *embed;
-    const float *embed_scales;
     const float *final_norm;
     sf_matrix head;
-    int32_t refine_kind; /* -1: none; 0: float32 rows; 1: int8 rows and scales a block */
+    int32_t refine_type; /* -1: none; else the ggml type of the head's float rows */
     const void *refine;
-    const float *refine_scales;
     float attn_softcap;  /* attention scores become cap * tanh(score / cap); 0: none */
     float final_softcap; /* logits likewise; 0: none */
     float embed_scale;   /* what an embedded row is multiplied by; 0: nothing */
@@ -157,6 +166,171 @@ static inline void share(int total, int parts, int index, int *lo, int *hi) {
 }
 
 /* ---------------------------------------------------------------------------------------- */
+/* GGUF blocks, dequantized a block at a time                                               */
+/* (sfnode/engines/kernels/blocks.py holds the layouts; the results are bit for bit ggml's   */
+/* reference: the same float products and differences in the same order, never fused into   */
+/* one rounding, hence fp-contract off for these functions)                                 */
+
+#define QK_K 256
+#if defined(__clang__)
+#define SF_EXACT
+#define SF_EXACT_BODY _Pragma("clang fp contract(off)")
+#else
+#define SF_EXACT __attribute__((optimize("fp-contract=off")))
+#define SF_EXACT_BODY
+#endif
+
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* Scale j and min j (0..7) of a Q4_K/Q5_K super-block's 12 packed bytes. */
+static inline void k_scale_min(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* Q4_K (144 bytes): d, dmin, 12 bytes of scales and mins, 128 bytes of nibbles. */
+SF_EXACT static inline void dequantize_q4_k(const uint8_t *b, float *y) {
+    SF_EXACT_BODY
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const uint8_t *scales = b + 4, *q = b + 16;
+    for (int j = 0; j < 8; j += 2, q += 32) {
+        uint8_t sc, m;
+        k_scale_min(j, scales, &sc, &m);
+        const float d1 = d * (float)sc, m1 = dmin * (float)m;
+        k_scale_min(j + 1, scales, &sc, &m);
+        const float d2 = d * (float)sc, m2 = dmin * (float)m;
+        for (int l = 0; l < 32; l++) *y++ = d1 * (float)(q[l] & 0xF) - m1;
+        for (int l = 0; l < 32; l++) *y++ = d2 * (float)(q[l] >> 4) - m2;
+    }
+}
+
+/* Q5_K (176 bytes): as Q4_K with 32 bytes of fifth bits before the nibbles. */
+SF_EXACT static inline void dequantize_q5_k(const uint8_t *b, float *y) {
+    SF_EXACT_BODY
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const uint8_t *scales = b + 4, *qh = b + 16, *ql = b + 48;
+    uint8_t u1 = 1, u2 = 2;
+    for (int j = 0; j < 8; j += 2, ql += 32, u1 <<= 2, u2 <<= 2) {
+        uint8_t sc, m;
+        k_scale_min(j, scales, &sc, &m);
+        const float d1 = d * (float)sc, m1 = dmin * (float)m;
+        k_scale_min(j + 1, scales, &sc, &m);
+        const float d2 = d * (float)sc, m2 = dmin * (float)m;
+        for (int l = 0; l < 32; l++)
+            *y++ = d1 * (float)((ql[l] & 0xF) + (qh[l] & u1 ? 16 : 0)) - m1;
+        for (int l = 0; l < 32; l++)
+            *y++ = d2 * (float)((ql[l] >> 4) + (qh[l] & u2 ? 16 : 0)) - m2;
+    }
+}
+
+/* Q6_K (210 bytes): 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d. */
+SF_EXACT static inline void dequantize_q6_k(const uint8_t *b, float *y) {
+    SF_EXACT_BODY
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = half_at(b + 208);
+    for (int n = 0; n < QK_K; n += 128, ql += 64, qh += 32, sc += 8, y += 128) {
+        for (int l = 0; l < 32; l++) {
+            const int is = l / 16;
+            const int q1 = (int)((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+            const int q2 = (int)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+            const int q3 = (int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+            const int q4 = (int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+            y[l] = (d * (float)sc[is + 0]) * (float)q1;
+            y[l + 32] = (d * (float)sc[is + 2]) * (float)q2;
+            y[l + 64] = (d * (float)sc[is + 4]) * (float)q3;
+            y[l + 96] = (d * (float)sc[is + 6]) * (float)q4;
+        }
+    }
+}
+
+/* The float32 weights of `blocks` super-blocks of ggml type `kind` (12 Q4_K, 13 Q5_K,
+   14 Q6_K) at `data`, QK_K a block, into `out`; 1 for a kind it does not know. */
+int sf_dequantize(int kind, const uint8_t *data, int64_t blocks, float *out) {
+    void (*one)(const uint8_t *, float *);
+    size_t size;
+    switch (kind) {
+    case 12: one = dequantize_q4_k; size = 144; break;
+    case 13: one = dequantize_q5_k; size = 176; break;
+    case 14: one = dequantize_q6_k; size = 210; break;
+    default: return 1;
+    }
+    for (int64_t i = 0; i < blocks; i++) one(data + (size_t)i * size, out + (size_t)i * QK_K);
+    return 0;
+}
+
+/* Bytes of one row of K weights of ggml type `type` (0 for a type this file does not read). */
+static size_t row_bytes(int type, int K) {
+    switch (type) {
+    case 0: return (size_t)K * 4;
+    case 1: case 30: return (size_t)K * 2;
+    case 2: return (size_t)K / QK * 18;
+    case 3: return (size_t)K / QK * 20;
+    case 8: return (size_t)K / QK * 34;
+    case 12: return (size_t)K / QK_K * 144;
+    case 13: return (size_t)K / QK_K * 176;
+    case 14: return (size_t)K / QK_K * 210;
+    default: return 0;
+    }
+}
+
+/* The float32 weights of one row of K weights of ggml type `type` (F32, F16, Q4_0, Q4_1, Q8_0,
+   Q4_K, Q5_K, Q6_K, BF16): what blocks.py's dequantize gives, bit for bit. */
+SF_EXACT static void dequantize_row(int type, const uint8_t *row, int K, float *out) {
+    SF_EXACT_BODY
+    if (type == 0) { memcpy(out, row, sizeof(float) * K); return; }
+    if (type == 1 || type == 30) {
+        for (int k = 0; k < K; k++) {
+            uint16_t h;
+            memcpy(&h, row + 2 * k, 2);
+            if (type == 1) { out[k] = _cvtsh_ss(h); continue; }
+            const uint32_t bits = (uint32_t)h << 16;
+            memcpy(out + k, &bits, 4);
+        }
+        return;
+    }
+    if (type >= 12) {
+        void (*one)(const uint8_t *, float *) =
+            type == 12 ? dequantize_q4_k : type == 13 ? dequantize_q5_k : dequantize_q6_k;
+        const size_t size = row_bytes(type, QK_K);
+        for (int b = 0; b < K / QK_K; b++) one(row + b * size, out + b * QK_K);
+        return;
+    }
+    const size_t size = row_bytes(type, QK);
+    for (int b = 0; b < K / QK; b++, out += QK) {
+        const uint8_t *blk = row + b * size;
+        const float d = half_at(blk);
+        if (type == 8) {
+            const __m256 dv = _mm256_set1_ps(d);
+            for (int j = 0; j < QK; j += 8) {
+                const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + j)));
+                _mm256_storeu_ps(out + j, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(q)));
+            }
+        } else if (type == 2) {
+            for (int j = 0; j < 16; j++) {
+                out[j] = d * (float)((int)(blk[2 + j] & 0xF) - 8);
+                out[j + 16] = d * (float)((int)(blk[2 + j] >> 4) - 8);
+            }
+        } else {
+            const float m = half_at(blk + 2);
+            for (int j = 0; j < 16; j++) {
+                out[j] = d * (float)(blk[4 + j] & 0xF) + m;
+                out[j + 16] = d * (float)(blk[4 + j] >> 4) + m;
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------- */
 /* activations                                                                              */
 
 typedef struct {
@@ -203,7 +377,14 @@ static void quantize_row(const float *x, int K, int16_t *qx, float *d, float *s)
     }
 }
 
-static inline int quantized(const sf_matrix *mat) { return mat->kind == 0 || mat->kind == 1; }
+static inline int quantized_part(const sf_part *p) { return p->kind != 2; }
+
+/* whether a product by mat wants the activations quantized (any part is) */
+static inline int quantized(const sf_matrix *mat) {
+    for (int p = 0; p < mat->parts; p++)
+        if (quantized_part(&mat->part[p])) return 1;
+    return 0;
+}
 
 /* rows [m0, m1) of a */
 static void quantize_rows(acts *a, int m0, int m1) {
@@ -388,17 +569,197 @@ static inline __attribute__((always_inline)) void f32_rows2(
     }
 }
 
+/* Blocks as the file stores them, multiplied without inflating them: each block of 32
+   weights (a Q8_0 block, a K-quant sub-block) against the int16 activations of the same 32
+   inputs gives an exact int32 sum, scaled in float by the block's scale and the activations'
+   block scale; a K-quant block's minimum multiplies the activations' s = d * sum(q).  R
+   activation rows (R <= 4) against one weight row, each row's steps the same whatever R is
+   (explicit fused multiply-adds, so no compiler choice differs between the R variants). */
+
+#define LOAD16(p) _mm256_loadu_si256((const __m256i *)(p))
+
+/* 32 int16 weights in two halves times 32 int16 activations: 8 int32 partial sums */
+static inline __m256i dot32(__m256i w0, __m256i w1, const int16_t *x) {
+    return _mm256_add_epi32(_mm256_madd_epi16(w0, LOAD16(x)), _mm256_madd_epi16(w1, LOAD16(x + 16)));
+}
+
+static inline void store_rows(const int R, const __m256 *acc, const float *minus, float *out,
+                              int stride, int accumulate) {
+    for (int r = 0; r < R; r++) {
+        const float v = hsum(acc[r]) - minus[r];
+        out[(size_t)r * stride] = accumulate ? out[(size_t)r * stride] + v : v;
+    }
+}
+
+/* Q8_0 (34 bytes: float16 d, 32 int8 q) */
+static inline __attribute__((always_inline)) void q8b_rows(
+    const int R, const uint8_t *w, int nb, const int16_t *qx, const float *dx, int K, float *out,
+    int stride, int accumulate) {
+    __m256 acc[4];
+    float minus[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = w + (size_t)b * 34;
+        const float d = half_at(blk);
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 2)));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 18)));
+        for (int r = 0; r < R; r++) {
+            const __m256i p = dot32(w0, w1, qx + (size_t)r * K + b * QK);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[r * nb + b]), _mm256_cvtepi32_ps(p),
+                                     acc[r]);
+        }
+    }
+    store_rows(R, acc, minus, out, stride, accumulate);
+}
+
+/* The eight scales and mins of a Q4_K/Q5_K super-block, times its d and dmin. */
+static inline void k_scales(const uint8_t *blk, float *ds, float *dm) {
+    const float d = half_at(blk), dmin = half_at(blk + 2);
+    for (int j = 0; j < 8; j++) {
+        uint8_t sc, m;
+        k_scale_min(j, blk + 4, &sc, &m);
+        ds[j] = d * (float)sc;
+        dm[j] = dmin * (float)m;
+    }
+}
+
+/* Q4_K (144 bytes) and Q5_K (176 bytes, five_bits): sub-block j of 32 weights is
+   d*sc[j]*q - dmin*m[j]; bytes 32c..32c+31 of the nibbles hold sub-blocks 2c (low nibbles)
+   and 2c + 1 (high ones), and Q5_K's fifth bit of weight l of sub-block j is bit j of qh[l]. */
+static inline __attribute__((always_inline)) void qk_rows(
+    const int R, const int five_bits, const uint8_t *w, int nsb, const int16_t *qx,
+    const float *dx, const float *sx, int K, float *out, int stride, int accumulate) {
+    const int nb = K / QK;
+    const size_t size = five_bits ? 176 : 144;
+    const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    __m256 acc[4];
+    float minus[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = w + (size_t)sb * size;
+        const uint8_t *qs = blk + (five_bits ? 48 : 16);
+        float ds[8], dm[8];
+        k_scales(blk, ds, dm);
+        const __m256i qh = five_bits ? LOAD16(blk + 16) : _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = LOAD16(qs + 32 * c);
+            __m256i lo = _mm256_and_si256(v, low);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            if (five_bits) {
+                const __m256i b0 = _mm256_and_si256(
+                    _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c)), one);
+                const __m256i b1 = _mm256_and_si256(
+                    _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c + 1)), one);
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(b0, 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(b1, 4));
+            }
+            const __m256i l0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo));
+            const __m256i l1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1));
+            const __m256i h0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi));
+            const __m256i h1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1));
+            const int b = sb * 8 + 2 * c;
+            for (int r = 0; r < R; r++) {
+                const int16_t *x = qx + (size_t)r * K + (size_t)b * QK;
+                const float *d = dx + r * nb + b, *sm = sx + r * nb + b;
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(ds[2 * c] * d[0]),
+                                         _mm256_cvtepi32_ps(dot32(l0, l1, x)), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(ds[2 * c + 1] * d[1]),
+                                         _mm256_cvtepi32_ps(dot32(h0, h1, x + QK)), acc[r]);
+                minus[r] = fmaf(dm[2 * c], sm[0], minus[r]);
+                minus[r] = fmaf(dm[2 * c + 1], sm[1], minus[r]);
+            }
+        }
+    }
+    store_rows(R, acc, minus, out, stride, accumulate);
+}
+
+/* Q6_K (210 bytes: 128 of low nibbles, 64 of high bit pairs, 16 int8 scales, float16 d):
+   each half of 128 weights is four groups of 32 (low nibbles of ql[0..31], of ql[32..63],
+   high nibbles of ql[0..31], of ql[32..63]; their high bits the pairs 0, 2, 4, 6 of qh), each
+   group's 16 and 16 weights with a scale of their own: w = d*scale*(q - 32). */
+static inline __attribute__((always_inline)) void q6k_rows(
+    const int R, const uint8_t *w, int nsb, const int16_t *qx, const float *dx, int K,
+    float *out, int stride, int accumulate) {
+    const int nb = K / QK;
+    const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+    const __m256i offset = _mm256_set1_epi8(32);
+    __m256 acc[4];
+    float minus[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = w + (size_t)sb * 210;
+        const int8_t *scales = (const int8_t *)(blk + 192);
+        const float d = half_at(blk + 208);
+        for (int half = 0; half < 2; half++) {
+            const __m256i ql0 = LOAD16(blk + 64 * half), ql1 = LOAD16(blk + 64 * half + 32);
+            const __m256i qh = LOAD16(blk + 128 + 32 * half);
+            for (int g = 0; g < 4; g++) {
+                const __m256i src = g % 2 ? ql1 : ql0;
+                const __m256i nib = _mm256_and_si256(g < 2 ? src : _mm256_srli_epi16(src, 4), low);
+                const __m256i high = _mm256_and_si256(
+                    _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g)), three);
+                const __m256i q = _mm256_sub_epi8(
+                    _mm256_or_si256(nib, _mm256_slli_epi16(high, 4)), offset);
+                const __m256i q0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
+                const __m256i q1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
+                const float s0 = d * (float)scales[8 * half + 2 * g];
+                const float s1 = d * (float)scales[8 * half + 2 * g + 1];
+                const int b = sb * 8 + half * 4 + g;
+                for (int r = 0; r < R; r++) {
+                    const int16_t *x = qx + (size_t)r * K + (size_t)b * QK;
+                    const float xd = dx[r * nb + b];
+                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(s0 * xd),
+                        _mm256_cvtepi32_ps(_mm256_madd_epi16(q0, LOAD16(x))), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(s1 * xd),
+                        _mm256_cvtepi32_ps(_mm256_madd_epi16(q1, LOAD16(x + 16))), acc[r]);
+                }
+            }
+        }
+    }
+    store_rows(R, acc, minus, out, stride, accumulate);
+}
+
 /* The work units a product splits between threads: tiles of 8 output rows (kind 0), output
-   rows (kinds 1 and 2). */
-static inline int units(const sf_matrix *mat) {
+   rows (the others). */
+static inline int units(const sf_part *mat) {
     return mat->kind == 0 ? (mat->N + 7) / 8 : mat->N;
 }
 
+/* Bytes of one weight row of a part stored as the file stores it (kinds 3 to 6). */
+static inline size_t stored_row_bytes(const sf_part *mat) {
+    static const int types[] = {8, 12, 13, 14};
+    return row_bytes(types[mat->kind - 3], mat->K);
+}
+
+/* y[m, n] (+)= x[m] . W[n] for the rows of units [u0, u1) of a part stored as the file stores
+   it; y's rows are ldy apart. */
+static void stored_units(const sf_part *mat, const acts *a, int M, float *y, int ldy,
+                         int accumulate, int u0, int u1) {
+    const int K = mat->K, nb = K / QK, nsb = K / 256;
+    const size_t bytes = stored_row_bytes(mat);
+    for (int n = u0; n < u1; n++) {
+        const uint8_t *wr = (const uint8_t *)mat->w + (size_t)n * bytes;
+#define STORED_CALL(RR)                                                                        \
+    do {                                                                                       \
+        const int16_t *xq = a->q + (size_t)m * K;                                              \
+        const float *xd = a->d + m * nb, *xs = a->s + m * nb;                                  \
+        float *yo = y + (size_t)m * ldy + n;                                                   \
+        if (mat->kind == 3) q8b_rows(RR, wr, nb, xq, xd, K, yo, ldy, accumulate);              \
+        else if (mat->kind == 6) q6k_rows(RR, wr, nsb, xq, xd, K, yo, ldy, accumulate);        \
+        else qk_rows(RR, mat->kind == 5, wr, nsb, xq, xd, xs, K, yo, ldy, accumulate);         \
+    } while (0)
+        ROW_TILES(STORED_CALL);
+#undef STORED_CALL
+    }
+}
+
 /* y[m, n] (+)= x[m] . W[n] for the output rows of units [u0, u1); y's rows are ldy apart. */
-static void product_units(const sf_matrix *mat, const acts *a, int M, float *y, int ldy,
+static void product_units(const sf_part *mat, const acts *a, int M, float *y, int ldy,
                           int accumulate, int u0, int u1) {
     const int K = mat->K, N = mat->N, nb = K / QK;
-    if (mat->kind == 0) {
+    if (mat->kind >= 3) {
+        stored_units(mat, a, M, y, ldy, accumulate, u0, u1);
+    } else if (mat->kind == 0) {
         const uint8_t *w = (const uint8_t *)mat->w;
         for (int g = u0; g < u1; g++) {
             const uint8_t *wg = w + (size_t)g * nb * TILE_BYTES;
@@ -446,18 +807,35 @@ static void product_units(const sf_matrix *mat, const acts *a, int M, float *y, 
     }
 }
 
-/* This thread's share of a product (inside a parallel region). */
+/* This thread's share of a product (inside a parallel region): each part's rows split between
+   the threads, its outputs in its own columns of y (no barrier between the parts). */
 static void product(const sf_matrix *mat, const acts *a, int M, float *y, int ldy,
                     int accumulate) {
-    int u0, u1;
-    share(units(mat), omp_get_num_threads(), omp_get_thread_num(), &u0, &u1);
-    product_units(mat, a, M, y, ldy, accumulate, u0, u1);
+    int column = 0;
+    for (int p = 0; p < mat->parts; p++) {
+        const sf_part *part = &mat->part[p];
+        int u0, u1;
+        share(units(part), omp_get_num_threads(), omp_get_thread_num(), &u0, &u1);
+        product_units(part, a, M, y + column, ldy, accumulate, u0, u1);
+        column += part->N;
+    }
+}
+
+static int part_ok(const sf_part *mat) {
+    if (mat->kind < 0 || mat->kind > 6 || mat->K <= 0 || mat->N <= 0) return 0;
+    if (quantized_part(mat) && mat->K % QK) return 0;
+    if (mat->kind >= 4 && mat->K % QK_K) return 0;
+    return 1;
 }
 
 static int matrix_ok(const sf_matrix *mat) {
-    if (mat->kind < 0 || mat->kind > 2 || mat->K <= 0 || mat->N <= 0) return 0;
-    if (quantized(mat) && mat->K % QK) return 0;
-    return 1;
+    if (mat->parts < 1 || mat->parts > MAX_PARTS || mat->K <= 0) return 0;
+    int rows = 0;
+    for (int p = 0; p < mat->parts; p++) {
+        if (!part_ok(&mat->part[p]) || mat->part[p].K != mat->K) return 0;
+        rows += mat->part[p].N;
+    }
+    return rows == mat->N;
 }
 
 /* y[M, N] = x[M, K] @ W^T, one product in a parallel region of its own. */
@@ -540,16 +918,11 @@ int sf_untile_q4(const uint8_t *tiles, int N, int K, uint8_t *blocks) {
 /* ---------------------------------------------------------------------------------------- */
 /* the step                                                                                 */
 
-/* One row of the embedding table, float32 (int8 rows: q * scale, the scale of each block). */
+/* One row of the embedding table, float32 (as the file means it, from its own blocks). */
 static void embed_row(const sf_model *md, int64_t token, float *out) {
     const int H = md->hidden;
-    if (md->embed_kind == 0) {
-        memcpy(out, (const float *)md->embed + (size_t)token * H, sizeof(float) * H);
-        return;
-    }
-    const int8_t *q = (const int8_t *)md->embed + (size_t)token * H;
-    const float *sc = md->embed_scales + (size_t)token * (H / QK);
-    for (int k = 0; k < H; k++) out[k] = (float)q[k] * sc[k / QK];
+    const size_t bytes = row_bytes(md->embed_type, H);
+    dequantize_row(md->embed_type, (const uint8_t *)md->embed + (size_t)token * bytes, H, out);
 }
 
 static inline __m256 load8(const void *base, size_t index, int half) {
@@ -799,6 +1172,7 @@ int sf_forward(const sf_model *md, const sf_kv *kv, int M, const int64_t *tokens
         return 1;
     for (int l = first; l < end; l++)
         if (!layer_ok(md, &md->layer[l])) return 1;
+    if (tokens && row_bytes(md->embed_type, H) == 0) return 1;
     int longest = 0;
     for (int m = 0; m < M; m++) {
         if (positions[m] < 0 || positions[m] >= kv->capacity) return 4;
@@ -883,27 +1257,35 @@ static inline int allowed(const int32_t *mask, int t) {
 }
 
 /* The best `refined` logits of one row (the final norm's output x) computed again from the
-   head's float rows, forbidden ones -inf; `best` holds `refined` indices. */
+   head's float rows (read from their own blocks into `w`, H floats), forbidden ones -inf;
+   `best` holds `refined` indices. */
 static void refine_row(const sf_model *md, const float *x, float *row, const int32_t *mask,
-                       int refined, int32_t *best) {
+                       int refined, int32_t *best, float *w) {
     const int H = md->hidden;
+    const size_t bytes = row_bytes(md->refine_type, H);
     top_indices(row, md->vocab, refined, best);
     for (int j = 0; j < refined; j++) {
         const int t = best[j];
+        const uint8_t *stored = (const uint8_t *)md->refine + (size_t)t * bytes;
         __m256 acc = _mm256_setzero_ps();
-        if (md->refine_kind == 0) {
-            const float *w = (const float *)md->refine + (size_t)t * H;
-            for (int k = 0; k < H; k += 8)
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), acc);
-        } else {
-            const int8_t *w = (const int8_t *)md->refine + (size_t)t * H;
-            const float *sc = md->refine_scales + (size_t)t * (H / QK);
+        if (md->refine_type == 8) {
+            /* Q8_0 (a tied Q8_0 embedding): each weight d * q formed on the way, as
+               dequantize_row forms it */
             for (int k = 0; k < H; k += 8) {
-                const __m256 wv = _mm256_mul_ps(
-                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + k)))),
-                    _mm256_set1_ps(sc[k / QK]));
+                const uint8_t *blk = stored + (size_t)(k / QK) * 34;
+                const __m256i q = _mm256_cvtepi8_epi32(
+                    _mm_loadl_epi64((const __m128i *)(blk + 2 + k % QK)));
+                const __m256 wv = _mm256_mul_ps(_mm256_set1_ps(half_at(blk)), _mm256_cvtepi32_ps(q));
                 acc = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + k), acc);
             }
+        } else {
+            const float *wr = (const float *)stored;
+            if (md->refine_type != 0) {
+                dequantize_row(md->refine_type, stored, H, w);
+                wr = w;
+            }
+            for (int k = 0; k < H; k += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(wr + k), _mm256_loadu_ps(x + k), acc);
         }
         row[t] = (mask && !allowed(mask, t)) ? -INFINITY : hsum(acc);
     }
@@ -926,8 +1308,10 @@ int sf_logits(const sf_model *md, int M, const float *hidden, const int32_t *mas
     float *xd = (float *)malloc(sizeof(float) * ((size_t)M * (H / QK) + 1));
     float *xs = (float *)malloc(sizeof(float) * ((size_t)M * (H / QK) + 1));
     int32_t *best = (int32_t *)malloc(sizeof(int32_t) * ((size_t)M * (refined > 0 ? refined : 1)));
-    if (!xf || !xq || !xd || !xs || !best) {
-        free(xf); free(xq); free(xd); free(xs); free(best);
+    float *rows_read = (float *)malloc(sizeof(float) * (size_t)threads * H);
+    if (md->refine_type >= 0 && row_bytes(md->refine_type, H) == 0) refined = 0;
+    if (!xf || !xq || !xd || !xs || !best || !rows_read) {
+        free(xf); free(xq); free(xd); free(xs); free(best); free(rows_read);
         return 2;
     }
     acts a = {xf, xq, xd, xs, H};
@@ -948,8 +1332,9 @@ int sf_logits(const sf_model *md, int M, const float *hidden, const int32_t *mas
             if (mask)
                 for (int t = 0; t < V; t++)
                     if (!allowed(mask, t)) row[t] = -INFINITY;
-            if (md->refine_kind >= 0 && refined > 0)
-                refine_row(md, xf + (size_t)m * H, row, mask, refined, best + (size_t)m * refined);
+            if (md->refine_type >= 0 && refined > 0)
+                refine_row(md, xf + (size_t)m * H, row, mask, refined, best + (size_t)m * refined,
+                           rows_read + (size_t)me * H);
             if (md->final_softcap > 0.0f) {
                 /* after the refinement, as the per-operator head caps them; masked ones stay
                    -inf */
@@ -959,109 +1344,6 @@ int sf_logits(const sf_model *md, int M, const float *hidden, const int32_t *mas
             }
         }
     }
-    free(xf); free(xq); free(xd); free(xs); free(best);
-    return 0;
-}
-
-/* ---------------------------------------------------------------------------------------- */
-/* GGUF K-quant blocks, dequantized a super-block at a time                                 */
-/* (sfnode/engines/kernels/blocks.py holds the layouts; the results are bit for bit ggml's   */
-/* reference: the same float products and differences in the same order, never fused into   */
-/* one rounding, hence fp-contract off for these functions)                                 */
-
-#define QK_K 256
-#if defined(__clang__)
-#define SF_EXACT
-#define SF_EXACT_BODY _Pragma("clang fp contract(off)")
-#else
-#define SF_EXACT __attribute__((optimize("fp-contract=off")))
-#define SF_EXACT_BODY
-#endif
-
-static inline float half_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
-/* Scale j and min j (0..7) of a Q4_K/Q5_K super-block's 12 packed bytes. */
-static inline void k_scale_min(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
-    if (j < 4) {
-        *sc = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-}
-
-/* Q4_K (144 bytes): d, dmin, 12 bytes of scales and mins, 128 bytes of nibbles. */
-SF_EXACT static inline void dequantize_q4_k(const uint8_t *b, float *y) {
-    SF_EXACT_BODY
-    const float d = half_at(b), dmin = half_at(b + 2);
-    const uint8_t *scales = b + 4, *q = b + 16;
-    for (int j = 0; j < 8; j += 2, q += 32) {
-        uint8_t sc, m;
-        k_scale_min(j, scales, &sc, &m);
-        const float d1 = d * (float)sc, m1 = dmin * (float)m;
-        k_scale_min(j + 1, scales, &sc, &m);
-        const float d2 = d * (float)sc, m2 = dmin * (float)m;
-        for (int l = 0; l < 32; l++) *y++ = d1 * (float)(q[l] & 0xF) - m1;
-        for (int l = 0; l < 32; l++) *y++ = d2 * (float)(q[l] >> 4) - m2;
-    }
-}
-
-/* Q5_K (176 bytes): as Q4_K with 32 bytes of fifth bits before the nibbles. */
-SF_EXACT static inline void dequantize_q5_k(const uint8_t *b, float *y) {
-    SF_EXACT_BODY
-    const float d = half_at(b), dmin = half_at(b + 2);
-    const uint8_t *scales = b + 4, *qh = b + 16, *ql = b + 48;
-    uint8_t u1 = 1, u2 = 2;
-    for (int j = 0; j < 8; j += 2, ql += 32, u1 <<= 2, u2 <<= 2) {
-        uint8_t sc, m;
-        k_scale_min(j, scales, &sc, &m);
-        const float d1 = d * (float)sc, m1 = dmin * (float)m;
-        k_scale_min(j + 1, scales, &sc, &m);
-        const float d2 = d * (float)sc, m2 = dmin * (float)m;
-        for (int l = 0; l < 32; l++)
-            *y++ = d1 * (float)((ql[l] & 0xF) + (qh[l] & u1 ? 16 : 0)) - m1;
-        for (int l = 0; l < 32; l++)
-            *y++ = d2 * (float)((ql[l] >> 4) + (qh[l] & u2 ? 16 : 0)) - m2;
-    }
-}
-
-/* Q6_K (210 bytes): 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d. */
-SF_EXACT static inline void dequantize_q6_k(const uint8_t *b, float *y) {
-    SF_EXACT_BODY
-    const uint8_t *ql = b, *qh = b + 128;
-    const int8_t *sc = (const int8_t *)(b + 192);
-    const float d = half_at(b + 208);
-    for (int n = 0; n < QK_K; n += 128, ql += 64, qh += 32, sc += 8, y += 128) {
-        for (int l = 0; l < 32; l++) {
-            const int is = l / 16;
-            const int q1 = (int)((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
-            const int q2 = (int)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
-            const int q3 = (int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-            const int q4 = (int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-            y[l] = (d * (float)sc[is + 0]) * (float)q1;
-            y[l + 32] = (d * (float)sc[is + 2]) * (float)q2;
-            y[l + 64] = (d * (float)sc[is + 4]) * (float)q3;
-            y[l + 96] = (d * (float)sc[is + 6]) * (float)q4;
-        }
-    }
-}
-
-/* The float32 weights of `blocks` super-blocks of ggml type `kind` (12 Q4_K, 13 Q5_K,
-   14 Q6_K) at `data`, QK_K a block, into `out`; 1 for a kind it does not know. */
-int sf_dequantize(int kind, const uint8_t *data, int64_t blocks, float *out) {
-    void (*one)(const uint8_t *, float *);
-    size_t size;
-    switch (kind) {
-    case 12: one = dequantize_q4_k; size = 144; break;
-    case 13: one = dequantize_q5_k; size = 176; break;
-    case 14: one = dequantize_q6_k; size = 210; break;
-    default: return 1;
-    }
-    for (int64_t i = 0; i < blocks; i++) one(data + (size_t)i * size, out + (size_t)i * QK_K);
+    free(xf); free(xq); free(xd); free(xs); free(best); free(rows_read);
     return 0;
 }

@@ -492,6 +492,12 @@ def kernel_works(precision: Precision) -> str | None:
 
 def effective_weight(layer: Linear) -> torch.Tensor:
     """The float32 ``W`` a layer multiplies by, as its kernel sees it (for checks and tests)."""
+    if isinstance(layer, JoinedLinear):
+        return torch.cat([effective_weight(part) for part in layer.parts])
+    stored = getattr(layer, "weight", None) if getattr(layer, "as_stored", False) else None
+    if callable(stored):  # sfnode.engines.kernels.native.BlockLinear
+        meant: torch.Tensor = stored()
+        return meant
     if isinstance(layer, Int4Linear):
         # The identity times W^T is W^T: the kernel's own (q - 8) * scale + zero, rounded to
         # bfloat16 (its output dtype).

@@ -397,6 +397,8 @@ class _Builder:
         ] + ["lm_head"]
 
     def build(self, name: str) -> Linear:
+        """The kernel of projection ``name``: one kernel for all its matrices where one holds
+        them, else each matrix's own (side by side: sfnode's in one call)."""
         self.built.append(name)
         if name == "lm_head":
             parts = [("lm_head", _head_tensor(self.stored))]
@@ -411,29 +413,46 @@ class _Builder:
             joined = self._joined(tensors, precisions.pop())
             if joined is not None:
                 return joined
-        return JoinedLinear([self._one(tensor, self.chosen[part]) for part, tensor in parts])
+        kernels = [self._one(tensor, self.chosen[part]) for part, tensor in parts]
+        if self.library is not None:
+            return native.NativeParts(kernels, self.library)
+        return JoinedLinear(kernels)
 
     def _joined(self, tensors: list[StoredTensor], precision: Precision) -> Linear | None:
-        """One kernel for all ``tensors`` stacked along their rows, where one can hold them."""
+        """One kernel for all ``tensors`` stacked along their rows, where one holds them:
+        4-bit blocks as int4 (sfnode's tiles, torch's groups), float ones joined for torch's
+        kernels; None where each keeps its own."""
         kinds = {t.kind for t in tensors}
         if precision is Precision.INT4 and kinds <= {"Q4_0", "Q4_1"}:
             matrices = [GgufMatrix(t.kind, t.rows, t.cols, t.data) for t in tensors]
             if self.library is not None:
                 return native.Q4Linear(native.gguf_blocks(matrices), tensors[0].cols, self.library)
             return from_gguf(matrices, precision)
-        if len(tensors) > 1 and self.library is not None and kinds & K_QUANTS:
-            return None
         if len(tensors) == 1:
             return self._one(tensors[0], precision)
+        if any(self._as_stored(t, precision) for t in tensors):
+            return None
         weight = torch.cat([float_weight(t) for t in tensors])
         return self._float_kernel(weight, precision)
 
+    def _as_stored(self, tensor: StoredTensor, precision: Precision) -> bool:
+        """Whether sfnode's kernels multiply ``tensor`` as the file stores it: its format's
+        own precision, a format they read (it keeps its own kernel, reading the file)."""
+        return (
+            self.library is not None
+            and tensor.kind in native.STORED_KINDS
+            and _PRECISION_OF_KIND.get(tensor.kind) is precision
+        )
+
     def _one(self, tensor: StoredTensor, precision: Precision) -> Linear:
-        """The kernel of one stored matrix."""
+        """The kernel of one stored matrix: sfnode's reads Q8_0 and K-quant blocks as stored
+        where the precision is the format's own."""
         if precision is Precision.INT4 and tensor.kind in ("Q4_0", "Q4_1"):
-            return self._joined([tensor], precision) or self._float_kernel(
-                float_weight(tensor), precision
-            )
+            joined = self._joined([tensor], precision)
+            assert joined is not None
+            return joined
+        if self.library is not None and self._as_stored(tensor, precision):
+            return native.BlockLinear(tensor.kind, tensor.data, tensor.cols, self.library)
         return self._float_kernel(float_weight(tensor), precision)
 
     def _float_kernel(self, weight: torch.Tensor, precision: Precision) -> Linear:
@@ -636,13 +655,31 @@ def _choose_family(
     library_dir = kept.library_dir
     if library_dir is None:
         library_dir = kept.cache_file.parent if kept.cache_file else _default_library_dir()
+    k_quants = sorted({t.kind for t in stored.tensors.values()} & K_QUANTS)
     if kept.kernels == "torch":
         choice = Choice("torch", "asked for", all_float32=all_float32)
-    elif kept.kernels == "native":
+        if k_quants:
+            log.warn(
+                "torch's kernels multiply no {kinds} blocks: those matrices are quantized again "
+                "for them (a second rounding); sfnode's kernels multiply them as stored",
+                kinds=", ".join(k_quants),
+            )
+    elif kept.kernels == "native" or (k_quants and kept.kernels == "auto"):
         loaded = native.load(library_dir, cpu.flags)
-        if isinstance(loaded, str):
+        if isinstance(loaded, str) and kept.kernels == "auto":
+            choice = Choice("torch", f"sfnode's kernels are not available ({loaded})")
+        elif isinstance(loaded, str):
             raise WeightsError(f"sfnode's native kernels cannot be used here: {loaded}")
-        choice = Choice("native", "asked for", library=loaded, all_float32=all_float32)
+        else:
+            why = (
+                "asked for"
+                if kept.kernels == "native"
+                else (
+                    f"the file's {', '.join(k_quants)} blocks are multiplied as stored by sfnode's "
+                    "kernels only"
+                )
+            )
+            choice = Choice("native", why, library=loaded, all_float32=all_float32)
     else:
         choice = choose(
             _layer0_samples(stored, wanted, all_float32),

@@ -1,0 +1,209 @@
+"""Every family served by the real engine, built by the node's own builder (docs/engine.md
+section 5.4): each family's tiny model (``tests/families.py``) from its folder and from its GGUF
+files (F32, Q8_0, Q4_K_M), through sfnode's native step and through the layers as torch
+operators, gives the greedy tokens of transformers' ``generate()``: on the folder in float32 for
+the folder and the F32 file, over the file's dequantized matrices for the quantized files (the
+figures of their agreement with float32 are ``bench/families.py``'s).  K-quant files are held as
+stored; a Llama 3 GGUF answers as its folder; an architecture sfnode does not read is refused by
+name before the node exists.
+
+The models are tiny (two layers of 256; Gemma 3 six), so the whole matrix takes seconds a
+family.  These tests must never download anything.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, ClassVar
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from twisted.internet import defer, reactor
+from twisted.trial import unittest
+
+from sfnode.engines.kernels import native
+from sfnode.generation import GenerationRequest
+from sfnode.linkf.wire import GenParams
+from sfnode.node import tap
+from tests import families
+from tests.tinymodel import reference_greedy
+
+PROMPT = [1, 37, 90, 200, 15, 8, 301, 77]
+TOKENS = 48
+KINDS = ("folder", "F32", "Q8_0", "Q4_K_M")
+_cache = Path(families._workspace()) / "cache"
+
+
+def source(family: str, kind: str) -> Path:
+    return families.folder(family) if kind == "folder" else families.gguf(family, kind)
+
+
+def transformers_model(family: str, window: bool = True) -> Any:
+    """The folder's transformers model in float32 (without its sliding window: what a Mistral
+    GGUF file holds, its converter dropping the window)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = families.folder(family)
+    config = AutoConfig.from_pretrained(str(folder))
+    if not window:
+        config.sliding_window = None
+    model = AutoModelForCausalLM.from_pretrained(
+        str(folder), config=config, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval()
+
+
+def expected(family: str, kind: str) -> list[int]:
+    """transformers' greedy tokens for ``family``'s ``kind``: on the folder's float32 model,
+    with the file's matrices dequantized in it for a quantized file."""
+    key = (family, kind)
+    if key not in _EXPECTED:
+        from sfnode.engines.weights.stored import read_gguf
+        from tests.reference import with_stored_matrices
+
+        # llama.cpp's converter writes a Mistral model without its window.
+        model = transformers_model(family, window=not (family == "mistral" and kind != "folder"))
+        if kind in ("Q8_0", "Q4_K_M"):
+            model = with_stored_matrices(model, read_gguf(source(family, kind)))
+        _EXPECTED[key] = reference_greedy(model, PROMPT, TOKENS)
+    return _EXPECTED[key]
+
+
+_EXPECTED: dict[tuple[str, str], list[int]] = {}
+
+
+def build(path: Path, *extra: str) -> Any:
+    """The engine ``twistd sfnode --model path`` builds (one lane, one thread)."""
+    options = tap.Options()
+    options.parseOptions(
+        [
+            "--listen",
+            "tcp:0:interface=127.0.0.1",
+            "--model",
+            str(path),
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+            "--max-lanes",
+            "1",
+            "--cache-dir",
+            str(_cache),
+            *extra,
+        ]
+    )
+    return tap.build_engine(reactor, options)
+
+
+def native_kernels() -> None:
+    """Skip where sfnode's kernels cannot be built or loaded here."""
+    from sfnode.engines.weights.loading import default_cache_dir
+
+    loaded = native.load(default_cache_dir().parent / "kernels")
+    if isinstance(loaded, str):
+        raise unittest.SkipTest(f"no native kernels on this machine: {loaded}")
+
+
+class FamilyEngineTests(unittest.TestCase):
+    """Each family and kind of file through the engine the node builds."""
+
+    tokens: ClassVar[dict[tuple[str, str, str], list[int]]] = {}
+
+    @defer.inlineCallbacks
+    def greedy(self, engine: Any) -> Any:
+        """The engine's first greedy tokens after :data:`PROMPT`."""
+        engine.start()
+        try:
+            request = GenerationRequest(list(PROMPT), GenParams(), TOKENS, 0)
+            result = yield engine.submit(request, lambda *args: None).result
+        finally:
+            yield engine.stop()
+        return list(result.tokens)
+
+    @defer.inlineCallbacks
+    def check_path(self, path: str, options: dict[str, tuple[str, ...]], fused: bool) -> Any:
+        """Every family and kind, built with ``options`` (by kind), gives ``expected``'s
+        tokens, through the native step where ``fused``."""
+        for family in families.FAMILY_NAMES:
+            for kind in KINDS:
+                engine = build(source(family, kind), *options[kind])
+                where = (family, kind, path)
+                self.assertEqual(engine.fused_step, fused, where)
+                self.tokens[where] = yield self.greedy(engine)
+                want = expected(family, kind)
+                self.assertGreater(len(set(want)), 4, where)
+                self.assertEqual(self.tokens[where], want, where)
+
+    def test_every_family_and_kind_through_the_native_step(self) -> Any:
+        """sfnode's kernels and its native step (docs/engine.md section 5.2) serve every
+        family from its folder and its F32, Q8_0 and Q4_K_M files, and give transformers'
+        greedy tokens (on the folder in float32; over the file's dequantized matrices)."""
+        native_kernels()
+        options = {kind: ("--kernels", "native") for kind in KINDS}
+        return self.check_path("native", options, fused=True)
+
+    def test_every_family_and_kind_through_torch_operators(self) -> Any:
+        """With the layers as torch operators (--eager-step), the float files multiplied by
+        torch's own kernels (float32, oneDNN) and the quantized ones by sfnode's kernels from
+        their blocks, every family and kind gives the same tokens as transformers."""
+        native_kernels()
+        float_files = ("--kernels", "torch", "--eager-step")
+        blocks = ("--kernels", "native", "--eager-step")
+        options = {"folder": float_files, "F32": float_files, "Q8_0": blocks, "Q4_K_M": blocks}
+        return self.check_path("torch", options, fused=False)
+
+    @defer.inlineCallbacks
+    def test_a_llama3_gguf_answers_as_its_folder(self) -> Any:
+        """A Llama 3 model (rope_type llama3) converted to GGUF (its factors as the
+        ``rope_freqs`` tensor, the rope type the converter writes) answers what its folder
+        answers, through the node's engine, by default options."""
+        from sfnode.engines.weights.stored import read_gguf
+
+        path = families.gguf("llama", "F32")
+        self.assertEqual(read_gguf(path).spec.rope.scaling, "llama3")
+        from_folder = yield self.greedy(build(families.folder("llama")))
+        from_file = yield self.greedy(build(path))
+        self.assertEqual(from_file, from_folder)
+        self.assertEqual(from_folder, expected("llama", "folder"))
+
+    def test_k_quant_files_are_held_as_stored(self) -> None:
+        """A Q4_K_M file's matrices are multiplied from their Q4_K and Q6_K blocks (the
+        engine's account of its kernels names them), and the weights the step reads take at
+        most 1.1 times the file's size."""
+        native_kernels()
+        for family in families.FAMILY_NAMES:
+            path = families.gguf(family, "Q4_K_M")
+            engine = build(path)
+            gathered = engine.weights.gathered
+            self.assertIsNotNone(gathered, family)
+            kinds = {part.split(" x ")[0] for part in engine.weights.kernels.split(", ")}
+            self.assertEqual(kinds, {"Q4_K", "Q6_K"}, family)
+            self.assertLessEqual(gathered.held_bytes(), 1.1 * path.stat().st_size, family)
+
+    def test_an_unsupported_architecture_is_refused_by_name(self) -> None:
+        """A GGUF file of an architecture no family reads stops the node's start with one line
+        naming it, before any service exists (a node that cannot run its model never announces
+        itself to a head), and leaves nothing in the model cache."""
+        path = Path(self.mktemp()) / "mamba.gguf"
+        path.parent.mkdir()
+        data = bytearray(families.gguf("qwen2", "F32").read_bytes())
+        at = data.index(b"qwen2")
+        data[at : at + 5] = b"mamba"
+        path.write_bytes(bytes(data))
+        cache = Path(self.mktemp())
+        options = tap.Options()
+        options.parseOptions(
+            ["--listen", "tcp:0:interface=127.0.0.1", "--model", str(path), "--cache-dir",
+             str(cache)]
+        )  # fmt: skip
+        with self.assertRaises(tap.NodeStartupError) as caught:
+            tap.makeService(options, reactor)
+        self.assertEqual(
+            str(caught.exception),
+            "sfnode: GGUF architecture 'mamba' is not supported (sfnode reads llama, qwen2, "
+            "qwen3, gemma2, gemma3, phi3)",
+        )
+        self.assertFalse([p for p in cache.rglob("*") if p.is_file()])
