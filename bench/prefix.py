@@ -108,7 +108,7 @@ class Workload:
     that their token counts are the ones a node sees."""
 
     def __init__(self, model: Path | None, system_tokens: int, max_tokens: int) -> None:
-        from sfnode.head.api.schema import ChatMessage
+        from sfnode.head.models.chat import ChatMessage
         from sfnode.head.models.text import Renderer
         from sfnode.head.tap import load_head_tokenizer
 

@@ -30,7 +30,9 @@ LAYERS: dict[str, frozenset[str]] = {
     # The engine: kernels at the bottom, the engine that joins them at the top.
     "sfnode.engines": frozenset({"sfnode.linkf", "sfnode.generation", "sfnode.decoding"}),
     "sfnode.engines.kernels": frozenset({"sfnode.engines"}),
-    "sfnode.engines.weights": frozenset({"sfnode.engines", "sfnode.engines.kernels"}),
+    "sfnode.engines.weights": frozenset(
+        {"sfnode.engines", "sfnode.engines.kernels", "sfnode.linkf"}
+    ),
     "sfnode.engines.scheduling": frozenset(
         {"sfnode.engines", "sfnode.linkf", "sfnode.generation", "sfnode.decoding"}
     ),

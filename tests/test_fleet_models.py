@@ -18,12 +18,12 @@ from twisted.trial.unittest import SynchronousTestCase
 from sfnode.generation import MockEngine, mock_next_token
 from sfnode.head.api.gauges import gateway_gauges
 from sfnode.head.api.http import OpenAIApi
-from sfnode.head.api.schema import ChatMessage
 from sfnode.head.fleet.backend import BackendStatus
 from sfnode.head.fleet.fleet import Fleet, NoNodeAvailable
 from sfnode.head.fleet.model_admission import ModelAdmission
 from sfnode.head.link.files import FilesFetch
 from sfnode.head.link.machine import LinkError
+from sfnode.head.models.chat import ChatMessage
 from sfnode.head.models.registry import ModelRegistry
 from sfnode.head.models.text import HeadTokenizer, Renderer
 from sfnode.linkf.model_files import (

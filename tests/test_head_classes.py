@@ -26,7 +26,6 @@ from sfnode.head.api.request_class import (
     class_name,
     parse_header,
 )
-from sfnode.head.api.schema import ApiError
 from sfnode.head.fleet import placement
 from sfnode.head.fleet.fleet import Fleet
 from sfnode.head.fleet.placement import NodeView, Place, Policy, Request, Wait, decide
@@ -42,6 +41,7 @@ from sfnode.linkf.wire import (
     LinkFLimits,
     RequestClass,
 )
+from sfnode.runtime.http_guard import HttpError
 from tests import test_head_link
 from tests.nodefixture import NodeTestCase, expected_tokens
 from tests.test_head_link import LinkTestCase, ev
@@ -70,7 +70,7 @@ class RuleTests(SynchronousTestCase):
     def test_any_other_header_value_is_a_400(self) -> None:
         """Any other value is a 400 invalid_request_class that quotes it."""
         for bad in (b"", b"chat", b"auto", b"interactive,batch", b"\xff"):
-            with self.assertRaises(ApiError, msg=repr(bad)) as caught:
+            with self.assertRaises(HttpError, msg=repr(bad)) as caught:
                 parse_header(bad)
             self.assertEqual(
                 (caught.exception.status, caught.exception.code), (400, "invalid_request_class")

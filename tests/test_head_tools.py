@@ -10,7 +10,7 @@ from typing import Any
 from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.decoding.constraint import parse_tool_calls, tools_system_text
-from sfnode.head.api.schema import ChatMessage, ChatToolCall
+from sfnode.head.models.chat import ChatMessage, ChatToolCall
 from sfnode.head.models.text import Renderer
 from sfnode.head.models.tools import (
     ArgumentsDelta,

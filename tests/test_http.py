@@ -29,8 +29,8 @@ from twisted.web.http_headers import Headers
 
 from sfnode.generation import EngineStop, MockEngine, mock_next_token
 from sfnode.head.api.http import Detokenizer, OpenAIApi, Renderer, StopText
-from sfnode.head.api.schema import ChatMessage
 from sfnode.head.fleet.fleet import Fleet
+from sfnode.head.models.chat import ChatMessage
 from sfnode.node.agent import NodeAgent
 from sfnode.node.config import NodeConfig
 from sfnode.node.tap import node_factory

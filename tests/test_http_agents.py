@@ -27,7 +27,7 @@ from sfnode.decoding.constraint import (
     tools_grammar,
 )
 from sfnode.generation import GenerationRequest, MockEngine
-from sfnode.head.api.schema import ChatMessage, ChatToolCall
+from sfnode.head.models.chat import ChatMessage, ChatToolCall
 from sfnode.head.models.text import Renderer
 from sfnode.linkf.wire import Constraint, GenParams, Grammar, SamplerControls
 from tests.test_constraint import NESTED, vocabulary

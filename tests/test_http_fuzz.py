@@ -1,7 +1,7 @@
 """Hypothesis fuzzing of the head's request parser: random JSON shapes and values for every field.
 
 Two levels: the pure parser (``sfnode.head.api.schema.parse_request``, thousands of bodies: it
-returns a checked request or raises ApiError, nothing else), and the whole HTTP path over real
+returns a checked request or raises HttpError, nothing else), and the whole HTTP path over real
 TCP (a head on loopback with a mock node behind it; bodies sent by a blocking client from a
 worker thread while the reactor serves them): every answer is JSON, no status is 500 or more,
 and nothing is logged with a traceback (trial fails a test that logs an error).
@@ -25,10 +25,10 @@ from sfnode.head.api.schema import (
     MAX_N,
     TOOL_FIELDS,
     UNSUPPORTED,
-    ApiError,
     CompletionRequest,
     parse_request,
 )
+from sfnode.runtime.http_guard import HttpError
 from tests.test_http import MODEL, HttpTestCase
 
 FIELDS = [
@@ -161,13 +161,13 @@ class ParserFuzzTests(SynchronousTestCase):
         self, request: tuple[dict[str, Any], bool]
     ) -> None:
         """parse_request on any JSON object returns a CompletionRequest whose choices all
-        have u64 seeds, or raises ApiError with a 4xx status; nothing else escapes."""
+        have u64 seeds, or raises HttpError with a 4xx status; nothing else escapes."""
         body, chat = request
         try:
             checked = parse_request(
                 body, chat=chat, models=[MODEL], vocab_size=512, seed_source=lambda: 7
             )
-        except ApiError as e:
+        except HttpError as e:
             self.assertIn(e.status, (400, 404))
             json.dumps(e.body())
             return

@@ -21,7 +21,7 @@ from twisted.web.resource import Resource
 
 from sfnode.generation import MockEngine
 from sfnode.head.api.gate import route_of
-from sfnode.head.api.schema import ChatMessage
+from sfnode.head.models.chat import ChatMessage
 from sfnode.head.tap import Options, makeService
 from tests.test_head_security import KEY
 from tests.test_http import MODEL

@@ -57,6 +57,7 @@ from sfnode.head.fleet.placement import DEFAULT_PREFIX_MAX_SKEW, DEFAULT_PREFIX_
 from sfnode.head.link import DEFAULT_LEASE
 from sfnode.head.link.machine import DEFAULT_RETRY_MAX_S, DEFAULT_SILENCE_TIMEOUT_S, RETRY_INITIAL_S
 from sfnode.head.models.text import DEFAULT_TEMPLATE_TIMEOUT_S
+from sfnode.linkf import model_cache
 from sfnode.linkf.fleet_token import read_token
 from sfnode.linkf.handshake import is_loopback_listen, plaintext_refusal
 from sfnode.linkf.wire import Lease
@@ -617,17 +618,15 @@ def tokenizer_folder(model: str | None) -> Path | None:
     """The folder holding ``model``'s tokenizer files: the model folder or tokenizer-only
     folder itself, or the converted cache folder of a .gguf file (or of the bundled default);
     None when there is none yet (a GGUF that no node converted)."""
-    from sfnode.engines.weights import loading
-
     if model:
         path = Path(model).expanduser()
         if path.is_dir():
             return path
-        folder = loading.gguf_cache_folder(path)
+        folder = model_cache.gguf_cache_folder(path)
     else:
         try:
-            folder = loading.gguf_cache_folder(loading.default_gguf())
-        except loading.ModelLoadError:
+            folder = model_cache.gguf_cache_folder(model_cache.default_gguf())
+        except model_cache.ModelLoadError:
             return None
     return folder if folder.is_dir() else None
 
@@ -642,7 +641,6 @@ def load_head_tokenizer(model: str | None) -> Any:
 
     :raises HeadStartupError: it cannot be loaded.
     """
-    from sfnode.engines.weights import loading
     from sfnode.head.models.text import TOKENIZER_FILE, HeadTokenizer, TokenizerLoadError
 
     folder = tokenizer_folder(model)
@@ -658,13 +656,28 @@ def load_head_tokenizer(model: str | None) -> Any:
         model=model or "the bundled model",
     )
     try:
-        if folder is not None and not (folder / "config.json").is_file():
-            from transformers import AutoTokenizer
-
-            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        return loading.load_tokenizer(model)
+        return _transformers_tokenizer(model, folder)
     except Exception as e:
         raise HeadStartupError(f"sfhead: cannot load the tokenizer: {e}") from e
+
+
+def _transformers_tokenizer(model: str | None, folder: Path | None) -> Any:
+    """``model``'s tokenizer read by transformers, never converting the weights: from its
+    folder (a converted GGUF's when it holds the tokenizer's files), else from the .gguf."""
+    from transformers import AutoTokenizer
+
+    if folder is not None and (
+        (model is not None and Path(model).expanduser().is_dir())
+        or (folder / "tokenizer_config.json").is_file()
+        or not (folder / "config.json").is_file()
+    ):
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    gguf = Path(model).expanduser() if model else model_cache.default_gguf()
+    if not gguf.is_file():
+        raise model_cache.ModelLoadError(f"model path does not exist: {gguf}")
+    return AutoTokenizer.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, local_files_only=True
+    )
 
 
 def head_models(options: Options) -> ModelRegistry:
@@ -694,16 +707,14 @@ def head_models(options: Options) -> ModelRegistry:
             override=True,
         )
         return registry
-    from sfnode.engines.weights import loading
-
     folder = tokenizer_folder(None)
     try:
         if folder is not None and (folder / TOKENIZER_FILE).is_file():
             tokenizer = HeadTokenizer(folder)
         else:
-            loading.default_gguf()  # installed, not converted yet: read through transformers
+            model_cache.default_gguf()  # installed, not converted yet: read through transformers
             tokenizer = load_head_tokenizer(None)
-    except (TokenizerLoadError, HeadStartupError, loading.ModelLoadError) as e:
+    except (TokenizerLoadError, HeadStartupError, model_cache.ModelLoadError) as e:
         log.info(
             "sfhead has no --model and no bundled tokenizer ({error}): it serves the models "
             "its nodes bring",
@@ -736,17 +747,15 @@ def model_vocab_size(model: str | None) -> int | None:
 
 def model_layers(model: str | None) -> int | None:
     """``num_hidden_layers`` from the model's config.json, when there is one to read."""
-    from sfnode.engines.weights import loading
-
     try:
         if model:
             folder = Path(model).expanduser()
             if not folder.is_dir():
-                folder = loading.gguf_cache_folder(folder)
+                folder = model_cache.gguf_cache_folder(folder)
         else:
-            folder = loading.gguf_cache_folder(loading.default_gguf())
+            folder = model_cache.gguf_cache_folder(model_cache.default_gguf())
         config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError, loading.ModelLoadError):
+    except (OSError, ValueError, model_cache.ModelLoadError):
         return None
     layers = config.get("num_hidden_layers")
     return int(layers) if isinstance(layers, int) else None

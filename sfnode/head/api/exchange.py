@@ -56,7 +56,7 @@ from sfnode.head.api.logprobs import ChoiceLogprobs
 from sfnode.head.api.metrics import HeadMetrics
 from sfnode.head.api.request_class import HEADER as CLASS_HEADER
 from sfnode.head.api.request_class import ClassRule, class_name, parse_header
-from sfnode.head.api.schema import ApiError, CompletionRequest
+from sfnode.head.api.schema import CompletionRequest
 from sfnode.head.fleet.backend import (
     Backend,
     BackendStatus,
@@ -75,6 +75,7 @@ from sfnode.head.models.tools import (
     call_delta,
 )
 from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_EOS, RequestClass
+from sfnode.runtime.http_guard import HttpError
 
 DEFAULT_MAX_TOKENS = 512
 """max_tokens when a request gives none (capped by the window left after the prompt)."""
@@ -134,7 +135,7 @@ class Host(Protocol):
         budget: RenderBudget | None = None,
     ) -> Prepared: ...
 
-    def unexpected(self, failure: Failure, request: Any = None) -> ApiError: ...
+    def unexpected(self, failure: Failure, request: Any = None) -> HttpError: ...
 
     def exchange_began(self, exchange: Exchange) -> None: ...
 
@@ -291,7 +292,7 @@ class Exchange:
         """The class the X-Request-Class header named (None: it named none)."""
         self.drained = False
         """Cancelled by the head's drain timeout (it ends with finish_reason stop)."""
-        self.failure: ApiError | None = None
+        self.failure: HttpError | None = None
         """The error answered for the whole request (the first one wins)."""
         self._pending = 0
         """Generations not ended yet."""
@@ -340,7 +341,7 @@ class Exchange:
             else:
                 prepared = api.workers.run(lambda: api.prepare(data, self.chat, statuses))
         except Exception:
-            # An ApiError is answered as such; anything else as an unexpected failure.
+            # An HttpError is answered as such; anything else as an unexpected failure.
             prepared = defer.fail()
         prepared.addCallback(self._place).addErrback(self._refused).addErrback(self._unexpected)
 
@@ -442,9 +443,9 @@ class Exchange:
 
     def _refused(self, failure: Failure) -> None:
         """A request that ends before any generation: its error answered and counted."""
-        failure.trap(ApiError)  # type: ignore[no-untyped-call]
+        failure.trap(HttpError)  # type: ignore[no-untyped-call]
         error = failure.value
-        assert isinstance(error, ApiError)
+        assert isinstance(error, HttpError)
         self.api.metrics.requests.labels(error.outcome).inc()
         self._answer_error(error)
         self._end_if_idle()
@@ -544,7 +545,7 @@ class Exchange:
         if events and not self.answered:
             self.writer.show(choice, events, streamed=self.parsed.stream)
 
-    def _answer_error(self, error: ApiError) -> None:
+    def _answer_error(self, error: HttpError) -> None:
         if self.answered:
             return
         streaming = self.phase is Phase.STREAMING
@@ -623,7 +624,7 @@ class Exchange:
         self._give_up(error)
         self._end_if_idle()
 
-    def _give_up(self, error: ApiError) -> None:
+    def _give_up(self, error: HttpError) -> None:
         """Answer ``error`` for the whole request (the first error wins) and cancel the
         generations still running."""
         if self.failure is None:
@@ -685,7 +686,7 @@ class Writer(Protocol):
     def whole(self, completion_tokens: int) -> Any:
         """The body of a non-streamed answer."""
 
-    def failed(self, error: ApiError) -> None:
+    def failed(self, error: HttpError) -> None:
         """The events that end a stream that failed."""
 
 
@@ -747,7 +748,7 @@ class ChatWriter:
         ]
         return bodies.completion(x.reply, choices, len(x.prompt), completion_tokens)
 
-    def failed(self, error: ApiError) -> None:
+    def failed(self, error: HttpError) -> None:
         self.exchange.request.write(bodies.event(error.body()))
         self.exchange.request.write(bodies.DONE)
 
@@ -769,7 +770,7 @@ def answer(
     return data
 
 
-def answer_error(request: Any, error: ApiError) -> bytes:
+def answer_error(request: Any, error: HttpError) -> bytes:
     return answer(request, error.status, error.body(), error.headers)
 
 

@@ -40,8 +40,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from sfnode.head.api.schema import ApiError, ChatMessage, clip
+from sfnode.head.models.chat import ChatMessage
 from sfnode.head.models.tools import client_texts, masked, template_message, template_messages
+from sfnode.runtime.http_guard import HttpError, clip
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -613,7 +614,7 @@ class Renderer:
         ``tools`` (and the history's calls and results) go to a template that knows tools,
         else through the generic rendering (:func:`sfnode.head.models.tools.template_messages`).
 
-        :raises ApiError: 400 when the template refuses the messages, 500 when it ran out of
+        :raises HttpError: 400 when the template refuses the messages, 500 when it ran out of
             time.
         """
         messages, rendered_tools = template_messages(messages, tools, self.codec.knows_tools)
@@ -637,7 +638,7 @@ class Renderer:
         text = self._render([masked(m, mask) for m in messages], budget, rendered_tools)
         placeholder = re.compile("\ue000" + nonce + r"\.(\d+)\ue001")
         if nonce in placeholder.sub("", text):
-            raise ApiError(
+            raise HttpError(
                 400,
                 "the model's chat template transformed a message holding a special token's "
                 "spelling in a way this server cannot tokenize as text; send it without it",
@@ -669,7 +670,7 @@ class Renderer:
                 return self.codec.render_chat(messages, tools)
             return budget.run(lambda: self.codec.render_chat(messages, tools))
         except RenderStopped as e:
-            raise ApiError(
+            raise HttpError(
                 500,
                 "the model's chat template did not finish rendering these messages in time "
                 "(--template-timeout) and was stopped; the server's operator should check the "
@@ -683,7 +684,7 @@ class Renderer:
 
             if not isinstance(e, TemplateError):
                 raise
-            raise ApiError(
+            raise HttpError(
                 400,
                 f"the model's chat template refused these messages: {clip(str(e), 200)}",
                 param="messages",

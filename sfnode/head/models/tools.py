@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sfnode.decoding.constraint import CALL_CLOSE, CALL_OPEN, CALL_SEPARATOR, tools_system_text
-from sfnode.head.api.schema import ChatMessage, ChatToolCall
+from sfnode.head.models.chat import ChatMessage, ChatToolCall
 
 RESPONSE_OPEN = "<tool_response>"
 RESPONSE_CLOSE = "</tool_response>"
