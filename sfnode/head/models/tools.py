@@ -344,8 +344,7 @@ class CallsAnswer:
     @property
     def whole_calls(self) -> list[dict[str, Any]]:
         """The calls whose arguments are whole (what a non-streamed answer lists: a call an
-        output was cut inside is dropped, as :func:`sfnode.decoding.constraint.parse_tool_calls`
-        drops it)."""
+        output was cut inside is dropped)."""
         return [call for index, call in enumerate(self.calls) if index in self.done]
 
 
