@@ -423,6 +423,7 @@ def _drive_fleet(
     from twisted.internet import defer, reactor
     from twisted.python.failure import Failure
 
+    from sfnode.head.fleet.backend import HeadRequest
     from sfnode.head.fleet.fleet import Fleet
     from sfnode.head.fleet.placement import DEFAULT_PREFIX_MAX_SKEW, PrefixRule
 
@@ -467,7 +468,9 @@ def _drive_fleet(
                     if batch and not seen:
                         seen.append(time.perf_counter() - started)
 
-                outcome = await fleet.generate(prompt, work.max_tokens, on_tokens=on_tokens).result
+                outcome = await fleet.generate(
+                    HeadRequest(prompt, work.max_tokens), on_tokens=on_tokens
+                ).result
                 landed[name][index] = outcome.node
                 tokens += len(outcome.tokens)
                 firsts.extend(seen)

@@ -34,6 +34,7 @@ from twisted.logger import ILogObserver, formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface import provider
 
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.linkf.wire import (
     FINISH_DECLINED,
     FINISH_LENGTH,
@@ -278,7 +279,7 @@ class SlowReaderTests(BoundsTestCase):
         for session in range(1, 41):
             other.assign(session)
             other.append(session, [*PROMPT, session])
-            call = other.generate(session, 6, on_tokens=sampler.sample)
+            call = other.generate(session, HeadRequest((), 6), on_tokens=sampler.sample)
             outcome = yield sampler.watch(call.result)
             self.assertEqual(outcome.tokens, expected_tokens([*PROMPT, session], 6))
             other.revoke(session)
@@ -334,7 +335,7 @@ class SessionAndGenerationCapTests(BoundsTestCase):
         for session in (1, 2, 3):
             link.assign(session)
             link.append(session, PROMPT)
-        calls = [link.generate(session, 10) for session in (1, 2, 3)]
+        calls = [link.generate(session, HeadRequest((), 10)) for session in (1, 2, 3)]
         third = yield calls[2].result
         self.assertEqual((third.tokens, third.finish), ([], FINISH_DECLINED))
         for call in calls[:2]:
@@ -355,7 +356,7 @@ class HugeAppendTests(BoundsTestCase):
         link = yield self.dial(node)
         link.assign(1)
         link.append(1, PROMPT)
-        outcome = yield link.generate(1, 3).result
+        outcome = yield link.generate(1, HeadRequest((), 3)).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 3))
 
 

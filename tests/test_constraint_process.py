@@ -21,6 +21,7 @@ from twisted.internet import defer, reactor
 from twisted.trial.unittest import TestCase
 
 from sfnode.decoding.constraint import response_format_grammar
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.fleet.fleet import Fleet, Policy
 from sfnode.head.link import HeadIds
 from sfnode.linkf.wire import Constraint, GenParams, SamplerControls
@@ -147,7 +148,9 @@ class ConstrainedFailoverTests(TestCase):
         )
         constraint = Constraint(0, grammar, SamplerControls(presence_penalty=0.4))
         params = GenParams(temperature=0.9, top_p=0.95, seed=2024)
-        reference = yield fleet.generate(prompt, 200, params=params, constraint=constraint).result
+        reference = yield fleet.generate(
+            HeadRequest(prompt, 200, params=params, constraint=constraint),
+        ).result
         self.assertEqual((reference.node, reference.failovers), ("n0", 0))
 
         streamed: list[int] = []
@@ -159,7 +162,8 @@ class ConstrainedFailoverTests(TestCase):
                 killed.append(nodes[0].kill())
 
         outcome = yield fleet.generate(
-            prompt, 200, params=params, on_tokens=seen, constraint=constraint
+            HeadRequest(prompt, 200, params=params, constraint=constraint),
+            on_tokens=seen,
         ).result
         yield killed[0]
         self.assertEqual((outcome.node, outcome.failovers), ("n1", 1))

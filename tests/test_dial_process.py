@@ -22,6 +22,7 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.utils import getProcessOutputAndValue
 from twisted.trial.unittest import TestCase
 
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.link import HeadIds, HeadLinkFactory, LinkSettings, NodeLink
 from tests.nodefixture import expected_tokens
 from tests.processes import TWISTD, Child, child_env, spawn_twistd
@@ -85,7 +86,7 @@ class DialTests(TestCase):
         self.assertEqual(link.node_identity, "dialer")
         link.assign(1)
         link.append(1, PROMPT)
-        outcome = await link.generate(1, 6).result
+        outcome = await link.generate(1, HeadRequest((), 6)).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 6))
 
     async def test_garbage_on_the_heads_port_is_retried_until_the_head_is_back(self) -> None:

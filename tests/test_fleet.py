@@ -22,6 +22,7 @@ from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
 from sfnode.generation import MOCK_LAYERS, MOCK_VOCAB_SIZE, MockEngine, TokenBatch
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.fleet.fleet import (
     Fleet,
     FleetGeneration,
@@ -192,7 +193,7 @@ class OneNodeTests(FleetTestCase):
         """16 tokens through the fleet equal the mock's local greedy run; finish LENGTH."""
         node = yield self.start_mock_node(identity="solo")
         fleet = yield self.fleet_of([node])
-        outcome = yield fleet.generate(PROMPT, 16).result
+        outcome = yield fleet.generate(HeadRequest(PROMPT, 16)).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 16))
         self.assertEqual(outcome.finish, FINISH_LENGTH)
         self.assertEqual(outcome.node, "solo")
@@ -206,7 +207,10 @@ class OneNodeTests(FleetTestCase):
         node = yield self.start_mock_node(token_delay_s=0.002)
         fleet = yield self.fleet_of([node])
         batches: list[list[int]] = []
-        generation = fleet.generate(PROMPT, 40, on_tokens=lambda t: batches.append(list(t)))
+        generation = fleet.generate(
+            HeadRequest(PROMPT, 40),
+            on_tokens=lambda t: batches.append(list(t)),
+        )
         outcome = yield generation.result
         self.assertGreaterEqual(len(batches), 2)
         self.assertEqual([t for b in batches for t in b], outcome.tokens)
@@ -219,7 +223,7 @@ class OneNodeTests(FleetTestCase):
         """After a one-shot generation the head revokes its session: the node forgets it."""
         node = yield self.start_mock_node()
         fleet = yield self.fleet_of([node])
-        first = fleet.generate(PROMPT, 4)
+        first = fleet.generate(HeadRequest(PROMPT, 4))
         yield first.result
         # A second request on the same connection: the revoke was handled before it.
         second = yield fleet.open_session(PROMPT)
@@ -228,7 +232,7 @@ class OneNodeTests(FleetTestCase):
         self.assertNotIn(first.session.session_id, contexts(self.ids.head_id))
         self.assertIn(second.session_id, contexts(self.ids.head_id))
         second.close()
-        yield fleet.generate(PROMPT, 1).result
+        yield fleet.generate(HeadRequest(PROMPT, 1)).result
         self.assertNotIn(second.session_id, contexts(self.ids.head_id))
 
     @defer.inlineCallbacks
@@ -244,7 +248,7 @@ class OneNodeTests(FleetTestCase):
             if len(generation.tokens) >= 5:
                 generation.cancel()
 
-        generation = fleet.generate(PROMPT, 1_000_000, on_tokens=seen)
+        generation = fleet.generate(HeadRequest(PROMPT, 1_000_000), on_tokens=seen)
         outcome = yield generation.result
         self.assertEqual(outcome.finish, FINISH_CANCELLED)
         self.assertGreaterEqual(len(outcome.tokens), 5)
@@ -295,7 +299,7 @@ class OneNodeTests(FleetTestCase):
                 dropped.append(True)
                 reactor.callLater(0, node.agent.close_connections, "test drop")
 
-        outcome = yield fleet.generate(PROMPT, 30, on_tokens=seen).result
+        outcome = yield fleet.generate(HeadRequest(PROMPT, 30), on_tokens=seen).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 30))
         self.assertEqual(streamed, outcome.tokens)
         self.assertEqual((fleet.registry.reconnects, fleet.failovers), (1, 0))
@@ -318,7 +322,7 @@ class OneNodeTests(FleetTestCase):
         yield dial.connect(node_factory(agent))
         node = yield joined
         self.assertEqual(node.name, "dialer")
-        outcome = yield fleet.generate(PROMPT, 12).result
+        outcome = yield fleet.generate(HeadRequest(PROMPT, 12)).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 12))
         self.assertEqual([n.name for n in fleet.live_nodes()], ["dialer"])
         yield agent.close_connections("leaving")
@@ -388,7 +392,7 @@ class PlacementTests(FleetTestCase):
         """12 concurrent one-shot generations on 3 nodes: all correct, all nodes used."""
         nodes = yield self.three(token_delay_s=0.001)
         fleet = yield self.fleet_of(nodes)
-        generations = [fleet.generate([*PROMPT, i], 16) for i in range(12)]
+        generations = [fleet.generate(HeadRequest([*PROMPT, i], 16)) for i in range(12)]
         outcomes: list[FleetOutcome] = yield defer.gatherResults([g.result for g in generations])
         for i, outcome in enumerate(outcomes):
             self.assertEqual(outcome.tokens, expected_tokens([*PROMPT, i], 16))
@@ -426,15 +430,18 @@ class PrefixPlacementTests(FleetTestCase):
         for i in range(2):
             nodes.append((yield self.start_mock_node(identity=f"n{i}")))
         fleet = yield self.fleet_of(nodes, **kwargs)
-        first = [fleet.generate([*SYSTEM_A, 1], 4), fleet.generate([*SYSTEM_B, 1], 4)]
+        first = [
+            fleet.generate(HeadRequest([*SYSTEM_A, 1], 4)),
+            fleet.generate(HeadRequest([*SYSTEM_B, 1], 4)),
+        ]
         outcomes = yield defer.gatherResults([g.result for g in first])
         self.assertEqual([o.node for o in outcomes], ["n0", "n1"])
         later_a: list[str] = []
         later_b: list[str] = []
         for i in range(2, 5):
-            outcome = yield fleet.generate([*SYSTEM_B, i], 4).result
+            outcome = yield fleet.generate(HeadRequest([*SYSTEM_B, i], 4)).result
             later_b.append(outcome.node)
-            outcome = yield fleet.generate([*SYSTEM_A, i], 4).result
+            outcome = yield fleet.generate(HeadRequest([*SYSTEM_A, i], 4)).result
             later_a.append(outcome.node)
         return later_a, later_b
 
@@ -460,7 +467,7 @@ class PrefixPlacementTests(FleetTestCase):
         node = yield self.start_mock_node()
         fleet = yield self.fleet_of([node])
         prompt = [*SYSTEM_A, 1]
-        outcome = yield fleet.generate(prompt, 40).result
+        outcome = yield fleet.generate(HeadRequest(prompt, 40)).result
         index = self.on(fleet, node).prefixes
         turn = [*prompt, *outcome.tokens, 7, 8, 9]
         self.assertEqual(
@@ -479,8 +486,8 @@ class PrefixPlacementTests(FleetTestCase):
         fleet = yield self.fleet_of([node])
         first = list(range(500, 600))
         second = list(range(700, 800))
-        yield fleet.generate(first, 20).result
-        yield fleet.generate(second, 20).result
+        yield fleet.generate(HeadRequest(first, 20)).result
+        yield fleet.generate(HeadRequest(second, 20)).result
         index = self.on(fleet, node).prefixes
         self.assertEqual((index.capacity, len(index)), (8, 8))
         self.assertEqual(index.cached_blocks(reusable_keys([*second, 1], None)), 6)
@@ -492,7 +499,7 @@ class PrefixPlacementTests(FleetTestCase):
         until the head sends it prompts again."""
         node = yield self.start_mock_node()
         fleet = yield self.fleet_of([node])
-        yield fleet.generate([*SYSTEM_A, 1], 4).result
+        yield fleet.generate(HeadRequest([*SYSTEM_A, 1], 4)).result
         member = self.on(fleet, node)
         self.assertGreater(len(member.prefixes), 0)
         reopened = next_open(member)
@@ -509,7 +516,9 @@ class PrefixPlacementTests(FleetTestCase):
         node = yield self.start_mock_node(status_interval_ms=600_000)
         fleet = yield self.fleet_of([node])
         member = self.on(fleet, node)
-        yield defer.gatherResults([fleet.generate([*PROMPT, i], 4).result for i in range(2)])
+        yield defer.gatherResults([fleet.generate(
+            HeadRequest([*PROMPT, i], 4),
+        ).result for i in range(2)])
         self.assertEqual(member.view(reactor.seconds()).ended_since_report, 2)
         reopened = next_open(member)
         node.agent.close_connections("test drop")
@@ -522,7 +531,7 @@ class PrefixPlacementTests(FleetTestCase):
         node = yield self.start_mock_node()
         fleet = yield self.fleet_of([node], policy=Policy.LEAST_LOADED)
         self.assertFalse(fleet.prefix_aware)
-        yield fleet.generate([*SYSTEM_A, 1], 4).result
+        yield fleet.generate(HeadRequest([*SYSTEM_A, 1], 4)).result
         self.assertEqual(len(self.on(fleet, node).prefixes), 0)
 
 
@@ -612,7 +621,7 @@ class LivenessTests(FleetTestCase):
                 killed.append(True)
                 reactor.callLater(0, self.kill, a)
 
-        outcome = yield fleet.generate(PROMPT, 40, on_tokens=seen).result
+        outcome = yield fleet.generate(HeadRequest(PROMPT, 40), on_tokens=seen).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 40))
         self.assertEqual(streamed, outcome.tokens)
         self.assertEqual(outcome.finish, FINISH_LENGTH)
@@ -683,7 +692,7 @@ class LivenessTests(FleetTestCase):
             return submit(request, watched)
 
         a.engine.submit = submit_and_watch  # type: ignore[method-assign]
-        outcome = yield fleet.generate(PROMPT, 30).result
+        outcome = yield fleet.generate(HeadRequest(PROMPT, 30)).result
         self.assertEqual(killed, [True])
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 30))
         self.assertEqual((outcome.node, outcome.failovers), ("b", 1))
@@ -696,9 +705,9 @@ class LivenessTests(FleetTestCase):
         determinism failover relies on)."""
         node = yield self.start_mock_node()
         fleet = yield self.fleet_of([node])
-        full = yield fleet.generate(PROMPT, 20).result
-        prefix = yield fleet.generate(PROMPT, 6).result
-        rest = yield fleet.generate([*PROMPT, *prefix.tokens], 14).result
+        full = yield fleet.generate(HeadRequest(PROMPT, 20)).result
+        prefix = yield fleet.generate(HeadRequest(PROMPT, 6)).result
+        rest = yield fleet.generate(HeadRequest([*PROMPT, *prefix.tokens], 14)).result
         self.assertEqual(prefix.tokens + rest.tokens, full.tokens)
 
 
@@ -709,11 +718,13 @@ class WindowTests(FleetTestCase):
         head (nothing is placed); a fitting prompt still places."""
         node = yield self.start_mock_node(context_window=64)
         fleet = yield self.fleet_of([node])
-        error = yield self.assertFailure(fleet.generate(list(range(96)), 4).result, StreamTooLong)
+        error = yield self.assertFailure(fleet.generate(
+            HeadRequest(list(range(96)), 4),
+        ).result, StreamTooLong)
         self.assertEqual((error.length, error.max), (96, 64))
         self.assertRaises(StreamTooLong, fleet.check_fits, None, 96)
         self.assertEqual(self.on(fleet, node).sessions, 0)
-        outcome = yield fleet.generate(PROMPT, 4).result
+        outcome = yield fleet.generate(HeadRequest(PROMPT, 4)).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 4))
 
     @defer.inlineCallbacks
@@ -724,7 +735,9 @@ class WindowTests(FleetTestCase):
         node = yield self.start_mock_node(context_window=64)
         fleet = self.new_fleet()
         fleet.add_node(node.endpoint)  # not waited for: the window is unknown for now
-        error = yield self.assertFailure(fleet.generate(list(range(96)), 4).result, StreamTooLong)
+        error = yield self.assertFailure(fleet.generate(
+            HeadRequest(list(range(96)), 4),
+        ).result, StreamTooLong)
         self.assertEqual((error.length, error.max), (96, 64))
 
     @defer.inlineCallbacks
@@ -737,12 +750,12 @@ class WindowTests(FleetTestCase):
         fleet = yield self.fleet_of([narrow, wide], policy=Policy.ROUND_ROBIN)
         long_prompt = list(range(96))
         for _ in range(2):
-            outcome = yield fleet.generate(long_prompt, 4).result
+            outcome = yield fleet.generate(HeadRequest(long_prompt, 4)).result
             self.assertEqual(outcome.node, "wide")
             self.assertEqual(outcome.tokens, expected_tokens(long_prompt, 4))
         names = set()
         for _ in range(2):
-            names.add((yield fleet.generate(PROMPT, 2).result).node)
+            names.add((yield fleet.generate(HeadRequest(PROMPT, 2)).result).node)
         self.assertEqual(names, {"narrow", "wide"})
 
     @defer.inlineCallbacks
@@ -754,7 +767,7 @@ class WindowTests(FleetTestCase):
         other = yield self.start_mock_node(identity="o", model_name="x", context_window=4096)
         fleet = yield self.fleet_of([small, other])
         error = yield self.assertFailure(
-            fleet.generate(list(range(96)), 4, model="m").result, StreamTooLong
+            fleet.generate(HeadRequest(list(range(96)), 4, model="m")).result, StreamTooLong
         )
         self.assertEqual(error.max, 64)
 
@@ -775,8 +788,8 @@ class WindowTests(FleetTestCase):
         outcome = yield session.generate(5).result
         self.assertEqual(outcome.tokens, expected_tokens(grown, 5))
         self.assertEqual(self.on(fleet, narrow).sessions, 0)
-        yield fleet.generate(PROMPT, 1).result  # a round trip on each link
-        yield fleet.generate(PROMPT, 1).result
+        yield fleet.generate(HeadRequest(PROMPT, 1)).result  # a round trip on each link
+        yield fleet.generate(HeadRequest(PROMPT, 1)).result
         self.assertNotIn(session.session_id, narrow.agent.contexts_of(self.ids.head_id))
 
 
@@ -883,7 +896,7 @@ class HungNodeTests(FleetTestCase):
                 proxy.freeze()
                 froze.callback(None)
 
-        generation = fleet.generate(PROMPT, 40, on_tokens=seen)
+        generation = fleet.generate(HeadRequest(PROMPT, 40), on_tokens=seen)
         yield froze
         clock.advance(0.3)
         yield next_status(alive)
@@ -919,7 +932,7 @@ class QueueTests(FleetTestCase):
             fleet.listen_factory()
         )
         self.addCleanup(port.stopListening)
-        generation = fleet.generate(PROMPT, 12)
+        generation = fleet.generate(HeadRequest(PROMPT, 12))
         self.assertEqual(fleet.queued, 1)
         self.assertNoResult(generation.result)
         engine = MockEngine(reactor)
@@ -937,8 +950,8 @@ class QueueTests(FleetTestCase):
         than queue_timeout_s fails with NoNodeAvailable saying why it waited."""
         clock = Clock()
         fleet = Fleet(reactor, ids=self.ids, clock=clock, max_queued=1, queue_timeout_s=5.0)
-        first = fleet.generate(PROMPT, 4)
-        second = fleet.generate(PROMPT, 4)
+        first = fleet.generate(HeadRequest(PROMPT, 4))
+        second = fleet.generate(HeadRequest(PROMPT, 4))
         self.assertEqual(fleet.queued, 1)
         self.failureResultOf(second.result, QueueFull)
         self.failureResultOf(second.when_placed(), QueueFull)
@@ -955,8 +968,8 @@ class QueueTests(FleetTestCase):
         head's queue in ``queued`` and ``waiting``, and the queue's refusals and timeouts."""
         clock = Clock()
         fleet = Fleet(reactor, ids=self.ids, clock=clock, max_queued=2, queue_timeout_s=5.0)
-        waiting = [fleet.generate(PROMPT, 4) for _ in range(2)]
-        refused = fleet.generate(PROMPT, 4)
+        waiting = [fleet.generate(HeadRequest(PROMPT, 4)) for _ in range(2)]
+        refused = fleet.generate(HeadRequest(PROMPT, 4))
         self.failureResultOf(refused.result, QueueFull)
         status = fleet.status("mock")
         self.assertEqual(
@@ -978,7 +991,7 @@ class QueueTests(FleetTestCase):
         it ends CANCELLED with no tokens and no timer left behind."""
         clock = Clock()
         fleet = Fleet(reactor, ids=self.ids, clock=clock)
-        generation = fleet.generate(PROMPT, 4)
+        generation = fleet.generate(HeadRequest(PROMPT, 4))
         self.assertEqual(fleet.queued, 1)
         generation.cancel()
         outcome = self.successResultOf(generation.result)
@@ -992,8 +1005,8 @@ class QueueTests(FleetTestCase):
         waits at the head (queued) until the first ends, and both answers are right."""
         node = yield self.start_mock_node(max_lanes=1, token_delay_s=0.002)
         fleet = yield self.fleet_of([node])
-        first = fleet.generate(PROMPT, 10)
-        second = fleet.generate([*PROMPT, 1], 10)
+        first = fleet.generate(HeadRequest(PROMPT, 10))
+        second = fleet.generate(HeadRequest([*PROMPT, 1], 10))
         self.assertEqual(fleet.queued, 1)
         outcomes = yield defer.gatherResults([first.result, second.result])
         self.assertEqual(
@@ -1019,7 +1032,7 @@ class QueueTests(FleetTestCase):
             if len(streamed) >= 6 and not restarted:
                 restarted.append(self.kill(node).addCallback(lambda _: self.restart(node, port)))
 
-        outcome = yield fleet.generate(PROMPT, 30, on_tokens=seen).result
+        outcome = yield fleet.generate(HeadRequest(PROMPT, 30), on_tokens=seen).result
         yield restarted[0]
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 30))
         self.assertEqual(streamed, outcome.tokens)
@@ -1044,7 +1057,7 @@ class PipelineTests(FleetTestCase):
         self.addCleanup(pipeline.stop)
         yield pipeline.start()
         streamed: list[int] = []
-        outcome = yield pipeline.generate(PROMPT, 8, on_tokens=streamed.extend).result
+        outcome = yield pipeline.generate(HeadRequest(PROMPT, 8), on_tokens=streamed.extend).result
         self.assertEqual(streamed, outcome.tokens)
         return list(outcome.tokens)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from twisted.internet.testing import MemoryReactorClock
 
 from sfnode.generation import TokenBatch
-from sfnode.head.fleet.backend import GenerationTimedOut, NoNodeAvailable
+from sfnode.head.fleet.backend import GenerationTimedOut, HeadRequest, NoNodeAvailable
 from sfnode.head.fleet.fleet import Fleet
 from sfnode.head.link import NodeSilentError
 from sfnode.linkf.wire import FINISH_LENGTH
@@ -40,7 +40,7 @@ class MemoryFleetTests(MemoryNodeTestCase):
         self.start_node(token_delay_s=0.01)
         fleet = self.fleet()
         batches: list[TokenBatch] = []
-        generation = fleet.generate(PROMPT, 30, on_tokens=batches.append)
+        generation = fleet.generate(HeadRequest(PROMPT, 30), on_tokens=batches.append)
         self.advance(1.0)
         outcome = self.successResultOf(generation.result)
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 30))
@@ -54,7 +54,7 @@ class MemoryFleetTests(MemoryNodeTestCase):
         again at once (the fleet runs nothing on the node)."""
         self.start_node(token_delay_s=0.01)
         fleet = self.fleet(max_generation_s=0.5)
-        generation = fleet.generate(PROMPT, 1000)
+        generation = fleet.generate(HeadRequest(PROMPT, 1000))
         self.advance(0.49)
         self.assertNoResult(generation.result)
         self.advance(0.01)
@@ -68,9 +68,9 @@ class MemoryFleetTests(MemoryNodeTestCase):
         the fleet counts one timeout."""
         self.start_node(token_delay_s=0.01, max_lanes=1)
         fleet = self.fleet(queue_timeout_s=2.0)
-        first = fleet.generate(PROMPT, 1000)
+        first = fleet.generate(HeadRequest(PROMPT, 1000))
         self.flush()
-        second = fleet.generate(PROMPT, 10)
+        second = fleet.generate(HeadRequest(PROMPT, 10))
         self.assertEqual(fleet.queued, 1)
         self.advance(1.99)
         self.assertNoResult(second.result)
@@ -90,7 +90,7 @@ class MemoryFleetTests(MemoryNodeTestCase):
         other node, waits for one until the queue timeout ends it."""
         self.start_node(token_delay_s=0.01)
         fleet = self.fleet(silence_timeout_s=1.0, queue_timeout_s=5.0)
-        generation = fleet.generate(PROMPT, 1000)
+        generation = fleet.generate(HeadRequest(PROMPT, 1000))
         self.advance(0.1)
         link = fleet.nodes[0].link
         silent = link.when_closed()

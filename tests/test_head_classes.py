@@ -27,6 +27,7 @@ from sfnode.head.api.request_class import (
     parse_header,
 )
 from sfnode.head.fleet import placement
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.fleet.fleet import Fleet
 from sfnode.head.fleet.placement import NodeView, Place, Policy, Request, Wait, decide
 from sfnode.head.link import GenerationCall
@@ -191,7 +192,7 @@ class LinkTests(LinkTestCase):
         included."""
         link, node = self.placed()
         self.assertFalse(link.request_classes)
-        calls = [link.generate(1, 4, request_class=BATCH)]
+        calls = [link.generate(1, HeadRequest((), 4, request_class=BATCH))]
         self.flush()
         self.assertEqual([m.request_class for m in node.of_type(GenerateReqMsg)], [None])
         self.finish(node, calls)
@@ -212,7 +213,10 @@ class LinkTests(LinkTestCase):
         self.patch(test_head_link, "HELLO_ACK", ack)
         link, node = self.placed()
         self.assertTrue(link.request_classes)
-        calls = [link.generate(1, 4, request_class=BATCH), link.generate(1, 4)]
+        calls = [
+            link.generate(1, HeadRequest((), 4, request_class=BATCH)),
+            link.generate(1, HeadRequest((), 4)),
+        ]
         self.flush()
         self.assertEqual([m.request_class for m in node.of_type(GenerateReqMsg)], [1, 0])
         self.finish(node, calls)
@@ -234,11 +238,13 @@ class FleetTests(NodeTestCase):
         self.addCleanup(fleet.stop)
         yield fleet.add_node(node.endpoint)
         batch = [
-            fleet.generate([10 + i, 11], 60, model="mock", request_class=BATCH) for i in range(3)
+            fleet.generate(
+                HeadRequest([10 + i, 11], 60, model="mock", request_class=BATCH),
+            ) for i in range(3)
         ]
         yield defer.gatherResults([b.when_placed() for b in batch[:2]])
         self.assertEqual(fleet.queued, 1)
-        chat = fleet.generate([5, 6, 7], 4, model="mock", request_class=INTERACTIVE)
+        chat = fleet.generate(HeadRequest([5, 6, 7], 4, model="mock", request_class=INTERACTIVE))
         yield chat.when_placed()
         self.assertEqual(fleet.queued, 1)
         outcome = yield chat.result

@@ -27,7 +27,7 @@ from sfnode.generation import TokenBatch
 from sfnode.head.api.exchange import MOVES, Exchange, Phase, finish_reason, request_label
 from sfnode.head.api.gate import GateLimits
 from sfnode.head.api.http import OpenAIApi
-from sfnode.head.fleet.backend import BackendStatus, FleetOutcome, QueueFull
+from sfnode.head.fleet.backend import BackendStatus, FleetOutcome, HeadRequest, QueueFull
 from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH
 from tests.test_http import tokenizer
 from tests.test_http_hostile import request_bytes
@@ -85,20 +85,8 @@ class _Backend:
     def __init__(self) -> None:
         self.generations: list[_Generation] = []
 
-    def generate(
-        self,
-        prompt: Sequence[int],
-        max_new: int,
-        *,
-        model: str | None = None,
-        params: Any = None,
-        on_tokens: Any = None,
-        max_wall_ms: int = 0,
-        request_class: Any = None,
-        requester: Any = None,
-        constraint: Any = None,
-    ) -> _Generation:
-        generation = _Generation(prompt, max_new, on_tokens)
+    def generate(self, request: HeadRequest, on_tokens: Any = None) -> _Generation:
+        generation = _Generation(request.prompt, request.max_new, on_tokens)
         self.generations.append(generation)
         return generation
 

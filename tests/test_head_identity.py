@@ -21,6 +21,7 @@ from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint, c
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from sfnode.generation import EngineStop, MockEngine
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.fleet.fleet import GenerationTimedOut
 from sfnode.head.fleet.pipeline import PipelineFleet
 from sfnode.head.link import HeadIds, connect_node
@@ -92,7 +93,7 @@ class SharedNodeTests(NodeTestCase):
         for link, prompt, seen in zip(links, (PROMPT_A, PROMPT_B), streamed, strict=True):
             self.assertEqual(link.assign(1), 1)
             link.append(1, prompt)
-            calls.append(link.generate(1, 40, on_tokens=seen.extend))
+            calls.append(link.generate(1, HeadRequest((), 40), on_tokens=seen.extend))
         outcomes = yield defer.gatherResults([c.result for c in calls])
         for outcome, prompt, seen in zip(outcomes, (PROMPT_A, PROMPT_B), streamed, strict=True):
             self.assertEqual(
@@ -120,7 +121,7 @@ class SharedNodeTests(NodeTestCase):
             if not started.called:
                 started.callback(None)
 
-        call = link.generate(1, 60, on_tokens=seen)
+        call = link.generate(1, HeadRequest((), 60), on_tokens=seen)
         yield started
         other = HeadIds()
         intruder = yield RawHead.connect(self, node)
@@ -161,7 +162,7 @@ class SharedNodeTests(NodeTestCase):
         link = yield self.dial(node)
         epoch = link.assign(1)
         link.append(1, PROMPT_A)
-        yield link.generate(1, 2).result
+        yield link.generate(1, HeadRequest((), 2)).result
         assign_command = 1  # the first command id of this head's first link: its ASSIGN
         same = yield RawHead.connect(self, node)
         yield same.hello(head_id=self.ids.head_id)
@@ -277,7 +278,7 @@ class PipelineBudgetTests(TestCase):
         self.addCleanup(pipeline.stop)
         yield pipeline.start()
         with self.assertRaises(GenerationTimedOut) as raised:
-            yield pipeline.generate(PROMPT_A, 4).result
+            yield pipeline.generate(HeadRequest(PROMPT_A, 4)).result
         self.assertIn("did not end within 0.5 s", str(raised.exception))
         (node,) = factory.nodes
         self.assertEqual(len(node.of_type(StageForwardReqMsg)), 1)

@@ -24,6 +24,7 @@ from sfnode.generation import (
     mock_next_token,
     sparse_logprob,
 )
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.fleet.fleet import LogprobsUnavailable
 from sfnode.head.fleet.placement import Policy
 from sfnode.head.link import MalformedFrameError
@@ -98,8 +99,8 @@ class LinkAndFleetTests(FleetTestCase):
         link.assign(2)
         link.append(2, PROMPT)
         asked, plain = Recorder(), Recorder()
-        first = yield link.generate(1, 30, on_tokens=asked).result
-        second = yield link.generate(2, 30, on_tokens=plain).result
+        first = yield link.generate(1, HeadRequest((), 30), on_tokens=asked).result
+        second = yield link.generate(2, HeadRequest((), 30), on_tokens=plain).result
         self.assertEqual(first.tokens, expected_tokens(PROMPT, 30))
         self.assertEqual(second.tokens, first.tokens)
         self.assertEqual({batch.logprobs is None for batch in asked.batches}, {False})
@@ -124,7 +125,7 @@ class LinkAndFleetTests(FleetTestCase):
         link = yield self.dial(RunningNode(agent, engine, port))
         link.assign(1, params=GenParams(logprobs=2))
         link.append(1, PROMPT)
-        call = link.generate(1, 10)
+        call = link.generate(1, HeadRequest((), 10))
         yield self.assertFailure(call.result, MalformedFrameError)
 
     @defer.inlineCallbacks
@@ -137,13 +138,14 @@ class LinkAndFleetTests(FleetTestCase):
         for _ in range(3):
             recorder = Recorder()
             outcome = yield fleet.generate(
-                PROMPT, 8, params=GenParams(logprobs=2), on_tokens=recorder
+                HeadRequest(PROMPT, 8, params=GenParams(logprobs=2)),
+                on_tokens=recorder,
             ).result
             self.assertEqual(outcome.node, "able")
             self.assertEqual(recorder.logprobs, greedy_logprobs(PROMPT, 8, 2))
         nodes = set()
         for _ in range(2):
-            outcome = yield fleet.generate(PROMPT, 4).result
+            outcome = yield fleet.generate(HeadRequest(PROMPT, 4)).result
             nodes.add(outcome.node)
         self.assertEqual(nodes, {"plain", "able"})
 
@@ -154,11 +156,11 @@ class LinkAndFleetTests(FleetTestCase):
         runs."""
         plain = yield self.start_node(identity="plain", supports_logprobs=False)
         fleet = yield self.fleet_of([plain], queue_timeout_s=60)
-        generation = fleet.generate(PROMPT, 8, params=GenParams(logprobs=1))
+        generation = fleet.generate(HeadRequest(PROMPT, 8, params=GenParams(logprobs=1)))
         failure = yield self.assertFailure(generation.result, LogprobsUnavailable)
         self.assertIn("returns logprobs", str(failure))
         self.assertEqual(fleet.queued, 0)
-        outcome = yield fleet.generate(PROMPT, 4).result
+        outcome = yield fleet.generate(HeadRequest(PROMPT, 4)).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 4))
 
     @defer.inlineCallbacks
@@ -182,7 +184,8 @@ class LinkAndFleetTests(FleetTestCase):
                 reactor.callLater(0, self.kill, first)
 
         outcome = yield fleet.generate(
-            PROMPT, 40, params=GenParams(logprobs=4), on_tokens=seen
+            HeadRequest(PROMPT, 40, params=GenParams(logprobs=4)),
+            on_tokens=seen,
         ).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 40))
         self.assertEqual(outcome.finish, FINISH_LENGTH)
@@ -227,7 +230,7 @@ class LinkAndFleetTests(FleetTestCase):
         from sfnode.head.fleet.pipeline import PipelineFleet
 
         pipeline = PipelineFleet(reactor, ["tcp:127.0.0.1:1"], n_layers=24, ids=self.ids)
-        generation = pipeline.generate(PROMPT, 4, params=GenParams(logprobs=2))
+        generation = pipeline.generate(HeadRequest(PROMPT, 4, params=GenParams(logprobs=2)))
         self.failureResultOf(generation.result, LogprobsUnavailable)
         self.assertEqual(pipeline.stages, [])
 

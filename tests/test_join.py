@@ -24,6 +24,7 @@ from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from sfnode.discovery.rules import SERVICE_TYPE, HeadAnnouncement, HeadAnswer
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.fleet.fleet import Fleet, FleetNode
 from sfnode.head.link import HeadIds
 from sfnode.node import tap
@@ -177,7 +178,7 @@ class JoinTests(TestCase):
 
     async def serves(self, fleet: Fleet, joined: FleetNode, name: str) -> None:
         self.assertEqual(joined.name, name)
-        outcome = await fleet.generate(PROMPT, 6).result
+        outcome = await fleet.generate(HeadRequest(PROMPT, 6)).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 6))
 
     async def test_join_by_address(self) -> None:

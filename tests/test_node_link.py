@@ -15,6 +15,7 @@ from twisted.internet import defer, task
 from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.generation import MockEngineFault
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.link import LinkLostError, NodeRefusedError
 from sfnode.linkf.wire import (
     FINISH_CANCELLED,
@@ -78,7 +79,7 @@ class GenerationTests(NodeTestCase):
         self.assertEqual(link.models, ("mock",))
         link.assign(1)
         link.append(1, PROMPT)
-        call = link.generate(1, 16)
+        call = link.generate(1, HeadRequest((), 16))
         outcome = yield call.result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 16))
         self.assertEqual(outcome.finish, FINISH_LENGTH)
@@ -95,8 +96,8 @@ class GenerationTests(NodeTestCase):
         link.append(1, PROMPT)
         link.assign(2)
         link.append(2, [7, 8, 9])
-        first = link.generate(1, 40)
-        second = link.generate(2, 25)
+        first = link.generate(1, HeadRequest((), 40))
+        second = link.generate(2, HeadRequest((), 25))
         a, b = yield defer.gatherResults([first.result, second.result])
         self.assertEqual(a.tokens, expected_tokens(PROMPT, 40))
         self.assertEqual(b.tokens, expected_tokens([7, 8, 9], 25))
@@ -115,7 +116,7 @@ class GenerationTests(NodeTestCase):
             link = links[session % 2]
             link.assign(session)
             link.append(session, [session, session + 1])
-            calls.append(link.generate(session, 20))
+            calls.append(link.generate(session, HeadRequest((), 20)))
         outcomes = yield defer.gatherResults([c.result for c in calls])
         for session, outcome in enumerate(outcomes):
             self.assertEqual(outcome.tokens, expected_tokens([session, session + 1], 20))
@@ -135,7 +136,7 @@ class GenerationTests(NodeTestCase):
             if len(seen) >= 5:
                 call.cancel()
 
-        call = link.generate(1, 1_000_000, on_tokens=on_tokens)
+        call = link.generate(1, HeadRequest((), 1_000_000), on_tokens=on_tokens)
         outcome = yield call.result
         self.assertEqual(outcome.finish, FINISH_CANCELLED)
         self.assertGreaterEqual(len(outcome.tokens), 5)
@@ -152,11 +153,11 @@ class GenerationTests(NodeTestCase):
         self.assertEqual(link.hello_ack.capacity.max_context_tokens, 64)
         link.assign(1)
         link.append(1, list(range(96)))
-        refused = yield link.generate(1, 4).result
+        refused = yield link.generate(1, HeadRequest((), 4)).result
         self.assertEqual((refused.tokens, refused.finish), ([], FINISH_REFUSED))
         link.assign(2)
         link.append(2, PROMPT)
-        served = yield link.generate(2, 4).result
+        served = yield link.generate(2, HeadRequest((), 4)).result
         self.assertEqual(served.tokens, expected_tokens(PROMPT, 4))
 
     @defer.inlineCallbacks
@@ -166,7 +167,7 @@ class GenerationTests(NodeTestCase):
         link = yield self.dial(node)
         link.assign(1)
         link.append(1, PROMPT)
-        outcome = yield link.generate(1, 100).result
+        outcome = yield link.generate(1, HeadRequest((), 100)).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 8))
         self.assertEqual(outcome.finish, FINISH_LENGTH)
 
@@ -177,7 +178,7 @@ class GenerationTests(NodeTestCase):
         link = yield self.dial(node)
         link.assign(1)
         link.append(1, PROMPT)
-        outcome = yield link.generate(1, 1_000_000, max_wall_ms=60).result
+        outcome = yield link.generate(1, HeadRequest((), 1_000_000, max_wall_ms=60)).result
         self.assertEqual(outcome.finish, FINISH_EXPIRED)
         self.assertLess(len(outcome.tokens), 1000)
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, len(outcome.tokens)))
@@ -190,7 +191,7 @@ class GenerationTests(NodeTestCase):
         link = yield self.dial(node)
         link.assign(1)
         link.append(1, PROMPT)
-        outcome = yield link.generate(1, 50).result
+        outcome = yield link.generate(1, HeadRequest((), 50)).result
         self.assertEqual(outcome.tokens, reference)
         self.assertEqual(outcome.finish, FINISH_EOS)
 
@@ -206,10 +207,10 @@ class GenerationTests(NodeTestCase):
         doomed.assign(2)
         doomed.append(2, [1, 666])
         closed = doomed.when_closed()
-        failed = doomed.generate(2, 5)
+        failed = doomed.generate(2, HeadRequest((), 5))
         yield closed
         yield self.assertFailure(failed.result, LinkLostError)
-        outcome = yield healthy.generate(1, 8).result
+        outcome = yield healthy.generate(1, HeadRequest((), 8)).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 8))
         self.assertEqual(len(self.flushLoggedErrors(MockEngineFault)), 1)
 
@@ -284,11 +285,11 @@ class SessionTests(NodeTestCase):
         link = yield self.dial(node)
         first_epoch = link.assign(1)
         link.append(1, PROMPT)
-        first = yield link.generate(1, 10).result
+        first = yield link.generate(1, HeadRequest((), 10)).result
         second_epoch = link.assign(1)
         self.assertGreater(second_epoch, first_epoch)
         link.append(1, PROMPT)
-        second = yield link.generate(1, 10).result
+        second = yield link.generate(1, HeadRequest((), 10)).result
         self.assertEqual(first.tokens, second.tokens)
         self.assertEqual(node.agent.sessions_of(self.ids.head_id).session_epoch(1), second_epoch)
 
@@ -301,17 +302,17 @@ class SessionTests(NodeTestCase):
         first.assign(1)
         first.append(1, PROMPT)
         for _ in range(3):
-            yield first.generate(1, 3).result
+            yield first.generate(1, HeadRequest((), 3)).result
         second = yield self.dial(node)
         second.assign(1)
         second.append(1, [4, 5, 6])
-        outcome = yield second.generate(1, 3).result
+        outcome = yield second.generate(1, HeadRequest((), 3)).result
         self.assertEqual(
             (outcome.tokens, outcome.finish), (expected_tokens([4, 5, 6], 3), FINISH_LENGTH)
         )
         second.assign(2)
         second.append(2, [4, 5, 6])
-        fresh = yield second.generate(2, 3).result
+        fresh = yield second.generate(2, HeadRequest((), 3)).result
         self.assertEqual(fresh.tokens, expected_tokens([4, 5, 6], 3))
 
     @defer.inlineCallbacks
@@ -321,7 +322,7 @@ class SessionTests(NodeTestCase):
         link = yield self.dial(node)
         epoch = link.assign(1)
         link.append(1, PROMPT)
-        yield link.generate(1, 2).result
+        yield link.generate(1, HeadRequest((), 2)).result
         link.revoke(1)
         head = yield RawHead.connect(self, node)
         yield head.hello(head_id=self.ids.head_id)
@@ -414,14 +415,14 @@ class ReconcileTests(NodeTestCase):
         link = yield self.dial(node)
         link.assign(1)
         link.append(1, PROMPT)
-        call = link.generate(1, 12)
+        call = link.generate(1, HeadRequest((), 12))
         first = yield call.result
         committed = len(link.head_session.wal.events(1, call.epoch, call.generation_id))
         yield link.reconnect()
         self.assertEqual(
             len(link.head_session.wal.events(1, call.epoch, call.generation_id)), committed
         )
-        second = yield link.generate(1, 12).result
+        second = yield link.generate(1, HeadRequest((), 12)).result
         self.assertEqual(first.tokens, second.tokens)
 
     @defer.inlineCallbacks
@@ -438,7 +439,7 @@ class ReconcileTests(NodeTestCase):
             if not reconnected:
                 reconnected.append(link.reconnect())
 
-        call = link.generate(1, 80, on_tokens=on_tokens)
+        call = link.generate(1, HeadRequest((), 80), on_tokens=on_tokens)
         outcome = yield call.result
         yield reconnected[0]
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 80))
@@ -496,7 +497,7 @@ class HandshakeTests(NodeTestCase):
         link = yield self.dial(node, token=b"right-token")
         link.assign(1)
         link.append(1, PROMPT)
-        outcome = yield link.generate(1, 3).result
+        outcome = yield link.generate(1, HeadRequest((), 3)).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 3))
 
 
@@ -509,7 +510,7 @@ class RobustnessTests(NodeTestCase):
         link = yield self.dial(node)
         link.assign(1)
         link.append(1, PROMPT)
-        call = link.generate(1, 50)
+        call = link.generate(1, HeadRequest((), 50))
         bad_envelope = yield RawHead.connect(self, node)
         yield bad_envelope.hello()
         bad_envelope.send_bytes(b"\x05\x00\x00\x00" + b"\x00" * 5)
@@ -632,7 +633,7 @@ class TimedTests(MemoryNodeTestCase):
         link.append(1, PROMPT)
         self.advance(2.5)
         self.assertFalse(node.agent.sessions_of(self.ids.head_id).is_fenced(1))
-        call = link.generate(1, 3)
+        call = link.generate(1, HeadRequest((), 3))
         self.advance(0.3)
         self.assertEqual(self.successResultOf(call.result).tokens, expected_tokens(PROMPT, 3))
 
@@ -678,7 +679,7 @@ class TimedTests(MemoryNodeTestCase):
         link = self.dial()
         link.assign(1)
         link.append(1, PROMPT)
-        first = link.generate(1, 6)
+        first = link.generate(1, HeadRequest((), 6))
         self.flush()
         tokens = self.successResultOf(first.result).tokens
         closed = link.when_closed()
@@ -687,7 +688,7 @@ class TimedTests(MemoryNodeTestCase):
         reconnected = link.reconnect()
         self.connect()
         self.successResultOf(reconnected)
-        second = link.generate(1, 6)
+        second = link.generate(1, HeadRequest((), 6))
         self.flush()
         self.assertEqual(self.successResultOf(second.result).tokens, tokens)
 
@@ -698,7 +699,7 @@ class TimedTests(MemoryNodeTestCase):
         link = self.dial()
         link.assign(1)
         link.append(1, PROMPT)
-        first = link.generate(1, 4)
+        first = link.generate(1, HeadRequest((), 4))
         self.flush()
         tokens = self.successResultOf(first.result).tokens
         closed = link.when_closed()
@@ -709,7 +710,7 @@ class TimedTests(MemoryNodeTestCase):
         self.successResultOf(reconnected)
         grown = PROMPT + tokens + [42]
         link.append(1, grown)
-        outcome = link.generate(1, 5)
+        outcome = link.generate(1, HeadRequest((), 5))
         self.flush()
         self.assertEqual(self.successResultOf(outcome.result).tokens, expected_tokens(grown, 5))
 
@@ -721,7 +722,7 @@ class TimedTests(MemoryNodeTestCase):
         link = self.dial()
         link.assign(1)
         link.append(1, PROMPT)
-        call = link.generate(1, 4)
+        call = link.generate(1, HeadRequest((), 4))
         self.flush()
         self.assertEqual(self.successResultOf(call.result).tokens, expected_tokens(PROMPT, 4))
         self.advance(0.29)

@@ -26,6 +26,7 @@ from sfnode.generation import (
     mock_token,
     sparse_logprob,
 )
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.link import LinkLostError
 from sfnode.linkf.wire import (
     F32_MAX,
@@ -362,10 +363,10 @@ class NodeWireTests(NodeTestCase):
         doomed.assign(2, params=GenParams(logprobs=2))
         doomed.append(2, [1, 666])
         closed = doomed.when_closed()
-        failed = doomed.generate(2, 5)
+        failed = doomed.generate(2, HeadRequest((), 5))
         yield closed
         yield self.assertFailure(failed.result, LinkLostError)
-        outcome = yield healthy.generate(1, 8).result
+        outcome = yield healthy.generate(1, HeadRequest((), 8)).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 8))
 
 

@@ -21,6 +21,7 @@ from twisted.internet import defer, reactor
 from twisted.internet.task import Clock
 
 from sfnode.generation import MockEngine
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.link import HeadIds, connect_node
 from sfnode.linkf.wire import (
     FINISH_DECLINED,
@@ -157,7 +158,7 @@ class FullNodeTests(HttpTestCase):
         self.addCleanup(other.close)
         other.assign(99)
         other.append(99, [5, 6, 7])
-        outcome = yield other.generate(99, 1).result
+        outcome = yield other.generate(99, HeadRequest((), 1)).result
         self.assertEqual(outcome.finish, FINISH_LENGTH)
 
     @defer.inlineCallbacks

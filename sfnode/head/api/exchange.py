@@ -39,7 +39,7 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
 from twisted.internet import defer
@@ -62,6 +62,7 @@ from sfnode.head.fleet.backend import (
     BackendStatus,
     FleetOutcome,
     GenerationHandle,
+    HeadRequest,
     Requester,
 )
 from sfnode.head.models.registry import ServedModel
@@ -408,7 +409,14 @@ class Exchange:
         self.request.setHeader(CLASS_HEADER, class_name(request_class).encode())
         self._watch.attach(self.request)
         self._move("placed")
-        requester = Requester(client_address(self.request.getClientAddress()), permit.key)
+        request = HeadRequest(
+            tuple(self.prompt),
+            max_tokens,
+            model=model.name,
+            request_class=request_class,
+            requester=Requester(client_address(self.request.getClientAddress()), permit.key),
+            constraint=parsed.constraint,
+        )
         placed = []
         for index in range(parsed.n):
             logprobs = None
@@ -419,14 +427,7 @@ class Exchange:
                 choice.calls = CallSplitter()
             self.choices.append(choice)
             generation = api.backend.generate(
-                self.prompt,
-                max_tokens,
-                model=model.name,
-                params=parsed.choice_params(index),
-                on_tokens=self._receiver(choice),
-                request_class=request_class,
-                requester=requester,
-                constraint=parsed.constraint,
+                replace(request, params=parsed.choice_params(index)), self._receiver(choice)
             )
             choice.generation = generation
             self._pending += 1

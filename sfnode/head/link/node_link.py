@@ -22,7 +22,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from sfnode.generation import TokenSink
-from sfnode.head.link.calls import CallTable, GenerationCall
+from sfnode.head.link.calls import CallTable, GenerationAsk, GenerationCall
 from sfnode.head.link.errors import (
     ConstraintsUnsupportedError,
     MalformedFrameError,
@@ -62,7 +62,6 @@ from sfnode.linkf.wire import (
     FEATURE_LOGPROBS,
     FEATURE_REQUEST_CLASS,
     CapacitySummary,
-    Constraint,
     Finish,
     GenerationBudgetsMsg,
     GenParams,
@@ -76,7 +75,6 @@ from sfnode.linkf.wire import (
     NodeStatusMsg,
     PayloadError,
     ReconcileAckMsg,
-    RequestClass,
     StageForwardReqMsg,
     StageForwardRespMsg,
     TokenEventsMsg,
@@ -402,27 +400,21 @@ class NodeLink:
         self.send_now(Keepalive())
 
     def generate(
-        self,
-        session_id: int,
-        max_new_tokens: int,
-        *,
-        max_wall_ms: int = 0,
-        on_tokens: TokenSink | None = None,
-        request_class: RequestClass = RequestClass.INTERACTIVE,
-        constraint: Constraint | None = None,
+        self, session_id: int, ask: GenerationAsk, on_tokens: TokenSink | None = None
     ) -> GenerationCall:
-        """GENERATE_REQ with a new generation id; committed tokens stream to ``on_tokens``.
+        """GENERATE_REQ with a new generation id, with the budgets, class and constraint of
+        ``ask`` (the head's request value); committed tokens stream to ``on_tokens``.
 
         Each event arrives as one :class:`~sfnode.generation.TokenBatch`; when the session's
         GenParams ask for logprobs and the node offers them (:attr:`features`), the batch
         carries one :class:`~sfnode.generation.TokenLogprob` per token (docs/protocol.md
         section 12.1).
 
-        ``request_class`` travels only to a node that set FEATURE_REQUEST_CLASS
+        The request class travels only to a node that set FEATURE_REQUEST_CLASS
         (:attr:`request_classes`); any other node reads every request alike (docs/protocol.md
         section 12.2).
 
-        ``constraint`` (docs/protocol.md section 12.3) goes only to a node that set
+        A constraint (docs/protocol.md section 12.3) goes only to a node that set
         FEATURE_CONSTRAINTS; for any other the call fails at once with
         :class:`ConstraintsUnsupportedError` and nothing is sent.
 
@@ -440,15 +432,15 @@ class NodeLink:
         if not self.connected:
             call._fail(LinkLostError(f"the link to {self.name} is down"))
             return call
-        if constraint is not None and not (self.features or 0) & FEATURE_CONSTRAINTS:
+        if ask.constraint is not None and not (self.features or 0) & FEATURE_CONSTRAINTS:
             call._fail(ConstraintsUnsupportedError(f"{self.name} does not honour constraints"))
             return call
         request = self.head_session.generate(
             session_id,
             generation_id,
-            GenerationBudgetsMsg(max_new_tokens, max_wall_ms),
-            int(request_class) if self.request_classes else None,
-            constraint,
+            GenerationBudgetsMsg(ask.max_new, ask.max_wall_ms),
+            int(ask.request_class) if self.request_classes else None,
+            ask.constraint,
         )
         assert request is not None
         self._calls.add(call)
