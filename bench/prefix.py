@@ -424,14 +424,14 @@ def _drive_fleet(
     from twisted.python.failure import Failure
 
     from sfnode.head.fleet.backend import HeadRequest
-    from sfnode.head.fleet.fleet import Fleet
+    from sfnode.head.fleet.fleet import Fleet, FleetSettings
     from sfnode.head.fleet.placement import DEFAULT_PREFIX_MAX_SKEW, PrefixRule
 
     results: list[Placement] = []
     failure: list[Any] = []
 
     async def one_setting(label: str, rule: PrefixRule, desks: tuple[str, str]) -> None:
-        fleet = Fleet(reactor, prefix=rule)
+        fleet = Fleet(reactor, FleetSettings(prefix=rule))
         try:
             for _, port, _ in nodes:
                 await fleet.add_node(f"tcp:127.0.0.1:{port}")

@@ -22,7 +22,7 @@ from twisted.trial.unittest import TestCase
 
 from sfnode.decoding.constraint import response_format_grammar
 from sfnode.head.fleet.backend import HeadRequest
-from sfnode.head.fleet.fleet import Fleet, Policy
+from sfnode.head.fleet.fleet import Fleet, FleetSettings, Policy
 from sfnode.head.link import HeadIds
 from sfnode.linkf.wire import Constraint, GenParams, SamplerControls
 from tests.processes import LOOPBACK, Child, spawn_twistd
@@ -62,7 +62,12 @@ class ConstrainedFailoverTests(TestCase):
             found = yield node.wait_for(rb"sfnode listening on 127\.0\.0\.1:(\d+)\n")
             nodes.append(node)
             endpoints.append(f"tcp:127.0.0.1:{int(found[0].group(1))}")
-        fleet = Fleet(reactor, ids=HeadIds(), policy=Policy.LEAST_LOADED, retry=lambda _: 0.05)
+        fleet = Fleet(
+            reactor,
+            FleetSettings(policy=Policy.LEAST_LOADED),
+            ids=HeadIds(),
+            retry=lambda _: 0.05,
+        )
         self.addCleanup(fleet.stop)
         for endpoint in endpoints:
             yield fleet.add_node(endpoint)

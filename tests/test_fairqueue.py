@@ -18,7 +18,13 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.head.fleet.backend import HeadRequest, Requester
 from sfnode.head.fleet.fair_queue import FairQueue
-from sfnode.head.fleet.fleet import ClientQueueFull, Fleet, FleetGeneration, QueueFull
+from sfnode.head.fleet.fleet import (
+    ClientQueueFull,
+    Fleet,
+    FleetGeneration,
+    FleetSettings,
+    QueueFull,
+)
 from sfnode.head.link import GenerationOutcome, HeadIds
 from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_LENGTH, CapacitySummary
 
@@ -176,7 +182,7 @@ class FleetQueueTests(SynchronousTestCase):
         """A fleet on a Clock with one fake node of ``lanes`` lanes; at the end of the test
         every generation still waiting or running is ended (none is left suspended)."""
         clock = Clock()
-        fleet = Fleet(clock, ids=HeadIds(), clock=clock, **kwargs)
+        fleet = Fleet(clock, FleetSettings(**kwargs), ids=HeadIds(), clock=clock)
         link = FakeLink(lanes)
         fleet.registry.adopt(link)  # type: ignore[arg-type]
 

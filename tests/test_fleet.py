@@ -12,11 +12,12 @@ outgrow their node.  No sleeps: every wait is a Deferred.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 from twisted.internet import defer, reactor
 from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint
+from twisted.internet.interfaces import IReactorTime
 from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
@@ -28,6 +29,7 @@ from sfnode.head.fleet.fleet import (
     FleetGeneration,
     FleetNode,
     FleetOutcome,
+    FleetSettings,
     NoNodeAvailable,
     Policy,
     QueueFull,
@@ -114,10 +116,16 @@ class FleetTestCase(NodeTestCase):
             yield self.start_mock_node(identity=node.agent.config.identity, port=port, **kwargs)
         )
 
-    def new_fleet(self, **kwargs: Any) -> Fleet:
-        """A fleet whose links redial every 50 ms (tests restart nodes at once)."""
-        kwargs.setdefault("retry", lambda failures: 0.05)
-        fleet = Fleet(reactor, ids=self.ids, **kwargs)
+    def new_fleet(
+        self,
+        *,
+        retry: Callable[[int], float] = lambda failures: 0.05,
+        clock: IReactorTime | None = None,
+        **settings: Any,
+    ) -> Fleet:
+        """A fleet whose links redial every 50 ms (tests restart nodes at once), with
+        ``settings`` (a :class:`FleetSettings`'s fields)."""
+        fleet = Fleet(reactor, FleetSettings(**settings), ids=self.ids, clock=clock, retry=retry)
         self.addCleanup(fleet.stop)
         return fleet
 
@@ -949,7 +957,12 @@ class QueueTests(FleetTestCase):
         """max_queued requests may wait; one more fails with QueueFull at once.  A wait longer
         than queue_timeout_s fails with NoNodeAvailable saying why it waited."""
         clock = Clock()
-        fleet = Fleet(reactor, ids=self.ids, clock=clock, max_queued=1, queue_timeout_s=5.0)
+        fleet = Fleet(
+            reactor,
+            FleetSettings(max_queued=1, queue_timeout_s=5.0),
+            ids=self.ids,
+            clock=clock,
+        )
         first = fleet.generate(HeadRequest(PROMPT, 4))
         second = fleet.generate(HeadRequest(PROMPT, 4))
         self.assertEqual(fleet.queued, 1)
@@ -967,7 +980,12 @@ class QueueTests(FleetTestCase):
         """Fleet.status() (what /healthz and /metrics read) counts the requests waiting in the
         head's queue in ``queued`` and ``waiting``, and the queue's refusals and timeouts."""
         clock = Clock()
-        fleet = Fleet(reactor, ids=self.ids, clock=clock, max_queued=2, queue_timeout_s=5.0)
+        fleet = Fleet(
+            reactor,
+            FleetSettings(max_queued=2, queue_timeout_s=5.0),
+            ids=self.ids,
+            clock=clock,
+        )
         waiting = [fleet.generate(HeadRequest(PROMPT, 4)) for _ in range(2)]
         refused = fleet.generate(HeadRequest(PROMPT, 4))
         self.failureResultOf(refused.result, QueueFull)

@@ -9,7 +9,7 @@ from twisted.internet.testing import MemoryReactorClock
 
 from sfnode.generation import TokenBatch
 from sfnode.head.fleet.backend import GenerationTimedOut, HeadRequest, NoNodeAvailable
-from sfnode.head.fleet.fleet import Fleet
+from sfnode.head.fleet.fleet import Fleet, FleetSettings
 from sfnode.head.link import NodeSilentError
 from sfnode.linkf.wire import FINISH_LENGTH
 from tests.nodefixture import MEMORY_PORT, MemoryNodeTestCase, expected_tokens
@@ -21,7 +21,11 @@ class MemoryFleetTests(MemoryNodeTestCase):
     def fleet(self, **options: object) -> Fleet:
         """A fleet on the test's memory reactor that has dialed the memory node."""
         assert isinstance(self.reactor, MemoryReactorClock)
-        fleet = Fleet(self.reactor, ids=self.ids, **options)  # type: ignore[arg-type]
+        fleet = Fleet(
+            self.reactor,
+            FleetSettings(**options),
+            ids=self.ids,
+        )  # type: ignore[arg-type]
         added = fleet.add_node(f"tcp:127.0.0.1:{MEMORY_PORT}")
         self.connect()
         self.successResultOf(added)

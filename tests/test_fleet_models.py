@@ -19,7 +19,7 @@ from sfnode.generation import MockEngine, mock_next_token
 from sfnode.head.api.gauges import gateway_gauges
 from sfnode.head.api.http import OpenAIApi
 from sfnode.head.fleet.backend import BackendStatus
-from sfnode.head.fleet.fleet import Fleet, NoNodeAvailable
+from sfnode.head.fleet.fleet import Fleet, FleetSettings, NoNodeAvailable
 from sfnode.head.fleet.model_admission import ModelAdmission
 from sfnode.head.link.files import FilesFetch
 from sfnode.head.link.machine import LinkError
@@ -303,7 +303,12 @@ class TwoModelTests(HttpTestCase):
         self, nodes: Sequence[RunningNode], **fleet_options: Any
     ) -> Generator[defer.Deferred[Any], Any, Head]:
         registry = ModelRegistry()
-        fleet = Fleet(reactor, ids=self.ids, models=ModelAdmission(registry), **fleet_options)
+        fleet = Fleet(
+            reactor,
+            FleetSettings(**fleet_options),
+            ids=self.ids,
+            models=ModelAdmission(registry),
+        )
         self.addCleanup(fleet.stop)
         api = OpenAIApi(reactor, fleet, None, "tiny-a", models=registry, seed_source=lambda: 7)
         self.addCleanup(api.stop)

@@ -22,7 +22,7 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from sfnode.generation import EngineStop, MockEngine
 from sfnode.head.fleet.backend import HeadRequest
-from sfnode.head.fleet.fleet import GenerationTimedOut
+from sfnode.head.fleet.fleet import FleetSettings, GenerationTimedOut
 from sfnode.head.fleet.pipeline import PipelineFleet
 from sfnode.head.link import HeadIds, connect_node
 from sfnode.linkf.wire import (
@@ -273,7 +273,7 @@ class PipelineBudgetTests(TestCase):
             [f"tcp:127.0.0.1:{port.getHost().port}"],
             n_layers=24,
             ids=HeadIds(),
-            fleet_options={"max_generation_s": 0.5},
+            settings=FleetSettings(max_generation_s=0.5),
         )
         self.addCleanup(pipeline.stop)
         yield pipeline.start()
@@ -282,4 +282,4 @@ class PipelineBudgetTests(TestCase):
         self.assertIn("did not end within 0.5 s", str(raised.exception))
         (node,) = factory.nodes
         self.assertEqual(len(node.of_type(StageForwardReqMsg)), 1)
-        self.assertEqual(pipeline.stages[0].link.pending_forwards, 0)
+        self.assertEqual(pipeline.stages[0].link.calls.forwards, 0)

@@ -20,7 +20,7 @@ from twisted.test.iosim import ConnectionCompleter, IOPump
 from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.head.fleet.backend import HeadRequest
-from sfnode.head.fleet.fleet import Fleet
+from sfnode.head.fleet.fleet import Fleet, FleetSettings
 from sfnode.head.link import (
     COMMAND_SPACE,
     DEFAULT_LEASE,
@@ -380,7 +380,7 @@ class GenerateTests(LinkTestCase):
             node.of_type(WatermarkAckMsg),
             [WatermarkAckMsg(1, 1, 1, 0), WatermarkAckMsg(1, 1, 1, 1), WatermarkAckMsg(1, 1, 1, 2)],
         )
-        self.assertEqual(link.pending_generations(), [])
+        self.assertEqual(link.calls.pending(), [])
 
     def test_retransmitted_events_are_not_delivered_twice(self) -> None:
         """A duplicate batch is re-acked but its tokens reach neither the stream nor the outcome."""
@@ -476,7 +476,7 @@ class GenerateTests(LinkTestCase):
         link.assign(1)
         self.failureResultOf(call.result, SupersededError)
         self.failureResultOf(other.result, SupersededError)
-        self.assertEqual(link.pending_generations(), [])
+        self.assertEqual(link.calls.pending(), [])
 
     def test_revoke_fails_the_sessions_pending_generation(self) -> None:
         """Revoking a session with a pending generation fails it with SessionRevokedError."""
@@ -733,7 +733,7 @@ class MoreGenerateTests(LinkTestCase):
         call = link.generate(1, HeadRequest((), 100))
         call.result.cancel()
         self.failureResultOf(call.result)
-        self.assertEqual(link.pending_generations(), [])
+        self.assertEqual(link.calls.pending(), [])
         node.events(ev(0, Finish(FINISH_CANCELLED), g=call.generation_id))
         self.flush()
         cancels = node.of_type(GenerateCancelMsg)
@@ -874,7 +874,11 @@ class LinkSettingsTests(LinkTestCase):
         """A fleet told to send KEEPALIVE every 3 s does so on the link of a node that dialed
         in, as on one it dialed (not the 15 s default): both nodes get their first after 3 s,
         their second after 6 s."""
-        fleet = Fleet(self.reactor, ids=self.ids, keepalive_interval_s=3.0, silence_timeout_s=0)
+        fleet = Fleet(
+            self.reactor,
+            FleetSettings(keepalive_interval_s=3.0, silence_timeout_s=0),
+            ids=self.ids,
+        )
         self.reactor.listenTCP(9000, fleet.listen_factory())
         joined = fleet.next_join()
         node_factory = FakeNodeFactory()

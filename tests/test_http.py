@@ -29,7 +29,7 @@ from twisted.web.http_headers import Headers
 
 from sfnode.generation import EngineStop, MockEngine, mock_next_token
 from sfnode.head.api.http import Detokenizer, OpenAIApi, Renderer, StopText
-from sfnode.head.fleet.fleet import Fleet
+from sfnode.head.fleet.fleet import Fleet, FleetSettings
 from sfnode.head.models.chat import ChatMessage
 from sfnode.node.agent import NodeAgent
 from sfnode.node.config import NodeConfig
@@ -109,7 +109,7 @@ class HttpTestCase(NodeTestCase):
     ) -> Generator[defer.Deferred[Any], Any, Head]:
         """A fleet with ``nodes`` and its API on 127.0.0.1 (``fleet_options``: more Fleet
         keywords, such as the queue's bounds; ``api``: more OpenAIApi keywords)."""
-        fleet = Fleet(reactor, ids=self.ids, **(fleet_options or {}))
+        fleet = Fleet(reactor, FleetSettings(**(fleet_options or {})), ids=self.ids)
         self.addCleanup(fleet.stop)
         for node in nodes:
             yield fleet.add_node(node.endpoint)

@@ -25,7 +25,7 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from sfnode.discovery.rules import SERVICE_TYPE, HeadAnnouncement, HeadAnswer
 from sfnode.head.fleet.backend import HeadRequest
-from sfnode.head.fleet.fleet import Fleet, FleetNode
+from sfnode.head.fleet.fleet import Fleet, FleetNode, FleetSettings
 from sfnode.head.link import HeadIds
 from sfnode.node import tap
 from tests.nodefixture import expected_tokens
@@ -156,7 +156,7 @@ class JoinTests(TestCase):
     timeout = 60
 
     async def head(self, token: bytes, port: int = 0) -> tuple[Fleet, IListeningPort]:
-        fleet = Fleet(reactor, ids=HeadIds(), token=token)
+        fleet = Fleet(reactor, FleetSettings(token=token), ids=HeadIds())
         listening = await TCP4ServerEndpoint(reactor, port, interface="127.0.0.1").listen(
             fleet.listen_factory()
         )

@@ -44,7 +44,7 @@ from sfnode.generation import (
     sample_sparse,
 )
 from sfnode.head.fleet.backend import HeadRequest
-from sfnode.head.fleet.fleet import Fleet, Policy
+from sfnode.head.fleet.fleet import Fleet, FleetSettings, Policy
 from sfnode.linkf.wire import FINISH_LENGTH, GenParams
 from sfnode.node.agent import NodeAgent
 from sfnode.node.config import NodeConfig
@@ -261,7 +261,7 @@ class FleetSamplingCase(NodeTestCase):
 
     @defer.inlineCallbacks
     def fleet_of(self, nodes: Sequence[RunningNode]) -> Generator[defer.Deferred[Any], Any, Fleet]:
-        fleet = Fleet(reactor, ids=self.ids, policy=Policy.LEAST_LOADED)
+        fleet = Fleet(reactor, FleetSettings(policy=Policy.LEAST_LOADED), ids=self.ids)
         self.addCleanup(fleet.stop)
         for node in nodes:
             yield fleet.add_node(node.endpoint)

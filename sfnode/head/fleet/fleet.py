@@ -155,6 +155,55 @@ def default_client_queued(max_queued: int) -> int:
     return max(1, max_queued // 4) if max_queued > 0 else 0
 
 
+@dataclass(frozen=True, slots=True)
+class FleetSettings:
+    """How a fleet runs: one frozen value, built once (``twistd sfhead`` builds it from its
+    options) and given to the :class:`Fleet`, which hands its links their
+    :class:`~sfnode.head.link.LinkSettings`."""
+
+    token: bytes = b""
+    """The fleet token every link authenticates with (empty: none)."""
+    policy: Policy = Policy.LOAD_AWARE
+    lease: Lease = DEFAULT_LEASE
+    handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S
+    keepalive_interval_s: float = DEFAULT_KEEPALIVE_INTERVAL_S
+    silence_timeout_s: float = DEFAULT_SILENCE_TIMEOUT_S
+    retry_max_s: float = DEFAULT_RETRY_MAX_S
+    """The cap of a link's redial backoff."""
+    max_queued: int = DEFAULT_MAX_QUEUED
+    max_client_queued: int | None = None
+    """One client address's share of the queue (None: :func:`default_client_queued`)."""
+    queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
+    prefix: PrefixRule = DEFAULT_PREFIX_RULE
+    """How placement weighs a node's cached prefix against its load (``load-aware``)."""
+    max_generation_s: float = DEFAULT_MAX_GENERATION_S
+    """The wall budget of each generation (0: none)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", Policy(self.policy))
+
+    @property
+    def link(self) -> LinkSettings:
+        """How every link runs, the ones the fleet dials and the ones that dial in alike."""
+        return LinkSettings(
+            token=self.token,
+            handshake_timeout_s=self.handshake_timeout_s,
+            keepalive_interval_s=self.keepalive_interval_s,
+            silence_timeout_s=self.silence_timeout_s,
+            keep_wal=False,
+        )
+
+    @property
+    def client_queued(self) -> int:
+        """The bound of one client address's waiting generations."""
+        if self.max_client_queued is None:
+            return default_client_queued(self.max_queued)
+        return self.max_client_queued
+
+
+DEFAULT_FLEET_SETTINGS = FleetSettings()
+
+
 def _deferred(coroutine: Coroutine[Any, Any, _T]) -> Deferred[_T]:
     return Deferred.fromCoroutine(coroutine)
 
@@ -612,66 +661,44 @@ class Fleet:
     def __init__(
         self,
         reactor: Any,
+        settings: FleetSettings = DEFAULT_FLEET_SETTINGS,
         *,
         ids: HeadIds | None = None,
-        token: bytes = b"",
-        policy: Policy | str = Policy.LOAD_AWARE,
-        lease: Lease = DEFAULT_LEASE,
-        handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
         clock: IReactorTime | None = None,
-        keepalive_interval_s: float = DEFAULT_KEEPALIVE_INTERVAL_S,
-        silence_timeout_s: float = DEFAULT_SILENCE_TIMEOUT_S,
-        retry_max_s: float = DEFAULT_RETRY_MAX_S,
         retry: RetryPolicy | None = None,
-        max_queued: int = DEFAULT_MAX_QUEUED,
-        max_client_queued: int | None = None,
-        queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
-        prefix: PrefixRule = DEFAULT_PREFIX_RULE,
-        max_generation_s: float = DEFAULT_MAX_GENERATION_S,
         models: ModelAdmission | None = None,
     ) -> None:
         self._reactor = reactor
+        self.settings = settings
         self.models = models
         """Which nodes serve which model, by the head's model registry (None: every node
         serves the model it names)."""
         self._clock: IReactorTime = clock if clock is not None else reactor
         self.ids = ids if ids is not None else HeadIds()
-        self.link_settings = LinkSettings(
-            token=token,
-            handshake_timeout_s=handshake_timeout_s,
-            keepalive_interval_s=keepalive_interval_s,
-            silence_timeout_s=silence_timeout_s,
-            keep_wal=False,
-        )
+        self.link_settings = settings.link
         """How every link runs, the ones it dials and the ones that dial in alike."""
-        self.policy = Policy(policy)
-        self.lease = lease
+        self.policy = settings.policy
+        self.lease = settings.lease
         self.queue: WaitQueue[FleetNode] = WaitQueue(
             self._clock,
             self._try,
             self._why_waiting,
-            max_queued=max_queued,
-            max_client_queued=(
-                default_client_queued(max_queued)
-                if max_client_queued is None
-                else max_client_queued
-            ),
-            timeout_s=queue_timeout_s,
+            max_queued=settings.max_queued,
+            max_client_queued=settings.client_queued,
+            timeout_s=settings.queue_timeout_s,
         )
         """Generations waiting for a node, with the queue's bounds, timeout and counters
         (generations without a client address, such as a program's own, are not bounded by
         the per-address one)."""
-        self.prefix = prefix
-        """How placement weighs a node's cached prefix against its load (``load-aware``)."""
-        self.max_generation_s = max_generation_s
-        """The wall budget of each generation (0: none)."""
+        self.prefix = settings.prefix
+        self.max_generation_s = settings.max_generation_s
         self.registry = NodeRegistry(
             reactor,
             self._clock,
             self.ids,
             self.link_settings,
-            retry if retry is not None else retry_policy(retry_max_s),
-            retry_max_s,
+            retry if retry is not None else retry_policy(settings.retry_max_s),
+            settings.retry_max_s,
             on_room=lambda: self.queue.dispatch(),
             on_report=lambda: self.queue.dispatch() if self.queue else None,
             models=models,
@@ -747,10 +774,6 @@ class Fleet:
         largest = placement.too_long([v for v in self.registry.views() if v.serves(model)], length)
         if largest is not None:
             raise StreamTooLong(length, largest)
-
-    def max_window(self, model: str | None) -> int:
-        """The largest known window among nodes serving ``model`` (0: unknown or unlimited)."""
-        return placement.max_window(self.registry.views(), model)
 
     def status(self, model: str | None = None) -> BackendStatus:
         """How the fleet stands for ``model``: what the HTTP layer asks of its backend
@@ -1009,6 +1032,7 @@ class Fleet:
 
 
 __all__ = [
+    "DEFAULT_FLEET_SETTINGS",
     "DEFAULT_MAX_GENERATION_S",
     "DEFAULT_MAX_QUEUED",
     "DEFAULT_QUEUE_TIMEOUT_S",
@@ -1021,6 +1045,7 @@ __all__ = [
     "FleetNode",
     "FleetOutcome",
     "FleetSession",
+    "FleetSettings",
     "GenerationTimedOut",
     "HeadRequest",
     "LinkError",

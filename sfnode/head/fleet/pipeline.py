@@ -40,7 +40,7 @@ from sfnode.head.fleet.backend import (
     LogprobsUnavailable,
     NoNodeAvailable,
 )
-from sfnode.head.fleet.fleet import Fleet, FleetNode
+from sfnode.head.fleet.fleet import DEFAULT_FLEET_SETTINGS, Fleet, FleetNode, FleetSettings
 from sfnode.head.link import HeadIds, LinkError
 from sfnode.linkf.wire import (
     FINISH_CANCELLED,
@@ -172,11 +172,11 @@ class PipelineFleet:
         n_layers: int | None = None,
         eos_ids: Sequence[int] = (),
         ids: HeadIds | None = None,
-        token: bytes = b"",
         clock: IReactorTime | None = None,
-        fleet_options: dict[str, Any] | None = None,
+        settings: FleetSettings = DEFAULT_FLEET_SETTINGS,
     ) -> None:
-        """``fleet_options`` go to the stages' :class:`Fleet` (redial cap, keepalive window)."""
+        """``settings`` are the stages' :class:`Fleet`'s (token, redial cap, keepalive
+        window, wall budget)."""
         if not endpoints:
             raise ValueError("a pipeline needs at least one stage")
         if boundaries is not None:
@@ -187,7 +187,7 @@ class PipelineFleet:
             raise ValueError("give the layer count or the layer boundaries of the stages")
         self.endpoints = list(endpoints)
         self.eos_ids = frozenset(eos_ids)
-        self.fleet = Fleet(reactor, ids=ids, token=token, clock=clock, **(fleet_options or {}))
+        self.fleet = Fleet(reactor, settings, ids=ids, clock=clock)
         self.clock: IReactorTime = clock if clock is not None else reactor
         self.stages: list[FleetNode] = []
 
