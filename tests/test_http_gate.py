@@ -342,7 +342,7 @@ class FairShareTests(HostileTestCase):
 
         def watching(*args: Any, **kwargs: Any) -> Any:
             generation = generate(*args, **kwargs)
-            if kwargs["requester"].address == "127.0.0.2":
+            if args[0].requester.address == "127.0.0.2":
                 queued.callback(None)
             return generation
 

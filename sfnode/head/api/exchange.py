@@ -272,6 +272,18 @@ class _Choice:
         """The content and calls shown so far."""
 
 
+def _max_tokens(parsed: CompletionRequest, prompt_length: int, window: Callable[[], int]) -> int:
+    """The tokens a request may generate: its ``max_tokens``, else what the model's window
+    leaves after the prompt, within the default (the default alone while no window is
+    known)."""
+    if parsed.max_tokens is not None:
+        return parsed.max_tokens
+    default = DEFAULT_MAX_TOKENS if parsed.chat else COMPLETIONS_DEFAULT_MAX_TOKENS
+    known = window()
+    room = known - prompt_length if known else default
+    return max(1, min(default, room))
+
+
 class Exchange:
     """One completion request, from its body to the last byte of its answer."""
 
@@ -389,58 +401,56 @@ class Exchange:
         # No "is a node live?" check here: a request no node can take now waits in the
         # fleet's queue (a node may come back or dial in) and fails from there when it is
         # full or the wait times out.
-        parsed = self.parsed
         permit = self.request.permit
         assert permit is not None  # start() refused a request without one
+        parsed = prepared.request
         permit.widen(parsed.n - 1)
-        max_tokens = parsed.max_tokens
         model = prepared.model
-        if max_tokens is None:
-            window = api.status(model.name).window
-            default = DEFAULT_MAX_TOKENS if parsed.chat else COMPLETIONS_DEFAULT_MAX_TOKENS
-            room = window - len(self.prompt) if window else default
-            max_tokens = max(1, min(default, room))
+        request_class = self.api.class_rule.classify(self.named_class, len(self.prompt))
+        self.request.setHeader(CLASS_HEADER, class_name(request_class).encode())
+        request = HeadRequest(
+            tuple(self.prompt),
+            _max_tokens(parsed, len(self.prompt), lambda: self.api.status(model.name).window),
+            model=model.name,
+            params=parsed.params,
+            request_class=request_class,
+            requester=Requester(client_address(self.request.getClientAddress()), permit.key),
+            constraint=parsed.constraint,
+        )
         # Streamed chunks are small writes: without TCP_NODELAY, Nagle's algorithm holds each
         # one back until the client's delayed ACK of the previous one (about 40 ms).
         no_delay = getattr(self.request.transport, "setTcpNoDelay", None)
         if no_delay is not None:
             no_delay(True)
-        request_class = api.class_rule.classify(self.named_class, len(self.prompt))
-        self.request.setHeader(CLASS_HEADER, class_name(request_class).encode())
         self._watch.attach(self.request)
         self._move("placed")
-        request = HeadRequest(
-            tuple(self.prompt),
-            max_tokens,
-            model=model.name,
-            request_class=request_class,
-            requester=Requester(client_address(self.request.getClientAddress()), permit.key),
-            constraint=parsed.constraint,
-        )
-        placed = []
-        for index in range(parsed.n):
-            logprobs = None
-            if parsed.logprobs is not None:
-                logprobs = ChoiceLogprobs(self.chat, parsed.logprobs, model.renderer.token_bytes)
-            choice = _Choice(index, model.renderer.detokenizer(), parsed.stop, logprobs)
-            if parsed.calls:
-                choice.calls = CallSplitter()
-            self.choices.append(choice)
-            generation = api.backend.generate(
-                replace(request, params=parsed.choice_params(index)), self._receiver(choice)
-            )
-            choice.generation = generation
-            self._pending += 1
-            if parsed.stream:
-                placed.append(generation.when_placed())
-            generation.result.addCallbacks(
-                self._choice_done, self._choice_failed, callbackArgs=(choice,),
-                errbackArgs=(choice,),
-            ).addErrback(self._unexpected)  # fmt: skip
-        if placed:
+        placed = [self._start_choice(prepared, index, request) for index in range(parsed.n)]
+        if parsed.stream:
             defer.gatherResults(placed, consumeErrors=True).addCallbacks(
                 self._begin_stream, lambda _: None
             )
+
+    def _start_choice(self, prepared: Prepared, index: int, request: HeadRequest) -> Deferred[None]:
+        """Hand choice ``index`` (its own seed) to the backend; fires once it is placed."""
+        parsed, renderer = prepared.request, prepared.model.renderer
+        logprobs = None
+        if parsed.logprobs is not None:
+            logprobs = ChoiceLogprobs(self.chat, parsed.logprobs, renderer.token_bytes)
+        choice = _Choice(index, renderer.detokenizer(), parsed.stop, logprobs)
+        if parsed.calls:
+            choice.calls = CallSplitter()
+        self.choices.append(choice)
+        generation = self.api.backend.generate(
+            replace(request, params=parsed.choice_params(index)), self._receiver(choice)
+        )
+        choice.generation = generation
+        self._pending += 1
+        placed = generation.when_placed() if parsed.stream else defer.succeed(None)
+        generation.result.addCallbacks(
+            self._choice_done, self._choice_failed, callbackArgs=(choice,),
+            errbackArgs=(choice,),
+        ).addErrback(self._unexpected)  # fmt: skip
+        return placed
 
     def _refused(self, failure: Failure) -> None:
         """A request that ends before any generation: its error answered and counted."""

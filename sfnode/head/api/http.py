@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import hmac
 import random
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from twisted.internet.defer import Deferred
@@ -186,6 +186,15 @@ def _random_seed() -> int:
     return random.SystemRandom().getrandbits(63)
 
 
+def answered_hosts(limits: GateLimits, api_keys: Sequence[bytes]) -> frozenset[str]:
+    """The ``Host`` names a request may carry beyond loopback's: ``--allowed-host``'s, or any
+    when the API has a key and none is given (a page in a browser cannot send the key, so a
+    DNS rebinding attack gains nothing)."""
+    if api_keys and not limits.allowed_hosts:
+        return frozenset({"*"})
+    return limits.allowed_hosts
+
+
 # --------------------------------------------------------------------------------------------
 # The API
 
@@ -215,20 +224,15 @@ class OpenAIApi:
     ) -> None:
         self.reactor: IReactorTime = reactor
         self.backend = backend
-        self.models = (
-            models
-            if models is not None
-            else ModelRegistry(allow_special_tokens=allow_special_tokens)
-        )
+        if models is None:
+            models = ModelRegistry(allow_special_tokens=allow_special_tokens)
+        self.models = models
         """The models served, by name (sfnode.head.models.registry): what a request's
         ``model`` picks, and what nodes offer in HELLO_ACK_F."""
         if tokenizer is not None:
+            origin = "the head's tokenizer"
             self.models.serve(
-                model_name,
-                tokenizer,
-                origin="the head's tokenizer",
-                vocab_size=vocab_size,
-                override=True,
+                model_name, tokenizer, origin=origin, vocab_size=vocab_size, override=True
             )
         self.template_timeout_s = template_timeout_s
         """How long one chat-template render may take before it is stopped (500)."""
@@ -239,13 +243,8 @@ class OpenAIApi:
         would give every such request the same draws)."""
         self.api_keys = tuple(k for k in api_keys if k)
         """The bearer tokens a /v1 request may carry; none: the API is open."""
-        limits = limits if limits is not None else GateLimits()
-        hosts = limits.allowed_hosts
-        if self.api_keys and not hosts:
-            # A page in a browser cannot send the key, so a rebinding attack gains nothing.
-            hosts = frozenset({"*"})
-        self.limits = limits
-        self.allowed_hosts = hosts
+        self.limits = limits = limits if limits is not None else GateLimits()
+        self.allowed_hosts = answered_hosts(limits, self.api_keys)
         self.concurrency = ConcurrencyLimits(limits.max_client_requests, limits.max_key_requests)
         self.workers = workers if workers is not None else Workers(reactor)
         self.class_rule = class_rule if class_rule is not None else ClassRule()
@@ -259,18 +258,17 @@ class OpenAIApi:
         self.draining = False
         """True once :meth:`drain` started: new completion requests get 503."""
         self._site: GuardedSite | None = None
-        self.metrics = (
-            metrics
-            if metrics is not None
-            else HeadMetrics(
-                self.status,
-                open_requests=lambda: len(self.exchanges),
-                open_connections=lambda: len(self._site.connections) if self._site else 0,
-                statuses=self.statuses,
-            )
-        )
+        self.metrics = metrics if metrics is not None else self._own_metrics()
         self._drain_waiters: list[Deferred[None]] = []
         self._drain_timer: IDelayedCall | None = None
+
+    def _own_metrics(self) -> HeadMetrics:
+        return HeadMetrics(
+            self.status,
+            open_requests=lambda: len(self.exchanges),
+            open_connections=lambda: len(self._site.connections) if self._site else 0,
+            statuses=self.statuses,
+        )
 
     @property
     def renderer(self) -> Renderer:

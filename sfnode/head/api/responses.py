@@ -90,6 +90,37 @@ def translate(body: Mapping[str, Any], store: ResponseStore) -> ResponsesRequest
     :raises HttpError: a field wrong or unsupported (400), an unknown ``previous_response_id``
         (400, as OpenAI answers).
     """
+    _check_fields(body)
+    chat: dict[str, Any] = {k: v for k, v in body.items() if k in PASSED}
+    keep = body.get("store", True)
+    if not isinstance(keep, bool):
+        raise HttpError(400, "store must be a boolean", param="store")
+    previous = body.get("previous_response_id")
+    messages = (*_history(previous, store), *_input(body.get("input")))
+    instructions = body.get("instructions")
+    system: list[dict[str, Any]] = []
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise HttpError(400, "instructions must be a string", param="instructions")
+        system = [{"role": "system", "content": checked_text(instructions, "instructions")}]
+    chat["messages"] = [*system, *messages]
+    tools = _tools(body.get("tools"))
+    if tools:
+        chat["tools"] = tools
+    tool_choice = _tool_choice(body.get("tool_choice"))
+    if tool_choice is not None:
+        chat["tool_choice"] = tool_choice
+    response_format = _text_format(body.get("text"))
+    if response_format is not None:
+        chat["response_format"] = response_format
+    if body.get("max_output_tokens") is not None:
+        chat["max_completion_tokens"] = body["max_output_tokens"]
+    return ResponsesRequest(chat, messages, _echo(body, keep), keep, previous)
+
+
+def _check_fields(body: Mapping[str, Any]) -> None:
+    """Refuse a field this server does not know, or one it does not honour unless it carries
+    its neutral value."""
     for name, value in body.items():
         if name in _KNOWN:
             allowed = NEUTRAL.get(name)
@@ -109,63 +140,43 @@ def translate(body: Mapping[str, Any], store: ResponseStore) -> ResponsesRequest
             param=clip(name),
             code="unknown_parameter",
         )
-    chat: dict[str, Any] = {k: v for k, v in body.items() if k in PASSED}
-    keep = body.get("store", True)
-    if not isinstance(keep, bool):
-        raise HttpError(400, "store must be a boolean", param="store")
-    previous = body.get("previous_response_id")
-    history: tuple[dict[str, Any], ...] = ()
-    if previous is not None:
-        if not isinstance(previous, str):
-            raise HttpError(
-                400, "previous_response_id must be a string", param="previous_response_id"
-            )
-        found = store.get(previous)
-        if found is None:
-            raise HttpError(
-                400,
-                f"Previous response with id '{clip(previous)}' not found (responses are kept "
-                "in the head's memory, only while it runs)",
-                param="previous_response_id",
-                code="previous_response_not_found",
-            )
-        history = found
-    messages = (*history, *_input(body.get("input")))
-    instructions = body.get("instructions")
-    system: list[dict[str, Any]] = []
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise HttpError(400, "instructions must be a string", param="instructions")
-        system = [{"role": "system", "content": checked_text(instructions, "instructions")}]
-    chat["messages"] = [*system, *messages]
-    tools = _tools(body.get("tools"))
-    if tools:
-        chat["tools"] = tools
-    tool_choice = _tool_choice(body.get("tool_choice"))
-    if tool_choice is not None:
-        chat["tool_choice"] = tool_choice
+
+
+def _history(previous: Any, store: ResponseStore) -> tuple[dict[str, Any], ...]:
+    """The conversation a ``previous_response_id`` continues (none without one)."""
+    if previous is None:
+        return ()
+    if not isinstance(previous, str):
+        raise HttpError(400, "previous_response_id must be a string", param="previous_response_id")
+    found = store.get(previous)
+    if found is None:
+        raise HttpError(
+            400,
+            f"Previous response with id '{clip(previous)}' not found (responses are kept "
+            "in the head's memory, only while it runs)",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
+    return found
+
+
+def _echo(body: Mapping[str, Any], keep: bool) -> dict[str, Any]:
+    """The request fields the ``Response`` object repeats, defaulted as OpenAI shows them."""
     text = body.get("text")
-    response_format = _text_format(text)
-    if response_format is not None:
-        chat["response_format"] = response_format
-    limit = body.get("max_output_tokens")
-    if limit is not None:
-        chat["max_completion_tokens"] = limit
-    echo = {
-        "instructions": instructions,
+    return {
+        "instructions": body.get("instructions"),
         "metadata": body.get("metadata") if isinstance(body.get("metadata"), dict) else {},
         "temperature": body.get("temperature", 1.0),
         "top_p": body.get("top_p", 1.0),
-        "max_output_tokens": limit,
+        "max_output_tokens": body.get("max_output_tokens"),
         "tools": body.get("tools") or [],
         "tool_choice": body.get("tool_choice", "auto"),
         "parallel_tool_calls": body.get("parallel_tool_calls", True),
         "text": text if isinstance(text, dict) else {"format": {"type": "text"}},
-        "previous_response_id": previous,
+        "previous_response_id": body.get("previous_response_id"),
         "store": keep,
         "truncation": "disabled",
     }
-    return ResponsesRequest(chat, messages, echo, keep, previous)
 
 
 def _input(value: Any) -> list[dict[str, Any]]:

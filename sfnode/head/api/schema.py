@@ -554,17 +554,7 @@ def parse_request(
 ) -> CompletionRequest:
     """Check one request body of ``/v1/chat/completions`` (``chat``) or ``/v1/completions``;
     raises :class:`HttpError` (400, or 404 for an unknown model)."""
-    model = body.get("model", models[0] if models else "")
-    if not isinstance(model, str):
-        raise HttpError(400, "model must be a string", param="model")
-    if model not in models:
-        raise HttpError(
-            404,
-            f"The model '{clip(model)}' does not exist",
-            param="model",
-            code="model_not_found",
-            outcome="not_found",
-        )
+    model = _model(body, models)
     n = _integer(body, "n")
     if n is None:
         n = 1
@@ -581,26 +571,11 @@ def parse_request(
     max_tokens = _at_least(body, "max_completion_tokens", 1) if chat else None
     if max_tokens is None:
         max_tokens = _at_least(body, "max_tokens", 1)
-    temperature = _number(body, "temperature", 0.0, 2.0)
-    top_p = _number(body, "top_p", 0.0, 1.0)
-    min_p = _number(body, "min_p", 0.0, 1.0)
-    top_k = _at_least(body, "top_k", -1)
-    seed = _integer(body, "seed")
-    if seed is not None and not -(1 << 63) <= seed <= U64_MASK:
-        raise HttpError(400, "seed must fit in 64 bits", param="seed")
+    params = _sampling(body, seed_source)
     stop = _stop(body)
     stream, include_usage = _stream(body)
     logprobs = _logprobs(body, chat)
     constraint, tools, calls = _constraint(body, chat, vocab_size)
-    params = GenParams(
-        temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
-        min_p=min_p or 0.0,
-        # top_k beyond the vocabulary keeps every token, as top_k off (0) does.
-        top_k=min(max(top_k or 0, 0), U32_MAX),
-        seed=(seed_source() if seed is None else seed) & U64_MASK,
-        logprobs=0 if logprobs is None else logprobs + 1,
-    )
     return CompletionRequest(
         chat=chat,
         model=model,
@@ -610,7 +585,7 @@ def parse_request(
         # More than the window cannot be generated anyway; the wire field is a u32.
         max_tokens=None if max_tokens is None else min(max_tokens, U32_MAX),
         n=n,
-        params=params,
+        params=replace(params, logprobs=0 if logprobs is None else logprobs + 1),
         stop=stop,
         stream=stream,
         include_usage=include_usage,
@@ -618,6 +593,41 @@ def parse_request(
         constraint=constraint,
         tools=tools,
         calls=calls,
+    )
+
+
+def _model(body: Mapping[str, Any], models: Sequence[str]) -> str:
+    """The served model the body names (the first one when it names none)."""
+    model = body.get("model", models[0] if models else "")
+    if not isinstance(model, str):
+        raise HttpError(400, "model must be a string", param="model")
+    if model not in models:
+        raise HttpError(
+            404,
+            f"The model '{clip(model)}' does not exist",
+            param="model",
+            code="model_not_found",
+            outcome="not_found",
+        )
+    return model
+
+
+def _sampling(body: Mapping[str, Any], seed_source: Callable[[], int]) -> GenParams:
+    """The sampling parameters of choice 0, defaulted (a seed drawn when none is given)."""
+    temperature = _number(body, "temperature", 0.0, 2.0)
+    top_p = _number(body, "top_p", 0.0, 1.0)
+    min_p = _number(body, "min_p", 0.0, 1.0)
+    top_k = _at_least(body, "top_k", -1)
+    seed = _integer(body, "seed")
+    if seed is not None and not -(1 << 63) <= seed <= U64_MASK:
+        raise HttpError(400, "seed must fit in 64 bits", param="seed")
+    return GenParams(
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        min_p=min_p or 0.0,
+        # top_k beyond the vocabulary keeps every token, as top_k off (0) does.
+        top_k=min(max(top_k or 0, 0), U32_MAX),
+        seed=(seed_source() if seed is None else seed) & U64_MASK,
     )
 
 

@@ -168,27 +168,6 @@ def _template_environment() -> Any:
             )
             return body
 
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(
-        value: Any,
-        ensure_ascii: bool = False,
-        indent: int | None = None,
-        separators: tuple[str, str] | None = None,
-        sort_keys: bool = False,
-    ) -> str:
-        return json.dumps(
-            value,
-            ensure_ascii=ensure_ascii,
-            indent=indent,
-            separators=separators,
-            sort_keys=sort_keys,
-        )
-
-    def strftime_now(format: str) -> str:
-        return datetime.now().strftime(format)
-
     class Environment(ImmutableSandboxedEnvironment):
         """The sandbox, with ``*`` and ``**`` bounded: their results are built in one C call
         that a render's time limit cannot stop."""
@@ -216,10 +195,35 @@ def _template_environment() -> Any:
         lstrip_blocks=True,
         extensions=[GenerationTag, "jinja2.ext.loopcontrols"],
     )
-    environment.filters["tojson"] = tojson
-    environment.globals["raise_exception"] = raise_exception
-    environment.globals["strftime_now"] = strftime_now
+    environment.filters["tojson"] = _tojson
+    environment.globals["raise_exception"] = _raise_exception
+    environment.globals["strftime_now"] = _strftime_now
     return environment
+
+
+# The helpers transformers gives chat templates.
+
+
+def _raise_exception(message: str) -> None:
+    import jinja2
+
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
 
 
 class HeadTokenizer:
