@@ -24,7 +24,7 @@ from twisted.internet.testing import MemoryReactorClock
 from twisted.test.iosim import ConnectionCompleter, IOPump
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from sfnode.generation import MockEngine, mock_next_token
+from sfnode.generation import MOCK_VOCAB_SIZE, MockEngine, mock_next_token
 from sfnode.head.link import HeadIds, LinkSettings, NodeLink, connect_node
 from sfnode.node.agent import NodeAgent
 from sfnode.node.config import NodeConfig
@@ -87,17 +87,21 @@ class NodeTestCase(TestCase):
         self,
         *,
         identity: str = "node-1",
+        model_name: str = "mock",
         context_window: int = 4096,
         max_lanes: int = 8,
         token_delay_s: float = 0.0,
         poison_token: int | None = None,
         eos_token_id: int | None = None,
         supports_logprobs: bool = True,
+        vocab_size: int = MOCK_VOCAB_SIZE,
         engine: Any = None,
         clock: IReactorTime | None = None,
+        port: int = 0,
         **config: Any,
     ) -> Generator[defer.Deferred[Any], Any, RunningNode]:
-        """A node on a free loopback port; ``engine`` replaces its mock engine.
+        """A node on a loopback port (``port``, else a free one); ``engine`` replaces its mock
+        engine.
 
         With ``clock`` (a ``Clock``) the node's own timers (handshake, idle, lease, status,
         coalescing) run on it, so a test moves them when it decides; its sockets and the mock
@@ -112,19 +116,28 @@ class NodeTestCase(TestCase):
                 poison_token=poison_token,
                 eos_token_id=eos_token_id,
                 supports_logprobs=supports_logprobs,
+                vocab_size=vocab_size,
             )
         agent = NodeAgent(
             reactor if clock is None else clock,
             engine,
-            NodeConfig(identity=identity, model_name="mock", max_lanes=max_lanes, **config),
+            NodeConfig(identity=identity, model_name=model_name, max_lanes=max_lanes, **config),
         )
+        return (yield self.serve(agent, engine, port))
+
+    @defer.inlineCallbacks
+    def serve(
+        self, agent: NodeAgent, engine: Any, port: int = 0
+    ) -> Generator[defer.Deferred[Any], Any, RunningNode]:
+        """Start ``agent`` and let heads dial it on loopback (``port``, else a free one); the
+        port and the node stop when the test ends."""
         agent.start()
         factory = node_factory(agent)
-        port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(factory)
+        listening = yield TCP4ServerEndpoint(reactor, port, interface="127.0.0.1").listen(factory)
         # Cleanups run last-in first-out: links close, then the port, then the node.
         self.addCleanup(agent.stop)
-        self.addCleanup(port.stopListening)
-        return RunningNode(agent, engine, port, factory)
+        self.addCleanup(listening.stopListening)
+        return RunningNode(agent, engine, listening, factory)
 
     @defer.inlineCallbacks
     def dial(

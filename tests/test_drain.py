@@ -14,7 +14,6 @@ from collections.abc import Generator
 from typing import Any
 
 from twisted.internet import defer, reactor
-from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.error import ProcessDone
 from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
@@ -25,7 +24,6 @@ from sfnode.head.link import HeadIds, NodeLink, connect_node
 from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_DECLINED, FINISH_LENGTH
 from sfnode.node.agent import NodeAgent
 from sfnode.node.config import NodeConfig
-from sfnode.node.tap import node_factory
 from tests.nodefixture import NodeTestCase, RunningNode, expected_tokens
 from tests.test_tap import TWISTD, TwistdProcess, child_env
 
@@ -48,12 +46,7 @@ class AgentDrainTests(NodeTestCase):
     def start_clocked_node(self, clock: Clock, **config: Any) -> Generator[Any, Any, RunningNode]:
         engine = MockEngine(clock, token_delay_s=STEP_S)
         agent = NodeAgent(clock, engine, NodeConfig(identity="drain", model_name="mock", **config))
-        agent.start()
-        endpoint = TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1")
-        port = yield endpoint.listen(node_factory(agent))
-        self.addCleanup(agent.stop)
-        self.addCleanup(port.stopListening)
-        return RunningNode(agent, engine, port)
+        return (yield self.serve(agent, engine))
 
     @defer.inlineCallbacks
     def step(self, clock: Clock, link: NodeLink, seconds: float = STEP_S) -> Gen:

@@ -22,7 +22,7 @@ from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
-from sfnode.generation import MOCK_LAYERS, MOCK_VOCAB_SIZE, MockEngine, TokenBatch
+from sfnode.generation import MOCK_LAYERS, MockEngine, TokenBatch
 from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.fleet.fleet import (
     Fleet,
@@ -56,42 +56,13 @@ class FleetTestCase(NodeTestCase):
     The timing rules that need no socket are pinned on the memory reactor
     (tests/test_fleet_memory.py, tests/test_wait_queue.py, tests/test_failover.py)."""
 
-    @defer.inlineCallbacks
     def start_mock_node(
-        self,
-        *,
-        identity: str = "node",
-        model_name: str = "mock",
-        context_window: int = 4096,
-        max_lanes: int = 8,
-        token_delay_s: float = 0.0,
-        vocab_size: int = MOCK_VOCAB_SIZE,
-        port: int = 0,
-        clock: Clock | None = None,
-        **config: Any,
-    ) -> Generator[defer.Deferred[Any], Any, RunningNode]:
-        """A mock node on loopback; with ``clock`` its own timers (handshake, idle, lease,
-        status, coalescing) run on that ``Clock`` while its sockets and engine use the
-        reactor."""
-        engine = MockEngine(
-            reactor,
-            context_window=context_window,
-            max_lanes=max_lanes,
-            token_delay_s=token_delay_s,
-            vocab_size=vocab_size,
-        )
-        agent = NodeAgent(
-            reactor if clock is None else clock,
-            engine,
-            NodeConfig(identity=identity, model_name=model_name, max_lanes=max_lanes, **config),
-        )
-        agent.start()
-        listening = yield TCP4ServerEndpoint(reactor, port, interface="127.0.0.1").listen(
-            node_factory(agent)
-        )
-        self.addCleanup(agent.stop)
-        self.addCleanup(listening.stopListening)
-        return RunningNode(agent, engine, listening)
+        self, *, identity: str = "node", **options: Any
+    ) -> defer.Deferred[RunningNode]:
+        """A mock node on loopback (:meth:`NodeTestCase.start_node`'s ``options``); with
+        ``clock`` its own timers (handshake, idle, lease, status, coalescing) run on that
+        ``Clock`` while its sockets and engine use the reactor."""
+        return self.start_node(identity=identity, **options)
 
     @defer.inlineCallbacks
     def relisten(self, node: RunningNode, port: int) -> Generator[defer.Deferred[Any], Any, None]:

@@ -290,13 +290,7 @@ class TwoModelTests(HttpTestCase):
     ) -> Generator[defer.Deferred[Any], Any, RunningNode]:
         engine = MockEngine(reactor, vocab_size=vocab)
         config = NodeConfig(identity=identity, model_name=model_name)
-        agent = NodeAgent(reactor, engine, config, model_files=bundle)
-        agent.start()
-        endpoint = TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1")
-        port = yield endpoint.listen(node_factory(agent))
-        self.addCleanup(agent.stop)
-        self.addCleanup(port.stopListening)
-        return RunningNode(agent, engine, port)
+        return (yield self.serve(NodeAgent(reactor, engine, config, model_files=bundle), engine))
 
     @defer.inlineCallbacks
     def model_head(

@@ -19,7 +19,7 @@ from sfnode.generation import MockEngine
 from sfnode.node.agent import NodeAgent
 from sfnode.node.config import NodeConfig
 from sfnode.node.tap import node_factory
-from tests.test_http import MESSAGES, MODEL, HttpTestCase, expected_tokens
+from tests.test_http import MESSAGES, MODEL, HttpTestCase, expected_tokens, post_bytes
 from tests.tinymodel import TINY_VOCAB
 
 
@@ -37,17 +37,12 @@ class _Silent(Protocol):
     """A raw HTTP client that sends one request and reads nothing in particular."""
 
     def __init__(self, body: dict[str, Any]) -> None:
-        self.body = json.dumps(body).encode()
+        self.body = body
         self.received = b""
 
     def connectionMade(self) -> None:
         assert self.transport is not None
-        self.transport.write(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-            b"Content-Type: application/json\r\n"
-            + f"Content-Length: {len(self.body)}\r\n\r\n".encode()
-            + self.body
-        )
+        self.transport.write(post_bytes(self.body))
 
     def dataReceived(self, data: bytes) -> None:
         self.received += data

@@ -33,7 +33,6 @@ from sfnode.head.fleet.fleet import Fleet, FleetSettings
 from sfnode.head.models.chat import ChatMessage
 from sfnode.node.agent import NodeAgent
 from sfnode.node.config import NodeConfig
-from sfnode.node.tap import node_factory
 from tests.nodefixture import NodeTestCase, RunningNode
 from tests.test_fleet import next_status
 from tests.tinymodel import TINY_VOCAB, tiny_tokenizer
@@ -89,13 +88,7 @@ class HttpTestCase(NodeTestCase):
                 max_lanes=max_lanes,
             )
         config = NodeConfig(identity=identity, model_name=model_name, max_lanes=max_lanes)
-        agent = NodeAgent(reactor, engine, config)
-        agent.start()
-        endpoint = TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1")
-        port = yield endpoint.listen(node_factory(agent))
-        self.addCleanup(agent.stop)
-        self.addCleanup(port.stopListening)
-        return RunningNode(agent, engine, port)
+        return (yield self.serve(NodeAgent(reactor, engine, config), engine))
 
     @defer.inlineCallbacks
     def start_head(
@@ -309,19 +302,12 @@ class CompletionTests(HttpTestCase):
         engine.submit = recording_submit  # type: ignore[method-assign]
         node = yield self.start_vocab_node(engine=engine)
         head = yield self.start_head([node])
-        client = _StreamingClient()
+        client = StreamingClient()
         yield connectProtocol(
             TCP4ClientEndpoint(reactor, "127.0.0.1", head.port.getHost().port), client
         )
-        body = json.dumps(
-            {"model": MODEL, "messages": MESSAGES, "max_tokens": 100000, "stream": True}
-        ).encode()
-        client.transport.write(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-            b"Content-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 100000, "stream": True}
+        client.transport.write(post_bytes(body))
         yield client.content_seen
         client.transport.abortConnection()
         result = yield ended[0]
@@ -329,19 +315,33 @@ class CompletionTests(HttpTestCase):
         self.assertLess(len(result.tokens), 100000)
 
 
-class _StreamingClient(Protocol):
-    """A raw HTTP client that fires ``content_seen`` at the first content chunk and
-    ``ended`` with everything received when the connection closes."""
+def post_bytes(body: Any, path: str = "/v1/chat/completions", *, close: bool = False) -> bytes:
+    """A raw HTTP/1.1 POST of ``body`` as JSON (``Connection: close`` with ``close``)."""
+    data = json.dumps(body).encode()
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode()
+        + b"Content-Type: application/json\r\n"
+        + (b"Connection: close\r\n" if close else b"")
+        + f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
 
-    def __init__(self) -> None:
+
+class StreamingClient(Protocol):
+    """A streamed answer read raw: ``content_seen`` fires at the first chunk whose ``field``
+    (chat's ``content``, completions' ``text``) is not empty, ``ended`` with everything
+    received when the connection closes."""
+
+    def __init__(self, field: bytes = b"content") -> None:
         self.data = b""
+        self.marker = b'"' + field + b'": "'
         self.content_seen: defer.Deferred[None] = defer.Deferred()
         self.ended: defer.Deferred[bytes] = defer.Deferred()
 
     def dataReceived(self, data: bytes) -> None:
         self.data += data
-        with_text = self.data.replace(b'"content": ""', b"")
-        if b'"content": "' in with_text and not self.content_seen.called:
+        with_text = self.data.replace(self.marker + b'"', b"")
+        if self.marker in with_text and not self.content_seen.called:
             self.content_seen.callback(None)
 
     def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
@@ -498,19 +498,12 @@ class SaturationTests(HttpTestCase):
         head.fleet.generate = counting  # type: ignore[method-assign]
         streams = []
         for _ in range(3):
-            client = _StreamingClient()
+            client = StreamingClient()
             yield connectProtocol(
                 TCP4ClientEndpoint(reactor, "127.0.0.1", head.port.getHost().port), client
             )
-            body = json.dumps(
-                {"model": MODEL, "messages": MESSAGES, "max_tokens": 100, "stream": True}
-            ).encode()
-            client.transport.write(
-                b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                b"Content-Type: application/json\r\nConnection: close\r\n"
-                + f"Content-Length: {len(body)}\r\n\r\n".encode()
-                + body
-            )
+            body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 100, "stream": True}
+            client.transport.write(post_bytes(body, close=True))
             streams.append(client)
         yield placed
         yield streams[0].content_seen
