@@ -27,9 +27,10 @@ from sfnode.generation import MockEngine
 from sfnode.head.api.http import OpenAIApi
 from sfnode.head.fleet.fleet import Fleet, FleetSettings
 from tests.nodefixture import MEMORY_PORT, MemoryNode, MemoryNodeTestCase
-from tests.test_http import MODEL, tokenizer
-from tests.test_http_hostile import RawClient, response_of
 from tests.tinymodel import TINY_VOCAB
+
+# tests.test_http and tests.test_http_hostile (the tiny tokenizer, the raw client) are imported
+# where they are used: their own tests import this module.
 
 _T = TypeVar("_T")
 
@@ -76,6 +77,8 @@ class MemoryHeadTestCase(MemoryNodeTestCase):
     ) -> OpenAIApi:
         """The API of a fleet that dialed the memory node (``nodes`` 0: none), with
         ``api``: more OpenAIApi keywords (``limits``, ``api_keys``, ...)."""
+        from tests.test_http import MODEL, tokenizer
+
         fleet = Fleet(self.reactor, settings or FleetSettings(), ids=self.ids)
         for _ in range(nodes):
             added = fleet.add_node(f"tcp:127.0.0.1:{MEMORY_PORT}")
@@ -100,14 +103,17 @@ class MemoryHeadTestCase(MemoryNodeTestCase):
         self.addCleanup(stop)
         return head
 
-    def http(self, api: OpenAIApi, address: str = "127.0.0.1") -> RawClient:
-        """A client connected to ``api``'s site from ``address``, over an in-memory
-        transport; what it sends moves as the test flushes or advances the clock."""
+    def http(self, api: OpenAIApi, address: str = "127.0.0.1", client: Any = None) -> Any:
+        """A client (``client``, else a raw one: ``tests.test_http_hostile.RawClient``)
+        connected to ``api``'s site from ``address`` over an in-memory transport; what it
+        sends moves as the test flushes or advances the clock."""
+        from tests.test_http_hostile import RawClient
+
         self._clients += 1
         peer = IPv4Address("TCP", address, 40000 + self._clients)
         host = IPv4Address("TCP", "127.0.0.1", 8080)
         server = api.site().buildProtocol(peer)
-        client = RawClient()
+        client = client if client is not None else RawClient()
         pump = connect(
             server,
             FakeTransport(server, isServer=True, hostAddress=host, peerAddress=peer),
@@ -119,18 +125,28 @@ class MemoryHeadTestCase(MemoryNodeTestCase):
         self.flush()
         return client
 
+    def until(self, done: Callable[[], bool], within: float = 30.0, step: float = 0.01) -> None:
+        """Let time pass until ``done()``, looking every ``step`` seconds (the clock itself
+        moves in the 10 ms steps of :meth:`advance`, as a real reactor's turns would); the
+        test fails if ``within`` seconds pass first."""
+        waited = 0.0
+        while not done():
+            if waited >= within:
+                self.fail(f"not done within {within:g} s of the memory clock")
+            self.advance(step)
+            waited += step
+
     def exchange(
         self, api: OpenAIApi, data: bytes, address: str = "127.0.0.1", within: float = 10.0
     ) -> tuple[int, dict[bytes, bytes], bytes]:
         """Send ``data`` (a ``Connection: close`` request) on a new connection and read the
         answer until the head closes it, letting at most ``within`` seconds pass."""
+        from tests.test_http_hostile import response_of
+
         client = self.http(api, address)
         client.send(data)
         self.flush()
-        waited = 0.0
-        while not client.closed and waited < within:
-            self.advance(0.05)
-            waited += 0.05
+        self.until(lambda: client.closed, within, 0.05)
         return response_of(self.successResultOf(client.ended))
 
 

@@ -33,6 +33,7 @@ from sfnode.head.fleet.fleet import Fleet, FleetSettings
 from sfnode.head.models.chat import ChatMessage
 from sfnode.node.agent import NodeAgent
 from sfnode.node.config import NodeConfig
+from tests.memoryhead import MemoryHeadTestCase
 from tests.nodefixture import NodeTestCase, RunningNode
 from tests.test_fleet import next_status
 from tests.tinymodel import TINY_VOCAB, tiny_tokenizer
@@ -476,55 +477,45 @@ class ObservabilityTests(HttpTestCase):
         self.assertIn('sfhead_node_decode_tokens_per_s{node="m1"}', text)
 
 
-class SaturationTests(HttpTestCase):
-    @defer.inlineCallbacks
-    def test_health_says_busy_while_every_lane_is_taken(self) -> Generator[Any, Any, None]:
+class SaturationTests(MemoryHeadTestCase):
+    def test_health_says_busy_while_every_lane_is_taken(self) -> None:
         """A node with 2 lanes running 3 of this head's streams: /healthz answers 200 with
         status busy, 2 of 2 lanes active, 1 generation queued and 3 requests open, and
         /metrics shows the same; once the streams have ended and the node has reported since,
         it says ok again."""
-        node = yield self.start_vocab_node(max_lanes=2, token_delay_s=0.01)
-        head = yield self.start_head([node])
-        # Chat prompts are rendered on worker threads: wait until all three reached the fleet.
-        placed: defer.Deferred[None] = defer.Deferred()
-        generate, calls = head.fleet.generate, []
+        from tests.test_http_hostile import request_bytes
 
-        def counting(*args: Any, **kwargs: Any) -> Any:
-            calls.append(args)
-            if len(calls) == 3:
-                placed.callback(None)
-            return generate(*args, **kwargs)
-
-        head.fleet.generate = counting  # type: ignore[method-assign]
+        self.start_vocab_node(max_lanes=2, token_delay_s=0.01)
+        head = self.start_head()
         streams = []
         for _ in range(3):
-            client = StreamingClient()
-            yield connectProtocol(
-                TCP4ClientEndpoint(reactor, "127.0.0.1", head.port.getHost().port), client
-            )
+            client = self.http(head, client=StreamingClient())
             body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 100, "stream": True}
             client.transport.write(post_bytes(body, close=True))
             streams.append(client)
-        yield placed
-        yield streams[0].content_seen
-        code, content = yield self.call(head, b"GET", "/healthz")
+        self.flush()
+        self.until(lambda: streams[0].content_seen.called)
+        self.assertEqual(len(head.exchanges), 3)
+        status, _, content = self.exchange(head, request_bytes("/healthz", method="GET"))
         self.assertEqual(
-            (code, json.loads(content)),
+            (status, json.loads(content)),
             (200, {"status": "busy", "nodes": 1, "lanes_active": 2, "lanes_total": 2,
                    "queued": 1, "requests": 3}),
         )  # fmt: skip
-        _, metrics = yield self.call(head, b"GET", "/metrics")
+        _, _, metrics = self.exchange(head, request_bytes("/metrics", method="GET"))
         for line in ("sfhead_queued 1.0", "sfhead_lanes_active 2.0", "sfhead_requests_open 3.0"):
             self.assertIn(line, metrics.decode())
-        for client in streams:
-            yield client.ended
+        self.until(lambda: all(client.ended.called for client in streams), step=0.1)
         # Until the node reports again, its last NODE_STATUS (sampled while the streams ran)
         # still counts both lanes busy.  A report that arrives now was sent after the streams'
         # Finish events (one connection keeps its order): it is the node's own word that its
         # lanes are free.
-        yield next_status(head.fleet.nodes[0])
-        code, content = yield self.call(head, b"GET", "/healthz")
-        self.assertEqual((code, json.loads(content)["status"]), (200, "ok"))
+        fleet = head.backend
+        assert isinstance(fleet, Fleet)
+        reported = next_status(fleet.nodes[0])
+        self.until(lambda: reported.called, step=0.1)
+        status, _, content = self.exchange(head, request_bytes("/healthz", method="GET"))
+        self.assertEqual((status, json.loads(content)["status"]), (200, "ok"))
 
 
 class TextTests(SynchronousTestCase):

@@ -248,8 +248,7 @@ class FairShareLogicTests(MemoryHeadTestCase):
                 json.dumps({**CHAT, "max_tokens": 2000, "n": 8, "stream": True}).encode(),
             )
         )
-        self.advance(0.1)
-        self.assertTrue(stream.answered.called)
+        self.until(lambda: stream.answered.called)
         body = json.dumps(CHAT).encode()
         answer = self.exchange(head, request_bytes("/v1/chat/completions", body))
         self.assert_json_error(answer, 429, "rate_limit_exceeded")
