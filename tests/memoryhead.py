@@ -14,7 +14,7 @@ stays on real loopback TCP (tests/test_http.py ``HttpTestCase``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from twisted.internet import defer
@@ -23,9 +23,9 @@ from twisted.internet.defer import Deferred
 from twisted.internet.testing import MemoryReactorClock
 from twisted.test.iosim import ConnectionCompleter, FakeTransport, connect
 
-from sfnode.generation import MockEngine
+from sfnode.generation import MOCK_VOCAB_SIZE, MockEngine
 from sfnode.head.api.http import OpenAIApi
-from sfnode.head.fleet.fleet import Fleet, FleetSettings
+from sfnode.head.fleet.fleet import Fleet, FleetNode, FleetSettings
 from tests.nodefixture import MEMORY_PORT, MemoryNode, MemoryNodeTestCase
 from tests.tinymodel import TINY_VOCAB
 
@@ -53,37 +53,86 @@ class InlineWorkers:
 
 
 class MemoryHeadTestCase(MemoryNodeTestCase):
-    """Mock nodes (tokens of the tiny tokenizer), a fleet and its HTTP API, all in memory."""
+    """Mock nodes, fleets and their HTTP API, all in memory.  Every node listens on a port of
+    its own; a dial (a fleet adding a node, or redialling one) is joined to its node's
+    listener whenever time passes (:meth:`advance`)."""
 
     def setUp(self) -> None:
         super().setUp()
         self.reactor = ThreadlessReactor()
         self.completer = ConnectionCompleter(self.reactor)
         self._clients = 0
+        self._ports: dict[int, int] = {}
+        """id(node.agent) -> the port it listens on."""
+        self.started: list[MemoryNode] = []
 
-    def start_vocab_node(self, *, token_delay_s: float = 0.0, **options: Any) -> MemoryNode:
-        """A mock node whose tokens are ids of the tiny tokenizer (vocabulary 512)."""
+    def start_mock_node(
+        self,
+        identity: str = "node",
+        *,
+        vocab_size: int = MOCK_VOCAB_SIZE,
+        context_window: int = 4096,
+        max_lanes: int = 8,
+        token_delay_s: float = 0.0,
+        **config: Any,
+    ) -> MemoryNode:
+        """A mock node on a port of its own (``config``: more NodeConfig fields, such as
+        ``model_name``)."""
         engine = MockEngine(
             self.reactor,
             token_delay_s=token_delay_s,
-            vocab_size=TINY_VOCAB,
-            context_window=options.pop("context_window", 4096),
-            max_lanes=options.get("max_lanes", 8),
+            vocab_size=vocab_size,
+            context_window=context_window,
+            max_lanes=max_lanes,
         )
-        return self.start_node(identity="node", engine=engine, **options)
+        port = MEMORY_PORT + len(self._ports)
+        node = self.start_node(
+            identity=identity, engine=engine, port=port, max_lanes=max_lanes, **config
+        )
+        self._ports[id(node.agent)] = port
+        self.started.append(node)
+        return node
 
-    def start_head(
-        self, nodes: int = 1, *, settings: FleetSettings | None = None, **api: Any
-    ) -> OpenAIApi:
-        """The API of a fleet that dialed the memory node (``nodes`` 0: none), with
+    def start_vocab_node(self, **options: Any) -> MemoryNode:
+        """A mock node whose tokens are ids of the tiny tokenizer (vocabulary 512)."""
+        return self.start_mock_node(vocab_size=TINY_VOCAB, **options)
+
+    def endpoint(self, node: MemoryNode) -> str:
+        return f"tcp:127.0.0.1:{self._ports[id(node.agent)]}"
+
+    def fleet_of(
+        self,
+        nodes: Sequence[MemoryNode],
+        *,
+        retry: Callable[[int], float] = lambda failures: 0.05,
+        **settings: Any,
+    ) -> Fleet:
+        """A fleet (``settings``: :class:`FleetSettings` fields) that dialed ``nodes``; its
+        links redial every 50 ms."""
+        fleet = Fleet(self.reactor, FleetSettings(**settings), ids=self.ids, retry=retry)
+        for node in nodes:
+            self.wait(fleet.add_node(self.endpoint(node)))
+
+        def stop() -> None:
+            stopped = fleet.stop()
+            self.flush()
+            self.successResultOf(stopped)
+
+        self.addCleanup(stop)
+        return fleet
+
+    def on(self, fleet: Fleet, node: MemoryNode) -> FleetNode:
+        """``node`` as ``fleet`` knows it."""
+        found = fleet.node_named(node.agent.config.identity)
+        assert found is not None
+        return found
+
+    def start_head(self, nodes: Sequence[MemoryNode] | None = None, **api: Any) -> OpenAIApi:
+        """The API of a fleet that dialed ``nodes`` (default: every node started), with
         ``api``: more OpenAIApi keywords (``limits``, ``api_keys``, ...)."""
         from tests.test_http import MODEL, tokenizer
 
-        fleet = Fleet(self.reactor, settings or FleetSettings(), ids=self.ids)
-        for _ in range(nodes):
-            added = fleet.add_node(f"tcp:127.0.0.1:{MEMORY_PORT}")
-            self.connect()
-            self.successResultOf(added)
+        fleet = self.fleet_of(self.started if nodes is None else nodes)
         head = OpenAIApi(
             self.reactor,
             fleet,
@@ -93,15 +142,36 @@ class MemoryHeadTestCase(MemoryNodeTestCase):
             workers=InlineWorkers(),  # type: ignore[arg-type]
             **api,
         )
-
-        def stop() -> None:
-            head.stop()
-            stopped = fleet.stop()
-            self.flush()
-            self.successResultOf(stopped)
-
-        self.addCleanup(stop)
+        self.addCleanup(head.stop)
         return head
+
+    def advance(self, seconds: float, step: float = 0.01) -> None:
+        """Let ``seconds`` pass in steps of ``step``, joining pending dials and moving the
+        bytes after each."""
+        for _ in range(round(seconds / step)):
+            self.reactor.advance(step)
+            self.join_dials()
+            self.flush()
+
+    def join_dials(self) -> None:
+        """Join every pending dial to the listener of its port."""
+        while (pump := self.completer.succeedOnce()) is not None:
+            self.pumps.append(pump)
+
+    def wait(self, d: Deferred[_T], within: float = 30.0) -> _T:
+        """The result of ``d``, letting time pass until it fires (at most ``within``
+        seconds)."""
+        self.join_dials()
+        self.flush()
+        self.until(lambda: d.called, within)
+        return self.successResultOf(d)
+
+    def wait_failure(self, d: Deferred[Any], *errors: type[BaseException]) -> Any:
+        """The failure of ``d`` (one of ``errors``), letting time pass until it fires."""
+        self.join_dials()
+        self.flush()
+        self.until(lambda: d.called)
+        return self.failureResultOf(d, *errors)
 
     def http(self, api: OpenAIApi, address: str = "127.0.0.1", client: Any = None) -> Any:
         """A client (``client``, else a raw one: ``tests.test_http_hostile.RawClient``)

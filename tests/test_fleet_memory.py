@@ -1,18 +1,32 @@
-"""Tests of the fleet (sfnode.head.fleet.fleet) against a real node agent on a
+"""Tests of the fleet (sfnode.head.fleet.fleet) against real node agents on a
 ``MemoryReactorClock``: the bytes move through iosim pumps and time moves only when a test says, so
 the timing rules (the wall budget, the queue's timeout, the keepalive window) are pinned exactly,
-with no socket and no waiting (tests/nodefixture.py ``MemoryNodeTestCase``)."""
+and placement across several nodes (the policies, prefix affinity, the prefix index) runs with
+no socket and no waiting (tests/nodefixture.py ``MemoryNodeTestCase``, tests/memoryhead.py
+``MemoryHeadTestCase``)."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from twisted.internet import defer
 from twisted.internet.testing import MemoryReactorClock
 
 from sfnode.generation import TokenBatch
-from sfnode.head.fleet.backend import GenerationTimedOut, HeadRequest, NoNodeAvailable
-from sfnode.head.fleet.fleet import Fleet, FleetSettings
+from sfnode.head.fleet.backend import (
+    FleetOutcome,
+    GenerationTimedOut,
+    HeadRequest,
+    NoNodeAvailable,
+)
+from sfnode.head.fleet.fleet import Fleet, FleetSettings, Policy
+from sfnode.head.fleet.placement import NO_PREFIX
+from sfnode.head.fleet.prefix_index import reusable_keys
 from sfnode.head.link import NodeSilentError
 from sfnode.linkf.wire import FINISH_LENGTH
-from tests.nodefixture import MEMORY_PORT, MemoryNodeTestCase, expected_tokens
+from tests.memoryhead import MemoryHeadTestCase
+from tests.nodefixture import MEMORY_PORT, MemoryNode, MemoryNodeTestCase, expected_tokens
+from tests.test_fleet import next_open
 
 PROMPT = list(range(100, 112))
 
@@ -110,3 +124,198 @@ class MemoryFleetTests(MemoryNodeTestCase):
         self.failureResultOf(generation.result, NoNodeAvailable)
         self.pumps = pumps
         self.flush()
+
+
+class PlacementTests(MemoryHeadTestCase):
+    def three(self, **kwargs: Any) -> list[MemoryNode]:
+        nodes = []
+        for i in range(3):
+            nodes.append(self.start_mock_node(identity=f"n{i}", **kwargs))
+        return nodes
+
+    def test_least_loaded_spreads_sessions(self) -> None:
+        """6 sessions on 3 nodes with least-loaded placement land 2, 2, 2."""
+        nodes = self.three()
+        fleet = self.fleet_of(nodes, policy=Policy.LEAST_LOADED)
+        for _ in range(6):
+            self.wait(fleet.open_session(PROMPT))
+        self.assertEqual([self.on(fleet, n).sessions for n in nodes], [2, 2, 2])
+
+    def test_load_aware_degrades_to_session_count_when_nothing_is_reported(
+        self,
+    ) -> None:
+        """With no load reported, load-aware placement spreads by session count: 2, 2, 2."""
+        nodes = self.three()
+        fleet = self.fleet_of(nodes)
+        self.assertIs(fleet.policy, Policy.LOAD_AWARE)
+        for _ in range(6):
+            self.wait(fleet.open_session(PROMPT))
+        self.assertEqual([self.on(fleet, n).sessions for n in nodes], [2, 2, 2])
+
+    def test_generation_routes_to_the_owning_node_and_is_correct(
+        self,
+    ) -> None:
+        """Each session generates on the node it was placed on, with the local tokens."""
+        nodes = self.three()
+        fleet = self.fleet_of(nodes, policy=Policy.LEAST_LOADED)
+        sessions = []
+        for i in range(3):
+            sessions.append(self.wait(fleet.open_session([*PROMPT, i])))
+        outcomes = self.wait(defer.gatherResults([s.generate(10).result for s in sessions]))
+        for i, (session, outcome) in enumerate(zip(sessions, outcomes, strict=True)):
+            assert session.node is not None
+            self.assertEqual(outcome.node, session.node.name)
+            self.assertEqual(outcome.tokens, expected_tokens([*PROMPT, i], 10))
+        self.assertEqual(sorted(o.node for o in outcomes), ["n0", "n1", "n2"])
+
+    def test_round_robin_rotates_nodes(self) -> None:
+        """Three round-robin placements land on three distinct nodes, in rotation."""
+        nodes = self.three()
+        fleet = self.fleet_of(nodes, policy="round-robin")
+        placed = []
+        for _ in range(4):
+            session = self.wait(fleet.open_session(PROMPT))
+            placed.append(session.node.name)
+        self.assertEqual(placed, ["n0", "n1", "n2", "n0"])
+
+    def test_concurrent_generation_across_nodes_is_correct(self) -> None:
+        """12 concurrent one-shot generations on 3 nodes: all correct, all nodes used."""
+        nodes = self.three(token_delay_s=0.001)
+        fleet = self.fleet_of(nodes)
+        generations = [fleet.generate(HeadRequest([*PROMPT, i], 16)) for i in range(12)]
+        outcomes: list[FleetOutcome] = self.wait(
+            defer.gatherResults([g.result for g in generations])
+        )
+        for i, outcome in enumerate(outcomes):
+            self.assertEqual(outcome.tokens, expected_tokens([*PROMPT, i], 16))
+        self.assertEqual({o.node for o in outcomes}, {"n0", "n1", "n2"})
+
+    def test_capability_miss_does_not_poison_a_healthy_node(self) -> None:
+        """Sessions for model-a go to the model-a node, model-b to model-b; an unknown model
+        finds no node, and both nodes stay up."""
+        a = self.start_mock_node(identity="a", model_name="model-a")
+        b = self.start_mock_node(identity="b", model_name="model-b")
+        fleet = self.fleet_of([a, b])
+        for _ in range(2):
+            sa = self.wait(fleet.open_session(PROMPT, model="model-a"))
+            sb = self.wait(fleet.open_session(PROMPT, model="model-b"))
+            self.assertEqual((sa.node.name, sb.node.name), ("a", "b"))
+        self.wait_failure(fleet.open_session(PROMPT, model="model-c"), NoNodeAvailable)
+        self.assertEqual(len(fleet.live_nodes()), 2)
+
+
+SYSTEM_A = list(range(1000, 1480))
+"""A 480-token "system prompt" (30 blocks)."""
+SYSTEM_B = list(range(2000, 2480))
+
+
+class PrefixPlacementTests(MemoryHeadTestCase):
+    """Prefix affinity: the fleet's per-node prefix index and the rule of section 8.5."""
+
+    def later_nodes(self, **kwargs: Any) -> tuple[list[str], list[str]]:
+        """Two nodes; a request with system prompt A and one with B at once (A lands on n0,
+        then B on n1, the idler), then one at a time three more of each, B first: the nodes
+        the later A and B requests landed on."""
+        nodes = []
+        for i in range(2):
+            nodes.append(self.start_mock_node(identity=f"n{i}"))
+        fleet = self.fleet_of(nodes, **kwargs)
+        first = [
+            fleet.generate(HeadRequest([*SYSTEM_A, 1], 4)),
+            fleet.generate(HeadRequest([*SYSTEM_B, 1], 4)),
+        ]
+        outcomes = self.wait(defer.gatherResults([g.result for g in first]))
+        self.assertEqual([o.node for o in outcomes], ["n0", "n1"])
+        later_a: list[str] = []
+        later_b: list[str] = []
+        for i in range(2, 5):
+            outcome = self.wait(fleet.generate(HeadRequest([*SYSTEM_B, i], 4)).result)
+            later_b.append(outcome.node)
+            outcome = self.wait(fleet.generate(HeadRequest([*SYSTEM_A, i], 4)).result)
+            later_a.append(outcome.node)
+        return later_a, later_b
+
+    def test_requests_sharing_a_prefix_land_where_it_is(self) -> None:
+        """With two idle nodes, every later request lands on the node its system prompt was
+        sent to first."""
+        later_a, later_b = self.later_nodes()
+        self.assertEqual((later_a, later_b), (["n0"] * 3, ["n1"] * 3))
+
+    def test_without_the_rule_idle_nodes_go_by_registration(self) -> None:
+        """With prefix weight 0 the same requests all go to the first registered idle node:
+        the affinity above is the rule's doing."""
+        later_a, later_b = self.later_nodes(prefix=NO_PREFIX)
+        self.assertEqual((later_a, later_b), (["n0"] * 3, ["n0"] * 3))
+
+    def test_the_index_learns_the_answer_and_the_next_turn(self) -> None:
+        """After a generation the node's index holds the blocks of prompt and answer (what the
+        node computed), so the next turn of the conversation matches beyond the old prompt;
+        a session's appended turn is learned at once."""
+        node = self.start_mock_node()
+        fleet = self.fleet_of([node])
+        prompt = [*SYSTEM_A, 1]
+        outcome = self.wait(fleet.generate(HeadRequest(prompt, 40)).result)
+        index = self.on(fleet, node).prefixes
+        turn = [*prompt, *outcome.tokens, 7, 8, 9]
+        self.assertEqual(
+            index.cached_blocks(reusable_keys(turn, None)), (len(prompt) + 40 - 1) // 16
+        )
+        session = self.wait(fleet.open_session(SYSTEM_B))
+        grown = [*SYSTEM_B, *range(3000, 3100)]
+        self.assertEqual(index.cached_blocks(reusable_keys(grown, None)), 29)
+        self.wait(session.append(grown))
+        self.assertEqual(index.cached_blocks(reusable_keys([*grown, 1], None)), len(grown) // 16)
+
+    def test_the_index_is_bounded_by_the_nodes_pool(self) -> None:
+        """A node reporting 8 KV blocks is believed to hold at most 8, the newest."""
+        node = self.start_mock_node(context_window=128, max_lanes=1)
+        fleet = self.fleet_of([node])
+        first = list(range(500, 600))
+        second = list(range(700, 800))
+        self.wait(fleet.generate(HeadRequest(first, 20)).result)
+        self.wait(fleet.generate(HeadRequest(second, 20)).result)
+        index = self.on(fleet, node).prefixes
+        self.assertEqual((index.capacity, len(index)), (8, 8))
+        self.assertEqual(index.cached_blocks(reusable_keys([*second, 1], None)), 6)
+        self.assertEqual(index.cached_blocks(reusable_keys([*first, 1], None)), 0)
+
+    def test_a_reconnect_forgets_what_the_node_held(self) -> None:
+        """When a node's link opens again the node may be a new process: its index is empty
+        until the head sends it prompts again."""
+        node = self.start_mock_node()
+        fleet = self.fleet_of([node])
+        self.wait(fleet.generate(HeadRequest([*SYSTEM_A, 1], 4)).result)
+        member = self.on(fleet, node)
+        self.assertGreater(len(member.prefixes), 0)
+        reopened = next_open(member)
+        node.agent.close_connections("test drop")
+        self.wait(reopened)
+        self.assertEqual(len(member.prefixes), 0)
+
+    def test_generations_that_ended_since_the_report_are_counted(
+        self,
+    ) -> None:
+        """The fleet tells placement how many of its generations on a node ended after the
+        node's latest load report, and forgets them when a new report arrives."""
+        node = self.start_mock_node(status_interval_ms=600_000)
+        fleet = self.fleet_of([node])
+        member = self.on(fleet, node)
+        self.advance(0.01)  # the generations end after the handshake's report, not with it
+        self.wait(
+            defer.gatherResults(
+                [fleet.generate(HeadRequest([*PROMPT, i], 4)).result for i in range(2)]
+            )
+        )
+        self.assertEqual(member.view(self.reactor.seconds()).ended_since_report, 2)
+        reopened = next_open(member)
+        node.agent.close_connections("test drop")
+        self.wait(reopened)  # a new HELLO_ACK_F: a new load report
+        self.assertEqual(member.view(self.reactor.seconds()).ended_since_report, 0)
+
+    def test_other_policies_keep_no_index(self) -> None:
+        """least-loaded placement does not weigh prefixes, so the fleet does not hash them."""
+        node = self.start_mock_node()
+        fleet = self.fleet_of([node], policy=Policy.LEAST_LOADED)
+        self.assertFalse(fleet.prefix_aware)
+        self.wait(fleet.generate(HeadRequest([*SYSTEM_A, 1], 4)).result)
+        self.assertEqual(len(self.on(fleet, node).prefixes), 0)

@@ -257,7 +257,7 @@ class FairShareLogicTests(MemoryHeadTestCase):
         )
         self.assertEqual(status, 200, content)
 
-        small = self.start_head(0, limits=GateLimits(max_client_requests=4))
+        small = self.start_head([], limits=GateLimits(max_client_requests=4))
         answer = self.exchange(
             small, request_bytes("/v1/chat/completions", json.dumps({**CHAT, "n": 8}).encode())
         )
