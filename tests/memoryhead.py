@@ -14,6 +14,7 @@ stays on real loopback TCP (tests/test_http.py ``HttpTestCase``).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -74,17 +75,19 @@ class MemoryHeadTestCase(MemoryNodeTestCase):
         context_window: int = 4096,
         max_lanes: int = 8,
         token_delay_s: float = 0.0,
+        engine: MockEngine | None = None,
         **config: Any,
     ) -> MemoryNode:
-        """A mock node on a port of its own (``config``: more NodeConfig fields, such as
-        ``model_name``)."""
-        engine = MockEngine(
-            self.reactor,
-            token_delay_s=token_delay_s,
-            vocab_size=vocab_size,
-            context_window=context_window,
-            max_lanes=max_lanes,
-        )
+        """A mock node on a port of its own, on ``engine`` (default: a new MockEngine;
+        ``config``: more NodeConfig fields, such as ``model_name``)."""
+        if engine is None:
+            engine = MockEngine(
+                self.reactor,
+                token_delay_s=token_delay_s,
+                vocab_size=vocab_size,
+                context_window=context_window,
+                max_lanes=max_lanes,
+            )
         port = MEMORY_PORT + len(self._ports)
         node = self.start_node(
             identity=identity, engine=engine, port=port, max_lanes=max_lanes, **config
@@ -93,9 +96,9 @@ class MemoryHeadTestCase(MemoryNodeTestCase):
         self.started.append(node)
         return node
 
-    def start_vocab_node(self, **options: Any) -> MemoryNode:
+    def start_vocab_node(self, identity: str = "node", **options: Any) -> MemoryNode:
         """A mock node whose tokens are ids of the tiny tokenizer (vocabulary 512)."""
-        return self.start_mock_node(vocab_size=TINY_VOCAB, **options)
+        return self.start_mock_node(identity, vocab_size=TINY_VOCAB, **options)
 
     def endpoint(self, node: MemoryNode) -> str:
         return f"tcp:127.0.0.1:{self._ports[id(node.agent)]}"
@@ -127,12 +130,20 @@ class MemoryHeadTestCase(MemoryNodeTestCase):
         assert found is not None
         return found
 
-    def start_head(self, nodes: Sequence[MemoryNode] | None = None, **api: Any) -> OpenAIApi:
+    def start_head(
+        self,
+        nodes: Sequence[MemoryNode] | None = None,
+        *,
+        fleet_options: dict[str, Any] | None = None,
+        **api: Any,
+    ) -> OpenAIApi:
         """The API of a fleet that dialed ``nodes`` (default: every node started), with
-        ``api``: more OpenAIApi keywords (``limits``, ``api_keys``, ...)."""
+        ``fleet_options`` (:class:`FleetSettings` fields) and ``api``: more OpenAIApi
+        keywords (``limits``, ``api_keys``, ...)."""
         from tests.test_http import MODEL, tokenizer
 
-        fleet = self.fleet_of(self.started if nodes is None else nodes)
+        nodes = self.started if nodes is None else nodes
+        fleet = self.fleet_of(nodes, **(fleet_options or {}))
         head = OpenAIApi(
             self.reactor,
             fleet,
@@ -205,6 +216,17 @@ class MemoryHeadTestCase(MemoryNodeTestCase):
                 self.fail(f"not done within {within:g} s of the memory clock")
             self.advance(step)
             waited += step
+
+    def call(
+        self, head: OpenAIApi, method: bytes, path: str, body: Any = None, raw: bytes | None = None
+    ) -> tuple[int, bytes]:
+        """The status and body of one request: ``body`` as JSON, or ``raw`` bytes."""
+        from tests.test_http_hostile import request_bytes
+
+        data = raw if raw is not None else b"" if body is None else json.dumps(body).encode()
+        request = request_bytes(path, data, method=method.decode())
+        status, _, content = self.exchange(head, request)
+        return status, content
 
     def exchange(
         self, api: OpenAIApi, data: bytes, address: str = "127.0.0.1", within: float = 10.0

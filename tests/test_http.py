@@ -20,7 +20,7 @@ from collections.abc import Generator, Sequence
 from typing import Any
 
 from twisted.internet import defer, reactor, threads
-from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint, connectProtocol
+from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
@@ -136,10 +136,20 @@ class HttpTestCase(NodeTestCase):
         return response.code, content
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        return Renderer(tokenizer()).chat([ChatMessage(m["role"], m["content"]) for m in messages])
+        return prompt_ids(messages)
 
     def text_of(self, tokens: Sequence[int]) -> str:
-        return str(tokenizer().decode(list(tokens), skip_special_tokens=True))
+        return text_of(tokens)
+
+
+def prompt_ids(messages: list[dict[str, str]]) -> list[int]:
+    """The tiny tokenizer's chat prompt of ``messages``."""
+    return Renderer(tokenizer()).chat([ChatMessage(m["role"], m["content"]) for m in messages])
+
+
+def text_of(tokens: Sequence[int]) -> str:
+    """The text of ``tokens`` (special tokens left out)."""
+    return str(tokenizer().decode(list(tokens), skip_special_tokens=True))
 
 
 MESSAGES = [{"role": "user", "content": "hello world"}]
@@ -163,14 +173,13 @@ def sse_events(content: bytes) -> list[Any]:
     return events
 
 
-class CompletionTests(HttpTestCase):
-    @defer.inlineCallbacks
-    def test_non_streaming_chat(self) -> Generator[Any, Any, None]:
+class CompletionTests(MemoryHeadTestCase):
+    def test_non_streaming_chat(self) -> None:
         """A chat completion renders the messages, generates on the node and answers the
         detokenized text, finish_reason length, and usage in OpenAI's shape."""
-        node = yield self.start_vocab_node()
-        head = yield self.start_head([node])
-        code, content = yield self.call(
+        node = self.start_vocab_node()
+        head = self.start_head([node])
+        code, content = self.call(
             head,
             b"POST",
             "/v1/chat/completions",
@@ -178,12 +187,12 @@ class CompletionTests(HttpTestCase):
         )
         self.assertEqual(code, 200)
         body = json.loads(content)
-        prompt = self.prompt_ids(MESSAGES)
+        prompt = prompt_ids(MESSAGES)
         self.assertEqual(body["object"], "chat.completion")
         self.assertEqual(body["model"], MODEL)
         choice = body["choices"][0]
         self.assertEqual(choice["message"]["role"], "assistant")
-        self.assertEqual(choice["message"]["content"], self.text_of(expected_tokens(prompt, 12)))
+        self.assertEqual(choice["message"]["content"], text_of(expected_tokens(prompt, 12)))
         self.assertEqual(choice["finish_reason"], "length")
         self.assertEqual(
             body["usage"],
@@ -194,15 +203,14 @@ class CompletionTests(HttpTestCase):
             },
         )
 
-    @defer.inlineCallbacks
-    def test_streaming_chat_equals_non_streaming(self) -> Generator[Any, Any, None]:
+    def test_streaming_chat_equals_non_streaming(self) -> None:
         """Streaming chat sends a role chunk, content chunks whose text equals the
         non-streaming answer, a finish chunk, a usage chunk on request, then [DONE]."""
-        node = yield self.start_vocab_node(token_delay_s=0.001)
-        head = yield self.start_head([node])
+        node = self.start_vocab_node(token_delay_s=0.001)
+        head = self.start_head([node])
         request = {"model": MODEL, "messages": MESSAGES, "max_tokens": 20, "temperature": 0}
-        _, plain = yield self.call(head, b"POST", "/v1/chat/completions", request)
-        code, content = yield self.call(
+        _, plain = self.call(head, b"POST", "/v1/chat/completions", request)
+        code, content = self.call(
             head,
             b"POST",
             "/v1/chat/completions",
@@ -222,39 +230,37 @@ class CompletionTests(HttpTestCase):
         self.assertEqual(chunks[-1]["choices"], [])
         self.assertEqual(chunks[-1]["usage"]["completion_tokens"], 20)
 
-    @defer.inlineCallbacks
-    def test_completions_with_a_prompt_string(self) -> Generator[Any, Any, None]:
+    def test_completions_with_a_prompt_string(self) -> None:
         """/v1/completions takes a prompt string; streamed and plain text agree."""
-        node = yield self.start_vocab_node()
-        head = yield self.start_head([node])
+        node = self.start_vocab_node()
+        head = self.start_head([node])
         request = {
             "model": MODEL, "prompt": "the quick brown fox", "max_tokens": 10, "temperature": 0,
         }  # fmt: skip
-        code, plain = yield self.call(head, b"POST", "/v1/completions", request)
+        code, plain = self.call(head, b"POST", "/v1/completions", request)
         self.assertEqual(code, 200)
         body = json.loads(plain)
         self.assertEqual(body["object"], "text_completion")
         prompt = [int(t) for t in tokenizer().encode("the quick brown fox")]
-        self.assertEqual(body["choices"][0]["text"], self.text_of(expected_tokens(prompt, 10)))
-        _, streamed = yield self.call(head, b"POST", "/v1/completions", {**request, "stream": True})
+        self.assertEqual(body["choices"][0]["text"], text_of(expected_tokens(prompt, 10)))
+        _, streamed = self.call(head, b"POST", "/v1/completions", {**request, "stream": True})
         events = sse_events(streamed)
         self.assertEqual(events[-1], "[DONE]")
         text = "".join(e["choices"][0]["text"] for e in events[:-1])
         self.assertEqual(text, body["choices"][0]["text"])
 
-    @defer.inlineCallbacks
-    def test_a_stop_string_ends_the_text_before_it(self) -> Generator[Any, Any, None]:
+    def test_a_stop_string_ends_the_text_before_it(self) -> None:
         """A stop string cuts the answer just before it, finish_reason stop, and the node's
         generation is cancelled instead of running to max_tokens."""
-        node = yield self.start_vocab_node(token_delay_s=0.001)
-        head = yield self.start_head([node])
-        prompt = self.prompt_ids(MESSAGES)
-        full = self.text_of(expected_tokens(prompt, 40))
+        node = self.start_vocab_node(token_delay_s=0.001)
+        head = self.start_head([node])
+        prompt = prompt_ids(MESSAGES)
+        full = text_of(expected_tokens(prompt, 40))
         cut = len(full) // 2
         stop = full[cut : cut + 3]
         expected = full[: full.find(stop)]
         for stream in (False, True):
-            _, content = yield self.call(
+            _, content = self.call(
                 head,
                 b"POST",
                 "/v1/chat/completions",
@@ -278,13 +284,12 @@ class CompletionTests(HttpTestCase):
                 self.assertLess(body["usage"]["completion_tokens"], 400)
             self.assertEqual((text, finish), (expected, "stop"))
 
-    @defer.inlineCallbacks
     def test_a_client_that_disconnects_mid_stream_cancels_the_node(
         self,
-    ) -> Generator[Any, Any, None]:
+    ) -> None:
         """Closing the connection during a stream sends GENERATE_CANCEL: the node's engine
         ends the generation CANCELLED long before its budget."""
-        engine = MockEngine(reactor, token_delay_s=0.01, vocab_size=TINY_VOCAB)
+        engine = MockEngine(self.reactor, token_delay_s=0.01, vocab_size=TINY_VOCAB)
         ended: list[defer.Deferred[Any]] = []
         submit = engine.submit
 
@@ -301,17 +306,14 @@ class CompletionTests(HttpTestCase):
             return generation
 
         engine.submit = recording_submit  # type: ignore[method-assign]
-        node = yield self.start_vocab_node(engine=engine)
-        head = yield self.start_head([node])
-        client = StreamingClient()
-        yield connectProtocol(
-            TCP4ClientEndpoint(reactor, "127.0.0.1", head.port.getHost().port), client
-        )
+        node = self.start_vocab_node(engine=engine)
+        head = self.start_head([node])
+        client = self.http(head, client=StreamingClient())
         body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 100000, "stream": True}
         client.transport.write(post_bytes(body))
-        yield client.content_seen
+        self.until(lambda: client.content_seen.called)
         client.transport.abortConnection()
-        result = yield ended[0]
+        result = self.wait(ended[0])
         self.assertEqual(result.stop, EngineStop.CANCELLED)
         self.assertLess(len(result.tokens), 100000)
 
@@ -351,13 +353,12 @@ class StreamingClient(Protocol):
         self.ended.callback(self.data)
 
 
-class ErrorTests(HttpTestCase):
-    @defer.inlineCallbacks
-    def test_errors_have_openai_shape_and_status(self) -> Generator[Any, Any, None]:
+class ErrorTests(MemoryHeadTestCase):
+    def test_errors_have_openai_shape_and_status(self) -> None:
         """Bad JSON, bad fields and image content are 400; an unknown model is 404 with
         model_not_found; every body is {"error": {message, type, param, code}}."""
-        node = yield self.start_vocab_node()
-        head = yield self.start_head([node])
+        node = self.start_vocab_node()
+        head = self.start_head([node])
         cases: list[tuple[Any, bytes | None, int, str | None]] = [
             (None, b"{not json", 400, None),
             ({"model": MODEL}, None, 400, None),
@@ -381,21 +382,20 @@ class ErrorTests(HttpTestCase):
             ({"model": "nope", "messages": MESSAGES}, None, 404, "model_not_found"),
         ]
         for body, raw, status, code in cases:
-            got, content = yield self.call(head, b"POST", "/v1/chat/completions", body, raw)
+            got, content = self.call(head, b"POST", "/v1/chat/completions", body, raw)
             self.assertEqual(got, status, (body, raw))
             error = json.loads(content)["error"]
             self.assertEqual(set(error), {"message", "type", "param", "code"})
             self.assertEqual(error["code"], code)
 
-    @defer.inlineCallbacks
-    def test_a_prompt_too_long_is_context_length_exceeded(self) -> Generator[Any, Any, None]:
+    def test_a_prompt_too_long_is_context_length_exceeded(self) -> None:
         """A prompt longer than every node's window: 400 with code context_length_exceeded,
         streaming or not; the model list quotes the window."""
-        node = yield self.start_vocab_node(context_window=16)
-        head = yield self.start_head([node])
+        node = self.start_vocab_node(context_window=16)
+        head = self.start_head([node])
         long_messages = [{"role": "user", "content": "the quick brown fox " * 10}]
         for stream in (False, True):
-            code, content = yield self.call(
+            code, content = self.call(
                 head,
                 b"POST",
                 "/v1/chat/completions",
@@ -403,63 +403,60 @@ class ErrorTests(HttpTestCase):
             )
             self.assertEqual(code, 400)
             self.assertEqual(json.loads(content)["error"]["code"], "context_length_exceeded")
-        _, models = yield self.call(head, b"GET", "/v1/models")
+        _, models = self.call(head, b"GET", "/v1/models")
         self.assertEqual(json.loads(models)["data"][0]["context_length"], 16)
 
-    @defer.inlineCallbacks
-    def test_no_node_is_503_and_unhealthy(self) -> Generator[Any, Any, None]:
+    def test_no_node_is_503_and_unhealthy(self) -> None:
         """Without nodes: a completion waits the queue timeout (0.1 s here) for one, then
         answers 503 no_node_available; /healthz says 503 (unavailable) with no node, no lane
         and nothing queued."""
-        head = yield self.start_head([], fleet_options={"queue_timeout_s": 0.1})
-        code, content = yield self.call(
+        head = self.start_head([], fleet_options={"queue_timeout_s": 0.1})
+        code, content = self.call(
             head, b"POST", "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES}
         )
         self.assertEqual(code, 503)
         self.assertEqual(json.loads(content)["error"]["code"], "no_node_available")
-        code, content = yield self.call(head, b"GET", "/healthz")
+        code, content = self.call(head, b"GET", "/healthz")
         self.assertEqual(
             (code, json.loads(content)),
             (503, {"status": "unavailable", "nodes": 0, "lanes_active": 0, "lanes_total": 0,
                    "queued": 0, "requests": 0}),
         )  # fmt: skip
 
-    @defer.inlineCallbacks
-    def test_liveness_probe_is_200_without_nodes(self) -> Generator[Any, Any, None]:
+    def test_liveness_probe_is_200_without_nodes(self) -> None:
         """/healthz?probe=live (a Kubernetes liveness probe) answers 200 "alive" while the
         head has no node (it is not ready, but restarting it would not help); any other query
         is the readiness answer."""
-        head = yield self.start_head([])
-        code, content = yield self.call(head, b"GET", "/healthz?probe=live")
+        head = self.start_head([])
+        code, content = self.call(head, b"GET", "/healthz?probe=live")
         self.assertEqual((code, json.loads(content)), (200, {"status": "alive"}))
-        code, content = yield self.call(head, b"GET", "/healthz?probe=ready")
+        code, content = self.call(head, b"GET", "/healthz?probe=ready")
         self.assertEqual((code, json.loads(content)["status"]), (503, "unavailable"))
 
 
-class ObservabilityTests(HttpTestCase):
-    @defer.inlineCallbacks
-    def test_health_models_and_metrics(self) -> Generator[Any, Any, None]:
+class ObservabilityTests(MemoryHeadTestCase):
+    def test_health_models_and_metrics(self) -> None:
         """/healthz is 200 with the live node count, /v1/models lists the model, and
         /metrics has per-node capacity, requests by outcome, tokens, TTFT, failovers and
         reconnects, from the head's own registry."""
-        node = yield self.start_vocab_node(identity="m1")
-        head = yield self.start_head([node])
-        code, content = yield self.call(head, b"GET", "/healthz")
+        node = self.start_vocab_node(identity="m1")
+        head = self.start_head([node])
+        code, content = self.call(head, b"GET", "/healthz")
         self.assertEqual(
             (code, json.loads(content)),
             (200, {"status": "ok", "nodes": 1, "lanes_active": 0, "lanes_total": 8, "queued": 0,
                   "requests": 0}),
         )  # fmt: skip
-        code, content = yield self.call(head, b"GET", "/v1/models")
+        code, content = self.call(head, b"GET", "/v1/models")
         self.assertEqual([m["id"] for m in json.loads(content)["data"]], [MODEL])
-        yield self.call(
+        self.call(
             head,
             b"POST",
             "/v1/chat/completions",
             {"model": MODEL, "messages": MESSAGES, "max_tokens": 5},
         )
-        yield self.call(head, b"POST", "/v1/chat/completions", {"model": "x", "messages": []})
-        code, content = yield self.call(head, b"GET", "/metrics")
+        self.call(head, b"POST", "/v1/chat/completions", {"model": "x", "messages": []})
+        code, content = self.call(head, b"GET", "/metrics")
         text = content.decode()
         self.assertEqual(code, 200)
         for line in (
