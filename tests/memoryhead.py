@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from twisted.internet import defer
@@ -51,6 +52,14 @@ class InlineWorkers:
 
     def stop(self) -> None:
         pass
+
+
+@dataclass(frozen=True)
+class MemoryHead:
+    """A fleet and its HTTP API on the memory reactor."""
+
+    fleet: Fleet
+    api: OpenAIApi
 
 
 class MemoryHeadTestCase(MemoryNodeTestCase):
@@ -136,8 +145,8 @@ class MemoryHeadTestCase(MemoryNodeTestCase):
         *,
         fleet_options: dict[str, Any] | None = None,
         **api: Any,
-    ) -> OpenAIApi:
-        """The API of a fleet that dialed ``nodes`` (default: every node started), with
+    ) -> MemoryHead:
+        """A fleet that dialed ``nodes`` (default: every node started), with
         ``fleet_options`` (:class:`FleetSettings` fields) and ``api``: more OpenAIApi
         keywords (``limits``, ``api_keys``, ...)."""
         from tests.test_http import MODEL, tokenizer
@@ -154,7 +163,7 @@ class MemoryHeadTestCase(MemoryNodeTestCase):
             **api,
         )
         self.addCleanup(head.stop)
-        return head
+        return MemoryHead(fleet, head)
 
     def advance(self, seconds: float, step: float = 0.01) -> None:
         """Let ``seconds`` pass in steps of ``step``, joining pending dials and moving the
@@ -184,16 +193,16 @@ class MemoryHeadTestCase(MemoryNodeTestCase):
         self.until(lambda: d.called)
         return self.failureResultOf(d, *errors)
 
-    def http(self, api: OpenAIApi, address: str = "127.0.0.1", client: Any = None) -> Any:
+    def http(self, head: MemoryHead, address: str = "127.0.0.1", client: Any = None) -> Any:
         """A client (``client``, else a raw one: ``tests.test_http_hostile.RawClient``)
-        connected to ``api``'s site from ``address`` over an in-memory transport; what it
+        connected to the head's site from ``address`` over an in-memory transport; what it
         sends moves as the test flushes or advances the clock."""
         from tests.test_http_hostile import RawClient
 
         self._clients += 1
         peer = IPv4Address("TCP", address, 40000 + self._clients)
         host = IPv4Address("TCP", "127.0.0.1", 8080)
-        server = api.site().buildProtocol(peer)
+        server = head.api.site().buildProtocol(peer)
         client = client if client is not None else RawClient()
         pump = connect(
             server,
@@ -218,7 +227,7 @@ class MemoryHeadTestCase(MemoryNodeTestCase):
             waited += step
 
     def call(
-        self, head: OpenAIApi, method: bytes, path: str, body: Any = None, raw: bytes | None = None
+        self, head: MemoryHead, method: bytes, path: str, body: Any = None, raw: bytes | None = None
     ) -> tuple[int, bytes]:
         """The status and body of one request: ``body`` as JSON, or ``raw`` bytes."""
         from tests.test_http_hostile import request_bytes
@@ -229,17 +238,17 @@ class MemoryHeadTestCase(MemoryNodeTestCase):
         return status, content
 
     def exchange(
-        self, api: OpenAIApi, data: bytes, address: str = "127.0.0.1", within: float = 10.0
+        self, head: MemoryHead, data: bytes, address: str = "127.0.0.1", within: float = 10.0
     ) -> tuple[int, dict[bytes, bytes], bytes]:
         """Send ``data`` (a ``Connection: close`` request) on a new connection and read the
         answer until the head closes it, letting at most ``within`` seconds pass."""
         from tests.test_http_hostile import response_of
 
-        client = self.http(api, address)
+        client = self.http(head, address)
         client.send(data)
         self.flush()
         self.until(lambda: client.closed, within, 0.05)
         return response_of(self.successResultOf(client.ended))
 
 
-__all__ = ["InlineWorkers", "MemoryHeadTestCase", "ThreadlessReactor"]
+__all__ = ["InlineWorkers", "MemoryHead", "MemoryHeadTestCase", "ThreadlessReactor"]

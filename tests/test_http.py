@@ -492,7 +492,7 @@ class SaturationTests(MemoryHeadTestCase):
             streams.append(client)
         self.flush()
         self.until(lambda: streams[0].content_seen.called)
-        self.assertEqual(len(head.exchanges), 3)
+        self.assertEqual(len(head.api.exchanges), 3)
         status, _, content = self.exchange(head, request_bytes("/healthz", method="GET"))
         self.assertEqual(
             (status, json.loads(content)),
@@ -507,9 +507,7 @@ class SaturationTests(MemoryHeadTestCase):
         # still counts both lanes busy.  A report that arrives now was sent after the streams'
         # Finish events (one connection keeps its order): it is the node's own word that its
         # lanes are free.
-        fleet = head.backend
-        assert isinstance(fleet, Fleet)
-        reported = next_status(fleet.nodes[0])
+        reported = next_status(head.fleet.nodes[0])
         self.until(lambda: reported.called, step=0.1)
         status, _, content = self.exchange(head, request_bytes("/healthz", method="GET"))
         self.assertEqual((status, json.loads(content)["status"]), (200, "ok"))

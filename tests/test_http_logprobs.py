@@ -32,9 +32,10 @@ from sfnode.linkf.wire import FEATURE_LOGPROBS, FINISH_LENGTH, GenParams, HelloA
 from sfnode.node.agent import NodeAgent
 from sfnode.node.config import NodeConfig
 from sfnode.node.tap import node_factory
+from tests.memoryhead import MemoryHead, MemoryHeadTestCase
 from tests.nodefixture import RunningNode, expected_tokens
 from tests.test_fleet import FleetTestCase, next_open
-from tests.test_http import MESSAGES, MODEL, HttpTestCase, sse_events
+from tests.test_http import MESSAGES, MODEL, prompt_ids, sse_events, text_of
 from tests.tinymodel import TINY_VOCAB
 
 PROMPT = list(range(100, 112))
@@ -235,34 +236,34 @@ class LinkAndFleetTests(FleetTestCase):
         self.assertEqual(pipeline.stages, [])
 
 
-class HttpLogprobsTests(HttpTestCase):
+class HttpLogprobsTests(MemoryHeadTestCase):
     """The HTTP API's logprobs (OpenAI's shapes) from a mock node on the tiny vocabulary."""
 
-    @defer.inlineCallbacks
-    def head(self, *, supports_logprobs: bool = True) -> Generator[Any, Any, Any]:
-        engine = MockEngine(reactor, vocab_size=TINY_VOCAB, supports_logprobs=supports_logprobs)
-        node = yield self.start_vocab_node(engine=engine)
-        return (yield self.start_head([node]))
+    def head(self, *, supports_logprobs: bool = True) -> MemoryHead:
+        engine = MockEngine(
+            self.reactor, vocab_size=TINY_VOCAB, supports_logprobs=supports_logprobs
+        )
+        node = self.start_vocab_node(engine=engine)
+        return self.start_head([node])
 
     def expected(self, count: int, asked: int) -> tuple[list[int], list[TokenLogprob]]:
-        prompt = self.prompt_ids(MESSAGES)
+        prompt = prompt_ids(MESSAGES)
         return (
             expected_tokens_vocab(prompt, count),
             greedy_logprobs(prompt, count, asked, TINY_VOCAB),
         )
 
-    @defer.inlineCallbacks
-    def test_chat_logprobs_plain_and_streamed(self) -> Gen:
+    def test_chat_logprobs_plain_and_streamed(self) -> None:
         """logprobs true with top_logprobs 3 under greedy: one content entry per completion
         token, each the mock's value for that token with its bytes, whose logprob equals the
         first of its three top_logprobs; streamed with include_usage, the chunks' entries
         put together are the same list and every chunk with text carries its entries."""
-        head = yield self.head()
+        head = self.head()
         request = {
             "model": MODEL, "messages": MESSAGES, "max_tokens": 12, "temperature": 0,
             "logprobs": True, "top_logprobs": 3,
         }  # fmt: skip
-        code, content = yield self.call(head, b"POST", "/v1/chat/completions", request)
+        code, content = self.call(head, b"POST", "/v1/chat/completions", request)
         self.assertEqual(code, 200, content)
         body = json.loads(content)
         entries = body["choices"][0]["logprobs"]["content"]
@@ -279,7 +280,7 @@ class HttpLogprobsTests(HttpTestCase):
                 [t["logprob"] for t in entry["top_logprobs"]], [v for _, v in expected.top]
             )
         streamed_request = {**request, "stream": True, "stream_options": {"include_usage": True}}
-        code, streamed = yield self.call(head, b"POST", "/v1/chat/completions", streamed_request)
+        code, streamed = self.call(head, b"POST", "/v1/chat/completions", streamed_request)
         chunks = [e for e in sse_events(streamed)[:-1] if e["choices"]]
         together = []
         for chunk in chunks:
@@ -291,18 +292,17 @@ class HttpLogprobsTests(HttpTestCase):
         self.assertEqual(together, entries)
         self.assertEqual(sse_events(streamed)[-2]["usage"]["completion_tokens"], 12)
 
-    @defer.inlineCallbacks
-    def test_completion_logprobs_with_two_choices(self) -> Gen:
+    def test_completion_logprobs_with_two_choices(self) -> None:
         """/v1/completions with logprobs 2 and n 2: each choice has tokens, token_logprobs,
         top_logprobs (the chosen token among at most three) and text_offset, one per
         completion token, offsets from 0 and never decreasing; streamed, each choice's
         chunks put together give the same lists."""
-        head = yield self.head()
+        head = self.head()
         request = {
             "model": MODEL, "prompt": "hello world", "max_tokens": 9, "temperature": 0,
             "logprobs": 2, "n": 2,
         }  # fmt: skip
-        code, content = yield self.call(head, b"POST", "/v1/completions", request)
+        code, content = self.call(head, b"POST", "/v1/completions", request)
         self.assertEqual(code, 200, content)
         body = json.loads(content)
         self.assertEqual([c["index"] for c in body["choices"]], [0, 1])
@@ -321,7 +321,7 @@ class HttpLogprobsTests(HttpTestCase):
                 self.assertEqual(top[token], value)
                 self.assertEqual(max(top.values()), value)  # greedy: the chosen is the best
         self.assertEqual(body["choices"][0]["logprobs"], body["choices"][1]["logprobs"])
-        _, streamed = yield self.call(head, b"POST", "/v1/completions", {**request, "stream": True})
+        _, streamed = self.call(head, b"POST", "/v1/completions", {**request, "stream": True})
         merged: dict[int, dict[str, list[Any]]] = {0: {}, 1: {}}
         for chunk in sse_events(streamed)[:-1]:
             (choice,) = chunk["choices"]
@@ -330,37 +330,35 @@ class HttpLogprobsTests(HttpTestCase):
         self.assertEqual(merged[0], body["choices"][0]["logprobs"])
         self.assertEqual(merged[1], body["choices"][1]["logprobs"])
 
-    @defer.inlineCallbacks
-    def test_without_a_node_that_returns_them_logprobs_are_a_400(self) -> Gen:
+    def test_without_a_node_that_returns_them_logprobs_are_a_400(self) -> None:
         """With only a node that has no logprobs, a request that asks is answered 400
         unsupported_parameter naming logprobs, at once; the same request without logprobs
         is served."""
-        head = yield self.head(supports_logprobs=False)
+        head = self.head(supports_logprobs=False)
         request = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4}
-        code, content = yield self.call(
+        code, content = self.call(
             head, b"POST", "/v1/chat/completions", {**request, "logprobs": True}
         )
         self.assertEqual(code, 400)
         error = json.loads(content)["error"]
         self.assertEqual((error["param"], error["code"]), ("logprobs", "unsupported_parameter"))
         self.assertIn("logprobs", error["message"])
-        code, _ = yield self.call(head, b"POST", "/v1/chat/completions", request)
+        code, _ = self.call(head, b"POST", "/v1/chat/completions", request)
         self.assertEqual(code, 200)
 
-    @defer.inlineCallbacks
-    def test_a_stop_string_ends_the_entries_with_the_text(self) -> Gen:
+    def test_a_stop_string_ends_the_entries_with_the_text(self) -> None:
         """With a stop string, the entries end with the token that completed it: their bytes
         joined start with the answer's text, and no entry follows that token."""
-        head = yield self.head()
+        head = self.head()
         tokens, _ = self.expected(16, 1)
-        text = self.text_of(tokens)
+        text = text_of(tokens)
         stop = text[len(text) // 2 : len(text) // 2 + 2]
         self.assertTrue(stop.strip())
         request = {
             "model": MODEL, "messages": MESSAGES, "max_tokens": 16, "temperature": 0,
             "logprobs": True, "stop": stop,
         }  # fmt: skip
-        code, content = yield self.call(head, b"POST", "/v1/chat/completions", request)
+        code, content = self.call(head, b"POST", "/v1/chat/completions", request)
         self.assertEqual(code, 200, content)
         choice = json.loads(content)["choices"][0]
         shown = choice["message"]["content"]
