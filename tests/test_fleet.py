@@ -26,7 +26,6 @@ from sfnode.generation import MOCK_LAYERS, MockEngine, TokenBatch
 from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.fleet.fleet import (
     Fleet,
-    FleetGeneration,
     FleetNode,
     FleetSettings,
     NoNodeAvailable,
@@ -163,123 +162,7 @@ def next_open(node: FleetNode) -> defer.Deferred[None]:
     return observer.opened
 
 
-class OneNodeTests(FleetTestCase):
-    @defer.inlineCallbacks
-    def test_a_fleet_generation_matches_a_local_run(self) -> Generator[Any, Any, None]:
-        """16 tokens through the fleet equal the mock's local greedy run; finish LENGTH."""
-        node = yield self.start_mock_node(identity="solo")
-        fleet = yield self.fleet_of([node])
-        outcome = yield fleet.generate(HeadRequest(PROMPT, 16)).result
-        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 16))
-        self.assertEqual(outcome.finish, FINISH_LENGTH)
-        self.assertEqual(outcome.node, "solo")
-        self.assertEqual(self.on(fleet, node).models, ("mock",))
-
-    @defer.inlineCallbacks
-    def test_streaming_delivers_incrementally_and_equals_the_result(
-        self,
-    ) -> Generator[Any, Any, None]:
-        """40 tokens arrive in several on_tokens batches; streamed == returned == local."""
-        node = yield self.start_mock_node(token_delay_s=0.002)
-        fleet = yield self.fleet_of([node])
-        batches: list[list[int]] = []
-        generation = fleet.generate(
-            HeadRequest(PROMPT, 40),
-            on_tokens=lambda t: batches.append(list(t)),
-        )
-        outcome = yield generation.result
-        self.assertGreaterEqual(len(batches), 2)
-        self.assertEqual([t for b in batches for t in b], outcome.tokens)
-        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 40))
-
-    @defer.inlineCallbacks
-    def test_a_finished_one_shot_session_is_revoked_on_the_node(
-        self,
-    ) -> Generator[Any, Any, None]:
-        """After a one-shot generation the head revokes its session: the node forgets it."""
-        node = yield self.start_mock_node()
-        fleet = yield self.fleet_of([node])
-        first = fleet.generate(HeadRequest(PROMPT, 4))
-        yield first.result
-        # A second request on the same connection: the revoke was handled before it.
-        second = yield fleet.open_session(PROMPT)
-        yield second.generate(2).result
-        contexts = node.agent.contexts_of
-        self.assertNotIn(first.session.session_id, contexts(self.ids.head_id))
-        self.assertIn(second.session_id, contexts(self.ids.head_id))
-        second.close()
-        yield fleet.generate(HeadRequest(PROMPT, 1)).result
-        self.assertNotIn(second.session_id, contexts(self.ids.head_id))
-
-    @defer.inlineCallbacks
-    def test_cancel_reaches_the_node(self) -> Generator[Any, Any, None]:
-        """Cancel after a few streamed tokens: GENERATE_CANCEL stops the node's generation,
-        finish CANCELLED, far fewer tokens than the budget."""
-        node = yield self.start_mock_node(token_delay_s=0.005)
-        fleet = yield self.fleet_of([node])
-        generation: FleetGeneration | None = None
-
-        def seen(_: Sequence[int]) -> None:
-            assert generation is not None
-            if len(generation.tokens) >= 5:
-                generation.cancel()
-
-        generation = fleet.generate(HeadRequest(PROMPT, 1_000_000), on_tokens=seen)
-        outcome = yield generation.result
-        self.assertEqual(outcome.finish, FINISH_CANCELLED)
-        self.assertGreaterEqual(len(outcome.tokens), 5)
-        self.assertLess(len(outcome.tokens), 1000)
-        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, len(outcome.tokens)))
-        self.assertEqual(node.agent.running_generations, 0)
-
-    @defer.inlineCallbacks
-    def test_an_idle_drop_is_invisible_and_the_session_reconciles(
-        self,
-    ) -> Generator[Any, Any, None]:
-        """The node drops the idle link; the next append + generate reconnects, reconciles
-        the held session and returns the tokens of the grown context.  The node's timers run
-        on a ``Clock``, so the link goes idle exactly once, when the test moves the clock past
-        the 300 ms idle timeout, however slowly the machine runs."""
-        clock = Clock()
-        node = yield self.start_mock_node(idle_timeout_ms=300, clock=clock)
-        fleet = yield self.fleet_of([node])
-        session = yield fleet.open_session(PROMPT)
-        outcome = yield session.generate(8).result
-        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 8))
-        self.assertEqual(fleet.registry.reconnects, 0)
-        closed = self.on(fleet, node).link.when_closed()
-        clock.advance(0.3)
-        yield closed
-        grown = [*PROMPT, *outcome.tokens, 7, 8, 9]
-        yield session.append(grown)
-        again = yield session.generate(8).result
-        self.assertEqual(again.tokens, expected_tokens(grown, 8))
-        self.assertEqual(fleet.registry.reconnects, 1)
-        self.assertEqual(fleet.failovers, 0)
-        self.assertFalse(self.on(fleet, node).down)
-
-    @defer.inlineCallbacks
-    def test_a_link_dropped_mid_stream_reconciles_without_failover(
-        self,
-    ) -> Generator[Any, Any, None]:
-        """The node closes the link during a stream but stays up: the head reconnects,
-        reconciles, and the stream completes with exactly the local tokens, none twice."""
-        node = yield self.start_mock_node(token_delay_s=0.005)
-        fleet = yield self.fleet_of([node])
-        streamed: list[int] = []
-        dropped: list[bool] = []
-
-        def seen(tokens: Sequence[int]) -> None:
-            streamed.extend(tokens)
-            if len(streamed) >= 5 and not dropped:
-                dropped.append(True)
-                reactor.callLater(0, node.agent.close_connections, "test drop")
-
-        outcome = yield fleet.generate(HeadRequest(PROMPT, 30), on_tokens=seen).result
-        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 30))
-        self.assertEqual(streamed, outcome.tokens)
-        self.assertEqual((fleet.registry.reconnects, fleet.failovers), (1, 0))
-
+class DialInTests(FleetTestCase):
     @defer.inlineCallbacks
     def test_a_node_that_dials_in_is_adopted_and_serves(self) -> Generator[Any, Any, None]:
         """A node that dials the head's fleet port joins by identity and serves a generation."""

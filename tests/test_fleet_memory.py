@@ -7,6 +7,7 @@ no socket and no waiting (tests/nodefixture.py ``MemoryNodeTestCase``, tests/mem
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from twisted.internet import defer
@@ -19,11 +20,11 @@ from sfnode.head.fleet.backend import (
     HeadRequest,
     NoNodeAvailable,
 )
-from sfnode.head.fleet.fleet import Fleet, FleetSettings, Policy
+from sfnode.head.fleet.fleet import Fleet, FleetGeneration, FleetSettings, Policy
 from sfnode.head.fleet.placement import NO_PREFIX
 from sfnode.head.fleet.prefix_index import reusable_keys
 from sfnode.head.link import NodeSilentError
-from sfnode.linkf.wire import FINISH_LENGTH
+from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_LENGTH
 from tests.memoryhead import MemoryHeadTestCase
 from tests.nodefixture import MEMORY_PORT, MemoryNode, MemoryNodeTestCase, expected_tokens
 from tests.test_fleet import next_open
@@ -319,3 +320,114 @@ class PrefixPlacementTests(MemoryHeadTestCase):
         self.assertFalse(fleet.prefix_aware)
         self.wait(fleet.generate(HeadRequest([*SYSTEM_A, 1], 4)).result)
         self.assertEqual(len(self.on(fleet, node).prefixes), 0)
+
+
+class OneNodeTests(MemoryHeadTestCase):
+    def test_a_fleet_generation_matches_a_local_run(self) -> None:
+        """16 tokens through the fleet equal the mock's local greedy run; finish LENGTH."""
+        node = self.start_mock_node(identity="solo")
+        fleet = self.fleet_of([node])
+        outcome = self.wait(fleet.generate(HeadRequest(PROMPT, 16)).result)
+        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 16))
+        self.assertEqual(outcome.finish, FINISH_LENGTH)
+        self.assertEqual(outcome.node, "solo")
+        self.assertEqual(self.on(fleet, node).models, ("mock",))
+
+    def test_streaming_delivers_incrementally_and_equals_the_result(
+        self,
+    ) -> None:
+        """40 tokens arrive in several on_tokens batches; streamed == returned == local."""
+        node = self.start_mock_node(token_delay_s=0.002)
+        fleet = self.fleet_of([node])
+        batches: list[list[int]] = []
+        generation = fleet.generate(
+            HeadRequest(PROMPT, 40),
+            on_tokens=lambda t: batches.append(list(t)),
+        )
+        outcome = self.wait(generation.result)
+        self.assertGreaterEqual(len(batches), 2)
+        self.assertEqual([t for b in batches for t in b], outcome.tokens)
+        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 40))
+
+    def test_a_finished_one_shot_session_is_revoked_on_the_node(
+        self,
+    ) -> None:
+        """After a one-shot generation the head revokes its session: the node forgets it."""
+        node = self.start_mock_node()
+        fleet = self.fleet_of([node])
+        first = fleet.generate(HeadRequest(PROMPT, 4))
+        self.wait(first.result)
+        # A second request on the same connection: the revoke was handled before it.
+        second = self.wait(fleet.open_session(PROMPT))
+        self.wait(second.generate(2).result)
+        contexts = node.agent.contexts_of
+        self.assertNotIn(first.session.session_id, contexts(self.ids.head_id))
+        self.assertIn(second.session_id, contexts(self.ids.head_id))
+        second.close()
+        self.wait(fleet.generate(HeadRequest(PROMPT, 1)).result)
+        self.assertNotIn(second.session_id, contexts(self.ids.head_id))
+
+    def test_cancel_reaches_the_node(self) -> None:
+        """Cancel after a few streamed tokens: GENERATE_CANCEL stops the node's generation,
+        finish CANCELLED, far fewer tokens than the budget."""
+        node = self.start_mock_node(token_delay_s=0.005)
+        fleet = self.fleet_of([node])
+        generation: FleetGeneration | None = None
+
+        def seen(_: Sequence[int]) -> None:
+            assert generation is not None
+            if len(generation.tokens) >= 5:
+                generation.cancel()
+
+        generation = fleet.generate(HeadRequest(PROMPT, 1_000_000), on_tokens=seen)
+        outcome = self.wait(generation.result)
+        self.assertEqual(outcome.finish, FINISH_CANCELLED)
+        self.assertGreaterEqual(len(outcome.tokens), 5)
+        self.assertLess(len(outcome.tokens), 1000)
+        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, len(outcome.tokens)))
+        self.assertEqual(node.agent.running_generations, 0)
+
+    def test_an_idle_drop_is_invisible_and_the_session_reconciles(
+        self,
+    ) -> None:
+        """The node drops the idle link; the next append + generate reconnects, reconciles
+        the held session and returns the tokens of the grown context.  Node and head run on
+        the memory clock, so the link goes idle exactly once, when the test moves the clock
+        past the 300 ms idle timeout, however slowly the machine runs."""
+        node = self.start_mock_node(idle_timeout_ms=300)
+        fleet = self.fleet_of([node])
+        session = self.wait(fleet.open_session(PROMPT))
+        outcome = self.wait(session.generate(8).result)
+        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 8))
+        self.assertEqual(fleet.registry.reconnects, 0)
+        closed = self.on(fleet, node).link.when_closed()
+        self.advance(0.3)
+        self.wait(closed)
+        grown = [*PROMPT, *outcome.tokens, 7, 8, 9]
+        self.wait(session.append(grown))
+        again = self.wait(session.generate(8).result)
+        self.assertEqual(again.tokens, expected_tokens(grown, 8))
+        self.assertEqual(fleet.registry.reconnects, 1)
+        self.assertEqual(fleet.failovers, 0)
+        self.assertFalse(self.on(fleet, node).down)
+
+    def test_a_link_dropped_mid_stream_reconciles_without_failover(
+        self,
+    ) -> None:
+        """The node closes the link during a stream but stays up: the head reconnects,
+        reconciles, and the stream completes with exactly the local tokens, none twice."""
+        node = self.start_mock_node(token_delay_s=0.005)
+        fleet = self.fleet_of([node])
+        streamed: list[int] = []
+        dropped: list[bool] = []
+
+        def seen(tokens: Sequence[int]) -> None:
+            streamed.extend(tokens)
+            if len(streamed) >= 5 and not dropped:
+                dropped.append(True)
+                self.reactor.callLater(0, node.agent.close_connections, "test drop")
+
+        outcome = self.wait(fleet.generate(HeadRequest(PROMPT, 30), on_tokens=seen).result)
+        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 30))
+        self.assertEqual(streamed, outcome.tokens)
+        self.assertEqual((fleet.registry.reconnects, fleet.failovers), (1, 0))
