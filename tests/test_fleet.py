@@ -31,7 +31,6 @@ from sfnode.head.fleet.fleet import (
     NoNodeAvailable,
     Policy,
     QueueFull,
-    StreamTooLong,
 )
 from sfnode.head.fleet.pipeline import PipelineFleet, check_boundaries, even_boundaries
 from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_LENGTH
@@ -363,88 +362,6 @@ class LivenessTests(FleetTestCase):
         prefix = yield fleet.generate(HeadRequest(PROMPT, 6)).result
         rest = yield fleet.generate(HeadRequest([*PROMPT, *prefix.tokens], 14)).result
         self.assertEqual(prefix.tokens + rest.tokens, full.tokens)
-
-
-class WindowTests(FleetTestCase):
-    @defer.inlineCallbacks
-    def test_a_prompt_no_node_can_hold_is_refused_at_the_head(self) -> Generator[Any, Any, None]:
-        """A 96-token prompt against a 64-token node: StreamTooLong(96, 64) by type, from the
-        head (nothing is placed); a fitting prompt still places."""
-        node = yield self.start_mock_node(context_window=64)
-        fleet = yield self.fleet_of([node])
-        error = yield self.assertFailure(fleet.generate(
-            HeadRequest(list(range(96)), 4),
-        ).result, StreamTooLong)
-        self.assertEqual((error.length, error.max), (96, 64))
-        self.assertRaises(StreamTooLong, fleet.check_fits, None, 96)
-        self.assertEqual(self.on(fleet, node).sessions, 0)
-        outcome = yield fleet.generate(HeadRequest(PROMPT, 4)).result
-        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 4))
-
-    @defer.inlineCallbacks
-    def test_a_cold_fleet_still_refuses_an_oversized_prompt_by_type(
-        self,
-    ) -> Generator[Any, Any, None]:
-        """With the window not known before the attempt, the refusal is still StreamTooLong."""
-        node = yield self.start_mock_node(context_window=64)
-        fleet = self.new_fleet()
-        fleet.add_node(node.endpoint)  # not waited for: the window is unknown for now
-        error = yield self.assertFailure(fleet.generate(
-            HeadRequest(list(range(96)), 4),
-        ).result, StreamTooLong)
-        self.assertEqual((error.length, error.max), (96, 64))
-
-    @defer.inlineCallbacks
-    def test_placement_routes_around_a_node_too_narrow_for_the_prompt(
-        self,
-    ) -> Generator[Any, Any, None]:
-        """A 96-token prompt goes to the wide node; the narrow one still takes short prompts."""
-        narrow = yield self.start_mock_node(identity="narrow", context_window=64)
-        wide = yield self.start_mock_node(identity="wide", context_window=4096)
-        fleet = yield self.fleet_of([narrow, wide], policy=Policy.ROUND_ROBIN)
-        long_prompt = list(range(96))
-        for _ in range(2):
-            outcome = yield fleet.generate(HeadRequest(long_prompt, 4)).result
-            self.assertEqual(outcome.node, "wide")
-            self.assertEqual(outcome.tokens, expected_tokens(long_prompt, 4))
-        names = set()
-        for _ in range(2):
-            names.add((yield fleet.generate(HeadRequest(PROMPT, 2)).result).node)
-        self.assertEqual(names, {"narrow", "wide"})
-
-    @defer.inlineCallbacks
-    def test_the_quoted_limit_ignores_nodes_that_serve_another_model(
-        self,
-    ) -> Generator[Any, Any, None]:
-        """StreamTooLong quotes the largest window among nodes of the requested model only."""
-        small = yield self.start_mock_node(identity="s", model_name="m", context_window=64)
-        other = yield self.start_mock_node(identity="o", model_name="x", context_window=4096)
-        fleet = yield self.fleet_of([small, other])
-        error = yield self.assertFailure(
-            fleet.generate(HeadRequest(list(range(96)), 4, model="m")).result, StreamTooLong
-        )
-        self.assertEqual(error.max, 64)
-
-    @defer.inlineCallbacks
-    def test_a_session_that_outgrows_its_node_is_moved_to_one_that_fits(
-        self,
-    ) -> Generator[Any, Any, None]:
-        """An append past the 64-token window moves the session to the 4096-token node, which
-        then generates the local tokens of the grown context; the narrow node forgets it."""
-        narrow = yield self.start_mock_node(identity="narrow", context_window=64)
-        wide = yield self.start_mock_node(identity="wide", context_window=4096)
-        fleet = yield self.fleet_of([narrow, wide], policy=Policy.LEAST_LOADED)
-        session = yield fleet.open_session(PROMPT)
-        self.assertEqual(session.node.name, "narrow")
-        grown = list(range(100))
-        yield session.append(grown)
-        self.assertEqual(session.node.name, "wide")
-        outcome = yield session.generate(5).result
-        self.assertEqual(outcome.tokens, expected_tokens(grown, 5))
-        self.assertEqual(self.on(fleet, narrow).sessions, 0)
-        yield fleet.generate(HeadRequest(PROMPT, 1)).result  # a round trip on each link
-        yield fleet.generate(HeadRequest(PROMPT, 1)).result
-        self.assertNotIn(session.session_id, narrow.agent.contexts_of(self.ids.head_id))
 
 
 class _Relay(Protocol):

@@ -20,7 +20,13 @@ from sfnode.head.fleet.backend import (
     HeadRequest,
     NoNodeAvailable,
 )
-from sfnode.head.fleet.fleet import Fleet, FleetGeneration, FleetSettings, Policy
+from sfnode.head.fleet.fleet import (
+    Fleet,
+    FleetGeneration,
+    FleetSettings,
+    Policy,
+    StreamTooLong,
+)
 from sfnode.head.fleet.placement import NO_PREFIX
 from sfnode.head.fleet.prefix_index import reusable_keys
 from sfnode.head.link import NodeSilentError
@@ -431,3 +437,80 @@ class OneNodeTests(MemoryHeadTestCase):
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 30))
         self.assertEqual(streamed, outcome.tokens)
         self.assertEqual((fleet.registry.reconnects, fleet.failovers), (1, 0))
+
+
+class WindowTests(MemoryHeadTestCase):
+    def test_a_prompt_no_node_can_hold_is_refused_at_the_head(self) -> None:
+        """A 96-token prompt against a 64-token node: StreamTooLong(96, 64) by type, from the
+        head (nothing is placed); a fitting prompt still places."""
+        node = self.start_mock_node(context_window=64)
+        fleet = self.fleet_of([node])
+        error = self.wait_failure(
+            fleet.generate(HeadRequest(list(range(96)), 4)).result, StreamTooLong
+        ).value
+        self.assertEqual((error.length, error.max), (96, 64))
+        self.assertRaises(StreamTooLong, fleet.check_fits, None, 96)
+        self.assertEqual(self.on(fleet, node).sessions, 0)
+        outcome = self.wait(fleet.generate(HeadRequest(PROMPT, 4)).result)
+        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 4))
+
+    def test_a_cold_fleet_still_refuses_an_oversized_prompt_by_type(
+        self,
+    ) -> None:
+        """With the window not known before the attempt, the refusal is still StreamTooLong."""
+        node = self.start_mock_node(context_window=64)
+        fleet = self.fleet_of([])
+        fleet.add_node(self.endpoint(node))  # not waited for: the window is unknown for now
+        error = self.wait_failure(
+            fleet.generate(HeadRequest(list(range(96)), 4)).result, StreamTooLong
+        ).value
+        self.assertEqual((error.length, error.max), (96, 64))
+
+    def test_placement_routes_around_a_node_too_narrow_for_the_prompt(
+        self,
+    ) -> None:
+        """A 96-token prompt goes to the wide node; the narrow one still takes short prompts."""
+        narrow = self.start_mock_node(identity="narrow", context_window=64)
+        wide = self.start_mock_node(identity="wide", context_window=4096)
+        fleet = self.fleet_of([narrow, wide], policy=Policy.ROUND_ROBIN)
+        long_prompt = list(range(96))
+        for _ in range(2):
+            outcome = self.wait(fleet.generate(HeadRequest(long_prompt, 4)).result)
+            self.assertEqual(outcome.node, "wide")
+            self.assertEqual(outcome.tokens, expected_tokens(long_prompt, 4))
+        names = set()
+        for _ in range(2):
+            names.add(self.wait(fleet.generate(HeadRequest(PROMPT, 2)).result).node)
+        self.assertEqual(names, {"narrow", "wide"})
+
+    def test_the_quoted_limit_ignores_nodes_that_serve_another_model(
+        self,
+    ) -> None:
+        """StreamTooLong quotes the largest window among nodes of the requested model only."""
+        small = self.start_mock_node(identity="s", model_name="m", context_window=64)
+        other = self.start_mock_node(identity="o", model_name="x", context_window=4096)
+        fleet = self.fleet_of([small, other])
+        error = self.wait_failure(
+            fleet.generate(HeadRequest(list(range(96)), 4, model="m")).result, StreamTooLong
+        ).value
+        self.assertEqual(error.max, 64)
+
+    def test_a_session_that_outgrows_its_node_is_moved_to_one_that_fits(
+        self,
+    ) -> None:
+        """An append past the 64-token window moves the session to the 4096-token node, which
+        then generates the local tokens of the grown context; the narrow node forgets it."""
+        narrow = self.start_mock_node(identity="narrow", context_window=64)
+        wide = self.start_mock_node(identity="wide", context_window=4096)
+        fleet = self.fleet_of([narrow, wide], policy=Policy.LEAST_LOADED)
+        session = self.wait(fleet.open_session(PROMPT))
+        self.assertEqual(session.node.name, "narrow")
+        grown = list(range(100))
+        self.wait(session.append(grown))
+        self.assertEqual(session.node.name, "wide")
+        outcome = self.wait(session.generate(5).result)
+        self.assertEqual(outcome.tokens, expected_tokens(grown, 5))
+        self.assertEqual(self.on(fleet, narrow).sessions, 0)
+        self.wait(fleet.generate(HeadRequest(PROMPT, 1)).result)  # a round trip on each link
+        self.wait(fleet.generate(HeadRequest(PROMPT, 1)).result)
+        self.assertNotIn(session.session_id, narrow.agent.contexts_of(self.ids.head_id))
