@@ -1,13 +1,13 @@
-"""The fleet head (sfnode.head.fleet.fleet) against real mock-engine nodes over loopback TCP.
+"""The fleet head (sfnode.head.fleet.fleet) against real mock-engine nodes over loopback TCP,
+for what is about sockets.
 
-These pin the head's behaviour of docs/protocol.md section 8: placement spreads and routes,
-round robin rotates, requests that share a prefix land where the head sent it (section 8.5), a
-dead node is skipped and used again once it answers, failover of
+These pin the head's behaviour of docs/protocol.md section 8 when nodes come and go: a node
+that dials in is adopted, a dead node is skipped and used again once it answers, failover of
 streaming and non-streaming generations gives exactly the tokens of an uninterrupted run, a
-reconnect after a dropped link is invisible, a hung node's streams fail over within the
-keepalive window, requests wait in a bounded queue for a node (and leave it when cancelled),
-cancel reaches the node, prompts too long are refused by type, and sessions move when they
-outgrow their node.  No sleeps: every wait is a Deferred.
+hung node's streams fail over within the keepalive window, requests wait in a bounded queue
+for a node (and leave it when cancelled).  The rest (placement and prefix affinity, one node's
+streaming, cancel and reconnects, windows, the lanes, the pipeline) is pinned on the memory
+reactor in tests/test_fleet_memory.py.  No sleeps: every wait is a Deferred.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
-from sfnode.generation import MOCK_LAYERS, MockEngine, TokenBatch
+from sfnode.generation import MockEngine, TokenBatch
 from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.fleet.fleet import (
     Fleet,
@@ -32,7 +32,6 @@ from sfnode.head.fleet.fleet import (
     Policy,
     QueueFull,
 )
-from sfnode.head.fleet.pipeline import PipelineFleet, check_boundaries, even_boundaries
 from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_LENGTH
 from sfnode.node.agent import NodeAgent
 from sfnode.node.config import NodeConfig
@@ -581,22 +580,6 @@ class QueueTests(FleetTestCase):
         self.assertEqual(clock.getDelayedCalls(), [])
 
     @defer.inlineCallbacks
-    def test_requests_beyond_the_lanes_wait_at_the_head(self) -> Generator[Any, Any, None]:
-        """A node with one lane runs one of the head's generations at a time: the second
-        waits at the head (queued) until the first ends, and both answers are right."""
-        node = yield self.start_mock_node(max_lanes=1, token_delay_s=0.002)
-        fleet = yield self.fleet_of([node])
-        first = fleet.generate(HeadRequest(PROMPT, 10))
-        second = fleet.generate(HeadRequest([*PROMPT, 1], 10))
-        self.assertEqual(fleet.queued, 1)
-        outcomes = yield defer.gatherResults([first.result, second.result])
-        self.assertEqual(
-            [o.tokens for o in outcomes],
-            [expected_tokens(PROMPT, 10), expected_tokens([*PROMPT, 1], 10)],
-        )
-        self.assertEqual(fleet.queued, 0)
-
-    @defer.inlineCallbacks
     def test_a_stream_whose_only_node_died_waits_for_it_and_continues_exactly(
         self,
     ) -> Generator[Any, Any, None]:
@@ -620,45 +603,3 @@ class QueueTests(FleetTestCase):
         self.assertEqual((outcome.node, outcome.failovers), ("only", 1))
 
 
-class PipelineTests(FleetTestCase):
-    @defer.inlineCallbacks
-    def run_pipeline(
-        self, stages: int, boundaries: list[int] | None
-    ) -> Generator[Any, Any, list[int]]:
-        nodes = []
-        for i in range(stages):
-            nodes.append((yield self.start_mock_node(identity=f"stage{i}")))
-        pipeline = PipelineFleet(
-            reactor,
-            [n.endpoint for n in nodes],
-            boundaries=boundaries,
-            n_layers=MOCK_LAYERS,
-            ids=self.ids,
-        )
-        self.addCleanup(pipeline.stop)
-        yield pipeline.start()
-        streamed: list[int] = []
-        outcome = yield pipeline.generate(HeadRequest(PROMPT, 8), on_tokens=streamed.extend).result
-        self.assertEqual(streamed, outcome.tokens)
-        return list(outcome.tokens)
-
-    @defer.inlineCallbacks
-    def test_a_two_stage_pipeline_matches_a_single_full_node(self) -> Generator[Any, Any, None]:
-        """Layers split evenly over two mock stages give the tokens of one full node."""
-        tokens = yield self.run_pipeline(2, None)
-        self.assertEqual(tokens, expected_tokens(PROMPT, 8))
-
-    @defer.inlineCallbacks
-    def test_a_three_stage_pipeline_with_given_boundaries_matches(
-        self,
-    ) -> Generator[Any, Any, None]:
-        """Boundaries [8, 16, 24] over three stages give the tokens of one full node."""
-        tokens = yield self.run_pipeline(3, [8, 16, 24])
-        self.assertEqual(tokens, expected_tokens(PROMPT, 8))
-
-    def test_boundaries(self) -> None:
-        """Even boundaries are ((i+1)·n) // P; given ones must be one per stage, increasing."""
-        self.assertEqual(even_boundaries(24, 2), [12, 24])
-        self.assertEqual(even_boundaries(10, 3), [3, 6, 10])
-        self.assertRaises(ValueError, check_boundaries, [12], 2)
-        self.assertRaises(ValueError, check_boundaries, [12, 12], 2)

@@ -13,7 +13,7 @@ from typing import Any
 from twisted.internet import defer
 from twisted.internet.testing import MemoryReactorClock
 
-from sfnode.generation import TokenBatch
+from sfnode.generation import MOCK_LAYERS, TokenBatch
 from sfnode.head.fleet.backend import (
     FleetOutcome,
     GenerationTimedOut,
@@ -27,6 +27,7 @@ from sfnode.head.fleet.fleet import (
     Policy,
     StreamTooLong,
 )
+from sfnode.head.fleet.pipeline import PipelineFleet, check_boundaries, even_boundaries
 from sfnode.head.fleet.placement import NO_PREFIX
 from sfnode.head.fleet.prefix_index import reusable_keys
 from sfnode.head.link import NodeSilentError
@@ -514,3 +515,62 @@ class WindowTests(MemoryHeadTestCase):
         self.wait(fleet.generate(HeadRequest(PROMPT, 1)).result)  # a round trip on each link
         self.wait(fleet.generate(HeadRequest(PROMPT, 1)).result)
         self.assertNotIn(session.session_id, narrow.agent.contexts_of(self.ids.head_id))
+
+
+class QueueTests(MemoryHeadTestCase):
+    def test_requests_beyond_the_lanes_wait_at_the_head(self) -> None:
+        """A node with one lane runs one of the head's generations at a time: the second
+        waits at the head (queued) until the first ends, and both answers are right."""
+        node = self.start_mock_node(max_lanes=1, token_delay_s=0.002)
+        fleet = self.fleet_of([node])
+        first = fleet.generate(HeadRequest(PROMPT, 10))
+        second = fleet.generate(HeadRequest([*PROMPT, 1], 10))
+        self.assertEqual(fleet.queued, 1)
+        outcomes = self.wait(defer.gatherResults([first.result, second.result]))
+        self.assertEqual(
+            [o.tokens for o in outcomes],
+            [expected_tokens(PROMPT, 10), expected_tokens([*PROMPT, 1], 10)],
+        )
+        self.assertEqual(fleet.queued, 0)
+
+
+class PipelineTests(MemoryHeadTestCase):
+    def run_pipeline(
+        self, stages: int, boundaries: list[int] | None
+    ) -> list[int]:
+        nodes = []
+        for i in range(stages):
+            nodes.append(self.start_mock_node(identity=f"stage{i}"))
+        pipeline = PipelineFleet(
+            self.reactor,
+            [self.endpoint(n) for n in nodes],
+            boundaries=boundaries,
+            n_layers=MOCK_LAYERS,
+            ids=self.ids,
+        )
+        self.addCleanup(lambda: self.wait(pipeline.stop()))
+        self.wait(pipeline.start())
+        streamed: list[int] = []
+        generation = pipeline.generate(HeadRequest(PROMPT, 8), on_tokens=streamed.extend)
+        outcome = self.wait(generation.result)
+        self.assertEqual(streamed, outcome.tokens)
+        return list(outcome.tokens)
+
+    def test_a_two_stage_pipeline_matches_a_single_full_node(self) -> None:
+        """Layers split evenly over two mock stages give the tokens of one full node."""
+        tokens = self.run_pipeline(2, None)
+        self.assertEqual(tokens, expected_tokens(PROMPT, 8))
+
+    def test_a_three_stage_pipeline_with_given_boundaries_matches(
+        self,
+    ) -> None:
+        """Boundaries [8, 16, 24] over three stages give the tokens of one full node."""
+        tokens = self.run_pipeline(3, [8, 16, 24])
+        self.assertEqual(tokens, expected_tokens(PROMPT, 8))
+
+    def test_boundaries(self) -> None:
+        """Even boundaries are ((i+1)·n) // P; given ones must be one per stage, increasing."""
+        self.assertEqual(even_boundaries(24, 2), [12, 24])
+        self.assertEqual(even_boundaries(10, 3), [3, 6, 10])
+        self.assertRaises(ValueError, check_boundaries, [12], 2)
+        self.assertRaises(ValueError, check_boundaries, [12, 12], 2)
