@@ -37,6 +37,17 @@ from tests.tinymodel import TINY_VOCAB
 _T = TypeVar("_T")
 
 
+def stop_at_end(test: MemoryNodeTestCase, stop: Callable[[], Deferred[Any]]) -> None:
+    """When ``test`` ends: ``stop()``, the bytes it sends moved, and its Deferred fired."""
+
+    def stopped() -> None:
+        done = stop()
+        test.flush()
+        test.successResultOf(done)
+
+    test.addCleanup(stopped)
+
+
 class ThreadlessReactor(MemoryReactorClock):
     """The memory reactor, where work handed back "from a thread" runs at once."""
 
@@ -124,13 +135,7 @@ class MemoryHeadTestCase(MemoryNodeTestCase):
         fleet = Fleet(self.reactor, FleetSettings(**settings), ids=self.ids, retry=retry)
         for node in nodes:
             self.wait(fleet.add_node(self.endpoint(node)))
-
-        def stop() -> None:
-            stopped = fleet.stop()
-            self.flush()
-            self.successResultOf(stopped)
-
-        self.addCleanup(stop)
+        stop_at_end(self, fleet.stop)
         return fleet
 
     def on(self, fleet: Fleet, node: MemoryNode) -> FleetNode:
@@ -251,4 +256,10 @@ class MemoryHeadTestCase(MemoryNodeTestCase):
         return response_of(self.successResultOf(client.ended))
 
 
-__all__ = ["InlineWorkers", "MemoryHead", "MemoryHeadTestCase", "ThreadlessReactor"]
+__all__ = [
+    "InlineWorkers",
+    "MemoryHead",
+    "MemoryHeadTestCase",
+    "ThreadlessReactor",
+    "stop_at_end",
+]

@@ -32,7 +32,7 @@ from sfnode.head.fleet.placement import NO_PREFIX
 from sfnode.head.fleet.prefix_index import reusable_keys
 from sfnode.head.link import NodeSilentError
 from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_LENGTH
-from tests.memoryhead import MemoryHeadTestCase
+from tests.memoryhead import MemoryHeadTestCase, stop_at_end
 from tests.nodefixture import MEMORY_PORT, MemoryNode, MemoryNodeTestCase, expected_tokens
 from tests.test_fleet import next_open
 
@@ -43,21 +43,11 @@ class MemoryFleetTests(MemoryNodeTestCase):
     def fleet(self, **options: object) -> Fleet:
         """A fleet on the test's memory reactor that has dialed the memory node."""
         assert isinstance(self.reactor, MemoryReactorClock)
-        fleet = Fleet(
-            self.reactor,
-            FleetSettings(**options),
-            ids=self.ids,
-        )  # type: ignore[arg-type]
+        fleet = Fleet(self.reactor, FleetSettings(**options), ids=self.ids)  # type: ignore[arg-type]
         added = fleet.add_node(f"tcp:127.0.0.1:{MEMORY_PORT}")
         self.connect()
         self.successResultOf(added)
-
-        def stop() -> None:
-            stopped = fleet.stop()
-            self.flush()
-            self.successResultOf(stopped)
-
-        self.addCleanup(stop)
+        stop_at_end(self, fleet.stop)
         return fleet
 
     def test_a_generation_streams_every_token_once(self) -> None:

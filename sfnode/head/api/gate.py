@@ -324,12 +324,20 @@ class ConcurrencyLimits:
 
 
 def _too_many(why: str) -> HttpError:
-    return HttpError(
-        429,
+    return rate_limited(
         f"Too many concurrent requests: {why}, a request with n choices counting n; retry "
         "when one of them has ended.",
+        "rate_limit_exceeded",
+    )
+
+
+def rate_limited(message: str, code: str) -> HttpError:
+    """A 429 (counted ``rate_limited``) that asks the client to retry in a second."""
+    return HttpError(
+        429,
+        message,
         kind="requests",
-        code="rate_limit_exceeded",
+        code=code,
         outcome="rate_limited",
         headers={b"retry-after": b"1"},
     )
@@ -471,14 +479,10 @@ def client_address(address: object) -> str:
 
 
 def too_many_client_connections(limit: int) -> HttpError:
-    return HttpError(
-        429,
+    return rate_limited(
         f"this client address has {limit} connections open, the most this server allows one "
         "address; reuse them (keep-alive) or close some",
-        kind="requests",
-        code="too_many_connections",
-        outcome="rate_limited",
-        headers={b"retry-after": b"1"},
+        "too_many_connections",
     )
 
 
