@@ -15,11 +15,10 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from twisted.internet import defer
 from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectionAborted, ConnectionDone
-from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -29,28 +28,12 @@ from sfnode.head.api.gate import GateLimits
 from sfnode.head.api.http import OpenAIApi
 from sfnode.head.fleet.backend import BackendStatus, FleetOutcome, HeadRequest, QueueFull
 from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH
+from tests.memoryhead import InlineWorkers, ThreadlessReactor
 from tests.test_http import tokenizer
 from tests.test_http_hostile import request_bytes
 
 _T = TypeVar("_T")
 MODEL = "mock"
-
-
-class _Reactor(MemoryReactorClock):
-    """The memory reactor, with work "from a thread" run at once."""
-
-    def callFromThread(self, f: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        f(*args, **kwargs)
-
-
-class _InlineWorkers:
-    """The API's workers, run on the spot (the render is not the point here)."""
-
-    def run(self, work: Callable[[], _T]) -> Deferred[_T]:
-        return defer.maybeDeferred(work)
-
-    def stop(self) -> None:
-        pass
 
 
 class _Generation:
@@ -96,7 +79,7 @@ class _Backend:
 
 class ExchangeTestCase(SynchronousTestCase):
     def setUp(self) -> None:
-        self.reactor = _Reactor()
+        self.reactor = ThreadlessReactor()
         self.backend = _Backend()
         self.api = OpenAIApi(
             self.reactor,
@@ -104,7 +87,7 @@ class ExchangeTestCase(SynchronousTestCase):
             tokenizer(),
             MODEL,
             seed_source=lambda: 7,
-            workers=_InlineWorkers(),  # type: ignore[arg-type]
+            workers=InlineWorkers(),  # type: ignore[arg-type]
             limits=GateLimits(stall_timeout_s=2.0),
         )
 
@@ -238,7 +221,7 @@ class BackPressureTests(ExchangeTestCase):
         self.assertEqual(self.count("cancelled"), 1)
 
 
-class _HeldWorkers(_InlineWorkers):
+class _HeldWorkers(InlineWorkers):
     """Workers whose work runs only when the test says so."""
 
     def __init__(self) -> None:

@@ -44,7 +44,7 @@ from sfnode.linkf.wire import (
 from tests.nodefixture import NodeTestCase, RawHead, expected_tokens
 from tests.test_head_link import FakeNodeFactory
 from tests.test_head_security import HeadServiceTestCase
-from tests.test_http import MESSAGES, MODEL
+from tests.test_http import MESSAGES, MODEL, record_ends
 from tests.test_http_hostile import RawClient, request_bytes
 from tests.test_node_link import LONG_LEASE
 
@@ -185,28 +185,13 @@ class SharedNodeTests(NodeTestCase):
 class GenerationBudgetTests(HeadServiceTestCase):
     timeout = 60
 
-    def slow_engine(self) -> tuple[MockEngine, defer.Deferred[Any]]:
-        """A mock engine whose tokens come every 0.25 s; the Deferred fires with how its first
-        generation ended."""
+    def slow_engine(self) -> tuple[MockEngine, list[defer.Deferred[Any]]]:
+        """A mock engine whose tokens come every 0.25 s, and how each of its generations
+        ended (``record_ends``)."""
         from tests.tinymodel import TINY_VOCAB
 
         engine = MockEngine(reactor, token_delay_s=0.25, vocab_size=TINY_VOCAB)
-        ended: defer.Deferred[Any] = defer.Deferred()
-        submit = engine.submit
-
-        def recording(request: Any, on_tokens: Any) -> Any:
-            generation = submit(request, on_tokens)
-
-            def end(result: Any) -> Any:
-                if not ended.called:
-                    ended.callback(result)
-                return result
-
-            generation.result.addBoth(end)
-            return generation
-
-        engine.submit = recording  # type: ignore[method-assign]
-        return engine, ended
+        return engine, record_ends(engine)
 
     @defer.inlineCallbacks
     def test_a_generation_past_its_budget_is_a_504_and_frees_its_lane(self) -> Gen:
@@ -233,7 +218,7 @@ class GenerationBudgetTests(HeadServiceTestCase):
         self.assertEqual(raised.exception.code, "generation_timeout")
         fleet = head.service.getServiceNamed("fleet").fleet  # type: ignore[no-untyped-call]
         self.assertEqual([n.inflight for n in fleet.nodes], [0])
-        result = yield ended
+        result = yield ended[0]
         self.assertEqual(result.stop, EngineStop.CANCELLED)
 
         endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", head.port)

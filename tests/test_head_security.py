@@ -39,6 +39,7 @@ from tests.test_http import (
     MODEL,
     HttpTestCase,
     StreamingClient,
+    record_ends,
     sse_events,
     tokenizer,
 )
@@ -487,26 +488,13 @@ class DrainTests(HeadServiceTestCase):
         node (its engine ends the generation CANCELLED), the client still gets a clean end
         (finish_reason stop, then [DONE]), and the service finishes stopping."""
         engine = MockEngine(reactor, token_delay_s=0.005, vocab_size=TINY_VOCAB)
-        ended: defer.Deferred[Any] = defer.Deferred()
-        submit = engine.submit
-
-        def recording_submit(request: Any, on_tokens: Any) -> Any:
-            generation = submit(request, on_tokens)
-
-            def record(result: Any) -> Any:
-                ended.callback(result)
-                return result
-
-            generation.result.addBoth(record)
-            return generation
-
-        engine.submit = recording_submit  # type: ignore[method-assign]
+        ended = record_ends(engine)
         node = yield self.start_vocab_node(engine=engine)
         head = yield self.start_sfhead([node], "--drain-timeout", "0.1")
         running = yield self.stream(head, 100000)
         stopped = head.service.stopService()  # type: ignore[no-untyped-call]
         self.assertFalse(stopped.called)
-        result = yield ended
+        result = yield ended[0]
         self.assertEqual(result.stop, EngineStop.CANCELLED)
         events = sse_events((yield running.ended))
         self.assertEqual(events[-1], "[DONE]")

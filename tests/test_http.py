@@ -163,6 +163,28 @@ def expected_tokens(context: Sequence[int], count: int) -> list[int]:
     return context[len(context) - count :]
 
 
+def record_ends(engine: MockEngine) -> list[defer.Deferred[Any]]:
+    """Wraps ``engine.submit``: the list gets, for each generation the engine starts, a
+    Deferred that fires with how it ended (its result or its failure)."""
+    ended: list[defer.Deferred[Any]] = []
+    submit = engine.submit
+
+    def recording_submit(request: Any, on_tokens: Any) -> Any:
+        generation = submit(request, on_tokens)
+        seen: defer.Deferred[Any] = defer.Deferred()
+        ended.append(seen)
+
+        def record(result: Any) -> Any:
+            seen.callback(result)
+            return result
+
+        generation.result.addBoth(record)
+        return generation
+
+    engine.submit = recording_submit  # type: ignore[method-assign]
+    return ended
+
+
 def sse_events(content: bytes) -> list[Any]:
     """The data of every server-sent event; ``[DONE]`` stays a string."""
     events = []
@@ -290,22 +312,7 @@ class CompletionTests(MemoryHeadTestCase):
         """Closing the connection during a stream sends GENERATE_CANCEL: the node's engine
         ends the generation CANCELLED long before its budget."""
         engine = MockEngine(self.reactor, token_delay_s=0.01, vocab_size=TINY_VOCAB)
-        ended: list[defer.Deferred[Any]] = []
-        submit = engine.submit
-
-        def recording_submit(request: Any, on_tokens: Any) -> Any:
-            generation = submit(request, on_tokens)
-            seen: defer.Deferred[Any] = defer.Deferred()
-            ended.append(seen)
-
-            def record(result: Any) -> Any:
-                seen.callback(result)
-                return result
-
-            generation.result.addBoth(record)
-            return generation
-
-        engine.submit = recording_submit  # type: ignore[method-assign]
+        ended = record_ends(engine)
         node = self.start_vocab_node(engine=engine)
         head = self.start_head([node])
         client = self.http(head, client=StreamingClient())
