@@ -303,10 +303,12 @@ class HeadTokenizer:
                 where = self.folder if self.folder is not None else "the node's files"
                 raise TokenizerLoadError(f"the chat template of {where} is invalid: {e}") from e
         vocab = self._tokenizer.get_vocab(with_added_tokens=True)
-        self._vocab_size = max(vocab.values(), default=-1) + 1
-        self._longest = max((len(t) for t in vocab), default=1)
+        self.vocab_size = max(vocab.values(), default=-1) + 1
+        self.longest_token = max((len(t) for t in vocab), default=1)
         eos = self.special_tokens.get("eos_token")
-        self._eos = self._tokenizer.token_to_id(eos) if eos is not None else None
+        self.eos_token_id: int | None = (
+            self._tokenizer.token_to_id(eos) if eos is not None else None
+        )
 
     def _read_json(self, name: str) -> dict[str, Any]:
         text = self._read(name)
@@ -327,18 +329,6 @@ class HeadTokenizer:
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
         return template if isinstance(template, str) else None
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def longest_token(self) -> int:
-        return self._longest
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self._eos
 
     def encode(self, text: str, *, special: bool, parse_special: bool = False) -> list[int]:
         # The batch encoders release the GIL while they work (``encode`` holds it throughout,
@@ -386,16 +376,8 @@ class TransformersCodec:
         self.tokenizer = tokenizer
         self._lock = threading.Lock()
         vocab = tokenizer.get_vocab()
-        self._vocab_size = max(max(vocab.values(), default=-1) + 1, len(tokenizer))
-        self._longest = max((len(t) for t in vocab), default=1)
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def longest_token(self) -> int:
-        return self._longest
+        self.vocab_size = max(max(vocab.values(), default=-1) + 1, len(tokenizer))
+        self.longest_token = max((len(t) for t in vocab), default=1)
 
     @property
     def eos_token_id(self) -> int | None:
