@@ -28,7 +28,6 @@ from sfnode.head.api.request_class import (
 )
 from sfnode.head.fleet import placement
 from sfnode.head.fleet.backend import HeadRequest
-from sfnode.head.fleet.fleet import Fleet
 from sfnode.head.fleet.placement import NodeView, Place, Policy, Request, Wait, decide
 from sfnode.head.link import GenerationCall
 from sfnode.head.tap import Options
@@ -44,7 +43,8 @@ from sfnode.linkf.wire import (
 )
 from sfnode.runtime.http_guard import HttpError
 from tests import test_head_link
-from tests.nodefixture import NodeTestCase, expected_tokens
+from tests.memoryhead import MemoryHeadTestCase
+from tests.nodefixture import expected_tokens
 from tests.test_head_link import LinkTestCase, ev
 from tests.test_head_security import HeadServiceTestCase, RunningHead
 from tests.test_http import MESSAGES, MODEL
@@ -223,36 +223,33 @@ class LinkTests(LinkTestCase):
 
 
 # --------------------------------------------------------------------------------------------
-# The fleet over TCP
+# The fleet, in memory
 
 
-class FleetTests(NodeTestCase):
-    @defer.inlineCallbacks
-    def test_a_chat_is_placed_while_batch_work_waits_at_the_head(self) -> Gen:
+class FleetTests(MemoryHeadTestCase):
+    def test_a_chat_is_placed_while_batch_work_waits_at_the_head(self) -> None:
         """A node of 2 lanes runs two batch generations; a third batch request waits at the
         head; a chat is placed at once on that node all the same, gets its lane when one
         frees, ahead of the waiting batch request, and ends with its exact tokens before that
         request is even placed; every batch request then finishes with its own tokens."""
-        node = yield self.start_node(max_lanes=2, token_delay_s=0.005)
-        fleet = Fleet(reactor, ids=self.ids)
-        self.addCleanup(fleet.stop)
-        yield fleet.add_node(node.endpoint)
+        node = self.start_mock_node(max_lanes=2, token_delay_s=0.005)
+        fleet = self.fleet_of([node])
         batch = [
             fleet.generate(
                 HeadRequest([10 + i, 11], 60, model="mock", request_class=BATCH),
             ) for i in range(3)
         ]
-        yield defer.gatherResults([b.when_placed() for b in batch[:2]])
+        self.wait(defer.gatherResults([b.when_placed() for b in batch[:2]]))
         self.assertEqual(fleet.queued, 1)
         chat = fleet.generate(HeadRequest([5, 6, 7], 4, model="mock", request_class=INTERACTIVE))
-        yield chat.when_placed()
+        self.wait(chat.when_placed())
         self.assertEqual(fleet.queued, 1)
-        outcome = yield chat.result
+        outcome = self.wait(chat.result)
         self.assertEqual(
             (outcome.tokens, outcome.finish), (expected_tokens([5, 6, 7], 4), FINISH_LENGTH)
         )
         self.assertFalse(batch[2].result.called)
-        outcomes = yield defer.gatherResults([b.result for b in batch])
+        outcomes = self.wait(defer.gatherResults([b.result for b in batch]))
         for i, done in enumerate(outcomes):
             self.assertEqual(done.tokens, expected_tokens([10 + i, 11], 60))
         self.assertEqual(fleet.nodes[0].interactive_inflight, 0)
