@@ -95,6 +95,7 @@ class MemoryHeadTestCase(MemoryNodeTestCase):
         context_window: int = 4096,
         max_lanes: int = 8,
         token_delay_s: float = 0.0,
+        supports_logprobs: bool = True,
         engine: MockEngine | None = None,
         **config: Any,
     ) -> MemoryNode:
@@ -107,6 +108,7 @@ class MemoryHeadTestCase(MemoryNodeTestCase):
                 vocab_size=vocab_size,
                 context_window=context_window,
                 max_lanes=max_lanes,
+                supports_logprobs=supports_logprobs,
             )
         port = MEMORY_PORT + len(self._ports)
         node = self.start_node(

@@ -1,9 +1,10 @@
 """Request classes at the head (docs/protocol.md section 12.2): the header, the default and its
 options, the link that carries the class only to nodes that read it, and placement.
 
-The rule and placement are pure functions, tested alone; the rest runs over real loopback TCP
-against mock-engine nodes whose engine records what it was asked (the class included), with the
-head built by ``sfnode.head.tap.makeService`` from its command line.
+The rule and placement are pure functions, tested alone; the fleet runs in memory
+(tests/memoryhead.py); the link and the HTTP API run over real loopback TCP against mock-engine
+nodes whose engine records what it was asked (the class included), with the head built by
+``sfnode.head.tap.makeService`` from its command line.
 """
 
 from __future__ import annotations

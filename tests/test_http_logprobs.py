@@ -1,10 +1,12 @@
-"""Logprobs through the head over real loopback TCP (docs/protocol.md section 12.1): the link
-hands them over with their tokens, the fleet keeps sessions that ask on nodes that offer them
-(failover included), and the HTTP API answers them in OpenAI's shapes, streamed and not.
+"""Logprobs through the head (docs/protocol.md section 12.1): the link hands them over with
+their tokens, the fleet keeps sessions that ask on nodes that offer them (failover included),
+and the HTTP API answers them in OpenAI's shapes, streamed and not.
 
 Mock-engine nodes stand behind the head; their logprobs are those of
 :func:`sfnode.generation.sparse_logprob` over the mock's logits (pinned on their own in
-tests/test_node_logprobs.py).  No sleeps: every wait is a Deferred.
+tests/test_node_logprobs.py).  The rules run in memory (tests/memoryhead.py); what kills,
+restarts or lies about a node runs over real loopback TCP.  No sleeps: every wait is a
+Deferred or the memory clock.
 """
 
 from __future__ import annotations
@@ -88,29 +90,6 @@ class _ClaimingNode(NodeAgent):
 
 class LinkAndFleetTests(FleetTestCase):
     @defer.inlineCallbacks
-    def test_the_link_hands_logprobs_over_with_their_tokens(self) -> Gen:
-        """A session whose GenParams ask (logprobs 3) gets batches with one TokenLogprob per
-        token, the mock's greedy values and two alternatives; a session that does not ask gets
-        batches without logprobs; the link reports the node's feature bit."""
-        node = yield self.start_node()
-        link = yield self.dial(node)
-        self.assertEqual((link.features or 0) & FEATURE_LOGPROBS, FEATURE_LOGPROBS)
-        link.assign(1, params=GenParams(logprobs=3))
-        link.append(1, PROMPT)
-        link.assign(2)
-        link.append(2, PROMPT)
-        asked, plain = Recorder(), Recorder()
-        first = yield link.generate(1, HeadRequest((), 30), on_tokens=asked).result
-        second = yield link.generate(2, HeadRequest((), 30), on_tokens=plain).result
-        self.assertEqual(first.tokens, expected_tokens(PROMPT, 30))
-        self.assertEqual(second.tokens, first.tokens)
-        self.assertEqual({batch.logprobs is None for batch in asked.batches}, {False})
-        for batch in asked.batches:
-            self.assertEqual(len(batch.tokens), len(batch.logprobs or ()))
-        self.assertEqual(asked.logprobs, greedy_logprobs(PROMPT, 30, 3))
-        self.assertEqual({batch.logprobs is None for batch in plain.batches}, {True})
-
-    @defer.inlineCallbacks
     def test_a_node_with_the_bit_that_sends_plain_tokens_breaks_its_link(self) -> Gen:
         """A node that set FEATURE_LOGPROBS but answers a session that asks with plain Tokens
         sends a stream the head cannot render: the link closes as malformed and the
@@ -128,41 +107,6 @@ class LinkAndFleetTests(FleetTestCase):
         link.append(1, PROMPT)
         call = link.generate(1, HeadRequest((), 10))
         yield self.assertFailure(call.result, MalformedFrameError)
-
-    @defer.inlineCallbacks
-    def test_sessions_that_ask_go_only_to_nodes_with_the_bit(self) -> Gen:
-        """Round-robin over a node without logprobs and one with them: every generation that
-        asks runs on the one with them, with its logprobs; plain ones still use both."""
-        plain = yield self.start_node(identity="plain", supports_logprobs=False)
-        able = yield self.start_node(identity="able")
-        fleet = yield self.fleet_of([plain, able], policy=Policy.ROUND_ROBIN)
-        for _ in range(3):
-            recorder = Recorder()
-            outcome = yield fleet.generate(
-                HeadRequest(PROMPT, 8, params=GenParams(logprobs=2)),
-                on_tokens=recorder,
-            ).result
-            self.assertEqual(outcome.node, "able")
-            self.assertEqual(recorder.logprobs, greedy_logprobs(PROMPT, 8, 2))
-        nodes = set()
-        for _ in range(2):
-            outcome = yield fleet.generate(HeadRequest(PROMPT, 4)).result
-            nodes.add(outcome.node)
-        self.assertEqual(nodes, {"plain", "able"})
-
-    @defer.inlineCallbacks
-    def test_no_node_with_the_bit_fails_at_once(self) -> Gen:
-        """When every node has handshaken without FEATURE_LOGPROBS, a generation that asks
-        fails with LogprobsUnavailable at once (no wait in the queue); one that does not ask
-        runs."""
-        plain = yield self.start_node(identity="plain", supports_logprobs=False)
-        fleet = yield self.fleet_of([plain], queue_timeout_s=60)
-        generation = fleet.generate(HeadRequest(PROMPT, 8, params=GenParams(logprobs=1)))
-        failure = yield self.assertFailure(generation.result, LogprobsUnavailable)
-        self.assertIn("returns logprobs", str(failure))
-        self.assertEqual(fleet.queued, 0)
-        outcome = yield fleet.generate(HeadRequest(PROMPT, 4)).result
-        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 4))
 
     @defer.inlineCallbacks
     def test_failover_keeps_the_session_on_nodes_with_the_bit(self) -> Gen:
@@ -234,6 +178,66 @@ class LinkAndFleetTests(FleetTestCase):
         generation = pipeline.generate(HeadRequest(PROMPT, 4, params=GenParams(logprobs=2)))
         self.failureResultOf(generation.result, LogprobsUnavailable)
         self.assertEqual(pipeline.stages, [])
+
+
+class LogprobsInMemoryTests(MemoryHeadTestCase):
+    """The link and the fleet with logprobs, on the memory reactor."""
+
+    def test_the_link_hands_logprobs_over_with_their_tokens(self) -> None:
+        """A session whose GenParams ask (logprobs 3) gets batches with one TokenLogprob per
+        token, the mock's greedy values and two alternatives; a session that does not ask gets
+        batches without logprobs; the link reports the node's feature bit."""
+        self.start_mock_node()
+        link = self.dial()
+        self.assertEqual((link.features or 0) & FEATURE_LOGPROBS, FEATURE_LOGPROBS)
+        link.assign(1, params=GenParams(logprobs=3))
+        link.append(1, PROMPT)
+        link.assign(2)
+        link.append(2, PROMPT)
+        asked, plain = Recorder(), Recorder()
+        first = self.wait(link.generate(1, HeadRequest((), 30), on_tokens=asked).result)
+        second = self.wait(link.generate(2, HeadRequest((), 30), on_tokens=plain).result)
+        self.assertEqual(first.tokens, expected_tokens(PROMPT, 30))
+        self.assertEqual(second.tokens, first.tokens)
+        self.assertEqual({batch.logprobs is None for batch in asked.batches}, {False})
+        for batch in asked.batches:
+            self.assertEqual(len(batch.tokens), len(batch.logprobs or ()))
+        self.assertEqual(asked.logprobs, greedy_logprobs(PROMPT, 30, 3))
+        self.assertEqual({batch.logprobs is None for batch in plain.batches}, {True})
+
+    def test_sessions_that_ask_go_only_to_nodes_with_the_bit(self) -> None:
+        """Round-robin over a node without logprobs and one with them: every generation that
+        asks runs on the one with them, with its logprobs; plain ones still use both."""
+        plain = self.start_mock_node("plain", supports_logprobs=False)
+        able = self.start_mock_node("able")
+        fleet = self.fleet_of([plain, able], policy=Policy.ROUND_ROBIN)
+        for _ in range(3):
+            recorder = Recorder()
+            generation = fleet.generate(
+                HeadRequest(PROMPT, 8, params=GenParams(logprobs=2)),
+                on_tokens=recorder,
+            )
+            outcome = self.wait(generation.result)
+            self.assertEqual(outcome.node, "able")
+            self.assertEqual(recorder.logprobs, greedy_logprobs(PROMPT, 8, 2))
+        nodes = set()
+        for _ in range(2):
+            outcome = self.wait(fleet.generate(HeadRequest(PROMPT, 4)).result)
+            nodes.add(outcome.node)
+        self.assertEqual(nodes, {"plain", "able"})
+
+    def test_no_node_with_the_bit_fails_at_once(self) -> None:
+        """When every node has handshaken without FEATURE_LOGPROBS, a generation that asks
+        fails with LogprobsUnavailable at once (no wait in the queue); one that does not ask
+        runs."""
+        plain = self.start_mock_node("plain", supports_logprobs=False)
+        fleet = self.fleet_of([plain], queue_timeout_s=60)
+        generation = fleet.generate(HeadRequest(PROMPT, 8, params=GenParams(logprobs=1)))
+        failure = self.wait_failure(generation.result, LogprobsUnavailable)
+        self.assertIn("returns logprobs", str(failure.value))
+        self.assertEqual(fleet.queued, 0)
+        outcome = self.wait(fleet.generate(HeadRequest(PROMPT, 4)).result)
+        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 4))
 
 
 class HttpLogprobsTests(MemoryHeadTestCase):
