@@ -15,16 +15,12 @@ from typing import Any
 
 from twisted.internet import defer, reactor
 from twisted.internet.error import ProcessDone
-from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
-from sfnode.generation import MockEngine
 from sfnode.head.fleet.backend import HeadRequest
-from sfnode.head.link import HeadIds, NodeLink, connect_node
+from sfnode.head.link import HeadIds, connect_node
 from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_DECLINED, FINISH_LENGTH
-from sfnode.node.agent import NodeAgent
-from sfnode.node.config import NodeConfig
-from tests.nodefixture import NodeTestCase, RunningNode, expected_tokens
+from tests.nodefixture import MemoryNodeTestCase, expected_tokens
 from tests.test_tap import TWISTD, TwistdProcess, child_env
 
 PROMPT = list(range(100, 112))
@@ -33,61 +29,44 @@ STEP_S = 0.01
 Gen = Generator[defer.Deferred[Any], Any, None]
 
 
-class AgentDrainTests(NodeTestCase):
-    """NodeAgent.drain in process: the node's time is a Clock, its sockets are real.
+class AgentDrainTests(MemoryNodeTestCase):
+    """NodeAgent.drain in process, on the memory reactor: the drain window is exact however
+    loaded the machine is, and the bytes move only when the test flushes them, so "after the
+    head's acknowledgements" is a fact, not a race."""
 
-    The node, its machines and its mock engine run on a :class:`Clock`, so the drain window is
-    exact however loaded the machine is; the head link runs on the real reactor.  After each
-    clock step a barrier (a STAGE_FORWARD, which the mock answers at once) makes sure the node
-    handled everything sent before it and that its answers arrived (one connection, in order).
-    """
-
-    @defer.inlineCallbacks
-    def start_clocked_node(self, clock: Clock, **config: Any) -> Generator[Any, Any, RunningNode]:
-        engine = MockEngine(clock, token_delay_s=STEP_S)
-        agent = NodeAgent(clock, engine, NodeConfig(identity="drain", model_name="mock", **config))
-        return (yield self.serve(agent, engine))
-
-    @defer.inlineCallbacks
-    def step(self, clock: Clock, link: NodeLink, seconds: float = STEP_S) -> Gen:
-        clock.advance(seconds)
-        yield link.stage_forward([1], 0, 1)
-
-    @defer.inlineCallbacks
-    def test_drain_declines_finishes_and_cancels(self) -> Gen:
+    def test_drain_declines_finishes_and_cancels(self) -> None:
         """During a drain a new GENERATE is DECLINED, a generation that ends inside the 600 ms
         drain window ends with LENGTH, and one that outlives it ends with CANCELLED exactly when
         the window closes; the drain fires once the head acknowledged those final events
         (before the ack wait could end it), with the link still open."""
-        clock = Clock()
-        node = yield self.start_clocked_node(clock, drain_timeout_ms=600)
-        link = yield self.dial(node)
+        node = self.start_node(identity="drain", token_delay_s=STEP_S, drain_timeout_ms=600)
+        link = self.dial()
         for session in (1, 2, 3):
             link.assign(session)
             link.append(session, PROMPT)
         short = link.generate(1, HeadRequest((), 20))
         long = link.generate(2, HeadRequest((), 1_000_000))
-        yield self.step(clock, link)
+        self.advance(STEP_S)
         drained = node.agent.drain()
-        drain_started = clock.seconds()
-        late = yield link.generate(3, HeadRequest((), 5)).result
+        drain_started = self.reactor.seconds()
+        declined = link.generate(3, HeadRequest((), 5)).result
+        self.flush()
+        late = self.successResultOf(declined)
         self.assertEqual((late.tokens, late.finish), ([], FINISH_DECLINED))
         while not long.result.called:
-            self.assertLess(clock.seconds(), drain_started + 1.0, "the drain window never closed")
-            yield self.step(clock, link)
-        done = yield short.result
+            late_by = self.reactor.seconds() - drain_started
+            self.assertLess(late_by, 1.0, "the drain window never closed")
+            self.advance(STEP_S)
+        done = self.successResultOf(short.result)
         self.assertEqual((done.tokens, done.finish), (expected_tokens(PROMPT, 20), FINISH_LENGTH))
-        cancelled = yield long.result
+        cancelled = self.successResultOf(long.result)
         self.assertEqual(cancelled.finish, FINISH_CANCELLED)
         self.assertEqual(cancelled.tokens, expected_tokens(PROMPT, len(cancelled.tokens)))
         # 600 ms of 10 ms tokens: cancelled when the window closed, not before.
-        self.assertGreaterEqual(clock.seconds() - drain_started, 0.6 - 1e-6)
+        self.assertGreaterEqual(self.reactor.seconds() - drain_started, 0.6 - 1e-6)
         self.assertGreaterEqual(len(cancelled.tokens), 55)
         # The acknowledgements end the drain; the clock stands still, so the ack wait cannot.
-        for _ in range(100):
-            if drained.called:
-                break
-            yield link.stage_forward([1], 0, 1)
+        self.flush()
         self.assertTrue(drained.called, "the drain did not end on the head's acknowledgements")
         self.assertTrue(link.connected)
         self.assertEqual(node.agent.running_generations, 0)
