@@ -28,6 +28,11 @@ from twisted.test.iosim import ConnectionCompleter, FakeTransport, connect
 from sfnode.generation import MOCK_VOCAB_SIZE, MockEngine
 from sfnode.head.api.http import OpenAIApi
 from sfnode.head.fleet.fleet import Fleet, FleetNode, FleetSettings
+from sfnode.head.fleet.model_admission import ModelAdmission
+from sfnode.linkf.model_files import Bundle
+from sfnode.node.agent import NodeAgent
+from sfnode.node.config import NodeConfig
+from sfnode.node.tap import node_factory
 from tests.nodefixture import MEMORY_PORT, MemoryNode, MemoryNodeTestCase
 from tests.tinymodel import TINY_VOCAB
 
@@ -97,10 +102,12 @@ class MemoryHeadTestCase(MemoryNodeTestCase):
         token_delay_s: float = 0.0,
         supports_logprobs: bool = True,
         engine: MockEngine | None = None,
+        model_name: str = "mock",
+        model_files: Bundle | None = None,
         **config: Any,
     ) -> MemoryNode:
-        """A mock node on a port of its own, on ``engine`` (default: a new MockEngine;
-        ``config``: more NodeConfig fields, such as ``model_name``)."""
+        """A mock node on a port of its own, on ``engine`` (default: a new MockEngine),
+        offering ``model_files`` (``config``: more NodeConfig fields)."""
         if engine is None:
             engine = MockEngine(
                 self.reactor,
@@ -110,11 +117,17 @@ class MemoryHeadTestCase(MemoryNodeTestCase):
                 max_lanes=max_lanes,
                 supports_logprobs=supports_logprobs,
             )
+        config = NodeConfig(identity=identity, model_name=model_name, max_lanes=max_lanes, **config)
+        return self.serve(NodeAgent(self.reactor, engine, config, model_files=model_files), engine)
+
+    def serve(self, agent: NodeAgent, engine: MockEngine) -> MemoryNode:
+        """Start ``agent`` listening on a port of its own; it stops when the test ends."""
+        agent.start()
         port = MEMORY_PORT + len(self._ports)
-        node = self.start_node(
-            identity=identity, engine=engine, port=port, max_lanes=max_lanes, **config
-        )
-        self._ports[id(node.agent)] = port
+        self.reactor.listenTCP(port, node_factory(agent), interface="127.0.0.1")
+        stop_at_end(self, agent.stop)
+        node = MemoryNode(agent, engine)
+        self._ports[id(agent)] = port
         self.started.append(node)
         return node
 
@@ -130,11 +143,13 @@ class MemoryHeadTestCase(MemoryNodeTestCase):
         nodes: Sequence[MemoryNode],
         *,
         retry: Callable[[int], float] = lambda failures: 0.05,
+        models: ModelAdmission | None = None,
         **settings: Any,
     ) -> Fleet:
-        """A fleet (``settings``: :class:`FleetSettings` fields) that dialed ``nodes``; its
-        links redial every 50 ms."""
-        fleet = Fleet(self.reactor, FleetSettings(**settings), ids=self.ids, retry=retry)
+        """A fleet (``settings``: :class:`FleetSettings` fields; ``models``: its model
+        admission) that dialed ``nodes``; its links redial every 50 ms."""
+        settings_value = FleetSettings(**settings)
+        fleet = Fleet(self.reactor, settings_value, ids=self.ids, retry=retry, models=models)
         for node in nodes:
             self.wait(fleet.add_node(self.endpoint(node)))
         stop_at_end(self, fleet.stop)

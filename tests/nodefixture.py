@@ -183,19 +183,16 @@ class MemoryNodeTestCase(SynchronousTestCase):
         identity: str = "node-1",
         token_delay_s: float = 0.0,
         engine: MockEngine | None = None,
-        model_name: str = "mock",
-        port: int = MEMORY_PORT,
         **config: Any,
     ) -> MemoryNode:
-        """A node listening on the memory reactor (on ``port``), on ``engine`` (default: a
-        new MockEngine)."""
+        """A node listening on the memory reactor, on ``engine`` (default: a new MockEngine)."""
         if engine is None:
             engine = MockEngine(self.reactor, token_delay_s=token_delay_s)
         agent = NodeAgent(
-            self.reactor, engine, NodeConfig(identity=identity, model_name=model_name, **config)
+            self.reactor, engine, NodeConfig(identity=identity, model_name="mock", **config)
         )
         agent.start()
-        self.reactor.listenTCP(port, node_factory(agent), interface="127.0.0.1")
+        self.reactor.listenTCP(MEMORY_PORT, node_factory(agent), interface="127.0.0.1")
 
         def stop() -> None:
             stopped = agent.stop()
