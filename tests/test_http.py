@@ -135,6 +135,29 @@ class HttpTestCase(NodeTestCase):
         content = yield readBody(response)
         return response.code, content
 
+    @defer.inlineCallbacks
+    def tiny_head(
+        self, max_lanes: int = 4
+    ) -> Generator[defer.Deferred[Any], Any, tuple[Head, Any, Any, Any]]:
+        """A head on ``tiny`` served by a node running the tiny transformers model: (head,
+        model, tokenizer, an ``openai`` client for the head)."""
+        import openai
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from sfnode.engines.transformers_engine import TransformersEngine
+        from tests.tinymodel import save_tiny_model
+
+        folder = save_tiny_model(self.mktemp())
+        model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True)
+        model.eval()
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        engine = TransformersEngine(model, reactor, max_lanes=max_lanes)
+        node = yield self.start_vocab_node(engine=engine, model_name="tiny")
+        head = yield self.start_head([node], model="tiny", tok=tok)
+        client = openai.OpenAI(base_url=head.base + "/v1", api_key="unused", max_retries=0)
+        self.addCleanup(client.close)
+        return head, model, tok, client
+
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         return prompt_ids(messages)
 
@@ -567,23 +590,12 @@ class OpenAIClientTests(HttpTestCase):
         detokenized greedy output of transformers' own generate() on the same prompt."""
         import openai
 
-        from sfnode.engines.transformers_engine import TransformersEngine
-        from tests.tinymodel import reference_greedy, save_tiny_model
+        from tests.tinymodel import reference_greedy
 
-        folder = save_tiny_model(self.mktemp())
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True)
-        model.eval()
-        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        engine = TransformersEngine(model, reactor, max_lanes=2)
-        node = yield self.start_vocab_node(engine=engine, model_name="tiny")
-        head = yield self.start_head([node], model="tiny", tok=tok)
+        _, model, tok, client = yield self.tiny_head(max_lanes=2)
         prompt = Renderer(tok).chat([ChatMessage("user", "hello world")])
         expected = reference_greedy(model, prompt, 10)
         expected_text = str(tok.decode(expected, skip_special_tokens=True))
-        client = openai.OpenAI(base_url=head.base + "/v1", api_key="unused", max_retries=0)
-        self.addCleanup(client.close)
 
         def plain() -> Any:
             return client.chat.completions.create(
@@ -624,32 +636,12 @@ class ChoicesAndRoutesTests(HttpTestCase):
     a head whose node runs a real (tiny) transformers model."""
 
     @defer.inlineCallbacks
-    def tiny_head(self) -> Generator[defer.Deferred[Any], Any, tuple[Head, Any, Any]]:
-        """A head on ``tiny`` served by a transformers node; (head, model, openai client)."""
-        import openai
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from sfnode.engines.transformers_engine import TransformersEngine
-        from tests.tinymodel import save_tiny_model
-
-        folder = save_tiny_model(self.mktemp())
-        model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True)
-        model.eval()
-        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        engine = TransformersEngine(model, reactor, max_lanes=4)
-        node = yield self.start_vocab_node(engine=engine, model_name="tiny")
-        head = yield self.start_head([node], model="tiny", tok=tok)
-        client = openai.OpenAI(base_url=head.base + "/v1", api_key="unused", max_retries=0)
-        self.addCleanup(client.close)
-        return head, model, client
-
-    @defer.inlineCallbacks
     def test_n_gives_that_many_choices_plain_and_streamed(self) -> Generator[Any, Any, None]:
         """n=3 returns three choices with indexes 0, 1, 2 (greedy: each is the greedy text);
         usage counts the prompt once and the tokens of all choices; streamed with
         include_usage, chunks carry their choice's index, each choice's text adds up to the
         same text and ends with its own finish_reason, and the last chunk holds the usage."""
-        head, model, client = yield self.tiny_head()
+        head, model, _, client = yield self.tiny_head()
         from tests.tinymodel import reference_greedy
 
         tok = head.api.renderer.codec
@@ -695,7 +687,7 @@ class ChoicesAndRoutesTests(HttpTestCase):
         n=1 gets with seed choice_seed(5, i): choice 0 with the request's own seed."""
         from sfnode.head.api.schema import choice_seed
 
-        _, _, client = yield self.tiny_head()
+        _, _, _, client = yield self.tiny_head()
 
         def chat(n: int, seed: int) -> Any:
             return client.chat.completions.create(
@@ -715,7 +707,7 @@ class ChoicesAndRoutesTests(HttpTestCase):
         NotFoundError (404, model_not_found) for another; models.list lists the one."""
         import openai
 
-        _, _, client = yield self.tiny_head()
+        _, _, _, client = yield self.tiny_head()
         model = yield threads.deferToThread(client.models.retrieve, "tiny")
         self.assertEqual((model.id, model.object), ("tiny", "model"))
         self.assertEqual(model.model_extra["context_length"], 256)
@@ -732,7 +724,7 @@ class ChoicesAndRoutesTests(HttpTestCase):
         BadRequestError naming top_logprobs past OpenAI's bound of 20."""
         import openai
 
-        head, _, client = yield self.tiny_head()
+        head, _, _, client = yield self.tiny_head()
         for method, path, status, allow in [
             (b"GET", "/no/such/path", 404, None),
             (b"GET", "/", 404, None),
