@@ -10,9 +10,9 @@ Three layers, each usable alone:
    :class:`~sfnode.linkf.wire.SamplerControls`, and :func:`check_grammar` asks the grammar library
    whether it can honour the grammar, without a tokenizer.  Every refusal is a
    :class:`ConstraintError` naming the request field, which an HTTP layer answers with a 400.
-   :func:`tools_system_text` and :func:`parse_tool_calls` are the generic rendering of tools
-   for chat templates that know none: the tools described in the system turn, and the calls
-   read back out of the output.
+   :func:`tools_system_text` is the generic rendering of tools for chat templates that know
+   none: the tools described in the system turn (the head reads the calls back out of the
+   output, ``sfnode.head.models.tools``).
 2. **A grammar's text**: :func:`grammar_text` writes each wire variant in llguidance's
    Lark-like syntax (JSON Schemas embedded with ``%json``), the languages section 12.3 defines.
 3. **A lane's stage** (the node): a :class:`Vocabulary` binds the grammar library to a model's
@@ -329,51 +329,6 @@ def tools_system_text(tools: Sequence[Mapping[str, Any]]) -> str:
         entry["parameters"] = function.get("parameters") or {"type": "object", "properties": {}}
         lines.append(json.dumps(entry, ensure_ascii=False))
     return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """One call the output made: the function's name and its arguments exactly as written
-    (a JSON object's text, OpenAI's ``function.arguments``)."""
-
-    name: str
-    arguments: str
-
-
-def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """The text before the first call and the calls of an output that a tools grammar
-    constrained (docs/protocol.md section 12.3).  Output without a call is all text.  An
-    output cut short (``max_tokens``) keeps the calls that closed; what follows the last one
-    is dropped.
-
-    :raises ValueError: a call whose JSON is not ``{"name": ..., "arguments": {...}}`` (output
-        no tools grammar produced).
-    """
-    start = text.find(CALL_OPEN)
-    if start < 0:
-        return text, []
-    content, calls, position = text[:start], [], start
-    decoder = json.JSONDecoder()
-    while text.startswith(CALL_OPEN, position):
-        body = position + len(CALL_OPEN)
-        try:
-            call, end = decoder.raw_decode(text, body)
-        except ValueError:
-            break  # cut short inside the call
-        if not text.startswith(CALL_CLOSE, end):
-            break
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            raise ValueError(f"not a tool call: {text[body:end]!r}")
-        arguments = call.get("arguments")
-        if not isinstance(arguments, dict):
-            raise ValueError(f"a tool call's arguments are not an object: {text[body:end]!r}")
-        key = text.find('"arguments"', body, end)
-        _, arguments_end = decoder.raw_decode(text, text.index("{", key))
-        calls.append(ToolCall(call["name"], text[text.index("{", key) : arguments_end]))
-        position = end + len(CALL_CLOSE)
-        if text.startswith(CALL_SEPARATOR + CALL_OPEN, position):
-            position += len(CALL_SEPARATOR)
-    return content, calls
 
 
 # --------------------------------------------------------------------------------------------
@@ -792,11 +747,9 @@ __all__ = [
     "MaskFiller",
     "Matcher",
     "Penalty",
-    "ToolCall",
     "Vocabulary",
     "check_grammar",
     "grammar_text",
-    "parse_tool_calls",
     "response_format_grammar",
     "sampler_controls",
     "tools_grammar",
