@@ -25,16 +25,11 @@ from twisted.internet.defer import Deferred
 from twisted.internet.testing import MemoryReactorClock
 from twisted.test.iosim import ConnectionCompleter, FakeTransport, connect
 
-from sfnode.engines.config import EngineConfig
-from sfnode.engines.mock import MOCK_VOCAB_SIZE, MockEngine
 from sfnode.head.api.http import OpenAIApi
 from sfnode.head.fleet.fleet import Fleet, FleetNode, FleetSettings
 from sfnode.head.fleet.model_admission import ModelAdmission
-from sfnode.linkf.model_files import Bundle
 from sfnode.node.agent import NodeAgent
-from sfnode.node.config import NodeConfig
-from sfnode.node.tap import node_factory
-from tests.nodefixture import MEMORY_PORT, MemoryNode, MemoryNodeTestCase
+from tests.nodefixture import MemoryNode, MemoryNodeTestCase
 from tests.tinymodel import TINY_VOCAB
 
 # tests.test_http and tests.test_http_hostile (the tiny tokenizer, the raw client) are imported
@@ -91,40 +86,14 @@ class MemoryHeadTestCase(MemoryNodeTestCase):
         self._clients = 0
         self.started: list[MemoryNode] = []
 
-    def start_mock_node(
-        self,
-        identity: str = "node",
-        *,
-        vocab_size: int = MOCK_VOCAB_SIZE,
-        context_window: int = 4096,
-        max_lanes: int = 8,
-        token_delay_s: float = 0.0,
-        supports_logprobs: bool = True,
-        engine: MockEngine | None = None,
-        model_name: str = "mock",
-        model_files: Bundle | None = None,
-        **config: Any,
-    ) -> MemoryNode:
-        """A mock node on a port of its own, on ``engine`` (default: a new MockEngine),
-        offering ``model_files`` (``config``: more NodeConfig fields)."""
-        if engine is None:
-            engine = MockEngine(
-                self.reactor,
-                EngineConfig(context_window=context_window, max_lanes=max_lanes),
-                token_delay_s=token_delay_s,
-                vocab_size=vocab_size,
-                supports_logprobs=supports_logprobs,
-            )
-        config = NodeConfig(identity=identity, model_name=model_name, max_lanes=max_lanes, **config)
-        return self.serve(NodeAgent(self.reactor, engine, config, model_files=model_files), engine)
+    def start_mock_node(self, identity: str = "node", **options: Any) -> MemoryNode:
+        """A mock node (:func:`~tests.nodefixture.mock_node`'s ``options``: the mock's,
+        ``model_files``, more NodeConfig fields) on a port of its own."""
+        return self.start_node(identity=identity, **options)
 
-    def serve(self, agent: NodeAgent, engine: MockEngine) -> MemoryNode:
-        """Start ``agent`` listening on a port of its own; it stops when the test ends."""
-        agent.start()
-        port = MEMORY_PORT + len(self.reactor.tcpServers)
-        self.reactor.listenTCP(port, node_factory(agent), interface="127.0.0.1")
-        stop_at_end(self, agent.stop)
-        node = MemoryNode(agent, engine, port)
+    def serve(self, agent: NodeAgent, engine: Any) -> MemoryNode:
+        """:meth:`MemoryNodeTestCase.serve`, the node counted among :attr:`started`."""
+        node = super().serve(agent, engine)
         self.started.append(node)
         return node
 
@@ -186,28 +155,7 @@ class MemoryHeadTestCase(MemoryNodeTestCase):
         bytes after each."""
         for _ in range(round(seconds / step)):
             self.reactor.advance(step)
-            self.join_dials()
-            self.flush()
-
-    def join_dials(self) -> None:
-        """Join every pending dial to the listener of its port."""
-        while (pump := self.completer.succeedOnce()) is not None:
-            self.pumps.append(pump)
-
-    def wait(self, d: Deferred[_T], within: float = 30.0) -> _T:
-        """The result of ``d``, letting time pass until it fires (at most ``within``
-        seconds)."""
-        self.join_dials()
-        self.flush()
-        self.until(lambda: d.called, within)
-        return self.successResultOf(d)
-
-    def wait_failure(self, d: Deferred[Any], *errors: type[BaseException]) -> Any:
-        """The failure of ``d`` (one of ``errors``), letting time pass until it fires."""
-        self.join_dials()
-        self.flush()
-        self.until(lambda: d.called)
-        return self.failureResultOf(d, *errors)
+            self.accept_dials()
 
     def http(self, head: MemoryHead, address: str = "127.0.0.1", client: Any = None) -> Any:
         """A client (``client``, else a raw one: ``tests.test_http_hostile.RawClient``)

@@ -29,6 +29,7 @@ from sfnode.engines.config import EngineConfig
 from sfnode.engines.mock import MOCK_VOCAB_SIZE, MockEngine, mock_next_token
 from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.link import HeadIds, LinkSettings, NodeLink, connect_node
+from sfnode.linkf.model_files import Bundle
 from sfnode.linkf.wire import Lease
 from sfnode.node.agent import NodeAgent
 from sfnode.node.config import NodeConfig
@@ -71,11 +72,12 @@ def mock_node(
     eos_token_id: int | None = None,
     supports_logprobs: bool = True,
     vocab_size: int = MOCK_VOCAB_SIZE,
+    model_files: Bundle | None = None,
     **config: Any,
 ) -> tuple[NodeAgent, Any]:
-    """A started node agent, its timers on ``clock``, and its engine: ``engine``, or a
-    MockEngine on ``reactor`` with the mock options given; ``config`` are further
-    :class:`NodeConfig` fields."""
+    """A started node agent, its timers on ``clock``, offering ``model_files``, and its engine:
+    ``engine``, or a MockEngine on ``reactor`` with the mock options given; ``config`` are
+    further :class:`NodeConfig` fields."""
     if engine is None:
         engine = MockEngine(
             reactor,
@@ -90,6 +92,7 @@ def mock_node(
         clock,
         engine,
         NodeConfig(identity=identity, model_name=model_name, max_lanes=max_lanes, **config),
+        model_files=model_files,
     )
     agent.start()
     return agent, engine
@@ -224,7 +227,12 @@ class MemoryNodeTestCase(SynchronousTestCase):
     def start_node(self, **options: Any) -> MemoryNode:
         """A node (:func:`mock_node` with ``options``) listening on the memory reactor, each
         on a port of its own."""
-        agent, engine = mock_node(self.reactor, self.reactor, **options)
+        return self.serve(*mock_node(self.reactor, self.reactor, **options))
+
+    def serve(self, agent: NodeAgent, engine: Any) -> MemoryNode:
+        """Start ``agent`` (starting is idempotent) listening on a memory port of its own; it
+        stops when the test ends."""
+        agent.start()
         port = MEMORY_PORT + len(self.reactor.tcpServers)
         self.reactor.listenTCP(port, node_factory(agent), interface="127.0.0.1")
 
@@ -291,10 +299,11 @@ class MemoryNodeTestCase(SynchronousTestCase):
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 8))
 
     def wait(self, d: defer.Deferred[T], timeout_s: float = 60.0, step: float = 0.01) -> T:
-        """What ``d`` fires with, once memory time has passed (in steps of ``step``, the bytes
-        moved after each) until it fired; a failure is raised.  A Deferred that has not fired
-        within ``timeout_s`` of memory time fails the test."""
-        self.flush()
+        """What ``d`` fires with, once memory time has passed (in steps of ``step``; pending
+        dials joined and the bytes moved before the first and after each) until it fired; a
+        failure is raised.  A Deferred that has not fired within ``timeout_s`` of memory time
+        fails the test."""
+        self.accept_dials()
         for _ in range(round(timeout_s / step)):
             if d.called:
                 break
