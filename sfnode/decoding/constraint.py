@@ -46,6 +46,7 @@ import llguidance.numpy
 import numpy as np
 from numpy.typing import NDArray
 
+from sfnode.decoding.closing import LaneBudget, TokenTable
 from sfnode.linkf.wire import (
     LOGIT_BIAS_RANGE,
     MAX_GRAMMAR_BYTES,
@@ -515,6 +516,8 @@ class Vocabulary:
         self.tokenizer = llguidance.LLTokenizer(
             tokenizer_json, n_vocab=size, eos_token=sorted(self.eos_ids)
         )
+        self.table = TokenTable(self.tokenizer, size)
+        """Its tokens as bytes, for the closings of budgets (:mod:`sfnode.decoding.closing`)."""
 
     @classmethod
     def of_tokenizer(cls, tokenizer: Any, *, size: int, eos_ids: Iterable[int]) -> Vocabulary:
@@ -563,6 +566,10 @@ class Matcher:
             )
         self.consumed = 0
         """Tokens consumed so far."""
+        self.budget = LaneBudget(vocabulary.table, vocabulary.eos_ids)
+        """Its budget: set ``budget.limit``, the most tokens the output may have (counted as
+        :attr:`consumed` is), and the masks close the output within it (docs/engine.md
+        section 2.4)."""
 
     @property
     def accepting(self) -> bool:
@@ -587,6 +594,7 @@ class Matcher:
                 "grammar",
             )
         self.consumed += 1
+        self.budget.advanced(token)
 
     def rollback(self, tokens: int) -> None:
         """Take back the last ``tokens`` consumed."""
@@ -597,12 +605,25 @@ class Matcher:
                 f"rollback failed: {_first_line(self._matcher.get_error())}", "grammar"
             )
         self.consumed -= tokens
+        self.budget.rolled_back(tokens)
 
     def fill(self, masks: NDArray[np.int32], row: int) -> None:
         """Write the tokens allowed next into ``masks[row]`` (see :class:`MaskFiller` for
         many at once)."""
         llguidance.numpy.fill_next_token_bitmask(self._matcher, masks, row)
         _end_only_where_allowed(masks, row, self.vocabulary)
+        self.narrow(masks, row)
+
+    def narrow(self, masks: NDArray[np.int32], row: int) -> None:
+        """Narrow the grammar's mask in ``masks[row]`` to what the budget leaves room for
+        (docs/engine.md section 2.4)."""
+        self.budget.narrow(self._matcher, masks, row)
+
+    def closing_length(self) -> int | None:
+        """The tokens the output needs from here to end, its EOS included, as the budget
+        counts them (None: no closing within reach, :mod:`sfnode.decoding.closing`)."""
+        closing = self.budget.closing(self._matcher)
+        return None if closing is None else closing.length
 
     def allowed(self) -> NDArray[np.intp]:
         """The ids allowed next, ascending."""
@@ -641,8 +662,9 @@ class MaskFiller:
             llguidance.numpy.fill_next_token_bitmask_par(
                 self._executor, [(m._matcher, row) for m, row in matchers], masks
             )
-            for _, row in matchers:
+            for matcher, row in matchers:
                 _end_only_where_allowed(masks, row, self.vocabulary)
+                matcher.narrow(masks, row)
         return masks
 
 
@@ -719,6 +741,18 @@ class LaneStage:
     def generated(self) -> int:
         """Tokens the generation has produced (before a failover and since)."""
         return len(self._history) - self._generated_from
+
+    def limit(self, tokens: int) -> None:
+        """The lane may draw ``tokens`` more tokens (its EOS included): its grammar's masks
+        close the output within them (docs/engine.md section 2.4)."""
+        if self.matcher is not None:
+            self.matcher.budget.limit = self.matcher.consumed + tokens
+
+    @property
+    def closed(self) -> bool:
+        """Whether the lane ended with its grammar's end while its budget held it to the
+        closing (:attr:`~sfnode.decoding.closing.LaneBudget.closed`)."""
+        return self.matcher is not None and self.matcher.budget.closed
 
     def advance(self, token: int) -> None:
         """The lane drew ``token``."""

@@ -166,12 +166,13 @@ class EngineGeneration:
             log.failure("on_tokens raised; cancelling the generation")
             self.cancel()
 
-    def finish(self, stop: EngineStop) -> None:
+    def finish(self, stop: EngineStop, closed: bool = False) -> None:
+        """It ended with ``stop`` (``closed``: its budget closed its grammar's output)."""
         if self._result.called:
             return
         if self._cancelled:
-            stop = EngineStop.CANCELLED
-        self._result.callback(GenerationResult(tuple(self._delivered), stop))
+            stop, closed = EngineStop.CANCELLED, False
+        self._result.callback(GenerationResult(tuple(self._delivered), stop, closed))
 
     def fail(self, error: BaseException) -> None:
         if self._result.called:
@@ -357,6 +358,8 @@ class EngineLoop:
         if self._stopping:
             handle.finish(EngineStop.CANCELLED)
             return
+        # What the lane may still draw: its grammar's masks close the output within it.
+        stage.limit(min(job.max_new, job.token_limit - len(job.context)))
         job.stage = stage
         self._queue(handle, job)
 
@@ -501,13 +504,13 @@ class EngineLoop:
                 and handle.request.params.logprobs > 0
             )
             handle.deliver(tokens, logprobs if asked else None)
-        for request, stop, error in ended:
+        for request, stop, error, closed in ended:
             handle = request.handle
             if error is not None:
                 handle.fail(error)
             else:
                 assert stop is not None
-                handle.finish(stop)
+                handle.finish(stop, closed)
 
 
 if TYPE_CHECKING:
