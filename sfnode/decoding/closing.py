@@ -12,26 +12,31 @@ as its budget runs out:
   in its JSON: a string's quote, the enclosing object's or array's end, a comma, the shortest
   value), until the output may end.  Its **length** is the fewest tokens that spell that text,
   plus the EOS (:meth:`TokenTable.fewest`).
-- With ``r`` tokens left (the EOS included) and a closing of length ``u``: while
-  ``r - u > CLOSING_GUARD`` the mask is the grammar's, except where the output may end now
-  and the grammar allows only a few other tokens: then those after which the closing would
-  no longer fit are removed (a second tool call that cannot be written).  From
-  ``r - u <= CLOSING_GUARD`` on, the lane is **closing**: only the tokens that spell the
-  start of the closing text and leave room for the rest of it are allowed (only the first
-  tokens of its shortest spellings once ``r == u``; the EOS when the text is empty), so the
+- With ``left`` tokens left (the EOS included) and a closing of length ``u``, the *slack* is
+  ``left - u``.  Beyond :data:`CLOSING_GUARD` the mask is the grammar's, except where the
+  output may end now and the grammar allows only a few other tokens: those after which the
+  closing would no longer fit are removed (a second tool call that cannot be written).
+  Within it the lane is **closing**: the tokens that spell the start of the closing text and
+  leave room for the rest are allowed, and, while the slack is at least 1, the others after
+  which the closing still fits (each one checked where the grammar allows at most
+  :data:`VERIFIED_TOKENS`; inside a JSON string, a string's content, which leaves the closing
+  as it was); at slack 0 only the first tokens of the closing's shortest spellings.  So the
   output ends with its grammar's end within its budget.
 
-Everything here is a function of the grammar's state, the output's bytes and ``r``: the walk
-from a state is deterministic, and from any state its walk passes through, the walk goes on
-with the same bytes (the order of choices depends only on the state), so the closing after a
-token that spells its start is the rest of its text, and a lane that is closing stays so.
-That is what keeps a closing lane's tokens the same alone or batched, in either engine and
-after a failover (a new node, replaying the delivered tokens, finds the same closing).
+Everything here is a function of the grammar's state, the output's bytes and ``left``: the
+walk from a state is deterministic, and from any state its walk passes through, the walk goes
+on with the same bytes (the order of choices depends only on the state), so the closing after a
+token that spells its start is the rest of its text, and every token a closing lane may draw
+leaves it a closing that fits.  That is what keeps a closing lane's tokens the same alone or
+batched, in either engine and after a failover (a new node, replaying the delivered tokens,
+finds the same closings).
 
 The guard keeps a token drawn freely from making the closing longer than the budget left:
 one token opens at most a few tokens' worth of structure (measured on the targets' grammars:
 at most 5, docs/engine.md section 2.4).  A single token that opens more outside the guard (an
-optional property whose value needs many required ones) is not prevented.
+optional property whose value needs many required ones) is not prevented.  Free text (where
+the output may end and the grammar allows many tokens: ``tool_choice`` ``auto`` or ``none``)
+is left to end where its budget does.
 
 This module must never import torch, touch a model, start a thread or read the reactor.
 """
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import llguidance
 import numpy as np
@@ -49,9 +55,10 @@ CLOSING_GUARD = 8
 """Tokens of budget beyond a closing's length at which a lane starts closing."""
 MAX_CLOSING_BYTES = 1024
 """The longest closing text a walk looks for; a state with none so short is left alone."""
-VERIFIED_ENDINGS = 64
-"""Where the output may end, at most this many other allowed tokens are checked one by one."""
+VERIFIED_TOKENS = 128
+"""At most this many allowed tokens are checked one by one for room to close."""
 _MEMO_LIMIT = 1 << 16
+T = TypeVar("T")
 
 # Where the output stands in its JSON (a closing walk's order of choices depends on it).
 _OUTSIDE, _VALUE, _FIRST_ITEM, _FIRST_KEY, _KEY, _STRING, _KEY_STRING = range(7)
@@ -111,6 +118,11 @@ class JsonContext:
             mode, stack = _step(mode, stack, byte)
         return JsonContext(mode, stack, escaped)
 
+    @property
+    def in_string(self) -> bool:
+        """Inside a string (a key's or a value's)."""
+        return self.mode == _STRING or self.mode == _KEY_STRING
+
     def preferred(self) -> bytes:
         """The bytes a closing walk tries first here, best first (see the module)."""
         mode = self.mode
@@ -165,8 +177,10 @@ class TokenTable:
     byte string, the token of each single byte, and the fewest tokens that spell a text
     (remembered, since consecutive closings share their ends).  Special tokens spell nothing."""
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, size: int) -> None:
+    def __init__(self, tokenizer: llguidance.LLTokenizer, size: int, eos: int) -> None:
         self.tokenizer = tokenizer
+        self.eos = eos
+        """An EOS id (a closing ends where the grammar allows it)."""
         self.bytes_of: list[bytes] = [b""] * size
         ids: dict[bytes, list[int]] = {}
         for token in range(min(size, tokenizer.vocab_size)):
@@ -187,6 +201,10 @@ class TokenTable:
         self._longest = longest
         """The longest token starting with each token's first two bytes (one for one-byte
         tokens)."""
+        self.content = _content_bits(self.bytes_of)
+        """One bit per token (mask words) for the tokens that may stand inside a JSON string
+        without ending it: whole UTF-8 characters, none of them a quote, a backslash or a
+        control character."""
         self._fewest: dict[bytes, int] = {b"": 0}
         self._spelled: dict[bytes, list[int]] = {}
         self._after: dict[tuple[JsonContext, bytes], JsonContext] = {}
@@ -245,6 +263,18 @@ class TokenTable:
                 yield token, length
 
 
+def _content_bits(spellings: Sequence[bytes]) -> NDArray[np.int32]:
+    bits = np.zeros((len(spellings) + 31) // 32 * 32, dtype=np.uint8)
+    for token, data in enumerate(spellings):
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        if data and not any(c in '"\\' or ord(c) < 0x20 for c in text):
+            bits[token] = 1
+    return np.packbits(bits, bitorder="little").view(np.int32)
+
+
 @dataclass(frozen=True)
 class Closing:
     """A state's closing: its text (empty where the output may end) and its length, the fewest
@@ -258,49 +288,53 @@ def closing_text(
     matcher: llguidance.LLMatcher, context: JsonContext, table: TokenTable
 ) -> bytes | None:
     """The closing walk's text from ``matcher``'s state (see the module), or None when it finds
-    none within :data:`MAX_CLOSING_BYTES` bytes; the matcher is left as it was."""
+    none within :data:`MAX_CLOSING_BYTES` bytes; the matcher is left as it was.
+
+    Bytes after which the output may end are checked, not consumed (the grammar library takes
+    longest to consume the token that ends an output)."""
+    if matcher.is_accepting():
+        return b""
     out = bytearray()
     consumed = 0
     try:
         while len(out) <= MAX_CLOSING_BYTES:
-            if matcher.is_accepting():
-                return bytes(out)
             forced = matcher.compute_ff_bytes()
             if forced:
-                tokens = table.spell(forced)
-                taken = matcher.try_consume_tokens(tokens)
-                consumed += taken
-                if taken < len(tokens):
+                data, tokens = forced, table.spell(forced)
+            else:
+                choice = _choice(matcher, context, table)
+                if choice is None:
                     return None
-                out += forced
-                context = table.after(context, forced)
-                continue
-            byte = _choice(matcher, context, table)
-            if byte is None:
+                data, tokens = _BYTES[choice[0]], [choice[1]]
+            out += data
+            if matcher.validate_tokens([*tokens, table.eos]) == len(tokens) + 1:
+                return bytes(out)
+            taken = matcher.try_consume_tokens(tokens)
+            consumed += taken
+            if taken < len(tokens):
                 return None
-            consumed += 1
-            out.append(byte)
-            context = table.after(context, _BYTES[byte])
+            context = table.after(context, data)
         return None
     finally:
         if consumed:
             matcher.rollback(consumed)
 
 
-def _choice(matcher: llguidance.LLMatcher, context: JsonContext, table: TokenTable) -> int | None:
-    """Consume the walk's byte where the grammar leaves a choice, and return it (None: the
-    grammar allows no single byte here)."""
+def _choice(
+    matcher: llguidance.LLMatcher, context: JsonContext, table: TokenTable
+) -> tuple[int, int] | None:
+    """The walk's byte where the grammar leaves a choice, and its token (None: the grammar
+    allows no single byte here)."""
     single = table.single
     for byte in context.preferred():
         token = single[byte]
-        if token >= 0 and matcher.try_consume_tokens([token]) == 1:
-            return byte
+        if token >= 0 and matcher.validate_tokens([token]) == 1:
+            return byte, token
     bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
     for byte in _FALLBACK:
         token = single[byte]
         if token >= 0 and bits[token >> 3] >> (token & 7) & 1:
-            if matcher.try_consume_tokens([token]) == 1:
-                return byte
+            return byte, token
     return None
 
 
@@ -316,8 +350,13 @@ def closing_of(
 
 class LaneBudget:
     """One lane's budget (see the module): the tokens it may have, where its output stands
-    after each token, and the closings found so far; told of every token its matcher consumes
-    or takes back."""
+    after each token, the closings found so far, and which of its tokens were drawn from a
+    mask the budget narrowed; told of every token its matcher consumes or takes back.
+
+    What it remembers of a state is keyed by the state's tokens (a hash of them), so that a
+    draft's states, filled and taken back before the lane draws them (docs/engine.md section
+    3.1), are found again when the lane does draw them.
+    """
 
     def __init__(self, table: TokenTable, eos_ids: frozenset[int]) -> None:
         self.table = table
@@ -326,107 +365,198 @@ class LaneBudget:
         """The most tokens the output may have (None: no budget)."""
         self._tokens: list[int] = []
         self._contexts = [JSON_START]
-        self._closings: dict[int, Closing | None] = {}
-        """The closing of the state after each number of tokens, where it was found."""
+        self._keys = [0]
+        """Per number of tokens, a hash of the tokens."""
+        self._closings: dict[int, tuple[int, Closing | None]] = {}
+        """By state: its number of tokens and its closing, where it was found."""
+        self._narrowed: dict[int, tuple[int, bool]] = {}
+        """By state: its number of tokens and whether its mask was narrowed."""
+        self._drawn_narrowed: list[bool] = []
+        """Per token: whether it was drawn from a narrowed mask."""
+
+    @property
+    def count(self) -> int:
+        """Tokens consumed."""
+        return len(self._tokens)
 
     def advanced(self, token: int) -> None:
         """The matcher consumed ``token``."""
+        key = self._keys[-1]
+        self._drawn_narrowed.append(self._narrowed.get(key, (0, False))[1])
         self._tokens.append(token)
         self._contexts.append(self.table.after(self._contexts[-1], self.table.bytes_of[token]))
+        self._keys.append(hash((key, token)))
 
     def rolled_back(self, tokens: int) -> None:
         """The matcher took back its last ``tokens`` tokens."""
         if tokens:
-            del self._tokens[len(self._tokens) - tokens :]
-            del self._contexts[len(self._contexts) - tokens :]
-            for count in [c for c in self._closings if c > len(self._tokens)]:
-                del self._closings[count]
+            kept = len(self._tokens) - tokens
+            del self._tokens[kept:]
+            del self._contexts[kept + 1 :]
+            del self._keys[kept + 1 :]
+            del self._drawn_narrowed[kept:]
+
+    @property
+    def due(self) -> bool:
+        """Whether the budget may narrow the mask here (it is near enough)."""
+        if self.limit is None:
+            return False
+        left = self.limit - len(self._tokens)
+        return 0 < left <= MAX_CLOSING_BYTES + CLOSING_GUARD + 2
 
     @property
     def closed(self) -> bool:
-        """Whether the output ended with an EOS drawn while the lane was closing: the state
-        before it could end at once (a closing of one token), within the guard."""
-        if self.limit is None or not self._tokens or self._tokens[-1] not in self.eos_ids:
-            return False
-        return self.limit - len(self._tokens) <= CLOSING_GUARD
+        """Whether the output ended with an EOS, and a token of it was drawn while the lane
+        was closing from a mask the budget narrowed."""
+        ended = bool(self._tokens) and self._tokens[-1] in self.eos_ids
+        return ended and any(self._drawn_narrowed)
 
     def closing(self, matcher: llguidance.LLMatcher) -> Closing | None:
         """The closing of the matcher's state: the rest of the previous state's when the last
         token spells its start (the walk goes on the same way), else walked."""
-        count = len(self._tokens)
-        if count in self._closings:
-            return self._closings[count]
-        before = self._closings.get(count - 1) if count else None
-        if before is not None:
-            spelled = self.table.bytes_of[self._tokens[-1]]
-            if spelled and before.text.startswith(spelled):
-                rest = before.text[len(spelled) :]
-                return self._remember(count, Closing(rest, self.table.fewest(rest) + 1))
-        return self._remember(count, closing_of(matcher, self._contexts[-1], self.table))
-
-    def _remember(self, count: int, closing: Closing | None) -> Closing | None:
-        """Keep the closing after ``count`` tokens, and forget those before ``count - 1``."""
-        for older in [c for c in self._closings if c < count - 1]:
-            del self._closings[older]
-        self._closings[count] = closing
-        return closing
+        count, key = len(self._tokens), self._keys[-1]
+        if key in self._closings:
+            return self._closings[key][1]
+        before = self._closings.get(self._keys[-2]) if count else None
+        found: Closing | None
+        if before is not None and before[1] is not None:
+            rest = _rest(before[1].text, self.table.bytes_of[self._tokens[-1]])
+            if rest is not None:
+                found = Closing(rest, self.table.fewest(rest) + 1)
+                _remember(self._closings, key, count, found)
+                return found
+        found = closing_of(matcher, self._contexts[-1], self.table)
+        _remember(self._closings, key, count, found)
+        return found
 
     def narrow(self, matcher: llguidance.LLMatcher, masks: NDArray[np.int32], row: int) -> None:
-        """Narrow ``masks[row]``, the grammar's mask at the matcher's state (see the module)."""
-        if self.limit is None:
-            return
-        left = self.limit - len(self._tokens)
-        if left <= 0 or left > MAX_CLOSING_BYTES + CLOSING_GUARD + 2 or matcher.is_stopped():
-            return
-        closing = self.closing(matcher)
-        if closing is None:
-            return
-        if left - closing.length > CLOSING_GUARD:
-            if not closing.text:
-                self._verify_endings(matcher, left, masks, row)
-            return
-        room = max(left, closing.length) - 1
-        keep = [t for t in self.eos_ids if not closing.text]
-        keep += [
-            token
-            for token, length in self.table.starts(closing.text)
-            if self.table.fewest(closing.text[length:]) + 1 <= room
-        ]
-        _keep_only(masks, row, keep)
+        """Narrow ``masks[row]``, the grammar's mask at the matcher's state (see the module),
+        and remember whether the lane was closing and that removed a token."""
+        narrowed = False
+        if self.due and not matcher.is_stopped():
+            closing = self.closing(matcher)
+            if closing is not None:
+                assert self.limit is not None
+                narrowed = self._narrow(
+                    matcher, closing, self.limit - len(self._tokens), masks, row
+                )
+        _remember(self._narrowed, self._keys[-1], len(self._tokens), narrowed)
 
-    def _verify_endings(
-        self, matcher: llguidance.LLMatcher, left: int, masks: NDArray[np.int32], row: int
+    def _narrow(
+        self,
+        matcher: llguidance.LLMatcher,
+        closing: Closing,
+        left: int,
+        masks: NDArray[np.int32],
+        row: int,
+    ) -> bool:
+        before = masks[row].copy()
+        slack = left - closing.length
+        if not closing.text:
+            # The output may end here: check the few other tokens (free text is left alone).
+            self._verify(matcher, closing, left, masks, row, set(self.eos_ids), free=True)
+        elif slack <= 0:
+            _keep_only(masks, row, self._closing_tokens(closing, max(left, closing.length) - 1))
+        elif slack <= CLOSING_GUARD:
+            # Closing with room to spare: what else still leaves room to close is allowed too.
+            self._verify(
+                matcher, closing, left, masks, row, self._closing_tokens(closing, left - 1)
+            )
+        if not masks[row].any():
+            masks[row] = before  # nothing found to keep: the grammar's mask stands
+        # Closing (not a check of endings far from the budget) that removed a token.
+        return slack <= CLOSING_GUARD and not np.array_equal(before, masks[row])
+
+    def _closing_tokens(self, closing: Closing, room: int) -> set[int]:
+        """The tokens that begin the closing text and leave its rest spelled in ``room``
+        tokens at most, its EOS included (the EOS where the text is empty)."""
+        keep = set(self.eos_ids) if not closing.text else set()
+        for token, length in self.table.starts(closing.text):
+            if self.table.fewest(closing.text[length:]) + 1 <= room:
+                keep.add(token)
+        return keep
+
+    def _verify(
+        self,
+        matcher: llguidance.LLMatcher,
+        closing: Closing,
+        left: int,
+        masks: NDArray[np.int32],
+        row: int,
+        keep: set[int],
+        *,
+        free: bool = False,
     ) -> None:
-        """Where the output may end: remove the few other tokens after which no closing fits
-        in what is left."""
-        bits = np.unpackbits(masks[row].view(np.uint8), bitorder="little")
-        others = [int(t) for t in np.flatnonzero(bits) if int(t) not in self.eos_ids]
-        if len(others) > VERIFIED_ENDINGS:
+        """Keep of ``masks[row]`` the tokens in ``keep`` and the others after which a closing
+        fits in ``left - 1`` tokens: each checked where there are at most
+        :data:`VERIFIED_TOKENS` of them.  Where there are more: inside a JSON string, every
+        token of a string's content (it leaves the closing as it was) is kept; ``free`` (the
+        output may end here: free text) leaves the row alone; else only ``keep`` stays."""
+        allowed = np.flatnonzero(np.unpackbits(masks[row].view(np.uint8), bitorder="little"))
+        others = (
+            [int(t) for t in allowed if int(t) not in keep]
+            if len(allowed) <= VERIFIED_TOKENS + len(keep)
+            else None
+        )
+        if others is None or len(others) > VERIFIED_TOKENS:
+            if free:
+                return
+            content = masks[row] & self.table.content if self._contexts[-1].in_string else 0
+            _keep_only(masks, row, keep)
+            masks[row] |= content
             return
         context = self._contexts[-1]
         for token in others:
-            if not matcher.try_consume_tokens([token]):
-                continue
-            try:
-                after = closing_of(
-                    matcher, self.table.after(context, self.table.bytes_of[token]), self.table
-                )
-            finally:
-                matcher.rollback(1)
-            if after is None or after.length > left - 1:
+            length = self._length_after(matcher, closing, context, token)
+            if length is None or length > left - 1:
                 masks[row, token >> 5] &= ~_bit(token)
+
+    def _length_after(
+        self, matcher: llguidance.LLMatcher, closing: Closing, context: JsonContext, token: int
+    ) -> int | None:
+        """The closing length after ``token`` (None: no closing)."""
+        spelled = self.table.bytes_of[token]
+        rest = _rest(closing.text, spelled)
+        if rest is not None:
+            return self.table.fewest(rest) + 1
+        if not spelled:
+            return None
+        if matcher.validate_tokens([token, self.table.eos]) == 2:
+            return 1
+        if not matcher.try_consume_tokens([token]):
+            return None
+        try:
+            after = closing_of(matcher, self.table.after(context, spelled), self.table)
+        finally:
+            matcher.rollback(1)
+        return None if after is None else after.length
+
+
+def _rest(text: bytes, spelled: bytes) -> bytes | None:
+    """What is left of a closing text after a token that spells its start (None: it does
+    not)."""
+    if spelled and text.startswith(spelled):
+        return text[len(spelled) :]
+    return None
+
+
+def _remember(memo: dict[int, tuple[int, T]], key: int, count: int, value: T) -> None:
+    """``memo[key] = (count, value)``, forgetting states two tokens or more before."""
+    if len(memo) > 16:
+        for old in [k for k, (c, _) in memo.items() if c < count - 1 or c > count + 8]:
+            del memo[old]
+    memo[key] = (count, value)
 
 
 def _bit(token: int) -> np.int32:
     return np.int32(np.uint32(1 << (token & 31)).view(np.int32))
 
 
-def _keep_only(masks: NDArray[np.int32], row: int, tokens: Sequence[int]) -> None:
+def _keep_only(masks: NDArray[np.int32], row: int, tokens: Iterable[int]) -> None:
     """Keep of ``masks[row]`` only the bits of ``tokens`` (those already set)."""
     kept = np.zeros_like(masks[row])
     for token in tokens:
         word = token >> 5
         if word < kept.shape[0]:
             kept[word] |= masks[row, word] & _bit(token)
-    if kept.any():
-        masks[row] = kept
+    masks[row] = kept

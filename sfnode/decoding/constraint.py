@@ -10,6 +10,8 @@ Three layers, each usable alone:
    :class:`~sfnode.linkf.wire.SamplerControls`, and :func:`check_grammar` asks the grammar library
    whether it can honour the grammar, without a tokenizer.  Every refusal is a
    :class:`ConstraintError` naming the request field, which an HTTP layer answers with a 400.
+   :func:`shortest_answer` is the fewest tokens of an answer a node closes a grammar's
+   output with, so that a budget too small for any answer is refused before it is placed.
    :func:`tools_system_text` and :func:`parse_tool_calls` are the generic rendering of tools
    for chat templates that know none: the tools described in the system turn, and the calls
    read back out of the output.
@@ -18,12 +20,12 @@ Three layers, each usable alone:
 3. **A lane's stage** (the node): a :class:`Vocabulary` binds the grammar library to a model's
    tokenizer; a :class:`LaneStage` holds one generation's :class:`Matcher` (advanced by each
    accepted token, the allowed-token mask, rollback, and the replay of tokens delivered before
-   a failover) and the counts its penalties need.  The engines apply a stage between the
-   logits and the draw: logit bias, repetition penalty, presence and frequency penalties,
-   then the grammar's mask.
+   a failover, and its budget's closing, :mod:`sfnode.decoding.closing`) and the counts its
+   penalties need.  The engines apply a stage between the logits and the draw: logit bias,
+   repetition penalty, presence and frequency penalties, then the grammar's mask.
 
-Everything a stage does is a function of the grammar, the controls and the tokens of the
-stream, so a lane gives the same masks alone or batched, and a node that takes over a stream
+Everything a stage does is a function of the grammar, the controls, the budget and the tokens
+of the stream, so a lane gives the same masks alone or batched, and a node that takes over a stream
 replays the delivered tokens and continues it exactly.
 
 This module must never import torch (the head imports it), touch a model, start a thread or
@@ -475,6 +477,17 @@ def check_grammar(grammar: Grammar, param: str = "grammar") -> None:
         raise ConstraintError(f"{_what(grammar)} cannot be enforced: {_first_line(error)}", param)
 
 
+def shortest_answer(vocabulary: Vocabulary, grammar: Grammar) -> int | None:
+    """The tokens of the shortest answer a node closes ``grammar``'s output with, its EOS
+    included: a ``max_new`` below it cannot give a whole answer, and a head can refuse such a
+    request before placing it (docs/protocol.md section 12.6).  None when no answer is within
+    the closing walk's reach (:data:`~sfnode.decoding.closing.MAX_CLOSING_BYTES`).
+
+    :raises ConstraintError: the grammar cannot be built for this vocabulary.
+    """
+    return Matcher(vocabulary, grammar).closing_length()
+
+
 def _what(grammar: Grammar) -> str:
     if isinstance(grammar, JsonSchemaGrammar):
         return "the JSON schema"
@@ -516,7 +529,7 @@ class Vocabulary:
         self.tokenizer = llguidance.LLTokenizer(
             tokenizer_json, n_vocab=size, eos_token=sorted(self.eos_ids)
         )
-        self.table = TokenTable(self.tokenizer, size)
+        self.table = TokenTable(self.tokenizer, size, min(self.eos_ids))
         """Its tokens as bytes, for the closings of budgets (:mod:`sfnode.decoding.closing`)."""
 
     @classmethod
@@ -713,11 +726,17 @@ class LaneStage:
 
     @classmethod
     def prepare(
-        cls, vocabulary: Vocabulary | None, constraint: Constraint, context: Sequence[int]
+        cls,
+        vocabulary: Vocabulary | None,
+        constraint: Constraint,
+        context: Sequence[int],
+        budget: int | None = None,
     ) -> LaneStage:
-        """The stage of a generation that continues ``context`` under ``constraint``: the
-        grammar compiled, and the context's tokens from ``generated_from`` on replayed
-        through it (they were delivered before a failover).
+        """The stage of a generation that continues ``context`` under ``constraint`` for at
+        most ``budget`` more tokens (its grammar's masks close the output within them; None:
+        no budget): the grammar compiled, and the context's tokens from ``generated_from`` on
+        replayed through it (they were delivered before a failover), with the masks they were
+        drawn from where the budget narrowed them (docs/engine.md section 2.4).
 
         :raises ConstraintError: no vocabulary for a grammar, a grammar that does not compile,
             ``generated_from`` past the context, or a replayed token the grammar refuses.
@@ -733,7 +752,13 @@ class LaneStage:
             if vocabulary is None:
                 raise ConstraintError("this engine has no grammar support", "grammar")
             matcher = Matcher(vocabulary, constraint.grammar)
-            for token in context[constraint.generated_from :]:
+            replayed = context[constraint.generated_from :]
+            if budget is not None:
+                matcher.budget.limit = len(replayed) + budget
+            scratch = vocabulary.new_masks(1)
+            for token in replayed:
+                if matcher.budget.due:
+                    matcher.fill(scratch, 0)
                 matcher.consume(int(token))
         return cls(matcher, constraint.controls, context, constraint.generated_from)
 
@@ -741,12 +766,6 @@ class LaneStage:
     def generated(self) -> int:
         """Tokens the generation has produced (before a failover and since)."""
         return len(self._history) - self._generated_from
-
-    def limit(self, tokens: int) -> None:
-        """The lane may draw ``tokens`` more tokens (its EOS included): its grammar's masks
-        close the output within them (docs/engine.md section 2.4)."""
-        if self.matcher is not None:
-            self.matcher.budget.limit = self.matcher.consumed + tokens
 
     @property
     def closed(self) -> bool:
@@ -833,6 +852,7 @@ __all__ = [
     "parse_tool_calls",
     "response_format_grammar",
     "sampler_controls",
+    "shortest_answer",
     "tools_grammar",
     "tools_system_text",
 ]

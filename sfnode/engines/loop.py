@@ -88,10 +88,15 @@ class Worker(Protocol):
         """Run ``work(*args)`` where the steps run, between them (a pipeline stage)."""
 
     def prepare(
-        self, vocabulary: Vocabulary | None, constraint: Constraint, context: Sequence[int]
+        self,
+        vocabulary: Vocabulary | None,
+        constraint: Constraint,
+        context: Sequence[int],
+        budget: int,
     ) -> defer.Deferred[LaneStage]:
-        """A constrained request's stage (:meth:`LaneStage.prepare`); fails with
-        :class:`ConstraintError` when it cannot be honoured."""
+        """A constrained request's stage for ``budget`` more tokens
+        (:meth:`LaneStage.prepare`); fails with :class:`ConstraintError` when it cannot be
+        honoured."""
 
     def interrupt(self) -> None:
         """The engine stops: end the step in flight now if that can be done (its Deferred then
@@ -307,7 +312,9 @@ class EngineLoop:
             handle.fail(EngineRefusal("this engine has no vocabulary for grammars"))
         else:
             handle.preparing = True
-            prepared = self.worker.prepare(self.vocabulary, constraint, context)
+            # What the lane may still draw: its grammar's masks close the output within it.
+            budget = min(job.max_new, job.token_limit - len(context))
+            prepared = self.worker.prepare(self.vocabulary, constraint, context, budget)
             prepared.addCallbacks(
                 self._prepared, self._unprepared, callbackArgs=(handle, job), errbackArgs=(handle,)
             )
@@ -358,8 +365,6 @@ class EngineLoop:
         if self._stopping:
             handle.finish(EngineStop.CANCELLED)
             return
-        # What the lane may still draw: its grammar's masks close the output within it.
-        stage.limit(min(job.max_new, job.token_limit - len(job.context)))
         job.stage = stage
         self._queue(handle, job)
 
