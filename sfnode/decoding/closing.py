@@ -131,6 +131,8 @@ class JsonContext:
             return b'"'
         if mode == _NUMBER:
             return end + b",0123456789"
+        if mode == _LITERAL:
+            return end + b","
         if mode == _VALUE:
             return _VALUES
         if mode == _FIRST_ITEM:
@@ -406,8 +408,8 @@ class LaneBudget:
 
     @property
     def closed(self) -> bool:
-        """Whether the output ended with an EOS, and a token of it was drawn while the lane
-        was closing from a mask the budget narrowed."""
+        """Whether the output ended with an EOS, and a token of it was drawn from a mask the
+        budget narrowed (without its budget, the output could have gone otherwise)."""
         ended = bool(self._tokens) and self._tokens[-1] in self.eos_ids
         return ended and any(self._drawn_narrowed)
 
@@ -431,7 +433,7 @@ class LaneBudget:
 
     def narrow(self, matcher: llguidance.LLMatcher, masks: NDArray[np.int32], row: int) -> None:
         """Narrow ``masks[row]``, the grammar's mask at the matcher's state (see the module),
-        and remember whether the lane was closing and that removed a token."""
+        and remember whether that removed a token."""
         narrowed = False
         if self.due and not matcher.is_stopped():
             closing = self.closing(matcher)
@@ -464,8 +466,7 @@ class LaneBudget:
             )
         if not masks[row].any():
             masks[row] = before  # nothing found to keep: the grammar's mask stands
-        # Closing (not a check of endings far from the budget) that removed a token.
-        return slack <= CLOSING_GUARD and not np.array_equal(before, masks[row])
+        return not np.array_equal(before, masks[row])
 
     def _closing_tokens(self, closing: Closing, room: int) -> set[int]:
         """The tokens that begin the closing text and leave its rest spelled in ``room``
