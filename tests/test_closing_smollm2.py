@@ -15,36 +15,13 @@ from collections.abc import Generator
 from typing import Any
 
 import jsonschema
-from twisted.internet import defer, reactor
-from twisted.trial import unittest
+from twisted.internet import defer
 
 from tests.agents import CITY_QUESTIONS, TOOLS, USER_TURNS
-from tests.bundled import BUNDLED_MODEL_SKIP
-
-_LOADED: dict[str, Any] = {}
+from tests.test_agents_smollm2 import BundledEngineTestCase
 
 
-class BundledClosingTests(unittest.TestCase):
-    skip = BUNDLED_MODEL_SKIP
-    timeout = 900
-
-    def setUp(self) -> None:
-        from sfnode.engines.transformers_engine import TransformersEngine
-        from sfnode.engines.weights.loading import load_model
-
-        if "model" not in _LOADED:
-            _LOADED["model"] = load_model(threads=2)
-        self.loaded = _LOADED["model"]
-        self.engine = TransformersEngine.from_loaded(self.loaded, reactor)
-        self.engine.start()
-        self.addCleanup(self.engine.stop)
-
-    def prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        tokenizer = self.loaded.tokenizer
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
-        return ids
-
+class BundledClosingTests(BundledEngineTestCase):
     def generate(self, prompt: list[int], grammar: Any, budget: int) -> defer.Deferred[Any]:
         from sfnode.generation import GenerationRequest
         from sfnode.linkf.wire import Constraint, GenParams

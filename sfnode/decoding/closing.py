@@ -439,34 +439,25 @@ class LaneBudget:
             closing = self.closing(matcher)
             if closing is not None:
                 assert self.limit is not None
-                narrowed = self._narrow(
-                    matcher, closing, self.limit - len(self._tokens), masks, row
-                )
+                left = self.limit - len(self._tokens)
+                narrowed = self._narrow(_Row(matcher, masks, row, closing, left))
         _remember(self._narrowed, self._keys[-1], len(self._tokens), narrowed)
 
-    def _narrow(
-        self,
-        matcher: llguidance.LLMatcher,
-        closing: Closing,
-        left: int,
-        masks: NDArray[np.int32],
-        row: int,
-    ) -> bool:
-        before = masks[row].copy()
+    def _narrow(self, row: _Row) -> bool:
+        before = row.mask.copy()
+        closing, left = row.closing, row.left
         slack = left - closing.length
         if not closing.text:
             # The output may end here: check the few other tokens (free text is left alone).
-            self._verify(matcher, closing, left, masks, row, set(self.eos_ids), free=True)
+            self._verify(row, set(self.eos_ids), free=True)
         elif slack <= 0:
-            _keep_only(masks, row, self._closing_tokens(closing, max(left, closing.length) - 1))
+            row.keep_only(self._closing_tokens(closing, max(left, closing.length) - 1))
         elif slack <= CLOSING_GUARD:
             # Closing with room to spare: what else still leaves room to close is allowed too.
-            self._verify(
-                matcher, closing, left, masks, row, self._closing_tokens(closing, left - 1)
-            )
-        if not masks[row].any():
-            masks[row] = before  # nothing found to keep: the grammar's mask stands
-        return not np.array_equal(before, masks[row])
+            self._verify(row, self._closing_tokens(closing, left - 1))
+        if not row.mask.any():
+            row.mask[:] = before  # nothing found to keep: the grammar's mask stands
+        return not np.array_equal(before, row.mask)
 
     def _closing_tokens(self, closing: Closing, room: int) -> set[int]:
         """The tokens that begin the closing text and leave its rest spelled in ``room``
@@ -477,23 +468,13 @@ class LaneBudget:
                 keep.add(token)
         return keep
 
-    def _verify(
-        self,
-        matcher: llguidance.LLMatcher,
-        closing: Closing,
-        left: int,
-        masks: NDArray[np.int32],
-        row: int,
-        keep: set[int],
-        *,
-        free: bool = False,
-    ) -> None:
-        """Keep of ``masks[row]`` the tokens in ``keep`` and the others after which a closing
-        fits in ``left - 1`` tokens: each checked where there are at most
-        :data:`VERIFIED_TOKENS` of them.  Where there are more: inside a JSON string, every
-        token of a string's content (it leaves the closing as it was) is kept; ``free`` (the
-        output may end here: free text) leaves the row alone; else only ``keep`` stays."""
-        allowed = np.flatnonzero(np.unpackbits(masks[row].view(np.uint8), bitorder="little"))
+    def _verify(self, row: _Row, keep: set[int], *, free: bool = False) -> None:
+        """Keep of the row the tokens in ``keep`` and the others after which a closing fits in
+        ``left - 1`` tokens: each checked where there are at most :data:`VERIFIED_TOKENS` of
+        them.  Where there are more: inside a JSON string, every token of a string's content
+        (it leaves the closing as it was) is kept; ``free`` (the output may end here: free
+        text) leaves the row alone; else only ``keep`` stays."""
+        allowed = np.flatnonzero(np.unpackbits(row.mask.view(np.uint8), bitorder="little"))
         others = (
             [int(t) for t in allowed if int(t) not in keep]
             if len(allowed) <= VERIFIED_TOKENS + len(keep)
@@ -502,15 +483,16 @@ class LaneBudget:
         if others is None or len(others) > VERIFIED_TOKENS:
             if free:
                 return
-            content = masks[row] & self.table.content if self._contexts[-1].in_string else 0
-            _keep_only(masks, row, keep)
-            masks[row] |= content
+            content = row.mask & self.table.content if self._contexts[-1].in_string else 0
+            row.keep_only(keep)
+            mask = row.mask
+            mask |= content
             return
         context = self._contexts[-1]
         for token in others:
-            length = self._length_after(matcher, closing, context, token)
-            if length is None or length > left - 1:
-                masks[row, token >> 5] &= ~_bit(token)
+            length = self._length_after(row.matcher, row.closing, context, token)
+            if length is None or length > row.left - 1:
+                row.mask[token >> 5] &= ~_bit(token)
 
     def _length_after(
         self, matcher: llguidance.LLMatcher, closing: Closing, context: JsonContext, token: int
@@ -553,11 +535,29 @@ def _bit(token: int) -> np.int32:
     return np.int32(np.uint32(1 << (token & 31)).view(np.int32))
 
 
-def _keep_only(masks: NDArray[np.int32], row: int, tokens: Iterable[int]) -> None:
-    """Keep of ``masks[row]`` only the bits of ``tokens`` (those already set)."""
-    kept = np.zeros_like(masks[row])
-    for token in tokens:
-        word = token >> 5
-        if word < kept.shape[0]:
-            kept[word] |= masks[row, word] & _bit(token)
-    masks[row] = kept
+@dataclass
+class _Row:
+    """One mask row being narrowed: the lane's matcher, the row (a view of the masks), the
+    lane's closing and the tokens it has left."""
+
+    matcher: llguidance.LLMatcher
+    masks: NDArray[np.int32]
+    index: int
+    closing: Closing
+    left: int
+
+    @property
+    def mask(self) -> NDArray[np.int32]:
+        """The row, a view: writing it writes the masks."""
+        mask: NDArray[np.int32] = self.masks[self.index]
+        return mask
+
+    def keep_only(self, tokens: Iterable[int]) -> None:
+        """Keep of the row only the bits of ``tokens`` (those already set)."""
+        mask = self.mask
+        kept = np.zeros_like(mask)
+        for token in tokens:
+            word = token >> 5
+            if word < kept.shape[0]:
+                kept[word] |= mask[word] & _bit(token)
+        mask[:] = kept

@@ -11,7 +11,8 @@ deadlines, KV block accounting and statistics are plain reactor-side bookkeeping
 
 A constrained request's :class:`~sfnode.decoding.constraint.LaneStage` is prepared by the worker
 (compiling a grammar can take 100 ms: the transformers engine does it on a thread of its own)
-before the request queues.
+before the request queues, with the tokens the lane may draw (its ``max_new`` within the
+window), so that its masks close the output within them (docs/engine.md section 2.4).
 
 This module must never import torch, touch a model or a thread itself (the worker does), never
 let one generation's failure stop the engine (a failed step fails the lanes it carried and the
