@@ -197,6 +197,18 @@ class TokenTableTests(unittest.SynchronousTestCase):
             for text in texts:
                 self.assertEqual(table.fewest(text), fewest_oracle(text), text)
 
+    def test_a_full_memo_is_replaced_and_stays_right(self) -> None:
+        """With a memo that fills after a few texts, fewest() still equals the oracle, for
+        texts whose suffixes were remembered in a memo since replaced."""
+        from sfnode.decoding import closing as module
+
+        self.patch(module, "_MEMO_LIMIT", 8)
+        table = module.TokenTable(vocabulary().tokenizer, TINY_VOCAB, TINY_EOS)
+        words = b"the lazy dog"
+        texts = [words[len(words) - k :] + b'"}]}' for k in range(len(words) + 1)]
+        for text in texts * 2:
+            self.assertEqual(table.fewest(text), fewest_oracle(text), text)
+
     def test_the_tokens_that_begin_a_text(self) -> None:
         """starts() lists exactly the tokens whose bytes begin the text, with their length."""
         table = vocabulary().table

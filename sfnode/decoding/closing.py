@@ -208,6 +208,7 @@ class TokenTable:
         without ending it: whole UTF-8 characters, none of them a quote, a backslash or a
         control character."""
         self._fewest: dict[bytes, int] = {b"": 0}
+        # Memos: replaced when full, never emptied (two threads may read one at once).
         self._spelled: dict[bytes, list[int]] = {}
         self._after: dict[tuple[JsonContext, bytes], JsonContext] = {}
 
@@ -217,7 +218,7 @@ class TokenTable:
         tokens = self._spelled.get(data)
         if tokens is None:
             if len(self._spelled) > _MEMO_LIMIT:
-                self._spelled.clear()
+                self._spelled = {}
             tokens = self._spelled[data] = list(self.tokenizer.tokenize_bytes(data))
         return tokens
 
@@ -227,13 +228,17 @@ class TokenTable:
         found = self._after.get(key)
         if found is None:
             if len(self._after) > _MEMO_LIMIT:
-                self._after.clear()
+                self._after = {}
             found = self._after[key] = context.feed(data)
         return found
 
     def fewest(self, text: bytes) -> int:
         """The fewest tokens whose bytes, in order, are ``text`` (a large number when none
-        do)."""
+        do).
+
+        Remembered for every suffix of every text asked, the shortest first, in a table that
+        is replaced when full, never emptied: a text found in a table has its suffixes there,
+        also for the mask thread and the grammar thread, which ask at once."""
         memo = self._fewest
         known = memo.get(text)
         if known is not None:
@@ -252,9 +257,8 @@ class TokenTable:
                     fewest = best[i + length] + 1
             best[i] = fewest
         if len(memo) > _MEMO_LIMIT:
-            memo.clear()
-            memo[b""] = 0
-        for i in range(start):
+            self._fewest = memo = {b"": 0}
+        for i in range(n - 1, -1, -1):
             memo[text[i:]] = best[i]
         return best[0]
 
