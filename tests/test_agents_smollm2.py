@@ -31,7 +31,10 @@ NAMED = [
 _LOADED: dict[str, Any] = {}
 
 
-class BundledAgentTests(unittest.TestCase):
+class BundledEngineTestCase(unittest.TestCase):
+    """A test of the bundled model at the engine: the model loaded once for the module's
+    tests, a transformers engine over it per test, and the chat template."""
+
     skip = BUNDLED_MODEL_SKIP
     timeout = 900
 
@@ -52,6 +55,8 @@ class BundledAgentTests(unittest.TestCase):
         ids: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
         return ids
 
+
+class BundledAgentTests(BundledEngineTestCase):
     def generate(self, prompt: list[int], grammar: Any) -> defer.Deferred[Any]:
         from sfnode.generation import GenerationRequest
         from sfnode.linkf.wire import Constraint, GenParams

@@ -159,7 +159,11 @@ class ThreadWorker:
         return deferToThreadPool(self._reactor, self._pool, work, *args)
 
     def prepare(
-        self, vocabulary: Vocabulary | None, constraint: Constraint, context: Sequence[int]
+        self,
+        vocabulary: Vocabulary | None,
+        constraint: Constraint,
+        context: Sequence[int],
+        budget: int,
     ) -> defer.Deferred[LaneStage]:
         """Controls alone have nothing to compile: prepared at once; a grammar on its thread."""
         if constraint.grammar is None:
@@ -167,7 +171,13 @@ class ThreadWorker:
         if not self._grammar_pool.started:
             self._grammar_pool.start()
         return deferToThreadPool(
-            self._reactor, self._grammar_pool, LaneStage.prepare, vocabulary, constraint, context
+            self._reactor,
+            self._grammar_pool,
+            LaneStage.prepare,
+            vocabulary,
+            constraint,
+            context,
+            budget,
         )
 
     def interrupt(self) -> None:
