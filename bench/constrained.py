@@ -177,6 +177,7 @@ def main() -> None:
 
     from sfnode.decoding.constraint import response_format_grammar
     from sfnode.engines.weights.loading import load_tokenizer
+    from sfnode.head.fleet.backend import HeadRequest
     from sfnode.head.fleet.fleet import Fleet
     from sfnode.head.link import HeadIds
     from sfnode.linkf.wire import Constraint
@@ -241,10 +242,12 @@ def main() -> None:
                     continue
                 generations.append(
                     fleet.generate(
-                        prompt,
-                        max_new,
+                        HeadRequest(
+                            prompt,
+                            max_new,
+                            constraint=constraint if kind == "json_schema" else None,
+                        ),
                         on_tokens=run,
-                        constraint=constraint if kind == "json_schema" else None,
                     ).result
                 )
             yield defer.gatherResults(generations)

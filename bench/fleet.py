@@ -90,7 +90,7 @@ class EngineClient:
 
     def context(self, topic: str) -> list[int]:
         """The token ids the head sends a node for the chat request about ``topic``."""
-        from sfnode.head.api.schema import ChatMessage
+        from sfnode.head.models.chat import ChatMessage
 
         ids: list[int] = self.renderer.chat([ChatMessage("user", story_request(topic))])
         return ids

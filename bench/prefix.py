@@ -108,7 +108,7 @@ class Workload:
     that their token counts are the ones a node sees."""
 
     def __init__(self, model: Path | None, system_tokens: int, max_tokens: int) -> None:
-        from sfnode.head.api.schema import ChatMessage
+        from sfnode.head.models.chat import ChatMessage
         from sfnode.head.models.text import Renderer
         from sfnode.head.tap import load_head_tokenizer
 
@@ -423,14 +423,15 @@ def _drive_fleet(
     from twisted.internet import defer, reactor
     from twisted.python.failure import Failure
 
-    from sfnode.head.fleet.fleet import Fleet
+    from sfnode.head.fleet.backend import HeadRequest
+    from sfnode.head.fleet.fleet import Fleet, FleetSettings
     from sfnode.head.fleet.placement import DEFAULT_PREFIX_MAX_SKEW, PrefixRule
 
     results: list[Placement] = []
     failure: list[Any] = []
 
     async def one_setting(label: str, rule: PrefixRule, desks: tuple[str, str]) -> None:
-        fleet = Fleet(reactor, prefix=rule)
+        fleet = Fleet(reactor, FleetSettings(prefix=rule))
         try:
             for _, port, _ in nodes:
                 await fleet.add_node(f"tcp:127.0.0.1:{port}")
@@ -467,7 +468,9 @@ def _drive_fleet(
                     if batch and not seen:
                         seen.append(time.perf_counter() - started)
 
-                outcome = await fleet.generate(prompt, work.max_tokens, on_tokens=on_tokens).result
+                outcome = await fleet.generate(
+                    HeadRequest(prompt, work.max_tokens), on_tokens=on_tokens
+                ).result
                 landed[name][index] = outcome.node
                 tokens += len(outcome.tokens)
                 firsts.extend(seen)

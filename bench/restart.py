@@ -92,6 +92,7 @@ class NodeOutput(protocol.ProcessProtocol):
 async def one_start(
     reactor: Any, label: str, cache: Path, options: argparse.Namespace
 ) -> Start:
+    from sfnode.head.fleet.backend import HeadRequest
     from sfnode.head.link import HeadIds, connect_node
 
     model = ["--model", options.model] if options.model else []
@@ -110,7 +111,7 @@ async def one_start(
         try:
             link.assign(1)
             link.append(1, PROMPT)
-            await link.generate(1, 1).result
+            await link.generate(1, HeadRequest((), 1)).result
             start.first_token = time.monotonic() - started
         finally:
             await link.close()

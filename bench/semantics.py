@@ -778,7 +778,7 @@ def conversation(target: Target, options: argparse.Namespace) -> Row:
         f"{options.turns} turns, each resending the history trimmed to the window: every turn "
         "answered"
     )
-    from sfnode.head.api.schema import ChatMessage
+    from sfnode.head.models.chat import ChatMessage
     from sfnode.head.models.text import Renderer
     from sfnode.head.tap import load_head_tokenizer
 

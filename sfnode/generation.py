@@ -100,6 +100,10 @@ class GenerationResult:
 
     tokens: Sequence[int]
     stop: EngineStop
+    closed: bool = False
+    """The generation's budget closed its grammar's output: it ended with EOS, its last tokens
+    held to the shortest closing (docs/engine.md section 2.4; the Finish's ``detail``,
+    docs/protocol.md section 12.6)."""
 
 
 @dataclass(frozen=True)

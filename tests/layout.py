@@ -32,7 +32,7 @@ LAYERS: dict[str, frozenset[str]] = {
     "sfnode.engines.kernels": frozenset({"sfnode.engines"}),
     "sfnode.engines.families": frozenset({"sfnode.engines"}),
     "sfnode.engines.weights": frozenset(
-        {"sfnode.engines", "sfnode.engines.kernels", "sfnode.engines.families"}
+        {"sfnode.engines", "sfnode.engines.kernels", "sfnode.engines.families", "sfnode.linkf"}
     ),
     "sfnode.engines.scheduling": frozenset(
         {"sfnode.engines", "sfnode.linkf", "sfnode.generation", "sfnode.decoding"}

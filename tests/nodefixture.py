@@ -27,7 +27,9 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from sfnode.engines.config import EngineConfig
 from sfnode.engines.mock import MOCK_VOCAB_SIZE, MockEngine, mock_next_token
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.link import HeadIds, LinkSettings, NodeLink, connect_node
+from sfnode.linkf.model_files import Bundle
 from sfnode.linkf.wire import Lease
 from sfnode.node.agent import NodeAgent
 from sfnode.node.config import NodeConfig
@@ -61,6 +63,7 @@ def mock_node(
     clock: IReactorTime,
     *,
     identity: str = "node-1",
+    model_name: str = "mock",
     engine: Any = None,
     context_window: int = 4096,
     max_lanes: int = 8,
@@ -68,11 +71,13 @@ def mock_node(
     poison_token: int | None = None,
     eos_token_id: int | None = None,
     supports_logprobs: bool = True,
+    vocab_size: int = MOCK_VOCAB_SIZE,
+    model_files: Bundle | None = None,
     **config: Any,
 ) -> tuple[NodeAgent, Any]:
-    """A started node agent, its timers on ``clock``, and its engine: ``engine``, or a
-    MockEngine on ``reactor`` with the mock options given; ``config`` are further
-    :class:`NodeConfig` fields."""
+    """A started node agent, its timers on ``clock``, offering ``model_files``, and its engine:
+    ``engine``, or a MockEngine on ``reactor`` with the mock options given; ``config`` are
+    further :class:`NodeConfig` fields."""
     if engine is None:
         engine = MockEngine(
             reactor,
@@ -81,11 +86,13 @@ def mock_node(
             poison_token=poison_token,
             eos_token_id=eos_token_id,
             supports_logprobs=supports_logprobs,
+            vocab_size=vocab_size,
         )
     agent = NodeAgent(
         clock,
         engine,
-        NodeConfig(identity=identity, model_name="mock", max_lanes=max_lanes, **config),
+        NodeConfig(identity=identity, model_name=model_name, max_lanes=max_lanes, **config),
+        model_files=model_files,
     )
     agent.start()
     return agent, engine
@@ -99,7 +106,7 @@ def serves(
     :data:`PROMPT`, the ``count`` greedy tokens of the local run."""
     link.assign(session)
     link.append(session, PROMPT)
-    outcome = yield link.generate(session, count).result
+    outcome = yield link.generate(session, HeadRequest((), count)).result
     test.assertEqual(outcome.tokens, expected_tokens(PROMPT, count))
 
 
@@ -144,21 +151,31 @@ class NodeTestCase(TestCase):
 
     @defer.inlineCallbacks
     def start_node(
-        self, *, clock: IReactorTime | None = None, **options: Any
+        self, *, clock: IReactorTime | None = None, port: int = 0, **options: Any
     ) -> Generator[defer.Deferred[Any], Any, RunningNode]:
-        """A node (:func:`mock_node` with ``options``) on a free loopback port.
+        """A node (:func:`mock_node` with ``options``) on a loopback port (``port``, else a
+        free one).
 
         With ``clock`` (a ``Clock``) the node's own timers (handshake, idle, lease, status,
         coalescing) run on it, so a test moves them when it decides; its sockets and the mock
         engine stay on the reactor.
         """
         agent, engine = mock_node(reactor, reactor if clock is None else clock, **options)
+        return (yield self.serve(agent, engine, port))
+
+    @defer.inlineCallbacks
+    def serve(
+        self, agent: NodeAgent, engine: Any, port: int = 0
+    ) -> Generator[defer.Deferred[Any], Any, RunningNode]:
+        """Start ``agent`` (starting is idempotent) and let heads dial it on loopback (``port``,
+        else a free one); the port and the node stop when the test ends."""
+        agent.start()
         factory = node_factory(agent)
-        port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(factory)
+        listening = yield TCP4ServerEndpoint(reactor, port, interface="127.0.0.1").listen(factory)
         # Cleanups run last-in first-out: links close, then the port, then the node.
         self.addCleanup(agent.stop)
-        self.addCleanup(port.stopListening)
-        return RunningNode(agent, engine, port, factory)
+        self.addCleanup(listening.stopListening)
+        return RunningNode(agent, engine, listening, factory)
 
     @defer.inlineCallbacks
     def dial(
@@ -210,7 +227,12 @@ class MemoryNodeTestCase(SynchronousTestCase):
     def start_node(self, **options: Any) -> MemoryNode:
         """A node (:func:`mock_node` with ``options``) listening on the memory reactor, each
         on a port of its own."""
-        agent, engine = mock_node(self.reactor, self.reactor, **options)
+        return self.serve(*mock_node(self.reactor, self.reactor, **options))
+
+    def serve(self, agent: NodeAgent, engine: Any) -> MemoryNode:
+        """Start ``agent`` (starting is idempotent) listening on a memory port of its own; it
+        stops when the test ends."""
+        agent.start()
         port = MEMORY_PORT + len(self.reactor.tcpServers)
         self.reactor.listenTCP(port, node_factory(agent), interface="127.0.0.1")
 
@@ -270,17 +292,18 @@ class MemoryNodeTestCase(SynchronousTestCase):
         doomed.assign(2, **assign)
         doomed.append(2, [1, 666])
         closed = doomed.when_closed()
-        failed = doomed.generate(2, 5)
+        failed = doomed.generate(2, HeadRequest((), 5))
         self.wait(closed)
         self.wait_failure(failed.result, LinkLostError)
-        outcome = self.wait(healthy.generate(1, 8).result)
+        outcome = self.wait(healthy.generate(1, HeadRequest((), 8)).result)
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 8))
 
     def wait(self, d: defer.Deferred[T], timeout_s: float = 60.0, step: float = 0.01) -> T:
-        """What ``d`` fires with, once memory time has passed (in steps of ``step``, the bytes
-        moved after each) until it fired; a failure is raised.  A Deferred that has not fired
-        within ``timeout_s`` of memory time fails the test."""
-        self.flush()
+        """What ``d`` fires with, once memory time has passed (in steps of ``step``; pending
+        dials joined and the bytes moved before the first and after each) until it fired; a
+        failure is raised.  A Deferred that has not fired within ``timeout_s`` of memory time
+        fails the test."""
+        self.accept_dials()
         for _ in range(round(timeout_s / step)):
             if d.called:
                 break

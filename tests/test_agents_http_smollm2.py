@@ -25,6 +25,7 @@ from twisted.internet import defer, reactor, threads
 from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.logger import Logger
 
+from sfnode.head.fleet.fleet import FleetSettings
 from tests.agents import CITY_QUESTIONS, NESTED_SCHEMA, TOOLS, USER_TURNS
 from tests.bundled import BUNDLED_MODEL_SKIP
 from tests.nodefixture import NodeTestCase
@@ -68,7 +69,7 @@ class BundledAgentsOverHttpTests(NodeTestCase):
         self.addCleanup(port.stopListening)
         # 32 requests on 8 lanes: on a loaded machine the last wait longer than the queue's
         # default 30 s for a lane.
-        fleet = Fleet(reactor, ids=self.ids, queue_timeout_s=900)
+        fleet = Fleet(reactor, FleetSettings(queue_timeout_s=900), ids=self.ids)
         self.addCleanup(fleet.stop)
         yield fleet.add_node(f"tcp:127.0.0.1:{port.getHost().port}")
         seeds = itertools.count(1000)

@@ -31,7 +31,10 @@ NAMED = [
 _LOADED: dict[str, Any] = {}
 
 
-class BundledAgentTests(unittest.TestCase):
+class BundledEngineTestCase(unittest.TestCase):
+    """A test of the bundled model at the engine: the model loaded once for the module's
+    tests, a transformers engine over it per test, and the chat template."""
+
     skip = BUNDLED_MODEL_SKIP
     timeout = 900
 
@@ -52,6 +55,8 @@ class BundledAgentTests(unittest.TestCase):
         ids: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
         return ids
 
+
+class BundledAgentTests(BundledEngineTestCase):
     def generate(self, prompt: list[int], grammar: Any) -> defer.Deferred[Any]:
         from sfnode.generation import GenerationRequest
         from sfnode.linkf.wire import Constraint, GenParams
@@ -87,7 +92,8 @@ class BundledAgentTests(unittest.TestCase):
         """tool_choice required, then the named function, for each of twelve user turns: the
         output is calls only, each of a declared function (the named one when named) with
         arguments that validate against its parameters."""
-        from sfnode.decoding.constraint import parse_tool_calls, tools_grammar, tools_system_text
+        from sfnode.decoding.constraint import tools_grammar, tools_system_text
+        from tests.test_head_tools import read_calls
 
         system = tools_system_text(TOOLS)
         schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
@@ -103,11 +109,11 @@ class BundledAgentTests(unittest.TestCase):
             generations.append(self.generate(prompt, tools_grammar(TOOLS, choice)))
         results = yield defer.gatherResults(generations)
         for (turn, _, named), result in zip(cases, results, strict=True):
-            content, calls = parse_tool_calls(self.text(result.tokens))
+            content, calls = read_calls(self.text(result.tokens))
             self.assertEqual(content, "", turn)
             self.assertTrue(calls, turn)
-            for call in calls:
-                self.assertIn(call.name, schemas)
+            for name, arguments in calls:
+                self.assertIn(name, schemas)
                 if named is not None:
-                    self.assertEqual(call.name, named)
-                jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+                    self.assertEqual(name, named)
+                jsonschema.validate(json.loads(arguments), schemas[name])

@@ -34,6 +34,7 @@ from twisted.logger import ILogObserver, formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface import provider
 
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.linkf.wire import (
     FINISH_DECLINED,
     FINISH_LENGTH,
@@ -295,7 +296,7 @@ class SlowReaderTests(BoundsTestCase):
         for session in range(1, 41):
             other.assign(session)
             other.append(session, [*PROMPT, session])
-            call = other.generate(session, 6, on_tokens=sampler.sample)
+            call = other.generate(session, HeadRequest((), 6), on_tokens=sampler.sample)
             outcome = yield sampler.watch(call.result)
             self.assertEqual(outcome.tokens, expected_tokens([*PROMPT, session], 6))
             other.revoke(session)
@@ -349,7 +350,7 @@ class SessionAndGenerationCapTests(MemoryBoundsTestCase):
         for session in (1, 2, 3):
             link.assign(session)
             link.append(session, PROMPT)
-        calls = [link.generate(session, 10) for session in (1, 2, 3)]
+        calls = [link.generate(session, HeadRequest((), 10)) for session in (1, 2, 3)]
         third = self.wait(calls[2].result)
         self.assertEqual((third.tokens, third.finish), ([], FINISH_DECLINED))
         for call in calls[:2]:

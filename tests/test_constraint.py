@@ -27,7 +27,6 @@ from sfnode.decoding.constraint import (
     Matcher,
     Vocabulary,
     check_grammar,
-    parse_tool_calls,
     response_format_grammar,
     sampler_controls,
     tools_grammar,
@@ -47,7 +46,7 @@ from sfnode.linkf.wire import (
     ToolChoice,
     ToolsGrammar,
 )
-from tests.agents import TOOL_CALL_INSTANCE, TOOLS
+from tests.agents import TOOLS
 from tests.tinymodel import TINY_EOS, TINY_VOCAB, tiny_llama, tiny_tokenizer
 
 torch.set_num_threads(1)
@@ -263,17 +262,6 @@ class GenericRenderingTests(unittest.SynchronousTestCase):
             ["get_weather", "add_numbers", "send_email"],
         )
         self.assertEqual(json.loads(lines[0])["parameters"], TOOLS[0]["function"]["parameters"])
-
-    def test_calls_are_read_back_with_their_arguments_as_written(self) -> None:
-        """Text before the first call is content; each closed call gives its name and its
-        arguments' exact text; a call cut short is dropped."""
-        text = "Let me check. " + TOOL_CALL_INSTANCE + "\n" + TOOL_CALL_INSTANCE[:30]
-        content, calls = parse_tool_calls(text)
-        self.assertEqual(content, "Let me check. ")
-        self.assertEqual(len(calls), 1)
-        self.assertEqual(calls[0].name, "get_weather")
-        self.assertEqual(calls[0].arguments, '{"city": "Paris", "unit": "celsius"}')
-        self.assertEqual(parse_tool_calls("no calls"), ("no calls", []))
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from twisted.internet import defer, reactor
 from twisted.trial.unittest import TestCase
 
 from sfnode.decoding.constraint import response_format_grammar
-from sfnode.head.fleet.fleet import Fleet, Policy
+from sfnode.head.fleet.backend import HeadRequest
+from sfnode.head.fleet.fleet import Fleet, FleetSettings, Policy
 from sfnode.head.link import HeadIds
 from sfnode.linkf.wire import Constraint, GenParams, SamplerControls
 from tests.processes import LOOPBACK, Child, spawn_twistd
@@ -61,7 +62,12 @@ class ConstrainedFailoverTests(TestCase):
             found = yield node.wait_for(rb"sfnode listening on 127\.0\.0\.1:(\d+)\n")
             nodes.append(node)
             endpoints.append(f"tcp:127.0.0.1:{int(found[0].group(1))}")
-        fleet = Fleet(reactor, ids=HeadIds(), policy=Policy.LEAST_LOADED, retry=lambda _: 0.05)
+        fleet = Fleet(
+            reactor,
+            FleetSettings(policy=Policy.LEAST_LOADED),
+            ids=HeadIds(),
+            retry=lambda _: 0.05,
+        )
         self.addCleanup(fleet.stop)
         for endpoint in endpoints:
             yield fleet.add_node(endpoint)
@@ -147,7 +153,9 @@ class ConstrainedFailoverTests(TestCase):
         )
         constraint = Constraint(0, grammar, SamplerControls(presence_penalty=0.4))
         params = GenParams(temperature=0.9, top_p=0.95, seed=2024)
-        reference = yield fleet.generate(prompt, 200, params=params, constraint=constraint).result
+        reference = yield fleet.generate(
+            HeadRequest(prompt, 200, params=params, constraint=constraint),
+        ).result
         self.assertEqual((reference.node, reference.failovers), ("n0", 0))
 
         streamed: list[int] = []
@@ -159,7 +167,8 @@ class ConstrainedFailoverTests(TestCase):
                 killed.append(nodes[0].kill())
 
         outcome = yield fleet.generate(
-            prompt, 200, params=params, on_tokens=seen, constraint=constraint
+            HeadRequest(prompt, 200, params=params, constraint=constraint),
+            on_tokens=seen,
         ).result
         yield killed[0]
         self.assertEqual((outcome.node, outcome.failovers), ("n1", 1))

@@ -14,6 +14,7 @@ import sys
 from twisted.internet import defer, reactor
 from twisted.trial.unittest import TestCase
 
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.link import HeadIds, NodeLink, connect_node
 from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_DECLINED, FINISH_LENGTH
 from tests.nodefixture import PROMPT, MemoryNodeTestCase, expected_tokens
@@ -48,12 +49,12 @@ class AgentDrainTests(MemoryNodeTestCase):
         for session in (1, 2, 3):
             link.assign(session)
             link.append(session, PROMPT)
-        short = link.generate(1, 20)
-        long = link.generate(2, 1_000_000)
+        short = link.generate(1, HeadRequest((), 20))
+        long = link.generate(2, HeadRequest((), 1_000_000))
         self.step(link)
         drained = node.agent.drain()
         drain_started = clock.seconds()
-        late = self.wait(link.generate(3, 5).result)
+        late = self.wait(link.generate(3, HeadRequest((), 5)).result)
         self.assertEqual((late.tokens, late.finish), ([], FINISH_DECLINED))
         while not long.result.called:
             self.assertLess(clock.seconds(), drain_started + 1.0, "the drain window never closed")
@@ -127,12 +128,14 @@ class ProcessDrainTests(TestCase):
             link.append(session, PROMPT)
         first: defer.Deferred[None] = defer.Deferred()
         running = link.generate(
-            1, 1_000_000, on_tokens=lambda _: None if first.called else first.callback(None)
+            1,
+            HeadRequest((), 1_000_000),
+            on_tokens=lambda _: None if first.called else first.callback(None),
         )
         await first
         transport.signalProcess("TERM")
         await process.wait_output(rb"draining: declining new generations")
-        late = await link.generate(2, 5).result
+        late = await link.generate(2, HeadRequest((), 5)).result
         self.assertEqual((late.tokens, late.finish), ([], FINISH_DECLINED))
         outcome = await running.result
         self.assertEqual(outcome.finish, FINISH_CANCELLED)

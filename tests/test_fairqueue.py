@@ -16,9 +16,15 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.head.fleet.backend import Requester
+from sfnode.head.fleet.backend import HeadRequest, Requester
 from sfnode.head.fleet.fair_queue import FairQueue
-from sfnode.head.fleet.fleet import ClientQueueFull, Fleet, FleetGeneration, QueueFull
+from sfnode.head.fleet.fleet import (
+    ClientQueueFull,
+    Fleet,
+    FleetGeneration,
+    FleetSettings,
+    QueueFull,
+)
 from sfnode.head.link import GenerationOutcome, HeadIds
 from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_LENGTH, CapacitySummary
 
@@ -155,8 +161,8 @@ class FakeLink:
     def revoke(self, session_id: int, **_: Any) -> None:
         self.head_session.epochs.pop(session_id, None)
 
-    def generate(self, session_id: int, remaining: int, **_: Any) -> _Call:
-        call = _Call(session_id, remaining)
+    def generate(self, session_id: int, ask: HeadRequest, on_tokens: Any = None) -> _Call:
+        call = _Call(session_id, ask.max_new)
         self.calls.append(call)
         return call
 
@@ -176,7 +182,7 @@ class FleetQueueTests(SynchronousTestCase):
         """A fleet on a Clock with one fake node of ``lanes`` lanes; at the end of the test
         every generation still waiting or running is ended (none is left suspended)."""
         clock = Clock()
-        fleet = Fleet(clock, ids=HeadIds(), clock=clock, **kwargs)
+        fleet = Fleet(clock, FleetSettings(**kwargs), ids=HeadIds(), clock=clock)
         link = FakeLink(lanes)
         fleet.registry.adopt(link)  # type: ignore[arg-type]
 
@@ -197,7 +203,7 @@ class FleetQueueTests(SynchronousTestCase):
     ) -> FleetGeneration:
         """A generation of ``address`` whose prompt ends with ``mark`` (to tell them apart)."""
         generation = fleet.generate(
-            [*PROMPT, mark], 4, model="mock", requester=Requester(address, key)
+            HeadRequest([*PROMPT, mark], 4, model="mock", requester=Requester(address, key)),
         )
         self.generations.append(generation)
         return generation

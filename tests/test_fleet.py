@@ -1,42 +1,38 @@
-"""The fleet head (sfnode.head.fleet.fleet) against real mock-engine nodes over loopback TCP.
+"""The fleet head (sfnode.head.fleet.fleet) against real mock-engine nodes over loopback TCP,
+for what is about sockets.
 
-These pin the head's behaviour of docs/protocol.md section 8: placement spreads and routes,
-round robin rotates, requests that share a prefix land where the head sent it (section 8.5), a
-dead node is skipped and used again once it answers, failover of
+These pin the head's behaviour of docs/protocol.md section 8 when nodes come and go: a node
+that dials in is adopted, a dead node is skipped and used again once it answers, failover of
 streaming and non-streaming generations gives exactly the tokens of an uninterrupted run, a
-reconnect after a dropped link is invisible, a hung node's streams fail over within the
-keepalive window, requests wait in a bounded queue for a node (and leave it when cancelled),
-cancel reaches the node, prompts too long are refused by type, and sessions move when they
-outgrow their node.  No sleeps: every wait is a Deferred.
+hung node's streams fail over within the keepalive window, requests wait in a bounded queue
+for a node (and leave it when cancelled).  The rest (placement and prefix affinity, one node's
+streaming, cancel and reconnects, windows, the lanes, the pipeline) is pinned on the memory
+reactor in tests/test_fleet_memory.py.  No sleeps: every wait is a Deferred.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 from twisted.internet import defer, reactor
 from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint
+from twisted.internet.interfaces import IReactorTime
 from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
-from sfnode.engines.config import EngineConfig
-from sfnode.engines.mock import MOCK_LAYERS, MOCK_VOCAB_SIZE, MockEngine
+from sfnode.engines.mock import MockEngine
 from sfnode.generation import TokenBatch
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.fleet.fleet import (
     Fleet,
-    FleetGeneration,
     FleetNode,
-    FleetOutcome,
+    FleetSettings,
     NoNodeAvailable,
     Policy,
     QueueFull,
-    StreamTooLong,
 )
-from sfnode.head.fleet.pipeline import PipelineFleet, check_boundaries, even_boundaries
-from sfnode.head.fleet.placement import NO_PREFIX
-from sfnode.head.fleet.prefix_index import reusable_keys
 from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_LENGTH
 from sfnode.node.agent import NodeAgent
 from sfnode.node.config import NodeConfig
@@ -55,41 +51,13 @@ class FleetTestCase(NodeTestCase):
     The timing rules that need no socket are pinned on the memory reactor
     (tests/test_fleet_memory.py, tests/test_wait_queue.py, tests/test_failover.py)."""
 
-    @defer.inlineCallbacks
     def start_mock_node(
-        self,
-        *,
-        identity: str = "node",
-        model_name: str = "mock",
-        context_window: int = 4096,
-        max_lanes: int = 8,
-        token_delay_s: float = 0.0,
-        vocab_size: int = MOCK_VOCAB_SIZE,
-        port: int = 0,
-        clock: Clock | None = None,
-        **config: Any,
-    ) -> Generator[defer.Deferred[Any], Any, RunningNode]:
-        """A mock node on loopback; with ``clock`` its own timers (handshake, idle, lease,
-        status, coalescing) run on that ``Clock`` while its sockets and engine use the
-        reactor."""
-        engine = MockEngine(
-            reactor,
-            EngineConfig(context_window=context_window, max_lanes=max_lanes),
-            token_delay_s=token_delay_s,
-            vocab_size=vocab_size,
-        )
-        agent = NodeAgent(
-            reactor if clock is None else clock,
-            engine,
-            NodeConfig(identity=identity, model_name=model_name, max_lanes=max_lanes, **config),
-        )
-        agent.start()
-        listening = yield TCP4ServerEndpoint(reactor, port, interface="127.0.0.1").listen(
-            node_factory(agent)
-        )
-        self.addCleanup(agent.stop)
-        self.addCleanup(listening.stopListening)
-        return RunningNode(agent, engine, listening)
+        self, *, identity: str = "node", **options: Any
+    ) -> defer.Deferred[RunningNode]:
+        """A mock node on loopback (:meth:`NodeTestCase.start_node`'s ``options``); with
+        ``clock`` its own timers (handshake, idle, lease, status, coalescing) run on that
+        ``Clock`` while its sockets and engine use the reactor."""
+        return self.start_node(identity=identity, **options)
 
     @defer.inlineCallbacks
     def relisten(self, node: RunningNode, port: int) -> Generator[defer.Deferred[Any], Any, None]:
@@ -114,10 +82,16 @@ class FleetTestCase(NodeTestCase):
             yield self.start_mock_node(identity=node.agent.config.identity, port=port, **kwargs)
         )
 
-    def new_fleet(self, **kwargs: Any) -> Fleet:
-        """A fleet whose links redial every 50 ms (tests restart nodes at once)."""
-        kwargs.setdefault("retry", lambda failures: 0.05)
-        fleet = Fleet(reactor, ids=self.ids, **kwargs)
+    def new_fleet(
+        self,
+        *,
+        retry: Callable[[int], float] = lambda failures: 0.05,
+        clock: IReactorTime | None = None,
+        **settings: Any,
+    ) -> Fleet:
+        """A fleet whose links redial every 50 ms (tests restart nodes at once), with
+        ``settings`` (a :class:`FleetSettings`'s fields)."""
+        fleet = Fleet(reactor, FleetSettings(**settings), ids=self.ids, clock=clock, retry=retry)
         self.addCleanup(fleet.stop)
         return fleet
 
@@ -187,120 +161,7 @@ def next_open(node: FleetNode) -> defer.Deferred[None]:
     return observer.opened
 
 
-class OneNodeTests(FleetTestCase):
-    @defer.inlineCallbacks
-    def test_a_fleet_generation_matches_a_local_run(self) -> Generator[Any, Any, None]:
-        """16 tokens through the fleet equal the mock's local greedy run; finish LENGTH."""
-        node = yield self.start_mock_node(identity="solo")
-        fleet = yield self.fleet_of([node])
-        outcome = yield fleet.generate(PROMPT, 16).result
-        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 16))
-        self.assertEqual(outcome.finish, FINISH_LENGTH)
-        self.assertEqual(outcome.node, "solo")
-        self.assertEqual(self.on(fleet, node).models, ("mock",))
-
-    @defer.inlineCallbacks
-    def test_streaming_delivers_incrementally_and_equals_the_result(
-        self,
-    ) -> Generator[Any, Any, None]:
-        """40 tokens arrive in several on_tokens batches; streamed == returned == local."""
-        node = yield self.start_mock_node(token_delay_s=0.002)
-        fleet = yield self.fleet_of([node])
-        batches: list[list[int]] = []
-        generation = fleet.generate(PROMPT, 40, on_tokens=lambda t: batches.append(list(t)))
-        outcome = yield generation.result
-        self.assertGreaterEqual(len(batches), 2)
-        self.assertEqual([t for b in batches for t in b], outcome.tokens)
-        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 40))
-
-    @defer.inlineCallbacks
-    def test_a_finished_one_shot_session_is_revoked_on_the_node(
-        self,
-    ) -> Generator[Any, Any, None]:
-        """After a one-shot generation the head revokes its session: the node forgets it."""
-        node = yield self.start_mock_node()
-        fleet = yield self.fleet_of([node])
-        first = fleet.generate(PROMPT, 4)
-        yield first.result
-        # A second request on the same connection: the revoke was handled before it.
-        second = yield fleet.open_session(PROMPT)
-        yield second.generate(2).result
-        contexts = node.agent.contexts_of
-        self.assertNotIn(first.session.session_id, contexts(self.ids.head_id))
-        self.assertIn(second.session_id, contexts(self.ids.head_id))
-        second.close()
-        yield fleet.generate(PROMPT, 1).result
-        self.assertNotIn(second.session_id, contexts(self.ids.head_id))
-
-    @defer.inlineCallbacks
-    def test_cancel_reaches_the_node(self) -> Generator[Any, Any, None]:
-        """Cancel after a few streamed tokens: GENERATE_CANCEL stops the node's generation,
-        finish CANCELLED, far fewer tokens than the budget."""
-        node = yield self.start_mock_node(token_delay_s=0.005)
-        fleet = yield self.fleet_of([node])
-        generation: FleetGeneration | None = None
-
-        def seen(_: Sequence[int]) -> None:
-            assert generation is not None
-            if len(generation.tokens) >= 5:
-                generation.cancel()
-
-        generation = fleet.generate(PROMPT, 1_000_000, on_tokens=seen)
-        outcome = yield generation.result
-        self.assertEqual(outcome.finish, FINISH_CANCELLED)
-        self.assertGreaterEqual(len(outcome.tokens), 5)
-        self.assertLess(len(outcome.tokens), 1000)
-        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, len(outcome.tokens)))
-        self.assertEqual(node.agent.running_generations, 0)
-
-    @defer.inlineCallbacks
-    def test_an_idle_drop_is_invisible_and_the_session_reconciles(
-        self,
-    ) -> Generator[Any, Any, None]:
-        """The node drops the idle link; the next append + generate reconnects, reconciles
-        the held session and returns the tokens of the grown context.  The node's timers run
-        on a ``Clock``, so the link goes idle exactly once, when the test moves the clock past
-        the 300 ms idle timeout, however slowly the machine runs."""
-        clock = Clock()
-        node = yield self.start_mock_node(idle_timeout_ms=300, clock=clock)
-        fleet = yield self.fleet_of([node])
-        session = yield fleet.open_session(PROMPT)
-        outcome = yield session.generate(8).result
-        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 8))
-        self.assertEqual(fleet.registry.reconnects, 0)
-        closed = self.on(fleet, node).link.when_closed()
-        clock.advance(0.3)
-        yield closed
-        grown = [*PROMPT, *outcome.tokens, 7, 8, 9]
-        yield session.append(grown)
-        again = yield session.generate(8).result
-        self.assertEqual(again.tokens, expected_tokens(grown, 8))
-        self.assertEqual(fleet.registry.reconnects, 1)
-        self.assertEqual(fleet.failovers, 0)
-        self.assertFalse(self.on(fleet, node).down)
-
-    @defer.inlineCallbacks
-    def test_a_link_dropped_mid_stream_reconciles_without_failover(
-        self,
-    ) -> Generator[Any, Any, None]:
-        """The node closes the link during a stream but stays up: the head reconnects,
-        reconciles, and the stream completes with exactly the local tokens, none twice."""
-        node = yield self.start_mock_node(token_delay_s=0.005)
-        fleet = yield self.fleet_of([node])
-        streamed: list[int] = []
-        dropped: list[bool] = []
-
-        def seen(tokens: Sequence[int]) -> None:
-            streamed.extend(tokens)
-            if len(streamed) >= 5 and not dropped:
-                dropped.append(True)
-                reactor.callLater(0, node.agent.close_connections, "test drop")
-
-        outcome = yield fleet.generate(PROMPT, 30, on_tokens=seen).result
-        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 30))
-        self.assertEqual(streamed, outcome.tokens)
-        self.assertEqual((fleet.registry.reconnects, fleet.failovers), (1, 0))
-
+class DialInTests(FleetTestCase):
     @defer.inlineCallbacks
     def test_a_node_that_dials_in_is_adopted_and_serves(self) -> Generator[Any, Any, None]:
         """A node that dials the head's fleet port joins by identity and serves a generation."""
@@ -319,212 +180,12 @@ class OneNodeTests(FleetTestCase):
         yield dial.connect(node_factory(agent))
         node = yield joined
         self.assertEqual(node.name, "dialer")
-        outcome = yield fleet.generate(PROMPT, 12).result
+        outcome = yield fleet.generate(HeadRequest(PROMPT, 12)).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 12))
         self.assertEqual([n.name for n in fleet.live_nodes()], ["dialer"])
         yield agent.close_connections("leaving")
         yield node.link.when_closed()
         self.assertEqual(fleet.live_nodes(), [])
-
-
-class PlacementTests(FleetTestCase):
-    @defer.inlineCallbacks
-    def three(self, **kwargs: Any) -> Generator[Any, Any, list[RunningNode]]:
-        nodes = []
-        for i in range(3):
-            nodes.append((yield self.start_mock_node(identity=f"n{i}", **kwargs)))
-        return nodes
-
-    @defer.inlineCallbacks
-    def test_least_loaded_spreads_sessions(self) -> Generator[Any, Any, None]:
-        """6 sessions on 3 nodes with least-loaded placement land 2, 2, 2."""
-        nodes = yield self.three()
-        fleet = yield self.fleet_of(nodes, policy=Policy.LEAST_LOADED)
-        for _ in range(6):
-            yield fleet.open_session(PROMPT)
-        self.assertEqual([self.on(fleet, n).sessions for n in nodes], [2, 2, 2])
-
-    @defer.inlineCallbacks
-    def test_load_aware_degrades_to_session_count_when_nothing_is_reported(
-        self,
-    ) -> Generator[Any, Any, None]:
-        """With no load reported, load-aware placement spreads by session count: 2, 2, 2."""
-        nodes = yield self.three()
-        fleet = yield self.fleet_of(nodes)
-        self.assertIs(fleet.policy, Policy.LOAD_AWARE)
-        for _ in range(6):
-            yield fleet.open_session(PROMPT)
-        self.assertEqual([self.on(fleet, n).sessions for n in nodes], [2, 2, 2])
-
-    @defer.inlineCallbacks
-    def test_generation_routes_to_the_owning_node_and_is_correct(
-        self,
-    ) -> Generator[Any, Any, None]:
-        """Each session generates on the node it was placed on, with the local tokens."""
-        nodes = yield self.three()
-        fleet = yield self.fleet_of(nodes, policy=Policy.LEAST_LOADED)
-        sessions = []
-        for i in range(3):
-            sessions.append((yield fleet.open_session([*PROMPT, i])))
-        outcomes = yield defer.gatherResults([s.generate(10).result for s in sessions])
-        for i, (session, outcome) in enumerate(zip(sessions, outcomes, strict=True)):
-            assert session.node is not None
-            self.assertEqual(outcome.node, session.node.name)
-            self.assertEqual(outcome.tokens, expected_tokens([*PROMPT, i], 10))
-        self.assertEqual(sorted(o.node for o in outcomes), ["n0", "n1", "n2"])
-
-    @defer.inlineCallbacks
-    def test_round_robin_rotates_nodes(self) -> Generator[Any, Any, None]:
-        """Three round-robin placements land on three distinct nodes, in rotation."""
-        nodes = yield self.three()
-        fleet = yield self.fleet_of(nodes, policy="round-robin")
-        placed = []
-        for _ in range(4):
-            session = yield fleet.open_session(PROMPT)
-            placed.append(session.node.name)
-        self.assertEqual(placed, ["n0", "n1", "n2", "n0"])
-
-    @defer.inlineCallbacks
-    def test_concurrent_generation_across_nodes_is_correct(self) -> Generator[Any, Any, None]:
-        """12 concurrent one-shot generations on 3 nodes: all correct, all nodes used."""
-        nodes = yield self.three(token_delay_s=0.001)
-        fleet = yield self.fleet_of(nodes)
-        generations = [fleet.generate([*PROMPT, i], 16) for i in range(12)]
-        outcomes: list[FleetOutcome] = yield defer.gatherResults([g.result for g in generations])
-        for i, outcome in enumerate(outcomes):
-            self.assertEqual(outcome.tokens, expected_tokens([*PROMPT, i], 16))
-        self.assertEqual({o.node for o in outcomes}, {"n0", "n1", "n2"})
-
-    @defer.inlineCallbacks
-    def test_capability_miss_does_not_poison_a_healthy_node(self) -> Generator[Any, Any, None]:
-        """Sessions for model-a go to the model-a node, model-b to model-b; an unknown model
-        finds no node, and both nodes stay up."""
-        a = yield self.start_mock_node(identity="a", model_name="model-a")
-        b = yield self.start_mock_node(identity="b", model_name="model-b")
-        fleet = yield self.fleet_of([a, b])
-        for _ in range(2):
-            sa = yield fleet.open_session(PROMPT, model="model-a")
-            sb = yield fleet.open_session(PROMPT, model="model-b")
-            self.assertEqual((sa.node.name, sb.node.name), ("a", "b"))
-        yield self.assertFailure(fleet.open_session(PROMPT, model="model-c"), NoNodeAvailable)
-        self.assertEqual(len(fleet.live_nodes()), 2)
-
-
-SYSTEM_A = list(range(1000, 1480))
-"""A 480-token "system prompt" (30 blocks)."""
-SYSTEM_B = list(range(2000, 2480))
-
-
-class PrefixPlacementTests(FleetTestCase):
-    """Prefix affinity: the fleet's per-node prefix index and the rule of section 8.5."""
-
-    @defer.inlineCallbacks
-    def later_nodes(self, **kwargs: Any) -> Generator[Any, Any, tuple[list[str], list[str]]]:
-        """Two nodes; a request with system prompt A and one with B at once (A lands on n0,
-        then B on n1, the idler), then one at a time three more of each, B first: the nodes
-        the later A and B requests landed on."""
-        nodes = []
-        for i in range(2):
-            nodes.append((yield self.start_mock_node(identity=f"n{i}")))
-        fleet = yield self.fleet_of(nodes, **kwargs)
-        first = [fleet.generate([*SYSTEM_A, 1], 4), fleet.generate([*SYSTEM_B, 1], 4)]
-        outcomes = yield defer.gatherResults([g.result for g in first])
-        self.assertEqual([o.node for o in outcomes], ["n0", "n1"])
-        later_a: list[str] = []
-        later_b: list[str] = []
-        for i in range(2, 5):
-            outcome = yield fleet.generate([*SYSTEM_B, i], 4).result
-            later_b.append(outcome.node)
-            outcome = yield fleet.generate([*SYSTEM_A, i], 4).result
-            later_a.append(outcome.node)
-        return later_a, later_b
-
-    @defer.inlineCallbacks
-    def test_requests_sharing_a_prefix_land_where_it_is(self) -> Generator[Any, Any, None]:
-        """With two idle nodes, every later request lands on the node its system prompt was
-        sent to first."""
-        later_a, later_b = yield self.later_nodes()
-        self.assertEqual((later_a, later_b), (["n0"] * 3, ["n1"] * 3))
-
-    @defer.inlineCallbacks
-    def test_without_the_rule_idle_nodes_go_by_registration(self) -> Generator[Any, Any, None]:
-        """With prefix weight 0 the same requests all go to the first registered idle node:
-        the affinity above is the rule's doing."""
-        later_a, later_b = yield self.later_nodes(prefix=NO_PREFIX)
-        self.assertEqual((later_a, later_b), (["n0"] * 3, ["n0"] * 3))
-
-    @defer.inlineCallbacks
-    def test_the_index_learns_the_answer_and_the_next_turn(self) -> Generator[Any, Any, None]:
-        """After a generation the node's index holds the blocks of prompt and answer (what the
-        node computed), so the next turn of the conversation matches beyond the old prompt;
-        a session's appended turn is learned at once."""
-        node = yield self.start_mock_node()
-        fleet = yield self.fleet_of([node])
-        prompt = [*SYSTEM_A, 1]
-        outcome = yield fleet.generate(prompt, 40).result
-        index = self.on(fleet, node).prefixes
-        turn = [*prompt, *outcome.tokens, 7, 8, 9]
-        self.assertEqual(
-            index.cached_blocks(reusable_keys(turn, None)), (len(prompt) + 40 - 1) // 16
-        )
-        session = yield fleet.open_session(SYSTEM_B)
-        grown = [*SYSTEM_B, *range(3000, 3100)]
-        self.assertEqual(index.cached_blocks(reusable_keys(grown, None)), 29)
-        yield session.append(grown)
-        self.assertEqual(index.cached_blocks(reusable_keys([*grown, 1], None)), len(grown) // 16)
-
-    @defer.inlineCallbacks
-    def test_the_index_is_bounded_by_the_nodes_pool(self) -> Generator[Any, Any, None]:
-        """A node reporting 8 KV blocks is believed to hold at most 8, the newest."""
-        node = yield self.start_mock_node(context_window=128, max_lanes=1)
-        fleet = yield self.fleet_of([node])
-        first = list(range(500, 600))
-        second = list(range(700, 800))
-        yield fleet.generate(first, 20).result
-        yield fleet.generate(second, 20).result
-        index = self.on(fleet, node).prefixes
-        self.assertEqual((index.capacity, len(index)), (8, 8))
-        self.assertEqual(index.cached_blocks(reusable_keys([*second, 1], None)), 6)
-        self.assertEqual(index.cached_blocks(reusable_keys([*first, 1], None)), 0)
-
-    @defer.inlineCallbacks
-    def test_a_reconnect_forgets_what_the_node_held(self) -> Generator[Any, Any, None]:
-        """When a node's link opens again the node may be a new process: its index is empty
-        until the head sends it prompts again."""
-        node = yield self.start_mock_node()
-        fleet = yield self.fleet_of([node])
-        yield fleet.generate([*SYSTEM_A, 1], 4).result
-        member = self.on(fleet, node)
-        self.assertGreater(len(member.prefixes), 0)
-        reopened = next_open(member)
-        node.agent.close_connections("test drop")
-        yield reopened
-        self.assertEqual(len(member.prefixes), 0)
-
-    @defer.inlineCallbacks
-    def test_generations_that_ended_since_the_report_are_counted(
-        self,
-    ) -> Generator[Any, Any, None]:
-        """The fleet tells placement how many of its generations on a node ended after the
-        node's latest load report, and forgets them when a new report arrives."""
-        node = yield self.start_mock_node(status_interval_ms=600_000)
-        fleet = yield self.fleet_of([node])
-        member = self.on(fleet, node)
-        yield defer.gatherResults([fleet.generate([*PROMPT, i], 4).result for i in range(2)])
-        self.assertEqual(member.view(reactor.seconds()).ended_since_report, 2)
-        reopened = next_open(member)
-        node.agent.close_connections("test drop")
-        yield reopened  # a new HELLO_ACK_F: a new load report
-        self.assertEqual(member.view(reactor.seconds()).ended_since_report, 0)
-
-    @defer.inlineCallbacks
-    def test_other_policies_keep_no_index(self) -> Generator[Any, Any, None]:
-        """least-loaded placement does not weigh prefixes, so the fleet does not hash them."""
-        node = yield self.start_mock_node()
-        fleet = yield self.fleet_of([node], policy=Policy.LEAST_LOADED)
-        self.assertFalse(fleet.prefix_aware)
-        yield fleet.generate([*SYSTEM_A, 1], 4).result
-        self.assertEqual(len(self.on(fleet, node).prefixes), 0)
 
 
 class LivenessTests(FleetTestCase):
@@ -613,7 +274,7 @@ class LivenessTests(FleetTestCase):
                 killed.append(True)
                 reactor.callLater(0, self.kill, a)
 
-        outcome = yield fleet.generate(PROMPT, 40, on_tokens=seen).result
+        outcome = yield fleet.generate(HeadRequest(PROMPT, 40), on_tokens=seen).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 40))
         self.assertEqual(streamed, outcome.tokens)
         self.assertEqual(outcome.finish, FINISH_LENGTH)
@@ -684,7 +345,7 @@ class LivenessTests(FleetTestCase):
             return submit(request, watched)
 
         a.engine.submit = submit_and_watch  # type: ignore[method-assign]
-        outcome = yield fleet.generate(PROMPT, 30).result
+        outcome = yield fleet.generate(HeadRequest(PROMPT, 30)).result
         self.assertEqual(killed, [True])
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 30))
         self.assertEqual((outcome.node, outcome.failovers), ("b", 1))
@@ -697,88 +358,10 @@ class LivenessTests(FleetTestCase):
         determinism failover relies on)."""
         node = yield self.start_mock_node()
         fleet = yield self.fleet_of([node])
-        full = yield fleet.generate(PROMPT, 20).result
-        prefix = yield fleet.generate(PROMPT, 6).result
-        rest = yield fleet.generate([*PROMPT, *prefix.tokens], 14).result
+        full = yield fleet.generate(HeadRequest(PROMPT, 20)).result
+        prefix = yield fleet.generate(HeadRequest(PROMPT, 6)).result
+        rest = yield fleet.generate(HeadRequest([*PROMPT, *prefix.tokens], 14)).result
         self.assertEqual(prefix.tokens + rest.tokens, full.tokens)
-
-
-class WindowTests(FleetTestCase):
-    @defer.inlineCallbacks
-    def test_a_prompt_no_node_can_hold_is_refused_at_the_head(self) -> Generator[Any, Any, None]:
-        """A 96-token prompt against a 64-token node: StreamTooLong(96, 64) by type, from the
-        head (nothing is placed); a fitting prompt still places."""
-        node = yield self.start_mock_node(context_window=64)
-        fleet = yield self.fleet_of([node])
-        error = yield self.assertFailure(fleet.generate(list(range(96)), 4).result, StreamTooLong)
-        self.assertEqual((error.length, error.max), (96, 64))
-        self.assertRaises(StreamTooLong, fleet.check_fits, None, 96)
-        self.assertEqual(self.on(fleet, node).sessions, 0)
-        outcome = yield fleet.generate(PROMPT, 4).result
-        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 4))
-
-    @defer.inlineCallbacks
-    def test_a_cold_fleet_still_refuses_an_oversized_prompt_by_type(
-        self,
-    ) -> Generator[Any, Any, None]:
-        """With the window not known before the attempt, the refusal is still StreamTooLong."""
-        node = yield self.start_mock_node(context_window=64)
-        fleet = self.new_fleet()
-        fleet.add_node(node.endpoint)  # not waited for: the window is unknown for now
-        error = yield self.assertFailure(fleet.generate(list(range(96)), 4).result, StreamTooLong)
-        self.assertEqual((error.length, error.max), (96, 64))
-
-    @defer.inlineCallbacks
-    def test_placement_routes_around_a_node_too_narrow_for_the_prompt(
-        self,
-    ) -> Generator[Any, Any, None]:
-        """A 96-token prompt goes to the wide node; the narrow one still takes short prompts."""
-        narrow = yield self.start_mock_node(identity="narrow", context_window=64)
-        wide = yield self.start_mock_node(identity="wide", context_window=4096)
-        fleet = yield self.fleet_of([narrow, wide], policy=Policy.ROUND_ROBIN)
-        long_prompt = list(range(96))
-        for _ in range(2):
-            outcome = yield fleet.generate(long_prompt, 4).result
-            self.assertEqual(outcome.node, "wide")
-            self.assertEqual(outcome.tokens, expected_tokens(long_prompt, 4))
-        names = set()
-        for _ in range(2):
-            names.add((yield fleet.generate(PROMPT, 2).result).node)
-        self.assertEqual(names, {"narrow", "wide"})
-
-    @defer.inlineCallbacks
-    def test_the_quoted_limit_ignores_nodes_that_serve_another_model(
-        self,
-    ) -> Generator[Any, Any, None]:
-        """StreamTooLong quotes the largest window among nodes of the requested model only."""
-        small = yield self.start_mock_node(identity="s", model_name="m", context_window=64)
-        other = yield self.start_mock_node(identity="o", model_name="x", context_window=4096)
-        fleet = yield self.fleet_of([small, other])
-        error = yield self.assertFailure(
-            fleet.generate(list(range(96)), 4, model="m").result, StreamTooLong
-        )
-        self.assertEqual(error.max, 64)
-
-    @defer.inlineCallbacks
-    def test_a_session_that_outgrows_its_node_is_moved_to_one_that_fits(
-        self,
-    ) -> Generator[Any, Any, None]:
-        """An append past the 64-token window moves the session to the 4096-token node, which
-        then generates the local tokens of the grown context; the narrow node forgets it."""
-        narrow = yield self.start_mock_node(identity="narrow", context_window=64)
-        wide = yield self.start_mock_node(identity="wide", context_window=4096)
-        fleet = yield self.fleet_of([narrow, wide], policy=Policy.LEAST_LOADED)
-        session = yield fleet.open_session(PROMPT)
-        self.assertEqual(session.node.name, "narrow")
-        grown = list(range(100))
-        yield session.append(grown)
-        self.assertEqual(session.node.name, "wide")
-        outcome = yield session.generate(5).result
-        self.assertEqual(outcome.tokens, expected_tokens(grown, 5))
-        self.assertEqual(self.on(fleet, narrow).sessions, 0)
-        yield fleet.generate(PROMPT, 1).result  # a round trip on each link
-        yield fleet.generate(PROMPT, 1).result
-        self.assertNotIn(session.session_id, narrow.agent.contexts_of(self.ids.head_id))
 
 
 class _Relay(Protocol):
@@ -884,7 +467,7 @@ class HungNodeTests(FleetTestCase):
                 proxy.freeze()
                 froze.callback(None)
 
-        generation = fleet.generate(PROMPT, 40, on_tokens=seen)
+        generation = fleet.generate(HeadRequest(PROMPT, 40), on_tokens=seen)
         yield froze
         clock.advance(0.3)
         yield next_status(alive)
@@ -920,7 +503,7 @@ class QueueTests(FleetTestCase):
             fleet.listen_factory()
         )
         self.addCleanup(port.stopListening)
-        generation = fleet.generate(PROMPT, 12)
+        generation = fleet.generate(HeadRequest(PROMPT, 12))
         self.assertEqual(fleet.queued, 1)
         self.assertNoResult(generation.result)
         engine = MockEngine(reactor)
@@ -937,9 +520,14 @@ class QueueTests(FleetTestCase):
         """max_queued requests may wait; one more fails with QueueFull at once.  A wait longer
         than queue_timeout_s fails with NoNodeAvailable saying why it waited."""
         clock = Clock()
-        fleet = Fleet(reactor, ids=self.ids, clock=clock, max_queued=1, queue_timeout_s=5.0)
-        first = fleet.generate(PROMPT, 4)
-        second = fleet.generate(PROMPT, 4)
+        fleet = Fleet(
+            reactor,
+            FleetSettings(max_queued=1, queue_timeout_s=5.0),
+            ids=self.ids,
+            clock=clock,
+        )
+        first = fleet.generate(HeadRequest(PROMPT, 4))
+        second = fleet.generate(HeadRequest(PROMPT, 4))
         self.assertEqual(fleet.queued, 1)
         self.failureResultOf(second.result, QueueFull)
         self.failureResultOf(second.when_placed(), QueueFull)
@@ -955,9 +543,14 @@ class QueueTests(FleetTestCase):
         """Fleet.status() (what /healthz and /metrics read) counts the requests waiting in the
         head's queue in ``queued`` and ``waiting``, and the queue's refusals and timeouts."""
         clock = Clock()
-        fleet = Fleet(reactor, ids=self.ids, clock=clock, max_queued=2, queue_timeout_s=5.0)
-        waiting = [fleet.generate(PROMPT, 4) for _ in range(2)]
-        refused = fleet.generate(PROMPT, 4)
+        fleet = Fleet(
+            reactor,
+            FleetSettings(max_queued=2, queue_timeout_s=5.0),
+            ids=self.ids,
+            clock=clock,
+        )
+        waiting = [fleet.generate(HeadRequest(PROMPT, 4)) for _ in range(2)]
+        refused = fleet.generate(HeadRequest(PROMPT, 4))
         self.failureResultOf(refused.result, QueueFull)
         status = fleet.status("mock")
         self.assertEqual(
@@ -979,29 +572,13 @@ class QueueTests(FleetTestCase):
         it ends CANCELLED with no tokens and no timer left behind."""
         clock = Clock()
         fleet = Fleet(reactor, ids=self.ids, clock=clock)
-        generation = fleet.generate(PROMPT, 4)
+        generation = fleet.generate(HeadRequest(PROMPT, 4))
         self.assertEqual(fleet.queued, 1)
         generation.cancel()
         outcome = self.successResultOf(generation.result)
         self.assertEqual((outcome.tokens, outcome.finish), ([], FINISH_CANCELLED))
         self.assertEqual(fleet.queued, 0)
         self.assertEqual(clock.getDelayedCalls(), [])
-
-    @defer.inlineCallbacks
-    def test_requests_beyond_the_lanes_wait_at_the_head(self) -> Generator[Any, Any, None]:
-        """A node with one lane runs one of the head's generations at a time: the second
-        waits at the head (queued) until the first ends, and both answers are right."""
-        node = yield self.start_mock_node(max_lanes=1, token_delay_s=0.002)
-        fleet = yield self.fleet_of([node])
-        first = fleet.generate(PROMPT, 10)
-        second = fleet.generate([*PROMPT, 1], 10)
-        self.assertEqual(fleet.queued, 1)
-        outcomes = yield defer.gatherResults([first.result, second.result])
-        self.assertEqual(
-            [o.tokens for o in outcomes],
-            [expected_tokens(PROMPT, 10), expected_tokens([*PROMPT, 1], 10)],
-        )
-        self.assertEqual(fleet.queued, 0)
 
     @defer.inlineCallbacks
     def test_a_stream_whose_only_node_died_waits_for_it_and_continues_exactly(
@@ -1020,52 +597,10 @@ class QueueTests(FleetTestCase):
             if len(streamed) >= 6 and not restarted:
                 restarted.append(self.kill(node).addCallback(lambda _: self.restart(node, port)))
 
-        outcome = yield fleet.generate(PROMPT, 30, on_tokens=seen).result
+        outcome = yield fleet.generate(HeadRequest(PROMPT, 30), on_tokens=seen).result
         yield restarted[0]
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 30))
         self.assertEqual(streamed, outcome.tokens)
         self.assertEqual((outcome.node, outcome.failovers), ("only", 1))
 
 
-class PipelineTests(FleetTestCase):
-    @defer.inlineCallbacks
-    def run_pipeline(
-        self, stages: int, boundaries: list[int] | None
-    ) -> Generator[Any, Any, list[int]]:
-        nodes = []
-        for i in range(stages):
-            nodes.append((yield self.start_mock_node(identity=f"stage{i}")))
-        pipeline = PipelineFleet(
-            reactor,
-            [n.endpoint for n in nodes],
-            boundaries=boundaries,
-            n_layers=MOCK_LAYERS,
-            ids=self.ids,
-        )
-        self.addCleanup(pipeline.stop)
-        yield pipeline.start()
-        streamed: list[int] = []
-        outcome = yield pipeline.generate(PROMPT, 8, on_tokens=streamed.extend).result
-        self.assertEqual(streamed, outcome.tokens)
-        return list(outcome.tokens)
-
-    @defer.inlineCallbacks
-    def test_a_two_stage_pipeline_matches_a_single_full_node(self) -> Generator[Any, Any, None]:
-        """Layers split evenly over two mock stages give the tokens of one full node."""
-        tokens = yield self.run_pipeline(2, None)
-        self.assertEqual(tokens, expected_tokens(PROMPT, 8))
-
-    @defer.inlineCallbacks
-    def test_a_three_stage_pipeline_with_given_boundaries_matches(
-        self,
-    ) -> Generator[Any, Any, None]:
-        """Boundaries [8, 16, 24] over three stages give the tokens of one full node."""
-        tokens = yield self.run_pipeline(3, [8, 16, 24])
-        self.assertEqual(tokens, expected_tokens(PROMPT, 8))
-
-    def test_boundaries(self) -> None:
-        """Even boundaries are ((i+1)·n) // P; given ones must be one per stage, increasing."""
-        self.assertEqual(even_boundaries(24, 2), [12, 24])
-        self.assertEqual(even_boundaries(10, 3), [3, 6, 10])
-        self.assertRaises(ValueError, check_boundaries, [12], 2)
-        self.assertRaises(ValueError, check_boundaries, [12, 12], 2)

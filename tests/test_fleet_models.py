@@ -1,29 +1,29 @@
 """Several models in one fleet, and the model files a node sends its head (docs/protocol.md
 sections 8.5 and 12.5): the registry's rules alone, the bundle and its checked transfer, and a
-head built with no tokenizer of its own serving two models from the files its mock nodes send
-over real loopback TCP (the transfer is the point: chunks, hashes, a link per node).
+head built with no tokenizer of its own serving two models from the files its mock nodes send,
+on the memory reactor (tests/memoryhead.py; the transfer is the point: chunks, hashes, a link
+per node).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from twisted.internet import defer, reactor, task
-from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint
+from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.engines.mock import MockEngine, mock_next_token
 from sfnode.head.api.gauges import gateway_gauges
 from sfnode.head.api.http import OpenAIApi
-from sfnode.head.api.schema import ChatMessage
 from sfnode.head.fleet.backend import BackendStatus
-from sfnode.head.fleet.fleet import Fleet, NoNodeAvailable
+from sfnode.head.fleet.fleet import NoNodeAvailable
 from sfnode.head.fleet.model_admission import ModelAdmission
 from sfnode.head.link.files import FilesFetch
 from sfnode.head.link.machine import LinkError
+from sfnode.head.models.chat import ChatMessage
 from sfnode.head.models.registry import ModelRegistry
 from sfnode.head.models.text import HeadTokenizer, Renderer
 from sfnode.linkf.model_files import (
@@ -52,8 +52,9 @@ from sfnode.linkf.wire import (
 from sfnode.node.agent import NodeAgent
 from sfnode.node.config import NodeConfig
 from sfnode.node.tap import node_factory
-from tests.nodefixture import RunningNode
-from tests.test_http import Head, HttpTestCase
+from tests.memoryhead import InlineWorkers, MemoryHead, MemoryHeadTestCase, stop_at_end
+from tests.nodefixture import MemoryNode
+from tests.test_http_hostile import request_bytes, response_of
 from tests.tinymodel import TINY_VOCAB, tiny_tokenizer
 
 TEMPLATE_A = (
@@ -67,6 +68,8 @@ TEMPLATE_B = (
 VOCAB_B = 300
 """Node B's mock engine draws from fewer ids, so its tokens tell which node answered."""
 MESSAGES = [{"role": "user", "content": "hello world"}]
+FLEET_PORT = 8453
+"""Where a head takes nodes that dial in (nothing is bound: the reactor is a memory reactor)."""
 
 _FOLDERS: dict[str, Path] = {}
 
@@ -277,55 +280,39 @@ class RegistryTests(SynchronousTestCase):
         )
 
 
-class TwoModelTests(HttpTestCase):
+class TwoModelTests(MemoryHeadTestCase):
     """A head with no tokenizer of its own serving two models from its nodes' files."""
 
-    @defer.inlineCallbacks
     def start_model_node(
-        self,
-        identity: str,
-        model_name: str,
-        bundle: Bundle | None,
-        vocab: int = TINY_VOCAB,
-    ) -> Generator[defer.Deferred[Any], Any, RunningNode]:
-        engine = MockEngine(reactor, vocab_size=vocab)
-        config = NodeConfig(identity=identity, model_name=model_name)
-        agent = NodeAgent(reactor, engine, config, model_files=bundle)
-        agent.start()
-        endpoint = TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1")
-        port = yield endpoint.listen(node_factory(agent))
-        self.addCleanup(agent.stop)
-        self.addCleanup(port.stopListening)
-        return RunningNode(agent, engine, port)
+        self, identity: str, model_name: str, bundle: Bundle | None, vocab: int = TINY_VOCAB
+    ) -> MemoryNode:
+        engine = MockEngine(self.reactor, vocab_size=vocab)
+        return self.start_mock_node(
+            identity, engine=engine, model_name=model_name, model_files=bundle
+        )
 
-    @defer.inlineCallbacks
-    def model_head(
-        self, nodes: Sequence[RunningNode], **fleet_options: Any
-    ) -> Generator[defer.Deferred[Any], Any, Head]:
+    def model_head(self, nodes: Sequence[MemoryNode], **fleet_options: Any) -> MemoryHead:
+        """A head with no tokenizer of its own over ``nodes``, once it serves their models."""
         registry = ModelRegistry()
-        fleet = Fleet(reactor, ids=self.ids, models=ModelAdmission(registry), **fleet_options)
-        self.addCleanup(fleet.stop)
-        api = OpenAIApi(reactor, fleet, None, "tiny-a", models=registry, seed_source=lambda: 7)
+        fleet = self.fleet_of(nodes, models=ModelAdmission(registry), **fleet_options)
+        api = OpenAIApi(
+            self.reactor,
+            fleet,
+            None,
+            "tiny-a",
+            models=registry,
+            seed_source=lambda: 7,
+            workers=InlineWorkers(),  # type: ignore[arg-type]
+        )
         self.addCleanup(api.stop)
-        for node in nodes:
-            yield fleet.add_node(node.endpoint)
-        port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(api.site())
-        self.addCleanup(port.stopListening)
-        yield self.served(registry, [n.agent.config.model_name for n in nodes])
-        return Head(fleet, api, port)
+        self.served(registry, [n.agent.config.model_name for n in nodes])
+        return MemoryHead(fleet, api)
 
-    @defer.inlineCallbacks
-    def served(
-        self, registry: ModelRegistry, names: Sequence[str]
-    ) -> Generator[defer.Deferred[Any], Any, None]:
-        """Waits (on the reactor, no sleeping) until the registry serves ``names``."""
-        for _ in range(500):
-            if all(registry.get(name) is not None for name in names):
-                return
-            yield task.deferLater(reactor, 0.01, lambda: None)
-        self.fail(f"the head never served {names}: it has {registry.names()}")
+    def served(self, registry: ModelRegistry, names: Sequence[str]) -> None:
+        """Lets time pass until the registry serves ``names``."""
+        self.until(lambda: all(registry.get(name) is not None for name in names))
 
-    def chat(self, head: Head, model: str, max_tokens: int = 6) -> defer.Deferred[Any]:
+    def chat(self, head: MemoryHead, model: str, max_tokens: int = 6) -> tuple[int, bytes]:
         return self.call(
             head,
             b"POST",
@@ -333,19 +320,18 @@ class TwoModelTests(HttpTestCase):
             {"model": model, "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0},
         )
 
-    @defer.inlineCallbacks
     def test_two_models_each_answered_by_its_own_node_with_its_own_template(
         self,
-    ) -> Generator[Any, Any, None]:
+    ) -> None:
         """Each node sends its files; /v1/models lists both with the node count and window;
         a chat names a model and is rendered with that model's template and generated on
         that model's node (its mock vocabulary shows in the tokens); an unknown model is a 404
         model_not_found."""
         root = self.mktemp()
-        a = yield self.start_model_node("a", "tiny-a", bundle_of(root, TEMPLATE_A))
-        b = yield self.start_model_node("b", "tiny-b", bundle_of(root, TEMPLATE_B), VOCAB_B)
-        head = yield self.model_head([a, b])
-        code, content = yield self.call(head, b"GET", "/v1/models")
+        a = self.start_model_node("a", "tiny-a", bundle_of(root, TEMPLATE_A))
+        b = self.start_model_node("b", "tiny-b", bundle_of(root, TEMPLATE_B), VOCAB_B)
+        head = self.model_head([a, b])
+        code, content = self.call(head, b"GET", "/v1/models")
         self.assertEqual(code, 200)
         listed = {m["id"]: m for m in json.loads(content)["data"]}
         self.assertEqual(set(listed), {"tiny-a", "tiny-b"})
@@ -353,7 +339,7 @@ class TwoModelTests(HttpTestCase):
         self.assertEqual(listed["tiny-b"]["context_length"], b.engine.context_window)
         cases = (("tiny-a", TEMPLATE_A, TINY_VOCAB), ("tiny-b", TEMPLATE_B, VOCAB_B))
         for model, template, vocab in cases:
-            code, content = yield self.chat(head, model)
+            code, content = self.chat(head, model)
             self.assertEqual(code, 200, content)
             body = json.loads(content)
             files = unpack_bundle(bundle_of(root, template).data)
@@ -365,23 +351,22 @@ class TwoModelTests(HttpTestCase):
                 body["choices"][0]["message"]["content"],
                 renderer.decode(expected_tokens(prompt, 6, vocab)),
             )
-        code, content = yield self.chat(head, "tiny-c")
+        code, content = self.chat(head, "tiny-c")
         self.assertEqual(code, 404)
         self.assertEqual(json.loads(content)["error"]["code"], "model_not_found")
-        code, _ = yield self.call(head, b"GET", "/v1/models/tiny-c")
+        code, _ = self.call(head, b"GET", "/v1/models/tiny-c")
         self.assertEqual(code, 404)
 
-    @defer.inlineCallbacks
     def test_a_second_node_with_other_files_for_a_model_is_refused(
         self,
-    ) -> Generator[Any, Any, None]:
+    ) -> None:
         """A node that names tiny-a with files other than those the head serves tiny-a with
         stays connected but is never placed on: every tiny-a request goes to the first."""
         root = self.mktemp()
-        a = yield self.start_model_node("a", "tiny-a", bundle_of(root, TEMPLATE_A))
-        head = yield self.model_head([a])
-        impostor = yield self.start_model_node("x", "tiny-a", bundle_of(root, TEMPLATE_B))
-        yield head.fleet.add_node(impostor.endpoint)
+        a = self.start_model_node("a", "tiny-a", bundle_of(root, TEMPLATE_A))
+        head = self.model_head([a])
+        impostor = self.start_model_node("x", "tiny-a", bundle_of(root, TEMPLATE_B))
+        self.wait(head.fleet.add_node(impostor.endpoint))
         node = head.fleet.node_named("x")
         assert node is not None
         self.assertTrue(node.link.ready)
@@ -391,122 +376,111 @@ class TwoModelTests(HttpTestCase):
         self.assertIn("differ from those this head serves tiny-a with", reason)
         self.assertEqual(len(head.fleet.live_nodes()), 1)
         for _ in range(3):
-            code, _ = yield self.chat(head, "tiny-a")
+            code, _ = self.chat(head, "tiny-a")
             self.assertEqual(code, 200)
         self.assertEqual(node.sessions, 0)
         self.assertEqual(impostor.agent.status().capacity.active_sessions, 0)
         self.assertEqual(self.flushLoggedErrors(), [])
 
-    @defer.inlineCallbacks
     def test_a_node_without_the_extension_needs_the_head_to_serve_its_model(
         self,
-    ) -> Generator[Any, Any, None]:
+    ) -> None:
         """A node that sends no files (an older node) serves a model the head already serves,
         and is left out for one it does not (no request can name that model: 404)."""
         root = self.mktemp()
-        a = yield self.start_model_node("a", "tiny-a", bundle_of(root, TEMPLATE_A))
-        old_a = yield self.start_model_node("old-a", "tiny-a", None)
-        old_c = yield self.start_model_node("old-c", "tiny-c", None)
-        head = yield self.model_head([a])
-        yield head.fleet.add_node(old_a.endpoint)
-        yield head.fleet.add_node(old_c.endpoint)
+        a = self.start_model_node("a", "tiny-a", bundle_of(root, TEMPLATE_A))
+        old_a = self.start_model_node("old-a", "tiny-a", None)
+        old_c = self.start_model_node("old-c", "tiny-c", None)
+        head = self.model_head([a])
+        self.wait(head.fleet.add_node(old_a.endpoint))
+        self.wait(head.fleet.add_node(old_c.endpoint))
         self.assertTrue(head.fleet.node_named("old-a").live)  # type: ignore[union-attr]
         self.assertFalse(head.fleet.node_named("old-c").live)  # type: ignore[union-attr]
         self.assertEqual(head.api.models.names(), ("tiny-a",))
-        code, _ = yield self.chat(head, "tiny-c")
+        code, _ = self.chat(head, "tiny-c")
         self.assertEqual(code, 404)
 
-    @defer.inlineCallbacks
     def test_files_that_do_not_match_their_hash_are_refused_and_the_link_stays(
         self,
-    ) -> Generator[Any, Any, None]:
+    ) -> None:
         """A node whose files do not hash to what it offered is refused for its model (the
         head logs why) without losing its link, and the model is not served; a sound node of
         another model beside it is unaffected."""
         root = self.mktemp()
         sound = bundle_of(root, TEMPLATE_A)
         lying = Bundle(bundle_of(root, TEMPLATE_B).data, b"\x07" * 32)
-        a = yield self.start_model_node("a", "tiny-a", sound)
-        liar = yield self.start_model_node("x", "tiny-x", lying)
-        head = yield self.model_head([a])
-        yield head.fleet.add_node(liar.endpoint)
+        a = self.start_model_node("a", "tiny-a", sound)
+        liar = self.start_model_node("x", "tiny-x", lying)
+        head = self.model_head([a])
+        self.wait(head.fleet.add_node(liar.endpoint))
         node = head.fleet.node_named("x")
         assert node is not None
         admission = head.fleet.models
         assert admission is not None
-        while admission.fetching():
-            yield task.deferLater(reactor, 0.01, lambda: None)
+        self.until(lambda: not admission.fetching())
         self.assertTrue(node.link.ready)
         self.assertFalse(node.live)
         reason = admission.refusal(node.link)
         assert reason is not None
         self.assertIn("do not have the content hash", reason)
         self.assertEqual(head.api.models.names(), ("tiny-a",))
-        code, _ = yield self.chat(head, "tiny-a")
+        code, _ = self.chat(head, "tiny-a")
         self.assertEqual(code, 200)
 
-    @defer.inlineCallbacks
     def dial_in(
-        self, head: Head, identity: str, model_name: str, bundle: Bundle, vocab: int
-    ) -> Generator[defer.Deferred[Any], Any, NodeAgent]:
+        self, head: MemoryHead, identity: str, model_name: str, bundle: Bundle, vocab: int
+    ) -> NodeAgent:
         """A mock node that dials the head's fleet port (it leaves the fleet when it closes)."""
-        if not hasattr(head, "fleet_port"):
-            head.fleet_port = yield TCP4ServerEndpoint(  # type: ignore[attr-defined]
-                reactor, 0, interface="127.0.0.1"
-            ).listen(head.fleet.listen_factory())
-            self.addCleanup(head.fleet_port.stopListening)  # type: ignore[attr-defined]
-        engine = MockEngine(reactor, vocab_size=vocab)
+        if FLEET_PORT not in [server[0] for server in self.reactor.tcpServers]:
+            self.reactor.listenTCP(FLEET_PORT, head.fleet.listen_factory(), interface="127.0.0.1")
+        engine = MockEngine(self.reactor, vocab_size=vocab)
         config = NodeConfig(identity=identity, model_name=model_name)
-        agent = NodeAgent(reactor, engine, config, model_files=bundle)
+        agent = NodeAgent(self.reactor, engine, config, model_files=bundle)
         agent.start()
-        self.addCleanup(agent.stop)
+        stop_at_end(self, agent.stop)
         joined = head.fleet.next_join()
-        port = head.fleet_port.getHost().port  # type: ignore[attr-defined]
-        yield TCP4ClientEndpoint(reactor, "127.0.0.1", port).connect(node_factory(agent))
-        yield joined
+        TCP4ClientEndpoint(self.reactor, "127.0.0.1", FLEET_PORT).connect(node_factory(agent))
+        self.wait(joined)
         return agent
 
-    @defer.inlineCallbacks
-    def test_a_model_whose_nodes_are_gone_waits_for_one(self) -> Generator[Any, Any, None]:
+    def test_a_model_whose_nodes_are_gone_waits_for_one(self) -> None:
         """When tiny-b's only node has left the fleet, a tiny-b request waits in the queue
         (tiny-a is answered meanwhile), counted in tiny-b's waiting gauge, and is answered
         by the tiny-b node that joins next; a model the head never served fails at once."""
         root = self.mktemp()
-        a = yield self.start_model_node("a", "tiny-a", bundle_of(root, TEMPLATE_A))
-        head = yield self.model_head([a], queue_timeout_s=60.0)
+        a = self.start_model_node("a", "tiny-a", bundle_of(root, TEMPLATE_A))
+        head = self.model_head([a], queue_timeout_s=60.0)
         bundle_b = bundle_of(root, TEMPLATE_B)
-        b = yield self.dial_in(head, "b", "tiny-b", bundle_b, VOCAB_B)
-        yield self.served(head.api.models, ["tiny-b"])
-        code, _ = yield self.chat(head, "tiny-b")
+        b = self.dial_in(head, "b", "tiny-b", bundle_b, VOCAB_B)
+        self.served(head.api.models, ["tiny-b"])
+        code, _ = self.chat(head, "tiny-b")
         self.assertEqual(code, 200)
-        yield b.close_connections("leaving")
-        while head.fleet.node_named("b") is not None:
-            yield task.deferLater(reactor, 0.01, lambda: None)
-        waiting = self.chat(head, "tiny-b")
-        while head.fleet.queued == 0:
-            yield task.deferLater(reactor, 0.01, lambda: None)
-        code, _ = yield self.chat(head, "tiny-a")
+        self.wait(b.close_connections("leaving"))
+        self.until(lambda: head.fleet.node_named("b") is None)
+        waiting = self.http(head)
+        body = {"model": "tiny-b", "messages": MESSAGES, "max_tokens": 6, "temperature": 0}
+        waiting.send(request_bytes("/v1/chat/completions", json.dumps(body).encode()))
+        self.until(lambda: head.fleet.queued > 0)
+        code, _ = self.chat(head, "tiny-a")
         self.assertEqual(code, 200)
-        self.assertFalse(waiting.called)
+        self.assertFalse(waiting.closed)
         self.assertEqual(head.api.status("tiny-b").model_waiting, 1)
         self.assertEqual(head.api.status("tiny-a").model_waiting, 0)
-        yield self.assertFailure(
-            head.fleet.open_session([1, 2, 3], model="tiny-z"), NoNodeAvailable
-        )
-        yield self.dial_in(head, "b2", "tiny-b", bundle_b, VOCAB_B)
-        code, content = yield waiting
+        self.wait_failure(head.fleet.open_session([1, 2, 3], model="tiny-z"), NoNodeAvailable)
+        self.dial_in(head, "b2", "tiny-b", bundle_b, VOCAB_B)
+        self.until(lambda: waiting.closed)
+        code, _, content = response_of(waiting.data)
         self.assertEqual(code, 200, content)
         self.assertEqual(json.loads(content)["model"], "tiny-b")
 
-    @defer.inlineCallbacks
-    def test_metrics_export_the_gateway_gauges_per_model(self) -> Generator[Any, Any, None]:
+    def test_metrics_export_the_gateway_gauges_per_model(self) -> None:
         """/metrics has vllm:num_requests_waiting, vllm:num_requests_running and the KV cache
         usage (both names) with one series per model, labelled model_name."""
         root = self.mktemp()
-        a = yield self.start_model_node("a", "tiny-a", bundle_of(root, TEMPLATE_A))
-        b = yield self.start_model_node("b", "tiny-b", bundle_of(root, TEMPLATE_B), VOCAB_B)
-        head = yield self.model_head([a, b])
-        code, content = yield self.call(head, b"GET", "/metrics")
+        a = self.start_model_node("a", "tiny-a", bundle_of(root, TEMPLATE_A))
+        b = self.start_model_node("b", "tiny-b", bundle_of(root, TEMPLATE_B), VOCAB_B)
+        head = self.model_head([a, b])
+        code, content = self.call(head, b"GET", "/metrics")
         self.assertEqual(code, 200)
         text = content.decode()
         for name in (

@@ -22,6 +22,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface import provider
 
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.link import (
     DEFAULT_JOIN_ADDRESS_HANDSHAKES,
     HeadIds,
@@ -150,7 +151,7 @@ class NodeLimitTests(NodeTestCase):
         link = yield self.dial(node)
         link.assign(1)
         link.append(1, PROMPT)
-        call = link.generate(1, 40)
+        call = link.generate(1, HeadRequest((), 40))
         logged = log_line(self, "HELLO payload of 4194304 bytes exceeds its limit of 4096")
         peer = Peer()
         yield connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", node.port_number), peer)
@@ -176,7 +177,7 @@ class NodeLimitTests(NodeTestCase):
         big = [7] * 250_000
         link.assign(1)
         link.append(1, big)
-        outcome = yield link.generate(1, 3).result
+        outcome = yield link.generate(1, HeadRequest((), 3)).result
         self.assertEqual(outcome.tokens, expected_tokens(big, 3))
 
 

@@ -55,6 +55,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface import implementer, provider
 
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.linkf.wire import (
     FINISH_CANCELLED,
     FINISH_LENGTH,
@@ -507,7 +508,7 @@ class FuzzTests(NodeTestCase):
                 prompt = [len(good_runs) % 1000, session, 7, 8, 9]
                 good.assign(session)
                 good.append(session, prompt)
-                outcome = yield good.generate(session, 24).result
+                outcome = yield good.generate(session, HeadRequest((), 24)).result
                 expected = expected_tokens(prompt, 24)
                 if outcome.finish == FINISH_CANCELLED:
                     self.assertEqual(outcome.tokens, expected[: len(outcome.tokens)])
@@ -582,7 +583,7 @@ class FuzzTests(NodeTestCase):
         fresh = yield self.dial(node)
         fresh.assign(FRESH_SESSION)
         fresh.append(FRESH_SESSION, [1, 2, 3])
-        outcome = yield fresh.generate(FRESH_SESSION, 10).result
+        outcome = yield fresh.generate(FRESH_SESSION, HeadRequest((), 10)).result
         self.assertEqual(outcome.tokens, expected_tokens([1, 2, 3], 10))
         closed = sum(1 for end in ends.values() if end != OPEN)
         print(  # the figures the closing notes of issues 5 and 15 ask for

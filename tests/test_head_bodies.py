@@ -10,7 +10,7 @@ import json
 from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.head.api import bodies
-from sfnode.head.api.schema import ApiError
+from sfnode.runtime.http_guard import HttpError
 
 CHAT = bodies.Reply("chatcmpl-1", 1700000000, "m", chat=True)
 TEXT = bodies.Reply("cmpl-1", 1700000000, "m", chat=False)
@@ -98,9 +98,9 @@ class BodyTests(SynchronousTestCase):
         )
 
     def test_error_shape(self) -> None:
-        """An error is ``{"error": {"message", "type", "param", "code"}}``, as ApiError
+        """An error is ``{"error": {"message", "type", "param", "code"}}``, as HttpError
         answers it."""
-        error = ApiError(400, "bad", param="n", code="invalid_value")
+        error = HttpError(400, "bad", param="n", code="invalid_value")
         self.assertEqual(
             error.body(),
             {"error": {"message": "bad", "type": "invalid_request_error", "param": "n",

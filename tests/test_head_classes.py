@@ -1,9 +1,10 @@
 """Request classes at the head (docs/protocol.md section 12.2): the header, the default and its
 options, the link that carries the class only to nodes that read it, and placement.
 
-The rule and placement are pure functions, tested alone; the rest runs over real loopback TCP
-against mock-engine nodes whose engine records what it was asked (the class included), with the
-head built by ``sfnode.head.tap.makeService`` from its command line.
+The rule and placement are pure functions, tested alone; the fleet runs in memory
+(tests/memoryhead.py); the link and the HTTP API run over real loopback TCP against mock-engine
+nodes whose engine records what it was asked (the class included), with the head built by
+``sfnode.head.tap.makeService`` from its command line.
 """
 
 from __future__ import annotations
@@ -26,9 +27,8 @@ from sfnode.head.api.request_class import (
     class_name,
     parse_header,
 )
-from sfnode.head.api.schema import ApiError
 from sfnode.head.fleet import placement
-from sfnode.head.fleet.fleet import Fleet
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.fleet.placement import NodeView, Place, Policy, Request, Wait, decide
 from sfnode.head.link import GenerationCall
 from sfnode.head.tap import Options
@@ -42,8 +42,10 @@ from sfnode.linkf.wire import (
     LinkFLimits,
     RequestClass,
 )
+from sfnode.runtime.http_guard import HttpError
 from tests import test_head_link
-from tests.nodefixture import NodeTestCase, expected_tokens
+from tests.memoryhead import MemoryHeadTestCase
+from tests.nodefixture import expected_tokens
 from tests.test_head_link import LinkTestCase, ev
 from tests.test_head_security import HeadServiceTestCase, RunningHead
 from tests.test_http import MESSAGES, MODEL
@@ -70,7 +72,7 @@ class RuleTests(SynchronousTestCase):
     def test_any_other_header_value_is_a_400(self) -> None:
         """Any other value is a 400 invalid_request_class that quotes it."""
         for bad in (b"", b"chat", b"auto", b"interactive,batch", b"\xff"):
-            with self.assertRaises(ApiError, msg=repr(bad)) as caught:
+            with self.assertRaises(HttpError, msg=repr(bad)) as caught:
                 parse_header(bad)
             self.assertEqual(
                 (caught.exception.status, caught.exception.code), (400, "invalid_request_class")
@@ -191,7 +193,7 @@ class LinkTests(LinkTestCase):
         included."""
         link, node = self.placed()
         self.assertFalse(link.request_classes)
-        calls = [link.generate(1, 4, request_class=BATCH)]
+        calls = [link.generate(1, HeadRequest((), 4, request_class=BATCH))]
         self.flush()
         self.assertEqual([m.request_class for m in node.of_type(GenerateReqMsg)], [None])
         self.finish(node, calls)
@@ -212,41 +214,43 @@ class LinkTests(LinkTestCase):
         self.patch(test_head_link, "HELLO_ACK", ack)
         link, node = self.placed()
         self.assertTrue(link.request_classes)
-        calls = [link.generate(1, 4, request_class=BATCH), link.generate(1, 4)]
+        calls = [
+            link.generate(1, HeadRequest((), 4, request_class=BATCH)),
+            link.generate(1, HeadRequest((), 4)),
+        ]
         self.flush()
         self.assertEqual([m.request_class for m in node.of_type(GenerateReqMsg)], [1, 0])
         self.finish(node, calls)
 
 
 # --------------------------------------------------------------------------------------------
-# The fleet over TCP
+# The fleet, in memory
 
 
-class FleetTests(NodeTestCase):
-    @defer.inlineCallbacks
-    def test_a_chat_is_placed_while_batch_work_waits_at_the_head(self) -> Gen:
+class FleetTests(MemoryHeadTestCase):
+    def test_a_chat_is_placed_while_batch_work_waits_at_the_head(self) -> None:
         """A node of 2 lanes runs two batch generations; a third batch request waits at the
         head; a chat is placed at once on that node all the same, gets its lane when one
         frees, ahead of the waiting batch request, and ends with its exact tokens before that
         request is even placed; every batch request then finishes with its own tokens."""
-        node = yield self.start_node(max_lanes=2, token_delay_s=0.005)
-        fleet = Fleet(reactor, ids=self.ids)
-        self.addCleanup(fleet.stop)
-        yield fleet.add_node(node.endpoint)
+        node = self.start_mock_node(max_lanes=2, token_delay_s=0.005)
+        fleet = self.fleet_of([node])
         batch = [
-            fleet.generate([10 + i, 11], 60, model="mock", request_class=BATCH) for i in range(3)
+            fleet.generate(
+                HeadRequest([10 + i, 11], 60, model="mock", request_class=BATCH),
+            ) for i in range(3)
         ]
-        yield defer.gatherResults([b.when_placed() for b in batch[:2]])
+        self.wait(defer.gatherResults([b.when_placed() for b in batch[:2]]))
         self.assertEqual(fleet.queued, 1)
-        chat = fleet.generate([5, 6, 7], 4, model="mock", request_class=INTERACTIVE)
-        yield chat.when_placed()
+        chat = fleet.generate(HeadRequest([5, 6, 7], 4, model="mock", request_class=INTERACTIVE))
+        self.wait(chat.when_placed())
         self.assertEqual(fleet.queued, 1)
-        outcome = yield chat.result
+        outcome = self.wait(chat.result)
         self.assertEqual(
             (outcome.tokens, outcome.finish), (expected_tokens([5, 6, 7], 4), FINISH_LENGTH)
         )
         self.assertFalse(batch[2].result.called)
-        outcomes = yield defer.gatherResults([b.result for b in batch])
+        outcomes = self.wait(defer.gatherResults([b.result for b in batch]))
         for i, done in enumerate(outcomes):
             self.assertEqual(done.tokens, expected_tokens([10 + i, 11], 60))
         self.assertEqual(fleet.nodes[0].interactive_inflight, 0)

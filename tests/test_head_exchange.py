@@ -15,11 +15,10 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from twisted.internet import defer
 from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectionAborted, ConnectionDone
-from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -27,30 +26,14 @@ from sfnode.generation import TokenBatch
 from sfnode.head.api.exchange import MOVES, Exchange, Phase, finish_reason, request_label
 from sfnode.head.api.gate import GateLimits
 from sfnode.head.api.http import OpenAIApi
-from sfnode.head.fleet.backend import BackendStatus, FleetOutcome, QueueFull
+from sfnode.head.fleet.backend import BackendStatus, FleetOutcome, HeadRequest, QueueFull
 from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH
+from tests.memoryhead import InlineWorkers, ThreadlessReactor
 from tests.test_http import tokenizer
 from tests.test_http_hostile import request_bytes
 
 _T = TypeVar("_T")
 MODEL = "mock"
-
-
-class _Reactor(MemoryReactorClock):
-    """The memory reactor, with work "from a thread" run at once."""
-
-    def callFromThread(self, f: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        f(*args, **kwargs)
-
-
-class _InlineWorkers:
-    """The API's workers, run on the spot (the render is not the point here)."""
-
-    def run(self, work: Callable[[], _T]) -> Deferred[_T]:
-        return defer.maybeDeferred(work)
-
-    def stop(self) -> None:
-        pass
 
 
 class _Generation:
@@ -85,20 +68,8 @@ class _Backend:
     def __init__(self) -> None:
         self.generations: list[_Generation] = []
 
-    def generate(
-        self,
-        prompt: Sequence[int],
-        max_new: int,
-        *,
-        model: str | None = None,
-        params: Any = None,
-        on_tokens: Any = None,
-        max_wall_ms: int = 0,
-        request_class: Any = None,
-        requester: Any = None,
-        constraint: Any = None,
-    ) -> _Generation:
-        generation = _Generation(prompt, max_new, on_tokens)
+    def generate(self, request: HeadRequest, on_tokens: Any = None) -> _Generation:
+        generation = _Generation(request.prompt, request.max_new, on_tokens)
         self.generations.append(generation)
         return generation
 
@@ -108,7 +79,7 @@ class _Backend:
 
 class ExchangeTestCase(SynchronousTestCase):
     def setUp(self) -> None:
-        self.reactor = _Reactor()
+        self.reactor = ThreadlessReactor()
         self.backend = _Backend()
         self.api = OpenAIApi(
             self.reactor,
@@ -116,7 +87,7 @@ class ExchangeTestCase(SynchronousTestCase):
             tokenizer(),
             MODEL,
             seed_source=lambda: 7,
-            workers=_InlineWorkers(),  # type: ignore[arg-type]
+            workers=InlineWorkers(),  # type: ignore[arg-type]
             limits=GateLimits(stall_timeout_s=2.0),
         )
 
@@ -250,7 +221,7 @@ class BackPressureTests(ExchangeTestCase):
         self.assertEqual(self.count("cancelled"), 1)
 
 
-class _HeldWorkers(_InlineWorkers):
+class _HeldWorkers(InlineWorkers):
     """Workers whose work runs only when the test says so."""
 
     def __init__(self) -> None:

@@ -13,7 +13,7 @@ from sfnode.head.api.gate import (
     host_allowed,
     resolve,
 )
-from sfnode.head.api.schema import ApiError
+from sfnode.runtime.http_guard import HttpError
 
 
 class HostTests(SynchronousTestCase):
@@ -48,14 +48,14 @@ class LimitTests(SynchronousTestCase):
         limits = ConcurrencyLimits(per_client=2, per_key=3)
         a1 = limits.acquire("a", b"k")
         limits.acquire("a", b"k")
-        with self.assertRaises(ApiError) as raised:
+        with self.assertRaises(HttpError) as raised:
             limits.acquire("a", b"other")
         self.assertEqual(
             (raised.exception.status, raised.exception.code), (429, "rate_limit_exceeded")
         )
         self.assertEqual(raised.exception.headers, {b"retry-after": b"1"})
         limits.acquire("b", b"k")
-        self.assertRaises(ApiError, limits.acquire, "c", b"k")
+        self.assertRaises(HttpError, limits.acquire, "c", b"k")
         limits.acquire("c", None)
         a1.release()
         a1.release()
@@ -137,16 +137,16 @@ class GenerationCountTests(SynchronousTestCase):
         first.widen(4)
         self.assertEqual((limits.clients["a"], limits.keys[b"k"]), (5, 5))
         second = limits.acquire("a", None)
-        with self.assertRaises(ApiError) as raised:
+        with self.assertRaises(HttpError) as raised:
             second.widen(3)
         self.assertEqual(
             (raised.exception.status, raised.exception.code), (429, "rate_limit_exceeded")
         )
         self.assertEqual(limits.clients["a"], 6)
-        with self.assertRaises(ApiError) as raised:
+        with self.assertRaises(HttpError) as raised:
             limits.acquire("b", None).widen(8)
         self.assertEqual((raised.exception.status, raised.exception.param), (400, "n"))
-        with self.assertRaises(ApiError) as raised:
+        with self.assertRaises(HttpError) as raised:
             limits.acquire("c", b"k2").widen(6)
         self.assertEqual((raised.exception.status, raised.exception.param), (400, "n"))
         first.release()

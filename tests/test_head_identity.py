@@ -4,10 +4,10 @@ when its Finish never comes (``--max-generation-time``).
 
 Every head (a ``HeadIds``) names itself in its HELLO with a random 64-bit identity, and the node
 keeps each identity's sessions in a table of their own.  Here two heads number their sessions,
-epochs and commands from 1 on one node over real TCP; a scripted head (``RawHead``) sends
-another head's ids in REVOKE, RECONCILE and WATERMARK_ACK; and ``twistd sfhead``'s service tree
-answers a generation that outlived its wall budget with 504 to the ``openai`` package and to a
-stream.
+epochs and commands from 1 on one node in memory (tests/memoryhead.py); a scripted head
+(``RawHead``) sends another head's ids in REVOKE, RECONCILE and WATERMARK_ACK; and ``twistd
+sfhead``'s service tree answers a generation that outlived its wall budget with 504 to the
+``openai`` package and to a stream, over real TCP.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from sfnode.engines.mock import MockEngine
 from sfnode.generation import EngineStop
-from sfnode.head.fleet.fleet import GenerationTimedOut
+from sfnode.head.fleet.backend import HeadRequest
+from sfnode.head.fleet.fleet import FleetSettings, GenerationTimedOut
 from sfnode.head.fleet.pipeline import PipelineFleet
 from sfnode.head.link import HeadIds, connect_node
 from sfnode.linkf.wire import (
@@ -41,10 +42,11 @@ from sfnode.linkf.wire import (
     decode_message,
     message_frame,
 )
-from tests.nodefixture import NodeTestCase, RawHead, expected_tokens
+from tests.memoryhead import MemoryHeadTestCase, stop_at_end
+from tests.nodefixture import expected_tokens
 from tests.test_head_link import FakeNodeFactory
 from tests.test_head_security import HeadServiceTestCase
-from tests.test_http import MESSAGES, MODEL
+from tests.test_http import MESSAGES, MODEL, record_ends
 from tests.test_http_hostile import RawClient, request_bytes
 from tests.test_node_link import LONG_LEASE
 
@@ -70,22 +72,20 @@ class HelloTests(SynchronousTestCase):
         self.assertIsNone(decode_message(1, old[25:]).head_id)  # type: ignore[attr-defined]
 
 
-class SharedNodeTests(NodeTestCase):
-    timeout = 30
-    """On main these tests hang (a stream whose session another head took never ends)."""
+class SharedNodeTests(MemoryHeadTestCase):
+    """Several heads on one node, in memory (tests/memoryhead.py)."""
 
-    @defer.inlineCallbacks
-    def test_two_heads_stream_the_same_session_id_at_once(self) -> Gen:
+    def test_two_heads_stream_the_same_session_id_at_once(self) -> None:
         """Two heads, each numbering sessions, epochs and command ids from 1, stream their
         session 1 on one node at the same time: both finish with the tokens of a local run of
         their own prompt, and the node holds each one's session under its own identity."""
-        node = yield self.start_node(token_delay_s=0.005)
+        node = self.start_mock_node(token_delay_s=0.005)
         first_ids, second_ids = HeadIds(), HeadIds()
         self.assertNotEqual(first_ids.head_id, second_ids.head_id)
         links = []
         for ids in (first_ids, second_ids):
-            link = yield connect_node(reactor, node.endpoint, ids=ids)
-            self.addCleanup(link.close)
+            link = self.wait(connect_node(self.reactor, node.endpoint, ids=ids))
+            stop_at_end(self, link.close)
             self.assertTrue((link.features or 0) & FEATURE_HEAD_IDENTITY)
             links.append(link)
         streamed: list[list[int]] = [[], []]
@@ -93,8 +93,8 @@ class SharedNodeTests(NodeTestCase):
         for link, prompt, seen in zip(links, (PROMPT_A, PROMPT_B), streamed, strict=True):
             self.assertEqual(link.assign(1), 1)
             link.append(1, prompt)
-            calls.append(link.generate(1, 40, on_tokens=seen.extend))
-        outcomes = yield defer.gatherResults([c.result for c in calls])
+            calls.append(link.generate(1, HeadRequest((), 40), on_tokens=seen.extend))
+        outcomes = self.wait(defer.gatherResults([c.result for c in calls]))
         for outcome, prompt, seen in zip(outcomes, (PROMPT_A, PROMPT_B), streamed, strict=True):
             self.assertEqual(
                 (outcome.tokens, outcome.finish), (expected_tokens(prompt, 40), FINISH_LENGTH)
@@ -103,14 +103,13 @@ class SharedNodeTests(NodeTestCase):
         for ids, prompt in ((first_ids, PROMPT_A), (second_ids, PROMPT_B)):
             self.assertEqual(list(node.agent.contexts_of(ids.head_id)[1]), prompt)
 
-    @defer.inlineCallbacks
-    def test_another_heads_revoke_reconcile_and_ack_touch_nothing(self) -> Gen:
+    def test_another_heads_revoke_reconcile_and_ack_touch_nothing(self) -> None:
         """While a head streams session 1, another head sends that session's ids in a
         WATERMARK_ACK (everything acknowledged), a RECONCILE (which on one table would move
         the stream to it) and two REVOKEs: it is told it holds nothing, it receives none of the
         stream, and the first head's stream finishes whole, its session still held."""
-        node = yield self.start_node(token_delay_s=0.01)
-        link = yield self.dial(node)
+        node = self.start_mock_node(token_delay_s=0.01)
+        link = self.dial()
         epoch = link.assign(1)
         link.append(1, PROMPT_A)
         streamed: list[int] = []
@@ -121,11 +120,11 @@ class SharedNodeTests(NodeTestCase):
             if not started.called:
                 started.callback(None)
 
-        call = link.generate(1, 60, on_tokens=seen)
-        yield started
+        call = link.generate(1, HeadRequest((), 60), on_tokens=seen)
+        self.wait(started)
         other = HeadIds()
-        intruder = yield RawHead.connect(self, node)
-        yield intruder.hello(head_id=other.head_id)
+        intruder = self.raw_head()
+        self.wait(intruder.hello(head_id=other.head_id))
         generation = call.generation_id
         intruder.send(WatermarkAckMsg(1, epoch, generation, 1 << 40))
         intruder.send(
@@ -138,12 +137,12 @@ class SharedNodeTests(NodeTestCase):
                 )
             )
         )  # fmt: skip
-        ack = yield intruder.wait_for(lambda m: isinstance(m, ReconcileAckMsg))
+        ack = self.wait(intruder.wait_for(lambda m: isinstance(m, ReconcileAckMsg)))
         ((entry,),) = [ack.sessions]
         self.assertEqual((entry.session_id, entry.held, entry.retry_ranges), (1, False, ()))
         intruder.send(SessionRevokeMsg(1 << 40, 1, epoch))
         intruder.send(SessionRevokeMsg((1 << 40) + 1, 1, epoch + 1000))
-        outcome = yield call.result
+        outcome = self.wait(call.result)
         self.assertEqual(
             (outcome.tokens, outcome.finish), (expected_tokens(PROMPT_A, 60), FINISH_LENGTH)
         )
@@ -154,18 +153,17 @@ class SharedNodeTests(NodeTestCase):
         self.assertFalse(table.is_fenced(1))
         self.assertFalse(node.agent.sessions_of(other.head_id).has_session(1))
 
-    @defer.inlineCallbacks
-    def test_a_replayed_revoke_deletes_nothing(self) -> Gen:
+    def test_a_replayed_revoke_deletes_nothing(self) -> None:
         """A REVOKE from the session's own head whose command id was already applied (the
         ASSIGN's) is a replay and deletes nothing; one with a fresh id deletes the session."""
-        node = yield self.start_node()
-        link = yield self.dial(node)
+        node = self.start_mock_node()
+        link = self.dial()
         epoch = link.assign(1)
         link.append(1, PROMPT_A)
-        yield link.generate(1, 2).result
+        self.wait(link.generate(1, HeadRequest((), 2)).result)
         assign_command = 1  # the first command id of this head's first link: its ASSIGN
-        same = yield RawHead.connect(self, node)
-        yield same.hello(head_id=self.ids.head_id)
+        same = self.raw_head()
+        self.wait(same.hello(head_id=self.ids.head_id))
         # Each REVOKE is followed by a RECONCILE (watermark 0: it forgets no command id),
         # whose answer says whether the session is still held.
         barrier = ReconcileMsg(
@@ -173,40 +171,27 @@ class SharedNodeTests(NodeTestCase):
         )
         same.send(SessionRevokeMsg(assign_command, 1, epoch))
         same.send(barrier)
-        ack = yield same.wait_for(lambda m: isinstance(m, ReconcileAckMsg))
+        ack = self.wait(same.wait_for(lambda m: isinstance(m, ReconcileAckMsg)))
         self.assertTrue(ack.sessions[0].held)
         self.assertTrue(node.agent.sessions_of(self.ids.head_id).has_session(1))
         same.send(SessionRevokeMsg(1 << 41, 1, epoch))
         same.send(barrier)
-        yield same.wait_for(lambda m: isinstance(m, ReconcileAckMsg) and not m.sessions[0].held)
+        self.wait(
+            same.wait_for(lambda m: isinstance(m, ReconcileAckMsg) and not m.sessions[0].held)
+        )
         self.assertFalse(node.agent.sessions_of(self.ids.head_id).has_session(1))
 
 
 class GenerationBudgetTests(HeadServiceTestCase):
     timeout = 60
 
-    def slow_engine(self) -> tuple[MockEngine, defer.Deferred[Any]]:
-        """A mock engine whose tokens come every 0.25 s; the Deferred fires with how its first
-        generation ended."""
+    def slow_engine(self) -> tuple[MockEngine, list[defer.Deferred[Any]]]:
+        """A mock engine whose tokens come every 0.25 s, and how each of its generations
+        ended (``record_ends``)."""
         from tests.tinymodel import TINY_VOCAB
 
         engine = MockEngine(reactor, token_delay_s=0.25, vocab_size=TINY_VOCAB)
-        ended: defer.Deferred[Any] = defer.Deferred()
-        submit = engine.submit
-
-        def recording(request: Any, on_tokens: Any) -> Any:
-            generation = submit(request, on_tokens)
-
-            def end(result: Any) -> Any:
-                if not ended.called:
-                    ended.callback(result)
-                return result
-
-            generation.result.addBoth(end)
-            return generation
-
-        engine.submit = recording  # type: ignore[method-assign]
-        return engine, ended
+        return engine, record_ends(engine)
 
     @defer.inlineCallbacks
     def test_a_generation_past_its_budget_is_a_504_and_frees_its_lane(self) -> Gen:
@@ -233,7 +218,7 @@ class GenerationBudgetTests(HeadServiceTestCase):
         self.assertEqual(raised.exception.code, "generation_timeout")
         fleet = head.service.getServiceNamed("fleet").fleet  # type: ignore[no-untyped-call]
         self.assertEqual([n.inflight for n in fleet.nodes], [0])
-        result = yield ended
+        result = yield ended[0]
         self.assertEqual(result.stop, EngineStop.CANCELLED)
 
         endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", head.port)
@@ -273,13 +258,13 @@ class PipelineBudgetTests(TestCase):
             [f"tcp:127.0.0.1:{port.getHost().port}"],
             n_layers=24,
             ids=HeadIds(),
-            fleet_options={"max_generation_s": 0.5},
+            settings=FleetSettings(max_generation_s=0.5),
         )
         self.addCleanup(pipeline.stop)
         yield pipeline.start()
         with self.assertRaises(GenerationTimedOut) as raised:
-            yield pipeline.generate(PROMPT_A, 4).result
+            yield pipeline.generate(HeadRequest(PROMPT_A, 4)).result
         self.assertIn("did not end within 0.5 s", str(raised.exception))
         (node,) = factory.nodes
         self.assertEqual(len(node.of_type(StageForwardReqMsg)), 1)
-        self.assertEqual(pipeline.stages[0].link.pending_forwards, 0)
+        self.assertEqual(pipeline.stages[0].link.calls.forwards, 0)

@@ -19,7 +19,8 @@ from twisted.python.failure import Failure
 from twisted.test.iosim import ConnectionCompleter, IOPump
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.head.fleet.fleet import Fleet
+from sfnode.head.fleet.backend import HeadRequest
+from sfnode.head.fleet.fleet import Fleet, FleetSettings
 from sfnode.head.link import (
     COMMAND_SPACE,
     DEFAULT_LEASE,
@@ -353,7 +354,11 @@ class GenerateTests(LinkTestCase):
         """Tokens stream to on_tokens, every batch is acked with its watermark, Finish ends it."""
         link, node = self.placed()
         streamed: list[list[int]] = []
-        call = link.generate(1, 16, max_wall_ms=500, on_tokens=lambda t: streamed.append(list(t)))
+        call = link.generate(
+            1,
+            HeadRequest((), 16, max_wall_ms=500),
+            on_tokens=lambda t: streamed.append(list(t)),
+        )
         self.flush()
         request = node.received[-1]
         assert isinstance(request, GenerateReqMsg)
@@ -375,13 +380,13 @@ class GenerateTests(LinkTestCase):
             node.of_type(WatermarkAckMsg),
             [WatermarkAckMsg(1, 1, 1, 0), WatermarkAckMsg(1, 1, 1, 1), WatermarkAckMsg(1, 1, 1, 2)],
         )
-        self.assertEqual(link.pending_generations(), [])
+        self.assertEqual(link.calls.pending(), [])
 
     def test_retransmitted_events_are_not_delivered_twice(self) -> None:
         """A duplicate batch is re-acked but its tokens reach neither the stream nor the outcome."""
         link, node = self.placed()
         streamed: list[list[int]] = []
-        call = link.generate(1, 16, on_tokens=lambda t: streamed.append(list(t)))
+        call = link.generate(1, HeadRequest((), 16), on_tokens=lambda t: streamed.append(list(t)))
         node.events(ev(0, Tokens((1,))))
         node.events(ev(0, Tokens((1,))), ev(1, Tokens((2,))))
         node.events(ev(1, Tokens((2,))), ev(2, Finish(FINISH_EOS)))
@@ -393,7 +398,7 @@ class GenerateTests(LinkTestCase):
     def test_a_declined_finish_is_seen(self) -> None:
         """FINISH_DECLINED at seq 0 ends the generation with no tokens."""
         link, node = self.placed()
-        call = link.generate(1, 16)
+        call = link.generate(1, HeadRequest((), 16))
         node.events(ev(0, Finish(FINISH_DECLINED)))
         self.flush()
         self.assertEqual(self.successResultOf(call.result), GenerationOutcome([], FINISH_DECLINED))
@@ -401,7 +406,7 @@ class GenerateTests(LinkTestCase):
     def test_a_declined_finish_is_seen_even_when_dedup_calls_it_a_duplicate(self) -> None:
         """A seq-0 DECLINED after a committed seq 0 still ends the call (taken from the batch)."""
         link, node = self.placed()
-        call = link.generate(1, 16)
+        call = link.generate(1, HeadRequest((), 16))
         node.events(ev(0, Tokens((4,))))
         node.events(ev(0, Finish(FINISH_DECLINED)))
         self.flush()
@@ -414,7 +419,7 @@ class GenerateTests(LinkTestCase):
         link.assign(1)
         link.append(1, [5])
         self.flush()
-        call = link.generate(1, 16)
+        call = link.generate(1, HeadRequest((), 16))
         node.events(ev(0, Tokens((9,)), e=1, g=call.generation_id))
         node.events(ev(1, Tokens((9,)), e=2, g=call.generation_id))
         self.flush()
@@ -428,8 +433,8 @@ class GenerateTests(LinkTestCase):
         link, node = self.placed()
         link.assign(2)
         link.append(2, [1])
-        first = link.generate(1, 4)
-        second = link.generate(2, 4)
+        first = link.generate(1, HeadRequest((), 4))
+        second = link.generate(2, HeadRequest((), 4))
         self.flush()
         node.events(
             ev(0, Tokens((10,)), s=1, e=1, g=first.generation_id),
@@ -446,7 +451,7 @@ class GenerateTests(LinkTestCase):
     def test_cancel_sends_generate_cancel_once(self) -> None:
         """cancel() sends one GENERATE_CANCEL; the CANCELLED finish still ends the call."""
         link, node = self.placed()
-        call = link.generate(1, 1_000_000)
+        call = link.generate(1, HeadRequest((), 1_000_000))
         call.cancel()
         call.cancel()
         self.flush()
@@ -459,24 +464,24 @@ class GenerateTests(LinkTestCase):
     def test_generate_on_an_unknown_session_fails(self) -> None:
         """generate for a session never assigned on this link fails with UnknownSessionError."""
         link, node = self.open_link()
-        self.failureResultOf(link.generate(5, 4).result, UnknownSessionError)
+        self.failureResultOf(link.generate(5, HeadRequest((), 4)).result, UnknownSessionError)
         self.flush()
         self.assertEqual(node.of_type(GenerateReqMsg), [])
 
     def test_a_reassign_fails_the_sessions_pending_generation(self) -> None:
         """A new epoch supersedes the session's pending generation (the node drops it)."""
         link, _ = self.placed()
-        call = link.generate(1, 4)
-        other = link.generate(1, 4)
+        call = link.generate(1, HeadRequest((), 4))
+        other = link.generate(1, HeadRequest((), 4))
         link.assign(1)
         self.failureResultOf(call.result, SupersededError)
         self.failureResultOf(other.result, SupersededError)
-        self.assertEqual(link.pending_generations(), [])
+        self.assertEqual(link.calls.pending(), [])
 
     def test_revoke_fails_the_sessions_pending_generation(self) -> None:
         """Revoking a session with a pending generation fails it with SessionRevokedError."""
         link, _ = self.placed()
-        call = link.generate(1, 4)
+        call = link.generate(1, HeadRequest((), 4))
         link.revoke(1)
         self.failureResultOf(call.result, SessionRevokedError)
 
@@ -509,7 +514,7 @@ class BrokenLinkTests(LinkTestCase):
         globalLogPublisher.addObserver(logged.append)
         self.addCleanup(globalLogPublisher.removeObserver, logged.append)
         link, node = self.placed()
-        call = link.generate(1, 4)
+        call = link.generate(1, HeadRequest((), 4))
         forward = link.stage_forward([1], 0, 1)
         closed = link.when_closed()
         self.flush()
@@ -527,7 +532,7 @@ class BrokenLinkTests(LinkTestCase):
     def test_a_malformed_payload_is_a_malformed_frame_too(self) -> None:
         """A well-framed TOKEN_EVENTS whose payload is not msgpack of the right shape."""
         link, node = self.placed()
-        call = link.generate(1, 4)
+        call = link.generate(1, HeadRequest((), 4))
         nil_payload = encode_frame(MsgType.TOKEN_EVENTS, 9, b"\xc0")
         node.transport.write(nil_payload)  # type: ignore[union-attr]
         self.flush()
@@ -542,7 +547,7 @@ class BrokenLinkTests(LinkTestCase):
         waits for that attempt, and fails with LinkLostError naming the real reason when the
         node refuses it.  New calls fail at once while the link is down."""
         link, node = self.placed()
-        call = link.generate(1, 4)
+        call = link.generate(1, HeadRequest((), 4))
         closed = link.when_closed()
         self.flush()
         node.transport.loseConnection()  # type: ignore[union-attr]
@@ -554,12 +559,12 @@ class BrokenLinkTests(LinkTestCase):
         failure = self.failureResultOf(call.result, LinkLostError)
         self.assertIn("connection refused", str(failure.value))
         self.assertEqual(link.status, "down")
-        self.failureResultOf(link.generate(1, 4).result, LinkLostError)
+        self.failureResultOf(link.generate(1, HeadRequest((), 4)).result, LinkLostError)
 
     def test_close_fails_pending_calls_and_fires_when_gone(self) -> None:
         """close() closes the connection; pending calls fail with LinkLostError."""
         link, node = self.placed()
-        call = link.generate(1, 4)
+        call = link.generate(1, HeadRequest((), 4))
         d = link.close()
         self.flush()
         self.successResultOf(d)
@@ -571,7 +576,7 @@ class ReconnectTests(LinkTestCase):
     def test_reconnect_reconciles_and_completes_a_generation_by_retransmission(self) -> None:
         """RECONCILE reports the watermark; retransmitted events finish the pending generation."""
         link, node = self.placed(context=(5, 6, 7))
-        call = link.generate(1, 16)
+        call = link.generate(1, HeadRequest((), 16))
         self.flush()
         node.events(ev(0, Tokens((1,)), g=call.generation_id))
         self.flush()
@@ -606,7 +611,7 @@ class ReconnectTests(LinkTestCase):
         """Not held: same epoch re-assigned with a new command and re-appended; the lost
         generation fails with LinkLostError."""
         link, _ = self.placed(context=(5, 6))
-        call = link.generate(1, 16)
+        call = link.generate(1, HeadRequest((), 16))
         self.flush()
 
         def reconcile(new: FakeNode, message: Message) -> None:
@@ -629,7 +634,7 @@ class ReconnectTests(LinkTestCase):
         """The node drops the connection mid-generation: the link redials at once by itself,
         reconciles, and the generation completes from the retransmission, once."""
         link, node = self.placed()
-        call = link.generate(1, 16)
+        call = link.generate(1, HeadRequest((), 16))
         self.flush()
         reconnected = link.when_closed().addCallback(lambda _: link.when_open())
 
@@ -652,7 +657,7 @@ class ReconnectTests(LinkTestCase):
     def test_a_reconnect_that_cannot_handshake_fails_pending_generations(self) -> None:
         """If the node refuses the new connection, the reconnect and its generations fail."""
         link, _ = self.placed()
-        call = link.generate(1, 16)
+        call = link.generate(1, HeadRequest((), 16))
         self.factory.hello_mode = "close"
         done = link.reconnect()
         self.complete()
@@ -663,7 +668,7 @@ class ReconnectTests(LinkTestCase):
         """Seqs that arrive before RECONCILE_ACK are not waited for again (docs/protocol.md
         section 8.4 step 3)."""
         link, _ = self.placed()
-        call = link.generate(1, 16)
+        call = link.generate(1, HeadRequest((), 16))
 
         def reconcile(new: FakeNode, message: Message) -> None:
             if isinstance(message, ReconcileMsg):
@@ -682,7 +687,7 @@ class ReconnectTests(LinkTestCase):
     def test_a_reconcile_missing_its_retransmissions_times_out(self) -> None:
         """A retry range that never arrives fails the reconnect and its generations."""
         link, _ = self.placed()
-        call = link.generate(1, 16)
+        call = link.generate(1, HeadRequest((), 16))
 
         def reconcile(new: FakeNode, message: Message) -> None:
             if isinstance(message, ReconcileMsg):
@@ -706,7 +711,7 @@ class ReconnectTests(LinkTestCase):
     def test_frames_from_the_old_connection_are_ignored_after_a_reconnect(self) -> None:
         """Once reconnect() detached the old connection, nothing it delivers counts."""
         link, old = self.placed()
-        call = link.generate(1, 16)
+        call = link.generate(1, HeadRequest((), 16))
         self.flush()
         self.factory.on_message = lambda new, message: (
             new.send(ReconcileAckMsg((SessionReconcileAck(1, True, (), NO_LEASE_VIEW),)))
@@ -725,10 +730,10 @@ class MoreGenerateTests(LinkTestCase):
     def test_cancelling_the_result_sends_generate_cancel_and_forgets_the_call(self) -> None:
         """result.cancel() sends GENERATE_CANCEL; a late Finish for it is still acked."""
         link, node = self.placed()
-        call = link.generate(1, 100)
+        call = link.generate(1, HeadRequest((), 100))
         call.result.cancel()
         self.failureResultOf(call.result)
-        self.assertEqual(link.pending_generations(), [])
+        self.assertEqual(link.calls.pending(), [])
         node.events(ev(0, Finish(FINISH_CANCELLED), g=call.generation_id))
         self.flush()
         cancels = node.of_type(GenerateCancelMsg)
@@ -742,7 +747,7 @@ class MoreGenerateTests(LinkTestCase):
             raise RuntimeError("caller bug")
 
         link, node = self.placed()
-        call = link.generate(1, 4, on_tokens=explode)
+        call = link.generate(1, HeadRequest((), 4), on_tokens=explode)
         node.events(ev(0, Tokens((1,)), g=call.generation_id))
         node.events(ev(1, Finish(FINISH_EOS), g=call.generation_id))
         self.flush()
@@ -773,7 +778,7 @@ class MoreGenerateTests(LinkTestCase):
     def test_a_generation_the_node_still_runs_continues_after_a_reconnect(self) -> None:
         """Held, with events committed before the drop: the rest streams on the new link (D2)."""
         link, _ = self.placed()
-        call = link.generate(1, 16)
+        call = link.generate(1, HeadRequest((), 16))
         self.flush()
         self.factory.nodes[-1].events(ev(0, Tokens((1,)), g=call.generation_id))
         self.flush()
@@ -799,7 +804,7 @@ class MoreGenerateTests(LinkTestCase):
             link, node = self.open_link(keep_wal=keep_wal)
             link.assign(1)
             link.append(1, [1])
-            call = link.generate(1, 4)
+            call = link.generate(1, HeadRequest((), 4))
             node.events(ev(0, Tokens((7,)), e=call.epoch, g=call.generation_id))
             node.events(ev(1, Finish(FINISH_EOS), e=call.epoch, g=call.generation_id))
             self.flush()
@@ -825,7 +830,7 @@ class LivenessTests(LinkTestCase):
         link, node = self.open_link(silence_timeout_s=2.0)
         link.assign(1)
         link.append(1, [1, 2])
-        call = link.generate(1, 16)
+        call = link.generate(1, HeadRequest((), 16))
         self.flush()
         self.reactor.advance(1.5)
         node.events(ev(0, Tokens((7,)), e=call.epoch, g=call.generation_id))
@@ -869,7 +874,11 @@ class LinkSettingsTests(LinkTestCase):
         """A fleet told to send KEEPALIVE every 3 s does so on the link of a node that dialed
         in, as on one it dialed (not the 15 s default): both nodes get their first after 3 s,
         their second after 6 s."""
-        fleet = Fleet(self.reactor, ids=self.ids, keepalive_interval_s=3.0, silence_timeout_s=0)
+        fleet = Fleet(
+            self.reactor,
+            FleetSettings(keepalive_interval_s=3.0, silence_timeout_s=0),
+            ids=self.ids,
+        )
         self.reactor.listenTCP(9000, fleet.listen_factory())
         joined = fleet.next_join()
         node_factory = FakeNodeFactory()

@@ -1,7 +1,7 @@
 """The head's OpenAI request schema (sfnode.head.api.schema), alone: pure functions, no reactor.
 
 Every case states what a client sends and what it must get back: a checked request, or an
-ApiError whose status, message and ``param`` say what was wrong.
+HttpError whose status, message and ``param`` say what was wrong.
 """
 
 from __future__ import annotations
@@ -12,16 +12,15 @@ from typing import Any
 from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.head.api.schema import (
-    ECHO_LIMIT,
     MAX_JSON_DEPTH,
     MAX_N,
     UNSUPPORTED,
-    ApiError,
-    ChatMessage,
     choice_seed,
     parse_body,
     parse_request,
 )
+from sfnode.head.models.chat import ChatMessage
+from sfnode.runtime.http_guard import ECHO_LIMIT, HttpError
 
 MODEL = "m"
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -49,9 +48,9 @@ def completion(**fields: Any) -> Any:
 
 
 class SchemaTestCase(SynchronousTestCase):
-    def refused(self, parse: Any, **fields: Any) -> ApiError:
-        """The ApiError that parsing ``fields`` raises (the test fails if none is)."""
-        with self.assertRaises(ApiError) as raised:
+    def refused(self, parse: Any, **fields: Any) -> HttpError:
+        """The HttpError that parsing ``fields`` raises (the test fails if none is)."""
+        with self.assertRaises(HttpError) as raised:
             parse(**fields)
         return raised.exception
 
@@ -67,7 +66,7 @@ class BodyTests(SchemaTestCase):
             (b"[1, 2]", "JSON object"),
             (b'{"a": "\xff"}', "not UTF-8"),
         ]:
-            with self.assertRaises(ApiError) as raised:
+            with self.assertRaises(HttpError) as raised:
                 parse_body(data)
             self.assertEqual(raised.exception.status, 400, data)
             self.assertIn(words, raised.exception.message)
@@ -78,7 +77,7 @@ class BodyTests(SchemaTestCase):
         the limit itself parses."""
         for depth in (1000, 100_000, MAX_JSON_DEPTH + 1):
             data = b'{"a": ' + b"[" * depth + b"]" * depth + b"}"
-            with self.assertRaises(ApiError) as raised:
+            with self.assertRaises(HttpError) as raised:
                 parse_body(data)
             self.assertIn("nested", raised.exception.message)
         ok = b'{"a": ' + b"[" * (MAX_JSON_DEPTH - 1) + b"]" * (MAX_JSON_DEPTH - 1) + b"}"

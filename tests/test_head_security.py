@@ -35,7 +35,15 @@ from sfnode.head.api.http import OpenAIApi
 from sfnode.head.tap import Options, makeService
 from tests.nodefixture import RunningNode
 from tests.processes import TWISTD, Child, child_env, spawn_twistd
-from tests.test_http import MESSAGES, MODEL, HttpTestCase, sse_events, tokenizer
+from tests.test_http import (
+    MESSAGES,
+    MODEL,
+    HttpTestCase,
+    StreamingClient,
+    record_ends,
+    sse_events,
+    tokenizer,
+)
 from tests.tinymodel import TINY_VOCAB
 
 LOOPBACK = "tcp:0:interface=127.0.0.1"
@@ -386,26 +394,6 @@ class HttpAdmissionTests(TestCase):
         self.assertNotIn("serving HTTP on", output)
 
 
-class _Body(Protocol):
-    """A streamed response body: ``text_seen`` fires at the first non-empty text chunk,
-    ``done`` with the whole body when the connection ends."""
-
-    def __init__(self) -> None:
-        self.body = b""
-        self.text_seen: defer.Deferred[None] = defer.Deferred()
-        self.done: defer.Deferred[bytes] = defer.Deferred()
-
-    def dataReceived(self, data: bytes) -> None:
-        self.body += data
-        if not self.text_seen.called and b'"text": "' in self.body.replace(b'"text": ""', b""):
-            self.text_seen.callback(None)
-
-    def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
-        if not self.text_seen.called:
-            self.text_seen.errback(reason)
-        self.done.callback(self.body)
-
-
 class _RawClient(Protocol):
     """A raw HTTP/1.1 connection; ``ended`` fires with everything received when it closes."""
 
@@ -432,7 +420,7 @@ class DrainTests(HeadServiceTestCase):
     @defer.inlineCallbacks
     def stream(
         self, head: RunningHead, max_tokens: int
-    ) -> Generator[defer.Deferred[Any], Any, _Body]:
+    ) -> Generator[defer.Deferred[Any], Any, StreamingClient]:
         """A streamed completion, once its first text arrived."""
         body = {
             "model": MODEL, "prompt": list(range(100, 112)), "max_tokens": max_tokens,
@@ -445,9 +433,9 @@ class DrainTests(HeadServiceTestCase):
             FileBodyProducer(BytesIO(json.dumps(body).encode())),
         )
         self.assertEqual(response.code, 200)
-        received = _Body()
+        received = StreamingClient(b"text")
         response.deliverBody(received)
-        yield received.text_seen
+        yield received.content_seen
         return received
 
     @defer.inlineCallbacks
@@ -483,7 +471,7 @@ class DrainTests(HeadServiceTestCase):
         self.assertTrue(health.startswith(b"HTTP/1.1 503 "), health)
         self.assertEqual(json.loads(health.partition(b"\r\n\r\n")[2])["status"], "draining")
 
-        events = sse_events((yield running.done))
+        events = sse_events((yield running.ended))
         self.assertEqual(events[-1], "[DONE]")
         self.assertEqual(events[-2]["usage"]["completion_tokens"], 200)
         self.assertEqual(events[-3]["choices"][0]["finish_reason"], "length")
@@ -501,28 +489,15 @@ class DrainTests(HeadServiceTestCase):
         node (its engine ends the generation CANCELLED), the client still gets a clean end
         (finish_reason stop, then [DONE]), and the service finishes stopping."""
         engine = MockEngine(reactor, token_delay_s=0.005, vocab_size=TINY_VOCAB)
-        ended: defer.Deferred[Any] = defer.Deferred()
-        submit = engine.submit
-
-        def recording_submit(request: Any, on_tokens: Any) -> Any:
-            generation = submit(request, on_tokens)
-
-            def record(result: Any) -> Any:
-                ended.callback(result)
-                return result
-
-            generation.result.addBoth(record)
-            return generation
-
-        engine.submit = recording_submit  # type: ignore[method-assign]
+        ended = record_ends(engine)
         node = yield self.start_vocab_node(engine=engine)
         head = yield self.start_sfhead([node], "--drain-timeout", "0.1")
         running = yield self.stream(head, 100000)
         stopped = head.service.stopService()  # type: ignore[no-untyped-call]
         self.assertFalse(stopped.called)
-        result = yield ended
+        result = yield ended[0]
         self.assertEqual(result.stop, EngineStop.CANCELLED)
-        events = sse_events((yield running.done))
+        events = sse_events((yield running.ended))
         self.assertEqual(events[-1], "[DONE]")
         self.assertLess(events[-2]["usage"]["completion_tokens"], 100000)
         self.assertEqual(events[-3]["choices"][0]["finish_reason"], "stop")
@@ -585,11 +560,11 @@ class SigtermTests(TestCase):
             Headers({b"content-type": [b"application/json"]}),
             FileBodyProducer(BytesIO(json.dumps(body).encode())),
         )
-        received = _Body()
+        received = StreamingClient(b"text")
         response.deliverBody(received)
-        yield received.text_seen
+        yield received.content_seen
         head.transport.signalProcess("TERM")
-        events = sse_events((yield received.done))
+        events = sse_events((yield received.ended))
         yield head.ended
         self.assertEqual(events[-1], "[DONE]", bytes(head.output).decode())
         self.assertEqual(events[-2]["usage"]["completion_tokens"], 150)

@@ -20,8 +20,9 @@ from twisted.internet import defer
 from twisted.internet.utils import getProcessOutputAndValue
 from twisted.trial.unittest import SkipTest, SynchronousTestCase, TestCase
 
-from sfnode.head.api.schema import ApiError, ChatMessage
+from sfnode.head.models.chat import ChatMessage
 from sfnode.head.models.text import HeadTokenizer, Renderer, TransformersCodec
+from sfnode.runtime.http_guard import HttpError
 from tests.processes import LOOPBACK, Child, child_env, spawn_twistd
 from tests.tinymodel import tiny_tokenizer
 
@@ -127,7 +128,7 @@ class RendererTests(SynchronousTestCase):
         """A chat template that raises (raise_exception) gives a 400 about the messages with
         the template's message, not a 500."""
         renderer = Renderer(HeadTokenizer(tiny_folder(self, template=TEMPLATE)))
-        with self.assertRaises(ApiError) as raised:
+        with self.assertRaises(HttpError) as raised:
             renderer.chat([ChatMessage("tool", "x")])
         error = raised.exception
         self.assertEqual((error.status, error.param), (400, "messages"))
@@ -154,7 +155,7 @@ options = Options()
 options.parseOptions(sys.argv[1:])
 head = makeService(options, reactor)
 api = head.getServiceNamed("http").api
-from sfnode.head.api.schema import ChatMessage
+from sfnode.head.models.chat import ChatMessage
 ids = api.renderer.chat([ChatMessage("user", "hi")])
 print("torch" in sys.modules, "transformers" in sys.modules, len(ids) > 0)
 """
@@ -293,7 +294,7 @@ class TemplateBoundTests(SynchronousTestCase):
         exponent, is refused as a 400 about the messages (a sandbox error), at once."""
         for template in ("{{ 'x' * 10**12 }}", "{{ [1] * 10**9 }}", "{{ 2 ** 100000000 }}"):
             renderer = Renderer(HeadTokenizer(tiny_folder(self, template=template)))
-            with self.assertRaises(ApiError) as raised:
+            with self.assertRaises(HttpError) as raised:
                 renderer.chat([ChatMessage("user", "x")])
             self.assertEqual((raised.exception.status, raised.exception.param), (400, "messages"))
 

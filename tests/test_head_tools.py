@@ -9,8 +9,8 @@ from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.decoding.constraint import parse_tool_calls, tools_system_text
-from sfnode.head.api.schema import ChatMessage, ChatToolCall
+from sfnode.decoding.constraint import tools_system_text
+from sfnode.head.models.chat import ChatMessage, ChatToolCall
 from sfnode.head.models.text import Renderer
 from sfnode.head.models.tools import (
     ArgumentsDelta,
@@ -20,6 +20,7 @@ from sfnode.head.models.tools import (
     Content,
     template_messages,
 )
+from tests.agents import TOOL_CALL_INSTANCE
 from tests.test_http import tokenizer
 
 TOOLS: list[dict[str, Any]] = [
@@ -46,20 +47,40 @@ def split(text: str, size: int) -> CallsAnswer:
     return answer
 
 
+def read_calls(text: str) -> tuple[str, list[tuple[str, str]]]:
+    """A whole output's content and its whole calls' (name, arguments), as the head reads
+    them."""
+    answer = split(text, max(len(text), 1))
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in answer.whole_calls]
+    return answer.text, calls
+
+
 class SplitterTests(SynchronousTestCase):
     def test_any_cut_of_the_text_reads_the_same_calls_as_the_whole(self) -> None:
         """Fed one character at a time, or in any chunk size, the splitter gives the content
-        and calls :func:`parse_tool_calls` reads from the whole text (brackets and quotes
-        inside strings do not end the arguments)."""
-        content, calls = parse_tool_calls(OUTPUT)
+        before the first call and each call's name and arguments exactly as written (brackets
+        and quotes inside strings do not end the arguments)."""
+        content = "Sure: <tool <b>."
+        calls = [("jump", '{"over": "a \\"}\\" {[x"}'), ("land", '{"at": [1, {"b": []}]}')]
         for size in (1, 2, 3, 5, 11, len(OUTPUT)):
             answer = split(OUTPUT, size)
             self.assertEqual(answer.text, content, size)
             self.assertEqual(
                 [(c["function"]["name"], c["function"]["arguments"]) for c in answer.calls],
-                [(c.name, c.arguments) for c in calls],
+                calls,
             )
             self.assertEqual([c["id"] for c in answer.calls], ["call_0", "call_1"])
+
+    def test_calls_are_read_back_with_their_arguments_as_written(self) -> None:
+        """Text before the first call is content; each closed call gives its name and its
+        arguments' exact text; a call cut short is dropped; output without a call is all
+        content."""
+        text = "Let me check. " + TOOL_CALL_INSTANCE + "\n" + TOOL_CALL_INSTANCE[:30]
+        self.assertEqual(
+            read_calls(text),
+            ("Let me check. ", [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
+        )
+        self.assertEqual(read_calls("no calls"), ("no calls", []))
 
     def test_events_come_in_order_and_tags_never_show(self) -> None:
         """A call opens (index, id, name) before its argument fragments; no content carries
@@ -83,12 +104,12 @@ class SplitterTests(SynchronousTestCase):
     def test_a_call_cut_short_keeps_what_came(self) -> None:
         """An output cut by max_tokens inside a call's arguments: the call is open with the
         fragments so far (what a stream showed), finish adds nothing, and the whole calls (what
-        a non-streamed answer lists) leave it out, as parse_tool_calls does."""
+        a non-streamed answer lists) leave it out, as they do a call cut inside its header."""
         text = '<tool_call>{"name": "jump", "arguments": {}}</tool_call>\n<tool_call>{"name": '
         answer = split(text + '"jump", "arguments": {"over": "fo', 3)
         self.assertEqual(answer.calls[1]["function"]["arguments"], '{"over": "fo')
         self.assertEqual(answer.whole_calls, answer.calls[:1])
-        self.assertEqual(len(parse_tool_calls(text)[1]), 1)
+        self.assertEqual(read_calls(text)[1], [("jump", "{}")])
 
 
 class RenderingTests(SynchronousTestCase):

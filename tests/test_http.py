@@ -20,7 +20,7 @@ from collections.abc import Generator, Sequence
 from typing import Any
 
 from twisted.internet import defer, reactor, threads
-from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint, connectProtocol
+from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
@@ -31,11 +31,11 @@ from sfnode.engines.config import EngineConfig
 from sfnode.engines.mock import MockEngine, mock_next_token
 from sfnode.generation import EngineStop
 from sfnode.head.api.http import Detokenizer, OpenAIApi, Renderer, StopText
-from sfnode.head.api.schema import ChatMessage
-from sfnode.head.fleet.fleet import Fleet
+from sfnode.head.fleet.fleet import Fleet, FleetSettings
+from sfnode.head.models.chat import ChatMessage
 from sfnode.node.agent import NodeAgent
 from sfnode.node.config import NodeConfig
-from sfnode.node.tap import node_factory
+from tests.memoryhead import MemoryHeadTestCase
 from tests.nodefixture import NodeTestCase, RunningNode
 from tests.test_fleet import next_status
 from tests.tinymodel import TINY_VOCAB, tiny_tokenizer
@@ -90,13 +90,7 @@ class HttpTestCase(NodeTestCase):
                 vocab_size=TINY_VOCAB,
             )
         config = NodeConfig(identity=identity, model_name=model_name, max_lanes=max_lanes)
-        agent = NodeAgent(reactor, engine, config)
-        agent.start()
-        endpoint = TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1")
-        port = yield endpoint.listen(node_factory(agent))
-        self.addCleanup(agent.stop)
-        self.addCleanup(port.stopListening)
-        return RunningNode(agent, engine, port)
+        return (yield self.serve(NodeAgent(reactor, engine, config), engine))
 
     @defer.inlineCallbacks
     def start_head(
@@ -110,7 +104,7 @@ class HttpTestCase(NodeTestCase):
     ) -> Generator[defer.Deferred[Any], Any, Head]:
         """A fleet with ``nodes`` and its API on 127.0.0.1 (``fleet_options``: more Fleet
         keywords, such as the queue's bounds; ``api``: more OpenAIApi keywords)."""
-        fleet = Fleet(reactor, ids=self.ids, **(fleet_options or {}))
+        fleet = Fleet(reactor, FleetSettings(**(fleet_options or {})), ids=self.ids)
         self.addCleanup(fleet.stop)
         for node in nodes:
             yield fleet.add_node(node.endpoint)
@@ -142,11 +136,44 @@ class HttpTestCase(NodeTestCase):
         content = yield readBody(response)
         return response.code, content
 
+    @defer.inlineCallbacks
+    def tiny_head(
+        self, max_lanes: int = 4
+    ) -> Generator[defer.Deferred[Any], Any, tuple[Head, Any, Any, Any]]:
+        """A head on ``tiny`` served by a node running the tiny transformers model: (head,
+        model, tokenizer, an ``openai`` client for the head)."""
+        import openai
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from sfnode.engines.transformers_engine import TransformersEngine
+        from tests.tinymodel import save_tiny_model
+
+        folder = save_tiny_model(self.mktemp())
+        model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True)
+        model.eval()
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        engine = TransformersEngine(model, reactor, EngineConfig(max_lanes=max_lanes))
+        node = yield self.start_vocab_node(engine=engine, model_name="tiny")
+        head = yield self.start_head([node], model="tiny", tok=tok)
+        client = openai.OpenAI(base_url=head.base + "/v1", api_key="unused", max_retries=0)
+        self.addCleanup(client.close)
+        return head, model, tok, client
+
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        return Renderer(tokenizer()).chat([ChatMessage(m["role"], m["content"]) for m in messages])
+        return prompt_ids(messages)
 
     def text_of(self, tokens: Sequence[int]) -> str:
-        return str(tokenizer().decode(list(tokens), skip_special_tokens=True))
+        return text_of(tokens)
+
+
+def prompt_ids(messages: list[dict[str, str]]) -> list[int]:
+    """The tiny tokenizer's chat prompt of ``messages``."""
+    return Renderer(tokenizer()).chat([ChatMessage(m["role"], m["content"]) for m in messages])
+
+
+def text_of(tokens: Sequence[int]) -> str:
+    """The text of ``tokens`` (special tokens left out)."""
+    return str(tokenizer().decode(list(tokens), skip_special_tokens=True))
 
 
 MESSAGES = [{"role": "user", "content": "hello world"}]
@@ -160,6 +187,28 @@ def expected_tokens(context: Sequence[int], count: int) -> list[int]:
     return context[len(context) - count :]
 
 
+def record_ends(engine: MockEngine) -> list[defer.Deferred[Any]]:
+    """Wraps ``engine.submit``: the list gets, for each generation the engine starts, a
+    Deferred that fires with how it ended (its result or its failure)."""
+    ended: list[defer.Deferred[Any]] = []
+    submit = engine.submit
+
+    def recording_submit(request: Any, on_tokens: Any) -> Any:
+        generation = submit(request, on_tokens)
+        seen: defer.Deferred[Any] = defer.Deferred()
+        ended.append(seen)
+
+        def record(result: Any) -> Any:
+            seen.callback(result)
+            return result
+
+        generation.result.addBoth(record)
+        return generation
+
+    engine.submit = recording_submit  # type: ignore[method-assign]
+    return ended
+
+
 def sse_events(content: bytes) -> list[Any]:
     """The data of every server-sent event; ``[DONE]`` stays a string."""
     events = []
@@ -170,14 +219,13 @@ def sse_events(content: bytes) -> list[Any]:
     return events
 
 
-class CompletionTests(HttpTestCase):
-    @defer.inlineCallbacks
-    def test_non_streaming_chat(self) -> Generator[Any, Any, None]:
+class CompletionTests(MemoryHeadTestCase):
+    def test_non_streaming_chat(self) -> None:
         """A chat completion renders the messages, generates on the node and answers the
         detokenized text, finish_reason length, and usage in OpenAI's shape."""
-        node = yield self.start_vocab_node()
-        head = yield self.start_head([node])
-        code, content = yield self.call(
+        node = self.start_vocab_node()
+        head = self.start_head([node])
+        code, content = self.call(
             head,
             b"POST",
             "/v1/chat/completions",
@@ -185,12 +233,12 @@ class CompletionTests(HttpTestCase):
         )
         self.assertEqual(code, 200)
         body = json.loads(content)
-        prompt = self.prompt_ids(MESSAGES)
+        prompt = prompt_ids(MESSAGES)
         self.assertEqual(body["object"], "chat.completion")
         self.assertEqual(body["model"], MODEL)
         choice = body["choices"][0]
         self.assertEqual(choice["message"]["role"], "assistant")
-        self.assertEqual(choice["message"]["content"], self.text_of(expected_tokens(prompt, 12)))
+        self.assertEqual(choice["message"]["content"], text_of(expected_tokens(prompt, 12)))
         self.assertEqual(choice["finish_reason"], "length")
         self.assertEqual(
             body["usage"],
@@ -201,15 +249,14 @@ class CompletionTests(HttpTestCase):
             },
         )
 
-    @defer.inlineCallbacks
-    def test_streaming_chat_equals_non_streaming(self) -> Generator[Any, Any, None]:
+    def test_streaming_chat_equals_non_streaming(self) -> None:
         """Streaming chat sends a role chunk, content chunks whose text equals the
         non-streaming answer, a finish chunk, a usage chunk on request, then [DONE]."""
-        node = yield self.start_vocab_node(token_delay_s=0.001)
-        head = yield self.start_head([node])
+        node = self.start_vocab_node(token_delay_s=0.001)
+        head = self.start_head([node])
         request = {"model": MODEL, "messages": MESSAGES, "max_tokens": 20, "temperature": 0}
-        _, plain = yield self.call(head, b"POST", "/v1/chat/completions", request)
-        code, content = yield self.call(
+        _, plain = self.call(head, b"POST", "/v1/chat/completions", request)
+        code, content = self.call(
             head,
             b"POST",
             "/v1/chat/completions",
@@ -229,39 +276,37 @@ class CompletionTests(HttpTestCase):
         self.assertEqual(chunks[-1]["choices"], [])
         self.assertEqual(chunks[-1]["usage"]["completion_tokens"], 20)
 
-    @defer.inlineCallbacks
-    def test_completions_with_a_prompt_string(self) -> Generator[Any, Any, None]:
+    def test_completions_with_a_prompt_string(self) -> None:
         """/v1/completions takes a prompt string; streamed and plain text agree."""
-        node = yield self.start_vocab_node()
-        head = yield self.start_head([node])
+        node = self.start_vocab_node()
+        head = self.start_head([node])
         request = {
             "model": MODEL, "prompt": "the quick brown fox", "max_tokens": 10, "temperature": 0,
         }  # fmt: skip
-        code, plain = yield self.call(head, b"POST", "/v1/completions", request)
+        code, plain = self.call(head, b"POST", "/v1/completions", request)
         self.assertEqual(code, 200)
         body = json.loads(plain)
         self.assertEqual(body["object"], "text_completion")
         prompt = [int(t) for t in tokenizer().encode("the quick brown fox")]
-        self.assertEqual(body["choices"][0]["text"], self.text_of(expected_tokens(prompt, 10)))
-        _, streamed = yield self.call(head, b"POST", "/v1/completions", {**request, "stream": True})
+        self.assertEqual(body["choices"][0]["text"], text_of(expected_tokens(prompt, 10)))
+        _, streamed = self.call(head, b"POST", "/v1/completions", {**request, "stream": True})
         events = sse_events(streamed)
         self.assertEqual(events[-1], "[DONE]")
         text = "".join(e["choices"][0]["text"] for e in events[:-1])
         self.assertEqual(text, body["choices"][0]["text"])
 
-    @defer.inlineCallbacks
-    def test_a_stop_string_ends_the_text_before_it(self) -> Generator[Any, Any, None]:
+    def test_a_stop_string_ends_the_text_before_it(self) -> None:
         """A stop string cuts the answer just before it, finish_reason stop, and the node's
         generation is cancelled instead of running to max_tokens."""
-        node = yield self.start_vocab_node(token_delay_s=0.001)
-        head = yield self.start_head([node])
-        prompt = self.prompt_ids(MESSAGES)
-        full = self.text_of(expected_tokens(prompt, 40))
+        node = self.start_vocab_node(token_delay_s=0.001)
+        head = self.start_head([node])
+        prompt = prompt_ids(MESSAGES)
+        full = text_of(expected_tokens(prompt, 40))
         cut = len(full) // 2
         stop = full[cut : cut + 3]
         expected = full[: full.find(stop)]
         for stream in (False, True):
-            _, content = yield self.call(
+            _, content = self.call(
                 head,
                 b"POST",
                 "/v1/chat/completions",
@@ -285,64 +330,52 @@ class CompletionTests(HttpTestCase):
                 self.assertLess(body["usage"]["completion_tokens"], 400)
             self.assertEqual((text, finish), (expected, "stop"))
 
-    @defer.inlineCallbacks
     def test_a_client_that_disconnects_mid_stream_cancels_the_node(
         self,
-    ) -> Generator[Any, Any, None]:
+    ) -> None:
         """Closing the connection during a stream sends GENERATE_CANCEL: the node's engine
         ends the generation CANCELLED long before its budget."""
-        engine = MockEngine(reactor, token_delay_s=0.01, vocab_size=TINY_VOCAB)
-        ended: list[defer.Deferred[Any]] = []
-        submit = engine.submit
-
-        def recording_submit(request: Any, on_tokens: Any) -> Any:
-            generation = submit(request, on_tokens)
-            seen: defer.Deferred[Any] = defer.Deferred()
-            ended.append(seen)
-
-            def record(result: Any) -> Any:
-                seen.callback(result)
-                return result
-
-            generation.result.addBoth(record)
-            return generation
-
-        engine.submit = recording_submit  # type: ignore[method-assign]
-        node = yield self.start_vocab_node(engine=engine)
-        head = yield self.start_head([node])
-        client = _StreamingClient()
-        yield connectProtocol(
-            TCP4ClientEndpoint(reactor, "127.0.0.1", head.port.getHost().port), client
-        )
-        body = json.dumps(
-            {"model": MODEL, "messages": MESSAGES, "max_tokens": 100000, "stream": True}
-        ).encode()
-        client.transport.write(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-            b"Content-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
-        yield client.content_seen
+        engine = MockEngine(self.reactor, token_delay_s=0.01, vocab_size=TINY_VOCAB)
+        ended = record_ends(engine)
+        node = self.start_vocab_node(engine=engine)
+        head = self.start_head([node])
+        client = self.http(head, client=StreamingClient())
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 100000, "stream": True}
+        client.transport.write(post_bytes(body))
+        self.until(lambda: client.content_seen.called)
         client.transport.abortConnection()
-        result = yield ended[0]
+        result = self.wait(ended[0])
         self.assertEqual(result.stop, EngineStop.CANCELLED)
         self.assertLess(len(result.tokens), 100000)
 
 
-class _StreamingClient(Protocol):
-    """A raw HTTP client that fires ``content_seen`` at the first content chunk and
-    ``ended`` with everything received when the connection closes."""
+def post_bytes(body: Any, path: str = "/v1/chat/completions", *, close: bool = False) -> bytes:
+    """A raw HTTP/1.1 POST of ``body`` as JSON (``Connection: close`` with ``close``)."""
+    data = json.dumps(body).encode()
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode()
+        + b"Content-Type: application/json\r\n"
+        + (b"Connection: close\r\n" if close else b"")
+        + f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
 
-    def __init__(self) -> None:
+
+class StreamingClient(Protocol):
+    """A streamed answer read raw: ``content_seen`` fires at the first chunk whose ``field``
+    (chat's ``content``, completions' ``text``) is not empty, ``ended`` with everything
+    received when the connection closes."""
+
+    def __init__(self, field: bytes = b"content") -> None:
         self.data = b""
+        self.marker = b'"' + field + b'": "'
         self.content_seen: defer.Deferred[None] = defer.Deferred()
         self.ended: defer.Deferred[bytes] = defer.Deferred()
 
     def dataReceived(self, data: bytes) -> None:
         self.data += data
-        with_text = self.data.replace(b'"content": ""', b"")
-        if b'"content": "' in with_text and not self.content_seen.called:
+        with_text = self.data.replace(self.marker + b'"', b"")
+        if self.marker in with_text and not self.content_seen.called:
             self.content_seen.callback(None)
 
     def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
@@ -351,13 +384,12 @@ class _StreamingClient(Protocol):
         self.ended.callback(self.data)
 
 
-class ErrorTests(HttpTestCase):
-    @defer.inlineCallbacks
-    def test_errors_have_openai_shape_and_status(self) -> Generator[Any, Any, None]:
+class ErrorTests(MemoryHeadTestCase):
+    def test_errors_have_openai_shape_and_status(self) -> None:
         """Bad JSON, bad fields and image content are 400; an unknown model is 404 with
         model_not_found; every body is {"error": {message, type, param, code}}."""
-        node = yield self.start_vocab_node()
-        head = yield self.start_head([node])
+        node = self.start_vocab_node()
+        head = self.start_head([node])
         cases: list[tuple[Any, bytes | None, int, str | None]] = [
             (None, b"{not json", 400, None),
             ({"model": MODEL}, None, 400, None),
@@ -381,21 +413,20 @@ class ErrorTests(HttpTestCase):
             ({"model": "nope", "messages": MESSAGES}, None, 404, "model_not_found"),
         ]
         for body, raw, status, code in cases:
-            got, content = yield self.call(head, b"POST", "/v1/chat/completions", body, raw)
+            got, content = self.call(head, b"POST", "/v1/chat/completions", body, raw)
             self.assertEqual(got, status, (body, raw))
             error = json.loads(content)["error"]
             self.assertEqual(set(error), {"message", "type", "param", "code"})
             self.assertEqual(error["code"], code)
 
-    @defer.inlineCallbacks
-    def test_a_prompt_too_long_is_context_length_exceeded(self) -> Generator[Any, Any, None]:
+    def test_a_prompt_too_long_is_context_length_exceeded(self) -> None:
         """A prompt longer than every node's window: 400 with code context_length_exceeded,
         streaming or not; the model list quotes the window."""
-        node = yield self.start_vocab_node(context_window=16)
-        head = yield self.start_head([node])
+        node = self.start_vocab_node(context_window=16)
+        head = self.start_head([node])
         long_messages = [{"role": "user", "content": "the quick brown fox " * 10}]
         for stream in (False, True):
-            code, content = yield self.call(
+            code, content = self.call(
                 head,
                 b"POST",
                 "/v1/chat/completions",
@@ -403,63 +434,60 @@ class ErrorTests(HttpTestCase):
             )
             self.assertEqual(code, 400)
             self.assertEqual(json.loads(content)["error"]["code"], "context_length_exceeded")
-        _, models = yield self.call(head, b"GET", "/v1/models")
+        _, models = self.call(head, b"GET", "/v1/models")
         self.assertEqual(json.loads(models)["data"][0]["context_length"], 16)
 
-    @defer.inlineCallbacks
-    def test_no_node_is_503_and_unhealthy(self) -> Generator[Any, Any, None]:
+    def test_no_node_is_503_and_unhealthy(self) -> None:
         """Without nodes: a completion waits the queue timeout (0.1 s here) for one, then
         answers 503 no_node_available; /healthz says 503 (unavailable) with no node, no lane
         and nothing queued."""
-        head = yield self.start_head([], fleet_options={"queue_timeout_s": 0.1})
-        code, content = yield self.call(
+        head = self.start_head([], fleet_options={"queue_timeout_s": 0.1})
+        code, content = self.call(
             head, b"POST", "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES}
         )
         self.assertEqual(code, 503)
         self.assertEqual(json.loads(content)["error"]["code"], "no_node_available")
-        code, content = yield self.call(head, b"GET", "/healthz")
+        code, content = self.call(head, b"GET", "/healthz")
         self.assertEqual(
             (code, json.loads(content)),
             (503, {"status": "unavailable", "nodes": 0, "lanes_active": 0, "lanes_total": 0,
                    "queued": 0, "requests": 0}),
         )  # fmt: skip
 
-    @defer.inlineCallbacks
-    def test_liveness_probe_is_200_without_nodes(self) -> Generator[Any, Any, None]:
+    def test_liveness_probe_is_200_without_nodes(self) -> None:
         """/healthz?probe=live (a Kubernetes liveness probe) answers 200 "alive" while the
         head has no node (it is not ready, but restarting it would not help); any other query
         is the readiness answer."""
-        head = yield self.start_head([])
-        code, content = yield self.call(head, b"GET", "/healthz?probe=live")
+        head = self.start_head([])
+        code, content = self.call(head, b"GET", "/healthz?probe=live")
         self.assertEqual((code, json.loads(content)), (200, {"status": "alive"}))
-        code, content = yield self.call(head, b"GET", "/healthz?probe=ready")
+        code, content = self.call(head, b"GET", "/healthz?probe=ready")
         self.assertEqual((code, json.loads(content)["status"]), (503, "unavailable"))
 
 
-class ObservabilityTests(HttpTestCase):
-    @defer.inlineCallbacks
-    def test_health_models_and_metrics(self) -> Generator[Any, Any, None]:
+class ObservabilityTests(MemoryHeadTestCase):
+    def test_health_models_and_metrics(self) -> None:
         """/healthz is 200 with the live node count, /v1/models lists the model, and
         /metrics has per-node capacity, requests by outcome, tokens, TTFT, failovers and
         reconnects, from the head's own registry."""
-        node = yield self.start_vocab_node(identity="m1")
-        head = yield self.start_head([node])
-        code, content = yield self.call(head, b"GET", "/healthz")
+        node = self.start_vocab_node(identity="m1")
+        head = self.start_head([node])
+        code, content = self.call(head, b"GET", "/healthz")
         self.assertEqual(
             (code, json.loads(content)),
             (200, {"status": "ok", "nodes": 1, "lanes_active": 0, "lanes_total": 8, "queued": 0,
                   "requests": 0}),
         )  # fmt: skip
-        code, content = yield self.call(head, b"GET", "/v1/models")
+        code, content = self.call(head, b"GET", "/v1/models")
         self.assertEqual([m["id"] for m in json.loads(content)["data"]], [MODEL])
-        yield self.call(
+        self.call(
             head,
             b"POST",
             "/v1/chat/completions",
             {"model": MODEL, "messages": MESSAGES, "max_tokens": 5},
         )
-        yield self.call(head, b"POST", "/v1/chat/completions", {"model": "x", "messages": []})
-        code, content = yield self.call(head, b"GET", "/metrics")
+        self.call(head, b"POST", "/v1/chat/completions", {"model": "x", "messages": []})
+        code, content = self.call(head, b"GET", "/metrics")
         text = content.decode()
         self.assertEqual(code, 200)
         for line in (
@@ -477,62 +505,43 @@ class ObservabilityTests(HttpTestCase):
         self.assertIn('sfhead_node_decode_tokens_per_s{node="m1"}', text)
 
 
-class SaturationTests(HttpTestCase):
-    @defer.inlineCallbacks
-    def test_health_says_busy_while_every_lane_is_taken(self) -> Generator[Any, Any, None]:
+class SaturationTests(MemoryHeadTestCase):
+    def test_health_says_busy_while_every_lane_is_taken(self) -> None:
         """A node with 2 lanes running 3 of this head's streams: /healthz answers 200 with
         status busy, 2 of 2 lanes active, 1 generation queued and 3 requests open, and
         /metrics shows the same; once the streams have ended and the node has reported since,
         it says ok again."""
-        node = yield self.start_vocab_node(max_lanes=2, token_delay_s=0.01)
-        head = yield self.start_head([node])
-        # Chat prompts are rendered on worker threads: wait until all three reached the fleet.
-        placed: defer.Deferred[None] = defer.Deferred()
-        generate, calls = head.fleet.generate, []
+        from tests.test_http_hostile import request_bytes
 
-        def counting(*args: Any, **kwargs: Any) -> Any:
-            calls.append(args)
-            if len(calls) == 3:
-                placed.callback(None)
-            return generate(*args, **kwargs)
-
-        head.fleet.generate = counting  # type: ignore[method-assign]
+        self.start_vocab_node(max_lanes=2, token_delay_s=0.01)
+        head = self.start_head()
         streams = []
         for _ in range(3):
-            client = _StreamingClient()
-            yield connectProtocol(
-                TCP4ClientEndpoint(reactor, "127.0.0.1", head.port.getHost().port), client
-            )
-            body = json.dumps(
-                {"model": MODEL, "messages": MESSAGES, "max_tokens": 100, "stream": True}
-            ).encode()
-            client.transport.write(
-                b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                b"Content-Type: application/json\r\nConnection: close\r\n"
-                + f"Content-Length: {len(body)}\r\n\r\n".encode()
-                + body
-            )
+            client = self.http(head, client=StreamingClient())
+            body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 100, "stream": True}
+            client.transport.write(post_bytes(body, close=True))
             streams.append(client)
-        yield placed
-        yield streams[0].content_seen
-        code, content = yield self.call(head, b"GET", "/healthz")
+        self.flush()
+        self.until(lambda: streams[0].content_seen.called)
+        self.assertEqual(len(head.api.exchanges), 3)
+        status, _, content = self.exchange(head, request_bytes("/healthz", method="GET"))
         self.assertEqual(
-            (code, json.loads(content)),
+            (status, json.loads(content)),
             (200, {"status": "busy", "nodes": 1, "lanes_active": 2, "lanes_total": 2,
                    "queued": 1, "requests": 3}),
         )  # fmt: skip
-        _, metrics = yield self.call(head, b"GET", "/metrics")
+        _, _, metrics = self.exchange(head, request_bytes("/metrics", method="GET"))
         for line in ("sfhead_queued 1.0", "sfhead_lanes_active 2.0", "sfhead_requests_open 3.0"):
             self.assertIn(line, metrics.decode())
-        for client in streams:
-            yield client.ended
+        self.until(lambda: all(client.ended.called for client in streams), step=0.1)
         # Until the node reports again, its last NODE_STATUS (sampled while the streams ran)
         # still counts both lanes busy.  A report that arrives now was sent after the streams'
         # Finish events (one connection keeps its order): it is the node's own word that its
         # lanes are free.
-        yield next_status(head.fleet.nodes[0])
-        code, content = yield self.call(head, b"GET", "/healthz")
-        self.assertEqual((code, json.loads(content)["status"]), (200, "ok"))
+        reported = next_status(head.fleet.nodes[0])
+        self.until(lambda: reported.called, step=0.1)
+        status, _, content = self.exchange(head, request_bytes("/healthz", method="GET"))
+        self.assertEqual((status, json.loads(content)["status"]), (200, "ok"))
 
 
 class TextTests(SynchronousTestCase):
@@ -582,23 +591,12 @@ class OpenAIClientTests(HttpTestCase):
         detokenized greedy output of transformers' own generate() on the same prompt."""
         import openai
 
-        from sfnode.engines.transformers_engine import TransformersEngine
-        from tests.tinymodel import reference_greedy, save_tiny_model
+        from tests.tinymodel import reference_greedy
 
-        folder = save_tiny_model(self.mktemp())
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True)
-        model.eval()
-        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        engine = TransformersEngine(model, reactor, EngineConfig(max_lanes=2))
-        node = yield self.start_vocab_node(engine=engine, model_name="tiny")
-        head = yield self.start_head([node], model="tiny", tok=tok)
+        _, model, tok, client = yield self.tiny_head(max_lanes=2)
         prompt = Renderer(tok).chat([ChatMessage("user", "hello world")])
         expected = reference_greedy(model, prompt, 10)
         expected_text = str(tok.decode(expected, skip_special_tokens=True))
-        client = openai.OpenAI(base_url=head.base + "/v1", api_key="unused", max_retries=0)
-        self.addCleanup(client.close)
 
         def plain() -> Any:
             return client.chat.completions.create(
@@ -639,32 +637,12 @@ class ChoicesAndRoutesTests(HttpTestCase):
     a head whose node runs a real (tiny) transformers model."""
 
     @defer.inlineCallbacks
-    def tiny_head(self) -> Generator[defer.Deferred[Any], Any, tuple[Head, Any, Any]]:
-        """A head on ``tiny`` served by a transformers node; (head, model, openai client)."""
-        import openai
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from sfnode.engines.transformers_engine import TransformersEngine
-        from tests.tinymodel import save_tiny_model
-
-        folder = save_tiny_model(self.mktemp())
-        model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True)
-        model.eval()
-        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        engine = TransformersEngine(model, reactor, EngineConfig(max_lanes=4))
-        node = yield self.start_vocab_node(engine=engine, model_name="tiny")
-        head = yield self.start_head([node], model="tiny", tok=tok)
-        client = openai.OpenAI(base_url=head.base + "/v1", api_key="unused", max_retries=0)
-        self.addCleanup(client.close)
-        return head, model, client
-
-    @defer.inlineCallbacks
     def test_n_gives_that_many_choices_plain_and_streamed(self) -> Generator[Any, Any, None]:
         """n=3 returns three choices with indexes 0, 1, 2 (greedy: each is the greedy text);
         usage counts the prompt once and the tokens of all choices; streamed with
         include_usage, chunks carry their choice's index, each choice's text adds up to the
         same text and ends with its own finish_reason, and the last chunk holds the usage."""
-        head, model, client = yield self.tiny_head()
+        head, model, _, client = yield self.tiny_head()
         from tests.tinymodel import reference_greedy
 
         tok = head.api.renderer.codec
@@ -710,7 +688,7 @@ class ChoicesAndRoutesTests(HttpTestCase):
         n=1 gets with seed choice_seed(5, i): choice 0 with the request's own seed."""
         from sfnode.head.api.schema import choice_seed
 
-        _, _, client = yield self.tiny_head()
+        _, _, _, client = yield self.tiny_head()
 
         def chat(n: int, seed: int) -> Any:
             return client.chat.completions.create(
@@ -730,7 +708,7 @@ class ChoicesAndRoutesTests(HttpTestCase):
         NotFoundError (404, model_not_found) for another; models.list lists the one."""
         import openai
 
-        _, _, client = yield self.tiny_head()
+        _, _, _, client = yield self.tiny_head()
         model = yield threads.deferToThread(client.models.retrieve, "tiny")
         self.assertEqual((model.id, model.object), ("tiny", "model"))
         self.assertEqual(model.model_extra["context_length"], 256)
@@ -747,7 +725,7 @@ class ChoicesAndRoutesTests(HttpTestCase):
         BadRequestError naming top_logprobs past OpenAI's bound of 20."""
         import openai
 
-        head, _, client = yield self.tiny_head()
+        head, _, _, client = yield self.tiny_head()
         for method, path, status, allow in [
             (b"GET", "/no/such/path", 404, None),
             (b"GET", "/", 404, None),

@@ -5,9 +5,9 @@ penalties) on chat and completions, driven with the official ``openai`` package 
 Mock-engine nodes built with the tiny test vocabulary stand behind the head, so they honour
 constraints (docs/protocol.md section 12.3) with the same matcher as the transformers engine;
 each answer is compared with the engine's own run of the same constrained request (its raw
-text read back with :func:`sfnode.decoding.constraint.parse_tool_calls`), so a test pins exactly
-what the API shows.  The bundled model's targets are in tests/test_agents_http_smollm2.py.
-No sleeps: every wait is a Deferred.
+text read back whole with the head's call splitter, ``tests.test_head_tools.read_calls``, whose
+own tests pin it on literal outputs), so a test pins exactly what the API shows.  The bundled
+model's targets are in tests/test_agents_http_smollm2.py.  No sleeps: every wait is a Deferred.
 """
 
 from __future__ import annotations
@@ -21,17 +21,17 @@ from twisted.internet import defer, reactor, threads
 
 from sfnode.decoding.constraint import (
     CALL_OPEN,
-    parse_tool_calls,
     response_format_grammar,
     sampler_controls,
     tools_grammar,
 )
 from sfnode.engines.mock import MockEngine
 from sfnode.generation import GenerationRequest
-from sfnode.head.api.schema import ChatMessage, ChatToolCall
+from sfnode.head.models.chat import ChatMessage, ChatToolCall
 from sfnode.head.models.text import Renderer
 from sfnode.linkf.wire import Constraint, GenParams, Grammar, SamplerControls
 from tests.test_constraint import NESTED, vocabulary
+from tests.test_head_tools import read_calls
 from tests.test_http import MODEL, Head, HttpTestCase, expected_tokens, tokenizer
 from tests.tinymodel import TINY_VOCAB
 
@@ -252,12 +252,12 @@ class ToolTests(AgentsTestCase):
             tools_grammar(TOOLS, tool_choice, parallel),
             max_new=max_new,
         )
-        return parse_tool_calls(text)
+        return read_calls(text)
 
     def assert_calls(self, message: Any, expected: list[Any]) -> None:
         self.assertEqual(
             [(c.function.name, c.function.arguments) for c in message.tool_calls],
-            [(c.name, c.arguments) for c in expected],
+            expected,
         )
         for call in message.tool_calls:
             self.assertEqual(call.type, "function")

@@ -1,22 +1,19 @@
 """Hypothesis fuzzing of the head's request parser: random JSON shapes and values for every field.
 
 Two levels: the pure parser (``sfnode.head.api.schema.parse_request``, thousands of bodies: it
-returns a checked request or raises ApiError, nothing else), and the whole HTTP path over real
-TCP (a head on loopback with a mock node behind it; bodies sent by a blocking client from a
-worker thread while the reactor serves them): every answer is JSON, no status is 500 or more,
-and nothing is logged with a traceback (trial fails a test that logs an error).
+returns a checked request or raises HttpError, nothing else), and the whole HTTP path in memory
+(the API's real site and guards, the fleet and a mock node behind it on a memory reactor,
+tests/memoryhead.py): every answer is JSON, no status is 500 or more, and nothing is logged
+with a traceback (trial fails a test that logs an error).
 """
 
 from __future__ import annotations
 
-import http.client
 import json
-from collections.abc import Generator
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from twisted.internet import defer, threads
 from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.head.api.schema import (
@@ -25,11 +22,13 @@ from sfnode.head.api.schema import (
     MAX_N,
     TOOL_FIELDS,
     UNSUPPORTED,
-    ApiError,
     CompletionRequest,
     parse_request,
 )
-from tests.test_http import MODEL, HttpTestCase
+from sfnode.runtime.http_guard import HttpError
+from tests.memoryhead import MemoryHeadTestCase
+from tests.test_http import MODEL
+from tests.test_http_hostile import request_bytes
 
 FIELDS = [
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
@@ -161,13 +160,13 @@ class ParserFuzzTests(SynchronousTestCase):
         self, request: tuple[dict[str, Any], bool]
     ) -> None:
         """parse_request on any JSON object returns a CompletionRequest whose choices all
-        have u64 seeds, or raises ApiError with a 4xx status; nothing else escapes."""
+        have u64 seeds, or raises HttpError with a 4xx status; nothing else escapes."""
         body, chat = request
         try:
             checked = parse_request(
                 body, chat=chat, models=[MODEL], vocab_size=512, seed_source=lambda: 7
             )
-        except ApiError as e:
+        except HttpError as e:
             self.assertIn(e.status, (400, 404))
             json.dumps(e.body())
             return
@@ -177,56 +176,42 @@ class ParserFuzzTests(SynchronousTestCase):
             self.assertTrue(0 <= checked.choice_params(i).seed < 1 << 64)
 
 
-class HttpFuzzTests(HttpTestCase):
-    timeout = 600
+class HttpFuzzTests(MemoryHeadTestCase):
+    """The whole HTTP path, from a request's bytes through the real site, its guards, the
+    exchange, the fleet and a mock node, in memory (tests/memoryhead.py)."""
 
-    @defer.inlineCallbacks
-    def test_no_body_makes_the_head_answer_500_or_log_a_traceback(
-        self,
-    ) -> Generator[Any, Any, None]:
+    def test_no_body_makes_the_head_answer_500_or_log_a_traceback(self) -> None:
         """Random bodies to both completion endpoints of a head with a live mock node (window
         64), first a valid request with each field in turn set to random values, then bodies
         of random fields: every answer is JSON with a status below 500 (a 200 for what
         parses, 4xx in OpenAI's shape for the rest), streams included."""
-        node = yield self.start_vocab_node(context_window=64)
-        head = yield self.start_head([node])
-        port = head.port.getHost().port
+        self.start_vocab_node(context_window=64)
+        head = self.start_head()
         seen: set[int] = set()
 
         def check(request: tuple[dict[str, Any], bool]) -> None:
             body, chat = request
-            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-            try:
-                connection.request(
-                    "POST",
-                    "/v1/chat/completions" if chat else "/v1/completions",
-                    json.dumps(body).encode(),
-                    {"Content-Type": "application/json"},
-                )
-                response = connection.getresponse()
-                content = response.read()
-            finally:
-                connection.close()
-            seen.add(response.status)
-            assert response.status < 500, (response.status, body, content)
-            if response.getheader("content-type") == "text/event-stream":
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            status, headers, content = self.exchange(
+                head, request_bytes(path, json.dumps(body).encode())
+            )
+            seen.add(status)
+            assert status < 500, (status, body, content)
+            if headers.get(b"content-type") == b"text/event-stream":
                 assert content.endswith(b"data: [DONE]\n\n"), content
                 return
             answer = json.loads(content)
-            if response.status != 200:
+            if status != 200:
                 assert set(answer["error"]) == {"message", "type", "param", "code"}, answer
 
-        def fuzz() -> None:
-            quick = settings(
-                max_examples=5,
-                deadline=None,
-                database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-            )
-            for name in FIELDS:
-                examples = 20 if name in plausible else 5
-                settings(quick, max_examples=examples)(given(one_field_changed(name))(check))()
-            settings(quick, max_examples=60)(given(requests())(check))()
-
-        yield threads.deferToThread(fuzz)
+        quick = settings(
+            max_examples=5,
+            deadline=None,
+            database=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        )
+        for name in FIELDS:
+            examples = 20 if name in plausible else 5
+            settings(quick, max_examples=examples)(given(one_field_changed(name))(check))()
+        settings(quick, max_examples=60)(given(requests())(check))()
         self.assertLessEqual({200, 400}, seen)

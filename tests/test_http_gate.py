@@ -21,9 +21,10 @@ from twisted.web.resource import Resource
 
 from sfnode.engines.config import EngineConfig
 from sfnode.engines.mock import MockEngine
-from sfnode.head.api.gate import route_of
-from sfnode.head.api.schema import ChatMessage
+from sfnode.head.api.gate import GateLimits, route_of
+from sfnode.head.models.chat import ChatMessage
 from sfnode.head.tap import Options, makeService
+from tests.memoryhead import MemoryHeadTestCase
 from tests.test_head_security import KEY
 from tests.test_http import MODEL
 from tests.test_http_hostile import CHAT, HostileTestCase, RawClient, request_bytes, response_of
@@ -231,39 +232,43 @@ class MetricsKeyTests(HostileTestCase):
         self.assert_json_error(answer, 401, "invalid_api_key")
 
 
-class FairShareTests(HostileTestCase):
-    @defer.inlineCallbacks
-    def test_n_choices_count_n_against_the_client_limit(self) -> Generator[Any, Any, None]:
+class FairShareLogicTests(MemoryHeadTestCase):
+    """The per-client request limit, on the memory reactor (the rule, not the sockets)."""
+
+    def test_n_choices_count_n_against_the_client_limit(self) -> None:
         """With --max-client-requests 8, a stream with n 8 takes the whole share of
         127.0.0.1: its next request (n 1) is 429 rate_limit_exceeded, 127.0.0.2 is served; a
         request asking for more choices than the limit (n 8 with a limit of 4 on a second
         head) is a 400 naming n."""
-        node = yield self.start_vocab_node(token_delay_s=0.01)
-        head = yield self.start_sfhead([node], "--max-client-requests", "8")
-        stream = yield self.connect(head.port)
+        self.start_vocab_node(token_delay_s=0.01)
+        head = self.start_head(limits=GateLimits(max_client_requests=8))
+        stream = self.http(head)
         stream.send(
             request_bytes(
                 "/v1/chat/completions",
                 json.dumps({**CHAT, "max_tokens": 2000, "n": 8, "stream": True}).encode(),
             )
         )
-        yield stream.answered
+        self.until(lambda: stream.answered.called)
         body = json.dumps(CHAT).encode()
-        answer = yield self.exchange(head.port, request_bytes("/v1/chat/completions", body))
+        answer = self.exchange(head, request_bytes("/v1/chat/completions", body))
         self.assert_json_error(answer, 429, "rate_limit_exceeded")
-        status, _, content = yield self.exchange(
-            head.port, request_bytes("/v1/chat/completions", body), "127.0.0.2"
+        status, _, content = self.exchange(
+            head, request_bytes("/v1/chat/completions", body), "127.0.0.2", within=30.0
         )
         self.assertEqual(status, 200, content)
 
-        small = yield self.start_sfhead([node], "--max-client-requests", "4")
-        answer = yield self.exchange(
-            small.port,
-            request_bytes("/v1/chat/completions", json.dumps({**CHAT, "n": 8}).encode()),
+        small = self.start_head([], limits=GateLimits(max_client_requests=4))
+        answer = self.exchange(
+            small, request_bytes("/v1/chat/completions", json.dumps({**CHAT, "n": 8}).encode())
         )
         error = self.assert_json_error(answer, 400, "invalid_value")
         self.assertEqual(error["param"], "n")
 
+    assert_json_error = HostileTestCase.assert_json_error
+
+
+class FairShareTests(HostileTestCase):
     @defer.inlineCallbacks
     def test_connections_beyond_the_per_address_cap_get_429(self) -> Generator[Any, Any, None]:
         """With --max-client-connections 2, a third connection from 127.0.0.1 is answered 429
@@ -343,7 +348,7 @@ class FairShareTests(HostileTestCase):
 
         def watching(*args: Any, **kwargs: Any) -> Any:
             generation = generate(*args, **kwargs)
-            if kwargs["requester"].address == "127.0.0.2":
+            if args[0].requester.address == "127.0.0.2":
                 queued.callback(None)
             return generation
 

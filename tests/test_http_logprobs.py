@@ -1,10 +1,12 @@
-"""Logprobs through the head over real loopback TCP (docs/protocol.md section 12.1): the link
-hands them over with their tokens, the fleet keeps sessions that ask on nodes that offer them
-(failover included), and the HTTP API answers them in OpenAI's shapes, streamed and not.
+"""Logprobs through the head (docs/protocol.md section 12.1): the link hands them over with
+their tokens, the fleet keeps sessions that ask on nodes that offer them (failover included),
+and the HTTP API answers them in OpenAI's shapes, streamed and not.
 
 Mock-engine nodes stand behind the head; their logprobs are those of
 :func:`sfnode.generation.sparse_logprob` over the mock's logits (pinned on their own in
-tests/test_node_logprobs.py).  No sleeps: every wait is a Deferred.
+tests/test_node_logprobs.py).  The rules run in memory (tests/memoryhead.py); what kills,
+restarts or lies about a node runs over real loopback TCP.  No sleeps: every wait is a
+Deferred or the memory clock.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from twisted.internet.endpoints import TCP4ServerEndpoint
 from sfnode.decoding.sparse_sampler import sparse_logprob
 from sfnode.engines.mock import MockEngine, mock_logits, mock_next_token
 from sfnode.generation import TokenBatch, TokenLogprob
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.fleet.fleet import LogprobsUnavailable
 from sfnode.head.fleet.placement import Policy
 from sfnode.head.link import MalformedFrameError
@@ -26,9 +29,10 @@ from sfnode.linkf.wire import FEATURE_LOGPROBS, FINISH_LENGTH, GenParams, HelloA
 from sfnode.node.agent import NodeAgent
 from sfnode.node.config import NodeConfig
 from sfnode.node.tap import node_factory
+from tests.memoryhead import MemoryHead, MemoryHeadTestCase
 from tests.nodefixture import RunningNode, expected_tokens
 from tests.test_fleet import FleetTestCase, next_open
-from tests.test_http import MESSAGES, MODEL, HttpTestCase, sse_events
+from tests.test_http import MESSAGES, MODEL, prompt_ids, sse_events, text_of
 from tests.tinymodel import TINY_VOCAB
 
 PROMPT = list(range(100, 112))
@@ -81,29 +85,6 @@ class _ClaimingNode(NodeAgent):
 
 class LinkAndFleetTests(FleetTestCase):
     @defer.inlineCallbacks
-    def test_the_link_hands_logprobs_over_with_their_tokens(self) -> Gen:
-        """A session whose GenParams ask (logprobs 3) gets batches with one TokenLogprob per
-        token, the mock's greedy values and two alternatives; a session that does not ask gets
-        batches without logprobs; the link reports the node's feature bit."""
-        node = yield self.start_node()
-        link = yield self.dial(node)
-        self.assertEqual((link.features or 0) & FEATURE_LOGPROBS, FEATURE_LOGPROBS)
-        link.assign(1, params=GenParams(logprobs=3))
-        link.append(1, PROMPT)
-        link.assign(2)
-        link.append(2, PROMPT)
-        asked, plain = Recorder(), Recorder()
-        first = yield link.generate(1, 30, on_tokens=asked).result
-        second = yield link.generate(2, 30, on_tokens=plain).result
-        self.assertEqual(first.tokens, expected_tokens(PROMPT, 30))
-        self.assertEqual(second.tokens, first.tokens)
-        self.assertEqual({batch.logprobs is None for batch in asked.batches}, {False})
-        for batch in asked.batches:
-            self.assertEqual(len(batch.tokens), len(batch.logprobs or ()))
-        self.assertEqual(asked.logprobs, greedy_logprobs(PROMPT, 30, 3))
-        self.assertEqual({batch.logprobs is None for batch in plain.batches}, {True})
-
-    @defer.inlineCallbacks
     def test_a_node_with_the_bit_that_sends_plain_tokens_breaks_its_link(self) -> Gen:
         """A node that set FEATURE_LOGPROBS but answers a session that asks with plain Tokens
         sends a stream the head cannot render: the link closes as malformed and the
@@ -119,42 +100,8 @@ class LinkAndFleetTests(FleetTestCase):
         link = yield self.dial(RunningNode(agent, engine, port))
         link.assign(1, params=GenParams(logprobs=2))
         link.append(1, PROMPT)
-        call = link.generate(1, 10)
+        call = link.generate(1, HeadRequest((), 10))
         yield self.assertFailure(call.result, MalformedFrameError)
-
-    @defer.inlineCallbacks
-    def test_sessions_that_ask_go_only_to_nodes_with_the_bit(self) -> Gen:
-        """Round-robin over a node without logprobs and one with them: every generation that
-        asks runs on the one with them, with its logprobs; plain ones still use both."""
-        plain = yield self.start_node(identity="plain", supports_logprobs=False)
-        able = yield self.start_node(identity="able")
-        fleet = yield self.fleet_of([plain, able], policy=Policy.ROUND_ROBIN)
-        for _ in range(3):
-            recorder = Recorder()
-            outcome = yield fleet.generate(
-                PROMPT, 8, params=GenParams(logprobs=2), on_tokens=recorder
-            ).result
-            self.assertEqual(outcome.node, "able")
-            self.assertEqual(recorder.logprobs, greedy_logprobs(PROMPT, 8, 2))
-        nodes = set()
-        for _ in range(2):
-            outcome = yield fleet.generate(PROMPT, 4).result
-            nodes.add(outcome.node)
-        self.assertEqual(nodes, {"plain", "able"})
-
-    @defer.inlineCallbacks
-    def test_no_node_with_the_bit_fails_at_once(self) -> Gen:
-        """When every node has handshaken without FEATURE_LOGPROBS, a generation that asks
-        fails with LogprobsUnavailable at once (no wait in the queue); one that does not ask
-        runs."""
-        plain = yield self.start_node(identity="plain", supports_logprobs=False)
-        fleet = yield self.fleet_of([plain], queue_timeout_s=60)
-        generation = fleet.generate(PROMPT, 8, params=GenParams(logprobs=1))
-        failure = yield self.assertFailure(generation.result, LogprobsUnavailable)
-        self.assertIn("returns logprobs", str(failure))
-        self.assertEqual(fleet.queued, 0)
-        outcome = yield fleet.generate(PROMPT, 4).result
-        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 4))
 
     @defer.inlineCallbacks
     def test_failover_keeps_the_session_on_nodes_with_the_bit(self) -> Gen:
@@ -177,7 +124,8 @@ class LinkAndFleetTests(FleetTestCase):
                 reactor.callLater(0, self.kill, first)
 
         outcome = yield fleet.generate(
-            PROMPT, 40, params=GenParams(logprobs=4), on_tokens=seen
+            HeadRequest(PROMPT, 40, params=GenParams(logprobs=4)),
+            on_tokens=seen,
         ).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 40))
         self.assertEqual(outcome.finish, FINISH_LENGTH)
@@ -222,39 +170,99 @@ class LinkAndFleetTests(FleetTestCase):
         from sfnode.head.fleet.pipeline import PipelineFleet
 
         pipeline = PipelineFleet(reactor, ["tcp:127.0.0.1:1"], n_layers=24, ids=self.ids)
-        generation = pipeline.generate(PROMPT, 4, params=GenParams(logprobs=2))
+        generation = pipeline.generate(HeadRequest(PROMPT, 4, params=GenParams(logprobs=2)))
         self.failureResultOf(generation.result, LogprobsUnavailable)
         self.assertEqual(pipeline.stages, [])
 
 
-class HttpLogprobsTests(HttpTestCase):
+class LogprobsInMemoryTests(MemoryHeadTestCase):
+    """The link and the fleet with logprobs, on the memory reactor."""
+
+    def test_the_link_hands_logprobs_over_with_their_tokens(self) -> None:
+        """A session whose GenParams ask (logprobs 3) gets batches with one TokenLogprob per
+        token, the mock's greedy values and two alternatives; a session that does not ask gets
+        batches without logprobs; the link reports the node's feature bit."""
+        self.start_mock_node()
+        link = self.dial()
+        self.assertEqual((link.features or 0) & FEATURE_LOGPROBS, FEATURE_LOGPROBS)
+        link.assign(1, params=GenParams(logprobs=3))
+        link.append(1, PROMPT)
+        link.assign(2)
+        link.append(2, PROMPT)
+        asked, plain = Recorder(), Recorder()
+        first = self.wait(link.generate(1, HeadRequest((), 30), on_tokens=asked).result)
+        second = self.wait(link.generate(2, HeadRequest((), 30), on_tokens=plain).result)
+        self.assertEqual(first.tokens, expected_tokens(PROMPT, 30))
+        self.assertEqual(second.tokens, first.tokens)
+        self.assertEqual({batch.logprobs is None for batch in asked.batches}, {False})
+        for batch in asked.batches:
+            self.assertEqual(len(batch.tokens), len(batch.logprobs or ()))
+        self.assertEqual(asked.logprobs, greedy_logprobs(PROMPT, 30, 3))
+        self.assertEqual({batch.logprobs is None for batch in plain.batches}, {True})
+
+    def test_sessions_that_ask_go_only_to_nodes_with_the_bit(self) -> None:
+        """Round-robin over a node without logprobs and one with them: every generation that
+        asks runs on the one with them, with its logprobs; plain ones still use both."""
+        plain = self.start_mock_node("plain", supports_logprobs=False)
+        able = self.start_mock_node("able")
+        fleet = self.fleet_of([plain, able], policy=Policy.ROUND_ROBIN)
+        for _ in range(3):
+            recorder = Recorder()
+            generation = fleet.generate(
+                HeadRequest(PROMPT, 8, params=GenParams(logprobs=2)),
+                on_tokens=recorder,
+            )
+            outcome = self.wait(generation.result)
+            self.assertEqual(outcome.node, "able")
+            self.assertEqual(recorder.logprobs, greedy_logprobs(PROMPT, 8, 2))
+        nodes = set()
+        for _ in range(2):
+            outcome = self.wait(fleet.generate(HeadRequest(PROMPT, 4)).result)
+            nodes.add(outcome.node)
+        self.assertEqual(nodes, {"plain", "able"})
+
+    def test_no_node_with_the_bit_fails_at_once(self) -> None:
+        """When every node has handshaken without FEATURE_LOGPROBS, a generation that asks
+        fails with LogprobsUnavailable at once (no wait in the queue); one that does not ask
+        runs."""
+        plain = self.start_mock_node("plain", supports_logprobs=False)
+        fleet = self.fleet_of([plain], queue_timeout_s=60)
+        generation = fleet.generate(HeadRequest(PROMPT, 8, params=GenParams(logprobs=1)))
+        failure = self.wait_failure(generation.result, LogprobsUnavailable)
+        self.assertIn("returns logprobs", str(failure.value))
+        self.assertEqual(fleet.queued, 0)
+        outcome = self.wait(fleet.generate(HeadRequest(PROMPT, 4)).result)
+        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 4))
+
+
+class HttpLogprobsTests(MemoryHeadTestCase):
     """The HTTP API's logprobs (OpenAI's shapes) from a mock node on the tiny vocabulary."""
 
-    @defer.inlineCallbacks
-    def head(self, *, supports_logprobs: bool = True) -> Generator[Any, Any, Any]:
-        engine = MockEngine(reactor, vocab_size=TINY_VOCAB, supports_logprobs=supports_logprobs)
-        node = yield self.start_vocab_node(engine=engine)
-        return (yield self.start_head([node]))
+    def head(self, *, supports_logprobs: bool = True) -> MemoryHead:
+        engine = MockEngine(
+            self.reactor, vocab_size=TINY_VOCAB, supports_logprobs=supports_logprobs
+        )
+        node = self.start_vocab_node(engine=engine)
+        return self.start_head([node])
 
     def expected(self, count: int, asked: int) -> tuple[list[int], list[TokenLogprob]]:
-        prompt = self.prompt_ids(MESSAGES)
+        prompt = prompt_ids(MESSAGES)
         return (
             expected_tokens_vocab(prompt, count),
             greedy_logprobs(prompt, count, asked, TINY_VOCAB),
         )
 
-    @defer.inlineCallbacks
-    def test_chat_logprobs_plain_and_streamed(self) -> Gen:
+    def test_chat_logprobs_plain_and_streamed(self) -> None:
         """logprobs true with top_logprobs 3 under greedy: one content entry per completion
         token, each the mock's value for that token with its bytes, whose logprob equals the
         first of its three top_logprobs; streamed with include_usage, the chunks' entries
         put together are the same list and every chunk with text carries its entries."""
-        head = yield self.head()
+        head = self.head()
         request = {
             "model": MODEL, "messages": MESSAGES, "max_tokens": 12, "temperature": 0,
             "logprobs": True, "top_logprobs": 3,
         }  # fmt: skip
-        code, content = yield self.call(head, b"POST", "/v1/chat/completions", request)
+        code, content = self.call(head, b"POST", "/v1/chat/completions", request)
         self.assertEqual(code, 200, content)
         body = json.loads(content)
         entries = body["choices"][0]["logprobs"]["content"]
@@ -271,7 +279,7 @@ class HttpLogprobsTests(HttpTestCase):
                 [t["logprob"] for t in entry["top_logprobs"]], [v for _, v in expected.top]
             )
         streamed_request = {**request, "stream": True, "stream_options": {"include_usage": True}}
-        code, streamed = yield self.call(head, b"POST", "/v1/chat/completions", streamed_request)
+        code, streamed = self.call(head, b"POST", "/v1/chat/completions", streamed_request)
         chunks = [e for e in sse_events(streamed)[:-1] if e["choices"]]
         together = []
         for chunk in chunks:
@@ -283,18 +291,17 @@ class HttpLogprobsTests(HttpTestCase):
         self.assertEqual(together, entries)
         self.assertEqual(sse_events(streamed)[-2]["usage"]["completion_tokens"], 12)
 
-    @defer.inlineCallbacks
-    def test_completion_logprobs_with_two_choices(self) -> Gen:
+    def test_completion_logprobs_with_two_choices(self) -> None:
         """/v1/completions with logprobs 2 and n 2: each choice has tokens, token_logprobs,
         top_logprobs (the chosen token among at most three) and text_offset, one per
         completion token, offsets from 0 and never decreasing; streamed, each choice's
         chunks put together give the same lists."""
-        head = yield self.head()
+        head = self.head()
         request = {
             "model": MODEL, "prompt": "hello world", "max_tokens": 9, "temperature": 0,
             "logprobs": 2, "n": 2,
         }  # fmt: skip
-        code, content = yield self.call(head, b"POST", "/v1/completions", request)
+        code, content = self.call(head, b"POST", "/v1/completions", request)
         self.assertEqual(code, 200, content)
         body = json.loads(content)
         self.assertEqual([c["index"] for c in body["choices"]], [0, 1])
@@ -313,7 +320,7 @@ class HttpLogprobsTests(HttpTestCase):
                 self.assertEqual(top[token], value)
                 self.assertEqual(max(top.values()), value)  # greedy: the chosen is the best
         self.assertEqual(body["choices"][0]["logprobs"], body["choices"][1]["logprobs"])
-        _, streamed = yield self.call(head, b"POST", "/v1/completions", {**request, "stream": True})
+        _, streamed = self.call(head, b"POST", "/v1/completions", {**request, "stream": True})
         merged: dict[int, dict[str, list[Any]]] = {0: {}, 1: {}}
         for chunk in sse_events(streamed)[:-1]:
             (choice,) = chunk["choices"]
@@ -322,37 +329,35 @@ class HttpLogprobsTests(HttpTestCase):
         self.assertEqual(merged[0], body["choices"][0]["logprobs"])
         self.assertEqual(merged[1], body["choices"][1]["logprobs"])
 
-    @defer.inlineCallbacks
-    def test_without_a_node_that_returns_them_logprobs_are_a_400(self) -> Gen:
+    def test_without_a_node_that_returns_them_logprobs_are_a_400(self) -> None:
         """With only a node that has no logprobs, a request that asks is answered 400
         unsupported_parameter naming logprobs, at once; the same request without logprobs
         is served."""
-        head = yield self.head(supports_logprobs=False)
+        head = self.head(supports_logprobs=False)
         request = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4}
-        code, content = yield self.call(
+        code, content = self.call(
             head, b"POST", "/v1/chat/completions", {**request, "logprobs": True}
         )
         self.assertEqual(code, 400)
         error = json.loads(content)["error"]
         self.assertEqual((error["param"], error["code"]), ("logprobs", "unsupported_parameter"))
         self.assertIn("logprobs", error["message"])
-        code, _ = yield self.call(head, b"POST", "/v1/chat/completions", request)
+        code, _ = self.call(head, b"POST", "/v1/chat/completions", request)
         self.assertEqual(code, 200)
 
-    @defer.inlineCallbacks
-    def test_a_stop_string_ends_the_entries_with_the_text(self) -> Gen:
+    def test_a_stop_string_ends_the_entries_with_the_text(self) -> None:
         """With a stop string, the entries end with the token that completed it: their bytes
         joined start with the answer's text, and no entry follows that token."""
-        head = yield self.head()
+        head = self.head()
         tokens, _ = self.expected(16, 1)
-        text = self.text_of(tokens)
+        text = text_of(tokens)
         stop = text[len(text) // 2 : len(text) // 2 + 2]
         self.assertTrue(stop.strip())
         request = {
             "model": MODEL, "messages": MESSAGES, "max_tokens": 16, "temperature": 0,
             "logprobs": True, "stop": stop,
         }  # fmt: skip
-        code, content = yield self.call(head, b"POST", "/v1/chat/completions", request)
+        code, content = self.call(head, b"POST", "/v1/chat/completions", request)
         self.assertEqual(code, 200, content)
         choice = json.loads(content)["choices"][0]
         shown = choice["message"]["content"]

@@ -24,7 +24,8 @@ from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from sfnode.discovery.rules import SERVICE_TYPE, HeadAnnouncement, HeadAnswer
-from sfnode.head.fleet.fleet import Fleet, FleetNode
+from sfnode.head.fleet.backend import HeadRequest
+from sfnode.head.fleet.fleet import Fleet, FleetNode, FleetSettings
 from sfnode.head.link import HeadIds
 from sfnode.node import tap
 from tests.nodefixture import expected_tokens
@@ -155,7 +156,7 @@ class JoinTests(TestCase):
     timeout = 60
 
     async def head(self, token: bytes, port: int = 0) -> tuple[Fleet, IListeningPort]:
-        fleet = Fleet(reactor, ids=HeadIds(), token=token)
+        fleet = Fleet(reactor, FleetSettings(token=token), ids=HeadIds())
         listening = await TCP4ServerEndpoint(reactor, port, interface="127.0.0.1").listen(
             fleet.listen_factory()
         )
@@ -177,7 +178,7 @@ class JoinTests(TestCase):
 
     async def serves(self, fleet: Fleet, joined: FleetNode, name: str) -> None:
         self.assertEqual(joined.name, name)
-        outcome = await fleet.generate(PROMPT, 6).result
+        outcome = await fleet.generate(HeadRequest(PROMPT, 6)).result
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 6))
 
     async def test_join_by_address(self) -> None:

@@ -16,6 +16,7 @@ from sfnode.generation import EngineStop, GenerationResult, TokenBatch, TokenLog
 from sfnode.linkf.idempotency import GenerationKey, LeaseClock
 from sfnode.linkf.wire import (
     FINISH_CANCELLED,
+    FINISH_DETAIL_CLOSED,
     FINISH_EOS,
     FINISH_EXPIRED,
     FINISH_LENGTH,
@@ -325,8 +326,8 @@ class RecordingGeneration:
         self.log.append(tokens if logprobs is None else (tokens, list(logprobs)))
         return True
 
-    def emit_finish(self, reason: int) -> None:
-        self.log.append(("finish", reason))
+    def emit_finish(self, reason: int, detail: int = 0) -> None:
+        self.log.append(("finish", reason, detail) if detail else ("finish", reason))
 
     def stop_engine(self) -> None:
         self.log.append("stop_engine")
@@ -402,6 +403,14 @@ class GenerationMachineTests(SynchronousTestCase):
             machine.finished(GenerationResult((5, 6), stop))  # type: ignore[attr-defined]
             self.assertEqual(owner.log, [[5, 6], ("finish", reason), "done"])
             self.assertEqual(clock.getDelayedCalls(), [])
+
+    def test_a_closed_end_carries_its_detail(self) -> None:
+        """An EOS the budget closed (GenerationResult.closed) is Finish EOS with the closed
+        bit of its detail (docs/protocol.md section 12.6), after the final flush."""
+        _clock, owner, machine = self.build()
+        machine.tokens(TokenBatch((5, 6)))  # type: ignore[attr-defined]
+        machine.finished(GenerationResult((5, 6), EngineStop.EOS, True))  # type: ignore[attr-defined]
+        self.assertEqual(owner.log, [[5, 6], ("finish", FINISH_EOS, FINISH_DETAIL_CLOSED), "done"])
 
     def test_cancel_flushes_pending_and_drops_later_tokens(self) -> None:
         """Cancel: pending tokens go out, the engine is stopped, later tokens are never sent,

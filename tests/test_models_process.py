@@ -23,7 +23,7 @@ from twisted.trial.unittest import SkipTest, TestCase
 from twisted.web.client import Agent, FileBodyProducer, readBody
 from twisted.web.http_headers import Headers
 
-from sfnode.head.api.schema import ChatMessage
+from sfnode.head.models.chat import ChatMessage
 from sfnode.head.models.text import HeadTokenizer, Renderer
 from tests.processes import LOOPBACK, Child, spawn_twistd
 from tests.test_fleet_process import _Stream

@@ -21,6 +21,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from sfnode.decoding.constraint import response_format_grammar, tools_grammar
 from sfnode.engines.mock import MockEngine
 from sfnode.generation import GenerationRequest
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.fleet.fleet import ConstraintRefused, ConstraintsUnavailable, Policy
 from sfnode.head.link import ConstraintsUnsupportedError
 from sfnode.linkf import wire
@@ -254,9 +255,9 @@ class HeadTests(FleetTestCase):
         link = yield self.dial(node)
         link.assign(1)
         link.append(1, PROMPT)
-        call = link.generate(1, 5, constraint=Constraint(0, JsonObjectGrammar()))
+        call = link.generate(1, HeadRequest((), 5, constraint=Constraint(0, JsonObjectGrammar())))
         yield self.assertFailure(call.result, ConstraintsUnsupportedError)
-        outcome = yield link.generate(1, 3).result
+        outcome = yield link.generate(1, HeadRequest((), 3)).result
         self.assertEqual(len(outcome.tokens), 3)
         self.assertEqual(node.engine.statistics().decoded_tokens, 3)
 
@@ -270,12 +271,16 @@ class HeadTests(FleetTestCase):
         fleet = yield self.fleet_of([plain, able], policy=Policy.LEAST_LOADED)
         constraint = Constraint(0, JsonObjectGrammar())
         outcomes = yield defer.gatherResults(
-            [fleet.generate(PROMPT, 30, constraint=constraint).result for _ in range(3)]
+            [
+                fleet.generate(HeadRequest(PROMPT, 30, constraint=constraint)).result
+                for _ in range(3)
+            ]
         )
         self.assertEqual({o.node for o in outcomes}, {"able"})
         lonely = yield self.fleet_of([plain])
         yield self.assertFailure(
-            lonely.generate(PROMPT, 5, constraint=constraint).result, ConstraintsUnavailable
+            lonely.generate(HeadRequest(PROMPT, 5, constraint=constraint)).result,
+            ConstraintsUnavailable,
         )
 
     @defer.inlineCallbacks
@@ -286,7 +291,7 @@ class HeadTests(FleetTestCase):
         fleet = yield self.fleet_of([node])
         bad = Constraint(0, JsonSchemaGrammar('{"type": "string", "pattern": "(?=a)"}'))
         yield self.assertFailure(
-            fleet.generate(PROMPT, 5, constraint=bad).result, ConstraintRefused
+            fleet.generate(HeadRequest(PROMPT, 5, constraint=bad)).result, ConstraintRefused
         )
 
     @defer.inlineCallbacks
@@ -307,7 +312,9 @@ class HeadTests(FleetTestCase):
         fleet = yield self.fleet_of([a, b], policy=Policy.LEAST_LOADED)
         params = GenParams(temperature=1.0, seed=99)
         constraint = Constraint(0, grammar, SamplerControls(presence_penalty=0.7))
-        reference = yield fleet.generate(PROMPT, 200, params=params, constraint=constraint).result
+        reference = yield fleet.generate(
+            HeadRequest(PROMPT, 200, params=params, constraint=constraint)
+        ).result
         self.assertEqual(reference.node, "a")
         streamed: list[int] = []
 
@@ -317,7 +324,7 @@ class HeadTests(FleetTestCase):
                 reactor.callLater(0, self.kill, a)
 
         outcome = yield fleet.generate(
-            PROMPT, 200, params=params, on_tokens=seen, constraint=constraint
+            HeadRequest(PROMPT, 200, params=params, constraint=constraint), on_tokens=seen
         ).result
         self.assertEqual((outcome.node, outcome.failovers), ("b", 1))
         self.assertEqual(outcome.tokens, reference.tokens)

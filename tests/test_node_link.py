@@ -15,6 +15,7 @@ from twisted.internet import defer, task
 from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.engines.mock import MockEngineFault
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.link import NodeLink, NodeRefusedError
 from sfnode.linkf.wire import (
     FINISH_CANCELLED,
@@ -70,7 +71,7 @@ class GenerationTests(MemoryNodeTestCase):
         self.assertEqual(link.models, ("mock",))
         link.assign(1)
         link.append(1, PROMPT)
-        call = link.generate(1, 16)
+        call = link.generate(1, HeadRequest((), 16))
         outcome = self.wait(call.result)
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 16))
         self.assertEqual(outcome.finish, FINISH_LENGTH)
@@ -86,8 +87,8 @@ class GenerationTests(MemoryNodeTestCase):
         link.append(1, PROMPT)
         link.assign(2)
         link.append(2, [7, 8, 9])
-        first = link.generate(1, 40)
-        second = link.generate(2, 25)
+        first = link.generate(1, HeadRequest((), 40))
+        second = link.generate(2, HeadRequest((), 25))
         a, b = self.wait(defer.gatherResults([first.result, second.result]))
         self.assertEqual(a.tokens, expected_tokens(PROMPT, 40))
         self.assertEqual(b.tokens, expected_tokens([7, 8, 9], 25))
@@ -105,7 +106,7 @@ class GenerationTests(MemoryNodeTestCase):
             link = links[session % 2]
             link.assign(session)
             link.append(session, [session, session + 1])
-            calls.append(link.generate(session, 20))
+            calls.append(link.generate(session, HeadRequest((), 20)))
         outcomes = self.wait(defer.gatherResults([c.result for c in calls]))
         for session, outcome in enumerate(outcomes):
             self.assertEqual(outcome.tokens, expected_tokens([session, session + 1], 20))
@@ -124,7 +125,7 @@ class GenerationTests(MemoryNodeTestCase):
             if len(seen) >= 5:
                 call.cancel()
 
-        call = link.generate(1, 1_000_000, on_tokens=on_tokens)
+        call = link.generate(1, HeadRequest((), 1_000_000), on_tokens=on_tokens)
         outcome = self.wait(call.result)
         self.assertEqual(outcome.finish, FINISH_CANCELLED)
         self.assertGreaterEqual(len(outcome.tokens), 5)
@@ -140,11 +141,11 @@ class GenerationTests(MemoryNodeTestCase):
         self.assertEqual(link.hello_ack.capacity.max_context_tokens, 64)
         link.assign(1)
         link.append(1, list(range(96)))
-        refused = self.wait(link.generate(1, 4).result)
+        refused = self.wait(link.generate(1, HeadRequest((), 4)).result)
         self.assertEqual((refused.tokens, refused.finish), ([], FINISH_REFUSED))
         link.assign(2)
         link.append(2, PROMPT)
-        served = self.wait(link.generate(2, 4).result)
+        served = self.wait(link.generate(2, HeadRequest((), 4)).result)
         self.assertEqual(served.tokens, expected_tokens(PROMPT, 4))
 
     def test_length_at_the_window(self) -> None:
@@ -153,7 +154,7 @@ class GenerationTests(MemoryNodeTestCase):
         link = self.dial(node)
         link.assign(1)
         link.append(1, PROMPT)
-        outcome = self.wait(link.generate(1, 100).result)
+        outcome = self.wait(link.generate(1, HeadRequest((), 100)).result)
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 8))
         self.assertEqual(outcome.finish, FINISH_LENGTH)
 
@@ -163,7 +164,7 @@ class GenerationTests(MemoryNodeTestCase):
         link = self.dial(node)
         link.assign(1)
         link.append(1, PROMPT)
-        outcome = self.wait(link.generate(1, 1_000_000, max_wall_ms=60).result)
+        outcome = self.wait(link.generate(1, HeadRequest((), 1_000_000, max_wall_ms=60)).result)
         self.assertEqual(outcome.finish, FINISH_EXPIRED)
         self.assertLess(len(outcome.tokens), 1000)
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, len(outcome.tokens)))
@@ -175,7 +176,7 @@ class GenerationTests(MemoryNodeTestCase):
         link = self.dial(node)
         link.assign(1)
         link.append(1, PROMPT)
-        outcome = self.wait(link.generate(1, 50).result)
+        outcome = self.wait(link.generate(1, HeadRequest((), 50)).result)
         self.assertEqual(outcome.tokens, reference)
         self.assertEqual(outcome.finish, FINISH_EOS)
 
@@ -254,11 +255,11 @@ class SessionTests(MemoryNodeTestCase):
         link = self.dial(node)
         first_epoch = link.assign(1)
         link.append(1, PROMPT)
-        first = self.wait(link.generate(1, 10).result)
+        first = self.wait(link.generate(1, HeadRequest((), 10)).result)
         second_epoch = link.assign(1)
         self.assertGreater(second_epoch, first_epoch)
         link.append(1, PROMPT)
-        second = self.wait(link.generate(1, 10).result)
+        second = self.wait(link.generate(1, HeadRequest((), 10)).result)
         self.assertEqual(first.tokens, second.tokens)
         self.assertEqual(node.agent.sessions_of(self.ids.head_id).session_epoch(1), second_epoch)
 
@@ -270,17 +271,17 @@ class SessionTests(MemoryNodeTestCase):
         first.assign(1)
         first.append(1, PROMPT)
         for _ in range(3):
-            self.wait(first.generate(1, 3).result)
+            self.wait(first.generate(1, HeadRequest((), 3)).result)
         second = self.dial(node)
         second.assign(1)
         second.append(1, [4, 5, 6])
-        outcome = self.wait(second.generate(1, 3).result)
+        outcome = self.wait(second.generate(1, HeadRequest((), 3)).result)
         self.assertEqual(
             (outcome.tokens, outcome.finish), (expected_tokens([4, 5, 6], 3), FINISH_LENGTH)
         )
         second.assign(2)
         second.append(2, [4, 5, 6])
-        fresh = self.wait(second.generate(2, 3).result)
+        fresh = self.wait(second.generate(2, HeadRequest((), 3)).result)
         self.assertEqual(fresh.tokens, expected_tokens([4, 5, 6], 3))
 
     def test_revoke_forgets_the_session(self) -> None:
@@ -289,7 +290,7 @@ class SessionTests(MemoryNodeTestCase):
         link = self.dial(node)
         epoch = link.assign(1)
         link.append(1, PROMPT)
-        self.wait(link.generate(1, 2).result)
+        self.wait(link.generate(1, HeadRequest((), 2)).result)
         link.revoke(1)
         head = self.raw_head(node)
         self.wait(head.hello(head_id=self.ids.head_id))
@@ -357,14 +358,14 @@ class ReconcileTests(MemoryNodeTestCase):
         link = self.dial(node)
         link.assign(1)
         link.append(1, PROMPT)
-        call = link.generate(1, 12)
+        call = link.generate(1, HeadRequest((), 12))
         first = self.wait(call.result)
         committed = len(link.head_session.wal.events(1, call.epoch, call.generation_id))
         self.wait(link.reconnect())
         self.assertEqual(
             len(link.head_session.wal.events(1, call.epoch, call.generation_id)), committed
         )
-        second = self.wait(link.generate(1, 12).result)
+        second = self.wait(link.generate(1, HeadRequest((), 12)).result)
         self.assertEqual(first.tokens, second.tokens)
 
     def test_reconnect_mid_stream_completes_the_generation(self) -> None:
@@ -380,7 +381,7 @@ class ReconcileTests(MemoryNodeTestCase):
             if not reconnected:
                 reconnected.append(link.reconnect())
 
-        call = link.generate(1, 80, on_tokens=on_tokens)
+        call = link.generate(1, HeadRequest((), 80), on_tokens=on_tokens)
         outcome = self.wait(call.result)
         self.wait(reconnected[0])
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 80))
@@ -446,7 +447,7 @@ class RobustnessTests(MemoryNodeTestCase):
         link = self.dial(node)
         link.assign(1)
         link.append(1, PROMPT)
-        call = link.generate(1, 50)
+        call = link.generate(1, HeadRequest((), 50))
         bad_envelope = self.raw_head(node)
         self.wait(bad_envelope.hello())
         bad_envelope.send_bytes(b"\x05\x00\x00\x00" + b"\x00" * 5)
@@ -564,7 +565,7 @@ class TimedTests(MemoryNodeTestCase):
         link.append(1, PROMPT)
         self.advance(2.5)
         self.assertFalse(node.agent.sessions_of(self.ids.head_id).is_fenced(1))
-        call = link.generate(1, 3)
+        call = link.generate(1, HeadRequest((), 3))
         self.advance(0.3)
         self.assertEqual(self.successResultOf(call.result).tokens, expected_tokens(PROMPT, 3))
 
@@ -611,7 +612,7 @@ class TimedTests(MemoryNodeTestCase):
         link = self.dial()
         link.assign(1)
         link.append(1, PROMPT)
-        first = link.generate(1, count)
+        first = link.generate(1, HeadRequest((), count))
         self.flush()
         tokens = self.successResultOf(first.result).tokens
         closed = link.when_closed()
@@ -626,7 +627,7 @@ class TimedTests(MemoryNodeTestCase):
         """Item 26: the node drops a link idle for 400 ms; a reconnect and reconcile make the
         next generation return the same tokens."""
         link, tokens = self.dropped_when_idle(400, 6)
-        second = link.generate(1, 6)
+        second = link.generate(1, HeadRequest((), 6))
         self.flush()
         self.assertEqual(self.successResultOf(second.result).tokens, tokens)
 
@@ -636,7 +637,7 @@ class TimedTests(MemoryNodeTestCase):
         link, tokens = self.dropped_when_idle(300, 4)
         grown = PROMPT + tokens + [42]
         link.append(1, grown)
-        outcome = link.generate(1, 5)
+        outcome = link.generate(1, HeadRequest((), 5))
         self.flush()
         self.assertEqual(self.successResultOf(outcome.result).tokens, expected_tokens(grown, 5))
 
@@ -648,7 +649,7 @@ class TimedTests(MemoryNodeTestCase):
         link = self.dial()
         link.assign(1)
         link.append(1, PROMPT)
-        call = link.generate(1, 4)
+        call = link.generate(1, HeadRequest((), 4))
         self.flush()
         self.assertEqual(self.successResultOf(call.result).tokens, expected_tokens(PROMPT, 4))
         self.advance(0.29)

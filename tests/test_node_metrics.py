@@ -17,6 +17,7 @@ from twisted.internet import reactor
 from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent, readBody
 
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.link import HeadIds, connect_node
 from sfnode.node import tap
 from tests.processes import LOOPBACK
@@ -63,7 +64,10 @@ class NodeMetricsTests(TestCase):
             for session, prompt in enumerate(prompts, start=1):
                 link.assign(session)
                 link.append(session, prompt)
-                answers.append(list((await link.generate(session, 4).result).tokens))
+                answers.append(list((await link.generate(
+                    session,
+                    HeadRequest((), 4),
+                ).result).tokens))
         finally:
             await link.close()
         return answers

@@ -23,6 +23,7 @@ from twisted.logger import capturedLogs, formatEvent
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.link import HeadLinkFactory, LinkSettings, NodeLink, NodeRefusedError
 from sfnode.linkf.noise import (
     HANDSHAKE_MESSAGE_LEN,
@@ -267,7 +268,7 @@ class LinkTests(NodeTestCase):
         self.assertEqual(link.node_identity, "node")
         link.assign(1)
         link.append(1, PROMPT)
-        outcome = yield link.generate(1, 8).result
+        outcome = yield link.generate(1, HeadRequest((), 8)).result
         self.assertEqual(
             (outcome.tokens, outcome.finish), (expected_tokens(PROMPT, 8), FINISH_LENGTH)
         )

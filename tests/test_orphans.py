@@ -21,6 +21,7 @@ from typing import Any
 from twisted.internet import defer, reactor
 
 from sfnode.engines.mock import MockEngine
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.link import HeadIds, connect_node
 from sfnode.linkf.wire import (
     FINISH_DECLINED,
@@ -159,7 +160,7 @@ class FullNodeTests(HttpTestCase):
         self.addCleanup(other.close)
         other.assign(99)
         other.append(99, [5, 6, 7])
-        outcome = yield other.generate(99, 1).result
+        outcome = yield other.generate(99, HeadRequest((), 1)).result
         self.assertEqual(outcome.finish, FINISH_LENGTH)
 
     @defer.inlineCallbacks

@@ -23,6 +23,7 @@ from typing import Any
 from twisted.internet import defer, reactor
 from twisted.internet.endpoints import TCP4ServerEndpoint
 
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.fleet.pipeline import PipelineFleet
 from sfnode.head.link import NodeLink
 from sfnode.linkf.wire import FINISH_LENGTH
@@ -100,7 +101,10 @@ class PipelineCase(NodeTestCase):
         self.addCleanup(pipeline.stop)
         yield pipeline.start()
         streamed: list[int] = []
-        outcome = yield pipeline.generate(PROMPT, NEW_TOKENS, on_tokens=streamed.extend).result
+        outcome = yield pipeline.generate(
+            HeadRequest(PROMPT, NEW_TOKENS),
+            on_tokens=streamed.extend,
+        ).result
         self.assertEqual(streamed, outcome.tokens)
         links = []
         for node in pipeline.stages:

@@ -28,6 +28,7 @@ from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent, FileBodyProducer, readBody
 from twisted.web.http_headers import Headers
 
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.fleet.fleet import Fleet
 from sfnode.head.tap import Options, makeService
 from sfnode.linkf.prefix_blocks import KV_BLOCK_TOKENS
@@ -204,7 +205,11 @@ class PlacementTests(PrefixProcessTestCase):
         _, fleet, _ = await self.start_head(list(nodes))
         system_a = [(5 * i) % 500 + 3 for i in range(320)]
         system_b = [(11 * i) % 500 + 3 for i in range(320)]
-        together = [fleet.generate([*system_a, 1], 4), fleet.generate([*system_b, 1], 4)]
+        together = [fleet.generate(
+            HeadRequest([*system_a, 1], 4),
+        ), fleet.generate(
+            HeadRequest([*system_b, 1], 4),
+        )]
         first = await defer.gatherResults([g.result for g in together])
         holder = {"a": first[0].node, "b": first[1].node}
         self.assertEqual(sorted(holder.values()), ["n0", "n1"])
@@ -212,7 +217,7 @@ class PlacementTests(PrefixProcessTestCase):
         landed: dict[str, list[str]] = {"a": [], "b": []}
         for i in range(2, 5):
             for name, system in (("b", system_b), ("a", system_a)):
-                outcome = await fleet.generate([*system, i], 4).result
+                outcome = await fleet.generate(HeadRequest([*system, i], 4)).result
                 landed[name].append(outcome.node)
         self.assertEqual(landed, {"a": [holder["a"]] * 3, "b": [holder["b"]] * 3})
         for node, old in zip(nodes, before, strict=True):

@@ -39,7 +39,8 @@ from sfnode.engines.mock import (
     mock_token,
 )
 from sfnode.generation import Engine, EngineStop, GenerationRequest, GenerationResult, TokenBatch
-from sfnode.head.fleet.fleet import Fleet, Policy
+from sfnode.head.fleet.backend import HeadRequest
+from sfnode.head.fleet.fleet import Fleet, FleetSettings, Policy
 from sfnode.linkf.wire import FINISH_LENGTH, GenParams
 from sfnode.node.agent import NodeAgent
 from sfnode.node.config import NodeConfig
@@ -226,7 +227,7 @@ class NodeSamplingTests(NodeTestCase):
         link = yield self.dial(node)
         link.assign(1, params=NARROWED)
         link.append(1, PROMPT)
-        outcome = yield link.generate(1, 24).result
+        outcome = yield link.generate(1, HeadRequest((), 24)).result
         self.assertEqual(seen, [NARROWED])
         self.assertEqual(outcome.tokens, sampled_run(PROMPT, 24, NARROWED))
         self.assertNotEqual(outcome.tokens, greedy_run(PROMPT, 24))
@@ -255,7 +256,7 @@ class FleetSamplingCase(NodeTestCase):
 
     @defer.inlineCallbacks
     def fleet_of(self, nodes: Sequence[RunningNode]) -> Generator[defer.Deferred[Any], Any, Fleet]:
-        fleet = Fleet(reactor, ids=self.ids, policy=Policy.LEAST_LOADED)
+        fleet = Fleet(reactor, FleetSettings(policy=Policy.LEAST_LOADED), ids=self.ids)
         self.addCleanup(fleet.stop)
         for node in nodes:
             yield fleet.add_node(node.endpoint)
@@ -280,7 +281,7 @@ class FleetSamplingTests(FleetSamplingCase):
         node = yield self.start_engine_node(MockEngine(reactor), "solo")
         seen = record_params(node.engine)
         fleet = yield self.fleet_of([node])
-        outcome = yield fleet.generate(PROMPT, 32, params=SAMPLED).result
+        outcome = yield fleet.generate(HeadRequest(PROMPT, 32, params=SAMPLED)).result
         self.assertEqual(outcome.tokens, sampled_run(PROMPT, 32, SAMPLED))
         self.assertGreaterEqual(differing(outcome.tokens, greedy_run(PROMPT, 32)), 8)
         session = yield fleet.open_session(PROMPT, params=NARROWED)
@@ -301,7 +302,9 @@ class FleetSamplingTests(FleetSamplingCase):
         seen = [record_params(node.engine) for node in nodes]
         killed = kill_after([n.engine for n in nodes], 7, lambda i: self.kill(nodes[i]))
         streamed: list[int] = []
-        outcome = yield fleet.generate(PROMPT, 40, params=SAMPLED, on_tokens=streamed.extend).result
+        outcome = yield fleet.generate(
+            HeadRequest(PROMPT, 40, params=SAMPLED), on_tokens=streamed.extend
+        ).result
         expected = sampled_run(PROMPT, 40, SAMPLED)
         self.assertEqual(len(killed), 1)
         self.assertEqual((outcome.tokens, streamed), (expected, expected))
@@ -316,7 +319,7 @@ class FleetSamplingTests(FleetSamplingCase):
         nodes = yield self.mock_pair()
         fleet = yield self.fleet_of(nodes)
         killed = kill_after([n.engine for n in nodes], 7, lambda i: self.kill(nodes[i]))
-        outcome = yield fleet.generate(PROMPT, 40, params=NARROWED).result
+        outcome = yield fleet.generate(HeadRequest(PROMPT, 40, params=NARROWED)).result
         self.assertEqual(len(killed), 1)
         self.assertEqual(outcome.tokens, sampled_run(PROMPT, 40, NARROWED))
         self.assertEqual((outcome.finish, outcome.failovers), (FINISH_LENGTH, 1))
@@ -368,7 +371,9 @@ class RealModelSamplingTests(FleetSamplingCase):
         streamed: list[int] = []
         on_tokens = streamed.extend if streaming else None
         prompt = [(i * 37) % TINY_VOCAB for i in range(3, 40)]
-        outcome = yield fleet.generate(prompt, 32, params=params, on_tokens=on_tokens).result
+        outcome = yield fleet.generate(
+            HeadRequest(prompt, 32, params=params), on_tokens=on_tokens
+        ).result
         expected = self.reference(prompt, 32, params)
         self.assertEqual(len(killed), 1)
         self.assertEqual(outcome.tokens, expected)

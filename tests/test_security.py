@@ -26,6 +26,7 @@ from twisted.internet.utils import getProcessOutputAndValue
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.link import HeadIds, HeadLinkFactory, LinkSettings
 from sfnode.linkf import fleet_token
 from sfnode.node import tap
@@ -202,7 +203,7 @@ class HandshakeLimitTests(NodeTestCase):
         link = yield self.dial(node, token=TOKEN)
         link.assign(1)
         link.append(1, [1, 2, 3])
-        outcome = yield link.generate(1, 4).result
+        outcome = yield link.generate(1, HeadRequest((), 4)).result
         self.assertEqual(outcome.tokens, expected_tokens([1, 2, 3], 4))
 
 

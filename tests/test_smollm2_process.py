@@ -23,6 +23,7 @@ from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent, readBody
 
 from sfnode.engines.weights.loading import load_tokenizer
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.link import HeadIds, connect_node
 from sfnode.linkf.wire import FINISH_EOS, FINISH_LENGTH
 from tests.bundled import BUNDLED_MODEL_SKIP
@@ -51,7 +52,7 @@ class BundledModelProcessTests(TestCase):
         self.assertEqual(link.models, ("SmolLM2-135M-Instruct",))
         link.assign(1)
         link.append(1, list(prompt))
-        outcome = await link.generate(1, 16).result
+        outcome = await link.generate(1, HeadRequest((), 16)).result
         self.assertIn(outcome.finish, (FINISH_EOS, FINISH_LENGTH))
         answer = tokenizer.decode(outcome.tokens, skip_special_tokens=True)
         self.assertIn("Paris", answer)

@@ -36,6 +36,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import Agent, readBody
 
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.link import HeadIds, connect_node
 from sfnode.head.tap import HeadStartupError
 from sfnode.linkf.wire import (
@@ -414,7 +415,7 @@ class EmbeddingTests(TestCase):
         link = await connect_node(reactor, f"tcp:127.0.0.1:{node_port}", ids=HeadIds())
         link.assign(1)
         link.append(1, [1, 2, 3])
-        await link.generate(1, 12).result
+        await link.generate(1, HeadRequest((), 12)).result
         await link.close()
 
         agent = Agent(reactor)
@@ -770,7 +771,7 @@ class ProcessTests(TestCase):
         prompt = list(range(100, 112))
         link.assign(1)
         link.append(1, prompt)
-        outcome = await link.generate(1, 12).result
+        outcome = await link.generate(1, HeadRequest((), 12)).result
         self.assertEqual(outcome.tokens, expected_tokens(prompt, 12))
         self.assertEqual(outcome.finish, FINISH_LENGTH)
         await link.close()

@@ -15,6 +15,7 @@ from typing import Any
 from twisted.internet import reactor
 from twisted.trial.unittest import TestCase
 
+from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.link import HandshakeError, HeadIds, LinkSettings, connect_node
 from sfnode.linkf.wire import FINISH_LENGTH
 from sfnode.node import tap
@@ -102,7 +103,7 @@ class TLSEndpointTests(TestCase):
         self.assertEqual(link.node_identity, "tls-node")
         link.assign(1)
         link.append(1, [5, 6, 7])
-        outcome = await link.generate(1, 8).result
+        outcome = await link.generate(1, HeadRequest((), 8)).result
         self.assertEqual(
             (outcome.tokens, outcome.finish), (expected_tokens([5, 6, 7], 8), FINISH_LENGTH)
         )

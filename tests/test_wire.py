@@ -680,7 +680,7 @@ def strategy_for(codec: Codec[Any]) -> st.SearchStrategy[Any]:
             st.lists(st.integers(0, U32_MAX), max_size=6).map(lambda t: Tokens(tuple(t))),
             st.builds(Segment, st.sampled_from(list(SegmentKind)), st.binary(max_size=16)),
             st.builds(Usage, strategy_for(UsageMsg.as_codec())),
-            st.builds(Finish, st.integers(0, U32_MAX)),
+            st.builds(Finish, st.integers(0, U32_MAX), st.integers(0, U32_MAX)),
         )
     raise AssertionError(f"no strategy for {codec!r}")
 

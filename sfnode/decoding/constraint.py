@@ -10,20 +10,22 @@ Three layers, each usable alone:
    :class:`~sfnode.linkf.wire.SamplerControls`, and :func:`check_grammar` asks the grammar library
    whether it can honour the grammar, without a tokenizer.  Every refusal is a
    :class:`ConstraintError` naming the request field, which an HTTP layer answers with a 400.
-   :func:`tools_system_text` and :func:`parse_tool_calls` are the generic rendering of tools
-   for chat templates that know none: the tools described in the system turn, and the calls
-   read back out of the output.
+   :func:`shortest_answer` is the fewest tokens of an answer a node closes a grammar's
+   output with, so that a budget too small for any answer is refused before it is placed.
+   :func:`tools_system_text` is the generic rendering of tools for chat templates that know
+   none: the tools described in the system turn (the head reads the calls back out of the
+   output, ``sfnode.head.models.tools``).
 2. **A grammar's text**: :func:`grammar_text` writes each wire variant in llguidance's
    Lark-like syntax (JSON Schemas embedded with ``%json``), the languages section 12.3 defines.
 3. **A lane's stage** (the node): a :class:`Vocabulary` binds the grammar library to a model's
    tokenizer; a :class:`LaneStage` holds one generation's :class:`Matcher` (advanced by each
    accepted token, the allowed-token mask, rollback, and the replay of tokens delivered before
-   a failover) and the counts its penalties need.  The engines apply a stage between the
-   logits and the draw: logit bias, repetition penalty, presence and frequency penalties,
-   then the grammar's mask.
+   a failover, and its budget's closing, :mod:`sfnode.decoding.closing`) and the counts its
+   penalties need.  The engines apply a stage between the logits and the draw: logit bias,
+   repetition penalty, presence and frequency penalties, then the grammar's mask.
 
-Everything a stage does is a function of the grammar, the controls and the tokens of the
-stream, so a lane gives the same masks alone or batched, and a node that takes over a stream
+Everything a stage does is a function of the grammar, the controls, the budget and the tokens
+of the stream, so a lane gives the same masks alone or batched, and a node that takes over a stream
 replays the delivered tokens and continues it exactly.
 
 This module must never import torch (the head imports it), touch a model, start a thread or
@@ -46,6 +48,7 @@ import llguidance.numpy
 import numpy as np
 from numpy.typing import NDArray
 
+from sfnode.decoding.closing import LaneBudget, TokenTable
 from sfnode.linkf.wire import (
     LOGIT_BIAS_RANGE,
     MAX_GRAMMAR_BYTES,
@@ -331,51 +334,6 @@ def tools_system_text(tools: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-@dataclass(frozen=True)
-class ToolCall:
-    """One call the output made: the function's name and its arguments exactly as written
-    (a JSON object's text, OpenAI's ``function.arguments``)."""
-
-    name: str
-    arguments: str
-
-
-def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """The text before the first call and the calls of an output that a tools grammar
-    constrained (docs/protocol.md section 12.3).  Output without a call is all text.  An
-    output cut short (``max_tokens``) keeps the calls that closed; what follows the last one
-    is dropped.
-
-    :raises ValueError: a call whose JSON is not ``{"name": ..., "arguments": {...}}`` (output
-        no tools grammar produced).
-    """
-    start = text.find(CALL_OPEN)
-    if start < 0:
-        return text, []
-    content, calls, position = text[:start], [], start
-    decoder = json.JSONDecoder()
-    while text.startswith(CALL_OPEN, position):
-        body = position + len(CALL_OPEN)
-        try:
-            call, end = decoder.raw_decode(text, body)
-        except ValueError:
-            break  # cut short inside the call
-        if not text.startswith(CALL_CLOSE, end):
-            break
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            raise ValueError(f"not a tool call: {text[body:end]!r}")
-        arguments = call.get("arguments")
-        if not isinstance(arguments, dict):
-            raise ValueError(f"a tool call's arguments are not an object: {text[body:end]!r}")
-        key = text.find('"arguments"', body, end)
-        _, arguments_end = decoder.raw_decode(text, text.index("{", key))
-        calls.append(ToolCall(call["name"], text[text.index("{", key) : arguments_end]))
-        position = end + len(CALL_CLOSE)
-        if text.startswith(CALL_SEPARATOR + CALL_OPEN, position):
-            position += len(CALL_SEPARATOR)
-    return content, calls
-
-
 # --------------------------------------------------------------------------------------------
 # 2. A grammar's text (llguidance's Lark-like syntax)
 
@@ -474,6 +432,17 @@ def check_grammar(grammar: Grammar, param: str = "grammar") -> None:
         raise ConstraintError(f"{_what(grammar)} cannot be enforced: {_first_line(error)}", param)
 
 
+def shortest_answer(vocabulary: Vocabulary, grammar: Grammar) -> int | None:
+    """The tokens of the shortest answer a node closes ``grammar``'s output with, its EOS
+    included: a ``max_new`` below it cannot give a whole answer, and a head can refuse such a
+    request before placing it (docs/protocol.md section 12.6).  None when no answer is within
+    the closing walk's reach (:data:`~sfnode.decoding.closing.MAX_CLOSING_BYTES`).
+
+    :raises ConstraintError: the grammar cannot be built for this vocabulary.
+    """
+    return Matcher(vocabulary, grammar).closing_length()
+
+
 def _what(grammar: Grammar) -> str:
     if isinstance(grammar, JsonSchemaGrammar):
         return "the JSON schema"
@@ -515,6 +484,8 @@ class Vocabulary:
         self.tokenizer = llguidance.LLTokenizer(
             tokenizer_json, n_vocab=size, eos_token=sorted(self.eos_ids)
         )
+        self.table = TokenTable(self.tokenizer, size, min(self.eos_ids))
+        """Its tokens as bytes, for the closings of budgets (:mod:`sfnode.decoding.closing`)."""
 
     @classmethod
     def of_tokenizer(cls, tokenizer: Any, *, size: int, eos_ids: Iterable[int]) -> Vocabulary:
@@ -563,6 +534,10 @@ class Matcher:
             )
         self.consumed = 0
         """Tokens consumed so far."""
+        self.budget = LaneBudget(vocabulary.table, vocabulary.eos_ids)
+        """Its budget: set ``budget.limit``, the most tokens the output may have (counted as
+        :attr:`consumed` is), and the masks close the output within it (docs/engine.md
+        section 2.4)."""
 
     @property
     def accepting(self) -> bool:
@@ -587,6 +562,7 @@ class Matcher:
                 "grammar",
             )
         self.consumed += 1
+        self.budget.advanced(token)
 
     def rollback(self, tokens: int) -> None:
         """Take back the last ``tokens`` consumed."""
@@ -597,12 +573,25 @@ class Matcher:
                 f"rollback failed: {_first_line(self._matcher.get_error())}", "grammar"
             )
         self.consumed -= tokens
+        self.budget.rolled_back(tokens)
 
     def fill(self, masks: NDArray[np.int32], row: int) -> None:
         """Write the tokens allowed next into ``masks[row]`` (see :class:`MaskFiller` for
         many at once)."""
         llguidance.numpy.fill_next_token_bitmask(self._matcher, masks, row)
         _end_only_where_allowed(masks, row, self.vocabulary)
+        self.narrow(masks, row)
+
+    def narrow(self, masks: NDArray[np.int32], row: int) -> None:
+        """Narrow the grammar's mask in ``masks[row]`` to what the budget leaves room for
+        (docs/engine.md section 2.4)."""
+        self.budget.narrow(self._matcher, masks, row)
+
+    def closing_length(self) -> int | None:
+        """The tokens the output needs from here to end, its EOS included, as the budget
+        counts them (None: no closing within reach, :mod:`sfnode.decoding.closing`)."""
+        closing = self.budget.closing(self._matcher)
+        return None if closing is None else closing.length
 
     def allowed(self) -> NDArray[np.intp]:
         """The ids allowed next, ascending."""
@@ -641,8 +630,9 @@ class MaskFiller:
             llguidance.numpy.fill_next_token_bitmask_par(
                 self._executor, [(m._matcher, row) for m, row in matchers], masks
             )
-            for _, row in matchers:
+            for matcher, row in matchers:
                 _end_only_where_allowed(masks, row, self.vocabulary)
+                matcher.narrow(masks, row)
         return masks
 
 
@@ -691,11 +681,17 @@ class LaneStage:
 
     @classmethod
     def prepare(
-        cls, vocabulary: Vocabulary | None, constraint: Constraint, context: Sequence[int]
+        cls,
+        vocabulary: Vocabulary | None,
+        constraint: Constraint,
+        context: Sequence[int],
+        budget: int | None = None,
     ) -> LaneStage:
-        """The stage of a generation that continues ``context`` under ``constraint``: the
-        grammar compiled, and the context's tokens from ``generated_from`` on replayed
-        through it (they were delivered before a failover).
+        """The stage of a generation that continues ``context`` under ``constraint`` for at
+        most ``budget`` more tokens (its grammar's masks close the output within them; None:
+        no budget): the grammar compiled, and the context's tokens from ``generated_from`` on
+        replayed through it (they were delivered before a failover), with the masks they were
+        drawn from where the budget narrowed them (docs/engine.md section 2.4).
 
         :raises ConstraintError: no vocabulary for a grammar, a grammar that does not compile,
             ``generated_from`` past the context, or a replayed token the grammar refuses.
@@ -711,7 +707,13 @@ class LaneStage:
             if vocabulary is None:
                 raise ConstraintError("this engine has no grammar support", "grammar")
             matcher = Matcher(vocabulary, constraint.grammar)
-            for token in context[constraint.generated_from :]:
+            replayed = context[constraint.generated_from :]
+            if budget is not None:
+                matcher.budget.limit = len(replayed) + budget
+            scratch = vocabulary.new_masks(1)
+            for token in replayed:
+                if matcher.budget.due:
+                    matcher.fill(scratch, 0)
                 matcher.consume(int(token))
         return cls(matcher, constraint.controls, context, constraint.generated_from)
 
@@ -719,6 +721,12 @@ class LaneStage:
     def generated(self) -> int:
         """Tokens the generation has produced (before a failover and since)."""
         return len(self._history) - self._generated_from
+
+    @property
+    def closed(self) -> bool:
+        """Whether the lane ended with its grammar's end while its budget held it to the
+        closing (:attr:`~sfnode.decoding.closing.LaneBudget.closed`)."""
+        return self.matcher is not None and self.matcher.budget.closed
 
     def advance(self, token: int) -> None:
         """The lane drew ``token``."""
@@ -792,13 +800,12 @@ __all__ = [
     "MaskFiller",
     "Matcher",
     "Penalty",
-    "ToolCall",
     "Vocabulary",
     "check_grammar",
     "grammar_text",
-    "parse_tool_calls",
     "response_format_grammar",
     "sampler_controls",
+    "shortest_answer",
     "tools_grammar",
     "tools_system_text",
 ]

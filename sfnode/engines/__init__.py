@@ -8,13 +8,12 @@ chooses that engine; the loop, the configuration, the scheduling and the mock ne
 torch.  This package's ``__init__`` holds only the option values the command line names (so
 that ``twistd sfnode --help`` needs nothing else) and must never import an engine module
 itself.  May import ``sfnode.generation``, ``sfnode.decoding`` and ``sfnode.linkf``.
+
+:class:`ModelLoadError` is the one of :mod:`sfnode.linkf.model_cache` (where the head finds it
+too), named here for the engine's modules.
 """
 
-
-class ModelLoadError(Exception):
-    """The model (or tokenizer) could not be loaded, or is refused; the message names the path
-    or the architecture and the cause (the key and its value, where a key is the cause)."""
-
+from sfnode.linkf.model_cache import ModelLoadError as ModelLoadError
 
 WEIGHT_MODES = ("auto", "float32", "bfloat16", "int8", "int4")
 """The values of ``--weights`` (docs/engine.md section 5); here so that ``twistd sfnode --help``

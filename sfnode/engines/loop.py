@@ -11,7 +11,8 @@ deadlines, KV block accounting and statistics are plain reactor-side bookkeeping
 
 A constrained request's :class:`~sfnode.decoding.constraint.LaneStage` is prepared by the worker
 (compiling a grammar can take 100 ms: the transformers engine does it on a thread of its own)
-before the request queues.
+before the request queues, with the tokens the lane may draw (its ``max_new`` within the
+window), so that its masks close the output within them (docs/engine.md section 2.4).
 
 This module must never import torch, touch a model or a thread itself (the worker does), never
 let one generation's failure stop the engine (a failed step fails the lanes it carried and the
@@ -88,10 +89,15 @@ class Worker(Protocol):
         """Run ``work(*args)`` where the steps run, between them (a pipeline stage)."""
 
     def prepare(
-        self, vocabulary: Vocabulary | None, constraint: Constraint, context: Sequence[int]
+        self,
+        vocabulary: Vocabulary | None,
+        constraint: Constraint,
+        context: Sequence[int],
+        budget: int,
     ) -> defer.Deferred[LaneStage]:
-        """A constrained request's stage (:meth:`LaneStage.prepare`); fails with
-        :class:`ConstraintError` when it cannot be honoured."""
+        """A constrained request's stage for ``budget`` more tokens
+        (:meth:`LaneStage.prepare`); fails with :class:`ConstraintError` when it cannot be
+        honoured."""
 
     def interrupt(self) -> None:
         """The engine stops: end the step in flight now if that can be done (its Deferred then
@@ -166,12 +172,13 @@ class EngineGeneration:
             log.failure("on_tokens raised; cancelling the generation")
             self.cancel()
 
-    def finish(self, stop: EngineStop) -> None:
+    def finish(self, stop: EngineStop, closed: bool = False) -> None:
+        """It ended with ``stop`` (``closed``: its budget closed its grammar's output)."""
         if self._result.called:
             return
         if self._cancelled:
-            stop = EngineStop.CANCELLED
-        self._result.callback(GenerationResult(tuple(self._delivered), stop))
+            stop, closed = EngineStop.CANCELLED, False
+        self._result.callback(GenerationResult(tuple(self._delivered), stop, closed))
 
     def fail(self, error: BaseException) -> None:
         if self._result.called:
@@ -306,7 +313,9 @@ class EngineLoop:
             handle.fail(EngineRefusal("this engine has no vocabulary for grammars"))
         else:
             handle.preparing = True
-            prepared = self.worker.prepare(self.vocabulary, constraint, context)
+            # What the lane may still draw: its grammar's masks close the output within it.
+            budget = min(job.max_new, job.token_limit - len(context))
+            prepared = self.worker.prepare(self.vocabulary, constraint, context, budget)
             prepared.addCallbacks(
                 self._prepared, self._unprepared, callbackArgs=(handle, job), errbackArgs=(handle,)
             )
@@ -501,13 +510,13 @@ class EngineLoop:
                 and handle.request.params.logprobs > 0
             )
             handle.deliver(tokens, logprobs if asked else None)
-        for request, stop, error in ended:
+        for request, stop, error, closed in ended:
             handle = request.handle
             if error is not None:
                 handle.fail(error)
             else:
                 assert stop is not None
-                handle.finish(stop)
+                handle.finish(stop, closed)
 
 
 if TYPE_CHECKING:

@@ -267,10 +267,14 @@ class ReactorWorker:
         return defer.maybeDeferred(work, *args)
 
     def prepare(
-        self, vocabulary: Vocabulary | None, constraint: Constraint, context: Sequence[int]
+        self,
+        vocabulary: Vocabulary | None,
+        constraint: Constraint,
+        context: Sequence[int],
+        budget: int,
     ) -> defer.Deferred[LaneStage]:
         """At once, on the reactor (the mock has no thread)."""
-        return defer.maybeDeferred(LaneStage.prepare, vocabulary, constraint, context)
+        return defer.maybeDeferred(LaneStage.prepare, vocabulary, constraint, context, budget)
 
     def interrupt(self) -> None:
         if self._pending is not None:

@@ -140,7 +140,11 @@ class ThreadWorker:
         return deferToThreadPool(self._reactor, self._pool, work, *args)
 
     def prepare(
-        self, vocabulary: Vocabulary | None, constraint: Constraint, context: Sequence[int]
+        self,
+        vocabulary: Vocabulary | None,
+        constraint: Constraint,
+        context: Sequence[int],
+        budget: int,
     ) -> defer.Deferred[LaneStage]:
         """Controls alone have nothing to compile: prepared at once; a grammar on its thread."""
         if constraint.grammar is None:
@@ -148,7 +152,13 @@ class ThreadWorker:
         if not self._grammar_pool.started:
             self._grammar_pool.start()
         return deferToThreadPool(
-            self._reactor, self._grammar_pool, LaneStage.prepare, vocabulary, constraint, context
+            self._reactor,
+            self._grammar_pool,
+            LaneStage.prepare,
+            vocabulary,
+            constraint,
+            context,
+            budget,
         )
 
     def interrupt(self) -> None:
@@ -220,7 +230,6 @@ def decoder_runner(
     config: EngineConfig,
     window: int,
     masks: MaskWorker | None,
-    *,
     float_dtype: torch.dtype,
     device: torch.device,
 ) -> ServedWeights:
@@ -292,6 +301,30 @@ def forward_runner(
     )
 
 
+def _model_figures(
+    stored: StoredModel | None, model: Any
+) -> tuple[frozenset[int], int, int, int, int]:
+    """(end-of-sequence ids, vocabulary size, hidden size, context length, layers) of the
+    model as stored, or of the transformers model object when ``stored`` is None."""
+    if stored is not None:
+        spec = stored.spec
+        return (
+            frozenset(spec.eos_ids),
+            spec.vocab_size,
+            spec.hidden,
+            spec.context_length,
+            spec.layers,
+        )
+    config = model.config
+    return (
+        eos_ids_of(model),
+        int(getattr(config, "vocab_size", 0)),
+        int(getattr(config, "hidden_size", 0)),
+        int(getattr(config, "max_position_embeddings", 0) or 0),
+        int(getattr(config, "num_hidden_layers", 0)),
+    )
+
+
 class TransformersEngine(EngineLoop):
     """An :class:`sfnode.generation.Engine` over a model as stored, or over a transformers
     causal LM (see the module)."""
@@ -325,16 +358,9 @@ class TransformersEngine(EngineLoop):
             raise ValueError("the model's own forward (--stock-kernels) needs its model object")
         if config.lean_step:
             stored = stored or as_stored(model)
-            spec = stored.spec
-            eos_ids = frozenset(spec.eos_ids)
-            vocab_size, self._hidden_size = spec.vocab_size, spec.hidden
-            model_window, n_layers = spec.context_length, spec.layers
-        else:
-            eos_ids = eos_ids_of(model)
-            vocab_size = int(getattr(model.config, "vocab_size", 0))
-            self._hidden_size = int(getattr(model.config, "hidden_size", 0))
-            model_window = int(getattr(model.config, "max_position_embeddings", 0) or 0)
-            n_layers = int(getattr(model.config, "num_hidden_layers", 0))
+        eos_ids, vocab_size, self._hidden_size, model_window, n_layers = _model_figures(
+            stored if config.lean_step else None, model
+        )
         eos_ids = config.eos_ids if config.eos_ids is not None else eos_ids
         window, _ = config.kv_sizes(model_window)
         vocabulary = vocabulary_of(tokenizer, vocab_size, eos_ids)
@@ -342,14 +368,8 @@ class TransformersEngine(EngineLoop):
         self._masks = masks
         why = None if config.lean_step else "--stock-kernels"
         if stored is not None and config.lean_step:
-            weights = decoder_runner(
-                stored,
-                config,
-                window,
-                masks,
-                float_dtype=float_dtype or torch.float32,
-                device=device or torch.device("cpu"),
-            )
+            float_dtype, device = float_dtype or torch.float32, device or torch.device("cpu")
+            weights = decoder_runner(stored, config, window, masks, float_dtype, device)
         else:
             weights = forward_runner(model, config, masks, "--stock-kernels")
         self.weights = weights

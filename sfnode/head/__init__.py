@@ -1,10 +1,10 @@
-"""The head side of Link F: the bookkeeping and the connections a head keeps to its nodes.
+"""The head (``twistd sfhead``): it accepts nodes, places generations on them, fails over, and
+serves the OpenAI-compatible API.
 
-Pure parts first: ``sfnode.head.link.session`` holds the per-connection bookkeeping
-(docs/protocol.md section 8), ``sfnode.head.fleet.placement`` decides which node takes a request,
-and ``sfnode.head.link.machine`` is the state machine of one link (connecting, handshaking, open,
-reconciling, down, closed, with its timers).  ``sfnode.head.link`` drives one node over Twisted
-with them, ``sfnode.head.fleet.fleet`` keeps the nodes, the queue and failover, and
-``sfnode.head.api.http`` serves the OpenAI-compatible API.  Nothing in this package may import torch
-or anything of the node side (``sfnode.node.protocol``): a head only speaks the wire.
+Four folders, bottom to top (docs/architecture.md section 1): ``link/`` (one node's Link F link:
+framing, its machine, its session bookkeeping, the call table), ``models/`` (the models served:
+registry, tokenizer and templates, tool calls), ``fleet/`` (nodes, placement, the queues,
+failover, the pipeline driver, the ``Backend`` the API uses) and ``api/`` (the HTTP front);
+``tap.py`` builds them into a service.  Nothing here may import torch, the engine or the node
+(``sfnode.node``): a head only speaks the wire.  This package's own module imports nothing.
 """

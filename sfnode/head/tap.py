@@ -50,6 +50,7 @@ from sfnode.head.fleet.fleet import (
     DEFAULT_MAX_QUEUED,
     DEFAULT_QUEUE_TIMEOUT_S,
     Fleet,
+    FleetSettings,
     Policy,
     default_client_queued,
 )
@@ -57,6 +58,7 @@ from sfnode.head.fleet.placement import DEFAULT_PREFIX_MAX_SKEW, DEFAULT_PREFIX_
 from sfnode.head.link import DEFAULT_LEASE
 from sfnode.head.link.machine import DEFAULT_RETRY_MAX_S, DEFAULT_SILENCE_TIMEOUT_S, RETRY_INITIAL_S
 from sfnode.head.models.text import DEFAULT_TEMPLATE_TIMEOUT_S
+from sfnode.linkf import model_cache
 from sfnode.linkf.fleet_token import read_token
 from sfnode.linkf.handshake import is_loopback_listen, plaintext_refusal
 from sfnode.linkf.wire import Lease
@@ -75,6 +77,7 @@ from sfnode.runtime.service import (
 
 if TYPE_CHECKING:
     from sfnode.discovery.dnssd import Announcer
+    from sfnode.head.fleet.pipeline import PipelineFleet
     from sfnode.head.models.registry import ModelRegistry
 
 log = Logger(namespace="sfnode.head.tap")
@@ -448,10 +451,7 @@ class Options(usage.Options):
 
     def postOptions(self) -> None:
         """Check every value and replace it by its typed, defaulted form."""
-        _check_endpoint("fleet-listen", self["fleet-listen"], server=True)
-        _check_endpoint("http", self["http"], server=True)
-        for endpoint in self["nodes"]:
-            _check_endpoint("node", endpoint, server=False)
+        self._check_endpoints()
         if self["policy"] not in POLICIES:
             raise usage.UsageError(f"--policy must be one of {', '.join(POLICIES)}")
         self["policy"] = Policy(self["policy"])
@@ -461,6 +461,29 @@ class Options(usage.Options):
         )
         self["lease-ms"] = _positive("lease-ms", self["lease-ms"])
         self._check_class_options()
+        if self["model"] is not None and not Path(self["model"]).expanduser().exists():
+            raise usage.UsageError(f"--model {self['model']} does not exist")
+        if self["model-name"] is None:
+            self["model-name"] = default_model_name(self["model"])
+        self._check_fleet_token()
+        self["drain-timeout"] = _seconds("drain-timeout", self["drain-timeout"])
+        if self["head-name"] is None:
+            name = socket.gethostname().encode()[:MAX_HEAD_NAME]
+            self["head-name"] = name.decode(errors="ignore")
+        why = valid_head_name(self["head-name"])
+        if why is not None:
+            raise usage.UsageError(f"--head-name {self['head-name']!r} cannot be used: {why}")
+        self._check_fleet_options()
+        self._check_api_key()
+        self._check_http_limits()
+
+    def _check_endpoints(self) -> None:
+        """The listeners, the nodes to dial, and a pipeline's stages (``self["stages"]``) and
+        layers."""
+        _check_endpoint("fleet-listen", self["fleet-listen"], server=True)
+        _check_endpoint("http", self["http"], server=True)
+        for endpoint in self["nodes"]:
+            _check_endpoint("node", endpoint, server=False)
         stages: list[str] = []
         if self["pipeline"] is not None:
             if self["nodes"]:
@@ -481,10 +504,10 @@ class Options(usage.Options):
                     f"--pipeline-layers gives {len(values)} boundaries for {len(stages)} stages"
                 )
             self["pipeline-layers"] = values
-        if self["model"] is not None and not Path(self["model"]).expanduser().exists():
-            raise usage.UsageError(f"--model {self['model']} does not exist")
-        if self["model-name"] is None:
-            self["model-name"] = default_model_name(self["model"])
+
+    def _check_fleet_token(self) -> None:
+        """Read the fleet token (``self["auth-token"]``, empty without one) and refuse a
+        listener or a dial that would carry Link F in clear off loopback."""
         self["auth-token"] = b""
         if self["auth-file"] is not None:
             try:
@@ -494,7 +517,7 @@ class Options(usage.Options):
                     f"cannot read --auth-file {self['auth-file']}: {e.strerror or e}"
                 ) from e
         for listen, dial in [(self["fleet-listen"], None)] + [
-            (None, e) for e in [*self["nodes"], *stages]
+            (None, e) for e in [*self["nodes"], *self["stages"]]
         ]:
             refusal = plaintext_refusal(
                 token=self["auth-token"],
@@ -505,16 +528,6 @@ class Options(usage.Options):
             )
             if refusal is not None:
                 raise usage.UsageError(refusal)
-        self["drain-timeout"] = _seconds("drain-timeout", self["drain-timeout"])
-        if self["head-name"] is None:
-            name = socket.gethostname().encode()[:MAX_HEAD_NAME]
-            self["head-name"] = name.decode(errors="ignore")
-        why = valid_head_name(self["head-name"])
-        if why is not None:
-            raise usage.UsageError(f"--head-name {self['head-name']!r} cannot be used: {why}")
-        self._check_fleet_options()
-        self._check_api_key()
-        self._check_http_limits()
 
     def _check_http_limits(self) -> None:
         """The front door's options, typed, as ``self["limits"]`` (a GateLimits)."""
@@ -549,7 +562,8 @@ class Options(usage.Options):
         )
 
     def _check_fleet_options(self) -> None:
-        """The queue, redial and keepalive settings, typed."""
+        """The queue, redial and keepalive settings, typed, and the fleet's settings value
+        built from them (``self["fleet-settings"]``)."""
         try:
             self["max-queued"] = int(str(self["max-queued"]))
         except ValueError as e:
@@ -571,6 +585,19 @@ class Options(usage.Options):
                 f"--reconnect-max must be at least {RETRY_INITIAL_S:g} seconds "
                 "(the first redial's delay)"
             )
+        lease_ms = self["lease-ms"]
+        self["fleet-settings"] = FleetSettings(
+            token=self["auth-token"],
+            policy=self["policy"],
+            lease=Lease(duration_ms=lease_ms, renew_by_ms=lease_ms * 3 // 4),
+            silence_timeout_s=self["keepalive-timeout"],
+            retry_max_s=self["reconnect-max"],
+            max_queued=self["max-queued"],
+            max_client_queued=self["max-client-queued"],
+            queue_timeout_s=self["queue-timeout"],
+            prefix=self["prefix"],
+            max_generation_s=self["max-generation-time"],
+        )
 
     def _check_api_key(self) -> None:
         """Read the API key (bytes, or None) and refuse an open API off loopback."""
@@ -615,17 +642,15 @@ def tokenizer_folder(model: str | None) -> Path | None:
     """The folder holding ``model``'s tokenizer files: the model folder or tokenizer-only
     folder itself, or the converted cache folder of a .gguf file (or of the bundled default);
     None when there is none yet (a GGUF that no node converted)."""
-    from sfnode.engines.weights import loading
-
     if model:
         path = Path(model).expanduser()
         if path.is_dir():
             return path
-        folder = loading.gguf_cache_folder(path)
+        folder = model_cache.gguf_cache_folder(path)
     else:
         try:
-            folder = loading.gguf_cache_folder(loading.default_gguf())
-        except loading.ModelLoadError:
+            folder = model_cache.gguf_cache_folder(model_cache.default_gguf())
+        except model_cache.ModelLoadError:
             return None
     return folder if folder.is_dir() else None
 
@@ -640,7 +665,6 @@ def load_head_tokenizer(model: str | None) -> Any:
 
     :raises HeadStartupError: it cannot be loaded.
     """
-    from sfnode.engines.weights import loading
     from sfnode.head.models.text import TOKENIZER_FILE, HeadTokenizer, TokenizerLoadError
 
     folder = tokenizer_folder(model)
@@ -656,13 +680,28 @@ def load_head_tokenizer(model: str | None) -> Any:
         model=model or "the bundled model",
     )
     try:
-        if folder is not None and not (folder / "config.json").is_file():
-            from transformers import AutoTokenizer
-
-            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        return loading.load_tokenizer(model)
+        return _transformers_tokenizer(model, folder)
     except Exception as e:
         raise HeadStartupError(f"sfhead: cannot load the tokenizer: {e}") from e
+
+
+def _transformers_tokenizer(model: str | None, folder: Path | None) -> Any:
+    """``model``'s tokenizer read by transformers, never converting the weights: from its
+    folder (a converted GGUF's when it holds the tokenizer's files), else from the .gguf."""
+    from transformers import AutoTokenizer
+
+    if folder is not None and (
+        (model is not None and Path(model).expanduser().is_dir())
+        or (folder / "tokenizer_config.json").is_file()
+        or not (folder / "config.json").is_file()
+    ):
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    gguf = Path(model).expanduser() if model else model_cache.default_gguf()
+    if not gguf.is_file():
+        raise model_cache.ModelLoadError(f"model path does not exist: {gguf}")
+    return AutoTokenizer.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, local_files_only=True
+    )
 
 
 def head_models(options: Options) -> ModelRegistry:
@@ -692,16 +731,14 @@ def head_models(options: Options) -> ModelRegistry:
             override=True,
         )
         return registry
-    from sfnode.engines.weights import loading
-
     folder = tokenizer_folder(None)
     try:
         if folder is not None and (folder / TOKENIZER_FILE).is_file():
             tokenizer = HeadTokenizer(folder)
         else:
-            loading.default_gguf()  # installed, not converted yet: read through transformers
+            model_cache.default_gguf()  # installed, not converted yet: read through transformers
             tokenizer = load_head_tokenizer(None)
-    except (TokenizerLoadError, HeadStartupError, loading.ModelLoadError) as e:
+    except (TokenizerLoadError, HeadStartupError, model_cache.ModelLoadError) as e:
         log.info(
             "sfhead has no --model and no bundled tokenizer ({error}): it serves the models "
             "its nodes bring",
@@ -734,17 +771,15 @@ def model_vocab_size(model: str | None) -> int | None:
 
 def model_layers(model: str | None) -> int | None:
     """``num_hidden_layers`` from the model's config.json, when there is one to read."""
-    from sfnode.engines.weights import loading
-
     try:
         if model:
             folder = Path(model).expanduser()
             if not folder.is_dir():
-                folder = loading.gguf_cache_folder(folder)
+                folder = model_cache.gguf_cache_folder(folder)
         else:
-            folder = loading.gguf_cache_folder(loading.default_gguf())
+            folder = model_cache.gguf_cache_folder(model_cache.default_gguf())
         config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError, loading.ModelLoadError):
+    except (OSError, ValueError, model_cache.ModelLoadError):
         return None
     layers = config.get("num_hidden_layers")
     return int(layers) if isinstance(layers, int) else None
@@ -885,73 +920,13 @@ def makeService(
         exit_zero_after_a_clean_stop(reactor)
         progress_bars_only_on_a_terminal()
     from sfnode.head.api.http import OpenAIApi
-    from sfnode.head.fleet.model_admission import ModelAdmission
-    from sfnode.head.fleet.pipeline import PipelineFleet
-    from sfnode.head.models.text import as_codec
 
     registry = head_models(options)
-    lease_ms = options["lease-ms"]
-    lease = Lease(duration_ms=lease_ms, renew_by_ms=lease_ms * 3 // 4)
-    token = options["auth-token"]
-    fleet_options: dict[str, Any] = {
-        "max_queued": options["max-queued"],
-        "max_client_queued": options["max-client-queued"],
-        "queue_timeout_s": options["queue-timeout"],
-        "max_generation_s": options["max-generation-time"],
-        "retry_max_s": options["reconnect-max"],
-        "silence_timeout_s": options["keepalive-timeout"],
-    }
-    pipeline: PipelineFleet | None = None
-    backend: Any
-    if options["stages"]:
-        layers = options["pipeline-layers"]
-        boundaries = layers if layers is not None and len(layers) > 1 else None
-        n_layers = layers[0] if layers is not None and len(layers) == 1 else None
-        if boundaries is None and n_layers is None:
-            n_layers = model_layers(options["model"])
-            if n_layers is None:
-                raise HeadStartupError(
-                    "sfhead: --pipeline needs --pipeline-layers (the model's layer count is "
-                    "not readable from its config.json)"
-                )
-        tokenizer = load_head_tokenizer(options["model"])
-        registry.serve(
-            options["model-name"],
-            tokenizer,
-            origin=f"--model {options['model'] or 'the bundled model'}",
-            vocab_size=model_vocab_size(options["model"]),
-            override=True,
-        )
-        eos = as_codec(tokenizer).eos_token_id
-        try:
-            pipeline = PipelineFleet(
-                reactor,
-                options["stages"],
-                boundaries=boundaries,
-                n_layers=n_layers,
-                eos_ids=[eos] if isinstance(eos, int) else [],
-                token=token,
-                fleet_options=fleet_options,
-            )
-        except ValueError as e:
-            raise HeadStartupError(f"sfhead: {e}") from e
-        fleet = pipeline.fleet
-        fleet.lease = lease
-        backend = pipeline
-    else:
-        fleet = Fleet(
-            reactor,
-            token=token,
-            policy=options["policy"],
-            lease=lease,
-            prefix=options["prefix"],
-            models=ModelAdmission(registry, run=lambda work: _on_a_thread(reactor, work)),
-            **fleet_options,
-        )
-        backend = fleet
+    pipeline = _pipeline(options, registry, reactor) if options["stages"] else None
+    fleet = pipeline.fleet if pipeline is not None else _fleet(options, registry, reactor)
     api = OpenAIApi(
         reactor,
-        backend,
+        pipeline if pipeline is not None else fleet,
         None,
         options["model-name"],
         models=registry,
@@ -962,7 +937,6 @@ def makeService(
         template_timeout_s=options["template-timeout"],
     )
     drain_timeout_s = options["drain-timeout"]
-
     head = service.MultiService()  # type: ignore[no-untyped-call]
     head.setName("sfhead")  # type: ignore[no-untyped-call]
     add_child(
@@ -970,6 +944,7 @@ def makeService(
         "fleet",
         FleetService(fleet, options["nodes"], pipeline, drained=lambda: api.drain(drain_timeout_s)),
     )
+    token = options["auth-token"]
     fleet_listener = ListeningService(
         server_from_string(reactor, options["fleet-listen"]),
         fleet.listen_factory(loopback_only=not token and not options["insecure-no-auth"]),
@@ -979,25 +954,78 @@ def makeService(
         error=HeadStartupError,
     )
     add_child(head, "fleet-listen", fleet_listener)
-    add_child(
-        head,
-        "http",
-        HttpService(
-            server_from_string(reactor, options["http"]),
-            api,
-            options["http"],
-            drain_timeout_s,
-            reactor,
-        ),
-    )
+    http = server_from_string(reactor, options["http"])
+    add_child(head, "http", HttpService(http, api, options["http"], drain_timeout_s, reactor))
     if not options["no-announce"] and not is_loopback_listen(options["fleet-listen"]):
-        from sfnode.discovery.announce import AnnounceService
-        from sfnode.discovery.dnssd import ZeroconfAnnouncer, interface_addresses
+        add_child(head, "announce", _announce(options, fleet_listener, announcer, reactor))
+    _log_start(options, registry, fleet if pipeline is None else None)
+    return head
 
-        announcement = HeadAnnouncement(options["head-name"], token_required=bool(token))
-        announcer = announcer if announcer is not None else ZeroconfAnnouncer(reactor)
-        announce = AnnounceService(fleet_listener, announcement, announcer, interface_addresses)
-        add_child(head, "announce", announce)
+
+def _pipeline(options: Options, registry: ModelRegistry, reactor: Any) -> PipelineFleet:
+    """The pipeline driver over ``--pipeline``'s stages, serving ``--model``'s tokenizer.
+
+    :raises HeadStartupError: no layer count, or stages and layers that do not match.
+    """
+    from sfnode.head.fleet.pipeline import PipelineFleet
+    from sfnode.head.models.text import as_codec
+
+    layers = options["pipeline-layers"]
+    boundaries = layers if layers is not None and len(layers) > 1 else None
+    n_layers = layers[0] if layers is not None and len(layers) == 1 else None
+    if boundaries is None and n_layers is None:
+        n_layers = model_layers(options["model"])
+        if n_layers is None:
+            raise HeadStartupError(
+                "sfhead: --pipeline needs --pipeline-layers (the model's layer count is "
+                "not readable from its config.json)"
+            )
+    tokenizer = load_head_tokenizer(options["model"])
+    registry.serve(
+        options["model-name"],
+        tokenizer,
+        origin=f"--model {options['model'] or 'the bundled model'}",
+        vocab_size=model_vocab_size(options["model"]),
+        override=True,
+    )
+    eos = as_codec(tokenizer).eos_token_id
+    try:
+        return PipelineFleet(
+            reactor,
+            options["stages"],
+            boundaries=boundaries,
+            n_layers=n_layers,
+            eos_ids=[eos] if isinstance(eos, int) else [],
+            settings=options["fleet-settings"],
+        )
+    except ValueError as e:
+        raise HeadStartupError(f"sfhead: {e}") from e
+
+
+def _fleet(options: Options, registry: ModelRegistry, reactor: Any) -> Fleet:
+    """The fleet, admitting nodes by the head's model registry."""
+    from sfnode.head.fleet.model_admission import ModelAdmission
+
+    models = ModelAdmission(registry, run=lambda work: _on_a_thread(reactor, work))
+    return Fleet(reactor, options["fleet-settings"], models=models)
+
+
+def _announce(
+    options: Options, listener: ListeningService, announcer: Announcer | None, reactor: Any
+) -> service.Service:
+    """The service that announces the fleet listener (DNS-SD) once it is bound."""
+    from sfnode.discovery.announce import AnnounceService
+    from sfnode.discovery.dnssd import ZeroconfAnnouncer, interface_addresses
+
+    token_required = bool(options["auth-token"])
+    announcement = HeadAnnouncement(options["head-name"], token_required=token_required)
+    announcer = announcer if announcer is not None else ZeroconfAnnouncer(reactor)
+    return AnnounceService(listener, announcement, announcer, interface_addresses)
+
+
+def _log_start(options: Options, registry: ModelRegistry, fleet: Fleet | None) -> None:
+    """Say what the head serves, and warn of an API key that crosses the network in clear
+    (``fleet`` None: a pipeline)."""
     if not options["api-keys"]:
         log.info("sfhead HTTP API is open: no API key (--api-key, --api-key-file)")
     elif key_in_clear(options["http"]):
@@ -1007,8 +1035,8 @@ def makeService(
             "or on a loopback interface",
             http=options["http"],
         )
-    policy = "pipeline" if pipeline is not None else options["policy"].value
-    if pipeline is None and fleet.prefix_aware:
+    policy = "pipeline" if fleet is None else options["policy"].value
+    if fleet is not None and fleet.prefix_aware:
         policy += f", prefix weight {options['prefix'].weight:g}, skew {options['prefix'].max_skew}"
     log.info(
         "sfhead serving models {models} ({policy}; nodes {nodes})",
@@ -1016,7 +1044,6 @@ def makeService(
         policy=policy,
         nodes=", ".join(options["stages"] or options["nodes"]) or "dial in",
     )
-    return head
 
 
 def _on_a_thread(reactor: Any, work: Callable[[], _T]) -> defer.Deferred[_T]:

@@ -43,6 +43,9 @@ FINISH_ERROR = 5
 FINISH_EXPIRED = 0xFFFF_FFFF
 FINISH_REFUSED = 0xFFFF_FFFE
 FINISH_DECLINED = 0xFFFF_FFFD
+FINISH_DETAIL_CLOSED = 1 << 0
+"""Bit of a Finish's ``detail``: the node closed the constrained output early, within its
+budget, so that it ends with its grammar's end (docs/protocol.md section 12.6)."""
 
 U32_MAX = 0xFFFF_FFFF
 U64_MAX = 0xFFFF_FFFF_FFFF_FFFF
@@ -73,6 +76,9 @@ FEATURE_MODEL_FILES = 1 << 4
 """HELLO_ACK_F feature flag: the node sends its head the files its text layer reads to serve
 its model (tokenizer, chat template), named by a content hash in HELLO_ACK_F and fetched with
 BLOB_FETCH and the transfer messages (docs/protocol.md section 12.5, D21-D22)."""
+FEATURE_CLOSING = 1 << 5
+"""HELLO_ACK_F feature flag: the node closes a constrained output within its ``max_new`` and
+says so in the Finish's ``detail`` (docs/protocol.md section 12.6, D23)."""
 
 _ENVELOPE = struct.Struct("<IHHQQB")
 _LENGTH = struct.Struct("<I")
@@ -816,6 +822,9 @@ class Usage:
 @dataclass(slots=True)
 class Finish:
     reason: int
+    detail: int = 0
+    """Bits that say more about the end (:data:`FINISH_DETAIL_CLOSED`); written only when not
+    0 (docs/protocol.md section 12.6)."""
 
 
 @dataclass(slots=True)
@@ -860,6 +869,8 @@ class TokenEventPayloadCodec(Codec[TokenEventPayload]):
         if isinstance(value, Usage):
             return [2, _USAGE.encode(value.usage)]
         assert isinstance(value, Finish)
+        if value.detail:
+            return [3, U32.encode(value.reason), U32.encode(value.detail)]
         return [3, U32.encode(value.reason)]
 
     def decode(self, obj: Any) -> TokenEventPayload:
@@ -877,7 +888,7 @@ class TokenEventPayloadCodec(Codec[TokenEventPayload]):
         if tag == 2 and len(obj) >= 2 and type(tag) is int:
             return Usage(_USAGE.decode(obj[1]))
         if tag == 3 and len(obj) >= 2 and type(tag) is int:
-            return Finish(U32.decode(obj[1]))
+            return Finish(U32.decode(obj[1]), U32.decode(obj[2]) if len(obj) >= 3 else 0)
         if tag == 4 and len(obj) >= 4 and type(tag) is int:
             return _decode_logprobs(obj[1], obj[2], obj[3])
         raise PayloadError(f"bad TokenEventPayload {obj[:1]!r} of {len(obj)} elements")

@@ -180,9 +180,9 @@ class NodeGeneration:
             tuple(entry.top for entry in logprobs) if self.logprobs > 1 else (),
         )
 
-    def emit_finish(self, reason: int) -> None:
+    def emit_finish(self, reason: int, detail: int = 0) -> None:
         self.release_held()
-        self._emit(Finish(reason))
+        self._emit(Finish(reason, detail))
 
     def _emit(self, payload: Tokens | Finish) -> bool:
         sessions = self.head.table

@@ -29,6 +29,7 @@ from sfnode.generation import EngineStop, GenerationResult, TokenBatch
 from sfnode.linkf.idempotency import GenerationKey, LeaseClock
 from sfnode.linkf.wire import (
     FINISH_CANCELLED,
+    FINISH_DETAIL_CLOSED,
     FINISH_EOS,
     FINISH_EXPIRED,
     FINISH_LENGTH,
@@ -531,7 +532,8 @@ class GenerationOwner(Protocol):
         """Emit one Tokens event (TokensLogprobs when the batch carries logprobs); False when
         the session refuses (fenced or superseded)."""
 
-    def emit_finish(self, reason: int) -> None: ...
+    def emit_finish(self, reason: int, detail: int = 0) -> None:
+        """Emit the Finish (``detail``: its bits, docs/protocol.md section 12.6)."""
 
     def stop_engine(self) -> None: ...
 
@@ -595,6 +597,12 @@ _FINISH_OF_STOP = {
     EngineStop.CANCELLED: FINISH_CANCELLED,
 }
 
+
+def _finish_of(result: GenerationResult) -> tuple[int, int]:
+    """The Finish's reason and detail of how the engine ended a generation."""
+    return _FINISH_OF_STOP[result.stop], FINISH_DETAIL_CLOSED if result.closed else 0
+
+
 _generation = TypeMachineBuilder(GenerationInputs, GenerationCore)
 _g_new = _generation.state("new")
 _g_running = _generation.state("running", _running)
@@ -650,7 +658,7 @@ def _finish_running(
 ) -> None:
     data.stop()
     core.flush(inputs)
-    core.owner.emit_finish(_FINISH_OF_STOP[result.stop])
+    core.owner.emit_finish(*_finish_of(result))
     core.owner.done()
 
 
@@ -670,7 +678,7 @@ def _cancel_new(inputs: GenerationInputs, core: GenerationCore) -> None:
 
 @_g_new.upon(GenerationInputs.finished).to(_g_done)
 def _finish_new(inputs: GenerationInputs, core: GenerationCore, result: GenerationResult) -> None:
-    core.owner.emit_finish(_FINISH_OF_STOP[result.stop])
+    core.owner.emit_finish(*_finish_of(result))
     core.owner.done()
 
 

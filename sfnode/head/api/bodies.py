@@ -70,11 +70,6 @@ def event(body: Any) -> bytes:
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
-def error_body(message: str, kind: str, param: str | None, code: str | None) -> dict[str, Any]:
-    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
@@ -234,7 +229,6 @@ __all__ = [
     "calls_chunk",
     "completion",
     "delta_chunk",
-    "error_body",
     "event",
     "finish_chunk",
     "health",

@@ -39,7 +39,7 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
 from twisted.internet import defer
@@ -56,12 +56,13 @@ from sfnode.head.api.logprobs import ChoiceLogprobs
 from sfnode.head.api.metrics import HeadMetrics
 from sfnode.head.api.request_class import HEADER as CLASS_HEADER
 from sfnode.head.api.request_class import ClassRule, class_name, parse_header
-from sfnode.head.api.schema import ApiError, CompletionRequest
+from sfnode.head.api.schema import CompletionRequest
 from sfnode.head.fleet.backend import (
     Backend,
     BackendStatus,
     FleetOutcome,
     GenerationHandle,
+    HeadRequest,
     Requester,
 )
 from sfnode.head.models.registry import ServedModel
@@ -75,6 +76,7 @@ from sfnode.head.models.tools import (
     call_delta,
 )
 from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_EOS, RequestClass
+from sfnode.runtime.http_guard import HttpError
 
 DEFAULT_MAX_TOKENS = 512
 """max_tokens when a request gives none (capped by the window left after the prompt)."""
@@ -134,7 +136,7 @@ class Host(Protocol):
         budget: RenderBudget | None = None,
     ) -> Prepared: ...
 
-    def unexpected(self, failure: Failure, request: Any = None) -> ApiError: ...
+    def unexpected(self, failure: Failure, request: Any = None) -> HttpError: ...
 
     def exchange_began(self, exchange: Exchange) -> None: ...
 
@@ -270,6 +272,18 @@ class _Choice:
         """The content and calls shown so far."""
 
 
+def _max_tokens(parsed: CompletionRequest, prompt_length: int, window: Callable[[], int]) -> int:
+    """The tokens a request may generate: its ``max_tokens``, else what the model's window
+    leaves after the prompt, within the default (the default alone while no window is
+    known)."""
+    if parsed.max_tokens is not None:
+        return parsed.max_tokens
+    default = DEFAULT_MAX_TOKENS if parsed.chat else COMPLETIONS_DEFAULT_MAX_TOKENS
+    known = window()
+    room = known - prompt_length if known else default
+    return max(1, min(default, room))
+
+
 class Exchange:
     """One completion request, from its body to the last byte of its answer."""
 
@@ -291,7 +305,7 @@ class Exchange:
         """The class the X-Request-Class header named (None: it named none)."""
         self.drained = False
         """Cancelled by the head's drain timeout (it ends with finish_reason stop)."""
-        self.failure: ApiError | None = None
+        self.failure: HttpError | None = None
         """The error answered for the whole request (the first one wins)."""
         self._pending = 0
         """Generations not ended yet."""
@@ -340,7 +354,7 @@ class Exchange:
             else:
                 prepared = api.workers.run(lambda: api.prepare(data, self.chat, statuses))
         except Exception:
-            # An ApiError is answered as such; anything else as an unexpected failure.
+            # An HttpError is answered as such; anything else as an unexpected failure.
             prepared = defer.fail()
         prepared.addCallback(self._place).addErrback(self._refused).addErrback(self._unexpected)
 
@@ -387,64 +401,62 @@ class Exchange:
         # No "is a node live?" check here: a request no node can take now waits in the
         # fleet's queue (a node may come back or dial in) and fails from there when it is
         # full or the wait times out.
-        parsed = self.parsed
         permit = self.request.permit
         assert permit is not None  # start() refused a request without one
+        parsed = prepared.request
         permit.widen(parsed.n - 1)
-        max_tokens = parsed.max_tokens
         model = prepared.model
-        if max_tokens is None:
-            window = api.status(model.name).window
-            default = DEFAULT_MAX_TOKENS if parsed.chat else COMPLETIONS_DEFAULT_MAX_TOKENS
-            room = window - len(self.prompt) if window else default
-            max_tokens = max(1, min(default, room))
+        request_class = self.api.class_rule.classify(self.named_class, len(self.prompt))
+        self.request.setHeader(CLASS_HEADER, class_name(request_class).encode())
+        request = HeadRequest(
+            tuple(self.prompt),
+            _max_tokens(parsed, len(self.prompt), lambda: self.api.status(model.name).window),
+            model=model.name,
+            params=parsed.params,
+            request_class=request_class,
+            requester=Requester(client_address(self.request.getClientAddress()), permit.key),
+            constraint=parsed.constraint,
+        )
         # Streamed chunks are small writes: without TCP_NODELAY, Nagle's algorithm holds each
         # one back until the client's delayed ACK of the previous one (about 40 ms).
         no_delay = getattr(self.request.transport, "setTcpNoDelay", None)
         if no_delay is not None:
             no_delay(True)
-        request_class = api.class_rule.classify(self.named_class, len(self.prompt))
-        self.request.setHeader(CLASS_HEADER, class_name(request_class).encode())
         self._watch.attach(self.request)
         self._move("placed")
-        requester = Requester(client_address(self.request.getClientAddress()), permit.key)
-        placed = []
-        for index in range(parsed.n):
-            logprobs = None
-            if parsed.logprobs is not None:
-                logprobs = ChoiceLogprobs(self.chat, parsed.logprobs, model.renderer.token_bytes)
-            choice = _Choice(index, model.renderer.detokenizer(), parsed.stop, logprobs)
-            if parsed.calls:
-                choice.calls = CallSplitter()
-            self.choices.append(choice)
-            generation = api.backend.generate(
-                self.prompt,
-                max_tokens,
-                model=model.name,
-                params=parsed.choice_params(index),
-                on_tokens=self._receiver(choice),
-                request_class=request_class,
-                requester=requester,
-                constraint=parsed.constraint,
-            )
-            choice.generation = generation
-            self._pending += 1
-            if parsed.stream:
-                placed.append(generation.when_placed())
-            generation.result.addCallbacks(
-                self._choice_done, self._choice_failed, callbackArgs=(choice,),
-                errbackArgs=(choice,),
-            ).addErrback(self._unexpected)  # fmt: skip
-        if placed:
+        placed = [self._start_choice(prepared, index, request) for index in range(parsed.n)]
+        if parsed.stream:
             defer.gatherResults(placed, consumeErrors=True).addCallbacks(
                 self._begin_stream, lambda _: None
             )
 
+    def _start_choice(self, prepared: Prepared, index: int, request: HeadRequest) -> Deferred[None]:
+        """Hand choice ``index`` (its own seed) to the backend; fires once it is placed."""
+        parsed, renderer = prepared.request, prepared.model.renderer
+        logprobs = None
+        if parsed.logprobs is not None:
+            logprobs = ChoiceLogprobs(self.chat, parsed.logprobs, renderer.token_bytes)
+        choice = _Choice(index, renderer.detokenizer(), parsed.stop, logprobs)
+        if parsed.calls:
+            choice.calls = CallSplitter()
+        self.choices.append(choice)
+        generation = self.api.backend.generate(
+            replace(request, params=parsed.choice_params(index)), self._receiver(choice)
+        )
+        choice.generation = generation
+        self._pending += 1
+        placed = generation.when_placed() if parsed.stream else defer.succeed(None)
+        generation.result.addCallbacks(
+            self._choice_done, self._choice_failed, callbackArgs=(choice,),
+            errbackArgs=(choice,),
+        ).addErrback(self._unexpected)  # fmt: skip
+        return placed
+
     def _refused(self, failure: Failure) -> None:
         """A request that ends before any generation: its error answered and counted."""
-        failure.trap(ApiError)  # type: ignore[no-untyped-call]
+        failure.trap(HttpError)  # type: ignore[no-untyped-call]
         error = failure.value
-        assert isinstance(error, ApiError)
+        assert isinstance(error, HttpError)
         self.api.metrics.requests.labels(error.outcome).inc()
         self._answer_error(error)
         self._end_if_idle()
@@ -544,7 +556,7 @@ class Exchange:
         if events and not self.answered:
             self.writer.show(choice, events, streamed=self.parsed.stream)
 
-    def _answer_error(self, error: ApiError) -> None:
+    def _answer_error(self, error: HttpError) -> None:
         if self.answered:
             return
         streaming = self.phase is Phase.STREAMING
@@ -623,7 +635,7 @@ class Exchange:
         self._give_up(error)
         self._end_if_idle()
 
-    def _give_up(self, error: ApiError) -> None:
+    def _give_up(self, error: HttpError) -> None:
         """Answer ``error`` for the whole request (the first error wins) and cancel the
         generations still running."""
         if self.failure is None:
@@ -686,7 +698,7 @@ class Writer(Protocol):
     def whole(self, completion_tokens: int) -> Any:
         """The body of a non-streamed answer."""
 
-    def failed(self, error: ApiError) -> None:
+    def failed(self, error: HttpError) -> None:
         """The events that end a stream that failed."""
 
 
@@ -748,7 +760,7 @@ class ChatWriter:
         ]
         return bodies.completion(x.reply, choices, len(x.prompt), completion_tokens)
 
-    def failed(self, error: ApiError) -> None:
+    def failed(self, error: HttpError) -> None:
         self.exchange.request.write(bodies.event(error.body()))
         self.exchange.request.write(bodies.DONE)
 
@@ -770,7 +782,7 @@ def answer(
     return data
 
 
-def answer_error(request: Any, error: ApiError) -> bytes:
+def answer_error(request: Any, error: HttpError) -> bytes:
     return answer(request, error.status, error.body(), error.headers)
 
 

@@ -1,6 +1,6 @@
 """The head's error mapping: which OpenAI error answers which failure, in one place.
 
-The request checks (:mod:`sfnode.head.api.schema`) raise their own :class:`ApiError`; this module
+The request checks (:mod:`sfnode.head.api.schema`) raise their own :class:`HttpError`; this module
 holds the errors the HTTP layer answers itself (a prompt longer than any window, a head that is
 draining or has no node, an unexpected failure) and :func:`fleet_error`, the answer to each way
 a generation can fail in the backend (docs/protocol.md section 8.5 for the queue's).  Each
@@ -14,7 +14,6 @@ what the answer is.
 from __future__ import annotations
 
 from sfnode.generation import StreamTooLong
-from sfnode.head.api.schema import ApiError
 from sfnode.head.fleet.backend import (
     ClientQueueFull,
     ConstraintRefused,
@@ -26,22 +25,23 @@ from sfnode.head.fleet.backend import (
     QueueFull,
 )
 from sfnode.head.link import LinkError
+from sfnode.runtime.http_guard import HttpError
 
 
-def too_long(length: int, window: int, param: str) -> ApiError:
+def too_long(length: int, window: int, param: str) -> HttpError:
     """A prompt of ``length`` tokens that no window of ``window`` tokens holds."""
     return _context_exceeded(window, f"{length} tokens", param)
 
 
-def too_many_characters(characters: int, window: int, param: str) -> ApiError:
+def too_many_characters(characters: int, window: int, param: str) -> HttpError:
     """A prompt with more characters than ``window`` tokens can hold (never tokenized)."""
     return _context_exceeded(
         window, f"{characters} characters, more than that many tokens can hold", param
     )
 
 
-def _context_exceeded(window: int, what: str, param: str) -> ApiError:
-    return ApiError(
+def _context_exceeded(window: int, what: str, param: str) -> HttpError:
+    return HttpError(
         400,
         f"This model's maximum context length is {window} tokens; the prompt has {what}.",
         param=param,
@@ -50,17 +50,17 @@ def _context_exceeded(window: int, what: str, param: str) -> ApiError:
     )
 
 
-def unavailable(message: str, code: str = "no_node_available") -> ApiError:
-    return ApiError(503, message, kind="service_unavailable", code=code, outcome="unavailable")
+def unavailable(message: str, code: str = "no_node_available") -> HttpError:
+    return HttpError(503, message, kind="service_unavailable", code=code, outcome="unavailable")
 
 
-def draining() -> ApiError:
+def draining() -> HttpError:
     return unavailable("the head is shutting down and takes no new requests", "draining")
 
 
-def internal_error() -> ApiError:
+def internal_error() -> HttpError:
     """What a client gets for a failure nobody expected (the log says why)."""
-    return ApiError(
+    return HttpError(
         500,
         "internal error: the head failed to answer this request (its log says why)",
         kind="server_error",
@@ -68,10 +68,10 @@ def internal_error() -> ApiError:
     )
 
 
-def missing_logprobs() -> ApiError:
+def missing_logprobs() -> HttpError:
     """A node streamed tokens without the logprobs the request asked for: the fleet places
     such requests only on nodes that return them, so this is a defect, answered as one."""
-    return ApiError(
+    return HttpError(
         502,
         "a node returned tokens without the logprobs asked for",
         kind="server_error",
@@ -79,16 +79,16 @@ def missing_logprobs() -> ApiError:
     )
 
 
-def fleet_error(error: BaseException, param: str) -> ApiError | None:
+def fleet_error(error: BaseException, param: str) -> HttpError | None:
     """The answer to a generation that failed with ``error`` (None: an unexpected failure,
     which the caller answers with :func:`internal_error` and logs); ``param`` is the request
     field a too-long prompt is blamed on."""
     if isinstance(error, StreamTooLong):
         return too_long(error.length, error.max, param)
     if isinstance(error, NodeDeclined):
-        return ApiError(502, str(error), kind="server_error", outcome="error")
+        return HttpError(502, str(error), kind="server_error", outcome="error")
     if isinstance(error, ClientQueueFull):
-        return ApiError(
+        return HttpError(
             429,
             str(error),
             kind="requests",
@@ -99,20 +99,20 @@ def fleet_error(error: BaseException, param: str) -> ApiError | None:
     if isinstance(error, QueueFull):
         return unavailable(str(error), "queue_full")
     if isinstance(error, GenerationTimedOut):
-        return ApiError(
+        return HttpError(
             504, str(error), kind="timeout_error", code="generation_timeout", outcome="timeout"
         )
     if isinstance(error, ConstraintsUnavailable):
-        return ApiError(
+        return HttpError(
             400,
             f"{error}: this fleet cannot enforce response_format, tools, logit_bias or penalties",
             param="response_format",
             code="unsupported_parameter",
         )
     if isinstance(error, ConstraintRefused):
-        return ApiError(502, str(error), kind="server_error", outcome="error")
+        return HttpError(502, str(error), kind="server_error", outcome="error")
     if isinstance(error, LogprobsUnavailable):
-        return ApiError(
+        return HttpError(
             400,
             f"logprobs are not supported here: {error}",
             param="logprobs",

@@ -50,13 +50,12 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import Request
 
-from sfnode.head.api.schema import ApiError
 from sfnode.runtime.http_guard import (
     IDLE_TIMEOUT_S,
     LINGER_BYTES,
     LINGER_S,
     CappedSite,
-    Refusal,
+    HttpError,
     http_date,
 )
 from sfnode.runtime.http_guard import (
@@ -184,8 +183,8 @@ def resolve(root: Resource, path: bytes, request: object, not_found: Resource) -
     return Resolved(resource, route, keyed, True, tuple(prepath), tuple(postpath))
 
 
-def unknown_url(method: bytes, path: bytes) -> ApiError:
-    return ApiError(
+def unknown_url(method: bytes, path: bytes) -> HttpError:
+    return HttpError(
         404,
         f"Unknown request URL: {method.decode('latin-1')[:16]} {path[:100].decode('latin-1')}",
         code="unknown_url",
@@ -193,8 +192,8 @@ def unknown_url(method: bytes, path: bytes) -> ApiError:
     )
 
 
-def method_not_allowed(method: bytes, path: bytes, route: Route) -> ApiError:
-    return ApiError(
+def method_not_allowed(method: bytes, path: bytes, route: Route) -> HttpError:
+    return HttpError(
         405,
         f"{method.decode('latin-1')[:16]} is not allowed on {path[:100].decode('latin-1')}; use "
         + ", ".join(m.decode() for m in route.methods),
@@ -204,8 +203,8 @@ def method_not_allowed(method: bytes, path: bytes, route: Route) -> ApiError:
     )
 
 
-def no_body_here(method: bytes, path: bytes) -> ApiError:
-    return ApiError(
+def no_body_here(method: bytes, path: bytes) -> HttpError:
+    return HttpError(
         400,
         f"{method.decode('latin-1')[:16]} {path[:100].decode('latin-1')} takes no request body",
         code="unexpected_body",
@@ -259,7 +258,7 @@ class Permit:
     def widen(self, extra: int) -> None:
         """Count ``extra`` more generations of the same request (its ``n`` choices).
 
-        :raises ApiError: 429 when a limit would be passed (nothing is taken), or 400 when the
+        :raises HttpError: 429 when a limit would be passed (nothing is taken), or 400 when the
             request alone is larger than a limit (it could never run).
         """
         limits = self._limits
@@ -268,7 +267,7 @@ class Permit:
         total = self.count + extra
         for limit, what in ((limits.per_client, "client address"), (limits.per_key, "API key")):
             if limit and total > limit and (what == "client address" or self.key is not None):
-                raise ApiError(
+                raise HttpError(
                     400,
                     f"n is {total}, more than the {limit} generations one {what} may have open "
                     "at once on this server",
@@ -298,7 +297,7 @@ class ConcurrencyLimits:
     def acquire(self, client: str, key: bytes | None, count: int = 1) -> Permit:
         """A permit for ``count`` more generations of ``client`` (and ``key``).
 
-        :raises ApiError: 429 when either limit would be passed.
+        :raises HttpError: 429 when either limit would be passed.
         """
         self._take(client, key, count)
         return Permit(self, client, key, count)
@@ -324,13 +323,21 @@ class ConcurrencyLimits:
                 del self.keys[key]
 
 
-def _too_many(why: str) -> ApiError:
-    return ApiError(
-        429,
+def _too_many(why: str) -> HttpError:
+    return rate_limited(
         f"Too many concurrent requests: {why}, a request with n choices counting n; retry "
         "when one of them has ended.",
+        "rate_limit_exceeded",
+    )
+
+
+def rate_limited(message: str, code: str) -> HttpError:
+    """A 429 (counted ``rate_limited``) that asks the client to retry in a second."""
+    return HttpError(
+        429,
+        message,
         kind="requests",
-        code="rate_limit_exceeded",
+        code=code,
         outcome="rate_limited",
         headers={b"retry-after": b"1"},
     )
@@ -340,7 +347,9 @@ def _too_many(why: str) -> ApiError:
 # Responses written outside twisted.web's request machinery
 
 
-def raw_response(error: ApiError, date: bytes, extra: Mapping[bytes, bytes] | None = None) -> bytes:
+def raw_response(
+    error: HttpError, date: bytes, extra: Mapping[bytes, bytes] | None = None
+) -> bytes:
     """A complete HTTP/1.1 response for ``error`` that closes the connection."""
     return _raw_response(error, date, SERVER, extra)
 
@@ -349,8 +358,8 @@ def _date(clock: IReactorTime) -> bytes:
     return http_date(clock)
 
 
-def body_too_large(limit: int) -> ApiError:
-    return ApiError(
+def body_too_large(limit: int) -> HttpError:
+    return HttpError(
         413,
         f"the request body is larger than this server's limit of {limit} bytes (--max-body)",
         code="request_too_large",
@@ -469,15 +478,11 @@ def client_address(address: object) -> str:
     return str(getattr(address, "host", None) or type(address).__name__)
 
 
-def too_many_client_connections(limit: int) -> ApiError:
-    return ApiError(
-        429,
+def too_many_client_connections(limit: int) -> HttpError:
+    return rate_limited(
         f"this client address has {limit} connections open, the most this server allows one "
         "address; reuse them (keep-alive) or close some",
-        kind="requests",
-        code="too_many_connections",
-        outcome="rate_limited",
-        headers={b"retry-after": b"1"},
+        "too_many_connections",
     )
 
 
@@ -496,14 +501,14 @@ class _ClientOverloaded(Protocol):
         self.transport.loseConnection()
 
 
-Screen = Callable[[GuardedRequest, "int | None"], "ApiError | None"]
+Screen = Callable[[GuardedRequest, "int | None"], "HttpError | None"]
 
 
 @dataclass
 class _Hooks:
     screen: Screen
     count: Callable[[str], None]
-    unexpected: Callable[[Failure, GuardedRequest], ApiError]
+    unexpected: Callable[[Failure, GuardedRequest], HttpError]
 
 
 class GuardedSite(CappedSite):
@@ -527,7 +532,7 @@ class GuardedSite(CappedSite):
         limits: GateLimits,
         screen: Screen,
         count: Callable[[str], None],
-        unexpected: Callable[[Failure, GuardedRequest], ApiError],
+        unexpected: Callable[[Failure, GuardedRequest], HttpError],
         not_found: Resource,
     ) -> None:
         super().__init__(
@@ -565,25 +570,13 @@ class GuardedSite(CappedSite):
         request.postpath = list(resolved.postpath)
         return resolved.resource
 
-    def error(
-        self,
-        status: int,
-        message: str,
-        *,
-        kind: str = "invalid_request_error",
-        code: str | None = None,
-        outcome: str = "bad_request",
-        headers: Mapping[bytes, bytes] | None = None,
-    ) -> Refusal:
-        return ApiError(status, message, kind=kind, code=code, outcome=outcome, headers=headers)
-
-    def screen(self, request: GuardedRequest, length: int | None) -> ApiError | None:
+    def screen(self, request: GuardedRequest, length: int | None) -> HttpError | None:
         return self.hooks.screen(request, length)
 
     def count(self, outcome: str) -> None:
         self.hooks.count(outcome)
 
-    def unexpected(self, failure: Failure, request: GuardedRequest) -> ApiError:
+    def unexpected(self, failure: Failure, request: GuardedRequest) -> HttpError:
         return self.hooks.unexpected(failure, request)
 
     def add_cors_headers(self, request: Any) -> None:

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import hmac
 import random
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from twisted.internet.defer import Deferred
@@ -85,13 +85,7 @@ from sfnode.head.api.metrics import EXPOSITION_CONTENT_TYPE, HeadMetrics
 from sfnode.head.api.request_class import ClassRule
 from sfnode.head.api.responses import ResponseStore
 from sfnode.head.api.responses_exchange import ResponsesExchange
-from sfnode.head.api.schema import (
-    ApiError,
-    CompletionRequest,
-    clip,
-    parse_body,
-    parse_request,
-)
+from sfnode.head.api.schema import CompletionRequest, parse_body, parse_request
 from sfnode.head.fleet.backend import Backend, BackendStatus, GenerationHandle
 from sfnode.head.models.registry import ModelRegistry, ServedModel
 from sfnode.head.models.text import (
@@ -101,6 +95,7 @@ from sfnode.head.models.text import (
     Renderer,
     StopText,
 )
+from sfnode.runtime.http_guard import HttpError, clip
 
 DRAIN_CANCEL_GRACE_S = 5.0
 """After the drain timeout cancels what still runs: how long the drain waits for those
@@ -113,12 +108,12 @@ _T = TypeVar("_T")
 __all__ = [
     "DRAIN_CANCEL_GRACE_S",
     "INLINE_BODY_BYTES",
-    "ApiError",
     "Backend",
     "CompletionRequest",
     "Detokenizer",
     "GenerationHandle",
     "HeadMetrics",
+    "HttpError",
     "OpenAIApi",
     "Renderer",
     "StopText",
@@ -191,6 +186,15 @@ def _random_seed() -> int:
     return random.SystemRandom().getrandbits(63)
 
 
+def answered_hosts(limits: GateLimits, api_keys: Sequence[bytes]) -> frozenset[str]:
+    """The ``Host`` names a request may carry beyond loopback's: ``--allowed-host``'s, or any
+    when the API has a key and none is given (a page in a browser cannot send the key, so a
+    DNS rebinding attack gains nothing)."""
+    if api_keys and not limits.allowed_hosts:
+        return frozenset({"*"})
+    return limits.allowed_hosts
+
+
 # --------------------------------------------------------------------------------------------
 # The API
 
@@ -220,20 +224,15 @@ class OpenAIApi:
     ) -> None:
         self.reactor: IReactorTime = reactor
         self.backend = backend
-        self.models = (
-            models
-            if models is not None
-            else ModelRegistry(allow_special_tokens=allow_special_tokens)
-        )
+        if models is None:
+            models = ModelRegistry(allow_special_tokens=allow_special_tokens)
+        self.models = models
         """The models served, by name (sfnode.head.models.registry): what a request's
         ``model`` picks, and what nodes offer in HELLO_ACK_F."""
         if tokenizer is not None:
+            origin = "the head's tokenizer"
             self.models.serve(
-                model_name,
-                tokenizer,
-                origin="the head's tokenizer",
-                vocab_size=vocab_size,
-                override=True,
+                model_name, tokenizer, origin=origin, vocab_size=vocab_size, override=True
             )
         self.template_timeout_s = template_timeout_s
         """How long one chat-template render may take before it is stopped (500)."""
@@ -244,13 +243,8 @@ class OpenAIApi:
         would give every such request the same draws)."""
         self.api_keys = tuple(k for k in api_keys if k)
         """The bearer tokens a /v1 request may carry; none: the API is open."""
-        limits = limits if limits is not None else GateLimits()
-        hosts = limits.allowed_hosts
-        if self.api_keys and not hosts:
-            # A page in a browser cannot send the key, so a rebinding attack gains nothing.
-            hosts = frozenset({"*"})
-        self.limits = limits
-        self.allowed_hosts = hosts
+        self.limits = limits = limits if limits is not None else GateLimits()
+        self.allowed_hosts = answered_hosts(limits, self.api_keys)
         self.concurrency = ConcurrencyLimits(limits.max_client_requests, limits.max_key_requests)
         self.workers = workers if workers is not None else Workers(reactor)
         self.class_rule = class_rule if class_rule is not None else ClassRule()
@@ -264,18 +258,17 @@ class OpenAIApi:
         self.draining = False
         """True once :meth:`drain` started: new completion requests get 503."""
         self._site: GuardedSite | None = None
-        self.metrics = (
-            metrics
-            if metrics is not None
-            else HeadMetrics(
-                self.status,
-                open_requests=lambda: len(self.exchanges),
-                open_connections=lambda: len(self._site.connections) if self._site else 0,
-                statuses=self.statuses,
-            )
-        )
+        self.metrics = metrics if metrics is not None else self._own_metrics()
         self._drain_waiters: list[Deferred[None]] = []
         self._drain_timer: IDelayedCall | None = None
+
+    def _own_metrics(self) -> HeadMetrics:
+        return HeadMetrics(
+            self.status,
+            open_requests=lambda: len(self.exchanges),
+            open_connections=lambda: len(self._site.connections) if self._site else 0,
+            statuses=self.statuses,
+        )
 
     @property
     def renderer(self) -> Renderer:
@@ -293,7 +286,7 @@ class OpenAIApi:
         if model is None:
             names = self.models.names()
             if not names:
-                raise ApiError(
+                raise HttpError(
                     503,
                     "no model is served yet: no node has joined with one",
                     kind="server_error",
@@ -333,7 +326,7 @@ class OpenAIApi:
                 found = key
         return found
 
-    def screen(self, request: GuardedRequest, length: int | None) -> ApiError | None:
+    def screen(self, request: GuardedRequest, length: int | None) -> HttpError | None:
         """The refusal of a request whose headers are in, or None (see :mod:`gate`).
 
         It reads the route the front door resolved (``request.resolved``, what will serve the
@@ -341,7 +334,7 @@ class OpenAIApi:
         rules (only a POST to a completion route reads one; any other request that declares
         a body is answered now), then for completions the JSON media type and the limits."""
         if not host_allowed(request.getHeader(b"host"), self.allowed_hosts):
-            return ApiError(
+            return HttpError(
                 403,
                 "this server does not answer to the host named in the Host header (an "
                 "operator can allow it with --allowed-host)",
@@ -372,7 +365,7 @@ class OpenAIApi:
         if completion:
             media = (request.getHeader(b"content-type") or b"").split(b";")[0].strip().lower()
             if media != b"application/json":
-                return ApiError(
+                return HttpError(
                     415,
                     "the request body must be JSON, sent with 'Content-Type: application/json'",
                     code="unsupported_media_type",
@@ -383,13 +376,13 @@ class OpenAIApi:
             client = client_address(request.getClientAddress())  # type: ignore[no-untyped-call]
             try:
                 permit = self.concurrency.acquire(client, key or None)
-            except ApiError as e:
+            except HttpError as e:
                 return e
             request.permit = permit
             request.notifyFinish().addBoth(lambda _: permit.release())
         return None
 
-    def unexpected(self, failure: Failure, request: Any = None) -> ApiError:
+    def unexpected(self, failure: Failure, request: Any = None) -> HttpError:
         """An exception nobody expected: logged once, counted, answered as a JSON 500."""
         _log.failure(
             "answering {method} {path} failed unexpectedly",
@@ -470,7 +463,7 @@ class OpenAIApi:
         worker thread: it reads only ``statuses``, a snapshot per model, and the renderers);
         ``budget`` bounds the chat template's render.
 
-        :raises ApiError: anything wrong with the request, an unknown model (404
+        :raises HttpError: anything wrong with the request, an unknown model (404
             ``model_not_found``) and a prompt that cannot fit included.
         """
         body = parse_body(data)
@@ -500,7 +493,7 @@ class OpenAIApi:
         else:
             prompt = list(request.prompt_ids)
         if not prompt:
-            raise ApiError(400, "the prompt has no tokens", param=request.prompt_param)
+            raise HttpError(400, "the prompt has no tokens", param=request.prompt_param)
         if limit is not None and len(prompt) > limit:
             raise failures.too_long(len(prompt), limit, request.prompt_param)
         return Prepared(request, prompt, model)
@@ -542,9 +535,9 @@ def _allowed(route: Route) -> tuple[bytes, ...]:
     return (*route.methods, b"HEAD") if b"GET" in route.methods else route.methods
 
 
-def _unauthorized(request: Any) -> ApiError:
+def _unauthorized(request: Any) -> HttpError:
     missing = not request.getHeader(b"authorization")
-    return ApiError(
+    return HttpError(
         401,
         "You didn't provide an API key: send it as 'Authorization: Bearer KEY'."
         if missing
@@ -672,7 +665,7 @@ class _Models(_Leaf):
             return answer(request, 200, bodies.model_list([self._entry(n) for n in names]))
         if wanted in names:
             return answer(request, 200, self._entry(wanted))
-        error = ApiError(
+        error = HttpError(
             404,
             f"The model '{clip(wanted)}' does not exist",
             param="model",

@@ -100,24 +100,7 @@ class _StatusCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         status = self._status()
-        up = GaugeMetricFamily("sfhead_node_up", "1 while the node is live.", labels=["node"])
-        sessions = GaugeMetricFamily(
-            "sfhead_node_sessions", "Sessions placed on the node.", labels=["node"]
-        )
-        gauges = {
-            field: GaugeMetricFamily(f"sfhead_node_{field}", text, labels=["node"])
-            for field, text in _CAPACITY_GAUGES
-        }
-        for node in status.nodes:
-            up.add_metric([node.name], 1.0 if node.up else 0.0)
-            sessions.add_metric([node.name], float(node.sessions))
-            if node.capacity is None:
-                continue
-            for field, gauge in gauges.items():
-                gauge.add_metric([node.name], float(getattr(node.capacity, field)))
-        yield up
-        yield sessions
-        yield from gauges.values()
+        yield from _node_families(status)
         yield GaugeMetricFamily("sfhead_live_nodes", "Live nodes.", value=float(status.live_nodes))
         yield GaugeMetricFamily(
             "sfhead_lanes_active", "Lanes decoding on live nodes.", value=status.lanes_active
@@ -160,6 +143,28 @@ class _StatusCollector(Collector):
             value=status.queue_timeouts,
         )
         yield from gateway_gauges(self._statuses())
+
+
+def _node_families(status: BackendStatus) -> Iterable[Metric]:
+    """The families labelled by node: up, sessions, and each capacity gauge."""
+    up = GaugeMetricFamily("sfhead_node_up", "1 while the node is live.", labels=["node"])
+    sessions = GaugeMetricFamily(
+        "sfhead_node_sessions", "Sessions placed on the node.", labels=["node"]
+    )
+    gauges = {
+        field: GaugeMetricFamily(f"sfhead_node_{field}", text, labels=["node"])
+        for field, text in _CAPACITY_GAUGES
+    }
+    for node in status.nodes:
+        up.add_metric([node.name], 1.0 if node.up else 0.0)
+        sessions.add_metric([node.name], float(node.sessions))
+        if node.capacity is None:
+            continue
+        for field, gauge in gauges.items():
+            gauge.add_metric([node.name], float(getattr(node.capacity, field)))
+    yield up
+    yield sessions
+    yield from gauges.values()
 
 
 __all__ = ["EXPOSITION_CONTENT_TYPE", "TTFT_BUCKETS", "HeadMetrics"]

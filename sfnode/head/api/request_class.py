@@ -16,8 +16,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from sfnode.head.api.schema import ApiError, clip
 from sfnode.linkf.wire import RequestClass
+from sfnode.runtime.http_guard import HttpError, clip
 
 HEADER = b"x-request-class"
 """The request header that names a request's class (compared case-insensitively)."""
@@ -49,14 +49,14 @@ def class_name(request_class: RequestClass) -> str:
 def parse_header(value: bytes | None) -> RequestClass | None:
     """The class an ``X-Request-Class`` header names, or None when it is absent.
 
-    :raises ApiError: 400 ``invalid_request_class`` for any other value.
+    :raises HttpError: 400 ``invalid_request_class`` for any other value.
     """
     if value is None:
         return None
     name = value.decode("latin-1").strip().lower()
     found = _NAMES.get(name)
     if found is None:
-        raise ApiError(
+        raise HttpError(
             400,
             f"the X-Request-Class header must be 'interactive' or 'batch', not "
             f"{clip(value.decode('latin-1'))!r}",

@@ -19,7 +19,7 @@ the bounded store behind ``previous_response_id`` (docs/api.md "/v1/responses").
   does not survive a restart.
 
 This module is pure: it must never tokenize, touch the network, the reactor or a thread, never
-raise anything but :class:`~sfnode.head.api.schema.ApiError` for any JSON value, and never keep
+raise anything but :class:`~sfnode.head.api.schema.HttpError` for any JSON value, and never keep
 more than its bounds.
 """
 
@@ -32,8 +32,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sfnode.head.api.schema import ApiError, checked_text, clip
+from sfnode.head.api.schema import checked_text
 from sfnode.head.models.tools import ArgumentsDelta, CallDone, CallEvent, CallOpened, Content
+from sfnode.runtime.http_guard import HttpError, clip
 
 DEFAULT_MAX_RESPONSES = 1024
 DEFAULT_MAX_CHARACTERS = 64 * 1024 * 1024
@@ -86,55 +87,21 @@ class ResponsesRequest:
 def translate(body: Mapping[str, Any], store: ResponseStore) -> ResponsesRequest:
     """The chat body of a Responses request (see the module's docstring).
 
-    :raises ApiError: a field wrong or unsupported (400), an unknown ``previous_response_id``
+    :raises HttpError: a field wrong or unsupported (400), an unknown ``previous_response_id``
         (400, as OpenAI answers).
     """
-    for name, value in body.items():
-        if name in _KNOWN:
-            allowed = NEUTRAL.get(name)
-            if allowed is not None and not (
-                value in allowed or (value in ([], {}) and name in ("include", "reasoning"))
-            ):
-                raise ApiError(
-                    400,
-                    f"{name} is not supported by this server",
-                    param=name,
-                    code="unsupported_parameter",
-                )
-            continue
-        raise ApiError(
-            400,
-            f"Unrecognized request argument supplied: {clip(name)}",
-            param=clip(name),
-            code="unknown_parameter",
-        )
+    _check_fields(body)
     chat: dict[str, Any] = {k: v for k, v in body.items() if k in PASSED}
     keep = body.get("store", True)
     if not isinstance(keep, bool):
-        raise ApiError(400, "store must be a boolean", param="store")
+        raise HttpError(400, "store must be a boolean", param="store")
     previous = body.get("previous_response_id")
-    history: tuple[dict[str, Any], ...] = ()
-    if previous is not None:
-        if not isinstance(previous, str):
-            raise ApiError(
-                400, "previous_response_id must be a string", param="previous_response_id"
-            )
-        found = store.get(previous)
-        if found is None:
-            raise ApiError(
-                400,
-                f"Previous response with id '{clip(previous)}' not found (responses are kept "
-                "in the head's memory, only while it runs)",
-                param="previous_response_id",
-                code="previous_response_not_found",
-            )
-        history = found
-    messages = (*history, *_input(body.get("input")))
+    messages = (*_history(previous, store), *_input(body.get("input")))
     instructions = body.get("instructions")
     system: list[dict[str, Any]] = []
     if instructions is not None:
         if not isinstance(instructions, str):
-            raise ApiError(400, "instructions must be a string", param="instructions")
+            raise HttpError(400, "instructions must be a string", param="instructions")
         system = [{"role": "system", "content": checked_text(instructions, "instructions")}]
     chat["messages"] = [*system, *messages]
     tools = _tools(body.get("tools"))
@@ -143,28 +110,73 @@ def translate(body: Mapping[str, Any], store: ResponseStore) -> ResponsesRequest
     tool_choice = _tool_choice(body.get("tool_choice"))
     if tool_choice is not None:
         chat["tool_choice"] = tool_choice
-    text = body.get("text")
-    response_format = _text_format(text)
+    response_format = _text_format(body.get("text"))
     if response_format is not None:
         chat["response_format"] = response_format
-    limit = body.get("max_output_tokens")
-    if limit is not None:
-        chat["max_completion_tokens"] = limit
-    echo = {
-        "instructions": instructions,
+    if body.get("max_output_tokens") is not None:
+        chat["max_completion_tokens"] = body["max_output_tokens"]
+    return ResponsesRequest(chat, messages, _echo(body, keep), keep, previous)
+
+
+def _check_fields(body: Mapping[str, Any]) -> None:
+    """Refuse a field this server does not know, or one it does not honour unless it carries
+    its neutral value."""
+    for name, value in body.items():
+        if name in _KNOWN:
+            allowed = NEUTRAL.get(name)
+            if allowed is not None and not (
+                value in allowed or (value in ([], {}) and name in ("include", "reasoning"))
+            ):
+                raise HttpError(
+                    400,
+                    f"{name} is not supported by this server",
+                    param=name,
+                    code="unsupported_parameter",
+                )
+            continue
+        raise HttpError(
+            400,
+            f"Unrecognized request argument supplied: {clip(name)}",
+            param=clip(name),
+            code="unknown_parameter",
+        )
+
+
+def _history(previous: Any, store: ResponseStore) -> tuple[dict[str, Any], ...]:
+    """The conversation a ``previous_response_id`` continues (none without one)."""
+    if previous is None:
+        return ()
+    if not isinstance(previous, str):
+        raise HttpError(400, "previous_response_id must be a string", param="previous_response_id")
+    found = store.get(previous)
+    if found is None:
+        raise HttpError(
+            400,
+            f"Previous response with id '{clip(previous)}' not found (responses are kept "
+            "in the head's memory, only while it runs)",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
+    return found
+
+
+def _echo(body: Mapping[str, Any], keep: bool) -> dict[str, Any]:
+    """The request fields the ``Response`` object repeats, defaulted as OpenAI shows them."""
+    text = body.get("text")
+    return {
+        "instructions": body.get("instructions"),
         "metadata": body.get("metadata") if isinstance(body.get("metadata"), dict) else {},
         "temperature": body.get("temperature", 1.0),
         "top_p": body.get("top_p", 1.0),
-        "max_output_tokens": limit,
+        "max_output_tokens": body.get("max_output_tokens"),
         "tools": body.get("tools") or [],
         "tool_choice": body.get("tool_choice", "auto"),
         "parallel_tool_calls": body.get("parallel_tool_calls", True),
         "text": text if isinstance(text, dict) else {"format": {"type": "text"}},
-        "previous_response_id": previous,
+        "previous_response_id": body.get("previous_response_id"),
         "store": keep,
         "truncation": "disabled",
     }
-    return ResponsesRequest(chat, messages, echo, keep, previous)
 
 
 def _input(value: Any) -> list[dict[str, Any]]:
@@ -175,17 +187,17 @@ def _input(value: Any) -> list[dict[str, Any]]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
-        raise ApiError(400, "input must be a string or a non-empty array of items", param="input")
+        raise HttpError(400, "input must be a string or a non-empty array of items", param="input")
     out: list[dict[str, Any]] = []
     for i, item in enumerate(value):
         where = f"input[{i}]"
         if not isinstance(item, dict):
-            raise ApiError(400, f"{where} must be an object", param=where)
+            raise HttpError(400, f"{where} must be an object", param=where)
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise ApiError(
+                raise HttpError(
                     400,
                     f"{where}.role must be user, system, developer or assistant",
                     param=f"{where}.role",
@@ -195,7 +207,7 @@ def _input(value: Any) -> list[dict[str, Any]]:
             call_id, name = item.get("call_id"), item.get("name")
             arguments = item.get("arguments", "{}")
             if not all(isinstance(v, str) for v in (call_id, name, arguments)):
-                raise ApiError(
+                raise HttpError(
                     400, f"{where} needs call_id, name and arguments as strings", param=where
                 )
             call = {"id": call_id, "type": "function",
@@ -209,14 +221,14 @@ def _input(value: Any) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
-                raise ApiError(400, f"{where}.call_id must be a string", param=f"{where}.call_id")
+                raise HttpError(400, f"{where}.call_id must be a string", param=f"{where}.call_id")
             if not isinstance(output, str):
                 output = _content(output, where)
             out.append({"role": "tool", "tool_call_id": call_id, "content": output})
         elif kind == "reasoning":
             continue  # a model's reasoning item sent back: nothing to render
         else:
-            raise ApiError(
+            raise HttpError(
                 400,
                 f"{where}.type {clip(str(kind))} is not supported (message, function_call and "
                 "function_call_output are)",
@@ -229,7 +241,7 @@ def _content(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise ApiError(400, f"{where}.content must be a string or an array of text parts",
+        raise HttpError(400, f"{where}.content must be a string or an array of text parts",
                        param=f"{where}.content")  # fmt: skip
     parts = []
     for j, part in enumerate(content):
@@ -238,7 +250,7 @@ def _content(content: Any, where: str) -> str:
             or part.get("type") not in ("input_text", "output_text", "text")
             or not isinstance(part.get("text"), str)
         ):
-            raise ApiError(
+            raise HttpError(
                 400,
                 f"{where}.content[{j}]: only text parts are supported (no images, audio or files)",
                 param=f"{where}.content[{j}]",
@@ -251,11 +263,11 @@ def _tools(value: Any) -> list[dict[str, Any]]:
     if value is None:
         return []
     if not isinstance(value, list):
-        raise ApiError(400, "tools must be an array", param="tools")
+        raise HttpError(400, "tools must be an array", param="tools")
     tools = []
     for i, tool in enumerate(value):
         if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise ApiError(
+            raise HttpError(
                 400,
                 f"tools[{i}]: only function tools are supported",
                 param="tools",
@@ -271,7 +283,7 @@ def _tool_choice(value: Any) -> Any:
         return value
     if isinstance(value, dict) and value.get("type") == "function":
         return {"type": "function", "function": {"name": value.get("name")}}
-    raise ApiError(
+    raise HttpError(
         400,
         'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}',
         param="tool_choice",
@@ -282,22 +294,22 @@ def _text_format(text: Any) -> dict[str, Any] | None:
     if text is None:
         return None
     if not isinstance(text, dict):
-        raise ApiError(400, "text must be an object", param="text")
+        raise HttpError(400, "text must be an object", param="text")
     unknown = set(text) - {"format", "verbosity"}
     if unknown or text.get("verbosity") not in (None, "medium"):
-        raise ApiError(400, "text supports format only", param="text")
+        raise HttpError(400, "text supports format only", param="text")
     fmt = text.get("format")
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
-        raise ApiError(400, "text.format must be an object", param="text.format")
+        raise HttpError(400, "text.format must be an object", param="text.format")
     kind = fmt.get("type")
     if kind == "json_schema":
         spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
         return {"type": "json_schema", "json_schema": spec}
     if kind in ("text", "json_object"):
         return {"type": kind}
-    raise ApiError(
+    raise HttpError(
         400, "text.format.type must be text, json_object or json_schema", param="text.format"
     )
 

@@ -30,9 +30,10 @@ from sfnode.head.api.responses import (
     new_response_id,
     translate,
 )
-from sfnode.head.api.schema import ApiError, parse_body
+from sfnode.head.api.schema import parse_body
 from sfnode.head.fleet.backend import BackendStatus
 from sfnode.head.models.tools import CallEvent
+from sfnode.runtime.http_guard import HttpError
 
 
 class ResponsesHost(Host, Protocol):
@@ -111,7 +112,7 @@ class ResponsesWriter:
         if translated is not None and translated.store:
             self.store.put(self.exchange.ident, self.builder.conversation())
 
-    def failed(self, error: ApiError) -> None:
+    def failed(self, error: HttpError) -> None:
         event = self.builder.event(
             "error", code=error.code, message=error.message, param=error.param
         )

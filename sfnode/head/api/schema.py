@@ -3,7 +3,7 @@
 :func:`parse_body` turns the bytes of a POST body into a JSON object (nesting and Unicode
 checked); :func:`parse_request` checks every field of ``/v1/chat/completions`` and
 ``/v1/completions`` and returns a :class:`CompletionRequest` that says what to render and how
-to generate; anything wrong is an :class:`ApiError` in OpenAI's shape, naming the field.
+to generate; anything wrong is an :class:`HttpError` in OpenAI's shape, naming the field.
 
 Parameters the fleet does not honour (``functions``, ``echo``, audio, ...) are refused with
 400 naming them, unless they carry their neutral value (``"echo": false``, ...), so no client
@@ -17,7 +17,7 @@ grammar library (:mod:`sfnode.decoding.constraint`), before any node is asked.  
 docs/operating.md and docs/api.md repeat them.
 
 This module is pure: it must never tokenize, touch the network, the reactor or a thread, never
-raise anything but :class:`ApiError` for any JSON value, and never put more than
+raise anything but :class:`HttpError` for any JSON value, and never put more than
 :data:`ECHO_LIMIT` characters of the client's input into an error message.
 """
 
@@ -35,9 +35,9 @@ from sfnode.decoding.constraint import (
     sampler_controls,
     tools_grammar,
 )
-from sfnode.head.api.bodies import error_body
+from sfnode.head.models.chat import ChatMessage, ChatToolCall
 from sfnode.linkf.wire import Constraint, GenParams, ToolChoice
-from sfnode.runtime.http_guard import HttpError
+from sfnode.runtime.http_guard import ECHO_LIMIT, HttpError, clip
 
 MAX_N = 8
 """The most choices one request may ask for (each is its own generation, on its own lane)."""
@@ -50,46 +50,11 @@ MAX_STOP_CHARS = 256
 """The longest stop string (the streamed text holds back that many characters)."""
 MAX_JSON_DEPTH = 32
 """The deepest nesting of a request body; OpenAI's own requests need 6."""
-ECHO_LIMIT = 64
-"""The most characters of a client's input that an error message repeats."""
 U32_MAX = 0xFFFF_FFFF
 U64_MASK = (1 << 64) - 1
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 """Message roles; ``developer`` is rendered as ``system`` (what OpenAI does for models that
 predate it)."""
-
-
-class ApiError(HttpError):
-    """An error answered in OpenAI's shape: ``{"error": {message, type, param, code}}``; the
-    front door's :class:`~sfnode.runtime.http_guard.HttpError` with the request field it is
-    about."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        kind: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        outcome: str = "bad_request",
-        headers: Mapping[bytes, bytes] | None = None,
-    ) -> None:
-        super().__init__(status, message, kind=kind, code=code, outcome=outcome, headers=headers)
-        self.param = param
-        """The request field the error is about (OpenAI's ``param``), if one."""
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.kind, self.param, self.code)
-
-    def encoded(self) -> bytes:
-        return json.dumps(self.body()).encode()
-
-
-def clip(text: str, limit: int = ECHO_LIMIT) -> str:
-    """``text`` as an error message may quote it: at most ``limit`` characters, printable."""
-    shown = text if len(text) <= limit else text[:limit] + "..."
-    return shown.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 # --------------------------------------------------------------------------------------------
@@ -99,23 +64,23 @@ def clip(text: str, limit: int = ECHO_LIMIT) -> str:
 def parse_body(data: bytes) -> dict[str, Any]:
     """The JSON object in a request body; every failure is a 400."""
     if not data.strip():
-        raise ApiError(400, "the request body is empty: send a JSON object")
+        raise HttpError(400, "the request body is empty: send a JSON object")
     try:
         body = json.loads(data)
     except RecursionError as e:
         raise _too_deep() from e
     except UnicodeDecodeError as e:
-        raise ApiError(400, f"the body is not UTF-8: byte {e.start} cannot be decoded") from e
+        raise HttpError(400, f"the body is not UTF-8: byte {e.start} cannot be decoded") from e
     except ValueError as e:
-        raise ApiError(400, f"the body is not valid JSON: {clip(str(e), 200)}") from e
+        raise HttpError(400, f"the body is not valid JSON: {clip(str(e), 200)}") from e
     if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object")
+        raise HttpError(400, "the body must be a JSON object")
     _check_depth(body)
     return body
 
 
-def _too_deep() -> ApiError:
-    return ApiError(400, f"the body is nested more than {MAX_JSON_DEPTH} levels deep")
+def _too_deep() -> HttpError:
+    return HttpError(400, f"the body is nested more than {MAX_JSON_DEPTH} levels deep")
 
 
 def _check_depth(value: Any) -> None:
@@ -136,7 +101,7 @@ def checked_text(value: str, param: str) -> str:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ApiError(
+        raise HttpError(
             400,
             f"{param} is not valid Unicode: a lone surrogate at character {e.start}",
             param=param,
@@ -226,13 +191,13 @@ def _check_fields(body: Mapping[str, Any], chat: bool, n: int) -> None:
             neutral, reason = rule
             if neutral(value) or (name == "best_of" and value == n and not isinstance(value, bool)):
                 continue
-            raise ApiError(
+            raise HttpError(
                 400,
                 f"{name} is not supported by this server: {reason}",
                 param=name,
                 code="unsupported_parameter",
             )
-        raise ApiError(
+        raise HttpError(
             400,
             f"Unrecognized request argument supplied: {clip(name)}",
             param=clip(name),
@@ -249,9 +214,9 @@ def _number(body: Mapping[str, Any], name: str, low: float, high: float) -> floa
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise ApiError(400, f"{name} must be a number", param=name)
+        raise HttpError(400, f"{name} must be a number", param=name)
     if not low <= value <= high:
-        raise ApiError(400, f"{name} must be between {low:g} and {high:g}", param=name)
+        raise HttpError(400, f"{name} must be between {low:g} and {high:g}", param=name)
     return float(value)
 
 
@@ -262,61 +227,30 @@ def _integer(body: Mapping[str, Any], name: str) -> int | None:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ApiError(400, f"{name} must be an integer", param=name)
+        raise HttpError(400, f"{name} must be an integer", param=name)
     return value
 
 
 def _at_least(body: Mapping[str, Any], name: str, low: int) -> int | None:
     value = _integer(body, name)
     if value is not None and value < low:
-        raise ApiError(400, f"{name} must be at least {low}", param=name)
+        raise HttpError(400, f"{name} must be at least {low}", param=name)
     return value
-
-
-@dataclass(frozen=True, slots=True)
-class ChatToolCall:
-    """A call an assistant message of the history made (OpenAI's ``tool_calls[]``)."""
-
-    id: str
-    name: str
-    arguments: str
-    """The arguments' JSON text, as the client sent it."""
-
-
-@dataclass(frozen=True, slots=True)
-class ChatMessage:
-    """One message as the chat template sees it."""
-
-    role: str
-    content: str
-    tool_calls: tuple[ChatToolCall, ...] = ()
-    """An assistant message's calls."""
-    tool_call_id: str | None = None
-    """The call a ``tool`` message answers."""
-
-    @property
-    def characters(self) -> int:
-        return (
-            len(self.role)
-            + len(self.content)
-            + sum(len(c.name) + len(c.arguments) + len(c.id) for c in self.tool_calls)
-            + len(self.tool_call_id or "")
-        )
 
 
 def _messages(body: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty array", param="messages")
+        raise HttpError(400, "messages must be a non-empty array", param="messages")
     out = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise ApiError(400, f"{where} must be an object", param=where)
+            raise HttpError(400, f"{where} must be an object", param=where)
         role = message.get("role")
         if role not in CHAT_ROLES:
             shown = clip(role) if isinstance(role, str) else json.dumps(role)[:ECHO_LIMIT]
-            raise ApiError(
+            raise HttpError(
                 400,
                 f"{where}.role must be one of {', '.join(CHAT_ROLES)}"
                 + ("" if role is None else f", not {shown}"),
@@ -324,7 +258,7 @@ def _messages(body: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
             )
         for name in ("function_call", "audio"):
             if message.get(name) not in (None, []):
-                raise ApiError(
+                raise HttpError(
                     400,
                     f"{where}.{name} is not supported by this server",
                     param=f"{where}.{name}",
@@ -332,14 +266,14 @@ def _messages(body: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
                 )
         calls = _tool_calls(message, where) if role == "assistant" else ()
         if role != "assistant" and message.get("tool_calls") not in (None, []):
-            raise ApiError(
+            raise HttpError(
                 400, f"{where}.tool_calls is only allowed on assistant messages", param=where
             )
         call_id = None
         if role == "tool":
             call_id = message.get("tool_call_id")
             if not isinstance(call_id, str):
-                raise ApiError(
+                raise HttpError(
                     400,
                     f"{where}.tool_call_id is required on tool messages (a string)",
                     param=f"{where}.tool_call_id",
@@ -357,7 +291,7 @@ def _tool_calls(message: Mapping[str, Any], where: str) -> tuple[ChatToolCall, .
     if value is None:
         return ()
     if not isinstance(value, list):
-        raise ApiError(400, f"{where}.tool_calls must be an array", param=f"{where}.tool_calls")
+        raise HttpError(400, f"{where}.tool_calls must be an array", param=f"{where}.tool_calls")
     calls = []
     for j, call in enumerate(value):
         at = f"{where}.tool_calls[{j}]"
@@ -367,17 +301,17 @@ def _tool_calls(message: Mapping[str, Any], where: str) -> tuple[ChatToolCall, .
             or call.get("type", "function") != "function"
             or not isinstance(function, dict)
         ):
-            raise ApiError(
+            raise HttpError(
                 400, f"{at} must be {{type: function, id, function: {{name, arguments}}}}",
                 param=at,
             )  # fmt: skip
         ident, name, arguments = call.get("id"), function.get("name"), function.get("arguments")
         if not isinstance(ident, str) or not isinstance(name, str):
-            raise ApiError(400, f"{at}.id and {at}.function.name must be strings", param=at)
+            raise HttpError(400, f"{at}.id and {at}.function.name must be strings", param=at)
         if arguments is None:
             arguments = "{}"
         if not isinstance(arguments, str):
-            raise ApiError(400, f"{at}.function.arguments must be a string of JSON", param=at)
+            raise HttpError(400, f"{at}.function.arguments must be a string of JSON", param=at)
         calls.append(
             ChatToolCall(
                 checked_text(ident, f"{at}.id"),
@@ -399,17 +333,17 @@ def _content(message: Mapping[str, Any], i: int, *, empty_ok: bool = False) -> s
         parts = []
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text":
-                raise ApiError(
+                raise HttpError(
                     400,
                     f"{where}[{j}]: only text content is supported (no images, audio or files)",
                     param=f"{where}[{j}]",
                 )
             text = part.get("text")
             if not isinstance(text, str):
-                raise ApiError(400, f"{where}[{j}].text must be a string", param=f"{where}[{j}]")
+                raise HttpError(400, f"{where}[{j}].text must be a string", param=f"{where}[{j}]")
             parts.append(checked_text(text, f"{where}[{j}].text"))
         return "".join(parts)
-    raise ApiError(
+    raise HttpError(
         400, f"{where} must be a string or an array of text parts", param=f"messages[{i}].content"
     )
 
@@ -417,7 +351,7 @@ def _content(message: Mapping[str, Any], i: int, *, empty_ok: bool = False) -> s
 def _token_ids(value: list[Any], vocab_size: int) -> tuple[int, ...]:
     for t in value:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
-            raise ApiError(
+            raise HttpError(
                 400,
                 f"prompt token ids must be integers from 0 to {vocab_size - 1} (the model's "
                 "vocabulary)",
@@ -433,21 +367,21 @@ def _prompt(body: Mapping[str, Any], vocab_size: int) -> tuple[str | None, tuple
         raw = raw[0]  # a batch of one prompt
     if isinstance(raw, str):
         if not raw:
-            raise ApiError(400, "prompt must not be empty", param="prompt")
+            raise HttpError(400, "prompt must not be empty", param="prompt")
         return checked_text(raw, "prompt"), ()
     if isinstance(raw, list) and raw and all(isinstance(t, int) for t in raw):
         return None, _token_ids(raw, vocab_size)
     if isinstance(raw, list) and len(raw) > 1 and all(isinstance(p, (str, list)) for p in raw):
-        raise ApiError(
+        raise HttpError(
             400,
             "a batch of several prompts is not supported: send one prompt per request",
             param="prompt",
         )
     if raw is None:
-        raise ApiError(400, "prompt is required", param="prompt")
+        raise HttpError(400, "prompt is required", param="prompt")
     if raw == []:
-        raise ApiError(400, "prompt must not be empty", param="prompt")
-    raise ApiError(400, "prompt must be a string or an array of token ids", param="prompt")
+        raise HttpError(400, "prompt must not be empty", param="prompt")
+    raise HttpError(400, "prompt must be a string or an array of token ids", param="prompt")
 
 
 def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
@@ -460,7 +394,7 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
         or len(stops) > MAX_STOP_STRINGS
         or not all(isinstance(s, str) and len(s) <= MAX_STOP_CHARS for s in stops)
     ):
-        raise ApiError(
+        raise HttpError(
             400,
             f"stop must be a string or up to {MAX_STOP_STRINGS} strings of at most "
             f"{MAX_STOP_CHARS} characters",
@@ -481,7 +415,7 @@ def _logprobs(body: Mapping[str, Any], chat: bool) -> int | None:
             return None
         count = value if isinstance(value, int) and not isinstance(value, bool) else None
         if count is None or not 0 <= count <= MAX_COMPLETION_LOGPROBS:
-            raise ApiError(
+            raise HttpError(
                 400,
                 f"logprobs must be an integer from 0 to {MAX_COMPLETION_LOGPROBS}",
                 param="logprobs",
@@ -489,15 +423,15 @@ def _logprobs(body: Mapping[str, Any], chat: bool) -> int | None:
         return count
     asked = body.get("logprobs")
     if asked is not None and not isinstance(asked, bool):
-        raise ApiError(400, "logprobs must be a boolean", param="logprobs")
+        raise HttpError(400, "logprobs must be a boolean", param="logprobs")
     top = _integer(body, "top_logprobs")
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise ApiError(
+        raise HttpError(
             400, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", param="top_logprobs"
         )
     if not asked:
         if top:
-            raise ApiError(
+            raise HttpError(
                 400,
                 "top_logprobs needs logprobs: true (logprobs must be enabled to return the "
                 "most likely tokens)",
@@ -513,26 +447,26 @@ def _stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
-        raise ApiError(400, "stream must be a boolean", param="stream")
+        raise HttpError(400, "stream must be a boolean", param="stream")
     options = body.get("stream_options")
     if options is None:
         return stream, False
     if not stream:
-        raise ApiError(
+        raise HttpError(
             400, "stream_options is only allowed when stream is true", param="stream_options"
         )
     if not isinstance(options, dict):
-        raise ApiError(400, "stream_options must be an object", param="stream_options")
+        raise HttpError(400, "stream_options must be an object", param="stream_options")
     for name, value in options.items():
         if name not in ("include_usage", "include_obfuscation"):
-            raise ApiError(
+            raise HttpError(
                 400,
                 f"Unrecognized stream_options argument: {clip(str(name))}",
                 param="stream_options",
                 code="unknown_parameter",
             )
         if value is not None and not isinstance(value, bool):
-            raise ApiError(
+            raise HttpError(
                 400, f"stream_options.{name} must be a boolean", param=f"stream_options.{name}"
             )
     return stream, bool(options.get("include_usage"))
@@ -615,23 +549,13 @@ def parse_request(
     seed_source: Callable[[], int],
 ) -> CompletionRequest:
     """Check one request body of ``/v1/chat/completions`` (``chat``) or ``/v1/completions``;
-    raises :class:`ApiError` (400, or 404 for an unknown model)."""
-    model = body.get("model", models[0] if models else "")
-    if not isinstance(model, str):
-        raise ApiError(400, "model must be a string", param="model")
-    if model not in models:
-        raise ApiError(
-            404,
-            f"The model '{clip(model)}' does not exist",
-            param="model",
-            code="model_not_found",
-            outcome="not_found",
-        )
+    raises :class:`HttpError` (400, or 404 for an unknown model)."""
+    model = _model(body, models)
     n = _integer(body, "n")
     if n is None:
         n = 1
     if not 1 <= n <= MAX_N:
-        raise ApiError(400, f"n must be between 1 and {MAX_N}", param="n")
+        raise HttpError(400, f"n must be between 1 and {MAX_N}", param="n")
     _check_fields(body, chat, n)
     messages: tuple[ChatMessage, ...] = ()
     text: str | None = None
@@ -643,26 +567,11 @@ def parse_request(
     max_tokens = _at_least(body, "max_completion_tokens", 1) if chat else None
     if max_tokens is None:
         max_tokens = _at_least(body, "max_tokens", 1)
-    temperature = _number(body, "temperature", 0.0, 2.0)
-    top_p = _number(body, "top_p", 0.0, 1.0)
-    min_p = _number(body, "min_p", 0.0, 1.0)
-    top_k = _at_least(body, "top_k", -1)
-    seed = _integer(body, "seed")
-    if seed is not None and not -(1 << 63) <= seed <= U64_MASK:
-        raise ApiError(400, "seed must fit in 64 bits", param="seed")
+    params = _sampling(body, seed_source)
     stop = _stop(body)
     stream, include_usage = _stream(body)
     logprobs = _logprobs(body, chat)
     constraint, tools, calls = _constraint(body, chat, vocab_size)
-    params = GenParams(
-        temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
-        min_p=min_p or 0.0,
-        # top_k beyond the vocabulary keeps every token, as top_k off (0) does.
-        top_k=min(max(top_k or 0, 0), U32_MAX),
-        seed=(seed_source() if seed is None else seed) & U64_MASK,
-        logprobs=0 if logprobs is None else logprobs + 1,
-    )
     return CompletionRequest(
         chat=chat,
         model=model,
@@ -672,7 +581,7 @@ def parse_request(
         # More than the window cannot be generated anyway; the wire field is a u32.
         max_tokens=None if max_tokens is None else min(max_tokens, U32_MAX),
         n=n,
-        params=params,
+        params=replace(params, logprobs=0 if logprobs is None else logprobs + 1),
         stop=stop,
         stream=stream,
         include_usage=include_usage,
@@ -680,6 +589,41 @@ def parse_request(
         constraint=constraint,
         tools=tools,
         calls=calls,
+    )
+
+
+def _model(body: Mapping[str, Any], models: Sequence[str]) -> str:
+    """The served model the body names (the first one when it names none)."""
+    model = body.get("model", models[0] if models else "")
+    if not isinstance(model, str):
+        raise HttpError(400, "model must be a string", param="model")
+    if model not in models:
+        raise HttpError(
+            404,
+            f"The model '{clip(model)}' does not exist",
+            param="model",
+            code="model_not_found",
+            outcome="not_found",
+        )
+    return model
+
+
+def _sampling(body: Mapping[str, Any], seed_source: Callable[[], int]) -> GenParams:
+    """The sampling parameters of choice 0, defaulted (a seed drawn when none is given)."""
+    temperature = _number(body, "temperature", 0.0, 2.0)
+    top_p = _number(body, "top_p", 0.0, 1.0)
+    min_p = _number(body, "min_p", 0.0, 1.0)
+    top_k = _at_least(body, "top_k", -1)
+    seed = _integer(body, "seed")
+    if seed is not None and not -(1 << 63) <= seed <= U64_MASK:
+        raise HttpError(400, "seed must fit in 64 bits", param="seed")
+    return GenParams(
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        min_p=min_p or 0.0,
+        # top_k beyond the vocabulary keeps every token, as top_k off (0) does.
+        top_k=min(max(top_k or 0, 0), U32_MAX),
+        seed=(seed_source() if seed is None else seed) & U64_MASK,
     )
 
 
@@ -705,10 +649,10 @@ def _constraint(
             vocab_size=vocab_size,
         )
     except ConstraintError as e:
-        raise ApiError(400, clip(e.message, 300), param=e.param) from e
+        raise HttpError(400, clip(e.message, 300), param=e.param) from e
     calls = tools is not None and tools.choice is not ToolChoice.NONE
     if grammar is not None and calls:
-        raise ApiError(
+        raise HttpError(
             400,
             "response_format cannot be combined with tools that may be called: send one, or "
             'tool_choice "none"',
@@ -726,13 +670,11 @@ __all__ = [
     "IGNORED",
     "MAX_N",
     "UNSUPPORTED",
-    "ApiError",
     "ChatMessage",
     "ChatToolCall",
     "CompletionRequest",
     "checked_text",
     "choice_seed",
-    "clip",
     "parse_body",
     "parse_request",
 ]

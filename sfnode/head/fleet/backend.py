@@ -4,7 +4,9 @@ The HTTP layer (:mod:`sfnode.head.api.http`, :mod:`sfnode.head.api.metrics`) nev
 internals (its nodes, links or counters).  It asks a :class:`Backend` two things: run a
 generation (:meth:`Backend.generate`, its tokens streamed as
 :class:`~sfnode.generation.TokenBatch` values) and say how things stand
-(:meth:`Backend.status`, one :class:`BackendStatus` snapshot).  How a generation ends is
+(:meth:`Backend.status`, one :class:`BackendStatus` snapshot).  A generation is asked for with
+one frozen :class:`HeadRequest`, built once from the checked HTTP body and passed as it is to
+the fleet, its failover attempts and the link's GENERATE_REQ.  How a generation ends is
 declared here too: :class:`FleetOutcome` and the :class:`FleetError` family, so that the HTTP
 layer, the fleet and the pipeline driver all import them from here and none of them from
 another.  :class:`~sfnode.head.fleet.fleet.Fleet` and
@@ -16,14 +18,20 @@ torch, and never hold state: it is types only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from twisted.internet.defer import Deferred
 
 from sfnode.generation import TokenSink
-from sfnode.linkf.wire import CapacitySummary, Constraint, GenParams, RequestClass
+from sfnode.linkf.wire import (
+    FEATURE_CONSTRAINTS,
+    FEATURE_LOGPROBS,
+    CapacitySummary,
+    Constraint,
+    GenParams,
+    RequestClass,
+)
 
 _DEFAULT_PARAMS = GenParams()
 
@@ -126,6 +134,52 @@ ANONYMOUS = Requester()
 """The requester of generations that name none (a program embedding the fleet, tests)."""
 
 
+def needed_features(params: GenParams, constraint: Constraint | None = None) -> int:
+    """The feature flags a node must offer to serve a session with ``params`` (and a
+    generation with ``constraint``)."""
+    return (FEATURE_LOGPROBS if params.logprobs else 0) | (
+        FEATURE_CONSTRAINTS if constraint is not None else 0
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class HeadRequest:
+    """One generation as the head's API asked for it: built once from the checked body and
+    passed as it is from the exchange to the backend, the fleet's attempts and the link's
+    GENERATE_REQ (a failover passes a copy with what is left of ``max_new`` and the
+    constraint's ``generated_from``)."""
+
+    prompt: tuple[int, ...]
+    """The complete context to generate after (the rendered, tokenized prompt)."""
+    max_new: int
+    """The most tokens to generate."""
+    model: str | None = None
+    """The model it is for (None: whatever the nodes serve)."""
+    params: GenParams = _DEFAULT_PARAMS
+    """Sampling, seed and logprobs (``params.logprobs``: how many alternatives per token,
+    docs/protocol.md section 12.1)."""
+    max_wall_ms: int = 0
+    """The node's wall budget for it (0: none)."""
+    request_class: RequestClass = RequestClass.INTERACTIVE
+    """Whether someone waits on it (docs/protocol.md section 12.2)."""
+    requester: Requester = ANONYMOUS
+    """Whose share of the queue it takes (section 8.5)."""
+    constraint: Constraint | None = None
+    """The grammar and sampler controls its output follows (section 12.3)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt", tuple(self.prompt))
+
+    @property
+    def interactive(self) -> bool:
+        return self.request_class == RequestClass.INTERACTIVE
+
+    @property
+    def features(self) -> int:
+        """What a node must offer to run it."""
+        return needed_features(self.params, self.constraint)
+
+
 class GenerationHandle(Protocol):
     """One generation in flight: its result, a cancel, and "placed, tokens will come"."""
 
@@ -201,28 +255,15 @@ class Backend(Protocol):
     """What the HTTP API runs generations on: the fleet, or a pipeline driver."""
 
     def generate(
-        self,
-        prompt: Sequence[int],
-        max_new: int,
-        *,
-        model: str | None = None,
-        params: GenParams = ...,
-        on_tokens: TokenSink | None = None,
-        max_wall_ms: int = 0,
-        request_class: RequestClass = ...,
-        requester: Requester = ...,
-        constraint: Constraint | None = None,
+        self, request: HeadRequest, on_tokens: TokenSink | None = None
     ) -> GenerationHandle:
-        """Run one generation of ``prompt``; ``on_tokens(batch)`` gets its tokens as they
+        """Run one generation of ``request``; ``on_tokens(batch)`` gets its tokens as they
         come, one :class:`~sfnode.generation.TokenBatch` at a time, each token once, carrying
-        logprobs when ``params.logprobs`` asks for them (a backend that cannot return them
-        fails the generation with :class:`LogprobsUnavailable`); ``result`` fires with a
-        :class:`FleetOutcome` or fails with a :class:`FleetError` (or a link error);
-        ``request_class`` says whether someone
-        waits on it (docs/protocol.md section 12.2); ``requester`` whose share of the queue it
-        takes (section 8.5); ``constraint`` the grammar and sampler controls its output
-        follows (section 12.3: a backend that cannot enforce them raises or fails with
-        :class:`ConstraintsUnavailable`)."""
+        logprobs when ``request.params.logprobs`` asks for them (a backend that cannot return
+        them fails the generation with :class:`LogprobsUnavailable`); ``result`` fires with a
+        :class:`FleetOutcome` or fails with a :class:`FleetError` (or a link error).  A
+        backend that cannot enforce ``request.constraint`` (docs/protocol.md section 12.3)
+        raises or fails with :class:`ConstraintsUnavailable`."""
 
     def status(self, model: str | None = None) -> BackendStatus: ...
 
@@ -238,6 +279,7 @@ __all__ = [
     "FleetOutcome",
     "GenerationHandle",
     "GenerationTimedOut",
+    "HeadRequest",
     "LogprobsUnavailable",
     "NoNodeAvailable",
     "NodeDeclined",
@@ -246,4 +288,5 @@ __all__ = [
     "QueueFull",
     "Requester",
     "SessionClosed",
+    "needed_features",
 ]

@@ -79,7 +79,14 @@ from twisted.logger import Logger
 
 from sfnode.generation import StreamTooLong, TokenBatch, TokenSink
 from sfnode.head.fleet import failover, placement
-from sfnode.head.fleet.backend import ANONYMOUS, BackendStatus, NodeReport, Requester
+from sfnode.head.fleet.backend import (
+    ANONYMOUS,
+    BackendStatus,
+    HeadRequest,
+    NodeReport,
+    Requester,
+    needed_features,
+)
 from sfnode.head.fleet.backend import ClientQueueFull as ClientQueueFull
 from sfnode.head.fleet.backend import ConstraintRefused as ConstraintRefused
 from sfnode.head.fleet.backend import ConstraintsUnavailable as ConstraintsUnavailable
@@ -123,7 +130,6 @@ from sfnode.head.link.machine import (
 )
 from sfnode.linkf.wire import (
     FEATURE_CONSTRAINTS,
-    FEATURE_LOGPROBS,
     FINISH_CANCELLED,
     FINISH_LENGTH,
     Constraint,
@@ -149,6 +155,55 @@ def default_client_queued(max_queued: int) -> int:
     return max(1, max_queued // 4) if max_queued > 0 else 0
 
 
+@dataclass(frozen=True, slots=True)
+class FleetSettings:
+    """How a fleet runs: one frozen value, built once (``twistd sfhead`` builds it from its
+    options) and given to the :class:`Fleet`, which hands its links their
+    :class:`~sfnode.head.link.LinkSettings`."""
+
+    token: bytes = b""
+    """The fleet token every link authenticates with (empty: none)."""
+    policy: Policy = Policy.LOAD_AWARE
+    lease: Lease = DEFAULT_LEASE
+    handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S
+    keepalive_interval_s: float = DEFAULT_KEEPALIVE_INTERVAL_S
+    silence_timeout_s: float = DEFAULT_SILENCE_TIMEOUT_S
+    retry_max_s: float = DEFAULT_RETRY_MAX_S
+    """The cap of a link's redial backoff."""
+    max_queued: int = DEFAULT_MAX_QUEUED
+    max_client_queued: int | None = None
+    """One client address's share of the queue (None: :func:`default_client_queued`)."""
+    queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
+    prefix: PrefixRule = DEFAULT_PREFIX_RULE
+    """How placement weighs a node's cached prefix against its load (``load-aware``)."""
+    max_generation_s: float = DEFAULT_MAX_GENERATION_S
+    """The wall budget of each generation (0: none)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", Policy(self.policy))
+
+    @property
+    def link(self) -> LinkSettings:
+        """How every link runs, the ones the fleet dials and the ones that dial in alike."""
+        return LinkSettings(
+            token=self.token,
+            handshake_timeout_s=self.handshake_timeout_s,
+            keepalive_interval_s=self.keepalive_interval_s,
+            silence_timeout_s=self.silence_timeout_s,
+            keep_wal=False,
+        )
+
+    @property
+    def client_queued(self) -> int:
+        """The bound of one client address's waiting generations."""
+        if self.max_client_queued is None:
+            return default_client_queued(self.max_queued)
+        return self.max_client_queued
+
+
+DEFAULT_FLEET_SETTINGS = FleetSettings()
+
+
 def _deferred(coroutine: Coroutine[Any, Any, _T]) -> Deferred[_T]:
     return Deferred.fromCoroutine(coroutine)
 
@@ -159,14 +214,6 @@ def _deferred(coroutine: Coroutine[Any, Any, _T]) -> Deferred[_T]:
 
 _NODE_FATAL = (LinkError, NodeDown)
 """Errors that say the node (or the path to it) failed, not the request: these fail over."""
-
-
-def needed_features(params: GenParams, constraint: Constraint | None = None) -> int:
-    """The feature flags a node must offer to serve a session with ``params`` (and a
-    generation with ``constraint``)."""
-    return (FEATURE_LOGPROBS if params.logprobs else 0) | (
-        FEATURE_CONSTRAINTS if constraint is not None else 0
-    )
 
 
 def ensure_session(
@@ -288,15 +335,17 @@ class FleetSession:
         A session whose GenParams ask for logprobs gets them in each batch (see
         :meth:`NodeLink.generate`).  ``constraint``:
         as :meth:`Fleet.generate`."""
-        generation = FleetGeneration(
-            self,
+        request = HeadRequest(
+            self.context,
             max_new,
-            on_tokens,
-            max_wall_ms,
-            one_shot=False,
+            model=self.model,
+            params=self.params,
+            max_wall_ms=max_wall_ms,
             request_class=request_class,
+            requester=self.requester,
             constraint=constraint,
         )
+        generation = FleetGeneration(self, request, on_tokens, one_shot=False)
         generation._start()
         return generation
 
@@ -316,24 +365,17 @@ class FleetGeneration:
     def __init__(
         self,
         session: FleetSession,
-        max_new: int,
+        request: HeadRequest,
         on_tokens: TokenSink | None,
-        max_wall_ms: int,
         *,
         one_shot: bool,
-        expected_out: int = DEFAULT_EXPECTED_OUT,
-        request_class: RequestClass = RequestClass.INTERACTIVE,
-        constraint: Constraint | None = None,
     ) -> None:
         self.session = session
-        self.max_new = max_new
-        self.max_wall_ms = max_wall_ms
-        self.request_class = request_class
-        """Interactive or batch (docs/protocol.md section 12.2); kept across failovers."""
-        self.constraint = constraint
-        """Its grammar and sampler controls (docs/protocol.md section 12.3); every
-        GENERATE_REQ carries it with ``generated_from`` at the end of the prompt."""
-        self.features = needed_features(session.params, constraint)
+        self.request = request
+        """What was asked (its ``request_class`` and ``constraint`` kept across failovers:
+        every GENERATE_REQ carries the constraint with ``generated_from`` at the end of the
+        prompt)."""
+        self.features = needed_features(session.params, request.constraint)
         """What a node must offer to run it."""
         self.tokens: list[int] = []
         """Every token delivered to the caller, in order, each once."""
@@ -341,7 +383,6 @@ class FleetGeneration:
         self.result: Deferred[FleetOutcome] = Deferred()
         self._on_tokens = on_tokens
         self._one_shot = one_shot
-        self._expected_out = expected_out
         self._cancelled = False
         self._call: Any = None
         self._waiting: Deferred[FleetNode] | None = None
@@ -448,10 +489,9 @@ class FleetGeneration:
         )
 
     async def _run(self) -> FleetOutcome:
-        """Place, generate, and on a node failure move on with what was delivered."""
+        """Place, generate, and on a node failure move on with what was delivered: one
+        attempt after another, each judged by :func:`failover.decide`."""
         session = self.session
-        fleet = session.fleet
-        base = session.context
         tried: list[FleetNode] = []
         node: FleetNode | None = None
         try:
@@ -460,84 +500,116 @@ class FleetGeneration:
             while True:
                 if self._cancelled:
                     return self._outcome(FINISH_CANCELLED, node)
-                remaining = self.max_new - len(self.tokens)
-                if remaining <= 0:
+                if self._remaining <= 0:
                     return self._outcome(FINISH_LENGTH, node)
-                if session.node is None:
-                    # Failovers wait ahead of new requests: their clients are mid-answer.
-                    self._waiting = fleet._place(
-                        session,
-                        (*base, *self.tokens),
-                        expected_out=remaining if self._one_shot else self._expected_out,
-                        claim_lane=True,
-                        avoid=tried,
-                        priority=bool(self.failovers),
-                        interactive=self.interactive,
-                        features=self.features,
-                    )
-                    try:
-                        node = await self._waiting
-                    except CancelledError:
-                        if self._cancelled:
-                            return self._outcome(FINISH_CANCELLED, node)
-                        raise
-                    finally:
-                        self._waiting = None
-                else:
-                    node = session.node
-                    node.generation_started(self.interactive)
-                try:
-                    answer = await self._generate_on(node, remaining, (*base, *self.tokens))
-                except _NODE_FATAL as e:
-                    outcome: failover.Outcome = failover.Lost(e)
-                else:
-                    outcome = (
-                        failover.NotSent() if answer is None else failover.Finished(answer.finish)
-                    )
-                length = len(base) + len(self.tokens)
-                attempt = failover.Attempt(
-                    node.name,
-                    length,
-                    node.fits(length),
-                    constrained=self.constraint is not None,
-                    failovers=self.failovers,
-                    cancelled=self._cancelled,
-                    window=node.window or 0,
-                )
-                decision = failover.decide(attempt, outcome)
-                if failover.declined(outcome):
-                    # No new work there until it reports again.
-                    node.declined_at = fleet._clock.seconds()
-                if isinstance(decision, failover.Fail):
-                    raise decision.error
-                if isinstance(decision, failover.Cancelled):
+                placed = await self._take_node(tried)
+                if placed is None:
                     return self._outcome(FINISH_CANCELLED, node)
-                if isinstance(decision, failover.End):
-                    if decision.restore and not self._one_shot and session.node is node:
-                        # The node holds prompt + the tokens delivered before the
-                        # failover; put the session's own context back for its next turn.
-                        node.link.append(session.session_id, base)
-                    # Its cache now holds the blocks of the answer too: the next turn
-                    # of a conversation starts with them.
-                    fleet._remember(node, (*base, *self.tokens), session.model)
-                    return self._outcome(decision.finish, node)
-                error = decision.error
-                tried.append(node)
-                _log.info(
-                    "generation of session {session} fails over from {node} after "
-                    "{delivered} tokens: {error}",
-                    session=session.session_id,
-                    node=node.name,
-                    delivered=len(self.tokens),
-                    error=str(error),
-                )
-                if session.node is node:
-                    fleet._detach(session)
-                fleet.failovers += 1
-                self.failovers += 1
+                node = placed
+                decision = self._judge(node, await self._attempt(node))
+                if not isinstance(decision, failover.MoveOn):
+                    return self._conclude(decision, node)
+                self._move_on(node, decision.error, tried)
         finally:
             if self._one_shot:
                 session.close()
+
+    @property
+    def _remaining(self) -> int:
+        return self.request.max_new - len(self.tokens)
+
+    @property
+    def _context(self) -> tuple[int, ...]:
+        """What the next attempt's node must hold: the prompt and the tokens delivered."""
+        return (*self.session.context, *self.tokens)
+
+    async def _take_node(self, tried: Sequence[FleetNode]) -> FleetNode | None:
+        """The node of the next attempt, with a lane claimed on it: the session's own, or one
+        placed now or when the queue lets it (not one of ``tried``); None when the generation
+        was cancelled while it waited."""
+        session = self.session
+        if session.node is not None:
+            session.node.generation_started(self.request.interactive)
+            return session.node
+        # Failovers wait ahead of new requests: their clients are mid-answer.
+        self._waiting = session.fleet._place(
+            session,
+            self._context,
+            expected_out=self._remaining if self._one_shot else DEFAULT_EXPECTED_OUT,
+            claim_lane=True,
+            avoid=tried,
+            priority=bool(self.failovers),
+            interactive=self.request.interactive,
+            features=self.features,
+        )
+        try:
+            return await self._waiting
+        except CancelledError:
+            if self._cancelled:
+                return None
+            raise
+        finally:
+            self._waiting = None
+
+    async def _attempt(self, node: FleetNode) -> failover.Outcome:
+        """One GENERATE_REQ on ``node`` and how it went."""
+        try:
+            answer = await self._generate_on(node, self._remaining, self._context)
+        except _NODE_FATAL as e:
+            return failover.Lost(e)
+        return failover.NotSent() if answer is None else failover.Finished(answer.finish)
+
+    def _judge(self, node: FleetNode, outcome: failover.Outcome) -> failover.Decision:
+        """What follows the attempt on ``node`` (:func:`failover.decide`); a node that
+        declined takes no new work until it reports again."""
+        length = len(self._context)
+        attempt = failover.Attempt(
+            node.name,
+            length,
+            node.fits(length),
+            constrained=self.request.constraint is not None,
+            failovers=self.failovers,
+            cancelled=self._cancelled,
+            window=node.window or 0,
+        )
+        if failover.declined(outcome):
+            node.declined_at = self.session.fleet._clock.seconds()
+        return failover.decide(attempt, outcome)
+
+    def _conclude(
+        self, decision: failover.End | failover.Cancelled | failover.Fail, node: FleetNode
+    ) -> FleetOutcome:
+        """The generation ends as ``decision`` says (or fails with its error)."""
+        if isinstance(decision, failover.Fail):
+            raise decision.error
+        if isinstance(decision, failover.Cancelled):
+            return self._outcome(FINISH_CANCELLED, node)
+        session = self.session
+        if decision.restore and not self._one_shot and session.node is node:
+            # The node holds prompt + the tokens delivered before the failover; put the
+            # session's own context back for its next turn.
+            node.link.append(session.session_id, session.context)
+        # Its cache now holds the blocks of the answer too: the next turn of a conversation
+        # starts with them.
+        session.fleet._remember(node, self._context, session.model)
+        return self._outcome(decision.finish, node)
+
+    def _move_on(self, node: FleetNode, error: Exception, tried: list[FleetNode]) -> None:
+        """Leave ``node`` after a failed attempt: the next one goes elsewhere."""
+        session = self.session
+        tried.append(node)
+        _log.info(
+            "generation of session {session} fails over from {node} after "
+            "{delivered} tokens: {error}",
+            session=session.session_id,
+            node=node.name,
+            delivered=len(self.tokens),
+            error=str(error),
+        )
+        if session.node is node:
+            session.fleet._detach(session)
+        session.fleet.failovers += 1
+        self.failovers += 1
 
     async def _generate_on(self, node: FleetNode, remaining: int, context: Sequence[int]) -> Any:
         """One GENERATE_REQ on ``node`` (whose lane this generation holds), which holds (or
@@ -548,17 +620,11 @@ class FleetGeneration:
             link = await fleet._bound_link(self.session, context, self.features)
             if self._cancelled:
                 return None
-            constraint = self.constraint
-            if constraint is not None:
-                constraint = replace(constraint, generated_from=len(self.session.context))
-            call = link.generate(
-                self.session.session_id,
-                remaining,
-                max_wall_ms=self.max_wall_ms,
-                on_tokens=self._deliver,
-                request_class=self.request_class,
-                constraint=constraint,
-            )
+            ask = replace(self.request, max_new=remaining)
+            if ask.constraint is not None:
+                constraint = replace(ask.constraint, generated_from=len(self.session.context))
+                ask = replace(ask, constraint=constraint)
+            call = link.generate(self.session.session_id, ask, self._deliver)
             self._call = call
             self._placement_done(None)
             try:
@@ -566,11 +632,7 @@ class FleetGeneration:
             finally:
                 self._call = None
         finally:
-            fleet._release(node, self.interactive)
-
-    @property
-    def interactive(self) -> bool:
-        return self.request_class == RequestClass.INTERACTIVE
+            fleet._release(node, self.request.interactive)
 
 
 def _lanes(nodes: Sequence[FleetNode]) -> tuple[int, int, int]:
@@ -599,66 +661,44 @@ class Fleet:
     def __init__(
         self,
         reactor: Any,
+        settings: FleetSettings = DEFAULT_FLEET_SETTINGS,
         *,
         ids: HeadIds | None = None,
-        token: bytes = b"",
-        policy: Policy | str = Policy.LOAD_AWARE,
-        lease: Lease = DEFAULT_LEASE,
-        handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
         clock: IReactorTime | None = None,
-        keepalive_interval_s: float = DEFAULT_KEEPALIVE_INTERVAL_S,
-        silence_timeout_s: float = DEFAULT_SILENCE_TIMEOUT_S,
-        retry_max_s: float = DEFAULT_RETRY_MAX_S,
         retry: RetryPolicy | None = None,
-        max_queued: int = DEFAULT_MAX_QUEUED,
-        max_client_queued: int | None = None,
-        queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
-        prefix: PrefixRule = DEFAULT_PREFIX_RULE,
-        max_generation_s: float = DEFAULT_MAX_GENERATION_S,
         models: ModelAdmission | None = None,
     ) -> None:
         self._reactor = reactor
+        self.settings = settings
         self.models = models
         """Which nodes serve which model, by the head's model registry (None: every node
         serves the model it names)."""
         self._clock: IReactorTime = clock if clock is not None else reactor
         self.ids = ids if ids is not None else HeadIds()
-        self.link_settings = LinkSettings(
-            token=token,
-            handshake_timeout_s=handshake_timeout_s,
-            keepalive_interval_s=keepalive_interval_s,
-            silence_timeout_s=silence_timeout_s,
-            keep_wal=False,
-        )
+        self.link_settings = settings.link
         """How every link runs, the ones it dials and the ones that dial in alike."""
-        self.policy = Policy(policy)
-        self.lease = lease
+        self.policy = settings.policy
+        self.lease = settings.lease
         self.queue: WaitQueue[FleetNode] = WaitQueue(
             self._clock,
             self._try,
             self._why_waiting,
-            max_queued=max_queued,
-            max_client_queued=(
-                default_client_queued(max_queued)
-                if max_client_queued is None
-                else max_client_queued
-            ),
-            timeout_s=queue_timeout_s,
+            max_queued=settings.max_queued,
+            max_client_queued=settings.client_queued,
+            timeout_s=settings.queue_timeout_s,
         )
         """Generations waiting for a node, with the queue's bounds, timeout and counters
         (generations without a client address, such as a program's own, are not bounded by
         the per-address one)."""
-        self.prefix = prefix
-        """How placement weighs a node's cached prefix against its load (``load-aware``)."""
-        self.max_generation_s = max_generation_s
-        """The wall budget of each generation (0: none)."""
+        self.prefix = settings.prefix
+        self.max_generation_s = settings.max_generation_s
         self.registry = NodeRegistry(
             reactor,
             self._clock,
             self.ids,
             self.link_settings,
-            retry if retry is not None else retry_policy(retry_max_s),
-            retry_max_s,
+            retry if retry is not None else retry_policy(settings.retry_max_s),
+            settings.retry_max_s,
             on_room=lambda: self.queue.dispatch(),
             on_report=lambda: self.queue.dispatch() if self.queue else None,
             models=models,
@@ -734,10 +774,6 @@ class Fleet:
         largest = placement.too_long([v for v in self.registry.views() if v.serves(model)], length)
         if largest is not None:
             raise StreamTooLong(length, largest)
-
-    def max_window(self, model: str | None) -> int:
-        """The largest known window among nodes serving ``model`` (0: unknown or unlimited)."""
-        return placement.max_window(self.registry.views(), model)
 
     def status(self, model: str | None = None) -> BackendStatus:
         """How the fleet stands for ``model``: what the HTTP layer asks of its backend
@@ -965,50 +1001,38 @@ class Fleet:
         )
 
     def generate(
-        self,
-        prompt: Sequence[int],
-        max_new: int,
-        *,
-        model: str | None = None,
-        params: GenParams = DEFAULT_PARAMS,
-        on_tokens: TokenSink | None = None,
-        max_wall_ms: int = 0,
-        request_class: RequestClass = RequestClass.INTERACTIVE,
-        requester: Requester = ANONYMOUS,
-        constraint: Constraint | None = None,
+        self, request: HeadRequest, on_tokens: TokenSink | None = None
     ) -> FleetGeneration:
-        """One request: place a new session with ``prompt``, generate, revoke the session.
+        """One request: place a new session with ``request.prompt``, generate, revoke the
+        session.
 
-        ``params`` asking for logprobs place it only on nodes that return them (failover
+        GenParams asking for logprobs place it only on nodes that return them (failover
         included); when every node serving the model has said it does not, the generation
         fails with :class:`LogprobsUnavailable`.
 
-        ``request_class`` (docs/protocol.md section 12.2): interactive (the default, which is
-        also how a node reads a request that says nothing) or batch.  ``requester``: the
+        The request class (docs/protocol.md section 12.2): interactive (the default, which is
+        also how a node reads a request that says nothing) or batch.  The requester: the
         client it serves, its share of the queue (section 8.5).
 
-        ``constraint`` (docs/protocol.md section 12.3; its ``generated_from`` is set here): a
+        A constraint (docs/protocol.md section 12.3; its ``generated_from`` is set here): a
         grammar the output follows and the sampler's per-lane controls, on nodes that offer
         FEATURE_CONSTRAINTS only, failover included; when every node serving the model has
         said it does not, the generation fails with :class:`ConstraintsUnavailable`.  Build
         it with :mod:`sfnode.decoding.constraint`.
         """
-        session = self.new_session(prompt, model=model, params=params, requester=requester)
-        generation = FleetGeneration(
-            session,
-            max_new,
-            on_tokens,
-            max_wall_ms,
-            one_shot=True,
-            expected_out=max_new,
-            request_class=request_class,
-            constraint=constraint,
+        session = self.new_session(
+            request.prompt,
+            model=request.model,
+            params=request.params,
+            requester=request.requester,
         )
+        generation = FleetGeneration(session, request, on_tokens, one_shot=True)
         generation._start()
         return generation
 
 
 __all__ = [
+    "DEFAULT_FLEET_SETTINGS",
     "DEFAULT_MAX_GENERATION_S",
     "DEFAULT_MAX_QUEUED",
     "DEFAULT_QUEUE_TIMEOUT_S",
@@ -1021,7 +1045,9 @@ __all__ = [
     "FleetNode",
     "FleetOutcome",
     "FleetSession",
+    "FleetSettings",
     "GenerationTimedOut",
+    "HeadRequest",
     "LinkError",
     "LogprobsUnavailable",
     "NoNodeAvailable",

@@ -264,13 +264,7 @@ class NodeRegistry:
         self.nodes.append(node)
         link.observe(self)
         self._judge(node)
-        _log.info(
-            "node {node} joined (dialed in from {peer}; models {models}, window {window})",
-            node=link.name,
-            peer=link.description,
-            models=", ".join(link.models) or "-",
-            window=node.window,
-        )
+        _log_joined(node, f"dialed in from {link.description}")
         waiters, self._join_waiters = self._join_waiters, []
         for d in waiters:
             d.callback(node)
@@ -298,13 +292,7 @@ class NodeRegistry:
             return
         self._judge(node)
         if not reconnected:
-            _log.info(
-                "node {node} joined (dialed {endpoint}; models {models}, window {window})",
-                node=node.name,
-                endpoint=node.description,
-                models=", ".join(link.models) or "-",
-                window=node.window,
-            )
+            _log_joined(node, f"dialed {node.description}")
         else:
             self.reconnects += 1
             if node.failed_attempts:
@@ -377,3 +365,13 @@ class NodeRegistry:
             node=node.name,
             reason=str(link.last_reason or "its connection ended"),
         )
+
+
+def _log_joined(node: FleetNode, how: str) -> None:
+    _log.info(
+        "node {node} joined ({how}; models {models}, window {window})",
+        node=node.name,
+        how=how,
+        models=", ".join(node.link.models) or "-",
+        window=node.window,
+    )

@@ -31,25 +31,21 @@ from twisted.python.failure import Failure
 
 from sfnode.generation import TokenBatch, TokenSink
 from sfnode.head.fleet.backend import (
-    ANONYMOUS,
     BackendStatus,
     ConstraintsUnavailable,
     FleetError,
     FleetOutcome,
     GenerationTimedOut,
+    HeadRequest,
     LogprobsUnavailable,
     NoNodeAvailable,
-    Requester,
 )
-from sfnode.head.fleet.fleet import Fleet, FleetNode
-from sfnode.head.link import DEFAULT_PARAMS, HeadIds, LinkError
+from sfnode.head.fleet.fleet import DEFAULT_FLEET_SETTINGS, Fleet, FleetNode, FleetSettings
+from sfnode.head.link import HeadIds, LinkError
 from sfnode.linkf.wire import (
     FINISH_CANCELLED,
     FINISH_EOS,
     FINISH_LENGTH,
-    Constraint,
-    GenParams,
-    RequestClass,
     StageForwardRespMsg,
 )
 
@@ -176,11 +172,11 @@ class PipelineFleet:
         n_layers: int | None = None,
         eos_ids: Sequence[int] = (),
         ids: HeadIds | None = None,
-        token: bytes = b"",
         clock: IReactorTime | None = None,
-        fleet_options: dict[str, Any] | None = None,
+        settings: FleetSettings = DEFAULT_FLEET_SETTINGS,
     ) -> None:
-        """``fleet_options`` go to the stages' :class:`Fleet` (redial cap, keepalive window)."""
+        """``settings`` are the stages' :class:`Fleet`'s (token, redial cap, keepalive
+        window, wall budget)."""
         if not endpoints:
             raise ValueError("a pipeline needs at least one stage")
         if boundaries is not None:
@@ -191,7 +187,7 @@ class PipelineFleet:
             raise ValueError("give the layer count or the layer boundaries of the stages")
         self.endpoints = list(endpoints)
         self.eos_ids = frozenset(eos_ids)
-        self.fleet = Fleet(reactor, ids=ids, token=token, clock=clock, **(fleet_options or {}))
+        self.fleet = Fleet(reactor, settings, ids=ids, clock=clock)
         self.clock: IReactorTime = clock if clock is not None else reactor
         self.stages: list[FleetNode] = []
 
@@ -245,32 +241,22 @@ class PipelineFleet:
         raise PipelineError("no stage answered a token (the last boundary is below n_layers?)")
 
     def generate(
-        self,
-        prompt: Sequence[int],
-        max_new: int,
-        *,
-        model: str | None = None,
-        params: GenParams = DEFAULT_PARAMS,
-        on_tokens: TokenSink | None = None,
-        max_wall_ms: int = 0,
-        request_class: RequestClass = RequestClass.INTERACTIVE,
-        requester: Requester = ANONYMOUS,
-        constraint: Constraint | None = None,
+        self, request: HeadRequest, on_tokens: TokenSink | None = None
     ) -> PipelineGeneration:
-        """Generate ``max_new`` greedy tokens (sampling parameters do not apply here): the
-        :meth:`~sfnode.head.fleet.backend.Backend.generate` of a pipeline.
+        """Generate ``request.max_new`` greedy tokens (sampling parameters do not apply here):
+        the :meth:`~sfnode.head.fleet.backend.Backend.generate` of a pipeline.
 
         A pipeline runs one generation at a time on its stages: there is no lane to keep, so
-        neither ``request_class`` nor ``requester`` changes anything here.  Stage forwards
+        neither the request class nor the requester changes anything here.  Stage forwards
         return tokens, not distributions: a request for logprobs fails with
-        :class:`~sfnode.head.fleet.backend.LogprobsUnavailable`; stage forwards carry no constraint
-        (docs/protocol.md section 12.3): one fails with
+        :class:`~sfnode.head.fleet.backend.LogprobsUnavailable`; stage forwards carry no
+        constraint (docs/protocol.md section 12.3): one fails with
         :class:`~sfnode.head.fleet.backend.ConstraintsUnavailable`."""
-        generation = PipelineGeneration(self, prompt, max_new, on_tokens)
-        if params.logprobs:
+        generation = PipelineGeneration(self, request.prompt, request.max_new, on_tokens)
+        if request.params.logprobs:
             generation.result.errback(LogprobsUnavailable("a pipeline returns no logprobs"))
             return generation
-        if constraint is not None:
+        if request.constraint is not None:
             generation.result.errback(
                 ConstraintsUnavailable("a pipeline does not honour constraints")
             )

@@ -39,6 +39,7 @@ reactor, never block, and never let an exception escape ``dataReceived``.
 from sfnode.head.link.calls import (
     CallOwner,
     CallTable,
+    GenerationAsk,
     GenerationCall,
     GenerationOutcome,
     token_logprobs,
@@ -96,6 +97,7 @@ __all__ = [
     "CallTable",
     "ConnectError",
     "ConstraintsUnsupportedError",
+    "GenerationAsk",
     "GenerationCall",
     "GenerationOutcome",
     "HandshakeError",

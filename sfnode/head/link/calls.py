@@ -17,8 +17,10 @@ from twisted.logger import Logger
 
 from sfnode.generation import TokenBatch, TokenLogprob, TokenSink
 from sfnode.linkf.wire import (
+    Constraint,
     GenerateCancelMsg,
     Message,
+    RequestClass,
     StageForwardRespMsg,
     Tokens,
     TokensLogprobs,
@@ -43,6 +45,24 @@ class GenerationOutcome:
 
     tokens: list[int]
     finish: int
+
+
+class GenerationAsk(TypingProtocol):
+    """What one GENERATE_REQ asks of a node beyond its session: the budgets, the class and the
+    constraint (docs/protocol.md sections 7.3, 12.2 and 12.3).  The head's request value
+    (``sfnode.head.fleet.backend.HeadRequest``) is one, passed down as it is."""
+
+    @property
+    def max_new(self) -> int: ...
+
+    @property
+    def max_wall_ms(self) -> int: ...
+
+    @property
+    def request_class(self) -> RequestClass: ...
+
+    @property
+    def constraint(self) -> Constraint | None: ...
 
 
 class CallOwner(TypingProtocol):

@@ -34,7 +34,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from automat import TypeMachineBuilder
 from twisted.internet.defer import Deferred
@@ -360,6 +360,25 @@ def _closed_error() -> LinkLostError:
     return LinkLostError("the link is closed")
 
 
+@runtime_checkable
+class _Timers(Protocol):
+    """A state's data that holds timers."""
+
+    def stop(self) -> None: ...
+
+
+def _reject_stray(inputs: LinkInputs, core: LinkCore, data: _Timers) -> None:
+    """A connection made while the link has one, or does not wait for one: refused."""
+    core.effects.reject()
+
+
+def _close_timed(inputs: LinkInputs, core: LinkCore, data: _Timers) -> None:
+    """``close`` in a state with timers (not ``open``): they stop, waiters fail, closed."""
+    data.stop()
+    core.settle(_closed_error())
+    _enter_closed(core)
+
+
 # --------------------------------------------------------------------------------------------
 # new
 
@@ -487,16 +506,8 @@ def _ended_in_handshake(
     _enter_closed(core)
 
 
-@_handshaking_state.upon(LinkInputs.connection_made).loop()
-def _handshaking_stray(inputs: LinkInputs, core: LinkCore, data: Deadline) -> None:
-    core.effects.reject()
-
-
-@_handshaking_state.upon(LinkInputs.close).to(_closed)
-def _close_handshaking(inputs: LinkInputs, core: LinkCore, data: Deadline) -> None:
-    data.stop()
-    core.settle(_closed_error())
-    _enter_closed(core)
+_handshaking_state.upon(LinkInputs.connection_made).loop()(_reject_stray)
+_handshaking_state.upon(LinkInputs.close).to(_closed)(_close_timed)
 
 
 _ignore(
@@ -527,16 +538,8 @@ _reconciling_state.upon(LinkInputs._timed_out).to(_down_state)(_handshake_fails)
 _reconciling_state.upon(LinkInputs.connection_lost).to(_down_state)(_handshake_fails)
 
 
-@_reconciling_state.upon(LinkInputs.connection_made).loop()
-def _reconciling_stray(inputs: LinkInputs, core: LinkCore, data: Deadline) -> None:
-    core.effects.reject()
-
-
-@_reconciling_state.upon(LinkInputs.close).to(_closed)
-def _close_reconciling(inputs: LinkInputs, core: LinkCore, data: Deadline) -> None:
-    data.stop()
-    core.settle(_closed_error())
-    _enter_closed(core)
+_reconciling_state.upon(LinkInputs.connection_made).loop()(_reject_stray)
+_reconciling_state.upon(LinkInputs.close).to(_closed)(_close_timed)
 
 
 _ignore(
@@ -611,9 +614,7 @@ def _open_wait(inputs: LinkInputs, core: LinkCore, data: Open) -> None:
     core.settle(None)
 
 
-@_open_state.upon(LinkInputs.connection_made).loop()
-def _open_stray(inputs: LinkInputs, core: LinkCore, data: Open) -> None:
-    core.effects.reject()
+_open_state.upon(LinkInputs.connection_made).loop()(_reject_stray)
 
 
 @_open_state.upon(LinkInputs.close).to(_closed)
@@ -657,16 +658,8 @@ def _down_wait(inputs: LinkInputs, core: LinkCore, data: Waiting) -> None:
     core.settle(core.last_reason or LinkLostError("the link is down"))
 
 
-@_down_state.upon(LinkInputs.connection_made).loop()
-def _down_stray(inputs: LinkInputs, core: LinkCore, data: Waiting) -> None:
-    core.effects.reject()
-
-
-@_down_state.upon(LinkInputs.close).to(_closed)
-def _close_down(inputs: LinkInputs, core: LinkCore, data: Waiting) -> None:
-    data.stop()
-    core.settle(_closed_error())
-    _enter_closed(core)
+_down_state.upon(LinkInputs.connection_made).loop()(_reject_stray)
+_down_state.upon(LinkInputs.close).to(_closed)(_close_timed)
 
 
 _ignore(

@@ -22,7 +22,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from sfnode.generation import TokenSink
-from sfnode.head.link.calls import CallTable, GenerationCall
+from sfnode.head.link.calls import CallTable, GenerationAsk, GenerationCall
 from sfnode.head.link.errors import (
     ConstraintsUnsupportedError,
     MalformedFrameError,
@@ -62,7 +62,6 @@ from sfnode.linkf.wire import (
     FEATURE_LOGPROBS,
     FEATURE_REQUEST_CLASS,
     CapacitySummary,
-    Constraint,
     Finish,
     GenerationBudgetsMsg,
     GenParams,
@@ -76,7 +75,6 @@ from sfnode.linkf.wire import (
     NodeStatusMsg,
     PayloadError,
     ReconcileAckMsg,
-    RequestClass,
     StageForwardReqMsg,
     StageForwardRespMsg,
     TokenEventsMsg,
@@ -267,13 +265,10 @@ class NodeLink:
     def observe(self, observer: LinkObserver) -> None:
         self._observers.append(observer)
 
-    def pending_generations(self) -> list[GenerationCall]:
-        return self._calls.pending()
-
     @property
-    def pending_forwards(self) -> int:
-        """Stage forwards waiting for their answer."""
-        return self._calls.forwards
+    def calls(self) -> CallTable:
+        """Outstanding generations and stage forwards (read it; the link alone changes it)."""
+        return self._calls
 
     def when_closed(self) -> Deferred[Exception]:
         """A Deferred that fires with the reason the next time an open connection drops (or
@@ -402,27 +397,21 @@ class NodeLink:
         self.send_now(Keepalive())
 
     def generate(
-        self,
-        session_id: int,
-        max_new_tokens: int,
-        *,
-        max_wall_ms: int = 0,
-        on_tokens: TokenSink | None = None,
-        request_class: RequestClass = RequestClass.INTERACTIVE,
-        constraint: Constraint | None = None,
+        self, session_id: int, ask: GenerationAsk, on_tokens: TokenSink | None = None
     ) -> GenerationCall:
-        """GENERATE_REQ with a new generation id; committed tokens stream to ``on_tokens``.
+        """GENERATE_REQ with a new generation id, with the budgets, class and constraint of
+        ``ask`` (the head's request value); committed tokens stream to ``on_tokens``.
 
         Each event arrives as one :class:`~sfnode.generation.TokenBatch`; when the session's
         GenParams ask for logprobs and the node offers them (:attr:`features`), the batch
         carries one :class:`~sfnode.generation.TokenLogprob` per token (docs/protocol.md
         section 12.1).
 
-        ``request_class`` travels only to a node that set FEATURE_REQUEST_CLASS
+        The request class travels only to a node that set FEATURE_REQUEST_CLASS
         (:attr:`request_classes`); any other node reads every request alike (docs/protocol.md
         section 12.2).
 
-        ``constraint`` (docs/protocol.md section 12.3) goes only to a node that set
+        A constraint (docs/protocol.md section 12.3) goes only to a node that set
         FEATURE_CONSTRAINTS; for any other the call fails at once with
         :class:`ConstraintsUnsupportedError` and nothing is sent.
 
@@ -440,15 +429,15 @@ class NodeLink:
         if not self.connected:
             call._fail(LinkLostError(f"the link to {self.name} is down"))
             return call
-        if constraint is not None and not (self.features or 0) & FEATURE_CONSTRAINTS:
+        if ask.constraint is not None and not (self.features or 0) & FEATURE_CONSTRAINTS:
             call._fail(ConstraintsUnsupportedError(f"{self.name} does not honour constraints"))
             return call
         request = self.head_session.generate(
             session_id,
             generation_id,
-            GenerationBudgetsMsg(max_new_tokens, max_wall_ms),
-            int(request_class) if self.request_classes else None,
-            constraint,
+            GenerationBudgetsMsg(ask.max_new, ask.max_wall_ms),
+            int(ask.request_class) if self.request_classes else None,
+            ask.constraint,
         )
         assert request is not None
         self._calls.add(call)
@@ -655,7 +644,7 @@ class _LinkDriver:
             return
         self.link._core.last_heard = self.link._clock.seconds()
         if self.in_handshake:
-            self._on_hello_ack(message)
+            _on_hello_ack(self, message)
             return
         handler = _HANDLERS.get(type(message))
         # Anything else a node may send (a repeated HELLO_ACK_F, TELEMETRY, ...) is ignored.
@@ -710,30 +699,6 @@ class _LinkDriver:
     # ----------------------------------------------------------------------------------------
     # Internals
 
-    def _set_capacity(self, capacity: CapacitySummary) -> None:
-        self.link.capacity = capacity
-        self.link.capacity_at = self.link._clock.seconds()
-
-    def _on_hello_ack(self, message: Message) -> None:
-        if not isinstance(message, HelloAckF):
-            self.link._machine.handshake_failed(
-                HandshakeError(f"expected HELLO_ACK_F, got {type(message).__name__}")
-            )
-            return
-        if self.link.hello_ack is None and not message.feature_flags & FEATURE_HEAD_IDENTITY:
-            _log.warn(
-                "node {node} does not keep the sessions of different heads apart (no head "
-                "identity, docs/protocol.md section 12.4): do not share it with another head",
-                node=message.node_identity,
-            )
-        self.link.hello_ack = message
-        self._set_capacity(message.capacity)
-        self.link.models = message.loadable_models
-        if self.link.head_session.session_ids() or self.link._calls.any_suspended:
-            self.link._machine.acknowledged_with_sessions()
-        else:
-            self.link._machine.acknowledged()
-
     def _settle_suspended(self, state: Reconcile | None) -> None:
         """Keep the suspended generations the node still has; fail the others (section 8)."""
         for call in self.link._calls.take_suspended():
@@ -758,6 +723,35 @@ class _LinkDriver:
         for call in self.link._calls.pending():
             self.link.forget_generation(call)
             call._fail(error)
+
+
+def _on_hello_ack(driver: _LinkDriver, message: Message) -> None:
+    """What the link does with the first message of a connection: HELLO_ACK_F, or the
+    handshake fails."""
+    link = driver.link
+    if not isinstance(message, HelloAckF):
+        link._machine.handshake_failed(
+            HandshakeError(f"expected HELLO_ACK_F, got {type(message).__name__}")
+        )
+        return
+    if link.hello_ack is None and not message.feature_flags & FEATURE_HEAD_IDENTITY:
+        _log.warn(
+            "node {node} does not keep the sessions of different heads apart (no head "
+            "identity, docs/protocol.md section 12.4): do not share it with another head",
+            node=message.node_identity,
+        )
+    link.hello_ack = message
+    _set_capacity(link, message.capacity)
+    link.models = message.loadable_models
+    if link.head_session.session_ids() or link._calls.any_suspended:
+        link._machine.acknowledged_with_sessions()
+    else:
+        link._machine.acknowledged()
+
+
+def _set_capacity(link: NodeLink, capacity: CapacitySummary) -> None:
+    link.capacity = capacity
+    link.capacity_at = link._clock.seconds()
 
 
 # The handler table: what the link does with each message a node sends after the handshake.
@@ -788,7 +782,7 @@ def _on_lease_renew(driver: _LinkDriver, message: LeaseRenewMsg) -> None:
 
 @_handles(NodeStatusMsg)
 def _on_node_status(driver: _LinkDriver, message: NodeStatusMsg) -> None:
-    driver._set_capacity(message.capacity)
+    _set_capacity(driver.link, message.capacity)
     if message.loadable_models:
         driver.link.models = message.loadable_models
     for observer in list(driver.link._observers):

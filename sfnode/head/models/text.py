@@ -40,8 +40,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from sfnode.head.api.schema import ApiError, ChatMessage, clip
+from sfnode.head.models.chat import ChatMessage
 from sfnode.head.models.tools import client_texts, masked, template_message, template_messages
+from sfnode.runtime.http_guard import HttpError, clip
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -167,27 +168,6 @@ def _template_environment() -> Any:
             )
             return body
 
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(
-        value: Any,
-        ensure_ascii: bool = False,
-        indent: int | None = None,
-        separators: tuple[str, str] | None = None,
-        sort_keys: bool = False,
-    ) -> str:
-        return json.dumps(
-            value,
-            ensure_ascii=ensure_ascii,
-            indent=indent,
-            separators=separators,
-            sort_keys=sort_keys,
-        )
-
-    def strftime_now(format: str) -> str:
-        return datetime.now().strftime(format)
-
     class Environment(ImmutableSandboxedEnvironment):
         """The sandbox, with ``*`` and ``**`` bounded: their results are built in one C call
         that a render's time limit cannot stop."""
@@ -215,10 +195,35 @@ def _template_environment() -> Any:
         lstrip_blocks=True,
         extensions=[GenerationTag, "jinja2.ext.loopcontrols"],
     )
-    environment.filters["tojson"] = tojson
-    environment.globals["raise_exception"] = raise_exception
-    environment.globals["strftime_now"] = strftime_now
+    environment.filters["tojson"] = _tojson
+    environment.globals["raise_exception"] = _raise_exception
+    environment.globals["strftime_now"] = _strftime_now
     return environment
+
+
+# The helpers transformers gives chat templates.
+
+
+def _raise_exception(message: str) -> None:
+    import jinja2
+
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
 
 
 class HeadTokenizer:
@@ -298,10 +303,12 @@ class HeadTokenizer:
                 where = self.folder if self.folder is not None else "the node's files"
                 raise TokenizerLoadError(f"the chat template of {where} is invalid: {e}") from e
         vocab = self._tokenizer.get_vocab(with_added_tokens=True)
-        self._vocab_size = max(vocab.values(), default=-1) + 1
-        self._longest = max((len(t) for t in vocab), default=1)
+        self.vocab_size = max(vocab.values(), default=-1) + 1
+        self.longest_token = max((len(t) for t in vocab), default=1)
         eos = self.special_tokens.get("eos_token")
-        self._eos = self._tokenizer.token_to_id(eos) if eos is not None else None
+        self.eos_token_id: int | None = (
+            self._tokenizer.token_to_id(eos) if eos is not None else None
+        )
 
     def _read_json(self, name: str) -> dict[str, Any]:
         text = self._read(name)
@@ -322,18 +329,6 @@ class HeadTokenizer:
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
         return template if isinstance(template, str) else None
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def longest_token(self) -> int:
-        return self._longest
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self._eos
 
     def encode(self, text: str, *, special: bool, parse_special: bool = False) -> list[int]:
         # The batch encoders release the GIL while they work (``encode`` holds it throughout,
@@ -381,16 +376,8 @@ class TransformersCodec:
         self.tokenizer = tokenizer
         self._lock = threading.Lock()
         vocab = tokenizer.get_vocab()
-        self._vocab_size = max(max(vocab.values(), default=-1) + 1, len(tokenizer))
-        self._longest = max((len(t) for t in vocab), default=1)
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def longest_token(self) -> int:
-        return self._longest
+        self.vocab_size = max(max(vocab.values(), default=-1) + 1, len(tokenizer))
+        self.longest_token = max((len(t) for t in vocab), default=1)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -613,7 +600,7 @@ class Renderer:
         ``tools`` (and the history's calls and results) go to a template that knows tools,
         else through the generic rendering (:func:`sfnode.head.models.tools.template_messages`).
 
-        :raises ApiError: 400 when the template refuses the messages, 500 when it ran out of
+        :raises HttpError: 400 when the template refuses the messages, 500 when it ran out of
             time.
         """
         messages, rendered_tools = template_messages(messages, tools, self.codec.knows_tools)
@@ -637,7 +624,7 @@ class Renderer:
         text = self._render([masked(m, mask) for m in messages], budget, rendered_tools)
         placeholder = re.compile("\ue000" + nonce + r"\.(\d+)\ue001")
         if nonce in placeholder.sub("", text):
-            raise ApiError(
+            raise HttpError(
                 400,
                 "the model's chat template transformed a message holding a special token's "
                 "spelling in a way this server cannot tokenize as text; send it without it",
@@ -669,7 +656,7 @@ class Renderer:
                 return self.codec.render_chat(messages, tools)
             return budget.run(lambda: self.codec.render_chat(messages, tools))
         except RenderStopped as e:
-            raise ApiError(
+            raise HttpError(
                 500,
                 "the model's chat template did not finish rendering these messages in time "
                 "(--template-timeout) and was stopped; the server's operator should check the "
@@ -683,7 +670,7 @@ class Renderer:
 
             if not isinstance(e, TemplateError):
                 raise
-            raise ApiError(
+            raise HttpError(
                 400,
                 f"the model's chat template refused these messages: {clip(str(e), 200)}",
                 param="messages",

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sfnode.decoding.constraint import CALL_CLOSE, CALL_OPEN, CALL_SEPARATOR, tools_system_text
-from sfnode.head.api.schema import ChatMessage, ChatToolCall
+from sfnode.head.models.chat import ChatMessage, ChatToolCall
 
 RESPONSE_OPEN = "<tool_response>"
 RESPONSE_CLOSE = "</tool_response>"
@@ -344,8 +344,7 @@ class CallsAnswer:
     @property
     def whole_calls(self) -> list[dict[str, Any]]:
         """The calls whose arguments are whole (what a non-streamed answer lists: a call an
-        output was cut inside is dropped, as :func:`sfnode.decoding.constraint.parse_tool_calls`
-        drops it)."""
+        output was cut inside is dropped)."""
         return [call for index, call in enumerate(self.calls) if index in self.done]
 
 
