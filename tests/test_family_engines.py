@@ -14,6 +14,7 @@ family.  These tests must never download anything.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -21,6 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from twisted.internet import defer, reactor
+from twisted.logger import capturedLogs, formatEvent
 from twisted.trial import unittest
 
 from sfnode.engines.kernels import native
@@ -172,16 +174,54 @@ class FamilyEngineTests(unittest.TestCase):
     def test_k_quant_files_are_held_as_stored(self) -> None:
         """A Q4_K_M file's matrices are multiplied from their Q4_K and Q6_K blocks (the
         engine's account of its kernels names them), and the weights the step reads take at
-        most 1.1 times the file's size."""
+        most 1.1 times the file's size, by the engine's own figures (what its log line and
+        ``/metrics`` show)."""
         native_kernels()
         for family in families.FAMILY_NAMES:
             path = families.gguf(family, "Q4_K_M")
-            engine = build(path)
-            gathered = engine.weights.gathered
-            self.assertIsNotNone(gathered, family)
+            with capturedLogs() as events:
+                engine = build(path)
             kinds = {part.split(" x ")[0] for part in engine.weights.kernels.split(", ")}
             self.assertEqual(kinds, {"Q4_K", "Q6_K"}, family)
-            self.assertLessEqual(gathered.held_bytes(), 1.1 * path.stat().st_size, family)
+            figures = engine.statistics().weights
+            self.assertIsNotNone(figures, family)
+            assert figures is not None
+            self.assertEqual(figures.file_bytes, path.stat().st_size, family)
+            self.assertEqual(figures.held_bytes, engine.weights.gathered.held_bytes(), family)
+            self.assertGreater(figures.ratio, 0.5, family)
+            self.assertLessEqual(figures.ratio, 1.1, family)
+            (line,) = [formatEvent(e) for e in events if "layers of" in (formatEvent(e) or "")]
+            self.assertIn(f"{figures.ratio:.2f}x", line, family)
+            self.assertIn(f"{engine.weights.kernels}; ", line, family)
+
+    @defer.inlineCallbacks
+    def test_metrics_show_the_weights_against_their_file(self) -> Any:
+        """A node serving a Q4_K_M file shows on ``/metrics`` the bytes of the weights its
+        step reads and the file's, within 1.1x of each other."""
+        from twisted.web.client import Agent, readBody
+
+        native_kernels()
+        path = families.gguf("qwen2", "Q4_K_M")
+        options = tap.Options()
+        options.parseOptions(
+            ["--listen", "tcp:0:interface=127.0.0.1", "--model", str(path), "--device", "cpu",
+             "--threads", "1", "--max-lanes", "1", "--cache-dir", str(_cache),
+             "--metrics", "tcp:0:interface=127.0.0.1"]
+        )  # fmt: skip
+        node = tap.makeService(options, reactor)
+        node.startService()
+        self.addCleanup(node.stopService)
+        port = node.getServiceNamed("metrics").port.getHost().port
+        response = yield Agent(reactor).request(b"GET", f"http://127.0.0.1:{port}/metrics".encode())
+        body = (yield readBody(response)).decode()
+        found = {
+            name: float(value)
+            for name, value in re.findall(r"^(sfnode_weights(?:_file)?_bytes)\{[^}]*\} (\S+)$",
+                                          body, re.M)
+        }  # fmt: skip
+        self.assertEqual(found["sfnode_weights_file_bytes"], path.stat().st_size)
+        self.assertLessEqual(found["sfnode_weights_bytes"], 1.1 * path.stat().st_size)
+        self.assertGreater(found["sfnode_weights_bytes"], 0.5 * path.stat().st_size)
 
     def test_an_unsupported_architecture_is_refused_by_name(self) -> None:
         """A GGUF file of an architecture no family reads stops the node's start with one line

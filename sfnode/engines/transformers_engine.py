@@ -55,7 +55,7 @@ from sfnode.engines.scheduling.plan import StepOutput, StepPlan
 from sfnode.engines.weights.gather import ModelWeights, WeightsError, as_stored, gather_weights
 from sfnode.engines.weights.loading import LoadedModel
 from sfnode.engines.weights.stored import StoredModel
-from sfnode.generation import MaskFigures, StageResult
+from sfnode.generation import EngineStatistics, MaskFigures, StageResult, WeightFigures
 from sfnode.linkf.wire import Constraint
 
 if TYPE_CHECKING:
@@ -223,6 +223,9 @@ class ServedWeights:
     onednn_layers: int = 0
     gathered: ModelWeights | None = None
     """The decoder runner's weights (None: the model's own forward holds them)."""
+    figures: WeightFigures | None = None
+    """What the decoder runner's weights take against their files (None: the model's own
+    forward)."""
 
 
 def decoder_runner(
@@ -254,13 +257,18 @@ def decoder_runner(
         fused=config.fused_step,
         masks=masks,
     )
+    figures = WeightFigures(served.held_bytes(), stored.file_bytes)
     log.info(
-        "serving {layers} layers of {family} with weights {mode} ({kernels}); activations and "
-        "KV in {dtype}; prefix cache {prefix}; {fused}",
+        "serving {layers} layers of {family} with weights {mode} ({kernels}; {held:.1f} MB held "
+        "for {file:.1f} MB of files, {ratio:.2f}x); activations and KV in {dtype}; prefix cache "
+        "{prefix}; {fused}",
         layers=len(served.layers),
         family=stored.spec.family,
         mode=served.mode,
         kernels=served.describe(),
+        held=figures.held_bytes / 1e6,
+        file=figures.file_bytes / 1e6,
+        ratio=figures.ratio,
         dtype=str(served.activations).removeprefix("torch."),
         prefix=f"{pool_blocks} blocks" if pool_blocks else "off",
         fused=(
@@ -270,7 +278,12 @@ def decoder_runner(
         ),
     )
     return ServedWeights(
-        runner, served.mode, served.describe(), served.activations, gathered=served
+        runner,
+        served.mode,
+        served.describe(),
+        served.activations,
+        gathered=served,
+        figures=figures,
     )
 
 
@@ -444,6 +457,10 @@ class TransformersEngine(EngineLoop):
     def exactness(self) -> defer.Deferred[str | None]:
         """See :attr:`ThreadWorker.exactness`."""
         return self._worker.exactness
+
+    def statistics(self) -> EngineStatistics:
+        """The loop's figures, and the weights held against their files."""
+        return replace(super().statistics(), weights=self.weights.figures)
 
     def mask_figures(self) -> MaskFigures | None:
         if self._masks is None:

@@ -169,7 +169,8 @@ class StoredModel:
     tensors: dict[str, StoredTensor]
     source: Path
     file_bytes: int = 0
-    """The size of the weight files read (for the resident-size figure)."""
+    """The size of the weight files read (a GGUF file whole; a folder's safetensors files):
+    what the weights held are measured against (the log's and ``/metrics``' ratio)."""
 
     def held_bytes(self) -> int:
         """Bytes of every tensor held (mapped or moved)."""
@@ -228,8 +229,7 @@ def read_gguf(path: Path) -> StoredModel:
     if family.gguf_permutes_qk:
         tensors = _unpermute(tensors, spec)
     _check(tensors, spec, str(path))
-    weight_bytes = sum(int(t.data.nbytes) for t in tensors.values())
-    return StoredModel(spec, tensors, path, weight_bytes)
+    return StoredModel(spec, tensors, path, path.stat().st_size)
 
 
 def _gguf_tensor(path: Path, dims: tuple[int, ...], ggml_type: int, offset: int) -> StoredTensor:
