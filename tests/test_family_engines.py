@@ -13,8 +13,10 @@ family.  These tests must never download anything.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -35,6 +37,7 @@ from tests.tinymodel import reference_greedy
 PROMPT = [1, 37, 90, 200, 15, 8, 301, 77]
 TOKENS = 48
 KINDS = ("folder", "F32", "Q8_0", "Q4_K_M")
+LOOPBACK = "tcp:0:interface=127.0.0.1"
 _cache = Path(families._workspace()) / "cache"
 
 
@@ -227,12 +230,7 @@ class FamilyEngineTests(unittest.TestCase):
         """A GGUF file of an architecture no family reads stops the node's start with one line
         naming it, before any service exists (a node that cannot run its model never announces
         itself to a head), and leaves nothing in the model cache."""
-        path = Path(self.mktemp()) / "mamba.gguf"
-        path.parent.mkdir()
-        data = bytearray(families.gguf("qwen2", "F32").read_bytes())
-        at = data.index(b"qwen2")
-        data[at : at + 5] = b"mamba"
-        path.write_bytes(bytes(data))
+        path = mamba_file(self)
         cache = Path(self.mktemp())
         options = tap.Options()
         options.parseOptions(
@@ -241,9 +239,70 @@ class FamilyEngineTests(unittest.TestCase):
         )  # fmt: skip
         with self.assertRaises(tap.NodeStartupError) as caught:
             tap.makeService(options, reactor)
-        self.assertEqual(
-            str(caught.exception),
-            "sfnode: GGUF architecture 'mamba' is not supported (sfnode reads llama, qwen2, "
-            "qwen3, gemma2, gemma3, phi3)",
-        )
+        self.assertEqual(str(caught.exception), REFUSED)
         self.assertFalse([p for p in cache.rglob("*") if p.is_file()])
+
+
+REFUSED = (
+    "sfnode: GGUF architecture 'mamba' is not supported (sfnode reads llama, qwen2, qwen3, "
+    "gemma2, gemma3, phi3)"
+)
+
+
+def mamba_file(test: unittest.TestCase) -> Path:
+    """The tiny Qwen2 F32 file with its architecture renamed ``mamba`` (one no family reads)."""
+    path = Path(test.mktemp()).resolve() / "mamba.gguf"
+    path.parent.mkdir(parents=True)
+    data = bytearray(families.gguf("qwen2", "F32").read_bytes())
+    at = data.index(b"qwen2")
+    data[at : at + 5] = b"mamba"
+    path.write_bytes(bytes(data))
+    return path
+
+
+class RefusedNodeProcessTests(unittest.TestCase):
+    """``twistd sfnode`` as an operator starts it, joining a real ``twistd sfhead``."""
+
+    timeout = 120
+
+    async def test_a_refused_node_never_reaches_its_head(self) -> None:
+        """A node told to join a head (``--head``) with a model of an architecture sfnode
+        does not read exits non-zero with that one line (no traceback) before it dials: the
+        head never logs it joining, and its ``/healthz`` and ``/metrics`` show no node serving
+        (``unavailable``, 0 nodes, no ``sfhead_node_up`` of 1)."""
+        from twisted.internet.utils import getProcessOutputAndValue
+        from twisted.web.client import Agent, readBody
+
+        from tests.processes import TWISTD, Child, child_env, spawn_twistd
+
+        head = spawn_twistd(
+            self,
+            Child("head"),
+            ["sfhead", "--http", LOOPBACK, "--fleet-listen", LOOPBACK, "--model-name", "mamba"],
+        )
+        found = await head.wait_for(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)\n")
+        http = int(found[0].group(1))
+        found = await head.wait_for(rb"sfhead accepting nodes on 127\.0\.0\.1:(\d+)\n")
+        fleet = int(found[0].group(1))
+        path = mamba_file(self)
+        out, err, code = await getProcessOutputAndValue(
+            sys.executable,
+            ["-c", TWISTD, "--pidfile=", "-n", "sfnode", "--head", f"tcp:127.0.0.1:{fleet}",
+             "--model", str(path), "--cache-dir", str(path.parent / "cache"), "--device", "cpu"],
+            env=child_env(),
+            path=str(path.parent),
+        )  # fmt: skip
+        text = (out + err).decode(errors="replace")
+        self.assertNotEqual(code, 0, text)
+        self.assertEqual([line for line in text.splitlines() if "mamba" in line], [REFUSED], text)
+        self.assertNotIn("Traceback", text)
+        agent = Agent(reactor)
+        response = await agent.request(b"GET", f"http://127.0.0.1:{http}/healthz".encode())
+        health = json.loads(await readBody(response))
+        self.assertEqual(
+            (response.code, health["status"], health["nodes"]), (503, "unavailable", 0)
+        )
+        response = await agent.request(b"GET", f"http://127.0.0.1:{http}/metrics".encode())
+        metrics = (await readBody(response)).decode()
+        self.assertNotRegex(metrics, r"sfhead_node_up\{[^}]*\} 1")
+        self.assertNotIn(b"joined", bytes(head.output))
