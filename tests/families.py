@@ -64,6 +64,8 @@ def config(family: str) -> Any:
 
     if family == "llama":
         return t.LlamaConfig(**_COMMON, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=False)
+    if family == "llama2":
+        return t.LlamaConfig(**_COMMON, tie_word_embeddings=True)
     if family == "qwen2":
         return t.Qwen2Config(**_COMMON, tie_word_embeddings=True)
     if family == "qwen3":
@@ -101,7 +103,9 @@ def config(family: str) -> Any:
     raise ValueError(f"no tiny {family}")
 
 
-FAMILY_NAMES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3")
+FAMILY_NAMES = ("llama2", "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3")
+"""``llama2``: plain Llama (default rope, tied embedding, as SmolLM2); ``llama``: Llama 3's rope
+(``llama3`` scaling, its factors the GGUF file's ``rope_freqs``)."""
 
 
 def model(family: str, seed: int = 1234) -> Any:
@@ -153,6 +157,7 @@ CHAT_TEMPLATE = (
 
 _ARCH = {
     "llama": "llama",
+    "llama2": "llama",
     "mistral": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",

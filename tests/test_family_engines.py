@@ -250,9 +250,15 @@ REFUSED = (
 
 
 def mamba_file(test: unittest.TestCase) -> Path:
-    """The tiny Qwen2 F32 file with its architecture renamed ``mamba`` (one no family reads)."""
-    path = Path(test.mktemp()).resolve() / "mamba.gguf"
-    path.parent.mkdir(parents=True)
+    """:func:`mamba_file_at` in a folder of ``test``'s own."""
+    return mamba_file_at(Path(test.mktemp()).resolve())
+
+
+def mamba_file_at(folder: Path) -> Path:
+    """The tiny Qwen2 F32 file with its architecture renamed ``mamba`` (one no family reads),
+    written in ``folder``."""
+    path = folder / "mamba.gguf"
+    path.parent.mkdir(parents=True, exist_ok=True)
     data = bytearray(families.gguf("qwen2", "F32").read_bytes())
     at = data.index(b"qwen2")
     data[at : at + 5] = b"mamba"
