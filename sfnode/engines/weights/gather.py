@@ -318,8 +318,8 @@ def gather_weights(
     ``mode`` (see the module docstring).
 
     Keyword options (:class:`KernelOptions`): ``cache_file`` where converted weights are kept
-    between starts (the kernel choice, the self-checks and the native library are kept in its
-    folder); ``checks`` overrides the kernel self-checks (tests use it to simulate a CPU without
+    between starts (the kernel choice and the self-checks are kept in its folder, the native
+    library once for the whole cache, in its ``kernels`` folder); ``checks`` overrides the kernel self-checks (tests use it to simulate a CPU without
     a kernel); ``dense_copies`` lets long prompt chunks use bfloat16 copies of quantized weights
     where that is measured to be faster; ``kernels`` is the family of the kernels
     (:mod:`sfnode.engines.kernels.choice`): ``auto`` measures on ``cpu`` (this one by default)
@@ -652,9 +652,7 @@ def _choose_family(
     if kept.kernels not in ("auto", *FAMILIES):
         raise WeightsError(f"kernels must be auto, {' or '.join(FAMILIES)}, not {kept.kernels!r}")
     cpu = kept.cpu or Cpu.here()
-    library_dir = kept.library_dir
-    if library_dir is None:
-        library_dir = kept.cache_file.parent if kept.cache_file else _default_library_dir()
+    library_dir = kept.library_dir or _library_dir(kept.cache_file)
     k_quants = sorted({t.kind for t in stored.tensors.values()} & K_QUANTS)
     if kept.kernels == "torch":
         choice = Choice("torch", "asked for", all_float32=all_float32)
@@ -732,6 +730,17 @@ def _default_library_dir() -> Path:
     from sfnode.engines.weights.loading import default_cache_dir
 
     return default_cache_dir().parent / "kernels"
+
+
+def _library_dir(cache_file: Path | None) -> Path:
+    """Where the native library is built and kept: one for every model of a cache (its name
+    is the source's hash), never one per model (each GGUF file would compile it again)."""
+    from sfnode.engines.weights.loading import default_cache_dir
+
+    root = cache_file.parent.parent if cache_file is not None else None
+    if root is None or root == default_cache_dir():
+        return _default_library_dir()
+    return root / "kernels"
 
 
 __all__ = [
