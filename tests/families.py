@@ -263,8 +263,9 @@ def _keys(writer: Any, family: str, cfg: Any, kind: str, hparams: dict[str, Any]
         writer.add_sliding_window(cfg.sliding_window)
 
 
-def _tokenizer_keys(writer: Any, folder: Path) -> None:
-    """The converter's ``_set_vocab_gpt2`` for the tiny byte-level BPE tokenizer."""
+def _tokenizer_keys(writer: Any, folder: Path, template: str | None) -> None:
+    """The converter's ``_set_vocab_gpt2`` for the tiny byte-level BPE tokenizer, and the chat
+    template (none when None)."""
     tokenizer = json.loads((folder / "tokenizer.json").read_text())
     vocab = tokenizer["model"]["vocab"]
     specials = {t["id"] for t in tokenizer["added_tokens"] if t.get("special")}
@@ -280,7 +281,8 @@ def _tokenizer_keys(writer: Any, folder: Path) -> None:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(TINY_EOS)
     writer.add_pad_token_id(0)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    if template is not None:
+        writer.add_chat_template(template)
 
 
 def _store(name: str, values: np.ndarray[Any, Any], kind: str, layers: int) -> tuple[Any, Any]:
@@ -301,9 +303,16 @@ def _store(name: str, values: np.ndarray[Any, Any], kind: str, layers: int) -> t
     return kquant.quantize(block, values), T[block]
 
 
-def write_gguf(family: str, folder: Path, path: Path, kind: str = "F32") -> Path:
+def write_gguf(
+    family: str,
+    folder: Path,
+    path: Path,
+    kind: str = "F32",
+    template: str | None = CHAT_TEMPLATE,
+) -> Path:
     """The tiny folder of ``family`` (from :func:`save_folder`) as a GGUF file of ``kind``
-    (``F32``, ``Q8_0`` or ``Q4_K_M``), laid out as llama.cpp's converter lays it out."""
+    (``F32``, ``Q8_0`` or ``Q4_K_M``), laid out as llama.cpp's converter lays it out, with
+    ``template`` as its chat template (none when None)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -312,7 +321,7 @@ def write_gguf(family: str, folder: Path, path: Path, kind: str = "F32") -> Path
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
     writer = gguf.GGUFWriter(str(path), arch)
     _keys(writer, family, cfg, kind, json.loads((folder / "config.json").read_text()))
-    _tokenizer_keys(writer, folder)
+    _tokenizer_keys(writer, folder, template)
     if kind != "F32":
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     tensors = load_file(str(folder / "model.safetensors"))

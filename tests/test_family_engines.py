@@ -312,3 +312,93 @@ class RefusedNodeProcessTests(unittest.TestCase):
         metrics = (await readBody(response)).decode()
         self.assertNotRegex(metrics, r"sfhead_node_up\{[^}]*\} 1")
         self.assertNotIn(b"joined", bytes(head.output))
+
+
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{{ messages[0]['content'] if messages[0]['role'] == 'system' else 'You help.' }}\n\n"
+    "# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools><|im_end|>\n"
+    "{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n"
+    "{{ messages[0]['content'] }}<|im_end|>\n{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) or "
+    "(message.role == 'assistant' and not message.tool_calls) %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{% elif message.role == 'assistant' %}<|im_start|>assistant"
+    "{% if message.content %}\n{{ message.content }}{% endif %}"
+    "{% for call in message.tool_calls %}{% set f = call.function %}\n<tool_call>\n"
+    '{"name": "{{ f.name }}", "arguments": {{ f.arguments | tojson }}}\n</tool_call>'
+    "{% endfor %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "\n<tool_response>\n{{ message.content }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""A chat template in the shape of Qwen2.5's: the tools as JSON in the system turn, calls and
+results in their tags, consecutive results in one user turn."""
+
+
+class ChatTemplateTests(unittest.TestCase):
+    """The chat template a model brings, from the node's model files to the head's rendering."""
+
+    def model_files(self, template: str | None) -> Path:
+        """The folder of model files the node writes for a tiny Qwen2 GGUF with ``template``."""
+        from sfnode.engines.weights.loading import model_folder
+
+        where = Path(self.mktemp()).resolve()
+        where.mkdir(parents=True)
+        path = families.write_gguf(
+            "qwen2", families.folder("qwen2"), where / "qwen2.gguf", "F32", template
+        )
+        return model_folder(path, where / "cache")[1]
+
+    def test_a_gguf_template_with_tools_renders_as_transformers_renders_it(self) -> None:
+        """A GGUF file's ``tokenizer.chat_template`` (one that reads ``tools``, calls and
+        results) reaches the head through the node's model files, and the head renders a
+        conversation with tools, a call and two results exactly as transformers'
+        ``apply_chat_template`` renders it from the same files; so does the folder's
+        ``tokenizer_config.json`` template."""
+        from transformers import AutoTokenizer
+
+        from sfnode.head.models.text import HeadTokenizer, TransformersCodec
+        from tests.test_head_tools import TOOLS, RenderingTests
+
+        folder = self.model_files(TOOLS_TEMPLATE)
+        bare = Path(self.mktemp()).resolve()
+        bare.mkdir()
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (folder / name).is_file():
+                (bare / name).write_bytes((folder / name).read_bytes())
+        (bare / "chat_template.jinja").unlink(missing_ok=True)
+        config = json.loads((bare / "tokenizer_config.json").read_text())
+        (bare / "tokenizer_config.json").write_text(
+            json.dumps({**config, "chat_template": TOOLS_TEMPLATE})
+        )
+        for where in (folder, bare):
+            ours = HeadTokenizer(where)
+            self.assertEqual(ours.chat_template, TOOLS_TEMPLATE, where)
+            self.assertTrue(ours.knows_tools, where)
+            theirs = TransformersCodec(AutoTokenizer.from_pretrained(str(where)))
+            history = RenderingTests.HISTORY
+            text = ours.render_chat(history, tools=TOOLS)
+            self.assertEqual(text, theirs.render_chat(history, tools=TOOLS), where)
+            # transformers' Jinja trims the newline after a block tag (trim_blocks)
+            self.assertIn('<tools>{"type": "function", "function": {"name": "jump"', text)
+            self.assertIn('"arguments": {"over": "fox"}}', text)
+            self.assertEqual(ours.render_chat(history[:2]), theirs.render_chat(history[:2]))
+
+    @defer.inlineCallbacks
+    def test_a_model_without_a_template_still_serves_completions(self) -> Any:
+        """A GGUF file with no chat template gives model files without one (the head has no
+        template of the model's to render chat with) and an engine that still serves
+        completions from token ids."""
+        from sfnode.head.models.text import HeadTokenizer
+
+        folder = self.model_files(None)
+        self.assertFalse((folder / "chat_template.jinja").exists())
+        self.assertIsNone(HeadTokenizer(folder).chat_template)
+        engine = build(folder.parent.parent / "qwen2.gguf")
+        tokens = yield FamilyEngineTests().greedy(engine)
+        self.assertEqual(len(tokens), TOKENS)
