@@ -7,7 +7,9 @@ builder, by default options and with ``--eager-step`` (the layers as torch opera
 - the path: ``native`` (the whole step in sfnode's native calls) or ``torch ops``;
 - tokens equal: how many of the first 48 greedy tokens equal the reference before the first
   that differs (transformers' ``generate()`` on the folder in float32; for a quantized file,
-  on the folder's model with the file's matrices dequantized into it);
+  on the folder's model with the file's matrices dequantized into it, its activations held as
+  the kernels hold them: tests/test_family_engines.py ``reference``), and where they part how
+  near a tie the reference had there (its best logit minus the engine's token's, relative);
 - vs float32: the same count against the float32 run (what quantizing costs), and the
   positions of the float32 run's 48 where the file's matrices, given the float32 tokens before,
   choose the same next token (one early difference makes every later greedy token differ, so
@@ -41,21 +43,26 @@ LABELS = {"llama2": "llama", "llama": "llama3-rope"}
 
 
 def forced(family: str, kind: str, float32: list[int]) -> int:
-    """Positions where transformers' model with ``kind``'s matrices, given the float32 run's
-    tokens before, chooses the float32 run's next token."""
+    """Positions where the reference of ``kind``, given the float32 run's tokens before,
+    chooses the float32 run's next token."""
     import torch
 
-    from sfnode.engines.weights.stored import read_gguf
     from tests import test_family_engines as t
-    from tests.reference import with_stored_matrices
 
-    model = t.transformers_model(family, window=not (family == "mistral" and kind != "folder"))
-    if kind in ("Q8_0", "Q4_K_M"):
-        model = with_stored_matrices(model, read_gguf(t.source(family, kind)))
     ids = torch.tensor([t.PROMPT + float32[:-1]])
     with torch.no_grad():
-        chosen = model(ids).logits[0, len(t.PROMPT) - 1 :].argmax(-1).tolist()
-    return sum(int(a == b) for a, b in zip(chosen, float32, strict=True))
+        chosen = t.reference(family, kind)(ids).logits[0, len(t.PROMPT) - 1 :].argmax(-1)
+    return sum(int(a == b) for a, b in zip(chosen.tolist(), float32, strict=True))
+
+
+def equal(family: str, kind: str, got: list[int], want: list[int]) -> str:
+    """``n/48``, and where the tokens part, how near a tie the reference had there."""
+    from tests import test_family_engines as t
+
+    n = leading(got, want)
+    if n == len(want) == len(got):
+        return f"{n}/{t.TOKENS}"
+    return f"{n}/{t.TOKENS} (tie {t.tie(family, kind, got, n):.0e})"
 
 
 def leading(got: list[int], want: list[int]) -> int:
@@ -90,7 +97,7 @@ def one_row(family: str, kind: str, extra: tuple[str, ...]) -> Any:
         kind,
         "yes",
         "native" if engine.fused_step else "torch ops",
-        f"{leading(tokens, want)}/{t.TOKENS}",
+        equal(family, kind, tokens, want),
         f"{leading(tokens, float32)}/{t.TOKENS} ({forced(family, kind, float32)} forced)",
         ratio,
         f"{seconds:.2f}",

@@ -2,10 +2,12 @@
 section 5.4): each family's tiny model (``tests/families.py``) from its folder and from its GGUF
 files (F32, Q8_0, Q4_K_M), through sfnode's native step and through the layers as torch
 operators, gives the greedy tokens of transformers' ``generate()``: on the folder in float32 for
-the folder and the F32 file, over the file's dequantized matrices for the quantized files (the
-figures of their agreement with float32 are ``bench/families.py``'s).  K-quant files are held as
-stored; a Llama 3 GGUF answers as its folder; an architecture sfnode does not read is refused by
-name before the node exists.
+the folder and the F32 file, all 48; over the file's dequantized matrices for the quantized
+files, with the activations rounded as the kernels round them, up to a near tie of the
+reference's (the figures of their agreement with float32 are ``bench/families.py``'s).  K-quant
+files are held as stored (the engine's figure, its log line and ``/metrics``); a Llama 3 GGUF
+answers as its folder; an architecture sfnode does not read is refused by name before the node
+exists or dials a head; the chat template comes from the model.
 
 The models are tiny (two layers of 256; Gemma 3 six), so the whole matrix takes seconds a
 family.  These tests must never download anything.
@@ -34,7 +36,9 @@ from sfnode.node import tap
 from tests import families
 from tests.tinymodel import reference_greedy
 
-PROMPT = [1, 37, 90, 200, 15, 8, 301, 77]
+PROMPT = [1, 37, 90, 200, 15, 8, 301, 78]
+"""A prompt after which no family and kind of file reaches its EOS within :data:`TOKENS`
+tokens (the tiny models often do), so each comparison is of 48 tokens."""
 TOKENS = 48
 KINDS = ("folder", "F32", "Q8_0", "Q4_K_M")
 LOOPBACK = "tcp:0:interface=127.0.0.1"
@@ -61,23 +65,52 @@ def transformers_model(family: str, window: bool = True) -> Any:
     return model.eval()
 
 
-def expected(family: str, kind: str) -> list[int]:
-    """transformers' greedy tokens for ``family``'s ``kind``: on the folder's float32 model,
-    with the file's matrices dequantized in it for a quantized file."""
+def reference(family: str, kind: str) -> Any:
+    """transformers' float32 model of ``family``'s ``kind``: the folder's; for a quantized file
+    with the file's matrices dequantized in it, multiplying the activations as the block
+    kernels hold them (16 bits a value, a scale per block of 32: ``tests/reference.py``)."""
     key = (family, kind)
-    if key not in _EXPECTED:
+    if key not in _MODELS:
         from sfnode.engines.weights.stored import read_gguf
-        from tests.reference import with_stored_matrices
+        from tests.reference import with_kernel_activations, with_stored_matrices
 
         # llama.cpp's converter writes a Mistral model without its window.
         model = transformers_model(family, window=not (family == "mistral" and kind != "folder"))
-        if kind in ("Q8_0", "Q4_K_M"):
+        if kind in QUANTIZED:
             model = with_stored_matrices(model, read_gguf(source(family, kind)))
-        _EXPECTED[key] = reference_greedy(model, PROMPT, TOKENS)
+            model = with_kernel_activations(model)
+        _MODELS[key] = model
+    return _MODELS[key]
+
+
+def expected(family: str, kind: str) -> list[int]:
+    """The greedy tokens of :func:`reference` after :data:`PROMPT`."""
+    key = (family, kind)
+    if key not in _EXPECTED:
+        _EXPECTED[key] = reference_greedy(reference(family, kind), PROMPT, TOKENS)
     return _EXPECTED[key]
 
 
+def tie(family: str, kind: str, tokens: list[int], at: int) -> float:
+    """How far apart, relative to the largest logit, the reference puts its own token and
+    ``tokens[at]`` after :data:`PROMPT` and ``tokens[:at]``."""
+    import torch
+
+    with torch.no_grad():
+        ids = torch.tensor([PROMPT + tokens[:at]])
+        logits = reference(family, kind)(ids).logits[0, -1]
+    gap = logits.max() - logits[tokens[at]]
+    return float(gap / logits.abs().max())
+
+
+_MODELS: dict[tuple[str, str], Any] = {}
 _EXPECTED: dict[tuple[str, str], list[int]] = {}
+QUANTIZED = ("Q8_0", "Q4_K_M")
+NEAR_TIE = 1e-3
+"""A quantized file's greedy tokens may leave the reference's where its best two logits are
+this close (relative to the largest): an activation's 16-bit rounding falls the other way when
+the float sums before it differ in their last bit, which moves a logit by about 1e-4 of its
+size (docs/engine.md section 5.4)."""
 
 
 def build(path: Path, *extra: str) -> Any:
@@ -130,17 +163,25 @@ class FamilyEngineTests(unittest.TestCase):
 
     @defer.inlineCallbacks
     def check_path(self, path: str, options: dict[str, tuple[str, ...]], fused: bool) -> Any:
-        """Every family and kind, built with ``options`` (by kind), gives ``expected``'s
-        tokens, through the native step where ``fused``."""
+        """Every family and kind, built with ``options`` (by kind), gives ``expected``'s 48
+        tokens, through the native step where ``fused``: every one for a float model; for a
+        quantized file every one up to a near tie of the reference's (:data:`NEAR_TIE`), where
+        the engine's token is the reference's second best."""
         for family in families.FAMILY_NAMES:
             for kind in KINDS:
                 engine = build(source(family, kind), *options[kind])
                 where = (family, kind, path)
                 self.assertEqual(engine.fused_step, fused, where)
-                self.tokens[where] = yield self.greedy(engine)
+                self.tokens[where] = got = yield self.greedy(engine)
                 want = expected(family, kind)
+                self.assertEqual(len(want), TOKENS, where)
                 self.assertGreater(len(set(want)), 4, where)
-                self.assertEqual(self.tokens[where], want, where)
+                if kind not in QUANTIZED or got == want:
+                    self.assertEqual(got, want, where)
+                    continue
+                at = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+                self.assertEqual(got[:at], want[:at], where)
+                self.assertLess(tie(family, kind, got, at), NEAR_TIE, (where, at))
 
     def test_every_family_and_kind_through_the_native_step(self) -> Any:
         """sfnode's kernels and its native step (docs/engine.md section 5.2) serve every

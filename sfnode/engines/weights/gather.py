@@ -319,12 +319,13 @@ def gather_weights(
 
     Keyword options (:class:`KernelOptions`): ``cache_file`` where converted weights are kept
     between starts (the kernel choice and the self-checks are kept in its folder, the native
-    library once for the whole cache, in its ``kernels`` folder); ``checks`` overrides the kernel self-checks (tests use it to simulate a CPU without
-    a kernel); ``dense_copies`` lets long prompt chunks use bfloat16 copies of quantized weights
-    where that is measured to be faster; ``kernels`` is the family of the kernels
-    (:mod:`sfnode.engines.kernels.choice`): ``auto`` measures on ``cpu`` (this one by default)
-    with ``measure``, ``torch`` or ``native`` forces one; ``library_dir`` is where the native
-    kernels are built when there is no ``cache_file``; ``fused_step`` says whether the runner
+    library once for the whole cache, in its ``kernels`` folder); ``checks`` overrides the
+    kernel self-checks (tests use it to simulate a CPU without a kernel); ``dense_copies`` lets
+    long prompt chunks use bfloat16 copies of quantized weights where that is measured to be
+    faster; ``kernels`` is the family of the kernels (:mod:`sfnode.engines.kernels.choice`):
+    ``auto`` measures on ``cpu`` (this one by default) with ``measure``, ``torch`` or
+    ``native`` forces one; ``library_dir`` is where the native kernels are built (by default
+    the cache's ``kernels`` folder); ``fused_step`` says whether the runner
     will run the whole step natively (it counts in the measurement).  ``float_dtype`` is what
     ``auto`` makes of float matrices off the CPU (bfloat16 there for a bfloat16 model).
     """
