@@ -87,6 +87,7 @@ from sfnode.head.api.responses import ResponseStore
 from sfnode.head.api.responses_exchange import ResponsesExchange
 from sfnode.head.api.schema import CompletionRequest, parse_body, parse_request
 from sfnode.head.fleet.backend import Backend, BackendStatus, GenerationHandle
+from sfnode.head.models.floors import AnswerFloors
 from sfnode.head.models.registry import ModelRegistry, ServedModel
 from sfnode.head.models.text import (
     DEFAULT_TEMPLATE_TIMEOUT_S,
@@ -253,6 +254,8 @@ class OpenAIApi:
         self.responses = responses if responses is not None else ResponseStore()
         """Stored responses, for ``/v1/responses``' ``previous_response_id`` (in memory
         only: a restart forgets them)."""
+        self.floors = AnswerFloors()
+        """The shortest answer of each grammar per tokenizer (a smaller budget is a 400)."""
         self.exchanges: set[Exchange] = set()
         """Completion requests in flight (what a drain waits for)."""
         self.draining = False

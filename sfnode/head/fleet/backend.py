@@ -49,6 +49,9 @@ class FleetOutcome:
     node: str
     """The node that finished it."""
     failovers: int
+    detail: int = 0
+    """The last Finish's ``detail`` bits (``FINISH_DETAIL_CLOSED``: the node closed the
+    constrained output within its budget, docs/protocol.md section 12.6)."""
 
 
 class FleetError(Exception):

@@ -483,10 +483,9 @@ class FleetGeneration:
         if self._on_tokens is not None:
             self._on_tokens(batch)
 
-    def _outcome(self, finish: int, node: FleetNode | None) -> FleetOutcome:
-        return FleetOutcome(
-            list(self.tokens), finish, node.name if node is not None else "", self.failovers
-        )
+    def _outcome(self, finish: int, node: FleetNode | None, detail: int = 0) -> FleetOutcome:
+        name = node.name if node is not None else ""
+        return FleetOutcome(list(self.tokens), finish, name, self.failovers, detail)
 
     async def _run(self) -> FleetOutcome:
         """Place, generate, and on a node failure move on with what was delivered: one
@@ -557,7 +556,9 @@ class FleetGeneration:
             answer = await self._generate_on(node, self._remaining, self._context)
         except _NODE_FATAL as e:
             return failover.Lost(e)
-        return failover.NotSent() if answer is None else failover.Finished(answer.finish)
+        if answer is None:
+            return failover.NotSent()
+        return failover.Finished(answer.finish, answer.detail)
 
     def _judge(self, node: FleetNode, outcome: failover.Outcome) -> failover.Decision:
         """What follows the attempt on ``node`` (:func:`failover.decide`); a node that
@@ -592,7 +593,7 @@ class FleetGeneration:
         # Its cache now holds the blocks of the answer too: the next turn of a conversation
         # starts with them.
         session.fleet._remember(node, self._context, session.model)
-        return self._outcome(decision.finish, node)
+        return self._outcome(decision.finish, node, decision.detail)
 
     def _move_on(self, node: FleetNode, error: Exception, tried: list[FleetNode]) -> None:
         """Leave ``node`` after a failed attempt: the next one goes elsewhere."""

@@ -45,6 +45,8 @@ class GenerationOutcome:
 
     tokens: list[int]
     finish: int
+    detail: int = 0
+    """The Finish's ``detail`` bits (docs/protocol.md section 12.6)."""
 
 
 class GenerationAsk(TypingProtocol):
@@ -101,6 +103,8 @@ class GenerationCall:
         self.tokens: list[int] = []
         """Tokens delivered so far (committed events only, each once)."""
         self.finish: int | None = None
+        self.detail = 0
+        """The Finish's ``detail`` bits (docs/protocol.md section 12.6)."""
         self.result: Deferred[GenerationOutcome] = Deferred(self._cancel_result)
         self._link = link
         self._on_tokens = on_tokens
@@ -138,7 +142,7 @@ class GenerationCall:
     def _complete(self) -> None:
         assert self.finish is not None
         if not self.result.called:
-            self.result.callback(GenerationOutcome(list(self.tokens), self.finish))
+            self.result.callback(GenerationOutcome(list(self.tokens), self.finish, self.detail))
 
     def _fail(self, error: Exception) -> None:
         if not self.result.called:

@@ -838,7 +838,7 @@ def _on_token_events(driver: _LinkDriver, message: TokenEventsMsg) -> None:
             if id(event) in committed:
                 call._deliver(payload)
         elif isinstance(payload, Finish):
-            call.finish = payload.reason
+            call.finish, call.detail = payload.reason, payload.detail
             finished.append(call)
     for call in finished:
         driver.link.forget_generation(call)
