@@ -81,6 +81,8 @@ from sfnode.head.api.gate import (
     no_body_here,
     unknown_url,
 )
+from sfnode.head.api.messages import anthropic_error
+from sfnode.head.api.messages_exchange import MessagesExchange
 from sfnode.head.api.metrics import EXPOSITION_CONTENT_TYPE, HeadMetrics
 from sfnode.head.api.request_class import ClassRule
 from sfnode.head.api.responses import ResponseStore
@@ -321,6 +323,9 @@ class OpenAIApi:
         header = request.getHeader(b"authorization") or b""
         scheme, _, given = header.partition(b" ")
         given = given.strip() if scheme.lower() == b"bearer" else b""
+        if not header:
+            # Anthropic's clients send the key as X-Api-Key.
+            given = (request.getHeader(b"x-api-key") or b"").strip()
         # compare_digest's time never depends on where the given bytes first differ from a
         # key (at most on their lengths); every key is compared, whichever matches.
         found = None
@@ -330,6 +335,14 @@ class OpenAIApi:
         return found
 
     def screen(self, request: GuardedRequest, length: int | None) -> HttpError | None:
+        """The refusal of a request whose headers are in, or None (:meth:`_screen`), in the
+        error shape of the API the request's route serves."""
+        error = self._screen(request, length)
+        assert request.resolved is not None
+        shape = getattr(request.resolved.resource, "error_shape", None)
+        return shape(error) if error is not None and shape is not None else error
+
+    def _screen(self, request: GuardedRequest, length: int | None) -> HttpError | None:
         """The refusal of a request whose headers are in, or None (see :mod:`gate`).
 
         It reads the route the front door resolved (``request.resolved``, what will serve the
@@ -528,6 +541,7 @@ class OpenAIApi:
         v1.putChild(b"completions", _Completions(self, chat=False))
         v1.putChild(b"models", _Models(self))
         v1.putChild(b"responses", _Responses(self))
+        v1.putChild(b"messages", _Messages(self))
         root.putChild(b"healthz", _Health(self))
         root.putChild(b"metrics", _Metrics(self, keyed=not self.limits.metrics_public))
         return root
@@ -539,10 +553,11 @@ def _allowed(route: Route) -> tuple[bytes, ...]:
 
 
 def _unauthorized(request: Any) -> HttpError:
-    missing = not request.getHeader(b"authorization")
+    missing = not request.getHeader(b"authorization") and not request.getHeader(b"x-api-key")
     return HttpError(
         401,
-        "You didn't provide an API key: send it as 'Authorization: Bearer KEY'."
+        "You didn't provide an API key: send it as 'Authorization: Bearer KEY' (or "
+        "'X-Api-Key: KEY')."
         if missing
         else "Incorrect API key provided.",
         code="invalid_api_key",
@@ -688,6 +703,20 @@ class _Responses(_Leaf):
 
     def render_POST(self, request: Any) -> int:
         ResponsesExchange(self.api, request).start()
+        return NOT_DONE_YET
+
+
+class _Messages(_Leaf):
+    route = Route(methods=(b"POST",), completion=True)
+    error_shape = staticmethod(anthropic_error)
+    """The front door's refusals here are in Anthropic's shape."""
+
+    def __init__(self, api: OpenAIApi) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.api = api
+
+    def render_POST(self, request: Any) -> int:
+        MessagesExchange(self.api, request).start()
         return NOT_DONE_YET
 
 

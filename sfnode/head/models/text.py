@@ -751,6 +751,8 @@ class StopText:
         self._text = ""
         self._sent = 0
         self.stopped = False
+        self.matched: str | None = None
+        """The stop string the text was cut at (the first listed of those found first)."""
 
     def feed(self, delta: str) -> str:
         """The text that may be shown now."""
@@ -759,10 +761,12 @@ class StopText:
         self._text += delta
         if self._stops:
             start = max(0, self._sent - self._hold)
-            hits = [i for i in (self._text.find(s, start) for s in self._stops) if i >= 0]
-            if hits:
+            hits = [(self._text.find(s, start), s) for s in self._stops]
+            found = [(at, stop) for at, stop in hits if at >= 0]
+            if found:
                 self.stopped = True
-                return self._release(min(hits))
+                at, self.matched = min(found, key=lambda hit: hit[0])
+                return self._release(at)
         return self._release(len(self._text) - self._hold)
 
     def flush(self) -> str:
