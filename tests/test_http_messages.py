@@ -286,9 +286,9 @@ class ToolTests(MessagesTestCase):
 class ErrorTests(MessagesTestCase):
     @defer.inlineCallbacks
     def test_request_errors_are_in_anthropics_shape(self) -> Gen:
-        """A missing ``max_tokens``, an unknown field, an image block, a prefill and an
-        unknown model are answered in Anthropic's shape (``{"type": "error", "error":
-        {"type", "message"}}``) with their status; no node generated."""
+        """A missing ``max_tokens``, an unknown field, an image block, a prefill, an unknown
+        model, a server tool and a GET are answered in Anthropic's shape (``{"type":
+        "error", "error": {"type", "message"}}``) with their status; no node generated."""
         head, _ = yield self.agents_head()
         base = {"model": MODEL, "max_tokens": 5, "messages": TURNS[:1]}
         cases = [
@@ -300,9 +300,11 @@ class ErrorTests(MessagesTestCase):
             ({**base, "model": "nope"}, 404, "nope"),
             ({**base, "tools": [{"type": "web_search_20250305", "name": "w"}]}, 400, "server"),
         ]  # fmt: skip
-        expected_type = {400: "invalid_request_error", 404: "not_found_error"}
-        for body, status, said in cases:
-            code, content = yield self.call(head, b"POST", "/v1/messages", body)
+        expected_type = {400: "invalid_request_error", 404: "not_found_error",
+                         405: "invalid_request_error"}  # fmt: skip
+        for body, status, said in [*cases, (None, 405, "GET")]:
+            method = b"POST" if body is not None else b"GET"
+            code, content = yield self.call(head, method, "/v1/messages", body)
             answer = json.loads(content)
             self.assertEqual(code, status, answer)
             self.assertEqual(answer["type"], "error")

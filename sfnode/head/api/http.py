@@ -596,7 +596,8 @@ class _Leaf(Resource):
         if method not in methods or handler is None:
             error = method_not_allowed(method, request.path, self.route)
             request.site.count(error.outcome)
-            return answer_error(request, error)
+            shape = getattr(self, "error_shape", None)
+            return answer_error(request, error if shape is None else shape(error))
         result: bytes | int = handler(request)
         return result
 
