@@ -12,11 +12,12 @@ from collections.abc import Callable
 
 import psutil
 
-from sfnode.generation import Engine
+from sfnode.generation import Embedder, Engine
 from sfnode.linkf.model_files import Bundle
 from sfnode.linkf.wire import (
     FEATURE_CLOSING,
     FEATURE_CONSTRAINTS,
+    FEATURE_EMBEDDINGS,
     FEATURE_HEAD_IDENTITY,
     FEATURE_LOGPROBS,
     FEATURE_MODEL_FILES,
@@ -92,7 +93,8 @@ class NodeReports:
             | (FEATURE_CONSTRAINTS if self._engine.supports_constraints else 0)
             # An engine loop with a vocabulary closes constrained output within its budget.
             | (FEATURE_CLOSING if self._engine.supports_constraints else 0)
-            | (FEATURE_MODEL_FILES if files is not None else 0),
+            | (FEATURE_MODEL_FILES if files is not None else 0)
+            | (FEATURE_EMBEDDINGS if isinstance(self._engine, Embedder) else 0),
             limits=LinkFLimits(),
             model_files=(
                 ModelFilesOffer(files.content_hash, len(files.data)) if files is not None else None

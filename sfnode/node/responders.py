@@ -31,7 +31,15 @@ from typing import Any, Generic, TypeVar
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from sfnode.generation import Engine, GenerationRequest, StageForwardError, StageResult
+from sfnode.generation import (
+    Embedded,
+    Embedder,
+    EmbeddingError,
+    Engine,
+    GenerationRequest,
+    StageForwardError,
+    StageResult,
+)
 from sfnode.linkf.idempotency import GenerationKey
 from sfnode.linkf.model_files import XFER_ABORT_UNKNOWN, Bundle, transfer_messages
 from sfnode.linkf.wire import (
@@ -41,6 +49,8 @@ from sfnode.linkf.wire import (
     U32_MAX,
     AppendContentMsg,
     BlobFetchMsg,
+    EmbedReqMsg,
+    EmbedRespMsg,
     Finish,
     GenerateCancelMsg,
     GenerateReqMsg,
@@ -280,6 +290,32 @@ class Responders:
         self._engine.stage_forward(
             msg.tokens, msg.start_layer, msg.end_layer, msg.hidden_in
         ).addCallbacks(answer, refuse)
+
+    @handles(EmbedReqMsg)
+    def embed(self, connection: NodeConnection, msg: EmbedReqMsg) -> None:
+        """Embed the texts (section 12.7); a node without an embedding model, or a failed
+        run, answers nil vectors."""
+
+        def answer(result: Embedded) -> None:
+            connection.send(EmbedRespMsg(msg.request_id, result.vectors, result.dim, result.tokens))
+
+        def refuse(failure: Failure) -> None:
+            if not isinstance(failure.value, EmbeddingError):
+                log.failure("embedding {request} failed", failure, request=msg.request_id)
+            else:
+                log.info(
+                    "embedding {request} refused: {reason}",
+                    request=msg.request_id,
+                    reason=failure.getErrorMessage(),
+                )
+            connection.send(EmbedRespMsg(msg.request_id, None, 0, 0))
+
+        engine = self._engine
+        if not isinstance(engine, Embedder):
+            log.info("embedding {request} refused: no embedding model", request=msg.request_id)
+            connection.send(EmbedRespMsg(msg.request_id, None, 0, 0))
+            return
+        engine.embed(msg.texts).addCallbacks(answer, refuse)
 
     @handles(BlobFetchMsg)
     def blob_fetch(self, connection: NodeConnection, msg: BlobFetchMsg) -> None:
