@@ -142,7 +142,13 @@ class RouteWalkTests(HostileTestCase):
         completions = [p for p, r in paths.items() if route_of(r).completion]
         self.assertEqual(
             sorted(completions),
-            ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"],
+            [
+                "/v1/chat/completions",
+                "/v1/completions",
+                "/v1/embeddings",
+                "/v1/messages",
+                "/v1/responses",
+            ],
         )
         modes = [
             ("no key", "application/json", None),

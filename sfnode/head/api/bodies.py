@@ -181,9 +181,9 @@ def completion(
     }
 
 
-def model_entry(name: str, window: int, nodes: int) -> dict[str, Any]:
+def model_entry(name: str, window: int, nodes: int, *, embeds: bool = False) -> dict[str, Any]:
     """One entry of ``/v1/models`` (``window`` 0: unknown, shown as null; ``nodes``: how many
-    live nodes serve it)."""
+    live nodes serve it; ``embeds``: an embedding model, served by ``/v1/embeddings`` only)."""
     return {
         "id": name,
         "object": "model",
@@ -191,7 +191,12 @@ def model_entry(name: str, window: int, nodes: int) -> dict[str, Any]:
         "owned_by": "sfnode",
         "context_length": window or None,
         "nodes": nodes,
-        "capabilities": {"chat": True, "completions": True, "vision": False},
+        "capabilities": {
+            "chat": not embeds,
+            "completions": not embeds,
+            "embeddings": embeds,
+            "vision": False,
+        },
     }
 
 

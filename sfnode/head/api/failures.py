@@ -62,6 +62,17 @@ def budget_too_small(budget: int, shortest: int, param: str) -> HttpError:
     )
 
 
+def embeds_only(model: str) -> HttpError:
+    """A completion naming a model whose live nodes only embed (docs/api.md
+    "/v1/embeddings")."""
+    return HttpError(
+        400,
+        f"the model '{model}' is an embedding model: ask /v1/embeddings",
+        param="model",
+        code="model_not_generative",
+    )
+
+
 def unavailable(message: str, code: str = "no_node_available") -> HttpError:
     return HttpError(503, message, kind="service_unavailable", code=code, outcome="unavailable")
 

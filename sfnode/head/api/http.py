@@ -61,6 +61,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
 from sfnode.head.api import bodies, failures
+from sfnode.head.api.embeddings_exchange import EmbeddingsExchange
 from sfnode.head.api.exchange import (
     INLINE_BODY_BYTES,
     Exchange,
@@ -498,6 +499,8 @@ class OpenAIApi:
         assert model is not None  # parse_request refused any other name
         renderer = model.renderer
         status = statuses.get(model.name)
+        if status is not None and status.embedding_nodes and not status.serving_nodes:
+            raise failures.embeds_only(model.name)
         limit = status.context_limit if status is not None else None
         if limit is not None and request.characters > renderer.character_bound(limit):
             # Not tokenized at all: no window can hold this many characters.
@@ -542,6 +545,7 @@ class OpenAIApi:
         v1.putChild(b"models", _Models(self))
         v1.putChild(b"responses", _Responses(self))
         v1.putChild(b"messages", _Messages(self))
+        v1.putChild(b"embeddings", _Embeddings(self))
         root.putChild(b"healthz", _Health(self))
         root.putChild(b"metrics", _Metrics(self, keyed=not self.limits.metrics_public))
         return root
@@ -675,6 +679,8 @@ class _Models(_Leaf):
 
     def _entry(self, name: str) -> dict[str, Any]:
         status = self.api.status(name)
+        if status.embedding_nodes and not status.serving_nodes:
+            return bodies.model_entry(name, status.window, status.embedding_nodes, embeds=True)
         return bodies.model_entry(name, status.window, status.serving_nodes)
 
     def render_GET(self, request: Any) -> bytes:
@@ -704,6 +710,18 @@ class _Responses(_Leaf):
 
     def render_POST(self, request: Any) -> int:
         ResponsesExchange(self.api, request).start()
+        return NOT_DONE_YET
+
+
+class _Embeddings(_Leaf):
+    route = Route(methods=(b"POST",), completion=True)
+
+    def __init__(self, api: OpenAIApi) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.api = api
+
+    def render_POST(self, request: Any) -> int:
+        EmbeddingsExchange(self.api, request).start()
         return NOT_DONE_YET
 
 

@@ -99,6 +99,7 @@ from sfnode.head.fleet.backend import NodeDown as NodeDown
 from sfnode.head.fleet.backend import NoNodeAvailable as NoNodeAvailable
 from sfnode.head.fleet.backend import QueueFull as QueueFull
 from sfnode.head.fleet.backend import SessionClosed as SessionClosed
+from sfnode.head.fleet.embeddings import Embeddings
 from sfnode.head.fleet.failover import MAX_FAILOVERS as MAX_FAILOVERS
 from sfnode.head.fleet.model_admission import ModelAdmission
 from sfnode.head.fleet.nodes import FleetNode as FleetNode
@@ -707,6 +708,8 @@ class Fleet:
         self.nodes = self.registry.nodes
         """The registry's nodes (the same list)."""
         self.failovers = 0
+        self.embeddings = Embeddings(self.live_nodes)
+        """Embedding requests, on the nodes that serve an embedding model."""
         self._session_ids = itertools.count(1)
         self._cursor = 0
 
@@ -787,7 +790,8 @@ class Fleet:
         """
         live = self.live_nodes()
         lanes_active, lanes_total, queued = _lanes(live)
-        serving = [n for n in live if model is not None and model in n.models]
+        named = [n for n in live if model is not None and model in n.models]
+        serving = [n for n in named if not n.embeds]
         model_running, _, model_queued = _lanes(serving)
         capacities = [n.link.capacity for n in serving if n.link.capacity is not None]
         views = self.registry.views()
@@ -812,6 +816,7 @@ class Fleet:
             + sum(1 for w in self.queue if model is not None and w.request.request.model == model),
             model_kv_blocks_used=sum(c.kv_blocks_used for c in capacities),
             model_kv_blocks_total=sum(c.kv_blocks_total for c in capacities),
+            embedding_nodes=len(named) - len(serving),
         )
 
     def _place(
