@@ -79,6 +79,20 @@ log = Logger()
 M = TypeVar("M", bound=Message)
 
 
+def _log_refusal(what: str, request_id: int, failure: Failure, expected: type[Exception]) -> None:
+    """Log why a stateless request (a stage forward, an embedding) got a nil answer: the
+    engine's reason when it refused as ``expected``, else the whole failure."""
+    if isinstance(failure.value, expected):
+        log.info(
+            "{what} {request} refused: {reason}",
+            what=what,
+            request=request_id,
+            reason=failure.getErrorMessage(),
+        )
+    else:
+        log.failure("{what} {request} failed", failure, what=what, request=request_id)
+
+
 @dataclass(frozen=True)
 class Handler(Generic[M]):
     """One entry of the dispatch table: a message class and what the node does with it."""
@@ -277,14 +291,7 @@ class Responders:
             connection.send(StageForwardRespMsg(msg.request_id, result.hidden, result.token))
 
         def refuse(failure: Failure) -> None:
-            if not isinstance(failure.value, StageForwardError):
-                log.failure("stage forward {request} failed", failure, request=msg.request_id)
-            else:
-                log.info(
-                    "stage forward {request} refused: {reason}",
-                    request=msg.request_id,
-                    reason=failure.getErrorMessage(),
-                )
+            _log_refusal("stage forward", msg.request_id, failure, StageForwardError)
             connection.send(StageForwardRespMsg(msg.request_id, None, None))
 
         self._engine.stage_forward(
@@ -300,14 +307,7 @@ class Responders:
             connection.send(EmbedRespMsg(msg.request_id, result.vectors, result.dim, result.tokens))
 
         def refuse(failure: Failure) -> None:
-            if not isinstance(failure.value, EmbeddingError):
-                log.failure("embedding {request} failed", failure, request=msg.request_id)
-            else:
-                log.info(
-                    "embedding {request} refused: {reason}",
-                    request=msg.request_id,
-                    reason=failure.getErrorMessage(),
-                )
+            _log_refusal("embedding", msg.request_id, failure, EmbeddingError)
             connection.send(EmbedRespMsg(msg.request_id, None, 0, 0))
 
         engine = self._engine
