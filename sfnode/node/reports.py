@@ -12,8 +12,6 @@ from collections.abc import Callable
 
 import psutil
 
-from sfnode.generation import Engine
-from sfnode.linkf.model_files import Bundle
 from sfnode.linkf.wire import (
     FEATURE_CLOSING,
     FEATURE_CONSTRAINTS,
@@ -30,7 +28,7 @@ from sfnode.linkf.wire import (
     NodeStatusMsg,
 )
 from sfnode.node.capacity import NodeLoad
-from sfnode.node.config import NodeConfig
+from sfnode.node.config import NodeCommon
 
 
 class NodeReports:
@@ -38,16 +36,14 @@ class NodeReports:
 
     def __init__(
         self,
-        engine: Engine,
-        config: NodeConfig,
-        model_files: Bundle | None,
+        common: NodeCommon,
         *,
         now_ms: Callable[[], int],
         live_sessions: Callable[[], int],
     ) -> None:
-        self._engine = engine
-        self._config = config
-        self._model_files = model_files
+        self._engine = common.engine
+        self._config = common.config
+        self._model_files = common.model_files
         self._now_ms = now_ms
         self._live_sessions = live_sessions
         self.load = NodeLoad()

@@ -31,9 +31,9 @@ from typing import Any, Generic, TypeVar
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from sfnode.generation import Engine, GenerationRequest, StageForwardError, StageResult
+from sfnode.generation import GenerationRequest, StageForwardError, StageResult
 from sfnode.linkf.idempotency import GenerationKey
-from sfnode.linkf.model_files import XFER_ABORT_UNKNOWN, Bundle, transfer_messages
+from sfnode.linkf.model_files import XFER_ABORT_UNKNOWN, transfer_messages
 from sfnode.linkf.wire import (
     FINISH_DECLINED,
     FINISH_REFUSED,
@@ -58,7 +58,7 @@ from sfnode.linkf.wire import (
     decode_params,
     decode_tokens,
 )
-from sfnode.node.config import NodeConfig
+from sfnode.node.config import NodeCommon
 from sfnode.node.generations import GenerationTable
 from sfnode.node.heads import HeadSessions, HeadTables
 from sfnode.node.machines import DrainInputs
@@ -132,19 +132,17 @@ class Responders:
 
     def __init__(
         self,
-        engine: Engine,
-        config: NodeConfig,
+        common: NodeCommon,
         heads: HeadTables,
         generations: GenerationTable,
         drain: DrainInputs,
-        model_files: Bundle | None,
     ) -> None:
-        self._engine = engine
-        self._config = config
+        self._engine = common.engine
+        self._config = common.config
+        self._model_files = common.model_files
         self._heads = heads
         self._generations = generations
         self._drain = drain
-        self._model_files = model_files
         self._transfer_ids = itertools.count(1)
         self._at_session_cap = False
         self._at_generation_cap = False

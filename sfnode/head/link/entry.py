@@ -29,7 +29,7 @@ from sfnode.head.link.settings import (
     LinkSettings,
     parse_endpoint,
 )
-from sfnode.linkf.handshake import address_key, is_loopback_address
+from sfnode.linkf.handshake import address_key, handshake_slot_refusal, is_loopback_address
 from sfnode.linkf.noise import NoiseFactory, NoiseProtocol, Role
 
 _log = Logger(namespace="sfnode.head.link")
@@ -133,25 +133,16 @@ class HeadLinkFactory(Factory):
                 peer=_peer(addr),
             )
             return None
-        if self.max_handshakes and self.handshaking >= self.max_handshakes:
-            _log.warn(
-                "closed a node connection from {peer} at once: {count} handshakes already "
-                "in progress",
-                peer=_peer(addr),
-                count=self.max_handshakes,
-            )
-            return None
         address = address_key(addr)
-        if (
-            self.max_address_handshakes
-            and self.handshaking_from[address] >= self.max_address_handshakes
-        ):
+        refusal = handshake_slot_refusal(
+            (self.max_handshakes, self.max_address_handshakes),
+            self.handshaking,
+            self.handshaking_from[address],
+            address,
+        )
+        if refusal is not None:
             _log.warn(
-                "closed a node connection from {peer} at once: {count} handshakes from "
-                "{address} already in progress",
-                peer=_peer(addr),
-                count=self.max_address_handshakes,
-                address=address,
+                "closed a node connection from {peer} at once: {why}", peer=_peer(addr), why=refusal
             )
             return None
         protocol = self._link_protocol(addr)
