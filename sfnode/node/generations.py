@@ -224,8 +224,7 @@ class GenerationTable:
         on_end: Callable[[], None],
     ) -> None:
         """``on_start`` and ``on_end`` are told when a generation starts and ends."""
-        self._clock = common.clock
-        self._engine = common.engine
+        self._common = common
         self.config = common.config
         self._heads = heads
         self._on_start = on_start
@@ -254,7 +253,7 @@ class GenerationTable:
         generation = NodeGeneration(self, key, connection, head, logprobs=request.params.logprobs)
         generation.machine = GenerationMachine(
             GenerationCore(
-                clock=self._clock,
+                clock=self._common.clock,
                 owner=generation,
                 coalesce_tokens=COALESCE_TOKENS,
                 coalesce_ms=COALESCE_MS,
@@ -262,7 +261,7 @@ class GenerationTable:
         )
         self._generations[key] = generation
         self._on_start()
-        engine_generation = self._engine.submit(request, generation.on_tokens)
+        engine_generation = self._common.engine.submit(request, generation.on_tokens)
         generation.engine_generation = engine_generation
         engine_generation.result.addCallbacks(generation.engine_finished, generation.engine_failed)
 

@@ -221,12 +221,7 @@ class NodeProtocol(Protocol):
     def dataReceived(self, data: bytes) -> None:
         if self._closing or self.connection is None:
             return
-        error: WireError | None = None
-        try:
-            frames = self._decoder.feed(data)
-        except WireError as e:
-            # The frames ahead of the bad bytes are whole and handled before the close.
-            frames, error = e.frames_before, e
+        frames, error = self._decoder.feed_whole(data)
         machine = self.connection.machine
         for frame in frames:
             if self._closing:

@@ -41,9 +41,7 @@ class NodeReports:
         now_ms: Callable[[], int],
         live_sessions: Callable[[], int],
     ) -> None:
-        self._engine = common.engine
-        self._config = common.config
-        self._model_files = common.model_files
+        self._common = common
         self._now_ms = now_ms
         self._live_sessions = live_sessions
         self.load = NodeLoad()
@@ -66,28 +64,28 @@ class NodeReports:
         """A fresh capacity sample (section 7.5 and decision D8)."""
         return self.load.summary(
             self._now_ms(),
-            self._engine.statistics(),
+            self._common.engine.statistics(),
             host_memory_bytes=self._host_memory_bytes,
             active_sessions=self._live_sessions(),
-            max_sessions=self._config.max_sessions,
-            max_context_tokens=self._engine.context_window,
-            max_lanes=self._config.max_lanes,
+            max_sessions=self._common.config.max_sessions,
+            max_context_tokens=self._common.engine.context_window,
+            max_lanes=self._common.config.max_lanes,
         )
 
     def hello_ack(self) -> HelloAckF:
-        files = self._model_files
+        files = self._common.model_files
         return HelloAckF(
             chosen_version=PROTO_VERSION,
-            node_identity=self._config.identity,
+            node_identity=self._common.config.identity,
             capacity=self.capacity(),
-            loadable_models=(self._config.model_name,),
+            loadable_models=(self._common.config.model_name,),
             # Every engine reads GenerationRequest.interactive (section 12.2).
             feature_flags=FEATURE_REQUEST_CLASS
             | FEATURE_HEAD_IDENTITY
-            | (FEATURE_LOGPROBS if self._engine.supports_logprobs else 0)
-            | (FEATURE_CONSTRAINTS if self._engine.supports_constraints else 0)
+            | (FEATURE_LOGPROBS if self._common.engine.supports_logprobs else 0)
+            | (FEATURE_CONSTRAINTS if self._common.engine.supports_constraints else 0)
             # An engine loop with a vocabulary closes constrained output within its budget.
-            | (FEATURE_CLOSING if self._engine.supports_constraints else 0)
+            | (FEATURE_CLOSING if self._common.engine.supports_constraints else 0)
             | (FEATURE_MODEL_FILES if files is not None else 0),
             limits=LinkFLimits(),
             model_files=(
@@ -99,7 +97,7 @@ class NodeReports:
         capacity = self.capacity()
         return NodeStatusMsg(
             capacity=capacity,
-            loadable_models=(self._config.model_name,),
+            loadable_models=(self._common.config.model_name,),
             mem=MemCountersMsg(
                 pool_blocks_total=capacity.kv_blocks_total,
                 pool_blocks_used=capacity.kv_blocks_used,

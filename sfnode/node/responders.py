@@ -137,9 +137,7 @@ class Responders:
         generations: GenerationTable,
         drain: DrainInputs,
     ) -> None:
-        self._engine = common.engine
-        self._config = common.config
-        self._model_files = common.model_files
+        self._common = common
         self._heads = heads
         self._generations = generations
         self._drain = drain
@@ -167,7 +165,7 @@ class Responders:
     @handles(SessionAssignMsg)
     def assign(self, connection: NodeConnection, msg: SessionAssignMsg) -> None:
         head = self._head_of(connection)
-        cap = self._config.max_sessions
+        cap = self._common.config.max_sessions
         if cap and not head.table.has_session(msg.session_id):
             if self._heads.live_sessions() >= cap:
                 # Silent, as every refused ASSIGN (section 7.2); its GENERATE_REQs are
@@ -221,7 +219,7 @@ class Responders:
             answer_at_once(connection, msg, FINISH_DECLINED)
             return
         session.home = connection
-        if msg.constraint is not None and not self._engine.supports_constraints:
+        if msg.constraint is not None and not self._common.engine.supports_constraints:
             # Only a head that ignored this node's HELLO_ACK_F sends one (section 12.3).
             log.info(
                 "refused generation {generation} of session {session}: this node does not "
@@ -234,7 +232,7 @@ class Responders:
         params = session.params
         # Logprobs only from an engine that has them (this node's HELLO_ACK_F said so); a
         # value past the largest reads as the largest (section 12.1).
-        asked = min(params.logprobs, LOGPROBS_MAX) if self._engine.supports_logprobs else 0
+        asked = min(params.logprobs, LOGPROBS_MAX) if self._common.engine.supports_logprobs else 0
         if asked != params.logprobs:
             params = replace(params, logprobs=asked)
         request = GenerationRequest(
@@ -250,7 +248,7 @@ class Responders:
 
     def _at_generation_bound(self) -> bool:
         """Whether ``max_generations`` run or wait (logged once each time it is reached)."""
-        cap = self._config.max_generations
+        cap = self._common.config.max_generations
         if cap and len(self._generations) >= cap:
             if not self._at_generation_cap:
                 log.warn("declining generations: {cap} are running or queued", cap=cap)
@@ -275,7 +273,7 @@ class Responders:
                 )
             connection.send(StageForwardRespMsg(msg.request_id, None, None))
 
-        self._engine.stage_forward(
+        self._common.engine.stage_forward(
             msg.tokens, msg.start_layer, msg.end_layer, msg.hidden_in
         ).addCallbacks(answer, refuse)
 
@@ -283,7 +281,7 @@ class Responders:
     def blob_fetch(self, connection: NodeConnection, msg: BlobFetchMsg) -> None:
         """Send the model files a head asks for by their hash (section 12.5), else abort."""
         transfer_id = next(self._transfer_ids)
-        files = self._model_files
+        files = self._common.model_files
         if files is None or files.content_hash != msg.content_hash:
             connection.send(XferAbortMsg(transfer_id, XFER_ABORT_UNKNOWN))
             return
