@@ -194,6 +194,22 @@ def handshake_slot_refusal(
     return None
 
 
+def describe_address(address: object) -> str:
+    """``host:port`` (``[host]:port`` for IPv6) or the socket path of an address (``IAddress``,
+    listening or a peer's) as log lines name it; a Unix socket without a path is "a Unix
+    socket"."""
+    host = getattr(address, "host", None)
+    port = getattr(address, "port", None)
+    if host is not None and port is not None:
+        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    if not hasattr(address, "name"):
+        return str(address)
+    name = address.name
+    if isinstance(name, bytes):
+        name = name.decode(errors="replace")
+    return str(name) if name else "a Unix socket"
+
+
 def is_loopback_address(address: object) -> bool:
     """Whether a connected peer's address (``IAddress``) is on this machine.
 
