@@ -822,6 +822,19 @@ class FramesBeforeAnErrorTests(SynchronousTestCase):
             [WatermarkAckMsg(1, 5, 100, n) for n in range(3)],
         )
 
+    def test_feed_whole_returns_the_frames_and_the_error(self) -> None:
+        """``feed_whole`` (what both sides' protocols call) gives the same frames and the
+        error instead of raising; bytes without an error give the frames and None."""
+        good = [message_frame(WatermarkAckMsg(1, 5, 100, n), n + 1) for n in range(3)]
+        frames, error = FrameDecoder().feed_whole(b"".join(good))
+        self.assertIsNone(error)
+        self.assertEqual(len(frames), 3)
+        frames, error = FrameDecoder().feed_whole(b"".join(good) + b"\x05\x00\x00\x00")
+        self.assertIsInstance(error, BadLength)
+        self.assertEqual(
+            [decode_frame(f) for f in frames], [WatermarkAckMsg(1, 5, 100, n) for n in range(3)]
+        )
+
 
 class TokenEventsHotPathTests(SynchronousTestCase):
     def test_bools_and_bad_ints_in_tokens_are_rejected_from_bytes(self) -> None:

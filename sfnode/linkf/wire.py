@@ -289,6 +289,15 @@ class FrameDecoder:
         """Bytes held that do not yet make a whole frame."""
         return len(self._buffer)
 
+    def feed_whole(self, data: bytes) -> tuple[list[Frame], WireError | None]:
+        """Like :meth:`feed`, without raising: the frames ``data`` completes, and the error of
+        the bad bytes after them (None if there are none).  The frames are whole and are
+        handled before a connection closes for the error."""
+        try:
+            return self.feed(data), None
+        except WireError as e:
+            return e.frames_before, e
+
     def feed(self, data: bytes) -> list[Frame]:
         """Add bytes; return every frame they complete, in order.
 

@@ -35,13 +35,12 @@ from sfnode.generation import (
     Embedded,
     Embedder,
     EmbeddingError,
-    Engine,
     GenerationRequest,
     StageForwardError,
     StageResult,
 )
 from sfnode.linkf.idempotency import GenerationKey
-from sfnode.linkf.model_files import XFER_ABORT_UNKNOWN, Bundle, transfer_messages
+from sfnode.linkf.model_files import XFER_ABORT_UNKNOWN, transfer_messages
 from sfnode.linkf.wire import (
     FINISH_DECLINED,
     FINISH_REFUSED,
@@ -68,7 +67,7 @@ from sfnode.linkf.wire import (
     decode_params,
     decode_tokens,
 )
-from sfnode.node.config import NodeConfig
+from sfnode.node.config import NodeCommon
 from sfnode.node.generations import GenerationTable
 from sfnode.node.heads import HeadSessions, HeadTables
 from sfnode.node.machines import DrainInputs
@@ -156,19 +155,15 @@ class Responders:
 
     def __init__(
         self,
-        engine: Engine,
-        config: NodeConfig,
+        common: NodeCommon,
         heads: HeadTables,
         generations: GenerationTable,
         drain: DrainInputs,
-        model_files: Bundle | None,
     ) -> None:
-        self._engine = engine
-        self._config = config
+        self._common = common
         self._heads = heads
         self._generations = generations
         self._drain = drain
-        self._model_files = model_files
         self._transfer_ids = itertools.count(1)
         self._at_session_cap = False
         self._at_generation_cap = False
@@ -193,7 +188,7 @@ class Responders:
     @handles(SessionAssignMsg)
     def assign(self, connection: NodeConnection, msg: SessionAssignMsg) -> None:
         head = self._head_of(connection)
-        cap = self._config.max_sessions
+        cap = self._common.config.max_sessions
         if cap and not head.table.has_session(msg.session_id):
             if self._heads.live_sessions() >= cap:
                 # Silent, as every refused ASSIGN (section 7.2); its GENERATE_REQs are
@@ -247,7 +242,7 @@ class Responders:
             answer_at_once(connection, msg, FINISH_DECLINED)
             return
         session.home = connection
-        if msg.constraint is not None and not self._engine.supports_constraints:
+        if msg.constraint is not None and not self._common.engine.supports_constraints:
             # Only a head that ignored this node's HELLO_ACK_F sends one (section 12.3).
             log.info(
                 "refused generation {generation} of session {session}: this node does not "
@@ -260,7 +255,7 @@ class Responders:
         params = session.params
         # Logprobs only from an engine that has them (this node's HELLO_ACK_F said so); a
         # value past the largest reads as the largest (section 12.1).
-        asked = min(params.logprobs, LOGPROBS_MAX) if self._engine.supports_logprobs else 0
+        asked = min(params.logprobs, LOGPROBS_MAX) if self._common.engine.supports_logprobs else 0
         if asked != params.logprobs:
             params = replace(params, logprobs=asked)
         request = GenerationRequest(
@@ -276,7 +271,7 @@ class Responders:
 
     def _at_generation_bound(self) -> bool:
         """Whether ``max_generations`` run or wait (logged once each time it is reached)."""
-        cap = self._config.max_generations
+        cap = self._common.config.max_generations
         if cap and len(self._generations) >= cap:
             if not self._at_generation_cap:
                 log.warn("declining generations: {cap} are running or queued", cap=cap)
@@ -294,7 +289,7 @@ class Responders:
             _log_refusal("stage forward", msg.request_id, failure, StageForwardError)
             connection.send(StageForwardRespMsg(msg.request_id, None, None))
 
-        self._engine.stage_forward(
+        self._common.engine.stage_forward(
             msg.tokens, msg.start_layer, msg.end_layer, msg.hidden_in
         ).addCallbacks(answer, refuse)
 
@@ -310,7 +305,7 @@ class Responders:
             _log_refusal("embedding", msg.request_id, failure, EmbeddingError)
             connection.send(EmbedRespMsg(msg.request_id, None, 0, 0))
 
-        engine = self._engine
+        engine = self._common.engine
         if not isinstance(engine, Embedder):
             log.info("embedding {request} refused: no embedding model", request=msg.request_id)
             connection.send(EmbedRespMsg(msg.request_id, None, 0, 0))
@@ -321,7 +316,7 @@ class Responders:
     def blob_fetch(self, connection: NodeConnection, msg: BlobFetchMsg) -> None:
         """Send the model files a head asks for by their hash (section 12.5), else abort."""
         transfer_id = next(self._transfer_ids)
-        files = self._model_files
+        files = self._common.model_files
         if files is None or files.content_hash != msg.content_hash:
             connection.send(XferAbortMsg(transfer_id, XFER_ABORT_UNKNOWN))
             return
