@@ -12,9 +12,11 @@ from collections.abc import Callable
 
 import psutil
 
+from sfnode.generation import Embedder
 from sfnode.linkf.wire import (
     FEATURE_CLOSING,
     FEATURE_CONSTRAINTS,
+    FEATURE_EMBEDDINGS,
     FEATURE_HEAD_IDENTITY,
     FEATURE_LOGPROBS,
     FEATURE_MODEL_FILES,
@@ -86,7 +88,8 @@ class NodeReports:
             | (FEATURE_CONSTRAINTS if self._common.engine.supports_constraints else 0)
             # An engine loop with a vocabulary closes constrained output within its budget.
             | (FEATURE_CLOSING if self._common.engine.supports_constraints else 0)
-            | (FEATURE_MODEL_FILES if files is not None else 0),
+            | (FEATURE_MODEL_FILES if files is not None else 0)
+            | (FEATURE_EMBEDDINGS if isinstance(self._common.engine, Embedder) else 0),
             limits=LinkFLimits(),
             model_files=(
                 ModelFilesOffer(files.content_hash, len(files.data)) if files is not None else None

@@ -31,7 +31,14 @@ from typing import Any, Generic, TypeVar
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from sfnode.generation import GenerationRequest, StageForwardError, StageResult
+from sfnode.generation import (
+    Embedded,
+    Embedder,
+    EmbeddingError,
+    GenerationRequest,
+    StageForwardError,
+    StageResult,
+)
 from sfnode.linkf.idempotency import GenerationKey
 from sfnode.linkf.model_files import XFER_ABORT_UNKNOWN, transfer_messages
 from sfnode.linkf.wire import (
@@ -41,6 +48,8 @@ from sfnode.linkf.wire import (
     U32_MAX,
     AppendContentMsg,
     BlobFetchMsg,
+    EmbedReqMsg,
+    EmbedRespMsg,
     Finish,
     GenerateCancelMsg,
     GenerateReqMsg,
@@ -67,6 +76,20 @@ from sfnode.node.protocol import NodeConnection
 log = Logger()
 
 M = TypeVar("M", bound=Message)
+
+
+def _log_refusal(what: str, request_id: int, failure: Failure, expected: type[Exception]) -> None:
+    """Log why a stateless request (a stage forward, an embedding) got a nil answer: the
+    engine's reason when it refused as ``expected``, else the whole failure."""
+    if isinstance(failure.value, expected):
+        log.info(
+            "{what} {request} refused: {reason}",
+            what=what,
+            request=request_id,
+            reason=failure.getErrorMessage(),
+        )
+    else:
+        log.failure("{what} {request} failed", failure, what=what, request=request_id)
 
 
 @dataclass(frozen=True)
@@ -263,19 +286,31 @@ class Responders:
             connection.send(StageForwardRespMsg(msg.request_id, result.hidden, result.token))
 
         def refuse(failure: Failure) -> None:
-            if not isinstance(failure.value, StageForwardError):
-                log.failure("stage forward {request} failed", failure, request=msg.request_id)
-            else:
-                log.info(
-                    "stage forward {request} refused: {reason}",
-                    request=msg.request_id,
-                    reason=failure.getErrorMessage(),
-                )
+            _log_refusal("stage forward", msg.request_id, failure, StageForwardError)
             connection.send(StageForwardRespMsg(msg.request_id, None, None))
 
         self._common.engine.stage_forward(
             msg.tokens, msg.start_layer, msg.end_layer, msg.hidden_in
         ).addCallbacks(answer, refuse)
+
+    @handles(EmbedReqMsg)
+    def embed(self, connection: NodeConnection, msg: EmbedReqMsg) -> None:
+        """Embed the texts (section 12.7); a node without an embedding model, or a failed
+        run, answers nil vectors."""
+
+        def answer(result: Embedded) -> None:
+            connection.send(EmbedRespMsg(msg.request_id, result.vectors, result.dim, result.tokens))
+
+        def refuse(failure: Failure) -> None:
+            _log_refusal("embedding", msg.request_id, failure, EmbeddingError)
+            connection.send(EmbedRespMsg(msg.request_id, None, 0, 0))
+
+        engine = self._common.engine
+        if not isinstance(engine, Embedder):
+            log.info("embedding {request} refused: no embedding model", request=msg.request_id)
+            connection.send(EmbedRespMsg(msg.request_id, None, 0, 0))
+            return
+        engine.embed(msg.texts).addCallbacks(answer, refuse)
 
     @handles(BlobFetchMsg)
     def blob_fetch(self, connection: NodeConnection, msg: BlobFetchMsg) -> None:
