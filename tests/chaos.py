@@ -19,7 +19,6 @@ import random
 import re
 import signal
 import socket
-import sys
 import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from twisted.python.failure import Failure
 from twisted.web.client import Agent, FileBodyProducer, HTTPConnectionPool, readBody
 from twisted.web.http_headers import Headers
 
-from tests.processes import TWISTD, Child, child_env
+from tests.processes import Child, start_twistd
 
 DIAL = "dial"
 """The head dials every node (``sfhead --node``)."""
@@ -172,13 +171,7 @@ class Fleet:
         folder = self.config.folder / f"{self._spawned:03d}-{name}"
         folder.mkdir(parents=True, exist_ok=True)
         child = Child(name)
-        child.transport = reactor.spawnProcess(
-            child,
-            sys.executable,
-            [sys.executable, "-c", TWISTD, "--pidfile=", "-n", *args],
-            env=child_env(),
-            path=str(folder),
-        )
+        start_twistd(child, args, folder)
         self.children.append(child)
         return child
 

@@ -20,6 +20,19 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "sfnode"
 
+_HEAD_API = frozenset(
+    {
+        "sfnode.head.fleet",
+        "sfnode.head.models",
+        "sfnode.head.link",
+        "sfnode.linkf",
+        "sfnode.runtime",
+        "sfnode.generation",
+        "sfnode.decoding",
+    }
+)
+"""What the head's HTTP API may import (and the head's tap, with the API and discovery)."""
+
 LAYERS: dict[str, frozenset[str]] = {
     # The shared core: what node and head must agree on; imports nothing of sfnode.
     "sfnode.linkf": frozenset(),
@@ -110,30 +123,8 @@ LAYERS: dict[str, frozenset[str]] = {
     "sfnode.head.fleet": frozenset(
         {"sfnode.head.link", "sfnode.head.models", "sfnode.linkf", "sfnode.generation"}
     ),
-    "sfnode.head.api": frozenset(
-        {
-            "sfnode.head.fleet",
-            "sfnode.head.models",
-            "sfnode.head.link",
-            "sfnode.linkf",
-            "sfnode.runtime",
-            "sfnode.generation",
-            "sfnode.decoding",
-        }
-    ),
-    "sfnode.head.tap": frozenset(
-        {
-            "sfnode.head.api",
-            "sfnode.head.fleet",
-            "sfnode.head.models",
-            "sfnode.head.link",
-            "sfnode.linkf",
-            "sfnode.runtime",
-            "sfnode.generation",
-            "sfnode.decoding",
-            "sfnode.discovery",
-        }
-    ),
+    "sfnode.head.api": _HEAD_API,
+    "sfnode.head.tap": _HEAD_API | {"sfnode.head.api", "sfnode.discovery"},
     # The names the design card fixes, over the node's modules; and the top: commands.
     "sfnode.protocol": frozenset({"sfnode.node"}),
     "sfnode.machines": frozenset({"sfnode.node"}),

@@ -98,6 +98,13 @@ def mock_node(
     return agent, engine
 
 
+def opened(link: NodeLink, session: int = 1, context: Sequence[int] = PROMPT) -> NodeLink:
+    """``link`` with session ``session`` assigned and ``context`` (:data:`PROMPT`) appended."""
+    link.assign(session)
+    link.append(session, context)
+    return link
+
+
 @defer.inlineCallbacks
 def serves(
     test: SynchronousTestCase, link: NodeLink, session: int, count: int

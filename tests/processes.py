@@ -79,6 +79,13 @@ def spawn_twistd(test: TestCase, child: Child, args: list[str]) -> Child:
     """Start ``twistd --pidfile= -n ARGS`` in a fresh folder; the test's cleanup kills it."""
     folder = Path(test.mktemp())
     folder.mkdir(parents=True)
+    start_twistd(child, args, folder)
+    test.addCleanup(child.kill)
+    return child
+
+
+def start_twistd(child: Child, args: list[str], folder: Path) -> None:
+    """Start ``twistd --pidfile= -n ARGS`` in ``folder``, its output read by ``child``."""
     child.transport = reactor.spawnProcess(
         child,
         sys.executable,
@@ -86,5 +93,3 @@ def spawn_twistd(test: TestCase, child: Child, args: list[str]) -> Child:
         env=child_env(),
         path=str(folder),
     )
-    test.addCleanup(child.kill)
-    return child

@@ -23,7 +23,6 @@ from typing import Any
 import jsonschema
 from twisted.internet import defer, reactor, threads
 from twisted.internet.endpoints import TCP4ServerEndpoint
-from twisted.logger import Logger
 
 from sfnode.head.fleet.fleet import FleetSettings
 from tests.agents import CITY_QUESTIONS, NESTED_SCHEMA, TOOLS, USER_TURNS
@@ -39,15 +38,9 @@ class BundledAgentsOverHttpTests(NodeTestCase):
     timeout = 1200
 
     @defer.inlineCallbacks
-    def test_tool_calls_and_json_schema_answers_are_all_valid(
-        self,
-    ) -> Generator[defer.Deferred[Any], Any, None]:
-        """Twelve user turns with ``tool_choice: "required"``, the same twelve each naming a
-        function, and eight ``json_schema`` questions, all at once through the API: every
-        tool answer holds calls of declared functions (the named one when named) whose
-        arguments validate (``finish_reason`` ``tool_calls``, or ``length`` when the model
-        went on writing parallel calls: a call cut short is not listed), and every schema
-        answer ends and validates."""
+    def fleet_client(self) -> Generator[defer.Deferred[Any], Any, Any]:
+        """The bundled model on a transformers node behind a head over real TCP, and an
+        ``openai`` client for it."""
         import openai
 
         from sfnode.engines.transformers_engine import TransformersEngine
@@ -84,7 +77,19 @@ class BundledAgentsOverHttpTests(NodeTestCase):
             timeout=1000,
         )
         self.addCleanup(client.close)
+        return client
 
+    @defer.inlineCallbacks
+    def test_tool_calls_and_json_schema_answers_are_all_valid(
+        self,
+    ) -> Generator[defer.Deferred[Any], Any, None]:
+        """Twelve user turns with ``tool_choice: "required"``, the same twelve each naming a
+        function, and eight ``json_schema`` questions, all at once through the API: every
+        tool answer holds calls of declared functions (the named one when named) whose
+        arguments validate, with ``finish_reason`` ``tool_calls`` (the node closes a
+        second call it cannot finish within the budget), and every schema answer ends and
+        validates."""
+        client = yield self.fleet_client()
         cases: list[tuple[str, Any, str | None]] = [(t, "required", None) for t in USER_TURNS]
         cases += [
             (turn, {"type": "function", "function": {"name": name}}, name)
@@ -117,13 +122,9 @@ class BundledAgentsOverHttpTests(NodeTestCase):
         json_answers = [threads.deferToThread(ask_json, q) for q in CITY_QUESTIONS]
         answers = yield defer.gatherResults(tool_answers + json_answers, consumeErrors=True)
         schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-        cut = [turn for (turn, _, _), a in zip(cases, answers, strict=False)
-               if a.choices[0].finish_reason == "length"]  # fmt: skip
-        Logger().info("tool answers ended by max_tokens: {count} of {total}: {cut}",
-                      count=len(cut), total=len(cases), cut=cut)  # fmt: skip
         for (turn, _, named), answer in zip(cases, answers, strict=False):
             choice = answer.choices[0]
-            self.assertIn(choice.finish_reason, ("tool_calls", "length"), turn)
+            self.assertEqual(choice.finish_reason, "tool_calls", turn)
             self.assertTrue(choice.message.tool_calls, turn)
             for call in choice.message.tool_calls:
                 self.assertIn(call.function.name, schemas, turn)
@@ -134,3 +135,100 @@ class BundledAgentsOverHttpTests(NodeTestCase):
         for question, answer in zip(CITY_QUESTIONS, answers[len(cases) :], strict=True):
             self.assertEqual(answer.choices[0].finish_reason, "stop", question)
             jsonschema.validate(json.loads(answer.choices[0].message.content), NESTED_SCHEMA)
+
+    @defer.inlineCallbacks
+    def test_answers_parse_within_small_budgets_streamed_and_not(
+        self,
+    ) -> Generator[defer.Deferred[Any], Any, None]:
+        """Issue 33's budgets through the API with the ``openai`` client: twelve forced tool
+        calls at ``max_tokens`` 96 and eight ``json_object`` answers at 32, each asked
+        streamed and not: every answer parses (calls of declared functions whose arguments
+        validate, ``finish_reason`` ``tool_calls``; one JSON object, ``stop``), within its
+        budget; some were closed early and say so in ``finish_details`` (the streamed
+        finish chunk as the body); and a budget below the shortest call is a 400 naming
+        ``max_tokens``."""
+        import openai
+
+        client = yield self.fleet_client()
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+        def ask(content: str, stream: bool, **extra: Any) -> tuple[str, list[Any], Any, Any]:
+            """(finish_reason, [(name, arguments)], content, finish_details) of one answer."""
+            messages = [{"role": "user", "content": content}]
+            if not stream:
+                answer = client.chat.completions.create(
+                    model=MODEL,
+                    messages=messages,
+                    temperature=0,
+                    **extra,  # type: ignore[arg-type]
+                )
+                choice = answer.choices[0]
+                calls = [(c.function.name, c.function.arguments)
+                         for c in choice.message.tool_calls or ()]  # fmt: skip
+                details = (choice.model_extra or {}).get("finish_details")
+                return choice.finish_reason, calls, choice.message.content, details
+            chunks = client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                temperature=0,
+                stream=True,
+                **extra,  # type: ignore[arg-type]
+            )
+            found: dict[int, list[str]] = {}
+            text, finish, details = "", None, None
+            for chunk in chunks:
+                if not chunk.choices:
+                    continue
+                streamed = chunk.choices[0]
+                text += streamed.delta.content or ""
+                for delta in streamed.delta.tool_calls or ():
+                    entry = found.setdefault(delta.index, ["", ""])
+                    entry[0] += (delta.function.name or "") if delta.function else ""
+                    entry[1] += (delta.function.arguments or "") if delta.function else ""
+                if streamed.finish_reason is not None:
+                    finish = streamed.finish_reason
+                    details = (streamed.model_extra or {}).get("finish_details")
+            calls = [(name, arguments) for name, arguments in (found[i] for i in sorted(found))]
+            return str(finish), calls, text, details
+
+        tool_asks = [
+            threads.deferToThread(
+                ask, turn, stream, tools=TOOLS, tool_choice="required", max_tokens=96
+            )
+            for stream in (False, True)
+            for turn in USER_TURNS
+        ]
+        json_asks = [
+            threads.deferToThread(
+                ask, question, stream, response_format={"type": "json_object"}, max_tokens=32
+            )
+            for stream in (False, True)
+            for question in CITY_QUESTIONS
+        ]
+        answers = yield defer.gatherResults(tool_asks + json_asks, consumeErrors=True)
+        tool_answers, json_answers = answers[: len(tool_asks)], answers[len(tool_asks) :]
+        for finish, calls, _, details in tool_answers:
+            self.assertEqual(finish, "tool_calls")
+            self.assertTrue(calls)
+            for name, arguments in calls:
+                jsonschema.validate(json.loads(arguments), schemas[name])
+            self.assertIn(details, (None, {"closed": True}))
+        for finish, _, content, details in json_answers:
+            self.assertEqual(finish, "stop")
+            self.assertIsInstance(json.loads(content), dict)
+            self.assertIn(details, (None, {"closed": True}))
+        closed = [a[3] for a in answers if a[3] is not None]
+        self.assertTrue(closed)
+
+        def too_small() -> Any:
+            return client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": USER_TURNS[0]}],
+                tools=TOOLS, tool_choice="required", max_tokens=8,  # type: ignore[arg-type]
+            )  # fmt: skip
+
+        with self.assertRaises(openai.BadRequestError) as caught:
+            yield threads.deferToThread(too_small)
+        error = caught.exception.body
+        assert isinstance(error, dict)
+        self.assertEqual(error["param"], "max_tokens")
+        self.assertIn("at least", error["message"])

@@ -37,18 +37,27 @@ DEPLOY = REPO_ROOT / "deploy"
 PORTS = {"head-http": 8453, "node-listen": 8454, "head-fleet": 8455, "node-health": 8456}
 
 
-def containerfile() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) of deploy/Containerfile, continuation lines joined."""
-    instructions: list[tuple[str, str]] = []
+def joined_lines(path: Path, comments: tuple[str, ...] = ("#",)) -> list[str]:
+    """The lines of ``path`` with continuation lines (ending in a backslash) joined, without
+    blank lines and lines starting with ``comments``."""
+    lines: list[str] = []
     pending = ""
-    for raw in (DEPLOY / "Containerfile").read_text().splitlines():
+    for raw in path.read_text().splitlines():
         line = raw.strip()
-        if not pending and (not line or line.startswith("#")):
+        if not pending and (not line or line.startswith(comments)):
             continue
         if line.endswith("\\"):
             pending += line[:-1] + " "
             continue
-        line, pending = pending + line, ""
+        lines.append(pending + line)
+        pending = ""
+    return lines
+
+
+def containerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of deploy/Containerfile, continuation lines joined."""
+    instructions: list[tuple[str, str]] = []
+    for line in joined_lines(DEPLOY / "Containerfile"):
         keyword, _, rest = line.partition(" ")
         instructions.append((keyword.upper(), rest.strip()))
     return instructions
@@ -210,15 +219,7 @@ class SystemdTests(SynchronousTestCase):
     def unit(self, name: str) -> dict[str, list[str]]:
         """The unit's settings, KEY: [values] (continuation lines joined)."""
         settings: dict[str, list[str]] = {}
-        pending = ""
-        for raw in (DEPLOY / "systemd" / name).read_text().splitlines():
-            line = raw.strip()
-            if not pending and (not line or line.startswith(("#", "["))):
-                continue
-            if line.endswith("\\"):
-                pending += line[:-1] + " "
-                continue
-            line, pending = pending + line, ""
+        for line in joined_lines(DEPLOY / "systemd" / name, ("#", "[")):
             key, _, value = line.partition("=")
             settings.setdefault(key, []).append(value)
         return settings

@@ -63,6 +63,7 @@ from sfnode.linkf.wire import (
     MAX_FRAME,
     PROTO_VERSION,
     AppendContentMsg,
+    EmbedReqMsg,
     FrameDecoder,
     GenerateCancelMsg,
     GenerateReqMsg,
@@ -107,9 +108,10 @@ Gen = Generator[defer.Deferred[Any], Any, None]
 HANDLED = {
     MsgType.RECONCILE, MsgType.SESSION_ASSIGN, MsgType.SESSION_REVOKE, MsgType.APPEND_CONTENT,
     MsgType.GENERATE_REQ, MsgType.STAGE_FORWARD_REQ, MsgType.WATERMARK_ACK,
-    MsgType.LEASE_GRANT, MsgType.GENERATE_CANCEL,
+    MsgType.LEASE_GRANT, MsgType.GENERATE_CANCEL, MsgType.BLOB_FETCH, MsgType.EMBED_REQ,
 }  # fmt: skip
-"""The types a serving node decodes (docs/protocol.md 7.2); it drops any other type undecoded."""
+"""The types a serving node decodes (docs/protocol.md 7.2, BLOB_FETCH of 12.5 and EMBED_REQ of
+12.7 included); it drops any other type undecoded."""
 
 sessions = st.integers(1, 6)
 epochs = st.integers(0, FUZZ_MAX_EPOCH)
@@ -154,6 +156,7 @@ messages: st.SearchStrategy[Message] = st.one_of(
         StageForwardReqMsg, small, token_lists.map(tuple), st.integers(0, 30),
         st.integers(0, 30), st.one_of(st.none(), st.binary(max_size=10)),
     ),
+    st.builds(EmbedReqMsg, small, st.lists(st.text(max_size=8), max_size=3).map(tuple)),
     st.builds(Keepalive),
     st.builds(TelemetryMsg, st.binary(max_size=8)),
     st.builds(
@@ -193,7 +196,7 @@ malformed: st.SearchStrategy[bytes] = st.one_of(
         st.integers(0, 255),
     ),
     # Unknown types: required (fatal) or droppable (skipped).
-    st.builds(lambda t: raw_frame(t, b"\xc0", 0), st.integers(0x001B, 0x7FFF)),
+    st.builds(lambda t: raw_frame(t, b"\xc0", 0), st.integers(0x001D, 0x7FFF)),
     st.builds(lambda t: raw_frame(t, b"\xc0", 1), st.integers(0x8003, 0xFFFF)),
     # Lengths below the header or above MAX_FRAME (fatal as soon as they arrive).
     st.builds(lambda n: struct.pack("<I", n), st.integers(0, HEADER_LEN - 1)),

@@ -30,6 +30,7 @@ from sfnode.head.link import (
     HandshakeTimeoutError,
     HeadIds,
     HeadLinkFactory,
+    LinkError,
     LinkLostError,
     LinkSettings,
     MalformedFrameError,
@@ -41,6 +42,7 @@ from sfnode.head.link import (
     SupersededError,
     UnknownSessionError,
     connect_node,
+    embed,
 )
 from sfnode.linkf.wire import (
     FINISH_CANCELLED,
@@ -48,6 +50,8 @@ from sfnode.linkf.wire import (
     FINISH_EOS,
     AppendContentMsg,
     CapacitySummary,
+    EmbedReqMsg,
+    EmbedRespMsg,
     Finish,
     FrameDecoder,
     GenerateCancelMsg,
@@ -505,6 +509,30 @@ class StageForwardTests(LinkTestCase):
         node.send(StageForwardRespMsg(req1.request_id, b"h", None))
         self.flush()
         self.assertEqual(self.successResultOf(first).hidden, b"h")
+
+
+class EmbeddingCallTests(LinkTestCase):
+    def test_answers_are_matched_by_request_id_and_a_lost_link_fails_them(self) -> None:
+        """Each EMBED_RESP fires the embedding of its request_id (docs/protocol.md section
+        12.7); an unknown id, or a STAGE_FORWARD_RESP with an embedding's id, is ignored; a
+        broken connection fails the embeddings still waiting, and a down link fails at once."""
+        link, node = self.open_link()
+        first = embed(link, ["a", "b"])
+        second = embed(link, ["c"])
+        self.flush()
+        req1, req2 = node.of_type(EmbedReqMsg)
+        self.assertEqual((req1.texts, req2.texts), (("a", "b"), ("c",)))
+        node.send(EmbedRespMsg(999, None, 0, 0))
+        node.send(StageForwardRespMsg(req2.request_id, None, 1))
+        node.send(EmbedRespMsg(req2.request_id, b"\x00" * 8, 2, 3))
+        self.flush()
+        self.assertNoResult(first)
+        self.assertEqual(self.successResultOf(second), EmbedRespMsg(req2.request_id, b"\x00" * 8,
+                                                                   2, 3))  # fmt: skip
+        node.transport.write(b"\x05\x00\x00\x00" + b"\x00" * 5)  # type: ignore[union-attr]
+        self.flush()
+        self.failureResultOf(first, MalformedFrameError)
+        self.failureResultOf(embed(link, ["d"]), LinkError)
 
 
 class BrokenLinkTests(LinkTestCase):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Generator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from twisted.internet import defer, reactor, threads
@@ -33,10 +34,8 @@ from sfnode.generation import EngineStop
 from sfnode.head.api.http import Detokenizer, OpenAIApi, Renderer, StopText
 from sfnode.head.fleet.fleet import Fleet, FleetSettings
 from sfnode.head.models.chat import ChatMessage
-from sfnode.node.agent import NodeAgent
-from sfnode.node.config import NodeConfig
 from tests.memoryhead import MemoryHeadTestCase
-from tests.nodefixture import NodeTestCase, RunningNode
+from tests.nodefixture import NodeTestCase, RunningNode, mock_node
 from tests.test_fleet import next_status
 from tests.tinymodel import TINY_VOCAB, tiny_tokenizer
 
@@ -52,13 +51,13 @@ def tokenizer() -> Any:
     return _TOKENIZER
 
 
+@dataclass
 class Head:
     """A fleet and its HTTP API listening on 127.0.0.1."""
 
-    def __init__(self, fleet: Fleet, api: OpenAIApi, port: Any) -> None:
-        self.fleet = fleet
-        self.api = api
-        self.port = port
+    fleet: Fleet
+    api: OpenAIApi
+    port: Any
 
     @property
     def base(self) -> str:
@@ -72,25 +71,15 @@ class HttpTestCase(NodeTestCase):
 
     @defer.inlineCallbacks
     def start_vocab_node(
-        self,
-        *,
-        identity: str = "node",
-        context_window: int = 4096,
-        token_delay_s: float = 0.0,
-        engine: Any = None,
-        model_name: str = MODEL,
-        max_lanes: int = 8,
+        self, *, identity: str = "node", model_name: str = MODEL, **options: Any
     ) -> Generator[defer.Deferred[Any], Any, RunningNode]:
-        """A mock node whose tokens are ids of the tiny tokenizer (vocabulary 512)."""
-        if engine is None:
-            engine = MockEngine(
-                reactor,
-                EngineConfig(context_window=context_window, max_lanes=max_lanes),
-                token_delay_s=token_delay_s,
-                vocab_size=TINY_VOCAB,
-            )
-        config = NodeConfig(identity=identity, model_name=model_name, max_lanes=max_lanes)
-        return (yield self.serve(NodeAgent(reactor, engine, config), engine))
+        """A mock node whose tokens are ids of the tiny tokenizer (vocabulary 512);
+        ``options`` are :func:`tests.nodefixture.mock_node`'s (an engine, the mock's)."""
+        agent, engine = mock_node(
+            reactor, reactor, identity=identity, model_name=model_name, vocab_size=TINY_VOCAB,
+            **options,
+        )  # fmt: skip
+        return (yield self.serve(agent, engine))
 
     @defer.inlineCallbacks
     def start_head(

@@ -141,7 +141,14 @@ class RouteWalkTests(HostileTestCase):
         self.assertIn("/v1/chat/completions", paths)
         completions = [p for p, r in paths.items() if route_of(r).completion]
         self.assertEqual(
-            sorted(completions), ["/v1/chat/completions", "/v1/completions", "/v1/responses"]
+            sorted(completions),
+            [
+                "/v1/chat/completions",
+                "/v1/completions",
+                "/v1/embeddings",
+                "/v1/messages",
+                "/v1/responses",
+            ],
         )
         modes = [
             ("no key", "application/json", None),

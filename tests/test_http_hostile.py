@@ -63,6 +63,30 @@ class RawClient(Protocol):
         assert self.transport is not None
         self.transport.write(data)
 
+    def drip(self, data: bytes, every_s: float) -> defer.Deferred[int]:
+        """Send ``data`` one byte every ``every_s`` seconds until it is all sent or the
+        connection closes; fires with the bytes sent when the connection closes."""
+        sent = 0
+
+        def one() -> None:
+            nonlocal sent
+            if not self.closed and sent < len(data):
+                self.send(data[sent : sent + 1])
+                sent += 1
+
+        dripping = LoopingCall(one)
+        dripping.start(every_s)
+
+        done: defer.Deferred[int] = defer.Deferred()
+
+        def ended(data: bytes) -> bytes:
+            dripping.stop()
+            done.callback(sent)
+            return data
+
+        self.ended.addCallback(ended)
+        return done
+
 
 def response_of(data: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
     """(status, lower-cased headers, body) of one HTTP/1.1 response (a chunked body is
@@ -513,21 +537,9 @@ class LimitTests(HostileTestCase):
         head = yield self.start_sfhead([node], "--header-timeout", "0.5", "--body-timeout", "0.5")
         slow = yield self.connect(head.port)
         data = request_bytes("/v1/chat/completions", json.dumps(CHAT).encode())
-        position = 0
-
-        def drip() -> None:
-            nonlocal position
-            if not slow.closed and position < len(data):
-                slow.send(data[position : position + 1])
-                position += 1
-
-        dripping = LoopingCall(drip)
-        dripping.start(0.05)
-        self.addCleanup(lambda: dripping.stop() if dripping.running else None)
-        answer = yield slow.ended
-        dripping.stop()
-        self.assertLess(position, data.index(b"\r\n\r\n"))
-        self.assert_json_error(response_of(answer), 408, "request_timeout")
+        sent = yield slow.drip(data, 0.05)
+        self.assertLess(sent, data.index(b"\r\n\r\n"))
+        self.assert_json_error(response_of(slow.data), 408, "request_timeout")
 
         halfway = yield self.connect(head.port)
         halfway.send(data[: len(data) - 10])

@@ -134,26 +134,20 @@ class MultiHostTests(TestCase):
         )  # fmt: skip
 
     async def chat(self, socket: str, model: str) -> dict[str, Any]:
-        agent = Agent.usingEndpointFactory(reactor, _UnixSocket(socket))
         body = {"model": model, "messages": [{"role": "user", "content": "w100 w101"}],
                 "max_tokens": 5}  # fmt: skip
-        response = await agent.request(
-            b"POST",
-            b"http://localhost/v1/chat/completions",
-            Headers({b"content-type": [b"application/json"]}),
-            FileBodyProducer(BytesIO(json.dumps(body).encode())),
-        )
-        content = await readBody(response)
-        self.assertEqual(response.code, 200, content)
-        answer: dict[str, Any] = json.loads(content)
-        return answer
+        return await self.post(socket, b"/v1/chat/completions", body)
 
     async def completion(self, socket: str) -> dict[str, Any]:
-        agent = Agent.usingEndpointFactory(reactor, _UnixSocket(socket))
         body = {"model": "mock", "prompt": [11, 12, 13, 14], "max_tokens": 5}
+        return await self.post(socket, b"/v1/completions", body)
+
+    async def post(self, socket: str, path: bytes, body: dict[str, Any]) -> dict[str, Any]:
+        """``body`` posted to the head's ``path`` over its Unix socket: the 200 answer."""
+        agent = Agent.usingEndpointFactory(reactor, _UnixSocket(socket))
         response = await agent.request(
             b"POST",
-            b"http://localhost/v1/completions",
+            b"http://localhost" + path,
             Headers({b"content-type": [b"application/json"]}),
             FileBodyProducer(BytesIO(json.dumps(body).encode())),
         )

@@ -9,6 +9,7 @@ never sleep and never assert a timing.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -206,23 +207,14 @@ class ChoiceTests(unittest.SynchronousTestCase):
         their own flags and read back without measuring again."""
         avx2, xeon = Cpu(AVX2_ONLY), Cpu(AVX512_BF16)
         emulated, native_bf16 = Timing(torch.float32), Timing(torch.bfloat16)
-        first = choose(
-            self.samples,
-            cpu=avx2,
-            library_dir=_library_dir,
-            cache_file=self.cache,
-            measure=emulated,
+        pick = functools.partial(
+            choose, self.samples, library_dir=_library_dir, cache_file=self.cache
         )
+        first = pick(cpu=avx2, measure=emulated)
         self.assertEqual((first.family, first.activations), ("native", torch.float32))
         self.assertIsNotNone(first.library)
         self.assertEqual(set(emulated.measured), {torch.float32, torch.bfloat16})
-        second = choose(
-            self.samples,
-            cpu=xeon,
-            library_dir=_library_dir,
-            cache_file=self.cache,
-            measure=native_bf16,
-        )
+        second = pick(cpu=xeon, measure=native_bf16)
         self.assertEqual((second.family, second.activations), ("torch", torch.bfloat16))
         self.assertEqual(set(native_bf16.measured), {torch.float32, torch.bfloat16})
         kept = json.loads(self.cache.read_text())["choices"]

@@ -24,7 +24,6 @@ from typing import Any
 
 from twisted.internet import defer, reactor
 from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint, connectProtocol
-from twisted.internet.task import LoopingCall
 from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import Agent, readBody
@@ -99,20 +98,9 @@ class MetricsGuardTests(NodeTestCase):
         port = yield self.listen(metrics_site(started.agent, reactor, header_timeout_s=0.5))
         slow = yield self.connect(port)
         request = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-Pad: " + b"a" * 400
-        position = 0
-
-        def drip() -> None:
-            nonlocal position
-            if not slow.closed and position < len(request):
-                slow.send(request[position : position + 1])
-                position += 1
-
-        dripping = LoopingCall(drip)
-        dripping.start(0.05)
-        self.addCleanup(lambda: dripping.stop() if dripping.running else None)
-        status, _, body = response_of((yield slow.ended))
-        dripping.stop()
-        self.assertLess(position, len(request))
+        sent = yield slow.drip(request, 0.05)
+        status, _, body = response_of(slow.data)
+        self.assertLess(sent, len(request))
         self.assertEqual(status, 408)
         self.assertIn(b"request_timeout", body)
 

@@ -51,6 +51,7 @@ from tests.nodefixture import (
     RawHead,
     expected_tokens,
     finish_of,
+    opened,
     serves,
     stream_of,
 )
@@ -82,9 +83,7 @@ class GenerationTests(MemoryNodeTestCase):
     def test_two_generations_share_one_connection(self) -> None:
         """D2: two generations on one connection run together and both finish correctly."""
         node = self.start_node(token_delay_s=0.001)
-        link = self.dial(node)
-        link.assign(1)
-        link.append(1, PROMPT)
+        link = opened(self.dial(node))
         link.assign(2)
         link.append(2, [7, 8, 9])
         first = link.generate(1, HeadRequest((), 40))
@@ -115,9 +114,7 @@ class GenerationTests(MemoryNodeTestCase):
         """Item 51: a cancel after >= 5 tokens ends the stream with CANCELLED, far short of
         its budget, and the tokens sent are a prefix of the full run."""
         node = self.start_node(token_delay_s=0.002)
-        link = self.dial(node)
-        link.assign(1)
-        link.append(1, PROMPT)
+        link = opened(self.dial(node))
         seen: list[int] = []
 
         def on_tokens(tokens: Any) -> None:
@@ -151,9 +148,7 @@ class GenerationTests(MemoryNodeTestCase):
     def test_length_at_the_window(self) -> None:
         """A generation that reaches the context window stops there with LENGTH."""
         node = self.start_node(context_window=20)
-        link = self.dial(node)
-        link.assign(1)
-        link.append(1, PROMPT)
+        link = opened(self.dial(node))
         outcome = self.wait(link.generate(1, HeadRequest((), 100)).result)
         self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 8))
         self.assertEqual(outcome.finish, FINISH_LENGTH)
@@ -161,9 +156,7 @@ class GenerationTests(MemoryNodeTestCase):
     def test_wall_budget_expires(self) -> None:
         """A generation past its max_wall_ms ends with FINISH_EXPIRED after the tokens it made."""
         node = self.start_node(token_delay_s=0.005)
-        link = self.dial(node)
-        link.assign(1)
-        link.append(1, PROMPT)
+        link = opened(self.dial(node))
         outcome = self.wait(link.generate(1, HeadRequest((), 1_000_000, max_wall_ms=60)).result)
         self.assertEqual(outcome.finish, FINISH_EXPIRED)
         self.assertLess(len(outcome.tokens), 1000)
@@ -173,9 +166,7 @@ class GenerationTests(MemoryNodeTestCase):
         """D6: when the model emits its EOS id, that id is the last token and the finish is EOS."""
         reference = expected_tokens(PROMPT, 6)
         node = self.start_node(eos_token_id=reference[5])
-        link = self.dial(node)
-        link.assign(1)
-        link.append(1, PROMPT)
+        link = opened(self.dial(node))
         outcome = self.wait(link.generate(1, HeadRequest((), 50)).result)
         self.assertEqual(outcome.tokens, reference)
         self.assertEqual(outcome.finish, FINISH_EOS)
@@ -355,9 +346,7 @@ class ReconcileTests(MemoryNodeTestCase):
         """Items 18 and 24: after a generation, a reconnect reconciles the session as held with
         no retransmission, commits nothing new, and the next generation equals the first."""
         node = self.start_node()
-        link = self.dial(node)
-        link.assign(1)
-        link.append(1, PROMPT)
+        link = opened(self.dial(node))
         call = link.generate(1, HeadRequest((), 12))
         first = self.wait(call.result)
         committed = len(link.head_session.wal.events(1, call.epoch, call.generation_id))
@@ -372,9 +361,7 @@ class ReconcileTests(MemoryNodeTestCase):
         """D2 with 7.3: a link dropped in the middle of a stream reconnects and reconciles; the
         generation completes with every token exactly once."""
         node = self.start_node(token_delay_s=0.003)
-        link = self.dial(node)
-        link.assign(1)
-        link.append(1, PROMPT)
+        link = opened(self.dial(node))
         reconnected: list[defer.Deferred[None]] = []
 
         def on_tokens(tokens: Any) -> None:
@@ -444,9 +431,7 @@ class RobustnessTests(MemoryNodeTestCase):
         """A malformed envelope or payload closes that one connection with a logged reason;
         a generation on another connection finishes correctly."""
         node = self.start_node(token_delay_s=0.002)
-        link = self.dial(node)
-        link.assign(1)
-        link.append(1, PROMPT)
+        link = opened(self.dial(node))
         call = link.generate(1, HeadRequest((), 50))
         bad_envelope = self.raw_head(node)
         self.wait(bad_envelope.hello())
@@ -609,9 +594,7 @@ class TimedTests(MemoryNodeTestCase):
         over :data:`PROMPT` in session 1, the drop of the link once idle that long (checked
         at 10 ms past it), and its reconnect; the link and the tokens of that generation."""
         self.start_node(idle_timeout_ms=idle_timeout_ms)
-        link = self.dial()
-        link.assign(1)
-        link.append(1, PROMPT)
+        link = opened(self.dial())
         first = link.generate(1, HeadRequest((), count))
         self.flush()
         tokens = self.successResultOf(first.result).tokens
@@ -646,9 +629,7 @@ class TimedTests(MemoryNodeTestCase):
         (not before) while a real head is served meanwhile."""
         self.start_node(handshake_timeout_ms=300)
         silent = self.raw_head()
-        link = self.dial()
-        link.assign(1)
-        link.append(1, PROMPT)
+        link = opened(self.dial())
         call = link.generate(1, HeadRequest((), 4))
         self.flush()
         self.assertEqual(self.successResultOf(call.result).tokens, expected_tokens(PROMPT, 4))
@@ -695,8 +676,8 @@ class DispatchTableTests(SynchronousTestCase):
 
     def test_the_node_handles_exactly_the_types_of_the_specification(self) -> None:
         """RECONCILE, ASSIGN, REVOKE, LEASE_GRANT, APPEND, GENERATE, WATERMARK_ACK,
-        BLOB_FETCH (section 12.5), GENERATE_CANCEL and STAGE_FORWARD_REQ have a responder;
-        every other type has none."""
+        BLOB_FETCH (section 12.5), GENERATE_CANCEL, STAGE_FORWARD_REQ and EMBED_REQ (section
+        12.7) have a responder; every other type has none."""
         self.assertEqual(
             [cls.MSG_TYPE for cls in HANDLERS.message_classes()],
             [
@@ -710,6 +691,7 @@ class DispatchTableTests(SynchronousTestCase):
                 MsgType.BLOB_FETCH,
                 MsgType.GENERATE_CANCEL,
                 MsgType.STAGE_FORWARD_REQ,
+                MsgType.EMBED_REQ,
             ],
         )
 

@@ -234,7 +234,7 @@ class FrameDecoderTests(SynchronousTestCase):
     def test_unknown_required_type(self) -> None:
         """A required-range type outside the catalog fails closed with UnknownRequiredType."""
         self.assertRaises(UnknownRequiredType, FrameDecoder().feed, raw_frame(0x00FF))
-        self.assertRaises(UnknownRequiredType, FrameDecoder().feed, raw_frame(0x001B))
+        self.assertRaises(UnknownRequiredType, FrameDecoder().feed, raw_frame(0x001D))
         self.assertRaises(UnknownRequiredType, FrameDecoder().feed, raw_frame(0x0000))
 
     def test_unknown_droppable_skipped(self) -> None:
@@ -502,6 +502,20 @@ class PayloadStrictnessTests(SynchronousTestCase):
         self.assertEqual(wire.LeaseRenewMsg(1, U64_MAX).payload(), b"\x92\x01\xcf" + b"\xff" * 8)
         self.assertEqual(wire.LeaseRenewMsg(127, 128).payload(), b"\x92\x7f\xcc\x80")
 
+    def test_embed_messages(self) -> None:
+        """EMBED_REQ and EMBED_RESP are the arrays of section 12.7 (its example, byte for
+        byte), and a refusal's vectors are nil."""
+        resp = wire.EmbedRespMsg(7, struct.pack("<ff", 1.0, -2.0), 2, 3)
+        self.assertEqual(resp.payload().hex(), "9407c4080000803f000000c00203")
+        self.assertEqual(decode_message(MsgType.EMBED_RESP, resp.payload()), resp)
+        refused = wire.EmbedRespMsg(8, None, 0, 0)
+        self.assertEqual(refused.payload(), raw_pack([8, None, 0, 0]))
+        request = wire.EmbedReqMsg(7, ("a", "bc"))
+        self.assertEqual(request.payload(), raw_pack([7, ["a", "bc"]]))
+        self.assertEqual(decode_message(MsgType.EMBED_REQ, request.payload()), request)
+        self.assertRaises(PayloadError, decode_message, MsgType.EMBED_REQ, raw_pack([7, [1]]))
+        self.assertEqual((MsgType.EMBED_REQ, MsgType.EMBED_RESP), (0x001B, 0x001C))
+
     def test_optional_nil(self) -> None:
         """Option<T> is nil for None and T otherwise (M10)."""
         resp = wire.StageForwardRespMsg(9, None, 5)
@@ -600,8 +614,9 @@ class NegotiateTests(SynchronousTestCase):
 
 class CatalogTests(SynchronousTestCase):
     def test_every_type_known(self) -> None:
-        """All 28 catalog types have a message class and pass the decoder (item 2)."""
-        self.assertEqual(len(MsgType), 28)
+        """All 28 catalog types and sfnode's two embedding types (section 12.7) have a
+        message class and pass the decoder (item 2)."""
+        self.assertEqual(len(MsgType), 30)
         self.assertEqual(set(MESSAGE_CLASSES), set(MsgType))
         for msg_type, cls in MESSAGE_CLASSES.items():
             self.assertEqual(cls.MSG_TYPE, msg_type)
@@ -805,6 +820,19 @@ class FramesBeforeAnErrorTests(SynchronousTestCase):
         self.assertEqual(
             [decode_frame(f) for f in raised.exception.frames_before],
             [WatermarkAckMsg(1, 5, 100, n) for n in range(3)],
+        )
+
+    def test_feed_whole_returns_the_frames_and_the_error(self) -> None:
+        """``feed_whole`` (what both sides' protocols call) gives the same frames and the
+        error instead of raising; bytes without an error give the frames and None."""
+        good = [message_frame(WatermarkAckMsg(1, 5, 100, n), n + 1) for n in range(3)]
+        frames, error = FrameDecoder().feed_whole(b"".join(good))
+        self.assertIsNone(error)
+        self.assertEqual(len(frames), 3)
+        frames, error = FrameDecoder().feed_whole(b"".join(good) + b"\x05\x00\x00\x00")
+        self.assertIsInstance(error, BadLength)
+        self.assertEqual(
+            [decode_frame(f) for f in frames], [WatermarkAckMsg(1, 5, 100, n) for n in range(3)]
         )
 
 

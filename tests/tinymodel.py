@@ -34,59 +34,12 @@ def tiny_llama(
     init_range: float = 0.2,
     eos: int | None = TINY_EOS,
     attn: str = "sdpa",
+    bias: bool = False,
 ) -> Any:
     """A random ``LlamaForCausalLM`` in float32 eval mode (same seed, same weights).
 
     ``init_range`` is larger than the usual 0.02 so that logits are well separated and greedy
     choices do not hinge on the last bits of a float (batched and solo matmuls round differently).
-    """
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=window,
-        initializer_range=init_range,
-        bos_token_id=1,
-        eos_token_id=eos,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-    )
-    config._attn_implementation = attn
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    model.generation_config.eos_token_id = eos
-    model.generation_config.pad_token_id = 0
-    model.eval()
-    return model
-
-
-def tiny_llama_random_norms(
-    *,
-    hidden: int = 64,
-    layers: int = 4,
-    vocab: int = TINY_VOCAB,
-    window: int = 512,
-    seed: int = 4321,
-    init_range: float = 0.2,
-    norm_range: tuple[float, float] = (0.4, 1.6),
-    bias: bool = True,
-    eos: int | None = TINY_EOS,
-    attn: str = "sdpa",
-) -> Any:
-    """A random ``LlamaForCausalLM`` whose every RMSNorm weight is random and far from 1.0.
-
-    :func:`tiny_llama` leaves every norm weight at 1.0, so code that skips a norm's weight (or a
-    whole final norm: RMSNorm then only rescales, which an argmax ignores) computes the same
-    tokens.  Here each weight of every RMSNorm (both per layer and the final one) is drawn
-    uniformly from ``norm_range``, and with ``bias`` the attention and MLP projections get
-    random biases too (Llama has them as a config option), so such code gives other logits and,
-    within a few tokens, other tokens.  Same arguments, same weights; float32, eval mode.
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -110,6 +63,31 @@ def tiny_llama_random_norms(
     config._attn_implementation = attn
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = 0
+    model.eval()
+    return model
+
+
+def tiny_llama_random_norms(
+    *, norm_range: tuple[float, float] = (0.4, 1.6), **settings: Any
+) -> Any:
+    """A random ``LlamaForCausalLM`` whose every RMSNorm weight is random and far from 1.0.
+
+    :func:`tiny_llama` leaves every norm weight at 1.0, so code that skips a norm's weight (or a
+    whole final norm: RMSNorm then only rescales, which an argmax ignores) computes the same
+    tokens.  Here each weight of every RMSNorm (both per layer and the final one) is drawn
+    uniformly from ``norm_range``, and with ``bias`` the attention and MLP projections get
+    random biases too (Llama has them as a config option), so such code gives other logits and,
+    within a few tokens, other tokens.  ``settings`` are :func:`tiny_llama`'s (here 4 layers, a
+    window of 512, seed 4321, biases).  Same arguments, same weights; float32, eval mode.
+    """
+    import torch
+
+    settings = {"layers": 4, "window": 512, "seed": 4321, "bias": True, **settings}
+    model = tiny_llama(**settings)
+    seed = settings["seed"]
+    init_range = settings.get("init_range", 0.2)
     generator = torch.Generator().manual_seed(seed + 1)
     low, high = norm_range
     with torch.no_grad():
@@ -120,9 +98,6 @@ def tiny_llama_random_norms(
             elif isinstance(module, torch.nn.Linear) and module.bias is not None:
                 bias_values = torch.randn(module.bias.shape, generator=generator)
                 module.bias.copy_(init_range * bias_values)
-    model.generation_config.eos_token_id = eos
-    model.generation_config.pad_token_id = 0
-    model.eval()
     return model
 
 

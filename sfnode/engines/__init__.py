@@ -1,10 +1,11 @@
 """Generation engines (see :mod:`sfnode.generation` for the interface): the engine loop both
 engines run (``loop``), its configuration (``config``), the mock engine (``mock``, pure Python),
-and the transformers engine (``transformers_engine``) with its scheduler, runners, kernels and
-weights in the folders beside it.
+the transformers engine (``transformers_engine``) with its scheduler, runners, kernels and
+weights in the folders beside it, and the embedding engine (``embedding``) of sentence-transformers
+models.
 
-The transformers engine's modules import torch, so they are imported only when the operator
-chooses that engine; the loop, the configuration, the scheduling and the mock never import
+The transformers and embedding engines import torch, so they are imported only when the
+operator chooses them; the loop, the configuration, the scheduling and the mock never import
 torch.  This package's ``__init__`` holds only the option values the command line names (so
 that ``twistd sfnode --help`` needs nothing else) and must never import an engine module
 itself.  May import ``sfnode.generation``, ``sfnode.decoding`` and ``sfnode.linkf``.

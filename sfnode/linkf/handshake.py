@@ -6,8 +6,8 @@ role, then the token in constant time.
 Without a fleet token a link is plaintext and unauthenticated, so it is only allowed where
 nobody else can reach it: a loopback interface or a Unix socket.  :func:`plaintext_refusal`
 says why a configuration must not start (before any model is loaded); ``--insecure-no-auth``
-(``insecure=True``) is the operator's explicit override.  The per-listener handshake limit
-lives with the factories (``sfnode.node.protocol.NodeFactory``).
+(``insecure=True``) is the operator's explicit override.  :func:`handshake_slot_refusal` is the
+per-listener handshake limit (section 5.3) both sides' factories apply to the counts they keep.
 
 Pure functions over frames and endpoint strings: no network, no files, no reactor.
 """
@@ -176,6 +176,38 @@ def address_key(address: object) -> str:
     host (any port), or the kind of socket (every Unix-socket peer shares one)."""
     host = getattr(address, "host", None)
     return str(host) if host is not None else type(address).__name__
+
+
+def handshake_slot_refusal(
+    limits: tuple[int, int], in_progress: int, from_address: int, address: str
+) -> str | None:
+    """Why one more connection from ``address`` is closed at once (section 5.3), or None.
+
+    ``limits`` are the listener's most handshakes at once and most from one address (0: no
+    limit); ``in_progress`` and ``from_address`` are its connections in their handshake, in all
+    and from ``address``."""
+    most, most_per_address = limits
+    if most and in_progress >= most:
+        return f"{most} handshakes already in progress"
+    if most_per_address and from_address >= most_per_address:
+        return f"{most_per_address} handshakes from {address} already in progress"
+    return None
+
+
+def describe_address(address: object) -> str:
+    """``host:port`` (``[host]:port`` for IPv6) or the socket path of an address (``IAddress``,
+    listening or a peer's) as log lines name it; a Unix socket without a path is "a Unix
+    socket"."""
+    host = getattr(address, "host", None)
+    port = getattr(address, "port", None)
+    if host is not None and port is not None:
+        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    if not hasattr(address, "name"):
+        return str(address)
+    name = address.name
+    if isinstance(name, bytes):
+        name = name.decode(errors="replace")
+    return str(name) if name else "a Unix socket"
 
 
 def is_loopback_address(address: object) -> bool:

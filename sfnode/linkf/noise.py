@@ -43,6 +43,8 @@ from twisted.logger import Logger
 from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
 from twisted.python.failure import Failure
 
+from sfnode.linkf.handshake import describe_address
+
 log = Logger()
 
 NOISE_PROTOCOL_NAME = b"Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s"
@@ -175,12 +177,6 @@ class NoiseSession:
             raise NoiseError("a Noise transport message does not decrypt") from e
 
 
-def _peer_name(address: IAddress | None) -> str:
-    host = getattr(address, "host", None)
-    port = getattr(address, "port", None)
-    return f"{host}:{port}" if host is not None else str(address)
-
-
 class NoiseProtocol(ProtocolWrapper):
     """Noise around one wrapped protocol; it is the wrapped protocol's transport."""
 
@@ -196,7 +192,7 @@ class NoiseProtocol(ProtocolWrapper):
         """Why this side gave up on the Noise conversation, when it did."""
 
     def peer_name(self) -> str:
-        return _peer_name(self.transport.getPeer() if self.transport is not None else None)
+        return describe_address(self.transport.getPeer() if self.transport is not None else None)
 
     def connectionMade(self) -> None:
         timeout = self.factory.handshake_timeout_s

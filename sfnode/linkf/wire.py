@@ -79,13 +79,17 @@ BLOB_FETCH and the transfer messages (docs/protocol.md section 12.5, D21-D22).""
 FEATURE_CLOSING = 1 << 5
 """HELLO_ACK_F feature flag: the node closes a constrained output within its ``max_new`` and
 says so in the Finish's ``detail`` (docs/protocol.md section 12.6, D23)."""
+FEATURE_EMBEDDINGS = 1 << 6
+"""HELLO_ACK_F feature flag: the node serves its model as an embedding model: it answers
+EMBED_REQ and generates nothing (docs/protocol.md section 12.7, D24)."""
 
 _ENVELOPE = struct.Struct("<IHHQQB")
 _LENGTH = struct.Struct("<I")
 
 
 class MsgType(enum.IntEnum):
-    """The 28 message types of the Link F catalog (docs/protocol.md section 4.1)."""
+    """The 28 message types of the Link F catalog and sfnode's two of section 12.7
+    (docs/protocol.md section 4.1)."""
 
     HELLO = 0x0001
     HELLO_ACK_F = 0x0002
@@ -113,6 +117,8 @@ class MsgType(enum.IntEnum):
     GENERATE_CANCEL = 0x0018
     STAGE_FORWARD_REQ = 0x0019
     STAGE_FORWARD_RESP = 0x001A
+    EMBED_REQ = 0x001B
+    EMBED_RESP = 0x001C
     TELEMETRY = 0x8001
     KEEPALIVE = 0x8002
 
@@ -154,6 +160,8 @@ PAYLOAD_LIMITS: dict[int, int] = {
         MsgType.GENERATE_CANCEL: SMALL_PAYLOAD,
         MsgType.STAGE_FORWARD_REQ: MAX_PAYLOAD,
         MsgType.STAGE_FORWARD_RESP: MAX_PAYLOAD,
+        MsgType.EMBED_REQ: MAX_PAYLOAD,
+        MsgType.EMBED_RESP: MAX_PAYLOAD,
         MsgType.TELEMETRY: MAX_PAYLOAD,
         MsgType.KEEPALIVE: SMALL_PAYLOAD,
     }.items()
@@ -280,6 +288,15 @@ class FrameDecoder:
     def buffered(self) -> int:
         """Bytes held that do not yet make a whole frame."""
         return len(self._buffer)
+
+    def feed_whole(self, data: bytes) -> tuple[list[Frame], WireError | None]:
+        """Like :meth:`feed`, without raising: the frames ``data`` completes, and the error of
+        the bad bytes after them (None if there are none).  The frames are whole and are
+        handled before a connection closes for the error."""
+        try:
+            return self.feed(data), None
+        except WireError as e:
+            return e.frames_before, e
 
     def feed(self, data: bytes) -> list[Frame]:
         """Add bytes; return every frame they complete, in order.
@@ -1616,6 +1633,30 @@ class StageForwardRespMsg(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class EmbedReqMsg(Message):
+    """EMBED_REQ (docs/protocol.md section 12.7): the texts to embed, answered by one
+    EMBED_RESP of the same ``request_id``."""
+
+    request_id: int
+    texts: tuple[str, ...]
+    MSG_TYPE = MsgType.EMBED_REQ
+    FIELDS = (U64, ArrayOf(STR))
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedRespMsg(Message):
+    """EMBED_RESP: one vector of ``dim`` little-endian f32 per text, row-major, and the tokens
+    the texts took; ``vectors`` None: refused (no embedding model, or it failed)."""
+
+    request_id: int
+    vectors: bytes | None
+    dim: int
+    tokens: int
+    MSG_TYPE = MsgType.EMBED_RESP
+    FIELDS = (U64, Optional(BIN), U32, U64)
+
+
+@dataclass(frozen=True, slots=True)
 class TelemetryMsg(Message):
     spans: bytes
     MSG_TYPE = MsgType.TELEMETRY
@@ -1644,7 +1685,8 @@ MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
         PolicyUpdateMsg, LeaseRenewMsg, LeaseGrantMsg, AppendContentMsg, GenerateReqMsg,
         ParkReqMsg, ResumeReqMsg, TokenEventsMsg, WatermarkAckMsg, XferBeginMsg, XferChunkMsg,
         XferEndMsg, XferAbortMsg, StateShipMsg, StateFetchMsg, BlobFetchMsg, NodeStatusMsg,
-        GenerateCancelMsg, StageForwardReqMsg, StageForwardRespMsg, TelemetryMsg, Keepalive,
+        GenerateCancelMsg, StageForwardReqMsg, StageForwardRespMsg, EmbedReqMsg, EmbedRespMsg,
+        TelemetryMsg, Keepalive,
     )
 }  # fmt: skip
 

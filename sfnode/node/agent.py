@@ -40,7 +40,7 @@ from sfnode.generation import Engine
 from sfnode.linkf.handshake import read_hello
 from sfnode.linkf.model_files import Bundle
 from sfnode.linkf.wire import Frame, Hello, HelloAckF, NodeStatusMsg, WireError, decode_message
-from sfnode.node.config import NodeConfig
+from sfnode.node.config import NodeCommon, NodeConfig
 from sfnode.node.generations import GenerationTable, checked_logprobs
 from sfnode.node.heads import HeadSessions, HeadTables
 from sfnode.node.machines import DrainCore, DrainInputs, DrainMachine
@@ -73,20 +73,13 @@ class NodeAgent:
         """The node's time base (section 6.1), shared by the tables of all heads."""
         self._connections: list[NodeConnection] = []
         self._protocols: set[NodeProtocol] = set()
-        self.heads = HeadTables(
-            reactor, config, self.started_at, self._connected, self._stop_generations
-        )
+        common = NodeCommon(reactor, engine, config, model_files, self.started_at)
+        self.heads = HeadTables(common, self._connected, self._stop_generations)
         self.reports = NodeReports(
-            engine,
-            config,
-            model_files,
-            now_ms=self.now_ms,
-            live_sessions=self.heads.live_sessions,
+            common, now_ms=self.now_ms, live_sessions=self.heads.live_sessions
         )
         self.generations = GenerationTable(
-            reactor,
-            engine,
-            config,
+            common,
             self.heads,
             on_start=self.reports.generation_started,
             on_end=self._generation_ended,
@@ -99,9 +92,7 @@ class NodeAgent:
                 ack_wait_ms=config.drain_ack_wait_ms,
             )
         )
-        self._responders = Responders(
-            engine, config, self.heads, self.generations, self._drain, model_files
-        )
+        self._responders = Responders(common, self.heads, self.generations, self._drain)
 
     def _connected(self) -> Sequence[NodeConnection]:
         return self._connections

@@ -8,6 +8,13 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from twisted.internet.interfaces import IReactorTime
+
+    from sfnode.generation import Engine
+    from sfnode.linkf.model_files import Bundle
 
 DEFAULT_HANDSHAKE_TIMEOUT_MS = 10_000
 DEFAULT_IDLE_TIMEOUT_MS = 120_000
@@ -74,3 +81,16 @@ class NodeConfig:
     drain_timeout_ms: int = DEFAULT_DRAIN_TIMEOUT_MS
     """How long a draining node lets running generations finish before cancelling them."""
     drain_ack_wait_ms: int = DRAIN_ACK_WAIT_MS
+
+
+@dataclass(frozen=True)
+class NodeCommon:
+    """What every part of one node reads and none owns: the clock, the engine, the
+    configuration, the model files it offers (docs/protocol.md section 12.5; None: none) and
+    the time base of its sessions (section 6.1)."""
+
+    clock: IReactorTime
+    engine: Engine
+    config: NodeConfig
+    model_files: Bundle | None
+    started_at: float

@@ -24,12 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from sfnode.generation import (
-    Engine,
     EngineRefusal,
     Generation,
     GenerationRequest,
@@ -39,7 +37,7 @@ from sfnode.generation import (
 )
 from sfnode.linkf.idempotency import GenerationKey
 from sfnode.linkf.wire import F32_MAX, Finish, Tokens, TokensLogprobs
-from sfnode.node.config import COALESCE_MS, COALESCE_TOKENS, NodeConfig
+from sfnode.node.config import COALESCE_MS, COALESCE_TOKENS, NodeCommon
 from sfnode.node.heads import HeadSessions, HeadTables
 from sfnode.node.machines import GenerationCore, GenerationInputs, GenerationMachine
 
@@ -220,17 +218,14 @@ class GenerationTable:
 
     def __init__(
         self,
-        clock: IReactorTime,
-        engine: Engine,
-        config: NodeConfig,
+        common: NodeCommon,
         heads: HeadTables,
         on_start: Callable[[], None],
         on_end: Callable[[], None],
     ) -> None:
         """``on_start`` and ``on_end`` are told when a generation starts and ends."""
-        self._clock = clock
-        self._engine = engine
-        self.config = config
+        self._common = common
+        self.config = common.config
         self._heads = heads
         self._on_start = on_start
         self._on_end = on_end
@@ -258,7 +253,7 @@ class GenerationTable:
         generation = NodeGeneration(self, key, connection, head, logprobs=request.params.logprobs)
         generation.machine = GenerationMachine(
             GenerationCore(
-                clock=self._clock,
+                clock=self._common.clock,
                 owner=generation,
                 coalesce_tokens=COALESCE_TOKENS,
                 coalesce_ms=COALESCE_MS,
@@ -266,7 +261,7 @@ class GenerationTable:
         )
         self._generations[key] = generation
         self._on_start()
-        engine_generation = self._engine.submit(request, generation.on_tokens)
+        engine_generation = self._common.engine.submit(request, generation.on_tokens)
         generation.engine_generation = engine_generation
         engine_generation.result.addCallbacks(generation.engine_finished, generation.engine_failed)
 

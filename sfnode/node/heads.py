@@ -19,12 +19,11 @@ from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Protocol
 
-from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from sfnode.linkf.idempotency import GenerationKey
 from sfnode.linkf.wire import LeaseRenewMsg
-from sfnode.node.config import NodeConfig
+from sfnode.node.config import NodeCommon
 from sfnode.node.sessions import RENEW_INTERVAL_MS, AgentSession, NodeSession
 
 log = Logger()
@@ -55,11 +54,11 @@ class HeadSessions:
         self.head_id = head_id
         """The HELLO's ``head_id``; None for the table that heads without one share."""
         self.table: AgentSession[HeadConnection] = AgentSession(
-            tables.clock,
+            tables.common.clock,
             owner=self,
             renew_interval_ms=RENEW_INTERVAL_MS,
-            grace_ms=tables.config.fenced_grace_ms,
-            started_at=tables.started_at,
+            grace_ms=tables.common.config.fenced_grace_ms,
+            started_at=tables.common.started_at,
         )
 
     @property
@@ -112,7 +111,7 @@ class HeadSessions:
             "deleted session {session} of {head}: fenced for {grace} ms and not reclaimed",
             session=session_id,
             head=self.label,
-            grace=self._tables.config.fenced_grace_ms,
+            grace=self._tables.common.config.fenced_grace_ms,
         )
         self.table.delete(session_id, stop_machine=False)
         self._tables.stop_generations(self, session_id)
@@ -129,16 +128,11 @@ class HeadTables:
 
     def __init__(
         self,
-        clock: IReactorTime,
-        config: NodeConfig,
-        started_at: float,
+        common: NodeCommon,
         connections: Callable[[], Sequence[HeadConnection]],
         stop_generations: StopGenerations,
     ) -> None:
-        self.clock = clock
-        self.config = config
-        self.started_at = started_at
-        """The node's time base (section 6.1), shared by the tables of all heads."""
+        self.common = common
         self.connections = connections
         """The node's connections past their handshake."""
         self.stop_generations = stop_generations

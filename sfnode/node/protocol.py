@@ -35,7 +35,7 @@ from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from sfnode.linkf.handshake import address_key
+from sfnode.linkf.handshake import address_key, handshake_slot_refusal
 from sfnode.linkf.wire import Frame, FrameDecoder, Hello, Message, MsgType, WireError, message_frame
 from sfnode.node.config import DEFAULT_MAX_ADDRESS_HANDSHAKES, DEFAULT_MAX_HANDSHAKES, NodeConfig
 from sfnode.node.machines import ConnectionCore, ConnectionInputs, ConnectionMachine
@@ -221,12 +221,7 @@ class NodeProtocol(Protocol):
     def dataReceived(self, data: bytes) -> None:
         if self._closing or self.connection is None:
             return
-        error: WireError | None = None
-        try:
-            frames = self._decoder.feed(data)
-        except WireError as e:
-            # The frames ahead of the bad bytes are whole and handled before the close.
-            frames, error = e.frames_before, e
+        frames, error = self._decoder.feed_whole(data)
         machine = self.connection.machine
         for frame in frames:
             if self._closing:
@@ -311,23 +306,14 @@ class NodeFactory(Factory):
 
     def buildProtocol(self, addr: IAddress | None) -> NodeProtocol | None:
         address = address_key(addr)
-        if self.max_handshakes and self.handshaking() >= self.max_handshakes:
-            log.warn(
-                "closed a connection from {peer} at once: {count} handshakes already in progress",
-                peer=addr,
-                count=self.max_handshakes,
-            )
-            return None
-        if self.max_address_handshakes and (
-            self.handshaking(address) >= self.max_address_handshakes
-        ):
-            log.warn(
-                "closed a connection from {peer} at once: {count} handshakes from {address} "
-                "already in progress",
-                peer=addr,
-                count=self.max_address_handshakes,
-                address=address,
-            )
+        refusal = handshake_slot_refusal(
+            (self.max_handshakes, self.max_address_handshakes),
+            self.handshaking(),
+            self.handshaking(address),
+            address,
+        )
+        if refusal is not None:
+            log.warn("closed a connection from {peer} at once: {why}", peer=addr, why=refusal)
             return None
         protocol = NodeProtocol(self.host, address)
         protocol.factory = self

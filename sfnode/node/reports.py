@@ -12,11 +12,11 @@ from collections.abc import Callable
 
 import psutil
 
-from sfnode.generation import Engine
-from sfnode.linkf.model_files import Bundle
+from sfnode.generation import Embedder
 from sfnode.linkf.wire import (
     FEATURE_CLOSING,
     FEATURE_CONSTRAINTS,
+    FEATURE_EMBEDDINGS,
     FEATURE_HEAD_IDENTITY,
     FEATURE_LOGPROBS,
     FEATURE_MODEL_FILES,
@@ -30,7 +30,7 @@ from sfnode.linkf.wire import (
     NodeStatusMsg,
 )
 from sfnode.node.capacity import NodeLoad
-from sfnode.node.config import NodeConfig
+from sfnode.node.config import NodeCommon
 
 
 class NodeReports:
@@ -38,16 +38,12 @@ class NodeReports:
 
     def __init__(
         self,
-        engine: Engine,
-        config: NodeConfig,
-        model_files: Bundle | None,
+        common: NodeCommon,
         *,
         now_ms: Callable[[], int],
         live_sessions: Callable[[], int],
     ) -> None:
-        self._engine = engine
-        self._config = config
-        self._model_files = model_files
+        self._common = common
         self._now_ms = now_ms
         self._live_sessions = live_sessions
         self.load = NodeLoad()
@@ -70,29 +66,30 @@ class NodeReports:
         """A fresh capacity sample (section 7.5 and decision D8)."""
         return self.load.summary(
             self._now_ms(),
-            self._engine.statistics(),
+            self._common.engine.statistics(),
             host_memory_bytes=self._host_memory_bytes,
             active_sessions=self._live_sessions(),
-            max_sessions=self._config.max_sessions,
-            max_context_tokens=self._engine.context_window,
-            max_lanes=self._config.max_lanes,
+            max_sessions=self._common.config.max_sessions,
+            max_context_tokens=self._common.engine.context_window,
+            max_lanes=self._common.config.max_lanes,
         )
 
     def hello_ack(self) -> HelloAckF:
-        files = self._model_files
+        files = self._common.model_files
         return HelloAckF(
             chosen_version=PROTO_VERSION,
-            node_identity=self._config.identity,
+            node_identity=self._common.config.identity,
             capacity=self.capacity(),
-            loadable_models=(self._config.model_name,),
+            loadable_models=(self._common.config.model_name,),
             # Every engine reads GenerationRequest.interactive (section 12.2).
             feature_flags=FEATURE_REQUEST_CLASS
             | FEATURE_HEAD_IDENTITY
-            | (FEATURE_LOGPROBS if self._engine.supports_logprobs else 0)
-            | (FEATURE_CONSTRAINTS if self._engine.supports_constraints else 0)
+            | (FEATURE_LOGPROBS if self._common.engine.supports_logprobs else 0)
+            | (FEATURE_CONSTRAINTS if self._common.engine.supports_constraints else 0)
             # An engine loop with a vocabulary closes constrained output within its budget.
-            | (FEATURE_CLOSING if self._engine.supports_constraints else 0)
-            | (FEATURE_MODEL_FILES if files is not None else 0),
+            | (FEATURE_CLOSING if self._common.engine.supports_constraints else 0)
+            | (FEATURE_MODEL_FILES if files is not None else 0)
+            | (FEATURE_EMBEDDINGS if isinstance(self._common.engine, Embedder) else 0),
             limits=LinkFLimits(),
             model_files=(
                 ModelFilesOffer(files.content_hash, len(files.data)) if files is not None else None
@@ -103,7 +100,7 @@ class NodeReports:
         capacity = self.capacity()
         return NodeStatusMsg(
             capacity=capacity,
-            loadable_models=(self._config.model_name,),
+            loadable_models=(self._common.config.model_name,),
             mem=MemCountersMsg(
                 pool_blocks_total=capacity.kv_blocks_total,
                 pool_blocks_used=capacity.kv_blocks_used,

@@ -31,9 +31,16 @@ from typing import Any, Generic, TypeVar
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from sfnode.generation import Engine, GenerationRequest, StageForwardError, StageResult
+from sfnode.generation import (
+    Embedded,
+    Embedder,
+    EmbeddingError,
+    GenerationRequest,
+    StageForwardError,
+    StageResult,
+)
 from sfnode.linkf.idempotency import GenerationKey
-from sfnode.linkf.model_files import XFER_ABORT_UNKNOWN, Bundle, transfer_messages
+from sfnode.linkf.model_files import XFER_ABORT_UNKNOWN, transfer_messages
 from sfnode.linkf.wire import (
     FINISH_DECLINED,
     FINISH_REFUSED,
@@ -41,6 +48,8 @@ from sfnode.linkf.wire import (
     U32_MAX,
     AppendContentMsg,
     BlobFetchMsg,
+    EmbedReqMsg,
+    EmbedRespMsg,
     Finish,
     GenerateCancelMsg,
     GenerateReqMsg,
@@ -58,7 +67,7 @@ from sfnode.linkf.wire import (
     decode_params,
     decode_tokens,
 )
-from sfnode.node.config import NodeConfig
+from sfnode.node.config import NodeCommon
 from sfnode.node.generations import GenerationTable
 from sfnode.node.heads import HeadSessions, HeadTables
 from sfnode.node.machines import DrainInputs
@@ -67,6 +76,20 @@ from sfnode.node.protocol import NodeConnection
 log = Logger()
 
 M = TypeVar("M", bound=Message)
+
+
+def _log_refusal(what: str, request_id: int, failure: Failure, expected: type[Exception]) -> None:
+    """Log why a stateless request (a stage forward, an embedding) got a nil answer: the
+    engine's reason when it refused as ``expected``, else the whole failure."""
+    if isinstance(failure.value, expected):
+        log.info(
+            "{what} {request} refused: {reason}",
+            what=what,
+            request=request_id,
+            reason=failure.getErrorMessage(),
+        )
+    else:
+        log.failure("{what} {request} failed", failure, what=what, request=request_id)
 
 
 @dataclass(frozen=True)
@@ -132,19 +155,15 @@ class Responders:
 
     def __init__(
         self,
-        engine: Engine,
-        config: NodeConfig,
+        common: NodeCommon,
         heads: HeadTables,
         generations: GenerationTable,
         drain: DrainInputs,
-        model_files: Bundle | None,
     ) -> None:
-        self._engine = engine
-        self._config = config
+        self._common = common
         self._heads = heads
         self._generations = generations
         self._drain = drain
-        self._model_files = model_files
         self._transfer_ids = itertools.count(1)
         self._at_session_cap = False
         self._at_generation_cap = False
@@ -169,7 +188,7 @@ class Responders:
     @handles(SessionAssignMsg)
     def assign(self, connection: NodeConnection, msg: SessionAssignMsg) -> None:
         head = self._head_of(connection)
-        cap = self._config.max_sessions
+        cap = self._common.config.max_sessions
         if cap and not head.table.has_session(msg.session_id):
             if self._heads.live_sessions() >= cap:
                 # Silent, as every refused ASSIGN (section 7.2); its GENERATE_REQs are
@@ -223,7 +242,7 @@ class Responders:
             answer_at_once(connection, msg, FINISH_DECLINED)
             return
         session.home = connection
-        if msg.constraint is not None and not self._engine.supports_constraints:
+        if msg.constraint is not None and not self._common.engine.supports_constraints:
             # Only a head that ignored this node's HELLO_ACK_F sends one (section 12.3).
             log.info(
                 "refused generation {generation} of session {session}: this node does not "
@@ -236,7 +255,7 @@ class Responders:
         params = session.params
         # Logprobs only from an engine that has them (this node's HELLO_ACK_F said so); a
         # value past the largest reads as the largest (section 12.1).
-        asked = min(params.logprobs, LOGPROBS_MAX) if self._engine.supports_logprobs else 0
+        asked = min(params.logprobs, LOGPROBS_MAX) if self._common.engine.supports_logprobs else 0
         if asked != params.logprobs:
             params = replace(params, logprobs=asked)
         request = GenerationRequest(
@@ -252,7 +271,7 @@ class Responders:
 
     def _at_generation_bound(self) -> bool:
         """Whether ``max_generations`` run or wait (logged once each time it is reached)."""
-        cap = self._config.max_generations
+        cap = self._common.config.max_generations
         if cap and len(self._generations) >= cap:
             if not self._at_generation_cap:
                 log.warn("declining generations: {cap} are running or queued", cap=cap)
@@ -267,25 +286,37 @@ class Responders:
             connection.send(StageForwardRespMsg(msg.request_id, result.hidden, result.token))
 
         def refuse(failure: Failure) -> None:
-            if not isinstance(failure.value, StageForwardError):
-                log.failure("stage forward {request} failed", failure, request=msg.request_id)
-            else:
-                log.info(
-                    "stage forward {request} refused: {reason}",
-                    request=msg.request_id,
-                    reason=failure.getErrorMessage(),
-                )
+            _log_refusal("stage forward", msg.request_id, failure, StageForwardError)
             connection.send(StageForwardRespMsg(msg.request_id, None, None))
 
-        self._engine.stage_forward(
+        self._common.engine.stage_forward(
             msg.tokens, msg.start_layer, msg.end_layer, msg.hidden_in
         ).addCallbacks(answer, refuse)
+
+    @handles(EmbedReqMsg)
+    def embed(self, connection: NodeConnection, msg: EmbedReqMsg) -> None:
+        """Embed the texts (section 12.7); a node without an embedding model, or a failed
+        run, answers nil vectors."""
+
+        def answer(result: Embedded) -> None:
+            connection.send(EmbedRespMsg(msg.request_id, result.vectors, result.dim, result.tokens))
+
+        def refuse(failure: Failure) -> None:
+            _log_refusal("embedding", msg.request_id, failure, EmbeddingError)
+            connection.send(EmbedRespMsg(msg.request_id, None, 0, 0))
+
+        engine = self._common.engine
+        if not isinstance(engine, Embedder):
+            log.info("embedding {request} refused: no embedding model", request=msg.request_id)
+            connection.send(EmbedRespMsg(msg.request_id, None, 0, 0))
+            return
+        engine.embed(msg.texts).addCallbacks(answer, refuse)
 
     @handles(BlobFetchMsg)
     def blob_fetch(self, connection: NodeConnection, msg: BlobFetchMsg) -> None:
         """Send the model files a head asks for by their hash (section 12.5), else abort."""
         transfer_id = next(self._transfer_ids)
-        files = self._model_files
+        files = self._common.model_files
         if files is None or files.content_hash != msg.content_hash:
             connection.send(XferAbortMsg(transfer_id, XFER_ABORT_UNKNOWN))
             return

@@ -650,11 +650,21 @@ def build_engine(reactor: Any, options: Options) -> Engine:
 
         return MockEngine(reactor, config, token_delay_s=options["token-delay-ms"] / 1000.0)
     try:
+        from sfnode.engines import embedding
         from sfnode.engines.transformers_engine import TransformersEngine
         from sfnode.engines.weights import loading
         from sfnode.engines.weights.gather import WeightsError
     except ImportError as e:
         raise NodeStartupError(f"sfnode: the transformers engine is not available: {e}") from e
+    model = options["model"]
+    if model is not None and embedding.is_embedding_folder(Path(model).expanduser()):
+        # A sentence-transformers folder: the node serves embeddings (protocol.md 12.7).
+        try:
+            return embedding.EmbeddingEngine.from_folder(
+                reactor, Path(model).expanduser(), options["threads"] or None
+            )
+        except embedding.EmbeddingModelError as e:
+            raise NodeStartupError(f"sfnode: {e}") from e
     try:
         loaded = loading.load_model(
             options["model"],

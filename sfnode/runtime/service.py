@@ -33,6 +33,8 @@ from twisted.logger import Logger
 from twisted.python import usage
 from twisted.python.failure import Failure
 
+from sfnode.linkf.handshake import describe_address
+
 log = Logger(namespace="sfnode.runtime.service")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -59,18 +61,6 @@ def default_model_name(model: str | None) -> str:
         return DEFAULT_MODEL_NAME
     path = Path(model).expanduser()
     return path.name if path.is_dir() else path.stem
-
-
-def describe_address(address: object) -> str:
-    """``host:port`` (``[host]:port`` for IPv6) or the socket path of a listening address."""
-    host = getattr(address, "host", None)
-    port = getattr(address, "port", None)
-    if host is not None and port is not None:
-        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
-    name = getattr(address, "name", None)
-    if name is not None:
-        return name.decode(errors="replace") if isinstance(name, bytes) else str(name)
-    return str(address)
 
 
 class _PlaceholderReactor:

@@ -58,6 +58,13 @@ class ChoiceBody:
     tool_calls: list[dict[str, Any]] | None = None
     """The calls read out of the text (then ``text`` is what came before them, and ``None``
     as content when empty); None: the request had no tools that may be called."""
+    closed: bool = False
+    """The node closed the constrained output within its budget (:data:`CLOSED`)."""
+
+
+CLOSED = {"closed": True}
+"""A choice's ``finish_details`` when the node closed its constrained output early, within its
+budget (docs/api.md "Budgets"); a choice that ended otherwise has no ``finish_details``."""
 
 
 def json_bytes(body: Any) -> bytes:
@@ -85,6 +92,7 @@ def _chunk(
     text: str,
     logprobs: dict[str, Any] | None,
     finish: str | None,
+    closed: bool = False,
 ) -> dict[str, Any]:
     """One streamed choice: ``delta`` for chat, ``text`` for text completions."""
     entry: dict[str, Any] = {"index": index}
@@ -94,6 +102,8 @@ def _chunk(
         entry["text"] = text
     entry["logprobs"] = logprobs
     entry["finish_reason"] = finish
+    if closed:
+        entry["finish_details"] = CLOSED
     return {
         "id": reply.ident,
         "object": reply.chunk_object,
@@ -124,10 +134,10 @@ def role_chunk(reply: Reply, index: int) -> dict[str, Any]:
     return _chunk(reply, index, {"role": "assistant", "content": ""}, "", None, None)
 
 
-def finish_chunk(reply: Reply, index: int, finish: str) -> dict[str, Any]:
-    """The chunk that ends choice ``index``: an empty delta (chat) or text, and its
-    ``finish_reason``."""
-    return _chunk(reply, index, {}, "", None, finish)
+def finish_chunk(reply: Reply, index: int, finish: str, *, closed: bool = False) -> dict[str, Any]:
+    """The chunk that ends choice ``index``: an empty delta (chat) or text, its
+    ``finish_reason``, and ``finish_details`` when its output was ``closed`` early."""
+    return _chunk(reply, index, {}, "", None, finish, closed)
 
 
 def usage_chunk(reply: Reply, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
@@ -153,23 +163,14 @@ def completion(
             if choice.tool_calls:
                 message["content"] = choice.text or None
                 message["tool_calls"] = choice.tool_calls
-            entries.append(
-                {
-                    "index": choice.index,
-                    "message": message,
-                    "logprobs": choice.logprobs,
-                    "finish_reason": choice.finish,
-                }
-            )
+            entry: dict[str, Any] = {"index": choice.index, "message": message}
         else:
-            entries.append(
-                {
-                    "index": choice.index,
-                    "text": choice.text,
-                    "logprobs": choice.logprobs,
-                    "finish_reason": choice.finish,
-                }
-            )
+            entry = {"index": choice.index, "text": choice.text}
+        entry["logprobs"] = choice.logprobs
+        entry["finish_reason"] = choice.finish
+        if choice.closed:
+            entry["finish_details"] = CLOSED
+        entries.append(entry)
     return {
         "id": reply.ident,
         "object": reply.body_object,
@@ -180,9 +181,9 @@ def completion(
     }
 
 
-def model_entry(name: str, window: int, nodes: int) -> dict[str, Any]:
+def model_entry(name: str, window: int, nodes: int, *, embeds: bool = False) -> dict[str, Any]:
     """One entry of ``/v1/models`` (``window`` 0: unknown, shown as null; ``nodes``: how many
-    live nodes serve it)."""
+    live nodes serve it; ``embeds``: an embedding model, served by ``/v1/embeddings`` only)."""
     return {
         "id": name,
         "object": "model",
@@ -190,7 +191,12 @@ def model_entry(name: str, window: int, nodes: int) -> dict[str, Any]:
         "owned_by": "sfnode",
         "context_length": window or None,
         "nodes": nodes,
-        "capabilities": {"chat": True, "completions": True, "vision": False},
+        "capabilities": {
+            "chat": not embeds,
+            "completions": not embeds,
+            "embeddings": embeds,
+            "vision": False,
+        },
     }
 
 
@@ -223,6 +229,7 @@ ALIVE = {"status": "alive"}
 
 __all__ = [
     "ALIVE",
+    "CLOSED",
     "DONE",
     "ChoiceBody",
     "Reply",

@@ -49,6 +49,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from sfnode.decoding.constraint import ConstraintError
 from sfnode.generation import TokenBatch, TokenSink
 from sfnode.head.api import bodies, failures
 from sfnode.head.api.gate import GateLimits, body_too_large, client_address
@@ -65,6 +66,7 @@ from sfnode.head.fleet.backend import (
     HeadRequest,
     Requester,
 )
+from sfnode.head.models.floors import AnswerFloors
 from sfnode.head.models.registry import ServedModel
 from sfnode.head.models.text import Detokenizer, RenderBudget, StopText
 from sfnode.head.models.tools import (
@@ -75,7 +77,7 @@ from sfnode.head.models.tools import (
     Content,
     call_delta,
 )
-from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_EOS, RequestClass
+from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_DETAIL_CLOSED, FINISH_EOS, RequestClass
 from sfnode.runtime.http_guard import HttpError
 
 DEFAULT_MAX_TOKENS = 512
@@ -102,6 +104,9 @@ class Prepared:
     request: CompletionRequest
     prompt: list[int]
     model: ServedModel
+    shortest: int | None = None
+    """The fewest tokens of an answer its grammar allows (None: no grammar, or not known):
+    a smaller budget is refused before placing (docs/api.md "Budgets")."""
 
 
 class Runner(Protocol):
@@ -116,6 +121,7 @@ class Host(Protocol):
     reactor: IReactorTime
     backend: Backend
     metrics: HeadMetrics
+    floors: AnswerFloors
     limits: GateLimits
     class_rule: ClassRule
     template_timeout_s: float
@@ -271,6 +277,16 @@ class _Choice:
         self.answer = CallsAnswer()
         """The content and calls shown so far."""
 
+    @property
+    def closed(self) -> bool:
+        """The node closed the choice's constrained output within its budget (it ended with
+        its grammar's end, docs/protocol.md section 12.6)."""
+        return (
+            self.outcome is not None
+            and self.outcome.finish == FINISH_EOS
+            and bool(self.outcome.detail & FINISH_DETAIL_CLOSED)
+        )
+
 
 def _max_tokens(parsed: CompletionRequest, prompt_length: int, window: Callable[[], int]) -> int:
     """The tokens a request may generate: its ``max_tokens``, else what the model's window
@@ -282,6 +298,25 @@ def _max_tokens(parsed: CompletionRequest, prompt_length: int, window: Callable[
     known = window()
     room = known - prompt_length if known else default
     return max(1, min(default, room))
+
+
+def measure(prepared: Prepared, api: Host) -> Deferred[Prepared]:
+    """``prepared`` with the shortest answer its grammar allows, when it is constrained
+    (found on ``api``'s workers: the first one of a tokenizer reads its whole vocabulary)."""
+    constraint = prepared.request.constraint
+    grammar = constraint.grammar if constraint is not None else None
+    if grammar is None:
+        return defer.succeed(prepared)
+    model, floors = prepared.model, api.floors
+
+    def work() -> Prepared:
+        try:
+            shortest = floors.shortest(model.renderer, model.vocab_size, grammar)
+        except ConstraintError as e:
+            raise HttpError(400, e.message, param=e.param) from e
+        return replace(prepared, shortest=shortest)
+
+    return api.workers.run(work)
 
 
 class Exchange:
@@ -356,7 +391,8 @@ class Exchange:
         except Exception:
             # An HttpError is answered as such; anything else as an unexpected failure.
             prepared = defer.fail()
-        prepared.addCallback(self._place).addErrback(self._refused).addErrback(self._unexpected)
+        measured = prepared.addCallback(measure, api)
+        measured.addCallback(self._place).addErrback(self._refused).addErrback(self._unexpected)
 
     def _prepare_chat(
         self, data: bytes, statuses: Mapping[str, BackendStatus]
@@ -404,13 +440,16 @@ class Exchange:
         permit = self.request.permit
         assert permit is not None  # start() refused a request without one
         parsed = prepared.request
-        permit.widen(parsed.n - 1)
         model = prepared.model
+        budget = _max_tokens(parsed, len(self.prompt), lambda: self.api.status(model.name).window)
+        if prepared.shortest is not None and budget < prepared.shortest:
+            raise failures.budget_too_small(budget, prepared.shortest, parsed.max_tokens_param)
+        permit.widen(parsed.n - 1)
         request_class = self.api.class_rule.classify(self.named_class, len(self.prompt))
         self.request.setHeader(CLASS_HEADER, class_name(request_class).encode())
         request = HeadRequest(
             tuple(self.prompt),
-            _max_tokens(parsed, len(self.prompt), lambda: self.api.status(model.name).window),
+            budget,
             model=model.name,
             params=parsed.params,
             request_class=request_class,
@@ -735,7 +774,9 @@ class ChatWriter:
 
     def choice_finished(self, choice: _Choice) -> None:
         assert choice.finish is not None
-        chunk = bodies.finish_chunk(self.exchange.reply, choice.index, choice.finish)
+        chunk = bodies.finish_chunk(
+            self.exchange.reply, choice.index, choice.finish, closed=choice.closed
+        )
         self.exchange.request.write(bodies.event(chunk))
 
     def closed(self, completion_tokens: int) -> None:
@@ -754,7 +795,9 @@ class ChatWriter:
                 c.answer.text if c.calls is not None else "".join(c.text),
                 c.finish,
                 c.logprobs.whole() if c.logprobs is not None else None,
-                c.answer.whole_calls if c.calls is not None else None,
+                # A call the budget cut keeps its fragments, as a stream shows them.
+                c.answer.calls if c.calls is not None else None,
+                closed=c.closed,
             )
             for c in x.choices
         ]
@@ -801,5 +844,6 @@ __all__ = [
     "answer",
     "answer_error",
     "finish_reason",
+    "measure",
     "request_label",
 ]

@@ -50,6 +50,29 @@ def _context_exceeded(window: int, what: str, param: str) -> HttpError:
     )
 
 
+def budget_too_small(budget: int, shortest: int, param: str) -> HttpError:
+    """A constrained request whose budget of ``budget`` tokens is below the ``shortest``
+    answer its grammar allows (docs/api.md "Budgets")."""
+    return HttpError(
+        400,
+        f"{param} is {budget}, but the shortest answer the requested format allows takes "
+        f"{shortest} tokens: set {param} to at least {shortest}.",
+        param=param,
+        code="max_tokens_too_small",
+    )
+
+
+def embeds_only(model: str) -> HttpError:
+    """A completion naming a model whose live nodes only embed (docs/api.md
+    "/v1/embeddings")."""
+    return HttpError(
+        400,
+        f"the model '{model}' is an embedding model: ask /v1/embeddings",
+        param="model",
+        code="model_not_generative",
+    )
+
+
 def unavailable(message: str, code: str = "no_node_available") -> HttpError:
     return HttpError(503, message, kind="service_unavailable", code=code, outcome="unavailable")
 

@@ -61,6 +61,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
 from sfnode.head.api import bodies, failures
+from sfnode.head.api.embeddings_exchange import EmbeddingsExchange
 from sfnode.head.api.exchange import (
     INLINE_BODY_BYTES,
     Exchange,
@@ -81,12 +82,15 @@ from sfnode.head.api.gate import (
     no_body_here,
     unknown_url,
 )
+from sfnode.head.api.messages import anthropic_error
+from sfnode.head.api.messages_exchange import MessagesExchange
 from sfnode.head.api.metrics import EXPOSITION_CONTENT_TYPE, HeadMetrics
 from sfnode.head.api.request_class import ClassRule
 from sfnode.head.api.responses import ResponseStore
 from sfnode.head.api.responses_exchange import ResponsesExchange
 from sfnode.head.api.schema import CompletionRequest, parse_body, parse_request
 from sfnode.head.fleet.backend import Backend, BackendStatus, GenerationHandle
+from sfnode.head.models.floors import AnswerFloors
 from sfnode.head.models.registry import ModelRegistry, ServedModel
 from sfnode.head.models.text import (
     DEFAULT_TEMPLATE_TIMEOUT_S,
@@ -253,6 +257,8 @@ class OpenAIApi:
         self.responses = responses if responses is not None else ResponseStore()
         """Stored responses, for ``/v1/responses``' ``previous_response_id`` (in memory
         only: a restart forgets them)."""
+        self.floors = AnswerFloors()
+        """The shortest answer of each grammar per tokenizer (a smaller budget is a 400)."""
         self.exchanges: set[Exchange] = set()
         """Completion requests in flight (what a drain waits for)."""
         self.draining = False
@@ -318,6 +324,9 @@ class OpenAIApi:
         header = request.getHeader(b"authorization") or b""
         scheme, _, given = header.partition(b" ")
         given = given.strip() if scheme.lower() == b"bearer" else b""
+        if not header:
+            # Anthropic's clients send the key as X-Api-Key.
+            given = (request.getHeader(b"x-api-key") or b"").strip()
         # compare_digest's time never depends on where the given bytes first differ from a
         # key (at most on their lengths); every key is compared, whichever matches.
         found = None
@@ -327,6 +336,14 @@ class OpenAIApi:
         return found
 
     def screen(self, request: GuardedRequest, length: int | None) -> HttpError | None:
+        """The refusal of a request whose headers are in, or None (:meth:`_screen`), in the
+        error shape of the API the request's route serves."""
+        error = self._screen(request, length)
+        assert request.resolved is not None
+        shape = getattr(request.resolved.resource, "error_shape", None)
+        return shape(error) if error is not None and shape is not None else error
+
+    def _screen(self, request: GuardedRequest, length: int | None) -> HttpError | None:
         """The refusal of a request whose headers are in, or None (see :mod:`gate`).
 
         It reads the route the front door resolved (``request.resolved``, what will serve the
@@ -482,6 +499,8 @@ class OpenAIApi:
         assert model is not None  # parse_request refused any other name
         renderer = model.renderer
         status = statuses.get(model.name)
+        if status is not None and status.embedding_nodes and not status.serving_nodes:
+            raise failures.embeds_only(model.name)
         limit = status.context_limit if status is not None else None
         if limit is not None and request.characters > renderer.character_bound(limit):
             # Not tokenized at all: no window can hold this many characters.
@@ -525,6 +544,8 @@ class OpenAIApi:
         v1.putChild(b"completions", _Completions(self, chat=False))
         v1.putChild(b"models", _Models(self))
         v1.putChild(b"responses", _Responses(self))
+        v1.putChild(b"messages", _Messages(self))
+        v1.putChild(b"embeddings", _Embeddings(self))
         root.putChild(b"healthz", _Health(self))
         root.putChild(b"metrics", _Metrics(self, keyed=not self.limits.metrics_public))
         return root
@@ -536,10 +557,11 @@ def _allowed(route: Route) -> tuple[bytes, ...]:
 
 
 def _unauthorized(request: Any) -> HttpError:
-    missing = not request.getHeader(b"authorization")
+    missing = not request.getHeader(b"authorization") and not request.getHeader(b"x-api-key")
     return HttpError(
         401,
-        "You didn't provide an API key: send it as 'Authorization: Bearer KEY'."
+        "You didn't provide an API key: send it as 'Authorization: Bearer KEY' (or "
+        "'X-Api-Key: KEY')."
         if missing
         else "Incorrect API key provided.",
         code="invalid_api_key",
@@ -578,7 +600,8 @@ class _Leaf(Resource):
         if method not in methods or handler is None:
             error = method_not_allowed(method, request.path, self.route)
             request.site.count(error.outcome)
-            return answer_error(request, error)
+            shape = getattr(self, "error_shape", None)
+            return answer_error(request, error if shape is None else shape(error))
         result: bytes | int = handler(request)
         return result
 
@@ -656,6 +679,8 @@ class _Models(_Leaf):
 
     def _entry(self, name: str) -> dict[str, Any]:
         status = self.api.status(name)
+        if status.embedding_nodes and not status.serving_nodes:
+            return bodies.model_entry(name, status.window, status.embedding_nodes, embeds=True)
         return bodies.model_entry(name, status.window, status.serving_nodes)
 
     def render_GET(self, request: Any) -> bytes:
@@ -685,6 +710,32 @@ class _Responses(_Leaf):
 
     def render_POST(self, request: Any) -> int:
         ResponsesExchange(self.api, request).start()
+        return NOT_DONE_YET
+
+
+class _Embeddings(_Leaf):
+    route = Route(methods=(b"POST",), completion=True)
+
+    def __init__(self, api: OpenAIApi) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.api = api
+
+    def render_POST(self, request: Any) -> int:
+        EmbeddingsExchange(self.api, request).start()
+        return NOT_DONE_YET
+
+
+class _Messages(_Leaf):
+    route = Route(methods=(b"POST",), completion=True)
+    error_shape = staticmethod(anthropic_error)
+    """The front door's refusals here are in Anthropic's shape."""
+
+    def __init__(self, api: OpenAIApi) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.api = api
+
+    def render_POST(self, request: Any) -> int:
+        MessagesExchange(self.api, request).start()
         return NOT_DONE_YET
 
 

@@ -522,6 +522,8 @@ class CompletionRequest:
     rendering."""
     calls: bool = False
     """The output may hold tool calls (read back into ``message.tool_calls``)."""
+    max_tokens_param: str = "max_tokens"
+    """The field the budget came from (what a budget error names)."""
 
     @property
     def characters(self) -> int:
@@ -564,9 +566,11 @@ def parse_request(
         messages = _messages(body)
     else:
         text, ids = _prompt(body, vocab_size)
-    max_tokens = _at_least(body, "max_completion_tokens", 1) if chat else None
+    max_tokens_param = "max_completion_tokens"
+    max_tokens = _at_least(body, max_tokens_param, 1) if chat else None
     if max_tokens is None:
-        max_tokens = _at_least(body, "max_tokens", 1)
+        max_tokens_param = "max_tokens"
+        max_tokens = _at_least(body, max_tokens_param, 1)
     params = _sampling(body, seed_source)
     stop = _stop(body)
     stream, include_usage = _stream(body)
@@ -589,6 +593,7 @@ def parse_request(
         constraint=constraint,
         tools=tools,
         calls=calls,
+        max_tokens_param=max_tokens_param,
     )
 
 

@@ -18,12 +18,13 @@ torch, and never hold state: it is types only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from twisted.internet.defer import Deferred
 
-from sfnode.generation import TokenSink
+from sfnode.generation import Embedded, TokenSink
 from sfnode.linkf.wire import (
     FEATURE_CONSTRAINTS,
     FEATURE_LOGPROBS,
@@ -49,6 +50,9 @@ class FleetOutcome:
     node: str
     """The node that finished it."""
     failovers: int
+    detail: int = 0
+    """The last Finish's ``detail`` bits (``FINISH_DETAIL_CLOSED``: the node closed the
+    constrained output within its budget, docs/protocol.md section 12.6)."""
 
 
 class FleetError(Exception):
@@ -234,7 +238,8 @@ class BackendStatus:
     reconnects: int = 0
     nodes: tuple[NodeReport, ...] = ()
     serving_nodes: int = 0
-    """Live nodes that serve the model (named it, and the head serves it with them)."""
+    """Live nodes that generate with the model (named it, and the head serves it with
+    them)."""
     model_running: int = 0
     """Generations of the model decoding on the nodes serving it."""
     model_waiting: int = 0
@@ -244,6 +249,9 @@ class BackendStatus:
     """KV blocks in use on the live nodes serving the model (their latest reports)."""
     model_kv_blocks_total: int = 0
     """KV blocks in total on those nodes."""
+    embedding_nodes: int = 0
+    """Live nodes that serve the model as an embedding model (docs/protocol.md section
+    12.7)."""
 
     @property
     def busy(self) -> bool:
@@ -267,6 +275,18 @@ class Backend(Protocol):
 
     def status(self, model: str | None = None) -> BackendStatus: ...
 
+    @property
+    def embeddings(self) -> EmbeddingBackend | None:
+        """Where embedding requests go (None: this backend serves none)."""
+
+
+class EmbeddingBackend(Protocol):
+    """What the HTTP API asks of a backend's embeddings (docs/protocol.md section 12.7)."""
+
+    def embed(self, model: str, texts: Sequence[str]) -> Deferred[Embedded]:
+        """One vector per text from a node serving ``model`` as an embedding model; fails
+        with :class:`NoNodeAvailable` when none can."""
+
 
 __all__ = [
     "ANONYMOUS",
@@ -275,6 +295,7 @@ __all__ = [
     "ClientQueueFull",
     "ConstraintRefused",
     "ConstraintsUnavailable",
+    "EmbeddingBackend",
     "FleetError",
     "FleetOutcome",
     "GenerationHandle",

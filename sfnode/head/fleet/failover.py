@@ -45,9 +45,10 @@ class Attempt:
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    """The node sent its Finish with ``reason``."""
+    """The node sent its Finish with ``reason`` (and ``detail``, protocol.md section 12.6)."""
 
     reason: int
+    detail: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +74,8 @@ class End:
 
     finish: int
     restore: bool = False
+    detail: int = 0
+    """The Finish's ``detail`` bits."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +122,7 @@ def decide(attempt: Attempt, outcome: Outcome) -> Decision:
                 return Fail(ConstraintRefused(refused))
             return Fail(StreamTooLong(attempt.context_length, attempt.window))
         if outcome.reason != FINISH_DECLINED:
-            return End(outcome.reason, restore=attempt.failovers > 0)
+            return End(outcome.reason, restore=attempt.failovers > 0, detail=outcome.detail)
         error = NodeDeclined(
             f"{attempt.node} declined the generation (it is full or draining, or a stale "
             "epoch or replayed command)"

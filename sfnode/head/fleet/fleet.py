@@ -99,6 +99,7 @@ from sfnode.head.fleet.backend import NodeDown as NodeDown
 from sfnode.head.fleet.backend import NoNodeAvailable as NoNodeAvailable
 from sfnode.head.fleet.backend import QueueFull as QueueFull
 from sfnode.head.fleet.backend import SessionClosed as SessionClosed
+from sfnode.head.fleet.embeddings import Embeddings
 from sfnode.head.fleet.failover import MAX_FAILOVERS as MAX_FAILOVERS
 from sfnode.head.fleet.model_admission import ModelAdmission
 from sfnode.head.fleet.nodes import FleetNode as FleetNode
@@ -483,10 +484,9 @@ class FleetGeneration:
         if self._on_tokens is not None:
             self._on_tokens(batch)
 
-    def _outcome(self, finish: int, node: FleetNode | None) -> FleetOutcome:
-        return FleetOutcome(
-            list(self.tokens), finish, node.name if node is not None else "", self.failovers
-        )
+    def _outcome(self, finish: int, node: FleetNode | None, detail: int = 0) -> FleetOutcome:
+        name = node.name if node is not None else ""
+        return FleetOutcome(list(self.tokens), finish, name, self.failovers, detail)
 
     async def _run(self) -> FleetOutcome:
         """Place, generate, and on a node failure move on with what was delivered: one
@@ -557,7 +557,9 @@ class FleetGeneration:
             answer = await self._generate_on(node, self._remaining, self._context)
         except _NODE_FATAL as e:
             return failover.Lost(e)
-        return failover.NotSent() if answer is None else failover.Finished(answer.finish)
+        if answer is None:
+            return failover.NotSent()
+        return failover.Finished(answer.finish, answer.detail)
 
     def _judge(self, node: FleetNode, outcome: failover.Outcome) -> failover.Decision:
         """What follows the attempt on ``node`` (:func:`failover.decide`); a node that
@@ -592,7 +594,7 @@ class FleetGeneration:
         # Its cache now holds the blocks of the answer too: the next turn of a conversation
         # starts with them.
         session.fleet._remember(node, self._context, session.model)
-        return self._outcome(decision.finish, node)
+        return self._outcome(decision.finish, node, decision.detail)
 
     def _move_on(self, node: FleetNode, error: Exception, tried: list[FleetNode]) -> None:
         """Leave ``node`` after a failed attempt: the next one goes elsewhere."""
@@ -706,6 +708,8 @@ class Fleet:
         self.nodes = self.registry.nodes
         """The registry's nodes (the same list)."""
         self.failovers = 0
+        self.embeddings = Embeddings(self.live_nodes)
+        """Embedding requests, on the nodes that serve an embedding model."""
         self._session_ids = itertools.count(1)
         self._cursor = 0
 
@@ -786,7 +790,8 @@ class Fleet:
         """
         live = self.live_nodes()
         lanes_active, lanes_total, queued = _lanes(live)
-        serving = [n for n in live if model is not None and model in n.models]
+        named = [n for n in live if model is not None and model in n.models]
+        serving = [n for n in named if not n.embeds]
         model_running, _, model_queued = _lanes(serving)
         capacities = [n.link.capacity for n in serving if n.link.capacity is not None]
         views = self.registry.views()
@@ -811,6 +816,7 @@ class Fleet:
             + sum(1 for w in self.queue if model is not None and w.request.request.model == model),
             model_kv_blocks_used=sum(c.kv_blocks_used for c in capacities),
             model_kv_blocks_total=sum(c.kv_blocks_total for c in capacities),
+            embedding_nodes=len(named) - len(serving),
         )
 
     def _place(

@@ -30,6 +30,7 @@ from sfnode.head.link import (
 )
 from sfnode.head.link.machine import RetryPolicy
 from sfnode.linkf.prefix_blocks import KV_BLOCK_TOKENS
+from sfnode.linkf.wire import FEATURE_EMBEDDINGS
 
 _log = Logger(namespace="sfnode.head.fleet.fleet")
 
@@ -91,6 +92,12 @@ class FleetNode:
     @property
     def models(self) -> tuple[str, ...]:
         return self.link.models
+
+    @property
+    def embeds(self) -> bool:
+        """It serves its model as an embedding model (docs/protocol.md section 12.7): it
+        takes EMBED_REQ and no generation."""
+        return bool((self.link.features or 0) & FEATURE_EMBEDDINGS)
 
     @property
     def window(self) -> int | None:

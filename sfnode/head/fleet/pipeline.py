@@ -163,6 +163,9 @@ class PipelineGeneration:
 class PipelineFleet:
     """Runs generations across stage nodes (``--pipeline``); a backend for the HTTP API."""
 
+    embeddings = None
+    """A pipeline serves no embedding model."""
+
     def __init__(
         self,
         reactor: Any,

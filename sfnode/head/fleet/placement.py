@@ -41,7 +41,7 @@ import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from sfnode.linkf.wire import FEATURE_REQUEST_CLASS, U32_MAX, CapacitySummary
+from sfnode.linkf.wire import FEATURE_EMBEDDINGS, FEATURE_REQUEST_CLASS, U32_MAX, CapacitySummary
 
 FRESH_SAMPLE_S = 10.0
 """A load report older than this does not count as the node's load."""
@@ -128,7 +128,10 @@ class NodeView:
         return lanes == 0 or self.inflight < lanes
 
     def serves(self, model: str | None) -> bool:
-        """Whether it serves ``model`` (or has not said what it serves yet)."""
+        """Whether it generates with ``model`` (or has not said what it serves yet); a node
+        that serves an embedding model generates nothing (docs/protocol.md section 12.7)."""
+        if (self.features or 0) & FEATURE_EMBEDDINGS:
+            return False
         return model is None or not self.models or model in self.models
 
     def fits(self, length: int) -> bool:

@@ -64,7 +64,7 @@ from sfnode.head.link.machine import (
     NodeSilentError,
     ReconcileError,
 )
-from sfnode.head.link.node_link import LinkObserver, NodeLink
+from sfnode.head.link.node_link import LinkObserver, NodeLink, embed
 from sfnode.head.link.protocol import HeadLinkProtocol, LinkOwner
 from sfnode.head.link.reconcile import MAX_RETRY_RANGE, Reconcile
 from sfnode.head.link.settings import (
@@ -124,6 +124,7 @@ __all__ = [
     "connect_node",
     "describe_endpoint",
     "describe_failure",
+    "embed",
     "parse_endpoint",
     "token_logprobs",
 ]

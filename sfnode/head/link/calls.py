@@ -1,8 +1,10 @@
 """The outstanding calls of one head link, in one correlation table (like AMP's
-``BoxDispatcher``): generations by (session, generation) and stage forwards by request id.
+``BoxDispatcher``): generations by (session, generation), stage forwards and embeddings by
+request id.
 
 A :class:`GenerationCall` is what a caller holds for one GENERATE_REQ; :class:`CallTable` is
-where the link finds it again when the node's events, or a STAGE_FORWARD_RESP, arrive.  This
+where the link finds it again when the node's events, a STAGE_FORWARD_RESP or an EMBED_RESP
+arrive.  This
 module must never send or receive a frame: the link does, through the small
 :class:`CallOwner` interface.
 """
@@ -18,6 +20,7 @@ from twisted.logger import Logger
 from sfnode.generation import TokenBatch, TokenLogprob, TokenSink
 from sfnode.linkf.wire import (
     Constraint,
+    EmbedRespMsg,
     GenerateCancelMsg,
     Message,
     RequestClass,
@@ -45,6 +48,8 @@ class GenerationOutcome:
 
     tokens: list[int]
     finish: int
+    detail: int = 0
+    """The Finish's ``detail`` bits (docs/protocol.md section 12.6)."""
 
 
 class GenerationAsk(TypingProtocol):
@@ -101,6 +106,8 @@ class GenerationCall:
         self.tokens: list[int] = []
         """Tokens delivered so far (committed events only, each once)."""
         self.finish: int | None = None
+        self.detail = 0
+        """The Finish's ``detail`` bits (docs/protocol.md section 12.6)."""
         self.result: Deferred[GenerationOutcome] = Deferred(self._cancel_result)
         self._link = link
         self._on_tokens = on_tokens
@@ -138,7 +145,7 @@ class GenerationCall:
     def _complete(self) -> None:
         assert self.finish is not None
         if not self.result.called:
-            self.result.callback(GenerationOutcome(list(self.tokens), self.finish))
+            self.result.callback(GenerationOutcome(list(self.tokens), self.finish, self.detail))
 
     def _fail(self, error: Exception) -> None:
         if not self.result.called:
@@ -154,6 +161,7 @@ class CallTable:
         self._next_id = 1
         self._generations: dict[GenerationKey, GenerationCall] = {}
         self._forwards: dict[int, Deferred[StageForwardRespMsg]] = {}
+        self._embeddings: dict[int, Deferred[EmbedRespMsg]] = {}
         self._suspended: set[GenerationKey] = set()
 
     def next_id(self) -> int:
@@ -223,6 +231,29 @@ class CallTable:
         return len(self._forwards)
 
     def fail_forwards(self, error: Exception) -> None:
+        """The connection is lost: every stage forward and embedding waiting fails."""
         forwards, self._forwards = self._forwards, {}
+        embeddings, self._embeddings = self._embeddings, {}
         for d in forwards.values():
             d.errback(error)
+        for waiting in embeddings.values():
+            waiting.errback(error)
+
+    # Embeddings (docs/protocol.md section 12.7)
+
+    def expect_embedding(self, request_id: int) -> Deferred[EmbedRespMsg]:
+        """The Deferred that :meth:`answer_embedding` fires for ``request_id``; cancelling it
+        forgets it."""
+
+        def forget(_: Deferred[EmbedRespMsg]) -> None:
+            self._embeddings.pop(request_id, None)
+
+        d: Deferred[EmbedRespMsg] = Deferred(forget)
+        self._embeddings[request_id] = d
+        return d
+
+    def answer_embedding(self, message: EmbedRespMsg) -> None:
+        """An EMBED_RESP: fire its request's Deferred (an unknown id is ignored)."""
+        d = self._embeddings.pop(message.request_id, None)
+        if d is not None:
+            d.callback(message)

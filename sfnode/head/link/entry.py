@@ -29,7 +29,12 @@ from sfnode.head.link.settings import (
     LinkSettings,
     parse_endpoint,
 )
-from sfnode.linkf.handshake import address_key, is_loopback_address
+from sfnode.linkf.handshake import (
+    address_key,
+    describe_address,
+    handshake_slot_refusal,
+    is_loopback_address,
+)
 from sfnode.linkf.noise import NoiseFactory, NoiseProtocol, Role
 
 _log = Logger(namespace="sfnode.head.link")
@@ -130,28 +135,21 @@ class HeadLinkFactory(Factory):
             _log.warn(
                 "refused a node dialing in from {peer}: no fleet token, so only loopback "
                 "peers are accepted (--insecure-no-auth overrides)",
-                peer=_peer(addr),
-            )
-            return None
-        if self.max_handshakes and self.handshaking >= self.max_handshakes:
-            _log.warn(
-                "closed a node connection from {peer} at once: {count} handshakes already "
-                "in progress",
-                peer=_peer(addr),
-                count=self.max_handshakes,
+                peer=describe_address(addr),
             )
             return None
         address = address_key(addr)
-        if (
-            self.max_address_handshakes
-            and self.handshaking_from[address] >= self.max_address_handshakes
-        ):
+        refusal = handshake_slot_refusal(
+            (self.max_handshakes, self.max_address_handshakes),
+            self.handshaking,
+            self.handshaking_from[address],
+            address,
+        )
+        if refusal is not None:
             _log.warn(
-                "closed a node connection from {peer} at once: {count} handshakes from "
-                "{address} already in progress",
-                peer=_peer(addr),
-                count=self.max_address_handshakes,
-                address=address,
+                "closed a node connection from {peer} at once: {why}",
+                peer=describe_address(addr),
+                why=refusal,
             )
             return None
         protocol = self._link_protocol(addr)
@@ -160,7 +158,7 @@ class HeadLinkFactory(Factory):
         return NoiseProtocol(self._noise, protocol)
 
     def _link_protocol(self, addr: Any) -> HeadLinkProtocol:
-        peer = _peer(addr)
+        peer = describe_address(addr)
         address = address_key(addr)
         link = NodeLink(
             self._reactor, self._ids, settings=self.settings, description=peer, clock=self._clock
@@ -189,15 +187,3 @@ class HeadLinkFactory(Factory):
 
         link.when_open().addCallbacks(adopted, refused)
         return HeadLinkProtocol(link.owner)
-
-
-def _peer(addr: Any) -> str:
-    """``host:port`` of a peer address, or its socket path."""
-    host = getattr(addr, "host", None)
-    port = getattr(addr, "port", None)
-    if host is not None and port is not None:
-        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
-    name = getattr(addr, "name", None)
-    if isinstance(name, bytes):
-        return name.decode(errors="replace") or "a Unix socket"
-    return str(name) if name else "a Unix socket"

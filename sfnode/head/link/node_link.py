@@ -62,6 +62,8 @@ from sfnode.linkf.wire import (
     FEATURE_LOGPROBS,
     FEATURE_REQUEST_CLASS,
     CapacitySummary,
+    EmbedReqMsg,
+    EmbedRespMsg,
     Finish,
     GenerationBudgetsMsg,
     GenParams,
@@ -794,6 +796,23 @@ def _on_stage_forward_resp(driver: _LinkDriver, message: StageForwardRespMsg) ->
     driver.link._calls.answer_forward(message)
 
 
+@_handles(EmbedRespMsg)
+def _on_embed_resp(driver: _LinkDriver, message: EmbedRespMsg) -> None:
+    driver.link._calls.answer_embedding(message)
+
+
+def embed(link: NodeLink, texts: Sequence[str]) -> Deferred[EmbedRespMsg]:
+    """EMBED_REQ on ``link`` (its node must have set ``FEATURE_EMBEDDINGS``, docs/protocol.md
+    section 12.7); fires with the EMBED_RESP of the same request_id, or fails with a
+    :class:`LinkError` when the link is down or its connection is lost meanwhile."""
+    if not link.connected:
+        return defer.fail(LinkLostError(f"the link to {link.name} is down"))
+    request_id = link._calls.next_id()
+    answered = link._calls.expect_embedding(request_id)
+    link.send_now(EmbedReqMsg(request_id, tuple(texts)))
+    return answered
+
+
 def _on_transfer(driver: _LinkDriver, message: TransferMsg) -> None:
     driver.link.files.receive(message)
 
@@ -838,7 +857,7 @@ def _on_token_events(driver: _LinkDriver, message: TokenEventsMsg) -> None:
             if id(event) in committed:
                 call._deliver(payload)
         elif isinstance(payload, Finish):
-            call.finish = payload.reason
+            call.finish, call.detail = payload.reason, payload.detail
             finished.append(call)
     for call in finished:
         driver.link.forget_generation(call)

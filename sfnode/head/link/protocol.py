@@ -63,12 +63,7 @@ class HeadLinkProtocol(Protocol):
     def dataReceived(self, data: bytes) -> None:
         if self._broken:
             return
-        error: WireError | None = None
-        try:
-            frames = self._decoder.feed(data)
-        except WireError as e:
-            # The frames ahead of the bad bytes are whole: they are handled first.
-            frames, error = e.frames_before, e
+        frames, error = self._decoder.feed_whole(data)
         for frame in frames:
             if self._broken:
                 return

@@ -122,6 +122,10 @@ class TextCodec(Protocol):
         """The bytes one token stands for (a part of a character, or a special token's own
         text); what OpenAI's logprobs call ``bytes``."""
 
+    def tokenizer_json(self) -> str | None:
+        """The tokenizer as ``tokenizer.json`` text (what the grammar library reads,
+        :mod:`sfnode.head.models.floors`); None for a tokenizer without one."""
+
 
 def plain_chat(messages: Sequence[ChatMessage]) -> str:
     """The template of a tokenizer without one (test tokenizers): ``<|role|>\\ncontent\\n``
@@ -349,6 +353,9 @@ class HeadTokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         return piece_bytes(self._tokenizer, token_id, self.decode)
 
+    def tokenizer_json(self) -> str | None:
+        return str(self._tokenizer.to_str())
+
     @property
     def knows_tools(self) -> bool:
         return _knows_tools(self.chat_template)
@@ -402,6 +409,10 @@ class TransformersCodec:
     def token_bytes(self, token_id: int) -> bytes:
         backend = getattr(self.tokenizer, "backend_tokenizer", None)  # fast tokenizers only
         return piece_bytes(backend, token_id, self.decode)
+
+    def tokenizer_json(self) -> str | None:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        return None if backend is None else str(backend.to_str())
 
     @property
     def knows_tools(self) -> bool:
@@ -740,6 +751,8 @@ class StopText:
         self._text = ""
         self._sent = 0
         self.stopped = False
+        self.matched: str | None = None
+        """The stop string the text was cut at (the first listed of those found first)."""
 
     def feed(self, delta: str) -> str:
         """The text that may be shown now."""
@@ -748,10 +761,12 @@ class StopText:
         self._text += delta
         if self._stops:
             start = max(0, self._sent - self._hold)
-            hits = [i for i in (self._text.find(s, start) for s in self._stops) if i >= 0]
-            if hits:
+            hits = [(self._text.find(s, start), s) for s in self._stops]
+            found = [(at, stop) for at, stop in hits if at >= 0]
+            if found:
                 self.stopped = True
-                return self._release(min(hits))
+                at, self.matched = min(found, key=lambda hit: hit[0])
+                return self._release(at)
         return self._release(len(self._text) - self._hold)
 
     def flush(self) -> str:

@@ -1,0 +1,99 @@
+"""One ``/v1/messages`` request on the head: the chat exchange, translated in and answered as
+Anthropic's Messages API (docs/api.md "/v1/messages").
+
+:class:`MessagesExchange` is an :class:`~sfnode.head.api.exchange.Exchange` of a chat completion
+whose body :func:`sfnode.head.api.messages.translate` wrote, whose :class:`MessagesWriter`
+answers a ``message`` object or its stream of events
+(:class:`~sfnode.head.api.messages.MessageBuilder`) instead of chat's bodies and chunks, and
+whose errors are written in Anthropic's shape.
+
+This module must never decide anything the chat exchange decides (placement, back-pressure,
+budgets, errors and their statuses, metrics: those stay in :mod:`sfnode.head.api.exchange`), and
+never write to a request once the exchange is done or gone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from twisted.internet.defer import Deferred
+
+from sfnode.head.api import bodies
+from sfnode.head.api.exchange import Exchange, Host, Prepared, _Choice
+from sfnode.head.api.messages import (
+    STOP_REASONS,
+    MessageBuilder,
+    anthropic_error,
+    event_bytes,
+    new_message_id,
+    translate,
+)
+from sfnode.head.api.schema import parse_body
+from sfnode.head.fleet.backend import BackendStatus
+from sfnode.head.models.tools import CallEvent
+from sfnode.runtime.http_guard import HttpError
+
+
+class MessagesExchange(Exchange):
+    """One ``/v1/messages`` request (see the module's docstring)."""
+
+    def __init__(self, api: Host, request: Any) -> None:
+        super().__init__(api, request, chat=True)
+        self.ident = new_message_id()
+
+    def _prepare_chat(
+        self, data: bytes, statuses: Mapping[str, BackendStatus]
+    ) -> Deferred[Prepared]:
+        return super()._prepare_chat(bodies.json_bytes(translate(parse_body(data))), statuses)
+
+    def _place(self, prepared: Prepared) -> None:
+        self.writer = MessagesWriter(self, MessageBuilder(self.ident, prepared.request.model))
+        super()._place(prepared)
+
+    def _answer_error(self, error: HttpError) -> None:
+        super()._answer_error(anthropic_error(error))
+
+
+class MessagesWriter:
+    """A :class:`~sfnode.head.api.exchange.Writer` of the Messages API's shapes: every piece of
+    output goes through the builder (streamed or not), the stream as its named events."""
+
+    def __init__(self, exchange: MessagesExchange, builder: MessageBuilder) -> None:
+        self.exchange = exchange
+        self.builder = builder
+
+    def _write(self, events: Iterable[dict[str, Any]]) -> None:
+        for event in events:
+            self.exchange.request.write(event_bytes(event))
+
+    def opened(self) -> None:
+        self._write(self.builder.started(len(self.exchange.prompt)))
+
+    def show(self, choice: _Choice, events: Sequence[CallEvent], *, streamed: bool) -> None:
+        shown = self.builder.add(events)
+        if streamed:
+            self._write(shown)
+
+    def choice_finished(self, choice: _Choice) -> None:
+        pass  # the message's last events say it (closed)
+
+    def _stop(self) -> tuple[str, str | None]:
+        """The answer's ``stop_reason`` and ``stop_sequence``."""
+        choice = self.exchange.choices[0]
+        if choice.stop.matched is not None:
+            return "stop_sequence", choice.stop.matched
+        return STOP_REASONS.get(choice.finish or "stop", "end_turn"), None
+
+    def closed(self, completion_tokens: int) -> None:
+        self._write(self.builder.finished(*self._stop(), completion_tokens))
+
+    def whole(self, completion_tokens: int) -> Any:
+        usage = {"input_tokens": len(self.exchange.prompt), "output_tokens": completion_tokens}
+        return self.builder.whole(*self._stop(), usage)
+
+    def failed(self, error: HttpError) -> None:
+        self._write([anthropic_error(error).body()])
+
+
+__all__ = ["MessagesExchange", "MessagesWriter"]
