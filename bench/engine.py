@@ -378,14 +378,15 @@ def main(reactor_: Any, args: argparse.Namespace) -> Any:
                 args.per_slot,
             )
         if args.model_only in (None, "smollm2") and not (args.quick and args.model_only is None):
-            from sfnode.engines.weights.loading import load_model
+            from sfnode.engines.weights.loading import load_model, load_transformers
 
-            # As twistd sfnode loads it (--dtype auto): the GGUF's weights dequantized to
-            # float32 for transformers, and the engine serving the file's own (from_loaded).
+            # As twistd sfnode loads it (--dtype auto): the engine serving the file's own
+            # weights (from_loaded), and for the baselines the GGUF's weights dequantized to
+            # float32 for transformers.
             loaded = load_model(None, threads=args.threads)
             yield bench_model(
                 "SmolLM2-135M-Instruct",
-                loaded.model,
+                load_transformers(loaded),
                 TransformersEngine.from_loaded(loaded, reactor_, config),
                 args.quick,
                 args.repeat,

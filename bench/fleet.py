@@ -174,7 +174,7 @@ def build_in_process_engine(
     from twisted.logger import formatEvent, globalLogPublisher
     from twisted.python import usage
 
-    import sfnode.engines.weights.llama
+    import sfnode.engines.weights.gather
     from sfnode.node.tap import Options, build_engine
 
     options = Options()
@@ -189,15 +189,15 @@ def build_in_process_engine(
         if str(event.get("log_namespace", "")).startswith("sfnode.engines"):
             lines.append(formatEvent(event))
 
-    measure = sfnode.engines.weights.llama.dense_rows
+    measure = sfnode.engines.weights.gather.dense_rows
     if not own:
-        sfnode.engines.weights.llama.dense_rows = lambda projection: dense_rows  # type: ignore[assignment]
+        sfnode.engines.weights.gather.dense_rows = lambda projection: dense_rows  # type: ignore[assignment]
     globalLogPublisher.addObserver(keep)
     try:
         return build_engine(reactor, options), lines
     finally:
         globalLogPublisher.removeObserver(keep)
-        sfnode.engines.weights.llama.dense_rows = measure  # type: ignore[assignment]
+        sfnode.engines.weights.gather.dense_rows = measure  # type: ignore[assignment]
 
 
 def node_dense_rows(lines: Sequence[str]) -> int | None:

@@ -57,29 +57,26 @@ def main() -> None:
     import torch
     import torch.nn.functional as F  # noqa: N812
 
-    import sfnode.engines.runners.llama as runner_module
+    import sfnode.engines.runners.attention as attention_module
+    import sfnode.engines.runners.decoder as runner_module
     from sfnode.engines.kernels import quant
-    from sfnode.engines.runners.llama import LlamaRunner
+    from sfnode.engines.runners.decoder import DecoderRunner
     from sfnode.engines.scheduling.plan import ChunkRow, DecodeRow, StepPlan
-    from sfnode.engines.weights.llama import gather_weights
+    from sfnode.engines.weights.gather import gather_weights
     from sfnode.engines.weights.loading import load_model
     from sfnode.linkf.wire import GenParams
 
     torch.set_num_threads(1)
     loaded = load_model(options.model)
-    gguf = loaded.source if loaded.source.suffix == ".gguf" else None
     weights = gather_weights(
-        loaded.model,
+        loaded.stored,
         options.weights,
-        gguf=gguf,
-        cache_file=loaded.folder / "packed-weights.safetensors" if gguf else None,
+        cache_file=loaded.cache_file,
         kernels=options.kernels,
         fused_step=not options.eager_step,
     )
     batches = [int(b) for b in options.batches.split(",")]
-    runner = LlamaRunner.for_model(
-        loaded.model, weights, slots=max(batches), window=4096, fused=not options.eager_step
-    )
+    runner = DecoderRunner(weights, slots=max(batches), window=4096, fused=not options.eager_step)
     greedy = GenParams()
     length = options.length
     for slot in range(max(batches)):
@@ -102,9 +99,7 @@ def main() -> None:
 
     if options.chunk:
         # A prompt chunk into a spare slot (what a first token waits for), whole.
-        chunk_runner = LlamaRunner.for_model(
-            loaded.model, weights, slots=1, window=4096, fused=not options.eager_step
-        )
+        chunk_runner = DecoderRunner(weights, slots=1, window=4096, fused=not options.eager_step)
         chunk = StepPlan(
             chunks=(ChunkRow(0, 0, tuple(range(1, options.chunk + 1)), True, greedy, 0),)
         )
@@ -147,13 +142,13 @@ def main() -> None:
     vocab = weights.vocab_size
     runner._logits = lambda hidden, wanted, allowed=None: torch.zeros(len(wanted), vocab)  # type: ignore[method-assign]
     measure("- output head, sampling")
-    runner_module.F.scaled_dot_product_attention = (  # type: ignore[attr-defined]
+    attention_module.F.scaled_dot_product_attention = (  # type: ignore[attr-defined]
         lambda q, k, v, **kw: torch.zeros(q.shape, dtype=q.dtype)
     )
     measure("- attention")
     runner_module.F.rms_norm = lambda x, shape, weight, eps: x  # type: ignore[attr-defined]
     measure("- norms")
-    runner_module._rotate = lambda x, cos, sin: x  # type: ignore[assignment]
+    runner_module.rotate = lambda x, cos, sin: x  # type: ignore[assignment]
     measure("- rotary embedding (what is left: the rest)")
     del F
 

@@ -168,6 +168,23 @@ class MaskFigures:
 
 
 @dataclass(frozen=True)
+class WeightFigures:
+    """The weights an engine holds against the files it read them from (docs/engine.md
+    section 5.4): a quantized file's blocks are held as stored, so ``held_bytes`` stays near
+    ``file_bytes``."""
+
+    held_bytes: int
+    """Bytes of the weights its step reads (a file's maps counted whole)."""
+    file_bytes: int
+    """Bytes of the weight files read."""
+
+    @property
+    def ratio(self) -> float:
+        """Held per file byte (0 for an engine that read no file)."""
+        return self.held_bytes / self.file_bytes if self.file_bytes else 0.0
+
+
+@dataclass(frozen=True)
 class EngineStatistics:
     """Live figures of an engine (docs/engine.md section 1, item 2); counters are cumulative since
     start.  The node's capacity reports read the first six; its ``/metrics`` page all of them."""
@@ -185,6 +202,8 @@ class EngineStatistics:
     reused")."""
     masks: MaskFigures | None = None
     """None: an engine that honours no constraints."""
+    weights: WeightFigures | None = None
+    """None: an engine that holds no weights of its own (the mock, a model object's forward)."""
 
 
 @dataclass(frozen=True)

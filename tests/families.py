@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,8 @@ def config(family: str) -> Any:
 
     if family == "llama":
         return t.LlamaConfig(**_COMMON, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=False)
+    if family == "llama2":
+        return t.LlamaConfig(**_COMMON, tie_word_embeddings=True)
     if family == "qwen2":
         return t.Qwen2Config(**_COMMON, tie_word_embeddings=True)
     if family == "qwen3":
@@ -100,7 +103,9 @@ def config(family: str) -> Any:
     raise ValueError(f"no tiny {family}")
 
 
-FAMILY_NAMES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3")
+FAMILY_NAMES = ("llama2", "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3")
+"""``llama2``: plain Llama (default rope, tied embedding, as SmolLM2); ``llama``: Llama 3's rope
+(``llama3`` scaling, its factors the GGUF file's ``rope_freqs``)."""
 
 
 def model(family: str, seed: int = 1234) -> Any:
@@ -152,6 +157,7 @@ CHAT_TEMPLATE = (
 
 _ARCH = {
     "llama": "llama",
+    "llama2": "llama",
     "mistral": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
@@ -257,8 +263,9 @@ def _keys(writer: Any, family: str, cfg: Any, kind: str, hparams: dict[str, Any]
         writer.add_sliding_window(cfg.sliding_window)
 
 
-def _tokenizer_keys(writer: Any, folder: Path) -> None:
-    """The converter's ``_set_vocab_gpt2`` for the tiny byte-level BPE tokenizer."""
+def _tokenizer_keys(writer: Any, folder: Path, template: str | None) -> None:
+    """The converter's ``_set_vocab_gpt2`` for the tiny byte-level BPE tokenizer, and the chat
+    template (none when None)."""
     tokenizer = json.loads((folder / "tokenizer.json").read_text())
     vocab = tokenizer["model"]["vocab"]
     specials = {t["id"] for t in tokenizer["added_tokens"] if t.get("special")}
@@ -274,7 +281,8 @@ def _tokenizer_keys(writer: Any, folder: Path) -> None:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(TINY_EOS)
     writer.add_pad_token_id(0)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    if template is not None:
+        writer.add_chat_template(template)
 
 
 def _store(name: str, values: np.ndarray[Any, Any], kind: str, layers: int) -> tuple[Any, Any]:
@@ -295,9 +303,16 @@ def _store(name: str, values: np.ndarray[Any, Any], kind: str, layers: int) -> t
     return kquant.quantize(block, values), T[block]
 
 
-def write_gguf(family: str, folder: Path, path: Path, kind: str = "F32") -> Path:
+def write_gguf(
+    family: str,
+    folder: Path,
+    path: Path,
+    kind: str = "F32",
+    template: str | None = CHAT_TEMPLATE,
+) -> Path:
     """The tiny folder of ``family`` (from :func:`save_folder`) as a GGUF file of ``kind``
-    (``F32``, ``Q8_0`` or ``Q4_K_M``), laid out as llama.cpp's converter lays it out."""
+    (``F32``, ``Q8_0`` or ``Q4_K_M``), laid out as llama.cpp's converter lays it out, with
+    ``template`` as its chat template (none when None)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -306,7 +321,7 @@ def write_gguf(family: str, folder: Path, path: Path, kind: str = "F32") -> Path
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
     writer = gguf.GGUFWriter(str(path), arch)
     _keys(writer, family, cfg, kind, json.loads((folder / "config.json").read_text()))
-    _tokenizer_keys(writer, folder)
+    _tokenizer_keys(writer, folder, template)
     if kind != "F32":
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     tensors = load_file(str(folder / "model.safetensors"))
@@ -331,3 +346,31 @@ def write_gguf(family: str, folder: Path, path: Path, kind: str = "F32") -> Path
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+_root: list[Path] = []
+_written: dict[tuple[str, str], Path] = {}
+
+
+def _workspace() -> Path:
+    if not _root:
+        _root.append(Path(tempfile.mkdtemp(prefix="sfnode-families-")))
+    return _root[0]
+
+
+def folder(family: str) -> Path:
+    """``family``'s tiny folder, written once per test run."""
+    key = (family, "folder")
+    if key not in _written:
+        _written[key] = save_folder(family, _workspace() / family)
+    return _written[key]
+
+
+def gguf(family: str, kind: str) -> Path:
+    """``family``'s tiny GGUF file of ``kind`` (``F32``, ``Q8_0``, ``Q4_K_M``), written once
+    per test run."""
+    key = (family, kind)
+    if key not in _written:
+        path = _workspace() / f"{family}-{kind}.gguf"
+        _written[key] = write_gguf(family, folder(family), path, kind)
+    return _written[key]

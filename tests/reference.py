@@ -137,3 +137,25 @@ def with_stored_matrices(model: Any, stored: StoredModel) -> Any:
                 else:
                     parameter.copy_(w[f"{index}.{plain[stem]}"])
     return model
+
+
+def kernel_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as sfnode's block kernels see it (``quantize_row`` in native.c): each block of 32
+    values scaled so that its largest magnitude is 32767, rounded to the nearest integer (ties
+    to even), and scaled back by that largest magnitude / 32767."""
+    blocks = x.to(torch.float32).reshape(*x.shape[:-1], -1, 32)
+    mx = blocks.abs().amax(-1, keepdim=True)
+    scale = torch.where(mx > 0, torch.tensor(32767.0) / mx, torch.zeros_like(mx))
+    q = torch.round(blocks * scale)
+    return (q * (mx / 32767.0)).reshape(x.shape)
+
+
+def with_kernel_activations(model: Any) -> Any:
+    """``model`` whose layers' matrices (not the head: the step computes its best logits again
+    in float32) multiply the activations as the block kernels hold them
+    (:func:`kernel_activations`): transformers' forward as sfnode's quantized kernels compute
+    it, but for the order of the float sums."""
+    for module in model.model.layers.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(lambda _, args: (kernel_activations(args[0]),))
+    return model

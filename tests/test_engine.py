@@ -813,36 +813,34 @@ class WeightsModeTests(EngineTestCase):
             self.assertEqual(batched, solo, (mode, kernels, fused))
 
     @defer.inlineCallbacks
-    def test_released_float_weights_change_nothing(self) -> Any:
-        """An engine built by from_loaded with release_float_weights (as the node builds it)
-        drops the model's float projection weights and gives the tokens of one that keeps
-        them."""
+    def test_the_model_as_stored_gives_the_model_objects_tokens(self) -> Any:
+        """An engine built by from_loaded on the model's folder (as the node builds it: the
+        weights as stored, no transformers model object) gives the tokens of one built on the
+        transformers model itself."""
         from pathlib import Path
 
-        from sfnode.engines.weights.loading import LoadedModel
+        from sfnode.engines.weights.loading import load_model
+        from tests.tinymodel import save_tiny_model
 
         keeping = self.make_engine(max_lanes=2, weights="int4", dense_copies=False)
-        own = tiny_llama()
-        loaded = LoadedModel(
-            own, None, "tiny", Path("tiny"), Path("tiny"), torch.float32, own.device
-        )
-        releasing = TransformersEngine.from_loaded(
+        folder = save_tiny_model(Path(self.mktemp()) / "tiny")
+        loaded = load_model(folder)
+        self.assertFalse(hasattr(loaded, "model"))
+        stored = TransformersEngine.from_loaded(
             loaded,
             reactor,
             EngineConfig(max_lanes=2, weights="int4", dense_copies=False, interactive_lanes=0),
-            release_float_weights=True,
         )
-        releasing.start()
-        self.addCleanup(releasing.stop)
-        self.assertEqual(own.model.layers[0].mlp.up_proj.weight.numel(), 0)
+        stored.start()
+        self.addCleanup(stored.stop)
         for prompt in prompts(3, seed=33):
             a = yield self.run_one(prompt, 12, engine=keeping)[0]
-            b = yield self.run_one(prompt, 12, engine=releasing)[0]
+            b = yield self.run_one(prompt, 12, engine=stored)[0]
             self.assertEqual(a, b)
 
     def test_modes_the_runner_cannot_serve_are_refused(self) -> None:
         """--weights int4 on the model's own forward is refused with the reason."""
-        from sfnode.engines.weights.llama import WeightsError
+        from sfnode.engines.weights.gather import WeightsError
 
         with self.assertRaises(WeightsError) as caught:
             TransformersEngine(self.model, reactor, EngineConfig(weights="int4", lean_step=False))

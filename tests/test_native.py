@@ -36,9 +36,9 @@ from sfnode.engines.kernels.quant import (
     Precision,
     dequantize,
 )
-from sfnode.engines.runners.llama import LlamaRunner
+from sfnode.engines.runners.decoder import DecoderRunner
 from sfnode.engines.scheduling.plan import ChunkRow, DecodeRow, StepPlan
-from sfnode.engines.weights.llama import gather_weights
+from sfnode.engines.weights.gather import gather_weights
 from sfnode.linkf.wire import GenParams
 from tests.tinymodel import TINY_VOCAB, tiny_llama
 
@@ -310,7 +310,7 @@ class FallbackTests(unittest.SynchronousTestCase):
             library_dir=Path(tempfile.mkdtemp(prefix="sfnode-native-none-")),
         )
         self.assertEqual(weights.activations, torch.bfloat16)
-        runner = LlamaRunner.for_model(model, weights, slots=1, window=64)
+        runner = DecoderRunner(weights, slots=1, window=64)
         self.assertIsNone(runner.fused)
         self.assertEqual(runner.fused_reason, "activations are bfloat16")
         lines = [e for e in events if "multiply with the" in e.get("log_format", "")]
@@ -318,7 +318,9 @@ class FallbackTests(unittest.SynchronousTestCase):
         self.assertIn("no C compiler found", lines[0]["why"])
 
 
-def greedy_run(runner: LlamaRunner, prompt: list[int], new: int) -> tuple[list[int], torch.Tensor]:
+def greedy_run(
+    runner: DecoderRunner, prompt: list[int], new: int
+) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens of ``prompt`` in slot 0, and the last step's hidden-state logits."""
     params = GenParams()
     out = runner.run(StepPlan(chunks=(ChunkRow(0, 0, tuple(prompt), True, params, 0),)))
@@ -352,8 +354,8 @@ class FusedStepTests(unittest.SynchronousTestCase):
         rng = random.Random(5)
         for mode in ("int4", "int8", "float32"):
             weights = self.weights(mode)
-            fused = LlamaRunner.for_model(self.model, weights, slots=1, window=256)
-            eager = LlamaRunner.for_model(self.model, weights, slots=1, window=256, fused=False)
+            fused = DecoderRunner(weights, slots=1, window=256)
+            eager = DecoderRunner(weights, slots=1, window=256, fused=False)
             self.assertIsNotNone(fused.fused, fused.fused_reason)
             self.assertIsNone(eager.fused)
             for n in (1, 9, 40):
@@ -374,7 +376,7 @@ class FusedStepTests(unittest.SynchronousTestCase):
         rng = random.Random(8)
         for mode in ("int4", "int8"):
             weights = self.weights(mode)
-            runner = LlamaRunner.for_model(self.model, weights, slots=3, window=256)
+            runner = DecoderRunner(weights, slots=3, window=256)
             self.assertIsNotNone(runner.fused, runner.fused_reason)
             params = GenParams()
             prompt = tuple(rng.randrange(3, TINY_VOCAB) for _ in range(40))
@@ -403,7 +405,7 @@ class FusedStepTests(unittest.SynchronousTestCase):
         """--weights float32 with sfnode's kernels, fused step: greedy tokens equal
         transformers' generate() (the float32 mode's promise, docs/engine.md section 2.2)."""
         weights = self.weights("float32")
-        runner = LlamaRunner.for_model(self.model, weights, slots=1, window=256)
+        runner = DecoderRunner(weights, slots=1, window=256)
         self.assertIsNotNone(runner.fused, runner.fused_reason)
         self.assertEqual(weights.describe(), "float32 x 13")
         rng = random.Random(6)
@@ -425,7 +427,7 @@ class FusedStepTests(unittest.SynchronousTestCase):
         """A later pipeline stage (hidden states in) through the fused layers does not write
         into the caller's tensor, and splitting the layers gives the one-stage token."""
         weights = self.weights("int4")
-        runner = LlamaRunner.for_model(self.model, weights, slots=1, window=256)
+        runner = DecoderRunner(weights, slots=1, window=256)
         tokens = list(range(3, 40))
         whole = runner.stage(tokens, 0, 3, None).token
         first = runner.stage(tokens, 0, 1, None)

@@ -34,26 +34,19 @@ class BundledWeightsTests(unittest.SynchronousTestCase):
     def test_auto_weights_keep_perplexity_and_the_answer(self) -> None:
         """``auto`` serves int4 kernels throughout, its perplexity on tests/data/perplexity.txt is
         within 3% of float32's, and greedy decoding of the README's question says Paris."""
-        from sfnode.engines.runners.llama import LlamaRunner
+        from sfnode.engines.runners.decoder import DecoderRunner
         from sfnode.engines.scheduling.plan import ChunkRow, DecodeRow, StepPlan
-        from sfnode.engines.weights.llama import gather_weights
+        from sfnode.engines.weights.gather import gather_weights
         from sfnode.engines.weights.loading import load_model
         from sfnode.linkf.wire import GenParams
 
         loaded = load_model(threads=2)
         tokenizer = loaded.tokenizer
         ids = tokenizer(TEXT.read_text())["input_ids"]
-        float32 = LlamaRunner.for_model(
-            loaded.model, gather_weights(loaded.model, "float32"), slots=1, window=1024
-        )
-        quantized_weights = gather_weights(
-            loaded.model,
-            "auto",
-            gguf=loaded.source,
-            cache_file=loaded.folder / "packed-weights.safetensors",
-        )
+        float32 = DecoderRunner(gather_weights(loaded.stored, "float32"), slots=1, window=1024)
+        quantized_weights = gather_weights(loaded.stored, "auto", cache_file=loaded.cache_file)
         self.assertEqual(quantized_weights.describe(), "int4 x 121")
-        quantized = LlamaRunner.for_model(loaded.model, quantized_weights, slots=1, window=1024)
+        quantized = DecoderRunner(quantized_weights, slots=1, window=1024)
         reference, served = perplexity(float32, ids), perplexity(quantized, ids)
         self.assertLess(abs(served - reference) / reference, 0.03, (served, reference))
 

@@ -71,16 +71,15 @@ class EngineConfig:
     measured faster; off by default, since a position's KV then depends on the size of the
     chunk it was computed in (docs/engine.md section 5)."""
     lean_step: bool = True
-    """False runs the model's own forward even for a Llama (``--stock-kernels``)."""
+    """False runs a transformers model's own forward (``--stock-kernels``)."""
     onednn: bool = True
     """The model's own forward routes float32 linear layers to oneDNN."""
     fused_step: bool = True
     """False runs every layer as separate torch operators even where the native fused calls
     could (``--eager-step``, docs/engine.md section 5.2)."""
-    gguf: Path | None = None
-    """The GGUF file the model came from: its quantized matrices are served as they are."""
     weights_cache: Path | None = None
-    """Where packed weights are kept between starts."""
+    """Where weights converted for a kernel are kept between starts (beside a GGUF file's model
+    files)."""
     eos_ids: frozenset[int] | None = None
     """The ids that end a generation; None: the model's own."""
 

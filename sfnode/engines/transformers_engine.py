@@ -3,16 +3,19 @@
 It is :class:`~sfnode.engines.loop.EngineLoop` (docs/engine.md section 3), the loop the mock engine
 runs too, with:
 
-- a model runner (:class:`~sfnode.engines.runners.llama.LlamaRunner` for Llama-family models,
-  :class:`~sfnode.engines.runners.forward.ModelForwardRunner` for anything else) that executes
-  each step's plan, one forward pass, and samples;
+- a model runner that executes each step's plan, one forward pass, and samples:
+  :class:`~sfnode.engines.runners.decoder.DecoderRunner` over the model as stored (a
+  :class:`~sfnode.engines.weights.stored.StoredModel`, or a transformers model's own arrays), for
+  every family sfnode reads (docs/engine.md section 5.4), or with ``--stock-kernels``
+  :class:`~sfnode.engines.runners.forward.ModelForwardRunner`, a transformers model's own
+  forward;
 - :class:`ThreadWorker`, which runs the runner on a one-thread pool with ``deferToThreadPool``
   (the output comes back as a Deferred on the reactor), prepares constrained requests on a
   thread of its own, and checks at start that a position's KV does not depend on how its prompt
   was cut into steps.
 
 Speculative decoding (``speculative="ngram"``, docs/engine.md section 3.1): the scheduler drafts
-each decoding lane's next tokens from its own context, the Llama runner verifies them in the same
+each decoding lane's next tokens from its own context, the decoder runner verifies them in the same
 pass, and the sampler's own rule keeps those it would have drawn; the model-forward runner does
 not speculate.
 
@@ -44,14 +47,15 @@ from sfnode.decoding.constraint import LaneStage, Vocabulary
 from sfnode.engines.config import DEFAULT_ENGINE_CONFIG, EngineConfig
 from sfnode.engines.kernels import openmp
 from sfnode.engines.loop import EngineLoop, RunnerTraits
+from sfnode.engines.runners.decoder import DecoderRunner
 from sfnode.engines.runners.forward import ModelForwardRunner
 from sfnode.engines.runners.hidden import decode_hidden, encode_hidden
-from sfnode.engines.runners.llama import LlamaRunner, llama_unsupported
 from sfnode.engines.runners.masks import MaskWorker
 from sfnode.engines.scheduling.plan import StepOutput, StepPlan
-from sfnode.engines.weights.llama import WeightsError, gather_weights
+from sfnode.engines.weights.gather import ModelWeights, WeightsError, as_stored, gather_weights
 from sfnode.engines.weights.loading import LoadedModel
-from sfnode.generation import MaskFigures, StageResult
+from sfnode.engines.weights.stored import StoredModel
+from sfnode.generation import EngineStatistics, MaskFigures, StageResult, WeightFigures
 from sfnode.linkf.wire import Constraint
 
 if TYPE_CHECKING:
@@ -63,7 +67,7 @@ log = Logger(namespace="sfnode.engines.transformers")
 
 T = TypeVar("T")
 
-TorchRunner = LlamaRunner | ModelForwardRunner
+TorchRunner = DecoderRunner | ModelForwardRunner
 
 
 def eos_ids_of(model: Any) -> frozenset[int]:
@@ -78,29 +82,6 @@ def eos_ids_of(model: Any) -> frozenset[int]:
         else:
             found.update(int(v) for v in value)
     return frozenset(found)
-
-
-def _release_projections(model: Any, embedding: bool) -> None:
-    """Replace the float weights of every decoder layer's projections (and with ``embedding``
-    the token embedding's and the output head's) with empty tensors."""
-    modules = [model.model.embed_tokens, model.lm_head] if embedding else []
-    for module in modules:
-        module.weight = torch.nn.Parameter(
-            torch.empty(0, dtype=module.weight.dtype), requires_grad=False
-        )
-    for layer in model.model.layers:
-        for module in (
-            layer.self_attn.q_proj,
-            layer.self_attn.k_proj,
-            layer.self_attn.v_proj,
-            layer.self_attn.o_proj,
-            layer.mlp.gate_proj,
-            layer.mlp.up_proj,
-            layer.mlp.down_proj,
-        ):
-            module.weight = torch.nn.Parameter(
-                torch.empty(0, dtype=module.weight.dtype), requires_grad=False
-            )
 
 
 def _trim_heap() -> None:
@@ -129,7 +110,7 @@ class ThreadWorker:
         self._pool = ThreadPool(minthreads=1, maxthreads=1, name="sfnode-engine")
         self._grammar_pool = ThreadPool(minthreads=0, maxthreads=1, name="sfnode-grammar")
         self.exactness: defer.Deferred[str | None] = defer.Deferred()
-        """Fires once the start-up check has run (Llama runner only): with None when a
+        """Fires once the start-up check has run (decoder runner only): with None when a
         position's KV does not depend on how its prompt is cut into steps, else what differed
         (docs/engine.md section 4)."""
 
@@ -141,7 +122,7 @@ class ThreadWorker:
         prepare = getattr(self._runner, "prepare_thread", None)
         if prepare is not None:
             self._pool.callInThread(prepare)
-        if isinstance(self._runner, LlamaRunner):
+        if isinstance(self._runner, DecoderRunner):
             # Before any step (the pool runs one job at a time, in order).
             checking = self.call(self._runner.check_exactness)
             checking.addCallbacks(self._checked, self._check_failed)
@@ -239,30 +220,36 @@ class ServedWeights:
     kernels: str
     """A short account of the kernels, for the log and the tests."""
     activations: torch.dtype
-    holds_model_embedding: bool
-    """The runner reads the model's own embedding and head (they must stay)."""
     onednn_layers: int = 0
+    gathered: ModelWeights | None = None
+    """The decoder runner's weights (None: the model's own forward holds them)."""
+    figures: WeightFigures | None = None
+    """What the decoder runner's weights take against their files (None: the model's own
+    forward)."""
 
 
-def llama_runner(
-    model: Any,
+def decoder_runner(
+    stored: StoredModel,
     config: EngineConfig,
     window: int,
-    pool_blocks: int,
     masks: MaskWorker | None,
+    float_dtype: torch.dtype,
+    device: torch.device,
 ) -> ServedWeights:
-    """sfnode's own step over ``model`` (a Llama :func:`llama_unsupported` accepts)."""
+    """sfnode's own step over the model as stored."""
+    _, kv_blocks = config.kv_sizes(stored.spec.context_length)
+    pool_blocks = config.prefix_blocks(kv_blocks)
     served = gather_weights(
-        model,
+        stored,
         config.weights,
-        gguf=config.gguf,
+        float_dtype=float_dtype,
+        device=device,
         cache_file=config.weights_cache,
         dense_copies=config.dense_copies,
         kernels=config.kernels,
         fused_step=config.fused_step,
     )
-    runner = LlamaRunner.for_model(
-        model,
+    runner = DecoderRunner(
         served,
         slots=config.max_lanes,
         window=window,
@@ -270,12 +257,18 @@ def llama_runner(
         fused=config.fused_step,
         masks=masks,
     )
+    figures = WeightFigures(served.held_bytes(), stored.file_bytes)
     log.info(
-        "serving {layers} layers with weights {mode} ({kernels}); activations and KV "
-        "in {dtype}; prefix cache {prefix}; {fused}",
+        "serving {layers} layers of {family} with weights {mode} ({kernels}; {held:.1f} MB held "
+        "for {file:.1f} MB of files, {ratio:.2f}x); activations and KV in {dtype}; prefix cache "
+        "{prefix}; {fused}",
         layers=len(served.layers),
+        family=stored.spec.family,
         mode=served.mode,
         kernels=served.describe(),
+        held=figures.held_bytes / 1e6,
+        file=figures.file_bytes / 1e6,
+        ratio=figures.ratio,
         dtype=str(served.activations).removeprefix("torch."),
         prefix=f"{pool_blocks} blocks" if pool_blocks else "off",
         fused=(
@@ -285,21 +278,26 @@ def llama_runner(
         ),
     )
     return ServedWeights(
-        runner, served.mode, served.describe(), served.activations, served.holds_model_embedding
+        runner,
+        served.mode,
+        served.describe(),
+        served.activations,
+        gathered=served,
+        figures=figures,
     )
 
 
 def forward_runner(
     model: Any, config: EngineConfig, masks: MaskWorker | None, why: str
 ) -> ServedWeights:
-    """The model's own forward (``why``: the reason sfnode's step cannot serve it).
+    """The model's own forward (``why``: the reason sfnode's step does not serve it).
 
     :raises WeightsError: the configuration asks for weights only sfnode's step serves."""
     dtype = next(model.parameters()).dtype
     if config.weights not in ("auto", str(dtype).removeprefix("torch.")):
         raise WeightsError(
-            f"--weights {config.weights} needs the Llama runner, which cannot serve this model "
-            f"({why}); its own forward serves {dtype} weights"
+            f"--weights {config.weights} needs sfnode's own step, which does not serve this "
+            f"model ({why}); its own forward serves {dtype} weights"
         )
     runner = ModelForwardRunner(model, onednn=config.onednn, masks=masks)
     log.info(
@@ -312,13 +310,37 @@ def forward_runner(
         str(dtype).removeprefix("torch."),
         f"the model's own forward ({runner.onednn_layers} layers on oneDNN)",
         dtype,
-        holds_model_embedding=True,
         onednn_layers=runner.onednn_layers,
     )
 
 
+def _model_figures(
+    stored: StoredModel | None, model: Any
+) -> tuple[frozenset[int], int, int, int, int]:
+    """(end-of-sequence ids, vocabulary size, hidden size, context length, layers) of the
+    model as stored, or of the transformers model object when ``stored`` is None."""
+    if stored is not None:
+        spec = stored.spec
+        return (
+            frozenset(spec.eos_ids),
+            spec.vocab_size,
+            spec.hidden,
+            spec.context_length,
+            spec.layers,
+        )
+    config = model.config
+    return (
+        eos_ids_of(model),
+        int(getattr(config, "vocab_size", 0)),
+        int(getattr(config, "hidden_size", 0)),
+        int(getattr(config, "max_position_embeddings", 0) or 0),
+        int(getattr(config, "num_hidden_layers", 0)),
+    )
+
+
 class TransformersEngine(EngineLoop):
-    """An :class:`sfnode.generation.Engine` over a transformers causal LM (see the module)."""
+    """An :class:`sfnode.generation.Engine` over a model as stored, or over a transformers
+    causal LM (see the module)."""
 
     def __init__(
         self,
@@ -328,29 +350,42 @@ class TransformersEngine(EngineLoop):
         *,
         tokenizer: Any = None,
         clock: Callable[[], float] = time.monotonic,
+        float_dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
     ) -> None:
-        """``tokenizer`` (the model's transformers fast tokenizer) lets it honour constraints
-        (docs/engine.md section 2.4); without one, ``supports_constraints`` is false.  ``clock``
-        reads the seconds deadlines are kept in.
+        """``model`` is a :class:`StoredModel` or a transformers causal LM (its own forward
+        serves it with ``--stock-kernels``, ``config.lean_step`` false, which only a model object
+        has).  ``tokenizer`` (the model's transformers fast tokenizer) lets it honour
+        constraints (docs/engine.md section 2.4); without one, ``supports_constraints`` is
+        false.  ``clock`` reads the seconds deadlines are kept in.  ``float_dtype`` and
+        ``device``: what ``--weights auto`` makes of float matrices and where the weights live
+        (a model object's own by default; float32 on the CPU for a stored model).
 
         :raises ValueError: the configuration does not fit the model.
         :raises WeightsError: the weights cannot be served as the configuration asks."""
-        model_config = model.config
-        eos_ids = config.eos_ids if config.eos_ids is not None else eos_ids_of(model)
-        vocab_size = int(getattr(model_config, "vocab_size", 0))
-        self._hidden_size = int(getattr(model_config, "hidden_size", 0))
-        model_window = int(getattr(model_config, "max_position_embeddings", 0) or 0)
-        window, kv_blocks = config.kv_sizes(model_window)
+        stored = model if isinstance(model, StoredModel) else None
+        if stored is None:
+            parameter = next(model.parameters())
+            float_dtype, device = float_dtype or parameter.dtype, device or parameter.device
+        elif not config.lean_step:
+            raise ValueError("the model's own forward (--stock-kernels) needs its model object")
+        if config.lean_step:
+            stored = stored or as_stored(model)
+        eos_ids, vocab_size, self._hidden_size, model_window, n_layers = _model_figures(
+            stored if config.lean_step else None, model
+        )
+        eos_ids = config.eos_ids if config.eos_ids is not None else eos_ids
+        window, _ = config.kv_sizes(model_window)
         vocabulary = vocabulary_of(tokenizer, vocab_size, eos_ids)
         masks = MaskWorker(vocabulary) if vocabulary is not None else None
         self._masks = masks
-        why = llama_unsupported(model) if config.lean_step else "--stock-kernels"
-        if why is None:
-            weights = llama_runner(model, config, window, config.prefix_blocks(kv_blocks), masks)
+        why = None if config.lean_step else "--stock-kernels"
+        if stored is not None and config.lean_step:
+            float_dtype, device = float_dtype or torch.float32, device or torch.device("cpu")
+            weights = decoder_runner(stored, config, window, masks, float_dtype, device)
         else:
-            weights = forward_runner(model, config, masks, why)
+            weights = forward_runner(model, config, masks, "--stock-kernels")
         self.weights = weights
-        n_layers = int(getattr(model_config, "num_hidden_layers", 0))
         traits = RunnerTraits(
             n_layers=n_layers,
             vocab_size=vocab_size,
@@ -387,51 +422,45 @@ class TransformersEngine(EngineLoop):
 
     @classmethod
     def from_loaded(
-        cls,
-        loaded: LoadedModel,
-        reactor: Any,
-        config: EngineConfig = DEFAULT_ENGINE_CONFIG,
-        *,
-        release_float_weights: bool = False,
+        cls, loaded: LoadedModel, reactor: Any, config: EngineConfig = DEFAULT_ENGINE_CONFIG
     ) -> TransformersEngine:
         """An engine over a model from :func:`sfnode.engines.weights.loading.load_model`, with
-        its tokenizer; a model loaded from a GGUF file serves the file's own quantized weights
-        (``weights`` auto), packed into a cache beside its converted folder.
-
-        With ``release_float_weights`` (the node, which owns ``loaded``) the model's float
-        projection weights are dropped once the runner holds its own quantized copies: they
-        are most of the model's memory, and nothing reads them afterwards.  The model object
-        cannot then run its own forward.
-        """
-        if loaded.source.suffix.lower() == ".gguf":
-            config = replace(
-                config,
-                gguf=config.gguf or loaded.source,
-                weights_cache=config.weights_cache or loaded.folder / "packed-weights.safetensors",
-            )
-        engine = cls(loaded.model, reactor, config, tokenizer=loaded.tokenizer)
-        if release_float_weights and engine.lean_step:
-            _release_projections(loaded.model, embedding=not engine.weights.holds_model_embedding)
-            # Give the freed heap back (packing and measuring at start leave much of it).
-            _trim_heap()
+        its tokenizer; the weights of a GGUF file converted for a kernel are kept beside its
+        model files (the file's own blocks are read from the file at every start)."""
+        if loaded.cache_file is not None:
+            config = replace(config, weights_cache=config.weights_cache or loaded.cache_file)
+        engine = cls(
+            loaded.stored,
+            reactor,
+            config,
+            tokenizer=loaded.tokenizer,
+            float_dtype=loaded.dtype,
+            device=loaded.device,
+        )
+        # Give the heap back what packing and measuring at start left of it.
+        _trim_heap()
         return engine
 
     # -- what tests, benchmarks and the node's figures read -----------------------------------
 
     @property
     def lean_step(self) -> bool:
-        """Whether steps run through :class:`LlamaRunner` rather than the model's forward."""
-        return isinstance(self.runner, LlamaRunner)
+        """Whether steps run through :class:`DecoderRunner` rather than the model's forward."""
+        return isinstance(self.runner, DecoderRunner)
 
     @property
     def fused_step(self) -> bool:
         """Whether the whole step runs in sfnode's native fused calls."""
-        return isinstance(self.runner, LlamaRunner) and self.runner.fused is not None
+        return isinstance(self.runner, DecoderRunner) and self.runner.fused is not None
 
     @property
     def exactness(self) -> defer.Deferred[str | None]:
         """See :attr:`ThreadWorker.exactness`."""
         return self._worker.exactness
+
+    def statistics(self) -> EngineStatistics:
+        """The loop's figures, and the weights held against their files."""
+        return replace(super().statistics(), weights=self.weights.figures)
 
     def mask_figures(self) -> MaskFigures | None:
         if self._masks is None:

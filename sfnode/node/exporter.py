@@ -20,7 +20,9 @@ the grammar masks it computed, the seconds that took and the seconds steps waite
 their forward pass (docs/engine.md section 2.4).  An engine that runs steps (both engines run the
 engine loop) adds its forward passes, decode rows and the tokens they gave; with speculative
 decoding on (docs/engine.md section 3.1) also the draft tokens verified and accepted, the
-acceptance rate and the tokens per decode row.
+acceptance rate and the tokens per decode row.  An engine that holds weights of its own adds
+their bytes and the bytes of the files they were read from (a quantized file's blocks are held as
+stored, so the two stay close).
 
 The same site answers ``/healthz`` for probes (a Kubernetes readiness or liveness probe, a load
 balancer): 200 ``{"status": "ok", ...}`` while the node takes generations (its model is loaded:
@@ -180,6 +182,17 @@ class NodeCollector(Collector):
             "sfnode_generations", "Generations running or queued.", agent.running_generations
         )
         yield from _engine_metrics(family, stats.masks, stats.steps, stats.prefix)
+        if stats.weights is not None:
+            yield gauge(
+                "sfnode_weights_bytes",
+                "Bytes of the weights the engine's step reads (a file's blocks held as stored).",
+                stats.weights.held_bytes,
+            )
+            yield gauge(
+                "sfnode_weights_file_bytes",
+                "Bytes of the weight files the model was read from.",
+                stats.weights.file_bytes,
+            )
 
 
 def _engine_metrics(

@@ -638,6 +638,10 @@ def engine_config(options: Options) -> EngineConfig:
 def build_engine(reactor: Any, options: Options) -> Engine:
     """The engine that ``options`` choose: the one place where an engine is constructed.
 
+    A model sfnode does not support is refused here, in one line naming its architecture (or
+    ``model_type``) and what it lacks, before any service starts: such a node never announces
+    itself to a head (docs/engine.md section 5.4).
+
     :raises NodeStartupError: the transformers engine or its model cannot be loaded.
     """
     config = engine_config(options)
@@ -649,7 +653,7 @@ def build_engine(reactor: Any, options: Options) -> Engine:
         from sfnode.engines import embedding
         from sfnode.engines.transformers_engine import TransformersEngine
         from sfnode.engines.weights import loading
-        from sfnode.engines.weights.llama import WeightsError
+        from sfnode.engines.weights.gather import WeightsError
     except ImportError as e:
         raise NodeStartupError(f"sfnode: the transformers engine is not available: {e}") from e
     model = options["model"]
@@ -669,10 +673,13 @@ def build_engine(reactor: Any, options: Options) -> Engine:
             threads=options["threads"] or None,
             cache_dir=options["cache-dir"],
         )
+        stock = None if config.lean_step else loading.load_transformers(loaded)
     except loading.ModelLoadError as e:
         raise NodeStartupError(f"sfnode: {e}") from e
     try:
-        return TransformersEngine.from_loaded(loaded, reactor, config, release_float_weights=True)
+        if stock is not None:
+            return TransformersEngine(stock, reactor, config, tokenizer=loaded.tokenizer)
+        return TransformersEngine.from_loaded(loaded, reactor, config)
     except (ValueError, WeightsError) as e:
         raise NodeStartupError(f"sfnode: cannot start the transformers engine: {e}") from e
 
@@ -926,10 +933,12 @@ def join_service(
 
 def model_files(options: Options) -> Bundle | None:
     """The files a head needs to serve this node's model (docs/protocol.md section 12.5): the
-    tokenizer, chat template and configuration of the ``--model`` folder (of a .gguf file's
-    converted folder, or of the bundled model's, for the transformers engine).  None, and a
-    log line, when there are none (the mock engine without ``--model``, a folder without
-    ``tokenizer.json``): the head then needs ``--model`` for this model.
+    tokenizer, chat template and configuration of the ``--model`` folder (for a .gguf file,
+    or the bundled model, the model files the transformers engine wrote from it into the cache:
+    its tokenizer, its ``tokenizer.chat_template`` as ``chat_template.jinja``, a
+    ``config.json``).  None, and a log line, when there are none (the mock engine without
+    ``--model``, a folder without ``tokenizer.json``): the head then needs ``--model`` for this
+    model.
     """
     from sfnode.engines.weights import loading
     from sfnode.linkf.model_files import ModelFilesError, read_bundle

@@ -39,30 +39,51 @@
 #define PREFETCH_FLOATS 1024
 
 typedef struct {
-    int32_t kind; /* 0: Q4_1 tiles; 1: int8 rows with a float32 scale each; 2: float32 rows */
+    int32_t kind; /* 0: Q4_1 tiles; 1: int8 rows with a float32 scale each; 2: float32 rows;
+                     as the file stores them, rows of: 3 Q8_0, 4 Q4_K, 5 Q5_K, 6 Q6_K blocks */
     int32_t K, N;
     const void *w;
     const float *scales;
+} sf_part;
+
+#define MAX_PARTS 3
+
+/* A matrix whose rows are one or more parts stacked (a fused projection whose parts are held
+   in different formats: query, key and value; gate and up). */
+typedef struct {
+    int32_t parts;
+    int32_t K, N; /* N: the parts' rows together */
+    sf_part part[MAX_PARTS];
 } sf_matrix;
 
 typedef struct {
     const float *input_norm, *post_norm;
     sf_matrix qkv, o, gate_up, down;
+    /* the layer's rope: [window, rope_dims] tables (sin with rotate_half's sign folded in);
+       the first rope_dims of each head turn, the rest pass through */
+    const float *cos, *sin;
+    int32_t rope_dims;
+    int32_t window; /* keys a query reads, its own included (a sliding window); 0: all */
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* NULL: none */
+    const float *q_norm, *k_norm; /* RMS norms over each query and key head; NULL: none */
+    /* norms of each half's output before its residual add (Gemma's); NULL: none */
+    const float *attn_post_norm, *mlp_post_norm;
 } sf_layer;
 
 typedef struct {
     int32_t layers, hidden, heads, kv_heads, head_dim, intermediate, vocab;
     float eps, attention_scale;
     const sf_layer *layer;
-    int32_t embed_kind; /* 0: float32 [vocab, hidden]; 1: int8 rows and float32 scales a block */
+    int32_t embed_type; /* the ggml type of the table's rows (0: float32 [vocab, hidden]) */
     const void *embed;
-    const float *embed_scales;
     const float *final_norm;
     sf_matrix head;
-    int32_t refine_kind; /* -1: none; 0: float32 rows; 1: int8 rows and scales a block */
+    int32_t refine_type; /* -1: none; else the ggml type of the head's float rows */
     const void *refine;
-    const float *refine_scales;
-    const float *cos, *sin; /* [window, head_dim]; sin with rotate_half's sign folded in */
+    float attn_softcap;  /* attention scores become cap * tanh(score / cap); 0: none */
+    float final_softcap; /* logits likewise; 0: none */
+    float embed_scale;   /* what an embedded row is multiplied by; 0: nothing */
+    int32_t activation;  /* the gated MLP's: 0 SiLU, 1 GELU (tanh) */
 } sf_model;
 
 typedef struct {
@@ -100,11 +121,213 @@ static inline __m256 exp256(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+/* tanh of 8 floats, as 1 - 2 / (e^2x + 1) */
+static inline __m256 tanh256(__m256 x) {
+    const __m256 e = exp256(_mm256_add_ps(x, x));
+    return _mm256_sub_ps(_mm256_set1_ps(1.0f),
+                         _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
+}
+
+#define GELU_K0 0.7978845608028654f /* sqrt(2 / pi) */
+#define GELU_K1 0.044715f
+
+/* The gated MLP's activation of one row: act(gate) * up into o, SiLU or GELU (tanh). */
+static void gated_row(const float *gate, const float *up, int I, int gelu, float *o) {
+    int i = 0;
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; i + 8 <= I; i += 8) {
+        const __m256 a = _mm256_loadu_ps(gate + i);
+        __m256 act;
+        if (gelu) {
+            const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(a, a), a);
+            const __m256 inner = _mm256_mul_ps(
+                _mm256_set1_ps(GELU_K0), _mm256_add_ps(a, _mm256_mul_ps(_mm256_set1_ps(GELU_K1), cube)));
+            act = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), a),
+                                _mm256_add_ps(one, tanh256(inner)));
+        } else {
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), a));
+            act = _mm256_div_ps(a, _mm256_add_ps(one, e));
+        }
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(act, _mm256_loadu_ps(up + i)));
+    }
+    for (; i < I; i++) {
+        const float a = gate[i];
+        const float act = gelu ? 0.5f * a * (1.0f + tanhf(GELU_K0 * (a + GELU_K1 * a * a * a)))
+                               : a / (1.0f + expf(-a));
+        o[i] = act * up[i];
+    }
+}
+
 /* [lo, hi) of total items for part index of parts */
 static inline void share(int total, int parts, int index, int *lo, int *hi) {
     const int base = total / parts, extra = total % parts;
     *lo = index * base + (index < extra ? index : extra);
     *hi = *lo + base + (index < extra ? 1 : 0);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* GGUF blocks, dequantized a block at a time                                               */
+/* (sfnode/engines/kernels/blocks.py holds the layouts; the results are bit for bit ggml's   */
+/* reference: the same float products and differences in the same order, never fused into   */
+/* one rounding, hence fp-contract off for these functions)                                 */
+
+#define QK_K 256
+#if defined(__clang__)
+#define SF_EXACT
+#define SF_EXACT_BODY _Pragma("clang fp contract(off)")
+#else
+#define SF_EXACT __attribute__((optimize("fp-contract=off")))
+#define SF_EXACT_BODY
+#endif
+
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* Scale j and min j (0..7) of a Q4_K/Q5_K super-block's 12 packed bytes. */
+static inline void k_scale_min(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* Q4_K (144 bytes): d, dmin, 12 bytes of scales and mins, 128 bytes of nibbles. */
+SF_EXACT static inline void dequantize_q4_k(const uint8_t *b, float *y) {
+    SF_EXACT_BODY
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const uint8_t *scales = b + 4, *q = b + 16;
+    for (int j = 0; j < 8; j += 2, q += 32) {
+        uint8_t sc, m;
+        k_scale_min(j, scales, &sc, &m);
+        const float d1 = d * (float)sc, m1 = dmin * (float)m;
+        k_scale_min(j + 1, scales, &sc, &m);
+        const float d2 = d * (float)sc, m2 = dmin * (float)m;
+        for (int l = 0; l < 32; l++) *y++ = d1 * (float)(q[l] & 0xF) - m1;
+        for (int l = 0; l < 32; l++) *y++ = d2 * (float)(q[l] >> 4) - m2;
+    }
+}
+
+/* Q5_K (176 bytes): as Q4_K with 32 bytes of fifth bits before the nibbles. */
+SF_EXACT static inline void dequantize_q5_k(const uint8_t *b, float *y) {
+    SF_EXACT_BODY
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const uint8_t *scales = b + 4, *qh = b + 16, *ql = b + 48;
+    uint8_t u1 = 1, u2 = 2;
+    for (int j = 0; j < 8; j += 2, ql += 32, u1 <<= 2, u2 <<= 2) {
+        uint8_t sc, m;
+        k_scale_min(j, scales, &sc, &m);
+        const float d1 = d * (float)sc, m1 = dmin * (float)m;
+        k_scale_min(j + 1, scales, &sc, &m);
+        const float d2 = d * (float)sc, m2 = dmin * (float)m;
+        for (int l = 0; l < 32; l++)
+            *y++ = d1 * (float)((ql[l] & 0xF) + (qh[l] & u1 ? 16 : 0)) - m1;
+        for (int l = 0; l < 32; l++)
+            *y++ = d2 * (float)((ql[l] >> 4) + (qh[l] & u2 ? 16 : 0)) - m2;
+    }
+}
+
+/* Q6_K (210 bytes): 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d. */
+SF_EXACT static inline void dequantize_q6_k(const uint8_t *b, float *y) {
+    SF_EXACT_BODY
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = half_at(b + 208);
+    for (int n = 0; n < QK_K; n += 128, ql += 64, qh += 32, sc += 8, y += 128) {
+        for (int l = 0; l < 32; l++) {
+            const int is = l / 16;
+            const int q1 = (int)((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+            const int q2 = (int)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+            const int q3 = (int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+            const int q4 = (int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+            y[l] = (d * (float)sc[is + 0]) * (float)q1;
+            y[l + 32] = (d * (float)sc[is + 2]) * (float)q2;
+            y[l + 64] = (d * (float)sc[is + 4]) * (float)q3;
+            y[l + 96] = (d * (float)sc[is + 6]) * (float)q4;
+        }
+    }
+}
+
+/* The float32 weights of `blocks` super-blocks of ggml type `kind` (12 Q4_K, 13 Q5_K,
+   14 Q6_K) at `data`, QK_K a block, into `out`; 1 for a kind it does not know. */
+int sf_dequantize(int kind, const uint8_t *data, int64_t blocks, float *out) {
+    void (*one)(const uint8_t *, float *);
+    size_t size;
+    switch (kind) {
+    case 12: one = dequantize_q4_k; size = 144; break;
+    case 13: one = dequantize_q5_k; size = 176; break;
+    case 14: one = dequantize_q6_k; size = 210; break;
+    default: return 1;
+    }
+    for (int64_t i = 0; i < blocks; i++) one(data + (size_t)i * size, out + (size_t)i * QK_K);
+    return 0;
+}
+
+/* Bytes of one row of K weights of ggml type `type` (0 for a type this file does not read). */
+static size_t row_bytes(int type, int K) {
+    switch (type) {
+    case 0: return (size_t)K * 4;
+    case 1: case 30: return (size_t)K * 2;
+    case 2: return (size_t)K / QK * 18;
+    case 3: return (size_t)K / QK * 20;
+    case 8: return (size_t)K / QK * 34;
+    case 12: return (size_t)K / QK_K * 144;
+    case 13: return (size_t)K / QK_K * 176;
+    case 14: return (size_t)K / QK_K * 210;
+    default: return 0;
+    }
+}
+
+/* The float32 weights of one row of K weights of ggml type `type` (F32, F16, Q4_0, Q4_1, Q8_0,
+   Q4_K, Q5_K, Q6_K, BF16): what blocks.py's dequantize gives, bit for bit. */
+SF_EXACT static void dequantize_row(int type, const uint8_t *row, int K, float *out) {
+    SF_EXACT_BODY
+    if (type == 0) { memcpy(out, row, sizeof(float) * K); return; }
+    if (type == 1 || type == 30) {
+        for (int k = 0; k < K; k++) {
+            uint16_t h;
+            memcpy(&h, row + 2 * k, 2);
+            if (type == 1) { out[k] = _cvtsh_ss(h); continue; }
+            const uint32_t bits = (uint32_t)h << 16;
+            memcpy(out + k, &bits, 4);
+        }
+        return;
+    }
+    if (type >= 12) {
+        void (*one)(const uint8_t *, float *) =
+            type == 12 ? dequantize_q4_k : type == 13 ? dequantize_q5_k : dequantize_q6_k;
+        const size_t size = row_bytes(type, QK_K);
+        for (int b = 0; b < K / QK_K; b++) one(row + b * size, out + b * QK_K);
+        return;
+    }
+    const size_t size = row_bytes(type, QK);
+    for (int b = 0; b < K / QK; b++, out += QK) {
+        const uint8_t *blk = row + b * size;
+        const float d = half_at(blk);
+        if (type == 8) {
+            const __m256 dv = _mm256_set1_ps(d);
+            for (int j = 0; j < QK; j += 8) {
+                const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + j)));
+                _mm256_storeu_ps(out + j, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(q)));
+            }
+        } else if (type == 2) {
+            for (int j = 0; j < 16; j++) {
+                out[j] = d * (float)((int)(blk[2 + j] & 0xF) - 8);
+                out[j + 16] = d * (float)((int)(blk[2 + j] >> 4) - 8);
+            }
+        } else {
+            const float m = half_at(blk + 2);
+            for (int j = 0; j < 16; j++) {
+                out[j] = d * (float)(blk[4 + j] & 0xF) + m;
+                out[j + 16] = d * (float)(blk[4 + j] >> 4) + m;
+            }
+        }
+    }
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -154,7 +377,14 @@ static void quantize_row(const float *x, int K, int16_t *qx, float *d, float *s)
     }
 }
 
-static inline int quantized(const sf_matrix *mat) { return mat->kind == 0 || mat->kind == 1; }
+static inline int quantized_part(const sf_part *p) { return p->kind != 2; }
+
+/* whether a product by mat wants the activations quantized (any part is) */
+static inline int quantized(const sf_matrix *mat) {
+    for (int p = 0; p < mat->parts; p++)
+        if (quantized_part(&mat->part[p])) return 1;
+    return 0;
+}
 
 /* rows [m0, m1) of a */
 static void quantize_rows(acts *a, int m0, int m1) {
@@ -339,17 +569,197 @@ static inline __attribute__((always_inline)) void f32_rows2(
     }
 }
 
+/* Blocks as the file stores them, multiplied without inflating them: each block of 32
+   weights (a Q8_0 block, a K-quant sub-block) against the int16 activations of the same 32
+   inputs gives an exact int32 sum, scaled in float by the block's scale and the activations'
+   block scale; a K-quant block's minimum multiplies the activations' s = d * sum(q).  R
+   activation rows (R <= 4) against one weight row, each row's steps the same whatever R is
+   (explicit fused multiply-adds, so no compiler choice differs between the R variants). */
+
+#define LOAD16(p) _mm256_loadu_si256((const __m256i *)(p))
+
+/* 32 int16 weights in two halves times 32 int16 activations: 8 int32 partial sums */
+static inline __m256i dot32(__m256i w0, __m256i w1, const int16_t *x) {
+    return _mm256_add_epi32(_mm256_madd_epi16(w0, LOAD16(x)), _mm256_madd_epi16(w1, LOAD16(x + 16)));
+}
+
+static inline void store_rows(const int R, const __m256 *acc, const float *minus, float *out,
+                              int stride, int accumulate) {
+    for (int r = 0; r < R; r++) {
+        const float v = hsum(acc[r]) - minus[r];
+        out[(size_t)r * stride] = accumulate ? out[(size_t)r * stride] + v : v;
+    }
+}
+
+/* Q8_0 (34 bytes: float16 d, 32 int8 q) */
+static inline __attribute__((always_inline)) void q8b_rows(
+    const int R, const uint8_t *w, int nb, const int16_t *qx, const float *dx, int K, float *out,
+    int stride, int accumulate) {
+    __m256 acc[4];
+    float minus[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = w + (size_t)b * 34;
+        const float d = half_at(blk);
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 2)));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 18)));
+        for (int r = 0; r < R; r++) {
+            const __m256i p = dot32(w0, w1, qx + (size_t)r * K + b * QK);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[r * nb + b]), _mm256_cvtepi32_ps(p),
+                                     acc[r]);
+        }
+    }
+    store_rows(R, acc, minus, out, stride, accumulate);
+}
+
+/* The eight scales and mins of a Q4_K/Q5_K super-block, times its d and dmin. */
+static inline void k_scales(const uint8_t *blk, float *ds, float *dm) {
+    const float d = half_at(blk), dmin = half_at(blk + 2);
+    for (int j = 0; j < 8; j++) {
+        uint8_t sc, m;
+        k_scale_min(j, blk + 4, &sc, &m);
+        ds[j] = d * (float)sc;
+        dm[j] = dmin * (float)m;
+    }
+}
+
+/* Q4_K (144 bytes) and Q5_K (176 bytes, five_bits): sub-block j of 32 weights is
+   d*sc[j]*q - dmin*m[j]; bytes 32c..32c+31 of the nibbles hold sub-blocks 2c (low nibbles)
+   and 2c + 1 (high ones), and Q5_K's fifth bit of weight l of sub-block j is bit j of qh[l]. */
+static inline __attribute__((always_inline)) void qk_rows(
+    const int R, const int five_bits, const uint8_t *w, int nsb, const int16_t *qx,
+    const float *dx, const float *sx, int K, float *out, int stride, int accumulate) {
+    const int nb = K / QK;
+    const size_t size = five_bits ? 176 : 144;
+    const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    __m256 acc[4];
+    float minus[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = w + (size_t)sb * size;
+        const uint8_t *qs = blk + (five_bits ? 48 : 16);
+        float ds[8], dm[8];
+        k_scales(blk, ds, dm);
+        const __m256i qh = five_bits ? LOAD16(blk + 16) : _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = LOAD16(qs + 32 * c);
+            __m256i lo = _mm256_and_si256(v, low);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            if (five_bits) {
+                const __m256i b0 = _mm256_and_si256(
+                    _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c)), one);
+                const __m256i b1 = _mm256_and_si256(
+                    _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c + 1)), one);
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(b0, 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(b1, 4));
+            }
+            const __m256i l0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo));
+            const __m256i l1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1));
+            const __m256i h0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi));
+            const __m256i h1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1));
+            const int b = sb * 8 + 2 * c;
+            for (int r = 0; r < R; r++) {
+                const int16_t *x = qx + (size_t)r * K + (size_t)b * QK;
+                const float *d = dx + r * nb + b, *sm = sx + r * nb + b;
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(ds[2 * c] * d[0]),
+                                         _mm256_cvtepi32_ps(dot32(l0, l1, x)), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(ds[2 * c + 1] * d[1]),
+                                         _mm256_cvtepi32_ps(dot32(h0, h1, x + QK)), acc[r]);
+                minus[r] = fmaf(dm[2 * c], sm[0], minus[r]);
+                minus[r] = fmaf(dm[2 * c + 1], sm[1], minus[r]);
+            }
+        }
+    }
+    store_rows(R, acc, minus, out, stride, accumulate);
+}
+
+/* Q6_K (210 bytes: 128 of low nibbles, 64 of high bit pairs, 16 int8 scales, float16 d):
+   each half of 128 weights is four groups of 32 (low nibbles of ql[0..31], of ql[32..63],
+   high nibbles of ql[0..31], of ql[32..63]; their high bits the pairs 0, 2, 4, 6 of qh), each
+   group's 16 and 16 weights with a scale of their own: w = d*scale*(q - 32). */
+static inline __attribute__((always_inline)) void q6k_rows(
+    const int R, const uint8_t *w, int nsb, const int16_t *qx, const float *dx, int K,
+    float *out, int stride, int accumulate) {
+    const int nb = K / QK;
+    const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+    const __m256i offset = _mm256_set1_epi8(32);
+    __m256 acc[4];
+    float minus[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = w + (size_t)sb * 210;
+        const int8_t *scales = (const int8_t *)(blk + 192);
+        const float d = half_at(blk + 208);
+        for (int half = 0; half < 2; half++) {
+            const __m256i ql0 = LOAD16(blk + 64 * half), ql1 = LOAD16(blk + 64 * half + 32);
+            const __m256i qh = LOAD16(blk + 128 + 32 * half);
+            for (int g = 0; g < 4; g++) {
+                const __m256i src = g % 2 ? ql1 : ql0;
+                const __m256i nib = _mm256_and_si256(g < 2 ? src : _mm256_srli_epi16(src, 4), low);
+                const __m256i high = _mm256_and_si256(
+                    _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g)), three);
+                const __m256i q = _mm256_sub_epi8(
+                    _mm256_or_si256(nib, _mm256_slli_epi16(high, 4)), offset);
+                const __m256i q0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
+                const __m256i q1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
+                const float s0 = d * (float)scales[8 * half + 2 * g];
+                const float s1 = d * (float)scales[8 * half + 2 * g + 1];
+                const int b = sb * 8 + half * 4 + g;
+                for (int r = 0; r < R; r++) {
+                    const int16_t *x = qx + (size_t)r * K + (size_t)b * QK;
+                    const float xd = dx[r * nb + b];
+                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(s0 * xd),
+                        _mm256_cvtepi32_ps(_mm256_madd_epi16(q0, LOAD16(x))), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(s1 * xd),
+                        _mm256_cvtepi32_ps(_mm256_madd_epi16(q1, LOAD16(x + 16))), acc[r]);
+                }
+            }
+        }
+    }
+    store_rows(R, acc, minus, out, stride, accumulate);
+}
+
 /* The work units a product splits between threads: tiles of 8 output rows (kind 0), output
-   rows (kinds 1 and 2). */
-static inline int units(const sf_matrix *mat) {
+   rows (the others). */
+static inline int units(const sf_part *mat) {
     return mat->kind == 0 ? (mat->N + 7) / 8 : mat->N;
 }
 
+/* Bytes of one weight row of a part stored as the file stores it (kinds 3 to 6). */
+static inline size_t stored_row_bytes(const sf_part *mat) {
+    static const int types[] = {8, 12, 13, 14};
+    return row_bytes(types[mat->kind - 3], mat->K);
+}
+
+/* y[m, n] (+)= x[m] . W[n] for the rows of units [u0, u1) of a part stored as the file stores
+   it; y's rows are ldy apart. */
+static void stored_units(const sf_part *mat, const acts *a, int M, float *y, int ldy,
+                         int accumulate, int u0, int u1) {
+    const int K = mat->K, nb = K / QK, nsb = K / 256;
+    const size_t bytes = stored_row_bytes(mat);
+    for (int n = u0; n < u1; n++) {
+        const uint8_t *wr = (const uint8_t *)mat->w + (size_t)n * bytes;
+#define STORED_CALL(RR)                                                                        \
+    do {                                                                                       \
+        const int16_t *xq = a->q + (size_t)m * K;                                              \
+        const float *xd = a->d + m * nb, *xs = a->s + m * nb;                                  \
+        float *yo = y + (size_t)m * ldy + n;                                                   \
+        if (mat->kind == 3) q8b_rows(RR, wr, nb, xq, xd, K, yo, ldy, accumulate);              \
+        else if (mat->kind == 6) q6k_rows(RR, wr, nsb, xq, xd, K, yo, ldy, accumulate);        \
+        else qk_rows(RR, mat->kind == 5, wr, nsb, xq, xd, xs, K, yo, ldy, accumulate);         \
+    } while (0)
+        ROW_TILES(STORED_CALL);
+#undef STORED_CALL
+    }
+}
+
 /* y[m, n] (+)= x[m] . W[n] for the output rows of units [u0, u1); y's rows are ldy apart. */
-static void product_units(const sf_matrix *mat, const acts *a, int M, float *y, int ldy,
+static void product_units(const sf_part *mat, const acts *a, int M, float *y, int ldy,
                           int accumulate, int u0, int u1) {
     const int K = mat->K, N = mat->N, nb = K / QK;
-    if (mat->kind == 0) {
+    if (mat->kind >= 3) {
+        stored_units(mat, a, M, y, ldy, accumulate, u0, u1);
+    } else if (mat->kind == 0) {
         const uint8_t *w = (const uint8_t *)mat->w;
         for (int g = u0; g < u1; g++) {
             const uint8_t *wg = w + (size_t)g * nb * TILE_BYTES;
@@ -397,18 +807,35 @@ static void product_units(const sf_matrix *mat, const acts *a, int M, float *y, 
     }
 }
 
-/* This thread's share of a product (inside a parallel region). */
+/* This thread's share of a product (inside a parallel region): each part's rows split between
+   the threads, its outputs in its own columns of y (no barrier between the parts). */
 static void product(const sf_matrix *mat, const acts *a, int M, float *y, int ldy,
                     int accumulate) {
-    int u0, u1;
-    share(units(mat), omp_get_num_threads(), omp_get_thread_num(), &u0, &u1);
-    product_units(mat, a, M, y, ldy, accumulate, u0, u1);
+    int column = 0;
+    for (int p = 0; p < mat->parts; p++) {
+        const sf_part *part = &mat->part[p];
+        int u0, u1;
+        share(units(part), omp_get_num_threads(), omp_get_thread_num(), &u0, &u1);
+        product_units(part, a, M, y + column, ldy, accumulate, u0, u1);
+        column += part->N;
+    }
+}
+
+static int part_ok(const sf_part *mat) {
+    if (mat->kind < 0 || mat->kind > 6 || mat->K <= 0 || mat->N <= 0) return 0;
+    if (quantized_part(mat) && mat->K % QK) return 0;
+    if (mat->kind >= 4 && mat->K % QK_K) return 0;
+    return 1;
 }
 
 static int matrix_ok(const sf_matrix *mat) {
-    if (mat->kind < 0 || mat->kind > 2 || mat->K <= 0 || mat->N <= 0) return 0;
-    if (quantized(mat) && mat->K % QK) return 0;
-    return 1;
+    if (mat->parts < 1 || mat->parts > MAX_PARTS || mat->K <= 0) return 0;
+    int rows = 0;
+    for (int p = 0; p < mat->parts; p++) {
+        if (!part_ok(&mat->part[p]) || mat->part[p].K != mat->K) return 0;
+        rows += mat->part[p].N;
+    }
+    return rows == mat->N;
 }
 
 /* y[M, N] = x[M, K] @ W^T, one product in a parallel region of its own. */
@@ -491,16 +918,11 @@ int sf_untile_q4(const uint8_t *tiles, int N, int K, uint8_t *blocks) {
 /* ---------------------------------------------------------------------------------------- */
 /* the step                                                                                 */
 
-/* One row of the embedding table, float32 (int8 rows: q * scale, the scale of each block). */
+/* One row of the embedding table, float32 (as the file means it, from its own blocks). */
 static void embed_row(const sf_model *md, int64_t token, float *out) {
     const int H = md->hidden;
-    if (md->embed_kind == 0) {
-        memcpy(out, (const float *)md->embed + (size_t)token * H, sizeof(float) * H);
-        return;
-    }
-    const int8_t *q = (const int8_t *)md->embed + (size_t)token * H;
-    const float *sc = md->embed_scales + (size_t)token * (H / QK);
-    for (int k = 0; k < H; k++) out[k] = (float)q[k] * sc[k / QK];
+    const size_t bytes = row_bytes(md->embed_type, H);
+    dequantize_row(md->embed_type, (const uint8_t *)md->embed + (size_t)token * bytes, H, out);
 }
 
 static inline __m256 load8(const void *base, size_t index, int half) {
@@ -512,7 +934,7 @@ static inline __m256 load8(const void *base, size_t index, int half) {
    values (head_dim hd, a multiple of 8, at most MAX_HEAD_DIM): softmax of the scaled dot
    products, then the weighted sum of the values, each in a fixed order. */
 static void attend(const float *q, const void *keys, const void *values, int half, int length,
-                   int hd, float scale, float *scores, float *out) {
+                   int hd, float scale, float softcap, float *scores, float *out) {
     const int nv = hd / 8;
     __m256 qv[MAX_HEAD_DIM / 8];
     for (int i = 0; i < nv; i++) qv[i] = _mm256_loadu_ps(q + 8 * i);
@@ -521,7 +943,8 @@ static void attend(const float *q, const void *keys, const void *values, int hal
         __m256 acc = _mm256_setzero_ps();
         for (int i = 0; i < nv; i++)
             acc = _mm256_fmadd_ps(qv[i], load8(keys, (size_t)t * hd + 8 * i, half), acc);
-        const float s = hsum(acc) * scale;
+        float s = hsum(acc) * scale;
+        if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
         scores[t] = s;
         best = s > best ? s : best;
     }
@@ -576,26 +999,180 @@ static void write_kv(const sf_kv *kv, int l, size_t slot_stride, int64_t slot, i
     }
 }
 
+/* What every thread of one sf_forward call shares: the model, the rows, and the buffers. */
+typedef struct {
+    const sf_model *md;
+    const sf_kv *kv;
+    int M, width, attended;
+    const int64_t *positions, *slots;
+    float *hidden, *xf, *qkv, *gu, *out, *scores;
+    int16_t *xq;
+    float *xd, *xs;
+    int longest;
+    size_t slot_stride;
+} step_state;
+
+/* rows [m0, m1) of y [M, N] += bias */
+static void add_bias(float *y, int N, const float *bias, int m0, int m1) {
+    for (int m = m0; m < m1; m++) {
+        float *row = y + (size_t)m * N;
+        for (int n = 0; n < N; n++) row[n] += bias[n];
+    }
+}
+
+/* A half of a layer closed into the residual stream: hidden += x @ W^T (+ bias), normed
+   first where the layer norms it (Gemma's norms after each half).  With a bias or a norm the
+   product goes to st->out first, so that the sum is formed as the per-operator layers form it
+   (hidden + norm(product + bias)); without either it accumulates into hidden directly. */
+static void close_half(const step_state *st, const sf_matrix *mat, const acts *a,
+                       const float *bias, const float *norm, int m0, int m1) {
+    const int H = st->md->hidden;
+    if (!bias && !norm) {
+        product(mat, a, st->M, st->hidden, H, 1);
+        return;
+    }
+    product(mat, a, st->M, st->out, H, 0);
+#pragma omp barrier
+    for (int m = m0; m < m1; m++) {
+        float *y = st->out + (size_t)m * H, *h = st->hidden + (size_t)m * H;
+        if (bias)
+            for (int n = 0; n < H; n++) y[n] += bias[n];
+        if (norm) rmsnorm_row(y, H, norm, st->md->eps, y);
+        for (int n = 0; n < H; n++) h[n] += y[n];
+    }
+}
+
+/* Queries and keys of one row: q/k norms where the layer has them, then the rotary turn of
+   the first rope_dims of each head; each key head, and its value, into the row's slot. */
+static void turn_heads(const step_state *st, const sf_layer *L, int l, int nt, int me) {
+    const sf_model *md = st->md;
+    const int hd = md->head_dim, heads = md->heads, kvh = md->kv_heads;
+    int i0, i1;
+    share(st->M * (heads + kvh), nt, me, &i0, &i1);
+    for (int i = i0; i < i1; i++) {
+        const int m = i / (heads + kvh), h = i % (heads + kvh);
+        const int rd = L->rope_dims, rh = rd / 2;
+        const float *c = L->cos + (size_t)st->positions[m] * rd;
+        const float *sn = L->sin + (size_t)st->positions[m] * rd;
+        float *v = st->qkv + (size_t)m * st->width + (size_t)h * hd;
+        const float *norm = h < heads ? L->q_norm : L->k_norm;
+        if (norm) rmsnorm_row(v, hd, norm, md->eps, v);
+        float t[MAX_HEAD_DIM];
+        memcpy(t, v, sizeof(float) * rd);
+        for (int j = 0; j < rd; j++) v[j] = t[j] * c[j] + t[(j + rh) % rd] * sn[j];
+        if (h < heads) continue;
+        /* a key head, turned: it and its value into the slot */
+        write_kv(st->kv, l, st->slot_stride, st->slots[m], st->positions[m], h - heads, hd,
+                 st->qkv + (size_t)m * st->width, heads, kvh);
+    }
+}
+
+/* Attention of each (row, query head), by one thread each, over the keys of its slot from
+   the start of its window (the layer's, when it slides) to its own position. */
+static void attend_heads(const step_state *st, const sf_layer *L, int l, int nt, int me) {
+    const sf_model *md = st->md;
+    const sf_kv *kv = st->kv;
+    const int hd = md->head_dim, heads = md->heads, groups = heads / md->kv_heads;
+    float *scores = st->scores + (size_t)me * (st->longest + 8);
+    int i0, i1;
+    share(st->M * heads, nt, me, &i0, &i1);
+    for (int i = i0; i < i1; i++) {
+        const int m = i / heads, h = i % heads, g = h / groups;
+        const int length = (int)st->positions[m] + 1;
+        const int start = L->window > 0 && length > L->window ? length - L->window : 0;
+        const size_t base = (size_t)st->slots[m] * st->slot_stride +
+                            ((size_t)g * kv->capacity + start) * hd;
+        const void *keys = kv->half ? (const void *)((const uint16_t *)kv->keys[l] + base)
+                                    : (const void *)((const float *)kv->keys[l] + base);
+        const void *values = kv->half ? (const void *)((const uint16_t *)kv->values[l] + base)
+                                      : (const void *)((const float *)kv->values[l] + base);
+        attend(st->qkv + (size_t)m * st->width + (size_t)h * hd, keys, values, kv->half,
+               length - start, hd, md->attention_scale, md->attn_softcap, scores,
+               st->xf + (size_t)m * st->attended + (size_t)h * hd);
+    }
+}
+
+/* The attention half of layer l: its norm, the query/key/value product, the turn, attention,
+   the output product closed into the residual stream. */
+static void attention_half(const step_state *st, const sf_layer *L, int l, int nt, int me,
+                           int m0, int m1) {
+    const sf_model *md = st->md;
+    const int H = md->hidden;
+    acts in_h = {st->xf, st->xq, st->xd, st->xs, H};
+    acts in_a = {st->xf, st->xq, st->xd, st->xs, st->attended};
+    for (int m = m0; m < m1; m++)
+        rmsnorm_row(st->hidden + (size_t)m * H, H, L->input_norm, md->eps, st->xf + (size_t)m * H);
+    if (quantized(&L->qkv)) quantize_rows(&in_h, m0, m1);
+#pragma omp barrier
+    product(&L->qkv, &in_h, st->M, st->qkv, st->width, 0);
+#pragma omp barrier
+    if (L->qkv_bias) {
+        add_bias(st->qkv, st->width, L->qkv_bias, m0, m1);
+#pragma omp barrier
+    }
+    turn_heads(st, L, l, nt, me);
+#pragma omp barrier
+    attend_heads(st, L, l, nt, me);
+#pragma omp barrier
+    if (quantized(&L->o)) {
+        quantize_rows(&in_a, m0, m1);
+#pragma omp barrier
+    }
+    close_half(st, &L->o, &in_a, L->o_bias, L->attn_post_norm, m0, m1);
+#pragma omp barrier
+}
+
+/* The MLP half of layer l: its norm, the gate/up product, the SiLU gate, the down product
+   closed into the residual stream. */
+static void mlp_half(const step_state *st, const sf_layer *L, int m0, int m1) {
+    const sf_model *md = st->md;
+    const int H = md->hidden, I = md->intermediate;
+    acts in_h = {st->xf, st->xq, st->xd, st->xs, H};
+    acts in_i = {st->xf, st->xq, st->xd, st->xs, I};
+    for (int m = m0; m < m1; m++)
+        rmsnorm_row(st->hidden + (size_t)m * H, H, L->post_norm, md->eps, st->xf + (size_t)m * H);
+    if (quantized(&L->gate_up)) quantize_rows(&in_h, m0, m1);
+#pragma omp barrier
+    product(&L->gate_up, &in_h, st->M, st->gu, 2 * I, 0);
+#pragma omp barrier
+    if (L->gate_up_bias) add_bias(st->gu, 2 * I, L->gate_up_bias, m0, m1);
+    for (int m = m0; m < m1; m++) {
+        const float *gate = st->gu + (size_t)m * 2 * I;
+        gated_row(gate, gate + I, I, md->activation == 1, st->xf + (size_t)m * I);
+    }
+    if (quantized(&L->down)) quantize_rows(&in_i, m0, m1);
+#pragma omp barrier
+    close_half(st, &L->down, &in_i, L->down_bias, L->mlp_post_norm, m0, m1);
+#pragma omp barrier
+}
+
+/* Whether layer L fits the model: its products' shapes, its rope, its window. */
+static int layer_ok(const sf_model *md, const sf_layer *L) {
+    const int H = md->hidden, hd = md->head_dim, I = md->intermediate;
+    const int width = (md->heads + 2 * md->kv_heads) * hd;
+    return matrix_ok(&L->qkv) && matrix_ok(&L->o) && matrix_ok(&L->gate_up) &&
+           matrix_ok(&L->down) && L->qkv.N == width && L->o.N == H && L->gate_up.N == 2 * I &&
+           L->down.N == H && L->rope_dims % 2 == 0 && L->rope_dims > 0 && L->rope_dims <= hd &&
+           L->window >= 0;
+}
+
 /* Rows [0, M) at positions[m] of slots[m]: layers [first, end) over hidden (in place; when
    tokens is not NULL the rows are first the tokens' embeddings).  Each row's key and value are
    written at its position of its slot, then each row attends to positions [0, position] of its
-   slot: rows of one prompt chunk see each other causally, and a decode row sees its lane. */
+   slot (the last `window` of them in a sliding-window layer): rows of one prompt chunk see each
+   other causally, and a decode row sees its lane. */
 int sf_forward(const sf_model *md, const sf_kv *kv, int M, const int64_t *tokens,
                const int64_t *positions, const int64_t *slots, float *hidden, int first, int end,
                int threads) {
     const int H = md->hidden, hd = md->head_dim, heads = md->heads, kvh = md->kv_heads;
-    const int I = md->intermediate, groups = heads / kvh, half = hd / 2;
+    const int I = md->intermediate;
     const int width = (heads + 2 * kvh) * hd, attended = heads * hd;
     if (M <= 0) return 0;
     if (hd % 8 || hd > MAX_HEAD_DIM || heads % kvh || H % QK || attended % QK || I % QK)
         return 1;
-    for (int l = first; l < end; l++) {
-        const sf_layer *L = &md->layer[l];
-        if (!matrix_ok(&L->qkv) || !matrix_ok(&L->o) || !matrix_ok(&L->gate_up) ||
-            !matrix_ok(&L->down) || L->qkv.N != width || L->o.N != H ||
-            L->gate_up.N != 2 * I || L->down.N != H)
-            return 1;
-    }
+    for (int l = first; l < end; l++)
+        if (!layer_ok(md, &md->layer[l])) return 1;
+    if (tokens && row_bytes(md->embed_type, H) == 0) return 1;
     int longest = 0;
     for (int m = 0; m < M; m++) {
         if (positions[m] < 0 || positions[m] >= kv->capacity) return 4;
@@ -603,110 +1180,42 @@ int sf_forward(const sf_model *md, const sf_kv *kv, int M, const int64_t *tokens
     }
     const int widest = I > H ? (I > attended ? I : attended) : (H > attended ? H : attended);
     const size_t rows = (size_t)M;
-    float *xf = (float *)malloc(sizeof(float) * rows * widest);
-    int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * (rows * widest + 16));
-    float *xd = (float *)malloc(sizeof(float) * (rows * (widest / QK) + 1));
-    float *xs = (float *)malloc(sizeof(float) * (rows * (widest / QK) + 1));
-    float *qkv = (float *)malloc(sizeof(float) * rows * width);
-    float *gu = (float *)malloc(sizeof(float) * rows * 2 * I);
-    float *scores = (float *)malloc(sizeof(float) * ((size_t)threads * (longest + 8) + 8));
-    int status = (!xf || !xq || !xd || !xs || !qkv || !gu || !scores) ? 2 : 0;
+    step_state st = {md, kv, M, width, attended, positions, slots, hidden, NULL, NULL, NULL,
+                     NULL, NULL, NULL, NULL, NULL, longest, (size_t)kvh * kv->capacity * hd};
+    st.xf = (float *)malloc(sizeof(float) * rows * widest);
+    st.xq = (int16_t *)malloc(sizeof(int16_t) * (rows * widest + 16));
+    st.xd = (float *)malloc(sizeof(float) * (rows * (widest / QK) + 1));
+    st.xs = (float *)malloc(sizeof(float) * (rows * (widest / QK) + 1));
+    st.qkv = (float *)malloc(sizeof(float) * rows * width);
+    st.gu = (float *)malloc(sizeof(float) * rows * 2 * I);
+    st.out = (float *)malloc(sizeof(float) * rows * H);
+    st.scores = (float *)malloc(sizeof(float) * ((size_t)threads * (longest + 8) + 8));
+    int status =
+        (!st.xf || !st.xq || !st.xd || !st.xs || !st.qkv || !st.gu || !st.out || !st.scores)
+            ? 2 : 0;
     if (!status && tokens)
         for (int m = 0; m < M; m++) {
             if (tokens[m] < 0 || tokens[m] >= md->vocab) { status = 5; break; }
-            embed_row(md, tokens[m], hidden + (size_t)m * H);
+            float *row = hidden + (size_t)m * H;
+            embed_row(md, tokens[m], row);
+            if (md->embed_scale != 0.0f)
+                for (int k = 0; k < H; k++) row[k] *= md->embed_scale;
         }
-    if (status) {
-        free(xf); free(xq); free(xd); free(xs); free(qkv); free(gu); free(scores);
-        return status;
-    }
-    const size_t slot_stride = (size_t)kvh * kv->capacity * hd;
+    if (!status) {
 #pragma omp parallel num_threads(threads)
-    {
-        const int nt = omp_get_num_threads(), me = omp_get_thread_num();
-        int m0, m1;
-        share(M, nt, me, &m0, &m1);
-        float *my_scores = scores + (size_t)me * (longest + 8);
-        acts in_h = {xf, xq, xd, xs, H};
-        acts in_a = {xf, xq, xd, xs, attended};
-        acts in_i = {xf, xq, xd, xs, I};
-        for (int l = first; l < end; l++) {
-            const sf_layer *L = &md->layer[l];
-            /* input norm, quantized for the product */
-            for (int m = m0; m < m1; m++)
-                rmsnorm_row(hidden + (size_t)m * H, H, L->input_norm, md->eps, xf + (size_t)m * H);
-            if (quantized(&L->qkv)) quantize_rows(&in_h, m0, m1);
-#pragma omp barrier
-            product(&L->qkv, &in_h, M, qkv, width, 0);
-#pragma omp barrier
-            /* rotary embedding of queries and keys; keys and values into the slots */
-            {
-                int i0, i1;
-                share(M * (heads + kvh), nt, me, &i0, &i1);
-                for (int i = i0; i < i1; i++) {
-                    const int m = i / (heads + kvh), h = i % (heads + kvh);
-                    const float *c = md->cos + (size_t)positions[m] * hd;
-                    const float *sn = md->sin + (size_t)positions[m] * hd;
-                    float *v = qkv + (size_t)m * width + (size_t)h * hd;
-                    float t[MAX_HEAD_DIM];
-                    memcpy(t, v, sizeof(float) * hd);
-                    for (int j = 0; j < hd; j++) v[j] = t[j] * c[j] + t[(j + half) % hd] * sn[j];
-                    if (h < heads) continue;
-                    /* a key head, turned: it and its value into the slot */
-                    write_kv(kv, l, slot_stride, slots[m], positions[m], h - heads, hd,
-                             qkv + (size_t)m * width, heads, kvh);
-                }
+        {
+            const int nt = omp_get_num_threads(), me = omp_get_thread_num();
+            int m0, m1;
+            share(M, nt, me, &m0, &m1);
+            for (int l = first; l < end; l++) {
+                attention_half(&st, &md->layer[l], l, nt, me, m0, m1);
+                mlp_half(&st, &md->layer[l], m0, m1);
             }
-#pragma omp barrier
-            /* attention: each (row, query head) by one thread */
-            {
-                int i0, i1;
-                share(M * heads, nt, me, &i0, &i1);
-                for (int i = i0; i < i1; i++) {
-                    const int m = i / heads, h = i % heads, g = h / groups;
-                    const size_t base = (size_t)slots[m] * slot_stride + (size_t)g * kv->capacity * hd;
-                    const void *keys = kv->half ? (const void *)((const uint16_t *)kv->keys[l] + base)
-                                                : (const void *)((const float *)kv->keys[l] + base);
-                    const void *values = kv->half ? (const void *)((const uint16_t *)kv->values[l] + base)
-                                                  : (const void *)((const float *)kv->values[l] + base);
-                    attend(qkv + (size_t)m * width + (size_t)h * hd, keys, values, kv->half,
-                           (int)positions[m] + 1, hd, md->attention_scale, my_scores,
-                           xf + (size_t)m * attended + (size_t)h * hd);
-                }
-            }
-#pragma omp barrier
-            if (quantized(&L->o)) {
-                quantize_rows(&in_a, m0, m1);
-#pragma omp barrier
-            }
-            product(&L->o, &in_a, M, hidden, H, 1);
-#pragma omp barrier
-            for (int m = m0; m < m1; m++)
-                rmsnorm_row(hidden + (size_t)m * H, H, L->post_norm, md->eps, xf + (size_t)m * H);
-            if (quantized(&L->gate_up)) quantize_rows(&in_h, m0, m1);
-#pragma omp barrier
-            product(&L->gate_up, &in_h, M, gu, 2 * I, 0);
-#pragma omp barrier
-            for (int m = m0; m < m1; m++) {
-                const float *gate = gu + (size_t)m * 2 * I, *up = gate + I;
-                float *o = xf + (size_t)m * I;
-                int i = 0;
-                for (; i + 8 <= I; i += 8) {
-                    const __m256 a = _mm256_loadu_ps(gate + i);
-                    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), a));
-                    const __m256 silu = _mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-                    _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
-                }
-                for (; i < I; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-            }
-            if (quantized(&L->down)) quantize_rows(&in_i, m0, m1);
-#pragma omp barrier
-            product(&L->down, &in_i, M, hidden, H, 1);
-#pragma omp barrier
         }
     }
-    free(xf); free(xq); free(xd); free(xs); free(qkv); free(gu); free(scores);
-    return 0;
+    free(st.xf); free(st.xq); free(st.xd); free(st.xs); free(st.qkv); free(st.gu);
+    free(st.out); free(st.scores);
+    return status;
 }
 
 /* The best `count` of logits[0, vocab) (larger first; of equal ones, the lower index), into
@@ -747,6 +1256,41 @@ static inline int allowed(const int32_t *mask, int t) {
     return (int)(((uint32_t)mask[t >> 5] >> (t & 31)) & 1u);
 }
 
+/* The best `refined` logits of one row (the final norm's output x) computed again from the
+   head's float rows (read from their own blocks into `w`, H floats), forbidden ones -inf;
+   `best` holds `refined` indices. */
+static void refine_row(const sf_model *md, const float *x, float *row, const int32_t *mask,
+                       int refined, int32_t *best, float *w) {
+    const int H = md->hidden;
+    const size_t bytes = row_bytes(md->refine_type, H);
+    top_indices(row, md->vocab, refined, best);
+    for (int j = 0; j < refined; j++) {
+        const int t = best[j];
+        const uint8_t *stored = (const uint8_t *)md->refine + (size_t)t * bytes;
+        __m256 acc = _mm256_setzero_ps();
+        if (md->refine_type == 8) {
+            /* Q8_0 (a tied Q8_0 embedding): each weight d * q formed on the way, as
+               dequantize_row forms it */
+            for (int k = 0; k < H; k += 8) {
+                const uint8_t *blk = stored + (size_t)(k / QK) * 34;
+                const __m256i q = _mm256_cvtepi8_epi32(
+                    _mm_loadl_epi64((const __m128i *)(blk + 2 + k % QK)));
+                const __m256 wv = _mm256_mul_ps(_mm256_set1_ps(half_at(blk)), _mm256_cvtepi32_ps(q));
+                acc = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + k), acc);
+            }
+        } else {
+            const float *wr = (const float *)stored;
+            if (md->refine_type != 0) {
+                dequantize_row(md->refine_type, stored, H, w);
+                wr = w;
+            }
+            for (int k = 0; k < H; k += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(wr + k), _mm256_loadu_ps(x + k), acc);
+        }
+        row[t] = (mask && !allowed(mask, t)) ? -INFINITY : hsum(acc);
+    }
+}
+
 /* Logits [M, vocab] of hidden rows [M, hidden] (after the last layer): the final norm, the
    head's product, then (when the model has refine rows) the best `refined` logits of each row
    computed again in float32 from the head's float rows.  With masks (mask_words int32 words a
@@ -764,8 +1308,10 @@ int sf_logits(const sf_model *md, int M, const float *hidden, const int32_t *mas
     float *xd = (float *)malloc(sizeof(float) * ((size_t)M * (H / QK) + 1));
     float *xs = (float *)malloc(sizeof(float) * ((size_t)M * (H / QK) + 1));
     int32_t *best = (int32_t *)malloc(sizeof(int32_t) * ((size_t)M * (refined > 0 ? refined : 1)));
-    if (!xf || !xq || !xd || !xs || !best) {
-        free(xf); free(xq); free(xd); free(xs); free(best);
+    float *rows_read = (float *)malloc(sizeof(float) * (size_t)threads * H);
+    if (md->refine_type >= 0 && row_bytes(md->refine_type, H) == 0) refined = 0;
+    if (!xf || !xq || !xd || !xs || !best || !rows_read) {
+        free(xf); free(xq); free(xd); free(xs); free(best); free(rows_read);
         return 2;
     }
     acts a = {xf, xq, xd, xs, H};
@@ -786,134 +1332,18 @@ int sf_logits(const sf_model *md, int M, const float *hidden, const int32_t *mas
             if (mask)
                 for (int t = 0; t < V; t++)
                     if (!allowed(mask, t)) row[t] = -INFINITY;
-            if (md->refine_kind < 0 || refined <= 0) continue;
-            int32_t *b = best + (size_t)m * refined;
-            top_indices(row, V, refined, b);
-            const float *x = xf + (size_t)m * H;
-            for (int j = 0; j < refined; j++) {
-                const int t = b[j];
-                __m256 acc = _mm256_setzero_ps();
-                if (md->refine_kind == 0) {
-                    const float *w = (const float *)md->refine + (size_t)t * H;
-                    for (int k = 0; k < H; k += 8)
-                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), acc);
-                } else {
-                    const int8_t *w = (const int8_t *)md->refine + (size_t)t * H;
-                    const float *sc = md->refine_scales + (size_t)t * (H / QK);
-                    for (int k = 0; k < H; k += 8) {
-                        const __m256 wv = _mm256_mul_ps(
-                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + k)))),
-                            _mm256_set1_ps(sc[k / QK]));
-                        acc = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + k), acc);
-                    }
-                }
-                row[t] = (mask && !allowed(mask, t)) ? -INFINITY : hsum(acc);
+            if (md->refine_type >= 0 && refined > 0)
+                refine_row(md, xf + (size_t)m * H, row, mask, refined, best + (size_t)m * refined,
+                           rows_read + (size_t)me * H);
+            if (md->final_softcap > 0.0f) {
+                /* after the refinement, as the per-operator head caps them; masked ones stay
+                   -inf */
+                const float cap = md->final_softcap;
+                for (int t = 0; t < V; t++)
+                    if (row[t] != -INFINITY) row[t] = cap * tanhf(row[t] / cap);
             }
         }
     }
-    free(xf); free(xq); free(xd); free(xs); free(best);
-    return 0;
-}
-
-/* ---------------------------------------------------------------------------------------- */
-/* GGUF K-quant blocks, dequantized a super-block at a time                                 */
-/* (sfnode/engines/kernels/blocks.py holds the layouts; the results are bit for bit ggml's   */
-/* reference: the same float products and differences in the same order, never fused into   */
-/* one rounding, hence fp-contract off for these functions)                                 */
-
-#define QK_K 256
-#if defined(__clang__)
-#define SF_EXACT
-#define SF_EXACT_BODY _Pragma("clang fp contract(off)")
-#else
-#define SF_EXACT __attribute__((optimize("fp-contract=off")))
-#define SF_EXACT_BODY
-#endif
-
-static inline float half_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
-/* Scale j and min j (0..7) of a Q4_K/Q5_K super-block's 12 packed bytes. */
-static inline void k_scale_min(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
-    if (j < 4) {
-        *sc = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-}
-
-/* Q4_K (144 bytes): d, dmin, 12 bytes of scales and mins, 128 bytes of nibbles. */
-SF_EXACT static inline void dequantize_q4_k(const uint8_t *b, float *y) {
-    SF_EXACT_BODY
-    const float d = half_at(b), dmin = half_at(b + 2);
-    const uint8_t *scales = b + 4, *q = b + 16;
-    for (int j = 0; j < 8; j += 2, q += 32) {
-        uint8_t sc, m;
-        k_scale_min(j, scales, &sc, &m);
-        const float d1 = d * (float)sc, m1 = dmin * (float)m;
-        k_scale_min(j + 1, scales, &sc, &m);
-        const float d2 = d * (float)sc, m2 = dmin * (float)m;
-        for (int l = 0; l < 32; l++) *y++ = d1 * (float)(q[l] & 0xF) - m1;
-        for (int l = 0; l < 32; l++) *y++ = d2 * (float)(q[l] >> 4) - m2;
-    }
-}
-
-/* Q5_K (176 bytes): as Q4_K with 32 bytes of fifth bits before the nibbles. */
-SF_EXACT static inline void dequantize_q5_k(const uint8_t *b, float *y) {
-    SF_EXACT_BODY
-    const float d = half_at(b), dmin = half_at(b + 2);
-    const uint8_t *scales = b + 4, *qh = b + 16, *ql = b + 48;
-    uint8_t u1 = 1, u2 = 2;
-    for (int j = 0; j < 8; j += 2, ql += 32, u1 <<= 2, u2 <<= 2) {
-        uint8_t sc, m;
-        k_scale_min(j, scales, &sc, &m);
-        const float d1 = d * (float)sc, m1 = dmin * (float)m;
-        k_scale_min(j + 1, scales, &sc, &m);
-        const float d2 = d * (float)sc, m2 = dmin * (float)m;
-        for (int l = 0; l < 32; l++)
-            *y++ = d1 * (float)((ql[l] & 0xF) + (qh[l] & u1 ? 16 : 0)) - m1;
-        for (int l = 0; l < 32; l++)
-            *y++ = d2 * (float)((ql[l] >> 4) + (qh[l] & u2 ? 16 : 0)) - m2;
-    }
-}
-
-/* Q6_K (210 bytes): 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d. */
-SF_EXACT static inline void dequantize_q6_k(const uint8_t *b, float *y) {
-    SF_EXACT_BODY
-    const uint8_t *ql = b, *qh = b + 128;
-    const int8_t *sc = (const int8_t *)(b + 192);
-    const float d = half_at(b + 208);
-    for (int n = 0; n < QK_K; n += 128, ql += 64, qh += 32, sc += 8, y += 128) {
-        for (int l = 0; l < 32; l++) {
-            const int is = l / 16;
-            const int q1 = (int)((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
-            const int q2 = (int)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
-            const int q3 = (int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-            const int q4 = (int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-            y[l] = (d * (float)sc[is + 0]) * (float)q1;
-            y[l + 32] = (d * (float)sc[is + 2]) * (float)q2;
-            y[l + 64] = (d * (float)sc[is + 4]) * (float)q3;
-            y[l + 96] = (d * (float)sc[is + 6]) * (float)q4;
-        }
-    }
-}
-
-/* The float32 weights of `blocks` super-blocks of ggml type `kind` (12 Q4_K, 13 Q5_K,
-   14 Q6_K) at `data`, QK_K a block, into `out`; 1 for a kind it does not know. */
-int sf_dequantize(int kind, const uint8_t *data, int64_t blocks, float *out) {
-    void (*one)(const uint8_t *, float *);
-    size_t size;
-    switch (kind) {
-    case 12: one = dequantize_q4_k; size = 144; break;
-    case 13: one = dequantize_q5_k; size = 176; break;
-    case 14: one = dequantize_q6_k; size = 210; break;
-    default: return 1;
-    }
-    for (int64_t i = 0; i < blocks; i++) one(data + (size_t)i * size, out + (size_t)i * QK_K);
+    free(xf); free(xq); free(xd); free(xs); free(best); free(rows_read);
     return 0;
 }

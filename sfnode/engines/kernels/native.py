@@ -52,7 +52,7 @@ from sfnode.engines.kernels.native_build import (
     shipped_name,
     source,
 )
-from sfnode.engines.kernels.quant import Precision
+from sfnode.engines.kernels.quant import JoinedLinear, Precision
 
 log = Logger(namespace="sfnode.engines.kernels.native")
 
@@ -303,7 +303,7 @@ def _linear(function: Any, matrix: _Matrix, x: torch.Tensor, out_features: int) 
     return out
 
 
-class _Matrix(ctypes.Structure):
+class _Part(ctypes.Structure):
     _fields_ = [
         ("kind", ctypes.c_int32),
         ("K", ctypes.c_int32),
@@ -311,6 +311,27 @@ class _Matrix(ctypes.Structure):
         ("w", ctypes.c_void_p),
         ("scales", ctypes.c_void_p),
     ]
+
+
+MAX_PARTS = 3
+
+
+class _Matrix(ctypes.Structure):
+    """The C view of a matrix: one or more parts stacked along the rows (``sf_matrix``)."""
+
+    _fields_ = [
+        ("parts", ctypes.c_int32),
+        ("K", ctypes.c_int32),
+        ("N", ctypes.c_int32),
+        ("part", _Part * MAX_PARTS),
+    ]
+
+
+def _matrix(*parts: _Part) -> _Matrix:
+    """A matrix of ``parts`` (same inputs, their rows one after the other)."""
+    if not 1 <= len(parts) <= MAX_PARTS:
+        raise ValueError(f"a matrix of {len(parts)} parts")
+    return _Matrix(len(parts), parts[0].K, sum(p.N for p in parts), (_Part * MAX_PARTS)(*parts))
 
 
 class Q4Linear:
@@ -353,7 +374,7 @@ class Q4Linear:
                 raise ValueError(f"tiles of shape {tuple(tiles.shape)} for {out_features} rows")
             self.out_features = out_features
         self.tiles = tiles.contiguous()
-        self.matrix = _Matrix(0, in_features, self.out_features, self.tiles.data_ptr(), None)
+        self.matrix = _matrix(_Part(0, in_features, self.out_features, self.tiles.data_ptr()))
         self._function = library.handle.sf_linear
 
     @property
@@ -394,8 +415,14 @@ class Q8Linear:
         if self.in_features % BLOCK:
             raise ValueError(f"the q8 kernel needs in_features divisible by {BLOCK}")
         self.library = library
-        self.matrix = _Matrix(
-            1, self.in_features, self.out_features, self.weight.data_ptr(), self.scales.data_ptr()
+        self.matrix = _matrix(
+            _Part(
+                1,
+                self.in_features,
+                self.out_features,
+                self.weight.data_ptr(),
+                self.scales.data_ptr(),
+            )
         )
         self._function = library.handle.sf_linear
 
@@ -419,7 +446,7 @@ class F32Linear:
         self.weight = weight.to(torch.float32).contiguous()
         self.out_features, self.in_features = self.weight.shape
         self.library = library
-        self.matrix = _Matrix(2, self.in_features, self.out_features, self.weight.data_ptr(), None)
+        self.matrix = _matrix(_Part(2, self.in_features, self.out_features, self.weight.data_ptr()))
         self._function = library.handle.sf_linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -429,7 +456,69 @@ class F32Linear:
         return {"weight": self.weight}
 
 
-NativeLinear = Q4Linear | Q8Linear | F32Linear
+STORED_KINDS = {"Q8_0": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+"""The formats the kernels multiply as the file stores them, by their number in ``sf_part``."""
+
+
+class BlockLinear:
+    """A matrix multiplied as the file stores it (Q8_0, Q4_K, Q5_K or Q6_K rows of blocks,
+    docs/engine.md section 5.4): the kernel reads each block of 32 weights (a Q8_0 block, a
+    K-quant sub-block) against the int16 activations of the same inputs, in integers, and
+    scales it in float; nothing is inflated or copied (``data`` is the file's map)."""
+
+    activations = torch.float32
+    as_stored = True
+    """Read from the file at every start: never kept with the packed weights."""
+
+    def __init__(
+        self, kind: str, data: np.ndarray[Any, Any], in_features: int, library: Library
+    ) -> None:
+        from sfnode.engines.kernels.blocks import FORMATS
+
+        if kind not in STORED_KINDS:
+            raise ValueError(f"the native kernels do not multiply {kind} as stored")
+        form = FORMATS[kind]
+        self.kind = self.label = kind
+        """The format, which the log names (``Q4_K x 12``)."""
+        self.precision = Precision.INT8 if kind in ("Q8_0", "Q6_K") else Precision.INT4
+        self.in_features = in_features
+        self.held = np.ascontiguousarray(data, dtype=np.uint8)
+        if self.held.shape != (self.held.shape[0], form.row_bytes(in_features)):
+            raise ValueError(f"{kind} rows of {self.held.shape[1]} bytes for {in_features} inputs")
+        self.out_features = int(self.held.shape[0])
+        self.library = library
+        self.matrix = _matrix(
+            _Part(STORED_KINDS[kind], in_features, self.out_features, self.held.ctypes.data)
+        )
+        self._function = library.handle.sf_linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(self._function, self.matrix, x, self.out_features)
+
+    def weight(self) -> torch.Tensor:
+        """The float32 weights the file means (a copy, for checks and tests)."""
+        from sfnode.engines.kernels.blocks import dequantize
+
+        return torch.from_numpy(dequantize(self.kind, self.held, self.in_features))
+
+    def state(self) -> dict[str, torch.Tensor]:
+        raise TypeError("a matrix multiplied as stored is read from its file, never kept")
+
+
+class NativeParts(JoinedLinear):
+    """A projection of parts held in different formats (a Q4_K query beside a Q6_K value)
+    multiplied in one call: the kernels write each part's outputs into its own columns."""
+
+    def __init__(self, parts: Sequence[Any], library: Library) -> None:
+        super().__init__(parts)
+        self.matrix = _matrix(*(part.matrix.part[0] for part in parts))
+        self._function = library.handle.sf_linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(self._function, self.matrix, x, self.out_features)
+
+
+NativeLinear = Q4Linear | Q8Linear | F32Linear | BlockLinear | NativeParts
 
 
 class _Layer(ctypes.Structure):
@@ -440,6 +529,18 @@ class _Layer(ctypes.Structure):
         ("o", _Matrix),
         ("gate_up", _Matrix),
         ("down", _Matrix),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+        ("rope_dims", ctypes.c_int32),
+        ("window", ctypes.c_int32),
+        ("qkv_bias", ctypes.c_void_p),
+        ("o_bias", ctypes.c_void_p),
+        ("gate_up_bias", ctypes.c_void_p),
+        ("down_bias", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
+        ("attn_post_norm", ctypes.c_void_p),
+        ("mlp_post_norm", ctypes.c_void_p),
     ]
 
 
@@ -455,16 +556,16 @@ class _Model(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("attention_scale", ctypes.c_float),
         ("layer", ctypes.c_void_p),
-        ("embed_kind", ctypes.c_int32),
+        ("embed_type", ctypes.c_int32),
         ("embed", ctypes.c_void_p),
-        ("embed_scales", ctypes.c_void_p),
         ("final_norm", ctypes.c_void_p),
         ("head", _Matrix),
-        ("refine_kind", ctypes.c_int32),
+        ("refine_type", ctypes.c_int32),
         ("refine", ctypes.c_void_p),
-        ("refine_scales", ctypes.c_void_p),
-        ("cos", ctypes.c_void_p),
-        ("sin", ctypes.c_void_p),
+        ("attn_softcap", ctypes.c_float),
+        ("final_softcap", ctypes.c_float),
+        ("embed_scale", ctypes.c_float),
+        ("activation", ctypes.c_int32),
     ]
 
 
@@ -478,12 +579,14 @@ class _KV(ctypes.Structure):
 
 
 MAX_HEAD_DIM = 256
+ACTIVATIONS = ("silu", "gelu_tanh")
+"""The gated MLP's activations the step computes, by the number ``sf_model`` holds."""
 
 
 def fusable(weights: Any) -> str | None:
-    """None when ``weights`` (a ``LlamaWeights``) can run through :class:`NativeStep`, else why
+    """None when ``weights`` (a ``ModelWeights``) can run through :class:`NativeStep`, else why
     not."""
-    from sfnode.engines.kernels.quant import Q8Rows
+    from sfnode.engines.kernels.quant import StoredRows
 
     if weights.activations != torch.float32:
         return f"activations are {str(weights.activations).removeprefix('torch.')}"
@@ -491,32 +594,33 @@ def fusable(weights: Any) -> str | None:
         return f"head_dim {weights.head_dim} is not supported"
     if weights.heads % weights.kv_heads:
         return "the query heads do not group evenly onto the key/value heads"
-    intermediate = weights.layers[0].gate_up.out_features // 2
+    intermediate = weights.intermediate
     if weights.hidden % BLOCK or intermediate % BLOCK or (weights.heads * weights.head_dim) % BLOCK:
         return f"a dimension is not a multiple of {BLOCK}"
     for layer in weights.layers:
         for projection in (layer.qkv, layer.o, layer.gate_up, layer.down):
             if not isinstance(projection.kernel, NativeLinear):
                 return f"a {projection.kernel.precision.value} matrix has no native kernel"
-            if projection.bias is not None or projection.dense is not None:
-                return "a projection has a bias or a dense copy"
+            if projection.dense is not None:
+                return "a projection has a dense copy"
     if not isinstance(weights.lm_head, NativeLinear):
         return "the output head has no native kernel"
-    if not isinstance(weights.embed, Q8Rows | torch.Tensor):
-        return "the embedding table is neither float32 nor int8 rows"
+    for table in (weights.embed, weights.lm_head_float):
+        if table is not None and not isinstance(table, StoredRows | torch.Tensor):
+            return f"a table of rows held as {type(table).__name__} has no native reader"
     return None
 
 
-def _rows_pointers(table: Any) -> tuple[int, int, int, list[torch.Tensor]]:
-    """(kind, rows, scales, tensors to keep) of an embedding table or the head's float rows:
-    kind 0 float32 rows, 1 int8 rows with float32 scales per block of 32."""
-    from sfnode.engines.kernels.quant import Q8Rows
+def _rows_pointers(table: Any) -> tuple[int, int, list[Any]]:
+    """(ggml type, rows, arrays to keep) of an embedding table or the head's float rows: the
+    file's own rows read a row at a time (their format's type), or float32 rows (type 0)."""
+    from sfnode.engines.kernels.quant import StoredRows
 
-    if isinstance(table, Q8Rows):
-        q, scales = table.q.contiguous(), table.scales.to(torch.float32).contiguous()
-        return 1, q.data_ptr(), scales.data_ptr(), [q, scales]
-    rows = table.to(torch.float32).contiguous()
-    return 0, rows.data_ptr(), 0, [rows]
+    if isinstance(table, StoredRows):
+        rows = np.ascontiguousarray(table.data, dtype=np.uint8)
+        return table.ggml_type, rows.ctypes.data, [rows]
+    floats = table.to(torch.float32).contiguous()
+    return 0, floats.data_ptr(), [floats]
 
 
 class NativeStep:
@@ -531,31 +635,45 @@ class NativeStep:
     """
 
     def __init__(
-        self, weights: Any, library: Library, cos: torch.Tensor, sin: torch.Tensor
+        self, weights: Any, library: Library, tables: Sequence[tuple[torch.Tensor, torch.Tensor]]
     ) -> None:
-        """``cos`` and ``sin`` are the rotary tables ``[window, head_dim]`` (``sin`` with
-        rotate_half's sign folded in), float32."""
+        """``tables`` are each layer's rotary tables ``(cos, sin)``, ``[window, rotated
+        dimensions]`` (``sin`` with rotate_half's sign folded in), float32; layers of one rope
+        share theirs."""
         reason = fusable(weights)
         if reason is not None:
             raise ValueError(reason)
         self._weights = weights
-        self._keep: list[torch.Tensor] = []
+        self._keep: list[Any] = []
         self._layers = (_Layer * len(weights.layers))()
         for index, layer in enumerate(weights.layers):
+            cos, sin = tables[index]
             self._layers[index] = _Layer(
-                self._float_pointer(layer.input_norm),
-                self._float_pointer(layer.post_norm),
+                self._float_pointer(layer.attn_norm),
+                self._float_pointer(layer.mlp_norm),
                 layer.qkv.kernel.matrix,
                 layer.o.kernel.matrix,
                 layer.gate_up.kernel.matrix,
                 layer.down.kernel.matrix,
+                self._float_pointer(cos),
+                self._float_pointer(sin),
+                int(cos.shape[1]),
+                weights.spec.sliding_window or 0 if weights.spec.is_sliding(index) else 0,
+                *(
+                    self._optional_pointer(projection.bias)
+                    for projection in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                ),
+                self._optional_pointer(layer.q_norm),
+                self._optional_pointer(layer.k_norm),
+                self._optional_pointer(layer.attn_post_norm),
+                self._optional_pointer(layer.mlp_post_norm),
             )
         self.hidden = int(weights.hidden)
         self.vocab = int(weights.vocab_size)
         self.refines = weights.lm_head_float is not None
         """Whether :meth:`logits` computes each row's best logits again from float rows."""
-        self._model = self._model_struct(weights, cos, sin)
-        self.window = int(cos.shape[0])
+        self._model = self._model_struct(weights)
+        self.window = int(tables[0][0].shape[0])
         self._forward = library.handle.sf_forward
         self._logits = library.handle.sf_logits
         self._kv: tuple[tuple[int, int, int], _KV, Any, Any] | None = None
@@ -566,16 +684,21 @@ class NativeStep:
         self._keep.append(tensor)
         return int(tensor.data_ptr())
 
-    def _rows_pointers(self, table: Any) -> tuple[int, int, int]:
-        """(kind, rows, scales) of a table of rows (:func:`_rows_pointers`), kept alive."""
-        kind, rows, scales, kept = _rows_pointers(table)
-        self._keep += kept
-        return kind, rows, scales
+    def _optional_pointer(self, tensor: torch.Tensor | None) -> int | None:
+        """:meth:`_float_pointer`, or NULL for what the layer has not."""
+        return None if tensor is None else self._float_pointer(tensor)
 
-    def _model_struct(self, weights: Any, cos: torch.Tensor, sin: torch.Tensor) -> _Model:
+    def _rows_pointers(self, table: Any) -> tuple[int, int]:
+        """(ggml type, rows) of a table of rows (:func:`_rows_pointers`), kept alive."""
+        kind, rows, kept = _rows_pointers(table)
+        self._keep += kept
+        return kind, rows
+
+    def _model_struct(self, weights: Any) -> _Model:
         """The C view of the whole model: sizes, the layers, the embedding, the head and the
-        float rows it refines its best logits from (kind -1: none), the rotary tables."""
-        refine = (-1, 0, 0)
+        float rows it refines its best logits from (kind -1: none)."""
+        spec = weights.spec
+        refine = (-1, 0)
         if weights.lm_head_float is not None:
             refine = self._rows_pointers(weights.lm_head_float)
         return _Model(
@@ -584,17 +707,19 @@ class NativeStep:
             weights.heads,
             weights.kv_heads,
             weights.head_dim,
-            weights.layers[0].gate_up.out_features // 2,
+            weights.intermediate,
             self.vocab,
             weights.eps,
-            weights.head_dim**-0.5,
+            weights.spec.attention_scale,
             ctypes.addressof(self._layers),
             *self._rows_pointers(weights.embed),
             self._float_pointer(weights.final_norm_float),
             weights.lm_head.matrix,
             *refine,
-            self._float_pointer(cos),
-            self._float_pointer(sin),
+            spec.attn_softcap or 0.0,
+            spec.final_softcap or 0.0,
+            spec.embed_scale or 0.0,
+            ACTIVATIONS.index(spec.activation),
         )
 
     def _kv_struct(self, kv: Any) -> _KV:

