@@ -165,7 +165,7 @@ class ResponsesTests(AgentsTestCase):
                 model=MODEL, input=INPUT, store=False, max_output_tokens=2
             )
         )
-        with self.assertRaises(openai.BadRequestError) as caught:
+        with self.assertRaises(openai.NotFoundError) as caught:
             yield self.in_thread(
                 lambda: client.responses.create(
                     model=MODEL, input="more", previous_response_id=unstored.id
@@ -210,13 +210,13 @@ class StoreTests(SynchronousTestCase):
         recently stored or used go first; one conversation above the size is not kept."""
         store = ResponseStore(max_responses=2, max_characters=200)
         turn = ({"role": "user", "content": "x" * 40},)
-        store.put("a", turn)
-        store.put("b", turn)
-        self.assertIsNotNone(store.get("a"))  # a is now the most recent
-        store.put("c", turn)
-        self.assertEqual((store.get("a"), store.get("b")), (turn, None))
-        store.put("d", ({"role": "user", "content": "y" * 500},))
-        self.assertIsNone(store.get("d"))
-        store.put("e", ({"role": "user", "content": "z" * 150},))
+        store.put(None, "a", turn)
+        store.put(None, "b", turn)
+        self.assertIsNotNone(store.get(None, "a"))  # a is now the most recent
+        store.put(None, "c", turn)
+        self.assertEqual((store.get(None, "a"), store.get(None, "b")), (turn, None))
+        store.put(None, "d", ({"role": "user", "content": "y" * 500},))
+        self.assertIsNone(store.get(None, "d"))
+        store.put(None, "e", ({"role": "user", "content": "z" * 150},))
         self.assertEqual(len(store), 1)
         self.assertLessEqual(store.characters, 200)

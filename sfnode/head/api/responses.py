@@ -14,7 +14,8 @@ the bounded store behind ``previous_response_id`` (docs/api.md "/v1/responses").
   the ``.done`` events, then ``response.completed`` or ``response.incomplete``), each numbered
   by ``sequence_number``.
 - :class:`ResponseStore` keeps stored responses' conversations (the chat messages in, and the
-  answer's output as an assistant turn), at most ``max_responses`` of them and
+  answer's output as an assistant turn), each under the API key that made it (only that key
+  continues it: any other gets the 404 an unknown id gets), at most ``max_responses`` of them and
   ``max_characters`` of text, the oldest dropped first; it lives in the head's memory only and
   does not survive a restart.
 
@@ -84,11 +85,15 @@ class ResponsesRequest:
     previous_response_id: str | None = None
 
 
-def translate(body: Mapping[str, Any], store: ResponseStore) -> ResponsesRequest:
-    """The chat body of a Responses request (see the module's docstring).
+def translate(
+    body: Mapping[str, Any], store: ResponseStore, owner: bytes | None = None
+) -> ResponsesRequest:
+    """The chat body of a Responses request (see the module's docstring); ``owner``: the API
+    key it came with (None on a head without keys), the only one whose stored responses it may
+    continue.
 
-    :raises HttpError: a field wrong or unsupported (400), an unknown ``previous_response_id``
-        (400, as OpenAI answers).
+    :raises HttpError: a field wrong or unsupported (400), a ``previous_response_id`` that is
+        unknown or stored under another key (the same 404 for both).
     """
     _check_fields(body)
     chat: dict[str, Any] = {k: v for k, v in body.items() if k in PASSED}
@@ -96,7 +101,7 @@ def translate(body: Mapping[str, Any], store: ResponseStore) -> ResponsesRequest
     if not isinstance(keep, bool):
         raise HttpError(400, "store must be a boolean", param="store")
     previous = body.get("previous_response_id")
-    messages = (*_history(previous, store), *_input(body.get("input")))
+    messages = (*_history(previous, store, owner), *_input(body.get("input")))
     instructions = body.get("instructions")
     system: list[dict[str, Any]] = []
     if instructions is not None:
@@ -142,22 +147,31 @@ def _check_fields(body: Mapping[str, Any]) -> None:
         )
 
 
-def _history(previous: Any, store: ResponseStore) -> tuple[dict[str, Any], ...]:
+def _history(
+    previous: Any, store: ResponseStore, owner: bytes | None
+) -> tuple[dict[str, Any], ...]:
     """The conversation a ``previous_response_id`` continues (none without one)."""
     if previous is None:
         return ()
     if not isinstance(previous, str):
         raise HttpError(400, "previous_response_id must be a string", param="previous_response_id")
-    found = store.get(previous)
+    found = store.get(owner, previous)
     if found is None:
-        raise HttpError(
-            400,
-            f"Previous response with id '{clip(previous)}' not found (responses are kept "
-            "in the head's memory, only while it runs)",
-            param="previous_response_id",
-            code="previous_response_not_found",
-        )
+        raise previous_not_found(previous)
     return found
+
+
+def previous_not_found(previous: str) -> HttpError:
+    """The one answer to a ``previous_response_id`` this key cannot continue: unknown, dropped
+    by the store's bounds, or another key's (no answer tells them apart)."""
+    return HttpError(
+        404,
+        f"Previous response with id '{clip(previous)}' not found (responses are kept "
+        "in the head's memory, only while it runs)",
+        param="previous_response_id",
+        code="previous_response_not_found",
+        outcome="not_found",
+    )
 
 
 def _echo(body: Mapping[str, Any], keep: bool) -> dict[str, Any]:
@@ -562,9 +576,18 @@ def event_bytes(event: Mapping[str, Any]) -> bytes:
 # The store
 
 
+Owner = bytes | None
+"""Whom a stored response belongs to: the API key that made it (None on a head without
+keys)."""
+
+
 class ResponseStore:
-    """Stored responses' conversations by id, bounded: at most ``max_responses`` and
-    ``max_characters`` of JSON text; the least recently stored or used go first."""
+    """Stored responses' conversations by owner and id, bounded: at most ``max_responses`` and
+    ``max_characters`` of JSON text; the least recently stored or used go first.
+
+    Every lookup is one dictionary probe of ``(owner, id)``: another key's response is not
+    found exactly as an unknown id is not, in the same time (no comparison of ids or keys
+    whose duration depends on where they differ)."""
 
     def __init__(
         self,
@@ -573,40 +596,47 @@ class ResponseStore:
     ) -> None:
         self.max_responses = max_responses
         self.max_characters = max_characters
-        self._entries: OrderedDict[str, tuple[tuple[dict[str, Any], ...], int]] = OrderedDict()
+        self._entries: OrderedDict[
+            tuple[Owner, str], tuple[tuple[dict[str, Any], ...], int]
+        ] = OrderedDict()
         self.characters = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, ident: str, conversation: tuple[dict[str, Any], ...]) -> None:
+    def put(self, owner: Owner, ident: str, conversation: tuple[dict[str, Any], ...]) -> None:
         size = len(json.dumps(conversation))
         if size > self.max_characters or self.max_responses <= 0:
             return
-        old = self._entries.pop(ident, None)
+        entry = (owner, ident)
+        old = self._entries.pop(entry, None)
         if old is not None:
             self.characters -= old[1]
-        self._entries[ident] = (conversation, size)
+        self._entries[entry] = (conversation, size)
         self.characters += size
         while len(self._entries) > self.max_responses or self.characters > self.max_characters:
             _, (_, dropped) = self._entries.popitem(last=False)
             self.characters -= dropped
 
-    def get(self, ident: str) -> tuple[dict[str, Any], ...] | None:
-        found = self._entries.get(ident)
+    def get(self, owner: Owner, ident: str) -> tuple[dict[str, Any], ...] | None:
+        """``owner``'s stored conversation ``ident`` (None: unknown, or not ``owner``'s)."""
+        entry = (owner, ident)
+        found = self._entries.get(entry)
         if found is None:
             return None
-        self._entries.move_to_end(ident)
+        self._entries.move_to_end(entry)
         return found[0]
 
 
 __all__ = [
     "DEFAULT_MAX_CHARACTERS",
     "DEFAULT_MAX_RESPONSES",
+    "Owner",
     "ResponseBuilder",
     "ResponseStore",
     "ResponsesRequest",
     "event_bytes",
     "new_response_id",
+    "previous_not_found",
     "translate",
 ]

@@ -51,12 +51,15 @@ class ResponsesExchange(Exchange):
         self.store = api.responses
         self.ident = new_response_id()
         self.translated: ResponsesRequest | None = None
+        permit = request.permit
+        self.owner: bytes | None = permit.key if permit is not None else None
+        """The API key the request came with (None without keys): its stored responses only."""
 
     def _prepare_chat(
         self, data: bytes, statuses: Mapping[str, BackendStatus]
     ) -> Deferred[Prepared]:
         # Translated on the reactor (the store is the reactor's), rendered on a worker.
-        self.translated = translate(parse_body(data), self.store)
+        self.translated = translate(parse_body(data), self.store, self.owner)
         return super()._prepare_chat(bodies.json_bytes(self.translated.chat), statuses)
 
     def _place(self, prepared: Prepared) -> None:
@@ -110,7 +113,7 @@ class ResponsesWriter:
     def _keep(self) -> None:
         translated = self.exchange.translated
         if translated is not None and translated.store:
-            self.store.put(self.exchange.ident, self.builder.conversation())
+            self.store.put(self.exchange.owner, self.exchange.ident, self.builder.conversation())
 
     def failed(self, error: HttpError) -> None:
         event = self.builder.event(
