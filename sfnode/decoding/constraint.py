@@ -270,7 +270,9 @@ def _token_id(key: Any) -> int | None:
         return None
     if isinstance(key, int):
         return key if key >= 0 else None
-    if isinstance(key, str) and key.isascii() and key.isdigit():
+    # A token id is a u32: at most 10 digits, checked before int() (which refuses more than
+    # 4300 digits with a ValueError, and takes quadratic time below that).
+    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10:
         return int(key)
     return None
 
@@ -278,7 +280,11 @@ def _token_id(key: Any) -> int | None:
 def _number(value: Any, bounds: tuple[float, float], param: str) -> float:
     if value is None:
         return 0.0
-    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or (isinstance(value, float) and math.isnan(value))
+    ):
         raise ConstraintError(f"{param} must be a number", param)
     low, high = bounds
     if not low <= value <= high:

@@ -50,6 +50,9 @@ MAX_STOP_CHARS = 256
 """The longest stop string (the streamed text holds back that many characters)."""
 MAX_JSON_DEPTH = 32
 """The deepest nesting of a request body; OpenAI's own requests need 6."""
+MAX_JSON_ITEMS = 10_000
+"""The most items of one array or object in a request body (messages, input items, tools,
+schema properties ...), checked before any field is read."""
 U32_MAX = 0xFFFF_FFFF
 U64_MASK = (1 << 64) - 1
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -83,17 +86,35 @@ def _too_deep() -> HttpError:
     return HttpError(400, f"the body is nested more than {MAX_JSON_DEPTH} levels deep")
 
 
-def _check_depth(value: Any) -> None:
-    """Refuse nesting deeper than :data:`MAX_JSON_DEPTH` (iteratively: no recursion)."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
+def _check_depth(body: dict[str, Any]) -> None:
+    """Refuse nesting deeper than :data:`MAX_JSON_DEPTH` and an array or object of more than
+    :data:`MAX_JSON_ITEMS` (iteratively: no recursion), before any field is converted."""
+    stack: list[tuple[Any, int, str]] = [
+        (child, 2, name) for name, child in body.items() if isinstance(child, (dict, list))
+    ]
+    if len(body) > MAX_JSON_ITEMS:
+        raise _too_many(None)
     while stack:
-        item, depth = stack.pop()
+        item, depth, field_name = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise _too_deep()
+        if len(item) > MAX_JSON_ITEMS:
+            raise _too_many(field_name)
         children = item.values() if isinstance(item, dict) else item
         for child in children:
             if isinstance(child, (dict, list)):
-                if depth + 1 > MAX_JSON_DEPTH:
-                    raise _too_deep()
-                stack.append((child, depth + 1))
+                stack.append((child, depth + 1, field_name))
+
+
+def _too_many(field_name: str | None) -> HttpError:
+    where = f"{clip(field_name)} holds" if field_name is not None else "the body holds"
+    return HttpError(
+        400,
+        f"{where} an array or object of more than {MAX_JSON_ITEMS} items (the limit of this "
+        "server)",
+        param=None if field_name is None else clip(field_name),
+        code="too_many_items",
+    )
 
 
 def checked_text(value: str, param: str) -> str:
@@ -213,7 +234,12 @@ def _number(body: Mapping[str, Any], name: str, low: float, high: float) -> floa
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (isinstance(value, float) and math.isnan(value))
+    ):
+        # isnan only of a float: an integer of 400 digits has no float, and must be a 400.
         raise HttpError(400, f"{name} must be a number", param=name)
     if not low <= value <= high:
         raise HttpError(400, f"{name} must be between {low:g} and {high:g}", param=name)
