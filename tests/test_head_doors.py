@@ -211,9 +211,7 @@ class NoServerErrorTests(DoorsTestCase):
         @given(hostile_requests())
         def check(request: tuple[str, dict[str, Any]]) -> None:
             path, body = request
-            status, _, content = self.exchange(
-                head, request_bytes(path, json.dumps(body).encode())
-            )
+            status, _, content = self.exchange(head, request_bytes(path, json.dumps(body).encode()))
             assert status < 500, (status, path, body, content[:300])
             if status != 200:
                 error = json.loads(content)["error"]

@@ -596,9 +596,9 @@ class ResponseStore:
     ) -> None:
         self.max_responses = max_responses
         self.max_characters = max_characters
-        self._entries: OrderedDict[
-            tuple[Owner, str], tuple[tuple[dict[str, Any], ...], int]
-        ] = OrderedDict()
+        self._entries: OrderedDict[tuple[Owner, str], tuple[tuple[dict[str, Any], ...], int]] = (
+            OrderedDict()
+        )
         self.characters = 0
 
     def __len__(self) -> int:
