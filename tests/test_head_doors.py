@@ -14,6 +14,7 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.head.api.gate import GateLimits
 from tests.memoryhead import MemoryHead, MemoryHeadTestCase
@@ -218,3 +219,124 @@ class NoServerErrorTests(DoorsTestCase):
                 assert set(error) == {"message", "type", "param", "code"}, error
 
         check()
+
+
+# --- item 4: a chat template from a node is bounded in what it builds and writes -----------------
+
+DOUBLING = (
+    '{% set s = namespace(v="x") %}{% for i in range(27) %}{% set s.v = s.v ~ s.v %}'
+    "{% endfor %}{{ s.v | length }}{% for m in messages %}{{ m.content }}{% endfor %}"
+)
+"""The issue's template: a string doubled 27 times (134 million characters)."""
+WRITING = '{% for i in range(3000) %}{{ "y" * 1000 }}{% endfor %}'
+"""The issue's other template: 3 MB of output for every chat."""
+TOJSON_OF_A_FUNCTION = (
+    "{{ raise_exception | tojson }}{% for m in messages %}{{ m.content }}{% endfor %}"
+)
+
+
+class TemplateBoundsTests(DoorsTestCase):
+    def template_head(self, template: str) -> tuple[MemoryHead, int]:
+        """A head serving ``tiny`` with ``template``, sent by its node; and the render's cap
+        (the characters the node's window can hold)."""
+        from sfnode.engines.mock import MockEngine
+        from sfnode.head.api.http import OpenAIApi
+        from sfnode.head.fleet.model_admission import ModelAdmission
+        from sfnode.head.models.registry import ModelRegistry
+        from tests.memoryhead import InlineWorkers
+        from tests.test_fleet_models import bundle_of
+        from tests.tinymodel import TINY_VOCAB
+
+        engine = MockEngine(self.reactor, vocab_size=TINY_VOCAB)
+        node = self.start_mock_node(
+            "n", engine=engine, model_name="tiny", model_files=bundle_of(self.mktemp(), template)
+        )
+        registry = ModelRegistry()
+        fleet = self.fleet_of([node], models=ModelAdmission(registry))
+        api = OpenAIApi(
+            self.reactor, fleet, None, "tiny", models=registry, seed_source=lambda: 7,
+            workers=InlineWorkers(),  # type: ignore[arg-type]
+        )  # fmt: skip
+        self.addCleanup(api.stop)
+        self.until(lambda: registry.get("tiny") is not None)
+        served = registry.get("tiny")
+        assert served is not None
+        window = api.status("tiny").context_limit
+        assert window is not None
+        return MemoryHead(fleet, api), served.renderer.character_bound(window)
+
+    def chat(self, head: MemoryHead) -> tuple[int, dict[str, Any]]:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        return self.post(head, "/v1/chat/completions", body)
+
+    def test_a_string_doubled_27_times_is_refused_at_the_cap(self) -> None:
+        """The doubling template is stopped when its string passes the render's cap (what the
+        window holds, thousands of characters, not the 134 million it asks for): a 400
+        ``template_limit`` naming that cap, never a 500."""
+        head, cap = self.template_head(DOUBLING)
+        status, answer = self.chat(head)
+        self.assertEqual((status, answer["error"]["code"]), (400, "template_limit"), answer)
+        self.assertIn(f"more than {cap} characters", answer["error"]["message"])
+        self.assertLess(cap, 1 << 22)
+
+    def test_a_template_writing_megabytes_is_stopped_while_it_renders(self) -> None:
+        """The template writing 3 MB per chat is stopped once its output passes the cap: a
+        400 ``template_limit`` saying so."""
+        head, cap = self.template_head(WRITING)
+        status, answer = self.chat(head)
+        self.assertEqual((status, answer["error"]["code"]), (400, "template_limit"), answer)
+        self.assertIn(f"rendered more than {cap} characters", answer["error"]["message"])
+
+    def test_tojson_of_a_function_is_the_templates_refusal_not_a_500(self) -> None:
+        """``tojson`` on a function: a 400 saying the template refused the messages."""
+        head, _ = self.template_head(TOJSON_OF_A_FUNCTION)
+        status, answer = self.chat(head)
+        self.assertEqual((status, answer["error"]["param"]), (400, "messages"), answer)
+        self.assertIn("tojson", answer["error"]["message"])
+
+
+class SandboxTests(SynchronousTestCase):
+    """The bounded sandbox alone (sfnode.head.models.sandbox): every way of building a value
+    in one C call is checked before the call."""
+
+    def refused(self, source: str, cap: int = 1000) -> str:
+        from jinja2 import TemplateError
+
+        from sfnode.head.models.sandbox import is_limit, render_bounded, template_environment
+
+        template = template_environment().from_string(source)
+        with self.assertRaises(TemplateError) as caught:
+            render_bounded(template, cap)
+        self.assertTrue(is_limit(caught.exception), caught.exception)
+        return str(caught.exception)
+
+    def test_every_builder_of_a_large_value_is_refused(self) -> None:
+        """``~``, ``+``, ``*``, ``%`` with a width, ``.format`` with a width, ``center``,
+        ``join`` of a long list, ``replace`` that grows and ``tojson`` with a huge indent: each
+        refused past a cap of 1000, before the call that would build it."""
+        for source in [
+            '{% set s = "x" * 600 %}{{ s ~ s }}',
+            '{% set s = "x" * 600 %}{{ s + s }}',
+            '{{ "x" * 1001 }}',
+            '{{ "%99999999s" % "x" }}',
+            '{{ "{:>99999999}".format("x") }}',
+            '{{ "x" | center(5000) }}',
+            '{{ "x".center(5000) }}',
+            '{% set s = "x" * 100 %}{{ [s, s, s, s, s, s, s, s, s, s, s] | join }}',
+            '{% set s = "x" * 100 %}{{ ",".join([s, s, s, s, s, s, s, s, s, s, s]) }}',
+            '{% set s = "a" * 100 %}{{ s.replace("a", "bbbbbbbbbbbb") }}',
+            '{% set s = "a" * 100 %}{{ s | replace("a", "bbbbbbbbbbbb") }}',
+            '{{ [1, [2, [3]]] | tojson(indent=99999999) }}',
+        ]:
+            self.refused(source)
+
+    def test_a_template_within_the_cap_renders_as_jinja_does(self) -> None:
+        """What stays within the cap renders unchanged (``~`` included)."""
+        from sfnode.head.models.sandbox import render_bounded, template_environment
+
+        source = '{% for m in messages %}{{ m.role ~ ": " ~ m.content | tojson }}\n{% endfor %}'
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+        template = template_environment().from_string(source)
+        self.assertEqual(
+            render_bounded(template, 1000, messages=messages), 'user: "hi"\nassistant: "yo"\n'
+        )

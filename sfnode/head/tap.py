@@ -414,7 +414,7 @@ class Options(usage.Options):
             None,
             f"{DEFAULT_TEMPLATE_TIMEOUT_S:g}",
             "Seconds the model's chat template may take to render one request's messages; "
-            "a template that takes longer is stopped and the request gets 500 "
+            "a template that takes longer is stopped and the request gets 400 "
             "template_timeout (a chat template from an untrusted model file cannot hang the "
             "head).",
         ],

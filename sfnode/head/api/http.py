@@ -235,7 +235,8 @@ class OpenAIApi:
                 model_name, tokenizer, origin=origin, vocab_size=vocab_size, override=True
             )
         self.template_timeout_s = template_timeout_s
-        """How long one chat-template render may take before it is stopped (500)."""
+        """How long one chat-template render may take before it is stopped (400
+        ``template_timeout``)."""
         self.model_name = model_name
         """The model of a request that names none."""
         self.new_seed: Callable[[], int] = seed_source or _random_seed
@@ -487,7 +488,9 @@ class OpenAIApi:
             # Not tokenized at all: no window can hold this many characters.
             raise failures.too_many_characters(request.characters, limit, request.prompt_param)
         if request.chat:
-            prompt = renderer.chat(request.messages, budget, request.tools)
+            # What the window cannot hold is not rendered at all (stopped while it renders).
+            cap = renderer.character_bound(limit) if limit is not None else None
+            prompt = renderer.chat(request.messages, budget, request.tools, cap)
         elif request.prompt_text is not None:
             prompt = renderer.completion(request.prompt_text)
         else:
