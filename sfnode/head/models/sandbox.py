@@ -150,13 +150,83 @@ def _is_jinja_internal(value: Any) -> bool:
     return isinstance(value, (Environment, Context, EvalContext))
 
 
-def template_environment() -> Any:
-    """The jinja2 sandbox chat templates run in, with the helpers transformers gives them and
-    the bounds of this module."""
+def _check_binop(operator: str, left: Any, right: Any) -> None:
+    """The checks before ``left operator right``."""
+    cap = current_cap()
+    if operator == "**" and isinstance(right, int) and abs(right) > 1024:
+        raise limit_error("the chat template raised a number to an exponent over 1024")
+    if operator == "*":
+        for value, times in ((left, right), (right, left)):
+            if isinstance(times, int) and _size(value) * times > cap:
+                raise limit_error(
+                    f"the chat template built a value of more than {cap} items with *"
+                )
+    if operator == "+" and _size(left) + _size(right) > cap:
+        raise limit_error(f"the chat template built a value of more than {cap} items with +")
+    if operator == "%" and isinstance(left, str):
+        _check_arguments("%", (), (left,))
+
+
+def _check_call(function: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+    """The checks before a template calls ``function``; its name."""
+    name = getattr(function, "__name__", "a function")
+    target = getattr(function, "__self__", None)
+    if isinstance(target, str):
+        if name == "join" and args:
+            _check_join(args[0], target)
+        else:
+            _prechecked(name, (target, *args), kwargs)
+    return str(name)
+
+
+def bounded_join(parts: tuple[Any, ...]) -> str:
+    """``a ~ b ~ ...``, refused past the cap before it is joined."""
+    texts = [p if isinstance(p, str) else str(p) for p in parts]
+    if sum(len(t) for t in texts) > current_cap():
+        raise limit_error(
+            f"the chat template built a string of more than {current_cap()} characters with ~"
+        )
+    return "".join(texts)
+
+
+def _environment_class() -> Any:
+    """The sandbox's class: jinja2's immutable sandbox, with ``~`` compiled to
+    :func:`bounded_join` and every operator and call checked."""
     from jinja2 import nodes
     from jinja2.compiler import CodeGenerator, Frame
-    from jinja2.ext import Extension
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class BoundedCode(CodeGenerator):
+        """``a ~ b`` through the environment's ``bounded_join``."""
+
+        def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:
+            self.write("environment.bounded_join((")
+            for arg in node.nodes:
+                self.visit(arg, frame)
+                self.write(", ")
+            self.write("))")
+
+    class Environment(ImmutableSandboxedEnvironment):
+        """The sandbox with every value a template builds bounded (see the module)."""
+
+        code_generator_class = BoundedCode
+        intercepted_binops = frozenset({"*", "**", "+", "%"})
+        bounded_join = staticmethod(bounded_join)
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            _check_binop(operator, left, right)
+            return _check_result(super().call_binop(context, operator, left, right), operator)
+
+        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+            name = _check_call(__obj, args, kwargs)
+            return _check_result(super().call(__context, __obj, *args, **kwargs), name)
+
+    return Environment
+
+
+def _generation_tag() -> Any:
+    from jinja2 import nodes
+    from jinja2.ext import Extension
 
     class GenerationTag(Extension):
         """``{% generation %}...{% endgeneration %}`` (marks the assistant's text for
@@ -171,64 +241,16 @@ def template_environment() -> Any:
             )
             return body
 
-    class BoundedCode(CodeGenerator):
-        """``a ~ b`` through the environment's :meth:`Environment.bounded_join`."""
+    return GenerationTag
 
-        def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:
-            self.write("environment.bounded_join((")
-            for arg in node.nodes:
-                self.visit(arg, frame)
-                self.write(", ")
-            self.write("))")
 
-    class Environment(ImmutableSandboxedEnvironment):
-        """The sandbox with every value a template builds bounded (see the module)."""
-
-        code_generator_class = BoundedCode
-        intercepted_binops = frozenset({"*", "**", "+", "%"})
-
-        def bounded_join(self, parts: tuple[Any, ...]) -> str:
-            texts = [p if isinstance(p, str) else str(p) for p in parts]
-            if sum(len(t) for t in texts) > current_cap():
-                raise limit_error(
-                    f"the chat template built a string of more than {current_cap()} "
-                    "characters with ~"
-                )
-            return "".join(texts)
-
-        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-            cap = current_cap()
-            if operator == "**" and isinstance(right, int) and abs(right) > 1024:
-                raise limit_error("the chat template raised a number to an exponent over 1024")
-            if operator == "*":
-                for value, times in ((left, right), (right, left)):
-                    if isinstance(times, int) and _size(value) * times > cap:
-                        raise limit_error(
-                            f"the chat template built a value of more than {cap} items with *"
-                        )
-            if operator == "+" and _size(left) + _size(right) > cap:
-                raise limit_error(
-                    f"the chat template built a value of more than {cap} items with +"
-                )
-            if operator == "%" and isinstance(left, str):
-                _check_arguments("%", (), (left,))
-            return _check_result(super().call_binop(context, operator, left, right), operator)
-
-        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
-            name = getattr(__obj, "__name__", "a function")
-            target = getattr(__obj, "__self__", None)
-            if isinstance(target, str):
-                if name == "join" and args:
-                    _check_join(args[0], target)
-                else:
-                    _prechecked(name, (target, *args), kwargs)
-            result = super().call(__context, __obj, *args, **kwargs)
-            return _check_result(result, name)
-
-    environment = Environment(
+def template_environment() -> Any:
+    """The jinja2 sandbox chat templates run in, with the helpers transformers gives them and
+    the bounds of this module."""
+    environment = _environment_class()(
         trim_blocks=True,
         lstrip_blocks=True,
-        extensions=[GenerationTag, "jinja2.ext.loopcontrols"],
+        extensions=[_generation_tag(), "jinja2.ext.loopcontrols"],
     )
     environment.filters["tojson"] = _tojson
     environment.filters = {
@@ -304,6 +326,7 @@ def _strftime_now(format: str) -> str:
 
 __all__ = [
     "MAX_TEMPLATE_STRING",
+    "bounded_join",
     "current_cap",
     "is_limit",
     "limit_error",
