@@ -10,6 +10,7 @@ in memory (no socket, no thread, no sleep).
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
@@ -340,3 +341,60 @@ class SandboxTests(SynchronousTestCase):
         self.assertEqual(
             render_bounded(template, 1000, messages=messages), 'user: "hi"\nassistant: "yo"\n'
         )
+
+
+# --- item 6: the store's bound counts the memory it holds ----------------------------------------
+
+
+def held_by(root: Any) -> int:
+    """The bytes of every object reachable from ``root`` through containers (each counted
+    once): what keeping ``root`` costs."""
+    seen: set[int] = set()
+    stack = [root]
+    total = 0
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        total += sys.getsizeof(item)
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend(item)
+    return total
+
+
+class StoreMemoryTests(DoorsTestCase):
+    def test_the_bound_holds_the_memory_the_store_keeps_and_metrics_show_it(self) -> None:
+        """Twenty stored responses of 300 input items each, in a store bounded to 64 KiB: the
+        memory every entry of the store reaches stays within the bound (on JSON characters
+        it was about 7 times the bound), and ``sfhead_responses_stored_bytes`` in /metrics
+        is the figure the store counts, covering what it holds."""
+        from sfnode.head.api.responses import ResponseStore
+
+        bound = 64 * 1024
+        self.start_vocab_node(context_window=100_000)
+        store = ResponseStore(1024, bound)
+        head = self.start_head(responses=store)
+        items = [{"role": "user", "content": f"hello {i}"} for i in range(300)]
+        for _ in range(20):
+            status, answer = self.post(
+                head, "/v1/responses", {"model": MODEL, "input": items, "max_output_tokens": 2}
+            )
+            self.assertEqual(status, 200, answer)
+        entries = store._entries  # what the store keeps, to measure it
+        self.assertGreater(len(entries), 0)
+        reached = held_by(entries)
+        self.assertLessEqual(reached, bound)
+        status, content = self.call(head, b"GET", "/metrics")
+        line = [
+            row
+            for row in content.decode().splitlines()
+            if row.startswith("sfhead_responses_stored_bytes ")
+        ]
+        self.assertEqual(len(line), 1, content[:2000])
+        shown = float(line[0].split()[1])
+        self.assertEqual(shown, store.held)
+        self.assertLessEqual(reached - sys.getsizeof(entries), shown)

@@ -260,6 +260,7 @@ class OpenAIApi:
         """True once :meth:`drain` started: new completion requests get 503."""
         self._site: GuardedSite | None = None
         self.metrics = metrics if metrics is not None else self._own_metrics()
+        self.metrics.watch(self.responses.families)
         self._drain_waiters: list[Deferred[None]] = []
         self._drain_timer: IDelayedCall | None = None
 

@@ -15,9 +15,9 @@ the bounded store behind ``previous_response_id`` (docs/api.md "/v1/responses").
   by ``sequence_number``.
 - :class:`ResponseStore` keeps stored responses' conversations (the chat messages in, and the
   answer's output as an assistant turn), each under the API key that made it (only that key
-  continues it: any other gets the 404 an unknown id gets), at most ``max_responses`` of them and
-  ``max_characters`` of text, the oldest dropped first; it lives in the head's memory only and
-  does not survive a restart.
+  continues it: any other gets the 404 an unknown id gets), packed (compressed JSON), at most
+  ``max_responses`` of them and ``max_bytes`` of memory held, the oldest dropped first; it
+  lives in the head's memory only and does not survive a restart.
 
 This module is pure: it must never tokenize, touch the network, the reactor or a thread, never
 raise anything but :class:`~sfnode.head.api.schema.HttpError` for any JSON value, and never keep
@@ -27,18 +27,22 @@ more than its bounds.
 from __future__ import annotations
 
 import json
+import sys
 import uuid
+import zlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from sfnode.head.api.schema import checked_text
 from sfnode.head.models.tools import ArgumentsDelta, CallDone, CallEvent, CallOpened, Content
 from sfnode.runtime.http_guard import HttpError, clip
 
 DEFAULT_MAX_RESPONSES = 1024
-DEFAULT_MAX_CHARACTERS = 64 * 1024 * 1024
+DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 
 PASSED = frozenset(
     {
@@ -158,7 +162,7 @@ def _history(
     found = store.get(owner, previous)
     if found is None:
         raise previous_not_found(previous)
-    return found
+    return unpack(found)
 
 
 def previous_not_found(previous: str) -> HttpError:
@@ -579,11 +583,26 @@ def event_bytes(event: Mapping[str, Any]) -> bytes:
 Owner = bytes | None
 """Whom a stored response belongs to: the API key that made it (None on a head without
 keys)."""
+ENTRY_BYTES = 240
+"""What one entry of the store holds beside its packed conversation: the key tuple, the id
+string, the ordered dictionary's node and the entry tuple (CPython 3.11, measured)."""
+
+
+def pack(conversation: Sequence[Mapping[str, Any]]) -> bytes:
+    """A conversation as the store keeps it: its JSON, compressed (a worker's job for a large
+    one: it reads every message)."""
+    return zlib.compress(json.dumps(list(conversation)).encode(), 6)
+
+
+def unpack(data: bytes) -> tuple[dict[str, Any], ...]:
+    """The conversation :func:`pack` packed."""
+    return tuple(json.loads(zlib.decompress(data)))
 
 
 class ResponseStore:
-    """Stored responses' conversations by owner and id, bounded: at most ``max_responses`` and
-    ``max_characters`` of JSON text; the least recently stored or used go first.
+    """Stored responses' conversations by owner and id, packed (:func:`pack`), bounded: at most
+    ``max_responses`` of them and ``max_bytes`` of memory held (the packed bytes as Python
+    holds them, and :data:`ENTRY_BYTES` each); the least recently stored or used go first.
 
     Every lookup is one dictionary probe of ``(owner, id)``: another key's response is not
     found exactly as an unknown id is not, in the same time (no comparison of ids or keys
@@ -592,34 +611,34 @@ class ResponseStore:
     def __init__(
         self,
         max_responses: int = DEFAULT_MAX_RESPONSES,
-        max_characters: int = DEFAULT_MAX_CHARACTERS,
+        max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         self.max_responses = max_responses
-        self.max_characters = max_characters
-        self._entries: OrderedDict[tuple[Owner, str], tuple[tuple[dict[str, Any], ...], int]] = (
-            OrderedDict()
-        )
-        self.characters = 0
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple[Owner, str], tuple[bytes, int]] = OrderedDict()
+        self.held = 0
+        """The memory the store holds now, in bytes (``sfhead_responses_stored_bytes``)."""
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, owner: Owner, ident: str, conversation: tuple[dict[str, Any], ...]) -> None:
-        size = len(json.dumps(conversation))
-        if size > self.max_characters or self.max_responses <= 0:
+    def put(self, owner: Owner, ident: str, packed: bytes) -> None:
+        """Keep ``packed`` (a conversation :func:`pack` made) as ``owner``'s ``ident``."""
+        size = sys.getsizeof(packed) + sys.getsizeof(ident) + ENTRY_BYTES
+        if size > self.max_bytes or self.max_responses <= 0:
             return
         entry = (owner, ident)
         old = self._entries.pop(entry, None)
         if old is not None:
-            self.characters -= old[1]
-        self._entries[entry] = (conversation, size)
-        self.characters += size
-        while len(self._entries) > self.max_responses or self.characters > self.max_characters:
+            self.held -= old[1]
+        self._entries[entry] = (packed, size)
+        self.held += size
+        while len(self._entries) > self.max_responses or self.held > self.max_bytes:
             _, (_, dropped) = self._entries.popitem(last=False)
-            self.characters -= dropped
+            self.held -= dropped
 
-    def get(self, owner: Owner, ident: str) -> tuple[dict[str, Any], ...] | None:
-        """``owner``'s stored conversation ``ident`` (None: unknown, or not ``owner``'s)."""
+    def get(self, owner: Owner, ident: str) -> bytes | None:
+        """``owner``'s packed conversation ``ident`` (None: unknown, or not ``owner``'s)."""
         entry = (owner, ident)
         found = self._entries.get(entry)
         if found is None:
@@ -627,16 +646,35 @@ class ResponseStore:
         self._entries.move_to_end(entry)
         return found[0]
 
+    def families(self) -> list[Metric]:
+        """The store's figures for ``/metrics``."""
+        return [
+            GaugeMetricFamily(
+                "sfhead_responses_stored",
+                "Responses kept for previous_response_id.",
+                value=len(self._entries),
+            ),
+            GaugeMetricFamily(
+                "sfhead_responses_stored_bytes",
+                "Memory the stored responses hold (packed conversations and their entries), "
+                "bounded by the store's size.",
+                value=self.held,
+            ),
+        ]
+
 
 __all__ = [
-    "DEFAULT_MAX_CHARACTERS",
+    "DEFAULT_MAX_BYTES",
     "DEFAULT_MAX_RESPONSES",
+    "ENTRY_BYTES",
     "Owner",
     "ResponseBuilder",
     "ResponseStore",
     "ResponsesRequest",
     "event_bytes",
     "new_response_id",
+    "pack",
     "previous_not_found",
     "translate",
+    "unpack",
 ]

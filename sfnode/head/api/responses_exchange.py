@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from twisted.internet.defer import Deferred
+from twisted.logger import Logger
 
 from sfnode.head.api import bodies
 from sfnode.head.api.exchange import Exchange, Host, Prepared, _Choice
@@ -28,12 +29,15 @@ from sfnode.head.api.responses import (
     ResponseStore,
     event_bytes,
     new_response_id,
+    pack,
     translate,
 )
 from sfnode.head.api.schema import parse_body
 from sfnode.head.fleet.backend import BackendStatus
 from sfnode.head.models.tools import CallEvent
 from sfnode.runtime.http_guard import HttpError
+
+_log = Logger(namespace="sfnode.head.api.http")
 
 
 class ResponsesHost(Host, Protocol):
@@ -111,9 +115,17 @@ class ResponsesWriter:
         return body
 
     def _keep(self) -> None:
-        translated = self.exchange.translated
-        if translated is not None and translated.store:
-            self.store.put(self.exchange.owner, self.exchange.ident, self.builder.conversation())
+        """Store the conversation, packed on a worker (it reads every message), kept on the
+        reactor."""
+        x = self.exchange
+        translated = x.translated
+        if translated is None or not translated.store:
+            return
+        conversation = self.builder.conversation()
+        packed = x.api.workers.run(lambda: pack(conversation))
+        packed.addCallback(lambda data: self.store.put(x.owner, x.ident, data)).addErrback(
+            lambda failure: _log.failure("storing {ident} failed", failure, ident=x.ident)
+        )
 
     def failed(self, error: HttpError) -> None:
         event = self.builder.event(
