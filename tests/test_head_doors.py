@@ -11,13 +11,20 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from twisted.internet.defer import Deferred
+from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.head.api.gate import GateLimits
+from sfnode.head.api.grammars import GrammarChecks
+from sfnode.head.api.workers import Workers
+from sfnode.linkf.wire import JsonSchemaGrammar
+from sfnode.runtime.http_guard import HttpError
 from tests.memoryhead import MemoryHead, MemoryHeadTestCase
 from tests.test_http import MODEL
 from tests.test_http_fuzz import json_values, messages, plausible, texts, valid
@@ -398,3 +405,105 @@ class StoreMemoryTests(DoorsTestCase):
         shown = float(line[0].split()[1])
         self.assertEqual(shown, store.held)
         self.assertLessEqual(reached - sys.getsizeof(entries), shown)
+
+
+# --- item 2: work off the reactor, shared fairly, within budgets ---------------------------------
+
+
+class HeldStarts:
+    """The workers' threads, held: each job runs only when the test finishes it."""
+
+    def __init__(self) -> None:
+        self.started: list[tuple[Callable[[], Any], Deferred[Any]]] = []
+
+    def __call__(self, work: Callable[[], Any]) -> Deferred[Any]:
+        done: Deferred[Any] = Deferred()
+        self.started.append((work, done))
+        return done
+
+    def finish(self, index: int) -> None:
+        work, done = self.started[index]
+        done.callback(work())
+
+
+class FairWorkersTests(SynchronousTestCase):
+    """sfnode.head.api.workers.Workers with held threads and a Clock."""
+
+    def test_one_clients_queue_cannot_starve_another(self) -> None:
+        """A client with two jobs running and ten waiting (both threads of the pool) does
+        not delay another client's job: it starts at once, on a thread of its own; the first
+        client never runs more than two at once, and the queues are served round robin."""
+        clock, starts = Clock(), HeldStarts()
+        workers = Workers(clock, 2, max_threads=8, start=starts)
+        order: list[str] = []
+        for i in range(12):
+            workers.run(lambda i=i: order.append(f"a{i}"), "attacker")
+        self.assertEqual((len(starts.started), workers.queued()), (2, 10))
+        victim = workers.run(lambda: order.append("v"), "victim")
+        self.assertEqual(len(starts.started), 3)
+        starts.finish(2)
+        self.assertEqual(self.successResultOf(victim), None)
+        workers.run(lambda: order.append("w"), "other")
+        starts.finish(0)
+        self.assertLessEqual(workers.running["attacker"], 2)
+        self.assertEqual(order, ["v", "a0"])
+
+    def test_a_job_past_its_budget_is_refused_at_once_and_counted_until_it_ends(self) -> None:
+        """A job with a budget of 2 s is refused with its refusal at 2 s (a 400 naming the
+        limit), its late result dropped; until its thread ends it still counts against its
+        client, whose next job waits while other clients' jobs start."""
+        clock, starts = Clock(), HeldStarts()
+        workers = Workers(clock, 2, max_threads=8, start=starts)
+        refusal = HttpError(400, "over 2 s (--grammar-timeout)", code="grammar_timeout")
+        slow = [
+            workers.run(lambda: "late", "a", budget_s=2.0, refusal=lambda: refusal)
+            for _ in range(3)
+        ]
+        clock.advance(1.99)
+        self.assertNoResult(slow[0])
+        clock.advance(0.01)
+        self.assertIs(self.failureResultOf(slow[0], HttpError).value, refusal)
+        self.assertIs(self.failureResultOf(slow[1], HttpError).value, refusal)
+        self.assertEqual(len(starts.started), 2)  # "a" still runs two (past their budget)
+        other = workers.run(lambda: "served", "b")
+        self.assertEqual(len(starts.started), 3)
+        starts.finish(2)
+        self.assertEqual(self.successResultOf(other), "served")
+        starts.finish(0)
+        self.assertEqual(len(starts.started), 4)  # now a's third job starts
+        self.assertNoResult(slow[2])
+
+
+class GrammarCacheTests(SynchronousTestCase):
+    """sfnode.head.api.grammars.GrammarChecks on held workers."""
+
+    def test_each_grammar_is_compiled_once_and_its_verdict_kept(self) -> None:
+        """Two requests with the same schema while it compiles: one compile, both answered;
+        the same schema later: no compile.  A schema the library refuses: a 400 naming
+        response_format, the same again from the cache.  One whose compile passes the
+        time limit: 400 grammar_timeout at the limit, and at once on a repeat."""
+        clock, starts = Clock(), HeldStarts()
+        checks = GrammarChecks(Workers(clock, 2, start=starts), timeout_s=2.0)
+        good = JsonSchemaGrammar(json.dumps({"type": "object"}))
+        first, second = checks.check(good, "a"), checks.check(good, "b")
+        self.assertEqual(len(starts.started), 1)
+        starts.finish(0)
+        self.successResultOf(first)
+        self.successResultOf(second)
+        self.successResultOf(checks.check(good, "c"))
+        bad = JsonSchemaGrammar(json.dumps({"type": "string", "pattern": "(?=a)"}))
+        refused = checks.check(bad, "a")
+        starts.finish(1)
+        error = self.failureResultOf(refused, HttpError).value
+        self.assertEqual((error.status, error.param), (400, "response_format"))
+        again = self.failureResultOf(checks.check(bad, "a"), HttpError).value
+        self.assertEqual(again.message, error.message)
+        slow = JsonSchemaGrammar(json.dumps({"type": "integer"}))
+        timed = checks.check(slow, "a")
+        clock.advance(2.0)
+        self.assertEqual(self.failureResultOf(timed, HttpError).value.code, "grammar_timeout")
+        self.assertEqual(
+            self.failureResultOf(checks.check(slow, "b"), HttpError).value.code,
+            "grammar_timeout",
+        )
+        self.assertEqual(checks.compiles, 3)

@@ -39,6 +39,7 @@ from twisted.python.failure import Failure
 
 from sfnode.discovery.rules import MAX_HEAD_NAME, SERVICE_TYPE, HeadAnnouncement, valid_head_name
 from sfnode.head.api.gate import GateLimits
+from sfnode.head.api.grammars import DEFAULT_GRAMMAR_TIMEOUT_S
 from sfnode.head.api.request_class import (
     DEFAULT_CLASSES,
     DEFAULT_INTERACTIVE_PROMPT_TOKENS,
@@ -77,6 +78,7 @@ from sfnode.runtime.service import (
 
 if TYPE_CHECKING:
     from sfnode.discovery.dnssd import Announcer
+    from sfnode.head.api.http import OpenAIApi
     from sfnode.head.fleet.pipeline import PipelineFleet
     from sfnode.head.models.registry import ModelRegistry
 
@@ -419,6 +421,15 @@ class Options(usage.Options):
             "head).",
         ],
         [
+            "grammar-timeout",
+            None,
+            f"{DEFAULT_GRAMMAR_TIMEOUT_S:g}",
+            "Seconds compiling one request's grammar (response_format json_schema, tools) may "
+            "take on the head's workers; a grammar that takes longer gets 400 "
+            "grammar_timeout, at once on a repeat (a schema's compile can take seconds of "
+            "native code).",
+        ],
+        [
             "pipeline-layers",
             None,
             None,
@@ -547,6 +558,7 @@ class Options(usage.Options):
             cors_origins=frozenset(o for o in self["cors-origins"] if o),
         )
         self["template-timeout"] = _positive_seconds("template-timeout", self["template-timeout"])
+        self["grammar-timeout"] = _positive_seconds("grammar-timeout", self["grammar-timeout"])
 
     def _check_class_options(self) -> None:
         """The request-class rule, typed, as ``self["class-rule"]`` (a ClassRule)."""
@@ -919,23 +931,10 @@ def makeService(
         reactor = global_reactor
         exit_zero_after_a_clean_stop(reactor)
         progress_bars_only_on_a_terminal()
-    from sfnode.head.api.http import OpenAIApi
-
     registry = head_models(options)
     pipeline = _pipeline(options, registry, reactor) if options["stages"] else None
     fleet = pipeline.fleet if pipeline is not None else _fleet(options, registry, reactor)
-    api = OpenAIApi(
-        reactor,
-        pipeline if pipeline is not None else fleet,
-        None,
-        options["model-name"],
-        models=registry,
-        api_keys=options["api-keys"],
-        limits=options["limits"],
-        class_rule=options["class-rule"],
-        allow_special_tokens=bool(options["allow-special-tokens"]),
-        template_timeout_s=options["template-timeout"],
-    )
+    api = _api(options, registry, pipeline if pipeline is not None else fleet, reactor)
     drain_timeout_s = options["drain-timeout"]
     head = service.MultiService()  # type: ignore[no-untyped-call]
     head.setName("sfhead")  # type: ignore[no-untyped-call]
@@ -954,12 +953,41 @@ def makeService(
         error=HeadStartupError,
     )
     add_child(head, "fleet-listen", fleet_listener)
+    add_child(head, "stall-probe", _stall_probe(api, reactor))
     http = server_from_string(reactor, options["http"])
     add_child(head, "http", HttpService(http, api, options["http"], drain_timeout_s, reactor))
     if not options["no-announce"] and not is_loopback_listen(options["fleet-listen"]):
         add_child(head, "announce", _announce(options, fleet_listener, announcer, reactor))
     _log_start(options, registry, fleet if pipeline is None else None)
     return head
+
+
+def _api(options: Options, registry: ModelRegistry, backend: Any, reactor: Any) -> OpenAIApi:
+    """The HTTP API over ``backend`` (the fleet, or the pipeline driver)."""
+    from sfnode.head.api.http import OpenAIApi
+
+    return OpenAIApi(
+        reactor,
+        backend,
+        None,
+        options["model-name"],
+        models=registry,
+        api_keys=options["api-keys"],
+        limits=options["limits"],
+        class_rule=options["class-rule"],
+        allow_special_tokens=bool(options["allow-special-tokens"]),
+        template_timeout_s=options["template-timeout"],
+        grammar_timeout_s=options["grammar-timeout"],
+    )
+
+
+def _stall_probe(api: OpenAIApi, reactor: Any) -> service.Service:
+    """The probe of the reactor's stalls, its figures in ``api``'s /metrics."""
+    from sfnode.head.api.workers import StallProbe
+
+    probe = StallProbe(reactor)
+    api.metrics.watch(probe.families)
+    return probe
 
 
 def _pipeline(options: Options, registry: ModelRegistry, reactor: Any) -> PipelineFleet:

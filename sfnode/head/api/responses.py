@@ -1,7 +1,8 @@
 """OpenAI's Responses API (``POST /v1/responses``) as a translation onto chat completions, and
 the bounded store behind ``previous_response_id`` (docs/api.md "/v1/responses").
 
-- :func:`translate` checks a Responses request body and writes the chat completions body that
+- :func:`translate` (on a worker: its cost grows with the input) checks a Responses request
+  body and writes the chat completions body that
   serves it (``input`` items to ``messages``, ``instructions`` to a system turn, function tools
   to chat's shape, ``text.format`` to ``response_format``, ``max_output_tokens`` to
   ``max_completion_tokens``), with a stored response's conversation put before the input;
@@ -89,12 +90,10 @@ class ResponsesRequest:
     previous_response_id: str | None = None
 
 
-def translate(
-    body: Mapping[str, Any], store: ResponseStore, owner: bytes | None = None
-) -> ResponsesRequest:
-    """The chat body of a Responses request (see the module's docstring); ``owner``: the API
-    key it came with (None on a head without keys), the only one whose stored responses it may
-    continue.
+def translate(body: Mapping[str, Any], found: bytes | None = None) -> ResponsesRequest:
+    """The chat body of a Responses request (see the module's docstring); ``found``: what the
+    store holds under the requester's key for its ``previous_response_id`` (the caller looks
+    it up, :meth:`ResponseStore.get`; None: nothing).
 
     :raises HttpError: a field wrong or unsupported (400), a ``previous_response_id`` that is
         unknown or stored under another key (the same 404 for both).
@@ -105,7 +104,7 @@ def translate(
     if not isinstance(keep, bool):
         raise HttpError(400, "store must be a boolean", param="store")
     previous = body.get("previous_response_id")
-    messages = (*_history(previous, store, owner), *_input(body.get("input")))
+    messages = (*_history(previous, found), *_input(body.get("input")))
     instructions = body.get("instructions")
     system: list[dict[str, Any]] = []
     if instructions is not None:
@@ -151,15 +150,12 @@ def _check_fields(body: Mapping[str, Any]) -> None:
         )
 
 
-def _history(
-    previous: Any, store: ResponseStore, owner: bytes | None
-) -> tuple[dict[str, Any], ...]:
+def _history(previous: Any, found: bytes | None) -> tuple[dict[str, Any], ...]:
     """The conversation a ``previous_response_id`` continues (none without one)."""
     if previous is None:
         return ()
     if not isinstance(previous, str):
         raise HttpError(400, "previous_response_id must be a string", param="previous_response_id")
-    found = store.get(owner, previous)
     if found is None:
         raise previous_not_found(previous)
     return unpack(found)
@@ -175,6 +171,17 @@ def previous_not_found(previous: str) -> HttpError:
         param="previous_response_id",
         code="previous_response_not_found",
         outcome="not_found",
+    )
+
+
+def translation_timeout(seconds: float) -> HttpError:
+    """The answer to a request whose parsing and translation took more than ``seconds``."""
+    return HttpError(
+        400,
+        f"translating this input took more than {seconds:g} s (--template-timeout, the limit "
+        "of a request on this server)",
+        param="input",
+        code="translation_timeout",
     )
 
 
@@ -676,5 +683,6 @@ __all__ = [
     "pack",
     "previous_not_found",
     "translate",
+    "translation_timeout",
     "unpack",
 ]
