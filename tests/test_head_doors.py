@@ -507,3 +507,130 @@ class GrammarCacheTests(SynchronousTestCase):
             "grammar_timeout",
         )
         self.assertEqual(checks.compiles, 3)
+
+
+# --- item 5: models leave with their last node; caps on what nodes bring ------------------------
+
+
+class NodeModelsTests(DoorsTestCase):
+    """A head with no tokenizer of its own; nodes dial in with their own bundles and leave."""
+
+    def model_head(self, registry: Any, grace_s: float = 5.0) -> MemoryHead:
+        from sfnode.head.api.http import OpenAIApi
+        from sfnode.head.fleet.model_admission import ModelAdmission
+        from tests.memoryhead import InlineWorkers
+        from tests.test_fleet_models import FLEET_PORT
+
+        admission = ModelAdmission(registry, clock=self.reactor, grace_s=grace_s)
+        fleet = self.fleet_of([], models=admission)
+        api = OpenAIApi(
+            self.reactor, fleet, None, "none", models=registry, seed_source=lambda: 7,
+            workers=InlineWorkers(),  # type: ignore[arg-type]
+        )  # fmt: skip
+        self.addCleanup(api.stop)
+        self.reactor.listenTCP(FLEET_PORT, fleet.listen_factory(), interface="127.0.0.1")
+        return MemoryHead(fleet, api)
+
+    def dial_in(self, head: MemoryHead, identity: str, model: str, template: str) -> Any:
+        """A mock node that dials the head with the tiny tokenizer and ``template`` as its
+        files, once it is judged."""
+        from twisted.internet.endpoints import TCP4ClientEndpoint
+
+        from sfnode.engines.mock import MockEngine
+        from sfnode.node.agent import NodeAgent
+        from sfnode.node.config import NodeConfig
+        from sfnode.node.tap import node_factory
+        from tests.memoryhead import stop_at_end
+        from tests.test_fleet_models import FLEET_PORT, bundle_of
+        from tests.tinymodel import TINY_VOCAB
+
+        bundle = bundle_of(self.root, template)
+        engine = MockEngine(self.reactor, vocab_size=TINY_VOCAB)
+        config = NodeConfig(identity=identity, model_name=model)
+        agent = NodeAgent(self.reactor, engine, config, model_files=bundle)
+        agent.start()
+        stop_at_end(self, agent.stop)
+        joined = head.fleet.next_join()
+        TCP4ClientEndpoint(self.reactor, "127.0.0.1", FLEET_PORT).connect(node_factory(agent))
+        self.wait(joined)
+        admission = head.fleet.models
+        assert admission is not None
+        self.until(lambda: not admission.fetching())
+        return agent
+
+    def listed(self, head: MemoryHead) -> list[str]:
+        status, content = self.call(head, b"GET", "/v1/models")
+        self.assertEqual(status, 200)
+        return [entry["id"] for entry in json.loads(content)["data"]]
+
+    def test_models_leave_with_their_last_node_after_the_grace(self) -> None:
+        """Three nodes join with distinct bundles and leave: their models stay listed, in
+        /metrics and in memory for the grace (5 s), then are gone from all three; a model
+        whose node comes back within the grace stays."""
+        from sfnode.head.models.registry import ModelRegistry
+
+        self.root = self.mktemp()
+        registry = ModelRegistry()
+        head = self.model_head(registry)
+        agents = [
+            self.dial_in(head, f"n{i}", f"m{i}", "{{ messages[0].content }}" + " " * i)
+            for i in range(3)
+        ]
+        self.assertEqual(self.listed(head), ["m0", "m1", "m2"])
+        self.assertEqual(registry.bundles, 3)
+        for agent in agents:
+            self.wait(agent.close_connections("leaving"))
+        self.until(lambda: not head.fleet.nodes)
+        self.advance(4.0)
+        self.assertEqual(self.listed(head), ["m0", "m1", "m2"])
+        back = self.dial_in(head, "n0b", "m0", "{{ messages[0].content }}")
+        self.advance(1.5)
+        self.assertEqual(self.listed(head), ["m0"])
+        self.assertEqual(registry.bundles, 1)
+        _, metrics = self.call(head, b"GET", "/metrics")
+        self.assertIn(b'model_name="m0"', metrics)
+        self.assertNotIn(b'model_name="m1"', metrics)
+        self.assertNotIn(b'model_name="m2"', metrics)
+        status, answer = self.post(
+            head, "/v1/chat/completions",
+            {"model": "m1", "messages": [{"role": "user", "content": "hi"}]},
+        )  # fmt: skip
+        self.assertEqual((status, answer["error"]["code"]), (404, "model_not_found"))
+        self.assertTrue(back.connections)
+
+    def test_a_node_past_the_model_cap_is_refused_with_the_reason(self) -> None:
+        """With at most 2 models from nodes, a third model's node is refused (it stays
+        connected, takes no requests) with a reason naming --max-node-models, and its files
+        are never fetched (two bundles kept)."""
+        from sfnode.head.models.registry import ModelRegistry
+
+        self.root = self.mktemp()
+        registry = ModelRegistry(max_models=2)
+        head = self.model_head(registry)
+        for i in range(3):
+            self.dial_in(head, f"n{i}", f"m{i}", "{{ messages[0].content }}" + " " * i)
+        self.assertEqual(self.listed(head), ["m0", "m1"])
+        admission = head.fleet.models
+        assert admission is not None
+        third = head.fleet.node_named("n2")
+        assert third is not None
+        reason = admission.refusal(third.link)
+        assert reason is not None
+        self.assertIn("--max-node-models 2", reason)
+        self.assertEqual(registry.bundles, 2)
+
+    def test_a_node_whose_files_pass_the_byte_cap_is_refused_unfetched(self) -> None:
+        """With a byte cap below a bundle, its node is refused naming --max-model-bytes and
+        its files are never fetched (no model, no bundle kept)."""
+        from sfnode.head.models.registry import ModelRegistry
+
+        self.root = self.mktemp()
+        small = ModelRegistry(max_bytes=1000)
+        other = self.model_head(small)
+        self.dial_in(other, "big", "m-big", "{{ messages[0].content }}")
+        node = other.fleet.node_named("big")
+        assert node is not None and other.fleet.models is not None
+        reason = other.fleet.models.refusal(node.link)
+        assert reason is not None
+        self.assertIn("--max-model-bytes 1000", reason)
+        self.assertEqual((small.bundles, small.names()), (0, ()))

@@ -55,9 +55,11 @@ from sfnode.head.fleet.fleet import (
     Policy,
     default_client_queued,
 )
+from sfnode.head.fleet.model_admission import DEFAULT_MODEL_GRACE_S
 from sfnode.head.fleet.placement import DEFAULT_PREFIX_MAX_SKEW, DEFAULT_PREFIX_WEIGHT, PrefixRule
 from sfnode.head.link import DEFAULT_LEASE
 from sfnode.head.link.machine import DEFAULT_RETRY_MAX_S, DEFAULT_SILENCE_TIMEOUT_S, RETRY_INITIAL_S
+from sfnode.head.models.registry import DEFAULT_MAX_MODEL_BYTES, DEFAULT_MAX_NODE_MODELS
 from sfnode.head.models.text import DEFAULT_TEMPLATE_TIMEOUT_S
 from sfnode.linkf import model_cache
 from sfnode.linkf.fleet_token import read_token
@@ -430,6 +432,30 @@ class Options(usage.Options):
             "native code).",
         ],
         [
+            "model-grace",
+            None,
+            f"{DEFAULT_MODEL_GRACE_S:g}",
+            "Seconds a model that nodes' files brought is still served after its last node "
+            "left (a rolling restart keeps it); then it leaves /v1/models, the metrics and "
+            "memory, and a request naming it gets 404 model_not_found.",
+        ],
+        [
+            "max-node-models",
+            None,
+            str(DEFAULT_MAX_NODE_MODELS),
+            "The most models this head serves with files nodes send (section 12.5 of "
+            "docs/protocol.md); a node naming one more is refused (it stays connected, takes "
+            "no requests, and the head logs why).",
+        ],
+        [
+            "max-model-bytes",
+            None,
+            f"{DEFAULT_MAX_MODEL_BYTES // 1024**2}M",
+            "The most bytes of model files from nodes this head keeps (a tokenizer read from "
+            "them takes several times their size); a node whose files would pass it is "
+            "refused, as with --max-node-models.",
+        ],
+        [
             "pipeline-layers",
             None,
             None,
@@ -559,6 +585,11 @@ class Options(usage.Options):
         )
         self["template-timeout"] = _positive_seconds("template-timeout", self["template-timeout"])
         self["grammar-timeout"] = _positive_seconds("grammar-timeout", self["grammar-timeout"])
+        self["model-grace"] = _seconds("model-grace", self["model-grace"])
+        if self["model-grace"] < 0:
+            raise usage.UsageError("--model-grace must be 0 seconds or more")
+        self["max-node-models"] = non_negative("max-node-models", self["max-node-models"])
+        self["max-model-bytes"] = _size("max-model-bytes", self["max-model-bytes"])
 
     def _check_class_options(self) -> None:
         """The request-class rule, typed, as ``self["class-rule"]`` (a ClassRule)."""
@@ -730,7 +761,11 @@ def head_models(options: Options) -> ModelRegistry:
     from sfnode.head.models.registry import ModelRegistry
     from sfnode.head.models.text import TOKENIZER_FILE, HeadTokenizer, TokenizerLoadError
 
-    registry = ModelRegistry(allow_special_tokens=bool(options["allow-special-tokens"]))
+    registry = ModelRegistry(
+        allow_special_tokens=bool(options["allow-special-tokens"]),
+        max_models=options["max-node-models"],
+        max_bytes=options["max-model-bytes"],
+    )
     name = options["model-name"]
     if options["stages"]:
         return registry
@@ -1034,7 +1069,12 @@ def _fleet(options: Options, registry: ModelRegistry, reactor: Any) -> Fleet:
     """The fleet, admitting nodes by the head's model registry."""
     from sfnode.head.fleet.model_admission import ModelAdmission
 
-    models = ModelAdmission(registry, run=lambda work: _on_a_thread(reactor, work))
+    models = ModelAdmission(
+        registry,
+        run=lambda work: _on_a_thread(reactor, work),
+        clock=reactor,
+        grace_s=options["model-grace"],
+    )
     return Fleet(reactor, options["fleet-settings"], models=models)
 
 
