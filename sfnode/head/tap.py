@@ -1067,6 +1067,7 @@ def _pipeline(options: Options, registry: ModelRegistry, reactor: Any) -> Pipeli
 
 def _fleet(options: Options, registry: ModelRegistry, reactor: Any) -> Fleet:
     """The fleet, admitting nodes by the head's model registry."""
+    from sfnode.head.api.workers import trim_heap
     from sfnode.head.fleet.model_admission import ModelAdmission
 
     models = ModelAdmission(
@@ -1074,6 +1075,7 @@ def _fleet(options: Options, registry: ModelRegistry, reactor: Any) -> Fleet:
         run=lambda work: _on_a_thread(reactor, work),
         clock=reactor,
         grace_s=options["model-grace"],
+        after_drop=lambda: _on_a_thread(reactor, trim_heap),
     )
     return Fleet(reactor, options["fleet-settings"], models=models)
 

@@ -73,10 +73,14 @@ class ModelAdmission:
         *,
         clock: IReactorTime | None = None,
         grace_s: float = DEFAULT_MODEL_GRACE_S,
+        after_drop: Callable[[], object] = lambda: None,
     ) -> None:
         self.registry = registry
         self._run = run
         self._clock = clock
+        self._after_drop = after_drop
+        """Called once a model was dropped (the head gives the freed memory back to the
+        system: a tokenizer's native allocations stay in the C heap otherwise)."""
         self.grace_s = grace_s
         """How long a model whose last node left is kept (``--model-grace``; without a
         clock, for ever)."""
@@ -131,6 +135,7 @@ class ModelAdmission:
                 model=name,
                 grace=self.grace_s,
             )
+            self._after_drop()
 
     def stop(self) -> None:
         """Cancel the drops due (the fleet stops)."""
