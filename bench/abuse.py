@@ -14,13 +14,13 @@ head).  Each scenario prints one row of a Markdown table:
     | scenario | tried | figure | pass condition | result |
 
 with its figure: the status codes the attacker got, the growth of the head's resident memory
-(VmRSS) or of its peak (VmHWM), how long the victim waited, and how late the head answered
-``/healthz`` while an attack ran (each ask on a new connection, every 20 ms: the reactor's
-stalls as a client sees them).  The ``doors-*`` scenarios start nodes of their own (mock
-engines with the bundled model's tokenizer files and a template each) that dial the head's
-fleet port; a head that knows ``--model-grace`` is started with ``--model-grace 2``.  A
-scenario is a coroutine function taking the :class:`Target` and returning a :class:`Row`; add
-one to :data:`SCENARIOS` to add a row.
+(VmRSS, or its highest while a request ran, sampled every 10 ms), how long the victim waited,
+and how late the head answered ``/healthz`` while an attack ran (each ask on a new
+connection, every 20 ms: the reactor's stalls as a client sees them).  The ``doors-*``
+scenarios start nodes of their own (mock engines with the bundled model's tokenizer files and
+a template each) that dial the head's fleet port; a head that knows ``--model-grace`` is
+started with ``--model-grace 2``.  A scenario is a coroutine function taking the
+:class:`Target` and returning a :class:`Row`; add one to :data:`SCENARIOS` to add a row.
 
 ``--baseline DIR`` first runs the same scenarios against the checkout in DIR (its ``sfnode``
 package and twistd plugins first on the processes' ``PYTHONPATH``; for example an export of
@@ -82,12 +82,8 @@ class Target:
     logs: Path = Path(".")
     head_help: str = ""
 
-    def peak_mb(self) -> float:
-        """The head's peak resident memory so far (VmHWM), in MB."""
-        for line in Path(f"/proc/{self.head_pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-        return float("nan")
+    highest: float = 0.0
+    """The highest VmRSS a scenario's sampler saw (:func:`highest_rss`), in MB."""
 
     def rss_mb(self) -> float:
         """The head's resident memory now (VmRSS), in MB."""
@@ -649,6 +645,14 @@ async def doors_logit_bias(target: Target) -> Row:
     )
 
 
+async def highest_rss(target: Target) -> None:
+    """Note the head's highest VmRSS in ``target.highest``, every 10 ms, until cancelled."""
+    target.highest = target.rss_mb()
+    while True:
+        target.highest = max(target.highest, target.rss_mb())
+        await asyncio.sleep(0.01)
+
+
 TEMPLATES = {
     "doubling": '{% set s = namespace(v="x") %}{% for i in range(27) %}{% set s.v = s.v ~ s.v %}'
     "{% endfor %}{{ s.v | length }}{% for m in messages %}{{ m.content }}{% endfor %}",
@@ -660,10 +664,13 @@ TEMPLATES = {
 
 
 def tokenizer_folder(root: Path, name: str, template: str) -> Path:
-    """The bundled model's tokenizer files (3.5 MB) with ``template`` as its chat template."""
-    from sfnode.engines.weights import loading
+    """The bundled model's tokenizer files (3.5 MB) with ``template`` as its chat template,
+    copied from its conversion in the cache (never converted here: a node converts it)."""
+    from sfnode.linkf import model_cache
 
-    source = loading.model_folder(None)[1]
+    source = model_cache.gguf_cache_folder(model_cache.default_gguf())
+    if not (source / "tokenizer.json").exists():
+        raise BenchError(f"no converted bundled model at {source}: start a node once first")
     folder = root / name
     folder.mkdir(parents=True, exist_ok=True)
     for file in ("tokenizer.json", "tokenizer_config.json", "config.json"):
@@ -707,21 +714,19 @@ async def doors_templates(target: Target) -> Row:
     try:
         await until_listed(target, [f"t-{n}" for n in TEMPLATES])
         for name in TEMPLATES:
-            peak = target.peak_mb()
+            body = {
+                "model": f"t-{name}",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+            }
+            rss = target.rss_mb()
+            sampler = asyncio.ensure_future(highest_rss(target))
             replies = [
-                await post_json(
-                    target,
-                    "/v1/chat/completions",
-                    {
-                        "model": f"t-{name}",
-                        "messages": [{"role": "user", "content": "hi"}],
-                        "max_tokens": 2,
-                    },
-                    target.attacker_key,
-                )
-                for _ in range(2)
+                await post_json(target, "/v1/chat/completions", body, target.attacker_key),
+                await post_json(target, "/v1/chat/completions", body, target.attacker_key),
             ]
-            figures.append((name, replies, target.peak_mb() - peak))
+            sampler.cancel()
+            figures.append((name, replies, target.highest - rss))
     finally:
         for node in nodes:
             node.stop()
