@@ -874,7 +874,8 @@ class HttpConnections(WrappingFactory):
 
 class HttpService(ListeningService):
     """The HTTP API's listener; stopping it stops listening, drains the API, then closes the
-    connections gracefully."""
+    connections gracefully.  It runs the probe of the reactor's stalls while it serves
+    (sfnode.head.api.workers.StallProbe, its figures in the API's /metrics)."""
 
     def __init__(
         self,
@@ -895,10 +896,19 @@ class HttpService(ListeningService):
         )
         self.api = api
         self.drain_timeout_s = drain_timeout_s
+        from sfnode.head.api.workers import StallProbe
+
+        self.probe = StallProbe(reactor)
+        api.metrics.watch(self.probe.families)
+
+    def startService(self) -> None:
+        super().startService()
+        self.probe.startService()
 
     def stopService(self) -> defer.Deferred[None]:
         from sfnode.head.api.http import DRAIN_CANCEL_GRACE_S
 
+        self.probe.stopService()
         stopped = super().stopService()
         drained = self.api.drain(self.drain_timeout_s)
         drained.addCallback(lambda _: self.connections.close_all(DRAIN_CANCEL_GRACE_S))
@@ -988,7 +998,6 @@ def makeService(
         error=HeadStartupError,
     )
     add_child(head, "fleet-listen", fleet_listener)
-    add_child(head, "stall-probe", _stall_probe(api, reactor))
     http = server_from_string(reactor, options["http"])
     add_child(head, "http", HttpService(http, api, options["http"], drain_timeout_s, reactor))
     if not options["no-announce"] and not is_loopback_listen(options["fleet-listen"]):
@@ -1014,15 +1023,6 @@ def _api(options: Options, registry: ModelRegistry, backend: Any, reactor: Any) 
         template_timeout_s=options["template-timeout"],
         grammar_timeout_s=options["grammar-timeout"],
     )
-
-
-def _stall_probe(api: OpenAIApi, reactor: Any) -> service.Service:
-    """The probe of the reactor's stalls, its figures in ``api``'s /metrics."""
-    from sfnode.head.api.workers import StallProbe
-
-    probe = StallProbe(reactor)
-    api.metrics.watch(probe.families)
-    return probe
 
 
 def _pipeline(options: Options, registry: ModelRegistry, reactor: Any) -> PipelineFleet:

@@ -19,14 +19,14 @@ verdicts, or let a grammar the library refused reach a node.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
-from typing import Protocol, TypeVar
+from collections.abc import Hashable
 
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
 from twisted.python.failure import Failure
 
 from sfnode.decoding.constraint import ConstraintError, check_grammar
+from sfnode.head.api.exchange import Runner
 from sfnode.linkf.wire import Grammar, ToolsGrammar
 from sfnode.runtime.http_guard import HttpError, clip
 
@@ -35,20 +35,8 @@ DEFAULT_GRAMMAR_TIMEOUT_S = 2.0
 MAX_VERDICTS = 1024
 """Grammars whose verdict is kept (the least recently used go first)."""
 
-_T = TypeVar("_T")
 Verdict = tuple[str, str | None] | None
 """None: the library can enforce the grammar; else (message, code) of the 400 that refuses it."""
-
-
-class Runner(Protocol):
-    def run(
-        self,
-        work: Callable[[], _T],
-        client: Hashable = "",
-        *,
-        budget_s: float | None = None,
-        refusal: Callable[[], HttpError] | None = None,
-    ) -> Deferred[_T]: ...
 
 
 def param_of(grammar: Grammar) -> str:
