@@ -1,5 +1,9 @@
 """Abuse of the head's HTTP front door, tried against real processes: a walk around the API key,
-and one client taking everyone's share (issue 19, items 1 and 4).
+and one client taking everyone's share (issue 19, items 1 and 4); and the surfaces agents
+brought (issue 30, the ``doors-*`` scenarios): a stored response continued by another key, a
+grammar that takes seconds to compile, a Responses input of 118k items, a ``logit_bias`` key of
+5,000 digits, hostile chat templates sent by nodes, model files outliving their nodes, and the
+response store's memory.
 
 Starts ``twistd sfnode --engine mock`` (8 lanes, 5 ms a token) and a keyed ``twistd sfhead``
 (two API keys: the attacker's and the victim's, ``--max-key-requests 64``) on loopback, as an
@@ -10,7 +14,12 @@ head).  Each scenario prints one row of a Markdown table:
     | scenario | tried | figure | pass condition | result |
 
 with its figure: the status codes the attacker got, the growth of the head's resident memory
-(VmRSS), and how long the victim waited.  A scenario is a coroutine function taking the
+(VmRSS, or its highest while a request ran, sampled every 10 ms), how long the victim waited,
+and how late the head answered ``/healthz`` while an attack ran (each ask on a new
+connection, every 20 ms: the reactor's stalls as a client sees them).  The ``doors-*``
+scenarios start nodes of their own (mock engines with the bundled model's tokenizer files and
+a template each) that dial the head's fleet port; a head that knows ``--model-grace`` is
+started with ``--model-grace 2``.  A scenario is a coroutine function taking the
 :class:`Target` and returning a :class:`Row`; add one to :data:`SCENARIOS` to add a row.
 
 ``--baseline DIR`` first runs the same scenarios against the checkout in DIR (its ``sfnode``
@@ -40,7 +49,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _fleetproc import BenchError, Row, child_env, cpu_name, fleet_children, guard_children
+from _fleetproc import (
+    BenchError,
+    Child,
+    Row,
+    child_env,
+    cpu_name,
+    fleet_children,
+    guard_children,
+    twistd,
+)
 
 ATTACKER = "127.0.0.1"
 VICTIM = "127.0.0.2"
@@ -51,12 +69,21 @@ LANES = 8
 
 @dataclass
 class Target:
-    """The head under attack: its port, its process and the API keys."""
+    """The head under attack: its port, its process and the API keys; for the scenarios that
+    start nodes of their own, the head's fleet port, the processes' environment, the folder
+    for their logs and the options the head knows."""
 
     port: int
     head_pid: int
     attacker_key: str
     victim_key: str
+    fleet_port: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+    logs: Path = Path(".")
+    head_help: str = ""
+
+    highest: float = 0.0
+    """The highest VmRSS a scenario's sampler saw (:func:`highest_rss`), in MB."""
 
     def rss_mb(self) -> float:
         """The head's resident memory now (VmRSS), in MB."""
@@ -425,6 +452,367 @@ async def unread_streams(target: Target) -> Row:
     )
 
 
+# --- issue 30: the surfaces agents brought -------------------------------------------------------
+
+
+async def post_json(
+    target: Target, path: str, body: Any, key: str | None, bind: str = ATTACKER
+) -> Reply:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return await exchange(target.port, request_bytes("POST", path, data, key=key), bind)
+
+
+class Watch:
+    """The victim's view of the head while an attack runs: ``/healthz`` asked every 20 ms on a
+    new connection (the longest answer), and a streamed chat completion (the longest gap
+    between two pieces of it)."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.longest_health = 0.0
+        self.longest_gap = 0.0
+        self._stop = False
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.ensure_future(self._health()), asyncio.ensure_future(self._stream())]
+
+    async def stop(self) -> None:
+        self._stop = True
+        await asyncio.gather(*self._tasks)
+
+    async def _health(self) -> None:
+        while not self._stop:
+            reply = await exchange(self.target.port, request_bytes("GET", "/healthz"), VICTIM, 60)
+            self.longest_health = max(self.longest_health, reply.seconds)
+            await asyncio.sleep(0.02)
+
+    async def _stream(self) -> None:
+        body = chat("a long answer", 100_000, stream=True, temperature=1)
+        data = request_bytes("POST", "/v1/chat/completions", body, key=self.target.victim_key)
+        reader, writer = await connect(self.target.port, VICTIM)
+        writer.write(data)
+        last = time.perf_counter()
+        try:
+            while not self._stop:
+                piece = await reader.read(4096)
+                if not piece:
+                    break
+                now = time.perf_counter()
+                self.longest_gap = max(self.longest_gap, now - last)
+                last = now
+        finally:
+            writer.transport.abort()
+
+
+async def reconnects(target: Target) -> float:
+    """``sfhead_reconnects_total`` now (links to nodes that dropped and came back)."""
+    reply = await exchange(
+        target.port, request_bytes("GET", "/metrics", key=target.victim_key), VICTIM
+    )
+    for line in reply.body.decode(errors="replace").splitlines():
+        if line.startswith("sfhead_reconnects_total "):
+            return float(line.split()[1])
+    return float("nan")
+
+
+def slow_schema(prefix: str, count: int = 400) -> dict[str, Any]:
+    """The issue's schema: ``count`` patternProperties (400: 12 s of compiling)."""
+    patterns = {f"^{prefix}{i}[a-z]+$": {"type": "string"} for i in range(count)}
+    return {"type": "object", "patternProperties": patterns}
+
+
+def slow_format(prefix: str) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "n", "schema": slow_schema(prefix)}}
+
+
+async def doors_stored_response(target: Target) -> Row:
+    """Item 1: the victim stores a response; the attacker's key continues it."""
+    body = {"model": MODEL, "input": "the launch code is 0000", "max_output_tokens": 2}
+    first = await post_json(target, "/v1/responses", body, target.victim_key, VICTIM)
+    ident = json.loads(first.body).get("id", "")
+    again = {"model": MODEL, "input": "go on", "max_output_tokens": 2}
+    crossed = await post_json(
+        target, "/v1/responses", {**again, "previous_response_id": ident}, target.attacker_key
+    )
+    unknown = await post_json(
+        target, "/v1/responses", {**again, "previous_response_id": "resp_" + "0" * 32},
+        target.attacker_key,
+    )  # fmt: skip
+    return Row(
+        "doors-stored-response",
+        "key B passes key A's `previous_response_id`; then an unknown id",
+        f"A's id: {crossed.status} {crossed.code}; unknown id: {unknown.status} {unknown.code}",
+        "A's id answered as the unknown one (404)",
+        crossed.status == unknown.status == 404 and crossed.code == unknown.code,
+    )
+
+
+async def doors_grammar(target: Target) -> Row:
+    """Item 2: one completion whose schema has 400 patternProperties, while the victim watches."""
+    before = await reconnects(target)
+    watch = Watch(target)
+    watch.start()
+    await asyncio.sleep(0.5)
+    body = {
+        "model": MODEL,
+        "prompt": [5, 6, 7],
+        "max_tokens": 4,
+        "response_format": slow_format("a"),
+    }
+    attack = await post_json(target, "/v1/completions", body, target.attacker_key)
+    await asyncio.sleep(0.5)
+    await watch.stop()
+    dropped = await reconnects(target) - before
+    return Row(
+        "doors-grammar",
+        "a completion whose `json_schema` has 400 patternProperties; 127.0.0.2 asks /healthz "
+        "every 20 ms and streams",
+        f"attacker {attack.status} {attack.code} in {attack.seconds:.1f} s; /healthz longest "
+        f"{watch.longest_health:.3f} s; stream's longest gap {watch.longest_gap:.3f} s; node "
+        f"link reconnects {dropped:.0f}",
+        "/healthz < 0.05 s, no reconnect",
+        watch.longest_health < 0.05 and dropped == 0,
+    )
+
+
+async def doors_grammar_pool(target: Target) -> Row:
+    """Item 2: two slow-schema chats take the worker pool; the victim's chat is timed."""
+    alone = await victim_chat(target)
+    attacks = [
+        asyncio.ensure_future(
+            post_json(
+                target,
+                "/v1/chat/completions",
+                json.loads(chat("x", 4, response_format=slow_format(prefix))),
+                target.attacker_key,
+            )
+        )
+        for prefix in ("b", "c")
+    ]
+    await asyncio.sleep(0.3)
+    victim = await victim_chat(target)
+    replies = await asyncio.gather(*attacks)
+    return Row(
+        "doors-grammar-pool",
+        "two chats whose schemas have 400 patternProperties; then 127.0.0.2's 8-token chat",
+        f"attacker: {counted(replies)}; victim {victim.status} in {victim.seconds:.2f} s "
+        f"(alone {alone.seconds:.2f} s)",
+        "victim 200 within 0.5 s",
+        victim.status == 200 and victim.seconds < 0.5,
+    )
+
+
+async def doors_responses_input(target: Target) -> Row:
+    """Item 2: a /v1/responses input of 118k items (3.9 MB), while the victim watches."""
+    items = [{"role": "user", "content": "x"}] * 118_000
+    body = json.dumps({"model": MODEL, "input": items, "max_output_tokens": 1}).encode()
+    watch = Watch(target)
+    watch.start()
+    await asyncio.sleep(0.5)
+    attack = await post_json(target, "/v1/responses", body, target.attacker_key)
+    await asyncio.sleep(0.5)
+    await watch.stop()
+    return Row(
+        "doors-responses-input",
+        f"a `/v1/responses` input of 118,000 items ({len(body) / 1e6:.1f} MB); 127.0.0.2 "
+        "asks /healthz every 20 ms and streams",
+        f"attacker {attack.status} {attack.code} in {attack.seconds:.1f} s; /healthz longest "
+        f"{watch.longest_health:.3f} s; stream's longest gap {watch.longest_gap:.3f} s",
+        "/healthz < 0.05 s",
+        watch.longest_health < 0.05,
+    )
+
+
+async def doors_logit_bias(target: Target) -> Row:
+    """Item 3: a logit_bias key of 5,000 digits on the three routes."""
+    bias = {"9" * 5000: 1}
+    replies = [
+        await post_json(target, "/v1/chat/completions", json.loads(chat("x", 2, logit_bias=bias)),
+                        target.attacker_key),
+        await post_json(target, "/v1/completions",
+                        {"model": MODEL, "prompt": "x", "max_tokens": 2, "logit_bias": bias},
+                        target.attacker_key),
+        await post_json(target, "/v1/responses",
+                        {"model": MODEL, "input": "x", "logit_bias": bias}, target.attacker_key),
+    ]  # fmt: skip
+    return Row(
+        "doors-logit-bias",
+        "`logit_bias` with a key of 5,000 digits on chat, completions, responses",
+        ", ".join(str(r.status) for r in replies),
+        "400, 400, 400",
+        all(r.status == 400 for r in replies),
+    )
+
+
+async def highest_rss(target: Target) -> None:
+    """Note the head's highest VmRSS in ``target.highest``, every 10 ms, until cancelled."""
+    target.highest = target.rss_mb()
+    while True:
+        target.highest = max(target.highest, target.rss_mb())
+        await asyncio.sleep(0.01)
+
+
+TEMPLATES = {
+    "doubling": '{% set s = namespace(v="x") %}{% for i in range(27) %}{% set s.v = s.v ~ s.v %}'
+    "{% endfor %}{{ s.v | length }}{% for m in messages %}{{ m.content }}{% endfor %}",
+    "writing": '{% for i in range(3000) %}{{ "y" * 1000 }}{% endfor %}'
+    "{% for m in messages %}{{ m.content }}{% endfor %}",
+    "tojson": "{{ raise_exception | tojson }}{% for m in messages %}{{ m.content }}{% endfor %}",
+}
+"""The hostile chat templates of the issue, as a node sends them."""
+
+
+def tokenizer_folder(root: Path, name: str, template: str) -> Path:
+    """The bundled model's tokenizer files (3.5 MB) with ``template`` as its chat template,
+    copied from its conversion in the cache (never converted here: a node converts it)."""
+    from sfnode.linkf import model_cache
+
+    source = model_cache.gguf_cache_folder(model_cache.default_gguf())
+    if not (source / "tokenizer.json").exists():
+        raise BenchError(f"no converted bundled model at {source}: start a node once first")
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    for file in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        (folder / file).write_bytes((source / file).read_bytes())
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").write_text(template)
+    return folder
+
+
+def dial_in(target: Target, name: str, folder: Path) -> Child:
+    """A mock node serving ``name`` with ``folder``'s files, dialing the head."""
+    argv = twistd(
+        "sfnode", "--engine", "mock", "--model", str(folder), "--model-name", name,
+        "--identity", name, "--join", f"127.0.0.1:{target.fleet_port}",
+    )  # fmt: skip
+    return Child(name, argv, target.env, target.logs / f"{name}.log", False)
+
+
+async def models_listed(target: Target) -> list[str]:
+    reply = await exchange(
+        target.port, request_bytes("GET", "/v1/models", key=target.victim_key), VICTIM
+    )
+    return [entry["id"] for entry in json.loads(reply.body).get("data", [])]
+
+
+async def until_listed(target: Target, names: Sequence[str], timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not set(names) <= set(await models_listed(target)):
+        if time.monotonic() > deadline:
+            raise BenchError(f"the head did not serve {names} within {timeout:.0f} s")
+        await asyncio.sleep(0.3)
+
+
+async def doors_templates(target: Target) -> Row:
+    """Item 4: nodes send hostile chat templates; a chat for each, the head's peak memory."""
+    root = target.logs / "templates"
+    nodes = [dial_in(target, f"t-{n}", tokenizer_folder(root, n, t)) for n, t in TEMPLATES.items()]
+    figures = []
+    try:
+        await until_listed(target, [f"t-{n}" for n in TEMPLATES])
+        for name in TEMPLATES:
+            body = {
+                "model": f"t-{name}",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+            }
+            rss = target.rss_mb()
+            sampler = asyncio.ensure_future(highest_rss(target))
+            replies = [
+                await post_json(target, "/v1/chat/completions", body, target.attacker_key),
+                await post_json(target, "/v1/chat/completions", body, target.attacker_key),
+            ]
+            sampler.cancel()
+            figures.append((name, replies, target.highest - rss))
+    finally:
+        for node in nodes:
+            node.stop()
+    return Row(
+        "doors-templates",
+        "nodes send templates: a string doubled 27 times, 3 MB of output, `tojson` of a "
+        "function; two chats each",
+        "; ".join(f"{n}: {counted(r)}, head peak {g:+.0f} MB" for n, r, g in figures),
+        "no 5xx, each peak < +50 MB",
+        all(r.status < 500 for _, rs, _ in figures for r in rs)
+        and all(g < 50 for _, _, g in figures),
+    )
+
+
+async def metric_series(target: Target, prefix: str) -> int:
+    reply = await exchange(
+        target.port, request_bytes("GET", "/metrics", key=target.victim_key), VICTIM
+    )
+    return sum(1 for line in reply.body.decode().splitlines() if f'model_name="{prefix}' in line)
+
+
+async def doors_model_files(target: Target) -> Row:
+    """Item 5: ten nodes join with distinct 3.5 MB bundles and leave."""
+    root = target.logs / "bundles"
+    names = [f"m-{i}" for i in range(10)]
+    rss = target.rss_mb()
+    for batch in (names[:5], names[5:]):
+        nodes = [
+            dial_in(target, name, tokenizer_folder(root, name, "{{ messages }}" + " " * i))
+            for i, name in enumerate(batch)
+        ]
+        try:
+            await until_listed(target, batch)
+        finally:
+            for node in nodes:
+                node.stop()
+    grace = 2.0 if "--model-grace" in target.head_help else 0.0
+    await asyncio.sleep(grace + 3.0)
+    listed = [n for n in await models_listed(target) if n.startswith("m-")]
+    series = await metric_series(target, "m-")
+    grown = target.rss_mb() - rss
+    return Row(
+        "doors-model-files",
+        "10 nodes join with distinct 3.5 MB bundles and leave"
+        + (" (`--model-grace 2`)" if grace else ""),
+        f"/v1/models lists {len(listed)} of them; {series} metric series; head RSS {grown:+.0f} MB",
+        "none listed, no series",
+        not listed and series == 0,
+    )
+
+
+async def doors_store_memory(target: Target) -> Row:
+    """Item 6: stored responses with large inputs: what the head holds for what it counts.
+
+    Twenty responses first (the head's working memory for such requests reaches its plateau),
+    then the growth of its resident memory over a hundred more, next to their JSON."""
+    items = [{"role": "user", "content": f"hello {i}"} for i in range(9000)]
+    body = json.dumps({"model": MODEL, "input": items, "max_output_tokens": 1}).encode()
+    stored = len(json.dumps([*items, {"role": "assistant", "content": ""}])) / 2**20
+    statuses = []
+    rss = 0.0
+    for count in range(120):
+        if count == 20:
+            rss = target.rss_mb()
+        statuses.append(await post_json(target, "/v1/responses", body, target.attacker_key))
+    grown = target.rss_mb() - rss
+    counted_mb = stored * sum(1 for r in statuses[20:] if r.status == 200)
+    metrics = await exchange(
+        target.port, request_bytes("GET", "/metrics", key=target.victim_key), VICTIM
+    )
+    shown = [
+        line.split()[1]
+        for line in metrics.body.decode().splitlines()
+        if line.startswith("sfhead_responses_stored_bytes ")
+    ]
+    held = f"/metrics {float(shown[0]) / 2**20:.1f} MiB" if shown else "not in /metrics"
+    return Row(
+        "doors-store-memory",
+        "120 stored responses, each an input of 9,000 items; the head's memory over the last 100",
+        f"{counted(statuses)}; last 100: {counted_mb:.1f} MiB of JSON, head RSS {grown:+.0f} "
+        f"MB ({grown / max(counted_mb, 1e-9):.1f} MB per MiB); store {held}",
+        "under 1 MB per MiB of JSON, figure in /metrics",
+        bool(shown) and grown < counted_mb,
+    )
+
+
 Scenario = Callable[[Target], Awaitable[Row]]
 SCENARIOS: list[tuple[str, Scenario]] = [
     ("encoded-path", encoded_path),
@@ -433,6 +821,14 @@ SCENARIOS: list[tuple[str, Scenario]] = [
     ("idle-connections", idle_connections),
     ("bodies-to-healthz", bodies_to_healthz),
     ("unread-streams", unread_streams),
+    ("doors-stored-response", doors_stored_response),
+    ("doors-logit-bias", doors_logit_bias),
+    ("doors-templates", doors_templates),
+    ("doors-store-memory", doors_store_memory),
+    ("doors-model-files", doors_model_files),
+    ("doors-responses-input", doors_responses_input),
+    ("doors-grammar-pool", doors_grammar_pool),
+    ("doors-grammar", doors_grammar),
 ]
 """Every scenario, in the order they run: (name, coroutine function)."""
 
@@ -459,7 +855,7 @@ def attack(
     key_file = logs / "api-keys"
     key_file.write_text(f"{keys['attacker']}\n{keys['victim']}\n")
     node_args = ["--engine", "mock", "--max-lanes", str(LANES),
-                 "--token-delay-ms", str(TOKEN_DELAY_MS)]  # fmt: skip
+                 "--token-delay-ms", str(TOKEN_DELAY_MS), "--max-context", "131072"]  # fmt: skip
     head_args = ["--model-name", MODEL, "--api-key-file", str(key_file),
                  "--max-key-requests", "64", *head_extra]  # fmt: skip
     # PYTHONSAFEPATH: ``python -c`` would otherwise put the working folder (this checkout)
@@ -474,8 +870,23 @@ def attack(
         check=True,
     ).stdout.strip()
     print(f"the processes import {where}", flush=True)
+    head_help = subprocess.run(
+        twistd("sfhead", "--help"), env=env, capture_output=True, text=True, check=True
+    ).stdout
+    if "--model-grace" in head_help:
+        head_args = [*head_args, "--model-grace", "2"]
     with fleet_children(node_args, env, None, logs, head_args) as fleet:
-        target = Target(fleet.port, fleet.head.process.pid, keys["attacker"], keys["victim"])
+        found = fleet.head.wait_for_line(rb"sfhead accepting nodes on 127\.0\.0\.1:(\d+)", 10)
+        target = Target(
+            fleet.port,
+            fleet.head.process.pid,
+            keys["attacker"],
+            keys["victim"],
+            fleet_port=int(found.group(1)),
+            env=env,
+            logs=logs,
+            head_help=head_help,
+        )
         print(f"head VmRSS at start: {target.rss_mb():.0f} MB", flush=True)
         return asyncio.run(run(target, names))
 

@@ -59,7 +59,7 @@ class ThreadlessReactor(MemoryReactorClock):
 class InlineWorkers:
     """The API's workers, run on the spot: rendering is not what these tests are about."""
 
-    def run(self, work: Callable[[], _T]) -> Deferred[_T]:
+    def run(self, work: Callable[[], _T], client: object = "", **budget: Any) -> Deferred[_T]:
         return defer.maybeDeferred(work)
 
     def stop(self) -> None:

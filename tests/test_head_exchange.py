@@ -227,7 +227,7 @@ class _HeldWorkers(InlineWorkers):
     def __init__(self) -> None:
         self.held: list[tuple[Callable[[], Any], Deferred[Any]]] = []
 
-    def run(self, work: Callable[[], _T]) -> Deferred[_T]:
+    def run(self, work: Callable[[], _T], client: object = "", **budget: Any) -> Deferred[_T]:
         done: Deferred[_T] = Deferred()
         self.held.append((work, done))
         return done

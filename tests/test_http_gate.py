@@ -483,9 +483,9 @@ class TemplateTimeoutTests(_HeadOnFolder):
         self,
     ) -> Generator[Any, Any, None]:
         """A model folder whose chat template loops 10**10 times, and --template-timeout 0.5:
-        each of four chat requests (more than the two worker threads) gets a JSON 500
-        template_timeout, and meanwhile and after, /healthz and a token-id completion are
-        served: the template was stopped, no worker is held."""
+        each of four chat requests (more than the two worker threads) gets a JSON 400
+        template_timeout naming the limit, and meanwhile and after, /healthz and a token-id
+        completion are served: the template was stopped, no worker is held."""
         from tests.test_head_text import tiny_folder
 
         folder = tiny_folder(self, template=HANGING_TEMPLATE)
@@ -501,7 +501,7 @@ class TemplateTimeoutTests(_HeadOnFolder):
         self.assertEqual(status, 200)
         for client in clients:
             error = self.assert_json_error(
-                response_of((yield client.ended)), 500, "template_timeout"
+                response_of((yield client.ended)), 400, "template_timeout"
             )
             self.assertIn("--template-timeout", error["message"])
         prompt = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3}

@@ -11,6 +11,8 @@ tests/test_http_agents.py pins against the engine.  No sleeps: every wait is a D
 from __future__ import annotations
 
 import json
+import random
+import sys
 from collections.abc import Generator
 from typing import Any
 
@@ -18,7 +20,7 @@ import jsonschema
 from twisted.internet import defer
 from twisted.trial.unittest import SynchronousTestCase
 
-from sfnode.head.api.responses import ResponseStore
+from sfnode.head.api.responses import ENTRY_BYTES, ResponseStore, pack
 from tests.test_constraint import NESTED
 from tests.test_http import MODEL
 from tests.test_http_agents import TOOLS, AgentsTestCase
@@ -165,7 +167,7 @@ class ResponsesTests(AgentsTestCase):
                 model=MODEL, input=INPUT, store=False, max_output_tokens=2
             )
         )
-        with self.assertRaises(openai.BadRequestError) as caught:
+        with self.assertRaises(openai.NotFoundError) as caught:
             yield self.in_thread(
                 lambda: client.responses.create(
                     model=MODEL, input="more", previous_response_id=unstored.id
@@ -206,17 +208,20 @@ class ResponsesTests(AgentsTestCase):
 
 class StoreTests(SynchronousTestCase):
     def test_the_store_is_bounded_by_count_and_size(self) -> None:
-        """At most max_responses conversations and max_characters of their JSON: the least
+        """At most max_responses conversations and max_bytes of memory held: the least
         recently stored or used go first; one conversation above the size is not kept."""
-        store = ResponseStore(max_responses=2, max_characters=200)
+        entry = ENTRY_BYTES + sys.getsizeof("a")
         turn = ({"role": "user", "content": "x" * 40},)
-        store.put("a", turn)
-        store.put("b", turn)
-        self.assertIsNotNone(store.get("a"))  # a is now the most recent
-        store.put("c", turn)
-        self.assertEqual((store.get("a"), store.get("b")), (turn, None))
-        store.put("d", ({"role": "user", "content": "y" * 500},))
-        self.assertIsNone(store.get("d"))
-        store.put("e", ({"role": "user", "content": "z" * 150},))
+        small = sys.getsizeof(pack(turn)) + entry
+        store = ResponseStore(max_responses=2, max_bytes=2 * small + 50)
+        store.put(None, "a", pack(turn))
+        store.put(None, "b", pack(turn))
+        self.assertIsNotNone(store.get(None, "a"))  # a is now the most recent
+        store.put(None, "c", pack(turn))
+        self.assertEqual((store.get(None, "a"), store.get(None, "b")), (pack(turn), None))
+        noise = bytes(random.Random(1).randrange(256) for _ in range(3 * small))
+        store.put(None, "d", noise)
+        self.assertIsNone(store.get(None, "d"))
+        store.put(None, "e", noise[: small + 40])
         self.assertEqual(len(store), 1)
-        self.assertLessEqual(store.characters, 200)
+        self.assertLessEqual(store.held, 2 * small + 50)

@@ -104,10 +104,11 @@ class ConstraintError(ValueError):
 # 1. From a request to a constraint (the head)
 
 
-def response_format_grammar(response_format: Any) -> Grammar | None:
+def response_format_grammar(response_format: Any, *, check: bool = True) -> Grammar | None:
     """The grammar of OpenAI's ``response_format``: None for ``{"type": "text"}`` (or None),
     :class:`JsonObjectGrammar` for ``json_object``, :class:`JsonSchemaGrammar` for
-    ``json_schema`` (whose ``json_schema.schema`` is required and must compile).
+    ``json_schema`` (whose ``json_schema.schema`` is required and must compile: ``check``
+    false leaves the compiling to the caller, :func:`check_grammar`).
 
     :raises ConstraintError: with ``param`` ``response_format``.
     """
@@ -142,14 +143,16 @@ def response_format_grammar(response_format: Any) -> Grammar | None:
             f"response_format.type must be text, json_object or json_schema, not {kind!r}",
             "response_format",
         )
-    check_grammar(grammar, "response_format")
+    if check:
+        check_grammar(grammar, "response_format")
     return grammar
 
 
 def tools_grammar(
-    tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = None
+    tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = None, *, check: bool = True
 ) -> ToolsGrammar | None:
-    """The grammar of OpenAI's ``tools``, ``tool_choice`` and ``parallel_tool_calls``.
+    """The grammar of OpenAI's ``tools``, ``tool_choice`` and ``parallel_tool_calls``
+    (``check`` false: not compiled here, as in :func:`response_format_grammar`).
 
     None when there are no tools (and ``tool_choice`` is absent or ``none``).  ``tool_choice``
     defaults to ``auto`` with tools; ``none`` still constrains (the output may not open a
@@ -196,7 +199,8 @@ def tools_grammar(
     else:
         raise ConstraintError("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     grammar = ToolsGrammar(_json_text(functions, "tools"), choice, function_name, parallel)
-    check_grammar(grammar, "tools")
+    if check:
+        check_grammar(grammar, "tools")
     return grammar
 
 
@@ -270,7 +274,9 @@ def _token_id(key: Any) -> int | None:
         return None
     if isinstance(key, int):
         return key if key >= 0 else None
-    if isinstance(key, str) and key.isascii() and key.isdigit():
+    # A token id is a u32: at most 10 digits, checked before int() (which refuses more than
+    # 4300 digits with a ValueError, and takes quadratic time below that).
+    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10:
         return int(key)
     return None
 
@@ -278,7 +284,11 @@ def _token_id(key: Any) -> int | None:
 def _number(value: Any, bounds: tuple[float, float], param: str) -> float:
     if value is None:
         return 0.0
-    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or (isinstance(value, float) and math.isnan(value))
+    ):
         raise ConstraintError(f"{param} must be a number", param)
     low, high = bounds
     if not low <= value <= high:

@@ -39,6 +39,7 @@ from twisted.python.failure import Failure
 
 from sfnode.discovery.rules import MAX_HEAD_NAME, SERVICE_TYPE, HeadAnnouncement, valid_head_name
 from sfnode.head.api.gate import GateLimits
+from sfnode.head.api.grammars import DEFAULT_GRAMMAR_TIMEOUT_S
 from sfnode.head.api.request_class import (
     DEFAULT_CLASSES,
     DEFAULT_INTERACTIVE_PROMPT_TOKENS,
@@ -54,9 +55,11 @@ from sfnode.head.fleet.fleet import (
     Policy,
     default_client_queued,
 )
+from sfnode.head.fleet.model_admission import DEFAULT_MODEL_GRACE_S
 from sfnode.head.fleet.placement import DEFAULT_PREFIX_MAX_SKEW, DEFAULT_PREFIX_WEIGHT, PrefixRule
 from sfnode.head.link import DEFAULT_LEASE
 from sfnode.head.link.machine import DEFAULT_RETRY_MAX_S, DEFAULT_SILENCE_TIMEOUT_S, RETRY_INITIAL_S
+from sfnode.head.models.registry import DEFAULT_MAX_MODEL_BYTES, DEFAULT_MAX_NODE_MODELS
 from sfnode.head.models.text import DEFAULT_TEMPLATE_TIMEOUT_S
 from sfnode.linkf import model_cache
 from sfnode.linkf.fleet_token import read_token
@@ -77,6 +80,7 @@ from sfnode.runtime.service import (
 
 if TYPE_CHECKING:
     from sfnode.discovery.dnssd import Announcer
+    from sfnode.head.api.http import OpenAIApi
     from sfnode.head.fleet.pipeline import PipelineFleet
     from sfnode.head.models.registry import ModelRegistry
 
@@ -414,9 +418,42 @@ class Options(usage.Options):
             None,
             f"{DEFAULT_TEMPLATE_TIMEOUT_S:g}",
             "Seconds the model's chat template may take to render one request's messages; "
-            "a template that takes longer is stopped and the request gets 500 "
+            "a template that takes longer is stopped and the request gets 400 "
             "template_timeout (a chat template from an untrusted model file cannot hang the "
             "head).",
+        ],
+        [
+            "grammar-timeout",
+            None,
+            f"{DEFAULT_GRAMMAR_TIMEOUT_S:g}",
+            "Seconds compiling one request's grammar (response_format json_schema, tools) may "
+            "take on the head's workers; a grammar that takes longer gets 400 "
+            "grammar_timeout, at once on a repeat (a schema's compile can take seconds of "
+            "native code).",
+        ],
+        [
+            "model-grace",
+            None,
+            f"{DEFAULT_MODEL_GRACE_S:g}",
+            "Seconds a model that nodes' files brought is still served after its last node "
+            "left (a rolling restart keeps it); then it leaves /v1/models, the metrics and "
+            "memory, and a request naming it gets 404 model_not_found.",
+        ],
+        [
+            "max-node-models",
+            None,
+            str(DEFAULT_MAX_NODE_MODELS),
+            "The most models this head serves with files nodes send (section 12.5 of "
+            "docs/protocol.md); a node naming one more is refused (it stays connected, takes "
+            "no requests, and the head logs why).",
+        ],
+        [
+            "max-model-bytes",
+            None,
+            f"{DEFAULT_MAX_MODEL_BYTES // 1024**2}M",
+            "The most bytes of model files from nodes this head keeps (a tokenizer read from "
+            "them takes several times their size); a node whose files would pass it is "
+            "refused, as with --max-node-models.",
         ],
         [
             "pipeline-layers",
@@ -547,6 +584,12 @@ class Options(usage.Options):
             cors_origins=frozenset(o for o in self["cors-origins"] if o),
         )
         self["template-timeout"] = _positive_seconds("template-timeout", self["template-timeout"])
+        self["grammar-timeout"] = _positive_seconds("grammar-timeout", self["grammar-timeout"])
+        self["model-grace"] = _seconds("model-grace", self["model-grace"])
+        if self["model-grace"] < 0:
+            raise usage.UsageError("--model-grace must be 0 seconds or more")
+        self["max-node-models"] = non_negative("max-node-models", self["max-node-models"])
+        self["max-model-bytes"] = _size("max-model-bytes", self["max-model-bytes"])
 
     def _check_class_options(self) -> None:
         """The request-class rule, typed, as ``self["class-rule"]`` (a ClassRule)."""
@@ -718,7 +761,11 @@ def head_models(options: Options) -> ModelRegistry:
     from sfnode.head.models.registry import ModelRegistry
     from sfnode.head.models.text import TOKENIZER_FILE, HeadTokenizer, TokenizerLoadError
 
-    registry = ModelRegistry(allow_special_tokens=bool(options["allow-special-tokens"]))
+    registry = ModelRegistry(
+        allow_special_tokens=bool(options["allow-special-tokens"]),
+        max_models=options["max-node-models"],
+        max_bytes=options["max-model-bytes"],
+    )
     name = options["model-name"]
     if options["stages"]:
         return registry
@@ -827,7 +874,8 @@ class HttpConnections(WrappingFactory):
 
 class HttpService(ListeningService):
     """The HTTP API's listener; stopping it stops listening, drains the API, then closes the
-    connections gracefully."""
+    connections gracefully.  It runs the probe of the reactor's stalls while it serves
+    (sfnode.head.api.workers.StallProbe, its figures in the API's /metrics)."""
 
     def __init__(
         self,
@@ -848,10 +896,19 @@ class HttpService(ListeningService):
         )
         self.api = api
         self.drain_timeout_s = drain_timeout_s
+        from sfnode.head.api.workers import StallProbe
+
+        self.probe = StallProbe(reactor)
+        api.metrics.watch(self.probe.families)
+
+    def startService(self) -> None:
+        super().startService()
+        self.probe.startService()
 
     def stopService(self) -> defer.Deferred[None]:
         from sfnode.head.api.http import DRAIN_CANCEL_GRACE_S
 
+        self.probe.stopService()
         stopped = super().stopService()
         drained = self.api.drain(self.drain_timeout_s)
         drained.addCallback(lambda _: self.connections.close_all(DRAIN_CANCEL_GRACE_S))
@@ -919,23 +976,10 @@ def makeService(
         reactor = global_reactor
         exit_zero_after_a_clean_stop(reactor)
         progress_bars_only_on_a_terminal()
-    from sfnode.head.api.http import OpenAIApi
-
     registry = head_models(options)
     pipeline = _pipeline(options, registry, reactor) if options["stages"] else None
     fleet = pipeline.fleet if pipeline is not None else _fleet(options, registry, reactor)
-    api = OpenAIApi(
-        reactor,
-        pipeline if pipeline is not None else fleet,
-        None,
-        options["model-name"],
-        models=registry,
-        api_keys=options["api-keys"],
-        limits=options["limits"],
-        class_rule=options["class-rule"],
-        allow_special_tokens=bool(options["allow-special-tokens"]),
-        template_timeout_s=options["template-timeout"],
-    )
+    api = _api(options, registry, pipeline if pipeline is not None else fleet, reactor)
     drain_timeout_s = options["drain-timeout"]
     head = service.MultiService()  # type: ignore[no-untyped-call]
     head.setName("sfhead")  # type: ignore[no-untyped-call]
@@ -960,6 +1004,25 @@ def makeService(
         add_child(head, "announce", _announce(options, fleet_listener, announcer, reactor))
     _log_start(options, registry, fleet if pipeline is None else None)
     return head
+
+
+def _api(options: Options, registry: ModelRegistry, backend: Any, reactor: Any) -> OpenAIApi:
+    """The HTTP API over ``backend`` (the fleet, or the pipeline driver)."""
+    from sfnode.head.api.http import OpenAIApi
+
+    return OpenAIApi(
+        reactor,
+        backend,
+        None,
+        options["model-name"],
+        models=registry,
+        api_keys=options["api-keys"],
+        limits=options["limits"],
+        class_rule=options["class-rule"],
+        allow_special_tokens=bool(options["allow-special-tokens"]),
+        template_timeout_s=options["template-timeout"],
+        grammar_timeout_s=options["grammar-timeout"],
+    )
 
 
 def _pipeline(options: Options, registry: ModelRegistry, reactor: Any) -> PipelineFleet:
@@ -1004,9 +1067,16 @@ def _pipeline(options: Options, registry: ModelRegistry, reactor: Any) -> Pipeli
 
 def _fleet(options: Options, registry: ModelRegistry, reactor: Any) -> Fleet:
     """The fleet, admitting nodes by the head's model registry."""
+    from sfnode.head.api.workers import trim_heap
     from sfnode.head.fleet.model_admission import ModelAdmission
 
-    models = ModelAdmission(registry, run=lambda work: _on_a_thread(reactor, work))
+    models = ModelAdmission(
+        registry,
+        run=lambda work: _on_a_thread(reactor, work),
+        clock=reactor,
+        grace_s=options["model-grace"],
+        after_drop=lambda: _on_a_thread(reactor, trim_heap),
+    )
     return Fleet(reactor, options["fleet-settings"], models=models)
 
 

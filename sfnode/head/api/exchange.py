@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
@@ -110,9 +110,17 @@ class Prepared:
 
 
 class Runner(Protocol):
-    """Runs work off the reactor (the API's :class:`~sfnode.head.api.http.Workers`)."""
+    """Runs work off the reactor, in a client's turn (the API's
+    :class:`~sfnode.head.api.workers.Workers`)."""
 
-    def run(self, work: Callable[[], _T]) -> Deferred[_T]: ...
+    def run(
+        self,
+        work: Callable[[], _T],
+        client: Hashable = "",
+        *,
+        budget_s: float | None = None,
+        refusal: Callable[[], HttpError] | None = None,
+    ) -> Deferred[_T]: ...
 
 
 class Host(Protocol):
@@ -136,11 +144,13 @@ class Host(Protocol):
 
     def prepare(
         self,
-        data: bytes,
+        data: bytes | dict[str, Any],
         chat: bool,
         statuses: Mapping[str, BackendStatus],
         budget: RenderBudget | None = None,
     ) -> Prepared: ...
+
+    def grammar_checked(self, prepared: Prepared, client: Hashable = "") -> Deferred[Prepared]: ...
 
     def unexpected(self, failure: Failure, request: Any = None) -> HttpError: ...
 
@@ -382,12 +392,15 @@ class Exchange:
             if len(data) > api.limits.max_body:
                 raise body_too_large(api.limits.max_body)
             statuses = api.statuses()
+            client = client_of(self.request)
             if self.chat:
                 prepared: Deferred[Prepared] = self._prepare_chat(data, statuses)
             elif len(data) <= INLINE_BODY_BYTES:
                 prepared = defer.maybeDeferred(api.prepare, data, self.chat, statuses)
             else:
-                prepared = api.workers.run(lambda: api.prepare(data, self.chat, statuses))
+                prepared = api.workers.run(lambda: api.prepare(data, self.chat, statuses), client)
+            # The grammar is compiled on the workers, once per grammar, within its time limit.
+            prepared.addCallback(api.grammar_checked, client)
         except Exception:
             # An HttpError is answered as such; anything else as an unexpected failure.
             prepared = defer.fail()
@@ -395,10 +408,11 @@ class Exchange:
         measured.addCallback(self._place).addErrback(self._refused).addErrback(self._unexpected)
 
     def _prepare_chat(
-        self, data: bytes, statuses: Mapping[str, BackendStatus]
+        self, data: bytes | dict[str, Any], statuses: Mapping[str, BackendStatus]
     ) -> Deferred[Prepared]:
-        """Check and render a chat body on a worker, its template's render stopped after
-        ``--template-timeout`` seconds (timed from when the render starts)."""
+        """Check and render a chat body (its bytes, or parsed) on a worker, in its client's
+        turn, its template's render stopped after ``--template-timeout`` seconds (timed from
+        when the render starts)."""
         api = self.api
         timer: list[IDelayedCall] = []
 
@@ -422,7 +436,9 @@ class Exchange:
             return result
 
         budget = RenderBudget(lambda: api.reactor.callFromThread(arm))  # type: ignore[attr-defined]
-        prepared = api.workers.run(lambda: api.prepare(data, True, statuses, budget))
+        prepared = api.workers.run(
+            lambda: api.prepare(data, True, statuses, budget), client_of(self.request)
+        )
         return prepared.addBoth(disarm)
 
     def _place(self, prepared: Prepared) -> None:
@@ -715,6 +731,15 @@ class Exchange:
         self._end_if_idle()
 
 
+def client_of(request: Any) -> Hashable:
+    """Whose turn a request's work runs in on the workers: its API key, else its address (as
+    the fleet's queue counts clients)."""
+    permit = request.permit
+    if permit is not None and permit.key:
+        return ("key", permit.key)
+    return ("address", client_address(request.getClientAddress()))
+
+
 # --------------------------------------------------------------------------------------------
 # Writing an answer
 
@@ -843,6 +868,7 @@ __all__ = [
     "Writer",
     "answer",
     "answer_error",
+    "client_of",
     "finish_reason",
     "measure",
     "request_label",

@@ -49,14 +49,14 @@ from __future__ import annotations
 
 import hmac
 import random
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any
 
+from twisted.internet import defer
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IDelayedCall, IReactorThreads, IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.python.threadpool import ThreadPool
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
@@ -82,6 +82,7 @@ from sfnode.head.api.gate import (
     no_body_here,
     unknown_url,
 )
+from sfnode.head.api.grammars import DEFAULT_GRAMMAR_TIMEOUT_S, GrammarChecks
 from sfnode.head.api.messages import anthropic_error
 from sfnode.head.api.messages_exchange import MessagesExchange
 from sfnode.head.api.metrics import EXPOSITION_CONTENT_TYPE, HeadMetrics
@@ -89,6 +90,7 @@ from sfnode.head.api.request_class import ClassRule
 from sfnode.head.api.responses import ResponseStore
 from sfnode.head.api.responses_exchange import ResponsesExchange
 from sfnode.head.api.schema import CompletionRequest, parse_body, parse_request
+from sfnode.head.api.workers import Workers
 from sfnode.head.fleet.backend import Backend, BackendStatus, GenerationHandle
 from sfnode.head.models.floors import AnswerFloors
 from sfnode.head.models.registry import ModelRegistry, ServedModel
@@ -104,10 +106,8 @@ from sfnode.runtime.http_guard import HttpError, clip
 DRAIN_CANCEL_GRACE_S = 5.0
 """After the drain timeout cancels what still runs: how long the drain waits for those
 generations to end before it gives up on them (the fleet's links are closed next)."""
-WORKER_THREADS = 2
 
 _log = Logger(namespace="sfnode.head.api.http")
-_T = TypeVar("_T")
 
 __all__ = [
     "DRAIN_CANCEL_GRACE_S",
@@ -123,63 +123,6 @@ __all__ = [
     "StopText",
     "Workers",
 ]
-
-
-# --------------------------------------------------------------------------------------------
-# Work off the reactor
-
-
-def trim_heap() -> None:
-    """Give the C heap's free memory back to the system (glibc's ``malloc_trim``; nothing
-    elsewhere).  Tokenizing a prompt of megabytes allocates hundreds of megabytes in the
-    tokenizer's native code; freed, glibc keeps them in the worker thread's arena for good."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim: Any = None
-
-
-class Workers:
-    """A small thread pool of its own for rendering and tokenizing (never the reactor's shared
-    one, so a burst of big prompts cannot starve other thread users).  Started on first use;
-    :meth:`stop` joins its threads."""
-
-    def __init__(self, reactor: IReactorThreads, size: int = WORKER_THREADS) -> None:
-        self._reactor = reactor
-        self._size = size
-        self._pool: ThreadPool | None = None
-
-    def run(self, work: Callable[[], _T]) -> Deferred[_T]:
-        """``work()`` on a worker thread; the C heap is trimmed after it (see
-        :func:`trim_heap`)."""
-        from twisted.internet.threads import deferToThreadPool
-
-        if self._pool is None:
-            self._pool = ThreadPool(minthreads=0, maxthreads=self._size, name="sfhead-text")
-            self._pool.start()
-
-        def run_then_trim() -> _T:
-            try:
-                return work()
-            finally:
-                trim_heap()
-
-        return deferToThreadPool(self._reactor, self._pool, run_then_trim)
-
-    def stop(self) -> None:
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.stop()
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,6 +167,7 @@ class OpenAIApi:
         class_rule: ClassRule | None = None,
         allow_special_tokens: bool = False,
         template_timeout_s: float = DEFAULT_TEMPLATE_TIMEOUT_S,
+        grammar_timeout_s: float = DEFAULT_GRAMMAR_TIMEOUT_S,
         responses: ResponseStore | None = None,
     ) -> None:
         self.reactor: IReactorTime = reactor
@@ -239,24 +183,24 @@ class OpenAIApi:
                 model_name, tokenizer, origin=origin, vocab_size=vocab_size, override=True
             )
         self.template_timeout_s = template_timeout_s
-        """How long one chat-template render may take before it is stopped (500)."""
+        """How long one chat-template render (or one Responses translation) may take."""
         self.model_name = model_name
         """The model of a request that names none."""
         self.new_seed: Callable[[], int] = seed_source or _random_seed
-        """The seed of a request that gives none (sampling is counter-based: a fixed seed
-        would give every such request the same draws)."""
+        """The seed of a request that gives none (a fixed one would repeat the draws)."""
         self.api_keys = tuple(k for k in api_keys if k)
         """The bearer tokens a /v1 request may carry; none: the API is open."""
         self.limits = limits = limits if limits is not None else GateLimits()
         self.allowed_hosts = answered_hosts(limits, self.api_keys)
         self.concurrency = ConcurrencyLimits(limits.max_client_requests, limits.max_key_requests)
         self.workers = workers if workers is not None else Workers(reactor)
+        self.grammars = GrammarChecks(self.workers, grammar_timeout_s)
+        """Each grammar's verdict, compiled on the workers (sfnode.head.api.grammars)."""
         self.class_rule = class_rule if class_rule is not None else ClassRule()
         """How a request that names no class (X-Request-Class) gets one
         (sfnode.head.api.request_class)."""
         self.responses = responses if responses is not None else ResponseStore()
-        """Stored responses, for ``/v1/responses``' ``previous_response_id`` (in memory
-        only: a restart forgets them)."""
+        """Stored responses, for ``previous_response_id`` (in memory only)."""
         self.floors = AnswerFloors()
         """The shortest answer of each grammar per tokenizer (a smaller budget is a 400)."""
         self.exchanges: set[Exchange] = set()
@@ -265,6 +209,7 @@ class OpenAIApi:
         """True once :meth:`drain` started: new completion requests get 503."""
         self._site: GuardedSite | None = None
         self.metrics = metrics if metrics is not None else self._own_metrics()
+        self.metrics.watch(self.responses.families)
         self._drain_waiters: list[Deferred[None]] = []
         self._drain_timer: IDelayedCall | None = None
 
@@ -471,19 +416,21 @@ class OpenAIApi:
 
     def prepare(
         self,
-        data: bytes,
+        data: bytes | dict[str, Any],
         chat: bool,
         statuses: Mapping[str, BackendStatus],
         budget: RenderBudget | None = None,
     ) -> Prepared:
         """Check a body and render its prompt for the model it names (on the reactor or a
         worker thread: it reads only ``statuses``, a snapshot per model, and the renderers);
-        ``budget`` bounds the chat template's render.
+        ``data``: the body's bytes, or the body already parsed (a translated Responses
+        request); ``budget`` bounds the chat template's render.  The request's grammar is not
+        compiled here: :meth:`grammar_checked` does it.
 
         :raises HttpError: anything wrong with the request, an unknown model (404
             ``model_not_found``) and a prompt that cannot fit included.
         """
-        body = parse_body(data)
+        body = parse_body(data) if isinstance(data, bytes) else data
         named = body.get("model")
         served = self.models.get(named) if isinstance(named, str) else None
         if served is None and "model" not in body:
@@ -506,7 +453,9 @@ class OpenAIApi:
             # Not tokenized at all: no window can hold this many characters.
             raise failures.too_many_characters(request.characters, limit, request.prompt_param)
         if request.chat:
-            prompt = renderer.chat(request.messages, budget, request.tools)
+            # What the window cannot hold is not rendered at all (stopped while it renders).
+            cap = renderer.character_bound(limit) if limit is not None else None
+            prompt = renderer.chat(request.messages, budget, request.tools, cap)
         elif request.prompt_text is not None:
             prompt = renderer.completion(request.prompt_text)
         else:
@@ -516,6 +465,14 @@ class OpenAIApi:
         if limit is not None and len(prompt) > limit:
             raise failures.too_long(len(prompt), limit, request.prompt_param)
         return Prepared(request, prompt, model)
+
+    def grammar_checked(self, prepared: Prepared, client: Hashable = "") -> Deferred[Prepared]:
+        """``prepared`` once the grammar library can enforce its grammar (compiled on the
+        workers in ``client``'s turn, once per grammar); fails with the 400 that refuses it."""
+        constraint = prepared.request.constraint
+        if constraint is None or constraint.grammar is None:
+            return defer.succeed(prepared)
+        return self.grammars.check(constraint.grammar, client).addCallback(lambda _: prepared)
 
     def site(self) -> GuardedSite:
         """The twisted.web site that serves this API (with its front door)."""

@@ -19,8 +19,7 @@ from typing import Any
 
 from twisted.internet.defer import Deferred
 
-from sfnode.head.api import bodies
-from sfnode.head.api.exchange import Exchange, Host, Prepared, _Choice
+from sfnode.head.api.exchange import Exchange, Host, Prepared, _Choice, client_of
 from sfnode.head.api.messages import (
     STOP_REASONS,
     MessageBuilder,
@@ -29,6 +28,7 @@ from sfnode.head.api.messages import (
     new_message_id,
     translate,
 )
+from sfnode.head.api.responses import translation_timeout
 from sfnode.head.api.schema import parse_body
 from sfnode.head.fleet.backend import BackendStatus
 from sfnode.head.models.tools import CallEvent
@@ -43,9 +43,24 @@ class MessagesExchange(Exchange):
         self.ident = new_message_id()
 
     def _prepare_chat(
-        self, data: bytes, statuses: Mapping[str, BackendStatus]
+        self, data: bytes | dict[str, Any], statuses: Mapping[str, BackendStatus]
     ) -> Deferred[Prepared]:
-        return super()._prepare_chat(bodies.json_bytes(translate(parse_body(data))), statuses)
+        """Parsed and translated on a worker, in the client's turn, within
+        ``--template-timeout`` (as ``/v1/responses`` is); then checked and rendered as the chat
+        exchange does."""
+        api = self.api
+        seconds = api.template_timeout_s
+
+        def translated() -> dict[str, Any]:
+            return translate(data if isinstance(data, dict) else parse_body(data))
+
+        chat = api.workers.run(
+            translated,
+            client_of(self.request),
+            budget_s=seconds,
+            refusal=lambda: translation_timeout(seconds),
+        )
+        return chat.addCallback(lambda body: Exchange._prepare_chat(self, body, statuses))
 
     def _place(self, prepared: Prepared) -> None:
         self.writer = MessagesWriter(self, MessageBuilder(self.ident, prepared.request.model))

@@ -76,6 +76,11 @@ class HeadMetrics:
         )
         self.registry.register(_StatusCollector(status, open_requests, open_connections, statuses))
 
+    def watch(self, families: Callable[[], Iterable[Metric]]) -> None:
+        """Add the families ``families()`` returns at every scrape (a part of the HTTP layer
+        that keeps figures of its own: the response store, the reactor's stalls)."""
+        self.registry.register(_Families(families))
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -143,6 +148,17 @@ class _StatusCollector(Collector):
             value=status.queue_timeouts,
         )
         yield from gateway_gauges(self._statuses())
+
+
+class _Families(Collector):
+    def __init__(self, families: Callable[[], Iterable[Metric]]) -> None:
+        self._families = families
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families()
 
 
 def _node_families(status: BackendStatus) -> Iterable[Metric]:

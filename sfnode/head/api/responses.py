@@ -1,7 +1,8 @@
 """OpenAI's Responses API (``POST /v1/responses``) as a translation onto chat completions, and
 the bounded store behind ``previous_response_id`` (docs/api.md "/v1/responses").
 
-- :func:`translate` checks a Responses request body and writes the chat completions body that
+- :func:`translate` (on a worker: its cost grows with the input) checks a Responses request
+  body and writes the chat completions body that
   serves it (``input`` items to ``messages``, ``instructions`` to a system turn, function tools
   to chat's shape, ``text.format`` to ``response_format``, ``max_output_tokens`` to
   ``max_completion_tokens``), with a stored response's conversation put before the input;
@@ -14,9 +15,10 @@ the bounded store behind ``previous_response_id`` (docs/api.md "/v1/responses").
   the ``.done`` events, then ``response.completed`` or ``response.incomplete``), each numbered
   by ``sequence_number``.
 - :class:`ResponseStore` keeps stored responses' conversations (the chat messages in, and the
-  answer's output as an assistant turn), at most ``max_responses`` of them and
-  ``max_characters`` of text, the oldest dropped first; it lives in the head's memory only and
-  does not survive a restart.
+  answer's output as an assistant turn), each under the API key that made it (only that key
+  continues it: any other gets the 404 an unknown id gets), packed (compressed JSON), at most
+  ``max_responses`` of them and ``max_bytes`` of memory held, the oldest dropped first; it
+  lives in the head's memory only and does not survive a restart.
 
 This module is pure: it must never tokenize, touch the network, the reactor or a thread, never
 raise anything but :class:`~sfnode.head.api.schema.HttpError` for any JSON value, and never keep
@@ -26,18 +28,22 @@ more than its bounds.
 from __future__ import annotations
 
 import json
+import sys
 import uuid
+import zlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from sfnode.head.api.schema import checked_text
 from sfnode.head.models.tools import ArgumentsDelta, CallDone, CallEvent, CallOpened, Content
 from sfnode.runtime.http_guard import HttpError, clip
 
 DEFAULT_MAX_RESPONSES = 1024
-DEFAULT_MAX_CHARACTERS = 64 * 1024 * 1024
+DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 
 PASSED = frozenset(
     {
@@ -84,11 +90,13 @@ class ResponsesRequest:
     previous_response_id: str | None = None
 
 
-def translate(body: Mapping[str, Any], store: ResponseStore) -> ResponsesRequest:
-    """The chat body of a Responses request (see the module's docstring).
+def translate(body: Mapping[str, Any], found: bytes | None = None) -> ResponsesRequest:
+    """The chat body of a Responses request (see the module's docstring); ``found``: what the
+    store holds under the requester's key for its ``previous_response_id`` (the caller looks
+    it up, :meth:`ResponseStore.get`; None: nothing).
 
-    :raises HttpError: a field wrong or unsupported (400), an unknown ``previous_response_id``
-        (400, as OpenAI answers).
+    :raises HttpError: a field wrong or unsupported (400), a ``previous_response_id`` that is
+        unknown or stored under another key (the same 404 for both).
     """
     _check_fields(body)
     chat: dict[str, Any] = {k: v for k, v in body.items() if k in PASSED}
@@ -96,7 +104,7 @@ def translate(body: Mapping[str, Any], store: ResponseStore) -> ResponsesRequest
     if not isinstance(keep, bool):
         raise HttpError(400, "store must be a boolean", param="store")
     previous = body.get("previous_response_id")
-    messages = (*_history(previous, store), *_input(body.get("input")))
+    messages = (*_history(previous, found), *_input(body.get("input")))
     instructions = body.get("instructions")
     system: list[dict[str, Any]] = []
     if instructions is not None:
@@ -142,22 +150,39 @@ def _check_fields(body: Mapping[str, Any]) -> None:
         )
 
 
-def _history(previous: Any, store: ResponseStore) -> tuple[dict[str, Any], ...]:
+def _history(previous: Any, found: bytes | None) -> tuple[dict[str, Any], ...]:
     """The conversation a ``previous_response_id`` continues (none without one)."""
     if previous is None:
         return ()
     if not isinstance(previous, str):
         raise HttpError(400, "previous_response_id must be a string", param="previous_response_id")
-    found = store.get(previous)
     if found is None:
-        raise HttpError(
-            400,
-            f"Previous response with id '{clip(previous)}' not found (responses are kept "
-            "in the head's memory, only while it runs)",
-            param="previous_response_id",
-            code="previous_response_not_found",
-        )
-    return found
+        raise previous_not_found(previous)
+    return unpack(found)
+
+
+def previous_not_found(previous: str) -> HttpError:
+    """The one answer to a ``previous_response_id`` this key cannot continue: unknown, dropped
+    by the store's bounds, or another key's (no answer tells them apart)."""
+    return HttpError(
+        404,
+        f"Previous response with id '{clip(previous)}' not found (responses are kept "
+        "in the head's memory, only while it runs)",
+        param="previous_response_id",
+        code="previous_response_not_found",
+        outcome="not_found",
+    )
+
+
+def translation_timeout(seconds: float) -> HttpError:
+    """The answer to a request whose parsing and translation took more than ``seconds``."""
+    return HttpError(
+        400,
+        f"translating this input took more than {seconds:g} s (--template-timeout, the limit "
+        "of a request on this server)",
+        param="input",
+        code="translation_timeout",
+    )
 
 
 def _echo(body: Mapping[str, Any], keep: bool) -> dict[str, Any]:
@@ -562,51 +587,102 @@ def event_bytes(event: Mapping[str, Any]) -> bytes:
 # The store
 
 
+Owner = bytes | None
+"""Whom a stored response belongs to: the API key that made it (None on a head without
+keys)."""
+ENTRY_BYTES = 240
+"""What one entry of the store holds beside its packed conversation: the key tuple, the id
+string, the ordered dictionary's node and the entry tuple (CPython 3.11, measured)."""
+
+
+def pack(conversation: Sequence[Mapping[str, Any]]) -> bytes:
+    """A conversation as the store keeps it: its JSON, compressed (a worker's job for a large
+    one: it reads every message)."""
+    return zlib.compress(json.dumps(list(conversation)).encode(), 6)
+
+
+def unpack(data: bytes) -> tuple[dict[str, Any], ...]:
+    """The conversation :func:`pack` packed."""
+    return tuple(json.loads(zlib.decompress(data)))
+
+
 class ResponseStore:
-    """Stored responses' conversations by id, bounded: at most ``max_responses`` and
-    ``max_characters`` of JSON text; the least recently stored or used go first."""
+    """Stored responses' conversations by owner and id, packed (:func:`pack`), bounded: at most
+    ``max_responses`` of them and ``max_bytes`` of memory held (the packed bytes as Python
+    holds them, and :data:`ENTRY_BYTES` each); the least recently stored or used go first.
+
+    Every lookup is one dictionary probe of ``(owner, id)``: another key's response is not
+    found exactly as an unknown id is not, in the same time (no comparison of ids or keys
+    whose duration depends on where they differ)."""
 
     def __init__(
         self,
         max_responses: int = DEFAULT_MAX_RESPONSES,
-        max_characters: int = DEFAULT_MAX_CHARACTERS,
+        max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         self.max_responses = max_responses
-        self.max_characters = max_characters
-        self._entries: OrderedDict[str, tuple[tuple[dict[str, Any], ...], int]] = OrderedDict()
-        self.characters = 0
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple[Owner, str], tuple[bytes, int]] = OrderedDict()
+        self.held = 0
+        """The memory the store holds now, in bytes (``sfhead_responses_stored_bytes``)."""
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, ident: str, conversation: tuple[dict[str, Any], ...]) -> None:
-        size = len(json.dumps(conversation))
-        if size > self.max_characters or self.max_responses <= 0:
+    def put(self, owner: Owner, ident: str, packed: bytes) -> None:
+        """Keep ``packed`` (a conversation :func:`pack` made) as ``owner``'s ``ident``."""
+        size = sys.getsizeof(packed) + sys.getsizeof(ident) + ENTRY_BYTES
+        if size > self.max_bytes or self.max_responses <= 0:
             return
-        old = self._entries.pop(ident, None)
+        entry = (owner, ident)
+        old = self._entries.pop(entry, None)
         if old is not None:
-            self.characters -= old[1]
-        self._entries[ident] = (conversation, size)
-        self.characters += size
-        while len(self._entries) > self.max_responses or self.characters > self.max_characters:
+            self.held -= old[1]
+        self._entries[entry] = (packed, size)
+        self.held += size
+        while len(self._entries) > self.max_responses or self.held > self.max_bytes:
             _, (_, dropped) = self._entries.popitem(last=False)
-            self.characters -= dropped
+            self.held -= dropped
 
-    def get(self, ident: str) -> tuple[dict[str, Any], ...] | None:
-        found = self._entries.get(ident)
+    def get(self, owner: Owner, ident: str) -> bytes | None:
+        """``owner``'s packed conversation ``ident`` (None: unknown, or not ``owner``'s)."""
+        entry = (owner, ident)
+        found = self._entries.get(entry)
         if found is None:
             return None
-        self._entries.move_to_end(ident)
+        self._entries.move_to_end(entry)
         return found[0]
+
+    def families(self) -> list[Metric]:
+        """The store's figures for ``/metrics``."""
+        return [
+            GaugeMetricFamily(
+                "sfhead_responses_stored",
+                "Responses kept for previous_response_id.",
+                value=len(self._entries),
+            ),
+            GaugeMetricFamily(
+                "sfhead_responses_stored_bytes",
+                "Memory the stored responses hold (packed conversations and their entries), "
+                "bounded by the store's size.",
+                value=self.held,
+            ),
+        ]
 
 
 __all__ = [
-    "DEFAULT_MAX_CHARACTERS",
+    "DEFAULT_MAX_BYTES",
     "DEFAULT_MAX_RESPONSES",
+    "ENTRY_BYTES",
+    "Owner",
     "ResponseBuilder",
     "ResponseStore",
     "ResponsesRequest",
     "event_bytes",
     "new_response_id",
+    "pack",
+    "previous_not_found",
     "translate",
+    "translation_timeout",
+    "unpack",
 ]

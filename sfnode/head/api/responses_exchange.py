@@ -10,30 +10,37 @@ when it ends.
 
 This module must never decide anything the chat exchange decides (placement, back-pressure,
 errors, metrics: those stay in :mod:`sfnode.head.api.exchange`), never touch the store from a
-worker thread, and never write to a request once the exchange is done or gone.
+worker thread, never parse or translate a body on the reactor, and never write to a request
+once the exchange is done or gone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 from twisted.internet.defer import Deferred
+from twisted.logger import Logger
 
 from sfnode.head.api import bodies
-from sfnode.head.api.exchange import Exchange, Host, Prepared, _Choice
+from sfnode.head.api.exchange import Exchange, Host, Prepared, _Choice, client_of
 from sfnode.head.api.responses import (
     ResponseBuilder,
     ResponsesRequest,
     ResponseStore,
     event_bytes,
     new_response_id,
+    pack,
     translate,
+    translation_timeout,
 )
 from sfnode.head.api.schema import parse_body
 from sfnode.head.fleet.backend import BackendStatus
 from sfnode.head.models.tools import CallEvent
 from sfnode.runtime.http_guard import HttpError
+
+_log = Logger(namespace="sfnode.head.api.http")
+_T = TypeVar("_T")
 
 
 class ResponsesHost(Host, Protocol):
@@ -51,13 +58,36 @@ class ResponsesExchange(Exchange):
         self.store = api.responses
         self.ident = new_response_id()
         self.translated: ResponsesRequest | None = None
+        permit = request.permit
+        self.owner: bytes | None = permit.key if permit is not None else None
+        """The API key the request came with (None without keys): its stored responses only."""
 
     def _prepare_chat(
-        self, data: bytes, statuses: Mapping[str, BackendStatus]
+        self, data: bytes | dict[str, Any], statuses: Mapping[str, BackendStatus]
     ) -> Deferred[Prepared]:
-        # Translated on the reactor (the store is the reactor's), rendered on a worker.
-        self.translated = translate(parse_body(data), self.store)
-        return super()._prepare_chat(bodies.json_bytes(self.translated.chat), statuses)
+        """Parsed on a worker, the stored conversation it continues read on the reactor (the
+        store is the reactor's), translated on a worker (both in the client's turn, within
+        ``--template-timeout``), then checked and rendered as the chat exchange does."""
+        api = self.api
+        client = client_of(self.request)
+
+        def off_the_reactor(work: Callable[[], _T]) -> Deferred[_T]:
+            seconds = api.template_timeout_s
+            return api.workers.run(
+                work, client, budget_s=seconds, refusal=lambda: translation_timeout(seconds)
+            )
+
+        def look_up(body: dict[str, Any]) -> Deferred[ResponsesRequest]:
+            previous = body.get("previous_response_id")
+            found = self.store.get(self.owner, previous) if isinstance(previous, str) else None
+            return off_the_reactor(lambda: translate(body, found))
+
+        def render(translated: ResponsesRequest) -> Deferred[Prepared]:
+            self.translated = translated
+            return Exchange._prepare_chat(self, translated.chat, statuses)
+
+        parsed = off_the_reactor(lambda: data if isinstance(data, dict) else parse_body(data))
+        return parsed.addCallback(look_up).addCallback(render)
 
     def _place(self, prepared: Prepared) -> None:
         assert self.translated is not None
@@ -108,9 +138,17 @@ class ResponsesWriter:
         return body
 
     def _keep(self) -> None:
-        translated = self.exchange.translated
-        if translated is not None and translated.store:
-            self.store.put(self.exchange.ident, self.builder.conversation())
+        """Store the conversation, packed on a worker (it reads every message), kept on the
+        reactor."""
+        x = self.exchange
+        translated = x.translated
+        if translated is None or not translated.store:
+            return
+        conversation = self.builder.conversation()
+        packed = x.api.workers.run(lambda: pack(conversation))
+        packed.addCallback(lambda data: self.store.put(x.owner, x.ident, data)).addErrback(
+            lambda failure: _log.failure("storing {ident} failed", failure, ident=x.ident)
+        )
 
     def failed(self, error: HttpError) -> None:
         event = self.builder.event(

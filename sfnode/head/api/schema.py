@@ -11,8 +11,9 @@ believes it got what it did not; unknown fields are refused as OpenAI does.  Log
 honoured: ``logprobs`` and ``top_logprobs`` (0 to 20) on chat, ``logprobs`` (0 to 5) on
 completions, as OpenAI bounds them.  ``response_format``, ``tools`` / ``tool_choice`` /
 ``parallel_tool_calls`` (chat), ``logit_bias`` and the penalties become the request's
-:class:`~sfnode.linkf.wire.Constraint` (docs/protocol.md section 12.3), checked here with the
-grammar library (:mod:`sfnode.decoding.constraint`), before any node is asked.  The lists are
+:class:`~sfnode.linkf.wire.Constraint` (docs/protocol.md section 12.3), checked here
+(:mod:`sfnode.decoding.constraint`); its grammar is compiled by the caller, off the reactor
+(:mod:`sfnode.head.api.grammars`), before any node is asked.  The lists are
 :data:`UNSUPPORTED`, :data:`IGNORED`, :data:`CONSTRAINT_FIELDS` and :data:`TOOL_FIELDS`, and
 docs/operating.md and docs/api.md repeat them.
 
@@ -24,6 +25,7 @@ raise anything but :class:`HttpError` for any JSON value, and never put more tha
 from __future__ import annotations
 
 import json
+import json.scanner
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -50,6 +52,12 @@ MAX_STOP_CHARS = 256
 """The longest stop string (the streamed text holds back that many characters)."""
 MAX_JSON_DEPTH = 32
 """The deepest nesting of a request body; OpenAI's own requests need 6."""
+C_PARSE_VALUES = 20_000
+"""A body with more values than this is parsed without holding the interpreter's lock
+throughout (:func:`_loads`)."""
+MAX_JSON_ITEMS = 10_000
+"""The most items of one array or object in a request body (messages, input items, tools,
+schema properties ...), checked before any field is read."""
 U32_MAX = 0xFFFF_FFFF
 U64_MASK = (1 << 64) - 1
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -66,7 +74,7 @@ def parse_body(data: bytes) -> dict[str, Any]:
     if not data.strip():
         raise HttpError(400, "the request body is empty: send a JSON object")
     try:
-        body = json.loads(data)
+        body = _loads(data)
     except RecursionError as e:
         raise _too_deep() from e
     except UnicodeDecodeError as e:
@@ -79,21 +87,53 @@ def parse_body(data: bytes) -> dict[str, Any]:
     return body
 
 
+def _loads(data: bytes) -> Any:
+    """``json.loads``, or for a body of many values (more than :data:`C_PARSE_VALUES` commas
+    and brackets, counted first) the json module's pure-Python scanner: the C one holds the
+    interpreter's lock for the whole parse (a quarter of a second for 4 MiB of numbers, during
+    which the reactor's thread cannot run), the Python one lets it go every few
+    milliseconds."""
+    values = data.count(b",") + data.count(b"[") + data.count(b"{")
+    if values <= C_PARSE_VALUES:
+        return json.loads(data)
+    decoder = json.JSONDecoder()
+    decoder.scan_once = json.scanner.py_make_scanner(decoder)  # type: ignore[attr-defined]
+    return decoder.decode(data.decode("utf-8"))
+
+
 def _too_deep() -> HttpError:
     return HttpError(400, f"the body is nested more than {MAX_JSON_DEPTH} levels deep")
 
 
-def _check_depth(value: Any) -> None:
-    """Refuse nesting deeper than :data:`MAX_JSON_DEPTH` (iteratively: no recursion)."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
+def _check_depth(body: dict[str, Any]) -> None:
+    """Refuse nesting deeper than :data:`MAX_JSON_DEPTH` and an array or object of more than
+    :data:`MAX_JSON_ITEMS` (iteratively: no recursion), before any field is converted."""
+    stack: list[tuple[Any, int, str]] = [
+        (child, 2, name) for name, child in body.items() if isinstance(child, (dict, list))
+    ]
+    if len(body) > MAX_JSON_ITEMS:
+        raise _too_many(None)
     while stack:
-        item, depth = stack.pop()
+        item, depth, field_name = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise _too_deep()
+        if len(item) > MAX_JSON_ITEMS:
+            raise _too_many(field_name)
         children = item.values() if isinstance(item, dict) else item
         for child in children:
             if isinstance(child, (dict, list)):
-                if depth + 1 > MAX_JSON_DEPTH:
-                    raise _too_deep()
-                stack.append((child, depth + 1))
+                stack.append((child, depth + 1, field_name))
+
+
+def _too_many(field_name: str | None) -> HttpError:
+    where = f"{clip(field_name)} holds" if field_name is not None else "the body holds"
+    return HttpError(
+        400,
+        f"{where} an array or object of more than {MAX_JSON_ITEMS} items (the limit of this "
+        "server)",
+        param=None if field_name is None else clip(field_name),
+        code="too_many_items",
+    )
 
 
 def checked_text(value: str, param: str) -> str:
@@ -213,7 +253,12 @@ def _number(body: Mapping[str, Any], name: str, low: float, high: float) -> floa
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (isinstance(value, float) and math.isnan(value))
+    ):
+        # isnan only of a float: an integer of 400 digits has no float, and must be a 400.
         raise HttpError(400, f"{name} must be a number", param=name)
     if not low <= value <= high:
         raise HttpError(400, f"{name} must be between {low:g} and {high:g}", param=name)
@@ -637,14 +682,19 @@ def _constraint(
 ) -> tuple[Constraint | None, tuple[Mapping[str, Any], ...], bool]:
     """(the constraint, the tools, whether calls may come) of a request: its
     ``response_format``, its tools (chat only) and its sampler controls, each checked here,
-    before any node is asked; a schema the grammar library cannot enforce is a 400 naming the
-    field, never served unconstrained."""
+    before any node is asked; the grammar is compiled by the caller (a schema the grammar
+    library cannot enforce is a 400 naming the field there, never served unconstrained)."""
     try:
-        grammar = response_format_grammar(body.get("response_format"))
+        # Checked here, compiled by the caller (sfnode.head.api.grammars: off the reactor,
+        # within a time limit, once per grammar).
+        grammar = response_format_grammar(body.get("response_format"), check=False)
         tools = None
         if chat:
             tools = tools_grammar(
-                body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
+                body.get("tools"),
+                body.get("tool_choice"),
+                body.get("parallel_tool_calls"),
+                check=False,
             )
         controls = sampler_controls(
             logit_bias=body.get("logit_bias"),

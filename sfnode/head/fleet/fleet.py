@@ -721,8 +721,10 @@ class Fleet:
         self.registry.stopping = False
 
     def stop(self) -> Deferred[None]:
-        """Fail what waits in the queue and close every link."""
+        """Fail what waits in the queue, cancel the models' drops and close every link."""
         self.registry.stopping = True
+        if self.models is not None:
+            self.models.stop()
         self.queue.clear(NoNodeAvailable("the head is stopping"))
         closing = [node.link.close() for node in self.nodes]
         return defer.gatherResults(closing).addCallback(lambda _: None)

@@ -2,7 +2,9 @@
 and 12.5): each link is judged at every handshake by the model it names and the files it
 offers; files the head lacks are fetched once per content hash (BLOB_FETCH and the transfer
 messages) and installed in the registry; a node refused is logged once with the reason and
-left out of placement while it stays connected.
+left out of placement while it stays connected.  A model whose last node left is dropped
+after a grace (``--model-grace``), so that a rolling restart keeps it; nodes past the registry's
+caps on models and bundle bytes are refused as any other.
 
 The rule itself is :meth:`sfnode.head.models.registry.ModelRegistry.judge`; this module only
 joins it to the links.  It must never place, queue or fail a generation, and never keep a
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -26,6 +29,10 @@ from sfnode.linkf.wire import FEATURE_MODEL_FILES
 
 if TYPE_CHECKING:
     from sfnode.head.link import NodeLink
+
+DEFAULT_MODEL_GRACE_S = 30.0
+"""How long a head keeps serving a model (its name, tokenizer and metrics) after its last node
+left, for a rolling restart (``twistd sfhead --model-grace``)."""
 
 _log = Logger(namespace="sfnode.head.models")
 _T = TypeVar("_T")
@@ -46,14 +53,39 @@ def offered_files(link: NodeLink) -> bytes | None:
     return ack.model_files.content_hash
 
 
+def offered_size(link: NodeLink) -> int:
+    """The bytes of the model files ``link``'s node offers (0: none)."""
+    ack = link.hello_ack
+    if ack is None or ack.model_files is None:
+        return 0
+    return ack.model_files.total_len
+
+
 class ModelAdmission:
     """The verdict on each link; ``changed(link)`` is called when one changes after the
     handshake (its files arrived, or their fetch failed).  ``run`` reads a fetched bundle
     into a tokenizer (half a second for a large one: the head runs it on a worker thread)."""
 
-    def __init__(self, registry: ModelRegistry, run: Run = run_here) -> None:
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        run: Run = run_here,
+        *,
+        clock: IReactorTime | None = None,
+        grace_s: float = DEFAULT_MODEL_GRACE_S,
+        after_drop: Callable[[], object] = lambda: None,
+    ) -> None:
         self.registry = registry
         self._run = run
+        self._clock = clock
+        self._after_drop = after_drop
+        """Called once a model was dropped (the head gives the freed memory back to the
+        system: a tokenizer's native allocations stay in the C heap otherwise)."""
+        self.grace_s = grace_s
+        """How long a model whose last node left is kept (``--model-grace``; without a
+        clock, for ever)."""
+        self._leaving: dict[str, IDelayedCall] = {}
+        """The drop of each model whose last node left, due after the grace."""
         self.changed: Callable[[NodeLink], None] = lambda link: None
         self._admitted: dict[NodeLink, bool] = {}
         self._refused: dict[NodeLink, str] = {}
@@ -81,12 +113,36 @@ class ModelAdmission:
         return model is not None and self.registry.get(model) is not None
 
     def forget(self, link: NodeLink) -> None:
-        """``link`` left the fleet."""
+        """``link`` left the fleet; the model it named is dropped after the grace if no node
+        that names it is left."""
         self._admitted.pop(link, None)
         self._refused.pop(link, None)
         for waiting in self._fetching.values():
             if link in waiting:
                 waiting.remove(link)
+        name = link.models[0] if link.models else None
+        if name is None or self._clock is None or name in self._leaving:
+            return
+        if any(other.models[:1] == (name,) for other in self._admitted):
+            return
+        self._leaving[name] = self._clock.callLater(self.grace_s, self._drop, name)
+
+    def _drop(self, name: str) -> None:
+        del self._leaving[name]
+        if self.registry.drop(name):
+            _log.info(
+                "no longer serving {model}: its last node left {grace:g} s ago",
+                model=name,
+                grace=self.grace_s,
+            )
+            self._after_drop()
+
+    def stop(self) -> None:
+        """Cancel the drops due (the fleet stops)."""
+        for call in self._leaving.values():
+            if call.active():
+                call.cancel()
+        self._leaving.clear()
 
     def judge(self, link: NodeLink) -> bool:
         """Judge ``link`` (at its handshake); True when placement may use it now."""
@@ -94,8 +150,11 @@ class ModelAdmission:
             self._admitted[link] = True
             return True
         name = link.models[0]
+        leaving = self._leaving.pop(name, None)
+        if leaving is not None and leaving.active():
+            leaving.cancel()  # a node of the model is back within the grace
         content_hash = offered_files(link)
-        verdict = self.registry.judge(name, content_hash)
+        verdict = self.registry.judge(name, content_hash, offered_size(link))
         if verdict.fetch is not None:
             self._admitted[link] = False
             self._fetch(link, name, verdict.fetch)
@@ -150,6 +209,15 @@ class ModelAdmission:
         ).addErrback(lambda failure: _log.failure("judging {node} failed", failure, node=name))
 
     def _read(self, loaded: LoadedFiles, data: bytes, link: NodeLink, content_hash: bytes) -> None:
+        full = self.registry.room_for(content_hash, loaded.size)
+        if full is not None:
+            # Another bundle was kept while this one was fetched: the cap is judged again.
+            for each in self._fetching.pop(content_hash, []):
+                self._settle(
+                    each, link.models[0] if link.models else "", Verdict(False, reason=full)
+                )
+                self.changed(each)
+            return
         self.registry.keep(content_hash, loaded)
         _log.info(
             "installed the model files {hash} ({size} bytes) from node {node}",
@@ -195,4 +263,11 @@ class ModelAdmission:
             self.changed(each)
 
 
-__all__ = ["ModelAdmission", "Run", "offered_files", "run_here"]
+__all__ = [
+    "DEFAULT_MODEL_GRACE_S",
+    "ModelAdmission",
+    "Run",
+    "offered_files",
+    "offered_size",
+    "run_here",
+]

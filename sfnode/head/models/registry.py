@@ -14,7 +14,11 @@ A model gets into the registry three ways:
   files is refused (it stays connected, never placed on), because one name must mean one
   tokenizer for every node that answers it.
 
-Files are kept once per content hash: two names with the same files share one tokenizer.
+Files are kept once per content hash: two names with the same files share one tokenizer.  A
+model served with nodes' files is dropped (:meth:`ModelRegistry.drop`, its bundle with it when
+no other name uses it) once its last node has left, and the models and bundle bytes that nodes'
+files bring are capped (``max_models``, ``max_bytes``): a node past a cap is refused, with the
+reason, as any other refused node.
 
 This module is pure: it must never do I/O, touch the reactor or a link, or import torch or
 transformers (a tokenizer is built from bytes by the ``load`` function it is given).
@@ -29,6 +33,12 @@ from typing import Any
 
 from sfnode.head.models.text import Renderer
 from sfnode.linkf.model_files import ModelFilesError, short_hash, unpack_bundle
+
+DEFAULT_MAX_NODE_MODELS = 32
+"""The most models a head serves with nodes' files (``twistd sfhead --max-node-models``)."""
+DEFAULT_MAX_MODEL_BYTES = 256 * 1024 * 1024
+"""The most bytes of nodes' model bundles a head keeps (``--max-model-bytes``); a tokenizer
+read from them takes several times their size in memory."""
 
 TokenizerFromFiles = Callable[[Mapping[str, bytes]], Any]
 """Builds a tokenizer (what :class:`~sfnode.head.models.text.Renderer` takes) from a bundle's
@@ -79,6 +89,8 @@ class LoadedFiles:
 
     tokenizer: Any
     vocab_size: int | None
+    size: int = 0
+    """The bundle's bytes (what :attr:`ModelRegistry.max_bytes` counts)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,12 +114,19 @@ class ModelRegistry:
         *,
         allow_special_tokens: bool = False,
         load: TokenizerFromFiles = tokenizer_from_files,
+        max_models: int = DEFAULT_MAX_NODE_MODELS,
+        max_bytes: int = DEFAULT_MAX_MODEL_BYTES,
     ) -> None:
         self.allow_special_tokens = allow_special_tokens
         self._load = load
+        self.max_models = max_models
+        """The most models served with nodes' files (``--max-node-models``)."""
+        self.max_bytes = max_bytes
+        """The most bytes of nodes' bundles kept (``--max-model-bytes``)."""
         self._models: dict[str, ServedModel] = {}
-        self._by_hash: dict[bytes, tuple[Any, int | None]] = {}
-        """Tokenizer and config vocab size of each bundle installed (one copy per hash)."""
+        self._by_hash: dict[bytes, tuple[Any, int | None, int]] = {}
+        """Tokenizer, config vocab size and bytes of each bundle installed (one copy per
+        hash)."""
 
     def serve(
         self,
@@ -144,10 +163,11 @@ class ModelRegistry:
     def __len__(self) -> int:
         return len(self._models)
 
-    def judge(self, name: str, content_hash: bytes | None) -> Verdict:
+    def judge(self, name: str, content_hash: bytes | None, size: int = 0) -> Verdict:
         """Whether a node that names ``name`` and offers the files ``content_hash`` (None: it
-        offers none) may serve it now; a bundle installed before under another name is
-        served at once, without a fetch."""
+        offers none) of ``size`` bytes may serve it now; a bundle installed before under
+        another name is served at once, without a fetch; a name or a bundle past the caps
+        (:attr:`max_models`, :attr:`max_bytes`) is refused."""
         model = self._models.get(name)
         if model is not None and model.override:
             return ADMIT
@@ -168,10 +188,13 @@ class ModelRegistry:
                 f"this head serves {name} with ({short_hash(model.content_hash or b'')}, "
                 f"{model.origin})",
             )
+        full = self._over_caps(name, content_hash, size)
+        if full is not None:
+            return full
         installed = self._by_hash.get(content_hash)
         if installed is None:
             return Verdict(False, fetch=content_hash)
-        tokenizer, vocab_size = installed
+        tokenizer, vocab_size, _ = installed
         self.serve(
             name,
             tokenizer,
@@ -190,6 +213,49 @@ class ModelRegistry:
         if content_hash not in self._by_hash:
             self.keep(content_hash, self.read(data))
 
+    def _over_caps(self, name: str, content_hash: bytes, size: int) -> Verdict | None:
+        """The refusal of a new name or bundle that would pass a cap (None: within them)."""
+        served = self._models.get(name)
+        if (served is None or served.content_hash is None) and self.node_models >= self.max_models:
+            return Verdict(
+                False,
+                reason=f"this head serves {self.node_models} models from nodes' files, its "
+                f"limit (--max-node-models {self.max_models}): {name} is not served",
+            )
+        full = self.room_for(content_hash, size)
+        return None if full is None else Verdict(False, reason=full)
+
+    def room_for(self, content_hash: bytes, size: int) -> str | None:
+        """Why a bundle of ``size`` bytes cannot be kept now (None: it can)."""
+        if content_hash in self._by_hash or self.bundle_bytes + size <= self.max_bytes:
+            return None
+        return (
+            f"its model files ({size} bytes) would pass the bytes of model files this head "
+            f"keeps ({self.bundle_bytes} of --max-model-bytes {self.max_bytes})"
+        )
+
+    def drop(self, name: str) -> bool:
+        """Stop serving ``name`` when nodes' files serve it (the head's own files and the
+        bundled tokenizer stay), and forget its bundle when no other name uses it; True when
+        it was dropped."""
+        model = self._models.get(name)
+        if model is None or model.content_hash is None or model.override or model.provisional:
+            return False
+        del self._models[name]
+        if all(m.content_hash != model.content_hash for m in self._models.values()):
+            self._by_hash.pop(model.content_hash, None)
+        return True
+
+    @property
+    def node_models(self) -> int:
+        """Models served with nodes' files."""
+        return sum(1 for m in self._models.values() if m.content_hash is not None)
+
+    @property
+    def bundle_bytes(self) -> int:
+        """Bytes of the nodes' bundles kept."""
+        return sum(size for _, _, size in self._by_hash.values())
+
     def read(self, data: bytes) -> LoadedFiles:
         """The tokenizer (and config vocabulary size) of the bundle ``data``: the slow half of
         :meth:`install` (half a second for a large tokenizer), which touches nothing of the
@@ -202,11 +268,11 @@ class ModelRegistry:
             tokenizer = self._load(files)
         except Exception as e:
             raise ModelFilesError(f"the model files do not make a tokenizer: {e}") from e
-        return LoadedFiles(tokenizer, vocab_size_of(files))
+        return LoadedFiles(tokenizer, vocab_size_of(files), len(data))
 
     def keep(self, content_hash: bytes, loaded: LoadedFiles) -> None:
         """Keep what :meth:`read` made of the bundle ``content_hash`` (the first copy wins)."""
-        self._by_hash.setdefault(content_hash, (loaded.tokenizer, loaded.vocab_size))
+        self._by_hash.setdefault(content_hash, (loaded.tokenizer, loaded.vocab_size, loaded.size))
 
     @property
     def bundles(self) -> int:
@@ -216,6 +282,8 @@ class ModelRegistry:
 
 __all__ = [
     "ADMIT",
+    "DEFAULT_MAX_MODEL_BYTES",
+    "DEFAULT_MAX_NODE_MODELS",
     "LoadedFiles",
     "ModelRegistry",
     "ServedModel",

@@ -21,7 +21,9 @@ special-token parsing off).  A ``/v1/completions`` string prompt follows the sam
 the operator allows special tokens; token-id prompts are the way to send special ids.
 
 A chat template is code from a model file: :class:`RenderBudget` lets another thread stop a
-render that runs past its time limit, so a hostile template cannot hold a worker for ever.
+render that runs past its time limit, so a hostile template cannot hold a worker for ever, and
+the sandbox (:mod:`sfnode.head.models.sandbox`) bounds every value it builds and the text it
+renders.
 
 This module must never import torch or transformers at import time, never load model weights,
 and never touch the reactor: rendering and tokenizing run on the HTTP layer's worker threads.
@@ -36,11 +38,11 @@ import secrets
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from sfnode.head.models.chat import ChatMessage
+from sfnode.head.models.sandbox import is_limit, render_bounded, template_environment
 from sfnode.head.models.tools import client_texts, masked, template_message, template_messages
 from sfnode.runtime.http_guard import HttpError, clip
 
@@ -60,9 +62,6 @@ SPECIAL_TOKEN_NAMES = (
 
 DEFAULT_TEMPLATE_TIMEOUT_S = 5.0
 """How long one chat-template render may take (``twistd sfhead --template-timeout``)."""
-MAX_TEMPLATE_STRING = 16 * 1024 * 1024
-"""The longest string (or sequence) a chat template may build with ``*`` (a sandboxed template
-can still ask for ``"x" * 10**12``: one C call no time limit can stop)."""
 
 _T = TypeVar("_T")
 
@@ -109,10 +108,15 @@ class TextCodec(Protocol):
         """The tokenizer's special tokens (what ``parse_special`` turns into their ids)."""
 
     def render_chat(
-        self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] | None = None
+        self,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        cap: int | None = None,
     ) -> str:
         """The messages through the chat template, with the assistant's turn opened;
-        ``tools`` for the template's ``tools`` variable (only when :attr:`knows_tools`)."""
+        ``tools`` for the template's ``tools`` variable (only when :attr:`knows_tools`);
+        ``cap``: the most characters the render may build or write
+        (:func:`sfnode.head.models.sandbox.render_bounded`)."""
 
     @property
     def knows_tools(self) -> bool:
@@ -150,84 +154,6 @@ def _clean_up_spaces(text: str) -> str:
     ):  # fmt: skip
         text = text.replace(before, after)
     return text
-
-
-def _template_environment() -> Any:
-    """The jinja2 sandbox chat templates run in, with the helpers transformers gives them."""
-    import jinja2
-    from jinja2 import nodes
-    from jinja2.ext import Extension
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class GenerationTag(Extension):
-        """``{% generation %}...{% endgeneration %}`` (marks the assistant's text for
-        training masks): renders its body unchanged."""
-
-        tags = {"generation"}
-
-        def parse(self, parser: Any) -> list[nodes.Node]:
-            next(parser.stream)
-            body: list[nodes.Node] = parser.parse_statements(
-                ("name:endgeneration",), drop_needle=True
-            )
-            return body
-
-    class Environment(ImmutableSandboxedEnvironment):
-        """The sandbox, with ``*`` and ``**`` bounded: their results are built in one C call
-        that a render's time limit cannot stop."""
-
-        intercepted_binops = frozenset({"*", "**"})
-
-        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-            if operator == "**" and isinstance(right, int) and abs(right) > 1024:
-                raise jinja2.exceptions.SecurityError("the exponent is too large")
-            if operator == "*":
-                for value, times in ((left, right), (right, left)):
-                    if (
-                        isinstance(value, (str, bytes, list, tuple))
-                        and isinstance(times, int)
-                        and len(value) * times > MAX_TEMPLATE_STRING
-                    ):
-                        raise jinja2.exceptions.SecurityError(
-                            f"the template builds a value of more than {MAX_TEMPLATE_STRING} "
-                            "items with *"
-                        )
-            return super().call_binop(context, operator, left, right)
-
-    environment = Environment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[GenerationTag, "jinja2.ext.loopcontrols"],
-    )
-    environment.filters["tojson"] = _tojson
-    environment.globals["raise_exception"] = _raise_exception
-    environment.globals["strftime_now"] = _strftime_now
-    return environment
-
-
-# The helpers transformers gives chat templates.
-
-
-def _raise_exception(message: str) -> None:
-    import jinja2
-
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
 
 
 class HeadTokenizer:
@@ -302,7 +228,7 @@ class HeadTokenizer:
         self._template: Any = None
         if self.chat_template is not None:
             try:
-                self._template = _template_environment().from_string(self.chat_template)
+                self._template = template_environment().from_string(self.chat_template)
             except Exception as e:
                 where = self.folder if self.folder is not None else "the node's files"
                 raise TokenizerLoadError(f"the chat template of {where} is invalid: {e}") from e
@@ -361,18 +287,22 @@ class HeadTokenizer:
         return _knows_tools(self.chat_template)
 
     def render_chat(
-        self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] | None = None
+        self,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        cap: int | None = None,
     ) -> str:
         if self._template is None:
             return plain_chat(messages)
-        rendered: str = self._template.render(
+        return render_bounded(
+            self._template,
+            cap,
             messages=[template_message(m) for m in messages],
             add_generation_prompt=True,
             tools=list(tools) if tools else None,
             documents=None,
             **self.special_tokens,
         )
-        return rendered
 
 
 class TransformersCodec:
@@ -419,8 +349,12 @@ class TransformersCodec:
         return _knows_tools(getattr(self.tokenizer, "chat_template", None))
 
     def render_chat(
-        self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] | None = None
+        self,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        cap: int | None = None,
     ) -> str:
+        # transformers' own sandbox renders here (tests only): the cap is not enforced.
         if not getattr(self.tokenizer, "chat_template", None):
             return plain_chat(messages)
         return str(
@@ -604,15 +538,18 @@ class Renderer:
         messages: Sequence[ChatMessage],
         budget: RenderBudget | None = None,
         tools: Sequence[Mapping[str, Any]] = (),
+        cap: int | None = None,
     ) -> list[int]:
         """The prompt of ``messages``: the chat template's text, with the template's special
         tokens as their ids and the messages' text as text (a special token spelled out in a
         message is the tokens of its characters).  ``budget``: the render's time limit.
         ``tools`` (and the history's calls and results) go to a template that knows tools,
         else through the generic rendering (:func:`sfnode.head.models.tools.template_messages`).
+        ``cap``: the most characters the template may build or render (what the window can
+        hold; None: the sandbox's own bound).
 
-        :raises HttpError: 400 when the template refuses the messages, 500 when it ran out of
-            time.
+        :raises HttpError: 400 when the template refuses the messages, passes ``cap`` or runs
+            out of time (each naming the limit).
         """
         messages, rendered_tools = template_messages(messages, tools, self.codec.knows_tools)
         pattern = self._special_re
@@ -620,7 +557,7 @@ class Renderer:
             pattern.search(text) for m in messages for text in client_texts(m)
         ):
             # Every special token in the text is the template's own.
-            text = self._render(messages, budget, rendered_tools)
+            text = self._render(messages, budget, rendered_tools, cap)
             return self.codec.encode(text, special=False, parse_special=True)
         # Render with each spelled-out special token masked by a placeholder no client can
         # guess, cut the text at the template's special tokens (the only ones left), and
@@ -632,7 +569,7 @@ class Renderer:
         def mask(content: str) -> str:
             return pattern.sub(lambda m: f"\ue000{nonce}.{index[m.group()]}\ue001", content)
 
-        text = self._render([masked(m, mask) for m in messages], budget, rendered_tools)
+        text = self._render([masked(m, mask) for m in messages], budget, rendered_tools, cap)
         placeholder = re.compile("\ue000" + nonce + r"\.(\d+)\ue001")
         if nonce in placeholder.sub("", text):
             raise HttpError(
@@ -661,29 +598,38 @@ class Renderer:
         messages: Sequence[ChatMessage],
         budget: RenderBudget | None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        cap: int | None = None,
     ) -> str:
         try:
             if budget is None:
-                return self.codec.render_chat(messages, tools)
-            return budget.run(lambda: self.codec.render_chat(messages, tools))
+                return self.codec.render_chat(messages, tools, cap)
+            return budget.run(lambda: self.codec.render_chat(messages, tools, cap))
         except RenderStopped as e:
             raise HttpError(
-                500,
-                "the model's chat template did not finish rendering these messages in time "
-                "(--template-timeout) and was stopped; the server's operator should check the "
-                "model's chat template",
-                kind="server_error",
+                400,
+                "the model's chat template did not finish rendering these messages within "
+                "the time a request may take (--template-timeout) and was stopped",
+                param="messages",
                 code="template_timeout",
-                outcome="error",
             ) from e
+        except HttpError:
+            raise
         except Exception as e:
             from jinja2 import TemplateError
 
-            if not isinstance(e, TemplateError):
-                raise
+            if isinstance(e, TemplateError) and is_limit(e):
+                raise HttpError(
+                    400,
+                    f"{clip(str(e), 200)}: the limit of a request on this server",
+                    param="messages",
+                    code="template_limit",
+                ) from e
+            # The template's own refusal (raise_exception), or a filter or test it called on
+            # these messages failing (a TypeError in its code): its error, never the server's.
+            reason = str(e) if isinstance(e, TemplateError) else f"{type(e).__name__}: {e}"
             raise HttpError(
                 400,
-                f"the model's chat template refused these messages: {clip(str(e), 200)}",
+                f"the model's chat template refused these messages: {clip(reason, 200)}",
                 param="messages",
             ) from e
 
