@@ -108,11 +108,17 @@ class TextCodec(Protocol):
     def specials(self) -> Sequence[SpecialToken]:
         """The tokenizer's special tokens (what ``parse_special`` turns into their ids)."""
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the model's files carry a chat template (without one, chat is refused)."""
+
     def render_chat(
         self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] | None = None
     ) -> str:
         """The messages through the chat template, with the assistant's turn opened;
-        ``tools`` for the template's ``tools`` variable (only when :attr:`knows_tools`)."""
+        ``tools`` for the template's ``tools`` variable (only when :attr:`knows_tools`).
+
+        :raises NoChatTemplate: the model has none (:attr:`has_chat_template` is false)."""
 
     @property
     def knows_tools(self) -> bool:
@@ -127,10 +133,10 @@ class TextCodec(Protocol):
         :mod:`sfnode.head.models.floors`); None for a tokenizer without one."""
 
 
-def plain_chat(messages: Sequence[ChatMessage]) -> str:
-    """The template of a tokenizer without one (test tokenizers): ``<|role|>\\ncontent\\n``
-    per message, then ``<|assistant|>\\n``."""
-    return "".join(f"<|{m.role}|>\n{m.content}\n" for m in messages) + "<|assistant|>\n"
+class NoChatTemplate(Exception):
+    """The model's files carry no chat template: its messages cannot be rendered (there is no
+    rendering of one's own to fall back on: a guessed format gives a model text it was never
+    trained on, and silently worse answers)."""
 
 
 def _token_text(value: Any) -> str | None:
@@ -360,11 +366,15 @@ class HeadTokenizer:
     def knows_tools(self) -> bool:
         return _knows_tools(self.chat_template)
 
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
     def render_chat(
         self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] | None = None
     ) -> str:
         if self._template is None:
-            return plain_chat(messages)
+            raise NoChatTemplate(f"{self.folder or 'the node files'} carry no chat template")
         rendered: str = self._template.render(
             messages=[template_message(m) for m in messages],
             add_generation_prompt=True,
@@ -418,11 +428,15 @@ class TransformersCodec:
     def knows_tools(self) -> bool:
         return _knows_tools(getattr(self.tokenizer, "chat_template", None))
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
     def render_chat(
         self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] | None = None
     ) -> str:
-        if not getattr(self.tokenizer, "chat_template", None):
-            return plain_chat(messages)
+        if not self.has_chat_template:
+            raise NoChatTemplate("the tokenizer carries no chat template")
         return str(
             self.tokenizer.apply_chat_template(
                 [template_message(m) for m in messages],
@@ -613,7 +627,11 @@ class Renderer:
 
         :raises HttpError: 400 when the template refuses the messages, 500 when it ran out of
             time.
+        :raises NoChatTemplate: the model has none (the HTTP layer refuses such a chat before
+            it gets here, naming the model).
         """
+        if not self.codec.has_chat_template:
+            raise NoChatTemplate("the model's files carry no chat template")
         messages, rendered_tools = template_messages(messages, tools, self.codec.knows_tools)
         pattern = self._special_re
         if pattern is None or not any(
@@ -686,6 +704,12 @@ class Renderer:
                 f"the model's chat template refused these messages: {clip(str(e), 200)}",
                 param="messages",
             ) from e
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether chat can be rendered at all (the model's files carry a chat template);
+        completions never need one."""
+        return self.codec.has_chat_template
 
     def completion(self, prompt: str) -> list[int]:
         """A completion's string prompt, with the tokenizer's BOS; a special token spelled out
@@ -783,6 +807,7 @@ __all__ = [
     "DEFAULT_TEMPLATE_TIMEOUT_S",
     "Detokenizer",
     "HeadTokenizer",
+    "NoChatTemplate",
     "RenderBudget",
     "RenderStopped",
     "Renderer",
@@ -794,6 +819,5 @@ __all__ = [
     "TransformersCodec",
     "as_codec",
     "piece_bytes",
-    "plain_chat",
     "token_text",
 ]
