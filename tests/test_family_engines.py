@@ -378,6 +378,71 @@ class RefusedNodeProcessTests(unittest.TestCase):
         self.assertFalse([m for m in models if m != "other"], models)
 
 
+class NoTemplateProcessTests(unittest.TestCase):
+    """A model without a chat template, served by a real ``twistd sfnode`` to a real
+    ``twistd sfhead`` that has no files of its own."""
+
+    timeout = 120
+
+    async def test_chat_is_refused_and_completions_served(self) -> None:
+        """A Qwen2 GGUF written without ``tokenizer.chat_template``: the node converts it and
+        sends the head its files (no template among them); chat on /v1/chat/completions,
+        /v1/responses and /v1/messages is a 400 naming the model and saying it has no chat
+        template, and /v1/completions answers 200 with text."""
+        from io import BytesIO
+
+        from twisted.web.client import Agent, FileBodyProducer, readBody
+        from twisted.web.http_headers import Headers
+
+        from tests.processes import Child, spawn_twistd
+
+        where = Path(self.mktemp()).resolve()
+        where.mkdir(parents=True)
+        path = families.write_gguf(
+            "qwen2", families.folder("qwen2"), where / "bare.gguf", "F32", None
+        )
+        head = spawn_twistd(
+            self, Child("head"), ["sfhead", "--http", LOOPBACK, "--fleet-listen", LOOPBACK]
+        )
+        found = await head.wait_for(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)\n")
+        http = int(found[0].group(1))
+        found = await head.wait_for(rb"sfhead accepting nodes on 127\.0\.0\.1:(\d+)\n")
+        fleet = int(found[0].group(1))
+        spawn_twistd(
+            self,
+            Child("node"),
+            ["sfnode", "--head", f"tcp:127.0.0.1:{fleet}", "--model", str(path),
+             "--cache-dir", str(where / "cache"), "--device", "cpu", "--threads", "1"],
+        )  # fmt: skip
+        await head.wait_for(rb"installed the model files")
+        agent = Agent(reactor)
+
+        async def post(route: str, body: dict[str, Any]) -> tuple[int, Any]:
+            response = await agent.request(
+                b"POST",
+                f"http://127.0.0.1:{http}{route}".encode(),
+                Headers({b"content-type": [b"application/json"]}),
+                FileBodyProducer(BytesIO(json.dumps(body).encode())),
+            )
+            return response.code, json.loads(await readBody(response))
+
+        messages = [{"role": "user", "content": "hello"}]
+        for route, body in [
+            ("/v1/chat/completions", {"model": "bare", "messages": messages}),
+            ("/v1/responses", {"model": "bare", "input": "hello"}),
+            ("/v1/messages", {"model": "bare", "max_tokens": 4, "messages": messages}),
+        ]:
+            code, answer = await post(route, body)
+            self.assertEqual(code, 400, (route, answer))
+            self.assertIn("The model bare has no chat template", answer["error"]["message"])
+        code, answer = await post(
+            "/v1/completions",
+            {"model": "bare", "prompt": PROMPT, "max_tokens": 4, "temperature": 0},
+        )
+        self.assertEqual(code, 200, answer)
+        self.assertEqual(answer["usage"]["completion_tokens"], 4)
+
+
 TOOLS_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n"
     "{{ messages[0]['content'] if messages[0]['role'] == 'system' else 'You help.' }}\n\n"
