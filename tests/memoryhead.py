@@ -129,11 +129,12 @@ class MemoryHeadTestCase(MemoryNodeTestCase):
         nodes: Sequence[MemoryNode] | None = None,
         *,
         fleet_options: dict[str, Any] | None = None,
+        tok: Any = None,
         **api: Any,
     ) -> MemoryHead:
         """A fleet that dialed ``nodes`` (default: every node started), with
-        ``fleet_options`` (:class:`FleetSettings` fields) and ``api``: more OpenAIApi
-        keywords (``limits``, ``api_keys``, ...)."""
+        ``fleet_options`` (:class:`FleetSettings` fields), the tokenizer ``tok`` (default: the
+        tiny one) and ``api``: more OpenAIApi keywords (``limits``, ``api_keys``, ...)."""
         from tests.test_http import MODEL, tokenizer
 
         nodes = self.started if nodes is None else nodes
@@ -141,7 +142,7 @@ class MemoryHeadTestCase(MemoryNodeTestCase):
         head = OpenAIApi(
             self.reactor,
             fleet,
-            tokenizer(),
+            tok if tok is not None else tokenizer(),
             MODEL,
             seed_source=lambda: 7,
             workers=InlineWorkers(),  # type: ignore[arg-type]

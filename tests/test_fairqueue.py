@@ -137,6 +137,8 @@ class FakeLink:
     capacity_at = None
     status = "open"
     request_classes = False
+    hello_ack = None
+    """No HELLO_ACK_F kept: a node that refused nothing (docs/protocol.md D25)."""
 
     def __init__(self, lanes: int) -> None:
         self.name = self.description = "fake"

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -268,9 +267,12 @@ class FamilyEngineTests(unittest.TestCase):
         self.assertGreater(found["sfnode_weights_bytes"], 0.5 * path.stat().st_size)
 
     def test_an_unsupported_architecture_is_refused_by_name(self) -> None:
-        """A GGUF file of an architecture no family reads stops the node's start with one line
-        naming it, before any service exists (a node that cannot run its model never announces
-        itself to a head), and leaves nothing in the model cache."""
+        """A GGUF file of an architecture no family reads is refused at start in one line
+        naming it, and leaves nothing in the model cache; the node it builds holds no model:
+        its HELLO_ACK_F names none, offers no files and carries the refusal (D25), and a
+        generation asked of it anyway is refused with the reason."""
+        from sfnode.generation import EngineRefusal
+
         path = mamba_file(self)
         cache = Path(self.mktemp())
         options = tap.Options()
@@ -278,10 +280,20 @@ class FamilyEngineTests(unittest.TestCase):
             ["--listen", "tcp:0:interface=127.0.0.1", "--model", str(path), "--cache-dir",
              str(cache)]
         )  # fmt: skip
-        with self.assertRaises(tap.NodeStartupError) as caught:
-            tap.makeService(options, reactor)
-        self.assertEqual(str(caught.exception), REFUSED)
+        with capturedLogs() as events:
+            node = tap.makeService(options, reactor)
+        lines = [formatEvent(e) for e in events]
+        self.assertEqual([line for line in lines if "mamba" in line], [REFUSED], lines)
         self.assertFalse([p for p in cache.rglob("*") if p.is_file()])
+        agent = node.getServiceNamed("agent").agent
+        ack = agent.reports.hello_ack()
+        self.assertEqual(
+            (ack.loadable_models, ack.model_files, ack.refused),
+            ((), None, REFUSED.removeprefix("sfnode: ")),
+        )
+        self.assertEqual(agent.reports.status().loadable_models, ())
+        refused = agent.engine.submit(GenerationRequest([1, 2], GenParams(), 4), print)
+        self.failureResultOf(refused.result, EngineRefusal)
 
 
 REFUSED = (
@@ -312,36 +324,43 @@ class RefusedNodeProcessTests(unittest.TestCase):
 
     timeout = 120
 
-    async def test_a_refused_node_never_reaches_its_head(self) -> None:
+    async def test_a_refused_node_shows_as_refused_at_its_head(self) -> None:
         """A node told to join a head (``--head``) with a model of an architecture sfnode
-        does not read exits non-zero with that one line (no traceback) before it dials: the
-        head never logs it joining, and its ``/healthz`` and ``/metrics`` show no node serving
-        (``unavailable``, 0 nodes, no ``sfhead_node_up`` of 1)."""
-        from twisted.internet.utils import getProcessOutputAndValue
+        does not read says so in one line at start (no traceback), then shakes hands naming no
+        model and telling why (D25): the head logs it as refused with the reason, its
+        ``/metrics`` has ``sfhead_node_refused{node,reason}`` 1 and no ``sfhead_node_up`` of
+        1, ``/healthz`` counts no node serving (``unavailable``, 0 nodes) and ``/v1/models``
+        lists no model of the node's."""
         from twisted.web.client import Agent, readBody
 
-        from tests.processes import TWISTD, Child, child_env, spawn_twistd
+        from tests.processes import Child, spawn_twistd
 
         head = spawn_twistd(
             self,
             Child("head"),
-            ["sfhead", "--http", LOOPBACK, "--fleet-listen", LOOPBACK, "--model-name", "mamba"],
+            ["sfhead", "--http", LOOPBACK, "--fleet-listen", LOOPBACK, "--model-name", "other"],
         )
         found = await head.wait_for(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)\n")
         http = int(found[0].group(1))
         found = await head.wait_for(rb"sfhead accepting nodes on 127\.0\.0\.1:(\d+)\n")
         fleet = int(found[0].group(1))
         path = mamba_file(self)
-        out, err, code = await getProcessOutputAndValue(
-            sys.executable,
-            ["-c", TWISTD, "--pidfile=", "-n", "sfnode", "--head", f"tcp:127.0.0.1:{fleet}",
+        node = spawn_twistd(
+            self,
+            Child("node"),
+            ["sfnode", "--head", f"tcp:127.0.0.1:{fleet}", "--identity", "refusing",
              "--model", str(path), "--cache-dir", str(path.parent / "cache"), "--device", "cpu"],
-            env=child_env(),
-            path=str(path.parent),
         )  # fmt: skip
-        text = (out + err).decode(errors="replace")
-        self.assertNotEqual(code, 0, text)
-        self.assertEqual([line for line in text.splitlines() if "mamba" in line], [REFUSED], text)
+        reason = REFUSED.removeprefix("sfnode: ")
+        await head.wait_for(
+            rb"node refusing joined \(dialed in from [^)]*\) refusing its model: "
+            + re.escape(reason.encode())
+            + rb"; it stays connected but serves nothing"
+        )
+        text = bytes(node.output).decode(errors="replace")
+        said = [line for line in text.splitlines() if "mamba" in line]
+        self.assertEqual(len(said), 1, text)
+        self.assertTrue(said[0].endswith(REFUSED), text)
         self.assertNotIn("Traceback", text)
         agent = Agent(reactor)
         response = await agent.request(b"GET", f"http://127.0.0.1:{http}/healthz".encode())
@@ -351,8 +370,77 @@ class RefusedNodeProcessTests(unittest.TestCase):
         )
         response = await agent.request(b"GET", f"http://127.0.0.1:{http}/metrics".encode())
         metrics = (await readBody(response)).decode()
+        self.assertIn(f'sfhead_node_refused{{node="refusing",reason="{reason}"}} 1.0', metrics)
         self.assertNotRegex(metrics, r"sfhead_node_up\{[^}]*\} 1")
-        self.assertNotIn(b"joined", bytes(head.output))
+        response = await agent.request(b"GET", f"http://127.0.0.1:{http}/v1/models".encode())
+        models = [m["id"] for m in json.loads(await readBody(response))["data"]]
+        self.assertNotIn("mamba", models)
+        self.assertFalse([m for m in models if m != "other"], models)
+
+
+class NoTemplateProcessTests(unittest.TestCase):
+    """A model without a chat template, served by a real ``twistd sfnode`` to a real
+    ``twistd sfhead`` that has no files of its own."""
+
+    timeout = 120
+
+    async def test_chat_is_refused_and_completions_served(self) -> None:
+        """A Qwen2 GGUF written without ``tokenizer.chat_template``: the node converts it and
+        sends the head its files (no template among them); chat on /v1/chat/completions,
+        /v1/responses and /v1/messages is a 400 naming the model and saying it has no chat
+        template, and /v1/completions answers 200 with text."""
+        from io import BytesIO
+
+        from twisted.web.client import Agent, FileBodyProducer, readBody
+        from twisted.web.http_headers import Headers
+
+        from tests.processes import Child, spawn_twistd
+
+        where = Path(self.mktemp()).resolve()
+        where.mkdir(parents=True)
+        path = families.write_gguf(
+            "qwen2", families.folder("qwen2"), where / "bare.gguf", "F32", None
+        )
+        head = spawn_twistd(
+            self, Child("head"), ["sfhead", "--http", LOOPBACK, "--fleet-listen", LOOPBACK]
+        )
+        found = await head.wait_for(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)\n")
+        http = int(found[0].group(1))
+        found = await head.wait_for(rb"sfhead accepting nodes on 127\.0\.0\.1:(\d+)\n")
+        fleet = int(found[0].group(1))
+        spawn_twistd(
+            self,
+            Child("node"),
+            ["sfnode", "--head", f"tcp:127.0.0.1:{fleet}", "--model", str(path),
+             "--cache-dir", str(where / "cache"), "--device", "cpu", "--threads", "1"],
+        )  # fmt: skip
+        await head.wait_for(rb"installed the model files")
+        agent = Agent(reactor)
+
+        async def post(route: str, body: dict[str, Any]) -> tuple[int, Any]:
+            response = await agent.request(
+                b"POST",
+                f"http://127.0.0.1:{http}{route}".encode(),
+                Headers({b"content-type": [b"application/json"]}),
+                FileBodyProducer(BytesIO(json.dumps(body).encode())),
+            )
+            return response.code, json.loads(await readBody(response))
+
+        messages = [{"role": "user", "content": "hello"}]
+        for route, body in [
+            ("/v1/chat/completions", {"model": "bare", "messages": messages}),
+            ("/v1/responses", {"model": "bare", "input": "hello"}),
+            ("/v1/messages", {"model": "bare", "max_tokens": 4, "messages": messages}),
+        ]:
+            code, answer = await post(route, body)
+            self.assertEqual(code, 400, (route, answer))
+            self.assertIn("The model bare has no chat template", answer["error"]["message"])
+        code, answer = await post(
+            "/v1/completions",
+            {"model": "bare", "prompt": PROMPT, "max_tokens": 4, "temperature": 0},
+        )
+        self.assertEqual(code, 200, answer)
+        self.assertEqual(answer["usage"]["completion_tokens"], 4)
 
 
 TOOLS_TEMPLATE = (

@@ -186,6 +186,19 @@ class BundleTests(SynchronousTestCase):
         for message in (plain, offered):
             self.assertEqual(decode_message(message.MSG_TYPE, message.payload()), message)
 
+    def test_hello_ack_carries_a_refusal_as_an_eighth_element(self) -> None:
+        """A node that refused its model (D25) names none and writes its reason as an eighth
+        element, after a nil seventh when it offers no files; a head reads the reason back,
+        and a six- or seven-element message as no refusal."""
+        refused = HelloAckF(
+            2, "n", CapacitySummary(), (), 0, LinkFLimits(), refused="GGUF architecture 'x'"
+        )
+        wire = refused.to_wire()
+        self.assertEqual((len(wire), wire[6], wire[7]), (8, None, "GGUF architecture 'x'"))
+        self.assertEqual(decode_message(refused.MSG_TYPE, refused.payload()), refused)
+        plain = HelloAckF(2, "n", CapacitySummary(), ("m",), 0, LinkFLimits())
+        self.assertIsNone(decode_message(plain.MSG_TYPE, plain.payload()).refused)
+
 
 def encode_message_free(obj: Any) -> bytes:
     import msgpack

@@ -21,7 +21,12 @@ from twisted.internet.utils import getProcessOutputAndValue
 from twisted.trial.unittest import SkipTest, SynchronousTestCase, TestCase
 
 from sfnode.head.models.chat import ChatMessage
-from sfnode.head.models.text import HeadTokenizer, Renderer, TransformersCodec
+from sfnode.head.models.text import (
+    HeadTokenizer,
+    NoChatTemplate,
+    Renderer,
+    TransformersCodec,
+)
 from sfnode.runtime.http_guard import HttpError
 from tests.processes import LOOPBACK, Child, child_env, spawn_twistd
 from tests.tinymodel import tiny_tokenizer
@@ -133,6 +138,25 @@ class RendererTests(SynchronousTestCase):
         error = raised.exception
         self.assertEqual((error.status, error.param), (400, "messages"))
         self.assertIn("no tools here", error.message)
+
+    def test_a_model_without_a_template_has_no_chat_rendering(self) -> None:
+        """Files without a chat template (no ``chat_template.jinja``, none in the config): the
+        head's tokenizer and a transformers one both say so, and rendering chat raises
+        ``NoChatTemplate`` rather than guessing a format; a completion's prompt is encoded
+        as with a template."""
+        folder = tiny_folder(self)
+        (folder / "chat_template.jinja").unlink()
+        bare = tiny_tokenizer()
+        bare.chat_template = None
+        for codec in (HeadTokenizer(folder), TransformersCodec(bare)):
+            renderer = Renderer(codec)
+            self.assertFalse(renderer.has_chat_template, codec)
+            with self.assertRaises(NoChatTemplate):
+                renderer.chat([ChatMessage("user", "hello world")])
+            with self.assertRaises(NoChatTemplate):
+                codec.render_chat([ChatMessage("user", "hello world")])
+            self.assertEqual(renderer.completion("hello world"), bare.encode("hello world"), codec)
+        self.assertTrue(Renderer(HeadTokenizer(tiny_folder(self))).has_chat_template)
 
     def test_the_character_bound_holds_for_the_longest_tokens(self) -> None:
         """No text longer than character_bound(window) encodes to window tokens or fewer,

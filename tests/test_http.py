@@ -408,6 +408,51 @@ class ErrorTests(MemoryHeadTestCase):
             self.assertEqual(set(error), {"message", "type", "param", "code"})
             self.assertEqual(error["code"], code)
 
+    def test_a_model_without_a_chat_template_refuses_chat_and_serves_completions(
+        self,
+    ) -> None:
+        """A model whose tokenizer carries no chat template: chat is a 400 naming the model
+        and saying so (``no_chat_template``, ``param: "model"``) on /v1/chat/completions,
+        /v1/responses and /v1/messages (there in Anthropic's shape), streamed or not, and no
+        node generates for it; /v1/completions still answers, its tokens the mock's greedy
+        run of the prompt."""
+        bare = tiny_tokenizer()
+        bare.chat_template = None
+        node = self.start_vocab_node()
+        head = self.start_head([node], tok=bare)
+        said = f"The model {MODEL} has no chat template"
+        chats = [
+            ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES}),
+            ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "stream": True}),
+            ("/v1/responses", {"model": MODEL, "input": "hello world"}),
+            ("/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": MESSAGES}),
+        ]
+        for path, body in chats:
+            code, content = self.call(head, b"POST", path, body)
+            self.assertEqual(code, 400, (path, content))
+            answer = json.loads(content)
+            if path == "/v1/messages":
+                self.assertEqual(answer["type"], "error")
+                self.assertEqual(answer["error"]["type"], "invalid_request_error")
+            else:
+                error = answer["error"]
+                self.assertEqual((error["code"], error["param"]), ("no_chat_template", "model"))
+                self.assertEqual(error["type"], "invalid_request_error")
+            self.assertIn(said, answer["error"]["message"])
+            self.assertIn("/v1/completions", answer["error"]["message"])
+        self.assertEqual(node.engine.statistics().decoded_tokens, 0)
+        code, content = self.call(
+            head,
+            b"POST",
+            "/v1/completions",
+            {"model": MODEL, "prompt": "hello world", "max_tokens": 6, "temperature": 0},
+        )
+        self.assertEqual(code, 200, content)
+        prompt = Renderer(bare).completion("hello world")
+        self.assertEqual(
+            json.loads(content)["choices"][0]["text"], text_of(expected_tokens(prompt, 6))
+        )
+
     def test_a_prompt_too_long_is_context_length_exceeded(self) -> None:
         """A prompt longer than every node's window: 400 with code context_length_exceeded,
         streaming or not; the model list quotes the window."""

@@ -15,6 +15,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 TINY_VOCAB = 512
 TINY_EOS = 2
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+"""The tiny tokenizer's chat template (saved with it, so the head renders chat through it as
+through any model's): ``<|role|>\\ncontent\\n`` per message, then ``<|assistant|>\\n``."""
 _CORPUS = [
     "the quick brown fox jumps over the lazy dog",
     "a node agent serves language models to a fleet head",
@@ -102,7 +110,8 @@ def tiny_llama_random_norms(
 
 
 def tiny_tokenizer(vocab: int = TINY_VOCAB) -> Any:
-    """A byte-level BPE tokenizer trained on a few sentences, as ``PreTrainedTokenizerFast``."""
+    """A byte-level BPE tokenizer trained on a few sentences, as ``PreTrainedTokenizerFast``,
+    with :data:`TINY_CHAT_TEMPLATE` as its chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -116,9 +125,11 @@ def tiny_tokenizer(vocab: int = TINY_VOCAB) -> Any:
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS, trainer=trainer)
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    return tokenizer
 
 
 def save_tiny_model(folder: str | os.PathLike[str], **kwargs: Any) -> Path:

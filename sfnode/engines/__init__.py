@@ -15,6 +15,7 @@ too), named here for the engine's modules.
 """
 
 from sfnode.linkf.model_cache import ModelLoadError as ModelLoadError
+from sfnode.linkf.model_cache import ModelRefused as ModelRefused
 
 WEIGHT_MODES = ("auto", "float32", "bfloat16", "int8", "int4")
 """The values of ``--weights`` (docs/engine.md section 5); here so that ``twistd sfnode --help``

@@ -41,6 +41,12 @@ class ModelLoadError(Exception):
     or the architecture and the cause (the key and its value, where a key is the cause)."""
 
 
+class ModelRefused(ModelLoadError):
+    """The model is read but not supported (an architecture, a ``model_type``, a key or a
+    feature no family computes): the message names it.  A node refused so still tells a head
+    why (docs/protocol.md section 5.2, D25)."""
+
+
 def default_cache_dir() -> Path:
     """``$XDG_CACHE_HOME/sfnode/models`` (``~/.cache/sfnode/models`` without it)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

@@ -1028,7 +1028,9 @@ class ModelFilesOffer(Struct):
 @dataclass(frozen=True, slots=True)
 class HelloAckF(Message):
     """HELLO_ACK_F.  ``model_files`` is the optional seventh element of section 12.5 (None:
-    not written, the six-element message every head reads)."""
+    not written, the six-element message every head reads); ``refused`` the optional eighth of
+    section 5.2 (D25: why the node serves no model; written only when set, after a nil
+    seventh when there are no files)."""
 
     chosen_version: int
     node_identity: str
@@ -1037,6 +1039,7 @@ class HelloAckF(Message):
     feature_flags: int
     limits: LinkFLimits
     model_files: ModelFilesOffer | None = None
+    refused: str | None = None
     MSG_TYPE = MsgType.HELLO_ACK_F
     FIELDS = (
         U16,
@@ -1046,16 +1049,19 @@ class HelloAckF(Message):
         U64,
         LinkFLimits.as_codec(),
         Optional(ModelFilesOffer.as_codec()),
+        Optional(STR),
     )
 
     def to_wire(self) -> list[Any]:
         wire = Struct.to_wire(self)
-        return wire if self.model_files is not None else wire[:6]
+        if self.refused is not None:
+            return wire
+        return wire[:7] if self.model_files is not None else wire[:6]
 
     @classmethod
     def from_wire(cls, obj: Any) -> HelloAckF:
-        if type(obj) is list and len(obj) == 6:
-            obj = [*obj, None]
+        if type(obj) is list and len(obj) in (6, 7):
+            obj = [*obj, *[None] * (8 - len(obj))]
         message: HelloAckF = super(HelloAckF, cls).from_wire(obj)
         return message
 

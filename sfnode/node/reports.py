@@ -31,6 +31,7 @@ from sfnode.linkf.wire import (
 )
 from sfnode.node.capacity import NodeLoad
 from sfnode.node.config import NodeCommon
+from sfnode.node.refused import RefusedEngine
 
 
 class NodeReports:
@@ -74,13 +75,25 @@ class NodeReports:
             max_lanes=self._common.config.max_lanes,
         )
 
+    @property
+    def refused(self) -> str | None:
+        """Why this node serves no model (it refused it at start, D25); None when it serves
+        one."""
+        engine = self._common.engine
+        return engine.reason if isinstance(engine, RefusedEngine) else None
+
+    @property
+    def loadable_models(self) -> tuple[str, ...]:
+        """The model it names: none when it refused its model."""
+        return () if self.refused is not None else (self._common.config.model_name,)
+
     def hello_ack(self) -> HelloAckF:
         files = self._common.model_files
         return HelloAckF(
             chosen_version=PROTO_VERSION,
             node_identity=self._common.config.identity,
             capacity=self.capacity(),
-            loadable_models=(self._common.config.model_name,),
+            loadable_models=self.loadable_models,
             # Every engine reads GenerationRequest.interactive (section 12.2).
             feature_flags=FEATURE_REQUEST_CLASS
             | FEATURE_HEAD_IDENTITY
@@ -94,13 +107,14 @@ class NodeReports:
             model_files=(
                 ModelFilesOffer(files.content_hash, len(files.data)) if files is not None else None
             ),
+            refused=self.refused,
         )
 
     def status(self) -> NodeStatusMsg:
         capacity = self.capacity()
         return NodeStatusMsg(
             capacity=capacity,
-            loadable_models=(self._common.config.model_name,),
+            loadable_models=self.loadable_models,
             mem=MemCountersMsg(
                 pool_blocks_total=capacity.kv_blocks_total,
                 pool_blocks_used=capacity.kv_blocks_used,

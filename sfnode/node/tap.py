@@ -40,6 +40,7 @@ from sfnode.engines.config import (
 from sfnode.linkf.backoff import RetryPolicy, retry_policy
 from sfnode.linkf.fleet_token import default_token_path, read_token
 from sfnode.linkf.handshake import is_loopback_listen, plaintext_refusal
+from sfnode.linkf.model_cache import ModelRefused
 from sfnode.node.config import (
     DEFAULT_DRAIN_TIMEOUT_MS,
     DEFAULT_FENCED_GRACE_MS,
@@ -54,6 +55,7 @@ from sfnode.node.config import (
     DEFAULT_MAX_UNACKED_EVENTS,
     NodeConfig,
 )
+from sfnode.node.refused import RefusedEngine
 from sfnode.runtime.service import (
     DEFAULT_MODEL_NAME,
     ListeningService,
@@ -141,6 +143,17 @@ class NodeStartupError(StartupError):
     A ``SystemExit`` so that ``twistd`` prints the message alone and exits non-zero; an
     embedding program can catch it by this name.
     """
+
+
+class NodeModelRefused(NodeStartupError):
+    """The node's model is one sfnode does not support (docs/engine.md section 5.4): the
+    message names it.  :func:`makeService` starts such a node anyway when it has a head to tell
+    (docs/protocol.md section 5.2, D25)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        """The refusal alone (without the program's name), as the head is told it."""
 
 
 NODE_SERVER_EXAMPLE = "tcp:8454:interface=127.0.0.1 or unix:/run/sfnode.sock"
@@ -639,9 +652,9 @@ def build_engine(reactor: Any, options: Options) -> Engine:
     """The engine that ``options`` choose: the one place where an engine is constructed.
 
     A model sfnode does not support is refused here, in one line naming its architecture (or
-    ``model_type``) and what it lacks, before any service starts: such a node never announces
-    itself to a head (docs/engine.md section 5.4).
+    ``model_type``) and what it lacks, before any service starts (docs/engine.md section 5.4).
 
+    :raises NodeModelRefused: the model is one sfnode does not support.
     :raises NodeStartupError: the transformers engine or its model cannot be loaded.
     """
     config = engine_config(options)
@@ -674,6 +687,8 @@ def build_engine(reactor: Any, options: Options) -> Engine:
             cache_dir=options["cache-dir"],
         )
         stock = None if config.lean_step else loading.load_transformers(loaded)
+    except ModelRefused as e:
+        raise NodeModelRefused(f"sfnode: {e}", str(e)) from e
     except loading.ModelLoadError as e:
         raise NodeStartupError(f"sfnode: {e}") from e
     try:
@@ -994,8 +1009,14 @@ def makeService(
         progress_bars_only_on_a_terminal()
     from sfnode.node.agent import NodeAgent
 
-    engine = build_engine(reactor, options)
-    agent = NodeAgent(reactor, engine, node_config(options), model_files(options))
+    try:
+        engine: Engine = build_engine(reactor, options)
+        files = model_files(options)
+    except NodeModelRefused as refusal:
+        # The one line, then the node tells its head why it serves nothing (D25).
+        log.error("{line}", line=str(refusal))
+        engine, files = RefusedEngine(refusal.reason), None
+    agent = NodeAgent(reactor, engine, node_config(options), files)
 
     node = service.MultiService()  # type: ignore[no-untyped-call]
     node.setName("sfnode")  # type: ignore[no-untyped-call]

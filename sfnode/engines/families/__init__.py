@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from sfnode.engines import ModelLoadError
+from sfnode.engines import ModelLoadError, ModelRefused
 from sfnode.engines.families import gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3
 from sfnode.engines.families.spec import Family, GgufKeys, ModelSpec
 
@@ -32,7 +32,7 @@ def family_of_config(config: Mapping[str, Any]) -> Family:
         if model_type in family.model_types:
             return family
     known = ", ".join(t for f in FAMILIES for t in f.model_types)
-    raise ModelLoadError(f"model_type {model_type!r} is not supported (sfnode reads {known})")
+    raise ModelRefused(f"model_type {model_type!r} is not supported (sfnode reads {known})")
 
 
 def family_of_architecture(arch: Any) -> Family:
@@ -41,7 +41,7 @@ def family_of_architecture(arch: Any) -> Family:
         if arch in family.architectures:
             return family
     known = ", ".join(a for f in FAMILIES for a in f.architectures)
-    raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (sfnode reads {known})")
+    raise ModelRefused(f"GGUF architecture {arch!r} is not supported (sfnode reads {known})")
 
 
 def spec_from_config(

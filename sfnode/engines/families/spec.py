@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sfnode.engines import ModelLoadError
+from sfnode.engines import ModelLoadError, ModelRefused
 from sfnode.engines.families.rope import Rope
 
 NORMS = frozenset({"attn_norm", "attn_post_norm", "mlp_norm", "mlp_post_norm", "q_norm", "k_norm"})
@@ -93,7 +93,7 @@ class ModelSpec:
 
     def refuse(self, what: str) -> ModelLoadError:
         """The error that refuses this model for ``what`` it needs."""
-        return ModelLoadError(f"{self.family}: {what} is not supported")
+        return ModelRefused(f"{self.family}: {what} is not supported")
 
 
 def float32(value: float) -> float:
@@ -117,7 +117,7 @@ class ConfigReader:
         self.config = merged
 
     def refuse(self, key: str, value: Any, why: str = "is not supported") -> ModelLoadError:
-        return ModelLoadError(f"{self.family}: config.json {key} = {value!r} {why}")
+        return ModelRefused(f"{self.family}: config.json {key} = {value!r} {why}")
 
     def get(self, key: str, default: Any = None) -> Any:
         value = self.config.get(key, default)
@@ -181,7 +181,7 @@ class GgufKeys:
         self.read: set[str] = set()
 
     def refuse(self, key: str, value: Any, why: str = "is not supported") -> ModelLoadError:
-        return ModelLoadError(f"{self.arch}: GGUF key {key} = {value!r} {why}")
+        return ModelRefused(f"{self.arch}: GGUF key {key} = {value!r} {why}")
 
     def has(self, name: str) -> bool:
         return f"{self.arch}.{name}" in self.metadata

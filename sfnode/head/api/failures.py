@@ -50,6 +50,19 @@ def _context_exceeded(window: int, what: str, param: str) -> HttpError:
     )
 
 
+def no_chat_template(model: str) -> HttpError:
+    """A chat request (``/v1/chat/completions``, ``/v1/responses``, ``/v1/messages``) for a
+    model whose files carry no chat template: the head never guesses a format (docs/api.md
+    "Models without a chat template")."""
+    return HttpError(
+        400,
+        f"The model {model} has no chat template (its files carry none), so it cannot answer "
+        f"chat requests; /v1/completions serves it with a prompt you format yourself.",
+        param="model",
+        code="no_chat_template",
+    )
+
+
 def budget_too_small(budget: int, shortest: int, param: str) -> HttpError:
     """A constrained request whose budget of ``budget`` tokens is below the ``shortest``
     answer its grammar allows (docs/api.md "Budgets")."""
@@ -151,6 +164,7 @@ __all__ = [
     "fleet_error",
     "internal_error",
     "missing_logprobs",
+    "no_chat_template",
     "too_long",
     "too_many_characters",
     "unavailable",

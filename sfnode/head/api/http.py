@@ -448,6 +448,8 @@ class OpenAIApi:
         status = statuses.get(model.name)
         if status is not None and status.embedding_nodes and not status.serving_nodes:
             raise failures.embeds_only(model.name)
+        if request.chat and not renderer.has_chat_template:
+            raise failures.no_chat_template(model.name)
         limit = status.context_limit if status is not None else None
         if limit is not None and request.characters > renderer.character_bound(limit):
             # Not tokenized at all: no window can hold this many characters.

@@ -22,9 +22,12 @@ from prometheus_client.registry import Collector
 
 from sfnode.head.api.gauges import gateway_gauges
 from sfnode.head.fleet.backend import BackendStatus
+from sfnode.runtime.http_guard import clip
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 EXPOSITION_CONTENT_TYPE = CONTENT_TYPE_LATEST
+REASON_LABEL = 160
+"""The most characters of a refused node's reason ``sfhead_node_refused`` shows."""
 
 _CAPACITY_GAUGES = (
     ("lanes_active", "Lanes decoding now."),
@@ -171,14 +174,23 @@ def _node_families(status: BackendStatus) -> Iterable[Metric]:
         field: GaugeMetricFamily(f"sfhead_node_{field}", text, labels=["node"])
         for field, text in _CAPACITY_GAUGES
     }
+    refused = GaugeMetricFamily(
+        "sfhead_node_refused",
+        "1 for a connected node that refused its model (docs/protocol.md D25), with why.",
+        labels=["node", "reason"],
+    )
     for node in status.nodes:
         up.add_metric([node.name], 1.0 if node.up else 0.0)
+        if node.refused is not None:
+            # One series per refused node, its reason clipped: the cardinality is the nodes'.
+            refused.add_metric([node.name, clip(node.refused, REASON_LABEL)], 1.0)
         sessions.add_metric([node.name], float(node.sessions))
         if node.capacity is None:
             continue
         for field, gauge in gauges.items():
             gauge.add_metric([node.name], float(getattr(node.capacity, field)))
     yield up
+    yield refused
     yield sessions
     yield from gauges.values()
 

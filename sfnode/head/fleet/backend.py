@@ -205,6 +205,8 @@ class NodeReport:
     """Sessions the head placed there and has not ended."""
     capacity: CapacitySummary | None
     """The node's last NODE_STATUS capacity (docs/protocol.md section 7.5); None before one."""
+    refused: str | None = None
+    """Why the node serves no model (its HELLO_ACK_F said so, D25); None when it serves one."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -810,7 +810,8 @@ class Fleet:
             failovers=self.failovers,
             reconnects=self.registry.reconnects,
             nodes=tuple(
-                NodeReport(n.name, n.live, n.sessions, n.link.capacity) for n in self.nodes
+                NodeReport(n.name, n.live, n.sessions, n.link.capacity, n.refused)
+                for n in self.nodes
             ),
             serving_nodes=len(serving),
             model_running=model_running,

@@ -83,7 +83,14 @@ class FleetNode:
     @property
     def live(self) -> bool:
         """Its link is open and the head serves its model with it: placement may use it."""
-        return self.link.ready and self.admitted
+        return self.link.ready and self.admitted and self.refused is None
+
+    @property
+    def refused(self) -> str | None:
+        """Why the node serves no model, as its HELLO_ACK_F said (docs/protocol.md section
+        5.2, D25); None for a node that serves one."""
+        ack = self.link.hello_ack
+        return ack.refused if ack is not None else None
 
     @property
     def down(self) -> bool:
@@ -375,6 +382,15 @@ class NodeRegistry:
 
 
 def _log_joined(node: FleetNode, how: str) -> None:
+    if node.refused is not None:
+        _log.error(
+            "node {node} joined ({how}) refusing its model: {reason}; it stays connected but "
+            "serves nothing",
+            node=node.name,
+            how=how,
+            reason=node.refused,
+        )
+        return
     _log.info(
         "node {node} joined ({how}; models {models}, window {window})",
         node=node.name,

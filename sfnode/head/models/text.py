@@ -107,6 +107,10 @@ class TextCodec(Protocol):
     def specials(self) -> Sequence[SpecialToken]:
         """The tokenizer's special tokens (what ``parse_special`` turns into their ids)."""
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the model's files carry a chat template (without one, chat is refused)."""
+
     def render_chat(
         self,
         messages: Sequence[ChatMessage],
@@ -116,7 +120,9 @@ class TextCodec(Protocol):
         """The messages through the chat template, with the assistant's turn opened;
         ``tools`` for the template's ``tools`` variable (only when :attr:`knows_tools`);
         ``cap``: the most characters the render may build or write
-        (:func:`sfnode.head.models.sandbox.render_bounded`)."""
+        (:func:`sfnode.head.models.sandbox.render_bounded`).
+
+        :raises NoChatTemplate: the model has none (:attr:`has_chat_template` is false)."""
 
     @property
     def knows_tools(self) -> bool:
@@ -131,10 +137,10 @@ class TextCodec(Protocol):
         :mod:`sfnode.head.models.floors`); None for a tokenizer without one."""
 
 
-def plain_chat(messages: Sequence[ChatMessage]) -> str:
-    """The template of a tokenizer without one (test tokenizers): ``<|role|>\\ncontent\\n``
-    per message, then ``<|assistant|>\\n``."""
-    return "".join(f"<|{m.role}|>\n{m.content}\n" for m in messages) + "<|assistant|>\n"
+class NoChatTemplate(Exception):
+    """The model's files carry no chat template: its messages cannot be rendered (there is no
+    rendering of one's own to fall back on: a guessed format gives a model text it was never
+    trained on, and silently worse answers)."""
 
 
 def _token_text(value: Any) -> str | None:
@@ -286,6 +292,10 @@ class HeadTokenizer:
     def knows_tools(self) -> bool:
         return _knows_tools(self.chat_template)
 
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
     def render_chat(
         self,
         messages: Sequence[ChatMessage],
@@ -293,7 +303,7 @@ class HeadTokenizer:
         cap: int | None = None,
     ) -> str:
         if self._template is None:
-            return plain_chat(messages)
+            raise NoChatTemplate(f"{self.folder or 'the node files'} carry no chat template")
         return render_bounded(
             self._template,
             cap,
@@ -348,6 +358,10 @@ class TransformersCodec:
     def knows_tools(self) -> bool:
         return _knows_tools(getattr(self.tokenizer, "chat_template", None))
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
     def render_chat(
         self,
         messages: Sequence[ChatMessage],
@@ -355,8 +369,8 @@ class TransformersCodec:
         cap: int | None = None,
     ) -> str:
         # transformers' own sandbox renders here (tests only): the cap is not enforced.
-        if not getattr(self.tokenizer, "chat_template", None):
-            return plain_chat(messages)
+        if not self.has_chat_template:
+            raise NoChatTemplate("the tokenizer carries no chat template")
         return str(
             self.tokenizer.apply_chat_template(
                 [template_message(m) for m in messages],
@@ -550,7 +564,11 @@ class Renderer:
 
         :raises HttpError: 400 when the template refuses the messages, passes ``cap`` or runs
             out of time (each naming the limit).
+        :raises NoChatTemplate: the model has none (the HTTP layer refuses such a chat before
+            it gets here, naming the model).
         """
+        if not self.codec.has_chat_template:
+            raise NoChatTemplate("the model's files carry no chat template")
         messages, rendered_tools = template_messages(messages, tools, self.codec.knows_tools)
         pattern = self._special_re
         if pattern is None or not any(
@@ -632,6 +650,12 @@ class Renderer:
                 f"the model's chat template refused these messages: {clip(reason, 200)}",
                 param="messages",
             ) from e
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether chat can be rendered at all (the model's files carry a chat template);
+        completions never need one."""
+        return self.codec.has_chat_template
 
     def completion(self, prompt: str) -> list[int]:
         """A completion's string prompt, with the tokenizer's BOS; a special token spelled out
@@ -729,6 +753,7 @@ __all__ = [
     "DEFAULT_TEMPLATE_TIMEOUT_S",
     "Detokenizer",
     "HeadTokenizer",
+    "NoChatTemplate",
     "RenderBudget",
     "RenderStopped",
     "Renderer",
@@ -740,6 +765,5 @@ __all__ = [
     "TransformersCodec",
     "as_codec",
     "piece_bytes",
-    "plain_chat",
     "token_text",
 ]
