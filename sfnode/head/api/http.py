@@ -172,16 +172,9 @@ class OpenAIApi:
     ) -> None:
         self.reactor: IReactorTime = reactor
         self.backend = backend
-        if models is None:
-            models = ModelRegistry(allow_special_tokens=allow_special_tokens)
-        self.models = models
+        self.models = _registry(models, allow_special_tokens, model_name, tokenizer, vocab_size)
         """The models served, by name (sfnode.head.models.registry): what a request's
         ``model`` picks, and what nodes offer in HELLO_ACK_F."""
-        if tokenizer is not None:
-            origin = "the head's tokenizer"
-            self.models.serve(
-                model_name, tokenizer, origin=origin, vocab_size=vocab_size, override=True
-            )
         self.template_timeout_s = template_timeout_s
         """How long one chat-template render (or one Responses translation) may take."""
         self.model_name = model_name
@@ -709,3 +702,20 @@ class _Completions(_Leaf):
     def render_POST(self, request: Any) -> int:
         Exchange(self.api, request, self.chat).start()
         return NOT_DONE_YET
+
+
+def _registry(
+    models: ModelRegistry | None,
+    allow_special_tokens: bool,
+    model_name: str,
+    tokenizer: Any,
+    vocab_size: int | None,
+) -> ModelRegistry:
+    """``models`` (a new registry if None), serving ``model_name`` with the head's own
+    ``tokenizer`` when one is given."""
+    if models is None:
+        models = ModelRegistry(allow_special_tokens=allow_special_tokens)
+    if tokenizer is not None:
+        origin = "the head's tokenizer"
+        models.serve(model_name, tokenizer, origin=origin, vocab_size=vocab_size, override=True)
+    return models

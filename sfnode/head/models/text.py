@@ -596,7 +596,11 @@ class Renderer:
                 "spelling in a way this server cannot tokenize as text; send it without it",
                 param="messages",
             )
-        pieces = pattern.split(text)
+        return self._encode_pieces(pattern.split(text), placeholder)
+
+    def _encode_pieces(self, pieces: list[str], placeholder: re.Pattern[str]) -> list[int]:
+        """The ids of a rendered text cut at the template's special tokens (every odd piece
+        one of them), the clients' spellings (``placeholder``) put back as text."""
         ids: list[int] = []
         for i, piece in enumerate(pieces):
             if i % 2:
