@@ -46,10 +46,18 @@ class _Generation:
         self.result: Deferred[FleetOutcome] = Deferred()
         self.placed: Deferred[None] = Deferred()
         self.cancels = 0
+        self.parks: list[bool] = []
+        """Each park (True) and unpark (False), in order."""
         self.sent: list[int] = []
 
     def cancel(self) -> None:
         self.cancels += 1
+
+    def park(self) -> None:
+        self.parks.append(True)
+
+    def unpark(self) -> None:
+        self.parks.append(False)
 
     def when_placed(self) -> Deferred[None]:
         return self.placed
@@ -197,11 +205,15 @@ class BackPressureTests(ExchangeTestCase):
 
     def test_a_client_that_reads_again_in_time_is_kept(self) -> None:
         """A pause followed by a resume (the client read again) before the stall timeout
-        disarms it: the stream goes on and ends normally."""
+        disarms it: the generation was parked at the pause and unparked at the resume
+        (docs/protocol.md section 8.5, "Shares"), and the stream goes on and ends
+        normally."""
         channel, transport, generation = self.stream()
         channel.pauseProducing()
+        self.assertEqual(generation.parks, [True])
         self.reactor.advance(1.5)
         channel.resumeProducing()
+        self.assertEqual(generation.parks, [True, False])
         self.reactor.advance(10)
         self.assertFalse(transport.disconnected)
         generation.end(FINISH_LENGTH)

@@ -216,6 +216,13 @@ class Options(usage.Options):
             "become their special ids; by default they are ordinary text, as they always are "
             "in chat messages (a token-id prompt may send any id).",
         ],
+        [
+            "no-reclaim-lanes",
+            None,
+            "Never take a lane back from a client that holds more than its share for one "
+            "that waits (docs/protocol.md section 8.5, Shares); lanes then go back only as "
+            "generations end. Unread streams still give theirs back.",
+        ],
     ]
 
     optParameters: ClassVar[list[list[Any]]] = [
@@ -597,6 +604,7 @@ class Options(usage.Options):
             queue_timeout_s=self["queue-timeout"],
             prefix=self["prefix"],
             max_generation_s=self["max-generation-time"],
+            reclaim_lanes=not self["no-reclaim-lanes"],
         )
 
     def _check_api_key(self) -> None:

@@ -208,13 +208,24 @@ def request_label(finishes: Sequence[str | None], drain_cancelled: bool) -> str:
 @implementer(IPushProducer)
 class StallWatch:
     """The request's streaming producer: twisted.web pauses it when the client's connection
-    is full (the client is not reading) and resumes it when the data went out; a pause that
-    lasts ``timeout_s`` calls ``stalled`` (the exchange cuts the client off)."""
+    is full (the client is not reading) and resumes it when the data went out.  A pause
+    calls ``paused`` (the exchange parks its generations: an unread stream holds no lane,
+    docs/protocol.md section 8.5 "Shares"), a resume ``resumed``; a pause that lasts
+    ``timeout_s`` calls ``stalled`` (the exchange cuts the client off)."""
 
-    def __init__(self, clock: IReactorTime, timeout_s: float, stalled: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        clock: IReactorTime,
+        timeout_s: float,
+        stalled: Callable[[], None],
+        paused: Callable[[], None] = lambda: None,
+        resumed: Callable[[], None] = lambda: None,
+    ) -> None:
         self._clock = clock
         self._timeout_s = timeout_s
         self._stalled = stalled
+        self._paused = paused
+        self._resumed = resumed
         self._timer: IDelayedCall | None = None
         self._request: Any = None
 
@@ -225,7 +236,7 @@ class StallWatch:
 
     def detach(self, *, gone: bool) -> None:
         """Stop watching (``gone``: the connection is lost, there is nothing to unregister)."""
-        self.resumeProducing()
+        self._stop_timer()
         request, self._request = self._request, None
         if request is not None and not gone:
             request.unregisterProducer()
@@ -233,14 +244,22 @@ class StallWatch:
     def pauseProducing(self) -> None:
         if self._timer is None and self._request is not None:
             self._timer = self._clock.callLater(self._timeout_s, self._fire)
+            self._paused()
 
     def resumeProducing(self) -> None:
+        if self._stop_timer():
+            self._resumed()
+
+    def stopProducing(self) -> None:
+        self._stop_timer()
+
+    def _stop_timer(self) -> bool:
+        """Stop the stall timer; whether one ran (the producer was paused)."""
         timer, self._timer = self._timer, None
         if timer is not None and timer.active():
             timer.cancel()
-
-    def stopProducing(self) -> None:
-        self.resumeProducing()
+            return True
+        return False
 
     def _fire(self) -> None:
         self._timer = None
@@ -344,7 +363,13 @@ class Exchange:
         """The error answered for the whole request (the first one wins)."""
         self._pending = 0
         """Generations not ended yet."""
-        self._watch = StallWatch(api.reactor, api.limits.stall_timeout_s, self._stalled)
+        self._watch = StallWatch(
+            api.reactor,
+            api.limits.stall_timeout_s,
+            self._stalled,
+            paused=lambda: _park(self, True),
+            resumed=lambda: _park(self, False),
+        )
         self.writer: Writer = ChatWriter(self)
         """How the answer is written (chat's and completions' shapes, or another API's)."""
 
@@ -713,6 +738,20 @@ class Exchange:
             self.request.write(answer(self.request, 200, body))
         self.request.finish()
         self._end_if_idle()
+
+
+def _park(exchange: Exchange, park: bool) -> None:
+    """Park (or unpark) each generation of ``exchange`` still running: its client stopped
+    (or started again) reading (docs/protocol.md section 8.5, "Shares")."""
+    if exchange.answered:
+        return
+    for choice in exchange.choices:
+        generation = choice.generation
+        if generation is not None and choice.outcome is None:
+            if park:
+                generation.park()
+            else:
+                generation.unpark()
 
 
 # --------------------------------------------------------------------------------------------

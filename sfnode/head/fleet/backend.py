@@ -125,6 +125,9 @@ class Requester:
     """The client's address ("" for a program's own generations: no per-address bound)."""
     key: bytes | None = None
     """The API key the request carried (None: the API is open)."""
+    weight: float = 1.0
+    """Its share's weight: lanes are shared in proportion to it (the key file's
+    ``weight=``, docs/api.md "API keys")."""
 
     @property
     def share(self) -> tuple[str, bytes | str]:
@@ -193,6 +196,12 @@ class GenerationHandle(Protocol):
     def cancel(self) -> None: ...
 
     def when_placed(self) -> Deferred[None]: ...
+
+    def park(self) -> None:
+        """Its client stopped reading: give the lane back until :meth:`unpark`."""
+
+    def unpark(self) -> None:
+        """Its client reads again: go on where it stopped."""
 
 
 @dataclass(frozen=True, slots=True)
