@@ -39,6 +39,7 @@ from twisted.python.failure import Failure
 
 from sfnode.discovery.rules import MAX_HEAD_NAME, SERVICE_TYPE, HeadAnnouncement, valid_head_name
 from sfnode.head.api.gate import GateLimits
+from sfnode.head.api.keys import KeyFileError, KeyPolicy, parse_key_line
 from sfnode.head.api.request_class import (
     DEFAULT_CLASSES,
     DEFAULT_INTERACTIVE_PROMPT_TOKENS,
@@ -164,6 +165,20 @@ def _api_key(key: bytes, where: str) -> bytes:
             f"{where} must be printable ASCII without spaces (it is sent as a bearer token)"
         )
     return key
+
+
+def _key_policies(lines: list[bytes], path: str, policies: dict[bytes, KeyPolicy]) -> list[bytes]:
+    """The keys of a key file's ``lines``, each one's share and caps put in ``policies``
+    (docs/api.md "API keys")."""
+    keys = []
+    for number, line in enumerate(lines, 1):
+        try:
+            key, policy = parse_key_line(line)
+        except KeyFileError as e:
+            raise usage.UsageError(f"--api-key-file {path}, key {number}: {e}") from e
+        keys.append(_api_key(key, f"--api-key-file {path}"))
+        policies[key] = policy
+    return keys
 
 
 class Options(usage.Options):
@@ -300,7 +315,10 @@ class Options(usage.Options):
             None,
             None,
             "File holding the API key, or several, one per line (blank lines and # comments "
-            "are skipped); each key has its own --max-key-requests.",
+            "are skipped); each key has its own --max-key-requests. A key may be followed by "
+            "weight=W (its share of the lanes), concurrency=N (its own cap of open "
+            "generations), tokens-per-minute=N (429 with Retry-After beyond it) and "
+            "class=interactive|batch (for requests that name none); docs/api.md, API keys.",
         ],
         [
             "drain-timeout",
@@ -552,6 +570,7 @@ class Options(usage.Options):
             metrics_public=bool(self["metrics-public"]),
             allowed_hosts=frozenset(h.lower() for h in self["allowed-hosts"] if h),
             cors_origins=frozenset(o for o in self["cors-origins"] if o),
+            keys=self["key-policies"],
         )
         self["template-timeout"] = _positive_seconds("template-timeout", self["template-timeout"])
 
@@ -610,6 +629,7 @@ class Options(usage.Options):
     def _check_api_key(self) -> None:
         """Read the API key (bytes, or None) and refuse an open API off loopback."""
         key, path = self["api-key"], self["api-key-file"]
+        self["key-policies"] = {}
         if key is not None and path is not None:
             raise usage.UsageError("give --api-key or --api-key-file, not both")
         keys: list[bytes] = []
@@ -624,7 +644,7 @@ class Options(usage.Options):
                 ) from e
             if not lines:
                 raise usage.UsageError(f"--api-key-file {path} is empty")
-            keys = [_api_key(k, f"--api-key-file {path}") for k in lines]
+            keys = _key_policies(lines, path, self["key-policies"])
         self["api-keys"] = tuple(keys)
         self["api-key"] = keys[0] if keys else None
         if (

@@ -470,7 +470,10 @@ class Exchange:
         if prepared.shortest is not None and budget < prepared.shortest:
             raise failures.budget_too_small(budget, prepared.shortest, parsed.max_tokens_param)
         permit.widen(parsed.n - 1)
-        request_class = self.api.class_rule.classify(self.named_class, len(self.prompt))
+        permit.spend(len(self.prompt) * parsed.n, api.reactor.seconds())
+        named = self.named_class
+        named = named if named is not None else permit.policy.request_class
+        request_class = self.api.class_rule.classify(named, len(self.prompt))
         self.request.setHeader(CLASS_HEADER, class_name(request_class).encode())
         request = HeadRequest(
             tuple(self.prompt),
@@ -478,7 +481,9 @@ class Exchange:
             model=model.name,
             params=parsed.params,
             request_class=request_class,
-            requester=Requester(client_address(self.request.getClientAddress()), permit.key),
+            requester=Requester(
+                client_address(self.request.getClientAddress()), permit.key, permit.policy.weight
+            ),
             constraint=parsed.constraint,
         )
         # Streamed chunks are small writes: without TCP_NODELAY, Nagle's algorithm holds each
@@ -671,6 +676,8 @@ class Exchange:
         choice.outcome = outcome
         self._pending -= 1
         self.api.metrics.completion_tokens.inc(len(outcome.tokens))
+        if self.request.permit is not None:
+            self.request.permit.spend(len(outcome.tokens), self.api.reactor.seconds())
         if not self.answered:
             if not choice.stop.stopped:
                 self._emit(choice, choice.stop.feed(choice.detok.flush()))

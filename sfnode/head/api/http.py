@@ -249,7 +249,7 @@ class OpenAIApi:
         """The bearer tokens a /v1 request may carry; none: the API is open."""
         self.limits = limits = limits if limits is not None else GateLimits()
         self.allowed_hosts = answered_hosts(limits, self.api_keys)
-        self.concurrency = ConcurrencyLimits(limits.max_client_requests, limits.max_key_requests)
+        self.concurrency = ConcurrencyLimits.of(limits)
         self.workers = workers if workers is not None else Workers(reactor)
         self.class_rule = class_rule if class_rule is not None else ClassRule()
         """How a request that names no class (X-Request-Class) gets one
@@ -392,7 +392,7 @@ class OpenAIApi:
                 return failures.draining()
             client = client_address(request.getClientAddress())  # type: ignore[no-untyped-call]
             try:
-                permit = self.concurrency.acquire(client, key or None)
+                permit = self.concurrency.acquire(client, key or None, now=self.reactor.seconds())
             except HttpError as e:
                 return e
             request.permit = permit
