@@ -408,6 +408,14 @@ class Options(usage.Options):
             "generations are cancelled.",
         ],
         [
+            "resume-grace",
+            None,
+            f"{GateLimits.resume_grace_s:g}",
+            "Seconds a stream whose client dropped mid-stream waits for it to reconnect with "
+            "Last-Event-ID and get the rest (its generations park meanwhile); after that they "
+            "are cancelled (0: at once). docs/api.md, Streams that resume.",
+        ],
+        [
             "max-connections",
             None,
             str(GateLimits.max_connections),
@@ -561,6 +569,7 @@ class Options(usage.Options):
             header_timeout_s=_positive_seconds("header-timeout", self["header-timeout"]),
             body_timeout_s=_positive_seconds("body-timeout", self["body-timeout"]),
             stall_timeout_s=_positive_seconds("stall-timeout", self["stall-timeout"]),
+            resume_grace_s=_seconds("resume-grace", self["resume-grace"]),
             max_connections=_positive("max-connections", self["max-connections"]),
             max_client_connections=non_negative(
                 "max-client-connections", self["max-client-connections"]

@@ -52,6 +52,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import Request
 
 from sfnode.head.api.keys import DEFAULT_POLICY, KeyPolicy, TokenMeter
+from sfnode.head.api.resume import DEFAULT_RESUME_GRACE_S
 from sfnode.runtime.http_guard import (
     IDLE_TIMEOUT_S,
     LINGER_BYTES,
@@ -80,6 +81,9 @@ class GateLimits:
     stall_timeout_s: float = 30.0
     """A client that reads nothing of its answer for this long is cut off and its generations
     are cancelled: a reader that stopped must not hold lanes."""
+    resume_grace_s: float = DEFAULT_RESUME_GRACE_S
+    """How long a stream whose client dropped mid-stream waits for it to resume with
+    ``Last-Event-ID`` (0: it is cancelled at once)."""
     max_connections: int = 1024
     max_client_connections: int = 64
     """Open connections per client address (0: no limit besides ``max_connections``)."""

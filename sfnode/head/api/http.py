@@ -88,6 +88,7 @@ from sfnode.head.api.metrics import EXPOSITION_CONTENT_TYPE, HeadMetrics
 from sfnode.head.api.request_class import ClassRule
 from sfnode.head.api.responses import ResponseStore
 from sfnode.head.api.responses_exchange import ResponsesExchange
+from sfnode.head.api.resume import Exchanges
 from sfnode.head.api.schema import CompletionRequest, parse_body, parse_request
 from sfnode.head.fleet.backend import Backend, BackendStatus, GenerationHandle
 from sfnode.head.models.floors import AnswerFloors
@@ -259,8 +260,8 @@ class OpenAIApi:
         only: a restart forgets them)."""
         self.floors = AnswerFloors()
         """The shortest answer of each grammar per tokenizer (a smaller budget is a 400)."""
-        self.exchanges: set[Exchange] = set()
-        """Completion requests in flight (what a drain waits for)."""
+        self.exchanges: Exchanges[Exchange] = Exchanges(reactor, limits.resume_grace_s)
+        """Completion requests in flight (what a drain waits for), and ended streams."""
         self.draining = False
         """True once :meth:`drain` started: new completion requests get 503."""
         self._site: GuardedSite | None = None
@@ -312,8 +313,12 @@ class OpenAIApi:
         return {name: self.backend.status(name) for name in self.models.names()}
 
     def stop(self) -> None:
-        """Stop the worker threads (the HTTP service does this when it stops)."""
+        """Stop the worker threads and give up the streams kept for a resume (the HTTP
+        service does this when it stops)."""
         self.workers.stop()
+        for exchange in list(self.exchanges):
+            exchange.stream.expire()
+        self.exchanges.clear_ended()
 
     # The front door
 
