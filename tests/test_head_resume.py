@@ -10,12 +10,14 @@ import json
 import random
 from typing import Any
 
+from twisted.internet import defer, reactor
+from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 
 from sfnode.head.api.gate import GateLimits
 from tests.memoryhead import MemoryHead, MemoryHeadTestCase
-from tests.test_http import MESSAGES, MODEL
+from tests.test_http import MESSAGES, MODEL, HttpTestCase
 from tests.test_http_hostile import request_bytes
 
 STEP_S = 0.01
@@ -96,6 +98,7 @@ class _CuttingClient(Protocol):
         self.cut_at = cut_at
         self.data = b""
         self.closed = False
+        self.ended: defer.Deferred[bytes] = defer.Deferred()
 
     def dataReceived(self, data: bytes) -> None:
         if self.closed:
@@ -109,6 +112,7 @@ class _CuttingClient(Protocol):
 
     def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
         self.closed = True
+        self.ended.callback(self.data)
 
 
 class ResumeTests(MemoryHeadTestCase):
@@ -262,3 +266,54 @@ class ResumeTests(MemoryHeadTestCase):
                 json.loads(events[-1][1])["type"], json.loads(_events(whole)[-1][1])["type"]
             )
             self.assertIn(json.loads(events[-1][1])["type"], end, path)
+
+
+class RealEngineResumeTests(HttpTestCase):
+    """The transformers engine on the tiny Llama (float32) behind a real head, over loopback
+    TCP: a sampled stream cut by its client and resumed is the uninterrupted one."""
+
+    timeout = 300
+
+    @defer.inlineCallbacks
+    def fetch(self, port: int, data: bytes, cut_at: int = 1 << 30) -> Any:
+        """What a client that sends ``data`` gets until it has ``cut_at`` bytes (then it
+        drops) or the head closes the connection."""
+        client = _CuttingClient(cut_at)
+        endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", port)
+        yield connectProtocol(endpoint, client)
+        assert client.transport is not None
+        client.transport.write(data)
+        got = yield client.ended
+        return got
+
+    @defer.inlineCallbacks
+    def test_cut_streams_resume_exactly_on_the_real_engine(self) -> None:
+        """Three seeded, sampled streams of 40 tokens, each cut at a random byte and resumed
+        with the last whole event's id, give the uninterrupted stream's text."""
+        from sfnode.engines.config import EngineConfig
+        from sfnode.engines.transformers_engine import TransformersEngine
+        from tests.test_constraint import tiny_model
+
+        engine = TransformersEngine(
+            tiny_model(), reactor, EngineConfig(max_lanes=4, weights="float32")
+        )
+        engine.start()
+        self.addCleanup(engine.stop)
+        node = yield self.start_vocab_node(engine=engine)
+        head = yield self.start_head([node])
+        port = head.port.getHost().port
+        body = _body(max_tokens=40)
+        whole = yield self.fetch(port, _post(body))
+        reference = _events(_dechunk(whole.partition(b"\r\n\r\n")[2]))
+        self.assertEqual(reference[-1][1], "[DONE]")
+        first = whole.index(b"\n\n", whole.index(b"\r\n\r\n")) + 16
+        rng = random.Random(3)
+        for _ in range(3):
+            cut = yield self.fetch(port, _post(body), rng.randrange(first, len(whole) - 1))
+            before = _events(_dechunk(cut.partition(b"\r\n\r\n")[2]))
+            rest = yield self.fetch(port, _post(body, last=before[-1][0]))
+            self.assertIn(b" 200 ", rest.split(b"\r\n", 1)[0])
+            after = _events(_dechunk(rest.partition(b"\r\n\r\n")[2]))
+            ids = [int(i.rpartition(".")[2]) for i, _ in before + after]
+            self.assertEqual(ids, list(range(1, len(ids) + 1)))
+            self.assertEqual(_text(before + after), _text(reference))
