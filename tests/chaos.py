@@ -297,6 +297,7 @@ class Load:
             return result
         texts = []
         for block in data.split(b"\n\n"):
+            block = block.rpartition(b"\n")[2]  # the data line, after the event's id
             if not block.startswith(b"data: {"):
                 continue
             event = json.loads(block[len(b"data: ") :])
