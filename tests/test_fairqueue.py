@@ -156,6 +156,21 @@ class ShareLedgerTests(SynchronousTestCase):
         self.assertEqual(ledger.victim("B", 3.0, lambda item: item != "a2"), "a1")
         self.assertAlmostEqual(ledger.use("B"), 2 / 3)
 
+    def test_a_later_class_gives_way_first(self) -> None:
+        """A waiter of rank 0 (interactive) takes the newest batch (rank 1) lane whatever the
+        shares say, even from its own share; a batch waiter never takes an interactive lane,
+        and takes a batch one only by the share rule."""
+        ledger: ShareLedger[str] = ShareLedger()
+        ledger.hold("A", 1.0, "a-chat", 0)
+        ledger.hold("A", 1.0, "a-batch1", 1)
+        ledger.hold("A", 1.0, "a-batch2", 1)
+        ledger.hold("B", 1.0, "b-chat", 0)
+        self.assertEqual(ledger.victim("B", 1.0, lambda item: True, 0), "a-batch2")
+        self.assertEqual(ledger.below(0, lambda item: item != "a-batch2"), "a-batch1")
+        self.assertIsNone(ledger.below(1, lambda item: True))
+        self.assertEqual(ledger.victim("C", 1.0, lambda item: True, 1), "a-batch2")
+        self.assertIsNone(ledger.victim("C", 1.0, lambda item: item.endswith("chat"), 1))
+
     def test_one_lane_each_is_never_taken_back(self) -> None:
         """Equal use after the move (1 each) is no reason to take a lane back: a single lane
         is not passed to and fro."""

@@ -268,23 +268,24 @@ class ResumeTests(MemoryHeadTestCase):
             self.assertIn(json.loads(events[-1][1])["type"], end, path)
 
 
+@defer.inlineCallbacks
+def fetch(port: int, data: bytes, cut_at: int = 1 << 30) -> Any:
+    """What a loopback TCP client that sends ``data`` to ``port`` gets until it has ``cut_at``
+    bytes (then it drops) or the head closes the connection."""
+    client = _CuttingClient(cut_at)
+    endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", port)
+    yield connectProtocol(endpoint, client)
+    assert client.transport is not None
+    client.transport.write(data)
+    got = yield client.ended
+    return got
+
+
 class RealEngineResumeTests(HttpTestCase):
     """The transformers engine on the tiny Llama (float32) behind a real head, over loopback
     TCP: a sampled stream cut by its client and resumed is the uninterrupted one."""
 
     timeout = 300
-
-    @defer.inlineCallbacks
-    def fetch(self, port: int, data: bytes, cut_at: int = 1 << 30) -> Any:
-        """What a client that sends ``data`` gets until it has ``cut_at`` bytes (then it
-        drops) or the head closes the connection."""
-        client = _CuttingClient(cut_at)
-        endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", port)
-        yield connectProtocol(endpoint, client)
-        assert client.transport is not None
-        client.transport.write(data)
-        got = yield client.ended
-        return got
 
     @defer.inlineCallbacks
     def test_cut_streams_resume_exactly_on_the_real_engine(self) -> None:
@@ -303,15 +304,15 @@ class RealEngineResumeTests(HttpTestCase):
         head = yield self.start_head([node])
         port = head.port.getHost().port
         body = _body(max_tokens=40)
-        whole = yield self.fetch(port, _post(body))
+        whole = yield fetch(port, _post(body))
         reference = _events(_dechunk(whole.partition(b"\r\n\r\n")[2]))
         self.assertEqual(reference[-1][1], "[DONE]")
         first = whole.index(b"\n\n", whole.index(b"\r\n\r\n")) + 16
         rng = random.Random(3)
         for _ in range(3):
-            cut = yield self.fetch(port, _post(body), rng.randrange(first, len(whole) - 1))
+            cut = yield fetch(port, _post(body), rng.randrange(first, len(whole) - 1))
             before = _events(_dechunk(cut.partition(b"\r\n\r\n")[2]))
-            rest = yield self.fetch(port, _post(body, last=before[-1][0]))
+            rest = yield fetch(port, _post(body, last=before[-1][0]))
             self.assertIn(b" 200 ", rest.split(b"\r\n", 1)[0])
             after = _events(_dechunk(rest.partition(b"\r\n\r\n")[2]))
             ids = [int(i.rpartition(".")[2]) for i, _ in before + after]

@@ -182,6 +182,12 @@ class HeadRequest:
         return self.request_class == RequestClass.INTERACTIVE
 
     @property
+    def rank(self) -> int:
+        """Its class's place in the head's queue and preemption (docs/protocol.md section
+        8.5, "Shares"): 0 interactive, 1 batch."""
+        return 0 if self.interactive else 1
+
+    @property
     def features(self) -> int:
         """What a node must offer to run it."""
         return needed_features(self.params, self.constraint)

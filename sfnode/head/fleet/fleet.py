@@ -743,7 +743,7 @@ class FleetGeneration:
         could be sent."""
         fleet = self.session.fleet
         requester = self.request.requester
-        fleet.shares.hold(requester.share, requester.weight, self)
+        fleet.shares.hold(requester.share, requester.weight, self, self.request.rank)
         try:
             link = await fleet._bound_link(self.session, context, self.features)
             if self._cancelled or self.lane.parked is not None:
@@ -786,11 +786,33 @@ def _take_lanes_back(shares: ShareLedger[FleetGeneration], waiting: Sequence[_Wa
     exactly as a failover does)."""
     placings: list[_Placing] = [waiter.request for waiter in waiting]
     claims = (
-        (p.session.requester.share, p.session.requester.weight, p.session.model_generation)
+        (
+            p.session.requester.share,
+            p.session.requester.weight,
+            p.session.model_generation,
+            0 if p.request.interactive else 1,
+        )
         for p in placings
         if p.claim_lane
     )
     for victim in shares.reclaim(claims):
+        victim.yield_lane()
+
+
+def _make_room(shares: ShareLedger[FleetGeneration], node: FleetNode, placing: _Placing) -> None:
+    """An interactive generation went to ``node`` beyond its lanes (docs/protocol.md section
+    12.2: the node admits it first when a lane frees): the newest batch generation there gives
+    its lane back at the next step, so that it starts at once, and resumes later exactly
+    (section 8.5, "Shares")."""
+    capacity = node.link.capacity
+    if capacity is None or not capacity.max_lanes or node.inflight <= capacity.max_lanes:
+        return
+    model = placing.session.model
+    victim = shares.below(0, lambda g: g.session.node is node and g.may_yield(model))
+    if victim is not None:
+        requester = placing.session.requester
+        shares.give(victim, requester.share, requester.weight)
+        shares.reclaimed += 1
         victim.yield_lane()
 
 
@@ -1007,6 +1029,7 @@ class Fleet:
             requester.share,
             requester.address,
         )
+        waiter.rank = 0 if interactive or not claim_lane else 1
         if self.registry.stopping:
             return defer.fail(NoNodeAvailable("the head is stopping"))
         if (priority or not self.queue) and self._try(waiter):
@@ -1080,6 +1103,8 @@ class Fleet:
         node.sessions += 1
         if placing.claim_lane:
             node.generation_started(placing.request.interactive)
+            if placing.request.interactive and self.settings.reclaim_lanes:
+                _make_room(self.shares, node, placing)
 
     async def _bound_link(
         self, session: FleetSession, context: Sequence[int], features: int = 0

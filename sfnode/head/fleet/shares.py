@@ -11,7 +11,9 @@ share would still use more than the waiting one after giving that lane up
 time, and never a lane taken back only to be taken back again.  Lanes already on their way
 (a generation told to yield whose node has not finished it yet) count for the share they go
 to and no longer for the share that gives them, so one waiting client takes back one lane,
-not one per dispatch.
+not one per dispatch.  Classes come first: a waiter takes the lane of the newest holder of a
+later class (:meth:`ShareLedger.below`: interactive before batch) whatever the shares, and
+never one of an earlier class; the share rule works within a class.
 
 This module is pure: no reactor, no clock, no I/O.  It never cancels anything itself (the
 fleet carries out what it names) and never chooses a node.
@@ -19,15 +21,16 @@ fleet carries out what it names) and never chooses a node.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 _G = TypeVar("_G", bound=Hashable)
 
-Claim = tuple[Hashable, float, Callable[[_G], bool]]
-"""A waiter's claim on a lane: its share, the share's weight, and which running generations
-may give it theirs."""
+Claim = tuple[Hashable, float, Callable[[_G], bool], int]
+"""A waiter's claim on a lane: its share, the share's weight, which running generations may
+give it theirs, and its class's rank (0 interactive, 1 batch)."""
 
 
 @dataclass(slots=True)
@@ -56,21 +59,27 @@ class ShareLedger(Generic[_G]):
         """A generation told to yield, and the share its lane goes to."""
         self.reclaimed = 0
         """Lanes taken back (by :meth:`reclaim`) since the start."""
+        self._ranks: dict[_G, tuple[int, int]] = {}
+        """Each holder's class rank (0 interactive, higher later) and when it took its lane."""
+        self._ticks = itertools.count()
 
-    def hold(self, share: Hashable, weight: float, item: _G) -> None:
-        """``item`` of ``share`` (whose weight is ``weight``) took a lane."""
+    def hold(self, share: Hashable, weight: float, item: _G, rank: int = 0) -> None:
+        """``item`` of ``share`` (whose weight is ``weight``; its class's rank ``rank``) took a
+        lane."""
         entry = self._shares.get(share)
         if entry is None:
             entry = self._shares[share] = _Share(weight)
         entry.weight = weight
         entry.holding[item] = None
         self._owner[item] = share
+        self._ranks[item] = (rank, next(self._ticks))
 
     def drop(self, item: _G) -> None:
         """``item`` gave its lane back (it ended, failed over or yielded)."""
         share = self._owner.pop(item, None)
         if share is None:
             return
+        del self._ranks[item]
         entry = self._shares[share]
         del entry.holding[item]
         if item in self._yielding:
@@ -102,19 +111,35 @@ class ShareLedger(Generic[_G]):
     def yielding(self, item: _G) -> bool:
         return item in self._yielding
 
+    def below(self, rank: int, eligible: Callable[[_G], bool]) -> _G | None:
+        """The ``eligible`` holder of a class ranked after ``rank`` that gives way first: of
+        the last class, the newest (it delivered least: the least to compute again)."""
+        found: _G | None = None
+        best = (rank, -1)
+        for item, ranked in self._ranks.items():
+            if ranked > best and ranked[0] > rank and item not in self._yielding:
+                if eligible(item):
+                    found, best = item, ranked
+        return found
+
     def victim(
-        self, share: Hashable, weight: float, eligible: Callable[[_G], bool]
+        self, share: Hashable, weight: float, eligible: Callable[[_G], bool], rank: int = 0
     ) -> _G | None:
         """The generation that should give its lane to a waiter of ``share`` (weight
-        ``weight``): the newest ``eligible`` one of the most used other share, when that share
-        uses more than ``share`` would with one lane more; None: no lane is taken back."""
+        ``weight``, class rank ``rank``): one of a later class (:meth:`below`), else the
+        newest ``eligible`` one of its own class of the most used other share, when that
+        share uses more than ``share`` would with one lane more; None: no lane is taken
+        back."""
+        lower = self.below(rank, eligible)
+        if lower is not None:
+            return lower
         wanted = (self.held(share) + 1) / weight
         for use, key in self._ranked(share):
             if use <= wanted:
                 break
             entry = self._shares[key]
             for item in reversed(entry.holding):
-                if item not in self._yielding and eligible(item):
+                if item not in self._yielding and self._ranks[item][0] == rank and eligible(item):
                     return item
         return None
 
@@ -122,14 +147,14 @@ class ShareLedger(Generic[_G]):
         """For each waiter's claim, in the order lanes go to them, the generation that gives
         it a lane (:meth:`victim`), each marked as giving (:meth:`give`); a share for which
         none gives is not asked again in this pass."""
-        refused: set[Hashable] = set()
+        refused: set[tuple[Hashable, int]] = set()
         victims: list[_G] = []
-        for share, weight, eligible in claims:
-            if share in refused:
+        for share, weight, eligible, rank in claims:
+            if (share, rank) in refused:
                 continue
-            victim = self.victim(share, weight, eligible)
+            victim = self.victim(share, weight, eligible, rank)
             if victim is None:
-                refused.add(share)
+                refused.add((share, rank))
                 continue
             self.give(victim, share, weight)
             self.reclaimed += 1

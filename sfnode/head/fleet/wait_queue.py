@@ -42,6 +42,8 @@ class Waiter(Generic[_R]):
     settled: bool = False
     priority: bool = False
     """It waits ahead of every share (a failover)."""
+    rank: int = 0
+    """Its class's rank: waiters of a lower rank go first (0 interactive, 1 batch)."""
 
 
 class WaitQueue(Generic[_R]):
@@ -142,15 +144,20 @@ class WaitQueue(Generic[_R]):
             self._again = True
             while self._again:
                 self._again = False
-                for waiter in self._fair.order():
+                for waiter in self.order():
                     if not waiter.settled:
                         self._place(waiter)
                 if not self._again and self._still_waiting is not None and self._fair:
-                    waiting = [w for w in self._fair.order() if not w.priority]
+                    waiting = [w for w in self.order() if not w.priority]
                     if waiting:
                         self._still_waiting(waiting)
         finally:
             self._dispatching = False
+
+    def order(self) -> list[Waiter[_R]]:
+        """The waiters in the order lanes go to them: failovers, then by class (interactive
+        before batch), each class in the fair order of :meth:`FairQueue.order`."""
+        return sorted(self._fair.order(), key=lambda w: -1 if w.priority else w.rank)
 
     def settle(self, waiter: Waiter[_R], result: _R | Exception) -> None:
         """Fire ``waiter.placed`` with ``result`` (an exception fails it); once only."""
