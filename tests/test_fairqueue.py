@@ -28,7 +28,7 @@ from sfnode.head.fleet.fleet import (
 )
 from sfnode.head.fleet.shares import ShareLedger
 from sfnode.head.link import GenerationOutcome, HeadIds
-from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_LENGTH, CapacitySummary
+from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_LENGTH, CapacitySummary, RequestClass
 
 PROMPT = [5, 6, 7]
 
@@ -170,6 +170,16 @@ class ShareLedgerTests(SynchronousTestCase):
         self.assertIsNone(ledger.below(1, lambda item: True))
         self.assertEqual(ledger.victim("C", 1.0, lambda item: True, 1), "a-batch2")
         self.assertIsNone(ledger.victim("C", 1.0, lambda item: item.endswith("chat"), 1))
+
+    def test_background_gives_way_before_batch(self) -> None:
+        """Of a batch (rank 1) and a newer background (rank 2) holder, an interactive waiter
+        takes the background one's lane first, even when it is older."""
+        ledger: ShareLedger[str] = ShareLedger()
+        ledger.hold("A", 1.0, "background", 2)
+        ledger.hold("A", 1.0, "batch", 1)
+        self.assertEqual(ledger.below(0, lambda item: True), "background")
+        self.assertEqual(ledger.below(1, lambda item: True), "background")
+        self.assertIsNone(ledger.below(2, lambda item: True))
 
     def test_one_lane_each_is_never_taken_back(self) -> None:
         """Equal use after the move (1 each) is no reason to take a lane back: a single lane
@@ -396,6 +406,24 @@ class ReclaimTests(FleetQueueTests):
             )
         marks = sorted(link.prompt_of(c)[-1] for c in link.running)
         self.assertEqual(marks, [0, 1, 2, 1000])
+
+    def test_batch_work_takes_a_background_lane(self) -> None:
+        """Two background generations hold both lanes; a batch generation of the same client
+        takes the newer one's lane at once (background gives way to batch whatever the
+        shares), and a second background one waits for a lane to free."""
+        fleet, link = self.fleet(lanes=2, max_queued=256, max_client_queued=0)
+        requester = Requester("10.0.0.1")
+        for mark in (0, 1):
+            request = HeadRequest(
+                [*PROMPT, mark], 4, model="mock", requester=requester,
+                request_class=RequestClass.BATCH, background=True,
+            )  # fmt: skip
+            self.generations.append(fleet.generate(request))
+        self.generations.append(fleet.generate(HeadRequest(
+            [*PROMPT, 2], 4, model="mock", requester=requester, request_class=RequestClass.BATCH
+        )))  # fmt: skip
+        self.assertEqual([link.prompt_of(c)[-1] for c in link.running], [0, 2])
+        self.assertEqual((fleet.shares.reclaimed, fleet.queued), (1, 1))
 
     def test_a_single_lane_is_not_taken_back(self) -> None:
         """With one lane, a second client waits for it to free (one lane each is no share

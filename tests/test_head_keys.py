@@ -15,9 +15,9 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.head.api.gate import GateLimits
 from sfnode.head.api.keys import KeyFileError, KeyPolicy, TokenMeter, parse_key_line
+from sfnode.head.api.request_class import HeadClass
 from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.tap import Options
-from sfnode.linkf.wire import RequestClass
 from tests.memoryhead import MemoryHead, MemoryHeadTestCase
 from tests.test_http import MESSAGES, MODEL
 from tests.test_http_hostile import request_bytes
@@ -32,7 +32,7 @@ class KeyLineTests(SynchronousTestCase):
             b"sk-b  class=batch Weight=2.5 concurrency=4 tokens-per-minute=1000"
         )
         self.assertEqual(key, b"sk-b")
-        self.assertEqual(policy, KeyPolicy(2.5, 4, 1000, RequestClass.BATCH))
+        self.assertEqual(policy, KeyPolicy(2.5, 4, 1000, HeadClass.BATCH))
 
     def test_a_bad_field_is_refused_without_the_key(self) -> None:
         """A field that is not name=value, an unknown one, a weight of 0 or not a number, a
@@ -87,7 +87,7 @@ class KeyFileOptionTests(SynchronousTestCase):
         options.parseOptions(["--api-key-file", str(path)])
         self.assertEqual(options["api-keys"], (b"sk-a", b"sk-b"))
         limits: GateLimits = options["limits"]
-        self.assertEqual(limits.keys[b"sk-a"], KeyPolicy(3.0, request_class=RequestClass.BATCH))
+        self.assertEqual(limits.keys[b"sk-a"], KeyPolicy(3.0, request_class=HeadClass.BATCH))
         self.assertEqual(limits.keys[b"sk-b"], KeyPolicy())
         path.write_text("sk-a\nsk-secret concurrency=x\n")
         with self.assertRaises(usage.UsageError) as raised:
@@ -131,7 +131,7 @@ class KeyCapsOverHttpTests(MemoryHeadTestCase):
         never run); a key whose class is batch has its requests classed batch (the answer's
         X-Request-Class) and its weight reaches the fleet with the request (its share of the
         lanes)."""
-        batch = KeyPolicy(weight=2.0, request_class=RequestClass.BATCH)
+        batch = KeyPolicy(weight=2.0, request_class=HeadClass.BATCH)
         head = self.head(sk_one=KeyPolicy(concurrency=1), sk_batch=batch)
         asked: list[HeadRequest] = []
         generate = head.fleet.generate

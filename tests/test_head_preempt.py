@@ -12,9 +12,14 @@ from collections.abc import Generator
 from typing import Any
 
 from twisted.internet import defer, reactor
+from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.engines.config import EngineConfig
 from sfnode.engines.mock import MockEngine
+from sfnode.head.api.keys import parse_key_line
+from sfnode.head.api.request_class import HeadClass, class_name, parse_header
+from sfnode.head.fleet.backend import HeadRequest
+from sfnode.linkf.wire import RequestClass
 from tests.memoryhead import MemoryHeadTestCase
 from tests.test_head_resume import _dechunk, _events, _text
 from tests.test_http import MESSAGES, MODEL, HttpTestCase, StreamingClient, post_bytes
@@ -121,3 +126,20 @@ def _turn() -> defer.Deferred[None]:
     d: defer.Deferred[None] = defer.Deferred()
     reactor.callLater(0.01, d.callback, None)  # type: ignore[attr-defined]
     return d
+
+
+class BackgroundClassTests(SynchronousTestCase):
+    """The head's own third class (sfnode.head.api.request_class)."""
+
+    def test_background_is_named_and_goes_to_nodes_as_batch(self) -> None:
+        """X-Request-Class: background names HeadClass.BACKGROUND (the answer's header says
+        background), which GENERATE_REQ carries as batch, ranked after batch at the head; a
+        key file's class=background is read the same."""
+        self.assertEqual(parse_header(b" Background "), HeadClass.BACKGROUND)
+        self.assertEqual(class_name(HeadClass.BACKGROUND), "background")
+        self.assertEqual(HeadClass.BACKGROUND.wire, RequestClass.BATCH)
+        self.assertEqual(HeadClass.INTERACTIVE.wire, RequestClass.INTERACTIVE)
+        request = HeadRequest((1,), 1, request_class=RequestClass.BATCH, background=True)
+        self.assertEqual((request.rank, HeadRequest((1,), 1).rank), (2, 0))
+        _, policy = parse_key_line(b"sk-x class=background")
+        self.assertEqual(policy.request_class, HeadClass.BACKGROUND)

@@ -197,9 +197,12 @@ class Options(usage.Options):
         "with backoff up to --reconnect-max seconds. On SIGTERM the head stops listening for "
         "HTTP, answers 503 to requests on connections still open, lets running completions "
         "finish for up to --drain-timeout seconds, cancels the rest, then exits. A completion "
-        "is interactive or batch (header X-Request-Class, else --default-request-class): nodes "
-        "serve interactive ones first. Waiting generations get lanes round robin across "
-        "clients (by API key, else by address). Text in messages and string prompts is "
+        "is interactive, batch or background (header X-Request-Class, else the API key's "
+        "class, else --default-request-class): interactive ones go first and take lanes back "
+        "from the others. Lanes are shared fairly across clients (by API key and its weight, "
+        "else by address): a client over its share gives one back to a client that waits. "
+        "A stream whose client drops may be resumed with Last-Event-ID (--resume-grace). "
+        "Text in messages and string prompts is "
         "tokenized as text: a special token typed by a client (<|im_start|>, ...) never "
         "becomes the special id unless --allow-special-tokens (string prompts only)."
     )
@@ -318,7 +321,8 @@ class Options(usage.Options):
             "are skipped); each key has its own --max-key-requests. A key may be followed by "
             "weight=W (its share of the lanes), concurrency=N (its own cap of open "
             "generations), tokens-per-minute=N (429 with Retry-After beyond it) and "
-            "class=interactive|batch (for requests that name none); docs/api.md, API keys.",
+            "class=interactive|batch|background (for requests that name none); docs/api.md, "
+            "API keys.",
         ],
         [
             "drain-timeout",

@@ -59,7 +59,7 @@ from sfnode.head.api.gate import GateLimits, body_too_large, client_address
 from sfnode.head.api.logprobs import ChoiceLogprobs
 from sfnode.head.api.metrics import HeadMetrics
 from sfnode.head.api.request_class import HEADER as CLASS_HEADER
-from sfnode.head.api.request_class import ClassRule, class_name, parse_header
+from sfnode.head.api.request_class import ClassRule, HeadClass, class_name, parse_header
 from sfnode.head.api.resume import HEADER as RESUME_HEADER
 from sfnode.head.api.resume import Exchanges, ResumableStream, StreamExpired, find
 from sfnode.head.api.schema import CompletionRequest
@@ -82,7 +82,7 @@ from sfnode.head.models.tools import (
     Content,
     call_delta,
 )
-from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_DETAIL_CLOSED, FINISH_EOS, RequestClass
+from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_DETAIL_CLOSED, FINISH_EOS
 from sfnode.runtime.http_guard import HttpError
 
 DEFAULT_MAX_TOKENS = 512
@@ -367,7 +367,7 @@ class Exchange:
         """The model the request names (its renderer, the name asked of nodes)."""
         self.choices: list[_Choice] = []
         self.first_token_at: float | None = None
-        self.named_class: RequestClass | None = None
+        self.named_class: HeadClass | None = None
         """The class the X-Request-Class header named (None: it named none)."""
         self.drained = False
         """Cancelled by the head's drain timeout (it ends with finish_reason stop)."""
@@ -501,7 +501,8 @@ class Exchange:
             budget,
             model=model.name,
             params=parsed.params,
-            request_class=request_class,
+            request_class=request_class.wire,
+            background=request_class is HeadClass.BACKGROUND,
             requester=Requester(
                 client_address(self.request.getClientAddress()), permit.key, permit.policy.weight
             ),

@@ -17,8 +17,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from sfnode.head.api.request_class import parse_header
-from sfnode.linkf.wire import RequestClass
+from sfnode.head.api.request_class import HeadClass, parse_header
 from sfnode.runtime.http_guard import HttpError
 
 WINDOW_S = 60.0
@@ -39,7 +38,7 @@ class KeyPolicy:
     """Generations it may have open at once (0: ``--max-key-requests``)."""
     tokens_per_minute: int = 0
     """Prompt and generated tokens it may spend per minute (0: no cap)."""
-    request_class: RequestClass | None = None
+    request_class: HeadClass | None = None
     """The class of its requests that name none (None: ``--default-request-class``)."""
 
 
@@ -73,7 +72,9 @@ def _field(policy: dict[str, object], name: str, value: str) -> None:
         try:
             policy["request_class"] = parse_header(value.encode())
         except HttpError as e:
-            raise KeyFileError(f"class must be interactive or batch, not {value!r}") from e
+            raise KeyFileError(
+                f"class must be interactive, batch or background, not {value!r}"
+            ) from e
     else:
         raise KeyFileError(
             f"unknown field {name!r} (weight, concurrency, tokens-per-minute, class)"

@@ -171,6 +171,9 @@ class HeadRequest:
     """Whether someone waits on it (docs/protocol.md section 12.2)."""
     requester: Requester = ANONYMOUS
     """Whose share of the queue it takes (section 8.5)."""
+    background: bool = False
+    """A batch generation that waits for all other work: ranked last in the head's queue and
+    its lanes taken back first (section 8.5, "Shares"); nodes see it as batch."""
     constraint: Constraint | None = None
     """The grammar and sampler controls its output follows (section 12.3)."""
 
@@ -184,8 +187,10 @@ class HeadRequest:
     @property
     def rank(self) -> int:
         """Its class's place in the head's queue and preemption (docs/protocol.md section
-        8.5, "Shares"): 0 interactive, 1 batch."""
-        return 0 if self.interactive else 1
+        8.5, "Shares"): 0 interactive, 1 batch, 2 background."""
+        if self.interactive:
+            return 0
+        return 2 if self.background else 1
 
     @property
     def features(self) -> int:

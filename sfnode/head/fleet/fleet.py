@@ -662,6 +662,7 @@ class FleetGeneration:
             priority=bool(self.failovers) and not self.lane.resuming,
             resumed=self.lane.resuming,
             interactive=self.request.interactive,
+            rank=self.request.rank,
             features=self.features,
         )
         try:
@@ -784,16 +785,15 @@ def _take_lanes_back(shares: ShareLedger[FleetGeneration], waiting: Sequence[_Wa
     its share (:meth:`ShareLedger.reclaim`), at the victim's next step boundary (its node
     finishes it CANCELLED; it then waits again, first in its own client's line, and resumes
     exactly as a failover does)."""
-    placings: list[_Placing] = [waiter.request for waiter in waiting]
     claims = (
         (
-            p.session.requester.share,
-            p.session.requester.weight,
-            p.session.model_generation,
-            0 if p.request.interactive else 1,
+            w.request.session.requester.share,
+            w.request.session.requester.weight,
+            w.request.session.model_generation,
+            w.rank,
         )
-        for p in placings
-        if p.claim_lane
+        for w in waiting
+        if w.request.claim_lane
     )
     for victim in shares.reclaim(claims):
         victim.yield_lane()
@@ -999,6 +999,7 @@ class Fleet:
         priority: bool = False,
         resumed: bool = False,
         interactive: bool = False,
+        rank: int = 0,
         features: int = 0,
     ) -> Deferred[FleetNode]:
         """Assign ``session`` (new epoch) and append ``context`` on the best node that can take
@@ -1006,7 +1007,8 @@ class Fleet:
         once.  ``priority`` (a failover) goes ahead of the queue and past its bound;
         ``resumed`` (a generation that gave its lane back) goes past the bound to the front
         of its own client's line;
-        ``interactive`` places it as docs/protocol.md section 12.2 says; ``features`` are what
+        ``interactive`` places it as docs/protocol.md section 12.2 says and ``rank`` is its
+        class's place in the queue (section 8.5, "Shares"); ``features`` are what
         the node must offer beyond what the session's GenParams need."""
         request = placement.Request(
             model=session.model,
@@ -1029,7 +1031,7 @@ class Fleet:
             requester.share,
             requester.address,
         )
-        waiter.rank = 0 if interactive or not claim_lane else 1
+        waiter.rank = rank
         if self.registry.stopping:
             return defer.fail(NoNodeAvailable("the head is stopping"))
         if (priority or not self.queue) and self._try(waiter):

@@ -12,7 +12,7 @@ time, and never a lane taken back only to be taken back again.  Lanes already on
 (a generation told to yield whose node has not finished it yet) count for the share they go
 to and no longer for the share that gives them, so one waiting client takes back one lane,
 not one per dispatch.  Classes come first: a waiter takes the lane of the newest holder of a
-later class (:meth:`ShareLedger.below`: interactive before batch) whatever the shares, and
+later class (:meth:`ShareLedger.below`: interactive, batch, background) whatever the shares, and
 never one of an earlier class; the share rule works within a class.
 
 This module is pure: no reactor, no clock, no I/O.  It never cancels anything itself (the
@@ -30,7 +30,7 @@ _G = TypeVar("_G", bound=Hashable)
 
 Claim = tuple[Hashable, float, Callable[[_G], bool], int]
 """A waiter's claim on a lane: its share, the share's weight, which running generations may
-give it theirs, and its class's rank (0 interactive, 1 batch)."""
+give it theirs, and its class's rank (0 interactive, 1 batch, 2 background)."""
 
 
 @dataclass(slots=True)

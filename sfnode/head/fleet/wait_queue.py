@@ -43,7 +43,8 @@ class Waiter(Generic[_R]):
     priority: bool = False
     """It waits ahead of every share (a failover)."""
     rank: int = 0
-    """Its class's rank: waiters of a lower rank go first (0 interactive, 1 batch)."""
+    """Its class's rank: waiters of a lower rank go first (0 interactive, 1 batch, 2
+    background)."""
 
 
 class WaitQueue(Generic[_R]):
@@ -155,8 +156,8 @@ class WaitQueue(Generic[_R]):
             self._dispatching = False
 
     def order(self) -> list[Waiter[_R]]:
-        """The waiters in the order lanes go to them: failovers, then by class (interactive
-        before batch), each class in the fair order of :meth:`FairQueue.order`."""
+        """The waiters in the order lanes go to them: failovers, then by class (interactive,
+        batch, background), each class in the fair order of :meth:`FairQueue.order`."""
         return sorted(self._fair.order(), key=lambda w: -1 if w.priority else w.rank)
 
     def settle(self, waiter: Waiter[_R], result: _R | Exception) -> None:
