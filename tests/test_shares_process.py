@@ -23,6 +23,7 @@ from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent, readBody
 
 from tests.processes import LOOPBACK, Child, spawn_twistd
+from tests.test_http import post_bytes
 
 HOGS = 200
 BOUND_S = 3.0
@@ -36,13 +37,7 @@ def _post(max_tokens: int) -> bytes:
         "temperature": 0,
         "stream": True,
     }
-    data = json.dumps(body).encode()
-    return (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-        b"Content-Type: application/json\r\nConnection: close\r\n"
-        + f"Content-Length: {len(data)}\r\n\r\n".encode()
-        + data
-    )
+    return post_bytes(body, close=True)
 
 
 class _Hog(Protocol):
