@@ -89,7 +89,7 @@ class SharesOverHttpTests(MemoryHeadTestCase):
         """One address holds all 16 lanes with 200 long streams; a second client's first
         token comes within one step and its prefill (< 1 s of the memory clock, where
         waiting for a hog's lane to free would take its 400 steps, 8 s), and its answer is
-        the uninterrupted one."""
+        the uninterrupted one; /metrics counts the lanes taken back."""
         head, _ = self.head_with_hog(200)
         waited, client = self.first_token_after(head)
         self.assertLess(waited, 1.0)
@@ -97,6 +97,9 @@ class SharesOverHttpTests(MemoryHeadTestCase):
         text = _streamed_text(client.data)
         self.assertEqual(text, text_of(expected_tokens(prompt_ids(MESSAGES), 8)))
         self.assertGreaterEqual(head.fleet.shares.reclaimed, 1)
+        _, metrics = self.call(head, b"GET", "/metrics")
+        reclaimed = f"sfhead_lanes_reclaimed_total {float(head.fleet.shares.reclaimed)}"
+        self.assertIn(reclaimed, metrics.decode())
 
     def test_without_taking_lanes_back_the_bystander_waits(self) -> None:
         """The same load with lanes taken back turned off (reclaim_lanes False): the

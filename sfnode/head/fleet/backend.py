@@ -255,6 +255,9 @@ class BackendStatus:
     queue_timeouts: int = 0
     """Requests that waited the queue timeout for a node in vain (since start)."""
     failovers: int = 0
+    reclaimed: int = 0
+    """Lanes taken back from a client over its share or from a later class (section 8.5,
+    "Shares"; since start)."""
     reconnects: int = 0
     nodes: tuple[NodeReport, ...] = ()
     serving_nodes: int = 0

@@ -975,6 +975,7 @@ class Fleet:
             queue_rejected=self.queue.rejected,
             queue_timeouts=self.queue.timeouts,
             failovers=self.failovers,
+            reclaimed=self.shares.reclaimed,
             reconnects=self.registry.reconnects,
             nodes=tuple(
                 NodeReport(n.name, n.live, n.sessions, n.link.capacity) for n in self.nodes
