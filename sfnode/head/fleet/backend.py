@@ -131,7 +131,7 @@ class Requester:
 
     @property
     def share(self) -> tuple[str, bytes | str]:
-        """What the queue serves round robin: the API key when there is one, else the
+        """Whom the queue shares lanes among: the API key when there is one, else the
         address (several programs behind one address share it; one key on many addresses is
         still one client)."""
         return ("key", self.key) if self.key is not None else ("address", self.address)

@@ -24,7 +24,9 @@ On top of that:
 - a bounded queue (:class:`~sfnode.head.fleet.wait_queue.WaitQueue`): a request no live node can
 take now
   waits (``max_queued``, at most ``queue_timeout_s``) for a node to come back, join, or free a
-  lane; lanes go to the waiting clients round robin
+  lane; lanes go to the waiting clients by weighted fair share, and a client over its share
+  gives one back at its node's next step (:mod:`sfnode.head.fleet.shares`), as a batch
+  generation does for an interactive one and a stream nobody reads does at once
   (:class:`~sfnode.head.fleet.fair_queue.FairQueue`: by API key, else by address, each client's
   requests in arrival order), and one client address may hold at most
   ``max_client_queued`` of the queue; a full queue refuses at once (:class:`QueueFull`, or

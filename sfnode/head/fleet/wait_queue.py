@@ -134,7 +134,7 @@ class WaitQueue(Generic[_R]):
 
     def dispatch(self) -> None:
         """Offer every waiter to ``place``, in fair order: failovers first, then the clients
-        round robin (:meth:`FairQueue.order`)."""
+        by class and fair share (:meth:`order`); then tell ``still_waiting`` who waits."""
         if self._dispatching:
             # Settling a waiter runs its generation, which may free a lane right here: go
             # round once more when this pass is done.
