@@ -45,6 +45,13 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--keepalive-timeout", type=float, default=3.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
+        "--resume-every",
+        type=int,
+        default=4,
+        help="every this many streams, the client drops after 3 events and resumes with "
+        "Last-Event-ID (0: never)",
+    )
+    parser.add_argument(
         "--head-restart",
         type=float,
         default=5.0,
@@ -70,6 +77,7 @@ def main(argv: list[str]) -> None:
                     hang_after_s=5.0,
                     keepalive_timeout_s=options.keepalive_timeout,
                     seed=options.seed,
+                    resume_every=options.resume_every,
                 )
                 report = yield run_chaos(config)
             print(report.summary(), flush=True)

@@ -128,6 +128,7 @@ def http_chat(port: int, model: str, question: str, kind: str, max_new: int, run
             self.buffer += data
             while b"\n\n" in self.buffer:
                 block, self.buffer = self.buffer.split(b"\n\n", 1)
+                block = block.rpartition(b"\n")[2]  # the data line, after the event's id
                 if block.startswith(b"data: {"):
                     sink.event(json.loads(block[6:]))
 

@@ -63,6 +63,9 @@ class ChaosConfig:
     keepalive_timeout_s: float = 3.0
     """The head's --keepalive-timeout: above the nodes' 2 s status interval."""
     seed: int = 1
+    resume_every: int = 0
+    """Every this many streams, the client drops its connection after its third event and
+    resumes the stream with ``Last-Event-ID`` (docs/api.md "Streams that resume"; 0: never)."""
 
 
 @dataclass
@@ -77,6 +80,8 @@ class StreamResult:
     longest_gap_s: float = 0.0
     """The longest time without a byte, from the request on."""
     exact: bool = False
+    resumed: bool = False
+    """Its client dropped mid-stream and resumed it."""
 
 
 @dataclass
@@ -103,6 +108,10 @@ class ChaosReport:
         return sum(1 for r in self.results if r.exact)
 
     @property
+    def resumes(self) -> int:
+        return sum(1 for r in self.results if r.resumed)
+
+    @property
     def unavailable(self) -> int:
         """Answers 503 (or an error event inside a stream)."""
         return sum(1 for r in self.results if r.status == 503 or r.error)
@@ -113,7 +122,8 @@ class ChaosReport:
 
     def summary(self) -> str:
         return (
-            f"{self.direction}: {self.exact}/{self.total} streams exact, "
+            f"{self.direction}: {self.exact}/{self.total} streams exact "
+            f"({self.resumes} resumed), "
             f"{self.unavailable} unavailable, {self.failovers} failovers, "
             f"{self.reconnects} reconnects, {self.kills} kills, {self.hangs} SIGSTOP, "
             f"longest stall {self.longest_stall_s:.2f} s, {self.elapsed_s:.1f} s"
@@ -128,19 +138,29 @@ def free_port() -> int:
 
 
 class _Body(Protocol):
-    """Collects a streamed body and the longest gap between its bytes."""
+    """Collects a streamed body and the longest gap between its bytes; with ``cut_after``,
+    drops the connection once that many whole events came (what follows them is left out)."""
 
-    def __init__(self, started: float) -> None:
+    def __init__(self, started: float, cut_after: int = 0) -> None:
         self.data = b""
         self.last = started
         self.longest = 0.0
+        self.cut_after = cut_after
+        self.cut = False
         self.done: defer.Deferred[bytes] = defer.Deferred()
 
     def dataReceived(self, data: bytes) -> None:
         now = time.monotonic()
         self.longest = max(self.longest, now - self.last)
         self.last = now
+        if self.cut:
+            return
         self.data += data
+        events = self.data.split(b"\n\n")
+        if self.cut_after and len(events) > self.cut_after:
+            self.data = b"".join(event + b"\n\n" for event in events[: self.cut_after])
+            self.cut = True
+            self.transport.stopProducing()  # type: ignore[union-attr]
 
     def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
         now = time.monotonic()
@@ -256,13 +276,31 @@ class Load:
         request = {"model": "mock", "prompt": ids, "max_tokens": self.config.tokens}
         return json.dumps({**request, "temperature": 0, "stream": stream}).encode()
 
-    def post(self, body: bytes) -> defer.Deferred[Any]:
+    def post(self, body: bytes, last_event: bytes | None = None) -> defer.Deferred[Any]:
+        headers = Headers({b"content-type": [b"application/json"]})
+        if last_event is not None:
+            headers.addRawHeader(b"last-event-id", last_event)
         return self.agent.request(
             b"POST",
             (self.fleet.base + "/v1/completions").encode(),
-            Headers({b"content-type": [b"application/json"]}),
+            headers,
             FileBodyProducer(BytesIO(body)),
         )
+
+    @defer.inlineCallbacks
+    def read(
+        self, body: bytes, result: StreamResult, cut_after: int = 0, last: bytes | None = None
+    ) -> Generator[Any, Any, _Body]:
+        """POST ``body`` (resuming after ``last``) and read its stream, dropping it after
+        ``cut_after`` events when asked."""
+        started = time.monotonic()
+        response = yield self.post(body, last)
+        result.status = response.code
+        reader = _Body(started, cut_after)
+        response.deliverBody(reader)
+        yield reader.done
+        result.longest_gap_s = max(result.longest_gap_s, reader.longest)
+        return reader
 
     @defer.inlineCallbacks
     def reference(self) -> Generator[Any, Any, None]:
@@ -284,19 +322,23 @@ class Load:
     def stream(self, index: int) -> Generator[Any, Any, StreamResult]:
         prompt = index % self.config.prompts
         result = StreamResult(prompt)
-        started = time.monotonic()
+        every = self.config.resume_every
         try:
-            response = yield self.post(self.body(prompt, stream=True))
-            result.status = response.code
-            body = _Body(started)
-            response.deliverBody(body)
-            data = yield body.done
-            result.longest_gap_s = body.longest
+            body = self.body(prompt, stream=True)
+            cut_after = 3 if every and index % every == 0 else 0
+            reader = yield self.read(body, result, cut_after)
+            data = reader.data
+            if reader.cut:
+                # Dropped after its third event: resume after the last one it got.
+                last = data.split(b"\n\n")[-2].split(b"\n")[0].removeprefix(b"id: ")
+                result.resumed = True
+                data += (yield self.read(body, result, last=last)).data
         except Exception as e:
             result.error = f"{type(e).__name__}: {e}"
             return result
         texts = []
         for block in data.split(b"\n\n"):
+            block = block.rpartition(b"\n")[2]  # the data line, after the event's id
             if not block.startswith(b"data: {"):
                 continue
             event = json.loads(block[len(b"data: ") :])

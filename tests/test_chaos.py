@@ -45,10 +45,12 @@ class ChaosTests(TestCase):
             hang_s=3.5,
             hang_after_s=0.3,
             keepalive_timeout_s=2.5,
+            resume_every=4,
         )
         report: ChaosReport = yield run_chaos(config)
         wrong = [r for r in report.results if not r.exact][:3]
         self.assertEqual((report.exact, report.unavailable), (report.total, 0), (report, wrong))
+        self.assertGreaterEqual(report.resumes, 10, report.summary())
         self.assertGreaterEqual(report.kills, 2)
         self.assertEqual(report.hangs, 1)
         self.assertGreaterEqual(report.failovers, 1, report.summary())
@@ -56,11 +58,13 @@ class ChaosTests(TestCase):
         return report
 
     def test_nodes_the_head_dials(self) -> defer.Deferred[ChaosReport]:
-        """The head dials the nodes (--node): kills, restarts and a SIGSTOP cost no stream."""
+        """The head dials the nodes (--node): kills, restarts and a SIGSTOP cost no stream,
+        and neither do clients that drop a stream every fourth time and resume it."""
         return self.chaos(DIAL)
 
     def test_nodes_that_dial_the_head(self) -> defer.Deferred[ChaosReport]:
-        """The nodes dial the head (--head): kills, restarts and a SIGSTOP cost no stream."""
+        """The nodes dial the head (--head): kills, restarts and a SIGSTOP cost no stream,
+        and neither do clients that drop a stream every fourth time and resume it."""
         return self.chaos(DIAL_IN)
 
     @defer.inlineCallbacks

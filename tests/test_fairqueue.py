@@ -16,6 +16,7 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
+from sfnode.generation import TokenBatch
 from sfnode.head.fleet.backend import HeadRequest, Requester
 from sfnode.head.fleet.fair_queue import FairQueue
 from sfnode.head.fleet.fleet import (
@@ -25,8 +26,9 @@ from sfnode.head.fleet.fleet import (
     FleetSettings,
     QueueFull,
 )
+from sfnode.head.fleet.shares import ShareLedger
 from sfnode.head.link import GenerationOutcome, HeadIds
-from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_LENGTH, CapacitySummary
+from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_LENGTH, CapacitySummary, RequestClass
 
 PROMPT = [5, 6, 7]
 
@@ -103,13 +105,103 @@ class FairQueuePureTests(SynchronousTestCase):
         self.assertEqual(queue.order(), ["a", "c"])
 
 
+    def test_a_share_using_fewer_lanes_per_weight_goes_first(self) -> None:
+        """Given each share's use (lanes held per unit of weight), the least used share's
+        items come first whatever the last service; equal use falls back to round robin; an
+        item pushed to the front of its line precedes its share's older ones."""
+        use = {"A": 2.0, "B": 0.5, "C": 0.5}
+        queue: FairQueue[str] = FairQueue(use=lambda share: use.get(str(share), 0.0))
+        queue.push("a1", "A")
+        queue.push("b1", "B")
+        queue.push("c1", "C")
+        queue.served("B")
+        self.assertEqual(queue.order(), ["c1", "b1", "a1"])
+        queue.push("a0", "A", front=True)
+        use["A"] = 0.0
+        self.assertEqual(queue.order(), ["a0", "c1", "b1", "a1"])
+
+
+class ShareLedgerTests(SynchronousTestCase):
+    def test_the_most_used_share_gives_its_newest_lane(self) -> None:
+        """A holds 3 lanes, B 1: a waiter of C takes back A's newest; once A's lane is on
+        its way to C (given, not yet dropped), A counts 2 and C 1, so a second waiter of C
+        takes none (A 2 against C 2 would be no fairer); dropping the lane keeps the counts
+        where they went."""
+        ledger: ShareLedger[str] = ShareLedger()
+        for item in ("a1", "a2", "a3"):
+            ledger.hold("A", 1.0, item)
+        ledger.hold("B", 1.0, "b1")
+        victim = ledger.victim("C", 1.0, lambda item: True)
+        self.assertEqual(victim, "a3")
+        ledger.give("a3", "C", 1.0)
+        self.assertEqual((ledger.held("A"), ledger.held("C")), (2, 1))
+        self.assertIsNone(ledger.victim("C", 1.0, lambda item: True))
+        ledger.drop("a3")
+        self.assertEqual((ledger.held("A"), ledger.held("C")), (2, 0))
+        self.assertEqual(ledger.holding("A"), ["a1", "a2"])
+        ledger.hold("C", 1.0, "c1")
+        self.assertEqual(ledger.victim("D", 1.0, lambda item: item != "a2"), "a1")
+
+    def test_weights_decide_the_shares(self) -> None:
+        """With weight 3 against 1, B may hold three lanes to A's one: B holding 3 of 4
+        gives none back to A (A holds 1); A holding 2 gives one to B holding 2 (2/1 > 3/3);
+        ineligible generations are skipped for older ones."""
+        ledger: ShareLedger[str] = ShareLedger()
+        ledger.hold("A", 1.0, "a1")
+        for item in ("b1", "b2", "b3"):
+            ledger.hold("B", 3.0, item)
+        self.assertIsNone(ledger.victim("A", 1.0, lambda item: True))
+        ledger.drop("b3")
+        ledger.hold("A", 1.0, "a2")
+        self.assertEqual(ledger.victim("B", 3.0, lambda item: item != "a2"), "a1")
+        self.assertAlmostEqual(ledger.use("B"), 2 / 3)
+
+    def test_a_later_class_gives_way_first(self) -> None:
+        """A waiter of rank 0 (interactive) takes the newest batch (rank 1) lane whatever the
+        shares say, even from its own share; a batch waiter never takes an interactive lane,
+        and takes a batch one only by the share rule."""
+        ledger: ShareLedger[str] = ShareLedger()
+        ledger.hold("A", 1.0, "a-chat", 0)
+        ledger.hold("A", 1.0, "a-batch1", 1)
+        ledger.hold("A", 1.0, "a-batch2", 1)
+        ledger.hold("B", 1.0, "b-chat", 0)
+        self.assertEqual(ledger.victim("B", 1.0, lambda item: True, 0), "a-batch2")
+        self.assertEqual(ledger.below(0, lambda item: item != "a-batch2"), "a-batch1")
+        self.assertIsNone(ledger.below(1, lambda item: True))
+        self.assertEqual(ledger.victim("C", 1.0, lambda item: True, 1), "a-batch2")
+        self.assertIsNone(ledger.victim("C", 1.0, lambda item: item.endswith("chat"), 1))
+
+    def test_background_gives_way_before_batch(self) -> None:
+        """Of a batch (rank 1) and a newer background (rank 2) holder, an interactive waiter
+        takes the background one's lane first, even when it is older."""
+        ledger: ShareLedger[str] = ShareLedger()
+        ledger.hold("A", 1.0, "background", 2)
+        ledger.hold("A", 1.0, "batch", 1)
+        self.assertEqual(ledger.below(0, lambda item: True), "background")
+        self.assertEqual(ledger.below(1, lambda item: True), "background")
+        self.assertIsNone(ledger.below(2, lambda item: True))
+
+    def test_one_lane_each_is_never_taken_back(self) -> None:
+        """Equal use after the move (1 each) is no reason to take a lane back: a single lane
+        is not passed to and fro."""
+        ledger: ShareLedger[str] = ShareLedger()
+        ledger.hold("A", 1.0, "a1")
+        self.assertIsNone(ledger.victim("B", 1.0, lambda item: True))
+
+
 class _Call:
     """A GENERATE_REQ the fake node runs until the test ends it."""
 
-    def __init__(self, session_id: int, remaining: int) -> None:
+    def __init__(self, session_id: int, remaining: int, on_tokens: Any = None) -> None:
         self.session_id = session_id
         self.remaining = remaining
+        self.on_tokens = on_tokens
         self.result: Deferred[GenerationOutcome] = Deferred()
+
+    def deliver(self, tokens: Sequence[int]) -> None:
+        """The node sends ``tokens`` of this generation."""
+        self.remaining -= len(tokens)
+        self.on_tokens(TokenBatch(tuple(tokens)))
 
     def cancel(self) -> None:
         if not self.result.called:
@@ -164,7 +256,7 @@ class FakeLink:
         self.head_session.epochs.pop(session_id, None)
 
     def generate(self, session_id: int, ask: HeadRequest, on_tokens: Any = None) -> _Call:
-        call = _Call(session_id, ask.max_new)
+        call = _Call(session_id, ask.max_new, on_tokens)
         self.calls.append(call)
         return call
 
@@ -212,8 +304,11 @@ class FleetQueueTests(SynchronousTestCase):
 
     def test_a_second_client_gets_the_next_free_lane(self) -> None:
         """Client A fills both lanes and queues 40 more generations; client B then asks for
-        one: the next lane that frees goes to B, the one after to A, and so on in turns."""
-        fleet, link = self.fleet(lanes=2, max_queued=256, max_client_queued=64)
+        one: the next lane that frees goes to B, the one after to A, and so on in turns (the
+        order of the queue alone: no lane is taken back here, see ReclaimTests)."""
+        fleet, link = self.fleet(
+            lanes=2, max_queued=256, max_client_queued=64, reclaim_lanes=False
+        )
         for i in range(42):
             self.ask(fleet, "10.0.0.1", 1000 + i)
         self.assertEqual((len(link.running), fleet.queued), (2, 40))
@@ -271,3 +366,102 @@ class FleetQueueTests(SynchronousTestCase):
         self.assertNotIn("no node is live", error)
         self.assertIn("every lane of the live nodes is busy", error)
         self.assertIn("2 generations may wait", error)
+
+
+class ReclaimTests(FleetQueueTests):
+    """Lanes taken back from a client over its share (docs/protocol.md section 8.5,
+    "Shares"), and parked generations."""
+
+    def test_a_second_client_takes_a_lane_back_at_once(self) -> None:
+        """A holds both lanes and queues 40 more; B asks: A's newest running generation is
+        cancelled on its node at once, B gets its lane, and A's generation waits first in
+        A's line, then resumes with prompt + the tokens it delivered and what is left of its
+        budget (no failover counted); A's tokens reach its caller once each."""
+        fleet, link = self.fleet(lanes=2, max_queued=256, max_client_queued=64)
+        for i in range(42):
+            self.ask(fleet, "10.0.0.1", 1000 + i)
+        first, second = link.running
+        second.deliver([70, 71])
+        self.ask(fleet, "10.0.0.2", 1)
+        self.assertEqual([link.prompt_of(c)[-1] for c in link.running], [1000, 1])
+        self.assertEqual(fleet.shares.reclaimed, 1)
+        first.finish()
+        resumed = link.calls[-1]
+        self.assertEqual(link.prompt_of(resumed), (*PROMPT, 1001, 70, 71))
+        self.assertEqual(resumed.remaining, 2)
+        resumed.deliver([72, 73])
+        resumed.finish()
+        outcome = self.successResultOf(self.generations[1].result)
+        self.assertEqual((outcome.tokens, outcome.failovers), ([70, 71, 72, 73], 0))
+        self.assertEqual(self.generations[1].yields, 1)
+
+    def test_weights_share_the_lanes(self) -> None:
+        """On four lanes, a client of weight 3 that arrives while a client of weight 1
+        holds all four takes back three of them, not two."""
+        fleet, link = self.fleet(lanes=4, max_queued=256, max_client_queued=0)
+        for i in range(8):
+            self.ask(fleet, "10.0.0.1", 1000 + i)
+        heavy = Requester("10.0.0.2", b"heavy", 3.0)
+        for i in range(4):
+            self.generations.append(
+                fleet.generate(HeadRequest([*PROMPT, i], 4, model="mock", requester=heavy))
+            )
+        marks = sorted(link.prompt_of(c)[-1] for c in link.running)
+        self.assertEqual(marks, [0, 1, 2, 1000])
+
+    def test_batch_work_takes_a_background_lane(self) -> None:
+        """Two background generations hold both lanes; a batch generation of the same client
+        takes the newer one's lane at once (background gives way to batch whatever the
+        shares), and a second background one waits for a lane to free."""
+        fleet, link = self.fleet(lanes=2, max_queued=256, max_client_queued=0)
+        requester = Requester("10.0.0.1")
+        for mark in (0, 1):
+            request = HeadRequest(
+                [*PROMPT, mark], 4, model="mock", requester=requester,
+                request_class=RequestClass.BATCH, background=True,
+            )  # fmt: skip
+            self.generations.append(fleet.generate(request))
+        self.generations.append(fleet.generate(HeadRequest(
+            [*PROMPT, 2], 4, model="mock", requester=requester, request_class=RequestClass.BATCH
+        )))  # fmt: skip
+        self.assertEqual([link.prompt_of(c)[-1] for c in link.running], [0, 2])
+        self.assertEqual((fleet.shares.reclaimed, fleet.queued), (1, 1))
+
+    def test_a_single_lane_is_not_taken_back(self) -> None:
+        """With one lane, a second client waits for it to free (one lane each is no share
+        to take back: it would only pass to and fro)."""
+        fleet, link = self.fleet(lanes=1, max_queued=256, max_client_queued=0)
+        self.ask(fleet, "10.0.0.1", 0)
+        self.ask(fleet, "10.0.0.2", 1)
+        self.assertEqual((len(link.calls), fleet.shares.reclaimed), (1, 0))
+
+    def test_a_parked_generation_gives_its_lane_and_resumes_exactly(self) -> None:
+        """A running generation parks: its node is told to stop, its lane goes to the one
+        waiting, and it takes no lane while parked even when one frees; unparked, it waits
+        first in its client's line and resumes with prompt + delivered tokens."""
+        fleet, link = self.fleet(lanes=1, max_queued=256, max_client_queued=0)
+        parked = self.ask(fleet, "10.0.0.1", 0)
+        link.running[0].deliver([9])
+        self.ask(fleet, "10.0.0.1", 1)
+        parked.park()
+        self.assertEqual([link.prompt_of(c)[-1] for c in link.running], [1])
+        link.running[0].finish()
+        self.assertEqual(link.running, [])
+        self.assertIsNotNone(parked.lane.parked)
+        parked.unpark()
+        self.assertEqual(link.prompt_of(link.running[0]), (*PROMPT, 0, 9))
+        link.running[0].deliver([8, 7, 6])
+        link.running[0].finish()
+        self.assertEqual(self.successResultOf(parked.result).tokens, [9, 8, 7, 6])
+
+    def test_a_parked_generation_cancels_cleanly(self) -> None:
+        """Cancelling a parked generation ends it CANCELLED with what it delivered, and it
+        never takes a lane again."""
+        fleet, link = self.fleet(lanes=1, max_queued=256, max_client_queued=0)
+        parked = self.ask(fleet, "10.0.0.1", 0)
+        link.running[0].deliver([9])
+        parked.park()
+        parked.cancel()
+        outcome = self.successResultOf(parked.result)
+        self.assertEqual((outcome.tokens, outcome.finish), ([9], FINISH_CANCELLED))
+        self.assertEqual(len(link.calls), 1)

@@ -107,9 +107,9 @@ class KillTests(TestCase):
         yield nodes[0].kill()
         body = yield stream.done
         events = [
-            json.loads(block[len(b"data: ") :])
-            for block in body.split(b"\n\n")
-            if block.startswith(b"data: {")
+            json.loads(line[len(b"data: ") :])
+            for line in body.split(b"\n")
+            if line.startswith(b"data: {")
         ]
         self.assertTrue(body.rstrip().endswith(b"data: [DONE]"))
         text = "".join(e["choices"][0]["text"] for e in events)

@@ -46,10 +46,18 @@ class _Generation:
         self.result: Deferred[FleetOutcome] = Deferred()
         self.placed: Deferred[None] = Deferred()
         self.cancels = 0
+        self.parks: list[bool] = []
+        """Each park (True) and unpark (False), in order."""
         self.sent: list[int] = []
 
     def cancel(self) -> None:
         self.cancels += 1
+
+    def park(self) -> None:
+        self.parks.append(True)
+
+    def unpark(self) -> None:
+        self.parks.append(False)
 
     def when_placed(self) -> Deferred[None]:
         return self.placed
@@ -79,6 +87,10 @@ class _Backend:
 
 class ExchangeTestCase(SynchronousTestCase):
     def setUp(self) -> None:
+        self.build(GateLimits(stall_timeout_s=2.0, resume_grace_s=5.0))
+
+    def build(self, limits: GateLimits) -> None:
+        """The API under test, on a memory reactor, with ``limits``."""
         self.reactor = ThreadlessReactor()
         self.backend = _Backend()
         self.api = OpenAIApi(
@@ -88,7 +100,7 @@ class ExchangeTestCase(SynchronousTestCase):
             MODEL,
             seed_source=lambda: 7,
             workers=InlineWorkers(),  # type: ignore[arg-type]
-            limits=GateLimits(stall_timeout_s=2.0),
+            limits=limits,
         )
 
     def open(self, path: str, body: dict[str, Any]) -> tuple[Any, StringTransport]:
@@ -197,20 +209,27 @@ class BackPressureTests(ExchangeTestCase):
 
     def test_a_client_that_reads_again_in_time_is_kept(self) -> None:
         """A pause followed by a resume (the client read again) before the stall timeout
-        disarms it: the stream goes on and ends normally."""
+        disarms it: the generation was parked at the pause and unparked at the resume
+        (docs/protocol.md section 8.5, "Shares"), and the stream goes on and ends
+        normally."""
         channel, transport, generation = self.stream()
         channel.pauseProducing()
+        self.assertEqual(generation.parks, [True])
         self.reactor.advance(1.5)
         channel.resumeProducing()
+        self.assertEqual(generation.parks, [True, False])
         self.reactor.advance(10)
         self.assertFalse(transport.disconnected)
         generation.end(FINISH_LENGTH)
         self.assertEqual(self.events(transport)[-1], "[DONE]")
-        self.assertEqual(self.reactor.getDelayedCalls(), [])
+        # The one timer left forgets the ended stream, kept for a resume (resume.py).
+        (kept,) = self.reactor.getDelayedCalls()
+        self.assertEqual(kept.func, self.api.exchanges._forget)
 
     def test_a_client_that_goes_away_cancels_its_generation(self) -> None:
-        """A client whose connection closes mid-stream cancels its generation; the
-        exchange is gone and writes nothing more."""
+        """Without a resume grace (--resume-grace 0), a client whose connection closes
+        mid-stream cancels its generation; the exchange is gone and writes nothing more."""
+        self.build(GateLimits(stall_timeout_s=2.0, resume_grace_s=0))
         channel, transport, generation = self.stream()
         channel.connectionLost(Failure(ConnectionDone()))
         self.assertEqual(generation.cancels, 1)
@@ -219,6 +238,27 @@ class BackPressureTests(ExchangeTestCase):
         generation.end(FINISH_CANCELLED)
         self.assertEqual(transport.value(), written)
         self.assertEqual(self.count("cancelled"), 1)
+
+
+    def test_a_client_that_goes_away_is_waited_for_then_cancelled(self) -> None:
+        """With a resume grace of 5 s, a client whose connection closes mid-stream parks its
+        generation (the exchange is away, nothing cancelled, nothing written); when the
+        grace passes with no resume, the generation is cancelled, the exchange is gone and
+        counted ``cancelled``, and it leaves the API's requests."""
+        channel, transport, generation = self.stream()
+        channel.connectionLost(Failure(ConnectionDone()))
+        self.assertEqual((generation.parks, generation.cancels), ([True], 0))
+        self.assertEqual(self.exchange().phase, Phase.AWAY)
+        written = transport.value()
+        self.reactor.advance(4.9)
+        self.assertEqual(generation.cancels, 0)
+        self.reactor.advance(0.1)
+        self.assertEqual(generation.cancels, 1)
+        self.assertEqual(self.exchange().phase, Phase.GONE)
+        generation.end(FINISH_CANCELLED)
+        self.assertEqual(transport.value(), written)
+        self.assertEqual(self.count("cancelled"), 1)
+        self.assertEqual(self.api.exchanges, set())
 
 
 class _HeldWorkers(InlineWorkers):

@@ -199,9 +199,12 @@ def record_ends(engine: MockEngine) -> list[defer.Deferred[Any]]:
 
 
 def sse_events(content: bytes) -> list[Any]:
-    """The data of every server-sent event; ``[DONE]`` stays a string."""
+    """The data of every server-sent event (after its ``id:`` line, docs/api.md "Streams
+    that resume"); ``[DONE]`` stays a string."""
     events = []
     for block in content.decode().split("\n\n"):
+        if block.startswith("id: "):
+            block = block.partition("\n")[2]
         if block.startswith("data: "):
             data = block[len("data: ") :]
             events.append(data if data == "[DONE]" else json.loads(data))

@@ -118,9 +118,9 @@ class TwoModelProcessTests(TestCase):
         yield nodes["a0"].kill()
         body = yield stream.done
         events = [
-            json.loads(block[len(b"data: ") :])
-            for block in body.split(b"\n\n")
-            if block.startswith(b"data: {")
+            json.loads(line[len(b"data: ") :])
+            for line in body.split(b"\n")
+            if line.startswith(b"data: {")
         ]
         self.assertEqual(
             "".join(e["choices"][0]["text"] for e in events), reference["choices"][0]["text"]

@@ -40,6 +40,7 @@ from twisted.python.failure import Failure
 from sfnode.discovery.rules import MAX_HEAD_NAME, SERVICE_TYPE, HeadAnnouncement, valid_head_name
 from sfnode.head.api.gate import GateLimits
 from sfnode.head.api.grammars import DEFAULT_GRAMMAR_TIMEOUT_S
+from sfnode.head.api.keys import KeyFileError, KeyPolicy, parse_key_line
 from sfnode.head.api.request_class import (
     DEFAULT_CLASSES,
     DEFAULT_INTERACTIVE_PROMPT_TOKENS,
@@ -170,6 +171,20 @@ def _api_key(key: bytes, where: str) -> bytes:
     return key
 
 
+def _key_policies(lines: list[bytes], path: str, policies: dict[bytes, KeyPolicy]) -> list[bytes]:
+    """The keys of a key file's ``lines``, each one's share and caps put in ``policies``
+    (docs/api.md "API keys")."""
+    keys = []
+    for number, line in enumerate(lines, 1):
+        try:
+            key, policy = parse_key_line(line)
+        except KeyFileError as e:
+            raise usage.UsageError(f"--api-key-file {path}, key {number}: {e}") from e
+        keys.append(_api_key(key, f"--api-key-file {path}"))
+        policies[key] = policy
+    return keys
+
+
 class Options(usage.Options):
     """``twistd sfhead`` options; after ``parseOptions`` every value is checked and typed."""
 
@@ -186,9 +201,12 @@ class Options(usage.Options):
         "with backoff up to --reconnect-max seconds. On SIGTERM the head stops listening for "
         "HTTP, answers 503 to requests on connections still open, lets running completions "
         "finish for up to --drain-timeout seconds, cancels the rest, then exits. A completion "
-        "is interactive or batch (header X-Request-Class, else --default-request-class): nodes "
-        "serve interactive ones first. Waiting generations get lanes round robin across "
-        "clients (by API key, else by address). Text in messages and string prompts is "
+        "is interactive, batch or background (header X-Request-Class, else the API key's "
+        "class, else --default-request-class): interactive ones go first and take lanes back "
+        "from the others. Lanes are shared fairly across clients (by API key and its weight, "
+        "else by address): a client over its share gives one back to a client that waits. "
+        "A stream whose client drops may be resumed with Last-Event-ID (--resume-grace). "
+        "Text in messages and string prompts is "
         "tokenized as text: a special token typed by a client (<|im_start|>, ...) never "
         "becomes the special id unless --allow-special-tokens (string prompts only)."
     )
@@ -219,6 +237,13 @@ class Options(usage.Options):
             "Let a /v1/completions string prompt spell special tokens (<|im_start|>, ...) that "
             "become their special ids; by default they are ordinary text, as they always are "
             "in chat messages (a token-id prompt may send any id).",
+        ],
+        [
+            "no-reclaim-lanes",
+            None,
+            "Never take a lane back from a client that holds more than its share for one "
+            "that waits (docs/protocol.md section 8.5, Shares); lanes then go back only as "
+            "generations end. Unread streams still give theirs back.",
         ],
     ]
 
@@ -297,7 +322,11 @@ class Options(usage.Options):
             None,
             None,
             "File holding the API key, or several, one per line (blank lines and # comments "
-            "are skipped); each key has its own --max-key-requests.",
+            "are skipped); each key has its own --max-key-requests. A key may be followed by "
+            "weight=W (its share of the lanes), concurrency=N (its own cap of open "
+            "generations), tokens-per-minute=N (429 with Retry-After beyond it) and "
+            "class=interactive|batch|background (for requests that name none); docs/api.md, "
+            "API keys.",
         ],
         [
             "drain-timeout",
@@ -385,6 +414,14 @@ class Options(usage.Options):
             str(int(GateLimits.stall_timeout_s)),
             "Seconds a client may read nothing of its answer before it is cut off and its "
             "generations are cancelled.",
+        ],
+        [
+            "resume-grace",
+            None,
+            f"{GateLimits.resume_grace_s:g}",
+            "Seconds a stream whose client dropped mid-stream waits for it to reconnect with "
+            "Last-Event-ID and get the rest (its generations park meanwhile); after that they "
+            "are cancelled (0: at once). docs/api.md, Streams that resume.",
         ],
         [
             "max-connections",
@@ -573,6 +610,7 @@ class Options(usage.Options):
             header_timeout_s=_positive_seconds("header-timeout", self["header-timeout"]),
             body_timeout_s=_positive_seconds("body-timeout", self["body-timeout"]),
             stall_timeout_s=_positive_seconds("stall-timeout", self["stall-timeout"]),
+            resume_grace_s=_seconds("resume-grace", self["resume-grace"]),
             max_connections=_positive("max-connections", self["max-connections"]),
             max_client_connections=non_negative(
                 "max-client-connections", self["max-client-connections"]
@@ -582,6 +620,7 @@ class Options(usage.Options):
             metrics_public=bool(self["metrics-public"]),
             allowed_hosts=frozenset(h.lower() for h in self["allowed-hosts"] if h),
             cors_origins=frozenset(o for o in self["cors-origins"] if o),
+            keys=self["key-policies"],
         )
         self["template-timeout"] = _positive_seconds("template-timeout", self["template-timeout"])
         self["grammar-timeout"] = _positive_seconds("grammar-timeout", self["grammar-timeout"])
@@ -640,11 +679,13 @@ class Options(usage.Options):
             queue_timeout_s=self["queue-timeout"],
             prefix=self["prefix"],
             max_generation_s=self["max-generation-time"],
+            reclaim_lanes=not self["no-reclaim-lanes"],
         )
 
     def _check_api_key(self) -> None:
         """Read the API key (bytes, or None) and refuse an open API off loopback."""
         key, path = self["api-key"], self["api-key-file"]
+        self["key-policies"] = {}
         if key is not None and path is not None:
             raise usage.UsageError("give --api-key or --api-key-file, not both")
         keys: list[bytes] = []
@@ -659,7 +700,7 @@ class Options(usage.Options):
                 ) from e
             if not lines:
                 raise usage.UsageError(f"--api-key-file {path} is empty")
-            keys = [_api_key(k, f"--api-key-file {path}") for k in lines]
+            keys = _key_policies(lines, path, self["key-policies"])
         self["api-keys"] = tuple(keys)
         self["api-key"] = keys[0] if keys else None
         if (

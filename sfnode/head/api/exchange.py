@@ -1,18 +1,21 @@
 """One completion request's life in the head: body in, ``n`` generations, text or chunks out.
 
-An :class:`Exchange` goes through five phases, and only the moves listed in :data:`MOVES`::
+An :class:`Exchange` goes through six phases, and only the moves listed in :data:`MOVES`::
 
-    preparing --placed--> placed --streamed--> streaming
-        |                   |                      |
-        +------answered-----+------answered--------+--> done
-        +------lost---------+------lost------------+--> gone
+    preparing --placed--> placed --streamed--> streaming <--resumed-- away
+        |                   |                      |  --dropped-->  |
+        +------answered-----+------answered--------+----------------+--> done
+        +------lost---------+------lost------------+----------------+--> gone
 
 *preparing*: the body is checked and its prompt rendered (:mod:`sfnode.head.api.schema`,
 :mod:`sfnode.head.models.text`); *placed*: the generations were handed to the backend, nothing is
 written yet; *streaming*: the event-stream headers are out and chunks flow; *done*: the whole
 answer (or an error) is written and the request finished; *gone*: the client went away or was
-cut off, nothing more is written.  ``lost`` in *done* or *gone* is a deliberate no-op (the
-connection closes after the answer, or after the stall timer cut it).
+cut off, nothing more is written; *away*: a stream's client dropped mid-stream and may come
+back with ``Last-Event-ID`` within ``--resume-grace`` (:mod:`sfnode.head.api.resume`): its
+generations are parked, its events kept, and the grace's end is ``lost``.  ``lost`` in *done*
+or *gone* is a deliberate no-op (the connection closes after the answer, or after the stall
+timer cut it).
 
 The phases are a small explicit state class rather than an Automat machine.  The exchange's
 outputs write to a twisted.web request, and a write can re-enter the exchange synchronously:
@@ -56,7 +59,9 @@ from sfnode.head.api.gate import GateLimits, body_too_large, client_address
 from sfnode.head.api.logprobs import ChoiceLogprobs
 from sfnode.head.api.metrics import HeadMetrics
 from sfnode.head.api.request_class import HEADER as CLASS_HEADER
-from sfnode.head.api.request_class import ClassRule, class_name, parse_header
+from sfnode.head.api.request_class import ClassRule, HeadClass, class_name, parse_header
+from sfnode.head.api.resume import HEADER as RESUME_HEADER
+from sfnode.head.api.resume import Exchanges, ResumableStream, StreamExpired, find
 from sfnode.head.api.schema import CompletionRequest
 from sfnode.head.fleet.backend import (
     Backend,
@@ -77,7 +82,7 @@ from sfnode.head.models.tools import (
     Content,
     call_delta,
 )
-from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_DETAIL_CLOSED, FINISH_EOS, RequestClass
+from sfnode.linkf.wire import FINISH_CANCELLED, FINISH_DETAIL_CLOSED, FINISH_EOS
 from sfnode.runtime.http_guard import HttpError
 
 DEFAULT_MAX_TOKENS = 512
@@ -134,6 +139,7 @@ class Host(Protocol):
     class_rule: ClassRule
     template_timeout_s: float
     draining: bool
+    exchanges: Exchanges[Exchange]
 
     @property
     def workers(self) -> Runner: ...
@@ -167,6 +173,7 @@ class Phase(enum.Enum):
     PREPARING = "preparing"
     PLACED = "placed"
     STREAMING = "streaming"
+    AWAY = "away"
     DONE = "done"
     GONE = "gone"
 
@@ -180,6 +187,11 @@ MOVES: dict[tuple[Phase, str], Phase] = {
     (Phase.PLACED, "lost"): Phase.GONE,
     (Phase.STREAMING, "answered"): Phase.DONE,
     (Phase.STREAMING, "lost"): Phase.GONE,
+    # The client dropped mid-stream: the stream waits --resume-grace for it (resume.py).
+    (Phase.STREAMING, "dropped"): Phase.AWAY,
+    (Phase.AWAY, "resumed"): Phase.STREAMING,
+    (Phase.AWAY, "answered"): Phase.DONE,
+    (Phase.AWAY, "lost"): Phase.GONE,
     # The connection closes after the whole answer: nothing to undo.
     (Phase.DONE, "lost"): Phase.DONE,
     # The stall timer cut the client off, then its connection's loss arrives.
@@ -218,13 +230,24 @@ def request_label(finishes: Sequence[str | None], drain_cancelled: bool) -> str:
 @implementer(IPushProducer)
 class StallWatch:
     """The request's streaming producer: twisted.web pauses it when the client's connection
-    is full (the client is not reading) and resumes it when the data went out; a pause that
-    lasts ``timeout_s`` calls ``stalled`` (the exchange cuts the client off)."""
+    is full (the client is not reading) and resumes it when the data went out.  A pause
+    calls ``paused`` (the exchange parks its generations: an unread stream holds no lane,
+    docs/protocol.md section 8.5 "Shares"), a resume ``resumed``; a pause that lasts
+    ``timeout_s`` calls ``stalled`` (the exchange cuts the client off)."""
 
-    def __init__(self, clock: IReactorTime, timeout_s: float, stalled: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        clock: IReactorTime,
+        timeout_s: float,
+        stalled: Callable[[], None],
+        paused: Callable[[], None] = lambda: None,
+        resumed: Callable[[], None] = lambda: None,
+    ) -> None:
         self._clock = clock
         self._timeout_s = timeout_s
         self._stalled = stalled
+        self._paused = paused
+        self._resumed = resumed
         self._timer: IDelayedCall | None = None
         self._request: Any = None
 
@@ -235,7 +258,7 @@ class StallWatch:
 
     def detach(self, *, gone: bool) -> None:
         """Stop watching (``gone``: the connection is lost, there is nothing to unregister)."""
-        self.resumeProducing()
+        self._stop_timer()
         request, self._request = self._request, None
         if request is not None and not gone:
             request.unregisterProducer()
@@ -243,14 +266,22 @@ class StallWatch:
     def pauseProducing(self) -> None:
         if self._timer is None and self._request is not None:
             self._timer = self._clock.callLater(self._timeout_s, self._fire)
+            self._paused()
 
     def resumeProducing(self) -> None:
+        if self._stop_timer():
+            self._resumed()
+
+    def stopProducing(self) -> None:
+        self._stop_timer()
+
+    def _stop_timer(self) -> bool:
+        """Stop the stall timer; whether one ran (the producer was paused)."""
         timer, self._timer = self._timer, None
         if timer is not None and timer.active():
             timer.cancel()
-
-    def stopProducing(self) -> None:
-        self.resumeProducing()
+            return True
+        return False
 
     def _fire(self) -> None:
         self._timer = None
@@ -346,7 +377,7 @@ class Exchange:
         """The model the request names (its renderer, the name asked of nodes)."""
         self.choices: list[_Choice] = []
         self.first_token_at: float | None = None
-        self.named_class: RequestClass | None = None
+        self.named_class: HeadClass | None = None
         """The class the X-Request-Class header named (None: it named none)."""
         self.drained = False
         """Cancelled by the head's drain timeout (it ends with finish_reason stop)."""
@@ -354,9 +385,17 @@ class Exchange:
         """The error answered for the whole request (the first one wins)."""
         self._pending = 0
         """Generations not ended yet."""
-        self._watch = StallWatch(api.reactor, api.limits.stall_timeout_s, self._stalled)
+        self._watch = StallWatch(
+            api.reactor,
+            api.limits.stall_timeout_s,
+            self._stalled,
+            paused=lambda: _park(self, True),
+            resumed=lambda: _park(self, False),
+        )
         self.writer: Writer = ChatWriter(self)
         """How the answer is written (chat's and completions' shapes, or another API's)."""
+        self.stream = ResumableStream(api.reactor, api.limits.resume_grace_s, request, self._lost)
+        """Every event written, numbered and kept while the stream may be resumed."""
 
     @property
     def answered(self) -> bool:
@@ -378,13 +417,17 @@ class Exchange:
 
     def start(self) -> None:
         api = self.api
-        self.request.notifyFinish().addErrback(self._lost)
+        if self.request.permit is None:
+            # The front door admits every completion with a permit: one without is a
+            # defect, and must never produce a completion.
+            raise RuntimeError(f"a completion reached {self.request.path!r} unscreened")
+        last = self.request.getHeader(RESUME_HEADER)
+        if last is not None:
+            _resume(api, self.request, last)
+            return
+        self.stream.watch(self.request, self._lost)
         api.exchange_began(self)
         try:
-            if self.request.permit is None:
-                # The front door admits every completion with a permit: one without is a
-                # defect, and must never produce a completion.
-                raise RuntimeError(f"a completion reached {self.request.path!r} unscreened")
             if api.draining:
                 raise failures.draining()
             self.named_class = parse_header(self.request.getHeader(CLASS_HEADER))
@@ -455,21 +498,28 @@ class Exchange:
         # full or the wait times out.
         permit = self.request.permit
         assert permit is not None  # start() refused a request without one
+        self.stream.name, self.stream.key = self.ident, permit.key
         parsed = prepared.request
         model = prepared.model
         budget = _max_tokens(parsed, len(self.prompt), lambda: self.api.status(model.name).window)
         if prepared.shortest is not None and budget < prepared.shortest:
             raise failures.budget_too_small(budget, prepared.shortest, parsed.max_tokens_param)
         permit.widen(parsed.n - 1)
-        request_class = self.api.class_rule.classify(self.named_class, len(self.prompt))
+        permit.spend(len(self.prompt) * parsed.n, api.reactor.seconds())
+        named = self.named_class
+        named = named if named is not None else permit.policy.request_class
+        request_class = self.api.class_rule.classify(named, len(self.prompt))
         self.request.setHeader(CLASS_HEADER, class_name(request_class).encode())
         request = HeadRequest(
             tuple(self.prompt),
             budget,
             model=model.name,
             params=parsed.params,
-            request_class=request_class,
-            requester=Requester(client_address(self.request.getClientAddress()), permit.key),
+            request_class=request_class.wire,
+            background=request_class is HeadClass.BACKGROUND,
+            requester=Requester(
+                client_address(self.request.getClientAddress()), permit.key, permit.policy.weight
+            ),
             constraint=parsed.constraint,
         )
         # Streamed chunks are small writes: without TCP_NODELAY, Nagle's algorithm holds each
@@ -496,7 +546,7 @@ class Exchange:
             choice.calls = CallSplitter()
         self.choices.append(choice)
         generation = self.api.backend.generate(
-            replace(request, params=parsed.choice_params(index)), self._receiver(choice)
+            replace(request, params=parsed.choice_params(index)), _receiver(self, choice)
         )
         choice.generation = generation
         self._pending += 1
@@ -529,14 +579,18 @@ class Exchange:
     def _end_if_idle(self) -> None:
         """Once no generation runs: the exchange is over for the API (a drain waits for
         this)."""
-        if self._pending == 0:
+        if self._pending == 0 and not self.stream.away:
             self._watch.detach(gone=self.phase is Phase.GONE)
+            if self.stream.finished:
+                self.api.exchanges.keep(self.stream)
             self.api.exchange_ended(self)
 
     def drain_cancel(self) -> None:
-        """The drain timeout: cancel the generations; the client still gets a clean end."""
+        """The drain timeout: cancel the generations; the client still gets a clean end (a
+        client away gets none: its stream is given up)."""
         self.drained = True
         self._cancel_all()
+        self.stream.expire()
 
     def _cancel_all(self) -> None:
         for choice in self.choices:
@@ -546,11 +600,28 @@ class Exchange:
     # The client
 
     def _lost(self, failure: Failure) -> None:
-        """The client's connection is gone (it went away, or was cut off)."""
+        """The client's connection is gone (it went away, or was cut off), or nobody resumed
+        its stream in time (StreamExpired).  A stream's client that drops mid-stream may come
+        back within --resume-grace: its generations park meanwhile."""
         before = self.phase
+        expired = isinstance(failure.value, StreamExpired)
+        if before is Phase.STREAMING and self.stream.detach():
+            self._move("dropped")
+            self._watch.detach(gone=True)
+            _park(self, True)
+            _log.info(
+                "client of {ident} dropped mid-stream ({reason}); keeping it {grace:g} s",
+                ident=self.ident,
+                reason=failure.getErrorMessage(),
+                grace=self.stream.grace_s,
+            )
+            return
         self._move("lost")
         if before in (Phase.DONE, Phase.GONE):
+            if expired:
+                self._end_if_idle()
             return
+        self.stream.close()
         self._watch.detach(gone=True)
         if self.choices:
             _log.info(
@@ -559,6 +630,27 @@ class Exchange:
                 reason=failure.getErrorMessage(),
             )
         self._cancel_all()
+
+    def resume(self, request: Any, after: int) -> None:
+        """``request`` resumes the stream after its ``after``-th event (docs/api.md
+        "Streams that resume"): the events since, then the rest as it comes."""
+        _log.info("client of {ident} resumed after event {after}", ident=self.ident, after=after)
+        old, self.request = self.request, request
+        if self.phase is Phase.AWAY:
+            self._move("resumed")
+        elif self.phase is Phase.STREAMING:
+            # Its old connection is half open (the client knows it is gone): the new wins.
+            self._watch.detach(gone=True)
+            self.stream.request = None
+            if old.transport is not None:
+                old.transport.abortConnection()
+        self.stream.resume(request, after)
+        if self.phase is Phase.STREAMING:
+            self.stream.watch(request, self._lost)
+            self._watch.attach(request)
+            _park(self, False)
+        else:
+            self._end_if_idle()
 
     def _stalled(self) -> None:
         """The client read nothing for ``--stall-timeout`` seconds: cut it off."""
@@ -569,6 +661,7 @@ class Exchange:
         )
         self._move("lost")
         self._watch.detach(gone=True)
+        self.stream.close()
         self._cancel_all()
         transport = self.request.transport
         if transport is not None:
@@ -614,22 +707,16 @@ class Exchange:
     def _answer_error(self, error: HttpError) -> None:
         if self.answered:
             return
-        streaming = self.phase is Phase.STREAMING
+        streaming = self.phase in (Phase.STREAMING, Phase.AWAY)
         self._move("answered")
         self._watch.detach(gone=False)
         if streaming:
             self.writer.failed(error)
         else:
             self.request.write(answer_error(self.request, error))
-        self.request.finish()
+        self.stream.finish()
 
     # The generations
-
-    def _receiver(self, choice: _Choice) -> TokenSink:
-        def receive(batch: TokenBatch) -> None:
-            self._tokens(choice, batch)
-
-        return receive
 
     def _tokens(self, choice: _Choice, batch: TokenBatch) -> None:
         tokens, logprobs = batch.tokens, batch.logprobs
@@ -662,6 +749,8 @@ class Exchange:
         choice.outcome = outcome
         self._pending -= 1
         self.api.metrics.completion_tokens.inc(len(outcome.tokens))
+        if self.request.permit is not None:
+            self.request.permit.spend(len(outcome.tokens), self.api.reactor.seconds())
         if not self.answered:
             if not choice.stop.stopped:
                 self._emit(choice, choice.stop.feed(choice.detok.flush()))
@@ -727,7 +816,7 @@ class Exchange:
             self._watch.detach(gone=False)
             body = self.writer.whole(completion_tokens)
             self.request.write(answer(self.request, 200, body))
-        self.request.finish()
+        self.stream.finish()
         self._end_if_idle()
 
 
@@ -738,6 +827,42 @@ def client_of(request: Any) -> Hashable:
     if permit is not None and permit.key:
         return ("key", permit.key)
     return ("address", client_address(request.getClientAddress()))
+
+
+def _receiver(exchange: Exchange, choice: _Choice) -> TokenSink:
+    def receive(batch: TokenBatch) -> None:
+        exchange._tokens(choice, batch)
+
+    return receive
+
+
+def _resume(api: Host, request: Any, last: bytes) -> None:
+    """A request with ``Last-Event-ID``: hand it to the stream it names, or answer 404."""
+    try:
+        exchange, stream, after = find(api.exchanges, last, request.permit.key)
+    except HttpError as error:
+        api.metrics.requests.labels(error.outcome).inc()
+        request.write(answer_error(request, error))
+        request.finish()
+        return
+    if exchange is not None:
+        exchange.resume(request, after)
+    else:
+        stream.resume(request, after)
+
+
+def _park(exchange: Exchange, park: bool) -> None:
+    """Park (or unpark) each generation of ``exchange`` still running: its client stopped
+    (or started again) reading (docs/protocol.md section 8.5, "Shares")."""
+    if exchange.answered:
+        return
+    for choice in exchange.choices:
+        generation = choice.generation
+        if generation is not None and choice.outcome is None:
+            if park:
+                generation.park()
+            else:
+                generation.unpark()
 
 
 # --------------------------------------------------------------------------------------------
@@ -777,7 +902,7 @@ class ChatWriter:
         x = self.exchange
         if x.chat:
             for choice in x.choices:
-                x.request.write(bodies.event(bodies.role_chunk(x.reply, choice.index)))
+                x.stream.send(bodies.event(bodies.role_chunk(x.reply, choice.index)))
         else:
             x.request.write(b"")
 
@@ -795,22 +920,22 @@ class ChatWriter:
                 chunk = bodies.calls_chunk(
                     x.reply, choice.index, [call_delta(shown)], logprobs=logprobs
                 )
-            x.request.write(bodies.event(chunk))
+            x.stream.send(bodies.event(chunk))
 
     def choice_finished(self, choice: _Choice) -> None:
         assert choice.finish is not None
         chunk = bodies.finish_chunk(
             self.exchange.reply, choice.index, choice.finish, closed=choice.closed
         )
-        self.exchange.request.write(bodies.event(chunk))
+        self.exchange.stream.send(bodies.event(chunk))
 
     def closed(self, completion_tokens: int) -> None:
         x = self.exchange
         assert x.parsed is not None
         if x.parsed.include_usage:
             chunk = bodies.usage_chunk(x.reply, len(x.prompt), completion_tokens)
-            x.request.write(bodies.event(chunk))
-        x.request.write(bodies.DONE)
+            x.stream.send(bodies.event(chunk))
+        x.stream.send(bodies.DONE)
 
     def whole(self, completion_tokens: int) -> Any:
         x = self.exchange
@@ -829,8 +954,8 @@ class ChatWriter:
         return bodies.completion(x.reply, choices, len(x.prompt), completion_tokens)
 
     def failed(self, error: HttpError) -> None:
-        self.exchange.request.write(bodies.event(error.body()))
-        self.exchange.request.write(bodies.DONE)
+        self.exchange.stream.send(bodies.event(error.body()))
+        self.exchange.stream.send(bodies.DONE)
 
 
 # --------------------------------------------------------------------------------------------

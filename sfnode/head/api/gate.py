@@ -36,9 +36,10 @@ unbounded input, and never use the global reactor (the site's reactor runs the c
 from __future__ import annotations
 
 import ipaddress
+import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from io import BytesIO
 from typing import Any
 from urllib.parse import unquote_to_bytes
@@ -50,6 +51,8 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import Request
 
+from sfnode.head.api.keys import DEFAULT_POLICY, KeyPolicy, TokenMeter
+from sfnode.head.api.resume import DEFAULT_RESUME_GRACE_S
 from sfnode.runtime.http_guard import (
     IDLE_TIMEOUT_S,
     LINGER_BYTES,
@@ -78,6 +81,9 @@ class GateLimits:
     stall_timeout_s: float = 30.0
     """A client that reads nothing of its answer for this long is cut off and its generations
     are cancelled: a reader that stopped must not hold lanes."""
+    resume_grace_s: float = DEFAULT_RESUME_GRACE_S
+    """How long a stream whose client dropped mid-stream waits for it to resume with
+    ``Last-Event-ID`` (0: it is cancelled at once)."""
     max_connections: int = 1024
     max_client_connections: int = 64
     """Open connections per client address (0: no limit besides ``max_connections``)."""
@@ -86,6 +92,8 @@ class GateLimits:
     ``n`` (0: no limit)."""
     max_key_requests: int = 0
     """Generations open at once per API key, counted the same way (0: no limit)."""
+    keys: Mapping[bytes, KeyPolicy] = field(default_factory=dict)
+    """Each API key's own share and caps, from the key file (docs/api.md "API keys")."""
     metrics_public: bool = False
     """``/metrics`` answers without the API key (when one is set)."""
     allowed_hosts: frozenset[str] = frozenset()
@@ -254,6 +262,14 @@ class Permit:
         self.client = client
         self.key = key
         self.count = count
+        self.policy = limits.policy(key)
+        """The key's share and caps (the defaults without a key)."""
+        self._meter = limits.meter
+
+    def spend(self, tokens: int, now: float) -> None:
+        """The request spent ``tokens`` (its prompt, or generated tokens) of its key's
+        tokens per minute."""
+        self._meter.spend(self.key, tokens, now)
 
     def widen(self, extra: int) -> None:
         """Count ``extra`` more generations of the same request (its ``n`` choices).
@@ -265,7 +281,8 @@ class Permit:
         if limits is None or extra <= 0:
             return
         total = self.count + extra
-        for limit, what in ((limits.per_client, "client address"), (limits.per_key, "API key")):
+        per_key = limits.key_limit(self.key)
+        for limit, what in ((limits.per_client, "client address"), (per_key, "API key")):
             if limit and total > limit and (what == "client address" or self.key is not None):
                 raise HttpError(
                     400,
@@ -288,17 +305,46 @@ class ConcurrencyLimits:
     """Generations open at once, per client address and per API key (a request with ``n``
     choices counts ``n``: it runs ``n`` generations)."""
 
-    def __init__(self, per_client: int, per_key: int) -> None:
+    def __init__(
+        self, per_client: int, per_key: int, policies: Mapping[bytes, KeyPolicy] | None = None
+    ) -> None:
         self.per_client = per_client
         self.per_key = per_key
+        self.policies: Mapping[bytes, KeyPolicy] = policies or {}
+        """Each key's own caps (its ``concurrency`` replaces ``per_key``)."""
+        self.meter = TokenMeter(self.policies)
+        """Each key's tokens per minute."""
         self.clients: Counter[str] = Counter()
         self.keys: Counter[bytes] = Counter()
 
-    def acquire(self, client: str, key: bytes | None, count: int = 1) -> Permit:
+    @classmethod
+    def of(cls, limits: GateLimits) -> ConcurrencyLimits:
+        """The limits ``limits`` set: per client address, per key, each key's own."""
+        return cls(limits.max_client_requests, limits.max_key_requests, limits.keys)
+
+    def policy(self, key: bytes | None) -> KeyPolicy:
+        return self.policies.get(key, DEFAULT_POLICY) if key is not None else DEFAULT_POLICY
+
+    def key_limit(self, key: bytes | None) -> int:
+        """Generations ``key`` may have open at once (0: no limit)."""
+        return self.policy(key).concurrency or self.per_key
+
+    def acquire(
+        self, client: str, key: bytes | None, count: int = 1, now: float = 0.0
+    ) -> Permit:
         """A permit for ``count`` more generations of ``client`` (and ``key``).
 
-        :raises HttpError: 429 when either limit would be passed.
+        :raises HttpError: 429 when either limit would be passed, or the key spent its
+            tokens per minute (with ``Retry-After`` the seconds until it may go on).
         """
+        wait_s = self.meter.wait_s(key, now)
+        if wait_s > 0:
+            raise rate_limited(
+                "Too many tokens: this API key spent its tokens per minute (its key file's "
+                "tokens-per-minute); retry after the seconds Retry-After says.",
+                "rate_limit_exceeded",
+                retry_after_s=wait_s,
+            )
         self._take(client, key, count)
         return Permit(self, client, key, count)
 
@@ -306,9 +352,10 @@ class ConcurrencyLimits:
         if self.per_client and self.clients[client] + count > self.per_client:
             raise _too_many(f"this client address has {self.clients[client]} generations open "
                             f"(at most {self.per_client})")  # fmt: skip
-        if key is not None and self.per_key and self.keys[key] + count > self.per_key:
+        per_key = self.key_limit(key)
+        if key is not None and per_key and self.keys[key] + count > per_key:
             raise _too_many(f"this API key has {self.keys[key]} generations open "
-                            f"(at most {self.per_key})")  # fmt: skip
+                            f"(at most {per_key})")  # fmt: skip
         self.clients[client] += count
         if key is not None:
             self.keys[key] += count
@@ -331,15 +378,17 @@ def _too_many(why: str) -> HttpError:
     )
 
 
-def rate_limited(message: str, code: str) -> HttpError:
-    """A 429 (counted ``rate_limited``) that asks the client to retry in a second."""
+def rate_limited(message: str, code: str, retry_after_s: float = 1.0) -> HttpError:
+    """A 429 (counted ``rate_limited``) that asks the client to retry in ``retry_after_s``
+    seconds (rounded up to whole seconds, at least 1)."""
+    seconds = max(1, math.ceil(retry_after_s))
     return HttpError(
         429,
         message,
         kind="requests",
         code=code,
         outcome="rate_limited",
-        headers={b"retry-after": b"1"},
+        headers={b"retry-after": b"%d" % seconds},
     )
 
 

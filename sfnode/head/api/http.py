@@ -89,6 +89,7 @@ from sfnode.head.api.metrics import EXPOSITION_CONTENT_TYPE, HeadMetrics
 from sfnode.head.api.request_class import ClassRule
 from sfnode.head.api.responses import ResponseStore
 from sfnode.head.api.responses_exchange import ResponsesExchange
+from sfnode.head.api.resume import Exchanges
 from sfnode.head.api.schema import CompletionRequest, parse_body, parse_request
 from sfnode.head.api.workers import Workers
 from sfnode.head.fleet.backend import Backend, BackendStatus, GenerationHandle
@@ -185,7 +186,7 @@ class OpenAIApi:
         """The bearer tokens a /v1 request may carry; none: the API is open."""
         self.limits = limits = limits if limits is not None else GateLimits()
         self.allowed_hosts = answered_hosts(limits, self.api_keys)
-        self.concurrency = ConcurrencyLimits(limits.max_client_requests, limits.max_key_requests)
+        self.concurrency = ConcurrencyLimits.of(limits)
         self.workers = workers if workers is not None else Workers(reactor)
         self.grammars = GrammarChecks(self.workers, grammar_timeout_s)
         """Each grammar's verdict, compiled on the workers (sfnode.head.api.grammars)."""
@@ -196,8 +197,8 @@ class OpenAIApi:
         """Stored responses, for ``previous_response_id`` (in memory only)."""
         self.floors = AnswerFloors()
         """The shortest answer of each grammar per tokenizer (a smaller budget is a 400)."""
-        self.exchanges: set[Exchange] = set()
-        """Completion requests in flight (what a drain waits for)."""
+        self.exchanges: Exchanges[Exchange] = Exchanges(reactor, limits.resume_grace_s)
+        """Completion requests in flight (what a drain waits for), and ended streams."""
         self.draining = False
         """True once :meth:`drain` started: new completion requests get 503."""
         self._site: GuardedSite | None = None
@@ -250,8 +251,12 @@ class OpenAIApi:
         return {name: self.backend.status(name) for name in self.models.names()}
 
     def stop(self) -> None:
-        """Stop the worker threads (the HTTP service does this when it stops)."""
+        """Stop the worker threads and give up the streams kept for a resume (the HTTP
+        service does this when it stops)."""
         self.workers.stop()
+        for exchange in list(self.exchanges):
+            exchange.stream.expire()
+        self.exchanges.clear_ended()
 
     # The front door
 
@@ -330,7 +335,7 @@ class OpenAIApi:
                 return failures.draining()
             client = client_address(request.getClientAddress())  # type: ignore[no-untyped-call]
             try:
-                permit = self.concurrency.acquire(client, key or None)
+                permit = self.concurrency.acquire(client, key or None, now=self.reactor.seconds())
             except HttpError as e:
                 return e
             request.permit = permit

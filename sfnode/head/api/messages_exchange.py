@@ -80,7 +80,7 @@ class MessagesWriter:
 
     def _write(self, events: Iterable[dict[str, Any]]) -> None:
         for event in events:
-            self.exchange.request.write(event_bytes(event))
+            self.exchange.stream.send(event_bytes(event))
 
     def opened(self) -> None:
         self._write(self.builder.started(len(self.exchange.prompt)))

@@ -135,6 +135,11 @@ class _StatusCollector(Collector):
         yield CounterMetricFamily(
             "sfhead_reconnects", "Links reconnected and reconciled.", value=status.reconnects
         )
+        yield CounterMetricFamily(
+            "sfhead_lanes_reclaimed",
+            "Lanes taken back for a waiting client or class (its generation resumes later).",
+            value=status.reclaimed,
+        )
         yield GaugeMetricFamily(
             "sfhead_queued_requests",
             "Requests waiting in the head's queue for a node.",

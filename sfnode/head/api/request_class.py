@@ -1,12 +1,15 @@
 """Request classes at the head: which of an HTTP request's generations someone waits on.
 
-A completion is ``interactive`` (a person waits for it: a chat) or ``batch`` (throughput work:
-agents, evaluations, bulk jobs); the class travels to the node in GENERATE_REQ, whose scheduler
-admits interactive work first (docs/protocol.md section 12.2).  A client may say which with the
-header ``X-Request-Class: interactive|batch``; OpenAI clients send nothing special, so the
-head's default (``--default-request-class``) decides the rest: ``auto`` (the default) takes a
-prompt of at most ``--interactive-prompt-tokens`` tokens for a chat and a longer one for batch
-work, ``interactive`` or ``batch`` give every such request that class.
+A completion is ``interactive`` (a person waits for it: a chat), ``batch`` (throughput work:
+agents, evaluations, bulk jobs) or ``background`` (batch work that waits for all other: the
+head ranks it last in its queue and takes its lanes back first, docs/protocol.md section 8.5;
+nodes see it as batch); the class travels to the node in GENERATE_REQ, whose scheduler admits
+interactive work first (docs/protocol.md section 12.2).  A client may say which with the
+header ``X-Request-Class: interactive|batch|background`` (or its API key's ``class=``); OpenAI
+clients send nothing special, so the head's default (``--default-request-class``) decides the
+rest: ``auto`` (the default) takes a prompt of at most ``--interactive-prompt-tokens`` tokens
+for a chat and a longer one for batch work, ``interactive`` or ``batch`` give every such
+request that class.
 
 This module must never do I/O or hold state: it is a header parser and a pure rule.
 """
@@ -26,7 +29,24 @@ DEFAULT_INTERACTIVE_PROMPT_TOKENS = 1024
 history fits; an agent's prompt of a thousand words or more (tools, files, instructions) does
 not."""
 
-_NAMES = {"interactive": RequestClass.INTERACTIVE, "batch": RequestClass.BATCH}
+
+
+class HeadClass(enum.IntEnum):
+    """A request's class at the head: its rank in the queue and in preemption (lower first).
+    The first two are the wire's own numbers (:class:`RequestClass`); background is the
+    head's own and goes to nodes as batch."""
+
+    INTERACTIVE = 0
+    BATCH = 1
+    BACKGROUND = 2
+
+    @property
+    def wire(self) -> RequestClass:
+        """The class GENERATE_REQ carries."""
+        return RequestClass.INTERACTIVE if self is HeadClass.INTERACTIVE else RequestClass.BATCH
+
+
+_NAMES = {klass.name.lower(): klass for klass in HeadClass}
 
 
 class DefaultClass(enum.Enum):
@@ -41,12 +61,12 @@ class DefaultClass(enum.Enum):
 DEFAULT_CLASSES = tuple(d.value for d in DefaultClass)
 
 
-def class_name(request_class: RequestClass) -> str:
-    """``interactive`` or ``batch``: the header's own words."""
-    return "interactive" if request_class == RequestClass.INTERACTIVE else "batch"
+def class_name(request_class: int) -> str:
+    """``interactive``, ``batch`` or ``background``: the header's own words."""
+    return HeadClass(min(int(request_class), HeadClass.BACKGROUND)).name.lower()
 
 
-def parse_header(value: bytes | None) -> RequestClass | None:
+def parse_header(value: bytes | None) -> HeadClass | None:
     """The class an ``X-Request-Class`` header names, or None when it is absent.
 
     :raises HttpError: 400 ``invalid_request_class`` for any other value.
@@ -58,7 +78,7 @@ def parse_header(value: bytes | None) -> RequestClass | None:
     if found is None:
         raise HttpError(
             400,
-            f"the X-Request-Class header must be 'interactive' or 'batch', not "
+            f"the X-Request-Class header must be 'interactive', 'batch' or 'background', not "
             f"{clip(value.decode('latin-1'))!r}",
             code="invalid_request_class",
         )
@@ -72,18 +92,18 @@ class ClassRule:
     default: DefaultClass = DefaultClass.AUTO
     interactive_prompt_tokens: int = DEFAULT_INTERACTIVE_PROMPT_TOKENS
 
-    def classify(self, named: RequestClass | None, prompt_tokens: int) -> RequestClass:
+    def classify(self, named: HeadClass | None, prompt_tokens: int) -> HeadClass:
         """The class of a request whose header named ``named`` (None: no header) and whose
         prompt has ``prompt_tokens`` tokens: the header when given, else the default."""
         if named is not None:
             return named
         if self.default is DefaultClass.INTERACTIVE:
-            return RequestClass.INTERACTIVE
+            return HeadClass.INTERACTIVE
         if self.default is DefaultClass.BATCH:
-            return RequestClass.BATCH
+            return HeadClass.BATCH
         if prompt_tokens <= self.interactive_prompt_tokens:
-            return RequestClass.INTERACTIVE
-        return RequestClass.BATCH
+            return HeadClass.INTERACTIVE
+        return HeadClass.BATCH
 
 
 __all__ = [
@@ -92,6 +112,7 @@ __all__ = [
     "HEADER",
     "ClassRule",
     "DefaultClass",
+    "HeadClass",
     "class_name",
     "parse_header",
 ]

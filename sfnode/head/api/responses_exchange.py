@@ -109,7 +109,7 @@ class ResponsesWriter:
 
     def _write(self, events: Iterable[dict[str, Any]]) -> None:
         for event in events:
-            self.exchange.request.write(event_bytes(event))
+            self.exchange.stream.send(event_bytes(event))
 
     def opened(self) -> None:
         self._write(self.builder.started())

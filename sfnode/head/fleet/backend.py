@@ -125,10 +125,13 @@ class Requester:
     """The client's address ("" for a program's own generations: no per-address bound)."""
     key: bytes | None = None
     """The API key the request carried (None: the API is open)."""
+    weight: float = 1.0
+    """Its share's weight: lanes are shared in proportion to it (the key file's
+    ``weight=``, docs/api.md "API keys")."""
 
     @property
     def share(self) -> tuple[str, bytes | str]:
-        """What the queue serves round robin: the API key when there is one, else the
+        """Whom the queue shares lanes among: the API key when there is one, else the
         address (several programs behind one address share it; one key on many addresses is
         still one client)."""
         return ("key", self.key) if self.key is not None else ("address", self.address)
@@ -168,6 +171,9 @@ class HeadRequest:
     """Whether someone waits on it (docs/protocol.md section 12.2)."""
     requester: Requester = ANONYMOUS
     """Whose share of the queue it takes (section 8.5)."""
+    background: bool = False
+    """A batch generation that waits for all other work: ranked last in the head's queue and
+    its lanes taken back first (section 8.5, "Shares"); nodes see it as batch."""
     constraint: Constraint | None = None
     """The grammar and sampler controls its output follows (section 12.3)."""
 
@@ -177,6 +183,14 @@ class HeadRequest:
     @property
     def interactive(self) -> bool:
         return self.request_class == RequestClass.INTERACTIVE
+
+    @property
+    def rank(self) -> int:
+        """Its class's place in the head's queue and preemption (docs/protocol.md section
+        8.5, "Shares"): 0 interactive, 1 batch, 2 background."""
+        if self.interactive:
+            return 0
+        return 2 if self.background else 1
 
     @property
     def features(self) -> int:
@@ -193,6 +207,12 @@ class GenerationHandle(Protocol):
     def cancel(self) -> None: ...
 
     def when_placed(self) -> Deferred[None]: ...
+
+    def park(self) -> None:
+        """Its client stopped reading: give the lane back until :meth:`unpark`."""
+
+    def unpark(self) -> None:
+        """Its client reads again: go on where it stopped."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +257,9 @@ class BackendStatus:
     queue_timeouts: int = 0
     """Requests that waited the queue timeout for a node in vain (since start)."""
     failovers: int = 0
+    reclaimed: int = 0
+    """Lanes taken back from a client over its share or from a later class (section 8.5,
+    "Shares"; since start)."""
     reconnects: int = 0
     nodes: tuple[NodeReport, ...] = ()
     serving_nodes: int = 0

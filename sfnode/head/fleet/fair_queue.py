@@ -3,8 +3,10 @@
 
 One client's backlog must not decide when another client is served.  :class:`FairQueue` keeps
 one FIFO per *share* (a client: its API key, else its address) and gives the next free lane to
-the share served least recently, round robin: a second client waits for the next lane that
-frees, not for the first client's backlog.  Failovers (``priority``) go ahead of every share:
+the share that uses fewest lanes per unit of its weight (the fleet's
+:class:`~sfnode.head.fleet.shares.ShareLedger` says, given as ``use``), ties to the share served
+least recently, round robin: a second client waits for the next lane that frees, not for the
+first client's backlog.  Failovers (``priority``) go ahead of every share:
 their clients are mid-answer.  It also counts what each client address holds, for the head's
 per-address bound (``--max-client-queued``).
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, OrderedDict, deque
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -38,7 +40,9 @@ class FairQueue(Generic[_T]):
     """Items waiting, per share, with round robin across shares (least recently served
     first) and priority items ahead of all."""
 
-    def __init__(self, memory: int = SERVED_MEMORY) -> None:
+    def __init__(
+        self, memory: int = SERVED_MEMORY, use: Callable[[Hashable], float] | None = None
+    ) -> None:
         self._priority: deque[_T] = deque()
         self._shares: dict[Hashable, deque[_T]] = {}
         """Each share's waiting items, in arrival order; shares in the order they started
@@ -48,6 +52,8 @@ class FairQueue(Generic[_T]):
         self._served: OrderedDict[Hashable, int] = OrderedDict()
         self._ticks = itertools.count()
         self._memory = memory
+        self._use = use
+        """Lanes a share holds per unit of its weight (None: every share counts alike)."""
 
     def __len__(self) -> int:
         return len(self._places)
@@ -61,8 +67,17 @@ class FairQueue(Generic[_T]):
     def __iter__(self) -> Iterator[_T]:
         return iter(self.order())
 
-    def push(self, item: _T, share: Hashable, address: str = "", *, priority: bool = False) -> None:
-        """``item`` waits: at the end of ``share``'s line, or ahead of everything when
+    def push(
+        self,
+        item: _T,
+        share: Hashable,
+        address: str = "",
+        *,
+        priority: bool = False,
+        front: bool = False,
+    ) -> None:
+        """``item`` waits: at the end of ``share``'s line (at its front when ``front``: a
+        generation that gave its lane back and resumes), or ahead of everything when
         ``priority`` (a failover; newest first, as the fleet always did)."""
         if item in self._places:
             raise ValueError(f"{item!r} is already waiting")
@@ -70,7 +85,11 @@ class FairQueue(Generic[_T]):
             self._priority.appendleft(item)
             self._places[item] = _Place(None, address)
         else:
-            self._shares.setdefault(share, deque()).append(item)
+            line = self._shares.setdefault(share, deque())
+            if front:
+                line.appendleft(item)
+            else:
+                line.append(item)
             self._places[item] = _Place(share, address)
         if address:
             self._addresses[address] += 1
@@ -108,9 +127,15 @@ class FairQueue(Generic[_T]):
 
     def order(self) -> list[_T]:
         """Every waiting item in the order lanes should go to them: priority items, then the
-        shares round robin, least recently served first (each share's first item, then each
-        share's second, ...), each share in arrival order."""
-        shares = sorted(self._shares, key=lambda share: self._served.get(share, -1))
+        shares by the lanes they use (fewest per unit of weight first), ties round robin,
+        least recently served first (each share's first item, then each share's second,
+        ...), each share in arrival order."""
+        use = self._use
+
+        def rank(share: Hashable) -> tuple[float, int]:
+            return (use(share) if use is not None else 0.0, self._served.get(share, -1))
+
+        shares = sorted(self._shares, key=rank)
         rounds = itertools.zip_longest(*(self._shares[share] for share in shares))
         fair = [item for round_ in rounds for item in round_ if item is not None]
         return [*self._priority, *fair]

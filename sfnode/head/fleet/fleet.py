@@ -24,7 +24,9 @@ On top of that:
 - a bounded queue (:class:`~sfnode.head.fleet.wait_queue.WaitQueue`): a request no live node can
 take now
   waits (``max_queued``, at most ``queue_timeout_s``) for a node to come back, join, or free a
-  lane; lanes go to the waiting clients round robin
+  lane; lanes go to the waiting clients by weighted fair share, and a client over its share
+  gives one back at its node's next step (:mod:`sfnode.head.fleet.shares`), as a batch
+  generation does for an interactive one and a stream nobody reads does at once
   (:class:`~sfnode.head.fleet.fair_queue.FairQueue`: by API key, else by address, each client's
   requests in arrival order), and one client address may hold at most
   ``max_client_queued`` of the queue; a full queue refuses at once (:class:`QueueFull`, or
@@ -70,6 +72,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, TypeVar
 
 from twisted.internet import defer
@@ -111,6 +114,7 @@ from sfnode.head.fleet.placement import (
     PrefixRule,
 )
 from sfnode.head.fleet.prefix_index import BlockKey, reusable_keys
+from sfnode.head.fleet.shares import ShareLedger
 from sfnode.head.fleet.wait_queue import Waiter, WaitQueue
 from sfnode.head.link import (
     DEFAULT_HANDSHAKE_TIMEOUT_S,
@@ -179,6 +183,10 @@ class FleetSettings:
     """How placement weighs a node's cached prefix against its load (``load-aware``)."""
     max_generation_s: float = DEFAULT_MAX_GENERATION_S
     """The wall budget of each generation (0: none)."""
+    reclaim_lanes: bool = True
+    """A client holding more than its share of the lanes gives one back to a client that
+    waits (docs/protocol.md section 8.5, "Shares"); False: lanes go back only when
+    generations end."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", Policy(self.policy))
@@ -350,6 +358,11 @@ class FleetSession:
         generation._start()
         return generation
 
+    def model_generation(self, generation: FleetGeneration) -> bool:
+        """Whether ``generation`` may give its lane to this session (it runs this session's
+        model and may yield: :meth:`FleetGeneration.may_yield`)."""
+        return generation.may_yield(self.model)
+
     def close(self) -> None:
         """End the session: SESSION_REVOKE on its node, which then forgets it."""
         if self.closed:
@@ -357,6 +370,46 @@ class FleetSession:
         self.closed = True
         if self.node is not None:
             self.fleet._detach(self)
+
+
+class LaneYield:
+    """A generation's giving its lane back (docs/protocol.md section 8.5, "Shares"): told to
+    yield (its node was sent GENERATE_CANCEL), parked until its client reads again, or
+    waiting to resume."""
+
+    def __init__(self) -> None:
+        self.asked = False
+        """Told to give its lane back: a CANCELLED finish then means "wait again and
+        resume", not the end."""
+        self.parked: Deferred[None] | None = None
+        """Set while parked (its client reads nothing): fires when it may run again."""
+        self.resuming = False
+        """It gave its lane back and waits for one again (first in its client's line)."""
+
+    def park(self) -> bool:
+        """Park; False if it already was."""
+        if self.parked is not None:
+            return False
+        self.parked = Deferred()
+        return True
+
+    def wake(self) -> None:
+        """No longer parked (its client reads again, or it was cancelled)."""
+        parked, self.parked = self.parked, None
+        if parked is not None:
+            parked.callback(None)
+
+    def gave_way(self, outcome: failover.Outcome, cancelled: bool) -> bool:
+        """The attempt ended because the generation yielded its lane (or was parked before
+        its GENERATE_REQ went out), not because it finished, was cancelled or its node
+        failed."""
+        yielded = self.asked or self.parked is not None
+        self.asked = False
+        if not yielded or cancelled:
+            return False
+        if isinstance(outcome, failover.NotSent):
+            return True
+        return isinstance(outcome, failover.Finished) and outcome.reason == FINISH_CANCELLED
 
 
 class FleetGeneration:
@@ -394,6 +447,10 @@ class FleetGeneration:
         self._timed_out: GenerationTimedOut | None = None
         """Set when the wall budget passed: how the generation ends, whatever stopping it
         produced."""
+        self.lane = LaneYield()
+        """Whether it gives its lane back, or is parked (docs/protocol.md section 8.5)."""
+        self.yields = 0
+        """Times it gave its lane back and resumed (docs/protocol.md section 8.5, "Shares")."""
 
     def when_placed(self) -> Deferred[None]:
         """Fires once the first GENERATE_REQ is sent (or the generation ended first), or
@@ -412,10 +469,47 @@ class FleetGeneration:
         """Stop the generation (GENERATE_CANCEL to its node, or leave the queue); ``result``
         still fires, with finish CANCELLED."""
         self._cancelled = True
+        self.lane.wake()
         if self._waiting is not None:
             self._waiting.cancel()
         if self._call is not None:
             self._call.cancel()
+
+    def park(self) -> None:
+        """Give the lane back and hold no other until :meth:`unpark` (its client stopped
+        reading: docs/protocol.md section 8.5, "Shares"); what was delivered stays
+        delivered, and the generation resumes exactly where it stopped."""
+        if self.result.called or self._cancelled or not self.lane.park():
+            return
+        if self._call is not None:
+            self.session.fleet.shares.give(self)
+            self.yield_lane()
+        elif self._waiting is not None:
+            self._waiting.cancel()
+
+    def unpark(self) -> None:
+        """Its client reads again: wait for a lane (first in its client's line) and go on."""
+        self.lane.wake()
+
+    def may_yield(self, model: str | None) -> bool:
+        """Whether it may give its lane to a waiter of ``model``: a one-shot generation of
+        that model running on a node now, not parked, cancelled or yielding already."""
+        return (
+            self._one_shot
+            and self._call is not None
+            and not self.lane.asked
+            and not self._cancelled
+            and self.lane.parked is None
+            and self.session.model == model
+        )
+
+    def yield_lane(self) -> None:
+        """Give the lane back at the node's next step boundary (GENERATE_CANCEL; the
+        CANCELLED finish makes it wait again, to resume with prompt + delivered tokens)."""
+        if self._call is None or self.lane.asked:
+            return
+        self.lane.asked = True
+        self._call.cancel()
 
     def _start(self) -> None:
         fleet = self.session.fleet
@@ -462,6 +556,7 @@ class FleetGeneration:
             f"after {len(self.tokens)} tokens"
         )
         self._cancelled = True
+        self.lane.wake()
         if self._waiting is not None:
             self._waiting.cancel()
         if self._call is not None:
@@ -502,17 +597,45 @@ class FleetGeneration:
                     return self._outcome(FINISH_CANCELLED, node)
                 if self._remaining <= 0:
                     return self._outcome(FINISH_LENGTH, node)
+                if self.lane.parked is not None:
+                    await self.lane.parked
+                    continue
                 placed = await self._take_node(tried)
                 if placed is None:
-                    return self._outcome(FINISH_CANCELLED, node)
+                    if self._cancelled:
+                        return self._outcome(FINISH_CANCELLED, node)
+                    continue
                 node = placed
-                decision = self._judge(node, await self._attempt(node))
+                outcome = await self._attempt(node)
+                if self.lane.gave_way(outcome, self._cancelled):
+                    self._step_aside(node)
+                    continue
+                decision = self._judge(node, outcome)
                 if not isinstance(decision, failover.MoveOn):
                     return self._conclude(decision, node)
                 self._move_on(node, decision.error, tried)
         finally:
             if self._one_shot:
                 session.close()
+
+    def _step_aside(self, node: FleetNode) -> None:
+        """Leave ``node`` after yielding: the session is revoked there (the node's prefix
+        cache may keep its blocks) and the next attempt waits, first in its client's line,
+        with prompt + delivered tokens as its context: the failover's exact resume, without
+        counting a failover."""
+        session = self.session
+        _log.debug(
+            "generation of session {session} gave its lane on {node} back after "
+            "{delivered} tokens",
+            session=session.session_id,
+            node=node.name,
+            delivered=len(self.tokens),
+        )
+        session.fleet._remember(node, self._context, session.model)
+        if session.node is node:
+            session.fleet._detach(session)
+        self.yields += 1
+        self.lane.resuming = True
 
     @property
     def _remaining(self) -> int:
@@ -538,18 +661,22 @@ class FleetGeneration:
             expected_out=self._remaining if self._one_shot else DEFAULT_EXPECTED_OUT,
             claim_lane=True,
             avoid=tried,
-            priority=bool(self.failovers),
+            priority=bool(self.failovers) and not self.lane.resuming,
+            resumed=self.lane.resuming,
             interactive=self.request.interactive,
+            rank=self.request.rank,
             features=self.features,
         )
         try:
-            return await self._waiting
+            node = await self._waiting
         except CancelledError:
-            if self._cancelled:
+            if self._cancelled or self.lane.parked is not None:
                 return None
             raise
         finally:
             self._waiting = None
+        self.lane.resuming = False
+        return node
 
     async def _attempt(self, node: FleetNode) -> failover.Outcome:
         """One GENERATE_REQ on ``node`` and how it went."""
@@ -618,9 +745,11 @@ class FleetGeneration:
         gets) ``context``: its outcome, or None when the generation was cancelled before it
         could be sent."""
         fleet = self.session.fleet
+        requester = self.request.requester
+        fleet.shares.hold(requester.share, requester.weight, self, self.request.rank)
         try:
             link = await fleet._bound_link(self.session, context, self.features)
-            if self._cancelled:
+            if self._cancelled or self.lane.parked is not None:
                 return None
             ask = replace(self.request, max_new=remaining)
             if ask.constraint is not None:
@@ -634,6 +763,7 @@ class FleetGeneration:
             finally:
                 self._call = None
         finally:
+            fleet.shares.drop(self)
             fleet._release(node, self.request.interactive)
 
 
@@ -650,6 +780,42 @@ def _lanes(nodes: Sequence[FleetNode]) -> tuple[int, int, int]:
         active += min(max(capacity.lanes_active, node.inflight), capacity.max_lanes)
         queued += max(capacity.queue_depth, node.inflight - capacity.max_lanes)
     return active, total, queued
+
+
+def _take_lanes_back(shares: ShareLedger[FleetGeneration], waiting: Sequence[_Waiter]) -> None:
+    """Clients wait for lanes: take one back, for each, from a client that holds more than
+    its share (:meth:`ShareLedger.reclaim`), at the victim's next step boundary (its node
+    finishes it CANCELLED; it then waits again, first in its own client's line, and resumes
+    exactly as a failover does)."""
+    claims = (
+        (
+            w.request.session.requester.share,
+            w.request.session.requester.weight,
+            w.request.session.model_generation,
+            w.rank,
+        )
+        for w in waiting
+        if w.request.claim_lane
+    )
+    for victim in shares.reclaim(claims):
+        victim.yield_lane()
+
+
+def _make_room(shares: ShareLedger[FleetGeneration], node: FleetNode, placing: _Placing) -> None:
+    """An interactive generation went to ``node`` beyond its lanes (docs/protocol.md section
+    12.2: the node admits it first when a lane frees): the newest batch generation there gives
+    its lane back at the next step, so that it starts at once, and resumes later exactly
+    (section 8.5, "Shares")."""
+    capacity = node.link.capacity
+    if capacity is None or not capacity.max_lanes or node.inflight <= capacity.max_lanes:
+        return
+    model = placing.session.model
+    victim = shares.below(0, lambda g: g.session.node is node and g.may_yield(model))
+    if victim is not None:
+        requester = placing.session.requester
+        shares.give(victim, requester.share, requester.weight)
+        shares.reclaimed += 1
+        victim.yield_lane()
 
 
 # --------------------------------------------------------------------------------------------
@@ -681,6 +847,9 @@ class Fleet:
         """How every link runs, the ones it dials and the ones that dial in alike."""
         self.policy = settings.policy
         self.lease = settings.lease
+        self.shares: ShareLedger[FleetGeneration] = ShareLedger()
+        """The lanes each client holds, and whose lane goes back to a client that waits."""
+        reclaim = partial(_take_lanes_back, self.shares) if settings.reclaim_lanes else None
         self.queue: WaitQueue[FleetNode] = WaitQueue(
             self._clock,
             self._try,
@@ -688,6 +857,8 @@ class Fleet:
             max_queued=settings.max_queued,
             max_client_queued=settings.client_queued,
             timeout_s=settings.queue_timeout_s,
+            use=self.shares.use,
+            still_waiting=reclaim,
         )
         """Generations waiting for a node, with the queue's bounds, timeout and counters
         (generations without a client address, such as a program's own, are not bounded by
@@ -808,6 +979,7 @@ class Fleet:
             queue_rejected=self.queue.rejected,
             queue_timeouts=self.queue.timeouts,
             failovers=self.failovers,
+            reclaimed=self.shares.reclaimed,
             reconnects=self.registry.reconnects,
             nodes=tuple(
                 NodeReport(n.name, n.live, n.sessions, n.link.capacity, n.refused)
@@ -831,13 +1003,18 @@ class Fleet:
         claim_lane: bool,
         avoid: Sequence[FleetNode] = (),
         priority: bool = False,
+        resumed: bool = False,
         interactive: bool = False,
+        rank: int = 0,
         features: int = 0,
     ) -> Deferred[FleetNode]:
         """Assign ``session`` (new epoch) and append ``context`` on the best node that can take
         it, now or when one can (the queue).  ``claim_lane`` counts a generation on the node at
         once.  ``priority`` (a failover) goes ahead of the queue and past its bound;
-        ``interactive`` places it as docs/protocol.md section 12.2 says; ``features`` are what
+        ``resumed`` (a generation that gave its lane back) goes past the bound to the front
+        of its own client's line;
+        ``interactive`` places it as docs/protocol.md section 12.2 says and ``rank`` is its
+        class's place in the queue (section 8.5, "Shares"); ``features`` are what
         the node must offer beyond what the session's GenParams need."""
         request = placement.Request(
             model=session.model,
@@ -860,15 +1037,16 @@ class Fleet:
             requester.share,
             requester.address,
         )
+        waiter.rank = rank
         if self.registry.stopping:
             return defer.fail(NoNodeAvailable("the head is stopping"))
         if (priority or not self.queue) and self._try(waiter):
             return waiter.placed
-        if not priority:
+        if not (priority or resumed):
             refused = self.queue.refusal(waiter)
             if refused is not None:
                 return defer.fail(refused)
-        self.queue.wait(waiter, priority=priority)
+        self.queue.wait(waiter, priority=priority, front=resumed)
         return waiter.placed
 
     def _decide(self, placing: _Placing) -> placement.Decision:
@@ -933,6 +1111,8 @@ class Fleet:
         node.sessions += 1
         if placing.claim_lane:
             node.generation_started(placing.request.interactive)
+            if placing.request.interactive and self.settings.reclaim_lanes:
+                _make_room(self.shares, node, placing)
 
     async def _bound_link(
         self, session: FleetSession, context: Sequence[int], features: int = 0

@@ -105,6 +105,13 @@ class PipelineGeneration:
         """Stop after the step in flight; ``result`` then says CANCELLED."""
         self._cancelled = True
 
+    def park(self) -> None:
+        """A pipeline's steps hold no lane between them (each recomputes the whole context,
+        docs/protocol.md section 8.6): there is none to give back, and it goes on."""
+
+    def unpark(self) -> None:
+        """Nothing was given back (:meth:`park`)."""
+
     def _start(self) -> None:
         budget = self._pipeline.fleet.max_generation_s
         if budget > 0:

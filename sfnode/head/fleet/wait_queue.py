@@ -40,6 +40,11 @@ class Waiter(Generic[_R]):
     reason: str = ""
     """Why it waits (the last decision), for the timeout's message."""
     settled: bool = False
+    priority: bool = False
+    """It waits ahead of every share (a failover)."""
+    rank: int = 0
+    """Its class's rank: waiters of a lower rank go first (0 interactive, 1 batch, 2
+    background)."""
 
 
 class WaitQueue(Generic[_R]):
@@ -59,6 +64,8 @@ class WaitQueue(Generic[_R]):
         max_queued: int,
         max_client_queued: int,
         timeout_s: float,
+        use: Callable[[Hashable], float] | None = None,
+        still_waiting: Callable[[list[Waiter[_R]]], None] | None = None,
     ) -> None:
         self.clock = clock
         self.max_queued = max_queued
@@ -73,7 +80,10 @@ class WaitQueue(Generic[_R]):
         """Waiters that waited ``timeout_s`` in vain."""
         self._place = place
         self._why = why
-        self._fair: FairQueue[Waiter[_R]] = FairQueue()
+        self._fair: FairQueue[Waiter[_R]] = FairQueue(use=use)
+        self._still_waiting = still_waiting
+        """Told, after each dispatch, who still waits (in fair order, failovers left out):
+        the fleet takes lanes back for them (:mod:`sfnode.head.fleet.shares`)."""
         self._dispatching = False
         self._again = False
 
@@ -109,12 +119,13 @@ class WaitQueue(Generic[_R]):
             return ClientQueueFull(waiter.address, limit)
         return None
 
-    def wait(self, waiter: Waiter[_R], *, priority: bool = False) -> None:
-        """Queue ``waiter`` (a ``priority`` one ahead of every share) with its timeout, and
-        dispatch."""
+    def wait(self, waiter: Waiter[_R], *, priority: bool = False, front: bool = False) -> None:
+        """Queue ``waiter`` (a ``priority`` one ahead of every share; a ``front`` one ahead
+        of its own share's line) with its timeout, and dispatch."""
         if self.timeout_s > 0:
             waiter.timer = self.clock.callLater(self.timeout_s, self._expire, waiter)
-        self._fair.push(waiter, waiter.share, waiter.address, priority=priority)
+        waiter.priority = priority
+        self._fair.push(waiter, waiter.share, waiter.address, priority=priority, front=front)
         self.dispatch()
 
     def served(self, waiter: Waiter[_R]) -> None:
@@ -123,7 +134,7 @@ class WaitQueue(Generic[_R]):
 
     def dispatch(self) -> None:
         """Offer every waiter to ``place``, in fair order: failovers first, then the clients
-        round robin (:meth:`FairQueue.order`)."""
+        by class and fair share (:meth:`order`); then tell ``still_waiting`` who waits."""
         if self._dispatching:
             # Settling a waiter runs its generation, which may free a lane right here: go
             # round once more when this pass is done.
@@ -134,11 +145,20 @@ class WaitQueue(Generic[_R]):
             self._again = True
             while self._again:
                 self._again = False
-                for waiter in self._fair.order():
+                for waiter in self.order():
                     if not waiter.settled:
                         self._place(waiter)
+                if not self._again and self._still_waiting is not None and self._fair:
+                    waiting = [w for w in self.order() if not w.priority]
+                    if waiting:
+                        self._still_waiting(waiting)
         finally:
             self._dispatching = False
+
+    def order(self) -> list[Waiter[_R]]:
+        """The waiters in the order lanes go to them: failovers, then by class (interactive,
+        batch, background), each class in the fair order of :meth:`FairQueue.order`."""
+        return sorted(self._fair.order(), key=lambda w: -1 if w.priority else w.rank)
 
     def settle(self, waiter: Waiter[_R], result: _R | Exception) -> None:
         """Fire ``waiter.placed`` with ``result`` (an exception fails it); once only."""
