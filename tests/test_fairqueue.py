@@ -181,6 +181,19 @@ class ShareLedgerTests(SynchronousTestCase):
         self.assertEqual(ledger.below(1, lambda item: True), "background")
         self.assertIsNone(ledger.below(2, lambda item: True))
 
+    def test_lanes_on_their_way_do_not_order_the_queue(self) -> None:
+        """For the order of the queue (use), a lane given back no longer counts for its share
+        and a lane on its way does not yet count for the share it goes to: B, waiting for
+        A's lane, still comes before A's waiters once A parks (gives) the rest."""
+        ledger: ShareLedger[str] = ShareLedger()
+        ledger.hold("A", 1.0, "a1")
+        ledger.hold("A", 1.0, "a2")
+        ledger.give("a2", "B", 1.0)
+        self.assertEqual((ledger.use("A"), ledger.use("B")), (1.0, 0.0))
+        self.assertEqual(ledger.held("B"), 1)
+        ledger.give("a1")
+        self.assertEqual((ledger.use("A"), ledger.use("B")), (0.0, 0.0))
+
     def test_one_lane_each_is_never_taken_back(self) -> None:
         """Equal use after the move (1 each) is no reason to take a lane back: a single lane
         is not passed to and fro."""

@@ -97,11 +97,13 @@ class ShareLedger(Generic[_G]):
 
     def use(self, share: Hashable) -> float:
         """Lanes held per unit of weight: who is served next when a lane frees (the least
-        used share first)."""
+        used share first).  Lanes on their way count for nobody here: one leaving is no
+        longer its share's, and one coming is not the other's until it takes it (else a
+        share waiting for a lane would come after the one giving it)."""
         entry = self._shares.get(share)
         if entry is None:
             return 0.0
-        return entry.held / entry.weight
+        return (len(entry.holding) - entry.giving) / entry.weight
 
     def holding(self, share: Hashable) -> list[_G]:
         """The generations of ``share`` holding a lane, oldest first."""
