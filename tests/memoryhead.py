@@ -57,9 +57,14 @@ class ThreadlessReactor(MemoryReactorClock):
 
 
 class InlineWorkers:
-    """The API's workers, run on the spot: rendering is not what these tests are about."""
+    """The API's workers, run on the spot: rendering is not what these tests are about.
+    ``clients`` are the turns the jobs were asked to run in, in order."""
+
+    def __init__(self) -> None:
+        self.clients: list[object] = []
 
     def run(self, work: Callable[[], _T], client: object = "", **budget: Any) -> Deferred[_T]:
+        self.clients.append(client)
         return defer.maybeDeferred(work)
 
     def stop(self) -> None:

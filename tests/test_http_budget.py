@@ -69,6 +69,14 @@ class AnswerTests(ExchangeTestCase):
         self.assertIsNone(choice["message"]["content"])
         self.assertNotIn("finish_details", choice)
 
+    def test_the_budget_check_runs_in_the_clients_turn(self) -> None:
+        """A constrained request's shortest-answer check is a job of its own client on the
+        API's fair workers (its address here), never of a turn every client shares."""
+        self.open("/v1/chat/completions", self.tools_chat(tool_choice="required"))
+        clients = self.api.workers.clients  # type: ignore[attr-defined]
+        self.assertTrue(clients)
+        self.assertEqual(set(clients), {("address", "127.0.0.1")}, clients)
+
     def end_closed(self, body: dict[str, Any]) -> StringTransport:
         """Send ``body``; its generation writes a whole call and ends closed."""
         _, transport = self.open("/v1/chat/completions", body)

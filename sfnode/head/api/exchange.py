@@ -341,9 +341,10 @@ def _max_tokens(parsed: CompletionRequest, prompt_length: int, window: Callable[
     return max(1, min(default, room))
 
 
-def measure(prepared: Prepared, api: Host) -> Deferred[Prepared]:
+def measure(prepared: Prepared, api: Host, client: Hashable = "") -> Deferred[Prepared]:
     """``prepared`` with the shortest answer its grammar allows, when it is constrained
-    (found on ``api``'s workers: the first one of a tokenizer reads its whole vocabulary)."""
+    (found on ``api``'s workers in ``client``'s turn: the first one of a tokenizer reads its
+    whole vocabulary)."""
     constraint = prepared.request.constraint
     grammar = constraint.grammar if constraint is not None else None
     if grammar is None:
@@ -357,7 +358,7 @@ def measure(prepared: Prepared, api: Host) -> Deferred[Prepared]:
             raise HttpError(400, e.message, param=e.param) from e
         return replace(prepared, shortest=shortest)
 
-    return api.workers.run(work)
+    return api.workers.run(work, client)
 
 
 class Exchange:
@@ -427,6 +428,7 @@ class Exchange:
             return
         self.stream.watch(self.request, self._lost)
         api.exchange_began(self)
+        client: Hashable = ""
         try:
             if api.draining:
                 raise failures.draining()
@@ -447,7 +449,7 @@ class Exchange:
         except Exception:
             # An HttpError is answered as such; anything else as an unexpected failure.
             prepared = defer.fail()
-        measured = prepared.addCallback(measure, api)
+        measured = prepared.addCallback(measure, api, client)
         measured.addCallback(self._place).addErrback(self._refused).addErrback(self._unexpected)
 
     def _prepare_chat(
