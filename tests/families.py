@@ -198,20 +198,25 @@ def _llama3_rope_freqs(cfg: Any) -> np.ndarray[Any, Any]:
     return torch.tensor(factors, dtype=torch.float32).numpy()
 
 
+def _shape_keys(writer: Any, cfg: Any) -> None:
+    """The keys of the model's shape that the converter writes for every family."""
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+
+
 def _keys(writer: Any, family: str, cfg: Any, kind: str, hparams: dict[str, Any]) -> None:
     """The metadata keys the converter writes for ``family`` (its ``set_gguf_parameters``)."""
     import gguf
 
     writer.add_type("model")
     writer.add_name(f"tiny-{family}")
+    _shape_keys(writer, cfg)
     if family == "gemma2":
-        writer.add_context_length(cfg.max_position_embeddings)
-        writer.add_embedding_length(cfg.hidden_size)
-        writer.add_block_count(cfg.num_hidden_layers)
-        writer.add_feed_forward_length(cfg.intermediate_size)
-        writer.add_head_count(cfg.num_attention_heads)
-        writer.add_head_count_kv(cfg.num_key_value_heads)
-        writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
         writer.add_file_type(_FILE_TYPE[kind])
@@ -221,26 +226,13 @@ def _keys(writer: Any, family: str, cfg: Any, kind: str, hparams: dict[str, Any]
         return
     if family == "phi3":
         params = cfg.rope_parameters
-        writer.add_context_length(cfg.max_position_embeddings)
         writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
-        writer.add_embedding_length(cfg.hidden_size)
-        writer.add_feed_forward_length(cfg.intermediate_size)
-        writer.add_block_count(cfg.num_hidden_layers)
-        writer.add_head_count(cfg.num_attention_heads)
-        writer.add_head_count_kv(cfg.num_key_value_heads)
-        writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
         rope_dims = int(params.get("partial_rotary_factor", 1.0) * cfg.hidden_size)
         writer.add_rope_dimension_count(rope_dims // cfg.num_attention_heads)
         writer.add_rope_freq_base(params["rope_theta"])
         writer.add_file_type(_FILE_TYPE[kind])
         writer.add_sliding_window(cfg.sliding_window or 0)
         return
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
     params = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
     if params.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -249,7 +241,6 @@ def _keys(writer: Any, family: str, cfg: Any, kind: str, hparams: dict[str, Any]
     local = cfg.rope_parameters.get("sliding_attention")
     if local is not None:
         writer.add_rope_freq_base_swa(local["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if hparams.get("head_dim") is not None:
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)

@@ -37,6 +37,9 @@ from tests.tinymodel import TINY_VOCAB
 
 _T = TypeVar("_T")
 
+FLEET_PORT = 8453
+"""The port a memory head's fleet listens on for nodes that dial in (:meth:`dial_in`)."""
+
 
 def stop_at_end(test: MemoryNodeTestCase, stop: Callable[[], Deferred[Any]]) -> None:
     """When ``test`` ends: ``stop()``, the bytes it sends moved, and its Deferred fired."""
@@ -155,6 +158,29 @@ class MemoryHeadTestCase(MemoryNodeTestCase):
         )
         self.addCleanup(head.stop)
         return MemoryHead(fleet, head)
+
+    def dial_in(
+        self, head: MemoryHead, identity: str, model_name: str, bundle: Any, vocab: int
+    ) -> NodeAgent:
+        """A mock node with the model files ``bundle`` that dials the head's fleet port (opened
+        on first use) and has joined; it leaves the fleet when it closes."""
+        from twisted.internet.endpoints import TCP4ClientEndpoint
+
+        from sfnode.engines.mock import MockEngine
+        from sfnode.node.config import NodeConfig
+        from sfnode.node.tap import node_factory
+
+        if FLEET_PORT not in [server[0] for server in self.reactor.tcpServers]:
+            self.reactor.listenTCP(FLEET_PORT, head.fleet.listen_factory(), interface="127.0.0.1")
+        engine = MockEngine(self.reactor, vocab_size=vocab)
+        config = NodeConfig(identity=identity, model_name=model_name)
+        agent = NodeAgent(self.reactor, engine, config, model_files=bundle)
+        agent.start()
+        stop_at_end(self, agent.stop)
+        joined = head.fleet.next_join()
+        TCP4ClientEndpoint(self.reactor, "127.0.0.1", FLEET_PORT).connect(node_factory(agent))
+        self.wait(joined)
+        return agent
 
     def advance(self, seconds: float, step: float = 0.01) -> None:
         """Let ``seconds`` pass in steps of ``step``, joining pending dials and moving the

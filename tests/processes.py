@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
@@ -93,3 +94,23 @@ def start_twistd(child: Child, args: list[str], folder: Path) -> None:
         env=child_env(),
         path=str(folder),
     )
+
+
+@defer.inlineCallbacks
+def mock_node_and_head(
+    spawn: Callable[[str, list[str]], Child], identity: str, *node_args: str
+) -> Generator[Any, Any, tuple[Child, Child, str]]:
+    """A ``twistd sfnode --engine mock`` listening on loopback (``node_args`` added) and a
+    ``twistd sfhead`` serving model "mock" that dialed it, each started by ``spawn(name, args)``;
+    fires with both and the head's base URL once the node has joined."""
+    node = spawn("node", ["sfnode", "--listen", LOOPBACK, "--engine", "mock",
+                          "--identity", identity, *node_args])  # fmt: skip
+    found = yield node.wait_for(rb"sfnode listening on 127\.0\.0\.1:(\d+)\n")
+    head = spawn(
+        "head",
+        ["sfhead", "--http", LOOPBACK, "--fleet-listen", LOOPBACK, "--model-name", "mock",
+         "--node", f"tcp:127.0.0.1:{int(found[0].group(1))}"],
+    )  # fmt: skip
+    found = yield head.wait_for(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)\n")
+    yield head.wait_for(b"node " + identity.encode() + b" joined")
+    return node, head, f"http://127.0.0.1:{int(found[0].group(1))}"

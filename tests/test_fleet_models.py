@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.engines.mock import MockEngine, mock_next_token
@@ -49,10 +48,7 @@ from sfnode.linkf.wire import (
     XferEndMsg,
     decode_message,
 )
-from sfnode.node.agent import NodeAgent
-from sfnode.node.config import NodeConfig
-from sfnode.node.tap import node_factory
-from tests.memoryhead import InlineWorkers, MemoryHead, MemoryHeadTestCase, stop_at_end
+from tests.memoryhead import InlineWorkers, MemoryHead, MemoryHeadTestCase
 from tests.nodefixture import MemoryNode
 from tests.test_http_hostile import request_bytes, response_of
 from tests.tinymodel import TINY_VOCAB, tiny_tokenizer
@@ -68,7 +64,6 @@ TEMPLATE_B = (
 VOCAB_B = 300
 """Node B's mock engine draws from fewer ids, so its tokens tell which node answered."""
 MESSAGES = [{"role": "user", "content": "hello world"}]
-FLEET_PORT = 8453
 """Where a head takes nodes that dial in (nothing is bound: the reactor is a memory reactor)."""
 
 _FOLDERS: dict[str, Path] = {}
@@ -439,22 +434,6 @@ class TwoModelTests(MemoryHeadTestCase):
         self.assertEqual(head.api.models.names(), ("tiny-a",))
         code, _ = self.chat(head, "tiny-a")
         self.assertEqual(code, 200)
-
-    def dial_in(
-        self, head: MemoryHead, identity: str, model_name: str, bundle: Bundle, vocab: int
-    ) -> NodeAgent:
-        """A mock node that dials the head's fleet port (it leaves the fleet when it closes)."""
-        if FLEET_PORT not in [server[0] for server in self.reactor.tcpServers]:
-            self.reactor.listenTCP(FLEET_PORT, head.fleet.listen_factory(), interface="127.0.0.1")
-        engine = MockEngine(self.reactor, vocab_size=vocab)
-        config = NodeConfig(identity=identity, model_name=model_name)
-        agent = NodeAgent(self.reactor, engine, config, model_files=bundle)
-        agent.start()
-        stop_at_end(self, agent.stop)
-        joined = head.fleet.next_join()
-        TCP4ClientEndpoint(self.reactor, "127.0.0.1", FLEET_PORT).connect(node_factory(agent))
-        self.wait(joined)
-        return agent
 
     def test_a_model_whose_nodes_are_gone_waits_for_one(self) -> None:
         """When tiny-b's only node has left the fleet, a tiny-b request waits in the queue

@@ -518,8 +518,7 @@ class NodeModelsTests(DoorsTestCase):
     def model_head(self, registry: Any, grace_s: float = 5.0) -> MemoryHead:
         from sfnode.head.api.http import OpenAIApi
         from sfnode.head.fleet.model_admission import ModelAdmission
-        from tests.memoryhead import InlineWorkers
-        from tests.test_fleet_models import FLEET_PORT
+        from tests.memoryhead import FLEET_PORT, InlineWorkers
 
         admission = ModelAdmission(registry, clock=self.reactor, grace_s=grace_s)
         fleet = self.fleet_of([], models=admission)
@@ -531,28 +530,13 @@ class NodeModelsTests(DoorsTestCase):
         self.reactor.listenTCP(FLEET_PORT, fleet.listen_factory(), interface="127.0.0.1")
         return MemoryHead(fleet, api)
 
-    def dial_in(self, head: MemoryHead, identity: str, model: str, template: str) -> Any:
+    def dial_in_with(self, head: MemoryHead, identity: str, model: str, template: str) -> Any:
         """A mock node that dials the head with the tiny tokenizer and ``template`` as its
         files, once it is judged."""
-        from twisted.internet.endpoints import TCP4ClientEndpoint
-
-        from sfnode.engines.mock import MockEngine
-        from sfnode.node.agent import NodeAgent
-        from sfnode.node.config import NodeConfig
-        from sfnode.node.tap import node_factory
-        from tests.memoryhead import stop_at_end
-        from tests.test_fleet_models import FLEET_PORT, bundle_of
+        from tests.test_fleet_models import bundle_of
         from tests.tinymodel import TINY_VOCAB
 
-        bundle = bundle_of(self.root, template)
-        engine = MockEngine(self.reactor, vocab_size=TINY_VOCAB)
-        config = NodeConfig(identity=identity, model_name=model)
-        agent = NodeAgent(self.reactor, engine, config, model_files=bundle)
-        agent.start()
-        stop_at_end(self, agent.stop)
-        joined = head.fleet.next_join()
-        TCP4ClientEndpoint(self.reactor, "127.0.0.1", FLEET_PORT).connect(node_factory(agent))
-        self.wait(joined)
+        agent = self.dial_in(head, identity, model, bundle_of(self.root, template), TINY_VOCAB)
         admission = head.fleet.models
         assert admission is not None
         self.until(lambda: not admission.fetching())
@@ -573,7 +557,7 @@ class NodeModelsTests(DoorsTestCase):
         registry = ModelRegistry()
         head = self.model_head(registry)
         agents = [
-            self.dial_in(head, f"n{i}", f"m{i}", "{{ messages[0].content }}" + " " * i)
+            self.dial_in_with(head, f"n{i}", f"m{i}", "{{ messages[0].content }}" + " " * i)
             for i in range(3)
         ]
         self.assertEqual(self.listed(head), ["m0", "m1", "m2"])
@@ -583,7 +567,7 @@ class NodeModelsTests(DoorsTestCase):
         self.until(lambda: not head.fleet.nodes)
         self.advance(4.0)
         self.assertEqual(self.listed(head), ["m0", "m1", "m2"])
-        back = self.dial_in(head, "n0b", "m0", "{{ messages[0].content }}")
+        back = self.dial_in_with(head, "n0b", "m0", "{{ messages[0].content }}")
         self.advance(1.5)
         self.assertEqual(self.listed(head), ["m0"])
         self.assertEqual(registry.bundles, 1)
@@ -608,7 +592,7 @@ class NodeModelsTests(DoorsTestCase):
         registry = ModelRegistry(max_models=2)
         head = self.model_head(registry)
         for i in range(3):
-            self.dial_in(head, f"n{i}", f"m{i}", "{{ messages[0].content }}" + " " * i)
+            self.dial_in_with(head, f"n{i}", f"m{i}", "{{ messages[0].content }}" + " " * i)
         self.assertEqual(self.listed(head), ["m0", "m1"])
         admission = head.fleet.models
         assert admission is not None
@@ -627,7 +611,7 @@ class NodeModelsTests(DoorsTestCase):
         self.root = self.mktemp()
         small = ModelRegistry(max_bytes=1000)
         other = self.model_head(small)
-        self.dial_in(other, "big", "m-big", "{{ messages[0].content }}")
+        self.dial_in_with(other, "big", "m-big", "{{ messages[0].content }}")
         node = other.fleet.node_named("big")
         assert node is not None and other.fleet.models is not None
         reason = other.fleet.models.refusal(node.link)

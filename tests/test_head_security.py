@@ -34,7 +34,7 @@ from sfnode.head.api.gate import GateLimits
 from sfnode.head.api.http import OpenAIApi
 from sfnode.head.tap import Options, makeService
 from tests.nodefixture import RunningNode
-from tests.processes import TWISTD, Child, child_env, spawn_twistd
+from tests.processes import LOOPBACK, TWISTD, Child, child_env, mock_node_and_head, spawn_twistd
 from tests.test_http import (
     MESSAGES,
     MODEL,
@@ -46,7 +46,6 @@ from tests.test_http import (
 )
 from tests.tinymodel import TINY_VOCAB
 
-LOOPBACK = "tcp:0:interface=127.0.0.1"
 KEY = "sk-test-0123456789abcdef"
 
 
@@ -536,20 +535,7 @@ class SigtermTests(TestCase):
         """SIGTERM to a real twistd sfhead during a stream: the stream still ends with all its
         tokens and [DONE] (the last bytes are flushed before the reactor stops), the head logs
         its drain, and it exits 0 without a traceback."""
-        node = self.spawn(
-            "node",
-            ["sfnode", "--listen", LOOPBACK, "--engine", "mock", "--identity", "proc",
-             "--token-delay-ms", "10"],
-        )  # fmt: skip
-        found = yield node.wait_for(rb"sfnode listening on 127\.0\.0\.1:(\d+)\n")
-        head = self.spawn(
-            "head",
-            ["sfhead", "--http", LOOPBACK, "--fleet-listen", LOOPBACK, "--model-name", "mock",
-             "--node", f"tcp:127.0.0.1:{int(found[0].group(1))}"],
-        )  # fmt: skip
-        found = yield head.wait_for(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)\n")
-        base = f"http://127.0.0.1:{int(found[0].group(1))}"
-        yield head.wait_for(rb"node proc joined")
+        _, head, base = yield mock_node_and_head(self.spawn, "proc", "--token-delay-ms", "10")
         body = {
             "model": "mock", "prompt": list(range(100, 112)), "max_tokens": 150, "stream": True,
             "stream_options": {"include_usage": True},

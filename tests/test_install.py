@@ -47,7 +47,7 @@ from twisted.web.client import Agent, FileBodyProducer, readBody
 from twisted.web.http_headers import Headers
 
 from sfnode.engines.kernels import native_build
-from tests.processes import LOOPBACK, REPO_ROOT, TWISTD, Child
+from tests.processes import REPO_ROOT, TWISTD, Child, mock_node_and_head
 
 INSTALL_SH = REPO_ROOT / "deploy" / "install.sh"
 X86_64 = platform.machine().lower() in ("x86_64", "amd64")
@@ -396,19 +396,8 @@ class ServingTests(TestCase):
         """``twistd sfnode --engine mock`` listening on loopback and ``twistd sfhead`` dialing
         it, both run by the fresh virtualenv's python from outside the checkout: a completion
         of 5 tokens comes back over real TCP, whole."""
-        node = self.spawn(
-            "node", ["sfnode", "--listen", LOOPBACK, "--engine", "mock", "--identity", "installed"]
-        )
-        found = yield node.wait_for(rb"sfnode listening on 127\.0\.0\.1:(\d+)\n")
-        port = int(found[0].group(1))
-        head = self.spawn(
-            "head",
-            ["sfhead", "--http", LOOPBACK, "--fleet-listen", LOOPBACK, "--model-name", "mock",
-             "--node", f"tcp:127.0.0.1:{port}"],
-        )  # fmt: skip
-        found = yield head.wait_for(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)\n")
-        url = f"http://127.0.0.1:{int(found[0].group(1))}/v1/completions"
-        yield head.wait_for(rb"node installed joined")
+        _, _, base = yield mock_node_and_head(self.spawn, "installed")
+        url = base + "/v1/completions"
         body = {"model": "mock", "prompt": list(range(100, 112)), "max_tokens": 5,
                 "temperature": 0}  # fmt: skip
         response = yield Agent(reactor).request(
