@@ -191,6 +191,27 @@ class ResumeTests(MemoryHeadTestCase):
         self.assertEqual(status, 404)
         self.assertEqual(json.loads(body)["error"]["code"], "stream_not_found")
 
+    def test_a_draining_head_gives_up_the_streams_nobody_can_resume(self) -> None:
+        """A draining head takes no request, so no client can come back: a stream whose client
+        was away when the drain began, and one whose client drops during the drain, are
+        cancelled at once (their lanes free) and the drain ends long before its timeout."""
+        head = self.head(resume_grace_s=60.0)
+        away = self.http(head, "10.0.0.7", _CuttingClient(600))
+        assert away.transport is not None
+        away.transport.write(_post(_body(max_tokens=400)))
+        self.until(lambda: away.closed)
+        reading = self.http(head, "10.0.0.8", _CuttingClient(1 << 30))
+        assert reading.transport is not None
+        reading.transport.write(_post(_body(max_tokens=400)))
+        self.until(lambda: reading.data.count(b"\n\n") >= 5)
+        self.assertEqual(len(head.api.exchanges), 2)
+        drained = head.api.drain(30.0)
+        self.until(lambda: len(head.api.exchanges) == 1, within=1.0)
+        self.assertFalse(drained.called)
+        reading.transport.abortConnection()
+        self.until(lambda: drained.called, within=1.0)
+        self.until(lambda: all(n.inflight == 0 for n in head.fleet.nodes), within=1.0)
+
     def test_a_resume_names_a_stream_of_its_own_key(self) -> None:
         """A Last-Event-ID of another key's stream, an unknown id, or no number, is a 404;
         the stream's own key resumes it."""

@@ -604,10 +604,11 @@ class Exchange:
     def _lost(self, failure: Failure) -> None:
         """The client's connection is gone (it went away, or was cut off), or nobody resumed
         its stream in time (StreamExpired).  A stream's client that drops mid-stream may come
-        back within --resume-grace: its generations park meanwhile."""
+        back within --resume-grace (unless the head drains: then nobody can): its generations
+        park meanwhile."""
         before = self.phase
         expired = isinstance(failure.value, StreamExpired)
-        if before is Phase.STREAMING and self.stream.detach():
+        if before is Phase.STREAMING and not self.api.draining and self.stream.detach():
             self._move("dropped")
             self._watch.detach(gone=True)
             _park(self, True)

@@ -371,6 +371,10 @@ class OpenAIApi:
                 timeout=timeout_s,
             )
             self._drain_timer = self.reactor.callLater(timeout_s, self._drain_timed_out)
+            # A draining head takes no request, so nobody can resume a stream whose client
+            # is away: it is given up now rather than held until the timeout.
+            for exchange in list(self.exchanges):
+                exchange.stream.expire()
         self._check_drained()
         return waiter
 
