@@ -137,7 +137,9 @@ class Feed:
         viewer.gone = True
         if viewer in self.viewers:
             self.viewers.remove(viewer)
-            viewer.request.unregisterProducer()
+            if getattr(viewer.request, "channel", None) is not None:
+                # A request whose connection is gone has no channel (nor producer) left.
+                viewer.request.unregisterProducer()
         if not self.viewers:
             self._stop_timer()
 
