@@ -33,6 +33,7 @@ from sfnode.head.console.state import Console
 from sfnode.head.fleet.events import EventJournal
 from sfnode.head.fleet.fleet import Fleet, FleetSettings
 from sfnode.head.fleet.placement import Policy
+from tests.memoryhead import MemoryHeadTestCase
 from tests.nodefixture import RunningNode
 from tests.test_http import MESSAGES, MODEL, Head, HttpTestCase, tokenizer
 
@@ -499,4 +500,75 @@ def _until_state(
     raise AssertionError("the console never showed it")
 
 
-__all__ = ["ConsoleHttpCase", "console_head_api"]
+class RecordedInMemoryTests(MemoryHeadTestCase):
+    """What the journal and the record learn from a head's own paths, on the memory reactor:
+    a preemption, a resumed stream, a 429."""
+
+    def test_a_preemption_is_journaled_with_the_tokens_kept(self) -> None:
+        """Eight batch streams hold every lane of a node that keeps none for interactive
+        work; a chat takes one back: the journal has a ``preempted`` event on that node with
+        the tokens the preempted generation had delivered."""
+        from sfnode.engines.config import EngineConfig
+        from sfnode.engines.mock import MockEngine
+        from tests.test_head_preempt import _chat
+        from tests.tinymodel import TINY_VOCAB
+
+        engine = MockEngine(
+            self.reactor, EngineConfig(max_lanes=8, interactive_lanes=0), token_delay_s=0.02,
+            vocab_size=TINY_VOCAB,
+        )  # fmt: skip
+        self.start_vocab_node("a", max_lanes=8, engine=engine)
+        head = self.start_head()
+        for _ in range(8):
+            self.http(head, "10.0.0.1").send(_chat(300, "batch"))
+        self.until(lambda: sum(n.inflight for n in head.fleet.nodes) == 8)
+        self.advance(0.5)
+        self.http(head, "10.0.0.2").send(_chat(4, "interactive"))
+        journal = head.fleet.registry.events
+        self.until(lambda: any(e.kind == "preempted" for e in journal.latest(50)), within=10.0)
+        preempted = next(e for e in journal.latest(50) if e.kind == "preempted")
+        self.assertEqual((preempted.node, preempted.model), ("a", MODEL))
+        self.assertGreater(preempted.tokens, 0)
+        self.until(lambda: not head.api.exchanges, within=60.0)
+
+    def test_a_resumed_stream_is_journaled(self) -> None:
+        """A client that drops mid-stream and comes back with ``Last-Event-ID``: the record
+        journals a ``resumed`` event naming the model and the event it resumed after."""
+        from tests.test_head_resume import _body, _CuttingClient, _dechunk, _events, _post
+
+        self.start_vocab_node("a", max_lanes=4, token_delay_s=0.01)
+        head = self.start_head()
+        cutting = _CuttingClient(600)
+        self.http(head, "10.0.0.7", cutting)
+        assert cutting.transport is not None
+        cutting.transport.write(_post(_body()))
+        self.until(lambda: cutting.closed, within=10.0)
+        last = _events(_dechunk(cutting.data.partition(b"\r\n\r\n")[2]))[-1][0]
+        status, _, _ = self.exchange(head, _post(_body(), last=last), "10.0.0.7")
+        self.assertEqual(status, 200)
+        resumed = [e for e in head.api.record.events.latest(10) if e.kind == "resumed"]
+        self.assertEqual(len(resumed), 1)
+        self.assertEqual(resumed[0].model, MODEL)
+        self.assertEqual(resumed[0].detail, f"after event {last.rpartition('.')[2]}")
+
+    def test_429s_are_counted_for_their_key(self) -> None:
+        """A key capped at one generation at a time: its second request while the first
+        streams is a 429, counted for that key (by its hash) in the record."""
+        from tests.test_head_resume import _body, _post
+
+        self.start_vocab_node("a", max_lanes=4, token_delay_s=0.01)
+        key = "sk-capped"
+        head = self.start_head(
+            api_keys=[key.encode()],
+            limits=GateLimits(keys={key.encode(): KeyPolicy(concurrency=1)}),
+        )
+        first = self.http(head, "10.0.0.1")
+        first.send(_post(_body(200), key=key))
+        self.until(lambda: len(head.api.exchanges) == 1)
+        status, _, _ = self.exchange(head, _post(_body(), key=key), "10.0.0.2")
+        self.assertEqual(status, 429)
+        self.assertEqual(head.api.record.rate_limited, {client_label(("key", key.encode())): 1})
+        self.until(lambda: not head.api.exchanges, within=30.0)
+
+
+__all__ = ["ADMIN", "USER", "ConsoleHttpCase", "console_head_api"]
