@@ -173,16 +173,25 @@ class FeedTests(SynchronousTestCase):
 
     def test_one_build_per_update_for_every_viewer(self) -> None:
         """Two viewers get the same bytes from one build per period, as server-sent events;
-        the feed is full at max_viewers."""
+        a viewer that connects gets the latest update unless it is a period old; the feed is
+        full at max_viewers."""
         clock, feed, built = self.feed()
         first, second = _Request(), _Request()
         feed.add(first)
         feed.add(second)
         self.assertTrue(feed.full)
+        self.assertEqual(len(built), 1)  # the second got the first's, built this period
         clock.advance(0.5)
-        self.assertEqual(len(built), 3)  # one each at once, then one for both
+        self.assertEqual(len(built), 2)  # one for both
         self.assertEqual(first.written[-1], second.written[-1])
-        self.assertEqual(first.written[-1], b'event: state\ndata: {"n":3}\n\n')
+        self.assertEqual(first.written[-1], b'event: state\ndata: {"n":2}\n\n')
+        first.finished.callback(None)
+        second.finished.callback(None)
+        clock.advance(0.6)
+        feed.add(_Request())
+        self.assertEqual(len(built), 3)  # the latest was a period old: built anew
+        feed.add(_Request())
+        self.assertEqual(len(built), 3)
         self.assertTrue(first.written[0].startswith(b"retry: "))
 
     def test_a_paused_viewer_is_skipped_then_cut_off(self) -> None:

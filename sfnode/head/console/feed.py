@@ -2,7 +2,9 @@
 viewer, every :data:`PERIOD_S` seconds while at least one viewer is connected.
 
 The snapshot is built and encoded once per update, whatever the number of viewers, and only
-while there are viewers: the timer starts with the first and stops with the last.  Viewers are
+while there are viewers: the timer starts with the first and stops with the last.  A viewer
+that connects gets the latest update at once (built anew only when it is older than a period),
+so viewers that come and go cannot make the head build more than one a period.  Viewers are
 at most ``max_viewers`` (one more is refused); each is bounded: a viewer whose connection stops
 taking data (twisted.web pauses its producer) is skipped, as the next update replaces the one it
 missed, and after :data:`STALLED_UPDATES` skipped updates in a row it is cut off.
@@ -79,6 +81,8 @@ class Feed:
         self._timer: IDelayedCall | None = None
         self.updates = 0
         """Updates built since the start (one per period with viewers, none without)."""
+        self._latest: tuple[float, bytes] | None = None
+        """When the latest update was built, and its event."""
 
     @property
     def full(self) -> bool:
@@ -92,7 +96,9 @@ class Feed:
         request.registerProducer(viewer, True)
         request.notifyFinish().addBoth(lambda _: self._left(viewer))
         request.write(b"retry: %d\n\n" % RETRY_MS)
-        self._send([viewer], sse(self._render()))
+        latest = self._latest
+        fresh = latest is not None and self._clock.seconds() - latest[0] < self.period_s
+        self._send([viewer], latest[1] if fresh and latest is not None else self._build())
         if self._timer is None:
             self._timer = self._clock.callLater(self.period_s, self._tick)
         return viewer
@@ -102,15 +108,21 @@ class Feed:
         for viewer in list(self.viewers):
             self._cut(viewer)
         self._stop_timer()
+        self._latest = None
 
     def _tick(self) -> None:
         self._timer = None
         if not self.viewers:
             return
-        self.updates += 1
-        self._send(list(self.viewers), sse(self._render()))
+        self._send(list(self.viewers), self._build())
         if self.viewers:
             self._timer = self._clock.callLater(self.period_s, self._tick)
+
+    def _build(self) -> bytes:
+        self.updates += 1
+        data = sse(self._render())
+        self._latest = (self._clock.seconds(), data)
+        return data
 
     def _send(self, viewers: list[Viewer], data: bytes) -> None:
         for viewer in viewers:
