@@ -324,9 +324,9 @@ class Options(usage.Options):
             "File holding the API key, or several, one per line (blank lines and # comments "
             "are skipped); each key has its own --max-key-requests. A key may be followed by "
             "weight=W (its share of the lanes), concurrency=N (its own cap of open "
-            "generations), tokens-per-minute=N (429 with Retry-After beyond it) and "
-            "class=interactive|batch|background (for requests that name none); docs/api.md, "
-            "API keys.",
+            "generations), tokens-per-minute=N (429 with Retry-After beyond it), "
+            "class=interactive|batch|background (for requests that name none) and admin=yes "
+            "(it may drain a node from the console); docs/api.md, API keys.",
         ],
         [
             "drain-timeout",
