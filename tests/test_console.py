@@ -339,6 +339,21 @@ class ConsoleHttpTests(ConsoleHttpCase):
         self.assertEqual(state["unreported"], ["cpu", "engine_path", "resident_memory"])
 
     @defer.inlineCallbacks
+    def test_a_refused_node_shows_why(self) -> Generator[Any, Any, None]:
+        """A node that refused its model (D25) shows as ``refused`` with its reason, serves
+        no model, and its join is journaled as ``refused`` with the reason."""
+        from sfnode.node.refused import RefusedEngine
+
+        why = "GGUF architecture 'x' is not supported"
+        node = yield self.start_vocab_node(identity="gamma", engine=RefusedEngine(why))
+        head = yield self.console_head([node])
+        state = yield self.state(head)
+        (gamma,) = state["nodes"]
+        self.assertEqual((gamma["state"], gamma["refused"], gamma["models"]), ("refused", why, []))
+        self.assertEqual([(e["kind"], e["detail"]) for e in state["events"]], [("refused", why)])
+        self.assertEqual(state["models"][0]["nodes"], [])
+
+    @defer.inlineCallbacks
     def test_the_page_is_served_whole(self) -> Generator[Any, Any, None]:
         """``/console`` is one HTML page that loads nothing from elsewhere (no src or href to
         another host) and reads the feed."""
@@ -430,7 +445,8 @@ class ConsoleHttpTests(ConsoleHttpCase):
     @defer.inlineCallbacks
     def test_failover_shows_from_to_and_tokens_kept(self) -> Generator[Any, Any, None]:
         """A node that dies mid-generation: the journal shows a failover from it to the other
-        node with the tokens delivered before, and the dead node's link as lost."""
+        node with the tokens delivered before, and the dead node's link as lost; the dead
+        node (still redialled) shows as gone."""
         first = yield self.start_vocab_node(identity="first", token_delay_s=0.005)
         second = yield self.start_vocab_node(identity="second")
         head = yield self.console_head([first, second], policy=Policy.LEAST_LOADED)
@@ -451,6 +467,8 @@ class ConsoleHttpTests(ConsoleHttpCase):
         self.assertEqual(failovers[0]["model"], "")
         self.assertIn("lost", [e["kind"] for e in state["events"]])
         self.assertEqual(state["head"]["failovers"], 1)
+        nodes = {n["name"]: n["state"] for n in state["nodes"]}
+        self.assertEqual(nodes, {"first": "gone", "second": "serving"})
 
     @defer.inlineCallbacks
     def test_clients_show_running_and_first_tokens(self) -> Generator[Any, Any, None]:
