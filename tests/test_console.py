@@ -393,21 +393,24 @@ class ConsoleHttpTests(ConsoleHttpCase):
 
     @defer.inlineCallbacks
     def test_drain_needs_an_admin_key_and_places_nothing_new(self) -> Generator[Any, Any, None]:
-        """``POST /console/nodes/{name}/drain`` is 403 with a plain key or as a browser's
-        Basic password, 404 for an unknown node, and with the admin key drains the node: it
-        shows ``draining``, the journal says so, and a new request goes to the other node."""
+        """``POST /console/drain?node=NAME`` is 403 with a plain key or as a browser's
+        Basic password, 404 for an unknown node, 400 without one, and with the admin key
+        drains the node: it shows ``draining``, the journal says so, and a new request goes
+        to the other node."""
         a = yield self.start_vocab_node(identity="alpha")
         b = yield self.start_vocab_node(identity="beta")
         head = yield self.console_head([a, b], keys=True, policy=Policy.LEAST_LOADED)
-        path = "/console/nodes/alpha/drain"
+        path = "/console/drain?node=alpha"
         code, _, _ = yield self.get(head, path, {b"authorization": [b"Bearer " + USER]}, b"POST")
         self.assertEqual(code, 403)
         basic = b"Basic " + base64.b64encode(b"ops:" + ADMIN)
         code, _, _ = yield self.get(head, path, {b"authorization": [basic]}, b"POST")
         self.assertEqual(code, 403)
         admin = {b"authorization": [b"Bearer " + ADMIN]}
-        code, _, _ = yield self.get(head, "/console/nodes/gamma/drain", admin, b"POST")
+        code, _, _ = yield self.get(head, "/console/drain?node=gamma", admin, b"POST")
         self.assertEqual(code, 404)
+        code, _, _ = yield self.get(head, "/console/drain", admin, b"POST")
+        self.assertEqual(code, 400)
         code, body, _ = yield self.get(head, path, admin, b"POST")
         self.assertEqual((code, json.loads(body)), (200, {"node": "alpha", "state": "draining"}))
         state = yield self.state(head, USER)

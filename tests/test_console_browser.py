@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Generator
 from pathlib import Path
@@ -145,7 +146,8 @@ def _kill(node: RunningNode) -> None:
 
 def _drain(base: str, node: str) -> None:
     """What an operator's script does: the admin route with the admin key."""
-    request = urllib.request.Request(f"{base}/console/nodes/{node}/drain", method="POST")
+    query = urllib.parse.urlencode({"node": node})
+    request = urllib.request.Request(f"{base}/console/drain?{query}", method="POST")
     request.add_header("Authorization", "Bearer " + ADMIN.decode())
     with urllib.request.urlopen(request, timeout=5) as response:
         assert response.status == 200

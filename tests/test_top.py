@@ -118,20 +118,20 @@ class TopTests(ConsoleHttpCase):
     @defer.inlineCallbacks
     def test_drain_without_the_admin_key_changes_nothing(self) -> Generator[Any, Any, None]:
         """With a plain key ``d`` shows the head's refusal (403, an admin key is needed) and
-        the node keeps serving."""
-        alpha = yield self.start_vocab_node(identity="alpha")
+        the node keeps serving; a node whose name looks like markup is shown as it is."""
+        alpha = yield self.start_vocab_node(identity="alpha[/b]")
         head = yield self.console_head([alpha], keys=True)
 
         async def scenario() -> list[str]:
             app = TopApp(HeadClient(head.base, USER.decode()), interval_s=0.2)
             async with app.run_test(size=(150, 40)) as pilot:
-                await _until(pilot, lambda: len(_rows(app)) == 1)
+                await _until(pilot, lambda: _rows(app) == ["alpha[/b]"])
                 await pilot.press("d")
                 await _until(pilot, lambda: bool(app._notifications))
                 return [n.message for n in app._notifications]
 
         notes = yield threads.deferToThread(asyncio.run, scenario())
         self.assertEqual(len(notes), 1)
-        self.assertIn("cannot drain alpha: 403", notes[0])
+        self.assertIn("cannot drain alpha[/b]: 403", notes[0])
         self.assertIn("admin key", notes[0])
-        self.assertFalse(head.fleet.node_named("alpha").draining)  # type: ignore[union-attr]
+        self.assertFalse(head.fleet.node_named("alpha[/b]").draining)  # type: ignore[union-attr]

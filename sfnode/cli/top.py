@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
+from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.widgets import DataTable, Footer, Header, Static
@@ -70,8 +71,8 @@ class HeadClient:
         return state
 
     def drain(self, node: str) -> str:
-        quoted = urllib.parse.quote(node, safe="")
-        answer = self._call(f"/console/nodes/{quoted}/drain", method="POST")
+        query = urllib.parse.urlencode({"node": node})
+        answer = self._call(f"/console/drain?{query}", method="POST")
         return f"{answer.get('node', node)} is {answer.get('state', 'draining')}"
 
 
@@ -182,7 +183,7 @@ class TopApp(App[None]):
             state = await asyncio.to_thread(self.client.state)
         except TopError as e:
             self.error = str(e)
-            self.query_one("#summary", Static).update(f"[b]{e}[/b]")
+            self.query_one("#summary", Static).update(Text(str(e), style="bold"))
             return
         self.error = ""
         self.state = state
@@ -192,32 +193,32 @@ class TopApp(App[None]):
         state = self.state
         if state is None:
             return
-        self.query_one("#summary", Static).update(summary(state))
+        self.query_one("#summary", Static).update(Text(summary(state)))
         self._show_nodes(state["nodes"])
         models = self.query_one("#models", DataTable)
         models.clear()
         for m in state["models"]:
-            models.add_row(
+            models.add_row(*_plain(
                 m["name"], str(len(m["nodes"])), str(m["running"]), str(m["queued"]),
                 str(m["tokens_per_s"]), _ms(m["first_token_p50_ms"]),
                 _ms(m["first_token_p95_ms"]),
-            )  # fmt: skip
+            ))  # fmt: skip
         clients = self.query_one("#clients", DataTable)
         clients.clear()
         for c in state["clients"]:
-            clients.add_row(
+            clients.add_row(*_plain(
                 c["client"], str(c["running"]), str(c["queued"]),
                 f"{100 * c['share']:.0f} %", str(c["rate_limited"]),
-            )  # fmt: skip
+            ))  # fmt: skip
         lines = [event_line(e) for e in state["events"][-EVENTS_SHOWN:]]
-        self.query_one("#events", Static).update("\n".join(reversed(lines)))
+        self.query_one("#events", Static).update(Text("\n".join(reversed(lines))))
 
     def _show_nodes(self, nodes: list[dict[str, Any]]) -> None:
         table = self.query_one("#nodes", DataTable)
         selected = self.selected_node()
         table.clear()
         for node in sorted(nodes, key=sort_key(self.sort_column), reverse=self.reverse):
-            table.add_row(*node_cells(node), key=node["name"])
+            table.add_row(*_plain(*node_cells(node)), key=node["name"])
         if selected is not None and selected in {n["name"] for n in nodes}:
             table.move_cursor(row=table.get_row_index(selected))
 
@@ -244,10 +245,15 @@ class TopApp(App[None]):
         try:
             said = await asyncio.to_thread(self.client.drain, node)
         except TopError as e:
-            self.notify(f"cannot drain {node}: {e}", severity="error")
+            self.notify(f"cannot drain {node}: {e}", severity="error", markup=False)
             return
-        self.notify(said)
+        self.notify(said, markup=False)
         await self.action_refresh()
+
+
+def _plain(*cells: str) -> list[Text]:
+    """Cells shown as they are: what a node or a head names is never read as markup."""
+    return [Text(cell) for cell in cells]
 
 
 def _ms(value: float | None) -> str:

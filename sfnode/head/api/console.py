@@ -6,7 +6,7 @@ head has a :class:`~sfnode.head.console.state.Console`:
 - ``GET /console/state``: the snapshot as JSON, for scripts and ``sfnode top``;
 - ``GET /console/feed``: the snapshot as server-sent events, twice a second, while connected
   (:mod:`sfnode.head.console.feed`; at most ``MAX_VIEWERS`` at once, 503 beyond);
-- ``POST /console/nodes/{name}/drain``: placement gives the node nothing new from now on (its
+- ``POST /console/drain?node=NAME``: placement gives the node nothing new from now on (its
   running generations finish); only with an admin key (``admin=yes`` in the key file), sent as
   ``Authorization: Bearer`` or ``X-Api-Key`` (never as a browser's cached password: a page
   elsewhere cannot make a browser drain a node).
@@ -24,7 +24,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from collections.abc import Sequence, Sized
+from collections.abc import Sized
 from importlib import resources
 from typing import Any, Protocol
 
@@ -104,7 +104,7 @@ class ConsoleTree:
         self.root = _Root(self)
         self.root.putChild(b"state", _State(self))
         self.root.putChild(b"feed", _Feed(self))
-        self.root.putChild(b"nodes", _Nodes(self))
+        self.root.putChild(b"drain", _Drain(self))
 
     def snapshot(self) -> dict[str, Any]:
         host = self.host
@@ -198,20 +198,21 @@ class _Feed(_Leaf):
         return NOT_DONE_YET
 
 
-class _Nodes(_Leaf):
-    """``POST /console/nodes/{name}/drain``."""
+class _Drain(_Leaf):
+    """``POST /console/drain?node=NAME`` (the name in the query: a node's identity may hold
+    any character, a ``/`` included)."""
 
-    route = Route(methods=(b"POST",), suffix=True)
+    route = Route(methods=(b"POST",))
 
     def serve(self, request: Any) -> bytes:
-        path: Sequence[bytes] = request.postpath
-        if len(path) != 2 or path[1] != b"drain":
-            return _refuse(request, unknown_url(request.method, request.path))
         key = self.tree.host.authorized(request)
         policy = self.tree.host.limits.keys.get(key or b"", DEFAULT_POLICY)
         if not key or not policy.admin:
             return _refuse(request, not_admin())
-        name = path[0].decode("utf-8", "replace")
+        names: list[bytes] = request.args.get(b"node", [])
+        if len(names) != 1:
+            return _refuse(request, HttpError(400, "name one node: ?node=NAME", param="node"))
+        name = names[0].decode("utf-8", "replace")
         node = self.tree.console.fleet.registry.drain(name)
         if node is None:
             return _refuse(

@@ -42,7 +42,7 @@ class KeyPolicy:
     request_class: HeadClass | None = None
     """The class of its requests that name none (None: ``--default-request-class``)."""
     admin: bool = False
-    """It may drain a node (``POST /console/nodes/{name}/drain``, docs/api.md "The
+    """It may drain a node (``POST /console/drain?node=NAME``, docs/api.md "The
     console")."""
 
 
