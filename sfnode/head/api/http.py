@@ -155,6 +155,9 @@ class OpenAIApi:
     """Everything the HTTP resources share: backend, renderer, model names, keys, limits,
     metrics, and the requests in flight."""
 
+    _console_tree: ConsoleTree | None = None
+    """The console's resources and feed, once the site is built with a console."""
+
     def __init__(
         self,
         reactor: Any,
@@ -214,7 +217,6 @@ class OpenAIApi:
         self.console = console
         """The operator's console over the fleet (``/console``; None: not served)."""
         self.record = console.record if console is not None else _own_record(reactor)
-        self._console_tree: ConsoleTree | None = None
 
     def _own_metrics(self) -> HeadMetrics:
         return HeadMetrics(
