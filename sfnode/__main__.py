@@ -2,7 +2,8 @@
 
 ``token [--file PATH]`` prints the fleet token, creating the token file first (docs/protocol.md
 section 5.4).  ``fleet [--engine mock] ...`` runs a head and one node on this machine (what
-``make run`` runs; ``python -m sfnode fleet --help``).
+``make run`` runs; ``python -m sfnode fleet --help``).  ``top [--url URL]`` shows a head's
+console in the terminal (``python -m sfnode top --help``).  Installed, ``sfnode`` runs them too.
 Nodes and heads themselves run under ``twistd sfnode`` / ``twistd sfhead``.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-USAGE = "usage: python -m sfnode token [--file PATH] | fleet [--help]"
+USAGE = "usage: python -m sfnode token [--file PATH] | fleet [--help] | top [--help]"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -27,6 +28,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from sfnode.cli.launcher import main as fleet_main
 
         return fleet_main(args[1:])
+    if args[0] == "top":
+        from sfnode.cli.top import main as top_main
+
+        return top_main(args[1:])
     print(f"sfnode: unknown command {args[0]!r}\n{USAGE}", file=sys.stderr)
     return 2
 

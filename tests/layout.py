@@ -29,6 +29,7 @@ _HEAD_API = frozenset(
         "sfnode.runtime",
         "sfnode.generation",
         "sfnode.decoding",
+        "sfnode.head.console",
     }
 )
 """What the head's HTTP API may import (and the head's tap, with the API and discovery)."""
@@ -122,6 +123,17 @@ LAYERS: dict[str, frozenset[str]] = {
     "sfnode.head.models": frozenset({"sfnode.linkf", "sfnode.runtime", "sfnode.decoding"}),
     "sfnode.head.fleet": frozenset(
         {"sfnode.head.link", "sfnode.head.models", "sfnode.linkf", "sfnode.generation"}
+    ),
+    # The operator's console: the fleet's figures, built on demand; the API serves them.
+    "sfnode.head.console": frozenset(
+        {
+            "sfnode.head.fleet",
+            "sfnode.head.link",
+            "sfnode.head.models",
+            "sfnode.linkf",
+            "sfnode.runtime",
+            "sfnode.generation",
+        }
     ),
     "sfnode.head.api": _HEAD_API,
     "sfnode.head.tap": _HEAD_API | {"sfnode.head.api", "sfnode.discovery"},

@@ -329,7 +329,8 @@ class MakeRunTests(TestCase):
 
     @defer.inlineCallbacks
     def test_ctrl_c_stops_the_fleet_cleanly(self) -> Generator[Any, Any, None]:
-        """``python -m sfnode fleet`` (mock engine) serves a completion; a SIGINT to its
+        """``python -m sfnode fleet`` (mock engine) prints the console's address, whose state
+        shows the node serving, and serves a completion; a SIGINT to its
         process group, as a terminal sends on Ctrl-C, stops the head and the node once each and
         exits 0 with no traceback."""
         node_port, http_port, fleet_port = _free_port(), _free_port(), _free_port()
@@ -357,6 +358,10 @@ class MakeRunTests(TestCase):
 
         self.addCleanup(cleanup)
         yield child.wait_for(rb"The fleet is up on")
+        printed = yield child.wait_for(rb"Watch it live at (\S+/console) ")
+        response = yield Agent(reactor).request(b"GET", printed[0].group(1) + b"/state")
+        state = json.loads((yield readBody(response)))
+        self.assertEqual([n["state"] for n in state["nodes"]], ["serving"])
         body = {"model": "mock", "prompt": [100, 101, 102], "max_tokens": 4}
         response = yield Agent(reactor).request(
             b"POST",

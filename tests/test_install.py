@@ -237,15 +237,16 @@ class WheelTests(SynchronousTestCase):
 
     def test_the_wheel_carries_every_module_and_nothing_stray(self) -> None:
         """Every ``.py`` file of sfnode/ (every subpackage, found, not listed), native.c, the
-        native library built for the source it carries (on x86-64), and the two twistd plugins
-        without any ``twisted/__init__.py`` or plugin cache: exactly those files, besides the
-        wheel's metadata."""
+        console's page, the native library built for the source it carries (on x86-64), and
+        the two twistd plugins without any ``twisted/__init__.py`` or plugin cache: exactly
+        those files, besides the wheel's metadata."""
         wheel = installed().wheel
         with zipfile.ZipFile(wheel) as archive:
             names = {n for n in archive.namelist() if ".dist-info/" not in n}
         want = {str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "sfnode").rglob("*.py")}
         want |= {
             "sfnode/engines/kernels/native.c",
+            "sfnode/head/console/page.html",
             "twisted/plugins/sfnode_plugins.py",
             "twisted/plugins/sfhead_plugins.py",
         }
@@ -282,6 +283,21 @@ class InstalledTests(SynchronousTestCase):
             if (Path(entry or install.workdir) / "sfnode").resolve() == REPO_ROOT / "sfnode"
         ]
         self.assertEqual(source, [])
+
+    def test_the_sfnode_script_and_the_console_page(self) -> None:
+        """The install's ``sfnode`` script runs ``sfnode top --help``, and the console's page
+        is read from the installed package."""
+        install = installed()
+        done = subprocess.run(
+            [str(install.venv / "bin" / "sfnode"), "top", "--help"],
+            capture_output=True, text=True, env=install.env(), cwd=install.workdir, timeout=300,
+            check=False,
+        )  # fmt: skip
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertIn("usage: sfnode top", done.stdout)
+        page = install.run("-c", "from sfnode.head.api.console import page; print(len(page()))")
+        self.assertEqual(page.returncode, 0, page.stderr)
+        self.assertGreater(int(page.stdout), 1000)
 
     def test_twistd_sfnode_and_sfhead_help(self) -> None:
         """``twistd sfnode --help`` and ``twistd sfhead --help`` exit 0 with each plugin's own

@@ -2,8 +2,8 @@
 
 Starts ``twistd -n sfnode`` (on the bundled SmolLM2 by default) and ``twistd -n sfhead`` dialing
 it as child processes, waits until the head's ``/healthz`` says a node is live, prints a ``curl``
-line that works, and then runs until Ctrl-C or SIGTERM, which stops both children (SIGTERM, so
-they drain) and exits 0.
+line that works and the console's address, and then runs until Ctrl-C or SIGTERM, which stops
+both children (SIGTERM, so they drain) and exits 0.
 
 The children run in sessions of their own: a Ctrl-C in the terminal reaches only this process,
 which then stops each child once (a child that got the terminal's SIGINT and then a SIGTERM
@@ -147,7 +147,8 @@ def _wait_until_ready(
 
 
 def _print_a_request(base: str, model: str) -> None:
-    """The ``curl`` line that asks the fleet a question it answers right."""
+    """The ``curl`` line that asks the fleet a question it answers right, and where to watch
+    the fleet (``/console``, ``sfnode top``)."""
     # temperature 0 (greedy): OpenAI's default of 1 samples freely, and a 135M model
     # sampled at 1 rambles; greedy answers this one right ("... is Paris.").
     question = "What is the capital of France?"
@@ -157,7 +158,9 @@ def _print_a_request(base: str, model: str) -> None:
     )  # fmt: skip
     print(f"\nThe fleet is up on {base}. Try:\n")
     print(f"  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\")
-    print(f"       -d '{body}'\n", flush=True)
+    print(f"       -d '{body}'\n")
+    print(f"Watch it live at {base}/console (in a terminal: python -m sfnode top --url {base})\n",
+          flush=True)  # fmt: skip
 
 
 def _served_model(base: str) -> str:

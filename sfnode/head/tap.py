@@ -324,9 +324,9 @@ class Options(usage.Options):
             "File holding the API key, or several, one per line (blank lines and # comments "
             "are skipped); each key has its own --max-key-requests. A key may be followed by "
             "weight=W (its share of the lanes), concurrency=N (its own cap of open "
-            "generations), tokens-per-minute=N (429 with Retry-After beyond it) and "
-            "class=interactive|batch|background (for requests that name none); docs/api.md, "
-            "API keys.",
+            "generations), tokens-per-minute=N (429 with Retry-After beyond it), "
+            "class=interactive|batch|background (for requests that name none) and admin=yes "
+            "(it may drain a node from the console); docs/api.md, API keys.",
         ],
         [
             "drain-timeout",
@@ -1020,7 +1020,7 @@ def makeService(
     registry = head_models(options)
     pipeline = _pipeline(options, registry, reactor) if options["stages"] else None
     fleet = pipeline.fleet if pipeline is not None else _fleet(options, registry, reactor)
-    api = _api(options, registry, pipeline if pipeline is not None else fleet, reactor)
+    api = _api(options, registry, pipeline if pipeline is not None else fleet, reactor, fleet)
     drain_timeout_s = options["drain-timeout"]
     head = service.MultiService()  # type: ignore[no-untyped-call]
     head.setName("sfhead")  # type: ignore[no-untyped-call]
@@ -1047,9 +1047,16 @@ def makeService(
     return head
 
 
-def _api(options: Options, registry: ModelRegistry, backend: Any, reactor: Any) -> OpenAIApi:
-    """The HTTP API over ``backend`` (the fleet, or the pipeline driver)."""
+def _api(
+    options: Options, registry: ModelRegistry, backend: Any, reactor: Any, fleet: Fleet
+) -> OpenAIApi:
+    """The HTTP API over ``backend`` (the fleet, or the pipeline driver), with the console over
+    ``fleet``."""
     from sfnode.head.api.http import OpenAIApi
+    from sfnode.head.console.record import ConsoleRecord
+    from sfnode.head.console.state import Console
+
+    record = ConsoleRecord(fleet.registry.events, reactor.seconds)
 
     return OpenAIApi(
         reactor,
@@ -1063,6 +1070,7 @@ def _api(options: Options, registry: ModelRegistry, backend: Any, reactor: Any) 
         allow_special_tokens=bool(options["allow-special-tokens"]),
         template_timeout_s=options["template-timeout"],
         grammar_timeout_s=options["grammar-timeout"],
+        console=Console(fleet, record, registry.names, reactor.seconds),
     )
 
 

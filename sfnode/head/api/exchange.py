@@ -63,6 +63,7 @@ from sfnode.head.api.request_class import ClassRule, HeadClass, class_name, pars
 from sfnode.head.api.resume import HEADER as RESUME_HEADER
 from sfnode.head.api.resume import Exchanges, ResumableStream, StreamExpired, find
 from sfnode.head.api.schema import CompletionRequest
+from sfnode.head.console.record import ConsoleRecord
 from sfnode.head.fleet.backend import (
     Backend,
     BackendStatus,
@@ -140,6 +141,7 @@ class Host(Protocol):
     template_timeout_s: float
     draining: bool
     exchanges: Exchanges[Exchange]
+    record: ConsoleRecord
 
     @property
     def workers(self) -> Runner: ...
@@ -726,6 +728,7 @@ class Exchange:
         if self.first_token_at is None and tokens:
             self.first_token_at = self.api.reactor.seconds()
             self.api.metrics.ttft.observe(self.first_token_at - self.received)
+            self.api.record.first_token(_model_of(self), self.first_token_at - self.received)
         if choice.stop.stopped or self.answered:
             return
         if choice.logprobs is None:
@@ -752,6 +755,7 @@ class Exchange:
         choice.outcome = outcome
         self._pending -= 1
         self.api.metrics.completion_tokens.inc(len(outcome.tokens))
+        self.api.record.tokens(_model_of(self), len(outcome.tokens))
         if self.request.permit is not None:
             self.request.permit.spend(len(outcome.tokens), self.api.reactor.seconds())
         if not self.answered:
@@ -848,10 +852,17 @@ def _resume(api: Host, request: Any, last: bytes) -> None:
         request.write(answer_error(request, error))
         request.finish()
         return
+    api.record.resumed(_model_of(exchange), after)
     if exchange is not None:
         exchange.resume(request, after)
     else:
         stream.resume(request, after)
+
+
+def _model_of(exchange: Exchange | None) -> str:
+    """The name of the model ``exchange`` asks (the console's label; "" before it is known)."""
+    model = exchange.model if exchange is not None else None
+    return model.name if model is not None else ""
 
 
 def _park(exchange: Exchange, park: bool) -> None:

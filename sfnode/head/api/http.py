@@ -61,6 +61,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
 from sfnode.head.api import bodies, failures
+from sfnode.head.api.console import ConsoleTree
 from sfnode.head.api.embeddings_exchange import EmbeddingsExchange
 from sfnode.head.api.exchange import (
     INLINE_BODY_BYTES,
@@ -92,7 +93,10 @@ from sfnode.head.api.responses_exchange import ResponsesExchange
 from sfnode.head.api.resume import Exchanges
 from sfnode.head.api.schema import CompletionRequest, parse_body, parse_request
 from sfnode.head.api.workers import Workers
+from sfnode.head.console.record import ConsoleRecord
+from sfnode.head.console.state import Console
 from sfnode.head.fleet.backend import Backend, BackendStatus, GenerationHandle
+from sfnode.head.fleet.events import EventJournal
 from sfnode.head.models.floors import AnswerFloors
 from sfnode.head.models.registry import ModelRegistry, ServedModel
 from sfnode.head.models.text import (
@@ -151,6 +155,9 @@ class OpenAIApi:
     """Everything the HTTP resources share: backend, renderer, model names, keys, limits,
     metrics, and the requests in flight."""
 
+    _console_tree: ConsoleTree | None = None
+    """The console's resources and feed, once the site is built with a console."""
+
     def __init__(
         self,
         reactor: Any,
@@ -170,6 +177,7 @@ class OpenAIApi:
         template_timeout_s: float = DEFAULT_TEMPLATE_TIMEOUT_S,
         grammar_timeout_s: float = DEFAULT_GRAMMAR_TIMEOUT_S,
         responses: ResponseStore | None = None,
+        console: Console | None = None,
     ) -> None:
         self.reactor: IReactorTime = reactor
         self.backend = backend
@@ -206,6 +214,9 @@ class OpenAIApi:
         self.metrics.watch(self.responses.families)
         self._drain_waiters: list[Deferred[None]] = []
         self._drain_timer: IDelayedCall | None = None
+        self.console = console
+        """The operator's console over the fleet (``/console``; None: not served)."""
+        self.record = console.record if console is not None else _own_record(reactor)
 
     def _own_metrics(self) -> HeadMetrics:
         return HeadMetrics(
@@ -254,6 +265,8 @@ class OpenAIApi:
         """Stop the worker threads and give up the streams kept for a resume (the HTTP
         service does this when it stops)."""
         self.workers.stop()
+        if self._console_tree is not None:
+            self._console_tree.feed.stop()
         for exchange in list(self.exchanges):
             exchange.stream.expire()
         self.exchanges.clear_ended()
@@ -270,6 +283,10 @@ class OpenAIApi:
         if not header:
             # Anthropic's clients send the key as X-Api-Key.
             given = (request.getHeader(b"x-api-key") or b"").strip()
+        return self.matching_key(given)
+
+    def matching_key(self, given: bytes) -> bytes | None:
+        """The API key ``given`` is (None: none of the head's)."""
         # compare_digest's time never depends on where the given bytes first differ from a
         # key (at most on their lengths); every key is compared, whichever matches.
         found = None
@@ -337,6 +354,8 @@ class OpenAIApi:
             try:
                 permit = self.concurrency.acquire(client, key or None, now=self.reactor.seconds())
             except HttpError as e:
+                if e.status == 429:
+                    self.record.refused(("key", key) if key else ("address", client))
                 return e
             request.permit = permit
             request.notifyFinish().addBoth(lambda _: permit.release())
@@ -509,7 +528,16 @@ class OpenAIApi:
         v1.putChild(b"embeddings", _Embeddings(self))
         root.putChild(b"healthz", _Health(self))
         root.putChild(b"metrics", _Metrics(self, keyed=not self.limits.metrics_public))
+        if self.console is not None:
+            self._console_tree = ConsoleTree(self, self.console, self.reactor)
+            root.putChild(b"console", self._console_tree.root)
         return root
+
+
+def _own_record(reactor: IReactorTime) -> ConsoleRecord:
+    """What an API without a console records of first tokens, 429s and resumed streams
+    (sfnode.head.console.record): the same, read by nobody."""
+    return ConsoleRecord(EventJournal(reactor.seconds), reactor.seconds)
 
 
 def _allowed(route: Route) -> tuple[bytes, ...]:

@@ -6,6 +6,7 @@ A key file line is the key, then optional ``name=value`` fields::
 
     sk-team-a  weight=3  concurrency=32  tokens-per-minute=200000  class=interactive
     sk-batch   weight=1  class=batch
+    sk-ops     admin=yes
 
 This module is pure: it reads no file (the tap hands it the lines), reads no clock (times are
 passed in) and never logs a key.
@@ -40,6 +41,9 @@ class KeyPolicy:
     """Prompt and generated tokens it may spend per minute (0: no cap)."""
     request_class: HeadClass | None = None
     """The class of its requests that name none (None: ``--default-request-class``)."""
+    admin: bool = False
+    """It may drain a node (``POST /console/drain?node=NAME``, docs/api.md "The
+    console")."""
 
 
 DEFAULT_POLICY = KeyPolicy()
@@ -75,9 +79,13 @@ def _field(policy: dict[str, object], name: str, value: str) -> None:
             raise KeyFileError(
                 f"class must be interactive, batch or background, not {value!r}"
             ) from e
+    elif name == "admin":
+        if value.lower() not in ("yes", "no"):
+            raise KeyFileError(f"admin must be yes or no, not {value!r}")
+        policy["admin"] = value.lower() == "yes"
     else:
         raise KeyFileError(
-            f"unknown field {name!r} (weight, concurrency, tokens-per-minute, class)"
+            f"unknown field {name!r} (weight, concurrency, tokens-per-minute, class, admin)"
         )
 
 

@@ -589,6 +589,7 @@ class FleetGeneration:
         session = self.session
         tried: list[FleetNode] = []
         node: FleetNode | None = None
+        moved_from = ""  # the node of a failed attempt, until the journal says where it went
         try:
             if session.closed:
                 raise SessionClosed(f"session {session.session_id} is closed")
@@ -606,6 +607,9 @@ class FleetGeneration:
                         return self._outcome(FINISH_CANCELLED, node)
                     continue
                 node = placed
+                if moved_from:
+                    _journal_failover(self, moved_from, node.name)
+                    moved_from = ""
                 outcome = await self._attempt(node)
                 if self.lane.gave_way(outcome, self._cancelled):
                     self._step_aside(node)
@@ -614,7 +618,10 @@ class FleetGeneration:
                 if not isinstance(decision, failover.MoveOn):
                     return self._conclude(decision, node)
                 self._move_on(node, decision.error, tried)
+                moved_from = node.name
         finally:
+            if moved_from:
+                _journal_failover(self, moved_from, "")
             if self._one_shot:
                 session.close()
 
@@ -634,6 +641,9 @@ class FleetGeneration:
         session.fleet._remember(node, self._context, session.model)
         if session.node is node:
             session.fleet._detach(session)
+        session.fleet.registry.events.record(
+            "preempted", node.name, model=session.model, tokens=len(self.tokens)
+        )
         self.yields += 1
         self.lane.resuming = True
 
@@ -765,6 +775,15 @@ class FleetGeneration:
         finally:
             fleet.shares.drop(self)
             fleet._release(node, self.request.interactive)
+
+
+def _journal_failover(generation: FleetGeneration, moved_from: str, to: str) -> None:
+    """The fleet's journal learns that ``generation`` failed over from the node named
+    ``moved_from`` to the one named ``to`` ("": none took it), with the tokens it kept."""
+    session = generation.session
+    session.fleet.registry.events.record(
+        "failover", moved_from, to_node=to, model=session.model, tokens=len(generation.tokens)
+    )
 
 
 def _lanes(nodes: Sequence[FleetNode]) -> tuple[int, int, int]:

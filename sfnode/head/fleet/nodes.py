@@ -18,6 +18,7 @@ from twisted.internet.interfaces import IReactorTime, IStreamClientEndpoint
 from twisted.logger import Logger
 
 from sfnode.head.fleet import placement
+from sfnode.head.fleet.events import EventJournal
 from sfnode.head.fleet.model_admission import ModelAdmission
 from sfnode.head.fleet.prefix_index import BlockKey, PrefixIndex
 from sfnode.head.link import (
@@ -60,6 +61,9 @@ class FleetNode:
         load report sampled after that arrives."""
         self.ended: deque[float] = deque()
         """When this head's generations here ended, since the node's latest load report."""
+        self.draining = False
+        """An operator drained it (the console): it takes no new generation, the running ones
+        finish."""
 
     @property
     def name(self) -> str:
@@ -82,8 +86,9 @@ class FleetNode:
 
     @property
     def live(self) -> bool:
-        """Its link is open and the head serves its model with it: placement may use it."""
-        return self.link.ready and self.admitted and self.refused is None
+        """Its link is open, the head serves its model with it and it is not drained:
+        placement may use it."""
+        return self.link.ready and self.admitted and self.refused is None and not self.draining
 
     @property
     def refused(self) -> str | None:
@@ -209,6 +214,9 @@ class NodeRegistry:
         """The head is stopping: a node that dials in now is turned away."""
         self._orders = itertools.count()
         self._join_waiters: list[Deferred[FleetNode]] = []
+        self.events = EventJournal(clock.seconds)
+        """What happened to the fleet, for the console (sfnode.head.fleet.events): joins,
+        leaves, drains here; failovers and preemptions by the fleet's generations."""
 
     def views(self, keys: Sequence[BlockKey] = ()) -> list[placement.NodeView]:
         """What placement knows of every node now (for a context with block keys ``keys``)."""
@@ -257,6 +265,16 @@ class NodeRegistry:
                 return node
         return None
 
+    def drain(self, name: str) -> FleetNode | None:
+        """Drain the node named ``name`` (None: no such node): placement gives it nothing
+        new from now on (its generations running finish; a reconnect keeps it drained)."""
+        node = self.named(name)
+        if node is not None and not node.draining:
+            node.draining = True
+            self.events.record("draining", node.name, detail=f"{node.inflight} running")
+            _log.info("node {node} drained by an operator", node=node.label)
+        return node
+
     def next_join(self) -> Deferred[FleetNode]:
         """Fires with the next node that dials in and passes the handshake."""
         d: Deferred[FleetNode] = Deferred()
@@ -279,10 +297,17 @@ class NodeRegistry:
         link.observe(self)
         self._judge(node)
         _log_joined(node, f"dialed in from {link.description}")
+        self._joined(node)
         waiters, self._join_waiters = self._join_waiters, []
         for d in waiters:
             d.callback(node)
         self._on_room()
+
+    def _joined(self, node: FleetNode) -> None:
+        if node.refused is not None:
+            self.events.record("refused", node.name, detail=node.refused)
+        else:
+            self.events.record("joined", node.name, model=", ".join(node.models))
 
     def _judge(self, node: FleetNode) -> None:
         """Whether the head serves the model ``node`` names with it (at every handshake: a
@@ -307,8 +332,10 @@ class NodeRegistry:
         self._judge(node)
         if not reconnected:
             _log_joined(node, f"dialed {node.description}")
+            self._joined(node)
         else:
             self.reconnects += 1
+            self.events.record("back", node.name)
             if node.failed_attempts:
                 _log.info(
                     "node {node} is back after {count} failed attempts",
@@ -355,6 +382,7 @@ class NodeRegistry:
         node = self.of_link(link)
         if node is None:
             return
+        self.events.record("lost", node.name, detail=str(reason))
         if link.dialable:
             _log.info(
                 "the link to {node} dropped: {reason}; redialling",
@@ -374,6 +402,7 @@ class NodeRegistry:
         self.nodes.remove(node)
         if self.models is not None:
             self.models.forget(link)
+        self.events.record("left", node.name, detail=str(link.last_reason or ""))
         _log.info(
             "node {node} left: {reason}",
             node=node.name,
