@@ -88,7 +88,7 @@ from sfnode.head.api.messages_exchange import MessagesExchange
 from sfnode.head.api.metrics import EXPOSITION_CONTENT_TYPE, HeadMetrics
 from sfnode.head.api.request_class import ClassRule
 from sfnode.head.api.responses import ResponseStore
-from sfnode.head.api.responses_exchange import ResponsesExchange
+from sfnode.head.api.responses_exchange import ResponsesExchange, answer_stored, delete_stored
 from sfnode.head.api.resume import Exchanges
 from sfnode.head.api.schema import CompletionRequest, parse_body, parse_request
 from sfnode.head.api.workers import Workers
@@ -659,15 +659,41 @@ class _Models(_Leaf):
 
 
 class _Responses(_Leaf):
+    """``POST /v1/responses``; ``/v1/responses/{id}`` is a :class:`_StoredResponse`."""
+
+    isLeaf = False
     route = Route(methods=(b"POST",), completion=True)
 
     def __init__(self, api: OpenAIApi) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.api = api
 
+    def getChild(self, path: bytes, request: Any) -> Resource:
+        return _StoredResponse(self.api, path.decode("utf-8", "replace"))
+
     def render_POST(self, request: Any) -> int:
         ResponsesExchange(self.api, request).start()
         return NOT_DONE_YET
+
+
+class _StoredResponse(_Leaf):
+    """``GET`` and ``DELETE /v1/responses/{id}``: the requester's stored response."""
+
+    route = Route(methods=(b"GET", b"DELETE"))
+
+    def __init__(self, api: OpenAIApi, ident: str) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.api = api
+        self.ident = ident
+
+    def render(self, request: Any) -> bytes | int:
+        if request.method in (b"GET", b"HEAD"):  # twisted.web writes no body for HEAD
+            answer_stored(self.api, request, self.ident)
+            return NOT_DONE_YET
+        return super().render(request)
+
+    def render_DELETE(self, request: Any) -> bytes:
+        return delete_stored(self.api, request, self.ident)
 
 
 class _Embeddings(_Leaf):

@@ -12,11 +12,13 @@ the bounded store behind ``previous_response_id`` (docs/api.md "/v1/responses").
   the documented order (``response.created``, ``response.in_progress``,
   ``response.output_item.added``, ``response.content_part.added``,
   ``response.output_text.delta`` ..., ``response.function_call_arguments.delta`` ...,
-  the ``.done`` events, then ``response.completed`` or ``response.incomplete``), each numbered
-  by ``sequence_number``.
-- :class:`ResponseStore` keeps stored responses' conversations (the chat messages in, and the
-  answer's output as an assistant turn), each under the API key that made it (only that key
-  continues it: any other gets the 404 an unknown id gets), packed (compressed JSON), at most
+  the ``.done`` events, each item done before the next is added, then
+  ``response.completed`` or ``response.incomplete``), each numbered by ``sequence_number``.
+- :class:`ResponseStore` keeps stored responses (the conversation: the chat messages in, and
+  the answer's output as an assistant turn; and the ``Response`` object that
+  ``GET /v1/responses/{id}`` answers), each under the API key that made it (only that key
+  continues, reads or deletes it: any other gets the 404 an unknown id gets), packed
+  (compressed JSON), at most
   ``max_responses`` of them and ``max_bytes`` of memory held, the oldest dropped first; it
   lives in the head's memory only and does not survive a restart.
 
@@ -158,7 +160,7 @@ def _history(previous: Any, found: bytes | None) -> tuple[dict[str, Any], ...]:
         raise HttpError(400, "previous_response_id must be a string", param="previous_response_id")
     if found is None:
         raise previous_not_found(previous)
-    return unpack(found)
+    return unpack(found)[0]
 
 
 def previous_not_found(previous: str) -> HttpError:
@@ -171,6 +173,22 @@ def previous_not_found(previous: str) -> HttpError:
         param="previous_response_id",
         code="previous_response_not_found",
         outcome="not_found",
+    )
+
+
+def output_tokens_named(error: HttpError) -> HttpError:
+    """``error`` about a translated body's ``max_completion_tokens`` (its range, its budget)
+    as the request's own field, ``max_output_tokens``; any other error as it is."""
+    if error.param != "max_completion_tokens":
+        return error
+    return HttpError(
+        error.status,
+        error.message.replace("max_completion_tokens", "max_output_tokens"),
+        kind=error.kind,
+        param="max_output_tokens",
+        code=error.code,
+        outcome=error.outcome,
+        headers=error.headers,
     )
 
 
@@ -369,6 +387,9 @@ class ResponseBuilder:
     _calls: dict[int, _Item] = field(default_factory=dict)
     _done: set[int] = field(default_factory=set)
     """Output indexes of the calls whose arguments are whole."""
+    final: dict[str, Any] | None = None
+    """The ``Response`` object once the response ended (what ``GET /v1/responses/{id}``
+    answers)."""
 
     def response(
         self, status: str, usage: Mapping[str, int] | None = None, reason: str | None = None
@@ -452,7 +473,7 @@ class ResponseBuilder:
                     )
                 )
             elif isinstance(event, CallDone):
-                self._done.add(self._calls[event.index].index)
+                out += self._close_call(event.index, "completed")
             else:
                 assert isinstance(event, ArgumentsDelta)
                 item = self._calls[event.index]
@@ -523,23 +544,29 @@ class ResponseBuilder:
         ``max_output_tokens`` when the output was cut)."""
         status = "completed" if reason is None else "incomplete"
         out = self._close_text(status)
-        for item in self._calls.values():
-            item.body["status"] = status
-            out.append(
-                self.event(
-                    "response.function_call_arguments.done",
-                    item_id=item.body["id"],
-                    output_index=item.index,
-                    arguments=item.body["arguments"],
-                )
-            )
-            out.append(
-                self.event("response.output_item.done", output_index=item.index, item=item.body)
-            )
-        self._calls = {}
+        for index in list(self._calls):
+            out += self._close_call(index, status)
         kind = "response.completed" if reason is None else "response.incomplete"
-        out.append(self.event(kind, response=self.response(status, usage, reason)))
+        self.final = self.response(status, usage, reason)
+        out.append(self.event(kind, response=self.final))
         return out
+
+    def _close_call(self, index: int, status: str) -> list[dict[str, Any]]:
+        """Call ``index``'s last events (its arguments whole when ``status`` is completed):
+        each item is done before the next one is added, as OpenAI's streams do."""
+        item = self._calls.pop(index)
+        if status == "completed":
+            self._done.add(item.index)
+        item.body["status"] = status
+        return [
+            self.event(
+                "response.function_call_arguments.done",
+                item_id=item.body["id"],
+                output_index=item.index,
+                arguments=item.body["arguments"],
+            ),
+            self.event("response.output_item.done", output_index=item.index, item=item.body),
+        ]
 
     def whole(self, usage: Mapping[str, int], reason: str | None = None) -> dict[str, Any]:
         """The non-streamed answer (a call the output was cut inside is dropped)."""
@@ -549,7 +576,8 @@ class ResponseBuilder:
             for item in self.items
             if item.body["type"] != "function_call" or item.index in self._done
         ]
-        return self.response("completed" if reason is None else "incomplete", usage, reason)
+        self.final = self.response("completed" if reason is None else "incomplete", usage, reason)
+        return self.final
 
     def conversation(self) -> tuple[dict[str, Any], ...]:
         """The conversation a later ``previous_response_id`` continues: what was sent, then
@@ -595,15 +623,35 @@ ENTRY_BYTES = 240
 string, the ordered dictionary's node and the entry tuple (CPython 3.11, measured)."""
 
 
-def pack(conversation: Sequence[Mapping[str, Any]]) -> bytes:
-    """A conversation as the store keeps it: its JSON, compressed (a worker's job for a large
-    one: it reads every message)."""
-    return zlib.compress(json.dumps(list(conversation)).encode(), 6)
+def pack(conversation: Sequence[Mapping[str, Any]], response: Mapping[str, Any]) -> bytes:
+    """A stored response as the store keeps it: its conversation and its ``Response`` object,
+    as JSON, compressed (a worker's job for a large one: it reads every message)."""
+    stored = {"conversation": list(conversation), "response": response}
+    return zlib.compress(json.dumps(stored).encode(), 6)
 
 
-def unpack(data: bytes) -> tuple[dict[str, Any], ...]:
-    """The conversation :func:`pack` packed."""
-    return tuple(json.loads(zlib.decompress(data)))
+def unpack(data: bytes) -> tuple[tuple[dict[str, Any], ...], dict[str, Any]]:
+    """The conversation and the ``Response`` object :func:`pack` packed."""
+    stored = json.loads(zlib.decompress(data))
+    return tuple(stored["conversation"]), stored["response"]
+
+
+def response_not_found(ident: str) -> HttpError:
+    """The one answer to ``GET`` or ``DELETE /v1/responses/{id}`` of a response this key cannot
+    see: unknown, dropped by the store's bounds, deleted, or another key's."""
+    return HttpError(
+        404,
+        f"Response with id '{clip(ident)}' not found (responses are kept in the head's "
+        "memory, only while it runs)",
+        param="response_id",
+        code="response_not_found",
+        outcome="not_found",
+    )
+
+
+def deleted(ident: str) -> dict[str, Any]:
+    """The answer to a ``DELETE /v1/responses/{id}`` that deleted it."""
+    return {"id": ident, "object": "response", "deleted": True}
 
 
 class ResponseStore:
@@ -653,6 +701,14 @@ class ResponseStore:
         self._entries.move_to_end(entry)
         return found[0]
 
+    def delete(self, owner: Owner, ident: str) -> bool:
+        """Forget ``owner``'s ``ident``; whether it was there (another owner's is not)."""
+        found = self._entries.pop((owner, ident), None)
+        if found is None:
+            return False
+        self.held -= found[1]
+        return True
+
     def families(self) -> list[Metric]:
         """The store's figures for ``/metrics``."""
         return [
@@ -678,10 +734,13 @@ __all__ = [
     "ResponseBuilder",
     "ResponseStore",
     "ResponsesRequest",
+    "deleted",
     "event_bytes",
     "new_response_id",
+    "output_tokens_named",
     "pack",
     "previous_not_found",
+    "response_not_found",
     "translate",
     "translation_timeout",
     "unpack",
