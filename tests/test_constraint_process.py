@@ -5,7 +5,9 @@ library (:class:`~sfnode.head.fleet.fleet.Fleet`) in the test, and through the H
 
 The generation is sampled, with a JSON Schema that asks for a long array and a presence
 penalty, so that the node is still generating when it is killed and the survivor has both a
-grammar and penalty counts to rebuild from the delivered tokens.  No sleeps: every wait is on a
+grammar and penalty counts to rebuild from the delivered tokens; or with a free string that
+runs past its budget, so that the survivor closes the answer early as the dead node would
+have (issue 33: exact after failover).  No sleeps: every wait is on a
 line a process logs or on the fleet.
 """
 
@@ -40,6 +42,14 @@ LONG_ARRAY = {
     "required": ["digits"],
     "additionalProperties": False,
 }
+NOTE = {
+    "type": "object",
+    "properties": {"note": {"type": "string"}},
+    "required": ["note"],
+    "additionalProperties": False,
+}
+"""A schema whose shortest answer is a few tokens and whose string, sampled from the tiny
+model, runs on past any budget: the node must close it."""
 
 
 class ConstrainedFailoverTests(TestCase):
@@ -176,3 +186,78 @@ class ConstrainedFailoverTests(TestCase):
         self.assertEqual(outcome.tokens, reference.tokens)
         answer = json.loads(tokenizer.decode(outcome.tokens, skip_special_tokens=True))
         jsonschema.validate(answer, LONG_ARRAY)
+
+    @defer.inlineCallbacks
+    def test_a_closed_answer_after_a_failover_equals_the_uninterrupted_one(
+        self,
+    ) -> Generator[defer.Deferred[Any], Any, None]:
+        """Within a budget (docs/api.md "Budgets"): a seeded, sampled chat completion under a
+        ``json_schema`` whose free string would run past ``max_tokens``, streamed; the node
+        serving it is SIGKILLed at its first content chunk; the other node finishes it, and
+        closes it within the budget exactly as the uninterrupted answer was closed: the same
+        text, ``finish_reason: "stop"`` and ``finish_details: {"closed": true}`` on both, an
+        answer that parses and validates."""
+        import openai
+        from transformers import AutoTokenizer
+        from twisted.internet import threads
+        from twisted.internet.endpoints import TCP4ServerEndpoint
+
+        from sfnode.head.api.http import OpenAIApi
+
+        folder, nodes, fleet = yield self.two_nodes()
+        api = OpenAIApi(reactor, fleet, AutoTokenizer.from_pretrained(folder), "tiny")
+        self.addCleanup(api.stop)
+        port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(api.site())
+        self.addCleanup(port.stopListening)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port.getHost().port}/v1", api_key="-", max_retries=0
+        )
+        self.addCleanup(client.close)
+        request: dict[str, Any] = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "the quick brown fox"}],
+            "max_tokens": 120,
+            "temperature": 0.9,
+            "seed": 2024,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "note", "schema": NOTE},
+            },
+        }
+        reference = yield threads.deferToThread(
+            lambda: client.chat.completions.create(**request)
+        )
+        choice = reference.choices[0]
+        self.assertEqual(
+            (choice.finish_reason, choice.model_extra.get("finish_details")),
+            ("stop", {"closed": True}),
+        )
+        self.assertLessEqual(reference.usage.completion_tokens, 120)
+        killed: list[defer.Deferred[None]] = []
+
+        def kill_the_serving_node() -> None:
+            serving = [n.name for n in fleet.status().nodes if n.sessions]
+            self.assertEqual(len(serving), 1)
+            killed.append(nodes[int(serving[0][1:])].kill())
+
+        def streamed() -> tuple[str, Any, Any]:
+            pieces, finish, details = [], None, None
+            for chunk in client.chat.completions.create(**request, stream=True):
+                if not chunk.choices:
+                    continue
+                text = chunk.choices[0].delta.content
+                if text and not killed:
+                    threads.blockingCallFromThread(reactor, kill_the_serving_node)
+                pieces.append(text or "")
+                if chunk.choices[0].finish_reason is not None:
+                    finish = chunk.choices[0].finish_reason
+                    details = chunk.choices[0].model_extra.get("finish_details")
+            return "".join(pieces), finish, details
+
+        text, finish, details = yield threads.deferToThread(streamed)
+        yield killed[0]
+        self.assertEqual(fleet.status().failovers, 1)
+        self.assertEqual(
+            (text, finish, details), (choice.message.content, "stop", {"closed": True})
+        )
+        jsonschema.validate(json.loads(text), NOTE)
