@@ -14,7 +14,7 @@ line a process logs or on the fleet.
 from __future__ import annotations
 
 import json
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,19 @@ NOTE = {
 model, runs on past any budget: the node must close it."""
 
 
+def schema_request(name: str, schema: Any, max_tokens: int, **sampling: Any) -> dict[str, Any]:
+    """A seeded chat completion sampled at temperature 0.9 under ``schema``."""
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "the quick brown fox"}],
+        "max_tokens": max_tokens,
+        "temperature": 0.9,
+        "seed": 2024,
+        "response_format": {"type": "json_schema", "json_schema": {"name": name, "schema": schema}},
+        **sampling,
+    }
+
+
 class ConstrainedFailoverTests(TestCase):
     timeout = 300
 
@@ -84,21 +97,14 @@ class ConstrainedFailoverTests(TestCase):
         return folder, nodes, fleet
 
     @defer.inlineCallbacks
-    def test_a_killed_nodes_streamed_json_answer_equals_the_uninterrupted_one_over_http(
-        self,
-    ) -> Generator[defer.Deferred[Any], Any, None]:
-        """Through the HTTP API with the ``openai`` package: a seeded, sampled chat completion
-        under a ``json_schema`` and a presence penalty, streamed; the node serving it is
-        SIGKILLed at its first content chunk; the stream goes on from the other node and its
-        text equals the same request's uninterrupted answer, which validates."""
+    def openai_client(self, folder: str, fleet: Fleet) -> Generator[defer.Deferred[Any], Any, Any]:
+        """An ``openai`` client of a head (its HTTP API on loopback) over ``fleet``."""
         import openai
         from transformers import AutoTokenizer
-        from twisted.internet import threads
         from twisted.internet.endpoints import TCP4ServerEndpoint
 
         from sfnode.head.api.http import OpenAIApi
 
-        folder, nodes, fleet = yield self.two_nodes()
         api = OpenAIApi(reactor, fleet, AutoTokenizer.from_pretrained(folder), "tiny")
         self.addCleanup(api.stop)
         port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(api.site())
@@ -107,28 +113,38 @@ class ConstrainedFailoverTests(TestCase):
             base_url=f"http://127.0.0.1:{port.getHost().port}/v1", api_key="-", max_retries=0
         )
         self.addCleanup(client.close)
-        request: dict[str, Any] = {
-            "model": "tiny",
-            "messages": [{"role": "user", "content": "the quick brown fox"}],
-            "max_tokens": 200,
-            "temperature": 0.9,
-            "top_p": 0.95,
-            "seed": 2024,
-            "presence_penalty": 0.4,
-            "response_format": {
-                "type": "json_schema",
-                "json_schema": {"name": "digits", "schema": LONG_ARRAY},
-            },
-        }
-        reference = yield threads.deferToThread(
-            lambda: client.chat.completions.create(**request)
-        )
-        killed: list[defer.Deferred[None]] = []
+        return client
+
+    def killer(
+        self, fleet: Fleet, nodes: list[Any], killed: list[defer.Deferred[None]]
+    ) -> Callable[[], None]:
+        """What SIGKILLs the one node serving a generation now (its end put in ``killed``)."""
 
         def kill_the_serving_node() -> None:
             serving = [n.name for n in fleet.status().nodes if n.sessions]
             self.assertEqual(len(serving), 1)
             killed.append(nodes[int(serving[0][1:])].kill())
+
+        return kill_the_serving_node
+
+    @defer.inlineCallbacks
+    def test_a_killed_nodes_streamed_json_answer_equals_the_uninterrupted_one_over_http(
+        self,
+    ) -> Generator[defer.Deferred[Any], Any, None]:
+        """Through the HTTP API with the ``openai`` package: a seeded, sampled chat completion
+        under a ``json_schema`` and a presence penalty, streamed; the node serving it is
+        SIGKILLed at its first content chunk; the stream goes on from the other node and its
+        text equals the same request's uninterrupted answer, which validates."""
+        from twisted.internet import threads
+
+        folder, nodes, fleet = yield self.two_nodes()
+        client = yield self.openai_client(folder, fleet)
+        request = schema_request("digits", LONG_ARRAY, 200, top_p=0.95, presence_penalty=0.4)
+        reference = yield threads.deferToThread(
+            lambda: client.chat.completions.create(**request)
+        )
+        killed: list[defer.Deferred[None]] = []
+        kill_the_serving_node = self.killer(fleet, nodes, killed)
 
         def streamed() -> str:
             pieces = []
@@ -197,33 +213,11 @@ class ConstrainedFailoverTests(TestCase):
         closes it within the budget exactly as the uninterrupted answer was closed: the same
         text, ``finish_reason: "stop"`` and ``finish_details: {"closed": true}`` on both, an
         answer that parses and validates."""
-        import openai
-        from transformers import AutoTokenizer
         from twisted.internet import threads
-        from twisted.internet.endpoints import TCP4ServerEndpoint
-
-        from sfnode.head.api.http import OpenAIApi
 
         folder, nodes, fleet = yield self.two_nodes()
-        api = OpenAIApi(reactor, fleet, AutoTokenizer.from_pretrained(folder), "tiny")
-        self.addCleanup(api.stop)
-        port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(api.site())
-        self.addCleanup(port.stopListening)
-        client = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{port.getHost().port}/v1", api_key="-", max_retries=0
-        )
-        self.addCleanup(client.close)
-        request: dict[str, Any] = {
-            "model": "tiny",
-            "messages": [{"role": "user", "content": "the quick brown fox"}],
-            "max_tokens": 120,
-            "temperature": 0.9,
-            "seed": 2024,
-            "response_format": {
-                "type": "json_schema",
-                "json_schema": {"name": "note", "schema": NOTE},
-            },
-        }
+        client = yield self.openai_client(folder, fleet)
+        request = schema_request("note", NOTE, 120)
         reference = yield threads.deferToThread(
             lambda: client.chat.completions.create(**request)
         )
@@ -234,11 +228,7 @@ class ConstrainedFailoverTests(TestCase):
         )
         self.assertLessEqual(reference.usage.completion_tokens, 120)
         killed: list[defer.Deferred[None]] = []
-
-        def kill_the_serving_node() -> None:
-            serving = [n.name for n in fleet.status().nodes if n.sessions]
-            self.assertEqual(len(serving), 1)
-            killed.append(nodes[int(serving[0][1:])].kill())
+        kill_the_serving_node = self.killer(fleet, nodes, killed)
 
         def streamed() -> tuple[str, Any, Any]:
             pieces, finish, details = [], None, None

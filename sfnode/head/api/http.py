@@ -6,6 +6,9 @@
 - ``POST /v1/chat/completions`` and ``POST /v1/completions``: streaming (server-sent events in
   OpenAI's chunk format, ending with ``data: [DONE]``) and not, ``n`` choices each generated on
   its own with its own seed; ``GET /v1/models`` and ``GET /v1/models/{id}``.
+- ``POST /v1/messages`` (Anthropic's Messages API, :mod:`sfnode.head.api.messages`) and
+  Ollama's API under ``/api`` (:mod:`sfnode.head.api.ollama`), each translated onto a chat
+  completion and answered in its own shapes, errors included.
 - ``GET /healthz``: ``{"status", "nodes", "lanes_active", "lanes_total", "queued",
   "requests"}``; ``status`` is ``ok``, ``busy`` (every lane taken or generations waiting; still
   200), ``unavailable`` or ``draining`` (503).  ``GET /healthz?probe=live`` is a liveness probe:
@@ -42,7 +45,8 @@ life is an :class:`~sfnode.head.api.exchange.Exchange`, every body is built by
 
 This module must never load model weights (only a tokenizer), never block the reactor, never use
 the global reactor or prometheus_client's global registry, never read the fleet's internals (only
-:class:`~sfnode.head.fleet.backend.Backend`), and never answer in any shape but OpenAI's.
+:class:`~sfnode.head.fleet.backend.Backend`), and never answer in any shape but OpenAI's (or, on
+their routes, Anthropic's and Ollama's).
 """
 
 from __future__ import annotations
@@ -86,6 +90,9 @@ from sfnode.head.api.grammars import DEFAULT_GRAMMAR_TIMEOUT_S, GrammarChecks
 from sfnode.head.api.messages import anthropic_error
 from sfnode.head.api.messages_exchange import MessagesExchange
 from sfnode.head.api.metrics import EXPOSITION_CONTENT_TYPE, HeadMetrics
+from sfnode.head.api.ollama import ollama_error
+from sfnode.head.api.ollama_exchange import ROUTES as OLLAMA_ROUTES
+from sfnode.head.api.ollama_exchange import Serve
 from sfnode.head.api.request_class import ClassRule
 from sfnode.head.api.responses import ResponseStore
 from sfnode.head.api.responses_exchange import ResponsesExchange, answer_stored, delete_stored
@@ -503,6 +510,10 @@ class OpenAIApi:
         v1.putChild(b"responses", _Responses(self))
         v1.putChild(b"messages", _Messages(self))
         v1.putChild(b"embeddings", _Embeddings(self))
+        ollama = _Branch(keyed=True)
+        root.putChild(b"api", ollama)
+        for name, (route, serve) in OLLAMA_ROUTES.items():
+            ollama.putChild(name, _Ollama(self, route, serve))
         root.putChild(b"healthz", _Health(self))
         root.putChild(b"metrics", _Metrics(self, keyed=not self.limits.metrics_public))
         return root
@@ -720,6 +731,25 @@ class _Messages(_Leaf):
     def render_POST(self, request: Any) -> int:
         MessagesExchange(self.api, request).start()
         return NOT_DONE_YET
+
+
+class _Ollama(_Leaf):
+    """One route of Ollama's API (``/api/{name}``: :data:`sfnode.head.api.ollama_exchange.ROUTES`),
+    every error in Ollama's shape."""
+
+    error_shape = staticmethod(ollama_error)
+
+    def __init__(self, api: OpenAIApi, route: Route, serve: Serve) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.api = api
+        self.route = route
+        self.serve = serve
+
+    def render_GET(self, request: Any) -> Any:
+        return self.serve(self.api, request)
+
+    def render_POST(self, request: Any) -> Any:
+        return self.serve(self.api, request)
 
 
 class _Completions(_Leaf):
