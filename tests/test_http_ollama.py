@@ -17,12 +17,14 @@ import jsonschema
 from twisted.internet import defer, threads
 from twisted.trial.unittest import SynchronousTestCase
 
+from sfnode.decoding.constraint import response_format_grammar
 from sfnode.head.api.ollama import OllamaBuilder
 from sfnode.head.models.tools import ArgumentsDelta, CallDone, CallOpened, Content
 from tests.test_constraint import NESTED
 from tests.test_head_responses import KEY_A, StoredTestCase
 from tests.test_http import MODEL
 from tests.test_http_agents import TOOLS, AgentsTestCase
+from tests.test_http_budget import shortest
 
 Gen = Generator[defer.Deferred[Any], Any, None]
 ASK = [{"role": "user", "content": "the quick brown fox"}]
@@ -144,6 +146,31 @@ class OllamaHttpTests(StoredTestCase):
             self.assertEqual((status, list(answer)), (code, ["error"]), answer)
         status, answer = self.json(head, "GET", "/api/tags")
         self.assertEqual((status, list(answer)), (401, ["error"]))
+
+
+    def test_a_budget_error_names_num_predict(self) -> None:
+        """``options.num_predict`` below the shortest answer a ``format`` allows is the 400
+        of a budget too small, naming ``options.num_predict`` (not the chat field it is
+        translated to), and so is ``num_predict: 0``; a top-level ``max_tokens`` is an
+        unknown field, named as sent."""
+        head = self.head()
+        grammar = response_format_grammar(
+            {"type": "json_schema", "json_schema": {"name": "format", "schema": NESTED}}
+        )
+        floor = shortest(grammar)
+        body = {"model": MODEL, "messages": ASK, "format": NESTED, "stream": False,
+                "options": {"num_predict": floor - 1}}  # fmt: skip
+        status, answer = self.json(head, "POST", "/api/chat", body)
+        self.assertEqual(status, 400)
+        self.assertIn(f"set options.num_predict to at least {floor}", answer["error"])
+        self.assertNotIn("max_tokens", answer["error"])
+        status, answer = self.json(
+            head, "POST", "/api/chat", {**body, "options": {"num_predict": 0}}
+        )
+        self.assertEqual(status, 400)
+        self.assertIn("options.num_predict", answer["error"])
+        status, answer = self.json(head, "POST", "/api/chat", {**body, "max_tokens": 3})
+        self.assertEqual((status, answer), (400, {"error": "unknown field: max_tokens"}))
 
 
 class OllamaBuilderTests(SynchronousTestCase):

@@ -36,7 +36,7 @@ from sfnode.head.api.ollama import (
     translate_generate,
 )
 from sfnode.head.api.schema import parse_body
-from sfnode.head.api.translated import TranslatedExchange
+from sfnode.head.api.translated import TranslatedExchange, field_renamed
 from sfnode.head.models.tools import CallEvent
 from sfnode.runtime.http_guard import HttpError
 
@@ -56,6 +56,10 @@ class OllamaExchange(TranslatedExchange):
         return translate_generate(body) if self.generate else translate_chat(body)
 
     def shaped(self, error: HttpError) -> HttpError:
+        """Ollama's shape; once translated, an error about the chat body's ``max_tokens``
+        names ``options.num_predict``."""
+        if self.chat_body is not None:
+            error = field_renamed(error, "max_tokens", "options.num_predict")
         return ollama_error(error)
 
     def _place(self, prepared: Prepared) -> None:

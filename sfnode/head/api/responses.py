@@ -176,22 +176,6 @@ def previous_not_found(previous: str) -> HttpError:
     )
 
 
-def output_tokens_named(error: HttpError) -> HttpError:
-    """``error`` about a translated body's ``max_completion_tokens`` (its range, its budget)
-    as the request's own field, ``max_output_tokens``; any other error as it is."""
-    if error.param != "max_completion_tokens":
-        return error
-    return HttpError(
-        error.status,
-        error.message.replace("max_completion_tokens", "max_output_tokens"),
-        kind=error.kind,
-        param="max_output_tokens",
-        code=error.code,
-        outcome=error.outcome,
-        headers=error.headers,
-    )
-
-
 def translation_timeout(seconds: float) -> HttpError:
     """The answer to a request whose parsing and translation took more than ``seconds``."""
     return HttpError(
@@ -737,7 +721,6 @@ __all__ = [
     "deleted",
     "event_bytes",
     "new_response_id",
-    "output_tokens_named",
     "pack",
     "previous_not_found",
     "response_not_found",

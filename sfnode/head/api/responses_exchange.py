@@ -40,7 +40,6 @@ from sfnode.head.api.responses import (
     deleted,
     event_bytes,
     new_response_id,
-    output_tokens_named,
     pack,
     response_not_found,
     translate,
@@ -48,6 +47,7 @@ from sfnode.head.api.responses import (
     unpack,
 )
 from sfnode.head.api.schema import parse_body
+from sfnode.head.api.translated import field_renamed
 from sfnode.head.fleet.backend import BackendStatus
 from sfnode.head.models.tools import CallEvent
 from sfnode.runtime.http_guard import HttpError
@@ -108,7 +108,7 @@ class ResponsesExchange(Exchange):
         """Errors in the Responses API's names: once translated, an error about the chat
         body's ``max_completion_tokens`` is about the request's ``max_output_tokens``."""
         if self.translated is not None:
-            error = output_tokens_named(error)
+            error = field_renamed(error, "max_completion_tokens", "max_output_tokens")
         super()._answer_error(error)
 
     def _place(self, prepared: Prepared) -> None:

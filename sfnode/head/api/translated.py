@@ -30,6 +30,9 @@ class TranslatedExchange(Exchange):
     """One request of another API, answered through the chat exchange (see the module's
     docstring)."""
 
+    chat_body: dict[str, Any] | None = None
+    """The chat body once translated (an error after it is about the chat body's fields)."""
+
     def translate(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """The chat completions body of ``body`` (pure; run on a worker)."""
         raise NotImplementedError
@@ -53,10 +56,31 @@ class TranslatedExchange(Exchange):
             budget_s=seconds,
             refusal=lambda: translation_timeout(seconds),
         )
-        return chat.addCallback(lambda body: Exchange._prepare_chat(self, body, statuses))
+
+        def prepare(body: dict[str, Any]) -> Deferred[Prepared]:
+            self.chat_body = body
+            return Exchange._prepare_chat(self, body, statuses)
+
+        return chat.addCallback(prepare)
 
     def _answer_error(self, error: HttpError) -> None:
         super()._answer_error(self.shaped(error))
 
 
-__all__ = ["TranslatedExchange"]
+def field_renamed(error: HttpError, chat_field: str, own_field: str) -> HttpError:
+    """``error`` about the translated chat body's ``chat_field`` (its range, its budget) as
+    about the request's own ``own_field``; any other error as it is."""
+    if error.param != chat_field:
+        return error
+    return type(error)(
+        error.status,
+        error.message.replace(chat_field, own_field),
+        kind=error.kind,
+        param=own_field,
+        code=error.code,
+        outcome=error.outcome,
+        headers=error.headers,
+    )
+
+
+__all__ = ["TranslatedExchange", "field_renamed"]
