@@ -144,6 +144,7 @@ class RouteWalkTests(HostileTestCase):
             sorted(completions),
             [
                 "/api/chat",
+                "/api/embed",
                 "/api/generate",
                 "/api/show",
                 "/v1/chat/completions",

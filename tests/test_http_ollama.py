@@ -14,17 +14,20 @@ from collections.abc import Generator
 from typing import Any
 
 import jsonschema
+import numpy as np
 from twisted.internet import defer, threads
 from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.decoding.constraint import response_format_grammar
 from sfnode.head.api.ollama import OllamaBuilder
 from sfnode.head.models.tools import ArgumentsDelta, CallDone, CallOpened, Content
+from tests.embedders import hash_vector
 from tests.test_constraint import NESTED
 from tests.test_head_responses import KEY_A, StoredTestCase
 from tests.test_http import MODEL
 from tests.test_http_agents import TOOLS, AgentsTestCase
 from tests.test_http_budget import shortest
+from tests.test_http_embeddings import EmbeddingFleetTestCase
 
 Gen = Generator[defer.Deferred[Any], Any, None]
 ASK = [{"role": "user", "content": "the quick brown fox"}]
@@ -171,6 +174,27 @@ class OllamaHttpTests(StoredTestCase):
         self.assertIn("options.num_predict", answer["error"])
         status, answer = self.json(head, "POST", "/api/chat", {**body, "max_tokens": 3})
         self.assertEqual((status, answer), (400, {"error": "unknown field: max_tokens"}))
+
+
+class OllamaEmbedTests(EmbeddingFleetTestCase):
+    def test_embed_answers_the_vectors_and_lists_the_model_as_embedding(self) -> None:
+        """``/api/embed`` (a string or strings) answers ``embeddings`` in input order, the
+        vectors ``/v1/embeddings`` gives, and ``prompt_eval_count`` its tokens; an unknown
+        model is a 404 ``{"error"}``; ``/api/show`` says the model embeds."""
+        head, _, _ = self.fleet()
+        texts = ["the fox", "jumps", "over the lazy dog"]
+        status, answer = self.post(head, "/api/embed", {"model": MODEL, "input": texts})
+        self.assertEqual(status, 200, answer)
+        self.assertEqual(answer["model"], MODEL)
+        np.testing.assert_array_equal(answer["embeddings"], [hash_vector(t) for t in texts])
+        self.assertEqual(answer["prompt_eval_count"], 7)
+        status, one = self.post(head, "/api/embed", {"model": MODEL, "input": "the fox",
+                                                     "truncate": True})  # fmt: skip
+        self.assertEqual((status, one["embeddings"]), (200, [hash_vector("the fox")]))
+        status, missing = self.post(head, "/api/embed", {"model": "nope", "input": "x"})
+        self.assertEqual((status, list(missing)), (404, ["error"]))
+        status, shown = self.post(head, "/api/show", {"model": MODEL})
+        self.assertEqual((status, shown["capabilities"]), (200, ["embedding"]))
 
 
 class OllamaBuilderTests(SynchronousTestCase):

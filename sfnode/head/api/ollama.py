@@ -1,5 +1,6 @@
-"""Ollama's API (``/api/chat``, ``/api/generate``, ``/api/tags``, ``/api/show``,
-``/api/version``) as a translation onto chat completions (docs/api.md "Ollama's API").
+"""Ollama's API (``/api/chat``, ``/api/generate``, ``/api/embed``, ``/api/tags``,
+``/api/show``, ``/api/version``) as a translation onto chat completions and embeddings
+(docs/api.md "Ollama's API").
 
 - :func:`translate_chat` and :func:`translate_generate` check an Ollama body and write the chat
   completions body that serves it: ``messages`` (an assistant's ``tool_calls`` given ids, each
@@ -13,6 +14,7 @@
   per piece of text, a line per whole tool call, then the ``done`` line with
   ``done_reason`` and the counts) or the one body, in ``/api/chat``'s shape (``message``) or
   ``/api/generate``'s (``response``).
+- :func:`translate_embed` and :func:`embed_body`: ``/api/embed`` onto ``/v1/embeddings``.
 - :func:`ollama_error` writes any error the head answers in Ollama's shape (``{"error":
   message}``); :func:`tags` and :func:`show` are the model listings.
 
@@ -42,6 +44,7 @@ OPTIONS = {
 """Ollama's ``options`` that mean what a chat field means (``num_predict`` is ``max_tokens``)."""
 _COMMON = frozenset({"model", "format", "options", "stream", "keep_alive", "think"})
 _CHAT = frozenset({"messages", "tools", *_COMMON})
+_EMBED = frozenset({"model", "input", "truncate", "options", "keep_alive", "dimensions"})
 _GENERATE = frozenset({"prompt", "system", "raw", "images", "suffix", "template", "context",
                        *_COMMON})  # fmt: skip
 
@@ -107,6 +110,25 @@ def translate_generate(body: Mapping[str, Any]) -> dict[str, Any]:
     turns = [{"role": "system", "content": checked_text(system, "system")}] if system else []
     chat["messages"] = [*turns, {"role": "user", "content": checked_text(prompt, "prompt")}]
     return chat
+
+
+def translate_embed(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``/v1/embeddings`` body of an ``/api/embed`` body (``input`` a string or strings;
+    ``truncate``, ``options`` and ``keep_alive`` accepted and ignored: a node cuts a text
+    to its model's longest input, as sentence-transformers does).
+
+    :raises HttpError: an unknown field (400).
+    """
+    for name in body:
+        if name not in _EMBED:
+            raise HttpError(400, f"unknown field: {clip(str(name))}", param=clip(str(name)))
+    return {k: body[k] for k in ("model", "input", "dimensions") if k in body}
+
+
+def embed_body(model: str, vectors: list[list[float]], tokens: int) -> dict[str, Any]:
+    """``/api/embed``'s answer: the vectors in order, the tokens counted."""
+    return {"model": model, "embeddings": vectors, "total_duration": 0, "load_duration": 0,
+            "prompt_eval_count": tokens}  # fmt: skip
 
 
 def _common(body: Mapping[str, Any], known: frozenset[str]) -> dict[str, Any]:
@@ -297,6 +319,7 @@ __all__ = [
     "OPTIONS",
     "OllamaBuilder",
     "OllamaError",
+    "embed_body",
     "model_not_found",
     "ndjson",
     "ollama_error",
@@ -304,5 +327,6 @@ __all__ = [
     "tags",
     "timestamp",
     "translate_chat",
+    "translate_embed",
     "translate_generate",
 ]

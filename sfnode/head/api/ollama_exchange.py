@@ -1,6 +1,7 @@
 """Ollama's API on the head (docs/api.md "Ollama's API"): ``/api/chat`` and ``/api/generate``
 as chat exchanges translated in and answered as Ollama answers (NDJSON lines when streamed,
-which is the default, or one body), and the model listings ``/api/tags``, ``/api/show`` and
+which is the default, or one body), ``/api/embed`` as the embeddings exchange
+(:class:`OllamaEmbedExchange`), and the model listings ``/api/tags``, ``/api/show`` and
 ``/api/version``.
 
 :class:`OllamaExchange` is a :class:`~sfnode.head.api.translated.TranslatedExchange` whose body
@@ -11,21 +12,27 @@ wrote, whose :class:`OllamaWriter` writes the lines of an
 
 This module must never decide anything the chat exchange decides (placement, back-pressure,
 budgets, errors and their statuses, metrics: those stay in :mod:`sfnode.head.api.exchange`),
-never parse a body on the reactor, and never write to a request once it is done or gone.
+never parse a chat or show body on the reactor (an embed body is parsed where
+``/v1/embeddings`` parses its own), and never write to a request once it is done or gone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from twisted.web.server import NOT_DONE_YET
 
 from sfnode import __version__
+from sfnode.generation import Embedded
+from sfnode.head.api.embeddings import embeddings_body
+from sfnode.head.api.embeddings_exchange import EmbeddingsExchange
 from sfnode.head.api.exchange import Host, Prepared, _Choice, answer, client_of
 from sfnode.head.api.gate import Route
 from sfnode.head.api.ollama import (
     OllamaBuilder,
+    embed_body,
     model_not_found,
     ndjson,
     ollama_error,
@@ -33,6 +40,7 @@ from sfnode.head.api.ollama import (
     tags,
     timestamp,
     translate_chat,
+    translate_embed,
     translate_generate,
 )
 from sfnode.head.api.schema import parse_body
@@ -132,6 +140,27 @@ def _generate(api: Any, request: Any) -> int:
     return NOT_DONE_YET
 
 
+class OllamaEmbedExchange(EmbeddingsExchange):
+    """``/api/embed``: ``/v1/embeddings``' exchange with Ollama's body, answer and errors."""
+
+    def translate(self, body: dict[str, Any]) -> dict[str, Any]:
+        return translate_embed(body)
+
+    def body(self, parts: Sequence[Embedded]) -> dict[str, Any]:
+        assert self.parsed is not None
+        shown = embeddings_body(replace(self.parsed, base64=False), parts)
+        vectors = [datum["embedding"] for datum in shown["data"]]
+        return embed_body(self.parsed.model, vectors, shown["usage"]["prompt_tokens"])
+
+    def shaped(self, error: HttpError) -> HttpError:
+        return ollama_error(error)
+
+
+def _embed(api: Any, request: Any) -> int:
+    OllamaEmbedExchange(api, request).start()
+    return NOT_DONE_YET
+
+
 def _embeds(api: Any, name: str) -> bool:
     status = api.status(name)
     return bool(status.embedding_nodes and not status.serving_nodes)
@@ -181,6 +210,7 @@ _POST = Route(methods=(b"POST",), completion=True)
 _GET = Route(methods=(b"GET",))
 ROUTES: dict[bytes, tuple[Route, Serve]] = {
     b"chat": (_POST, _chat),
+    b"embed": (_POST, _embed),
     b"generate": (_POST, _generate),
     b"show": (_POST, _show),
     b"tags": (_GET, _tags),
@@ -190,4 +220,4 @@ ROUTES: dict[bytes, tuple[Route, Serve]] = {
 the front door) and the function that answers it (the API and the request in)."""
 
 
-__all__ = ["ROUTES", "OllamaExchange", "OllamaWriter"]
+__all__ = ["ROUTES", "OllamaEmbedExchange", "OllamaExchange", "OllamaWriter"]
