@@ -328,3 +328,41 @@ class CorsTests(StoredTestCase):
         self.assertEqual(status, 200, content)
         self.assertEqual(json.loads(content)["type"], "message")
         self.assertEqual(headers[b"access-control-allow-origin"], b"https://app.example")
+
+
+class PendingStoreTests(SynchronousTestCase):
+    def test_a_response_still_being_packed_is_found_once_kept(self) -> None:
+        """A response whose packing is under way (the answer already written) is found by
+        its owner as soon as it is kept, never a 404 in between; another owner finds nothing
+        at once; deleting it meanwhile answers its waiters with nothing and keeps nothing;
+        a failed packing keeps nothing."""
+        from twisted.internet.defer import Deferred
+
+        from sfnode.head.api.responses import ResponseStore, pack
+
+        store = ResponseStore()
+        packing: Deferred[bytes] = Deferred()
+        store.keep(b"a", "resp_1", packing)
+        waiting = store.found(b"a", "resp_1")
+        self.assertNoResult(waiting)
+        self.assertIsNone(self.successResultOf(store.found(b"b", "resp_1")))
+        data = pack([{"role": "user", "content": "hi"}], {"id": "resp_1"})
+        packing.callback(data)
+        self.assertEqual(self.successResultOf(waiting), data)
+        self.assertEqual(self.successResultOf(store.found(b"a", "resp_1")), data)
+
+        late: Deferred[bytes] = Deferred()
+        store.keep(b"a", "resp_2", late)
+        waiting = store.found(b"a", "resp_2")
+        self.assertTrue(store.delete(b"a", "resp_2"))
+        self.assertIsNone(self.successResultOf(waiting))
+        late.callback(data)
+        self.assertIsNone(store.get(b"a", "resp_2"))
+
+        failing: Deferred[bytes] = Deferred()
+        store.keep(b"a", "resp_3", failing)
+        waiting = store.found(b"a", "resp_3")
+        failing.errback(RuntimeError("packing failed"))
+        self.failureResultOf(failing, RuntimeError)
+        self.assertIsNone(self.successResultOf(waiting))
+        self.assertEqual(len(store), 1)

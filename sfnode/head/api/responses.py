@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
+from twisted.internet.defer import Deferred, succeed
+from twisted.python.failure import Failure
 
 from sfnode.head.api.schema import checked_text
 from sfnode.head.models.tools import ArgumentsDelta, CallDone, CallEvent, CallOpened, Content
@@ -655,6 +657,8 @@ class ResponseStore:
         self.max_responses = max_responses
         self.max_bytes = max_bytes
         self._entries: OrderedDict[tuple[Owner, str], tuple[bytes, int]] = OrderedDict()
+        self._pending: dict[tuple[Owner, str], list[Deferred[bytes | None]]] = {}
+        """Responses answered whose packing is still under way, and who waits for each."""
         self.held = 0
         """The memory the store holds now, in bytes (``sfhead_responses_stored_bytes``)."""
 
@@ -685,13 +689,45 @@ class ResponseStore:
         self._entries.move_to_end(entry)
         return found[0]
 
+    def keep(self, owner: Owner, ident: str, packing: Deferred[bytes]) -> None:
+        """Keep what ``packing`` will give as ``owner``'s ``ident``: from now on it is found
+        (:meth:`found` waits for it), so a client that asks for a response right after its
+        answer always finds it.  A failed packing keeps nothing (``packing`` fails on, for
+        its caller to log)."""
+        entry = (owner, ident)
+        self._pending[entry] = []
+
+        def settle(result: bytes | Failure) -> bytes | Failure:
+            waiting = self._pending.pop(entry, None)
+            if waiting is None:
+                return result  # deleted meanwhile: its waiters were answered then
+            if isinstance(result, bytes):
+                self.put(owner, ident, result)
+            for waiter in waiting:
+                waiter.callback(self.get(owner, ident))
+            return result
+
+        packing.addBoth(settle)
+
+    def found(self, owner: Owner, ident: str) -> Deferred[bytes | None]:
+        """:meth:`get`, once a response still being packed is kept."""
+        waiting = self._pending.get((owner, ident))
+        if waiting is None:
+            return succeed(self.get(owner, ident))
+        waiter: Deferred[bytes | None] = Deferred()
+        waiting.append(waiter)
+        return waiter
+
     def delete(self, owner: Owner, ident: str) -> bool:
-        """Forget ``owner``'s ``ident``; whether it was there (another owner's is not)."""
+        """Forget ``owner``'s ``ident`` (kept, or still being packed); whether it was there
+        (another owner's is not)."""
+        waiting = self._pending.pop((owner, ident), None)
+        for waiter in waiting or ():
+            waiter.callback(None)
         found = self._entries.pop((owner, ident), None)
-        if found is None:
-            return False
-        self.held -= found[1]
-        return True
+        if found is not None:
+            self.held -= found[1]
+        return waiting is not None or found is not None
 
     def families(self) -> list[Metric]:
         """The store's figures for ``/metrics``."""

@@ -20,7 +20,7 @@ import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
 from sfnode.head.api import bodies
@@ -94,8 +94,10 @@ class ResponsesExchange(Exchange):
 
         def look_up(body: dict[str, Any]) -> Deferred[ResponsesRequest]:
             previous = body.get("previous_response_id")
-            found = self.store.get(self.owner, previous) if isinstance(previous, str) else None
-            return off_the_reactor(lambda: translate(body, found))
+            if not isinstance(previous, str):
+                return off_the_reactor(lambda: translate(body))
+            found = self.store.found(self.owner, previous)
+            return found.addCallback(lambda data: off_the_reactor(lambda: translate(body, data)))
 
         def render(translated: ResponsesRequest) -> Deferred[Prepared]:
             self.translated = translated
@@ -169,7 +171,8 @@ class ResponsesWriter:
             return
         conversation = self.builder.conversation()
         packed = x.api.workers.run(lambda: pack(conversation, final))
-        packed.addCallback(lambda data: self.store.put(x.owner, x.ident, data)).addErrback(
+        self.store.keep(x.owner, x.ident, packed)
+        packed.addErrback(
             lambda failure: _log.failure("storing {ident} failed", failure, ident=x.ident)
         )
 
@@ -189,19 +192,26 @@ def stored_owner(api: ResponsesHost, request: Any) -> bytes | None:
 def answer_stored(api: ResponsesHost, request: Any, ident: str) -> None:
     """``GET /v1/responses/{id}``: the stored ``Response`` object, unpacked on a worker in the
     client's turn, or the 404 of a response this key cannot see."""
-    packed = api.responses.get(stored_owner(api, request), ident)
-    if packed is None:
-        _finish(request, response_not_found(ident))
-        return
-    found = api.workers.run(lambda: json.dumps(unpack(packed)[1]).encode(), client_of(request))
 
-    def write(body: bytes) -> None:
-        if not request.finished and not request._disconnected:
+    def unpacked(packed: bytes | None) -> Deferred[bytes | None]:
+        if packed is None:
+            _finish(request, response_not_found(ident))
+            return succeed(None)
+
+        def work() -> bytes | None:
+            assert packed is not None
+            return json.dumps(unpack(packed)[1]).encode()
+
+        return api.workers.run(work, client_of(request))
+
+    def write(body: bytes | None) -> None:
+        if body is not None and not request.finished and not request._disconnected:
             request.setHeader(b"content-type", b"application/json")
             request.setHeader(b"content-length", b"%d" % len(body))
             request.write(body)
             request.finish()
 
+    found = api.responses.found(stored_owner(api, request), ident).addCallback(unpacked)
     found.addCallback(write).addErrback(
         lambda failure: _finish(request, api.unexpected(failure, request))
     )
