@@ -5,14 +5,16 @@ library (:class:`~sfnode.head.fleet.fleet.Fleet`) in the test, and through the H
 
 The generation is sampled, with a JSON Schema that asks for a long array and a presence
 penalty, so that the node is still generating when it is killed and the survivor has both a
-grammar and penalty counts to rebuild from the delivered tokens.  No sleeps: every wait is on a
+grammar and penalty counts to rebuild from the delivered tokens; or with a free string that
+runs past its budget, so that the survivor closes the answer early as the dead node would
+have (issue 33: exact after failover).  No sleeps: every wait is on a
 line a process logs or on the fleet.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,27 @@ LONG_ARRAY = {
     "required": ["digits"],
     "additionalProperties": False,
 }
+NOTE = {
+    "type": "object",
+    "properties": {"note": {"type": "string"}},
+    "required": ["note"],
+    "additionalProperties": False,
+}
+"""A schema whose shortest answer is a few tokens and whose string, sampled from the tiny
+model, runs on past any budget: the node must close it."""
+
+
+def schema_request(name: str, schema: Any, max_tokens: int, **sampling: Any) -> dict[str, Any]:
+    """A seeded chat completion sampled at temperature 0.9 under ``schema``."""
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "the quick brown fox"}],
+        "max_tokens": max_tokens,
+        "temperature": 0.9,
+        "seed": 2024,
+        "response_format": {"type": "json_schema", "json_schema": {"name": name, "schema": schema}},
+        **sampling,
+    }
 
 
 class ConstrainedFailoverTests(TestCase):
@@ -74,21 +97,14 @@ class ConstrainedFailoverTests(TestCase):
         return folder, nodes, fleet
 
     @defer.inlineCallbacks
-    def test_a_killed_nodes_streamed_json_answer_equals_the_uninterrupted_one_over_http(
-        self,
-    ) -> Generator[defer.Deferred[Any], Any, None]:
-        """Through the HTTP API with the ``openai`` package: a seeded, sampled chat completion
-        under a ``json_schema`` and a presence penalty, streamed; the node serving it is
-        SIGKILLed at its first content chunk; the stream goes on from the other node and its
-        text equals the same request's uninterrupted answer, which validates."""
+    def openai_client(self, folder: str, fleet: Fleet) -> Generator[defer.Deferred[Any], Any, Any]:
+        """An ``openai`` client of a head (its HTTP API on loopback) over ``fleet``."""
         import openai
         from transformers import AutoTokenizer
-        from twisted.internet import threads
         from twisted.internet.endpoints import TCP4ServerEndpoint
 
         from sfnode.head.api.http import OpenAIApi
 
-        folder, nodes, fleet = yield self.two_nodes()
         api = OpenAIApi(reactor, fleet, AutoTokenizer.from_pretrained(folder), "tiny")
         self.addCleanup(api.stop)
         port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(api.site())
@@ -97,28 +113,38 @@ class ConstrainedFailoverTests(TestCase):
             base_url=f"http://127.0.0.1:{port.getHost().port}/v1", api_key="-", max_retries=0
         )
         self.addCleanup(client.close)
-        request: dict[str, Any] = {
-            "model": "tiny",
-            "messages": [{"role": "user", "content": "the quick brown fox"}],
-            "max_tokens": 200,
-            "temperature": 0.9,
-            "top_p": 0.95,
-            "seed": 2024,
-            "presence_penalty": 0.4,
-            "response_format": {
-                "type": "json_schema",
-                "json_schema": {"name": "digits", "schema": LONG_ARRAY},
-            },
-        }
-        reference = yield threads.deferToThread(
-            lambda: client.chat.completions.create(**request)
-        )
-        killed: list[defer.Deferred[None]] = []
+        return client
+
+    def killer(
+        self, fleet: Fleet, nodes: list[Any], killed: list[defer.Deferred[None]]
+    ) -> Callable[[], None]:
+        """What SIGKILLs the one node serving a generation now (its end put in ``killed``)."""
 
         def kill_the_serving_node() -> None:
             serving = [n.name for n in fleet.status().nodes if n.sessions]
             self.assertEqual(len(serving), 1)
             killed.append(nodes[int(serving[0][1:])].kill())
+
+        return kill_the_serving_node
+
+    @defer.inlineCallbacks
+    def test_a_killed_nodes_streamed_json_answer_equals_the_uninterrupted_one_over_http(
+        self,
+    ) -> Generator[defer.Deferred[Any], Any, None]:
+        """Through the HTTP API with the ``openai`` package: a seeded, sampled chat completion
+        under a ``json_schema`` and a presence penalty, streamed; the node serving it is
+        SIGKILLed at its first content chunk; the stream goes on from the other node and its
+        text equals the same request's uninterrupted answer, which validates."""
+        from twisted.internet import threads
+
+        folder, nodes, fleet = yield self.two_nodes()
+        client = yield self.openai_client(folder, fleet)
+        request = schema_request("digits", LONG_ARRAY, 200, top_p=0.95, presence_penalty=0.4)
+        reference = yield threads.deferToThread(
+            lambda: client.chat.completions.create(**request)
+        )
+        killed: list[defer.Deferred[None]] = []
+        kill_the_serving_node = self.killer(fleet, nodes, killed)
 
         def streamed() -> str:
             pieces = []
@@ -176,3 +202,52 @@ class ConstrainedFailoverTests(TestCase):
         self.assertEqual(outcome.tokens, reference.tokens)
         answer = json.loads(tokenizer.decode(outcome.tokens, skip_special_tokens=True))
         jsonschema.validate(answer, LONG_ARRAY)
+
+    @defer.inlineCallbacks
+    def test_a_closed_answer_after_a_failover_equals_the_uninterrupted_one(
+        self,
+    ) -> Generator[defer.Deferred[Any], Any, None]:
+        """Within a budget (docs/api.md "Budgets"): a seeded, sampled chat completion under a
+        ``json_schema`` whose free string would run past ``max_tokens``, streamed; the node
+        serving it is SIGKILLed at its first content chunk; the other node finishes it, and
+        closes it within the budget exactly as the uninterrupted answer was closed: the same
+        text, ``finish_reason: "stop"`` and ``finish_details: {"closed": true}`` on both, an
+        answer that parses and validates."""
+        from twisted.internet import threads
+
+        folder, nodes, fleet = yield self.two_nodes()
+        client = yield self.openai_client(folder, fleet)
+        request = schema_request("note", NOTE, 120)
+        reference = yield threads.deferToThread(
+            lambda: client.chat.completions.create(**request)
+        )
+        choice = reference.choices[0]
+        self.assertEqual(
+            (choice.finish_reason, choice.model_extra.get("finish_details")),
+            ("stop", {"closed": True}),
+        )
+        self.assertLessEqual(reference.usage.completion_tokens, 120)
+        killed: list[defer.Deferred[None]] = []
+        kill_the_serving_node = self.killer(fleet, nodes, killed)
+
+        def streamed() -> tuple[str, Any, Any]:
+            pieces, finish, details = [], None, None
+            for chunk in client.chat.completions.create(**request, stream=True):
+                if not chunk.choices:
+                    continue
+                text = chunk.choices[0].delta.content
+                if text and not killed:
+                    threads.blockingCallFromThread(reactor, kill_the_serving_node)
+                pieces.append(text or "")
+                if chunk.choices[0].finish_reason is not None:
+                    finish = chunk.choices[0].finish_reason
+                    details = chunk.choices[0].model_extra.get("finish_details")
+            return "".join(pieces), finish, details
+
+        text, finish, details = yield threads.deferToThread(streamed)
+        yield killed[0]
+        self.assertEqual(fleet.status().failovers, 1)
+        self.assertEqual(
+            (text, finish, details), (choice.message.content, "stop", {"closed": True})
+        )
+        jsonschema.validate(json.loads(text), NOTE)

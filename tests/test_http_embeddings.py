@@ -28,7 +28,9 @@ CHATTY = "chatty"
 """The generating model beside the embedding one (``MODEL``)."""
 
 
-class EmbeddingsTests(MemoryHeadTestCase):
+class EmbeddingFleetTestCase(MemoryHeadTestCase):
+    """A head over embedding nodes and a generating one, in memory."""
+
     def fleet(self, embedders: int = 1) -> tuple[MemoryHead, list[HashEmbedder], Any]:
         """A head over ``embedders`` embedding nodes serving ``MODEL`` and one mock node
         generating with ``CHATTY``."""
@@ -45,6 +47,8 @@ class EmbeddingsTests(MemoryHeadTestCase):
         status, content = self.call(head, b"POST", path, body)
         return status, json.loads(content)
 
+
+class EmbeddingsTests(EmbeddingFleetTestCase):
     def test_float_and_base64_answers(self) -> None:
         """Each input gets its vector, in order, as JSON numbers or as the base64 of its
         little-endian float32 bytes; ``usage`` counts the node's tokens."""

@@ -143,6 +143,10 @@ class RouteWalkTests(HostileTestCase):
         self.assertEqual(
             sorted(completions),
             [
+                "/api/chat",
+                "/api/embed",
+                "/api/generate",
+                "/api/show",
                 "/v1/chat/completions",
                 "/v1/completions",
                 "/v1/embeddings",
@@ -160,11 +164,19 @@ class RouteWalkTests(HostileTestCase):
         for path in sorted(paths):
             prompt = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
             response = {"model": MODEL, "input": "hi", "max_output_tokens": 3}
+            ollama = {"model": MODEL, "messages": CHAT["messages"], "prompt": "hi",
+                      "options": {"num_predict": 3}}  # fmt: skip
+            if path.endswith("/api/chat"):
+                del ollama["prompt"]
+            elif path.endswith("/api/generate"):
+                del ollama["messages"]
             body = json.dumps(
                 prompt
                 if path.endswith("/v1/completions")
                 else response
                 if path.endswith("/v1/responses")
+                else ollama
+                if path.startswith("/api/")
                 else CHAT
             ).encode()
             for variant in sorted(path_variants(path)):

@@ -212,13 +212,13 @@ class StoreTests(SynchronousTestCase):
         recently stored or used go first; one conversation above the size is not kept."""
         entry = ENTRY_BYTES + sys.getsizeof("a")
         turn = ({"role": "user", "content": "x" * 40},)
-        small = sys.getsizeof(pack(turn)) + entry
+        small = sys.getsizeof(pack(turn, {})) + entry
         store = ResponseStore(max_responses=2, max_bytes=2 * small + 50)
-        store.put(None, "a", pack(turn))
-        store.put(None, "b", pack(turn))
+        store.put(None, "a", pack(turn, {}))
+        store.put(None, "b", pack(turn, {}))
         self.assertIsNotNone(store.get(None, "a"))  # a is now the most recent
-        store.put(None, "c", pack(turn))
-        self.assertEqual((store.get(None, "a"), store.get(None, "b")), (pack(turn), None))
+        store.put(None, "c", pack(turn, {}))
+        self.assertEqual((store.get(None, "a"), store.get(None, "b")), (pack(turn, {}), None))
         noise = bytes(random.Random(1).randrange(256) for _ in range(3 * small))
         store.put(None, "d", noise)
         self.assertIsNone(store.get(None, "d"))

@@ -1,9 +1,10 @@
 """``python -m sfnode fleet``: a whole fleet on this machine in one command (a head and a node).
 
-Starts ``twistd -n sfnode`` (on the bundled SmolLM2 by default) and ``twistd -n sfhead`` dialing
-it as child processes, waits until the head's ``/healthz`` says a node is live, prints a ``curl``
-line that works and the console's address, and then runs until Ctrl-C or SIGTERM, which stops
-both children (SIGTERM, so they drain) and exits 0.
+Starts ``twistd -n sfnode`` (on the bundled SmolLM2 by default), with ``--embedding-model
+FOLDER`` a second node serving that sentence-transformers folder to ``/v1/embeddings``, and
+``twistd -n sfhead`` dialing them as child processes, waits until the head's ``/healthz`` says
+every node is live, prints a ``curl`` line that works and the console's address, and then runs
+until Ctrl-C or SIGTERM, which stops the children (SIGTERM, so they drain) and exits 0.
 
 The children run in sessions of their own: a Ctrl-C in the terminal reaches only this process,
 which then stops each child once (a child that got the terminal's SIGINT and then a SIGTERM
@@ -39,19 +40,19 @@ def _twistd(*args: str) -> list[str]:
     return [sys.executable, "-c", TWISTD, "--pidfile=", "-n", *args]
 
 
-def _healthy(url: str) -> bool:
+def _healthy(url: str, nodes: int = 1) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
-            return bool(json.load(response).get("nodes", 0) > 0)
+            return bool(json.load(response).get("nodes", 0) >= nodes)
     except (OSError, ValueError, urllib.error.URLError):
         return False
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     options = _parser().parse_args(argv)
-    node_args, head_args = _daemon_args(options)
+    *node_args, head_args = _daemon_args(options)
     children = [
-        subprocess.Popen(_twistd(*node_args), start_new_session=True),
+        *(subprocess.Popen(_twistd(*args), start_new_session=True) for args in node_args),
         subprocess.Popen(_twistd(*head_args), start_new_session=True),
     ]
     stop = _stopper(children)
@@ -59,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, stop)
     base = f"http://127.0.0.1:{options.http_port}"
     try:
-        _wait_until_ready(base, children, stop)
+        _wait_until_ready(base, children, stop, len(node_args))
         _print_a_request(base, "mock" if options.engine == "mock" else _served_model(base))
         while all(child.poll() is None for child in children):
             time.sleep(1)
@@ -83,11 +84,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--node-port", type=int, default=8454)
     parser.add_argument("--http-port", type=int, default=8453)
     parser.add_argument("--fleet-port", type=int, default=8455)
+    parser.add_argument(
+        "--embedding-model",
+        default=None,
+        help="also a node serving this sentence-transformers folder to /v1/embeddings",
+    )
+    parser.add_argument("--embedding-port", type=int, default=8456)
     return parser
 
 
-def _daemon_args(options: argparse.Namespace) -> tuple[list[str], list[str]]:
-    """The twistd arguments of the node and of the head dialing it."""
+def _daemon_args(options: argparse.Namespace) -> list[list[str]]:
+    """The twistd arguments of each node (the generating one, then an embedding one when
+    asked for), then of the head dialing them."""
     node_args = ["sfnode", "--listen", f"tcp:{options.node_port}:interface=127.0.0.1",
                  "--engine", options.engine]  # fmt: skip
     head_args = [
@@ -103,7 +111,12 @@ def _daemon_args(options: argparse.Namespace) -> tuple[list[str], list[str]]:
     if options.engine == "mock":
         # Mock tokens are ids below 32000: any tokenizer at least that large renders them.
         head_args += ["--model-name", "mock"]
-    return node_args, head_args
+    if options.embedding_model is None:
+        return [node_args, head_args]
+    embedding_args = ["sfnode", "--listen", f"tcp:{options.embedding_port}:interface=127.0.0.1",
+                      "--model", options.embedding_model]  # fmt: skip
+    head_args += ["--node", f"tcp:127.0.0.1:{options.embedding_port}"]
+    return [node_args, embedding_args, head_args]
 
 
 def _stopper(children: list[subprocess.Popen[bytes]]) -> Callable[..., NoReturn]:
@@ -131,12 +144,15 @@ def _stopper(children: list[subprocess.Popen[bytes]]) -> Callable[..., NoReturn]
 
 
 def _wait_until_ready(
-    base: str, children: list[subprocess.Popen[bytes]], stop: Callable[[int], NoReturn]
+    base: str,
+    children: list[subprocess.Popen[bytes]],
+    stop: Callable[[int], NoReturn],
+    nodes: int = 1,
 ) -> None:
-    """Returns once the head's ``/healthz`` reports a node; stops everything with 1 when a
-    child exits first or the fleet is not ready in :data:`READY_TIMEOUT_S`."""
+    """Returns once the head's ``/healthz`` reports ``nodes`` live nodes; stops everything
+    with 1 when a child exits first or the fleet is not ready in :data:`READY_TIMEOUT_S`."""
     deadline = time.monotonic() + READY_TIMEOUT_S
-    while not _healthy(base + "/healthz"):
+    while not _healthy(base + "/healthz", nodes):
         if any(child.poll() is not None for child in children):
             print(f"{PROG}: a child exited before the fleet was ready", file=sys.stderr)
             stop(1)
@@ -164,8 +180,11 @@ def _print_a_request(base: str, model: str) -> None:
 
 
 def _served_model(base: str) -> str:
+    """The model that chats (not the embedding model, when there is one)."""
     with urllib.request.urlopen(base + "/v1/models", timeout=5) as response:
-        return str(json.load(response)["data"][0]["id"])
+        models = json.load(response)["data"]
+    chats = [m for m in models if m.get("capabilities", {}).get("chat", True)]
+    return str((chats or models)[0]["id"])
 
 
 if __name__ == "__main__":

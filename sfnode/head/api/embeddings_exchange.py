@@ -80,7 +80,7 @@ class EmbeddingsExchange:
         data = self.request.content.getvalue()
         if len(data) > api.limits.max_body:
             raise body_too_large(api.limits.max_body)
-        parsed = self.parsed = parse_embeddings(parse_body(data), self._known)
+        parsed = self.parsed = parse_embeddings(self.translate(parse_body(data)), self._known)
         status = api.status(parsed.model)
         embeddings = api.backend.embeddings
         if embeddings is None or (status.embedding_nodes == 0 and status.serving_nodes > 0):
@@ -94,6 +94,19 @@ class EmbeddingsExchange:
         parts = [embeddings.embed(parsed.model, texts) for texts in chunks(parsed.texts)]
         return defer.gatherResults(parts, consumeErrors=True)
 
+    def translate(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The ``/v1/embeddings`` body of the request's body (another API's: its subclass)."""
+        return body
+
+    def body(self, parts: Sequence[Embedded]) -> dict[str, Any]:
+        """The answer of the vectors ``parts``, in the API's shape."""
+        assert self.parsed is not None
+        return embeddings_body(self.parsed, parts)
+
+    def shaped(self, error: HttpError) -> HttpError:
+        """``error`` in the API's shape."""
+        return error
+
     def _known(self, model: str) -> bool:
         """A model the head serves, or one a live node serves as an embedding model."""
         return model in self.api.models.names() or self.api.status(model).embedding_nodes > 0
@@ -102,7 +115,7 @@ class EmbeddingsExchange:
         assert self.parsed is not None
         self.api.metrics.prompt_tokens.inc(sum(part.tokens for part in parts))
         self.api.metrics.requests.labels("ok").inc()
-        self._write(200, embeddings_body(self.parsed, parts))
+        self._write(200, self.body(parts))
 
     def _failed(self, failure: Failure) -> None:
         """A refusal, or the fleet's error, answered as such; anything else goes on."""
@@ -126,7 +139,7 @@ class EmbeddingsExchange:
             return
         request = self.request
         if isinstance(body, HttpError):
-            request.write(answer_error(request, body))
+            request.write(answer_error(request, self.shaped(body)))
         else:
             request.write(answer(request, status, body))
         request.finish()

@@ -122,6 +122,16 @@ class Route:
     """It and everything under it need the API key (when one is set)."""
 
 
+CORS_METHODS = b"GET, POST, DELETE, OPTIONS"
+"""What an allowed origin's preflight may ask for (``DELETE``: ``/v1/responses/{id}``)."""
+CORS_HEADERS = (
+    b"Authorization, Content-Type, X-Request-Class, X-Api-Key, anthropic-version, "
+    b"anthropic-beta, anthropic-dangerous-direct-browser-access"
+)
+"""The request headers an allowed origin may send: the key either way (bearer or
+``X-Api-Key``), the request class, and the headers Anthropic's clients send
+(docs/operating.md)."""
+
 NOT_FOUND = Route()
 """The route of a path that reaches nothing (a resource that serves no method)."""
 
@@ -642,10 +652,8 @@ class GuardedSite(CappedSite):
         else:
             return
         if request.method == b"OPTIONS":
-            request.setHeader(b"access-control-allow-methods", b"GET, POST, OPTIONS")
-            request.setHeader(
-                b"access-control-allow-headers", b"Authorization, Content-Type, X-Request-Class"
-            )
+            request.setHeader(b"access-control-allow-methods", CORS_METHODS)
+            request.setHeader(b"access-control-allow-headers", CORS_HEADERS)
             request.setHeader(b"access-control-max-age", b"600")
 
     def cors_allows(self, request: GuardedRequest) -> bool:
@@ -660,6 +668,8 @@ class GuardedSite(CappedSite):
 
 
 __all__ = [
+    "CORS_HEADERS",
+    "CORS_METHODS",
     "IDLE_TIMEOUT_S",
     "LINGER_BYTES",
     "LINGER_S",

@@ -6,6 +6,9 @@
 - ``POST /v1/chat/completions`` and ``POST /v1/completions``: streaming (server-sent events in
   OpenAI's chunk format, ending with ``data: [DONE]``) and not, ``n`` choices each generated on
   its own with its own seed; ``GET /v1/models`` and ``GET /v1/models/{id}``.
+- ``POST /v1/messages`` (Anthropic's Messages API, :mod:`sfnode.head.api.messages`) and
+  Ollama's API under ``/api`` (:mod:`sfnode.head.api.ollama`), each translated onto a chat
+  completion and answered in its own shapes, errors included.
 - ``GET /healthz``: ``{"status", "nodes", "lanes_active", "lanes_total", "queued",
   "requests"}``; ``status`` is ``ok``, ``busy`` (every lane taken or generations waiting; still
   200), ``unavailable`` or ``draining`` (503).  ``GET /healthz?probe=live`` is a liveness probe:
@@ -42,7 +45,8 @@ life is an :class:`~sfnode.head.api.exchange.Exchange`, every body is built by
 
 This module must never load model weights (only a tokenizer), never block the reactor, never use
 the global reactor or prometheus_client's global registry, never read the fleet's internals (only
-:class:`~sfnode.head.fleet.backend.Backend`), and never answer in any shape but OpenAI's.
+:class:`~sfnode.head.fleet.backend.Backend`), and never answer in any shape but OpenAI's (or, on
+their routes, Anthropic's and Ollama's).
 """
 
 from __future__ import annotations
@@ -87,9 +91,12 @@ from sfnode.head.api.grammars import DEFAULT_GRAMMAR_TIMEOUT_S, GrammarChecks
 from sfnode.head.api.messages import anthropic_error
 from sfnode.head.api.messages_exchange import MessagesExchange
 from sfnode.head.api.metrics import EXPOSITION_CONTENT_TYPE, HeadMetrics
+from sfnode.head.api.ollama import ollama_error
+from sfnode.head.api.ollama_exchange import ROUTES as OLLAMA_ROUTES
+from sfnode.head.api.ollama_exchange import Serve
 from sfnode.head.api.request_class import ClassRule
 from sfnode.head.api.responses import ResponseStore
-from sfnode.head.api.responses_exchange import ResponsesExchange
+from sfnode.head.api.responses_exchange import ResponsesExchange, answer_stored, delete_stored
 from sfnode.head.api.resume import Exchanges
 from sfnode.head.api.schema import CompletionRequest, parse_body, parse_request
 from sfnode.head.api.workers import Workers
@@ -526,6 +533,10 @@ class OpenAIApi:
         v1.putChild(b"responses", _Responses(self))
         v1.putChild(b"messages", _Messages(self))
         v1.putChild(b"embeddings", _Embeddings(self))
+        ollama = _Branch(keyed=True)
+        root.putChild(b"api", ollama)
+        for name, (route, serve) in OLLAMA_ROUTES.items():
+            ollama.putChild(name, _Ollama(self, route, serve))
         root.putChild(b"healthz", _Health(self))
         root.putChild(b"metrics", _Metrics(self, keyed=not self.limits.metrics_public))
         if self.console is not None:
@@ -691,15 +702,41 @@ class _Models(_Leaf):
 
 
 class _Responses(_Leaf):
+    """``POST /v1/responses``; ``/v1/responses/{id}`` is a :class:`_StoredResponse`."""
+
+    isLeaf = False
     route = Route(methods=(b"POST",), completion=True)
 
     def __init__(self, api: OpenAIApi) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.api = api
 
+    def getChild(self, path: bytes, request: Any) -> Resource:
+        return _StoredResponse(self.api, path.decode("utf-8", "replace"))
+
     def render_POST(self, request: Any) -> int:
         ResponsesExchange(self.api, request).start()
         return NOT_DONE_YET
+
+
+class _StoredResponse(_Leaf):
+    """``GET`` and ``DELETE /v1/responses/{id}``: the requester's stored response."""
+
+    route = Route(methods=(b"GET", b"DELETE"))
+
+    def __init__(self, api: OpenAIApi, ident: str) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.api = api
+        self.ident = ident
+
+    def render(self, request: Any) -> bytes | int:
+        if request.method in (b"GET", b"HEAD"):  # twisted.web writes no body for HEAD
+            answer_stored(self.api, request, self.ident)
+            return NOT_DONE_YET
+        return super().render(request)
+
+    def render_DELETE(self, request: Any) -> bytes:
+        return delete_stored(self.api, request, self.ident)
 
 
 class _Embeddings(_Leaf):
@@ -726,6 +763,25 @@ class _Messages(_Leaf):
     def render_POST(self, request: Any) -> int:
         MessagesExchange(self.api, request).start()
         return NOT_DONE_YET
+
+
+class _Ollama(_Leaf):
+    """One route of Ollama's API (``/api/{name}``: :data:`sfnode.head.api.ollama_exchange.ROUTES`),
+    every error in Ollama's shape."""
+
+    error_shape = staticmethod(ollama_error)
+
+    def __init__(self, api: OpenAIApi, route: Route, serve: Serve) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.api = api
+        self.route = route
+        self.serve = serve
+
+    def render_GET(self, request: Any) -> Any:
+        return self.serve(self.api, request)
+
+    def render_POST(self, request: Any) -> Any:
+        return self.serve(self.api, request)
 
 
 class _Completions(_Leaf):

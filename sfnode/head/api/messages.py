@@ -423,7 +423,7 @@ class MessageBuilder:
             if block.kind == "text" and block.text:
                 message["content"].append({"type": "text", "text": block.text})
             elif block.kind == "tool_use" and block.done:
-                arguments = _object(block.text)
+                arguments = arguments_object(block.text)
                 if arguments is not None:
                     message["content"].append(
                         {"type": "tool_use", "id": block.id, "name": block.name,
@@ -432,7 +432,7 @@ class MessageBuilder:
         return message
 
 
-def _object(text: str) -> dict[str, Any] | None:
+def arguments_object(text: str) -> dict[str, Any] | None:
     """A call's arguments as the object ``input`` needs; None for text that is no JSON
     object (a grammar-held call always is one)."""
     try:
@@ -455,6 +455,7 @@ __all__ = [
     "AnthropicError",
     "MessageBuilder",
     "anthropic_error",
+    "arguments_object",
     "event_bytes",
     "new_message_id",
     "tool_use_id",

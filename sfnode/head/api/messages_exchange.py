@@ -1,9 +1,9 @@
 """One ``/v1/messages`` request on the head: the chat exchange, translated in and answered as
 Anthropic's Messages API (docs/api.md "/v1/messages").
 
-:class:`MessagesExchange` is an :class:`~sfnode.head.api.exchange.Exchange` of a chat completion
-whose body :func:`sfnode.head.api.messages.translate` wrote, whose :class:`MessagesWriter`
-answers a ``message`` object or its stream of events
+:class:`MessagesExchange` is a :class:`~sfnode.head.api.translated.TranslatedExchange`: a chat
+completion whose body :func:`sfnode.head.api.messages.translate` wrote (on a worker), whose
+:class:`MessagesWriter` answers a ``message`` object or its stream of events
 (:class:`~sfnode.head.api.messages.MessageBuilder`) instead of chat's bodies and chunks, and
 whose errors are written in Anthropic's shape.
 
@@ -17,9 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from twisted.internet.defer import Deferred
-
-from sfnode.head.api.exchange import Exchange, Host, Prepared, _Choice, client_of
+from sfnode.head.api.exchange import Host, Prepared, _Choice
 from sfnode.head.api.messages import (
     STOP_REASONS,
     MessageBuilder,
@@ -28,46 +26,27 @@ from sfnode.head.api.messages import (
     new_message_id,
     translate,
 )
-from sfnode.head.api.responses import translation_timeout
-from sfnode.head.api.schema import parse_body
-from sfnode.head.fleet.backend import BackendStatus
+from sfnode.head.api.translated import TranslatedExchange
 from sfnode.head.models.tools import CallEvent
 from sfnode.runtime.http_guard import HttpError
 
 
-class MessagesExchange(Exchange):
+class MessagesExchange(TranslatedExchange):
     """One ``/v1/messages`` request (see the module's docstring)."""
 
     def __init__(self, api: Host, request: Any) -> None:
         super().__init__(api, request, chat=True)
         self.ident = new_message_id()
 
-    def _prepare_chat(
-        self, data: bytes | dict[str, Any], statuses: Mapping[str, BackendStatus]
-    ) -> Deferred[Prepared]:
-        """Parsed and translated on a worker, in the client's turn, within
-        ``--template-timeout`` (as ``/v1/responses`` is); then checked and rendered as the chat
-        exchange does."""
-        api = self.api
-        seconds = api.template_timeout_s
+    def translate(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        return translate(body)
 
-        def translated() -> dict[str, Any]:
-            return translate(data if isinstance(data, dict) else parse_body(data))
-
-        chat = api.workers.run(
-            translated,
-            client_of(self.request),
-            budget_s=seconds,
-            refusal=lambda: translation_timeout(seconds),
-        )
-        return chat.addCallback(lambda body: Exchange._prepare_chat(self, body, statuses))
+    def shaped(self, error: HttpError) -> HttpError:
+        return anthropic_error(error)
 
     def _place(self, prepared: Prepared) -> None:
         self.writer = MessagesWriter(self, MessageBuilder(self.ident, prepared.request.model))
         super()._place(prepared)
-
-    def _answer_error(self, error: HttpError) -> None:
-        super()._answer_error(anthropic_error(error))
 
 
 class MessagesWriter:

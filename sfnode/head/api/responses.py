@@ -12,11 +12,13 @@ the bounded store behind ``previous_response_id`` (docs/api.md "/v1/responses").
   the documented order (``response.created``, ``response.in_progress``,
   ``response.output_item.added``, ``response.content_part.added``,
   ``response.output_text.delta`` ..., ``response.function_call_arguments.delta`` ...,
-  the ``.done`` events, then ``response.completed`` or ``response.incomplete``), each numbered
-  by ``sequence_number``.
-- :class:`ResponseStore` keeps stored responses' conversations (the chat messages in, and the
-  answer's output as an assistant turn), each under the API key that made it (only that key
-  continues it: any other gets the 404 an unknown id gets), packed (compressed JSON), at most
+  the ``.done`` events, each item done before the next is added, then
+  ``response.completed`` or ``response.incomplete``), each numbered by ``sequence_number``.
+- :class:`ResponseStore` keeps stored responses (the conversation: the chat messages in, and
+  the answer's output as an assistant turn; and the ``Response`` object that
+  ``GET /v1/responses/{id}`` answers), each under the API key that made it (only that key
+  continues, reads or deletes it: any other gets the 404 an unknown id gets), packed
+  (compressed JSON), at most
   ``max_responses`` of them and ``max_bytes`` of memory held, the oldest dropped first; it
   lives in the head's memory only and does not survive a restart.
 
@@ -37,6 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
+from twisted.internet.defer import Deferred, succeed
+from twisted.python.failure import Failure
 
 from sfnode.head.api.schema import checked_text
 from sfnode.head.models.tools import ArgumentsDelta, CallDone, CallEvent, CallOpened, Content
@@ -158,7 +162,7 @@ def _history(previous: Any, found: bytes | None) -> tuple[dict[str, Any], ...]:
         raise HttpError(400, "previous_response_id must be a string", param="previous_response_id")
     if found is None:
         raise previous_not_found(previous)
-    return unpack(found)
+    return unpack(found)[0]
 
 
 def previous_not_found(previous: str) -> HttpError:
@@ -369,6 +373,9 @@ class ResponseBuilder:
     _calls: dict[int, _Item] = field(default_factory=dict)
     _done: set[int] = field(default_factory=set)
     """Output indexes of the calls whose arguments are whole."""
+    final: dict[str, Any] | None = None
+    """The ``Response`` object once the response ended (what ``GET /v1/responses/{id}``
+    answers)."""
 
     def response(
         self, status: str, usage: Mapping[str, int] | None = None, reason: str | None = None
@@ -452,7 +459,7 @@ class ResponseBuilder:
                     )
                 )
             elif isinstance(event, CallDone):
-                self._done.add(self._calls[event.index].index)
+                out += self._close_call(event.index, "completed")
             else:
                 assert isinstance(event, ArgumentsDelta)
                 item = self._calls[event.index]
@@ -523,23 +530,29 @@ class ResponseBuilder:
         ``max_output_tokens`` when the output was cut)."""
         status = "completed" if reason is None else "incomplete"
         out = self._close_text(status)
-        for item in self._calls.values():
-            item.body["status"] = status
-            out.append(
-                self.event(
-                    "response.function_call_arguments.done",
-                    item_id=item.body["id"],
-                    output_index=item.index,
-                    arguments=item.body["arguments"],
-                )
-            )
-            out.append(
-                self.event("response.output_item.done", output_index=item.index, item=item.body)
-            )
-        self._calls = {}
+        for index in list(self._calls):
+            out += self._close_call(index, status)
         kind = "response.completed" if reason is None else "response.incomplete"
-        out.append(self.event(kind, response=self.response(status, usage, reason)))
+        self.final = self.response(status, usage, reason)
+        out.append(self.event(kind, response=self.final))
         return out
+
+    def _close_call(self, index: int, status: str) -> list[dict[str, Any]]:
+        """Call ``index``'s last events (its arguments whole when ``status`` is completed):
+        each item is done before the next one is added, as OpenAI's streams do."""
+        item = self._calls.pop(index)
+        if status == "completed":
+            self._done.add(item.index)
+        item.body["status"] = status
+        return [
+            self.event(
+                "response.function_call_arguments.done",
+                item_id=item.body["id"],
+                output_index=item.index,
+                arguments=item.body["arguments"],
+            ),
+            self.event("response.output_item.done", output_index=item.index, item=item.body),
+        ]
 
     def whole(self, usage: Mapping[str, int], reason: str | None = None) -> dict[str, Any]:
         """The non-streamed answer (a call the output was cut inside is dropped)."""
@@ -549,7 +562,8 @@ class ResponseBuilder:
             for item in self.items
             if item.body["type"] != "function_call" or item.index in self._done
         ]
-        return self.response("completed" if reason is None else "incomplete", usage, reason)
+        self.final = self.response("completed" if reason is None else "incomplete", usage, reason)
+        return self.final
 
     def conversation(self) -> tuple[dict[str, Any], ...]:
         """The conversation a later ``previous_response_id`` continues: what was sent, then
@@ -595,15 +609,35 @@ ENTRY_BYTES = 240
 string, the ordered dictionary's node and the entry tuple (CPython 3.11, measured)."""
 
 
-def pack(conversation: Sequence[Mapping[str, Any]]) -> bytes:
-    """A conversation as the store keeps it: its JSON, compressed (a worker's job for a large
-    one: it reads every message)."""
-    return zlib.compress(json.dumps(list(conversation)).encode(), 6)
+def pack(conversation: Sequence[Mapping[str, Any]], response: Mapping[str, Any]) -> bytes:
+    """A stored response as the store keeps it: its conversation and its ``Response`` object,
+    as JSON, compressed (a worker's job for a large one: it reads every message)."""
+    stored = {"conversation": list(conversation), "response": response}
+    return zlib.compress(json.dumps(stored).encode(), 6)
 
 
-def unpack(data: bytes) -> tuple[dict[str, Any], ...]:
-    """The conversation :func:`pack` packed."""
-    return tuple(json.loads(zlib.decompress(data)))
+def unpack(data: bytes) -> tuple[tuple[dict[str, Any], ...], dict[str, Any]]:
+    """The conversation and the ``Response`` object :func:`pack` packed."""
+    stored = json.loads(zlib.decompress(data))
+    return tuple(stored["conversation"]), stored["response"]
+
+
+def response_not_found(ident: str) -> HttpError:
+    """The one answer to ``GET`` or ``DELETE /v1/responses/{id}`` of a response this key cannot
+    see: unknown, dropped by the store's bounds, deleted, or another key's."""
+    return HttpError(
+        404,
+        f"Response with id '{clip(ident)}' not found (responses are kept in the head's "
+        "memory, only while it runs)",
+        param="response_id",
+        code="response_not_found",
+        outcome="not_found",
+    )
+
+
+def deleted(ident: str) -> dict[str, Any]:
+    """The answer to a ``DELETE /v1/responses/{id}`` that deleted it."""
+    return {"id": ident, "object": "response", "deleted": True}
 
 
 class ResponseStore:
@@ -623,6 +657,8 @@ class ResponseStore:
         self.max_responses = max_responses
         self.max_bytes = max_bytes
         self._entries: OrderedDict[tuple[Owner, str], tuple[bytes, int]] = OrderedDict()
+        self._pending: dict[tuple[Owner, str], list[Deferred[bytes | None]]] = {}
+        """Responses answered whose packing is still under way, and who waits for each."""
         self.held = 0
         """The memory the store holds now, in bytes (``sfhead_responses_stored_bytes``)."""
 
@@ -653,6 +689,46 @@ class ResponseStore:
         self._entries.move_to_end(entry)
         return found[0]
 
+    def keep(self, owner: Owner, ident: str, packing: Deferred[bytes]) -> None:
+        """Keep what ``packing`` will give as ``owner``'s ``ident``: from now on it is found
+        (:meth:`found` waits for it), so a client that asks for a response right after its
+        answer always finds it.  A failed packing keeps nothing (``packing`` fails on, for
+        its caller to log)."""
+        entry = (owner, ident)
+        self._pending[entry] = []
+
+        def settle(result: bytes | Failure) -> bytes | Failure:
+            waiting = self._pending.pop(entry, None)
+            if waiting is None:
+                return result  # deleted meanwhile: its waiters were answered then
+            if isinstance(result, bytes):
+                self.put(owner, ident, result)
+            for waiter in waiting:
+                waiter.callback(self.get(owner, ident))
+            return result
+
+        packing.addBoth(settle)
+
+    def found(self, owner: Owner, ident: str) -> Deferred[bytes | None]:
+        """:meth:`get`, once a response still being packed is kept."""
+        waiting = self._pending.get((owner, ident))
+        if waiting is None:
+            return succeed(self.get(owner, ident))
+        waiter: Deferred[bytes | None] = Deferred()
+        waiting.append(waiter)
+        return waiter
+
+    def delete(self, owner: Owner, ident: str) -> bool:
+        """Forget ``owner``'s ``ident`` (kept, or still being packed); whether it was there
+        (another owner's is not)."""
+        waiting = self._pending.pop((owner, ident), None)
+        for waiter in waiting or ():
+            waiter.callback(None)
+        found = self._entries.pop((owner, ident), None)
+        if found is not None:
+            self.held -= found[1]
+        return waiting is not None or found is not None
+
     def families(self) -> list[Metric]:
         """The store's figures for ``/metrics``."""
         return [
@@ -678,10 +754,12 @@ __all__ = [
     "ResponseBuilder",
     "ResponseStore",
     "ResponsesRequest",
+    "deleted",
     "event_bytes",
     "new_response_id",
     "pack",
     "previous_not_found",
+    "response_not_found",
     "translate",
     "translation_timeout",
     "unpack",

@@ -16,25 +16,38 @@ once the exchange is done or gone.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
 from sfnode.head.api import bodies
-from sfnode.head.api.exchange import Exchange, Host, Prepared, _Choice, client_of
+from sfnode.head.api.exchange import (
+    Exchange,
+    Host,
+    Prepared,
+    _Choice,
+    answer,
+    answer_error,
+    client_of,
+)
 from sfnode.head.api.responses import (
     ResponseBuilder,
     ResponsesRequest,
     ResponseStore,
+    deleted,
     event_bytes,
     new_response_id,
     pack,
+    response_not_found,
     translate,
     translation_timeout,
+    unpack,
 )
 from sfnode.head.api.schema import parse_body
+from sfnode.head.api.translated import field_renamed
 from sfnode.head.fleet.backend import BackendStatus
 from sfnode.head.models.tools import CallEvent
 from sfnode.runtime.http_guard import HttpError
@@ -47,6 +60,8 @@ class ResponsesHost(Host, Protocol):
     """The API, with its store of responses."""
 
     responses: ResponseStore
+
+    def authorized(self, request: Any) -> bytes | None: ...
 
 
 class ResponsesExchange(Exchange):
@@ -79,8 +94,10 @@ class ResponsesExchange(Exchange):
 
         def look_up(body: dict[str, Any]) -> Deferred[ResponsesRequest]:
             previous = body.get("previous_response_id")
-            found = self.store.get(self.owner, previous) if isinstance(previous, str) else None
-            return off_the_reactor(lambda: translate(body, found))
+            if not isinstance(previous, str):
+                return off_the_reactor(lambda: translate(body))
+            found = self.store.found(self.owner, previous)
+            return found.addCallback(lambda data: off_the_reactor(lambda: translate(body, data)))
 
         def render(translated: ResponsesRequest) -> Deferred[Prepared]:
             self.translated = translated
@@ -88,6 +105,13 @@ class ResponsesExchange(Exchange):
 
         parsed = off_the_reactor(lambda: data if isinstance(data, dict) else parse_body(data))
         return parsed.addCallback(look_up).addCallback(render)
+
+    def _answer_error(self, error: HttpError) -> None:
+        """Errors in the Responses API's names: once translated, an error about the chat
+        body's ``max_completion_tokens`` is about the request's ``max_output_tokens``."""
+        if self.translated is not None:
+            error = field_renamed(error, "max_completion_tokens", "max_output_tokens")
+        super()._answer_error(error)
 
     def _place(self, prepared: Prepared) -> None:
         assert self.translated is not None
@@ -138,15 +162,17 @@ class ResponsesWriter:
         return body
 
     def _keep(self) -> None:
-        """Store the conversation, packed on a worker (it reads every message), kept on the
-        reactor."""
+        """Store the conversation and the ``Response`` object, packed on a worker (it reads
+        every message), kept on the reactor."""
         x = self.exchange
         translated = x.translated
-        if translated is None or not translated.store:
+        final = self.builder.final
+        if translated is None or not translated.store or final is None:
             return
         conversation = self.builder.conversation()
-        packed = x.api.workers.run(lambda: pack(conversation))
-        packed.addCallback(lambda data: self.store.put(x.owner, x.ident, data)).addErrback(
+        packed = x.api.workers.run(lambda: pack(conversation, final))
+        self.store.keep(x.owner, x.ident, packed)
+        packed.addErrback(
             lambda failure: _log.failure("storing {ident} failed", failure, ident=x.ident)
         )
 
@@ -157,4 +183,62 @@ class ResponsesWriter:
         self._write([event])
 
 
-__all__ = ["ResponsesExchange", "ResponsesHost", "ResponsesWriter"]
+def stored_owner(api: ResponsesHost, request: Any) -> bytes | None:
+    """Whose stored responses ``request`` may see: its API key (None on a head without keys),
+    as :class:`ResponsesExchange` stores them."""
+    return api.authorized(request) or None
+
+
+def answer_stored(api: ResponsesHost, request: Any, ident: str) -> None:
+    """``GET /v1/responses/{id}``: the stored ``Response`` object, unpacked on a worker in the
+    client's turn, or the 404 of a response this key cannot see."""
+
+    def unpacked(packed: bytes | None) -> Deferred[bytes | None]:
+        if packed is None:
+            _finish(request, response_not_found(ident))
+            return succeed(None)
+
+        def work() -> bytes | None:
+            assert packed is not None
+            return json.dumps(unpack(packed)[1]).encode()
+
+        return api.workers.run(work, client_of(request))
+
+    def write(body: bytes | None) -> None:
+        if body is not None and not request.finished and not request._disconnected:
+            request.setHeader(b"content-type", b"application/json")
+            request.setHeader(b"content-length", b"%d" % len(body))
+            request.write(body)
+            request.finish()
+
+    found = api.responses.found(stored_owner(api, request), ident).addCallback(unpacked)
+    found.addCallback(write).addErrback(
+        lambda failure: _finish(request, api.unexpected(failure, request))
+    )
+
+
+def delete_stored(api: ResponsesHost, request: Any, ident: str) -> bytes:
+    """``DELETE /v1/responses/{id}``: forget it (what ``previous_response_id`` and ``GET``
+    can reach), or the 404 of a response this key cannot see."""
+    if not api.responses.delete(stored_owner(api, request), ident):
+        error = response_not_found(ident)
+        request.site.count(error.outcome)
+        return answer_error(request, error)
+    return answer(request, 200, deleted(ident))
+
+
+def _finish(request: Any, error: HttpError) -> None:
+    if not request.finished and not request._disconnected:
+        request.site.count(error.outcome)
+        request.write(answer_error(request, error))
+        request.finish()
+
+
+__all__ = [
+    "ResponsesExchange",
+    "ResponsesHost",
+    "ResponsesWriter",
+    "answer_stored",
+    "delete_stored",
+    "stored_owner",
+]

@@ -59,6 +59,9 @@ class ResumableStream:
         """The answer is complete (its last event sent)."""
         self.closed = False
         """Its client was cut off or its generations cancelled: it cannot be resumed."""
+        self.framed = True
+        """Its events are server-sent events, numbered and resumable; False: lines of another
+        format (Ollama's NDJSON), written as they are, never kept nor resumed."""
         self._timer: IDelayedCall | None = None
 
     @property
@@ -87,6 +90,10 @@ class ResumableStream:
         if not event:
             return
         self.sent += 1
+        if not self.framed:
+            if self.request is not None:
+                self.request.write(event)
+            return
         framed = b"id: %s.%d\n%s" % (self.name.encode(), self.sent, event)
         if self.grace_s > 0:
             self.events.append(framed)
@@ -108,7 +115,7 @@ class ResumableStream:
     def detach(self) -> bool:
         """The client dropped: keep the stream for ``grace_s``; False when it is not kept
         (no grace, or nothing streamed yet)."""
-        if self.grace_s <= 0 or self.request is None:
+        if self.grace_s <= 0 or self.request is None or not self.framed:
             return False
         self.request = None
         self._timer = self._clock.callLater(self.grace_s, self.expire)
