@@ -295,6 +295,11 @@ class Engine(Protocol):
         """How many layers stage forwards split."""
 
     @property
+    def path(self) -> str:
+        """How it computes, in a few words (``native step, q4_1 weights``, ``mock``): the node
+        tells its heads (docs/protocol.md section 12.9), and the console shows it."""
+
+    @property
     def supports_logprobs(self) -> bool:
         """Whether the engine hands over token logprobs to a generation whose
         ``params.logprobs`` asks (in each :class:`TokenBatch`); the node then

@@ -18,7 +18,7 @@ from typing import Any
 from twisted.internet import defer, reactor
 from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.protocol import Protocol
-from twisted.internet.task import Clock
+from twisted.internet.task import Clock, deferLater
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.client import Agent, readBody
 from twisted.web.http_headers import Headers
@@ -336,7 +336,30 @@ class ConsoleHttpTests(ConsoleHttpCase):
         self.assertEqual(sorted(state["models"][0]["nodes"]), ["alpha", "beta"])
         joined = [e["node"] for e in state["events"] if e["kind"] == "joined"]
         self.assertEqual(sorted(joined), ["alpha", "beta"])
-        self.assertEqual(state["unreported"], ["cpu", "engine_path", "resident_memory"])
+        # What the node runs on: its TELEMETRY after HELLO_ACK_F (docs/protocol.md 12.9).
+        self.assertEqual(alpha["engine_path"], "mock")
+        self.assertTrue(alpha["cpu"])
+        self.assertNotIn("unreported", state)
+
+    @defer.inlineCallbacks
+    def test_a_nodes_resident_memory_comes_with_its_load_reports(
+        self,
+    ) -> Generator[Any, Any, None]:
+        """A node's resident memory is in each NODE_STATUS (D27): none before the first
+        report after the handshake, then the node process's resident set."""
+        from sfnode.node.host import resident_bytes
+
+        node = yield self.start_vocab_node(identity="alpha", status_interval_ms=100)
+        head = yield self.console_head([node])
+        for _ in range(100):
+            state = yield self.state(head)
+            if state["nodes"][0]["resident_bytes"] is not None:
+                break
+            yield deferLater(reactor, 0.05)
+        # The node runs in this process: its report is this process's resident set.
+        reported = state["nodes"][0]["resident_bytes"]
+        self.assertGreater(reported, 10 * 2**20)
+        self.assertLess(abs(reported - resident_bytes()), 200 * 2**20)
 
     @defer.inlineCallbacks
     def test_a_refused_node_shows_why(self) -> Generator[Any, Any, None]:

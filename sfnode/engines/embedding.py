@@ -126,6 +126,8 @@ class _Refused:
 class EmbeddingEngine:
     """An embedding model on one worker thread (see the module's docstring)."""
 
+    path = "transformers (an embedding model)"
+
     def __init__(self, reactor: Any, model: Any, tokenizer: Any, pooling: Pooling) -> None:
         self._reactor = reactor
         self._model = model

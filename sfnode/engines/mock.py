@@ -303,6 +303,8 @@ class MockEngine(EngineLoop):
     ``eos_token_id`` and, with a ``vocabulary``, the vocabulary's EOS ids.
     """
 
+    path = "mock"
+
     def __init__(
         self,
         reactor: IReactorTime,

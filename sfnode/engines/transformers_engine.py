@@ -458,6 +458,17 @@ class TransformersEngine(EngineLoop):
         """See :attr:`ThreadWorker.exactness`."""
         return self._worker.exactness
 
+    @property
+    def path(self) -> str:
+        """``native step, q4_1 weights``, ``torch operators, float32 weights`` or ``the model's
+        own forward, float32 weights``."""
+        runner = self.weights.runner
+        if not isinstance(runner, DecoderRunner):
+            step = "the model's own forward"
+        else:
+            step = "native step" if runner.fused is not None else "torch operators"
+        return f"{step}, {self.weights.mode} weights"
+
     def statistics(self) -> EngineStatistics:
         """The loop's figures, and the weights held against their files."""
         return replace(super().statistics(), weights=self.weights.figures)

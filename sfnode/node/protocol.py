@@ -39,6 +39,7 @@ from sfnode.linkf.handshake import address_key, handshake_slot_refusal
 from sfnode.linkf.wire import Frame, FrameDecoder, Hello, Message, MsgType, WireError, message_frame
 from sfnode.node.config import DEFAULT_MAX_ADDRESS_HANDSHAKES, DEFAULT_MAX_HANDSHAKES, NodeConfig
 from sfnode.node.machines import ConnectionCore, ConnectionInputs, ConnectionMachine
+from sfnode.node.reports import NodeReports
 
 log = Logger()
 
@@ -54,6 +55,9 @@ class ConnectionHost(TypingProtocol):
         """Decode and check a HELLO frame: the HELLO when accepted, else why not."""
 
     def hello_ack(self) -> Message: ...
+
+    reports: NodeReports
+    """Its reports: the TELEMETRY that follows HELLO_ACK_F (docs/protocol.md section 12.9)."""
 
     def status(self) -> Message: ...
 
@@ -127,6 +131,7 @@ class NodeConnection:
         self.ready = True
         self.handshaken = True
         self.send(self._host.hello_ack())
+        self.send(self._host.reports.platform())
         log.info("handshake with {peer} done", peer=self.peer)
         self._host.connection_ready(self)
 

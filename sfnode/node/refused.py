@@ -47,6 +47,7 @@ class RefusedEngine:
 
     context_window = 0
     n_layers = 0
+    path = "none (the model was refused)"
     supports_logprobs = False
     supports_constraints = False
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import psutil
 
 from sfnode.generation import Embedder
+from sfnode.linkf.platform import NodePlatform, encode_platform
 from sfnode.linkf.wire import (
     FEATURE_CLOSING,
     FEATURE_CONSTRAINTS,
@@ -28,9 +29,11 @@ from sfnode.linkf.wire import (
     MemCountersMsg,
     ModelFilesOffer,
     NodeStatusMsg,
+    TelemetryMsg,
 )
 from sfnode.node.capacity import NodeLoad
 from sfnode.node.config import NodeCommon
+from sfnode.node.host import cpu_description, resident_bytes
 from sfnode.node.refused import RefusedEngine
 
 
@@ -50,6 +53,7 @@ class NodeReports:
         self.load = NodeLoad()
         """The busy time and rates; generations start and stop its busy timer."""
         self._host_memory_bytes = int(psutil.virtual_memory().total)
+        self._cpu = cpu_description()
 
     def generation_started(self) -> None:
         self.load.busy.started(self._now_ms())
@@ -110,12 +114,20 @@ class NodeReports:
             refused=self.refused,
         )
 
+    def platform(self) -> TelemetryMsg:
+        """The TELEMETRY that follows HELLO_ACK_F: the CPU and the engine's path (section
+        12.9, D27)."""
+        platform = NodePlatform(self._cpu, self._common.engine.path)
+        return TelemetryMsg(spans=encode_platform(platform))
+
     def status(self) -> NodeStatusMsg:
         capacity = self.capacity()
         return NodeStatusMsg(
             capacity=capacity,
             loadable_models=self.loadable_models,
             mem=MemCountersMsg(
+                # The node's resident memory (D27); upstream leaves it 0.
+                host_retained_bytes=resident_bytes(),
                 pool_blocks_total=capacity.kv_blocks_total,
                 pool_blocks_used=capacity.kv_blocks_used,
             ),

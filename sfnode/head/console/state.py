@@ -6,9 +6,9 @@ and their links' latest reports, its queue and shares, its event journal) and th
 - ``nodes``: identity, address, models, state (``joining``, ``serving``, ``draining``,
   ``refused``, ``gone``), lanes used and in total, KV blocks used and in total, the decode rate
   the node reports (tokens/s over its busy time), the age of its latest load report (its
-  heartbeat: NODE_STATUS, docs/protocol.md section 7.5), its host memory and the features it
-  offers.  What a node does not put on the wire (its CPU kind, its engine path, its resident
-  memory) is listed under ``unreported`` rather than guessed.
+  heartbeat: NODE_STATUS, docs/protocol.md section 7.5), its host memory, the features it
+  offers, and what it runs on (its CPU and engine path, and its resident memory: section 12.9;
+  None from a node that does not say, never guessed).
 - ``models``: the nodes serving each, running and queued generations, tokens/s, the first-token
   p50 and p95 of the last minutes and their time series (:mod:`sfnode.head.console.series`).
 - ``clients``: per client (API key by its hash, else address): lanes held, generations
@@ -42,10 +42,6 @@ NODES_SHOWN = 200
 CLIENTS_SHOWN = 50
 EVENTS_SHOWN = 60
 MODELS_SHOWN = 32
-
-UNREPORTED = ("cpu", "engine_path", "resident_memory")
-"""What the console would show of a node that Link F does not carry (HELLO_ACK_F and
-NODE_STATUS say nothing of them)."""
 
 _FEATURES = (
     (FEATURE_LOGPROBS, "logprobs"),
@@ -92,6 +88,9 @@ def node_row(node: FleetNode, now: float) -> dict[str, Any]:
         "features": [name for flag, name in _FEATURES if (link.features or 0) & flag],
         "refused": node.refused,
         "last_failure": node.last_failure[:200],
+        "cpu": None if link.platform is None else link.platform.cpu,
+        "engine_path": None if link.platform is None else link.platform.engine,
+        "resident_bytes": link.resident_bytes,
     }
     if capacity is None:
         return row
@@ -156,7 +155,6 @@ class Console:
             },
             "nodes": [node_row(n, now) for n in nodes[:NODES_SHOWN]],
             "nodes_total": len(nodes),
-            "unreported": list(UNREPORTED),
             "models": [self._model_row(m, now) for m in models],
             "clients": self._clients(status.lanes_total),
             "events": [e.as_json() for e in self.events.latest(EVENTS_SHOWN)],
@@ -205,4 +203,4 @@ class Console:
         return ordered[:CLIENTS_SHOWN]
 
 
-__all__ = ["EVENTS_SHOWN", "NODES_SHOWN", "UNREPORTED", "Console", "node_row", "node_state"]
+__all__ = ["EVENTS_SHOWN", "NODES_SHOWN", "Console", "node_row", "node_state"]

@@ -56,6 +56,7 @@ from sfnode.head.link.settings import (
     describe_endpoint,
 )
 from sfnode.linkf.noise import Role, secure_factory
+from sfnode.linkf.platform import NodePlatform, decode_platform
 from sfnode.linkf.wire import (
     FEATURE_CONSTRAINTS,
     FEATURE_HEAD_IDENTITY,
@@ -79,6 +80,7 @@ from sfnode.linkf.wire import (
     ReconcileAckMsg,
     StageForwardReqMsg,
     StageForwardRespMsg,
+    TelemetryMsg,
     TokenEventsMsg,
     Tokens,
     WireError,
@@ -196,6 +198,12 @@ class NodeLink:
         self.capacity_at: float | None = None
         """When the latest capacity report arrived (clock seconds)."""
         self.models: tuple[str, ...] = ()
+        self.platform: NodePlatform | None = None
+        """The node's CPU and engine path, from the TELEMETRY after its HELLO_ACK_F (section
+        12.9); None until one came."""
+        self.resident_bytes: int | None = None
+        """The node's resident memory from its latest NODE_STATUS (D27); None while it
+        reports none (0, as upstream nodes do)."""
         self._calls = CallTable()
         self.files = FilesFetch()
         """The fetch of the node's model files in progress (section 12.5)."""
@@ -649,7 +657,7 @@ class _LinkDriver:
             _on_hello_ack(self, message)
             return
         handler = _HANDLERS.get(type(message))
-        # Anything else a node may send (a repeated HELLO_ACK_F, TELEMETRY, ...) is ignored.
+        # Anything else a node may send (a repeated HELLO_ACK_F, ...) is ignored.
         if handler is not None:
             handler(self, message)
 
@@ -785,10 +793,19 @@ def _on_lease_renew(driver: _LinkDriver, message: LeaseRenewMsg) -> None:
 @_handles(NodeStatusMsg)
 def _on_node_status(driver: _LinkDriver, message: NodeStatusMsg) -> None:
     _set_capacity(driver.link, message.capacity)
+    driver.link.resident_bytes = message.mem.host_retained_bytes or None
     if message.loadable_models:
         driver.link.models = message.loadable_models
     for observer in list(driver.link._observers):
         observer.link_reported(driver.link)
+
+
+@_handles(TelemetryMsg)
+def _on_telemetry(driver: _LinkDriver, message: TelemetryMsg) -> None:
+    """The node's platform (section 12.9); other telemetry is ignored, as upstream's is."""
+    platform = decode_platform(message.spans)
+    if platform is not None:
+        driver.link.platform = platform
 
 
 @_handles(StageForwardRespMsg)
