@@ -26,7 +26,8 @@ def _node(name: str, state: str, used: int, total: int, beat: float | None) -> d
     return {
         "name": name, "state": state, "models": ["m"], "lanes_used": used,
         "lanes_total": total, "kv_used": 1, "kv_total": 10, "tokens_per_s": 5,
-        "heartbeat_s": beat, "address": "tcp:h:1",
+        "heartbeat_s": beat, "address": "tcp:h:1", "resident_bytes": 412 * 2**20,
+        "engine_path": "native step, q4_1 weights", "cpu": "AMD EPYC (avx2)",
     }  # fmt: skip
 
 
@@ -37,8 +38,12 @@ class HelperTests(SynchronousTestCase):
         a = _node("a", "draining", 3, 4, 2.0)
         b = _node("b", "serving", 1, 4, None)
         self.assertEqual(
-            node_cells(a), ("a", "draining", "m", "3/4", "1/10", "5", "2.0 s", "tcp:h:1")
-        )
+            node_cells(a),
+            ("a", "draining", "m", "3/4", "1/10", "5", "2.0 s", "412 MiB",
+             "native step, q4_1 weights on AMD EPYC (avx2)", "tcp:h:1"),
+        )  # fmt: skip
+        said_nothing = {**a, "resident_bytes": None, "engine_path": None, "cpu": None}
+        self.assertEqual(node_cells(said_nothing)[7:9], ("-", "-"))
         self.assertEqual([n["name"] for n in sorted([a, b], key=sort_key("state"))], ["b", "a"])
         self.assertEqual([n["name"] for n in sorted([a, b], key=sort_key("lanes"))], ["b", "a"])
         self.assertEqual(

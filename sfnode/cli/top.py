@@ -39,7 +39,9 @@ TIMEOUT_S = 5.0
 SORTS = ("name", "state", "lanes", "kv", "tokens_per_s", "heartbeat_s")
 """The node columns ``s`` sorts by, in turn."""
 _STATE_ORDER = {"serving": 0, "joining": 1, "draining": 2, "refused": 3, "gone": 4}
-NODE_COLUMNS = ("node", "state", "models", "lanes", "KV", "tok/s", "heartbeat", "address")
+NODE_COLUMNS = (
+    "node", "state", "models", "lanes", "KV", "tok/s", "heartbeat", "memory", "runs on", "address",
+)  # fmt: skip
 EVENTS_SHOWN = 12
 
 
@@ -114,8 +116,15 @@ def node_cells(node: dict[str, Any]) -> tuple[str, ...]:
         ratio("kv_used", "kv_total"),
         str(node.get("tokens_per_s", "-")),
         "-" if beat is None else f"{beat:.1f} s",
+        _mebibytes(node.get("resident_bytes")),
+        " on ".join(filter(None, (node.get("engine_path"), node.get("cpu")))) or "-",
         node["address"],
     )
+
+
+def _mebibytes(count: int | None) -> str:
+    """``412 MiB``, or ``-`` when the node said nothing."""
+    return "-" if not count else f"{count / 2**20:.0f} MiB"
 
 
 def summary(state: dict[str, Any]) -> str:
