@@ -2,15 +2,23 @@
 layer range by range.
 
 P stage nodes split ``n_layers`` layers: evenly (``boundary[i] = ((i+1)·n_layers) // P``) or at
-boundaries given by the operator.  Per generated token, stage 0 gets the full context and no
-hidden state, stage i > 0 gets no tokens and the previous stage's hidden state; the first stage
-that answers with a token ends the step.  The token is appended and the step repeats, recomputing
-the whole context each time (no KV cache, greedy).
+boundaries given by the operator.  Stage 0 gets tokens and no hidden state, stage i > 0 gets no
+tokens and the previous stage's hidden state; the first stage that answers with a token ends the
+step (greedy).
+
+When every stage's node keeps stage KV (feature bit 7, docs/protocol.md section 12.8), each
+generation has a stage session: its context goes through the stages once, in chunks of
+:data:`PREFILL_CHUNK` positions, and each step then sends only the new token (and its hidden
+state) at its position.  Otherwise each step recomputes the whole context (section 7.6).  A stage
+that answers nothing or is lost makes the generation wait for that stage's link (retrying with
+backoff, at most :data:`MAX_REBUILDS` times without a new token) and rebuild every stage from
+position 0 with the context it holds, the prompt and every token delivered: the token it then
+gets is the one the lost step would have given, so nothing is repeated or lost.
 
 The stage nodes are kept in a :class:`~sfnode.head.fleet.fleet.Fleet` of their own, so they are
 dialed, kept alive, redialled and reported (health, metrics) like any fleet's nodes, but never
-placed on: a pipeline needs all of its stages.  A step whose stage is reconnecting waits for that
-attempt; a stage that cannot be reached fails the generation (:class:`NoNodeAvailable`).  A
+placed on: a pipeline needs all of its stages.  A stage that stays unreachable through every
+rebuild fails the generation (:class:`NoNodeAvailable`).  A
 generation has the fleet's wall budget (``max_generation_s``): past it the step in flight is
 abandoned and the generation fails with :class:`~sfnode.head.fleet.backend.GenerationTimedOut`.
 
@@ -21,9 +29,10 @@ or a token computed from a context it did not ask for.
 from __future__ import annotations
 
 from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from twisted.internet import defer
+from twisted.internet import defer, task
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
@@ -41,15 +50,24 @@ from sfnode.head.fleet.backend import (
     NoNodeAvailable,
 )
 from sfnode.head.fleet.fleet import DEFAULT_FLEET_SETTINGS, Fleet, FleetNode, FleetSettings
-from sfnode.head.link import HeadIds, LinkError
+from sfnode.head.link import HeadIds, LinkError, NodeLink
 from sfnode.linkf.wire import (
+    FEATURE_STAGE_KV,
     FINISH_CANCELLED,
     FINISH_EOS,
     FINISH_LENGTH,
     StageForwardRespMsg,
+    StageReleaseMsg,
 )
 
 _log = Logger(namespace="sfnode.head.fleet.pipeline")
+
+PREFILL_CHUNK = 256
+"""Positions per kept-stage request while a context goes through (docs/protocol.md 12.8)."""
+MAX_REBUILDS = 12
+"""Rebuilds of a generation's stages in a row, without a new token, before it fails."""
+REBUILD_DELAYS = (0.1, 0.2, 0.4, 0.8, 1.6, 2.0)
+"""Seconds waited before each rebuild (the last repeats): a stage node being restarted."""
 
 
 class PipelineError(FleetError):
@@ -74,6 +92,17 @@ def check_boundaries(boundaries: Sequence[int], stages: int) -> list[int]:
             raise ValueError(f"layer boundaries must increase from above 0: {out}")
         previous = b
     return out
+
+
+@dataclass
+class _Kept:
+    """A generation's stage session (docs/protocol.md section 12.8): its id on every stage, and
+    how many positions every stage holds; ``session`` None: none is open."""
+
+    session: int | None = None
+    rows: int = 0
+    links: list[NodeLink] = field(default_factory=list)
+    """The links the session was opened on (released there)."""
 
 
 class PipelineGeneration:
@@ -154,17 +183,47 @@ class PipelineGeneration:
         pipeline = self._pipeline
         context = list(self._prompt)
         last = pipeline.stages[-1].name if pipeline.stages else ""
-        for _ in range(self._max_new):
-            if self._cancelled:
-                return FleetOutcome(list(self.tokens), FINISH_CANCELLED, last, 0)
-            token = yield pipeline.step(context)
-            context.append(token)
-            self.tokens.append(token)
-            if self._on_tokens is not None:
-                self._on_tokens(TokenBatch((token,)))
-            if token in pipeline.eos_ids:
-                return FleetOutcome(list(self.tokens), FINISH_EOS, last, 0)
-        return FleetOutcome(list(self.tokens), FINISH_LENGTH, last, 0)
+        kept = _Kept()
+        try:
+            for _ in range(self._max_new):
+                if self._cancelled:
+                    return FleetOutcome(list(self.tokens), FINISH_CANCELLED, last, 0)
+                token = yield self._next_token(context, kept)
+                self._deliver(token, context)
+                if token in pipeline.eos_ids:
+                    return FleetOutcome(list(self.tokens), FINISH_EOS, last, 0)
+            return FleetOutcome(list(self.tokens), FINISH_LENGTH, last, 0)
+        finally:
+            pipeline.release(kept)
+
+    @defer.inlineCallbacks
+    def _next_token(
+        self, context: Sequence[int], kept: _Kept
+    ) -> Generator[Deferred[Any], Any, int]:
+        """The token after ``context``, rebuilding the stages while they fail."""
+        pipeline = self._pipeline
+        for attempt in range(MAX_REBUILDS + 1):
+            try:
+                token: int = yield pipeline.advance(context, kept)
+                return token
+            except (LinkError, PipelineError, NoNodeAvailable) as e:
+                if self._cancelled or attempt == MAX_REBUILDS:
+                    raise
+                delay = REBUILD_DELAYS[min(attempt, len(REBUILD_DELAYS) - 1)]
+                _log.info(
+                    "pipeline stage failed ({why}): rebuilding the stages in {delay} s",
+                    why=e,
+                    delay=delay,
+                )
+                pipeline.release(kept)
+                yield task.deferLater(pipeline.clock, delay, lambda: None)
+        raise AssertionError("unreachable")
+
+    def _deliver(self, token: int, context: list[int]) -> None:
+        context.append(token)
+        self.tokens.append(token)
+        if self._on_tokens is not None:
+            self._on_tokens(TokenBatch((token,)))
 
 
 class PipelineFleet:
@@ -200,6 +259,10 @@ class PipelineFleet:
         self.fleet = Fleet(reactor, settings, ids=ids, clock=clock)
         self.clock: IReactorTime = clock if clock is not None else reactor
         self.stages: list[FleetNode] = []
+        self._sessions = 0
+        """The last stage session id given (docs/protocol.md section 12.8)."""
+        self.bytes_forwarded = 0
+        """Hidden-state bytes sent to stages so far (what crosses between stages)."""
 
     @property
     def ranges(self) -> list[tuple[int, int]]:
@@ -226,29 +289,84 @@ class PipelineFleet:
         return self.fleet.stop()
 
     @defer.inlineCallbacks
-    def step(self, context: Sequence[int]) -> Generator[Deferred[Any], Any, int]:
-        """One token: the context through every stage until one answers a token."""
+    def _open_links(self) -> Generator[Deferred[Any], Any, list[NodeLink]]:
+        """Every stage's link, once open; :class:`NoNodeAvailable` when one is down."""
         if len(self.stages) != len(self.endpoints):
             raise NoNodeAvailable("the pipeline's stages are not all connected yet")
-        hidden: bytes | None = None
-        for i, (node, (start, end)) in enumerate(zip(self.stages, self.ranges, strict=True)):
+        links = []
+        for node in self.stages:
             try:
                 yield node.link.when_open()
             except LinkError as e:
                 raise NoNodeAvailable(f"pipeline stage {node.name} is down: {e}") from e
-            link = node.link
+            links.append(node.link)
+        return links
+
+    @defer.inlineCallbacks
+    def step(self, context: Sequence[int]) -> Generator[Deferred[Any], Any, int]:
+        """One token: the context through every stage until one answers a token."""
+        links = yield self._open_links()
+        token: int = yield self._through(links, tuple(context), None, 0)
+        return token
+
+    @defer.inlineCallbacks
+    def advance(
+        self, context: Sequence[int], kept: _Kept
+    ) -> Generator[Deferred[Any], Any, int]:
+        """The token after ``context``: through the generation's stage session when every
+        stage keeps its KV (the positions it does not hold yet, in chunks), else
+        recomputing the whole context (:meth:`step`)."""
+        links: list[NodeLink] = yield self._open_links()
+        if not all((link.features or 0) & FEATURE_STAGE_KV for link in links):
+            token: int = yield self._through(links, tuple(context), None, 0)
+            return token
+        if kept.session is None or kept.links != links:
+            self.release(kept)
+            self._sessions += 1
+            kept.session, kept.rows, kept.links = self._sessions, 0, links
+        while True:
+            chunk = tuple(context[kept.rows : kept.rows + PREFILL_CHUNK])
+            token = yield self._through(links, chunk, kept.session, kept.rows)
+            kept.rows += len(chunk)
+            if kept.rows == len(context):
+                return token
+
+    @defer.inlineCallbacks
+    def _through(
+        self,
+        links: Sequence[NodeLink],
+        tokens: tuple[int, ...],
+        session: int | None,
+        position: int,
+    ) -> Generator[Deferred[Any], Any, int]:
+        """``tokens`` through every stage (at ``position`` of ``session`` when one is given)
+        until one answers a token."""
+        hidden: bytes | None = None
+        for i, (link, (start, end)) in enumerate(zip(links, self.ranges, strict=True)):
             response: StageForwardRespMsg = yield link.stage_forward(
-                tuple(context) if i == 0 else (), start, end, hidden
+                tokens if i == 0 else (), start, end, hidden, session, position
             )
+            self.bytes_forwarded += len(hidden or b"")
             if response.token is not None:
                 return int(response.token)
             if response.hidden is None:
                 raise PipelineError(
-                    f"stage {node.name} answered nothing for layers [{start}, {end}): the "
-                    "engine lacks staged forward, or the layers are out of its range"
+                    f"stage {link.name} answered nothing for layers [{start}, {end}): the "
+                    "engine lacks staged forward, the layers are out of its range, or it "
+                    "lost the generation's stage session"
                 )
             hidden = response.hidden
         raise PipelineError("no stage answered a token (the last boundary is below n_layers?)")
+
+    def release(self, kept: _Kept) -> None:
+        """Close a generation's stage session on every stage whose link is up (12.8)."""
+        session, links = kept.session, kept.links
+        kept.session, kept.rows, kept.links = None, 0, []
+        if session is None:
+            return
+        for link in links:
+            if (link.features or 0) & FEATURE_STAGE_KV:
+                link.send_now(StageReleaseMsg(session))
 
     def generate(
         self, request: HeadRequest, on_tokens: TokenSink | None = None
