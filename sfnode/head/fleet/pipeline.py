@@ -103,6 +103,8 @@ class _Kept:
     rows: int = 0
     links: list[NodeLink] = field(default_factory=list)
     """The links the session was opened on (released there)."""
+    forwarded: int = 0
+    """Hidden-state bytes the generation sent to stages (what crosses between stages)."""
 
 
 class PipelineGeneration:
@@ -195,6 +197,12 @@ class PipelineGeneration:
             return FleetOutcome(list(self.tokens), FINISH_LENGTH, last, 0)
         finally:
             pipeline.release(kept)
+            _log.info(
+                "pipeline generation: {tokens} tokens, {forwarded} bytes of hidden states "
+                "between stages",
+                tokens=len(self.tokens),
+                forwarded=kept.forwarded,
+            )
 
     @defer.inlineCallbacks
     def _next_token(
@@ -306,7 +314,7 @@ class PipelineFleet:
     def step(self, context: Sequence[int]) -> Generator[Deferred[Any], Any, int]:
         """One token: the context through every stage until one answers a token."""
         links = yield self._open_links()
-        token: int = yield self._through(links, tuple(context), None, 0)
+        token: int = yield self._through(links, tuple(context), _Kept(), None, 0)
         return token
 
     @defer.inlineCallbacks
@@ -318,7 +326,7 @@ class PipelineFleet:
         recomputing the whole context (:meth:`step`)."""
         links: list[NodeLink] = yield self._open_links()
         if not all((link.features or 0) & FEATURE_STAGE_KV for link in links):
-            token: int = yield self._through(links, tuple(context), None, 0)
+            token: int = yield self._through(links, tuple(context), kept, None, 0)
             return token
         if kept.session is None or kept.links != links:
             self.release(kept)
@@ -326,7 +334,7 @@ class PipelineFleet:
             kept.session, kept.rows, kept.links = self._sessions, 0, links
         while True:
             chunk = tuple(context[kept.rows : kept.rows + PREFILL_CHUNK])
-            token = yield self._through(links, chunk, kept.session, kept.rows)
+            token = yield self._through(links, chunk, kept, kept.session, kept.rows)
             kept.rows += len(chunk)
             if kept.rows == len(context):
                 return token
@@ -336,17 +344,19 @@ class PipelineFleet:
         self,
         links: Sequence[NodeLink],
         tokens: tuple[int, ...],
+        kept: _Kept,
         session: int | None,
         position: int,
     ) -> Generator[Deferred[Any], Any, int]:
         """``tokens`` through every stage (at ``position`` of ``session`` when one is given)
-        until one answers a token."""
+        until one answers a token; the hidden bytes sent count in ``kept``."""
         hidden: bytes | None = None
         for i, (link, (start, end)) in enumerate(zip(links, self.ranges, strict=True)):
             response: StageForwardRespMsg = yield link.stage_forward(
                 tokens if i == 0 else (), start, end, hidden, session, position
             )
             self.bytes_forwarded += len(hidden or b"")
+            kept.forwarded += len(hidden or b"")
             if response.token is not None:
                 return int(response.token)
             if response.hidden is None:
