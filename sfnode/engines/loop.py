@@ -86,7 +86,8 @@ class StageKeeper(Protocol):
     def read_rows(self, blob: bytes) -> Any:
         """The rows of a hidden blob; :class:`StageForwardError` for a malformed one."""
 
-    def forward(self, rows: KeptRows) -> StageResult: ...
+    def forward(self, batch: Sequence[KeptRows]) -> list[StageResult | StageForwardError]:
+        """Each request's answer, or the error that stopped it, in order."""
 
 
 class Worker(Protocol):
@@ -219,8 +220,14 @@ def _stage_failed(failure: Failure) -> Failure:
     """A stage forward's failure as a :class:`StageForwardError` (logged when unexpected)."""
     if isinstance(failure.value, StageForwardError):
         return failure
+    raise _stage_error(failure)
+
+
+def _stage_error(failure: Failure) -> StageForwardError:
+    if isinstance(failure.value, StageForwardError):
+        return failure.value
     log.failure("stage forward failed", failure)
-    raise StageForwardError(f"stage forward failed: {failure.value}")
+    return StageForwardError(f"stage forward failed: {failure.value}")
 
 
 class EngineLoop:
@@ -558,12 +565,15 @@ if TYPE_CHECKING:
 class StageDriver:
     """An engine loop's stage sessions that keep their KV (docs/protocol.md section 12.8): the
     sessions' table on the reactor thread, their rows computed by ``stages`` on the loop's
-    worker, between steps."""
+    worker.  Requests that arrive while a batch runs wait and go together in the next one (one
+    pass over the weights for the generations a stage carries)."""
 
     def __init__(self, loop: EngineLoop, stages: StageKeeper, sessions: StageSessions) -> None:
         self._loop = loop
         self._stages = stages
         self.sessions = sessions
+        self._waiting: list[tuple[KeptRows, defer.Deferred[StageResult], Hashable, int]] = []
+        self._running = False
 
     def forward(
         self, owner: Hashable, session: int, position: int, forward: StageForward
@@ -582,15 +592,44 @@ class StageDriver:
         except StageForwardError as e:
             self.sessions.drop(owner, session)
             return defer.fail(e)
+        d: defer.Deferred[StageResult] = defer.Deferred()
         kept = KeptRows(slot, position, forward.tokens, rows, *layers)
-        d = loop.worker.call(stages.forward, kept)
-
-        def failed(failure: Failure) -> Failure:
-            self.sessions.drop(owner, session)
-            return _stage_failed(failure)
-
-        d.addErrback(failed)
+        self._waiting.append((kept, d, owner, session))
+        self._next()
         return d
+
+    def _next(self) -> None:
+        if self._running or not self._waiting:
+            return
+        batch, self._waiting = self._waiting, []
+        self._running = True
+        d = self._loop.worker.call(self._stages.forward, [kept for kept, *_ in batch])
+        d.addCallbacks(self._answered, self._failed, callbackArgs=(batch,), errbackArgs=(batch,))
+
+    def _answered(
+        self,
+        answers: list[StageResult | StageForwardError],
+        batch: list[tuple[KeptRows, defer.Deferred[StageResult], Hashable, int]],
+    ) -> None:
+        self._running = False
+        for (_, d, owner, session), answer in zip(batch, answers, strict=True):
+            if isinstance(answer, StageForwardError):
+                self.sessions.drop(owner, session)
+                d.errback(answer)
+            else:
+                d.callback(answer)
+        self._next()
+
+    def _failed(
+        self,
+        failure: Failure,
+        batch: list[tuple[KeptRows, defer.Deferred[StageResult], Hashable, int]],
+    ) -> None:
+        self._running = False
+        for _, d, owner, session in batch:
+            self.sessions.drop(owner, session)
+            d.errback(_stage_error(failure))
+        self._next()
 
     def release(self, owner: Hashable, session: int | None = None) -> None:
         """Forget ``owner``'s stage ``session``, or all of its sessions."""

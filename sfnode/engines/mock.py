@@ -259,7 +259,11 @@ class MockStages:
             raise StageForwardError(f"mock rows are 8 bytes each, got {len(blob)} bytes")
         return list(struct.unpack(f"<{len(blob) // 8}Q", blob))
 
-    def forward(self, rows: KeptRows) -> StageResult:
+    def forward(self, batch: Sequence[KeptRows]) -> list[StageResult | StageForwardError]:
+        """Each request of the batch in turn (a pretend pass: nothing is shared)."""
+        return [self._forward(rows) for rows in batch]
+
+    def _forward(self, rows: KeptRows) -> StageResult:
         if rows.hidden is None:
             context = self._tokens[rows.slot] = [*self._tokens[rows.slot][: rows.position]]
             states = []

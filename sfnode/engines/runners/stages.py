@@ -15,6 +15,8 @@ thread, between steps), never decide which slot a session has (the loop's
 from __future__ import annotations
 
 import copy
+import itertools
+from collections.abc import Sequence
 
 import torch
 
@@ -61,66 +63,105 @@ class DecoderStages:
         """A D5 blob of rows (docs/protocol.md section 7.6) as a tensor."""
         return decode_hidden(blob, self._runner.weights.hidden)
 
-    def forward(self, rows: KeptRows) -> StageResult:
-        """Layers ``[start, end)`` over the rows, keeping their keys and values in the slot;
-        the stage that ends at the last layer answers the greedy token after the last row."""
-        runner = self._runner
-        w = runner.weights
-        layers = len(w.layers)
+    def forward(self, batch: Sequence[KeptRows]) -> list[StageResult | StageForwardError]:
+        """Each request's rows through its layers, keeping their keys and values in its slot;
+        a stage that ends at the last layer answers the greedy token after a request's last
+        row.  Requests of one layer range and one kind (tokens or hidden states) share one
+        pass over the weights; a request that cannot run gets its error, the others run."""
+        answers: list[StageResult | StageForwardError] = []
+        groups: dict[tuple[int, int, bool], list[int]] = {}
+        for index, rows in enumerate(batch):
+            try:
+                self._check(rows)
+            except StageForwardError as e:
+                answers.append(e)
+                continue
+            answers.append(StageResult())
+            groups.setdefault((rows.start, rows.end, rows.hidden is None), []).append(index)
         with torch.inference_mode():
-            if rows.hidden is None:
-                tokens = list(rows.tokens)
-                if rows.start != 0 or not tokens:
-                    raise StageForwardError("a first stage needs tokens and start_layer 0")
-                if min(tokens) < 0 or max(tokens) >= w.vocab_size:
-                    raise StageForwardError("a token id is outside the vocabulary")
-                n = len(tokens)
-            else:
-                n = int(rows.hidden.shape[0])
-            self.kv.ensure(rows.position + n)
-            if runner.fused is not None:
-                hidden = self._fused(rows, n)
-            else:
-                hidden = self._layers(rows, n)
-            if rows.end < layers:
-                return StageResult(hidden=encode_hidden(hidden))
-            logits = runner._logits(hidden, [n - 1])[0]
-            return StageResult(token=int(torch.argmax(logits).item()))
+            for members in groups.values():
+                group = [batch[i] for i in members]
+                for i, answer in zip(members, self._group(group), strict=True):
+                    answers[i] = answer
+        return answers
 
-    def _fused(self, rows: KeptRows, n: int) -> torch.Tensor:
+    def _check(self, rows: KeptRows) -> None:
+        w = self._runner.weights
+        if rows.hidden is None:
+            tokens = list(rows.tokens)
+            if rows.start != 0 or not tokens:
+                raise StageForwardError("a first stage needs tokens and start_layer 0")
+            if min(tokens) < 0 or max(tokens) >= w.vocab_size:
+                raise StageForwardError("a token id is outside the vocabulary")
+
+    def _group(self, group: Sequence[KeptRows]) -> list[StageResult]:
+        """One pass for requests of one layer range and kind."""
+        runner = self._runner
+        counts = [_rows(rows) for rows in group]
+        self.kv.ensure(max(rows.position + n for rows, n in zip(group, counts, strict=True)))
+        if runner.fused is not None:
+            hidden = self._fused(group, counts)
+        else:
+            hidden = self._layers(group, counts)
+        ends = list(itertools.accumulate(counts))
+        if group[0].end < len(runner.weights.layers):
+            starts = [0, *ends[:-1]]
+            return [
+                StageResult(hidden=encode_hidden(hidden[a:b]))
+                for a, b in zip(starts, ends, strict=True)
+            ]
+        logits = runner._logits(hidden, [end - 1 for end in ends])
+        return [StageResult(token=int(t)) for t in torch.argmax(logits, dim=1).tolist()]
+
+    def _fused(self, group: Sequence[KeptRows], counts: Sequence[int]) -> torch.Tensor:
         fused = self._runner.fused
         assert fused is not None
-        positions = range(rows.position, rows.position + n)
-        slots = [rows.slot] * n
-        if rows.hidden is None:
-            return fused.forward(
-                self.kv, positions, slots, tokens=list(rows.tokens), first=0, end=rows.end
-            )
+        positions = [p for rows, n in zip(group, counts, strict=True) for p in _span(rows, n)]
+        slots = [rows.slot for rows, n in zip(group, counts, strict=True) for _ in range(n)]
+        first = group[0]
+        if first.hidden is None:
+            tokens = [int(t) for rows in group for t in rows.tokens]
+            return fused.forward(self.kv, positions, slots, tokens=tokens, first=0, end=first.end)
         # A copy in float32: the fused layers write into the hidden states in place.
-        hidden = rows.hidden.to(dtype=torch.float32, copy=True)
+        hidden = torch.cat([rows.hidden for rows in group]).to(dtype=torch.float32, copy=True)
         return fused.forward(
-            self.kv, positions, slots, hidden=hidden, first=rows.start, end=rows.end
+            self.kv, positions, slots, hidden=hidden, first=first.start, end=first.end
         )
 
-    def _layers(self, rows: KeptRows, n: int) -> torch.Tensor:
-        """The runner's torch layers over the rows, as one prompt chunk of the slot."""
+    def _layers(self, group: Sequence[KeptRows], counts: Sequence[int]) -> torch.Tensor:
+        """The runner's torch layers over the rows, each request one prompt chunk of its
+        slot."""
         view = self._view
-        chunk = ChunkRow(rows.slot, rows.position, (0,) * n, False, _NO_PARAMS, 0)
+        chunks = tuple(
+            ChunkRow(rows.slot, rows.position, (0,) * n, False, _NO_PARAMS, 0)
+            for rows, n in zip(group, counts, strict=True)
+        )
         spec = view.spec
         attention = StepAttention(
-            StepPlan(chunks=(chunk,)),
+            StepPlan(chunks=chunks),
             groups=spec.heads // spec.kv_heads,
             window=view.window,
             sliding=spec.sliding_window,
             device=view.device,
         )
-        if rows.hidden is None:
-            hidden = view._embed(list(rows.tokens))
+        first = group[0]
+        if first.hidden is None:
+            hidden = view._embed([int(t) for rows in group for t in rows.tokens])
         else:
-            hidden = rows.hidden.to(device=view.device, dtype=view.weights.activations, copy=True)
-        index = torch.arange(rows.position, rows.position + n, device=view.device)
-        turns = view._turns(index)
+            hidden = torch.cat([rows.hidden for rows in group]).to(
+                device=view.device, dtype=view.weights.activations, copy=True
+            )
+        positions = [p for rows, n in zip(group, counts, strict=True) for p in _span(rows, n)]
+        turns = view._turns(torch.tensor(positions, dtype=torch.long, device=view.device))
         groups = view._row_groups(attention)
-        for layer in range(rows.start, rows.end):
+        for layer in range(first.start, first.end):
             hidden = view._layer(layer, hidden, turns[layer], attention, groups)
         return hidden
+
+
+def _rows(rows: KeptRows) -> int:
+    return len(rows.tokens) if rows.hidden is None else int(rows.hidden.shape[0])
+
+
+def _span(rows: KeptRows, n: int) -> range:
+    return range(rows.position, rows.position + n)
