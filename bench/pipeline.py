@@ -11,6 +11,7 @@ Usage (from the repository's root)::
 
     PYTHONPATH=. .venv/bin/python bench/pipeline.py          # a float32 random Llama (~3 min)
     PYTHONPATH=. .venv/bin/python bench/pipeline.py --model PATH --stages 2
+    PYTHONPATH=. .venv/bin/python bench/pipeline.py --bundled   # SmolLM2, its default mode
 
 The default model is a random float32 Llama (hidden 512, 8 layers, window 2048, no EOS so each
 request generates ``--max-tokens`` tokens) saved to the logs folder.  Every node runs with
@@ -60,16 +61,17 @@ _FORWARDED = re.compile(rb"pipeline generation: (\d+) tokens, (\d+) bytes of hid
 
 @contextmanager
 def pipeline_head(
-    stages: int, model: Path, env: dict[str, str], logs: Path, node_args: Sequence[str]
+    stages: int, model: Path | None, env: dict[str, str], logs: Path, node_args: Sequence[str]
 ) -> Iterator[int]:
     """``stages`` ``twistd sfnode`` processes and ``twistd sfhead --pipeline`` over them: yields
     the head's HTTP port once it serves, and stops them all when the block ends."""
     children: list[Child] = []
+    model_args = ["--model", str(model)] if model is not None else []
     try:
         endpoints = []
         for i in range(stages):
             argv = twistd(
-                "sfnode", "--listen", "tcp:0:interface=127.0.0.1", "--model", str(model),
+                "sfnode", "--listen", "tcp:0:interface=127.0.0.1", *model_args,
                 "--identity", f"stage{i}", *node_args,
             )  # fmt: skip
             print(f"starting {shown(argv)}", flush=True)
@@ -78,7 +80,7 @@ def pipeline_head(
             found = child.wait_for_line(rb"sfnode listening on 127\.0\.0\.1:(\d+)", NODE_READY_S)
             endpoints.append(f"tcp:127.0.0.1:{int(found.group(1))}")
         argv = twistd(
-            "sfhead", "--pipeline", ",".join(endpoints), "--model", str(model),
+            "sfhead", "--pipeline", ",".join(endpoints), *model_args,
             "--http", "tcp:0:interface=127.0.0.1", "--fleet-listen", "tcp:0:interface=127.0.0.1",
         )  # fmt: skip
         print(f"starting {shown(argv)}", flush=True)
@@ -124,7 +126,7 @@ def bench(options: argparse.Namespace) -> int:
     logs = Path(options.logs or tempfile.mkdtemp(prefix="sfnode-pipeline-bench-"))
     logs.mkdir(parents=True, exist_ok=True)
     model = options.model
-    if model is None:
+    if model is None and not options.bundled:
         from tests.tinymodel import save_tiny_model
 
         model = save_tiny_model(
@@ -132,7 +134,8 @@ def bench(options: argparse.Namespace) -> int:
         )
     env = child_env([])
     node_args = ["--threads", "1", "--max-lanes", "8", *options.node_arg]
-    print(f"{cpu_name()}, {os.cpu_count()} CPUs; model {model}; logs in {logs}", flush=True)
+    shown_model = model or "the bundled one (default weights mode)"
+    print(f"{cpu_name()}, {os.cpu_count()} CPUs; model {shown_model}; logs in {logs}", flush=True)
     results: dict[str, dict[int, Phase]] = {}
     per_token: dict[str, float] = {}
     print("one full node", flush=True)
@@ -180,6 +183,7 @@ def report(results: dict[str, dict[int, Phase]], per_token: dict[str, float]) ->
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=None, help="model folder or .gguf")
+    p.add_argument("--bundled", action="store_true", help="the bundled model, as nodes serve it")
     p.add_argument("--hidden", type=int, default=512, help="the random Llama's hidden size")
     p.add_argument("--layers", type=int, default=8, help="the random Llama's layers")
     p.add_argument("--stages", type=int, nargs="+", default=[2, 3], help="pipelines to run")
