@@ -18,8 +18,7 @@ gets is the one the lost step would have given, so nothing is repeated or lost.
 The stage nodes are kept in a :class:`~sfnode.head.fleet.fleet.Fleet` of their own, so they are
 dialed, kept alive, redialled and reported (health, metrics) like any fleet's nodes, but never
 placed on: a pipeline needs all of its stages.  A stage that stays unreachable through every
-rebuild fails the generation (:class:`NoNodeAvailable`).  A
-generation has the fleet's wall budget (``max_generation_s``): past it the step in flight is
+rebuild fails the generation (:class:`NoNodeAvailable`).  A generation has the fleet's wall budget (``max_generation_s``): past it the step in flight is
 abandoned and the generation fails with :class:`~sfnode.head.fleet.backend.GenerationTimedOut`.
 
 This module must never block, never use the global reactor, and never hand a caller a token twice
@@ -137,8 +136,9 @@ class PipelineGeneration:
         self._cancelled = True
 
     def park(self) -> None:
-        """A pipeline's steps hold no lane between them (each recomputes the whole context,
-        docs/protocol.md section 8.6): there is none to give back, and it goes on."""
+        """A pipeline's generation holds no lane of a node's scheduler (its stage sessions are
+        slots of their own, docs/protocol.md section 12.8): there is none to give back, and it
+        goes on."""
 
     def unpark(self) -> None:
         """Nothing was given back (:meth:`park`)."""
@@ -384,8 +384,9 @@ class PipelineFleet:
         """Generate ``request.max_new`` greedy tokens (sampling parameters do not apply here):
         the :meth:`~sfnode.head.fleet.backend.Backend.generate` of a pipeline.
 
-        A pipeline runs one generation at a time on its stages: there is no lane to keep, so
-        neither the request class nor the requester changes anything here.  Stage forwards
+        Each generation runs on every stage (the stages batch the ones they carry); there is
+        no lane to keep, so neither the request class nor the requester changes anything
+        here.  Stage forwards
         return tokens, not distributions: a request for logprobs fails with
         :class:`~sfnode.head.fleet.backend.LogprobsUnavailable`; stage forwards carry no
         constraint (docs/protocol.md section 12.3): one fails with
