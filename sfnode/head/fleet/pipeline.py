@@ -18,8 +18,9 @@ gets is the one the lost step would have given, so nothing is repeated or lost.
 The stage nodes are kept in a :class:`~sfnode.head.fleet.fleet.Fleet` of their own, so they are
 dialed, kept alive, redialled and reported (health, metrics) like any fleet's nodes, but never
 placed on: a pipeline needs all of its stages.  A stage that stays unreachable through every
-rebuild fails the generation (:class:`NoNodeAvailable`).  A generation has the fleet's wall budget (``max_generation_s``): past it the step in flight is
-abandoned and the generation fails with :class:`~sfnode.head.fleet.backend.GenerationTimedOut`.
+rebuild fails the generation (:class:`NoNodeAvailable`).  A generation has the fleet's wall
+budget (``max_generation_s``): past it the step in flight is abandoned and the generation fails
+with :class:`~sfnode.head.fleet.backend.GenerationTimedOut`.
 
 This module must never block, never use the global reactor, and never hand a caller a token twice
 or a token computed from a context it did not ask for.
