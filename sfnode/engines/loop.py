@@ -21,6 +21,7 @@ engine goes on), and never call a generation's ``on_tokens`` after it was cancel
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -562,18 +563,26 @@ if TYPE_CHECKING:
         return generation
 
 
+_Waiting = tuple[KeptRows, defer.Deferred[StageResult], Hashable, int]
+"""A kept request waiting for its batch: its rows, its answer, its owner and session."""
+
+
 class StageDriver:
     """An engine loop's stage sessions that keep their KV (docs/protocol.md section 12.8): the
     sessions' table on the reactor thread, their rows computed by ``stages`` on the loop's
-    worker.  Requests that arrive while a batch runs wait and go together in the next one (one
-    pass over the weights for the generations a stage carries)."""
+    worker.  A batch takes, when the worker starts it, every request that has arrived by then
+    (one pass over the weights for the generations a stage carries); the requests that arrive
+    while it runs go together in the next."""
 
     def __init__(self, loop: EngineLoop, stages: StageKeeper, sessions: StageSessions) -> None:
         self._loop = loop
         self._stages = stages
         self.sessions = sessions
-        self._waiting: list[tuple[KeptRows, defer.Deferred[StageResult], Hashable, int]] = []
-        self._running = False
+        self._lock = threading.Lock()
+        self._waiting: list[_Waiting] = []
+        """Appended on the reactor thread, taken by the worker (under the lock)."""
+        self._called = False
+        """A batch is asked of the worker and has not taken its requests yet."""
 
     def forward(
         self, owner: Hashable, session: int, position: int, forward: StageForward
@@ -594,42 +603,45 @@ class StageDriver:
             return defer.fail(e)
         d: defer.Deferred[StageResult] = defer.Deferred()
         kept = KeptRows(slot, position, forward.tokens, rows, *layers)
-        self._waiting.append((kept, d, owner, session))
-        self._next()
+        with self._lock:
+            self._waiting.append((kept, d, owner, session))
+            if self._called:
+                return d
+            self._called = True
+        loop.worker.call(self._batch).addCallbacks(self._answered, self._failed)
         return d
 
-    def _next(self) -> None:
-        if self._running or not self._waiting:
-            return
-        batch, self._waiting = self._waiting, []
-        self._running = True
-        d = self._loop.worker.call(self._stages.forward, [kept for kept, *_ in batch])
-        d.addCallbacks(self._answered, self._failed, callbackArgs=(batch,), errbackArgs=(batch,))
+    def _batch(self) -> tuple[list[_Waiting], list[StageResult | StageForwardError]]:
+        """On the worker: every request waiting, computed together."""
+        with self._lock:
+            batch, self._waiting = self._waiting, []
+            self._called = False
+        try:
+            return batch, self._stages.forward([kept for kept, *_ in batch])
+        except Exception as e:
+            log.failure("kept stage forward failed")
+            error = StageForwardError(f"stage forward failed: {e}")
+            return batch, [error for _ in batch]
 
     def _answered(
-        self,
-        answers: list[StageResult | StageForwardError],
-        batch: list[tuple[KeptRows, defer.Deferred[StageResult], Hashable, int]],
+        self, done: tuple[list[_Waiting], list[StageResult | StageForwardError]]
     ) -> None:
-        self._running = False
+        batch, answers = done
         for (_, d, owner, session), answer in zip(batch, answers, strict=True):
             if isinstance(answer, StageForwardError):
                 self.sessions.drop(owner, session)
                 d.errback(answer)
             else:
                 d.callback(answer)
-        self._next()
 
-    def _failed(
-        self,
-        failure: Failure,
-        batch: list[tuple[KeptRows, defer.Deferred[StageResult], Hashable, int]],
-    ) -> None:
-        self._running = False
+    def _failed(self, failure: Failure) -> None:
+        """The worker could not run the batch (it stopped): every request waiting fails."""
+        with self._lock:
+            batch, self._waiting = self._waiting, []
+            self._called = False
         for _, d, owner, session in batch:
             self.sessions.drop(owner, session)
             d.errback(_stage_error(failure))
-        self._next()
 
     def release(self, owner: Hashable, session: int | None = None) -> None:
         """Forget ``owner``'s stage ``session``, or all of its sessions."""
