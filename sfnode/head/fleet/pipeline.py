@@ -105,6 +105,8 @@ class _Kept:
     """The links the session was opened on (released there)."""
     forwarded: int = 0
     """Hidden-state bytes the generation sent to stages (what crosses between stages)."""
+    recomputes: bool = False
+    """A stage refused to open a session (none free): the generation recomputes (7.6)."""
 
 
 class PipelineGeneration:
@@ -127,6 +129,8 @@ class PipelineGeneration:
         self._running: Deferred[FleetOutcome] | None = None
         self._deadline: IDelayedCall | None = None
         self._timed_out: GenerationTimedOut | None = None
+        self._kept = _Kept()
+        """Its stage session (docs/protocol.md section 12.8)."""
 
     def when_placed(self) -> Deferred[None]:
         """A pipeline needs no placement: fires at once."""
@@ -186,7 +190,7 @@ class PipelineGeneration:
         pipeline = self._pipeline
         context = list(self._prompt)
         last = pipeline.stages[-1].name if pipeline.stages else ""
-        kept = _Kept()
+        kept = self._kept
         try:
             for _ in range(self._max_new):
                 if self._cancelled:
@@ -326,19 +330,32 @@ class PipelineFleet:
         stage keeps its KV (the positions it does not hold yet, in chunks), else
         recomputing the whole context (:meth:`step`)."""
         links: list[NodeLink] = yield self._open_links()
-        if not all((link.features or 0) & FEATURE_STAGE_KV for link in links):
+        keeping = all((link.features or 0) & FEATURE_STAGE_KV for link in links)
+        if kept.recomputes or not keeping:
             token: int = yield self._through(links, tuple(context), kept, None, 0)
             return token
         if kept.session is None or kept.links != links:
             self.release(kept)
             self._sessions += 1
             kept.session, kept.rows, kept.links = self._sessions, 0, links
-        while True:
-            chunk = tuple(context[kept.rows : kept.rows + PREFILL_CHUNK])
-            token = yield self._through(links, chunk, kept, kept.session, kept.rows)
-            kept.rows += len(chunk)
-            if kept.rows == len(context):
-                return token
+        opening = kept.rows == 0
+        try:
+            while True:
+                chunk = tuple(context[kept.rows : kept.rows + PREFILL_CHUNK])
+                token = yield self._through(links, chunk, kept, kept.session, kept.rows)
+                kept.rows += len(chunk)
+                if kept.rows == len(context):
+                    return token
+        except PipelineError:
+            if not opening:
+                raise
+        # A stage refused to open the session (all of its sessions are in use, 12.8): this
+        # generation recomputes its context at every step instead.
+        _log.info("a pipeline stage keeps no more sessions: a generation recomputes instead")
+        self.release(kept)
+        kept.recomputes = True
+        token = yield self._through(links, tuple(context), kept, None, 0)
+        return token
 
     @defer.inlineCallbacks
     def _through(
