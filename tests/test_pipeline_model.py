@@ -290,13 +290,56 @@ class KeptStageTests(PipelineCase):
             self.assertEqual(outcome.tokens, reference_greedy(self.model, prompt, NEW_TOKENS))
         self.assertEqual(streamed, outcomes[0].tokens)
 
-    async def replace(self, stage: RunningNode) -> None:
-        """Tear ``stage`` down and start a new node on its port."""
-        number = stage.port_number
+    @defer.inlineCallbacks
+    def test_a_dead_stages_layers_go_to_a_spare(self) -> Gen:
+        """Two generations over stages [0, 2) and [2, 4) with a spare node; after 10 tokens
+        the second stage's node is torn down and never comes back: its layers go to the spare,
+        which rebuilds them from the context the head holds, and both streams complete with
+        exactly generate()'s tokens, each delivered once."""
+        nodes = []
+        for i in range(3):
+            nodes.append((yield self.start_stage(f"stage{i}"))[0])
+        pipeline = PipelineFleet(
+            reactor,
+            [nodes[0].endpoint, nodes[1].endpoint],
+            boundaries=[2, 4],
+            ids=self.ids,
+            spares=[nodes[2].endpoint],
+        )
+        self.addCleanup(pipeline.stop)
+        yield pipeline.start()
+        torn: list[defer.Deferred[Any]] = []
+        streamed: list[int] = []
+
+        def tear_down(batch: Any) -> None:
+            streamed.extend(batch)
+            if len(streamed) == 10 and not torn:
+                torn.append(defer.ensureDeferred(self.tear_down(nodes[1])))
+
+        prompts = [PROMPT, PROMPT[3:]]
+        running = [
+            pipeline.generate(HeadRequest(p, NEW_TOKENS), on_tokens=tear_down if not k else None)
+            for k, p in enumerate(prompts)
+        ]
+        outcomes = yield defer.gatherResults([g.result for g in running])
+        yield torn[0]
+        for prompt, outcome in zip(prompts, outcomes, strict=True):
+            self.assertEqual(outcome.tokens, reference_greedy(self.model, prompt, NEW_TOKENS))
+        self.assertEqual(streamed, outcomes[0].tokens)
+        self.assertEqual(pipeline.stages[1].name, pipeline.fleet.nodes[2].name)
+        self.assertIn(pipeline.fleet.nodes[1], pipeline.spares)
+
+    async def tear_down(self, stage: RunningNode) -> None:
+        """Abort ``stage``'s connections, close its port and stop its node."""
         for protocol in list(stage.node_factory.protocols):
             protocol.transport.abortConnection()
         await stage.port.stopListening()
         await stage.agent.stop()
+
+    async def replace(self, stage: RunningNode) -> None:
+        """Tear ``stage`` down and start a new node on its port."""
+        number = stage.port_number
+        await self.tear_down(stage)
         await deferLater(reactor, 0.3, lambda: None)
         from sfnode.engines.config import EngineConfig
         from sfnode.engines.transformers_engine import TransformersEngine

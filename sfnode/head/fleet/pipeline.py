@@ -230,6 +230,7 @@ class PipelineGeneration:
                 )
                 pipeline.release(kept)
                 yield task.deferLater(pipeline.clock, delay, lambda: None)
+                pipeline.replace_down()
         raise AssertionError("unreachable")
 
     def _deliver(self, token: int, context: list[int]) -> None:
@@ -256,9 +257,11 @@ class PipelineFleet:
         ids: HeadIds | None = None,
         clock: IReactorTime | None = None,
         settings: FleetSettings = DEFAULT_FLEET_SETTINGS,
+        spares: Sequence[str] = (),
     ) -> None:
         """``settings`` are the stages' :class:`Fleet`'s (token, redial cap, keepalive
-        window, wall budget)."""
+        window, wall budget); ``spares`` are nodes dialed too, that take the layers of a stage
+        whose link is down when a generation rebuilds its stages."""
         if not endpoints:
             raise ValueError("a pipeline needs at least one stage")
         if boundaries is not None:
@@ -272,6 +275,9 @@ class PipelineFleet:
         self.fleet = Fleet(reactor, settings, ids=ids, clock=clock)
         self.clock: IReactorTime = clock if clock is not None else reactor
         self.stages: list[FleetNode] = []
+        self.spare_endpoints = list(spares)
+        self.spares: list[FleetNode] = []
+        """Nodes that hold no layers, ready to take a down stage's (:meth:`replace_down`)."""
         self._sessions = 0
         """The last stage session id given (docs/protocol.md section 12.8)."""
         self.bytes_forwarded = 0
@@ -290,6 +296,8 @@ class PipelineFleet:
         for endpoint in self.endpoints:
             node = yield self.fleet.add_node(endpoint)
             self.stages.append(node)
+        for endpoint in self.spare_endpoints:
+            self.spares.append((yield self.fleet.add_node(endpoint)))
         for node, (start, end) in zip(self.stages, self.ranges, strict=True):
             _log.info(
                 "pipeline stage {node}: layers [{start}, {end})",
@@ -385,6 +393,27 @@ class PipelineFleet:
                 )
             hidden = response.hidden
         raise PipelineError("no stage answered a token (the last boundary is below n_layers?)")
+
+    def replace_down(self) -> None:
+        """Give the layers of each stage whose link is down to a spare whose link is up (the
+        down node becomes a spare); the generations rebuild their stages there."""
+        for i, node in enumerate(self.stages):
+            if node.link.connected:
+                continue
+            spare = next((s for s in self.spares if s.link.connected), None)
+            if spare is None:
+                return
+            self.spares.remove(spare)
+            self.spares.append(node)
+            self.stages[i] = spare
+            start, end = self.ranges[i]
+            _log.info(
+                "pipeline stage {down} is down: its layers [{start}, {end}) go to {spare}",
+                down=node.name,
+                start=start,
+                end=end,
+                spare=spare.name,
+            )
 
     def release(self, kept: _Kept) -> None:
         """Close a generation's stage session on every stage whose link is up (12.8)."""
