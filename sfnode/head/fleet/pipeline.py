@@ -13,7 +13,9 @@ state) at its position.  Otherwise each step recomputes the whole context (secti
 that answers nothing or is lost makes the generation wait for that stage's link (retrying with
 backoff, at most :data:`MAX_REBUILDS` times without a new token) and rebuild every stage from
 position 0 with the context it holds, the prompt and every token delivered: the token it then
-gets is the one the lost step would have given, so nothing is repeated or lost.
+gets is the one the lost step would have given, so nothing is repeated or lost.  Before a
+rebuild, the layers of a stage whose link is down go to a spare node whose link is up
+(:meth:`PipelineFleet.replace_down`); without one the rebuild waits for the stage's own address.
 
 The stage nodes are kept in a :class:`~sfnode.head.fleet.fleet.Fleet` of their own, so they are
 dialed, kept alive, redialled and reported (health, metrics) like any fleet's nodes, but never
