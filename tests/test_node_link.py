@@ -702,8 +702,8 @@ class DispatchTableTests(SynchronousTestCase):
 
     def test_the_node_handles_exactly_the_types_of_the_specification(self) -> None:
         """RECONCILE, ASSIGN, REVOKE, LEASE_GRANT, APPEND, GENERATE, WATERMARK_ACK,
-        BLOB_FETCH (section 12.5), GENERATE_CANCEL, STAGE_FORWARD_REQ and EMBED_REQ (section
-        12.7) have a responder; every other type has none."""
+        BLOB_FETCH (section 12.5), GENERATE_CANCEL, STAGE_FORWARD_REQ, EMBED_REQ (section
+        12.7) and STAGE_RELEASE (section 12.8) have a responder; every other type has none."""
         self.assertEqual(
             [cls.MSG_TYPE for cls in HANDLERS.message_classes()],
             [
@@ -718,6 +718,7 @@ class DispatchTableTests(SynchronousTestCase):
                 MsgType.GENERATE_CANCEL,
                 MsgType.STAGE_FORWARD_REQ,
                 MsgType.EMBED_REQ,
+                MsgType.STAGE_RELEASE,
             ],
         )
 
