@@ -68,6 +68,10 @@ PREFILL_CHUNK = 256
 """Positions per kept-stage request while a context goes through (docs/protocol.md 12.8)."""
 MAX_REBUILDS = 12
 """Rebuilds of a generation's stages in a row, without a new token, before it fails."""
+COALESCE_TOKENS = 16
+COALESCE_S = 0.2
+"""A generation's tokens go to its caller as a node sends them (docs/protocol.md section 4.4):
+the first at once, then this many together or this long after the last batch."""
 REBUILD_DELAYS = (0.1, 0.2, 0.4, 0.8, 1.6, 2.0)
 """Seconds waited before each rebuild (the last repeats): a stage node being restarted."""
 
@@ -132,6 +136,10 @@ class PipelineGeneration:
         self._deadline: IDelayedCall | None = None
         self._timed_out: GenerationTimedOut | None = None
         self._kept = _Kept()
+        self._pending: list[int] = []
+        """Tokens not handed to ``on_tokens`` yet (:meth:`_deliver`)."""
+        self._flush_call: IDelayedCall | None = None
+        self._last_flush = 0.0
         """Its stage session (docs/protocol.md section 12.8)."""
 
     def when_placed(self) -> Deferred[None]:
@@ -171,6 +179,7 @@ class PipelineGeneration:
         self.result.errback(failure)
 
     def _stop_deadline(self) -> None:
+        self._flush()
         deadline, self._deadline = self._deadline, None
         if deadline is not None and deadline.active():
             deadline.cancel()
@@ -236,10 +245,27 @@ class PipelineGeneration:
         raise AssertionError("unreachable")
 
     def _deliver(self, token: int, context: list[int]) -> None:
+        """The token to the context, and to the caller as a node sends tokens (docs/protocol.md
+        section 4.4): the first at once, then 16 at a time or 200 ms after the last batch."""
         context.append(token)
         self.tokens.append(token)
-        if self._on_tokens is not None:
-            self._on_tokens(TokenBatch((token,)))
+        self._pending.append(token)
+        if len(self.tokens) == 1 or len(self._pending) >= COALESCE_TOKENS:
+            self._flush()
+        elif self._flush_call is None:
+            clock = self._pipeline.clock
+            delay = max(0.0, self._last_flush + COALESCE_S - clock.seconds())
+            self._flush_call = clock.callLater(delay, self._flush)
+
+    def _flush(self) -> None:
+        """Hand the caller the tokens not handed yet (before any result fires)."""
+        call, self._flush_call = self._flush_call, None
+        if call is not None and call.active():
+            call.cancel()
+        pending, self._pending = self._pending, []
+        self._last_flush = self._pipeline.clock.seconds()
+        if pending and self._on_tokens is not None:
+            self._on_tokens(TokenBatch(tuple(pending)))
 
 
 class PipelineFleet:
