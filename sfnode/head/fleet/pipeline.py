@@ -352,19 +352,12 @@ class PipelineFleet:
         return links
 
     @defer.inlineCallbacks
-    def step(self, context: Sequence[int]) -> Generator[Deferred[Any], Any, int]:
-        """One token: the context through every stage until one answers a token."""
-        links = yield self._open_links()
-        token: int = yield self._through(links, tuple(context), _Kept(), None, 0)
-        return token
-
-    @defer.inlineCallbacks
     def advance(
         self, context: Sequence[int], kept: _Kept
     ) -> Generator[Deferred[Any], Any, int]:
         """The token after ``context``: through the generation's stage session when every
         stage keeps its KV (the positions it does not hold yet, in chunks), else
-        recomputing the whole context (:meth:`step`)."""
+        recomputing the whole context (section 7.6)."""
         links: list[NodeLink] = yield self._open_links()
         keeping = all((link.features or 0) & FEATURE_STAGE_KV for link in links)
         if kept.recomputes or not keeping:
