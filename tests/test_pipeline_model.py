@@ -17,7 +17,7 @@ TCP); :class:`ProcessPipelineTests` runs them as real ``twistd sfnode`` processe
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Coroutine, Generator, Sequence
 from typing import Any
 
 from twisted.internet import defer, reactor
@@ -272,23 +272,7 @@ class KeptStageTests(PipelineCase):
         self.addCleanup(pipeline.stop)
         yield pipeline.start()
         prompts = [[(i * 53 + 11 * k) % TINY_VOCAB for i in range(23 + k)] for k in range(3)]
-        torn: list[defer.Deferred[Any]] = []
-
-        def tear_down(batch: Any) -> None:
-            streamed.extend(batch)
-            if len(streamed) >= 10 and not torn:
-                torn.append(defer.ensureDeferred(self.replace(stages[1])))
-
-        streamed: list[int] = []
-        running = [
-            pipeline.generate(HeadRequest(p, NEW_TOKENS), on_tokens=tear_down if not k else None)
-            for k, p in enumerate(prompts)
-        ]
-        outcomes = yield defer.gatherResults([g.result for g in running])
-        yield torn[0]
-        for prompt, outcome in zip(prompts, outcomes, strict=True):
-            self.assertEqual(outcome.tokens, reference_greedy(self.model, prompt, NEW_TOKENS))
-        self.assertEqual(streamed, outcomes[0].tokens)
+        yield self.generate_through_a_fault(pipeline, prompts, lambda: self.replace(stages[1]))
 
     @defer.inlineCallbacks
     def test_a_dead_stages_layers_go_to_a_spare(self) -> Gen:
@@ -308,26 +292,38 @@ class KeptStageTests(PipelineCase):
         )
         self.addCleanup(pipeline.stop)
         yield pipeline.start()
-        torn: list[defer.Deferred[Any]] = []
+        prompts = [PROMPT, PROMPT[3:]]
+        yield self.generate_through_a_fault(pipeline, prompts, lambda: self.tear_down(nodes[1]))
+        self.assertEqual(pipeline.stages[1].name, pipeline.fleet.nodes[2].name)
+        self.assertIn(pipeline.fleet.nodes[1], pipeline.spares)
+
+    @defer.inlineCallbacks
+    def generate_through_a_fault(
+        self,
+        pipeline: PipelineFleet,
+        prompts: list[list[int]],
+        fault: Callable[[], Coroutine[Any, Any, None]],
+    ) -> Gen:
+        """Generate for every prompt at once; ``fault`` runs once 10 tokens of the first have
+        streamed.  Every stream must equal generate()'s, and the first's tokens must have
+        streamed exactly once, in order."""
+        faults: list[defer.Deferred[None]] = []
         streamed: list[int] = []
 
-        def tear_down(batch: Any) -> None:
+        def tokens(batch: Any) -> None:
             streamed.extend(batch)
-            if len(streamed) >= 10 and not torn:
-                torn.append(defer.ensureDeferred(self.tear_down(nodes[1])))
+            if len(streamed) >= 10 and not faults:
+                faults.append(defer.ensureDeferred(fault()))
 
-        prompts = [PROMPT, PROMPT[3:]]
         running = [
-            pipeline.generate(HeadRequest(p, NEW_TOKENS), on_tokens=tear_down if not k else None)
+            pipeline.generate(HeadRequest(p, NEW_TOKENS), on_tokens=None if k else tokens)
             for k, p in enumerate(prompts)
         ]
         outcomes = yield defer.gatherResults([g.result for g in running])
-        yield torn[0]
+        yield faults[0]
         for prompt, outcome in zip(prompts, outcomes, strict=True):
             self.assertEqual(outcome.tokens, reference_greedy(self.model, prompt, NEW_TOKENS))
         self.assertEqual(streamed, outcomes[0].tokens)
-        self.assertEqual(pipeline.stages[1].name, pipeline.fleet.nodes[2].name)
-        self.assertIn(pipeline.fleet.nodes[1], pipeline.spares)
 
     async def tear_down(self, stage: RunningNode) -> None:
         """Abort ``stage``'s connections, close its port and stop its node."""
