@@ -13,8 +13,9 @@ Usage (from the repository's root)::
     PYTHONPATH=. .venv/bin/python bench/pipeline.py --model PATH --stages 2
     PYTHONPATH=. .venv/bin/python bench/pipeline.py --bundled   # SmolLM2, its default mode
 
-The default model is a random float32 Llama (hidden 512, 8 layers, window 2048, no EOS so each
-request generates ``--max-tokens`` tokens) saved to the logs folder.  Every node runs with
+The default model is a random float32 Llama (hidden 512, 8 layers, window 2048) with the tiny
+tokenizer, saved to the logs folder; its EOS is the tokenizer's, which a pipeline's head stops
+at as the node does (a model without one would run on where the head stops).  Every node runs with
 ``--threads 1`` (``--node-arg`` adds arguments), so the full node and the stages share the cores
 alike.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import sys
@@ -122,6 +124,16 @@ def texts(phases: dict[int, Phase]) -> list[list[str]]:
     return [[answer.text for answer in phases[c].answers] for c in sorted(phases)]
 
 
+def differing(phases: dict[int, Phase], one: dict[int, Phase]) -> str:
+    """Which answers differ from the full node's (concurrency and request index)."""
+    out = []
+    for c in sorted(phases):
+        for i, (a, b) in enumerate(zip(phases[c].answers, one[c].answers, strict=True)):
+            if a.text != b.text:
+                out.append(f"{c} at once, request {i}")
+    return "; ".join(out)
+
+
 def bench(options: argparse.Namespace) -> int:
     logs = Path(options.logs or tempfile.mkdtemp(prefix="sfnode-pipeline-bench-"))
     logs.mkdir(parents=True, exist_ok=True)
@@ -130,7 +142,7 @@ def bench(options: argparse.Namespace) -> int:
         from tests.tinymodel import save_tiny_model
 
         model = save_tiny_model(
-            logs / "model", hidden=options.hidden, layers=options.layers, window=2048, eos=None
+            logs / "model", hidden=options.hidden, layers=options.layers, window=2048
         )
     env = child_env([])
     node_args = ["--threads", "1", "--max-lanes", "8", *options.node_arg]
@@ -142,6 +154,7 @@ def bench(options: argparse.Namespace) -> int:
     (logs / "one").mkdir(exist_ok=True)
     with fleet_children(node_args, env, model, logs / "one") as f:
         results["1 node"] = run_setup(f.port, options)
+    (logs / "one" / "texts.json").write_text(json.dumps(texts(results["1 node"]), indent=1))
     for stages in options.stages:
         name = f"{stages} stages"
         folder = logs / name.replace(" ", "-")
@@ -149,6 +162,7 @@ def bench(options: argparse.Namespace) -> int:
         print(name, flush=True)
         with pipeline_head(stages, model, env, folder, node_args) as port:
             results[name] = run_setup(port, options)
+        (folder / "texts.json").write_text(json.dumps(texts(results[name]), indent=1))
         per_token[name] = forwarded_per_token(folder / "sfhead.log")
     return report(results, per_token)
 
@@ -164,6 +178,8 @@ def report(results: dict[str, dict[int, Phase]], per_token: dict[str, float]) ->
         ratios = {c: phases[c].rate / one[c].rate if one[c].rate else 0.0 for c in (1, 8)}
         equal = texts(phases) == texts(one)
         failed |= not equal
+        if not equal:
+            print(f"{name}: answers that differ from the node's: {differing(phases, one)}")
         marks = {}
         for c in (1, 8):
             marks[c] = ""
