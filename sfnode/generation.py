@@ -24,7 +24,7 @@ part of sfnode but the wire core: the node and the head both read it.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -214,6 +214,17 @@ class StageResult:
     token: int | None = None
 
 
+@dataclass(frozen=True)
+class StageForward:
+    """A stage forward's rows and layers (docs/protocol.md section 7.6): ``tokens`` for a first
+    stage, else ``hidden_in``, through layers ``[start_layer, end_layer)``."""
+
+    tokens: tuple[int, ...]
+    start_layer: int
+    end_layer: int
+    hidden_in: bytes | None
+
+
 @dataclass(frozen=True, slots=True)
 class TokenBatch:
     """The one value a generation's tokens travel in, from the engine's delivery to the head's
@@ -327,6 +338,29 @@ class Engine(Protocol):
 
     def stop(self) -> defer.Deferred[None]:
         """Cancel everything still queued or running and stop the workers."""
+
+
+class KeptStages(Protocol):
+    """Pipeline stages that keep their KV per stage session (docs/protocol.md section 12.8)."""
+
+    def forward(
+        self, owner: Hashable, session: int, position: int, forward: StageForward
+    ) -> defer.Deferred[StageResult]:
+        """``forward`` against ``owner``'s ``session`` from ``position``; fails with
+        :class:`StageForwardError` (the session is then dropped)."""
+
+    def release(self, owner: Hashable, session: int | None = None) -> None:
+        """Forget ``owner``'s ``session``, or every session of ``owner``."""
+
+
+@runtime_checkable
+class StageKeeping(Protocol):
+    """An engine whose pipeline stages may keep their KV: the node then offers
+    ``FEATURE_STAGE_KV`` when :attr:`kept_stages` is not None."""
+
+    @property
+    def kept_stages(self) -> KeptStages | None:
+        """The kept stage sessions, or None: this engine's stages are stateless."""
 
 
 @runtime_checkable

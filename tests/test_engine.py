@@ -43,6 +43,7 @@ from sfnode.generation import (
     EngineStop,
     GenerationRequest,
     GenerationResult,
+    StageForward,
     StageForwardError,
     StreamTooLong,
     TokenBatch,
@@ -646,6 +647,90 @@ class FailureTests(EngineTestCase):
         self.assertEqual(len(ok.tokens), 5)
 
 
+class KeptStageTests(EngineTestCase):
+    """Stages that keep their KV (docs/protocol.md section 12.8): rows equal, bit for bit,
+    whether a request runs alone or batched with others, and generate a full node's tokens."""
+
+    model_kwargs = {"layers": 4}
+
+    def kept(self, owner: str, session: int, position: int, *args: Any) -> Any:
+        stages = self.engine.kept_stages
+        assert stages is not None
+        return stages.forward(owner, session, position, StageForward(*args))
+
+    @defer.inlineCallbacks
+    def generate(self, prompt: list[int], count: int, chunk: int) -> Any:
+        """``count`` greedy tokens through stages [0, 1) and [1, 4) of this engine, the prompt
+        in chunks of ``chunk``; each step's hidden rows are returned too."""
+        context, out, rows = list(prompt), [], []
+        position = 0
+        while len(out) < count:
+            piece = tuple(context[position : position + chunk])
+            first = yield self.kept("head", 1, position, piece, 0, 1, None)
+            last = yield self.kept("tail", 2, position, (), 1, 4, first.hidden)
+            rows.append(first.hidden)
+            position += len(piece)
+            if position == len(context):
+                context.append(last.token)
+                out.append(last.token)
+        return out, rows
+
+    @defer.inlineCallbacks
+    def test_kept_stages_generate_the_engines_tokens(self) -> Any:
+        """A prompt in chunks of 7, then one row per token, through two kept stages gives
+        exactly the tokens the engine's own greedy generation gives."""
+        prompt = prompts(1, seed=21, low=30, high=31)[0]
+        tokens, _ = yield self.generate(prompt, 20, 7)
+        d, _ = self.run_one(prompt, 20)
+        result = yield d
+        self.assertEqual(tokens, list(result.tokens))
+
+    @defer.inlineCallbacks
+    def test_a_batch_computes_what_each_request_alone_does(self) -> Any:
+        """Three sessions' rows sent at once (one batch on the worker) are bit-identical to
+        the same rows sent one at a time, and a bad request in the batch fails alone."""
+        contexts = prompts(3, seed=22, low=9, high=15)
+        alone = []
+        for i, tokens in enumerate(contexts):
+            alone.append((yield self.kept("a", i, 0, tuple(tokens), 0, 2, None)).hidden)
+        driver = self.engine.kept_stages
+        assert driver is not None
+        driver.release("a")
+        sizes: list[int] = []
+        forward = driver._stages.forward
+
+        def recording(batch: Any) -> Any:
+            sizes.append(len(batch))
+            return forward(batch)
+
+        self.patch(driver._stages, "forward", recording)
+        together = [
+            self.kept("b", i, 0, tuple(tokens), 0, 2, None) for i, tokens in enumerate(contexts)
+        ]
+        bad = self.kept("b", 9, 0, (TINY_VOCAB + 5,), 0, 2, None)
+        answers = yield defer.gatherResults(together)
+        self.assertEqual([a.hidden for a in answers], alone)
+        yield self.assertFailure(bad, StageForwardError)
+        self.assertEqual(sum(sizes), 4)
+        self.assertGreater(max(sizes), 1)
+
+    @defer.inlineCallbacks
+    def test_a_session_holds_only_what_it_was_sent(self) -> Any:
+        """Position past the kept rows, another layer range, or no free slot: refused, and the
+        refused session is gone; a released owner's slots are free again."""
+        tokens = (5, 6, 7)
+        yield self.kept("o", 1, 0, tokens, 0, 2, None)
+        yield self.assertFailure(self.kept("o", 1, 4, (8,), 0, 2, None), StageForwardError)
+        yield self.assertFailure(self.kept("o", 1, 3, (8,), 0, 2, None), StageForwardError)
+        for session in range(4):
+            yield self.kept("o", session, 0, tokens, 0, 2, None)
+        yield self.assertFailure(self.kept("p", 1, 0, tokens, 0, 2, None), StageForwardError)
+        yield self.assertFailure(self.kept("o", 0, 3, (8,), 0, 3, None), StageForwardError)
+        assert self.engine.kept_stages is not None
+        self.engine.kept_stages.release("o")
+        yield self.kept("p", 1, 0, tokens, 0, 2, None)
+
+
 class StageForwardTests(EngineTestCase):
     """Pipeline stages: split forwards equal one full forward (bit-exact in float32)."""
 
@@ -1177,3 +1262,9 @@ class SpeculativeTests(EngineTestCase):
         self.assertIsNone(engine.speculation)
         self.assertRaises(ValueError, EngineConfig, speculative="x")
         self.assertRaises(ValueError, EngineConfig, draft_tokens=0)
+
+
+class KeptStageTorchTests(KeptStageTests):
+    """:class:`KeptStageTests` with the layers as torch operators (no native step)."""
+
+    engine_kwargs = {"max_lanes": 4, "fused_step": False}

@@ -559,6 +559,41 @@ class PipelineTests(MemoryHeadTestCase):
         tokens = self.run_pipeline(3, [8, 16, 24])
         self.assertEqual(tokens, expected_tokens(PROMPT, 8))
 
+    def test_stages_without_a_free_session_recompute(self) -> None:
+        """Three generations at once over two mock stages that keep one stage session each
+        (one lane): the first keeps its KV, the others are refused a session and recompute
+        (docs/protocol.md section 12.8); all three give one full node's tokens."""
+        nodes = [self.start_mock_node(identity=f"stage{i}", max_lanes=1) for i in range(2)]
+        pipeline = PipelineFleet(
+            self.reactor, [n.endpoint for n in nodes], n_layers=MOCK_LAYERS, ids=self.ids
+        )
+        self.addCleanup(lambda: self.wait(pipeline.stop()))
+        self.wait(pipeline.start())
+        prompts = [[*PROMPT, k] for k in range(3)]
+        running = [pipeline.generate(HeadRequest(p, 8)) for p in prompts]
+        outcomes = self.wait(defer.gatherResults([g.result for g in running]))
+        for prompt, outcome in zip(prompts, outcomes, strict=True):
+            self.assertEqual(outcome.tokens, expected_tokens(prompt, 8))
+        self.assertEqual([g._kept.recomputes for g in running].count(True), 2)
+
+    def test_tokens_reach_the_caller_as_a_node_sends_them(self) -> None:
+        """docs/protocol.md section 4.4: the first token at once, then 16 at a time (no
+        time passes here), the rest before the result; together exactly the tokens."""
+        nodes = [self.start_mock_node(identity=f"stage{i}") for i in range(2)]
+        pipeline = PipelineFleet(
+            self.reactor, [n.endpoint for n in nodes], n_layers=MOCK_LAYERS, ids=self.ids
+        )
+        self.addCleanup(lambda: self.wait(pipeline.stop()))
+        self.wait(pipeline.start())
+        batches: list[tuple[int, ...]] = []
+        generation = pipeline.generate(
+            HeadRequest(PROMPT, 40), on_tokens=lambda batch: batches.append(batch.tokens)
+        )
+        outcome = self.wait(generation.result)
+        self.assertEqual([len(b) for b in batches], [1, 16, 16, 7])
+        self.assertEqual([t for b in batches for t in b], outcome.tokens)
+        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 40))
+
     def test_boundaries(self) -> None:
         """Even boundaries are ((i+1)·n) // P; given ones must be one per stage, increasing."""
         self.assertEqual(even_boundaries(24, 2), [12, 24])

@@ -220,7 +220,8 @@ class OptionsTests(TestCase):
 
     def test_bad_values_are_usage_errors(self) -> None:
         """A bad policy, a bad endpoint, a non-loopback node without a token, --pipeline with
-        --node, and layer boundaries that do not match the stages are refused."""
+        --node, layer boundaries that do not match the stages, and spare stages without a
+        pipeline or at a bad endpoint are refused."""
         from twisted.python.usage import UsageError
 
         for args in (
@@ -231,6 +232,8 @@ class OptionsTests(TestCase):
             ["--pipeline", "tcp:127.0.0.1:1", "--node", "tcp:127.0.0.1:2"],
             ["--pipeline", "tcp:127.0.0.1:1,tcp:127.0.0.1:2", "--pipeline-layers", "4,8,12"],
             ["--lease-ms", "0"],
+            ["--pipeline-spare", "tcp:127.0.0.1:3"],
+            ["--pipeline", "tcp:127.0.0.1:1", "--pipeline-spare", "nonsense:1"],
         ):
             self.assertRaises(UsageError, self.parse, *args)
         self.assertEqual(
@@ -241,7 +244,7 @@ class OptionsTests(TestCase):
     def test_make_service_builds_a_plain_multiservice(self) -> None:
         """makeService loads only a tokenizer (any HF tokenizer folder) and returns a plain
         MultiService named sfhead with fleet, fleet-listen and http children; a pipeline
-        splits its layers as given."""
+        splits its layers as given and keeps its spare stages."""
         from twisted.application.service import MultiService
         from twisted.internet.testing import MemoryReactorClock
 
@@ -258,11 +261,12 @@ class OptionsTests(TestCase):
         self.assertEqual(options["model-name"], Path(folder).name)
         piped = self.parse(
             "--model", folder, "--pipeline", "tcp:127.0.0.1:1,tcp:127.0.0.1:2",
-            "--pipeline-layers", "24",
+            "--pipeline-layers", "24", "--pipeline-spare", "tcp:127.0.0.1:3",
         )  # fmt: skip
         service = makeService(piped, MemoryReactorClock())
         pipeline = service.getServiceNamed("fleet").pipeline
         self.assertEqual(pipeline.ranges, [(0, 12), (12, 24)])
+        self.assertEqual(pipeline.spare_endpoints, ["tcp:127.0.0.1:3"])
 
     @defer.inlineCallbacks
     def test_the_plugin_is_listed_and_lazy(self) -> Generator[Any, Any, None]:

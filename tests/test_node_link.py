@@ -18,6 +18,7 @@ from sfnode.engines.mock import MockEngineFault
 from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.link import NodeLink, NodeRefusedError
 from sfnode.linkf.wire import (
+    FEATURE_STAGE_KV,
     FINISH_CANCELLED,
     FINISH_DECLINED,
     FINISH_EOS,
@@ -36,6 +37,7 @@ from sfnode.linkf.wire import (
     MsgType,
     NodeStatusMsg,
     SessionAssignMsg,
+    StageReleaseMsg,
     TokenEventsMsg,
     Tokens,
     WatermarkAckMsg,
@@ -480,6 +482,30 @@ class PipelineTests(MemoryNodeTestCase):
         tokens = self.run_pipeline([8, 16, 24], 6)
         self.assertEqual(tokens, expected_tokens(PROMPT, 6))
 
+    def test_kept_stages_follow_the_test_vector(self) -> None:
+        """docs/protocol.md section 12.8: a node with the mock sets feature bit 7; session 5's
+        tokens 100..111 through [0, 12) give twelve rows, the last the stateless hidden, and
+        [12, 24) on them gives 31198; then [31198] at position 12 gives 16521.  A position the
+        session does not hold answers nil (and drops it); after STAGE_RELEASE, position 12 is
+        unknown; the last stage, which holds 13 rows, continues at 13 until then."""
+        first, last = self.dial(self.start_node(identity="a")), self.dial(self.start_node())
+        self.assertTrue((first.features or 0) & FEATURE_STAGE_KV)
+        prompt = list(range(100, 112))
+        rows = self.wait(first.stage_forward(prompt, 0, 12, None, 5, 0)).hidden
+        self.assertEqual(len(rows), 96)
+        self.assertEqual(rows[-8:].hex(" "), "81 80 20 8c 32 96 a1 3a")
+        self.assertEqual(self.wait(last.stage_forward([], 12, 24, rows, 5, 0)).token, 31198)
+        row = self.wait(first.stage_forward([31198], 0, 12, None, 5, 12)).hidden
+        self.assertEqual(row.hex(" "), "37 96 08 00 6a 2b 99 e7")
+        self.assertEqual(self.wait(last.stage_forward([], 12, 24, row, 5, 12)).token, 16521)
+        self.assertEqual(16521, expected_tokens(prompt, 2)[1])
+        skipped = self.wait(first.stage_forward([7], 0, 12, None, 5, 20))
+        self.assertEqual((skipped.hidden, skipped.token), (None, None))
+        self.assertIsNotNone(self.wait(last.stage_forward([], 12, 24, row, 5, 13)).token)
+        last.send_now(StageReleaseMsg(5))
+        gone = self.wait(last.stage_forward([], 12, 24, row, 5, 13))
+        self.assertEqual((gone.hidden, gone.token), (None, None))
+
     def test_bad_stage_requests_answer_nil(self) -> None:
         """docs/protocol.md section 7.6: bad layer bounds or a malformed hidden blob answer {nil,
         nil}."""
@@ -676,8 +702,8 @@ class DispatchTableTests(SynchronousTestCase):
 
     def test_the_node_handles_exactly_the_types_of_the_specification(self) -> None:
         """RECONCILE, ASSIGN, REVOKE, LEASE_GRANT, APPEND, GENERATE, WATERMARK_ACK,
-        BLOB_FETCH (section 12.5), GENERATE_CANCEL, STAGE_FORWARD_REQ and EMBED_REQ (section
-        12.7) have a responder; every other type has none."""
+        BLOB_FETCH (section 12.5), GENERATE_CANCEL, STAGE_FORWARD_REQ, EMBED_REQ (section
+        12.7) and STAGE_RELEASE (section 12.8) have a responder; every other type has none."""
         self.assertEqual(
             [cls.MSG_TYPE for cls in HANDLERS.message_classes()],
             [
@@ -692,6 +718,7 @@ class DispatchTableTests(SynchronousTestCase):
                 MsgType.GENERATE_CANCEL,
                 MsgType.STAGE_FORWARD_REQ,
                 MsgType.EMBED_REQ,
+                MsgType.STAGE_RELEASE,
             ],
         )
 

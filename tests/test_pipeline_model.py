@@ -17,12 +17,14 @@ TCP); :class:`ProcessPipelineTests` runs them as real ``twistd sfnode`` processe
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Coroutine, Generator, Sequence
 from typing import Any
 
 from twisted.internet import defer, reactor
 from twisted.internet.endpoints import TCP4ServerEndpoint
+from twisted.internet.task import deferLater
 
+from sfnode.head.fleet import pipeline as pipeline_module
 from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.fleet.pipeline import PipelineFleet
 from sfnode.head.link import NodeLink
@@ -68,6 +70,24 @@ class PipelineCase(NodeTestCase):
             torch.testing.assert_close(actual, expected, **TOLERANCE)
         except AssertionError as e:
             self.fail(f"{what}: {e}")
+
+    @defer.inlineCallbacks
+    def start_stage(
+        self, name: str
+    ) -> Generator[defer.Deferred[Any], Any, tuple[RunningNode, Any]]:
+        from sfnode.engines.config import EngineConfig
+        from sfnode.engines.transformers_engine import TransformersEngine
+
+        model = tiny_llama_random_norms(layers=LAYERS)
+        engine = TransformersEngine(model, reactor, EngineConfig(max_lanes=4))
+        agent = NodeAgent(reactor, engine, NodeConfig(identity=name, model_name="tiny"))
+        agent.start()
+        endpoint = TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1")
+        factory = node_factory(agent)
+        port = yield endpoint.listen(factory)
+        self.addCleanup(agent.stop)
+        self.addCleanup(port.stopListening)
+        return RunningNode(agent, engine, port, factory), model  # type: ignore[arg-type]
 
     @defer.inlineCallbacks
     def compare_boundaries(
@@ -116,23 +136,6 @@ class PipelineCase(NodeTestCase):
 
 class InProcessPipelineTests(PipelineCase):
     """Stage nodes in this process, each with its own engine and copy of the model, over TCP."""
-
-    @defer.inlineCallbacks
-    def start_stage(
-        self, name: str
-    ) -> Generator[defer.Deferred[Any], Any, tuple[RunningNode, Any]]:
-        from sfnode.engines.config import EngineConfig
-        from sfnode.engines.transformers_engine import TransformersEngine
-
-        model = tiny_llama_random_norms(layers=LAYERS)
-        engine = TransformersEngine(model, reactor, EngineConfig(max_lanes=1))
-        agent = NodeAgent(reactor, engine, NodeConfig(identity=name, model_name="tiny"))
-        agent.start()
-        endpoint = TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1")
-        port = yield endpoint.listen(node_factory(agent))
-        self.addCleanup(agent.stop)
-        self.addCleanup(port.stopListening)
-        return RunningNode(agent, engine, port), model  # type: ignore[arg-type]
 
     def capture_logits(self, engine: Any) -> list[Any]:
         """Record the last row of every logits tensor the engine's runner computes (the last
@@ -210,3 +213,135 @@ class ProcessPipelineTests(PipelineCase):
         self.assertEqual(finish, FINISH_LENGTH)
         for child in children:
             self.assertNotIn(b"Traceback", bytes(child.output))
+
+
+class KeptStageTests(PipelineCase):
+    """Stages that keep their KV (docs/protocol.md section 12.8): a prompt longer than a
+    prefill chunk goes through once, each step then sends one row, and a stage torn down in the
+    middle of generations is rebuilt with nothing repeated or lost."""
+
+    @defer.inlineCallbacks
+    def generate(
+        self, pipeline: PipelineFleet, prompt: list[int]
+    ) -> Generator[defer.Deferred[Any], Any, list[int]]:
+        streamed: list[int] = []
+        outcome = yield pipeline.generate(
+            HeadRequest(prompt, NEW_TOKENS), on_tokens=streamed.extend
+        ).result
+        self.assertEqual(streamed, outcome.tokens)
+        self.assertEqual(outcome.finish, FINISH_LENGTH)
+        return list(outcome.tokens)
+
+    @defer.inlineCallbacks
+    def test_a_long_prompt_in_chunks_then_one_row_per_token(self) -> Gen:
+        """A 150-token prompt in chunks of 64 through stages [0, 2) and [2, 4) gives the
+        greedy tokens of generate(); the hidden states sent between the stages are the
+        prompt's rows once and then one row per token (hidden size 64, float32: 256 bytes of
+        data and a few of framing per row), and every stage session is released at the end."""
+        self.patch(pipeline_module, "PREFILL_CHUNK", 64)
+        stages = []
+        for i in range(2):
+            stages.append((yield self.start_stage(f"stage{i}"))[0])
+        pipeline = PipelineFleet(
+            reactor, [s.endpoint for s in stages], boundaries=[2, 4], ids=self.ids
+        )
+        self.addCleanup(pipeline.stop)
+        yield pipeline.start()
+        prompt = [(i * 31 + 7) % TINY_VOCAB for i in range(150)]
+        tokens = yield self.generate(pipeline, prompt)
+        self.assertEqual(tokens, reference_greedy(self.model, prompt, NEW_TOKENS))
+        rows = len(prompt) + NEW_TOKENS - 1
+        self.assertGreaterEqual(pipeline.bytes_forwarded, rows * 256)
+        self.assertLess(pipeline.bytes_forwarded, rows * 256 + 40 * (3 + NEW_TOKENS))
+        yield deferLater(reactor, 0.05, lambda: None)
+        for stage in stages:
+            self.assertEqual(len(stage.engine.kept_stages.sessions), 0)
+
+    @defer.inlineCallbacks
+    def test_a_stage_torn_down_mid_generation_is_rebuilt_exactly(self) -> Gen:
+        """Three generations at once over stages [0, 1) and [1, 4); once 10 tokens of the
+        first have streamed, the second stage's node is torn down (its connections aborted,
+        its port closed) and a new one, with a new engine and no KV, listens on the same port:
+        every stream completes with exactly generate()'s tokens, each delivered once."""
+        stages = []
+        for i in range(2):
+            stages.append((yield self.start_stage(f"stage{i}"))[0])
+        pipeline = PipelineFleet(
+            reactor, [s.endpoint for s in stages], boundaries=[1, 4], ids=self.ids
+        )
+        self.addCleanup(pipeline.stop)
+        yield pipeline.start()
+        prompts = [[(i * 53 + 11 * k) % TINY_VOCAB for i in range(23 + k)] for k in range(3)]
+        yield self.generate_through_a_fault(pipeline, prompts, lambda: self.replace(stages[1]))
+
+    @defer.inlineCallbacks
+    def test_a_dead_stages_layers_go_to_a_spare(self) -> Gen:
+        """Two generations over stages [0, 2) and [2, 4) with a spare node; once 10 tokens
+        have streamed, the second stage's node is torn down and never comes back: its layers go
+        to the spare, which rebuilds them from the context the head holds, and both streams
+        complete with exactly generate()'s tokens, each delivered once."""
+        nodes = []
+        for i in range(3):
+            nodes.append((yield self.start_stage(f"stage{i}"))[0])
+        pipeline = PipelineFleet(
+            reactor,
+            [nodes[0].endpoint, nodes[1].endpoint],
+            boundaries=[2, 4],
+            ids=self.ids,
+            spares=[nodes[2].endpoint],
+        )
+        self.addCleanup(pipeline.stop)
+        yield pipeline.start()
+        prompts = [PROMPT, PROMPT[3:]]
+        yield self.generate_through_a_fault(pipeline, prompts, lambda: self.tear_down(nodes[1]))
+        self.assertEqual(pipeline.stages[1].name, pipeline.fleet.nodes[2].name)
+        self.assertIn(pipeline.fleet.nodes[1], pipeline.spares)
+
+    @defer.inlineCallbacks
+    def generate_through_a_fault(
+        self,
+        pipeline: PipelineFleet,
+        prompts: list[list[int]],
+        fault: Callable[[], Coroutine[Any, Any, None]],
+    ) -> Gen:
+        """Generate for every prompt at once; ``fault`` runs once 10 tokens of the first have
+        streamed.  Every stream must equal generate()'s, and the first's tokens must have
+        streamed exactly once, in order."""
+        faults: list[defer.Deferred[None]] = []
+        streamed: list[int] = []
+
+        def tokens(batch: Any) -> None:
+            streamed.extend(batch)
+            if len(streamed) >= 10 and not faults:
+                faults.append(defer.ensureDeferred(fault()))
+
+        running = [
+            pipeline.generate(HeadRequest(p, NEW_TOKENS), on_tokens=None if k else tokens)
+            for k, p in enumerate(prompts)
+        ]
+        outcomes = yield defer.gatherResults([g.result for g in running])
+        yield faults[0]
+        for prompt, outcome in zip(prompts, outcomes, strict=True):
+            self.assertEqual(outcome.tokens, reference_greedy(self.model, prompt, NEW_TOKENS))
+        self.assertEqual(streamed, outcomes[0].tokens)
+
+    async def tear_down(self, stage: RunningNode) -> None:
+        """Abort ``stage``'s connections, close its port and stop its node."""
+        for protocol in list(stage.node_factory.protocols):
+            protocol.transport.abortConnection()
+        await stage.port.stopListening()
+        await stage.agent.stop()
+
+    async def replace(self, stage: RunningNode) -> None:
+        """Tear ``stage`` down and start a new node on its port."""
+        number = stage.port_number
+        await self.tear_down(stage)
+        await deferLater(reactor, 0.3, lambda: None)
+        from sfnode.engines.config import EngineConfig
+        from sfnode.engines.transformers_engine import TransformersEngine
+
+        engine = TransformersEngine(
+            tiny_llama_random_norms(layers=LAYERS), reactor, EngineConfig(max_lanes=4)
+        )
+        agent = NodeAgent(reactor, engine, NodeConfig(identity="stage1-again", model_name="tiny"))
+        await self.serve(agent, engine, number)

@@ -234,7 +234,7 @@ class FrameDecoderTests(SynchronousTestCase):
     def test_unknown_required_type(self) -> None:
         """A required-range type outside the catalog fails closed with UnknownRequiredType."""
         self.assertRaises(UnknownRequiredType, FrameDecoder().feed, raw_frame(0x00FF))
-        self.assertRaises(UnknownRequiredType, FrameDecoder().feed, raw_frame(0x001D))
+        self.assertRaises(UnknownRequiredType, FrameDecoder().feed, raw_frame(0x001E))
         self.assertRaises(UnknownRequiredType, FrameDecoder().feed, raw_frame(0x0000))
 
     def test_unknown_droppable_skipped(self) -> None:
@@ -516,6 +516,30 @@ class PayloadStrictnessTests(SynchronousTestCase):
         self.assertRaises(PayloadError, decode_message, MsgType.EMBED_REQ, raw_pack([7, [1]]))
         self.assertEqual((MsgType.EMBED_REQ, MsgType.EMBED_RESP), (0x001B, 0x001C))
 
+    def test_kept_stage_messages(self) -> None:
+        """STAGE_FORWARD_REQ's stage session and position are appended only when set, byte
+        for byte as section 12.8's example; the stateless five elements still decode; one
+        without the other is malformed; STAGE_RELEASE is 0x001D, ``91 05`` for session 5 and
+        held to the small payload limit."""
+        kept = wire.StageForwardReqMsg(7, (31198,), 0, 12, None, 5, 12)
+        self.assertEqual(kept.payload().hex(), "970791cd79de000cc0050c")
+        self.assertEqual(decode_message(MsgType.STAGE_FORWARD_REQ, kept.payload()), kept)
+        self.assertTrue(kept.kept)
+        stateless = wire.StageForwardReqMsg(7, (1, 2), 0, 12, None)
+        self.assertEqual(stateless.payload(), raw_pack([7, [1, 2], 0, 12, None]))
+        self.assertFalse(decode_message(MsgType.STAGE_FORWARD_REQ, stateless.payload()).kept)
+        self.assertRaises(
+            PayloadError,
+            decode_message,
+            MsgType.STAGE_FORWARD_REQ,
+            raw_pack([7, [1], 0, 12, None, 5, None]),
+        )
+        release = wire.StageReleaseMsg(5)
+        self.assertEqual(release.payload().hex(), "9105")
+        self.assertEqual(decode_message(MsgType.STAGE_RELEASE, release.payload()), release)
+        self.assertEqual(int(MsgType.STAGE_RELEASE), 0x001D)
+        self.assertEqual(wire.PAYLOAD_LIMITS[0x001D], wire.SMALL_PAYLOAD)
+
     def test_optional_nil(self) -> None:
         """Option<T> is nil for None and T otherwise (M10)."""
         resp = wire.StageForwardRespMsg(9, None, 5)
@@ -614,9 +638,9 @@ class NegotiateTests(SynchronousTestCase):
 
 class CatalogTests(SynchronousTestCase):
     def test_every_type_known(self) -> None:
-        """All 28 catalog types and sfnode's two embedding types (section 12.7) have a
+        """All 28 catalog types and sfnode's three own types (sections 12.7, 12.8) have a
         message class and pass the decoder (item 2)."""
-        self.assertEqual(len(MsgType), 30)
+        self.assertEqual(len(MsgType), 31)
         self.assertEqual(set(MESSAGE_CLASSES), set(MsgType))
         for msg_type, cls in MESSAGE_CLASSES.items():
             self.assertEqual(cls.MSG_TYPE, msg_type)

@@ -21,7 +21,8 @@ engine goes on), and never call a generation's ``on_tokens`` after it was cancel
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -42,6 +43,7 @@ from sfnode.engines.scheduling.scheduler import (
     Scheduler,
     blocks_for,
 )
+from sfnode.engines.scheduling.stages import KeptRows, StageSessions
 from sfnode.generation import (
     EngineRefusal,
     EngineStatistics,
@@ -49,6 +51,7 @@ from sfnode.generation import (
     GenerationRequest,
     GenerationResult,
     MaskFigures,
+    StageForward,
     StageForwardError,
     StageResult,
     StreamTooLong,
@@ -73,6 +76,19 @@ class Runner(Protocol):
     def run(self, plan: StepPlan) -> StepOutput: ...
 
     def stage(self, tokens: Sequence[int], start: int, end: int, hidden_in: Any) -> StageResult: ...
+
+
+class StageKeeper(Protocol):
+    """What computes kept pipeline stages (docs/protocol.md section 12.8) on the worker: rows
+    of a slot of its own KV."""
+
+    slots: int
+
+    def read_rows(self, blob: bytes) -> Any:
+        """The rows of a hidden blob; :class:`StageForwardError` for a malformed one."""
+
+    def forward(self, batch: Sequence[KeptRows]) -> list[StageResult | StageForwardError]:
+        """Each request's answer, or the error that stopped it, in order."""
 
 
 class Worker(Protocol):
@@ -189,6 +205,32 @@ class EngineGeneration:
             self._result.errback(error)
 
 
+def check_stage(forward: StageForward, n_layers: int, running: bool) -> None:
+    """:raises StageForwardError: bad layer bounds, no input, or a stopped engine."""
+    if not 0 <= forward.start_layer <= forward.end_layer <= n_layers:
+        raise StageForwardError(
+            f"bad layer bounds [{forward.start_layer}, {forward.end_layer}) for {n_layers} layers"
+        )
+    if forward.hidden_in is None and (forward.start_layer != 0 or not forward.tokens):
+        raise StageForwardError("a stage without hidden input must start at layer 0 with tokens")
+    if not running:
+        raise StageForwardError("the engine is stopped")
+
+
+def _stage_failed(failure: Failure) -> Failure:
+    """A stage forward's failure as a :class:`StageForwardError` (logged when unexpected)."""
+    if isinstance(failure.value, StageForwardError):
+        return failure
+    raise _stage_error(failure)
+
+
+def _stage_error(failure: Failure) -> StageForwardError:
+    if isinstance(failure.value, StageForwardError):
+        return failure.value
+    log.failure("stage forward failed", failure)
+    return StageForwardError(f"stage forward failed: {failure.value}")
+
+
 class EngineLoop:
     """The reactor side of an engine (see the module): the engines are this loop with a runner
     and a worker of their own (:class:`~sfnode.engines.mock.MockEngine`,
@@ -204,9 +246,11 @@ class EngineLoop:
         clock: Callable[[], float],
         vocabulary: Vocabulary | None = None,
         supports_logprobs: bool = True,
+        stages: StageKeeper | None = None,
     ) -> None:
         """``clock`` reads the seconds deadlines are kept in; ``vocabulary`` lets the engine
-        honour grammars (docs/engine.md section 2.4)."""
+        honour grammars (docs/engine.md section 2.4); ``stages`` lets pipeline stages keep
+        their KV (docs/protocol.md section 12.8)."""
         self.config = config
         self._window, kv_blocks = config.kv_sizes(traits.model_window)
         self._traits = traits
@@ -235,7 +279,15 @@ class EngineLoop:
         self.vocabulary = vocabulary
         """The model's vocabulary for grammars; None: the engine honours no grammar."""
         self._clock = clock
+        self.clock = clock
+        """The seconds the loop's deadlines (and stage sessions' idleness) are kept in."""
         self._supports_logprobs = supports_logprobs
+        self.kept_stages = (
+            StageDriver(self, stages, StageSessions(stages.slots, self._window))
+            if stages is not None and stages.slots > 0
+            else None
+        )
+        """Stage sessions that keep their KV (docs/protocol.md section 12.8), or None."""
         self._started = False
         self._stopping = False
         self._stepping = False
@@ -385,33 +437,18 @@ class EngineLoop:
     def stage_forward(
         self, tokens: Sequence[int], start_layer: int, end_layer: int, hidden_in: bytes | None
     ) -> defer.Deferred[StageResult]:
-        n_layers = self._traits.n_layers
         try:
-            if not 0 <= start_layer <= end_layer <= n_layers:
-                raise StageForwardError(
-                    f"bad layer bounds [{start_layer}, {end_layer}) for {n_layers} layers"
-                )
-            if hidden_in is None and (start_layer != 0 or not tokens):
-                raise StageForwardError(
-                    "a stage without hidden input must start at layer 0 with tokens"
-                )
-            if self._stopping or not self._started:
-                raise StageForwardError("the engine is stopped")
+            forward = StageForward(tuple(tokens), start_layer, end_layer, hidden_in)
+            check_stage(forward, self._traits.n_layers, self._started and not self._stopping)
             hidden = None if hidden_in is None else self.read_hidden(hidden_in)
         except StageForwardError as e:
             return defer.fail(e)
         d = self.worker.call(
             self.runner.stage, [int(t) for t in tokens], start_layer, end_layer, hidden
         )
-
-        def unexpected(failure: Failure) -> Failure | StageResult:
-            if isinstance(failure.value, StageForwardError):
-                return failure
-            log.failure("stage forward failed", failure)
-            raise StageForwardError(f"stage forward failed: {failure.value}")
-
-        d.addErrback(unexpected)
+        d.addErrback(_stage_failed)
         return d
+
 
     def read_hidden(self, blob: bytes) -> Any:
         """A stage's hidden input as the runner takes it.
@@ -524,3 +561,88 @@ if TYPE_CHECKING:
     def _conforms(generation: EngineGeneration) -> Generation:
         """mypy checks here that the handle implements the node's protocol."""
         return generation
+
+
+_Waiting = tuple[KeptRows, defer.Deferred[StageResult], Hashable, int]
+"""A kept request waiting for its batch: its rows, its answer, its owner and session."""
+
+
+class StageDriver:
+    """An engine loop's stage sessions that keep their KV (docs/protocol.md section 12.8): the
+    sessions' table on the reactor thread, their rows computed by ``stages`` on the loop's
+    worker.  A batch takes, when the worker starts it, every request that has arrived by then
+    (one pass over the weights for the generations a stage carries); the requests that arrive
+    while it runs go together in the next."""
+
+    def __init__(self, loop: EngineLoop, stages: StageKeeper, sessions: StageSessions) -> None:
+        self._loop = loop
+        self._stages = stages
+        self.sessions = sessions
+        self._lock = threading.Lock()
+        self._waiting: list[_Waiting] = []
+        """Appended on the reactor thread, taken by the worker (under the lock)."""
+        self._called = False
+        """A batch is asked of the worker and has not taken its requests yet."""
+
+    def forward(
+        self, owner: Hashable, session: int, position: int, forward: StageForward
+    ) -> defer.Deferred[StageResult]:
+        """``forward`` against ``owner``'s stage ``session`` from ``position``; fails with
+        :class:`StageForwardError`, and the session is then dropped."""
+        loop, stages = self._loop, self._stages
+        try:
+            check_stage(forward, loop.n_layers, loop._started and not loop._stopping)
+            if forward.start_layer == forward.end_layer:
+                raise StageForwardError("a kept stage runs at least one layer")
+            rows = None if forward.hidden_in is None else stages.read_rows(forward.hidden_in)
+            count = len(forward.tokens) if rows is None else len(rows)
+            layers = (forward.start_layer, forward.end_layer)
+            slot = self.sessions.claim(owner, session, position, count, layers, loop.clock())
+        except StageForwardError as e:
+            self.sessions.drop(owner, session)
+            return defer.fail(e)
+        d: defer.Deferred[StageResult] = defer.Deferred()
+        kept = KeptRows(slot, position, forward.tokens, rows, *layers)
+        with self._lock:
+            self._waiting.append((kept, d, owner, session))
+            if self._called:
+                return d
+            self._called = True
+        loop.worker.call(self._batch).addCallbacks(self._answered, self._failed)
+        return d
+
+    def _batch(self) -> tuple[list[_Waiting], list[StageResult | StageForwardError]]:
+        """On the worker: every request waiting, computed together."""
+        with self._lock:
+            batch, self._waiting = self._waiting, []
+            self._called = False
+        try:
+            return batch, self._stages.forward([kept for kept, *_ in batch])
+        except Exception as e:
+            log.failure("kept stage forward failed")
+            error = StageForwardError(f"stage forward failed: {e}")
+            return batch, [error for _ in batch]
+
+    def _answered(
+        self, done: tuple[list[_Waiting], list[StageResult | StageForwardError]]
+    ) -> None:
+        batch, answers = done
+        for (_, d, owner, session), answer in zip(batch, answers, strict=True):
+            if isinstance(answer, StageForwardError):
+                self.sessions.drop(owner, session)
+                d.errback(answer)
+            else:
+                d.callback(answer)
+
+    def _failed(self, failure: Failure) -> None:
+        """The worker could not run the batch (it stopped): every request waiting fails."""
+        with self._lock:
+            batch, self._waiting = self._waiting, []
+            self._called = False
+        for _, d, owner, session in batch:
+            self.sessions.drop(owner, session)
+            d.errback(_stage_error(failure))
+
+    def release(self, owner: Hashable, session: int | None = None) -> None:
+        """Forget ``owner``'s stage ``session``, or all of its sessions."""
+        self.sessions.drop(owner, session)

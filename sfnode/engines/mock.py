@@ -38,6 +38,7 @@ from sfnode.decoding.sparse_sampler import SparseLogits, sample_sparse, sparse_l
 from sfnode.engines.config import EngineConfig
 from sfnode.engines.loop import EngineLoop, RunnerTraits
 from sfnode.engines.scheduling.plan import BlockCopy, StepOutput, StepPlan
+from sfnode.engines.scheduling.stages import KeptRows
 from sfnode.generation import StageForwardError, StageResult, TokenLogprob
 from sfnode.linkf.prefix_blocks import KV_BLOCK_TOKENS
 from sfnode.linkf.wire import Constraint, GenParams
@@ -241,6 +242,42 @@ class MockRunner:
         return StageResult(hidden=struct.pack("<Q", hidden))
 
 
+class MockStages:
+    """The mock's kept stage sessions (docs/protocol.md section 12.8): a first stage keeps each
+    slot's tokens, and each row's state is the stateless state of the context up to that row;
+    a later stage maps each 8-byte row through its layers."""
+
+    def __init__(self, slots: int, n_layers: int, vocab_size: int) -> None:
+        self.slots = slots
+        self._tokens: list[list[int]] = [[] for _ in range(slots)]
+        self._n_layers = n_layers
+        self._vocab_size = vocab_size
+
+    def read_rows(self, blob: bytes) -> list[int]:
+        """``8n`` bytes: one little-endian u64 per row."""
+        if not blob or len(blob) % 8:
+            raise StageForwardError(f"mock rows are 8 bytes each, got {len(blob)} bytes")
+        return list(struct.unpack(f"<{len(blob) // 8}Q", blob))
+
+    def forward(self, batch: Sequence[KeptRows]) -> list[StageResult | StageForwardError]:
+        """Each request of the batch in turn (a pretend pass: nothing is shared)."""
+        return [self._forward(rows) for rows in batch]
+
+    def _forward(self, rows: KeptRows) -> StageResult:
+        if rows.hidden is None:
+            context = self._tokens[rows.slot] = [*self._tokens[rows.slot][: rows.position]]
+            states = []
+            for token in rows.tokens:
+                context.append(int(token))
+                states.append(mock_embed(context))
+        else:
+            states = list(rows.hidden)
+        states = [mock_layers(h, rows.start, rows.end) for h in states]
+        if rows.end == self._n_layers:
+            return StageResult(token=states[-1] % self._vocab_size)
+        return StageResult(hidden=struct.pack(f"<{len(states)}Q", *states))
+
+
 class ReactorWorker:
     """Runs a step on the reactor ``delay_s`` after it is sent (the mock's pretend forward
     time), and everything else at once; a step not run yet is dropped when the engine stops."""
@@ -342,6 +379,7 @@ class MockEngine(EngineLoop):
             clock=reactor.seconds,
             vocabulary=vocabulary,
             supports_logprobs=supports_logprobs,
+            stages=MockStages(config.max_lanes, n_layers, vocab_size),
         )
 
     def read_hidden(self, blob: bytes) -> int:

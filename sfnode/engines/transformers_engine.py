@@ -51,6 +51,7 @@ from sfnode.engines.runners.decoder import DecoderRunner
 from sfnode.engines.runners.forward import ModelForwardRunner
 from sfnode.engines.runners.hidden import decode_hidden, encode_hidden
 from sfnode.engines.runners.masks import MaskWorker
+from sfnode.engines.runners.stages import DecoderStages
 from sfnode.engines.scheduling.plan import StepOutput, StepPlan
 from sfnode.engines.weights.gather import ModelWeights, WeightsError, as_stored, gather_weights
 from sfnode.engines.weights.loading import LoadedModel
@@ -96,6 +97,12 @@ def _trim_heap() -> None:
         trim = None
     if trim is not None:
         trim(0)
+
+
+def _kept_stages(runner: TorchRunner, config: EngineConfig) -> DecoderStages | None:
+    """Stages keep their KV where sfnode's own step runs (docs/protocol.md section 12.8), in
+    as many sessions as the node has lanes."""
+    return DecoderStages(runner, config.max_lanes) if isinstance(runner, DecoderRunner) else None
 
 
 class ThreadWorker:
@@ -397,8 +404,9 @@ class TransformersEngine(EngineLoop):
         )
         self._worker = ThreadWorker(reactor, weights.runner, masks)
         super().__init__(
-            config, traits, weights.runner, self._worker, clock=clock, vocabulary=vocabulary
-        )
+            config, traits, weights.runner, self._worker, clock=clock, vocabulary=vocabulary,
+            stages=_kept_stages(weights.runner, config),
+        )  # fmt: skip
         self._log_speculation(why)
 
     def _log_speculation(self, why: str | None) -> None:

@@ -388,6 +388,13 @@ class Options(usage.Options):
             None,
             "Run generations across these stage nodes: ENDPOINT,ENDPOINT[,...] (in order).",
         ],
+        [
+            "pipeline-spare",
+            None,
+            None,
+            "Spare stage nodes for --pipeline: ENDPOINT[,...]; a spare takes the layers of a "
+            "stage whose node is down, rebuilt from the context the head holds.",
+        ],
         # The HTTP front door (sfnode.head.api.gate): limits that hold against hostile clients.
         [
             "max-body",
@@ -568,6 +575,12 @@ class Options(usage.Options):
             for endpoint in stages:
                 _check_endpoint("pipeline", endpoint, server=False)
         self["stages"] = stages
+        spares = [s for s in (self["pipeline-spare"] or "").split(",") if s]
+        if spares and not stages:
+            raise usage.UsageError("--pipeline-spare needs --pipeline")
+        for endpoint in spares:
+            _check_endpoint("pipeline-spare", endpoint, server=False)
+        self["spares"] = spares
         layers = self["pipeline-layers"]
         if layers is not None:
             if not stages:
@@ -1109,6 +1122,7 @@ def _pipeline(options: Options, registry: ModelRegistry, reactor: Any) -> Pipeli
             n_layers=n_layers,
             eos_ids=[eos] if isinstance(eos, int) else [],
             settings=options["fleet-settings"],
+            spares=options["spares"],
         )
     except ValueError as e:
         raise HeadStartupError(f"sfhead: {e}") from e

@@ -82,13 +82,17 @@ says so in the Finish's ``detail`` (docs/protocol.md section 12.6, D23)."""
 FEATURE_EMBEDDINGS = 1 << 6
 """HELLO_ACK_F feature flag: the node serves its model as an embedding model: it answers
 EMBED_REQ and generates nothing (docs/protocol.md section 12.7, D24)."""
+FEATURE_STAGE_KV = 1 << 7
+"""HELLO_ACK_F feature flag: the node's pipeline stages keep their KV per stage session
+(STAGE_FORWARD_REQ's appended ``stage_session`` and ``position``, STAGE_RELEASE;
+docs/protocol.md section 12.8, D26)."""
 
 _ENVELOPE = struct.Struct("<IHHQQB")
 _LENGTH = struct.Struct("<I")
 
 
 class MsgType(enum.IntEnum):
-    """The 28 message types of the Link F catalog and sfnode's two of section 12.7
+    """The 28 message types of the Link F catalog and sfnode's own of sections 12.7 and 12.8
     (docs/protocol.md section 4.1)."""
 
     HELLO = 0x0001
@@ -119,6 +123,7 @@ class MsgType(enum.IntEnum):
     STAGE_FORWARD_RESP = 0x001A
     EMBED_REQ = 0x001B
     EMBED_RESP = 0x001C
+    STAGE_RELEASE = 0x001D
     TELEMETRY = 0x8001
     KEEPALIVE = 0x8002
 
@@ -162,6 +167,7 @@ PAYLOAD_LIMITS: dict[int, int] = {
         MsgType.STAGE_FORWARD_RESP: MAX_PAYLOAD,
         MsgType.EMBED_REQ: MAX_PAYLOAD,
         MsgType.EMBED_RESP: MAX_PAYLOAD,
+        MsgType.STAGE_RELEASE: SMALL_PAYLOAD,
         MsgType.TELEMETRY: MAX_PAYLOAD,
         MsgType.KEEPALIVE: SMALL_PAYLOAD,
     }.items()
@@ -1620,13 +1626,44 @@ class NodeStatusMsg(Message):
 
 @dataclass(frozen=True, slots=True)
 class StageForwardReqMsg(Message):
+    """STAGE_FORWARD_REQ (docs/protocol.md section 7.6).  ``stage_session`` and ``position``
+    are the optional sixth and seventh elements of section 12.8 (None: not written, the
+    stateless five-element message every node reads); both are written or neither."""
+
     request_id: int
     tokens: tuple[int, ...]
     start_layer: int
     end_layer: int
     hidden_in: bytes | None
+    stage_session: int | None = None
+    position: int | None = None
     MSG_TYPE = MsgType.STAGE_FORWARD_REQ
-    FIELDS = (U64, U32S, U32, U32, Optional(BIN))
+    FIELDS = (U64, U32S, U32, U32, Optional(BIN), Optional(U64), Optional(U64))
+
+    def __post_init__(self) -> None:
+        # One value per meaning: stateless has no position; a session's position is a number.
+        if self.stage_session is None:
+            object.__setattr__(self, "position", None)
+        elif self.position is None:
+            object.__setattr__(self, "position", 0)
+
+    def to_wire(self) -> list[Any]:
+        wire = Struct.to_wire(self)
+        return wire if self.stage_session is not None else wire[:5]
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> StageForwardReqMsg:
+        if type(obj) is list and len(obj) == 5:
+            obj = [*obj, None, None]
+        if type(obj) is list and len(obj) >= 7 and (obj[5] is None) != (obj[6] is None):
+            raise PayloadError("STAGE_FORWARD_REQ: stage_session and position go together")
+        message: StageForwardReqMsg = super(StageForwardReqMsg, cls).from_wire(obj)
+        return message
+
+    @property
+    def kept(self) -> bool:
+        """Whether the request runs against a stage session's kept KV (section 12.8)."""
+        return self.stage_session is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -1636,6 +1673,16 @@ class StageForwardRespMsg(Message):
     token: int | None
     MSG_TYPE = MsgType.STAGE_FORWARD_RESP
     FIELDS = (U64, Optional(BIN), Optional(U32))
+
+
+@dataclass(frozen=True, slots=True)
+class StageReleaseMsg(Message):
+    """STAGE_RELEASE (docs/protocol.md section 12.8): the node forgets that stage session of
+    the connection; silent."""
+
+    stage_session: int
+    MSG_TYPE = MsgType.STAGE_RELEASE
+    FIELDS = (U64,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1692,7 +1739,7 @@ MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
         ParkReqMsg, ResumeReqMsg, TokenEventsMsg, WatermarkAckMsg, XferBeginMsg, XferChunkMsg,
         XferEndMsg, XferAbortMsg, StateShipMsg, StateFetchMsg, BlobFetchMsg, NodeStatusMsg,
         GenerateCancelMsg, StageForwardReqMsg, StageForwardRespMsg, EmbedReqMsg, EmbedRespMsg,
-        TelemetryMsg, Keepalive,
+        StageReleaseMsg, TelemetryMsg, Keepalive,
     )
 }  # fmt: skip
 

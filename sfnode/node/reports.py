@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import psutil
 
-from sfnode.generation import Embedder
+from sfnode.generation import Embedder, StageKeeping
 from sfnode.linkf.platform import NodePlatform, encode_platform
 from sfnode.linkf.wire import (
     FEATURE_CLOSING,
@@ -22,6 +22,7 @@ from sfnode.linkf.wire import (
     FEATURE_LOGPROBS,
     FEATURE_MODEL_FILES,
     FEATURE_REQUEST_CLASS,
+    FEATURE_STAGE_KV,
     PROTO_VERSION,
     CapacitySummary,
     HelloAckF,
@@ -35,6 +36,11 @@ from sfnode.node.capacity import NodeLoad
 from sfnode.node.config import NodeCommon
 from sfnode.node.host import cpu_description, resident_bytes
 from sfnode.node.refused import RefusedEngine
+
+
+def _keeps_stages(engine: object) -> bool:
+    """Whether the engine's pipeline stages keep their KV (docs/protocol.md section 12.8)."""
+    return isinstance(engine, StageKeeping) and engine.kept_stages is not None
 
 
 class NodeReports:
@@ -106,7 +112,8 @@ class NodeReports:
             # An engine loop with a vocabulary closes constrained output within its budget.
             | (FEATURE_CLOSING if self._common.engine.supports_constraints else 0)
             | (FEATURE_MODEL_FILES if files is not None else 0)
-            | (FEATURE_EMBEDDINGS if isinstance(self._common.engine, Embedder) else 0),
+            | (FEATURE_EMBEDDINGS if isinstance(self._common.engine, Embedder) else 0)
+            | (FEATURE_STAGE_KV if _keeps_stages(self._common.engine) else 0),
             limits=LinkFLimits(),
             model_files=(
                 ModelFilesOffer(files.content_hash, len(files.data)) if files is not None else None

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
+from twisted.internet import defer
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -36,7 +37,9 @@ from sfnode.generation import (
     Embedder,
     EmbeddingError,
     GenerationRequest,
+    StageForward,
     StageForwardError,
+    StageKeeping,
     StageResult,
 )
 from sfnode.linkf.idempotency import GenerationKey
@@ -60,6 +63,7 @@ from sfnode.linkf.wire import (
     SessionRevokeMsg,
     StageForwardReqMsg,
     StageForwardRespMsg,
+    StageReleaseMsg,
     TokenEvent,
     TokenEventsMsg,
     WatermarkAckMsg,
@@ -289,9 +293,26 @@ class Responders:
             _log_refusal("stage forward", msg.request_id, failure, StageForwardError)
             connection.send(StageForwardRespMsg(msg.request_id, None, None))
 
-        self._common.engine.stage_forward(
-            msg.tokens, msg.start_layer, msg.end_layer, msg.hidden_in
-        ).addCallbacks(answer, refuse)
+        engine = self._common.engine
+        if msg.stage_session is None:
+            running = engine.stage_forward(
+                msg.tokens, msg.start_layer, msg.end_layer, msg.hidden_in
+            )
+        elif isinstance(engine, StageKeeping) and engine.kept_stages is not None:
+            forward = StageForward(msg.tokens, msg.start_layer, msg.end_layer, msg.hidden_in)
+            running = engine.kept_stages.forward(
+                connection, msg.stage_session, msg.position or 0, forward
+            )
+        else:
+            running = defer.fail(StageForwardError("this node keeps no stage KV"))
+        running.addCallbacks(answer, refuse)
+
+    @handles(StageReleaseMsg)
+    def stage_release(self, connection: NodeConnection, msg: StageReleaseMsg) -> None:
+        """Forget that stage session of the connection (section 12.8); silent."""
+        engine = self._common.engine
+        if isinstance(engine, StageKeeping) and engine.kept_stages is not None:
+            engine.kept_stages.release(connection, msg.stage_session)
 
     @handles(EmbedReqMsg)
     def embed(self, connection: NodeConnection, msg: EmbedReqMsg) -> None:

@@ -36,6 +36,7 @@ from sfnode.linkf.wire import (
     FEATURE_LOGPROBS,
     FEATURE_MODEL_FILES,
     FEATURE_REQUEST_CLASS,
+    FEATURE_STAGE_KV,
 )
 
 NODES_SHOWN = 200
@@ -49,6 +50,7 @@ _FEATURES = (
     (FEATURE_CONSTRAINTS, "constraints"),
     (FEATURE_MODEL_FILES, "files"),
     (FEATURE_EMBEDDINGS, "embeddings"),
+    (FEATURE_STAGE_KV, "stage_kv"),
 )
 _JOINING = frozenset({"new", "connecting", "handshaking", "reconciling"})
 

@@ -2,17 +2,27 @@
 layer range by range.
 
 P stage nodes split ``n_layers`` layers: evenly (``boundary[i] = ((i+1)·n_layers) // P``) or at
-boundaries given by the operator.  Per generated token, stage 0 gets the full context and no
-hidden state, stage i > 0 gets no tokens and the previous stage's hidden state; the first stage
-that answers with a token ends the step.  The token is appended and the step repeats, recomputing
-the whole context each time (no KV cache, greedy).
+boundaries given by the operator.  Stage 0 gets tokens and no hidden state, stage i > 0 gets no
+tokens and the previous stage's hidden state; the first stage that answers with a token ends the
+step (greedy).
+
+When every stage's node keeps stage KV (feature bit 7, docs/protocol.md section 12.8), each
+generation has a stage session: its context goes through the stages once, in chunks of
+:data:`PREFILL_CHUNK` positions, and each step then sends only the new token (and its hidden
+state) at its position.  Otherwise each step recomputes the whole context (section 7.6).  A stage
+that answers nothing or is lost makes the generation wait for that stage's link (retrying with
+backoff, at most :data:`MAX_REBUILDS` times without a new token) and rebuild every stage from
+position 0 with the context it holds, the prompt and every token delivered: the token it then
+gets is the one the lost step would have given, so nothing is repeated or lost.  Before a
+rebuild, the layers of a stage whose link is down go to a spare node whose link is up
+(:meth:`PipelineFleet.replace_down`); without one the rebuild waits for the stage's own address.
 
 The stage nodes are kept in a :class:`~sfnode.head.fleet.fleet.Fleet` of their own, so they are
 dialed, kept alive, redialled and reported (health, metrics) like any fleet's nodes, but never
-placed on: a pipeline needs all of its stages.  A step whose stage is reconnecting waits for that
-attempt; a stage that cannot be reached fails the generation (:class:`NoNodeAvailable`).  A
-generation has the fleet's wall budget (``max_generation_s``): past it the step in flight is
-abandoned and the generation fails with :class:`~sfnode.head.fleet.backend.GenerationTimedOut`.
+placed on: a pipeline needs all of its stages.  A stage that stays unreachable through every
+rebuild fails the generation (:class:`NoNodeAvailable`).  A generation has the fleet's wall
+budget (``max_generation_s``): past it the step in flight is abandoned and the generation fails
+with :class:`~sfnode.head.fleet.backend.GenerationTimedOut`.
 
 This module must never block, never use the global reactor, and never hand a caller a token twice
 or a token computed from a context it did not ask for.
@@ -21,9 +31,10 @@ or a token computed from a context it did not ask for.
 from __future__ import annotations
 
 from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from twisted.internet import defer
+from twisted.internet import defer, task
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
@@ -41,15 +52,28 @@ from sfnode.head.fleet.backend import (
     NoNodeAvailable,
 )
 from sfnode.head.fleet.fleet import DEFAULT_FLEET_SETTINGS, Fleet, FleetNode, FleetSettings
-from sfnode.head.link import HeadIds, LinkError
+from sfnode.head.link import HeadIds, LinkError, NodeLink
 from sfnode.linkf.wire import (
+    FEATURE_STAGE_KV,
     FINISH_CANCELLED,
     FINISH_EOS,
     FINISH_LENGTH,
     StageForwardRespMsg,
+    StageReleaseMsg,
 )
 
 _log = Logger(namespace="sfnode.head.fleet.pipeline")
+
+PREFILL_CHUNK = 256
+"""Positions per kept-stage request while a context goes through (docs/protocol.md 12.8)."""
+MAX_REBUILDS = 12
+"""Rebuilds of a generation's stages in a row, without a new token, before it fails."""
+COALESCE_TOKENS = 16
+COALESCE_S = 0.2
+"""A generation's tokens go to its caller as a node sends them (docs/protocol.md section 4.4):
+the first at once, then this many together or this long after the last batch."""
+REBUILD_DELAYS = (0.1, 0.2, 0.4, 0.8, 1.6, 2.0)
+"""Seconds waited before each rebuild (the last repeats): a stage node being restarted."""
 
 
 class PipelineError(FleetError):
@@ -76,6 +100,21 @@ def check_boundaries(boundaries: Sequence[int], stages: int) -> list[int]:
     return out
 
 
+@dataclass
+class _Kept:
+    """A generation's stage session (docs/protocol.md section 12.8): its id on every stage, and
+    how many positions every stage holds; ``session`` None: none is open."""
+
+    session: int | None = None
+    rows: int = 0
+    links: list[NodeLink] = field(default_factory=list)
+    """The links the session was opened on (released there)."""
+    forwarded: int = 0
+    """Hidden-state bytes the generation sent to stages (what crosses between stages)."""
+    recomputes: bool = False
+    """A stage refused to open a session (none free): the generation recomputes (7.6)."""
+
+
 class PipelineGeneration:
     """One pipelined generation: ``result`` fires with a :class:`FleetOutcome`."""
 
@@ -96,6 +135,12 @@ class PipelineGeneration:
         self._running: Deferred[FleetOutcome] | None = None
         self._deadline: IDelayedCall | None = None
         self._timed_out: GenerationTimedOut | None = None
+        self._kept = _Kept()
+        self._pending: list[int] = []
+        """Tokens not handed to ``on_tokens`` yet (:meth:`_deliver`)."""
+        self._flush_call: IDelayedCall | None = None
+        self._last_flush = 0.0
+        """Its stage session (docs/protocol.md section 12.8)."""
 
     def when_placed(self) -> Deferred[None]:
         """A pipeline needs no placement: fires at once."""
@@ -106,8 +151,9 @@ class PipelineGeneration:
         self._cancelled = True
 
     def park(self) -> None:
-        """A pipeline's steps hold no lane between them (each recomputes the whole context,
-        docs/protocol.md section 8.6): there is none to give back, and it goes on."""
+        """A pipeline's generation holds no lane of a node's scheduler (its stage sessions are
+        slots of their own, docs/protocol.md section 12.8): there is none to give back, and it
+        goes on."""
 
     def unpark(self) -> None:
         """Nothing was given back (:meth:`park`)."""
@@ -133,6 +179,7 @@ class PipelineGeneration:
         self.result.errback(failure)
 
     def _stop_deadline(self) -> None:
+        self._flush()
         deadline, self._deadline = self._deadline, None
         if deadline is not None and deadline.active():
             deadline.cancel()
@@ -154,17 +201,71 @@ class PipelineGeneration:
         pipeline = self._pipeline
         context = list(self._prompt)
         last = pipeline.stages[-1].name if pipeline.stages else ""
-        for _ in range(self._max_new):
-            if self._cancelled:
-                return FleetOutcome(list(self.tokens), FINISH_CANCELLED, last, 0)
-            token = yield pipeline.step(context)
-            context.append(token)
-            self.tokens.append(token)
-            if self._on_tokens is not None:
-                self._on_tokens(TokenBatch((token,)))
-            if token in pipeline.eos_ids:
-                return FleetOutcome(list(self.tokens), FINISH_EOS, last, 0)
-        return FleetOutcome(list(self.tokens), FINISH_LENGTH, last, 0)
+        kept = self._kept
+        try:
+            for _ in range(self._max_new):
+                if self._cancelled:
+                    return FleetOutcome(list(self.tokens), FINISH_CANCELLED, last, 0)
+                token = yield self._next_token(context, kept)
+                self._deliver(token, context)
+                if token in pipeline.eos_ids:
+                    return FleetOutcome(list(self.tokens), FINISH_EOS, last, 0)
+            return FleetOutcome(list(self.tokens), FINISH_LENGTH, last, 0)
+        finally:
+            pipeline.release(kept)
+            _log.info(
+                "pipeline generation: {tokens} tokens, {forwarded} bytes of hidden states "
+                "between stages",
+                tokens=len(self.tokens),
+                forwarded=kept.forwarded,
+            )
+
+    @defer.inlineCallbacks
+    def _next_token(
+        self, context: Sequence[int], kept: _Kept
+    ) -> Generator[Deferred[Any], Any, int]:
+        """The token after ``context``, rebuilding the stages while they fail."""
+        pipeline = self._pipeline
+        for attempt in range(MAX_REBUILDS + 1):
+            try:
+                token: int = yield pipeline.advance(context, kept)
+                return token
+            except (LinkError, PipelineError, NoNodeAvailable) as e:
+                if self._cancelled or attempt == MAX_REBUILDS:
+                    raise
+                delay = REBUILD_DELAYS[min(attempt, len(REBUILD_DELAYS) - 1)]
+                _log.info(
+                    "pipeline stage failed ({why}): rebuilding the stages in {delay} s",
+                    why=e,
+                    delay=delay,
+                )
+                pipeline.release(kept)
+                yield task.deferLater(pipeline.clock, delay, lambda: None)
+                pipeline.replace_down()
+        raise AssertionError("unreachable")
+
+    def _deliver(self, token: int, context: list[int]) -> None:
+        """The token to the context, and to the caller as a node sends tokens (docs/protocol.md
+        section 4.4): the first at once, then 16 at a time or 200 ms after the last batch."""
+        context.append(token)
+        self.tokens.append(token)
+        self._pending.append(token)
+        if len(self.tokens) == 1 or len(self._pending) >= COALESCE_TOKENS:
+            self._flush()
+        elif self._flush_call is None:
+            clock = self._pipeline.clock
+            delay = max(0.0, self._last_flush + COALESCE_S - clock.seconds())
+            self._flush_call = clock.callLater(delay, self._flush)
+
+    def _flush(self) -> None:
+        """Hand the caller the tokens not handed yet (before any result fires)."""
+        call, self._flush_call = self._flush_call, None
+        if call is not None and call.active():
+            call.cancel()
+        pending, self._pending = self._pending, []
+        self._last_flush = self._pipeline.clock.seconds()
+        if pending and self._on_tokens is not None:
+            self._on_tokens(TokenBatch(tuple(pending)))
 
 
 class PipelineFleet:
@@ -184,9 +285,11 @@ class PipelineFleet:
         ids: HeadIds | None = None,
         clock: IReactorTime | None = None,
         settings: FleetSettings = DEFAULT_FLEET_SETTINGS,
+        spares: Sequence[str] = (),
     ) -> None:
         """``settings`` are the stages' :class:`Fleet`'s (token, redial cap, keepalive
-        window, wall budget)."""
+        window, wall budget); ``spares`` are nodes dialed too, that take the layers of a stage
+        whose link is down when a generation rebuilds its stages."""
         if not endpoints:
             raise ValueError("a pipeline needs at least one stage")
         if boundaries is not None:
@@ -200,6 +303,13 @@ class PipelineFleet:
         self.fleet = Fleet(reactor, settings, ids=ids, clock=clock)
         self.clock: IReactorTime = clock if clock is not None else reactor
         self.stages: list[FleetNode] = []
+        self.spare_endpoints = list(spares)
+        self.spares: list[FleetNode] = []
+        """Nodes that hold no layers, ready to take a down stage's (:meth:`replace_down`)."""
+        self._sessions = 0
+        """The last stage session id given (docs/protocol.md section 12.8)."""
+        self.bytes_forwarded = 0
+        """Hidden-state bytes sent to stages so far (what crosses between stages)."""
 
     @property
     def ranges(self) -> list[tuple[int, int]]:
@@ -214,6 +324,8 @@ class PipelineFleet:
         for endpoint in self.endpoints:
             node = yield self.fleet.add_node(endpoint)
             self.stages.append(node)
+        for endpoint in self.spare_endpoints:
+            self.spares.append((yield self.fleet.add_node(endpoint)))
         for node, (start, end) in zip(self.stages, self.ranges, strict=True):
             _log.info(
                 "pipeline stage {node}: layers [{start}, {end})",
@@ -226,29 +338,113 @@ class PipelineFleet:
         return self.fleet.stop()
 
     @defer.inlineCallbacks
-    def step(self, context: Sequence[int]) -> Generator[Deferred[Any], Any, int]:
-        """One token: the context through every stage until one answers a token."""
+    def _open_links(self) -> Generator[Deferred[Any], Any, list[NodeLink]]:
+        """Every stage's link, once open; :class:`NoNodeAvailable` when one is down."""
         if len(self.stages) != len(self.endpoints):
             raise NoNodeAvailable("the pipeline's stages are not all connected yet")
-        hidden: bytes | None = None
-        for i, (node, (start, end)) in enumerate(zip(self.stages, self.ranges, strict=True)):
+        links = []
+        for node in self.stages:
             try:
                 yield node.link.when_open()
             except LinkError as e:
                 raise NoNodeAvailable(f"pipeline stage {node.name} is down: {e}") from e
-            link = node.link
+            links.append(node.link)
+        return links
+
+    @defer.inlineCallbacks
+    def advance(
+        self, context: Sequence[int], kept: _Kept
+    ) -> Generator[Deferred[Any], Any, int]:
+        """The token after ``context``: through the generation's stage session when every
+        stage keeps its KV (the positions it does not hold yet, in chunks), else
+        recomputing the whole context (section 7.6)."""
+        links: list[NodeLink] = yield self._open_links()
+        keeping = all((link.features or 0) & FEATURE_STAGE_KV for link in links)
+        if kept.recomputes or not keeping:
+            token: int = yield self._through(links, tuple(context), kept, None, 0)
+            return token
+        if kept.session is None or kept.links != links:
+            self.release(kept)
+            self._sessions += 1
+            kept.session, kept.rows, kept.links = self._sessions, 0, links
+        opening = kept.rows == 0
+        try:
+            while True:
+                chunk = tuple(context[kept.rows : kept.rows + PREFILL_CHUNK])
+                token = yield self._through(links, chunk, kept, kept.session, kept.rows)
+                kept.rows += len(chunk)
+                if kept.rows == len(context):
+                    return token
+        except PipelineError:
+            if not opening:
+                raise
+        # A stage refused to open the session (all of its sessions are in use, 12.8): this
+        # generation recomputes its context at every step instead.
+        _log.info("a pipeline stage keeps no more sessions: a generation recomputes instead")
+        self.release(kept)
+        kept.recomputes = True
+        token = yield self._through(links, tuple(context), kept, None, 0)
+        return token
+
+    @defer.inlineCallbacks
+    def _through(
+        self,
+        links: Sequence[NodeLink],
+        tokens: tuple[int, ...],
+        kept: _Kept,
+        session: int | None,
+        position: int,
+    ) -> Generator[Deferred[Any], Any, int]:
+        """``tokens`` through every stage (at ``position`` of ``session`` when one is given)
+        until one answers a token; the hidden bytes sent count in ``kept``."""
+        hidden: bytes | None = None
+        for i, (link, (start, end)) in enumerate(zip(links, self.ranges, strict=True)):
             response: StageForwardRespMsg = yield link.stage_forward(
-                tuple(context) if i == 0 else (), start, end, hidden
+                tokens if i == 0 else (), start, end, hidden, session, position
             )
+            self.bytes_forwarded += len(hidden or b"")
+            kept.forwarded += len(hidden or b"")
             if response.token is not None:
                 return int(response.token)
             if response.hidden is None:
                 raise PipelineError(
-                    f"stage {node.name} answered nothing for layers [{start}, {end}): the "
-                    "engine lacks staged forward, or the layers are out of its range"
+                    f"stage {link.name} answered nothing for layers [{start}, {end}): the "
+                    "engine lacks staged forward, the layers are out of its range, or it "
+                    "lost the generation's stage session"
                 )
             hidden = response.hidden
         raise PipelineError("no stage answered a token (the last boundary is below n_layers?)")
+
+    def replace_down(self) -> None:
+        """Give the layers of each stage whose link is down to a spare whose link is up (the
+        down node becomes a spare); the generations rebuild their stages there."""
+        for i, node in enumerate(self.stages):
+            if node.link.connected:
+                continue
+            spare = next((s for s in self.spares if s.link.connected), None)
+            if spare is None:
+                return
+            self.spares.remove(spare)
+            self.spares.append(node)
+            self.stages[i] = spare
+            start, end = self.ranges[i]
+            _log.info(
+                "pipeline stage {down} is down: its layers [{start}, {end}) go to {spare}",
+                down=node.name,
+                start=start,
+                end=end,
+                spare=spare.name,
+            )
+
+    def release(self, kept: _Kept) -> None:
+        """Close a generation's stage session on every stage whose link is up (12.8)."""
+        session, links = kept.session, kept.links
+        kept.session, kept.rows, kept.links = None, 0, []
+        if session is None:
+            return
+        for link in links:
+            if (link.features or 0) & FEATURE_STAGE_KV:
+                link.send_now(StageReleaseMsg(session))
 
     def generate(
         self, request: HeadRequest, on_tokens: TokenSink | None = None
@@ -256,8 +452,9 @@ class PipelineFleet:
         """Generate ``request.max_new`` greedy tokens (sampling parameters do not apply here):
         the :meth:`~sfnode.head.fleet.backend.Backend.generate` of a pipeline.
 
-        A pipeline runs one generation at a time on its stages: there is no lane to keep, so
-        neither the request class nor the requester changes anything here.  Stage forwards
+        Each generation runs on every stage (the stages batch the ones they carry); there is
+        no lane to keep, so neither the request class nor the requester changes anything
+        here.  Stage forwards
         return tokens, not distributions: a request for logprobs fails with
         :class:`~sfnode.head.fleet.backend.LogprobsUnavailable`; stage forwards carry no
         constraint (docs/protocol.md section 12.3): one fails with

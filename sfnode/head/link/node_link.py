@@ -460,14 +460,26 @@ class NodeLink:
         start_layer: int,
         end_layer: int,
         hidden_in: bytes | None = None,
+        stage_session: int | None = None,
+        position: int = 0,
     ) -> Deferred[StageForwardRespMsg]:
-        """STAGE_FORWARD_REQ; fires with the STAGE_FORWARD_RESP of the same request_id."""
+        """STAGE_FORWARD_REQ; fires with the STAGE_FORWARD_RESP of the same request_id.  With a
+        ``stage_session`` (only to a node that set FEATURE_STAGE_KV), the rows run against
+        that session's kept KV from ``position`` (docs/protocol.md section 12.8)."""
         request_id = self._calls.next_id()
         if not self.connected:
             return defer.fail(LinkLostError(f"the link to {self.name} is down"))
         d = self._calls.expect_forward(request_id)
         self.send_now(
-            StageForwardReqMsg(request_id, tuple(tokens), start_layer, end_layer, hidden_in)
+            StageForwardReqMsg(
+                request_id,
+                tuple(tokens),
+                start_layer,
+                end_layer,
+                hidden_in,
+                stage_session,
+                None if stage_session is None else position,
+            )
         )
         return d
 

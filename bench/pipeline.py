@@ -1,0 +1,225 @@
+"""One full node against a pipeline of 2 and 3 stage nodes on one machine (issue 36).
+
+Every server is its own process: ``twistd sfnode`` (one full node, or one per stage) and ``twistd
+sfhead`` (``--node`` for the full node, ``--pipeline`` for the stages), started one setup at a
+time, never two at once.  Each setup gets the same greedy streamed chat requests, one at a time
+and eight at once; the script prints tokens/s side by side with the ratio to the full node, the
+hidden-state bytes sent between stages per generated token (from the head's log, which counts
+what it sends), and whether every text equals the full node's.
+
+Usage (from the repository's root)::
+
+    PYTHONPATH=. .venv/bin/python bench/pipeline.py          # a float32 random Llama (~3 min)
+    PYTHONPATH=. .venv/bin/python bench/pipeline.py --model PATH --stages 2
+    PYTHONPATH=. .venv/bin/python bench/pipeline.py --bundled   # SmolLM2, its default mode
+
+The default model is a random float32 Llama (hidden 512, 8 layers, window 2048) with the tiny
+tokenizer, saved to the logs folder; its EOS is the tokenizer's, which a pipeline's head stops
+at as the node does (a model without one would run on where the head stops).  Every node runs with
+``--threads 1`` (``--node-arg`` adds arguments), so the full node and the stages share the cores
+alike.
+
+This script must never be imported by the package or the tests, and never leave a process it
+started running (:func:`_fleetproc.guard_children`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _fleetproc import (
+    NODE_READY_S,
+    BenchError,
+    Child,
+    Phase,
+    chat_body,
+    child_env,
+    cpu_name,
+    fleet_children,
+    guard_children,
+    run_phase,
+    served_model,
+    shown,
+    topics,
+    twistd,
+    wait_until,
+)
+
+TARGETS = {1: 0.8, 8: 0.9}
+"""Two stages' tok/s over the full node's, per concurrency (issue 36)."""
+_FORWARDED = re.compile(rb"pipeline generation: (\d+) tokens, (\d+) bytes of hidden states")
+
+
+@contextmanager
+def pipeline_head(
+    stages: int, model: Path | None, env: dict[str, str], logs: Path, node_args: Sequence[str]
+) -> Iterator[int]:
+    """``stages`` ``twistd sfnode`` processes and ``twistd sfhead --pipeline`` over them: yields
+    the head's HTTP port once it serves, and stops them all when the block ends."""
+    children: list[Child] = []
+    model_args = ["--model", str(model)] if model is not None else []
+    try:
+        endpoints = []
+        for i in range(stages):
+            argv = twistd(
+                "sfnode", "--listen", "tcp:0:interface=127.0.0.1", *model_args,
+                "--identity", f"stage{i}", *node_args,
+            )  # fmt: skip
+            print(f"starting {shown(argv)}", flush=True)
+            child = Child(f"stage{i}", argv, env, logs / f"stage{i}.log", False)
+            children.append(child)
+            found = child.wait_for_line(rb"sfnode listening on 127\.0\.0\.1:(\d+)", NODE_READY_S)
+            endpoints.append(f"tcp:127.0.0.1:{int(found.group(1))}")
+        argv = twistd(
+            "sfhead", "--pipeline", ",".join(endpoints), *model_args,
+            "--http", "tcp:0:interface=127.0.0.1", "--fleet-listen", "tcp:0:interface=127.0.0.1",
+        )  # fmt: skip
+        print(f"starting {shown(argv)}", flush=True)
+        head = Child("sfhead", argv, env, logs / "sfhead.log", False)
+        children.append(head)
+        found = head.wait_for_line(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)", NODE_READY_S)
+        port = int(found.group(1))
+        wait_until(head, f"http://127.0.0.1:{port}/healthz", lambda _: True, NODE_READY_S)
+        yield port
+    finally:
+        for child in reversed(children):
+            child.stop()
+
+
+def run_setup(port: int, options: argparse.Namespace) -> dict[int, Phase]:
+    """One warm-up request, then each concurrency's requests."""
+    model = served_model(port)
+    warm = [chat_body(model, "a warm-up", 8)]
+    asyncio.run(run_phase(port, warm, 1))
+    phases = {}
+    for c in (1, 8):
+        count = options.requests if c == 1 else max(options.requests, 2 * c)
+        bodies = [chat_body(model, topic, options.max_tokens) for topic in topics(count)]
+        phases[c] = asyncio.run(run_phase(port, bodies, c))
+        print(f"  {c} at once: {phases[c].rate:.1f} tok/s", flush=True)
+    return phases
+
+
+def forwarded_per_token(log: Path) -> float:
+    """Hidden-state bytes sent between stages per generated token, from the head's log."""
+    tokens = sent = 0
+    for match in _FORWARDED.finditer(log.read_bytes()):
+        tokens += int(match.group(1))
+        sent += int(match.group(2))
+    return sent / tokens if tokens else float("nan")
+
+
+def texts(phases: dict[int, Phase]) -> list[list[str]]:
+    return [[answer.text for answer in phases[c].answers] for c in sorted(phases)]
+
+
+def differing(phases: dict[int, Phase], one: dict[int, Phase]) -> str:
+    """Which answers differ from the full node's (concurrency and request index)."""
+    out = []
+    for c in sorted(phases):
+        for i, (a, b) in enumerate(zip(phases[c].answers, one[c].answers, strict=True)):
+            if a.text != b.text:
+                out.append(f"{c} at once, request {i}")
+    return "; ".join(out)
+
+
+def bench(options: argparse.Namespace) -> int:
+    logs = Path(options.logs or tempfile.mkdtemp(prefix="sfnode-pipeline-bench-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    model = options.model
+    if model is None and not options.bundled:
+        from tests.tinymodel import save_tiny_model
+
+        model = save_tiny_model(
+            logs / "model", hidden=options.hidden, layers=options.layers, window=2048
+        )
+    env = child_env([])
+    node_args = ["--threads", "1", "--max-lanes", "8", *options.node_arg]
+    shown_model = model or "the bundled one (default weights mode)"
+    print(f"{cpu_name()}, {os.cpu_count()} CPUs; model {shown_model}; logs in {logs}", flush=True)
+    results: dict[str, dict[int, Phase]] = {}
+    per_token: dict[str, float] = {}
+    print("one full node", flush=True)
+    (logs / "one").mkdir(exist_ok=True)
+    with fleet_children(node_args, env, model, logs / "one") as f:
+        results["1 node"] = run_setup(f.port, options)
+    (logs / "one" / "texts.json").write_text(json.dumps(texts(results["1 node"]), indent=1))
+    for stages in options.stages:
+        name = f"{stages} stages"
+        folder = logs / name.replace(" ", "-")
+        folder.mkdir(exist_ok=True)
+        print(name, flush=True)
+        with pipeline_head(stages, model, env, folder, node_args) as port:
+            results[name] = run_setup(port, options)
+        (folder / "texts.json").write_text(json.dumps(texts(results[name]), indent=1))
+        per_token[name] = forwarded_per_token(folder / "sfhead.log")
+    return report(results, per_token)
+
+
+def report(results: dict[str, dict[int, Phase]], per_token: dict[str, float]) -> int:
+    one = results["1 node"]
+    print()
+    print("| setup | tok/s, 1 stream | ratio | tok/s, 8 streams | ratio | bytes/token between "
+          "stages | texts equal the node's |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    failed = False
+    for name, phases in results.items():
+        ratios = {c: phases[c].rate / one[c].rate if one[c].rate else 0.0 for c in (1, 8)}
+        equal = texts(phases) == texts(one)
+        failed |= not equal
+        if not equal:
+            print(f"{name}: answers that differ from the node's: {differing(phases, one)}")
+        marks = {}
+        for c in (1, 8):
+            marks[c] = ""
+            if name == "2 stages":
+                ok = ratios[c] >= TARGETS[c]
+                failed |= not ok
+                marks[c] = f" (target {TARGETS[c]}: {'met' if ok else 'MISSED'})"
+        sent = per_token.get(name)
+        print(
+            f"| {name} | {phases[1].rate:.1f} | {ratios[1]:.2f}{marks[1]} | {phases[8].rate:.1f} "
+            f"| {ratios[8]:.2f}{marks[8]} | {'-' if sent is None else f'{sent:.0f}'} | "
+            f"{'yes' if equal else 'NO'} |"
+        )
+    return 1 if failed else 0
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=None, help="model folder or .gguf")
+    p.add_argument("--bundled", action="store_true", help="the bundled model, as nodes serve it")
+    p.add_argument("--hidden", type=int, default=512, help="the random Llama's hidden size")
+    p.add_argument("--layers", type=int, default=8, help="the random Llama's layers")
+    p.add_argument("--stages", type=int, nargs="+", default=[2, 3], help="pipelines to run")
+    p.add_argument("--requests", type=int, default=8, help="requests per concurrency")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--node-arg", action="append", default=[], help="more twistd sfnode args")
+    p.add_argument("--logs", default=None, help="folder for the logs (default: a new one)")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    options = parse(argv)
+    os.environ.pop("OMP_WAIT_POLICY", None)
+    guard_children()
+    try:
+        return bench(options)
+    except BenchError as e:
+        print(f"bench/pipeline.py: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Pipeline stages that keep their KV (docs/protocol.md section 12.8) for the decoder runner.
+
+A :class:`DecoderStages` holds KV slots of its own, apart from the lanes' (a stage node may
+serve generations too), and computes a stage session's rows exactly as the runner computes a
+prompt chunk of a lane: the same layer code, the same attention over a slot, the same native
+step where the runner has one.  So a row's keys, values and hidden state are those a full node
+computes at that position, bit for bit, however the context is cut into requests
+(docs/engine.md section 4), and a split pipeline gives one node's tokens.
+
+This module must never be called from two threads at once (it runs on the engine's worker
+thread, between steps), never decide which slot a session has (the loop's
+:class:`~sfnode.engines.scheduling.stages.StageSessions` does), and never touch the lanes' KV.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from sfnode.engines.runners.attention import Attender, StepAttention
+from sfnode.engines.runners.decoder import DecoderRunner
+from sfnode.engines.runners.hidden import decode_hidden, encode_hidden
+from sfnode.engines.runners.kv import SlotKV
+from sfnode.engines.scheduling.plan import ChunkRow, StepPlan
+from sfnode.engines.scheduling.stages import KeptRows
+from sfnode.generation import StageForwardError, StageResult
+from sfnode.linkf.wire import GenParams
+
+_NO_PARAMS = GenParams()
+
+
+class DecoderStages:
+    """Kept stage sessions of one :class:`DecoderRunner` over ``slots`` slots of its window."""
+
+    def __init__(self, runner: DecoderRunner, slots: int) -> None:
+        self.slots = slots
+        self._runner = runner
+        spec = runner.spec
+        self.kv = SlotKV(
+            layers=spec.layers,
+            slots=slots,
+            kv_heads=spec.kv_heads,
+            head_dim=spec.head_dim,
+            window=runner.window,
+            dtype=runner.kv.dtype,
+            device=runner.device,
+        )
+        # The runner's layers, attending over these slots instead of the lanes'.
+        self._view = copy.copy(runner)
+        self._view.kv = self.kv
+        self._view.attender = Attender(
+            self.kv,
+            heads=spec.heads,
+            scale=spec.attention_scale,
+            softcap=spec.attn_softcap,
+            cast=runner.attender.cast,
+        )
+
+    def read_rows(self, blob: bytes) -> torch.Tensor:
+        """A D5 blob of rows (docs/protocol.md section 7.6) as a tensor."""
+        return decode_hidden(blob, self._runner.weights.hidden)
+
+    def forward(self, batch: Sequence[KeptRows]) -> list[StageResult | StageForwardError]:
+        """Each request's rows through its layers, keeping their keys and values in its slot;
+        a stage that ends at the last layer answers the greedy token after a request's last
+        row.  Requests of one layer range and one kind (tokens or hidden states) share one
+        pass over the weights; a request that cannot run gets its error, the others run."""
+        answers: list[StageResult | StageForwardError] = []
+        groups: dict[tuple[int, int, bool], list[int]] = {}
+        for index, rows in enumerate(batch):
+            try:
+                self._check(rows)
+            except StageForwardError as e:
+                answers.append(e)
+                continue
+            answers.append(StageResult())
+            groups.setdefault((rows.start, rows.end, rows.hidden is None), []).append(index)
+        with torch.inference_mode():
+            for members in groups.values():
+                group = [batch[i] for i in members]
+                for i, answer in zip(members, self._group(group), strict=True):
+                    answers[i] = answer
+        return answers
+
+    def _check(self, rows: KeptRows) -> None:
+        w = self._runner.weights
+        if rows.hidden is None:
+            tokens = list(rows.tokens)
+            if rows.start != 0 or not tokens:
+                raise StageForwardError("a first stage needs tokens and start_layer 0")
+            if min(tokens) < 0 or max(tokens) >= w.vocab_size:
+                raise StageForwardError("a token id is outside the vocabulary")
+
+    def _group(self, group: Sequence[KeptRows]) -> list[StageResult]:
+        """One pass for requests of one layer range and kind."""
+        runner = self._runner
+        counts = [_rows(rows) for rows in group]
+        self.kv.ensure(max(rows.position + n for rows, n in zip(group, counts, strict=True)))
+        if runner.fused is not None:
+            hidden = self._fused(group, counts)
+        else:
+            hidden = self._layers(group, counts)
+        ends = list(itertools.accumulate(counts))
+        if group[0].end < len(runner.weights.layers):
+            starts = [0, *ends[:-1]]
+            return [
+                StageResult(hidden=encode_hidden(hidden[a:b]))
+                for a, b in zip(starts, ends, strict=True)
+            ]
+        logits = runner._logits(hidden, [end - 1 for end in ends])
+        return [StageResult(token=int(t)) for t in torch.argmax(logits, dim=1).tolist()]
+
+    def _fused(self, group: Sequence[KeptRows], counts: Sequence[int]) -> torch.Tensor:
+        fused = self._runner.fused
+        assert fused is not None
+        positions = [p for rows, n in zip(group, counts, strict=True) for p in _span(rows, n)]
+        slots = [rows.slot for rows, n in zip(group, counts, strict=True) for _ in range(n)]
+        first = group[0]
+        if first.hidden is None:
+            tokens = [int(t) for rows in group for t in rows.tokens]
+            return fused.forward(self.kv, positions, slots, tokens=tokens, first=0, end=first.end)
+        # A copy in float32: the fused layers write into the hidden states in place.
+        hidden = torch.cat([rows.hidden for rows in group]).to(dtype=torch.float32, copy=True)
+        return fused.forward(
+            self.kv, positions, slots, hidden=hidden, first=first.start, end=first.end
+        )
+
+    def _layers(self, group: Sequence[KeptRows], counts: Sequence[int]) -> torch.Tensor:
+        """The runner's torch layers over the rows, each request one prompt chunk of its
+        slot."""
+        view = self._view
+        chunks = tuple(
+            ChunkRow(rows.slot, rows.position, (0,) * n, False, _NO_PARAMS, 0)
+            for rows, n in zip(group, counts, strict=True)
+        )
+        spec = view.spec
+        attention = StepAttention(
+            StepPlan(chunks=chunks),
+            groups=spec.heads // spec.kv_heads,
+            window=view.window,
+            sliding=spec.sliding_window,
+            device=view.device,
+        )
+        first = group[0]
+        if first.hidden is None:
+            hidden = view._embed([int(t) for rows in group for t in rows.tokens])
+        else:
+            hidden = torch.cat([rows.hidden for rows in group]).to(
+                device=view.device, dtype=view.weights.activations, copy=True
+            )
+        positions = [p for rows, n in zip(group, counts, strict=True) for p in _span(rows, n)]
+        turns = view._turns(torch.tensor(positions, dtype=torch.long, device=view.device))
+        groups = view._row_groups(attention)
+        for layer in range(first.start, first.end):
+            hidden = view._layer(layer, hidden, turns[layer], attention, groups)
+        return hidden
+
+
+def _rows(rows: KeptRows) -> int:
+    return len(rows.tokens) if rows.hidden is None else int(rows.hidden.shape[0])
+
+
+def _span(rows: KeptRows, n: int) -> range:
+    return range(rows.position, rows.position + n)
