@@ -40,14 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _fleetproc import (
     NODE_READY_S,
-    BenchError,
     Child,
     Phase,
     chat_body,
     child_env,
     cpu_name,
     fleet_children,
-    guard_children,
+    run_guarded,
     run_phase,
     served_model,
     shown,
@@ -213,12 +212,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     options = parse(argv)
     os.environ.pop("OMP_WAIT_POLICY", None)
-    guard_children()
-    try:
-        return bench(options)
-    except BenchError as e:
-        print(f"bench/pipeline.py: {e}", file=sys.stderr)
-        return 2
+    return run_guarded("bench/pipeline.py", bench, options)
 
 
 if __name__ == "__main__":
