@@ -45,6 +45,7 @@ from twisted.python.threadpool import ThreadPool
 
 from sfnode.decoding.constraint import LaneStage, Vocabulary
 from sfnode.engines.config import DEFAULT_ENGINE_CONFIG, EngineConfig
+from sfnode.engines.families.spec import ModelSpec
 from sfnode.engines.kernels import openmp
 from sfnode.engines.loop import EngineLoop, RunnerTraits
 from sfnode.engines.runners.decoder import DecoderRunner
@@ -56,6 +57,7 @@ from sfnode.engines.weights.gather import ModelWeights, WeightsError, as_stored,
 from sfnode.engines.weights.loading import LoadedModel
 from sfnode.engines.weights.stored import StoredModel
 from sfnode.generation import EngineStatistics, MaskFigures, StageResult, WeightFigures
+from sfnode.linkf.prefix_blocks import KV_BLOCK_TOKENS
 from sfnode.linkf.wire import Constraint
 
 if TYPE_CHECKING:
@@ -338,6 +340,12 @@ def _model_figures(
     )
 
 
+def kv_block_bytes(spec: ModelSpec) -> int:
+    """Bytes of one KV block (16 positions, every layer's keys and values), counted in float32,
+    the widest keys and values sfnode holds."""
+    return spec.layers * 2 * spec.kv_heads * KV_BLOCK_TOKENS * spec.head_dim * 4
+
+
 class TransformersEngine(EngineLoop):
     """An :class:`sfnode.generation.Engine` over a model as stored, or over a transformers
     causal LM (see the module)."""
@@ -375,6 +383,8 @@ class TransformersEngine(EngineLoop):
             stored if config.lean_step else None, model
         )
         eos_ids = config.eos_ids if config.eos_ids is not None else eos_ids
+        if stored is not None and config.lean_step:
+            config = config.within_memory(kv_block_bytes(stored.spec), model_window)
         window, _ = config.kv_sizes(model_window)
         vocabulary = vocabulary_of(tokenizer, vocab_size, eos_ids)
         masks = MaskWorker(vocabulary) if vocabulary is not None else None
@@ -459,8 +469,13 @@ class TransformersEngine(EngineLoop):
         return self._worker.exactness
 
     def statistics(self) -> EngineStatistics:
-        """The loop's figures, and the weights held against their files."""
-        return replace(super().statistics(), weights=self.weights.figures)
+        """The loop's figures, the weights held against their files, and the bytes of keys
+        and values allocated (the lanes' slots and the prefix cache's pool)."""
+        runner = self.runner
+        kv_bytes = None
+        if isinstance(runner, DecoderRunner):
+            kv_bytes = runner.kv.nbytes + (runner.pool.nbytes if runner.pool is not None else 0)
+        return replace(super().statistics(), weights=self.weights.figures, kv_bytes=kv_bytes)
 
     def mask_figures(self) -> MaskFigures | None:
         if self._masks is None:

@@ -18,10 +18,10 @@ How a matrix is held depends on the weights mode and on how the file stores it:
 - ``float32``, ``bfloat16``, ``int8``, ``int4``: every matrix so.
 
 sfnode's kernels (the ``native`` family) multiply a Q4_0/Q4_1 matrix from its own blocks laid
-out in tiles, and a Q8_0, Q5_0, Q5_1 or K-quant matrix from the file's own blocks as stored (never inflated);
-torch's kernels take Q4_0/Q4_1 blocks as int4 groups exactly and quantize anything else again
-for their int4 and int8 kernels.  A projection whose parts are stored in different formats keeps
-each part's own kernel.
+out in tiles, and a Q8_0, Q5_0, Q5_1 or K-quant matrix from the file's own blocks as stored
+(never inflated); torch's kernels take Q4_0/Q4_1 blocks as int4 groups exactly and quantize
+anything else again for their int4 and int8 kernels.  A projection whose parts are stored in
+different formats keeps each part's own kernel.
 
 Packing a model takes seconds, so what was converted for a GGUF file's kernels is kept beside its
 files (:mod:`sfnode.engines.weights.packed`) and read back on later starts.
