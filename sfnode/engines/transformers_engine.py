@@ -49,7 +49,6 @@ from sfnode.engines.families.spec import ModelSpec
 from sfnode.engines.kernels import openmp
 from sfnode.engines.loop import EngineLoop, RunnerTraits
 from sfnode.engines.runners.decoder import DecoderRunner
-from sfnode.engines.runners.forward import ModelForwardRunner
 from sfnode.engines.runners.hidden import decode_hidden, encode_hidden
 from sfnode.engines.runners.masks import MaskWorker
 from sfnode.engines.scheduling.plan import StepOutput, StepPlan
@@ -69,7 +68,11 @@ log = Logger(namespace="sfnode.engines.transformers")
 
 T = TypeVar("T")
 
-TorchRunner = DecoderRunner | ModelForwardRunner
+if TYPE_CHECKING:
+    # The model's own forward imports transformers: only --stock-kernels loads it.
+    from sfnode.engines.runners.forward import ModelForwardRunner
+
+    TorchRunner = DecoderRunner | ModelForwardRunner
 
 
 def eos_ids_of(model: Any) -> frozenset[int]:
@@ -197,7 +200,6 @@ def vocabulary_of(tokenizer: Any, size: int, eos_ids: frozenset[int]) -> Vocabul
     """The grammar library's view of ``tokenizer``; None (and a log line) when it has none."""
     if tokenizer is None:
         return None
-    started = time.perf_counter()
     try:
         vocabulary = Vocabulary.of_tokenizer(tokenizer, size=size, eos_ids=eos_ids)
     except ValueError as e:
@@ -205,9 +207,9 @@ def vocabulary_of(tokenizer: Any, size: int, eos_ids: frozenset[int]) -> Vocabul
         log.warn("constraints are not available with this model: {error}", error=str(e))
         return None
     log.info(
-        "constraints: the grammar library read {n} tokens in {s:.2f} s",
+        "constraints: the grammar library reads the {n} tokens when a constraint first needs "
+        "them",
         n=size,
-        s=time.perf_counter() - started,
     )
     return vocabulary
 
@@ -301,6 +303,8 @@ def forward_runner(
             f"--weights {config.weights} needs sfnode's own step, which does not serve this "
             f"model ({why}); its own forward serves {dtype} weights"
         )
+    from sfnode.engines.runners.forward import ModelForwardRunner
+
     runner = ModelForwardRunner(model, onednn=config.onednn, masks=masks)
     log.info(
         "serving through the model's own forward ({why}); {layers} linear layers on oneDNN",
@@ -443,7 +447,7 @@ class TransformersEngine(EngineLoop):
             loaded.stored,
             reactor,
             config,
-            tokenizer=loaded.tokenizer,
+            tokenizer=loaded.tokenizer_json,
             float_dtype=loaded.dtype,
             device=loaded.device,
         )
