@@ -267,7 +267,7 @@ class FamilyEngineTests(unittest.TestCase):
         self.assertGreater(found["sfnode_weights_bytes"], 0.5 * path.stat().st_size)
         parts = {
             part: float(value)
-            for part, value in re.findall(r'^sfnode_memory_bytes\{[^}]*part="(\w+)"\} (\S+)$',
+            for part, value in re.findall(r"^sfnode_resident_(\w+)_bytes\{[^}]*\} (\S+)$",
                                           body, re.M)
         }  # fmt: skip
         (resident,) = re.findall(r"^sfnode_resident_bytes\{[^}]*\} (\S+)$", body, re.M)

@@ -136,13 +136,6 @@ class _Families:
         family.add_metric(self._values, value)
         return family
 
-    def parts(self, name: str, help_text: str, values: dict[str, float]) -> GaugeMetricFamily:
-        """One gauge with a ``part`` label, a sample per part."""
-        family = GaugeMetricFamily(name, help_text, labels=[*self._labels, "part"])
-        for part, value in values.items():
-            family.add_metric([*self._values, part], value)
-        return family
-
     def counters(
         self, table: tuple[tuple[str, str, str], ...], figures: object
     ) -> Iterator[Metric]:
@@ -225,11 +218,13 @@ def _memory_metrics(
     held = weights.held_bytes if weights is not None else 0
     kv = stats.kv_bytes or 0
     yield family.gauge("sfnode_resident_bytes", "Resident memory of the node process.", resident)
-    yield family.parts(
-        "sfnode_memory_bytes",
-        "Resident memory by part: the weights the step reads, the keys and values allocated, "
-        "and the rest (the interpreter, libraries and buffers; the resident memory less both).",
-        {"weights": held, "kv": kv, "rest": max(0, resident - held - kv)},
+    yield family.gauge("sfnode_resident_weights_bytes", "Of it, the weights the step reads.", held)
+    yield family.gauge("sfnode_resident_kv_bytes", "Of it, the keys and values allocated.", kv)
+    yield family.gauge(
+        "sfnode_resident_rest_bytes",
+        "Of it, the rest: the interpreter, libraries and buffers (the resident memory less the "
+        "weights and the keys and values).",
+        max(0, resident - held - kv),
     )
 
 
