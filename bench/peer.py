@@ -212,17 +212,25 @@ def peer_weights(source: Path, kind: str, cache: Path, quantize: Path) -> tuple[
         return copy, how
     print(f"requantizing {source.name} to {type_name} -> {copy}", flush=True)
     partial = copy.with_suffix(".partial")
+    command = [str(quantize), "--allow-requantize", str(source), str(partial), type_name]
+    run_tool("llama-quantize", command, folder / "quantize.log")
+    os.replace(partial, copy)
+    return copy, how
+
+
+def run_tool(
+    name: str, argv: Sequence[str], log: Path, extra: dict[str, str] | None = None
+) -> None:
+    """Run a tool at nice 19 to its end, its output in ``log``; :class:`BenchError` if it fails."""
     nice = ["nice", "-n", "19"] if shutil.which("nice") else []
-    command = [*nice, str(quantize), "--allow-requantize", str(source), str(partial), type_name]
-    maker = Child("llama-quantize", command, child_env(()), folder / "quantize.log", True)
+    env = dict(child_env(()), **(extra or {}))
+    maker = Child(name, [*nice, *argv], env, log, True)
     try:
         status = maker.wait()
     finally:
         maker.stop()
     if status != 0:
         raise maker.failed(f"failed (status {status})")
-    os.replace(partial, copy)
-    return copy, how
 
 
 # --- servers ---------------------------------------------------------------------------------

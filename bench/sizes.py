@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import peer
-from _fleetproc import BenchError, Child, child_env, cpu_extensions, cpu_name, run_guarded
+from _fleetproc import BenchError, child_env, cpu_extensions, cpu_name, run_guarded
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -204,15 +204,7 @@ def llama_cpp(quantize: Path) -> Path:
 
 def run_tool(name: str, argv: list[str], folder: Path, extra: dict[str, str]) -> None:
     print(f"running {name} -> {folder}", flush=True)
-    nice = ["nice", "-n", "19"] if shutil.which("nice") else []
-    env = dict(child_env(()), **extra)
-    maker = Child(name, [*nice, *argv], env, folder / f"{name}.log", True)
-    try:
-        status = maker.wait()
-    finally:
-        maker.stop()
-    if status != 0:
-        raise maker.failed(f"failed (status {status})")
+    peer.run_tool(name, argv, folder / f"{name}.log", extra)
 
 
 def converted(gguf: Path) -> bool:
