@@ -212,17 +212,25 @@ def peer_weights(source: Path, kind: str, cache: Path, quantize: Path) -> tuple[
         return copy, how
     print(f"requantizing {source.name} to {type_name} -> {copy}", flush=True)
     partial = copy.with_suffix(".partial")
+    command = [str(quantize), "--allow-requantize", str(source), str(partial), type_name]
+    run_tool("llama-quantize", command, folder / "quantize.log")
+    os.replace(partial, copy)
+    return copy, how
+
+
+def run_tool(
+    name: str, argv: Sequence[str], log: Path, extra: dict[str, str] | None = None
+) -> None:
+    """Run a tool at nice 19 to its end, its output in ``log``; :class:`BenchError` if it fails."""
     nice = ["nice", "-n", "19"] if shutil.which("nice") else []
-    command = [*nice, str(quantize), "--allow-requantize", str(source), str(partial), type_name]
-    maker = Child("llama-quantize", command, child_env(()), folder / "quantize.log", True)
+    env = dict(child_env(()), **(extra or {}))
+    maker = Child(name, [*nice, *argv], env, log, True)
     try:
         status = maker.wait()
     finally:
         maker.stop()
     if status != 0:
         raise maker.failed(f"failed (status {status})")
-    os.replace(partial, copy)
-    return copy, how
 
 
 # --- servers ---------------------------------------------------------------------------------
@@ -244,6 +252,10 @@ class ServerRun:
     """The 1-minute load average before and after its requests."""
     memory: tuple[float, float] = (0.0, 0.0)
     """Resident memory (MB) of the serving process after its requests, and at its peak."""
+    head_memory: float = 0.0
+    """Resident memory (MB) of the head process (a fleet's run) after the requests."""
+    start: float = float("nan")
+    """Seconds from starting the server's processes to the first text of the warm-up answer."""
 
 
 def max_tokens(options: argparse.Namespace, workload: str) -> int:
@@ -281,16 +293,21 @@ def measure(
     options: argparse.Namespace,
     pid: int,
     metrics_port: int | None = None,
+    spawned: float | None = None,
 ) -> ServerRun:
     """The phases against the server on ``port``; ``pid`` is the process holding the model,
-    ``metrics_port`` the node's metrics listener (for its draft figures)."""
+    ``metrics_port`` the node's metrics listener (for its draft figures), ``spawned`` the
+    ``time.monotonic()`` its processes were started at (for the start time)."""
     model = served_model(port)
     run = ServerRun(label, weights)
     before = os.getloadavg()[0]
     for workload in options.workloads:
         limit = max_tokens(options, workload)
         warm = [chat_body(model, WARM_UP_TOPIC, limit)]
-        asyncio.run(run_phase(port, warm, 1))
+        sent = time.monotonic()
+        first = asyncio.run(run_phase(port, warm, 1)).answers[0].first
+        if spawned is not None and first is not None and run.start != run.start:
+            run.start = sent + first - spawned
         bodies = workload_bodies(model, workload, options)
         phases: dict[int, Phase] = {}
         for concurrency in CONCURRENCIES:
@@ -327,6 +344,7 @@ def run_llama_server(
             "-np", str(options.parallel), "-c", str(options.ctx_size),
             "--host", "127.0.0.1", "--port", "0", *options.peer_arg, *extra]  # fmt: skip
     print(f"starting {subprocess.list2cmdline(argv)}", flush=True)
+    spawned = time.monotonic()
     child = Child(
         "llama-server", argv, child_env(options.peer_env), logs / "llama-server.log", False
     )
@@ -340,7 +358,7 @@ def run_llama_server(
             PEER_READY_S,
         )
         label = "llama-server" + (f" {' '.join(extra)}" if extra else "")
-        return measure(label, how, port, options, child.process.pid)
+        return measure(label, how, port, options, child.process.pid, spawned=spawned)
     finally:
         child.stop()
 
@@ -350,6 +368,7 @@ def run_fleet(
 ) -> ServerRun:
     env = child_env(options.node_env)
     children: list[Child] = []
+    spawned = time.monotonic()
     with fleet_processes(node_args, env, options.model, logs, children) as port:
         label = "sfnode" + (f" {' '.join(node_args)}" if node_args else " (default)")
         metrics_port = None
@@ -357,7 +376,9 @@ def run_fleet(
             found = children[0].wait_for_line(rb"sfnode metrics on 127\.0\.0\.1:(\d+)", 60.0)
             metrics_port = int(found.group(1))
             label = label.replace(f" {METRICS_ARG}", "")
-        return measure(label, weights, port, options, children[0].process.pid, metrics_port)
+        run = measure(label, weights, port, options, children[0].process.pid, metrics_port, spawned)
+        run.head_memory = memory_mb(children[1].process.pid)[0]
+        return run
 
 
 def node_weights(args: Sequence[str], has_weights: bool) -> str:

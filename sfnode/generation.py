@@ -204,6 +204,8 @@ class EngineStatistics:
     """None: an engine that honours no constraints."""
     weights: WeightFigures | None = None
     """None: an engine that holds no weights of its own (the mock, a model object's forward)."""
+    kv_bytes: int | None = None
+    """Bytes of keys and values allocated now; None: an engine that does not count them."""
 
 
 @dataclass(frozen=True)

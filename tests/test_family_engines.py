@@ -265,6 +265,16 @@ class FamilyEngineTests(unittest.TestCase):
         self.assertEqual(found["sfnode_weights_file_bytes"], path.stat().st_size)
         self.assertLessEqual(found["sfnode_weights_bytes"], 1.1 * path.stat().st_size)
         self.assertGreater(found["sfnode_weights_bytes"], 0.5 * path.stat().st_size)
+        parts = {
+            part: float(value)
+            for part, value in re.findall(r"^sfnode_resident_(\w+)_bytes\{[^}]*\} (\S+)$",
+                                          body, re.M)
+        }  # fmt: skip
+        (resident,) = re.findall(r"^sfnode_resident_bytes\{[^}]*\} (\S+)$", body, re.M)
+        self.assertEqual(parts["weights"], found["sfnode_weights_bytes"])
+        self.assertGreaterEqual(parts["kv"], 0.0)
+        self.assertGreater(parts["rest"], 0.0)
+        self.assertEqual(sum(parts.values()), float(resident))
 
     def test_an_unsupported_architecture_is_refused_by_name(self) -> None:
         """A GGUF file of an architecture no family reads is refused at start in one line

@@ -101,6 +101,27 @@ class KernelTests(unittest.SynchronousTestCase):
         self.assertTrue(torch.equal(native.blocks_weight(layer.blocks, 96), dequantize(m)))
         self.check(layer, dequantize(m))
 
+    def test_blocks_as_stored(self) -> None:
+        """Q8_0, Q5_0 and Q5_1 rows (what llama-quantize writes for a K-quant mix's matrices
+        whose rows are not whole super-blocks) multiply as stored by the weights the file
+        means, a row's result the same alone or beside others, and each weight row's the same
+        alone or beside the others."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize as reference_quantize
+
+        floats = np.random.default_rng(5).standard_normal((40, 96)).astype(np.float32) * 0.1
+        for kind in ("Q8_0", "Q5_0", "Q5_1"):
+            with self.subTest(kind=kind):
+                raw = reference_quantize(floats, GGMLQuantizationType[kind])
+                data = np.ascontiguousarray(raw).view(np.uint8).reshape(40, -1)
+                layer = native.BlockLinear(kind, data, 96, self.library)
+                self.check(layer, layer.weight())
+                # Weight rows multiplied two at a time give what each gives alone.
+                got = layer(self.x)
+                for n in range(40):
+                    alone = native.BlockLinear(kind, data[n : n + 1], 96, self.library)
+                    self.assertTrue(torch.equal(alone(self.x)[:, 0], got[:, n]), (kind, n))
+
     def test_q4_of_a_float_matrix_and_q8(self) -> None:
         """Float weights packed into Q4_1 blocks, and int8 rows with a scale each, multiply by
         the weights they hold (the kernel family's self-check uses the same)."""

@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -480,8 +481,9 @@ class Vocabulary:
     """A model's tokens as the grammar library reads them: its tokenizer, the width of its
     logits (``size``, which may exceed the tokenizer's) and its EOS ids.
 
-    Building one reads the whole vocabulary (about a second for 49,152 tokens): an engine
-    builds it once.
+    Reading the whole vocabulary takes about a second and some 20 MB for 49,152 tokens: it is
+    read once, when a constraint first needs it (:attr:`tokenizer`, :attr:`table`), so a node
+    that serves no constrained request never holds it.
     """
 
     def __init__(self, tokenizer_json: str, *, size: int, eos_ids: Iterable[int]) -> None:
@@ -491,15 +493,42 @@ class Vocabulary:
             raise ValueError("a vocabulary for constraints needs at least one EOS id")
         self.words = (size + 31) // 32
         """int32 words of one mask row."""
-        self.tokenizer = llguidance.LLTokenizer(
-            tokenizer_json, n_vocab=size, eos_token=sorted(self.eos_ids)
-        )
-        self.table = TokenTable(self.tokenizer, size, min(self.eos_ids))
+        self._json: str | None = tokenizer_json
+        self._read: tuple[Any, TokenTable] | None = None
+        self._reading = threading.Lock()
+
+    def _tables(self) -> tuple[Any, TokenTable]:
+        """The grammar library's tokenizer and the token table, read on first use (by
+        whichever thread needs them first; the others wait for it)."""
+        read = self._read
+        if read is not None:
+            return read
+        with self._reading:
+            if self._read is None:
+                assert self._json is not None
+                tokenizer = llguidance.LLTokenizer(
+                    self._json, n_vocab=self.size, eos_token=sorted(self.eos_ids)
+                )
+                self._read = (tokenizer, TokenTable(tokenizer, self.size, min(self.eos_ids)))
+                self._json = None
+            return self._read
+
+    @property
+    def tokenizer(self) -> Any:
+        """The grammar library's ``LLTokenizer``."""
+        return self._tables()[0]
+
+    @property
+    def table(self) -> TokenTable:
         """Its tokens as bytes, for the closings of budgets (:mod:`sfnode.decoding.closing`)."""
+        return self._tables()[1]
 
     @classmethod
     def of_tokenizer(cls, tokenizer: Any, *, size: int, eos_ids: Iterable[int]) -> Vocabulary:
-        """From a transformers fast tokenizer (its backend's JSON, added tokens included)."""
+        """From a ``tokenizer.json`` text, or a transformers fast tokenizer (its backend's
+        JSON, added tokens included)."""
+        if isinstance(tokenizer, str):
+            return cls(tokenizer, size=size, eos_ids=eos_ids)
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
             raise ValueError("constraints need a fast tokenizer (a tokenizers backend)")

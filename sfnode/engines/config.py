@@ -13,7 +13,7 @@ make sense together and nothing else.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sfnode.engines import DEFAULT_DRAFT_TOKENS, KERNEL_MODES, SPECULATIVE_MODES, WEIGHT_MODES
@@ -42,7 +42,12 @@ class EngineConfig:
     ``sfnode.engines.mock.MOCK_CONTEXT_WINDOW``).  The transformers engine never exceeds its
     model's window."""
     kv_blocks: int | None = None
-    """KV blocks of 16 tokens in the pool; None: a full window for every lane."""
+    """KV blocks of 16 tokens in the pool; None: a full window for every lane, within
+    ``kv_memory``."""
+    kv_memory: int | None = None
+    """Bytes the keys and values may take when ``kv_blocks`` is not given (the lanes' slots and
+    the prefix cache's pool together; the node gives a share of the machine's free memory);
+    None: no bound."""
     interactive_lanes: int = 1
     """Lanes kept for interactive requests: batch work holds at most ``max_lanes`` minus these
     (at least one), docs/engine.md section 3."""
@@ -122,6 +127,20 @@ class EngineConfig:
             raise ValueError("the model has no max_position_embeddings; pass context_window")
         kv_blocks = self.kv_blocks or -(-window // KV_BLOCK_TOKENS) * self.max_lanes
         return min(window, kv_blocks * KV_BLOCK_TOKENS), kv_blocks
+
+    def within_memory(self, block_bytes: int, model_window: int) -> EngineConfig:
+        """This configuration with ``kv_blocks`` set where ``kv_memory`` bounds it: a full
+        window for every lane, or the blocks of ``block_bytes`` (one block of 16 positions,
+        every layer's keys and values) that ``kv_memory`` holds, slots and pool counted apart
+        (at least 256 positions a lane).  Itself when ``kv_blocks`` is given or nothing bounds
+        it."""
+        if self.kv_blocks is not None or self.kv_memory is None or block_bytes <= 0:
+            return self
+        _, full = self.kv_sizes(model_window)
+        copies = 2 if self.prefix_cache else 1
+        fits = self.kv_memory // (copies * block_bytes)
+        least = self.max_lanes * (256 // KV_BLOCK_TOKENS)
+        return replace(self, kv_blocks=max(least, min(full, fits)))
 
     def prefix_blocks(self, kv_blocks: int) -> int:
         """The blocks the prefix cache keeps beside a pool of ``kv_blocks``; 0: none."""

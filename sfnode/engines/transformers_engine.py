@@ -45,10 +45,10 @@ from twisted.python.threadpool import ThreadPool
 
 from sfnode.decoding.constraint import LaneStage, Vocabulary
 from sfnode.engines.config import DEFAULT_ENGINE_CONFIG, EngineConfig
+from sfnode.engines.families.spec import ModelSpec
 from sfnode.engines.kernels import openmp
 from sfnode.engines.loop import EngineLoop, RunnerTraits
 from sfnode.engines.runners.decoder import DecoderRunner
-from sfnode.engines.runners.forward import ModelForwardRunner
 from sfnode.engines.runners.hidden import decode_hidden, encode_hidden
 from sfnode.engines.runners.masks import MaskWorker
 from sfnode.engines.runners.stages import DecoderStages
@@ -57,6 +57,7 @@ from sfnode.engines.weights.gather import ModelWeights, WeightsError, as_stored,
 from sfnode.engines.weights.loading import LoadedModel
 from sfnode.engines.weights.stored import StoredModel
 from sfnode.generation import EngineStatistics, MaskFigures, StageResult, WeightFigures
+from sfnode.linkf.prefix_blocks import KV_BLOCK_TOKENS
 from sfnode.linkf.wire import Constraint
 
 if TYPE_CHECKING:
@@ -68,7 +69,11 @@ log = Logger(namespace="sfnode.engines.transformers")
 
 T = TypeVar("T")
 
-TorchRunner = DecoderRunner | ModelForwardRunner
+if TYPE_CHECKING:
+    # The model's own forward imports transformers: only --stock-kernels loads it.
+    from sfnode.engines.runners.forward import ModelForwardRunner
+
+    TorchRunner = DecoderRunner | ModelForwardRunner
 
 
 def eos_ids_of(model: Any) -> frozenset[int]:
@@ -202,7 +207,6 @@ def vocabulary_of(tokenizer: Any, size: int, eos_ids: frozenset[int]) -> Vocabul
     """The grammar library's view of ``tokenizer``; None (and a log line) when it has none."""
     if tokenizer is None:
         return None
-    started = time.perf_counter()
     try:
         vocabulary = Vocabulary.of_tokenizer(tokenizer, size=size, eos_ids=eos_ids)
     except ValueError as e:
@@ -210,9 +214,9 @@ def vocabulary_of(tokenizer: Any, size: int, eos_ids: frozenset[int]) -> Vocabul
         log.warn("constraints are not available with this model: {error}", error=str(e))
         return None
     log.info(
-        "constraints: the grammar library read {n} tokens in {s:.2f} s",
+        "constraints: the grammar library reads the {n} tokens when a constraint first needs "
+        "them",
         n=size,
-        s=time.perf_counter() - started,
     )
     return vocabulary
 
@@ -306,6 +310,8 @@ def forward_runner(
             f"--weights {config.weights} needs sfnode's own step, which does not serve this "
             f"model ({why}); its own forward serves {dtype} weights"
         )
+    from sfnode.engines.runners.forward import ModelForwardRunner
+
     runner = ModelForwardRunner(model, onednn=config.onednn, masks=masks)
     log.info(
         "serving through the model's own forward ({why}); {layers} linear layers on oneDNN",
@@ -345,6 +351,12 @@ def _model_figures(
     )
 
 
+def kv_block_bytes(spec: ModelSpec) -> int:
+    """Bytes of one KV block (16 positions, every layer's keys and values), counted in float32,
+    the widest keys and values sfnode holds."""
+    return spec.layers * 2 * spec.kv_heads * KV_BLOCK_TOKENS * spec.head_dim * 4
+
+
 class TransformersEngine(EngineLoop):
     """An :class:`sfnode.generation.Engine` over a model as stored, or over a transformers
     causal LM (see the module)."""
@@ -382,10 +394,11 @@ class TransformersEngine(EngineLoop):
             stored if config.lean_step else None, model
         )
         eos_ids = config.eos_ids if config.eos_ids is not None else eos_ids
+        if stored is not None and config.lean_step:
+            config = config.within_memory(kv_block_bytes(stored.spec), model_window)
         window, _ = config.kv_sizes(model_window)
         vocabulary = vocabulary_of(tokenizer, vocab_size, eos_ids)
-        masks = MaskWorker(vocabulary) if vocabulary is not None else None
-        self._masks = masks
+        self._masks = masks = MaskWorker(vocabulary) if vocabulary is not None else None
         why = None if config.lean_step else "--stock-kernels"
         if stored is not None and config.lean_step:
             float_dtype, device = float_dtype or torch.float32, device or torch.device("cpu")
@@ -441,7 +454,7 @@ class TransformersEngine(EngineLoop):
             loaded.stored,
             reactor,
             config,
-            tokenizer=loaded.tokenizer,
+            tokenizer=loaded.tokenizer_json,
             float_dtype=loaded.dtype,
             device=loaded.device,
         )
@@ -478,8 +491,13 @@ class TransformersEngine(EngineLoop):
         return f"{step}, {self.weights.mode} weights"
 
     def statistics(self) -> EngineStatistics:
-        """The loop's figures, and the weights held against their files."""
-        return replace(super().statistics(), weights=self.weights.figures)
+        """The loop's figures, the weights held against their files, and the bytes of keys
+        and values allocated (the lanes' slots and the prefix cache's pool)."""
+        runner = self.runner
+        kv_bytes = None
+        if isinstance(runner, DecoderRunner):
+            kv_bytes = runner.kv.nbytes + (runner.pool.nbytes if runner.pool is not None else 0)
+        return replace(super().statistics(), weights=self.weights.figures, kv_bytes=kv_bytes)
 
     def mask_figures(self) -> MaskFigures | None:
         if self._masks is None:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
@@ -756,23 +758,26 @@ def load_head_tokenizer(model: str | None) -> Any:
     """The tokenizer (and chat template) of ``model``: a model folder, a tokenizer-only folder,
     a .gguf file, or the bundled default.  Never loads weights.
 
-    A folder with ``tokenizer.json`` (a .gguf file once any node converted it) is read without
-    torch or transformers (:class:`~sfnode.head.models.text.HeadTokenizer`, about a second);
-    anything else goes through transformers, which imports torch and takes several seconds.
+    A folder with ``tokenizer.json`` is read without torch or transformers
+    (:class:`~sfnode.head.models.text.HeadTokenizer`, about a second).  A GGUF file that no node
+    converted yet has its model files written first by a child process (``python -m sfnode
+    model-files``, the node's own conversion), so the head never maps torch or transformers; only
+    a model folder without ``tokenizer.json`` goes through transformers.
 
     :raises HeadStartupError: it cannot be loaded.
     """
     from sfnode.head.models.text import TOKENIZER_FILE, HeadTokenizer, TokenizerLoadError
 
     folder = tokenizer_folder(model)
+    if folder is None or not (folder / TOKENIZER_FILE).is_file():
+        folder = _converted_folder(model) or folder
     if folder is not None and (folder / TOKENIZER_FILE).is_file():
         try:
             return HeadTokenizer(folder)
         except TokenizerLoadError as e:
             raise HeadStartupError(f"sfhead: cannot load the tokenizer: {e}") from e
     log.info(
-        "sfhead: no {file} for {model}: loading the tokenizer through transformers (slower; "
-        "a GGUF model is converted on the first start of a node)",
+        "sfhead: no {file} for {model}: loading the tokenizer through transformers (slower)",
         file=TOKENIZER_FILE,
         model=model or "the bundled model",
     )
@@ -782,23 +787,36 @@ def load_head_tokenizer(model: str | None) -> Any:
         raise HeadStartupError(f"sfhead: cannot load the tokenizer: {e}") from e
 
 
+def _converted_folder(model: str | None) -> Path | None:
+    """The model files of ``model``'s GGUF file (the bundled one without ``model``), written
+    into the cache by a child process; None for a folder.
+
+    :raises HeadStartupError: the child could not write them."""
+    try:
+        gguf = Path(model).expanduser() if model else model_cache.default_gguf()
+    except model_cache.ModelLoadError:
+        return None
+    if not gguf.is_file():
+        return None
+    log.info("sfhead: writing the model files of {gguf} (once, in a child process)", gguf=gguf)
+    command = [sys.executable, "-m", "sfnode", "model-files", str(gguf)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise HeadStartupError(
+            f"sfhead: cannot write the model files of {gguf}: "
+            f"{(done.stderr.strip().splitlines() or ['status ' + str(done.returncode)])[-1]}"
+        )
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
 def _transformers_tokenizer(model: str | None, folder: Path | None) -> Any:
-    """``model``'s tokenizer read by transformers, never converting the weights: from its
-    folder (a converted GGUF's when it holds the tokenizer's files), else from the .gguf."""
+    """``model``'s tokenizer read by transformers from its folder (a model folder without
+    ``tokenizer.json``)."""
     from transformers import AutoTokenizer
 
-    if folder is not None and (
-        (model is not None and Path(model).expanduser().is_dir())
-        or (folder / "tokenizer_config.json").is_file()
-        or not (folder / "config.json").is_file()
-    ):
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    gguf = Path(model).expanduser() if model else model_cache.default_gguf()
-    if not gguf.is_file():
-        raise model_cache.ModelLoadError(f"model path does not exist: {gguf}")
-    return AutoTokenizer.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, local_files_only=True
-    )
+    if folder is None:
+        raise model_cache.ModelLoadError(f"no tokenizer files for {model or 'the bundled model'}")
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
 
 def head_models(options: Options) -> ModelRegistry:
@@ -837,7 +855,7 @@ def head_models(options: Options) -> ModelRegistry:
         if folder is not None and (folder / TOKENIZER_FILE).is_file():
             tokenizer = HeadTokenizer(folder)
         else:
-            model_cache.default_gguf()  # installed, not converted yet: read through transformers
+            model_cache.default_gguf()  # installed, not converted yet: converted in a child
             tokenizer = load_head_tokenizer(None)
     except (TokenizerLoadError, HeadStartupError, model_cache.ModelLoadError) as e:
         log.info(

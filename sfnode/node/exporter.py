@@ -22,7 +22,8 @@ engine loop) adds its forward passes, decode rows and the tokens they gave; with
 decoding on (docs/engine.md section 3.1) also the draft tokens verified and accepted, the
 acceptance rate and the tokens per decode row.  An engine that holds weights of its own adds
 their bytes and the bytes of the files they were read from (a quantized file's blocks are held as
-stored, so the two stay close).
+stored, so the two stay close); the node's resident memory is shown whole and split into those
+weights, the keys and values the engine has allocated, and the rest.
 
 The same site answers ``/healthz`` for probes (a Kubernetes readiness or liveness probe, a load
 balancer): 200 ``{"status": "ok", ...}`` while the node takes generations (its model is loaded:
@@ -33,6 +34,7 @@ started its drain.  Both say how many heads are connected and how many generatio
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import TYPE_CHECKING
@@ -44,7 +46,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.web.resource import Resource
 from twisted.web.server import Request
 
-from sfnode.generation import MaskFigures, PrefixFigures, StepFigures
+from sfnode.generation import EngineStatistics, MaskFigures, PrefixFigures, StepFigures
 from sfnode.runtime.http_guard import DEFAULT_HEADER_TIMEOUT_S, CappedSite
 
 if TYPE_CHECKING:
@@ -182,17 +184,48 @@ class NodeCollector(Collector):
             "sfnode_generations", "Generations running or queued.", agent.running_generations
         )
         yield from _engine_metrics(family, stats.masks, stats.steps, stats.prefix)
-        if stats.weights is not None:
-            yield gauge(
-                "sfnode_weights_bytes",
-                "Bytes of the weights the engine's step reads (a file's blocks held as stored).",
-                stats.weights.held_bytes,
-            )
-            yield gauge(
-                "sfnode_weights_file_bytes",
-                "Bytes of the weight files the model was read from.",
-                stats.weights.file_bytes,
-            )
+        yield from _memory_metrics(family, stats, resident_bytes())
+
+
+def resident_bytes(statm: str = "/proc/self/statm") -> int | None:
+    """This process's resident memory (None where the system does not say)."""
+    try:
+        with open(statm) as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _memory_metrics(
+    family: _Families, stats: EngineStatistics, resident: int | None
+) -> Iterator[Metric]:
+    """The weights' bytes against their files', and the process's resident memory split into
+    the weights, the keys and values, and the rest (the interpreter, libraries, buffers)."""
+    weights = stats.weights
+    if weights is not None:
+        yield family.gauge(
+            "sfnode_weights_bytes",
+            "Bytes of the weights the engine's step reads (a file's blocks held as stored).",
+            weights.held_bytes,
+        )
+        yield family.gauge(
+            "sfnode_weights_file_bytes",
+            "Bytes of the weight files the model was read from.",
+            weights.file_bytes,
+        )
+    if resident is None:
+        return
+    held = weights.held_bytes if weights is not None else 0
+    kv = stats.kv_bytes or 0
+    yield family.gauge("sfnode_resident_bytes", "Resident memory of the node process.", resident)
+    yield family.gauge("sfnode_resident_weights_bytes", "Of it, the weights the step reads.", held)
+    yield family.gauge("sfnode_resident_kv_bytes", "Of it, the keys and values allocated.", kv)
+    yield family.gauge(
+        "sfnode_resident_rest_bytes",
+        "Of it, the rest: the interpreter, libraries and buffers (the resident memory less the "
+        "weights and the keys and values).",
+        max(0, resident - held - kv),
+    )
 
 
 def _engine_metrics(

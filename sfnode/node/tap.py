@@ -639,6 +639,7 @@ def engine_config(options: Options) -> EngineConfig:
         **_as_given(options, _ENGINE_FIELDS),
         context_window=options["max-context"] or None,
         kv_blocks=options["kv-blocks"] or None,
+        kv_memory=kv_memory(),
         step_ms=float(options["step-ms"]),
         prefix_cache=not options["no-prefix-cache"],
         prefix_cache_blocks=options["prefix-cache-blocks"] or None,
@@ -646,6 +647,24 @@ def engine_config(options: Options) -> EngineConfig:
         onednn=not stock,
         fused_step=not options["eager-step"],
     )
+
+
+KV_SHARE = 4
+"""Without ``--kv-blocks``, keys and values may take one ``KV_SHARE``-th of the memory the
+machine has available at start (docs/engine.md section 3)."""
+
+
+def kv_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """The bytes keys and values may take without ``--kv-blocks``: a share of the machine's
+    ``MemAvailable``; None where the machine does not say (no bound)."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name == "MemAvailable":
+                return int(value.split()[0]) * 1024 // KV_SHARE
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def build_engine(reactor: Any, options: Options) -> Engine:

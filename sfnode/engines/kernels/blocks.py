@@ -63,6 +63,8 @@ FORMATS = {
         BlockFormat("F16", 1, 1, 2),
         BlockFormat("Q4_0", 2, 32, 18),
         BlockFormat("Q4_1", 3, 32, 20),
+        BlockFormat("Q5_0", 6, 32, 22),
+        BlockFormat("Q5_1", 7, 32, 24),
         BlockFormat("Q8_0", 8, 32, 34),
         BlockFormat("Q4_K", 12, QK_K, 144),
         BlockFormat("Q5_K", 13, QK_K, 176),
@@ -163,6 +165,29 @@ def _q4_1(blocks: Bytes) -> Floats:
     return result
 
 
+def _five_bits(qh: Bytes, qs: Bytes) -> Bytes:
+    """The 32 five-bit q of Q5_0/Q5_1 blocks: weight j's low nibble is byte j's (j < 16) or
+    byte j - 16's high one, its fifth bit bit j of the little-endian 32-bit ``qh``."""
+    n = qh.shape[0]
+    bits = np.ascontiguousarray(qh).view("<u4").reshape(n, 1) >> np.arange(32, dtype=np.uint32)
+    high = (bits & np.uint32(1)).astype(np.uint8)
+    result: Bytes = _nibbles(qs, 1, 16) | (high << np.uint8(4))
+    return result
+
+
+def _q5_0(blocks: Bytes) -> Floats:
+    d, qh, qs = _split(blocks, 2, 4, 16)
+    q = (_five_bits(qh, qs).astype(np.int8) - np.int8(16)).astype(np.float32)
+    result: Floats = _halves(d) * q
+    return result
+
+
+def _q5_1(blocks: Bytes) -> Floats:
+    d, m, qh, qs = _split(blocks, 2, 2, 4, 16)
+    result: Floats = _halves(d) * _five_bits(qh, qs).astype(np.float32) + _halves(m)
+    return result
+
+
 def _f16(blocks: Bytes) -> Floats:
     return np.ascontiguousarray(blocks).view("<f2").astype(np.float32)
 
@@ -184,6 +209,8 @@ _DEQUANTIZE = {
     "Q8_0": _q8_0,
     "Q4_0": _q4_0,
     "Q4_1": _q4_1,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
     "Q4_K": _q4_k,
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,

@@ -40,7 +40,8 @@
 
 typedef struct {
     int32_t kind; /* 0: Q4_1 tiles; 1: int8 rows with a float32 scale each; 2: float32 rows;
-                     as the file stores them, rows of: 3 Q8_0, 4 Q4_K, 5 Q5_K, 6 Q6_K blocks */
+                     as the file stores them, rows of: 3 Q8_0, 4 Q4_K, 5 Q5_K, 6 Q6_K,
+                     7 Q5_0, 8 Q5_1 blocks */
     int32_t K, N;
     const void *w;
     const float *scales;
@@ -275,6 +276,8 @@ static size_t row_bytes(int type, int K) {
     case 1: case 30: return (size_t)K * 2;
     case 2: return (size_t)K / QK * 18;
     case 3: return (size_t)K / QK * 20;
+    case 6: return (size_t)K / QK * 22;
+    case 7: return (size_t)K / QK * 24;
     case 8: return (size_t)K / QK * 34;
     case 12: return (size_t)K / QK_K * 144;
     case 13: return (size_t)K / QK_K * 176;
@@ -283,8 +286,8 @@ static size_t row_bytes(int type, int K) {
     }
 }
 
-/* The float32 weights of one row of K weights of ggml type `type` (F32, F16, Q4_0, Q4_1, Q8_0,
-   Q4_K, Q5_K, Q6_K, BF16): what blocks.py's dequantize gives, bit for bit. */
+/* The float32 weights of one row of K weights of ggml type `type` (F32, F16, Q4_0, Q4_1, Q5_0,
+   Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16): what blocks.py's dequantize gives, bit for bit. */
 SF_EXACT static void dequantize_row(int type, const uint8_t *row, int K, float *out) {
     SF_EXACT_BODY
     if (type == 0) { memcpy(out, row, sizeof(float) * K); return; }
@@ -319,6 +322,17 @@ SF_EXACT static void dequantize_row(int type, const uint8_t *row, int K, float *
             for (int j = 0; j < 16; j++) {
                 out[j] = d * (float)((int)(blk[2 + j] & 0xF) - 8);
                 out[j + 16] = d * (float)((int)(blk[2 + j] >> 4) - 8);
+            }
+        } else if (type == 6 || type == 7) {
+            const int with_min = type == 7;
+            const float m = with_min ? half_at(blk + 2) : 0.0f;
+            uint32_t qh;
+            memcpy(&qh, blk + 2 + 2 * with_min, 4);
+            const uint8_t *qs = blk + 6 + 2 * with_min;
+            for (int j = 0; j < QK; j++) {
+                const int low = j < 16 ? qs[j] & 0xF : qs[j - 16] >> 4;
+                const int q = low | (int)(((qh >> j) & 1) << 4);
+                out[j] = with_min ? d * (float)q + m : d * (float)(q - 16);
             }
         } else {
             const float m = half_at(blk + 2);
@@ -612,6 +626,50 @@ static inline __attribute__((always_inline)) void q8b_rows(
     store_rows(R, acc, minus, out, stride, accumulate);
 }
 
+/* The 32 weights' q of a Q5_0/Q5_1 block (0..31): nibbles of qs (low ones first), the fifth
+   bit of weight j bit j of qh. */
+static inline __m256i five_bits(const uint8_t *qh, const uint8_t *qs) {
+    uint32_t bits;
+    memcpy(&bits, qh, 4);
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)bits),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i set = _mm256_cmpeq_epi8(
+        _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi64x(-1));
+    const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    const __m256i nibbles = _mm256_and_si256(
+        _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+    return _mm256_or_si256(nibbles, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+}
+
+/* Q5_0 (22 bytes: float16 d, qh, 16 bytes of nibbles; w = d*(q - 16)) and Q5_1 (24 bytes:
+   float16 d and m, qh, nibbles; w = d*q + m, the min multiplying the activations' s). */
+static inline __attribute__((always_inline)) void q5_rows(
+    const int R, const int with_min, const uint8_t *w, int nb, const int16_t *qx,
+    const float *dx, const float *sx, int K, float *out, int stride, int accumulate) {
+    const size_t size = with_min ? 24 : 22;
+    __m256 acc[4];
+    float minus[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = w + (size_t)b * size;
+        const float d = half_at(blk), m = with_min ? -half_at(blk + 2) : 0.0f;
+        __m256i q = five_bits(blk + 2 + 2 * with_min, blk + 6 + 2 * with_min);
+        if (!with_min) q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+        const __m256i w0 = with_min ? _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q))
+                                    : _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
+        const __m256i w1 = with_min ? _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1))
+                                    : _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
+        for (int r = 0; r < R; r++) {
+            const __m256i p = dot32(w0, w1, qx + (size_t)r * K + b * QK);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[r * nb + b]), _mm256_cvtepi32_ps(p),
+                                     acc[r]);
+            if (with_min) minus[r] = fmaf(m, sx[r * nb + b], minus[r]);
+        }
+    }
+    store_rows(R, acc, minus, out, stride, accumulate);
+}
+
 /* The eight scales and mins of a Q4_K/Q5_K super-block, times its d and dmin. */
 static inline void k_scales(const uint8_t *blk, float *ds, float *dm) {
     const float d = half_at(blk), dmin = half_at(blk + 2);
@@ -725,9 +783,9 @@ static inline int units(const sf_part *mat) {
     return mat->kind == 0 ? (mat->N + 7) / 8 : mat->N;
 }
 
-/* Bytes of one weight row of a part stored as the file stores it (kinds 3 to 6). */
+/* Bytes of one weight row of a part stored as the file stores it (kinds 3 to 8). */
 static inline size_t stored_row_bytes(const sf_part *mat) {
-    static const int types[] = {8, 12, 13, 14};
+    static const int types[] = {8, 12, 13, 14, 6, 7};
     return row_bytes(types[mat->kind - 3], mat->K);
 }
 
@@ -746,6 +804,8 @@ static void stored_units(const sf_part *mat, const acts *a, int M, float *y, int
         float *yo = y + (size_t)m * ldy + n;                                                   \
         if (mat->kind == 3) q8b_rows(RR, wr, nb, xq, xd, K, yo, ldy, accumulate);              \
         else if (mat->kind == 6) q6k_rows(RR, wr, nsb, xq, xd, K, yo, ldy, accumulate);        \
+        else if (mat->kind >= 7) q5_rows(RR, mat->kind == 8, wr, nb, xq, xd, xs, K, yo, ldy,   \
+                                         accumulate);                                          \
         else qk_rows(RR, mat->kind == 5, wr, nsb, xq, xd, xs, K, yo, ldy, accumulate);         \
     } while (0)
         ROW_TILES(STORED_CALL);
@@ -822,9 +882,9 @@ static void product(const sf_matrix *mat, const acts *a, int M, float *y, int ld
 }
 
 static int part_ok(const sf_part *mat) {
-    if (mat->kind < 0 || mat->kind > 6 || mat->K <= 0 || mat->N <= 0) return 0;
+    if (mat->kind < 0 || mat->kind > 8 || mat->K <= 0 || mat->N <= 0) return 0;
     if (quantized_part(mat) && mat->K % QK) return 0;
-    if (mat->kind >= 4 && mat->K % QK_K) return 0;
+    if (mat->kind >= 4 && mat->kind <= 6 && mat->K % QK_K) return 0;
     return 1;
 }
 

@@ -456,15 +456,16 @@ class F32Linear:
         return {"weight": self.weight}
 
 
-STORED_KINDS = {"Q8_0": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+STORED_KINDS = {"Q8_0": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "Q5_0": 7, "Q5_1": 8}
 """The formats the kernels multiply as the file stores them, by their number in ``sf_part``."""
 
 
 class BlockLinear:
-    """A matrix multiplied as the file stores it (Q8_0, Q4_K, Q5_K or Q6_K rows of blocks,
-    docs/engine.md section 5.4): the kernel reads each block of 32 weights (a Q8_0 block, a
-    K-quant sub-block) against the int16 activations of the same inputs, in integers, and
-    scales it in float; nothing is inflated or copied (``data`` is the file's map)."""
+    """A matrix multiplied as the file stores it (Q8_0, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K rows of
+    blocks, docs/engine.md section 5.4): the kernel reads each block of 32 weights (a Q8_0 or
+    Q5 block, a K-quant sub-block) against the int16 activations of the same inputs, in
+    integers, and scales it in float; nothing is inflated or copied (``data`` is the file's
+    map)."""
 
     activations = torch.float32
     as_stored = True

@@ -11,16 +11,17 @@ the family has one; then the final norm, the token embedding and the output head
 
 How a matrix is held depends on the weights mode and on how the file stores it:
 
-- ``auto``: each matrix in the precision its file gives (Q4_0, Q4_1, Q4_K, Q5_K as int4; Q8_0
+- ``auto``: each matrix in the precision its file gives (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K as
+  int4; Q8_0
   and Q6_K as int8; float ones as float32, or bfloat16 for a bfloat16 model off the CPU), the
   head int4 where the file holds it as Q8_0 (its best logits are computed again in float32);
 - ``float32``, ``bfloat16``, ``int8``, ``int4``: every matrix so.
 
 sfnode's kernels (the ``native`` family) multiply a Q4_0/Q4_1 matrix from its own blocks laid
-out in tiles, and a Q8_0 or K-quant matrix from the file's own blocks as stored (never inflated);
-torch's kernels take Q4_0/Q4_1 blocks as int4 groups exactly and quantize anything else again
-for their int4 and int8 kernels.  A projection whose parts are stored in different formats keeps
-each part's own kernel.
+out in tiles, and a Q8_0, Q5_0, Q5_1 or K-quant matrix from the file's own blocks as stored
+(never inflated); torch's kernels take Q4_0/Q4_1 blocks as int4 groups exactly and quantize
+anything else again for their int4 and int8 kernels.  A projection whose parts are stored in
+different formats keeps each part's own kernel.
 
 Packing a model takes seconds, so what was converted for a GGUF file's kernels is kept beside its
 files (:mod:`sfnode.engines.weights.packed`) and read back on later starts.
@@ -68,6 +69,8 @@ PROJECTIONS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "
 _PRECISION_OF_KIND = {
     "Q4_0": Precision.INT4,
     "Q4_1": Precision.INT4,
+    "Q5_0": Precision.INT4,
+    "Q5_1": Precision.INT4,
     "Q4_K": Precision.INT4,
     "Q5_K": Precision.INT4,
     "Q8_0": Precision.INT8,
@@ -654,7 +657,7 @@ def _choose_family(
         raise WeightsError(f"kernels must be auto, {' or '.join(FAMILIES)}, not {kept.kernels!r}")
     cpu = kept.cpu or Cpu.here()
     library_dir = kept.library_dir or _library_dir(kept.cache_file)
-    k_quants = sorted({t.kind for t in stored.tensors.values()} & K_QUANTS)
+    k_quants = sorted({t.kind for t in stored.tensors.values()} & (K_QUANTS | {"Q5_0", "Q5_1"}))
     if kept.kernels == "torch":
         choice = Choice("torch", "asked for", all_float32=all_float32)
         if k_quants:

@@ -24,6 +24,7 @@ a load needs (it is imported only when a real engine is chosen).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -59,8 +60,6 @@ class LoadedModel:
 
     stored: StoredModel
     """Its spec and its tensors as stored (docs/engine.md section 5.4)."""
-    tokenizer: Any
-    """The matching ``PreTrainedTokenizerBase`` (None where there is none)."""
     name: str
     """A short name for status reports (folder or file stem)."""
     source: Path
@@ -71,6 +70,26 @@ class LoadedModel:
     dtype: torch.dtype
     """What ``--weights auto`` makes of float matrices (float32 on a CPU)."""
     device: torch.device
+
+    @functools.cached_property
+    def tokenizer(self) -> Any:
+        """The matching transformers tokenizer, loaded on first use (the node itself reads only
+        :attr:`tokenizer_json`, so it never holds one).
+
+        :raises ModelLoadError: transformers cannot load it."""
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(str(self.folder), local_files_only=True)
+        except Exception as e:
+            raise ModelLoadError(f"cannot load the tokenizer of {self.folder}: {e}") from e
+
+    @property
+    def tokenizer_json(self) -> str | None:
+        """The text of the model's ``tokenizer.json`` (None without one): what the grammar
+        library reads (:class:`sfnode.decoding.constraint.Vocabulary`)."""
+        path = self.folder / "tokenizer.json"
+        return path.read_text(encoding="utf-8") if path.is_file() else None
 
     @property
     def cache_file(self) -> Path | None:
@@ -335,7 +354,6 @@ def load_model(
     :raises ModelLoadError: the model cannot be read, or is refused (naming the architecture
         or ``model_type`` and what sfnode does not support)."""
     import torch
-    from transformers import AutoTokenizer
 
     if threads is not None and threads > 0:
         torch.set_num_threads(threads)
@@ -345,10 +363,6 @@ def load_model(
     started = time.monotonic()
     stored = read_folder(source) if source.is_dir() else read_gguf(source)
     source, folder = model_folder(source, cache_dir, stored)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except Exception as e:
-        raise ModelLoadError(f"cannot load the tokenizer of {folder}: {e}") from e
     spec = stored.spec
     log.info(
         "Read {name} as stored ({family}: {layers} layers, vocab {vocab}, window {window}; "
@@ -363,7 +377,6 @@ def load_model(
     )
     return LoadedModel(
         stored=stored,
-        tokenizer=tokenizer,
         name=source.stem if source.is_file() else source.name,
         source=source,
         folder=folder,
