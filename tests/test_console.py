@@ -360,7 +360,9 @@ class ConsoleHttpTests(ConsoleHttpCase):
         # The node runs in this process: its report is this process's resident set.
         reported = state["nodes"][0]["resident_bytes"]
         self.assertGreater(reported, 10 * 2**20)
-        self.assertLess(abs(reported - resident_bytes()), 200 * 2**20)
+        here = resident_bytes()
+        assert here is not None
+        self.assertLess(abs(reported - here), 200 * 2**20)
 
     @defer.inlineCallbacks
     def test_a_refused_node_shows_why(self) -> Generator[Any, Any, None]:

@@ -34,7 +34,6 @@ started its drain.  Both say how many heads are connected and how many generatio
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import TYPE_CHECKING
@@ -47,6 +46,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import Request
 
 from sfnode.generation import EngineStatistics, MaskFigures, PrefixFigures, StepFigures
+from sfnode.node.host import resident_bytes
 from sfnode.runtime.http_guard import DEFAULT_HEADER_TIMEOUT_S, CappedSite
 
 if TYPE_CHECKING:
@@ -185,15 +185,6 @@ class NodeCollector(Collector):
         )
         yield from _engine_metrics(family, stats.masks, stats.steps, stats.prefix)
         yield from _memory_metrics(family, stats, resident_bytes())
-
-
-def resident_bytes(statm: str = "/proc/self/statm") -> int | None:
-    """This process's resident memory (None where the system does not say)."""
-    try:
-        with open(statm) as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _memory_metrics(

@@ -1,16 +1,15 @@
 """The machine a node runs on, as its reports describe it (docs/protocol.md section 12.9): the
 CPU's model name and vector extensions, and the process's resident memory.
 
-Reads ``/proc`` and psutil only; never imports torch (a mock node has none), never fails a
+Reads ``/proc`` only; never imports torch (a mock node has none), never fails a
 report: what cannot be read is said as such.
 """
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
-
-import psutil
 
 VECTOR_EXTENSIONS = ("avx512f", "avx512_bf16", "avx2", "fma", "f16c", "neon", "asimd")
 """The CPU flags worth naming (what the kernels choose by), in the order they are named."""
@@ -36,9 +35,13 @@ def cpu_description(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     return f"{name} ({' '.join(have)})" if have else name
 
 
-def resident_bytes() -> int:
-    """The node process's resident set, in bytes."""
-    return int(psutil.Process().memory_info().rss)
+def resident_bytes(statm: str = "/proc/self/statm") -> int | None:
+    """The node process's resident set, in bytes (None where the system does not say)."""
+    try:
+        with open(statm) as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 __all__ = ["VECTOR_EXTENSIONS", "cpu_description", "resident_bytes"]

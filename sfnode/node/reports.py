@@ -134,7 +134,7 @@ class NodeReports:
             loadable_models=self.loadable_models,
             mem=MemCountersMsg(
                 # The node's resident memory (D27); upstream leaves it 0.
-                host_retained_bytes=resident_bytes(),
+                host_retained_bytes=resident_bytes() or 0,
                 pool_blocks_total=capacity.kv_blocks_total,
                 pool_blocks_used=capacity.kv_blocks_used,
             ),
