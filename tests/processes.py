@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,29 @@ class Child(ProcessProtocol):
         return self.ended
 
 
+NODE_LISTENING = rb"sfnode listening on 127\.0\.0\.1:(\d+)\n"
+"""What a node listening on loopback (``--listen`` :data:`LOOPBACK`) logs, with its port."""
+
+
+@defer.inlineCallbacks
+def node_endpoint(node: Child) -> Generator[Any, Any, str]:
+    """The client endpoint of ``node``'s Link F port, once it logs :data:`NODE_LISTENING`."""
+    found = yield node.wait_for(NODE_LISTENING)
+    return f"tcp:127.0.0.1:{int(found[0].group(1))}"
+
+
+@defer.inlineCallbacks
+def spawn_nodes(
+    test: TestCase, nodes: Sequence[tuple[str, list[str]]]
+) -> Generator[Any, Any, list[tuple[Child, str]]]:
+    """Start every ``(name, args)`` node process at once (each ``twistd sfnode`` spends its
+    first seconds importing, and the start-ups overlap), then wait for each to listen; fires
+    with the children and their endpoints, in the order given."""
+    children = [spawn_twistd(test, Child(name), args) for name, args in nodes]
+    endpoints = yield defer.gatherResults([node_endpoint(child) for child in children])
+    return list(zip(children, endpoints, strict=True))
+
+
 def spawn_twistd(test: TestCase, child: Child, args: list[str]) -> Child:
     """Start ``twistd --pidfile= -n ARGS`` in a fresh folder; the test's cleanup kills it."""
     folder = Path(test.mktemp())
@@ -105,11 +128,11 @@ def mock_node_and_head(
     fires with both and the head's base URL once the node has joined."""
     node = spawn("node", ["sfnode", "--listen", LOOPBACK, "--engine", "mock",
                           "--identity", identity, *node_args])  # fmt: skip
-    found = yield node.wait_for(rb"sfnode listening on 127\.0\.0\.1:(\d+)\n")
+    endpoint = yield node_endpoint(node)
     head = spawn(
         "head",
         ["sfhead", "--http", LOOPBACK, "--fleet-listen", LOOPBACK, "--model-name", "mock",
-         "--node", f"tcp:127.0.0.1:{int(found[0].group(1))}"],
+         "--node", endpoint],
     )  # fmt: skip
     found = yield head.wait_for(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)\n")
     yield head.wait_for(b"node " + identity.encode() + b" joined")
