@@ -27,6 +27,7 @@ import jsonschema
 from twisted.trial.unittest import SynchronousTestCase
 
 from tests.bundled import BUNDLED_MODEL_SKIP
+from tests.clients import anthropic_client, openai_client
 from tests.embedders import MINILM_SKIP, minilm_folder
 from tests.processes import SharedProcess, stop_after_the_class
 
@@ -94,23 +95,14 @@ class FleetAgentsTests(SynchronousTestCase):
         stop_after_the_class(self, FLEET.stop)
 
     def openai(self) -> Any:
-        import openai
-
-        client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0,
-                               timeout=120)  # fmt: skip
-        self.addCleanup(client.close)
-        return client
+        return openai_client(self, self.base + "/v1", timeout=120)
 
     def test_anthropic_tool_use_round_trip(self) -> None:
         """The ``anthropic`` client forces ``get_weather``: the answer stops with
         ``tool_use``, one ``tool_use`` block whose ``input`` validates; its ``tool_result``
         sent back is answered as a message whose prompt holds the whole exchange (more input
         tokens); streamed, the same forced call arrives whole."""
-        import anthropic
-
-        client = anthropic.Anthropic(base_url=self.base, api_key="unused", max_retries=0,
-                                     timeout=120)  # fmt: skip
-        self.addCleanup(client.close)
+        client = anthropic_client(self, self.base, api_key="unused", timeout=120)
         messages: list[dict[str, Any]] = [
             {"role": "user", "content": "What is the weather in Paris?"}
         ]

@@ -27,6 +27,7 @@ from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.fleet.fleet import Fleet, FleetSettings, Policy
 from sfnode.head.link import HeadIds
 from sfnode.linkf.wire import Constraint, GenParams, SamplerControls
+from tests.clients import openai_client
 from tests.processes import LOOPBACK, spawn_nodes
 
 LONG_ARRAY = {
@@ -96,7 +97,6 @@ class ConstrainedFailoverTests(TestCase):
     @defer.inlineCallbacks
     def openai_client(self, folder: str, fleet: Fleet) -> Generator[defer.Deferred[Any], Any, Any]:
         """An ``openai`` client of a head (its HTTP API on loopback) over ``fleet``."""
-        import openai
         from transformers import AutoTokenizer
         from twisted.internet.endpoints import TCP4ServerEndpoint
 
@@ -106,11 +106,7 @@ class ConstrainedFailoverTests(TestCase):
         self.addCleanup(api.stop)
         port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(api.site())
         self.addCleanup(port.stopListening)
-        client = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{port.getHost().port}/v1", api_key="-", max_retries=0
-        )
-        self.addCleanup(client.close)
-        return client
+        return openai_client(self, f"http://127.0.0.1:{port.getHost().port}/v1", api_key="-")
 
     def killer(
         self, fleet: Fleet, nodes: list[Any], killed: list[defer.Deferred[None]]

@@ -23,6 +23,7 @@ from twisted.trial.unittest import SkipTest, TestCase
 
 from sfnode.head.link import HeadIds, connect_node
 from sfnode.linkf.wire import FEATURE_LOGPROBS
+from tests.clients import openai_client
 from tests.processes import LOOPBACK, NODE_LISTENING, SharedProcess, stop_after_the_class
 
 MESSAGES = [{"role": "user", "content": "hello world"}]
@@ -105,8 +106,6 @@ class _LogprobsProcessCases(TestCase):
     def serve(self) -> Generator[defer.Deferred[Any], Any, tuple[Any, str]]:
         """The class's node process and head process over it (started by its first test,
         stopped after its last); (an openai client, the model name)."""
-        import openai
-
         processes = _PROCESSES.setdefault(self.engine, _NodeAndHead(self.engine))
         stop_after_the_class(self, processes.stop)
         if processes.features is None:
@@ -115,9 +114,7 @@ class _LogprobsProcessCases(TestCase):
             if self.engine != "mock":
                 raise SkipTest(f"the {self.engine} engine does not return logprobs yet")
             self.fail("a mock node does not offer FEATURE_LOGPROBS")
-        client = openai.OpenAI(base_url=processes.base, api_key="unused", max_retries=0)
-        self.addCleanup(client.close)
-        return client, processes.model
+        return openai_client(self, processes.base), processes.model
 
     @defer.inlineCallbacks
     def test_greedy_chat_logprobs_plain_and_streamed(self) -> Generator[Any, Any, None]:
