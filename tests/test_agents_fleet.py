@@ -14,18 +14,12 @@ model knows.  Locally ``SFNODE_SKIP_SLOW=1`` skips the module.
 
 from __future__ import annotations
 
-import atexit
 import json
 import math
 import os
-import queue
 import signal
 import socket
-import subprocess
 import sys
-import threading
-import time
-import unittest
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +27,9 @@ import jsonschema
 from twisted.trial.unittest import SynchronousTestCase
 
 from tests.bundled import BUNDLED_MODEL_SKIP
+from tests.clients import anthropic_client, openai_client
 from tests.embedders import MINILM_SKIP, minilm_folder
-from tests.processes import child_env
+from tests.processes import SharedProcess, stop_after_the_class
 
 MODEL = "SmolLM2-135M-Instruct"
 EMBEDDER = "all-MiniLM-L6-v2"
@@ -63,60 +58,30 @@ class RunningFleet:
     of its own (stopped as Ctrl-C stops it: SIGINT to its group)."""
 
     def __init__(self) -> None:
-        self.child: subprocess.Popen[bytes] | None = None
+        self.process = SharedProcess("the fleet", stop_signal=signal.SIGINT)
         self.base = ""
-        self.output: list[bytes] = []
 
     def start(self) -> str:
         """The fleet's base URL, once it says it is up (every node live)."""
-        if self.child is not None:
+        if self.process.child is not None:
             return self.base
         ports = [_free_port() for _ in range(4)]
         script = (
-            "import os, runpy, sys; os.setsid(); sys.argv[0:1] = ['sfnode', 'fleet']; "
+            "import runpy, sys; sys.argv[0:1] = ['sfnode', 'fleet']; "
             "runpy.run_module('sfnode', run_name='__main__')"
         )
         args = ["--http-port", str(ports[0]), "--node-port", str(ports[1]), "--fleet-port",
                 str(ports[2]), "--embedding-port", str(ports[3]),
                 "--embedding-model", str(minilm_folder())]  # fmt: skip
         folder = Path(os.environ.get("TMPDIR", "/tmp"))
-        self.child = subprocess.Popen(
-            [sys.executable, "-c", script, *args],
-            env=child_env(),
-            cwd=folder,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        atexit.register(self.stop)
-        lines: queue.Queue[bytes] = queue.Queue()
-        threading.Thread(target=self._read, args=(lines,), daemon=True).start()
-        deadline = time.monotonic() + READY_S
-        while True:
-            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            if not line:
-                raise RuntimeError("the fleet exited:\n" + b"".join(self.output).decode())
-            if b"The fleet is up on" in line:
-                self.base = f"http://127.0.0.1:{ports[0]}"
-                return self.base
-
-    def _read(self, lines: queue.Queue[bytes]) -> None:
-        assert self.child is not None and self.child.stdout is not None
-        for line in iter(self.child.stdout.readline, b""):
-            self.output.append(line)
-            lines.put(line)
-        lines.put(b"")
+        self.process.start([sys.executable, "-c", script, *args], folder)
+        self.process.wait_for(rb"The fleet is up on", READY_S)
+        self.base = f"http://127.0.0.1:{ports[0]}"
+        return self.base
 
     def stop(self) -> None:
         """Ctrl-C the fleet and wait for it (it stops its children itself)."""
-        child, self.child = self.child, None
-        if child is None or child.poll() is not None:
-            return
-        os.killpg(child.pid, signal.SIGINT)
-        try:
-            child.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
+        self.process.stop()
 
 
 FLEET = RunningFleet()
@@ -124,40 +89,20 @@ FLEET = RunningFleet()
 
 class FleetAgentsTests(SynchronousTestCase):
     skip = BUNDLED_MODEL_SKIP or MINILM_SKIP
-    _remaining: set[str] | None = None
 
     def setUp(self) -> None:
-        cls = type(self)
-        if cls._remaining is None:
-            cls._remaining = set(unittest.TestLoader().getTestCaseNames(cls))
         self.base = FLEET.start()
-        self.addCleanup(self._last_stops_the_fleet)
-
-    def _last_stops_the_fleet(self) -> None:
-        remaining = type(self)._remaining
-        assert remaining is not None
-        remaining.discard(self._testMethodName)
-        if not remaining:
-            FLEET.stop()
+        stop_after_the_class(self, FLEET.stop)
 
     def openai(self) -> Any:
-        import openai
-
-        client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0,
-                               timeout=120)  # fmt: skip
-        self.addCleanup(client.close)
-        return client
+        return openai_client(self, self.base + "/v1", timeout=120)
 
     def test_anthropic_tool_use_round_trip(self) -> None:
         """The ``anthropic`` client forces ``get_weather``: the answer stops with
         ``tool_use``, one ``tool_use`` block whose ``input`` validates; its ``tool_result``
         sent back is answered as a message whose prompt holds the whole exchange (more input
         tokens); streamed, the same forced call arrives whole."""
-        import anthropic
-
-        client = anthropic.Anthropic(base_url=self.base, api_key="unused", max_retries=0,
-                                     timeout=120)  # fmt: skip
-        self.addCleanup(client.close)
+        client = anthropic_client(self, self.base, api_key="unused", timeout=120)
         messages: list[dict[str, Any]] = [
             {"role": "user", "content": "What is the weather in Paris?"}
         ]

@@ -27,6 +27,7 @@ from twisted.internet.endpoints import TCP4ServerEndpoint
 from sfnode.head.fleet.fleet import FleetSettings
 from tests.agents import CITY_QUESTIONS, NESTED_SCHEMA, TOOLS, USER_TURNS
 from tests.bundled import BUNDLED_MODEL_SKIP
+from tests.clients import openai_client
 from tests.nodefixture import NodeTestCase
 from tests.test_agents_smollm2 import NAMED
 
@@ -41,8 +42,6 @@ class BundledAgentsOverHttpTests(NodeTestCase):
     def fleet_client(self) -> Generator[defer.Deferred[Any], Any, Any]:
         """The bundled model on a transformers node behind a head over real TCP, and an
         ``openai`` client for it."""
-        import openai
-
         from sfnode.engines.transformers_engine import TransformersEngine
         from sfnode.engines.weights.loading import load_model
         from sfnode.head.api.http import OpenAIApi
@@ -70,14 +69,7 @@ class BundledAgentsOverHttpTests(NodeTestCase):
         self.addCleanup(api.stop)
         http = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(api.site())
         self.addCleanup(http.stopListening)
-        client = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{http.getHost().port}/v1",
-            api_key="unused",
-            max_retries=0,
-            timeout=1000,
-        )
-        self.addCleanup(client.close)
-        return client
+        return openai_client(self, f"http://127.0.0.1:{http.getHost().port}/v1", timeout=1000)
 
     @defer.inlineCallbacks
     def test_tool_calls_and_json_schema_answers_are_all_valid(

@@ -8,8 +8,6 @@ Bit for bit means the float32 bit patterns are equal, compared as integers; the 
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +17,7 @@ from gguf.quants import quantize as reference_quantize
 from twisted.trial import unittest
 
 from sfnode.engines.kernels import blocks, native
+from sfnode.engines.weights.loading import default_cache_dir
 from tests import kquant
 
 
@@ -71,7 +70,9 @@ class NumpyDequantizeTests(unittest.SynchronousTestCase):
 
 class NativeDequantizeTests(unittest.TestCase):
     def setUp(self) -> None:
-        loaded = native.load(Path(tempfile.mkdtemp(prefix="sfnode-blocks-test-")))
+        # The folder where every test's engines keep the native kernels: built there once
+        # (about 4 s), not once per test in a folder of its own.
+        loaded = native.load(default_cache_dir().parent / "kernels")
         if isinstance(loaded, str):
             raise unittest.SkipTest(f"no native kernels on this machine: {loaded}")
         self.library = loaded

@@ -27,7 +27,8 @@ from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.fleet.fleet import Fleet, FleetSettings, Policy
 from sfnode.head.link import HeadIds
 from sfnode.linkf.wire import Constraint, GenParams, SamplerControls
-from tests.processes import LOOPBACK, Child, spawn_twistd
+from tests.clients import openai_client
+from tests.processes import LOOPBACK, spawn_nodes
 
 LONG_ARRAY = {
     "type": "object",
@@ -74,17 +75,14 @@ class ConstrainedFailoverTests(TestCase):
         from tests.tinymodel import save_tiny_model
 
         folder = str(save_tiny_model(Path(self.mktemp()).resolve() / "tiny"))
-        nodes, endpoints = [], []
-        for i in range(2):
-            node = spawn_twistd(
-                self,
-                Child(f"node{i}"),
-                ["sfnode", "--listen", LOOPBACK, "--identity", f"n{i}", "--engine",
-                 "transformers", "--model", folder, "--weights", "float32"],
-            )  # fmt: skip
-            found = yield node.wait_for(rb"sfnode listening on 127\.0\.0\.1:(\d+)\n")
-            nodes.append(node)
-            endpoints.append(f"tcp:127.0.0.1:{int(found[0].group(1))}")
+        started = yield spawn_nodes(
+            self,
+            [(f"node{i}", ["sfnode", "--listen", LOOPBACK, "--identity", f"n{i}", "--engine",
+                           "transformers", "--model", folder, "--weights", "float32"])
+             for i in range(2)],
+        )  # fmt: skip
+        nodes = [node for node, _ in started]
+        endpoints = [endpoint for _, endpoint in started]
         fleet = Fleet(
             reactor,
             FleetSettings(policy=Policy.LEAST_LOADED),
@@ -99,7 +97,6 @@ class ConstrainedFailoverTests(TestCase):
     @defer.inlineCallbacks
     def openai_client(self, folder: str, fleet: Fleet) -> Generator[defer.Deferred[Any], Any, Any]:
         """An ``openai`` client of a head (its HTTP API on loopback) over ``fleet``."""
-        import openai
         from transformers import AutoTokenizer
         from twisted.internet.endpoints import TCP4ServerEndpoint
 
@@ -109,11 +106,7 @@ class ConstrainedFailoverTests(TestCase):
         self.addCleanup(api.stop)
         port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(api.site())
         self.addCleanup(port.stopListening)
-        client = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{port.getHost().port}/v1", api_key="-", max_retries=0
-        )
-        self.addCleanup(client.close)
-        return client
+        return openai_client(self, f"http://127.0.0.1:{port.getHost().port}/v1", api_key="-")
 
     def killer(
         self, fleet: Fleet, nodes: list[Any], killed: list[defer.Deferred[None]]

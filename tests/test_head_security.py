@@ -33,6 +33,7 @@ from sfnode.generation import EngineStop
 from sfnode.head.api.gate import GateLimits
 from sfnode.head.api.http import OpenAIApi
 from sfnode.head.tap import Options, makeService
+from tests.clients import openai_client
 from tests.nodefixture import RunningNode
 from tests.processes import LOOPBACK, TWISTD, Child, child_env, mock_node_and_head, spawn_twistd
 from tests.test_http import (
@@ -188,12 +189,8 @@ class ApiKeyTests(HeadServiceTestCase):
         node = yield self.start_vocab_node()
         head = yield self.start_sfhead([node], "--api-key", KEY)
 
-        def client(key: str) -> Any:
-            made = openai.OpenAI(base_url=head.base + "/v1", api_key=key, max_retries=0)
-            self.addCleanup(made.close)
-            return made
-
-        wrong, right = client("sk-wrong"), client(KEY)
+        wrong = openai_client(self, head.base + "/v1", api_key="sk-wrong")
+        right = openai_client(self, head.base + "/v1", api_key=KEY)
 
         def chat(with_client: Any, **extra: Any) -> Any:
             return with_client.chat.completions.create(

@@ -34,6 +34,7 @@ from sfnode.generation import EngineStop
 from sfnode.head.api.http import Detokenizer, OpenAIApi, Renderer, StopText
 from sfnode.head.fleet.fleet import Fleet, FleetSettings
 from sfnode.head.models.chat import ChatMessage
+from tests.clients import openai_client
 from tests.memoryhead import MemoryHeadTestCase
 from tests.nodefixture import NodeTestCase, RunningNode, mock_node
 from tests.test_fleet import next_status
@@ -131,7 +132,6 @@ class HttpTestCase(NodeTestCase):
     ) -> Generator[defer.Deferred[Any], Any, tuple[Head, Any, Any, Any]]:
         """A head on ``tiny`` served by a node running the tiny transformers model: (head,
         model, tokenizer, an ``openai`` client for the head)."""
-        import openai
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from sfnode.engines.transformers_engine import TransformersEngine
@@ -144,8 +144,7 @@ class HttpTestCase(NodeTestCase):
         engine = TransformersEngine(model, reactor, EngineConfig(max_lanes=max_lanes))
         node = yield self.start_vocab_node(engine=engine, model_name="tiny")
         head = yield self.start_head([node], model="tiny", tok=tok)
-        client = openai.OpenAI(base_url=head.base + "/v1", api_key="unused", max_retries=0)
-        self.addCleanup(client.close)
+        client = openai_client(self, head.base + "/v1")
         return head, model, tok, client
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:

@@ -30,6 +30,7 @@ from sfnode.generation import GenerationRequest
 from sfnode.head.models.chat import ChatMessage, ChatToolCall
 from sfnode.head.models.text import Renderer
 from sfnode.linkf.wire import Constraint, GenParams, Grammar, SamplerControls
+from tests.clients import openai_client
 from tests.test_constraint import NESTED, vocabulary
 from tests.test_head_tools import read_calls
 from tests.test_http import MODEL, Head, HttpTestCase, expected_tokens, tokenizer
@@ -77,12 +78,9 @@ class AgentsTestCase(HttpTestCase):
     def agents_head(self, **api: Any) -> Generator[defer.Deferred[Any], Any, tuple[Head, Any]]:
         """A head over one constraint-honouring mock node (``self.node``), and an ``openai``
         client for it."""
-        import openai
-
         node = yield self.start_vocab_node(engine=constrained_engine())
         head = yield self.start_head([node], **api)
-        client = openai.OpenAI(base_url=head.base + "/v1", api_key="unused", max_retries=0)
-        self.addCleanup(client.close)
+        client = openai_client(self, head.base + "/v1")
         self.node = node
         return head, client
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from twisted.internet import defer, reactor, threads
 
+from tests.clients import openai_client
 from tests.embedders import HASH_DIM, MINILM_SKIP, HashEmbedder, hash_vector, minilm_folder
 from tests.memoryhead import MemoryHead, MemoryHeadTestCase
 from tests.test_http import MODEL, HttpTestCase, record_ends, tokenizer
@@ -171,8 +172,7 @@ class MiniLMOverHttpTests(HttpTestCase):
         agent = NodeAgent(reactor, engine, NodeConfig(identity="minilm", model_name="minilm"))
         node = yield self.serve(agent, engine)
         head = yield self.start_head([node])
-        client = openai.OpenAI(base_url=head.base + "/v1", api_key="unused", max_retries=0)
-        self.addCleanup(client.close)
+        client = openai_client(self, head.base + "/v1")
         texts = ["A man is eating food.", "The girl is carrying a baby."]
         expected = yield engine.embed(texts)
         vectors = np.frombuffer(expected.vectors, "<f4").reshape(2, 384)

@@ -22,6 +22,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from sfnode.head.api.messages import MessageBuilder, anthropic_error, event_bytes, translate
 from sfnode.head.models.tools import ArgumentsDelta, CallDone, CallOpened, Content
 from sfnode.runtime.http_guard import HttpError
+from tests.clients import anthropic_client
 from tests.test_http import MODEL
 from tests.test_http_agents import SCHEMAS, TOOLS, AgentsTestCase
 
@@ -56,12 +57,9 @@ class MessagesTestCase(AgentsTestCase):
     def messages_head(self, **api: Any) -> Generator[defer.Deferred[Any], Any, tuple[Any, Any]]:
         """A head over one constraint-honouring mock node, an ``anthropic`` client (its key
         sent as X-Api-Key) and an ``openai`` client for it."""
-        import anthropic
-
         head, openai_client = yield self.agents_head(**api)
         key = api["api_keys"][0].decode() if "api_keys" in api else "unused"
-        client = anthropic.Anthropic(base_url=head.base, api_key=key, max_retries=0)
-        self.addCleanup(client.close)
+        client = anthropic_client(self, head.base, api_key=key)
         self.head = head
         return client, openai_client
 
@@ -323,12 +321,10 @@ class ErrorTests(MessagesTestCase):
         kwargs: dict[str, Any] = {"model": MODEL, "max_tokens": 3, "messages": TURNS[:1]}
         answered = yield self.in_thread(lambda: client.messages.create(**kwargs))
         self.assertEqual(answered.type, "message")
-        bearer = anthropic.Anthropic(base_url=self.head.base, auth_token="sk-right", max_retries=0)
-        self.addCleanup(bearer.close)
+        bearer = anthropic_client(self, self.head.base, auth_token="sk-right")
         answered = yield self.in_thread(lambda: bearer.messages.create(**kwargs))
         self.assertEqual(answered.type, "message")
-        wrong = anthropic.Anthropic(base_url=self.head.base, api_key="sk-wrong", max_retries=0)
-        self.addCleanup(wrong.close)
+        wrong = anthropic_client(self, self.head.base, api_key="sk-wrong")
         with self.assertRaises(anthropic.AuthenticationError) as caught:
             yield self.in_thread(lambda: wrong.messages.create(**kwargs))
         body = caught.exception.body

@@ -8,15 +8,24 @@ judge.
 from __future__ import annotations
 
 import ast
+import functools
+from types import MappingProxyType
 
 from twisted.trial.unittest import SynchronousTestCase
 
 from tests import layout
 
 
+@functools.cache
+def parsed() -> MappingProxyType[str, layout.Module]:
+    """Every module of sfnode, parsed once per test process (about 1 s) and read by every test
+    here: no test changes the package's files, and none can change this mapping."""
+    return MappingProxyType(layout.modules())
+
+
 class LayerTests(SynchronousTestCase):
     def setUp(self) -> None:
-        self.known = layout.modules()
+        self.known = dict(parsed())
 
     def test_every_module_belongs_to_a_part(self) -> None:
         """Every module of sfnode falls in a part of the layer table, so a new folder cannot
@@ -78,7 +87,7 @@ class LayerTests(SynchronousTestCase):
 
 class ReadabilityTests(SynchronousTestCase):
     def setUp(self) -> None:
-        self.known = layout.modules()
+        self.known = dict(parsed())
 
     def test_every_module_says_what_it_is_for(self) -> None:
         """Every module starts with a docstring; every package's says what it may import."""

@@ -4,12 +4,16 @@ package against a ``twistd sfhead`` process whose node is a ``twistd sfnode`` pr
 The same cases run against a node on the mock engine (:class:`MockEngineTests`) and on the
 tiny transformers model (:class:`TransformersEngineTests`): the engine is the one class
 attribute they differ by.  A node whose HELLO_ACK_F lacks FEATURE_LOGPROBS fails the mock's
-cases and skips the transformers' ones (an engine without logprobs yet).  No sleeps: every
+cases and skips the transformers' ones (an engine without logprobs yet).  The tests of a class
+share its two processes (started by the first, stopped after the last).  No sleeps: every
 wait is on a line a process logs or on an HTTP answer.
 """
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -19,9 +23,75 @@ from twisted.trial.unittest import SkipTest, TestCase
 
 from sfnode.head.link import HeadIds, connect_node
 from sfnode.linkf.wire import FEATURE_LOGPROBS
-from tests.processes import LOOPBACK, Child, spawn_twistd
+from tests.clients import openai_client
+from tests.processes import LOOPBACK, NODE_LISTENING, SharedProcess, stop_after_the_class
 
 MESSAGES = [{"role": "user", "content": "hello world"}]
+READY_S = 120.0
+"""How long a process may take to log that it is ready."""
+
+
+class _NodeAndHead:
+    """A ``twistd sfnode`` process on ``engine`` and a ``twistd sfhead`` process over it,
+    shared by the tests of that engine's class: each test's requests are its own, and none
+    changes what the processes hold for the next."""
+
+    def __init__(self, engine: str) -> None:
+        self.engine = engine
+        self.node = SharedProcess(f"{engine} node")
+        self.head = SharedProcess(f"{engine} head")
+        self.features: int | None = None
+        """What the node offers in HELLO_ACK_F, once it was asked."""
+        self.base = ""
+        self.model = ""
+
+    def args(self, folder: Path) -> tuple[list[str], list[str], str]:
+        """(node arguments, head arguments, model name) for :attr:`engine`."""
+        if self.engine == "mock":
+            # The head's tokenizer is the bundled model's: its vocabulary covers the mock's.
+            return ["--engine", "mock"], ["--model-name", "mock"], "mock"
+        from tests.tinymodel import save_tiny_model
+
+        tiny = str(save_tiny_model(folder / "tiny"))
+        return (
+            ["--engine", "transformers", "--model", tiny],
+            ["--model", tiny, "--model-name", "tiny"],
+            "tiny",
+        )
+
+    @defer.inlineCallbacks
+    def start(self) -> Generator[defer.Deferred[Any], Any, None]:
+        """The node, its HELLO_ACK_F's features, then (if it offers logprobs) the head."""
+        folder = Path(tempfile.mkdtemp(prefix=f"sfnode-logprobs-{self.engine}-"))
+        atexit.register(shutil.rmtree, folder, True)
+        node_args, head_args, self.model = self.args(folder)
+        self.node.start_twistd(
+            ["sfnode", "--listen", LOOPBACK, "--identity", "n", *node_args], folder
+        )
+        found = yield threads.deferToThread(self.node.wait_for, NODE_LISTENING, READY_S)
+        endpoint = f"tcp:127.0.0.1:{int(found.group(1))}"
+        link = yield connect_node(reactor, endpoint, ids=HeadIds())
+        features = link.features or 0
+        yield link.close()
+        if features & FEATURE_LOGPROBS:
+            self.head.start_twistd(
+                ["sfhead", "--http", LOOPBACK, "--fleet-listen", LOOPBACK, "--node", endpoint,
+                 *head_args],
+                folder,
+            )  # fmt: skip
+            found = yield threads.deferToThread(
+                self.head.wait_for, rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)\n", READY_S
+            )
+            self.base = f"http://127.0.0.1:{int(found.group(1))}/v1"
+        self.features = features
+
+    def stop(self) -> None:
+        self.head.stop()
+        self.node.stop()
+        self.features = None
+
+
+_PROCESSES: dict[str, _NodeAndHead] = {}
 
 
 class _LogprobsProcessCases(TestCase):
@@ -32,52 +102,19 @@ class _LogprobsProcessCases(TestCase):
     """How far one logprob may differ between two runs of the same greedy request."""
     timeout = 300
 
-    def engine_args(self) -> tuple[list[str], list[str], str]:
-        """(node arguments, head arguments, model name) for :attr:`engine`."""
-        if self.engine == "mock":
-            # The head's tokenizer is the bundled model's: its vocabulary covers the mock's.
-            return ["--engine", "mock"], ["--model-name", "mock"], "mock"
-        from tests.tinymodel import save_tiny_model
-
-        folder = str(save_tiny_model(Path(self.mktemp()).resolve() / "tiny"))
-        return (
-            ["--engine", "transformers", "--model", folder],
-            ["--model", folder, "--model-name", "tiny"],
-            "tiny",
-        )
-
     @defer.inlineCallbacks
     def serve(self) -> Generator[defer.Deferred[Any], Any, tuple[Any, str]]:
-        """A node process and a head process over it; (openai client, model name)."""
-        import openai
-
-        node_args, head_args, model = self.engine_args()
-        node = spawn_twistd(
-            self, Child("node"), ["sfnode", "--listen", LOOPBACK, "--identity", "n", *node_args]
-        )
-        found = yield node.wait_for(rb"sfnode listening on 127\.0\.0\.1:(\d+)\n")
-        endpoint = f"tcp:127.0.0.1:{int(found[0].group(1))}"
-        link = yield connect_node(reactor, endpoint, ids=HeadIds())
-        features = link.features or 0
-        yield link.close()
-        if not features & FEATURE_LOGPROBS:
+        """The class's node process and head process over it (started by its first test,
+        stopped after its last); (an openai client, the model name)."""
+        processes = _PROCESSES.setdefault(self.engine, _NodeAndHead(self.engine))
+        stop_after_the_class(self, processes.stop)
+        if processes.features is None:
+            yield processes.start()
+        if not processes.features & FEATURE_LOGPROBS:
             if self.engine != "mock":
                 raise SkipTest(f"the {self.engine} engine does not return logprobs yet")
             self.fail("a mock node does not offer FEATURE_LOGPROBS")
-        head = spawn_twistd(
-            self,
-            Child("head"),
-            ["sfhead", "--http", LOOPBACK, "--fleet-listen", LOOPBACK, "--node", endpoint,
-             *head_args],
-        )  # fmt: skip
-        found = yield head.wait_for(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)\n")
-        client = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{int(found[0].group(1))}/v1",
-            api_key="unused",
-            max_retries=0,
-        )
-        self.addCleanup(client.close)
-        return client, model
+        return openai_client(self, processes.base), processes.model
 
     @defer.inlineCallbacks
     def test_greedy_chat_logprobs_plain_and_streamed(self) -> Generator[Any, Any, None]:

@@ -22,7 +22,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent, readBody
 
-from tests.processes import LOOPBACK, Child, spawn_twistd
+from tests.processes import LOOPBACK, Child, spawn_nodes, spawn_twistd
 from tests.test_http import post_bytes
 
 HOGS = 200
@@ -81,23 +81,19 @@ class HogTests(TestCase):
         """200 unread streams of one address hold every lane of two mock nodes and queue the
         rest (healthz: 16 of 16 lanes busy, 184 and more queued); a second client's first
         token comes within 3 s (where waiting for a lane to free would take 8 s)."""
-        ports = []
-        for i in range(2):
-            node = spawn_twistd(
-                self,
-                Child(f"node{i}"),
-                ["sfnode", "--listen", LOOPBACK, "--engine", "mock", "--identity", f"mock{i}",
-                 "--max-lanes", "8", "--token-delay-ms", "20"],
-            )  # fmt: skip
-            found = yield node.wait_for(rb"sfnode listening on 127\.0\.0\.1:(\d+)\n")
-            ports.append(int(found[0].group(1)))
+        nodes = yield spawn_nodes(
+            self,
+            [(f"node{i}", ["sfnode", "--listen", LOOPBACK, "--engine", "mock",
+                           "--identity", f"mock{i}", "--max-lanes", "8", "--token-delay-ms", "20"])
+             for i in range(2)],
+        )  # fmt: skip
         head = spawn_twistd(
             self,
             Child("head"),
             ["sfhead", "--http", LOOPBACK, "--fleet-listen", LOOPBACK, "--model-name", "mock",
              "--max-client-requests", "1024", "--max-client-connections", "1024",
              "--max-queued", "1024", "--max-client-queued", "0", "--queue-timeout", "0",
-             *[a for p in ports for a in ("--node", f"tcp:127.0.0.1:{p}")]],
+             *[a for _, endpoint in nodes for a in ("--node", endpoint)]],
         )  # fmt: skip
         found = yield head.wait_for(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)\n")
         port = int(found[0].group(1))

@@ -27,6 +27,7 @@ from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.link import HeadIds, connect_node
 from sfnode.linkf.wire import FINISH_EOS, FINISH_LENGTH
 from tests.bundled import BUNDLED_MODEL_SKIP
+from tests.clients import openai_client
 from tests.processes import LOOPBACK, Child, spawn_twistd
 
 
@@ -62,8 +63,6 @@ class BundledModelProcessTests(TestCase):
         prefix cache on), each of four seeded chat requests (temperature 0.8, prompts of
         several 16-token blocks) sent with the openai package gives the same text when sent
         again, and the repeats reused their prompts' blocks (the node's /metrics)."""
-        import openai
-
         node = spawn_twistd(
             self,
             Child("sfnode"),
@@ -81,10 +80,7 @@ class BundledModelProcessTests(TestCase):
         )  # fmt: skip
         (serving,) = await head.wait_for(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)\n")
         await head.wait_for(rb"node \S+ joined")
-        client = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{int(serving.group(1))}/v1", api_key="-", max_retries=0
-        )
-        self.addCleanup(client.close)
+        client = openai_client(self, f"http://127.0.0.1:{int(serving.group(1))}/v1", api_key="-")
         topics = ("a lighthouse keeper", "a city under the sea", "two rival bakers", "a storm")
         questions = [
             f"Write the opening of a short story about {topic}. Describe the place, the weather, "
