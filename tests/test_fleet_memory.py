@@ -139,6 +139,15 @@ class StartingNodeTests(MemoryNodeTestCase):
         stop_at_end(self, fleet.stop)
         return fleet, added
 
+    def fails_between(self, fleet: Fleet, waiting: float, failed: float) -> str:
+        """A generation asked for now: still waiting at ``waiting`` seconds, failed with
+        NoNodeAvailable by ``failed``; the failure's message."""
+        generation = fleet.generate(HeadRequest(PROMPT, 30))
+        self.advance(waiting)
+        self.assertNoResult(generation.result)
+        self.advance(failed - waiting)
+        return str(self.failureResultOf(generation.result, NoNodeAvailable).value)
+
     def test_a_request_waits_past_its_timeout_for_a_node_still_starting(self) -> None:
         """A generation asked for while the dialled node has not answered (its first start
         loads the model) is still waiting at 5 s although its queue timeout is 2 s, and gets
@@ -160,24 +169,15 @@ class StartingNodeTests(MemoryNodeTestCase):
         (10 s after the head began dialing it): still waiting at 9.9 s, failed with
         NoNodeAvailable by 10.01 s, saying it also waited for the node's start."""
         fleet, _ = self.starting(queue_timeout_s=2.0, node_start_s=10.0)
-        generation = fleet.generate(HeadRequest(PROMPT, 30))
-        self.advance(9.9)
-        self.assertNoResult(generation.result)
-        self.advance(0.11)
-        failure = self.failureResultOf(generation.result, NoNodeAvailable)
-        self.assertIn("within 2 s, nor while a node it dials was starting", str(failure.value))
+        message = self.fails_between(fleet, 9.9, 10.01)
+        self.assertIn("within 2 s, nor while a node it dials was starting", message)
         self.assertEqual((fleet.queued, fleet.queue.timeouts), (0, 1))
 
     def test_without_a_start_timeout_the_queue_timeout_is_all(self) -> None:
         """With node_start_s 0 a node that has not answered holds nobody: the generation
         fails at its queue timeout of 2 s, as when no node is starting."""
         fleet, _ = self.starting(queue_timeout_s=2.0, node_start_s=0.0)
-        generation = fleet.generate(HeadRequest(PROMPT, 30))
-        self.advance(1.99)
-        self.assertNoResult(generation.result)
-        self.advance(0.01)
-        failure = self.failureResultOf(generation.result, NoNodeAvailable)
-        self.assertIn("within 2 s (", str(failure.value))
+        self.assertIn("within 2 s (", self.fails_between(fleet, 1.99, 2.0))
 
     def test_a_node_that_answered_once_holds_nobody_after_it_drops(self) -> None:
         """A node that joined and then went silent is not starting: with a start timeout of

@@ -47,12 +47,16 @@ class _Stream(Protocol):
         self.done.callback(self.body)
 
 
-class KillTests(TestCase):
+class _Processes(TestCase):
+    """A test of twistd processes, each started by :meth:`spawn` and killed at its end."""
+
     timeout = 120
 
     def spawn(self, name: str, args: list[str]) -> Child:
         return spawn_twistd(self, Child(name), args)
 
+
+class KillTests(_Processes):
     @defer.inlineCallbacks
     def test_a_node_killed_mid_stream_is_replaced_by_another(self) -> Generator[Any, Any, None]:
         """SIGKILL the serving node after 3 streamed chunks: the stream completes from the
@@ -127,12 +131,7 @@ class KillTests(TestCase):
             self.assertNotIn(chatter, output)
 
 
-class StartingNodeTests(TestCase):
-    timeout = 120
-
-    def spawn(self, name: str, args: list[str]) -> Child:
-        return spawn_twistd(self, Child(name), args)
-
+class StartingNodeTests(_Processes):
     @defer.inlineCallbacks
     def test_a_request_sent_before_the_node_is_up_is_answered(self) -> Generator[Any, Any, None]:
         """A head whose --node is not up yet (a node's first start converts its model) holds a
