@@ -125,6 +125,86 @@ class MemoryFleetTests(MemoryNodeTestCase):
         self.flush()
 
 
+class StartingNodeTests(MemoryNodeTestCase):
+    """The queue's timeout while a node the head dials has not answered for the first time
+    (docs/protocol.md section 8.5, ``--node-start-timeout``)."""
+
+    def starting(self, **options: Any) -> tuple[Fleet, defer.Deferred[Any]]:
+        """A fleet dialing the memory node, which has not answered yet (the dial is left
+        pending until the test calls ``connect()``), and the Deferred of that first dial."""
+        assert isinstance(self.reactor, MemoryReactorClock)
+        self.start_node(token_delay_s=0.01)
+        fleet = Fleet(self.reactor, FleetSettings(**options), ids=self.ids)
+        added = fleet.add_node(f"tcp:127.0.0.1:{MEMORY_PORT}")
+        stop_at_end(self, fleet.stop)
+        return fleet, added
+
+    def fails_between(self, fleet: Fleet, waiting: float, failed: float) -> str:
+        """A generation asked for now: still waiting at ``waiting`` seconds, failed with
+        NoNodeAvailable by ``failed``; the failure's message."""
+        generation = fleet.generate(HeadRequest(PROMPT, 30))
+        self.advance(waiting)
+        self.assertNoResult(generation.result)
+        self.advance(failed - waiting)
+        return str(self.failureResultOf(generation.result, NoNodeAvailable).value)
+
+    def test_a_request_waits_past_its_timeout_for_a_node_still_starting(self) -> None:
+        """A generation asked for while the dialled node has not answered (its first start
+        loads the model) is still waiting at 5 s although its queue timeout is 2 s, and gets
+        every token once the node answers; the queue counts no timeout."""
+        fleet, added = self.starting(queue_timeout_s=2.0, node_start_s=60.0)
+        generation = fleet.generate(HeadRequest(PROMPT, 30))
+        self.advance(5.0)
+        self.assertNoResult(generation.result)
+        self.assertEqual(fleet.queued, 1)
+        self.connect()
+        self.successResultOf(added)
+        self.advance(1.0)
+        outcome = self.successResultOf(generation.result)
+        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, 30))
+        self.assertEqual(fleet.queue.timeouts, 0)
+
+    def test_the_wait_for_a_starting_node_ends_with_its_start_timeout(self) -> None:
+        """A node that never answers holds a waiting generation only until its start timeout
+        (10 s after the head began dialing it): still waiting at 9.9 s, failed with
+        NoNodeAvailable by 10.01 s, saying it also waited for the node's start."""
+        fleet, _ = self.starting(queue_timeout_s=2.0, node_start_s=10.0)
+        message = self.fails_between(fleet, 9.9, 10.01)
+        self.assertIn("within 2 s, nor while a node it dials was starting", message)
+        self.assertEqual((fleet.queued, fleet.queue.timeouts), (0, 1))
+
+    def test_without_a_start_timeout_the_queue_timeout_is_all(self) -> None:
+        """With node_start_s 0 a node that has not answered holds nobody: the generation
+        fails at its queue timeout of 2 s, as when no node is starting."""
+        fleet, _ = self.starting(queue_timeout_s=2.0, node_start_s=0.0)
+        self.assertIn("within 2 s (", self.fails_between(fleet, 1.99, 2.0))
+
+    def test_a_node_that_answered_once_holds_nobody_after_it_drops(self) -> None:
+        """A node that joined and then went silent is not starting: with a start timeout of
+        60 s, a generation waiting for it fails at its queue timeout (5 s) all the same."""
+        self.start_node(token_delay_s=0.01)
+        assert isinstance(self.reactor, MemoryReactorClock)
+        fleet = Fleet(
+            self.reactor,
+            FleetSettings(silence_timeout_s=1.0, queue_timeout_s=5.0, node_start_s=60.0),
+            ids=self.ids,
+        )
+        added = fleet.add_node(f"tcp:127.0.0.1:{MEMORY_PORT}")
+        self.connect()
+        self.successResultOf(added)
+        stop_at_end(self, fleet.stop)
+        silent = fleet.nodes[0].link.when_closed()
+        pumps, self.pumps = self.pumps, []
+        self.reactor.advance(1.1)
+        self.successResultOf(silent)
+        generation = fleet.generate(HeadRequest(PROMPT, 30))
+        self.reactor.advance(4.99)
+        self.assertNoResult(generation.result)
+        self.reactor.advance(0.01)
+        self.failureResultOf(generation.result, NoNodeAvailable)
+        self.pumps = pumps
+
+
 class PlacementTests(MemoryHeadTestCase):
     def three(self, **kwargs: Any) -> list[MemoryNode]:
         nodes = []

@@ -47,12 +47,16 @@ class _Stream(Protocol):
         self.done.callback(self.body)
 
 
-class KillTests(TestCase):
+class _Processes(TestCase):
+    """A test of twistd processes, each started by :meth:`spawn` and killed at its end."""
+
     timeout = 120
 
     def spawn(self, name: str, args: list[str]) -> Child:
         return spawn_twistd(self, Child(name), args)
 
+
+class KillTests(_Processes):
     @defer.inlineCallbacks
     def test_a_node_killed_mid_stream_is_replaced_by_another(self) -> Generator[Any, Any, None]:
         """SIGKILL the serving node after 3 streamed chunks: the stream completes from the
@@ -127,6 +131,43 @@ class KillTests(TestCase):
             self.assertNotIn(chatter, output)
 
 
+class StartingNodeTests(_Processes):
+    @defer.inlineCallbacks
+    def test_a_request_sent_before_the_node_is_up_is_answered(self) -> Generator[Any, Any, None]:
+        """A head whose --node is not up yet (a node's first start converts its model) holds a
+        completion past its --queue-timeout of 1 s: the node process is started only once the
+        request has waited 3 s, and the answer is a 200 with every token."""
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            port = free.getsockname()[1]
+        head = self.spawn(
+            "head",
+            ["sfhead", "--http", LOOPBACK, "--fleet-listen", LOOPBACK, "--model-name", "mock",
+             "--queue-timeout", "1", "--reconnect-max", "0.5", "--node", f"tcp:127.0.0.1:{port}"],
+        )  # fmt: skip
+        found = yield head.wait_for(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)\n")
+        body = {"model": "mock", "prompt": list(range(100, 112)), "max_tokens": 20}
+        answered = Agent(reactor).request(
+            b"POST",
+            f"http://127.0.0.1:{int(found[0].group(1))}/v1/completions".encode(),
+            Headers({b"content-type": [b"application/json"]}),
+            FileBodyProducer(BytesIO(json.dumps(body).encode())),
+        )
+        waited: defer.Deferred[None] = defer.Deferred()
+        reactor.callLater(3.0, waited.callback, None)
+        yield waited
+        self.spawn(
+            "node",
+            ["sfnode", "--listen", f"tcp:{port}:interface=127.0.0.1", "--engine", "mock",
+             "--identity", "late"],
+        )  # fmt: skip
+        response = yield answered
+        answer = json.loads((yield readBody(response)))
+        self.assertEqual(response.code, 200, answer)
+        self.assertEqual(answer["usage"]["completion_tokens"], 20)
+        self.assertIn(b"node late", bytes(head.output))
+
+
 class OptionsTests(TestCase):
     """``twistd sfhead`` options and the service tree, without starting anything."""
 
@@ -152,6 +193,7 @@ class OptionsTests(TestCase):
         self.assertEqual(
             [options[o] for o in ("max-queued", "queue-timeout", "reconnect-max")], [256, 30, 10]
         )
+        self.assertEqual(options["node-start-timeout"], 600)
         self.assertEqual(options["keepalive-timeout"], 10.0)
 
     def test_queue_redial_and_keepalive_options(self) -> None:
@@ -167,6 +209,7 @@ class OptionsTests(TestCase):
             ["--max-queued", "-1"],
             ["--max-queued", "many"],
             ["--queue-timeout", "soon"],
+            ["--node-start-timeout", "-1"],
             ["--reconnect-max", "0.01"],
             ["--keepalive-timeout", "-3"],
         ):
@@ -175,7 +218,7 @@ class OptionsTests(TestCase):
         tiny_tokenizer().save_pretrained(folder)
         options = self.parse(
             "--model", folder, "--max-queued", "0", "--queue-timeout", "2.5",
-            "--reconnect-max", "1", "--keepalive-timeout", "0",
+            "--reconnect-max", "1", "--keepalive-timeout", "0", "--node-start-timeout", "90",
         )  # fmt: skip
         fleet = makeService(options, MemoryReactorClock()).getServiceNamed("fleet").fleet
         self.assertEqual(
@@ -184,8 +227,9 @@ class OptionsTests(TestCase):
                 fleet.queue.timeout_s,
                 fleet.registry.retry_max_s,
                 fleet.link_settings.silence_timeout_s,
+                fleet.settings.node_start_s,
             ),
-            (0, 2.5, 1.0, 0.0),
+            (0, 2.5, 1.0, 0.0, 90.0),
         )
 
     def test_prefix_rule_options(self) -> None:

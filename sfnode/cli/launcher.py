@@ -10,7 +10,8 @@ The children run in sessions of their own: a Ctrl-C in the terminal reaches only
 which then stops each child once (a child that got the terminal's SIGINT and then a SIGTERM
 would try to stop its reactor twice).  The head redials its node at least every second: on one
 machine a node that does not answer yet is only loading its model, and the first request
-should not wait for a long backoff.
+should not wait for a long backoff; a request sent meanwhile waits for it (the head's
+``--node-start-timeout``, as long as this launcher waits for the fleet) instead of getting 503.
 
 This is an operator's convenience, not library code: it must never be imported by sfnode itself,
 and never leave a child running when it exits.
@@ -104,6 +105,7 @@ def _daemon_args(options: argparse.Namespace) -> list[list[str]]:
         "--http", f"tcp:{options.http_port}:interface=127.0.0.1",
         "--fleet-listen", f"tcp:{options.fleet_port}:interface=127.0.0.1",
         "--reconnect-max", "1",
+        "--node-start-timeout", f"{READY_TIMEOUT_S:g}",
     ]  # fmt: skip
     if options.model:
         node_args += ["--model", options.model]

@@ -52,6 +52,7 @@ from sfnode.head.api.request_class import (
 from sfnode.head.fleet.fleet import (
     DEFAULT_MAX_GENERATION_S,
     DEFAULT_MAX_QUEUED,
+    DEFAULT_NODE_START_S,
     DEFAULT_QUEUE_TIMEOUT_S,
     Fleet,
     FleetSettings,
@@ -198,7 +199,8 @@ class Options(usage.Options):
         "token (--auth-file) node links must stay on loopback unless --insecure-no-auth; "
         "without an API key (--api-key or --api-key-file) --http must stay on loopback "
         "unless --insecure-http. A request no live node can take waits (up to --max-queued "
-        "requests, each up to --queue-timeout seconds) for a node to come back, join or free a "
+        "requests, each up to --queue-timeout seconds, and on while a --node has not answered "
+        "for the first time, up to --node-start-timeout) for a node to come back, join or free a "
         "lane, then gets 503; a --node that cannot be reached is redialled at once and then "
         "with backoff up to --reconnect-max seconds. On SIGTERM the head stops listening for "
         "HTTP, answers 503 to requests on connections still open, lets running completions "
@@ -360,6 +362,14 @@ class Options(usage.Options):
             f"{DEFAULT_QUEUE_TIMEOUT_S:g}",
             "Seconds a request waits for a node to come back, join or free a lane before it "
             "gets 503 (0: as long as it takes). A stream whose node died waits the same way.",
+        ],
+        [
+            "node-start-timeout",
+            None,
+            f"{DEFAULT_NODE_START_S:g}",
+            "Seconds a --node may take to answer for the first time (a node's first start "
+            "converts and loads its model): until then a request that reaches --queue-timeout "
+            "waits on for it instead of getting 503 (0: it does not).",
         ],
         [
             "max-generation-time",
@@ -674,6 +684,7 @@ class Options(usage.Options):
         else:
             self["max-client-queued"] = non_negative("max-client-queued", self["max-client-queued"])
         self["queue-timeout"] = _seconds("queue-timeout", self["queue-timeout"])
+        self["node-start-timeout"] = _seconds("node-start-timeout", self["node-start-timeout"])
         self["max-generation-time"] = _seconds("max-generation-time", self["max-generation-time"])
         self["keepalive-timeout"] = _seconds("keepalive-timeout", self["keepalive-timeout"])
         self["reconnect-max"] = _seconds("reconnect-max", self["reconnect-max"])
@@ -692,6 +703,7 @@ class Options(usage.Options):
             max_queued=self["max-queued"],
             max_client_queued=self["max-client-queued"],
             queue_timeout_s=self["queue-timeout"],
+            node_start_s=self["node-start-timeout"],
             prefix=self["prefix"],
             max_generation_s=self["max-generation-time"],
             reclaim_lanes=not self["no-reclaim-lanes"],

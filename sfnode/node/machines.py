@@ -688,49 +688,32 @@ def _refuse_new(inputs: GenerationInputs, core: GenerationCore) -> None:
     core.owner.done()
 
 
-@_g_new.upon(GenerationInputs.failed).to(_g_done)
-def _fail_new(inputs: GenerationInputs, core: GenerationCore, reason: str) -> None:
+def _fail(inputs: GenerationInputs, core: GenerationCore, reason: str) -> None:
     core.owner.fail(reason)
     core.owner.done()
 
 
-@_g_cancelling.upon(GenerationInputs.finished).to(_g_done)
-def _finish_cancelled(
-    inputs: GenerationInputs, core: GenerationCore, result: GenerationResult
+def _end_cancelled(
+    inputs: GenerationInputs, core: GenerationCore, result: GenerationResult | None = None
 ) -> None:
+    """However the engine ends a cancelled generation, its Finish says cancelled."""
     core.owner.emit_finish(FINISH_CANCELLED)
     core.owner.done()
 
 
-@_g_cancelling.upon(GenerationInputs.refused).to(_g_done)
-def _refused_cancelled(inputs: GenerationInputs, core: GenerationCore) -> None:
-    core.owner.emit_finish(FINISH_CANCELLED)
-    core.owner.done()
-
-
-@_g_cancelling.upon(GenerationInputs.failed).to(_g_done)
-def _failed_cancelled(inputs: GenerationInputs, core: GenerationCore, reason: str) -> None:
-    core.owner.fail(reason)
-    core.owner.done()
-
-
-@_g_fenced.upon(GenerationInputs.finished).to(_g_done)
-def _finish_fenced(
-    inputs: GenerationInputs, core: GenerationCore, result: GenerationResult
+def _end_fenced(
+    inputs: GenerationInputs, core: GenerationCore, result: GenerationResult | None = None
 ) -> None:
     """A fenced generation sends no Finish (docs/protocol.md section 7.3)."""
     core.owner.done()
 
 
-@_g_fenced.upon(GenerationInputs.refused).to(_g_done)
-def _refused_fenced(inputs: GenerationInputs, core: GenerationCore) -> None:
-    core.owner.done()
-
-
-@_g_fenced.upon(GenerationInputs.failed).to(_g_done)
-def _failed_fenced(inputs: GenerationInputs, core: GenerationCore, reason: str) -> None:
-    core.owner.fail(reason)
-    core.owner.done()
+for _ended_state in (_g_new, _g_cancelling, _g_fenced):
+    _ended_state.upon(GenerationInputs.failed).to(_g_done)(_fail)
+_g_cancelling.upon(GenerationInputs.finished).to(_g_done)(_end_cancelled)
+_g_cancelling.upon(GenerationInputs.refused).to(_g_done)(_end_cancelled)
+_g_fenced.upon(GenerationInputs.finished).to(_g_done)(_end_fenced)
+_g_fenced.upon(GenerationInputs.refused).to(_g_done)(_end_fenced)
 
 
 # Deliberately quiet pairs: tokens after a stop are never sent; repeated cancels and stale

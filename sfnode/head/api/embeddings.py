@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sfnode.generation import Embedded
-from sfnode.head.api.schema import checked_text
+from sfnode.head.api.schema import checked_text, model_not_found
 from sfnode.runtime.http_guard import HttpError, clip
 
 MAX_INPUTS = 2048
@@ -64,13 +64,7 @@ def parse_embeddings(body: Mapping[str, Any], known: Callable[[str], bool]) -> E
     if not isinstance(model, str):
         raise HttpError(400, "model is required (a string)", param="model")
     if not known(model):
-        raise HttpError(
-            404,
-            f"The model '{clip(model)}' does not exist",
-            param="model",
-            code="model_not_found",
-            outcome="not_found",
-        )
+        raise model_not_found(model)
     if body.get("dimensions") is not None:
         raise HttpError(
             400,

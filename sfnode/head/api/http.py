@@ -98,7 +98,7 @@ from sfnode.head.api.request_class import ClassRule
 from sfnode.head.api.responses import ResponseStore
 from sfnode.head.api.responses_exchange import ResponsesExchange, answer_stored, delete_stored
 from sfnode.head.api.resume import Exchanges
-from sfnode.head.api.schema import CompletionRequest, parse_body, parse_request
+from sfnode.head.api.schema import CompletionRequest, model_not_found, parse_body, parse_request
 from sfnode.head.api.workers import Workers
 from sfnode.head.console.record import ConsoleRecord
 from sfnode.head.console.state import Console
@@ -113,7 +113,7 @@ from sfnode.head.models.text import (
     Renderer,
     StopText,
 )
-from sfnode.runtime.http_guard import HttpError, clip
+from sfnode.runtime.http_guard import HttpError
 
 DRAIN_CANCEL_GRACE_S = 5.0
 """After the drain timeout cancels what still runs: how long the drain waits for those
@@ -690,13 +690,7 @@ class _Models(_Leaf):
             return answer(request, 200, bodies.model_list([self._entry(n) for n in names]))
         if wanted in names:
             return answer(request, 200, self._entry(wanted))
-        error = HttpError(
-            404,
-            f"The model '{clip(wanted)}' does not exist",
-            param="model",
-            code="model_not_found",
-            outcome="not_found",
-        )
+        error = model_not_found(wanted)
         request.site.count(error.outcome)
         return answer_error(request, error)
 

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sfnode.head.api.schema import checked_text
+from sfnode.head.api.schema import checked_text, tool_array
 from sfnode.head.models.tools import ArgumentsDelta, CallDone, CallEvent, CallOpened, Content
 from sfnode.runtime.http_guard import HttpError, clip
 
@@ -258,25 +258,23 @@ def _unsupported_block(kind: Any, where: str, supported: str) -> HttpError:
 
 
 def _tools(value: Any) -> list[dict[str, Any]]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise HttpError(400, "tools must be an array", param="tools")
-    tools = []
-    for i, tool in enumerate(value):
-        if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
-            raise HttpError(
-                400,
-                f"tools[{i}]: only client tools (name, description, input_schema) are "
-                "supported, no server tools",
-                param=f"tools[{i}]",
-            )
-        function: dict[str, Any] = {"name": tool.get("name")}
-        if "description" in tool:
-            function["description"] = tool["description"]
-        function["parameters"] = tool.get("input_schema", {"type": "object"})
-        tools.append({"type": "function", "function": function})
-    return tools
+    return tool_array(value, _chat_tool)
+
+
+def _chat_tool(i: int, tool: Any) -> dict[str, Any]:
+    """Chat's tool for Anthropic's client tool ``tools[i]``."""
+    if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
+        raise HttpError(
+            400,
+            f"tools[{i}]: only client tools (name, description, input_schema) are "
+            "supported, no server tools",
+            param=f"tools[{i}]",
+        )
+    function: dict[str, Any] = {"name": tool.get("name")}
+    if "description" in tool:
+        function["description"] = tool["description"]
+    function["parameters"] = tool.get("input_schema", {"type": "object"})
+    return {"type": "function", "function": function}
 
 
 def _tool_choice(value: Any) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from twisted.internet.defer import Deferred, succeed
 from twisted.python.failure import Failure
 
-from sfnode.head.api.schema import checked_text
+from sfnode.head.api.schema import checked_text, tool_array
 from sfnode.head.models.tools import ArgumentsDelta, CallDone, CallEvent, CallOpened, Content
 from sfnode.runtime.http_guard import HttpError, clip
 
@@ -289,22 +289,20 @@ def _content(content: Any, where: str) -> str:
 
 
 def _tools(value: Any) -> list[dict[str, Any]]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise HttpError(400, "tools must be an array", param="tools")
-    tools = []
-    for i, tool in enumerate(value):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise HttpError(
-                400,
-                f"tools[{i}]: only function tools are supported",
-                param="tools",
-                code="unsupported_parameter",
-            )
-        function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
-        tools.append({"type": "function", "function": function})
-    return tools
+    return tool_array(value, _chat_tool)
+
+
+def _chat_tool(i: int, tool: Any) -> dict[str, Any]:
+    """Chat's tool for the Responses API's flat function tool ``tools[i]``."""
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise HttpError(
+            400,
+            f"tools[{i}]: only function tools are supported",
+            param="tools",
+            code="unsupported_parameter",
+        )
+    function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+    return {"type": "function", "function": function}
 
 
 def _tool_choice(value: Any) -> Any:

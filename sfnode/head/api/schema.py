@@ -136,6 +136,27 @@ def _too_many(field_name: str | None) -> HttpError:
     )
 
 
+def model_not_found(model: str) -> HttpError:
+    """The 404 for a model no node serves (OpenAI's ``model_not_found``)."""
+    return HttpError(
+        404,
+        f"The model '{clip(model)}' does not exist",
+        param="model",
+        code="model_not_found",
+        outcome="not_found",
+    )
+
+
+def tool_array(value: Any, chat_tool: Callable[[int, Any], dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat's ``tools`` from another API's: ``chat_tool(i, tool)`` translates (or refuses) each
+    of an array; None is no tools."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise HttpError(400, "tools must be an array", param="tools")
+    return [chat_tool(i, tool) for i, tool in enumerate(value)]
+
+
 def checked_text(value: str, param: str) -> str:
     """``value`` if it is valid Unicode (no lone surrogate, which JSON's ``\\ud800`` allows)."""
     try:
@@ -648,13 +669,7 @@ def _model(body: Mapping[str, Any], models: Sequence[str]) -> str:
     if not isinstance(model, str):
         raise HttpError(400, "model must be a string", param="model")
     if model not in models:
-        raise HttpError(
-            404,
-            f"The model '{clip(model)}' does not exist",
-            param="model",
-            code="model_not_found",
-            outcome="not_found",
-        )
+        raise model_not_found(model)
     return model
 
 

@@ -146,6 +146,9 @@ from sfnode.linkf.wire import (
 DEFAULT_MAX_QUEUED = 256
 """Requests that may wait for a node at once; one more is refused at once."""
 DEFAULT_QUEUE_TIMEOUT_S = 30.0
+DEFAULT_NODE_START_S = 600.0
+"""How long a node the head dials may take to answer its first time (a first start converts
+the model) while requests wait for it past the queue timeout."""
 """How long a request waits for a node before it fails (0: as long as it takes)."""
 DEFAULT_MAX_GENERATION_S = 600.0
 """The wall budget of one generation, from its request to its Finish (0: none)."""
@@ -179,6 +182,9 @@ class FleetSettings:
     max_client_queued: int | None = None
     """One client address's share of the queue (None: :func:`default_client_queued`)."""
     queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
+    node_start_s: float = DEFAULT_NODE_START_S
+    """How long after it is added a node the head dials counts as starting until it first
+    answers: a request whose queue timeout comes meanwhile waits on for it (0: never)."""
     prefix: PrefixRule = DEFAULT_PREFIX_RULE
     """How placement weighs a node's cached prefix against its load (``load-aware``)."""
     max_generation_s: float = DEFAULT_MAX_GENERATION_S
@@ -878,6 +884,7 @@ class Fleet:
             timeout_s=settings.queue_timeout_s,
             use=self.shares.use,
             still_waiting=reclaim,
+            hold=self._starting_for,
         )
         """Generations waiting for a node, with the queue's bounds, timeout and counters
         (generations without a client address, such as a program's own, are not bounded by
@@ -948,6 +955,20 @@ class Fleet:
     def queued(self) -> int:
         """Requests waiting for a node now."""
         return len(self.queue)
+
+    def _starting_for(self) -> float:
+        """Seconds until every node the head dials that has never answered (it may be
+        converting or loading its model) has had ``node_start_s`` to do it; 0 when none is
+        starting."""
+        now = self._clock.seconds()
+        return max(
+            (
+                node.dialled_at + self.settings.node_start_s - now
+                for node in self.nodes
+                if node.dialled_at is not None and node.link.hello_ack is None
+            ),
+            default=0.0,
+        )
 
     # ----------------------------------------------------------------------------------------
     # Placement
@@ -1243,6 +1264,7 @@ __all__ = [
     "DEFAULT_FLEET_SETTINGS",
     "DEFAULT_MAX_GENERATION_S",
     "DEFAULT_MAX_QUEUED",
+    "DEFAULT_NODE_START_S",
     "DEFAULT_QUEUE_TIMEOUT_S",
     "ClientQueueFull",
     "ConstraintRefused",

@@ -64,6 +64,8 @@ class FleetNode:
         self.draining = False
         """An operator drained it (the console): it takes no new generation, the running ones
         finish."""
+        self.dialled_at: float | None = None
+        """When the head started dialing it (clock seconds); None for a node that dialed in."""
 
     @property
     def name(self) -> str:
@@ -238,6 +240,7 @@ class NodeRegistry:
             retry=self._retry,
         )
         node = FleetNode(link, next(self._orders))
+        node.dialled_at = self._clock.seconds()
         self.nodes.append(node)
         link.observe(self)
         link.start()

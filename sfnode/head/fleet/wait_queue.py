@@ -2,7 +2,8 @@
 dispatch loop (docs/protocol.md section 8.5), apart from the fleet that places them.
 
 :class:`WaitQueue` admits a waiter or refuses it (the queue's bound, a client address's
-bound), starts its timeout on the clock it is given, hands the waiters to the fleet's
+bound), starts its timeout on the clock it is given (held past it while ``hold()`` says a node
+may still be starting), hands the waiters to the fleet's
 ``place`` in fair order (:class:`~sfnode.head.fleet.fair_queue.FairQueue`) whenever the fleet asks
 it to dispatch, and settles each waiter exactly once: placed, refused, timed out, cancelled or
 dropped when the head stops.
@@ -45,6 +46,8 @@ class Waiter(Generic[_R]):
     rank: int = 0
     """Its class's rank: waiters of a lower rank go first (0 interactive, 1 batch, 2
     background)."""
+    held: bool = False
+    """Its timeout came while a node was still starting, and it waited on for that node."""
 
 
 class WaitQueue(Generic[_R]):
@@ -66,6 +69,7 @@ class WaitQueue(Generic[_R]):
         timeout_s: float,
         use: Callable[[Hashable], float] | None = None,
         still_waiting: Callable[[list[Waiter[_R]]], None] | None = None,
+        hold: Callable[[], float] | None = None,
     ) -> None:
         self.clock = clock
         self.max_queued = max_queued
@@ -81,6 +85,9 @@ class WaitQueue(Generic[_R]):
         self._place = place
         self._why = why
         self._fair: FairQueue[Waiter[_R]] = FairQueue(use=use)
+        self._hold = hold
+        """Seconds a waiter whose timeout is due waits on: the fleet's nodes that have not
+        answered yet may still be starting (0: none is)."""
         self._still_waiting = still_waiting
         """Told, after each dispatch, who still waits (in fair order, failovers left out):
         the fleet takes lanes back for them (:mod:`sfnode.head.fleet.shares`)."""
@@ -184,11 +191,18 @@ class WaitQueue(Generic[_R]):
 
     def _expire(self, waiter: Waiter[_R]) -> None:
         waiter.timer = None
+        held = self._hold() if self._hold is not None else 0.0
+        if held > 0:
+            waiter.held = True
+            waiter.timer = self.clock.callLater(held, self._expire, waiter)
+            return
         self.timeouts += 1
+        starting = ", nor while a node it dials was starting" if waiter.held else ""
         self.settle(
             waiter,
             NoNodeAvailable(
-                f"no node could take the request within {self.timeout_s:g} s ({self._why(waiter)})"
+                f"no node could take the request within {self.timeout_s:g} s{starting} "
+                f"({self._why(waiter)})"
             ),
         )
 

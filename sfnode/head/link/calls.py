@@ -12,6 +12,7 @@ module must never send or receive a frame: the link does, through the small
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 from typing import Protocol as TypingProtocol
 
 from twisted.internet.defer import Deferred
@@ -30,6 +31,8 @@ from sfnode.linkf.wire import (
 )
 
 _log = Logger(namespace="sfnode.head.link")
+
+_A = TypeVar("_A")
 
 GenerationKey = tuple[int, int]
 """(session, generation)."""
@@ -152,6 +155,35 @@ class GenerationCall:
             self.result.errback(error)
 
 
+class Answers(Generic[_A]):
+    """Deferreds waiting for an answer, by request id: :meth:`answer` fires one, cancelling
+    one forgets it, :meth:`fail` fails them all."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[int, Deferred[_A]] = {}
+
+    def expect(self, request_id: int) -> Deferred[_A]:
+        def forget(_: Deferred[_A]) -> None:
+            self._waiting.pop(request_id, None)
+
+        d: Deferred[_A] = Deferred(forget)
+        self._waiting[request_id] = d
+        return d
+
+    def answer(self, request_id: int, answer: _A) -> None:
+        d = self._waiting.pop(request_id, None)
+        if d is not None:
+            d.callback(answer)
+
+    def fail(self, error: Exception) -> None:
+        waiting, self._waiting = self._waiting, {}
+        for d in waiting.values():
+            d.errback(error)
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+
 class CallTable:
     """Every outstanding call of one link (AMP's ``BoxDispatcher``): generations by (session,
     generation), stage forwards by request id, the ids they are given, and the generations a
@@ -160,8 +192,8 @@ class CallTable:
     def __init__(self) -> None:
         self._next_id = 1
         self._generations: dict[GenerationKey, GenerationCall] = {}
-        self._forwards: dict[int, Deferred[StageForwardRespMsg]] = {}
-        self._embeddings: dict[int, Deferred[EmbedRespMsg]] = {}
+        self._forwards: Answers[StageForwardRespMsg] = Answers()
+        self._embeddings: Answers[EmbedRespMsg] = Answers()
         self._suspended: set[GenerationKey] = set()
 
     def next_id(self) -> int:
@@ -209,21 +241,12 @@ class CallTable:
     # Stage forwards
 
     def expect_forward(self, request_id: int) -> Deferred[StageForwardRespMsg]:
-        """The Deferred that :meth:`answer_forward` fires for ``request_id``; cancelling it
-        forgets it."""
-
-        def forget(_: Deferred[StageForwardRespMsg]) -> None:
-            self._forwards.pop(request_id, None)
-
-        d: Deferred[StageForwardRespMsg] = Deferred(forget)
-        self._forwards[request_id] = d
-        return d
+        """The Deferred that :meth:`answer_forward` fires for ``request_id``."""
+        return self._forwards.expect(request_id)
 
     def answer_forward(self, message: StageForwardRespMsg) -> None:
         """A STAGE_FORWARD_RESP: fire its request's Deferred (an unknown id is ignored)."""
-        d = self._forwards.pop(message.request_id, None)
-        if d is not None:
-            d.callback(message)
+        self._forwards.answer(message.request_id, message)
 
     @property
     def forwards(self) -> int:
@@ -232,28 +255,15 @@ class CallTable:
 
     def fail_forwards(self, error: Exception) -> None:
         """The connection is lost: every stage forward and embedding waiting fails."""
-        forwards, self._forwards = self._forwards, {}
-        embeddings, self._embeddings = self._embeddings, {}
-        for d in forwards.values():
-            d.errback(error)
-        for waiting in embeddings.values():
-            waiting.errback(error)
+        self._forwards.fail(error)
+        self._embeddings.fail(error)
 
     # Embeddings (docs/protocol.md section 12.7)
 
     def expect_embedding(self, request_id: int) -> Deferred[EmbedRespMsg]:
-        """The Deferred that :meth:`answer_embedding` fires for ``request_id``; cancelling it
-        forgets it."""
-
-        def forget(_: Deferred[EmbedRespMsg]) -> None:
-            self._embeddings.pop(request_id, None)
-
-        d: Deferred[EmbedRespMsg] = Deferred(forget)
-        self._embeddings[request_id] = d
-        return d
+        """The Deferred that :meth:`answer_embedding` fires for ``request_id``."""
+        return self._embeddings.expect(request_id)
 
     def answer_embedding(self, message: EmbedRespMsg) -> None:
         """An EMBED_RESP: fire its request's Deferred (an unknown id is ignored)."""
-        d = self._embeddings.pop(message.request_id, None)
-        if d is not None:
-            d.callback(message)
+        self._embeddings.answer(message.request_id, message)
