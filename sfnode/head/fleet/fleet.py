@@ -884,7 +884,7 @@ class Fleet:
             timeout_s=settings.queue_timeout_s,
             use=self.shares.use,
             still_waiting=reclaim,
-            hold=self._starting_for,
+            hold=lambda: self.registry.starting_for(settings.node_start_s),
         )
         """Generations waiting for a node, with the queue's bounds, timeout and counters
         (generations without a client address, such as a program's own, are not bounded by
@@ -955,20 +955,6 @@ class Fleet:
     def queued(self) -> int:
         """Requests waiting for a node now."""
         return len(self.queue)
-
-    def _starting_for(self) -> float:
-        """Seconds until every node the head dials that has never answered (it may be
-        converting or loading its model) has had ``node_start_s`` to do it; 0 when none is
-        starting."""
-        now = self._clock.seconds()
-        return max(
-            (
-                node.dialled_at + self.settings.node_start_s - now
-                for node in self.nodes
-                if node.dialled_at is not None and node.link.hello_ack is None
-            ),
-            default=0.0,
-        )
 
     # ----------------------------------------------------------------------------------------
     # Placement

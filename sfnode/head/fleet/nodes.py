@@ -262,6 +262,20 @@ class NodeRegistry:
             loopback_only=loopback_only,
         )
 
+    def starting_for(self, start_s: float) -> float:
+        """Seconds until every node the head dials that has never answered (it may be
+        converting or loading its model) has had ``start_s`` to do it; 0 when none is
+        starting."""
+        now = self._clock.seconds()
+        return max(
+            (
+                node.dialled_at + start_s - now
+                for node in self.nodes
+                if node.dialled_at is not None and node.link.hello_ack is None
+            ),
+            default=0.0,
+        )
+
     def named(self, name: str) -> FleetNode | None:
         for node in self.nodes:
             if node.name == name:
