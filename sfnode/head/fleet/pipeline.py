@@ -542,15 +542,13 @@ class PipelineFleet:
                 tokens if i == 0 else (), start, end, hidden, session, position
             )
             self.count_forwarded(kept, hidden)
-            if response.token is not None:
-                return int(response.token)
-            if response.hidden is None:
-                raise PipelineError(
-                    f"stage {link.name} answered nothing for layers [{start}, {end}): the "
-                    "engine lacks staged forward, the layers are out of its range, or it "
-                    "lost the generation's stage session"
-                )
-            hidden = response.hidden
+            answer = _answer(True, response, link.name, start, end)
+            if isinstance(answer, PipelineError):
+                raise answer
+            if isinstance(answer, int):
+                return answer
+            assert isinstance(answer, bytes)
+            hidden = answer
         raise PipelineError("no stage answered a token (the last boundary is below n_layers?)")
 
     def replace_down(self) -> None:
