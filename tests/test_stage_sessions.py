@@ -1,12 +1,18 @@
 """The stage sessions' table (docs/protocol.md section 12.8): slots, positions, layer ranges and
-the bounds, pure (no engine, no reactor)."""
+the bounds, pure (no engine, no reactor); and the head's step groups, which send the rows of
+the generations they carry to each stage together, over recording links on a Clock."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.engines.scheduling.stages import STAGE_IDLE_S, StageSessions
 from sfnode.generation import StageForwardError
+from sfnode.head.fleet.pipeline import PipelineError, StepGroup, _Kept
 
 LAYERS = (0, 4)
 
@@ -58,3 +64,125 @@ class StageSessionsTests(SynchronousTestCase):
         table.drop("a")
         self.assertEqual(len(table), 1)
         self.assertEqual(table.claim("b", 1, 1, 1, LAYERS, 1.0), 2)
+
+
+class _Answer:
+    """A stage's answer to one row (what a STAGE_FORWARD_RESP carries)."""
+
+    def __init__(self, token: int | None = None, hidden: bytes | None = None) -> None:
+        self.token, self.hidden = token, hidden
+
+
+class _Link:
+    """A stage link that records each forward and answers when the test says."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.sent: list[tuple[Any, ...]] = []
+        self.answers: list[Deferred[_Answer]] = []
+
+    def stage_forward(self, *request: Any) -> Deferred[_Answer]:
+        self.sent.append(request)
+        d: Deferred[_Answer] = Deferred()
+        self.answers.append(d)
+        return d
+
+
+class _Pipeline:
+    """What a step group reads of its pipeline: the ranges, the clock, the byte count."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.ranges = [(0, 2), (2, 4)]
+        self.clock = clock
+        self.forwarded = 0
+
+    def count_forwarded(self, kept: Any, hidden: bytes | None) -> None:
+        self.forwarded += len(hidden or b"")
+
+
+class StepGroupTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.pipeline = _Pipeline(self.clock)
+        self.links = [_Link("stage0"), _Link("stage1")]
+        self.group = StepGroup(self.pipeline)  # type: ignore[arg-type]
+
+    def kept(self, session: int) -> _Kept:
+        return _Kept(session=session, links=self.links)  # type: ignore[arg-type]
+
+    def test_a_round_waits_for_every_member_and_sends_their_rows_together(self) -> None:
+        """Two members' rows reach the first stage in one reactor turn, once both asked; the
+        second stage gets both hidden states only when the first answered both; each member
+        gets its own token; a member asking again waits for the other."""
+        a, b = self.kept(1), self.kept(2)
+        first = self.group.submit(a, (5, 6), 0)
+        self.clock.advance(0)
+        self.assertEqual(len(self.links[0].sent), 1)  # a lone member's round went at once
+        self.links[0].answers[0].callback(_Answer(hidden=b"h" * 8))
+        self.links[1].answers[0].callback(_Answer(token=9))
+        self.assertEqual(self.successResultOf(first), 9)
+        self.group.submit(a, (9,), 2)
+        later = self.group.submit(b, (7,), 0)
+        self.assertEqual(len(self.links[0].sent), 1)
+        self.clock.advance(0)
+        self.assertEqual(
+            self.links[0].sent[1:],
+            [((9,), 0, 2, None, 1, 2), ((7,), 0, 2, None, 2, 0)],
+        )
+        self.links[0].answers[1].callback(_Answer(hidden=b"a" * 4))
+        self.assertEqual(len(self.links[1].sent), 1)
+        self.links[0].answers[2].callback(_Answer(hidden=b"b" * 4))
+        self.assertEqual(
+            self.links[1].sent[1:], [((), 2, 4, b"a" * 4, 1, 2), ((), 2, 4, b"b" * 4, 2, 0)]
+        )
+        self.links[1].answers[2].callback(_Answer(token=3))
+        self.assertNoResult(later)
+        self.links[1].answers[1].callback(_Answer(token=4))
+        self.assertEqual(self.successResultOf(later), 3)
+        self.assertEqual(self.pipeline.forwarded, 16)
+        self.assertEqual(self.group.rounds, 2)
+
+    def test_a_failed_member_leaves_and_the_others_go_on(self) -> None:
+        """A row whose stage fails gets the failure and leaves the group: the other member's
+        next round does not wait for it, and it joins again with its next step."""
+        a, b = self.kept(1), self.kept(2)
+        failed = self.group.submit(a, (1,), 0)
+        going = self.group.submit(b, (2,), 0)
+        self.clock.advance(0)
+        self.links[0].answers[0].errback(PipelineError("lost"))
+        self.links[0].answers[1].callback(_Answer(hidden=b"x"))
+        self.links[1].answers[0].callback(_Answer(token=8))
+        self.failureResultOf(failed, PipelineError)
+        self.assertEqual(self.successResultOf(going), 8)
+        self.assertEqual(self.group.members, {id(b)})
+        self.group.submit(b, (8,), 1)
+        self.clock.advance(0)
+        self.assertEqual(len(self.links[0].sent), 3)
+        self.group.submit(a, (1,), 0)
+        self.clock.advance(0)
+        self.assertEqual(len(self.links[0].sent), 3)  # a waits for b's round to end
+        self.assertEqual(self.group.members, {id(a), id(b)})
+
+    def test_a_member_that_ends_or_is_cancelled_is_not_waited_for(self) -> None:
+        """A member that leaves (its generation ended) or whose step is cancelled (its wall
+        budget passed) no longer holds the others' round back."""
+        a, b = self.kept(1), self.kept(2)
+        self.group.submit(a, (1,), 0)
+        waiting = self.group.submit(b, (2,), 0)
+        self.clock.advance(0)
+        self.links[0].answers[0].callback(_Answer(hidden=b"x"))
+        self.links[0].answers[1].callback(_Answer(hidden=b"y"))
+        self.links[1].answers[0].callback(_Answer(token=1))
+        self.links[1].answers[1].callback(_Answer(token=2))
+        self.successResultOf(waiting)
+        cancelled = self.group.submit(b, (2,), 1)
+        self.clock.advance(0)
+        self.assertEqual(len(self.links[0].sent), 2)
+        cancelled.cancel()
+        self.failureResultOf(cancelled, CancelledError)
+        self.clock.advance(0)
+        self.assertEqual(len(self.links[0].sent), 2)  # a has not asked yet
+        self.group.leave(a)
+        self.group.submit(b, (2,), 1)
+        self.clock.advance(0)
+        self.assertEqual(len(self.links[0].sent), 3)

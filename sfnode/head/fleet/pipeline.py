@@ -72,6 +72,9 @@ COALESCE_TOKENS = 16
 COALESCE_S = 0.2
 """A generation's tokens go to its caller as a node sends them (docs/protocol.md section 4.4):
 the first at once, then this many together or this long after the last batch."""
+MICRO_BATCHES = 2
+"""Step groups of a pipeline (:class:`StepGroup`): while one group's rows are on a stage,
+another's can be on the next."""
 REBUILD_DELAYS = (0.1, 0.2, 0.4, 0.8, 1.6, 2.0)
 """Seconds waited before each rebuild (the last repeats): a stage node being restarted."""
 
@@ -113,6 +116,136 @@ class _Kept:
     """Hidden-state bytes the generation sent to stages (what crosses between stages)."""
     recomputes: bool = False
     """A stage refused to open a session (none free): the generation recomputes (7.6)."""
+
+
+@dataclass
+class _Row:
+    """One generation's rows waiting for its step group's round: its session's request, and
+    the token it answers."""
+
+    kept: _Kept
+    tokens: tuple[int, ...]
+    position: int
+    answer: Deferred[int]
+    hidden: bytes | None = None
+
+
+class StepGroup:
+    """Generations whose kept-stage steps go through the stages together (docs/protocol.md
+    section 12.8): a round starts once every member has asked for its next step, sends every
+    member's rows to a stage in the same reactor turn (so the node computes them in one pass
+    over its layers), then the next stage with their hidden states, and answers each member its
+    token.  A member that fails leaves the group (its rebuild waits alone) and joins it again
+    with its next step; one that ends leaves it."""
+
+    def __init__(self, pipeline: PipelineFleet) -> None:
+        self._pipeline = pipeline
+        self.members: set[int] = set()
+        """The ``id`` of each member's :class:`_Kept`."""
+        self._waiting: dict[int, _Row] = {}
+        self._running = False
+        self._called: IDelayedCall | None = None
+        self.rounds = 0
+        """Rounds run (each one pass per stage for every member)."""
+
+    def submit(self, kept: _Kept, tokens: tuple[int, ...], position: int) -> Deferred[int]:
+        """The token after ``tokens`` at ``position`` of ``kept``'s session."""
+        key = id(kept)
+
+        def cancel(_: Deferred[int]) -> None:
+            self._waiting.pop(key, None)
+            self.leave(kept)
+
+        row = _Row(kept, tokens, position, Deferred(cancel))
+        self.members.add(key)
+        self._waiting[key] = row
+        self._check()
+        return row.answer
+
+    def leave(self, kept: _Kept) -> None:
+        """``kept``'s generation steps no more with the group (it ended, or waits to rebuild)."""
+        self.members.discard(id(kept))
+        self._waiting.pop(id(kept), None)
+        self._check()
+
+    def _check(self) -> None:
+        """A round starts at the end of this reactor turn once every member waits."""
+        ready = self._waiting and set(self._waiting) == self.members
+        if self._running or self._called is not None or not ready:
+            return
+        self._called = self._pipeline.clock.callLater(0, self._start_round)
+
+    def _start_round(self) -> None:
+        self._called = None
+        if self._running or not self._waiting or set(self._waiting) != self.members:
+            return
+        rows, self._waiting = list(self._waiting.values()), {}
+        self._running = True
+        self.rounds += 1
+        self._round(rows).addBoth(self._round_done)
+
+    def _round_done(self, _: object) -> None:
+        self._running = False
+        self._check()
+
+    @defer.inlineCallbacks
+    def _round(self, rows: list[_Row]) -> Generator[Deferred[Any], Any, None]:
+        """Every row through the stages, one stage at a time; each answer fires at the end."""
+        pipeline = self._pipeline
+        answers: list[tuple[_Row, int | Failure | PipelineError]] = []
+        for i, (start, end) in enumerate(pipeline.ranges):
+            sent = [
+                row.kept.links[i].stage_forward(
+                    row.tokens if i == 0 else (),
+                    start,
+                    end,
+                    row.hidden,
+                    row.kept.session,
+                    row.position,
+                )
+                for row in rows
+            ]
+            results = yield defer.DeferredList(sent, consumeErrors=True)
+            going = []
+            for row, (ok, response) in zip(rows, results, strict=True):
+                pipeline.count_forwarded(row.kept, row.hidden)
+                answer = _answer(ok, response, row.kept.links[i].name, start, end)
+                if isinstance(answer, bytes):
+                    row.hidden = answer
+                    going.append(row)
+                else:
+                    answers.append((row, answer))
+            rows = going
+            if not rows:
+                break
+        for row in rows:
+            answers.append((row, PipelineError("no stage answered a token")))
+        for row, answer in answers:
+            if not isinstance(answer, int):
+                self.members.discard(id(row.kept))
+                if not row.answer.called:
+                    row.answer.errback(answer)
+            elif not row.answer.called:
+                row.answer.callback(answer)
+
+
+def _answer(
+    ok: bool, response: Any, name: str, start: int, end: int
+) -> int | bytes | Failure | PipelineError:
+    """A stage's answer to one row: its token, the hidden state to send on, or the failure."""
+    if not ok:
+        failure: Failure = response
+        return failure
+    if response.token is not None:
+        return int(response.token)
+    if response.hidden is None:
+        return PipelineError(
+            f"stage {name} answered nothing for layers [{start}, {end}): the engine lacks "
+            "staged forward, the layers are out of its range, or it lost the generation's "
+            "stage session"
+        )
+    hidden: bytes = response.hidden
+    return hidden
 
 
 class PipelineGeneration:
@@ -286,10 +419,14 @@ class PipelineFleet:
         clock: IReactorTime | None = None,
         settings: FleetSettings = DEFAULT_FLEET_SETTINGS,
         spares: Sequence[str] = (),
+        micro_batches: int = MICRO_BATCHES,
     ) -> None:
         """``settings`` are the stages' :class:`Fleet`'s (token, redial cap, keepalive
         window, wall budget); ``spares`` are nodes dialed too, that take the layers of a stage
-        whose link is down when a generation rebuilds its stages."""
+        whose link is down when a generation rebuilds its stages; the generations that keep
+        stage KV step in ``micro_batches`` :class:`StepGroup` s (a new one joins the
+        smallest), so that one group's rows are on one stage while another's are on the
+        next."""
         if not endpoints:
             raise ValueError("a pipeline needs at least one stage")
         if boundaries is not None:
@@ -310,6 +447,8 @@ class PipelineFleet:
         """The last stage session id given (docs/protocol.md section 12.8)."""
         self.bytes_forwarded = 0
         """Hidden-state bytes sent to stages so far (what crosses between stages)."""
+        self.groups = [StepGroup(self) for _ in range(max(1, micro_batches))]
+        self._group_of: dict[int, StepGroup] = {}
 
     @property
     def ranges(self) -> list[tuple[int, int]]:
@@ -371,7 +510,7 @@ class PipelineFleet:
         try:
             while True:
                 chunk = tuple(context[kept.rows : kept.rows + PREFILL_CHUNK])
-                token = yield self._through(links, chunk, kept, kept.session, kept.rows)
+                token = yield self._group(kept).submit(kept, chunk, kept.rows)
                 kept.rows += len(chunk)
                 if kept.rows == len(context):
                     return token
@@ -402,17 +541,14 @@ class PipelineFleet:
             response: StageForwardRespMsg = yield link.stage_forward(
                 tokens if i == 0 else (), start, end, hidden, session, position
             )
-            self.bytes_forwarded += len(hidden or b"")
-            kept.forwarded += len(hidden or b"")
-            if response.token is not None:
-                return int(response.token)
-            if response.hidden is None:
-                raise PipelineError(
-                    f"stage {link.name} answered nothing for layers [{start}, {end}): the "
-                    "engine lacks staged forward, the layers are out of its range, or it "
-                    "lost the generation's stage session"
-                )
-            hidden = response.hidden
+            self.count_forwarded(kept, hidden)
+            answer = _answer(True, response, link.name, start, end)
+            if isinstance(answer, PipelineError):
+                raise answer
+            if isinstance(answer, int):
+                return answer
+            assert isinstance(answer, bytes)
+            hidden = answer
         raise PipelineError("no stage answered a token (the last boundary is below n_layers?)")
 
     def replace_down(self) -> None:
@@ -436,8 +572,25 @@ class PipelineFleet:
                 spare=spare.name,
             )
 
+    def count_forwarded(self, kept: _Kept, hidden: bytes | None) -> None:
+        """Hidden-state bytes sent to a stage, for the generation and the pipeline."""
+        self.bytes_forwarded += len(hidden or b"")
+        kept.forwarded += len(hidden or b"")
+
+    def _group(self, kept: _Kept) -> StepGroup:
+        """The step group of ``kept``'s generation (a new one joins the smallest)."""
+        group = self._group_of.get(id(kept))
+        if group is None:
+            group = min(self.groups, key=lambda g: len(g.members))
+            self._group_of[id(kept)] = group
+        return group
+
     def release(self, kept: _Kept) -> None:
-        """Close a generation's stage session on every stage whose link is up (12.8)."""
+        """Close a generation's stage session on every stage whose link is up (12.8); it
+        leaves its step group."""
+        group = self._group_of.pop(id(kept), None)
+        if group is not None:
+            group.leave(kept)
         session, links = kept.session, kept.links
         kept.session, kept.rows, kept.links = None, 0, []
         if session is None:

@@ -58,6 +58,12 @@ class HeadLinkProtocol(Protocol):
         self._broken = False
 
     def connectionMade(self) -> None:
+        # Frames are small and answered (a stage forward, a renewal): without TCP_NODELAY,
+        # Nagle's algorithm holds a frame until the node acknowledges the one before it, which
+        # is after its answer has been computed, as the node's own protocol avoids too.
+        no_delay = getattr(self.transport, "setTcpNoDelay", None)
+        if no_delay is not None:
+            no_delay(True)
         self.owner.link_made(self)
 
     def dataReceived(self, data: bytes) -> None:
