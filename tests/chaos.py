@@ -61,7 +61,9 @@ class ChaosConfig:
     """One node is SIGSTOPped this long, once (0: never)."""
     hang_after_s: float = 2.0
     keepalive_timeout_s: float = 3.0
-    """The head's --keepalive-timeout: above the nodes' 2 s status interval."""
+    """The head's --keepalive-timeout: above the nodes' status interval."""
+    status_interval_ms: int = 2_000
+    """The nodes' --status-interval-ms."""
     seed: int = 1
     resume_every: int = 0
     """Every this many streams, the client drops its connection after its third event and
@@ -220,7 +222,8 @@ class Fleet:
         node = self._spawn(
             f"node{index}",
             ["sfnode", *where, "--engine", "mock", "--identity", f"chaos{index}",
-             "--token-delay-ms", str(self.config.token_delay_ms)],
+             "--token-delay-ms", str(self.config.token_delay_ms),
+             "--status-interval-ms", str(self.config.status_interval_ms)],
         )  # fmt: skip
         self.nodes[index] = node
 

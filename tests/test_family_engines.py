@@ -42,6 +42,8 @@ TOKENS = 48
 KINDS = ("folder", "F32", "Q8_0", "Q4_K_M")
 LOOPBACK = "tcp:0:interface=127.0.0.1"
 _cache = Path(families._workspace()) / "cache"
+"""The model cache of every node and engine of this module whose subject is not the cache (so
+the native library is compiled, and each file converted, once per run)."""
 
 
 def source(family: str, kind: str) -> Path:
@@ -422,7 +424,7 @@ class NoTemplateProcessTests(unittest.TestCase):
             self,
             Child("node"),
             ["sfnode", "--head", f"tcp:127.0.0.1:{fleet}", "--model", str(path),
-             "--cache-dir", str(where / "cache"), "--device", "cpu", "--threads", "1"],
+             "--cache-dir", str(_cache), "--device", "cpu", "--threads", "1"],
         )  # fmt: skip
         await head.wait_for(rb"installed the model files")
         agent = Agent(reactor)
@@ -482,8 +484,9 @@ results in their tags, consecutive results in one user turn."""
 class ChatTemplateTests(unittest.TestCase):
     """The chat template a model brings, from the node's model files to the head's rendering."""
 
-    def model_files(self, template: str | None) -> Path:
-        """The folder of model files the node writes for a tiny Qwen2 GGUF with ``template``."""
+    def model_files(self, template: str | None) -> tuple[Path, Path]:
+        """A tiny Qwen2 GGUF with ``template`` and the folder of model files the node writes
+        for it (in the module's cache, where :func:`build` finds them)."""
         from sfnode.engines.weights.loading import model_folder
 
         where = Path(self.mktemp()).resolve()
@@ -491,7 +494,7 @@ class ChatTemplateTests(unittest.TestCase):
         path = families.write_gguf(
             "qwen2", families.folder("qwen2"), where / "qwen2.gguf", "F32", template
         )
-        return model_folder(path, where / "cache")[1]
+        return path, model_folder(path, _cache)[1]
 
     def test_a_gguf_template_with_tools_renders_as_transformers_renders_it(self) -> None:
         """A GGUF file's ``tokenizer.chat_template`` (one that reads ``tools``, calls and
@@ -504,7 +507,7 @@ class ChatTemplateTests(unittest.TestCase):
         from sfnode.head.models.text import HeadTokenizer, TransformersCodec
         from tests.test_head_tools import TOOLS, RenderingTests
 
-        folder = self.model_files(TOOLS_TEMPLATE)
+        _, folder = self.model_files(TOOLS_TEMPLATE)
         bare = Path(self.mktemp()).resolve()
         bare.mkdir()
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -535,9 +538,9 @@ class ChatTemplateTests(unittest.TestCase):
         completions from token ids."""
         from sfnode.head.models.text import HeadTokenizer
 
-        folder = self.model_files(None)
+        path, folder = self.model_files(None)
         self.assertFalse((folder / "chat_template.jinja").exists())
         self.assertIsNone(HeadTokenizer(folder).chat_template)
-        engine = build(folder.parent.parent / "qwen2.gguf")
+        engine = build(path)
         tokens = yield FamilyEngineTests().greedy(engine)
         self.assertEqual(len(tokens), TOKENS)

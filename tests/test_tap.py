@@ -174,6 +174,21 @@ class OptionsTests(SynchronousTestCase):
         self.assertEqual(tap.node_config(options), expected)
         self.assertEqual((options["max-context"], options["token-delay-ms"]), (512, 7))
 
+    def test_status_interval(self) -> None:
+        """--status-interval-ms sets how often the node sends NODE_STATUS (the NodeConfig's
+        interval; 2 s by default) and refuses anything but a whole number of at least 1 ms."""
+        options = parse("--listen", LOOPBACK, "--engine", "mock")
+        self.assertEqual(tap.node_config(options).status_interval_ms, 2_000)
+        options = parse("--listen", LOOPBACK, "--engine", "mock", "--status-interval-ms", "750")
+        self.assertEqual(options["status-interval-ms"], 750)
+        self.assertEqual(tap.node_config(options).status_interval_ms, 750)
+        for value in ("0", "-1", "1.5", "soon"):
+            self.assert_usage_error(
+                ["--listen", LOOPBACK, "--engine", "mock", "--status-interval-ms", value],
+                "--status-interval-ms must be",
+                repr(value),
+            )
+
     def test_neither_head_nor_listen(self) -> None:
         """A node with no direction is refused: it would never meet a head (D9)."""
         self.assert_usage_error(["--engine", "mock"], "--head", "--listen")

@@ -53,6 +53,7 @@ from sfnode.node.config import (
     DEFAULT_MAX_LANES,
     DEFAULT_MAX_SESSIONS,
     DEFAULT_MAX_UNACKED_EVENTS,
+    STATUS_INTERVAL_MS,
     NodeConfig,
 )
 from sfnode.node.refused import RefusedEngine
@@ -279,6 +280,13 @@ class Options(usage.Options):
             "Close a connection that sends no frame for this long (0: never).",
         ],
         [
+            "status-interval-ms",
+            None,
+            str(STATUS_INTERVAL_MS),
+            "Send each head NODE_STATUS this often (at least 1). A head takes a node silent "
+            "for its --keepalive-timeout for hung, so keep this well below that.",
+        ],
+        [
             "drain-timeout",
             None,
             str(DEFAULT_DRAIN_TIMEOUT_MS // 1000),
@@ -482,6 +490,9 @@ class Options(usage.Options):
     def _check_numbers(self) -> None:
         """Every count and duration as an int in range, with its default when not given."""
         self["max-lanes"] = non_negative("max-lanes", self["max-lanes"], 1, U32_MAX)
+        self["status-interval-ms"] = non_negative(
+            "status-interval-ms", self["status-interval-ms"], 1, U32_MAX
+        )
         for name in _COUNTS:
             self[name] = non_negative(name, self[name])
         for name, default in _COUNTS_WITH_DEFAULTS:
@@ -597,6 +608,7 @@ _NODE_FIELDS = (
     "auth_token",
     "handshake_timeout_ms",
     "idle_timeout_ms",
+    "status_interval_ms",
     "max_handshakes",
     "max_address_handshakes",
     "max_sessions",
