@@ -470,14 +470,10 @@ class TransformersEngine(EngineLoop):
             weights = forward_runner(model, config, masks, "--stock-kernels")
         self.weights = weights
         traits = RunnerTraits(
-            n_layers=n_layers,
-            vocab_size=vocab_size,
-            eos_ids=eos_ids,
-            model_window=model_window,
+            n_layers=n_layers, vocab_size=vocab_size, eos_ids=eos_ids, model_window=model_window,
             salt=f"{weights.mode}|{weights.activations}|{n_layers}".encode(),
-            block_copies=why is None,
-            drafts=why is None,
-        )
+            block_copies=why is None, drafts=why is None,
+        )  # fmt: skip
         self._worker = ThreadWorker(reactor, weights.runner, masks, KeptCheck.of(config, weights))
         super().__init__(
             config, traits, weights.runner, self._worker, clock=clock, vocabulary=vocabulary,
