@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from twisted.internet import defer
+from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -72,6 +73,10 @@ __all__ = ["TransformersEngine", "decode_hidden", "encode_hidden", "eos_ids_of"]
 log = Logger(namespace="sfnode.engines.transformers")
 
 T = TypeVar("T")
+
+CHECK_AFTER_S = 1.0
+"""The start-up check of exactness begins after the first step, or this long after the engine
+started when no step came first (docs/engine.md section 4.1)."""
 
 if TYPE_CHECKING:
     # The model's own forward imports transformers: only --stock-kernels loads it.
@@ -130,6 +135,7 @@ class ThreadWorker:
         self._runner = runner
         self._masks = masks
         self._kept = kept
+        self._check_timer: IDelayedCall | None = None
         self._pool = ThreadPool(minthreads=1, maxthreads=1, name="sfnode-engine")
         self._grammar_pool = ThreadPool(minthreads=0, maxthreads=1, name="sfnode-grammar")
         self.exactness: defer.Deferred[str | None] = defer.Deferred()
@@ -147,11 +153,15 @@ class ThreadWorker:
         if prepare is not None:
             self._pool.callInThread(prepare)
         if isinstance(self._runner, DecoderRunner):
-            # Off the path to the first token: one piece at a time on the worker thread, so a
-            # step sent meanwhile runs between two pieces.
-            check = self.call(ExactnessCheck, self._runner)
-            check.addCallback(self._next_piece, 0)
-            check.addCallbacks(self._checked, self._check_failed)
+            self._check_timer = self._reactor.callLater(CHECK_AFTER_S, self._begin_check)
+
+    def _begin_check(self) -> None:
+        """Off the path to the first token: one piece at a time on the worker thread, so a
+        step sent meanwhile runs between two pieces."""
+        self._check_timer = None
+        check = self.call(ExactnessCheck, self._runner)
+        check.addCallback(self._next_piece, 0)
+        check.addCallbacks(self._checked, self._check_failed)
 
     def _next_piece(self, check: ExactnessCheck, index: int) -> Any:
         """Queue piece ``index`` of ``check`` (the next one once it ran); its verdict last."""
@@ -177,7 +187,12 @@ class ThreadWorker:
         return None
 
     def step(self, plan: StepPlan) -> defer.Deferred[tuple[StepOutput, float]]:
-        return self.call(self._timed_run, plan)
+        running = self.call(self._timed_run, plan)
+        if self._check_timer is not None:
+            # The first step goes first; the check follows it.
+            self._check_timer.cancel()
+            self._begin_check()
+        return running
 
     def _timed_run(self, plan: StepPlan) -> tuple[StepOutput, float]:
         """Run ``plan`` (worker thread); answer its output and how long it took."""
@@ -214,6 +229,9 @@ class ThreadWorker:
         """A step on the thread cannot be stopped: the loop waits for it."""
 
     def stop(self) -> None:
+        if self._check_timer is not None:
+            self._check_timer.cancel()
+            self._check_timer = None
         if self._pool.started:
             self._pool.stop()
         if self._grammar_pool.started:
