@@ -1067,6 +1067,11 @@ def withdraw_on_a_failed_check(engine: Engine, agent: NodeAgent) -> None:
 
     def withdraw(problem: str | None) -> str | None:
         if problem is not None:
+            log.error(
+                "the node withdrew: it serves no model from now on and closes its {n} "
+                "connections, so that its heads read why",
+                n=len(agent.protocols),
+            )
             agent.close_connections(f"the node withdrew: {problem}")
         return problem
 
