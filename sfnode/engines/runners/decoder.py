@@ -512,6 +512,11 @@ class DecoderRunner:
 
         return ExactnessCheck(self, length, decoded).run_all()
 
+    def check_runner(self, positions: int) -> DecoderRunner:
+        """A runner of one slot of ``positions`` over the same weights, kernels and step (the
+        start-up check's: it never touches the lanes' slots)."""
+        return DecoderRunner(self.weights, slots=1, window=positions, fused=self.fused is not None)
+
     def _scratch_kv(self, positions: int) -> SlotKV:
         """One KV slot of ``positions`` positions, apart from the lanes' (a pipeline stage or a
         whole sequence computed without touching them), in float32 as the per-operator layers

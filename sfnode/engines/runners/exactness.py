@@ -21,35 +21,42 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
+from sfnode.engines.runners.kv import SlotKV
 from sfnode.engines.scheduling.plan import ChunkRow, DecodeRow, StepOutput, StepPlan
 from sfnode.linkf.wire import GenParams
 
-if TYPE_CHECKING:
-    from sfnode.engines.runners.decoder import DecoderRunner
-
 __all__ = ["ExactnessCheck"]
+
+
+class Checked(Protocol):
+    """What the check needs of a runner (:class:`~sfnode.engines.runners.decoder.DecoderRunner`):
+    its window, its weights, a runner of one slot of its own over them, and steps."""
+
+    window: int
+    weights: Any
+    kv: SlotKV
+
+    def check_runner(self, positions: int) -> Checked: ...
+
+    def run(self, plan: StepPlan) -> StepOutput: ...
 
 
 class ExactnessCheck:
     """One start-up check over ``runner``'s weights: :attr:`pieces` run in order (each one a
     job of the worker thread), then :meth:`verdict`."""
 
-    def __init__(self, runner: DecoderRunner, length: int = 80, decoded: int = 10) -> None:
-        from sfnode.engines.runners.decoder import DecoderRunner
-
+    def __init__(self, runner: Checked, length: int = 80, decoded: int = 10) -> None:
         length = min(length, runner.window - 1)
         self.decoded = min(decoded, length - 1)
         vocab = runner.weights.vocab_size
         self.prompt = tuple(3 + (i * 7919) % max(1, vocab - 3) for i in range(length))
         self._params = GenParams(logprobs=20)
         # The same weights, kernels and step as the lanes', over a slot of its own.
-        self._runner = DecoderRunner(
-            runner.weights, slots=1, window=length + 1, fused=runner.fused is not None
-        )
+        self._runner = runner.check_runner(length + 1)
         self._whole = StepOutput()
         self._kept: list[torch.Tensor] = []
         self._fed = StepOutput()
