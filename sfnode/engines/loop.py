@@ -288,6 +288,8 @@ class EngineLoop:
             else None
         )
         """Stage sessions that keep their KV (docs/protocol.md section 12.8), or None."""
+        self.refusal: str | None = None
+        """Why it refuses all work now (a failed start-up check: docs/engine.md section 4.1)."""
         self._started = False
         self._stopping = False
         self._stepping = False
@@ -375,6 +377,8 @@ class EngineLoop:
 
     def _refusal(self, context: tuple[int, ...]) -> BaseException | None:
         """Why a generation of ``context`` cannot run here, or None."""
+        if self.refusal is not None:
+            return EngineRefusal(f"this node withdrew: {self.refusal}")
         if not context:
             return EngineRefusal("the context is empty; there is nothing to extend")
         if len(context) > self._window:

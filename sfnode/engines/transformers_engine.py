@@ -34,10 +34,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from twisted.internet import defer
+from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -47,12 +49,15 @@ from sfnode.decoding.constraint import LaneStage, Vocabulary
 from sfnode.engines.config import DEFAULT_ENGINE_CONFIG, EngineConfig
 from sfnode.engines.families.spec import ModelSpec
 from sfnode.engines.kernels import openmp
+from sfnode.engines.kernels.choice import Cpu
 from sfnode.engines.loop import EngineLoop, RunnerTraits
 from sfnode.engines.runners.decoder import DecoderRunner
+from sfnode.engines.runners.exactness import ExactnessCheck
 from sfnode.engines.runners.hidden import decode_hidden, encode_hidden
 from sfnode.engines.runners.masks import MaskWorker
 from sfnode.engines.runners.stages import DecoderStages
 from sfnode.engines.scheduling.plan import StepOutput, StepPlan
+from sfnode.engines.weights import packed
 from sfnode.engines.weights.gather import ModelWeights, WeightsError, as_stored, gather_weights
 from sfnode.engines.weights.loading import LoadedModel
 from sfnode.engines.weights.stored import StoredModel
@@ -68,6 +73,10 @@ __all__ = ["TransformersEngine", "decode_hidden", "encode_hidden", "eos_ids_of"]
 log = Logger(namespace="sfnode.engines.transformers")
 
 T = TypeVar("T")
+
+CHECK_AFTER_S = 1.0
+"""The start-up check of exactness begins after the first step, or this long after the engine
+started when no step came first (docs/engine.md section 4.1)."""
 
 if TYPE_CHECKING:
     # The model's own forward imports transformers: only --stock-kernels loads it.
@@ -115,16 +124,25 @@ class ThreadWorker:
     worker thread, in order; constrained requests' stages prepared on another (compiling a
     grammar can take 100 ms)."""
 
-    def __init__(self, reactor: Any, runner: TorchRunner, masks: MaskWorker | None) -> None:
+    def __init__(
+        self,
+        reactor: Any,
+        runner: TorchRunner,
+        masks: MaskWorker | None,
+        kept: KeptCheck | None = None,
+    ) -> None:
         self._reactor = reactor
         self._runner = runner
         self._masks = masks
+        self._kept = kept
+        self._check_timer: IDelayedCall | None = None
         self._pool = ThreadPool(minthreads=1, maxthreads=1, name="sfnode-engine")
         self._grammar_pool = ThreadPool(minthreads=0, maxthreads=1, name="sfnode-grammar")
         self.exactness: defer.Deferred[str | None] = defer.Deferred()
         """Fires once the start-up check has run (decoder runner only): with None when a
-        position's KV does not depend on how its prompt is cut into steps, else what differed
-        (docs/engine.md section 4)."""
+        position's KV does not depend on how its prompt is cut into steps and the check
+        computed what it computed at the first start of this file with this engine, else what
+        differed (docs/engine.md section 4.1)."""
 
     def start(self) -> None:
         # The steps' OpenMP team must be the only one (sfnode/engines/kernels/openmp.py): give
@@ -135,12 +153,46 @@ class ThreadWorker:
         if prepare is not None:
             self._pool.callInThread(prepare)
         if isinstance(self._runner, DecoderRunner):
-            # Before any step (the pool runs one job at a time, in order).
-            checking = self.call(self._runner.check_exactness)
-            checking.addCallbacks(self._checked, self._check_failed)
+            self._check_timer = self._reactor.callLater(CHECK_AFTER_S, self._begin_check)
+
+    def _begin_check(self) -> None:
+        """Off the path to the first token: one piece at a time on the worker thread, so a
+        step sent meanwhile runs between two pieces."""
+        self._check_timer = None
+        check = self.call(ExactnessCheck, self._runner)
+        check.addCallback(self._next_piece, 0)
+        check.addCallbacks(self._checked, self._check_failed)
+
+    def _next_piece(self, check: ExactnessCheck, index: int) -> Any:
+        """Queue piece ``index`` of ``check`` (the next one once it ran); its verdict last."""
+        if index == len(check.pieces):
+            return self._verdict(check)
+        running = self.call(check.pieces[index])
+        return running.addCallback(lambda _: self._next_piece(check, index + 1))
+
+    def _verdict(self, check: ExactnessCheck) -> str | None:
+        """The check's verdict, and its digest against the one kept at the first start."""
+        problem = check.verdict()
+        if problem is not None or self._kept is None:
+            return problem
+        kept = packed.kept_digest(self._kept.folder, self._kept.key)
+        if kept is None:
+            packed.keep_digest(self._kept.folder, self._kept.key, check.digest)
+        elif kept != check.digest:
+            where = self._kept.folder / packed.EXACTNESS_FILE
+            return (
+                "the check's keys, values or logits differ from those this file gave at its "
+                f"first start with this engine (kept in {where})"
+            )
+        return None
 
     def step(self, plan: StepPlan) -> defer.Deferred[tuple[StepOutput, float]]:
-        return self.call(self._timed_run, plan)
+        running = self.call(self._timed_run, plan)
+        if self._check_timer is not None:
+            # The first step goes first; the check follows it.
+            self._check_timer.cancel()
+            self._begin_check()
+        return running
 
     def _timed_run(self, plan: StepPlan) -> tuple[StepOutput, float]:
         """Run ``plan`` (worker thread); answer its output and how long it took."""
@@ -177,6 +229,9 @@ class ThreadWorker:
         """A step on the thread cannot be stopped: the loop waits for it."""
 
     def stop(self) -> None:
+        if self._check_timer is not None:
+            self._check_timer.cancel()
+            self._check_timer = None
         if self._pool.started:
             self._pool.stop()
         if self._grammar_pool.started:
@@ -191,9 +246,9 @@ class ThreadWorker:
                 "into steps, so reused prefixes and failovers continue seeded streams exactly"
             )
         else:
-            log.warn(
-                "on this machine a position's KV depends on how its prompt was cut into steps "
-                "({problem}): a reused prefix or a failover may part from a seeded stream",
+            log.error(
+                "the start-up check of exactness failed ({problem}): a reused prefix or a "
+                "failover may part from a seeded stream, so the node withdraws",
                 problem=problem,
             )
         self.exactness.callback(problem)
@@ -219,6 +274,32 @@ def vocabulary_of(tokenizer: Any, size: int, eos_ids: frozenset[int]) -> Vocabul
         n=size,
     )
     return vocabulary
+
+
+@dataclass(frozen=True)
+class KeptCheck:
+    """Where the start-up check of exactness keeps its digest (the folder of the model's packed
+    weights), and under which key (docs/engine.md section 4.1)."""
+
+    folder: Path
+    key: str
+
+    @classmethod
+    def of(cls, config: EngineConfig, weights: ServedWeights) -> KeptCheck | None:
+        """For a decoder runner whose packed weights are kept (``config.weights_cache``)."""
+        runner = weights.runner
+        if config.weights_cache is None or not isinstance(runner, DecoderRunner):
+            return None
+        key = "|".join(
+            (
+                packed.engine_version(),
+                Cpu.here().key(),
+                weights.mode,
+                weights.kernels,
+                "native step" if runner.fused is not None else "torch operators",
+            )
+        )
+        return cls(config.weights_cache.parent, key)
 
 
 @dataclass(frozen=True)
@@ -407,20 +488,25 @@ class TransformersEngine(EngineLoop):
             weights = forward_runner(model, config, masks, "--stock-kernels")
         self.weights = weights
         traits = RunnerTraits(
-            n_layers=n_layers,
-            vocab_size=vocab_size,
-            eos_ids=eos_ids,
-            model_window=model_window,
+            n_layers=n_layers, vocab_size=vocab_size, eos_ids=eos_ids, model_window=model_window,
             salt=f"{weights.mode}|{weights.activations}|{n_layers}".encode(),
-            block_copies=why is None,
-            drafts=why is None,
-        )
-        self._worker = ThreadWorker(reactor, weights.runner, masks)
+            block_copies=why is None, drafts=why is None,
+        )  # fmt: skip
+        self._worker = ThreadWorker(reactor, weights.runner, masks, KeptCheck.of(config, weights))
         super().__init__(
             config, traits, weights.runner, self._worker, clock=clock, vocabulary=vocabulary,
             stages=_kept_stages(weights.runner, config),
         )  # fmt: skip
+        # First of the check's callbacks: the engine refuses work before anyone hears of it.
+        self._worker.exactness.addCallback(self._withdraw_on_failure)
         self._log_speculation(why)
+
+    def _withdraw_on_failure(self, problem: str | None) -> str | None:
+        """A failed start-up check withdraws the engine: it refuses all work from then on
+        (docs/engine.md section 4.1; the node stops offering its model, D25)."""
+        if problem is not None:
+            self.refusal = problem
+        return problem
 
     def _log_speculation(self, why: str | None) -> None:
         if self.config.speculative != "ngram":

@@ -35,7 +35,7 @@ from sfnode.linkf.wire import (
 from sfnode.node.capacity import NodeLoad
 from sfnode.node.config import NodeCommon
 from sfnode.node.host import cpu_description, resident_bytes
-from sfnode.node.refused import RefusedEngine
+from sfnode.node.refused import MAX_REASON, RefusedEngine
 
 
 def _keeps_stages(engine: object) -> bool:
@@ -87,10 +87,13 @@ class NodeReports:
 
     @property
     def refused(self) -> str | None:
-        """Why this node serves no model (it refused it at start, D25); None when it serves
-        one."""
+        """Why this node serves no model (it refused it at start, D25, or its engine withdrew
+        after a failed start-up check: its ``refusal``); None when it serves one."""
         engine = self._common.engine
-        return engine.reason if isinstance(engine, RefusedEngine) else None
+        if isinstance(engine, RefusedEngine):
+            return engine.reason
+        withdrawn = getattr(engine, "refusal", None)
+        return withdrawn[:MAX_REASON] if isinstance(withdrawn, str) else None
 
     @property
     def loadable_models(self) -> tuple[str, ...]:

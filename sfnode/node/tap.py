@@ -1048,6 +1048,7 @@ def makeService(
         log.error("{line}", line=str(refusal))
         engine, files = RefusedEngine(refusal.reason), None
     agent = NodeAgent(reactor, engine, node_config(options), files)
+    withdraw_on_a_failed_check(engine, agent)
 
     node = service.MultiService()  # type: ignore[no-untyped-call]
     node.setName("sfnode")  # type: ignore[no-untyped-call]
@@ -1065,6 +1066,28 @@ def makeService(
     else:
         add_child(node, "head", head_service(reactor, agent, options["head"]))
     return node
+
+
+def withdraw_on_a_failed_check(engine: Engine, agent: NodeAgent) -> None:
+    """When ``engine``'s start-up check of exactness fails (docs/engine.md section 4.1), the
+    engine refuses all work and the node closes its connections: every head shakes hands
+    again and reads in HELLO_ACK_F that this node serves no model, with why (D25), so it
+    never places on it again.  The node serves while the check runs."""
+    checked: defer.Deferred[str | None] | None = getattr(engine, "exactness", None)
+    if checked is None:
+        return
+
+    def withdraw(problem: str | None) -> str | None:
+        if problem is not None:
+            log.error(
+                "the node withdrew: it serves no model from now on and closes its {n} "
+                "connections, so that its heads read why",
+                n=len(agent.protocols),
+            )
+            agent.close_connections(f"the node withdrew: {problem}")
+        return problem
+
+    checked.addCallback(withdraw)
 
 
 def _listening(

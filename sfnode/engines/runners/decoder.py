@@ -56,10 +56,9 @@ from sfnode.engines.kernels.quant import Float32Linear, Linear, Projection
 from sfnode.engines.runners.attention import Attender, StepAttention, decode_positions
 from sfnode.engines.runners.kv import BlockPool, SlotKV
 from sfnode.engines.runners.masks import MaskWorker
-from sfnode.engines.scheduling.plan import ChunkRow, DecodeRow, StepOutput, StepPlan
+from sfnode.engines.scheduling.plan import StepOutput, StepPlan
 from sfnode.engines.weights.gather import ModelWeights
 from sfnode.generation import StageForwardError, StageResult, TokenLogprob
-from sfnode.linkf.wire import GenParams
 
 _MASK64 = (1 << 64) - 1
 
@@ -506,28 +505,17 @@ class DecoderRunner:
     def check_exactness(self, length: int = 80, decoded: int = 10) -> str | None:
         """None when a prompt computed in one chunk and the same prompt whose last ``decoded``
         tokens are fed as decode rows leave the same keys and values and give the same logits,
-        here, with these kernels; else what differed.  Run at start, before any lane holds a
-        slot (it uses slot 0); docs/engine.md section 4 says what depends on it."""
-        length = min(length, self.window - 1)
-        decoded = min(decoded, length - 1)
-        vocab = self.weights.vocab_size
-        prompt = tuple(3 + (i * 7919) % max(1, vocab - 3) for i in range(length))
-        params = GenParams(logprobs=20)
-        whole = self.run(StepPlan(chunks=(ChunkRow(0, 0, prompt, True, params, 0),)))
-        kept = [t[0, :, :length].clone() for t in self.kv.keys + self.kv.values]
-        split = length - decoded
-        self.run(StepPlan(chunks=(ChunkRow(0, 0, prompt[:split], False, params, 0),)))
-        fed = StepOutput()
-        for position in range(split, length):
-            fed = self.run(StepPlan(decode=(DecodeRow(0, prompt[position], position, params, 0),)))
-        layers = len(self.kv.keys)
-        for index, tensor in enumerate(self.kv.keys + self.kv.values):
-            if not torch.equal(tensor[0, :, :length], kept[index]):
-                name = "keys" if index < layers else "values"
-                return f"the {name} of layer {index % layers} differ"
-        if whole.chunk_logprobs != fed.decode_logprobs:
-            return "the logits of the next token differ"
-        return None
+        here, with these kernels; else what differed (on a slot of its own:
+        :class:`~sfnode.engines.runners.exactness.ExactnessCheck`, whose pieces the engine runs
+        between steps).  docs/engine.md section 4 says what depends on it."""
+        from sfnode.engines.runners.exactness import ExactnessCheck
+
+        return ExactnessCheck(self, length, decoded).run_all()
+
+    def check_runner(self, positions: int) -> DecoderRunner:
+        """A runner of one slot of ``positions`` over the same weights, kernels and step (the
+        start-up check's: it never touches the lanes' slots)."""
+        return DecoderRunner(self.weights, slots=1, window=positions, fused=self.fused is not None)
 
     def _scratch_kv(self, positions: int) -> SlotKV:
         """One KV slot of ``positions`` positions, apart from the lanes' (a pipeline stage or a

@@ -1,7 +1,9 @@
 """What a start keeps for the next one beside a GGUF model's files (docs/engine.md sections 5
-and 5.3): the kernels' self-check results per CPU kind (:data:`CHECKS_FILE`) and the weights
-packed for the kernels (``packed-weights*.safetensors``), keyed so that another torch, another
-CPU kind, another mode or another layout never reads them.
+and 5.3): the kernels' self-check results per CPU kind (:data:`CHECKS_FILE`), the weights
+packed for the kernels (``packed-weights*.safetensors``) and what the start-up check of
+exactness computed (:data:`EXACTNESS_FILE`), keyed so that another engine
+(:func:`engine_version`), another torch, another CPU kind, another mode or another layout never
+reads them; the folder itself is named by the GGUF file's content, so another file never does.
 
 Only what was converted is kept (Q4_1 blocks laid out in tiles, matrices quantized again for a
 kernel); a matrix multiplied as the file stores it is read from the file at every start, never
@@ -14,6 +16,8 @@ gatherer (:mod:`sfnode.engines.weights.gather`) built.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import tempfile
@@ -37,7 +41,23 @@ log = Logger(namespace="sfnode.engines.weights")
 
 CHECKS_FILE = "kernel-checks.json"
 """The kernels' self-check results kept beside the packed weights, per CPU kind and torch."""
+EXACTNESS_FILE = "exactness-check.json"
+"""The digest of what the start-up check of exactness computed, per engine, CPU kind and way
+of serving (docs/engine.md section 4.1)."""
 _CACHE_FORMAT = 3
+
+
+@functools.cache
+def engine_version() -> str:
+    """Names the engine that packs, multiplies and checks the weights: a hash of torch's version
+    and of sfnode's engine sources (``native.c`` and every module of ``sfnode/engines``), so
+    that kept results of another engine are never read."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256(torch.__version__.encode())
+    for path in sorted([*root.rglob("*.py"), *root.rglob("*.c")]):
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def usable_precisions() -> dict[Precision, str | None]:
@@ -51,7 +71,7 @@ def cached_precisions(folder: Path | None) -> dict[Precision, str | None]:
     and kept there (best effort)."""
     if folder is None:
         return usable_precisions()
-    key = Cpu.here().key()
+    key = f"{Cpu.here().key()}-{engine_version()}"
     path = folder / CHECKS_FILE
     kept: dict[str, Any] = {}
     try:
@@ -65,13 +85,49 @@ def cached_precisions(folder: Path | None) -> dict[Precision, str | None]:
     checks = usable_precisions()
     kept[key] = {p.value: reason for p, reason in checks.items()}
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{CHECKS_FILE}.", dir=folder)
-        with os.fdopen(fd, "w") as out:
-            json.dump(kept, out, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        _write_json(path, kept)
     except OSError as e:
         log.warn("cannot keep the kernels' self-checks in {path}: {e}", path=str(path), e=e)
     return checks
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    """Write ``value`` to ``path`` atomically (a temporary file, then a rename)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as out:
+            json.dump(value, out, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """The object kept in ``path``; empty when there is none or it cannot be read."""
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return kept if isinstance(kept, dict) else {}
+
+
+def kept_digest(folder: Path, key: str) -> str | None:
+    """The digest the start-up check of exactness kept in ``folder`` for ``key`` (None:
+    none)."""
+    digest = _read_json(folder / EXACTNESS_FILE).get(key)
+    return digest if isinstance(digest, str) else None
+
+
+def keep_digest(folder: Path, key: str, digest: str) -> None:
+    """Keep ``digest`` for ``key`` in ``folder`` (best effort: one log line when it cannot)."""
+    path = folder / EXACTNESS_FILE
+    kept = _read_json(path)
+    kept[key] = digest
+    try:
+        _write_json(path, kept)
+    except OSError as e:
+        log.warn("cannot keep the check of exactness in {path}: {e}", path=str(path), e=e)
 
 
 def keepable(linear: Linear) -> bool:
@@ -86,6 +142,7 @@ def signature(
     """What packed weights kept in a file must have been packed for, and that file."""
     found = {
         "format": str(_CACHE_FORMAT),
+        "engine": engine_version(),
         "torch": torch.__version__,
         "mode": mode,
         "usable": ",".join(sorted(p.value for p, reason in checks.items() if reason is None)),
@@ -189,4 +246,15 @@ def save(
     log.info("kept the packed weights in {path}", path=str(path))
 
 
-__all__ = ["CHECKS_FILE", "cached_precisions", "keepable", "load", "save", "signature"]
+__all__ = [
+    "CHECKS_FILE",
+    "EXACTNESS_FILE",
+    "cached_precisions",
+    "engine_version",
+    "keep_digest",
+    "keepable",
+    "kept_digest",
+    "load",
+    "save",
+    "signature",
+]
