@@ -167,6 +167,30 @@ class KeptResultsTests(unittest.TestCase):
             await handle.result
 
 
+    async def test_dense_copies_chosen_for_long_chunks_withdraw_nothing(self) -> None:
+        """An engine whose weights keep dense copies for chunks of two rows or more (a
+        configuration that gives up a position's KV being independent of its chunk, docs/engine.md
+        section 5) is not withdrawn by the check's split: the check passes, the kept digest is
+        written, and the engine serves."""
+        cache = Path(self.mktemp()) / "packed-weights.safetensors"
+        config = EngineConfig(
+            max_lanes=2, weights="int4", kernels="torch", weights_cache=cache, interactive_lanes=0
+        )
+        engine = TransformersEngine(model(), reactor, config)
+        weights = engine.weights.runner.weights
+        for layer in weights.layers:
+            layer.qkv, layer.o = layer.qkv.with_dense(), layer.o.with_dense()
+            layer.gate_up, layer.down = layer.gate_up.with_dense(), layer.down.with_dense()
+        weights.dense_rows = 2
+        engine.start()
+        self.addCleanup(engine.stop)
+        self.assertIsNone(await engine.exactness)
+        self.assertIsNone(engine.refusal)
+        self.assertTrue((cache.parent / packed.EXACTNESS_FILE).is_file())
+        handle = engine.submit(GenerationRequest([5, 6, 7], GenParams(), 4, 0), lambda *_: None)
+        self.assertEqual(len((await handle.result).tokens), 4)
+
+
 class WithdrawnNodeTests(unittest.TestCase):
     """A real node whose start-up check fails, and a real head (docs/engine.md section 4.1)."""
 

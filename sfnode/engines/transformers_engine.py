@@ -173,6 +173,14 @@ class ThreadWorker:
     def _verdict(self, check: ExactnessCheck) -> str | None:
         """The check's verdict, and its digest against the one kept at the first start."""
         problem = check.verdict()
+        if problem is not None and _cut_by_choice(self._runner):
+            log.warn(
+                "with dense copies for long prompt chunks a position's KV depends on how its "
+                "prompt was cut into steps ({problem}): a reused prefix or a failover may part "
+                "from a seeded stream (docs/engine.md section 5)",
+                problem=problem,
+            )
+            problem = None
         if problem is not None or self._kept is None:
             return problem
         kept = packed.kept_digest(self._kept.folder, self._kept.key)
@@ -256,6 +264,13 @@ class ThreadWorker:
     def _check_failed(self, failure: Failure) -> None:
         log.failure("the start-up check of exactness failed", failure)
         self.exactness.callback(f"the check failed: {failure.value}")
+
+
+def _cut_by_choice(runner: TorchRunner) -> bool:
+    """Whether the runner keeps dense copies for long prompt chunks: then a position's KV
+    depends on its chunk by the configuration's choice, and the check's split is no failure
+    (docs/engine.md section 5)."""
+    return isinstance(runner, DecoderRunner) and runner.weights.dense_rows is not None
 
 
 def vocabulary_of(tokenizer: Any, size: int, eos_ids: frozenset[int]) -> Vocabulary | None:
