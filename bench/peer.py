@@ -4,8 +4,8 @@ What a user choosing a server for the bundled model would measure (issue 9): ``t
 ``twistd sfnode`` as two processes with default settings, and llama.cpp's ``llama-server``
 (``-t 2 -np 8 -c 16384``) on the same GGUF file, one after the other, never at the same time.
 Each gets one warm-up request (a node then finishes its start-up check of exactness, which runs
-between its first steps, docs/engine.md section 4.1: the start column counts it, the phases do
-not), then 16 greedy streamed chat requests ("Write a long, detailed story about ...", 64 new
+between its first steps, docs/engine.md section 4.1; a one-time cost of a start, which the
+phases would otherwise count as throughput), then 16 greedy streamed chat requests ("Write a long, detailed story about ...", 64 new
 tokens) one at a time and then 8 at once.  Printed per server and phase:
 aggregate tokens/s (completion tokens over the phase's wall time) and first-token latency
 (median, p95), and per server the resident memory of the process holding the model (the node,
@@ -401,8 +401,8 @@ def wait_for_check(node: Child) -> None:
     """Wait until ``node`` has run its start-up check of exactness (docs/engine.md section 4.1).
 
     The check runs after the node's first step, between later ones: measured phases that began
-    before it ends would count a one-time start cost as throughput.  The start column measures
-    the start; the phases measure a node that has started."""
+    before it ends would count a one-time start cost as throughput.  The phases measure a node
+    that has started; ``bench/restart.py`` measures the start."""
     found = node.wait_for_line(CHECK_DONE, NODE_CHECK_S)
     if b"exactness failed" in found.group(0):
         raise node.failed("failed its start-up check of exactness and withdrew")
