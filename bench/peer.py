@@ -3,8 +3,10 @@
 What a user choosing a server for the bundled model would measure (issue 9): ``twistd sfhead`` and
 ``twistd sfnode`` as two processes with default settings, and llama.cpp's ``llama-server``
 (``-t 2 -np 8 -c 16384``) on the same GGUF file, one after the other, never at the same time.
-Each gets one warm-up request, then 16 greedy streamed chat requests ("Write a long, detailed
-story about ...", 64 new tokens) one at a time and then 8 at once.  Printed per server and phase:
+Each gets one warm-up request (a node then finishes its start-up check of exactness, which runs
+between its first steps, docs/engine.md section 4.1; a one-time cost of a start, which the
+phases would otherwise count as throughput), then 16 greedy streamed chat requests ("Write a long, detailed story about ...", 64 new
+tokens) one at a time and then 8 at once.  Printed per server and phase:
 aggregate tokens/s (completion tokens over the phase's wall time) and first-token latency
 (median, p95), and per server the resident memory of the process holding the model (the node,
 llama-server) after its requests and at its peak; then the ratios sfnode / llama-server next to
@@ -294,10 +296,12 @@ def measure(
     pid: int,
     metrics_port: int | None = None,
     spawned: float | None = None,
+    settled: Callable[[], None] | None = None,
 ) -> ServerRun:
     """The phases against the server on ``port``; ``pid`` is the process holding the model,
     ``metrics_port`` the node's metrics listener (for its draft figures), ``spawned`` the
-    ``time.monotonic()`` its processes were started at (for the start time)."""
+    ``time.monotonic()`` its processes were started at (for the start time), ``settled`` what
+    to wait for after the first warm-up answer (the node's start-up check)."""
     model = served_model(port)
     run = ServerRun(label, weights)
     before = os.getloadavg()[0]
@@ -308,6 +312,9 @@ def measure(
         first = asyncio.run(run_phase(port, warm, 1)).answers[0].first
         if spawned is not None and first is not None and run.start != run.start:
             run.start = sent + first - spawned
+        if settled is not None:
+            settled()
+            settled = None
         bodies = workload_bodies(model, workload, options)
         phases: dict[int, Phase] = {}
         for concurrency in CONCURRENCIES:
@@ -376,9 +383,29 @@ def run_fleet(
             found = children[0].wait_for_line(rb"sfnode metrics on 127\.0\.0\.1:(\d+)", 60.0)
             metrics_port = int(found.group(1))
             label = label.replace(f" {METRICS_ARG}", "")
-        run = measure(label, weights, port, options, children[0].process.pid, metrics_port, spawned)
+        run = measure(
+            label,
+            weights,
+            port,
+            options,
+            children[0].process.pid,
+            metrics_port,
+            spawned,
+            lambda: wait_for_check(children[0]),
+        )
         run.head_memory = memory_mb(children[1].process.pid)[0]
         return run
+
+
+def wait_for_check(node: Child) -> None:
+    """Wait until ``node`` has run its start-up check of exactness (docs/engine.md section 4.1).
+
+    The check runs after the node's first step, between later ones: measured phases that began
+    before it ends would count a one-time start cost as throughput.  The phases measure a node
+    that has started; ``bench/restart.py`` measures the start."""
+    found = node.wait_for_line(CHECK_DONE, NODE_CHECK_S)
+    if b"exactness failed" in found.group(0):
+        raise node.failed("failed its start-up check of exactness and withdrew")
 
 
 def node_weights(args: Sequence[str], has_weights: bool) -> str:
@@ -765,7 +792,8 @@ def run(options: argparse.Namespace) -> int:
     print(
         f"\n{options.requests} greedy streamed chat requests per phase "
         f"({', '.join(options.workloads)}), max_tokens "
-        f"{max_tokens(options, options.workloads[0])}, one warm-up request each"
+        f"{max_tokens(options, options.workloads[0])}, one warm-up request each (and the "
+        "node's start-up check after it)"
         + (f", the fastest of {options.repeat} tries per phase" if options.repeat > 1 else "")
         + f"; llama-server -t {options.threads} -np {options.parallel} -c {options.ctx_size}; "
         f"load average {started_load:.2f} at the start, {load:.2f} at the end"
@@ -786,6 +814,12 @@ def run(options: argparse.Namespace) -> int:
 
 
 METRICS_ARG = "--metrics=tcp:0:interface=127.0.0.1"
+CHECK_DONE = (
+    rb"checked: a position's KV|start-up check of exactness failed"
+    rb"|serving through the model's own forward"
+)
+"""What a node logs once its start-up check has run, or that it has none (its own forward)."""
+NODE_CHECK_S = 300.0
 
 
 def run_speculative(

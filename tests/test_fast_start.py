@@ -24,6 +24,7 @@ from twisted.internet import reactor
 from twisted.trial import unittest
 from twisted.web.client import Agent, readBody
 
+from sfnode.engines import transformers_engine
 from sfnode.engines.config import EngineConfig
 from sfnode.engines.kernels.choice import Choice
 from sfnode.engines.transformers_engine import TransformersEngine
@@ -49,7 +50,9 @@ class KeptResultsTests(unittest.TestCase):
 
     def engine(self, cache: Path) -> TransformersEngine:
         """An engine over the tiny model whose int4 weights (torch's kernels: converted, so
-        kept) and check are kept beside ``cache``."""
+        kept) and check are kept beside ``cache``; the check begins at once, not after
+        :data:`~sfnode.engines.transformers_engine.CHECK_AFTER_S` without a request."""
+        self.patch(transformers_engine, "CHECK_AFTER_S", 0.0)
         config = EngineConfig(
             max_lanes=2, weights="int4", kernels="torch", weights_cache=cache, interactive_lanes=0
         )
@@ -166,13 +169,13 @@ class KeptResultsTests(unittest.TestCase):
         with self.assertRaises(EngineRefusal):
             await handle.result
 
-
     async def test_dense_copies_chosen_for_long_chunks_withdraw_nothing(self) -> None:
         """An engine whose weights keep dense copies for chunks of two rows or more (a
         configuration that gives up a position's KV being independent of its chunk, docs/engine.md
         section 5) is not withdrawn by the check's split: the check passes, the kept digest is
         written, and the engine serves."""
         cache = Path(self.mktemp()) / "packed-weights.safetensors"
+        self.patch(transformers_engine, "CHECK_AFTER_S", 0.0)
         config = EngineConfig(
             max_lanes=2, weights="int4", kernels="torch", weights_cache=cache, interactive_lanes=0
         )
