@@ -715,6 +715,34 @@ class KeptStageTests(EngineTestCase):
         self.assertGreater(max(sizes), 1)
 
     @defer.inlineCallbacks
+    def test_forward_all_runs_every_request_in_one_pass(self) -> Any:
+        """``forward_all`` (a STAGE_BATCH_REQ's rows) hands the worker every request at once:
+        one pass of all four, the three good ones bit-identical to each sent alone, the bad one
+        failing alone."""
+        contexts = prompts(3, seed=23, low=9, high=15)
+        alone = []
+        for i, tokens in enumerate(contexts):
+            alone.append((yield self.kept("a", i, 0, tuple(tokens), 0, 2, None)).hidden)
+        driver = self.engine.kept_stages
+        assert driver is not None
+        driver.release("a")
+        sizes: list[int] = []
+        forward = driver._stages.forward
+
+        def recording(batch: Any) -> Any:
+            sizes.append(len(batch))
+            return forward(batch)
+
+        self.patch(driver._stages, "forward", recording)
+        requests = [(i, 0, StageForward(tuple(t), 0, 2, None)) for i, t in enumerate(contexts)]
+        requests.append((9, 0, StageForward((TINY_VOCAB + 5,), 0, 2, None)))
+        *together, bad = driver.forward_all("b", requests)
+        answers = yield defer.gatherResults(together)
+        self.assertEqual([a.hidden for a in answers], alone)
+        yield self.assertFailure(bad, StageForwardError)
+        self.assertEqual(sizes, [4])
+
+    @defer.inlineCallbacks
     def test_a_session_holds_only_what_it_was_sent(self) -> Any:
         """Position past the kept rows, another layer range, or no free slot: refused, and the
         refused session is gone; a released owner's slots are free again."""
