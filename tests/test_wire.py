@@ -234,7 +234,7 @@ class FrameDecoderTests(SynchronousTestCase):
     def test_unknown_required_type(self) -> None:
         """A required-range type outside the catalog fails closed with UnknownRequiredType."""
         self.assertRaises(UnknownRequiredType, FrameDecoder().feed, raw_frame(0x00FF))
-        self.assertRaises(UnknownRequiredType, FrameDecoder().feed, raw_frame(0x001E))
+        self.assertRaises(UnknownRequiredType, FrameDecoder().feed, raw_frame(0x0020))
         self.assertRaises(UnknownRequiredType, FrameDecoder().feed, raw_frame(0x0000))
 
     def test_unknown_droppable_skipped(self) -> None:
@@ -762,7 +762,16 @@ def strategy_for(codec: Codec[Any]) -> st.SearchStrategy[Any]:
 
 
 def message_strategy(cls: type[Any]) -> st.SearchStrategy[Any]:
-    """A strategy for a wire struct, one argument per entry of its FIELDS."""
+    """A strategy for a wire struct, one argument per entry of its FIELDS (a STAGE_BATCH_REQ's
+    rows: at least one, each of its own session, as section 12.8 requires)."""
+    if cls is wire.StageBatchReqMsg:
+        rows = st.lists(
+            message_strategy(wire.StageBatchRow),
+            min_size=1,
+            max_size=3,
+            unique_by=lambda row: row.stage_session,
+        ).map(tuple)
+        return st.builds(cls, *[strategy_for(c) for c in cls.FIELDS[:3]], rows)
     return st.builds(cls, *[strategy_for(c) for c in cls.FIELDS])
 
 
