@@ -351,6 +351,12 @@ class KeptStages(Protocol):
         """``forward`` against ``owner``'s ``session`` from ``position``; fails with
         :class:`StageForwardError` (the session is then dropped)."""
 
+    def forward_all(
+        self, owner: Hashable, requests: Sequence[tuple[int, int, StageForward]]
+    ) -> list[defer.Deferred[StageResult]]:
+        """Each ``(session, position, forward)`` as :meth:`forward`, computed in one pass
+        (STAGE_BATCH_REQ, docs/protocol.md section 12.8)."""
+
     def release(self, owner: Hashable, session: int | None = None) -> None:
         """Forget ``owner``'s ``session``, or every session of ``owner``."""
 

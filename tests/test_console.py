@@ -314,8 +314,9 @@ class ConsoleHttpTests(ConsoleHttpCase):
     @defer.inlineCallbacks
     def test_state_shows_the_nodes_models_and_joins(self) -> Generator[Any, Any, None]:
         """``/console/state`` lists each node (identity, address, model, serving, lanes, KV
-        blocks, a heartbeat age, its features: logprobs and kept stage KV), the model with its
-        nodes, the joins in the events, and names what the wire does not carry."""
+        blocks, a heartbeat age, its features: logprobs, kept stage KV and stage batches), the
+        model with its nodes, the joins in the events, and names what the wire does not
+        carry."""
         a = yield self.start_vocab_node(identity="alpha", max_lanes=4)
         b = yield self.start_vocab_node(identity="beta", max_lanes=2)
         head = yield self.console_head([a, b])
@@ -331,6 +332,7 @@ class ConsoleHttpTests(ConsoleHttpCase):
         self.assertGreaterEqual(alpha["heartbeat_s"], 0)
         self.assertIn("logprobs", alpha["features"])
         self.assertIn("stage_kv", alpha["features"])
+        self.assertIn("stage_batch", alpha["features"])
         self.assertEqual(state["head"]["live_nodes"], 2)
         self.assertEqual(state["head"]["lanes_total"], 6)
         self.assertEqual(state["models"][0]["name"], MODEL)

@@ -659,6 +659,31 @@ class KeptStageTests(EngineTestCase):
         return stages.forward(owner, session, position, StageForward(*args))
 
     @defer.inlineCallbacks
+    def alone_then_recorded(self, seed: int) -> Any:
+        """Three contexts, each one's rows sent alone through [0, 2) (then released), the
+        engine's stage driver, and the size of each batch its worker computes from then on."""
+        contexts = prompts(3, seed=seed, low=9, high=15)
+        alone = []
+        for i, tokens in enumerate(contexts):
+            alone.append((yield self.kept("a", i, 0, tuple(tokens), 0, 2, None)).hidden)
+        driver = self.engine.kept_stages
+        assert driver is not None
+        driver.release("a")
+        return contexts, alone, driver, self.record_batches(driver)
+
+    def record_batches(self, driver: Any) -> list[int]:
+        """The size of each batch ``driver``'s worker computes from now on."""
+        sizes: list[int] = []
+        forward = driver._stages.forward
+
+        def recording(batch: Any) -> Any:
+            sizes.append(len(batch))
+            return forward(batch)
+
+        self.patch(driver._stages, "forward", recording)
+        return sizes
+
+    @defer.inlineCallbacks
     def generate(self, prompt: list[int], count: int, chunk: int) -> Any:
         """``count`` greedy tokens through stages [0, 1) and [1, 4) of this engine, the prompt
         in chunks of ``chunk``; each step's hidden rows are returned too."""
@@ -689,21 +714,7 @@ class KeptStageTests(EngineTestCase):
     def test_a_batch_computes_what_each_request_alone_does(self) -> Any:
         """Three sessions' rows sent at once (one batch on the worker) are bit-identical to
         the same rows sent one at a time, and a bad request in the batch fails alone."""
-        contexts = prompts(3, seed=22, low=9, high=15)
-        alone = []
-        for i, tokens in enumerate(contexts):
-            alone.append((yield self.kept("a", i, 0, tuple(tokens), 0, 2, None)).hidden)
-        driver = self.engine.kept_stages
-        assert driver is not None
-        driver.release("a")
-        sizes: list[int] = []
-        forward = driver._stages.forward
-
-        def recording(batch: Any) -> Any:
-            sizes.append(len(batch))
-            return forward(batch)
-
-        self.patch(driver._stages, "forward", recording)
+        contexts, alone, _, sizes = yield self.alone_then_recorded(22)
         together = [
             self.kept("b", i, 0, tuple(tokens), 0, 2, None) for i, tokens in enumerate(contexts)
         ]
@@ -713,6 +724,20 @@ class KeptStageTests(EngineTestCase):
         yield self.assertFailure(bad, StageForwardError)
         self.assertEqual(sum(sizes), 4)
         self.assertGreater(max(sizes), 1)
+
+    @defer.inlineCallbacks
+    def test_forward_all_runs_every_request_in_one_pass(self) -> Any:
+        """``forward_all`` (a STAGE_BATCH_REQ's rows) hands the worker every request at once:
+        one pass of all four, the three good ones bit-identical to each sent alone, the bad one
+        failing alone."""
+        contexts, alone, driver, sizes = yield self.alone_then_recorded(23)
+        requests = [(i, 0, StageForward(tuple(t), 0, 2, None)) for i, t in enumerate(contexts)]
+        requests.append((9, 0, StageForward((TINY_VOCAB + 5,), 0, 2, None)))
+        *together, bad = driver.forward_all("b", requests)
+        answers = yield defer.gatherResults(together)
+        self.assertEqual([a.hidden for a in answers], alone)
+        yield self.assertFailure(bad, StageForwardError)
+        self.assertEqual(sizes, [4])
 
     @defer.inlineCallbacks
     def test_a_session_holds_only_what_it_was_sent(self) -> Any:

@@ -196,7 +196,7 @@ malformed: st.SearchStrategy[bytes] = st.one_of(
         st.integers(0, 255),
     ),
     # Unknown types: required (fatal) or droppable (skipped).
-    st.builds(lambda t: raw_frame(t, b"\xc0", 0), st.integers(0x001E, 0x7FFF)),
+    st.builds(lambda t: raw_frame(t, b"\xc0", 0), st.integers(0x0020, 0x7FFF)),
     st.builds(lambda t: raw_frame(t, b"\xc0", 1), st.integers(0x8003, 0xFFFF)),
     # Lengths below the header or above MAX_FRAME (fatal as soon as they arrive).
     st.builds(lambda n: struct.pack("<I", n), st.integers(0, HEADER_LEN - 1)),

@@ -16,8 +16,9 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.engines.mock import MockEngineFault
 from sfnode.head.fleet.backend import HeadRequest
-from sfnode.head.link import NodeLink, NodeRefusedError
+from sfnode.head.link import NodeLink, NodeRefusedError, stage_batch
 from sfnode.linkf.wire import (
+    FEATURE_STAGE_BATCH,
     FEATURE_STAGE_KV,
     FINISH_CANCELLED,
     FINISH_DECLINED,
@@ -37,6 +38,7 @@ from sfnode.linkf.wire import (
     MsgType,
     NodeStatusMsg,
     SessionAssignMsg,
+    StageBatchRow,
     StageReleaseMsg,
     TokenEventsMsg,
     Tokens,
@@ -506,6 +508,31 @@ class PipelineTests(MemoryNodeTestCase):
         gone = self.wait(last.stage_forward([], 12, 24, row, 5, 13))
         self.assertEqual((gone.hidden, gone.token), (None, None))
 
+    def test_a_stage_batch_answers_each_row_as_alone(self) -> None:
+        """docs/protocol.md section 12.8, D28: a node with the mock sets feature bit 8; one
+        STAGE_BATCH_REQ of sessions 5 (the test vector's tokens) and 6 answers each row's
+        hidden states as a STAGE_FORWARD_REQ of its own does, the next stage's batch gives
+        31198 and the full node's first token after PROMPT, and a row at a position its
+        session does not hold answers nil alone (the others still answer)."""
+        first, last = self.dial(self.start_node(identity="a")), self.dial(self.start_node())
+        self.assertTrue((first.features or 0) & FEATURE_STAGE_BATCH)
+        prompt = tuple(range(100, 112))
+        rows = (StageBatchRow(5, 0, prompt, None), StageBatchRow(6, 0, tuple(PROMPT), None))
+        hidden = self.wait(stage_batch(first, 0, 12, rows)).answers
+        alone = self.wait(first.stage_forward(PROMPT, 0, 12, None, 7, 0)).hidden
+        self.assertEqual(hidden[0].hidden[-8:].hex(" "), "81 80 20 8c 32 96 a1 3a")
+        self.assertEqual(hidden[1].hidden, alone)
+        on = tuple(
+            StageBatchRow(row.stage_session, 0, (), a.hidden)
+            for row, a in zip(rows, hidden, strict=True)
+        )
+        tokens = self.wait(stage_batch(last, 12, 24, on)).answers
+        self.assertEqual([t.token for t in tokens], [31198, expected_tokens(PROMPT, 1)[0]])
+        mixed = (StageBatchRow(5, 12, (31198,), None), StageBatchRow(6, 40, (1,), None))
+        answers = self.wait(stage_batch(first, 0, 12, mixed)).answers
+        self.assertEqual(answers[0].hidden.hex(" "), "37 96 08 00 6a 2b 99 e7")
+        self.assertEqual((answers[1].hidden, answers[1].token), (None, None))
+
     def test_bad_stage_requests_answer_nil(self) -> None:
         """docs/protocol.md section 7.6: bad layer bounds or a malformed hidden blob answer {nil,
         nil}."""
@@ -703,7 +730,8 @@ class DispatchTableTests(SynchronousTestCase):
     def test_the_node_handles_exactly_the_types_of_the_specification(self) -> None:
         """RECONCILE, ASSIGN, REVOKE, LEASE_GRANT, APPEND, GENERATE, WATERMARK_ACK,
         BLOB_FETCH (section 12.5), GENERATE_CANCEL, STAGE_FORWARD_REQ, EMBED_REQ (section
-        12.7) and STAGE_RELEASE (section 12.8) have a responder; every other type has none."""
+        12.7), STAGE_RELEASE and STAGE_BATCH_REQ (section 12.8) have a responder; every other
+        type has none."""
         self.assertEqual(
             [cls.MSG_TYPE for cls in HANDLERS.message_classes()],
             [
@@ -719,6 +747,7 @@ class DispatchTableTests(SynchronousTestCase):
                 MsgType.STAGE_FORWARD_REQ,
                 MsgType.EMBED_REQ,
                 MsgType.STAGE_RELEASE,
+                MsgType.STAGE_BATCH_REQ,
             ],
         )
 

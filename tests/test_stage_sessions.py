@@ -13,6 +13,15 @@ from twisted.trial.unittest import SynchronousTestCase
 from sfnode.engines.scheduling.stages import STAGE_IDLE_S, StageSessions
 from sfnode.generation import StageForwardError
 from sfnode.head.fleet.pipeline import PipelineError, StepGroup, _Kept
+from sfnode.head.link.calls import CallTable
+from sfnode.linkf.wire import (
+    FEATURE_STAGE_BATCH,
+    FEATURE_STAGE_KV,
+    StageBatchAnswer,
+    StageBatchReqMsg,
+    StageBatchRespMsg,
+    StageBatchRow,
+)
 
 LAYERS = (0, 4)
 
@@ -74,7 +83,10 @@ class _Answer:
 
 
 class _Link:
-    """A stage link that records each forward and answers when the test says."""
+    """A stage link to a node without feature bit 8: it records each STAGE_FORWARD_REQ and
+    answers when the test says."""
+
+    features = FEATURE_STAGE_KV
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -86,6 +98,26 @@ class _Link:
         d: Deferred[_Answer] = Deferred()
         self.answers.append(d)
         return d
+
+
+class _BatchLink:
+    """A stage link to a node that set feature bit 8: its frames are recorded, and the test
+    answers them through the link's real call table."""
+
+    features = FEATURE_STAGE_KV | FEATURE_STAGE_BATCH
+    connected = True
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._calls = CallTable()
+        self.sent: list[StageBatchReqMsg] = []
+
+    def send_now(self, message: StageBatchReqMsg) -> None:
+        self.sent.append(message)
+
+    def answer(self, *answers: StageBatchAnswer) -> None:
+        """Answer the last batch sent."""
+        self._calls.answer_batch(StageBatchRespMsg(self.sent[-1].request_id, answers))
 
 
 class _Pipeline:
@@ -186,3 +218,57 @@ class StepGroupTests(SynchronousTestCase):
         self.group.submit(b, (2,), 1)
         self.clock.advance(0)
         self.assertEqual(len(self.links[0].sent), 3)
+
+
+class BatchedStepGroupTests(SynchronousTestCase):
+    """Step groups over nodes that set feature bit 8 (docs/protocol.md section 12.8, D28)."""
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.pipeline = _Pipeline(self.clock)
+        self.links = [_BatchLink("stage0"), _BatchLink("stage1")]
+        self.group = StepGroup(self.pipeline)  # type: ignore[arg-type]
+
+    def kept(self, session: int) -> _Kept:
+        return _Kept(session=session, links=self.links)  # type: ignore[arg-type]
+
+    def test_a_round_sends_one_batch_per_stage(self) -> None:
+        """Two members' rows go to each stage as one STAGE_BATCH_REQ (the first stage's with
+        their tokens, the next with the hidden states it answered, in the members' order),
+        and each member gets the token of its own row."""
+        a, b = self.kept(1), self.kept(2)
+        first = self.group.submit(a, (5, 6), 0)
+        second = self.group.submit(b, (7,), 3)
+        self.clock.advance(0)
+        (sent,) = self.links[0].sent
+        self.assertEqual((sent.start_layer, sent.end_layer), (0, 2))
+        self.assertEqual(
+            sent.rows, (StageBatchRow(1, 0, (5, 6), None), StageBatchRow(2, 3, (7,), None))
+        )
+        self.links[0].answer(StageBatchAnswer(b"a" * 8, None), StageBatchAnswer(b"b" * 4, None))
+        (on,) = self.links[1].sent
+        self.assertEqual(
+            on.rows, (StageBatchRow(1, 0, (), b"a" * 8), StageBatchRow(2, 3, (), b"b" * 4))
+        )
+        self.links[1].answer(StageBatchAnswer(None, 11), StageBatchAnswer(None, 12))
+        self.assertEqual((self.successResultOf(first), self.successResultOf(second)), (11, 12))
+        self.assertEqual(self.pipeline.forwarded, 12)
+
+    def test_a_refused_row_or_a_short_answer_fails_its_rows(self) -> None:
+        """A row answered nil fails alone with PipelineError (the other member gets its
+        token); a batch answered with fewer answers than rows fails every row of it."""
+        a, b = self.kept(1), self.kept(2)
+        refused = self.group.submit(a, (5,), 0)
+        going = self.group.submit(b, (7,), 0)
+        self.clock.advance(0)
+        self.links[0].answer(StageBatchAnswer(None, None), StageBatchAnswer(b"b" * 8, None))
+        self.links[1].answer(StageBatchAnswer(None, 4))
+        self.failureResultOf(refused, PipelineError)
+        self.assertEqual(self.successResultOf(going), 4)
+        short_a = self.group.submit(a, (5,), 0)
+        short_b = self.group.submit(b, (4,), 1)
+        self.clock.advance(0)
+        self.links[0].answer(StageBatchAnswer(b"x" * 8, None))
+        self.failureResultOf(short_a, PipelineError)
+        self.failureResultOf(short_b, PipelineError)
+        self.assertEqual(self.group.members, set())

@@ -234,7 +234,7 @@ class FrameDecoderTests(SynchronousTestCase):
     def test_unknown_required_type(self) -> None:
         """A required-range type outside the catalog fails closed with UnknownRequiredType."""
         self.assertRaises(UnknownRequiredType, FrameDecoder().feed, raw_frame(0x00FF))
-        self.assertRaises(UnknownRequiredType, FrameDecoder().feed, raw_frame(0x001E))
+        self.assertRaises(UnknownRequiredType, FrameDecoder().feed, raw_frame(0x0020))
         self.assertRaises(UnknownRequiredType, FrameDecoder().feed, raw_frame(0x0000))
 
     def test_unknown_droppable_skipped(self) -> None:
@@ -540,6 +540,43 @@ class PayloadStrictnessTests(SynchronousTestCase):
         self.assertEqual(int(MsgType.STAGE_RELEASE), 0x001D)
         self.assertEqual(wire.PAYLOAD_LIMITS[0x001D], wire.SMALL_PAYLOAD)
 
+    def test_stage_batch_messages(self) -> None:
+        """STAGE_BATCH_REQ (0x001E) carries the rows of several stage sessions through one
+        layer range and STAGE_BATCH_RESP (0x001F) one answer per row (section 12.8, D28):
+        byte for byte as the section's example, both round-trip, and a batch without rows, with
+        a session twice, with a short row or with answers that are not an array is malformed;
+        feature bit 8 is 0x100."""
+        request = wire.StageBatchReqMsg(
+            7,
+            0,
+            12,
+            (wire.StageBatchRow(5, 12, (31198,), None), wire.StageBatchRow(6, 3, (), b"h")),
+        )
+        self.assertEqual(request.payload().hex(), "9407000c9294050c91cd79dec094060390c40168")
+        self.assertEqual(decode_message(MsgType.STAGE_BATCH_REQ, request.payload()), request)
+        answer = wire.StageBatchRespMsg(
+            7, (wire.StageBatchAnswer(b"h", None), wire.StageBatchAnswer(None, 16521))
+        )
+        self.assertEqual(answer.payload().hex(), "92079292c40168c092c0cd4089")
+        self.assertEqual(decode_message(MsgType.STAGE_BATCH_RESP, answer.payload()), answer)
+        for bad in (
+            [7, 0, 12, []],
+            [7, 0, 12, [[5, 0, [1], None], [5, 1, [2], None]]],
+            [7, 0, 12, [[5, 0, [1]]]],
+            [7, 0, 12, [[5, 0, 1, None]]],
+        ):
+            with self.subTest(bad=bad):
+                self.assertRaises(
+                    PayloadError, decode_message, MsgType.STAGE_BATCH_REQ, raw_pack(bad)
+                )
+        for bad in ([7, None], [7, [[b"h"]]], [7, [[None, -1]]]):
+            with self.subTest(bad=bad):
+                self.assertRaises(
+                    PayloadError, decode_message, MsgType.STAGE_BATCH_RESP, raw_pack(bad)
+                )
+        self.assertEqual((int(MsgType.STAGE_BATCH_REQ), int(MsgType.STAGE_BATCH_RESP)), (30, 31))
+        self.assertEqual(wire.FEATURE_STAGE_BATCH, 0x100)
+
     def test_optional_nil(self) -> None:
         """Option<T> is nil for None and T otherwise (M10)."""
         resp = wire.StageForwardRespMsg(9, None, 5)
@@ -638,9 +675,9 @@ class NegotiateTests(SynchronousTestCase):
 
 class CatalogTests(SynchronousTestCase):
     def test_every_type_known(self) -> None:
-        """All 28 catalog types and sfnode's three own types (sections 12.7, 12.8) have a
+        """All 28 catalog types and sfnode's five own types (sections 12.7, 12.8) have a
         message class and pass the decoder (item 2)."""
-        self.assertEqual(len(MsgType), 31)
+        self.assertEqual(len(MsgType), 33)
         self.assertEqual(set(MESSAGE_CLASSES), set(MsgType))
         for msg_type, cls in MESSAGE_CLASSES.items():
             self.assertEqual(cls.MSG_TYPE, msg_type)
@@ -725,7 +762,16 @@ def strategy_for(codec: Codec[Any]) -> st.SearchStrategy[Any]:
 
 
 def message_strategy(cls: type[Any]) -> st.SearchStrategy[Any]:
-    """A strategy for a wire struct, one argument per entry of its FIELDS."""
+    """A strategy for a wire struct, one argument per entry of its FIELDS (a STAGE_BATCH_REQ's
+    rows: at least one, each of its own session, as section 12.8 requires)."""
+    if cls is wire.StageBatchReqMsg:
+        rows = st.lists(
+            message_strategy(wire.StageBatchRow),
+            min_size=1,
+            max_size=3,
+            unique_by=lambda row: row.stage_session,
+        ).map(tuple)
+        return st.builds(cls, *[strategy_for(c) for c in cls.FIELDS[:3]], rows)
     return st.builds(cls, *[strategy_for(c) for c in cls.FIELDS])
 
 

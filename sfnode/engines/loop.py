@@ -587,6 +587,8 @@ class StageDriver:
         """Appended on the reactor thread, taken by the worker (under the lock)."""
         self._called = False
         """A batch is asked of the worker and has not taken its requests yet."""
+        self._holding = False
+        """:meth:`forward_all` is queueing requests: the worker is asked once it is done."""
 
     def forward(
         self, owner: Hashable, session: int, position: int, forward: StageForward
@@ -609,11 +611,30 @@ class StageDriver:
         kept = KeptRows(slot, position, forward.tokens, rows, *layers)
         with self._lock:
             self._waiting.append((kept, d, owner, session))
-            if self._called:
-                return d
-            self._called = True
-        loop.worker.call(self._batch).addCallbacks(self._answered, self._failed)
+        if not self._holding:
+            self._ask()
         return d
+
+    def forward_all(
+        self, owner: Hashable, requests: Sequence[tuple[int, int, StageForward]]
+    ) -> list[defer.Deferred[StageResult]]:
+        """Each ``(session, position, forward)`` as :meth:`forward`, all in the same batch
+        (the worker is asked once every one of them waits: STAGE_BATCH_REQ, section 12.8)."""
+        self._holding = True
+        try:
+            answers = [self.forward(owner, *request) for request in requests]
+        finally:
+            self._holding = False
+        self._ask()
+        return answers
+
+    def _ask(self) -> None:
+        """Ask the worker for a batch, unless one is asked already or nothing waits."""
+        with self._lock:
+            if self._called or not self._waiting:
+                return
+            self._called = True
+        self._loop.worker.call(self._batch).addCallbacks(self._answered, self._failed)
 
     def _batch(self) -> tuple[list[_Waiting], list[StageResult | StageForwardError]]:
         """On the worker: every request waiting, computed together."""

@@ -86,6 +86,10 @@ FEATURE_STAGE_KV = 1 << 7
 """HELLO_ACK_F feature flag: the node's pipeline stages keep their KV per stage session
 (STAGE_FORWARD_REQ's appended ``stage_session`` and ``position``, STAGE_RELEASE;
 docs/protocol.md section 12.8, D26)."""
+FEATURE_STAGE_BATCH = 1 << 8
+"""HELLO_ACK_F feature flag (set only with :data:`FEATURE_STAGE_KV`): the node reads
+STAGE_BATCH_REQ, the kept-stage rows of several stage sessions in one frame, and answers them
+in one STAGE_BATCH_RESP (docs/protocol.md section 12.8, D28)."""
 
 _ENVELOPE = struct.Struct("<IHHQQB")
 _LENGTH = struct.Struct("<I")
@@ -124,6 +128,8 @@ class MsgType(enum.IntEnum):
     EMBED_REQ = 0x001B
     EMBED_RESP = 0x001C
     STAGE_RELEASE = 0x001D
+    STAGE_BATCH_REQ = 0x001E
+    STAGE_BATCH_RESP = 0x001F
     TELEMETRY = 0x8001
     KEEPALIVE = 0x8002
 
@@ -168,6 +174,8 @@ PAYLOAD_LIMITS: dict[int, int] = {
         MsgType.EMBED_REQ: MAX_PAYLOAD,
         MsgType.EMBED_RESP: MAX_PAYLOAD,
         MsgType.STAGE_RELEASE: SMALL_PAYLOAD,
+        MsgType.STAGE_BATCH_REQ: MAX_PAYLOAD,
+        MsgType.STAGE_BATCH_RESP: MAX_PAYLOAD,
         MsgType.TELEMETRY: MAX_PAYLOAD,
         MsgType.KEEPALIVE: SMALL_PAYLOAD,
     }.items()
@@ -1686,6 +1694,63 @@ class StageReleaseMsg(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class StageBatchRow(Struct):
+    """One stage session's rows in a STAGE_BATCH_REQ (docs/protocol.md section 12.8): what a
+    kept STAGE_FORWARD_REQ carries for it, without the layer range the batch shares."""
+
+    stage_session: int
+    position: int
+    tokens: tuple[int, ...]
+    hidden_in: bytes | None
+    FIELDS = (U64, U64, U32S, Optional(BIN))
+
+
+@dataclass(frozen=True, slots=True)
+class StageBatchAnswer(Struct):
+    """One row's answer in a STAGE_BATCH_RESP: as a STAGE_FORWARD_RESP's ``hidden`` and
+    ``token`` (both nil: that row was refused and its session dropped)."""
+
+    hidden: bytes | None
+    token: int | None
+    FIELDS = (Optional(BIN), Optional(U32))
+
+
+@dataclass(frozen=True, slots=True)
+class StageBatchReqMsg(Message):
+    """STAGE_BATCH_REQ (docs/protocol.md section 12.8, only to a node with
+    :data:`FEATURE_STAGE_BATCH`): the rows of several stage sessions through one layer range,
+    answered by one STAGE_BATCH_RESP of the same ``request_id``, one answer per row in order."""
+
+    request_id: int
+    start_layer: int
+    end_layer: int
+    rows: tuple[StageBatchRow, ...]
+    MSG_TYPE = MsgType.STAGE_BATCH_REQ
+    FIELDS = (U64, U32, U32, ArrayOf(StageBatchRow.as_codec()))
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> StageBatchReqMsg:
+        message: StageBatchReqMsg = super(StageBatchReqMsg, cls).from_wire(obj)
+        if not message.rows:
+            raise PayloadError("STAGE_BATCH_REQ: a batch carries at least one row")
+        sessions = {row.stage_session for row in message.rows}
+        if len(sessions) != len(message.rows):
+            raise PayloadError("STAGE_BATCH_REQ: a stage session appears twice")
+        return message
+
+
+@dataclass(frozen=True, slots=True)
+class StageBatchRespMsg(Message):
+    """STAGE_BATCH_RESP: the answer of each row of the STAGE_BATCH_REQ of ``request_id``, in
+    the request's order."""
+
+    request_id: int
+    answers: tuple[StageBatchAnswer, ...]
+    MSG_TYPE = MsgType.STAGE_BATCH_RESP
+    FIELDS = (U64, ArrayOf(StageBatchAnswer.as_codec()))
+
+
+@dataclass(frozen=True, slots=True)
 class EmbedReqMsg(Message):
     """EMBED_REQ (docs/protocol.md section 12.7): the texts to embed, answered by one
     EMBED_RESP of the same ``request_id``."""
@@ -1739,7 +1804,7 @@ MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
         ParkReqMsg, ResumeReqMsg, TokenEventsMsg, WatermarkAckMsg, XferBeginMsg, XferChunkMsg,
         XferEndMsg, XferAbortMsg, StateShipMsg, StateFetchMsg, BlobFetchMsg, NodeStatusMsg,
         GenerateCancelMsg, StageForwardReqMsg, StageForwardRespMsg, EmbedReqMsg, EmbedRespMsg,
-        StageReleaseMsg, TelemetryMsg, Keepalive,
+        StageReleaseMsg, StageBatchReqMsg, StageBatchRespMsg, TelemetryMsg, Keepalive,
     )
 }  # fmt: skip
 

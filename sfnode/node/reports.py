@@ -22,6 +22,7 @@ from sfnode.linkf.wire import (
     FEATURE_LOGPROBS,
     FEATURE_MODEL_FILES,
     FEATURE_REQUEST_CLASS,
+    FEATURE_STAGE_BATCH,
     FEATURE_STAGE_KV,
     PROTO_VERSION,
     CapacitySummary,
@@ -116,7 +117,7 @@ class NodeReports:
             | (FEATURE_CLOSING if self._common.engine.supports_constraints else 0)
             | (FEATURE_MODEL_FILES if files is not None else 0)
             | (FEATURE_EMBEDDINGS if isinstance(self._common.engine, Embedder) else 0)
-            | (FEATURE_STAGE_KV if _keeps_stages(self._common.engine) else 0),
+            | (FEATURE_STAGE_KV | FEATURE_STAGE_BATCH if _keeps_stages(self._common.engine) else 0),
             limits=LinkFLimits(),
             model_files=(
                 ModelFilesOffer(files.content_hash, len(files.data)) if files is not None else None

@@ -61,6 +61,9 @@ from sfnode.linkf.wire import (
     ReconcileMsg,
     SessionAssignMsg,
     SessionRevokeMsg,
+    StageBatchAnswer,
+    StageBatchReqMsg,
+    StageBatchRespMsg,
     StageForwardReqMsg,
     StageForwardRespMsg,
     StageReleaseMsg,
@@ -306,6 +309,37 @@ class Responders:
         else:
             running = defer.fail(StageForwardError("this node keeps no stage KV"))
         running.addCallbacks(answer, refuse)
+
+    @handles(StageBatchReqMsg)
+    def stage_batch(self, connection: NodeConnection, msg: StageBatchReqMsg) -> None:
+        """Every row through the layers in one pass, answered in one STAGE_BATCH_RESP (section
+        12.8); a refused row answers nil and nil, and its session is dropped."""
+
+        def answer(results: list[tuple[bool, Any]]) -> None:
+            answers = []
+            for ok, result in results:
+                if ok:
+                    answers.append(StageBatchAnswer(result.hidden, result.token))
+                else:
+                    _log_refusal("stage batch", msg.request_id, result, StageForwardError)
+                    answers.append(StageBatchAnswer(None, None))
+            connection.send(StageBatchRespMsg(msg.request_id, tuple(answers)))
+
+        engine = self._common.engine
+        if isinstance(engine, StageKeeping) and engine.kept_stages is not None:
+            requests = [
+                (
+                    row.stage_session,
+                    row.position,
+                    StageForward(row.tokens, msg.start_layer, msg.end_layer, row.hidden_in),
+                )
+                for row in msg.rows
+            ]
+            running = engine.kept_stages.forward_all(connection, requests)
+        else:
+            error = StageForwardError("this node keeps no stage KV")
+            running = [defer.fail(error) for _ in msg.rows]
+        defer.DeferredList(running, consumeErrors=True).addCallback(answer)
 
     @handles(StageReleaseMsg)
     def stage_release(self, connection: NodeConnection, msg: StageReleaseMsg) -> None:

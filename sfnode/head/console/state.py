@@ -36,6 +36,7 @@ from sfnode.linkf.wire import (
     FEATURE_LOGPROBS,
     FEATURE_MODEL_FILES,
     FEATURE_REQUEST_CLASS,
+    FEATURE_STAGE_BATCH,
     FEATURE_STAGE_KV,
 )
 
@@ -51,6 +52,7 @@ _FEATURES = (
     (FEATURE_MODEL_FILES, "files"),
     (FEATURE_EMBEDDINGS, "embeddings"),
     (FEATURE_STAGE_KV, "stage_kv"),
+    (FEATURE_STAGE_BATCH, "stage_batch"),
 )
 _JOINING = frozenset({"new", "connecting", "handshaking", "reconciling"})
 

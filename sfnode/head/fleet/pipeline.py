@@ -52,12 +52,14 @@ from sfnode.head.fleet.backend import (
     NoNodeAvailable,
 )
 from sfnode.head.fleet.fleet import DEFAULT_FLEET_SETTINGS, Fleet, FleetNode, FleetSettings
-from sfnode.head.link import HeadIds, LinkError, NodeLink
+from sfnode.head.link import HeadIds, LinkError, NodeLink, stage_batch
 from sfnode.linkf.wire import (
+    FEATURE_STAGE_BATCH,
     FEATURE_STAGE_KV,
     FINISH_CANCELLED,
     FINISH_EOS,
     FINISH_LENGTH,
+    StageBatchRow,
     StageForwardRespMsg,
     StageReleaseMsg,
 )
@@ -194,18 +196,7 @@ class StepGroup:
         pipeline = self._pipeline
         answers: list[tuple[_Row, int | Failure | PipelineError]] = []
         for i, (start, end) in enumerate(pipeline.ranges):
-            sent = [
-                row.kept.links[i].stage_forward(
-                    row.tokens if i == 0 else (),
-                    start,
-                    end,
-                    row.hidden,
-                    row.kept.session,
-                    row.position,
-                )
-                for row in rows
-            ]
-            results = yield defer.DeferredList(sent, consumeErrors=True)
+            results = yield _through_stage(i, start, end, rows)
             going = []
             for row, (ok, response) in zip(rows, results, strict=True):
                 pipeline.count_forwarded(row.kept, row.hidden)
@@ -227,6 +218,59 @@ class StepGroup:
                     row.answer.errback(answer)
             elif not row.answer.called:
                 row.answer.callback(answer)
+
+
+@defer.inlineCallbacks
+def _through_stage(
+    i: int, start: int, end: int, rows: Sequence[_Row]
+) -> Generator[Deferred[Any], Any, list[tuple[bool, Any]]]:
+    """Every row through stage ``i`` (layers ``[start, end)``), each row's ``(ok, answer)``
+    in order: one STAGE_BATCH_REQ per link whose node set ``FEATURE_STAGE_BATCH``, one
+    STAGE_FORWARD_REQ per row on any other (docs/protocol.md section 12.8)."""
+    by_link: dict[int, list[int]] = {}
+    for n, row in enumerate(rows):
+        by_link.setdefault(id(row.kept.links[i]), []).append(n)
+    sent: list[Deferred[Any]] = []
+    for indices in by_link.values():
+        link = rows[indices[0]].kept.links[i]
+        if (link.features or 0) & FEATURE_STAGE_BATCH:
+            batch = [
+                StageBatchRow(
+                    rows[n].kept.session or 0,
+                    rows[n].position,
+                    rows[n].tokens if i == 0 else (),
+                    rows[n].hidden,
+                )
+                for n in indices
+            ]
+            sent.append(stage_batch(link, start, end, batch))
+        else:
+            sent.extend(
+                link.stage_forward(
+                    rows[n].tokens if i == 0 else (),
+                    start,
+                    end,
+                    rows[n].hidden,
+                    rows[n].kept.session,
+                    rows[n].position,
+                )
+                for n in indices
+            )
+    results = yield defer.DeferredList(sent, consumeErrors=True)
+    answers: list[tuple[bool, Any]] = [(False, None)] * len(rows)
+    results_left = iter(results)
+    for indices in by_link.values():
+        link = rows[indices[0]].kept.links[i]
+        if not (link.features or 0) & FEATURE_STAGE_BATCH:
+            for n in indices:
+                answers[n] = next(results_left)
+            continue
+        ok, response = next(results_left)
+        if ok and len(response.answers) != len(indices):
+            ok, response = False, PipelineError(f"stage {link.name} answered another batch")
+        for k, n in enumerate(indices):
+            answers[n] = (True, response.answers[k]) if ok else (False, response)
+    return answers
 
 
 def _answer(

@@ -64,7 +64,7 @@ from sfnode.head.link.machine import (
     NodeSilentError,
     ReconcileError,
 )
-from sfnode.head.link.node_link import LinkObserver, NodeLink, embed
+from sfnode.head.link.node_link import LinkObserver, NodeLink, embed, stage_batch
 from sfnode.head.link.protocol import HeadLinkProtocol, LinkOwner
 from sfnode.head.link.reconcile import MAX_RETRY_RANGE, Reconcile
 from sfnode.head.link.settings import (
@@ -126,5 +126,6 @@ __all__ = [
     "describe_failure",
     "embed",
     "parse_endpoint",
+    "stage_batch",
     "token_logprobs",
 ]

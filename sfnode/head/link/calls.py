@@ -25,6 +25,7 @@ from sfnode.linkf.wire import (
     GenerateCancelMsg,
     Message,
     RequestClass,
+    StageBatchRespMsg,
     StageForwardRespMsg,
     Tokens,
     TokensLogprobs,
@@ -193,6 +194,7 @@ class CallTable:
         self._next_id = 1
         self._generations: dict[GenerationKey, GenerationCall] = {}
         self._forwards: Answers[StageForwardRespMsg] = Answers()
+        self._batches: Answers[StageBatchRespMsg] = Answers()
         self._embeddings: Answers[EmbedRespMsg] = Answers()
         self._suspended: set[GenerationKey] = set()
 
@@ -248,14 +250,23 @@ class CallTable:
         """A STAGE_FORWARD_RESP: fire its request's Deferred (an unknown id is ignored)."""
         self._forwards.answer(message.request_id, message)
 
+    def expect_batch(self, request_id: int) -> Deferred[StageBatchRespMsg]:
+        """The Deferred that :meth:`answer_batch` fires for ``request_id``."""
+        return self._batches.expect(request_id)
+
+    def answer_batch(self, message: StageBatchRespMsg) -> None:
+        """A STAGE_BATCH_RESP: fire its request's Deferred (an unknown id is ignored)."""
+        self._batches.answer(message.request_id, message)
+
     @property
     def forwards(self) -> int:
-        """Stage forwards waiting for their answer."""
-        return len(self._forwards)
+        """Stage forwards (and stage batches) waiting for their answer."""
+        return len(self._forwards) + len(self._batches)
 
     def fail_forwards(self, error: Exception) -> None:
         """The connection is lost: every stage forward and embedding waiting fails."""
         self._forwards.fail(error)
+        self._batches.fail(error)
         self._embeddings.fail(error)
 
     # Embeddings (docs/protocol.md section 12.7)

@@ -78,6 +78,9 @@ from sfnode.linkf.wire import (
     NodeStatusMsg,
     PayloadError,
     ReconcileAckMsg,
+    StageBatchReqMsg,
+    StageBatchRespMsg,
+    StageBatchRow,
     StageForwardReqMsg,
     StageForwardRespMsg,
     TelemetryMsg,
@@ -825,9 +828,29 @@ def _on_stage_forward_resp(driver: _LinkDriver, message: StageForwardRespMsg) ->
     driver.link._calls.answer_forward(message)
 
 
+@_handles(StageBatchRespMsg)
+def _on_stage_batch_resp(driver: _LinkDriver, message: StageBatchRespMsg) -> None:
+    driver.link._calls.answer_batch(message)
+
+
 @_handles(EmbedRespMsg)
 def _on_embed_resp(driver: _LinkDriver, message: EmbedRespMsg) -> None:
     driver.link._calls.answer_embedding(message)
+
+
+def stage_batch(
+    link: NodeLink, start_layer: int, end_layer: int, rows: Sequence[StageBatchRow]
+) -> Deferred[StageBatchRespMsg]:
+    """STAGE_BATCH_REQ on ``link`` (its node must have set ``FEATURE_STAGE_BATCH``): every row
+    through ``[start_layer, end_layer)`` in one frame; fires with the STAGE_BATCH_RESP of the
+    same request_id (docs/protocol.md section 12.8), or fails with a :class:`LinkError` when
+    the link is down or its connection is lost meanwhile."""
+    if not link.connected:
+        return defer.fail(LinkLostError(f"the link to {link.name} is down"))
+    request_id = link._calls.next_id()
+    answered = link._calls.expect_batch(request_id)
+    link.send_now(StageBatchReqMsg(request_id, start_layer, end_layer, tuple(rows)))
+    return answered
 
 
 def embed(link: NodeLink, texts: Sequence[str]) -> Deferred[EmbedRespMsg]:
