@@ -4,16 +4,16 @@ What a user choosing a server for the bundled model would measure (issue 9): ``t
 ``twistd sfnode`` as two processes with default settings, and llama.cpp's ``llama-server``
 (``-t 2 -np 8 -c 16384``) on the same GGUF file, one after the other, never at the same time.
 Each gets one warm-up request (a node then finishes its start-up check of exactness, which runs
-between its first steps, docs/engine.md section 4.1; a one-time cost of a start, which the
-phases would otherwise count as throughput), then 16 greedy streamed chat requests ("Write a long, detailed story about ...", 64 new
-tokens) one at a time and then 8 at once.  Printed per server and phase:
-aggregate tokens/s (completion tokens over the phase's wall time) and first-token latency
+between its first steps, docs/engine.md section 4.1; a one-time cost of a start, which the phases
+would otherwise count as throughput), then 16 greedy streamed chat requests ("Write a long,
+detailed story about ...", 64 new tokens) one at a time and then 8 at once. Printed per server and
+phase: aggregate tokens/s (completion tokens over the phase's wall time) and first-token latency
 (median, p95), and per server the resident memory of the process holding the model (the node,
 llama-server) after its requests and at its peak; then the ratios sfnode / llama-server next to
-issue 23's targets, as Markdown tables, with the CPU's vector extensions (they decide the
-node's kernels, docs/engine.md section 5.1).  Two pairs by default: the node as configured
-(``--node-arg``) against llama-server on the file as it is (Q4_1), and the node's float32
-weights against llama-server on an F32 copy.
+issue 23's targets, as Markdown tables, with the CPU's vector extensions (they decide the node's
+kernels, docs/engine.md section 5.1). Two pairs by default: the node as configured (``--node-arg``)
+against llama-server on the file as it is (Q4_1), and the node's float32 weights against
+llama-server on an F32 copy.
 
 ``--workload extract`` sends, instead of stories, what agents ask about text they were given:
 16 requests to repeat, quote from, correct or rewrite one of four short passages (128 new tokens
