@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812
 
@@ -159,3 +160,95 @@ def with_kernel_activations(model: Any) -> Any:
         if isinstance(module, torch.nn.Linear):
             module.register_forward_pre_hook(lambda _, args: (kernel_activations(args[0]),))
     return model
+
+
+# The block kernels' integer math, in NumPy (docs/engine.md section 5.4): the activations as
+# the kernels quantize them and the products as they form them, every float rounding repeated.
+
+PER_32 = ("Q8_0", "Q5_0", "Q5_1")
+"""Formats whose kernels read int8 activations with a scale per block of 32."""
+PER_256 = ("Q4_K", "Q5_K", "Q6_K")
+"""Formats whose kernels read int8 activations with a scale per 256 (Q8_K)."""
+_SCALE_AT = {"Q8_0": 0, "Q5_0": 0, "Q5_1": 0, "Q4_K": 0, "Q5_K": 0, "Q6_K": 208}
+"""Byte offset of each format's float16 d in its block (Q5_1's m and the K-quants' dmin follow
+it, except Q6_K's, which has none)."""
+_ONE, _ZERO = np.float16(1.0).view(np.uint16), np.float16(0.0).view(np.uint16)
+
+
+def int8_blocks(x: np.ndarray[Any, Any], size: int) -> tuple[Any, Any]:
+    """Rows ``x`` [M, K] as the kernels quantize them to int8: per block of ``size`` inputs
+    (32, or 256 for Q8_K) q = round(x * (127 / amax)) (ties to even) and d = amax / 127 (all
+    float32 steps); ``(q [M, K] int64, d [M, K / size] float32)``."""
+    f = np.asarray(x, np.float32).reshape(x.shape[0], -1, size)
+    mx = np.abs(f).max(-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        scale = np.where(mx > 0, np.float32(127.0) / mx, np.float32(0.0)).astype(np.float32)
+    q = np.rint(f * scale).astype(np.int64).reshape(x.shape)
+    return q, (mx[..., 0] / np.float32(127.0)).astype(np.float32)
+
+
+def _patched(kind: str, raw: np.ndarray[Any, Any], cols: int, d: Any, second: Any) -> Any:
+    """The weights of ``raw`` with every block's d (and its second float16: Q5_1's m, a
+    K-quant's dmin) replaced: with d = 1 and 0 the integers a kernel multiplies."""
+    from sfnode.engines.kernels.blocks import FORMATS, dequantize
+
+    size = FORMATS[kind].size
+    blocks = np.array(raw, np.uint8).reshape(-1, size)
+    at = _SCALE_AT[kind]
+    blocks[:, at : at + 2] = np.frombuffer(np.uint16(d).tobytes(), np.uint8)
+    if kind in ("Q5_1", "Q4_K", "Q5_K"):
+        blocks[:, at + 2 : at + 4] = np.frombuffer(np.uint16(second).tobytes(), np.uint8)
+    return dequantize(kind, blocks.reshape(raw.shape[0], -1), cols).astype(np.int64)
+
+
+def _halves_at(raw: np.ndarray[Any, Any], kind: str, offset: int) -> Any:
+    from sfnode.engines.kernels.blocks import FORMATS
+
+    blocks = np.ascontiguousarray(raw).reshape(-1, FORMATS[kind].size)
+    at = _SCALE_AT[kind] + offset
+    return blocks[:, at : at + 2].copy().view(np.float16)[:, 0].astype(np.float32)
+
+
+def _hsum8(acc: Any) -> Any:
+    """native.c's hsum of 8 float lanes (the last axis), in its order."""
+    r = [acc[..., i] + acc[..., i + 4] for i in range(4)]
+    return (r[0] + r[2]) + (r[1] + r[3])
+
+
+def block_product(kind: str, raw: np.ndarray[Any, Any], cols: int, x: Any) -> Any:
+    """``x`` [M, cols] times the ``kind`` rows ``raw`` [N, bytes], float32 [M, N], as
+    native.c's kernels compute it, bit for bit."""
+    x = np.asarray(x, np.float32)
+    rows = raw.shape[0]
+    q = _patched(kind, raw, cols, _ONE, _ZERO)  # d * sc * q with d = 1: the integers
+    d = _halves_at(raw, kind, 0).reshape(rows, -1)
+    if kind in PER_32:
+        xq, dx = int8_blocks(x, 32)
+        nb = cols // 32
+        # [M, N, block, lane]: lane i the inputs 4i..4i+3 of the block
+        lanes = np.einsum("mbit,nbit->mnbi", xq.reshape(-1, nb, 8, 4), q.reshape(rows, nb, 8, 4))
+        acc = np.zeros((x.shape[0], rows, 8), np.float32)
+        plus = np.zeros((x.shape[0], rows), np.float32)
+        m = _halves_at(raw, kind, 2).reshape(rows, -1) if kind == "Q5_1" else None
+        sx = dx * xq.reshape(-1, nb, 32).sum(-1).astype(np.float32)
+        for b in range(nb):
+            ddx = (d[None, :, b] * dx[:, None, b]).astype(np.float32)
+            acc = acc + lanes[:, :, b].astype(np.float32) * ddx[..., None]
+            if m is not None:
+                plus = plus + m[None, :, b] * sx[:, None, b]
+        return (_hsum8(acc) + plus).astype(np.float32)
+    xq, dx = int8_blocks(x, 256)
+    nsb = cols // 256
+    sums = np.einsum("msk,nsk->mns", xq.reshape(-1, nsb, 256), q.reshape(rows, nsb, 256))
+    if kind == "Q6_K":
+        mins, dmin = np.zeros_like(sums), np.zeros_like(d)
+    else:
+        negative = _patched(kind, raw, cols, _ZERO, _ONE)  # -m[j] for each weight
+        mins = -np.einsum("msk,nsk->mns", xq.reshape(-1, nsb, 256), negative.reshape(rows, nsb, 256))
+        dmin = _halves_at(raw, kind, 2).reshape(rows, -1)
+    y = np.zeros((x.shape[0], rows), np.float32)
+    for sb in range(nsb):
+        a = (d[None, :, sb] * dx[:, None, sb]) * sums[:, :, sb].astype(np.float32)
+        b = (dmin[None, :, sb] * dx[:, None, sb]) * mins[:, :, sb].astype(np.float32)
+        y = (y + a) - b
+    return y
