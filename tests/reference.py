@@ -109,19 +109,21 @@ class Reference:
         return new
 
 
+_JOINED = {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up")}
+"""A fused transformers module's parts, as the stored model names them."""
+_PLAIN = {
+    f"{side}.{part}_proj": part
+    for side, parts in (("self_attn", "qkvo"), ("mlp", ("gate", "up", "down")))
+    for part in parts
+}
+"""A transformers module's stored name."""
+
+
 def with_stored_matrices(model: Any, stored: StoredModel) -> Any:
     """``model`` (a family's transformers model) with every matrix replaced by ``stored``'s,
     dequantized (fused ones joined again): transformers' own forward over a file's weights."""
     w = {name: torch.from_numpy(t.float32()) for name, t in stored.tensors.items()}
-    joined = {
-        "self_attn.qkv_proj": ("q", "k", "v"),
-        "mlp.gate_up_proj": ("gate", "up"),
-    }
-    plain = {
-        f"{side}.{part}_proj": part
-        for side, parts in (("self_attn", "qkvo"), ("mlp", ("gate", "up", "down")))
-        for part in parts
-    }
+    joined, plain = _JOINED, _PLAIN
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if parameter.dim() != 2:
@@ -140,26 +142,63 @@ def with_stored_matrices(model: Any, stored: StoredModel) -> Any:
     return model
 
 
-def kernel_activations(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as sfnode's block kernels see it (``quantize_row`` in native.c): each block of 32
-    values scaled so that its largest magnitude is 32767, rounded to the nearest integer (ties
-    to even), and scaled back by that largest magnitude / 32767."""
-    blocks = x.to(torch.float32).reshape(*x.shape[:-1], -1, 32)
+def kernel_activations(x: torch.Tensor, size: int = 32, levels: float = 32767.0) -> torch.Tensor:
+    """``x`` as sfnode's kernels see it (``quantize_row`` and its int8 kin in native.c): each
+    block of ``size`` values scaled so that its largest magnitude is ``levels``, rounded to the
+    nearest integer (ties to even), and scaled back by that largest magnitude / ``levels``."""
+    blocks = x.to(torch.float32).reshape(*x.shape[:-1], -1, size)
     mx = blocks.abs().amax(-1, keepdim=True)
-    scale = torch.where(mx > 0, torch.tensor(32767.0) / mx, torch.zeros_like(mx))
+    scale = torch.where(mx > 0, torch.tensor(levels) / mx, torch.zeros_like(mx))
     q = torch.round(blocks * scale)
-    return (q * (mx / 32767.0)).reshape(x.shape)
+    return (q * (mx / levels)).reshape(x.shape)
 
 
-def with_kernel_activations(model: Any) -> Any:
+def activation_rounding(kinds: set[str]) -> tuple[int, float]:
+    """The block size and levels the kernels quantize the activations of a matrix of parts
+    ``kinds`` to: int8 per 32 for Q8_0 and Q5 blocks, per 256 for K-quants, else int16 per 32
+    (Q4_0/Q4_1 tiles)."""
+    if kinds <= set(PER_32):
+        return 32, 127.0
+    if kinds <= set(PER_256):
+        return 256, 127.0
+    if kinds & (set(PER_32) | set(PER_256)):
+        raise ValueError(f"no one activation rounding for a matrix of {sorted(kinds)}")
+    return 32, 32767.0
+
+
+def with_kernel_activations(model: Any, stored: StoredModel) -> Any:
     """``model`` whose layers' matrices (not the head: the step computes its best logits again
-    in float32) multiply the activations as the block kernels hold them
-    (:func:`kernel_activations`): transformers' forward as sfnode's quantized kernels compute
-    it, but for the order of the float sums."""
-    for module in model.model.layers.modules():
-        if isinstance(module, torch.nn.Linear):
-            module.register_forward_pre_hook(lambda _, args: (kernel_activations(args[0]),))
+    in float32) multiply as sfnode's quantized kernels do: a matrix whose parts the kernels
+    multiply as stored (Q8_0, Q5, K-quants) by :func:`block_product`, their integer math and
+    float steps exactly; any other (Q4_0/Q4_1 tiles) over its activations rounded as the
+    int16 kernels hold them (:func:`kernel_activations`), but for the order of the float
+    sums."""
+    for name, module in model.model.layers.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        index, stem = name.split(".", 1)
+        parts = [stored.tensors[f"{index}.{part}"] for part in _JOINED.get(stem) or (_PLAIN[stem],)]
+        size, levels = activation_rounding({t.kind for t in parts})
+        if levels == 127.0:
+            module.forward = _stored_product(parts, module.bias)
+        else:
+            module.register_forward_pre_hook(
+                lambda _, args, s=size, v=levels: (kernel_activations(args[0], s, v),)
+            )
     return model
+
+
+def _stored_product(parts: list[Any], bias: torch.Tensor | None) -> Any:
+    """A Linear's forward that multiplies ``parts`` (stored tensors, stacked) as the block
+    kernels do, then adds ``bias``."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        flat = x.detach().reshape(-1, x.shape[-1]).to(torch.float32).numpy()
+        y = np.concatenate([block_product(t.kind, t.data, t.cols, flat) for t in parts], 1)
+        out = torch.from_numpy(y).reshape(*x.shape[:-1], -1)
+        return out + bias if bias is not None else out
+
+    return forward
 
 
 # The block kernels' integer math, in NumPy (docs/engine.md section 5.4): the activations as
@@ -244,7 +283,9 @@ def block_product(kind: str, raw: np.ndarray[Any, Any], cols: int, x: Any) -> An
         mins, dmin = np.zeros_like(sums), np.zeros_like(d)
     else:
         negative = _patched(kind, raw, cols, _ZERO, _ONE)  # -m[j] for each weight
-        mins = -np.einsum("msk,nsk->mns", xq.reshape(-1, nsb, 256), negative.reshape(rows, nsb, 256))
+        mins = -np.einsum(
+            "msk,nsk->mns", xq.reshape(-1, nsb, 256), negative.reshape(rows, nsb, 256)
+        )
         dmin = _halves_at(raw, kind, 2).reshape(rows, -1)
     y = np.zeros((x.shape[0], rows), np.float32)
     for sb in range(nsb):

@@ -7,7 +7,9 @@
      row is quantized by itself to int16 per block of 32 (one scale a block), the products are
      integer multiply-adds (vpmaddwd) summed exactly in int32 per block, then scaled in float;
    - kind 1, int8 weights with one float32 scale per output row, the same int16 activations;
-   - kind 2, float32 weights, float32 products summed in a fixed order per row.
+   - kind 2, float32 weights, float32 products summed in a fixed order per row;
+   - kinds 3 to 8, blocks as the file stores them (Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) against
+     int8 activations: a scale per 32 for Q8_0 and Q5 blocks, per 256 (Q8_K) for K-quants.
    Every row's result is computed by itself, in the same order of operations whatever else is in
    the call, so the products are batch-invariant (a row's result never depends on the others).
 
