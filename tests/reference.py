@@ -155,8 +155,8 @@ def kernel_activations(x: torch.Tensor, size: int = 32, levels: float = 32767.0)
 
 def activation_rounding(kinds: set[str]) -> tuple[int, float]:
     """The block size and levels the kernels quantize the activations of a matrix of parts
-    ``kinds`` to: int8 per 32 for Q8_0 and Q5 blocks, per 256 for K-quants, else int16 per 32
-    (Q4_0/Q4_1 tiles)."""
+    ``kinds`` to: int8 per 32 for Q5 blocks, per 256 for K-quants, else int16 per 32 (Q8_0
+    blocks, Q4_0/Q4_1 tiles)."""
     if kinds <= set(PER_32):
         return 32, 127.0
     if kinds <= set(PER_256):
@@ -169,10 +169,10 @@ def activation_rounding(kinds: set[str]) -> tuple[int, float]:
 def with_kernel_activations(model: Any, stored: StoredModel) -> Any:
     """``model`` whose layers' matrices (not the head: the step computes its best logits again
     in float32) multiply as sfnode's quantized kernels do: a matrix whose parts the kernels
-    multiply as stored (Q8_0, Q5, K-quants) by :func:`block_product`, their integer math and
-    float steps exactly; any other (Q4_0/Q4_1 tiles) over its activations rounded as the
-    int16 kernels hold them (:func:`kernel_activations`), but for the order of the float
-    sums."""
+    multiply against int8 activations (Q5, K-quants) by :func:`block_product`, their integer
+    math and float steps exactly; any other (Q8_0, Q4_0/Q4_1 tiles) over its activations
+    rounded as the int16 kernels hold them (:func:`kernel_activations`), but for the order of
+    the float sums."""
     for name, module in model.model.layers.named_modules():
         if not isinstance(module, torch.nn.Linear):
             continue
@@ -204,11 +204,11 @@ def _stored_product(parts: list[Any], bias: torch.Tensor | None) -> Any:
 # The block kernels' integer math, in NumPy (docs/engine.md section 5.4): the activations as
 # the kernels quantize them and the products as they form them, every float rounding repeated.
 
-PER_32 = ("Q8_0", "Q5_0", "Q5_1")
+PER_32 = ("Q5_0", "Q5_1")
 """Formats whose kernels read int8 activations with a scale per block of 32."""
 PER_256 = ("Q4_K", "Q5_K", "Q6_K")
 """Formats whose kernels read int8 activations with a scale per 256 (Q8_K)."""
-_SCALE_AT = {"Q8_0": 0, "Q5_0": 0, "Q5_1": 0, "Q4_K": 0, "Q5_K": 0, "Q6_K": 208}
+_SCALE_AT = {"Q5_0": 0, "Q5_1": 0, "Q4_K": 0, "Q5_K": 0, "Q6_K": 208}
 """Byte offset of each format's float16 d in its block (Q5_1's m and the K-quants' dmin follow
 it, except Q6_K's, which has none)."""
 _ONE, _ZERO = np.float16(1.0).view(np.uint16), np.float16(0.0).view(np.uint16)

@@ -118,10 +118,13 @@ class KernelTests(unittest.SynchronousTestCase):
                 raw = reference_quantize(floats, GGMLQuantizationType[kind])
                 data = np.ascontiguousarray(raw).view(np.uint8).reshape(40, -1)
                 layer = native.BlockLinear(kind, data, 96, self.library)
-                # int8 activations: the products are the reference's integer math, exactly.
-                want = block_product(kind, data, 96, self.x.numpy())
-                self.assertTrue(torch.equal(layer(self.x), torch.from_numpy(want)))
-                self.check(layer, layer.weight(), bound=6e-3)
+                if kind == "Q8_0":
+                    self.check(layer, layer.weight())
+                else:
+                    # int8 activations: the reference's integer math, exactly.
+                    want = block_product(kind, data, 96, self.x.numpy())
+                    self.assertTrue(torch.equal(layer(self.x), torch.from_numpy(want)))
+                    self.check(layer, layer.weight(), bound=6e-3)
                 # Weight rows multiplied two at a time give what each gives alone.
                 got = layer(self.x)
                 for n in range(40):

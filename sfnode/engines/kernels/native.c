@@ -8,8 +8,9 @@
      integer multiply-adds (vpmaddwd) summed exactly in int32 per block, then scaled in float;
    - kind 1, int8 weights with one float32 scale per output row, the same int16 activations;
    - kind 2, float32 weights, float32 products summed in a fixed order per row;
-   - kinds 3 to 8, blocks as the file stores them (Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) against
-     int8 activations: a scale per 32 for Q8_0 and Q5 blocks, per 256 (Q8_K) for K-quants.
+   - kinds 3 to 8, blocks as the file stores them (Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1): Q8_0
+     against the int16 activations, the others against int8 ones: a scale per 32 for Q5
+     blocks, per 256 (Q8_K) for K-quants.
    Every row's result is computed by itself, in the same order of operations whatever else is in
    the call, so the products are batch-invariant (a row's result never depends on the others).
 
@@ -351,7 +352,8 @@ SF_EXACT static void dequantize_row(int type, const uint8_t *row, int K, float *
 
 /* A product's activation rows in the forms its weights want (docs/engine.md section 5.2):
    - int16 per block of 32 (q, d, s) for Q4_1 tiles and int8 rows (kinds 0 and 1);
-   - int8 per block of 32 (b, bd, bs) for Q8_0, Q5_0 and Q5_1 blocks (kinds 3, 7, 8);
+   - (Q8_0 blocks, kind 3, take the int16 form too: int8 gained them nothing);
+   - int8 per block of 32 (b, bd, bs) for Q5_0 and Q5_1 blocks (kinds 7, 8);
    - int8 per block of 256 (k, kd) with the sums of each 16 (ks) for Q4_K, Q5_K and Q6_K
      (kinds 4, 5, 6), as llama.cpp's Q8_K.
    Each row is quantized by itself in every form. */
@@ -488,8 +490,8 @@ static void quantize_row_q8k(const float *x, int K, int8_t *q, float *d, int16_t
 /* The form a part's kernel reads (0: float32 rows). */
 static inline int part_form(const sf_part *p) {
     switch (p->kind) {
-    case 0: case 1: return FORM_INT16;
-    case 3: case 7: case 8: return FORM_INT8;
+    case 0: case 1: case 3: return FORM_INT16;
+    case 7: case 8: return FORM_INT8;
     case 4: case 5: case 6: return FORM_Q8K;
     default: return 0;
     }
@@ -695,7 +697,7 @@ static inline __attribute__((always_inline)) void f32_rows2(
 }
 
 /* Blocks as the file stores them, multiplied without inflating them, against int8
-   activations (docs/engine.md section 5.4).  R activation rows (R <= 4) against one weight
+   activations (docs/engine.md section 5.4).  R activation rows (R <= 8) against one weight
    row, each row's steps the same whatever R is; every float product is held apart from the
    sum it goes into (KEEP: never fused into one multiply-add by the compiler), so that the
    tests' NumPy reference repeats each rounding.
@@ -719,6 +721,32 @@ static inline void store_sums(const int R, const float *sum, float *out, int str
         out[(size_t)r * stride] = accumulate ? out[(size_t)r * stride] + sum[r] : sum[r];
 }
 
+/* Q8_0 (34 bytes: float16 d, 32 int8 q) against int16 activations (a Q8_0 matrix gained
+   nothing from int8 ones, docs/engine.md section 5.4): each block's exact int32 sum scaled by
+   d times the activations' block scale, summed in 8 float lanes, then hsum. */
+static inline __attribute__((always_inline)) void q8b_rows(
+    const int R, const uint8_t *w, int nb, const int16_t *qx, const float *dx, int K, float *out,
+    int stride, int accumulate) {
+    __m256 acc[8];
+    float sum[8];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = w + (size_t)b * 34;
+        const float d = half_at(blk);
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 2)));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 18)));
+        for (int r = 0; r < R; r++) {
+            const int16_t *x = qx + (size_t)r * K + b * QK;
+            const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, LOAD16(x)),
+                                               _mm256_madd_epi16(w1, LOAD16(x + 16)));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[r * nb + b]), _mm256_cvtepi32_ps(p),
+                                     acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) sum[r] = hsum(acc[r]);
+    store_sums(R, sum, out, stride, accumulate);
+}
+
 /* The 32 weights' q of a Q5_0/Q5_1 block (0..31): nibbles of qs (low ones first), the fifth
    bit of weight j bit j of qh. */
 static inline __m256i five_bits(const uint8_t *qh, const uint8_t *qs) {
@@ -735,23 +763,20 @@ static inline __m256i five_bits(const uint8_t *qh, const uint8_t *qs) {
     return _mm256_or_si256(nibbles, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
 }
 
-/* Q8_0 (form 0: 34 bytes, float16 d, 32 int8 q), Q5_0 (form 1: 22 bytes, float16 d, qh, 16
-   bytes of nibbles; w = d*(q - 16)) and Q5_1 (form 2: 24 bytes, float16 d and m, qh,
-   nibbles; w = d*q + m). */
+/* Q5_0 (form 1: 22 bytes, float16 d, qh, 16 bytes of nibbles; w = d*(q - 16)) and Q5_1
+   (form 2: 24 bytes, float16 d and m, qh, nibbles; w = d*q + m). */
 static inline __attribute__((always_inline)) void b8_rows(
     const int R, const int form, const uint8_t *w, int nb, const int8_t *xb, const float *dx,
     const float *sx, int K, float *out, int stride, int accumulate) {
-    const size_t size = form == 0 ? 34 : form == 1 ? 22 : 24;
+    const size_t size = form == 1 ? 22 : 24;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[4];
-    float plus[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sum[4];
+    __m256 acc[8];
+    float plus[8] = {0.0f}, sum[8];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = w + (size_t)b * size;
         const float d = half_at(blk), m = form == 2 ? half_at(blk + 2) : 0.0f;
-        __m256i q;
-        if (form == 0) q = LOAD16(blk + 2);
-        else q = five_bits(blk + 2 + 2 * (form == 2), blk + 6 + 2 * (form == 2));
+        __m256i q = five_bits(blk + 2 + 2 * (form == 2), blk + 6 + 2 * (form == 2));
         if (form == 1) q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
         /* maddubs multiplies unsigned by signed bytes: |q| by x with q's sign */
         const __m256i uq = form == 2 ? q : _mm256_sign_epi8(q, q);
@@ -790,14 +815,14 @@ static inline __attribute__((always_inline)) void qk_rows(
     const float *dx, const int16_t *sums16, int K, float *out, int stride, int accumulate) {
     const size_t size = five_bits ? 176 : 144;
     const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-    float y[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float y[8] = {0.0f};
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *blk = w + (size_t)sb * size;
         const uint8_t *qs = blk + (five_bits ? 48 : 16);
         uint8_t sc[8], mn[8];
         for (int j = 0; j < 8; j++) k_scale_min(j, blk + 4, sc + j, mn + j);
         const __m256i qh = five_bits ? LOAD16(blk + 16) : _mm256_setzero_si256();
-        __m256i acc[4];
+        __m256i acc[8];
         for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
             const __m256i v = LOAD16(qs + 32 * c);
@@ -839,11 +864,11 @@ static inline __attribute__((always_inline)) void q6k_rows(
     const int R, const uint8_t *w, int nsb, const int8_t *xk, const float *dx,
     const int16_t *sums16, int K, float *out, int stride, int accumulate) {
     const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
-    float y[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float y[8] = {0.0f};
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *blk = w + (size_t)sb * 210;
         const int8_t *scales = (const int8_t *)(blk + 192);
-        __m256i acc[4];
+        __m256i acc[8];
         for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_si256();
         for (int half = 0; half < 2; half++) {
             const __m256i ql0 = LOAD16(blk + 64 * half), ql1 = LOAD16(blk + 64 * half + 32);
@@ -900,13 +925,22 @@ static void stored_units(const sf_part *mat, const acts *a, int M, float *y, int
         const int8_t *xb = a->b + (size_t)m * K, *xk = a->k + (size_t)m * K;                   \
         const float *bd = a->bd + m * nb, *bs = a->bs + m * nb, *kd = a->kd + m * nsb;         \
         const int16_t *ks = a->ks + m * (K / 16);                                              \
-        if (mat->kind == 3) b8_rows(RR, 0, wr, nb, xb, bd, bs, K, yo, ldy, accumulate);        \
+        if (mat->kind == 3) q8b_rows(RR, wr, nb, a->q + (size_t)m * K, a->d + m * nb, K, yo,   \
+                                     ldy, accumulate);                                         \
         else if (mat->kind >= 7)                                                               \
             b8_rows(RR, mat->kind - 6, wr, nb, xb, bd, bs, K, yo, ldy, accumulate);            \
         else if (mat->kind == 6) q6k_rows(RR, wr, nsb, xk, kd, ks, K, yo, ldy, accumulate);    \
         else qk_rows(RR, mat->kind == 5, wr, nsb, xk, kd, ks, K, yo, ldy, accumulate);         \
     } while (0)
-        ROW_TILES(STORED_CALL);
+        int m = 0; /* 8 rows a pass: each weight row unpacked once for 8 activation rows */
+        for (; m + 8 <= M; m += 8) STORED_CALL(8);
+        for (; m + 4 <= M; m += 4) STORED_CALL(4);
+        switch (M - m) {
+        case 3: STORED_CALL(3); break;
+        case 2: STORED_CALL(2); break;
+        case 1: STORED_CALL(1); break;
+        default: break;
+        }
 #undef STORED_CALL
     }
 }
