@@ -69,8 +69,7 @@ def transformers_model(family: str, window: bool = True) -> Any:
 def reference(family: str, kind: str) -> Any:
     """transformers' float32 model of ``family``'s ``kind``: the folder's; for a quantized file
     with the file's matrices dequantized in it, multiplying the activations as the block
-    kernels hold them (8 bits a value, a scale per 32 or per 256 by the matrix's format:
-    ``tests/reference.py``)."""
+    kernels hold them (16 bits a value, a scale per block of 32: ``tests/reference.py``)."""
     key = (family, kind)
     if key not in _MODELS:
         from sfnode.engines.weights.stored import read_gguf
@@ -79,8 +78,8 @@ def reference(family: str, kind: str) -> Any:
         # llama.cpp's converter writes a Mistral model without its window.
         model = transformers_model(family, window=not (family == "mistral" and kind != "folder"))
         if kind in QUANTIZED:
-            stored = read_gguf(source(family, kind))
-            model = with_kernel_activations(with_stored_matrices(model, stored), stored)
+            model = with_stored_matrices(model, read_gguf(source(family, kind)))
+            model = with_kernel_activations(model)
         _MODELS[key] = model
     return _MODELS[key]
 
@@ -110,8 +109,9 @@ _EXPECTED: dict[tuple[str, str], list[int]] = {}
 QUANTIZED = ("Q8_0", "Q4_K_M")
 NEAR_TIE = 1e-3
 """A quantized file's greedy tokens may leave the reference's where its best two logits are
-this close (relative to the largest): an activation's rounding falls the other way when the
-float sums before it differ in their last bit (docs/engine.md section 5.4)."""
+this close (relative to the largest): an activation's 16-bit rounding falls the other way when
+the float sums before it differ in their last bit, which moves a logit by about 1e-4 of its
+size (docs/engine.md section 5.4)."""
 
 
 def build(path: Path, *extra: str) -> Any:

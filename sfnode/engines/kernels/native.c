@@ -7,10 +7,7 @@
      row is quantized by itself to int16 per block of 32 (one scale a block), the products are
      integer multiply-adds (vpmaddwd) summed exactly in int32 per block, then scaled in float;
    - kind 1, int8 weights with one float32 scale per output row, the same int16 activations;
-   - kind 2, float32 weights, float32 products summed in a fixed order per row;
-   - kinds 3 to 8, blocks as the file stores them (Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1): Q8_0
-     against the int16 activations, the others against int8 ones: a scale per 32 for Q5
-     blocks, per 256 (Q8_K) for K-quants.
+   - kind 2, float32 weights, float32 products summed in a fixed order per row.
    Every row's result is computed by itself, in the same order of operations whatever else is in
    the call, so the products are batch-invariant (a row's result never depends on the others).
 
@@ -350,94 +347,27 @@ SF_EXACT static void dequantize_row(int type, const uint8_t *row, int K, float *
 /* ---------------------------------------------------------------------------------------- */
 /* activations                                                                              */
 
-/* A product's activation rows in the forms its weights want (docs/engine.md section 5.2):
-   - int16 per block of 32 (q, d, s) for Q4_1 tiles and int8 rows (kinds 0 and 1);
-   - (Q8_0 blocks, kind 3, take the int16 form too: int8 gained them nothing);
-   - int8 per block of 32 (b, bd, bs) for Q5_0 and Q5_1 blocks (kinds 7, 8);
-   - int8 per block of 256 (k, kd) with the sums of each 16 (ks) for Q4_K, Q5_K and Q6_K
-     (kinds 4, 5, 6), as llama.cpp's Q8_K.
-   Each row is quantized by itself in every form. */
 typedef struct {
     const float *f; /* float32 rows [M, K] */
     int16_t *q;     /* int16 rows [M, K] */
-    float *d, *s;   /* per row and block of 32: scale, scale * sum(q) */
-    int8_t *b;      /* int8 rows [M, K], a scale per 32 */
-    float *bd, *bs; /* per row and block of 32: scale, scale * sum(b) */
-    int8_t *k;      /* int8 rows [M, K], a scale per 256 */
-    float *kd;      /* per row and block of 256: scale */
-    int16_t *ks;    /* per row and 16 inputs: sum(k) */
+    float *d, *s;   /* per row and block: scale, scale * sum(q) */
     int K;
 } acts;
-
-#define FORM_INT16 1
-#define FORM_INT8 2
-#define FORM_Q8K 4
-#define I8MAX 127.0f
-
-/* The buffers of every form for rows rows of at most widest inputs; 0, or 2 when out of
-   memory (nothing then stays allocated). */
-static int acts_alloc(acts *a, size_t rows, int widest) {
-    const size_t n = rows * (size_t)widest;
-    a->q = (int16_t *)malloc(sizeof(int16_t) * (n + 16));
-    a->d = (float *)malloc(sizeof(float) * (n / QK + 1));
-    a->s = (float *)malloc(sizeof(float) * (n / QK + 1));
-    a->b = (int8_t *)malloc(n + 32);
-    a->bd = (float *)malloc(sizeof(float) * (n / QK + 1));
-    a->bs = (float *)malloc(sizeof(float) * (n / QK + 1));
-    a->k = (int8_t *)malloc(n + 32);
-    a->kd = (float *)malloc(sizeof(float) * (n / 256 + 1));
-    a->ks = (int16_t *)malloc(sizeof(int16_t) * (n / 16 + 1));
-    if (a->q && a->d && a->s && a->b && a->bd && a->bs && a->k && a->kd && a->ks) return 0;
-    free(a->q); free(a->d); free(a->s); free(a->b); free(a->bd); free(a->bs); free(a->k);
-    free(a->kd); free(a->ks);
-    return 2;
-}
-
-static void acts_free(acts *a) {
-    free(a->q); free(a->d); free(a->s); free(a->b); free(a->bd); free(a->bs); free(a->k);
-    free(a->kd); free(a->ks);
-}
-
-static inline float amax_of(const float *v, int n) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 amax = _mm256_setzero_ps();
-    for (int j = 0; j < n; j += 8)
-        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)));
-    __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    return _mm_cvtss_f32(m4);
-}
-
-static inline int hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_extracti128_si256(v, 1), _mm256_castsi256_si128(v));
-    s = _mm_hadd_epi32(s, s);
-    s = _mm_hadd_epi32(s, s);
-    return _mm_cvtsi128_si32(s);
-}
-
-/* 32 values times mul, rounded to the nearest integer (ties to even), into 32 int8 (the
-   caller's mul keeps them within 127); the sums of the first and the second 16 into sums. */
-static inline void round32_i8(const float *v, __m256 mul, int8_t *q, int *sums) {
-    __m256i r[4];
-    for (int j = 0; j < 4; j++)
-        r[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * j), mul),
-                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    sums[0] = hsum_i32(_mm256_add_epi32(r[0], r[1]));
-    sums[1] = hsum_i32(_mm256_add_epi32(r[2], r[3]));
-    const __m256i p01 = _mm256_packs_epi32(r[0], r[1]), p23 = _mm256_packs_epi32(r[2], r[3]);
-    const __m256i p = _mm256_packs_epi16(p01, p23);
-    _mm256_storeu_si256((__m256i *)q,
-                        _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-}
 
 /* One row in int16 per block of 32: q = round(x / d), d = amax / 32767; s = d * sum(q), what
    the weights' block minimum multiplies.  Depends on the row alone. */
 static void quantize_row(const float *x, int K, int16_t *qx, float *d, float *s) {
     const int nb = K / QK;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int b = 0; b < nb; b++) {
         const float *v = x + b * QK;
-        const float mx = amax_of(v, QK);
+        __m256 amax = _mm256_setzero_ps();
+        for (int j = 0; j < QK; j += 8)
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)));
+        __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float mx = _mm_cvtss_f32(m4);
         const float id = mx > 0.0f ? QMAX / mx : 0.0f;
         const __m256 mul = _mm256_set1_ps(id);
         __m256i r[4];
@@ -445,80 +375,37 @@ static void quantize_row(const float *x, int K, int16_t *qx, float *d, float *s)
             r[j] = _mm256_cvtps_epi32(
                 _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * j), mul),
                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        const int sum = hsum_i32(_mm256_add_epi32(_mm256_add_epi32(r[0], r[1]),
-                                                  _mm256_add_epi32(r[2], r[3])));
+        const __m256i sum4 = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]),
+                                              _mm256_add_epi32(r[2], r[3]));
+        __m128i s2 = _mm_add_epi32(_mm256_extracti128_si256(sum4, 1),
+                                   _mm256_castsi256_si128(sum4));
+        s2 = _mm_hadd_epi32(s2, s2);
+        s2 = _mm_hadd_epi32(s2, s2);
         /* packs interleave 128-bit lanes; put the values back in order */
         const __m256i p01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(r[0], r[1]), 0xD8);
         const __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(r[2], r[3]), 0xD8);
         _mm256_storeu_si256((__m256i *)(qx + b * QK), p01);
         _mm256_storeu_si256((__m256i *)(qx + b * QK + 16), p23);
         d[b] = mx / QMAX;
-        s[b] = d[b] * (float)sum;
+        s[b] = d[b] * (float)_mm_cvtsi128_si32(s2);
     }
 }
 
-/* One row in int8 per block of 32: b = round(x * (127 / amax)), d = amax / 127,
-   s = d * sum(b). */
-static void quantize_row_i8(const float *x, int K, int8_t *q, float *d, float *s) {
-    for (int b = 0; b < K / QK; b++) {
-        const float *v = x + b * QK;
-        const float mx = amax_of(v, QK);
-        int sums[2];
-        round32_i8(v, _mm256_set1_ps(mx > 0.0f ? I8MAX / mx : 0.0f), q + b * QK, sums);
-        d[b] = mx / I8MAX;
-        s[b] = d[b] * (float)(sums[0] + sums[1]);
-    }
+static inline int quantized_part(const sf_part *p) { return p->kind != 2; }
+
+/* whether a product by mat wants the activations quantized (any part is) */
+static inline int quantized(const sf_matrix *mat) {
+    for (int p = 0; p < mat->parts; p++)
+        if (quantized_part(&mat->part[p])) return 1;
+    return 0;
 }
 
-/* One row in int8 per block of 256 (Q8_K): k = round(x * (127 / amax)), d = amax / 127, and
-   the sum of each 16 of k. */
-static void quantize_row_q8k(const float *x, int K, int8_t *q, float *d, int16_t *sums16) {
-    for (int b = 0; b < K / QK_K; b++) {
-        const float *v = x + b * QK_K;
-        const float mx = amax_of(v, QK_K);
-        const __m256 mul = _mm256_set1_ps(mx > 0.0f ? I8MAX / mx : 0.0f);
-        for (int j = 0; j < QK_K / QK; j++) {
-            int sums[2];
-            round32_i8(v + QK * j, mul, q + b * QK_K + QK * j, sums);
-            sums16[b * 16 + 2 * j] = (int16_t)sums[0];
-            sums16[b * 16 + 2 * j + 1] = (int16_t)sums[1];
-        }
-        d[b] = mx / I8MAX;
-    }
-}
-
-/* The form a part's kernel reads (0: float32 rows). */
-static inline int part_form(const sf_part *p) {
-    switch (p->kind) {
-    case 0: case 1: case 3: return FORM_INT16;
-    case 7: case 8: return FORM_INT8;
-    case 4: case 5: case 6: return FORM_Q8K;
-    default: return 0;
-    }
-}
-
-/* the forms a product by mat wants its activations in (0: float32 only) */
-static inline int forms(const sf_matrix *mat) {
-    int f = 0;
-    for (int p = 0; p < mat->parts; p++) f |= part_form(&mat->part[p]);
-    return f;
-}
-
-static inline int quantized(const sf_matrix *mat) { return forms(mat) != 0; }
-
-/* rows [m0, m1) of a in the forms mat wants */
-static void quantize_rows(acts *a, const sf_matrix *mat, int m0, int m1) {
-    const int K = a->K, nb = K / QK, f = forms(mat);
-    for (int m = m0; m < m1; m++) {
-        const float *x = a->f + (size_t)m * K;
-        if (f & FORM_INT16)
-            quantize_row(x, K, a->q + (size_t)m * K, a->d + m * nb, a->s + m * nb);
-        if (f & FORM_INT8)
-            quantize_row_i8(x, K, a->b + (size_t)m * K, a->bd + m * nb, a->bs + m * nb);
-        if (f & FORM_Q8K)
-            quantize_row_q8k(x, K, a->k + (size_t)m * K, a->kd + m * (K / QK_K),
-                             a->ks + m * (K / 16));
-    }
+/* rows [m0, m1) of a */
+static void quantize_rows(acts *a, int m0, int m1) {
+    const int nb = a->K / QK;
+    for (int m = m0; m < m1; m++)
+        quantize_row(a->f + (size_t)m * a->K, a->K, a->q + (size_t)m * a->K, a->d + m * nb,
+                     a->s + m * nb);
 }
 
 /* out = x / sqrt(mean(x^2) + eps) * w, one row */
@@ -696,39 +583,34 @@ static inline __attribute__((always_inline)) void f32_rows2(
     }
 }
 
-/* Blocks as the file stores them, multiplied without inflating them, against int8
-   activations (docs/engine.md section 5.4).  R activation rows (R <= 8) against one weight
-   row, each row's steps the same whatever R is; every float product is held apart from the
-   sum it goes into (KEEP: never fused into one multiply-add by the compiler), so that the
-   tests' NumPy reference repeats each rounding.
-
-   Q8_0, Q5_0 and Q5_1 blocks of 32 against the int8 activations of the same 32 inputs (a
-   scale each): 8 int32 lanes (lane i the inputs 4i..4i+3), scaled in float by the weights'
-   d times the activations' and summed into 8 float lanes, then hsum; Q5_1's minimum times
-   the activations' s is summed apart and added last.
-
-   Q4_K, Q5_K and Q6_K super-blocks of 256 against the Q8_K activations of the same 256
-   inputs: each sub-block's integer sum times its 6-bit (Q6_K: 8-bit) scale summed exactly in
-   int32 over the super-block; the minimums (Q4_K, Q5_K) times the activations' sums of 16 in
-   int32 too; then one float step for each: y += (d * dx) * sum, y -= (dmin * dx) * mins. */
+/* Blocks as the file stores them, multiplied without inflating them: each block of 32
+   weights (a Q8_0 block, a K-quant sub-block) against the int16 activations of the same 32
+   inputs gives an exact int32 sum, scaled in float by the block's scale and the activations'
+   block scale; a K-quant block's minimum multiplies the activations' s = d * sum(q).  R
+   activation rows (R <= 8) against one weight row, each row's steps the same whatever R is
+   (explicit fused multiply-adds, so no compiler choice differs between the R variants). */
 
 #define LOAD16(p) _mm256_loadu_si256((const __m256i *)(p))
-#define KEEP(v) __asm__("" : "+x"(v))
 
-static inline void store_sums(const int R, const float *sum, float *out, int stride,
-                              int accumulate) {
-    for (int r = 0; r < R; r++)
-        out[(size_t)r * stride] = accumulate ? out[(size_t)r * stride] + sum[r] : sum[r];
+/* 32 int16 weights in two halves times 32 int16 activations: 8 int32 partial sums */
+static inline __m256i dot32(__m256i w0, __m256i w1, const int16_t *x) {
+    return _mm256_add_epi32(_mm256_madd_epi16(w0, LOAD16(x)), _mm256_madd_epi16(w1, LOAD16(x + 16)));
 }
 
-/* Q8_0 (34 bytes: float16 d, 32 int8 q) against int16 activations (a Q8_0 matrix gained
-   nothing from int8 ones, docs/engine.md section 5.4): each block's exact int32 sum scaled by
-   d times the activations' block scale, summed in 8 float lanes, then hsum. */
+static inline void store_rows(const int R, const __m256 *acc, const float *minus, float *out,
+                              int stride, int accumulate) {
+    for (int r = 0; r < R; r++) {
+        const float v = hsum(acc[r]) - minus[r];
+        out[(size_t)r * stride] = accumulate ? out[(size_t)r * stride] + v : v;
+    }
+}
+
+/* Q8_0 (34 bytes: float16 d, 32 int8 q) */
 static inline __attribute__((always_inline)) void q8b_rows(
     const int R, const uint8_t *w, int nb, const int16_t *qx, const float *dx, int K, float *out,
     int stride, int accumulate) {
     __m256 acc[8];
-    float sum[8];
+    float minus[8] = {0.0f};
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = w + (size_t)b * 34;
@@ -736,15 +618,12 @@ static inline __attribute__((always_inline)) void q8b_rows(
         const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 2)));
         const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 18)));
         for (int r = 0; r < R; r++) {
-            const int16_t *x = qx + (size_t)r * K + b * QK;
-            const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, LOAD16(x)),
-                                               _mm256_madd_epi16(w1, LOAD16(x + 16)));
+            const __m256i p = dot32(w0, w1, qx + (size_t)r * K + b * QK);
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[r * nb + b]), _mm256_cvtepi32_ps(p),
                                      acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) sum[r] = hsum(acc[r]);
-    store_sums(R, sum, out, stride, accumulate);
+    store_rows(R, acc, minus, out, stride, accumulate);
 }
 
 /* The 32 weights' q of a Q5_0/Q5_1 block (0..31): nibbles of qs (low ones first), the fifth
@@ -763,67 +642,63 @@ static inline __m256i five_bits(const uint8_t *qh, const uint8_t *qs) {
     return _mm256_or_si256(nibbles, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
 }
 
-/* Q5_0 (form 1: 22 bytes, float16 d, qh, 16 bytes of nibbles; w = d*(q - 16)) and Q5_1
-   (form 2: 24 bytes, float16 d and m, qh, nibbles; w = d*q + m). */
-static inline __attribute__((always_inline)) void b8_rows(
-    const int R, const int form, const uint8_t *w, int nb, const int8_t *xb, const float *dx,
-    const float *sx, int K, float *out, int stride, int accumulate) {
-    const size_t size = form == 1 ? 22 : 24;
-    const __m256i ones = _mm256_set1_epi16(1);
+/* Q5_0 (22 bytes: float16 d, qh, 16 bytes of nibbles; w = d*(q - 16)) and Q5_1 (24 bytes:
+   float16 d and m, qh, nibbles; w = d*q + m, the min multiplying the activations' s). */
+static inline __attribute__((always_inline)) void q5_rows(
+    const int R, const int with_min, const uint8_t *w, int nb, const int16_t *qx,
+    const float *dx, const float *sx, int K, float *out, int stride, int accumulate) {
+    const size_t size = with_min ? 24 : 22;
     __m256 acc[8];
-    float plus[8] = {0.0f}, sum[8];
+    float minus[8] = {0.0f};
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = w + (size_t)b * size;
-        const float d = half_at(blk), m = form == 2 ? half_at(blk + 2) : 0.0f;
-        __m256i q = five_bits(blk + 2 + 2 * (form == 2), blk + 6 + 2 * (form == 2));
-        if (form == 1) q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
-        /* maddubs multiplies unsigned by signed bytes: |q| by x with q's sign */
-        const __m256i uq = form == 2 ? q : _mm256_sign_epi8(q, q);
+        const float d = half_at(blk), m = with_min ? -half_at(blk + 2) : 0.0f;
+        __m256i q = five_bits(blk + 2 + 2 * with_min, blk + 6 + 2 * with_min);
+        if (!with_min) q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+        const __m256i w0 = with_min ? _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q))
+                                    : _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
+        const __m256i w1 = with_min ? _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1))
+                                    : _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
         for (int r = 0; r < R; r++) {
-            const __m256i x = LOAD16(xb + (size_t)r * K + (size_t)b * QK);
-            const __m256i sx8 = form == 2 ? x : _mm256_sign_epi8(x, q);
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(uq, sx8), ones);
-            __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * dx[r * nb + b]));
-            KEEP(t);
-            acc[r] = _mm256_add_ps(acc[r], t);
-            if (form == 2) {
-                float t1 = m * sx[r * nb + b];
-                KEEP(t1);
-                plus[r] += t1;
-            }
+            const __m256i p = dot32(w0, w1, qx + (size_t)r * K + b * QK);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[r * nb + b]), _mm256_cvtepi32_ps(p),
+                                     acc[r]);
+            if (with_min) minus[r] = fmaf(m, sx[r * nb + b], minus[r]);
         }
     }
-    for (int r = 0; r < R; r++) sum[r] = hsum(acc[r]) + plus[r];
-    store_sums(R, sum, out, stride, accumulate);
+    store_rows(R, acc, minus, out, stride, accumulate);
 }
 
-/* The float step of one super-block of one row: y + (d * dx) * isum - (dmin * dx) * imin. */
-static inline float k_step(float y, float d, float dmin, float dx, int isum, int imin) {
-    float a = (d * dx) * (float)isum;
-    KEEP(a);
-    float b = (dmin * dx) * (float)imin;
-    KEEP(b);
-    return (y + a) - b;
+/* The eight scales and mins of a Q4_K/Q5_K super-block, times its d and dmin. */
+static inline void k_scales(const uint8_t *blk, float *ds, float *dm) {
+    const float d = half_at(blk), dmin = half_at(blk + 2);
+    for (int j = 0; j < 8; j++) {
+        uint8_t sc, m;
+        k_scale_min(j, blk + 4, &sc, &m);
+        ds[j] = d * (float)sc;
+        dm[j] = dmin * (float)m;
+    }
 }
 
 /* Q4_K (144 bytes) and Q5_K (176 bytes, five_bits): sub-block j of 32 weights is
    d*sc[j]*q - dmin*m[j]; bytes 32c..32c+31 of the nibbles hold sub-blocks 2c (low nibbles)
    and 2c + 1 (high ones), and Q5_K's fifth bit of weight l of sub-block j is bit j of qh[l]. */
 static inline __attribute__((always_inline)) void qk_rows(
-    const int R, const int five_bits, const uint8_t *w, int nsb, const int8_t *xk,
-    const float *dx, const int16_t *sums16, int K, float *out, int stride, int accumulate) {
+    const int R, const int five_bits, const uint8_t *w, int nsb, const int16_t *qx,
+    const float *dx, const float *sx, int K, float *out, int stride, int accumulate) {
+    const int nb = K / QK;
     const size_t size = five_bits ? 176 : 144;
     const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-    float y[8] = {0.0f};
+    __m256 acc[8];
+    float minus[8] = {0.0f};
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *blk = w + (size_t)sb * size;
         const uint8_t *qs = blk + (five_bits ? 48 : 16);
-        uint8_t sc[8], mn[8];
-        for (int j = 0; j < 8; j++) k_scale_min(j, blk + 4, sc + j, mn + j);
+        float ds[8], dm[8];
+        k_scales(blk, ds, dm);
         const __m256i qh = five_bits ? LOAD16(blk + 16) : _mm256_setzero_si256();
-        __m256i acc[8];
-        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
             const __m256i v = LOAD16(qs + 32 * c);
             __m256i lo = _mm256_and_si256(v, low);
@@ -836,40 +711,43 @@ static inline __attribute__((always_inline)) void qk_rows(
                 lo = _mm256_or_si256(lo, _mm256_slli_epi16(b0, 4));
                 hi = _mm256_or_si256(hi, _mm256_slli_epi16(b1, 4));
             }
-            const __m256i s0 = _mm256_set1_epi16(sc[2 * c]), s1 = _mm256_set1_epi16(sc[2 * c + 1]);
+            const __m256i l0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo));
+            const __m256i l1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1));
+            const __m256i h0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi));
+            const __m256i h1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1));
+            const int b = sb * 8 + 2 * c;
             for (int r = 0; r < R; r++) {
-                const int8_t *x = xk + (size_t)r * K + (size_t)sb * QK_K + 64 * c;
-                const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, LOAD16(x)), s0);
-                const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, LOAD16(x + 32)), s1);
-                acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(p0, p1));
+                const int16_t *x = qx + (size_t)r * K + (size_t)b * QK;
+                const float *d = dx + r * nb + b, *sm = sx + r * nb + b;
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(ds[2 * c] * d[0]),
+                                         _mm256_cvtepi32_ps(dot32(l0, l1, x)), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(ds[2 * c + 1] * d[1]),
+                                         _mm256_cvtepi32_ps(dot32(h0, h1, x + QK)), acc[r]);
+                minus[r] = fmaf(dm[2 * c], sm[0], minus[r]);
+                minus[r] = fmaf(dm[2 * c + 1], sm[1], minus[r]);
             }
         }
-        const float d = half_at(blk), dmin = half_at(blk + 2);
-        for (int r = 0; r < R; r++) {
-            const int16_t *bs = sums16 + (size_t)r * (K / 16) + sb * 16;
-            int imin = 0;
-            for (int j = 0; j < 8; j++) imin += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
-            y[r] = k_step(y[r], d, dmin, dx[r * nsb + sb], hsum_i32(acc[r]), imin);
-        }
     }
-    store_sums(R, y, out, stride, accumulate);
+    store_rows(R, acc, minus, out, stride, accumulate);
 }
 
 /* Q6_K (210 bytes: 128 of low nibbles, 64 of high bit pairs, 16 int8 scales, float16 d):
    each half of 128 weights is four groups of 32 (low nibbles of ql[0..31], of ql[32..63],
    high nibbles of ql[0..31], of ql[32..63]; their high bits the pairs 0, 2, 4, 6 of qh), each
-   group's 16 and 16 weights with a scale of their own: w = d*scale*(q - 32).  The 32 comes
-   off in integers: scale * 32 * the activations' sum of those 16. */
+   group's 16 and 16 weights with a scale of their own: w = d*scale*(q - 32). */
 static inline __attribute__((always_inline)) void q6k_rows(
-    const int R, const uint8_t *w, int nsb, const int8_t *xk, const float *dx,
-    const int16_t *sums16, int K, float *out, int stride, int accumulate) {
+    const int R, const uint8_t *w, int nsb, const int16_t *qx, const float *dx, int K,
+    float *out, int stride, int accumulate) {
+    const int nb = K / QK;
     const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
-    float y[8] = {0.0f};
+    const __m256i offset = _mm256_set1_epi8(32);
+    __m256 acc[8];
+    float minus[8] = {0.0f};
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *blk = w + (size_t)sb * 210;
         const int8_t *scales = (const int8_t *)(blk + 192);
-        __m256i acc[8];
-        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_si256();
+        const float d = half_at(blk + 208);
         for (int half = 0; half < 2; half++) {
             const __m256i ql0 = LOAD16(blk + 64 * half), ql1 = LOAD16(blk + 64 * half + 32);
             const __m256i qh = LOAD16(blk + 128 + 32 * half);
@@ -878,25 +756,25 @@ static inline __attribute__((always_inline)) void q6k_rows(
                 const __m256i nib = _mm256_and_si256(g < 2 ? src : _mm256_srli_epi16(src, 4), low);
                 const __m256i high = _mm256_and_si256(
                     _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g)), three);
-                const __m256i q = _mm256_or_si256(nib, _mm256_slli_epi16(high, 4));
-                const __m256i sv = _mm256_set_m128i(_mm_set1_epi16(scales[8 * half + 2 * g + 1]),
-                                                    _mm_set1_epi16(scales[8 * half + 2 * g]));
+                const __m256i q = _mm256_sub_epi8(
+                    _mm256_or_si256(nib, _mm256_slli_epi16(high, 4)), offset);
+                const __m256i q0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
+                const __m256i q1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
+                const float s0 = d * (float)scales[8 * half + 2 * g];
+                const float s1 = d * (float)scales[8 * half + 2 * g + 1];
+                const int b = sb * 8 + half * 4 + g;
                 for (int r = 0; r < R; r++) {
-                    const int8_t *x = xk + (size_t)r * K + (size_t)sb * QK_K + 128 * half + 32 * g;
-                    acc[r] = _mm256_add_epi32(
-                        acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, LOAD16(x)), sv));
+                    const int16_t *x = qx + (size_t)r * K + (size_t)b * QK;
+                    const float xd = dx[r * nb + b];
+                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(s0 * xd),
+                        _mm256_cvtepi32_ps(_mm256_madd_epi16(q0, LOAD16(x))), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(s1 * xd),
+                        _mm256_cvtepi32_ps(_mm256_madd_epi16(q1, LOAD16(x + 16))), acc[r]);
                 }
             }
         }
-        const float d = half_at(blk + 208);
-        for (int r = 0; r < R; r++) {
-            const int16_t *bs = sums16 + (size_t)r * (K / 16) + sb * 16;
-            int bias = 0;
-            for (int j = 0; j < 16; j++) bias += scales[j] * bs[j];
-            y[r] = k_step(y[r], d, 0.0f, dx[r * nsb + sb], hsum_i32(acc[r]) - 32 * bias, 0);
-        }
     }
-    store_sums(R, y, out, stride, accumulate);
+    store_rows(R, acc, minus, out, stride, accumulate);
 }
 
 /* The work units a product splits between threads: tiles of 8 output rows (kind 0), output
@@ -921,26 +799,19 @@ static void stored_units(const sf_part *mat, const acts *a, int M, float *y, int
         const uint8_t *wr = (const uint8_t *)mat->w + (size_t)n * bytes;
 #define STORED_CALL(RR)                                                                        \
     do {                                                                                       \
+        const int16_t *xq = a->q + (size_t)m * K;                                              \
+        const float *xd = a->d + m * nb, *xs = a->s + m * nb;                                  \
         float *yo = y + (size_t)m * ldy + n;                                                   \
-        const int8_t *xb = a->b + (size_t)m * K, *xk = a->k + (size_t)m * K;                   \
-        const float *bd = a->bd + m * nb, *bs = a->bs + m * nb, *kd = a->kd + m * nsb;         \
-        const int16_t *ks = a->ks + m * (K / 16);                                              \
-        if (mat->kind == 3) q8b_rows(RR, wr, nb, a->q + (size_t)m * K, a->d + m * nb, K, yo,   \
-                                     ldy, accumulate);                                         \
-        else if (mat->kind >= 7)                                                               \
-            b8_rows(RR, mat->kind - 6, wr, nb, xb, bd, bs, K, yo, ldy, accumulate);            \
-        else if (mat->kind == 6) q6k_rows(RR, wr, nsb, xk, kd, ks, K, yo, ldy, accumulate);    \
-        else qk_rows(RR, mat->kind == 5, wr, nsb, xk, kd, ks, K, yo, ldy, accumulate);         \
+        if (mat->kind == 3) q8b_rows(RR, wr, nb, xq, xd, K, yo, ldy, accumulate);              \
+        else if (mat->kind == 6) q6k_rows(RR, wr, nsb, xq, xd, K, yo, ldy, accumulate);        \
+        else if (mat->kind >= 7) q5_rows(RR, mat->kind == 8, wr, nb, xq, xd, xs, K, yo, ldy,   \
+                                         accumulate);                                          \
+        else qk_rows(RR, mat->kind == 5, wr, nsb, xq, xd, xs, K, yo, ldy, accumulate);         \
     } while (0)
-        int m = 0; /* 8 rows a pass: each weight row unpacked once for 8 activation rows */
-        for (; m + 8 <= M; m += 8) STORED_CALL(8);
-        for (; m + 4 <= M; m += 4) STORED_CALL(4);
-        switch (M - m) {
-        case 3: STORED_CALL(3); break;
-        case 2: STORED_CALL(2); break;
-        case 1: STORED_CALL(1); break;
-        default: break;
-        }
+        /* 8 rows a pass: each weight row unpacked once for 8 activation rows */
+        const int M8 = M - M % 8;
+        for (int m = 0; m < M8; m += 8) STORED_CALL(8);
+        ROW_TILES_FROM(M8, STORED_CALL);
 #undef STORED_CALL
     }
 }
@@ -1015,7 +886,7 @@ static void product(const sf_matrix *mat, const acts *a, int M, float *y, int ld
 
 static int part_ok(const sf_part *mat) {
     if (mat->kind < 0 || mat->kind > 8 || mat->K <= 0 || mat->N <= 0) return 0;
-    if (part_form(mat) && mat->K % QK) return 0;
+    if (quantized_part(mat) && mat->K % QK) return 0;
     if (mat->kind >= 4 && mat->kind <= 6 && mat->K % QK_K) return 0;
     return 1;
 }
@@ -1034,22 +905,24 @@ static int matrix_ok(const sf_matrix *mat) {
 int sf_linear(const sf_matrix *mat, const float *x, int M, float *y, int threads) {
     if (!matrix_ok(mat)) return 1;
     const int K = mat->K;
-    acts a;
-    memset(&a, 0, sizeof(a));
-    a.f = x;
-    a.K = K;
-    if (quantized(mat) && acts_alloc(&a, (size_t)M, K)) return 2;
+    acts a = {x, NULL, NULL, NULL, K};
+    if (quantized(mat)) {
+        a.q = (int16_t *)malloc(sizeof(int16_t) * ((size_t)M * K + 16));
+        a.d = (float *)malloc(sizeof(float) * ((size_t)M * (K / QK) + 1));
+        a.s = (float *)malloc(sizeof(float) * ((size_t)M * (K / QK) + 1));
+        if (!a.q || !a.d || !a.s) { free(a.q); free(a.d); free(a.s); return 2; }
+    }
 #pragma omp parallel num_threads(threads)
     {
         if (quantized(mat)) {
             int m0, m1;
             share(M, omp_get_num_threads(), omp_get_thread_num(), &m0, &m1);
-            quantize_rows(&a, mat, m0, m1);
+            quantize_rows(&a, m0, m1);
 #pragma omp barrier
         }
         product(mat, &a, M, y, mat->N, 0);
     }
-    if (quantized(mat)) acts_free(&a);
+    free(a.q); free(a.d); free(a.s);
     return 0;
 }
 
@@ -1196,7 +1069,8 @@ typedef struct {
     int M, width, attended;
     const int64_t *positions, *slots;
     float *hidden, *xf, *qkv, *gu, *out, *scores;
-    acts x; /* the activations' buffers (x.f is xf; x.K set per product) */
+    int16_t *xq;
+    float *xd, *xs;
     int longest;
     size_t slot_stride;
 } step_state;
@@ -1287,12 +1161,11 @@ static void attention_half(const step_state *st, const sf_layer *L, int l, int n
                            int m0, int m1) {
     const sf_model *md = st->md;
     const int H = md->hidden;
-    acts in_h = st->x, in_a = st->x;
-    in_h.K = H;
-    in_a.K = st->attended;
+    acts in_h = {st->xf, st->xq, st->xd, st->xs, H};
+    acts in_a = {st->xf, st->xq, st->xd, st->xs, st->attended};
     for (int m = m0; m < m1; m++)
         rmsnorm_row(st->hidden + (size_t)m * H, H, L->input_norm, md->eps, st->xf + (size_t)m * H);
-    quantize_rows(&in_h, &L->qkv, m0, m1);
+    if (quantized(&L->qkv)) quantize_rows(&in_h, m0, m1);
 #pragma omp barrier
     product(&L->qkv, &in_h, st->M, st->qkv, st->width, 0);
 #pragma omp barrier
@@ -1305,7 +1178,7 @@ static void attention_half(const step_state *st, const sf_layer *L, int l, int n
     attend_heads(st, L, l, nt, me);
 #pragma omp barrier
     if (quantized(&L->o)) {
-        quantize_rows(&in_a, &L->o, m0, m1);
+        quantize_rows(&in_a, m0, m1);
 #pragma omp barrier
     }
     close_half(st, &L->o, &in_a, L->o_bias, L->attn_post_norm, m0, m1);
@@ -1317,12 +1190,11 @@ static void attention_half(const step_state *st, const sf_layer *L, int l, int n
 static void mlp_half(const step_state *st, const sf_layer *L, int m0, int m1) {
     const sf_model *md = st->md;
     const int H = md->hidden, I = md->intermediate;
-    acts in_h = st->x, in_i = st->x;
-    in_h.K = H;
-    in_i.K = I;
+    acts in_h = {st->xf, st->xq, st->xd, st->xs, H};
+    acts in_i = {st->xf, st->xq, st->xd, st->xs, I};
     for (int m = m0; m < m1; m++)
         rmsnorm_row(st->hidden + (size_t)m * H, H, L->post_norm, md->eps, st->xf + (size_t)m * H);
-    quantize_rows(&in_h, &L->gate_up, m0, m1);
+    if (quantized(&L->gate_up)) quantize_rows(&in_h, m0, m1);
 #pragma omp barrier
     product(&L->gate_up, &in_h, st->M, st->gu, 2 * I, 0);
 #pragma omp barrier
@@ -1331,7 +1203,7 @@ static void mlp_half(const step_state *st, const sf_layer *L, int m0, int m1) {
         const float *gate = st->gu + (size_t)m * 2 * I;
         gated_row(gate, gate + I, I, md->activation == 1, st->xf + (size_t)m * I);
     }
-    quantize_rows(&in_i, &L->down, m0, m1);
+    if (quantized(&L->down)) quantize_rows(&in_i, m0, m1);
 #pragma omp barrier
     close_half(st, &L->down, &in_i, L->down_bias, L->mlp_post_norm, m0, m1);
 #pragma omp barrier
@@ -1371,20 +1243,18 @@ int sf_forward(const sf_model *md, const sf_kv *kv, int M, const int64_t *tokens
     }
     const int widest = I > H ? (I > attended ? I : attended) : (H > attended ? H : attended);
     const size_t rows = (size_t)M;
-    step_state st;
-    memset(&st, 0, sizeof(st));
-    st.md = md; st.kv = kv; st.M = M; st.width = width; st.attended = attended;
-    st.positions = positions; st.slots = slots; st.hidden = hidden; st.longest = longest;
-    st.slot_stride = (size_t)kvh * kv->capacity * hd;
+    step_state st = {md, kv, M, width, attended, positions, slots, hidden, NULL, NULL, NULL,
+                     NULL, NULL, NULL, NULL, NULL, longest, (size_t)kvh * kv->capacity * hd};
     st.xf = (float *)malloc(sizeof(float) * rows * widest);
-    const int no_acts = acts_alloc(&st.x, rows, widest);
-    st.x.f = st.xf;
+    st.xq = (int16_t *)malloc(sizeof(int16_t) * (rows * widest + 16));
+    st.xd = (float *)malloc(sizeof(float) * (rows * (widest / QK) + 1));
+    st.xs = (float *)malloc(sizeof(float) * (rows * (widest / QK) + 1));
     st.qkv = (float *)malloc(sizeof(float) * rows * width);
     st.gu = (float *)malloc(sizeof(float) * rows * 2 * I);
     st.out = (float *)malloc(sizeof(float) * rows * H);
     st.scores = (float *)malloc(sizeof(float) * ((size_t)threads * (longest + 8) + 8));
     int status =
-        (!st.xf || no_acts || !st.qkv || !st.gu || !st.out || !st.scores)
+        (!st.xf || !st.xq || !st.xd || !st.xs || !st.qkv || !st.gu || !st.out || !st.scores)
             ? 2 : 0;
     if (!status && tokens)
         for (int m = 0; m < M; m++) {
@@ -1406,8 +1276,8 @@ int sf_forward(const sf_model *md, const sf_kv *kv, int M, const int64_t *tokens
             }
         }
     }
-    if (!no_acts) acts_free(&st.x);
-    free(st.xf); free(st.qkv); free(st.gu); free(st.out); free(st.scores);
+    free(st.xf); free(st.xq); free(st.xd); free(st.xs); free(st.qkv); free(st.gu);
+    free(st.out); free(st.scores);
     return status;
 }
 
@@ -1497,19 +1367,17 @@ int sf_logits(const sf_model *md, int M, const float *hidden, const int32_t *mas
     if (masks && mask_words * 32 < V) return 1;
     if (refined > V) refined = V;
     float *xf = (float *)malloc(sizeof(float) * (size_t)M * H);
-    acts a;
-    memset(&a, 0, sizeof(a));
-    const int no_acts = acts_alloc(&a, (size_t)M, H);
+    int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * ((size_t)M * H + 16));
+    float *xd = (float *)malloc(sizeof(float) * ((size_t)M * (H / QK) + 1));
+    float *xs = (float *)malloc(sizeof(float) * ((size_t)M * (H / QK) + 1));
     int32_t *best = (int32_t *)malloc(sizeof(int32_t) * ((size_t)M * (refined > 0 ? refined : 1)));
     float *rows_read = (float *)malloc(sizeof(float) * (size_t)threads * H);
     if (md->refine_type >= 0 && row_bytes(md->refine_type, H) == 0) refined = 0;
-    if (!xf || no_acts || !best || !rows_read) {
-        if (!no_acts) acts_free(&a);
-        free(xf); free(best); free(rows_read);
+    if (!xf || !xq || !xd || !xs || !best || !rows_read) {
+        free(xf); free(xq); free(xd); free(xs); free(best); free(rows_read);
         return 2;
     }
-    a.f = xf;
-    a.K = H;
+    acts a = {xf, xq, xd, xs, H};
 #pragma omp parallel num_threads(threads)
     {
         const int nt = omp_get_num_threads(), me = omp_get_thread_num();
@@ -1517,7 +1385,7 @@ int sf_logits(const sf_model *md, int M, const float *hidden, const int32_t *mas
         share(M, nt, me, &m0, &m1);
         for (int m = m0; m < m1; m++)
             rmsnorm_row(hidden + (size_t)m * H, H, md->final_norm, md->eps, xf + (size_t)m * H);
-        quantize_rows(&a, &md->head, m0, m1);
+        if (quantized(&md->head)) quantize_rows(&a, m0, m1);
 #pragma omp barrier
         product(&md->head, &a, M, logits, V, 0);
 #pragma omp barrier
@@ -1539,7 +1407,6 @@ int sf_logits(const sf_model *md, int M, const float *hidden, const int32_t *mas
             }
         }
     }
-    acts_free(&a);
-    free(xf); free(best); free(rows_read);
+    free(xf); free(xq); free(xd); free(xs); free(best); free(rows_read);
     return 0;
 }

@@ -8,8 +8,7 @@ activations, spend their time converting; and a decode step of eager torch opera
 much time dispatching its few hundred small operators as multiplying.  The C source
 (``native.c`` beside this module) has products for 4-bit weights (GGUF Q4_1 blocks, laid out in
 tiles of 8 output rows), int8 and float32 weights, each activation row quantized by itself to
-int16 per block of 32 for the integer kernels (to int8 for blocks as the file stores them); and
-the whole decode step of a Llama-family model
+int16 per block of 32 for the integer kernels; and the whole decode step of a Llama-family model
 (every layer, attention over the KV slots included, then the output head and its best logits
 computed again in float32) in two calls.  Every row is computed by itself in the same order of
 operations whatever else is in the call, so the results are batch-invariant, and a position's
@@ -463,10 +462,10 @@ STORED_KINDS = {"Q8_0": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "Q5_0": 7, "Q5_1": 8
 
 class BlockLinear:
     """A matrix multiplied as the file stores it (Q8_0, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K rows of
-    blocks, docs/engine.md section 5.4): the kernel reads each block against int8 activations
-    (a scale per 32 for Q8_0 and Q5 blocks, per 256 for a K-quant super-block, whose
-    sub-block scales it applies in integers) and scales the sums in float; nothing is inflated
-    or copied (``data`` is the file's map)."""
+    blocks, docs/engine.md section 5.4): the kernel reads each block of 32 weights (a Q8_0 or
+    Q5 block, a K-quant sub-block) against the int16 activations of the same inputs, in
+    integers, and scales it in float; nothing is inflated or copied (``data`` is the file's
+    map)."""
 
     activations = torch.float32
     as_stored = True
