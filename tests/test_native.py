@@ -122,6 +122,28 @@ class KernelTests(unittest.SynchronousTestCase):
                     alone = native.BlockLinear(kind, data[n : n + 1], 96, self.library)
                     self.assertTrue(torch.equal(alone(self.x)[:, 0], got[:, n]), (kind, n))
 
+    def test_k_quant_blocks_as_stored(self) -> None:
+        """Q4_K, Q5_K and Q6_K rows multiply as stored by the weights the file means (int16
+        activations), and a row's result is bit for bit the same alone or in a pass of 8 rows
+        or fewer beside others."""
+        from tests import kquant
+
+        generator = torch.Generator().manual_seed(4)
+        x = torch.randn(13, 512, generator=generator)
+        floats = np.random.default_rng(6).standard_normal((24, 512)).astype(np.float32) * 0.1
+        for kind in ("Q4_K", "Q5_K", "Q6_K"):
+            with self.subTest(kind=kind):
+                layer = native.BlockLinear(kind, kquant.quantize(kind, floats), 512, self.library)
+                got = layer(x)
+                want = x @ layer.weight().t()
+                error = float((got - want).abs().max()) / float(want.abs().max())
+                self.assertLess(error, 1e-3)
+                for rows in (1, 3, 4, 5, 8):
+                    for start in range(0, 13 - rows + 1):
+                        alone = layer(x[start : start + rows])
+                        same = torch.equal(alone, got[start : start + rows])
+                        self.assertTrue(same, (kind, rows, start))
+
     def test_q4_of_a_float_matrix_and_q8(self) -> None:
         """Float weights packed into Q4_1 blocks, and int8 rows with a scale each, multiply by
         the weights they hold (the kernel family's self-check uses the same)."""

@@ -587,7 +587,7 @@ static inline __attribute__((always_inline)) void f32_rows2(
    weights (a Q8_0 block, a K-quant sub-block) against the int16 activations of the same 32
    inputs gives an exact int32 sum, scaled in float by the block's scale and the activations'
    block scale; a K-quant block's minimum multiplies the activations' s = d * sum(q).  R
-   activation rows (R <= 4) against one weight row, each row's steps the same whatever R is
+   activation rows (R <= 8) against one weight row, each row's steps the same whatever R is
    (explicit fused multiply-adds, so no compiler choice differs between the R variants). */
 
 #define LOAD16(p) _mm256_loadu_si256((const __m256i *)(p))
@@ -609,8 +609,8 @@ static inline void store_rows(const int R, const __m256 *acc, const float *minus
 static inline __attribute__((always_inline)) void q8b_rows(
     const int R, const uint8_t *w, int nb, const int16_t *qx, const float *dx, int K, float *out,
     int stride, int accumulate) {
-    __m256 acc[4];
-    float minus[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    __m256 acc[8];
+    float minus[8] = {0.0f};
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = w + (size_t)b * 34;
@@ -648,8 +648,8 @@ static inline __attribute__((always_inline)) void q5_rows(
     const int R, const int with_min, const uint8_t *w, int nb, const int16_t *qx,
     const float *dx, const float *sx, int K, float *out, int stride, int accumulate) {
     const size_t size = with_min ? 24 : 22;
-    __m256 acc[4];
-    float minus[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    __m256 acc[8];
+    float minus[8] = {0.0f};
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = w + (size_t)b * size;
@@ -690,8 +690,8 @@ static inline __attribute__((always_inline)) void qk_rows(
     const int nb = K / QK;
     const size_t size = five_bits ? 176 : 144;
     const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-    __m256 acc[4];
-    float minus[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    __m256 acc[8];
+    float minus[8] = {0.0f};
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *blk = w + (size_t)sb * size;
@@ -741,8 +741,8 @@ static inline __attribute__((always_inline)) void q6k_rows(
     const int nb = K / QK;
     const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
     const __m256i offset = _mm256_set1_epi8(32);
-    __m256 acc[4];
-    float minus[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    __m256 acc[8];
+    float minus[8] = {0.0f};
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *blk = w + (size_t)sb * 210;
@@ -808,7 +808,10 @@ static void stored_units(const sf_part *mat, const acts *a, int M, float *y, int
                                          accumulate);                                          \
         else qk_rows(RR, mat->kind == 5, wr, nsb, xq, xd, xs, K, yo, ldy, accumulate);         \
     } while (0)
-        ROW_TILES(STORED_CALL);
+        /* 8 rows a pass: each weight row unpacked once for 8 activation rows */
+        const int M8 = M - M % 8;
+        for (int m = 0; m < M8; m += 8) STORED_CALL(8);
+        ROW_TILES_FROM(M8, STORED_CALL);
 #undef STORED_CALL
     }
 }
