@@ -45,9 +45,7 @@ class StageSessionsTests(SynchronousTestCase):
         self.assertRaises(StageForwardError, table.claim, "a", 1, 3, 1, LAYERS, 0.0)
         for position, rows, layers in ((4, 1, (0, 2)), (4, 0, LAYERS), (4, 13, LAYERS)):
             table.claim("a", 1, 0, 4, LAYERS, 0.0)
-            self.assertRaises(
-                StageForwardError, table.claim, "a", 1, position, rows, layers, 0.0
-            )
+            self.assertRaises(StageForwardError, table.claim, "a", 1, position, rows, layers, 0.0)
             self.assertEqual(len(table), 0)
 
     def test_sessions_are_bounded_by_the_slots_and_idleness(self) -> None:
@@ -132,16 +130,22 @@ class _Pipeline:
         self.forwarded += len(hidden or b"")
 
 
-class StepGroupTests(SynchronousTestCase):
+class _StepGroupCase(SynchronousTestCase):
+    """A step group over two stage links of the class :attr:`link` (per-row frames by default)."""
+
+    link: type[_Link] | type[_BatchLink] = _Link
+
     def setUp(self) -> None:
         self.clock = Clock()
         self.pipeline = _Pipeline(self.clock)
-        self.links = [_Link("stage0"), _Link("stage1")]
+        self.links = [self.link("stage0"), self.link("stage1")]
         self.group = StepGroup(self.pipeline)  # type: ignore[arg-type]
 
     def kept(self, session: int) -> _Kept:
         return _Kept(session=session, links=self.links)  # type: ignore[arg-type]
 
+
+class StepGroupTests(_StepGroupCase):
     def test_a_round_waits_for_every_member_and_sends_their_rows_together(self) -> None:
         """Two members' rows reach the first stage in one reactor turn, once both asked; the
         second stage gets both hidden states only when the first answered both; each member
@@ -220,17 +224,10 @@ class StepGroupTests(SynchronousTestCase):
         self.assertEqual(len(self.links[0].sent), 3)
 
 
-class BatchedStepGroupTests(SynchronousTestCase):
+class BatchedStepGroupTests(_StepGroupCase):
     """Step groups over nodes that set feature bit 8 (docs/protocol.md section 12.8, D28)."""
 
-    def setUp(self) -> None:
-        self.clock = Clock()
-        self.pipeline = _Pipeline(self.clock)
-        self.links = [_BatchLink("stage0"), _BatchLink("stage1")]
-        self.group = StepGroup(self.pipeline)  # type: ignore[arg-type]
-
-    def kept(self, session: int) -> _Kept:
-        return _Kept(session=session, links=self.links)  # type: ignore[arg-type]
+    link = _BatchLink
 
     def test_a_round_sends_one_batch_per_stage(self) -> None:
         """Two members' rows go to each stage as one STAGE_BATCH_REQ (the first stage's with

@@ -453,7 +453,6 @@ class EngineLoop:
         d.addErrback(_stage_failed)
         return d
 
-
     def read_hidden(self, blob: bytes) -> Any:
         """A stage's hidden input as the runner takes it.
 
@@ -587,14 +586,29 @@ class StageDriver:
         """Appended on the reactor thread, taken by the worker (under the lock)."""
         self._called = False
         """A batch is asked of the worker and has not taken its requests yet."""
-        self._holding = False
-        """:meth:`forward_all` is queueing requests: the worker is asked once it is done."""
 
     def forward(
         self, owner: Hashable, session: int, position: int, forward: StageForward
     ) -> defer.Deferred[StageResult]:
         """``forward`` against ``owner``'s stage ``session`` from ``position``; fails with
         :class:`StageForwardError`, and the session is then dropped."""
+        answer = self._queue(owner, session, position, forward)
+        self._ask()
+        return answer
+
+    def forward_all(
+        self, owner: Hashable, requests: Sequence[tuple[int, int, StageForward]]
+    ) -> list[defer.Deferred[StageResult]]:
+        """Each ``(session, position, forward)`` as :meth:`forward`, all in the same batch
+        (the worker is asked once every one of them waits: STAGE_BATCH_REQ, section 12.8)."""
+        answers = [self._queue(owner, *request) for request in requests]
+        self._ask()
+        return answers
+
+    def _queue(
+        self, owner: Hashable, session: int, position: int, forward: StageForward
+    ) -> defer.Deferred[StageResult]:
+        """:meth:`forward`'s request, checked and waiting for the next batch (none asked)."""
         loop, stages = self._loop, self._stages
         try:
             check_stage(forward, loop.n_layers, loop._started and not loop._stopping)
@@ -611,22 +625,7 @@ class StageDriver:
         kept = KeptRows(slot, position, forward.tokens, rows, *layers)
         with self._lock:
             self._waiting.append((kept, d, owner, session))
-        if not self._holding:
-            self._ask()
         return d
-
-    def forward_all(
-        self, owner: Hashable, requests: Sequence[tuple[int, int, StageForward]]
-    ) -> list[defer.Deferred[StageResult]]:
-        """Each ``(session, position, forward)`` as :meth:`forward`, all in the same batch
-        (the worker is asked once every one of them waits: STAGE_BATCH_REQ, section 12.8)."""
-        self._holding = True
-        try:
-            answers = [self.forward(owner, *request) for request in requests]
-        finally:
-            self._holding = False
-        self._ask()
-        return answers
 
     def _ask(self) -> None:
         """Ask the worker for a batch, unless one is asked already or nothing waits."""
@@ -648,9 +647,7 @@ class StageDriver:
             error = StageForwardError(f"stage forward failed: {e}")
             return batch, [error for _ in batch]
 
-    def _answered(
-        self, done: tuple[list[_Waiting], list[StageResult | StageForwardError]]
-    ) -> None:
+    def _answered(self, done: tuple[list[_Waiting], list[StageResult | StageForwardError]]) -> None:
         batch, answers = done
         for (_, d, owner, session), answer in zip(batch, answers, strict=True):
             if isinstance(answer, StageForwardError):

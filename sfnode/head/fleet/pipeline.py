@@ -59,6 +59,7 @@ from sfnode.linkf.wire import (
     FINISH_CANCELLED,
     FINISH_EOS,
     FINISH_LENGTH,
+    StageBatchRespMsg,
     StageBatchRow,
     StageForwardRespMsg,
     StageReleaseMsg,
@@ -220,57 +221,50 @@ class StepGroup:
                 row.answer.callback(answer)
 
 
-@defer.inlineCallbacks
 def _through_stage(
     i: int, start: int, end: int, rows: Sequence[_Row]
-) -> Generator[Deferred[Any], Any, list[tuple[bool, Any]]]:
+) -> Deferred[list[tuple[bool, Any]]]:
     """Every row through stage ``i`` (layers ``[start, end)``), each row's ``(ok, answer)``
     in order: one STAGE_BATCH_REQ per link whose node set ``FEATURE_STAGE_BATCH``, one
     STAGE_FORWARD_REQ per row on any other (docs/protocol.md section 12.8)."""
     by_link: dict[int, list[int]] = {}
     for n, row in enumerate(rows):
         by_link.setdefault(id(row.kept.links[i]), []).append(n)
-    sent: list[Deferred[Any]] = []
+    sent: list[Deferred[Any]] = [Deferred() for _ in rows]
     for indices in by_link.values():
         link = rows[indices[0]].kept.links[i]
+        tokens = [rows[n].tokens if i == 0 else () for n in indices]
         if (link.features or 0) & FEATURE_STAGE_BATCH:
             batch = [
-                StageBatchRow(
-                    rows[n].kept.session or 0,
-                    rows[n].position,
-                    rows[n].tokens if i == 0 else (),
-                    rows[n].hidden,
-                )
-                for n in indices
+                StageBatchRow(rows[n].kept.session or 0, rows[n].position, t, rows[n].hidden)
+                for n, t in zip(indices, tokens, strict=True)
             ]
-            sent.append(stage_batch(link, start, end, batch))
+            answered = stage_batch(link, start, end, batch)
+            answered.addBoth(_split_batch, link.name, [sent[n] for n in indices])
         else:
-            sent.extend(
+            for n, t in zip(indices, tokens, strict=True):
+                row = rows[n]
                 link.stage_forward(
-                    rows[n].tokens if i == 0 else (),
-                    start,
-                    end,
-                    rows[n].hidden,
-                    rows[n].kept.session,
-                    rows[n].position,
-                )
-                for n in indices
-            )
-    results = yield defer.DeferredList(sent, consumeErrors=True)
-    answers: list[tuple[bool, Any]] = [(False, None)] * len(rows)
-    results_left = iter(results)
-    for indices in by_link.values():
-        link = rows[indices[0]].kept.links[i]
-        if not (link.features or 0) & FEATURE_STAGE_BATCH:
-            for n in indices:
-                answers[n] = next(results_left)
-            continue
-        ok, response = next(results_left)
-        if ok and len(response.answers) != len(indices):
-            ok, response = False, PipelineError(f"stage {link.name} answered another batch")
-        for k, n in enumerate(indices):
-            answers[n] = (True, response.answers[k]) if ok else (False, response)
-    return answers
+                    t, start, end, row.hidden, row.kept.session, row.position
+                ).chainDeferred(sent[n])
+    return defer.DeferredList(sent, consumeErrors=True)
+
+
+def _split_batch(
+    response: StageBatchRespMsg | Failure, name: str, rows: Sequence[Deferred[Any]]
+) -> None:
+    """Fire each row's Deferred with its answer in a STAGE_BATCH_RESP; all of them fail when
+    the batch failed or answered another number of rows."""
+    if isinstance(response, Failure):
+        for row in rows:
+            row.errback(response)
+    elif len(response.answers) != len(rows):
+        error = PipelineError(f"stage {name} answered another batch")
+        for row in rows:
+            row.errback(error)
+    else:
+        for row, answer in zip(rows, response.answers, strict=True):
+            row.callback(answer)
 
 
 def _answer(
@@ -535,9 +529,7 @@ class PipelineFleet:
         return links
 
     @defer.inlineCallbacks
-    def advance(
-        self, context: Sequence[int], kept: _Kept
-    ) -> Generator[Deferred[Any], Any, int]:
+    def advance(self, context: Sequence[int], kept: _Kept) -> Generator[Deferred[Any], Any, int]:
         """The token after ``context``: through the generation's stage session when every
         stage keeps its KV (the positions it does not hold yet, in chunks), else
         recomputing the whole context (section 7.6)."""
