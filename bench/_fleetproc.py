@@ -215,6 +215,20 @@ def wait_until(child: Child, url: str, ready: Callable[[Any], bool], timeout: fl
         time.sleep(0.25)
 
 
+def head_serving(head: Child, nodes: int, timeout: float) -> int:
+    """The HTTP port of the ``head`` child once it serves and its /healthz counts at least
+    ``nodes`` live nodes (within ``timeout`` seconds for each)."""
+    found = head.wait_for_line(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)", timeout)
+    port = int(found.group(1))
+    wait_until(
+        head,
+        f"http://127.0.0.1:{port}/healthz",
+        lambda body: body.get("nodes", 0) >= nodes,
+        timeout,
+    )
+    return port
+
+
 def child_env(extra: Sequence[str]) -> dict[str, str]:
     """The shell's environment without OMP_WAIT_POLICY, plus ``KEY=VALUE`` settings."""
     env = {k: v for k, v in SHELL_ENV.items() if k != "OMP_WAIT_POLICY"}
@@ -298,14 +312,7 @@ def fleet_children(
         )  # fmt: skip
         print(f"starting {shown(head_argv)}", flush=True)
         head = Child("sfhead", head_argv, env, logs / "sfhead.log", False)
-        found = head.wait_for_line(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)", NODE_READY_S)
-        port = int(found.group(1))
-        wait_until(
-            head,
-            f"http://127.0.0.1:{port}/healthz",
-            lambda body: body.get("nodes", 0) > 0,
-            NODE_READY_S,
-        )
+        port = head_serving(head, 1, NODE_READY_S)
         yield RunningFleet(port, head, node)
     finally:
         if head is not None:

@@ -215,11 +215,7 @@ def main() -> None:
         head = _fleetproc.Child(
             "sfhead", head_argv, _fleetproc.child_env(options.env), logs / "sfhead.log", False
         )
-        found = head.wait_for_line(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)", 120)
-        http_port = int(found.group(1))
-        _fleetproc.wait_until(
-            head, f"http://127.0.0.1:{http_port}/healthz", lambda b: b.get("nodes", 0) > 0, 120
-        )
+        http_port = _fleetproc.head_serving(head, 1, 120)
     model = _fleetproc.served_model(http_port) if http_port else ""
     results: dict[str, list[tuple[float, float]]] = {kind: [] for kind in KINDS}
     samples: dict[str, str] = {}

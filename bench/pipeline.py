@@ -46,13 +46,13 @@ from _fleetproc import (
     child_env,
     cpu_name,
     fleet_children,
+    head_serving,
     run_guarded,
     run_phase,
     served_model,
     shown,
     topics,
     twistd,
-    wait_until,
 )
 
 TARGETS = {1: 0.8, 8: 0.9}
@@ -87,10 +87,7 @@ def pipeline_head(
         print(f"starting {shown(argv)}", flush=True)
         head = Child("sfhead", argv, env, logs / "sfhead.log", False)
         children.append(head)
-        found = head.wait_for_line(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)", NODE_READY_S)
-        port = int(found.group(1))
-        wait_until(head, f"http://127.0.0.1:{port}/healthz", lambda _: True, NODE_READY_S)
-        yield port
+        yield head_serving(head, 0, NODE_READY_S)
     finally:
         for child in reversed(children):
             child.stop()

@@ -244,11 +244,7 @@ def start_fleet(
         head = Child(f"{slug}-head", head_argv, child_env(options.node_env),
                      logs / f"{slug}-head.log", False)  # fmt: skip
         children.append(head)
-        found = head.wait_for_line(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)", READY_S)
-        http = int(found.group(1))
-        _fleetproc.wait_until(
-            head, f"http://127.0.0.1:{http}/healthz", lambda b: b.get("nodes", 0) > 0, READY_S
-        )
+        http = _fleetproc.head_serving(head, 1, READY_S)
     except BaseException:
         for child in reversed(children):
             child.stop()

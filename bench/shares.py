@@ -36,7 +36,7 @@ import urllib.error
 from dataclasses import dataclass
 from pathlib import Path
 
-from _fleetproc import Child, child_env, get_json, guard_children, shown, twistd, wait_until
+from _fleetproc import Child, child_env, get_json, guard_children, head_serving, shown, twistd
 
 HOG = "127.0.0.1"
 BYSTANDER = "127.0.0.2"
@@ -155,14 +155,7 @@ def run(checkout: str | None, options: argparse.Namespace, logs: Path) -> Figure
         print(f"starting {shown(argv)}", flush=True)
         head = Child("sfhead", argv, env, logs / "sfhead.log", False)
         children.append(head)
-        found = head.wait_for_line(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)", READY_S)
-        port = int(found.group(1))
-        wait_until(
-            head,
-            f"http://127.0.0.1:{port}/healthz",
-            lambda body: body.get("nodes", 0) >= NODES,
-            READY_S,
-        )
+        port = head_serving(head, NODES, READY_S)
         return asyncio.run(_measure(port, options.hogs, options.hog_tokens, options.rounds))
     finally:
         for child in reversed(children):

@@ -399,6 +399,15 @@ def _metric(text: str, name: str) -> int:
 
 
 @defer.inlineCallbacks
+def _stop(fleet: Fleet, load: Load) -> Generator[Any, Any, bytes]:
+    """Stop every process of ``fleet`` and close ``load``'s connections; fires with what the
+    head logged (nothing when no head was started)."""
+    yield fleet.stop()
+    yield load.pool.closeCachedConnections()
+    return b"" if fleet.head is None else bytes(fleet.head.output)
+
+
+@defer.inlineCallbacks
 def run_chaos(config: ChaosConfig) -> Generator[Any, Any, ChaosReport]:
     """Start a fleet, take the references, stream under chaos, report; stop every process."""
     fleet = Fleet(config)
@@ -441,10 +450,7 @@ def run_chaos(config: ChaosConfig) -> Generator[Any, Any, ChaosReport]:
         report.queue_timeouts = _metric(metrics, "sfhead_queue_timeouts_total")
         report.queue_rejected = _metric(metrics, "sfhead_queue_rejected_total")
     finally:
-        yield fleet.stop()
-        yield load.pool.closeCachedConnections()
-        if fleet.head is not None:
-            report.head_log = bytes(fleet.head.output)
+        report.head_log = yield _stop(fleet, load)
     return report
 
 
@@ -505,8 +511,5 @@ def run_head_restart(
         report.first_answer_s = answered - served
         report.first_exact = first.exact
     finally:
-        yield fleet.stop()
-        yield load.pool.closeCachedConnections()
-        if fleet.head is not None:
-            report.head_log = bytes(fleet.head.output)
+        report.head_log = yield _stop(fleet, load)
     return report

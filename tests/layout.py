@@ -43,7 +43,7 @@ LAYERS: dict[str, frozenset[str]] = {
     "sfnode.discovery": frozenset({"sfnode.linkf", "sfnode.runtime"}),
     # The engine: kernels at the bottom, the engine that joins them at the top.
     "sfnode.engines": frozenset({"sfnode.linkf", "sfnode.generation", "sfnode.decoding"}),
-    "sfnode.engines.kernels": frozenset({"sfnode.engines"}),
+    "sfnode.engines.kernels": frozenset({"sfnode.engines", "sfnode.linkf"}),
     "sfnode.engines.families": frozenset({"sfnode.engines"}),
     "sfnode.engines.weights": frozenset(
         {"sfnode.engines", "sfnode.engines.kernels", "sfnode.engines.families", "sfnode.linkf"}

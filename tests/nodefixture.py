@@ -28,9 +28,9 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from sfnode.engines.config import EngineConfig
 from sfnode.engines.mock import MOCK_VOCAB_SIZE, MockEngine, mock_next_token
 from sfnode.head.fleet.backend import HeadRequest
-from sfnode.head.link import HeadIds, LinkSettings, NodeLink, connect_node
+from sfnode.head.link import GenerationOutcome, HeadIds, LinkSettings, NodeLink, connect_node
 from sfnode.linkf.model_files import Bundle
-from sfnode.linkf.wire import Lease
+from sfnode.linkf.wire import FINISH_CANCELLED, Lease
 from sfnode.node.agent import NodeAgent
 from sfnode.node.config import NodeConfig
 from sfnode.node.protocol import NodeFactory
@@ -284,6 +284,16 @@ class MemoryNodeTestCase(SynchronousTestCase):
         self.reactor.connectTCP("127.0.0.1", port, ClientFactory.forProtocol(lambda: head.protocol))
         self.connect()
         return head
+
+    def assert_cancelled_after_five(self, outcome: GenerationOutcome, node: MemoryNode) -> None:
+        """``outcome`` is that of a generation of :data:`PROMPT` (asked for far more than 1000
+        tokens) cancelled once 5 tokens had come: CANCELLED, with at least those 5 and fewer
+        than 1000, each the local run's; and ``node`` runs no generation any more."""
+        self.assertEqual(outcome.finish, FINISH_CANCELLED)
+        self.assertGreaterEqual(len(outcome.tokens), 5)
+        self.assertLess(len(outcome.tokens), 1000)
+        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, len(outcome.tokens)))
+        self.assertEqual(node.agent.running_generations, 0)
 
     def fault_closes_only_its_link(self, node: MemoryNode, **assign: Any) -> None:
         """Fails the test unless an engine fault on one link to ``node`` (a generation over a

@@ -127,6 +127,30 @@ def start_twistd(child: Child, args: list[str], folder: Path) -> None:
     )
 
 
+HEAD_SERVING = rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)\n"
+"""What a head serving HTTP on loopback (``--http`` :data:`LOOPBACK`) logs, with its port."""
+
+
+def spawner(test: TestCase) -> Callable[[str, list[str]], Child]:
+    """``spawn(name, args)``: :func:`spawn_twistd` for ``test``, with a :class:`Child` named
+    ``name``."""
+    return lambda name, args: spawn_twistd(test, Child(name), args)
+
+
+@defer.inlineCallbacks
+def loopback_head(
+    spawn: Callable[[str, list[str]], Child], *head_args: str, nodes: Sequence[str] = ()
+) -> Generator[Any, Any, tuple[Child, str]]:
+    """A ``twistd sfhead`` serving HTTP and accepting nodes on loopback (``head_args`` added)
+    that dials each endpoint of ``nodes``, started by ``spawn("head", args)``; fires with it
+    and its base URL once it serves HTTP (its nodes may not have joined yet)."""
+    dials = [arg for endpoint in nodes for arg in ("--node", endpoint)]
+    head = spawn("head", ["sfhead", "--http", LOOPBACK, "--fleet-listen", LOOPBACK,
+                          *head_args, *dials])  # fmt: skip
+    found = yield head.wait_for(HEAD_SERVING)
+    return head, f"http://127.0.0.1:{int(found[0].group(1))}"
+
+
 @defer.inlineCallbacks
 def mock_node_and_head(
     spawn: Callable[[str, list[str]], Child], identity: str, *node_args: str
@@ -137,14 +161,9 @@ def mock_node_and_head(
     node = spawn("node", ["sfnode", "--listen", LOOPBACK, "--engine", "mock",
                           "--identity", identity, *node_args])  # fmt: skip
     endpoint = yield node_endpoint(node)
-    head = spawn(
-        "head",
-        ["sfhead", "--http", LOOPBACK, "--fleet-listen", LOOPBACK, "--model-name", "mock",
-         "--node", endpoint],
-    )  # fmt: skip
-    found = yield head.wait_for(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)\n")
+    head, base = yield loopback_head(spawn, "--model-name", "mock", nodes=[endpoint])
     yield head.wait_for(b"node " + identity.encode() + b" joined")
-    return node, head, f"http://127.0.0.1:{int(found[0].group(1))}"
+    return node, head, base
 
 
 class SharedProcess:

@@ -16,7 +16,6 @@ from collections.abc import Generator, Sequence
 from typing import Any
 
 from twisted.internet import defer, reactor
-from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.protocol import Protocol
 from twisted.internet.task import Clock, deferLater
 from twisted.trial.unittest import SynchronousTestCase
@@ -31,7 +30,7 @@ from sfnode.head.console.record import CLIENTS_COUNTED, OTHERS, ConsoleRecord, c
 from sfnode.head.console.series import SAMPLE_EVERY_S, Series, percentile, window_percentiles
 from sfnode.head.console.state import Console
 from sfnode.head.fleet.events import EventJournal
-from sfnode.head.fleet.fleet import Fleet, FleetSettings
+from sfnode.head.fleet.fleet import Fleet
 from sfnode.head.fleet.placement import Policy
 from tests.memoryhead import MemoryHeadTestCase
 from tests.nodefixture import RunningNode
@@ -278,19 +277,12 @@ class ConsoleHttpCase(HttpTestCase):
     def console_head(
         self, nodes: Sequence[RunningNode], *, keys: bool = False, **fleet: Any
     ) -> Generator[defer.Deferred[Any], Any, Head]:
-        f = Fleet(reactor, FleetSettings(**fleet), ids=self.ids)
-        self.addCleanup(f.stop)
-        for node in nodes:
-            yield f.add_node(node.endpoint)
+        f = yield self.fleet_with(nodes, **fleet)
         options: dict[str, Any] = {}
         if keys:
             policies = {ADMIN: KeyPolicy(admin=True), USER: KeyPolicy()}
             options = {"api_keys": [ADMIN, USER], "limits": GateLimits(keys=policies)}
-        api = console_head_api(f, **options)
-        self.addCleanup(api.stop)
-        port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(api.site())
-        self.addCleanup(port.stopListening)
-        return Head(f, api, port)
+        return (yield self.listening(f, console_head_api(f, **options)))
 
     @defer.inlineCallbacks
     def get(

@@ -22,7 +22,7 @@ from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent, FileBodyProducer, readBody
 from twisted.web.http_headers import Headers
 
-from tests.processes import LOOPBACK, Child, spawn_twistd
+from tests.processes import LOOPBACK, Child, loopback_head, node_endpoint, spawn_twistd, spawner
 
 Gen = Generator[defer.Deferred[Any], Any, None]
 
@@ -51,17 +51,13 @@ class ReactorStallTests(TestCase):
             Child("node"),
             ["sfnode", "--listen", LOOPBACK, "--engine", "mock", "--identity", "proc0"],
         )
-        found = yield node.wait_for(rb"sfnode listening on 127\.0\.0\.1:(\d+)\n")
-        head = spawn_twistd(
-            self,
-            Child("head"),
-            ["sfhead", "--http", LOOPBACK, "--fleet-listen", LOOPBACK, "--model-name", "mock",
-             "--grammar-timeout", "0.5", "--node", f"tcp:127.0.0.1:{int(found[0].group(1))}"],
-        )  # fmt: skip
-        found = yield head.wait_for(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)\n")
+        endpoint = yield node_endpoint(node)
+        head, base = yield loopback_head(
+            spawner(self), "--model-name", "mock", "--grammar-timeout", "0.5", nodes=[endpoint]
+        )
         yield head.wait_for(rb"node proc0 joined")
         self.head = head
-        return f"http://127.0.0.1:{int(found[0].group(1))}"
+        return base
 
     @defer.inlineCallbacks
     def send(

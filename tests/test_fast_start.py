@@ -33,7 +33,7 @@ from sfnode.generation import EngineRefusal, GenerationRequest
 from sfnode.linkf.model_cache import gguf_cache_folder
 from sfnode.linkf.wire import GenParams
 from tests.bundled import BUNDLED_MODEL_SKIP
-from tests.processes import LOOPBACK, Child, spawn_twistd
+from tests.processes import LOOPBACK, Child, loopback_head, node_endpoint, spawn_twistd, spawner
 from tests.tinymodel import tiny_llama
 
 _MODELS: dict[str, Any] = {}
@@ -213,18 +213,12 @@ class WithdrawnNodeTests(unittest.TestCase):
         (kept,) = list(cache.glob(f"*/{packed.EXACTNESS_FILE}"))
         kept.write_text(json.dumps({key: "0" * 64 for key in json.loads(kept.read_text())}))
         node = spawn_twistd(self, Child("sfnode"), args)
-        (bound,) = await node.wait_for(rb"sfnode listening on 127\.0\.0\.1:(\d+)\n")
+        endpoint = await node_endpoint(node)
         await node.wait_for(rb"the start-up check of exactness failed")
         await node.wait_for(rb"the node withdrew")
-        head = spawn_twistd(
-            self,
-            Child("sfhead"),
-            ["sfhead", "--http", LOOPBACK, "--fleet-listen", LOOPBACK,
-             "--node", f"tcp:127.0.0.1:{int(bound.group(1))}"],
-        )  # fmt: skip
-        (serving,) = await head.wait_for(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)\n")
+        head, base = await loopback_head(spawner(self), nodes=[endpoint])
         await head.wait_for(rb"joined \([^)]*\) refusing its model: [^\n]*first start")
-        url = f"http://127.0.0.1:{int(serving.group(1))}/metrics".encode()
+        url = f"{base}/metrics".encode()
         response = await Agent(reactor).request(b"GET", url)
         text = (await readBody(response)).decode()
         refused = [

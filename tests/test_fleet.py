@@ -42,6 +42,11 @@ from tests.nodefixture import NodeTestCase, RunningNode, expected_tokens
 PROMPT = list(range(100, 112))
 
 
+def _delay(token_delay_s: float | None) -> dict[str, float]:
+    """A mock node's ``token_delay_s`` option when one is given, else its default."""
+    return {} if token_delay_s is None else {"token_delay_s": token_delay_s}
+
+
 class FleetTestCase(NodeTestCase):
     """Starts mock nodes (any model name, window, vocabulary) and fleets over them.
 
@@ -103,6 +108,17 @@ class FleetTestCase(NodeTestCase):
         for node in nodes:
             yield fleet.add_node(node.endpoint)
         return fleet
+
+    @defer.inlineCallbacks
+    def a_and_b(
+        self, a_delay_s: float | None = None, b_delay_s: float | None = None
+    ) -> Generator[defer.Deferred[Any], Any, tuple[RunningNode, RunningNode, Fleet]]:
+        """Mock nodes "a" and "b" (each with its token delay, when given) and a least-loaded
+        fleet of both, in that order (so a fresh session lands on "a")."""
+        a = yield self.start_mock_node(identity="a", **_delay(a_delay_s))
+        b = yield self.start_mock_node(identity="b", **_delay(b_delay_s))
+        fleet = yield self.fleet_of([a, b], policy=Policy.LEAST_LOADED)
+        return a, b, fleet
 
     def on(self, fleet: Fleet, node: RunningNode) -> FleetNode:
         found = fleet.node_named(node.agent.config.identity)
@@ -195,9 +211,7 @@ class LivenessTests(FleetTestCase):
     ) -> Generator[Any, Any, None]:
         """A node that hung up is down and skipped (all placements go to the live one); its
         link keeps redialling, and once it listens again it receives placements again."""
-        a = yield self.start_mock_node(identity="a")
-        b = yield self.start_mock_node(identity="b")
-        fleet = yield self.fleet_of([a, b], policy=Policy.LEAST_LOADED)
+        a, _, fleet = yield self.a_and_b()
         port = a.port_number
         yield self.kill(a)
         yield self.on(fleet, a).link.when_closed()  # the head saw the connection go
@@ -242,9 +256,7 @@ class LivenessTests(FleetTestCase):
     def test_failover_when_the_owning_node_died_while_idle(self) -> Generator[Any, Any, None]:
         """A session's node dies between turns: the next generate moves the session to the
         survivor and returns the local tokens."""
-        a = yield self.start_mock_node(identity="a")
-        b = yield self.start_mock_node(identity="b")
-        fleet = yield self.fleet_of([a, b], policy=Policy.LEAST_LOADED)
+        a, _, fleet = yield self.a_and_b()
         session = yield fleet.open_session(PROMPT)
         self.assertEqual(session.node.name, "a")
         yield self.kill(a)
@@ -262,9 +274,7 @@ class LivenessTests(FleetTestCase):
     ) -> Generator[Any, Any, None]:
         """The node dies after 7 streamed tokens: the stream continues on the survivor with
         prompt + delivered as context and equals the uninterrupted run, no token twice."""
-        a = yield self.start_mock_node(identity="a", token_delay_s=0.005)
-        b = yield self.start_mock_node(identity="b", token_delay_s=0.001)
-        fleet = yield self.fleet_of([a, b], policy=Policy.LEAST_LOADED)
+        a, b, fleet = yield self.a_and_b(a_delay_s=0.005, b_delay_s=0.001)
         streamed: list[int] = []
         killed: list[bool] = []
 
@@ -291,9 +301,7 @@ class LivenessTests(FleetTestCase):
         after the placement, standing in for any way a link loses it): the session is
         assigned there again with prompt + the delivered tokens (not the session's own
         context, the prompt alone), so the answer still equals the uninterrupted run."""
-        a = yield self.start_mock_node(identity="a", token_delay_s=0.005)
-        b = yield self.start_mock_node(identity="b", token_delay_s=0.001)
-        fleet = yield self.fleet_of([a, b], policy=Policy.LEAST_LOADED)
+        a, _, fleet = yield self.a_and_b(a_delay_s=0.005, b_delay_s=0.001)
         session = yield fleet.open_session(PROMPT)
         self.assertEqual(session.node.name, "a")
         assign = fleet._assign
@@ -326,9 +334,7 @@ class LivenessTests(FleetTestCase):
     ) -> Generator[Any, Any, None]:
         """A non-streaming generation whose node dies mid-way (after its engine made 7
         tokens) returns exactly the tokens of an uninterrupted run, from the survivor."""
-        a = yield self.start_mock_node(identity="a", token_delay_s=0.005)
-        b = yield self.start_mock_node(identity="b")
-        fleet = yield self.fleet_of([a, b], policy=Policy.LEAST_LOADED)
+        a, _, fleet = yield self.a_and_b(a_delay_s=0.005)
         submit = a.engine.submit
         killed: list[bool] = []
 

@@ -316,6 +316,14 @@ class TwoModelTests(MemoryHeadTestCase):
         self.served(registry, [n.agent.config.model_name for n in nodes])
         return MemoryHead(fleet, api)
 
+    def two_model_head(self, root: str) -> tuple[MemoryNode, MemoryNode, MemoryHead]:
+        """Node a serving tiny-a (:data:`TEMPLATE_A`), node b serving tiny-b
+        (:data:`TEMPLATE_B`, :data:`VOCAB_B`), their bundles written under ``root``, and a
+        :meth:`model_head` over both."""
+        a = self.start_model_node("a", "tiny-a", bundle_of(root, TEMPLATE_A))
+        b = self.start_model_node("b", "tiny-b", bundle_of(root, TEMPLATE_B), VOCAB_B)
+        return a, b, self.model_head([a, b])
+
     def served(self, registry: ModelRegistry, names: Sequence[str]) -> None:
         """Lets time pass until the registry serves ``names``."""
         self.until(lambda: all(registry.get(name) is not None for name in names))
@@ -336,9 +344,7 @@ class TwoModelTests(MemoryHeadTestCase):
         that model's node (its mock vocabulary shows in the tokens); an unknown model is a 404
         model_not_found."""
         root = self.mktemp()
-        a = self.start_model_node("a", "tiny-a", bundle_of(root, TEMPLATE_A))
-        b = self.start_model_node("b", "tiny-b", bundle_of(root, TEMPLATE_B), VOCAB_B)
-        head = self.model_head([a, b])
+        _, b, head = self.two_model_head(root)
         code, content = self.call(head, b"GET", "/v1/models")
         self.assertEqual(code, 200)
         listed = {m["id"]: m for m in json.loads(content)["data"]}
@@ -468,10 +474,7 @@ class TwoModelTests(MemoryHeadTestCase):
     def test_metrics_export_the_gateway_gauges_per_model(self) -> None:
         """/metrics has vllm:num_requests_waiting, vllm:num_requests_running and the KV cache
         usage (both names) with one series per model, labelled model_name."""
-        root = self.mktemp()
-        a = self.start_model_node("a", "tiny-a", bundle_of(root, TEMPLATE_A))
-        b = self.start_model_node("b", "tiny-b", bundle_of(root, TEMPLATE_B), VOCAB_B)
-        head = self.model_head([a, b])
+        head = self.two_model_head(self.mktemp())[2]
         code, content = self.call(head, b"GET", "/metrics")
         self.assertEqual(code, 200)
         text = content.decode()

@@ -26,7 +26,14 @@ from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent, FileBodyProducer, readBody
 from twisted.web.http_headers import Headers
 
-from tests.processes import LOOPBACK, Child, child_env, spawn_twistd
+from tests.processes import (
+    LOOPBACK,
+    Child,
+    child_env,
+    loopback_head,
+    node_endpoint,
+    spawn_twistd,
+)
 
 
 class _Stream(Protocol):
@@ -70,18 +77,10 @@ class KillTests(_Processes):
             )
             for i in range(2)
         ]  # fmt: skip
-        ports = []
-        for node in nodes:
-            found = yield node.wait_for(rb"sfnode listening on 127\.0\.0\.1:(\d+)\n")
-            ports.append(int(found[0].group(1)))
-        head = self.spawn(
-            "head",
-            ["sfhead", "--http", LOOPBACK, "--fleet-listen", LOOPBACK, "--model-name", "mock",
-             "--policy", "least-loaded",
-             *[a for p in ports for a in ("--node", f"tcp:127.0.0.1:{p}")]],
-        )  # fmt: skip
-        found = yield head.wait_for(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)\n")
-        base = f"http://127.0.0.1:{int(found[0].group(1))}"
+        endpoints = yield defer.gatherResults([node_endpoint(node) for node in nodes])
+        head, base = yield loopback_head(
+            self.spawn, "--model-name", "mock", "--policy", "least-loaded", nodes=endpoints
+        )
         yield head.wait_for(rb"node proc\d joined", 2)
         agent = Agent(reactor)
 
@@ -125,7 +124,7 @@ class KillTests(_Processes):
         output = bytes(head.output)
         # The redial at once may still reach the dying process (then the connection closes
         # during the handshake); the next finds nobody listening.  Both say so plainly.
-        self.assertIn(f"node proc0 (tcp:127.0.0.1:{ports[0]}) is down: ".encode(), output)
+        self.assertIn(f"node proc0 ({endpoints[0]}) is down: ".encode(), output)
         self.assertIn(b"could not connect: connection refused", output)
         for chatter in (b"Traceback", b"Starting factory", b"Stopping factory", b"object at 0x"):
             self.assertNotIn(chatter, output)
@@ -140,16 +139,14 @@ class StartingNodeTests(_Processes):
         with socket.socket() as free:
             free.bind(("127.0.0.1", 0))
             port = free.getsockname()[1]
-        head = self.spawn(
-            "head",
-            ["sfhead", "--http", LOOPBACK, "--fleet-listen", LOOPBACK, "--model-name", "mock",
-             "--queue-timeout", "1", "--reconnect-max", "0.5", "--node", f"tcp:127.0.0.1:{port}"],
+        head, base = yield loopback_head(
+            self.spawn, "--model-name", "mock", "--queue-timeout", "1", "--reconnect-max", "0.5",
+            nodes=[f"tcp:127.0.0.1:{port}"],
         )  # fmt: skip
-        found = yield head.wait_for(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)\n")
         body = {"model": "mock", "prompt": list(range(100, 112)), "max_tokens": 20}
         answered = Agent(reactor).request(
             b"POST",
-            f"http://127.0.0.1:{int(found[0].group(1))}/v1/completions".encode(),
+            f"{base}/v1/completions".encode(),
             Headers({b"content-type": [b"application/json"]}),
             FileBodyProducer(BytesIO(json.dumps(body).encode())),
         )

@@ -154,6 +154,11 @@ def ev(seq: int, payload: TokenEventPayload, *, s: int = 1, e: int = 1, g: int =
     return TokenEvent(s, e, g, seq, payload)
 
 
+def reconcile_ack(held: bool, *retry: RetryRange) -> ReconcileAckMsg:
+    """RECONCILE_ACK for session 1: ``held`` by the node or not, with ``retry``'s ranges."""
+    return ReconcileAckMsg((SessionReconcileAck(1, held, retry, NO_LEASE_VIEW),))
+
+
 class LinkTestCase(SynchronousTestCase):
     """A memory reactor with a fake node listening on it."""
 
@@ -203,6 +208,22 @@ class LinkTestCase(SynchronousTestCase):
     def open_link(self, **kwargs: Any) -> tuple[NodeLink, FakeNode]:
         link = self.successResultOf(self.dial(**kwargs))
         return link, self.factory.nodes[-1]
+
+    def answer_reconcile(self, answer: Callable[[FakeNode], object]) -> None:
+        """Each node the link connects to from now on answers its RECONCILE with
+        ``answer(node)``."""
+
+        def reconcile(new: FakeNode, message: Message) -> None:
+            if isinstance(message, ReconcileMsg):
+                answer(new)
+
+        self.factory.on_message = reconcile
+
+    def reconnected(self, link: NodeLink) -> Deferred[None]:
+        """``link.reconnect()``, its new connection made."""
+        done = link.reconnect()
+        self.complete()
+        return done
 
     def placed(self, context: Sequence[int] = (5, 6, 7)) -> tuple[NodeLink, FakeNode]:
         """An open link with session 1 assigned (epoch 1) and its context appended."""
@@ -609,17 +630,13 @@ class ReconnectTests(LinkTestCase):
         node.events(ev(0, Tokens((1,)), g=call.generation_id))
         self.flush()
 
-        def reconcile(new: FakeNode, message: Message) -> None:
-            if isinstance(message, ReconcileMsg):
-                g = call.generation_id
-                held = SessionReconcileAck(1, True, (RetryRange(g, 1, 2),), NO_LEASE_VIEW)
-                new.send(ReconcileAckMsg((held,)))
-                new.events(ev(1, Tokens((2,)), g=g), ev(2, Finish(FINISH_EOS), g=g))
+        def answer(new: FakeNode) -> None:
+            g = call.generation_id
+            new.send(reconcile_ack(True, RetryRange(g, 1, 2)))
+            new.events(ev(1, Tokens((2,)), g=g), ev(2, Finish(FINISH_EOS), g=g))
 
-        self.factory.on_message = reconcile
-        done = link.reconnect()
-        self.complete()
-        self.successResultOf(done)
+        self.answer_reconcile(answer)
+        self.successResultOf(self.reconnected(link))
         self.assertEqual(self.successResultOf(call.result), GenerationOutcome([1, 2], FINISH_EOS))
         new = self.factory.nodes[-1]
         (reconcile_msg,) = new.of_type(ReconcileMsg)
@@ -642,14 +659,8 @@ class ReconnectTests(LinkTestCase):
         call = link.generate(1, HeadRequest((), 16))
         self.flush()
 
-        def reconcile(new: FakeNode, message: Message) -> None:
-            if isinstance(message, ReconcileMsg):
-                new.send(ReconcileAckMsg((SessionReconcileAck(1, False, (), NO_LEASE_VIEW),)))
-
-        self.factory.on_message = reconcile
-        done = link.reconnect()
-        self.complete()
-        self.successResultOf(done)
+        self.answer_reconcile(lambda new: new.send(reconcile_ack(False)))
+        self.successResultOf(self.reconnected(link))
         self.failureResultOf(call.result, LinkLostError)
         new = self.factory.nodes[-1]
         (assign,) = new.of_type(SessionAssignMsg)
@@ -666,14 +677,12 @@ class ReconnectTests(LinkTestCase):
         self.flush()
         reconnected = link.when_closed().addCallback(lambda _: link.when_open())
 
-        def reconcile(new: FakeNode, message: Message) -> None:
-            if isinstance(message, ReconcileMsg):
-                g = call.generation_id
-                held = SessionReconcileAck(1, True, (RetryRange(g, 0, 0),), NO_LEASE_VIEW)
-                new.send(ReconcileAckMsg((held,)))
-                new.events(ev(0, Finish(FINISH_EOS), g=g))
+        def answer(new: FakeNode) -> None:
+            g = call.generation_id
+            new.send(reconcile_ack(True, RetryRange(g, 0, 0)))
+            new.events(ev(0, Finish(FINISH_EOS), g=g))
 
-        self.factory.on_message = reconcile
+        self.answer_reconcile(answer)
         node.transport.loseConnection()  # type: ignore[union-attr]
         self.flush()
         self.assertNoResult(call.result)
@@ -698,18 +707,14 @@ class ReconnectTests(LinkTestCase):
         link, _ = self.placed()
         call = link.generate(1, HeadRequest((), 16))
 
-        def reconcile(new: FakeNode, message: Message) -> None:
-            if isinstance(message, ReconcileMsg):
-                g = call.generation_id
-                new.events(ev(0, Tokens((3,)), g=g))
-                held = SessionReconcileAck(1, True, (RetryRange(g, 0, 1),), NO_LEASE_VIEW)
-                new.send(ReconcileAckMsg((held,)))
-                new.events(ev(1, Finish(FINISH_EOS), g=g))
+        def answer(new: FakeNode) -> None:
+            g = call.generation_id
+            new.events(ev(0, Tokens((3,)), g=g))
+            new.send(reconcile_ack(True, RetryRange(g, 0, 1)))
+            new.events(ev(1, Finish(FINISH_EOS), g=g))
 
-        self.factory.on_message = reconcile
-        done = link.reconnect()
-        self.complete()
-        self.successResultOf(done)
+        self.answer_reconcile(answer)
+        self.successResultOf(self.reconnected(link))
         self.assertEqual(self.successResultOf(call.result), GenerationOutcome([3], FINISH_EOS))
 
     def test_a_reconcile_missing_its_retransmissions_times_out(self) -> None:
@@ -717,16 +722,10 @@ class ReconnectTests(LinkTestCase):
         link, _ = self.placed()
         call = link.generate(1, HeadRequest((), 16))
 
-        def reconcile(new: FakeNode, message: Message) -> None:
-            if isinstance(message, ReconcileMsg):
-                held = SessionReconcileAck(
-                    1, True, (RetryRange(call.generation_id, 0, 3),), NO_LEASE_VIEW
-                )
-                new.send(ReconcileAckMsg((held,)))
-
-        self.factory.on_message = reconcile
-        done = link.reconnect()
-        self.complete()
+        self.answer_reconcile(
+            lambda new: new.send(reconcile_ack(True, RetryRange(call.generation_id, 0, 3)))
+        )
+        done = self.reconnected(link)
         self.assertNoResult(done)
         self.reactor.advance(link.settings.handshake_timeout_s)
         self.flush()
@@ -741,11 +740,7 @@ class ReconnectTests(LinkTestCase):
         link, old = self.placed()
         call = link.generate(1, HeadRequest((), 16))
         self.flush()
-        self.factory.on_message = lambda new, message: (
-            new.send(ReconcileAckMsg((SessionReconcileAck(1, True, (), NO_LEASE_VIEW),)))
-            if isinstance(message, ReconcileMsg)
-            else None
-        )
+        self.answer_reconcile(lambda new: new.send(reconcile_ack(True)))
         done = link.reconnect()
         old.events(ev(0, Finish(FINISH_EOS), g=call.generation_id))
         self.complete()
@@ -811,14 +806,8 @@ class MoreGenerateTests(LinkTestCase):
         self.factory.nodes[-1].events(ev(0, Tokens((1,)), g=call.generation_id))
         self.flush()
 
-        def reconcile(new: FakeNode, message: Message) -> None:
-            if isinstance(message, ReconcileMsg):
-                new.send(ReconcileAckMsg((SessionReconcileAck(1, True, (), NO_LEASE_VIEW),)))
-
-        self.factory.on_message = reconcile
-        done = link.reconnect()
-        self.complete()
-        self.successResultOf(done)
+        self.answer_reconcile(lambda new: new.send(reconcile_ack(True)))
+        self.successResultOf(self.reconnected(link))
         self.assertNoResult(call.result)
         new = self.factory.nodes[-1]
         new.events(ev(1, Tokens((2,)), g=call.generation_id))

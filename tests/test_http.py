@@ -94,11 +94,25 @@ class HttpTestCase(NodeTestCase):
     ) -> Generator[defer.Deferred[Any], Any, Head]:
         """A fleet with ``nodes`` and its API on 127.0.0.1 (``fleet_options``: more Fleet
         keywords, such as the queue's bounds; ``api``: more OpenAIApi keywords)."""
-        fleet = Fleet(reactor, FleetSettings(**(fleet_options or {})), ids=self.ids)
+        fleet = yield self.fleet_with(nodes, **(fleet_options or {}))
+        api = OpenAIApi(reactor, fleet, tok or tokenizer(), model, seed_source=lambda: 7, **api)
+        return (yield self.listening(fleet, api))
+
+    @defer.inlineCallbacks
+    def fleet_with(
+        self, nodes: Sequence[RunningNode], **settings: Any
+    ) -> Generator[defer.Deferred[Any], Any, Fleet]:
+        """A fleet (``settings``: :class:`FleetSettings` fields) with ``nodes`` added; stopped
+        at the end."""
+        fleet = Fleet(reactor, FleetSettings(**settings), ids=self.ids)
         self.addCleanup(fleet.stop)
         for node in nodes:
             yield fleet.add_node(node.endpoint)
-        api = OpenAIApi(reactor, fleet, tok or tokenizer(), model, seed_source=lambda: 7, **api)
+        return fleet
+
+    @defer.inlineCallbacks
+    def listening(self, fleet: Fleet, api: OpenAIApi) -> Generator[defer.Deferred[Any], Any, Head]:
+        """``api`` (over ``fleet``) listening on 127.0.0.1; both stopped at the end."""
         self.addCleanup(api.stop)
         port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(api.site())
         self.addCleanup(port.stopListening)

@@ -20,7 +20,6 @@ from sfnode.head.link import NodeLink, NodeRefusedError, stage_batch
 from sfnode.linkf.wire import (
     FEATURE_STAGE_BATCH,
     FEATURE_STAGE_KV,
-    FINISH_CANCELLED,
     FINISH_DECLINED,
     FINISH_EOS,
     FINISH_EXPIRED,
@@ -51,6 +50,7 @@ from sfnode.node.agent import HANDLERS, HandlerTable
 from tests.nodefixture import (
     LONG_LEASE,
     PROMPT,
+    MemoryNode,
     MemoryNodeTestCase,
     RawHead,
     expected_tokens,
@@ -65,6 +65,16 @@ def assign_raw(
     head: RawHead, command: int, session: int, epoch: int, lease: Lease = LONG_LEASE
 ) -> None:
     head.send(SessionAssignMsg(command, session, epoch, lease, "", b"", 0, 0))
+
+
+def session_with_prompt(test: MemoryNodeTestCase, node: MemoryNode) -> RawHead:
+    """A raw head that said HELLO to ``node``, assigned session 1 at epoch 5 (command 1) and
+    appended :data:`PROMPT` to it (command 2): its next command is 3."""
+    head = test.raw_head(node)
+    test.wait(head.hello())
+    assign_raw(head, 1, 1, 5)
+    head.send(AppendContentMsg(2, 1, 5, encode_tokens(PROMPT)))
+    return head
 
 
 class GenerationTests(MemoryNodeTestCase):
@@ -127,12 +137,7 @@ class GenerationTests(MemoryNodeTestCase):
                 call.cancel()
 
         call = link.generate(1, HeadRequest((), 1_000_000), on_tokens=on_tokens)
-        outcome = self.wait(call.result)
-        self.assertEqual(outcome.finish, FINISH_CANCELLED)
-        self.assertGreaterEqual(len(outcome.tokens), 5)
-        self.assertLess(len(outcome.tokens), 1000)
-        self.assertEqual(outcome.tokens, expected_tokens(PROMPT, len(outcome.tokens)))
-        self.assertEqual(node.agent.running_generations, 0)
+        self.assert_cancelled_after_five(self.wait(call.result), node)
 
     def test_refusal_keeps_the_link(self) -> None:
         """Item 22: a prompt longer than the window (64) gets FINISH_REFUSED and no token; the
@@ -210,10 +215,7 @@ class SessionTests(MemoryNodeTestCase):
         """Item 9: a replayed GENERATE (same command id) is declined with event_seq 0 outside
         the stream, and the running stream goes on from its own next seq."""
         node = self.start_node(token_delay_s=0.002)
-        head = self.raw_head(node)
-        self.wait(head.hello())
-        assign_raw(head, 1, 1, 5)
-        head.send(AppendContentMsg(2, 1, 5, encode_tokens(PROMPT)))
+        head = session_with_prompt(self, node)
         request = GenerateReqMsg(3, 1, 5, 100, GenerationBudgetsMsg(20))
         head.send(request)
         head.send(request)
@@ -230,10 +232,7 @@ class SessionTests(MemoryNodeTestCase):
         """Item 10: an APPEND with a wrong epoch, an unknown session or a replayed command is
         ignored; the generation runs on the last accepted context."""
         node = self.start_node()
-        head = self.raw_head(node)
-        self.wait(head.hello())
-        assign_raw(head, 1, 1, 5)
-        head.send(AppendContentMsg(2, 1, 5, encode_tokens(PROMPT)))
+        head = session_with_prompt(self, node)
         head.send(AppendContentMsg(3, 1, 4, encode_tokens([1, 2])))  # stale epoch
         head.send(AppendContentMsg(2, 1, 5, encode_tokens([3, 4])))  # replayed command
         head.send(AppendContentMsg(4, 2, 5, encode_tokens([5, 6])))  # unknown session
@@ -301,10 +300,7 @@ class ReconcileTests(MemoryNodeTestCase):
         with watermark 1 retransmits exactly the later seqs in one batch with their range,
         and acknowledged ones are gone."""
         node = self.start_node()
-        head = self.raw_head(node)
-        self.wait(head.hello())
-        assign_raw(head, 1, 1, 5)
-        head.send(AppendContentMsg(2, 1, 5, encode_tokens(PROMPT)))
+        head = session_with_prompt(self, node)
         head.send(GenerateReqMsg(3, 1, 5, 100, GenerationBudgetsMsg(40)))
         self.wait(head.wait_for(finish_of(1, 100)))
         sent = head.events(1, 100)
@@ -325,10 +321,7 @@ class ReconcileTests(MemoryNodeTestCase):
         """D2: a RECONCILE that arrives while a generation streams on the same connection is
         answered at once, and the stream still completes correctly."""
         node = self.start_node(token_delay_s=0.003)
-        head = self.raw_head(node)
-        self.wait(head.hello())
-        assign_raw(head, 1, 1, 5)
-        head.send(AppendContentMsg(2, 1, 5, encode_tokens(PROMPT)))
+        head = session_with_prompt(self, node)
         head.send(GenerateReqMsg(3, 1, 5, 100, GenerationBudgetsMsg(60)))
         self.wait(head.wait_for(lambda m: isinstance(m, TokenEventsMsg)))
         ack = self.wait(head.reconcile(1, 5, [(100, None)]))
@@ -398,10 +391,7 @@ class HandshakeTests(MemoryNodeTestCase):
         """docs/protocol.md section 7.5: NODE_STATUS arrives every status interval with live
         capacity, and the busy-time decode rate becomes non-zero after a generation."""
         node = self.start_node(status_interval_ms=100, token_delay_s=0.002)
-        head = self.raw_head(node)
-        self.wait(head.hello())
-        assign_raw(head, 1, 1, 5)
-        head.send(AppendContentMsg(2, 1, 5, encode_tokens(PROMPT)))
+        head = session_with_prompt(self, node)
         head.send(GenerateReqMsg(3, 1, 5, 1, GenerationBudgetsMsg(150)))
         self.wait(head.wait_for(finish_of(1, 1)))
         status = self.wait(

@@ -90,6 +90,27 @@ class PipelineCase(NodeTestCase):
         return RunningNode(agent, engine, port, factory), model  # type: ignore[arg-type]
 
     @defer.inlineCallbacks
+    def started_pipeline(
+        self, stages: int, boundaries: Sequence[int], spares: int = 0
+    ) -> Generator[defer.Deferred[Any], Any, tuple[list[RunningNode], PipelineFleet]]:
+        """``stages`` stage nodes and ``spares`` more (:meth:`start_stage`), and a started
+        pipeline over the first ``stages`` of them cut at ``boundaries``, the others its
+        spares (stopped at the end); fires with every node and the pipeline."""
+        nodes = []
+        for i in range(stages + spares):
+            nodes.append((yield self.start_stage(f"stage{i}"))[0])
+        pipeline = PipelineFleet(
+            reactor,
+            [node.endpoint for node in nodes[:stages]],
+            boundaries=boundaries,
+            ids=self.ids,
+            spares=[node.endpoint for node in nodes[stages:]],
+        )
+        self.addCleanup(pipeline.stop)
+        yield pipeline.start()
+        return nodes, pipeline
+
+    @defer.inlineCallbacks
     def compare_boundaries(
         self, links: Sequence[NodeLink], ranges: Sequence[tuple[int, int]]
     ) -> Gen:
@@ -239,14 +260,7 @@ class KeptStageTests(PipelineCase):
         prompt's rows once and then one row per token (hidden size 64, float32: 256 bytes of
         data and a few of framing per row), and every stage session is released at the end."""
         self.patch(pipeline_module, "PREFILL_CHUNK", 64)
-        stages = []
-        for i in range(2):
-            stages.append((yield self.start_stage(f"stage{i}"))[0])
-        pipeline = PipelineFleet(
-            reactor, [s.endpoint for s in stages], boundaries=[2, 4], ids=self.ids
-        )
-        self.addCleanup(pipeline.stop)
-        yield pipeline.start()
+        stages, pipeline = yield self.started_pipeline(2, [2, 4])
         prompt = [(i * 31 + 7) % TINY_VOCAB for i in range(150)]
         tokens = yield self.generate(pipeline, prompt)
         self.assertEqual(tokens, reference_greedy(self.model, prompt, NEW_TOKENS))
@@ -263,14 +277,7 @@ class KeptStageTests(PipelineCase):
         first have streamed, the second stage's node is torn down (its connections aborted,
         its port closed) and a new one, with a new engine and no KV, listens on the same port:
         every stream completes with exactly generate()'s tokens, each delivered once."""
-        stages = []
-        for i in range(2):
-            stages.append((yield self.start_stage(f"stage{i}"))[0])
-        pipeline = PipelineFleet(
-            reactor, [s.endpoint for s in stages], boundaries=[1, 4], ids=self.ids
-        )
-        self.addCleanup(pipeline.stop)
-        yield pipeline.start()
+        stages, pipeline = yield self.started_pipeline(2, [1, 4])
         prompts = [[(i * 53 + 11 * k) % TINY_VOCAB for i in range(23 + k)] for k in range(3)]
         yield self.generate_through_a_fault(pipeline, prompts, lambda: self.replace(stages[1]))
 
@@ -280,18 +287,7 @@ class KeptStageTests(PipelineCase):
         have streamed, the second stage's node is torn down and never comes back: its layers go
         to the spare, which rebuilds them from the context the head holds, and both streams
         complete with exactly generate()'s tokens, each delivered once."""
-        nodes = []
-        for i in range(3):
-            nodes.append((yield self.start_stage(f"stage{i}"))[0])
-        pipeline = PipelineFleet(
-            reactor,
-            [nodes[0].endpoint, nodes[1].endpoint],
-            boundaries=[2, 4],
-            ids=self.ids,
-            spares=[nodes[2].endpoint],
-        )
-        self.addCleanup(pipeline.stop)
-        yield pipeline.start()
+        nodes, pipeline = yield self.started_pipeline(2, [2, 4], spares=1)
         prompts = [PROMPT, PROMPT[3:]]
         yield self.generate_through_a_fault(pipeline, prompts, lambda: self.tear_down(nodes[1]))
         self.assertEqual(pipeline.stages[1].name, pipeline.fleet.nodes[2].name)

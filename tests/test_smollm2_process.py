@@ -28,7 +28,7 @@ from sfnode.head.link import HeadIds, connect_node
 from sfnode.linkf.wire import FINISH_EOS, FINISH_LENGTH
 from tests.bundled import BUNDLED_MODEL_SKIP
 from tests.clients import openai_client
-from tests.processes import LOOPBACK, Child, spawn_twistd
+from tests.processes import LOOPBACK, Child, loopback_head, node_endpoint, spawn_twistd, spawner
 
 
 class BundledModelProcessTests(TestCase):
@@ -68,19 +68,13 @@ class BundledModelProcessTests(TestCase):
             Child("sfnode"),
             ["sfnode", "--listen", LOOPBACK, "--threads", "2", "--metrics", LOOPBACK],
         )
-        (bound,) = await node.wait_for(rb"sfnode listening on 127\.0\.0\.1:(\d+)\n")
+        endpoint = await node_endpoint(node)
         (metrics,) = await node.wait_for(rb"sfnode metrics on 127\.0\.0\.1:(\d+)\n")
         (checked,) = await node.wait_for(rb"(checked|depends on how its prompt was cut)")
         self.assertEqual(checked.group(1), b"checked", "the start-up check of exactness warned")
-        head = spawn_twistd(
-            self,
-            Child("sfhead"),
-            ["sfhead", "--http", LOOPBACK, "--fleet-listen", LOOPBACK,
-             "--node", f"tcp:127.0.0.1:{int(bound.group(1))}"],
-        )  # fmt: skip
-        (serving,) = await head.wait_for(rb"sfhead serving HTTP on 127\.0\.0\.1:(\d+)\n")
+        head, base = await loopback_head(spawner(self), nodes=[endpoint])
         await head.wait_for(rb"node \S+ joined")
-        client = openai_client(self, f"http://127.0.0.1:{int(serving.group(1))}/v1", api_key="-")
+        client = openai_client(self, f"{base}/v1", api_key="-")
         topics = ("a lighthouse keeper", "a city under the sea", "two rival bakers", "a storm")
         questions = [
             f"Write the opening of a short story about {topic}. Describe the place, the weather, "

@@ -134,18 +134,19 @@ def tiny_tokenizer(vocab: int = TINY_VOCAB) -> Any:
 
 def save_tiny_model(folder: str | os.PathLike[str], **kwargs: Any) -> Path:
     """Write a tiny Llama and its tokenizer as a transformers folder; returns the folder."""
-    path = Path(folder)
-    path.mkdir(parents=True, exist_ok=True)
-    tiny_llama(**kwargs).save_pretrained(str(path))
-    tiny_tokenizer().save_pretrained(str(path))
-    return path
+    return _save_with_tokenizer(folder, tiny_llama(**kwargs))
 
 
 def save_tiny_random_norms_model(folder: str | os.PathLike[str], **kwargs: Any) -> Path:
     """Write :func:`tiny_llama_random_norms` and the tiny tokenizer as a transformers folder."""
+    return _save_with_tokenizer(folder, tiny_llama_random_norms(**kwargs))
+
+
+def _save_with_tokenizer(folder: str | os.PathLike[str], model: Any) -> Path:
+    """Write ``model`` and the tiny tokenizer as a transformers folder; returns the folder."""
     path = Path(folder)
     path.mkdir(parents=True, exist_ok=True)
-    tiny_llama_random_norms(**kwargs).save_pretrained(str(path))
+    model.save_pretrained(str(path))
     tiny_tokenizer().save_pretrained(str(path))
     return path
 

@@ -60,7 +60,6 @@ from sfnode.generation import (
     TokenSink,
 )
 from sfnode.linkf.prefix_blocks import KV_BLOCK_TOKENS
-from sfnode.linkf.wire import Constraint
 
 if TYPE_CHECKING:
     from sfnode.generation import Generation
@@ -104,16 +103,9 @@ class Worker(Protocol):
     def call(self, work: Callable[..., T], *args: Any) -> defer.Deferred[T]:
         """Run ``work(*args)`` where the steps run, between them (a pipeline stage)."""
 
-    def prepare(
-        self,
-        vocabulary: Vocabulary | None,
-        constraint: Constraint,
-        context: Sequence[int],
-        budget: int,
-    ) -> defer.Deferred[LaneStage]:
-        """A constrained request's stage for ``budget`` more tokens
-        (:meth:`LaneStage.prepare`); fails with :class:`ConstraintError` when it cannot be
-        honoured."""
+    def compile_grammar(self, work: Callable[..., T], *args: Any) -> defer.Deferred[T]:
+        """Run ``work(*args)`` (a constrained request's :meth:`LaneStage.prepare`, which
+        compiles its grammar) where grammars are compiled, off the steps' way."""
 
     def interrupt(self) -> None:
         """The engine stops: end the step in flight now if that can be done (its Deferred then
@@ -369,7 +361,10 @@ class EngineLoop:
             handle.preparing = True
             # What the lane may still draw: its grammar's masks close the output within it.
             budget = min(job.max_new, job.token_limit - len(context))
-            prepared = self.worker.prepare(self.vocabulary, constraint, context, budget)
+            # Controls alone have nothing to compile: prepared at once, on the reactor.
+            grammar = constraint.grammar is not None
+            where = self.worker.compile_grammar if grammar else defer.maybeDeferred
+            prepared = where(LaneStage.prepare, self.vocabulary, constraint, context, budget)
             prepared.addCallbacks(
                 self._prepared, self._unprepared, callbackArgs=(handle, job), errbackArgs=(handle,)
             )

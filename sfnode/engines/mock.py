@@ -41,7 +41,7 @@ from sfnode.engines.scheduling.plan import BlockCopy, StepOutput, StepPlan
 from sfnode.engines.scheduling.stages import KeptRows
 from sfnode.generation import StageForwardError, StageResult, TokenLogprob
 from sfnode.linkf.prefix_blocks import KV_BLOCK_TOKENS
-from sfnode.linkf.wire import Constraint, GenParams
+from sfnode.linkf.wire import GenParams
 
 T = TypeVar("T")
 
@@ -303,15 +303,9 @@ class ReactorWorker:
     def call(self, work: Callable[..., T], *args: Any) -> defer.Deferred[T]:
         return defer.maybeDeferred(work, *args)
 
-    def prepare(
-        self,
-        vocabulary: Vocabulary | None,
-        constraint: Constraint,
-        context: Sequence[int],
-        budget: int,
-    ) -> defer.Deferred[LaneStage]:
+    def compile_grammar(self, work: Callable[..., T], *args: Any) -> defer.Deferred[T]:
         """At once, on the reactor (the mock has no thread)."""
-        return defer.maybeDeferred(LaneStage.prepare, vocabulary, constraint, context, budget)
+        return defer.maybeDeferred(work, *args)
 
     def interrupt(self) -> None:
         if self._pending is not None:

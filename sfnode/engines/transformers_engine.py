@@ -45,7 +45,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 
-from sfnode.decoding.constraint import LaneStage, Vocabulary
+from sfnode.decoding.constraint import Vocabulary
 from sfnode.engines.config import DEFAULT_ENGINE_CONFIG, EngineConfig
 from sfnode.engines.families.spec import ModelSpec
 from sfnode.engines.kernels import openmp
@@ -63,7 +63,6 @@ from sfnode.engines.weights.loading import LoadedModel
 from sfnode.engines.weights.stored import StoredModel
 from sfnode.generation import EngineStatistics, MaskFigures, StageResult, WeightFigures
 from sfnode.linkf.prefix_blocks import KV_BLOCK_TOKENS
-from sfnode.linkf.wire import Constraint
 
 if TYPE_CHECKING:
     from sfnode.generation import Engine
@@ -211,27 +210,12 @@ class ThreadWorker:
     def call(self, work: Callable[..., T], *args: Any) -> defer.Deferred[T]:
         return deferToThreadPool(self._reactor, self._pool, work, *args)
 
-    def prepare(
-        self,
-        vocabulary: Vocabulary | None,
-        constraint: Constraint,
-        context: Sequence[int],
-        budget: int,
-    ) -> defer.Deferred[LaneStage]:
-        """Controls alone have nothing to compile: prepared at once; a grammar on its thread."""
-        if constraint.grammar is None:
-            return defer.maybeDeferred(LaneStage.prepare, None, constraint, context)
+    def compile_grammar(self, work: Callable[..., T], *args: Any) -> defer.Deferred[T]:
+        """On the grammars' own thread (started at the first), so a slow grammar never holds
+        the steps back."""
         if not self._grammar_pool.started:
             self._grammar_pool.start()
-        return deferToThreadPool(
-            self._reactor,
-            self._grammar_pool,
-            LaneStage.prepare,
-            vocabulary,
-            constraint,
-            context,
-            budget,
-        )
+        return deferToThreadPool(self._reactor, self._grammar_pool, work, *args)
 
     def interrupt(self) -> None:
         """A step on the thread cannot be stopped: the loop waits for it."""

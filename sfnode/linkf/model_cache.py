@@ -19,11 +19,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import xxhash
 from twisted.logger import Logger
+
+from sfnode.linkf.atomic_files import write_json
 
 log = Logger(namespace="sfnode.linkf.model_cache")
 
@@ -101,10 +102,7 @@ def gguf_content_hash(gguf: Path, cache_root: Path) -> str:
         return content
     try:
         stamp.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{stamp.name}.", dir=stamp.parent)
-        with os.fdopen(fd, "w") as out:
-            json.dump({"seen": seen, "xxh64": content}, out)
-        os.replace(tmp, stamp)
+        write_json(stamp, {"seen": seen, "xxh64": content})
     except OSError as e:
         log.warn(
             "cannot stamp the hash of {gguf} in {cache}: {e}",

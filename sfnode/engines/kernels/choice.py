@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -47,6 +45,7 @@ from sfnode.engines.kernels.quant import (
     int4_parts,
     onednn_works,
 )
+from sfnode.linkf.atomic_files import write_json
 
 log = Logger(namespace="sfnode.engines.kernels.choice")
 
@@ -351,13 +350,9 @@ def _write(path: Path, key: str, choice: Choice) -> None:
         "why": choice.why,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(entries, f, indent=1)
-        os.replace(tmp, path)
+        write_json(path, entries, indent=1)
     except OSError as e:
-        Path(tmp).unlink(missing_ok=True)
         log.warn("could not keep the kernel choice in {path}: {e}", path=str(path), e=e)
 
 

@@ -19,8 +19,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +34,7 @@ from sfnode.engines.kernels.quant import (
     kernel_works,
     linear_from_state,
 )
+from sfnode.linkf.atomic_files import replacing, write_json
 
 log = Logger(namespace="sfnode.engines.weights")
 
@@ -73,34 +72,20 @@ def cached_precisions(folder: Path | None) -> dict[Precision, str | None]:
         return usable_precisions()
     key = f"{Cpu.here().key()}-{engine_version()}"
     path = folder / CHECKS_FILE
-    kept: dict[str, Any] = {}
-    try:
-        kept = json.loads(path.read_text())
-        results = kept[key]
-        checks = {Precision(name): results[name] for name in (p.value for p in Precision)}
+    kept = _read_json(path)
+    results = kept.get(key)
+    if isinstance(results, dict):
+        # A precision missing from the kept results reads as False: not a result, so all run.
+        checks = {p: results.get(p.value, False) for p in Precision}
         if all(reason is None or isinstance(reason, str) for reason in checks.values()):
             return checks
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        kept = kept if isinstance(kept, dict) else {}
     checks = usable_precisions()
     kept[key] = {p.value: reason for p, reason in checks.items()}
     try:
-        _write_json(path, kept)
+        write_json(path, kept, indent=1, sort_keys=True)
     except OSError as e:
         log.warn("cannot keep the kernels' self-checks in {path}: {e}", path=str(path), e=e)
     return checks
-
-
-def _write_json(path: Path, value: dict[str, Any]) -> None:
-    """Write ``value`` to ``path`` atomically (a temporary file, then a rename)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as out:
-            json.dump(value, out, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -125,7 +110,7 @@ def keep_digest(folder: Path, key: str, digest: str) -> None:
     kept = _read_json(path)
     kept[key] = digest
     try:
-        _write_json(path, kept)
+        write_json(path, kept, indent=1, sort_keys=True)
     except OSError as e:
         log.warn("cannot keep the check of exactness in {path}: {e}", path=str(path), e=e)
 
@@ -235,14 +220,8 @@ def save(
     meta["wanted"] = json.dumps({k: v.value for k, v in wanted.items()})
     meta["chosen"] = json.dumps({k: v.precision.value for k, v in kept.items()})
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=meta)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with replacing(path) as tmp:
+        save_file(tensors, str(tmp), metadata=meta)
     log.info("kept the packed weights in {path}", path=str(path))
 
 
