@@ -212,13 +212,17 @@ class PlacementTests(MemoryHeadTestCase):
             nodes.append(self.start_mock_node(identity=f"n{i}", **kwargs))
         return nodes
 
+    def sessions_after_six_opens(self, fleet: Fleet, nodes: list[MemoryNode]) -> list[int]:
+        """Opens 6 sessions on ``fleet``: how many each of ``nodes`` then holds."""
+        for _ in range(6):
+            self.wait(fleet.open_session(PROMPT))
+        return [self.on(fleet, n).sessions for n in nodes]
+
     def test_least_loaded_spreads_sessions(self) -> None:
         """6 sessions on 3 nodes with least-loaded placement land 2, 2, 2."""
         nodes = self.three()
         fleet = self.fleet_of(nodes, policy=Policy.LEAST_LOADED)
-        for _ in range(6):
-            self.wait(fleet.open_session(PROMPT))
-        self.assertEqual([self.on(fleet, n).sessions for n in nodes], [2, 2, 2])
+        self.assertEqual(self.sessions_after_six_opens(fleet, nodes), [2, 2, 2])
 
     def test_load_aware_degrades_to_session_count_when_nothing_is_reported(
         self,
@@ -227,9 +231,7 @@ class PlacementTests(MemoryHeadTestCase):
         nodes = self.three()
         fleet = self.fleet_of(nodes)
         self.assertIs(fleet.policy, Policy.LOAD_AWARE)
-        for _ in range(6):
-            self.wait(fleet.open_session(PROMPT))
-        self.assertEqual([self.on(fleet, n).sessions for n in nodes], [2, 2, 2])
+        self.assertEqual(self.sessions_after_six_opens(fleet, nodes), [2, 2, 2])
 
     def test_generation_routes_to_the_owning_node_and_is_correct(
         self,

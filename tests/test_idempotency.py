@@ -22,6 +22,14 @@ from sfnode.linkf.idempotency import (
 )
 
 
+def applied(capacity: int, last: int) -> CommandTable:
+    """A table of ``capacity`` that has applied the command ids 1 to ``last``."""
+    table = CommandTable(capacity=capacity)
+    for i in range(1, last + 1):
+        table.apply(i)
+    return table
+
+
 class CommandTableTests(SynchronousTestCase):
     def test_replay_is_not_recomputed(self) -> None:
         """A replayed command id is refused, so the work it guards runs exactly once (item 3)."""
@@ -80,18 +88,14 @@ class CommandTableTests(SynchronousTestCase):
 
     def test_trim_releases_folded_ids(self) -> None:
         """A trim at or above every folded id forgets the fold, so those ids are fresh again."""
-        table = CommandTable(capacity=2)
-        for i in range(1, 6):
-            table.apply(i)
+        table = applied(2, 5)
         table.trim(3)
         self.assertEqual(list(table), [4, 5])
         self.assertTrue(table.apply(2))
 
     def test_partial_trim_of_folded_range(self) -> None:
         """A trim inside the folded range forgets the ids at or below it and keeps the rest."""
-        table = CommandTable(capacity=1)
-        for i in range(1, 6):
-            table.apply(i)
+        table = applied(1, 5)
         table.trim(2)
         self.assertTrue(table.apply(2))
         self.assertFalse(table.apply(3))
