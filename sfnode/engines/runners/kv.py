@@ -21,6 +21,7 @@ only holds tensors and copies between them, on the runner's thread.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import KW_ONLY, dataclass, field
 
 import torch
 
@@ -47,30 +48,21 @@ def _grow(
             buffers.append(grown)
 
 
+@dataclass(eq=False)
 class SlotKV:
     """Per-layer key and value buffers for ``slots`` lanes of up to ``window`` positions."""
 
-    def __init__(
-        self,
-        *,
-        layers: int,
-        slots: int,
-        kv_heads: int,
-        head_dim: int,
-        window: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        self.layers = layers
-        self.slots = slots
-        self.kv_heads = kv_heads
-        self.head_dim = head_dim
-        self.window = window
-        self.dtype = dtype
-        self.device = device
-        self.capacity = 0
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
+    _: KW_ONLY
+    layers: int
+    slots: int
+    kv_heads: int
+    head_dim: int
+    window: int
+    dtype: torch.dtype
+    device: torch.device
+    capacity: int = field(default=0, init=False)
+    keys: list[torch.Tensor] = field(default_factory=list, init=False)
+    values: list[torch.Tensor] = field(default_factory=list, init=False)
 
     @property
     def nbytes(self) -> int:
