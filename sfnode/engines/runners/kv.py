@@ -49,7 +49,19 @@ def _grow(
 
 
 @dataclass(eq=False)
-class SlotKV:
+class _LayerBuffers:
+    """A key and a value buffer per layer, grown (by :func:`_grow`) as they are needed."""
+
+    keys: list[torch.Tensor] = field(default_factory=list, init=False)
+    values: list[torch.Tensor] = field(default_factory=list, init=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+@dataclass(eq=False)
+class SlotKV(_LayerBuffers):
     """Per-layer key and value buffers for ``slots`` lanes of up to ``window`` positions."""
 
     _: KW_ONLY
@@ -61,12 +73,6 @@ class SlotKV:
     dtype: torch.dtype
     device: torch.device
     capacity: int = field(default=0, init=False)
-    keys: list[torch.Tensor] = field(default_factory=list, init=False)
-    values: list[torch.Tensor] = field(default_factory=list, init=False)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
     def ensure(self, positions: int) -> None:
         """Make room for ``positions`` positions in every slot (copies once when it grows)."""
@@ -83,20 +89,15 @@ class SlotKV:
         self.capacity = target
 
 
-class BlockPool:
+class BlockPool(_LayerBuffers):
     """The prefix cache's KV blocks, ``[blocks, kv_heads, 16, head_dim]`` per layer, grown as
     blocks are first written."""
 
     def __init__(self, kv: SlotKV, capacity: int) -> None:
+        super().__init__()
         self._kv = kv
         self.capacity = capacity
         self.allocated = 0
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
     def _ensure(self, blocks: int) -> None:
         if blocks <= self.allocated:
