@@ -17,6 +17,7 @@ import zeroconf itself (the Announcer it is given does).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from twisted.application import service
@@ -32,23 +33,17 @@ from sfnode.runtime.service import ListeningService
 log = Logger(namespace="sfnode.discovery.announce")
 
 
+@dataclass(eq=False)
 class AnnounceService(service.Service):
     """Announces the head while its fleet listener listens; withdraws on stop."""
 
-    def __init__(
-        self,
-        listener: ListeningService,
-        announcement: HeadAnnouncement,
-        announcer: Announcer,
-        interface_addresses: Callable[[], list[str]],
-    ) -> None:
-        self.listener = listener
-        self.announcement = announcement
-        self.announcer = announcer
-        self.interface_addresses = interface_addresses
-        self.instance: str | None = None
-        """The instance name announced, once the announcement is up."""
-        self._announcing: defer.Deferred[None] | None = None
+    listener: ListeningService
+    announcement: HeadAnnouncement
+    announcer: Announcer
+    interface_addresses: Callable[[], list[str]]
+    instance: str | None = field(default=None, init=False)
+    """The instance name announced, once the announcement is up."""
+    _announcing: defer.Deferred[None] | None = field(default=None, init=False)
 
     def startService(self) -> None:
         super().startService()  # type: ignore[no-untyped-call]

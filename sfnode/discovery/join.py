@@ -14,6 +14,7 @@ the global reactor, and never decide what a refused token means: the dial servic
 
 from __future__ import annotations
 
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from twisted.internet import defer
@@ -30,25 +31,18 @@ log = Logger(namespace="sfnode.discovery.join")
 
 
 @implementer(IStreamClientEndpoint)
+@dataclass(eq=False)
 class DiscoveringEndpoint:
     """Dials the head that DNS-SD finds; browses again when it stays unreachable."""
 
-    def __init__(
-        self,
-        reactor: Any,
-        browser: Browser,
-        finder: HeadFinder,
-        *,
-        browse_s: float = BROWSE_S,
-        has_token: bool = True,
-    ) -> None:
-        self._reactor = reactor
-        self._browser = browser
-        self.finder = finder
-        self._browse_s = browse_s
-        self._has_token = has_token
-        self._announced: HeadAnswer | None = None
-        self._dialled: str | None = None
+    reactor: Any
+    browser: Browser
+    finder: HeadFinder
+    _: KW_ONLY
+    browse_s: float = BROWSE_S
+    has_token: bool = True
+    _announced: HeadAnswer | None = field(default=None, init=False)
+    _dialled: str | None = field(default=None, init=False)
 
     def describe(self) -> str:
         """The head the last attempt dialled, or the one looked for, as log lines name it."""
@@ -60,7 +54,7 @@ class DiscoveringEndpoint:
     def connect(self, factory: IProtocolFactory) -> defer.Deferred[Any]:
         self._dialled = None
         if self.finder.needs_browse():
-            found: defer.Deferred[Any] = self._browser.browse(self._browse_s)
+            found: defer.Deferred[Any] = self.browser.browse(self.browse_s)
             found.addCallback(self._browsed)
         else:
             found = defer.succeed(None)
@@ -77,13 +71,13 @@ class DiscoveringEndpoint:
                 service=SERVICE_TYPE,
                 count=len(answers),
             )
-            if head.announcement.token_required != self._has_token:
+            if head.announcement.token_required != self.has_token:
                 log.warn(
                     "the head {head} says it {has} a fleet token and this node {ours}: the "
                     "handshake will fail until both hold the same token (--auth-file)",
                     head=head.describe(),
                     has="requires" if head.announcement.token_required else "has no",
-                    ours="has one" if self._has_token else "has none",
+                    ours="has one" if self.has_token else "has none",
                 )
 
     def _dial(self, factory: IProtocolFactory) -> defer.Deferred[Any]:
@@ -91,7 +85,7 @@ class DiscoveringEndpoint:
         head = self.finder.head
         assert head is not None
         self._dialled = f"the head {head.head_name!r} at {join_address(host, port)}"
-        attempt: defer.Deferred[Any] = HostnameEndpoint(self._reactor, host, port).connect(factory)
+        attempt: defer.Deferred[Any] = HostnameEndpoint(self.reactor, host, port).connect(factory)
 
         def connected(protocol: Any) -> Any:
             self.finder.connected()

@@ -27,6 +27,7 @@ implemented by ``sfnode.node.agent.NodeAgent``), which all connections of one no
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol as TypingProtocol
 
 from twisted.internet.defer import Deferred
@@ -276,6 +277,7 @@ class NodeProtocol(Protocol):
             self.transport.loseConnection()
 
 
+@dataclass(eq=False)
 class NodeFactory(Factory):
     """Builds a :class:`NodeProtocol` per connection, all sharing one node.
 
@@ -287,17 +289,11 @@ class NodeFactory(Factory):
 
     noisy = False
 
-    def __init__(
-        self,
-        host: ConnectionHost,
-        max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
-        max_address_handshakes: int = DEFAULT_MAX_ADDRESS_HANDSHAKES,
-    ) -> None:
-        self.host = host
-        self.max_handshakes = max_handshakes
-        self.max_address_handshakes = max_address_handshakes
-        self.protocols: set[NodeProtocol] = set()
-        """Every connection of this factory not yet lost, handshaken or not."""
+    host: ConnectionHost
+    max_handshakes: int = DEFAULT_MAX_HANDSHAKES
+    max_address_handshakes: int = DEFAULT_MAX_ADDRESS_HANDSHAKES
+    protocols: set[NodeProtocol] = field(default_factory=set, init=False)
+    """Every connection of this factory not yet lost, handshaken or not."""
 
     def handshaking(self, address: str | None = None) -> int:
         """Connections not lost and not past their handshake (from ``address`` only, if

@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any, cast
@@ -112,6 +113,7 @@ def add_child(parent: service.MultiService, name: str, child: service.Service) -
     child.setServiceParent(parent)  # type: ignore[no-untyped-call]
 
 
+@dataclass(eq=False)
 class ListeningService(service.Service):
     """Listens on an endpoint while running; logs the address it bound, once.
 
@@ -123,25 +125,16 @@ class ListeningService(service.Service):
     ``startService``, so ``twistd`` exits non-zero with the reason instead of idling.
     """
 
-    def __init__(
-        self,
-        endpoint: IStreamServerEndpoint,
-        factory: IProtocolFactory,
-        description: str,
-        *,
-        what: str,
-        program: str,
-        error: Callable[[str], BaseException] = StartupError,
-    ) -> None:
-        self.endpoint = endpoint
-        self.factory = factory
-        self.description = description
-        self.what = what
-        self.program = program
-        self.error = error
-        self.port: IListeningPort | None = None
-        self.bound: defer.Deferred[IListeningPort | None] | None = None
-        self._listening: defer.Deferred[IListeningPort] | None = None
+    endpoint: IStreamServerEndpoint
+    factory: IProtocolFactory
+    description: str
+    _: KW_ONLY
+    what: str
+    program: str
+    error: Callable[[str], BaseException] = StartupError
+    port: IListeningPort | None = field(default=None, init=False)
+    bound: defer.Deferred[IListeningPort | None] | None = field(default=None, init=False)
+    _listening: defer.Deferred[IListeningPort] | None = field(default=None, init=False)
 
     def startService(self) -> None:
         super().startService()  # type: ignore[no-untyped-call]

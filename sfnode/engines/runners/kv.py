@@ -21,6 +21,7 @@ only holds tensors and copies between them, on the runner's thread.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import KW_ONLY, dataclass, field
 
 import torch
 
@@ -47,34 +48,31 @@ def _grow(
             buffers.append(grown)
 
 
-class SlotKV:
-    """Per-layer key and value buffers for ``slots`` lanes of up to ``window`` positions."""
+@dataclass(eq=False)
+class _LayerBuffers:
+    """A key and a value buffer per layer, grown (by :func:`_grow`) as they are needed."""
 
-    def __init__(
-        self,
-        *,
-        layers: int,
-        slots: int,
-        kv_heads: int,
-        head_dim: int,
-        window: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        self.layers = layers
-        self.slots = slots
-        self.kv_heads = kv_heads
-        self.head_dim = head_dim
-        self.window = window
-        self.dtype = dtype
-        self.device = device
-        self.capacity = 0
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
+    keys: list[torch.Tensor] = field(default_factory=list, init=False)
+    values: list[torch.Tensor] = field(default_factory=list, init=False)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+@dataclass(eq=False)
+class SlotKV(_LayerBuffers):
+    """Per-layer key and value buffers for ``slots`` lanes of up to ``window`` positions."""
+
+    _: KW_ONLY
+    layers: int
+    slots: int
+    kv_heads: int
+    head_dim: int
+    window: int
+    dtype: torch.dtype
+    device: torch.device
+    capacity: int = field(default=0, init=False)
 
     def ensure(self, positions: int) -> None:
         """Make room for ``positions`` positions in every slot (copies once when it grows)."""
@@ -91,20 +89,15 @@ class SlotKV:
         self.capacity = target
 
 
-class BlockPool:
+class BlockPool(_LayerBuffers):
     """The prefix cache's KV blocks, ``[blocks, kv_heads, 16, head_dim]`` per layer, grown as
     blocks are first written."""
 
     def __init__(self, kv: SlotKV, capacity: int) -> None:
+        super().__init__()
         self._kv = kv
         self.capacity = capacity
         self.allocated = 0
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
     def _ensure(self, blocks: int) -> None:
         if blocks <= self.allocated:

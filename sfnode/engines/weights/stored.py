@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -246,19 +246,12 @@ def _gguf_tensor(path: Path, dims: tuple[int, ...], ggml_type: int, offset: int)
 
 
 def _gguf_name(name: str, spec: ModelSpec) -> str:
-    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
-    if match:
-        index, stem, what = match.groups()
-        part = _GGUF_LAYER.get(stem)
-        if part is not None:
-            if part == "up" and spec.fused_gate_up:
-                part = "gate_up"
-            return f"{int(index)}.{part}" + ("_bias" if what == "bias" else "")
-    else:
-        stem, _, what = name.rpartition(".")
-        if what == "weight" and stem in _GGUF_GLOBAL:
-            return _GGUF_GLOBAL[stem]
-    raise ModelLoadError(f"{spec.family}: GGUF tensor {name!r} is not one sfnode reads")
+    def part(stem: str) -> str | None:
+        found = _GGUF_LAYER.get(stem)
+        return "gate_up" if found == "up" and spec.fused_gate_up else found
+
+    refusal = f"{spec.family}: GGUF tensor {name!r} is not one sfnode reads"
+    return _loader_name(name, r"blk\.(\d+)\.(\w+)\.(weight|bias)", part, _GGUF_GLOBAL, refusal)
 
 
 def _split(name: str, tensor: StoredTensor, spec: ModelSpec) -> Iterator[tuple[str, StoredTensor]]:
@@ -386,19 +379,38 @@ def _safetensors(path: Path) -> Iterator[tuple[str, StoredTensor]]:
 
 
 def _hf_name(name: str, spec: ModelSpec) -> str:
-    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
+    def part(stem: str) -> str | None:
+        found = _HF_LAYER.get(stem)
+        if found == "post_attention_layernorm":
+            return "attn_post_norm" if spec.sandwich_norms else "mlp_norm"
+        return found
+
+    refusal = f"{spec.family}: tensor {name!r} is not one sfnode reads"
+    pattern = r"model\.layers\.(\d+)\.(.+)\.(weight|bias)"
+    return _loader_name(name, pattern, part, _HF_GLOBAL, refusal)
+
+
+def _loader_name(
+    name: str,
+    layer_pattern: str,
+    part: Callable[[str], str | None],
+    global_names: Mapping[str, str],
+    refusal: str,
+) -> str:
+    """The loader's name for a stored tensor: ``{layer}.{part}`` (``_bias`` for a bias) for a
+    layer's tensor (``layer_pattern`` matches its index, stem and kind; ``part`` names the
+    stem, None for one not read), the global name of a global weight; else refused."""
+    match = re.fullmatch(layer_pattern, name)
     if match:
         index, stem, what = match.groups()
-        part = _HF_LAYER.get(stem)
-        if part == "post_attention_layernorm":
-            part = "attn_post_norm" if spec.sandwich_norms else "mlp_norm"
-        if part is not None:
-            return f"{int(index)}.{part}" + ("_bias" if what == "bias" else "")
+        found = part(stem)
+        if found is not None:
+            return f"{int(index)}.{found}" + ("_bias" if what == "bias" else "")
     else:
         stem, _, what = name.rpartition(".")
-        if what == "weight" and stem in _HF_GLOBAL:
-            return _HF_GLOBAL[stem]
-    raise ModelLoadError(f"{spec.family}: tensor {name!r} is not one sfnode reads")
+        if what == "weight" and stem in global_names:
+            return global_names[stem]
+    raise ModelLoadError(refusal)
 
 
 def _offset(tensor: StoredTensor, offset: float) -> StoredTensor:

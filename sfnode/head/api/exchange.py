@@ -42,7 +42,7 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 from twisted.internet import defer
@@ -230,6 +230,7 @@ def request_label(finishes: Sequence[str | None], drain_cancelled: bool) -> str:
 
 
 @implementer(IPushProducer)
+@dataclass(eq=False)
 class StallWatch:
     """The request's streaming producer: twisted.web pauses it when the client's connection
     is full (the client is not reading) and resumes it when the data went out.  A pause
@@ -237,21 +238,13 @@ class StallWatch:
     docs/protocol.md section 8.5 "Shares"), a resume ``resumed``; a pause that lasts
     ``timeout_s`` calls ``stalled`` (the exchange cuts the client off)."""
 
-    def __init__(
-        self,
-        clock: IReactorTime,
-        timeout_s: float,
-        stalled: Callable[[], None],
-        paused: Callable[[], None] = lambda: None,
-        resumed: Callable[[], None] = lambda: None,
-    ) -> None:
-        self._clock = clock
-        self._timeout_s = timeout_s
-        self._stalled = stalled
-        self._paused = paused
-        self._resumed = resumed
-        self._timer: IDelayedCall | None = None
-        self._request: Any = None
+    clock: IReactorTime
+    timeout_s: float
+    stalled: Callable[[], None]
+    paused: Callable[[], None] = lambda: None
+    resumed: Callable[[], None] = lambda: None
+    _timer: IDelayedCall | None = field(default=None, init=False)
+    _request: Any = field(default=None, init=False)
 
     def attach(self, request: Any) -> None:
         """Register on ``request`` (from now on its pauses are watched)."""
@@ -267,12 +260,12 @@ class StallWatch:
 
     def pauseProducing(self) -> None:
         if self._timer is None and self._request is not None:
-            self._timer = self._clock.callLater(self._timeout_s, self._fire)
-            self._paused()
+            self._timer = self.clock.callLater(self.timeout_s, self._fire)
+            self.paused()
 
     def resumeProducing(self) -> None:
         if self._stop_timer():
-            self._resumed()
+            self.resumed()
 
     def stopProducing(self) -> None:
         self._stop_timer()
@@ -287,7 +280,7 @@ class StallWatch:
 
     def _fire(self) -> None:
         self._timer = None
-        self._stalled()
+        self.stalled()
 
 
 # --------------------------------------------------------------------------------------------

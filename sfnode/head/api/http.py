@@ -630,11 +630,15 @@ class _Branch(Resource):
         return _NotFound().render(request)  # type: ignore[no-untyped-call]
 
 
-class _Health(_Leaf):
+class _ApiLeaf(_Leaf):
+    """A :class:`_Leaf` that answers from the API that owns it."""
+
     def __init__(self, api: OpenAIApi) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.api = api
 
+
+class _Health(_ApiLeaf):
     def render_GET(self, request: Any) -> bytes:
         api = self.api
         if request.args.get(b"probe") == [b"live"]:
@@ -657,10 +661,9 @@ class _Health(_Leaf):
         return answer(request, code, body)
 
 
-class _Metrics(_Leaf):
+class _Metrics(_ApiLeaf):
     def __init__(self, api: OpenAIApi, *, keyed: bool) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.api = api
+        super().__init__(api)
         self.route = Route(methods=(b"GET",), keyed=keyed)
 
     def render_GET(self, request: Any) -> bytes:
@@ -668,14 +671,10 @@ class _Metrics(_Leaf):
         return self.api.metrics.exposition()
 
 
-class _Models(_Leaf):
+class _Models(_ApiLeaf):
     """``/v1/models`` (the list) and ``/v1/models/{id}`` (one, or 404)."""
 
     route = Route(methods=(b"GET",), suffix=True)
-
-    def __init__(self, api: OpenAIApi) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.api = api
 
     def _entry(self, name: str) -> dict[str, Any]:
         status = self.api.status(name)
@@ -695,15 +694,11 @@ class _Models(_Leaf):
         return answer_error(request, error)
 
 
-class _Responses(_Leaf):
+class _Responses(_ApiLeaf):
     """``POST /v1/responses``; ``/v1/responses/{id}`` is a :class:`_StoredResponse`."""
 
     isLeaf = False
     route = Route(methods=(b"POST",), completion=True)
-
-    def __init__(self, api: OpenAIApi) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.api = api
 
     def getChild(self, path: bytes, request: Any) -> Resource:
         return _StoredResponse(self.api, path.decode("utf-8", "replace"))
@@ -713,14 +708,13 @@ class _Responses(_Leaf):
         return NOT_DONE_YET
 
 
-class _StoredResponse(_Leaf):
+class _StoredResponse(_ApiLeaf):
     """``GET`` and ``DELETE /v1/responses/{id}``: the requester's stored response."""
 
     route = Route(methods=(b"GET", b"DELETE"))
 
     def __init__(self, api: OpenAIApi, ident: str) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.api = api
+        super().__init__(api)
         self.ident = ident
 
     def render(self, request: Any) -> bytes | int:
@@ -733,41 +727,32 @@ class _StoredResponse(_Leaf):
         return delete_stored(self.api, request, self.ident)
 
 
-class _Embeddings(_Leaf):
+class _Embeddings(_ApiLeaf):
     route = Route(methods=(b"POST",), completion=True)
-
-    def __init__(self, api: OpenAIApi) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.api = api
 
     def render_POST(self, request: Any) -> int:
         EmbeddingsExchange(self.api, request).start()
         return NOT_DONE_YET
 
 
-class _Messages(_Leaf):
+class _Messages(_ApiLeaf):
     route = Route(methods=(b"POST",), completion=True)
     error_shape = staticmethod(anthropic_error)
     """The front door's refusals here are in Anthropic's shape."""
-
-    def __init__(self, api: OpenAIApi) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.api = api
 
     def render_POST(self, request: Any) -> int:
         MessagesExchange(self.api, request).start()
         return NOT_DONE_YET
 
 
-class _Ollama(_Leaf):
+class _Ollama(_ApiLeaf):
     """One route of Ollama's API (``/api/{name}``: :data:`sfnode.head.api.ollama_exchange.ROUTES`),
     every error in Ollama's shape."""
 
     error_shape = staticmethod(ollama_error)
 
     def __init__(self, api: OpenAIApi, route: Route, serve: Serve) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.api = api
+        super().__init__(api)
         self.route = route
         self.serve = serve
 
@@ -778,12 +763,11 @@ class _Ollama(_Leaf):
         return self.serve(self.api, request)
 
 
-class _Completions(_Leaf):
+class _Completions(_ApiLeaf):
     route = Route(methods=(b"POST",), completion=True)
 
     def __init__(self, api: OpenAIApi, *, chat: bool) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.api = api
+        super().__init__(api)
         self.chat = chat
 
     def render_POST(self, request: Any) -> int:

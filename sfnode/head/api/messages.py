@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,9 +203,7 @@ def _user_turns(blocks: Sequence[Any], where: str) -> list[dict[str, Any]]:
     as a user turn."""
     turns: list[dict[str, Any]] = []
     text: list[str] = []
-    for j, block in enumerate(blocks):
-        at = f"{where}[{j}]"
-        kind = block.get("type") if isinstance(block, dict) else None
+    for at, kind, block in _typed(blocks, where):
         if kind == "text":
             text.append(_string(block, "text", at))
         elif kind == "tool_result":
@@ -227,9 +225,7 @@ def _assistant_turn(blocks: Sequence[Any], where: str) -> dict[str, Any]:
     """An assistant message's blocks: its text, and its ``tool_use`` blocks as calls."""
     text: list[str] = []
     calls: list[dict[str, Any]] = []
-    for j, block in enumerate(blocks):
-        at = f"{where}[{j}]"
-        kind = block.get("type") if isinstance(block, dict) else None
+    for at, kind, block in _typed(blocks, where):
         if kind == "text":
             text.append(_string(block, "text", at))
         elif kind == "tool_use":
@@ -248,6 +244,13 @@ def _assistant_turn(blocks: Sequence[Any], where: str) -> dict[str, Any]:
         turn["content"] = turn["content"] or None
         turn["tool_calls"] = calls
     return turn
+
+
+def _typed(blocks: Sequence[Any], where: str) -> Iterator[tuple[str, Any, Any]]:
+    """Each block with where it stands (``{where}[j]``) and its ``type`` (None for a block
+    that is not an object)."""
+    for j, block in enumerate(blocks):
+        yield f"{where}[{j}]", block.get("type") if isinstance(block, dict) else None, block
 
 
 def _unsupported_block(kind: Any, where: str, supported: str) -> HttpError:

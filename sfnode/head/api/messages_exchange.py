@@ -14,10 +14,10 @@ never write to a request once the exchange is done or gone.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-from sfnode.head.api.exchange import Host, Prepared, _Choice
+from sfnode.head.api.exchange import Host, Prepared
 from sfnode.head.api.messages import (
     STOP_REASONS,
     MessageBuilder,
@@ -26,8 +26,7 @@ from sfnode.head.api.messages import (
     new_message_id,
     translate,
 )
-from sfnode.head.api.translated import TranslatedExchange
-from sfnode.head.models.tools import CallEvent
+from sfnode.head.api.translated import BuilderWriter, TranslatedExchange
 from sfnode.runtime.http_guard import HttpError
 
 
@@ -49,28 +48,15 @@ class MessagesExchange(TranslatedExchange):
         super()._place(prepared)
 
 
-class MessagesWriter:
+class MessagesWriter(BuilderWriter[MessagesExchange, MessageBuilder]):
     """A :class:`~sfnode.head.api.exchange.Writer` of the Messages API's shapes: every piece of
     output goes through the builder (streamed or not), the stream as its named events."""
 
-    def __init__(self, exchange: MessagesExchange, builder: MessageBuilder) -> None:
-        self.exchange = exchange
-        self.builder = builder
-
-    def _write(self, events: Iterable[dict[str, Any]]) -> None:
-        for event in events:
-            self.exchange.stream.send(event_bytes(event))
+    def encode(self, piece: Mapping[str, Any]) -> bytes:
+        return event_bytes(piece)
 
     def opened(self) -> None:
         self._write(self.builder.started(len(self.exchange.prompt)))
-
-    def show(self, choice: _Choice, events: Sequence[CallEvent], *, streamed: bool) -> None:
-        shown = self.builder.add(events)
-        if streamed:
-            self._write(shown)
-
-    def choice_finished(self, choice: _Choice) -> None:
-        pass  # the message's last events say it (closed)
 
     def _stop(self) -> tuple[str, str | None]:
         """The answer's ``stop_reason`` and ``stop_sequence``."""

@@ -18,7 +18,7 @@ never parse a chat or show body on the reactor (an embed body is parsed where
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -28,7 +28,7 @@ from sfnode import __version__
 from sfnode.generation import Embedded
 from sfnode.head.api.embeddings import embeddings_body
 from sfnode.head.api.embeddings_exchange import EmbeddingsExchange
-from sfnode.head.api.exchange import Host, Prepared, _Choice, answer, client_of
+from sfnode.head.api.exchange import Host, Prepared, answer, client_of
 from sfnode.head.api.gate import Route
 from sfnode.head.api.ollama import (
     OllamaBuilder,
@@ -44,8 +44,7 @@ from sfnode.head.api.ollama import (
     translate_generate,
 )
 from sfnode.head.api.schema import parse_body
-from sfnode.head.api.translated import TranslatedExchange, field_renamed
-from sfnode.head.models.tools import CallEvent
+from sfnode.head.api.translated import BuilderWriter, TranslatedExchange, field_renamed
 from sfnode.runtime.http_guard import HttpError
 
 NS = 1_000_000_000
@@ -77,28 +76,15 @@ class OllamaExchange(TranslatedExchange):
         super()._place(prepared)
 
 
-class OllamaWriter:
+class OllamaWriter(BuilderWriter[OllamaExchange, OllamaBuilder]):
     """A :class:`~sfnode.head.api.exchange.Writer` of Ollama's shapes: every piece of output
-    goes through the builder, a stream as NDJSON lines."""
+    goes through the builder, a stream as NDJSON lines (the done line says a choice ended)."""
 
-    def __init__(self, exchange: OllamaExchange, builder: OllamaBuilder) -> None:
-        self.exchange = exchange
-        self.builder = builder
-
-    def _write(self, lines: Iterable[dict[str, Any]]) -> None:
-        for line in lines:
-            self.exchange.stream.send(ndjson(line))
+    def encode(self, piece: Mapping[str, Any]) -> bytes:
+        return ndjson(piece)
 
     def opened(self) -> None:
         self.exchange.request.setHeader(b"content-type", b"application/x-ndjson")
-
-    def show(self, choice: _Choice, events: Sequence[CallEvent], *, streamed: bool) -> None:
-        lines = self.builder.add(events)
-        if streamed:
-            self._write(lines)
-
-    def choice_finished(self, choice: _Choice) -> None:
-        pass  # the done line says it (closed)
 
     def _end(self, completion_tokens: int) -> tuple[str, dict[str, int]]:
         """``done_reason`` and the counts of the done line."""

@@ -17,7 +17,8 @@ once the exchange is done or gone.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from twisted.internet.defer import Deferred, succeed
@@ -28,7 +29,6 @@ from sfnode.head.api.exchange import (
     Exchange,
     Host,
     Prepared,
-    _Choice,
     answer,
     answer_error,
     client_of,
@@ -47,9 +47,8 @@ from sfnode.head.api.responses import (
     unpack,
 )
 from sfnode.head.api.schema import parse_body
-from sfnode.head.api.translated import field_renamed
+from sfnode.head.api.translated import BuilderWriter, field_renamed
 from sfnode.head.fleet.backend import BackendStatus
-from sfnode.head.models.tools import CallEvent
 from sfnode.runtime.http_guard import HttpError
 
 _log = Logger(namespace="sfnode.head.api.http")
@@ -120,31 +119,18 @@ class ResponsesExchange(Exchange):
         super()._place(prepared)
 
 
-class ResponsesWriter:
+@dataclass(eq=False)
+class ResponsesWriter(BuilderWriter[ResponsesExchange, ResponseBuilder]):
     """A :class:`~sfnode.head.api.exchange.Writer` of Responses' shapes: every piece of output
     goes through the builder (streamed or not), the stream as its named events."""
 
-    def __init__(
-        self, exchange: ResponsesExchange, builder: ResponseBuilder, store: ResponseStore
-    ) -> None:
-        self.exchange = exchange
-        self.builder = builder
-        self.store = store
+    store: ResponseStore
 
-    def _write(self, events: Iterable[dict[str, Any]]) -> None:
-        for event in events:
-            self.exchange.stream.send(event_bytes(event))
+    def encode(self, piece: Mapping[str, Any]) -> bytes:
+        return event_bytes(piece)
 
     def opened(self) -> None:
         self._write(self.builder.started())
-
-    def show(self, choice: _Choice, events: Sequence[CallEvent], *, streamed: bool) -> None:
-        shown = self.builder.add(events)
-        if streamed:
-            self._write(shown)
-
-    def choice_finished(self, choice: _Choice) -> None:
-        pass  # the response's last events say it (closed)
 
     def _usage_and_reason(self, completion_tokens: int) -> tuple[dict[str, int], str | None]:
         x = self.exchange

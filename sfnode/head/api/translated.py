@@ -5,7 +5,8 @@ errors are answered in that API's shape.
 :class:`TranslatedExchange` parses and translates the body on a worker, in the client's turn,
 within ``--template-timeout`` (as ``/v1/responses`` does), then checks and renders the chat body
 as the chat exchange does; each subclass names its ``translate``, its error shape and its
-writer.
+writer.  :class:`BuilderWriter` is what those writers (and ``/v1/responses``') share: the
+choice's events go through the API's builder, and what it returns is streamed.
 
 This module must never decide anything the chat exchange decides (placement, back-pressure,
 budgets, errors and their statuses, metrics: those stay in :mod:`sfnode.head.api.exchange`),
@@ -14,15 +15,17 @@ and never parse or translate a body on the reactor.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
 from twisted.internet.defer import Deferred
 
-from sfnode.head.api.exchange import Exchange, Prepared, client_of
+from sfnode.head.api.exchange import Exchange, Prepared, _Choice, client_of
 from sfnode.head.api.responses import translation_timeout
 from sfnode.head.api.schema import parse_body
 from sfnode.head.fleet.backend import BackendStatus
+from sfnode.head.models.tools import CallEvent
 from sfnode.runtime.http_guard import HttpError
 
 
@@ -83,4 +86,41 @@ def field_renamed(error: HttpError, chat_field: str, own_field: str) -> HttpErro
     )
 
 
-__all__ = ["TranslatedExchange", "field_renamed"]
+class Builder(Protocol):
+    """What a :class:`BuilderWriter` asks of its API's builder."""
+
+    def add(self, events: Sequence[CallEvent]) -> list[dict[str, Any]]:
+        """Take a choice's events; the pieces of output they make (streamed or not)."""
+
+
+_X = TypeVar("_X", bound=Exchange)
+_B = TypeVar("_B", bound=Builder)
+
+
+@dataclass(eq=False)
+class BuilderWriter(Generic[_X, _B]):
+    """The part of a :class:`~sfnode.head.api.exchange.Writer` whose output goes through a
+    builder: :meth:`show` gives it the choice's events and streams the pieces it returns, each
+    as :meth:`encode` writes it."""
+
+    exchange: _X
+    builder: _B
+
+    def encode(self, piece: Mapping[str, Any]) -> bytes:
+        """One piece of output as the stream carries it."""
+        raise NotImplementedError
+
+    def _write(self, pieces: Iterable[dict[str, Any]]) -> None:
+        for piece in pieces:
+            self.exchange.stream.send(self.encode(piece))
+
+    def show(self, choice: _Choice, events: Sequence[CallEvent], *, streamed: bool) -> None:
+        shown = self.builder.add(events)
+        if streamed:
+            self._write(shown)
+
+    def choice_finished(self, choice: _Choice) -> None:
+        pass  # the answer's last pieces say it (closed)
+
+
+__all__ = ["Builder", "BuilderWriter", "TranslatedExchange", "field_renamed"]

@@ -16,6 +16,7 @@ gone, or use the global reactor (the clock is a parameter).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
@@ -61,28 +62,22 @@ class Viewer:
         self.gone = True
 
 
+@dataclass(eq=False)
 class Feed:
     """The viewers and the timer that updates them.  ``render()`` builds one update's bytes
     (the snapshot, encoded)."""
 
-    def __init__(
-        self,
-        clock: IReactorTime,
-        render: Callable[[], bytes],
-        *,
-        max_viewers: int = MAX_VIEWERS,
-        period_s: float = PERIOD_S,
-    ) -> None:
-        self._clock = clock
-        self._render = render
-        self.max_viewers = max_viewers
-        self.period_s = period_s
-        self.viewers: list[Viewer] = []
-        self._timer: IDelayedCall | None = None
-        self.updates = 0
-        """Updates built since the start (one per period with viewers, none without)."""
-        self._latest: tuple[float, bytes] | None = None
-        """When the latest update was built, and its event."""
+    clock: IReactorTime
+    render: Callable[[], bytes]
+    _: KW_ONLY
+    max_viewers: int = MAX_VIEWERS
+    period_s: float = PERIOD_S
+    viewers: list[Viewer] = field(default_factory=list, init=False)
+    _timer: IDelayedCall | None = field(default=None, init=False)
+    updates: int = field(default=0, init=False)
+    """Updates built since the start (one per period with viewers, none without)."""
+    _latest: tuple[float, bytes] | None = field(default=None, init=False)
+    """When the latest update was built, and its event."""
 
     @property
     def full(self) -> bool:
@@ -97,10 +92,10 @@ class Feed:
         request.notifyFinish().addBoth(lambda _: self._left(viewer))
         request.write(b"retry: %d\n\n" % RETRY_MS)
         latest = self._latest
-        fresh = latest is not None and self._clock.seconds() - latest[0] < self.period_s
+        fresh = latest is not None and self.clock.seconds() - latest[0] < self.period_s
         self._send([viewer], latest[1] if fresh and latest is not None else self._build())
         if self._timer is None:
-            self._timer = self._clock.callLater(self.period_s, self._tick)
+            self._timer = self.clock.callLater(self.period_s, self._tick)
         return viewer
 
     def stop(self) -> None:
@@ -116,12 +111,12 @@ class Feed:
             return
         self._send(list(self.viewers), self._build())
         if self.viewers:
-            self._timer = self._clock.callLater(self.period_s, self._tick)
+            self._timer = self.clock.callLater(self.period_s, self._tick)
 
     def _build(self) -> bytes:
         self.updates += 1
-        data = sse(self._render())
-        self._latest = (self._clock.seconds(), data)
+        data = sse(self.render())
+        self._latest = (self.clock.seconds(), data)
         return data
 
     def _send(self, viewers: list[Viewer], data: bytes) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 _T = TypeVar("_T", bound=Hashable)
@@ -36,24 +36,22 @@ class _Place:
     address: str
 
 
+@dataclass(eq=False)
 class FairQueue(Generic[_T]):
     """Items waiting, per share, with round robin across shares (least recently served
     first) and priority items ahead of all."""
 
-    def __init__(
-        self, memory: int = SERVED_MEMORY, use: Callable[[Hashable], float] | None = None
-    ) -> None:
-        self._priority: deque[_T] = deque()
-        self._shares: dict[Hashable, deque[_T]] = {}
-        """Each share's waiting items, in arrival order; shares in the order they started
-        waiting (the tie-break between shares never served)."""
-        self._places: dict[_T, _Place] = {}
-        self._addresses: Counter[str] = Counter()
-        self._served: OrderedDict[Hashable, int] = OrderedDict()
-        self._ticks = itertools.count()
-        self._memory = memory
-        self._use = use
-        """Lanes a share holds per unit of its weight (None: every share counts alike)."""
+    memory: int = SERVED_MEMORY
+    use: Callable[[Hashable], float] | None = None
+    """Lanes a share holds per unit of its weight (None: every share counts alike)."""
+    _priority: deque[_T] = field(default_factory=deque, init=False)
+    _shares: dict[Hashable, deque[_T]] = field(default_factory=dict, init=False)
+    """Each share's waiting items, in arrival order; shares in the order they started
+    waiting (the tie-break between shares never served)."""
+    _places: dict[_T, _Place] = field(default_factory=dict, init=False)
+    _addresses: Counter[str] = field(default_factory=Counter, init=False)
+    _served: OrderedDict[Hashable, int] = field(default_factory=OrderedDict, init=False)
+    _ticks: itertools.count[int] = field(default_factory=itertools.count, init=False)
 
     def __len__(self) -> int:
         return len(self._places)
@@ -118,7 +116,7 @@ class FairQueue(Generic[_T]):
         the rotation."""
         self._served[share] = next(self._ticks)
         self._served.move_to_end(share)
-        while len(self._served) > self._memory:
+        while len(self._served) > self.memory:
             self._served.popitem(last=False)
 
     def waiting_of(self, address: str) -> int:
@@ -130,7 +128,7 @@ class FairQueue(Generic[_T]):
         shares by the lanes they use (fewest per unit of weight first), ties round robin,
         least recently served first (each share's first item, then each share's second,
         ...), each share in arrival order."""
-        use = self._use
+        use = self.use
 
         def rank(share: Hashable) -> tuple[float, int]:
             return (use(share) if use is not None else 0.0, self._served.get(share, -1))

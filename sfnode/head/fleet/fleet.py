@@ -71,7 +71,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, TypeVar
 
@@ -270,30 +270,21 @@ _Waiter = Waiter["FleetNode"]
 # Sessions and generations
 
 
+@dataclass(eq=False)
 class FleetSession:
     """A session placed on one node of the fleet; it moves when its node dies or is too small."""
 
-    def __init__(
-        self,
-        fleet: Fleet,
-        session_id: int,
-        model: str | None,
-        params: GenParams,
-        lease: Lease,
-        context: Sequence[int],
-        requester: Requester = ANONYMOUS,
-    ) -> None:
-        self.fleet = fleet
-        self.session_id = session_id
-        self.model = model
-        self.params = params
-        self.lease = lease
-        self.requester = requester
-        """Who it serves: its share of the queue (docs/protocol.md section 8.5)."""
-        self.context: tuple[int, ...] = tuple(context)
-        """The complete context last appended."""
-        self.node: FleetNode | None = None
-        self.closed = False
+    fleet: Fleet
+    session_id: int
+    model: str | None
+    params: GenParams
+    lease: Lease
+    context: tuple[int, ...]
+    """The complete context last appended."""
+    requester: Requester = ANONYMOUS
+    """Who it serves: its share of the queue (docs/protocol.md section 8.5)."""
+    node: FleetNode | None = field(default=None, init=False)
+    closed: bool = field(default=False, init=False)
 
     def append(self, context: Sequence[int]) -> Deferred[None]:
         """Replace the session's context (the COMPLETE context, section 8 "Per request").
@@ -1211,7 +1202,7 @@ class Fleet:
             model,
             params,
             lease if lease is not None else self.lease,
-            context,
+            tuple(context),
             requester,
         )
 

@@ -14,6 +14,7 @@ link's state beyond its verdict.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from twisted.internet import defer
@@ -61,38 +62,31 @@ def offered_size(link: NodeLink) -> int:
     return ack.model_files.total_len
 
 
+@dataclass(eq=False)
 class ModelAdmission:
     """The verdict on each link; ``changed(link)`` is called when one changes after the
     handshake (its files arrived, or their fetch failed).  ``run`` reads a fetched bundle
     into a tokenizer (half a second for a large one: the head runs it on a worker thread)."""
 
-    def __init__(
-        self,
-        registry: ModelRegistry,
-        run: Run = run_here,
-        *,
-        clock: IReactorTime | None = None,
-        grace_s: float = DEFAULT_MODEL_GRACE_S,
-        after_drop: Callable[[], object] = lambda: None,
-    ) -> None:
-        self.registry = registry
-        self._run = run
-        self._clock = clock
-        self._after_drop = after_drop
-        """Called once a model was dropped (the head gives the freed memory back to the
-        system: a tokenizer's native allocations stay in the C heap otherwise)."""
-        self.grace_s = grace_s
-        """How long a model whose last node left is kept (``--model-grace``; without a
-        clock, for ever)."""
-        self._leaving: dict[str, IDelayedCall] = {}
-        """The drop of each model whose last node left, due after the grace."""
-        self.changed: Callable[[NodeLink], None] = lambda link: None
-        self._admitted: dict[NodeLink, bool] = {}
-        self._refused: dict[NodeLink, str] = {}
-        """The reason each refused link was last logged with (logged again only if it
-        changes: a node that redials is not a new line every time)."""
-        self._fetching: dict[bytes, list[NodeLink]] = {}
-        """Links waiting for the files of each hash being fetched (one fetch per hash)."""
+    registry: ModelRegistry
+    run: Run = run_here
+    _: KW_ONLY
+    clock: IReactorTime | None = None
+    grace_s: float = DEFAULT_MODEL_GRACE_S
+    """How long a model whose last node left is kept (``--model-grace``; without a clock,
+    for ever)."""
+    after_drop: Callable[[], object] = lambda: None
+    """Called once a model was dropped (the head gives the freed memory back to the
+    system: a tokenizer's native allocations stay in the C heap otherwise)."""
+    _leaving: dict[str, IDelayedCall] = field(default_factory=dict, init=False)
+    """The drop of each model whose last node left, due after the grace."""
+    changed: Callable[[NodeLink], None] = field(default=lambda link: None, init=False)
+    _admitted: dict[NodeLink, bool] = field(default_factory=dict, init=False)
+    _refused: dict[NodeLink, str] = field(default_factory=dict, init=False)
+    """The reason each refused link was last logged with (logged again only if it
+    changes: a node that redials is not a new line every time)."""
+    _fetching: dict[bytes, list[NodeLink]] = field(default_factory=dict, init=False)
+    """Links waiting for the files of each hash being fetched (one fetch per hash)."""
 
     def admits(self, link: NodeLink) -> bool:
         """Whether placement may use ``link``'s node (a link not judged yet may: the fleet
@@ -121,11 +115,11 @@ class ModelAdmission:
             if link in waiting:
                 waiting.remove(link)
         name = link.models[0] if link.models else None
-        if name is None or self._clock is None or name in self._leaving:
+        if name is None or self.clock is None or name in self._leaving:
             return
         if any(other.models[:1] == (name,) for other in self._admitted):
             return
-        self._leaving[name] = self._clock.callLater(self.grace_s, self._drop, name)
+        self._leaving[name] = self.clock.callLater(self.grace_s, self._drop, name)
 
     def _drop(self, name: str) -> None:
         del self._leaving[name]
@@ -135,7 +129,7 @@ class ModelAdmission:
                 model=name,
                 grace=self.grace_s,
             )
-            self._after_drop()
+            self.after_drop()
 
     def stop(self) -> None:
         """Cancel the drops due (the fleet stops)."""
@@ -200,7 +194,7 @@ class ModelAdmission:
         )
 
     def _fetched(self, data: bytes, link: NodeLink, name: str, content_hash: bytes) -> None:
-        read = self._run(lambda: self.registry.read(data))
+        read = self.run(lambda: self.registry.read(data))
         read.addCallbacks(
             self._read,
             self._read_failed,

@@ -11,7 +11,7 @@ module must never send or receive a frame: the link does, through the small
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Generic, TypeVar
 from typing import Protocol as TypingProtocol
 
@@ -84,6 +84,7 @@ class CallOwner(TypingProtocol):
         """Take the call out of the link's table (its result was cancelled)."""
 
 
+@dataclass(eq=False)
 class GenerationCall:
     """One GENERATE_REQ in flight: its result and a way to cancel it.
 
@@ -92,30 +93,24 @@ class GenerationCall:
     loses it.  Cancelling ``result`` itself also sends GENERATE_CANCEL and forgets the call.
     """
 
-    def __init__(
-        self,
-        link: CallOwner,
-        session_id: int,
-        generation_id: int,
-        epoch: int,
-        on_tokens: TokenSink | None,
-        *,
-        logprobs: bool = False,
-    ) -> None:
-        self.session_id = session_id
-        self.generation_id = generation_id
-        self.epoch = epoch
-        self.logprobs = logprobs
-        """Its session's GenParams ask for logprobs (docs/protocol.md section 12.1)."""
-        self.tokens: list[int] = []
-        """Tokens delivered so far (committed events only, each once)."""
-        self.finish: int | None = None
-        self.detail = 0
-        """The Finish's ``detail`` bits (docs/protocol.md section 12.6)."""
-        self.result: Deferred[GenerationOutcome] = Deferred(self._cancel_result)
-        self._link = link
-        self._on_tokens = on_tokens
-        self._cancel_sent = False
+    link: CallOwner
+    session_id: int
+    generation_id: int
+    epoch: int
+    on_tokens: TokenSink | None
+    _: KW_ONLY
+    logprobs: bool = False
+    """Its session's GenParams ask for logprobs (docs/protocol.md section 12.1)."""
+    tokens: list[int] = field(default_factory=list, init=False)
+    """Tokens delivered so far (committed events only, each once)."""
+    finish: int | None = field(default=None, init=False)
+    detail: int = field(default=0, init=False)
+    """The Finish's ``detail`` bits (docs/protocol.md section 12.6)."""
+    result: Deferred[GenerationOutcome] = field(init=False)
+    _cancel_sent: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        self.result = Deferred(self._cancel_result)
 
     @property
     def done(self) -> bool:
@@ -125,12 +120,12 @@ class GenerationCall:
         """Ask the node to stop (GENERATE_CANCEL, sent at most once); the Finish still comes."""
         if self._cancel_sent or self.done:
             return
-        if self._link.send_now(GenerateCancelMsg(self.session_id, self.generation_id)):
+        if self.link.send_now(GenerateCancelMsg(self.session_id, self.generation_id)):
             self._cancel_sent = True
 
     def _cancel_result(self, _: Deferred[GenerationOutcome]) -> None:
         self.cancel()
-        self._link.forget_generation(self)
+        self.link.forget_generation(self)
 
     def _deliver(self, payload: Tokens) -> None:
         batch = TokenBatch(
@@ -140,9 +135,9 @@ class GenerationCall:
             else None,
         )
         self.tokens.extend(batch.tokens)
-        if self._on_tokens is not None:
+        if self.on_tokens is not None:
             try:
-                self._on_tokens(batch)
+                self.on_tokens(batch)
             except Exception:
                 _log.failure("an on_tokens callback failed")
 

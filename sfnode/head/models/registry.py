@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from sfnode.head.models.text import Renderer
@@ -106,27 +106,21 @@ class Verdict:
 ADMIT = Verdict(True)
 
 
+@dataclass(eq=False)
 class ModelRegistry:
     """The head's models by name, and one tokenizer per distinct bundle of files."""
 
-    def __init__(
-        self,
-        *,
-        allow_special_tokens: bool = False,
-        load: TokenizerFromFiles = tokenizer_from_files,
-        max_models: int = DEFAULT_MAX_NODE_MODELS,
-        max_bytes: int = DEFAULT_MAX_MODEL_BYTES,
-    ) -> None:
-        self.allow_special_tokens = allow_special_tokens
-        self._load = load
-        self.max_models = max_models
-        """The most models served with nodes' files (``--max-node-models``)."""
-        self.max_bytes = max_bytes
-        """The most bytes of nodes' bundles kept (``--max-model-bytes``)."""
-        self._models: dict[str, ServedModel] = {}
-        self._by_hash: dict[bytes, tuple[Any, int | None, int]] = {}
-        """Tokenizer, config vocab size and bytes of each bundle installed (one copy per
-        hash)."""
+    _: KW_ONLY
+    allow_special_tokens: bool = False
+    load: TokenizerFromFiles = tokenizer_from_files
+    max_models: int = DEFAULT_MAX_NODE_MODELS
+    """The most models served with nodes' files (``--max-node-models``)."""
+    max_bytes: int = DEFAULT_MAX_MODEL_BYTES
+    """The most bytes of nodes' bundles kept (``--max-model-bytes``)."""
+    _models: dict[str, ServedModel] = field(default_factory=dict, init=False)
+    _by_hash: dict[bytes, tuple[Any, int | None, int]] = field(default_factory=dict, init=False)
+    """Tokenizer, config vocab size and bytes of each bundle installed (one copy per
+    hash)."""
 
     def serve(
         self,
@@ -265,7 +259,7 @@ class ModelRegistry:
         """
         files = unpack_bundle(data)
         try:
-            tokenizer = self._load(files)
+            tokenizer = self.load(files)
         except Exception as e:
             raise ModelFilesError(f"the model files do not make a tokenizer: {e}") from e
         return LoadedFiles(tokenizer, vocab_size_of(files), len(data))
