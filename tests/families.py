@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -26,8 +25,6 @@ import numpy as np
 
 from tests import kquant
 from tests.tinymodel import TINY_EOS, tiny_tokenizer
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 WINDOW = 16
 """The sliding window of the families that have one: smaller than a test's context."""

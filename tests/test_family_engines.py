@@ -16,13 +16,9 @@ family.  These tests must never download anything.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any, ClassVar
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from twisted.internet import defer, reactor
 from twisted.logger import capturedLogs, formatEvent

@@ -391,7 +391,9 @@ class ReinstallTests(SynchronousTestCase):
         the wheel's files, where pip alone keeps the old ones."""
         install = installed()
         again = fresh_venv(install.root, install.root / "venv-again", install.wheel)
-        _step([again.python, "-m", "pip", "install", "--no-deps", str(install.wheel)])
+        # In the fresh virtualenv's own environment: trial's workers (-j) put the runner's
+        # sys.path on PYTHONPATH, where pip would find sfnode installed and install nothing.
+        _step([again.python, "-m", "pip", "install", "--no-deps", str(install.wheel)], again.env())
         module = "sfnode/cli/launcher.py"
         (again.site_packages / module).write_text("raise SystemExit('the old install')\n")
         env = {**os.environ, "PYTHON": sys.executable}

@@ -7,13 +7,9 @@ look at which operators ran with a torch dispatch mode.  They must never sleep.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

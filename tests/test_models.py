@@ -13,8 +13,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 import torch
 from twisted.trial import unittest
 

@@ -11,15 +11,11 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import random
 import struct
 import tempfile
 from pathlib import Path
 from typing import Any
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 import torch

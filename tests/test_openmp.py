@@ -9,8 +9,6 @@ import threading
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import torch
 from twisted.internet import reactor
 from twisted.logger import formatEvent, globalLogPublisher

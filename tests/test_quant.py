@@ -7,12 +7,9 @@ GGUF format itself, not against another decoder.
 
 from __future__ import annotations
 
-import os
 import struct
 from pathlib import Path
 from typing import Any
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 import torch

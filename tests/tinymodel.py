@@ -11,8 +11,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 TINY_VOCAB = 512
 TINY_EOS = 2
 TINY_CHAT_TEMPLATE = (
