@@ -34,6 +34,7 @@ import dataclasses
 import hashlib
 import subprocess
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -677,7 +678,7 @@ class NativeStep:
         self.window = int(tables[0][0].shape[0])
         self._forward = library.handle.sf_forward
         self._logits = library.handle.sf_logits
-        self._kv: tuple[tuple[int, int, int], _KV, Any, Any] | None = None
+        self._kv: tuple[weakref.ref[Any], tuple[int, int], _KV, Any, Any] | None = None
 
     def _float_pointer(self, tensor: torch.Tensor) -> int:
         """The address of ``tensor`` as contiguous float32, kept alive as long as this step."""
@@ -725,9 +726,13 @@ class NativeStep:
 
     def _kv_struct(self, kv: Any) -> _KV:
         """The C view of ``kv`` (a :class:`~sfnode.engines.runners.kv.SlotKV`), rebuilt when it
-        grew."""
-        key = (id(kv), kv.capacity, kv.keys[0].data_ptr() if kv.keys else 0)
-        if self._kv is None or self._kv[0] != key:
+        grew or is another one.  The view is kept for the very object it was built from (a weak
+        reference, not its ``id``): a pipeline stage's scratch KV is made anew for each call, and
+        a new one can take a freed one's address and first buffer while its other layers' buffers
+        lie elsewhere, so a view matched by address would send the step's writes into freed
+        memory."""
+        key = (kv.capacity, kv.keys[0].data_ptr() if kv.keys else 0)
+        if self._kv is None or self._kv[0]() is not kv or self._kv[1] != key:
             layers = len(kv.keys)
             keys = (ctypes.c_void_p * layers)(*[t.data_ptr() for t in kv.keys])
             values = (ctypes.c_void_p * layers)(*[t.data_ptr() for t in kv.values])
@@ -739,8 +744,8 @@ class NativeStep:
                 ctypes.addressof(keys),
                 ctypes.addressof(values),
             )
-            self._kv = (key, struct, keys, values)
-        return self._kv[1]
+            self._kv = (weakref.ref(kv), key, struct, keys, values)
+        return self._kv[2]
 
     def forward(
         self,
