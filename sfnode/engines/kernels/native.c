@@ -7,7 +7,10 @@
      row is quantized by itself to int16 per block of 32 (one scale a block), the products are
      integer multiply-adds (vpmaddwd) summed exactly in int32 per block, then scaled in float;
    - kind 1, int8 weights with one float32 scale per output row, the same int16 activations;
-   - kind 2, float32 weights, float32 products summed in a fixed order per row.
+   - kind 2, float32 weights, float32 products summed in a fixed order per row;
+   - kinds 3 to 8, blocks as a GGUF file stores them (Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1);
+   - kind 9, GGUF Q5_0 blocks laid out in tiles of 8 output rows by one block (sf_tile_q5), as
+     kind 0's, with the same int16 activations and exact int32 sums per block.
    Every row's result is computed by itself, in the same order of operations whatever else is in
    the call, so the products are batch-invariant (a row's result never depends on the others).
 
@@ -33,6 +36,7 @@
 
 #define QK 32
 #define TILE_BYTES 160 /* 8 float16 d, 8 float16 m, 128 bytes of nibbles */
+#define Q5_TILE_BYTES 176 /* 8 float16 d, 32 bytes of fifth bits, 128 bytes of nibbles */
 #define QMAX 32767.0f
 #define MAX_HEAD_DIM 256
 #define PREFETCH_BYTES (TILE_BYTES * 16)
@@ -41,7 +45,7 @@
 typedef struct {
     int32_t kind; /* 0: Q4_1 tiles; 1: int8 rows with a float32 scale each; 2: float32 rows;
                      as the file stores them, rows of: 3 Q8_0, 4 Q4_K, 5 Q5_K, 6 Q6_K,
-                     7 Q5_0, 8 Q5_1 blocks */
+                     7 Q5_0, 8 Q5_1 blocks; 9: Q5_0 tiles (sf_tile_q5) */
     int32_t K, N;
     const void *w;
     const float *scales;
@@ -439,6 +443,23 @@ static void rmsnorm_row(const float *v, int H, const float *w, float eps, float 
 
 #define BCAST_PAIR(p) _mm256_castps_si256(_mm256_broadcast_ss((const float *)(p)))
 
+/* The R rows' 8 outputs of a tile column (cols of them real) into y, or added to it. */
+static inline void tile_store(const int R, const __m256 *af, float *y, int ldy, int cols,
+                              int accumulate) {
+    for (int r = 0; r < R; r++) {
+        float *out = y + (size_t)r * ldy;
+        if (cols == 8 && !accumulate) {
+            _mm256_storeu_ps(out, af[r]);
+        } else if (cols == 8) {
+            _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), af[r]));
+        } else {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, af[r]);
+            for (int j = 0; j < cols; j++) out[j] = accumulate ? out[j] + tmp[j] : tmp[j];
+        }
+    }
+}
+
 /* R activation rows (R <= 4) against one tile column (8 output rows); each row's int32 sum per
    block is exact, and its float steps are the same whatever R is. */
 static inline __attribute__((always_inline)) void q4_tile_rows(
@@ -477,18 +498,59 @@ static inline __attribute__((always_inline)) void q4_tile_rows(
             af[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[r * nb + b]), af[r]);
         }
     }
-    for (int r = 0; r < R; r++) {
-        float *out = y + (size_t)r * ldy;
-        if (cols == 8 && !accumulate) {
-            _mm256_storeu_ps(out, af[r]);
-        } else if (cols == 8) {
-            _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), af[r]));
-        } else {
-            float tmp[8];
-            _mm256_storeu_ps(tmp, af[r]);
-            for (int j = 0; j < cols; j++) out[j] = accumulate ? out[j] + tmp[j] : tmp[j];
+    tile_store(R, af, y, ldy, cols, accumulate);
+}
+
+/* Q5_0 tiles: for each group g of 8 output rows and each block b of 32 inputs, Q5_TILE_BYTES
+   at (g * blocks + b) * Q5_TILE_BYTES: the 8 rows' float16 d, 32 bytes of fifth bits, then the
+   nibbles laid out as a Q4_1 tile's 4 quarters.  The fifth bits are read as 16 little-endian
+   16-bit lanes: bit c of lane j = 2r + k is the complement of row 8g + r's fifth bit for input
+   2c + k, so that the int16 weight q - 16 of a pair is its nibble minus that bit times 16 (a
+   shift, a mask and a subtraction, no widening). */
+
+/* R activation rows (R <= 4) against one Q5_0 tile column (8 output rows): each row's int32 sum
+   per block is exact, scaled by the row's d times the activations' block scale; its float steps
+   are the same whatever R is. */
+static inline __attribute__((always_inline)) void q5_tile_rows(
+    const int R, const uint8_t *w, int nb, const int16_t *qx, const float *dx, int K, float *y,
+    int ldy, int cols, int accumulate) {
+    __m256 af[4];
+    for (int r = 0; r < R; r++) af[r] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi16(0x0F), fifth = _mm256_set1_epi16(0x10);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *t = w + (size_t)b * Q5_TILE_BYTES;
+        _mm_prefetch((const char *)(t + 16 * Q5_TILE_BYTES), _MM_HINT_T0);
+        _mm_prefetch((const char *)(t + 16 * Q5_TILE_BYTES + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(t + 16 * Q5_TILE_BYTES + 128), _MM_HINT_T0);
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(t + 16));
+        __m256i ai[4];
+        for (int r = 0; r < R; r++) ai[r] = _mm256_setzero_si256();
+        for (int q = 0; q < 4; q++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(t + 48 + 32 * q));
+            const __m256i hq = _mm256_srl_epi16(h, _mm_cvtsi32_si128(4 * q));
+            const __m256i w0 = _mm256_sub_epi16(_mm256_and_si256(v, low),
+                                                _mm256_and_si256(_mm256_slli_epi16(hq, 4), fifth));
+            const __m256i w1 = _mm256_sub_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                                _mm256_and_si256(_mm256_slli_epi16(hq, 3), fifth));
+            const __m256i w2 = _mm256_sub_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 8), low),
+                                                _mm256_and_si256(_mm256_slli_epi16(hq, 2), fifth));
+            const __m256i w3 = _mm256_sub_epi16(_mm256_srli_epi16(v, 12),
+                                                _mm256_and_si256(_mm256_slli_epi16(hq, 1), fifth));
+            for (int r = 0; r < R; r++) {
+                const int16_t *xp = qx + (size_t)r * K + b * QK + 8 * q;
+                const __m256i p01 = _mm256_add_epi32(_mm256_madd_epi16(w0, BCAST_PAIR(xp)),
+                                                     _mm256_madd_epi16(w1, BCAST_PAIR(xp + 2)));
+                const __m256i p23 = _mm256_add_epi32(_mm256_madd_epi16(w2, BCAST_PAIR(xp + 4)),
+                                                     _mm256_madd_epi16(w3, BCAST_PAIR(xp + 6)));
+                ai[r] = _mm256_add_epi32(ai[r], _mm256_add_epi32(p01, p23));
+            }
         }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
+        for (int r = 0; r < R; r++)
+            af[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[r]),
+                                    _mm256_mul_ps(dw, _mm256_set1_ps(dx[r * nb + b])), af[r]);
     }
+    tile_store(R, af, y, ldy, cols, accumulate);
 }
 
 #define ROW_TILES(CALL) ROW_TILES_FROM(0, CALL)
@@ -777,10 +839,10 @@ static inline __attribute__((always_inline)) void q6k_rows(
     store_rows(R, acc, minus, out, stride, accumulate);
 }
 
-/* The work units a product splits between threads: tiles of 8 output rows (kind 0), output
-   rows (the others). */
+/* The work units a product splits between threads: tiles of 8 output rows (kinds 0 and 9),
+   output rows (the others). */
 static inline int units(const sf_part *mat) {
-    return mat->kind == 0 ? (mat->N + 7) / 8 : mat->N;
+    return mat->kind == 0 || mat->kind == 9 ? (mat->N + 7) / 8 : mat->N;
 }
 
 /* Bytes of one weight row of a part stored as the file stores it (kinds 3 to 8). */
@@ -820,7 +882,18 @@ static void stored_units(const sf_part *mat, const acts *a, int M, float *y, int
 static void product_units(const sf_part *mat, const acts *a, int M, float *y, int ldy,
                           int accumulate, int u0, int u1) {
     const int K = mat->K, N = mat->N, nb = K / QK;
-    if (mat->kind >= 3) {
+    if (mat->kind == 9) {
+        const uint8_t *w = (const uint8_t *)mat->w;
+        for (int g = u0; g < u1; g++) {
+            const uint8_t *wg = w + (size_t)g * nb * Q5_TILE_BYTES;
+            const int cols = N - 8 * g < 8 ? N - 8 * g : 8;
+#define Q5_CALL(RR)                                                                            \
+    q5_tile_rows(RR, wg, nb, a->q + (size_t)m * K, a->d + m * nb, K,                           \
+                 y + (size_t)m * ldy + 8 * g, ldy, cols, accumulate)
+            ROW_TILES(Q5_CALL);
+#undef Q5_CALL
+        }
+    } else if (mat->kind >= 3) {
         stored_units(mat, a, M, y, ldy, accumulate, u0, u1);
     } else if (mat->kind == 0) {
         const uint8_t *w = (const uint8_t *)mat->w;
@@ -885,7 +958,7 @@ static void product(const sf_matrix *mat, const acts *a, int M, float *y, int ld
 }
 
 static int part_ok(const sf_part *mat) {
-    if (mat->kind < 0 || mat->kind > 8 || mat->K <= 0 || mat->N <= 0) return 0;
+    if (mat->kind < 0 || mat->kind > 9 || mat->K <= 0 || mat->N <= 0) return 0;
     if (quantized_part(mat) && mat->K % QK) return 0;
     if (mat->kind >= 4 && mat->kind <= 6 && mat->K % QK_K) return 0;
     return 1;
@@ -974,6 +1047,57 @@ int sf_untile_q4(const uint8_t *tiles, int N, int K, uint8_t *blocks) {
                 q[i] = (uint8_t)((t[byte] >> (4 * (s % 2))) & 0x0F);
             }
             for (int j = 0; j < 16; j++) blk[4 + j] = (uint8_t)(q[j] | (q[j + 16] << 4));
+        }
+    return 0;
+}
+
+/* Lay out Q5_0 blocks (N rows of K/32 blocks of 22 bytes: float16 d, 32 fifth bits, 16 bytes
+   with input j in the low nibble of byte j and input j + 16 in its high one) as Q5_0 tiles (see
+   q5_tile_rows); tiles has ceil(N / 8) * K / 32 * Q5_TILE_BYTES bytes (rows past N are zero). */
+int sf_tile_q5(const uint8_t *blocks, int N, int K, uint8_t *tiles) {
+    if (K % QK) return 1;
+    const int nb = K / QK, groups = (N + 7) / 8;
+    memset(tiles, 0, (size_t)groups * nb * Q5_TILE_BYTES);
+    for (int g = 0; g < groups; g++)
+        for (int b = 0; b < nb; b++) {
+            uint8_t *t = tiles + ((size_t)g * nb + b) * Q5_TILE_BYTES;
+            for (int r = 0; r < 8 && 8 * g + r < N; r++) {
+                const uint8_t *blk = blocks + ((size_t)(8 * g + r) * nb + b) * 22;
+                memcpy(t + 2 * r, blk, 2);
+                uint32_t qh;
+                memcpy(&qh, blk + 2, 4);
+                for (int i = 0; i < QK; i++) {
+                    const int low = i < 16 ? blk[6 + i] & 0x0F : blk[6 + i - 16] >> 4;
+                    const int c = i / 2, k = i % 2, qu = c / 4, s = c % 4;
+                    const int lane = 2 * r + k, byte = 48 + 32 * qu + 2 * lane + s / 2;
+                    t[byte] |= (uint8_t)(low << (4 * (s % 2)));
+                    if (!((qh >> i) & 1)) t[16 + 2 * lane + c / 8] |= (uint8_t)(1 << (c % 8));
+                }
+            }
+        }
+    return 0;
+}
+
+/* The inverse of sf_tile_q5. */
+int sf_untile_q5(const uint8_t *tiles, int N, int K, uint8_t *blocks) {
+    if (K % QK) return 1;
+    const int nb = K / QK;
+    for (int n = 0; n < N; n++)
+        for (int b = 0; b < nb; b++) {
+            const int g = n / 8, r = n % 8;
+            const uint8_t *t = tiles + ((size_t)g * nb + b) * Q5_TILE_BYTES;
+            uint8_t *blk = blocks + ((size_t)n * nb + b) * 22;
+            memcpy(blk, t + 2 * r, 2);
+            uint32_t qh = 0;
+            uint8_t q[QK];
+            for (int i = 0; i < QK; i++) {
+                const int c = i / 2, k = i % 2, qu = c / 4, s = c % 4;
+                const int lane = 2 * r + k, byte = 48 + 32 * qu + 2 * lane + s / 2;
+                q[i] = (uint8_t)((t[byte] >> (4 * (s % 2))) & 0x0F);
+                if (!((t[16 + 2 * lane + c / 8] >> (c % 8)) & 1)) qh |= 1u << i;
+            }
+            memcpy(blk + 2, &qh, 4);
+            for (int j = 0; j < 16; j++) blk[6 + j] = (uint8_t)(q[j] | (q[j + 16] << 4));
         }
     return 0;
 }
