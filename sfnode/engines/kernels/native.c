@@ -9,8 +9,9 @@
    - kind 1, int8 weights with one float32 scale per output row, the same int16 activations;
    - kind 2, float32 weights, float32 products summed in a fixed order per row;
    - kinds 3 to 8, blocks as a GGUF file stores them (Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1);
-   - kind 9, GGUF Q5_0 blocks laid out in tiles of 8 output rows by one block (sf_tile_q5), as
-     kind 0's, with the same int16 activations and exact int32 sums per block.
+   - kinds 9 and 10, GGUF Q5_0 and Q8_0 blocks laid out in tiles of 8 output rows by one block
+     (sf_tile_q5, sf_tile_q8), as kind 0's, with the same int16 activations and exact int32
+     sums per block.
    Every row's result is computed by itself, in the same order of operations whatever else is in
    the call, so the products are batch-invariant (a row's result never depends on the others).
 
@@ -37,6 +38,7 @@
 #define QK 32
 #define TILE_BYTES 160 /* 8 float16 d, 8 float16 m, 128 bytes of nibbles */
 #define Q5_TILE_BYTES 176 /* 8 float16 d, 32 bytes of fifth bits, 128 bytes of nibbles */
+#define Q8_TILE_BYTES 272 /* 8 float16 d, 256 int8 weights */
 #define QMAX 32767.0f
 #define MAX_HEAD_DIM 256
 #define PREFETCH_BYTES (TILE_BYTES * 16)
@@ -45,7 +47,8 @@
 typedef struct {
     int32_t kind; /* 0: Q4_1 tiles; 1: int8 rows with a float32 scale each; 2: float32 rows;
                      as the file stores them, rows of: 3 Q8_0, 4 Q4_K, 5 Q5_K, 6 Q6_K,
-                     7 Q5_0, 8 Q5_1 blocks; 9: Q5_0 tiles (sf_tile_q5) */
+                     7 Q5_0, 8 Q5_1 blocks; 9: Q5_0 tiles (sf_tile_q5); 10: Q8_0 tiles
+                     (sf_tile_q8) */
     int32_t K, N;
     const void *w;
     const float *scales;
@@ -553,6 +556,43 @@ static inline __attribute__((always_inline)) void q5_tile_rows(
     tile_store(R, af, y, ldy, cols, accumulate);
 }
 
+/* Q8_0 tiles: for each group g of 8 output rows and each block b of 32 inputs, Q8_TILE_BYTES
+   at (g * blocks + b) * Q8_TILE_BYTES: the 8 rows' float16 d, then 8 chunks of 32 bytes.  Read
+   as 16 little-endian 16-bit lanes, lane j = 2r + k of chunk h holds in its low byte row
+   8g + r's int8 weight for input 4h + k and in its high byte the one for input 4h + 2 + k, so
+   two arithmetic shifts give two pairs' int16 weights in vpmaddwd's order. */
+
+/* R activation rows (R <= 4) against one Q8_0 tile column, as q5_tile_rows. */
+static inline __attribute__((always_inline)) void q8_tile_rows(
+    const int R, const uint8_t *w, int nb, const int16_t *qx, const float *dx, int K, float *y,
+    int ldy, int cols, int accumulate) {
+    __m256 af[4];
+    for (int r = 0; r < R; r++) af[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *t = w + (size_t)b * Q8_TILE_BYTES;
+        for (int p = 0; p < Q8_TILE_BYTES; p += 64)
+            _mm_prefetch((const char *)(t + 12 * Q8_TILE_BYTES + p), _MM_HINT_T0);
+        __m256i ai[4];
+        for (int r = 0; r < R; r++) ai[r] = _mm256_setzero_si256();
+        for (int h = 0; h < 8; h++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(t + 16 + 32 * h));
+            const __m256i wa = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);
+            const __m256i wb = _mm256_srai_epi16(v, 8);
+            for (int r = 0; r < R; r++) {
+                const int16_t *xp = qx + (size_t)r * K + b * QK + 4 * h;
+                ai[r] = _mm256_add_epi32(ai[r],
+                                         _mm256_add_epi32(_mm256_madd_epi16(wa, BCAST_PAIR(xp)),
+                                                          _mm256_madd_epi16(wb, BCAST_PAIR(xp + 2))));
+            }
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
+        for (int r = 0; r < R; r++)
+            af[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[r]),
+                                    _mm256_mul_ps(dw, _mm256_set1_ps(dx[r * nb + b])), af[r]);
+    }
+    tile_store(R, af, y, ldy, cols, accumulate);
+}
+
 #define ROW_TILES(CALL) ROW_TILES_FROM(0, CALL)
 #define ROW_TILES_FROM(M0, CALL)                                                           \
     do {                                                                                   \
@@ -839,10 +879,10 @@ static inline __attribute__((always_inline)) void q6k_rows(
     store_rows(R, acc, minus, out, stride, accumulate);
 }
 
-/* The work units a product splits between threads: tiles of 8 output rows (kinds 0 and 9),
+/* The work units a product splits between threads: tiles of 8 output rows (kinds 0, 9, 10),
    output rows (the others). */
 static inline int units(const sf_part *mat) {
-    return mat->kind == 0 || mat->kind == 9 ? (mat->N + 7) / 8 : mat->N;
+    return mat->kind == 0 || mat->kind >= 9 ? (mat->N + 7) / 8 : mat->N;
 }
 
 /* Bytes of one weight row of a part stored as the file stores it (kinds 3 to 8). */
@@ -882,16 +922,22 @@ static void stored_units(const sf_part *mat, const acts *a, int M, float *y, int
 static void product_units(const sf_part *mat, const acts *a, int M, float *y, int ldy,
                           int accumulate, int u0, int u1) {
     const int K = mat->K, N = mat->N, nb = K / QK;
-    if (mat->kind == 9) {
+    if (mat->kind >= 9) {
         const uint8_t *w = (const uint8_t *)mat->w;
+        const size_t tile = mat->kind == 9 ? Q5_TILE_BYTES : Q8_TILE_BYTES;
         for (int g = u0; g < u1; g++) {
-            const uint8_t *wg = w + (size_t)g * nb * Q5_TILE_BYTES;
+            const uint8_t *wg = w + (size_t)g * nb * tile;
             const int cols = N - 8 * g < 8 ? N - 8 * g : 8;
-#define Q5_CALL(RR)                                                                            \
-    q5_tile_rows(RR, wg, nb, a->q + (size_t)m * K, a->d + m * nb, K,                           \
-                 y + (size_t)m * ldy + 8 * g, ldy, cols, accumulate)
-            ROW_TILES(Q5_CALL);
-#undef Q5_CALL
+#define TILE_CALL(RR)                                                                          \
+    do {                                                                                       \
+        const int16_t *xq = a->q + (size_t)m * K;                                              \
+        float *yo = y + (size_t)m * ldy + 8 * g;                                               \
+        if (mat->kind == 9) q5_tile_rows(RR, wg, nb, xq, a->d + m * nb, K, yo, ldy, cols,       \
+                                         accumulate);                                          \
+        else q8_tile_rows(RR, wg, nb, xq, a->d + m * nb, K, yo, ldy, cols, accumulate);        \
+    } while (0)
+            ROW_TILES(TILE_CALL);
+#undef TILE_CALL
         }
     } else if (mat->kind >= 3) {
         stored_units(mat, a, M, y, ldy, accumulate, u0, u1);
@@ -958,7 +1004,7 @@ static void product(const sf_matrix *mat, const acts *a, int M, float *y, int ld
 }
 
 static int part_ok(const sf_part *mat) {
-    if (mat->kind < 0 || mat->kind > 9 || mat->K <= 0 || mat->N <= 0) return 0;
+    if (mat->kind < 0 || mat->kind > 10 || mat->K <= 0 || mat->N <= 0) return 0;
     if (quantized_part(mat) && mat->K % QK) return 0;
     if (mat->kind >= 4 && mat->kind <= 6 && mat->K % QK_K) return 0;
     return 1;
@@ -1098,6 +1144,43 @@ int sf_untile_q5(const uint8_t *tiles, int N, int K, uint8_t *blocks) {
             }
             memcpy(blk + 2, &qh, 4);
             for (int j = 0; j < 16; j++) blk[6 + j] = (uint8_t)(q[j] | (q[j + 16] << 4));
+        }
+    return 0;
+}
+
+/* Lay out Q8_0 blocks (N rows of K/32 blocks of 34 bytes: float16 d, 32 int8 weights) as Q8_0
+   tiles (see q8_tile_rows); tiles has ceil(N / 8) * K / 32 * Q8_TILE_BYTES bytes (rows past N
+   are zero). */
+int sf_tile_q8(const uint8_t *blocks, int N, int K, uint8_t *tiles) {
+    if (K % QK) return 1;
+    const int nb = K / QK, groups = (N + 7) / 8;
+    memset(tiles, 0, (size_t)groups * nb * Q8_TILE_BYTES);
+    for (int g = 0; g < groups; g++)
+        for (int b = 0; b < nb; b++) {
+            uint8_t *t = tiles + ((size_t)g * nb + b) * Q8_TILE_BYTES;
+            for (int r = 0; r < 8 && 8 * g + r < N; r++) {
+                const uint8_t *blk = blocks + ((size_t)(8 * g + r) * nb + b) * 34;
+                memcpy(t + 2 * r, blk, 2);
+                /* input i = 4h + 2u + k: byte u of lane 2r + k of chunk h */
+                for (int i = 0; i < QK; i++)
+                    t[16 + 32 * (i / 4) + 2 * (2 * r + i % 2) + (i / 2) % 2] = blk[2 + i];
+            }
+        }
+    return 0;
+}
+
+/* The inverse of sf_tile_q8. */
+int sf_untile_q8(const uint8_t *tiles, int N, int K, uint8_t *blocks) {
+    if (K % QK) return 1;
+    const int nb = K / QK;
+    for (int n = 0; n < N; n++)
+        for (int b = 0; b < nb; b++) {
+            const int g = n / 8, r = n % 8;
+            const uint8_t *t = tiles + ((size_t)g * nb + b) * Q8_TILE_BYTES;
+            uint8_t *blk = blocks + ((size_t)n * nb + b) * 34;
+            memcpy(blk, t + 2 * r, 2);
+            for (int i = 0; i < QK; i++)
+                blk[2 + i] = t[16 + 32 * (i / 4) + 2 * (2 * r + i % 2) + (i / 2) % 2];
         }
     return 0;
 }

@@ -181,6 +181,8 @@ def _open(path: Path, built: float, *, shipped: bool = False) -> Library | str:
         "sf_untile_q4": [pointer, integer, integer, pointer],
         "sf_tile_q5": [pointer, integer, integer, pointer],
         "sf_untile_q5": [pointer, integer, integer, pointer],
+        "sf_tile_q8": [pointer, integer, integer, pointer],
+        "sf_untile_q8": [pointer, integer, integer, pointer],
         "sf_dequantize": [integer, pointer, ctypes.c_int64, pointer],
     }
     try:
@@ -460,19 +462,19 @@ class F32Linear:
 
 STORED_KINDS = {"Q8_0": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "Q5_0": 7, "Q5_1": 8}
 """The formats the kernels multiply as the file stores them, by their number in ``sf_part``."""
-Q5_TILE_BYTES = 176
-"""A Q5_0 tile: 8 output rows' Q5_0 blocks for the same 32 inputs, laid out for the kernel."""
-TILED_KIND = 9
-"""``sf_part``'s number for Q5_0 blocks held as tiles (``sf_tile_q5``)."""
+TILED_KINDS = {"Q5_0": (9, 176, "q5"), "Q8_0": (10, 272, "q8")}
+"""The formats laid out at load in tiles of 8 output rows by one block of 32 inputs: their
+number in ``sf_part``, a tile's bytes, and the name of their ``sf_tile_*`` / ``sf_untile_*``."""
 
 
 class BlockLinear:
     """A matrix multiplied in the file's blocks (Q8_0, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K rows of
     blocks, docs/engine.md section 5.4): the kernel reads each block of 32 weights (a Q8_0 or
     Q5 block, a K-quant sub-block) against the int16 activations of the same inputs, in
-    integers, and scales it in float; nothing is inflated.  Q5_0 blocks are laid out at load
-    in tiles of 8 output rows (``sf_tile_q5``: the same bytes, moved; the file's map is read
-    once), the others are multiplied as stored (``data`` is the file's map)."""
+    integers, and scales it in float; nothing is inflated.  Q5_0 and Q8_0 blocks are laid out
+    at load in tiles of 8 output rows (``sf_tile_q5``, ``sf_tile_q8``: the same bytes, moved;
+    the file's map is read once), the others are multiplied as stored (``data`` is the file's
+    map)."""
 
     activations = torch.float32
     as_stored = True
@@ -496,14 +498,15 @@ class BlockLinear:
         self.out_features = int(self.held.shape[0])
         self.library = library
         number = STORED_KINDS[kind]
-        self.tiled = kind == "Q5_0"
+        self.tiled = kind in TILED_KINDS
         if self.tiled:
-            rows, width = -(-self.out_features // TILE_ROWS), in_features // BLOCK * Q5_TILE_BYTES
+            number, tile_bytes, name = TILED_KINDS[kind]
+            rows, width = -(-self.out_features // TILE_ROWS), in_features // BLOCK * tile_bytes
             tiles = np.empty((rows, width), dtype=np.uint8)
-            library.handle.sf_tile_q5(
+            getattr(library.handle, f"sf_tile_{name}")(
                 self.held.ctypes.data, self.out_features, in_features, tiles.ctypes.data
             )
-            self.held, number = tiles, TILED_KIND
+            self.held = tiles
         self.matrix = _matrix(_Part(number, in_features, self.out_features, self.held.ctypes.data))
         self._function = library.handle.sf_linear
 
@@ -525,7 +528,7 @@ class BlockLinear:
         rows = np.empty(
             (self.out_features, FORMATS[self.kind].row_bytes(self.in_features)), dtype=np.uint8
         )
-        self.library.handle.sf_untile_q5(
+        getattr(self.library.handle, f"sf_untile_{TILED_KINDS[self.kind][2]}")(
             self.held.ctypes.data, self.out_features, self.in_features, rows.ctypes.data
         )
         return rows
