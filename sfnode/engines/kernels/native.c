@@ -1112,12 +1112,23 @@ int sf_tile_q5(const uint8_t *blocks, int N, int K, uint8_t *tiles) {
                 memcpy(t + 2 * r, blk, 2);
                 uint32_t qh;
                 memcpy(&qh, blk + 2, 4);
-                for (int i = 0; i < QK; i++) {
-                    const int low = i < 16 ? blk[6 + i] & 0x0F : blk[6 + i - 16] >> 4;
-                    const int c = i / 2, k = i % 2, qu = c / 4, s = c % 4;
-                    const int lane = 2 * r + k, byte = 48 + 32 * qu + 2 * lane + s / 2;
-                    t[byte] |= (uint8_t)(low << (4 * (s % 2)));
-                    if (!((qh >> i) & 1)) t[16 + 2 * lane + c / 8] |= (uint8_t)(1 << (c % 8));
+                uint8_t q[QK];
+                for (int j = 0; j < 16; j++) {
+                    q[j] = blk[6 + j] & 0x0F;
+                    q[j + 16] = blk[6 + j] >> 4;
+                }
+                /* input i = 2c + k, c = 4 qu + s: nibble s of lane 2r + k of quarter qu, and
+                   bit c of the lane's fifth bits (complemented) */
+                for (int k = 0; k < 2; k++) {
+                    const int lane = 2 * r + k;
+                    uint16_t high = 0;
+                    for (int c = 0; c < 16; c++) high |= (uint16_t)((~qh >> (2 * c + k) & 1) << c);
+                    memcpy(t + 16 + 2 * lane, &high, 2);
+                    for (int qu = 0; qu < 4; qu++) {
+                        const uint8_t *x = q + 8 * qu + k;
+                        t[48 + 32 * qu + 2 * lane] = (uint8_t)(x[0] | (x[2] << 4));
+                        t[48 + 32 * qu + 2 * lane + 1] = (uint8_t)(x[4] | (x[6] << 4));
+                    }
                 }
             }
         }

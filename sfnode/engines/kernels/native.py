@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import hashlib
+import mmap
 import subprocess
 import time
 from collections.abc import Sequence
@@ -467,6 +468,14 @@ TILED_KINDS = {"Q5_0": (9, 176, "q5"), "Q8_0": (10, 272, "q8")}
 number in ``sf_part``, a tile's bytes, and the name of their ``sf_tile_*`` / ``sf_untile_*``."""
 
 
+def _release_pages(data: np.ndarray[Any, Any]) -> None:
+    """Gives back the pages of a file's map that laying out tiles has read (they would stay
+    resident beside the tiles); a later read of the map reads the file again."""
+    mapped = getattr(data, "_mmap", None) if isinstance(data, np.memmap) else None
+    if isinstance(mapped, mmap.mmap):
+        mapped.madvise(mmap.MADV_DONTNEED)
+
+
 class BlockLinear:
     """A matrix multiplied in the file's blocks (Q8_0, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K rows of
     blocks, docs/engine.md section 5.4): the kernel reads each block of 32 weights (a Q8_0 or
@@ -506,6 +515,7 @@ class BlockLinear:
             getattr(library.handle, f"sf_tile_{name}")(
                 self.held.ctypes.data, self.out_features, in_features, tiles.ctypes.data
             )
+            _release_pages(data)
             self.held = tiles
         self.matrix = _matrix(_Part(number, in_features, self.out_features, self.held.ctypes.data))
         self._function = library.handle.sf_linear
