@@ -463,6 +463,18 @@ static inline void tile_store(const int R, const __m256 *af, float *y, int ldy, 
     }
 }
 
+/* A quarter of a tile (4 pairs of inputs) times the activations xp[0..7]: the 8 rows' int32
+   sums of its 8 products. */
+static inline __attribute__((always_inline)) __m256i quarter_dot(__m256i w0, __m256i w1,
+                                                                    __m256i w2, __m256i w3,
+                                                                    const int16_t *xp) {
+    const __m256i p01 = _mm256_add_epi32(_mm256_madd_epi16(w0, BCAST_PAIR(xp)),
+                                         _mm256_madd_epi16(w1, BCAST_PAIR(xp + 2)));
+    const __m256i p23 = _mm256_add_epi32(_mm256_madd_epi16(w2, BCAST_PAIR(xp + 4)),
+                                         _mm256_madd_epi16(w3, BCAST_PAIR(xp + 6)));
+    return _mm256_add_epi32(p01, p23);
+}
+
 /* R activation rows (R <= 4) against one tile column (8 output rows); each row's int32 sum per
    block is exact, and its float steps are the same whatever R is. */
 static inline __attribute__((always_inline)) void q4_tile_rows(
@@ -484,14 +496,9 @@ static inline __attribute__((always_inline)) void q4_tile_rows(
             const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
             const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), low);
             const __m256i w3 = _mm256_srli_epi16(v, 12);
-            for (int r = 0; r < R; r++) {
-                const int16_t *xp = qx + (size_t)r * K + b * QK + 8 * q;
-                const __m256i p01 = _mm256_add_epi32(_mm256_madd_epi16(w0, BCAST_PAIR(xp)),
-                                                     _mm256_madd_epi16(w1, BCAST_PAIR(xp + 2)));
-                const __m256i p23 = _mm256_add_epi32(_mm256_madd_epi16(w2, BCAST_PAIR(xp + 4)),
-                                                     _mm256_madd_epi16(w3, BCAST_PAIR(xp + 6)));
-                ai[r] = _mm256_add_epi32(ai[r], _mm256_add_epi32(p01, p23));
-            }
+            for (int r = 0; r < R; r++)
+                ai[r] = _mm256_add_epi32(
+                    ai[r], quarter_dot(w0, w1, w2, w3, qx + (size_t)r * K + b * QK + 8 * q));
         }
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
         const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 16)));
@@ -539,14 +546,9 @@ static inline __attribute__((always_inline)) void q5_tile_rows(
                                                 _mm256_and_si256(_mm256_slli_epi16(hq, 2), fifth));
             const __m256i w3 = _mm256_sub_epi16(_mm256_srli_epi16(v, 12),
                                                 _mm256_and_si256(_mm256_slli_epi16(hq, 1), fifth));
-            for (int r = 0; r < R; r++) {
-                const int16_t *xp = qx + (size_t)r * K + b * QK + 8 * q;
-                const __m256i p01 = _mm256_add_epi32(_mm256_madd_epi16(w0, BCAST_PAIR(xp)),
-                                                     _mm256_madd_epi16(w1, BCAST_PAIR(xp + 2)));
-                const __m256i p23 = _mm256_add_epi32(_mm256_madd_epi16(w2, BCAST_PAIR(xp + 4)),
-                                                     _mm256_madd_epi16(w3, BCAST_PAIR(xp + 6)));
-                ai[r] = _mm256_add_epi32(ai[r], _mm256_add_epi32(p01, p23));
-            }
+            for (int r = 0; r < R; r++)
+                ai[r] = _mm256_add_epi32(
+                    ai[r], quarter_dot(w0, w1, w2, w3, qx + (size_t)r * K + b * QK + 8 * q));
         }
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
         for (int r = 0; r < R; r++)
@@ -1045,155 +1047,138 @@ int sf_linear(const sf_matrix *mat, const float *x, int M, float *y, int threads
     return 0;
 }
 
-/* Lay out Q4_1 blocks (N rows of K/32 blocks of 20 bytes: float16 d, float16 m, 16 bytes with
-   input j in the low nibble of byte j and input j + 16 in its high one) as tiles (see above);
-   tiles has ceil(N / 8) * K / 32 * TILE_BYTES bytes (rows past N are zero). */
+/* The 32 q of a block's 16 bytes of nibbles (input j the low nibble of byte j, input j + 16
+   its high one), and back. */
+static void split_nibbles(const uint8_t *qs, uint8_t *q) {
+    for (int j = 0; j < 16; j++) {
+        q[j] = qs[j] & 0x0F;
+        q[j + 16] = qs[j] >> 4;
+    }
+}
+
+static void join_nibbles(const uint8_t *q, uint8_t *qs) {
+    for (int j = 0; j < 16; j++) qs[j] = (uint8_t)(q[j] | (q[j + 16] << 4));
+}
+
+/* Row r's 32 q into a tile's 128 bytes of nibbles (see q4_tile_rows): input i = 2c + k,
+   c = 4 qu + s, is nibble s of lane 2r + k of quarter qu; and back. */
+static void nibbles_in(uint8_t *nibbles, int r, const uint8_t *q) {
+    for (int k = 0; k < 2; k++)
+        for (int qu = 0; qu < 4; qu++) {
+            const uint8_t *x = q + 8 * qu + k;
+            uint8_t *o = nibbles + 32 * qu + 2 * (2 * r + k);
+            o[0] = (uint8_t)(x[0] | (x[2] << 4));
+            o[1] = (uint8_t)(x[4] | (x[6] << 4));
+        }
+}
+
+static void nibbles_out(const uint8_t *nibbles, int r, uint8_t *q) {
+    for (int k = 0; k < 2; k++)
+        for (int qu = 0; qu < 4; qu++) {
+            uint8_t *x = q + 8 * qu + k;
+            const uint8_t *o = nibbles + 32 * qu + 2 * (2 * r + k);
+            x[0] = o[0] & 0x0F;
+            x[2] = o[0] >> 4;
+            x[4] = o[1] & 0x0F;
+            x[6] = o[1] >> 4;
+        }
+}
+
+/* One row's block b of a tile (row r of its 8) from the row's stored block, or back. */
+typedef void (*tile_row_fn)(uint8_t *tile, int r, uint8_t *block, int back);
+
+/* Q4_1 (20 bytes: float16 d and m, 16 bytes of nibbles) <-> a Q4_1 tile (see q4_tile_rows). */
+static void q4_tile_row(uint8_t *t, int r, uint8_t *blk, int back) {
+    uint8_t q[QK];
+    if (back) {
+        memcpy(blk, t + 2 * r, 2);
+        memcpy(blk + 2, t + 16 + 2 * r, 2);
+        nibbles_out(t + 32, r, q);
+        join_nibbles(q, blk + 4);
+        return;
+    }
+    memcpy(t + 2 * r, blk, 2);
+    memcpy(t + 16 + 2 * r, blk + 2, 2);
+    split_nibbles(blk + 4, q);
+    nibbles_in(t + 32, r, q);
+}
+
+/* Q5_0 (22 bytes: float16 d, 32 fifth bits, 16 bytes of nibbles) <-> a Q5_0 tile (see
+   q5_tile_rows): input i = 2c + k's fifth bit is bit c of lane 2r + k's, complemented. */
+static void q5_tile_row(uint8_t *t, int r, uint8_t *blk, int back) {
+    uint8_t q[QK];
+    uint32_t qh = 0;
+    if (back) {
+        memcpy(blk, t + 2 * r, 2);
+        for (int i = 0; i < QK; i++) {
+            const int c = i / 2, lane = 2 * r + i % 2;
+            if (!((t[16 + 2 * lane + c / 8] >> (c % 8)) & 1)) qh |= 1u << i;
+        }
+        memcpy(blk + 2, &qh, 4);
+        nibbles_out(t + 48, r, q);
+        join_nibbles(q, blk + 6);
+        return;
+    }
+    memcpy(t + 2 * r, blk, 2);
+    memcpy(&qh, blk + 2, 4);
+    split_nibbles(blk + 6, q);
+    nibbles_in(t + 48, r, q);
+    for (int k = 0; k < 2; k++) {
+        uint16_t high = 0;
+        for (int c = 0; c < 16; c++) high |= (uint16_t)((~qh >> (2 * c + k) & 1) << c);
+        memcpy(t + 16 + 2 * (2 * r + k), &high, 2);
+    }
+}
+
+/* Q8_0 (34 bytes: float16 d, 32 int8 weights) <-> a Q8_0 tile (see q8_tile_rows): input
+   i = 4h + 2u + k is byte u of lane 2r + k of chunk h. */
+static void q8_tile_row(uint8_t *t, int r, uint8_t *blk, int back) {
+    memcpy(back ? blk : t + 2 * r, back ? t + 2 * r : blk, 2);
+    for (int i = 0; i < QK; i++) {
+        uint8_t *at = t + 16 + 32 * (i / 4) + 2 * (2 * r + i % 2) + (i / 2) % 2;
+        if (back) blk[2 + i] = *at;
+        else *at = blk[2 + i];
+    }
+}
+
+/* N rows of K / 32 stored blocks of block_bytes each <-> tiles of tile_bytes (a row of tiles
+   per 8 rows, ceil(N / 8) * K / 32 * tile_bytes bytes; rows past N are zero), one row's block
+   at a time by row_fn; back: from the tiles. */
+static int lay_out(uint8_t *blocks, int N, int K, uint8_t *tiles, size_t block_bytes,
+                   size_t tile_bytes, tile_row_fn row_fn, int back) {
+    if (K % QK) return 1;
+    const int nb = K / QK;
+    if (!back) memset(tiles, 0, (size_t)((N + 7) / 8) * nb * tile_bytes);
+    for (int n = 0; n < N; n++)
+        for (int b = 0; b < nb; b++)
+            row_fn(tiles + ((size_t)(n / 8) * nb + b) * tile_bytes, n % 8,
+                   blocks + ((size_t)n * nb + b) * block_bytes, back);
+    return 0;
+}
+
+/* GGUF Q4_1, Q5_0 and Q8_0 rows of blocks laid out as the kernels' tiles, and back. */
 int sf_tile_q4(const uint8_t *blocks, int N, int K, uint8_t *tiles) {
-    if (K % QK) return 1;
-    const int nb = K / QK, groups = (N + 7) / 8;
-    memset(tiles, 0, (size_t)groups * nb * TILE_BYTES);
-    for (int g = 0; g < groups; g++)
-        for (int b = 0; b < nb; b++) {
-            uint8_t *t = tiles + ((size_t)g * nb + b) * TILE_BYTES;
-            for (int r = 0; r < 8 && 8 * g + r < N; r++) {
-                const uint8_t *blk = blocks + ((size_t)(8 * g + r) * nb + b) * 20;
-                memcpy(t + 2 * r, blk, 2);
-                memcpy(t + 16 + 2 * r, blk + 2, 2);
-                uint8_t q[QK];
-                for (int j = 0; j < 16; j++) {
-                    q[j] = blk[4 + j] & 0x0F;
-                    q[j + 16] = blk[4 + j] >> 4;
-                }
-                /* input i = 2c + k, c = 4 qu + s: lane 2r + k of quarter qu, nibble s */
-                for (int i = 0; i < QK; i++) {
-                    const int c = i / 2, k = i % 2, qu = c / 4, s = c % 4;
-                    const int lane = 2 * r + k, byte = 32 + 32 * qu + 2 * lane + s / 2;
-                    t[byte] |= (uint8_t)(q[i] << (4 * (s % 2)));
-                }
-            }
-        }
-    return 0;
+    return lay_out((uint8_t *)blocks, N, K, tiles, 20, TILE_BYTES, q4_tile_row, 0);
 }
 
-/* The inverse of sf_tile_q4. */
 int sf_untile_q4(const uint8_t *tiles, int N, int K, uint8_t *blocks) {
-    if (K % QK) return 1;
-    const int nb = K / QK;
-    for (int n = 0; n < N; n++)
-        for (int b = 0; b < nb; b++) {
-            const int g = n / 8, r = n % 8;
-            const uint8_t *t = tiles + ((size_t)g * nb + b) * TILE_BYTES;
-            uint8_t *blk = blocks + ((size_t)n * nb + b) * 20;
-            memcpy(blk, t + 2 * r, 2);
-            memcpy(blk + 2, t + 16 + 2 * r, 2);
-            uint8_t q[QK];
-            for (int i = 0; i < QK; i++) {
-                const int c = i / 2, k = i % 2, qu = c / 4, s = c % 4;
-                const int lane = 2 * r + k, byte = 32 + 32 * qu + 2 * lane + s / 2;
-                q[i] = (uint8_t)((t[byte] >> (4 * (s % 2))) & 0x0F);
-            }
-            for (int j = 0; j < 16; j++) blk[4 + j] = (uint8_t)(q[j] | (q[j + 16] << 4));
-        }
-    return 0;
+    return lay_out(blocks, N, K, (uint8_t *)tiles, 20, TILE_BYTES, q4_tile_row, 1);
 }
 
-/* Lay out Q5_0 blocks (N rows of K/32 blocks of 22 bytes: float16 d, 32 fifth bits, 16 bytes
-   with input j in the low nibble of byte j and input j + 16 in its high one) as Q5_0 tiles (see
-   q5_tile_rows); tiles has ceil(N / 8) * K / 32 * Q5_TILE_BYTES bytes (rows past N are zero). */
 int sf_tile_q5(const uint8_t *blocks, int N, int K, uint8_t *tiles) {
-    if (K % QK) return 1;
-    const int nb = K / QK, groups = (N + 7) / 8;
-    memset(tiles, 0, (size_t)groups * nb * Q5_TILE_BYTES);
-    for (int g = 0; g < groups; g++)
-        for (int b = 0; b < nb; b++) {
-            uint8_t *t = tiles + ((size_t)g * nb + b) * Q5_TILE_BYTES;
-            for (int r = 0; r < 8 && 8 * g + r < N; r++) {
-                const uint8_t *blk = blocks + ((size_t)(8 * g + r) * nb + b) * 22;
-                memcpy(t + 2 * r, blk, 2);
-                uint32_t qh;
-                memcpy(&qh, blk + 2, 4);
-                uint8_t q[QK];
-                for (int j = 0; j < 16; j++) {
-                    q[j] = blk[6 + j] & 0x0F;
-                    q[j + 16] = blk[6 + j] >> 4;
-                }
-                /* input i = 2c + k, c = 4 qu + s: nibble s of lane 2r + k of quarter qu, and
-                   bit c of the lane's fifth bits (complemented) */
-                for (int k = 0; k < 2; k++) {
-                    const int lane = 2 * r + k;
-                    uint16_t high = 0;
-                    for (int c = 0; c < 16; c++) high |= (uint16_t)((~qh >> (2 * c + k) & 1) << c);
-                    memcpy(t + 16 + 2 * lane, &high, 2);
-                    for (int qu = 0; qu < 4; qu++) {
-                        const uint8_t *x = q + 8 * qu + k;
-                        t[48 + 32 * qu + 2 * lane] = (uint8_t)(x[0] | (x[2] << 4));
-                        t[48 + 32 * qu + 2 * lane + 1] = (uint8_t)(x[4] | (x[6] << 4));
-                    }
-                }
-            }
-        }
-    return 0;
+    return lay_out((uint8_t *)blocks, N, K, tiles, 22, Q5_TILE_BYTES, q5_tile_row, 0);
 }
 
-/* The inverse of sf_tile_q5. */
 int sf_untile_q5(const uint8_t *tiles, int N, int K, uint8_t *blocks) {
-    if (K % QK) return 1;
-    const int nb = K / QK;
-    for (int n = 0; n < N; n++)
-        for (int b = 0; b < nb; b++) {
-            const int g = n / 8, r = n % 8;
-            const uint8_t *t = tiles + ((size_t)g * nb + b) * Q5_TILE_BYTES;
-            uint8_t *blk = blocks + ((size_t)n * nb + b) * 22;
-            memcpy(blk, t + 2 * r, 2);
-            uint32_t qh = 0;
-            uint8_t q[QK];
-            for (int i = 0; i < QK; i++) {
-                const int c = i / 2, k = i % 2, qu = c / 4, s = c % 4;
-                const int lane = 2 * r + k, byte = 48 + 32 * qu + 2 * lane + s / 2;
-                q[i] = (uint8_t)((t[byte] >> (4 * (s % 2))) & 0x0F);
-                if (!((t[16 + 2 * lane + c / 8] >> (c % 8)) & 1)) qh |= 1u << i;
-            }
-            memcpy(blk + 2, &qh, 4);
-            for (int j = 0; j < 16; j++) blk[6 + j] = (uint8_t)(q[j] | (q[j + 16] << 4));
-        }
-    return 0;
+    return lay_out(blocks, N, K, (uint8_t *)tiles, 22, Q5_TILE_BYTES, q5_tile_row, 1);
 }
 
-/* Lay out Q8_0 blocks (N rows of K/32 blocks of 34 bytes: float16 d, 32 int8 weights) as Q8_0
-   tiles (see q8_tile_rows); tiles has ceil(N / 8) * K / 32 * Q8_TILE_BYTES bytes (rows past N
-   are zero). */
 int sf_tile_q8(const uint8_t *blocks, int N, int K, uint8_t *tiles) {
-    if (K % QK) return 1;
-    const int nb = K / QK, groups = (N + 7) / 8;
-    memset(tiles, 0, (size_t)groups * nb * Q8_TILE_BYTES);
-    for (int g = 0; g < groups; g++)
-        for (int b = 0; b < nb; b++) {
-            uint8_t *t = tiles + ((size_t)g * nb + b) * Q8_TILE_BYTES;
-            for (int r = 0; r < 8 && 8 * g + r < N; r++) {
-                const uint8_t *blk = blocks + ((size_t)(8 * g + r) * nb + b) * 34;
-                memcpy(t + 2 * r, blk, 2);
-                /* input i = 4h + 2u + k: byte u of lane 2r + k of chunk h */
-                for (int i = 0; i < QK; i++)
-                    t[16 + 32 * (i / 4) + 2 * (2 * r + i % 2) + (i / 2) % 2] = blk[2 + i];
-            }
-        }
-    return 0;
+    return lay_out((uint8_t *)blocks, N, K, tiles, 34, Q8_TILE_BYTES, q8_tile_row, 0);
 }
 
-/* The inverse of sf_tile_q8. */
 int sf_untile_q8(const uint8_t *tiles, int N, int K, uint8_t *blocks) {
-    if (K % QK) return 1;
-    const int nb = K / QK;
-    for (int n = 0; n < N; n++)
-        for (int b = 0; b < nb; b++) {
-            const int g = n / 8, r = n % 8;
-            const uint8_t *t = tiles + ((size_t)g * nb + b) * Q8_TILE_BYTES;
-            uint8_t *blk = blocks + ((size_t)n * nb + b) * 34;
-            memcpy(blk, t + 2 * r, 2);
-            for (int i = 0; i < QK; i++)
-                blk[2 + i] = t[16 + 32 * (i / 4) + 2 * (2 * r + i % 2) + (i / 2) % 2];
-        }
-    return 0;
+    return lay_out(blocks, N, K, (uint8_t *)tiles, 34, Q8_TILE_BYTES, q8_tile_row, 1);
 }
 
 /* ---------------------------------------------------------------------------------------- */
