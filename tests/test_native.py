@@ -99,9 +99,10 @@ class KernelTests(unittest.SynchronousTestCase):
 
     def test_blocks_as_stored(self) -> None:
         """Q8_0, Q5_0 and Q5_1 rows (what llama-quantize writes for a K-quant mix's matrices
-        whose rows are not whole super-blocks) multiply as stored by the weights the file
-        means, a row's result the same alone or beside others, and each weight row's the same
-        alone or beside the others."""
+        whose rows are not whole super-blocks) multiply, in their blocks (Q5_0 and Q8_0 laid
+        out in tiles), by the weights the file means, a row's result the same alone or beside
+        others, and each weight row's the same alone or beside the others (alone: a tile of
+        one row)."""
         from gguf import GGMLQuantizationType
         from gguf.quants import quantize as reference_quantize
 
@@ -117,6 +118,24 @@ class KernelTests(unittest.SynchronousTestCase):
                 for n in range(40):
                     alone = native.BlockLinear(kind, data[n : n + 1], 96, self.library)
                     self.assertTrue(torch.equal(alone(self.x)[:, 0], got[:, n]), (kind, n))
+
+    def test_tiles_hold_the_files_blocks(self) -> None:
+        """Q5_0 and Q8_0 rows are laid out in tiles of 8 output rows at load: the tiles give
+        back the file's blocks byte for byte (13 rows: a last tile of 5), rows past the matrix
+        are never written out, and the tiles hold no more than the blocks and 7 rows."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize as reference_quantize
+
+        floats = np.random.default_rng(7).standard_normal((13, 128)).astype(np.float32)
+        for kind in ("Q5_0", "Q8_0"):
+            with self.subTest(kind=kind):
+                raw = reference_quantize(floats, GGMLQuantizationType[kind])
+                data = np.ascontiguousarray(raw).view(np.uint8).reshape(13, -1)
+                layer = native.BlockLinear(kind, data, 128, self.library)
+                self.assertTrue(layer.tiled)
+                self.assertEqual(layer.blocks().tobytes(), data.tobytes())
+                self.assertEqual(layer.held.nbytes, 16 * data.shape[1])
+                self.assertEqual(tuple(layer(torch.zeros(2, 128)).shape), (2, 13))
 
     def test_k_quant_blocks_as_stored(self) -> None:
         """Q4_K, Q5_K and Q6_K rows multiply as stored by the weights the file means (int16

@@ -7,7 +7,11 @@
      row is quantized by itself to int16 per block of 32 (one scale a block), the products are
      integer multiply-adds (vpmaddwd) summed exactly in int32 per block, then scaled in float;
    - kind 1, int8 weights with one float32 scale per output row, the same int16 activations;
-   - kind 2, float32 weights, float32 products summed in a fixed order per row.
+   - kind 2, float32 weights, float32 products summed in a fixed order per row;
+   - kinds 3 to 8, blocks as a GGUF file stores them (Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1);
+   - kinds 9 and 10, GGUF Q5_0 and Q8_0 blocks laid out in tiles of 8 output rows by one block
+     (sf_tile_q5, sf_tile_q8), as kind 0's, with the same int16 activations and exact int32
+     sums per block.
    Every row's result is computed by itself, in the same order of operations whatever else is in
    the call, so the products are batch-invariant (a row's result never depends on the others).
 
@@ -33,6 +37,8 @@
 
 #define QK 32
 #define TILE_BYTES 160 /* 8 float16 d, 8 float16 m, 128 bytes of nibbles */
+#define Q5_TILE_BYTES 176 /* 8 float16 d, 32 bytes of fifth bits, 128 bytes of nibbles */
+#define Q8_TILE_BYTES 272 /* 8 float16 d, 256 int8 weights */
 #define QMAX 32767.0f
 #define MAX_HEAD_DIM 256
 #define PREFETCH_BYTES (TILE_BYTES * 16)
@@ -41,7 +47,8 @@
 typedef struct {
     int32_t kind; /* 0: Q4_1 tiles; 1: int8 rows with a float32 scale each; 2: float32 rows;
                      as the file stores them, rows of: 3 Q8_0, 4 Q4_K, 5 Q5_K, 6 Q6_K,
-                     7 Q5_0, 8 Q5_1 blocks */
+                     7 Q5_0, 8 Q5_1 blocks; 9: Q5_0 tiles (sf_tile_q5); 10: Q8_0 tiles
+                     (sf_tile_q8) */
     int32_t K, N;
     const void *w;
     const float *scales;
@@ -439,6 +446,35 @@ static void rmsnorm_row(const float *v, int H, const float *w, float eps, float 
 
 #define BCAST_PAIR(p) _mm256_castps_si256(_mm256_broadcast_ss((const float *)(p)))
 
+/* The R rows' 8 outputs of a tile column (cols of them real) into y, or added to it. */
+static inline void tile_store(const int R, const __m256 *af, float *y, int ldy, int cols,
+                              int accumulate) {
+    for (int r = 0; r < R; r++) {
+        float *out = y + (size_t)r * ldy;
+        if (cols == 8 && !accumulate) {
+            _mm256_storeu_ps(out, af[r]);
+        } else if (cols == 8) {
+            _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), af[r]));
+        } else {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, af[r]);
+            for (int j = 0; j < cols; j++) out[j] = accumulate ? out[j] + tmp[j] : tmp[j];
+        }
+    }
+}
+
+/* A quarter of a tile (4 pairs of inputs) times the activations xp[0..7]: the 8 rows' int32
+   sums of its 8 products. */
+static inline __attribute__((always_inline)) __m256i quarter_dot(__m256i w0, __m256i w1,
+                                                                    __m256i w2, __m256i w3,
+                                                                    const int16_t *xp) {
+    const __m256i p01 = _mm256_add_epi32(_mm256_madd_epi16(w0, BCAST_PAIR(xp)),
+                                         _mm256_madd_epi16(w1, BCAST_PAIR(xp + 2)));
+    const __m256i p23 = _mm256_add_epi32(_mm256_madd_epi16(w2, BCAST_PAIR(xp + 4)),
+                                         _mm256_madd_epi16(w3, BCAST_PAIR(xp + 6)));
+    return _mm256_add_epi32(p01, p23);
+}
+
 /* R activation rows (R <= 4) against one tile column (8 output rows); each row's int32 sum per
    block is exact, and its float steps are the same whatever R is. */
 static inline __attribute__((always_inline)) void q4_tile_rows(
@@ -460,14 +496,9 @@ static inline __attribute__((always_inline)) void q4_tile_rows(
             const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
             const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), low);
             const __m256i w3 = _mm256_srli_epi16(v, 12);
-            for (int r = 0; r < R; r++) {
-                const int16_t *xp = qx + (size_t)r * K + b * QK + 8 * q;
-                const __m256i p01 = _mm256_add_epi32(_mm256_madd_epi16(w0, BCAST_PAIR(xp)),
-                                                     _mm256_madd_epi16(w1, BCAST_PAIR(xp + 2)));
-                const __m256i p23 = _mm256_add_epi32(_mm256_madd_epi16(w2, BCAST_PAIR(xp + 4)),
-                                                     _mm256_madd_epi16(w3, BCAST_PAIR(xp + 6)));
-                ai[r] = _mm256_add_epi32(ai[r], _mm256_add_epi32(p01, p23));
-            }
+            for (int r = 0; r < R; r++)
+                ai[r] = _mm256_add_epi32(
+                    ai[r], quarter_dot(w0, w1, w2, w3, qx + (size_t)r * K + b * QK + 8 * q));
         }
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
         const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 16)));
@@ -477,18 +508,91 @@ static inline __attribute__((always_inline)) void q4_tile_rows(
             af[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[r * nb + b]), af[r]);
         }
     }
-    for (int r = 0; r < R; r++) {
-        float *out = y + (size_t)r * ldy;
-        if (cols == 8 && !accumulate) {
-            _mm256_storeu_ps(out, af[r]);
-        } else if (cols == 8) {
-            _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), af[r]));
-        } else {
-            float tmp[8];
-            _mm256_storeu_ps(tmp, af[r]);
-            for (int j = 0; j < cols; j++) out[j] = accumulate ? out[j] + tmp[j] : tmp[j];
+    tile_store(R, af, y, ldy, cols, accumulate);
+}
+
+/* Q5_0 tiles: for each group g of 8 output rows and each block b of 32 inputs, Q5_TILE_BYTES
+   at (g * blocks + b) * Q5_TILE_BYTES: the 8 rows' float16 d, 32 bytes of fifth bits, then the
+   nibbles laid out as a Q4_1 tile's 4 quarters.  The fifth bits are read as 16 little-endian
+   16-bit lanes: bit c of lane j = 2r + k is the complement of row 8g + r's fifth bit for input
+   2c + k, so that the int16 weight q - 16 of a pair is its nibble minus that bit times 16 (a
+   shift, a mask and a subtraction, no widening). */
+
+/* R activation rows (R <= 4) against one Q5_0 tile column (8 output rows): each row's int32 sum
+   per block is exact, scaled by the row's d times the activations' block scale; its float steps
+   are the same whatever R is. */
+static inline __attribute__((always_inline)) void q5_tile_rows(
+    const int R, const uint8_t *w, int nb, const int16_t *qx, const float *dx, int K, float *y,
+    int ldy, int cols, int accumulate) {
+    __m256 af[4];
+    for (int r = 0; r < R; r++) af[r] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi16(0x0F), fifth = _mm256_set1_epi16(0x10);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *t = w + (size_t)b * Q5_TILE_BYTES;
+        _mm_prefetch((const char *)(t + 16 * Q5_TILE_BYTES), _MM_HINT_T0);
+        _mm_prefetch((const char *)(t + 16 * Q5_TILE_BYTES + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(t + 16 * Q5_TILE_BYTES + 128), _MM_HINT_T0);
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(t + 16));
+        __m256i ai[4];
+        for (int r = 0; r < R; r++) ai[r] = _mm256_setzero_si256();
+        for (int q = 0; q < 4; q++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(t + 48 + 32 * q));
+            const __m256i hq = _mm256_srl_epi16(h, _mm_cvtsi32_si128(4 * q));
+            const __m256i w0 = _mm256_sub_epi16(_mm256_and_si256(v, low),
+                                                _mm256_and_si256(_mm256_slli_epi16(hq, 4), fifth));
+            const __m256i w1 = _mm256_sub_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                                _mm256_and_si256(_mm256_slli_epi16(hq, 3), fifth));
+            const __m256i w2 = _mm256_sub_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 8), low),
+                                                _mm256_and_si256(_mm256_slli_epi16(hq, 2), fifth));
+            const __m256i w3 = _mm256_sub_epi16(_mm256_srli_epi16(v, 12),
+                                                _mm256_and_si256(_mm256_slli_epi16(hq, 1), fifth));
+            for (int r = 0; r < R; r++)
+                ai[r] = _mm256_add_epi32(
+                    ai[r], quarter_dot(w0, w1, w2, w3, qx + (size_t)r * K + b * QK + 8 * q));
         }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
+        for (int r = 0; r < R; r++)
+            af[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[r]),
+                                    _mm256_mul_ps(dw, _mm256_set1_ps(dx[r * nb + b])), af[r]);
     }
+    tile_store(R, af, y, ldy, cols, accumulate);
+}
+
+/* Q8_0 tiles: for each group g of 8 output rows and each block b of 32 inputs, Q8_TILE_BYTES
+   at (g * blocks + b) * Q8_TILE_BYTES: the 8 rows' float16 d, then 8 chunks of 32 bytes.  Read
+   as 16 little-endian 16-bit lanes, lane j = 2r + k of chunk h holds in its low byte row
+   8g + r's int8 weight for input 4h + k and in its high byte the one for input 4h + 2 + k, so
+   two arithmetic shifts give two pairs' int16 weights in vpmaddwd's order. */
+
+/* R activation rows (R <= 4) against one Q8_0 tile column, as q5_tile_rows. */
+static inline __attribute__((always_inline)) void q8_tile_rows(
+    const int R, const uint8_t *w, int nb, const int16_t *qx, const float *dx, int K, float *y,
+    int ldy, int cols, int accumulate) {
+    __m256 af[4];
+    for (int r = 0; r < R; r++) af[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *t = w + (size_t)b * Q8_TILE_BYTES;
+        for (int p = 0; p < Q8_TILE_BYTES; p += 64)
+            _mm_prefetch((const char *)(t + 12 * Q8_TILE_BYTES + p), _MM_HINT_T0);
+        __m256i ai[4];
+        for (int r = 0; r < R; r++) ai[r] = _mm256_setzero_si256();
+        for (int h = 0; h < 8; h++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(t + 16 + 32 * h));
+            const __m256i wa = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);
+            const __m256i wb = _mm256_srai_epi16(v, 8);
+            for (int r = 0; r < R; r++) {
+                const int16_t *xp = qx + (size_t)r * K + b * QK + 4 * h;
+                ai[r] = _mm256_add_epi32(ai[r],
+                                         _mm256_add_epi32(_mm256_madd_epi16(wa, BCAST_PAIR(xp)),
+                                                          _mm256_madd_epi16(wb, BCAST_PAIR(xp + 2))));
+            }
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
+        for (int r = 0; r < R; r++)
+            af[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[r]),
+                                    _mm256_mul_ps(dw, _mm256_set1_ps(dx[r * nb + b])), af[r]);
+    }
+    tile_store(R, af, y, ldy, cols, accumulate);
 }
 
 #define ROW_TILES(CALL) ROW_TILES_FROM(0, CALL)
@@ -777,10 +881,10 @@ static inline __attribute__((always_inline)) void q6k_rows(
     store_rows(R, acc, minus, out, stride, accumulate);
 }
 
-/* The work units a product splits between threads: tiles of 8 output rows (kind 0), output
-   rows (the others). */
+/* The work units a product splits between threads: tiles of 8 output rows (kinds 0, 9, 10),
+   output rows (the others). */
 static inline int units(const sf_part *mat) {
-    return mat->kind == 0 ? (mat->N + 7) / 8 : mat->N;
+    return mat->kind == 0 || mat->kind >= 9 ? (mat->N + 7) / 8 : mat->N;
 }
 
 /* Bytes of one weight row of a part stored as the file stores it (kinds 3 to 8). */
@@ -820,7 +924,24 @@ static void stored_units(const sf_part *mat, const acts *a, int M, float *y, int
 static void product_units(const sf_part *mat, const acts *a, int M, float *y, int ldy,
                           int accumulate, int u0, int u1) {
     const int K = mat->K, N = mat->N, nb = K / QK;
-    if (mat->kind >= 3) {
+    if (mat->kind >= 9) {
+        const uint8_t *w = (const uint8_t *)mat->w;
+        const size_t tile = mat->kind == 9 ? Q5_TILE_BYTES : Q8_TILE_BYTES;
+        for (int g = u0; g < u1; g++) {
+            const uint8_t *wg = w + (size_t)g * nb * tile;
+            const int cols = N - 8 * g < 8 ? N - 8 * g : 8;
+#define TILE_CALL(RR)                                                                          \
+    do {                                                                                       \
+        const int16_t *xq = a->q + (size_t)m * K;                                              \
+        float *yo = y + (size_t)m * ldy + 8 * g;                                               \
+        if (mat->kind == 9) q5_tile_rows(RR, wg, nb, xq, a->d + m * nb, K, yo, ldy, cols,       \
+                                         accumulate);                                          \
+        else q8_tile_rows(RR, wg, nb, xq, a->d + m * nb, K, yo, ldy, cols, accumulate);        \
+    } while (0)
+            ROW_TILES(TILE_CALL);
+#undef TILE_CALL
+        }
+    } else if (mat->kind >= 3) {
         stored_units(mat, a, M, y, ldy, accumulate, u0, u1);
     } else if (mat->kind == 0) {
         const uint8_t *w = (const uint8_t *)mat->w;
@@ -885,7 +1006,7 @@ static void product(const sf_matrix *mat, const acts *a, int M, float *y, int ld
 }
 
 static int part_ok(const sf_part *mat) {
-    if (mat->kind < 0 || mat->kind > 8 || mat->K <= 0 || mat->N <= 0) return 0;
+    if (mat->kind < 0 || mat->kind > 10 || mat->K <= 0 || mat->N <= 0) return 0;
     if (quantized_part(mat) && mat->K % QK) return 0;
     if (mat->kind >= 4 && mat->kind <= 6 && mat->K % QK_K) return 0;
     return 1;
@@ -926,56 +1047,138 @@ int sf_linear(const sf_matrix *mat, const float *x, int M, float *y, int threads
     return 0;
 }
 
-/* Lay out Q4_1 blocks (N rows of K/32 blocks of 20 bytes: float16 d, float16 m, 16 bytes with
-   input j in the low nibble of byte j and input j + 16 in its high one) as tiles (see above);
-   tiles has ceil(N / 8) * K / 32 * TILE_BYTES bytes (rows past N are zero). */
-int sf_tile_q4(const uint8_t *blocks, int N, int K, uint8_t *tiles) {
-    if (K % QK) return 1;
-    const int nb = K / QK, groups = (N + 7) / 8;
-    memset(tiles, 0, (size_t)groups * nb * TILE_BYTES);
-    for (int g = 0; g < groups; g++)
-        for (int b = 0; b < nb; b++) {
-            uint8_t *t = tiles + ((size_t)g * nb + b) * TILE_BYTES;
-            for (int r = 0; r < 8 && 8 * g + r < N; r++) {
-                const uint8_t *blk = blocks + ((size_t)(8 * g + r) * nb + b) * 20;
-                memcpy(t + 2 * r, blk, 2);
-                memcpy(t + 16 + 2 * r, blk + 2, 2);
-                uint8_t q[QK];
-                for (int j = 0; j < 16; j++) {
-                    q[j] = blk[4 + j] & 0x0F;
-                    q[j + 16] = blk[4 + j] >> 4;
-                }
-                /* input i = 2c + k, c = 4 qu + s: lane 2r + k of quarter qu, nibble s */
-                for (int i = 0; i < QK; i++) {
-                    const int c = i / 2, k = i % 2, qu = c / 4, s = c % 4;
-                    const int lane = 2 * r + k, byte = 32 + 32 * qu + 2 * lane + s / 2;
-                    t[byte] |= (uint8_t)(q[i] << (4 * (s % 2)));
-                }
-            }
+/* The 32 q of a block's 16 bytes of nibbles (input j the low nibble of byte j, input j + 16
+   its high one), and back. */
+static void split_nibbles(const uint8_t *qs, uint8_t *q) {
+    for (int j = 0; j < 16; j++) {
+        q[j] = qs[j] & 0x0F;
+        q[j + 16] = qs[j] >> 4;
+    }
+}
+
+static void join_nibbles(const uint8_t *q, uint8_t *qs) {
+    for (int j = 0; j < 16; j++) qs[j] = (uint8_t)(q[j] | (q[j + 16] << 4));
+}
+
+/* Row r's 32 q into a tile's 128 bytes of nibbles (see q4_tile_rows): input i = 2c + k,
+   c = 4 qu + s, is nibble s of lane 2r + k of quarter qu; and back. */
+static void nibbles_in(uint8_t *nibbles, int r, const uint8_t *q) {
+    for (int k = 0; k < 2; k++)
+        for (int qu = 0; qu < 4; qu++) {
+            const uint8_t *x = q + 8 * qu + k;
+            uint8_t *o = nibbles + 32 * qu + 2 * (2 * r + k);
+            o[0] = (uint8_t)(x[0] | (x[2] << 4));
+            o[1] = (uint8_t)(x[4] | (x[6] << 4));
         }
+}
+
+static void nibbles_out(const uint8_t *nibbles, int r, uint8_t *q) {
+    for (int k = 0; k < 2; k++)
+        for (int qu = 0; qu < 4; qu++) {
+            uint8_t *x = q + 8 * qu + k;
+            const uint8_t *o = nibbles + 32 * qu + 2 * (2 * r + k);
+            x[0] = o[0] & 0x0F;
+            x[2] = o[0] >> 4;
+            x[4] = o[1] & 0x0F;
+            x[6] = o[1] >> 4;
+        }
+}
+
+/* One row's block b of a tile (row r of its 8) from the row's stored block, or back. */
+typedef void (*tile_row_fn)(uint8_t *tile, int r, uint8_t *block, int back);
+
+/* Q4_1 (20 bytes: float16 d and m, 16 bytes of nibbles) <-> a Q4_1 tile (see q4_tile_rows). */
+static void q4_tile_row(uint8_t *t, int r, uint8_t *blk, int back) {
+    uint8_t q[QK];
+    if (back) {
+        memcpy(blk, t + 2 * r, 2);
+        memcpy(blk + 2, t + 16 + 2 * r, 2);
+        nibbles_out(t + 32, r, q);
+        join_nibbles(q, blk + 4);
+        return;
+    }
+    memcpy(t + 2 * r, blk, 2);
+    memcpy(t + 16 + 2 * r, blk + 2, 2);
+    split_nibbles(blk + 4, q);
+    nibbles_in(t + 32, r, q);
+}
+
+/* Q5_0 (22 bytes: float16 d, 32 fifth bits, 16 bytes of nibbles) <-> a Q5_0 tile (see
+   q5_tile_rows): input i = 2c + k's fifth bit is bit c of lane 2r + k's, complemented. */
+static void q5_tile_row(uint8_t *t, int r, uint8_t *blk, int back) {
+    uint8_t q[QK];
+    uint32_t qh = 0;
+    if (back) {
+        memcpy(blk, t + 2 * r, 2);
+        for (int i = 0; i < QK; i++) {
+            const int c = i / 2, lane = 2 * r + i % 2;
+            if (!((t[16 + 2 * lane + c / 8] >> (c % 8)) & 1)) qh |= 1u << i;
+        }
+        memcpy(blk + 2, &qh, 4);
+        nibbles_out(t + 48, r, q);
+        join_nibbles(q, blk + 6);
+        return;
+    }
+    memcpy(t + 2 * r, blk, 2);
+    memcpy(&qh, blk + 2, 4);
+    split_nibbles(blk + 6, q);
+    nibbles_in(t + 48, r, q);
+    for (int k = 0; k < 2; k++) {
+        uint16_t high = 0;
+        for (int c = 0; c < 16; c++) high |= (uint16_t)((~qh >> (2 * c + k) & 1) << c);
+        memcpy(t + 16 + 2 * (2 * r + k), &high, 2);
+    }
+}
+
+/* Q8_0 (34 bytes: float16 d, 32 int8 weights) <-> a Q8_0 tile (see q8_tile_rows): input
+   i = 4h + 2u + k is byte u of lane 2r + k of chunk h. */
+static void q8_tile_row(uint8_t *t, int r, uint8_t *blk, int back) {
+    memcpy(back ? blk : t + 2 * r, back ? t + 2 * r : blk, 2);
+    for (int i = 0; i < QK; i++) {
+        uint8_t *at = t + 16 + 32 * (i / 4) + 2 * (2 * r + i % 2) + (i / 2) % 2;
+        if (back) blk[2 + i] = *at;
+        else *at = blk[2 + i];
+    }
+}
+
+/* N rows of K / 32 stored blocks of block_bytes each <-> tiles of tile_bytes (a row of tiles
+   per 8 rows, ceil(N / 8) * K / 32 * tile_bytes bytes; rows past N are zero), one row's block
+   at a time by row_fn; back: from the tiles. */
+static int lay_out(uint8_t *blocks, int N, int K, uint8_t *tiles, size_t block_bytes,
+                   size_t tile_bytes, tile_row_fn row_fn, int back) {
+    if (K % QK) return 1;
+    const int nb = K / QK;
+    if (!back) memset(tiles, 0, (size_t)((N + 7) / 8) * nb * tile_bytes);
+    for (int n = 0; n < N; n++)
+        for (int b = 0; b < nb; b++)
+            row_fn(tiles + ((size_t)(n / 8) * nb + b) * tile_bytes, n % 8,
+                   blocks + ((size_t)n * nb + b) * block_bytes, back);
     return 0;
 }
 
-/* The inverse of sf_tile_q4. */
+/* GGUF Q4_1, Q5_0 and Q8_0 rows of blocks laid out as the kernels' tiles, and back. */
+int sf_tile_q4(const uint8_t *blocks, int N, int K, uint8_t *tiles) {
+    return lay_out((uint8_t *)blocks, N, K, tiles, 20, TILE_BYTES, q4_tile_row, 0);
+}
+
 int sf_untile_q4(const uint8_t *tiles, int N, int K, uint8_t *blocks) {
-    if (K % QK) return 1;
-    const int nb = K / QK;
-    for (int n = 0; n < N; n++)
-        for (int b = 0; b < nb; b++) {
-            const int g = n / 8, r = n % 8;
-            const uint8_t *t = tiles + ((size_t)g * nb + b) * TILE_BYTES;
-            uint8_t *blk = blocks + ((size_t)n * nb + b) * 20;
-            memcpy(blk, t + 2 * r, 2);
-            memcpy(blk + 2, t + 16 + 2 * r, 2);
-            uint8_t q[QK];
-            for (int i = 0; i < QK; i++) {
-                const int c = i / 2, k = i % 2, qu = c / 4, s = c % 4;
-                const int lane = 2 * r + k, byte = 32 + 32 * qu + 2 * lane + s / 2;
-                q[i] = (uint8_t)((t[byte] >> (4 * (s % 2))) & 0x0F);
-            }
-            for (int j = 0; j < 16; j++) blk[4 + j] = (uint8_t)(q[j] | (q[j + 16] << 4));
-        }
-    return 0;
+    return lay_out(blocks, N, K, (uint8_t *)tiles, 20, TILE_BYTES, q4_tile_row, 1);
+}
+
+int sf_tile_q5(const uint8_t *blocks, int N, int K, uint8_t *tiles) {
+    return lay_out((uint8_t *)blocks, N, K, tiles, 22, Q5_TILE_BYTES, q5_tile_row, 0);
+}
+
+int sf_untile_q5(const uint8_t *tiles, int N, int K, uint8_t *blocks) {
+    return lay_out(blocks, N, K, (uint8_t *)tiles, 22, Q5_TILE_BYTES, q5_tile_row, 1);
+}
+
+int sf_tile_q8(const uint8_t *blocks, int N, int K, uint8_t *tiles) {
+    return lay_out((uint8_t *)blocks, N, K, tiles, 34, Q8_TILE_BYTES, q8_tile_row, 0);
+}
+
+int sf_untile_q8(const uint8_t *tiles, int N, int K, uint8_t *blocks) {
+    return lay_out(blocks, N, K, (uint8_t *)tiles, 34, Q8_TILE_BYTES, q8_tile_row, 1);
 }
 
 /* ---------------------------------------------------------------------------------------- */

@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import hashlib
+import mmap
 import subprocess
 import time
 import weakref
@@ -180,6 +181,10 @@ def _open(path: Path, built: float, *, shipped: bool = False) -> Library | str:
         "sf_logits": [pointer, integer, pointer, pointer, integer, integer, pointer, integer],
         "sf_tile_q4": [pointer, integer, integer, pointer],
         "sf_untile_q4": [pointer, integer, integer, pointer],
+        "sf_tile_q5": [pointer, integer, integer, pointer],
+        "sf_untile_q5": [pointer, integer, integer, pointer],
+        "sf_tile_q8": [pointer, integer, integer, pointer],
+        "sf_untile_q8": [pointer, integer, integer, pointer],
         "sf_dequantize": [integer, pointer, ctypes.c_int64, pointer],
     }
     try:
@@ -459,13 +464,26 @@ class F32Linear:
 
 STORED_KINDS = {"Q8_0": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "Q5_0": 7, "Q5_1": 8}
 """The formats the kernels multiply as the file stores them, by their number in ``sf_part``."""
+TILED_KINDS = {"Q5_0": (9, 176, "q5"), "Q8_0": (10, 272, "q8")}
+"""The formats laid out at load in tiles of 8 output rows by one block of 32 inputs: their
+number in ``sf_part``, a tile's bytes, and the name of their ``sf_tile_*`` / ``sf_untile_*``."""
+
+
+def _release_pages(data: np.ndarray[Any, Any]) -> None:
+    """Gives back the pages of a file's map that laying out tiles has read (they would stay
+    resident beside the tiles); a later read of the map reads the file again."""
+    mapped = getattr(data, "_mmap", None) if isinstance(data, np.memmap) else None
+    if isinstance(mapped, mmap.mmap):
+        mapped.madvise(mmap.MADV_DONTNEED)
 
 
 class BlockLinear:
-    """A matrix multiplied as the file stores it (Q8_0, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K rows of
+    """A matrix multiplied in the file's blocks (Q8_0, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K rows of
     blocks, docs/engine.md section 5.4): the kernel reads each block of 32 weights (a Q8_0 or
     Q5 block, a K-quant sub-block) against the int16 activations of the same inputs, in
-    integers, and scales it in float; nothing is inflated or copied (``data`` is the file's
+    integers, and scales it in float; nothing is inflated.  Q5_0 and Q8_0 blocks are laid out
+    at load in tiles of 8 output rows (``sf_tile_q5``, ``sf_tile_q8``: the same bytes, moved;
+    the file's map is read once), the others are multiplied as stored (``data`` is the file's
     map)."""
 
     activations = torch.float32
@@ -489,9 +507,18 @@ class BlockLinear:
             raise ValueError(f"{kind} rows of {self.held.shape[1]} bytes for {in_features} inputs")
         self.out_features = int(self.held.shape[0])
         self.library = library
-        self.matrix = _matrix(
-            _Part(STORED_KINDS[kind], in_features, self.out_features, self.held.ctypes.data)
-        )
+        number = STORED_KINDS[kind]
+        self.tiled = kind in TILED_KINDS
+        if self.tiled:
+            number, tile_bytes, name = TILED_KINDS[kind]
+            rows, width = -(-self.out_features // TILE_ROWS), in_features // BLOCK * tile_bytes
+            tiles = np.empty((rows, width), dtype=np.uint8)
+            getattr(library.handle, f"sf_tile_{name}")(
+                self.held.ctypes.data, self.out_features, in_features, tiles.ctypes.data
+            )
+            _release_pages(data)
+            self.held = tiles
+        self.matrix = _matrix(_Part(number, in_features, self.out_features, self.held.ctypes.data))
         self._function = library.handle.sf_linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -501,7 +528,21 @@ class BlockLinear:
         """The float32 weights the file means (a copy, for checks and tests)."""
         from sfnode.engines.kernels.blocks import dequantize
 
-        return torch.from_numpy(dequantize(self.kind, self.held, self.in_features))
+        return torch.from_numpy(dequantize(self.kind, self.blocks(), self.in_features))
+
+    def blocks(self) -> np.ndarray[Any, Any]:
+        """The matrix's rows of blocks as the file stores them (from the tiles, a copy)."""
+        if not self.tiled:
+            return self.held
+        from sfnode.engines.kernels.blocks import FORMATS
+
+        rows = np.empty(
+            (self.out_features, FORMATS[self.kind].row_bytes(self.in_features)), dtype=np.uint8
+        )
+        getattr(self.library.handle, f"sf_untile_{TILED_KINDS[self.kind][2]}")(
+            self.held.ctypes.data, self.out_features, self.in_features, rows.ctypes.data
+        )
+        return rows
 
     def state(self) -> dict[str, torch.Tensor]:
         raise TypeError("a matrix multiplied as stored is read from its file, never kept")
