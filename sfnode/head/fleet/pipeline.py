@@ -538,14 +538,17 @@ class PipelineFleet:
         for endpoint in self.spare_endpoints:
             self.spares.append((yield self.fleet.add_node(endpoint)))
         self.plan()
-        if self.how == "planned":
-            return
+        if self.how != "planned":
+            self._log_ranges("")
+
+    def _log_ranges(self, why: str) -> None:
         for node, (start, end) in zip(self.stages, self.ranges, strict=True):
             _log.info(
-                "pipeline stage {node}: layers [{start}, {end})",
+                "pipeline stage {node}: layers [{start}, {end}){why}",
                 node=node.name,
                 start=start,
                 end=end,
+                why=why,
             )
 
     def plan(self) -> None:
@@ -563,14 +566,7 @@ class PipelineFleet:
             return
         self.sizes = None
         self.boundaries, self.how = boundaries, "planned"
-        for node, (start, end) in zip(self.stages, self.ranges, strict=True):
-            _log.info(
-                "pipeline stage {node}: layers [{start}, {end}), planned by {why}",
-                node=node.name,
-                start=start,
-                end=end,
-                why=why,
-            )
+        self._log_ranges(f", planned by {why}")
 
     def stop(self) -> Deferred[None]:
         return self.fleet.stop()
