@@ -31,6 +31,7 @@ from twisted.web.http_headers import Headers
 from sfnode.head.fleet import pipeline as pipeline_module
 from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.fleet.pipeline import PipelineFleet
+from sfnode.head.fleet.stage_plan import StageModel
 from sfnode.head.link import NodeLink
 from sfnode.linkf.wire import FINISH_LENGTH
 from sfnode.node.agent import NodeAgent
@@ -100,11 +101,13 @@ class PipelineCase(NodeTestCase):
         boundaries: Sequence[int] | None,
         spares: int = 0,
         rates: Sequence[int] = (),
+        sizes: StageModel | None = None,
     ) -> Generator[defer.Deferred[Any], Any, tuple[list[RunningNode], PipelineFleet]]:
         """``stages`` stage nodes and ``spares`` more (:meth:`start_stage`), each reporting
         the decode rate ``rates`` gives it (none: 0), and a started pipeline over the first
-        ``stages`` of them cut at ``boundaries`` (None: planned over LAYERS layers), the others
-        its spares (stopped at the end); fires with every node and the pipeline."""
+        ``stages`` of them cut at ``boundaries`` (None: planned over LAYERS layers of
+        ``sizes``), the others its spares (stopped at the end); fires with every node and the
+        pipeline."""
         nodes = []
         for i in range(stages + spares):
             node = (yield self.start_stage(f"stage{i}"))[0]
@@ -116,6 +119,7 @@ class PipelineCase(NodeTestCase):
             [node.endpoint for node in nodes[:stages]],
             boundaries=boundaries,
             n_layers=LAYERS if boundaries is None else None,
+            sizes=sizes,
             ids=self.ids,
             spares=[node.endpoint for node in nodes[stages:]],
         )
@@ -374,6 +378,30 @@ class PlanTests(PipelineCase):
         )
         outcome = yield pipeline.generate(HeadRequest(PROMPT, NEW_TOKENS)).result
         self.assertEqual(list(outcome.tokens), reference_greedy(self.model, PROMPT, NEW_TOKENS))
+
+    @defer.inlineCallbacks
+    def test_memory_bounds_a_faster_stage(self) -> Gen:
+        """The same rates, 30 and 10 tokens/s, but layers of 45% of the host's memory each
+        (what a node reports as its host's, less its resident memory): no node holds three, so
+        the faster one takes two, as planned."""
+        import psutil
+
+        total = psutil.virtual_memory().total
+        sizes = StageModel(LAYERS, layer_bytes=int(total * 0.45))
+        _, pipeline = yield self.started_pipeline(2, None, rates=[30, 10], sizes=sizes)
+        self.assertEqual(pipeline.ranges, [(0, 2), (2, 4)])
+        self.assertEqual({s.planned for s in pipeline.status().stages}, {"planned"})
+
+    @defer.inlineCallbacks
+    def test_nodes_that_cannot_hold_the_model_keep_even_boundaries(self) -> Gen:
+        """Layers as large as a host's whole memory: the planner's error leaves the split
+        even, said so."""
+        import psutil
+
+        sizes = StageModel(LAYERS, layer_bytes=psutil.virtual_memory().total + 1)
+        _, pipeline = yield self.started_pipeline(2, None, rates=[30, 10], sizes=sizes)
+        self.assertEqual(pipeline.ranges, [(0, 2), (2, 4)])
+        self.assertEqual({s.planned for s in pipeline.status().stages}, {"even"})
 
     @defer.inlineCallbacks
     def test_given_boundaries_are_kept(self) -> Gen:
