@@ -17,23 +17,28 @@ TCP); :class:`ProcessPipelineTests` runs them as real ``twistd sfnode`` processe
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Coroutine, Generator, Sequence
+from io import BytesIO
 from typing import Any
 
 from twisted.internet import defer, reactor
 from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.task import deferLater
+from twisted.web.client import Agent, FileBodyProducer, readBody
+from twisted.web.http_headers import Headers
 
 from sfnode.head.fleet import pipeline as pipeline_module
 from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.fleet.pipeline import PipelineFleet
+from sfnode.head.fleet.stage_plan import StageModel
 from sfnode.head.link import NodeLink
 from sfnode.linkf.wire import FINISH_LENGTH
 from sfnode.node.agent import NodeAgent
 from sfnode.node.config import NodeConfig
 from sfnode.node.tap import node_factory
 from tests.nodefixture import NodeTestCase, RunningNode
-from tests.processes import LOOPBACK, Child, spawn_twistd
+from tests.processes import HEAD_SERVING, LOOPBACK, Child, node_endpoint, spawn_twistd
 from tests.tinymodel import TINY_EOS, TINY_VOCAB, reference_greedy, tiny_llama_random_norms
 
 LAYERS = 4
@@ -91,18 +96,30 @@ class PipelineCase(NodeTestCase):
 
     @defer.inlineCallbacks
     def started_pipeline(
-        self, stages: int, boundaries: Sequence[int], spares: int = 0
+        self,
+        stages: int,
+        boundaries: Sequence[int] | None,
+        spares: int = 0,
+        rates: Sequence[int] = (),
+        sizes: StageModel | None = None,
     ) -> Generator[defer.Deferred[Any], Any, tuple[list[RunningNode], PipelineFleet]]:
-        """``stages`` stage nodes and ``spares`` more (:meth:`start_stage`), and a started
-        pipeline over the first ``stages`` of them cut at ``boundaries``, the others its
-        spares (stopped at the end); fires with every node and the pipeline."""
+        """``stages`` stage nodes and ``spares`` more (:meth:`start_stage`), each reporting
+        the decode rate ``rates`` gives it (none: 0), and a started pipeline over the first
+        ``stages`` of them cut at ``boundaries`` (None: planned over LAYERS layers of
+        ``sizes``), the others its spares (stopped at the end); fires with every node and the
+        pipeline."""
         nodes = []
         for i in range(stages + spares):
-            nodes.append((yield self.start_stage(f"stage{i}"))[0])
+            node = (yield self.start_stage(f"stage{i}"))[0]
+            if i < len(rates):
+                node.agent.reports.load.rates.decode_tokens_per_s = rates[i]
+            nodes.append(node)
         pipeline = PipelineFleet(
             reactor,
             [node.endpoint for node in nodes[:stages]],
             boundaries=boundaries,
+            n_layers=LAYERS if boundaries is None else None,
+            sizes=sizes,
             ids=self.ids,
             spares=[node.endpoint for node in nodes[stages:]],
         )
@@ -341,3 +358,123 @@ class KeptStageTests(PipelineCase):
         )
         agent = NodeAgent(reactor, engine, NodeConfig(identity="stage1-again", model_name="tiny"))
         await self.serve(agent, engine, number)
+
+
+class PlanTests(PipelineCase):
+    """Stage boundaries chosen by the stage nodes' reports (sfnode.head.fleet.stage_plan), and
+    the plan shown in ``/metrics`` and the console's state."""
+
+    @defer.inlineCallbacks
+    def test_a_faster_stage_takes_more_layers(self) -> Gen:
+        """Two stage nodes reporting decode rates of 30 and 10 tokens/s and no boundaries
+        given: the first takes three of the four layers, the status the metrics read names
+        each stage's node and layers as planned, and the greedy tokens are still
+        generate()'s."""
+        _, pipeline = yield self.started_pipeline(2, None, rates=[30, 10])
+        self.assertEqual(pipeline.ranges, [(0, 3), (3, 4)])
+        self.assertEqual(
+            [(s.stage, s.node, s.start, s.end, s.planned) for s in pipeline.status().stages],
+            [(0, "stage0", 0, 3, "planned"), (1, "stage1", 3, 4, "planned")],
+        )
+        outcome = yield pipeline.generate(HeadRequest(PROMPT, NEW_TOKENS)).result
+        self.assertEqual(list(outcome.tokens), reference_greedy(self.model, PROMPT, NEW_TOKENS))
+
+    @defer.inlineCallbacks
+    def test_memory_bounds_a_faster_stage(self) -> Gen:
+        """The same rates, 30 and 10 tokens/s, but layers of 45% of the host's memory each
+        (what a node reports as its host's, less its resident memory): no node holds three, so
+        the faster one takes two, as planned."""
+        import psutil
+
+        total = psutil.virtual_memory().total
+        sizes = StageModel(LAYERS, layer_bytes=int(total * 0.45))
+        _, pipeline = yield self.started_pipeline(2, None, rates=[30, 10], sizes=sizes)
+        self.assertEqual(pipeline.ranges, [(0, 2), (2, 4)])
+        self.assertEqual({s.planned for s in pipeline.status().stages}, {"planned"})
+
+    @defer.inlineCallbacks
+    def test_nodes_that_cannot_hold_the_model_keep_even_boundaries(self) -> Gen:
+        """Layers as large as a host's whole memory: the planner's error leaves the split
+        even, said so."""
+        import psutil
+
+        sizes = StageModel(LAYERS, layer_bytes=psutil.virtual_memory().total + 1)
+        _, pipeline = yield self.started_pipeline(2, None, rates=[30, 10], sizes=sizes)
+        self.assertEqual(pipeline.ranges, [(0, 2), (2, 4)])
+        self.assertEqual({s.planned for s in pipeline.status().stages}, {"even"})
+
+    @defer.inlineCallbacks
+    def test_given_boundaries_are_kept(self) -> Gen:
+        """Boundaries given (--pipeline-layers 1,4) stay as given whatever the stages report."""
+        _, pipeline = yield self.started_pipeline(2, [1, 4], rates=[30, 10])
+        yield pipeline.generate(HeadRequest(PROMPT, 2)).result
+        self.assertEqual(pipeline.ranges, [(0, 1), (1, 4)])
+        self.assertEqual({s.planned for s in pipeline.status().stages}, {"given"})
+
+    @defer.inlineCallbacks
+    def test_nothing_reported_keeps_even_boundaries(self) -> Gen:
+        """No stage has a decode rate and the layer size is unknown (no config): the layers
+        are split evenly, and said so."""
+        _, pipeline = yield self.started_pipeline(2, None)
+        self.assertEqual(pipeline.ranges, [(0, 2), (2, 4)])
+        self.assertEqual({s.planned for s in pipeline.status().stages}, {"even"})
+
+    @defer.inlineCallbacks
+    def test_a_head_process_shows_its_plan(self) -> Gen:
+        """``twistd sfhead --pipeline`` over two real ``twistd sfnode`` stage processes, the
+        layer count and sizes read from the model's config.json: once the stages joined,
+        ``/metrics`` has each stage's first layer, end layer and layer count labelled by stage
+        and node, and ``/console/state`` a ``pipeline`` entry with each stage's node and
+        layers; a completion then runs through them."""
+        from tests.tinymodel import save_tiny_random_norms_model
+
+        folder = str(save_tiny_random_norms_model(self.mktemp(), layers=LAYERS).resolve())
+        nodes = [
+            spawn_twistd(
+                self,
+                Child(f"stage{i}"),
+                ["sfnode", "--listen", LOOPBACK, "--engine", "transformers", "--model", folder,
+                 "--identity", f"stage{i}", "--max-lanes", "1", "--threads", "1"],
+            )
+            for i in range(2)
+        ]  # fmt: skip
+        endpoints = yield defer.gatherResults([node_endpoint(node) for node in nodes])
+        head = spawn_twistd(
+            self,
+            Child("head"),
+            ["sfhead", "--http", LOOPBACK, "--model", folder, "--model-name", "tiny",
+             "--pipeline", ",".join(endpoints)],
+        )  # fmt: skip
+        found = yield head.wait_for(HEAD_SERVING)
+        base = f"http://127.0.0.1:{int(found[0].group(1))}"
+        yield head.wait_for(rb"pipeline stage stage1: layers \[2, 4\), planned by ")
+        agent = Agent(reactor)
+        metrics = yield readBody((yield agent.request(b"GET", f"{base}/metrics".encode())))
+        for stage, node, first, end in [(0, "stage0", 0, 2), (1, "stage1", 2, 4)]:
+            labels = f'{{node="{node}",stage="{stage}"}}'
+            for name, value in [("first_layer", first), ("end_layer", end), ("layers", 2)]:
+                self.assertIn(f"sfhead_stage_{name}{labels} {value}.0\n".encode(), metrics)
+        state = json.loads(
+            (yield readBody((yield agent.request(b"GET", f"{base}/console/state".encode()))))
+        )
+        self.assertEqual(
+            state["pipeline"],
+            [
+                {"stage": 0, "node": "stage0", "first_layer": 0, "end_layer": 2, "layers": 2,
+                 "boundaries": "planned"},
+                {"stage": 1, "node": "stage1", "first_layer": 2, "end_layer": 4, "layers": 2,
+                 "boundaries": "planned"},
+            ],
+        )  # fmt: skip
+        body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 8}).encode()
+        response = yield agent.request(
+            b"POST",
+            f"{base}/v1/completions".encode(),
+            Headers({b"content-type": [b"application/json"]}),
+            FileBodyProducer(BytesIO(body)),
+        )
+        self.assertEqual(response.code, 200)
+        answer = json.loads((yield readBody(response)))
+        self.assertEqual(answer["usage"]["completion_tokens"], 8)
+        for child in [*nodes, head]:
+            self.assertNotIn(b"Traceback", bytes(child.output))

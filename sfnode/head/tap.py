@@ -515,8 +515,9 @@ class Options(usage.Options):
             "pipeline-layers",
             None,
             None,
-            "Layer count N (split evenly) or the end layer of every stage, e.g. 12,24 "
-            "(default: the model's num_hidden_layers).",
+            "Layer count N, split by the stage nodes' memory and speed once they report "
+            "(evenly while they cannot tell), or the end layer of every stage, e.g. 12,24, "
+            "kept as given (default: the model's num_hidden_layers).",
         ],
     ]
 
@@ -902,6 +903,12 @@ def model_vocab_size(model: str | None) -> int | None:
 
 def model_layers(model: str | None) -> int | None:
     """``num_hidden_layers`` from the model's config.json, when there is one to read."""
+    layers = model_config(model).get("num_hidden_layers")
+    return int(layers) if isinstance(layers, int) else None
+
+
+def model_config(model: str | None) -> dict[str, Any]:
+    """The model's config.json (empty when there is none to read)."""
     try:
         if model:
             folder = Path(model).expanduser()
@@ -911,9 +918,8 @@ def model_layers(model: str | None) -> int | None:
             folder = model_cache.gguf_cache_folder(model_cache.default_gguf())
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError, model_cache.ModelLoadError):
-        return None
-    layers = config.get("num_hidden_layers")
-    return int(layers) if isinstance(layers, int) else None
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 class HttpConnections(WrappingFactory):
@@ -1094,7 +1100,7 @@ def _api(
     options: Options, registry: ModelRegistry, backend: Any, reactor: Any, fleet: Fleet
 ) -> OpenAIApi:
     """The HTTP API over ``backend`` (the fleet, or the pipeline driver), with the console over
-    ``fleet``."""
+    ``fleet`` (and a pipeline's plan, when ``backend`` is one)."""
     from sfnode.head.api.http import OpenAIApi
     from sfnode.head.console.record import ConsoleRecord
     from sfnode.head.console.state import Console
@@ -1113,7 +1119,13 @@ def _api(
         allow_special_tokens=bool(options["allow-special-tokens"]),
         template_timeout_s=options["template-timeout"],
         grammar_timeout_s=options["grammar-timeout"],
-        console=Console(fleet, record, registry.names, reactor.seconds),
+        console=Console(
+            fleet,
+            record,
+            registry.names,
+            reactor.seconds,
+            stages=backend.plan_report if hasattr(backend, "plan_report") else tuple,
+        ),
     )
 
 
@@ -1123,6 +1135,7 @@ def _pipeline(options: Options, registry: ModelRegistry, reactor: Any) -> Pipeli
     :raises HeadStartupError: no layer count, or stages and layers that do not match.
     """
     from sfnode.head.fleet.pipeline import PipelineFleet
+    from sfnode.head.fleet.stage_plan import model_sizes
     from sfnode.head.models.text import as_codec
 
     layers = options["pipeline-layers"]
@@ -1153,6 +1166,7 @@ def _pipeline(options: Options, registry: ModelRegistry, reactor: Any) -> Pipeli
             eos_ids=[eos] if isinstance(eos, int) else [],
             settings=options["fleet-settings"],
             spares=options["spares"],
+            sizes=model_sizes(model_config(options["model"]), n_layers) if n_layers else None,
         )
     except ValueError as e:
         raise HeadStartupError(f"sfhead: {e}") from e

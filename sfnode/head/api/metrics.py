@@ -4,7 +4,8 @@ Requests by outcome (every answer is counted once: served, refused at the door, 
 in and out, time to first token, requests and connections open now, and, read from the backend's
 :class:`~sfnode.head.fleet.backend.BackendStatus` at scrape time, per-node capacity, live nodes,
 lanes, waiting generations, the head's queue of requests waiting for a node (waiting now, refused
-because it was full, timed out), failovers and reconnects; and, per model, the gauges an
+because it was full, timed out), failovers and reconnects; a pipeline's plan (each stage's node
+and layers); and, per model, the gauges an
 inference gateway's endpoint picker reads (:mod:`sfnode.head.api.gauges`).
 
 This module must never use prometheus_client's global registry (two heads in one process keep
@@ -109,6 +110,7 @@ class _StatusCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         status = self._status()
         yield from _node_families(status)
+        yield from _stage_families(status)
         yield GaugeMetricFamily("sfhead_live_nodes", "Live nodes.", value=float(status.live_nodes))
         yield GaugeMetricFamily(
             "sfhead_lanes_active", "Lanes decoding on live nodes.", value=status.lanes_active
@@ -201,3 +203,31 @@ def _node_families(status: BackendStatus) -> Iterable[Metric]:
 
 
 __all__ = ["EXPOSITION_CONTENT_TYPE", "TTFT_BUCKETS", "HeadMetrics"]
+
+
+def _stage_families(status: BackendStatus) -> Iterable[Metric]:
+    """A pipeline's plan (docs/protocol.md section 7.6), labelled by stage and node: each
+    stage's first layer, its end layer (exclusive, as STAGE_FORWARD_REQ's ``end_layer``) and
+    its layer count.  Nothing for a fleet."""
+    if not status.stages:
+        return
+    labels = ["stage", "node"]
+    first = GaugeMetricFamily(
+        "sfhead_stage_first_layer", "The first layer a pipeline stage runs.", labels=labels
+    )
+    end = GaugeMetricFamily(
+        "sfhead_stage_end_layer",
+        "The layer a pipeline stage stops before (its last layer + 1).",
+        labels=labels,
+    )
+    layers = GaugeMetricFamily(
+        "sfhead_stage_layers", "Layers a pipeline stage runs.", labels=labels
+    )
+    for stage in status.stages:
+        values = [str(stage.stage), stage.node]
+        first.add_metric(values, float(stage.start))
+        end.add_metric(values, float(stage.end))
+        layers.add_metric(values, float(stage.end - stage.start))
+    yield first
+    yield end
+    yield layers

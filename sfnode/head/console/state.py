@@ -14,6 +14,9 @@ and their links' latest reports, its queue and shares, its event journal) and th
 - ``clients``: per client (API key by its hash, else address): lanes held, generations
   queued, its share of the fleet's lanes, its 429s.
 - ``events``: the newest of the fleet's journal (:mod:`sfnode.head.fleet.events`).
+- ``pipeline``: a pipeline's stages in order, each its node, its layers ``[first_layer,
+  end_layer)`` and how the boundaries were chosen (``given``, ``planned``, ``even``); empty for
+  a fleet.
 
 Every list is bounded (:data:`NODES_SHOWN`, :data:`CLIENTS_SHOWN`, :data:`EVENTS_SHOWN`), so a
 snapshot's size and the time it takes on the reactor are bounded too.  This module must never
@@ -27,6 +30,7 @@ from typing import Any
 
 from sfnode.head.console.record import ConsoleRecord, client_label
 from sfnode.head.console.series import Series, window_percentiles
+from sfnode.head.fleet.backend import StageReport
 from sfnode.head.fleet.events import EventJournal
 from sfnode.head.fleet.fleet import Fleet
 from sfnode.head.fleet.nodes import FleetNode
@@ -123,8 +127,11 @@ class Console:
         record: ConsoleRecord,
         models: Callable[[], Sequence[str]],
         now: Callable[[], float],
+        stages: Callable[[], Sequence[StageReport]] = tuple,
     ) -> None:
+        """``stages()``: a pipeline's plan now (none for a fleet)."""
         self.fleet = fleet
+        self.stages = stages
         self.record = record
         self.models = models
         self.now = now
@@ -162,6 +169,7 @@ class Console:
             "models": [self._model_row(m, now) for m in models],
             "clients": self._clients(status.lanes_total),
             "events": [e.as_json() for e in self.events.latest(EVENTS_SHOWN)],
+            "pipeline": [stage.as_json() for stage in self.stages()[:NODES_SHOWN]],
         }
 
     def _model_row(self, model: str, now: float) -> dict[str, Any]:

@@ -230,6 +230,30 @@ class NodeReport:
 
 
 @dataclass(frozen=True, slots=True)
+class StageReport:
+    """One pipeline stage as the metrics and the console show it: its node and its layers
+    ``[start, end)`` (docs/protocol.md section 7.6)."""
+
+    stage: int
+    node: str
+    start: int
+    end: int
+    planned: str
+    """How its boundaries were chosen: ``given`` (--pipeline-layers), ``planned`` (by the
+    stage nodes' memory and speed) or ``even``."""
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "stage": self.stage,
+            "node": self.node,
+            "first_layer": self.start,
+            "end_layer": self.end,
+            "layers": self.end - self.start,
+            "boundaries": self.planned,
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class BackendStatus:
     """How the backend stands, for one model: what ``/healthz``, ``/v1/models``, ``/metrics``
     and the request checks need to know."""
@@ -277,6 +301,8 @@ class BackendStatus:
     embedding_nodes: int = 0
     """Live nodes that serve the model as an embedding model (docs/protocol.md section
     12.7)."""
+    stages: tuple[StageReport, ...] = ()
+    """A pipeline's stages, in order (none for a fleet)."""
 
     @property
     def busy(self) -> bool:

@@ -1,8 +1,10 @@
 """The pipeline driver (docs/protocol.md section 7.6): each generation runs across stage nodes,
 layer range by range.
 
-P stage nodes split ``n_layers`` layers: evenly (``boundary[i] = ((i+1)·n_layers) // P``) or at
-boundaries given by the operator.  Stage 0 gets tokens and no hidden state, stage i > 0 gets no
+P stage nodes split ``n_layers`` layers at boundaries given by the operator, or else by the
+stage nodes' memory and speed as their reports say (:mod:`sfnode.head.fleet.stage_plan`, once
+every stage has reported, before the first generation), or else evenly (``boundary[i] =
+((i+1)·n_layers) // P``).  Stage 0 gets tokens and no hidden state, stage i > 0 gets no
 tokens and the previous stage's hidden state; the first stage that answers with a token ends the
 step (greedy).
 
@@ -31,7 +33,7 @@ or a token computed from a context it did not ask for.
 from __future__ import annotations
 
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from twisted.internet import defer, task
@@ -50,8 +52,10 @@ from sfnode.head.fleet.backend import (
     HeadRequest,
     LogprobsUnavailable,
     NoNodeAvailable,
+    StageReport,
 )
 from sfnode.head.fleet.fleet import DEFAULT_FLEET_SETTINGS, Fleet, FleetNode, FleetSettings
+from sfnode.head.fleet.stage_plan import StageModel, StagePlanError, plan_boundaries, stage_node
 from sfnode.head.link import HeadIds, LinkError, NodeLink, stage_batch
 from sfnode.linkf.wire import (
     FEATURE_STAGE_BATCH,
@@ -104,6 +108,27 @@ def check_boundaries(boundaries: Sequence[int], stages: int) -> list[int]:
             raise ValueError(f"layer boundaries must increase from above 0: {out}")
         previous = b
     return out
+
+
+def plan_stages(sizes: StageModel, stages: Sequence[FleetNode]) -> tuple[list[int] | None, str]:
+    """The boundaries :func:`~sfnode.head.fleet.stage_plan.plan_boundaries` gives the stages'
+    reports, and what they rest on; None (and why) while a stage has not reported, when the
+    reports say neither speed nor memory, or when the nodes cannot hold the model."""
+    missing = [node.name for node in stages if node.link.capacity is None]
+    if missing:
+        return None, f"stage nodes {', '.join(missing)} have not reported their capacity"
+    nodes = [stage_node(node.link.capacity, node.link.resident_bytes) for node in stages]
+    speeds = [node.speed or 0 for node in nodes]
+    free = [node.free_bytes for node in nodes]
+    if not any(speeds) and not sizes.layer_bytes:
+        return None, "no stage node has reported a decode rate and the layer size is unknown"
+    try:
+        boundaries = plan_boundaries(sizes, nodes)
+    except StagePlanError as e:
+        return None, str(e)
+    return boundaries, (
+        f"decode rates {speeds} tokens/s, free bytes {free}, {sizes.layer_bytes} bytes a layer"
+    )
 
 
 @dataclass
@@ -458,19 +483,28 @@ class PipelineFleet:
         settings: FleetSettings = DEFAULT_FLEET_SETTINGS,
         spares: Sequence[str] = (),
         micro_batches: int = MICRO_BATCHES,
+        sizes: StageModel | None = None,
     ) -> None:
         """``settings`` are the stages' :class:`Fleet`'s (token, redial cap, keepalive
         window, wall budget); ``spares`` are nodes dialed too, that take the layers of a stage
         whose link is down when a generation rebuilds its stages; the generations that keep
         stage KV step in ``micro_batches`` :class:`StepGroup` s (a new one joins the
         smallest), so that one group's rows are on one stage while another's are on the
-        next."""
+        next.  Without ``boundaries``, the stages split ``n_layers`` evenly until every stage
+        has reported, then by their memory and speed (with ``sizes``, the model's layer and
+        extras' bytes: :func:`plan_stages`)."""
         if not endpoints:
             raise ValueError("a pipeline needs at least one stage")
+        self.sizes: StageModel | None = None
+        """The model the stages are planned for; None once planned, or given boundaries."""
+        self.how = "given"
+        """How the boundaries were chosen (:class:`StageReport`'s ``planned``)."""
         if boundaries is not None:
             self.boundaries = check_boundaries(boundaries, len(endpoints))
         elif n_layers is not None:
             self.boundaries = even_boundaries(n_layers, len(endpoints))
+            self.sizes = sizes if sizes is not None else StageModel(n_layers)
+            self.how = "even"
         else:
             raise ValueError("give the layer count or the layer boundaries of the stages")
         self.endpoints = list(endpoints)
@@ -503,13 +537,36 @@ class PipelineFleet:
             self.stages.append(node)
         for endpoint in self.spare_endpoints:
             self.spares.append((yield self.fleet.add_node(endpoint)))
+        self.plan()
+        if self.how != "planned":
+            self._log_ranges("")
+
+    def _log_ranges(self, why: str) -> None:
         for node, (start, end) in zip(self.stages, self.ranges, strict=True):
             _log.info(
-                "pipeline stage {node}: layers [{start}, {end})",
+                "pipeline stage {node}: layers [{start}, {end}){why}",
                 node=node.name,
                 start=start,
                 end=end,
+                why=why,
             )
+
+    def plan(self) -> None:
+        """Set the boundaries by the stages' reports (:func:`plan_stages`) once every stage
+        has reported, before any generation runs on them: said in the log either way, and
+        the boundaries kept even until then (or for good when the reports cannot tell)."""
+        sizes = self.sizes
+        if sizes is None or len(self.stages) != len(self.endpoints):
+            return
+        boundaries, why = plan_stages(sizes, self.stages)
+        if boundaries is None:
+            if all(node.link.capacity is not None for node in self.stages):
+                self.sizes = None
+            _log.info("pipeline stages split evenly: {why}", why=why)
+            return
+        self.sizes = None
+        self.boundaries, self.how = boundaries, "planned"
+        self._log_ranges(f", planned by {why}")
 
     def stop(self) -> Deferred[None]:
         return self.fleet.stop()
@@ -526,6 +583,7 @@ class PipelineFleet:
             except LinkError as e:
                 raise NoNodeAvailable(f"pipeline stage {node.name} is down: {e}") from e
             links.append(node.link)
+        self.plan()
         return links
 
     @defer.inlineCallbacks
@@ -661,5 +719,12 @@ class PipelineFleet:
         return generation
 
     def status(self, model: str | None = None) -> BackendStatus:
-        """The status of the fleet that keeps the stage links."""
-        return self.fleet.status(model)
+        """The status of the fleet that keeps the stage links, with the stages' layers."""
+        return replace(self.fleet.status(model), stages=self.plan_report())
+
+    def plan_report(self) -> tuple[StageReport, ...]:
+        """Each stage's node and layers ``[start, end)`` now."""
+        return tuple(
+            StageReport(i, node.name, start, end, self.how)
+            for i, (node, (start, end)) in enumerate(zip(self.stages, self.ranges, strict=False))
+        )
