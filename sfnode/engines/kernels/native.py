@@ -470,11 +470,14 @@ number in ``sf_part``, a tile's bytes, and the name of their ``sf_tile_*`` / ``s
 
 
 def _release_pages(data: np.ndarray[Any, Any]) -> None:
-    """Gives back the pages of a file's map that laying out tiles has read (they would stay
-    resident beside the tiles); a later read of the map reads the file again."""
+    """Gives back the pages of a file's map that laying out ``data``'s tiles has read (they
+    would stay resident beside the tiles): those of ``data`` alone, not the whole map's, which
+    other matrices are still multiplied from; a later read of them reads the file again."""
     mapped = getattr(data, "_mmap", None) if isinstance(data, np.memmap) else None
     if isinstance(mapped, mmap.mmap):
-        mapped.madvise(mmap.MADV_DONTNEED)
+        start = data.ctypes.data - np.frombuffer(mapped, dtype=np.uint8).ctypes.data
+        first = start - start % mmap.PAGESIZE
+        mapped.madvise(mmap.MADV_DONTNEED, first, start + data.nbytes - first)
 
 
 class BlockLinear:
