@@ -121,6 +121,27 @@ class TopTests(ConsoleHttpCase):
         self.assertTrue(head.fleet.node_named("beta").draining)  # type: ignore[union-attr]
 
     @defer.inlineCallbacks
+    def test_a_refresh_that_returns_after_the_console_closed_shows_nothing(
+        self,
+    ) -> Generator[Any, Any, None]:
+        """The refresh timer's request may come back after the console has begun to close and
+        its widgets are gone: showing that state is skipped, not an error that ends the app
+        with a traceback."""
+        alpha = yield self.start_vocab_node(identity="alpha")
+        head = yield self.console_head([alpha])
+
+        async def scenario() -> dict[str, Any] | None:
+            app = TopApp(HeadClient(head.base), interval_s=60.0)
+            async with app.run_test(size=(150, 40)) as pilot:
+                await _until(pilot, lambda: _rows(app) == ["alpha"])
+            await app.action_refresh()
+            return app.state
+
+        state = yield threads.deferToThread(asyncio.run, scenario())
+        self.assertIsNotNone(state)
+        self.assertEqual([n["name"] for n in state["nodes"]], ["alpha"])
+
+    @defer.inlineCallbacks
     def test_drain_without_the_admin_key_changes_nothing(self) -> Generator[Any, Any, None]:
         """With a plain key ``d`` shows the head's refusal (403, an admin key is needed) and
         the node keeps serving; a node whose name looks like markup is shown as it is."""

@@ -200,7 +200,9 @@ class TopApp(App[None]):
 
     def show(self) -> None:
         state = self.state
-        if state is None:
+        if state is None or not self.is_running:
+            # A refresh whose request returned after the console began to close: its widgets
+            # are gone, and there is nothing left to show the state on.
             return
         self.query_one("#summary", Static).update(Text(summary(state)))
         self._show_nodes(state["nodes"])
