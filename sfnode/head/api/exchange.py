@@ -287,7 +287,7 @@ class StallWatch:
 # One request
 
 
-class _Choice:
+class RequestChoice:
     """One of the ``n`` generations of a request: its text so far and how it ended."""
 
     def __init__(
@@ -371,7 +371,7 @@ class Exchange:
         self.prompt: list[int] = []
         self.model: ServedModel | None = None
         """The model the request names (its renderer, the name asked of nodes)."""
-        self.choices: list[_Choice] = []
+        self.choices: list[RequestChoice] = []
         self.first_token_at: float | None = None
         self.named_class: HeadClass | None = None
         """The class the X-Request-Class header named (None: it named none)."""
@@ -538,7 +538,7 @@ class Exchange:
         logprobs = None
         if parsed.logprobs is not None:
             logprobs = ChoiceLogprobs(self.chat, parsed.logprobs, renderer.token_bytes)
-        choice = _Choice(index, renderer.detokenizer(), parsed.stop, logprobs)
+        choice = RequestChoice(index, renderer.detokenizer(), parsed.stop, logprobs)
         if parsed.calls:
             choice.calls = CallSplitter()
         self.choices.append(choice)
@@ -682,7 +682,7 @@ class Exchange:
         request.setHeader(b"cache-control", b"no-cache")
         self.writer.opened()
 
-    def _emit(self, choice: _Choice, text: str, *, last: bool = False) -> None:
+    def _emit(self, choice: RequestChoice, text: str, *, last: bool = False) -> None:
         """Show ``text`` (a chunk when streaming), with the logprobs of the tokens shown since
         the last chunk; ``last``: the choice's final text, sent even when empty if logprobs
         are still pending (tokens whose text is empty, such as an EOS)."""
@@ -692,7 +692,7 @@ class Exchange:
         choice.text.append(text)
         self._show(choice, choice.calls.feed(text) if choice.calls is not None else [Content(text)])
 
-    def _show(self, choice: _Choice, events: Sequence[CallEvent]) -> None:
+    def _show(self, choice: RequestChoice, events: Sequence[CallEvent]) -> None:
         """Content and tool-call deltas read out of a choice's text (a chunk each when
         streaming; a call's raw tags never reach the client)."""
         choice.answer.add(events)
@@ -716,7 +716,7 @@ class Exchange:
 
     # The generations
 
-    def _tokens(self, choice: _Choice, batch: TokenBatch) -> None:
+    def _tokens(self, choice: RequestChoice, batch: TokenBatch) -> None:
         tokens, logprobs = batch.tokens, batch.logprobs
         if self.first_token_at is None and tokens:
             self.first_token_at = self.api.reactor.seconds()
@@ -744,7 +744,7 @@ class Exchange:
         if choice.stop.stopped and choice.generation is not None:
             choice.generation.cancel()
 
-    def _choice_done(self, outcome: FleetOutcome, choice: _Choice) -> None:
+    def _choice_done(self, outcome: FleetOutcome, choice: RequestChoice) -> None:
         choice.outcome = outcome
         self._pending -= 1
         self.api.metrics.completion_tokens.inc(len(outcome.tokens))
@@ -769,7 +769,7 @@ class Exchange:
         if self._pending == 0:
             self._all_done()
 
-    def _choice_failed(self, failure: Failure, choice: _Choice) -> None:
+    def _choice_failed(self, failure: Failure, choice: RequestChoice) -> None:
         self._pending -= 1
         assert self.parsed is not None
         assert failure.value is not None
@@ -829,7 +829,7 @@ def client_of(request: Any) -> Hashable:
     return ("address", client_address(request.getClientAddress()))
 
 
-def _receiver(exchange: Exchange, choice: _Choice) -> TokenSink:
+def _receiver(exchange: Exchange, choice: RequestChoice) -> TokenSink:
     def receive(batch: TokenBatch) -> None:
         exchange._tokens(choice, batch)
 
@@ -882,10 +882,10 @@ class Writer(Protocol):
     def opened(self) -> None:
         """The first events of a stream (its headers are set)."""
 
-    def show(self, choice: _Choice, events: Sequence[CallEvent], *, streamed: bool) -> None:
+    def show(self, choice: RequestChoice, events: Sequence[CallEvent], *, streamed: bool) -> None:
         """Text and tool calls a choice shows (``streamed``: as events, now)."""
 
-    def choice_finished(self, choice: _Choice) -> None:
+    def choice_finished(self, choice: RequestChoice) -> None:
         """A streamed choice ended (its ``finish`` is set)."""
 
     def closed(self, completion_tokens: int) -> None:
@@ -913,7 +913,7 @@ class ChatWriter:
         else:
             x.request.write(b"")
 
-    def show(self, choice: _Choice, events: Sequence[CallEvent], *, streamed: bool) -> None:
+    def show(self, choice: RequestChoice, events: Sequence[CallEvent], *, streamed: bool) -> None:
         if not streamed:
             return  # the whole answer reads the choice's text (whole)
         x = self.exchange
@@ -929,7 +929,7 @@ class ChatWriter:
                 )
             x.stream.send(bodies.event(chunk))
 
-    def choice_finished(self, choice: _Choice) -> None:
+    def choice_finished(self, choice: RequestChoice) -> None:
         assert choice.finish is not None
         chunk = bodies.finish_chunk(
             self.exchange.reply, choice.index, choice.finish, closed=choice.closed

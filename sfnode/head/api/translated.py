@@ -21,7 +21,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from twisted.internet.defer import Deferred
 
-from sfnode.head.api.exchange import Exchange, Prepared, _Choice, client_of
+from sfnode.head.api.exchange import Exchange, Prepared, RequestChoice, client_of
 from sfnode.head.api.responses import translation_timeout
 from sfnode.head.api.schema import parse_body
 from sfnode.head.fleet.backend import BackendStatus
@@ -114,12 +114,12 @@ class BuilderWriter(Generic[_X, _B]):
         for piece in pieces:
             self.exchange.stream.send(self.encode(piece))
 
-    def show(self, choice: _Choice, events: Sequence[CallEvent], *, streamed: bool) -> None:
+    def show(self, choice: RequestChoice, events: Sequence[CallEvent], *, streamed: bool) -> None:
         shown = self.builder.add(events)
         if streamed:
             self._write(shown)
 
-    def choice_finished(self, choice: _Choice) -> None:
+    def choice_finished(self, choice: RequestChoice) -> None:
         pass  # the answer's last pieces say it (closed)
 
 
