@@ -478,6 +478,25 @@ static inline __attribute__((always_inline)) __m256i quarter_dot(__m256i w0, __m
     return _mm256_add_epi32(p01, p23);
 }
 
+/* The 8 rows' int32 sums of 128 bytes of nibbles laid out as a Q4_1 tile's 4 quarters times
+   the 32 activations at qx + offset of each of R rows (rows K apart), into ai[0..R-1]. */
+static inline __attribute__((always_inline)) void nibble_sums(const int R, const uint8_t *nibbles,
+                                                              const int16_t *qx, int K,
+                                                              int offset, __m256i *ai) {
+    const __m256i low = _mm256_set1_epi16(0x0F);
+    for (int r = 0; r < R; r++) ai[r] = _mm256_setzero_si256();
+    for (int q = 0; q < 4; q++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(nibbles + 32 * q));
+        const __m256i w0 = _mm256_and_si256(v, low);
+        const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), low);
+        const __m256i w3 = _mm256_srli_epi16(v, 12);
+        for (int r = 0; r < R; r++)
+            ai[r] = _mm256_add_epi32(
+                ai[r], quarter_dot(w0, w1, w2, w3, qx + (size_t)r * K + offset + 8 * q));
+    }
+}
+
 /* R activation rows (R <= 4) against one tile column (8 output rows); each row's int32 sum per
    block is exact, and its float steps are the same whatever R is. */
 static inline __attribute__((always_inline)) void q4_tile_rows(
@@ -485,24 +504,13 @@ static inline __attribute__((always_inline)) void q4_tile_rows(
     int K, float *y, int ldy, int cols, int accumulate) {
     __m256 af[4];
     for (int r = 0; r < R; r++) af[r] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi16(0x0F);
     for (int b = 0; b < nb; b++) {
         const uint8_t *t = w + (size_t)b * TILE_BYTES;
         _mm_prefetch((const char *)(t + PREFETCH_BYTES), _MM_HINT_T0);
         _mm_prefetch((const char *)(t + PREFETCH_BYTES + 64), _MM_HINT_T0);
         _mm_prefetch((const char *)(t + PREFETCH_BYTES + 128), _MM_HINT_T0);
         __m256i ai[4];
-        for (int r = 0; r < R; r++) ai[r] = _mm256_setzero_si256();
-        for (int q = 0; q < 4; q++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(t + 32 + 32 * q));
-            const __m256i w0 = _mm256_and_si256(v, low);
-            const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), low);
-            const __m256i w3 = _mm256_srli_epi16(v, 12);
-            for (int r = 0; r < R; r++)
-                ai[r] = _mm256_add_epi32(
-                    ai[r], quarter_dot(w0, w1, w2, w3, qx + (size_t)r * K + b * QK + 8 * q));
-        }
+        nibble_sums(R, t + 32, qx, K, b * QK, ai);
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
         const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 16)));
         for (int r = 0; r < R; r++) {
@@ -645,7 +653,6 @@ static inline __attribute__((always_inline)) void q4k_tile_rows(
     const int nb = K / QK;
     __m256 af[4];
     for (int r = 0; r < R; r++) af[r] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi16(0x0F);
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *t = w + (size_t)sb * Q4K_TILE_BYTES;
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
@@ -658,17 +665,7 @@ static inline __attribute__((always_inline)) void q4k_tile_rows(
             _mm_prefetch((const char *)(nibbles + K_PREFETCH + 64), _MM_HINT_T0);
             const int b = sb * 8 + j;
             __m256i ai[4];
-            for (int r = 0; r < R; r++) ai[r] = _mm256_setzero_si256();
-            for (int q = 0; q < 4; q++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(nibbles + 32 * q));
-                const __m256i w0 = _mm256_and_si256(v, low);
-                const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), low);
-                const __m256i w3 = _mm256_srli_epi16(v, 12);
-                for (int r = 0; r < R; r++)
-                    ai[r] = _mm256_add_epi32(
-                        ai[r], quarter_dot(w0, w1, w2, w3, qx + (size_t)r * K + b * QK + 8 * q));
-            }
+            nibble_sums(R, nibbles, qx, K, b * QK, ai);
             const __m256 ds = tile_scales(d, scales + 8 * j, 0);
             const __m256 dm = tile_scales(dmin, scales + 64 + 8 * j, 0);
             for (int r = 0; r < R; r++) {
@@ -1377,13 +1374,11 @@ static void q6k_tile_row(uint8_t *t, int r, uint8_t *blk, int back) {
     }
 }
 
-/* N rows of stored blocks of block_bytes each (32 inputs a block; 256 for the K-quants' 144
-   and 210 bytes) <-> tiles of tile_bytes (a row of tiles per 8 rows, ceil(N / 8) * blocks a
-   row * tile_bytes bytes; rows past N are zero), one row's block
-   at a time by row_fn; back: from the tiles. */
-static int lay_out(uint8_t *blocks, int N, int K, uint8_t *tiles, size_t block_bytes,
+/* N rows of stored blocks of block_bytes each (inputs weights a block) <-> tiles of tile_bytes
+   (a row of tiles per 8 rows, ceil(N / 8) * K / inputs * tile_bytes bytes; rows past N are
+   zero), one row's block at a time by row_fn; back: from the tiles. */
+static int lay_out(uint8_t *blocks, int N, int K, uint8_t *tiles, int inputs, size_t block_bytes,
                    size_t tile_bytes, tile_row_fn row_fn, int back) {
-    const int inputs = block_bytes == 144 || block_bytes == 210 ? QK_K : QK;
     if (K % inputs) return 1;
     const int nb = K / inputs;
     if (!back) memset(tiles, 0, (size_t)((N + 7) / 8) * nb * tile_bytes);
@@ -1394,47 +1389,22 @@ static int lay_out(uint8_t *blocks, int N, int K, uint8_t *tiles, size_t block_b
     return 0;
 }
 
-/* GGUF Q4_1, Q5_0 and Q8_0 rows of blocks laid out as the kernels' tiles, and back. */
-int sf_tile_q4(const uint8_t *blocks, int N, int K, uint8_t *tiles) {
-    return lay_out((uint8_t *)blocks, N, K, tiles, 20, TILE_BYTES, q4_tile_row, 0);
-}
+/* GGUF rows of blocks laid out as the kernels' tiles (sf_tile_NAME), and back
+   (sf_untile_NAME): Q4_1, Q5_0 and Q8_0 blocks of 32 weights, Q4_K and Q6_K super-blocks of
+   256. */
+#define TILED_FORMAT(NAME, INPUTS, BLOCK_BYTES, TILE, ROW_FN)                                 \
+    int sf_tile_##NAME(const uint8_t *blocks, int N, int K, uint8_t *tiles) {                  \
+        return lay_out((uint8_t *)blocks, N, K, tiles, INPUTS, BLOCK_BYTES, TILE, ROW_FN, 0);  \
+    }                                                                                          \
+    int sf_untile_##NAME(const uint8_t *tiles, int N, int K, uint8_t *blocks) {                \
+        return lay_out(blocks, N, K, (uint8_t *)tiles, INPUTS, BLOCK_BYTES, TILE, ROW_FN, 1);  \
+    }
 
-int sf_untile_q4(const uint8_t *tiles, int N, int K, uint8_t *blocks) {
-    return lay_out(blocks, N, K, (uint8_t *)tiles, 20, TILE_BYTES, q4_tile_row, 1);
-}
-
-int sf_tile_q5(const uint8_t *blocks, int N, int K, uint8_t *tiles) {
-    return lay_out((uint8_t *)blocks, N, K, tiles, 22, Q5_TILE_BYTES, q5_tile_row, 0);
-}
-
-int sf_untile_q5(const uint8_t *tiles, int N, int K, uint8_t *blocks) {
-    return lay_out(blocks, N, K, (uint8_t *)tiles, 22, Q5_TILE_BYTES, q5_tile_row, 1);
-}
-
-int sf_tile_q8(const uint8_t *blocks, int N, int K, uint8_t *tiles) {
-    return lay_out((uint8_t *)blocks, N, K, tiles, 34, Q8_TILE_BYTES, q8_tile_row, 0);
-}
-
-int sf_untile_q8(const uint8_t *tiles, int N, int K, uint8_t *blocks) {
-    return lay_out(blocks, N, K, (uint8_t *)tiles, 34, Q8_TILE_BYTES, q8_tile_row, 1);
-}
-
-/* GGUF Q4_K and Q6_K rows of super-blocks laid out as the kernels' tiles, and back. */
-int sf_tile_q4k(const uint8_t *blocks, int N, int K, uint8_t *tiles) {
-    return lay_out((uint8_t *)blocks, N, K, tiles, 144, Q4K_TILE_BYTES, q4k_tile_row, 0);
-}
-
-int sf_untile_q4k(const uint8_t *tiles, int N, int K, uint8_t *blocks) {
-    return lay_out(blocks, N, K, (uint8_t *)tiles, 144, Q4K_TILE_BYTES, q4k_tile_row, 1);
-}
-
-int sf_tile_q6k(const uint8_t *blocks, int N, int K, uint8_t *tiles) {
-    return lay_out((uint8_t *)blocks, N, K, tiles, 210, Q6K_TILE_BYTES, q6k_tile_row, 0);
-}
-
-int sf_untile_q6k(const uint8_t *tiles, int N, int K, uint8_t *blocks) {
-    return lay_out(blocks, N, K, (uint8_t *)tiles, 210, Q6K_TILE_BYTES, q6k_tile_row, 1);
-}
+TILED_FORMAT(q4, QK, 20, TILE_BYTES, q4_tile_row)
+TILED_FORMAT(q5, QK, 22, Q5_TILE_BYTES, q5_tile_row)
+TILED_FORMAT(q8, QK, 34, Q8_TILE_BYTES, q8_tile_row)
+TILED_FORMAT(q4k, QK_K, 144, Q4K_TILE_BYTES, q4k_tile_row)
+TILED_FORMAT(q6k, QK_K, 210, Q6K_TILE_BYTES, q6k_tile_row)
 
 /* ---------------------------------------------------------------------------------------- */
 /* the step                                                                                 */
