@@ -11,11 +11,14 @@ left at the end is the rest (KV writes, residual adds, the MLP's gate, Python). 
 runs the whole step in sfnode's native code (docs/engine.md section 5.2), the products, norms,
 rotary embedding, attention, gate and residual adds are one part (the native layers call), and
 the output head another.  A prompt chunk's step (``--chunk`` tokens) is timed first.
-``--kernels`` and ``--eager-step`` choose the kernels as ``twistd sfnode`` does.
+``--kernels`` and ``--eager-step`` choose the kernels as ``twistd sfnode`` does.  With
+``--threads`` above 1 the step runs on that many threads (as a node runs it) and is timed in
+wall time (``time.perf_counter``), which a loaded machine lengthens.
 
     PYTHONPATH=. python bench/step.py                  # the bundled SmolLM2, --weights auto
     PYTHONPATH=. python bench/step.py --weights float32 --length 500
     PYTHONPATH=. python bench/step.py --kernels torch --eager-step   # torch's kernels, unfused
+    PYTHONPATH=. python bench/step.py --batches 8 --threads 2        # wall time, two threads
 
 This script only measures and prints; it must never assert or be imported by the package.
 """
@@ -31,12 +34,16 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+CLOCK = time.thread_time
+"""The clock the steps are timed with: this thread's CPU time, or wall time (``--threads``)."""
+
+
 def median_ms(f: Callable[[], Any], n: int = 31) -> float:
     times = []
     for _ in range(n):
-        started = time.thread_time()
+        started = CLOCK()
         f()
-        times.append(time.thread_time() - started)
+        times.append(CLOCK() - started)
     times.sort()
     return times[n // 2] * 1000
 
@@ -49,6 +56,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
     parser.add_argument("--kernels", default="auto", help="auto, torch or native")
     parser.add_argument("--eager-step", action="store_true", help="no native step")
+    parser.add_argument("--threads", type=int, default=1, help="threads (above 1: wall time)")
     parser.add_argument(
         "--chunk", type=int, default=16, help="prompt tokens of the prompt-chunk step (0: none)"
     )
@@ -66,7 +74,9 @@ def main() -> None:
     from sfnode.engines.weights.loading import load_model
     from sfnode.linkf.wire import GenParams
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(options.threads)
+    global CLOCK
+    CLOCK = time.thread_time if options.threads == 1 else time.perf_counter
     loaded = load_model(options.model)
     weights = gather_weights(
         loaded.stored,
@@ -90,7 +100,12 @@ def main() -> None:
     fused = "native step" if runner.fused is not None else "layers as torch operators"
     print(
         f"{loaded.name}, weights {weights.mode} ({weights.describe()}, {family} kernels, "
-        f"{fused}), {length} positions a lane, one thread, CPU ms per step (median of 31)"
+        f"{fused}), {length} positions a lane, "
+        + (
+            "one thread, CPU ms per step (median of 31)"
+            if options.threads == 1
+            else f"{options.threads} threads, wall ms per step (median of 31)"
+        )
     )
     rows: list[tuple[str, dict[int, float]]] = []
 

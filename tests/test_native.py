@@ -120,27 +120,37 @@ class KernelTests(unittest.SynchronousTestCase):
                     self.assertTrue(torch.equal(alone(self.x)[:, 0], got[:, n]), (kind, n))
 
     def test_tiles_hold_the_files_blocks(self) -> None:
-        """Q5_0 and Q8_0 rows are laid out in tiles of 8 output rows at load: the tiles give
-        back the file's blocks byte for byte (13 rows: a last tile of 5), rows past the matrix
-        are never written out, and the tiles hold no more than the blocks and 7 rows."""
+        """Q5_0, Q8_0, Q4_K and Q6_K rows are laid out in tiles of 8 output rows at load: the
+        tiles give back the file's blocks byte for byte (13 rows: a last tile of 5; random
+        K-quant super-blocks, every bit of their scales used), rows past the matrix are never
+        written out, and the tiles hold no more than the blocks and 7 rows."""
         from gguf import GGMLQuantizationType
         from gguf.quants import quantize as reference_quantize
 
-        floats = np.random.default_rng(7).standard_normal((13, 128)).astype(np.float32)
-        for kind in ("Q5_0", "Q8_0"):
+        from tests import kquant
+
+        rng = np.random.default_rng(7)
+        floats = rng.standard_normal((13, 512)).astype(np.float32)
+        tile_of_8 = {"Q5_0": 8 * 22, "Q8_0": 8 * 34, "Q4_K": 8 * 144, "Q6_K": 8 * 210}
+        for kind, tile in tile_of_8.items():
             with self.subTest(kind=kind):
-                raw = reference_quantize(floats, GGMLQuantizationType[kind])
-                data = np.ascontiguousarray(raw).view(np.uint8).reshape(13, -1)
-                layer = native.BlockLinear(kind, data, 128, self.library)
+                if kind in ("Q4_K", "Q6_K"):
+                    data = kquant.random_blocks(kind, 13 * 2, rng).reshape(13, -1)
+                else:
+                    raw = reference_quantize(floats, GGMLQuantizationType[kind])
+                    data = np.ascontiguousarray(raw).view(np.uint8).reshape(13, -1)
+                layer = native.BlockLinear(kind, data, 512, self.library)
                 self.assertTrue(layer.tiled)
                 self.assertEqual(layer.blocks().tobytes(), data.tobytes())
-                self.assertEqual(layer.held.nbytes, 16 * data.shape[1])
-                self.assertEqual(tuple(layer(torch.zeros(2, 128)).shape), (2, 13))
+                blocks_a_row = 512 // (256 if kind in ("Q4_K", "Q6_K") else 32)
+                self.assertEqual(layer.held.nbytes, 2 * blocks_a_row * tile)
+                self.assertEqual(tuple(layer(torch.zeros(2, 512)).shape), (2, 13))
 
     def test_k_quant_blocks_as_stored(self) -> None:
-        """Q4_K, Q5_K and Q6_K rows multiply as stored by the weights the file means (int16
-        activations), and a row's result is bit for bit the same alone or in a pass of 8 rows
-        or fewer beside others."""
+        """Q4_K, Q5_K and Q6_K rows multiply (Q4_K and Q6_K laid out in tiles, Q5_K as stored)
+        by the weights the file means (int16 activations), a row's result is bit for bit the
+        same alone or in a pass of 8 rows or fewer beside others, and each weight row's the
+        same alone (a tile of one row) or beside the others."""
         from tests import kquant
 
         generator = torch.Generator().manual_seed(4)
@@ -158,6 +168,11 @@ class KernelTests(unittest.SynchronousTestCase):
                         alone = layer(x[start : start + rows])
                         same = torch.equal(alone, got[start : start + rows])
                         self.assertTrue(same, (kind, rows, start))
+                self.assertEqual(layer.tiled, kind != "Q5_K")
+                for n in range(0, 24, 5):
+                    row = kquant.quantize(kind, floats[n : n + 1])
+                    alone_row = native.BlockLinear(kind, row, 512, self.library)(x)[:, 0]
+                    self.assertTrue(torch.equal(alone_row, got[:, n]), (kind, n))
 
     def test_q4_of_a_float_matrix_and_q8(self) -> None:
         """Float weights packed into Q4_1 blocks, and int8 rows with a scale each, multiply by

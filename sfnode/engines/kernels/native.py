@@ -185,6 +185,10 @@ def _open(path: Path, built: float, *, shipped: bool = False) -> Library | str:
         "sf_untile_q5": [pointer, integer, integer, pointer],
         "sf_tile_q8": [pointer, integer, integer, pointer],
         "sf_untile_q8": [pointer, integer, integer, pointer],
+        "sf_tile_q4k": [pointer, integer, integer, pointer],
+        "sf_untile_q4k": [pointer, integer, integer, pointer],
+        "sf_tile_q6k": [pointer, integer, integer, pointer],
+        "sf_untile_q6k": [pointer, integer, integer, pointer],
         "sf_dequantize": [integer, pointer, ctypes.c_int64, pointer],
     }
     try:
@@ -464,9 +468,15 @@ class F32Linear:
 
 STORED_KINDS = {"Q8_0": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "Q5_0": 7, "Q5_1": 8}
 """The formats the kernels multiply as the file stores them, by their number in ``sf_part``."""
-TILED_KINDS = {"Q5_0": (9, 176, "q5"), "Q8_0": (10, 272, "q8")}
-"""The formats laid out at load in tiles of 8 output rows by one block of 32 inputs: their
-number in ``sf_part``, a tile's bytes, and the name of their ``sf_tile_*`` / ``sf_untile_*``."""
+TILED_KINDS = {
+    "Q5_0": (9, 176, "q5"),
+    "Q8_0": (10, 272, "q8"),
+    "Q4_K": (11, 1152, "q4k"),
+    "Q6_K": (12, 1680, "q6k"),
+}
+"""The formats laid out at load in tiles of 8 output rows by one block of inputs (32; 256 for
+the K-quants' super-blocks): their number in ``sf_part``, a tile's bytes, and the name of their
+``sf_tile_*`` / ``sf_untile_*``."""
 
 
 def _release_pages(data: np.ndarray[Any, Any]) -> None:
@@ -486,15 +496,23 @@ class BlockLinear:
     Q5 block, a K-quant sub-block) against the int16 activations of the same inputs, in
     integers, and scales it in float; nothing is inflated.  Q5_0 and Q8_0 blocks are laid out
     at load in tiles of 8 output rows (``sf_tile_q5``, ``sf_tile_q8``: the same bytes, moved;
-    the file's map is read once), the others are multiplied as stored (``data`` is the file's
-    map)."""
+    the file's map is read once), and so are Q4_K and Q6_K super-blocks (``sf_tile_q4k``,
+    ``sf_tile_q6k``), unless ``tiled`` is false (the head, whose float rows are read from the
+    same map: tiles would be a second copy); the others are multiplied as stored (``data`` is
+    the file's map)."""
 
     activations = torch.float32
     as_stored = True
     """Read from the file at every start: never kept with the packed weights."""
 
     def __init__(
-        self, kind: str, data: np.ndarray[Any, Any], in_features: int, library: Library
+        self,
+        kind: str,
+        data: np.ndarray[Any, Any],
+        in_features: int,
+        library: Library,
+        *,
+        tiled: bool = True,
     ) -> None:
         from sfnode.engines.kernels.blocks import FORMATS
 
@@ -511,10 +529,11 @@ class BlockLinear:
         self.out_features = int(self.held.shape[0])
         self.library = library
         number = STORED_KINDS[kind]
-        self.tiled = kind in TILED_KINDS
+        self.tiled = tiled and kind in TILED_KINDS
         if self.tiled:
             number, tile_bytes, name = TILED_KINDS[kind]
-            rows, width = -(-self.out_features // TILE_ROWS), in_features // BLOCK * tile_bytes
+            inputs = form.weights
+            rows, width = -(-self.out_features // TILE_ROWS), in_features // inputs * tile_bytes
             tiles = np.empty((rows, width), dtype=np.uint8)
             getattr(library.handle, f"sf_tile_{name}")(
                 self.held.ctypes.data, self.out_features, in_features, tiles.ctypes.data

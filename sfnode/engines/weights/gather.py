@@ -450,13 +450,18 @@ class _Builder:
 
     def _one(self, tensor: StoredTensor, precision: Precision) -> Linear:
         """The kernel of one stored matrix: sfnode's reads Q8_0 and K-quant blocks as stored
-        where the precision is the format's own."""
+        where the precision is the format's own (in tiles, but for the head: its float rows
+        for the refined logits, and a tied table's rows, are read from the same map, beside
+        which tiles would be a second copy)."""
         if precision is Precision.INT4 and tensor.kind in ("Q4_0", "Q4_1"):
             joined = self._joined([tensor], precision)
             assert joined is not None
             return joined
         if self.library is not None and self._as_stored(tensor, precision):
-            return native.BlockLinear(tensor.kind, tensor.data, tensor.cols, self.library)
+            head = tensor is _head_tensor(self.stored)
+            return native.BlockLinear(
+                tensor.kind, tensor.data, tensor.cols, self.library, tiled=not head
+            )
         return self._float_kernel(float_weight(tensor), precision)
 
     def _float_kernel(self, weight: torch.Tensor, precision: Precision) -> Linear:
