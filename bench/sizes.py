@@ -16,8 +16,9 @@ the same file.  Printed as one Markdown table, per file and server: tok/s with 1
 requests at a time (the fastest of ``--repeat`` tries, three by default), the median first
 token one at a time, resident memory of the process holding the model (and of the head), and
 the start time (from starting the processes to the first text of the warm-up answer; the node
-is started once before, unmeasured, when the file has not been converted yet), then the ratios
-sfnode / llama-server beside the issue's targets.
+is started once before, unmeasured, through one answer and its start-up check, so that the
+conversion, the compiled kernels and every cache keyed to the engine's version are there), then
+the ratios sfnode / llama-server beside the issue's targets.
 
     .venv/bin/python bench/sizes.py                                  # llama3, qwen2 (about 40 min)
     .venv/bin/python bench/sizes.py --families llama3 --kinds Q4_K_M --requests 8
@@ -207,22 +208,28 @@ def run_tool(name: str, argv: list[str], folder: Path, extra: dict[str, str]) ->
     peer.run_tool(name, argv, folder / f"{name}.log", extra)
 
 
-def converted(gguf: Path) -> bool:
-    """Whether the node has converted ``gguf`` already (its cache folder is there)."""
-    from sfnode.linkf.model_cache import gguf_cache_folder
-
-    return (gguf_cache_folder(gguf) / "sfnode-conversion.json").is_file()
-
-
 def prime(gguf: Path, options: argparse.Namespace, logs: Path) -> None:
-    """Start the fleet once on ``gguf``, unmeasured, so that the measured start is warm."""
-    if converted(gguf):
-        return
-    from _fleetproc import fleet_processes
+    """Start the fleet once on ``gguf``, unmeasured, through one answer and the node's start-up
+    check, so that the measured start is warm.  Always, not only before the first conversion:
+    the compiled kernels and the caches keyed to the engine's version are redone after a change
+    to the engine, and a measured run that redid them measured a start, not the node."""
+    import asyncio
 
-    print(f"first start on {gguf.name} (converting; not measured)", flush=True)
-    with fleet_processes(options.node_arg, child_env(options.node_env), gguf, logs):
-        pass
+    from _fleetproc import (
+        WARM_UP_TOPIC,
+        Child,
+        chat_body,
+        fleet_processes,
+        run_phase,
+        served_model,
+    )
+
+    print(f"first start on {gguf.name} (conversion and caches; not measured)", flush=True)
+    children: list[Child] = []
+    env = child_env(options.node_env)
+    with fleet_processes(options.node_arg, env, gguf, logs, children) as port:
+        asyncio.run(run_phase(port, [chat_body(served_model(port), WARM_UP_TOPIC, 8)], 1))
+        peer.wait_for_check(children[0])
 
 
 def row(file: str, run: peer.ServerRun) -> str:
