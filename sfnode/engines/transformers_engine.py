@@ -112,6 +112,13 @@ def _trim_heap() -> None:
         trim(0)
 
 
+def _rest(runner: TorchRunner) -> None:
+    """What :meth:`ThreadWorker.rest` runs on the worker thread."""
+    if isinstance(runner, DecoderRunner):
+        runner.weights.give_back_rows()
+    _trim_heap()
+
+
 def _kept_stages(runner: TorchRunner, config: EngineConfig) -> DecoderStages | None:
     """Stages keep their KV where sfnode's own step runs (docs/protocol.md section 12.8), in
     as many sessions as the node has lanes."""
@@ -217,6 +224,15 @@ class ThreadWorker:
             self._grammar_pool.start()
         return deferToThreadPool(self._reactor, self._grammar_pool, work, *args)
 
+    def rest(self) -> None:
+        """On the worker thread, after the steps sent: the file's pages of the rows the steps
+        read (embeddings, the head's float rows) and the heap's free pages go back to the
+        system (docs/engine.md section 5.3).  Nothing once the worker has stopped."""
+        if not self._pool.started:
+            return
+        rested = self.call(_rest, self._runner)
+        rested.addErrback(lambda failure: log.failure("giving back memory failed", failure))
+
     def interrupt(self) -> None:
         """A step on the thread cannot be stopped: the loop waits for it."""
 
@@ -244,6 +260,8 @@ class ThreadWorker:
                 problem=problem,
             )
         self.exactness.callback(problem)
+        # The check read rows of the file's tables and left heap behind.
+        self.rest()
 
     def _check_failed(self, failure: Failure) -> None:
         log.failure("the start-up check of exactness failed", failure)
