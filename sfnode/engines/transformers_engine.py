@@ -286,8 +286,7 @@ def vocabulary_of(tokenizer: Any, size: int, eos_ids: frozenset[int]) -> Vocabul
         log.warn("constraints are not available with this model: {error}", error=str(e))
         return None
     log.info(
-        "constraints: the grammar library reads the {n} tokens when a constraint first needs "
-        "them",
+        "constraints: the grammar library reads the {n} tokens when a constraint first needs them",
         n=size,
     )
     return vocabulary
@@ -600,7 +599,10 @@ class TransformersEngine(EngineLoop):
         kv_bytes = None
         if isinstance(runner, DecoderRunner):
             kv_bytes = runner.kv.nbytes + (runner.pool.nbytes if runner.pool is not None else 0)
-        return replace(super().statistics(), weights=self.weights.figures, kv_bytes=kv_bytes)
+        figures, gathered = self.weights.figures, self.weights.gathered
+        if figures is not None and gathered is not None:
+            figures = replace(figures, resident_bytes=gathered.resident_bytes())
+        return replace(super().statistics(), weights=figures, kv_bytes=kv_bytes)
 
     def mask_figures(self) -> MaskFigures | None:
         if self._masks is None:

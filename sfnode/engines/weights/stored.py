@@ -25,7 +25,6 @@ imports torch.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import mmap
 import re
@@ -268,21 +267,24 @@ def give_back(data: np.ndarray[Any, Any]) -> None:
         mapped.madvise(mmap.MADV_DONTNEED, first, length)
 
 
-def resident_bytes(data: np.ndarray[Any, Any]) -> int:
-    """The bytes of ``data``'s pages in the process's resident set (``mincore``): all of them
-    for an array that is not a file's map."""
+def resident_bytes(data: np.ndarray[Any, Any], pagemap: str = "/proc/self/pagemap") -> int:
+    """The bytes of ``data``'s pages in the process's resident set (``pagemap``'s present
+    bit: ``mincore`` would answer for the page cache instead): all of them for an array that
+    is not a file's map, or where the system has no ``pagemap``."""
     found = _mapped_pages(data)
     if found is None:
         return int(data.nbytes)
     mapped, first, length = found
     address = np.frombuffer(mapped, dtype=np.uint8).ctypes.data + first
     pages = -(-length // mmap.PAGESIZE)
-    vector = (ctypes.c_ubyte * pages)()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-    if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(length), vector) != 0:
-        raise OSError(ctypes.get_errno(), "mincore failed")
-    return sum(page & 1 for page in vector) * mmap.PAGESIZE
+    try:
+        with open(pagemap, "rb") as entries:
+            entries.seek(address // mmap.PAGESIZE * 8)
+            raw = entries.read(pages * 8)
+    except OSError:
+        return int(data.nbytes)
+    present = np.frombuffer(raw, dtype=np.uint64) >> np.uint64(63)
+    return int(np.count_nonzero(present)) * mmap.PAGESIZE
 
 
 def _gguf_name(name: str, spec: ModelSpec) -> str:
