@@ -289,8 +289,7 @@ class EngineLoop:
         self._started = False
         self._stopping = False
         self._stepping = False
-        self._worked = False
-        """Whether a step ran since the worker last rested."""
+        self._worked = False  # a step ran since the worker last rested
         self._stopped = False
         self._stop_waiters: list[defer.Deferred[None]] = []
 
