@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from twisted.internet import defer, reactor
+from twisted.internet import defer, reactor, task
 from twisted.logger import capturedLogs, formatEvent
 from twisted.trial import unittest
 
@@ -239,8 +239,10 @@ class FamilyEngineTests(unittest.TestCase):
     @defer.inlineCallbacks
     def test_a_resting_engine_gives_back_the_rows_it_read(self) -> Any:
         """The tables read a row at a time from the file's map (the embedding, the head's
-        float rows) keep only the pages read since the engine last rested: after a rest none,
-        and the engine's figures count the weights' resident bytes without them."""
+        float rows) keep only the pages read since the engine last rested: a generation reads
+        some, and :data:`REST_AFTER_S` after it ended (and after a rest asked for) none are
+        resident; the engine's figures count the weights' resident bytes without them."""
+        from sfnode.engines.transformers_engine import REST_AFTER_S
         from sfnode.engines.weights.stored import resident_bytes
 
         native_kernels()
@@ -252,13 +254,16 @@ class FamilyEngineTests(unittest.TestCase):
         self.addCleanup(engine.stop)
         request = GenerationRequest(list(PROMPT), GenParams(), TOKENS, 0)
         yield engine.submit(request, lambda *args: None).result
-        # The rest the loop sent when the work ran out runs first.
+        # The engine rests once out of work for a while, not at once.
+        self.assertTrue(all(resident_bytes(table.data) for table in tables))
+        yield task.deferLater(reactor, REST_AFTER_S + 0.2, lambda: None)
         yield engine.worker.call(lambda: None)
         self.assertEqual([resident_bytes(table.data) for table in tables], [0, 0])
         for table in tables:
             table[torch.tensor([1, 7])]
             self.assertGreater(resident_bytes(table.data), 0)
         engine.worker.rest()
+        yield task.deferLater(reactor, REST_AFTER_S + 0.2, lambda: None)
         yield engine.worker.call(lambda: None)
         self.assertEqual([resident_bytes(table.data) for table in tables], [0, 0])
         figures = engine.statistics().weights

@@ -108,8 +108,9 @@ class Worker(Protocol):
         compiles its grammar) where grammars are compiled, off the steps' way."""
 
     def rest(self) -> None:
-        """The engine has run out of work: give back what only steps need (after the steps
-        already sent; a step sent later runs after it)."""
+        """The engine has run out of work: give back what only steps need (where the steps
+        run, never during one; a worker may wait a while, and not give back when a step
+        comes first)."""
 
     def interrupt(self) -> None:
         """The engine stops: end the step in flight now if that can be done (its Deferred then

@@ -76,6 +76,9 @@ T = TypeVar("T")
 CHECK_AFTER_S = 1.0
 """The start-up check of exactness begins after the first step, or this long after the engine
 started when no step came first (docs/engine.md section 4.1)."""
+REST_AFTER_S = 1.0
+"""Seconds an engine is out of work before it gives back what only steps need: a chat's next
+request, sent as the last answer ends, finds the pages still there."""
 
 if TYPE_CHECKING:
     # The model's own forward imports transformers: only --stock-kernels loads it.
@@ -142,6 +145,7 @@ class ThreadWorker:
         self._masks = masks
         self._kept = kept
         self._check_timer: IDelayedCall | None = None
+        self._rest_timer: IDelayedCall | None = None
         self._pool = ThreadPool(minthreads=1, maxthreads=1, name="sfnode-engine")
         self._grammar_pool = ThreadPool(minthreads=0, maxthreads=1, name="sfnode-grammar")
         self.exactness: defer.Deferred[str | None] = defer.Deferred()
@@ -201,6 +205,7 @@ class ThreadWorker:
         return None
 
     def step(self, plan: StepPlan) -> defer.Deferred[tuple[StepOutput, float]]:
+        self._cancel_rest()
         running = self.call(self._timed_run, plan)
         if self._check_timer is not None:
             # The first step goes first; the check follows it.
@@ -225,18 +230,28 @@ class ThreadWorker:
         return deferToThreadPool(self._reactor, self._grammar_pool, work, *args)
 
     def rest(self) -> None:
-        """On the worker thread, after the steps sent: the file's pages of the rows the steps
-        read (embeddings, the head's float rows) and the heap's free pages go back to the
-        system (docs/engine.md section 5.3).  Nothing once the worker has stopped."""
-        if not self._pool.started:
-            return
-        rested = self.call(_rest, self._runner)
-        rested.addErrback(lambda failure: log.failure("giving back memory failed", failure))
+        """:data:`REST_AFTER_S` from now unless a step is sent first, on the worker thread:
+        the file's pages of the rows the steps read (embeddings, the head's float rows) and
+        the heap's free pages go back to the system (docs/engine.md section 5.3)."""
+        if self._rest_timer is None and self._pool.started:
+            self._rest_timer = self._reactor.callLater(REST_AFTER_S, self._rest_now)
+
+    def _rest_now(self) -> None:
+        self._rest_timer = None
+        if self._pool.started:
+            rested = self.call(_rest, self._runner)
+            rested.addErrback(lambda failure: log.failure("giving back memory failed", failure))
+
+    def _cancel_rest(self) -> None:
+        if self._rest_timer is not None:
+            self._rest_timer.cancel()
+            self._rest_timer = None
 
     def interrupt(self) -> None:
         """A step on the thread cannot be stopped: the loop waits for it."""
 
     def stop(self) -> None:
+        self._cancel_rest()
         if self._check_timer is not None:
             self._check_timer.cancel()
             self._check_timer = None
