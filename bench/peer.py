@@ -9,11 +9,11 @@ would otherwise count as throughput), then 16 greedy streamed chat requests ("Wr
 detailed story about ...", 64 new tokens) one at a time and then 8 at once. Printed per server and
 phase: aggregate tokens/s (completion tokens over the phase's wall time) and first-token latency
 (median, p95), and per server the resident memory of the process holding the model (the node,
-llama-server) after its requests and at its peak; then the ratios sfnode / llama-server next to
-issue 23's targets, as Markdown tables, with the CPU's vector extensions (they decide the node's
-kernels, docs/engine.md section 5.1). Two pairs by default: the node as configured (``--node-arg``)
-against llama-server on the file as it is (Q4_1), and the node's float32 weights against
-llama-server on an F32 copy.
+llama-server) as its last answer ends, at rest two seconds later, and at its peak; then the
+ratios sfnode / llama-server next to issue 23's targets, as Markdown tables, with the CPU's
+vector extensions (they decide the node's kernels, docs/engine.md section 5.1). Two pairs by
+default: the node as configured (``--node-arg``) against llama-server on the file as it is
+(Q4_1), and the node's float32 weights against llama-server on an F32 copy.
 
 ``--workload extract`` sends, instead of stories, what agents ask about text they were given:
 16 requests to repeat, quote from, correct or rewrite one of four short passages (128 new tokens
@@ -253,11 +253,19 @@ class ServerRun:
     load: tuple[float, float] = (0.0, 0.0)
     """The 1-minute load average before and after its requests."""
     memory: tuple[float, float] = (0.0, 0.0)
-    """Resident memory (MB) of the serving process after its requests, and at its peak."""
+    """Resident memory (MB) of the serving process at rest after its requests (:data:`AT_REST_S`
+    after the last answer), and at its peak."""
+    serving_memory: float = 0.0
+    """Resident memory (MB) of the serving process as its last answer ends."""
     head_memory: float = 0.0
     """Resident memory (MB) of the head process (a fleet's run) after the requests."""
     start: float = float("nan")
     """Seconds from starting the server's processes to the first text of the warm-up answer."""
+
+
+AT_REST_S = 2.0
+"""Seconds after the last answer before the resident memory "at rest" is read: a node gives back
+what only steps need once it has been out of work for a second (docs/engine.md section 5.3)."""
 
 
 def max_tokens(options: argparse.Namespace, workload: str) -> int:
@@ -335,6 +343,8 @@ def measure(
         run.workloads[workload] = phases
     run.phases = run.workloads[options.workloads[0]]
     run.load = (before, os.getloadavg()[0])
+    run.serving_memory = memory_mb(pid)[0]
+    time.sleep(AT_REST_S)
     run.memory = memory_mb(pid)
     return run
 
@@ -442,7 +452,8 @@ def print_pair(title: str, node: ServerRun, peer: ServerRun, shown: list[ServerR
     print(f"\n### {title}\n")
     print(
         "| server | weights | tok/s, 1 at a time | first token p50 / p95, 1 at a time "
-        "| tok/s, 8 at once | first token p50 / p95, 8 at once | resident memory, peak |"
+        "| tok/s, 8 at once | first token p50 / p95, 8 at once "
+        "| resident memory: serving, at rest, peak |"
     )
     print("|---|---|---|---|---|---|---|")
     for run in (node, peer):
@@ -452,7 +463,7 @@ def print_pair(title: str, node: ServerRun, peer: ServerRun, shown: list[ServerR
             f"| {one.first_token_ms(0.5):.0f} / {one.first_token_ms(0.95):.0f} ms "
             f"| {eight.rate:.1f} "
             f"| {eight.first_token_ms(0.5):.0f} / {eight.first_token_ms(0.95):.0f} ms "
-            f"| {run.memory[0]:.0f} MB, {run.memory[1]:.0f} MB |"
+            f"| {run.serving_memory:.0f}, {run.memory[0]:.0f}, {run.memory[1]:.0f} MB |"
         )
     cells = []
     for c in CONCURRENCIES:
@@ -463,6 +474,7 @@ def print_pair(title: str, node: ServerRun, peer: ServerRun, shown: list[ServerR
             f"{ratio(mine.first_token_ms(0.95), theirs.first_token_ms(0.95)):.2f}x"
         )
     cells.append(
+        f"{ratio(node.serving_memory, peer.serving_memory):.2f}x, "
         f"{ratio(node.memory[0], peer.memory[0]):.2f}x, "
         f"{ratio(node.memory[1], peer.memory[1]):.2f}x"
     )

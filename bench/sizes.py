@@ -14,7 +14,8 @@ client, not a copy): ``twistd sfnode`` and ``twistd sfhead`` as two processes wi
 settings, and ``llama-server -t 2 -np 8 -c 16384`` with the environment of the user's shell, on
 the same file.  Printed as one Markdown table, per file and server: tok/s with 1 and 8
 requests at a time (the fastest of ``--repeat`` tries, three by default), the median first
-token one at a time, resident memory of the process holding the model (and of the head), and
+token one at a time, resident memory of the process holding the model (and of the head) as the
+last answer ends and at rest two seconds later, and
 the start time (from starting the processes to the first text of the warm-up answer; the node
 is started once before, unmeasured, through one answer and its start-up check, so that the
 conversion, the compiled kernels and every cache keyed to the engine's version are there), then
@@ -237,19 +238,21 @@ def row(file: str, run: peer.ServerRun) -> str:
     head = f" + {run.head_memory:.0f} head" if run.head_memory else ""
     return (
         f"| {file} | {run.label.split(' ')[0]} | {one.rate:.1f} | {eight.rate:.1f} "
-        f"| {one.first_token_ms(0.5):.0f} ms | {run.memory[0]:.0f}{head} MB "
-        f"(peak {run.memory[1]:.0f}) | {run.start:.1f} s |"
+        f"| {one.first_token_ms(0.5):.0f} ms | {run.serving_memory:.0f} / {run.memory[0]:.0f}"
+        f"{head} MB (peak {run.memory[1]:.0f}) | {run.start:.1f} s |"
     )
 
 
 def ratios(file: str, ours: peer.ServerRun, theirs: peer.ServerRun) -> str:
     r = peer.ratio
-    total = ours.memory[0] + ours.head_memory
+    serving = ours.serving_memory + ours.head_memory
+    resting = ours.memory[0] + ours.head_memory
     return (
         f"| {file} | sfnode / llama-server | {r(ours.phases[1].rate, theirs.phases[1].rate):.2f}x "
         f"| {r(ours.phases[8].rate, theirs.phases[8].rate):.2f}x "
         f"| {r(ours.phases[1].first_token_ms(0.5), theirs.phases[1].first_token_ms(0.5)):.2f}x "
-        f"| {r(total, theirs.memory[0]):.2f}x | {r(ours.start, theirs.start):.2f}x |"
+        f"| {r(serving, theirs.serving_memory):.2f}x / {r(resting, theirs.memory[0]):.2f}x "
+        f"| {r(ours.start, theirs.start):.2f}x |"
     )
 
 
@@ -288,7 +291,7 @@ def run(options: argparse.Namespace) -> int:
     print(f"CPU: {cpu_name()}; vector extensions: {cpu_extensions()}\n")
     print(
         "| file | server | tok/s, 1 at a time | tok/s, 8 at once | first token p50, 1 at a time "
-        "| resident memory after | start to first token |"
+        "| resident memory: serving / at rest | start to first token |"
     )
     print("|---|---|---|---|---|---|---|")
     print("\n".join(lines))

@@ -177,6 +177,9 @@ class WeightFigures:
     """Bytes of the weights its step reads (a file's maps counted whole)."""
     file_bytes: int
     """Bytes of the weight files read."""
+    resident_bytes: int | None = None
+    """Of ``held_bytes``, those resident now: a table read a row at a time has only the pages
+    of the rows read since the engine last rested (None: not known, all of them)."""
 
     @property
     def ratio(self) -> float:

@@ -71,6 +71,32 @@ class RefusalTests(SynchronousTestCase):
         self.assertEqual(got, expected_tokens(context, 3, 50))
 
 
+class RestTests(SynchronousTestCase):
+    """When the loop tells its worker that the work ran out (docs/engine.md section 5.3)."""
+
+    def test_the_worker_rests_once_each_time_the_work_runs_out(self) -> None:
+        """Not at start, nor between the steps of a generation, nor again while idle: once
+        after a generation's last step, and once more after the next one's."""
+        clock = Clock()
+        engine = started(MockEngine(clock, token_delay_s=0.5))
+        worker = engine.worker
+        assert isinstance(worker, ReactorWorker)
+        self.assertEqual(worker.rests, 0)
+        for burst in (1, 2):
+            results: list[GenerationResult] = []
+            generation = engine.submit(GenerationRequest(PROMPT, GenParams(), 3), lambda b: None)
+            generation.result.addCallback(results.append)
+            steps = 0
+            while not results:
+                self.assertEqual(worker.rests, burst - 1)
+                clock.advance(0.5)
+                steps += 1
+            self.assertGreater(steps, 1)
+            self.assertEqual(worker.rests, burst)
+            clock.advance(10.0)
+            self.assertEqual(worker.rests, burst)
+
+
 class StepTests(SynchronousTestCase):
     """When the mock's steps run, and what cancel and stop do."""
 

@@ -20,7 +20,13 @@ from sfnode.engines import ModelLoadError
 from sfnode.engines.families import spec_from_config
 from sfnode.engines.families.rope import Rope
 from sfnode.engines.families.spec import ModelSpec
-from sfnode.engines.weights.stored import StoredModel, read_folder, read_gguf
+from sfnode.engines.weights.stored import (
+    StoredModel,
+    give_back,
+    read_folder,
+    read_gguf,
+    resident_bytes,
+)
 from tests import families
 from tests.tinymodel import reference_greedy
 
@@ -202,6 +208,28 @@ class StoredWeightsTests(unittest.SynchronousTestCase):
                 self.assertEqual(kinds, {"Q4_K", "Q6_K"})
                 size = gguf(family, "Q4_K_M").stat().st_size
                 self.assertLessEqual(stored.held_bytes(), 1.1 * size)
+
+    def test_a_tensors_pages_are_given_back_alone(self) -> None:
+        """A tensor read from a file's map holds the pages read (the process's resident set,
+        not the page cache's); :func:`give_back` drops its pages and none of another
+        tensor's, and a later read maps them again; an array that is no map is counted whole
+        and left alone."""
+        path = gguf("llama", "Q8_0")
+        tensors = read_gguf(path).tensors
+        embed, down = tensors["embed"].data, tensors["0.down"].data
+        self.assertIsInstance(embed, np.memmap)
+        int(embed.sum()), int(down.sum())
+        self.assertGreaterEqual(resident_bytes(embed), embed.nbytes)
+        self.assertGreaterEqual(resident_bytes(down), down.nbytes)
+        give_back(embed)
+        self.assertEqual(resident_bytes(embed), 0)
+        self.assertGreaterEqual(resident_bytes(down), down.nbytes)
+        int(embed[3].sum())
+        self.assertGreater(resident_bytes(embed), 0)
+        plain = np.ones(1000, dtype=np.uint8)
+        give_back(plain)
+        self.assertEqual(resident_bytes(plain), 1000)
+        self.assertEqual(int(plain.sum()), 1000)
 
 
 class RopeTests(unittest.SynchronousTestCase):

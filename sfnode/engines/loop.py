@@ -107,6 +107,11 @@ class Worker(Protocol):
         """Run ``work(*args)`` (a constrained request's :meth:`LaneStage.prepare`, which
         compiles its grammar) where grammars are compiled, off the steps' way."""
 
+    def rest(self) -> None:
+        """The engine has run out of work: give back what only steps need (where the steps
+        run, never during one; a worker may wait a while, and not give back when a step
+        comes first)."""
+
     def interrupt(self) -> None:
         """The engine stops: end the step in flight now if that can be done (its Deferred then
         fails), else let it finish."""
@@ -285,6 +290,7 @@ class EngineLoop:
         self._started = False
         self._stopping = False
         self._stepping = False
+        self._worked = False  # a step ran since the worker last rested
         self._stopped = False
         self._stop_waiters: list[defer.Deferred[None]] = []
 
@@ -493,8 +499,11 @@ class EngineLoop:
         if self._stepping or self._stopping or not self._started:
             return
         plan, ended = self.scheduler.plan(self._clock(), self.pace.rates)
+        if plan.empty and self._worked:
+            self._worked = False
+            self.worker.rest()
         if not plan.empty:
-            self._stepping = True
+            self._stepping = self._worked = True
             d = self.worker.step(plan)
             d.addCallbacks(
                 self._step_done, self._step_failed, callbackArgs=(plan,), errbackArgs=(plan,)

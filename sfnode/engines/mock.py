@@ -287,6 +287,8 @@ class ReactorWorker:
         self._runner = runner
         self._delay_s = delay_s
         self._pending: defer.Deferred[tuple[StepOutput, float]] | None = None
+        self.rests = 0
+        """How many times the engine ran out of work (:meth:`rest`)."""
 
     def start(self) -> None:
         """Nothing to start: the reactor runs the steps."""
@@ -306,6 +308,10 @@ class ReactorWorker:
     def compile_grammar(self, work: Callable[..., T], *args: Any) -> defer.Deferred[T]:
         """At once, on the reactor (the mock has no thread)."""
         return defer.maybeDeferred(work, *args)
+
+    def rest(self) -> None:
+        """Counted (the mock holds nothing a step alone needs)."""
+        self.rests += 1
 
     def interrupt(self) -> None:
         if self._pending is not None:

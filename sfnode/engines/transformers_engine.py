@@ -76,6 +76,9 @@ T = TypeVar("T")
 CHECK_AFTER_S = 1.0
 """The start-up check of exactness begins after the first step, or this long after the engine
 started when no step came first (docs/engine.md section 4.1)."""
+REST_AFTER_S = 1.0
+"""Seconds an engine is out of work before it gives back what only steps need: a chat's next
+request, sent as the last answer ends, finds the pages still there."""
 
 if TYPE_CHECKING:
     # The model's own forward imports transformers: only --stock-kernels loads it.
@@ -112,6 +115,13 @@ def _trim_heap() -> None:
         trim(0)
 
 
+def _rest(runner: TorchRunner) -> None:
+    """What :meth:`ThreadWorker.rest` runs on the worker thread."""
+    if isinstance(runner, DecoderRunner):
+        runner.weights.give_back_rows()
+    _trim_heap()
+
+
 def _kept_stages(runner: TorchRunner, config: EngineConfig) -> DecoderStages | None:
     """Stages keep their KV where sfnode's own step runs (docs/protocol.md section 12.8), in
     as many sessions as the node has lanes."""
@@ -135,6 +145,7 @@ class ThreadWorker:
         self._masks = masks
         self._kept = kept
         self._check_timer: IDelayedCall | None = None
+        self._rest_timer: IDelayedCall | None = None
         self._pool = ThreadPool(minthreads=1, maxthreads=1, name="sfnode-engine")
         self._grammar_pool = ThreadPool(minthreads=0, maxthreads=1, name="sfnode-grammar")
         self.exactness: defer.Deferred[str | None] = defer.Deferred()
@@ -194,6 +205,7 @@ class ThreadWorker:
         return None
 
     def step(self, plan: StepPlan) -> defer.Deferred[tuple[StepOutput, float]]:
+        self._cancel_rest()
         running = self.call(self._timed_run, plan)
         if self._check_timer is not None:
             # The first step goes first; the check follows it.
@@ -217,10 +229,29 @@ class ThreadWorker:
             self._grammar_pool.start()
         return deferToThreadPool(self._reactor, self._grammar_pool, work, *args)
 
+    def rest(self) -> None:
+        """:data:`REST_AFTER_S` from now unless a step is sent first, on the worker thread:
+        the file's pages of the rows the steps read (embeddings, the head's float rows) and
+        the heap's free pages go back to the system (docs/engine.md section 5.3)."""
+        if self._rest_timer is None and self._pool.started:
+            self._rest_timer = self._reactor.callLater(REST_AFTER_S, self._rest_now)
+
+    def _rest_now(self) -> None:
+        self._rest_timer = None
+        if self._pool.started:
+            rested = self.call(_rest, self._runner)
+            rested.addErrback(lambda failure: log.failure("giving back memory failed", failure))
+
+    def _cancel_rest(self) -> None:
+        if self._rest_timer is not None:
+            self._rest_timer.cancel()
+            self._rest_timer = None
+
     def interrupt(self) -> None:
         """A step on the thread cannot be stopped: the loop waits for it."""
 
     def stop(self) -> None:
+        self._cancel_rest()
         if self._check_timer is not None:
             self._check_timer.cancel()
             self._check_timer = None
@@ -244,6 +275,8 @@ class ThreadWorker:
                 problem=problem,
             )
         self.exactness.callback(problem)
+        # The check read rows of the file's tables and left heap behind.
+        self.rest()
 
     def _check_failed(self, failure: Failure) -> None:
         log.failure("the start-up check of exactness failed", failure)
@@ -268,8 +301,7 @@ def vocabulary_of(tokenizer: Any, size: int, eos_ids: frozenset[int]) -> Vocabul
         log.warn("constraints are not available with this model: {error}", error=str(e))
         return None
     log.info(
-        "constraints: the grammar library reads the {n} tokens when a constraint first needs "
-        "them",
+        "constraints: the grammar library reads the {n} tokens when a constraint first needs them",
         n=size,
     )
     return vocabulary
@@ -582,7 +614,10 @@ class TransformersEngine(EngineLoop):
         kv_bytes = None
         if isinstance(runner, DecoderRunner):
             kv_bytes = runner.kv.nbytes + (runner.pool.nbytes if runner.pool is not None else 0)
-        return replace(super().statistics(), weights=self.weights.figures, kv_bytes=kv_bytes)
+        figures, gathered = self.weights.figures, self.weights.gathered
+        if figures is not None and gathered is not None:
+            figures = replace(figures, resident_bytes=gathered.resident_bytes())
+        return replace(super().statistics(), weights=figures, kv_bytes=kv_bytes)
 
     def mask_figures(self) -> MaskFigures | None:
         if self._masks is None:

@@ -206,10 +206,14 @@ def _memory_metrics(
         )
     if resident is None:
         return
-    held = weights.held_bytes if weights is not None else 0
+    held = 0
+    if weights is not None:
+        held = weights.held_bytes if weights.resident_bytes is None else weights.resident_bytes
     kv = stats.kv_bytes or 0
     yield family.gauge("sfnode_resident_bytes", "Resident memory of the node process.", resident)
-    yield family.gauge("sfnode_resident_weights_bytes", "Of it, the weights the step reads.", held)
+    yield family.gauge(
+        "sfnode_resident_weights_bytes", "Of it, the weights the step reads (resident pages).", held
+    )
     yield family.gauge("sfnode_resident_kv_bytes", "Of it, the keys and values allocated.", kv)
     yield family.gauge(
         "sfnode_resident_rest_bytes",

@@ -60,7 +60,13 @@ from sfnode.engines.kernels.quant import (
     quantize,
 )
 from sfnode.engines.weights import packed
-from sfnode.engines.weights.stored import StoredModel, StoredTensor, read_arrays
+from sfnode.engines.weights.stored import (
+    StoredModel,
+    StoredTensor,
+    give_back,
+    read_arrays,
+    resident_bytes,
+)
 
 log = Logger(namespace="sfnode.engines.weights")
 
@@ -172,6 +178,28 @@ class ModelWeights:
         formats a kernel multiplies as stored (``Q4_K x 12, Q6_K x 3``)."""
         counts = Counter(getattr(k, "label", k.precision.value) for k in self.kernels())
         return ", ".join(f"{name} x {n}" for name, n in sorted(counts.items()))
+
+    def row_tables(self) -> list[StoredRows]:
+        """The tables read a row at a time from the file's map (the embedding, the head's
+        float rows; one table where they are the same rows): only the rows the steps read are
+        needed resident."""
+        found: dict[int, StoredRows] = {}
+        for table in (self.embed, self.lm_head_float):
+            if isinstance(table, StoredRows):
+                found.setdefault(table.data.ctypes.data, table)
+        return list(found.values())
+
+    def give_back_rows(self) -> None:
+        """Give back the row tables' pages of the file's map: the steps read a few rows a
+        token (the prompt's embeddings, each row's best logits again), and a page once read
+        stayed resident, neighbours mapped with it (docs/engine.md section 5.3)."""
+        for table in self.row_tables():
+            give_back(table.data)
+
+    def resident_bytes(self) -> int:
+        """:meth:`held_bytes` less the row tables' pages not resident now."""
+        missing = sum(max(0, t.nbytes - resident_bytes(t.data)) for t in self.row_tables())
+        return self.held_bytes() - missing
 
     def held_bytes(self) -> int:
         """Bytes of the weights the step reads: every kernel's matrices, the embedding and
