@@ -529,41 +529,46 @@ static inline __attribute__((always_inline)) void q4_tile_rows(
    2c + k, so that the int16 weight q - 16 of a pair is its nibble minus that bit times 16 (a
    shift, a mask and a subtraction, no widening). */
 
-/* R activation rows (R <= 4) against one Q5_0 tile column (8 output rows): each row's int32 sum
-   per block is exact, scaled by the row's d times the activations' block scale; its float steps
-   are the same whatever R is. */
+/* One pair of inputs' int16 weights q - 16 of a Q5_0 tile quarter: nibble s of v less the
+   complemented fifth bit, bit 4q + s of h, times 16 (one shift of h: by an immediate, since a
+   shift by a register count costs more). */
+static inline __attribute__((always_inline)) __m256i q5_pair(__m256i v, __m256i h, int q, int s) {
+    const __m256i low = _mm256_set1_epi16(0x0F), fifth = _mm256_set1_epi16(0x10);
+    const __m256i n = s == 0   ? _mm256_and_si256(v, low)
+                      : s == 3 ? _mm256_srli_epi16(v, 12)
+                               : _mm256_and_si256(_mm256_srli_epi16(v, 4 * s), low);
+    const int left = 4 - s - 4 * q;
+    const __m256i hs = left > 0   ? _mm256_slli_epi16(h, left)
+                       : left < 0 ? _mm256_srli_epi16(h, -left)
+                                  : h;
+    return _mm256_sub_epi16(n, _mm256_and_si256(hs, fifth));
+}
+
+/* R activation rows (R <= 8) against one Q5_0 tile column (8 output rows): each pair's weights
+   are taken out once for the R rows; each row's int32 sum per block is exact, scaled by the
+   row's d times the activations' block scale; its float steps are the same whatever R is. */
 static inline __attribute__((always_inline)) void q5_tile_rows(
     const int R, const uint8_t *w, int nb, const int16_t *qx, const float *dx, int K, float *y,
     int ldy, int cols, int accumulate) {
-    __m256 af[4];
+    __m256 af[8];
     for (int r = 0; r < R; r++) af[r] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi16(0x0F), fifth = _mm256_set1_epi16(0x10);
     for (int b = 0; b < nb; b++) {
         const uint8_t *t = w + (size_t)b * Q5_TILE_BYTES;
         _mm_prefetch((const char *)(t + 16 * Q5_TILE_BYTES), _MM_HINT_T0);
         _mm_prefetch((const char *)(t + 16 * Q5_TILE_BYTES + 64), _MM_HINT_T0);
         _mm_prefetch((const char *)(t + 16 * Q5_TILE_BYTES + 128), _MM_HINT_T0);
         const __m256i h = _mm256_loadu_si256((const __m256i *)(t + 16));
-        __m256i ai[4];
+        const int16_t *xb = qx + b * QK;
+        __m256i ai[8];
         for (int r = 0; r < R; r++) ai[r] = _mm256_setzero_si256();
         for (int q = 0; q < 4; q++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(t + 48 + 32 * q));
-            /* shifts by immediates: a shift by a register count costs more */
-            const __m256i hq = q == 0   ? h
-                               : q == 1 ? _mm256_srli_epi16(h, 4)
-                               : q == 2 ? _mm256_srli_epi16(h, 8)
-                                        : _mm256_srli_epi16(h, 12);
-            const __m256i w0 = _mm256_sub_epi16(_mm256_and_si256(v, low),
-                                                _mm256_and_si256(_mm256_slli_epi16(hq, 4), fifth));
-            const __m256i w1 = _mm256_sub_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                                                _mm256_and_si256(_mm256_slli_epi16(hq, 3), fifth));
-            const __m256i w2 = _mm256_sub_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 8), low),
-                                                _mm256_and_si256(_mm256_slli_epi16(hq, 2), fifth));
-            const __m256i w3 = _mm256_sub_epi16(_mm256_srli_epi16(v, 12),
-                                                _mm256_and_si256(_mm256_slli_epi16(hq, 1), fifth));
-            for (int r = 0; r < R; r++)
-                ai[r] = _mm256_add_epi32(
-                    ai[r], quarter_dot(w0, w1, w2, w3, qx + (size_t)r * K + b * QK + 8 * q));
+            for (int s = 0; s < 4; s++) {
+                const __m256i wp = q5_pair(v, h, q, s);
+                for (int r = 0; r < R; r++)
+                    ai[r] = _mm256_add_epi32(
+                        ai[r], _mm256_madd_epi16(wp, BCAST_PAIR(xb + (size_t)r * K + 8 * q + 2 * s)));
+            }
         }
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
         for (int r = 0; r < R; r++)
@@ -1098,14 +1103,27 @@ static void product_units(const sf_part *mat, const acts *a, int M, float *y, in
         const int16_t *xq = a->q + (size_t)m * K;                                              \
         const float *xd = a->d + m * nb, *xs = a->s + m * nb;                                  \
         float *yo = y + (size_t)m * ldy + 8 * g;                                               \
-        if (mat->kind == 9) q5_tile_rows(RR, wg, nb, xq, xd, K, yo, ldy, cols, accumulate);    \
-        else if (mat->kind == 10) q8_tile_rows(RR, wg, nb, xq, xd, K, yo, ldy, cols,           \
+        if (mat->kind == 10) q8_tile_rows(RR, wg, nb, xq, xd, K, yo, ldy, cols,           \
                                                accumulate);                                    \
         else if (mat->kind == 11) q4k_tile_rows(RR, wg, tiles, xq, xd, xs, K, yo, ldy, cols,   \
                                                 accumulate);                                   \
         else q6k_tile_rows(RR, wg, tiles, xq, xd, K, yo, ldy, cols, accumulate);               \
     } while (0)
-            ROW_TILES(TILE_CALL);
+            if (mat->kind == 9) {
+                /* 8 rows a pass: a Q5_0 pair's weights cost 3 instructions to take out */
+#define Q5_CALL(RR)                                                                            \
+    q5_tile_rows(RR, wg, nb, a->q + (size_t)m * K, a->d + m * nb, K,                           \
+                 y + (size_t)m * ldy + 8 * g, ldy, cols, accumulate)
+                int m0 = 0;
+                for (; m0 + 8 <= M; m0 += 8) {
+                    const int m = m0;
+                    Q5_CALL(8);
+                }
+                ROW_TILES_FROM(m0, Q5_CALL);
+#undef Q5_CALL
+            } else {
+                ROW_TILES(TILE_CALL);
+            }
 #undef TILE_CALL
         }
     } else if (mat->kind >= 3) {
