@@ -18,6 +18,10 @@ _BLOB_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
 }
 _DTYPE_NAMES = {v: k for k, v in _BLOB_DTYPES.items()}
+_ITEM_SIZES = {
+    dtype: torch.empty((), dtype=dtype).element_size() for dtype in _BLOB_DTYPES.values()
+}
+"""Bytes per element of each blob dtype, found once (a blob is decoded at every stage hop)."""
 
 
 def encode_hidden(hidden: torch.Tensor) -> bytes:
@@ -57,7 +61,7 @@ def decode_hidden(blob: bytes, hidden_size: int) -> torch.Tensor:
         raise StageForwardError(f"hidden blob holds {n} tokens")
     if not isinstance(raw, bytes):
         raise StageForwardError("hidden blob data must be bytes")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = _ITEM_SIZES[dtype]
     if len(raw) != n * h * itemsize:
         raise StageForwardError(
             f"hidden blob holds {len(raw)} bytes, expected {n * h * itemsize} for {n}x{h} {name}"
