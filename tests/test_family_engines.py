@@ -241,15 +241,27 @@ class FamilyEngineTests(unittest.TestCase):
         """The tables read a row at a time from the file's map (the embedding, the head's
         float rows) keep only the pages read since the engine last rested: a generation reads
         some, and :data:`REST_AFTER_S` after it ended (and after a rest asked for) none are
-        resident; the engine's figures count the weights' resident bytes without them."""
+        resident; the engine's figures count the weights' resident bytes without them.  The
+        head's float rows of this file share the map its Q6_K head is multiplied from whole at
+        every step (kept as stored): those pages stay resident through a rest."""
+        import mmap
+
+        from sfnode.engines.kernels.native import BlockLinear
         from sfnode.engines.transformers_engine import REST_AFTER_S
+        from sfnode.engines.weights.gather import StoredRows
         from sfnode.engines.weights.stored import resident_bytes
 
         native_kernels()
         engine = build(families.gguf("llama", "Q4_K_M"))
         gathered = engine.weights.gathered
         tables = gathered.row_tables()
-        self.assertEqual(len(tables), 2)
+        self.assertEqual(len(tables), 1)
+        self.assertIs(tables[0], gathered.embed)
+        head = gathered.lm_head_float
+        assert isinstance(head, StoredRows) and isinstance(gathered.lm_head, BlockLinear)
+        self.assertFalse(gathered.lm_head.tiled)
+        address, page = head.data.ctypes.data, mmap.PAGESIZE
+        spanned = ((address + head.data.nbytes - 1) // page - address // page + 1) * page
         engine.start()
         self.addCleanup(engine.stop)
         request = GenerationRequest(list(PROMPT), GenParams(), TOKENS, 0)
@@ -258,14 +270,16 @@ class FamilyEngineTests(unittest.TestCase):
         self.assertTrue(all(resident_bytes(table.data) for table in tables))
         yield task.deferLater(reactor, REST_AFTER_S + 0.2, lambda: None)
         yield engine.worker.call(lambda: None)
-        self.assertEqual([resident_bytes(table.data) for table in tables], [0, 0])
+        self.assertEqual([resident_bytes(table.data) for table in tables], [0])
+        self.assertEqual(resident_bytes(head.data), spanned)
         for table in tables:
             table[torch.tensor([1, 7])]
             self.assertGreater(resident_bytes(table.data), 0)
         engine.worker.rest()
         yield task.deferLater(reactor, REST_AFTER_S + 0.2, lambda: None)
         yield engine.worker.call(lambda: None)
-        self.assertEqual([resident_bytes(table.data) for table in tables], [0, 0])
+        self.assertEqual([resident_bytes(table.data) for table in tables], [0])
+        self.assertEqual(resident_bytes(head.data), spanned)
         figures = engine.statistics().weights
         held = gathered.held_bytes()
         self.assertEqual(figures.held_bytes, held)

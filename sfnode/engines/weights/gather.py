@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from twisted.logger import Logger
 
@@ -180,13 +181,19 @@ class ModelWeights:
         return ", ".join(f"{name} x {n}" for name, n in sorted(counts.items()))
 
     def row_tables(self) -> list[StoredRows]:
-        """The tables read a row at a time from the file's map (the embedding, the head's
+        """The tables read only a row at a time from the file's map (the embedding, the head's
         float rows; one table where they are the same rows): only the rows the steps read are
-        needed resident."""
+        needed resident.  Not a table whose map the head's kernel multiplies whole at every
+        step (a head kept as stored, e.g. a Q4_K_M file's Q6_K head): all of its pages are
+        read each token, and giving them back would fault the whole head in again."""
+        whole = self.lm_head.held if isinstance(self.lm_head, native.BlockLinear) else None
         found: dict[int, StoredRows] = {}
         for table in (self.embed, self.lm_head_float):
-            if isinstance(table, StoredRows):
-                found.setdefault(table.data.ctypes.data, table)
+            if not isinstance(table, StoredRows):
+                continue
+            if whole is not None and np.may_share_memory(table.data, whole):
+                continue
+            found.setdefault(table.data.ctypes.data, table)
         return list(found.values())
 
     def give_back_rows(self) -> None:

@@ -258,9 +258,11 @@ def _mapped_pages(data: np.ndarray[Any, Any]) -> tuple[mmap.mmap, int, int] | No
 
 
 def give_back(data: np.ndarray[Any, Any]) -> None:
-    """Drop the process's pages of ``data``'s part of its file's map (its other tensors' pages
-    stay): they leave the resident set, the file's pages stay in the page cache, and the next
-    read of a row maps its page again.  Nothing for an array that is not a file's map."""
+    """Drop the process's pages of ``data``'s part of its file's map, rounded out to whole
+    pages (so a page it shares with a neighbouring tensor goes too; the rest of the map stays):
+    they leave the resident set, the file's pages stay in the page cache, and the next read of
+    a row maps its page again.  Nothing for an array that is not a file's map.  The maps are
+    copy-on-write and sfnode never writes into them, so nothing written is lost."""
     found = _mapped_pages(data)
     if found is not None:
         mapped, first, length = found
@@ -283,6 +285,7 @@ def resident_bytes(data: np.ndarray[Any, Any], pagemap: str = "/proc/self/pagema
             raw = entries.read(pages * 8)
     except OSError:
         return int(data.nbytes)
+    raw = raw[: len(raw) // 8 * 8]  # whole entries only, should the read come back short
     present = np.frombuffer(raw, dtype=np.uint64) >> np.uint64(63)
     return int(np.count_nonzero(present)) * mmap.PAGESIZE
 
