@@ -20,13 +20,8 @@ from sfnode.engines import ModelLoadError
 from sfnode.engines.families import spec_from_config
 from sfnode.engines.families.rope import Rope
 from sfnode.engines.families.spec import ModelSpec
-from sfnode.engines.weights.stored import (
-    StoredModel,
-    give_back,
-    read_folder,
-    read_gguf,
-    resident_bytes,
-)
+from sfnode.engines.kernels.maps import give_back, resident_bytes
+from sfnode.engines.weights.stored import StoredModel, read_folder, read_gguf
 from tests import families
 from tests.tinymodel import reference_greedy
 

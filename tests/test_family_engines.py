@@ -246,10 +246,10 @@ class FamilyEngineTests(unittest.TestCase):
         every step (kept as stored): those pages stay resident through a rest."""
         import mmap
 
+        from sfnode.engines.kernels.maps import resident_bytes
         from sfnode.engines.kernels.native import BlockLinear
         from sfnode.engines.transformers_engine import REST_AFTER_S
         from sfnode.engines.weights.gather import StoredRows
-        from sfnode.engines.weights.stored import resident_bytes
 
         native_kernels()
         engine = build(families.gguf("llama", "Q4_K_M"))

@@ -32,7 +32,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import hashlib
-import mmap
 import subprocess
 import time
 import weakref
@@ -45,6 +44,7 @@ import numpy as np
 import torch
 from twisted.logger import Logger
 
+from sfnode.engines.kernels.maps import give_back
 from sfnode.engines.kernels.native_build import (
     COMPILE_FLAGS,
     NEEDED_FLAGS,
@@ -479,17 +479,6 @@ the K-quants' super-blocks): their number in ``sf_part``, a tile's bytes, and th
 ``sf_tile_*`` / ``sf_untile_*``."""
 
 
-def _release_pages(data: np.ndarray[Any, Any]) -> None:
-    """Gives back the pages of a file's map that laying out ``data``'s tiles has read (they
-    would stay resident beside the tiles): those of ``data`` alone, not the whole map's, which
-    other matrices are still multiplied from; a later read of them reads the file again."""
-    mapped = getattr(data, "_mmap", None) if isinstance(data, np.memmap) else None
-    if isinstance(mapped, mmap.mmap):
-        start = data.ctypes.data - np.frombuffer(mapped, dtype=np.uint8).ctypes.data
-        first = start - start % mmap.PAGESIZE
-        mapped.madvise(mmap.MADV_DONTNEED, first, start + data.nbytes - first)
-
-
 class BlockLinear:
     """A matrix multiplied in the file's blocks (Q8_0, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K rows of
     blocks, docs/engine.md section 5.4): the kernel reads each block of 32 weights (a Q8_0 or
@@ -538,7 +527,9 @@ class BlockLinear:
             getattr(library.handle, f"sf_tile_{name}")(
                 self.held.ctypes.data, self.out_features, in_features, tiles.ctypes.data
             )
-            _release_pages(data)
+            # The tiles hold these bytes now: the map's pages that laying them out read
+            # would stay resident beside them (only this matrix's; others are read from it).
+            give_back(data)
             self.held = tiles
         self.matrix = _matrix(_Part(number, in_features, self.out_features, self.held.ctypes.data))
         self._function = library.handle.sf_linear

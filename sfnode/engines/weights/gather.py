@@ -48,6 +48,7 @@ from sfnode.engines.families.spec import ModelSpec
 from sfnode.engines.kernels import native
 from sfnode.engines.kernels.blocks import K_QUANTS
 from sfnode.engines.kernels.choice import FAMILIES, Choice, Cpu, Measure, choose, measure_product
+from sfnode.engines.kernels.maps import give_back, resident_bytes
 from sfnode.engines.kernels.quant import (
     GgufMatrix,
     JoinedLinear,
@@ -61,13 +62,7 @@ from sfnode.engines.kernels.quant import (
     quantize,
 )
 from sfnode.engines.weights import packed
-from sfnode.engines.weights.stored import (
-    StoredModel,
-    StoredTensor,
-    give_back,
-    read_arrays,
-    resident_bytes,
-)
+from sfnode.engines.weights.stored import StoredModel, StoredTensor, read_arrays
 
 log = Logger(namespace="sfnode.engines.weights")
 
