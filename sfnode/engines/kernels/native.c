@@ -694,7 +694,9 @@ static inline __attribute__((always_inline)) void q4k_tile_rows(
 
 /* R activation rows (R <= 4) against one Q6_K tile column (8 output rows): each row's int32
    sum per 16 inputs is exact, scaled by the row's d * scale times the activations' block
-   scale; its float steps are the same whatever R is. */
+   scale; its float steps are the same whatever R is.  The weights are taken out as q (0..63)
+   and each sum starts at the activations' -32 * sum(q) of those 16 inputs (ox, made when they
+   were quantized): the same int32 as the sum of x * (q - 32), one subtraction less a pair. */
 static inline __attribute__((always_inline)) void q6k_tile_rows(
     const int R, const uint8_t *w, int nsb, const int16_t *qx, const float *dx, const int32_t *ox,
     int K, float *y, int ldy, int cols, int accumulate) {
