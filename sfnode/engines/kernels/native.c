@@ -362,11 +362,13 @@ typedef struct {
     int16_t *q;     /* int16 rows [M, K] */
     float *d, *s;   /* per row and block: scale, scale * sum(q) */
     int K;
+    int32_t *o;     /* per row and 16 inputs: -32 * sum(q), Q6_K's offset times them */
 } acts;
 
 /* One row in int16 per block of 32: q = round(x / d), d = amax / 32767; s = d * sum(q), what
-   the weights' block minimum multiplies.  Depends on the row alone. */
-static void quantize_row(const float *x, int K, int16_t *qx, float *d, float *s) {
+   the weights' block minimum multiplies; o = -32 times the sum of each 16 q, what a Q6_K
+   weight's offset of -32 multiplies (exact int32s).  Depends on the row alone. */
+static void quantize_row(const float *x, int K, int16_t *qx, float *d, float *s, int32_t *o) {
     const int nb = K / QK;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int b = 0; b < nb; b++) {
@@ -385,11 +387,14 @@ static void quantize_row(const float *x, int K, int16_t *qx, float *d, float *s)
             r[j] = _mm256_cvtps_epi32(
                 _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * j), mul),
                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        const __m256i sum4 = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]),
-                                              _mm256_add_epi32(r[2], r[3]));
-        __m128i s2 = _mm_add_epi32(_mm256_extracti128_si256(sum4, 1),
-                                   _mm256_castsi256_si128(sum4));
+        const __m256i s01 = _mm256_add_epi32(r[0], r[1]), s23 = _mm256_add_epi32(r[2], r[3]);
+        /* lanes 0 and 1: the sums of inputs 0-15 and 16-31; one more hadd: the block's */
+        __m128i s2 = _mm_hadd_epi32(
+            _mm_add_epi32(_mm256_extracti128_si256(s01, 1), _mm256_castsi256_si128(s01)),
+            _mm_add_epi32(_mm256_extracti128_si256(s23, 1), _mm256_castsi256_si128(s23)));
         s2 = _mm_hadd_epi32(s2, s2);
+        o[2 * b] = -32 * _mm_cvtsi128_si32(s2);
+        o[2 * b + 1] = -32 * _mm_extract_epi32(s2, 1);
         s2 = _mm_hadd_epi32(s2, s2);
         /* packs interleave 128-bit lanes; put the values back in order */
         const __m256i p01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(r[0], r[1]), 0xD8);
@@ -415,7 +420,7 @@ static void quantize_rows(acts *a, int m0, int m1) {
     const int nb = a->K / QK;
     for (int m = m0; m < m1; m++)
         quantize_row(a->f + (size_t)m * a->K, a->K, a->q + (size_t)m * a->K, a->d + m * nb,
-                     a->s + m * nb);
+                     a->s + m * nb, a->o + (size_t)m * (a->K / 16));
 }
 
 /* out = x / sqrt(mean(x^2) + eps) * w, one row */
@@ -689,15 +694,16 @@ static inline __attribute__((always_inline)) void q4k_tile_rows(
 
 /* R activation rows (R <= 4) against one Q6_K tile column (8 output rows): each row's int32
    sum per 16 inputs is exact, scaled by the row's d * scale times the activations' block
-   scale; its float steps are the same whatever R is. */
+   scale; its float steps are the same whatever R is.  The weights are taken out as q (0..63)
+   and each sum starts at the activations' -32 * sum(q) of those 16 inputs (ox, made when they
+   were quantized): the same int32 as the sum of x * (q - 32), one subtraction less a pair. */
 static inline __attribute__((always_inline)) void q6k_tile_rows(
-    const int R, const uint8_t *w, int nsb, const int16_t *qx, const float *dx, int K, float *y,
-    int ldy, int cols, int accumulate) {
+    const int R, const uint8_t *w, int nsb, const int16_t *qx, const float *dx, const int32_t *ox,
+    int K, float *y, int ldy, int cols, int accumulate) {
     const int nb = K / QK;
     __m256 af[4];
     for (int r = 0; r < R; r++) af[r] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi16(0x0F), top = _mm256_set1_epi16(0x30);
-    const __m256i offset = _mm256_set1_epi16(32);
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *t = w + (size_t)sb * Q6K_TILE_BYTES;
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
@@ -711,29 +717,27 @@ static inline __attribute__((always_inline)) void q6k_tile_rows(
 #pragma GCC unroll 2
             for (int half = 0; half < 2; half++) {
                 const __m256i h = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * half));
+                /* each sum starts at the offset's share, -32 * sum(q): the weights stay 0..63 */
                 __m256i ai[4];
-                for (int r = 0; r < R; r++) ai[r] = _mm256_setzero_si256();
+                for (int r = 0; r < R; r++)
+                    ai[r] = _mm256_set1_epi32(ox[(size_t)r * (K / 16) + 2 * b + half]);
 #pragma GCC unroll 2
                 for (int qq = 0; qq < 2; qq++) {
                     const int q = 2 * half + qq;
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * q));
                     const __m256i hq = qq ? _mm256_srli_epi16(h, 8) : h;
-                    const __m256i w0 = _mm256_sub_epi16(
-                        _mm256_or_si256(_mm256_and_si256(v, low),
-                                        _mm256_and_si256(_mm256_slli_epi16(hq, 4), top)),
-                        offset);
-                    const __m256i w1 = _mm256_sub_epi16(
-                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                                        _mm256_and_si256(_mm256_slli_epi16(hq, 2), top)),
-                        offset);
-                    const __m256i w2 = _mm256_sub_epi16(
-                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 8), low),
-                                        _mm256_and_si256(hq, top)),
-                        offset);
-                    const __m256i w3 = _mm256_sub_epi16(
-                        _mm256_or_si256(_mm256_srli_epi16(v, 12),
-                                        _mm256_and_si256(_mm256_srli_epi16(hq, 2), top)),
-                        offset);
+                    const __m256i w0 = _mm256_or_si256(
+                        _mm256_and_si256(v, low),
+                        _mm256_and_si256(_mm256_slli_epi16(hq, 4), top));
+                    const __m256i w1 = _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                        _mm256_and_si256(_mm256_slli_epi16(hq, 2), top));
+                    const __m256i w2 = _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16(v, 8), low),
+                        _mm256_and_si256(hq, top));
+                    const __m256i w3 = _mm256_or_si256(
+                        _mm256_srli_epi16(v, 12),
+                        _mm256_and_si256(_mm256_srli_epi16(hq, 2), top));
                     for (int r = 0; r < R; r++)
                         ai[r] = _mm256_add_epi32(
                             ai[r],
@@ -1107,7 +1111,8 @@ static void product_units(const sf_part *mat, const acts *a, int M, float *y, in
                                                accumulate);                                    \
         else if (mat->kind == 11) q4k_tile_rows(RR, wg, tiles, xq, xd, xs, K, yo, ldy, cols,   \
                                                 accumulate);                                   \
-        else q6k_tile_rows(RR, wg, tiles, xq, xd, K, yo, ldy, cols, accumulate);               \
+        else q6k_tile_rows(RR, wg, tiles, xq, xd, a->o + (size_t)m * (K / 16), K, yo, ldy,    \
+                           cols, accumulate);                                                  \
     } while (0)
             if (mat->kind == 9) {
                 /* 8 rows a pass: a Q5_0 pair's weights cost 3 instructions to take out */
@@ -1211,12 +1216,16 @@ static int matrix_ok(const sf_matrix *mat) {
 int sf_linear(const sf_matrix *mat, const float *x, int M, float *y, int threads) {
     if (!matrix_ok(mat)) return 1;
     const int K = mat->K;
-    acts a = {x, NULL, NULL, NULL, K};
+    acts a = {x, NULL, NULL, NULL, K, NULL};
     if (quantized(mat)) {
         a.q = (int16_t *)malloc(sizeof(int16_t) * ((size_t)M * K + 16));
         a.d = (float *)malloc(sizeof(float) * ((size_t)M * (K / QK) + 1));
         a.s = (float *)malloc(sizeof(float) * ((size_t)M * (K / QK) + 1));
-        if (!a.q || !a.d || !a.s) { free(a.q); free(a.d); free(a.s); return 2; }
+        a.o = (int32_t *)malloc(sizeof(int32_t) * ((size_t)M * (K / 16) + 1));
+        if (!a.q || !a.d || !a.s || !a.o) {
+            free(a.q); free(a.d); free(a.s); free(a.o);
+            return 2;
+        }
     }
 #pragma omp parallel num_threads(threads)
     {
@@ -1228,7 +1237,7 @@ int sf_linear(const sf_matrix *mat, const float *x, int M, float *y, int threads
         }
         product(mat, &a, M, y, mat->N, 0);
     }
-    free(a.q); free(a.d); free(a.s);
+    free(a.q); free(a.d); free(a.s); free(a.o);
     return 0;
 }
 
@@ -1524,6 +1533,7 @@ typedef struct {
     float *hidden, *xf, *qkv, *gu, *out, *scores;
     int16_t *xq;
     float *xd, *xs;
+    int32_t *xo;
     int longest;
     size_t slot_stride;
 } step_state;
@@ -1614,8 +1624,8 @@ static void attention_half(const step_state *st, const sf_layer *L, int l, int n
                            int m0, int m1) {
     const sf_model *md = st->md;
     const int H = md->hidden;
-    acts in_h = {st->xf, st->xq, st->xd, st->xs, H};
-    acts in_a = {st->xf, st->xq, st->xd, st->xs, st->attended};
+    acts in_h = {st->xf, st->xq, st->xd, st->xs, H, st->xo};
+    acts in_a = {st->xf, st->xq, st->xd, st->xs, st->attended, st->xo};
     for (int m = m0; m < m1; m++)
         rmsnorm_row(st->hidden + (size_t)m * H, H, L->input_norm, md->eps, st->xf + (size_t)m * H);
     if (quantized(&L->qkv)) quantize_rows(&in_h, m0, m1);
@@ -1643,8 +1653,8 @@ static void attention_half(const step_state *st, const sf_layer *L, int l, int n
 static void mlp_half(const step_state *st, const sf_layer *L, int m0, int m1) {
     const sf_model *md = st->md;
     const int H = md->hidden, I = md->intermediate;
-    acts in_h = {st->xf, st->xq, st->xd, st->xs, H};
-    acts in_i = {st->xf, st->xq, st->xd, st->xs, I};
+    acts in_h = {st->xf, st->xq, st->xd, st->xs, H, st->xo};
+    acts in_i = {st->xf, st->xq, st->xd, st->xs, I, st->xo};
     for (int m = m0; m < m1; m++)
         rmsnorm_row(st->hidden + (size_t)m * H, H, L->post_norm, md->eps, st->xf + (size_t)m * H);
     if (quantized(&L->gate_up)) quantize_rows(&in_h, m0, m1);
@@ -1697,17 +1707,19 @@ int sf_forward(const sf_model *md, const sf_kv *kv, int M, const int64_t *tokens
     const int widest = I > H ? (I > attended ? I : attended) : (H > attended ? H : attended);
     const size_t rows = (size_t)M;
     step_state st = {md, kv, M, width, attended, positions, slots, hidden, NULL, NULL, NULL,
-                     NULL, NULL, NULL, NULL, NULL, longest, (size_t)kvh * kv->capacity * hd};
+                     NULL, NULL, NULL, NULL, NULL, NULL, longest, (size_t)kvh * kv->capacity * hd};
     st.xf = (float *)malloc(sizeof(float) * rows * widest);
     st.xq = (int16_t *)malloc(sizeof(int16_t) * (rows * widest + 16));
     st.xd = (float *)malloc(sizeof(float) * (rows * (widest / QK) + 1));
     st.xs = (float *)malloc(sizeof(float) * (rows * (widest / QK) + 1));
+    st.xo = (int32_t *)malloc(sizeof(int32_t) * (rows * (widest / 16) + 1));
     st.qkv = (float *)malloc(sizeof(float) * rows * width);
     st.gu = (float *)malloc(sizeof(float) * rows * 2 * I);
     st.out = (float *)malloc(sizeof(float) * rows * H);
     st.scores = (float *)malloc(sizeof(float) * ((size_t)threads * (longest + 8) + 8));
     int status =
-        (!st.xf || !st.xq || !st.xd || !st.xs || !st.qkv || !st.gu || !st.out || !st.scores)
+        (!st.xf || !st.xq || !st.xd || !st.xs || !st.xo || !st.qkv || !st.gu || !st.out ||
+         !st.scores)
             ? 2 : 0;
     if (!status && tokens)
         for (int m = 0; m < M; m++) {
@@ -1729,7 +1741,7 @@ int sf_forward(const sf_model *md, const sf_kv *kv, int M, const int64_t *tokens
             }
         }
     }
-    free(st.xf); free(st.xq); free(st.xd); free(st.xs); free(st.qkv); free(st.gu);
+    free(st.xf); free(st.xq); free(st.xd); free(st.xs); free(st.xo); free(st.qkv); free(st.gu);
     free(st.out); free(st.scores);
     return status;
 }
@@ -1823,14 +1835,15 @@ int sf_logits(const sf_model *md, int M, const float *hidden, const int32_t *mas
     int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * ((size_t)M * H + 16));
     float *xd = (float *)malloc(sizeof(float) * ((size_t)M * (H / QK) + 1));
     float *xs = (float *)malloc(sizeof(float) * ((size_t)M * (H / QK) + 1));
+    int32_t *xo = (int32_t *)malloc(sizeof(int32_t) * ((size_t)M * (H / 16) + 1));
     int32_t *best = (int32_t *)malloc(sizeof(int32_t) * ((size_t)M * (refined > 0 ? refined : 1)));
     float *rows_read = (float *)malloc(sizeof(float) * (size_t)threads * H);
     if (md->refine_type >= 0 && row_bytes(md->refine_type, H) == 0) refined = 0;
-    if (!xf || !xq || !xd || !xs || !best || !rows_read) {
-        free(xf); free(xq); free(xd); free(xs); free(best); free(rows_read);
+    if (!xf || !xq || !xd || !xs || !xo || !best || !rows_read) {
+        free(xf); free(xq); free(xd); free(xs); free(xo); free(best); free(rows_read);
         return 2;
     }
-    acts a = {xf, xq, xd, xs, H};
+    acts a = {xf, xq, xd, xs, H, xo};
 #pragma omp parallel num_threads(threads)
     {
         const int nt = omp_get_num_threads(), me = omp_get_thread_num();
@@ -1860,6 +1873,6 @@ int sf_logits(const sf_model *md, int M, const float *hidden, const int32_t *mas
             }
         }
     }
-    free(xf); free(xq); free(xd); free(xs); free(best); free(rows_read);
+    free(xf); free(xq); free(xd); free(xs); free(xo); free(best); free(rows_read);
     return 0;
 }
