@@ -331,15 +331,17 @@ def cpu_extensions() -> str:
 
 
 def memory_mb(pid: int) -> tuple[float, float]:
-    """``(VmRSS, VmHWM)`` of a process in MB: its resident memory now and at its peak."""
-    found = {"VmRSS": 0.0, "VmHWM": 0.0}
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key in found:
-                found[key] = int(value.split()[0]) / 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    """``(VmRSS, VmHWM)`` of a process in MB: its resident memory now and at its peak.
+
+    A process that has gone, or a status without both lines, raises: a figure of 0 MB in a
+    table would read as a measurement."""
+    found: dict[str, float] = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            found[key] = int(value.split()[0]) / 1024
+    if len(found) != 2:
+        raise RuntimeError(f"process {pid} reports no resident memory (VmRSS, VmHWM): {found}")
     return found["VmRSS"], found["VmHWM"]
 
 
