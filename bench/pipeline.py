@@ -15,9 +15,11 @@ Usage (from the repository's root)::
 
 The default model is a random float32 Llama (hidden 512, 8 layers, window 2048) with the tiny
 tokenizer, saved to the logs folder; its EOS is the tokenizer's, which a pipeline's head stops
-at as the node does (a model without one would run on where the head stops).  Every node runs with
-``--threads 1`` (``--node-arg`` adds arguments), so the full node and the stages share the cores
-alike.
+at as the node does (a model without one would run on where the head stops).  Every node runs
+with ``--threads 1`` (``--node-arg`` adds arguments), so the full node and the stages share the
+cores alike.  Each setup gets one short warm-up request, and the timing starts once every node
+has logged the end of its start-up check of exactness (docs/engine.md section 4.1), which runs
+after a node's first step.
 
 This script must never be imported by the package or the tests, and never leave a process it
 started running (:func:`_fleetproc.guard_children`).
@@ -57,15 +59,18 @@ from _fleetproc import (
 
 TARGETS = {1: 0.8, 8: 0.9}
 """Two stages' tok/s over the full node's, per concurrency (issue 36)."""
+_CHECKED = rb"checked: a position's KV and logits|the start-up check of exactness failed"
+"""What a node logs when its start-up check of exactness is done (docs/engine.md section 4.1)."""
 _FORWARDED = re.compile(rb"pipeline generation: (\d+) tokens, (\d+) bytes of hidden states")
 
 
 @contextmanager
 def pipeline_head(
     stages: int, model: Path | None, env: dict[str, str], logs: Path, node_args: Sequence[str]
-) -> Iterator[int]:
+) -> Iterator[tuple[int, list[Child]]]:
     """``stages`` ``twistd sfnode`` processes and ``twistd sfhead --pipeline`` over them: yields
-    the head's HTTP port once it serves, and stops them all when the block ends."""
+    the head's HTTP port once it serves, and the stage nodes; stops them all when the block
+    ends."""
     children: list[Child] = []
     model_args = ["--model", str(model)] if model is not None else []
     try:
@@ -87,17 +92,18 @@ def pipeline_head(
         print(f"starting {shown(argv)}", flush=True)
         head = Child("sfhead", argv, env, logs / "sfhead.log", False)
         children.append(head)
-        yield head_serving(head, 0, NODE_READY_S)
+        yield head_serving(head, 0, NODE_READY_S), children[:-1]
     finally:
         for child in reversed(children):
             child.stop()
 
 
-def run_setup(port: int, options: argparse.Namespace) -> dict[int, Phase]:
-    """One warm-up request, then each concurrency's requests."""
+def run_setup(port: int, options: argparse.Namespace, nodes: Sequence[Child]) -> dict[int, Phase]:
+    """One warm-up request, every node's start-up check, then each concurrency's requests."""
     model = served_model(port)
     warm = [chat_body(model, "a warm-up", 8)]
     asyncio.run(run_phase(port, warm, 1))
+    wait_for_checks(nodes)
     phases = {}
     for c in (1, 8):
         count = options.requests if c == 1 else max(options.requests, 2 * c)
@@ -105,6 +111,16 @@ def run_setup(port: int, options: argparse.Namespace) -> dict[int, Phase]:
         phases[c] = asyncio.run(run_phase(port, bodies, c))
         print(f"  {c} at once: {phases[c].rate:.1f} tok/s", flush=True)
     return phases
+
+
+def wait_for_checks(nodes: Sequence[Child]) -> None:
+    """Every node's start-up check of exactness done: it runs on a node's worker after its
+    first step (docs/engine.md section 4.1), so requests timed while it runs would measure it,
+    once per stage, instead of serving.  A failed check stops the bench."""
+    for node in nodes:
+        found = node.wait_for_line(_CHECKED, NODE_READY_S)
+        if b"failed" in found.group(0):
+            raise node.failed("its start-up check of exactness failed")
 
 
 def forwarded_per_token(log: Path) -> float:
@@ -149,15 +165,15 @@ def bench(options: argparse.Namespace) -> int:
     print("one full node", flush=True)
     (logs / "one").mkdir(exist_ok=True)
     with fleet_children(node_args, env, model, logs / "one") as f:
-        results["1 node"] = run_setup(f.port, options)
+        results["1 node"] = run_setup(f.port, options, [f.node])
     (logs / "one" / "texts.json").write_text(json.dumps(texts(results["1 node"]), indent=1))
     for stages in options.stages:
         name = f"{stages} stages"
         folder = logs / name.replace(" ", "-")
         folder.mkdir(exist_ok=True)
         print(name, flush=True)
-        with pipeline_head(stages, model, env, folder, node_args) as port:
-            results[name] = run_setup(port, options)
+        with pipeline_head(stages, model, env, folder, node_args) as (port, nodes):
+            results[name] = run_setup(port, options, nodes)
         (folder / "texts.json").write_text(json.dumps(texts(results[name]), indent=1))
         per_token[name] = forwarded_per_token(folder / "sfhead.log")
     return report(results, per_token)

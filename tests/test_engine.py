@@ -701,6 +701,53 @@ class KeptStageTests(EngineTestCase):
         return out, rows
 
     @defer.inlineCallbacks
+    def through(self, prompt: Sequence[int], session: int) -> Any:
+        """``prompt`` in one request through stages [0, 1) and [1, 4) of a new ``session``
+        (released after): the first stage's hidden rows and the last stage's token."""
+        first = yield self.kept("head", session, 0, tuple(prompt), 0, 1, None)
+        last = yield self.kept("tail", session, 0, (), 1, 4, first.hidden)
+        driver = self.engine.kept_stages
+        assert driver is not None
+        driver.release("head", session)
+        driver.release("tail", session)
+        return first.hidden, last.token
+
+    def stage_pools(self) -> Any:
+        """The engine's stages' prefix pools, by layer range."""
+        driver = self.engine.kept_stages
+        assert driver is not None
+        return driver._stages.prefixes
+
+    @defer.inlineCallbacks
+    def test_a_shared_prefix_is_taken_from_the_pool_bit_for_bit(self) -> Any:
+        """A session whose prompt starts with another's first 32 positions takes those two
+        blocks from each stage's prefix pool, and answers the same hidden rows and token, bit
+        for bit, as when it computed every row."""
+        shared = prompts(1, seed=31, low=32, high=33)[0]
+        first = shared + prompts(1, seed=32, low=9, high=10)[0]
+        second = shared + prompts(1, seed=33, low=11, high=12)[0]
+        cold = yield self.through(second, 1)
+        self.stage_pools().clear()
+        yield self.through(first, 2)
+        self.assertEqual([p.reused_rows for p in self.stage_pools().values()], [0, 0])
+        warm = yield self.through(second, 3)
+        self.assertEqual([p.reused_rows for p in self.stage_pools().values()], [32, 32])
+        self.assertEqual(warm, cold)
+
+    @defer.inlineCallbacks
+    def test_blocks_completed_one_row_at_a_time_are_kept(self) -> Any:
+        """A generation's blocks filled by its tokens, one row per request, are kept too: a
+        prompt that starts with its first 32 positions reuses them and gets the engine's own
+        greedy token."""
+        prompt = prompts(1, seed=34, low=10, high=11)[0]
+        generated, _ = yield self.generate(prompt, 23, 256)
+        follow = [*prompt, *generated][:32] + prompts(1, seed=35, low=5, high=6)[0]
+        _, token = yield self.through(follow, 3)
+        self.assertEqual([p.reused_rows for p in self.stage_pools().values()], [32, 32])
+        expected = yield self.run_one(follow, 1)[0]
+        self.assertEqual([token], list(expected.tokens))
+
+    @defer.inlineCallbacks
     def test_kept_stages_generate_the_engines_tokens(self) -> Any:
         """A prompt in chunks of 7, then one row per token, through two kept stages gives
         exactly the tokens the engine's own greedy generation gives."""

@@ -122,10 +122,16 @@ def _rest(runner: TorchRunner) -> None:
     _trim_heap()
 
 
-def _kept_stages(runner: TorchRunner, config: EngineConfig) -> DecoderStages | None:
+def _kept_stages(
+    runner: TorchRunner, config: EngineConfig, traits: RunnerTraits
+) -> DecoderStages | None:
     """Stages keep their KV where sfnode's own step runs (docs/protocol.md section 12.8), in
-    as many sessions as the node has lanes."""
-    return DecoderStages(runner, config.max_lanes) if isinstance(runner, DecoderRunner) else None
+    as many sessions as the node has lanes, with a prefix pool as large as the lanes' own."""
+    if not isinstance(runner, DecoderRunner):
+        return None
+    _, kv_blocks = config.kv_sizes(traits.model_window)
+    blocks = config.prefix_blocks(kv_blocks) if traits.block_copies else 0
+    return DecoderStages(runner, config.max_lanes, blocks, traits.salt)
 
 
 class ThreadWorker:
@@ -526,7 +532,7 @@ class TransformersEngine(EngineLoop):
         self._worker = ThreadWorker(reactor, weights.runner, masks, KeptCheck.of(config, weights))
         super().__init__(
             config, traits, weights.runner, self._worker, clock=clock, vocabulary=vocabulary,
-            stages=_kept_stages(weights.runner, config),
+            stages=_kept_stages(weights.runner, config, traits),
         )  # fmt: skip
         # First of the check's callbacks: the engine refuses work before anyone hears of it.
         self._worker.exactness.addCallback(self._withdraw_on_failure)

@@ -93,10 +93,13 @@ class BlockPool(_LayerBuffers):
     """The prefix cache's KV blocks, ``[blocks, kv_heads, 16, head_dim]`` per layer, grown as
     blocks are first written."""
 
-    def __init__(self, kv: SlotKV, capacity: int) -> None:
+    def __init__(self, kv: SlotKV, capacity: int, layers: range | None = None) -> None:
+        """Blocks of ``kv``'s ``layers`` (all of them by default: a pipeline stage keeps only
+        its own range's)."""
         super().__init__()
         self._kv = kv
         self.capacity = capacity
+        self.layers = range(kv.layers) if layers is None else layers
         self.allocated = 0
 
     def _ensure(self, blocks: int) -> None:
@@ -108,7 +111,7 @@ class BlockPool(_LayerBuffers):
         target = min(self.capacity, max(blocks, 2 * self.allocated, 64))
         shape = (target, kv.kv_heads, KV_BLOCK_TOKENS, kv.head_dim)
         for buffers in (self.keys, self.values):
-            _grow(buffers, kv.layers, shape, (slice(0, self.allocated),), kv)
+            _grow(buffers, len(self.layers), shape, (slice(0, self.allocated),), kv)
         self.allocated = target
 
     def save(self, slot: int, first: int, blocks: Sequence[int]) -> None:
@@ -118,10 +121,10 @@ class BlockPool(_LayerBuffers):
         n = len(blocks)
         span = slice(first * KV_BLOCK_TOKENS, (first + n) * KV_BLOCK_TOKENS)
         index = torch.tensor(blocks, dtype=torch.long, device=kv.device)
-        for layer in range(kv.layers):
+        for held, layer in enumerate(self.layers):
             for pool, slots in ((self.keys, kv.keys), (self.values, kv.values)):
                 source = slots[layer][slot, :, span].view(kv.kv_heads, n, KV_BLOCK_TOKENS, -1)
-                pool[layer].index_copy_(0, index, source.transpose(0, 1))
+                pool[held].index_copy_(0, index, source.transpose(0, 1))
 
     def load(
         self, slot: int, first: int, blocks: Sequence[int], tail: int = KV_BLOCK_TOKENS
@@ -134,8 +137,8 @@ class BlockPool(_LayerBuffers):
         start = first * KV_BLOCK_TOKENS
         kv.ensure(start + positions)
         index = torch.tensor(blocks, dtype=torch.long, device=kv.device)
-        for layer in range(kv.layers):
+        for held, layer in enumerate(self.layers):
             for pool, slots in ((self.keys, kv.keys), (self.values, kv.values)):
-                taken = pool[layer].index_select(0, index)  # [n, heads, 16, dim]
+                taken = pool[held].index_select(0, index)  # [n, heads, 16, dim]
                 rows = taken.transpose(0, 1).reshape(kv.kv_heads, n * KV_BLOCK_TOKENS, -1)
                 slots[layer][slot, :, start : start + positions] = rows[:, :positions]

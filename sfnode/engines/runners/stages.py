@@ -5,7 +5,9 @@ serve generations too), and computes a stage session's rows exactly as the runne
 prompt chunk of a lane: the same layer code, the same attention over a slot, the same native
 step where the runner has one.  So a row's keys, values and hidden state are those a full node
 computes at that position, bit for bit, however the context is cut into requests
-(docs/engine.md section 4), and a split pipeline gives one node's tokens.
+(docs/engine.md section 4), and a split pipeline gives one node's tokens.  Blocks of earlier
+sessions' rows are reused as a full node's prefix cache reuses its blocks
+(:mod:`sfnode.engines.runners.stage_prefixes`).
 
 This module must never be called from two threads at once (it runs on the engine's worker
 thread, between steps), never decide which slot a session has (the loop's
@@ -16,7 +18,9 @@ from __future__ import annotations
 
 import copy
 import itertools
+from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -24,20 +28,32 @@ from sfnode.engines.runners.attention import Attender, StepAttention
 from sfnode.engines.runners.decoder import DecoderRunner
 from sfnode.engines.runners.hidden import decode_hidden, encode_hidden
 from sfnode.engines.runners.kv import SlotKV
+from sfnode.engines.runners.stage_prefixes import StagePrefixes, row_inputs
 from sfnode.engines.scheduling.plan import ChunkRow, StepPlan
 from sfnode.engines.scheduling.stages import KeptRows
 from sfnode.generation import StageForwardError, StageResult
 from sfnode.linkf.wire import GenParams
 
 _NO_PARAMS = GenParams()
+PREFIX_RANGES = 2
+"""Layer ranges whose prefix pools a stage keeps, the most recently run."""
 
 
 class DecoderStages:
-    """Kept stage sessions of one :class:`DecoderRunner` over ``slots`` slots of its window."""
+    """Kept stage sessions of one :class:`DecoderRunner` over ``slots`` slots of its window,
+    reusing up to ``prefix_blocks`` blocks of earlier sessions' rows (0: none) named with
+    ``salt`` (the model and its weights mode)."""
 
-    def __init__(self, runner: DecoderRunner, slots: int) -> None:
+    def __init__(
+        self, runner: DecoderRunner, slots: int, prefix_blocks: int = 0, salt: bytes = b""
+    ) -> None:
         self.slots = slots
         self._runner = runner
+        self._prefix_blocks = prefix_blocks
+        self._salt = salt
+        self.prefixes: OrderedDict[tuple[int, int], StagePrefixes] = OrderedDict()
+        """A prefix pool per layer range run, the :data:`PREFIX_RANGES` run last (a pipeline
+        gives a node one range; a head that splits the layers again, another)."""
         spec = runner.spec
         self.kv = SlotKV(
             layers=spec.layers,
@@ -95,23 +111,54 @@ class DecoderStages:
                 raise StageForwardError("a token id is outside the vocabulary")
 
     def _group(self, group: Sequence[KeptRows]) -> list[StageResult]:
-        """One pass for requests of one layer range and kind."""
+        """One pass for requests of one layer range and kind: each request's cached blocks
+        taken from the prefix pool, the rest computed (and its full blocks kept)."""
         runner = self._runner
-        counts = [_rows(rows) for rows in group]
-        self.kv.ensure(max(rows.position + n for rows, n in zip(group, counts, strict=True)))
+        first = group[0]
+        last = first.end == len(runner.weights.layers)
+        self.kv.ensure(max(rows.position + _rows(rows) for rows in group))
+        prefixes = self._prefixes_of(first.start, first.end, last)
+        tokens = first.hidden is None
+        inputs = [row_inputs(rows.tokens, rows.hidden) for rows in group]
+        taken: list[tuple[int, torch.Tensor | None]] = [(0, None)] * len(group)
+        if prefixes is not None:
+            taken = [
+                prefixes.take(rows.slot, rows.position, rows_in, tokens)
+                for rows, rows_in in zip(group, inputs, strict=True)
+            ]
+        left = [_after(rows, n) for rows, (n, _) in zip(group, taken, strict=True)]
+        counts = [_rows(rows) for rows in left]
         if runner.fused is not None:
-            hidden = self._fused(group, counts)
+            hidden = self._fused(left, counts)
         else:
-            hidden = self._layers(group, counts)
+            hidden = self._layers(left, counts)
         ends = list(itertools.accumulate(counts))
-        if group[0].end < len(runner.weights.layers):
-            starts = [0, *ends[:-1]]
+        starts = [0, *ends[:-1]]
+        if prefixes is not None:
+            for rows, rows_in, (n, _), a, b in zip(left, inputs, taken, starts, ends, strict=True):
+                outputs = None if last else hidden[a:b]
+                prefixes.keep(rows.slot, rows.position, rows_in[n:], outputs, tokens)
+        if not last:
             return [
-                StageResult(hidden=encode_hidden(hidden[a:b]))
-                for a, b in zip(starts, ends, strict=True)
+                StageResult(hidden=encode_hidden(_joined(reused, hidden[a:b])))
+                for (_, reused), a, b in zip(taken, starts, ends, strict=True)
             ]
         logits = runner._logits(hidden, [end - 1 for end in ends])
         return [StageResult(token=int(t)) for t in torch.argmax(logits, dim=1).tolist()]
+
+    def _prefixes_of(self, start: int, end: int, last: bool) -> StagePrefixes | None:
+        """The prefix pool of layers ``[start, end)``; None when the stage reuses nothing."""
+        if not self._prefix_blocks:
+            return None
+        pools = self.prefixes
+        prefixes = pools.get((start, end))
+        if prefixes is None:
+            prefixes = StagePrefixes(self.kv, self._prefix_blocks, start, end, last, self._salt)
+            pools[start, end] = prefixes
+            while len(pools) > PREFIX_RANGES:
+                pools.popitem(last=False)
+        pools.move_to_end((start, end))
+        return prefixes
 
     def _fused(self, group: Sequence[KeptRows], counts: Sequence[int]) -> torch.Tensor:
         fused = self._runner.fused
@@ -157,6 +204,20 @@ class DecoderStages:
         for layer in range(first.start, first.end):
             hidden = view._layer(layer, hidden, turns[layer], attention, groups)
         return hidden
+
+
+def _after(rows: KeptRows, reused: int) -> KeptRows:
+    """``rows`` without its first ``reused`` rows (taken from the prefix pool)."""
+    if not reused:
+        return rows
+    if rows.hidden is None:
+        return replace(rows, position=rows.position + reused, tokens=rows.tokens[reused:])
+    return replace(rows, position=rows.position + reused, hidden=rows.hidden[reused:])
+
+
+def _joined(reused: torch.Tensor | None, computed: torch.Tensor) -> torch.Tensor:
+    """A request's output rows: those taken from the pool, then those computed."""
+    return computed if reused is None else torch.cat([reused.to(computed.dtype), computed])
 
 
 def _rows(rows: KeptRows) -> int:
