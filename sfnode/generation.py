@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Protocol, runtime_checkable
 
 from twisted.internet import defer
@@ -155,6 +155,12 @@ class PrefixFigures:
     evictions: int = 0
     cached_blocks: int = 0
 
+    def __add__(self, other: PrefixFigures) -> PrefixFigures:
+        """Two caches' figures together."""
+        return PrefixFigures(
+            *(getattr(self, f.name) + getattr(other, f.name) for f in fields(PrefixFigures))
+        )
+
 
 @dataclass(frozen=True)
 class MaskFigures:
@@ -203,6 +209,9 @@ class EngineStatistics:
     prefix: PrefixFigures | None = None
     """None: an engine without a prefix cache (not zeros, which would read as "nothing
     reused")."""
+    stage_prefix: PrefixFigures | None = None
+    """Its pipeline stages' prefix pools (docs/engine.md section 4), summed; None: an engine
+    whose stages reuse no prefixes."""
     masks: MaskFigures | None = None
     """None: an engine that honours no constraints."""
     weights: WeightFigures | None = None

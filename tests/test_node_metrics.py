@@ -33,6 +33,8 @@ PREFIX_FAMILIES = (
 )
 SHARED = [(7 * i) % 500 + 3 for i in range(64)]
 """64 tokens: four full blocks, shared by the prompts below."""
+TINY_LAYERS = 3
+"""The layers of tests/tinymodel.py's Llama (its default)."""
 
 
 class NodeMetricsTests(TestCase):
@@ -106,6 +108,33 @@ class NodeMetricsTests(TestCase):
         )
         self.assertEqual(samples["sfnode_prefilled_tokens_total"], 66)
 
+    async def test_the_stage_prefix_pools_figures(self) -> None:
+        """Two pipeline stage sessions through all the tiny model's layers whose prompts share
+        64 tokens: the first misses and saves four blocks, the second takes them, so the stage
+        pools count one hit of 64 rows (the engine's own cache is not touched)."""
+        node = self.tiny()
+        port = node.getServiceNamed("listen").port.getHost().port  # type: ignore[no-untyped-call]
+        link = await connect_node(reactor, f"tcp:127.0.0.1:{port}", ids=HeadIds())
+        self.addCleanup(link.close)
+        tokens = []
+        for session, tail in ((1, 11), (2, 12)):
+            answer = await link.stage_forward([*SHARED, tail], 0, TINY_LAYERS, None, session)
+            tokens.append(answer.token)
+        self.assertNotIn(None, tokens)
+        samples = await self.scrape(node)
+        self.assertEqual(
+            {name: samples[name] for name in samples if name.startswith("sfnode_stage_prefix")},
+            {
+                "sfnode_stage_prefix_hits_total": 1,
+                "sfnode_stage_prefix_misses_total": 1,
+                "sfnode_stage_prefix_reused_tokens_total": 64,
+                "sfnode_stage_prefix_saved_blocks_total": 4,
+                "sfnode_stage_prefix_evictions_total": 0,
+                "sfnode_stage_prefix_blocks": 4,
+            },
+        )
+        self.assertEqual(samples["sfnode_prefix_cache_hits_total"], 0)
+
     async def test_a_small_cache_counts_its_evictions(self) -> None:
         """With --prefix-cache-blocks 2, prompts of four blocks each evict blocks to save
         theirs; the cache never holds more than its two blocks."""
@@ -122,7 +151,9 @@ class NodeMetricsTests(TestCase):
         node = self.tiny("--no-prefix-cache")
         await self.generate(node, [[*SHARED, 11], [*SHARED, 12]])
         samples = await self.scrape(node)
-        self.assertFalse([name for name in samples if name.startswith("sfnode_prefix")])
+        self.assertFalse(
+            [name for name in samples if name.startswith(("sfnode_prefix", "sfnode_stage_prefix"))]
+        )
         self.assertEqual(samples["sfnode_prefilled_tokens_total"], 130)
 
     async def test_healthz_is_ok_until_the_drain_starts(self) -> None:

@@ -51,6 +51,7 @@ from sfnode.generation import (
     GenerationRequest,
     GenerationResult,
     MaskFigures,
+    PrefixFigures,
     StageForward,
     StageForwardError,
     StageResult,
@@ -82,6 +83,9 @@ class StageKeeper(Protocol):
     of a slot of its own KV."""
 
     slots: int
+    prefix_figures: PrefixFigures | None
+    """Its prefix pools' figures (docs/engine.md section 4), summed; None: it reuses none.
+    Replaced whole on the worker, read on the reactor."""
 
     def read_rows(self, blob: bytes) -> Any:
         """The rows of a hidden blob; :class:`StageForwardError` for a malformed one."""
@@ -333,6 +337,7 @@ class EngineLoop:
         scheduler = self.scheduler
         counts = scheduler.counts
         prefix = self.prefix_cache
+        stages = self.kept_stages
         return EngineStatistics(
             decoded_tokens=counts.decoded,
             prefilled_tokens=counts.prefilled,
@@ -342,6 +347,7 @@ class EngineLoop:
             kv_blocks_total=scheduler.kv_blocks,
             steps=counts.figures(speculative=scheduler.speculation is not None),
             prefix=None if prefix is None else prefix.stats,
+            stage_prefix=None if stages is None else stages.prefix_figures,
             masks=self.mask_figures(),
         )
 
@@ -668,6 +674,11 @@ class StageDriver:
         for _, d, owner, session in batch:
             self.sessions.drop(owner, session)
             d.errback(_stage_error(failure))
+
+    @property
+    def prefix_figures(self) -> PrefixFigures | None:
+        """The stages' prefix pools' figures (:attr:`StageKeeper.prefix_figures`)."""
+        return self._stages.prefix_figures
 
     def release(self, owner: Hashable, session: int | None = None) -> None:
         """Forget ``owner``'s stage ``session``, or all of its sessions."""

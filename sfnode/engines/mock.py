@@ -39,7 +39,7 @@ from sfnode.engines.config import EngineConfig
 from sfnode.engines.loop import EngineLoop, RunnerTraits
 from sfnode.engines.scheduling.plan import BlockCopy, StepOutput, StepPlan
 from sfnode.engines.scheduling.stages import KeptRows
-from sfnode.generation import StageForwardError, StageResult, TokenLogprob
+from sfnode.generation import PrefixFigures, StageForwardError, StageResult, TokenLogprob
 from sfnode.linkf.prefix_blocks import KV_BLOCK_TOKENS
 from sfnode.linkf.wire import GenParams
 
@@ -249,6 +249,8 @@ class MockStages:
 
     def __init__(self, slots: int, n_layers: int, vocab_size: int) -> None:
         self.slots = slots
+        self.prefix_figures: PrefixFigures | None = None
+        """The mock reuses no prefixes."""
         self._tokens: list[list[int]] = [[] for _ in range(slots)]
         self._n_layers = n_layers
         self._vocab_size = vocab_size

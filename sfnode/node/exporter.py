@@ -117,6 +117,35 @@ _PREFIX_COUNTERS = (
         "evictions",
     ),
 )
+_STAGE_PREFIX_COUNTERS = (
+    (
+        "sfnode_stage_prefix_hits",
+        "Pipeline stage requests that took cached blocks from the stage's prefix pools.",
+        "hits",
+    ),
+    (
+        "sfnode_stage_prefix_misses",
+        "Pipeline stage requests that could have taken cached blocks and found none.",
+        "misses",
+    ),
+    (
+        "sfnode_stage_prefix_reused_tokens",
+        "Pipeline stage rows taken from the stage's prefix pools instead of computed.",
+        "reused_tokens",
+    ),
+    (
+        "sfnode_stage_prefix_saved_blocks",
+        "Full 16-row blocks written into the pipeline stages' prefix pools.",
+        "saved_blocks",
+    ),
+    (
+        "sfnode_stage_prefix_evictions",
+        "Blocks the pipeline stages' prefix pools gave up to make room for new ones.",
+        "evictions",
+    ),
+)
+"""A stage node's prefix pools (docs/engine.md section 4): a hit or a miss is a stage request
+that starts at a block boundary with a full block before its last row."""
 
 
 class _Families:
@@ -184,6 +213,13 @@ class NodeCollector(Collector):
             "sfnode_generations", "Generations running or queued.", agent.running_generations
         )
         yield from _engine_metrics(family, stats.masks, stats.steps, stats.prefix)
+        if stats.stage_prefix is not None:
+            yield from family.counters(_STAGE_PREFIX_COUNTERS, stats.stage_prefix)
+            yield family.gauge(
+                "sfnode_stage_prefix_blocks",
+                "Blocks the pipeline stages' prefix pools hold now.",
+                stats.stage_prefix.cached_blocks,
+            )
         yield from _memory_metrics(family, stats, resident_bytes())
 
 

@@ -112,6 +112,8 @@ class StagePrefixes:
         for first in range(0, len(inputs) - 1 - (KV_BLOCK_TOKENS - 1), KV_BLOCK_TOKENS):
             parent = chain_key(parent, inputs[first : first + KV_BLOCK_TOKENS])
             keys.append(parent)
+        if not keys:
+            return 0, None  # no full block to look for: neither a hit nor a miss
         found = self.index.match(keys)
         self.index.record_use(len(found) * KV_BLOCK_TOKENS)
         if not found:

@@ -31,7 +31,7 @@ from sfnode.engines.runners.kv import SlotKV
 from sfnode.engines.runners.stage_prefixes import StagePrefixes, row_inputs
 from sfnode.engines.scheduling.plan import ChunkRow, StepPlan
 from sfnode.engines.scheduling.stages import KeptRows
-from sfnode.generation import StageForwardError, StageResult
+from sfnode.generation import PrefixFigures, StageForwardError, StageResult
 from sfnode.linkf.wire import GenParams
 
 _NO_PARAMS = GenParams()
@@ -54,6 +54,11 @@ class DecoderStages:
         self.prefixes: OrderedDict[tuple[int, int], StagePrefixes] = OrderedDict()
         """A prefix pool per layer range run, the :data:`PREFIX_RANGES` run last (a pipeline
         gives a node one range; a head that splits the layers again, another)."""
+        self.prefix_figures = PrefixFigures() if prefix_blocks else None
+        """The pools' figures summed, those of pools dropped since included (their blocks
+        not): replaced after each forward, for the node's ``/metrics``."""
+        self._dropped = PrefixFigures()
+        """The cumulative figures of the pools dropped so far."""
         spec = runner.spec
         self.kv = SlotKV(
             layers=spec.layers,
@@ -99,6 +104,11 @@ class DecoderStages:
                 group = [batch[i] for i in members]
                 for i, answer in zip(members, self._group(group), strict=True):
                     answers[i] = answer
+        if self.prefix_figures is not None:
+            total = self._dropped
+            for prefixes in self.prefixes.values():
+                total += prefixes.index.stats
+            self.prefix_figures = total
         return answers
 
     def _check(self, rows: KeptRows) -> None:
@@ -156,7 +166,9 @@ class DecoderStages:
             prefixes = StagePrefixes(self.kv, self._prefix_blocks, start, end, last, self._salt)
             pools[start, end] = prefixes
             while len(pools) > PREFIX_RANGES:
-                pools.popitem(last=False)
+                _, dropped = pools.popitem(last=False)
+                stats = dropped.index.stats
+                self._dropped += replace(stats, cached_blocks=0)
         pools.move_to_end((start, end))
         return prefixes
 
