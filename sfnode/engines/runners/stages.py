@@ -129,9 +129,10 @@ class DecoderStages:
         self.kv.ensure(max(rows.position + _rows(rows) for rows in group))
         prefixes = self._prefixes_of(first.start, first.end, last)
         tokens = first.hidden is None
-        inputs = [row_inputs(rows.tokens, rows.hidden) for rows in group]
         taken: list[tuple[int, torch.Tensor | None]] = [(0, None)] * len(group)
+        inputs: list[list[bytes]] = []
         if prefixes is not None:
+            inputs = [row_inputs(rows.tokens, rows.hidden) for rows in group]
             taken = [
                 prefixes.take(rows.slot, rows.position, rows_in, tokens)
                 for rows, rows_in in zip(group, inputs, strict=True)
