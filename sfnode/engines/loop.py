@@ -146,6 +146,13 @@ class RunnerTraits:
     False: the steps take no real time and are sized in tokens only."""
 
 
+def prefix_pool_blocks(config: EngineConfig, traits: RunnerTraits) -> int:
+    """The blocks of a prefix pool (the lanes', and each of a stage's): what the configuration
+    gives beside its KV blocks, where the runner can copy blocks; 0: none."""
+    _, kv_blocks = config.kv_sizes(traits.model_window)
+    return config.prefix_blocks(kv_blocks) if traits.block_copies else 0
+
+
 class EngineGeneration:
     """The node's handle on one generation of an :class:`EngineLoop`; lives on the reactor
     thread."""
@@ -255,7 +262,7 @@ class EngineLoop:
         self.config = config
         self._window, kv_blocks = config.kv_sizes(traits.model_window)
         self._traits = traits
-        prefix_blocks = config.prefix_blocks(kv_blocks) if traits.block_copies else 0
+        prefix_blocks = prefix_pool_blocks(config, traits)
         self.prefix_cache = PrefixCache(prefix_blocks) if prefix_blocks else None
         """The prefix cache's index, when the configuration and the runner keep one."""
         self.scheduler = Scheduler(

@@ -50,7 +50,7 @@ from sfnode.engines.config import DEFAULT_ENGINE_CONFIG, EngineConfig
 from sfnode.engines.families.spec import ModelSpec
 from sfnode.engines.kernels import openmp
 from sfnode.engines.kernels.choice import Cpu
-from sfnode.engines.loop import EngineLoop, RunnerTraits
+from sfnode.engines.loop import EngineLoop, RunnerTraits, prefix_pool_blocks
 from sfnode.engines.runners.decoder import DecoderRunner
 from sfnode.engines.runners.exactness import ExactnessCheck
 from sfnode.engines.runners.hidden import decode_hidden, encode_hidden
@@ -129,9 +129,7 @@ def _kept_stages(
     as many sessions as the node has lanes, with a prefix pool as large as the lanes' own."""
     if not isinstance(runner, DecoderRunner):
         return None
-    _, kv_blocks = config.kv_sizes(traits.model_window)
-    blocks = config.prefix_blocks(kv_blocks) if traits.block_copies else 0
-    return DecoderStages(runner, config.max_lanes, blocks, traits.salt)
+    return DecoderStages(runner, config.max_lanes, prefix_pool_blocks(config, traits), traits.salt)
 
 
 class ThreadWorker:

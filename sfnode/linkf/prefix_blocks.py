@@ -21,6 +21,16 @@ KV_BLOCK_TOKENS = 16
 BlockKey = bytes
 
 
+def chain_key(parent: BlockKey, *parts: bytes) -> BlockKey:
+    """The key of the block whose content is ``parts`` (in order) after the block named
+    ``parent`` (or after the salt, for a first block)."""
+    digest = xxhash.xxh3_128()
+    digest.update(parent)
+    for part in parts:
+        digest.update(part)
+    return digest.digest()
+
+
 def block_keys(
     tokens: Sequence[int],
     salt: bytes,
@@ -37,9 +47,6 @@ def block_keys(
     previous = keys[-1] if keys else salt
     for index in range(len(keys), full):
         block = tokens[index * KV_BLOCK_TOKENS : (index + 1) * KV_BLOCK_TOKENS]
-        digest = xxhash.xxh3_128()
-        digest.update(previous)
-        digest.update(array("q", block).tobytes())
-        previous = digest.digest()
+        previous = chain_key(previous, array("q", block).tobytes())
         keys.append(previous)
     return keys

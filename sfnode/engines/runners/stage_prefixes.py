@@ -30,11 +30,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-import xxhash
 
 from sfnode.engines.runners.kv import BlockPool, SlotKV
 from sfnode.engines.scheduling.prefix_cache import PrefixCache
-from sfnode.linkf.prefix_blocks import KV_BLOCK_TOKENS, BlockKey
+from sfnode.linkf.prefix_blocks import KV_BLOCK_TOKENS, BlockKey, chain_key
 
 
 def row_inputs(tokens: Sequence[int], hidden: torch.Tensor | None) -> list[bytes]:
@@ -43,15 +42,6 @@ def row_inputs(tokens: Sequence[int], hidden: torch.Tensor | None) -> list[bytes
         return [struct.pack("<q", int(t)) for t in tokens]
     raw = hidden.detach().cpu().contiguous().view(torch.uint8).numpy()
     return [row.tobytes() for row in raw]
-
-
-def chain_key(parent: BlockKey, inputs: Sequence[bytes]) -> BlockKey:
-    """The key of the block of ``inputs`` after the block named ``parent``."""
-    digest = xxhash.xxh3_128()
-    digest.update(parent)
-    for row in inputs:
-        digest.update(row)
-    return digest.digest()
 
 
 @dataclass
@@ -92,8 +82,11 @@ class StagePrefixes:
             kind: b"stage|%d|%d|%s|" % (start, end, kind) + salt for kind in (b"tokens", b"hidden")
         }
         self._chains: dict[int, _Chain] = {}
-        self.reused_rows = 0
+
+    @property
+    def reused_rows(self) -> int:
         """Rows taken from the pool instead of computed, since start."""
+        return self.index.stats.reused_tokens
 
     def take(
         self, slot: int, position: int, inputs: Sequence[bytes], tokens: bool
@@ -102,15 +95,13 @@ class StagePrefixes:
         copied into the slot: how many rows they are, and (but for the last stage) their
         output rows.  The request's last row is never taken."""
         chain = self._chains.setdefault(slot, _Chain())
-        if position == 0:
-            chain.keys, chain.inputs, chain.outputs = [], [], []
         chain.cut(position)
         if chain.rows != position or chain.inputs:
             return 0, None
         parent = chain.keys[-1] if chain.keys else self._salts[b"tokens" if tokens else b"hidden"]
         keys = []
         for first in range(0, len(inputs) - 1 - (KV_BLOCK_TOKENS - 1), KV_BLOCK_TOKENS):
-            parent = chain_key(parent, inputs[first : first + KV_BLOCK_TOKENS])
+            parent = chain_key(parent, *inputs[first : first + KV_BLOCK_TOKENS])
             keys.append(parent)
         if not keys:
             return 0, None  # no full block to look for: neither a hit nor a miss
@@ -121,7 +112,6 @@ class StagePrefixes:
         self.pool.load(slot, position // KV_BLOCK_TOKENS, found)
         chain.keys.extend(keys[: len(found)])
         reused = len(found) * KV_BLOCK_TOKENS
-        self.reused_rows += reused
         if self.last:
             return reused, None
         return reused, torch.cat([self._outputs[block] for block in found])
@@ -147,11 +137,11 @@ class StagePrefixes:
             if len(chain.inputs) < KV_BLOCK_TOKENS:
                 continue
             parent = chain.keys[-1] if chain.keys else salt
-            key = chain_key(parent, chain.inputs)
+            key = chain_key(parent, *chain.inputs)
             block = self.index.allocate(key, parent, ())
             if block is not None:
                 self.pool.save(slot, len(chain.keys), [block])
                 if outputs is not None:
-                    self._outputs[block] = torch.cat(chain.outputs).clone()
+                    self._outputs[block] = torch.cat(chain.outputs)
             chain.keys.append(key)
             chain.inputs, chain.outputs = [], []
