@@ -77,7 +77,8 @@ def run(options: argparse.Namespace) -> int:
     logs = cache / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     children: list[Child] = []
-    with fleet_processes(options.node_arg, child_env(options.node_env), model, logs, children) as port:
+    env = child_env(options.node_env)
+    with fleet_processes(options.node_arg, env, model, logs, children) as port:
         name = served_model(port)
         asyncio.run(run_phase(port, [chat_body(name, WARM_UP_TOPIC, options.max_tokens)], 1))
         peer.wait_for_check(children[0])

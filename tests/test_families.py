@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
+import torch
 from twisted.trial import unittest
 
 from sfnode.engines import ModelLoadError
 from sfnode.engines.families import spec_from_config
 from sfnode.engines.families.rope import Rope
 from sfnode.engines.families.spec import ModelSpec
-from sfnode.engines.kernels.maps import give_back, resident_bytes
+from sfnode.engines.kernels.maps import give_back, resident_bytes, row_file
 from sfnode.engines.weights.stored import StoredModel, read_folder, read_gguf
 from tests import families
 from tests.tinymodel import reference_greedy
@@ -225,6 +226,51 @@ class StoredWeightsTests(unittest.SynchronousTestCase):
         give_back(plain)
         self.assertEqual(resident_bytes(plain), 1000)
         self.assertEqual(int(plain.sum()), 1000)
+
+
+    def test_a_tables_rows_read_from_its_file_are_the_mapped_ones(self) -> None:
+        """:func:`row_file` reads a table's rows from its file with ``pread``: every row (the
+        first and last among them) is the mapped one byte for byte, and reading maps none of
+        the table's pages; a table whose bytes are not a file's map, or whose file was
+        replaced since it was mapped, has none, and a row outside the table is refused."""
+        for kind in ("Q8_0", "Q4_K_M"):
+            with self.subTest(kind=kind):
+                embed = read_gguf(gguf("llama", kind)).tensors["embed"].data
+                rows = row_file(embed)
+                assert rows is not None
+                give_back(embed)
+                indices = [0, 3, 17, len(embed) - 1, 3]
+                read = rows.read(indices)
+                self.assertEqual(resident_bytes(embed), 0)
+                np.testing.assert_array_equal(read, embed[indices])
+                np.testing.assert_array_equal(rows.read(range(len(embed))), embed)
+                self.assertRaises(IndexError, rows.read, [len(embed)])
+                self.assertRaises(IndexError, rows.read, [-1])
+        self.assertIsNone(row_file(np.ones((4, 8), dtype=np.uint8)))
+        copy = Path(tempfile.mkdtemp()) / "copy.gguf"
+        self.addCleanup(shutil.rmtree, copy.parent)
+        shutil.copy(gguf("llama", "Q8_0"), copy)
+        embed = read_gguf(copy).tensors["embed"].data
+        replaced = copy.with_name("replaced.gguf")
+        replaced.write_bytes(bytes(copy.stat().st_size))
+        replaced.replace(copy)
+        self.assertIsNone(row_file(embed))
+        self.assertGreater(int(np.asarray(embed[3]).sum()), 0)
+
+    def test_stored_rows_read_their_file(self) -> None:
+        """A table of stored rows (the embedding of a Q8_0 file) answers the rows the map
+        holds, dequantized bit for bit, and reading them maps none of its pages."""
+        from sfnode.engines.kernels.blocks import dequantize
+        from sfnode.engines.kernels.quant import StoredRows
+
+        tensor = read_gguf(gguf("llama", "Q8_0")).tensors["embed"]
+        table = StoredRows(tensor.kind, tensor.data, tensor.cols)
+        self.assertIsNotNone(table.file)
+        give_back(tensor.data)
+        picked = table[torch.tensor([[5, 2], [2, 9]])]
+        self.assertEqual(resident_bytes(tensor.data), 0)
+        mapped = dequantize(tensor.kind, np.asarray(tensor.data[[5, 2, 2, 9]]), tensor.cols)
+        np.testing.assert_array_equal(picked.reshape(4, -1).numpy(), mapped)
 
 
 class RopeTests(unittest.SynchronousTestCase):

@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from twisted.internet import defer, reactor, task
 from twisted.logger import capturedLogs, formatEvent
@@ -238,14 +239,17 @@ class FamilyEngineTests(unittest.TestCase):
 
     @defer.inlineCallbacks
     def test_a_resting_engine_gives_back_the_rows_it_read(self) -> Any:
-        """The tables read a row at a time from the file's map (the embedding, the head's
-        float rows) keep only the pages read since the engine last rested: a generation reads
-        some, and :data:`REST_AFTER_S` after it ended (and after a rest asked for) none are
-        resident; the engine's figures count the weights' resident bytes without them.  The
-        head's float rows of this file share the map its Q6_K head is multiplied from whole at
-        every step (kept as stored): those pages stay resident through a rest."""
+        """The tables read a row at a time (the embedding, the head's float rows) are read
+        from the file with ``pread``: a generation leaves none of their map's pages resident,
+        and the rows read are the mapped ones (the answer is the same as through the map, the
+        tests of exactness check that).  Pages read through the map (as a check of them does)
+        are given back :data:`REST_AFTER_S` after a generation ended (and after a rest asked
+        for); the engine's figures count the weights' resident bytes without them.  The head's
+        float rows of this file share the map its Q6_K head is multiplied from whole at every
+        step (kept as stored): those pages stay resident through a rest."""
         import mmap
 
+        from sfnode.engines.kernels.blocks import dequantize
         from sfnode.engines.kernels.maps import resident_bytes
         from sfnode.engines.kernels.native import BlockLinear
         from sfnode.engines.transformers_engine import REST_AFTER_S
@@ -266,14 +270,21 @@ class FamilyEngineTests(unittest.TestCase):
         self.addCleanup(engine.stop)
         request = GenerationRequest(list(PROMPT), GenParams(), TOKENS, 0)
         yield engine.submit(request, lambda *args: None).result
+        self.assertEqual([resident_bytes(table.data) for table in tables], [0])
+        for table in tables:
+            assert isinstance(table, StoredRows) and table.file is not None
+            rows = table[torch.tensor([1, 7])]
+            self.assertEqual(resident_bytes(table.data), 0)
+            mapped = dequantize(table.kind, np.asarray(table.data[[1, 7]]), table.shape[1])
+            np.testing.assert_array_equal(rows.numpy(), mapped)
+            self.assertGreater(resident_bytes(table.data), 0)
         # The engine rests once out of work for a while, not at once.
-        self.assertTrue(all(resident_bytes(table.data) for table in tables))
         yield task.deferLater(reactor, REST_AFTER_S + 0.2, lambda: None)
         yield engine.worker.call(lambda: None)
         self.assertEqual([resident_bytes(table.data) for table in tables], [0])
         self.assertEqual(resident_bytes(head.data), spanned)
         for table in tables:
-            table[torch.tensor([1, 7])]
+            int(np.asarray(table.data[[1, 7]]).sum())
             self.assertGreater(resident_bytes(table.data), 0)
         engine.worker.rest()
         yield task.deferLater(reactor, REST_AFTER_S + 0.2, lambda: None)

@@ -622,6 +622,10 @@ class _Model(ctypes.Structure):
         ("final_softcap", ctypes.c_float),
         ("embed_scale", ctypes.c_float),
         ("activation", ctypes.c_int32),
+        ("embed_fd", ctypes.c_int32),
+        ("embed_at", ctypes.c_int64),
+        ("refine_fd", ctypes.c_int32),
+        ("refine_at", ctypes.c_int64),
     ]
 
 
@@ -667,16 +671,22 @@ def fusable(weights: Any) -> str | None:
     return None
 
 
-def _rows_pointers(table: Any) -> tuple[int, int, list[Any]]:
-    """(ggml type, rows, arrays to keep) of an embedding table or the head's float rows: the
-    file's own rows read a row at a time (their format's type), or float32 rows (type 0)."""
+def _rows_pointers(table: Any, from_file: bool) -> tuple[int, int, int, int, list[Any]]:
+    """(ggml type, rows, file descriptor, offset of row 0 in the file, things to keep) of an
+    embedding table or the head's float rows: the file's own rows read a row at a time (their
+    format's type), with ``from_file`` read from the file with ``pread`` where the table has
+    its file (:class:`~sfnode.engines.kernels.maps.RowFile`; else descriptor -1: through the
+    map), or float32 rows (type 0)."""
     from sfnode.engines.kernels.quant import StoredRows
 
     if isinstance(table, StoredRows):
         rows = np.ascontiguousarray(table.data, dtype=np.uint8)
-        return table.ggml_type, rows.ctypes.data, [rows]
+        file = table.file if from_file else None
+        if file is None:
+            return table.ggml_type, rows.ctypes.data, -1, 0, [rows]
+        return table.ggml_type, rows.ctypes.data, file.fd, file.offset, [rows, file]
     floats = table.to(torch.float32).contiguous()
-    return 0, floats.data_ptr(), [floats]
+    return 0, floats.data_ptr(), -1, 0, [floats]
 
 
 class NativeStep:
@@ -744,19 +754,31 @@ class NativeStep:
         """:meth:`_float_pointer`, or NULL for what the layer has not."""
         return None if tensor is None else self._float_pointer(tensor)
 
-    def _rows_pointers(self, table: Any) -> tuple[int, int]:
-        """(ggml type, rows) of a table of rows (:func:`_rows_pointers`), kept alive."""
-        kind, rows, kept = _rows_pointers(table)
+    def _rows_pointers(self, table: Any, from_file: bool) -> tuple[int, int, int, int]:
+        """(ggml type, rows, file descriptor, offset) of a table of rows
+        (:func:`_rows_pointers`), kept alive."""
+        kind, rows, fd, offset, kept = _rows_pointers(table, from_file)
         self._keep += kept
-        return kind, rows
+        return kind, rows, fd, offset
 
     def _model_struct(self, weights: Any) -> _Model:
         """The C view of the whole model: sizes, the layers, the embedding, the head and the
-        float rows it refines its best logits from (kind -1: none)."""
+        float rows it refines its best logits from (kind -1: none).  The tables read a row at a
+        time (``weights.row_tables()``) are read from their file with ``pread``: through the
+        map, each row read would map the pages around it (docs/engine.md section 5.3); a table
+        the head's kernel multiplies whole from the map is read through the map."""
         spec = weights.spec
-        refine = (-1, 0)
+        by_file = {table.data.ctypes.data for table in weights.row_tables()}
+
+        def from_file(table: Any) -> bool:
+            data = getattr(table, "data", None)
+            return isinstance(data, np.ndarray) and data.ctypes.data in by_file
+
+        embed = self._rows_pointers(weights.embed, from_file(weights.embed))
+        refine = (-1, 0, -1, 0)
         if weights.lm_head_float is not None:
-            refine = self._rows_pointers(weights.lm_head_float)
+            table = weights.lm_head_float
+            refine = self._rows_pointers(table, from_file(table))
         return _Model(
             len(weights.layers),
             self.hidden,
@@ -768,14 +790,16 @@ class NativeStep:
             weights.eps,
             weights.spec.attention_scale,
             ctypes.addressof(self._layers),
-            *self._rows_pointers(weights.embed),
+            *embed[:2],
             self._float_pointer(weights.final_norm_float),
             weights.lm_head.matrix,
-            *refine,
+            *refine[:2],
             spec.attn_softcap or 0.0,
             spec.final_softcap or 0.0,
             spec.embed_scale or 0.0,
             ACTIVATIONS.index(spec.activation),
+            *embed[2:],
+            *refine[2:],
         )
 
     def _kv_struct(self, kv: Any) -> _KV:
