@@ -59,6 +59,40 @@ def breakdown(pid: int) -> Counter[str]:
     return found
 
 
+def regions(pid: int, top: int) -> str:
+    """The ``top`` largest anonymous maps of process ``pid`` (the heap among them) by resident
+    MB, with their size: glibc's arenas of threads are 64 MB maps, torch's and NumPy's large
+    allocations maps of their own."""
+    found: list[tuple[int, int, str]] = []
+    size, name = 0, ""
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split(maxsplit=5)
+        if head and "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+            first, _, last = head[0].partition("-")
+            size = int(last, 16) - int(first, 16)
+            name = head[5].strip() if len(head) > 5 else "[anon]"
+        elif line.startswith("Rss:") and not name.startswith("/"):
+            found.append((int(line.split()[1]), size, name))
+    found.sort(reverse=True)
+    return ", ".join(
+        f"{rss / 1024:.1f} of {size / 2**20:.1f} {name}" for rss, size, name in found[:top]
+    )
+
+
+def memory_metrics(port: int) -> str:
+    """The node's ``sfnode_resident_*`` gauges (``/metrics``) in MB."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+        text = answer.read().decode()
+    found = [
+        f"{line.split()[0].removeprefix('sfnode_resident_')} {float(line.split()[-1]) / 2**20:.1f}"
+        for line in text.splitlines()
+        if line.startswith("sfnode_resident_")
+    ]
+    return ", ".join(found)
+
+
 def shown(found: Counter[str], top: int) -> str:
     """The breakdown in MB, largest first, the rest summed."""
     total = sum(found.values())
@@ -71,6 +105,7 @@ def shown(found: Counter[str], top: int) -> str:
 def run(options: argparse.Namespace) -> int:
     if options.pid is not None:
         print(f"pid {options.pid}: {shown(breakdown(options.pid), options.top)}")
+        print(f"largest anonymous maps (MB resident of size): {regions(options.pid, options.top)}")
         return 0
     cache = (options.cache_dir or peer.default_cache()).expanduser().resolve()
     model = options.model or cache.parent / "sizes" / "llama3" / "llama3-Q4_K_M.gguf"
@@ -78,7 +113,10 @@ def run(options: argparse.Namespace) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     children: list[Child] = []
     env = child_env(options.node_env)
-    with fleet_processes(options.node_arg, env, model, logs, children) as port:
+    node_args = [*options.node_arg, peer.METRICS_ARG]
+    with fleet_processes(node_args, env, model, logs, children) as port:
+        found = children[0].wait_for_line(rb"sfnode metrics on 127\.0\.0\.1:(\d+)", 60.0)
+        metrics_port = int(found.group(1))
         name = served_model(port)
         asyncio.run(run_phase(port, [chat_body(name, WARM_UP_TOPIC, options.max_tokens)], 1))
         peer.wait_for_check(children[0])
@@ -87,12 +125,17 @@ def run(options: argparse.Namespace) -> int:
             print(f"  {len(bodies)} requests, {concurrency} at a time ...", flush=True)
             asyncio.run(run_phase(port, bodies, concurrency))
         serving = [breakdown(child.process.pid) for child in children]
+        counted = [memory_metrics(metrics_port)]
         time.sleep(peer.AT_REST_S)
         resting = [breakdown(child.process.pid) for child in children]
+        counted.append(memory_metrics(metrics_port))
+        largest = [regions(child.process.pid, options.top) for child in children]
     print(f"\n{model.name}, {options.requests} requests of max_tokens {options.max_tokens}")
-    for child, now, later in zip(children, serving, resting, strict=True):
+    for child, now, later, maps in zip(children, serving, resting, largest, strict=True):
         print(f"{child.name} serving: {shown(now, options.top)}")
         print(f"{child.name} at rest: {shown(later, options.top)}")
+        print(f"{child.name} at rest, largest anonymous maps (MB resident of size): {maps}")
+    print(f"the node's own count, serving: {counted[0]}; at rest: {counted[1]}")
     return 0
 
 
