@@ -296,6 +296,38 @@ class FamilyEngineTests(unittest.TestCase):
         self.assertEqual(figures.held_bytes, held)
         self.assertEqual(figures.resident_bytes, held - sum(t.nbytes for t in tables))
 
+    def test_a_freed_large_block_leaves_the_resident_set(self) -> None:
+        """Once a node's engine is built, a large block freed (as a step frees its
+        temporaries) leaves the resident set at once, not when the engine next rests: glibc's
+        thresholds stay at their first value, even where a large map freed before (as packing
+        weights frees them) had raised them."""
+        import ctypes
+        import ctypes.util
+
+        from sfnode.node.host import resident_bytes
+
+        name = ctypes.util.find_library("c")
+        libc = ctypes.CDLL(name) if name else None
+        if libc is None or not hasattr(libc, "mallopt") or resident_bytes() is None:
+            raise unittest.SkipTest("not glibc on Linux")
+        libc.malloc.restype = ctypes.c_void_p
+        libc.free.argtypes = [ctypes.c_void_p]
+        libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+
+        def touched(size: int) -> int:
+            block = libc.malloc(size)
+            assert block
+            libc.memset(block, 1, size)
+            return int(block)
+
+        libc.free(touched(24 << 20))  # a freed map of its own: glibc raises its thresholds
+        build(families.gguf("llama", "Q8_0"))
+        before = resident_bytes()
+        libc.free(touched(8 << 20))
+        after = resident_bytes()
+        assert before is not None and after is not None
+        self.assertLess(after - before, 1 << 20)
+
     @defer.inlineCallbacks
     def test_metrics_show_the_weights_against_their_file(self) -> Any:
         """A node serving a Q4_K_M file shows on ``/metrics`` the bytes of the weights its
