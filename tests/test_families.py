@@ -257,6 +257,18 @@ class StoredWeightsTests(unittest.SynchronousTestCase):
         self.assertIsNone(row_file(embed))
         self.assertGreater(int(np.asarray(embed[3]).sum()), 0)
 
+    def test_converting_a_matrix_gives_back_its_pages(self) -> None:
+        """Weights converted from a file's matrices (a Q8_0 file's served as int4) leave none
+        of those matrices' pages of the map resident: the kernels hold copies."""
+        from sfnode.engines.weights.gather import gather_weights
+
+        stored = read_gguf(gguf("llama", "Q8_0"))
+        weights = gather_weights(stored, "int4", dense_copies=False, kernels="torch")
+        self.assertEqual(weights.mode, "int4")
+        for name in ("0.v", "0.o", "0.gate", "0.up", "1.down", "lm_head"):
+            self.assertIsInstance(stored.tensors[name].data, np.memmap)
+            self.assertEqual(resident_bytes(stored.tensors[name].data), 0, name)
+
     def test_stored_rows_read_their_file(self) -> None:
         """A table of stored rows (the embedding of a Q8_0 file) answers the rows the map
         holds, dequantized bit for bit, and reading them maps none of its pages."""

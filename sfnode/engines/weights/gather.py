@@ -432,7 +432,9 @@ class _Builder:
 
     def build(self, name: str) -> Linear:
         """The kernel of projection ``name``: one kernel for all its matrices where one holds
-        them, else each matrix's own (side by side: sfnode's in one call)."""
+        them, else each matrix's own (side by side: sfnode's in one call).  A kernel converted
+        from the file's matrices holds copies of them: the map's pages that converting read are
+        given back (they would stay resident beside the copy until the process ends)."""
         self.built.append(name)
         if name == "lm_head":
             parts = [("lm_head", _head_tensor(self.stored))]
@@ -441,6 +443,13 @@ class _Builder:
             parts = [
                 (f"{index}.{p}", self.stored.tensors[f"{index}.{p}"]) for p in PROJECTIONS[short]
             ]
+        kernel = self._kernel(parts)
+        if packed.keepable(kernel):
+            for _, tensor in parts:
+                give_back(tensor.data)
+        return kernel
+
+    def _kernel(self, parts: list[tuple[str, StoredTensor]]) -> Linear:
         precisions = {self.chosen[part] for part, _ in parts}
         tensors = [tensor for _, tensor in parts]
         if len(precisions) == 1:
