@@ -2,7 +2,7 @@
 process, started on a GGUF file no node has converted yet, loads its tokenizer and chat template
 and serves the model without importing either (the conversion runs in a child process of its
 own, ``python -m sfnode model-files``); nor, until a constrained request needs them, the grammar
-library and NumPy (docs/operating.md, "Memory")."""
+library and NumPy (docs/operating.md, "A light head")."""
 
 from __future__ import annotations
 
