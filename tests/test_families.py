@@ -369,6 +369,39 @@ class RopeTests(unittest.SynchronousTestCase):
         full = gemma.model.rotary_emb.full_attention_inv_freq.numpy()
         np.testing.assert_array_equal(_bits(gspec.rope_of(5).inv_freq()), _bits(full))
 
+    def test_a_tables_rows_do_not_depend_on_its_length(self) -> None:
+        """Every rope's tables (each family's, and linear, yarn and llama3 scaling) of 256
+        positions are the first 256 rows of its tables of 32,768 bit for bit: the tables grow
+        as the keys and values do (:class:`RopeTables`: the first 256 positions, then doubling,
+        never beyond the window) and a step computes the same whatever length they have."""
+        from sfnode.engines.runners.decoder import RopeTables, rope_tables
+
+        ropes = {
+            f"{family} layer {layer}": read_folder(folder(family)).spec.rope_of(layer)
+            for family in families.FAMILY_NAMES
+            for layer in (0, 5)
+            if layer < read_folder(folder(family)).spec.layers
+        }
+        for params in (
+            {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+            dict(families.LLAMA3_ROPE),
+        ):
+            ropes[params["rope_type"]] = self._ours({"rope_theta": 10000.0, **params})
+        for name, rope in ropes.items():
+            with self.subTest(rope=name):
+                short = rope_tables(rope, 256, torch.float32)
+                long = rope_tables(rope, 32768, torch.float32)
+                for few, many in zip(short, long, strict=True):
+                    np.testing.assert_array_equal(_bits(few.numpy()), _bits(many[:256].numpy()))
+        tables = RopeTables([ropes["linear"]] * 3, 1000, torch.float32)
+        self.assertEqual(tables.length, 256)
+        self.assertEqual(len({id(cos) for cos, _ in tables.layers}), 1)
+        self.assertEqual(tables.cover(200)[0][0].shape[0], 256)
+        self.assertEqual(tables.cover(300)[0][0].shape[0], 512)
+        self.assertEqual(tables.cover(513)[0][0].shape[0], 1000)
+        self.assertEqual(tables.cover(5000)[0][0].shape[0], 1000)
+
 
 PROMPT = [1, 37, 90, 200, 15, 8, 301, 77]
 TOKENS = 48

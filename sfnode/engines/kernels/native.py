@@ -38,7 +38,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -689,6 +689,15 @@ def _rows_pointers(table: Any, from_file: bool) -> tuple[int, int, int, int, lis
     return 0, floats.data_ptr(), -1, 0, [floats]
 
 
+class RotaryTables(Protocol):
+    """Each layer's rotary tables, grown on demand
+    (:class:`~sfnode.engines.runners.decoder.RopeTables`)."""
+
+    def cover(self, positions: int) -> Sequence[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's ``(cos, sin)`` of at least ``positions`` positions."""
+        ...
+
+
 class NativeStep:
     """The whole decode step of a Llama-family model in two calls into the native library
     (docs/engine.md section 5.2): :meth:`forward` (every layer over any rows, attention over the
@@ -700,20 +709,23 @@ class NativeStep:
     tensors must outlive this object (it holds their addresses; ``weights`` keeps them).
     """
 
-    def __init__(
-        self, weights: Any, library: Library, tables: Sequence[tuple[torch.Tensor, torch.Tensor]]
-    ) -> None:
-        """``tables`` are each layer's rotary tables ``(cos, sin)``, ``[window, rotated
-        dimensions]`` (``sin`` with rotate_half's sign folded in), float32; layers of one rope
-        share theirs."""
+    def __init__(self, weights: Any, library: Library, tables: RotaryTables) -> None:
+        """``tables`` gives each layer's rotary tables ``(cos, sin)``, ``[positions, rotated
+        dimensions]`` (``sin`` with rotate_half's sign folded in), float32, layers of one rope
+        sharing theirs, of at least the positions a step's keys and values hold
+        (:meth:`RotaryTables.cover`, asked at every :meth:`forward`)."""
         reason = fusable(weights)
         if reason is not None:
             raise ValueError(reason)
         self._weights = weights
         self._keep: list[Any] = []
+        self._tables = tables
+        self._bound: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """The tables the layers point at (float32 copies where ``tables``' are not)."""
+        self._bound_from: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._layers = (_Layer * len(weights.layers))()
         for index, layer in enumerate(weights.layers):
-            cos, sin = tables[index]
+            cos, _ = tables.cover(0)[index]
             self._layers[index] = _Layer(
                 self._float_pointer(layer.attn_norm),
                 self._float_pointer(layer.mlp_norm),
@@ -721,8 +733,8 @@ class NativeStep:
                 layer.o.kernel.matrix,
                 layer.gate_up.kernel.matrix,
                 layer.down.kernel.matrix,
-                self._float_pointer(cos),
-                self._float_pointer(sin),
+                None,  # the tables: :meth:`_bind`
+                None,
                 int(cos.shape[1]),
                 weights.spec.sliding_window or 0 if weights.spec.is_sliding(index) else 0,
                 *(
@@ -739,10 +751,25 @@ class NativeStep:
         self.refines = weights.lm_head_float is not None
         """Whether :meth:`logits` computes each row's best logits again from float rows."""
         self._model = self._model_struct(weights)
-        self.window = int(tables[0][0].shape[0])
+        self._bind(0)
         self._forward = library.handle.sf_forward
         self._logits = library.handle.sf_logits
         self._kv: tuple[weakref.ref[Any], tuple[int, int], _KV, Any, Any] | None = None
+
+    def _bind(self, positions: int) -> None:
+        """Point each layer at rotary tables of at least ``positions`` positions (new ones
+        where the tables grew; the previous ones are let go)."""
+        tables = list(self._tables.cover(positions))
+        if len(tables) == len(self._bound_from) and all(
+            cos is was for (cos, _), (was, _) in zip(tables, self._bound_from, strict=True)
+        ):
+            return
+        bound = []
+        for index, (cos, sin) in enumerate(tables):
+            cos, sin = cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous()
+            self._layers[index].cos, self._layers[index].sin = cos.data_ptr(), sin.data_ptr()
+            bound.append((cos, sin))
+        self._bound, self._bound_from = bound, tables
 
     def _float_pointer(self, tensor: torch.Tensor) -> int:
         """The address of ``tensor`` as contiguous float32, kept alive as long as this step."""
@@ -842,6 +869,7 @@ class NativeStep:
         go to its position of its slot; each row attends to its slot up to its position."""
         rows = len(positions)
         end = len(self._weights.layers) if end is None else end
+        self._bind(kv.capacity)
         if hidden is None:
             if tokens is None:
                 raise ValueError("forward needs tokens or hidden states")
