@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
+import torch
 from twisted.trial import unittest
 
 from sfnode.engines import ModelLoadError
 from sfnode.engines.families import spec_from_config
 from sfnode.engines.families.rope import Rope
 from sfnode.engines.families.spec import ModelSpec
-from sfnode.engines.kernels.maps import give_back, resident_bytes
+from sfnode.engines.kernels.maps import give_back, resident_bytes, row_file
 from sfnode.engines.weights.stored import StoredModel, read_folder, read_gguf
 from tests import families
 from tests.tinymodel import reference_greedy
@@ -227,6 +228,63 @@ class StoredWeightsTests(unittest.SynchronousTestCase):
         self.assertEqual(int(plain.sum()), 1000)
 
 
+    def test_a_tables_rows_read_from_its_file_are_the_mapped_ones(self) -> None:
+        """:func:`row_file` reads a table's rows from its file with ``pread``: every row (the
+        first and last among them) is the mapped one byte for byte, and reading maps none of
+        the table's pages; a table whose bytes are not a file's map, or whose file was
+        replaced since it was mapped, has none, and a row outside the table is refused."""
+        for kind in ("Q8_0", "Q4_K_M"):
+            with self.subTest(kind=kind):
+                embed = read_gguf(gguf("llama", kind)).tensors["embed"].data
+                rows = row_file(embed)
+                assert rows is not None
+                give_back(embed)
+                indices = [0, 3, 17, len(embed) - 1, 3]
+                read = rows.read(indices)
+                self.assertEqual(resident_bytes(embed), 0)
+                np.testing.assert_array_equal(read, embed[indices])
+                np.testing.assert_array_equal(rows.read(range(len(embed))), embed)
+                self.assertRaises(IndexError, rows.read, [len(embed)])
+                self.assertRaises(IndexError, rows.read, [-1])
+        self.assertIsNone(row_file(np.ones((4, 8), dtype=np.uint8)))
+        copy = Path(tempfile.mkdtemp()) / "copy.gguf"
+        self.addCleanup(shutil.rmtree, copy.parent)
+        shutil.copy(gguf("llama", "Q8_0"), copy)
+        embed = read_gguf(copy).tensors["embed"].data
+        replaced = copy.with_name("replaced.gguf")
+        replaced.write_bytes(bytes(copy.stat().st_size))
+        replaced.replace(copy)
+        self.assertIsNone(row_file(embed))
+        self.assertGreater(int(np.asarray(embed[3]).sum()), 0)
+
+    def test_converting_a_matrix_gives_back_its_pages(self) -> None:
+        """Weights converted from a file's matrices (a Q8_0 file's served as int4) leave none
+        of those matrices' pages of the map resident: the kernels hold copies."""
+        from sfnode.engines.weights.gather import gather_weights
+
+        stored = read_gguf(gguf("llama", "Q8_0"))
+        weights = gather_weights(stored, "int4", dense_copies=False, kernels="torch")
+        self.assertEqual(weights.mode, "int4")
+        for name in ("0.v", "0.o", "0.gate", "0.up", "1.down", "lm_head"):
+            self.assertIsInstance(stored.tensors[name].data, np.memmap)
+            self.assertEqual(resident_bytes(stored.tensors[name].data), 0, name)
+
+    def test_stored_rows_read_their_file(self) -> None:
+        """A table of stored rows (the embedding of a Q8_0 file) answers the rows the map
+        holds, dequantized bit for bit, and reading them maps none of its pages."""
+        from sfnode.engines.kernels.blocks import dequantize
+        from sfnode.engines.kernels.quant import StoredRows
+
+        tensor = read_gguf(gguf("llama", "Q8_0")).tensors["embed"]
+        table = StoredRows(tensor.kind, tensor.data, tensor.cols)
+        self.assertIsNotNone(table.file)
+        give_back(tensor.data)
+        picked = table[torch.tensor([[5, 2], [2, 9]])]
+        self.assertEqual(resident_bytes(tensor.data), 0)
+        mapped = dequantize(tensor.kind, np.asarray(tensor.data[[5, 2, 2, 9]]), tensor.cols)
+        np.testing.assert_array_equal(picked.reshape(4, -1).numpy(), mapped)
+
+
 class RopeTests(unittest.SynchronousTestCase):
     def _transformers(self, params: dict[str, Any], length: int | None = None) -> Any:
         from transformers import LlamaConfig
@@ -310,6 +368,39 @@ class RopeTests(unittest.SynchronousTestCase):
         np.testing.assert_array_equal(_bits(gspec.rope_of(0).inv_freq()), _bits(local))
         full = gemma.model.rotary_emb.full_attention_inv_freq.numpy()
         np.testing.assert_array_equal(_bits(gspec.rope_of(5).inv_freq()), _bits(full))
+
+    def test_a_tables_rows_do_not_depend_on_its_length(self) -> None:
+        """Every rope's tables (each family's, and linear, yarn and llama3 scaling) of 256
+        positions are the first 256 rows of its tables of 32,768 bit for bit: the tables grow
+        as the keys and values do (:class:`RopeTables`: the first 256 positions, then doubling,
+        never beyond the window) and a step computes the same whatever length they have."""
+        from sfnode.engines.runners.decoder import RopeTables, rope_tables
+
+        ropes = {
+            f"{family} layer {layer}": read_folder(folder(family)).spec.rope_of(layer)
+            for family in families.FAMILY_NAMES
+            for layer in (0, 5)
+            if layer < read_folder(folder(family)).spec.layers
+        }
+        for params in (
+            {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+            dict(families.LLAMA3_ROPE),
+        ):
+            ropes[params["rope_type"]] = self._ours({"rope_theta": 10000.0, **params})
+        for name, rope in ropes.items():
+            with self.subTest(rope=name):
+                short = rope_tables(rope, 256, torch.float32)
+                long = rope_tables(rope, 32768, torch.float32)
+                for few, many in zip(short, long, strict=True):
+                    np.testing.assert_array_equal(_bits(few.numpy()), _bits(many[:256].numpy()))
+        tables = RopeTables([ropes["linear"]] * 3, 1000, torch.float32)
+        self.assertEqual(tables.length, 256)
+        self.assertEqual(len({id(cos) for cos, _ in tables.layers}), 1)
+        self.assertEqual(tables.cover(200)[0][0].shape[0], 256)
+        self.assertEqual(tables.cover(300)[0][0].shape[0], 512)
+        self.assertEqual(tables.cover(513)[0][0].shape[0], 1000)
+        self.assertEqual(tables.cover(5000)[0][0].shape[0], 1000)
 
 
 PROMPT = [1, 37, 90, 200, 15, 8, 301, 77]

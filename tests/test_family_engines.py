@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from twisted.internet import defer, reactor, task
 from twisted.logger import capturedLogs, formatEvent
@@ -238,14 +239,17 @@ class FamilyEngineTests(unittest.TestCase):
 
     @defer.inlineCallbacks
     def test_a_resting_engine_gives_back_the_rows_it_read(self) -> Any:
-        """The tables read a row at a time from the file's map (the embedding, the head's
-        float rows) keep only the pages read since the engine last rested: a generation reads
-        some, and :data:`REST_AFTER_S` after it ended (and after a rest asked for) none are
-        resident; the engine's figures count the weights' resident bytes without them.  The
-        head's float rows of this file share the map its Q6_K head is multiplied from whole at
-        every step (kept as stored): those pages stay resident through a rest."""
+        """The tables read a row at a time (the embedding, the head's float rows) are read
+        from the file with ``pread``: a generation leaves none of their map's pages resident,
+        and the rows read are the mapped ones (the answer is the same as through the map, the
+        tests of exactness check that).  Pages read through the map (as a check of them does)
+        are given back :data:`REST_AFTER_S` after a generation ended (and after a rest asked
+        for); the engine's figures count the weights' resident bytes without them.  The head's
+        float rows of this file share the map its Q6_K head is multiplied from whole at every
+        step (kept as stored): those pages stay resident through a rest."""
         import mmap
 
+        from sfnode.engines.kernels.blocks import dequantize
         from sfnode.engines.kernels.maps import resident_bytes
         from sfnode.engines.kernels.native import BlockLinear
         from sfnode.engines.transformers_engine import REST_AFTER_S
@@ -266,14 +270,21 @@ class FamilyEngineTests(unittest.TestCase):
         self.addCleanup(engine.stop)
         request = GenerationRequest(list(PROMPT), GenParams(), TOKENS, 0)
         yield engine.submit(request, lambda *args: None).result
+        self.assertEqual([resident_bytes(table.data) for table in tables], [0])
+        for table in tables:
+            assert isinstance(table, StoredRows) and table.file is not None
+            rows = table[torch.tensor([1, 7])]
+            self.assertEqual(resident_bytes(table.data), 0)
+            mapped = dequantize(table.kind, np.asarray(table.data[[1, 7]]), table.shape[1])
+            np.testing.assert_array_equal(rows.numpy(), mapped)
+            self.assertGreater(resident_bytes(table.data), 0)
         # The engine rests once out of work for a while, not at once.
-        self.assertTrue(all(resident_bytes(table.data) for table in tables))
         yield task.deferLater(reactor, REST_AFTER_S + 0.2, lambda: None)
         yield engine.worker.call(lambda: None)
         self.assertEqual([resident_bytes(table.data) for table in tables], [0])
         self.assertEqual(resident_bytes(head.data), spanned)
         for table in tables:
-            table[torch.tensor([1, 7])]
+            int(np.asarray(table.data[[1, 7]]).sum())
             self.assertGreater(resident_bytes(table.data), 0)
         engine.worker.rest()
         yield task.deferLater(reactor, REST_AFTER_S + 0.2, lambda: None)
@@ -284,6 +295,38 @@ class FamilyEngineTests(unittest.TestCase):
         held = gathered.held_bytes()
         self.assertEqual(figures.held_bytes, held)
         self.assertEqual(figures.resident_bytes, held - sum(t.nbytes for t in tables))
+
+    def test_a_freed_large_block_leaves_the_resident_set(self) -> None:
+        """Once a node's engine is built, a large block freed (as a step frees its
+        temporaries) leaves the resident set at once, not when the engine next rests: glibc's
+        thresholds stay at their first value, even where a large map freed before (as packing
+        weights frees them) had raised them."""
+        import ctypes
+        import ctypes.util
+
+        from sfnode.node.host import resident_bytes
+
+        name = ctypes.util.find_library("c")
+        libc = ctypes.CDLL(name) if name else None
+        if libc is None or not hasattr(libc, "mallopt") or resident_bytes() is None:
+            raise unittest.SkipTest("not glibc on Linux")
+        libc.malloc.restype = ctypes.c_void_p
+        libc.free.argtypes = [ctypes.c_void_p]
+        libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+
+        def touched(size: int) -> int:
+            block = libc.malloc(size)
+            assert block
+            libc.memset(block, 1, size)
+            return int(block)
+
+        libc.free(touched(24 << 20))  # a freed map of its own: glibc raises its thresholds
+        build(families.gguf("llama", "Q8_0"))
+        before = resident_bytes()
+        libc.free(touched(8 << 20))
+        after = resident_bytes()
+        assert before is not None and after is not None
+        self.assertLess(after - before, 1 << 20)
 
     @defer.inlineCallbacks
     def test_metrics_show_the_weights_against_their_file(self) -> Any:

@@ -441,6 +441,25 @@ class FusedStepTests(unittest.SynchronousTestCase):
                 error = float((a_best - b_best).abs().max() / b_best.abs().max())
                 self.assertLess(error, 1e-3, mode)
 
+    def test_the_rotary_tables_grow_with_the_lanes(self) -> None:
+        """A runner holds rotary tables of the positions its lanes reach, not of its window:
+        256 for a short answer, and more once a lane passes them (the keys and values grew);
+        the native step then reads the grown tables, and every token and logit is the one a
+        runner whose tables covered the whole window from the start computes."""
+        rng = random.Random(6)
+        weights = self.weights("int4")
+        grown = DecoderRunner(weights, slots=1, window=1024)
+        whole = DecoderRunner(weights, slots=1, window=1024)
+        whole._rope.cover(1024)
+        self.assertIsNotNone(grown.fused, grown.fused_reason)
+        self.assertEqual(grown._rope.length, 256)
+        prompt = [rng.randrange(3, TINY_VOCAB) for _ in range(250)]
+        a_tokens, a_logits = greedy_run(grown, prompt, 20)
+        b_tokens, b_logits = greedy_run(whole, prompt, 20)
+        self.assertEqual(grown._rope.length, 512)
+        self.assertEqual(a_tokens, b_tokens)
+        torch.testing.assert_close(a_logits, b_logits, rtol=0, atol=0)
+
     def test_keys_and_values_do_not_depend_on_chunking_or_neighbours(self) -> None:
         """In int4 and int8 the native step writes bit-identical keys and values for a prompt
         computed in one chunk in slot 0 and in chunks of 7 in slot 1 beside another lane's

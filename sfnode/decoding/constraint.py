@@ -42,14 +42,8 @@ import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import llguidance
-import llguidance.numpy
-import numpy as np
-from numpy.typing import NDArray
-
-from sfnode.decoding.closing import LaneBudget, TokenTable
 from sfnode.linkf.wire import (
     LOGIT_BIAS_RANGE,
     MAX_GRAMMAR_BYTES,
@@ -65,6 +59,12 @@ from sfnode.linkf.wire import (
     ToolChoice,
     ToolsGrammar,
 )
+
+if TYPE_CHECKING:
+    import numpy as np
+    from numpy.typing import NDArray
+
+    from sfnode.decoding.closing import TokenTable
 
 CALL_OPEN = "<tool_call>"
 """What opens a tool call in the generic rendering (docs/protocol.md section 12.3)."""
@@ -438,6 +438,8 @@ def check_grammar(grammar: Grammar, param: str = "grammar") -> None:
         text = grammar_text(grammar)
     except ConstraintError as e:
         raise ConstraintError(e.message, param) from e
+    import llguidance
+
     error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(text))
     if error:
         raise ConstraintError(f"{_what(grammar)} cannot be enforced: {_first_line(error)}", param)
@@ -505,6 +507,10 @@ class Vocabulary:
             return read
         with self._reading:
             if self._read is None:
+                import llguidance
+
+                from sfnode.decoding.closing import TokenTable
+
                 assert self._json is not None
                 tokenizer = llguidance.LLTokenizer(
                     self._json, n_vocab=self.size, eos_token=sorted(self.eos_ids)
@@ -543,10 +549,14 @@ class Vocabulary:
 
     def new_masks(self, rows: int) -> NDArray[np.int32]:
         """A bitmask of ``rows`` rows, every token allowed."""
+        import numpy as np
+
         return np.full((rows, self.words), -1, dtype=np.int32)
 
     def allowed(self, masks: NDArray[np.int32], row: int) -> NDArray[np.intp]:
         """The ids a mask row allows, ascending."""
+        import numpy as np
+
         bits = np.unpackbits(masks[row].view(np.uint8), bitorder="little")[: self.size]
         return np.flatnonzero(bits)
 
@@ -561,6 +571,10 @@ class Matcher:
     """
 
     def __init__(self, vocabulary: Vocabulary, grammar: Grammar) -> None:
+        import llguidance
+
+        from sfnode.decoding.closing import LaneBudget
+
         self.vocabulary = vocabulary
         text = grammar_text(grammar)
         self._matcher = llguidance.LLMatcher(
@@ -617,6 +631,8 @@ class Matcher:
     def fill(self, masks: NDArray[np.int32], row: int) -> None:
         """Write the tokens allowed next into ``masks[row]`` (see :class:`MaskFiller` for
         many at once)."""
+        import llguidance.numpy
+
         llguidance.numpy.fill_next_token_bitmask(self._matcher, masks, row)
         _end_only_where_allowed(masks, row, self.vocabulary)
         self.narrow(masks, row)
@@ -642,6 +658,8 @@ class Matcher:
 def _end_only_where_allowed(masks: NDArray[np.int32], row: int, vocabulary: Vocabulary) -> None:
     """A row that allows nothing (a grammar that cannot go on) allows the EOS ids: the lane
     may only end."""
+    import numpy as np
+
     if not masks[row].any():
         for token in vocabulary.eos_ids:
             masks[row, token // 32] |= np.int32(np.uint32(1 << (token % 32)).view(np.int32))
@@ -652,6 +670,8 @@ class MaskFiller:
     the GIL released; an engine calls :meth:`fill` from a thread of its own."""
 
     def __init__(self, vocabulary: Vocabulary, *, threads: int = 1) -> None:
+        import llguidance
+
         self.vocabulary = vocabulary
         self._executor = llguidance.LLExecutor(num_threads=max(1, threads))
 
@@ -666,6 +686,8 @@ class MaskFiller:
         as it was in ``into``, which is filled and returned instead of a new one)."""
         masks = self.vocabulary.new_masks(rows) if into is None else into
         if matchers:
+            import llguidance.numpy
+
             llguidance.numpy.fill_next_token_bitmask_par(
                 self._executor, [(m._matcher, row) for m, row in matchers], masks
             )

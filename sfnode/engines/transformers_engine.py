@@ -101,18 +101,44 @@ def eos_ids_of(model: Any) -> frozenset[int]:
     return frozenset(found)
 
 
-def _trim_heap() -> None:
-    """Return free heap pages to the system (glibc's ``malloc_trim``; nothing elsewhere)."""
+def _libc_function(name: str) -> Any:
+    """glibc's function ``name`` (ctypes), or None where the C library has none (not glibc)."""
     import ctypes
     import ctypes.util
 
-    name = ctypes.util.find_library("c")
+    library = ctypes.util.find_library("c")
     try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
+        return getattr(ctypes.CDLL(library), name) if library else None
     except (OSError, AttributeError):
-        trim = None
+        return None
+
+
+def _trim_heap() -> None:
+    """Return free heap pages to the system (glibc's ``malloc_trim``; nothing elsewhere)."""
+    trim = _libc_function("malloc_trim")
     if trim is not None:
         trim(0)
+
+
+HEAP_THRESHOLD = 128 * 1024
+"""glibc's threshold (bytes) above which an allocation is a map of its own, returned to the
+system when freed, and above which the heap's free top is returned (``mallopt``'s
+``M_MMAP_THRESHOLD`` and ``M_TRIM_THRESHOLD``): glibc's own first value of both, kept."""
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def _bound_heap() -> None:
+    """Keep glibc's heap thresholds at :data:`HEAP_THRESHOLD` (nothing where the C library is
+    not glibc).  Left alone, glibc raises them each time a large map of its own is freed (up to
+    32 MB, and the trim threshold to twice that), as packing the weights at start does: a
+    step's large temporaries then come from the heap, and what they free stays resident until
+    the engine rests (``malloc_trim``), 20-30 MB on the files of ``bench/sizes.py``
+    (docs/engine.md section 5.3).  Set, they never move: a large temporary is mapped and
+    unmapped by itself."""
+    mallopt = _libc_function("mallopt")
+    if mallopt is not None:
+        mallopt(_M_MMAP_THRESHOLD, HEAP_THRESHOLD)
+        mallopt(_M_TRIM_THRESHOLD, HEAP_THRESHOLD)
 
 
 def _rest(runner: TorchRunner) -> None:
@@ -571,6 +597,7 @@ class TransformersEngine(EngineLoop):
         model files (the file's own blocks are read from the file at every start)."""
         if loaded.cache_file is not None:
             config = replace(config, weights_cache=config.weights_cache or loaded.cache_file)
+        _bound_heap()
         engine = cls(
             loaded.stored,
             reactor,

@@ -1,16 +1,28 @@
 """The process's pages of a file's map, one tensor's range at a time: giving them back to the
 system (``madvise(MADV_DONTNEED)``: the file's pages stay in the page cache, the next read maps
-them again) and counting those resident (``/proc/self/pagemap``).  The kernels give back what
-laying out tiles read; the weights give back, when the engine rests, the tables read a row at a
-time (docs/engine.md section 5.3).
+them again) and counting those resident (``/proc/self/pagemap``); and a table's rows read from
+its file with ``pread`` instead of through the map (:class:`RowFile`).  The kernels give back
+what laying out tiles read; the tables read a row at a time (the embedding, the head's float
+rows) are read with ``pread``, and the weights give back, when the engine rests, what was read
+through the map (docs/engine.md section 5.3).
+
+Why ``pread``: a read through the map maps the pages around the one read with it (the
+kernel's fault-around, and a whole large folio of the page cache: on ext4 under Linux 6.18 up to
+1 MB for one row, whatever ``madvise(MADV_RANDOM)`` says), so a few scattered rows a token map
+the whole table into the resident set within a few hundred tokens.  ``pread`` copies only the
+row's bytes into a small buffer; the file's pages stay in the page cache, which is not the
+process's resident memory.
 
 Pure NumPy and the standard library: this module never imports torch, never writes into a map
-and never touches pages outside the tensor's own range rounded out to whole pages.
+or a file, and never touches pages outside the tensor's own range rounded out to whole pages.
 """
 
 from __future__ import annotations
 
 import mmap
+import os
+import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -60,4 +72,85 @@ def resident_bytes(data: np.ndarray[Any, Any], pagemap: str = "/proc/self/pagema
     return int(np.count_nonzero(present)) * mmap.PAGESIZE
 
 
-__all__ = ["give_back", "resident_bytes"]
+def _file_range(data: np.ndarray[Any, Any]) -> tuple[str, int] | None:
+    """The file ``data`` (rows of bytes, C-contiguous) is a view of, and the offset in it of
+    ``data``'s first byte; None for an array that is not a view of a file's map."""
+    found = _mapped_pages(data)
+    name = getattr(data, "filename", None)
+    offset = getattr(data, "offset", None)
+    if found is None or not isinstance(name, str | os.PathLike) or not isinstance(offset, int):
+        return None
+    if data.ndim != 2 or not data.flags.c_contiguous or data.dtype != np.uint8:
+        return None
+    mapped = found[0]
+    # np.memmap maps from the allocation granularity below the offset it was given; a view keeps
+    # its parent's filename, offset and map.
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    base = np.frombuffer(mapped, dtype=np.uint8).ctypes.data
+    return os.fspath(name), start + data.ctypes.data - base
+
+
+class RowFile:
+    """The rows of a table (``[rows, bytes a row]`` of ``uint8``, a view of a file's map) read
+    from the file with ``pread``: :attr:`fd` and :attr:`offset` (of row 0) for the native step,
+    :meth:`read` for the rest.  The descriptor is closed when this object goes."""
+
+    def __init__(self, path: str, offset: int, rows: int, row_bytes: int) -> None:
+        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        weakref.finalize(self, os.close, self.fd)
+        self.offset = offset
+        self.rows = rows
+        self.row_bytes = row_bytes
+
+    def read(self, indices: Sequence[int] | np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """Rows ``indices`` (``[len(indices), bytes a row]``), each read by itself."""
+        picked = np.asarray(indices, dtype=np.int64).reshape(-1)
+        out = np.empty((len(picked), self.row_bytes), dtype=np.uint8)
+        for at, index in enumerate(picked.tolist()):
+            if not 0 <= index < self.rows:
+                raise IndexError(f"row {index} of a table of {self.rows}")
+            read = os.preadv(self.fd, [out[at]], self.offset + index * self.row_bytes)
+            if read != self.row_bytes:
+                raise OSError(f"row {index}: {read} of {self.row_bytes} bytes read")
+        return out
+
+
+def row_file(data: np.ndarray[Any, Any], maps: str = "/proc/self/maps") -> RowFile | None:
+    """``data``'s rows read from its file (:class:`RowFile`), or None: an array that is not a
+    view of a file's map, or a file at the map's path that is not the mapped one (replaced
+    since, or gone: the map still reads the old file).  The mapped file is named by the inode
+    ``maps`` gives the map (``/proc/self/maps``; without it, the file at the path is taken as
+    the mapped one).  The inode alone, not the device: under overlayfs (a container's files)
+    the map names the real file's device, the opened file the overlay's.  Never reads through
+    the map, which would map its pages."""
+    found = _file_range(data)
+    if found is None or not len(data):
+        return None
+    path, offset = found
+    mapped = _mapped_inode(data.ctypes.data, maps)
+    try:
+        rows = RowFile(path, offset, int(data.shape[0]), int(data.shape[1]))
+    except FileNotFoundError:
+        return None
+    opened = os.fstat(rows.fd)
+    if (mapped is not None and mapped != opened.st_ino) or opened.st_size < offset + data.nbytes:
+        return None
+    return rows
+
+
+def _mapped_inode(address: int, maps: str) -> int | None:
+    """The inode of the file mapped at ``address`` as ``maps`` lists it; None where the
+    system has no such list."""
+    try:
+        with open(maps) as lines:
+            for line in lines:
+                fields = line.split(maxsplit=5)
+                first, _, last = fields[0].partition("-")
+                if int(first, 16) <= address < int(last, 16):
+                    return int(fields[4])
+    except FileNotFoundError:
+        return None
+    return None
+
+
+__all__ = ["RowFile", "give_back", "resident_bytes", "row_file"]

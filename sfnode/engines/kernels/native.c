@@ -36,6 +36,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define QK 32
 #define TILE_BYTES 160 /* 8 float16 d, 8 float16 m, 128 bytes of nibbles */
@@ -95,6 +96,13 @@ typedef struct {
     float final_softcap; /* logits likewise; 0: none */
     float embed_scale;   /* what an embedded row is multiplied by; 0: nothing */
     int32_t activation;  /* the gated MLP's: 0 SiLU, 1 GELU (tanh) */
+    /* >= 0: the embedding's (the refine rows') rows are read with pread from this file, row 0
+       at embed_at (refine_at), not through `embed` (`refine`): a read through the map maps
+       the pages around the row with it, a pread leaves them in the page cache */
+    int32_t embed_fd;
+    int64_t embed_at;
+    int32_t refine_fd;
+    int64_t refine_at;
 } sf_model;
 
 typedef struct {
@@ -1443,11 +1451,30 @@ TILED_FORMAT(q6k, QK_K, 210, Q6K_TILE_BYTES, q6k_tile_row)
 /* ---------------------------------------------------------------------------------------- */
 /* the step                                                                                 */
 
-/* One row of the embedding table, float32 (as the file means it, from its own blocks). */
-static void embed_row(const sf_model *md, int64_t token, float *out) {
+/* Row `index` of a table of rows of `bytes` each: from the map at `table`, or (fd >= 0) read
+   with pread from the file at `at` into `buffer`; NULL where the read comes back short. */
+static const uint8_t *table_row(const void *table, int fd, int64_t at, size_t bytes,
+                                int64_t index, uint8_t *buffer) {
+    if (fd < 0) return (const uint8_t *)table + (size_t)index * bytes;
+    size_t done = 0;
+    while (done < bytes) {
+        const ssize_t got = pread(fd, buffer + done, bytes - done,
+                                  (off_t)(at + index * (int64_t)bytes + (int64_t)done));
+        if (got <= 0) return NULL;
+        done += (size_t)got;
+    }
+    return buffer;
+}
+
+/* One row of the embedding table, float32 (as the file means it, from its own blocks); `buffer`
+   holds a stored row where the rows are read from the file.  0, or 6 where the read failed. */
+static int embed_row(const sf_model *md, int64_t token, float *out, uint8_t *buffer) {
     const int H = md->hidden;
     const size_t bytes = row_bytes(md->embed_type, H);
-    dequantize_row(md->embed_type, (const uint8_t *)md->embed + (size_t)token * bytes, H, out);
+    const uint8_t *stored = table_row(md->embed, md->embed_fd, md->embed_at, bytes, token, buffer);
+    if (!stored) return 6;
+    dequantize_row(md->embed_type, stored, H, out);
+    return 0;
 }
 
 static inline __m256 load8(const void *base, size_t index, int half) {
@@ -1717,15 +1744,18 @@ int sf_forward(const sf_model *md, const sf_kv *kv, int M, const int64_t *tokens
     st.gu = (float *)malloc(sizeof(float) * rows * 2 * I);
     st.out = (float *)malloc(sizeof(float) * rows * H);
     st.scores = (float *)malloc(sizeof(float) * ((size_t)threads * (longest + 8) + 8));
+    uint8_t *stored_row =
+        tokens && md->embed_fd >= 0 ? (uint8_t *)malloc(row_bytes(md->embed_type, H)) : NULL;
     int status =
         (!st.xf || !st.xq || !st.xd || !st.xs || !st.xo || !st.qkv || !st.gu || !st.out ||
-         !st.scores)
+         !st.scores || (tokens && md->embed_fd >= 0 && !stored_row))
             ? 2 : 0;
     if (!status && tokens)
         for (int m = 0; m < M; m++) {
             if (tokens[m] < 0 || tokens[m] >= md->vocab) { status = 5; break; }
             float *row = hidden + (size_t)m * H;
-            embed_row(md, tokens[m], row);
+            status = embed_row(md, tokens[m], row, stored_row);
+            if (status) break;
             if (md->embed_scale != 0.0f)
                 for (int k = 0; k < H; k++) row[k] *= md->embed_scale;
         }
@@ -1742,7 +1772,7 @@ int sf_forward(const sf_model *md, const sf_kv *kv, int M, const int64_t *tokens
         }
     }
     free(st.xf); free(st.xq); free(st.xd); free(st.xs); free(st.xo); free(st.qkv); free(st.gu);
-    free(st.out); free(st.scores);
+    free(st.out); free(st.scores); free(stored_row);
     return status;
 }
 
@@ -1785,16 +1815,19 @@ static inline int allowed(const int32_t *mask, int t) {
 }
 
 /* The best `refined` logits of one row (the final norm's output x) computed again from the
-   head's float rows (read from their own blocks into `w`, H floats), forbidden ones -inf;
-   `best` holds `refined` indices. */
-static void refine_row(const sf_model *md, const float *x, float *row, const int32_t *mask,
-                       int refined, int32_t *best, float *w) {
+   head's float rows (read from their own blocks into `w`, H floats; a stored row read from the
+   file into `buffer`), forbidden ones -inf; `best` holds `refined` indices.  0, or 6 where a
+   read from the file failed. */
+static int refine_row(const sf_model *md, const float *x, float *row, const int32_t *mask,
+                      int refined, int32_t *best, float *w, uint8_t *buffer) {
     const int H = md->hidden;
     const size_t bytes = row_bytes(md->refine_type, H);
     top_indices(row, md->vocab, refined, best);
     for (int j = 0; j < refined; j++) {
         const int t = best[j];
-        const uint8_t *stored = (const uint8_t *)md->refine + (size_t)t * bytes;
+        const uint8_t *stored =
+            table_row(md->refine, md->refine_fd, md->refine_at, bytes, t, buffer);
+        if (!stored) return 6;
         __m256 acc = _mm256_setzero_ps();
         if (md->refine_type == 8) {
             /* Q8_0 (a tied Q8_0 embedding): each weight d * q formed on the way, as
@@ -1817,6 +1850,7 @@ static void refine_row(const sf_model *md, const float *x, float *row, const int
         }
         row[t] = (mask && !allowed(mask, t)) ? -INFINITY : hsum(acc);
     }
+    return 0;
 }
 
 /* Logits [M, vocab] of hidden rows [M, hidden] (after the last layer): the final norm, the
@@ -1839,10 +1873,17 @@ int sf_logits(const sf_model *md, int M, const float *hidden, const int32_t *mas
     int32_t *best = (int32_t *)malloc(sizeof(int32_t) * ((size_t)M * (refined > 0 ? refined : 1)));
     float *rows_read = (float *)malloc(sizeof(float) * (size_t)threads * H);
     if (md->refine_type >= 0 && row_bytes(md->refine_type, H) == 0) refined = 0;
-    if (!xf || !xq || !xd || !xs || !xo || !best || !rows_read) {
+    const size_t stored_bytes = md->refine_type >= 0 ? row_bytes(md->refine_type, H) : 0;
+    uint8_t *stored_rows = md->refine_type >= 0 && md->refine_fd >= 0 && refined > 0
+                               ? (uint8_t *)malloc(stored_bytes * (size_t)threads)
+                               : NULL;
+    if (!xf || !xq || !xd || !xs || !xo || !best || !rows_read ||
+        (md->refine_type >= 0 && md->refine_fd >= 0 && refined > 0 && !stored_rows)) {
         free(xf); free(xq); free(xd); free(xs); free(xo); free(best); free(rows_read);
+        free(stored_rows);
         return 2;
     }
+    int status = 0;
     acts a = {xf, xq, xd, xs, H, xo};
 #pragma omp parallel num_threads(threads)
     {
@@ -1861,9 +1902,13 @@ int sf_logits(const sf_model *md, int M, const float *hidden, const int32_t *mas
             if (mask)
                 for (int t = 0; t < V; t++)
                     if (!allowed(mask, t)) row[t] = -INFINITY;
-            if (md->refine_type >= 0 && refined > 0)
+            if (md->refine_type >= 0 && refined > 0 &&
                 refine_row(md, xf + (size_t)m * H, row, mask, refined, best + (size_t)m * refined,
-                           rows_read + (size_t)me * H);
+                           rows_read + (size_t)me * H,
+                           stored_rows ? stored_rows + stored_bytes * (size_t)me : NULL)) {
+#pragma omp atomic write
+                status = 6;
+            }
             if (md->final_softcap > 0.0f) {
                 /* after the refinement, as the per-operator head caps them; masked ones stay
                    -inf */
@@ -1874,5 +1919,6 @@ int sf_logits(const sf_model *md, int M, const float *hidden, const int32_t *mas
         }
     }
     free(xf); free(xq); free(xd); free(xs); free(xo); free(best); free(rows_read);
-    return 0;
+    free(stored_rows);
+    return status;
 }

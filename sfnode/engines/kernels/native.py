@@ -38,7 +38,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -622,6 +622,10 @@ class _Model(ctypes.Structure):
         ("final_softcap", ctypes.c_float),
         ("embed_scale", ctypes.c_float),
         ("activation", ctypes.c_int32),
+        ("embed_fd", ctypes.c_int32),
+        ("embed_at", ctypes.c_int64),
+        ("refine_fd", ctypes.c_int32),
+        ("refine_at", ctypes.c_int64),
     ]
 
 
@@ -667,16 +671,31 @@ def fusable(weights: Any) -> str | None:
     return None
 
 
-def _rows_pointers(table: Any) -> tuple[int, int, list[Any]]:
-    """(ggml type, rows, arrays to keep) of an embedding table or the head's float rows: the
-    file's own rows read a row at a time (their format's type), or float32 rows (type 0)."""
+def _rows_pointers(table: Any, from_file: bool) -> tuple[int, int, int, int, list[Any]]:
+    """(ggml type, rows, file descriptor, offset of row 0 in the file, things to keep) of an
+    embedding table or the head's float rows: the file's own rows read a row at a time (their
+    format's type), with ``from_file`` read from the file with ``pread`` where the table has
+    its file (:class:`~sfnode.engines.kernels.maps.RowFile`; else descriptor -1: through the
+    map), or float32 rows (type 0)."""
     from sfnode.engines.kernels.quant import StoredRows
 
     if isinstance(table, StoredRows):
         rows = np.ascontiguousarray(table.data, dtype=np.uint8)
-        return table.ggml_type, rows.ctypes.data, [rows]
+        file = table.file if from_file else None
+        if file is None:
+            return table.ggml_type, rows.ctypes.data, -1, 0, [rows]
+        return table.ggml_type, rows.ctypes.data, file.fd, file.offset, [rows, file]
     floats = table.to(torch.float32).contiguous()
-    return 0, floats.data_ptr(), [floats]
+    return 0, floats.data_ptr(), -1, 0, [floats]
+
+
+class RotaryTables(Protocol):
+    """Each layer's rotary tables, grown on demand
+    (:class:`~sfnode.engines.runners.decoder.RopeTables`)."""
+
+    def cover(self, positions: int) -> Sequence[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's ``(cos, sin)`` of at least ``positions`` positions."""
+        ...
 
 
 class NativeStep:
@@ -690,20 +709,23 @@ class NativeStep:
     tensors must outlive this object (it holds their addresses; ``weights`` keeps them).
     """
 
-    def __init__(
-        self, weights: Any, library: Library, tables: Sequence[tuple[torch.Tensor, torch.Tensor]]
-    ) -> None:
-        """``tables`` are each layer's rotary tables ``(cos, sin)``, ``[window, rotated
-        dimensions]`` (``sin`` with rotate_half's sign folded in), float32; layers of one rope
-        share theirs."""
+    def __init__(self, weights: Any, library: Library, tables: RotaryTables) -> None:
+        """``tables`` gives each layer's rotary tables ``(cos, sin)``, ``[positions, rotated
+        dimensions]`` (``sin`` with rotate_half's sign folded in), float32, layers of one rope
+        sharing theirs, of at least the positions a step's keys and values hold
+        (:meth:`RotaryTables.cover`, asked at every :meth:`forward`)."""
         reason = fusable(weights)
         if reason is not None:
             raise ValueError(reason)
         self._weights = weights
         self._keep: list[Any] = []
+        self._tables = tables
+        self._bound: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """The tables the layers point at (float32 copies where ``tables``' are not)."""
+        self._bound_from: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._layers = (_Layer * len(weights.layers))()
         for index, layer in enumerate(weights.layers):
-            cos, sin = tables[index]
+            cos, _ = tables.cover(0)[index]
             self._layers[index] = _Layer(
                 self._float_pointer(layer.attn_norm),
                 self._float_pointer(layer.mlp_norm),
@@ -711,8 +733,8 @@ class NativeStep:
                 layer.o.kernel.matrix,
                 layer.gate_up.kernel.matrix,
                 layer.down.kernel.matrix,
-                self._float_pointer(cos),
-                self._float_pointer(sin),
+                None,  # the tables: :meth:`_bind`
+                None,
                 int(cos.shape[1]),
                 weights.spec.sliding_window or 0 if weights.spec.is_sliding(index) else 0,
                 *(
@@ -729,10 +751,25 @@ class NativeStep:
         self.refines = weights.lm_head_float is not None
         """Whether :meth:`logits` computes each row's best logits again from float rows."""
         self._model = self._model_struct(weights)
-        self.window = int(tables[0][0].shape[0])
+        self._bind(0)
         self._forward = library.handle.sf_forward
         self._logits = library.handle.sf_logits
         self._kv: tuple[weakref.ref[Any], tuple[int, int], _KV, Any, Any] | None = None
+
+    def _bind(self, positions: int) -> None:
+        """Point each layer at rotary tables of at least ``positions`` positions (new ones
+        where the tables grew; the previous ones are let go)."""
+        tables = list(self._tables.cover(positions))
+        if len(tables) == len(self._bound_from) and all(
+            cos is was for (cos, _), (was, _) in zip(tables, self._bound_from, strict=True)
+        ):
+            return
+        bound = []
+        for index, (cos, sin) in enumerate(tables):
+            cos, sin = cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous()
+            self._layers[index].cos, self._layers[index].sin = cos.data_ptr(), sin.data_ptr()
+            bound.append((cos, sin))
+        self._bound, self._bound_from = bound, tables
 
     def _float_pointer(self, tensor: torch.Tensor) -> int:
         """The address of ``tensor`` as contiguous float32, kept alive as long as this step."""
@@ -744,19 +781,31 @@ class NativeStep:
         """:meth:`_float_pointer`, or NULL for what the layer has not."""
         return None if tensor is None else self._float_pointer(tensor)
 
-    def _rows_pointers(self, table: Any) -> tuple[int, int]:
-        """(ggml type, rows) of a table of rows (:func:`_rows_pointers`), kept alive."""
-        kind, rows, kept = _rows_pointers(table)
+    def _rows_pointers(self, table: Any, from_file: bool) -> tuple[int, int, int, int]:
+        """(ggml type, rows, file descriptor, offset) of a table of rows
+        (:func:`_rows_pointers`), kept alive."""
+        kind, rows, fd, offset, kept = _rows_pointers(table, from_file)
         self._keep += kept
-        return kind, rows
+        return kind, rows, fd, offset
 
     def _model_struct(self, weights: Any) -> _Model:
         """The C view of the whole model: sizes, the layers, the embedding, the head and the
-        float rows it refines its best logits from (kind -1: none)."""
+        float rows it refines its best logits from (kind -1: none).  The tables read a row at a
+        time (``weights.row_tables()``) are read from their file with ``pread``: through the
+        map, each row read would map the pages around it (docs/engine.md section 5.3); a table
+        the head's kernel multiplies whole from the map is read through the map."""
         spec = weights.spec
-        refine = (-1, 0)
+        by_file = {table.data.ctypes.data for table in weights.row_tables()}
+
+        def from_file(table: Any) -> bool:
+            data = getattr(table, "data", None)
+            return isinstance(data, np.ndarray) and data.ctypes.data in by_file
+
+        embed = self._rows_pointers(weights.embed, from_file(weights.embed))
+        refine = (-1, 0, -1, 0)
         if weights.lm_head_float is not None:
-            refine = self._rows_pointers(weights.lm_head_float)
+            table = weights.lm_head_float
+            refine = self._rows_pointers(table, from_file(table))
         return _Model(
             len(weights.layers),
             self.hidden,
@@ -768,14 +817,16 @@ class NativeStep:
             weights.eps,
             weights.spec.attention_scale,
             ctypes.addressof(self._layers),
-            *self._rows_pointers(weights.embed),
+            *embed[:2],
             self._float_pointer(weights.final_norm_float),
             weights.lm_head.matrix,
-            *refine,
+            *refine[:2],
             spec.attn_softcap or 0.0,
             spec.final_softcap or 0.0,
             spec.embed_scale or 0.0,
             ACTIVATIONS.index(spec.activation),
+            *embed[2:],
+            *refine[2:],
         )
 
     def _kv_struct(self, kv: Any) -> _KV:
@@ -818,6 +869,7 @@ class NativeStep:
         go to its position of its slot; each row attends to its slot up to its position."""
         rows = len(positions)
         end = len(self._weights.layers) if end is None else end
+        self._bind(kv.capacity)
         if hidden is None:
             if tokens is None:
                 raise ValueError("forward needs tokens or hidden states")

@@ -36,6 +36,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from sfnode.engines.kernels.maps import row_file
+
 GROUP = 32
 """Weights per quantization group (a GGUF block, and the int4 kernel's group size)."""
 
@@ -158,12 +160,16 @@ class StoredRows:
         self.ggml_type = FORMATS[kind].ggml_type
         self.data = data
         self.shape = torch.Size((int(data.shape[0]), cols))
+        self.file = row_file(data)
+        """The rows read from the file with ``pread`` (None: through ``data``, not a file's map):
+        a read through the map would map the pages around each row read with it."""
 
     def __getitem__(self, index: torch.Tensor) -> torch.Tensor:
         from sfnode.engines.kernels.blocks import dequantize as dequantize_blocks
 
         picked = np.asarray(index.cpu()).reshape(-1)
-        rows = dequantize_blocks(self.kind, self.data[picked], self.shape[1])
+        stored = self.data[picked] if self.file is None else self.file.read(picked)
+        rows = dequantize_blocks(self.kind, stored, self.shape[1])
         return torch.from_numpy(rows).view(*index.shape, self.shape[1])
 
     @property

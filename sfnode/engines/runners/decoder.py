@@ -54,7 +54,7 @@ from sfnode.engines.families.rope import Rope
 from sfnode.engines.kernels.native import NativeStep, fusable
 from sfnode.engines.kernels.quant import Float32Linear, Linear, Projection
 from sfnode.engines.runners.attention import Attender, StepAttention, decode_positions
-from sfnode.engines.runners.kv import BlockPool, SlotKV
+from sfnode.engines.runners.kv import KV_GROWTH, BlockPool, SlotKV
 from sfnode.engines.runners.masks import MaskWorker
 from sfnode.engines.scheduling.plan import StepOutput, StepPlan
 from sfnode.engines.weights.gather import ModelWeights
@@ -78,6 +78,38 @@ def rope_tables(rope: Rope, window: int, dtype: torch.dtype) -> tuple[torch.Tens
     half = rope.dims // 2
     sign = torch.cat([-torch.ones(half), torch.ones(half)])
     return cos.to(dtype), (sin * sign).to(dtype)
+
+
+class RopeTables:
+    """Each layer's rotary tables ``(cos, signed_sin)`` (:func:`rope_tables`; layers of one
+    rope share theirs) of the positions ``0 .. length - 1``: computed for the first
+    :data:`~sfnode.engines.runners.kv.KV_GROWTH` positions, and again for more when a step
+    needs them (doubling, a multiple of ``KV_GROWTH``, never beyond the window), as the keys
+    and values grow.  A row of a table is a function of its position alone, whatever the
+    table's length (tested), so growing changes nothing computed; the tables of a 32,768-position
+    window (16 MB for Qwen2.5-0.5B's shape) are paid only by a node whose lanes get that long
+    (docs/engine.md section 5.3)."""
+
+    def __init__(self, ropes: Sequence[Rope], window: int, dtype: torch.dtype) -> None:
+        self._ropes = list(ropes)
+        self.window = window
+        self._dtype = dtype
+        self.length = 0
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.cover(1)
+
+    def cover(self, positions: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's tables, of at least ``positions`` positions (at most the window)."""
+        if positions > self.length and self.length < self.window:
+            wanted = max(positions, 2 * self.length)
+            length = min(self.window, -(-wanted // KV_GROWTH) * KV_GROWTH)
+            tables: dict[Rope, tuple[torch.Tensor, torch.Tensor]] = {}
+            for rope in self._ropes:
+                if rope not in tables:
+                    tables[rope] = rope_tables(rope, length, self._dtype)
+            self.layers = [tables[rope] for rope in self._ropes]
+            self.length = length
+        return self.layers
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -267,13 +299,9 @@ class DecoderRunner:
             softcap=spec.attn_softcap,
             cast=self.kv.dtype != weights.activations,
         )
-        tables: dict[Rope, tuple[torch.Tensor, torch.Tensor]] = {}
-        for layer in range(spec.layers):
-            rope = spec.rope_of(layer)
-            if rope not in tables:
-                tables[rope] = rope_tables(rope, window, weights.activations)
-        self._tables = [tables[spec.rope_of(layer)] for layer in range(spec.layers)]
-        """Each layer's rotary tables (layers of one rope share them)."""
+        ropes = [spec.rope_of(layer) for layer in range(spec.layers)]
+        self._rope = RopeTables(ropes, window, weights.activations)
+        """Each layer's rotary tables (layers of one rope share them), grown as needed."""
         self._embed_scale = (
             None
             if spec.embed_scale is None
@@ -286,7 +314,7 @@ class DecoderRunner:
         if self.fused_reason is None and library is None:
             self.fused_reason = "the native kernels are not in use"
         if self.fused_reason is None and library is not None:
-            self.fused = NativeStep(weights, library, self._tables)
+            self.fused = NativeStep(weights, library, self._rope)
 
     # -- steps ------------------------------------------------------------------------------------
 
@@ -405,11 +433,12 @@ class DecoderRunner:
 
     def _turns(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's rotary rows at ``positions`` (each distinct table indexed once)."""
+        tables = self._rope.cover(int(positions.max()) + 1 if positions.numel() else 0)
         picked: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for cos, sin in self._tables:
+        for cos, sin in tables:
             if id(cos) not in picked:
                 picked[id(cos)] = (cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
-        return [picked[id(cos)] for cos, _ in self._tables]
+        return [picked[id(cos)] for cos, _ in tables]
 
     def _forward(
         self, ids: Sequence[int], positions: Sequence[int], attention: StepAttention

@@ -176,11 +176,12 @@ class ModelWeights:
         return ", ".join(f"{name} x {n}" for name, n in sorted(counts.items()))
 
     def row_tables(self) -> list[StoredRows]:
-        """The tables read only a row at a time from the file's map (the embedding, the head's
-        float rows; one table where they are the same rows): only the rows the steps read are
-        needed resident.  Not a table whose map the head's kernel multiplies whole at every
-        step (a head kept as stored, e.g. a Q4_K_M file's Q6_K head): all of its pages are
-        read each token, and giving them back would fault the whole head in again."""
+        """The tables read only a row at a time (the embedding, the head's float rows; one
+        table where they are the same rows): the steps read them from the file with ``pread``
+        (:class:`~sfnode.engines.kernels.maps.RowFile`), never needing their map's pages
+        resident.  Not a table whose map the head's kernel multiplies whole at every step (a
+        head kept as stored, e.g. a Q4_K_M file's Q6_K head): all of its pages are read each
+        token, through the map, and giving them back would fault the whole head in again."""
         whole = self.lm_head.held if isinstance(self.lm_head, native.BlockLinear) else None
         found: dict[int, StoredRows] = {}
         for table in (self.embed, self.lm_head_float):
@@ -192,9 +193,9 @@ class ModelWeights:
         return list(found.values())
 
     def give_back_rows(self) -> None:
-        """Give back the row tables' pages of the file's map: the steps read a few rows a
-        token (the prompt's embeddings, each row's best logits again), and a page once read
-        stayed resident, neighbours mapped with it (docs/engine.md section 5.3)."""
+        """Give back the row tables' pages of the file's map that a read through the map left
+        resident (a check reading them; a table without its file), neighbours mapped with
+        them (docs/engine.md section 5.3)."""
         for table in self.row_tables():
             give_back(table.data)
 
@@ -432,7 +433,9 @@ class _Builder:
 
     def build(self, name: str) -> Linear:
         """The kernel of projection ``name``: one kernel for all its matrices where one holds
-        them, else each matrix's own (side by side: sfnode's in one call)."""
+        them, else each matrix's own (side by side: sfnode's in one call).  A kernel converted
+        from the file's matrices holds copies of them: the map's pages that converting read are
+        given back (they would stay resident beside the copy until the process ends)."""
         self.built.append(name)
         if name == "lm_head":
             parts = [("lm_head", _head_tensor(self.stored))]
@@ -441,6 +444,13 @@ class _Builder:
             parts = [
                 (f"{index}.{p}", self.stored.tensors[f"{index}.{p}"]) for p in PROJECTIONS[short]
             ]
+        kernel = self._kernel(parts)
+        if packed.keepable(kernel):
+            for _, tensor in parts:
+                give_back(tensor.data)
+        return kernel
+
+    def _kernel(self, parts: list[tuple[str, StoredTensor]]) -> Linear:
         precisions = {self.chosen[part] for part, _ in parts}
         tensors = [tensor for _, tensor in parts]
         if len(precisions) == 1:
