@@ -174,6 +174,40 @@ class KernelTests(unittest.SynchronousTestCase):
                     alone_row = native.BlockLinear(kind, row, 512, self.library)(x)[:, 0]
                     self.assertTrue(torch.equal(alone_row, got[:, n]), (kind, n))
 
+    def test_tile_loops_fused_form_equals_avx2_form(self) -> None:
+        """Every tiled kind (Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) gives bit for bit the same results in
+        the tile loops' vpdpwssd form (where the CPU has AVX512-VNNI) as in their AVX2 form,
+        for passes of 8 rows and of 1 to 7 (two int32 sums a row), over ragged last tiles, and
+        as the float reference within the activations' rounding."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize as reference_quantize
+
+        from tests import kquant
+
+        rng = np.random.default_rng(11)
+        floats = rng.standard_normal((37, 512)).astype(np.float32) * 0.1
+        q4_1 = native.gguf_blocks([q4_1_rows(37, 512, seed=2)])
+        layers: dict[str, Any] = {"Q4_1": native.Q4Linear(q4_1, 512, self.library)}
+        for kind in ("Q5_0", "Q8_0"):
+            raw = reference_quantize(floats, GGMLQuantizationType[kind])
+            data = np.ascontiguousarray(raw).view(np.uint8).reshape(37, -1)
+            layers[kind] = native.BlockLinear(kind, data, 512, self.library)
+        for kind in ("Q4_K", "Q6_K"):
+            data = kquant.random_blocks(kind, 37 * 2, rng).reshape(37, -1)
+            layers[kind] = native.BlockLinear(kind, data, 512, self.library)
+        x = torch.randn(21, 512, generator=torch.Generator().manual_seed(12)) * 3
+        for kind, layer in layers.items():
+            with self.subTest(kind=kind):
+                for rows in (1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 21):
+                    got = layer(x[:rows])
+                    self.assertTrue(torch.equal(got, native.avx2_form(layer, x[:rows])), rows)
+                    self.assertTrue(torch.equal(got, layer(x)[:rows]), rows)
+                if kind in ("Q4_1", "Q5_0", "Q8_0"):
+                    weight = native.blocks_weight(q4_1, 512) if kind == "Q4_1" else layer.weight()
+                    want = x @ weight.t()
+                    error = float((layer(x) - want).abs().max()) / float(want.abs().max())
+                    self.assertLess(error, 1e-3)
+
     def test_q4_of_a_float_matrix_and_q8(self) -> None:
         """Float weights packed into Q4_1 blocks, and int8 rows with a scale each, multiply by
         the weights they hold (the kernel family's self-check uses the same)."""

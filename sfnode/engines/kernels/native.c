@@ -371,6 +371,7 @@ typedef struct {
     float *d, *s;   /* per row and block: scale, scale * sum(q) */
     int K;
     int32_t *o;     /* per row and 16 inputs: -32 * sum(q), Q6_K's offset times them */
+    int32_t avx2_only; /* 1: the tile loops' AVX2 form even where the CPU has AVX512-VNNI */
 } acts;
 
 /* One row in int16 per block of 32: q = round(x / d), d = amax / 32767; s = d * sum(q), what
@@ -479,6 +480,24 @@ static inline void tile_store(const int R, const __m256 *af, float *y, int ldy, 
     }
 }
 
+/* The tile loops come in two forms, the same int32 sums bit for bit: V = 0, AVX2's vpmaddwd
+   and vpaddd; V = 1, where the CPU has AVX512-VNNI and AVX512-VL, vpdpwssd (the two fused,
+   its activation pair broadcast from memory), in passes of up to 8 activation rows, and with
+   two int32 sums a row where a pass has 4 rows or fewer (vpdpwssd's latency would otherwise
+   hold a short pass).  The V = 1 form is compiled only into functions built for those
+   extensions (tile_units_vnni) and run only where the CPU has them (product). */
+
+/* acc plus the 8 rows' int32 sums of a pair of inputs: w, the 8 rows' int16 weight pairs,
+   times the activation pair at xp. */
+static inline __attribute__((always_inline)) __m256i dot_add(const int V, __m256i acc,
+                                                             __m256i w, const int16_t *xp) {
+    if (V) {
+        __asm__("vpdpwssd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)xp));
+        return acc;
+    }
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, BCAST_PAIR(xp)));
+}
+
 /* A quarter of a tile (4 pairs of inputs) times the activations xp[0..7]: the 8 rows' int32
    sums of its 8 products. */
 static inline __attribute__((always_inline)) __m256i quarter_dot(__m256i w0, __m256i w1,
@@ -491,13 +510,39 @@ static inline __attribute__((always_inline)) __m256i quarter_dot(__m256i w0, __m
     return _mm256_add_epi32(p01, p23);
 }
 
+/* A quarter's sums added to a row's int32 sums: *a (V = 0, or V = 1 with one sum a row), or
+   *a and *b (V = 1 with two: the first and third pairs into *a, the others into *b). */
+static inline __attribute__((always_inline)) void quarter_add(const int V, const int two,
+                                                              __m256i *a, __m256i *b,
+                                                              __m256i w0, __m256i w1,
+                                                              __m256i w2, __m256i w3,
+                                                              const int16_t *xp) {
+    if (!V) {
+        *a = _mm256_add_epi32(*a, quarter_dot(w0, w1, w2, w3, xp));
+        return;
+    }
+    __m256i *odd = two ? b : a;
+    *a = dot_add(1, *a, w0, xp);
+    *odd = dot_add(1, *odd, w1, xp + 2);
+    *a = dot_add(1, *a, w2, xp + 4);
+    *odd = dot_add(1, *odd, w3, xp + 6);
+}
+
+/* Whether V's loops keep two int32 sums a row in a pass of R rows. */
+#define TWO_SUMS(V, R) ((V) && (R) <= 4)
+
 /* The 8 rows' int32 sums of 128 bytes of nibbles laid out as a Q4_1 tile's 4 quarters times
    the 32 activations at qx + offset of each of R rows (rows K apart), into ai[0..R-1]. */
-static inline __attribute__((always_inline)) void nibble_sums(const int R, const uint8_t *nibbles,
+static inline __attribute__((always_inline)) void nibble_sums(const int V, const int R,
+                                                              const uint8_t *nibbles,
                                                               const int16_t *qx, int K,
                                                               int offset, __m256i *ai) {
     const __m256i low = _mm256_set1_epi16(0x0F);
+    const int two = TWO_SUMS(V, R);
+    __m256i bi[4];
     for (int r = 0; r < R; r++) ai[r] = _mm256_setzero_si256();
+    if (two)
+        for (int r = 0; r < R; r++) bi[r] = _mm256_setzero_si256();
     for (int q = 0; q < 4; q++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(nibbles + 32 * q));
         const __m256i w0 = _mm256_and_si256(v, low);
@@ -505,25 +550,27 @@ static inline __attribute__((always_inline)) void nibble_sums(const int R, const
         const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), low);
         const __m256i w3 = _mm256_srli_epi16(v, 12);
         for (int r = 0; r < R; r++)
-            ai[r] = _mm256_add_epi32(
-                ai[r], quarter_dot(w0, w1, w2, w3, qx + (size_t)r * K + offset + 8 * q));
+            quarter_add(V, two, &ai[r], &bi[r & 3], w0, w1, w2, w3,
+                        qx + (size_t)r * K + offset + 8 * q);
     }
+    if (two)
+        for (int r = 0; r < R; r++) ai[r] = _mm256_add_epi32(ai[r], bi[r]);
 }
 
-/* R activation rows (R <= 4) against one tile column (8 output rows); each row's int32 sum per
-   block is exact, and its float steps are the same whatever R is. */
+/* R activation rows (R <= 4; V = 1: R <= 8) against one tile column (8 output rows); each
+   row's int32 sum per block is exact, and its float steps are the same whatever R and V are. */
 static inline __attribute__((always_inline)) void q4_tile_rows(
-    const int R, const uint8_t *w, int nb, const int16_t *qx, const float *dx, const float *sx,
-    int K, float *y, int ldy, int cols, int accumulate) {
-    __m256 af[4];
+    const int V, const int R, const uint8_t *w, int nb, const int16_t *qx, const float *dx,
+    const float *sx, int K, float *y, int ldy, int cols, int accumulate) {
+    __m256 af[8];
     for (int r = 0; r < R; r++) af[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *t = w + (size_t)b * TILE_BYTES;
         _mm_prefetch((const char *)(t + PREFETCH_BYTES), _MM_HINT_T0);
         _mm_prefetch((const char *)(t + PREFETCH_BYTES + 64), _MM_HINT_T0);
         _mm_prefetch((const char *)(t + PREFETCH_BYTES + 128), _MM_HINT_T0);
-        __m256i ai[4];
-        nibble_sums(R, t + 32, qx, K, b * QK, ai);
+        __m256i ai[8];
+        nibble_sums(V, R, t + 32, qx, K, b * QK, ai);
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
         const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 16)));
         for (int r = 0; r < R; r++) {
@@ -561,8 +608,9 @@ static inline __attribute__((always_inline)) __m256i q5_pair(__m256i v, __m256i 
    are taken out once for the R rows; each row's int32 sum per block is exact, scaled by the
    row's d times the activations' block scale; its float steps are the same whatever R is. */
 static inline __attribute__((always_inline)) void q5_tile_rows(
-    const int R, const uint8_t *w, int nb, const int16_t *qx, const float *dx, int K, float *y,
-    int ldy, int cols, int accumulate) {
+    const int V, const int R, const uint8_t *w, int nb, const int16_t *qx, const float *dx, int K,
+    float *y, int ldy, int cols, int accumulate) {
+    const int two = TWO_SUMS(V, R);
     __m256 af[8];
     for (int r = 0; r < R; r++) af[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
@@ -573,16 +621,20 @@ static inline __attribute__((always_inline)) void q5_tile_rows(
         const __m256i h = _mm256_loadu_si256((const __m256i *)(t + 16));
         const int16_t *xb = qx + b * QK;
         __m256i ai[8];
-        for (int r = 0; r < R; r++) ai[r] = _mm256_setzero_si256();
+        for (int r = 0; r < (two ? 2 * R : R); r++) ai[r] = _mm256_setzero_si256();
         for (int q = 0; q < 4; q++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(t + 48 + 32 * q));
             for (int s = 0; s < 4; s++) {
                 const __m256i wp = q5_pair(v, h, q, s);
+                /* with two sums a row, the odd pairs' go to ai[R + r] */
+                const int set = two && (s & 1) ? R : 0;
                 for (int r = 0; r < R; r++)
-                    ai[r] = _mm256_add_epi32(
-                        ai[r], _mm256_madd_epi16(wp, BCAST_PAIR(xb + (size_t)r * K + 8 * q + 2 * s)));
+                    ai[set + r] =
+                        dot_add(V, ai[set + r], wp, xb + (size_t)r * K + 8 * q + 2 * s);
             }
         }
+        if (two)
+            for (int r = 0; r < R; r++) ai[r] = _mm256_add_epi32(ai[r], ai[R + r]);
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
         for (int r = 0; r < R; r++)
             af[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[r]),
@@ -597,29 +649,37 @@ static inline __attribute__((always_inline)) void q5_tile_rows(
    8g + r's int8 weight for input 4h + k and in its high byte the one for input 4h + 2 + k, so
    two arithmetic shifts give two pairs' int16 weights in vpmaddwd's order. */
 
-/* R activation rows (R <= 4) against one Q8_0 tile column, as q5_tile_rows. */
+/* R activation rows (R <= 4; V = 1: R <= 8) against one Q8_0 tile column, as q5_tile_rows. */
 static inline __attribute__((always_inline)) void q8_tile_rows(
-    const int R, const uint8_t *w, int nb, const int16_t *qx, const float *dx, int K, float *y,
-    int ldy, int cols, int accumulate) {
-    __m256 af[4];
+    const int V, const int R, const uint8_t *w, int nb, const int16_t *qx, const float *dx, int K,
+    float *y, int ldy, int cols, int accumulate) {
+    const int two = TWO_SUMS(V, R);
+    __m256 af[8];
     for (int r = 0; r < R; r++) af[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *t = w + (size_t)b * Q8_TILE_BYTES;
         for (int p = 0; p < Q8_TILE_BYTES; p += 64)
             _mm_prefetch((const char *)(t + 12 * Q8_TILE_BYTES + p), _MM_HINT_T0);
-        __m256i ai[4];
-        for (int r = 0; r < R; r++) ai[r] = _mm256_setzero_si256();
+        __m256i ai[8];
+        for (int r = 0; r < (two ? 2 * R : R); r++) ai[r] = _mm256_setzero_si256();
         for (int h = 0; h < 8; h++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(t + 16 + 32 * h));
             const __m256i wa = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);
             const __m256i wb = _mm256_srai_epi16(v, 8);
             for (int r = 0; r < R; r++) {
                 const int16_t *xp = qx + (size_t)r * K + b * QK + 4 * h;
-                ai[r] = _mm256_add_epi32(ai[r],
-                                         _mm256_add_epi32(_mm256_madd_epi16(wa, BCAST_PAIR(xp)),
-                                                          _mm256_madd_epi16(wb, BCAST_PAIR(xp + 2))));
+                if (!V) {
+                    ai[r] = _mm256_add_epi32(
+                        ai[r], _mm256_add_epi32(_mm256_madd_epi16(wa, BCAST_PAIR(xp)),
+                                                _mm256_madd_epi16(wb, BCAST_PAIR(xp + 2))));
+                } else {
+                    ai[r] = dot_add(1, ai[r], wa, xp);
+                    ai[two ? R + r : r] = dot_add(1, ai[two ? R + r : r], wb, xp + 2);
+                }
             }
         }
+        if (two)
+            for (int r = 0; r < R; r++) ai[r] = _mm256_add_epi32(ai[r], ai[R + r]);
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
         for (int r = 0; r < R; r++)
             af[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[r]),
@@ -666,14 +726,15 @@ static inline __m256 tile_scales(__m256 d, const uint8_t *bytes, int is_signed) 
     return _mm256_mul_ps(d, _mm256_cvtepi32_ps(wide));
 }
 
-/* R activation rows (R <= 4) against one Q4_K tile column (8 output rows): each row's int32
-   sum per sub-block is exact, scaled by the row's d * sc times the activations' block scale,
-   less d_min * m times the activations' s; its float steps are the same whatever R is. */
+/* R activation rows (R <= 4; V = 1: R <= 8) against one Q4_K tile column (8 output rows):
+   each row's int32 sum per sub-block is exact, scaled by the row's d * sc times the
+   activations' block scale, less d_min * m times the activations' s; its float steps are the
+   same whatever R and V are. */
 static inline __attribute__((always_inline)) void q4k_tile_rows(
-    const int R, const uint8_t *w, int nsb, const int16_t *qx, const float *dx, const float *sx,
-    int K, float *y, int ldy, int cols, int accumulate) {
+    const int V, const int R, const uint8_t *w, int nsb, const int16_t *qx, const float *dx,
+    const float *sx, int K, float *y, int ldy, int cols, int accumulate) {
     const int nb = K / QK;
-    __m256 af[4];
+    __m256 af[8];
     for (int r = 0; r < R; r++) af[r] = _mm256_setzero_ps();
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *t = w + (size_t)sb * Q4K_TILE_BYTES;
@@ -686,8 +747,8 @@ static inline __attribute__((always_inline)) void q4k_tile_rows(
             _mm_prefetch((const char *)(nibbles + K_PREFETCH), _MM_HINT_T0);
             _mm_prefetch((const char *)(nibbles + K_PREFETCH + 64), _MM_HINT_T0);
             const int b = sb * 8 + j;
-            __m256i ai[4];
-            nibble_sums(R, nibbles, qx, K, b * QK, ai);
+            __m256i ai[8];
+            nibble_sums(V, R, nibbles, qx, K, b * QK, ai);
             const __m256 ds = tile_scales(d, scales + 8 * j, 0);
             const __m256 dm = tile_scales(dmin, scales + 64 + 8 * j, 0);
             for (int r = 0; r < R; r++) {
@@ -700,16 +761,17 @@ static inline __attribute__((always_inline)) void q4k_tile_rows(
     tile_store(R, af, y, ldy, cols, accumulate);
 }
 
-/* R activation rows (R <= 4) against one Q6_K tile column (8 output rows): each row's int32
-   sum per 16 inputs is exact, scaled by the row's d * scale times the activations' block
-   scale; its float steps are the same whatever R is.  The weights are taken out as q (0..63)
+/* R activation rows (R <= 4; V = 1: R <= 8) against one Q6_K tile column (8 output rows):
+   each row's int32 sum per 16 inputs is exact, scaled by the row's d * scale times the
+   activations' block scale; its float steps are the same whatever R and V are.  The weights are taken out as q (0..63)
    and each sum starts at the activations' -32 * sum(q) of those 16 inputs (ox, made when they
    were quantized): the same int32 as the sum of x * (q - 32), one subtraction less a pair. */
 static inline __attribute__((always_inline)) void q6k_tile_rows(
-    const int R, const uint8_t *w, int nsb, const int16_t *qx, const float *dx, const int32_t *ox,
-    int K, float *y, int ldy, int cols, int accumulate) {
+    const int V, const int R, const uint8_t *w, int nsb, const int16_t *qx, const float *dx,
+    const int32_t *ox, int K, float *y, int ldy, int cols, int accumulate) {
     const int nb = K / QK;
-    __m256 af[4];
+    const int two = TWO_SUMS(V, R);
+    __m256 af[8];
     for (int r = 0; r < R; r++) af[r] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi16(0x0F), top = _mm256_set1_epi16(0x30);
     for (int sb = 0; sb < nsb; sb++) {
@@ -726,9 +788,11 @@ static inline __attribute__((always_inline)) void q6k_tile_rows(
             for (int half = 0; half < 2; half++) {
                 const __m256i h = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * half));
                 /* each sum starts at the offset's share, -32 * sum(q): the weights stay 0..63 */
-                __m256i ai[4];
+                __m256i ai[8], bi[4];
                 for (int r = 0; r < R; r++)
                     ai[r] = _mm256_set1_epi32(ox[(size_t)r * (K / 16) + 2 * b + half]);
+                if (two)
+                    for (int r = 0; r < R; r++) bi[r] = _mm256_setzero_si256();
 #pragma GCC unroll 2
                 for (int qq = 0; qq < 2; qq++) {
                     const int q = 2 * half + qq;
@@ -747,10 +811,11 @@ static inline __attribute__((always_inline)) void q6k_tile_rows(
                         _mm256_srli_epi16(v, 12),
                         _mm256_and_si256(_mm256_srli_epi16(hq, 2), top));
                     for (int r = 0; r < R; r++)
-                        ai[r] = _mm256_add_epi32(
-                            ai[r],
-                            quarter_dot(w0, w1, w2, w3, qx + (size_t)r * K + b * QK + 8 * q));
+                        quarter_add(V, two, &ai[r], &bi[r & 3], w0, w1, w2, w3,
+                                    qx + (size_t)r * K + b * QK + 8 * q);
                 }
+                if (two)
+                    for (int r = 0; r < R; r++) ai[r] = _mm256_add_epi32(ai[r], bi[r]);
                 const __m256 s = tile_scales(d, t + 16 + 8 * (2 * j + half), 1);
                 for (int r = 0; r < R; r++)
                     af[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[r]),
@@ -1098,60 +1163,75 @@ static void stored_units(const sf_part *mat, const acts *a, int M, float *y, int
     }
 }
 
-/* y[m, n] (+)= x[m] . W[n] for the output rows of units [u0, u1); y's rows are ldy apart. */
-static void product_units(const sf_part *mat, const acts *a, int M, float *y, int ldy,
-                          int accumulate, int u0, int u1) {
+/* y[m, n] (+)= x[m] . W[n] for the output rows of tiles [u0, u1) of a part laid out in tiles
+   (kinds 0, 9 to 12), in V's form (see dot_add); y's rows are ldy apart. */
+static inline __attribute__((always_inline)) void tile_units(const int V, const sf_part *mat,
+                                                            const acts *a, int M, float *y,
+                                                            int ldy, int accumulate, int u0,
+                                                            int u1) {
     const int K = mat->K, N = mat->N, nb = K / QK;
-    if (mat->kind >= 9) {
-        const uint8_t *w = (const uint8_t *)mat->w;
-        int inputs;
-        const size_t tile = tile_bytes(mat, &inputs);
-        const int tiles = K / inputs;
-        for (int g = u0; g < u1; g++) {
-            const uint8_t *wg = w + (size_t)g * tiles * tile;
-            const int cols = N - 8 * g < 8 ? N - 8 * g : 8;
+    const uint8_t *w = (const uint8_t *)mat->w;
+    int inputs = QK;
+    const size_t tile = mat->kind == 0 ? TILE_BYTES : tile_bytes(mat, &inputs);
+    const int tiles = K / inputs;
+    for (int g = u0; g < u1; g++) {
+        const uint8_t *wg = w + (size_t)g * tiles * tile;
+        const int cols = N - 8 * g < 8 ? N - 8 * g : 8;
 #define TILE_CALL(RR)                                                                          \
     do {                                                                                       \
         const int16_t *xq = a->q + (size_t)m * K;                                              \
         const float *xd = a->d + m * nb, *xs = a->s + m * nb;                                  \
         float *yo = y + (size_t)m * ldy + 8 * g;                                               \
-        if (mat->kind == 10) q8_tile_rows(RR, wg, nb, xq, xd, K, yo, ldy, cols,           \
+        if (mat->kind == 0) q4_tile_rows(V, RR, wg, nb, xq, xd, xs, K, yo, ldy, cols,          \
+                                         accumulate);                                          \
+        else if (mat->kind == 9) q5_tile_rows(V, RR, wg, nb, xq, xd, K, yo, ldy, cols,         \
+                                              accumulate);                                     \
+        else if (mat->kind == 10) q8_tile_rows(V, RR, wg, nb, xq, xd, K, yo, ldy, cols,        \
                                                accumulate);                                    \
-        else if (mat->kind == 11) q4k_tile_rows(RR, wg, tiles, xq, xd, xs, K, yo, ldy, cols,   \
-                                                accumulate);                                   \
-        else q6k_tile_rows(RR, wg, tiles, xq, xd, a->o + (size_t)m * (K / 16), K, yo, ldy,    \
+        else if (mat->kind == 11) q4k_tile_rows(V, RR, wg, tiles, xq, xd, xs, K, yo, ldy,      \
+                                                cols, accumulate);                             \
+        else q6k_tile_rows(V, RR, wg, tiles, xq, xd, a->o + (size_t)m * (K / 16), K, yo, ldy, \
                            cols, accumulate);                                                  \
     } while (0)
-            if (mat->kind == 9) {
-                /* 8 rows a pass: a Q5_0 pair's weights cost 3 instructions to take out */
-#define Q5_CALL(RR)                                                                            \
-    q5_tile_rows(RR, wg, nb, a->q + (size_t)m * K, a->d + m * nb, K,                           \
-                 y + (size_t)m * ldy + 8 * g, ldy, cols, accumulate)
-                int m0 = 0;
-                for (; m0 + 8 <= M; m0 += 8) {
-                    const int m = m0;
-                    Q5_CALL(8);
-                }
-                ROW_TILES_FROM(m0, Q5_CALL);
-#undef Q5_CALL
-            } else {
-                ROW_TILES(TILE_CALL);
+        /* 8 rows a pass where the pairs' weights are worth taking out once for 8 (Q5_0's cost
+           3 instructions; with vpdpwssd every kind's), then 4 and fewer */
+        int m8 = 0;
+        if (V || mat->kind == 9)
+            for (; m8 + 8 <= M; m8 += 8) {
+                const int m = m8;
+                TILE_CALL(8);
             }
+        ROW_TILES_FROM(m8, TILE_CALL);
 #undef TILE_CALL
-        }
+    }
+}
+
+static void tile_units_avx2(const sf_part *mat, const acts *a, int M, float *y, int ldy,
+                            int accumulate, int u0, int u1) {
+    tile_units(0, mat, a, M, y, ldy, accumulate, u0, u1);
+}
+
+__attribute__((target("avx512f,avx512vl,avx512vnni"))) static void tile_units_vnni(
+    const sf_part *mat, const acts *a, int M, float *y, int ldy, int accumulate, int u0, int u1) {
+    tile_units(1, mat, a, M, y, ldy, accumulate, u0, u1);
+}
+
+/* Whether the CPU runs vpdpwssd on 256-bit vectors (AVX512-VNNI with AVX512-VL). */
+static inline int cpu_has_vnni(void) {
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+}
+
+/* y[m, n] (+)= x[m] . W[n] for the output rows of units [u0, u1); y's rows are ldy apart. */
+static void product_units(const sf_part *mat, const acts *a, int M, float *y, int ldy,
+                          int accumulate, int u0, int u1) {
+    const int K = mat->K, nb = K / QK;
+    if (mat->kind == 0 || mat->kind >= 9) {
+        if (!a->avx2_only && cpu_has_vnni())
+            tile_units_vnni(mat, a, M, y, ldy, accumulate, u0, u1);
+        else
+            tile_units_avx2(mat, a, M, y, ldy, accumulate, u0, u1);
     } else if (mat->kind >= 3) {
         stored_units(mat, a, M, y, ldy, accumulate, u0, u1);
-    } else if (mat->kind == 0) {
-        const uint8_t *w = (const uint8_t *)mat->w;
-        for (int g = u0; g < u1; g++) {
-            const uint8_t *wg = w + (size_t)g * nb * TILE_BYTES;
-            const int cols = N - 8 * g < 8 ? N - 8 * g : 8;
-#define Q4_CALL(RR)                                                                            \
-    q4_tile_rows(RR, wg, nb, a->q + (size_t)m * K, a->d + m * nb, a->s + m * nb, K,            \
-                 y + (size_t)m * ldy + 8 * g, ldy, cols, accumulate)
-            ROW_TILES(Q4_CALL);
-#undef Q4_CALL
-        }
     } else if (mat->kind == 1) {
         const int8_t *w = (const int8_t *)mat->w;
         for (int n = u0; n < u1; n++) {
@@ -1220,11 +1300,16 @@ static int matrix_ok(const sf_matrix *mat) {
     return rows == mat->N;
 }
 
-/* y[M, N] = x[M, K] @ W^T, one product in a parallel region of its own. */
-int sf_linear(const sf_matrix *mat, const float *x, int M, float *y, int threads) {
+/* Whether the tile loops run in their vpdpwssd form on this CPU (see dot_add). */
+int sf_vnni(void) { return cpu_has_vnni(); }
+
+/* y[M, N] = x[M, K] @ W^T, one product in a parallel region of its own; with avx2_only the
+   tile loops' AVX2 form whatever the CPU (the same results: the tests compare the two). */
+int sf_linear_form(const sf_matrix *mat, const float *x, int M, float *y, int threads,
+                   int avx2_only) {
     if (!matrix_ok(mat)) return 1;
     const int K = mat->K;
-    acts a = {x, NULL, NULL, NULL, K, NULL};
+    acts a = {x, NULL, NULL, NULL, K, NULL, avx2_only};
     if (quantized(mat)) {
         a.q = (int16_t *)malloc(sizeof(int16_t) * ((size_t)M * K + 16));
         a.d = (float *)malloc(sizeof(float) * ((size_t)M * (K / QK) + 1));
@@ -1247,6 +1332,11 @@ int sf_linear(const sf_matrix *mat, const float *x, int M, float *y, int threads
     }
     free(a.q); free(a.d); free(a.s); free(a.o);
     return 0;
+}
+
+/* y[M, N] = x[M, K] @ W^T, the tile loops in the CPU's fastest form. */
+int sf_linear(const sf_matrix *mat, const float *x, int M, float *y, int threads) {
+    return sf_linear_form(mat, x, M, y, threads, 0);
 }
 
 /* The 32 q of a block's 16 bytes of nibbles (input j the low nibble of byte j, input j + 16
@@ -1651,8 +1741,8 @@ static void attention_half(const step_state *st, const sf_layer *L, int l, int n
                            int m0, int m1) {
     const sf_model *md = st->md;
     const int H = md->hidden;
-    acts in_h = {st->xf, st->xq, st->xd, st->xs, H, st->xo};
-    acts in_a = {st->xf, st->xq, st->xd, st->xs, st->attended, st->xo};
+    acts in_h = {st->xf, st->xq, st->xd, st->xs, H, st->xo, 0};
+    acts in_a = {st->xf, st->xq, st->xd, st->xs, st->attended, st->xo, 0};
     for (int m = m0; m < m1; m++)
         rmsnorm_row(st->hidden + (size_t)m * H, H, L->input_norm, md->eps, st->xf + (size_t)m * H);
     if (quantized(&L->qkv)) quantize_rows(&in_h, m0, m1);
@@ -1680,8 +1770,8 @@ static void attention_half(const step_state *st, const sf_layer *L, int l, int n
 static void mlp_half(const step_state *st, const sf_layer *L, int m0, int m1) {
     const sf_model *md = st->md;
     const int H = md->hidden, I = md->intermediate;
-    acts in_h = {st->xf, st->xq, st->xd, st->xs, H, st->xo};
-    acts in_i = {st->xf, st->xq, st->xd, st->xs, I, st->xo};
+    acts in_h = {st->xf, st->xq, st->xd, st->xs, H, st->xo, 0};
+    acts in_i = {st->xf, st->xq, st->xd, st->xs, I, st->xo, 0};
     for (int m = m0; m < m1; m++)
         rmsnorm_row(st->hidden + (size_t)m * H, H, L->post_norm, md->eps, st->xf + (size_t)m * H);
     if (quantized(&L->gate_up)) quantize_rows(&in_h, m0, m1);
@@ -1884,7 +1974,7 @@ int sf_logits(const sf_model *md, int M, const float *hidden, const int32_t *mas
         return 2;
     }
     int status = 0;
-    acts a = {xf, xq, xd, xs, H, xo};
+    acts a = {xf, xq, xd, xs, H, xo, 0};
 #pragma omp parallel num_threads(threads)
     {
         const int nt = omp_get_num_threads(), me = omp_get_thread_num();

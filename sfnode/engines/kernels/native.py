@@ -176,6 +176,8 @@ def _open(path: Path, built: float, *, shipped: bool = False) -> Library | str:
     pointer, integer = ctypes.c_void_p, ctypes.c_int
     signatures = {
         "sf_linear": [pointer, pointer, integer, pointer, integer],
+        "sf_linear_form": [pointer, pointer, integer, pointer, integer, integer],
+        "sf_vnni": [],
         "sf_forward": [pointer, pointer, integer, pointer, pointer, pointer, pointer]
         + [integer] * 3,
         "sf_logits": [pointer, integer, pointer, pointer, integer, integer, pointer, integer],
@@ -299,18 +301,33 @@ def tile_shape(rows: int, cols: int) -> tuple[int, int]:
     return (-(-rows // TILE_ROWS), cols // BLOCK * TILE_BYTES)
 
 
-def _linear(function: Any, matrix: _Matrix, x: torch.Tensor, out_features: int) -> torch.Tensor:
+def _linear(
+    function: Any, matrix: _Matrix, x: torch.Tensor, out_features: int, *form: int
+) -> torch.Tensor:
     if x.dtype != torch.float32:
         x = x.to(torch.float32)
     x = x.contiguous()
     rows = x.shape[0]
     out = torch.empty((rows, out_features), dtype=torch.float32)
     status = function(
-        ctypes.byref(matrix), x.data_ptr(), rows, out.data_ptr(), torch.get_num_threads()
+        ctypes.byref(matrix), x.data_ptr(), rows, out.data_ptr(), torch.get_num_threads(), *form
     )
     if status:
         raise RuntimeError(f"the native kernel refused the problem (status {status})")
     return out
+
+
+def tile_loops_fused(library: Library) -> bool:
+    """Whether the tile loops run in their vpdpwssd form here (a CPU with AVX512-VNNI and
+    AVX512-VL; docs/engine.md section 5.4): the same results as their AVX2 form, bit for bit."""
+    return bool(library.handle.sf_vnni())
+
+
+def avx2_form(layer: Any, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` (a native product: ``Q4Linear``, ``BlockLinear``, ...) with the tile loops in
+    their AVX2 form whatever the CPU: what the vpdpwssd form must give bit for bit."""
+    function = layer.library.handle.sf_linear_form
+    return _linear(function, layer.matrix, x, layer.out_features, 1)
 
 
 class _Part(ctypes.Structure):
@@ -937,6 +954,7 @@ __all__ = [
     "NativeStep",
     "Q4Linear",
     "Q8Linear",
+    "avx2_form",
     "blocks_weight",
     "compiler",
     "cpu_flags",
@@ -944,4 +962,5 @@ __all__ = [
     "gguf_blocks",
     "load",
     "pack_blocks",
+    "tile_loops_fused",
 ]
