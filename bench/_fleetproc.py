@@ -62,6 +62,11 @@ TOPICS = (
 )
 WARM_UP_TOPIC = "a quiet village in the mountains"
 
+FLOOR = "import torch, twisted.application.app; from twisted.internet import reactor"
+"""What every node imports before it reads a model: the floor of its start and of its memory
+(issue 32: warm start at most the floor's import time + 1 s; the node without keys and values
+at most the floor's resident memory + the weights + 60 MB)."""
+
 
 Options = TypeVar("Options")
 
@@ -343,6 +348,15 @@ def memory_mb(pid: int) -> tuple[float, float]:
     if len(found) != 2:
         raise RuntimeError(f"process {pid} reports no resident memory (VmRSS, VmHWM): {found}")
     return found["VmRSS"], found["VmHWM"]
+
+
+def floor_mb() -> float:
+    """Resident MB of a fresh interpreter that has imported :data:`FLOOR` (``VmRSS``), run with
+    the user's shell's environment as the node is."""
+    env = {k: v for k, v in SHELL_ENV.items() if k != "OMP_WAIT_POLICY"}
+    code = FLOOR + "; print(open('/proc/self/status').read().split('VmRSS:')[1].split()[0])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True)
+    return int(out.stdout.split()[-1]) / 1024
 
 
 def cpu_name() -> str:

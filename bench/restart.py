@@ -40,7 +40,7 @@ from typing import Any
 from twisted.internet import defer, protocol, task
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _fleetproc import SHELL_ENV, cpu_name, twistd
+from _fleetproc import FLOOR, SHELL_ENV, cpu_name, twistd
 
 PROMPT = list(range(100, 132))
 """A short prompt of plain token ids (any model with more than 132 tokens takes it)."""
@@ -127,10 +127,6 @@ async def one_start(
 async def _within(reactor: Any, d: defer.Deferred[int], seconds: float) -> int:
     d.addTimeout(seconds, reactor)
     return await d
-
-
-FLOOR = "import torch, twisted.application.app; from twisted.internet import reactor"
-"""What every node imports before it reads a model: the floor of its start."""
 
 
 def floor_seconds() -> float:

@@ -29,11 +29,13 @@ from pathlib import Path
 
 import peer
 from _fleetproc import (
+    FLOOR,
     WARM_UP_TOPIC,
     Child,
     chat_body,
     child_env,
     fleet_processes,
+    floor_mb,
     run_guarded,
     run_phase,
     served_model,
@@ -79,18 +81,34 @@ def regions(pid: int, top: int) -> str:
     )
 
 
-def memory_metrics(port: int) -> str:
-    """The node's ``sfnode_resident_*`` gauges (``/metrics``) in MB."""
+def memory_metrics(port: int) -> dict[str, float]:
+    """The node's ``sfnode_resident_*`` gauges (``/metrics``) in MB, by the name after the
+    prefix (``bytes``, ``weights_bytes``, ``kv_bytes``, ``rest_bytes``)."""
     import urllib.request
 
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
         text = answer.read().decode()
-    found = [
-        f"{line.split()[0].removeprefix('sfnode_resident_')} {float(line.split()[-1]) / 2**20:.1f}"
+    return {
+        line.split("{")[0].split()[0].removeprefix("sfnode_resident_"): float(line.split()[-1])
+        / 2**20
         for line in text.splitlines()
         if line.startswith("sfnode_resident_")
-    ]
-    return ", ".join(found)
+    }
+
+
+def counted(figures: dict[str, float]) -> str:
+    return ", ".join(f"{name} {mb:.1f}" for name, mb in figures.items())
+
+
+def floor_target(figures: dict[str, float], floor: float) -> str:
+    """Issue 32's target for the node without keys and values against the node's own count."""
+    without_kv = figures["bytes"] - figures["kv_bytes"]
+    target = floor + figures["weights_bytes"] + 60
+    met = "met" if without_kv <= target else "not met"
+    return (
+        f"the node without keys and values {without_kv:.0f} MB; floor {floor:.0f} + weights "
+        f"{figures['weights_bytes']:.0f} + 60 = {target:.0f} MB: {met}"
+    )
 
 
 def shown(found: Counter[str], top: int) -> str:
@@ -125,17 +143,21 @@ def run(options: argparse.Namespace) -> int:
             print(f"  {len(bodies)} requests, {concurrency} at a time ...", flush=True)
             asyncio.run(run_phase(port, bodies, concurrency))
         serving = [breakdown(child.process.pid) for child in children]
-        counted = [memory_metrics(metrics_port)]
+        own = [memory_metrics(metrics_port)]
         time.sleep(peer.AT_REST_S)
         resting = [breakdown(child.process.pid) for child in children]
-        counted.append(memory_metrics(metrics_port))
+        own.append(memory_metrics(metrics_port))
         largest = [regions(child.process.pid, options.top) for child in children]
     print(f"\n{model.name}, {options.requests} requests of max_tokens {options.max_tokens}")
     for child, now, later, maps in zip(children, serving, resting, largest, strict=True):
         print(f"{child.name} serving: {shown(now, options.top)}")
         print(f"{child.name} at rest: {shown(later, options.top)}")
         print(f"{child.name} at rest, largest anonymous maps (MB resident of size): {maps}")
-    print(f"the node's own count, serving: {counted[0]}; at rest: {counted[1]}")
+    print(f"the node's own count (MB), serving: {counted(own[0])}; at rest: {counted(own[1])}")
+    floor = floor_mb()
+    print(f"issue 32, serving: {floor_target(own[0], floor)}")
+    print(f"issue 32, at rest: {floor_target(own[1], floor)}")
+    print(f"floor: python -c {FLOOR!r}")
     return 0
 
 
