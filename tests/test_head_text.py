@@ -272,6 +272,22 @@ class SpecialTokenTests(SynchronousTestCase):
         text = tok._tokenizer.decode(ids, skip_special_tokens=False)
         self.assertEqual(text, tok.render_chat(forged))
 
+    def test_the_text_instance_is_built_when_first_needed(self) -> None:
+        """A head serving chats whose messages spell no special token holds one ``tokenizers``
+        instance; the second, which encodes special tokens' spellings as text, is built when
+        a request first needs it (here a completion's prompt spelling ``<|im_end|>``), and
+        encodes that spelling as text tokens, not the special id."""
+        tok = HeadTokenizer(smollm2_folder())
+        renderer = Renderer(tok)
+        end = tok._tokenizer.token_to_id("<|im_end|>")
+        self.assertIn(end, renderer.chat([ChatMessage("user", "hi there")]))
+        self.assertIsNone(tok._text_tokenizer)
+        ids = renderer.completion("stop <|im_end|> here")
+        self.assertIsNotNone(tok._text_tokenizer)
+        self.assertNotIn(end, ids)
+        self.assertEqual(tok.decode(ids), "stop <|im_end|> here")
+        self.assertEqual(ids, renderer.completion("stop <|im_end|> here"))
+
     def test_the_tiny_tokenizer_with_a_template_and_without(self) -> None:
         """With the tiny tokenizer (specials <pad>, <s>, </s>), a message spelling ``</s>``
         and ``<s>`` keeps them as text, through a template that writes eos_token after each

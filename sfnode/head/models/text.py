@@ -212,10 +212,9 @@ class HeadTokenizer:
             if text is None:
                 raise TokenizerLoadError(f"there is no {self._where(TOKENIZER_FILE)}")
             self._tokenizer = Tokenizer.from_str(text)
-            # A second instance for text (its flag is per instance: worker threads encode at
-            # once, so one instance's flag must never be switched back and forth).
-            self._text_tokenizer = Tokenizer.from_str(text)
-            self._text_tokenizer.encode_special_tokens = True
+            self._text_tokenizer: Any = None
+            """A second instance for text, built when first needed (:meth:`_for_text`)."""
+            self._text_lock = threading.Lock()
         except TokenizerLoadError:
             raise
         except Exception as e:
@@ -270,10 +269,25 @@ class HeadTokenizer:
         # The batch encoders release the GIL while they work (``encode`` holds it throughout,
         # which would stall the reactor for seconds on a big prompt); the fast one skips the
         # character offsets the head does not use, twice as fast on long texts.
-        tokenizer = self._tokenizer if parse_special else self._text_tokenizer
+        tokenizer = self._tokenizer if parse_special else self._for_text()
         encoder = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
         ids: list[int] = encoder([text], add_special_tokens=special)[0].ids
         return ids
+
+    def _for_text(self) -> Any:
+        """The instance that encodes special tokens' spellings as text: a second one (the flag
+        is per instance, and worker threads encode at once, so one instance's flag is never
+        switched back and forth), built from the first when a request first needs it (a
+        completion's prompt, a chat message spelling a special token): a head that serves
+        only chats never holds it (about 10 MB for a vocabulary of 49,152 tokens)."""
+        with self._text_lock:
+            if self._text_tokenizer is None:
+                from tokenizers import Tokenizer
+
+                tokenizer = Tokenizer.from_str(self._tokenizer.to_str())
+                tokenizer.encode_special_tokens = True
+                self._text_tokenizer = tokenizer
+            return self._text_tokenizer
 
     def decode(self, ids: Sequence[int]) -> str:
         text: str = self._tokenizer.decode(list(ids), skip_special_tokens=True)
