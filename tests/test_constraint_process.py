@@ -14,7 +14,7 @@ line a process logs or on the fleet.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from twisted.internet import defer, reactor
 from twisted.trial.unittest import TestCase
 
 from sfnode.decoding.constraint import response_format_grammar
+from sfnode.generation import TokenBatch
 from sfnode.head.fleet.backend import HeadRequest
 from sfnode.head.fleet.fleet import Fleet, FleetSettings, Policy
 from sfnode.head.link import HeadIds
@@ -108,17 +109,28 @@ class ConstrainedFailoverTests(TestCase):
         self.addCleanup(port.stopListening)
         return openai_client(self, f"http://127.0.0.1:{port.getHost().port}/v1", api_key="-")
 
-    def killer(
+    def kill_at_first_tokens(
         self, fleet: Fleet, nodes: list[Any], killed: list[defer.Deferred[None]]
-    ) -> Callable[[], None]:
-        """What SIGKILLs the one node serving a generation now (its end put in ``killed``)."""
+    ) -> None:
+        """SIGKILL the node serving the next generation of ``fleet`` when the head gets that
+        generation's first tokens (its end put in ``killed``), on the reactor, before the head
+        reads anything after them: the node's finish, if it came already, is still unread, so
+        the generation is still the node's and fails over.  (Killed when the client read its
+        first chunk instead, the node had sometimes finished by then on a loaded machine.)"""
+        generate = fleet.generate
 
-        def kill_the_serving_node() -> None:
-            serving = [n.name for n in fleet.status().nodes if n.sessions]
-            self.assertEqual(len(serving), 1)
-            killed.append(nodes[int(serving[0][1:])].kill())
+        def generating(request: HeadRequest, on_tokens: Any = None) -> Any:
+            def seen(batch: TokenBatch) -> None:
+                if batch.tokens and not killed:
+                    serving = [n.name for n in fleet.status().nodes if n.sessions]
+                    self.assertEqual(len(serving), 1)
+                    killed.append(nodes[int(serving[0][1:])].kill())
+                if on_tokens is not None:
+                    on_tokens(batch)
 
-        return kill_the_serving_node
+            return generate(request, seen)
+
+        fleet.generate = generating  # type: ignore[method-assign]
 
     @defer.inlineCallbacks
     def test_a_killed_nodes_streamed_json_answer_equals_the_uninterrupted_one_over_http(
@@ -137,14 +149,12 @@ class ConstrainedFailoverTests(TestCase):
             lambda: client.chat.completions.create(**request)
         )
         killed: list[defer.Deferred[None]] = []
-        kill_the_serving_node = self.killer(fleet, nodes, killed)
+        self.kill_at_first_tokens(fleet, nodes, killed)
 
         def streamed() -> str:
             pieces = []
             for chunk in client.chat.completions.create(**request, stream=True):
                 text = chunk.choices[0].delta.content if chunk.choices else None
-                if text and not killed:
-                    threads.blockingCallFromThread(reactor, kill_the_serving_node)
                 pieces.append(text or "")
             return "".join(pieces)
 
@@ -221,7 +231,7 @@ class ConstrainedFailoverTests(TestCase):
         )
         self.assertLessEqual(reference.usage.completion_tokens, 120)
         killed: list[defer.Deferred[None]] = []
-        kill_the_serving_node = self.killer(fleet, nodes, killed)
+        self.kill_at_first_tokens(fleet, nodes, killed)
 
         def streamed() -> tuple[str, Any, Any]:
             pieces, finish, details = [], None, None
@@ -229,8 +239,6 @@ class ConstrainedFailoverTests(TestCase):
                 if not chunk.choices:
                     continue
                 text = chunk.choices[0].delta.content
-                if text and not killed:
-                    threads.blockingCallFromThread(reactor, kill_the_serving_node)
                 pieces.append(text or "")
                 if chunk.choices[0].finish_reason is not None:
                     finish = chunk.choices[0].finish_reason
