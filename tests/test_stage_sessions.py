@@ -178,6 +178,34 @@ class StepGroupTests(_StepGroupCase):
         self.assertEqual(self.pipeline.forwarded, 16)
         self.assertEqual(self.group.rounds, 2)
 
+    def test_a_member_asking_again_with_its_token_is_sent_in_the_same_turn(self) -> None:
+        """A member that asks its next step as its token comes in (as a generation does) has
+        its next round sent at once, without waiting for another reactor turn, together with
+        a member that joined while the round ran."""
+        a = self.kept(1)
+        steps: list[Deferred[int]] = []
+
+        def again(token: int) -> int:
+            steps.append(self.group.submit(a, (token,), 2))
+            return token
+
+        self.group.submit(a, (5, 6), 0).addCallback(again)
+        self.clock.advance(0)
+        self.links[0].answers[0].callback(_Answer(hidden=b"h" * 8))
+        self.links[1].answers[0].callback(_Answer(token=9))
+        self.assertEqual(len(steps), 1)
+        self.assertEqual(self.links[0].sent[1:], [((9,), 0, 2, None, 1, 2)])
+        steps[0].addCallback(again)
+        b = self.kept(2)
+        self.links[0].answers[1].callback(_Answer(hidden=b"h" * 4))
+        self.group.submit(b, (7,), 0)
+        self.assertEqual(len(self.links[0].sent), 2)  # b waits for a's round to end
+        self.links[1].answers[1].callback(_Answer(token=3))
+        self.assertEqual(
+            self.links[0].sent[2:], [((7,), 0, 2, None, 2, 0), ((3,), 0, 2, None, 1, 2)]
+        )
+        self.assertEqual(self.group.rounds, 3)
+
     def test_a_failed_member_leaves_and_the_others_go_on(self) -> None:
         """A row whose stage fails gets the failure and leaves the group: the other member's
         next round does not wait for it, and it joins again with its next step."""

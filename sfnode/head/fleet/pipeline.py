@@ -197,7 +197,8 @@ class StepGroup:
         self._check()
 
     def _check(self) -> None:
-        """A round starts at the end of this reactor turn once every member waits."""
+        """A round starts at the end of this reactor turn once every member waits (so the
+        members that ask in the same turn go together)."""
         ready = self._waiting and set(self._waiting) == self.members
         if self._running or self._called is not None or not ready:
             return
@@ -213,8 +214,14 @@ class StepGroup:
         self._round(rows).addBoth(self._round_done)
 
     def _round_done(self, _: object) -> None:
+        """The next round starts now when every member asked again while this one answered
+        (as a generation does at once with its token): the next STAGE_BATCH_REQ leaves in the
+        turn the last token came in, not one reactor turn later."""
         self._running = False
-        self._check()
+        if self._waiting and set(self._waiting) == self.members:
+            self._start_round()
+        else:
+            self._check()
 
     @defer.inlineCallbacks
     def _round(self, rows: list[_Row]) -> Generator[Deferred[Any], Any, None]:
@@ -571,9 +578,19 @@ class PipelineFleet:
     def stop(self) -> Deferred[None]:
         return self.fleet.stop()
 
+    def _open_links(self) -> Deferred[list[NodeLink]]:
+        """Every stage's link, once open; :class:`NoNodeAvailable` when one is down.  At once
+        when every link is open already (every step's case: no waiter through each link's
+        machine before the next request leaves)."""
+        links = [node.link for node in self.stages]
+        if len(links) == len(self.endpoints) and all(link.status == "open" for link in links):
+            self.plan()
+            return defer.succeed(links)
+        return self._wait_links()
+
     @defer.inlineCallbacks
-    def _open_links(self) -> Generator[Deferred[Any], Any, list[NodeLink]]:
-        """Every stage's link, once open; :class:`NoNodeAvailable` when one is down."""
+    def _wait_links(self) -> Generator[Deferred[Any], Any, list[NodeLink]]:
+        """:meth:`_open_links` once each link's attempt under way settles."""
         if len(self.stages) != len(self.endpoints):
             raise NoNodeAvailable("the pipeline's stages are not all connected yet")
         links = []
