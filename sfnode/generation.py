@@ -373,6 +373,14 @@ class KeptStages(Protocol):
         """Forget ``owner``'s ``session``, or every session of ``owner``."""
 
 
+def kept_stages_of(engine: object) -> KeptStages | None:
+    """``engine``'s kept stage sessions (:class:`StageKeeping`), None when it keeps none: one
+    attribute read, where ``isinstance(engine, StageKeeping)`` walks the Protocol's members at
+    every call (every stage request asks)."""
+    kept: KeptStages | None = getattr(engine, "kept_stages", None)
+    return kept
+
+
 @runtime_checkable
 class StageKeeping(Protocol):
     """An engine whose pipeline stages may keep their KV: the node then offers

@@ -39,8 +39,8 @@ from sfnode.generation import (
     GenerationRequest,
     StageForward,
     StageForwardError,
-    StageKeeping,
     StageResult,
+    kept_stages_of,
 )
 from sfnode.linkf.idempotency import GenerationKey
 from sfnode.linkf.model_files import XFER_ABORT_UNKNOWN, transfer_messages
@@ -297,15 +297,14 @@ class Responders:
             connection.send(StageForwardRespMsg(msg.request_id, None, None))
 
         engine = self._common.engine
+        kept = kept_stages_of(engine)
         if msg.stage_session is None:
             running = engine.stage_forward(
                 msg.tokens, msg.start_layer, msg.end_layer, msg.hidden_in
             )
-        elif isinstance(engine, StageKeeping) and engine.kept_stages is not None:
+        elif kept is not None:
             forward = StageForward(msg.tokens, msg.start_layer, msg.end_layer, msg.hidden_in)
-            running = engine.kept_stages.forward(
-                connection, msg.stage_session, msg.position or 0, forward
-            )
+            running = kept.forward(connection, msg.stage_session, msg.position or 0, forward)
         else:
             running = defer.fail(StageForwardError("this node keeps no stage KV"))
         running.addCallbacks(answer, refuse)
@@ -325,8 +324,8 @@ class Responders:
                     answers.append(StageBatchAnswer(None, None))
             connection.send(StageBatchRespMsg(msg.request_id, tuple(answers)))
 
-        engine = self._common.engine
-        if isinstance(engine, StageKeeping) and engine.kept_stages is not None:
+        kept = kept_stages_of(self._common.engine)
+        if kept is not None:
             requests = [
                 (
                     row.stage_session,
@@ -335,7 +334,7 @@ class Responders:
                 )
                 for row in msg.rows
             ]
-            running = engine.kept_stages.forward_all(connection, requests)
+            running = kept.forward_all(connection, requests)
         else:
             error = StageForwardError("this node keeps no stage KV")
             running = [defer.fail(error) for _ in msg.rows]
@@ -344,9 +343,9 @@ class Responders:
     @handles(StageReleaseMsg)
     def stage_release(self, connection: NodeConnection, msg: StageReleaseMsg) -> None:
         """Forget that stage session of the connection (section 12.8); silent."""
-        engine = self._common.engine
-        if isinstance(engine, StageKeeping) and engine.kept_stages is not None:
-            engine.kept_stages.release(connection, msg.stage_session)
+        kept = kept_stages_of(self._common.engine)
+        if kept is not None:
+            kept.release(connection, msg.stage_session)
 
     @handles(EmbedReqMsg)
     def embed(self, connection: NodeConnection, msg: EmbedReqMsg) -> None:
