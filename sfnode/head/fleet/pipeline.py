@@ -262,6 +262,17 @@ def _through_stage(
     by_link: dict[int, list[int]] = {}
     for n, row in enumerate(rows):
         by_link.setdefault(id(row.kept.links[i]), []).append(n)
+    link = rows[0].kept.links[i]
+    if len(by_link) == 1 and (link.features or 0) & FEATURE_STAGE_BATCH:
+        # Every row on one batching link (every step's case): its answers are the rows' own,
+        # without a Deferred per row.
+        batch = [
+            StageBatchRow(
+                row.kept.session or 0, row.position, row.tokens if i == 0 else (), row.hidden
+            )
+            for row in rows
+        ]
+        return stage_batch(link, start, end, batch).addBoth(_batch_answers, link.name, len(rows))
     sent: list[Deferred[Any]] = [Deferred() for _ in rows]
     for indices in by_link.values():
         link = rows[indices[0]].kept.links[i]
@@ -280,6 +291,20 @@ def _through_stage(
                     t, start, end, row.hidden, row.kept.session, row.position
                 ).chainDeferred(sent[n])
     return defer.DeferredList(sent, consumeErrors=True)
+
+
+def _batch_answers(
+    response: StageBatchRespMsg | Failure, name: str, count: int
+) -> list[tuple[bool, Any]]:
+    """Each of ``count`` rows' ``(ok, answer)`` from one STAGE_BATCH_RESP, as
+    :func:`_split_batch` gives them: all failed when the batch failed or answered another
+    number of rows."""
+    if isinstance(response, Failure):
+        return [(False, response)] * count
+    if len(response.answers) != count:
+        error = PipelineError(f"stage {name} answered another batch")
+        return [(False, error)] * count
+    return [(True, answer) for answer in response.answers]
 
 
 def _split_batch(
@@ -304,7 +329,7 @@ def _answer(
 ) -> int | bytes | Failure | PipelineError:
     """A stage's answer to one row: its token, the hidden state to send on, or the failure."""
     if not ok:
-        failure: Failure = response
+        failure: Failure | PipelineError = response
         return failure
     if response.token is not None:
         return int(response.token)
