@@ -1,17 +1,21 @@
 """One full node against a pipeline of 2 and 3 stage nodes on one machine (issue 36).
 
 Every server is its own process: ``twistd sfnode`` (one full node, or one per stage) and ``twistd
-sfhead`` (``--node`` for the full node, ``--pipeline`` for the stages), started one setup at a
-time, never two at once.  Each setup gets the same greedy streamed chat requests, one at a time
-and eight at once; the script prints tokens/s side by side with the ratio to the full node, the
-hidden-state bytes sent between stages per generated token (from the head's log, which counts
-what it sends), and whether every text equals the full node's.
+sfhead`` (``--node`` for the full node, ``--pipeline`` for the stages).  Each setup gets the same
+greedy streamed chat requests, one at a time and eight at once; the script prints tokens/s side
+by side with the ratio to the full node, the hidden-state bytes sent between stages per
+generated token (from the head's log, which counts what it sends), and whether every text
+equals the full node's.  By default the setups run one after the other, never two at once;
+``--rounds N`` starts every setup first (the idle ones only send their status every 2 s), then
+runs each setup's requests in turn N times, so a busier minute of the machine weighs on every
+setup alike, and prints each round's ratios and the medians.
 
 Usage (from the repository's root)::
 
     PYTHONPATH=. .venv/bin/python bench/pipeline.py          # a float32 random Llama (~3 min)
     PYTHONPATH=. .venv/bin/python bench/pipeline.py --model PATH --stages 2
     PYTHONPATH=. .venv/bin/python bench/pipeline.py --bundled   # SmolLM2, its default mode
+    PYTHONPATH=. .venv/bin/python bench/pipeline.py --bundled --stages 2 --rounds 5 --streams 1
 
 The default model is a random float32 Llama (hidden 512, 8 layers, window 2048) with the tiny
 tokenizer, saved to the logs folder; its EOS is the tokenizer's, which a pipeline's head stops
@@ -32,10 +36,11 @@ import asyncio
 import json
 import os
 import re
+import statistics
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -98,14 +103,17 @@ def pipeline_head(
             child.stop()
 
 
-def run_setup(port: int, options: argparse.Namespace, nodes: Sequence[Child]) -> dict[int, Phase]:
-    """One warm-up request, every node's start-up check, then each concurrency's requests."""
-    model = served_model(port)
-    warm = [chat_body(model, "a warm-up", 8)]
-    asyncio.run(run_phase(port, warm, 1))
+def warm(port: int, nodes: Sequence[Child]) -> None:
+    """One warm-up request, then every node's start-up check."""
+    asyncio.run(run_phase(port, [chat_body(served_model(port), "a warm-up", 8)], 1))
     wait_for_checks(nodes)
+
+
+def run_phases(port: int, options: argparse.Namespace) -> dict[int, Phase]:
+    """Each concurrency's requests (``--streams``), one after the other."""
+    model = served_model(port)
     phases = {}
-    for c in (1, 8):
+    for c in options.streams:
         count = options.requests if c == 1 else max(options.requests, 2 * c)
         bodies = [chat_body(model, topic, options.max_tokens) for topic in topics(count)]
         phases[c] = asyncio.run(run_phase(port, bodies, c))
@@ -146,6 +154,10 @@ def differing(phases: dict[int, Phase], one: dict[int, Phase]) -> str:
     return "; ".join(out)
 
 
+Rounds = list[dict[int, Phase]]
+"""One setup's phases, a dict per round."""
+
+
 def bench(options: argparse.Namespace) -> int:
     logs = Path(options.logs or tempfile.mkdtemp(prefix="sfnode-pipeline-bench-"))
     logs.mkdir(parents=True, exist_ok=True)
@@ -160,49 +172,88 @@ def bench(options: argparse.Namespace) -> int:
     node_args = ["--threads", "1", "--max-lanes", "8", *options.node_arg]
     shown_model = model or "the bundled one (default weights mode)"
     print(f"{cpu_name()}, {os.cpu_count()} CPUs; model {shown_model}; logs in {logs}", flush=True)
-    results: dict[str, dict[int, Phase]] = {}
-    per_token: dict[str, float] = {}
-    print("one full node", flush=True)
-    (logs / "one").mkdir(exist_ok=True)
-    with fleet_children(node_args, env, model, logs / "one") as f:
-        results["1 node"] = run_setup(f.port, options, [f.node])
-    (logs / "one" / "texts.json").write_text(json.dumps(texts(results["1 node"]), indent=1))
-    for stages in options.stages:
-        name = f"{stages} stages"
-        folder = logs / name.replace(" ", "-")
+    folders = {"1 node": logs / "one"}
+    folders.update({f"{n} stages": logs / f"{n}-stages" for n in options.stages})
+    results: dict[str, Rounds] = {name: [] for name in folders}
+
+    def start(name: str, running: ExitStack) -> int:
+        """``name``'s setup started (stopped when ``running`` closes) and warmed up."""
+        folder = folders[name]
         folder.mkdir(exist_ok=True)
         print(name, flush=True)
-        with pipeline_head(stages, model, env, folder, node_args) as (port, nodes):
-            results[name] = run_setup(port, options, nodes)
-        (folder / "texts.json").write_text(json.dumps(texts(results[name]), indent=1))
-        per_token[name] = forwarded_per_token(folder / "sfhead.log")
-    return report(results, per_token)
+        if name == "1 node":
+            fleet = running.enter_context(fleet_children(node_args, env, model, folder))
+            port, nodes = fleet.port, [fleet.node]
+        else:
+            stages = int(name.split()[0])
+            port, nodes = running.enter_context(
+                pipeline_head(stages, model, env, folder, node_args)
+            )
+        warm(port, nodes)
+        return port
+
+    if options.rounds == 1:
+        for name in folders:  # one setup at a time, each stopped before the next starts
+            with ExitStack() as running:
+                results[name].append(run_phases(start(name, running), options))
+    else:
+        with ExitStack() as running:
+            ports = {name: start(name, running) for name in folders}
+            for r in range(options.rounds):
+                for name, port in ports.items():
+                    print(f"round {r + 1}, {name}", flush=True)
+                    results[name].append(run_phases(port, options))
+    for name, folder in folders.items():
+        (folder / "texts.json").write_text(json.dumps(texts(results[name][0]), indent=1))
+    per_token = {
+        name: forwarded_per_token(folder / "sfhead.log")
+        for name, folder in folders.items()
+        if name != "1 node"
+    }
+    return report(results, per_token, options.streams)
 
 
-def report(results: dict[str, dict[int, Phase]], per_token: dict[str, float]) -> int:
+def report(results: dict[str, Rounds], per_token: dict[str, float], streams: Sequence[int]) -> int:
     one = results["1 node"]
-    print()
-    print("| setup | tok/s, 1 stream | ratio | tok/s, 8 streams | ratio | bytes/token between "
-          "stages | texts equal the node's |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+    rounds = len(one)
     failed = False
-    for name, phases in results.items():
-        ratios = {c: phases[c].rate / one[c].rate if one[c].rate else 0.0 for c in (1, 8)}
-        equal = texts(phases) == texts(one)
+    if rounds > 1:
+        print()
+        for name, runs in results.items():
+            if name == "1 node":
+                continue
+            for c in streams:
+                ratios = [run[c].rate / base[c].rate for run, base in zip(runs, one, strict=True)]
+                shown_ratios = ", ".join(f"{r:.2f}" for r in ratios)
+                print(f"{name}, {c} at once, ratio each round: {shown_ratios}")
+    print()
+    what = "median of " + str(rounds) + " rounds, " if rounds > 1 else ""
+    print(
+        "| setup | "
+        + " | ".join(f"{what}tok/s, {c} at once | ratio" for c in streams)
+        + " | bytes/token between stages | texts equal the node's |"
+    )
+    print("|---|" + "---|---|" * len(streams) + "---|---|")
+    for name, runs in results.items():
+        equal = all(texts(run) == texts(base) for run, base in zip(runs, one, strict=True))
         failed |= not equal
         if not equal:
-            print(f"{name}: answers that differ from the node's: {differing(phases, one)}")
-        marks = {}
-        for c in (1, 8):
-            marks[c] = ""
-            if name == "2 stages":
-                ok = ratios[c] >= TARGETS[c]
+            for run, base in zip(runs, one, strict=True):
+                if texts(run) != texts(base):
+                    print(f"{name}: answers that differ from the node's: {differing(run, base)}")
+        cells = []
+        for c in streams:
+            rate = statistics.median(run[c].rate for run in runs)
+            ratio = rate / statistics.median(base[c].rate for base in one)
+            mark = ""
+            if name == "2 stages" and c in TARGETS:
+                ok = ratio >= TARGETS[c]
                 failed |= not ok
-                marks[c] = f" (target {TARGETS[c]}: {'met' if ok else 'MISSED'})"
+                mark = f" (target {TARGETS[c]}: {'met' if ok else 'MISSED'})"
+            cells.append(f"{rate:.1f} | {ratio:.2f}{mark}")
         sent = per_token.get(name)
         print(
-            f"| {name} | {phases[1].rate:.1f} | {ratios[1]:.2f}{marks[1]} | {phases[8].rate:.1f} "
-            f"| {ratios[8]:.2f}{marks[8]} | {'-' if sent is None else f'{sent:.0f}'} | "
+            f"| {name} | {' | '.join(cells)} | {'-' if sent is None else f'{sent:.0f}'} | "
             f"{'yes' if equal else 'NO'} |"
         )
     return 1 if failed else 0
@@ -216,6 +267,16 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=8, help="the random Llama's layers")
     p.add_argument("--stages", type=int, nargs="+", default=[2, 3], help="pipelines to run")
     p.add_argument("--requests", type=int, default=8, help="requests per concurrency")
+    p.add_argument(
+        "--streams", type=int, nargs="+", default=[1, 8], help="concurrencies to run (1 8)"
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="every setup started at once, their requests run in turn this many times "
+        "(default 1: one setup at a time)",
+    )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--node-arg", action="append", default=[], help="more twistd sfnode args")
     p.add_argument("--logs", default=None, help="folder for the logs (default: a new one)")
