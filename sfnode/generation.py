@@ -365,9 +365,10 @@ class KeptStages(Protocol):
 
     def forward_all(
         self, owner: Hashable, requests: Sequence[tuple[int, int, StageForward]]
-    ) -> list[defer.Deferred[StageResult]]:
+    ) -> defer.Deferred[list[StageResult | StageForwardError]]:
         """Each ``(session, position, forward)`` as :meth:`forward`, computed in one pass
-        (STAGE_BATCH_REQ, docs/protocol.md section 12.8)."""
+        (STAGE_BATCH_REQ, docs/protocol.md section 12.8): fires with each one's answer, or
+        the :class:`StageForwardError` that refused it (its session then dropped), in order."""
 
     def release(self, owner: Hashable, session: int | None = None) -> None:
         """Forget ``owner``'s ``session``, or every session of ``owner``."""

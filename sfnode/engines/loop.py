@@ -93,6 +93,10 @@ class StageKeeper(Protocol):
     def forward(self, batch: Sequence[KeptRows]) -> list[StageResult | StageForwardError]:
         """Each request's answer, or the error that stopped it, in order."""
 
+    def settle(self) -> None:
+        """What the last :meth:`forward` left to do once its answers are out (the next
+        :meth:`forward` does it first when it comes sooner)."""
+
 
 class Worker(Protocol):
     """Where an engine's runner executes: a worker thread, or the reactor itself."""
@@ -230,6 +234,18 @@ def _stage_failed(failure: Failure) -> Failure:
     if isinstance(failure.value, StageForwardError):
         return failure
     raise _stage_error(failure)
+
+
+_UNANSWERED = StageForwardError("not answered")
+"""A claimed request's place in its answers until the worker's batch answers it."""
+
+
+def _only(answers: StageAnswers) -> StageResult:
+    """A one-request batch's answer, or its error raised."""
+    (answer,) = answers
+    if isinstance(answer, StageForwardError):
+        raise answer
+    return answer
 
 
 def _stage_error(failure: Failure) -> StageForwardError:
@@ -583,8 +599,20 @@ if TYPE_CHECKING:
         return generation
 
 
-_Waiting = tuple[KeptRows, defer.Deferred[StageResult], Hashable, int]
-"""A kept request waiting for its batch: its rows, its answer, its owner and session."""
+StageAnswers = list[StageResult | StageForwardError]
+"""A batch's answers, one per request in order: its result, or the error that refused it."""
+
+
+@dataclass
+class _Waiting:
+    """The requests of one :meth:`StageDriver.forward_all` waiting for the worker: the
+    ``(index, rows, session)`` of each that was claimed, and the answers so far (the refused
+    requests' errors are in already)."""
+
+    owner: Hashable
+    rows: list[tuple[int, KeptRows, int]]
+    answers: list[StageResult | StageForwardError]
+    answered: defer.Deferred[StageAnswers]
 
 
 class StageDriver:
@@ -592,7 +620,8 @@ class StageDriver:
     sessions' table on the reactor thread, their rows computed by ``stages`` on the loop's
     worker.  A batch takes, when the worker starts it, every request that has arrived by then
     (one pass over the weights for the generations a stage carries); the requests that arrive
-    while it runs go together in the next."""
+    while it runs go together in the next.  Once a batch is answered, the worker settles what
+    it left to do (``stages.settle``: the prefix pools' naming), off the answers' path."""
 
     def __init__(self, loop: EngineLoop, stages: StageKeeper, sessions: StageSessions) -> None:
         self._loop = loop
@@ -609,23 +638,35 @@ class StageDriver:
     ) -> defer.Deferred[StageResult]:
         """``forward`` against ``owner``'s stage ``session`` from ``position``; fails with
         :class:`StageForwardError`, and the session is then dropped."""
-        answer = self._queue(owner, session, position, forward)
-        self._ask()
-        return answer
+        return self.forward_all(owner, [(session, position, forward)]).addCallback(_only)
 
     def forward_all(
         self, owner: Hashable, requests: Sequence[tuple[int, int, StageForward]]
-    ) -> list[defer.Deferred[StageResult]]:
-        """Each ``(session, position, forward)`` as :meth:`forward`, all in the same batch
-        (the worker is asked once every one of them waits: STAGE_BATCH_REQ, section 12.8)."""
-        answers = [self._queue(owner, *request) for request in requests]
+    ) -> defer.Deferred[StageAnswers]:
+        """Each ``(session, position, forward)`` against ``owner``'s stage sessions, all in
+        the same batch (the worker is asked once every one of them waits: STAGE_BATCH_REQ,
+        section 12.8); fires with each request's answer in order, a refused request's
+        :class:`StageForwardError` (its session then dropped) among them."""
+        answers: list[StageResult | StageForwardError] = []
+        claimed = []
+        for index, (session, position, forward) in enumerate(requests):
+            rows = self._claim(owner, session, position, forward)
+            answers.append(rows if isinstance(rows, StageForwardError) else _UNANSWERED)
+            if isinstance(rows, KeptRows):
+                claimed.append((index, rows, session))
+        if not claimed:
+            return defer.succeed(answers)
+        answered: defer.Deferred[StageAnswers] = defer.Deferred()
+        with self._lock:
+            self._waiting.append(_Waiting(owner, claimed, answers, answered))
         self._ask()
-        return answers
+        return answered
 
-    def _queue(
+    def _claim(
         self, owner: Hashable, session: int, position: int, forward: StageForward
-    ) -> defer.Deferred[StageResult]:
-        """:meth:`forward`'s request, checked and waiting for the next batch (none asked)."""
+    ) -> KeptRows | StageForwardError:
+        """``forward``'s rows in ``owner``'s ``session``, checked; the error refuses it (the
+        session dropped)."""
         loop, stages = self._loop, self._stages
         try:
             check_stage(forward, loop.n_layers, loop._started and not loop._stopping)
@@ -637,12 +678,8 @@ class StageDriver:
             slot = self.sessions.claim(owner, session, position, count, layers, loop.clock())
         except StageForwardError as e:
             self.sessions.drop(owner, session)
-            return defer.fail(e)
-        d: defer.Deferred[StageResult] = defer.Deferred()
-        kept = KeptRows(slot, position, forward.tokens, rows, *layers)
-        with self._lock:
-            self._waiting.append((kept, d, owner, session))
-        return d
+            return e
+        return KeptRows(slot, position, forward.tokens, rows, *layers)
 
     def _ask(self) -> None:
         """Ask the worker for a batch, unless one is asked already or nothing waits."""
@@ -652,35 +689,43 @@ class StageDriver:
             self._called = True
         self._loop.worker.call(self._batch).addCallbacks(self._answered, self._failed)
 
-    def _batch(self) -> tuple[list[_Waiting], list[StageResult | StageForwardError]]:
+    def _batch(self) -> tuple[list[_Waiting], StageAnswers]:
         """On the worker: every request waiting, computed together."""
         with self._lock:
             batch, self._waiting = self._waiting, []
             self._called = False
+        kept = [rows for waiting in batch for _, rows, _ in waiting.rows]
         try:
-            return batch, self._stages.forward([kept for kept, *_ in batch])
+            return batch, self._stages.forward(kept)
         except Exception as e:
             log.failure("kept stage forward failed")
             error = StageForwardError(f"stage forward failed: {e}")
-            return batch, [error for _ in batch]
+            return batch, [error for _ in kept]
 
-    def _answered(self, done: tuple[list[_Waiting], list[StageResult | StageForwardError]]) -> None:
-        batch, answers = done
-        for (_, d, owner, session), answer in zip(batch, answers, strict=True):
-            if isinstance(answer, StageForwardError):
-                self.sessions.drop(owner, session)
-                d.errback(answer)
-            else:
-                d.callback(answer)
+    def _answered(self, done: tuple[list[_Waiting], StageAnswers]) -> None:
+        batch, results = done
+        computed = iter(results)
+        for waiting in batch:
+            for index, _, session in waiting.rows:
+                answer = next(computed)
+                if isinstance(answer, StageForwardError):
+                    self.sessions.drop(waiting.owner, session)
+                waiting.answers[index] = answer
+            waiting.answered.callback(waiting.answers)
+        settled = self._loop.worker.call(self._stages.settle)
+        settled.addErrback(lambda failure: log.failure("settling kept stages failed", failure))
 
     def _failed(self, failure: Failure) -> None:
         """The worker could not run the batch (it stopped): every request waiting fails."""
         with self._lock:
             batch, self._waiting = self._waiting, []
             self._called = False
-        for _, d, owner, session in batch:
-            self.sessions.drop(owner, session)
-            d.errback(_stage_error(failure))
+        error = _stage_error(failure)
+        for waiting in batch:
+            for index, _, session in waiting.rows:
+                self.sessions.drop(waiting.owner, session)
+                waiting.answers[index] = error
+            waiting.answered.callback(waiting.answers)
 
     @property
     def prefix_figures(self) -> PrefixFigures | None:

@@ -314,14 +314,18 @@ class Responders:
         """Every row through the layers in one pass, answered in one STAGE_BATCH_RESP (section
         12.8); a refused row answers nil and nil, and its session is dropped."""
 
-        def answer(results: list[tuple[bool, Any]]) -> None:
+        def answer(results: list[StageResult | StageForwardError]) -> None:
             answers = []
-            for ok, result in results:
-                if ok:
-                    answers.append(StageBatchAnswer(result.hidden, result.token))
-                else:
-                    _log_refusal("stage batch", msg.request_id, result, StageForwardError)
+            for result in results:
+                if isinstance(result, StageForwardError):
+                    log.info(
+                        "stage batch {request} refused: {reason}",
+                        request=msg.request_id,
+                        reason=str(result),
+                    )
                     answers.append(StageBatchAnswer(None, None))
+                else:
+                    answers.append(StageBatchAnswer(result.hidden, result.token))
             connection.send(StageBatchRespMsg(msg.request_id, tuple(answers)))
 
         kept = kept_stages_of(self._common.engine)
@@ -334,11 +338,9 @@ class Responders:
                 )
                 for row in msg.rows
             ]
-            running = kept.forward_all(connection, requests)
+            kept.forward_all(connection, requests).addCallback(answer)
         else:
-            error = StageForwardError("this node keeps no stage KV")
-            running = [defer.fail(error) for _ in msg.rows]
-        defer.DeferredList(running, consumeErrors=True).addCallback(answer)
+            answer([StageForwardError("this node keeps no stage KV") for _ in msg.rows])
 
     @handles(StageReleaseMsg)
     def stage_release(self, connection: NodeConnection, msg: StageReleaseMsg) -> None:

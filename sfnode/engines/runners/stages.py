@@ -17,9 +17,10 @@ thread, between steps), never decide which slot a session has (the loop's
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -28,7 +29,7 @@ from sfnode.engines.runners.attention import Attender, StepAttention
 from sfnode.engines.runners.decoder import DecoderRunner
 from sfnode.engines.runners.hidden import decode_hidden, encode_hidden
 from sfnode.engines.runners.kv import SlotKV
-from sfnode.engines.runners.stage_prefixes import StagePrefixes, row_inputs
+from sfnode.engines.runners.stage_prefixes import StagePrefixes
 from sfnode.engines.scheduling.plan import ChunkRow, StepPlan
 from sfnode.engines.scheduling.stages import KeptRows
 from sfnode.generation import PrefixFigures, StageForwardError, StageResult
@@ -59,6 +60,8 @@ class DecoderStages:
         not): replaced after each forward, for the node's ``/metrics``."""
         self._dropped = PrefixFigures()
         """The cumulative figures of the pools dropped so far."""
+        self._unsettled: list[Callable[[], None]] = []
+        """What the last forward left for :meth:`settle`: naming its rows in the pools."""
         spec = runner.spec
         self.kv = SlotKV(
             layers=spec.layers,
@@ -88,7 +91,10 @@ class DecoderStages:
         """Each request's rows through its layers, keeping their keys and values in its slot;
         a stage that ends at the last layer answers the greedy token after a request's last
         row.  Requests of one layer range and one kind (tokens or hidden states) share one
-        pass over the weights; a request that cannot run gets its error, the others run."""
+        pass over the weights; a request that cannot run gets its error, the others run.
+        Naming the computed rows in the prefix pools is left for :meth:`settle`, which runs
+        first here if nothing ran it since the last forward."""
+        self.settle()
         answers: list[StageResult | StageForwardError] = []
         groups: dict[tuple[int, int, bool], list[int]] = {}
         for index, rows in enumerate(batch):
@@ -104,12 +110,24 @@ class DecoderStages:
                 group = [batch[i] for i in members]
                 for i, answer in zip(members, self._group(group), strict=True):
                     answers[i] = answer
+        return answers
+
+    def settle(self) -> None:
+        """Name the rows the last :meth:`forward` computed in the prefix pools (saving the
+        blocks they complete) and update the pools' figures: off the answers' path, as each
+        takes a block copy and a hash every 16 rows.  The next :meth:`forward` of a session
+        needs it done and runs it first."""
+        unsettled, self._unsettled = self._unsettled, []
+        if not unsettled:
+            return
+        with torch.inference_mode():
+            for keep in unsettled:
+                keep()
         if self.prefix_figures is not None:
             total = self._dropped
             for prefixes in self.prefixes.values():
                 total += prefixes.index.stats
             self.prefix_figures = total
-        return answers
 
     def _check(self, rows: KeptRows) -> None:
         w = self._runner.weights
@@ -130,13 +148,8 @@ class DecoderStages:
         prefixes = self._prefixes_of(first.start, first.end, last)
         tokens = first.hidden is None
         taken: list[tuple[int, torch.Tensor | None]] = [(0, None)] * len(group)
-        inputs: list[list[bytes]] = []
         if prefixes is not None:
-            inputs = [row_inputs(rows.tokens, rows.hidden) for rows in group]
-            taken = [
-                prefixes.take(rows.slot, rows.position, rows_in, tokens)
-                for rows, rows_in in zip(group, inputs, strict=True)
-            ]
+            taken = [prefixes.take(rows.slot, rows.position, rows, tokens) for rows in group]
         left = [_after(rows, n) for rows, (n, _) in zip(group, taken, strict=True)]
         counts = [_rows(rows) for rows in left]
         if runner.fused is not None:
@@ -146,9 +159,14 @@ class DecoderStages:
         ends = list(itertools.accumulate(counts))
         starts = [0, *ends[:-1]]
         if prefixes is not None:
-            for rows, rows_in, (n, _), a, b in zip(left, inputs, taken, starts, ends, strict=True):
-                outputs = None if last else hidden[a:b]
-                prefixes.keep(rows.slot, rows.position, rows_in[n:], outputs, tokens)
+            for rows, a, b in zip(left, starts, ends, strict=True):
+                # The rows' own copies: the next pass may write over ``hidden``.
+                outputs = None if last else hidden[a:b].clone()
+                self._unsettled.append(
+                    functools.partial(
+                        prefixes.keep, rows.slot, rows.position, rows, outputs, tokens
+                    )
+                )
         if not last:
             return [
                 StageResult(hidden=encode_hidden(_joined(reused, hidden[a:b])))
