@@ -177,6 +177,23 @@ class DefaultModelTests(unittest.SynchronousTestCase):
         else None
     )
 
+    def test_a_gguf_files_config_lets_a_head_plan_its_stages(self) -> None:
+        """The config.json written for the bundled GGUF gives a pipeline's head the layers'
+        sizes (docs/protocol.md section 8.6): its LM head, 49,152 rows of 576, is the work of
+        about 8 of its 30 layers (7.997), so two stage nodes of equal speed take 18 and 12 layers
+        (work 18 and 20: the running share, 18.999, is rounded down)."""
+        import json
+
+        from sfnode.head.fleet.stage_plan import StageNode, model_sizes, plan_boundaries
+
+        _, folder = model_folder(None, _tmpdir(self))
+        config = json.loads((folder / "config.json").read_text())
+        sizes = model_sizes(config, config["num_hidden_layers"])
+        per_layer = 2 * 576 * 576 + 2 * 576 * 3 * 64 + 3 * 576 * 1536 + 2 * 576
+        self.assertEqual(sizes.head_layers, 49152 * 576 / per_layer)
+        self.assertEqual(sizes.layer_bytes, 0)
+        self.assertEqual(plan_boundaries(sizes, [StageNode()] * 2), [18, 30])
+
     def test_default_gguf_converts_once_and_answers(self) -> None:
         """With no --model, the bundled GGUF's model files (tokenizer, chat template, config)
         are written into the cache folder atomically (no temporary folder left, no weights), a

@@ -123,7 +123,8 @@ class ReportTests(SynchronousTestCase):
 
     def test_model_sizes_from_a_config(self) -> None:
         """One layer's parameters (q, k, v, o, the three MLP matrices, two norms) times the
-        dtype's width; the embeddings first, the final norm and LM head last."""
+        dtype's width; the embeddings first, the final norm and LM head last; the LM head's
+        work in layers, tied or not."""
         config = {
             "hidden_size": 8,
             "intermediate_size": 16,
@@ -133,9 +134,42 @@ class ReportTests(SynchronousTestCase):
             "torch_dtype": "bfloat16",
         }
         per_layer = 2 * 8 * 8 + 2 * 8 * 4 + 3 * 8 * 16 + 2 * 8
+        head = 800 / per_layer
         self.assertEqual(
-            model_sizes(config, 4), StageModel(4, per_layer * 2, 800 * 2, (8 + 800) * 2)
+            model_sizes(config, 4), StageModel(4, per_layer * 2, 800 * 2, (8 + 800) * 2, head)
         )
         tied = model_sizes({**config, "tie_word_embeddings": True, "torch_dtype": None}, 4)
-        self.assertEqual((tied.layer_bytes, tied.last_bytes), (per_layer * 4, 8 * 4))
+        self.assertEqual(
+            (tied.layer_bytes, tied.last_bytes, tied.head_layers), (per_layer * 4, 8 * 4, head)
+        )
         self.assertEqual(model_sizes({"hidden_size": 8}, 4), StageModel(4))
+
+    def test_a_gguf_files_config_gives_the_work_and_no_bytes(self) -> None:
+        """The config.json sfnode writes of a GGUF file (``sfnode_family``) has the layers'
+        sizes but no dtype: a parameter's bytes are unknown there (the file's kinds and the
+        node's weights mode decide them), the LM head's work is not."""
+        config = {
+            "sfnode_family": "llama",
+            "hidden_size": 8,
+            "intermediate_size": 16,
+            "vocab_size": 100,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+        }
+        per_layer = 2 * 8 * 8 + 2 * 8 * 4 + 3 * 8 * 16 + 2 * 8
+        self.assertEqual(model_sizes(config, 4), StageModel(4, head_layers=800 / per_layer))
+
+    def test_the_lm_head_is_work_of_the_last_stage(self) -> None:
+        """Equal speeds, a head worth 8 layers: 30 layers split 19 and 11 (19 = 11 + 8), and
+        over three stages 12, 13 and 5 (work 12.67 each); a head worth more than the other stages'
+        share leaves the last stage one layer; speeds still weigh."""
+        self.assertEqual(
+            plan_boundaries(StageModel(30, head_layers=8.0), [StageNode()] * 2), [19, 30]
+        )
+        three = plan_boundaries(StageModel(30, head_layers=8.0), [StageNode()] * 3)
+        self.assertEqual(sizes(three), [12, 13, 5])
+        self.assertEqual(
+            plan_boundaries(StageModel(4, head_layers=50.0), [StageNode()] * 2), [3, 4]
+        )
+        fast_last = [StageNode(speed=10.0), StageNode(speed=30.0)]
+        self.assertEqual(plan_boundaries(StageModel(32, head_layers=8.0), fast_last), [10, 32])

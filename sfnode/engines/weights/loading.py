@@ -149,8 +149,9 @@ def _source_path(model: str | os.PathLike[str] | None) -> Path:
 MANIFEST = "sfnode-conversion.json"
 """Written into a GGUF file's model-files folder last: the GGUF's content hash and, per file,
 its size and the hash of its first MiB."""
-_MANIFEST_FORMAT = 2
-"""2: the model files only (1 was a whole conversion to safetensors, by older code)."""
+_MANIFEST_FORMAT = 3
+"""3: the model files, ``config.json`` with the layers' sizes; 2 lacked them (a folder of an
+older format is written again); 1 was a whole conversion to safetensors, by older code."""
 _HEAD_BYTES = 1 << 20
 
 
@@ -238,13 +239,17 @@ def _write_model_files(gguf: Path, stored: StoredModel, target: Path, content: s
 
 def _head_config(stored: StoredModel) -> dict[str, Any]:
     """The ``config.json`` of a GGUF file's model files: what a head reads of a model (its
-    vocabulary, its layers for a pipeline, its ids), from the spec."""
+    vocabulary, its layers and their sizes for a pipeline's plan, its ids), from the spec."""
     spec = stored.spec
     config: dict[str, Any] = {
         "sfnode_family": spec.family,
         "vocab_size": spec.vocab_size,
         "num_hidden_layers": spec.layers,
         "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.head_dim,
         "max_position_embeddings": spec.context_length,
         "eos_token_id": list(spec.eos_ids),
     }

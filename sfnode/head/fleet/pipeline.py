@@ -120,14 +120,18 @@ def plan_stages(sizes: StageModel, stages: Sequence[FleetNode]) -> tuple[list[in
     nodes = [stage_node(node.link.capacity, node.link.resident_bytes) for node in stages]
     speeds = [node.speed or 0 for node in nodes]
     free = [node.free_bytes for node in nodes]
-    if not any(speeds) and not sizes.layer_bytes:
-        return None, "no stage node has reported a decode rate and the layer size is unknown"
+    if not any(speeds) and not sizes.layer_bytes and not sizes.head_layers:
+        return None, (
+            "no stage node has reported a decode rate, and the model's layer size and LM "
+            "head are unknown"
+        )
     try:
         boundaries = plan_boundaries(sizes, nodes)
     except StagePlanError as e:
         return None, str(e)
     return boundaries, (
-        f"decode rates {speeds} tokens/s, free bytes {free}, {sizes.layer_bytes} bytes a layer"
+        f"decode rates {speeds} tokens/s, free bytes {free}, {sizes.layer_bytes} bytes a "
+        f"layer, the LM head's work {sizes.head_layers:.1f} layers"
     )
 
 

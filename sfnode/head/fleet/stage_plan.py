@@ -1,9 +1,10 @@
-"""Where a pipeline's stage boundaries fall (docs/protocol.md section 7.6): layers in proportion
-to each stage node's speed, none past its memory.
+"""Where a pipeline's stage boundaries fall (docs/protocol.md section 8.6): each stage's work in
+proportion to its node's speed, no node more layers than its memory holds.
 
 :func:`plan_boundaries` takes the model's sizes (:class:`StageModel`: its layer count, the bytes
-of one layer, and the extras the first stage holds, the embeddings, and the last, the final norm
-and the LM head) and, per stage in order, its node's free memory and speed
+of one layer, the extras the first stage holds, the embeddings, and the last, the final norm
+and the LM head, and the LM head's work a token counted in layers) and, per stage in order, its
+node's free memory and speed
 (:class:`StageNode`), and returns each stage's end layer, as ``--pipeline-layers`` gives them.
 :func:`stage_node` makes a :class:`StageNode` of what a node reports (HELLO_ACK_F and NODE_STATUS,
 section 7.5 and 12.9), and :func:`model_sizes` a :class:`StageModel` of a model's config.json.
@@ -30,12 +31,15 @@ class StagePlanError(ValueError):
 class StageModel:
     """What a pipeline splits: ``n_layers`` layers of ``layer_bytes`` each (0: unknown, memory
     then bounds nothing), plus ``first_bytes`` on the first stage and ``last_bytes`` on the
-    last."""
+    last; ``head_layers`` is the last stage's LM head's work a token in layers (its weights
+    over one layer's: the product of every row with the whole vocabulary, tied to the
+    embeddings or not; 0: unknown, or none)."""
 
     n_layers: int
     layer_bytes: int = 0
     first_bytes: int = 0
     last_bytes: int = 0
+    head_layers: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +71,11 @@ def model_sizes(config: Mapping[str, object], n_layers: int) -> StageModel:
     """A decoder's sizes from its config.json (``hidden_size``, ``intermediate_size``, the
     head counts, ``vocab_size``, ``torch_dtype``): the parameters of one attention and MLP
     block with its two norms; the embeddings on the first stage, the final norm and the LM
-    head (none when tied, only the norm) on the last.  A config without those sizes gives
-    ``layer_bytes`` 0 (memory then bounds nothing)."""
+    head (none when tied, only the norm) on the last; the LM head's work in layers.  A config
+    without those sizes gives ``StageModel(n_layers)`` (memory then bounds nothing, and the
+    layers follow speed alone).  The ``config.json`` sfnode writes for a GGUF file (marked
+    ``sfnode_family``) gives the work but no bytes: a GGUF parameter's bytes depend on its
+    file's kinds and the node's weights mode."""
     sizes = [config.get(k) for k in ("hidden_size", "intermediate_size", "vocab_size")]
     if not all(isinstance(v, int) and v > 0 for v in sizes):
         return StageModel(n_layers)
@@ -78,9 +85,14 @@ def model_sizes(config: Mapping[str, object], n_layers: int) -> StageModel:
     head_dim = _positive(config.get("head_dim"), hidden // heads)
     attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
     per_layer = attention + 3 * hidden * intermediate + 2 * hidden
+    head_layers = vocab * hidden / per_layer
+    if "sfnode_family" in config:
+        return StageModel(n_layers, head_layers=head_layers)
     width = _DTYPE_BYTES.get(str(config.get("torch_dtype")), 4)
     head = hidden if config.get("tie_word_embeddings") else hidden + vocab * hidden
-    return StageModel(n_layers, per_layer * width, vocab * hidden * width, head * width)
+    return StageModel(
+        n_layers, per_layer * width, vocab * hidden * width, head * width, head_layers
+    )
 
 
 def _positive(value: object, default: int) -> int:
@@ -88,10 +100,12 @@ def _positive(value: object, default: int) -> int:
 
 
 def plan_boundaries(model: StageModel, nodes: Sequence[StageNode]) -> list[int]:
-    """Each stage's end layer: every stage at least one layer, layers in proportion to speed
-    (a node of unknown speed counts as the mean of the known ones, all equal when none is
-    known: then the boundaries are the even ones, ``((i+1)·n_layers) // P``), and no node more
-    layers than its free memory holds after its stage's extras.
+    """Each stage's end layer: every stage at least one layer, each stage's work in proportion
+    to its node's speed (a node of unknown speed counts as the mean of the known ones, all
+    equal when none is known), and no node more layers than its free memory holds after its
+    stage's extras.  A stage's work is its layers, the last stage's plus the LM head's
+    ``head_layers``: so equal speeds give the even boundaries, ``((i+1)·n_layers) // P``,
+    only for a model whose head's work is unknown, and otherwise fewer layers to the last.
 
     :raises StagePlanError: a node cannot hold one layer and its extras, or the nodes together
         cannot hold the model.
@@ -105,7 +119,15 @@ def plan_boundaries(model: StageModel, nodes: Sequence[StageNode]) -> list[int]:
     known = [node.speed for node in nodes if node.speed]
     mean = sum(known) / len(known) if known else 1.0
     speeds = [node.speed or mean for node in nodes]
-    shares = _shares(n, speeds, caps)
+    # Shares of the work, the head's counted as layers of the last stage, then the head's
+    # taken off the last stage's share again.
+    # No stage more layers than leave the others one each.
+    head = model.head_layers
+    most = [float(min(cap, n - count + 1)) for cap in caps]
+    floors = [1.0] * (count - 1) + [1.0 + head]
+    ceilings = [*most[:-1], most[-1] + head]
+    shares = _shares(n + head, speeds, ceilings, floors)
+    shares[-1] -= head
     boundaries, total = [], 0.0
     for share in shares[:-1]:
         total += share
@@ -123,18 +145,20 @@ def _cap(model: StageModel, node: StageNode, i: int, count: int) -> int:
     return max(0, min(model.n_layers, (node.free_bytes - extras) // model.layer_bytes))
 
 
-def _shares(n: int, speeds: Sequence[float], caps: Sequence[int]) -> list[float]:
-    """Each stage's share of ``n`` layers, in proportion to ``speeds`` among the stages not
-    held at a bound: a stage whose share passes its cap is held at its cap, then one whose
-    share falls under one layer is held at one."""
+def _shares(
+    work: float, speeds: Sequence[float], caps: Sequence[float], floors: Sequence[float]
+) -> list[float]:
+    """Each stage's share of ``work``, in proportion to ``speeds`` among the stages not held
+    at a bound: a stage whose share passes its cap is held at its cap, then one whose share
+    falls under its floor is held at its floor."""
     held: dict[int, float] = {}
     while True:
         open_ = [i for i in range(len(speeds)) if i not in held]
-        left = n - sum(held.values())
+        left = work - sum(held.values())
         total = sum(speeds[i] for i in open_)
         share = {i: left * speeds[i] / total for i in open_}
-        over = {i: float(caps[i]) for i in open_ if share[i] > caps[i]}
-        under = {i: 1.0 for i in open_ if share[i] < 1}
+        over = {i: caps[i] for i in open_ if share[i] > caps[i]}
+        under = {i: floors[i] for i in open_ if share[i] < floors[i]}
         if not over and not under:
             return [held.get(i, share.get(i, 0.0)) for i in range(len(speeds))]
         held.update(over or under)
