@@ -62,6 +62,7 @@ from sfnode.engines.weights.gather import ModelWeights, WeightsError, as_stored,
 from sfnode.engines.weights.loading import LoadedModel
 from sfnode.engines.weights.stored import StoredModel
 from sfnode.generation import EngineStatistics, MaskFigures, StageResult, WeightFigures
+from sfnode.linkf.heap import libc_function, trim_heap
 from sfnode.linkf.prefix_blocks import KV_BLOCK_TOKENS
 
 if TYPE_CHECKING:
@@ -101,25 +102,6 @@ def eos_ids_of(model: Any) -> frozenset[int]:
     return frozenset(found)
 
 
-def _libc_function(name: str) -> Any:
-    """glibc's function ``name`` (ctypes), or None where the C library has none (not glibc)."""
-    import ctypes
-    import ctypes.util
-
-    library = ctypes.util.find_library("c")
-    try:
-        return getattr(ctypes.CDLL(library), name) if library else None
-    except (OSError, AttributeError):
-        return None
-
-
-def _trim_heap() -> None:
-    """Return free heap pages to the system (glibc's ``malloc_trim``; nothing elsewhere)."""
-    trim = _libc_function("malloc_trim")
-    if trim is not None:
-        trim(0)
-
-
 HEAP_THRESHOLD = 128 * 1024
 """glibc's threshold (bytes) above which an allocation is a map of its own, returned to the
 system when freed, and above which the heap's free top is returned (``mallopt``'s
@@ -135,7 +117,7 @@ def _bound_heap() -> None:
     the engine rests (``malloc_trim``), 20-30 MB on the files of ``bench/sizes.py``
     (docs/engine.md section 5.3).  Set, they never move: a large temporary is mapped and
     unmapped by itself."""
-    mallopt = _libc_function("mallopt")
+    mallopt = libc_function("mallopt")
     if mallopt is not None:
         mallopt(_M_MMAP_THRESHOLD, HEAP_THRESHOLD)
         mallopt(_M_TRIM_THRESHOLD, HEAP_THRESHOLD)
@@ -145,7 +127,7 @@ def _rest(runner: TorchRunner) -> None:
     """What :meth:`ThreadWorker.rest` runs on the worker thread."""
     if isinstance(runner, DecoderRunner):
         runner.weights.give_back_rows()
-    _trim_heap()
+    trim_heap()
 
 
 def _kept_stages(
@@ -607,7 +589,7 @@ class TransformersEngine(EngineLoop):
             device=loaded.device,
         )
         # Give the heap back what packing and measuring at start left of it.
-        _trim_heap()
+        trim_heap()
         return engine
 
     # -- what tests, benchmarks and the node's figures read -----------------------------------

@@ -1174,8 +1174,8 @@ def _pipeline(options: Options, registry: ModelRegistry, reactor: Any) -> Pipeli
 
 def _fleet(options: Options, registry: ModelRegistry, reactor: Any) -> Fleet:
     """The fleet, admitting nodes by the head's model registry."""
-    from sfnode.head.api.workers import trim_heap
     from sfnode.head.fleet.model_admission import ModelAdmission
+    from sfnode.linkf.heap import trim_heap
 
     models = ModelAdmission(
         registry,

@@ -43,6 +43,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 
+from sfnode.linkf.heap import trim_heap
 from sfnode.runtime.http_guard import HttpError
 
 WORKER_THREADS = 2
@@ -59,26 +60,6 @@ _log = Logger(namespace="sfnode.head.api.http")
 _T = TypeVar("_T")
 Start = Callable[[Callable[[], Any]], "Deferred[Any]"]
 """Runs a callable on a thread and fires with its result, on the reactor."""
-
-
-def trim_heap() -> None:
-    """Give the C heap's free memory back to the system (glibc's ``malloc_trim``; nothing
-    elsewhere).  Tokenizing a prompt of megabytes allocates hundreds of megabytes in the
-    tokenizer's native code; freed, glibc keeps them in the worker thread's arena for good."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim: Any = None
 
 
 def lower_priority() -> None:
@@ -292,5 +273,4 @@ __all__ = [
     "WORKER_THREADS",
     "StallProbe",
     "Workers",
-    "trim_heap",
 ]
