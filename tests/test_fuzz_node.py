@@ -109,9 +109,11 @@ HANDLED = {
     MsgType.RECONCILE, MsgType.SESSION_ASSIGN, MsgType.SESSION_REVOKE, MsgType.APPEND_CONTENT,
     MsgType.GENERATE_REQ, MsgType.STAGE_FORWARD_REQ, MsgType.WATERMARK_ACK,
     MsgType.LEASE_GRANT, MsgType.GENERATE_CANCEL, MsgType.BLOB_FETCH, MsgType.EMBED_REQ,
+    MsgType.STAGE_RELEASE, MsgType.STAGE_BATCH_REQ,
 }  # fmt: skip
-"""The types a serving node decodes (docs/protocol.md 7.2, BLOB_FETCH of 12.5 and EMBED_REQ of
-12.7 included); it drops any other type undecoded."""
+"""The types a serving node decodes (docs/protocol.md 7.2, BLOB_FETCH of 12.5, EMBED_REQ of 12.7
+and, as the mock engine keeps stages, STAGE_RELEASE and STAGE_BATCH_REQ of 12.8 included); it
+drops any other type undecoded."""
 
 sessions = st.integers(1, 6)
 epochs = st.integers(0, FUZZ_MAX_EPOCH)
