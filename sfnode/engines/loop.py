@@ -111,10 +111,6 @@ class Worker(Protocol):
     def call(self, work: Callable[..., T], *args: Any) -> defer.Deferred[T]:
         """Run ``work(*args)`` where the steps run, between them (a pipeline stage)."""
 
-    def call_after_turn(self, work: Callable[..., T], *args: Any) -> defer.Deferred[T]:
-        """As :meth:`call`, once the reactor's turn that asks is over: what the turn wrote has
-        left before ``work`` competes with the reactor for the interpreter."""
-
     def compile_grammar(self, work: Callable[..., T], *args: Any) -> defer.Deferred[T]:
         """Run ``work(*args)`` (a constrained request's :meth:`LaneStage.prepare`, which
         compiles its grammar) where grammars are compiled, off the steps' way."""
@@ -716,7 +712,7 @@ class StageDriver:
                     self.sessions.drop(waiting.owner, session)
                 waiting.answers[index] = answer
             waiting.answered.callback(waiting.answers)
-        settled = self._loop.worker.call_after_turn(self._stages.settle)
+        settled = self._loop.worker.call(self._stages.settle)
         settled.addErrback(lambda failure: log.failure("settling kept stages failed", failure))
 
     def _failed(self, failure: Failure) -> None:

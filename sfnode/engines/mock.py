@@ -310,10 +310,6 @@ class ReactorWorker:
     def call(self, work: Callable[..., T], *args: Any) -> defer.Deferred[T]:
         return defer.maybeDeferred(work, *args)
 
-    def call_after_turn(self, work: Callable[..., T], *args: Any) -> defer.Deferred[T]:
-        """On the reactor, in its next turn."""
-        return task.deferLater(self._reactor, 0, work, *args)
-
     def compile_grammar(self, work: Callable[..., T], *args: Any) -> defer.Deferred[T]:
         """At once, on the reactor (the mock has no thread)."""
         return defer.maybeDeferred(work, *args)

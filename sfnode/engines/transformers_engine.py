@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
-from twisted.internet import defer, task
+from twisted.internet import defer
 from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
@@ -233,10 +233,6 @@ class ThreadWorker:
 
     def call(self, work: Callable[..., T], *args: Any) -> defer.Deferred[T]:
         return deferToThreadPool(self._reactor, self._pool, work, *args)
-
-    def call_after_turn(self, work: Callable[..., T], *args: Any) -> defer.Deferred[T]:
-        turn_over: defer.Deferred[None] = task.deferLater(self._reactor, 0, lambda: None)
-        return turn_over.addCallback(lambda _: self.call(work, *args))
 
     def compile_grammar(self, work: Callable[..., T], *args: Any) -> defer.Deferred[T]:
         """On the grammars' own thread (started at the first), so a slow grammar never holds
