@@ -748,22 +748,6 @@ class KeptStageTests(EngineTestCase):
         self.assertEqual([token], list(expected.tokens))
 
     @defer.inlineCallbacks
-    def test_a_batchs_rows_are_named_after_its_answers(self) -> Any:
-        """The prefix pools name a batch's rows once its answers are out, off their path, and
-        before the next batch runs: a 16-row request's block is not in the pool yet when its
-        answer fires, and the next request that starts with those rows takes them from it."""
-        block = tuple(prompts(1, seed=36, low=16, high=17)[0])
-        yield self.kept("o", 1, 0, block, 0, 2, None)
-        (pool,) = self.stage_pools().values()
-        self.assertEqual(pool.index.stats.saved_blocks, 0)
-        after = yield self.kept("o", 2, 0, (*block, 5), 0, 2, None)
-        self.assertEqual(pool.index.stats.saved_blocks, 1)
-        self.assertEqual(pool.reused_rows, 16)
-        self.stage_pools().clear()
-        cold = yield self.kept("p", 3, 0, (*block, 5), 0, 2, None)
-        self.assertEqual(after.hidden, cold.hidden)
-
-    @defer.inlineCallbacks
     def test_kept_stages_generate_the_engines_tokens(self) -> Any:
         """A prompt in chunks of 7, then one row per token, through two kept stages gives
         exactly the tokens the engine's own greedy generation gives."""

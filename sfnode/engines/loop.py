@@ -93,10 +93,6 @@ class StageKeeper(Protocol):
     def forward(self, batch: Sequence[KeptRows]) -> list[StageResult | StageForwardError]:
         """Each request's answer, or the error that stopped it, in order."""
 
-    def settle(self) -> None:
-        """What the last :meth:`forward` left to do once its answers are out (the next
-        :meth:`forward` does it first when it comes sooner)."""
-
 
 class Worker(Protocol):
     """Where an engine's runner executes: a worker thread, or the reactor itself."""
@@ -620,8 +616,7 @@ class StageDriver:
     sessions' table on the reactor thread, their rows computed by ``stages`` on the loop's
     worker.  A batch takes, when the worker starts it, every request that has arrived by then
     (one pass over the weights for the generations a stage carries); the requests that arrive
-    while it runs go together in the next.  Once a batch is answered, the worker settles what
-    it left to do (``stages.settle``: the prefix pools' naming), off the answers' path."""
+    while it runs go together in the next."""
 
     def __init__(self, loop: EngineLoop, stages: StageKeeper, sessions: StageSessions) -> None:
         self._loop = loop
@@ -712,8 +707,6 @@ class StageDriver:
                     self.sessions.drop(waiting.owner, session)
                 waiting.answers[index] = answer
             waiting.answered.callback(waiting.answers)
-        settled = self._loop.worker.call(self._stages.settle)
-        settled.addErrback(lambda failure: log.failure("settling kept stages failed", failure))
 
     def _failed(self, failure: Failure) -> None:
         """The worker could not run the batch (it stopped): every request waiting fails."""

@@ -265,9 +265,6 @@ class MockStages:
         """Each request of the batch in turn (a pretend pass: nothing is shared)."""
         return [self._forward(rows) for rows in batch]
 
-    def settle(self) -> None:
-        """Nothing is left to do after a mock pass."""
-
     def _forward(self, rows: KeptRows) -> StageResult:
         if rows.hidden is None:
             context = self._tokens[rows.slot] = [*self._tokens[rows.slot][: rows.position]]

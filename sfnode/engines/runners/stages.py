@@ -17,10 +17,9 @@ thread, between steps), never decide which slot a session has (the loop's
 from __future__ import annotations
 
 import copy
-import functools
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -60,8 +59,6 @@ class DecoderStages:
         not): replaced after each forward, for the node's ``/metrics``."""
         self._dropped = PrefixFigures()
         """The cumulative figures of the pools dropped so far."""
-        self._unsettled: list[Callable[[], None]] = []
-        """What the last forward left for :meth:`settle`: naming its rows in the pools."""
         spec = runner.spec
         self.kv = SlotKV(
             layers=spec.layers,
@@ -91,10 +88,7 @@ class DecoderStages:
         """Each request's rows through its layers, keeping their keys and values in its slot;
         a stage that ends at the last layer answers the greedy token after a request's last
         row.  Requests of one layer range and one kind (tokens or hidden states) share one
-        pass over the weights; a request that cannot run gets its error, the others run.
-        Naming the computed rows in the prefix pools is left for :meth:`settle`, which runs
-        first here if nothing ran it since the last forward."""
-        self.settle()
+        pass over the weights; a request that cannot run gets its error, the others run."""
         answers: list[StageResult | StageForwardError] = []
         groups: dict[tuple[int, int, bool], list[int]] = {}
         for index, rows in enumerate(batch):
@@ -110,24 +104,12 @@ class DecoderStages:
                 group = [batch[i] for i in members]
                 for i, answer in zip(members, self._group(group), strict=True):
                     answers[i] = answer
-        return answers
-
-    def settle(self) -> None:
-        """Name the rows the last :meth:`forward` computed in the prefix pools (saving the
-        blocks they complete) and update the pools' figures: off the answers' path, as each
-        takes a block copy and a hash every 16 rows.  The next :meth:`forward` of a session
-        needs it done and runs it first."""
-        unsettled, self._unsettled = self._unsettled, []
-        if not unsettled:
-            return
-        with torch.inference_mode():
-            for keep in unsettled:
-                keep()
         if self.prefix_figures is not None:
             total = self._dropped
             for prefixes in self.prefixes.values():
                 total += prefixes.index.stats
             self.prefix_figures = total
+        return answers
 
     def _check(self, rows: KeptRows) -> None:
         w = self._runner.weights
@@ -160,13 +142,8 @@ class DecoderStages:
         starts = [0, *ends[:-1]]
         if prefixes is not None:
             for rows, a, b in zip(left, starts, ends, strict=True):
-                # The rows' own copies: the next pass may write over ``hidden``.
-                outputs = None if last else hidden[a:b].clone()
-                self._unsettled.append(
-                    functools.partial(
-                        prefixes.keep, rows.slot, rows.position, rows, outputs, tokens
-                    )
-                )
+                outputs = None if last else hidden[a:b]
+                prefixes.keep(rows.slot, rows.position, rows, outputs, tokens)
         if not last:
             return [
                 StageResult(hidden=encode_hidden(_joined(reused, hidden[a:b])))
