@@ -33,7 +33,6 @@ import torch
 
 from sfnode.engines.runners.kv import BlockPool, SlotKV
 from sfnode.engines.scheduling.prefix_cache import PrefixCache
-from sfnode.engines.scheduling.stages import KeptRows
 from sfnode.linkf.prefix_blocks import KV_BLOCK_TOKENS, BlockKey, chain_key
 
 
@@ -90,22 +89,22 @@ class StagePrefixes:
         return self.index.stats.reused_tokens
 
     def take(
-        self, slot: int, position: int, rows: KeptRows, tokens: bool
+        self, slot: int, position: int, inputs: Sequence[bytes], tokens: bool
     ) -> tuple[int, torch.Tensor | None]:
-        """The cached blocks a request of ``rows`` at ``position`` of ``slot`` starts with,
+        """The cached blocks a request of ``inputs`` at ``position`` of ``slot`` starts with,
         copied into the slot: how many rows they are, and (but for the last stage) their
         output rows.  The request's last row is never taken."""
         chain = self._chains.setdefault(slot, _Chain())
         chain.cut(position)
-        count = len(rows.tokens) if rows.hidden is None else int(rows.hidden.shape[0])
-        if chain.rows != position or chain.inputs or count <= KV_BLOCK_TOKENS:
-            return 0, None  # no full block to look for before the last row
-        inputs = row_inputs(rows.tokens, rows.hidden)
+        if chain.rows != position or chain.inputs:
+            return 0, None
         parent = chain.keys[-1] if chain.keys else self._salts[b"tokens" if tokens else b"hidden"]
         keys = []
         for first in range(0, len(inputs) - 1 - (KV_BLOCK_TOKENS - 1), KV_BLOCK_TOKENS):
             parent = chain_key(parent, *inputs[first : first + KV_BLOCK_TOKENS])
             keys.append(parent)
+        if not keys:
+            return 0, None  # no full block to look for: neither a hit nor a miss
         found = self.index.match(keys)
         self.index.record_use(len(found) * KV_BLOCK_TOKENS)
         if not found:
@@ -121,16 +120,15 @@ class StagePrefixes:
         self,
         slot: int,
         position: int,
-        rows: KeptRows,
+        inputs: Sequence[bytes],
         outputs: torch.Tensor | None,
         tokens: bool,
     ) -> None:
-        """Name the computed ``rows`` at ``position`` of ``slot`` (their ``outputs`` but for
-        the last stage), and save each block they complete into the pool."""
+        """Name the computed rows ``inputs`` at ``position`` of ``slot`` (their ``outputs``
+        but for the last stage), and save each block they complete into the pool."""
         chain = self._chains.setdefault(slot, _Chain())
         if chain.rows != position:
             return  # not named from the session's start (taken over mid-block): nothing kept
-        inputs = row_inputs(rows.tokens, rows.hidden)
         salt = self._salts[b"tokens" if tokens else b"hidden"]
         for row, raw in enumerate(inputs):
             chain.inputs.append(raw)

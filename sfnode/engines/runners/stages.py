@@ -28,7 +28,7 @@ from sfnode.engines.runners.attention import Attender, StepAttention
 from sfnode.engines.runners.decoder import DecoderRunner
 from sfnode.engines.runners.hidden import decode_hidden, encode_hidden
 from sfnode.engines.runners.kv import SlotKV
-from sfnode.engines.runners.stage_prefixes import StagePrefixes
+from sfnode.engines.runners.stage_prefixes import StagePrefixes, row_inputs
 from sfnode.engines.scheduling.plan import ChunkRow, StepPlan
 from sfnode.engines.scheduling.stages import KeptRows
 from sfnode.generation import PrefixFigures, StageForwardError, StageResult
@@ -130,8 +130,13 @@ class DecoderStages:
         prefixes = self._prefixes_of(first.start, first.end, last)
         tokens = first.hidden is None
         taken: list[tuple[int, torch.Tensor | None]] = [(0, None)] * len(group)
+        inputs: list[list[bytes]] = []
         if prefixes is not None:
-            taken = [prefixes.take(rows.slot, rows.position, rows, tokens) for rows in group]
+            inputs = [row_inputs(rows.tokens, rows.hidden) for rows in group]
+            taken = [
+                prefixes.take(rows.slot, rows.position, rows_in, tokens)
+                for rows, rows_in in zip(group, inputs, strict=True)
+            ]
         left = [_after(rows, n) for rows, (n, _) in zip(group, taken, strict=True)]
         counts = [_rows(rows) for rows in left]
         if runner.fused is not None:
@@ -141,9 +146,9 @@ class DecoderStages:
         ends = list(itertools.accumulate(counts))
         starts = [0, *ends[:-1]]
         if prefixes is not None:
-            for rows, a, b in zip(left, starts, ends, strict=True):
+            for rows, rows_in, (n, _), a, b in zip(left, inputs, taken, starts, ends, strict=True):
                 outputs = None if last else hidden[a:b]
-                prefixes.keep(rows.slot, rows.position, rows, outputs, tokens)
+                prefixes.keep(rows.slot, rows.position, rows_in[n:], outputs, tokens)
         if not last:
             return [
                 StageResult(hidden=encode_hidden(_joined(reused, hidden[a:b])))
