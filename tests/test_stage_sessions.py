@@ -297,3 +297,20 @@ class BatchedStepGroupTests(_StepGroupCase):
         self.failureResultOf(short_a, PipelineError)
         self.failureResultOf(short_b, PipelineError)
         self.assertEqual(self.group.members, set())
+
+    def test_members_on_different_links_of_a_stage_get_a_batch_each(self) -> None:
+        """Members whose sessions are on different nodes for a stage (one rebuilt on a spare)
+        get one STAGE_BATCH_REQ per link; a short answer on one link fails only its rows."""
+        spare = _BatchLink("spare0")
+        a = self.kept(1)
+        b = _Kept(session=2, links=[spare, self.links[1]])  # type: ignore[list-item]
+        first = self.group.submit(a, (5,), 0)
+        second = self.group.submit(b, (7,), 0)
+        self.clock.advance(0)
+        self.assertEqual([m.rows for m in self.links[0].sent], [(StageBatchRow(1, 0, (5,), None),)])
+        self.assertEqual([m.rows for m in spare.sent], [(StageBatchRow(2, 0, (7,), None),)])
+        spare.answer()
+        self.links[0].answer(StageBatchAnswer(b"a" * 8, None))
+        self.links[1].answer(StageBatchAnswer(None, 11))
+        self.assertEqual(self.successResultOf(first), 11)
+        self.failureResultOf(second, PipelineError)

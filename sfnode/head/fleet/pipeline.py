@@ -300,9 +300,8 @@ def _through_stage(
 def _batch_answers(
     response: StageBatchRespMsg | Failure, name: str, count: int
 ) -> list[tuple[bool, Any]]:
-    """Each of ``count`` rows' ``(ok, answer)`` from one STAGE_BATCH_RESP, as
-    :func:`_split_batch` gives them: all failed when the batch failed or answered another
-    number of rows."""
+    """Each of ``count`` rows' ``(ok, answer)`` from one STAGE_BATCH_RESP, as a DeferredList
+    gives them: all failed when the batch failed or answered another number of rows."""
     if isinstance(response, Failure):
         return [(False, response)] * count
     if len(response.answers) != count:
@@ -314,18 +313,13 @@ def _batch_answers(
 def _split_batch(
     response: StageBatchRespMsg | Failure, name: str, rows: Sequence[Deferred[Any]]
 ) -> None:
-    """Fire each row's Deferred with its answer in a STAGE_BATCH_RESP; all of them fail when
-    the batch failed or answered another number of rows."""
-    if isinstance(response, Failure):
-        for row in rows:
-            row.errback(response)
-    elif len(response.answers) != len(rows):
-        error = PipelineError(f"stage {name} answered another batch")
-        for row in rows:
-            row.errback(error)
-    else:
-        for row, answer in zip(rows, response.answers, strict=True):
+    """Fire each row's Deferred with its answer in a STAGE_BATCH_RESP (:func:`_batch_answers`:
+    all of them fail when the batch failed or answered another number of rows)."""
+    for row, (ok, answer) in zip(rows, _batch_answers(response, name, len(rows)), strict=True):
+        if ok:
             row.callback(answer)
+        else:
+            row.errback(answer)
 
 
 def _answer(
