@@ -172,8 +172,9 @@ def bench(options: argparse.Namespace) -> int:
     node_args = ["--threads", "1", "--max-lanes", "8", *options.node_arg]
     shown_model = model or "the bundled one (default weights mode)"
     print(f"{cpu_name()}, {os.cpu_count()} CPUs; model {shown_model}; logs in {logs}", flush=True)
+    stage_counts = {f"{n} stages": n for n in options.stages}
     folders = {"1 node": logs / "one"}
-    folders.update({f"{n} stages": logs / f"{n}-stages" for n in options.stages})
+    folders.update({name: logs / f"{n}-stages" for name, n in stage_counts.items()})
     results: dict[str, Rounds] = {name: [] for name in folders}
 
     def start(name: str, running: ExitStack) -> int:
@@ -185,9 +186,8 @@ def bench(options: argparse.Namespace) -> int:
             fleet = running.enter_context(fleet_children(node_args, env, model, folder))
             port, nodes = fleet.port, [fleet.node]
         else:
-            stages = int(name.split()[0])
             port, nodes = running.enter_context(
-                pipeline_head(stages, model, env, folder, node_args)
+                pipeline_head(stage_counts[name], model, env, folder, node_args)
             )
         warm(port, nodes)
         return port
@@ -280,7 +280,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--node-arg", action="append", default=[], help="more twistd sfnode args")
     p.add_argument("--logs", default=None, help="folder for the logs (default: a new one)")
-    return p.parse_args(argv)
+    options = p.parse_args(argv)
+    if options.rounds < 1 or min(options.streams) < 1:
+        p.error("--rounds and every --streams value must be at least 1")
+    return options
 
 
 def main(argv: Sequence[str] | None = None) -> int:
