@@ -36,7 +36,7 @@ from twisted.internet import defer
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from sfnode.generation import Engine, StageKeeping
+from sfnode.generation import Engine, kept_stages_of
 from sfnode.linkf.handshake import read_hello
 from sfnode.linkf.model_files import Bundle
 from sfnode.linkf.wire import Frame, Hello, HelloAckF, NodeStatusMsg, WireError, decode_message
@@ -227,9 +227,10 @@ class NodeAgent:
 
     def connection_ended(self, connection: NodeConnection) -> None:
         self._connections.remove(connection)
-        if isinstance(self.engine, StageKeeping) and self.engine.kept_stages is not None:
+        kept = kept_stages_of(self.engine)
+        if kept is not None:
             # Its stage sessions go with it (docs/protocol.md section 12.8).
-            self.engine.kept_stages.release(connection)
+            kept.release(connection)
         head = self.heads.peek(connection.head_id)
         if head is None:
             return

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import psutil
 
-from sfnode.generation import Embedder, StageKeeping
+from sfnode.generation import Embedder, kept_stages_of
 from sfnode.linkf.platform import NodePlatform, encode_platform
 from sfnode.linkf.wire import (
     FEATURE_CLOSING,
@@ -41,7 +41,7 @@ from sfnode.node.refused import MAX_REASON, RefusedEngine
 
 def _keeps_stages(engine: object) -> bool:
     """Whether the engine's pipeline stages keep their KV (docs/protocol.md section 12.8)."""
-    return isinstance(engine, StageKeeping) and engine.kept_stages is not None
+    return kept_stages_of(engine) is not None
 
 
 class NodeReports:

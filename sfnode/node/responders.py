@@ -89,14 +89,14 @@ def _log_refusal(what: str, request_id: int, failure: Failure, expected: type[Ex
     """Log why a stateless request (a stage forward, an embedding) got a nil answer: the
     engine's reason when it refused as ``expected``, else the whole failure."""
     if isinstance(failure.value, expected):
-        log.info(
-            "{what} {request} refused: {reason}",
-            what=what,
-            request=request_id,
-            reason=failure.getErrorMessage(),
-        )
+        _log_refused(what, request_id, failure.getErrorMessage())
     else:
         log.failure("{what} {request} failed", failure, what=what, request=request_id)
+
+
+def _log_refused(what: str, request_id: int, reason: str) -> None:
+    """Log the engine's ``reason`` for refusing a stateless request (a nil answer)."""
+    log.info("{what} {request} refused: {reason}", what=what, request=request_id, reason=reason)
 
 
 @dataclass(frozen=True)
@@ -318,11 +318,7 @@ class Responders:
             answers = []
             for result in results:
                 if isinstance(result, StageForwardError):
-                    log.info(
-                        "stage batch {request} refused: {reason}",
-                        request=msg.request_id,
-                        reason=str(result),
-                    )
+                    _log_refused("stage batch", msg.request_id, str(result))
                     answers.append(StageBatchAnswer(None, None))
                 else:
                     answers.append(StageBatchAnswer(result.hidden, result.token))

@@ -200,17 +200,20 @@ class StepGroup:
         self._waiting.pop(id(kept), None)
         self._check()
 
+    def _all_wait(self) -> bool:
+        """Every member has asked for its next step (and there is one)."""
+        return bool(self._waiting) and set(self._waiting) == self.members
+
     def _check(self) -> None:
         """A round starts at the end of this reactor turn once every member waits (so the
         members that ask in the same turn go together)."""
-        ready = self._waiting and set(self._waiting) == self.members
-        if self._running or self._called is not None or not ready:
+        if self._running or self._called is not None or not self._all_wait():
             return
         self._called = self._pipeline.clock.callLater(0, self._start_round)
 
     def _start_round(self) -> None:
         self._called = None
-        if self._running or not self._waiting or set(self._waiting) != self.members:
+        if self._running or not self._all_wait():
             return
         rows, self._waiting = list(self._waiting.values()), {}
         self._running = True
@@ -222,7 +225,7 @@ class StepGroup:
         (as a generation does at once with its token): the next STAGE_BATCH_REQ leaves in the
         turn the last token came in, not one reactor turn later."""
         self._running = False
-        if self._waiting and set(self._waiting) == self.members:
+        if self._all_wait():
             self._start_round()
         else:
             self._check()
@@ -270,31 +273,34 @@ def _through_stage(
     if len(by_link) == 1 and (link.features or 0) & FEATURE_STAGE_BATCH:
         # Every row on one batching link (every step's case): its answers are the rows' own,
         # without a Deferred per row.
-        batch = [
-            StageBatchRow(
-                row.kept.session or 0, row.position, row.tokens if i == 0 else (), row.hidden
-            )
-            for row in rows
-        ]
+        batch = [_batch_row(row, i) for row in rows]
         return stage_batch(link, start, end, batch).addBoth(_batch_answers, link.name, len(rows))
     sent: list[Deferred[Any]] = [Deferred() for _ in rows]
     for indices in by_link.values():
         link = rows[indices[0]].kept.links[i]
-        tokens = [rows[n].tokens if i == 0 else () for n in indices]
         if (link.features or 0) & FEATURE_STAGE_BATCH:
-            batch = [
-                StageBatchRow(rows[n].kept.session or 0, rows[n].position, t, rows[n].hidden)
-                for n, t in zip(indices, tokens, strict=True)
-            ]
-            answered = stage_batch(link, start, end, batch)
+            answered = stage_batch(link, start, end, [_batch_row(rows[n], i) for n in indices])
             answered.addBoth(_split_batch, link.name, [sent[n] for n in indices])
         else:
-            for n, t in zip(indices, tokens, strict=True):
+            for n in indices:
                 row = rows[n]
                 link.stage_forward(
-                    t, start, end, row.hidden, row.kept.session, row.position
+                    row.tokens if i == 0 else (),
+                    start,
+                    end,
+                    row.hidden,
+                    row.kept.session,
+                    row.position,
                 ).chainDeferred(sent[n])
     return defer.DeferredList(sent, consumeErrors=True)
+
+
+def _batch_row(row: _Row, i: int) -> StageBatchRow:
+    """``row``'s request to stage ``i`` in a STAGE_BATCH_REQ: its tokens to the first stage
+    only, the hidden state the stage before answered to the others."""
+    return StageBatchRow(
+        row.kept.session or 0, row.position, row.tokens if i == 0 else (), row.hidden
+    )
 
 
 def _batch_answers(

@@ -120,8 +120,8 @@ def plan_boundaries(model: StageModel, nodes: Sequence[StageNode]) -> list[int]:
     mean = sum(known) / len(known) if known else 1.0
     speeds = [node.speed or mean for node in nodes]
     # Shares of the work, the head's counted as layers of the last stage, then the head's
-    # taken off the last stage's share again.
-    # No stage more layers than leave the others one each.
+    # taken off the last stage's share again; no stage more layers than leave the others
+    # one each.
     head = model.head_layers
     most = [float(min(cap, n - count + 1)) for cap in caps]
     floors = [1.0] * (count - 1) + [1.0 + head]
