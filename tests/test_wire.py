@@ -234,7 +234,7 @@ class FrameDecoderTests(SynchronousTestCase):
     def test_unknown_required_type(self) -> None:
         """A required-range type outside the catalog fails closed with UnknownRequiredType."""
         self.assertRaises(UnknownRequiredType, FrameDecoder().feed, raw_frame(0x00FF))
-        self.assertRaises(UnknownRequiredType, FrameDecoder().feed, raw_frame(0x0020))
+        self.assertRaises(UnknownRequiredType, FrameDecoder().feed, raw_frame(0x0023))
         self.assertRaises(UnknownRequiredType, FrameDecoder().feed, raw_frame(0x0000))
 
     def test_unknown_droppable_skipped(self) -> None:
@@ -577,6 +577,46 @@ class PayloadStrictnessTests(SynchronousTestCase):
         self.assertEqual((int(MsgType.STAGE_BATCH_REQ), int(MsgType.STAGE_BATCH_RESP)), (30, 31))
         self.assertEqual(wire.FEATURE_STAGE_BATCH, 0x100)
 
+    def test_stage_ring_messages(self) -> None:
+        """STAGE_RING_JOIN (0x0020), STAGE_RING_ROWS (0x0021) and STAGE_RING_TOKENS (0x0022)
+        of section 12.10 (D29): byte for byte as the section's examples, all round-trip, and
+        the section's malformed forms are refused; feature bit 9 is 0x200."""
+        rows = wire.StageRingRowsMsg(7, (wire.StageRingRow(5, 12, (31198,), None, 3, (2,)),))
+        self.assertEqual(rows.payload().hex(" "), "92 07 91 96 05 0c 91 cd 79 de c0 03 91 02")
+        tokens = wire.StageRingTokensMsg(
+            7, (wire.StageRingToken(5, 13, 16521), wire.StageRingToken(6, 4, None))
+        )
+        self.assertEqual(tokens.payload().hex(" "), "92 07 92 93 05 0d cd 40 89 93 06 04 c0")
+        join = wire.StageRingJoinMsg(7, 0, 12, "tcp:127.0.0.1:8454")
+        self.assertEqual(join.payload(), bytes.fromhex("9407000cb2") + b"tcp:127.0.0.1:8454")
+        for message in (rows, tokens, join):
+            with self.subTest(message=type(message).__name__):
+                self.assertEqual(decode_message(message.MSG_TYPE, message.payload()), message)
+        malformed = {
+            MsgType.STAGE_RING_JOIN: (
+                [7, 0, 12, ""],
+                [7, 0, 12, "t" * 513],
+                [7, 12, 12, "tcp:h:1"],
+                [7, 0, 12],
+            ),
+            MsgType.STAGE_RING_ROWS: (
+                [7, []],
+                [7, [[5, 0, [1], None, 1, []], [5, 1, [2], None, 1, []]]],
+                [7, [[5, 0, [1], None, 1]]],
+            ),
+            MsgType.STAGE_RING_TOKENS: ([7, []], [7, [[5, 1]]], [7, [[5, 1, -1]]]),
+        }
+        for msg_type, forms in malformed.items():
+            for bad in forms:
+                with self.subTest(msg_type=msg_type.name, bad=bad):
+                    self.assertRaises(PayloadError, decode_message, msg_type, raw_pack(bad))
+        self.assertEqual(
+            [int(t) for t in (MsgType.STAGE_RING_JOIN, MsgType.STAGE_RING_ROWS)], [0x20, 0x21]
+        )
+        self.assertEqual(int(MsgType.STAGE_RING_TOKENS), 0x22)
+        self.assertEqual(wire.PAYLOAD_LIMITS[0x20], wire.SMALL_PAYLOAD)
+        self.assertEqual(wire.FEATURE_STAGE_RING, 0x200)
+
     def test_optional_nil(self) -> None:
         """Option<T> is nil for None and T otherwise (M10)."""
         resp = wire.StageForwardRespMsg(9, None, 5)
@@ -675,9 +715,9 @@ class NegotiateTests(SynchronousTestCase):
 
 class CatalogTests(SynchronousTestCase):
     def test_every_type_known(self) -> None:
-        """All 28 catalog types and sfnode's five own types (sections 12.7, 12.8) have a
-        message class and pass the decoder (item 2)."""
-        self.assertEqual(len(MsgType), 33)
+        """All 28 catalog types and sfnode's eight own types (sections 12.7, 12.8, 12.10)
+        have a message class and pass the decoder (item 2)."""
+        self.assertEqual(len(MsgType), 36)
         self.assertEqual(set(MESSAGE_CLASSES), set(MsgType))
         for msg_type, cls in MESSAGE_CLASSES.items():
             self.assertEqual(cls.MSG_TYPE, msg_type)
@@ -761,17 +801,39 @@ def strategy_for(codec: Codec[Any]) -> st.SearchStrategy[Any]:
     raise AssertionError(f"no strategy for {codec!r}")
 
 
+_ROWS_OF: dict[type[Any], type[Any]] = {
+    wire.StageBatchReqMsg: wire.StageBatchRow,
+    wire.StageRingRowsMsg: wire.StageRingRow,
+}
+
+
 def message_strategy(cls: type[Any]) -> st.SearchStrategy[Any]:
     """A strategy for a wire struct, one argument per entry of its FIELDS (a STAGE_BATCH_REQ's
-    rows: at least one, each of its own session, as section 12.8 requires)."""
-    if cls is wire.StageBatchReqMsg:
+    and a STAGE_RING_ROWS's rows: at least one, each of its own session, as sections 12.8 and
+    12.10 require; a STAGE_RING_TOKENS's tokens and a STAGE_RING_JOIN's endpoint and layers as
+    12.10 requires)."""
+    if cls in _ROWS_OF:
         rows = st.lists(
-            message_strategy(wire.StageBatchRow),
+            message_strategy(_ROWS_OF[cls]),
             min_size=1,
             max_size=3,
             unique_by=lambda row: row.stage_session,
         ).map(tuple)
-        return st.builds(cls, *[strategy_for(c) for c in cls.FIELDS[:3]], rows)
+        return st.builds(cls, *[strategy_for(c) for c in cls.FIELDS[:-1]], rows)
+    if cls is wire.StageRingTokensMsg:
+        tokens = st.lists(message_strategy(wire.StageRingToken), min_size=1, max_size=3)
+        return st.builds(cls, strategy_for(wire.U64), tokens.map(tuple))
+    if cls is wire.StageRingJoinMsg:
+        layers = st.tuples(st.integers(0, 99), st.integers(1, 99)).filter(lambda r: r[0] < r[1])
+        return layers.flatmap(
+            lambda r: st.builds(
+                cls,
+                strategy_for(wire.U64),
+                st.just(r[0]),
+                st.just(r[1]),
+                st.text(min_size=1, max_size=12),
+            )
+        )
     return st.builds(cls, *[strategy_for(c) for c in cls.FIELDS])
 
 

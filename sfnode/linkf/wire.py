@@ -90,14 +90,18 @@ FEATURE_STAGE_BATCH = 1 << 8
 """HELLO_ACK_F feature flag (set only with :data:`FEATURE_STAGE_KV`): the node reads
 STAGE_BATCH_REQ, the kept-stage rows of several stage sessions in one frame, and answers them
 in one STAGE_BATCH_RESP (docs/protocol.md section 12.8, D28)."""
+FEATURE_STAGE_RING = 1 << 9
+"""HELLO_ACK_F feature flag (set only with :data:`FEATURE_STAGE_BATCH`, by a node that
+listens): the node joins stage rings, STAGE_RING_JOIN, STAGE_RING_ROWS and STAGE_RING_TOKENS
+(docs/protocol.md section 12.10, D29)."""
 
 _ENVELOPE = struct.Struct("<IHHQQB")
 _LENGTH = struct.Struct("<I")
 
 
 class MsgType(enum.IntEnum):
-    """The 28 message types of the Link F catalog and sfnode's own of sections 12.7 and 12.8
-    (docs/protocol.md section 4.1)."""
+    """The 28 message types of the Link F catalog and sfnode's own of sections 12.7, 12.8 and
+    12.10 (docs/protocol.md section 4.1)."""
 
     HELLO = 0x0001
     HELLO_ACK_F = 0x0002
@@ -130,6 +134,9 @@ class MsgType(enum.IntEnum):
     STAGE_RELEASE = 0x001D
     STAGE_BATCH_REQ = 0x001E
     STAGE_BATCH_RESP = 0x001F
+    STAGE_RING_JOIN = 0x0020
+    STAGE_RING_ROWS = 0x0021
+    STAGE_RING_TOKENS = 0x0022
     TELEMETRY = 0x8001
     KEEPALIVE = 0x8002
 
@@ -176,6 +183,9 @@ PAYLOAD_LIMITS: dict[int, int] = {
         MsgType.STAGE_RELEASE: SMALL_PAYLOAD,
         MsgType.STAGE_BATCH_REQ: MAX_PAYLOAD,
         MsgType.STAGE_BATCH_RESP: MAX_PAYLOAD,
+        MsgType.STAGE_RING_JOIN: SMALL_PAYLOAD,
+        MsgType.STAGE_RING_ROWS: MAX_PAYLOAD,
+        MsgType.STAGE_RING_TOKENS: MAX_PAYLOAD,
         MsgType.TELEMETRY: MAX_PAYLOAD,
         MsgType.KEEPALIVE: SMALL_PAYLOAD,
     }.items()
@@ -1750,6 +1760,99 @@ class StageBatchRespMsg(Message):
     FIELDS = (U64, ArrayOf(StageBatchAnswer.as_codec()))
 
 
+RING_ENDPOINT_CHARS = 512
+"""The longest ``next`` endpoint a STAGE_RING_JOIN may name (it fits the 1 KiB payload)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StageRingJoinMsg(Message):
+    """STAGE_RING_JOIN (docs/protocol.md section 12.10, only to a node with
+    :data:`FEATURE_STAGE_RING`): rows of ``ring`` that the node computes in ``[start_layer,
+    end_layer)`` go to the node at endpoint ``next``; the ring is the sending connection's."""
+
+    ring: int
+    start_layer: int
+    end_layer: int
+    next: str
+    MSG_TYPE = MsgType.STAGE_RING_JOIN
+    FIELDS = (U64, U32, U32, STR)
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> StageRingJoinMsg:
+        message: StageRingJoinMsg = super(StageRingJoinMsg, cls).from_wire(obj)
+        if not 0 < len(message.next) <= RING_ENDPOINT_CHARS:
+            raise PayloadError(
+                f"STAGE_RING_JOIN: the next endpoint takes 1 to {RING_ENDPOINT_CHARS} characters"
+            )
+        if message.start_layer >= message.end_layer:
+            raise PayloadError("STAGE_RING_JOIN: a ring stage runs at least one layer")
+        return message
+
+
+@dataclass(frozen=True, slots=True)
+class StageRingRow(Struct):
+    """One stage session's rows in a STAGE_RING_ROWS (docs/protocol.md section 12.10): a
+    STAGE_BATCH_REQ row, and the tokens the ring still makes for it (``left``, counting the one
+    this row leads to) and the token ids that end it (``stop``)."""
+
+    stage_session: int
+    position: int
+    tokens: tuple[int, ...]
+    hidden_in: bytes | None
+    left: int
+    stop: tuple[int, ...]
+    FIELDS = (U64, U64, U32S, Optional(BIN), U32, U32S)
+
+
+@dataclass(frozen=True, slots=True)
+class StageRingRowsMsg(Message):
+    """STAGE_RING_ROWS (docs/protocol.md section 12.10): rows of ``ring`` for the receiving
+    stage, from the head (the first step) or the previous stage; forwarded, never answered."""
+
+    ring: int
+    rows: tuple[StageRingRow, ...]
+    MSG_TYPE = MsgType.STAGE_RING_ROWS
+    FIELDS = (U64, ArrayOf(StageRingRow.as_codec()))
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> StageRingRowsMsg:
+        message: StageRingRowsMsg = super(StageRingRowsMsg, cls).from_wire(obj)
+        if not message.rows:
+            raise PayloadError("STAGE_RING_ROWS: a frame carries at least one row")
+        if len({row.stage_session for row in message.rows}) != len(message.rows):
+            raise PayloadError("STAGE_RING_ROWS: a stage session appears twice")
+        return message
+
+
+@dataclass(frozen=True, slots=True)
+class StageRingToken(Struct):
+    """One token of a STAGE_RING_TOKENS: the token after the row of ``stage_session`` that
+    ended at ``position`` (the token's own position), or None: that row was refused or lost."""
+
+    stage_session: int
+    position: int
+    token: int | None
+    FIELDS = (U64, U64, Optional(U32))
+
+
+@dataclass(frozen=True, slots=True)
+class StageRingTokensMsg(Message):
+    """STAGE_RING_TOKENS (docs/protocol.md section 12.10, node to head): tokens of ``ring``'s
+    generations, and the rows it refused or lost."""
+
+    ring: int
+    tokens: tuple[StageRingToken, ...]
+    MSG_TYPE = MsgType.STAGE_RING_TOKENS
+    FIELDS = (U64, ArrayOf(StageRingToken.as_codec()))
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> StageRingTokensMsg:
+        message: StageRingTokensMsg = super(StageRingTokensMsg, cls).from_wire(obj)
+        if not message.tokens:
+            raise PayloadError("STAGE_RING_TOKENS: a frame carries at least one token")
+        return message
+
+
 @dataclass(frozen=True, slots=True)
 class EmbedReqMsg(Message):
     """EMBED_REQ (docs/protocol.md section 12.7): the texts to embed, answered by one
@@ -1804,7 +1907,8 @@ MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
         ParkReqMsg, ResumeReqMsg, TokenEventsMsg, WatermarkAckMsg, XferBeginMsg, XferChunkMsg,
         XferEndMsg, XferAbortMsg, StateShipMsg, StateFetchMsg, BlobFetchMsg, NodeStatusMsg,
         GenerateCancelMsg, StageForwardReqMsg, StageForwardRespMsg, EmbedReqMsg, EmbedRespMsg,
-        StageReleaseMsg, StageBatchReqMsg, StageBatchRespMsg, TelemetryMsg, Keepalive,
+        StageReleaseMsg, StageBatchReqMsg, StageBatchRespMsg, StageRingJoinMsg,
+        StageRingRowsMsg, StageRingTokensMsg, TelemetryMsg, Keepalive,
     )
 }  # fmt: skip
 
