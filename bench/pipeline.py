@@ -8,7 +8,10 @@ generated token (from the head's log, which counts what it sends), and whether e
 equals the full node's.  By default the setups run one after the other, never two at once;
 ``--rounds N`` starts every setup first (the idle ones only send their status every 2 s), then
 runs each setup's requests in turn N times, so a busier minute of the machine weighs on every
-setup alike, and prints each round's ratios and the medians.
+setup alike, and prints each round's ratios and the medians.  The stage nodes hand a
+generation's steps to each other in a stage ring (docs/protocol.md section 12.10);
+``--through-head`` adds, for each pipeline, the same stages with every step through the head
+(``twistd sfhead --no-stage-ring``), side by side.
 
 Usage (from the repository's root)::
 
@@ -16,6 +19,7 @@ Usage (from the repository's root)::
     PYTHONPATH=. .venv/bin/python bench/pipeline.py --model PATH --stages 2
     PYTHONPATH=. .venv/bin/python bench/pipeline.py --bundled   # SmolLM2, its default mode
     PYTHONPATH=. .venv/bin/python bench/pipeline.py --bundled --stages 2 --rounds 5 --streams 1
+    PYTHONPATH=. .venv/bin/python bench/pipeline.py --bundled --stages 2 --through-head --rounds 5
 
 The default model is a random float32 Llama (hidden 512, 8 layers, window 2048) with the tiny
 tokenizer, saved to the logs folder; its EOS is the tokenizer's, which a pipeline's head stops
@@ -71,11 +75,16 @@ _FORWARDED = re.compile(rb"pipeline generation: (\d+) tokens, (\d+) bytes of hid
 
 @contextmanager
 def pipeline_head(
-    stages: int, model: Path | None, env: dict[str, str], logs: Path, node_args: Sequence[str]
+    stages: int,
+    model: Path | None,
+    env: dict[str, str],
+    logs: Path,
+    node_args: Sequence[str],
+    ring: bool = True,
 ) -> Iterator[tuple[int, list[Child]]]:
-    """``stages`` ``twistd sfnode`` processes and ``twistd sfhead --pipeline`` over them: yields
-    the head's HTTP port once it serves, and the stage nodes; stops them all when the block
-    ends."""
+    """``stages`` ``twistd sfnode`` processes and ``twistd sfhead --pipeline`` over them (with
+    ``--no-stage-ring`` unless ``ring``): yields the head's HTTP port once it serves, and the
+    stage nodes; stops them all when the block ends."""
     children: list[Child] = []
     model_args = ["--model", str(model)] if model is not None else []
     try:
@@ -93,6 +102,7 @@ def pipeline_head(
         argv = twistd(
             "sfhead", "--pipeline", ",".join(endpoints), *model_args,
             "--http", "tcp:0:interface=127.0.0.1", "--fleet-listen", "tcp:0:interface=127.0.0.1",
+            *([] if ring else ["--no-stage-ring"]),
         )  # fmt: skip
         print(f"starting {shown(argv)}", flush=True)
         head = Child("sfhead", argv, env, logs / "sfhead.log", False)
@@ -172,9 +182,16 @@ def bench(options: argparse.Namespace) -> int:
     node_args = ["--threads", "1", "--max-lanes", "8", *options.node_arg]
     shown_model = model or "the bundled one (default weights mode)"
     print(f"{cpu_name()}, {os.cpu_count()} CPUs; model {shown_model}; logs in {logs}", flush=True)
-    stage_counts = {f"{n} stages": n for n in options.stages}
+    pipelines = {f"{n} stages": (n, True) for n in options.stages}
+    if options.through_head:
+        pipelines.update({f"{n} stages through the head": (n, False) for n in options.stages})
     folders = {"1 node": logs / "one"}
-    folders.update({name: logs / f"{n}-stages" for name, n in stage_counts.items()})
+    folders.update(
+        {
+            name: logs / f"{n}-stages{'' if ring else '-through-head'}"
+            for name, (n, ring) in pipelines.items()
+        }
+    )
     results: dict[str, Rounds] = {name: [] for name in folders}
 
     def start(name: str, running: ExitStack) -> int:
@@ -186,8 +203,9 @@ def bench(options: argparse.Namespace) -> int:
             fleet = running.enter_context(fleet_children(node_args, env, model, folder))
             port, nodes = fleet.port, [fleet.node]
         else:
+            n, ring = pipelines[name]
             port, nodes = running.enter_context(
-                pipeline_head(stage_counts[name], model, env, folder, node_args)
+                pipeline_head(n, model, env, folder, node_args, ring)
             )
         warm(port, nodes)
         return port
@@ -276,6 +294,11 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         default=1,
         help="every setup started at once, their requests run in turn this many times "
         "(default 1: one setup at a time)",
+    )
+    p.add_argument(
+        "--through-head",
+        action="store_true",
+        help="also run each pipeline with every step through the head (--no-stage-ring)",
     )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--node-arg", action="append", default=[], help="more twistd sfnode args")

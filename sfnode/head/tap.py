@@ -218,6 +218,13 @@ class Options(usage.Options):
     optFlags: ClassVar[list[list[str | None]]] = [
         ["insecure-no-auth", None, "Allow non-loopback node links without a fleet token."],
         [
+            "no-stage-ring",
+            None,
+            "With --pipeline: send every step of a generation through the head, even when "
+            "every stage node can hand steps to the next itself in a stage ring (faster: "
+            "docs/protocol.md section 12.10).",
+        ],
+        [
             "no-announce",
             None,
             f"Do not announce the fleet listener by DNS-SD ({SERVICE_TYPE}); by default a "
@@ -594,6 +601,8 @@ class Options(usage.Options):
         for endpoint in spares:
             _check_endpoint("pipeline-spare", endpoint, server=False)
         self["spares"] = spares
+        if self["no-stage-ring"] and not stages:
+            raise usage.UsageError("--no-stage-ring needs --pipeline")
         layers = self["pipeline-layers"]
         if layers is not None:
             if not stages:
@@ -1166,6 +1175,7 @@ def _pipeline(options: Options, registry: ModelRegistry, reactor: Any) -> Pipeli
             eos_ids=[eos] if isinstance(eos, int) else [],
             settings=options["fleet-settings"],
             spares=options["spares"],
+            rings=not options["no-stage-ring"],
             sizes=model_sizes(model_config(options["model"]), n_layers) if n_layers else None,
         )
     except ValueError as e:

@@ -32,6 +32,7 @@ or a token computed from a context it did not ask for.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -55,11 +56,13 @@ from sfnode.head.fleet.backend import (
     StageReport,
 )
 from sfnode.head.fleet.fleet import DEFAULT_FLEET_SETTINGS, Fleet, FleetNode, FleetSettings
+from sfnode.head.fleet.ring import RingBroken, RingRun
 from sfnode.head.fleet.stage_plan import StageModel, StagePlanError, plan_boundaries, stage_node
 from sfnode.head.link import HeadIds, LinkError, NodeLink, stage_batch
 from sfnode.linkf.wire import (
     FEATURE_STAGE_BATCH,
     FEATURE_STAGE_KV,
+    FEATURE_STAGE_RING,
     FINISH_CANCELLED,
     FINISH_EOS,
     FINISH_LENGTH,
@@ -67,6 +70,10 @@ from sfnode.linkf.wire import (
     StageBatchRow,
     StageForwardRespMsg,
     StageReleaseMsg,
+    StageRingJoinMsg,
+    StageRingRow,
+    StageRingRowsMsg,
+    StageRingTokensMsg,
 )
 
 _log = Logger(namespace="sfnode.head.fleet.pipeline")
@@ -148,6 +155,11 @@ class _Kept:
     """Hidden-state bytes the generation sent to stages (what crosses between stages)."""
     recomputes: bool = False
     """A stage refused to open a session (none free): the generation recomputes (7.6)."""
+    run: RingRun | None = None
+    """Its steps in the stage ring (docs/protocol.md section 12.10), while they run there."""
+    row_bytes: int = 0
+    """The bytes of one row's hidden state, as the stages answered its context's last chunk
+    (what a ring step sends from each stage to the next)."""
 
 
 @dataclass
@@ -243,6 +255,7 @@ class StepGroup:
                 answer = _answer(ok, response, row.kept.links[i].name, start, end)
                 if isinstance(answer, bytes):
                     row.hidden = answer
+                    row.kept.row_bytes = len(answer) // max(1, len(row.tokens))
                     going.append(row)
                 else:
                     answers.append((row, answer))
@@ -438,7 +451,7 @@ class PipelineGeneration:
             for _ in range(self._max_new):
                 if self._cancelled:
                     return FleetOutcome(list(self.tokens), FINISH_CANCELLED, last, 0)
-                token = yield self._next_token(context, kept)
+                token = yield self._next_token(context, kept, self._max_new - len(self.tokens))
                 self._deliver(token, context)
                 if token in pipeline.eos_ids:
                     return FleetOutcome(list(self.tokens), FINISH_EOS, last, 0)
@@ -454,15 +467,16 @@ class PipelineGeneration:
 
     @defer.inlineCallbacks
     def _next_token(
-        self, context: Sequence[int], kept: _Kept
+        self, context: Sequence[int], kept: _Kept, left: int
     ) -> Generator[Deferred[Any], Any, int]:
-        """The token after ``context``, rebuilding the stages while they fail."""
+        """The token after ``context`` (``left`` tokens still wanted, this one counted),
+        rebuilding the stages while they fail."""
         pipeline = self._pipeline
         for attempt in range(MAX_REBUILDS + 1):
             try:
-                token: int = yield pipeline.advance(context, kept)
+                token: int = yield pipeline.advance(context, kept, left)
                 return token
-            except (LinkError, PipelineError, NoNodeAvailable) as e:
+            except (LinkError, PipelineError, NoNodeAvailable, RingBroken) as e:
                 if self._cancelled or attempt == MAX_REBUILDS:
                     raise
                 delay = REBUILD_DELAYS[min(attempt, len(REBUILD_DELAYS) - 1)]
@@ -500,6 +514,16 @@ class PipelineGeneration:
             self._on_tokens(TokenBatch(tuple(pending)))
 
 
+def _in_rings(link: NodeLink) -> bool:
+    """Whether ``link``'s node joins stage rings and can be dialed by its neighbour at the
+    endpoint the head dials (a ``tcp:`` one, section 12.10)."""
+    return bool(
+        (link.features or 0) & FEATURE_STAGE_RING
+        and link.dialable
+        and link.description.startswith("tcp:")
+    )
+
+
 class PipelineFleet:
     """Runs generations across stage nodes (``--pipeline``); a backend for the HTTP API."""
 
@@ -520,6 +544,7 @@ class PipelineFleet:
         spares: Sequence[str] = (),
         micro_batches: int = MICRO_BATCHES,
         sizes: StageModel | None = None,
+        rings: bool = True,
     ) -> None:
         """``settings`` are the stages' :class:`Fleet`'s (token, redial cap, keepalive
         window, wall budget); ``spares`` are nodes dialed too, that take the layers of a stage
@@ -528,7 +553,8 @@ class PipelineFleet:
         smallest), so that one group's rows are on one stage while another's are on the
         next.  Without ``boundaries``, the stages split ``n_layers`` evenly until every stage
         has reported, then by their memory and speed (with ``sizes``, the model's layer and
-        extras' bytes: :func:`plan_stages`)."""
+        extras' bytes: :func:`plan_stages`).  With ``rings``, a generation's steps run in
+        a stage ring when every stage's node joins rings (docs/protocol.md section 12.10)."""
         if not endpoints:
             raise ValueError("a pipeline needs at least one stage")
         self.sizes: StageModel | None = None
@@ -557,6 +583,16 @@ class PipelineFleet:
         """Hidden-state bytes sent to stages so far (what crosses between stages)."""
         self.groups = [StepGroup(self) for _ in range(max(1, micro_batches))]
         self._group_of: dict[int, StepGroup] = {}
+        self.rings = rings
+        self._ring: int | None = None
+        """The stage ring the stages are joined to (docs/protocol.md section 12.10), if any."""
+        self._ring_links: list[NodeLink] = []
+        self._ring_ranges: list[tuple[int, int]] = []
+        """The links and layers the ring was joined with (another of either: a new ring)."""
+        self._runs: dict[int, RingRun] = {}
+        """The ring runs under way, by stage session."""
+        self.ring_tokens = 0
+        """Tokens the stage ring gave (the others came through the head's step groups)."""
 
     @property
     def ranges(self) -> list[tuple[int, int]]:
@@ -633,10 +669,14 @@ class PipelineFleet:
         return links
 
     @defer.inlineCallbacks
-    def advance(self, context: Sequence[int], kept: _Kept) -> Generator[Deferred[Any], Any, int]:
-        """The token after ``context``: through the generation's stage session when every
-        stage keeps its KV (the positions it does not hold yet, in chunks), else
-        recomputing the whole context (section 7.6)."""
+    def advance(
+        self, context: Sequence[int], kept: _Kept, left: int = 1
+    ) -> Generator[Deferred[Any], Any, int]:
+        """The token after ``context`` (``left`` tokens still wanted, this one counted):
+        through the generation's stage session when every stage keeps its KV (the positions
+        it does not hold yet, in chunks; a step, when every stage joins rings and more than
+        one token is wanted, through the stage ring, section 12.10), else recomputing the
+        whole context (section 7.6)."""
         links: list[NodeLink] = yield self._open_links()
         keeping = all((link.features or 0) & FEATURE_STAGE_KV for link in links)
         if kept.recomputes or not keeping:
@@ -646,6 +686,16 @@ class PipelineFleet:
             self.release(kept)
             self._sessions += 1
             kept.session, kept.rows, kept.links = self._sessions, 0, links
+        if kept.run is None and left > 1 and kept.rows == len(context) - 1:
+            ring = self._ring_for(links)
+            if ring is not None:
+                self._start_run(ring, context, kept, left)
+        if kept.run is not None:
+            token = yield kept.run.take()
+            kept.rows += 1
+            self.ring_tokens += 1
+            self.count_forwarded(kept, None, kept.row_bytes * (len(links) - 1))
+            return token
         opening = kept.rows == 0
         try:
             while True:
@@ -712,10 +762,64 @@ class PipelineFleet:
                 spare=spare.name,
             )
 
-    def count_forwarded(self, kept: _Kept, hidden: bytes | None) -> None:
-        """Hidden-state bytes sent to a stage, for the generation and the pipeline."""
-        self.bytes_forwarded += len(hidden or b"")
-        kept.forwarded += len(hidden or b"")
+    def count_forwarded(self, kept: _Kept, hidden: bytes | None, more: int = 0) -> None:
+        """Hidden-state bytes sent to a stage (and ``more``, what a ring step sent between
+        stages), for the generation and the pipeline."""
+        self.bytes_forwarded += len(hidden or b"") + more
+        kept.forwarded += len(hidden or b"") + more
+
+    def _ring_for(self, links: Sequence[NodeLink]) -> int | None:
+        """The stage ring of ``links`` (section 12.10): joined now when the links or the
+        layers changed since the last join; None when a stage's node does not join rings
+        or the head did not dial it (no endpoint to give its neighbour)."""
+        if not self.rings or not all(_in_rings(link) for link in links):
+            return None
+        ranges = self.ranges
+        if self._ring is None or self._ring_links != list(links) or self._ring_ranges != ranges:
+            ring = secrets.randbits(64)
+            for i, (link, (start, end)) in enumerate(zip(links, ranges, strict=True)):
+                following = links[(i + 1) % len(links)].description
+                link.ring_tokens = self._ring_tokens
+                link.send_now(StageRingJoinMsg(ring, start, end, following))
+                link.when_closed().addCallback(self._ring_link_lost, ring, link.name)
+            self._ring, self._ring_links, self._ring_ranges = ring, list(links), ranges
+            _log.info("pipeline stages joined to stage ring {ring:016x}", ring=ring)
+        return self._ring
+
+    def _start_run(self, ring: int, context: Sequence[int], kept: _Kept, left: int) -> None:
+        """Send ``kept``'s next step to the first stage as a ring row (section 12.10); the
+        generation leaves its step group while the ring runs its steps."""
+        group = self._group_of.pop(id(kept), None)
+        if group is not None:
+            group.leave(kept)
+        assert kept.session is not None
+        run = RingRun(self.clock, len(context))
+        kept.run = run
+        self._runs[kept.session] = run
+        row = StageRingRow(
+            kept.session, kept.rows, (context[-1],), None, left, tuple(sorted(self.eos_ids))
+        )
+        if not kept.links[0].send_now(StageRingRowsMsg(ring, (row,))):
+            run.end(RingBroken(f"the link to {kept.links[0].name} is down"))
+
+    def _ring_tokens(self, link: NodeLink, message: StageRingTokensMsg) -> None:
+        """A STAGE_RING_TOKENS: each entry to its generation's run (entries of another ring,
+        or of a session no run holds, are dropped)."""
+        if message.ring != self._ring:
+            return
+        for entry in message.tokens:
+            run = self._runs.get(entry.stage_session)
+            if run is not None:
+                run.offer(entry.position, entry.token)
+
+    def _ring_link_lost(self, reason: Exception, ring: int, name: str) -> None:
+        """A stage's link of ``ring`` dropped: the node forgot the ring, and the rows on
+        their way through it are lost; every run ends (its generation rebuilds)."""
+        if ring != self._ring:
+            return
+        self._ring = None
+        for run in self._runs.values():
+            run.end(RingBroken(f"the stage ring lost {name}: {reason}"))
 
     def _group(self, kept: _Kept) -> StepGroup:
         """The step group of ``kept``'s generation (a new one joins the smallest)."""
@@ -731,6 +835,10 @@ class PipelineFleet:
         group = self._group_of.pop(id(kept), None)
         if group is not None:
             group.leave(kept)
+        run, kept.run = kept.run, None
+        if run is not None:
+            self._runs.pop(kept.session or 0, None)
+            run.end(RingBroken("the generation released its stage sessions"))
         session, links = kept.session, kept.links
         kept.session, kept.rows, kept.links = None, 0, []
         if session is None:

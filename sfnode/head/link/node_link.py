@@ -83,6 +83,7 @@ from sfnode.linkf.wire import (
     StageBatchRow,
     StageForwardReqMsg,
     StageForwardRespMsg,
+    StageRingTokensMsg,
     TelemetryMsg,
     TokenEventsMsg,
     Tokens,
@@ -217,6 +218,10 @@ class NodeLink:
         self._closed_waiters: list[Deferred[Exception]] = []
         self._close_waiters: list[Deferred[None]] = []
         self._observers: list[LinkObserver] = []
+        self.ring_tokens: Callable[[NodeLink, StageRingTokensMsg], None] | None = None
+        """Who reads the STAGE_RING_TOKENS of the stage rings this link's node is in
+        (docs/protocol.md section 12.10): the pipeline that joined it; None: they are
+        ignored."""
         self._driver = _LinkDriver(self)
         self.owner: LinkOwner = self._driver
         """What this link's connections report to (a :class:`HeadLinkProtocol`'s owner)."""
@@ -831,6 +836,13 @@ def _on_stage_forward_resp(driver: _LinkDriver, message: StageForwardRespMsg) ->
 @_handles(StageBatchRespMsg)
 def _on_stage_batch_resp(driver: _LinkDriver, message: StageBatchRespMsg) -> None:
     driver.link._calls.answer_batch(message)
+
+
+@_handles(StageRingTokensMsg)
+def _on_stage_ring_tokens(driver: _LinkDriver, message: StageRingTokensMsg) -> None:
+    receiver = driver.link.ring_tokens
+    if receiver is not None:
+        receiver(driver.link, message)
 
 
 @_handles(EmbedRespMsg)
