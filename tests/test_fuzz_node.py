@@ -82,6 +82,9 @@ from sfnode.linkf.wire import (
     SessionReconcileState,
     SessionRevokeMsg,
     StageForwardReqMsg,
+    StageRingJoinMsg,
+    StageRingRow,
+    StageRingRowsMsg,
     TelemetryMsg,
     WatermarkAckMsg,
     WireError,
@@ -109,11 +112,12 @@ HANDLED = {
     MsgType.RECONCILE, MsgType.SESSION_ASSIGN, MsgType.SESSION_REVOKE, MsgType.APPEND_CONTENT,
     MsgType.GENERATE_REQ, MsgType.STAGE_FORWARD_REQ, MsgType.WATERMARK_ACK,
     MsgType.LEASE_GRANT, MsgType.GENERATE_CANCEL, MsgType.BLOB_FETCH, MsgType.EMBED_REQ,
-    MsgType.STAGE_RELEASE, MsgType.STAGE_BATCH_REQ,
+    MsgType.STAGE_RELEASE, MsgType.STAGE_BATCH_REQ, MsgType.STAGE_RING_JOIN,
+    MsgType.STAGE_RING_ROWS,
 }  # fmt: skip
 """The types a serving node decodes (docs/protocol.md 7.2, BLOB_FETCH of 12.5, EMBED_REQ of 12.7
-and, as the mock engine keeps stages, STAGE_RELEASE and STAGE_BATCH_REQ of 12.8 included); it
-drops any other type undecoded."""
+and, as the mock engine keeps stages, STAGE_RELEASE and STAGE_BATCH_REQ of 12.8 and
+STAGE_RING_JOIN and STAGE_RING_ROWS of 12.10 included); it drops any other type undecoded."""
 
 sessions = st.integers(1, 6)
 epochs = st.integers(0, FUZZ_MAX_EPOCH)
@@ -159,6 +163,22 @@ messages: st.SearchStrategy[Message] = st.one_of(
         st.integers(0, 30), st.one_of(st.none(), st.binary(max_size=10)),
     ),
     st.builds(EmbedReqMsg, small, st.lists(st.text(max_size=8), max_size=3).map(tuple)),
+    # Rings whose next stage is never dialled (no token, off loopback: its rows come back nil).
+    st.builds(
+        StageRingJoinMsg, st.integers(0, 3), st.integers(0, 30), st.integers(0, 30),
+        st.sampled_from(["", "tcp:10.0.0.1:1", "unix:/nowhere"]),
+    ),
+    st.builds(
+        StageRingRowsMsg, st.integers(0, 3),
+        st.lists(
+            st.builds(
+                StageRingRow, sessions, st.integers(0, 30), token_lists.map(tuple),
+                st.one_of(st.none(), st.binary(max_size=10)), st.integers(0, 4),
+                token_lists.map(tuple),
+            ),
+            max_size=3,
+        ).map(tuple),
+    ),
     st.builds(Keepalive),
     st.builds(TelemetryMsg, st.binary(max_size=8)),
     st.builds(

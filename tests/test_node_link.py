@@ -720,8 +720,8 @@ class DispatchTableTests(SynchronousTestCase):
     def test_the_node_handles_exactly_the_types_of_the_specification(self) -> None:
         """RECONCILE, ASSIGN, REVOKE, LEASE_GRANT, APPEND, GENERATE, WATERMARK_ACK,
         BLOB_FETCH (section 12.5), GENERATE_CANCEL, STAGE_FORWARD_REQ, EMBED_REQ (section
-        12.7), STAGE_RELEASE and STAGE_BATCH_REQ (section 12.8) have a responder; every other
-        type has none."""
+        12.7), STAGE_RELEASE and STAGE_BATCH_REQ (section 12.8), STAGE_RING_JOIN and
+        STAGE_RING_ROWS (section 12.10) have a responder; every other type has none."""
         self.assertEqual(
             [cls.MSG_TYPE for cls in HANDLERS.message_classes()],
             [
@@ -738,6 +738,8 @@ class DispatchTableTests(SynchronousTestCase):
                 MsgType.EMBED_REQ,
                 MsgType.STAGE_RELEASE,
                 MsgType.STAGE_BATCH_REQ,
+                MsgType.STAGE_RING_JOIN,
+                MsgType.STAGE_RING_ROWS,
             ],
         )
 

@@ -12,6 +12,8 @@ its engine and its clock.
 - the reports its heads read (:class:`~sfnode.node.reports.NodeReports`: HELLO_ACK_F and
   NODE_STATUS with their capacity samples);
 - the drain machine (:meth:`NodeAgent.drain` is the SIGTERM path);
+- its peer links to the next stage of its stage rings (:class:`~sfnode.node.ring.PeerLinks`,
+  section 12.10), closed when it stops;
 - the connections, in their handshake or past it, for which it is the
   :class:`~sfnode.node.protocol.ConnectionHost`.
 
@@ -39,14 +41,22 @@ from twisted.logger import Logger
 from sfnode.generation import Engine, kept_stages_of
 from sfnode.linkf.handshake import read_hello
 from sfnode.linkf.model_files import Bundle
-from sfnode.linkf.wire import Frame, Hello, HelloAckF, NodeStatusMsg, WireError, decode_message
-from sfnode.node.config import NodeCommon, NodeConfig
+from sfnode.linkf.wire import (
+    Frame,
+    Hello,
+    HelloAckF,
+    NodeStatusMsg,
+    WireError,
+    decode_message,
+)
+from sfnode.node.config import DEFAULT_HANDSHAKE_TIMEOUT_MS, NodeCommon, NodeConfig
 from sfnode.node.generations import GenerationTable, checked_logprobs
 from sfnode.node.heads import HeadSessions, HeadTables
 from sfnode.node.machines import DrainCore, DrainInputs, DrainMachine
 from sfnode.node.protocol import NodeConnection, NodeProtocol
 from sfnode.node.reports import NodeReports
 from sfnode.node.responders import HANDLERS, HandlerTable, Responders
+from sfnode.node.ring import PeerLinks
 from sfnode.node.sessions import AgentSession
 
 __all__ = ["HANDLERS", "HandlerTable", "HeadSessions", "NodeAgent", "checked_logprobs"]
@@ -92,7 +102,17 @@ class NodeAgent:
                 ack_wait_ms=config.drain_ack_wait_ms,
             )
         )
-        self._responders = Responders(common, self.heads, self.generations, self._drain)
+        self.peers = PeerLinks(
+            reactor,
+            token=config.auth_token,
+            # A peer link's dial is always bounded, even where the node waits forever.
+            handshake_timeout_s=(config.handshake_timeout_ms or DEFAULT_HANDSHAKE_TIMEOUT_MS)
+            / 1000.0,
+            # Rows it could not deliver are reported to their ring's head.
+            on_lost=lambda msg, why: self._responders.ring_rows_lost(msg, why),
+        )
+        """Its links to the next stage of its stage rings (section 12.10)."""
+        self._responders = Responders(common, self.heads, self.generations, self._drain, self.peers)
 
     def _connected(self) -> Sequence[NodeConnection]:
         return self._connections
@@ -124,6 +144,7 @@ class NodeAgent:
         """End any drain, close every connection, stop every lease timer and the engine."""
         self._drain.stopped()
         yield self.close_connections("the node is stopping")
+        yield self.peers.close()
         for head in self.heads:
             head.table.stop_all()
         yield self.engine.stop()
@@ -227,6 +248,7 @@ class NodeAgent:
 
     def connection_ended(self, connection: NodeConnection) -> None:
         self._connections.remove(connection)
+        self._responders.connection_ended(connection)
         kept = kept_stages_of(self.engine)
         if kept is not None:
             # Its stage sessions go with it (docs/protocol.md section 12.8).

@@ -81,6 +81,9 @@ class NodeConfig:
     drain_timeout_ms: int = DEFAULT_DRAIN_TIMEOUT_MS
     """How long a draining node lets running generations finish before cancelling them."""
     drain_ack_wait_ms: int = DRAIN_ACK_WAIT_MS
+    listens: bool = False
+    """The node accepts heads (``--listen``), so a ring neighbour can dial it: only then does
+    it offer stage rings (docs/protocol.md section 12.10)."""
 
 
 @dataclass(frozen=True)

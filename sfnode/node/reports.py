@@ -24,6 +24,7 @@ from sfnode.linkf.wire import (
     FEATURE_REQUEST_CLASS,
     FEATURE_STAGE_BATCH,
     FEATURE_STAGE_KV,
+    FEATURE_STAGE_RING,
     PROTO_VERSION,
     CapacitySummary,
     HelloAckF,
@@ -117,13 +118,19 @@ class NodeReports:
             | (FEATURE_CLOSING if self._common.engine.supports_constraints else 0)
             | (FEATURE_MODEL_FILES if files is not None else 0)
             | (FEATURE_EMBEDDINGS if isinstance(self._common.engine, Embedder) else 0)
-            | (FEATURE_STAGE_KV | FEATURE_STAGE_BATCH if _keeps_stages(self._common.engine) else 0),
+            | (FEATURE_STAGE_KV | FEATURE_STAGE_BATCH if _keeps_stages(self._common.engine) else 0)
+            # Rings only where a neighbour can dial this node (section 12.10).
+            | (FEATURE_STAGE_RING if self._offers_rings() else 0),
             limits=LinkFLimits(),
             model_files=(
                 ModelFilesOffer(files.content_hash, len(files.data)) if files is not None else None
             ),
             refused=self.refused,
         )
+
+    def _offers_rings(self) -> bool:
+        """Stage rings (section 12.10): kept stages, and a listening node."""
+        return self._common.config.listens and _keeps_stages(self._common.engine)
 
     def platform(self) -> TelemetryMsg:
         """The TELEMETRY that follows HELLO_ACK_F: the CPU and the engine's path (section

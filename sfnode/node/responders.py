@@ -67,6 +67,11 @@ from sfnode.linkf.wire import (
     StageForwardReqMsg,
     StageForwardRespMsg,
     StageReleaseMsg,
+    StageRingJoinMsg,
+    StageRingRow,
+    StageRingRowsMsg,
+    StageRingToken,
+    StageRingTokensMsg,
     TokenEvent,
     TokenEventsMsg,
     WatermarkAckMsg,
@@ -79,6 +84,7 @@ from sfnode.node.generations import GenerationTable
 from sfnode.node.heads import HeadSessions, HeadTables
 from sfnode.node.machines import DrainInputs
 from sfnode.node.protocol import NodeConnection
+from sfnode.node.ring import PeerLinks, RingStage, RingTable
 
 log = Logger()
 
@@ -97,6 +103,14 @@ def _log_refusal(what: str, request_id: int, failure: Failure, expected: type[Ex
 def _log_refused(what: str, request_id: int, reason: str) -> None:
     """Log the engine's ``reason`` for refusing a stateless request (a nil answer)."""
     log.info("{what} {request} refused: {reason}", what=what, request=request_id, reason=reason)
+
+
+def ring_row_count(row: StageRingRow) -> int:
+    """The rows a ring row carries (docs/protocol.md section 12.10): its tokens, or, for hidden
+    states, one: a ring runs decode steps, one token each (a stage refuses to hand on the
+    hidden rows of more tokens, since the last stage could not count them without the
+    engine's own form of hidden states)."""
+    return len(row.tokens) if row.hidden_in is None else 1
 
 
 @dataclass(frozen=True)
@@ -166,8 +180,11 @@ class Responders:
         heads: HeadTables,
         generations: GenerationTable,
         drain: DrainInputs,
+        peers: PeerLinks,
     ) -> None:
         self._common = common
+        self._rings = RingTable()
+        self._peers = peers
         self._heads = heads
         self._generations = generations
         self._drain = drain
@@ -344,6 +361,98 @@ class Responders:
         kept = kept_stages_of(self._common.engine)
         if kept is not None:
             kept.release(connection, msg.stage_session)
+
+    @handles(StageRingJoinMsg)
+    def stage_ring_join(self, connection: NodeConnection, msg: StageRingJoinMsg) -> None:
+        """Record this connection's stage of the ring (section 12.10); silent, a refusal
+        only logged."""
+        refusal = (
+            "this node keeps no stage KV"
+            if kept_stages_of(self._common.engine) is None
+            else self._rings.join(connection, msg.ring, msg.start_layer, msg.end_layer, msg.next)
+        )
+        if refusal is not None:
+            log.info("ring join {ring} refused: {reason}", ring=msg.ring, reason=refusal)
+
+    @handles(StageRingRowsMsg)
+    def stage_ring_rows(self, connection: NodeConnection, msg: StageRingRowsMsg) -> None:
+        """Run a ring's rows, from any connection, against the stage sessions of the
+        connection that JOINed the ring, in one pass with whatever else waits (section
+        12.10); then hand on what they give."""
+        stage = self._rings.get(msg.ring)
+        kept = kept_stages_of(self._common.engine)
+        if stage is None or kept is None:
+            log.info(
+                "dropped {n} rows of ring {ring} from {peer}: no such ring here",
+                n=len(msg.rows),
+                ring=msg.ring,
+                peer=connection.peer,
+            )
+            return
+        requests = [
+            (
+                row.stage_session,
+                row.position,
+                StageForward(row.tokens, stage.start_layer, stage.end_layer, row.hidden_in),
+            )
+            for row in msg.rows
+        ]
+        running = kept.forward_all(stage.owner, requests)
+        running.addCallback(lambda results: self._ring_answers(msg, stage, results))
+
+    def _ring_answers(
+        self,
+        msg: StageRingRowsMsg,
+        stage: RingStage,
+        results: list[StageResult | StageForwardError],
+    ) -> None:
+        """A middle stage's hidden states to ``next``; the last stage's tokens to the ring's
+        head and each generation's next step to ``next`` (stage 0); nil for a refused row."""
+        onward: list[StageRingRow] = []
+        tokens: list[StageRingToken] = []
+        for row, result in zip(msg.rows, results, strict=True):
+            if isinstance(result, StageForwardError):
+                _log_refused("ring row", msg.ring, str(result))
+                tokens.append(StageRingToken(row.stage_session, row.position, None))
+            elif result.token is None:
+                if len(row.tokens) > 1:
+                    # Its hidden rows would not say how many they are (see ring_row_count).
+                    _log_refused("ring row", msg.ring, "a ring step carries one token")
+                    tokens.append(StageRingToken(row.stage_session, row.position, None))
+                    continue
+                onward.append(
+                    StageRingRow(
+                        row.stage_session, row.position, (), result.hidden, row.left, row.stop
+                    )
+                )
+            else:
+                at = row.position + ring_row_count(row)
+                tokens.append(StageRingToken(row.stage_session, at, result.token))
+                if row.left > 1 and result.token not in row.stop:
+                    onward.append(
+                        StageRingRow(
+                            row.stage_session, at, (result.token,), None, row.left - 1, row.stop
+                        )
+                    )
+        owner = stage.owner
+        if tokens and isinstance(owner, NodeConnection):
+            owner.send(StageRingTokensMsg(msg.ring, tuple(tokens)))
+        if onward:
+            self._peers.send(stage.next, StageRingRowsMsg(msg.ring, tuple(onward)))
+
+    def ring_rows_lost(self, msg: StageRingRowsMsg, why: str) -> None:
+        """Rows a peer link could not deliver: each a nil token to the ring's head (section
+        12.10), when this node still knows the ring."""
+        stage = self._rings.get(msg.ring)
+        owner = None if stage is None else stage.owner
+        if isinstance(owner, NodeConnection):
+            _log_refused("ring rows", msg.ring, why)
+            lost = tuple(StageRingToken(r.stage_session, r.position, None) for r in msg.rows)
+            owner.send(StageRingTokensMsg(msg.ring, lost))
+
+    def connection_ended(self, connection: NodeConnection) -> None:
+        """Its rings go with it (section 12.10)."""
+        self._rings.drop_owner(connection)
 
     @handles(EmbedReqMsg)
     def embed(self, connection: NodeConnection, msg: EmbedReqMsg) -> None:

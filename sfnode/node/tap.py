@@ -18,6 +18,7 @@ import random
 import re
 import socket
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -1047,7 +1048,9 @@ def makeService(
         # The one line, then the node tells its head why it serves nothing (D25).
         log.error("{line}", line=str(refusal))
         engine, files = RefusedEngine(refusal.reason), None
-    agent = NodeAgent(reactor, engine, node_config(options), files)
+    # A listening node can be dialled by a ring neighbour (docs/protocol.md section 12.10).
+    config = replace(node_config(options), listens=options["listen"] is not None)
+    agent = NodeAgent(reactor, engine, config, files)
     withdraw_on_a_failed_check(engine, agent)
 
     node = service.MultiService()  # type: ignore[no-untyped-call]
