@@ -85,7 +85,7 @@ class PipelineCase(NodeTestCase):
 
         model = tiny_llama_random_norms(layers=LAYERS)
         engine = TransformersEngine(model, reactor, EngineConfig(max_lanes=4))
-        agent = NodeAgent(reactor, engine, NodeConfig(identity=name, model_name="tiny"))
+        agent = NodeAgent(reactor, engine, NodeConfig(identity=name, model_name="tiny", listens=True))
         agent.start()
         endpoint = TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1")
         factory = node_factory(agent)
@@ -102,12 +102,13 @@ class PipelineCase(NodeTestCase):
         spares: int = 0,
         rates: Sequence[int] = (),
         sizes: StageModel | None = None,
+        rings: bool = True,
     ) -> Generator[defer.Deferred[Any], Any, tuple[list[RunningNode], PipelineFleet]]:
         """``stages`` stage nodes and ``spares`` more (:meth:`start_stage`), each reporting
         the decode rate ``rates`` gives it (none: 0), and a started pipeline over the first
         ``stages`` of them cut at ``boundaries`` (None: planned over LAYERS layers of
-        ``sizes``), the others its spares (stopped at the end); fires with every node and the
-        pipeline."""
+        ``sizes``), the others its spares (stopped at the end), its steps in stage rings when
+        ``rings`` (docs/protocol.md section 12.10); fires with every node and the pipeline."""
         nodes = []
         for i in range(stages + spares):
             node = (yield self.start_stage(f"stage{i}"))[0]
@@ -122,6 +123,7 @@ class PipelineCase(NodeTestCase):
             sizes=sizes,
             ids=self.ids,
             spares=[node.endpoint for node in nodes[stages:]],
+            rings=rings,
         )
         self.addCleanup(pipeline.stop)
         yield pipeline.start()
@@ -255,8 +257,9 @@ class ProcessPipelineTests(PipelineCase):
 
 class KeptStageTests(PipelineCase):
     """Stages that keep their KV (docs/protocol.md section 12.8): a prompt longer than a
-    prefill chunk goes through once, each step then sends one row, and a stage torn down in the
-    middle of generations is rebuilt with nothing repeated or lost."""
+    prefill chunk goes through once, each step then sends one row (in the stage ring, 12.10,
+    or through the head), and a stage torn down in the middle of generations is rebuilt with
+    nothing repeated or lost."""
 
     @defer.inlineCallbacks
     def generate(
@@ -270,17 +273,27 @@ class KeptStageTests(PipelineCase):
         self.assertEqual(outcome.finish, FINISH_LENGTH)
         return list(outcome.tokens)
 
-    @defer.inlineCallbacks
-    def test_a_long_prompt_in_chunks_then_one_row_per_token(self) -> Gen:
+    def test_a_long_prompt_in_chunks_then_one_row_per_token(self) -> defer.Deferred[None]:
         """A 150-token prompt in chunks of 64 through stages [0, 2) and [2, 4) gives the
         greedy tokens of generate(); the hidden states sent between the stages are the
         prompt's rows once and then one row per token (hidden size 64, float32: 256 bytes of
-        data and a few of framing per row), and every stage session is released at the end."""
+        data and a few of framing per row), every step after the first in the stage ring
+        (docs/protocol.md section 12.10), and every stage session is released at the end."""
+        return self.long_prompt_then_rows(rings=True)
+
+    def test_without_rings_every_step_goes_through_the_head(self) -> defer.Deferred[None]:
+        """The same with ``rings=False`` (``sfhead --no-stage-ring``): the same tokens, each
+        step through the head's step groups (12.8)."""
+        return self.long_prompt_then_rows(rings=False)
+
+    @defer.inlineCallbacks
+    def long_prompt_then_rows(self, rings: bool) -> Gen:
         self.patch(pipeline_module, "PREFILL_CHUNK", 64)
-        stages, pipeline = yield self.started_pipeline(2, [2, 4])
+        stages, pipeline = yield self.started_pipeline(2, [2, 4], rings=rings)
         prompt = [(i * 31 + 7) % TINY_VOCAB for i in range(150)]
         tokens = yield self.generate(pipeline, prompt)
         self.assertEqual(tokens, reference_greedy(self.model, prompt, NEW_TOKENS))
+        self.assertEqual(pipeline.ring_tokens, NEW_TOKENS - 1 if rings else 0)
         rows = len(prompt) + NEW_TOKENS - 1
         self.assertGreaterEqual(pipeline.bytes_forwarded, rows * 256)
         self.assertLess(pipeline.bytes_forwarded, rows * 256 + 40 * (3 + NEW_TOKENS))
@@ -297,6 +310,7 @@ class KeptStageTests(PipelineCase):
         stages, pipeline = yield self.started_pipeline(2, [1, 4])
         prompts = [[(i * 53 + 11 * k) % TINY_VOCAB for i in range(23 + k)] for k in range(3)]
         yield self.generate_through_a_fault(pipeline, prompts, lambda: self.replace(stages[1]))
+        self.assertGreater(pipeline.ring_tokens, 0)
 
     @defer.inlineCallbacks
     def test_a_dead_stages_layers_go_to_a_spare(self) -> Gen:
@@ -309,6 +323,7 @@ class KeptStageTests(PipelineCase):
         yield self.generate_through_a_fault(pipeline, prompts, lambda: self.tear_down(nodes[1]))
         self.assertEqual(pipeline.stages[1].name, pipeline.fleet.nodes[2].name)
         self.assertIn(pipeline.fleet.nodes[1], pipeline.spares)
+        self.assertGreater(pipeline.ring_tokens, 0)
 
     @defer.inlineCallbacks
     def generate_through_a_fault(
@@ -356,7 +371,7 @@ class KeptStageTests(PipelineCase):
         engine = TransformersEngine(
             tiny_llama_random_norms(layers=LAYERS), reactor, EngineConfig(max_lanes=4)
         )
-        agent = NodeAgent(reactor, engine, NodeConfig(identity="stage1-again", model_name="tiny"))
+        agent = NodeAgent(reactor, engine, NodeConfig(identity="stage1-again", model_name="tiny", listens=True))
         await self.serve(agent, engine, number)
 
 

@@ -434,11 +434,11 @@ class Responders:
                             row.stage_session, at, (result.token,), None, row.left - 1, row.stop
                         )
                     )
+        if onward:  # first: the next step waits for it, the head's copy waits for nothing
+            self._peers.send(stage.next, StageRingRowsMsg(msg.ring, tuple(onward)))
         owner = stage.owner
         if tokens and isinstance(owner, NodeConnection):
             owner.send(StageRingTokensMsg(msg.ring, tuple(tokens)))
-        if onward:
-            self._peers.send(stage.next, StageRingRowsMsg(msg.ring, tuple(onward)))
 
     def ring_rows_lost(self, msg: StageRingRowsMsg, why: str) -> None:
         """Rows a peer link could not deliver: each a nil token to the ring's head (section

@@ -591,6 +591,9 @@ class PipelineFleet:
         """The links and layers the ring was joined with (another of either: a new ring)."""
         self._runs: dict[int, RingRun] = {}
         """The ring runs under way, by stage session."""
+        self._starting: list[StageRingRow] = []
+        """First ring rows of this reactor turn, sent together at its end (:meth:`_start_run`)."""
+        self._send_starts: IDelayedCall | None = None
         self.ring_tokens = 0
         """Tokens the stage ring gave (the others came through the head's step groups)."""
 
@@ -787,8 +790,10 @@ class PipelineFleet:
         return self._ring
 
     def _start_run(self, ring: int, context: Sequence[int], kept: _Kept, left: int) -> None:
-        """Send ``kept``'s next step to the first stage as a ring row (section 12.10); the
-        generation leaves its step group while the ring runs its steps."""
+        """Send ``kept``'s next step to the first stage as a ring row (section 12.10), in one
+        frame with the other generations that start in this reactor turn (a step group's
+        members, whose round just answered them all: so their rows stay one batch on every
+        stage); the generation leaves its step group while the ring runs its steps."""
         group = self._group_of.pop(id(kept), None)
         if group is not None:
             group.leave(kept)
@@ -796,11 +801,28 @@ class PipelineFleet:
         run = RingRun(self.clock, len(context))
         kept.run = run
         self._runs[kept.session] = run
-        row = StageRingRow(
-            kept.session, kept.rows, (context[-1],), None, left, tuple(sorted(self.eos_ids))
+        self._starting.append(
+            StageRingRow(
+                kept.session, kept.rows, (context[-1],), None, left, tuple(sorted(self.eos_ids))
+            )
         )
-        if not kept.links[0].send_now(StageRingRowsMsg(ring, (row,))):
-            run.end(RingBroken(f"the link to {kept.links[0].name} is down"))
+        if self._send_starts is None:
+            self._send_starts = self.clock.callLater(0, self._send_started, ring)
+
+    def _send_started(self, ring: int) -> None:
+        """The first rows of the runs started in the last reactor turn, in one frame to the
+        first stage (a run whose generation ended meanwhile is left out)."""
+        self._send_starts = None
+        rows, self._starting = self._starting, []
+        rows = [row for row in rows if row.stage_session in self._runs]
+        if not rows or ring != self._ring:
+            for row in rows:
+                self._runs[row.stage_session].end(RingBroken("the stage ring changed"))
+            return
+        link = self._ring_links[0]
+        if not link.send_now(StageRingRowsMsg(ring, tuple(rows))):
+            for row in rows:
+                self._runs[row.stage_session].end(RingBroken(f"the link to {link.name} is down"))
 
     def _ring_tokens(self, link: NodeLink, message: StageRingTokensMsg) -> None:
         """A STAGE_RING_TOKENS: each entry to its generation's run (entries of another ring,
@@ -818,7 +840,7 @@ class PipelineFleet:
         if ring != self._ring:
             return
         self._ring = None
-        for run in self._runs.values():
+        for run in list(self._runs.values()):  # an ended run's generation releases it
             run.end(RingBroken(f"the stage ring lost {name}: {reason}"))
 
     def _group(self, kept: _Kept) -> StepGroup:
