@@ -176,7 +176,7 @@ class _PeerLink:
         """Why the link failed, when this side knows."""
         self.done: defer.Deferred[None] = defer.Deferred()
         """Fires once the link is closed (or never opened)."""
-        clock = links.reactor
+        clock = links.clock
         self._deadline: IDelayedCall | None = clock.callLater(links.handshake_timeout_s, self._late)
         self._keepalive: IDelayedCall | None = None
         from twisted.internet.endpoints import clientFromString
@@ -208,12 +208,12 @@ class _PeerLink:
         queued, self._queue = self._queue, []
         for message in queued:
             self.send(message)
-        self._keepalive = self._links.reactor.callLater(PEER_KEEPALIVE_S, self._keep_alive)
+        self._keepalive = self._links.clock.callLater(PEER_KEEPALIVE_S, self._keep_alive)
 
     def _keep_alive(self) -> None:
         if self._protocol is not None:
             self._protocol.send(Keepalive())
-        self._keepalive = self._links.reactor.callLater(PEER_KEEPALIVE_S, self._keep_alive)
+        self._keepalive = self._links.clock.callLater(PEER_KEEPALIVE_S, self._keep_alive)
 
     def _connected(self, protocol: Any) -> None:
         self._connecting = None
@@ -267,10 +267,10 @@ class _PeerLink:
 class PeerLinks:
     """This node's peer links, one per ``next`` endpoint (see the module).
 
-    ``reactor`` dials (Twisted's ``clientFromString``) and times the handshake, which
-    ``handshake_timeout_s`` bounds from the dial to the HELLO_ACK_F; ``token`` is the node's
-    fleet token (empty: plaintext, loopback only); ``on_lost`` is told of every STAGE_RING_ROWS
-    not delivered.
+    ``reactor`` dials (Twisted's ``clientFromString``) and, as :attr:`clock`, times the
+    handshake, which ``handshake_timeout_s`` bounds from the dial to the HELLO_ACK_F, and the
+    KEEPALIVEs; ``token`` is the node's fleet token (empty: plaintext, loopback only);
+    ``on_lost`` is told of every STAGE_RING_ROWS not delivered.
     """
 
     def __init__(
@@ -282,6 +282,8 @@ class PeerLinks:
         on_lost: RowsLost,
     ) -> None:
         self.reactor = reactor
+        self.clock: IReactorTime = reactor
+        """What times the handshake and the KEEPALIVEs (the reactor, unless a test says)."""
         self.token = token
         self.handshake_timeout_s = handshake_timeout_s
         self.on_lost = on_lost
