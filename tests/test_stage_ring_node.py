@@ -78,6 +78,8 @@ class RingTableTests(SynchronousTestCase):
         self.assertIsNotNone(dial_refusal("tcp:10.0.0.1:8454", b""))
         self.assertIsNotNone(dial_refusal("unix:/tmp/node.sock", TOKEN))
         self.assertIsNotNone(dial_refusal("ssl:127.0.0.1:8454", TOKEN))
+        self.assertIsNotNone(dial_refusal("tcp:10.1.2.3:8454:host=127.0.0.1", b""))
+        self.assertIsNotNone(dial_refusal("tcp:127.0.0.1", TOKEN))
 
 
 class _Stages:
@@ -262,17 +264,37 @@ class RingNodeTests(NodeTestCase):
         self.assertEqual(sent_a, [])
 
     @defer.inlineCallbacks
+    def test_a_step_of_more_than_one_token_is_refused_past_the_last_stage(self) -> None:
+        """A ring runs decode steps: a row of two tokens at a stage that hands on hidden
+        states is refused (a nil entry, its session dropped), since the last stage could not
+        count the rows of its hidden states; nothing is handed on."""
+        stages = yield self.stages()
+        stages.join()
+        yield stages.step_a(5)
+        sent_a = self.record_peer_sends(stages.a)
+        rows = (StageRingRow(5, 12, (31198, 16521), None, 3, ()),)
+        stages.head_a.send(StageRingRowsMsg(RING, rows))
+        yield stages.tokens_until(stages.head_a, 1)
+        self.assertEqual(stages.ring_tokens(stages.head_a), [StageRingToken(5, 12, None)])
+        self.assertEqual(sent_a, [])
+        gone = yield stages.batch(stages.head_a, 0, 12, StageBatchRow(5, 12, (31198,), None))
+        self.assertEqual((gone.hidden, gone.token), (None, None))
+
+    @defer.inlineCallbacks
     def test_rows_a_peer_link_cannot_deliver_are_nil_entries(self) -> None:
-        """A ``next`` nobody listens on, one that is not tcp:, and one off loopback without a
-        token: the rows handed on come back to the ring's head as nil entries, and the next
-        use dials again."""
+        """A ``next`` nobody listens on, one that is not tcp:, one off loopback without a
+        token, and one Twisted cannot dial: the rows handed on come back to the ring's head
+        as nil entries, and the next use dials again."""
         stages = yield self.stages()
         free = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(Factory())
         nobody = f"tcp:127.0.0.1:{free.getHost().port}"
         yield free.stopListening()
         yield stages.step(5, 0, CONTEXT)
         yield stages.step(6, 0, CONTEXT)
-        for ring, next_a in ((1, nobody), (2, "unix:/nowhere"), (3, "tcp:10.0.0.1:8454")):
+        unreachable = (
+            (1, nobody), (2, "unix:/nowhere"), (3, "tcp:10.0.0.1:8454"), (4, "tcp:127.0.0.1"),
+        )  # fmt: skip
+        for ring, next_a in unreachable:
             stages.join(ring, next_a)
             rows = (
                 StageRingRow(5, 12, (31198,), None, 3, ()),

@@ -30,7 +30,7 @@ from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from sfnode.linkf.handshake import is_loopback_head
+from sfnode.linkf.handshake import dialed_host, is_loopback_head
 from sfnode.linkf.noise import Role, secure_factory
 from sfnode.linkf.wire import (
     PROTO_VERSION,
@@ -102,6 +102,8 @@ def dial_refusal(endpoint: str, token: bytes) -> str | None:
     only ``tcp:`` endpoints, and without a fleet token only loopback hosts (section 5.3)."""
     if not endpoint.lower().startswith("tcp:"):
         return f"a ring dials only tcp: endpoints, not {endpoint!r}"
+    if dialed_host(endpoint) is None:
+        return f"{endpoint!r} is not an endpoint Twisted can dial"
     if not token and not is_loopback_head(endpoint):
         return f"refusing to dial {endpoint} without a fleet token (only loopback hosts)"
     return None
