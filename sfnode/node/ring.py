@@ -178,21 +178,29 @@ class _PeerLink:
         """Why the link failed, when this side knows."""
         self.done: defer.Deferred[None] = defer.Deferred()
         """Fires once the link is closed (or never opened)."""
-        clock = links.clock
-        self._deadline: IDelayedCall | None = clock.callLater(links.handshake_timeout_s, self._late)
+        self._deadline: IDelayedCall | None = None
         self._keepalive: IDelayedCall | None = None
+        self._connecting: defer.Deferred[Any] | None = None
+
+    def dial(self) -> None:
+        """Dial the endpoint, the whole handshake bounded by the handshake timeout (a dial
+        that fails at once ends the link at once)."""
         from twisted.internet.endpoints import clientFromString
 
+        links = self._links
+        self._deadline = links.clock.callLater(links.handshake_timeout_s, self._late)
         factory = secure_factory(
             _PeerFactory(self),
             links.token,
             role=Role.INITIATOR,
-            clock=clock,
+            clock=links.clock,
             handshake_timeout_s=links.handshake_timeout_s,
         )
-        endpoint_ = clientFromString(links.reactor, endpoint)  # type: ignore[no-untyped-call]
-        self._connecting: defer.Deferred[Any] | None = endpoint_.connect(factory)
-        self._connecting.addCallbacks(self._connected, self._not_connected)
+        endpoint = clientFromString(links.reactor, self.endpoint)  # type: ignore[no-untyped-call]
+        connecting: defer.Deferred[Any] = endpoint.connect(factory)
+        if not connecting.called:
+            self._connecting = connecting
+        connecting.addCallbacks(self._connected, self._not_connected)
 
     def send(self, message: StageRingRowsMsg) -> None:
         if self._open and self._protocol is not None:
@@ -305,6 +313,9 @@ class PeerLinks:
                 self.on_lost(message, refusal)
                 return
             link = self._links[endpoint] = _PeerLink(self, endpoint)
+            link.send(message)
+            link.dial()
+            return
         link.send(message)
 
     def ended(self, link: _PeerLink) -> None:
