@@ -15,7 +15,7 @@ from typing import Any
 
 from twisted.internet import defer, reactor, task
 from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint
-from twisted.internet.protocol import Factory
+from twisted.internet.protocol import Factory, Protocol
 from twisted.trial.unittest import SynchronousTestCase
 
 from sfnode.linkf.noise import Role, secure_factory
@@ -78,6 +78,8 @@ class RingTableTests(SynchronousTestCase):
         self.assertIsNotNone(dial_refusal("tcp:10.0.0.1:8454", b""))
         self.assertIsNotNone(dial_refusal("unix:/tmp/node.sock", TOKEN))
         self.assertIsNotNone(dial_refusal("ssl:127.0.0.1:8454", TOKEN))
+        self.assertIsNotNone(dial_refusal("tcp:10.1.2.3:8454:host=127.0.0.1", b""))
+        self.assertIsNotNone(dial_refusal("tcp:127.0.0.1", TOKEN))
 
 
 class _Stages:
@@ -124,6 +126,11 @@ class _Stages:
         self.test.assertIsNotNone(answer.token)
         return int(answer.token)
 
+    @defer.inlineCallbacks
+    def step_a(self, session: int) -> Gen:
+        """Session ``session``'s context (:data:`CONTEXT`) through A alone."""
+        yield self.batch(self.head_a, 0, 12, StageBatchRow(session, 0, CONTEXT, None))
+
     def ring_tokens(self, head: RawHead, ring: int = RING) -> list[StageRingToken]:
         return [t for m in head.of_type(StageRingTokensMsg) if m.ring == ring for t in m.tokens]
 
@@ -162,11 +169,19 @@ class RingNodeTests(NodeTestCase):
         return head
 
     @defer.inlineCallbacks
-    def stages(self, token: bytes = b"") -> Generator[Any, Any, _Stages]:
+    def stages(
+        self, token: bytes = b"", token_b: bytes | None = None, **b_options: Any
+    ) -> Generator[Any, Any, _Stages]:
+        """Nodes A and B (with ``token``; B with ``token_b`` when given, and ``b_options``)
+        and a head connected to both."""
         a = yield self.start_node(identity="a", listens=True, auth_token=token)
-        b = yield self.start_node(identity="b", listens=True, auth_token=token)
+        b = yield self.start_node(
+            identity="b", listens=True, auth_token=token if token_b is None else token_b,
+            **b_options,
+        )  # fmt: skip
         stages = _Stages(self, a, b, token)
-        yield stages.connect()
+        if token_b is None:
+            yield stages.connect()
         return stages
 
     def record_peer_sends(self, node: RunningNode) -> list[StageRingRowsMsg]:
@@ -249,17 +264,37 @@ class RingNodeTests(NodeTestCase):
         self.assertEqual(sent_a, [])
 
     @defer.inlineCallbacks
+    def test_a_step_of_more_than_one_token_is_refused_past_the_last_stage(self) -> None:
+        """A ring runs decode steps: a row of two tokens at a stage that hands on hidden
+        states is refused (a nil entry, its session dropped), since the last stage could not
+        count the rows of its hidden states; nothing is handed on."""
+        stages = yield self.stages()
+        stages.join()
+        yield stages.step_a(5)
+        sent_a = self.record_peer_sends(stages.a)
+        rows = (StageRingRow(5, 12, (31198, 16521), None, 3, ()),)
+        stages.head_a.send(StageRingRowsMsg(RING, rows))
+        yield stages.tokens_until(stages.head_a, 1)
+        self.assertEqual(stages.ring_tokens(stages.head_a), [StageRingToken(5, 12, None)])
+        self.assertEqual(sent_a, [])
+        gone = yield stages.batch(stages.head_a, 0, 12, StageBatchRow(5, 12, (31198,), None))
+        self.assertEqual((gone.hidden, gone.token), (None, None))
+
+    @defer.inlineCallbacks
     def test_rows_a_peer_link_cannot_deliver_are_nil_entries(self) -> None:
-        """A ``next`` nobody listens on, one that is not tcp:, and one off loopback without a
-        token: the rows handed on come back to the ring's head as nil entries, and the next
-        use dials again."""
+        """A ``next`` nobody listens on, one that is not tcp:, one off loopback without a
+        token, and one Twisted cannot dial: the rows handed on come back to the ring's head
+        as nil entries, and the next use dials again."""
         stages = yield self.stages()
         free = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(Factory())
         nobody = f"tcp:127.0.0.1:{free.getHost().port}"
         yield free.stopListening()
         yield stages.step(5, 0, CONTEXT)
         yield stages.step(6, 0, CONTEXT)
-        for ring, next_a in ((1, nobody), (2, "unix:/nowhere"), (3, "tcp:10.0.0.1:8454")):
+        unreachable = (
+            (1, nobody), (2, "unix:/nowhere"), (3, "tcp:10.0.0.1:8454"), (4, "tcp:127.0.0.1"),
+        )  # fmt: skip
+        for ring, next_a in unreachable:
             stages.join(ring, next_a)
             rows = (
                 StageRingRow(5, 12, (31198,), None, 3, ()),
@@ -334,3 +369,45 @@ class RingNodeTests(NodeTestCase):
             yield bad.lost
         first = yield stages.step(5, 0, CONTEXT)
         self.assertEqual(first, 31198)
+
+    @defer.inlineCallbacks
+    def test_a_peer_link_that_fails_its_handshake_loses_its_rows(self) -> None:
+        """A peer that accepts and never answers (the handshake timeout passes), and a node
+        of another fleet token (Noise fails): the rows handed on come back nil."""
+        stages = yield self.stages(TOKEN, token_b=b"cd" * 32)
+        stages.head_a = yield self.connect(stages.a, TOKEN)
+        silent = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(
+            Factory.forProtocol(Protocol)
+        )
+        self.addCleanup(silent.stopListening)
+        clock = stages.a.agent.peers.clock = task.Clock()
+        yield stages.step_a(5)
+        for ring, next_a in ((1, f"tcp:127.0.0.1:{silent.getHost().port}"), (2, stages.b.endpoint)):
+            stages.head_a.send(StageRingJoinMsg(ring, 0, 12, next_a))
+            rows = (StageRingRow(5, 12, (31198,), None, 3, ()),)
+            stages.head_a.send(StageRingRowsMsg(ring, rows))
+            if ring == 1:
+                yield until(lambda: len(stages.a.agent.peers) == 1)
+                clock.advance(10)
+            yield stages.tokens_until(stages.head_a, 1, ring)
+            self.assertEqual(stages.ring_tokens(stages.head_a, ring), [StageRingToken(5, 12, None)])
+
+    @defer.inlineCallbacks
+    def test_a_peer_link_keeps_itself_open(self) -> None:
+        """The accepting node drops connections idle for 120 s (section 7.1): a peer link
+        sends KEEPALIVE every 15 s, as a head does, so B keeps it past its idle timeout."""
+        clock_b = task.Clock()
+        stages = yield self.stages(clock=clock_b)
+        clock_a = stages.a.agent.peers.clock = task.Clock()
+        stages.join()
+        yield stages.step(5, 0, CONTEXT)
+        stages.head_a.send(StageRingRowsMsg(RING, (StageRingRow(5, 12, (31198,), None, 1, ()),)))
+        yield stages.tokens_until(stages.head_b, 1)
+        (peer,) = [c for c in stages.b.agent.connections if c.head_id is not None]
+        clock_b.advance(100)
+        clock_a.advance(15)
+        yield until(lambda: any(c.getTime() >= 219 for c in clock_b.getDelayedCalls()))
+        clock_b.advance(100)
+        self.assertTrue(peer.open)
+        clock_b.advance(21)
+        self.assertFalse(peer.open)

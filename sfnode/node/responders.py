@@ -37,6 +37,7 @@ from sfnode.generation import (
     Embedder,
     EmbeddingError,
     GenerationRequest,
+    KeptStages,
     StageForward,
     StageForwardError,
     StageResult,
@@ -398,12 +399,16 @@ class Responders:
             for row in msg.rows
         ]
         running = kept.forward_all(stage.owner, requests)
-        running.addCallback(lambda results: self._ring_answers(msg, stage, results))
+        running.addCallback(lambda results: self._ring_answers(msg, stage, kept, results))
+        running.addErrback(
+            lambda failure: log.failure("rows of ring {ring} failed", failure, ring=msg.ring)
+        )
 
     def _ring_answers(
         self,
         msg: StageRingRowsMsg,
         stage: RingStage,
+        kept: KeptStages,
         results: list[StageResult | StageForwardError],
     ) -> None:
         """A middle stage's hidden states to ``next``; the last stage's tokens to the ring's
@@ -416,8 +421,10 @@ class Responders:
                 tokens.append(StageRingToken(row.stage_session, row.position, None))
             elif result.token is None:
                 if len(row.tokens) > 1:
-                    # Its hidden rows would not say how many they are (see ring_row_count).
+                    # Its hidden rows would not say how many they are (see ring_row_count);
+                    # refused as any row is, its session dropped (section 12.8).
                     _log_refused("ring row", msg.ring, "a ring step carries one token")
+                    kept.release(stage.owner, row.stage_session)
                     tokens.append(StageRingToken(row.stage_session, row.position, None))
                     continue
                 onward.append(

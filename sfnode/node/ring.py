@@ -30,7 +30,7 @@ from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from sfnode.linkf.handshake import is_loopback_head
+from sfnode.linkf.handshake import dialed_host, is_loopback_head
 from sfnode.linkf.noise import Role, secure_factory
 from sfnode.linkf.wire import (
     PROTO_VERSION,
@@ -102,6 +102,8 @@ def dial_refusal(endpoint: str, token: bytes) -> str | None:
     only ``tcp:`` endpoints, and without a fleet token only loopback hosts (section 5.3)."""
     if not endpoint.lower().startswith("tcp:"):
         return f"a ring dials only tcp: endpoints, not {endpoint!r}"
+    if dialed_host(endpoint) is None:
+        return f"{endpoint!r} is not an endpoint Twisted can dial"
     if not token and not is_loopback_head(endpoint):
         return f"refusing to dial {endpoint} without a fleet token (only loopback hosts)"
     return None
@@ -176,21 +178,29 @@ class _PeerLink:
         """Why the link failed, when this side knows."""
         self.done: defer.Deferred[None] = defer.Deferred()
         """Fires once the link is closed (or never opened)."""
-        clock = links.reactor
-        self._deadline: IDelayedCall | None = clock.callLater(links.handshake_timeout_s, self._late)
+        self._deadline: IDelayedCall | None = None
         self._keepalive: IDelayedCall | None = None
+        self._connecting: defer.Deferred[Any] | None = None
+
+    def dial(self) -> None:
+        """Dial the endpoint, the whole handshake bounded by the handshake timeout (a dial
+        that fails at once ends the link at once)."""
         from twisted.internet.endpoints import clientFromString
 
+        links = self._links
+        self._deadline = links.clock.callLater(links.handshake_timeout_s, self._late)
         factory = secure_factory(
             _PeerFactory(self),
             links.token,
             role=Role.INITIATOR,
-            clock=clock,
+            clock=links.clock,
             handshake_timeout_s=links.handshake_timeout_s,
         )
-        endpoint_ = clientFromString(links.reactor, endpoint)  # type: ignore[no-untyped-call]
-        self._connecting: defer.Deferred[Any] | None = endpoint_.connect(factory)
-        self._connecting.addCallbacks(self._connected, self._not_connected)
+        endpoint = clientFromString(links.reactor, self.endpoint)  # type: ignore[no-untyped-call]
+        connecting: defer.Deferred[Any] = endpoint.connect(factory)
+        if not connecting.called:
+            self._connecting = connecting
+        connecting.addCallbacks(self._connected, self._not_connected)
 
     def send(self, message: StageRingRowsMsg) -> None:
         if self._open and self._protocol is not None:
@@ -208,12 +218,12 @@ class _PeerLink:
         queued, self._queue = self._queue, []
         for message in queued:
             self.send(message)
-        self._keepalive = self._links.reactor.callLater(PEER_KEEPALIVE_S, self._keep_alive)
+        self._keepalive = self._links.clock.callLater(PEER_KEEPALIVE_S, self._keep_alive)
 
     def _keep_alive(self) -> None:
         if self._protocol is not None:
             self._protocol.send(Keepalive())
-        self._keepalive = self._links.reactor.callLater(PEER_KEEPALIVE_S, self._keep_alive)
+        self._keepalive = self._links.clock.callLater(PEER_KEEPALIVE_S, self._keep_alive)
 
     def _connected(self, protocol: Any) -> None:
         self._connecting = None
@@ -267,10 +277,10 @@ class _PeerLink:
 class PeerLinks:
     """This node's peer links, one per ``next`` endpoint (see the module).
 
-    ``reactor`` dials (Twisted's ``clientFromString``) and times the handshake, which
-    ``handshake_timeout_s`` bounds from the dial to the HELLO_ACK_F; ``token`` is the node's
-    fleet token (empty: plaintext, loopback only); ``on_lost`` is told of every STAGE_RING_ROWS
-    not delivered.
+    ``reactor`` dials (Twisted's ``clientFromString``) and, as :attr:`clock`, times the
+    handshake, which ``handshake_timeout_s`` bounds from the dial to the HELLO_ACK_F, and the
+    KEEPALIVEs; ``token`` is the node's fleet token (empty: plaintext, loopback only);
+    ``on_lost`` is told of every STAGE_RING_ROWS not delivered.
     """
 
     def __init__(
@@ -282,6 +292,8 @@ class PeerLinks:
         on_lost: RowsLost,
     ) -> None:
         self.reactor = reactor
+        self.clock: IReactorTime = reactor
+        """What times the handshake and the KEEPALIVEs (the reactor, unless a test says)."""
         self.token = token
         self.handshake_timeout_s = handshake_timeout_s
         self.on_lost = on_lost
@@ -301,6 +313,9 @@ class PeerLinks:
                 self.on_lost(message, refusal)
                 return
             link = self._links[endpoint] = _PeerLink(self, endpoint)
+            link.send(message)
+            link.dial()
+            return
         link.send(message)
 
     def ended(self, link: _PeerLink) -> None:
