@@ -310,7 +310,17 @@ class KeptStageTests(PipelineCase):
         stages, pipeline = yield self.started_pipeline(2, [1, 4])
         prompts = [[(i * 53 + 11 * k) % TINY_VOCAB for i in range(23 + k)] for k in range(3)]
         yield self.generate_through_a_fault(pipeline, prompts, lambda: self.replace(stages[1]))
-        self.assertGreater(pipeline.ring_tokens, 0)
+
+    @defer.inlineCallbacks
+    def test_a_stage_torn_down_mid_ring_is_rebuilt_exactly(self) -> Gen:
+        """One generation, alone, so its steps run in the stage ring (docs/protocol.md
+        section 12.10); once 10 tokens have streamed, the last stage's node is replaced as
+        above: the ring breaks, the head rebuilds the stages from the context it holds, the
+        steps go back to the ring, and the stream is exactly generate()'s, each token once."""
+        stages, pipeline = yield self.started_pipeline(2, [1, 4])
+        yield self.generate_through_a_fault(pipeline, [PROMPT], lambda: self.replace(stages[1]))
+        self.assertGreater(pipeline.ring_tokens, 10)
+        self.assertEqual(pipeline.rings_joined, 2)
 
     @defer.inlineCallbacks
     def test_a_dead_stages_layers_go_to_a_spare(self) -> Gen:
@@ -323,7 +333,16 @@ class KeptStageTests(PipelineCase):
         yield self.generate_through_a_fault(pipeline, prompts, lambda: self.tear_down(nodes[1]))
         self.assertEqual(pipeline.stages[1].name, pipeline.fleet.nodes[2].name)
         self.assertIn(pipeline.fleet.nodes[1], pipeline.spares)
-        self.assertGreater(pipeline.ring_tokens, 0)
+
+    @defer.inlineCallbacks
+    def test_a_dead_stage_of_a_ring_goes_to_a_spare(self) -> Gen:
+        """The same for one generation in the stage ring: the ring is joined again over the
+        spare (its neighbours given the spare's endpoint) and the stream is exact."""
+        nodes, pipeline = yield self.started_pipeline(2, [2, 4], spares=1)
+        yield self.generate_through_a_fault(pipeline, [PROMPT], lambda: self.tear_down(nodes[1]))
+        self.assertEqual(pipeline.stages[1].name, pipeline.fleet.nodes[2].name)
+        self.assertGreater(pipeline.ring_tokens, 10)
+        self.assertEqual(pipeline.rings_joined, 2)
 
     @defer.inlineCallbacks
     def generate_through_a_fault(
