@@ -261,8 +261,8 @@ class OptionsTests(TestCase):
 
     def test_bad_values_are_usage_errors(self) -> None:
         """A bad policy, a bad endpoint, a non-loopback node without a token, --pipeline with
-        --node, layer boundaries that do not match the stages, and spare stages without a
-        pipeline or at a bad endpoint are refused."""
+        --node, layer boundaries that do not match the stages, spare stages without a
+        pipeline or at a bad endpoint, and --no-stage-ring without a pipeline are refused."""
         from twisted.python.usage import UsageError
 
         for args in (
@@ -275,6 +275,7 @@ class OptionsTests(TestCase):
             ["--lease-ms", "0"],
             ["--pipeline-spare", "tcp:127.0.0.1:3"],
             ["--pipeline", "tcp:127.0.0.1:1", "--pipeline-spare", "nonsense:1"],
+            ["--no-stage-ring"],
         ):
             self.assertRaises(UsageError, self.parse, *args)
         self.assertEqual(
@@ -285,7 +286,8 @@ class OptionsTests(TestCase):
     def test_make_service_builds_a_plain_multiservice(self) -> None:
         """makeService loads only a tokenizer (any HF tokenizer folder) and returns a plain
         MultiService named sfhead with fleet, fleet-listen and http children; a pipeline
-        splits its layers as given and keeps its spare stages."""
+        splits its layers as given and keeps its spare stages, and steps in stage rings unless
+        --no-stage-ring."""
         from twisted.application.service import MultiService
         from twisted.internet.testing import MemoryReactorClock
 
@@ -308,6 +310,13 @@ class OptionsTests(TestCase):
         pipeline = service.getServiceNamed("fleet").pipeline
         self.assertEqual(pipeline.ranges, [(0, 12), (12, 24)])
         self.assertEqual(pipeline.spare_endpoints, ["tcp:127.0.0.1:3"])
+        self.assertTrue(pipeline.rings)
+        piped = self.parse(
+            "--model", folder, "--pipeline", "tcp:127.0.0.1:1,tcp:127.0.0.1:2",
+            "--pipeline-layers", "24", "--no-stage-ring",
+        )  # fmt: skip
+        pipeline = makeService(piped, MemoryReactorClock()).getServiceNamed("fleet").pipeline
+        self.assertFalse(pipeline.rings)
 
     @defer.inlineCallbacks
     def test_the_plugin_is_listed_and_lazy(self) -> Generator[Any, Any, None]:

@@ -603,6 +603,7 @@ class PayloadStrictnessTests(SynchronousTestCase):
                 [7, []],
                 [7, [[5, 0, [1], None, 1, []], [5, 1, [2], None, 1, []]]],
                 [7, [[5, 0, [1], None, 1]]],
+                [7, [[5, 0, [1], None, 0, []]]],
             ),
             MsgType.STAGE_RING_TOKENS: ([7, []], [7, [[5, 1]]], [7, [[5, 1, -1]]]),
         }
@@ -820,6 +821,13 @@ def message_strategy(cls: type[Any]) -> st.SearchStrategy[Any]:
             unique_by=lambda row: row.stage_session,
         ).map(tuple)
         return st.builds(cls, *[strategy_for(c) for c in cls.FIELDS[:-1]], rows)
+    if cls is wire.StageRingRow:
+        return st.builds(
+            cls,
+            *[strategy_for(c) for c in cls.FIELDS[:4]],
+            st.integers(1, U32_MAX),
+            strategy_for(cls.FIELDS[5]),
+        )
     if cls is wire.StageRingTokensMsg:
         tokens = st.lists(message_strategy(wire.StageRingToken), min_size=1, max_size=3)
         return st.builds(cls, strategy_for(wire.U64), tokens.map(tuple))

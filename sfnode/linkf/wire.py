@@ -1821,6 +1821,8 @@ class StageRingRowsMsg(Message):
             raise PayloadError("STAGE_RING_ROWS: a frame carries at least one row")
         if len({row.stage_session for row in message.rows}) != len(message.rows):
             raise PayloadError("STAGE_RING_ROWS: a stage session appears twice")
+        if any(row.left < 1 for row in message.rows):
+            raise PayloadError("STAGE_RING_ROWS: a row leads to at least one token (left >= 1)")
         return message
 
 
