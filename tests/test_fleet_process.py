@@ -310,13 +310,13 @@ class OptionsTests(TestCase):
         pipeline = service.getServiceNamed("fleet").pipeline
         self.assertEqual(pipeline.ranges, [(0, 12), (12, 24)])
         self.assertEqual(pipeline.spare_endpoints, ["tcp:127.0.0.1:3"])
-        self.assertTrue(pipeline.rings)
+        self.assertIsNotNone(pipeline.ring)
         piped = self.parse(
             "--model", folder, "--pipeline", "tcp:127.0.0.1:1,tcp:127.0.0.1:2",
             "--pipeline-layers", "24", "--no-stage-ring",
         )  # fmt: skip
         pipeline = makeService(piped, MemoryReactorClock()).getServiceNamed("fleet").pipeline
-        self.assertFalse(pipeline.rings)
+        self.assertIsNone(pipeline.ring)
 
     @defer.inlineCallbacks
     def test_the_plugin_is_listed_and_lazy(self) -> Generator[Any, Any, None]:

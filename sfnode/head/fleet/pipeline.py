@@ -32,7 +32,6 @@ or a token computed from a context it did not ask for.
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -56,13 +55,12 @@ from sfnode.head.fleet.backend import (
     StageReport,
 )
 from sfnode.head.fleet.fleet import DEFAULT_FLEET_SETTINGS, Fleet, FleetNode, FleetSettings
-from sfnode.head.fleet.ring import RingBroken, RingRun
+from sfnode.head.fleet.ring import RingBroken, RingRun, StageRing
 from sfnode.head.fleet.stage_plan import StageModel, StagePlanError, plan_boundaries, stage_node
 from sfnode.head.link import HeadIds, LinkError, NodeLink, stage_batch
 from sfnode.linkf.wire import (
     FEATURE_STAGE_BATCH,
     FEATURE_STAGE_KV,
-    FEATURE_STAGE_RING,
     FINISH_CANCELLED,
     FINISH_EOS,
     FINISH_LENGTH,
@@ -70,10 +68,6 @@ from sfnode.linkf.wire import (
     StageBatchRow,
     StageForwardRespMsg,
     StageReleaseMsg,
-    StageRingJoinMsg,
-    StageRingRow,
-    StageRingRowsMsg,
-    StageRingTokensMsg,
 )
 
 _log = Logger(namespace="sfnode.head.fleet.pipeline")
@@ -514,16 +508,6 @@ class PipelineGeneration:
             self._on_tokens(TokenBatch(tuple(pending)))
 
 
-def _in_rings(link: NodeLink) -> bool:
-    """Whether ``link``'s node joins stage rings and can be dialed by its neighbour at the
-    endpoint the head dials (a ``tcp:`` one, section 12.10)."""
-    return bool(
-        (link.features or 0) & FEATURE_STAGE_RING
-        and link.dialable
-        and link.description.startswith("tcp:")
-    )
-
-
 class PipelineFleet:
     """Runs generations across stage nodes (``--pipeline``); a backend for the HTTP API."""
 
@@ -583,21 +567,9 @@ class PipelineFleet:
         """Hidden-state bytes sent to stages so far (what crosses between stages)."""
         self.groups = [StepGroup(self) for _ in range(max(1, micro_batches))]
         self._group_of: dict[int, StepGroup] = {}
-        self.rings = rings
-        self._ring: int | None = None
-        """The stage ring the stages are joined to (docs/protocol.md section 12.10), if any."""
-        self._ring_links: list[NodeLink] = []
-        self._ring_ranges: list[tuple[int, int]] = []
-        """The links and layers the ring was joined with (another of either: a new ring)."""
-        self._runs: dict[int, RingRun] = {}
-        """The ring runs under way, by stage session."""
-        self._starting: list[StageRingRow] = []
-        """First ring rows of this reactor turn, sent together at its end (:meth:`_start_run`)."""
-        self._send_starts: IDelayedCall | None = None
-        self.ring_tokens = 0
-        """Tokens the stage ring gave (the others came through the head's step groups)."""
-        self.rings_joined = 0
-        """Stage rings the stages were joined to (one more after each change of their links)."""
+        self.ring = StageRing(self.clock, eos_ids) if rings else None
+        """The stages' ring (docs/protocol.md section 12.10); None: every step goes through
+        the head."""
 
     @property
     def ranges(self) -> list[tuple[int, int]]:
@@ -691,14 +663,13 @@ class PipelineFleet:
             self.release(kept)
             self._sessions += 1
             kept.session, kept.rows, kept.links = self._sessions, 0, links
-        if kept.run is None and left > 1 and kept.rows == len(context) - 1 and self._alone(kept):
-            ring = self._ring_for(links)
-            if ring is not None:
+        ring = self.ring
+        if ring is not None and kept.run is None and left > 1 and self._alone(kept):
+            if kept.rows == len(context) - 1 and ring.join(links, self.ranges) is not None:
                 self._start_run(ring, context, kept, left)
-        if kept.run is not None:
-            token = yield kept.run.take()
+        if ring is not None and kept.run is not None:
+            token = yield ring.take(kept.run)
             kept.rows += 1
-            self.ring_tokens += 1
             self.count_forwarded(kept, None, kept.row_bytes * (len(links) - 1))
             return token
         opening = kept.rows == 0
@@ -781,80 +752,17 @@ class PipelineFleet:
         ring at different times travel it as separate passes (measured at eight streams on
         two stages: 1.19 of one node in the ring against 1.38 through the head)."""
         key = id(kept)
-        return not self._runs and not any(g.members - {key} for g in self.groups)
+        running = self.ring is not None and self.ring.running
+        return not running and not any(g.members - {key} for g in self.groups)
 
-    def _ring_for(self, links: Sequence[NodeLink]) -> int | None:
-        """The stage ring of ``links`` (section 12.10): joined now when the links or the
-        layers changed since the last join; None when a stage's node does not join rings
-        or the head did not dial it (no endpoint to give its neighbour)."""
-        if not self.rings or not all(_in_rings(link) for link in links):
-            return None
-        ranges = self.ranges
-        if self._ring is None or self._ring_links != list(links) or self._ring_ranges != ranges:
-            ring = secrets.randbits(64)
-            for i, (link, (start, end)) in enumerate(zip(links, ranges, strict=True)):
-                following = links[(i + 1) % len(links)].description
-                link.ring_tokens = self._ring_tokens
-                link.send_now(StageRingJoinMsg(ring, start, end, following))
-                link.when_closed().addCallback(self._ring_link_lost, ring, link.name)
-            self._ring, self._ring_links, self._ring_ranges = ring, list(links), ranges
-            self.rings_joined += 1
-            _log.info("pipeline stages joined to stage ring {ring:016x}", ring=ring)
-        return self._ring
-
-    def _start_run(self, ring: int, context: Sequence[int], kept: _Kept, left: int) -> None:
-        """Send ``kept``'s next step to the first stage as a ring row (section 12.10), in one
-        frame with the other generations that start in this reactor turn (a step group's
-        members, whose round just answered them all: so their rows stay one batch on every
-        stage); the generation leaves its step group while the ring runs its steps."""
+    def _start_run(self, ring: StageRing, context: Sequence[int], kept: _Kept, left: int) -> None:
+        """``kept``'s next steps to the ring (:meth:`StageRing.start`); the generation leaves
+        its step group while the ring runs them."""
         group = self._group_of.pop(id(kept), None)
         if group is not None:
             group.leave(kept)
         assert kept.session is not None
-        run = RingRun(self.clock, len(context))
-        kept.run = run
-        self._runs[kept.session] = run
-        self._starting.append(
-            StageRingRow(
-                kept.session, kept.rows, (context[-1],), None, left, tuple(sorted(self.eos_ids))
-            )
-        )
-        if self._send_starts is None:
-            self._send_starts = self.clock.callLater(0, self._send_started, ring)
-
-    def _send_started(self, ring: int) -> None:
-        """The first rows of the runs started in the last reactor turn, in one frame to the
-        first stage (a run whose generation ended meanwhile is left out)."""
-        self._send_starts = None
-        rows, self._starting = self._starting, []
-        rows = [row for row in rows if row.stage_session in self._runs]
-        if not rows or ring != self._ring:
-            for row in rows:
-                self._runs[row.stage_session].end(RingBroken("the stage ring changed"))
-            return
-        link = self._ring_links[0]
-        if not link.send_now(StageRingRowsMsg(ring, tuple(rows))):
-            for row in rows:
-                self._runs[row.stage_session].end(RingBroken(f"the link to {link.name} is down"))
-
-    def _ring_tokens(self, link: NodeLink, message: StageRingTokensMsg) -> None:
-        """A STAGE_RING_TOKENS: each entry to its generation's run (entries of another ring,
-        or of a session no run holds, are dropped)."""
-        if message.ring != self._ring:
-            return
-        for entry in message.tokens:
-            run = self._runs.get(entry.stage_session)
-            if run is not None:
-                run.offer(entry.position, entry.token)
-
-    def _ring_link_lost(self, reason: Exception, ring: int, name: str) -> None:
-        """A stage's link of ``ring`` dropped: the node forgot the ring, and the rows on
-        their way through it are lost; every run ends (its generation rebuilds)."""
-        if ring != self._ring:
-            return
-        self._ring = None
-        for run in list(self._runs.values()):  # an ended run's generation releases it
-            run.end(RingBroken(f"the stage ring lost {name}: {reason}"))
+        kept.run = ring.start(kept.session, kept.rows, context[-1], left)
 
     def _group(self, kept: _Kept) -> StepGroup:
         """The step group of ``kept``'s generation (a new one joins the smallest)."""
@@ -871,9 +779,8 @@ class PipelineFleet:
         if group is not None:
             group.leave(kept)
         run, kept.run = kept.run, None
-        if run is not None:
-            self._runs.pop(kept.session or 0, None)
-            run.end(RingBroken("the generation released its stage sessions"))
+        if run is not None and self.ring is not None and kept.session is not None:
+            self.ring.end(kept.session, "the generation released its stage sessions")
         session, links = kept.session, kept.links
         kept.session, kept.rows, kept.links = None, 0, []
         if session is None:

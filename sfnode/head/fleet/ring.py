@@ -1,25 +1,42 @@
-"""One generation's steps in a stage ring, as the head sees them (docs/protocol.md section 12.10).
+"""A pipeline's stage ring, as the head sees it (docs/protocol.md section 12.10).
 
 Once a generation's context is through its kept stages (12.8), the head may send its next step
 to the first stage as a ring row: the stages then hand each step's rows to each other, and the
-last stage copies every token to the head.  :class:`RingRun` is what the head keeps of such a
-run: the position of the token it expects next, the tokens that came and were not taken yet,
-and why the run ended, if it did.  A token at any other position than the expected one is
-dropped (a row of an earlier run, or one sent twice), so the generation gets each position's
-token once and in order; a nil entry (a row a stage refused or lost), the loss of a stage's
-link, or :data:`RING_SILENCE_S` without a token while the generation waits end the run, and
-the generation then rebuilds its stages as 12.8 says.
+last stage copies every token to the head. :class:`StageRing` joins a pipeline's stage links to
+a ring (again whenever the links or their layers change, or one of them drops), starts
+generations' runs (the first rows of one reactor turn in one frame) and hands each
+STAGE_RING_TOKENS entry to its run. :class:`RingRun` is what the head keeps of one run: the
+position of the token it expects next, the tokens that came and were not taken yet, and why the
+run ended, if it did. A token at any other position than the expected one is dropped (a row of
+an earlier run, or one sent twice), so the generation gets each position's token once and in
+order; a nil entry (a row a stage refused or lost), the loss of a stage's link, or
+:data:`RING_SILENCE_S` without a token while the generation waits end the run, and the
+generation then rebuilds its stages as 12.8 says.
 
 This module must never block or use the global reactor: the clock is passed in.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections import deque
+from collections.abc import Sequence
 
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
+
+from sfnode.head.link import NodeLink
+from sfnode.linkf.wire import (
+    FEATURE_STAGE_RING,
+    StageRingJoinMsg,
+    StageRingRow,
+    StageRingRowsMsg,
+    StageRingTokensMsg,
+)
+
+_log = Logger(namespace="sfnode.head.fleet.ring")
 
 RING_SILENCE_S = 10.0
 """Seconds a generation waits for its next ring token before it takes the ring as broken."""
@@ -98,4 +115,122 @@ class RingRun:
             silence.cancel()
 
 
-__all__ = ["RING_SILENCE_S", "RingBroken", "RingRun"]
+def in_rings(link: NodeLink) -> bool:
+    """Whether ``link``'s node joins stage rings and can be dialled by its neighbour at the
+    endpoint the head dials (a ``tcp:`` one, section 12.10)."""
+    return bool(
+        (link.features or 0) & FEATURE_STAGE_RING
+        and link.dialable
+        and link.description.startswith("tcp:")
+    )
+
+
+class StageRing:
+    """The stage ring of one pipeline's stages (section 12.10): the ring they are joined to,
+    the runs under way, by stage session, and what they gave.  ``stop`` are the token ids
+    that end a generation (its end-of-sequence ids)."""
+
+    def __init__(self, clock: IReactorTime, stop: Sequence[int]) -> None:
+        self._clock = clock
+        self._stop = tuple(sorted(stop))
+        self.ring: int | None = None
+        """The ring the stages are joined to; None before the first join and after a stage's
+        link dropped."""
+        self._links: list[NodeLink] = []
+        self._ranges: list[tuple[int, int]] = []
+        """The links and layers the ring was joined with (another of either: a new ring)."""
+        self._runs: dict[int, RingRun] = {}
+        self._starting: list[StageRingRow] = []
+        """First rows of the runs started in this reactor turn (:meth:`start`)."""
+        self._send_starts: IDelayedCall | None = None
+        self.tokens = 0
+        """Tokens the ring gave."""
+        self.joined = 0
+        """Rings the stages were joined to (one more after each change of their links)."""
+
+    @property
+    def running(self) -> bool:
+        """Whether a run is under way."""
+        return bool(self._runs)
+
+    def join(self, links: Sequence[NodeLink], ranges: Sequence[tuple[int, int]]) -> int | None:
+        """The ring of ``links`` cut at ``ranges``: joined now when the links or the layers
+        changed since the last join; None for a single stage (it would dial itself), or when
+        a stage's node does not join rings or the head did not dial it (no endpoint to give
+        its neighbour)."""
+        if len(links) < 2 or not all(in_rings(link) for link in links):
+            return None
+        if self.ring is None or self._links != list(links) or self._ranges != list(ranges):
+            ring = secrets.randbits(64)
+            for i, (link, (start, end)) in enumerate(zip(links, ranges, strict=True)):
+                following = links[(i + 1) % len(links)].description
+                link.ring_tokens = self._tokens
+                link.send_now(StageRingJoinMsg(ring, start, end, following))
+                link.when_closed().addCallback(self._link_lost, ring, link.name)
+            self.ring, self._links, self._ranges = ring, list(links), list(ranges)
+            self.joined += 1
+            _log.info("pipeline stages joined to stage ring {ring:016x}", ring=ring)
+        return self.ring
+
+    def start(self, session: int, position: int, token: int, left: int) -> RingRun:
+        """A run of stage ``session`` from ``token`` at ``position`` (the context's last),
+        ``left`` tokens wanted: its first row goes to the first stage at the end of this
+        reactor turn, in one frame with the other runs started in it (a step group's members,
+        whose round just answered them all: so their rows stay one batch on every stage)."""
+        run = RingRun(self._clock, position + 1)
+        self._runs[session] = run
+        self._starting.append(StageRingRow(session, position, (token,), None, left, self._stop))
+        if self._send_starts is None:
+            self._send_starts = self._clock.callLater(0, self._send_started, self.ring)
+        return run
+
+    def take(self, run: RingRun) -> Deferred[int]:
+        """``run``'s next token (:meth:`RingRun.take`), counted once it comes."""
+        return run.take().addCallback(self._count)
+
+    def _count(self, token: int) -> int:
+        self.tokens += 1
+        return token
+
+    def end(self, session: int, reason: str) -> None:
+        """End ``session``'s run, if one is under way (its generation released its stages)."""
+        run = self._runs.pop(session, None)
+        if run is not None:
+            run.end(RingBroken(reason))
+
+    def _send_started(self, ring: int | None) -> None:
+        """The first rows of the runs started in the last reactor turn, in one frame to the
+        first stage (a run whose generation ended meanwhile is left out)."""
+        self._send_starts = None
+        rows, self._starting = self._starting, []
+        rows = [row for row in rows if row.stage_session in self._runs]
+        why = None
+        if ring is None or ring != self.ring:
+            why = "the stage ring changed"
+        elif rows and not self._links[0].send_now(StageRingRowsMsg(ring, tuple(rows))):
+            why = f"the link to {self._links[0].name} is down"
+        if why is not None:
+            for row in rows:
+                self.end(row.stage_session, why)
+
+    def _tokens(self, link: NodeLink, message: StageRingTokensMsg) -> None:
+        """A STAGE_RING_TOKENS: each entry to its generation's run (entries of another ring,
+        or of a session no run holds, are dropped)."""
+        if message.ring != self.ring:
+            return
+        for entry in message.tokens:
+            run = self._runs.get(entry.stage_session)
+            if run is not None:
+                run.offer(entry.position, entry.token)
+
+    def _link_lost(self, reason: Exception, ring: int, name: str) -> None:
+        """A stage's link of ``ring`` dropped: the node forgot the ring, and the rows on
+        their way through it are lost; every run ends (its generation rebuilds)."""
+        if ring != self.ring:
+            return
+        self.ring = None
+        for session in list(self._runs):  # an ended run's generation releases it
+            self.end(session, f"the stage ring lost {name}: {reason}")
+
+
+__all__ = ["RING_SILENCE_S", "RingBroken", "RingRun", "StageRing", "in_rings"]
