@@ -272,3 +272,47 @@ class MultiHostTests(TestCase):
             after = await self.decoded(node), await self.decoded(other)
             self.assertEqual((after[0] - before[0], after[1] - before[1]), (10, 0))
         self.assert_clean(head)
+
+    async def test_pipeline_stages_on_two_machines_hand_steps_round_a_ring(self) -> None:
+        """Two stage nodes on machines of their own (mock engine, --listen with the fleet
+        token) and a head on a third dialling them as a pipeline: a generation alone goes
+        round the stage ring (docs/protocol.md section 12.10), each stage dialling the
+        other across the bridge at the address the head gave it, over Noise; a second head
+        over the same stages with --no-stage-ring (every step through it) gives the same
+        tokens."""
+        head_host, one_host, two_host = (self.net.add_host(n) for n in ("head", "s0", "s1"))
+        stages = []
+        for identity, host in (("stage0", one_host), ("stage1", two_host)):
+            stage = host.spawn_twistd(
+                Child(identity),
+                ["sfnode", "--listen", f"tcp:{FLEET_PORT}", "--auth-file", self.token,
+                 "--engine", "mock", "--identity", identity],
+            )  # fmt: skip
+            await stage.wait_for(rb"sfnode listening on")
+            stages.append(stage)
+        pipeline = f"tcp:{one_host.address}:{FLEET_PORT},tcp:{two_host.address}:{FLEET_PORT}"
+        answers = []
+        for name, extra in (("ring-head", []), ("plain-head", ["--no-stage-ring"])):
+            socket = str(self.folder / f"{name}.sock")
+            head = head_host.spawn_twistd(
+                Child(name),
+                ["sfhead", "--pipeline", pipeline, "--pipeline-layers", "12,24",
+                 "--http", f"unix:{socket}", "--auth-file", self.head_token,
+                 "--model", str(self.tokenizer), "--model-name", "mock", *extra],
+            )  # fmt: skip
+            await head.wait_for(rb"sfhead serving HTTP on")
+            answer = await self.completion(socket)
+            self.assertEqual(answer["usage"]["completion_tokens"], 5)
+            answers.append(answer["choices"][0]["text"])
+            self.assert_clean(head)
+            if name == "ring-head":
+                await head.wait_for(rb"pipeline stages joined to stage ring")
+                for stage, peer in ((stages[0], two_host), (stages[1], one_host)):
+                    opened = f"peer link to tcp:{peer.address}:{FLEET_PORT} open"
+                    await stage.wait_for(re.escape(opened.encode()))
+            else:
+                self.assertNotIn(b"stage ring", bytes(head.output))
+            head.transport.signalProcess("TERM")
+            await head.ended
+        self.assertEqual(answers[0], answers[1])
+        self.assert_clean(*stages)
