@@ -1725,6 +1725,15 @@ class StageBatchAnswer(Struct):
     FIELDS = (Optional(BIN), Optional(U32))
 
 
+def _check_sessions(name: str, sessions: Sequence[int]) -> None:
+    """A frame of stage rows (sections 12.8 and 12.10) carries at least one, each of its own
+    stage session."""
+    if not sessions:
+        raise PayloadError(f"{name}: a frame carries at least one row")
+    if len(set(sessions)) != len(sessions):
+        raise PayloadError(f"{name}: a stage session appears twice")
+
+
 @dataclass(frozen=True, slots=True)
 class StageBatchReqMsg(Message):
     """STAGE_BATCH_REQ (docs/protocol.md section 12.8, only to a node with
@@ -1741,11 +1750,7 @@ class StageBatchReqMsg(Message):
     @classmethod
     def from_wire(cls, obj: Any) -> StageBatchReqMsg:
         message: StageBatchReqMsg = super(StageBatchReqMsg, cls).from_wire(obj)
-        if not message.rows:
-            raise PayloadError("STAGE_BATCH_REQ: a batch carries at least one row")
-        sessions = {row.stage_session for row in message.rows}
-        if len(sessions) != len(message.rows):
-            raise PayloadError("STAGE_BATCH_REQ: a stage session appears twice")
+        _check_sessions("STAGE_BATCH_REQ", [row.stage_session for row in message.rows])
         return message
 
 
@@ -1817,10 +1822,7 @@ class StageRingRowsMsg(Message):
     @classmethod
     def from_wire(cls, obj: Any) -> StageRingRowsMsg:
         message: StageRingRowsMsg = super(StageRingRowsMsg, cls).from_wire(obj)
-        if not message.rows:
-            raise PayloadError("STAGE_RING_ROWS: a frame carries at least one row")
-        if len({row.stage_session for row in message.rows}) != len(message.rows):
-            raise PayloadError("STAGE_RING_ROWS: a stage session appears twice")
+        _check_sessions("STAGE_RING_ROWS", [row.stage_session for row in message.rows])
         if any(row.left < 1 for row in message.rows):
             raise PayloadError("STAGE_RING_ROWS: a row leads to at least one token (left >= 1)")
         return message
