@@ -122,7 +122,7 @@ class OptionsTests(SynchronousTestCase):
 
     def test_defaults(self) -> None:
         """Defaults follow docs/protocol.md section 4.4: 8 lanes, 10 s handshake, 120 s idle
-        timeout, no token."""
+        timeout, no token; a node that listens says so (stage rings, section 12.10)."""
         options = parse("--listen", LOOPBACK, "--engine", "mock")
         self.assertEqual(options["listen"], LOOPBACK)
         self.assertIsNone(options["head"])
@@ -134,7 +134,9 @@ class OptionsTests(SynchronousTestCase):
         self.assertEqual(options["auth-token"], b"")
         self.assertEqual(options["model-name"], "mock")
         self.assertEqual(options["identity"], socket.gethostname())
-        self.assertEqual(tap.node_config(options), NodeConfig(identity=options["identity"]))
+        self.assertEqual(
+            tap.node_config(options), NodeConfig(identity=options["identity"], listens=True)
+        )
 
     def test_transformers_defaults(self) -> None:
         """The default engine is transformers, on the bundled SmolLM2, auto dtype and device."""

@@ -18,7 +18,6 @@ import random
 import re
 import socket
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -638,9 +637,12 @@ def _as_given(options: Options, fields: tuple[str, ...]) -> dict[str, Any]:
 
 
 def node_config(options: Options) -> NodeConfig:
-    """The :class:`NodeConfig` that checked ``options`` describe."""
+    """The :class:`NodeConfig` that checked ``options`` describe (a listening node can be
+    dialled by a ring neighbour, docs/protocol.md section 12.10)."""
     return NodeConfig(
-        **_as_given(options, _NODE_FIELDS), drain_timeout_ms=options["drain-timeout"] * 1000
+        **_as_given(options, _NODE_FIELDS),
+        drain_timeout_ms=options["drain-timeout"] * 1000,
+        listens=options["listen"] is not None,
     )
 
 
@@ -1048,9 +1050,7 @@ def makeService(
         # The one line, then the node tells its head why it serves nothing (D25).
         log.error("{line}", line=str(refusal))
         engine, files = RefusedEngine(refusal.reason), None
-    # A listening node can be dialled by a ring neighbour (docs/protocol.md section 12.10).
-    config = replace(node_config(options), listens=options["listen"] is not None)
-    agent = NodeAgent(reactor, engine, config, files)
+    agent = NodeAgent(reactor, engine, node_config(options), files)
     withdraw_on_a_failed_check(engine, agent)
 
     node = service.MultiService()  # type: ignore[no-untyped-call]
