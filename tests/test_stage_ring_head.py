@@ -59,10 +59,10 @@ class RingRunTests(SynchronousTestCase):
         self.assertIn("stage1", str(self.failureResultOf(waiting, RingBroken).value))
 
     def test_silence_ends_the_run(self) -> None:
-        """No token for RING_SILENCE_S while a caller waits ends the run; a token before
-        then resets the wait."""
+        """No token for RING_SILENCE_S (the least wait; these steps are fast) while a
+        caller waits ends the run; a token before then resets the wait."""
         waiting = self.run.take()
-        self.clock.advance(RING_SILENCE_S - 1)
+        self.clock.advance(0.5)
         self.run.offer(13, 100)
         self.assertEqual(self.successResultOf(waiting), 100)
         waiting = self.run.take()
@@ -71,6 +71,22 @@ class RingRunTests(SynchronousTestCase):
         self.clock.advance(1)
         self.assertIn("no token", str(self.failureResultOf(waiting, RingBroken).value))
         self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_a_slow_model_is_waited_for_ten_of_its_slowest_steps(self) -> None:
+        """A generation whose last step took 3 s waits 30 s for its first ring token, not
+        RING_SILENCE_S; a gap of 5 s between tokens then makes it 50 s."""
+        run = RingRun(self.clock, 13, step_s=3.0)
+        self.assertEqual(run.silence_s, 30.0)
+        waiting = run.take()
+        self.clock.advance(5)
+        run.offer(13, 100)
+        self.assertEqual(self.successResultOf(waiting), 100)
+        self.assertEqual(run.silence_s, 50.0)
+        waiting = run.take()
+        self.clock.advance(49)
+        self.assertNoResult(waiting)
+        self.clock.advance(1)
+        self.failureResultOf(waiting, RingBroken)
 
     def test_a_caller_that_stops_waiting_ends_the_run(self) -> None:
         """Cancelling the wait (the generation's wall budget) ends the run and its timer."""

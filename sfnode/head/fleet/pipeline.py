@@ -157,6 +157,9 @@ class _Kept:
     row_bytes: int = 0
     """The bytes of one row's hidden state, as the stages answered its context's last chunk
     (what a ring step sends from each stage to the next)."""
+    step_s: float = 0.0
+    """How long its last request through the step groups took (a ring run's first wait is
+    bounded by it, section 12.10)."""
 
 
 @dataclass
@@ -679,7 +682,9 @@ class PipelineFleet:
         try:
             while True:
                 chunk = tuple(context[kept.rows : kept.rows + PREFILL_CHUNK])
+                asked = self.clock.seconds()
                 token = yield self._group(kept).submit(kept, chunk, kept.rows)
+                kept.step_s = self.clock.seconds() - asked
                 kept.rows += len(chunk)
                 if kept.rows == len(context):
                     return token
@@ -765,7 +770,7 @@ class PipelineFleet:
         if group is not None:
             group.leave(kept)
         assert kept.session is not None
-        kept.run = ring.start(kept.session, kept.rows, context[-1], left)
+        kept.run = ring.start(kept.session, kept.rows, context[-1], left, kept.step_s)
 
     def _group(self, kept: _Kept) -> StepGroup:
         """The step group of ``kept``'s generation (a new one joins the smallest)."""

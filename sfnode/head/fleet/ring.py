@@ -9,9 +9,10 @@ STAGE_RING_TOKENS entry to its run. :class:`RingRun` is what the head keeps of o
 position of the token it expects next, the tokens that came and were not taken yet, and why the
 run ended, if it did. A token at any other position than the expected one is dropped (a row of
 an earlier run, or one sent twice), so the generation gets each position's token once and in
-order; a nil entry (a row a stage refused or lost), the loss of a stage's link, or
-:data:`RING_SILENCE_S` without a token while the generation waits end the run, and the
-generation then rebuilds its stages as 12.8 says.
+order; a nil entry (a row a stage refused or lost), the loss of a stage's link, or no token
+while the generation waits for :data:`RING_SILENCE_STEPS` times its slowest step so far (at
+least :data:`RING_SILENCE_S`) end the run, and the generation then rebuilds its stages as 12.8
+says.
 
 This module must never block or use the global reactor: the clock is passed in.
 """
@@ -39,21 +40,29 @@ from sfnode.linkf.wire import (
 _log = Logger(namespace="sfnode.head.fleet.ring")
 
 RING_SILENCE_S = 10.0
-"""Seconds a generation waits for its next ring token before it takes the ring as broken."""
+"""The least time a generation waits for its next ring token before it takes the ring as
+broken."""
+RING_SILENCE_STEPS = 10
+"""...and it waits this many times its slowest step so far (a model whose steps take seconds
+is slow, not broken)."""
 
 
 class RingBroken(Exception):
     """A generation's ring run ended without its token: a stage refused or lost a row, a
-    stage's link was lost, or no token came for :data:`RING_SILENCE_S`."""
+    stage's link was lost, or no token came for too long (:meth:`RingRun.silence_s`)."""
 
 
 class RingRun:
     """The tokens of one generation's ring run, taken in order of position."""
 
-    def __init__(self, clock: IReactorTime, position: int) -> None:
+    def __init__(self, clock: IReactorTime, position: int, step_s: float = 0.0) -> None:
         self._clock = clock
         self.expected = position
         """The position of the next token the run gives (the context's length)."""
+        self._slowest = step_s
+        """The longest time a token of the generation took: ``step_s``, its last step before
+        the run, then the gaps between the run's tokens."""
+        self._last = clock.seconds()
         self._ready: deque[int] = deque()
         self._waiter: Deferred[int] | None = None
         self._silence: IDelayedCall | None = None
@@ -69,6 +78,8 @@ class RingRun:
             self.end(RingBroken(f"a stage refused or lost the ring row before position {position}"))
             return
         self.expected += 1
+        now = self._clock.seconds()
+        self._slowest, self._last = max(self._slowest, now - self._last), now
         waiter, self._waiter = self._waiter, None
         if waiter is None:
             self._ready.append(token)
@@ -86,8 +97,14 @@ class RingRun:
         if self._waiter is not None:
             raise RuntimeError("a ring run's token is taken by one caller at a time")
         self._waiter = Deferred(lambda _: self._cancelled())
-        self._silence = self._clock.callLater(RING_SILENCE_S, self._silent)
+        self._silence = self._clock.callLater(self.silence_s, self._silent)
         return self._waiter
+
+    @property
+    def silence_s(self) -> float:
+        """How long the run may give no token before it is taken as broken: ten times the
+        generation's slowest step so far, and at least :data:`RING_SILENCE_S`."""
+        return max(RING_SILENCE_S, RING_SILENCE_STEPS * self._slowest)
 
     def end(self, reason: RingBroken) -> None:
         """End the run (a waiting caller fails with ``reason``); later entries are dropped."""
@@ -101,7 +118,7 @@ class RingRun:
 
     def _silent(self) -> None:
         self._silence = None
-        self.end(RingBroken(f"no token came from the stage ring for {RING_SILENCE_S:g} s"))
+        self.end(RingBroken(f"no token came from the stage ring for {self.silence_s:g} s"))
 
     def _cancelled(self) -> None:
         """The caller gave up waiting (the generation's wall budget): the run ends."""
@@ -172,12 +189,15 @@ class StageRing:
             _log.info("pipeline stages joined to stage ring {ring:016x}", ring=ring)
         return self.ring
 
-    def start(self, session: int, position: int, token: int, left: int) -> RingRun:
+    def start(
+        self, session: int, position: int, token: int, left: int, step_s: float = 0.0
+    ) -> RingRun:
         """A run of stage ``session`` from ``token`` at ``position`` (the context's last),
-        ``left`` tokens wanted: its first row goes to the first stage at the end of this
+        ``left`` tokens wanted, the generation's last step having taken ``step_s``: its first
+        row goes to the first stage at the end of this
         reactor turn, in one frame with the other runs started in it (a step group's members,
         whose round just answered them all: so their rows stay one batch on every stage)."""
-        run = RingRun(self._clock, position + 1)
+        run = RingRun(self._clock, position + 1, step_s)
         self._runs[session] = run
         self._starting.append(StageRingRow(session, position, (token,), None, left, self._stop))
         if self._send_starts is None:
@@ -233,4 +253,4 @@ class StageRing:
             self.end(session, f"the stage ring lost {name}: {reason}")
 
 
-__all__ = ["RING_SILENCE_S", "RingBroken", "RingRun", "StageRing", "in_rings"]
+__all__ = ["RING_SILENCE_S", "RING_SILENCE_STEPS", "RingBroken", "RingRun", "StageRing", "in_rings"]
