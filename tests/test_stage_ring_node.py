@@ -264,9 +264,9 @@ class RingNodeTests(NodeTestCase):
         self.assertEqual(sent_a, [])
 
     @defer.inlineCallbacks
-    def test_a_step_of_more_than_one_token_is_refused_past_the_last_stage(self) -> None:
-        """A ring runs decode steps: a row of two tokens at a stage that hands on hidden
-        states is refused (a nil entry, its session dropped), since the last stage could not
+    def test_a_step_of_more_than_one_token_is_refused(self) -> None:
+        """A ring runs decode steps, one position a row: a row of two tokens is refused
+        before it runs (a nil entry, its session dropped), since the last stage could not
         count the rows of its hidden states; nothing is handed on."""
         stages = yield self.stages()
         stages.join()

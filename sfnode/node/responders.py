@@ -37,7 +37,6 @@ from sfnode.generation import (
     Embedder,
     EmbeddingError,
     GenerationRequest,
-    KeptStages,
     StageForward,
     StageForwardError,
     StageResult,
@@ -104,14 +103,6 @@ def _log_refusal(what: str, request_id: int, failure: Failure, expected: type[Ex
 def _log_refused(what: str, request_id: int, reason: str) -> None:
     """Log the engine's ``reason`` for refusing a stateless request (a nil answer)."""
     log.info("{what} {request} refused: {reason}", what=what, request=request_id, reason=reason)
-
-
-def ring_row_count(row: StageRingRow) -> int:
-    """The rows a ring row carries (docs/protocol.md section 12.10): its tokens, or, for hidden
-    states, one: a ring runs decode steps, one token each (a stage refuses to hand on the
-    hidden rows of more tokens, since the last stage could not count them without the
-    engine's own form of hidden states)."""
-    return len(row.tokens) if row.hidden_in is None else 1
 
 
 @dataclass(frozen=True)
@@ -390,50 +381,58 @@ class Responders:
                 peer=connection.peer,
             )
             return
+        rows: list[StageRingRow] = []
+        refused: list[StageRingToken] = []
+        for row in msg.rows:
+            if len(row.tokens) > 1:
+                # A ring row is one position (section 12.10): the last stage could not count
+                # the hidden rows of more.  Refused as any row is, its session dropped (12.8).
+                kept.release(stage.owner, row.stage_session)
+                refused.append(StageRingToken(row.stage_session, row.position, None))
+            else:
+                rows.append(row)
+        if refused:
+            _log_refused("ring rows", msg.ring, "a ring step carries one token")
+            self._to_ring_head(stage, msg.ring, refused)
+        if not rows:
+            return
         requests = [
             (
                 row.stage_session,
                 row.position,
                 StageForward(row.tokens, stage.start_layer, stage.end_layer, row.hidden_in),
             )
-            for row in msg.rows
+            for row in rows
         ]
         running = kept.forward_all(stage.owner, requests)
-        running.addCallback(lambda results: self._ring_answers(msg, stage, kept, results))
+        running.addCallback(lambda results: self._ring_answers(msg.ring, stage, rows, results))
         running.addErrback(
             lambda failure: log.failure("rows of ring {ring} failed", failure, ring=msg.ring)
         )
 
     def _ring_answers(
         self,
-        msg: StageRingRowsMsg,
+        ring: int,
         stage: RingStage,
-        kept: KeptStages,
+        rows: list[StageRingRow],
         results: list[StageResult | StageForwardError],
     ) -> None:
         """A middle stage's hidden states to ``next``; the last stage's tokens to the ring's
         head and each generation's next step to ``next`` (stage 0); nil for a refused row."""
         onward: list[StageRingRow] = []
         tokens: list[StageRingToken] = []
-        for row, result in zip(msg.rows, results, strict=True):
+        for row, result in zip(rows, results, strict=True):
             if isinstance(result, StageForwardError):
-                _log_refused("ring row", msg.ring, str(result))
+                _log_refused("ring row", ring, str(result))
                 tokens.append(StageRingToken(row.stage_session, row.position, None))
             elif result.token is None:
-                if len(row.tokens) > 1:
-                    # Its hidden rows would not say how many they are (see ring_row_count);
-                    # refused as any row is, its session dropped (section 12.8).
-                    _log_refused("ring row", msg.ring, "a ring step carries one token")
-                    kept.release(stage.owner, row.stage_session)
-                    tokens.append(StageRingToken(row.stage_session, row.position, None))
-                    continue
                 onward.append(
                     StageRingRow(
                         row.stage_session, row.position, (), result.hidden, row.left, row.stop
                     )
                 )
             else:
-                at = row.position + ring_row_count(row)
+                at = row.position + 1
                 tokens.append(StageRingToken(row.stage_session, at, result.token))
                 if row.left > 1 and result.token not in row.stop:
                     onward.append(
@@ -442,20 +441,24 @@ class Responders:
                         )
                     )
         if onward:  # first: the next step waits for it, the head's copy waits for nothing
-            self._peers.send(stage.next, StageRingRowsMsg(msg.ring, tuple(onward)))
-        owner = stage.owner
-        if tokens and isinstance(owner, NodeConnection):
-            owner.send(StageRingTokensMsg(msg.ring, tuple(tokens)))
+            self._peers.send(stage.next, StageRingRowsMsg(ring, tuple(onward)))
+        if tokens:
+            self._to_ring_head(stage, ring, tokens)
 
     def ring_rows_lost(self, msg: StageRingRowsMsg, why: str) -> None:
         """Rows a peer link could not deliver: each a nil token to the ring's head (section
         12.10), when this node still knows the ring."""
         stage = self._rings.get(msg.ring)
-        owner = None if stage is None else stage.owner
-        if isinstance(owner, NodeConnection):
+        if stage is not None:
             _log_refused("ring rows", msg.ring, why)
-            lost = tuple(StageRingToken(r.stage_session, r.position, None) for r in msg.rows)
-            owner.send(StageRingTokensMsg(msg.ring, lost))
+            lost = [StageRingToken(r.stage_session, r.position, None) for r in msg.rows]
+            self._to_ring_head(stage, msg.ring, lost)
+
+    @staticmethod
+    def _to_ring_head(stage: RingStage, ring: int, tokens: list[StageRingToken]) -> None:
+        """STAGE_RING_TOKENS to the connection that joined ``stage``'s ring (section 12.10)."""
+        if isinstance(stage.owner, NodeConnection):
+            stage.owner.send(StageRingTokensMsg(ring, tuple(tokens)))
 
     def connection_ended(self, connection: NodeConnection) -> None:
         """Its rings go with it (section 12.10)."""

@@ -13,12 +13,12 @@ generation has a stage session: its context goes through the stages once, in chu
 :data:`PREFILL_CHUNK` positions, and each step then sends only the new token (and its hidden
 state) at its position; a generation that steps alone, when every stage's node joins stage rings
 (bit 9, section 12.10), has its steps handed from stage to stage
-(:class:`~sfnode.head.fleet.ring.StageRing`) and the head only receives the tokens. Otherwise
-each step recomputes the whole context (section 7.6). A stage that answers nothing or is lost
+(:class:`~sfnode.head.fleet.ring.StageRing`) and the head only receives the tokens.  Otherwise
+each step recomputes the whole context (section 7.6).  A stage that answers nothing or is lost
 makes the generation wait for that stage's link (retrying with backoff, at most
 :data:`MAX_REBUILDS` times without a new token) and rebuild every stage from position 0 with the
 context it holds, the prompt and every token delivered: the token it then gets is the one the
-lost step would have given, so nothing is repeated or lost. Before a rebuild, the layers of a
+lost step would have given, so nothing is repeated or lost.  Before a rebuild, the layers of a
 stage whose link is down go to a spare node whose link is up
 (:meth:`PipelineFleet.replace_down`); without one the rebuild waits for the stage's own address.
 
@@ -786,9 +786,9 @@ class PipelineFleet:
         group = self._group_of.pop(id(kept), None)
         if group is not None:
             group.leave(kept)
-        run, kept.run = kept.run, None
-        if run is not None and self.ring is not None and kept.session is not None:
+        if kept.run is not None and self.ring is not None and kept.session is not None:
             self.ring.end(kept.session, "the generation released its stage sessions")
+        kept.run = None
         session, links = kept.session, kept.links
         kept.session, kept.rows, kept.links = None, 0, []
         if session is None:

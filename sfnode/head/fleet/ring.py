@@ -123,7 +123,6 @@ class RingRun:
     def _cancelled(self) -> None:
         """The caller gave up waiting (the generation's wall budget): the run ends."""
         self._waiter = None
-        self._stop_silence()
         self.end(RingBroken("the generation stopped waiting for the ring"))
 
     def _stop_silence(self) -> None:
@@ -194,9 +193,9 @@ class StageRing:
     ) -> RingRun:
         """A run of stage ``session`` from ``token`` at ``position`` (the context's last),
         ``left`` tokens wanted, the generation's last step having taken ``step_s``: its first
-        row goes to the first stage at the end of this
-        reactor turn, in one frame with the other runs started in it (a step group's members,
-        whose round just answered them all: so their rows stay one batch on every stage)."""
+        row goes to the first stage at the end of this reactor turn, in one frame with the
+        other runs started in it (a step group's members, whose round just answered them all:
+        so their rows stay one batch on every stage)."""
         run = RingRun(self._clock, position + 1, step_s)
         self._runs[session] = run
         self._starting.append(StageRingRow(session, position, (token,), None, left, self._stop))
